@@ -1,0 +1,3 @@
+from shardtrain.cli.main import main
+
+raise SystemExit(main())

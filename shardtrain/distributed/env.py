@@ -1,0 +1,90 @@
+"""Process-group set-up: rank discovery, device and backend choice, and teardown.
+
+The device type is decided once here (``device_type()``) and everything else asks the mesh; this is
+the one place with accelerator-specific branches.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def device_type() -> str:
+    """'cuda' (or another accelerator's type) when one is present, else 'cpu'."""
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return acc.type if acc is not None else "cpu"
+
+
+def accelerator_count() -> int:
+    return torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+    )
+
+
+def init_distributed(backend: str = "auto", timeout_s: int = 300) -> DistEnv:
+    """Join (or create, for a lone process) the default process group.
+
+    Under torchrun the rendezvous comes from the environment. A lone process gets a world of one on
+    an in-memory store, so single-process runs take exactly the same FSDP2 code path.
+    """
+    dtype = device_type()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if dtype != "cpu":
+        device = torch.device(dtype, local_rank)
+        torch.get_device_module(dtype).set_device(device)
+    else:
+        device = torch.device("cpu")
+    if backend == "auto":
+        backend = dist.get_default_backend_for_device(device) if dtype != "cpu" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if under_torchrun():
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+    return DistEnv(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+        device=device,
+        backend=backend,
+    )
+
+
+def set_cpu_threads(env: DistEnv, threads: int) -> int:
+    """Split the machine's cores between the processes on it (torchrun would set 1 each)."""
+    if threads <= 0:
+        threads = max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

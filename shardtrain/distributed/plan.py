@@ -1,0 +1,163 @@
+"""Resolve the user's strategy config (FSDP1 vocabulary welcome) into what FSDP2 will apply.
+
+This is a pure function of the config and the world size, so it is unit-testable and the
+``plan``/diagnostics commands can show it without starting any process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardtrain.config.schema import StrategyConfig
+from shardtrain.errors import ConfigError
+
+# FSDP1 name -> (hybrid mesh?, reshard parameters after forward?). NO_SHARD is a 2-D mesh whose
+# shard groups have size 1: every rank holds everything and gradients are all-reduced (DDP).
+STRATEGIES: dict[str, tuple[bool, bool]] = {
+    "FULL_SHARD": (False, True),
+    "SHARD_GRAD_OP": (False, False),
+    "NO_SHARD": (True, False),
+    "HYBRID_SHARD": (True, True),
+    "HYBRID_SHARD_ZERO2": (True, False),
+}
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# preset -> (storage dtype, param dtype in forward/backward, gradient reduce dtype)
+PRECISION_PRESETS: dict[str, tuple[str, str, str]] = {
+    "fp32": ("fp32", "fp32", "fp32"),
+    "bf16-mixed": ("fp32", "bf16", "fp32"),
+    "bf16-pure": ("bf16", "bf16", "bf16"),
+}
+
+AC_MODES = ("none", "all", "every_k")
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    strategy: str
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...]
+    reshard_after_forward: bool | int
+    storage_dtype: torch.dtype
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    cpu_offload: bool
+    activation_checkpointing: str
+    activation_checkpointing_every: int
+
+    @property
+    def shard_size(self) -> int:
+        return self.mesh_shape[-1]
+
+    @property
+    def replicate_size(self) -> int:
+        return self.mesh_shape[0] if len(self.mesh_shape) == 2 else 1
+
+    def checkpointed(self, block_index: int) -> bool:
+        if self.activation_checkpointing == "all":
+            return True
+        if self.activation_checkpointing == "every_k":
+            return block_index % self.activation_checkpointing_every == 0
+        return False
+
+    def describe(self) -> str:
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
+        def short(d: torch.dtype) -> str:
+            return str(d).replace("torch.", "")
+        ac = self.activation_checkpointing
+        if ac == "every_k":
+            ac = f"every {self.activation_checkpointing_every} blocks"
+        return (
+            f"{self.strategy}: mesh [{mesh}], reshard_after_forward={self.reshard_after_forward}, "
+            f"storage={short(self.storage_dtype)} compute={short(self.param_dtype)} "
+            f"reduce={short(self.reduce_dtype)}, cpu_offload={self.cpu_offload}, "
+            f"activation_checkpointing={ac}"
+        )
+
+
+def normalize_strategy_name(name: str) -> str:
+    key = str(name).strip().upper().replace("-", "_")
+    if key not in STRATEGIES:
+        from shardtrain.config.suggest import closest
+
+        raise ConfigError(
+            f"strategy.sharding_strategy={name!r} is not a sharding strategy"
+            f"{closest(key, STRATEGIES)}; choose one of {', '.join(STRATEGIES)}"
+        )
+    return key
+
+
+def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int) -> ShardingPlan:
+    strategy = normalize_strategy_name(cfg.sharding_strategy)
+    hybrid, reshard = STRATEGIES[strategy]
+
+    if strategy == "NO_SHARD":
+        mesh_shape: tuple[int, ...] = (world_size, 1)
+    elif hybrid:
+        shard = cfg.shard_group_size or local_world_size
+        if shard <= 0 or world_size % shard:
+            raise ConfigError(
+                f"strategy.shard_group_size={shard} must divide the world size {world_size} "
+                f"for {strategy}; set strategy.shard_group_size to a divisor of {world_size}"
+            )
+        mesh_shape = (world_size // shard, shard)
+    else:
+        mesh_shape = (world_size,)
+    names = ("dp_replicate", "dp_shard") if len(mesh_shape) == 2 else ("dp_shard",)
+
+    raf = cfg.reshard_after_forward
+    if raf is None:
+        reshard_after_forward: bool | int = reshard
+    elif isinstance(raf, bool):
+        reshard_after_forward = raf
+    elif isinstance(raf, int) and raf > 0:
+        if raf == 1 or mesh_shape[-1] % raf:
+            raise ConfigError(
+                f"strategy.reshard_after_forward={raf} must be a divisor of the shard group size "
+                f"{mesh_shape[-1]} other than 1 (or true/false)"
+            )
+        reshard_after_forward = True if raf == mesh_shape[-1] else raf
+    else:
+        raise ConfigError(
+            f"strategy.reshard_after_forward={raf!r} must be null, true, false or a positive int"
+        )
+
+    preset = cfg.mixed_precision.lower()
+    if preset not in PRECISION_PRESETS:
+        from shardtrain.config.suggest import closest
+
+        raise ConfigError(
+            f"strategy.mixed_precision={cfg.mixed_precision!r} is unknown"
+            f"{closest(preset, PRECISION_PRESETS)}; choose one of {', '.join(PRECISION_PRESETS)}"
+        )
+    storage, param, reduce = PRECISION_PRESETS[preset]
+    param = cfg.param_dtype or param
+    reduce = cfg.reduce_dtype or reduce
+    for key, value in (("param_dtype", param), ("reduce_dtype", reduce)):
+        if value not in DTYPES:
+            raise ConfigError(f"strategy.{key}={value!r} must be one of {', '.join(DTYPES)}")
+
+    ac = cfg.activation_checkpointing.lower()
+    if ac not in AC_MODES:
+        raise ConfigError(
+            f"strategy.activation_checkpointing={cfg.activation_checkpointing!r} must be one of "
+            f"{', '.join(AC_MODES)}"
+        )
+    if ac == "every_k" and cfg.activation_checkpointing_every < 1:
+        raise ConfigError("strategy.activation_checkpointing_every must be at least 1")
+
+    return ShardingPlan(
+        strategy=strategy,
+        mesh_shape=mesh_shape,
+        mesh_dim_names=names,
+        reshard_after_forward=reshard_after_forward,
+        storage_dtype=DTYPES[storage],
+        param_dtype=DTYPES[param],
+        reduce_dtype=DTYPES[reduce],
+        cpu_offload=cfg.cpu_offload,
+        activation_checkpointing=ac,
+        activation_checkpointing_every=cfg.activation_checkpointing_every,
+    )

@@ -1,0 +1,17 @@
+"""Errors that carry a message meant for the user: the CLI prints them without a traceback."""
+
+
+class ShardtrainError(Exception):
+    """Base class: the message names the problem and the fix."""
+
+
+class ConfigError(ShardtrainError):
+    """An invalid configuration, detected before any process group starts."""
+
+
+class DataError(ShardtrainError):
+    """The training data is missing, empty or too small for the requested batch."""
+
+
+class ModelError(ShardtrainError):
+    """The model or its wrap policy cannot be sharded as requested."""

@@ -1,0 +1,184 @@
+"""A Llama-style decoder in one file: RMSNorm, RoPE, SwiGLU MLP, grouped-query attention.
+
+The model knows nothing about sharding. It tells the framework three things:
+- ``block_classes``: the classes that become FSDP units (the transformer block),
+- ``extra_shard_groups()``: other module groups worth their own unit (embeddings; final norm + head),
+- ``init_parameter(name, tensor, generator)``: how to fill one full-size parameter, so that the
+  framework can initialise every parameter identically at any world size and sharding strategy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardtrain.config.schema import ModelConfig
+
+
+def ffn_hidden_dim(cfg: ModelConfig) -> int:
+    if cfg.ffn_hidden_dim > 0:
+        return cfg.ffn_hidden_dim
+    hidden = int(8 * cfg.dim / 3)
+    m = cfg.ffn_multiple_of
+    return m * ((hidden + m - 1) // m)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 for stability under bf16, return in the input dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (even, odd) of the last dim. x: (B, H, T, D); cos/sin: (T, D/2)."""
+    xf = x.float()
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.dim % cfg.n_heads:
+            raise ValueError(f"model.dim={cfg.dim} must be divisible by model.n_heads={cfg.n_heads}")
+        if cfg.n_heads % cfg.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads={cfg.n_heads} must be a multiple of model.n_kv_heads={cfg.n_kv_heads}"
+            )
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden = ffn_hidden_dim(cfg)
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    block_classes = (TransformerBlock,)
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # RoPE tables are derived, not learned: non-persistent so checkpoints never carry them.
+        head_dim = cfg.dim // cfg.n_heads
+        cos, sin = rope_tables(head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        if t > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence of {t} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}"
+            )
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    # ---- what the framework asks of a model -------------------------------------------------
+
+    def extra_shard_groups(self) -> list[list[nn.Module]]:
+        """Module groups that get their own FSDP unit besides the blocks (as torchtitan does)."""
+        if self.cfg.tie_embeddings:
+            # The shared weight must live in exactly one unit.
+            return [[self.tok_embeddings, self.norm, self.output]]
+        return [[self.tok_embeddings], [self.norm, self.output]]
+
+    def init_buffers(self) -> None:
+        """Recompute derived buffers after the meta-device model was materialised."""
+        head_dim = self.cfg.dim // self.cfg.n_heads
+        cos, sin = rope_tables(head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill one full-size parameter; GPT-2 style, with scaled residual projections."""
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+            return
+        std = self.cfg.init_std
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            std = std / math.sqrt(2 * self.cfg.n_layers)
+        tensor.normal_(0.0, std, generator=generator)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings and not self.cfg.tie_embeddings:
+            n -= self.tok_embeddings.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward), the formula torchtitan and PaLM use."""
+        cfg = self.cfg
+        head_dim = cfg.dim // cfg.n_heads
+        return 6 * self.num_params(exclude_embeddings=True) + (
+            12 * cfg.n_layers * cfg.n_heads * head_dim * seq_len
+        )
+
+
+def build_model(cfg: ModelConfig) -> Llama:
+    if cfg.name != "llama":
+        raise ValueError(f"unknown model.name={cfg.name!r}; the built-in model is 'llama'")
+    return Llama(cfg)

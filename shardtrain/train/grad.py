@@ -1,0 +1,43 @@
+"""The true global gradient norm under FSDP2, and clipping by it.
+
+Each rank holds a shard of every gradient. The global L2 norm is the square root of the sum of the
+shards' squared norms over the shard group; replicas (HSDP, NO_SHARD) hold identical reduced
+gradients and must not be counted twice, so the sum runs over the shard dimension only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+
+def global_grad_norm(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> torch.Tensor:
+    """Global L2 norm of all gradients, identical on every rank (fp32 scalar)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device(mesh.device_type)
+    sharded = torch.zeros((), dtype=torch.float32, device=device)
+    replicated = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        if isinstance(g, DTensor):
+            sharded += g.to_local().float().pow(2).sum()
+        else:
+            replicated += g.float().pow(2).sum()
+    shard_group = mesh.get_group("dp_shard")
+    if dist.get_world_size(shard_group) > 1:
+        dist.all_reduce(sharded, group=shard_group)
+    return (sharded + replicated).sqrt()
+
+
+@torch.no_grad()
+def clip_grads_(params: Iterable[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale gradients so their global norm is at most ``max_norm`` (a no-op below it)."""
+    scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            g.mul_(scale.to(g.device, g.dtype))

@@ -1,0 +1,205 @@
+"""The training loop: one readable ``fit`` over the components ``build`` made."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor
+
+from shardtrain.config.schema import Config
+from shardtrain.data.batches import BatchLayout, TokenWindows, TrainBatches, eval_batches
+from shardtrain.data.corpus import Corpus, load_corpus
+from shardtrain.distributed.env import DistEnv, init_distributed, set_cpu_threads
+from shardtrain.generation.sampling import sample_bytes
+from shardtrain.train.build import Built, ModelFactory, build
+from shardtrain.train.metrics import MetricsWriter, Throughput, device_peak_flops, peak_memory_mib
+from shardtrain.train.step import evaluate, train_step
+
+log = logging.getLogger("shardtrain")
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    skipped_steps: int = 0
+    tokens_seen: int = 0
+    sample: str | None = None
+
+
+def count_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    if hasattr(model, "flops_per_token"):
+        return float(model.flops_per_token(seq_len))
+    return 6.0 * sum(p.numel() for p in model.parameters())
+
+
+class Trainer:
+    def __init__(self, cfg: Config, env: DistEnv, built: Built, corpus: Corpus) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.built = built
+        t = cfg.trainer
+        self.layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, env.world_size)
+        self.train_data = TrainBatches(
+            TokenWindows(corpus.train, t.seq_len, "training data"), self.layout, env.rank, t.seed
+        )
+        val_windows = TokenWindows(corpus.val, t.seq_len, "validation data")
+        self.val_batches = eval_batches(
+            val_windows, t.eval_samples, t.micro_batch_size, env.world_size, env.rank
+        )
+        self.corpus = corpus
+        self.step = 0
+        self.writer = MetricsWriter(Path(cfg.run.dir), cfg.run.tensorboard, env.is_main)
+
+    @classmethod
+    def create(cls, cfg: Config, *, model_factory: ModelFactory | None = None,
+               wrap_policy: Sequence[str | type] | None = None,
+               corpus: Corpus | None = None) -> Trainer:
+        env = init_distributed(cfg.dist.backend, cfg.dist.timeout_s)
+        if env.device.type == "cpu":
+            set_cpu_threads(env, cfg.trainer.threads_per_process)
+        corpus = corpus if corpus is not None else load_corpus(cfg.data)
+        built = build(cfg, env, model_factory, wrap_policy)
+        return cls(cfg, env, built, corpus)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.built.model
+
+    def info(self, message: str) -> None:
+        if self.env.is_main:
+            log.info(message)
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered in full (a collective; for tests and small models only)."""
+        return {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().float()
+            for name, p in self.model.named_parameters()
+        }
+
+    def write_run_files(self) -> None:
+        if not self.env.is_main:
+            return
+        run_dir = Path(self.cfg.run.dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(self.cfg)))
+
+    def fit(self) -> TrainResult:
+        t, env, b = self.cfg.trainer, self.env, self.built
+        self.write_run_files()
+        n_params = sum(p.numel() for p in b.model.parameters())
+        self.info(f"world size {env.world_size} ({env.backend}, {env.device.type}); {b.plan.describe()}")
+        self.info(f"model: {n_params / 1e6:.2f}M parameters, {len(b.report.units)} FSDP units "
+                  f"({len(b.report.checkpointed)} activation-checkpointed)")
+        self.info(f"data: {self.corpus.describe()}; global batch {self.layout.global_batch} x "
+                  f"{t.seq_len} tokens = {self.layout.global_batch * t.seq_len} tokens/step")
+        throughput = Throughput(count_flops_per_token(b.model, t.seq_len), env.world_size,
+                                device_peak_flops(env.device))
+        result = TrainResult()
+        progress = self._progress()
+        interval_losses: list[float] = []
+        consecutive_skips = 0
+        while self.step < t.max_steps:
+            batches = self.train_data.next_step()
+            start = time.perf_counter()
+            stats = train_step(b.model, b.optimizer, b.scheduler, batches, b.mesh,
+                               t.grad_clip_norm, env.device)
+            throughput.add(stats.tokens, time.perf_counter() - start)
+            self.step += 1
+            result.losses.append(stats.loss)
+            result.grad_norms.append(stats.grad_norm)
+            result.tokens_seen += stats.tokens
+            interval_losses.append(stats.loss)
+            if stats.skipped:
+                result.skipped_steps += 1
+                consecutive_skips += 1
+                self.info(f"step {self.step}: non-finite loss or grad norm "
+                          f"(loss={stats.loss}, grad_norm={stats.grad_norm}); update skipped")
+                self.writer.write(self.step, "skip", {"loss": stats.loss,
+                                                      "grad_norm": stats.grad_norm})
+                if consecutive_skips > t.max_skipped_steps:
+                    raise RuntimeError(
+                        f"{consecutive_skips} consecutive steps had a non-finite loss or gradient "
+                        f"norm (limit trainer.max_skipped_steps={t.max_skipped_steps}); lower "
+                        "trainer.lr, keep trainer.grad_clip_norm on, or check the data"
+                    )
+            else:
+                consecutive_skips = 0
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{stats.loss:.3f}",
+                                     tok_s=f"{throughput.report()['tokens_per_s']:.0f}")
+            record = None
+            if self.step % t.log_every == 0 or self.step == t.max_steps:
+                record = {
+                    "loss": sum(interval_losses) / len(interval_losses),
+                    "grad_norm": stats.grad_norm,
+                    "lr": b.scheduler.get_last_lr()[0],
+                    "peak_memory_mib": peak_memory_mib(env.device),
+                    "tokens_seen": result.tokens_seen,
+                    **throughput.report(),
+                }
+                interval_losses.clear()
+                throughput.reset()
+            if (t.eval_every > 0 and self.step % t.eval_every == 0) or self.step == t.max_steps:
+                val = evaluate(b.model, self.val_batches, env.device)
+                result.val_losses.append((self.step, val))
+                record = {**(record or {}), "val_loss": val}
+            if record is not None:
+                self.writer.write(self.step, "train", record)
+                self._print(progress, record)
+        if progress is not None:
+            progress.close()
+        if t.sample_tokens > 0:
+            text = sample_bytes(b.model, t.sample_prompt.encode(), t.sample_tokens, t.seq_len,
+                                env.device, seed=t.seed)
+            result.sample = text.decode("utf-8", errors="replace")
+            self.writer.write(self.step, "sample", {"text": result.sample})
+            self.info("sample:\n" + result.sample)
+        self.writer.close()
+        return result
+
+    def _progress(self):
+        if not (self.env.is_main and self.cfg.trainer.progress_bar and sys.stderr.isatty()):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.cfg.trainer.max_steps, initial=self.step, desc="train",
+                    dynamic_ncols=True)
+
+    def _print(self, progress, record: dict) -> None:
+        if not self.env.is_main:
+            return
+        mfu = record.get("mfu")
+        parts = [f"step {self.step}/{self.cfg.trainer.max_steps}"]
+        if "loss" in record:
+            parts += [
+                f"loss {record['loss']:.4f}",
+                f"grad_norm {record['grad_norm']:.3f}",
+                f"lr {record['lr']:.2e}",
+                f"{record['tokens_per_s']:.0f} tok/s",
+                f"{record['model_tflops'] * 1e3:.1f} GFLOP/s",
+                "MFU " + (f"{100 * mfu:.1f}%" if mfu is not None else "unknown (no peak for this device)"),
+                f"peak mem {record['peak_memory_mib']:.0f} MiB",
+            ]
+        if "val_loss" in record:
+            parts.append(f"val_loss {record['val_loss']:.4f}")
+        line = " | ".join(parts)
+        if progress is not None:
+            progress.write(line)
+        else:
+            log.info(line)
+
+
+def run_training(cfg: Config, *, model_factory: ModelFactory | None = None,
+                 wrap_policy: Sequence[str | type] | None = None) -> TrainResult:
+    """The library entry point: build, train, return the per-step results (on every rank)."""
+    return Trainer.create(cfg, model_factory=model_factory, wrap_policy=wrap_policy).fit()

@@ -1,0 +1,100 @@
+"""Throughput, MFU, memory, and the metrics sinks (JSON lines + TensorBoard), rank 0 only."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense bf16 peak TFLOP/s per device (vendor data sheets, as collected by torchtitan). Anything not
+# listed reports MFU as unknown rather than guessing (torchtitan once reported 7x MFU by guessing).
+PEAK_BF16_TFLOPS = {
+    "A100": 312.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "H200": 989.0,
+    "B200": 2250.0,
+    "MI300X": 1300.0,
+}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """Peak FLOP/s of one device, or None when unknown (every CPU, unlisted accelerators)."""
+    if device.type == "cpu":
+        return None
+    name = torch.get_device_module(device.type).get_device_name(device)
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_BF16_TFLOPS[key] * 1e12
+    return None
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Accelerator: allocator peak since start. CPU: the process's peak resident set size."""
+    module = torch.get_device_module(device.type)
+    if device.type != "cpu" and hasattr(module, "max_memory_allocated"):
+        return module.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024
+
+
+class Throughput:
+    """Tokens/s and FLOP/s over the steps since the last report."""
+
+    def __init__(self, flops_per_token: float, world_size: int, peak_flops: float | None) -> None:
+        self.flops_per_token = flops_per_token
+        self.world_size = world_size
+        self.peak_flops = peak_flops
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens = 0
+        self.seconds = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+
+    def report(self) -> dict[str, float | None]:
+        tps = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        flops = tps * self.flops_per_token
+        mfu = flops / (self.peak_flops * self.world_size) if self.peak_flops else None
+        return {"tokens_per_s": tps, "model_tflops": flops / 1e12, "mfu": mfu}
+
+
+class MetricsWriter:
+    """Appends one JSON object per record to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool) -> None:
+        self.enabled = enabled
+        self._file = None
+        self._tb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "kind": kind, "time": time.time(), **values}
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,93 @@
+"""One optimizer step and one evaluation pass, written once for every strategy.
+
+The loss of every micro-batch is its summed token loss divided by the *global* number of target
+tokens of the step (all ranks, all micro-batches), and FSDP sums gradients instead of averaging them.
+So any split of the global batch into ranks and micro-batches yields the same gradient as one
+process computing the mean loss over the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+
+from shardtrain.data.batches import IGNORE_INDEX
+from shardtrain.train.grad import clip_grads_, global_grad_norm
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class StepStats:
+    loss: float
+    grad_norm: float
+    tokens: int
+    skipped: bool
+
+
+def token_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(inputs)  # always model(x): FSDP's hooks live on __call__
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def global_sum(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+               scheduler: torch.optim.lr_scheduler.LRScheduler, micro_batches: list[Batch],
+               mesh: DeviceMesh, grad_clip_norm: float, device: torch.device) -> StepStats:
+    local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
+    (global_tokens,) = global_sum([local_tokens], device)
+    if global_tokens == 0:
+        raise ValueError("a training step had no target tokens on any rank")
+
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    accumulate = isinstance(model, FSDPModule) and len(micro_batches) > 1
+    for index, (x, y) in enumerate(micro_batches):
+        if accumulate:
+            # Reduce gradients once, on the last micro-batch, instead of after every backward.
+            model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+        loss = token_loss_sum(model, x.to(device), y.to(device)) / global_tokens
+        loss.backward()
+        loss_sum += loss.detach()
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = global_grad_norm(params, mesh)
+    (loss_value,) = global_sum([loss_sum.item()], device)
+    norm_value = grad_norm.item()
+    skipped = not (torch.isfinite(grad_norm).item() and torch.isfinite(torch.tensor(loss_value)))
+    if not skipped:
+        if grad_clip_norm > 0:
+            clip_grads_(params, grad_clip_norm, grad_norm)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return StepStats(loss=loss_value, grad_norm=norm_value, tokens=int(global_tokens),
+                     skipped=skipped)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[Batch], device: torch.device) -> float:
+    """Mean loss per target token over the validation set (identical on every rank)."""
+    was_training = model.training
+    model.eval()
+    loss = 0.0
+    tokens = 0
+    for x, y in batches:
+        loss += token_loss_sum(model, x.to(device), y.to(device)).item()
+        tokens += int((y != IGNORE_INDEX).sum())
+    model.train(was_training)
+    loss, tokens = global_sum([loss, tokens], device)
+    return loss / max(tokens, 1)
