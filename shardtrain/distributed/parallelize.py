@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
@@ -28,8 +29,15 @@ from shardtrain.errors import ModelError
 log = logging.getLogger(__name__)
 
 
+_MESHES: dict[tuple, DeviceMesh] = {}
+
+
 def build_mesh(plan: ShardingPlan, device_type: str) -> DeviceMesh:
-    return init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
+    """The device mesh for ``plan``; one per shape and process group, since each costs new groups."""
+    key = (device_type, plan.mesh_shape, plan.mesh_dim_names, id(dist.group.WORLD))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
+    return _MESHES[key]
 
 
 def import_class(path: str) -> type:
@@ -108,7 +116,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
     mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
     common = dict(mesh=mesh, mp_policy=mp)
     if plan.cpu_offload:
-        common["offload_policy"] = CPUOffloadPolicy()
+        # Pinned memory needs an accelerator; on a CPU mesh the offload is a plain CPU copy.
+        common["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
 
     report = ShardingReport()
     blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, wrap) and m is not model]
@@ -158,3 +167,16 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
         param.copy_(full)
     if hasattr(model, "init_buffers"):
         model.init_buffers()
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Return every FSDP unit to its sharded state after forwards without a backward.
+
+    Evaluation and sampling run forward only. Units that keep parameters unsharded after forward
+    (SHARD_GRAD_OP, the head unit) or reshard to a smaller group (an int reshard_after_forward) would
+    otherwise stay that way: memory stays high and the registered parameters are not the sharded
+    DTensors that the optimizer and checkpoints expect.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardtrain.distributed.parallelize import reshard_all
+
 
 def pick_next(logits: torch.Tensor, temperature: float, top_k: int,
               generator: torch.Generator) -> torch.Tensor:
@@ -36,4 +38,5 @@ def sample_bytes(model: nn.Module, prompt: bytes, max_new_tokens: int, context: 
         logits = model(tokens[:, -context:])[:, -1, :]
         tokens = torch.cat([tokens, pick_next(logits, temperature, top_k, generator)], dim=1)
     model.train(was_training)
+    reshard_all(model)
     return bytes(tokens[0].tolist())

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from shardtrain.data.batches import IGNORE_INDEX
+from shardtrain.distributed.parallelize import reshard_all
 from shardtrain.train.grad import clip_grads_, global_grad_norm
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -89,5 +90,6 @@ def evaluate(model: nn.Module, batches: list[Batch], device: torch.device) -> fl
         loss += token_loss_sum(model, x.to(device), y.to(device)).item()
         tokens += int((y != IGNORE_INDEX).sum())
     model.train(was_training)
+    reshard_all(model)
     loss, tokens = global_sum([loss, tokens], device)
     return loss / max(tokens, 1)

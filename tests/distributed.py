@@ -1,0 +1,60 @@
+"""Run a function on N real gloo processes (spawned, never mocked) with a hard deadline."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args, error_dir: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        fn(*args)
+    except BaseException:
+        Path(error_dir, f"rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(fn, world_size: int, *args, tmp_path: Path, timeout_s: float = 600) -> None:
+    """Call ``fn(*args)`` on ``world_size`` spawned processes; raise with every rank's traceback."""
+    error_dir = tmp_path / f"errors-{world_size}-{time.monotonic_ns()}"
+    error_dir.mkdir(parents=True)
+    ctx = mp.start_processes(
+        _entry, args=(world_size, free_port(), fn, args, str(error_dir)), nprocs=world_size,
+        join=False, start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world_size}-process run exceeded {timeout_s}s")
+    except Exception as exc:
+        reports = "\n".join(p.read_text() for p in sorted(error_dir.glob("*.txt")))
+        raise AssertionError(f"distributed run failed: {exc}\n{reports}") from exc
+    finally:
+        for process in ctx.processes:
+            if process.is_alive():
+                process.kill()

@@ -1,0 +1,111 @@
+"""Sharded training vs a single-process, unsharded reference written by hand with plain PyTorch.
+
+``run_cases`` runs inside every spawned rank: it trains each case with shardtrain and rank 0 saves
+losses, grad norms and the gathered full weights. ``reference_run`` is the hand-written loop the
+cases are compared against: one process, no FSDP, the mean loss over the whole global batch,
+``torch.nn.utils.clip_grad_norm_``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from shardtrain.config.schema import Config, DataConfig
+from shardtrain.data.batches import GlobalOrder, TokenWindows
+from shardtrain.data.corpus import Corpus, load_corpus
+from shardtrain.distributed.parallelize import stable_seed
+from shardtrain.models.llama import Llama
+from shardtrain.train.optim import build_optimizer, build_scheduler
+
+GLOBAL_BATCH = 8
+STEPS = 5
+
+
+def small_corpus() -> Corpus:
+    return load_corpus(DataConfig(max_bytes=400_000, val_percent=30.0))
+
+
+def case_config(world_size: int, run_dir: str, strategy: str = "FULL_SHARD",
+                precision: str = "fp32", ac: str = "none", accum: int = 1,
+                tied: bool = False, **strategy_extra) -> Config:
+    cfg = Config()
+    cfg.model = dataclasses.replace(
+        cfg.model, dim=36, n_layers=3, n_heads=6, n_kv_heads=2, ffn_hidden_dim=97,
+        max_seq_len=64, tie_embeddings=tied,
+    )
+    cfg.strategy = dataclasses.replace(
+        cfg.strategy, sharding_strategy=strategy, mixed_precision=precision,
+        activation_checkpointing=ac, **strategy_extra,
+    )
+    cfg.trainer = dataclasses.replace(
+        cfg.trainer, max_steps=STEPS, micro_batch_size=GLOBAL_BATCH // (world_size * accum),
+        grad_accum_steps=accum, seq_len=32, lr=3e-3, warmup_steps=2, grad_clip_norm=1.0,
+        eval_every=0, eval_samples=8, sample_tokens=0, progress_bar=False, log_every=100,
+    )
+    cfg.run = dataclasses.replace(cfg.run, dir=run_dir, tensorboard=False)
+    return cfg
+
+
+def run_cases(cases: dict[str, dict], out_dir: str) -> None:
+    """Inside each rank: train every case, rank 0 saves what the test compares."""
+    from shardtrain.train.loop import Trainer
+
+    corpus = small_corpus()
+    world_size = int(__import__("os").environ["WORLD_SIZE"])
+    for name, case in cases.items():
+        cfg = case_config(world_size, str(Path(out_dir, name)), **case)
+        trainer = Trainer.create(cfg, corpus=corpus)
+        result = trainer.fit()
+        weights = trainer.full_weights()
+        if trainer.env.is_main:
+            torch.save({"losses": result.losses, "grad_norms": result.grad_norms,
+                        "weights": weights, "val": result.val_losses[-1][1]},
+                       Path(out_dir, f"{name}.pt"))
+
+
+def reference_run(tied: bool = False) -> dict:
+    """One process, no sharding: the ground truth."""
+    cfg = case_config(1, "unused", tied=tied)
+    corpus = small_corpus()
+    torch.manual_seed(0)
+    model = Llama(cfg.model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            model.init_parameter(name, p, torch.Generator().manual_seed(stable_seed(cfg.trainer.seed, name)))
+    optimizer = build_optimizer(model, cfg.trainer)
+    scheduler = build_scheduler(optimizer, cfg.trainer)
+    windows = TokenWindows(corpus.train, cfg.trainer.seq_len)
+    order = GlobalOrder(windows.num_samples, cfg.trainer.seed)
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = windows.batch(order.take(step * GLOBAL_BATCH, GLOBAL_BATCH))
+        logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        losses.append(loss.item())
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "grad_norms": norms, "weights": weights}
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def max_errors(result: dict, ref: dict) -> dict[str, float]:
+    """Largest relative errors: per-step loss, per-step grad norm, per-tensor weight norm."""
+    assert result["weights"].keys() == ref["weights"].keys()
+    return {
+        "loss": max(rel(a, b) for a, b in zip(result["losses"], ref["losses"], strict=True)),
+        "grad_norm": max(rel(a, b) for a, b in zip(result["grad_norms"], ref["grad_norms"], strict=True)),
+        "weights": max(
+            ((result["weights"][n] - w).norm() / w.norm()).item() for n, w in ref["weights"].items()
+        ),
+    }
