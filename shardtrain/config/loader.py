@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from shardtrain.config.schema import Config
 from shardtrain.config.suggest import closest
+from shardtrain.distributed.env import accelerator_count
 from shardtrain.errors import ConfigError
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -76,7 +78,10 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
         with initialize_config_dir(config_dir=str(PRESETS_DIR), version_base=None):
             composed = compose(config_name="config", overrides=overrides)
     except HydraException as exc:
-        raise ConfigError(f"could not compose the config: {exc}") from exc
+        # Hydra wraps the OmegaConf type error; its cause says which value did not convert.
+        cause = exc.__cause__
+        detail = str(cause).splitlines()[0] if cause is not None else str(exc)
+        raise ConfigError(f"invalid override: {exc.args[0] if exc.args else exc}: {detail}") from exc
     finally:
         GlobalHydra.instance().clear()
     try:
@@ -155,6 +160,9 @@ def validate(cfg: Config) -> None:
         )
     from shardtrain.distributed.plan import resolve_plan
 
-    # Check the strategy section now, against the world size when it is already known.
-    n = (devices_count(t.devices) or 1) * t.num_nodes
-    resolve_plan(cfg.strategy, n, devices_count(t.devices) or 1)
+    # Check the strategy section now, against the world size the launch will have.
+    per_node = devices_count(t.devices)
+    if per_node is None:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(1, accelerator_count())
+    world = int(os.environ.get("WORLD_SIZE", 0)) or per_node * t.num_nodes
+    resolve_plan(cfg.strategy, world, per_node)

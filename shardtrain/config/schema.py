@@ -68,7 +68,7 @@ class DataConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 600
+    max_steps: int = 500
     # Processes on this machine: an int, or "auto" (one per GPU; one on a CPU-only machine).
     devices: Any = "auto"
     num_nodes: int = 1

@@ -1,0 +1,24 @@
+"""Run the real ``shardtrain`` command in a subprocess, with a deadline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SHARDTRAIN = [sys.executable, "-m", "shardtrain"]
+
+
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        full_env.pop(var, None)
+    return subprocess.run([*SHARDTRAIN, *args], capture_output=True, text=True, timeout=timeout,
+                          env=full_env, stdin=subprocess.DEVNULL)
+
+
+def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]

@@ -1,0 +1,64 @@
+"""Layered config: schema defaults, presets, overrides, and errors that name the key and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardtrain.config.loader import group_options, load_config
+from shardtrain.errors import ConfigError
+
+
+def test_defaults_and_presets_compose():
+    cfg = load_config()
+    assert cfg.model.dim == 256 and cfg.strategy.sharding_strategy == "FULL_SHARD"
+    assert cfg.data.source == "stdlib"
+    quick = load_config(["experiment=quick", "strategy=hybrid_shard", "trainer.max_steps=7"])
+    assert quick.model.dim == 36  # the experiment swaps the model preset
+    assert quick.strategy.sharding_strategy == "HYBRID_SHARD"
+    assert quick.trainer.max_steps == 7  # command line wins over the experiment
+    assert {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard"} <= set(group_options("strategy"))
+    assert {"model", "strategy", "data", "experiment"} == {
+        g for g in ("model", "strategy", "data", "experiment") if group_options(g)
+    } | {"experiment"}
+
+
+def test_required_knobs_exist():
+    keys = [
+        "trainer.max_steps=3", "trainer.devices=1", "trainer.num_nodes=1", "trainer.grad_accum_steps=2",
+        "trainer.micro_batch_size=2", "trainer.seq_len=64", "trainer.seed=7", "trainer.grad_clip_norm=0.5",
+        "strategy.sharding_strategy=shard_grad_op", "strategy.reshard_after_forward=true",
+        "strategy.mixed_precision=bf16-mixed", "strategy.cpu_offload=true",
+        "strategy.activation_checkpointing=all", "strategy.wrap_policy=[shardtrain.models.llama.TransformerBlock]",
+        "run.dir=/tmp/x",
+    ]
+    cfg = load_config(keys)
+    assert cfg.trainer.grad_accum_steps == 2 and cfg.strategy.reshard_after_forward is True
+    assert cfg.strategy.wrap_policy == ["shardtrain.models.llama.TransformerBlock"]
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("trainer.max_step=5", "unknown config key 'trainer.max_step'; did you mean 'trainer.max_steps'?"),
+        ("traner.seed=1", "did you mean 'trainer.seed'?"),
+        ("strategy=ful_shard", "did you mean 'full_shard'?"),
+        ("trainer.max_steps=abc", "trainer.max_steps=abc"),
+        ("strategy.sharding_strategy=FULLSHARD", "did you mean 'FULL_SHARD'?"),
+        ("strategy.mixed_precision=bf16", "strategy.mixed_precision='bf16' is unknown"),
+        ("trainer.seq_len=4096", "exceeds model.max_seq_len"),
+        ("trainer.micro_batch_size=0", "trainer.micro_batch_size=0 must be at least 1"),
+        ("trainer.devices=two", "trainer.devices='two' must be 'auto' or a positive int"),
+        ("strategy.reshard_after_forward=3", "must be a divisor of the shard group size 1"),
+        ("strategy.reshard_after_forward=-1", "must be null, true, false or a positive int"),
+        ("trainer.max_steps", "is not a key=value override"),
+    ],
+)
+def test_bad_config_is_named(override, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config([override])
+    assert expected in str(info.value)
+
+
+def test_hybrid_group_must_divide_world():
+    with pytest.raises(ConfigError, match="shard_group_size=3 must divide the world size 4"):
+        load_config(["trainer.devices=4", "strategy=hybrid_shard", "strategy.shard_group_size=3"])

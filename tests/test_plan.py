@@ -1,0 +1,43 @@
+"""The FSDP1-name -> FSDP2 mapping (docs/fsdp1-mapping.md) as a table, checked entry by entry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardtrain.config.schema import StrategyConfig
+from shardtrain.distributed.plan import resolve_plan
+
+
+@pytest.mark.parametrize(
+    ("name", "world", "local", "mesh", "names", "reshard"),
+    [
+        ("FULL_SHARD", 4, 4, (4,), ("dp_shard",), True),
+        ("full_shard", 1, 1, (1,), ("dp_shard",), True),
+        ("SHARD_GRAD_OP", 4, 4, (4,), ("dp_shard",), False),
+        ("NO_SHARD", 4, 4, (4, 1), ("dp_replicate", "dp_shard"), False),
+        ("HYBRID_SHARD", 8, 4, (2, 4), ("dp_replicate", "dp_shard"), True),
+        ("hybrid-shard", 4, 2, (2, 2), ("dp_replicate", "dp_shard"), True),
+        ("HYBRID_SHARD_ZERO2", 8, 4, (2, 4), ("dp_replicate", "dp_shard"), False),
+    ],
+)
+def test_strategy_mapping(name, world, local, mesh, names, reshard):
+    plan = resolve_plan(StrategyConfig(sharding_strategy=name), world, local)
+    assert plan.mesh_shape == mesh and plan.mesh_dim_names == names
+    assert plan.reshard_after_forward is reshard
+
+
+def test_overrides_and_precision():
+    plan = resolve_plan(StrategyConfig(reshard_after_forward=False), 4, 4)
+    assert plan.reshard_after_forward is False
+    assert resolve_plan(StrategyConfig(reshard_after_forward=2), 4, 4).reshard_after_forward == 2
+    mixed = resolve_plan(StrategyConfig(mixed_precision="bf16-mixed"), 2, 2)
+    assert (mixed.storage_dtype, mixed.param_dtype, mixed.reduce_dtype) == (
+        torch.float32, torch.bfloat16, torch.float32)
+    pure = resolve_plan(StrategyConfig(mixed_precision="bf16-pure"), 2, 2)
+    assert (pure.storage_dtype, pure.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
+    custom = resolve_plan(StrategyConfig(mixed_precision="bf16-mixed", reduce_dtype="bf16"), 2, 2)
+    assert custom.reduce_dtype == torch.bfloat16
+    every = resolve_plan(StrategyConfig(activation_checkpointing="every_k",
+                                        activation_checkpointing_every=2), 1, 1)
+    assert [every.checkpointed(i) for i in range(4)] == [True, False, True, False]
