@@ -28,7 +28,8 @@ def test_required_knobs_exist():
         "trainer.micro_batch_size=2", "trainer.seq_len=64", "trainer.seed=7", "trainer.grad_clip_norm=0.5",
         "strategy.sharding_strategy=shard_grad_op", "strategy.reshard_after_forward=true",
         "strategy.mixed_precision=bf16-mixed", "strategy.cpu_offload=true",
-        "strategy.activation_checkpointing=all", "strategy.wrap_policy=[shardtrain.models.llama.TransformerBlock]",
+        "strategy.activation_checkpointing=all",
+        "strategy.wrap_policy=[shardtrain.models.llama.TransformerBlock]",
         "run.dir=/tmp/x",
     ]
     cfg = load_config(keys)

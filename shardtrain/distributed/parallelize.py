@@ -142,6 +142,17 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
     return report
 
 
+def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out like ``param``: this rank's slice as a DTensor, or ``full`` itself.
+
+    src_data_rank=None: every rank already holds the same full tensor, so each keeps its own slice
+    without any communication.
+    """
+    if isinstance(param, DTensor):
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    return full
+
+
 def stable_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
@@ -159,12 +170,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     for name, param in model.named_parameters():
         full = torch.empty(param.shape, dtype=torch.float32)
         init_parameter(name, full, torch.Generator().manual_seed(stable_seed(seed, name)))
-        full = full.to(param.dtype)
-        if isinstance(param, DTensor):
-            # src_data_rank=None: every rank already holds the same full tensor, so each keeps its
-            # own slice without any communication.
-            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-        param.copy_(full)
+        param.copy_(shard_like(full.to(param.dtype), param))
     if hasattr(model, "init_buffers"):
         model.init_buffers()
 

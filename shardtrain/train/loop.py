@@ -20,7 +20,7 @@ from shardtrain.distributed.env import DistEnv, init_distributed, set_cpu_thread
 from shardtrain.generation.sampling import sample_bytes
 from shardtrain.train.build import Built, ModelFactory, build
 from shardtrain.train.metrics import MetricsWriter, Throughput, device_peak_flops, peak_memory_mib
-from shardtrain.train.step import evaluate, train_step
+from shardtrain.train.step import StepStats, evaluate, train_step
 
 log = logging.getLogger("shardtrain")
 
@@ -58,6 +58,12 @@ class Trainer:
         self.corpus = corpus
         self.step = 0
         self.writer = MetricsWriter(Path(cfg.run.dir), cfg.run.tensorboard, env.is_main)
+        self.result = TrainResult()
+        self.throughput = Throughput(count_flops_per_token(built.model, t.seq_len), env.world_size,
+                                     device_peak_flops(env.device))
+        self.interval_losses: list[float] = []
+        self.consecutive_skips = 0
+        self.progress = None
 
     @classmethod
     def create(cls, cfg: Config, *, model_factory: ModelFactory | None = None,
@@ -93,79 +99,87 @@ class Trainer:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(self.cfg)))
 
     def fit(self) -> TrainResult:
-        t, env, b = self.cfg.trainer, self.env, self.built
+        t, b = self.cfg.trainer, self.built
         self.write_run_files()
+        self.log_setup()
+        self.progress = self._progress()
+        while self.step < t.max_steps:
+            self.run_step()
+        if self.progress is not None:
+            self.progress.close()
+        if t.sample_tokens > 0:
+            text = sample_bytes(b.model, t.sample_prompt.encode(), t.sample_tokens, t.seq_len,
+                                self.env.device, seed=t.seed)
+            self.result.sample = text.decode("utf-8", errors="replace")
+            self.writer.write(self.step, "sample", {"text": self.result.sample})
+            self.info("sample:\n" + self.result.sample)
+        self.writer.close()
+        return self.result
+
+    def log_setup(self) -> None:
+        t, env, b = self.cfg.trainer, self.env, self.built
         n_params = sum(p.numel() for p in b.model.parameters())
         self.info(f"world size {env.world_size} ({env.backend}, {env.device.type}); {b.plan.describe()}")
         self.info(f"model: {n_params / 1e6:.2f}M parameters, {len(b.report.units)} FSDP units "
                   f"({len(b.report.checkpointed)} activation-checkpointed)")
         self.info(f"data: {self.corpus.describe()}; global batch {self.layout.global_batch} x "
                   f"{t.seq_len} tokens = {self.layout.global_batch * t.seq_len} tokens/step")
-        throughput = Throughput(count_flops_per_token(b.model, t.seq_len), env.world_size,
-                                device_peak_flops(env.device))
-        result = TrainResult()
-        progress = self._progress()
-        interval_losses: list[float] = []
-        consecutive_skips = 0
-        while self.step < t.max_steps:
-            batches = self.train_data.next_step()
-            start = time.perf_counter()
-            stats = train_step(b.model, b.optimizer, b.scheduler, batches, b.mesh,
-                               t.grad_clip_norm, env.device)
-            throughput.add(stats.tokens, time.perf_counter() - start)
-            self.step += 1
-            result.losses.append(stats.loss)
-            result.grad_norms.append(stats.grad_norm)
-            result.tokens_seen += stats.tokens
-            interval_losses.append(stats.loss)
-            if stats.skipped:
-                result.skipped_steps += 1
-                consecutive_skips += 1
-                self.info(f"step {self.step}: non-finite loss or grad norm "
-                          f"(loss={stats.loss}, grad_norm={stats.grad_norm}); update skipped")
-                self.writer.write(self.step, "skip", {"loss": stats.loss,
-                                                      "grad_norm": stats.grad_norm})
-                if consecutive_skips > t.max_skipped_steps:
-                    raise RuntimeError(
-                        f"{consecutive_skips} consecutive steps had a non-finite loss or gradient "
-                        f"norm (limit trainer.max_skipped_steps={t.max_skipped_steps}); lower "
-                        "trainer.lr, keep trainer.grad_clip_norm on, or check the data"
-                    )
-            else:
-                consecutive_skips = 0
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix(loss=f"{stats.loss:.3f}",
-                                     tok_s=f"{throughput.report()['tokens_per_s']:.0f}")
-            record = None
-            if self.step % t.log_every == 0 or self.step == t.max_steps:
-                record = {
-                    "loss": sum(interval_losses) / len(interval_losses),
-                    "grad_norm": stats.grad_norm,
-                    "lr": b.scheduler.get_last_lr()[0],
-                    "peak_memory_mib": peak_memory_mib(env.device),
-                    "tokens_seen": result.tokens_seen,
-                    **throughput.report(),
-                }
-                interval_losses.clear()
-                throughput.reset()
-            if (t.eval_every > 0 and self.step % t.eval_every == 0) or self.step == t.max_steps:
-                val = evaluate(b.model, self.val_batches, env.device)
-                result.val_losses.append((self.step, val))
-                record = {**(record or {}), "val_loss": val}
-            if record is not None:
-                self.writer.write(self.step, "train", record)
-                self._print(progress, record)
-        if progress is not None:
-            progress.close()
-        if t.sample_tokens > 0:
-            text = sample_bytes(b.model, t.sample_prompt.encode(), t.sample_tokens, t.seq_len,
-                                env.device, seed=t.seed)
-            result.sample = text.decode("utf-8", errors="replace")
-            self.writer.write(self.step, "sample", {"text": result.sample})
-            self.info("sample:\n" + result.sample)
-        self.writer.close()
-        return result
+
+    def run_step(self) -> StepStats:
+        """One iteration of the loop: next global batch, step, bookkeeping, metrics, validation."""
+        t, env, b, result = self.cfg.trainer, self.env, self.built, self.result
+        batches = self.train_data.next_step()
+        start = time.perf_counter()
+        stats = train_step(b.model, b.optimizer, b.scheduler, batches, b.mesh,
+                           t.grad_clip_norm, env.device)
+        self.throughput.add(stats.tokens, time.perf_counter() - start)
+        self.step += 1
+        result.losses.append(stats.loss)
+        result.grad_norms.append(stats.grad_norm)
+        result.tokens_seen += stats.tokens
+        self.interval_losses.append(stats.loss)
+        if stats.skipped:
+            self.on_skipped_step(stats)
+        else:
+            self.consecutive_skips = 0
+        if self.progress is not None:
+            self.progress.update(1)
+            self.progress.set_postfix(loss=f"{stats.loss:.3f}",
+                                      tok_s=f"{self.throughput.report()['tokens_per_s']:.0f}")
+        record = None
+        if self.step % t.log_every == 0 or self.step == t.max_steps:
+            record = {
+                "loss": sum(self.interval_losses) / len(self.interval_losses),
+                "grad_norm": stats.grad_norm,
+                "lr": b.scheduler.get_last_lr()[0],
+                "peak_memory_mib": peak_memory_mib(env.device),
+                "tokens_seen": result.tokens_seen,
+                **self.throughput.report(),
+            }
+            self.interval_losses.clear()
+            self.throughput.reset()
+        if (t.eval_every > 0 and self.step % t.eval_every == 0) or self.step == t.max_steps:
+            val = evaluate(b.model, self.val_batches, env.device)
+            result.val_losses.append((self.step, val))
+            record = {**(record or {}), "val_loss": val}
+        if record is not None:
+            self.writer.write(self.step, "train", record)
+            self._print(self.progress, record)
+        return stats
+
+    def on_skipped_step(self, stats: StepStats) -> None:
+        limit = self.cfg.trainer.max_skipped_steps
+        self.result.skipped_steps += 1
+        self.consecutive_skips += 1
+        self.info(f"step {self.step}: non-finite loss or grad norm "
+                  f"(loss={stats.loss}, grad_norm={stats.grad_norm}); update skipped")
+        self.writer.write(self.step, "skip", {"loss": stats.loss, "grad_norm": stats.grad_norm})
+        if self.consecutive_skips > limit:
+            raise RuntimeError(
+                f"{self.consecutive_skips} consecutive steps had a non-finite loss or gradient norm "
+                f"(limit trainer.max_skipped_steps={limit}); lower trainer.lr, keep "
+                "trainer.grad_clip_norm on, or check the data"
+            )
 
     def _progress(self):
         if not (self.env.is_main and self.cfg.trainer.progress_bar and sys.stderr.isatty()):

@@ -1,0 +1,96 @@
+"""One rank of the step-time benchmark (started by benchmarks/run.py under torchrun).
+
+Times shardtrain's training loop iteration (``Trainer.run_step``: data, step, bookkeeping) against a
+minimal hand-written FSDP2 loop on the same model, initial weights and batches, in the same
+processes, alternating rounds so that machine noise hits both alike. Rank 0 prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from shardtrain.config.loader import load_config
+from shardtrain.distributed.parallelize import shard_like, stable_seed
+from shardtrain.models.llama import Llama, TransformerBlock
+from shardtrain.train.loop import Trainer
+from shardtrain.train.optim import build_optimizer, build_scheduler
+
+
+def handwritten(cfg, trainer: Trainer):
+    """The FSDP2 tutorial loop: shard blocks then root, AdamW, clip_grad_norm_, step."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    for module in model.modules():
+        if isinstance(module, TransformerBlock):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            full = torch.empty(p.shape)
+            generator = torch.Generator().manual_seed(stable_seed(cfg.trainer.seed, name))
+            model.init_parameter(name, full, generator)
+            p.copy_(shard_like(full, p))
+        model.init_buffers()
+    optimizer = build_optimizer(model, cfg.trainer)
+    scheduler = build_scheduler(optimizer, cfg.trainer)
+
+    def step():
+        (x, y), = trainer.train_data.next_step()  # same pipeline, same batches
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()  # like any real loop that logs its loss
+
+    return step
+
+
+def main(overrides: list[str]) -> None:
+    cfg = load_config(["trainer.max_steps=10000", "trainer.eval_every=0", "trainer.log_every=1000000",
+                       "trainer.sample_tokens=0", "trainer.progress_bar=false", "run.tensorboard=false",
+                       "run.dir=/tmp/shardtrain-bench", *overrides])
+    rounds, steps_per_round, warmup = 6, 5, 3
+    trainer = Trainer.create(cfg)
+    trainer.log_setup()
+    reference_step = handwritten(cfg, trainer)
+    for _ in range(warmup):
+        trainer.run_step()
+        reference_step()
+    times = {"shardtrain": [], "handwritten": []}
+    for _ in range(rounds):
+        for name, fn in (("shardtrain", trainer.run_step), ("handwritten", reference_step)):
+            dist.barrier()
+            for _ in range(steps_per_round):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    tokens = trainer.layout.global_batch * cfg.trainer.seq_len
+    if dist.get_rank() == 0:
+        print(json.dumps({
+            "world_size": dist.get_world_size(),
+            "tokens_per_step": tokens,
+            "step_s": medians,
+            "tokens_per_s": {k: tokens / v for k, v in medians.items()},
+            "ratio": medians["shardtrain"] / medians["handwritten"],
+            "steps_timed": len(times["shardtrain"]),
+        }))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

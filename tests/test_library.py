@@ -1,0 +1,75 @@
+"""The library API with a model the user brings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from cli_utils import read_metrics
+from distributed import run_on_ranks
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "custom_model.py"
+
+
+def test_example_trains_on_two_processes(tmp_path):
+    run_dir = tmp_path / "example"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(EXAMPLE), "trainer.max_steps=12", f"run.dir={run_dir}", "run.tensorboard=false"],
+        capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [r["loss"] for r in read_metrics(run_dir)]
+    assert losses[-1] < losses[0] - 0.3
+    assert "world size 2" in proc.stderr and "3 FSDP units" in proc.stderr  # 2 blocks + root
+
+
+class PlainBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ff = torch.nn.Linear(24, 24)
+
+    def forward(self, x):
+        return x + torch.relu(self.ff(x))
+
+
+class PlainModel(torch.nn.Module):
+    """No init_parameter: shardtrain must build it on CPU and still be world-size invariant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(256, 24)
+        self.blocks = torch.nn.Sequential(PlainBlock(), PlainBlock())
+        self.out = torch.nn.Linear(24, 256)
+
+    def forward(self, tokens):
+        return self.out(self.blocks(self.emb(tokens)))
+
+
+def train_plain(out_dir: str) -> None:
+    from equivalence import case_config, small_corpus
+
+    from shardtrain.train.loop import Trainer
+
+    world = int(os.environ["WORLD_SIZE"])
+    cfg = case_config(world, str(Path(out_dir, "run")))
+    trainer = Trainer.create(cfg, model_factory=PlainModel, wrap_policy=[PlainBlock],
+                             corpus=small_corpus())
+    result = trainer.fit()
+    weights = trainer.full_weights()
+    if trainer.env.is_main:
+        torch.save({"losses": result.losses, "weights": weights}, Path(out_dir, f"plain{world}.pt"))
+
+
+def test_model_without_init_parameter_is_world_size_invariant(tmp_path):
+    for world in (1, 2):
+        run_on_ranks(train_plain, world, str(tmp_path), tmp_path=tmp_path)
+    one, two = (torch.load(tmp_path / f"plain{w}.pt") for w in (1, 2))
+    for a, b in zip(one["losses"], two["losses"], strict=True):
+        assert abs(a - b) / b < 1e-5
+    for name, w in one["weights"].items():
+        assert ((two["weights"][name] - w).norm() / w.norm()).item() < 1e-5, name
