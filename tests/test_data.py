@@ -1,0 +1,77 @@
+"""The corpus split and the global batch layout: deterministic and world-size invariant."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shardtrain.config.schema import DataConfig
+from shardtrain.data.batches import (
+    IGNORE_INDEX,
+    BatchLayout,
+    GlobalOrder,
+    TokenWindows,
+    TrainBatches,
+    eval_batches,
+)
+from shardtrain.data.corpus import is_validation, load_corpus, stdlib_root
+from shardtrain.errors import DataError
+
+
+def test_stdlib_corpus_is_split_by_file_deterministically():
+    a, b = load_corpus(DataConfig(max_bytes=3_000_000)), load_corpus(DataConfig(max_bytes=3_000_000))
+    assert np.array_equal(a.train, b.train) and np.array_equal(a.val, b.val)
+    assert a.train_files > 10 and a.val_files >= 1
+    assert str(stdlib_root()) in a.root and "site-packages" not in a.describe()
+    split = [is_validation(f"x/{i}.py", 5.0) for i in range(4000)]
+    assert 0.03 < sum(split) / len(split) < 0.07
+
+
+def test_files_source_errors_are_clear(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_corpus(DataConfig(source="files", paths=[str(tmp_path / "missing")]))
+    (tmp_path / "only.txt").write_text("hello")
+    with pytest.raises(DataError, match="validation files"):
+        load_corpus(DataConfig(source="files", paths=[str(tmp_path)], val_percent=0.0))
+    with pytest.raises(DataError, match="trainer.seq_len"):
+        TokenWindows(np.zeros(10, dtype=np.uint8), seq_len=64)
+
+
+def global_step_ids(world: int, micro: int, accum: int, steps: int) -> list[list[int]]:
+    """The sample ids each step consumes, gathered over all ranks (as rows of inputs)."""
+    tokens = np.arange(2000, dtype=np.int64) % 256
+    windows = TokenWindows(tokens.astype(np.uint8), seq_len=8)
+    layout = BatchLayout(micro, accum, world)
+    loaders = [TrainBatches(windows, layout, rank, seed=3) for rank in range(world)]
+    per_step = []
+    for _ in range(steps):
+        ids = []
+        for loader in loaders:
+            micro_batches = loader.next_step()
+            assert len(micro_batches) == accum  # the same count on every rank, by construction
+            ids += [int(x[0]) // 8 for batch, _ in micro_batches for x in batch]  # window start / 8
+        per_step.append(sorted(ids))
+    return per_step
+
+
+def test_global_batch_is_the_same_set_at_any_split():
+    reference = global_step_ids(world=1, micro=8, accum=1, steps=30)
+    for world, micro, accum in [(2, 4, 1), (2, 2, 2), (4, 1, 2), (4, 2, 1)]:
+        assert global_step_ids(world, micro, accum, steps=30) == reference
+
+
+def test_global_order_covers_every_sample_each_epoch():
+    order = GlobalOrder(num_samples=37, seed=1)
+    first, second = order.take(0, 37), order.take(37, 37)
+    assert sorted(first) == list(range(37)) == sorted(second)
+    assert not np.array_equal(first, second)
+    assert np.array_equal(order.take(30, 14), np.concatenate([first[30:], second[:7]]))
+
+
+def test_eval_batches_pad_with_ignored_rows():
+    windows = TokenWindows(np.arange(500, dtype=np.int64).astype(np.uint8), seq_len=10)
+    one = eval_batches(windows, 13, micro_batch_size=4, dp_world_size=1, rank=0)
+    three = [eval_batches(windows, 13, micro_batch_size=4, dp_world_size=3, rank=r) for r in range(3)]
+    assert len({len(b) for b in three}) == 1  # every rank runs as many forwards
+    count = lambda batches: sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)  # noqa: E731
+    assert count(one) == 13 * 10 == sum(count(b) for b in three)
