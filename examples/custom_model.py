@@ -68,6 +68,7 @@ class TinyGPT(nn.Module):
 
 
 def main(overrides: list[str]) -> None:
+    shardtrain.setup_logging()
     cfg = shardtrain.load_config(["experiment=quick", "trainer.max_steps=30", *overrides])
     try:
         result = shardtrain.run_training(cfg, model_factory=TinyGPT, wrap_policy=[Block])

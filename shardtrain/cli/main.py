@@ -8,15 +8,7 @@ import os
 import sys
 
 from shardtrain.errors import ShardtrainError
-
-
-def setup_logging() -> None:
-    rank = int(os.environ.get("RANK", 0))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format="[shardtrain] %(message)s" if rank == 0 else f"[shardtrain rank {rank}] %(message)s",
-        stream=sys.stderr,
-    )
+from shardtrain.logs import setup_logging
 
 
 def cmd_train(overrides: list[str]) -> int:
