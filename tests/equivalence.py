@@ -31,7 +31,7 @@ def small_corpus() -> Corpus:
 
 def case_config(world_size: int, run_dir: str, strategy: str = "FULL_SHARD",
                 precision: str = "fp32", ac: str = "none", accum: int = 1,
-                tied: bool = False, **strategy_extra) -> Config:
+                tied: bool = False, compile: bool = False, **strategy_extra) -> Config:
     cfg = Config()
     cfg.model = dataclasses.replace(
         cfg.model, dim=36, n_layers=3, n_heads=6, n_kv_heads=2, ffn_hidden_dim=97,
@@ -39,7 +39,7 @@ def case_config(world_size: int, run_dir: str, strategy: str = "FULL_SHARD",
     )
     cfg.strategy = dataclasses.replace(
         cfg.strategy, sharding_strategy=strategy, mixed_precision=precision,
-        activation_checkpointing=ac, **strategy_extra,
+        activation_checkpointing=ac, compile=compile, **strategy_extra,
     )
     cfg.trainer = dataclasses.replace(
         cfg.trainer, max_steps=STEPS, micro_batch_size=GLOBAL_BATCH // (world_size * accum),

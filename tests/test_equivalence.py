@@ -10,6 +10,8 @@ Tolerances (max relative error; weights: per tensor, ||w - w_ref|| / ||w_ref||):
 - fp32: 1e-5 for losses, grad norms and weights (measured: below 1e-6).
 - bf16-mixed vs the fp32 reference: loss 1e-3, grad norm 2e-2, weights 5e-2 (bf16 rounding of the
   forward and backward changes Adam's first, sign-like steps).
+  bf16-pure (bf16 weights and optimizer state) uses the same limits.
+- torch.compile'd blocks are held to the fp32 limits.
 - bf16-mixed at 2 or 4 processes vs bf16-mixed at 1 process: loss 1e-3, grad norm 1e-2, weights 2e-2.
 """
 
@@ -88,6 +90,8 @@ def test_two_processes_match_reference(references, bf16_one_process, tmp_path):
         "hybrid_1x2": dict(strategy="HYBRID_SHARD"),
         "hybrid_2x1": dict(strategy="HYBRID_SHARD", shard_group_size=1),
         "full_shard_tied": dict(strategy="FULL_SHARD", tied=True),
+        "full_shard_compiled": dict(strategy="FULL_SHARD", compile=True),
+        "full_shard_bf16_pure": dict(strategy="FULL_SHARD", precision="bf16-pure"),
         **BF16_CASES,
     }
     check(2, cases, references, tmp_path, bf16_baseline=bf16_one_process)

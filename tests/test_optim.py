@@ -1,0 +1,29 @@
+"""Optimizer parameter groups and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+from shardtrain.config.schema import ModelConfig, TrainerConfig
+from shardtrain.models.llama import Llama
+from shardtrain.train.optim import build_optimizer, lr_factor, no_decay_names
+
+
+def test_no_weight_decay_on_norms_biases_embeddings():
+    model = Llama(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2))
+    skip = no_decay_names(model)
+    assert "tok_embeddings.weight" in skip and "norm.weight" in skip
+    assert "layers.0.attention_norm.weight" in skip
+    assert "layers.0.attention.wq.weight" not in skip and "output.weight" not in skip
+    groups = build_optimizer(model, TrainerConfig(weight_decay=0.1)).param_groups
+    decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert id(model.tok_embeddings.weight) not in decayed and id(model.output.weight) in decayed
+    tied = Llama(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, tie_embeddings=True))
+    assert "tok_embeddings.weight" in no_decay_names(tied)  # the shared head weight is an embedding
+
+
+def test_warmup_then_cosine_to_min_ratio():
+    assert lr_factor(0, 10, 100, 0.1) == 0.1 and lr_factor(9, 10, 100, 0.1) == 1.0
+    assert lr_factor(10, 10, 100, 0.1) == 1.0
+    assert math.isclose(lr_factor(55, 10, 100, 0.1), 0.55)
+    assert math.isclose(lr_factor(100, 10, 100, 0.1), 0.1) and lr_factor(500, 10, 100, 0.1) == 0.1
