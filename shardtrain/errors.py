@@ -15,3 +15,7 @@ class DataError(ShardtrainError):
 
 class ModelError(ShardtrainError):
     """The model or its wrap policy cannot be sharded as requested."""
+
+
+class CheckpointError(ShardtrainError):
+    """A checkpoint is missing, incomplete, damaged or does not fit the model."""

@@ -47,6 +47,7 @@ def case_config(world_size: int, run_dir: str, strategy: str = "FULL_SHARD",
         eval_every=0, eval_samples=8, sample_tokens=0, progress_bar=False, log_every=100,
     )
     cfg.run = dataclasses.replace(cfg.run, dir=run_dir, tensorboard=False)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, enabled=False)
     return cfg
 
 

@@ -28,6 +28,14 @@ from shardtrain.errors import ConfigError
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 GROUPS = ("model", "strategy", "data", "experiment")
+# Names that cannot be dataclass fields (Python keywords) -> their schema field.
+ALIASES = {"checkpoint.async": "checkpoint.async_save"}
+
+
+def apply_aliases(override: str) -> str:
+    prefix = override[: len(override) - len(override.lstrip("+~"))]
+    key, sep, value = override[len(prefix):].partition("=")
+    return prefix + ALIASES.get(key, key) + sep + value
 
 
 def group_options(group: str) -> list[str]:
@@ -68,7 +76,7 @@ def check_override(override: str) -> None:
 
 def load_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The resolved, validated config for these overrides."""
-    overrides = list(overrides)
+    overrides = [apply_aliases(o) for o in overrides]
     for override in overrides:
         check_override(override)
     # The schema is the base of config.yaml's defaults list, so every section exists and is typed.
@@ -129,6 +137,7 @@ def validate(cfg: Config) -> None:
         "model.n_kv_heads": cfg.model.n_kv_heads,
         "model.vocab_size": cfg.model.vocab_size,
         "dist.timeout_s": cfg.dist.timeout_s,
+        "checkpoint.keep_last": cfg.checkpoint.keep_last,
     }
     for key, value in positive.items():
         if value < 1:
@@ -151,6 +160,13 @@ def validate(cfg: Config) -> None:
         )
     if (cfg.model.dim // cfg.model.n_heads) % 2:
         raise ConfigError("model.dim / model.n_heads (the head size) must be even for RoPE")
+    if cfg.checkpoint.interval < 0:
+        raise ConfigError(f"checkpoint.interval={cfg.checkpoint.interval} must be 0 (end only) or positive")
+    import signal
+
+    for name in cfg.checkpoint.preemption_signals:
+        if not isinstance(getattr(signal, str(name), None), signal.Signals):
+            raise ConfigError(f"checkpoint.preemption_signals: {name!r} is not a signal name like 'SIGTERM'")
     if cfg.dist.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"dist.backend={cfg.dist.backend!r} must be auto, gloo or nccl")
     if cfg.data.source not in ("stdlib", "files"):

@@ -28,6 +28,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Start from these weights only (no optimizer or step): a shardtrain checkpoint directory or a
+    # .safetensors file. null = random init.
+    init_from: str | None = None
 
 
 @dataclass
@@ -102,6 +105,23 @@ class DistConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    enabled: bool = True
+    # Save every N steps (0 = only at the end and on preemption). Written under run.dir/checkpoints.
+    interval: int = 100
+    # Complete checkpoints kept; older ones are deleted only after a newer one is complete.
+    keep_last: int = 2
+    # checkpoint.async on the command line: overlap the write with training.
+    async_save: bool = False
+    # auto: newest complete checkpoint in run.dir (if any) | none: start fresh | a path
+    resume: str = "auto"
+    # Also write model.safetensors (full weights, gathered on rank 0 with CPU offload).
+    save_full: bool = False
+    # Signals that mean "save and exit" (Slurm and Kubernetes send SIGTERM before killing).
+    preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs/default"
     name: str = "shardtrain"
@@ -115,4 +135,5 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)

@@ -13,6 +13,8 @@ import torch
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
+from shardtrain.checkpoint.checkpointer import Checkpointer, load_model_weights
+from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.config.schema import Config
 from shardtrain.data.batches import BatchLayout, TokenWindows, TrainBatches, eval_batches
 from shardtrain.data.corpus import Corpus, load_corpus
@@ -33,6 +35,9 @@ class TrainResult:
     skipped_steps: int = 0
     tokens_seen: int = 0
     sample: str | None = None
+    resumed_from: str | None = None
+    preempted: bool = False
+    checkpoint_blocked_s: list[float] = field(default_factory=list)
 
 
 def count_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
@@ -64,6 +69,11 @@ class Trainer:
         self.interval_losses: list[float] = []
         self.consecutive_skips = 0
         self.progress = None
+        self.checkpointer = (
+            Checkpointer(cfg, built.model, built.optimizer, built.scheduler, env.rank, env.world_size)
+            if cfg.checkpoint.enabled else None
+        )
+        self.last_saved_step: int | None = None
 
     @classmethod
     def create(cls, cfg: Config, *, model_factory: ModelFactory | None = None,
@@ -74,7 +84,43 @@ class Trainer:
             set_cpu_threads(env, cfg.trainer.threads_per_process)
         corpus = corpus if corpus is not None else load_corpus(cfg.data)
         built = build(cfg, env, model_factory, wrap_policy)
-        return cls(cfg, env, built, corpus)
+        trainer = cls(cfg, env, built, corpus)
+        trainer.restore()
+        return trainer
+
+    def restore(self) -> None:
+        """Resume (checkpoint.resume) or start from given weights (model.init_from)."""
+        path = self.checkpointer.resume_path() if self.checkpointer is not None else None
+        if path is not None:
+            state = self.checkpointer.load(path)
+            self.step = self.last_saved_step = state["step"]
+            self.result.tokens_seen = state["tokens_seen"]
+            self.train_data.consumed_samples = state["consumed_samples"]
+            self.result.resumed_from = str(path)
+            self.info(f"resumed from {path}: step {self.step}, {state['consumed_samples']} samples "
+                      f"consumed (saved at world size {state['world_size']}, {state['strategy']})")
+            if self.cfg.model.init_from:
+                self.info("model.init_from is ignored: resuming from a checkpoint")
+        elif self.cfg.model.init_from:
+            load_model_weights(self.model, self.cfg.model.init_from)
+            self.info(f"initialised weights from {self.cfg.model.init_from}")
+
+    def save_checkpoint(self, blocking: bool = False) -> None:
+        b = self.built
+        counters = {
+            "tokens_seen": self.result.tokens_seen,
+            "consumed_samples": self.train_data.consumed_samples,
+            "global_batch": self.layout.global_batch,
+            "scheduler": b.scheduler.state_dict(),
+        }
+        plan = {"strategy": b.plan.strategy, "mesh_shape": list(b.plan.mesh_shape),
+                "mesh_dim_names": list(b.plan.mesh_dim_names),
+                "mixed_precision": self.cfg.strategy.mixed_precision}
+        blocked = self.checkpointer.save(self.step, counters, plan, blocking=blocking)
+        self.result.checkpoint_blocked_s.append(blocked)
+        self.writer.write(self.step, "checkpoint", {"blocked_s": blocked,
+                                                    "async": self.cfg.checkpoint.async_save and not blocking})
+        self.last_saved_step = self.step
 
     @property
     def model(self) -> torch.nn.Module:
@@ -103,10 +149,37 @@ class Trainer:
         self.write_run_files()
         self.log_setup()
         self.progress = self._progress()
-        while self.step < t.max_steps:
-            self.run_step()
+        if self.step >= t.max_steps:
+            self.info(f"nothing to do: step {self.step} >= trainer.max_steps={t.max_steps}")
+        preemption = (PreemptionFlag(self.cfg.checkpoint.preemption_signals, self.env.device)
+                      if self.checkpointer is not None else None)
+        try:
+            while self.step < t.max_steps:
+                self.run_step()
+                if self.checkpointer is None:
+                    continue
+                self.checkpointer.poll()
+                if preemption.agreed():
+                    self.info(f"preemption ({preemption.signal_name or 'signal on another rank'}): "
+                              f"saving at step {self.step} and stopping")
+                    self.save_checkpoint(blocking=True)
+                    self.result.preempted = True
+                    break
+                interval = self.cfg.checkpoint.interval
+                if interval and self.step % interval == 0 and self.step < t.max_steps:
+                    self.save_checkpoint()
+            if self.checkpointer is not None and not self.result.preempted:
+                if self.last_saved_step != self.step:
+                    self.save_checkpoint(blocking=True)
+                self.checkpointer.wait()
+        finally:
+            if preemption is not None:
+                preemption.restore()
         if self.progress is not None:
             self.progress.close()
+        if self.result.preempted:
+            self.writer.close()
+            return self.result
         if t.sample_tokens > 0:
             text = sample_bytes(b.model, t.sample_prompt.encode(), t.sample_tokens, t.seq_len,
                                 self.env.device, seed=t.seed)

@@ -1,0 +1,148 @@
+"""Where checkpoints live, and how to tell a complete one from anything else.
+
+    run.dir/checkpoints/
+        step-<N>/                  complete: DCP files + .metadata + trainer_state.json
+            .metadata              DCP's index (written last by DCP itself)
+            __<rank>_0.distcp      one shard file per rank
+            rng-rank<r>.pt         every rank's RNG states
+            trainer_state.json     human-readable state, written last, just before the rename
+            model.safetensors      only with checkpoint.save_full=true
+        .step-<N>.tmp/             a save in progress, or one that crashed: never loaded
+
+A save writes into ``.step-<N>.tmp`` and is renamed to ``step-<N>`` only once the DCP metadata and
+``trainer_state.json`` exist, so a directory named ``step-<N>`` is complete by construction. The
+checks below also verify it, so that a damaged or hand-copied directory gets a precise error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardtrain.errors import CheckpointError
+
+STATE_FILE = "trainer_state.json"
+METADATA_FILE = ".metadata"
+FORMAT = "shardtrain-checkpoint-v1"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+TMP_DIR = re.compile(r"^\.step-(\d+)\.tmp$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step}"
+
+
+def tmp_dir(root: Path, step: int) -> Path:
+    return root / f".step-{step}.tmp"
+
+
+def read_dcp_metadata(path: Path):
+    """DCP's metadata, or a CheckpointError that says what is wrong with ``path``."""
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is a file, not a checkpoint directory; pass the directory "
+            "that holds .metadata and the *.distcp files (a .safetensors file only works as "
+            "model.init_from)"
+        )
+    meta_file = path / METADATA_FILE
+    if not meta_file.is_file():
+        if not any(path.iterdir()):
+            raise CheckpointError(f"checkpoint directory {str(path)!r} is empty")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has no .metadata: the save did not finish (or this is not a DCP "
+            "checkpoint); use an earlier complete checkpoint"
+        )
+    try:
+        with open(meta_file, "rb") as f:
+            return pickle.load(f)
+    except Exception as exc:  # a truncated or foreign pickle raises many different types
+        raise CheckpointError(f"checkpoint {str(path)!r}: .metadata is unreadable ({exc})") from exc
+
+
+def check_shard_files(path: Path, metadata) -> None:
+    """Every byte range the metadata points at must exist (catches missing and truncated shards)."""
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} is missing shard file {name}")
+        actual = file.stat().st_size
+        if actual < size:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r}: shard file {name} is truncated ({actual} bytes, the "
+                f"metadata needs {size}); the checkpoint is damaged, use another one"
+            )
+
+
+def read_trainer_state(path: Path) -> dict:
+    file = path / STATE_FILE
+    if not file.is_file():
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has no {STATE_FILE}: it is not a complete shardtrain "
+            "checkpoint (model.init_from accepts plain DCP directories)"
+        )
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} is unreadable ({exc})") from exc
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {str(path)!r}: unknown format {state.get('format')!r}")
+    return state
+
+
+def verify(path: Path, need_state: bool = True):
+    """Metadata of a complete checkpoint at ``path``; raises CheckpointError naming the problem."""
+    metadata = read_dcp_metadata(path)
+    check_shard_files(path, metadata)
+    if need_state:
+        read_trainer_state(path)
+    return metadata
+
+
+@dataclass
+class Found:
+    complete: list[tuple[int, Path]]
+    skipped: list[tuple[Path, str]]  # (path, why it is not usable)
+
+
+def scan(root: Path) -> Found:
+    """Complete checkpoints (oldest first) and everything else, each with the reason."""
+    complete, skipped = [], []
+    if not root.is_dir():
+        return Found(complete, skipped)
+    for entry in sorted(root.iterdir()):
+        if TMP_DIR.match(entry.name):
+            skipped.append((entry, "incomplete: the save did not finish (interrupted or crashed)"))
+        elif match := STEP_DIR.match(entry.name):
+            try:
+                verify(entry)
+                complete.append((int(match.group(1)), entry))
+            except CheckpointError as exc:
+                skipped.append((entry, str(exc)))
+    complete.sort()
+    return Found(complete, skipped)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_durably(path: Path, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
