@@ -1,0 +1,157 @@
+"""Sharded DCP checkpoint -> model-only safetensors, streamed one output shard at a time.
+
+Reads shardtrain checkpoints, Lightning's sharded FSDP checkpoints (``meta.pt`` + ``.metadata`` +
+``*.distcp``; the Trainer keeps weights under ``state_dict.``, Fabric under the user's key such as
+``model.``) and plain DCP directories. Only the tensors of the current output shard are ever in
+memory, so peak memory is about the largest output shard, not the model. No process group needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from shardtrain.checkpoint import layout
+from shardtrain.errors import CheckpointError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Wrapper prefixes that torch.compile and FSDP1/activation-checkpoint wrappers put into names.
+WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.I)
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9}
+
+
+def parse_size(text: str) -> int:
+    match = SIZE.match(str(text))
+    if not match or match.group(2).upper() not in UNITS:
+        raise CheckpointError(f"--max-shard-size {text!r} is not a size like 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * UNITS[match.group(2).upper()])
+
+
+def detect_format(path: Path) -> str:
+    if (path / layout.STATE_FILE).is_file():
+        return "shardtrain"
+    if (path / "meta.pt").is_file():
+        return "lightning"
+    return "dcp"
+
+
+def model_prefix(keys: list[str], fmt: str, key: str | None) -> str:
+    """Which top-level entry holds the model weights."""
+    if key is not None:
+        prefix = key.rstrip(".") + "." if key else ""
+    elif fmt == "lightning" and any(k.startswith("state_dict.") for k in keys):
+        prefix = "state_dict."
+    elif any(k.startswith("model.") for k in keys):
+        prefix = "model."
+    else:
+        prefix = ""
+    if prefix and not any(k.startswith(prefix) for k in keys):
+        tops = sorted({k.split(".", 1)[0] for k in keys})
+        raise CheckpointError(f"no tensors under {prefix!r} in this checkpoint; its top-level keys are "
+                              f"{tops}: pass --key with the one that holds the model")
+    return prefix
+
+
+def clean_name(name: str, prefix: str) -> str:
+    name = name[len(prefix):]
+    for part in WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+@dataclass
+class Plan:
+    shards: list[list[tuple[str, str, TensorStorageMetadata]]]  # (checkpoint key, output name, meta)
+    total_bytes: int
+
+
+def plan_shards(path: Path, max_shard_bytes: int | None, dtype: torch.dtype | None,
+                key: str | None) -> Plan:
+    metadata = layout.read_dcp_metadata(path)
+    layout.check_shard_files(path, metadata)
+    tensors = {k: v for k, v in metadata.state_dict_metadata.items()
+               if isinstance(v, TensorStorageMetadata)}
+    prefix = model_prefix(list(tensors), detect_format(path), key)
+    if prefix == "" and any(k.startswith(("optim.", "optimizer")) for k in tensors):
+        raise CheckpointError("cannot tell model weights from optimizer state here; pass --key")
+    selected = [(k, clean_name(k, prefix), tensors[k]) for k in tensors if k.startswith(prefix)]
+    if not selected:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds no model tensors")
+    names = [n for _, n, _ in selected]
+    if len(set(names)) != len(names):
+        raise CheckpointError("two checkpoint keys map to the same weight name after removing prefixes")
+    shards: list[list] = [[]]
+    current = total = 0
+    for entry in selected:
+        meta = entry[2]
+        size = meta.size.numel() * (dtype or meta.properties.dtype).itemsize
+        if max_shard_bytes and shards[-1] and current + size > max_shard_bytes:
+            shards.append([])
+            current = 0
+        shards[-1].append(entry)
+        current += size
+        total += size
+    return Plan(shards, total)
+
+
+def load_tensors(path: Path, entries) -> dict[str, torch.Tensor]:
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, _, m in entries}
+    with warnings.catch_warnings():
+        # DCP warns that it runs without a process group: that is the point here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    return state
+
+
+def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | None = None,
+                dtype: str | None = None, key: str | None = None) -> list[Path]:
+    """Write model-only safetensors; returns the files written."""
+    from safetensors.torch import save_file
+
+    path, out = Path(checkpoint), Path(out)
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r} must be one of {', '.join(DTYPES)}")
+    cast = DTYPES.get(dtype) if dtype else None
+    limit = parse_size(max_shard_size) if max_shard_size else None
+    plan = plan_shards(path, limit, cast, key)
+    single = out.suffix == ".safetensors"
+    if single and len(plan.shards) > 1:
+        raise CheckpointError(f"{out} names one file but --max-shard-size makes {len(plan.shards)} "
+                              "shards; pass a directory instead")
+    directory = out.parent if single else out
+    directory.mkdir(parents=True, exist_ok=True)
+    n = len(plan.shards)
+    files, weight_map = [], {}
+    for index, entries in enumerate(plan.shards, start=1):
+        name = (out.name if single else
+                "model.safetensors" if n == 1 else f"model-{index:05d}-of-{n:05d}.safetensors")
+        loaded = load_tensors(path, entries)
+        tensors = {}
+        for ckpt_key, out_name, _ in entries:
+            t = loaded.pop(ckpt_key)
+            tensors[out_name] = (t.to(cast) if cast is not None else t).contiguous()
+            weight_map[out_name] = name
+        target = directory / name
+        tmp = target.with_name(target.name + ".tmp")
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, target)
+        files.append(target)
+        del tensors, loaded
+    if n > 1:
+        index_file = directory / "model.safetensors.index.json"
+        index_file.write_text(json.dumps(
+            {"metadata": {"total_size": plan.total_bytes}, "weight_map": dict(sorted(weight_map.items()))},
+            indent=2) + "\n")
+        files.append(index_file)
+    return files
