@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from shardtrain import faults
 from shardtrain.checkpoint import layout
 from shardtrain.config.loader import config_hash
 from shardtrain.config.schema import Config
@@ -168,6 +169,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         dist.barrier(group=self.group)
         torch.save(rng_state(), tmp / f"rng-rank{self.rank}.pt")
+        faults.inject("save", self.rank, step)
         if self.ckpt.save_full:
             self.save_full_weights(tmp / "model.safetensors")
         state = self.training_state()

@@ -13,6 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
+from shardtrain import faults
 from shardtrain.checkpoint.checkpointer import Checkpointer, load_model_weights
 from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.config.schema import Config
@@ -207,6 +208,7 @@ class Trainer:
                            t.grad_clip_norm, env.device)
         self.throughput.add(stats.tokens, time.perf_counter() - start)
         self.step += 1
+        faults.inject("step", env.rank, self.step)
         result.losses.append(stats.loss)
         result.grad_norms.append(stats.grad_norm)
         result.tokens_seen += stats.tokens

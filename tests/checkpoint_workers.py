@@ -1,0 +1,101 @@
+"""Code that runs inside spawned ranks for the checkpoint tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from equivalence import case_config, small_corpus
+
+from shardtrain.train.loop import Trainer
+
+N = 4  # steps before the interruption; runs are 2N steps
+
+
+def ckpt_config(run_dir: str, world: int, strategy: str = "FULL_SHARD", accum: int = 1,
+                resume: str = "auto", interval: int = 0, **model_extra):
+    cfg = case_config(world, run_dir, strategy=strategy, accum=accum)
+    cfg.trainer = dataclasses.replace(cfg.trainer, max_steps=2 * N)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, enabled=True, interval=interval,
+                                         resume=resume, keep_last=3)
+    if model_extra:
+        cfg.model = dataclasses.replace(cfg.model, **model_extra)
+    return cfg
+
+
+def new_trainer(cfg) -> Trainer:
+    trainer = Trainer.create(cfg, corpus=small_corpus())
+    trainer.train_data.recorded = []
+    return trainer
+
+
+def interrupted(trainer: Trainer, steps: int) -> None:
+    """Train ``steps`` steps and save, as a preempted run does, without finishing the schedule."""
+    for _ in range(steps):
+        trainer.run_step()
+    trainer.save_checkpoint(blocking=True)
+
+
+def dump(trainer: Trainer, losses: list[float], path: Path) -> None:
+    weights = trainer.full_weights()
+    if trainer.env.is_main:
+        ids = [i.tolist() for i in trainer.train_data.recorded]
+        torch.save({"losses": losses, "weights": weights, "ids": ids}, path)
+
+
+def exact_resume(out: str) -> None:
+    """2 ranks: uninterrupted 2N steps vs N steps, stop, resume from run.dir, N more."""
+    world = int(os.environ["WORLD_SIZE"])
+    full = new_trainer(ckpt_config(f"{out}/full", world, interval=N))
+    dump(full, full.fit().losses, Path(out, "full.pt"))
+
+    first = new_trainer(ckpt_config(f"{out}/split", world))
+    interrupted(first, N)
+    losses = list(first.result.losses)
+    second = new_trainer(ckpt_config(f"{out}/split", world))  # resume=auto finds step-N
+    assert second.step == N and second.result.resumed_from.endswith(f"step-{N}")
+    losses += second.fit().losses
+    dump(second, losses, Path(out, "split.pt"))
+
+
+def save_at_four(out: str) -> None:
+    """4 ranks FULL_SHARD: the uninterrupted reference, and a run stopped and saved at step N."""
+    full = new_trainer(ckpt_config(f"{out}/full4", 4))
+    dump(full, full.fit().losses, Path(out, "full4.pt"))
+    first = new_trainer(ckpt_config(f"{out}/first4", 4))
+    interrupted(first, N)
+    dump(first, first.result.losses, Path(out, "first4.pt"))
+
+
+def resume_elsewhere(out: str, strategy: str, accum: int) -> None:
+    """Resume the 4-rank checkpoint at this world size, with another strategy and batch split."""
+    world = int(os.environ["WORLD_SIZE"])
+    source = f"{out}/first4/checkpoints/step-{N}"
+    trainer = new_trainer(ckpt_config(f"{out}/resumed{world}", world, strategy=strategy, accum=accum,
+                                      resume=source))
+    assert trainer.step == N
+    dump(trainer, trainer.fit().losses, Path(out, f"resumed{world}.pt"))
+
+
+def init_from(out: str, source: str) -> None:
+    """model.init_from: weights only, from a checkpoint directory or a safetensors file."""
+    world = int(os.environ["WORLD_SIZE"])
+    cfg = ckpt_config(f"{out}/init{world}", world)
+    cfg.model = dataclasses.replace(cfg.model, init_from=source)
+    trainer = Trainer.create(cfg, corpus=small_corpus())
+    assert trainer.step == 0  # a new run: no optimizer state, no step
+    weights = trainer.full_weights()
+    if trainer.env.is_main:
+        torch.save(weights, Path(out, f"init{world}.pt"))
+
+
+def sample_ids_match(parts: list[list[list[int]]], reference: list[list[int]]) -> None:
+    joined = [step for part in parts for step in part]
+    assert len(joined) == len(reference)
+    for step, (got, want) in enumerate(zip(joined, reference, strict=True)):
+        assert sorted(got) == sorted(want), f"step {step + 1}: samples differ"
+    flat = np.concatenate([np.array(s) for s in joined])
+    assert len(flat) == len(set(flat.tolist())), "a sample was repeated"

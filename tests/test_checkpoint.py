@@ -1,0 +1,122 @@
+"""Checkpoints: exact resume, resharding resume, consolidation, init_from (spawned gloo ranks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from checkpoint_workers import (
+    N,
+    exact_resume,
+    init_from,
+    resume_elsewhere,
+    sample_ids_match,
+    save_at_four,
+)
+from distributed import run_on_ranks
+from safetensors.torch import load_file
+
+from shardtrain.export.consolidate import consolidate
+
+
+def test_exact_resume_is_bitwise_identical(tmp_path):
+    run_on_ranks(exact_resume, 2, str(tmp_path), tmp_path=tmp_path)
+    full, split = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "split.pt")
+    assert len(full["losses"]) == 2 * N
+    assert split["losses"] == full["losses"]  # every step, bit for bit
+    for name, w in full["weights"].items():
+        assert torch.equal(split["weights"][name], w), name
+    # the step-N checkpoint of the uninterrupted run is complete and describes itself
+    state = json.loads((tmp_path / "full/checkpoints" / f"step-{N}" / "trainer_state.json").read_text())
+    assert state["step"] == N and state["world_size"] == 2 and state["strategy"] == "FULL_SHARD"
+    assert state["consumed_samples"] == N * 8 and state["config_hash"]
+    assert state["versions"]["torch"] == torch.__version__
+
+
+@pytest.fixture(scope="module")
+def four_rank_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reshard")
+    run_on_ranks(save_at_four, 4, str(out), tmp_path=out)
+    return out
+
+
+@pytest.mark.parametrize(("world", "strategy", "accum"), [(2, "SHARD_GRAD_OP", 2), (1, "NO_SHARD", 1)])
+def test_resume_at_another_world_size_and_strategy(four_rank_checkpoint, world, strategy, accum):
+    out = four_rank_checkpoint
+    run_on_ranks(resume_elsewhere, world, str(out), strategy, accum, tmp_path=out)
+    full, first = torch.load(out / "full4.pt"), torch.load(out / "first4.pt")
+    resumed = torch.load(out / f"resumed{world}.pt")
+    assert first["losses"] == full["losses"][:N]
+    for got, want in zip(resumed["losses"], full["losses"][N:], strict=True):
+        assert abs(got - want) / want < 1e-5  # fp32 tolerance: the reduction order changed
+    for name, w in full["weights"].items():
+        assert ((resumed["weights"][name] - w).norm() / w.norm()).item() < 1e-5, name
+    # no sample repeated or skipped across the change of world size and batch split
+    sample_ids_match([first["ids"], resumed["ids"]], full["ids"])
+
+
+def test_consolidation_is_bitwise_and_init_from_loads_it(four_rank_checkpoint, tmp_path):
+    out = four_rank_checkpoint
+    ckpt = out / "full4" / "checkpoints" / f"step-{2 * N}"
+    gathered = torch.load(out / "full4.pt")["weights"]
+    single = consolidate(ckpt, tmp_path / "one" / "model.safetensors")
+    assert [p.name for p in single] == ["model.safetensors"]
+    weights = load_file(single[0])
+    assert weights.keys() == gathered.keys()
+    assert all(torch.equal(weights[k], gathered[k]) for k in gathered)
+
+    files = consolidate(ckpt, tmp_path / "sharded", max_shard_size="20KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    shards = sorted({f for f in index["weight_map"].values()})
+    assert len(shards) > 2 and shards == sorted(p.name for p in files if p.suffix == ".safetensors")
+    assert all(f"-of-{len(shards):05d}" in s for s in shards)
+    merged = {}
+    for shard in shards:
+        part = load_file(tmp_path / "sharded" / shard)
+        assert all(index["weight_map"][k] == shard for k in part)
+        merged.update(part)
+    assert merged.keys() == gathered.keys()
+    assert all(torch.equal(merged[k], gathered[k]) for k in gathered)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in merged.values())
+
+    bf16 = load_file(consolidate(ckpt, tmp_path / "bf16.safetensors", dtype="bf16")[0])
+    assert all(t.dtype == torch.bfloat16 for t in bf16.values())
+
+    # model.init_from: from the safetensors file at 2 ranks, from the DCP directory at 1 rank
+    run_on_ranks(init_from, 2, str(tmp_path), str(single[0]), tmp_path=tmp_path)
+    run_on_ranks(init_from, 1, str(tmp_path), str(ckpt), tmp_path=tmp_path)
+    for world in (2, 1):
+        loaded = torch.load(tmp_path / f"init{world}.pt")
+        assert all(torch.equal(loaded[k], gathered[k]) for k in gathered)
+
+
+def lightning_checkpoint(path, layout: str, tensors: dict[str, torch.Tensor]) -> None:
+    """A sharded checkpoint in Lightning's layout: DCP files + .metadata + meta.pt."""
+    import torch.distributed.checkpoint as dcp
+
+    moments = {k: {"exp_avg": torch.zeros_like(v)} for k, v in tensors.items()}
+    if layout == "trainer":  # LightningModule weights under state_dict., compiled model
+        state = {"state_dict": {f"model._orig_mod.{k}": v for k, v in tensors.items()},
+                 "optimizer_states": {"0": {"state": moments}}}
+    else:  # Fabric: the user's own keys
+        state = {"model": dict(tensors), "optimizer": {"state": moments}}
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    torch.save({"global_step": 7, "epoch": 1, "pytorch-lightning_version": "2.5.0"}, path / "meta.pt")
+
+
+@pytest.mark.parametrize(("layout", "prefix"), [("trainer", "model."), ("fabric", "")])
+def test_consolidate_lightning_sharded_checkpoint(tmp_path, layout, prefix):
+    from cli_utils import run_cli
+
+    tensors = {"layer.weight": torch.randn(6, 5), "layer.bias": torch.randn(6),
+               "head.weight": torch.randn(3, 6).to(torch.bfloat16)}
+    ckpt = tmp_path / "last.ckpt"
+    lightning_checkpoint(ckpt, layout, tensors)
+    files = consolidate(ckpt, tmp_path / "out")
+    weights = load_file(files[0])
+    assert set(weights) == {prefix + k for k in tensors}  # no optimizer state, no _orig_mod.
+    assert all(torch.equal(weights[prefix + k], v) for k, v in tensors.items())
+    report = run_cli("inspect", str(ckpt), timeout=60)
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "Lightning sharded checkpoint" in report.stdout and "global step: 7" in report.stdout
