@@ -18,7 +18,9 @@ def cmd_train(overrides: list[str]) -> int:
     from shardtrain.train.loop import Trainer
 
     cfg = load_config(overrides)  # every config error surfaces here, before any process starts
-    relaunch_if_needed(cfg, ["train", *overrides])
+    status = relaunch_if_needed(cfg, ["train", *overrides])
+    if status is not None:
+        return status
     if int(os.environ.get("RANK", 0)) == 0:
         logging.getLogger("shardtrain").info("resolved config:\n" + to_yaml(cfg).rstrip())
     try:

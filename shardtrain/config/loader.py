@@ -122,6 +122,18 @@ def devices_count(devices: Any) -> int | None:
     raise ConfigError(f"trainer.devices={devices!r} must be 'auto' or a positive int")
 
 
+def launch_shape(cfg: Config) -> tuple[int, int]:
+    """(processes per node, world size) the config asks for.
+
+    ``trainer.devices=auto`` follows torchrun when running under it, else one process per
+    accelerator (one on a CPU-only machine).
+    """
+    per_node = devices_count(cfg.trainer.devices)
+    if per_node is None:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(1, accelerator_count())
+    return per_node, per_node * cfg.trainer.num_nodes
+
+
 def validate(cfg: Config) -> None:
     t = cfg.trainer
     positive = {
@@ -177,8 +189,5 @@ def validate(cfg: Config) -> None:
     from shardtrain.distributed.plan import resolve_plan
 
     # Check the strategy section now, against the world size the launch will have.
-    per_node = devices_count(t.devices)
-    if per_node is None:
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(1, accelerator_count())
-    world = int(os.environ.get("WORLD_SIZE", 0)) or per_node * t.num_nodes
+    per_node, world = launch_shape(cfg)
     resolve_plan(cfg.strategy, world, per_node)

@@ -1,53 +1,108 @@
 """Start the right number of processes on torchrun, never on a launcher protocol of our own.
 
-``trainer.devices=N`` outside torchrun re-executes the same command under
-``torch.distributed.run --standalone --nproc-per-node N``. Multi-node runs are started by the user
-(or Slurm) with torchrun on every node; here we only check that the world matches the config.
+``trainer.devices=N`` outside torchrun runs the same command under
+``torch.distributed.run --standalone --nproc-per-node N`` and returns its exit status. Multi-node runs
+are started by the user (or Slurm) with torchrun on every node; then we only check that the world
+torchrun built matches the config.
+
+Preemption signals (``checkpoint.preemption_signals``) must reach the training processes, which save
+and exit 0, and must not make torchrun's agent tear the job down as a failure. So the agent runs in
+its own session with those signals ignored and left out of ``--signals-to-handle``, and this
+process forwards them to the agent's worker processes (which torchrun starts in sessions of their
+own, so a process-group signal would not reach them). Finding the workers reads /proc (Linux).
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 
-from shardtrain.config.loader import devices_count
+from shardtrain.config.loader import launch_shape
 from shardtrain.config.schema import Config
-from shardtrain.distributed.env import accelerator_count, under_torchrun
+from shardtrain.distributed.env import under_torchrun
 from shardtrain.errors import ConfigError
 
-
-def processes_per_node(cfg: Config) -> int:
-    """``trainer.devices`` resolved: "auto" is one process per accelerator, or one on a CPU."""
-    return devices_count(cfg.trainer.devices) or max(1, accelerator_count())
+AGENT_SIGNALS = ("SIGINT", "SIGHUP", "SIGQUIT")
 
 
-def torchrun_argv(nproc: int, command: list[str]) -> list[str]:
+def torchrun_argv(nproc: int, command: list[str], preemption_signals: list[str]) -> list[str]:
+    handled = [s for s in AGENT_SIGNALS if s not in preemption_signals]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", "-m", "shardtrain", *command]
+            f"--nproc-per-node={nproc}", f"--signals-to-handle={','.join(handled)}",
+            "-m", "shardtrain", *command]
 
 
-def relaunch_if_needed(cfg: Config, command: list[str]) -> None:
-    """Re-exec under torchrun when more than one local process is wanted; else return."""
-    nproc = processes_per_node(cfg)
+def check_torchrun_world(cfg: Config) -> None:
+    per_node, world = launch_shape(cfg)
+    actual_world = int(os.environ["WORLD_SIZE"])
+    actual_local = int(os.environ.get("LOCAL_WORLD_SIZE", actual_world))
+    if (actual_local, actual_world) != (per_node, world):
+        raise ConfigError(
+            f"torchrun started {actual_world} processes, {actual_local} per node, but the config "
+            f"asks for trainer.devices={cfg.trainer.devices} per node x trainer.num_nodes="
+            f"{cfg.trainer.num_nodes}; make them agree (trainer.devices=auto follows torchrun)"
+        )
+
+
+def descendants(root: int) -> list[int]:
+    """All processes below ``root`` (children, grandchildren, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def run_under_torchrun(nproc: int, command: list[str], preemption_signals: list[str]) -> int:
+    signals = [getattr(signal, name) for name in preemption_signals]
+
+    def ignore_preemption_signals() -> None:  # runs in the child before exec
+        for sig in signals:
+            signal.signal(sig, signal.SIG_IGN)
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    agent = subprocess.Popen(torchrun_argv(nproc, command, preemption_signals),
+                             preexec_fn=ignore_preemption_signals, start_new_session=True)
+
+    def forward(signum, frame) -> None:
+        targets = descendants(agent.pid) if signum != signal.SIGINT else [agent.pid]
+        for pid in targets:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    for sig in {*signals, signal.SIGINT}:
+        signal.signal(sig, forward)
+    return agent.wait()
+
+
+def relaunch_if_needed(cfg: Config, command: list[str]) -> int | None:
+    """Exit status of a torchrun run started here, or None when this process should train."""
     if under_torchrun():
-        world = int(os.environ["WORLD_SIZE"])
-        explicit = devices_count(cfg.trainer.devices)
-        expected = explicit * cfg.trainer.num_nodes if explicit else None
-        if expected is not None and expected != world:
-            raise ConfigError(
-                f"torchrun started {world} processes but trainer.devices={explicit} x "
-                f"trainer.num_nodes={cfg.trainer.num_nodes} = {expected}; make them agree "
-                "(or set trainer.devices=auto under torchrun)"
-            )
-        return
+        check_torchrun_world(cfg)
+        return None
+    per_node, _ = launch_shape(cfg)
     if cfg.trainer.num_nodes > 1:
         raise ConfigError(
             f"trainer.num_nodes={cfg.trainer.num_nodes}: start torchrun on every node, e.g. "
-            f"torchrun --nnodes {cfg.trainer.num_nodes} --nproc-per-node {nproc} "
+            f"torchrun --nnodes {cfg.trainer.num_nodes} --nproc-per-node {per_node} "
             "--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id RUN -m shardtrain train ..."
         )
-    if nproc > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        argv = torchrun_argv(nproc, command)
-        os.execv(argv[0], argv)
+    if per_node > 1:
+        return run_under_torchrun(per_node, command, list(cfg.checkpoint.preemption_signals))
+    return None

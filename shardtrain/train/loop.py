@@ -10,16 +10,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
 from shardtrain import faults
 from shardtrain.checkpoint.checkpointer import Checkpointer, load_model_weights
 from shardtrain.checkpoint.preemption import PreemptionFlag
+from shardtrain.config.loader import launch_shape, to_yaml
 from shardtrain.config.schema import Config
 from shardtrain.data.batches import BatchLayout, TokenWindows, TrainBatches, eval_batches
 from shardtrain.data.corpus import Corpus, load_corpus
 from shardtrain.distributed.env import DistEnv, init_distributed, set_cpu_threads
+from shardtrain.errors import ConfigError
 from shardtrain.generation.sampling import sample_bytes
 from shardtrain.train.build import Built, ModelFactory, build
 from shardtrain.train.metrics import MetricsWriter, Throughput, device_peak_flops, peak_memory_mib
@@ -81,6 +82,13 @@ class Trainer:
                wrap_policy: Sequence[str | type] | None = None,
                corpus: Corpus | None = None) -> Trainer:
         env = init_distributed(cfg.dist.backend, cfg.dist.timeout_s)
+        _, world = launch_shape(cfg)
+        if world != env.world_size:
+            raise ConfigError(
+                f"the config asks for {world} processes (trainer.devices={cfg.trainer.devices} x "
+                f"trainer.num_nodes={cfg.trainer.num_nodes}) but this world has {env.world_size}; "
+                "start the script with torchrun --nproc-per-node N, or set trainer.devices=auto"
+            )
         if env.device.type == "cpu":
             set_cpu_threads(env, cfg.trainer.threads_per_process)
         corpus = corpus if corpus is not None else load_corpus(cfg.data)
@@ -143,7 +151,7 @@ class Trainer:
             return
         run_dir = Path(self.cfg.run.dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(self.cfg)))
+        (run_dir / "config.yaml").write_text(to_yaml(self.cfg))
 
     def fit(self) -> TrainResult:
         t, b = self.cfg.trainer, self.built

@@ -1,0 +1,135 @@
+"""Checkpoints through the command line: crashes mid-save, preemption, and bad inputs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from cli_utils import SHARDTRAIN, read_metrics, run_cli
+
+QUICK = ["experiment=quick", "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample_tokens=0",
+         "trainer.micro_batch_size=2", "run.tensorboard=false"]
+
+
+def test_kill_during_save_resume_picks_previous_complete(tmp_path):
+    run_dir = tmp_path / "crash"
+    args = ["train", *QUICK, "trainer.devices=2", "trainer.max_steps=8", "checkpoint.interval=3",
+            f"run.dir={run_dir}"]
+    crashed = run_cli(*args, env={"SHARDTRAIN_FAULT": "save:1:6:kill"})  # rank 1 SIGKILLs itself
+    assert crashed.returncode != 0
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "step-3").is_dir() and (ckpts / ".step-6.tmp").is_dir()
+    assert not (ckpts / "step-6").exists()
+    inspect = run_cli("inspect", str(ckpts / ".step-6.tmp"), timeout=60)
+    assert inspect.returncode == 1 and "did not finish" in inspect.stdout
+
+    resumed = run_cli(*args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"skipping {ckpts / '.step-6.tmp'}: incomplete: the save did not finish" in resumed.stderr
+    assert f"newest complete checkpoint is {ckpts / 'step-3'} (step 3)" in resumed.stderr
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-6", "step-8"]  # keep_last=2, no tmp
+    assert read_metrics(run_dir)[-1]["step"] == 8
+
+
+def launch(args, env=None) -> subprocess.Popen:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.Popen([*SHARDTRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=full_env, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def wait_for_step(run_dir, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if read_metrics(run_dir) and read_metrics(run_dir)[-1]["step"] >= step:
+                return
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"training did not reach step {step}")
+
+
+def test_sigterm_saves_exits_cleanly_and_resumes_exactly(tmp_path):
+    common = [*QUICK, "trainer.devices=2", "trainer.max_steps=30", "checkpoint.interval=0"]
+    reference = run_cli("train", *common, f"run.dir={tmp_path / 'reference'}")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = [r["loss"] for r in read_metrics(tmp_path / "reference")]
+
+    run_dir = tmp_path / "preempted"
+    proc = launch(["train", *common, f"run.dir={run_dir}"])
+    try:
+        wait_for_step(run_dir, 5, proc)
+        os.killpg(proc.pid, signal.SIGTERM)  # like Slurm: every process of the job gets it
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    assert "preemption (SIGTERM): saving at step" in out
+    stopped_at = read_metrics(run_dir)[-1]["step"]
+    assert 5 <= stopped_at < 30 and (run_dir / "checkpoints" / f"step-{stopped_at}").is_dir()
+
+    resumed = run_cli("train", *common, f"run.dir={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    losses = [r["loss"] for r in read_metrics(run_dir)]
+    assert losses == expected  # bit for bit across the preemption
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("good")
+    proc = run_cli("train", *QUICK, "trainer.max_steps=2", f"run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir / "checkpoints" / "step-2"
+
+
+def damaged_copy(good, tmp_path, damage: str):
+    import shutil
+
+    target = tmp_path / "bad"
+    shutil.copytree(good, target)
+    if damage == "truncated":
+        shard = target / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:1000])
+    elif damage == "no_metadata":
+        (target / ".metadata").unlink()
+    elif damage == "file":
+        shutil.rmtree(target)
+        target.write_text("not a checkpoint")
+    elif damage == "empty":
+        shutil.rmtree(target)
+        target.mkdir()
+    return target
+
+
+@pytest.mark.parametrize(
+    ("damage", "extra", "message"),
+    [
+        ("truncated", [], "shard file __0_0.distcp is truncated"),
+        ("no_metadata", [], "has no .metadata: the save did not finish"),
+        ("file", [], "is a file, not a checkpoint directory"),
+        ("empty", [], "is empty"),
+        (None, ["model.dim=48", "model.n_heads=4"], "does not fit this model"),
+        (None, ["model.n_layers=4"], "missing keys: model.layers.3."),
+    ],
+)
+def test_bad_checkpoints_fail_fast_with_their_own_message(good_checkpoint, tmp_path, damage, extra, message):
+    path = damaged_copy(good_checkpoint, tmp_path, damage) if damage else good_checkpoint
+    start = time.monotonic()
+    proc = run_cli("train", *QUICK, *extra, f"checkpoint.resume={path}",
+                   f"run.dir={tmp_path / 'run'}", timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - start < 60  # no hang: fails as soon as the checkpoint is read
+    if damage in ("truncated", "no_metadata", "empty"):
+        consolidated = run_cli("consolidate", str(path), str(tmp_path / "out"), timeout=60)
+        assert consolidated.returncode == 2 and message in consolidated.stderr
+
+
+def test_resume_none_refuses_to_overwrite_checkpoints(good_checkpoint):
+    proc = run_cli("train", *QUICK, "checkpoint.resume=none", f"run.dir={good_checkpoint.parent.parent}")
+    assert proc.returncode == 2 and "would overwrite them" in proc.stderr
