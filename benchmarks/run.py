@@ -1,7 +1,9 @@
-"""Benchmarks, one command: ``.venv/bin/python benchmarks/run.py`` (add ``--processes 1 2``).
+"""Benchmarks, one command: ``.venv/bin/python benchmarks/run.py`` (``--only training|checkpoint``).
 
-Runs benchmarks/step_time.py under torchrun at each process count and rewrites the training section
-of docs/benchmarks.md with the command, the machine, the date and the results.
+training: benchmarks/step_time.py under torchrun at each process count (``--processes 1 2``).
+checkpoint: benchmarks/checkpoint_worker.py under torchrun (2 processes) for the default model and
+the 200M-parameter preset, then ``shardtrain consolidate`` peak memory, and the disk's write speed.
+Each rewrites its own section of docs/benchmarks.md with the command, the machine and the date.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -21,6 +25,7 @@ import torch
 ROOT = Path(__file__).parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- training:begin -->", "<!-- training:end -->"
+CKPT_BEGIN, CKPT_END = "<!-- checkpoint:begin -->", "<!-- checkpoint:end -->"
 HEADER = (
     "| processes | tokens/step | shardtrain tokens/s | hand-written tokens/s | shardtrain step ms "
     "| hand-written step ms | ratio (shardtrain / hand-written) |\n"
@@ -39,14 +44,105 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def run_step_time(processes: int, overrides: list[str]) -> dict:
+def run_torchrun(processes: int, script: str, args: list[str]) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={processes}", str(ROOT / "benchmarks" / "step_time.py"), *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+           f"--nproc-per-node={processes}", str(ROOT / "benchmarks" / script), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:
-        raise SystemExit(f"benchmark at {processes} processes failed:\n{proc.stderr[-4000:]}")
+        raise SystemExit(f"{script} at {processes} processes failed:\n{proc.stderr[-4000:]}")
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+
+
+PEAK_RSS = (
+    "import resource, subprocess, sys; "
+    "r = subprocess.run(sys.argv[1:]); "
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)"
+)
+
+
+def peak_rss_mib(cmd: list[str]) -> float:
+    """Peak resident memory of ``cmd`` (measured in a fresh wrapper process, Linux KiB units)."""
+    proc = subprocess.run([sys.executable, "-c", PEAK_RSS, *cmd], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{cmd} failed:\n{proc.stderr[-3000:]}")
+    return int(proc.stdout.strip().splitlines()[-1]) / 1024
+
+
+def disk_write_mib_s(directory: Path, total_mib: int = 1024) -> float:
+    chunk = os.urandom(16 * 2**20)
+    target = directory / "disk-speed.bin"
+    start = time.perf_counter()
+    with open(target, "wb") as f:
+        for _ in range(total_mib // 16):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    target.unlink()
+    return total_mib / seconds
+
+
+def checkpoint_results(workdir: Path) -> dict:
+    shardtrain = [sys.executable, "-m", "shardtrain"]
+    results = {"disk_mib_s": disk_write_mib_s(workdir), "models": []}
+    baseline = peak_rss_mib([sys.executable, "-c",
+                             "import torch, safetensors.torch, torch.distributed.checkpoint"])
+    results["import_baseline_mib"] = baseline
+    for preset, shard in (("llama_default", "4MB"), ("llama_200m", "100MB")):
+        run = run_torchrun(2, "checkpoint_worker.py", [str(workdir / preset), f"model={preset}",
+                                                       "trainer.micro_batch_size=1", "trainer.seq_len=64"])
+        out = workdir / f"{preset}-out"
+        run["consolidate_single_peak_mib"] = peak_rss_mib(
+            [*shardtrain, "consolidate", run["path"], str(out / "single")])
+        run["consolidate_sharded_peak_mib"] = peak_rss_mib(
+            [*shardtrain, "consolidate", run["path"], str(out / "sharded"), "--max-shard-size", shard])
+        run["shard_size"] = shard
+        run["model_mib"] = sum(f.stat().st_size for f in (out / "single").iterdir()) / 2**20
+        results["models"].append({"preset": preset, **run})
+        print(json.dumps(results["models"][-1]))
+    return results
+
+
+def render_checkpoint(results: dict, command: str) -> str:
+    rows = "\n".join(
+        f"| {m['preset']} | {m['params'] / 1e6:.1f}M | {m['bytes'] / 2**20:,.0f} MiB | "
+        f"{m['sync_s']:.2f} s ({m['bytes'] / 2**20 / m['sync_s']:,.0f} MiB/s) | "
+        f"{m['async_blocked_s']:.2f} s | {m['async_total_s']:.2f} s | {m['load_s']:.2f} s | "
+        f"{m['model_mib']:,.0f} MiB | {m['consolidate_single_peak_mib']:,.0f} MiB | "
+        f"{m['consolidate_sharded_peak_mib']:,.0f} MiB ({m['shard_size']} shards) |"
+        for m in results["models"]
+    )
+    return f"""{CKPT_BEGIN}
+## Checkpoints: save, load, consolidate
+
+- Command: `{command}`
+- Date: {datetime.date.today().isoformat()}
+- Machine: {os.cpu_count()} CPU cores ({cpu_name()}), no GPU, torch {torch.__version__}; the disk's
+  measured write speed (1 GiB, fsynced): **{results['disk_mib_s']:,.0f} MiB/s**
+- Each model trains one step at 2 processes (FULL_SHARD, fp32, so the checkpoint holds weights and
+  Adam's two moments), then: a synchronous save; an asynchronous save (the time training is blocked,
+  then the whole write); a load of that checkpoint (verification + DCP read + resharding into the
+  model and optimizer). Consolidation runs as `shardtrain consolidate` in its own process; its peak
+  resident memory includes the Python + torch import baseline of
+  {results['import_baseline_mib']:,.0f} MiB.
+
+| model | parameters | checkpoint size | sync save | async: training blocked | async: whole write | load | model weights (fp32) | consolidate peak RSS, one file | consolidate peak RSS, sharded |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+{rows}
+
+With one output file the whole model is in memory once; with `--max-shard-size` the peak is the
+import baseline plus about one shard.
+{CKPT_END}"""
+
+
+def write_section(begin: str, end: str, section: str) -> None:
+    text = DOC.read_text() if DOC.exists() else INTRO
+    if begin in text:
+        text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: section, text, flags=re.S)
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    DOC.write_text(text)
 
 
 def render(results: list[dict], command: str) -> str:
@@ -82,20 +178,21 @@ does not double: the CPU is the bottleneck, not the sharding.
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--only", choices=["training", "checkpoint"], default=None)
     args = parser.parse_args()
-    results = []
-    for n in args.processes:
-        overrides = [f"trainer.micro_batch_size={16 // n}"]
-        results.append(run_step_time(n, overrides))
-        print(json.dumps(results[-1]))
-    command = "python benchmarks/run.py --processes " + " ".join(map(str, args.processes))
-    section = render(results, command)
-    text = DOC.read_text() if DOC.exists() else INTRO
-    if BEGIN in text:
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, text, flags=re.S)
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    DOC.write_text(text)
+    if args.only in (None, "training"):
+        results = []
+        for n in args.processes:
+            results.append(run_torchrun(n, "step_time.py", [f"trainer.micro_batch_size={16 // n}"]))
+            print(json.dumps(results[-1]))
+        command = "python benchmarks/run.py --only training --processes " + " ".join(
+            map(str, args.processes))
+        write_section(BEGIN, END, render(results, command))
+    if args.only in (None, "checkpoint"):
+        with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
+            results = checkpoint_results(Path(workdir))
+        write_section(CKPT_BEGIN, CKPT_END,
+                      render_checkpoint(results, "python benchmarks/run.py --only checkpoint"))
     print(f"wrote {DOC}")
 
 

@@ -1,10 +1,26 @@
-"""shardtrain: FSDP2 training with the right defaults and loud errors."""
+"""shardtrain: FSDP2 training with the right defaults and loud errors.
+
+The public names are imported on first use, so ``shardtrain --help`` does not pay for torch.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-from shardtrain.config.loader import load_config  # noqa: E402
-from shardtrain.config.schema import Config  # noqa: E402
-from shardtrain.logs import setup_logging  # noqa: E402
-from shardtrain.train.loop import Trainer, TrainResult, run_training  # noqa: E402
+_EXPORTS = {
+    "Config": "shardtrain.config.schema",
+    "load_config": "shardtrain.config.loader",
+    "Trainer": "shardtrain.train.loop",
+    "TrainResult": "shardtrain.train.loop",
+    "run_training": "shardtrain.train.loop",
+    "setup_logging": "shardtrain.logs",
+}
+__all__ = [*_EXPORTS, "__version__"]
 
-__all__ = ["Config", "Trainer", "TrainResult", "load_config", "run_training", "setup_logging", "__version__"]
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'shardtrain' has no attribute {name!r}")

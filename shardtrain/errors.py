@@ -13,6 +13,10 @@ class DataError(ShardtrainError):
     """The training data is missing, empty or too small for the requested batch."""
 
 
+class TrainingError(ShardtrainError):
+    """Training cannot go on (e.g. too many non-finite steps in a row)."""
+
+
 class ModelError(ShardtrainError):
     """The model or its wrap policy cannot be sharded as requested."""
 

@@ -63,3 +63,30 @@ def test_bad_config_is_named(override, expected):
 def test_hybrid_group_must_divide_world():
     with pytest.raises(ConfigError, match="shard_group_size=3 must divide the world size 4"):
         load_config(["trainer.devices=4", "strategy=hybrid_shard", "strategy.shard_group_size=3"])
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("model.vocab_size=100", "too small for byte-level data"),
+        ("model.name=gpt", "model.name='gpt' is unknown"),
+        ("trainer.eval_samples=0", "trainer.eval_samples=0 must be at least 1"),
+        ("trainer.min_lr_ratio=2", "trainer.min_lr_ratio=2.0 must be between 0.0 and 1"),
+        ("trainer.beta2=1.5", "trainer.beta2=1.5 must be between"),
+        ("dist.backend=nccl", "dist.backend=nccl needs GPUs"),
+        ("checkpoint.preemption_signals=[SIGKILL]", "SIGKILL cannot be caught"),
+        ("checkpoint.preemption_signals=[SIGTEM]", "'SIGTEM' is not a signal name"),
+        ("strategy.wrap_policy=[nope.Block]", "wrap policy class 'nope.Block' does not import"),
+        ("strategy.wrap_policy=[torch.nn.Linear2]", "does not import"),
+        ("checkpoint.interval=-1", "checkpoint.interval=-1 must be 0"),
+        ("checkpoint.async=maybe", "checkpoint.async_save=maybe"),
+    ],
+)
+def test_more_bad_values_are_caught_before_launch(override, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config([override])
+    assert expected in str(info.value)
+
+
+def test_checkpoint_async_alias():
+    assert load_config(["checkpoint.async=true"]).checkpoint.async_save is True

@@ -14,6 +14,7 @@ error at once instead of hanging in a collective. DCP then reshards to the curre
 
 from __future__ import annotations
 
+import datetime
 import logging
 import platform
 import random
@@ -122,7 +123,9 @@ class Checkpointer:
         self.pending: PendingSave | None = None
         # Checkpoint collectives get their own gloo group: an async save's thread can then never
         # interleave with a training collective on the default group (a known deadlock).
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.group = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=cfg.dist.timeout_s)
+        )
 
     # ---- finding what to resume ----------------------------------------------------------
 
@@ -131,7 +134,7 @@ class Checkpointer:
         choice = self.ckpt.resume
         if choice == "none":
             found = layout.scan(self.root)
-            if self.ckpt.enabled and found.complete:
+            if found.complete:
                 raise CheckpointError(
                     f"{self.root} already holds checkpoints ({found.complete[-1][1].name} is the newest) "
                     "and checkpoint.resume=none would overwrite them; resume (checkpoint.resume=auto) or "
@@ -161,9 +164,14 @@ class Checkpointer:
         start = time.perf_counter()
         self.wait()  # one save in flight at a time
         final, tmp = layout.step_dir(self.root, step), layout.tmp_dir(self.root, step)
+        # Every rank decides from the same files, so all raise together instead of some waiting.
+        if final.exists() and not layout.scan(self.root).is_skipped(final):
+            raise CheckpointError(f"{final} already exists; refusing to overwrite a checkpoint")
         if self.rank == 0:
-            if final.exists():
-                raise CheckpointError(f"{final} already exists; refusing to overwrite a checkpoint")
+            if final.exists():  # damaged (resume skipped it): keep it aside for inspection
+                aside = final.with_name(f"{final.name}.damaged-{int(time.time())}")
+                final.rename(aside)
+                self.info(f"checkpoint: moved damaged {final.name} to {aside.name}")
             if tmp.exists():  # left by a crashed save of this step
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)

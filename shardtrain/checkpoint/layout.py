@@ -113,6 +113,9 @@ class Found:
     complete: list[tuple[int, Path]]
     skipped: list[tuple[Path, str]]  # (path, why it is not usable)
 
+    def is_skipped(self, path: Path) -> bool:
+        return any(p == path for p, _ in self.skipped)
+
 
 def scan(root: Path) -> Found:
     """Complete checkpoints (oldest first) and everything else, each with the reason."""

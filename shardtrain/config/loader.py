@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from shardtrain.config.schema import Config
 from shardtrain.config.suggest import closest
 from shardtrain.distributed.env import accelerator_count
-from shardtrain.errors import ConfigError
+from shardtrain.errors import ConfigError, ShardtrainError
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 GROUPS = ("model", "strategy", "data", "experiment")
@@ -150,6 +150,8 @@ def validate(cfg: Config) -> None:
         "model.vocab_size": cfg.model.vocab_size,
         "dist.timeout_s": cfg.dist.timeout_s,
         "checkpoint.keep_last": cfg.checkpoint.keep_last,
+        "trainer.eval_samples": t.eval_samples,
+        "model.ffn_multiple_of": cfg.model.ffn_multiple_of,
     }
     for key, value in positive.items():
         if value < 1:
@@ -158,7 +160,39 @@ def validate(cfg: Config) -> None:
                        "trainer.weight_decay": t.weight_decay}.items():
         if value < 0:
             raise ConfigError(f"{key}={value} must not be negative")
+    for key, value, low, high in [
+        ("trainer.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0),
+        ("trainer.beta1", t.beta1, 0.0, 0.999999),
+        ("trainer.beta2", t.beta2, 0.0, 0.999999),
+        ("data.val_percent", cfg.data.val_percent, 0.0, 100.0),
+    ]:
+        if not low <= value <= high:
+            raise ConfigError(f"{key}={value} must be between {low} and {high:g}")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"trainer.warmup_steps={t.warmup_steps} must not be negative")
     devices_count(t.devices)
+    if cfg.model.name != "llama":
+        raise ConfigError(f"model.name={cfg.model.name!r} is unknown{closest(cfg.model.name, ['llama'])}; "
+                          "the built-in model is 'llama' (bring your own through the library API)")
+    if cfg.model.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is too small for byte-level data "
+                          "(256 token ids); use at least 256")
+    if cfg.dist.backend == "nccl" and not accelerator_count():
+        raise ConfigError(
+            "dist.backend=nccl needs GPUs and none is visible; use dist.backend=auto (gloo on CPU)"
+        )
+    if cfg.data.source == "files":
+        for entry in cfg.data.paths:
+            if not Path(entry).expanduser().exists():
+                raise ConfigError(f"data path {entry!r} does not exist; fix data.paths")
+    from shardtrain.distributed.parallelize import import_class
+
+    for entry in cfg.strategy.wrap_policy:
+        if entry != "auto":
+            try:
+                import_class(entry)
+            except ShardtrainError as exc:
+                raise ConfigError(f"strategy.wrap_policy: {exc}") from exc
     if t.seq_len > cfg.model.max_seq_len:
         raise ConfigError(
             f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
@@ -179,6 +213,10 @@ def validate(cfg: Config) -> None:
     for name in cfg.checkpoint.preemption_signals:
         if not isinstance(getattr(signal, str(name), None), signal.Signals):
             raise ConfigError(f"checkpoint.preemption_signals: {name!r} is not a signal name like 'SIGTERM'")
+        if name in ("SIGKILL", "SIGSTOP"):
+            raise ConfigError(
+                f"checkpoint.preemption_signals: {name} cannot be caught; use SIGTERM or SIGUSR1"
+            )
     if cfg.dist.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"dist.backend={cfg.dist.backend!r} must be auto, gloo or nccl")
     if cfg.data.source not in ("stdlib", "files"):

@@ -67,6 +67,8 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     val_parts: list[bytes] = []
     total = 0
     for root in roots:
+        if cfg.max_bytes and total >= cfg.max_bytes:
+            break
         if not root.exists():
             raise DataError(f"data path {str(root)!r} does not exist; fix data.paths")
         files = [root] if root.is_file() else list_files(root, cfg.file_glob)

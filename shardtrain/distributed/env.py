@@ -86,5 +86,8 @@ def set_cpu_threads(env: DistEnv, threads: int) -> int:
 
 
 def destroy_distributed() -> None:
+    from shardtrain.distributed.parallelize import clear_mesh_cache
+
+    clear_mesh_cache()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 _MESHES: dict[tuple, DeviceMesh] = {}
 
 
+def clear_mesh_cache() -> None:
+    _MESHES.clear()
+
+
 def build_mesh(plan: ShardingPlan, device_type: str) -> DeviceMesh:
     """The device mesh for ``plan``; one per shape and process group, since each costs new groups."""
     key = (device_type, plan.mesh_shape, plan.mesh_dim_names, id(dist.group.WORLD))
@@ -98,7 +102,6 @@ def enable_activation_checkpointing(module: nn.Module) -> None:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward
-    module._shardtrain_checkpointed = True
 
 
 @dataclass
@@ -112,7 +115,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
     """Shard ``model`` in place, bottom-up: every matched block, the model's extra groups, the root."""
     wrap = resolve_wrap_classes(model, wrap_policy)
     if plan.storage_dtype != torch.float32:
-        model.to(dtype=plan.storage_dtype)
+        # Parameters only: buffers such as RoPE tables keep their own (fp32) precision.
+        for param in model.parameters():
+            param.data = param.data.to(plan.storage_dtype)
     mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
     common = dict(mesh=mesh, mp_policy=mp)
     if plan.cpu_offload:

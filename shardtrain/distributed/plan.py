@@ -48,14 +48,6 @@ class ShardingPlan:
     activation_checkpointing: str
     activation_checkpointing_every: int
 
-    @property
-    def shard_size(self) -> int:
-        return self.mesh_shape[-1]
-
-    @property
-    def replicate_size(self) -> int:
-        return self.mesh_shape[0] if len(self.mesh_shape) == 2 else 1
-
     def checkpointed(self, block_index: int) -> bool:
         if self.activation_checkpointing == "all":
             return True

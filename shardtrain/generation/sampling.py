@@ -35,7 +35,7 @@ def sample_bytes(model: nn.Module, prompt: bytes, max_new_tokens: int, context: 
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.tensor([list(prompt or b"\n")], dtype=torch.long, device=device)
     for _ in range(max_new_tokens):
-        logits = model(tokens[:, -context:])[:, -1, :]
+        logits = model(tokens[:, -context:])[:, -1, :256]  # bytes only, whatever the vocabulary
         tokens = torch.cat([tokens, pick_next(logits, temperature, top_k, generator)], dim=1)
     model.train(was_training)
     reshard_all(model)

@@ -120,8 +120,7 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # RoPE tables are derived, not learned: non-persistent so checkpoints never carry them.
-        head_dim = cfg.dim // cfg.n_heads
-        cos, sin = rope_tables(head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = self.rope()
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -146,10 +145,12 @@ class Llama(nn.Module):
             return [[self.tok_embeddings, self.norm, self.output]]
         return [[self.tok_embeddings], [self.norm, self.output]]
 
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta)
+
     def init_buffers(self) -> None:
         """Recompute derived buffers after the meta-device model was materialised."""
-        head_dim = self.cfg.dim // self.cfg.n_heads
-        cos, sin = rope_tables(head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        cos, sin = self.rope()
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 

@@ -18,19 +18,21 @@ from torch.distributed.tensor import DTensor
 
 def global_grad_norm(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> torch.Tensor:
     """Global L2 norm of all gradients, identical on every rank (fp32 scalar)."""
+    # Every parameter is inside some FSDP unit (the root covers the rest), so every gradient is a
+    # DTensor; a plain tensor here would be counted once per rank without anyone noticing.
     grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else torch.device(mesh.device_type)
-    sharded = torch.zeros((), dtype=torch.float32, device=device)
-    replicated = torch.zeros((), dtype=torch.float32, device=device)
+    if any(not isinstance(g, DTensor) for g in grads):
+        raise TypeError("global_grad_norm expects the DTensor gradients of a fully_shard-ed model")
+    # Accumulate on the mesh's device: with CPU offload the gradients live on the CPU while the
+    # collective runs on the accelerator.
+    device = torch.device(mesh.device_type)
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
-        if isinstance(g, DTensor):
-            sharded += g.to_local().float().pow(2).sum()
-        else:
-            replicated += g.float().pow(2).sum()
+        total += g.to_local().float().pow(2).sum().to(device)
     shard_group = mesh.get_group("dp_shard")
     if dist.get_world_size(shard_group) > 1:
-        dist.all_reduce(sharded, group=shard_group)
-    return (sharded + replicated).sqrt()
+        dist.all_reduce(total, group=shard_group)
+    return total.sqrt()
 
 
 @torch.no_grad()

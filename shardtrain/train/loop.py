@@ -20,7 +20,7 @@ from shardtrain.config.schema import Config
 from shardtrain.data.batches import BatchLayout, TokenWindows, TrainBatches, eval_batches
 from shardtrain.data.corpus import Corpus, load_corpus
 from shardtrain.distributed.env import DistEnv, init_distributed, set_cpu_threads
-from shardtrain.errors import ConfigError
+from shardtrain.errors import ConfigError, TrainingError
 from shardtrain.generation.sampling import sample_bytes
 from shardtrain.train.build import Built, ModelFactory, build
 from shardtrain.train.metrics import MetricsWriter, Throughput, device_peak_flops, peak_memory_mib
@@ -258,7 +258,7 @@ class Trainer:
                   f"(loss={stats.loss}, grad_norm={stats.grad_norm}); update skipped")
         self.writer.write(self.step, "skip", {"loss": stats.loss, "grad_norm": stats.grad_norm})
         if self.consecutive_skips > limit:
-            raise RuntimeError(
+            raise TrainingError(
                 f"{self.consecutive_skips} consecutive steps had a non-finite loss or gradient norm "
                 f"(limit trainer.max_skipped_steps={limit}); lower trainer.lr, keep "
                 "trainer.grad_clip_norm on, or check the data"

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from shardtrain.data.batches import IGNORE_INDEX
 from shardtrain.distributed.parallelize import reshard_all
+from shardtrain.errors import TrainingError
 from shardtrain.train.grad import clip_grads_, global_grad_norm
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -52,7 +53,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
     (global_tokens,) = global_sum([local_tokens], device)
     if global_tokens == 0:
-        raise ValueError("a training step had no target tokens on any rank")
+        raise TrainingError("a training step had no target tokens on any rank; check the data")
 
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     accumulate = isinstance(model, FSDPModule) and len(micro_batches) > 1
