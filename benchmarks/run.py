@@ -163,7 +163,8 @@ def render(results: list[dict], command: str) -> str:
   16 x 128 tokens at every process count (micro-batch 16 / processes).
 - Method: both loops run in the same processes on the same initial weights and batches, in 6
   alternating rounds of 5 timed steps after 3 warm-up steps each; numbers are medians of the step
-  time. shardtrain's step is `Trainer.run_step` (data, step, metrics bookkeeping); the hand-written
+  time. shardtrain's step is `Trainer.iteration`, the body of its training loop (data, step, metrics
+  bookkeeping, the all-ranks preemption check; no checkpoint is due in these steps); the hand-written
   loop is the FSDP2 tutorial's (`fully_shard` per block and root, mean loss, `clip_grad_norm_`,
   AdamW). Goal: ratio at most 1.03.
 

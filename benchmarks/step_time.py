@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.config.loader import load_config
 from shardtrain.distributed.parallelize import shard_like, stable_seed
 from shardtrain.models.llama import Llama, TransformerBlock
@@ -62,17 +64,19 @@ def handwritten(cfg, trainer: Trainer):
 def main(overrides: list[str]) -> None:
     cfg = load_config(["trainer.max_steps=10000", "trainer.eval_every=0", "trainer.log_every=1000000",
                        "trainer.sample_tokens=0", "trainer.progress_bar=false", "run.tensorboard=false",
-                       "run.dir=/tmp/shardtrain-bench", *overrides])
+                       "checkpoint.interval=0", f"run.dir={tempfile.mkdtemp()}", *overrides])
     rounds, steps_per_round, warmup = 6, 5, 3
     trainer = Trainer.create(cfg)
     trainer.log_setup()
+    # Time the loop's whole iteration as fit() runs it, preemption check included.
+    trainer.preemption = PreemptionFlag(cfg.checkpoint.preemption_signals, trainer.env.device)
     reference_step = handwritten(cfg, trainer)
     for _ in range(warmup):
-        trainer.run_step()
+        trainer.iteration()
         reference_step()
     times = {"shardtrain": [], "handwritten": []}
     for _ in range(rounds):
-        for name, fn in (("shardtrain", trainer.run_step), ("handwritten", reference_step)):
+        for name, fn in (("shardtrain", trainer.iteration), ("handwritten", reference_step)):
             dist.barrier()
             for _ in range(steps_per_round):
                 start = time.perf_counter()

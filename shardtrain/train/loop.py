@@ -76,6 +76,7 @@ class Trainer:
             if cfg.checkpoint.enabled else None
         )
         self.last_saved_step: int | None = None
+        self.preemption: PreemptionFlag | None = None
 
     @classmethod
     def create(cls, cfg: Config, *, model_factory: ModelFactory | None = None,
@@ -160,30 +161,19 @@ class Trainer:
         self.progress = self._progress()
         if self.step >= t.max_steps:
             self.info(f"nothing to do: step {self.step} >= trainer.max_steps={t.max_steps}")
-        preemption = (PreemptionFlag(self.cfg.checkpoint.preemption_signals, self.env.device)
-                      if self.checkpointer is not None else None)
+        if self.checkpointer is not None:
+            self.preemption = PreemptionFlag(self.cfg.checkpoint.preemption_signals, self.env.device)
         try:
-            while self.step < t.max_steps:
-                self.run_step()
-                if self.checkpointer is None:
-                    continue
-                self.checkpointer.poll()
-                if preemption.agreed():
-                    self.info(f"preemption ({preemption.signal_name or 'signal on another rank'}): "
-                              f"saving at step {self.step} and stopping")
-                    self.save_checkpoint(blocking=True)
-                    self.result.preempted = True
-                    break
-                interval = self.cfg.checkpoint.interval
-                if interval and self.step % interval == 0 and self.step < t.max_steps:
-                    self.save_checkpoint()
+            while self.step < t.max_steps and self.iteration():
+                pass
             if self.checkpointer is not None and not self.result.preempted:
                 if self.last_saved_step != self.step:
                     self.save_checkpoint(blocking=True)
                 self.checkpointer.wait()
         finally:
-            if preemption is not None:
-                preemption.restore()
+            if self.preemption is not None:
+                self.preemption.restore()
+                self.preemption = None
         if self.progress is not None:
             self.progress.close()
         if self.result.preempted:
@@ -206,6 +196,23 @@ class Trainer:
                   f"({len(b.report.checkpointed)} activation-checkpointed)")
         self.info(f"data: {self.corpus.describe()}; global batch {self.layout.global_batch} x "
                   f"{t.seq_len} tokens = {self.layout.global_batch * t.seq_len} tokens/step")
+
+    def iteration(self) -> bool:
+        """One iteration of ``fit``: a step, then checkpointing and preemption. False: stop."""
+        self.run_step()
+        if self.checkpointer is None:
+            return True
+        self.checkpointer.poll()
+        if self.preemption is not None and self.preemption.agreed():
+            self.info(f"preemption ({self.preemption.signal_name or 'signal on another rank'}): "
+                      f"saving at step {self.step} and stopping")
+            self.save_checkpoint(blocking=True)
+            self.result.preempted = True
+            return False
+        interval = self.cfg.checkpoint.interval
+        if interval and self.step % interval == 0 and self.step < self.cfg.trainer.max_steps:
+            self.save_checkpoint()
+        return True
 
     def run_step(self) -> StepStats:
         """One iteration of the loop: next global batch, step, bookkeeping, metrics, validation."""
