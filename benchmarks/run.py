@@ -131,8 +131,10 @@ def render_checkpoint(results: dict, command: str) -> str:
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 {rows}
 
-With one output file the whole model is in memory once; with `--max-shard-size` the peak is the
-import baseline plus about one shard.
+With one output file the whole model is in memory (plus DCP's read buffer). With
+`--max-shard-size` the peak is the import baseline plus about twice the largest output shard (DCP
+reads a tensor's bytes, then copies them into place), whatever the model's size; a tensor larger than
+the limit gets a shard of its own (llama_200m's 125 MiB embedding matrix is its largest shard).
 {CKPT_END}"""
 
 
@@ -159,7 +161,7 @@ def render(results: list[dict], command: str) -> str:
 - Date: {datetime.date.today().isoformat()}
 - Machine: {os.cpu_count()} CPU cores ({cpu_name()}), no GPU, gloo backend, torch {torch.__version__},
   Python {platform.python_version()}
-- Model and batch: the default config (Llama, 3.2M parameters, FULL_SHARD, fp32), global batch
+- Model and batch: the default config (Llama, 3.1M parameters, FULL_SHARD, fp32), global batch
   16 x 128 tokens at every process count (micro-batch 16 / processes).
 - Method: both loops run in the same processes on the same initial weights and batches, in 6
   alternating rounds of 5 timed steps after 3 warm-up steps each; numbers are medians of the step
