@@ -16,11 +16,11 @@ N = 4  # steps before the interruption; runs are 2N steps
 
 
 def ckpt_config(run_dir: str, world: int, strategy: str = "FULL_SHARD", accum: int = 1,
-                resume: str = "auto", interval: int = 0, **model_extra):
+                resume: str = "auto", interval: int = 0, async_save: bool = False, **model_extra):
     cfg = case_config(world, run_dir, strategy=strategy, accum=accum)
     cfg.trainer = dataclasses.replace(cfg.trainer, max_steps=2 * N)
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, enabled=True, interval=interval,
-                                         resume=resume, keep_last=3)
+                                         resume=resume, keep_last=3, async_save=async_save)
     if model_extra:
         cfg.model = dataclasses.replace(cfg.model, **model_extra)
     return cfg
@@ -47,10 +47,17 @@ def dump(trainer: Trainer, losses: list[float], path: Path) -> None:
 
 
 def exact_resume(out: str) -> None:
-    """2 ranks: uninterrupted 2N steps vs N steps, stop, resume from run.dir, N more."""
+    """2 ranks: uninterrupted 2N steps vs N steps, stop, resume from run.dir, N more.
+
+    The uninterrupted run saves step N asynchronously while it trains on; resuming from that
+    checkpoint must also reproduce its last N steps exactly.
+    """
     world = int(os.environ["WORLD_SIZE"])
-    full = new_trainer(ckpt_config(f"{out}/full", world, interval=N))
+    full = new_trainer(ckpt_config(f"{out}/full", world, interval=N, async_save=True))
     dump(full, full.fit().losses, Path(out, "full.pt"))
+    from_async = new_trainer(ckpt_config(f"{out}/from_async", world,
+                                         resume=f"{out}/full/checkpoints/step-{N}"))
+    dump(from_async, from_async.fit().losses, Path(out, "from_async.pt"))
 
     first = new_trainer(ckpt_config(f"{out}/split", world))
     interrupted(first, N)

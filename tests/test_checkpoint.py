@@ -27,6 +27,9 @@ def test_exact_resume_is_bitwise_identical(tmp_path):
     assert split["losses"] == full["losses"]  # every step, bit for bit
     for name, w in full["weights"].items():
         assert torch.equal(split["weights"][name], w), name
+    from_async = torch.load(tmp_path / "from_async.pt")
+    assert from_async["losses"] == full["losses"][N:]
+    assert all(torch.equal(from_async["weights"][k], w) for k, w in full["weights"].items())
     # the step-N checkpoint of the uninterrupted run is complete and describes itself
     state = json.loads((tmp_path / "full/checkpoints" / f"step-{N}" / "trainer_state.json").read_text())
     assert state["step"] == N and state["world_size"] == 2 and state["strategy"] == "FULL_SHARD"

@@ -82,9 +82,26 @@ def test_sigterm_saves_exits_cleanly_and_resumes_exactly(tmp_path):
 @pytest.fixture(scope="module")
 def good_checkpoint(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("good")
-    proc = run_cli("train", *QUICK, "trainer.max_steps=2", f"run.dir={run_dir}")
+    proc = run_cli("train", *QUICK, "trainer.max_steps=2", "checkpoint.save_full=true",
+                   f"run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir / "checkpoints" / "step-2"
+
+
+def test_save_full_matches_consolidation_and_inspect_describes_it(good_checkpoint, tmp_path):
+    from safetensors.torch import load_file
+
+    from shardtrain.export.consolidate import consolidate
+
+    full = load_file(good_checkpoint / "model.safetensors")
+    consolidated = load_file(consolidate(good_checkpoint, tmp_path / "m.safetensors")[0])
+    assert full.keys() == consolidated.keys()
+    assert all(__import__("torch").equal(full[k], consolidated[k]) for k in full)
+    report = run_cli("inspect", str(good_checkpoint), timeout=60)
+    assert report.returncode == 0
+    for expected in ("shardtrain checkpoint (DCP)", "complete:   yes", "step:       2",
+                     "world size: 1", "strategy:   FULL_SHARD", "problems:   none found"):
+        assert expected in report.stdout, report.stdout
 
 
 def damaged_copy(good, tmp_path, damage: str):
