@@ -1,25 +1,47 @@
-"""Fault injection for tests: make one rank die or raise at a named point of a chosen step.
+"""Fault injection for tests: make one rank fail at a named point of chosen steps.
 
-Set ``SHARDTRAIN_FAULT=<point>:<rank>:<step>:<action>`` (action ``kill`` = SIGKILL itself, ``raise``
-= RuntimeError). Points: ``save`` (inside a checkpoint save, after this rank wrote part of it) and
-``step`` (after a training step). Unset, this costs one dictionary lookup. Never set it in production.
+``SHARDTRAIN_FAULT=<point>:<rank>:<steps>:<action>`` where steps is ``N`` or ``A-B`` and action is
+``kill`` (SIGKILL itself), ``raise`` (RuntimeError), ``sleep=S`` (stall S seconds) or ``nan`` (poison
+the loss; point ``loss`` only). Points: ``save`` (inside a checkpoint save, after this rank wrote part
+of it), ``step`` (after a training step), ``loss`` (the first micro-batch's loss). Unset, this costs
+one dictionary lookup. Never set it in production.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
+
+import torch
 
 ENV = "SHARDTRAIN_FAULT"
 
 
-def inject(point: str, rank: int, step: int) -> None:
+def _match(point: str, rank: int, step: int) -> str | None:
     spec = os.environ.get(ENV)
     if not spec:
-        return
-    want_point, want_rank, want_step, action = spec.split(":")
-    if (want_point, int(want_rank), int(want_step)) != (point, rank, step):
+        return None
+    want_point, want_rank, steps, action = spec.split(":")
+    first, _, last = steps.partition("-")
+    if want_point != point or int(want_rank) != rank:
+        return None
+    if not int(first) <= step <= int(last or first):
+        return None
+    return action
+
+
+def inject(point: str, rank: int, step: int) -> None:
+    action = _match(point, rank, step)
+    if action is None:
         return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action.startswith("sleep="):
+        time.sleep(float(action.split("=", 1)[1]))
+        return
     raise RuntimeError(f"injected fault: rank {rank} failed at {point} of step {step} ({ENV})")
+
+
+def poison_loss(rank: int, step: int, loss: torch.Tensor) -> torch.Tensor:
+    return loss * float("nan") if _match("loss", rank, step) == "nan" else loss

@@ -6,6 +6,9 @@ import argparse
 import logging
 import os
 import sys
+import time
+import traceback
+from pathlib import Path
 
 from shardtrain.errors import ShardtrainError
 from shardtrain.logs import setup_logging
@@ -13,20 +16,48 @@ from shardtrain.logs import setup_logging
 
 def cmd_train(overrides: list[str]) -> int:
     from shardtrain.config.loader import load_config, to_yaml
+    from shardtrain.diagnostics.failures import describe, first_failure, record_failure
     from shardtrain.distributed.env import destroy_distributed
     from shardtrain.distributed.launch import relaunch_if_needed
     from shardtrain.train.loop import Trainer
 
     cfg = load_config(overrides)  # every config error surfaces here, before any process starts
+    started = time.time()
     status = relaunch_if_needed(cfg, ["train", *overrides])
     if status is not None:
+        if status != 0:
+            failure = first_failure(Path(cfg.run.dir), started)
+            if failure is not None:
+                print(f"shardtrain: error: {describe(failure)}", file=sys.stderr)
         return status
-    if int(os.environ.get("RANK", 0)) == 0:
+    rank = int(os.environ.get("RANK", 0))
+    if rank == 0:
         logging.getLogger("shardtrain").info("resolved config:\n" + to_yaml(cfg).rstrip())
+    trainer = None
     try:
-        Trainer.create(cfg).fit()
+        trainer = Trainer.create(cfg)
+        trainer.fit()
+    except BaseException as exc:
+        if not isinstance(exc, SystemExit) or exc.code not in (0, None):
+            step = trainer.step if trainer is not None else 0
+            record_failure(Path(cfg.run.dir), rank, step, type(exc).__name__, str(exc).splitlines()[0]
+                           if str(exc) else "", traceback.format_exc())
+        raise
     finally:
         destroy_distributed()
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from shardtrain.config.loader import launch_shape, load_config
+    from shardtrain.diagnostics.planner import plan_table
+    from shardtrain.export.consolidate import parse_size
+
+    cfg = load_config(args.overrides)
+    per_node, world = launch_shape(cfg)
+    memory = parse_size(args.device_memory) if args.device_memory else None
+    sizes = args.world_sizes or sorted({1, 2, 4, 8, world})
+    print(plan_table(cfg, sizes, memory, args.processes_per_node or per_node))
     return 0
 
 
@@ -78,6 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="top-level key holding the weights (default: state_dict. for Lightning, "
                       "else model.)")
 
+    plan = sub.add_parser(
+        "plan", help="estimate per-rank memory for each strategy and world size",
+        description="Same key=value overrides as train. Parameters, gradients and optimizer state are "
+        "exact for FSDP2's layout; activations and communication buffers are estimates "
+        "(docs/memory-planner.md).",
+    )
+    plan.add_argument("overrides", nargs="*", help="key=value config overrides")
+    plan.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GB")
+    plan.add_argument("--world-sizes", type=int, nargs="+", default=None,
+                      help="world sizes to show (default 1 2 4 8 and the config's)")
+    plan.add_argument("--processes-per-node", type=int, default=None,
+                      help="for hybrid strategies (default: trainer.devices)")
+
     insp = sub.add_parser("inspect", help="describe a checkpoint and check that it is whole",
                           description="Exit status 0 when complete with no problem found, else 1.")
     insp.add_argument("path", help="checkpoint directory, .safetensors file or index .json")
@@ -94,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_consolidate(args)
         if args.command == "inspect":
             return cmd_inspect(args)
+        if args.command == "plan":
+            return cmd_plan(args)
     except ShardtrainError as exc:
         print(f"shardtrain: error: {exc}", file=sys.stderr)
         return 2

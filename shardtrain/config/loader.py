@@ -149,6 +149,7 @@ def validate(cfg: Config) -> None:
         "model.n_kv_heads": cfg.model.n_kv_heads,
         "model.vocab_size": cfg.model.vocab_size,
         "dist.timeout_s": cfg.dist.timeout_s,
+        "dist.startup_timeout_s": cfg.dist.startup_timeout_s,
         "checkpoint.keep_last": cfg.checkpoint.keep_last,
         "trainer.eval_samples": t.eval_samples,
         "model.ffn_multiple_of": cfg.model.ffn_multiple_of,
@@ -217,6 +218,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(
                 f"checkpoint.preemption_signals: {name} cannot be caught; use SIGTERM or SIGUSR1"
             )
+    if str(cfg.dist.debug).upper() not in ("OFF", "INFO", "DETAIL"):
+        raise ConfigError(f"dist.debug={cfg.dist.debug!r} must be OFF, INFO or DETAIL")
     if cfg.dist.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"dist.backend={cfg.dist.backend!r} must be auto, gloo or nccl")
     if cfg.data.source not in ("stdlib", "files"):

@@ -101,7 +101,27 @@ class TrainerConfig:
 @dataclass
 class DistConfig:
     backend: str = "auto"  # auto | gloo | nccl
+    # A step (or a collective) that takes longer than this stops the run on every rank.
     timeout_s: int = 300
+    # The same bound for start-up and the first step, which include compilation and warm-up.
+    startup_timeout_s: int = 600
+    # TORCH_DISTRIBUTED_DEBUG: OFF | INFO | DETAIL
+    debug: str = "OFF"
+    # NCCL's collective flight recorder (dumped on timeout); ignored on gloo.
+    flight_recorder: bool = False
+
+
+@dataclass
+class DiagnosticsConfig:
+    enabled: bool = True
+    # Steps whose per-phase memory is measured and logged.
+    steps: int = 3
+    # Build everything, print the report, run one step, exit.
+    dry_run: bool = False
+    # Dump every rank's Python stacks when a step takes this many times the recent median ...
+    stall_factor: float = 10.0
+    # ... and at least this long.
+    stall_min_s: float = 30.0
 
 
 @dataclass
@@ -136,4 +156,5 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     run: RunConfig = field(default_factory=RunConfig)

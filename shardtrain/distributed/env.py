@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -75,6 +76,18 @@ def init_distributed(backend: str = "auto", timeout_s: int = 300) -> DistEnv:
         device=device,
         backend=backend,
     )
+
+
+def apply_debug_switches(dist_cfg, run_dir: Path) -> None:
+    """Pass ``dist.debug`` and ``dist.flight_recorder`` to torch (before the process group exists)."""
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = str(dist_cfg.debug).upper()
+    if dist_cfg.flight_recorder:
+        # NCCL's collective flight recorder: keep the last collectives, dump them on a timeout.
+        # Gloo has no flight recorder; these variables are then simply unused.
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        (run_dir / "flight_recorder").mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(run_dir / "flight_recorder" / "rank_"))
 
 
 def set_cpu_threads(env: DistEnv, threads: int) -> int:

@@ -108,12 +108,37 @@ def enable_activation_checkpointing(module: nn.Module) -> None:
 class ShardingReport:
     units: list[str] = field(default_factory=list)
     checkpointed: list[str] = field(default_factory=list)
+    # Parameters (global element count) per unit, the root's own last.
+    unit_params: dict[str, int] = field(default_factory=dict)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
                 wrap_policy: Sequence[str | type]) -> ShardingReport:
     """Shard ``model`` in place, bottom-up: every matched block, the model's extra groups, the root."""
+    from shardtrain.diagnostics.rails import check_single_registration, warn_tied_across_units
+
+    check_single_registration(model)
     wrap = resolve_wrap_classes(model, wrap_policy)
+    names = {m: n for n, m in model.named_modules()}
+    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, wrap) and m is not model]
+    groups = getattr(model, "extra_shard_groups", list)()
+    # Units as (name, modules, reshard_after_forward). By convention the last extra group holds the
+    # output head: its weights are needed again at once in backward, so (like torchtitan) that unit
+    # is not resharded after forward.
+    units = [(name, [block], plan.reshard_after_forward) for name, block in blocks]
+    units += [("+".join(names[m] for m in group), group,
+               False if index == len(groups) - 1 else plan.reshard_after_forward)
+              for index, group in enumerate(groups)]
+
+    report = ShardingReport()
+    seen: set[int] = set()
+    for name, modules, _ in units:
+        params = {id(p): p for m in modules for p in m.parameters() if id(p) not in seen}
+        seen.update(params)
+        report.unit_params[name] = sum(p.numel() for p in params.values())
+    report.unit_params["<root>"] = sum(p.numel() for p in model.parameters() if id(p) not in seen)
+    warn_tied_across_units(model, [name for name, _, _ in units])
+
     if plan.storage_dtype != torch.float32:
         # Parameters only: buffers such as RoPE tables keep their own (fp32) precision.
         for param in model.parameters():
@@ -124,24 +149,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
         # Pinned memory needs an accelerator; on a CPU mesh the offload is a plain CPU copy.
         common["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
 
-    report = ShardingReport()
-    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, wrap) and m is not model]
     for index, (name, block) in enumerate(blocks):
         if plan.checkpointed(index):
             enable_activation_checkpointing(block)
             report.checkpointed.append(name)
-        fully_shard(block, reshard_after_forward=plan.reshard_after_forward, **common)
+    for name, modules, reshard in units:
+        fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard, **common)
         report.units.append(name)
-
-    names = {m: n for n, m in model.named_modules()}
-    groups = getattr(model, "extra_shard_groups", list)()
-    for index, group in enumerate(groups):
-        # By convention the last group holds the output head. Its weights are needed again at once
-        # in backward, so (like torchtitan) that unit is not resharded after forward.
-        reshard = False if index == len(groups) - 1 else plan.reshard_after_forward
-        fully_shard(group if len(group) > 1 else group[0], reshard_after_forward=reshard, **common)
-        report.units.append("+".join(names[m] for m in group))
-
     fully_shard(model, **common)
     report.units.append("<root>")
     return report

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from shardtrain.config.schema import Config
+from shardtrain.diagnostics.rails import check_optimizer
 from shardtrain.distributed.env import DistEnv
 from shardtrain.distributed.parallelize import (
     ShardingReport,
@@ -27,6 +28,7 @@ from shardtrain.train.optim import build_optimizer, build_scheduler
 log = logging.getLogger(__name__)
 
 ModelFactory = Callable[[], nn.Module]
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
 
 @dataclass
@@ -76,10 +78,14 @@ def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: Dev
 
 
 def build(cfg: Config, env: DistEnv, model_factory: ModelFactory | None = None,
-          wrap_policy: Sequence[str | type] | None = None) -> Built:
+          wrap_policy: Sequence[str | type] | None = None,
+          optimizer_factory: OptimizerFactory | None = None) -> Built:
     plan = resolve_plan(cfg.strategy, env.world_size, env.local_world_size)
     mesh = build_mesh(plan, env.device.type)
     model, report = build_sharded_model(cfg, env, plan, mesh, model_factory, wrap_policy)
-    optimizer = build_optimizer(model, cfg.trainer)
+    # Called with the sharded model, so it can only see the DTensor parameters; checked anyway,
+    # since a factory may close over an optimizer or parameters made before sharding.
+    optimizer = optimizer_factory(model) if optimizer_factory else build_optimizer(model, cfg.trainer)
+    check_optimizer(optimizer, model)
     scheduler = build_scheduler(optimizer, cfg.trainer)
     return Built(plan, mesh, model, report, optimizer, scheduler)

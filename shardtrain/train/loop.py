@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -19,7 +20,22 @@ from shardtrain.config.loader import launch_shape, to_yaml
 from shardtrain.config.schema import Config
 from shardtrain.data.batches import BatchLayout, TokenWindows, TrainBatches, eval_batches
 from shardtrain.data.corpus import Corpus, load_corpus
-from shardtrain.distributed.env import DistEnv, init_distributed, set_cpu_threads
+from shardtrain.diagnostics.memory import PhaseMemory
+from shardtrain.diagnostics.rails import check_uniform_batches
+from shardtrain.diagnostics.report import (
+    DtypeProbe,
+    dtype_lines,
+    gather_rank_entries,
+    rank_lines,
+    settings_lines,
+)
+from shardtrain.diagnostics.watchdog import Watchdog
+from shardtrain.distributed.env import (
+    DistEnv,
+    apply_debug_switches,
+    init_distributed,
+    set_cpu_threads,
+)
 from shardtrain.errors import ConfigError, TrainingError
 from shardtrain.generation.sampling import sample_bytes
 from shardtrain.train.build import Built, ModelFactory, build
@@ -77,12 +93,24 @@ class Trainer:
         )
         self.last_saved_step: int | None = None
         self.preemption: PreemptionFlag | None = None
+        self.phases = PhaseMemory(built.model, built.optimizer, env.device)
+        self.rank_memory: list[dict] = []
+        # Started by fit(); beats are harmless without the thread (benchmarks drive steps directly).
+        self.watchdog = Watchdog(Path(cfg.run.dir), env.rank, cfg.dist.timeout_s,
+                                 cfg.dist.startup_timeout_s, cfg.diagnostics.stall_factor,
+                                 cfg.diagnostics.stall_min_s)
+        check_uniform_batches({"micro-batches per step": len(self.layout.rank_slices(
+            np.zeros(self.layout.global_batch, dtype=np.int64), env.rank)),
+            "validation batches": len(self.val_batches)}, env.device)
 
     @classmethod
     def create(cls, cfg: Config, *, model_factory: ModelFactory | None = None,
                wrap_policy: Sequence[str | type] | None = None,
                corpus: Corpus | None = None) -> Trainer:
-        env = init_distributed(cfg.dist.backend, cfg.dist.timeout_s)
+        apply_debug_switches(cfg.dist, Path(cfg.run.dir))
+        # The process group's own timeout is the start-up bound; the per-step bound after the first
+        # step is enforced by the watchdog (see diagnostics/watchdog.py).
+        env = init_distributed(cfg.dist.backend, max(cfg.dist.timeout_s, cfg.dist.startup_timeout_s))
         _, world = launch_shape(cfg)
         if world != env.world_size:
             raise ConfigError(
@@ -155,22 +183,32 @@ class Trainer:
         (run_dir / "config.yaml").write_text(to_yaml(self.cfg))
 
     def fit(self) -> TrainResult:
-        t, b = self.cfg.trainer, self.built
+        t, b, diag = self.cfg.trainer, self.built, self.cfg.diagnostics
         self.write_run_files()
         self.log_setup()
+        if diag.enabled or diag.dry_run:
+            self.info("\n".join(settings_lines(self.cfg, b.plan, b.report, self.env)))
         self.progress = self._progress()
         if self.step >= t.max_steps:
             self.info(f"nothing to do: step {self.step} >= trainer.max_steps={t.max_steps}")
         if self.checkpointer is not None:
             self.preemption = PreemptionFlag(self.cfg.checkpoint.preemption_signals, self.env.device)
+        self.watchdog.start()
         try:
+            if diag.dry_run:
+                self.run_step()
+                self.info("dry run complete: the configuration builds, shards and trains one step")
+                self.writer.close()
+                return self.result
             while self.step < t.max_steps and self.iteration():
                 pass
             if self.checkpointer is not None and not self.result.preempted:
                 if self.last_saved_step != self.step:
+                    self.watchdog.beat("final checkpoint", self.step)
                     self.save_checkpoint(blocking=True)
                 self.checkpointer.wait()
         finally:
+            self.watchdog.stop()
             if self.preemption is not None:
                 self.preemption.restore()
                 self.preemption = None
@@ -211,18 +249,33 @@ class Trainer:
             return False
         interval = self.cfg.checkpoint.interval
         if interval and self.step % interval == 0 and self.step < self.cfg.trainer.max_steps:
+            self.watchdog.beat("checkpoint save", self.step)
             self.save_checkpoint()
         return True
 
     def run_step(self) -> StepStats:
         """One iteration of the loop: next global batch, step, bookkeeping, metrics, validation."""
         t, env, b, result = self.cfg.trainer, self.env, self.built, self.result
+        diag = self.cfg.diagnostics
+        self.watchdog.beat("training step", self.step + 1)
         batches = self.train_data.next_step()
+        first = not self.result.losses
+        phases = self.phases if (diag.enabled or diag.dry_run) and len(self.result.losses) < diag.steps \
+            else None
+        probe = DtypeProbe(b.model) if first and phases is not None else None
         start = time.perf_counter()
-        stats = train_step(b.model, b.optimizer, b.scheduler, batches, b.mesh,
-                           t.grad_clip_norm, env.device)
-        self.throughput.add(stats.tokens, time.perf_counter() - start)
+        try:
+            stats = train_step(b.model, b.optimizer, b.scheduler, batches, b.mesh,
+                               t.grad_clip_norm, env.device, step=self.step + 1, phases=phases)
+        finally:
+            if probe is not None:
+                probe.close()
+        seconds = time.perf_counter() - start
+        self.throughput.add(stats.tokens, seconds)
+        self.watchdog.done(seconds)
         self.step += 1
+        if phases is not None:
+            self.report_phases(phases, probe)
         faults.inject("step", env.rank, self.step)
         result.losses.append(stats.loss)
         result.grad_norms.append(stats.grad_norm)
@@ -249,6 +302,7 @@ class Trainer:
             self.interval_losses.clear()
             self.throughput.reset()
         if (t.eval_every > 0 and self.step % t.eval_every == 0) or self.step == t.max_steps:
+            self.watchdog.beat("evaluation", self.step)
             val = evaluate(b.model, self.val_batches, env.device)
             result.val_losses.append((self.step, val))
             record = {**(record or {}), "val_loss": val}
@@ -256,6 +310,21 @@ class Trainer:
             self.writer.write(self.step, "train", record)
             self._print(self.progress, record)
         return stats
+
+    def report_phases(self, phases: PhaseMemory, probe: DtypeProbe | None) -> None:
+        """Per-phase memory to the metrics log; after step 1, the dtype and per-rank tables."""
+        record = {f"{phase}.{key}": value for phase, entry in phases.record.items()
+                  for key, value in entry.items()}
+        self.writer.write(self.step, "memory", record)
+        if probe is None:
+            return
+        after = phases.record
+        entry = {"rank": self.env.rank, "params_mib": after["backward"]["params_mib"],
+                 "grads_mib": after["backward"]["grads_mib"],
+                 "optimizer_mib": after["optimizer"]["optimizer_mib"], "phases": after}
+        self.rank_memory = gather_rank_entries(entry)
+        self.info("\n".join(dtype_lines(probe, phases.grad_dtypes, self.built.plan)
+                             + rank_lines(self.rank_memory, list(PhaseMemory.PHASES))))
 
     def on_skipped_step(self, stats: StepStats) -> None:
         limit = self.cfg.trainer.max_skipped_steps

@@ -17,7 +17,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from shardtrain import faults
 from shardtrain.data.batches import IGNORE_INDEX
+from shardtrain.diagnostics.memory import PhaseMemory
+from shardtrain.diagnostics.rails import explain_bypassed_forward
 from shardtrain.distributed.parallelize import reshard_all
 from shardtrain.errors import TrainingError
 from shardtrain.train.grad import clip_grads_, global_grad_norm
@@ -34,7 +37,13 @@ class StepStats:
 
 
 def token_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = model(inputs)  # always model(x): FSDP's hooks live on __call__
+    try:
+        logits = model(inputs)  # always model(x): FSDP's hooks live on __call__
+    except RuntimeError as exc:
+        explained = explain_bypassed_forward(exc)
+        if explained is not None:
+            raise explained from exc
+        raise
     return F.cross_entropy(
         logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
@@ -49,7 +58,9 @@ def global_sum(values: list[float], device: torch.device) -> list[float]:
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, micro_batches: list[Batch],
-               mesh: DeviceMesh, grad_clip_norm: float, device: torch.device) -> StepStats:
+               mesh: DeviceMesh, grad_clip_norm: float, device: torch.device,
+               step: int = 0, phases: PhaseMemory | None = None) -> StepStats:
+    """One optimizer step (``step`` is its 1-based number; ``phases`` records memory per phase)."""
     local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
     (global_tokens,) = global_sum([local_tokens], device)
     if global_tokens == 0:
@@ -57,13 +68,23 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
 
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     accumulate = isinstance(model, FSDPModule) and len(micro_batches) > 1
+    last = len(micro_batches) - 1
+    rank = dist.get_rank()
+    if phases is not None:
+        phases.start()
     for index, (x, y) in enumerate(micro_batches):
         if accumulate:
             # Reduce gradients once, on the last micro-batch, instead of after every backward.
-            model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+            model.set_requires_gradient_sync(index == last)
         loss = token_loss_sum(model, x.to(device), y.to(device)) / global_tokens
+        if index == 0:
+            loss = faults.poison_loss(rank, step, loss)
+        if phases is not None and index == last:
+            phases.mark("forward")
         loss.backward()
         loss_sum += loss.detach()
+    if phases is not None:
+        phases.mark("backward")
 
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = global_grad_norm(params, mesh)
@@ -74,8 +95,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         if grad_clip_norm > 0:
             clip_grads_(params, grad_clip_norm, grad_norm)
         optimizer.step()
+    if phases is not None:
+        phases.mark("optimizer")
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
+    if phases is not None:
+        phases.mark("end")
     return StepStats(loss=loss_value, grad_norm=norm_value, tokens=int(global_tokens),
                      skipped=skipped)
 

@@ -1,0 +1,42 @@
+"""Failure records: each rank that fails writes what happened, so the launcher can say which rank
+failed first and why, instead of leaving the user to dig through interleaved tracebacks."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+FAILURE_DIR = "failures"
+
+
+def record_failure(run_dir: Path, rank: int, step: int, kind: str, message: str,
+                   traceback_text: str = "") -> None:
+    try:
+        directory = Path(run_dir) / FAILURE_DIR
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"rank-{rank}.json").write_text(json.dumps({
+            "rank": rank, "host": socket.gethostname(), "step": step, "type": kind,
+            "message": message, "time": time.time(), "traceback": traceback_text,
+        }, indent=2))
+    except OSError:
+        pass  # reporting must never mask the original failure
+
+
+def first_failure(run_dir: Path, since: float) -> dict | None:
+    """The earliest failure recorded after ``since`` (the root cause; later ones are fallout)."""
+    records = []
+    for path in (Path(run_dir) / FAILURE_DIR).glob("rank-*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if record.get("time", 0) >= since:
+            records.append(record)
+    return min(records, key=lambda r: r["time"]) if records else None
+
+
+def describe(record: dict) -> str:
+    return (f"rank {record['rank']} (host {record['host']}) failed first, at step {record['step']}: "
+            f"{record['type']}: {record['message']}")

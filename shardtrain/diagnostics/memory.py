@@ -1,0 +1,82 @@
+"""What this rank actually holds: bytes of the sharded parameters, gradients and optimizer state,
+the process's resident memory, and the accelerator allocator's statistics where there is one."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+@dataclass
+class StateBytes:
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> StateBytes:
+    params = list(model.parameters())
+    grads = sum(local_bytes(p.grad) for p in params if p.grad is not None)
+    optim = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            optim += sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return StateBytes(sum(local_bytes(p) for p in params), grads, optim)
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class PhaseMemory:
+    """Peak memory per phase of a step: forward, backward, optimizer step, end of step.
+
+    On an accelerator: the allocator's peak within each phase. On CPU: the exact bytes of the
+    sharded states and the process's resident memory at the end of each phase.
+    """
+
+    PHASES = ("forward", "backward", "optimizer", "end")
+
+    def __init__(self, model: nn.Module, optimizer, device: torch.device) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.device = device
+        self.module = torch.get_device_module(device.type) if device.type != "cpu" else None
+        self.record: dict[str, dict[str, float]] = {}
+        self.grad_dtypes: set[str] = set()
+
+    def start(self) -> None:
+        self.record = {}
+        if self.module is not None and hasattr(self.module, "reset_peak_memory_stats"):
+            self.module.reset_peak_memory_stats(self.device)
+
+    def mark(self, phase: str) -> None:
+        entry: dict[str, float] = {"rss_mib": rss_bytes() / 2**20}
+        if self.module is not None and hasattr(self.module, "max_memory_allocated"):
+            entry["peak_allocated_mib"] = self.module.max_memory_allocated(self.device) / 2**20
+            self.module.reset_peak_memory_stats(self.device)
+        if phase == "backward":
+            self.grad_dtypes |= {str(p.grad.dtype).replace("torch.", "")
+                                 for p in self.model.parameters() if p.grad is not None}
+        s = state_bytes(self.model, self.optimizer)
+        entry.update(params_mib=s.params / 2**20, grads_mib=s.grads / 2**20,
+                     optimizer_mib=s.optimizer / 2**20)
+        self.record[phase] = entry

@@ -1,0 +1,111 @@
+"""The diagnostics report: what FSDP2 was asked to do, what it did, and what each rank holds.
+
+Printed by rank 0 at start-up (settings and the sharded module tree) and after the first step
+(dtypes seen in a real forward and backward, every rank's local state, per-phase memory).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shardtrain.config.schema import Config
+from shardtrain.distributed.env import DistEnv
+from shardtrain.distributed.parallelize import ShardingReport
+from shardtrain.distributed.plan import ShardingPlan
+
+
+def short(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def settings_lines(cfg: Config, plan: ShardingPlan, report: ShardingReport, env: DistEnv) -> list[str]:
+    mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh_dim_names, plan.mesh_shape))
+    heads = set(report.units[-2:-1]) if len(report.units) > 1 else set()
+    lines = [
+        "diagnostics: resolved settings",
+        f"  strategy {plan.strategy}; mesh [{mesh}] on {env.device.type}; backend {env.backend}; "
+        f"world {env.world_size} ({env.local_world_size} per node)",
+        f"  mixed precision {cfg.strategy.mixed_precision}: storage {short(plan.storage_dtype)}, "
+        f"compute {short(plan.param_dtype)}, gradient reduce {short(plan.reduce_dtype)}; "
+        f"cpu_offload {plan.cpu_offload}",
+        f"  reshard_after_forward {plan.reshard_after_forward} for blocks"
+        + (f"; False for the head unit {sorted(heads)[0]}" if heads and "+" in sorted(heads)[0] else ""),
+        f"  activation checkpointing {plan.activation_checkpointing}; wrap policy "
+        f"{list(cfg.strategy.wrap_policy)}; seed {cfg.trainer.seed}",
+        f"  timeouts: {cfg.dist.startup_timeout_s}s for start-up and the first step, then "
+        f"{cfg.dist.timeout_s}s; TORCH_DISTRIBUTED_DEBUG={cfg.dist.debug}",
+        f"diagnostics: {len(report.units) - 1} FSDP units + root, "
+        f"{len(report.checkpointed)} activation-checkpointed",
+    ]
+    for name in report.units:
+        mark = " (activation checkpointing)" if name in report.checkpointed else ""
+        lines.append(f"  {name:40s} {report.unit_params.get(name, 0):>12,d} params{mark}")
+    return lines
+
+
+class DtypeProbe:
+    """Records the dtypes parameters and activations really have inside forward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.seen: dict[str, set[str]] = {"parameters in forward": set(), "activations in": set()}
+        self.sharded_in_forward: list[str] = []
+        self.handles = []
+        for name, module in model.named_modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                self.handles.append(module.register_forward_pre_hook(self._hook(name)))
+
+    def _hook(self, name: str):
+        def hook(module, args):
+            for p in module.parameters(recurse=False):
+                self.seen["parameters in forward"].add(short(p.dtype))
+                if isinstance(p, DTensor):
+                    self.sharded_in_forward.append(name)
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.is_floating_point():
+                    self.seen["activations in"].add(short(a.dtype))
+        return hook
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def dtype_lines(probe: DtypeProbe, grad_dtypes: set[str], plan: ShardingPlan) -> list[str]:
+    lines = ["diagnostics: dtypes in effect (measured in the first step)"]
+    for key, values in probe.seen.items():
+        lines.append(f"  {key}: {', '.join(sorted(values)) or '-'}")
+    lines.append(f"  sharded gradients after reduce-scatter: {', '.join(sorted(grad_dtypes)) or '-'}")
+    lines.append(f"  gradient reduce dtype (policy given to FSDP2): {short(plan.reduce_dtype)}")
+    expected = short(plan.param_dtype)
+    if probe.seen["parameters in forward"] - {expected}:
+        lines.append(f"  WARNING: parameters were not {expected} in forward: the mixed-precision "
+                     "policy did not apply to every module")
+    if probe.sharded_in_forward:
+        lines.append(f"  WARNING: sharded (not gathered) parameters used in forward by "
+                     f"{probe.sharded_in_forward[:3]}: those modules bypassed FSDP's hooks")
+    return lines
+
+
+def gather_rank_entries(entry: dict) -> list[dict]:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [entry]
+    entries: list = [None] * dist.get_world_size()
+    dist.all_gather_object(entries, entry)
+    return entries
+
+
+def rank_lines(entries: list[dict], phases: list[str]) -> list[str]:
+    lines = ["diagnostics: per-rank local state after step 1 (MiB) and memory by phase",
+             "  rank | params |  grads | optimizer | " + " | ".join(f"{p} RSS" for p in phases)]
+    for e in entries:
+        rss = " | ".join(f"{e['phases'][p]['rss_mib']:>{len(p) + 4}.0f}" for p in phases)
+        lines.append(f"  {e['rank']:>4} | {e['params_mib']:6.2f} | {e['grads_mib']:6.2f} | "
+                     f"{e['optimizer_mib']:9.2f} | {rss}")
+    params = [e["params_mib"] for e in entries]
+    if max(params) > 0:
+        lines.append(f"  shard unevenness: largest/smallest local parameters = "
+                     f"{max(params) / max(min(params), 1e-9):.3f}")
+    return lines
