@@ -38,7 +38,7 @@ from shardtrain.distributed.env import (
 )
 from shardtrain.errors import ConfigError, TrainingError
 from shardtrain.generation.sampling import sample_bytes
-from shardtrain.train.build import Built, ModelFactory, build
+from shardtrain.train.build import Built, ModelFactory, OptimizerFactory, build
 from shardtrain.train.metrics import MetricsWriter, Throughput, device_peak_flops, peak_memory_mib
 from shardtrain.train.step import StepStats, evaluate, train_step
 
@@ -106,6 +106,7 @@ class Trainer:
     @classmethod
     def create(cls, cfg: Config, *, model_factory: ModelFactory | None = None,
                wrap_policy: Sequence[str | type] | None = None,
+               optimizer_factory: OptimizerFactory | None = None,
                corpus: Corpus | None = None) -> Trainer:
         apply_debug_switches(cfg.dist, Path(cfg.run.dir))
         # The process group's own timeout is the start-up bound; the per-step bound after the first
@@ -121,7 +122,7 @@ class Trainer:
         if env.device.type == "cpu":
             set_cpu_threads(env, cfg.trainer.threads_per_process)
         corpus = corpus if corpus is not None else load_corpus(cfg.data)
-        built = build(cfg, env, model_factory, wrap_policy)
+        built = build(cfg, env, model_factory, wrap_policy, optimizer_factory)
         trainer = cls(cfg, env, built, corpus)
         trainer.restore()
         return trainer
@@ -373,6 +374,13 @@ class Trainer:
 
 
 def run_training(cfg: Config, *, model_factory: ModelFactory | None = None,
-                 wrap_policy: Sequence[str | type] | None = None) -> TrainResult:
-    """The library entry point: build, train, return the per-step results (on every rank)."""
-    return Trainer.create(cfg, model_factory=model_factory, wrap_policy=wrap_policy).fit()
+                 wrap_policy: Sequence[str | type] | None = None,
+                 optimizer_factory: OptimizerFactory | None = None) -> TrainResult:
+    """The library entry point: build, train, return the per-step results (on every rank).
+
+    ``model_factory()`` returns the unsharded model (it is called on the meta device when the model
+    has ``init_parameter``); ``wrap_policy`` lists its block classes; ``optimizer_factory(model)``
+    receives the sharded model (default: AdamW with the config's settings).
+    """
+    return Trainer.create(cfg, model_factory=model_factory, wrap_policy=wrap_policy,
+                          optimizer_factory=optimizer_factory).fit()

@@ -1,0 +1,122 @@
+"""Code that runs inside spawned ranks for the diagnostics and safety-rail tests."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+from equivalence import case_config, small_corpus
+from torch import nn
+
+from shardtrain.errors import ShardtrainError
+from shardtrain.train.loop import Trainer
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ff = nn.Linear(24, 24)
+
+    def forward(self, x):
+        return x + torch.relu(self.ff(x))
+
+
+class SharedBlockModel(nn.Module):
+    """Registers the same block under two parents: the double-memory trap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(256, 24)
+        self.encoder = nn.ModuleList([Block()])
+        self.decoder = nn.ModuleList([self.encoder[0]])
+        self.out = nn.Linear(24, 256)
+
+    def forward(self, tokens):
+        return self.out(self.decoder[0](self.encoder[0](self.emb(tokens))))
+
+
+class BypassModel(nn.Module):
+    """Calls a sharded block's forward directly, skipping FSDP's hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(256, 24)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.out = nn.Linear(24, 256)
+
+    def forward(self, tokens):
+        h = self.blocks[0](self.emb(tokens))
+        return self.out(self.blocks[1].forward(h))
+
+
+def expect_error(out: str, name: str, **create_kwargs) -> None:
+    """Build and train one step; record the ShardtrainError message every rank raised."""
+    world = int(os.environ["WORLD_SIZE"])
+    cfg = case_config(world, f"{out}/{name}")
+    try:
+        trainer = Trainer.create(cfg, corpus=small_corpus(), wrap_policy=[Block], **create_kwargs)
+        trainer.run_step()
+    except ShardtrainError as exc:
+        Path(out, f"{name}-rank{os.environ['RANK']}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        return
+    raise AssertionError(f"{name}: no error raised")
+
+
+def rails(out: str) -> None:
+    expect_error(out, "shared", model_factory=SharedBlockModel)
+    expect_error(out, "bypass", model_factory=BypassModel)
+
+    def stale_optimizer(sharded_model):
+        unsharded = BypassModel()  # parameters from before sharding
+        return torch.optim.AdamW(unsharded.parameters(), lr=1e-3)
+
+    expect_error(out, "optimizer", model_factory=BypassModel, optimizer_factory=stale_optimizer)
+
+
+def nan_step_is_skipped(out: str) -> None:
+    """A NaN on one rank at step 3: the update is skipped everywhere, state left untouched."""
+    world = int(os.environ["WORLD_SIZE"])
+    trainer = Trainer.create(case_config(world, f"{out}/nan"), corpus=small_corpus())
+    for _ in range(2):
+        trainer.run_step()
+    before = trainer.full_weights()
+    optim_before = {k: v.clone() for k, v in trainer.built.optimizer.state_dict()["state"][0].items()}
+    os.environ["SHARDTRAIN_FAULT"] = "loss:1:3:nan"
+    stats = trainer.run_step()
+    del os.environ["SHARDTRAIN_FAULT"]
+    after = trainer.full_weights()
+    optim_after = trainer.built.optimizer.state_dict()["state"][0]
+    assert stats.skipped and trainer.result.skipped_steps == 1
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    for key, value in optim_before.items():
+        local = optim_after[key]
+        local = local.to_local() if hasattr(local, "to_local") else local
+        value = value.to_local() if hasattr(value, "to_local") else value
+        assert torch.equal(value, local), key
+    assert not trainer.run_step().skipped  # and training goes on
+
+
+STRATEGY_CASES = {
+    1: [("FULL_SHARD", {}), ("NO_SHARD", {})],
+    2: [("FULL_SHARD", {}), ("SHARD_GRAD_OP", {}), ("NO_SHARD", {}), ("HYBRID_SHARD", {}),
+        ("FULL_SHARD", {"precision": "bf16-pure"})],
+    4: [("FULL_SHARD", {}), ("SHARD_GRAD_OP", {}), ("NO_SHARD", {}),
+        ("HYBRID_SHARD", {"shard_group_size": 2}), ("HYBRID_SHARD_ZERO2", {"shard_group_size": 2})],
+}
+
+
+def measured_state(out: str) -> None:
+    """Per-rank state bytes as the diagnostics measure them, for every strategy at this size."""
+    world = int(os.environ["WORLD_SIZE"])
+    results = []
+    for strategy, extra in STRATEGY_CASES[world]:
+        cfg = case_config(world, f"{out}/m{world}-{strategy}", strategy=strategy, **extra)
+        cfg.diagnostics = dataclasses.replace(cfg.diagnostics, enabled=True, steps=1)
+        trainer = Trainer.create(cfg, corpus=small_corpus())
+        trainer.run_step()
+        results.append({"strategy": strategy, "extra": extra, "mesh": trainer.built.plan.mesh_shape,
+                        "ranks": trainer.rank_memory})
+    if int(os.environ["RANK"]) == 0:
+        torch.save(results, Path(out, f"measured{world}.pt"))

@@ -1,0 +1,139 @@
+"""Diagnostics, safety rails, failure handling and the memory planner (2-4 real gloo ranks)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from cli_utils import read_metrics, run_cli
+from diagnostics_workers import STRATEGY_CASES, measured_state, nan_step_is_skipped, rails
+from distributed import run_on_ranks
+from equivalence import case_config
+
+from shardtrain.diagnostics.planner import sharded_state_bytes
+from shardtrain.distributed.plan import DTYPES, PRECISION_PRESETS
+from shardtrain.models.llama import Llama
+
+QUICK = ["experiment=quick", "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample_tokens=0",
+         "trainer.micro_batch_size=2", "run.tensorboard=false", "checkpoint.enabled=false"]
+
+
+def test_rails_in_library_use(tmp_path):
+    run_on_ranks(rails, 2, str(tmp_path), tmp_path=tmp_path)
+    expected = {
+        "shared": "module registered under two parents: 'encoder.0' and 'decoder.0'",
+        "bypass": "some forward ran as module.forward(x)",
+        "optimizer": "it was built before sharding",
+    }
+    for name, message in expected.items():
+        for rank in (0, 1):
+            text = (tmp_path / f"{name}-rank{rank}.txt").read_text()
+            assert text.startswith("ModelError") and message in text, text
+
+
+def test_wrap_policy_rails_from_the_cli(tmp_path):
+    nothing = run_cli("train", *QUICK, "trainer.devices=2", "strategy.wrap_policy=[torch.nn.Conv2d]",
+                      f"run.dir={tmp_path / 'a'}")
+    assert nothing.returncode != 0
+    assert "matched no module of Llama" in nothing.stderr
+    assert "shardtrain.models.llama.TransformerBlock" in nothing.stderr  # the classes it could use
+    assert "failed first, at step 0: ModelError" in nothing.stderr  # the launcher names it
+    missing = run_cli("train", *QUICK, "trainer.devices=2", "strategy.wrap_policy=[mypkg.Block]",
+                      f"run.dir={tmp_path / 'b'}")
+    assert missing.returncode == 2
+    assert "wrap policy class 'mypkg.Block' does not import" in missing.stderr
+    assert "world size" not in missing.stderr  # rejected before any process started
+
+
+def test_nan_step_skipped_with_state_untouched(tmp_path):
+    run_on_ranks(nan_step_is_skipped, 2, str(tmp_path), tmp_path=tmp_path)
+
+
+def test_repeated_nan_stops_after_the_limit(tmp_path):
+    run_dir = tmp_path / "nan"
+    proc = run_cli("train", *QUICK, "trainer.devices=2", "trainer.max_steps=20",
+                   "trainer.max_skipped_steps=2", f"run.dir={run_dir}",
+                   env={"SHARDTRAIN_FAULT": "loss:1:3-20:nan"})
+    assert proc.returncode != 0
+    assert "3 consecutive steps had a non-finite loss or gradient norm" in proc.stderr
+    assert "TrainingError" in proc.stderr
+    skips = read_metrics(run_dir, "skip")
+    assert [r["step"] for r in skips] == [3, 4, 5]
+    assert "update skipped" in proc.stderr
+
+
+def test_one_rank_raising_stops_every_rank_quickly(tmp_path):
+    start = time.monotonic()
+    proc = run_cli("train", *QUICK, "trainer.devices=2", "trainer.max_steps=50", "dist.timeout_s=20",
+                   f"run.dir={tmp_path / 'raise'}", env={"SHARDTRAIN_FAULT": "step:1:3:raise"},
+                   timeout=120)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert elapsed < 20 + 30  # the configured timeout plus start-up margin; in practice seconds
+    assert ("shardtrain: error: rank 1 (host" in proc.stderr
+            and "failed first, at step 3: RuntimeError: injected fault: rank 1" in proc.stderr)
+
+
+def test_stall_dumps_every_ranks_stacks_and_hang_stops(tmp_path):
+    run_dir = tmp_path / "stall"
+    proc = run_cli("train", *QUICK, "trainer.devices=2", "trainer.max_steps=8",
+                   "diagnostics.stall_min_s=1", "diagnostics.stall_factor=3", f"run.dir={run_dir}",
+                   env={"SHARDTRAIN_FAULT": "step:1:5:sleep=4"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dumps = {p.name: p.read_text() for p in (run_dir / "stalls").iterdir()}
+    # rank 1 sleeps at the end of step 5; rank 0 finished step 5 and waits for it inside step 6
+    assert {"rank-0-step-6.txt", "rank-1-step-5.txt"} <= set(dumps), sorted(dumps)
+    assert "in inject" in dumps["rank-1-step-5.txt"]  # the sleeping rank, caught in the act
+    assert "in train_step" in dumps["rank-0-step-6.txt"]  # the waiting rank, inside a collective
+    assert "is slow" in proc.stderr
+
+    hang_dir = tmp_path / "hang"
+    start = time.monotonic()
+    hung = run_cli("train", *QUICK, "trainer.devices=2", "trainer.max_steps=8", "dist.timeout_s=3",
+                   f"run.dir={hang_dir}", env={"SHARDTRAIN_FAULT": "step:1:4:sleep=120"}, timeout=120)
+    assert hung.returncode != 0 and time.monotonic() - start < 60
+    assert (hang_dir / "hangs").is_dir() and "over the 3s limit" in hung.stderr
+
+
+def test_dry_run_reports_and_exits(tmp_path):
+    run_dir = tmp_path / "dry"
+    proc = run_cli("train", *QUICK, "trainer.devices=2", "diagnostics.dry_run=true",
+                   "strategy.mixed_precision=bf16-mixed", "strategy.activation_checkpointing=all",
+                   "checkpoint.enabled=true", f"run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for expected in ("diagnostics: resolved settings", "5 FSDP units + root, 3 activation-checkpointed",
+                     "parameters in forward: bfloat16", "sharded gradients after reduce-scatter: float32",
+                     "shard unevenness", "dry run complete"):
+        assert expected in proc.stderr, expected
+    assert not (run_dir / "checkpoints").exists()
+    memory = read_metrics(run_dir, "memory")
+    assert memory and "optimizer.optimizer_mib" in memory[0] and "forward.rss_mib" in memory[0]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_planner_matches_measured_state(tmp_path, world):
+    run_on_ranks(measured_state, world, str(tmp_path), tmp_path=tmp_path)
+    results = torch.load(tmp_path / f"measured{world}.pt")
+    assert len(results) == len(STRATEGY_CASES[world])
+    for case in results:
+        cfg = case_config(world, "unused", strategy=case["strategy"], **case["extra"])
+        with torch.device("meta"):
+            shapes = [tuple(p.shape) for p in Llama(cfg.model).parameters()]
+        storage = DTYPES[PRECISION_PRESETS[cfg.strategy.mixed_precision][0]]
+        shard = case["mesh"][-1]
+        for entry in case["ranks"]:
+            planned = sharded_state_bytes(shapes, shard, entry["rank"] % shard, storage)
+            measured = [entry[k] * 2**20 for k in ("params_mib", "grads_mib", "optimizer_mib")]
+            for what, p, m in zip(("params", "grads", "optimizer"), planned, measured, strict=True):
+                assert abs(p - m) / m < 0.05, (case["strategy"], entry["rank"], what, p, m)
+
+
+def test_plan_command_lists_strategies_and_fit():
+    proc = run_cli("plan", "model=llama_200m", "--device-memory", "8GB", "--world-sizes", "1", "8",
+                   "--processes-per-node", "4", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "204.8M parameters" in proc.stdout
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
+        assert f"8 x {strategy} " in proc.stdout
+    assert "| yes" in proc.stdout or "yes" in proc.stdout.split("\n")[-1]
