@@ -48,6 +48,110 @@ def cmd_train(overrides: list[str]) -> int:
     return 0
 
 
+def on_devices(devices: int, argv: list[str]) -> int | None:
+    """Run ``shardtrain argv`` on ``devices`` processes under torchrun, or None to run here."""
+    from shardtrain.distributed.env import under_torchrun
+    from shardtrain.distributed.launch import run_under_torchrun
+    from shardtrain.errors import ConfigError
+
+    if under_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != devices:
+            raise ConfigError(f"--devices {devices} but torchrun started {os.environ['WORLD_SIZE']}")
+        return None
+    if devices > 1:
+        return run_under_torchrun(devices, argv, ["SIGTERM", "SIGUSR1"])
+    return None
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    from shardtrain.errors import ConfigError
+
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise ConfigError(f"--prompts-file {str(path)!r} does not exist")
+        prompts = [line for line in path.read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise ConfigError(f"--prompts-file {str(path)!r} has no prompt lines")
+        return prompts
+    return [args.prompt]
+
+
+def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
+    status = on_devices(args.devices, argv)
+    if status is not None:
+        return status
+    from shardtrain.distributed.env import destroy_distributed
+    from shardtrain.generation.generate import gathered_copy, generate
+    from shardtrain.generation.inference import load_for_inference, model_factory
+
+    prompts = read_prompts(args)
+    try:
+        loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype)
+        plain = gathered_copy(loaded.model, model_factory(loaded.cfg), loaded.env.device,
+                              loaded.compute_dtype)
+        main_rank = loaded.env.is_main
+        out = sys.stdout.buffer
+        for index, prompt in enumerate(prompts):
+            if main_rank:
+                out.write(prompt.encode())
+                out.flush()
+
+            def stream(token: int) -> None:
+                if main_rank:
+                    out.write(bytes([token]))
+                    out.flush()
+
+            generate(plain, list(prompt.encode()), args.max_new_tokens, temperature=args.temperature,
+                     top_k=args.top_k, top_p=args.top_p, seed=args.seed + index,
+                     use_cache=not args.no_cache, vocab_limit=256, on_token=stream,
+                     device=loaded.env.device)
+            if main_rank:
+                out.write(b"\n")
+                out.flush()
+    finally:
+        destroy_distributed()
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
+    status = on_devices(args.devices, argv)
+    if status is not None:
+        return status
+    import math
+
+    from shardtrain.config.schema import DataConfig
+    from shardtrain.data.batches import TokenWindows, eval_batches
+    from shardtrain.data.corpus import load_corpus
+    from shardtrain.distributed.env import destroy_distributed
+    from shardtrain.generation.inference import load_for_inference
+    from shardtrain.train.step import evaluate
+
+    try:
+        loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype)
+        if args.file:
+            data = load_corpus(DataConfig(source="files", paths=[args.file], val_percent=0.0,
+                                          file_glob="*")).train if Path(args.file).is_file() \
+                else load_corpus(DataConfig(source="files", paths=[args.file], val_percent=100.0,
+                                            file_glob=args.glob)).val
+            source = args.file
+        else:
+            corpus = load_corpus(loaded.cfg.data)
+            data, source = corpus.val, f"held-out split of {corpus.root}"
+        windows = TokenWindows(data, args.seq_len, "evaluation data")
+        batches = eval_batches(windows, args.samples, args.batch_size, loaded.env.world_size,
+                               loaded.env.rank)
+        loss = evaluate(loaded.model, batches, loaded.env.device)
+        if loaded.env.is_main:
+            n = min(args.samples, windows.num_samples) * args.seq_len
+            print(f"eval on {source}: {n} bytes in windows of {args.seq_len}")
+            print(f"loss {loss:.4f} nats/byte | {loss / math.log(2):.4f} bits/byte | "
+                  f"perplexity {math.exp(loss):.3f} per byte")
+    finally:
+        destroy_distributed()
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardtrain.config.loader import launch_shape, load_config
     from shardtrain.diagnostics.planner import plan_table
@@ -109,6 +213,37 @@ def build_parser() -> argparse.ArgumentParser:
                       help="top-level key holding the weights (default: state_dict. for Lightning, "
                       "else model.)")
 
+    gen = sub.add_parser(
+        "generate", help="generate text from a checkpoint (sharded at any world size, or safetensors)",
+        description="Weights are gathered once for the whole generation (any strategy, FULL_SHARD "
+        "included); output streams as it is generated.",
+    )
+    gen.add_argument("checkpoint", help="checkpoint directory, or a consolidated .safetensors file")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt")
+    source.add_argument("--prompts-file", help="a file with one prompt per line")
+    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
+    gen.add_argument("--top-p", type=float, default=1.0, help="1 = no nucleus filter")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--no-cache", action="store_true", help="recompute the whole context per token")
+    gen.add_argument("--devices", type=int, default=1, help="processes (sharded checkpoints)")
+    gen.add_argument("--strategy", default="FULL_SHARD", help="how the checkpoint is sharded on load")
+    gen.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+
+    ev = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")
+    ev.add_argument("checkpoint", help="checkpoint directory, or a consolidated .safetensors file")
+    ev.add_argument("--file", default=None, help="a file or directory to evaluate on (default: the "
+                    "held-out split of the checkpoint's training data)")
+    ev.add_argument("--glob", default="*", help="files to take from a --file directory")
+    ev.add_argument("--samples", type=int, default=256, help="windows to evaluate")
+    ev.add_argument("--seq-len", type=int, default=128)
+    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--devices", type=int, default=1)
+    ev.add_argument("--strategy", default="FULL_SHARD")
+    ev.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+
     plan = sub.add_parser(
         "plan", help="estimate per-rank memory for each strategy and world size",
         description="Same key=value overrides as train. Parameters, gradients and optimizer state are "
@@ -140,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_inspect(args)
         if args.command == "plan":
             return cmd_plan(args)
+        if args.command == "generate":
+            return cmd_generate(args, list(argv if argv is not None else sys.argv[1:]))
+        if args.command == "eval":
+            return cmd_eval(args, list(argv if argv is not None else sys.argv[1:]))
     except ShardtrainError as exc:
         print(f"shardtrain: error: {exc}", file=sys.stderr)
         return 2

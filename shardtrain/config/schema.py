@@ -93,6 +93,8 @@ class TrainerConfig:
     eval_samples: int = 128  # validation windows, the same set at any world size
     sample_tokens: int = 200
     sample_prompt: str = "def "
+    # Also sample every N steps during training (0 = only at the end); logged as kind=sample.
+    sample_every: int = 0
     # CPU threads per process (0 = cores / local processes).
     threads_per_process: int = 0
     progress_bar: bool = True

@@ -133,6 +133,11 @@ def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | N
     directory.mkdir(parents=True, exist_ok=True)
     n = len(plan.shards)
     files, weight_map = [], {}
+    metadata = {"format": "pt"}
+    if detect_format(path) == "shardtrain" and key is None:
+        # Lets `shardtrain generate` and `eval` rebuild the model from the file alone.
+        model_cfg = layout.read_trainer_state(path)["config"]["model"]
+        metadata["shardtrain_model_config"] = json.dumps(model_cfg, sort_keys=True)
     for index, entries in enumerate(plan.shards, start=1):
         name = (out.name if single else
                 "model.safetensors" if n == 1 else f"model-{index:05d}-of-{n:05d}.safetensors")
@@ -144,7 +149,7 @@ def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | N
             weight_map[out_name] = name
         target = directory / name
         tmp = target.with_name(target.name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        save_file(tensors, str(tmp), metadata=metadata)
         os.replace(tmp, target)
         files.append(target)
         del tensors, loaded

@@ -53,6 +53,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
+class KVCache:
+    """Keys and values of the tokens seen so far, one pair per layer, filled as generation goes."""
+
+    def __init__(self, n_layers: int, max_len: int) -> None:
+        self.max_len = max_len
+        self.keys: list[torch.Tensor | None] = [None] * n_layers
+        self.values: list[torch.Tensor | None] = [None] * n_layers
+        self.pos = 0  # tokens already in the cache
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, H_kv, T, D) at the current position; return everything up to them."""
+        if self.keys[layer] is None:
+            b, h, _, d = k.shape
+            self.keys[layer] = k.new_zeros(b, h, self.max_len, d)
+            self.values[layer] = v.new_zeros(b, h, self.max_len, d)
+        end = self.pos + k.shape[2]
+        self.keys[layer][:, :, self.pos:end] = k
+        self.values[layer][:, :, self.pos:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -70,14 +91,23 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        start = 0
+        if cache is not None:
+            start = cache.pos
+            k, v = cache.update(layer, k, v)
+        mask, causal = None, start == 0
+        if start > 0 and t > 1:  # several new tokens after cached ones: causal, shifted
+            mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+            q, k, v, attn_mask=mask, is_causal=causal and t > 1,
+            enable_gqa=self.n_kv_heads != self.n_heads,
         )
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -102,8 +132,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -124,17 +155,21 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        t = tokens.shape[1]
-        if t > self.cfg.max_seq_len:
-            raise ValueError(
-                f"sequence of {t} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}"
-            )
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        start = cache.pos if cache is not None else 0
+        end = start + tokens.shape[1]
+        if end > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {end} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        for index, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cache, index) if cache is not None else layer(h, cos, sin)
+        if cache is not None:
+            cache.pos = end
         return self.output(self.norm(h))
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        return KVCache(self.cfg.n_layers, max_len or self.cfg.max_seq_len)
 
     # ---- what the framework asks of a model -------------------------------------------------
 

@@ -37,7 +37,8 @@ from shardtrain.distributed.env import (
     set_cpu_threads,
 )
 from shardtrain.errors import ConfigError, TrainingError
-from shardtrain.generation.sampling import sample_bytes
+from shardtrain.generation.generate import gathered_copy, generate
+from shardtrain.models.llama import build_model
 from shardtrain.train.build import Built, ModelFactory, OptimizerFactory, build
 from shardtrain.train.metrics import MetricsWriter, Throughput, device_peak_flops, peak_memory_mib
 from shardtrain.train.step import StepStats, evaluate, train_step
@@ -65,7 +66,9 @@ def count_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, env: DistEnv, built: Built, corpus: Corpus) -> None:
+    def __init__(self, cfg: Config, env: DistEnv, built: Built, corpus: Corpus,
+                 model_factory: ModelFactory | None = None) -> None:
+        self.model_factory = model_factory or (lambda: build_model(cfg.model))
         self.cfg = cfg
         self.env = env
         self.built = built
@@ -123,7 +126,7 @@ class Trainer:
             set_cpu_threads(env, cfg.trainer.threads_per_process)
         corpus = corpus if corpus is not None else load_corpus(cfg.data)
         built = build(cfg, env, model_factory, wrap_policy, optimizer_factory)
-        trainer = cls(cfg, env, built, corpus)
+        trainer = cls(cfg, env, built, corpus, model_factory)
         trainer.restore()
         return trainer
 
@@ -219,11 +222,7 @@ class Trainer:
             self.writer.close()
             return self.result
         if t.sample_tokens > 0:
-            text = sample_bytes(b.model, t.sample_prompt.encode(), t.sample_tokens, t.seq_len,
-                                self.env.device, seed=t.seed)
-            self.result.sample = text.decode("utf-8", errors="replace")
-            self.writer.write(self.step, "sample", {"text": self.result.sample})
-            self.info("sample:\n" + self.result.sample)
+            self.result.sample = self.sample()
         self.writer.close()
         return self.result
 
@@ -307,10 +306,25 @@ class Trainer:
             val = evaluate(b.model, self.val_batches, env.device)
             result.val_losses.append((self.step, val))
             record = {**(record or {}), "val_loss": val}
+        if t.sample_every > 0 and self.step % t.sample_every == 0 and self.step < t.max_steps:
+            self.sample()
         if record is not None:
             self.writer.write(self.step, "train", record)
             self._print(self.progress, record)
         return stats
+
+    def sample(self) -> str:
+        """A sample from the current weights (all ranks take part; gathered once, see generation)."""
+        t = self.cfg.trainer
+        self.watchdog.beat("sampling", self.step)
+        plain = gathered_copy(self.model, self.model_factory, self.env.device, self.built.plan.param_dtype)
+        ids = generate(plain, list(t.sample_prompt.encode()), t.sample_tokens, temperature=0.8, top_k=40,
+                       seed=t.seed, vocab_limit=256, device=self.env.device)
+        del plain
+        text = (t.sample_prompt.encode() + bytes(ids)).decode("utf-8", errors="replace")
+        self.writer.write(self.step, "sample", {"text": text})
+        self.info(f"sample at step {self.step}:\n{text}")
+        return text
 
     def report_phases(self, phases: PhaseMemory, probe: DtypeProbe | None) -> None:
         """Per-phase memory to the metrics log; after step 1, the dtype and per-rank tables."""

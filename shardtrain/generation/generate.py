@@ -1,0 +1,91 @@
+"""Autoregressive generation from a sharded model, under every strategy, FULL_SHARD included.
+
+AudioCraft forbids FULL_SHARD because each token's forward would all-gather every weight again.
+Here the weights are gathered once into a plain (unsharded) copy of the model, generation runs on that
+copy with a KV cache and no collectives at all, and the copy is freed afterwards: the sharded model
+and its FSDP settings are never touched, so training can go on right after (sampling during
+training). Every rank runs the same loop with the same seed and so produces the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+@torch.no_grad()
+def gathered_copy(model: nn.Module, factory: Callable[[], nn.Module], device: torch.device,
+                  dtype: torch.dtype) -> nn.Module:
+    """An unsharded copy of ``model`` in ``dtype``: one all-gather per parameter, then none."""
+    if hasattr(model, "init_parameter"):
+        with torch.device("meta"):
+            plain = factory()
+        plain.to_empty(device=device)
+        if hasattr(plain, "init_buffers"):
+            plain.init_buffers()
+    else:
+        plain = factory().to(device)
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        plain.get_parameter(name).copy_(full)
+    for param in plain.parameters():
+        param.data = param.data.to(dtype)
+    return plain.eval()
+
+
+def pick_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+              generator: torch.Generator) -> torch.Tensor:
+    """Greedy when temperature is 0; else sampling from the top-k (0 = all), top-p (1 = all) tokens."""
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens before it already reach top_p (the first one always stays).
+        drop = probs.cumsum(-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1).cpu()
+    return torch.multinomial(probs, 1, generator=generator).to(logits.device)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, use_cache: bool = True,
+             vocab_limit: int | None = None, on_token: Callable[[int], None] | None = None,
+             device: torch.device | None = None) -> list[int]:
+    """New token ids after ``prompt`` from a plain model (see ``gathered_copy``)."""
+    device = device or next(model.parameters()).device
+    max_len = getattr(getattr(model, "cfg", None), "max_seq_len", None)
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.tensor([prompt or [10]], dtype=torch.long, device=device)
+    cache = None
+    if use_cache and hasattr(model, "new_cache"):
+        if max_len is not None and tokens.shape[1] + max_new_tokens > max_len:
+            raise ValueError(f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) "
+                             f"exceeds model.max_seq_len={max_len}")
+        cache = model.new_cache(tokens.shape[1] + max_new_tokens)
+    out: list[int] = []
+    step_input = tokens
+    for _ in range(max_new_tokens):
+        if cache is not None:
+            logits = model(step_input, cache=cache)[:, -1, :]
+        else:
+            context = tokens if max_len is None else tokens[:, -max_len:]
+            logits = model(context)[:, -1, :]
+        if vocab_limit is not None:
+            logits = logits[:, :vocab_limit]
+        nxt = pick_next(logits, temperature, top_k, top_p, generator)
+        tokens = torch.cat([tokens, nxt], dim=1)
+        step_input = nxt
+        out.append(int(nxt))
+        if on_token is not None:
+            on_token(int(nxt))
+    return out
