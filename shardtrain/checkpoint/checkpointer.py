@@ -286,8 +286,14 @@ class Checkpointer:
             log.info(message)
 
 
-def load_model_weights(model: nn.Module, source: str) -> None:
-    """``model.init_from``: weights only, from a checkpoint directory or a .safetensors file."""
+def load_model_weights(model: nn.Module, source: str, model_cfg=None) -> None:
+    """``model.init_from``: weights only, from a checkpoint directory, a .safetensors file, or
+    ``hf:<dir>`` (a local Hugging Face Llama directory; never downloaded)."""
+    if source.startswith("hf:"):
+        from shardtrain.export.hf import load_hf_into
+
+        load_hf_into(model, model_cfg, source[3:])
+        return
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".safetensors":
         load_safetensors_into(model, path)

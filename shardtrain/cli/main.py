@@ -152,6 +152,14 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from shardtrain.export.hf import export_hf
+
+    for file in export_hf(args.checkpoint, args.out, args.max_shard_size, args.dtype):
+        print(file)
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardtrain.config.loader import launch_shape, load_config
     from shardtrain.diagnostics.planner import plan_table
@@ -244,6 +252,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--strategy", default="FULL_SHARD")
     ev.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
 
+    hf = sub.add_parser("export-hf", help="checkpoint -> Hugging Face Llama directory",
+                        description="config.json + safetensors (with index) that transformers' "
+                        "AutoModelForCausalLM.from_pretrained loads as a Llama.")
+    hf.add_argument("checkpoint", help="checkpoint directory, or a consolidated .safetensors file")
+    hf.add_argument("out", help="output directory")
+    hf.add_argument("--max-shard-size", default="2GB")
+    hf.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"])
+
     plan = sub.add_parser(
         "plan", help="estimate per-rank memory for each strategy and world size",
         description="Same key=value overrides as train. Parameters, gradients and optimizer state are "
@@ -275,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_inspect(args)
         if args.command == "plan":
             return cmd_plan(args)
+        if args.command == "export-hf":
+            return cmd_export_hf(args)
         if args.command == "generate":
             return cmd_generate(args, list(argv if argv is not None else sys.argv[1:]))
         if args.command == "eval":

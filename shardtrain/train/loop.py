@@ -144,7 +144,7 @@ class Trainer:
             if self.cfg.model.init_from:
                 self.info("model.init_from is ignored: resuming from a checkpoint")
         elif self.cfg.model.init_from:
-            load_model_weights(self.model, self.cfg.model.init_from)
+            load_model_weights(self.model, self.cfg.model.init_from, self.cfg.model)
             self.info(f"initialised weights from {self.cfg.model.init_from}")
 
     def save_checkpoint(self, blocking: bool = False) -> None:
