@@ -197,7 +197,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
 def reshard_all(model: nn.Module) -> None:
     """Return every FSDP unit to its sharded state after forwards without a backward.
 
-    Evaluation and sampling run forward only. Units that keep parameters unsharded after forward
+    Evaluation runs forward only. Units that keep parameters unsharded after forward
     (SHARD_GRAD_OP, the head unit) or reshard to a smaller group (an int reshard_after_forward) would
     otherwise stay that way: memory stays high and the registered parameters are not the sharded
     DTensors that the optimizer and checkpoints expect.
