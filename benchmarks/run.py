@@ -3,6 +3,7 @@
 training: benchmarks/step_time.py under torchrun at each process count (``--processes 1 2``).
 checkpoint: benchmarks/checkpoint_worker.py under torchrun (2 processes) for the default model and
 the 200M-parameter preset, then ``shardtrain consolidate`` peak memory, and the disk's write speed.
+generation: benchmarks/generation.py, shardtrain's generate vs transformers' on one exported model.
 Each rewrites its own section of docs/benchmarks.md with the command, the machine and the date.
 """
 
@@ -26,6 +27,7 @@ ROOT = Path(__file__).parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- training:begin -->", "<!-- training:end -->"
 CKPT_BEGIN, CKPT_END = "<!-- checkpoint:begin -->", "<!-- checkpoint:end -->"
+GEN_BEGIN, GEN_END = "<!-- generation:begin -->", "<!-- generation:end -->"
 HEADER = (
     "| processes | tokens/step | shardtrain tokens/s | hand-written tokens/s | shardtrain step ms "
     "| hand-written step ms | ratio (shardtrain / hand-written) |\n"
@@ -138,6 +140,34 @@ the limit gets a shard of its own (llama_200m's 125 MiB embedding matrix is its 
 {CKPT_END}"""
 
 
+def generation_results() -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generation.py")],
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"generation benchmark failed:\n{proc.stderr[-4000:]}")
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def render_generation(r: dict, command: str) -> str:
+    tps = r["tokens_per_s"]
+    return f"""{GEN_BEGIN}
+## Generation: shardtrain vs transformers, same exported model
+
+- Command: `{command}`
+- Date: {datetime.date.today().isoformat()}
+- Machine: {os.cpu_count()} CPU cores ({cpu_name()}), no GPU, torch {torch.__version__},
+  transformers {r['transformers_version']}, {r['threads']} threads, one process
+- Model: the default config (3.1M parameters, fp32), exported with `shardtrain export-hf` and loaded
+  by `AutoModelForCausalLM`; the same prompt ({r['prompt_tokens']} bytes) and {r['new_tokens']} new
+  tokens, greedy, KV cache on both sides; median of {r['rounds']} alternating rounds.
+
+| | shardtrain `generate` | transformers `generate` |
+| --- | --- | --- |
+| tokens/s | {tps['shardtrain']:,.0f} | {tps['transformers']:,.0f} |
+| seconds for {r['new_tokens']} tokens | {r['seconds']['shardtrain']:.3f} | {r['seconds']['transformers']:.3f} |
+{GEN_END}"""
+
+
 def write_section(begin: str, end: str, section: str) -> None:
     text = DOC.read_text() if DOC.exists() else INTRO
     if begin in text:
@@ -181,7 +211,7 @@ does not double: the CPU is the bottleneck, not the sharding.
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--only", choices=["training", "checkpoint"], default=None)
+    parser.add_argument("--only", choices=["training", "checkpoint", "generation"], default=None)
     args = parser.parse_args()
     if args.only in (None, "training"):
         results = []
@@ -196,6 +226,9 @@ def main() -> None:
             results = checkpoint_results(Path(workdir))
         write_section(CKPT_BEGIN, CKPT_END,
                       render_checkpoint(results, "python benchmarks/run.py --only checkpoint"))
+    if args.only in (None, "generation"):
+        write_section(GEN_BEGIN, GEN_END, render_generation(
+            generation_results(), "python benchmarks/run.py --only generation"))
     print(f"wrote {DOC}")
 
 
