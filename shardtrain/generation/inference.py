@@ -13,7 +13,7 @@ from torch import nn
 
 from shardtrain.checkpoint import layout
 from shardtrain.checkpoint.checkpointer import load_model_weights
-from shardtrain.config.schema import Config, ModelConfig
+from shardtrain.config.schema import Config, DataConfig, ModelConfig
 from shardtrain.distributed.env import DistEnv, init_distributed, set_cpu_threads
 from shardtrain.distributed.parallelize import build_mesh
 from shardtrain.distributed.plan import resolve_plan
@@ -55,6 +55,8 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
     model_cfg = model_config_of(path)
     cfg = Config()
     cfg.model = dataclasses.replace(model_cfg, init_from=None)
+    if path.is_dir():  # evaluate on the split the run trained with
+        cfg.data = DataConfig(**layout.read_trainer_state(path)["config"]["data"])
     cfg.strategy = dataclasses.replace(cfg.strategy, sharding_strategy=strategy,
                                        mixed_precision="fp32" if dtype == "fp32" else "bf16-mixed")
     env = init_distributed(cfg.dist.backend, cfg.dist.startup_timeout_s)
