@@ -71,7 +71,7 @@ class DataConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 500
+    max_steps: int = 300
     # Processes on this machine: an int, or "auto" (one per GPU; one on a CPU-only machine).
     devices: Any = "auto"
     num_nodes: int = 1
