@@ -165,7 +165,7 @@ class Checkpointer:
         self.wait()  # one save in flight at a time
         final, tmp = layout.step_dir(self.root, step), layout.tmp_dir(self.root, step)
         # Every rank decides from the same files, so all raise together instead of some waiting.
-        if final.exists() and not layout.scan(self.root).is_skipped(final):
+        if final.exists() and layout.is_complete(final):
             raise CheckpointError(f"{final} already exists; refusing to overwrite a checkpoint")
         if self.rank == 0:
             if final.exists():  # damaged (resume skipped it): keep it aside for inspection

@@ -108,13 +108,18 @@ def verify(path: Path, need_state: bool = True):
     return metadata
 
 
+def is_complete(path: Path) -> bool:
+    try:
+        verify(path)
+    except CheckpointError:
+        return False
+    return True
+
+
 @dataclass
 class Found:
     complete: list[tuple[int, Path]]
     skipped: list[tuple[Path, str]]  # (path, why it is not usable)
-
-    def is_skipped(self, path: Path) -> bool:
-        return any(p == path for p, _ in self.skipped)
 
 
 def scan(root: Path) -> Found:
