@@ -22,8 +22,8 @@ def main(new_tokens: int = 200, rounds: int = 3) -> None:
     import transformers
     from safetensors.torch import load_file
 
+    from shardtrain.checkpoint.weights import model_config_of
     from shardtrain.generation.generate import generate
-    from shardtrain.generation.inference import model_config_of
     from shardtrain.models.llama import Llama
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import fully_shard
 
 from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.config.loader import load_config
-from shardtrain.distributed.parallelize import shard_like, stable_seed
+from shardtrain.distributed.sharded_model import shard_like, stable_seed
 from shardtrain.models.llama import Llama, TransformerBlock
 from shardtrain.train.loop import Trainer
 from shardtrain.train.optim import build_optimizer, build_scheduler

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from shardtrain.version import __version__
 
 _EXPORTS = {
     "Config": "shardtrain.config.schema",

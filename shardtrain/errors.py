@@ -23,3 +23,7 @@ class ModelError(ShardtrainError):
 
 class CheckpointError(ShardtrainError):
     """A checkpoint is missing, incomplete, damaged or does not fit the model."""
+
+
+class GenerationError(ShardtrainError):
+    """A generation request the model cannot serve (e.g. longer than its context)."""

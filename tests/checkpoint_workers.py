@@ -27,8 +27,16 @@ def ckpt_config(run_dir: str, world: int, strategy: str = "FULL_SHARD", accum: i
 
 
 def new_trainer(cfg) -> Trainer:
+    """A trainer whose data records the global sample ids of every step it takes."""
     trainer = Trainer.create(cfg, corpus=small_corpus())
-    trainer.train_data.recorded = []
+    data, take = trainer.train_data, trainer.train_data.next_step
+    trainer.consumed_ids = []
+
+    def recording_next_step():
+        trainer.consumed_ids.append(data.step_ids())
+        return take()
+
+    data.next_step = recording_next_step
     return trainer
 
 
@@ -42,7 +50,7 @@ def interrupted(trainer: Trainer, steps: int) -> None:
 def dump(trainer: Trainer, losses: list[float], path: Path) -> None:
     weights = trainer.full_weights()
     if trainer.env.is_main:
-        ids = [i.tolist() for i in trainer.train_data.recorded]
+        ids = [i.tolist() for i in trainer.consumed_ids]
         torch.save({"losses": losses, "weights": weights, "ids": ids}, path)
 
 

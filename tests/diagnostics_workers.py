@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -116,7 +117,10 @@ def measured_state(out: str) -> None:
         cfg.diagnostics = dataclasses.replace(cfg.diagnostics, enabled=True, steps=1)
         trainer = Trainer.create(cfg, corpus=small_corpus())
         trainer.run_step()
-        results.append({"strategy": strategy, "extra": extra, "mesh": trainer.built.plan.mesh_shape,
-                        "ranks": trainer.rank_memory})
+        if trainer.env.is_main:  # rank 0 logs every rank's table to metrics.jsonl after step 1
+            records = [json.loads(line) for line in Path(cfg.run.dir, "metrics.jsonl").open()]
+            ranks = [r for r in records if r["kind"] == "memory_ranks"][-1]["ranks"]
+            results.append({"strategy": strategy, "extra": extra,
+                            "mesh": trainer.built.plan.mesh_shape, "ranks": ranks})
     if int(os.environ["RANK"]) == 0:
         torch.save(results, Path(out, f"measured{world}.pt"))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from shardtrain.config.schema import Config, DataConfig
 from shardtrain.data.batches import GlobalOrder, TokenWindows
 from shardtrain.data.corpus import Corpus, load_corpus
-from shardtrain.distributed.parallelize import stable_seed
+from shardtrain.distributed.sharded_model import stable_seed
 from shardtrain.models.llama import Llama
 from shardtrain.train.optim import build_optimizer, build_scheduler
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardtrain.config.loader import group_options, load_config
+from shardtrain.config.loader import GROUPS, group_options, load_config
 from shardtrain.errors import ConfigError
 
 
@@ -17,9 +17,10 @@ def test_defaults_and_presets_compose():
     assert quick.strategy.sharding_strategy == "HYBRID_SHARD"
     assert quick.trainer.max_steps == 7  # command line wins over the experiment
     assert {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard"} <= set(group_options("strategy"))
-    assert {"model", "strategy", "data", "experiment"} == {
-        g for g in ("model", "strategy", "data", "experiment") if group_options(g)
-    } | {"experiment"}
+    # Every group has presets on disk (an empty group would silently offer nothing).
+    assert GROUPS == ("model", "strategy", "data", "experiment")
+    assert {group: bool(group_options(group)) for group in GROUPS} == dict.fromkeys(GROUPS, True)
+    assert "quick" in group_options("experiment")
 
 
 def test_required_knobs_exist():

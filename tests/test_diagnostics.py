@@ -11,8 +11,8 @@ from diagnostics_workers import STRATEGY_CASES, measured_state, nan_step_is_skip
 from distributed import run_on_ranks
 from equivalence import case_config
 
+from shardtrain.config.plan import DTYPES, PRECISION_PRESETS
 from shardtrain.diagnostics.planner import sharded_state_bytes
-from shardtrain.distributed.plan import DTYPES, PRECISION_PRESETS
 from shardtrain.models.llama import Llama
 
 QUICK = ["experiment=quick", "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample_tokens=0",

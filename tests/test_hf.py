@@ -7,8 +7,7 @@ import torch
 from cli_utils import read_metrics, run_cli
 from safetensors.torch import load_file
 
-from shardtrain.export.hf import load_hf_into
-from shardtrain.generation.inference import model_config_of
+from shardtrain.checkpoint.weights import load_hf_into, model_config_of
 from shardtrain.models.llama import Llama
 
 transformers = pytest.importorskip("transformers")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import StrategyConfig
-from shardtrain.distributed.plan import resolve_plan
 
 
 @pytest.mark.parametrize(

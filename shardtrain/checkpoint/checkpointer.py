@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import platform
 import random
 import shutil
 import time
@@ -29,19 +28,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from omegaconf import OmegaConf
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
-    set_model_state_dict,
     set_state_dict,
 )
 
-from shardtrain import faults
+from shardtrain import accelerator, faults
 from shardtrain.checkpoint import layout
-from shardtrain.config.loader import config_hash
+from shardtrain.checkpoint.state import TrainState
+from shardtrain.checkpoint.weights import check_model_compatible
+from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
 from shardtrain.errors import CheckpointError
 
@@ -50,9 +50,9 @@ log = logging.getLogger("shardtrain")
 
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.accelerator.is_available():
-        device_type = torch.accelerator.current_accelerator().type
-        state["accelerator"] = torch.get_device_module(device_type).get_rng_state()
+    device_state = accelerator.rng_state()
+    if device_state is not None:
+        state["accelerator"] = device_state
     return state
 
 
@@ -60,44 +60,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "accelerator" in state and torch.accelerator.is_available():
-        device_type = torch.accelerator.current_accelerator().type
-        torch.get_device_module(device_type).set_rng_state(state["accelerator"])
-
-
-def expected_shapes(state: dict[str, Any], prefix: str) -> dict[str, tuple[int, ...]]:
-    """Flattened DCP keys of the tensors in ``state`` (global shapes for DTensors)."""
-    return {f"{prefix}.{k}": tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
-def check_model_compatible(path: Path, metadata, model_state: dict[str, Any]) -> None:
-    """Name missing keys, unexpected keys and shape mismatches between checkpoint and model."""
-    saved = {
-        k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
-        if k.startswith("model.") and hasattr(v, "size")
-    }
-    wanted = expected_shapes(model_state, "model")
-    missing = sorted(set(wanted) - set(saved))
-    unexpected = sorted(set(saved) - set(wanted))
-    mismatched = sorted(
-        f"{k}: checkpoint {list(saved[k])} vs model {list(wanted[k])}"
-        for k in set(saved) & set(wanted) if saved[k] != wanted[k]
-    )
-    if not (missing or unexpected or mismatched):
-        return
-    def show(items: list[str]) -> str:
-        return ", ".join(items[:6]) + (f" (+{len(items) - 6} more)" if len(items) > 6 else "")
-    problems = []
-    if missing:
-        problems.append(f"missing keys: {show(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys: {show(unexpected)}")
-    if mismatched:
-        problems.append(f"shape mismatches: {show(mismatched)}")
-    raise CheckpointError(
-        f"checkpoint {str(path)!r} does not fit this model ({'; '.join(problems)}); "
-        "use the model config it was saved with (see its trainer_state.json)"
-    )
+    accelerator.set_rng_state(state.get("accelerator"))
 
 
 @dataclass
@@ -106,13 +69,18 @@ class PendingSave:
     tmp: Path
     future: Future
     started: float
-    trainer_state: dict[str, Any]
+    trainer_state: TrainState
 
 
 class Checkpointer:
-    def __init__(self, cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler, rank: int, world_size: int) -> None:
+    """Saves and restores model, optimizer, scheduler and RNG; the run's counters travel in
+    ``TrainState``."""
+
+    def __init__(self, cfg: Config, plan: ShardingPlan, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                 rank: int, world_size: int) -> None:
         self.cfg = cfg
+        self.plan = plan
         self.ckpt = cfg.checkpoint
         self.model = model
         self.optimizer = optimizer
@@ -158,7 +126,7 @@ class Checkpointer:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state, "optim": optim_state}
 
-    def save(self, step: int, counters: dict[str, Any], plan_info: dict[str, Any],
+    def save(self, step: int, *, tokens_seen: int, consumed_samples: int, global_batch: int,
              blocking: bool = False) -> float:
         """Start (async) or do (sync) a save; returns the seconds training was blocked."""
         start = time.perf_counter()
@@ -181,7 +149,10 @@ class Checkpointer:
         if self.ckpt.save_full:
             self.save_full_weights(tmp / "model.safetensors")
         state = self.training_state()
-        trainer_state = self.describe(step, counters, plan_info)
+        trainer_state = TrainState.capture(
+            self.cfg, self.plan, step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
+            global_batch=global_batch, scheduler=self.scheduler.state_dict(), world_size=self.world_size,
+        )
         if self.ckpt.async_save and not blocking:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
             self.pending = PendingSave(step, tmp, future, time.perf_counter(), trainer_state)
@@ -195,37 +166,19 @@ class Checkpointer:
         return blocked
 
     def save_full_weights(self, path: Path) -> None:
-        from safetensors.torch import save_file
-
         full = get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
         if self.rank == 0:
             save_file({k: v.contiguous() for k, v in full.items()}, str(path))
 
-    def describe(self, step: int, counters: dict[str, Any], plan_info: dict[str, Any]) -> dict:
-        from shardtrain import __version__
-
-        return {
-            "format": layout.FORMAT,
-            "step": step,
-            **counters,
-            "world_size": self.world_size,
-            **plan_info,
-            "config": OmegaConf.to_container(OmegaConf.structured(self.cfg)),
-            "config_hash": config_hash(self.cfg),
-            "versions": {"shardtrain": __version__, "torch": torch.__version__,
-                         "python": platform.python_version()},
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-
-    def finalize(self, step: int, tmp: Path, trainer_state: dict) -> None:
+    def finalize(self, step: int, tmp: Path, trainer_state: TrainState) -> None:
         """Rank 0: make the checkpoint visible under its final name, then prune old ones."""
         if self.rank != 0:
             return
         if not (tmp / layout.METADATA_FILE).is_file():
             raise CheckpointError(f"save of step {step} produced no DCP metadata in {tmp}")
-        layout.write_json_durably(tmp / layout.STATE_FILE, trainer_state)
+        trainer_state.write(tmp)
         final = layout.step_dir(self.root, step)
         tmp.rename(final)
         layout.fsync_dir(self.root)
@@ -257,10 +210,10 @@ class Checkpointer:
 
     # ---- loading -------------------------------------------------------------------------
 
-    def load(self, path: Path) -> dict[str, Any]:
+    def load(self, path: Path) -> TrainState:
         """Restore model, optimizer, scheduler and RNG from ``path``; return its trainer state."""
         metadata = layout.verify(path)
-        trainer_state = layout.read_trainer_state(path)
+        trainer_state = TrainState.read(path)
         state = self.training_state()
         check_model_compatible(path, metadata, state["model"])
         if not any(k.startswith("optim.") for k in metadata.state_dict_metadata):
@@ -272,9 +225,9 @@ class Checkpointer:
             raise CheckpointError(f"loading {str(path)!r} failed: {str(exc).splitlines()[0]}") from exc
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        self.scheduler.load_state_dict(trainer_state.scheduler)
         rng_file = path / f"rng-rank{self.rank}.pt"
-        if trainer_state["world_size"] == self.world_size and rng_file.is_file():
+        if trainer_state.world_size == self.world_size and rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=False))
         else:
             self.info("resume: world size changed; RNG states are not restored (the data order is "
@@ -284,43 +237,4 @@ class Checkpointer:
     def info(self, message: str) -> None:
         if self.rank == 0:
             log.info(message)
-
-
-def load_model_weights(model: nn.Module, source: str, model_cfg=None) -> None:
-    """``model.init_from``: weights only, from a checkpoint directory, a .safetensors file, or
-    ``hf:<dir>`` (a local Hugging Face Llama directory; never downloaded)."""
-    if source.startswith("hf:"):
-        from shardtrain.export.hf import load_hf_into
-
-        load_hf_into(model, model_cfg, source[3:])
-        return
-    path = Path(source).expanduser()
-    if path.is_file() and path.suffix == ".safetensors":
-        load_safetensors_into(model, path)
-        return
-    metadata = layout.verify(path, need_state=False)
-    state = get_model_state_dict(model)
-    check_model_compatible(path, metadata, state)
-    dcp.load({"model": state}, checkpoint_id=str(path))
-    set_model_state_dict(model, state)
-
-
-def load_safetensors_into(model: nn.Module, path: Path) -> None:
-    from safetensors import safe_open
-
-    from shardtrain.distributed.parallelize import shard_like
-
-    params = dict(model.named_parameters())
-    with safe_open(str(path), framework="pt") as f:
-        keys = set(f.keys())
-        missing, unexpected = sorted(set(params) - keys), sorted(keys - set(params))
-        if missing or unexpected:
-            raise CheckpointError(f"{path}: missing keys {missing[:6]}, unexpected keys {unexpected[:6]}")
-        with torch.no_grad():
-            for name, param in params.items():
-                full = f.get_tensor(name)  # one full tensor at a time
-                if tuple(full.shape) != tuple(param.shape):
-                    raise CheckpointError(f"{path}: {name} has shape {list(full.shape)}, "
-                                          f"the model wants {list(param.shape)}")
-                param.copy_(shard_like(full.to(param.dtype), param))
 

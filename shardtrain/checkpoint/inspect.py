@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
+
 from shardtrain.checkpoint import layout
+from shardtrain.checkpoint.safetensors_files import DTYPES, INDEX_FILE, SINGLE_FILE, indexed_files
+from shardtrain.checkpoint.state import TrainState
+from shardtrain.config.plan import dtype_name
+from shardtrain.config.sizes import human_bytes
 from shardtrain.errors import CheckpointError
+
+FORMAT_NAMES = {"shardtrain": "shardtrain checkpoint (DCP)",
+                "lightning": "Lightning sharded checkpoint (DCP)", "dcp": "DCP directory"}
 
 
 @dataclass
@@ -27,29 +36,15 @@ class Report:
         lines += [f"{k + ':':11s} {v}" for k, v in self.details.items()]
         lines.append(f"tensors:    {self.tensors}")
         for name, size in sorted(self.bytes_by_group.items()):
-            lines.append(f"  {name:18s} {human(size)}")
+            lines.append(f"  {name:18s} {human_bytes(size)}")
         for dtype, size in sorted(self.bytes_by_dtype.items()):
-            lines.append(f"  {dtype:18s} {human(size)}")
+            lines.append(f"  {dtype:18s} {human_bytes(size)}")
         lines += [f"problem:    {p}" for p in self.problems] or ["problems:   none found"]
         return "\n".join(lines)
 
 
-def human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return str(n)
-
-
-def dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def add_tensor(report: Report, name: str, dtype, numel: int) -> None:
-    import torch
-
-    size = numel * (dtype.itemsize if isinstance(dtype, torch.dtype) else 1)
+def add_tensor(report: Report, name: str, dtype: torch.dtype, numel: int) -> None:
+    size = numel * dtype.itemsize
     report.tensors += 1
     report.bytes_by_dtype[dtype_name(dtype)] = report.bytes_by_dtype.get(dtype_name(dtype), 0) + size
     group = name.split(".", 1)[0] if "." in name else "(top level)"
@@ -57,21 +52,13 @@ def add_tensor(report: Report, name: str, dtype, numel: int) -> None:
 
 
 def inspect_safetensors(path: Path, report: Report) -> None:
-    from safetensors import safe_open
-
     files = [path]
     if path.name.endswith(".index.json"):
         report.format = "safetensors shards (index)"
-        try:
-            weight_map = json.loads(path.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise CheckpointError(f"{path}: not a valid safetensors index ({exc})") from exc
-        files = sorted({path.parent / f for f in weight_map.values()})
+        files = indexed_files(path)
         report.details["files"] = len(files)
     else:
         report.format = "safetensors file"
-    import torch
-
     for file in files:
         if not file.is_file():
             report.problems.append(f"missing shard file {file.name}")
@@ -83,9 +70,7 @@ def inspect_safetensors(path: Path, report: Report) -> None:
                     numel = 1
                     for d in sl.get_shape():
                         numel *= d
-                    dtype = getattr(torch, {"F32": "float32", "BF16": "bfloat16", "F16": "float16",
-                                            "I64": "int64", "F64": "float64"}.get(sl.get_dtype(), "uint8"))
-                    add_tensor(report, name, dtype, numel)
+                    add_tensor(report, name, DTYPES.get(sl.get_dtype(), torch.uint8), numel)
         except Exception as exc:
             report.problems.append(f"{file.name} is unreadable: {exc}")
     report.complete = not report.problems
@@ -102,17 +87,14 @@ def inspect_path(target: str | Path) -> Report:
             return report
         raise CheckpointError(f"{str(path)!r} is a file but neither .safetensors nor an index; "
                               "pass a checkpoint directory")
-    if (path / "model.safetensors.index.json").is_file():
-        inspect_safetensors(path / "model.safetensors.index.json", report)
+    if (path / INDEX_FILE).is_file():
+        inspect_safetensors(path / INDEX_FILE, report)
         return report
-    if not (path / layout.METADATA_FILE).exists() and (path / "model.safetensors").is_file():
-        inspect_safetensors(path / "model.safetensors", report)
+    if not (path / layout.METADATA_FILE).exists() and (path / SINGLE_FILE).is_file():
+        inspect_safetensors(path / SINGLE_FILE, report)
         return report
-    from shardtrain.export.consolidate import detect_format
-
-    fmt = detect_format(path)
-    report.format = {"shardtrain": "shardtrain checkpoint (DCP)",
-                     "lightning": "Lightning sharded checkpoint (DCP)", "dcp": "DCP directory"}[fmt]
+    fmt = layout.detect_format(path)
+    report.format = FORMAT_NAMES[fmt]
     if layout.TMP_DIR.match(path.name):
         report.problems.append("this is a temporary directory of a save that did not finish")
     try:
@@ -131,12 +113,10 @@ def inspect_path(target: str | Path) -> Report:
             add_tensor(report, name, meta.properties.dtype, meta.size.numel())
     if fmt == "shardtrain":
         try:
-            state = layout.read_trainer_state(path)
+            state = TrainState.read(path)
             report.details.update({
-                "step": state["step"], "world size": state["world_size"],
-                "strategy": state["strategy"],
-                "mesh": " x ".join(f"{n}={s}" for n, s in zip(state["mesh_dim_names"], state["mesh_shape"])),
-                "samples seen": state["consumed_samples"], "saved with": state["versions"],
+                "step": state.step, "world size": state.world_size, "strategy": state.strategy,
+                "mesh": state.mesh, "samples seen": state.consumed_samples, "saved with": state.versions,
             })
         except CheckpointError as exc:
             report.problems.append(str(exc))
@@ -147,10 +127,8 @@ def inspect_path(target: str | Path) -> Report:
 
 
 def lightning_meta(path: Path, report: Report) -> dict:
-    import torch
-
     try:
-        meta = torch.load(path / "meta.pt", weights_only=True, map_location="cpu")
+        meta = torch.load(path / layout.LIGHTNING_META_FILE, weights_only=True, map_location="cpu")
     except Exception as exc:
         report.problems.append(f"meta.pt is unreadable with weights_only=True ({str(exc).splitlines()[0]})")
         return {}

@@ -16,18 +16,17 @@ checks below also verify it, so that a damaged or hand-copied directory gets a p
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.errors import CheckpointError
 
-STATE_FILE = "trainer_state.json"
 METADATA_FILE = ".metadata"
-FORMAT = "shardtrain-checkpoint-v1"
+LIGHTNING_META_FILE = "meta.pt"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^\.step-(\d+)\.tmp$")
 
@@ -83,28 +82,12 @@ def check_shard_files(path: Path, metadata) -> None:
             )
 
 
-def read_trainer_state(path: Path) -> dict:
-    file = path / STATE_FILE
-    if not file.is_file():
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} has no {STATE_FILE}: it is not a complete shardtrain "
-            "checkpoint (model.init_from accepts plain DCP directories)"
-        )
-    try:
-        state = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {str(path)!r}: {STATE_FILE} is unreadable ({exc})") from exc
-    if state.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {str(path)!r}: unknown format {state.get('format')!r}")
-    return state
-
-
 def verify(path: Path, need_state: bool = True):
     """Metadata of a complete checkpoint at ``path``; raises CheckpointError naming the problem."""
     metadata = read_dcp_metadata(path)
     check_shard_files(path, metadata)
     if need_state:
-        read_trainer_state(path)
+        TrainState.read(path)
     return metadata
 
 
@@ -148,9 +131,10 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json_durably(path: Path, data: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+def detect_format(path: Path) -> str:
+    """'shardtrain' (ours), 'lightning' (Lightning's sharded FSDP layout) or 'dcp' (anything else)."""
+    if (path / STATE_FILE).is_file():
+        return "shardtrain"
+    if (path / LIGHTNING_META_FILE).is_file():
+        return "lightning"
+    return "dcp"

@@ -15,10 +15,10 @@ from shardtrain.logs import setup_logging
 
 
 def cmd_train(overrides: list[str]) -> int:
+    from shardtrain.cli.launch import relaunch_if_needed
     from shardtrain.config.loader import load_config, to_yaml
     from shardtrain.diagnostics.failures import describe, first_failure, record_failure
     from shardtrain.distributed.env import destroy_distributed
-    from shardtrain.distributed.launch import relaunch_if_needed
     from shardtrain.train.loop import Trainer
 
     cfg = load_config(overrides)  # every config error surfaces here, before any process starts
@@ -50,8 +50,9 @@ def cmd_train(overrides: list[str]) -> int:
 
 def on_devices(devices: int, argv: list[str]) -> int | None:
     """Run ``shardtrain argv`` on ``devices`` processes under torchrun, or None to run here."""
+    from shardtrain.cli.launch import run_under_torchrun
+    from shardtrain.config.schema import DEFAULT_PREEMPTION_SIGNALS
     from shardtrain.distributed.env import under_torchrun
-    from shardtrain.distributed.launch import run_under_torchrun
     from shardtrain.errors import ConfigError
 
     if under_torchrun():
@@ -59,7 +60,7 @@ def on_devices(devices: int, argv: list[str]) -> int | None:
             raise ConfigError(f"--devices {devices} but torchrun started {os.environ['WORLD_SIZE']}")
         return None
     if devices > 1:
-        return run_under_torchrun(devices, argv, ["SIGTERM", "SIGUSR1"])
+        return run_under_torchrun(devices, argv, DEFAULT_PREEMPTION_SIGNALS)
     return None
 
 
@@ -83,13 +84,12 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         return status
     from shardtrain.distributed.env import destroy_distributed
     from shardtrain.generation.generate import gathered_copy, generate
-    from shardtrain.generation.inference import load_for_inference, model_factory
+    from shardtrain.generation.inference import load_for_inference
 
     prompts = read_prompts(args)
     try:
         loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype)
-        plain = gathered_copy(loaded.model, model_factory(loaded.cfg), loaded.env.device,
-                              loaded.compute_dtype)
+        plain = gathered_copy(loaded.model, loaded.factory, loaded.env.device, loaded.compute_dtype)
         main_rank = loaded.env.is_main
         out = sys.stdout.buffer
         for index, prompt in enumerate(prompts):
@@ -161,13 +161,14 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from shardtrain.config.loader import launch_shape, load_config
+    from shardtrain.config.loader import load_config
+    from shardtrain.config.plan import launch_shape
+    from shardtrain.config.sizes import parse_size
     from shardtrain.diagnostics.planner import plan_table
-    from shardtrain.export.consolidate import parse_size
 
     cfg = load_config(args.overrides)
     per_node, world = launch_shape(cfg)
-    memory = parse_size(args.device_memory) if args.device_memory else None
+    memory = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
     sizes = args.world_sizes or sorted({1, 2, 4, 8, world})
     print(plan_table(cfg, sizes, memory, args.processes_per_node or per_node))
     return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,11 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from shardtrain.config.schema import Config
+from shardtrain.accelerator import accelerator_count
+from shardtrain.config.classpath import import_module_class
+from shardtrain.config.plan import devices_count, launch_shape, resolve_plan
+from shardtrain.config.schema import BUILTIN_MODELS, Config
 from shardtrain.config.suggest import closest
-from shardtrain.distributed.env import accelerator_count
 from shardtrain.errors import ConfigError, ShardtrainError
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -111,29 +113,6 @@ def config_hash(cfg: Config) -> str:
     return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()[:16]
 
 
-def devices_count(devices: Any) -> int | None:
-    """``trainer.devices`` as an int, or None for "auto"."""
-    if devices == "auto":
-        return None
-    if isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
-        return devices
-    if isinstance(devices, str) and devices.isdigit() and int(devices) >= 1:
-        return int(devices)
-    raise ConfigError(f"trainer.devices={devices!r} must be 'auto' or a positive int")
-
-
-def launch_shape(cfg: Config) -> tuple[int, int]:
-    """(processes per node, world size) the config asks for.
-
-    ``trainer.devices=auto`` follows torchrun when running under it, else one process per
-    accelerator (one on a CPU-only machine).
-    """
-    per_node = devices_count(cfg.trainer.devices)
-    if per_node is None:
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(1, accelerator_count())
-    return per_node, per_node * cfg.trainer.num_nodes
-
-
 def validate(cfg: Config) -> None:
     t = cfg.trainer
     positive = {
@@ -172,9 +151,11 @@ def validate(cfg: Config) -> None:
     if t.warmup_steps < 0:
         raise ConfigError(f"trainer.warmup_steps={t.warmup_steps} must not be negative")
     devices_count(t.devices)
-    if cfg.model.name != "llama":
-        raise ConfigError(f"model.name={cfg.model.name!r} is unknown{closest(cfg.model.name, ['llama'])}; "
-                          "the built-in model is 'llama' (bring your own through the library API)")
+    if cfg.model.name not in BUILTIN_MODELS:
+        hint = closest(cfg.model.name, BUILTIN_MODELS)
+        raise ConfigError(f"model.name={cfg.model.name!r} is unknown{hint}; "
+                          f"built-in models: {', '.join(BUILTIN_MODELS)} (bring your own through the "
+                          "library API)")
     if cfg.model.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is too small for byte-level data "
                           "(256 token ids); use at least 256")
@@ -186,12 +167,10 @@ def validate(cfg: Config) -> None:
         for entry in cfg.data.paths:
             if not Path(entry).expanduser().exists():
                 raise ConfigError(f"data path {entry!r} does not exist; fix data.paths")
-    from shardtrain.distributed.parallelize import import_class
-
     for entry in cfg.strategy.wrap_policy:
         if entry != "auto":
             try:
-                import_class(entry)
+                import_module_class(entry)
             except ShardtrainError as exc:
                 raise ConfigError(f"strategy.wrap_policy: {exc}") from exc
     if t.seq_len > cfg.model.max_seq_len:
@@ -209,8 +188,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model.dim / model.n_heads (the head size) must be even for RoPE")
     if cfg.checkpoint.interval < 0:
         raise ConfigError(f"checkpoint.interval={cfg.checkpoint.interval} must be 0 (end only) or positive")
-    import signal
-
     for name in cfg.checkpoint.preemption_signals:
         if not isinstance(getattr(signal, str(name), None), signal.Signals):
             raise ConfigError(f"checkpoint.preemption_signals: {name!r} is not a signal name like 'SIGTERM'")
@@ -227,8 +204,6 @@ def validate(cfg: Config) -> None:
             f"data.source={cfg.data.source!r} must be 'stdlib' or 'files'"
             f"{closest(cfg.data.source, ['stdlib', 'files'])}"
         )
-    from shardtrain.distributed.plan import resolve_plan
-
     # Check the strategy section now, against the world size the launch will have.
     per_node, world = launch_shape(cfg)
     resolve_plan(cfg.strategy, world, per_node)

@@ -9,6 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# The models ``model.name`` can select (built by shardtrain.models.registry).
+BUILTIN_MODELS = ("llama",)
+# Signals that mean "save and exit" (Slurm and Kubernetes send SIGTERM before killing).
+DEFAULT_PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
+
 
 @dataclass
 class ModelConfig:
@@ -139,8 +144,7 @@ class CheckpointConfig:
     resume: str = "auto"
     # Also write model.safetensors (full weights, gathered on rank 0 with CPU offload).
     save_full: bool = False
-    # Signals that mean "save and exit" (Slurm and Kubernetes send SIGTERM before killing).
-    preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    preemption_signals: list[str] = field(default_factory=lambda: list(DEFAULT_PREEMPTION_SIGNALS))
 
 
 @dataclass

@@ -98,14 +98,14 @@ class TrainBatches:
         self.rank = rank
         self.order = GlobalOrder(windows.num_samples, seed)
         self.consumed_samples = 0
-        # Set to a list to record each step's global sample ids (tests prove no repeats or skips).
-        self.recorded: list[np.ndarray] | None = None
+
+    def step_ids(self) -> np.ndarray:
+        """The global sample ids of the next step (a function of the seed and the position only)."""
+        return self.order.take(self.consumed_samples, self.layout.global_batch)
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        ids = self.order.take(self.consumed_samples, self.layout.global_batch)
+        ids = self.step_ids()
         self.consumed_samples += self.layout.global_batch
-        if self.recorded is not None:
-            self.recorded.append(ids)
         return [self.windows.batch(s) for s in self.layout.rank_slices(ids, self.rank)]
 
 

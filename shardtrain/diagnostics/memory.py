@@ -10,6 +10,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardtrain.accelerator import phase_peak_bytes, reset_phase_peak
+from shardtrain.config.plan import dtype_name
+
 
 def local_bytes(t: torch.Tensor) -> int:
     local = t.to_local() if isinstance(t, DTensor) else t
@@ -59,22 +62,21 @@ class PhaseMemory:
         self.model = model
         self.optimizer = optimizer
         self.device = device
-        self.module = torch.get_device_module(device.type) if device.type != "cpu" else None
         self.record: dict[str, dict[str, float]] = {}
         self.grad_dtypes: set[str] = set()
 
     def start(self) -> None:
         self.record = {}
-        if self.module is not None and hasattr(self.module, "reset_peak_memory_stats"):
-            self.module.reset_peak_memory_stats(self.device)
+        reset_phase_peak(self.device)
 
     def mark(self, phase: str) -> None:
         entry: dict[str, float] = {"rss_mib": rss_bytes() / 2**20}
-        if self.module is not None and hasattr(self.module, "max_memory_allocated"):
-            entry["peak_allocated_mib"] = self.module.max_memory_allocated(self.device) / 2**20
-            self.module.reset_peak_memory_stats(self.device)
+        peak = phase_peak_bytes(self.device)
+        if peak is not None:
+            entry["peak_allocated_mib"] = peak / 2**20
+            reset_phase_peak(self.device)
         if phase == "backward":
-            self.grad_dtypes |= {str(p.grad.dtype).replace("torch.", "")
+            self.grad_dtypes |= {dtype_name(p.grad.dtype)
                                  for p in self.model.parameters() if p.grad is not None}
         s = state_bytes(self.model, self.optimizer)
         entry.update(params_mib=s.params / 2**20, grads_mib=s.grads / 2**20,

@@ -13,8 +13,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from shardtrain.config.plan import STRATEGIES, resolve_plan
 from shardtrain.config.schema import Config
-from shardtrain.distributed.plan import STRATEGIES, resolve_plan
+from shardtrain.models.llama import ffn_hidden_dim
+from shardtrain.models.registry import build_model
 
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, in the parameters' storage dtype
 ADAM_STEP_BYTES = 4  # AdamW keeps one fp32 'step' scalar per parameter tensor
@@ -61,8 +63,6 @@ def activation_bytes(cfg: Config, micro_batch: int, param_dtype: torch.dtype) ->
     three hidden-size tensors and their product (Korthikanti et al. 2022 accounting, SDPA without
     the s^2 score matrix); plus the fp32 logits and their gradient.
     """
-    from shardtrain.models.llama import ffn_hidden_dim
-
     m, t = cfg.model, cfg.trainer
     tokens = micro_batch * t.seq_len
     kv = m.dim // m.n_heads * m.n_kv_heads
@@ -104,8 +104,6 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
 
 
 def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, local: int) -> str:
-    from shardtrain.models.llama import build_model
-
     with torch.device("meta"):
         model = build_model(cfg.model)
     n = sum(p.numel() for p in model.parameters())

@@ -1,10 +1,12 @@
-"""Safety rails: the FSDP traps that cost people days, turned into errors with the fix in them."""
+"""Safety rails while training: the FSDP traps that cost people days, as errors with the fix in them.
+
+The rails that must hold before sharding (wrap policy, single registration, tied weights) live with
+the sharding code in ``distributed/preconditions.py``.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -14,53 +16,6 @@ from torch.distributed.tensor import DTensor
 from shardtrain.errors import ModelError
 
 log = logging.getLogger("shardtrain")
-
-
-def check_single_registration(model: nn.Module) -> None:
-    """A submodule under two parents is sharded and stored twice (the seed's double-memory trap)."""
-    paths: dict[int, list[str]] = defaultdict(list)
-    for name, module in model.named_modules(remove_duplicate=False):
-        paths[id(module)].append(name or "<root>")
-    for names in paths.values():
-        if len(names) > 1:
-            raise ModelError(
-                f"module registered under two parents: {names[0]!r} and {names[1]!r}; FSDP would "
-                "shard and gather it twice (double memory). Keep one owner and hold the other "
-                "reference without registering it, e.g. object.__setattr__(self, 'name', module)"
-            )
-
-
-def owning_unit(name: str, units: Sequence[str]) -> str:
-    """The FSDP unit a module belongs to: the unit with the longest name prefixing it (else root)."""
-    best, best_len = "<root>", -1
-    for unit in units:
-        for part in unit.split("+"):
-            inside = name == part or name.startswith(part + ".")
-            if part != "<root>" and inside and len(part) > best_len:
-                best, best_len = unit, len(part)
-    return best
-
-
-def warn_tied_across_units(model: nn.Module, units: Sequence[str]) -> list[str]:
-    """Parameters shared by modules that sit in different FSDP units (call before sharding)."""
-    owners: dict[int, set[str]] = defaultdict(set)
-    names: dict[int, list[str]] = defaultdict(list)
-    for module_name, module in model.named_modules():
-        for pname, param in module.named_parameters(recurse=False):
-            full = f"{module_name}.{pname}" if module_name else pname
-            owners[id(param)].add(owning_unit(module_name, units))
-            names[id(param)].append(full)
-    warnings = []
-    for key, unit_set in owners.items():
-        if len(unit_set) > 1:
-            warnings.append(
-                f"tied parameter {' = '.join(names[key])} spans FSDP units {sorted(unit_set)}: it is "
-                "gathered by one unit and used by another. Put the modules sharing it in one unit "
-                "(e.g. extra_shard_groups() returning them together) to avoid extra all-gathers"
-            )
-    for message in warnings:
-        log.warning(message)
-    return warnings
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

@@ -11,25 +11,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardtrain.config.plan import ShardingPlan, dtype_name
 from shardtrain.config.schema import Config
 from shardtrain.distributed.env import DistEnv
 from shardtrain.distributed.parallelize import ShardingReport
-from shardtrain.distributed.plan import ShardingPlan
-
-
-def short(dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def settings_lines(cfg: Config, plan: ShardingPlan, report: ShardingReport, env: DistEnv) -> list[str]:
-    mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh_dim_names, plan.mesh_shape))
     heads = set(report.units[-2:-1]) if len(report.units) > 1 else set()
     lines = [
         "diagnostics: resolved settings",
-        f"  strategy {plan.strategy}; mesh [{mesh}] on {env.device.type}; backend {env.backend}; "
+        f"  strategy {plan.strategy}; mesh [{plan.mesh}] on {env.device.type}; backend {env.backend}; "
         f"world {env.world_size} ({env.local_world_size} per node)",
-        f"  mixed precision {cfg.strategy.mixed_precision}: storage {short(plan.storage_dtype)}, "
-        f"compute {short(plan.param_dtype)}, gradient reduce {short(plan.reduce_dtype)}; "
+        f"  mixed precision {cfg.strategy.mixed_precision}: storage {dtype_name(plan.storage_dtype)}, "
+        f"compute {dtype_name(plan.param_dtype)}, gradient reduce {dtype_name(plan.reduce_dtype)}; "
         f"cpu_offload {plan.cpu_offload}",
         f"  reshard_after_forward {plan.reshard_after_forward} for blocks"
         + (f"; False for the head unit {sorted(heads)[0]}" if heads and "+" in sorted(heads)[0] else ""),
@@ -60,12 +55,12 @@ class DtypeProbe:
     def _hook(self, name: str):
         def hook(module, args):
             for p in module.parameters(recurse=False):
-                self.seen["parameters in forward"].add(short(p.dtype))
+                self.seen["parameters in forward"].add(dtype_name(p.dtype))
                 if isinstance(p, DTensor):
                     self.sharded_in_forward.append(name)
             for a in args:
                 if isinstance(a, torch.Tensor) and a.is_floating_point():
-                    self.seen["activations in"].add(short(a.dtype))
+                    self.seen["activations in"].add(dtype_name(a.dtype))
         return hook
 
     def close(self) -> None:
@@ -78,8 +73,8 @@ def dtype_lines(probe: DtypeProbe, grad_dtypes: set[str], plan: ShardingPlan) ->
     for key, values in probe.seen.items():
         lines.append(f"  {key}: {', '.join(sorted(values)) or '-'}")
     lines.append(f"  sharded gradients after reduce-scatter: {', '.join(sorted(grad_dtypes)) or '-'}")
-    lines.append(f"  gradient reduce dtype (policy given to FSDP2): {short(plan.reduce_dtype)}")
-    expected = short(plan.param_dtype)
+    lines.append(f"  gradient reduce dtype (policy given to FSDP2): {dtype_name(plan.reduce_dtype)}")
+    expected = dtype_name(plan.param_dtype)
     if probe.seen["parameters in forward"] - {expected}:
         lines.append(f"  WARNING: parameters were not {expected} in forward: the mixed-precision "
                      "policy did not apply to every module")

@@ -1,7 +1,7 @@
-"""Process-group set-up: rank discovery, device and backend choice, and teardown.
+"""Process-group set-up: rank discovery, device and backend choice, device meshes, and teardown.
 
-The device type is decided once here (``device_type()``) and everything else asks the mesh; this is
-the one place with accelerator-specific branches.
+The device comes from ``shardtrain.accelerator`` (the one home of accelerator-specific branches);
+everything after set-up asks the mesh or this ``DistEnv``.
 """
 
 from __future__ import annotations
@@ -13,16 +13,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-
-def device_type() -> str:
-    """'cuda' (or another accelerator's type) when one is present, else 'cpu'."""
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    return acc.type if acc is not None else "cpu"
-
-
-def accelerator_count() -> int:
-    return torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+from shardtrain.accelerator import claim_device, default_backend
+from shardtrain.config.plan import ShardingPlan
+from shardtrain.config.schema import DistConfig
 
 
 @dataclass(frozen=True)
@@ -51,15 +46,10 @@ def init_distributed(backend: str = "auto", timeout_s: int = 300) -> DistEnv:
     Under torchrun the rendezvous comes from the environment. A lone process gets a world of one on
     an in-memory store, so single-process runs take exactly the same FSDP2 code path.
     """
-    dtype = device_type()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if dtype != "cpu":
-        device = torch.device(dtype, local_rank)
-        torch.get_device_module(dtype).set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = claim_device(local_rank)
     if backend == "auto":
-        backend = dist.get_default_backend_for_device(device) if dtype != "cpu" else "gloo"
+        backend = default_backend(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if under_torchrun():
@@ -78,7 +68,7 @@ def init_distributed(backend: str = "auto", timeout_s: int = 300) -> DistEnv:
     )
 
 
-def apply_debug_switches(dist_cfg, run_dir: Path) -> None:
+def apply_debug_switches(dist_cfg: DistConfig, run_dir: Path) -> None:
     """Pass ``dist.debug`` and ``dist.flight_recorder`` to torch (before the process group exists)."""
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = str(dist_cfg.debug).upper()
     if dist_cfg.flight_recorder:
@@ -98,9 +88,18 @@ def set_cpu_threads(env: DistEnv, threads: int) -> int:
     return threads
 
 
-def destroy_distributed() -> None:
-    from shardtrain.distributed.parallelize import clear_mesh_cache
+_MESHES: dict[tuple, DeviceMesh] = {}
 
-    clear_mesh_cache()
+
+def build_mesh(plan: ShardingPlan, device_type: str) -> DeviceMesh:
+    """The device mesh for ``plan``; one per shape and process group, since each costs new groups."""
+    key = (device_type, plan.mesh_shape, plan.mesh_dim_names, id(dist.group.WORLD))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
+    return _MESHES[key]
+
+
+def destroy_distributed() -> None:
+    _MESHES.clear()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,91 +1,28 @@
-"""Apply FSDP2 to a model: mesh, wrap policy, activation checkpointing, sharding, materialisation.
+"""Apply FSDP2 to a model: wrap units, activation checkpointing, ``fully_shard`` bottom-up.
 
-Order (the seeds' contract): build on meta -> checkpoint blocks -> ``fully_shard`` every unit
-bottom-up, then the root -> ``to_empty`` on the real device -> initialise each parameter from a
-full-size tensor drawn with a per-parameter generator, so every world size and strategy starts
-from identical weights.
+The order of the whole build (meta -> shard -> materialise) lives in ``sharded_model``; this module
+decides the units and applies FSDP2 to them.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import logging
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
-from shardtrain.distributed.plan import ShardingPlan
-from shardtrain.errors import ModelError
-
-log = logging.getLogger(__name__)
-
-
-_MESHES: dict[tuple, DeviceMesh] = {}
-
-
-def clear_mesh_cache() -> None:
-    _MESHES.clear()
-
-
-def build_mesh(plan: ShardingPlan, device_type: str) -> DeviceMesh:
-    """The device mesh for ``plan``; one per shape and process group, since each costs new groups."""
-    key = (device_type, plan.mesh_shape, plan.mesh_dim_names, id(dist.group.WORLD))
-    if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
-    return _MESHES[key]
-
-
-def import_class(path: str) -> type:
-    module_name, _, attr = path.rpartition(".")
-    if not module_name:
-        raise ModelError(f"wrap policy entry {path!r} is not a dotted class path like 'pkg.mod.Block'")
-    try:
-        obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ModelError(f"wrap policy class {path!r} does not import: {exc}") from exc
-    if not isinstance(obj, type) or not issubclass(obj, nn.Module):
-        raise ModelError(f"wrap policy entry {path!r} is not an nn.Module class")
-    return obj
-
-
-def module_class_paths(model: nn.Module) -> list[str]:
-    return sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()})
-
-
-def resolve_wrap_classes(model: nn.Module, policy: Sequence[str | type]) -> tuple[type, ...]:
-    """Turn the configured wrap policy into classes and insist that it matches something."""
-    classes: list[type] = []
-    for entry in policy:
-        if isinstance(entry, type):
-            classes.append(entry)
-        elif entry == "auto":
-            declared = getattr(model, "block_classes", None)
-            if not declared:
-                raise ModelError(
-                    f"{type(model).__name__} declares no block_classes, so wrap_policy='auto' has "
-                    "nothing to wrap; set strategy.wrap_policy to its block class, one of: "
-                    + ", ".join(module_class_paths(model))
-                )
-            classes.extend(declared)
-        else:
-            classes.append(import_class(entry))
-    wrap = tuple(classes)
-    if not any(isinstance(m, wrap) for m in model.modules()):
-        names = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in wrap)
-        raise ModelError(
-            f"wrap policy [{names}] matched no module of {type(model).__name__}, so nothing would be "
-            "sharded per block; use one of the model's classes: " + ", ".join(module_class_paths(model))
-        )
-    return wrap
+from shardtrain.accelerator import pin_offloaded_memory
+from shardtrain.config.plan import ShardingPlan
+from shardtrain.distributed.preconditions import (
+    check_single_registration,
+    resolve_wrap_classes,
+    warn_tied_across_units,
+)
 
 
 def enable_activation_checkpointing(module: nn.Module) -> None:
@@ -115,8 +52,6 @@ class ShardingReport:
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
                 wrap_policy: Sequence[str | type]) -> ShardingReport:
     """Shard ``model`` in place, bottom-up: every matched block, the model's extra groups, the root."""
-    from shardtrain.diagnostics.rails import check_single_registration, warn_tied_across_units
-
     check_single_registration(model)
     wrap = resolve_wrap_classes(model, wrap_policy)
     names = {m: n for n, m in model.named_modules()}
@@ -146,8 +81,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
     mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
     common = dict(mesh=mesh, mp_policy=mp)
     if plan.cpu_offload:
-        # Pinned memory needs an accelerator; on a CPU mesh the offload is a plain CPU copy.
-        common["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
+        common["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_offloaded_memory(mesh.device_type))
 
     for index, (name, block) in enumerate(blocks):
         if plan.checkpointed(index):
@@ -161,39 +95,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
     return report
 
 
-def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """``full`` laid out like ``param``: this rank's slice as a DTensor, or ``full`` itself.
-
-    src_data_rank=None: every rank already holds the same full tensor, so each keeps its own slice
-    without any communication.
-    """
-    if isinstance(param, DTensor):
-        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-    return full
-
-
-def stable_seed(seed: int, name: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-
-
-@torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate the sharded parameters on ``device`` and initialise them world-size-invariantly."""
-    model.to_empty(device=device)
-    init_parameter = getattr(model, "init_parameter", None)
-    if init_parameter is None:
-        raise ModelError(
-            f"{type(model).__name__} has no init_parameter(name, tensor, generator); "
-            "build it with init_device='cpu' instead of meta"
-        )
-    for name, param in model.named_parameters():
-        full = torch.empty(param.shape, dtype=torch.float32)
-        init_parameter(name, full, torch.Generator().manual_seed(stable_seed(seed, name)))
-        param.copy_(shard_like(full.to(param.dtype), param))
-    if hasattr(model, "init_buffers"):
-        model.init_buffers()
-
-
 def reshard_all(model: nn.Module) -> None:
     """Return every FSDP unit to its sharded state after forwards without a backward.
 
@@ -205,3 +106,15 @@ def reshard_all(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def sum_gradients(model: nn.Module) -> None:
+    """Make FSDP sum gradients instead of averaging them: the loss carries the normalisation.
+
+    The loss is divided by the global token count. Plain SUM collectives (no PREMUL_SUM, which gloo
+    lacks) so that gloo, NCCL and others take the same path.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)

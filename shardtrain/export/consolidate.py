@@ -9,8 +9,6 @@ memory, so peak memory is about the largest output shard, not the model. No proc
 from __future__ import annotations
 
 import json
-import os
-import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,29 +19,14 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardtrain.checkpoint import layout
+from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY, save_shard, shard_name, write_index
+from shardtrain.checkpoint.state import TrainState
+from shardtrain.config.plan import DTYPES
+from shardtrain.config.sizes import parse_size
 from shardtrain.errors import CheckpointError
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Wrapper prefixes that torch.compile and FSDP1/activation-checkpoint wrappers put into names.
 WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.I)
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9}
-
-
-def parse_size(text: str) -> int:
-    match = SIZE.match(str(text))
-    if not match or match.group(2).upper() not in UNITS:
-        raise CheckpointError(f"--max-shard-size {text!r} is not a size like 5GB, 500MB or 2GiB")
-    return int(float(match.group(1)) * UNITS[match.group(2).upper()])
-
-
-def detect_format(path: Path) -> str:
-    if (path / layout.STATE_FILE).is_file():
-        return "shardtrain"
-    if (path / "meta.pt").is_file():
-        return "lightning"
-    return "dcp"
 
 
 def model_prefix(keys: list[str], fmt: str, key: str | None) -> str:
@@ -82,7 +65,7 @@ def plan_shards(path: Path, max_shard_bytes: int | None, dtype: torch.dtype | No
     layout.check_shard_files(path, metadata)
     tensors = {k: v for k, v in metadata.state_dict_metadata.items()
                if isinstance(v, TensorStorageMetadata)}
-    prefix = model_prefix(list(tensors), detect_format(path), key)
+    prefix = model_prefix(list(tensors), layout.detect_format(path), key)
     if prefix == "" and any(k.startswith(("optim.", "optimizer")) for k in tensors):
         raise CheckpointError("cannot tell model weights from optimizer state here; pass --key")
     selected = [(k, clean_name(k, prefix), tensors[k]) for k in tensors if k.startswith(prefix)]
@@ -117,13 +100,11 @@ def load_tensors(path: Path, entries) -> dict[str, torch.Tensor]:
 def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | None = None,
                 dtype: str | None = None, key: str | None = None) -> list[Path]:
     """Write model-only safetensors; returns the files written."""
-    from safetensors.torch import save_file
-
     path, out = Path(checkpoint), Path(out)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} must be one of {', '.join(DTYPES)}")
     cast = DTYPES.get(dtype) if dtype else None
-    limit = parse_size(max_shard_size) if max_shard_size else None
+    limit = parse_size(max_shard_size, "--max-shard-size") if max_shard_size else None
     plan = plan_shards(path, limit, cast, key)
     single = out.suffix == ".safetensors"
     if single and len(plan.shards) > 1:
@@ -134,29 +115,21 @@ def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | N
     n = len(plan.shards)
     files, weight_map = [], {}
     metadata = {"format": "pt"}
-    if detect_format(path) == "shardtrain" and key is None:
+    if layout.detect_format(path) == "shardtrain" and key is None:
         # Lets `shardtrain generate` and `eval` rebuild the model from the file alone.
-        model_cfg = layout.read_trainer_state(path)["config"]["model"]
-        metadata["shardtrain_model_config"] = json.dumps(model_cfg, sort_keys=True)
+        model_cfg = TrainState.read(path).config["model"]
+        metadata[MODEL_CONFIG_KEY] = json.dumps(model_cfg, sort_keys=True)
     for index, entries in enumerate(plan.shards, start=1):
-        name = (out.name if single else
-                "model.safetensors" if n == 1 else f"model-{index:05d}-of-{n:05d}.safetensors")
+        name = out.name if single else shard_name(index, n)
         loaded = load_tensors(path, entries)
         tensors = {}
         for ckpt_key, out_name, _ in entries:
             t = loaded.pop(ckpt_key)
             tensors[out_name] = (t.to(cast) if cast is not None else t).contiguous()
             weight_map[out_name] = name
-        target = directory / name
-        tmp = target.with_name(target.name + ".tmp")
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.replace(tmp, target)
-        files.append(target)
+        save_shard(tensors, directory / name, metadata)
+        files.append(directory / name)
         del tensors, loaded
     if n > 1:
-        index_file = directory / "model.safetensors.index.json"
-        index_file.write_text(json.dumps(
-            {"metadata": {"total_size": plan.total_bytes}, "weight_map": dict(sorted(weight_map.items()))},
-            indent=2) + "\n")
-        files.append(index_file)
+        files.append(write_index(directory, weight_map, plan.total_bytes))
     return files

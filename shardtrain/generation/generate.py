@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardtrain.errors import GenerationError
+
 
 @torch.no_grad()
 def gathered_copy(model: nn.Module, factory: Callable[[], nn.Module], device: torch.device,
@@ -69,8 +71,8 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temper
     cache = None
     if use_cache and hasattr(model, "new_cache"):
         if max_len is not None and tokens.shape[1] + max_new_tokens > max_len:
-            raise ValueError(f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) "
-                             f"exceeds model.max_seq_len={max_len}")
+            raise GenerationError(f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) "
+                                  f"exceeds model.max_seq_len={max_len}; ask for fewer new tokens")
         cache = model.new_cache(tokens.shape[1] + max_new_tokens)
     out: list[int] = []
     step_input = tokens

@@ -4,39 +4,20 @@ world) or a consolidated safetensors file (one process), with the model config i
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from shardtrain.checkpoint import layout
-from shardtrain.checkpoint.checkpointer import load_model_weights
-from shardtrain.config.schema import Config, DataConfig, ModelConfig
-from shardtrain.distributed.env import DistEnv, init_distributed, set_cpu_threads
-from shardtrain.distributed.parallelize import build_mesh
-from shardtrain.distributed.plan import resolve_plan
+from shardtrain.checkpoint.state import TrainState
+from shardtrain.checkpoint.weights import load_model_weights, model_config_of
+from shardtrain.config.plan import resolve_plan
+from shardtrain.config.schema import Config
+from shardtrain.distributed.env import DistEnv, build_mesh, init_distributed, set_cpu_threads
+from shardtrain.distributed.sharded_model import ModelFactory, build_sharded_model
 from shardtrain.errors import CheckpointError
-from shardtrain.models.llama import build_model
-from shardtrain.train.build import build_sharded_model
-
-CONFIG_METADATA_KEY = "shardtrain_model_config"
-
-
-def model_config_of(path: Path) -> ModelConfig:
-    """The model config saved with a shardtrain checkpoint or consolidated safetensors file."""
-    if path.is_file() and path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            raw = (f.metadata() or {}).get(CONFIG_METADATA_KEY)
-        if raw is None:
-            raise CheckpointError(f"{path} carries no shardtrain model config (it was not written by "
-                                  "shardtrain consolidate from a shardtrain checkpoint)")
-        return ModelConfig(**json.loads(raw))
-    layout.verify(path)
-    return ModelConfig(**layout.read_trainer_state(path)["config"]["model"])
+from shardtrain.models.registry import model_factory
 
 
 @dataclass
@@ -44,6 +25,7 @@ class Loaded:
     cfg: Config
     env: DistEnv
     model: nn.Module  # sharded
+    factory: ModelFactory  # builds the plain (unsharded) model, e.g. for gathered generation
     compute_dtype: torch.dtype
 
 
@@ -56,7 +38,7 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
     cfg = Config()
     cfg.model = dataclasses.replace(model_cfg, init_from=None)
     if path.is_dir():  # evaluate on the split the run trained with
-        cfg.data = DataConfig(**layout.read_trainer_state(path)["config"]["data"])
+        cfg.data = TrainState.read(path).data_config()
     cfg.strategy = dataclasses.replace(cfg.strategy, sharding_strategy=strategy,
                                        mixed_precision="fp32" if dtype == "fp32" else "bf16-mixed")
     env = init_distributed(cfg.dist.backend, cfg.dist.startup_timeout_s)
@@ -66,10 +48,7 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
         raise CheckpointError("a consolidated safetensors file is loaded by one process; use the "
                               "sharded checkpoint directory with --devices N")
     plan = resolve_plan(cfg.strategy, env.world_size, env.local_world_size)
-    model, _ = build_sharded_model(cfg, env, plan, build_mesh(plan, env.device.type))
+    factory = model_factory(cfg.model)
+    model, _ = build_sharded_model(cfg, env, plan, build_mesh(plan, env.device.type), factory)
     load_model_weights(model, str(path))
-    return Loaded(cfg, env, model, plan.param_dtype)
-
-
-def model_factory(cfg: Config):
-    return lambda: build_model(cfg.model)
+    return Loaded(cfg, env, model, factory, plan.param_dtype)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardtrain.config.schema import ModelConfig
+from shardtrain.errors import ModelError
 
 
 def ffn_hidden_dim(cfg: ModelConfig) -> int:
@@ -78,9 +79,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if cfg.dim % cfg.n_heads:
-            raise ValueError(f"model.dim={cfg.dim} must be divisible by model.n_heads={cfg.n_heads}")
+            raise ModelError(f"model.dim={cfg.dim} must be divisible by model.n_heads={cfg.n_heads}")
         if cfg.n_heads % cfg.n_kv_heads:
-            raise ValueError(
+            raise ModelError(
                 f"model.n_heads={cfg.n_heads} must be a multiple of model.n_kv_heads={cfg.n_kv_heads}"
             )
         self.n_heads = cfg.n_heads
@@ -159,7 +160,8 @@ class Llama(nn.Module):
         start = cache.pos if cache is not None else 0
         end = start + tokens.shape[1]
         if end > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {end} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
+            raise ModelError(f"a sequence of {end} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}; "
+                             "use shorter inputs or a model with a longer max_seq_len")
         cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         h = self.tok_embeddings(tokens)
         for index, layer in enumerate(self.layers):
@@ -213,8 +215,3 @@ class Llama(nn.Module):
             12 * cfg.n_layers * cfg.n_heads * head_dim * seq_len
         )
 
-
-def build_model(cfg: ModelConfig) -> Llama:
-    if cfg.name != "llama":
-        raise ValueError(f"unknown model.name={cfg.name!r}; the built-in model is 'llama'")
-    return Llama(cfg)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,9 +13,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shardtrain import faults
-from shardtrain.checkpoint.checkpointer import Checkpointer, load_model_weights
+from shardtrain.accelerator import device_peak_flops, peak_memory_mib
+from shardtrain.checkpoint.checkpointer import Checkpointer
 from shardtrain.checkpoint.preemption import PreemptionFlag
-from shardtrain.config.loader import launch_shape, to_yaml
+from shardtrain.checkpoint.weights import load_model_weights
+from shardtrain.config.loader import to_yaml
+from shardtrain.config.plan import check_world
 from shardtrain.config.schema import Config
 from shardtrain.data.batches import BatchLayout, TokenWindows, TrainBatches, eval_batches
 from shardtrain.data.corpus import Corpus, load_corpus
@@ -30,17 +32,14 @@ from shardtrain.diagnostics.report import (
     settings_lines,
 )
 from shardtrain.diagnostics.watchdog import Watchdog
-from shardtrain.distributed.env import (
-    DistEnv,
-    apply_debug_switches,
-    init_distributed,
-    set_cpu_threads,
-)
-from shardtrain.errors import ConfigError, TrainingError
+from shardtrain.distributed.env import DistEnv, apply_debug_switches, init_distributed, set_cpu_threads
+from shardtrain.distributed.sharded_model import ModelFactory
+from shardtrain.errors import TrainingError
 from shardtrain.generation.generate import gathered_copy, generate
-from shardtrain.models.llama import build_model
-from shardtrain.train.build import Built, ModelFactory, OptimizerFactory, build
-from shardtrain.train.metrics import MetricsWriter, Throughput, device_peak_flops, peak_memory_mib
+from shardtrain.models.registry import model_factory as default_model_factory
+from shardtrain.train.build import Built, OptimizerFactory, build
+from shardtrain.train.console import Console
+from shardtrain.train.metrics import MetricsWriter, Throughput
 from shardtrain.train.step import StepStats, evaluate, train_step
 
 log = logging.getLogger("shardtrain")
@@ -65,13 +64,18 @@ def count_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     return 6.0 * sum(p.numel() for p in model.parameters())
 
 
+def due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv, built: Built, corpus: Corpus,
-                 model_factory: ModelFactory | None = None) -> None:
-        self.model_factory = model_factory or (lambda: build_model(cfg.model))
+                 model_factory: ModelFactory) -> None:
         self.cfg = cfg
         self.env = env
         self.built = built
+        self.model_factory = model_factory
+        self.corpus = corpus
         t = cfg.trainer
         self.layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, env.world_size)
         self.train_data = TrainBatches(
@@ -81,23 +85,22 @@ class Trainer:
         self.val_batches = eval_batches(
             val_windows, t.eval_samples, t.micro_batch_size, env.world_size, env.rank
         )
-        self.corpus = corpus
         self.step = 0
-        self.writer = MetricsWriter(Path(cfg.run.dir), cfg.run.tensorboard, env.is_main)
         self.result = TrainResult()
+        self.writer = MetricsWriter(Path(cfg.run.dir), cfg.run.tensorboard, env.is_main)
+        self.console = Console(env.is_main, t.progress_bar, t.max_steps)
         self.throughput = Throughput(count_flops_per_token(built.model, t.seq_len), env.world_size,
                                      device_peak_flops(env.device))
         self.interval_losses: list[float] = []
         self.consecutive_skips = 0
-        self.progress = None
         self.checkpointer = (
-            Checkpointer(cfg, built.model, built.optimizer, built.scheduler, env.rank, env.world_size)
+            Checkpointer(cfg, built.plan, built.model, built.optimizer, built.scheduler, env.rank,
+                         env.world_size)
             if cfg.checkpoint.enabled else None
         )
         self.last_saved_step: int | None = None
         self.preemption: PreemptionFlag | None = None
         self.phases = PhaseMemory(built.model, built.optimizer, env.device)
-        self.rank_memory: list[dict] = []
         # Started by fit(); beats are harmless without the thread (benchmarks drive steps directly).
         self.watchdog = Watchdog(Path(cfg.run.dir), env.rank, cfg.dist.timeout_s,
                                  cfg.dist.startup_timeout_s, cfg.diagnostics.stall_factor,
@@ -115,54 +118,15 @@ class Trainer:
         # The process group's own timeout is the start-up bound; the per-step bound after the first
         # step is enforced by the watchdog (see diagnostics/watchdog.py).
         env = init_distributed(cfg.dist.backend, max(cfg.dist.timeout_s, cfg.dist.startup_timeout_s))
-        _, world = launch_shape(cfg)
-        if world != env.world_size:
-            raise ConfigError(
-                f"the config asks for {world} processes (trainer.devices={cfg.trainer.devices} x "
-                f"trainer.num_nodes={cfg.trainer.num_nodes}) but this world has {env.world_size}; "
-                "start the script with torchrun --nproc-per-node N, or set trainer.devices=auto"
-            )
+        check_world(cfg, env.world_size, env.local_world_size)
         if env.device.type == "cpu":
             set_cpu_threads(env, cfg.trainer.threads_per_process)
         corpus = corpus if corpus is not None else load_corpus(cfg.data)
-        built = build(cfg, env, model_factory, wrap_policy, optimizer_factory)
-        trainer = cls(cfg, env, built, corpus, model_factory)
+        factory = model_factory or default_model_factory(cfg.model)
+        built = build(cfg, env, factory, wrap_policy, optimizer_factory)
+        trainer = cls(cfg, env, built, corpus, factory)
         trainer.restore()
         return trainer
-
-    def restore(self) -> None:
-        """Resume (checkpoint.resume) or start from given weights (model.init_from)."""
-        path = self.checkpointer.resume_path() if self.checkpointer is not None else None
-        if path is not None:
-            state = self.checkpointer.load(path)
-            self.step = self.last_saved_step = state["step"]
-            self.result.tokens_seen = state["tokens_seen"]
-            self.train_data.consumed_samples = state["consumed_samples"]
-            self.result.resumed_from = str(path)
-            self.info(f"resumed from {path}: step {self.step}, {state['consumed_samples']} samples "
-                      f"consumed (saved at world size {state['world_size']}, {state['strategy']})")
-            if self.cfg.model.init_from:
-                self.info("model.init_from is ignored: resuming from a checkpoint")
-        elif self.cfg.model.init_from:
-            load_model_weights(self.model, self.cfg.model.init_from, self.cfg.model)
-            self.info(f"initialised weights from {self.cfg.model.init_from}")
-
-    def save_checkpoint(self, blocking: bool = False) -> None:
-        b = self.built
-        counters = {
-            "tokens_seen": self.result.tokens_seen,
-            "consumed_samples": self.train_data.consumed_samples,
-            "global_batch": self.layout.global_batch,
-            "scheduler": b.scheduler.state_dict(),
-        }
-        plan = {"strategy": b.plan.strategy, "mesh_shape": list(b.plan.mesh_shape),
-                "mesh_dim_names": list(b.plan.mesh_dim_names),
-                "mixed_precision": self.cfg.strategy.mixed_precision}
-        blocked = self.checkpointer.save(self.step, counters, plan, blocking=blocking)
-        self.result.checkpoint_blocked_s.append(blocked)
-        self.writer.write(self.step, "checkpoint", {"blocked_s": blocked,
-                                                    "async": self.cfg.checkpoint.async_save and not blocking})
-        self.last_saved_step = self.step
 
     @property
     def model(self) -> torch.nn.Module:
@@ -171,6 +135,36 @@ class Trainer:
     def info(self, message: str) -> None:
         if self.env.is_main:
             log.info(message)
+
+    # ---- start and end -------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Resume (checkpoint.resume) or start from given weights (model.init_from)."""
+        path = self.checkpointer.resume_path() if self.checkpointer is not None else None
+        if path is not None:
+            state = self.checkpointer.load(path)
+            self.step = self.last_saved_step = state.step
+            self.result.tokens_seen = state.tokens_seen
+            self.train_data.consumed_samples = state.consumed_samples
+            self.result.resumed_from = str(path)
+            self.info(f"resumed from {path}: step {self.step}, {state.consumed_samples} samples "
+                      f"consumed (saved at world size {state.world_size}, {state.strategy})")
+            if self.cfg.model.init_from:
+                self.info("model.init_from is ignored: resuming from a checkpoint")
+        elif self.cfg.model.init_from:
+            load_model_weights(self.model, self.cfg.model.init_from, self.cfg.model)
+            self.info(f"initialised weights from {self.cfg.model.init_from}")
+
+    def save_checkpoint(self, blocking: bool = False) -> None:
+        blocked = self.checkpointer.save(
+            self.step, tokens_seen=self.result.tokens_seen,
+            consumed_samples=self.train_data.consumed_samples, global_batch=self.layout.global_batch,
+            blocking=blocking,
+        )
+        self.result.checkpoint_blocked_s.append(blocked)
+        self.writer.write(self.step, "checkpoint", {"blocked_s": blocked,
+                                                    "async": self.cfg.checkpoint.async_save and not blocking})
+        self.last_saved_step = self.step
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered in full (a collective; for tests and small models only)."""
@@ -186,46 +180,6 @@ class Trainer:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(self.cfg))
 
-    def fit(self) -> TrainResult:
-        t, b, diag = self.cfg.trainer, self.built, self.cfg.diagnostics
-        self.write_run_files()
-        self.log_setup()
-        if diag.enabled or diag.dry_run:
-            self.info("\n".join(settings_lines(self.cfg, b.plan, b.report, self.env)))
-        self.progress = self._progress()
-        if self.step >= t.max_steps:
-            self.info(f"nothing to do: step {self.step} >= trainer.max_steps={t.max_steps}")
-        if self.checkpointer is not None:
-            self.preemption = PreemptionFlag(self.cfg.checkpoint.preemption_signals, self.env.device)
-        self.watchdog.start()
-        try:
-            if diag.dry_run:
-                self.run_step()
-                self.info("dry run complete: the configuration builds, shards and trains one step")
-                self.writer.close()
-                return self.result
-            while self.step < t.max_steps and self.iteration():
-                pass
-            if self.checkpointer is not None and not self.result.preempted:
-                if self.last_saved_step != self.step:
-                    self.watchdog.beat("final checkpoint", self.step)
-                    self.save_checkpoint(blocking=True)
-                self.checkpointer.wait()
-        finally:
-            self.watchdog.stop()
-            if self.preemption is not None:
-                self.preemption.restore()
-                self.preemption = None
-        if self.progress is not None:
-            self.progress.close()
-        if self.result.preempted:
-            self.writer.close()
-            return self.result
-        if t.sample_tokens > 0:
-            self.result.sample = self.sample()
-        self.writer.close()
-        return self.result
-
     def log_setup(self) -> None:
         t, env, b = self.cfg.trainer, self.env, self.built
         n_params = sum(p.numel() for p in b.model.parameters())
@@ -234,6 +188,51 @@ class Trainer:
                   f"({len(b.report.checkpointed)} activation-checkpointed)")
         self.info(f"data: {self.corpus.describe()}; global batch {self.layout.global_batch} x "
                   f"{t.seq_len} tokens = {self.layout.global_batch * t.seq_len} tokens/step")
+        diag = self.cfg.diagnostics
+        if diag.enabled or diag.dry_run:
+            self.info("\n".join(settings_lines(self.cfg, b.plan, b.report, env)))
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def fit(self) -> TrainResult:
+        t = self.cfg.trainer
+        try:
+            self.write_run_files()
+            self.log_setup()
+            if self.step >= t.max_steps:
+                self.info(f"nothing to do: step {self.step} >= trainer.max_steps={t.max_steps}")
+            self.train()
+            finished = not (self.cfg.diagnostics.dry_run or self.result.preempted)
+            if finished and t.sample_tokens > 0:
+                self.result.sample = self.sample()
+        finally:
+            self.writer.close()
+        return self.result
+
+    def train(self) -> None:
+        """Steps until ``max_steps`` (or one, for a dry run, or until preempted), then the final save."""
+        self.console.open(self.step)
+        if self.checkpointer is not None:
+            self.preemption = PreemptionFlag(self.cfg.checkpoint.preemption_signals, self.env.device)
+        self.watchdog.start()
+        try:
+            if self.cfg.diagnostics.dry_run:
+                self.run_step()
+                self.info("dry run complete: the configuration builds, shards and trains one step")
+                return
+            while self.step < self.cfg.trainer.max_steps and self.iteration():
+                pass
+            if self.checkpointer is not None and not self.result.preempted:
+                if self.last_saved_step != self.step:
+                    self.watchdog.beat("final checkpoint", self.step)
+                    self.save_checkpoint(blocking=True)
+                self.checkpointer.wait()
+        finally:
+            self.watchdog.stop()
+            self.console.close()
+            if self.preemption is not None:
+                self.preemption.restore()
+                self.preemption = None
 
     def iteration(self) -> bool:
         """One iteration of ``fit``: a step, then checkpointing and preemption. False: stop."""
@@ -247,71 +246,96 @@ class Trainer:
             self.save_checkpoint(blocking=True)
             self.result.preempted = True
             return False
-        interval = self.cfg.checkpoint.interval
-        if interval and self.step % interval == 0 and self.step < self.cfg.trainer.max_steps:
+        if due(self.step, self.cfg.checkpoint.interval) and self.step < self.cfg.trainer.max_steps:
             self.watchdog.beat("checkpoint save", self.step)
             self.save_checkpoint()
         return True
 
     def run_step(self) -> StepStats:
-        """One iteration of the loop: next global batch, step, bookkeeping, metrics, validation."""
-        t, env, b, result = self.cfg.trainer, self.env, self.built, self.result
-        diag = self.cfg.diagnostics
+        """The next global batch, one optimizer step, and what is due after it."""
+        stats, seconds = self.train_on_next_batch()
+        self.account(stats, seconds)
+        self.after_step(stats)
+        return stats
+
+    def train_on_next_batch(self) -> tuple[StepStats, float]:
+        diag, b = self.cfg.diagnostics, self.built
         self.watchdog.beat("training step", self.step + 1)
         batches = self.train_data.next_step()
-        first = not self.result.losses
-        phases = self.phases if (diag.enabled or diag.dry_run) and len(self.result.losses) < diag.steps \
-            else None
-        probe = DtypeProbe(b.model) if first and phases is not None else None
+        steps_run = len(self.result.losses)
+        phases = self.phases if (diag.enabled or diag.dry_run) and steps_run < diag.steps else None
+        probe = DtypeProbe(b.model) if phases is not None and steps_run == 0 else None
         start = time.perf_counter()
         try:
             stats = train_step(b.model, b.optimizer, b.scheduler, batches, b.mesh,
-                               t.grad_clip_norm, env.device, step=self.step + 1, phases=phases)
+                               self.cfg.trainer.grad_clip_norm, self.env.device, step=self.step + 1,
+                               phases=phases)
         finally:
             if probe is not None:
                 probe.close()
         seconds = time.perf_counter() - start
-        self.throughput.add(stats.tokens, seconds)
         self.watchdog.done(seconds)
         self.step += 1
         if phases is not None:
             self.report_phases(phases, probe)
-        faults.inject("step", env.rank, self.step)
-        result.losses.append(stats.loss)
-        result.grad_norms.append(stats.grad_norm)
-        result.tokens_seen += stats.tokens
+        faults.inject("step", self.env.rank, self.step)
+        return stats, seconds
+
+    def account(self, stats: StepStats, seconds: float) -> None:
+        """Results, throughput, and the skip policy for non-finite steps."""
+        self.throughput.add(stats.tokens, seconds)
+        self.result.losses.append(stats.loss)
+        self.result.grad_norms.append(stats.grad_norm)
+        self.result.tokens_seen += stats.tokens
         self.interval_losses.append(stats.loss)
-        if stats.skipped:
-            self.on_skipped_step(stats)
-        else:
+        if not stats.skipped:
             self.consecutive_skips = 0
-        if self.progress is not None:
-            self.progress.update(1)
-            self.progress.set_postfix(loss=f"{stats.loss:.3f}",
-                                      tok_s=f"{self.throughput.report()['tokens_per_s']:.0f}")
-        record = None
-        if self.step % t.log_every == 0 or self.step == t.max_steps:
-            record = {
-                "loss": sum(self.interval_losses) / len(self.interval_losses),
-                "grad_norm": stats.grad_norm,
-                "lr": b.scheduler.get_last_lr()[0],
-                "peak_memory_mib": peak_memory_mib(env.device),
-                "tokens_seen": result.tokens_seen,
-                **self.throughput.report(),
-            }
-            self.interval_losses.clear()
-            self.throughput.reset()
-        if (t.eval_every > 0 and self.step % t.eval_every == 0) or self.step == t.max_steps:
-            self.watchdog.beat("evaluation", self.step)
-            val = evaluate(b.model, self.val_batches, env.device)
-            result.val_losses.append((self.step, val))
-            record = {**(record or {}), "val_loss": val}
-        if t.sample_every > 0 and self.step % t.sample_every == 0 and self.step < t.max_steps:
+            return
+        limit = self.cfg.trainer.max_skipped_steps
+        self.result.skipped_steps += 1
+        self.consecutive_skips += 1
+        self.info(f"step {self.step}: non-finite loss or grad norm "
+                  f"(loss={stats.loss}, grad_norm={stats.grad_norm}); update skipped")
+        self.writer.write(self.step, "skip", {"loss": stats.loss, "grad_norm": stats.grad_norm})
+        if self.consecutive_skips > limit:
+            raise TrainingError(
+                f"{self.consecutive_skips} consecutive steps had a non-finite loss or gradient norm "
+                f"(limit trainer.max_skipped_steps={limit}); lower trainer.lr, keep "
+                "trainer.grad_clip_norm on, or check the data"
+            )
+
+    def after_step(self, stats: StepStats) -> None:
+        """Progress, the metrics record, evaluation and sampling, each when it is due."""
+        t, step = self.cfg.trainer, self.step
+        last = step == t.max_steps
+        self.console.advance(stats.loss, self.throughput.report()["tokens_per_s"])
+        record: dict = {}
+        if due(step, t.log_every) or last:
+            record.update(self.train_record(stats))
+        if due(step, t.eval_every) or last:
+            self.watchdog.beat("evaluation", step)
+            val = evaluate(self.model, self.val_batches, self.env.device)
+            self.result.val_losses.append((step, val))
+            record["val_loss"] = val
+        if due(step, t.sample_every) and step < t.max_steps:
             self.sample()
-        if record is not None:
-            self.writer.write(self.step, "train", record)
-            self._print(self.progress, record)
-        return stats
+        if record:
+            self.writer.write(step, "train", record)
+            self.console.show(step, record)
+
+    def train_record(self, stats: StepStats) -> dict:
+        """The logged averages since the last record (and the counters they cover are reset)."""
+        record = {
+            "loss": sum(self.interval_losses) / len(self.interval_losses),
+            "grad_norm": stats.grad_norm,
+            "lr": self.built.scheduler.get_last_lr()[0],
+            "peak_memory_mib": peak_memory_mib(self.env.device),
+            "tokens_seen": self.result.tokens_seen,
+            **self.throughput.report(),
+        }
+        self.interval_losses.clear()
+        self.throughput.reset()
+        return record
 
     def sample(self) -> str:
         """A sample from the current weights (all ranks take part; gathered once, see generation)."""
@@ -337,54 +361,10 @@ class Trainer:
         entry = {"rank": self.env.rank, "params_mib": after["backward"]["params_mib"],
                  "grads_mib": after["backward"]["grads_mib"],
                  "optimizer_mib": after["optimizer"]["optimizer_mib"], "phases": after}
-        self.rank_memory = gather_rank_entries(entry)
+        ranks = gather_rank_entries(entry)
+        self.writer.write(self.step, "memory_ranks", {"ranks": ranks})
         self.info("\n".join(dtype_lines(probe, phases.grad_dtypes, self.built.plan)
-                             + rank_lines(self.rank_memory, list(PhaseMemory.PHASES))))
-
-    def on_skipped_step(self, stats: StepStats) -> None:
-        limit = self.cfg.trainer.max_skipped_steps
-        self.result.skipped_steps += 1
-        self.consecutive_skips += 1
-        self.info(f"step {self.step}: non-finite loss or grad norm "
-                  f"(loss={stats.loss}, grad_norm={stats.grad_norm}); update skipped")
-        self.writer.write(self.step, "skip", {"loss": stats.loss, "grad_norm": stats.grad_norm})
-        if self.consecutive_skips > limit:
-            raise TrainingError(
-                f"{self.consecutive_skips} consecutive steps had a non-finite loss or gradient norm "
-                f"(limit trainer.max_skipped_steps={limit}); lower trainer.lr, keep "
-                "trainer.grad_clip_norm on, or check the data"
-            )
-
-    def _progress(self):
-        if not (self.env.is_main and self.cfg.trainer.progress_bar and sys.stderr.isatty()):
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=self.cfg.trainer.max_steps, initial=self.step, desc="train",
-                    dynamic_ncols=True)
-
-    def _print(self, progress, record: dict) -> None:
-        if not self.env.is_main:
-            return
-        mfu = record.get("mfu")
-        parts = [f"step {self.step}/{self.cfg.trainer.max_steps}"]
-        if "loss" in record:
-            parts += [
-                f"loss {record['loss']:.4f}",
-                f"grad_norm {record['grad_norm']:.3f}",
-                f"lr {record['lr']:.2e}",
-                f"{record['tokens_per_s']:.0f} tok/s",
-                f"{record['model_tflops'] * 1e3:.1f} GFLOP/s",
-                "MFU " + (f"{100 * mfu:.1f}%" if mfu is not None else "unknown (no peak for this device)"),
-                f"peak mem {record['peak_memory_mib']:.0f} MiB",
-            ]
-        if "val_loss" in record:
-            parts.append(f"val_loss {record['val_loss']:.4f}")
-        line = " | ".join(parts)
-        if progress is not None:
-            progress.write(line)
-        else:
-            log.info(line)
+                             + rank_lines(ranks, list(PhaseMemory.PHASES))))
 
 
 def run_training(cfg: Config, *, model_factory: ModelFactory | None = None,

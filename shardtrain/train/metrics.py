@@ -1,46 +1,13 @@
-"""Throughput, MFU, memory, and the metrics sinks (JSON lines + TensorBoard), rank 0 only."""
+"""Throughput and MFU, and the metrics sinks (JSON lines + TensorBoard), rank 0 only."""
 
 from __future__ import annotations
 
 import json
-import resource
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-# Dense bf16 peak TFLOP/s per device (vendor data sheets, as collected by torchtitan). Anything not
-# listed reports MFU as unknown rather than guessing (torchtitan once reported 7x MFU by guessing).
-PEAK_BF16_TFLOPS = {
-    "A100": 312.0,
-    "H100 PCIe": 756.0,
-    "H100": 989.0,
-    "H200": 989.0,
-    "B200": 2250.0,
-    "MI300X": 1300.0,
-}
-
-
-def device_peak_flops(device: torch.device) -> float | None:
-    """Peak FLOP/s of one device, or None when unknown (every CPU, unlisted accelerators)."""
-    if device.type == "cpu":
-        return None
-    name = torch.get_device_module(device.type).get_device_name(device)
-    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
-        if key in name:
-            return PEAK_BF16_TFLOPS[key] * 1e12
-    return None
-
-
-def peak_memory_mib(device: torch.device) -> float:
-    """Accelerator: allocator peak since start. CPU: the process's peak resident set size."""
-    module = torch.get_device_module(device.type)
-    if device.type != "cpu" and hasattr(module, "max_memory_allocated"):
-        return module.max_memory_allocated(device) / 2**20
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if sys.platform == "darwin" else rss / 1024
+from torch.utils.tensorboard import SummaryWriter
 
 
 class Throughput:
@@ -79,8 +46,6 @@ class MetricsWriter:
         run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
 
     def write(self, step: int, kind: str, values: dict[str, Any]) -> None:

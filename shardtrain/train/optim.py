@@ -48,7 +48,8 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) ->
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainerConfig):
+def build_scheduler(optimizer: torch.optim.Optimizer,
+                    cfg: TrainerConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: lr_factor(step, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio),

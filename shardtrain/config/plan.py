@@ -1,16 +1,22 @@
-"""Resolve the user's strategy config (FSDP1 vocabulary welcome) into what FSDP2 will apply.
+"""Resolve a config (FSDP1 vocabulary welcome) into what FSDP2 and torchrun will be asked to do.
 
-This is a pure function of the config and the world size, so it is unit-testable and the
-``plan``/diagnostics commands can show it without starting any process group.
+Pure functions of the config and the world: the launch shape (processes per node, world size), the
+mesh shape, reshard policy and dtypes. Unit-testable, and the ``plan`` and diagnostics commands can
+show them without starting any process group. This module is the one home of the dtype table, the
+strategy table and how a mesh is described.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from shardtrain.config.schema import StrategyConfig
+from shardtrain.accelerator import accelerator_count
+from shardtrain.config.schema import Config, StrategyConfig
+from shardtrain.config.suggest import closest
 from shardtrain.errors import ConfigError
 
 # FSDP1 name -> (hybrid mesh?, reshard parameters after forward?). NO_SHARD is a 2-D mesh whose
@@ -35,6 +41,16 @@ PRECISION_PRESETS: dict[str, tuple[str, str, str]] = {
 AC_MODES = ("none", "all", "every_k")
 
 
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """'float32', 'bfloat16', ...: how every report and file names a dtype."""
+    return str(dtype).replace("torch.", "")
+
+
+def describe_mesh(dim_names: list[str] | tuple[str, ...], shape: list[int] | tuple[int, ...]) -> str:
+    """'dp_replicate=2 x dp_shard=4'."""
+    return " x ".join(f"{n}={s}" for n, s in zip(dim_names, shape, strict=True))
+
+
 @dataclass(frozen=True)
 class ShardingPlan:
     strategy: str
@@ -55,17 +71,18 @@ class ShardingPlan:
             return block_index % self.activation_checkpointing_every == 0
         return False
 
+    @property
+    def mesh(self) -> str:
+        return describe_mesh(self.mesh_dim_names, self.mesh_shape)
+
     def describe(self) -> str:
-        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
-        def short(d: torch.dtype) -> str:
-            return str(d).replace("torch.", "")
         ac = self.activation_checkpointing
         if ac == "every_k":
             ac = f"every {self.activation_checkpointing_every} blocks"
         return (
-            f"{self.strategy}: mesh [{mesh}], reshard_after_forward={self.reshard_after_forward}, "
-            f"storage={short(self.storage_dtype)} compute={short(self.param_dtype)} "
-            f"reduce={short(self.reduce_dtype)}, cpu_offload={self.cpu_offload}, "
+            f"{self.strategy}: mesh [{self.mesh}], reshard_after_forward={self.reshard_after_forward}, "
+            f"storage={dtype_name(self.storage_dtype)} compute={dtype_name(self.param_dtype)} "
+            f"reduce={dtype_name(self.reduce_dtype)}, cpu_offload={self.cpu_offload}, "
             f"activation_checkpointing={ac}"
         )
 
@@ -73,8 +90,6 @@ class ShardingPlan:
 def normalize_strategy_name(name: str) -> str:
     key = str(name).strip().upper().replace("-", "_")
     if key not in STRATEGIES:
-        from shardtrain.config.suggest import closest
-
         raise ConfigError(
             f"strategy.sharding_strategy={name!r} is not a sharding strategy"
             f"{closest(key, STRATEGIES)}; choose one of {', '.join(STRATEGIES)}"
@@ -119,8 +134,6 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int) ->
 
     preset = cfg.mixed_precision.lower()
     if preset not in PRECISION_PRESETS:
-        from shardtrain.config.suggest import closest
-
         raise ConfigError(
             f"strategy.mixed_precision={cfg.mixed_precision!r} is unknown"
             f"{closest(preset, PRECISION_PRESETS)}; choose one of {', '.join(PRECISION_PRESETS)}"
@@ -153,3 +166,38 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int) ->
         activation_checkpointing=ac,
         activation_checkpointing_every=cfg.activation_checkpointing_every,
     )
+
+
+def devices_count(devices: Any) -> int | None:
+    """``trainer.devices`` as an int, or None for "auto"."""
+    if devices == "auto":
+        return None
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
+        return devices
+    if isinstance(devices, str) and devices.isdigit() and int(devices) >= 1:
+        return int(devices)
+    raise ConfigError(f"trainer.devices={devices!r} must be 'auto' or a positive int")
+
+
+def launch_shape(cfg: Config) -> tuple[int, int]:
+    """(processes per node, world size) the config asks for.
+
+    ``trainer.devices=auto`` follows torchrun when running under it, else one process per
+    accelerator (one on a CPU-only machine).
+    """
+    per_node = devices_count(cfg.trainer.devices)
+    if per_node is None:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(1, accelerator_count())
+    return per_node, per_node * cfg.trainer.num_nodes
+
+
+def check_world(cfg: Config, world_size: int, local_world_size: int) -> None:
+    """The world that was started (by torchrun, or a process group) must be the one configured."""
+    per_node, world = launch_shape(cfg)
+    if (local_world_size, world_size) != (per_node, world):
+        raise ConfigError(
+            f"{world_size} processes were started, {local_world_size} per node, but the config asks "
+            f"for trainer.devices={cfg.trainer.devices} per node x trainer.num_nodes="
+            f"{cfg.trainer.num_nodes}; make them agree (trainer.devices=auto follows torchrun, "
+            "torchrun --nproc-per-node N starts N per node)"
+        )

@@ -18,8 +18,9 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 
-from shardtrain.config.loader import launch_shape
+from shardtrain.config.plan import check_world, launch_shape
 from shardtrain.config.schema import Config
 from shardtrain.distributed.env import under_torchrun
 from shardtrain.errors import ConfigError
@@ -27,23 +28,11 @@ from shardtrain.errors import ConfigError
 AGENT_SIGNALS = ("SIGINT", "SIGHUP", "SIGQUIT")
 
 
-def torchrun_argv(nproc: int, command: list[str], preemption_signals: list[str]) -> list[str]:
+def torchrun_argv(nproc: int, command: list[str], preemption_signals: Sequence[str]) -> list[str]:
     handled = [s for s in AGENT_SIGNALS if s not in preemption_signals]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", f"--signals-to-handle={','.join(handled)}",
             "-m", "shardtrain", *command]
-
-
-def check_torchrun_world(cfg: Config) -> None:
-    per_node, world = launch_shape(cfg)
-    actual_world = int(os.environ["WORLD_SIZE"])
-    actual_local = int(os.environ.get("LOCAL_WORLD_SIZE", actual_world))
-    if (actual_local, actual_world) != (per_node, world):
-        raise ConfigError(
-            f"torchrun started {actual_world} processes, {actual_local} per node, but the config "
-            f"asks for trainer.devices={cfg.trainer.devices} per node x trainer.num_nodes="
-            f"{cfg.trainer.num_nodes}; make them agree (trainer.devices=auto follows torchrun)"
-        )
 
 
 def descendants(root: int) -> list[int]:
@@ -66,7 +55,7 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-def run_under_torchrun(nproc: int, command: list[str], preemption_signals: list[str]) -> int:
+def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Sequence[str]) -> int:
     signals = [getattr(signal, name) for name in preemption_signals]
 
     def ignore_preemption_signals() -> None:  # runs in the child before exec
@@ -94,7 +83,8 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: list[
 def relaunch_if_needed(cfg: Config, command: list[str]) -> int | None:
     """Exit status of a torchrun run started here, or None when this process should train."""
     if under_torchrun():
-        check_torchrun_world(cfg)
+        world = int(os.environ["WORLD_SIZE"])
+        check_world(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         return None
     per_node, _ = launch_shape(cfg)
     if cfg.trainer.num_nodes > 1:

@@ -1,0 +1,113 @@
+"""Every accelerator-specific branch of shardtrain, in one place.
+
+Everything else is device-agnostic: it takes the device from the mesh (or from ``DistEnv``) and asks
+this module for what differs between a CPU and an accelerator: which device a process uses, the
+default backend, the accelerator's RNG state, allocator peaks and peak FLOP/s. ``torch.accelerator``
+answers for CUDA, ROCm, XPU and others alike. None of the accelerator branches here has run on a GPU
+in this project's CI (its machines have none); the CPU path is the tested one.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+import torch.distributed as dist
+
+# Dense bf16 peak TFLOP/s per device (vendor data sheets, as collected by torchtitan). Anything not
+# listed reports MFU as unknown rather than guessing (torchtitan once reported 7x MFU by guessing).
+PEAK_BF16_TFLOPS = {
+    "A100": 312.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "H200": 989.0,
+    "B200": 2250.0,
+    "MI300X": 1300.0,
+}
+
+
+def device_type() -> str:
+    """'cuda' (or another accelerator's type) when one is present, else 'cpu'."""
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return acc.type if acc is not None else "cpu"
+
+
+def accelerator_count() -> int:
+    return torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+
+
+def claim_device(local_rank: int) -> torch.device:
+    """This process's device: accelerator ``local_rank`` (made current), or the CPU."""
+    kind = device_type()
+    if kind == "cpu":
+        return torch.device("cpu")
+    device = torch.device(kind, local_rank)
+    torch.get_device_module(kind).set_device(device)
+    return device
+
+
+def default_backend(device: torch.device) -> str:
+    """gloo on CPU; the device's own collective backend (NCCL on CUDA) elsewhere."""
+    return "gloo" if device.type == "cpu" else dist.get_default_backend_for_device(device)
+
+
+def rng_state() -> torch.Tensor | None:
+    """The current accelerator's RNG state, or None on a CPU-only machine."""
+    if not torch.accelerator.is_available():
+        return None
+    return torch.get_device_module(device_type()).get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor | None) -> None:
+    if state is not None and torch.accelerator.is_available():
+        torch.get_device_module(device_type()).set_rng_state(state)
+
+
+# The allocator's peak is reset per phase by the diagnostics; the run's peak must survive that.
+_peak_before_reset: dict[torch.device, int] = {}
+
+
+def _allocator(device: torch.device):
+    module = torch.get_device_module(device.type) if device.type != "cpu" else None
+    return module if module is not None and hasattr(module, "max_memory_allocated") else None
+
+
+def phase_peak_bytes(device: torch.device) -> int | None:
+    """Allocator peak since the last ``reset_phase_peak`` (None on CPU)."""
+    allocator = _allocator(device)
+    return allocator.max_memory_allocated(device) if allocator is not None else None
+
+
+def reset_phase_peak(device: torch.device) -> None:
+    allocator = _allocator(device)
+    if allocator is None:
+        return
+    peak = allocator.max_memory_allocated(device)
+    _peak_before_reset[device] = max(_peak_before_reset.get(device, 0), peak)
+    allocator.reset_peak_memory_stats(device)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Accelerator: allocator peak since start (phase resets included). CPU: peak resident set."""
+    allocator = _allocator(device)
+    if allocator is not None:
+        return max(_peak_before_reset.get(device, 0), allocator.max_memory_allocated(device)) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """Peak FLOP/s of one device, or None when unknown (every CPU, unlisted accelerators)."""
+    if device.type == "cpu":
+        return None
+    name = torch.get_device_module(device.type).get_device_name(device)
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_BF16_TFLOPS[key] * 1e12
+    return None
+
+
+def pin_offloaded_memory(device_type_name: str) -> bool:
+    """CPU offload pins host memory only when the mesh is on an accelerator (pinning needs one)."""
+    return device_type_name != "cpu"

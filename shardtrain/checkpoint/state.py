@@ -1,0 +1,106 @@
+"""``trainer_state.json``: the typed record of where a run stood when a checkpoint was saved.
+
+Written once per checkpoint (by the checkpointer, on rank 0, just before the directory gets its
+final name) and read through ``TrainState.read`` by everything else: resume, ``inspect``,
+``consolidate``, generation and evaluation. A file that is missing, unreadable, of another format or
+missing fields is a ``CheckpointError`` that names the file and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from shardtrain.config.loader import config_hash
+from shardtrain.config.plan import ShardingPlan, describe_mesh
+from shardtrain.config.schema import Config, DataConfig, ModelConfig
+from shardtrain.errors import CheckpointError
+from shardtrain.version import __version__
+
+STATE_FILE = "trainer_state.json"
+FORMAT = "shardtrain-checkpoint-v1"
+
+
+@dataclass
+class TrainState:
+    step: int
+    tokens_seen: int
+    consumed_samples: int  # the global data position: samples of the global order already used
+    global_batch: int
+    scheduler: dict[str, Any]
+    world_size: int
+    strategy: str
+    mesh_shape: list[int]
+    mesh_dim_names: list[str]
+    mixed_precision: str
+    config: dict[str, Any]
+    config_hash: str
+    versions: dict[str, str]
+    saved_at: str
+    format: str = FORMAT
+
+    @classmethod
+    def capture(cls, cfg: Config, plan: ShardingPlan, *, step: int, tokens_seen: int,
+                consumed_samples: int, global_batch: int, scheduler: dict[str, Any],
+                world_size: int) -> TrainState:
+        return cls(
+            step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
+            global_batch=global_batch, scheduler=scheduler, world_size=world_size,
+            strategy=plan.strategy, mesh_shape=list(plan.mesh_shape),
+            mesh_dim_names=list(plan.mesh_dim_names), mixed_precision=cfg.strategy.mixed_precision,
+            config=OmegaConf.to_container(OmegaConf.structured(cfg)), config_hash=config_hash(cfg),
+            versions={"shardtrain": __version__, "torch": torch.__version__,
+                      "python": platform.python_version()},
+            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        )
+
+    @property
+    def mesh(self) -> str:
+        return describe_mesh(self.mesh_dim_names, self.mesh_shape)
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(**self.config["model"])
+
+    def data_config(self) -> DataConfig:
+        return DataConfig(**self.config["data"])
+
+    def write(self, directory: Path) -> None:
+        """Durably: the file is fsynced before the checkpoint directory is renamed into place."""
+        with open(directory / STATE_FILE, "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    @classmethod
+    def read(cls, directory: Path) -> TrainState:
+        file = directory / STATE_FILE
+        if not file.is_file():
+            raise CheckpointError(
+                f"checkpoint {str(directory)!r} has no {STATE_FILE}: it is not a complete shardtrain "
+                "checkpoint (model.init_from accepts plain DCP directories)"
+            )
+        try:
+            raw = json.loads(file.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(
+                f"checkpoint {str(directory)!r}: {STATE_FILE} is unreadable ({exc})"
+            ) from exc
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+            raise CheckpointError(f"checkpoint {str(directory)!r}: unknown format {found!r} in {STATE_FILE}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(names - set(raw))
+        if missing:
+            raise CheckpointError(f"checkpoint {str(directory)!r}: {STATE_FILE} lacks {missing}; the file "
+                                  "is damaged, use another checkpoint")
+        return cls(**{k: v for k, v in raw.items() if k in names})

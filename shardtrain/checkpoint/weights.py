@@ -1,0 +1,153 @@
+"""Weights only, in every format shardtrain reads, streamed into a (sharded) model tensor by tensor.
+
+``model.init_from`` and inference accept a shardtrain or plain DCP checkpoint directory, a
+consolidated ``.safetensors`` file, or ``hf:<dir>``, a local Hugging Face Llama directory (never
+downloaded). Each rank keeps only its own slice of every tensor it reads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from shardtrain.checkpoint import layout
+from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY, file_metadata, weight_files
+from shardtrain.checkpoint.state import TrainState
+from shardtrain.config.schema import ModelConfig
+from shardtrain.distributed.sharded_model import shard_like
+from shardtrain.errors import CheckpointError
+from shardtrain.models.llama_hf_adapter import (
+    config_mismatches,
+    from_hf,
+    from_hf_name,
+    model_config_from_hf,
+)
+
+HF_PREFIX = "hf:"
+
+
+def expected_shapes(state: dict[str, Any], prefix: str) -> dict[str, tuple[int, ...]]:
+    """Flattened DCP keys of the tensors in ``state`` (global shapes for DTensors)."""
+    return {f"{prefix}.{k}": tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def check_model_compatible(path: Path, metadata, model_state: dict[str, Any]) -> None:
+    """Name missing keys, unexpected keys and shape mismatches between checkpoint and model."""
+    saved = {
+        k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
+    wanted = expected_shapes(model_state, "model")
+    missing = sorted(set(wanted) - set(saved))
+    unexpected = sorted(set(saved) - set(wanted))
+    mismatched = sorted(
+        f"{k}: checkpoint {list(saved[k])} vs model {list(wanted[k])}"
+        for k in set(saved) & set(wanted) if saved[k] != wanted[k]
+    )
+    if not (missing or unexpected or mismatched):
+        return
+
+    def show(items: list[str]) -> str:
+        return ", ".join(items[:6]) + (f" (+{len(items) - 6} more)" if len(items) > 6 else "")
+
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {show(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {show(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatches: {show(mismatched)}")
+    raise CheckpointError(
+        f"checkpoint {str(path)!r} does not fit this model ({'; '.join(problems)}); "
+        "use the model config it was saved with (see its trainer_state.json)"
+    )
+
+
+def model_config_of(path: Path) -> ModelConfig:
+    """The model config saved with a shardtrain checkpoint or consolidated safetensors file."""
+    if path.is_file() and path.suffix == ".safetensors":
+        raw = file_metadata(path).get(MODEL_CONFIG_KEY)
+        if raw is None:
+            raise CheckpointError(f"{path} carries no shardtrain model config (it was not written by "
+                                  "shardtrain consolidate from a shardtrain checkpoint)")
+        return ModelConfig(**json.loads(raw))
+    layout.verify(path)
+    return TrainState.read(path).model_config()
+
+
+def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | None = None) -> None:
+    """Fill ``model`` (sharded or not) with the weights at ``source``; optimizer state is not read."""
+    if source.startswith(HF_PREFIX):
+        if model_cfg is None:
+            raise CheckpointError(f"{source}: importing a Hugging Face directory needs the model config")
+        load_hf_into(model, model_cfg, source[len(HF_PREFIX):])
+        return
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".safetensors":
+        load_safetensors_into(model, path)
+        return
+    metadata = layout.verify(path, need_state=False)
+    state = get_model_state_dict(model)
+    check_model_compatible(path, metadata, state)
+    dcp.load({"model": state}, checkpoint_id=str(path))
+    set_model_state_dict(model, state)
+
+
+def copy_into(param: torch.Tensor, full: torch.Tensor, what: str) -> None:
+    """This rank's slice of ``full`` into ``param``, after checking the shape."""
+    if tuple(full.shape) != tuple(param.shape):
+        raise CheckpointError(f"{what} has shape {list(full.shape)}, the model wants {list(param.shape)}")
+    param.copy_(shard_like(full.to(param.dtype), param))
+
+
+@torch.no_grad()
+def load_safetensors_into(model: nn.Module, path: Path) -> None:
+    params = dict(model.named_parameters())
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        missing, unexpected = sorted(set(params) - keys), sorted(keys - set(params))
+        if missing or unexpected:
+            raise CheckpointError(f"{path}: missing keys {missing[:6]}, unexpected keys {unexpected[:6]}")
+        for name, param in params.items():
+            copy_into(param, f.get_tensor(name), f"{path}: {name}")  # one full tensor at a time
+
+
+def read_hf_config(directory: Path) -> dict:
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{directory} has no config.json: not a Hugging Face model directory")
+    config = json.loads(config_file.read_text())
+    if config.get("model_type") != "llama":
+        raise CheckpointError(f"{directory} holds a {config.get('model_type')!r} model; only llama "
+                              "models can be imported")
+    return config
+
+
+@torch.no_grad()
+def load_hf_into(model: nn.Module, cfg: ModelConfig, directory: str | Path) -> None:
+    """``model.init_from=hf:<dir>``: fill the sharded model tensor by tensor, shard by shard."""
+    directory = Path(directory).expanduser()
+    mismatched = config_mismatches(cfg, model_config_from_hf(read_hf_config(directory)))
+    if mismatched:
+        raise CheckpointError(f"{directory} does not fit the model config: " + "; ".join(mismatched))
+    params = dict(model.named_parameters())
+    loaded = set()
+    for file in weight_files(directory):
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():
+                name = from_hf_name(hf_name)
+                if name is None or name not in params:
+                    continue  # read only the tensors the model keeps
+                _, full = from_hf(hf_name, f.get_tensor(hf_name), cfg)
+                copy_into(params[name], full, hf_name)
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise CheckpointError(f"{directory} lacks weights for {missing[:6]}")

@@ -1,0 +1,26 @@
+"""Byte sizes as people write them (``5GB``, ``500MB``, ``2GiB``) and as reports print them."""
+
+from __future__ import annotations
+
+import re
+
+from shardtrain.errors import ConfigError
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.I)
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9}
+
+
+def parse_size(text: str, option: str = "size") -> int:
+    match = SIZE.match(str(text))
+    if not match or match.group(2).upper() not in UNITS:
+        raise ConfigError(f"{option} {text!r} is not a size like 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * UNITS[match.group(2).upper()])
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)

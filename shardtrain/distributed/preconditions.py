@@ -1,0 +1,96 @@
+"""What must hold before a model is sharded: the traps that cost people days, as errors with the fix.
+
+Checked by ``parallelize`` itself, so every path that shards a model (training, generation, library
+use) gets them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+
+from torch import nn
+
+from shardtrain.config.classpath import import_module_class
+from shardtrain.errors import ModelError
+
+log = logging.getLogger("shardtrain")
+
+
+def check_single_registration(model: nn.Module) -> None:
+    """A submodule under two parents is sharded and stored twice (the seed's double-memory trap)."""
+    paths: dict[int, list[str]] = defaultdict(list)
+    for name, module in model.named_modules(remove_duplicate=False):
+        paths[id(module)].append(name or "<root>")
+    for names in paths.values():
+        if len(names) > 1:
+            raise ModelError(
+                f"module registered under two parents: {names[0]!r} and {names[1]!r}; FSDP would "
+                "shard and gather it twice (double memory). Keep one owner and hold the other "
+                "reference without registering it, e.g. object.__setattr__(self, 'name', module)"
+            )
+
+
+def owning_unit(name: str, units: Sequence[str]) -> str:
+    """The FSDP unit a module belongs to: the unit with the longest name prefixing it (else root)."""
+    best, best_len = "<root>", -1
+    for unit in units:
+        for part in unit.split("+"):
+            inside = name == part or name.startswith(part + ".")
+            if part != "<root>" and inside and len(part) > best_len:
+                best, best_len = unit, len(part)
+    return best
+
+
+def warn_tied_across_units(model: nn.Module, units: Sequence[str]) -> list[str]:
+    """Parameters shared by modules that sit in different FSDP units (call before sharding)."""
+    owners: dict[int, set[str]] = defaultdict(set)
+    names: dict[int, list[str]] = defaultdict(list)
+    for module_name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{pname}" if module_name else pname
+            owners[id(param)].add(owning_unit(module_name, units))
+            names[id(param)].append(full)
+    warnings = []
+    for key, unit_set in owners.items():
+        if len(unit_set) > 1:
+            warnings.append(
+                f"tied parameter {' = '.join(names[key])} spans FSDP units {sorted(unit_set)}: it is "
+                "gathered by one unit and used by another. Put the modules sharing it in one unit "
+                "(e.g. extra_shard_groups() returning them together) to avoid extra all-gathers"
+            )
+    for message in warnings:
+        log.warning(message)
+    return warnings
+
+
+def module_class_paths(model: nn.Module) -> list[str]:
+    return sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()})
+
+
+def resolve_wrap_classes(model: nn.Module, policy: Sequence[str | type]) -> tuple[type, ...]:
+    """Turn the configured wrap policy into classes and insist that it matches something."""
+    classes: list[type] = []
+    for entry in policy:
+        if isinstance(entry, type):
+            classes.append(entry)
+        elif entry == "auto":
+            declared = getattr(model, "block_classes", None)
+            if not declared:
+                raise ModelError(
+                    f"{type(model).__name__} declares no block_classes, so wrap_policy='auto' has "
+                    "nothing to wrap; set strategy.wrap_policy to its block class, one of: "
+                    + ", ".join(module_class_paths(model))
+                )
+            classes.extend(declared)
+        else:
+            classes.append(import_module_class(entry))
+    wrap = tuple(classes)
+    if not any(isinstance(m, wrap) for m in model.modules()):
+        names = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in wrap)
+        raise ModelError(
+            f"wrap policy [{names}] matched no module of {type(model).__name__}, so nothing would be "
+            "sharded per block; use one of the model's classes: " + ", ".join(module_class_paths(model))
+        )
+    return wrap

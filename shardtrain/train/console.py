@@ -1,0 +1,61 @@
+"""What rank 0 shows while training: a progress bar on a terminal and one line per logged step."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from tqdm import tqdm
+
+log = logging.getLogger("shardtrain")
+
+
+def format_record(step: int, max_steps: int, record: dict) -> str:
+    """``step 10/300 | loss 2.1 | ... | val_loss 2.0`` from a metrics record."""
+    parts = [f"step {step}/{max_steps}"]
+    if "loss" in record:
+        mfu = record.get("mfu")
+        parts += [
+            f"loss {record['loss']:.4f}",
+            f"grad_norm {record['grad_norm']:.3f}",
+            f"lr {record['lr']:.2e}",
+            f"{record['tokens_per_s']:.0f} tok/s",
+            f"{record['model_tflops'] * 1e3:.1f} GFLOP/s",
+            "MFU " + (f"{100 * mfu:.1f}%" if mfu is not None else "unknown (no peak for this device)"),
+            f"peak mem {record['peak_memory_mib']:.0f} MiB",
+        ]
+    if "val_loss" in record:
+        parts.append(f"val_loss {record['val_loss']:.4f}")
+    return " | ".join(parts)
+
+
+class Console:
+    def __init__(self, enabled: bool, progress_bar: bool, max_steps: int) -> None:
+        self.enabled = enabled
+        self.want_bar = progress_bar
+        self.max_steps = max_steps
+        self.bar: tqdm | None = None
+
+    def open(self, initial_step: int) -> None:
+        """The bar appears only on rank 0 and only on a terminal (never in CI logs)."""
+        if self.enabled and self.want_bar and sys.stderr.isatty():
+            self.bar = tqdm(total=self.max_steps, initial=initial_step, desc="train", dynamic_ncols=True)
+
+    def advance(self, loss: float, tokens_per_s: float) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
+
+    def show(self, step: int, record: dict) -> None:
+        if not self.enabled:
+            return
+        line = format_record(step, self.max_steps, record)
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            log.info(line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
