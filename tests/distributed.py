@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import time
@@ -9,6 +10,8 @@ import traceback
 from pathlib import Path
 
 import torch.multiprocessing as mp
+
+from shardtrain.distributed.env import destroy_distributed
 
 
 def free_port() -> int:
@@ -32,10 +35,11 @@ def _entry(rank: int, world_size: int, port: int, fn, args, error_dir: str) -> N
         Path(error_dir, f"rank{rank}.txt").write_text(traceback.format_exc())
         raise
     finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # shardtrain's teardown drops its cached meshes before destroying the groups, and the
+        # collection frees them now: gloo worker threads still alive when the interpreter
+        # finalises abort the process ("terminate called without an active exception").
+        destroy_distributed()
+        gc.collect()
 
 
 def run_on_ranks(fn, world_size: int, *args, tmp_path: Path, timeout_s: float = 600) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from shardtrain.config.loader import GROUPS, group_options, load_config
+from shardtrain.config.loader import GROUPS, group_options, load_config, schema_keys
 from shardtrain.errors import ConfigError
 
 
@@ -63,7 +65,11 @@ def test_required_knobs_exist():
         ("checkpoint.preemption_signals=[SIGTEM]", "'SIGTEM' is not a signal name"),
         ("strategy.wrap_policy=[nope.Block]", "wrap policy class 'nope.Block' does not import"),
         ("strategy.wrap_policy=[torch.nn.Linear2]", "does not import"),
-        ("checkpoint.interval=-1", "checkpoint.interval=-1 must be 0"),
+        ("checkpoint.interval=-1", "checkpoint.interval=-1 must not be negative"),
+        ("trainer.seed=-1", "trainer.seed=-1 must not be negative"),
+        ("dist.backend=mpi", "dist.backend='mpi' is unknown"),
+        ("data.source=stdlb", "did you mean 'stdlib'?"),
+        ("model.rope_theta=0", "model.rope_theta=0.0 must be greater than 0"),
         ("checkpoint.async=maybe", "checkpoint.async_save=maybe"),
     ],
 )
@@ -80,3 +86,32 @@ def test_hybrid_group_must_divide_world():
 
 def test_checkpoint_async_alias():
     assert load_config(["checkpoint.async=true"]).checkpoint.async_save is True
+
+
+def bad_values(key: str, f) -> list[str]:
+    """Values just outside each bound declared for ``key`` in the schema."""
+    bounds, is_int = f.metadata, f.type == "int"
+    values = []
+    if "at_least" in bounds:
+        values.append(str(bounds["at_least"] - 1 if is_int else bounds["at_least"] - 0.5))
+    if "above" in bounds:
+        values.append(str(bounds["above"]))
+    if "at_most" in bounds:
+        values.append(str(bounds["at_most"] + 1))
+    if "one_of" in bounds:
+        values.append("no-such-choice")
+    return values
+
+
+def test_every_numeric_key_declares_its_range_and_is_checked():
+    """Walks the schema: a new int/float key without bounds, or bounds not enforced, fails here."""
+    numeric = {k: f for k, f in schema_keys().items() if "." in k and f.type in ("int", "float")}
+    unbounded = sorted(k for k, f in numeric.items() if not f.metadata)
+    assert not unbounded, f"declare bounds with knob(...) in config/schema.py for {unbounded}"
+    checked = 0
+    for key, f in schema_keys().items():
+        for value in bad_values(key, f) if "." in key else []:
+            with pytest.raises(ConfigError, match=rf"^{re.escape(key)}="):
+                load_config([f"{key}={value}"])
+            checked += 1
+    assert checked >= len(numeric)

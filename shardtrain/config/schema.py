@@ -15,24 +15,31 @@ BUILTIN_MODELS = ("llama",)
 DEFAULT_PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
 
 
+def knob(default: Any, *, at_least: float | None = None, above: float | None = None,
+         at_most: float | None = None, one_of: tuple[str, ...] | None = None) -> Any:
+    """A field and the values it accepts, beside it: ``loader.check_ranges`` enforces them."""
+    bounds = {"at_least": at_least, "above": above, "at_most": at_most, "one_of": one_of}
+    return field(default=default, metadata={k: v for k, v in bounds.items() if v is not None})
+
+
 @dataclass
 class ModelConfig:
     """A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention)."""
 
-    name: str = "llama"
-    vocab_size: int = 256  # byte-level tokens
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
+    name: str = knob("llama", one_of=BUILTIN_MODELS)
+    vocab_size: int = knob(256, at_least=1)  # 256 = byte-level tokens
+    dim: int = knob(256, at_least=1)  # hidden size
+    n_layers: int = knob(4, at_least=1)
+    n_heads: int = knob(4, at_least=1)  # query heads; dim / n_heads is the head size
+    n_kv_heads: int = knob(2, at_least=1)  # key/value heads (grouped-query attention)
     # SwiGLU hidden size; 0 means round(8/3 * dim) up to a multiple of ``ffn_multiple_of``.
-    ffn_hidden_dim: int = 0
-    ffn_multiple_of: int = 32
-    max_seq_len: int = 1024
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
+    ffn_hidden_dim: int = knob(0, at_least=0)
+    ffn_multiple_of: int = knob(32, at_least=1)
+    max_seq_len: int = knob(1024, at_least=1)  # RoPE tables and the KV cache are this long
+    rope_theta: float = knob(10000.0, above=0)
+    norm_eps: float = knob(1e-5, above=0)  # RMSNorm epsilon
     tie_embeddings: bool = False
-    init_std: float = 0.02
+    init_std: float = knob(0.02, at_least=0)  # residual projections use std / sqrt(2 * n_layers)
     # Start from these weights only (no optimizer or step): a shardtrain checkpoint directory or a
     # .safetensors file. null = random init.
     init_from: str | None = None
@@ -47,7 +54,7 @@ class StrategyConfig:
     # null: follow the strategy; true/false; or an int (reshard to that many ranks after forward)
     reshard_after_forward: Any = None
     # Hybrid strategies: ranks per shard group (0 = processes per node). Replicas = world / this.
-    shard_group_size: int = 0
+    shard_group_size: int = knob(0, at_least=0)
     # fp32 | bf16-mixed | bf16-pure
     mixed_precision: str = "fp32"
     # Explicit overrides of the preset's dtypes (null = from the preset): fp32 | bf16 | fp16
@@ -56,7 +63,7 @@ class StrategyConfig:
     cpu_offload: bool = False
     # none | all | every_k (with activation_checkpointing_every)
     activation_checkpointing: str = "none"
-    activation_checkpointing_every: int = 2
+    activation_checkpointing_every: int = knob(2, at_least=1)
     # Dotted class paths of the modules that become FSDP units. "auto": the model's own block classes.
     wrap_policy: list[str] = field(default_factory=lambda: ["auto"])
     compile: bool = False
@@ -65,55 +72,56 @@ class StrategyConfig:
 @dataclass
 class DataConfig:
     # stdlib: the running interpreter's standard library .py files | files: ``paths`` below
-    source: str = "stdlib"
+    source: str = knob("stdlib", one_of=("stdlib", "files"))
     paths: list[str] = field(default_factory=list)
     file_glob: str = "*.py"
     # Percentage of files (chosen by a hash of their relative path) held out for validation.
-    val_percent: float = 5.0
+    val_percent: float = knob(5.0, at_least=0.0, at_most=100.0)
     # Cap on bytes read (0 = everything); keeps tests and quick runs fast.
-    max_bytes: int = 0
+    max_bytes: int = knob(0, at_least=0)
 
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 300
+    max_steps: int = knob(300, at_least=1)
     # Processes on this machine: an int, or "auto" (one per GPU; one on a CPU-only machine).
     devices: Any = "auto"
-    num_nodes: int = 1
-    micro_batch_size: int = 16
-    grad_accum_steps: int = 1
-    seq_len: int = 128
-    seed: int = 1234
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    adam_eps: float = 1e-8
-    grad_clip_norm: float = 1.0  # 0 disables clipping; the global norm is still computed and logged
-    max_skipped_steps: int = 5  # consecutive non-finite steps tolerated before the run stops
-    log_every: int = 10
-    eval_every: int = 100
-    eval_samples: int = 128  # validation windows, the same set at any world size
-    sample_tokens: int = 200
+    num_nodes: int = knob(1, at_least=1)
+    micro_batch_size: int = knob(16, at_least=1)  # sequences per rank per micro-step
+    grad_accum_steps: int = knob(1, at_least=1)
+    seq_len: int = knob(128, at_least=1)  # tokens per training window
+    seed: int = knob(1234, at_least=0)  # weights and data order; the same at any world size
+    lr: float = knob(3e-3, at_least=0)
+    min_lr_ratio: float = knob(0.1, at_least=0.0, at_most=1.0)  # cosine floor, a fraction of lr
+    warmup_steps: int = knob(30, at_least=0)  # linear warmup, then cosine decay to max_steps
+    weight_decay: float = knob(0.1, at_least=0)  # not applied to norms, biases and embeddings
+    beta1: float = knob(0.9, at_least=0.0, at_most=0.999999)
+    beta2: float = knob(0.95, at_least=0.0, at_most=0.999999)
+    adam_eps: float = knob(1e-8, above=0)
+    # 0 disables clipping; the global norm is still computed and logged.
+    grad_clip_norm: float = knob(1.0, at_least=0)
+    max_skipped_steps: int = knob(5, at_least=0)  # consecutive non-finite steps before stopping
+    log_every: int = knob(10, at_least=1)
+    eval_every: int = knob(100, at_least=0)  # 0 = only at the end
+    eval_samples: int = knob(128, at_least=1)  # validation windows, the same set at any world size
+    sample_tokens: int = knob(200, at_least=0)  # generated at the end of training (0 = none)
     sample_prompt: str = "def "
     # Also sample every N steps during training (0 = only at the end); logged as kind=sample.
-    sample_every: int = 0
+    sample_every: int = knob(0, at_least=0)
     # CPU threads per process (0 = cores / local processes).
-    threads_per_process: int = 0
+    threads_per_process: int = knob(0, at_least=0)
     progress_bar: bool = True
 
 
 @dataclass
 class DistConfig:
-    backend: str = "auto"  # auto | gloo | nccl
+    backend: str = knob("auto", one_of=("auto", "gloo", "nccl"))
     # A step (or a collective) that takes longer than this stops the run on every rank.
-    timeout_s: int = 300
+    timeout_s: int = knob(300, at_least=1)
     # The same bound for start-up and the first step, which include compilation and warm-up.
-    startup_timeout_s: int = 600
+    startup_timeout_s: int = knob(600, at_least=1)
     # TORCH_DISTRIBUTED_DEBUG: OFF | INFO | DETAIL
-    debug: str = "OFF"
+    debug: str = knob("OFF", one_of=("OFF", "INFO", "DETAIL"))
     # NCCL's collective flight recorder (dumped on timeout); ignored on gloo.
     flight_recorder: bool = False
 
@@ -122,22 +130,22 @@ class DistConfig:
 class DiagnosticsConfig:
     enabled: bool = True
     # Steps whose per-phase memory is measured and logged.
-    steps: int = 3
+    steps: int = knob(3, at_least=0)
     # Build everything, print the report, run one step, exit.
     dry_run: bool = False
     # Dump every rank's Python stacks when a step takes this many times the recent median ...
-    stall_factor: float = 10.0
+    stall_factor: float = knob(10.0, at_least=1)
     # ... and at least this long.
-    stall_min_s: float = 30.0
+    stall_min_s: float = knob(30.0, at_least=0)
 
 
 @dataclass
 class CheckpointConfig:
     enabled: bool = True
     # Save every N steps (0 = only at the end and on preemption). Written under run.dir/checkpoints.
-    interval: int = 100
+    interval: int = knob(100, at_least=0)
     # Complete checkpoints kept; older ones are deleted only after a newer one is complete.
-    keep_last: int = 2
+    keep_last: int = knob(2, at_least=1)
     # checkpoint.async on the command line: overlap the write with training.
     async_save: bool = False
     # auto: newest complete checkpoint in run.dir (if any) | none: start fresh | a path

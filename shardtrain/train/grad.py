@@ -15,6 +15,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from shardtrain.errors import ModelError
+
 
 def global_grad_norm(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> torch.Tensor:
     """Global L2 norm of all gradients, identical on every rank (fp32 scalar)."""
@@ -22,7 +24,9 @@ def global_grad_norm(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> torch.
     # DTensor; a plain tensor here would be counted once per rank without anyone noticing.
     grads = [p.grad for p in params if p.grad is not None]
     if any(not isinstance(g, DTensor) for g in grads):
-        raise TypeError("global_grad_norm expects the DTensor gradients of a fully_shard-ed model")
+        raise ModelError("some gradients are plain tensors, not DTensors: a parameter sits outside every "
+                         "fully_shard unit, so its norm would be counted once per rank; shard the whole "
+                         "model (fully_shard on the root) before training")
     # Accumulate on the mesh's device: with CPU offload the gradients live on the CPU while the
     # collective runs on the accelerator.
     device = torch.device(mesh.device_type)
