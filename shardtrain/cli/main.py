@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -283,6 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
+    try:
+        return run_command(args, argv)
+    finally:
+        # The command's objects (models, process groups held by DeviceMeshes and the checkpointer)
+        # are garbage now; free them while the interpreter is whole. Left to finalisation, gloo's
+        # worker threads can abort the process ("terminate called without an active exception").
+        gc.collect()
+
+
+def run_command(args: argparse.Namespace, argv: list[str] | None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args.overrides)

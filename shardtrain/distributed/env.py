@@ -100,6 +100,7 @@ def build_mesh(plan: ShardingPlan, device_type: str) -> DeviceMesh:
 
 
 def destroy_distributed() -> None:
+    """Shut every process group down (call on every rank, once training or inference is over)."""
     _MESHES.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
