@@ -111,6 +111,9 @@ class TrainerConfig:
     # CPU threads per process (0 = cores / local processes).
     threads_per_process: int = knob(0, at_least=0)
     progress_bar: bool = True
+    # Built-in launcher (trainer.devices=N): torchrun restarts the workers this many times after a
+    # failure (a lost rank); each restart resumes from the newest complete checkpoint.
+    max_restarts: int = knob(0, at_least=0)
 
 
 @dataclass
@@ -152,6 +155,11 @@ class CheckpointConfig:
     resume: str = "auto"
     # Also write model.safetensors (full weights, gathered on rank 0 with CPU offload).
     save_full: bool = False
+    # Check every file's recorded checksum before resuming from a checkpoint (inspect always does).
+    verify_checksums: bool = True
+    # A checkpoint save may take this long before the watchdog stops the run (saves are not bound by
+    # dist.timeout_s, which is meant for one training step).
+    save_timeout_s: int = knob(1800, at_least=1)
     preemption_signals: list[str] = field(default_factory=lambda: list(DEFAULT_PREEMPTION_SIGNALS))
 
 
