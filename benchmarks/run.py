@@ -4,6 +4,8 @@ training: benchmarks/step_time.py under torchrun at each process count (``--proc
 checkpoint: benchmarks/checkpoint_worker.py under torchrun (2 processes) for the default model and
 the 200M-parameter preset, then ``shardtrain consolidate`` peak memory, and the disk's write speed.
 generation: benchmarks/generation.py, shardtrain's generate vs transformers' on one exported model.
+soak (only with ``--only soak``, about 5 minutes): benchmarks/soak_worker.py, 2,000 steps with an
+async checkpoint every 10 steps; resident memory, threads, open files and disk use over the run.
 Each rewrites its own section of docs/benchmarks.md with the command, the machine and the date.
 """
 
@@ -28,6 +30,7 @@ DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- training:begin -->", "<!-- training:end -->"
 CKPT_BEGIN, CKPT_END = "<!-- checkpoint:begin -->", "<!-- checkpoint:end -->"
 GEN_BEGIN, GEN_END = "<!-- generation:begin -->", "<!-- generation:end -->"
+SOAK_BEGIN, SOAK_END = "<!-- soak:begin -->", "<!-- soak:end -->"
 HEADER = (
     "| processes | tokens/step | shardtrain tokens/s | hand-written tokens/s | shardtrain step ms "
     "| hand-written step ms | ratio (shardtrain / hand-written) |\n"
@@ -208,10 +211,39 @@ does not double: the CPU is the bottleneck, not the sharding.
 {END}"""
 
 
+def render_soak(r: dict, command: str) -> str:
+    rows = []
+    for rank, samples in enumerate(r["ranks"]):
+        first, last = samples[0], samples[-1]
+        growth = 100 * (last["rss_mib"] - first["rss_mib"]) / first["rss_mib"]
+        rows.append(f"| {rank} | {first['rss_mib']:.0f} | {last['rss_mib']:.0f} | {growth:+.1f}% | "
+                    f"{first['threads']} / {last['threads']} | {first['open_files']} / {last['open_files']} |")
+    disk = [s for s in r["ranks"][0]]
+    entries = "; ".join(f"step {s['step']}: {', '.join(s['ckpt_entries'])} ({s['ckpt_mib']:.1f} MiB)"
+                        for s in disk)
+    return f"""{SOAK_BEGIN}
+## Soak: {r['steps']} steps with an async checkpoint every 10 steps
+
+- Command: `{command}` ({r['steps']} steps of `experiment=quick` at 2 processes,
+  `checkpoint.interval=10 checkpoint.keep_last=2 checkpoint.async=true`, driven through
+  `Trainer.iteration`; each sample taken with no save in flight).
+- Machine: {os.cpu_count()} CPU cores ({cpu_name()}), no GPU, gloo, torch {r['torch']}; date
+  {datetime.date.today().isoformat()}.
+- Goal: resident memory growth from step 200 to the end under 5%, disk use bounded, no leaked
+  threads or files.
+
+| rank | RSS MiB at step 200 | RSS MiB at the end | growth | OS threads (200 / end) | open files (200 / end) |
+| --- | --- | --- | --- | --- | --- |
+{chr(10).join(rows)}
+
+Checkpoint directory (rank 0's view): {entries}.
+{SOAK_END}"""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--only", choices=["training", "checkpoint", "generation"], default=None)
+    parser.add_argument("--only", choices=["training", "checkpoint", "generation", "soak"], default=None)
     args = parser.parse_args()
     if args.only in (None, "training"):
         results = []
@@ -229,6 +261,10 @@ def main() -> None:
     if args.only in (None, "generation"):
         write_section(GEN_BEGIN, GEN_END, render_generation(
             generation_results(), "python benchmarks/run.py --only generation"))
+    if args.only == "soak":
+        with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
+            soak = run_torchrun(2, "soak_worker.py", [str(Path(workdir) / "soak"), "2000"])
+        write_section(SOAK_BEGIN, SOAK_END, render_soak(soak, "python benchmarks/run.py --only soak"))
     print(f"wrote {DOC}")
 
 

@@ -47,9 +47,18 @@ def claim_device(local_rank: int) -> torch.device:
     return device
 
 
-def default_backend(device: torch.device) -> str:
-    """gloo on CPU; the device's own collective backend (NCCL on CUDA) elsewhere."""
-    return "gloo" if device.type == "cpu" else dist.get_default_backend_for_device(device)
+def process_group_backend(device: torch.device, requested: str = "auto", cpu_offload: bool = False) -> str:
+    """The backend string for ``init_process_group``.
+
+    gloo on CPU; the device's own collective backend (NCCL on CUDA) elsewhere. With CPU offload the
+    sharded parameters live on the CPU, and gathering them (sampling, full weights, save_full) runs
+    collectives on CPU tensors, which NCCL cannot do: the group then gets gloo for CPU tensors
+    beside the accelerator's backend ("cpu:gloo,cuda:nccl").
+    """
+    if device.type == "cpu" or requested == "gloo":
+        return "gloo"
+    backend = dist.get_default_backend_for_device(device) if requested == "auto" else requested
+    return f"cpu:gloo,{device.type}:{backend}" if cpu_offload else backend
 
 
 def rng_state() -> torch.Tensor | None:

@@ -1,10 +1,12 @@
 """Fault injection for tests: make one rank fail at a named point of chosen steps.
 
-``SHARDTRAIN_FAULT=<point>:<rank>:<steps>:<action>`` where steps is ``N`` or ``A-B`` and action is
-``kill`` (SIGKILL itself), ``raise`` (RuntimeError), ``sleep=S`` (stall S seconds) or ``nan`` (poison
-the loss; point ``loss`` only). Points: ``save`` (inside a checkpoint save, after this rank wrote part
-of it), ``step`` (after a training step), ``loss`` (the first micro-batch's loss). Unset, this costs
-one dictionary lookup. Never set it in production.
+``SHARDTRAIN_FAULT=<point>:<rank>:<steps>:<action>[:<attempt>]`` where steps is ``N`` or ``A-B``,
+action is ``kill`` (SIGKILL itself), ``raise`` (RuntimeError), ``sleep=S`` (stall S seconds) or
+``nan`` (poison the loss; point ``loss`` only), and attempt (optional) limits the fault to that
+torchrun restart attempt (``TORCHELASTIC_RESTART_COUNT``), so a restarted run can get past it.
+Points: ``save`` (inside a checkpoint save, after this rank wrote part of it), ``step`` (after a
+training step), ``loss`` (the first micro-batch's loss). Unset, this costs one dictionary lookup.
+Never set it in production.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ def _match(point: str, rank: int, step: int) -> str | None:
     spec = os.environ.get(ENV)
     if not spec:
         return None
-    want_point, want_rank, steps, action = spec.split(":")
+    want_point, want_rank, steps, action, *attempt = spec.split(":")
     first, _, last = steps.partition("-")
     if want_point != point or int(want_rank) != rank:
+        return None
+    if attempt and int(attempt[0]) != int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)):
         return None
     if not int(first) <= step <= int(last or first):
         return None

@@ -1,4 +1,8 @@
-"""Console logging: rank 0 reports at INFO, other ranks only warnings, each line tagged."""
+"""Console logging: rank 0 reports at INFO, other ranks only warnings, every line tagged.
+
+Every line of a multi-line message carries the tag, so output interleaved from several ranks stays
+attributable, and the launcher can tell log lines from everything else on the workers' stderr.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,20 @@ import logging
 import os
 import sys
 
+LOG_PREFIX = "[shardtrain"
+
+
+class TaggedFormatter(logging.Formatter):
+    def __init__(self, tag: str) -> None:
+        super().__init__("%(message)s")
+        self.tag = tag
+
+    def format(self, record: logging.LogRecord) -> str:
+        return "\n".join(f"{self.tag} {line}" for line in super().format(record).split("\n"))
+
 
 def setup_logging() -> None:
     rank = int(os.environ.get("RANK", 0))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format="[shardtrain] %(message)s" if rank == 0 else f"[shardtrain rank {rank}] %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(TaggedFormatter(f"{LOG_PREFIX}]" if rank == 0 else f"{LOG_PREFIX} rank {rank}]"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, handlers=[handler])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -150,3 +152,146 @@ def test_bad_checkpoints_fail_fast_with_their_own_message(good_checkpoint, tmp_p
 def test_resume_none_refuses_to_overwrite_checkpoints(good_checkpoint):
     proc = run_cli("train", *QUICK, "checkpoint.resume=none", f"run.dir={good_checkpoint.parent.parent}")
     assert proc.returncode == 2 and "would overwrite them" in proc.stderr
+
+
+# ---- damage inside files: checksums (issue 12) ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """A 2-rank run with complete checkpoints at steps 2 and 4 (keep_last=2), and its losses."""
+    run_dir = tmp_path_factory.mktemp("checksums") / "run"
+    proc = run_cli("train", *QUICK, "trainer.devices=2", "trainer.max_steps=4", "checkpoint.interval=2",
+                   "checkpoint.keep_last=2", f"run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    return run_dir, [r["loss"] for r in read_metrics(run_dir)]
+
+
+def test_manifest_covers_every_file_and_rng_loads_weights_only(good_checkpoint, caplog):
+    import torch
+
+    from shardtrain.checkpoint.integrity import verify_files
+
+    manifest = json.loads((good_checkpoint / "checksums.json").read_text())
+    on_disk = {p.name for p in good_checkpoint.iterdir()} - {"checksums.json", "trainer_state.json"}
+    assert manifest["algorithm"] == "sha256" and set(manifest["files"]) == on_disk
+    assert {".metadata", "__0_0.distcp", "rng-rank0.pt", "model.safetensors"} <= on_disk
+    for name, entry in manifest["files"].items():
+        data = (good_checkpoint / name).read_bytes()
+        assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    verify_files(good_checkpoint)
+    assert not caplog.records  # recorded and matching: silent
+    rng = torch.load(good_checkpoint / "rng-rank0.pt", weights_only=True)  # no pickled code
+    assert set(rng) >= {"python", "numpy", "torch"}
+
+
+def test_checkpoint_without_manifest_only_warns(good_checkpoint, tmp_path, caplog):
+    import shutil
+
+    from shardtrain.checkpoint.inspect import inspect_path
+    from shardtrain.checkpoint.integrity import verify_files
+
+    old = tmp_path / "old"
+    shutil.copytree(good_checkpoint, old)
+    (old / "checksums.json").unlink()  # as saved before checksums existed
+    verify_files(old)
+    assert "no checksums recorded" in caplog.text
+    report = inspect_path(old)
+    assert report.complete and report.details["checksums"].startswith("none recorded")
+
+
+def damage_file(file, how: str) -> None:
+    data = bytearray(file.read_bytes())
+    if how == "zero_head":  # a zeroed 4 KiB block at the start, as a bad disk or copy leaves it
+        data[:4096] = bytes(4096)
+    elif how == "flip":
+        data[len(data) // 2] ^= 0x01
+    elif how == "garble":  # same length: only the checksum can tell
+        data[100:612] = b"\xab" * 512
+    elif how == "truncate":
+        data = data[: len(data) // 2]
+    file.write_bytes(bytes(data))
+
+
+DAMAGE = [  # (file in step-4, how, what every command must name)
+    ("__0_0.distcp", "zero_head", "__0_0.distcp is damaged (sha256 "),
+    ("__1_0.distcp", "flip", "__1_0.distcp is damaged (sha256 "),
+    ("rng-rank0.pt", "garble", "rng-rank0.pt is damaged (sha256 "),
+    ("trainer_state.json", "truncate", "trainer_state.json is unreadable"),
+]
+
+
+def error_line(proc) -> str:
+    """The one line the CLI prints for a user error (no traceback)."""
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("shardtrain: error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize(("name", "how", "message"), DAMAGE, ids=[d[1] for d in DAMAGE])
+def test_damage_inside_a_file_is_named_and_resume_falls_back(two_rank_run, tmp_path, name, how, message):
+    import shutil
+
+    source, losses = two_rank_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(source, run_dir)
+    ckpts = run_dir / "checkpoints"
+    damaged = ckpts / "step-4"
+    damage_file(damaged / name, how)
+    if how != "truncate":  # every report shows the found and the recorded checksum
+        recorded = json.loads((damaged / "checksums.json").read_text())["files"][name]["sha256"]
+        found = hashlib.sha256((damaged / name).read_bytes()).hexdigest()
+        message = f"{message}{found}, recorded {recorded})"
+
+    inspect = run_cli("inspect", str(damaged), timeout=60)
+    assert inspect.returncode == 1 and message in inspect.stdout, inspect.stdout
+    if how != "truncate":
+        assert f"checksums:  damaged: {name}\n" in inspect.stdout
+
+    consolidated = run_cli("consolidate", str(damaged), str(tmp_path / "out"), timeout=60)
+    assert message in error_line(consolidated)
+
+    explicit = run_cli("train", *QUICK, "trainer.max_steps=6", f"checkpoint.resume={damaged}",
+                       f"run.dir={tmp_path / 'explicit'}", timeout=120)
+    assert message in error_line(explicit)  # a path given by hand never falls back
+
+    resumed = run_cli("train", *QUICK, "trainer.devices=2", "trainer.max_steps=4", "checkpoint.interval=2",
+                      "checkpoint.keep_last=2", f"run.dir={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    skipped = next(line for line in resumed.stderr.splitlines() if f"resume: skipping {damaged}:" in line)
+    assert message in skipped
+    assert f"newest complete checkpoint is {ckpts / 'step-2'} (step 2)" in resumed.stderr
+    assert [r["loss"] for r in read_metrics(run_dir)][-2:] == losses[2:4]  # exact, bit for bit
+    # the damaged checkpoint was moved aside, not overwritten or deleted
+    names = sorted(p.name for p in ckpts.iterdir())
+    assert names[:2] == ["step-2", "step-4"] and len(names) == 3 and names[2].startswith("step-4.damaged-")
+    assert (ckpts / names[2] / name).read_bytes() != (source / "checkpoints" / "step-4" / name).read_bytes()
+    assert run_cli("inspect", str(damaged), timeout=60).returncode == 0  # the new step-4 is whole
+
+
+def test_resume_auto_refuses_when_every_checkpoint_is_damaged(two_rank_run, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_rank_run[0], run_dir)
+    for step in (2, 4):
+        damage_file(run_dir / "checkpoints" / f"step-{step}" / "__1_0.distcp", "flip")
+    proc = run_cli("train", *QUICK, "trainer.max_steps=6", f"run.dir={run_dir}", timeout=120)
+    assert "fails its checksums" in error_line(proc)
+    assert proc.stderr.count("resume: skipping") == 2
+
+
+def test_consolidate_can_skip_checksums(two_rank_run, tmp_path):
+    import shutil
+
+    from shardtrain.errors import CheckpointError
+    from shardtrain.export.consolidate import consolidate
+
+    ckpt = tmp_path / "step-4"
+    shutil.copytree(two_rank_run[0] / "checkpoints" / "step-4", ckpt)
+    damage_file(ckpt / "rng-rank1.pt", "garble")  # consolidate never reads it
+    with pytest.raises(CheckpointError, match="rng-rank1.pt is damaged"):
+        consolidate(ckpt, tmp_path / "a.safetensors")
+    assert consolidate(ckpt, tmp_path / "b.safetensors", verify=False)[0].is_file()

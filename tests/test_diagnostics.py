@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from equivalence import case_config
 
 from shardtrain.config.plan import DTYPES, PRECISION_PRESETS
 from shardtrain.diagnostics.planner import sharded_state_bytes
+from shardtrain.diagnostics.watchdog import Watchdog, dump_flight_recorder
 from shardtrain.models.llama import Llama
 
 QUICK = ["experiment=quick", "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample_tokens=0",
@@ -91,9 +93,58 @@ def test_stall_dumps_every_ranks_stacks_and_hang_stops(tmp_path):
     hang_dir = tmp_path / "hang"
     start = time.monotonic()
     hung = run_cli("train", *QUICK, "trainer.devices=2", "trainer.max_steps=8", "dist.timeout_s=3",
-                   f"run.dir={hang_dir}", env={"SHARDTRAIN_FAULT": "step:1:4:sleep=120"}, timeout=120)
+                   "dist.flight_recorder=true", f"run.dir={hang_dir}",
+                   env={"SHARDTRAIN_FAULT": "step:1:4:sleep=120"}, timeout=120)
     assert hung.returncode != 0 and time.monotonic() - start < 60
-    assert (hang_dir / "hangs").is_dir() and "over the 3s limit" in hung.stderr
+    assert (hang_dir / "hangs").is_dir() and "over the 3s limit (dist.timeout_s)" in hung.stderr
+    # Gloo's flight recorder, from both ranks: the sleeping rank's watchdog dumped it before stopping,
+    # and its peer when its collective failed. The peer had enqueued a collective the sleeper never did.
+    assert f"flight recorder in {hang_dir / 'flight_recorder' / 'rank_1'}" in hung.stderr
+    traces = [pickle.loads((hang_dir / "flight_recorder" / f"rank_{r}").read_bytes()) for r in (0, 1)]
+    last = [trace["entries"][-1]["collective_seq_id"] for trace in traces]
+    assert last[0] > last[1], last
+
+
+def test_watchdog_save_phases_have_their_own_bound(tmp_path):
+    dog = Watchdog(tmp_path, 0, timeout_s=0.3, startup_timeout_s=60, stall_factor=100, stall_min_s=100,
+                   poll_s=0.02)
+    stopped: list[str] = []
+
+    def stop_hung(step: int, message: str) -> None:  # instead of dumping stacks and os._exit
+        stopped.append(message)
+        dog.stop()
+
+    dog.stop_hung = stop_hung
+    dog.done(0.01)  # past the first step: the step bound is dist.timeout_s
+    dog.beat("checkpoint save", 3, timeout_s=5, key="checkpoint.save_timeout_s")
+    assert dog.limits()[1:] == (5, "checkpoint.save_timeout_s")
+    dog.start()
+    time.sleep(1.0)  # three times the step bound
+    assert not stopped
+    dog.beat("training step", 4)  # back to the step bound
+    assert dog.limits()[1:] == (0.3, "dist.timeout_s")
+    deadline = time.monotonic() + 5
+    while not stopped and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(stopped) == 1 and "training step of step 4" in stopped[0]
+    assert "over the 0.3s limit (dist.timeout_s)" in stopped[0]
+
+
+def test_a_save_longer_than_the_step_bound_completes(tmp_path):
+    # Rank 0 is slow inside the save; rank 1 waits for it in the save's collectives, which are
+    # bound by checkpoint.save_timeout_s (watchdog and checkpoint group alike), not dist.timeout_s.
+    run_dir = tmp_path / "save"
+    proc = run_cli("train", *QUICK, "trainer.devices=2", "checkpoint.enabled=true", "checkpoint.interval=2",
+                   "trainer.max_steps=3", "dist.timeout_s=2", f"run.dir={run_dir}",
+                   env={"SHARDTRAIN_FAULT": "save:0:2:sleep=4"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "step-2").is_dir() and not (run_dir / "hangs").exists()
+
+
+def test_flight_recorder_dump_without_a_process_group(tmp_path):
+    path = dump_flight_recorder(str(tmp_path / "fr" / "rank_"), 3)
+    assert path == tmp_path / "fr" / "rank_3"
+    assert {"version", "entries"} <= pickle.loads(path.read_bytes()).keys()
 
 
 def test_dry_run_reports_and_exits(tmp_path):

@@ -1,14 +1,24 @@
-"""Generation: sharded == consolidated, gathers do not grow with length, KV cache == no cache."""
+"""Generation: sharded == consolidated, gathers do not grow with length, KV cache == no cache, byte
+tokens printed as whole characters, and every numeric flag of generate/eval range-checked up front."""
 
 from __future__ import annotations
 
+import argparse
+import math
+
+import pytest
 import torch
 from cli_utils import run_cli
 from distributed import run_on_ranks
 from generation_workers import count_all_gathers
 
+import shardtrain.cli.launch
+import shardtrain.generation.inference
+from shardtrain.cli.main import build_parser, main
 from shardtrain.config.schema import ModelConfig
 from shardtrain.generation.generate import generate
+from shardtrain.generation.ranges import EVAL_RANGES, GENERATE_RANGES, Range
+from shardtrain.generation.text import TextStream
 from shardtrain.models.llama import Llama
 
 QUICK = ["experiment=quick", "trainer.eval_every=0", "trainer.sample_tokens=0", "run.tensorboard=false"]
@@ -27,7 +37,7 @@ def test_sharded_generation_equals_consolidated(tmp_path):
         single = run_cli("generate", str(tmp_path / "m.safetensors"), "--prompt", "def ",
                          "--max-new-tokens", "48", *options)
         assert sharded.returncode == 0 and single.returncode == 0, sharded.stderr[-2000:]
-        assert sharded.stdout == single.stdout  # token for token (bytes)
+        assert sharded.stdout == single.stdout  # token for token (decoded the same way)
         assert sharded.stdout.startswith("def ") and len(sharded.stdout.encode()) >= 4 + 48
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def \nclass \n")
@@ -60,3 +70,66 @@ def test_kv_cache_generation_equals_full_recompute():
         parts = [model(x[:, :10], cache=cache), model(x[:, 10:11], cache=cache),
                  model(x[:, 11:], cache=cache)]
         torch.testing.assert_close(torch.cat(parts, dim=1), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_text_stream_prints_whole_characters():
+    stream = TextStream()
+    pieces = [stream.push(byte) for byte in "héllo €".encode()]
+    # nothing is printed until a character's last byte has arrived, then the whole character
+    assert pieces == ["h", "", "é", "l", "l", "o", " ", "", "", "€"]
+    assert "".join(pieces) + stream.flush() == "héllo €"
+    bad = TextStream()
+    # a byte that starts no character, and a character cut short by the next byte or by the end
+    pieces = [bad.push(byte) for byte in b"a\xff\xe2\x82A\xe2\x82"]
+    assert "".join(pieces) == "a\ufffd\ufffdA" and bad.flush() == "\ufffd"
+
+
+def numeric_flags(command: str) -> list[argparse.Action]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return [a for a in sub.choices[command]._actions if a.type in (int, float)]
+
+
+def outside(allowed: Range, kind: type) -> list[float]:
+    """Values just outside ``allowed``, below and (when bounded) above."""
+    step = 1 if kind is int else 0.5
+    values = [allowed.low if allowed.low_open else allowed.low - step]
+    if allowed.high != math.inf:
+        values.append(allowed.high + step)
+    return values + ([math.nan] if kind is float else [])
+
+
+CASES = [(command, ranges, action, value)
+         for command, ranges in (("generate", GENERATE_RANGES), ("eval", EVAL_RANGES))
+         for action in numeric_flags(command) if action.option_strings[0] in ranges
+         for value in outside(ranges[action.option_strings[0]], action.type)]
+
+
+def test_every_numeric_flag_has_a_range():
+    for command, ranges in (("generate", GENERATE_RANGES), ("eval", EVAL_RANGES)):
+        flags = {a.option_strings[0] for a in numeric_flags(command)}
+        assert flags == set(ranges), f"{command}: declare each numeric flag's range in generation/ranges.py"
+        for action in numeric_flags(command):  # and the defaults are inside them
+            assert action.default in ranges[action.option_strings[0]], action.option_strings[0]
+
+
+@pytest.mark.parametrize(("command", "ranges", "action", "value"), CASES,
+                         ids=[f"{c}{a.option_strings[0]}={v}" for c, _, a, v in CASES])
+def test_out_of_range_flag_is_one_line_before_any_process(command, ranges, action, value, monkeypatch,
+                                                          capsys):
+    def launched(*args, **kwargs):
+        raise AssertionError("a process was launched or a checkpoint loaded before the range check")
+
+    monkeypatch.setattr(shardtrain.cli.launch, "run_under_torchrun", launched)
+    monkeypatch.setattr(shardtrain.generation.inference, "load_for_inference", launched)
+    flag = action.option_strings[0]
+    text = str(action.type(value))
+    prompt = ["--prompt", "def "] if command == "generate" else []
+    assert main([command, "missing-ckpt", *prompt, "--devices", "2", flag, text]) == 2
+    err = capsys.readouterr().err
+    shown = f"{action.type(value):g}" if action.type is float else text
+    assert err == f"shardtrain: error: {flag} {shown} must be {ranges[flag]}\n"
+
+
+def test_range_message_names_flag_and_range(capsys):
+    assert main(["generate", "ckpt", "--prompt", "x", "--top-p", "1.5"]) == 2
+    assert capsys.readouterr().err == "shardtrain: error: --top-p 1.5 must be in (0, 1]\n"

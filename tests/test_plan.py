@@ -7,6 +7,7 @@ import torch
 
 from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import StrategyConfig
+from shardtrain.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -41,3 +42,10 @@ def test_overrides_and_precision():
     every = resolve_plan(StrategyConfig(activation_checkpointing="every_k",
                                         activation_checkpointing_every=2), 1, 1)
     assert [every.checkpointed(i) for i in range(4)] == [True, False, True, False]
+
+
+@pytest.mark.parametrize("key", ["param_dtype", "reduce_dtype"])
+def test_fp16_without_loss_scaling_is_refused(key):
+    with pytest.raises(ConfigError, match=rf"strategy\.{key}=fp16 needs loss scaling.*"
+                                          r"strategy\.mixed_precision=bf16-mixed"):
+        resolve_plan(StrategyConfig(mixed_precision="bf16-mixed", **{key: "fp16"}), 2, 2)

@@ -3,13 +3,14 @@
 Saving (every rank): model and optimizer state as sharded DTensors through ``get_state_dict`` into a
 temporary directory with ``dcp.save`` (or ``dcp.async_save``) on a process group of its own, plus this
 rank's RNG states. When DCP's metadata exists, every rank has written its files; rank 0 then writes
-``trainer_state.json``, renames the directory to its final name, and only after that deletes
-checkpoints beyond ``keep_last``. Nothing else needs a collective, so a save cannot deadlock with
-training collectives.
+``checksums.json`` (every file's sha256) and ``trainer_state.json``, renames the directory to its
+final name, and only after that deletes checkpoints beyond ``keep_last``. Nothing else needs a
+collective, so a save cannot deadlock with training collectives.
 
-Loading (every rank): the directory is verified and compared with the model before DCP reads
-anything, on every rank from the same files, so a bad checkpoint makes every rank raise the same
-error at once instead of hanging in a collective. DCP then reshards to the current mesh.
+Loading (every rank): the directory's structure and checksums are verified and it is compared with
+the model before DCP reads anything, on every rank from the same files, so a bad checkpoint makes every
+rank raise the same error at once instead of hanging in a collective. DCP then reshards to the
+current mesh.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from __future__ import annotations
 import datetime
 import logging
 import random
+import re
 import shutil
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shardtrain import accelerator, faults
-from shardtrain.checkpoint import layout
+from shardtrain.checkpoint import integrity, layout
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.checkpoint.weights import check_model_compatible
 from shardtrain.config.plan import ShardingPlan
@@ -49,7 +51,15 @@ log = logging.getLogger("shardtrain")
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG states as tensors, ints, floats and strings only, so that the file loads
+    with ``torch.load(weights_only=True)``: loading a checkpoint must never run code from it."""
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state = {
+        "python": random.getstate(),  # (version, tuple of ints, None)
+        "numpy": {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "torch": torch.get_rng_state(),
+    }
     device_state = accelerator.rng_state()
     if device_state is not None:
         state["accelerator"] = device_state
@@ -58,9 +68,29 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     accelerator.set_rng_state(state.get("accelerator"))
+
+
+def read_rng_state(file: Path) -> dict[str, Any]:
+    """A rank's RNG file, unpickled with weights_only=True (no code runs), or a CheckpointError."""
+    try:
+        state = torch.load(file, weights_only=True, map_location="cpu")
+        if not (isinstance(state, dict) and {"python", "numpy", "torch"} <= state.keys()):
+            raise ValueError("not a shardtrain RNG state")
+    except Exception as exc:  # unpickling damaged or foreign bytes raises many different types
+        # torch's own message is a page long and suggests weights_only=False: keep only the culprit.
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        why = f"it pickles {refused.group(1)}" if refused else type(exc).__name__
+        raise CheckpointError(
+            f"{file} is unreadable with weights_only=True ({why}); if an older shardtrain wrote it "
+            "(numpy arrays pickled), delete the checkpoint's rng-rank*.pt files to resume without RNG "
+            "states, otherwise use another checkpoint"
+        ) from exc
+    return state
 
 
 @dataclass
@@ -89,11 +119,17 @@ class Checkpointer:
         self.world_size = world_size
         self.root = Path(cfg.run.dir) / "checkpoints"
         self.pending: PendingSave | None = None
+        # Checkpoints whose checksums failed at resume: a save of their step moves them aside, and
+        # keep_last neither counts nor deletes them.
+        self.damaged: set[Path] = set()
         # Checkpoint collectives get their own gloo group: an async save's thread can then never
         # interleave with a training collective on the default group (a known deadlock).
-        self.group = dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=cfg.dist.timeout_s)
-        )
+        # Its timeout is the save's bound, not the step's: a large save may take longer than a step.
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(
+            seconds=max(cfg.dist.timeout_s, cfg.checkpoint.save_timeout_s)))
+        # Finishing an async save (waiting for its files, then on rank 0 hashing them, writing the
+        # trainer state, renaming and pruning) runs here, off the training thread; no collectives.
+        self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtrain-ckpt")
 
     # ---- finding what to resume ----------------------------------------------------------
 
@@ -110,15 +146,35 @@ class Checkpointer:
                 )
             return None
         if choice != "auto":
-            return Path(choice)
+            path = Path(choice).expanduser()
+            layout.verify(path)  # the structure first: cheap, and the precise message
+            self.verify_checksums(path)  # an explicit choice fails rather than falls back
+            return path
         found = layout.scan(self.root)
         for path, why in found.skipped:
             self.info(f"resume: skipping {path}: {why}")
-        if not found.complete:
-            return None
-        step, path = found.complete[-1]
-        self.info(f"resume: newest complete checkpoint is {path} (step {step})")
-        return path
+        # Newest first, hashing only until one passes: not every checkpoint of the run on every start.
+        for step, path in reversed(found.complete):
+            try:
+                self.verify_checksums(path)
+            except CheckpointError as exc:
+                self.info(f"resume: skipping {path}: {exc}")
+                self.damaged.add(path)
+                continue
+            self.info(f"resume: newest complete checkpoint is {path} (step {step})")
+            return path
+        if found.complete:  # starting fresh would bury the run's progress under new checkpoints
+            raise CheckpointError(
+                f"every checkpoint in {self.root} fails its checksums (see the lines above); resume one "
+                "explicitly with checkpoint.verify_checksums=false if you accept the damage, or start "
+                "fresh in a new run.dir"
+            )
+        return None
+
+    def verify_checksums(self, path: Path) -> None:
+        """Every rank hashes the same files and so reaches the same verdict: no rank waits alone."""
+        if self.ckpt.verify_checksums:
+            integrity.verify_files(path, warn=self.rank == 0)
 
     # ---- saving --------------------------------------------------------------------------
 
@@ -133,7 +189,7 @@ class Checkpointer:
         self.wait()  # one save in flight at a time
         final, tmp = layout.step_dir(self.root, step), layout.tmp_dir(self.root, step)
         # Every rank decides from the same files, so all raise together instead of some waiting.
-        if final.exists() and layout.is_complete(final):
+        if final.exists() and final not in self.damaged and layout.is_complete(final):
             raise CheckpointError(f"{final} already exists; refusing to overwrite a checkpoint")
         if self.rank == 0:
             if final.exists():  # damaged (resume skipped it): keep it aside for inspection
@@ -154,8 +210,9 @@ class Checkpointer:
             global_batch=global_batch, scheduler=self.scheduler.state_dict(), world_size=self.world_size,
         )
         if self.ckpt.async_save and not blocking:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
-            self.pending = PendingSave(step, tmp, future, time.perf_counter(), trainer_state)
+            written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+            finished = self.finisher.submit(self.finish_async, written, step, tmp, trainer_state)
+            self.pending = PendingSave(step, tmp, finished, time.perf_counter(), trainer_state)
             blocked = time.perf_counter() - start
             self.info(f"checkpoint step {step}: async save started, training blocked {blocked:.3f}s")
             return blocked
@@ -178,14 +235,19 @@ class Checkpointer:
             return
         if not (tmp / layout.METADATA_FILE).is_file():
             raise CheckpointError(f"save of step {step} produced no DCP metadata in {tmp}")
-        trainer_state.write(tmp)
+        integrity.write_manifest(tmp)
+        trainer_state.write(tmp)  # stays the last file written
         final = layout.step_dir(self.root, step)
         tmp.rename(final)
         layout.fsync_dir(self.root)
         self.prune()
 
+    def finish_async(self, written: Future, step: int, tmp: Path, trainer_state: TrainState) -> None:
+        written.result()
+        self.finalize(step, tmp, trainer_state)
+
     def prune(self) -> None:
-        complete = layout.scan(self.root).complete
+        complete = [c for c in layout.scan(self.root).complete if c[1] not in self.damaged]
         for _, path in complete[: max(0, len(complete) - self.ckpt.keep_last)]:
             # Rename first: a crash while deleting must not leave a half directory named step-N.
             doomed = path.with_name(f".{path.name}.deleting")
@@ -194,17 +256,16 @@ class Checkpointer:
             self.info(f"checkpoint: deleted {path.name} (checkpoint.keep_last={self.ckpt.keep_last})")
 
     def poll(self) -> None:
-        """Non-blocking: rank 0 finalizes a finished async save."""
+        """Non-blocking: report a finished async save (and raise its error, if it failed)."""
         if self.pending is not None and self.pending.future.done():
             self.wait()
 
     def wait(self) -> None:
-        """Block until the in-flight async save (if any) is written, then finalize it."""
+        """Block until the in-flight async save (if any) is written and finalized."""
         pending, self.pending = self.pending, None
         if pending is None:
             return
         pending.future.result()
-        self.finalize(pending.step, pending.tmp, pending.trainer_state)
         self.info(f"checkpoint step {pending.step}: async save complete after "
                   f"{time.perf_counter() - pending.started:.3f}s")
 
@@ -214,6 +275,9 @@ class Checkpointer:
         """Restore model, optimizer, scheduler and RNG from ``path``; return its trainer state."""
         metadata = layout.verify(path)
         trainer_state = TrainState.read(path)
+        rng_file = path / f"rng-rank{self.rank}.pt"
+        same_world = trainer_state.world_size == self.world_size
+        rng = read_rng_state(rng_file) if same_world and rng_file.is_file() else None
         state = self.training_state()
         check_model_compatible(path, metadata, state["model"])
         if not any(k.startswith("optim.") for k in metadata.state_dict_metadata):
@@ -226,12 +290,12 @@ class Checkpointer:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(trainer_state.scheduler)
-        rng_file = path / f"rng-rank{self.rank}.pt"
-        if trainer_state.world_size == self.world_size and rng_file.is_file():
-            set_rng_state(torch.load(rng_file, weights_only=False))
+        if rng is not None:
+            set_rng_state(rng)
         else:
-            self.info("resume: world size changed; RNG states are not restored (the data order is "
-                      "global and does not depend on them)")
+            why = "world size changed" if not same_world else f"no {rng_file.name}"
+            self.info(f"resume: {why}; RNG states are not restored (the data order is global and does "
+                      "not depend on them)")
         return trainer_state
 
     def info(self, message: str) -> None:

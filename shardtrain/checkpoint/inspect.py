@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shardtrain.checkpoint import layout
+from shardtrain.checkpoint import integrity, layout
 from shardtrain.checkpoint.safetensors_files import DTYPES, INDEX_FILE, SINGLE_FILE, indexed_files
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.config.plan import dtype_name
@@ -97,6 +97,8 @@ def inspect_path(target: str | Path) -> Report:
     report.format = FORMAT_NAMES[fmt]
     if layout.TMP_DIR.match(path.name):
         report.problems.append("this is a temporary directory of a save that did not finish")
+    if not check_checksums(path, report):
+        return report
     try:
         metadata = layout.read_dcp_metadata(path)
     except CheckpointError as exc:
@@ -124,6 +126,22 @@ def inspect_path(target: str | Path) -> Report:
         report.details.update(lightning_meta(path, report))
     report.complete = not report.problems
     return report
+
+
+def check_checksums(path: Path, report: Report) -> bool:
+    """Record the checksum verdict; False when .metadata itself is damaged (it is a pickle: not read)."""
+    try:
+        damaged = integrity.damaged_files(path)
+    except CheckpointError as exc:  # the manifest itself is unreadable
+        report.problems.append(str(exc))
+        report.details["checksums"] = "unreadable"
+        return True
+    if damaged is None:
+        report.details["checksums"] = "none recorded (damage inside the files cannot be detected)"
+        return True
+    report.details["checksums"] = f"damaged: {', '.join(damaged)}" if damaged else "all match (sha256)"
+    report.problems += [f"{why}: the file changed after the save" for why in damaged.values()]
+    return layout.METADATA_FILE not in damaged
 
 
 def lightning_meta(path: Path, report: Report) -> dict:

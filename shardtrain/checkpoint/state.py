@@ -93,7 +93,8 @@ class TrainState:
             raw = json.loads(file.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(
-                f"checkpoint {str(directory)!r}: {STATE_FILE} is unreadable ({exc})"
+                f"checkpoint {str(directory)!r}: {STATE_FILE} is unreadable ({exc}); the file is damaged, "
+                "use another checkpoint"
             ) from exc
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__

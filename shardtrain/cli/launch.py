@@ -10,29 +10,61 @@ and exit 0, and must not make torchrun's agent tear the job down as a failure. S
 its own session with those signals ignored and left out of ``--signals-to-handle``, and this
 process forwards them to the agent's worker processes (which torchrun starts in sessions of their
 own, so a process-group signal would not reach them). Finding the workers reads /proc (Linux).
+
+Console: the workers' log lines (``[shardtrain ...]``) are shown as they come; everything else the
+agent and the workers write to stderr (tracebacks, every rank's copy of an error, torchrun's
+``ChildFailedError`` report) goes to a log file under ``run.dir/logs/``, and the caller prints one
+line naming the rank that failed first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
 
 from shardtrain.config.plan import check_world, launch_shape
 from shardtrain.config.schema import Config
 from shardtrain.distributed.env import under_torchrun
 from shardtrain.errors import ConfigError
+from shardtrain.logs import LOG_PREFIX
 
 AGENT_SIGNALS = ("SIGINT", "SIGHUP", "SIGQUIT")
 
 
-def torchrun_argv(nproc: int, command: list[str], preemption_signals: Sequence[str]) -> list[str]:
+def torchrun_argv(nproc: int, command: list[str], preemption_signals: Sequence[str],
+                  max_restarts: int = 0) -> list[str]:
     handled = [s for s in AGENT_SIGNALS if s not in preemption_signals]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", f"--signals-to-handle={','.join(handled)}",
-            "-m", "shardtrain", *command]
+            f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+            f"--signals-to-handle={','.join(handled)}", "-m", "shardtrain", *command]
+
+
+def agent_env(max_restarts: int) -> dict[str, str]:
+    env = dict(os.environ)
+    if max_restarts:
+        # The agent's shared store survives restarts and hands a restarted attempt the dead
+        # attempt's keys (pytorch/pytorch#135712); without sharing, each attempt has its own store.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
+
+
+def split_stderr(stream: IO[str], log: IO[str]) -> None:
+    """Workers' log lines to the console, every line to the log file."""
+    for line in stream:
+        log.write(line)
+        log.flush()
+        if line.startswith(LOG_PREFIX):
+            sys.stderr.write(line)
+            sys.stderr.flush()
 
 
 def descendants(root: int) -> list[int]:
@@ -55,7 +87,9 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Sequence[str]) -> int:
+def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Sequence[str],
+                       max_restarts: int = 0, log_file: Path | None = None) -> int:
+    """torchrun's exit status. With ``log_file``, only log lines reach the console (see above)."""
     signals = [getattr(signal, name) for name in preemption_signals]
 
     def ignore_preemption_signals() -> None:  # runs in the child before exec
@@ -64,23 +98,65 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
 
     sys.stdout.flush()
     sys.stderr.flush()
-    agent = subprocess.Popen(torchrun_argv(nproc, command, preemption_signals),
-                             preexec_fn=ignore_preemption_signals, start_new_session=True)
+    with contextlib.ExitStack() as stack:
+        log = stack.enter_context(open(log_file, "a")) if log_file is not None else None
+        agent = subprocess.Popen(torchrun_argv(nproc, command, preemption_signals, max_restarts),
+                                 env=agent_env(max_restarts), preexec_fn=ignore_preemption_signals,
+                                 start_new_session=True, text=True, errors="replace",
+                                 stderr=subprocess.PIPE if log is not None else None)
+        reader = None
+        if log is not None:
+            reader = threading.Thread(target=split_stderr, args=(agent.stderr, log), daemon=True)
+            reader.start()
 
-    def forward(signum, frame) -> None:
-        targets = descendants(agent.pid) if signum != signal.SIGINT else [agent.pid]
-        for pid in targets:
+        def forward(signum, frame) -> None:
+            targets = descendants(agent.pid) if signum != signal.SIGINT else [agent.pid]
+            for pid in targets:
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+
+        for sig in {*signals, signal.SIGINT}:
+            signal.signal(sig, forward)
+        status = agent.wait()
+        if reader is not None:
+            reader.join()
+    return status
+
+
+# One worker in torchrun's final ChildFailedError report: "rank : 1 (local_rank: 1)" then
+# "exitcode : -9 (pid: 123)  (SIGKILL)".
+REPORTED_WORKER = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:[^)]*\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def killed_workers(log_file: Path) -> list[tuple[int, str]]:
+    """(rank, signal name) of workers torchrun reports as killed by a signal in its final report.
+
+    Such a worker left no Python error; the errors its peers recorded ("connection reset") are
+    fallout. Parsing torchrun's human-readable report is best effort: nothing found, nothing said.
+    """
+    try:
+        text = log_file.read_text(errors="replace")
+    except OSError:
+        return []
+    report = text[text.rfind("ChildFailedError"):] if "ChildFailedError" in text else ""
+    killed = []
+    for rank, code in REPORTED_WORKER.findall(report):
+        if int(code) < 0:
             try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
-
-    for sig in {*signals, signal.SIGINT}:
-        signal.signal(sig, forward)
-    return agent.wait()
+                name = signal.Signals(-int(code)).name
+            except ValueError:
+                name = f"signal {-int(code)}"
+            killed.append((int(rank), name))
+    return killed
 
 
-def relaunch_if_needed(cfg: Config, command: list[str]) -> int | None:
+def launch_log_path(run_dir: Path, started: float) -> Path:
+    return run_dir / "logs" / f"launch-{time.strftime('%Y%m%d-%H%M%S', time.localtime(started))}.log"
+
+
+def relaunch_if_needed(cfg: Config, command: list[str], log_file: Path) -> int | None:
     """Exit status of a torchrun run started here, or None when this process should train."""
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
@@ -94,5 +170,10 @@ def relaunch_if_needed(cfg: Config, command: list[str]) -> int | None:
             "--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id RUN -m shardtrain train ..."
         )
     if per_node > 1:
-        return run_under_torchrun(per_node, command, list(cfg.checkpoint.preemption_signals))
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        return run_under_torchrun(per_node, command, list(cfg.checkpoint.preemption_signals),
+                                  cfg.trainer.max_restarts, log_file)
+    if cfg.trainer.max_restarts:
+        raise ConfigError(f"trainer.max_restarts={cfg.trainer.max_restarts} needs the built-in launcher "
+                          "(trainer.devices=N with N > 1) or torchrun --max-restarts")
     return None

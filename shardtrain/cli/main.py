@@ -16,20 +16,32 @@ from shardtrain.logs import setup_logging
 
 
 def cmd_train(overrides: list[str]) -> int:
-    from shardtrain.cli.launch import relaunch_if_needed
+    from shardtrain.cli.launch import killed_workers, launch_log_path, relaunch_if_needed
+    from shardtrain.cli.preflight import check_training
     from shardtrain.config.loader import load_config, to_yaml
     from shardtrain.diagnostics.failures import describe, first_failure, record_failure
-    from shardtrain.distributed.env import destroy_distributed
+    from shardtrain.distributed.env import destroy_distributed, under_torchrun
     from shardtrain.train.loop import Trainer
 
     cfg = load_config(overrides)  # every config error surfaces here, before any process starts
+    if not under_torchrun():
+        check_training(cfg)  # paths: run.dir, an explicit resume, model.init_from
     started = time.time()
-    status = relaunch_if_needed(cfg, ["train", *overrides])
+    log_file = launch_log_path(Path(cfg.run.dir), started)
+    status = relaunch_if_needed(cfg, ["train", *overrides], log_file)
     if status is not None:
         if status != 0:
             failure = first_failure(Path(cfg.run.dir), started)
-            if failure is not None:
-                print(f"shardtrain: error: {describe(failure)}", file=sys.stderr)
+            killed = killed_workers(log_file)
+            if killed:
+                rank, name = killed[0]
+                reason = (f"rank {rank} was killed by {name} without a Python error (killed from "
+                          "outside, or by the out-of-memory killer); its peers' errors are fallout")
+            elif failure is not None:
+                reason = describe(failure)
+            else:
+                reason = f"the training processes exited with status {status} without an error record"
+            print(f"shardtrain: error: {reason}; full log: {log_file}", file=sys.stderr)
         return status
     rank = int(os.environ.get("RANK", 0))
     if rank == 0:
@@ -80,42 +92,46 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
+    from shardtrain.generation.ranges import GENERATE_RANGES, check_ranges
+
+    check_ranges(args, GENERATE_RANGES)  # argument errors surface here, before any process starts
+    prompts = read_prompts(args)
     status = on_devices(args.devices, argv)
     if status is not None:
         return status
     from shardtrain.distributed.env import destroy_distributed
     from shardtrain.generation.generate import gathered_copy, generate
     from shardtrain.generation.inference import load_for_inference
+    from shardtrain.generation.text import TextStream
 
-    prompts = read_prompts(args)
     try:
         loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype)
         plain = gathered_copy(loaded.model, loaded.factory, loaded.env.device, loaded.compute_dtype)
         main_rank = loaded.env.is_main
-        out = sys.stdout.buffer
+
+        def show(text: str) -> None:
+            if main_rank and text:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+
         for index, prompt in enumerate(prompts):
-            if main_rank:
-                out.write(prompt.encode())
-                out.flush()
-
-            def stream(token: int) -> None:
-                if main_rank:
-                    out.write(bytes([token]))
-                    out.flush()
-
+            show(prompt)
+            stream = TextStream()  # byte tokens -> whole characters
             generate(plain, list(prompt.encode()), args.max_new_tokens, temperature=args.temperature,
                      top_k=args.top_k, top_p=args.top_p, seed=args.seed + index,
-                     use_cache=not args.no_cache, vocab_limit=256, on_token=stream,
+                     use_cache=not args.no_cache, vocab_limit=256,
+                     on_token=lambda token, stream=stream: show(stream.push(token)),
                      device=loaded.env.device)
-            if main_rank:
-                out.write(b"\n")
-                out.flush()
+            show(stream.flush() + "\n")
     finally:
         destroy_distributed()
     return 0
 
 
 def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
+    from shardtrain.generation.ranges import EVAL_RANGES, check_ranges
+
+    check_ranges(args, EVAL_RANGES)  # argument errors surface here, before any process starts
     status = on_devices(args.devices, argv)
     if status is not None:
         return status
@@ -154,8 +170,10 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
+    from shardtrain.cli.preflight import check_output
     from shardtrain.export.hf import export_hf
 
+    check_output(Path(args.out), Path(args.checkpoint), "export-hf output")
     for file in export_hf(args.checkpoint, args.out, args.max_shard_size, args.dtype):
         print(file)
     return 0
@@ -176,9 +194,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
+    from shardtrain.cli.preflight import check_output
     from shardtrain.export.consolidate import consolidate
 
-    files = consolidate(args.checkpoint, args.out, args.max_shard_size, args.dtype, args.key)
+    check_output(Path(args.out), Path(args.checkpoint), "consolidate output")
+    files = consolidate(args.checkpoint, args.out, args.max_shard_size, args.dtype, args.key,
+                        verify=not args.skip_checksums)
     for file in files:
         print(file)
     return 0
@@ -219,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     cons.add_argument("--max-shard-size", default=None, help="e.g. 5GB, 500MB (default: one file)")
     cons.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
                       help="cast weights (default: as saved)")
+    cons.add_argument("--skip-checksums", action="store_true",
+                      help="do not verify the checkpoint's recorded file checksums first")
     cons.add_argument("--key", default=None,
                       help="top-level key holding the weights (default: state_dict. for Lightning, "
                       "else model.)")

@@ -144,6 +144,11 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int) ->
     for key, value in (("param_dtype", param), ("reduce_dtype", reduce)):
         if value not in DTYPES:
             raise ConfigError(f"strategy.{key}={value!r} must be one of {', '.join(DTYPES)}")
+        if value == "fp16":  # fp16 stays in DTYPES for casting exported weights, not for training
+            raise ConfigError(
+                f"strategy.{key}=fp16 needs loss scaling (fp16 gradients underflow to zero silently), "
+                "which shardtrain does not implement; use bf16 (strategy.mixed_precision=bf16-mixed)"
+            )
 
     ac = cfg.activation_checkpointing.lower()
     if ac not in AC_MODES:

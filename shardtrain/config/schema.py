@@ -57,7 +57,7 @@ class StrategyConfig:
     shard_group_size: int = knob(0, at_least=0)
     # fp32 | bf16-mixed | bf16-pure
     mixed_precision: str = "fp32"
-    # Explicit overrides of the preset's dtypes (null = from the preset): fp32 | bf16 | fp16
+    # Explicit overrides of the preset's dtypes (null = from the preset): fp32 | bf16 (fp16: no loss scaling)
     param_dtype: str | None = None
     reduce_dtype: str | None = None
     cpu_offload: bool = False
@@ -125,7 +125,8 @@ class DistConfig:
     startup_timeout_s: int = knob(600, at_least=1)
     # TORCH_DISTRIBUTED_DEBUG: OFF | INFO | DETAIL
     debug: str = knob("OFF", one_of=("OFF", "INFO", "DETAIL"))
-    # NCCL's collective flight recorder (dumped on timeout); ignored on gloo.
+    # The collective flight recorder (NCCL's, or torch's own on gloo), dumped to
+    # run.dir/flight_recorder/ when the watchdog stops a hung run.
     flight_recorder: bool = False
 
 

@@ -3,10 +3,12 @@
 The training thread calls ``beat(phase)`` when a step (or an evaluation, or a save) starts and
 ``done(seconds)`` when a step ends. If the current phase runs longer than ``stall_factor`` times the
 median of recent steps (and at least ``stall_min_s``), every thread's Python stack is written to
-``run.dir/stalls/`` once for that phase. If it runs longer than the timeout (``startup_timeout_s``
-until the first step has finished, ``timeout_s`` after), the stacks go to ``run.dir/hangs/``, a
-failure record is written, and the process exits with status 124, so a hung collective cannot keep
-a job alive forever whatever the backend's own timeout is.
+``run.dir/stalls/`` once for that phase. If it runs longer than the timeout (the phase's own, given
+to ``beat``, e.g. ``checkpoint.save_timeout_s`` for saves; else ``startup_timeout_s`` until the first
+step has finished, ``timeout_s`` after), the stacks go to ``run.dir/hangs/``, the collective flight
+recorder (when enabled) to ``run.dir/flight_recorder/``, a failure record is written, and the
+process exits with status 124, so a hung collective cannot keep a job alive forever whatever the
+backend's own timeout is.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
 
 from shardtrain.diagnostics.failures import record_failure
 
@@ -34,9 +39,44 @@ def dump_stacks(path: Path, header: str) -> None:
         faulthandler.dump_traceback(file=f, all_threads=True)
 
 
+def flight_recorder_trace() -> bytes:
+    """This process's collective flight recorder, pickled as torch's own dumps are.
+
+    Private torch APIs, and the watchdog's one backend branch: NCCL keeps its own recorder
+    (``_dump_nccl_trace``, CUDA builds only, never run here); gloo records into the CPU one
+    (``_dump_fr_trace``). Both fill only while ``TORCH_FR_BUFFER_SIZE`` (or
+    ``TORCH_NCCL_TRACE_BUFFER_SIZE``) is above 0.
+    """
+    c10d = torch._C._distributed_c10d
+    # "nccl", or "cpu:gloo,cuda:nccl" when CPU offload adds a CPU backend: NCCL runs the training.
+    if dist.is_initialized() and "nccl" in dist.get_backend():
+        return c10d._dump_nccl_trace()
+    return c10d._dump_fr_trace()
+
+
+def dump_flight_recorder(prefix: str, rank: int, wait_s: float = 30.0) -> Path | None:
+    """Write the flight recorder to ``<prefix><rank>`` (the name NCCL's own dump on timeout uses).
+
+    In a thread, waited for at most ``wait_s``: on a hung backend the dump itself might block, and
+    nothing may keep the watchdog from stopping the process. None if it failed or did not finish.
+    """
+    path = Path(f"{prefix}{rank}")
+    written = threading.Event()
+
+    def write() -> None:
+        data = flight_recorder_trace()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        written.set()
+
+    threading.Thread(target=write, name="shardtrain-flight-recorder", daemon=True).start()
+    return path if written.wait(wait_s) else None
+
+
 class Watchdog:
     def __init__(self, run_dir: Path, rank: int, timeout_s: float, startup_timeout_s: float,
-                 stall_factor: float, stall_min_s: float, poll_s: float = 0.25) -> None:
+                 stall_factor: float, stall_min_s: float, poll_s: float = 0.25,
+                 flight_recorder: bool = False) -> None:
         self.run_dir = run_dir
         self.rank = rank
         self.timeout_s = timeout_s
@@ -44,9 +84,11 @@ class Watchdog:
         self.stall_factor = stall_factor
         self.stall_min_s = stall_min_s
         self.poll_s = poll_s
+        self.flight_recorder = flight_recorder
         self.recent: deque[float] = deque(maxlen=20)
         self.phase = "start-up"
         self.step = 0
+        self.phase_limit: tuple[float, str] | None = None  # (seconds, config key) from beat
         self.started = time.monotonic()
         self.stall_dumped = False
         self._stop = threading.Event()
@@ -60,9 +102,14 @@ class Watchdog:
     def stop(self) -> None:
         self._stop.set()
 
-    def beat(self, phase: str, step: int) -> None:
+    def beat(self, phase: str, step: int, timeout_s: float | None = None,
+             key: str = "the phase's own limit") -> None:
+        """``phase`` of ``step`` starts now. ``timeout_s`` (the config ``key`` that set it, for the
+        message) bounds this phase instead of the step bound; the next beat without it returns to
+        the step bound."""
         with self._lock:
             self.phase, self.step = phase, step
+            self.phase_limit = None if timeout_s is None else (timeout_s, key)
             self.started = time.monotonic()
             self.stall_dumped = False
 
@@ -70,28 +117,28 @@ class Watchdog:
         with self._lock:
             self.recent.append(seconds)
 
-    def limits(self) -> tuple[float, float]:
-        timeout = self.timeout_s if self.recent else self.startup_timeout_s
+    def limits(self) -> tuple[float, float, str]:
+        """(stall, timeout, the config key of the timeout) for the current phase."""
+        if self.phase_limit is not None:
+            timeout, key = self.phase_limit
+        elif self.recent:
+            timeout, key = self.timeout_s, "dist.timeout_s"
+        else:
+            timeout, key = self.startup_timeout_s, "dist.startup_timeout_s"
         stall = max(self.stall_min_s, self.stall_factor * statistics.median(self.recent)) \
             if self.recent else timeout
-        return stall, timeout
+        return stall, timeout, key
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             with self._lock:
                 elapsed = time.monotonic() - self.started
                 phase, step, dumped = self.phase, self.step, self.stall_dumped
-                stall, timeout = self.limits()
+                stall, timeout, key = self.limits()
             where = f"{phase} of step {step}"
             if elapsed > timeout:
-                message = (f"rank {self.rank}: {where} has run {elapsed:.0f}s, over the "
-                           f"{timeout:.0f}s limit (dist.timeout_s / dist.startup_timeout_s); stopping")
-                path = self.run_dir / "hangs" / f"rank-{self.rank}.txt"
-                dump_stacks(path, message)
-                record_failure(self.run_dir, self.rank, step, "Timeout", f"{message}; stacks in {path}")
-                log.error("%s; stacks in %s", message, path)
-                logging.shutdown()
-                os._exit(HANG_EXIT_STATUS)
+                self.stop_hung(step, f"rank {self.rank}: {where} has run {elapsed:.0f}s, over the "
+                                     f"{timeout:g}s limit ({key}); stopping")
             if elapsed > stall and not dumped:
                 path = self.run_dir / "stalls" / f"rank-{self.rank}-step-{step}.txt"
                 median = statistics.median(self.recent) if self.recent else 0.0
@@ -101,3 +148,23 @@ class Watchdog:
                             self.rank, where, elapsed, median, path)
                 with self._lock:
                     self.stall_dumped = True
+
+    def stop_hung(self, step: int, message: str) -> None:
+        """Leave the evidence (stacks, flight recorder, failure record) and exit with status 124."""
+        path = self.run_dir / "hangs" / f"rank-{self.rank}.txt"
+        dump_stacks(path, message)
+        # We stop before the process group's own (longer) timeout, and so before NCCL's own dump.
+        evidence = f"stacks in {path}{self.dump_flight_recorder()}"
+        record_failure(self.run_dir, self.rank, step, "Timeout", f"{message}; {evidence}")
+        log.error("%s; %s", message, evidence)
+        logging.shutdown()
+        os._exit(HANG_EXIT_STATUS)
+
+    def dump_flight_recorder(self) -> str:
+        """With ``dist.flight_recorder``, dump it where NCCL's own dump would go; say where, for the
+        failure message (empty when off)."""
+        if not self.flight_recorder:
+            return ""
+        prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or str(self.run_dir / "flight_recorder" / "rank_")
+        path = dump_flight_recorder(prefix, self.rank)
+        return f", flight recorder in {path}" if path else ", flight recorder dump failed"

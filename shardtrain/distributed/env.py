@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardtrain.accelerator import claim_device, default_backend
+from shardtrain.accelerator import claim_device, process_group_backend
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import DistConfig
 
@@ -40,7 +40,7 @@ def under_torchrun() -> bool:
     )
 
 
-def init_distributed(backend: str = "auto", timeout_s: int = 300) -> DistEnv:
+def init_distributed(backend: str = "auto", timeout_s: int = 300, cpu_offload: bool = False) -> DistEnv:
     """Join (or create, for a lone process) the default process group.
 
     Under torchrun the rendezvous comes from the environment. A lone process gets a world of one on
@@ -48,12 +48,11 @@ def init_distributed(backend: str = "auto", timeout_s: int = 300) -> DistEnv:
     """
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = claim_device(local_rank)
-    if backend == "auto":
-        backend = default_backend(device)
+    backend = process_group_backend(device, backend, cpu_offload)
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if under_torchrun():
-            dist.init_process_group(backend=backend, timeout=timeout)
+            dist.init_process_group(backend=backend, timeout=timeout, **restart_safe_store(timeout))
         else:
             dist.init_process_group(
                 backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
@@ -68,12 +67,34 @@ def init_distributed(backend: str = "auto", timeout_s: int = 300) -> DistEnv:
     )
 
 
+def restart_safe_store(timeout: datetime.timedelta) -> dict:
+    """Store arguments for ``init_process_group`` that survive torchrun restarts.
+
+    torchrun's workers share the rendezvous agent's TCPStore by default, and that store outlives a
+    restart: a restarted attempt then reads the dead attempt's keys (gloo peer addresses) and fails
+    with "connectFullMesh ... Connection refused" or hangs (pytorch/pytorch#135712, #167288). Keys of
+    each attempt get their own prefix, so no attempt sees another's. Without restarts, or when the
+    agent does not share its store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which the built-in launcher
+    sets), torch's own env:// set-up is used unchanged.
+    """
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if not shared or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) == 0:
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"shardtrain/attempt-{attempt}", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+
+
 def apply_debug_switches(dist_cfg: DistConfig, run_dir: Path) -> None:
     """Pass ``dist.debug`` and ``dist.flight_recorder`` to torch (before the process group exists)."""
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = str(dist_cfg.debug).upper()
     if dist_cfg.flight_recorder:
-        # NCCL's collective flight recorder: keep the last collectives, dump them on a timeout.
-        # Gloo has no flight recorder; these variables are then simply unused.
+        # The collective flight recorder keeps the last collectives; the watchdog dumps it when it
+        # stops a hung run. TORCH_FR_BUFFER_SIZE is the backend-neutral switch (gloo in 2.13),
+        # the NCCL names are what NCCL's own dump-on-timeout reads.
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         (run_dir / "flight_recorder").mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,8 @@ Reads shardtrain checkpoints, Lightning's sharded FSDP checkpoints (``meta.pt`` 
 ``*.distcp``; the Trainer keeps weights under ``state_dict.``, Fabric under the user's key such as
 ``model.``) and plain DCP directories. Only the tensors of the current output shard are ever in
 memory, so peak memory is about the largest output shard, not the model. No process group needed.
+The checksums a shardtrain checkpoint records are verified first (``verify=False``, the CLI's
+``--skip-checksums``, skips that), so damage is named instead of surfacing as a torch error.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from shardtrain.checkpoint import layout
+from shardtrain.checkpoint import integrity, layout
 from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY, save_shard, shard_name, write_index
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.config.plan import DTYPES
@@ -98,14 +100,16 @@ def load_tensors(path: Path, entries) -> dict[str, torch.Tensor]:
 
 
 def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | None = None,
-                dtype: str | None = None, key: str | None = None) -> list[Path]:
+                dtype: str | None = None, key: str | None = None, verify: bool = True) -> list[Path]:
     """Write model-only safetensors; returns the files written."""
     path, out = Path(checkpoint), Path(out)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} must be one of {', '.join(DTYPES)}")
     cast = DTYPES.get(dtype) if dtype else None
     limit = parse_size(max_shard_size, "--max-shard-size") if max_shard_size else None
-    plan = plan_shards(path, limit, cast, key)
+    plan = plan_shards(path, limit, cast, key)  # the structure first: cheap, and the precise message
+    if verify:
+        integrity.verify_files(path)  # then every byte
     single = out.suffix == ".safetensors"
     if single and len(plan.shards) > 1:
         raise CheckpointError(f"{out} names one file but --max-shard-size makes {len(plan.shards)} "

@@ -104,7 +104,7 @@ class Trainer:
         # Started by fit(); beats are harmless without the thread (benchmarks drive steps directly).
         self.watchdog = Watchdog(Path(cfg.run.dir), env.rank, cfg.dist.timeout_s,
                                  cfg.dist.startup_timeout_s, cfg.diagnostics.stall_factor,
-                                 cfg.diagnostics.stall_min_s)
+                                 cfg.diagnostics.stall_min_s, flight_recorder=cfg.dist.flight_recorder)
         check_uniform_batches({"micro-batches per step": len(self.layout.rank_slices(
             np.zeros(self.layout.global_batch, dtype=np.int64), env.rank)),
             "validation batches": len(self.val_batches)}, env.device)
@@ -117,7 +117,8 @@ class Trainer:
         apply_debug_switches(cfg.dist, Path(cfg.run.dir))
         # The process group's own timeout is the start-up bound; the per-step bound after the first
         # step is enforced by the watchdog (see diagnostics/watchdog.py).
-        env = init_distributed(cfg.dist.backend, max(cfg.dist.timeout_s, cfg.dist.startup_timeout_s))
+        env = init_distributed(cfg.dist.backend, max(cfg.dist.timeout_s, cfg.dist.startup_timeout_s),
+                               cpu_offload=cfg.strategy.cpu_offload)
         check_world(cfg, env.world_size, env.local_world_size)
         if env.device.type == "cpu":
             set_cpu_threads(env, cfg.trainer.threads_per_process)
@@ -155,7 +156,15 @@ class Trainer:
             load_model_weights(self.model, self.cfg.model.init_from, self.cfg.model)
             self.info(f"initialised weights from {self.cfg.model.init_from}")
 
-    def save_checkpoint(self, blocking: bool = False) -> None:
+    def beat_save(self, phase: str) -> None:
+        """Saves get their own bound: a large synchronous save may take far longer than a step, and
+        one stopped half-way is lost. The next step's beat returns to the step bound."""
+        self.watchdog.beat(phase, self.step, self.cfg.checkpoint.save_timeout_s,
+                           "checkpoint.save_timeout_s")
+
+    def save_checkpoint(self, blocking: bool = False, phase: str = "checkpoint save") -> None:
+        """Every save goes through here (periodic, final, preemption), under ``beat_save``."""
+        self.beat_save(phase)
         blocked = self.checkpointer.save(
             self.step, tokens_seen=self.result.tokens_seen,
             consumed_samples=self.train_data.consumed_samples, global_batch=self.layout.global_batch,
@@ -224,9 +233,17 @@ class Trainer:
                 pass
             if self.checkpointer is not None and not self.result.preempted:
                 if self.last_saved_step != self.step:
-                    self.watchdog.beat("final checkpoint", self.step)
-                    self.save_checkpoint(blocking=True)
+                    self.save_checkpoint(blocking=True, phase="final checkpoint")
+                self.beat_save("waiting for the last async save")
                 self.checkpointer.wait()
+        except Exception:
+            # On gloo a peer stopped by its watchdog ends this rank's collectives at once, before this
+            # rank's own watchdog fires: dump this rank's flight recorder too, so the dumps can be
+            # compared rank by rank.
+            dumped = self.watchdog.dump_flight_recorder()
+            if dumped:
+                log.error("rank %d: training failed%s", self.env.rank, dumped)
+            raise
         finally:
             self.watchdog.stop()
             self.console.close()
@@ -243,11 +260,10 @@ class Trainer:
         if self.preemption is not None and self.preemption.agreed():
             self.info(f"preemption ({self.preemption.signal_name or 'signal on another rank'}): "
                       f"saving at step {self.step} and stopping")
-            self.save_checkpoint(blocking=True)
+            self.save_checkpoint(blocking=True, phase="preemption save")
             self.result.preempted = True
             return False
         if due(self.step, self.cfg.checkpoint.interval) and self.step < self.cfg.trainer.max_steps:
-            self.watchdog.beat("checkpoint save", self.step)
             self.save_checkpoint()
         return True
 

@@ -1,0 +1,91 @@
+"""What the launching process checks before any worker starts: every path a command will read or
+write. A problem found here is one line and exit status 2, instead of every rank's traceback."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from shardtrain.checkpoint import integrity, layout
+from shardtrain.checkpoint.safetensors_files import file_metadata, weight_files
+from shardtrain.checkpoint.weights import HF_PREFIX, read_hf_config
+from shardtrain.config.schema import Config
+from shardtrain.errors import CheckpointError, ConfigError
+
+
+def check_writable(path: Path, what: str) -> None:
+    """``path`` can be created or written: its nearest existing ancestor is a writable directory."""
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {str(path)!r} cannot be written ({str(existing)!r} is not a "
+                          "writable directory); choose another path")
+
+
+def check_run_dir(run_dir: Path) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run.dir={str(run_dir)!r} is a file; run.dir must be a directory")
+    check_writable(run_dir, "run.dir")
+
+
+def check_resume(cfg: Config) -> None:
+    choice = cfg.checkpoint.resume
+    if not cfg.checkpoint.enabled or choice == "auto":
+        return
+    if choice == "none":
+        found = layout.scan(Path(cfg.run.dir) / "checkpoints")
+        if found.complete:
+            raise CheckpointError(
+                f"{cfg.run.dir}/checkpoints already holds checkpoints ({found.complete[-1][1].name} is "
+                "the newest) and checkpoint.resume=none would overwrite them; resume "
+                "(checkpoint.resume=auto) or choose a new run.dir"
+            )
+        return
+    path = Path(choice).expanduser()
+    layout.verify(path)
+    if cfg.checkpoint.verify_checksums:
+        integrity.verify_files(path)
+
+
+def check_init_from(source: str | None) -> None:
+    if not source:
+        return
+    if source.startswith(HF_PREFIX):
+        directory = Path(source[len(HF_PREFIX):]).expanduser()
+        if not directory.is_dir():
+            raise CheckpointError(f"model.init_from={source!r}: {str(directory)!r} is not a directory")
+        read_hf_config(directory)
+        weight_files(directory)
+        return
+    path = Path(source).expanduser()
+    if path.suffix == ".safetensors":
+        if not path.is_file():
+            raise CheckpointError(f"model.init_from={source!r} does not exist")
+        try:
+            file_metadata(path)
+        except Exception as exc:  # safetensors raises several types for a bad header
+            raise CheckpointError(f"model.init_from={source!r} is not a readable safetensors file "
+                                  f"({str(exc).splitlines()[0]})") from exc
+        return
+    layout.verify(path, need_state=False)
+
+
+def check_training(cfg: Config) -> None:
+    check_run_dir(Path(cfg.run.dir))
+    check_resume(cfg)
+    check_init_from(cfg.model.init_from)
+
+
+def check_output(out: Path, source: Path, what: str) -> None:
+    """An output path of ``consolidate`` or ``export-hf``: writable, and never inside the source."""
+    out, source = out.expanduser().resolve(), source.expanduser().resolve()
+    if out == source or (source.is_dir() and source in out.parents):
+        raise ConfigError(f"{what} {str(out)!r} is inside the checkpoint it reads; write elsewhere "
+                          "(a checkpoint is never modified)")
+    single_file = out.suffix == ".safetensors"
+    if single_file and out.is_dir():
+        raise ConfigError(f"{what} {str(out)!r} is a directory; name a .safetensors file or drop the suffix")
+    if not single_file and out.exists() and not out.is_dir():
+        raise ConfigError(f"{what} {str(out)!r} is a file; pass a directory (or a .safetensors file name)")
+    check_writable(out, what)

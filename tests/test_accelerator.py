@@ -1,0 +1,38 @@
+"""The accelerator module's choices, and the closest CPU test of the CPU-offload gather on NCCL."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerator_workers import offload_on_device_mapped_group
+from distributed import run_on_ranks
+from safetensors.torch import load_file
+
+from shardtrain.accelerator import process_group_backend
+
+
+@pytest.mark.parametrize(
+    ("device", "requested", "offload", "expected"),
+    [
+        ("cpu", "auto", False, "gloo"),
+        ("cpu", "auto", True, "gloo"),
+        ("cuda", "auto", False, "nccl"),
+        # Offloaded shards live on the CPU: gathering them needs a CPU backend beside NCCL.
+        ("cuda", "auto", True, "cpu:gloo,cuda:nccl"),
+        ("cuda", "nccl", True, "cpu:gloo,cuda:nccl"),
+        ("cuda", "gloo", True, "gloo"),
+    ],
+)
+def test_process_group_backend(device, requested, offload, expected):
+    assert process_group_backend(torch.device(device, 0 if device != "cpu" else None), requested,
+                                 offload) == expected
+
+
+def test_cpu_offload_gathers_through_a_device_mapped_group(tmp_path):
+    run_on_ranks(offload_on_device_mapped_group, 2, str(tmp_path), tmp_path=tmp_path)
+    result = torch.load(tmp_path / "offload.pt")
+    assert result["sample"] and len(result["losses"]) == 5
+    full = load_file(str(next((tmp_path / "run" / "checkpoints").glob("step-*")) / "model.safetensors"))
+    assert full.keys() == result["weights"].keys()
+    for name, tensor in full.items():
+        assert tensor.float().equal(result["weights"][name]), name
