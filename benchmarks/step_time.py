@@ -21,7 +21,7 @@ from torch.distributed.fsdp import fully_shard
 
 from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.config.loader import load_config
-from shardtrain.distributed.sharded_model import shard_like, stable_seed
+from shardtrain.distributed.sharded_model import init_full_parameter, shard_like
 from shardtrain.models.llama import Llama, TransformerBlock
 from shardtrain.train.loop import Trainer
 from shardtrain.train.optim import build_optimizer, build_scheduler
@@ -41,8 +41,7 @@ def handwritten(cfg, trainer: Trainer):
     with torch.no_grad():
         for name, p in model.named_parameters():
             full = torch.empty(p.shape)
-            generator = torch.Generator().manual_seed(stable_seed(cfg.trainer.seed, name))
-            model.init_parameter(name, full, generator)
+            init_full_parameter(model, name, full, cfg.trainer.seed)
             p.copy_(shard_like(full, p))
         model.init_buffers()
     optimizer = build_optimizer(model, cfg.trainer)

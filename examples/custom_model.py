@@ -58,6 +58,10 @@ class TinyGPT(nn.Module):
             h = block(h)
         return self.head(self.ln(h))
 
+    # Each element is drawn on its own (the shape is never used): shardtrain may then initialise
+    # just each rank's shard, in fixed-size chunks, instead of every full tensor on every rank.
+    init_parameter_elementwise = True
+
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         if name.endswith("bias"):
             tensor.zero_()

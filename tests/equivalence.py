@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from shardtrain.config.schema import Config, DataConfig
 from shardtrain.data.batches import GlobalOrder, TokenWindows
 from shardtrain.data.corpus import Corpus, load_corpus
-from shardtrain.distributed.sharded_model import stable_seed
+from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.models.llama import Llama
 from shardtrain.train.optim import build_optimizer, build_scheduler
 
@@ -76,7 +76,7 @@ def reference_run(tied: bool = False) -> dict:
     model = Llama(cfg.model)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            model.init_parameter(name, p, torch.Generator().manual_seed(stable_seed(cfg.trainer.seed, name)))
+            init_full_parameter(model, name, p, cfg.trainer.seed)
     optimizer = build_optimizer(model, cfg.trainer)
     scheduler = build_scheduler(optimizer, cfg.trainer)
     windows = TokenWindows(corpus.train, cfg.trainer.seq_len)

@@ -1,9 +1,16 @@
 """A sharded, initialised model from a factory, in the one order that is correct.
 
 Build on meta -> checkpoint blocks -> ``fully_shard`` every unit bottom-up, then the root ->
-``to_empty`` on the real device -> initialise each parameter from a full-size tensor drawn with a
-per-parameter generator, so every world size and strategy starts from identical weights. Training,
-generation and evaluation all build their model here.
+``to_empty`` on the real device -> initialise every parameter so that every world size and strategy
+starts from identical weights. Training, generation and evaluation all build their model here.
+
+Initialisation draws a parameter as fixed-size chunks of its flattened elements, each chunk from its
+own generator seeded by (seed, parameter name, chunk index). The values depend on the seed and the
+chunk size only, never on the world size, and a rank draws just the chunks its shard overlaps: its
+memory and time scale with its shard, not the model (a 70B model no longer needs every full weight on
+every rank). This needs an initialiser that fills elements independently of the tensor's shape, which
+a model declares with ``init_parameter_elementwise = True``; other models get ``init_parameter``
+called on full tensors, as before.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
@@ -26,6 +33,7 @@ from shardtrain.errors import ModelError
 log = logging.getLogger(__name__)
 
 ModelFactory = Callable[[], nn.Module]
+InitFn = Callable[[str, torch.Tensor, torch.Generator], None]
 
 
 def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -39,24 +47,72 @@ def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return full
 
 
+# Elements per initialisation chunk. The weights depend on it: changing it changes every run's start.
+INIT_CHUNK_ELEMENTS = 1 << 20
+
+
 def stable_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def fill_elements(init: InitFn, name: str, seed: int, out: torch.Tensor, start: int, total: int) -> None:
+    """``out`` (1-D, fp32) := elements ``[start, start + len(out))`` of parameter ``name``'s flattened
+    initial value (``total`` elements), drawing only the chunks that range overlaps."""
+    end = start + out.numel()
+    for index in range(start // INIT_CHUNK_ELEMENTS, -(-end // INIT_CHUNK_ELEMENTS)):
+        low = index * INIT_CHUNK_ELEMENTS
+        chunk = torch.empty(min(INIT_CHUNK_ELEMENTS, total - low), dtype=torch.float32)
+        init(name, chunk, torch.Generator().manual_seed(stable_seed(seed, f"{name}#{index}")))
+        first, last = max(start, low), min(end, low + chunk.numel())
+        out[first - start:last - start] = chunk[first - low:last - low]
+
+
+def init_full_parameter(model: nn.Module, name: str, tensor: torch.Tensor, seed: int) -> None:
+    """The full initial value of parameter ``name``, exactly as the sharded build gives it at any
+    world size (for references and hand-written loops that start from the same weights)."""
+    if getattr(model, "init_parameter_elementwise", False):
+        flat = torch.empty(tensor.numel(), dtype=torch.float32)
+        fill_elements(model.init_parameter, name, seed, flat, 0, tensor.numel())
+        tensor.copy_(flat.view(tensor.shape))
+    else:
+        full = torch.empty(tensor.shape, dtype=torch.float32)
+        model.init_parameter(name, full, torch.Generator().manual_seed(stable_seed(seed, name)))
+        tensor.copy_(full)
+
+
+def shard_rows(param: DTensor) -> tuple[int, int]:
+    """The global rows ``[first, last)`` this rank holds of an FSDP2 (dim-0 sharded) parameter."""
+    local_rows = param.to_local().shape[0] if param.ndim else 1
+    shard_dim = [i for i, p in enumerate(param.placements) if isinstance(p, Shard)]
+    if not shard_dim or not param.ndim:
+        return 0, local_rows
+    rows, groups = param.shape[0], param.device_mesh.size(shard_dim[0])
+    first = min(rows, param.device_mesh.get_local_rank(shard_dim[0]) * -(-rows // groups))
+    return first, first + local_rows
 
 
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate the sharded parameters on ``device`` and initialise them world-size-invariantly."""
     model.to_empty(device=device)
-    init_parameter = getattr(model, "init_parameter", None)
-    if init_parameter is None:
+    if getattr(model, "init_parameter", None) is None:
         raise ModelError(
             f"{type(model).__name__} has no init_parameter(name, tensor, generator); "
             "build it with init_device='cpu' instead of meta"
         )
+    elementwise = getattr(model, "init_parameter_elementwise", False)
     for name, param in model.named_parameters():
-        full = torch.empty(param.shape, dtype=torch.float32)
-        init_parameter(name, full, torch.Generator().manual_seed(stable_seed(seed, name)))
-        param.copy_(shard_like(full.to(param.dtype), param))
+        if not (elementwise and isinstance(param, DTensor)):
+            full = torch.empty(param.shape, dtype=torch.float32)
+            init_full_parameter(model, name, full, seed)
+            param.copy_(shard_like(full.to(param.dtype), param))
+            continue
+        local = param.to_local()
+        first, _ = shard_rows(param)
+        row = local[0].numel() if local.ndim else 1
+        values = torch.empty(local.numel(), dtype=torch.float32)
+        fill_elements(model.init_parameter, name, seed, values, first * row, param.numel())
+        local.copy_(values.view(local.shape).to(local.dtype))
     if hasattr(model, "init_buffers"):
         model.init_buffers()
 

@@ -21,20 +21,25 @@ from shardtrain.errors import GenerationError
 @torch.no_grad()
 def gathered_copy(model: nn.Module, factory: Callable[[], nn.Module], device: torch.device,
                   dtype: torch.dtype) -> nn.Module:
-    """An unsharded copy of ``model`` in ``dtype``: one all-gather per parameter, then none."""
-    if hasattr(model, "init_parameter"):
-        with torch.device("meta"):
-            plain = factory()
-        plain.to_empty(device=device)
-        if hasattr(plain, "init_buffers"):
-            plain.init_buffers()
-    else:
-        plain = factory().to(device)
+    """An unsharded copy of ``model`` with its parameters in ``dtype``: one all-gather per parameter,
+    then none.
+
+    The copy is allocated in ``dtype`` from the start (built on the meta device, parameters cast
+    there), and parameters are gathered one at a time: the peak is the copy plus one gathered
+    parameter, never a full-precision copy of the model. Buffers (RoPE tables and the like) are
+    copied from the sharded model, which holds them whole, in their own dtype.
+    """
+    with torch.device("meta"):
+        plain = factory()
+    for param in plain.parameters():
+        param.data = param.data.to(dtype)
+    plain.to_empty(device=device)
     for name, param in model.named_parameters():
         full = param.full_tensor() if isinstance(param, DTensor) else param
         plain.get_parameter(name).copy_(full)
-    for param in plain.parameters():
-        param.data = param.data.to(dtype)
+        del full
+    for name, buffer in model.named_buffers():
+        plain.get_buffer(name).copy_(buffer)
     return plain.eval()
 
 

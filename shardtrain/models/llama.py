@@ -141,6 +141,9 @@ class TransformerBlock(nn.Module):
 
 class Llama(nn.Module):
     block_classes = (TransformerBlock,)
+    # init_parameter fills each element on its own (by the parameter's name, never its shape), so
+    # each rank may initialise just the chunks of its own shard.
+    init_parameter_elementwise = True
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -1,0 +1,75 @@
+"""Runs inside spawned ranks for tests/test_init.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from shardtrain.config.plan import resolve_plan
+from shardtrain.config.schema import Config
+from shardtrain.diagnostics.memory import rss_bytes
+from shardtrain.distributed import sharded_model
+from shardtrain.distributed.env import build_mesh, init_distributed
+from shardtrain.generation.generate import gathered_copy, generate
+from shardtrain.models.registry import model_factory
+
+SMALL_CHUNK = 500  # elements: chunk boundaries fall inside every shard of the tiny model
+
+
+def tiny_config(strategy: str, shard_group: int = 0) -> Config:
+    cfg = Config()
+    cfg.model = dataclasses.replace(cfg.model, dim=36, n_layers=2, n_heads=6, n_kv_heads=2,
+                                    ffn_hidden_dim=97, max_seq_len=64)
+    cfg.strategy = dataclasses.replace(cfg.strategy, sharding_strategy=strategy,
+                                       shard_group_size=shard_group)
+    return cfg
+
+
+def build(cfg: Config):
+    env = init_distributed()
+    plan = resolve_plan(cfg.strategy, env.world_size, env.local_world_size)
+    model, _ = sharded_model.build_sharded_model(cfg, env, plan, build_mesh(plan, "cpu"),
+                                                 model_factory(cfg.model))
+    return env, model
+
+
+def initial_weights(out: str, strategy: str, shard_group: int) -> None:
+    sharded_model.INIT_CHUNK_ELEMENTS = SMALL_CHUNK
+    env, model = build(tiny_config(strategy, shard_group))
+    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters()}
+    if env.rank == 0:
+        torch.save(full, Path(out, f"init-{env.world_size}-{strategy}.pt"))
+
+
+def init_memory(out: str) -> None:
+    """Peak resident growth while building and initialising a ~300M-parameter model whose
+    embedding and head are large (65,536 x 1,024 each): one full tensor is ~9% of the model."""
+    cfg = Config()
+    cfg.model = dataclasses.replace(cfg.model, vocab_size=65536, dim=1024, n_layers=13, n_heads=16,
+                                    n_kv_heads=16, max_seq_len=128)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    env, model = build(cfg)
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    params = sum(p.numel() for p in model.parameters())
+    Path(out, f"mem-{env.world_size}-{env.rank}.txt").write_text(f"{grown} {params}")
+
+
+def sampling_memory(out: str) -> None:
+    """Peak resident growth of one sampling step (gather + generate) with bf16-mixed, ~100M params."""
+    cfg = Config()
+    cfg.model = dataclasses.replace(cfg.model, dim=1024, n_layers=8, n_heads=16, n_kv_heads=16,
+                                    max_seq_len=64)
+    cfg.strategy = dataclasses.replace(cfg.strategy, mixed_precision="bf16-mixed")
+    env, model = build(cfg)
+    before = rss_bytes() // 1024  # now, not the peak of building (chunk buffers), in ru_maxrss's KiB
+    plain = gathered_copy(model, model_factory(cfg.model), env.device, torch.bfloat16)
+    tokens = generate(plain, list(b"def "), 8, device=env.device)
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    dtypes = {str(p.dtype) for p in plain.parameters()}
+    params = sum(p.numel() for p in model.parameters())
+    Path(out, "sampling.txt").write_text(f"{grown} {params} {len(tokens)} {','.join(sorted(dtypes))}")

@@ -1,0 +1,76 @@
+"""Initialisation: each rank draws only its own shard, and the weights are the same at any world size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_on_ranks
+from init_workers import SMALL_CHUNK, init_memory, initial_weights, sampling_memory, tiny_config
+
+from shardtrain.distributed import sharded_model
+from shardtrain.distributed.sharded_model import init_full_parameter
+from shardtrain.models.llama import Llama
+
+CASES = [(1, "FULL_SHARD", 0), (2, "FULL_SHARD", 0), (4, "FULL_SHARD", 0), (4, "HYBRID_SHARD", 2),
+         (2, "NO_SHARD", 0)]
+
+
+def reference(monkeypatch) -> dict[str, torch.Tensor]:
+    """The unsharded model initialised in full, one process."""
+    monkeypatch.setattr(sharded_model, "INIT_CHUNK_ELEMENTS", SMALL_CHUNK)
+    cfg = tiny_config("FULL_SHARD")
+    model = Llama(cfg.model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            init_full_parameter(model, name, p, cfg.trainer.seed)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_weights_identical_at_every_world_size(tmp_path, monkeypatch):
+    expected = reference(monkeypatch)
+    largest = max(p.numel() for p in expected.values())
+    assert largest > 10 * SMALL_CHUNK  # several chunks per parameter, boundaries inside shards
+    for world, strategy, group in CASES:
+        run_on_ranks(initial_weights, world, str(tmp_path), strategy, group, tmp_path=tmp_path)
+        got = torch.load(Path(tmp_path, f"init-{world}-{strategy}.pt"))
+        assert got.keys() == expected.keys()
+        for name in expected:
+            assert got[name].equal(expected[name]), (world, strategy, name)
+
+
+def test_a_rank_draws_only_its_shard(tmp_path):
+    """Each of 4 ranks' peak resident growth while initialising is under 40% of one rank doing it
+    alone (full tensors would put the 268 MB embedding on every rank at once)."""
+    run_on_ranks(init_memory, 1, str(tmp_path), tmp_path=tmp_path)
+    run_on_ranks(init_memory, 4, str(tmp_path), tmp_path=tmp_path)
+    alone, params = map(int, Path(tmp_path, "mem-1-0.txt").read_text().split())
+    assert 250e6 < params < 350e6
+    assert alone > params * 4  # the single rank holds every fp32 weight
+    for rank in range(4):
+        grown, _ = map(int, Path(tmp_path, f"mem-4-{rank}.txt").read_text().split())
+        assert grown < 0.4 * alone, (rank, grown, alone)
+
+
+@pytest.mark.parametrize("elementwise", [True, False])
+def test_full_parameter_is_deterministic(elementwise, monkeypatch):
+    cfg = tiny_config("FULL_SHARD")
+    model = Llama(cfg.model)
+    monkeypatch.setattr(type(model), "init_parameter_elementwise", elementwise)
+    a, b = torch.empty(97, 36), torch.empty(97, 36)
+    init_full_parameter(model, "layers.0.feed_forward.w1.weight", a, 7)
+    init_full_parameter(model, "layers.0.feed_forward.w1.weight", b, 7)
+    assert a.equal(b) and a.std() > 0
+    init_full_parameter(model, "layers.0.feed_forward.w1.weight", b, 8)
+    assert not a.equal(b)
+
+
+def test_sampling_never_copies_the_model_in_fp32(tmp_path):
+    """bf16-mixed: the gathered copy is allocated in bf16 (about half the fp32 model) plus one
+    gathered parameter; building it in fp32 first would grow by at least the fp32 model."""
+    run_on_ranks(sampling_memory, 1, str(tmp_path), tmp_path=tmp_path)
+    grown, params, tokens, dtypes = Path(tmp_path, "sampling.txt").read_text().split()
+    fp32_model = int(params) * 4
+    assert int(params) > 90e6 and int(tokens) == 8 and dtypes == "torch.bfloat16"
+    assert 0.4 * fp32_model < int(grown) < 0.75 * fp32_model, (int(grown), fp32_model)
