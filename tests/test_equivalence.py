@@ -81,7 +81,8 @@ def test_one_process_matches_reference(references, bf16_one_process, tmp_path):
 def test_two_processes_match_reference(references, bf16_one_process, tmp_path):
     cases = {
         "full_shard": dict(strategy="FULL_SHARD"),
-        "full_shard_accum": dict(strategy="FULL_SHARD", accum=2),
+        "full_shard_accum": dict(strategy="FULL_SHARD", accum=2),  # auto: sharded accumulation
+        "full_shard_accum_unsharded": dict(strategy="FULL_SHARD", accum=2, grad_accumulation="unsharded"),
         "full_shard_ac_accum": dict(strategy="FULL_SHARD", ac="all", accum=2),
         "shard_grad_op": dict(strategy="SHARD_GRAD_OP"),
         "shard_grad_op_ac_every2": dict(strategy="SHARD_GRAD_OP", ac="every_k"),
@@ -107,6 +108,8 @@ def test_four_processes_match_reference(references, bf16_one_process, tmp_path):
         "no_shard_ac": dict(strategy="NO_SHARD", ac="all"),
         "hybrid_2x2": dict(strategy="HYBRID_SHARD", shard_group_size=2),
         "hybrid_2x2_ac_accum": dict(strategy="HYBRID_SHARD", shard_group_size=2, ac="all", accum=2),
+        "hybrid_2x2_accum_unsharded": dict(strategy="HYBRID_SHARD", shard_group_size=2, accum=2,
+                                           grad_accumulation="unsharded"),
         "hybrid_zero2_2x2": dict(strategy="HYBRID_SHARD_ZERO2", shard_group_size=2),
         "hybrid_2x2_tied": dict(strategy="HYBRID_SHARD", shard_group_size=2, tied=True),
         **BF16_CASES,

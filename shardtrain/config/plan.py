@@ -63,6 +63,7 @@ class ShardingPlan:
     cpu_offload: bool
     activation_checkpointing: str
     activation_checkpointing_every: int
+    grad_accumulation: str = "sharded"  # sharded | unsharded (see StrategyConfig)
 
     def checkpointed(self, block_index: int) -> bool:
         if self.activation_checkpointing == "all":
@@ -83,7 +84,7 @@ class ShardingPlan:
             f"{self.strategy}: mesh [{self.mesh}], reshard_after_forward={self.reshard_after_forward}, "
             f"storage={dtype_name(self.storage_dtype)} compute={dtype_name(self.param_dtype)} "
             f"reduce={dtype_name(self.reduce_dtype)}, cpu_offload={self.cpu_offload}, "
-            f"activation_checkpointing={ac}"
+            f"activation_checkpointing={ac}, grad_accumulation={self.grad_accumulation}"
         )
 
 
@@ -170,7 +171,18 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int) ->
         cpu_offload=cfg.cpu_offload,
         activation_checkpointing=ac,
         activation_checkpointing_every=cfg.activation_checkpointing_every,
+        grad_accumulation=resolve_accumulation(cfg.grad_accumulation, mesh_shape[-1]),
     )
+
+
+def resolve_accumulation(choice: str, shard_group: int) -> str:
+    """auto: sharded whenever there is something to reduce-scatter. Holding full-size gradients
+    between micro-batches (about 4 bytes a parameter on every rank) defeats the sharding the run
+    asked for; with a shard group of one (NO_SHARD, one rank) gradients are whole anyway, and one
+    all-reduce per step is the cheaper choice (DDP's no_sync)."""
+    if choice != "auto":
+        return choice
+    return "sharded" if shard_group > 1 else "unsharded"
 
 
 def devices_count(devices: Any) -> int | None:

@@ -66,6 +66,11 @@ class StrategyConfig:
     activation_checkpointing_every: int = knob(2, at_least=1)
     # Dotted class paths of the modules that become FSDP units. "auto": the model's own block classes.
     wrap_policy: list[str] = field(default_factory=lambda: ["auto"])
+    # With trainer.grad_accum_steps > 1: "sharded" reduce-scatters every micro-batch and holds only
+    # sharded gradients (hybrid strategies all-reduce across replicas on the last one only);
+    # "unsharded" communicates once per step but every rank holds full-size gradients in between
+    # (FSDP1's no_sync). auto: sharded whenever the shard group has more than one rank.
+    grad_accumulation: str = knob("auto", one_of=("auto", "sharded", "unsharded"))
     compile: bool = False
 
 

@@ -93,6 +93,10 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     act, act_ckpt = activation_bytes(cfg, cfg.trainer.micro_batch_size, plan.param_dtype)
     largest_unit = max(unit_param_counts(model))
     total_params = sum(math.prod(s) for s in shapes)
+    if plan.grad_accumulation == "unsharded" and cfg.trainer.grad_accum_steps > 1 and plan.mesh_shape[-1] > 1:
+        # Between micro-batches every rank holds each parameter's full gradient, kept in the reduce
+        # dtype, besides the sharded one.
+        grads += total_params * plan.reduce_dtype.itemsize
     if plan.reshard_after_forward is False:
         # Every unit stays unsharded from its forward until its backward.
         gathered = total_params * plan.param_dtype.itemsize

@@ -28,6 +28,8 @@ def settings_lines(cfg: Config, plan: ShardingPlan, report: ShardingReport, env:
         f"cpu_offload {plan.cpu_offload}",
         f"  reshard_after_forward {plan.reshard_after_forward} for blocks"
         + (f"; False for the head unit {sorted(heads)[0]}" if heads and "+" in sorted(heads)[0] else ""),
+        f"  gradient accumulation {plan.grad_accumulation} ({cfg.trainer.grad_accum_steps} micro-batches "
+        "per step)",
         f"  activation checkpointing {plan.activation_checkpointing}; wrap policy "
         f"{list(cfg.strategy.wrap_policy)}; seed {cfg.trainer.seed}",
         f"  timeouts: {cfg.dist.startup_timeout_s}s for start-up and the first step, then "

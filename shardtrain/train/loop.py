@@ -285,7 +285,7 @@ class Trainer:
         try:
             stats = train_step(b.model, b.optimizer, b.scheduler, batches, b.mesh,
                                self.cfg.trainer.grad_clip_norm, self.env.device, step=self.step + 1,
-                               phases=phases)
+                               phases=phases, sharded_accumulation=b.plan.grad_accumulation == "sharded")
         finally:
             if probe is not None:
                 probe.close()

@@ -59,8 +59,14 @@ def global_sum(values: list[float], device: torch.device) -> list[float]:
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, micro_batches: list[Batch],
                mesh: DeviceMesh, grad_clip_norm: float, device: torch.device,
-               step: int = 0, phases: PhaseMemory | None = None) -> StepStats:
-    """One optimizer step (``step`` is its 1-based number; ``phases`` records memory per phase)."""
+               step: int = 0, phases: PhaseMemory | None = None,
+               sharded_accumulation: bool = True) -> StepStats:
+    """One optimizer step (``step`` is its 1-based number; ``phases`` records memory per phase).
+
+    With several micro-batches, ``sharded_accumulation`` reduce-scatters after every backward (only
+    sharded gradients are held; replicas of a hybrid mesh all-reduce on the last one only);
+    otherwise gradients stay unsharded and are reduced once, on the last micro-batch.
+    """
     local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
     (global_tokens,) = global_sum([local_tokens], device)
     if global_tokens == 0:
@@ -73,8 +79,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     if phases is not None:
         phases.start()
     for index, (x, y) in enumerate(micro_batches):
-        if accumulate:
-            # Reduce gradients once, on the last micro-batch, instead of after every backward.
+        if accumulate and sharded_accumulation:
+            model.set_requires_all_reduce(index == last)
+        elif accumulate:
             model.set_requires_gradient_sync(index == last)
         loss = token_loss_sum(model, x.to(device), y.to(device)) / global_tokens
         if index == 0:
