@@ -4,6 +4,8 @@ training: benchmarks/step_time.py under torchrun at each process count (``--proc
 checkpoint: benchmarks/checkpoint_worker.py under torchrun (2 processes) for the default model and
 the 200M-parameter preset, then ``shardtrain consolidate`` peak memory, and the disk's write speed.
 generation: benchmarks/generation.py, shardtrain's generate vs transformers' on one exported model.
+init: benchmarks/init_worker.py at 1, 2 and 4 processes, per-shard (chunked) initialisation of a
+~300M-parameter model against full tensors on every rank: seconds and peak resident growth per rank.
 soak (only with ``--only soak``, about 5 minutes): benchmarks/soak_worker.py, 2,000 steps with an
 async checkpoint every 10 steps; resident memory, threads, open files and disk use over the run.
 Each rewrites its own section of docs/benchmarks.md with the command, the machine and the date.
@@ -31,6 +33,7 @@ BEGIN, END = "<!-- training:begin -->", "<!-- training:end -->"
 CKPT_BEGIN, CKPT_END = "<!-- checkpoint:begin -->", "<!-- checkpoint:end -->"
 GEN_BEGIN, GEN_END = "<!-- generation:begin -->", "<!-- generation:end -->"
 SOAK_BEGIN, SOAK_END = "<!-- soak:begin -->", "<!-- soak:end -->"
+INIT_BEGIN, INIT_END = "<!-- init:begin -->", "<!-- init:end -->"
 HEADER = (
     "| processes | tokens/step | shardtrain tokens/s | hand-written tokens/s | shardtrain step ms "
     "| hand-written step ms | ratio (shardtrain / hand-written) |\n"
@@ -211,6 +214,29 @@ does not double: the CPU is the bottleneck, not the sharding.
 {END}"""
 
 
+def render_init(results: list[dict], command: str) -> str:
+    rows = []
+    for r in results:
+        secs = [x["seconds"] for x in r["ranks"]]
+        mib = [x["peak_growth_mib"] for x in r["ranks"]]
+        rows.append(f"| {r['world_size']} | {r['mode']} | {max(secs):.2f} | {max(mib):,.0f} |")
+    return f"""{INIT_BEGIN}
+## Initialisation of a {results[0]['params'] / 1e6:.0f}M-parameter model, per rank
+
+- Command: `{command}` (FULL_SHARD; vocab 65,536 x dim 1,024, 13 layers; build on meta, shard,
+  materialise). `chunked`: each rank draws only the 2^20-element chunks its shard overlaps (the
+  default for the built-in model); `full`: every full parameter drawn on every rank, then sliced (the
+  path for models whose initialiser is not elementwise, and shardtrain's path before).
+- Machine: {os.cpu_count()} CPU cores ({cpu_name()}), no GPU, gloo, torch {torch.__version__}; date
+  {datetime.date.today().isoformat()}. With 4 processes on 2 cores each process has half a core, so
+  the time per rank does not shrink by 4.
+
+| processes | initialisation | seconds (slowest rank) | peak resident growth, MiB (largest rank) |
+| --- | --- | --- | --- |
+{chr(10).join(rows)}
+{INIT_END}"""
+
+
 def render_soak(r: dict, command: str) -> str:
     rows = []
     for rank, samples in enumerate(r["ranks"]):
@@ -243,7 +269,8 @@ Checkpoint directory (rank 0's view): {entries}.
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--only", choices=["training", "checkpoint", "generation", "soak"], default=None)
+    parser.add_argument("--only", choices=["training", "checkpoint", "generation", "init", "soak"],
+                        default=None)
     args = parser.parse_args()
     if args.only in (None, "training"):
         results = []
@@ -261,6 +288,10 @@ def main() -> None:
     if args.only in (None, "generation"):
         write_section(GEN_BEGIN, GEN_END, render_generation(
             generation_results(), "python benchmarks/run.py --only generation"))
+    if args.only in (None, "init"):
+        results = [run_torchrun(n, "init_worker.py", [mode]) for n in (1, 2, 4)
+                   for mode in ("chunked", "full")]
+        write_section(INIT_BEGIN, INIT_END, render_init(results, "python benchmarks/run.py --only init"))
     if args.only == "soak":
         with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
             soak = run_torchrun(2, "soak_worker.py", [str(Path(workdir) / "soak"), "2000"])
