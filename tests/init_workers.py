@@ -7,6 +7,9 @@ import resource
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from shardtrain.config.plan import resolve_plan
@@ -73,3 +76,28 @@ def sampling_memory(out: str) -> None:
     dtypes = {str(p.dtype) for p in plain.parameters()}
     params = sum(p.numel() for p in model.parameters())
     Path(out, "sampling.txt").write_text(f"{grown} {params} {len(tokens)} {','.join(sorted(dtypes))}")
+
+
+class FewRows(nn.Module):
+    """A 3-row weight on 4 ranks: FSDP2's ceil-sized chunks leave the last rank no rows."""
+
+    init_parameter_elementwise = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.narrow = nn.Linear(5, 3, bias=False)
+        self.wide = nn.Linear(40, 9)
+
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        tensor.normal_(0.0, 1.0, generator=generator)
+
+
+def empty_shard(out: str) -> None:
+    env = init_distributed()
+    with torch.device("meta"):
+        model = FewRows()
+    fully_shard(model, mesh=init_device_mesh("cpu", (env.world_size,)))
+    sharded_model.materialize(model, env.device, seed=5)
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    if env.rank == 0:
+        torch.save(full, Path(out, "few_rows.pt"))

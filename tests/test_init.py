@@ -7,10 +7,19 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_on_ranks
-from init_workers import SMALL_CHUNK, init_memory, initial_weights, sampling_memory, tiny_config
+from init_workers import (
+    SMALL_CHUNK,
+    FewRows,
+    empty_shard,
+    init_memory,
+    initial_weights,
+    sampling_memory,
+    tiny_config,
+)
 
 from shardtrain.distributed import sharded_model
 from shardtrain.distributed.sharded_model import init_full_parameter
+from shardtrain.generation.generate import gathered_copy
 from shardtrain.models.llama import Llama
 
 CASES = [(1, "FULL_SHARD", 0), (2, "FULL_SHARD", 0), (4, "FULL_SHARD", 0), (4, "HYBRID_SHARD", 2),
@@ -74,3 +83,25 @@ def test_sampling_never_copies_the_model_in_fp32(tmp_path):
     fp32_model = int(params) * 4
     assert int(params) > 90e6 and int(tokens) == 8 and dtypes == "torch.bfloat16"
     assert 0.4 * fp32_model < int(grown) < 0.75 * fp32_model, (int(grown), fp32_model)
+
+
+def test_a_rank_with_an_empty_shard(tmp_path):
+    run_on_ranks(empty_shard, 4, str(tmp_path), tmp_path=tmp_path)
+    got = torch.load(tmp_path / "few_rows.pt")
+    plain = FewRows()
+    for name, param in plain.named_parameters():
+        expected = torch.empty(param.shape)
+        init_full_parameter(plain, name, expected, 5)
+        assert got[name].equal(expected), name
+
+
+def test_gathered_copy_keeps_tied_weights():
+    """to_empty gives each module its own new Parameter; the copy must tie them again."""
+    cfg = tiny_config("FULL_SHARD")
+    cfg.model.tie_embeddings = True
+    torch.manual_seed(0)
+    model = Llama(cfg.model).eval()
+    plain = gathered_copy(model, lambda: Llama(cfg.model), torch.device("cpu"), torch.float32)
+    assert plain.output.weight is plain.tok_embeddings.weight
+    tokens = torch.randint(0, 256, (1, 8))
+    assert torch.equal(plain(tokens), model(tokens))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import random
 import re
 import shutil
@@ -136,6 +137,13 @@ class Checkpointer:
     def resume_path(self) -> Path | None:
         """The checkpoint ``checkpoint.resume`` selects, or None to start fresh."""
         choice = self.ckpt.resume
+        if choice != "auto" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+            # A restarted attempt goes on from this run's newest checkpoint, not from the start's
+            # choice (which would repeat or refuse the steps the failed attempt saved).
+            found = layout.scan(self.root)
+            if found.complete:
+                self.info(f"resume: restart attempt, using this run's checkpoints (not resume={choice})")
+                choice = "auto"
         if choice == "none":
             found = layout.scan(self.root)
             if found.complete:
@@ -195,6 +203,7 @@ class Checkpointer:
             if final.exists():  # damaged (resume skipped it): keep it aside for inspection
                 aside = final.with_name(f"{final.name}.damaged-{int(time.time())}")
                 final.rename(aside)
+                self.damaged.discard(final)  # the new step-N that replaces it is counted again
                 self.info(f"checkpoint: moved damaged {final.name} to {aside.name}")
             if tmp.exists():  # left by a crashed save of this step
                 shutil.rmtree(tmp)
@@ -218,6 +227,9 @@ class Checkpointer:
             return blocked
         dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
         self.finalize(step, tmp, trainer_state)
+        # The others wait for rank 0's commit (hashing every file) here, under the save's bound,
+        # rather than in the next step's first collective under the step's bound.
+        dist.barrier(group=self.group)
         blocked = time.perf_counter() - start
         self.info(f"checkpoint step {step}: saved to {final} in {blocked:.3f}s")
         return blocked

@@ -42,7 +42,8 @@ AGENT_SIGNALS = ("SIGINT", "SIGHUP", "SIGQUIT")
 
 def torchrun_argv(nproc: int, command: list[str], preemption_signals: Sequence[str],
                   max_restarts: int = 0) -> list[str]:
-    handled = [s for s in AGENT_SIGNALS if s not in preemption_signals]
+    # The agent handles (stops its workers on) every signal that is not a preemption signal.
+    handled = [s for s in ("SIGTERM", *AGENT_SIGNALS) if s not in preemption_signals]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
             f"--signals-to-handle={','.join(handled)}", "-m", "shardtrain", *command]
@@ -110,14 +111,15 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
             reader.start()
 
         def forward(signum, frame) -> None:
-            targets = descendants(agent.pid) if signum != signal.SIGINT else [agent.pid]
+            # Preemption signals go to the workers (the agent ignores them); others to the agent.
+            targets = descendants(agent.pid) if signum in signals else [agent.pid]
             for pid in targets:
                 try:
                     os.kill(pid, signum)
                 except ProcessLookupError:
                     pass
 
-        for sig in {*signals, signal.SIGINT}:
+        for sig in {*signals, signal.SIGINT, signal.SIGTERM}:
             signal.signal(sig, forward)
         status = agent.wait()
         if reader is not None:
@@ -128,6 +130,12 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
 # One worker in torchrun's final ChildFailedError report: "rank : 1 (local_rank: 1)" then
 # "exitcode : -9 (pid: 123)  (SIGKILL)".
 REPORTED_WORKER = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:[^)]*\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+# A worker SIGKILLed (from outside, or by the out-of-memory killer) cannot leave a record. SIGTERM
+# is what torchrun itself sends to stop the remaining workers, and SIGABRT or SIGSEGV come from inside
+# the process after an error its record names: neither identifies the root cause.
+EXTERNAL_SIGNALS = {signal.SIGKILL}
 
 
 def killed_workers(log_file: Path) -> list[tuple[int, str]]:
@@ -143,7 +151,7 @@ def killed_workers(log_file: Path) -> list[tuple[int, str]]:
     report = text[text.rfind("ChildFailedError"):] if "ChildFailedError" in text else ""
     killed = []
     for rank, code in REPORTED_WORKER.findall(report):
-        if int(code) < 0:
+        if int(code) < 0 and -int(code) in EXTERNAL_SIGNALS:
             try:
                 name = signal.Signals(-int(code)).name
             except ValueError:

@@ -6,6 +6,7 @@ import argparse
 import gc
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -24,7 +25,13 @@ def cmd_train(overrides: list[str]) -> int:
     from shardtrain.train.loop import Trainer
 
     cfg = load_config(overrides)  # every config error surfaces here, before any process starts
-    if not under_torchrun():
+    if under_torchrun():
+        # The built-in launcher's agent ignores the preemption signals, and an ignored signal is
+        # inherited: restore the default until the trainer installs its handler, so torchrun can
+        # still stop this worker (and a preemption before training starts is not lost silently).
+        for name in cfg.checkpoint.preemption_signals:
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    else:
         check_training(cfg)  # paths: run.dir, an explicit resume, model.init_from
     started = time.time()
     log_file = launch_log_path(Path(cfg.run.dir), started)
@@ -64,7 +71,6 @@ def cmd_train(overrides: list[str]) -> int:
 def on_devices(devices: int, argv: list[str]) -> int | None:
     """Run ``shardtrain argv`` on ``devices`` processes under torchrun, or None to run here."""
     from shardtrain.cli.launch import run_under_torchrun
-    from shardtrain.config.schema import DEFAULT_PREEMPTION_SIGNALS
     from shardtrain.distributed.env import under_torchrun
     from shardtrain.errors import ConfigError
 
@@ -73,7 +79,7 @@ def on_devices(devices: int, argv: list[str]) -> int | None:
             raise ConfigError(f"--devices {devices} but torchrun started {os.environ['WORLD_SIZE']}")
         return None
     if devices > 1:
-        return run_under_torchrun(devices, argv, DEFAULT_PREEMPTION_SIGNALS)
+        return run_under_torchrun(devices, argv, ())
     return None
 
 

@@ -80,7 +80,9 @@ def check_training(cfg: Config) -> None:
 def check_output(out: Path, source: Path, what: str) -> None:
     """An output path of ``consolidate`` or ``export-hf``: writable, and never inside the source."""
     out, source = out.expanduser().resolve(), source.expanduser().resolve()
-    if out == source or (source.is_dir() and source in out.parents):
+    inside = source.is_dir() and source in out.parents
+    beside = source.is_file() and out == source.parent  # model.safetensors there is the source
+    if out == source or inside or beside:
         raise ConfigError(f"{what} {str(out)!r} is inside the checkpoint it reads; write elsewhere "
                           "(a checkpoint is never modified)")
     single_file = out.suffix == ".safetensors"

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from shardtrain.accelerator import claim_device, process_group_backend
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import DistConfig
+from shardtrain.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,11 @@ def restart_safe_store(timeout: datetime.timedelta) -> dict:
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if not shared or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) == 0:
         return {}
+    if int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1:
+        # Restart counts are per agent and may differ between nodes; the prefixes would too.
+        raise ConfigError("torchrun --max-restarts on several nodes with the shared rendezvous store "
+                          "(pytorch/pytorch#135712): set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the "
+                          "environment of torchrun on every node")
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

@@ -16,6 +16,7 @@ called on full tensors, as before.
 from __future__ import annotations
 
 import logging
+import math
 import zlib
 from collections.abc import Callable, Sequence
 
@@ -109,7 +110,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
             continue
         local = param.to_local()
         first, _ = shard_rows(param)
-        row = local[0].numel() if local.ndim else 1
+        row = math.prod(param.shape[1:])  # global shape: a rank's shard may have no rows
         values = torch.empty(local.numel(), dtype=torch.float32)
         fill_elements(model.init_parameter, name, seed, values, first * row, param.numel())
         local.copy_(values.view(local.shape).to(local.dtype))

@@ -33,7 +33,13 @@ def gathered_copy(model: nn.Module, factory: Callable[[], nn.Module], device: to
         plain = factory()
     for param in plain.parameters():
         param.data = param.data.to(dtype)
+    shared = shared_parameter_names(plain)
     plain.to_empty(device=device)
+    for names in shared:  # to_empty gives each module its own new Parameter: tie them again
+        tied = plain.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(plain.get_submodule(owner), attr, tied)
     for name, param in model.named_parameters():
         full = param.full_tensor() if isinstance(param, DTensor) else param
         plain.get_parameter(name).copy_(full)
@@ -41,6 +47,14 @@ def gathered_copy(model: nn.Module, factory: Callable[[], nn.Module], device: to
     for name, buffer in model.named_buffers():
         plain.get_buffer(name).copy_(buffer)
     return plain.eval()
+
+
+def shared_parameter_names(model: nn.Module) -> list[list[str]]:
+    """Names of each parameter registered under several names (tied embeddings)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def pick_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
