@@ -11,12 +11,15 @@ from pathlib import Path
 SHARDTRAIN = [sys.executable, "-m", "shardtrain"]
 
 
+def clean_env(**extra: str) -> dict:
+    """This process's environment without torchrun's variables (tests may run under torchrun)."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
+
+
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, **(env or {})}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
-        full_env.pop(var, None)
     return subprocess.run([*SHARDTRAIN, *args], capture_output=True, text=True, timeout=timeout,
-                          env=full_env, stdin=subprocess.DEVNULL)
+                          env=clean_env(**(env or {})), stdin=subprocess.DEVNULL)
 
 
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:

@@ -6,13 +6,12 @@ injected from outside (SIGKILL of a worker, an exception in a worker).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from cli_utils import run_cli
+from cli_utils import clean_env, run_cli
 from distributed import free_port
 from safetensors.torch import load_file
 
@@ -32,12 +31,6 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for name in a:
         assert a[name].dtype == b[name].dtype and a[name].equal(b[name]), name
-
-
-def clean_env(**extra: str) -> dict:
-    """This process's environment without torchrun's variables (tests may run under torchrun)."""
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
-    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
 
 
 @pytest.fixture(scope="module")

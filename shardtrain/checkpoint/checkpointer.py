@@ -145,18 +145,11 @@ class Checkpointer:
                 self.info(f"resume: restart attempt, using this run's checkpoints (not resume={choice})")
                 choice = "auto"
         if choice == "none":
-            found = layout.scan(self.root)
-            if found.complete:
-                raise CheckpointError(
-                    f"{self.root} already holds checkpoints ({found.complete[-1][1].name} is the newest) "
-                    "and checkpoint.resume=none would overwrite them; resume (checkpoint.resume=auto) or "
-                    "choose a new run.dir"
-                )
+            layout.refuse_fresh_start(self.root)
             return None
         if choice != "auto":
             path = Path(choice).expanduser()
-            layout.verify(path)  # the structure first: cheap, and the precise message
-            self.verify_checksums(path)  # an explicit choice fails rather than falls back
+            layout.verify_chosen(path, self.ckpt.verify_checksums, warn=self.rank == 0)
             return path
         found = layout.scan(self.root)
         for path, why in found.skipped:

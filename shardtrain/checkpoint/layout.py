@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardtrain.checkpoint import integrity
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.errors import CheckpointError
 
@@ -138,3 +139,22 @@ def detect_format(path: Path) -> str:
     if (path / LIGHTNING_META_FILE).is_file():
         return "lightning"
     return "dcp"
+
+
+def refuse_fresh_start(root: Path) -> None:
+    """``checkpoint.resume=none`` must not write new checkpoints over a run's existing ones."""
+    found = scan(root)
+    if found.complete:
+        raise CheckpointError(
+            f"{root} already holds checkpoints ({found.complete[-1][1].name} is the newest) and "
+            "checkpoint.resume=none would overwrite them; resume (checkpoint.resume=auto) or choose a "
+            "new run.dir"
+        )
+
+
+def verify_chosen(path: Path, checksums: bool, warn: bool = True) -> None:
+    """An explicitly chosen checkpoint: the structure first (cheap, the precise message), then the
+    recorded checksums; it fails rather than falls back."""
+    verify(path)
+    if checksums:
+        integrity.verify_files(path, warn=warn)

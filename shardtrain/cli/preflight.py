@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shardtrain.checkpoint import integrity, layout
+from shardtrain.checkpoint import layout
 from shardtrain.checkpoint.safetensors_files import file_metadata, weight_files
 from shardtrain.checkpoint.weights import HF_PREFIX, read_hf_config
 from shardtrain.config.schema import Config
@@ -34,18 +34,9 @@ def check_resume(cfg: Config) -> None:
     if not cfg.checkpoint.enabled or choice == "auto":
         return
     if choice == "none":
-        found = layout.scan(Path(cfg.run.dir) / "checkpoints")
-        if found.complete:
-            raise CheckpointError(
-                f"{cfg.run.dir}/checkpoints already holds checkpoints ({found.complete[-1][1].name} is "
-                "the newest) and checkpoint.resume=none would overwrite them; resume "
-                "(checkpoint.resume=auto) or choose a new run.dir"
-            )
-        return
-    path = Path(choice).expanduser()
-    layout.verify(path)
-    if cfg.checkpoint.verify_checksums:
-        integrity.verify_files(path)
+        layout.refuse_fresh_start(Path(cfg.run.dir) / "checkpoints")
+    else:
+        layout.verify_chosen(Path(choice).expanduser(), cfg.checkpoint.verify_checksums)
 
 
 def check_init_from(source: str | None) -> None:

@@ -81,15 +81,13 @@ def init_full_parameter(model: nn.Module, name: str, tensor: torch.Tensor, seed:
         tensor.copy_(full)
 
 
-def shard_rows(param: DTensor) -> tuple[int, int]:
-    """The global rows ``[first, last)`` this rank holds of an FSDP2 (dim-0 sharded) parameter."""
-    local_rows = param.to_local().shape[0] if param.ndim else 1
+def first_row(param: DTensor) -> int:
+    """The first global row this rank holds of an FSDP2 (dim-0, ``torch.chunk``-rule) parameter."""
     shard_dim = [i for i, p in enumerate(param.placements) if isinstance(p, Shard)]
     if not shard_dim or not param.ndim:
-        return 0, local_rows
+        return 0
     rows, groups = param.shape[0], param.device_mesh.size(shard_dim[0])
-    first = min(rows, param.device_mesh.get_local_rank(shard_dim[0]) * -(-rows // groups))
-    return first, first + local_rows
+    return min(rows, param.device_mesh.get_local_rank(shard_dim[0]) * -(-rows // groups))
 
 
 @torch.no_grad()
@@ -109,7 +107,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
             param.copy_(shard_like(full.to(param.dtype), param))
             continue
         local = param.to_local()
-        first, _ = shard_rows(param)
+        first = first_row(param)
         row = math.prod(param.shape[1:])  # global shape: a rank's shard may have no rows
         values = torch.empty(local.numel(), dtype=torch.float32)
         fill_elements(model.init_parameter, name, seed, values, first * row, param.numel())
