@@ -194,8 +194,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.overrides)
     per_node, world = launch_shape(cfg)
     memory = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
-    sizes = args.world_sizes or sorted({1, 2, 4, 8, world})
-    print(plan_table(cfg, sizes, memory, args.processes_per_node or per_node))
+    local = args.processes_per_node or per_node
+    if not args.simulate:
+        sizes = args.world_sizes or sorted({1, 2, 4, 8, world})
+        print(plan_table(cfg, sizes, memory, local))
+        return 0
+
+    from shardtrain.config.plan import normalize_strategy_name
+    from shardtrain.train.simulate import simulation_rows, simulation_table
+
+    strategies = [normalize_strategy_name(s) for s in args.strategies or [cfg.strategy.sharding_strategy]]
+    checkpointing = {"none": [False], "all": [True], "both": [False, True]}[args.ac]
+    if args.ac == "config":
+        checkpointing = [cfg.strategy.activation_checkpointing != "none"]
+    rows = simulation_rows(cfg, args.world_sizes or [world], strategies, checkpointing, local,
+                           probe=not args.full_depth)
+    print(f"simulated one training step of rank 0 (micro-batch {cfg.trainer.micro_batch_size} x "
+          f"{cfg.trainer.seq_len} tokens, {cfg.trainer.grad_accum_steps} micro-batch(es), "
+          f"{cfg.strategy.mixed_precision}, {local} processes per node); GiB per rank, the "
+          "planner's estimate in brackets")
+    print(simulation_table(rows, memory, markdown=args.markdown))
     return 0
 
 
@@ -303,6 +321,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="world sizes to show (default 1 2 4 8 and the config's)")
     plan.add_argument("--processes-per-node", type=int, default=None,
                       help="for hybrid strategies (default: trainer.devices)")
+    plan.add_argument("--simulate", action="store_true",
+                      help="run one training step per case at the real world size in this process "
+                      "(fake process group, fake tensors, FSDP2's memory tracker; docs/scaling.md)")
+    plan.add_argument("--strategies", nargs="+", default=None,
+                      help="with --simulate: strategies to simulate (default: the config's)")
+    plan.add_argument("--ac", choices=["config", "none", "all", "both"], default="config",
+                      help="with --simulate: activation checkpointing of the cases (default: the config's)")
+    plan.add_argument("--full-depth", action="store_true",
+                      help="with --simulate: simulate every layer instead of two probe depths")
+    plan.add_argument("--markdown", action="store_true", help="with --simulate: a markdown table")
 
     insp = sub.add_parser("inspect", help="describe a checkpoint and check that it is whole",
                           description="Exit status 0 when complete with no problem found, else 1.")

@@ -29,19 +29,24 @@ def rows_on_rank(rows: int, shard: int, rank: int) -> int:
 
 @dataclass
 class Estimate:
+    """Rank 0's bytes during a training step: exact states, and the phase at which it peaks."""
+
     strategy: str
     world_size: int
     mesh: tuple[int, ...]
+    checkpointed: bool
     params: int
-    grads: int
+    grads: int  # sharded gradients after backward
     optimizer: int
-    activations: int
-    activations_checkpointed: int
-    comm_buffers: int
+    accumulation: int  # full gradients held between micro-batches (unsharded accumulation)
+    activations: int  # saved activations and backward temporaries at their largest in the step
+    gathered: int  # unsharded parameters and collective buffers at the peak
+    peak: int
+    peak_phase: str
 
-    def total(self, checkpointed: bool) -> int:
-        act = self.activations_checkpointed if checkpointed else self.activations
-        return self.params + self.grads + self.optimizer + act + self.comm_buffers
+    @property
+    def states(self) -> int:
+        return self.params + self.grads + self.optimizer
 
 
 def sharded_state_bytes(shapes: list[tuple[int, ...]], shard: int, rank: int,
@@ -56,55 +61,112 @@ def sharded_state_bytes(shapes: list[tuple[int, ...]], shard: int, rank: int,
     return local * size, local * size, optimizer
 
 
-def activation_bytes(cfg: Config, micro_batch: int, param_dtype: torch.dtype) -> tuple[int, int]:
-    """(without, with) activation checkpointing, one micro-batch, for the built-in Llama.
+@dataclass
+class ActivationModel:
+    """Activation bytes of one micro-batch of the built-in Llama, by what holds them."""
 
-    Per block, in the compute dtype: inputs of the norms, q/k/v/attention output, the SwiGLU's
-    three hidden-size tensors and their product (Korthikanti et al. 2022 accounting, SDPA without
-    the s^2 score matrix); plus the fp32 logits and their gradient.
-    """
-    m, t = cfg.model, cfg.trainer
-    tokens = micro_batch * t.seq_len
+    saved_per_block: int  # kept from a block's forward to its backward (its input only, under AC)
+    block: int  # everything one block saves for backward (recomputed in its backward under AC)
+    block_backward: int  # gradients alive inside one block's backward
+    head_saved: int  # the final norm's tensors and the fp32 log-softmax output
+    head_backward: int  # the loss gradient w.r.t. the fp32 logits, in and out of log-softmax
+
+
+def rms_norm_saved(dim: int, compute: int) -> int:
+    """Per token: RMSNorm normalises in fp32 (the fp32 input, its rsqrt), then scales in the compute
+    dtype (the cast input and the output). In fp32 the input is the fp32 input."""
+    cast = compute * dim if compute != 4 else 4 * dim
+    return 4 * dim + 4 + cast + compute * dim
+
+
+def activation_model(cfg: Config, micro_batch: int, compute_dtype: torch.dtype,
+                     checkpointed: bool) -> ActivationModel:
+    """What autograd keeps for the built-in Llama (counted tensor by tensor in
+    docs/memory-planner.md; SDPA keeps q, k, v, its output and a log-sum-exp, no score matrix)."""
+    m = cfg.model
+    tokens = micro_batch * cfg.trainer.seq_len
+    b = compute_dtype.itemsize
     kv = m.dim // m.n_heads * m.n_kv_heads
-    b = param_dtype.itemsize
-    per_block = tokens * b * (2 * m.dim + m.dim + 2 * kv + m.dim + m.dim + 4 * ffn_hidden_dim(m) + m.dim)
-    logits = tokens * m.vocab_size * 4 * 2
-    full = m.n_layers * per_block + logits
-    checkpointed = m.n_layers * tokens * m.dim * b + per_block + logits
-    return full, checkpointed
+    ffn = ffn_hidden_dim(m)
+    attention = b * (m.dim + 2 * kv) + 4 * m.n_heads + 2 * b * m.dim  # q k v, lse, output, wo input
+    swiglu = 4 * b * ffn  # w1 and w3 outputs, silu output, their product
+    block = tokens * (2 * rms_norm_saved(m.dim, b) + attention + swiglu)
+    # Inside a block's backward: the incoming gradient, three hidden-size gradients of the SwiGLU
+    # and one FFN weight's gradient before FSDP reduces it.
+    block_backward = tokens * b * (m.dim + 3 * ffn) + b * m.dim * ffn
+    return ActivationModel(
+        saved_per_block=tokens * b * m.dim if checkpointed else block,
+        block=block,
+        block_backward=block_backward,
+        head_saved=tokens * (rms_norm_saved(m.dim, b) + 4 * m.vocab_size),
+        head_backward=tokens * 8 * m.vocab_size,
+    )
 
 
-def unit_param_counts(model: nn.Module) -> list[int]:
-    """Parameters per FSDP unit: every block, then the model's extra groups (embeddings, head)."""
+def unit_param_counts(model: nn.Module) -> tuple[list[int], list[int]]:
+    """Parameters per FSDP unit: (every block, the model's extra groups (embeddings, head))."""
     blocks = [sum(p.numel() for p in blk.parameters()) for blk in model.modules()
               if isinstance(blk, getattr(model, "block_classes", ()))]
     groups = [sum(p.numel() for m in group for p in m.parameters())
               for group in getattr(model, "extra_shard_groups", list)()]
-    return blocks + groups or [sum(p.numel() for p in model.parameters())]
+    if not blocks and not groups:
+        return [sum(p.numel() for p in model.parameters())], []
+    return blocks, groups
 
 
-def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, local: int) -> Estimate:
+def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, local: int,
+             checkpointed: bool | None = None) -> Estimate:
+    """Rank 0's memory for ``strategy`` at ``world_size``; ``checkpointed`` overrides the config's
+    activation checkpointing (all blocks or none)."""
     strategy_cfg = replace(cfg.strategy, sharding_strategy=strategy,
                            shard_group_size=cfg.strategy.shard_group_size
                            if world_size % max(cfg.strategy.shard_group_size, 1) == 0 else 0)
+    if checkpointed is not None:
+        strategy_cfg = replace(strategy_cfg, activation_checkpointing="all" if checkpointed else "none")
     plan = resolve_plan(strategy_cfg, world_size, min(local, world_size))
     shapes = [tuple(p.shape) for p in model.parameters()]
     params, grads, optim = sharded_state_bytes(shapes, plan.mesh_shape[-1], 0, plan.storage_dtype)
-    act, act_ckpt = activation_bytes(cfg, cfg.trainer.micro_batch_size, plan.param_dtype)
-    largest_unit = max(unit_param_counts(model))
     total_params = sum(math.prod(s) for s in shapes)
-    if plan.grad_accumulation == "unsharded" and cfg.trainer.grad_accum_steps > 1 and plan.mesh_shape[-1] > 1:
+    accumulation = 0
+    accumulating = cfg.trainer.grad_accum_steps > 1
+    if plan.grad_accumulation == "unsharded" and accumulating and plan.mesh_shape[-1] > 1:
         # Between micro-batches every rank holds each parameter's full gradient, kept in the reduce
         # dtype, besides the sharded one.
-        grads += total_params * plan.reduce_dtype.itemsize
+        accumulation = total_params * plan.reduce_dtype.itemsize
+
+    checkpoint_all = plan.activation_checkpointing != "none"
+    act = activation_model(cfg, cfg.trainer.micro_batch_size, plan.param_dtype, checkpoint_all)
+    blocks, groups = unit_param_counts(model)
+    layers = len(blocks) if groups else 0
+    block_units = max(blocks)
+    head_unit = groups[-1] if groups else total_params
+    compute, reduce = plan.param_dtype.itemsize, plan.reduce_dtype.itemsize
     if plan.reshard_after_forward is False:
-        # Every unit stays unsharded from its forward until its backward.
-        gathered = total_params * plan.param_dtype.itemsize
+        # Every unit stays gathered from its forward until its backward.
+        gathered_start = total_params * compute
+        gathered_block = total_params * compute + head_unit * (compute + reduce)
     else:
-        # Current and prefetched unit, plus the reduce-scatter input of one unit.
-        gathered = 2 * largest_unit * plan.param_dtype.itemsize
-    comm = gathered + largest_unit * plan.reduce_dtype.itemsize
-    return Estimate(plan.strategy, world_size, plan.mesh_shape, params, grads, optim, act, act_ckpt, comm)
+        # The head unit is never resharded after forward (parallelize); in a block's backward, the
+        # block, the prefetched next one and the block's reduce-scatter input.
+        gathered_start = head_unit * compute
+        gathered_block = block_units * (2 * compute + reduce)
+    earlier = grads if accumulating else 0  # sharded gradients of previous micro-batches
+    first_block = act.block + act.block_backward
+    phases = {
+        "backward start": (earlier, layers * act.saved_per_block + act.head_saved + act.head_backward,
+                           gathered_start),
+        # The head unit's gradients are reduced: the loss's tensors are gone, the buffers are not.
+        "head reduced": (earlier, layers * act.saved_per_block,
+                         gathered_start + head_unit * (compute + reduce)),
+        "block backward": (earlier, max(layers - 1, 0) * act.saved_per_block + first_block,
+                           gathered_block),
+        "backward end": (grads, first_block, gathered_block),
+    }
+    name, (held_grads, at_peak, gathered) = max(phases.items(), key=lambda kv: sum(kv[1]))
+    peak = params + optim + accumulation + held_grads + at_peak + gathered
+    activations = max(phase[1] for phase in phases.values())
+    return Estimate(plan.strategy, world_size, plan.mesh_shape, checkpoint_all, params, grads, optim,
+                    accumulation, activations, gathered, peak, name)
 
 
 def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, local: int) -> str:
@@ -114,25 +176,26 @@ def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, l
     lines = [f"model: {n / 1e6:.1f}M parameters; micro-batch {cfg.trainer.micro_batch_size} x "
              f"{cfg.trainer.seq_len} tokens; precision {cfg.strategy.mixed_precision}; "
              f"{local} processes per node",
-             "per-rank GiB (rank 0, the largest shard): params | grads | optimizer | activations "
-             "(no AC / AC) | comm buffers | total (no AC / AC)" + (" | fits" if device_memory else "")]
+             "per-rank GiB (rank 0, the largest shard): params | grads | optimizer | activation peak "
+             "(no AC / AC) | peak (no AC / AC)" + (" | fits" if device_memory else "")]
     gib = 2**30
     for world in world_sizes:
         for strategy in STRATEGIES:
             if strategy.startswith("HYBRID") and (world < 2 or world % min(local, world)):
                 continue
             try:
-                e = estimate(cfg, model, strategy, world, local)
+                plain, checkpointed = (estimate(cfg, model, strategy, world, local, checkpointed=ac)
+                                       for ac in (False, True))
             except Exception as exc:  # a combination the plan rejects (e.g. group size)
                 lines.append(f"  {world:>4} x {strategy:<19} not possible: {exc}")
                 continue
             fit = ""
             if device_memory:
-                ok_ac, ok = e.total(True) <= device_memory, e.total(False) <= device_memory
+                ok, ok_ac = plain.peak <= device_memory, checkpointed.peak <= device_memory
                 fit = " | " + ("yes" if ok else "with AC" if ok_ac else "no")
-            g = [x / gib for x in (e.params, e.grads, e.optimizer, e.activations,
-                                    e.activations_checkpointed, e.comm_buffers,
-                                    e.total(False), e.total(True))]
+            g = [x / gib for x in (plain.params, plain.grads + plain.accumulation, plain.optimizer,
+                                    plain.activations, checkpointed.activations, plain.peak,
+                                    checkpointed.peak)]
             lines.append(f"  {world:>4} x {strategy:<19} {g[0]:8.2f} {g[1]:8.2f} {g[2]:9.2f}   "
-                         f"{g[3]:7.2f} / {g[4]:<7.2f} {g[5]:8.2f}   {g[6]:8.2f} / {g[7]:<8.2f}{fit}")
+                         f"{g[3]:7.2f} / {g[4]:<7.2f}   {g[5]:8.2f} / {g[6]:<8.2f}{fit}")
     return "\n".join(lines)

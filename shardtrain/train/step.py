@@ -56,6 +56,21 @@ def global_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def prepare_micro_batch(model: nn.Module, index: int, count: int, sharded_accumulation: bool) -> None:
+    """Tell FSDP which reductions micro-batch ``index`` of ``count`` runs.
+
+    Sharded accumulation reduce-scatters after every backward (only sharded gradients are held) and
+    all-reduces across the replicas of a hybrid mesh on the last micro-batch only; unsharded
+    accumulation keeps full gradients and reduces once, on the last.
+    """
+    if not isinstance(model, FSDPModule) or count < 2:
+        return
+    if sharded_accumulation:
+        model.set_requires_all_reduce(index == count - 1)
+    else:
+        model.set_requires_gradient_sync(index == count - 1)
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, micro_batches: list[Batch],
                mesh: DeviceMesh, grad_clip_norm: float, device: torch.device,
@@ -73,16 +88,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         raise TrainingError("a training step had no target tokens on any rank; check the data")
 
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    accumulate = isinstance(model, FSDPModule) and len(micro_batches) > 1
     last = len(micro_batches) - 1
     rank = dist.get_rank()
     if phases is not None:
         phases.start()
     for index, (x, y) in enumerate(micro_batches):
-        if accumulate and sharded_accumulation:
-            model.set_requires_all_reduce(index == last)
-        elif accumulate:
-            model.set_requires_gradient_sync(index == last)
+        prepare_micro_batch(model, index, len(micro_batches), sharded_accumulation)
         loss = token_loss_sum(model, x.to(device), y.to(device)) / global_tokens
         if index == 0:
             loss = faults.poison_loss(rank, step, loss)

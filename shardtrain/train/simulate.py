@@ -1,0 +1,309 @@
+"""Simulate one training step of rank 0 at any world size, in one process, without real weights.
+
+``simulate`` builds the configured model on the meta device, shards it with the real ``parallelize``
+onto a device mesh over PyTorch's *fake* process group (every collective returns at once), moves it
+to fake tensors (``FakeTensorMode``: shapes, dtypes and storages, no data) and runs one steady-state
+training step (every micro-batch's forward and backward, the global gradient norm, clipping, AdamW)
+under FSDP2's memory tracker. What rank 0 holds at the step's peak is what a real run would hold on
+each of its devices, minus allocator fragmentation and the CUDA context.
+
+PyTorch APIs this relies on that are not public (pinned by tests/test_simulate.py):
+- ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`` (memory by category at the peak);
+  :class:`PhasePeakTracker` overrides its private ``_update_peak_stats`` to keep one peak per phase
+  of the step, reading the private ``_curr_mem_snap``, ``_in_opt`` and ``_mod_tracker`` (whose
+  ``parents`` and ``is_bw`` are documented attributes of ``ModTracker``).
+- the ``"fake"`` process-group backend (``torch.testing._internal.distributed.fake_pg``, registered
+  by ``torch.distributed``) with its built-in fake store.
+
+Probe mode: the blocks of a decoder are identical and FSDP units are per block, so within one phase
+of the step (say, the backward of the model's last block) every byte the tracker sees is affine in
+the number of layers; the step's peak is the largest phase, which may change with depth.
+``probe=True`` simulates two shallow depths with the real width, world size and strategy, extends
+every phase along the line through them to the configured depth and takes the largest phase; the
+tests check it against full-depth simulation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.device_mesh import init_device_mesh
+
+from shardtrain.config.plan import resolve_plan
+from shardtrain.config.schema import Config
+from shardtrain.diagnostics.memory import state_bytes
+from shardtrain.diagnostics.planner import Estimate, estimate
+from shardtrain.distributed.parallelize import parallelize, sum_gradients
+from shardtrain.distributed.sharded_model import ModelFactory
+from shardtrain.errors import ConfigError
+from shardtrain.models.registry import build_model, model_factory
+from shardtrain.train.grad import clip_grads_, global_grad_norm
+from shardtrain.train.optim import build_optimizer
+from shardtrain.train.step import prepare_micro_batch, token_loss_sum
+
+END_BLOCKS = 3  # blocks at either end of the stack whose backward is a phase of its own
+OTHER_BLOCKS = "backward other blocks"  # never above the end blocks: affine in the block index
+
+# Categories of FSDPMemTracker's snapshots, grouped the way the planner reports them.
+ACTIVATION_KINDS = ("Activation", "Temp")
+GATHERED_KINDS = ("Unsharded Param", "All Gather", "Reduce Scatter", "Unsharded Grad")
+
+
+class PhasePeakTracker(FSDPMemTracker):
+    """FSDPMemTracker that keeps the peak of each phase of the step instead of each module's.
+
+    Phases: forward; backward before any block (the loss and the head); the backward of each of the
+    three blocks at either end of the stack (``blocks[-1]`` runs first; FSDP's prefetch and the
+    reduce-scatter in flight make these differ from the rest) and of the blocks between them;
+    backward after the blocks (the embeddings); the gradient norm; the optimizer step. Within one
+    phase every byte is affine in the depth, which probe mode relies on; the blocks between the
+    ends are affine in their index too, so they never exceed ``blocks[2]`` or ``blocks[-3]``.
+    Keeping no per-module peaks is also what makes a deep model fast: the stock tracker loops over
+    every module it has seen on every operator.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, blocks: list[str]) -> None:
+        super().__init__(model, optimizer)
+        # ModTracker names a module by its root's class name and its path.
+        prefix = type(model).__name__
+        self.block_index = {f"{prefix}.{name}": index for index, name in enumerate(blocks)}
+        self.phase_peaks: dict[str, dict[str, int]] = {}
+        self._blocks_done = False
+        # Set by the caller after backward: "gradient norm", then "optimizer" (until zero_grad ends).
+        self.stage: str | None = None
+
+    def block_phase(self, index: int) -> str:
+        last = len(self.block_index) - 1
+        if last - index < END_BLOCKS:
+            return f"backward blocks[{index - last - 1}]"
+        if index < END_BLOCKS:
+            return f"backward blocks[{index}]"
+        return OTHER_BLOCKS
+
+    def phase(self) -> str:
+        if self._in_opt:
+            return "optimizer"
+        if self.stage is not None:
+            return self.stage
+        if not self._mod_tracker.is_bw:
+            self._blocks_done = False
+            return "forward"
+        active = self._mod_tracker.parents & self.block_index.keys()
+        if active:
+            index = self.block_index[next(iter(active))]
+            self._blocks_done = self._blocks_done or index == 0
+            return self.block_phase(index)
+        return "backward end" if self._blocks_done else "backward start"
+
+    def _update_peak_stats(self, peak_state) -> None:  # noqa: ARG002 - the base class's signature
+        snapshots = self._curr_mem_snap.values()
+        total = sum(snapshot["Total"] for snapshot in snapshots)
+        phase = self.phase()
+        if total > self.phase_peaks.get(phase, {}).get("Total", -1):
+            merged: dict[str, int] = {}
+            for snapshot in snapshots:
+                for kind, n in snapshot.items():
+                    key = str(getattr(kind, "value", kind))
+                    merged[key] = merged.get(key, 0) + int(n)
+            self.phase_peaks[phase] = merged
+
+
+@dataclass
+class Simulation:
+    """Rank 0's bytes during one simulated training step (rank 0 holds the largest shard)."""
+
+    strategy: str
+    world_size: int
+    mesh: tuple[int, ...]
+    activation_checkpointing: str
+    layers: int
+    params: int  # sharded parameters, storage dtype
+    grads: int  # sharded gradients after the step's backward
+    optimizer: int  # AdamW state
+    phases: dict[str, dict[str, int]]  # each phase's peak, by FSDPMemTracker category and "Total"
+    seconds: float
+    probed_layers: tuple[int, ...] = ()
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda name: self.phases[name]["Total"])
+
+    @property
+    def peak_by_kind(self) -> dict[str, int]:
+        return self.phases[self.peak_phase]
+
+    @property
+    def peak(self) -> int:
+        return self.peak_by_kind["Total"]
+
+    @property
+    def activations(self) -> int:
+        """The activation peak: saved activations and backward temporaries, at their largest."""
+        return max(sum(kinds.get(kind, 0) for kind in ACTIVATION_KINDS) for kinds in self.phases.values())
+
+    @property
+    def gathered(self) -> int:
+        """Unsharded parameters and gradients, all-gather and reduce-scatter buffers at the peak."""
+        return sum(self.peak_by_kind.get(kind, 0) for kind in GATHERED_KINDS)
+
+    def fits(self, device_memory: int) -> bool:
+        return self.peak <= device_memory
+
+
+@contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """A fake default process group of ``world_size`` ranks in which this process is rank 0."""
+    if dist.is_initialized():
+        raise ConfigError("cannot simulate inside a running distributed job; "
+                          "run `shardtrain plan --simulate` as a single process")
+    dist.init_process_group("fake", rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def block_names(model: nn.Module) -> list[str]:
+    classes = getattr(model, "block_classes", ())
+    return [name for name, module in model.named_modules() if classes and isinstance(module, classes)]
+
+
+def _simulate_depth(cfg: Config, world_size: int, local_world_size: int,
+                    factory: ModelFactory) -> Simulation:
+    started = time.perf_counter()
+    plan = resolve_plan(cfg.strategy, world_size, min(local_world_size, world_size))
+    trainer = cfg.trainer
+    with fake_world(world_size):
+        mesh = init_device_mesh("cpu", plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
+        # Shard on the meta device: FSDP2 chunks every parameter into world-size pieces, which
+        # meta tensors do in C++ and fake tensors in Python (minutes at 1,024 ranks).
+        with torch.device("meta"):
+            model = factory()
+        parallelize(model, mesh, plan, list(cfg.strategy.wrap_policy))
+        sum_gradients(model)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            if hasattr(model, "init_buffers"):
+                model.init_buffers()
+            optimizer = build_optimizer(model, trainer)
+            # A steady-state step: the optimizer's state exists before it starts, as from step 2 on.
+            for param in model.parameters():
+                param.grad = torch.zeros_like(param)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            tokens = torch.zeros(trainer.micro_batch_size, trainer.seq_len, dtype=torch.long)
+            tracker = PhasePeakTracker(model, optimizer, block_names(model))
+            tracker.track_inputs((tokens,))
+            steps = trainer.grad_accum_steps
+            with tracker:
+                for index in range(steps):
+                    prepare_micro_batch(model, index, steps, plan.grad_accumulation == "sharded")
+                    (token_loss_sum(model, tokens, tokens) / tokens.numel()).backward()
+                tracker.stage = "gradient norm"
+                grads = state_bytes(model, None).grads
+                params = [p for p in model.parameters() if p.grad is not None]
+                norm = global_grad_norm(params, mesh)
+                if trainer.grad_clip_norm > 0:
+                    clip_grads_(params, trainer.grad_clip_norm, norm)
+                tracker.stage = "optimizer"
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            held = state_bytes(model, optimizer)
+    return Simulation(
+        strategy=plan.strategy, world_size=world_size, mesh=plan.mesh_shape,
+        activation_checkpointing=cfg.strategy.activation_checkpointing, layers=cfg.model.n_layers,
+        params=held.params, grads=grads, optimizer=held.optimizer, phases=tracker.phase_peaks,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _extrapolate(probes: list[Simulation], layers: int) -> Simulation:
+    """Every phase's bytes at ``layers`` on the line through two probes' (depth, bytes)."""
+    low, high = probes
+    span = high.layers - low.layers
+
+    def at(a: int, b: int) -> int:
+        return a + (b - a) * (layers - low.layers) // span
+
+    phases = {phase: {kind: at(low.phases[phase].get(kind, 0), n) for kind, n in kinds.items()}
+              for phase, kinds in high.phases.items() if phase != OTHER_BLOCKS and phase in low.phases}
+    return replace(high, layers=layers, phases=phases, seconds=low.seconds + high.seconds,
+                   probed_layers=(low.layers, high.layers), params=at(low.params, high.params),
+                   grads=at(low.grads, high.grads), optimizer=at(low.optimizer, high.optimizer))
+
+
+def probe_depths(cfg: Config) -> tuple[int, int] | None:
+    """Two depths to probe, or None: simulate in full (a model not deeper than the probes, or
+    activation checkpointing of every k-th block, where blocks differ)."""
+    first = 2 * END_BLOCKS  # the three blocks at each end, none in between
+    if cfg.strategy.activation_checkpointing == "every_k" or cfg.model.n_layers <= first + 1:
+        return None
+    return first, first + 1
+
+
+def simulate(cfg: Config, world_size: int, local_world_size: int, *, probe: bool = True,
+             factory: ModelFactory | None = None) -> Simulation:
+    """Rank 0's memory during one training step of ``cfg`` at ``world_size`` ranks.
+
+    ``probe``: simulate two shallow copies of the model (6 and 7 blocks) and extend every phase's
+    bytes along the line through them (exact for a stack of identical blocks); the full depth where
+    that does not apply or a custom ``factory`` builds the model.
+    """
+    if world_size < 1:
+        raise ConfigError(f"world size {world_size} must be at least 1")
+    make = factory or model_factory(cfg.model)
+    depths = probe_depths(cfg) if probe and factory is None else None
+    if depths is None:
+        return _simulate_depth(cfg, world_size, local_world_size, make)
+    probes = [_simulate_depth(c, world_size, local_world_size, model_factory(c.model))
+              for c in (replace(cfg, model=replace(cfg.model, n_layers=d)) for d in depths)]
+    return _extrapolate(probes, cfg.model.n_layers)
+
+
+def simulation_rows(cfg: Config, world_sizes: list[int], strategies: list[str],
+                    checkpointing: list[bool], local_world_size: int, probe: bool = True,
+                    ) -> list[tuple[Simulation, Estimate]]:
+    """The simulation and the planner's estimate of every combination, in the order given."""
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    rows = []
+    for world in world_sizes:
+        for strategy in strategies:
+            for ac in checkpointing:
+                strategy_cfg = replace(cfg.strategy, sharding_strategy=strategy,
+                                       activation_checkpointing="all" if ac else "none")
+                case = replace(cfg, strategy=strategy_cfg)
+                sim = simulate(case, world, local_world_size, probe=probe)
+                rows.append((sim, estimate(case, model, strategy, world, local_world_size)))
+    return rows
+
+
+def simulation_table(rows: list[tuple[Simulation, Estimate]], device_memory: int | None,
+                     markdown: bool = False) -> str:
+    """Per-rank GiB of each simulation, the planner's activation peak and peak beside it."""
+    gib = 2**30
+    head = ["ranks", "strategy", "AC", "params", "grads", "optimizer", "activation peak (planner)",
+            "peak (planner)", "peak phase"] + (["fits"] if device_memory else []) + ["seconds"]
+    lines = []
+    for sim, plan in rows:
+        cells = [str(sim.world_size), sim.strategy, "yes" if sim.activation_checkpointing != "none" else "no",
+                 f"{sim.params / gib:.2f}", f"{sim.grads / gib:.2f}", f"{sim.optimizer / gib:.2f}",
+                 f"{sim.activations / gib:.1f} ({plan.activations / gib:.1f})",
+                 f"{sim.peak / gib:.1f} ({plan.peak / gib:.1f})", sim.peak_phase]
+        if device_memory:
+            cells.append("yes" if sim.fits(device_memory) else "no")
+        cells.append(f"{sim.seconds:.1f}")
+        lines.append(cells)
+    if markdown:
+        rule = ["---"] * len(head)
+        return "\n".join("| " + " | ".join(r) + " |" for r in [head, rule, *lines])
+    widths = [max(len(r[i]) for r in [head, *lines]) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *lines])
