@@ -39,7 +39,7 @@ class Estimate:
     grads: int  # sharded gradients after backward
     optimizer: int
     accumulation: int  # full gradients held between micro-batches (unsharded accumulation)
-    activations: int  # saved activations and backward temporaries at their largest in the step
+    activations: int  # activation peak: saved activations and backward temporaries, most of any phase
     gathered: int  # unsharded parameters and collective buffers at the peak
     peak: int
     peak_phase: str

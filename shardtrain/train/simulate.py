@@ -7,13 +7,15 @@ training step (every micro-batch's forward and backward, the global gradient nor
 under FSDP2's memory tracker. What rank 0 holds at the step's peak is what a real run would hold on
 each of its devices, minus allocator fragmentation and the CUDA context.
 
-PyTorch APIs this relies on that are not public (pinned by tests/test_simulate.py):
+PyTorch APIs and behaviour this relies on that are not public (pinned by tests/test_simulate.py):
 - ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`` (memory by category at the peak);
   :class:`PhasePeakTracker` overrides its private ``_update_peak_stats`` to keep one peak per phase
   of the step, reading the private ``_curr_mem_snap``, ``_in_opt`` and ``_mod_tracker`` (whose
   ``parents`` and ``is_bw`` are documented attributes of ``ModTracker``).
 - the ``"fake"`` process-group backend (``torch.testing._internal.distributed.fake_pg``, registered
-  by ``torch.distributed``) with its built-in fake store.
+  by ``torch.distributed``) with its built-in fake store;
+- ``FakeTensorMode.cache_clear()``: the fake dispatch cache is shared by every instance, and
+  simulations only give the same bytes whatever ran before them once it is cleared.
 
 Probe mode: the blocks of a decoder are identical and FSDP units are per block, so within one phase
 of the step (say, the backward of the model's last block) every byte the tracker sees is affine in
@@ -25,6 +27,7 @@ tests check it against full-depth simulation.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed.device_mesh import init_device_mesh
 
 from shardtrain.config.plan import resolve_plan
@@ -49,8 +52,8 @@ from shardtrain.train.grad import clip_grads_, global_grad_norm
 from shardtrain.train.optim import build_optimizer
 from shardtrain.train.step import prepare_micro_batch, token_loss_sum
 
-END_BLOCKS = 3  # blocks at either end of the stack whose backward is a phase of its own
-OTHER_BLOCKS = "backward other blocks"  # never above the end blocks: affine in the block index
+END_BLOCKS = 3  # blocks at either end of the stack whose forward and backward are phases of their own
+OTHER_BLOCKS = "other blocks"  # never above the end blocks: affine in the block index
 
 # Categories of FSDPMemTracker's snapshots, grouped the way the planner reports them.
 ACTIVATION_KINDS = ("Activation", "Temp")
@@ -60,14 +63,15 @@ GATHERED_KINDS = ("Unsharded Param", "All Gather", "Reduce Scatter", "Unsharded 
 class PhasePeakTracker(FSDPMemTracker):
     """FSDPMemTracker that keeps the peak of each phase of the step instead of each module's.
 
-    Phases: forward; backward before any block (the loss and the head); the backward of each of the
-    three blocks at either end of the stack (``blocks[-1]`` runs first; FSDP's prefetch and the
-    reduce-scatter in flight make these differ from the rest) and of the blocks between them;
-    backward after the blocks (the embeddings); the gradient norm; the optimizer step. Within one
-    phase every byte is affine in the depth, which probe mode relies on; the blocks between the
-    ends are affine in their index too, so they never exceed ``blocks[2]`` or ``blocks[-3]``.
-    Keeping no per-module peaks is also what makes a deep model fast: the stock tracker loops over
-    every module it has seen on every operator.
+    Phases: forward and backward of each of the three blocks at either end of the stack
+    (``blocks[-1]`` is the model's last block; FSDP's prefetch and the reduce-scatter in flight
+    make the end blocks differ from the rest) and of the blocks between them; forward before the
+    blocks (the embeddings) and after them (the head and the loss); backward before the blocks and
+    after them; the gradient norm; the optimizer step. Within one phase the bytes are affine in the
+    depth, which probe mode relies on; blocks between the ends are affine in their index too, so
+    they never exceed ``blocks[2]`` or ``blocks[-3]``. Keeping no per-module peaks is
+    also what makes a deep model fast: the stock tracker loops over every module it has seen on
+    every operator.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, blocks: list[str]) -> None:
@@ -75,45 +79,60 @@ class PhasePeakTracker(FSDPMemTracker):
         # ModTracker names a module by its root's class name and its path.
         prefix = type(model).__name__
         self.block_index = {f"{prefix}.{name}": index for index, name in enumerate(blocks)}
-        self.phase_peaks: dict[str, dict[str, int]] = {}
-        self._blocks_done = False
+        self.peaks: dict[str, dict[str, int]] = {}
+        # The activation peak of a phase need not fall on the moment of its total peak.
+        self.activation_peaks: dict[str, int] = {}
+        self.activation_kinds = [kind for kind in _FSDPRefType if kind.value in ACTIVATION_KINDS]
+        self._blocks_done = {"forward": False, "backward": False}
         # Set by the caller after backward: "gradient norm", then "optimizer" (until zero_grad ends).
         self.stage: str | None = None
+        # Set by the caller with several micro-batches: the first, middle and last ones hold
+        # different gradients and buffers, so each is a phase of its own.
+        self.micro_batch = ""
 
-    def block_phase(self, index: int) -> str:
+    def block_phase(self, direction: str, index: int) -> str:
         last = len(self.block_index) - 1
         if last - index < END_BLOCKS:
-            return f"backward blocks[{index - last - 1}]"
+            return f"{direction} blocks[{index - last - 1}]"
         if index < END_BLOCKS:
-            return f"backward blocks[{index}]"
-        return OTHER_BLOCKS
+            return f"{direction} blocks[{index}]"
+        return f"{direction} {OTHER_BLOCKS}"
 
     def phase(self) -> str:
+        phase = self.step_phase()
+        return f"{phase} ({self.micro_batch})" if self.micro_batch and self.stage is None else phase
+
+    def step_phase(self) -> str:
         if self._in_opt:
             return "optimizer"
         if self.stage is not None:
             return self.stage
-        if not self._mod_tracker.is_bw:
-            self._blocks_done = False
-            return "forward"
+        direction = "backward" if self._mod_tracker.is_bw else "forward"
+        if direction == "forward" and self._blocks_done["backward"]:
+            self._blocks_done = {"forward": False, "backward": False}  # the next micro-batch
         active = self._mod_tracker.parents & self.block_index.keys()
         if active:
             index = self.block_index[next(iter(active))]
-            self._blocks_done = self._blocks_done or index == 0
-            return self.block_phase(index)
-        return "backward end" if self._blocks_done else "backward start"
+            end = len(self.block_index) - 1 if direction == "forward" else 0
+            self._blocks_done[direction] = self._blocks_done[direction] or index == end
+            return self.block_phase(direction, index)
+        return f"{direction} {'end' if self._blocks_done[direction] else 'start'}"
 
     def _update_peak_stats(self, peak_state) -> None:  # noqa: ARG002 - the base class's signature
         snapshots = self._curr_mem_snap.values()
         total = sum(snapshot["Total"] for snapshot in snapshots)
         phase = self.phase()
-        if total > self.phase_peaks.get(phase, {}).get("Total", -1):
+        activations = sum(int(snapshot.get(kind, 0))
+                          for snapshot in snapshots for kind in self.activation_kinds)
+        if activations > self.activation_peaks.get(phase, -1):
+            self.activation_peaks[phase] = activations
+        if total > self.peaks.get(phase, {}).get("Total", -1):
             merged: dict[str, int] = {}
             for snapshot in snapshots:
                 for kind, n in snapshot.items():
-                    key = str(getattr(kind, "value", kind))
-                    merged[key] = merged.get(key, 0) + int(n)
-            self.phase_peaks[phase] = merged
+                    name = str(getattr(kind, "value", kind))
+                    merged[name] = merged.get(name, 0) + int(n)
+            self.peaks[phase] = merged
 
 
 @dataclass
@@ -129,6 +148,7 @@ class Simulation:
     grads: int  # sharded gradients after the step's backward
     optimizer: int  # AdamW state
     phases: dict[str, dict[str, int]]  # each phase's peak, by FSDPMemTracker category and "Total"
+    activation_peaks: dict[str, int]  # each phase's most activations and backward temporaries
     seconds: float
     probed_layers: tuple[int, ...] = ()
 
@@ -146,8 +166,9 @@ class Simulation:
 
     @property
     def activations(self) -> int:
-        """The activation peak: saved activations and backward temporaries, at their largest."""
-        return max(sum(kinds.get(kind, 0) for kind in ACTIVATION_KINDS) for kinds in self.phases.values())
+        """The activation peak: the most saved activations and backward temporaries (the tracker's
+        categories) at any moment of the step; at the step's peak they may be lower."""
+        return max(self.activation_peaks.values())
 
     @property
     def gathered(self) -> int:
@@ -179,6 +200,23 @@ def block_names(model: nn.Module) -> list[str]:
 def _simulate_depth(cfg: Config, world_size: int, local_world_size: int,
                     factory: ModelFactory) -> Simulation:
     started = time.perf_counter()
+    # Every simulation must give the same bytes whatever ran before it in this process:
+    # - FakeTensorMode's dispatch cache is shared by all instances, and an operator answered from
+    #   it can alias storages differently from one computed afresh, which the tracker counts;
+    # - storages in reference cycles are freed whenever the collector happens to run, which the
+    #   tracker would see at a random moment of the step. (A caller simulating many cases may
+    #   gc.freeze() once after its imports to make this collection cheap.)
+    FakeTensorMode.cache_clear()
+    gc.collect()
+    gc.disable()
+    try:
+        return _simulate_step(cfg, world_size, local_world_size, factory, started)
+    finally:
+        gc.enable()
+
+
+def _simulate_step(cfg: Config, world_size: int, local_world_size: int, factory: ModelFactory,
+                   started: float) -> Simulation:
     plan = resolve_plan(cfg.strategy, world_size, min(local_world_size, world_size))
     trainer = cfg.trainer
     with fake_world(world_size):
@@ -205,6 +243,9 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int,
             steps = trainer.grad_accum_steps
             with tracker:
                 for index in range(steps):
+                    if steps > 1:
+                        tracker.micro_batch = ("first micro-batch" if index == 0 else "last micro-batch"
+                                               if index == steps - 1 else "middle micro-batches")
                     prepare_micro_batch(model, index, steps, plan.grad_accumulation == "sharded")
                     (token_loss_sum(model, tokens, tokens) / tokens.numel()).backward()
                 tracker.stage = "gradient norm"
@@ -220,7 +261,8 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int,
     return Simulation(
         strategy=plan.strategy, world_size=world_size, mesh=plan.mesh_shape,
         activation_checkpointing=cfg.strategy.activation_checkpointing, layers=cfg.model.n_layers,
-        params=held.params, grads=grads, optimizer=held.optimizer, phases=tracker.phase_peaks,
+        params=held.params, grads=grads, optimizer=held.optimizer, phases=tracker.peaks,
+        activation_peaks=tracker.activation_peaks,
         seconds=time.perf_counter() - started,
     )
 
@@ -234,8 +276,12 @@ def _extrapolate(probes: list[Simulation], layers: int) -> Simulation:
         return a + (b - a) * (layers - low.layers) // span
 
     phases = {phase: {kind: at(low.phases[phase].get(kind, 0), n) for kind, n in kinds.items()}
-              for phase, kinds in high.phases.items() if phase != OTHER_BLOCKS and phase in low.phases}
-    return replace(high, layers=layers, phases=phases, seconds=low.seconds + high.seconds,
+              for phase, kinds in high.phases.items() if OTHER_BLOCKS not in phase and phase in low.phases}
+    activation_peaks = {phase: at(low.activation_peaks[phase], n)
+                        for phase, n in high.activation_peaks.items()
+                        if OTHER_BLOCKS not in phase and phase in low.activation_peaks}
+    return replace(high, layers=layers, phases=phases, activation_peaks=activation_peaks,
+                   seconds=low.seconds + high.seconds,
                    probed_layers=(low.layers, high.layers), params=at(low.params, high.params),
                    grads=at(low.grads, high.grads), optimizer=at(low.optimizer, high.optimizer))
 
@@ -259,6 +305,15 @@ def simulate(cfg: Config, world_size: int, local_world_size: int, *, probe: bool
     """
     if world_size < 1:
         raise ConfigError(f"world size {world_size} must be at least 1")
+    plan = resolve_plan(cfg.strategy, world_size, min(local_world_size, world_size))
+    if (len(plan.mesh_shape) > 1 and plan.mesh_shape[0] > 1 and cfg.trainer.grad_accum_steps > 1
+            and plan.grad_accumulation == "sharded"):
+        # FSDP2's accumulation of partial reductions across replicas fails on the fake process
+        # group (the reduce-scatter output is not shaped like the shard there).
+        raise ConfigError(
+            f"the simulator cannot run {plan.strategy} with trainer.grad_accum_steps > 1 and sharded "
+            "accumulation; simulate with trainer.grad_accum_steps=1 (micro-batches after the first "
+            "add only the sharded gradients, which the planner counts)")
     make = factory or model_factory(cfg.model)
     depths = probe_depths(cfg) if probe and factory is None else None
     if depths is None:

@@ -1,0 +1,61 @@
+"""Simulation cases run in worker processes (two at a time: the machine has two cores)."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from shardtrain.config.loader import load_config
+from shardtrain.diagnostics.planner import estimate
+from shardtrain.models.registry import build_model
+from shardtrain.train.simulate import simulate
+
+STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard")
+SCALE = ["trainer.micro_batch_size=1", "trainer.seq_len=8192", "strategy.mixed_precision=bf16-mixed"]
+PROCESSES_PER_NODE = 8
+
+
+def freeze_imports() -> None:
+    """Worker initializer: move everything imported so far out of the collector's sight, so that
+    the collection before each simulation looks at that simulation's garbage only."""
+    gc.collect()
+    gc.freeze()
+
+
+def scale_config(model: str, strategy: str, checkpointed: bool):
+    return load_config([f"model={model}", f"strategy={strategy}", *SCALE,
+                        f"strategy.activation_checkpointing={'all' if checkpointed else 'none'}"])
+
+
+def simulate_against_planner(model: str, world: int) -> list[dict]:
+    """Every strategy, with and without activation checkpointing, of one model at one world size."""
+    results = []
+    meta = None
+    for strategy in STRATEGIES:
+        for checkpointed in (False, True):
+            cfg = scale_config(model, strategy, checkpointed)
+            if meta is None:
+                with torch.device("meta"):
+                    meta = build_model(cfg.model)
+            sim = simulate(cfg, world, PROCESSES_PER_NODE)
+            plan = estimate(cfg, meta, cfg.strategy.sharding_strategy, world, PROCESSES_PER_NODE)
+            results.append(dict(
+                case=f"{model} x {world} {strategy} AC={checkpointed}", seconds=sim.seconds,
+                simulated=(sim.params, sim.grads, sim.optimizer, sim.activations, sim.peak),
+                planned=(plan.params, plan.grads, plan.optimizer, plan.activations, plan.peak),
+            ))
+    return results
+
+
+def small_config(layers: int, strategy: str, ac: str, accumulate: int = 1, seq_len: int = 8192):
+    """Llama-3-8B's width at ``layers`` blocks, 16 ranks of 4 per node."""
+    return load_config(["model=llama3_8b", f"model.n_layers={layers}", f"strategy={strategy}",
+                        "strategy.mixed_precision=bf16-mixed", f"strategy.activation_checkpointing={ac}",
+                        "trainer.micro_batch_size=1", f"trainer.seq_len={seq_len}",
+                        f"trainer.grad_accum_steps={accumulate}"])
+
+
+def probe_and_full_depth(strategy: str, ac: str, accumulate: int) -> tuple:
+    cfg = small_config(10, strategy, ac, accumulate)
+    return simulate(cfg, 16, 4), simulate(cfg, 16, 4, probe=False)

@@ -1,0 +1,139 @@
+"""``shardtrain plan --simulate``: one training step of rank 0 at 8 to 1,024 ranks, in one process.
+
+The planner's per-rank parameters, gradients and optimizer state must equal the simulated sharded
+sizes exactly, and its activation peak and total peak be within 10% of FSDP2's memory tracker, for
+Llama-3 8B, 70B and 405B shapes at the world sizes they are trained at. Probe mode (two shallow
+depths, extended by depth) is checked against simulating every layer, and the private PyTorch
+behaviour the simulator depends on is pinned here.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+import torch
+import torch.distributed as dist
+from simulate_workers import freeze_imports, probe_and_full_depth, simulate_against_planner, small_config
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+
+from shardtrain.cli.main import main
+from shardtrain.errors import ConfigError
+from shardtrain.train import simulate as sim_module
+from shardtrain.train.simulate import OTHER_BLOCKS, fake_world, simulate
+
+GRID = [("llama3_8b", 8), ("llama3_8b", 64), ("llama3_70b", 64), ("llama3_70b", 512),
+        ("llama3_405b", 1024)]
+TOLERANCE = 0.10
+
+
+PROBE_CASES = [("full_shard", "none", 2)]
+
+
+@pytest.fixture(scope="module")
+def simulations() -> dict:
+    """Every simulation of this file that takes seconds, run two at a time."""
+    # One process per task, as `plan --simulate` runs each case: a simulation can depend on what
+    # ran before it in the same process (docs/scaling.md, "Limits").
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=freeze_imports, max_tasks_per_child=1) as pool:
+        chunks = list(pool.map(simulate_against_planner, *zip(*GRID)))
+        probes = {case: pool.submit(probe_and_full_depth, *case) for case in PROBE_CASES}
+        return {"grid": [result for chunk in chunks for result in chunk],
+                "probes": {case: future.result() for case, future in probes.items()}}
+
+
+@pytest.fixture(scope="module")
+def grid_results(simulations) -> list[dict]:
+    return simulations["grid"]
+
+
+def test_planner_matches_the_simulation_at_scale(grid_results):
+    assert len(grid_results) == len(GRID) * 3 * 2
+    for r in grid_results:
+        sim_params, sim_grads, sim_optim, sim_act, sim_peak = r["simulated"]
+        params, grads, optim, act, peak = r["planned"]
+        assert (params, grads, optim) == (sim_params, sim_grads, sim_optim), r["case"]
+        assert abs(act / sim_act - 1) < TOLERANCE, (r["case"], act, sim_act)
+        assert abs(peak / sim_peak - 1) < TOLERANCE, (r["case"], peak, sim_peak)
+        assert r["seconds"] < 30, r  # "in seconds": a probe pair, never a full 126-layer step
+
+
+def test_simulated_numbers_follow_the_strategies(grid_results):
+    by_case = {r["case"]: r["simulated"] for r in grid_results}
+    full = by_case["llama3_8b x 8 full_shard AC=False"]
+    zero2 = by_case["llama3_8b x 8 shard_grad_op AC=False"]
+    wider = by_case["llama3_8b x 64 full_shard AC=False"]
+    checkpointed = by_case["llama3_8b x 8 full_shard AC=True"]
+    assert zero2[:3] == full[:3] and zero2[4] > full[4]  # same shards, units stay gathered
+    assert 7.5 < full[0] / wider[0] < 8.5  # 8x the ranks, 1/8 of the shard
+    assert checkpointed[3] < full[3] / 3  # activation checkpointing keeps block inputs only
+    # 8B at 8 ranks: 16 bytes per parameter over 8 ranks (fp32 params, grads, two Adam moments).
+    assert abs(sum(full[:3]) - 16 * 8.03e9 / 8) / (16 * 8.03e9 / 8) < 0.01
+
+
+@pytest.mark.parametrize("case", PROBE_CASES)
+def test_probes_equal_the_full_depth(simulations, case):
+    probed, full = simulations["probes"][case]
+    accumulate = case[2]
+    assert probed.probed_layers == (6, 7) and full.probed_layers == ()
+    assert (probed.params, probed.grads, probed.optimizer) == (full.params, full.grads, full.optimizer)
+    assert probed.phases == {k: v for k, v in full.phases.items() if OTHER_BLOCKS not in k}
+    assert probed.peak == full.peak and probed.activations == full.activations
+    if accumulate > 1:
+        assert "backward start (last micro-batch)" in probed.phases  # micro-batches are phases apart
+
+
+def test_hybrid_with_sharded_accumulation_is_refused_with_the_way_out():
+    with pytest.raises(ConfigError, match="grad_accum_steps=1"):
+        simulate(small_config(12, "hybrid_shard", "none", 2), 16, 4)
+
+
+def test_phase_tracker_keeps_the_stock_trackers_peak():
+    """Pins FSDPMemTracker's private _update_peak_stats/_curr_mem_snap/_in_opt/_mod_tracker and the
+    fake backend: the phase peaks' maximum is the stock tracker's global peak."""
+    cfg = small_config(6, "full_shard", "none", seq_len=1024)
+    peaks = {}
+
+    class Stock(FSDPMemTracker):
+        def __init__(self, model, optimizer, blocks):
+            super().__init__(model, optimizer)
+            self.peaks = {"stock": {"Total": 0}}
+            self.activation_peaks = {"stock": 0}
+            self.stage = None
+
+        def __exit__(self, *args):
+            super().__exit__(*args)
+            peaks["stock"] = self.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+    original = sim_module.PhasePeakTracker
+    try:
+        sim_module.PhasePeakTracker = Stock
+        sim_module._simulate_depth(cfg, 8, 8, sim_module.model_factory(cfg.model))
+    finally:
+        sim_module.PhasePeakTracker = original
+    ours = simulate(cfg, 8, 8, probe=False)
+    assert ours.peak == peaks["stock"]
+    assert {"forward start", "forward blocks[-1]", "forward end", "backward start", "backward blocks[2]",
+            "backward end", "gradient norm", "optimizer"} <= ours.phases.keys()
+    kinds = {k.value for k in _FSDPRefType}
+    assert set(sim_module.ACTIVATION_KINDS) | set(sim_module.GATHERED_KINDS) <= kinds
+
+
+def test_fake_world_is_a_real_process_group_of_n_ranks_and_refuses_nesting():
+    with fake_world(1024):
+        assert dist.get_world_size() == 1024 and dist.get_rank() == 0
+        with pytest.raises(ConfigError, match="single process"), fake_world(8):
+            pass
+    assert not dist.is_initialized()
+
+
+def test_plan_simulate_command(capsys):
+    assert main(["plan", "--simulate", "model=llama3_8b", "model.n_layers=3", "trainer.seq_len=1024",
+                 "trainer.micro_batch_size=1", "strategy.mixed_precision=bf16-mixed",
+                 "--world-sizes", "64", "--strategies", "FULL_SHARD", "shard_grad_op",
+                 "--ac", "none", "--device-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("FULL_SHARD") == 1 and out.count("SHARD_GRAD_OP") == 1
+    assert "peak (planner)" in out and "fits" in out
