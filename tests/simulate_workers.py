@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-
 import torch
 
 from shardtrain.config.loader import load_config
@@ -14,13 +12,6 @@ from shardtrain.train.simulate import simulate
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard")
 SCALE = ["trainer.micro_batch_size=1", "trainer.seq_len=8192", "strategy.mixed_precision=bf16-mixed"]
 PROCESSES_PER_NODE = 8
-
-
-def freeze_imports() -> None:
-    """Worker initializer: move everything imported so far out of the collector's sight, so that
-    the collection before each simulation looks at that simulation's garbage only."""
-    gc.collect()
-    gc.freeze()
 
 
 def scale_config(model: str, strategy: str, checkpointed: bool):

@@ -203,9 +203,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from shardtrain.config.plan import normalize_strategy_name
     from shardtrain.train.simulate import simulation_rows, simulation_table
 
-    gc.collect()
-    gc.freeze()  # every simulation collects garbage first: only its own, not the imports
-
     strategies = [normalize_strategy_name(s) for s in args.strategies or [cfg.strategy.sharding_strategy]]
     checkpointing = {"none": [False], "all": [True], "both": [False, True]}[args.ac]
     if args.ac == "config":

@@ -13,9 +13,7 @@ PyTorch APIs and behaviour this relies on that are not public (pinned by tests/t
   of the step, reading the private ``_curr_mem_snap``, ``_in_opt`` and ``_mod_tracker`` (whose
   ``parents`` and ``is_bw`` are documented attributes of ``ModTracker``).
 - the ``"fake"`` process-group backend (``torch.testing._internal.distributed.fake_pg``, registered
-  by ``torch.distributed``) with its built-in fake store;
-- ``FakeTensorMode.cache_clear()``: the fake dispatch cache is shared by every instance, and
-  simulations only give the same bytes whatever ran before them once it is cleared.
+  by ``torch.distributed``) with its built-in fake store.
 
 Probe mode: the blocks of a decoder are identical and FSDP units are per block, so within one phase
 of the step (say, the backward of the model's last block) every byte the tracker sees is affine in
@@ -110,9 +108,11 @@ class PhasePeakTracker(FSDPMemTracker):
         direction = "backward" if self._mod_tracker.is_bw else "forward"
         if direction == "forward" and self._blocks_done["backward"]:
             self._blocks_done = {"forward": False, "backward": False}  # the next micro-batch
-        active = self._mod_tracker.parents & self.block_index.keys()
+        active = [self.block_index[name] for name in self._mod_tracker.parents & self.block_index.keys()]
         if active:
-            index = self.block_index[next(iter(active))]
+            # A block's hooks may still be running as the next one starts: the newest is the one
+            # that runs (by index, never by the set's order, which changes with string hashing).
+            index = max(active) if direction == "forward" else min(active)
             end = len(self.block_index) - 1 if direction == "forward" else 0
             self._blocks_done[direction] = self._blocks_done[direction] or index == end
             return self.block_phase(direction, index)
@@ -200,14 +200,9 @@ def block_names(model: nn.Module) -> list[str]:
 def _simulate_depth(cfg: Config, world_size: int, local_world_size: int,
                     factory: ModelFactory) -> Simulation:
     started = time.perf_counter()
-    # Every simulation must give the same bytes whatever ran before it in this process:
-    # - FakeTensorMode's dispatch cache is shared by all instances, and an operator answered from
-    #   it can alias storages differently from one computed afresh, which the tracker counts;
-    # - storages in reference cycles are freed whenever the collector happens to run, which the
-    #   tracker would see at a random moment of the step. (A caller simulating many cases may
-    #   gc.freeze() once after its imports to make this collection cheap.)
-    FakeTensorMode.cache_clear()
-    gc.collect()
+    # Storages in reference cycles are freed whenever the collector happens to run, which the
+    # tracker would see at a random moment of the step: no collection during the step, so that
+    # every run gives the same bytes.
     gc.disable()
     try:
         return _simulate_step(cfg, world_size, local_world_size, factory, started)
@@ -329,16 +324,12 @@ def simulation_rows(cfg: Config, world_sizes: list[int], strategies: list[str],
     """The simulation and the planner's estimate of every combination, in the order given."""
     with torch.device("meta"):
         model = build_model(cfg.model)
-    rows = []
-    for world in world_sizes:
-        for strategy in strategies:
-            for ac in checkpointing:
-                strategy_cfg = replace(cfg.strategy, sharding_strategy=strategy,
-                                       activation_checkpointing="all" if ac else "none")
-                case = replace(cfg, strategy=strategy_cfg)
-                sim = simulate(case, world, local_world_size, probe=probe)
-                rows.append((sim, estimate(case, model, strategy, world, local_world_size)))
-    return rows
+    cases = [(replace(cfg, strategy=replace(cfg.strategy, sharding_strategy=strategy,
+                                            activation_checkpointing="all" if ac else "none")), world)
+             for world in world_sizes for strategy in strategies for ac in checkpointing]
+    sims = [simulate(case, world, local_world_size, probe=probe) for case, world in cases]
+    return [(sim, estimate(case, model, case.strategy.sharding_strategy, world, local_world_size))
+            for sim, (case, world) in zip(sims, cases)]
 
 
 def simulation_table(rows: list[tuple[Simulation, Estimate]], device_memory: int | None,
