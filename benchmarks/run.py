@@ -6,9 +6,13 @@ the 200M-parameter preset, then ``shardtrain consolidate`` peak memory, and the 
 generation: benchmarks/generation.py, shardtrain's generate vs transformers' on one exported model.
 init: benchmarks/init_worker.py at 1, 2 and 4 processes, per-shard (chunked) initialisation of a
 ~300M-parameter model against full tensors on every rank: seconds and peak resident growth per rank.
+scaling: ``shardtrain plan --simulate`` for Llama-3 8B, 70B and 405B shapes at the world sizes they
+are trained at, every strategy with and without activation checkpointing: the table in
+docs/scaling.md, and how long one simulation of 405B at 1,024 ranks takes (probed and full depth).
 soak (only with ``--only soak``, about 5 minutes): benchmarks/soak_worker.py, 2,000 steps with an
 async checkpoint every 10 steps; resident memory, threads, open files and disk use over the run.
-Each rewrites its own section of docs/benchmarks.md with the command, the machine and the date.
+Each rewrites its own section of docs/benchmarks.md (scaling: also docs/scaling.md) with the
+command, the machine and the date.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from pathlib import Path
 
 import torch
 
+from shardtrain.config.loader import load_config
+from shardtrain.train.simulate import simulate, simulation_rows, simulation_table
+
 ROOT = Path(__file__).parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- training:begin -->", "<!-- training:end -->"
@@ -34,6 +41,13 @@ CKPT_BEGIN, CKPT_END = "<!-- checkpoint:begin -->", "<!-- checkpoint:end -->"
 GEN_BEGIN, GEN_END = "<!-- generation:begin -->", "<!-- generation:end -->"
 SOAK_BEGIN, SOAK_END = "<!-- soak:begin -->", "<!-- soak:end -->"
 INIT_BEGIN, INIT_END = "<!-- init:begin -->", "<!-- init:end -->"
+SCALING_DOC = ROOT / "docs" / "scaling.md"
+SCALING_BEGIN, SCALING_END = "<!-- scaling:begin -->", "<!-- scaling:end -->"
+SIM_BEGIN, SIM_END = "<!-- simulation:begin -->", "<!-- simulation:end -->"
+SCALING_MODELS = [("llama3_8b", "Llama-3 8B", [8, 64]), ("llama3_70b", "Llama-3 70B", [64, 512]),
+                  ("llama3_405b", "Llama-3 405B", [1024])]
+SCALING_OVERRIDES = ["trainer.micro_batch_size=1", "trainer.seq_len=8192",
+                     "strategy.mixed_precision=bf16-mixed"]
 HEADER = (
     "| processes | tokens/step | shardtrain tokens/s | hand-written tokens/s | shardtrain step ms "
     "| hand-written step ms | ratio (shardtrain / hand-written) |\n"
@@ -174,13 +188,13 @@ def render_generation(r: dict, command: str) -> str:
 {GEN_END}"""
 
 
-def write_section(begin: str, end: str, section: str) -> None:
-    text = DOC.read_text() if DOC.exists() else INTRO
+def write_section(begin: str, end: str, section: str, doc: Path = DOC) -> None:
+    text = doc.read_text() if doc.exists() else INTRO
     if begin in text:
         text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: section, text, flags=re.S)
     else:
         text = text.rstrip() + "\n\n" + section + "\n"
-    DOC.write_text(text)
+    doc.write_text(text)
 
 
 def render(results: list[dict], command: str) -> str:
@@ -266,10 +280,55 @@ Checkpoint directory (rank 0's view): {entries}.
 {SOAK_END}"""
 
 
+def machine() -> str:
+    return (f"{os.cpu_count()} CPU cores ({cpu_name()}), no GPU, torch {torch.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def scaling_sections(command: str) -> tuple[str, str]:
+    """docs/scaling.md's table and docs/benchmarks.md's simulation timing."""
+    tables = []
+    for preset, title, worlds in SCALING_MODELS:
+        cfg = load_config([f"model={preset}", *SCALING_OVERRIDES])
+        rows = simulation_rows(cfg, worlds, ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"],
+                               [False, True], 8)
+        tables.append(f"### {title} (`model={preset}`)\n\n"
+                      + simulation_table(rows, 80 * 10**9, markdown=True))
+    scaling = f"""{SCALING_BEGIN}
+- Command: `{command}` (rewrites this section)
+- Date: {datetime.date.today().isoformat()}; machine: {machine()}
+- Every case: micro-batch 1 x 8,192 tokens, `bf16-mixed`, 8 processes per node (hybrid strategies
+  shard over the node's 8 and replicate across nodes), AdamW; fits = the simulated peak is at most
+  80 GB (74.5 GiB) per device.
+
+{chr(10).join(tables)}
+{SCALING_END}"""
+    cfg = load_config(["model=llama3_405b", "strategy.activation_checkpointing=all", *SCALING_OVERRIDES])
+    probed = simulate(cfg, 1024, 8)
+    full = simulate(cfg, 1024, 8, probe=False)
+    timing = f"""{SIM_BEGIN}
+## Simulation: Llama-3 405B at 1,024 ranks in one process
+
+- Command: `{command}`
+- Date: {datetime.date.today().isoformat()}; machine: {machine()}
+- Case: FULL_SHARD, activation checkpointing, micro-batch 1 x 8,192 tokens, bf16-mixed.
+
+| mode | seconds | simulated peak GiB per rank |
+| --- | --- | --- |
+| probes (6 and 7 blocks, extended to 126) | {probed.seconds:.1f} | {probed.peak / 2**30:.2f} |
+| full depth (all 126 blocks, `--full-depth`) | {full.seconds:.1f} | {full.peak / 2**30:.2f} |
+
+The seconds are those of `simulate` itself (building, sharding, the step); `shardtrain plan
+--simulate` adds about 3 s of imports. The two peaks are equal: the probes' phases extend exactly.
+{SIM_END}"""
+    return scaling, timing
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--only", choices=["training", "checkpoint", "generation", "init", "soak"],
+    parser.add_argument("--only", choices=["training", "checkpoint", "generation", "init", "scaling",
+                                           "soak"],
                         default=None)
     args = parser.parse_args()
     if args.only in (None, "training"):
@@ -292,6 +351,10 @@ def main() -> None:
         results = [run_torchrun(n, "init_worker.py", [mode]) for n in (1, 2, 4)
                    for mode in ("chunked", "full")]
         write_section(INIT_BEGIN, INIT_END, render_init(results, "python benchmarks/run.py --only init"))
+    if args.only in (None, "scaling"):
+        scaling, timing = scaling_sections("python benchmarks/run.py --only scaling")
+        write_section(SCALING_BEGIN, SCALING_END, scaling, SCALING_DOC)
+        write_section(SIM_BEGIN, SIM_END, timing)
     if args.only == "soak":
         with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
             soak = run_torchrun(2, "soak_worker.py", [str(Path(workdir) / "soak"), "2000"])

@@ -53,5 +53,7 @@ def test_planner_counts_unsharded_accumulated_gradients():
     sharded = estimate(cfg, model, "FULL_SHARD", 8, 8)
     cfg.strategy.grad_accumulation = "unsharded"
     unsharded = estimate(cfg, model, "FULL_SHARD", 8, 8)
-    assert unsharded.grads - sharded.grads == total * 4  # fp32 reduce dtype, every parameter
-    assert unsharded.params == sharded.params and unsharded.optimizer == sharded.optimizer
+    assert unsharded.accumulation == total * 4 and sharded.accumulation == 0  # fp32, every parameter
+    assert unsharded.peak - sharded.peak == total * 4
+    assert (unsharded.params, unsharded.grads, unsharded.optimizer) == (
+        sharded.params, sharded.grads, sharded.optimizer)
