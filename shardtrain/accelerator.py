@@ -106,6 +106,22 @@ def peak_memory_mib(device: torch.device) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 1024
 
 
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory this process could still allocate on ``device``: the accelerator's free memory, or on
+    CPU the system's available memory (Linux /proc/meminfo); None where unknown."""
+    module = torch.get_device_module(device.type) if device.type != "cpu" else None
+    if module is not None and hasattr(module, "mem_get_info"):
+        return int(module.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def device_peak_flops(device: torch.device) -> float | None:
     """Peak FLOP/s of one device, or None when unknown (every CPU, unlisted accelerators)."""
     if device.type == "cpu":

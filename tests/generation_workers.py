@@ -3,27 +3,55 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
 from equivalence import case_config, small_corpus
+from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
-from shardtrain.generation.generate import gathered_copy, generate
+from shardtrain.generation import generate as generate_module
+from shardtrain.generation.generate import gathered_copy, generate, generation_mode, sharded_inference
 from shardtrain.train.loop import Trainer
 
 
 def count_all_gathers(out: str) -> None:
-    """FULL_SHARD at 2 ranks: all-gathers for a whole generation, for two output lengths."""
+    """FULL_SHARD at 2 ranks: all-gathers and tokens of whole generations, for two output lengths,
+    gathered once and unit by unit; then a training-time sample that would not fit."""
     world = int(os.environ["WORLD_SIZE"])
     trainer = Trainer.create(case_config(world, f"{out}/gen"), corpus=small_corpus())
-    counts = {}
-    for new_tokens in (4, 24):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            plain = gathered_copy(trainer.model, trainer.model_factory, trainer.env.device,
-                                  torch.float32)
-            tokens = generate(plain, list(b"def "), new_tokens, vocab_limit=256)
-        assert len(tokens) == new_tokens
-        counts[new_tokens] = sum(e.count for e in prof.key_averages() if "all_gather" in e.key)
+    counts, tokens, seconds = {}, {}, {}
+    for mode in ("gathered", "sharded"):
+        choice = generation_mode(trainer.model, torch.float32, trainer.env.device, mode)
+        assert choice.mode == mode and choice.gathered_bytes == 4 * sum(
+            p.numel() for p in trainer.model.parameters())
+        for new_tokens in (4, 24):
+            started = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                if mode == "gathered":
+                    plain = gathered_copy(trainer.model, trainer.model_factory, trainer.env.device,
+                                          torch.float32)
+                    tokens[mode, new_tokens] = generate(plain, list(b"def "), new_tokens, vocab_limit=256)
+                else:
+                    with sharded_inference(trainer.model) as model:
+                        tokens[mode, new_tokens] = generate(model, list(b"def "), new_tokens,
+                                                            vocab_limit=256)
+            seconds[mode, new_tokens] = time.perf_counter() - started
+            assert len(tokens[mode, new_tokens]) == new_tokens
+            events = prof.key_averages()
+            counts[mode, new_tokens] = sum(e.count for e in events if "all_gather" in e.key)
+            # The dispatcher's collective ops (one per all-gather; the profiler also records FSDP's
+            # and the backend's own events around each).
+            counts[mode, new_tokens, "c10d"] = sum(e.count for e in events if e.key.startswith("c10d::")
+                                                   and "allgather" in e.key)
+    # The sharded model is left as training needs it: sharded, in training mode.
+    assert trainer.model.training and all(isinstance(p, DTensor) for p in trainer.model.parameters())
+    trainer.run_step()
+    # Sampling during training when the gathered copy would not fit: skipped, with one line.
+    generate_module.free_memory_bytes = lambda device: 1024
+    skipped = trainer.sample()
     if trainer.env.is_main:
-        torch.save(counts, Path(out, "counts.pt"))
+        torch.save({"counts": counts, "tokens": tokens, "seconds": seconds, "skipped": skipped,
+                    "units": len(trainer.built.report.units),
+                    "layers": trainer.cfg.model.n_layers}, Path(out, "counts.pt"))

@@ -48,11 +48,20 @@ def test_sharded_generation_equals_consolidated(tmp_path):
     assert evaluated.returncode == 0 and "perplexity" in evaluated.stdout, evaluated.stderr[-2000:]
 
 
-def test_all_gathers_do_not_grow_with_tokens(tmp_path):
+def test_gathered_and_unit_by_unit_generation(tmp_path):
     run_on_ranks(count_all_gathers, 2, str(tmp_path), tmp_path=tmp_path)
-    counts = torch.load(tmp_path / "counts.pt")
-    assert counts[4] > 0  # the weights were gathered ...
-    assert counts[24] == counts[4]  # ... once, whatever the number of new tokens
+    r = torch.load(tmp_path / "counts.pt")
+    counts, tokens = r["counts"], r["tokens"]
+    assert counts["gathered", 4] > 0  # the weights were gathered ...
+    assert counts["gathered", 24] == counts["gathered", 4]  # ... once, whatever the number of tokens
+    # Unit by unit under FULL_SHARD: the same tokens as the gathered copy ...
+    assert tokens["sharded", 24] == tokens["gathered", 24]
+    assert tokens["sharded", 4] == tokens["gathered", 4]
+    # ... for one all-gather per resharded unit (every block and the embeddings; the head unit stays
+    # gathered after its forward) per new token.
+    per_token = (counts["sharded", 24, "c10d"] - counts["sharded", 4, "c10d"]) / 20
+    assert per_token == r["layers"] + 1, (counts, r["units"])
+    assert r["skipped"] == ""  # training-time sampling that would not fit is skipped
 
 
 def test_kv_cache_generation_equals_full_recompute():

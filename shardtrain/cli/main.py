@@ -105,30 +105,43 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     status = on_devices(args.devices, argv)
     if status is not None:
         return status
+    from contextlib import nullcontext
+
     from shardtrain.distributed.env import destroy_distributed
-    from shardtrain.generation.generate import gathered_copy, generate
+    from shardtrain.generation.generate import (
+        gathered_copy,
+        generate,
+        generation_mode,
+        sharded_inference,
+    )
     from shardtrain.generation.inference import load_for_inference
     from shardtrain.generation.text import TextStream
 
     try:
         loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype)
-        plain = gathered_copy(loaded.model, loaded.factory, loaded.env.device, loaded.compute_dtype)
+        choice = generation_mode(loaded.model, loaded.compute_dtype, loaded.env.device, args.mode)
         main_rank = loaded.env.is_main
+        if main_rank:
+            print(f"generation: {choice.mode} ({choice.reason()})", file=sys.stderr)
+        runner = (nullcontext(gathered_copy(loaded.model, loaded.factory, loaded.env.device,
+                                            loaded.compute_dtype))
+                  if choice.mode == "gathered" else sharded_inference(loaded.model))
 
         def show(text: str) -> None:
             if main_rank and text:
                 sys.stdout.write(text)
                 sys.stdout.flush()
 
-        for index, prompt in enumerate(prompts):
-            show(prompt)
-            stream = TextStream()  # byte tokens -> whole characters
-            generate(plain, list(prompt.encode()), args.max_new_tokens, temperature=args.temperature,
-                     top_k=args.top_k, top_p=args.top_p, seed=args.seed + index,
-                     use_cache=not args.no_cache, vocab_limit=256,
-                     on_token=lambda token, stream=stream: show(stream.push(token)),
-                     device=loaded.env.device)
-            show(stream.flush() + "\n")
+        with runner as model:
+            for index, prompt in enumerate(prompts):
+                show(prompt)
+                stream = TextStream()  # byte tokens -> whole characters
+                generate(model, list(prompt.encode()), args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k, top_p=args.top_p, seed=args.seed + index,
+                         use_cache=not args.no_cache, vocab_limit=256,
+                         on_token=lambda token, stream=stream: show(stream.push(token)),
+                         device=loaded.env.device)
+                show(stream.flush() + "\n")
     finally:
         destroy_distributed()
     return 0
@@ -273,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser(
         "generate", help="generate text from a checkpoint (sharded at any world size, or safetensors)",
         description="Weights are gathered once for the whole generation (any strategy, FULL_SHARD "
-        "included); output streams as it is generated.",
+        "included) when they fit the device, else the sharded model runs unit by unit (--mode); "
+        "output streams as it is generated.",
     )
     gen.add_argument("checkpoint", help="checkpoint directory, or a consolidated .safetensors file")
     source = gen.add_mutually_exclusive_group(required=True)
@@ -288,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--devices", type=int, default=1, help="processes (sharded checkpoints)")
     gen.add_argument("--strategy", default="FULL_SHARD", help="how the checkpoint is sharded on load")
     gen.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    gen.add_argument("--mode", default="auto", choices=["auto", "gathered", "sharded"],
+                     help="gathered: one copy of the model, no collectives per token; sharded: each "
+                     "unit all-gathered per token; auto: gathered when it fits the free memory")
 
     ev = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")
     ev.add_argument("checkpoint", help="checkpoint directory, or a consolidated .safetensors file")

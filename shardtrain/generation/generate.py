@@ -1,21 +1,92 @@
 """Autoregressive generation from a sharded model, under every strategy, FULL_SHARD included.
 
 AudioCraft forbids FULL_SHARD because each token's forward would all-gather every weight again.
-Here the weights are gathered once into a plain (unsharded) copy of the model, generation runs on that
-copy with a KV cache and no collectives at all, and the copy is freed afterwards: the sharded model
-and its FSDP settings are never touched, so training can go on right after (sampling during
-training). Every rank runs the same loop with the same seed and so produces the same tokens.
+Here, by default, the weights are gathered once into a plain (unsharded) copy of the model in the
+parameter dtype, generation runs on that copy with a KV cache and no collectives at all, and the copy
+is freed afterwards: the sharded model and its FSDP settings are never touched, so training can go
+on right after (sampling during training). Every rank runs the same loop with the same seed and so
+produces the same tokens.
+
+When the gathered copy would not fit the device (``generation_mode``), ``generate`` runs the sharded
+model itself unit by unit (``sharded_inference``): each unit is all-gathered for its forward and
+freed after it, with the next block prefetched, so a rank holds about two units at a time; the cost
+is one all-gather per unit per new token (docs/generation.md measures it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from shardtrain.accelerator import free_memory_bytes
+from shardtrain.config.sizes import human_bytes
+from shardtrain.distributed.parallelize import reshard_all
 from shardtrain.errors import GenerationError
+
+GENERATION_MODES = ("auto", "gathered", "sharded")
+# The gathered copy must leave this share of the free memory for the KV cache, activations and
+# whatever else the process allocates meanwhile.
+GATHER_HEADROOM = 0.8
+
+
+@dataclass
+class ModeChoice:
+    mode: str  # "gathered" or "sharded"
+    gathered_bytes: int  # the plain copy's parameters in the generation dtype
+    free_bytes: int | None  # the least free memory of any rank (None: unknown)
+
+    def reason(self) -> str:
+        free = "unknown" if self.free_bytes is None else human_bytes(self.free_bytes)
+        return f"the gathered model needs {human_bytes(self.gathered_bytes)}, {free} is free"
+
+
+def unique_parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def generation_mode(model: nn.Module, dtype: torch.dtype, device: torch.device,
+                    requested: str = "auto") -> ModeChoice:
+    """``gathered`` when the plain copy fits the free memory of every rank with room to spare,
+    else ``sharded``; every rank gets the same answer (the least free memory of any rank)."""
+    if requested not in GENERATION_MODES:
+        raise GenerationError(f"generation mode {requested!r} is not one of {', '.join(GENERATION_MODES)}")
+    need = unique_parameter_count(model) * dtype.itemsize
+    free = free_memory_bytes(device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        least = torch.tensor([free if free is not None else -1], dtype=torch.int64,
+                             device=device if dist.get_backend() != "gloo" else "cpu")
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        free = int(least.item()) if int(least.item()) >= 0 else None
+    if requested != "auto":
+        return ModeChoice(requested, need, free)
+    fits = free is None or need <= GATHER_HEADROOM * free
+    return ModeChoice("gathered" if fits else "sharded", need, free)
+
+
+@contextmanager
+def sharded_inference(model: nn.Module) -> Iterator[nn.Module]:
+    """The sharded model itself, ready for generation: in eval mode, each block prefetching the
+    next one's all-gather during its own forward; resharded and restored afterwards."""
+    classes = getattr(model, "block_classes", ())
+    blocks = [m for m in model.modules() if classes and isinstance(m, classes) and isinstance(m, FSDPModule)]
+    for block, following in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch([following])
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        for block in blocks:
+            block.set_modules_to_forward_prefetch([])
+        reshard_all(model)
+        model.train(was_training)
 
 
 @torch.no_grad()

@@ -35,7 +35,7 @@ from shardtrain.diagnostics.watchdog import Watchdog
 from shardtrain.distributed.env import DistEnv, apply_debug_switches, init_distributed, set_cpu_threads
 from shardtrain.distributed.sharded_model import ModelFactory
 from shardtrain.errors import TrainingError
-from shardtrain.generation.generate import gathered_copy, generate
+from shardtrain.generation.generate import gathered_copy, generate, generation_mode
 from shardtrain.models.registry import model_factory as default_model_factory
 from shardtrain.train.build import Built, OptimizerFactory, build
 from shardtrain.train.console import Console
@@ -354,9 +354,18 @@ class Trainer:
         return record
 
     def sample(self) -> str:
-        """A sample from the current weights (all ranks take part; gathered once, see generation)."""
+        """A sample from the current weights (all ranks take part; gathered once, see generation).
+
+        Skipped, with one line saying why, when the gathered copy would not fit beside the training
+        state: sampling is a convenience and must never be what runs a job out of memory.
+        """
         t = self.cfg.trainer
         self.watchdog.beat("sampling", self.step)
+        choice = generation_mode(self.model, self.built.plan.param_dtype, self.env.device)
+        if choice.mode != "gathered":
+            self.info(f"sample at step {self.step} skipped: {choice.reason()} (`shardtrain generate` "
+                      "runs a checkpoint unit by unit)")
+            return ""
         plain = gathered_copy(self.model, self.model_factory, self.env.device, self.built.plan.param_dtype)
         ids = generate(plain, list(t.sample_prompt.encode()), t.sample_tokens, temperature=0.8, top_k=40,
                        seed=t.seed, vocab_limit=256, device=self.env.device)
