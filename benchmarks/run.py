@@ -301,7 +301,7 @@ def scaling_sections(command: str) -> tuple[str, str]:
   shard over the node's 8 and replicate across nodes), AdamW; fits = the simulated peak is at most
   80 GB (74.5 GiB) per device.
 
-{chr(10).join(tables)}
+{(chr(10) * 2).join(tables)}
 {SCALING_END}"""
     cfg = load_config(["model=llama3_405b", "strategy.activation_checkpointing=all", *SCALING_OVERRIDES])
     probed = simulate(cfg, 1024, 8)
