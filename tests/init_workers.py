@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from shardtrain.checkpoint.weights import load_safetensors_into
 from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import rss_bytes
@@ -101,3 +102,31 @@ def empty_shard(out: str) -> None:
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
     if env.rank == 0:
         torch.save(full, Path(out, "few_rows.pt"))
+
+
+def peak_rss_since_reset() -> int:
+    """VmHWM, the peak resident set since the last ``reset_peak_rss`` (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current resident set
+
+
+def load_memory(out: str, weights: str, vocab: int, dim: int) -> None:
+    """Peak resident growth while loading a consolidated file into the sharded model."""
+    cfg = Config()
+    cfg.model = dataclasses.replace(cfg.model, vocab_size=vocab, dim=dim, n_layers=1, n_heads=8,
+                                    n_kv_heads=8, max_seq_len=64)
+    env, model = build(cfg)
+    before = rss_bytes()
+    reset_peak_rss()
+    load_safetensors_into(model, Path(weights))
+    grown = peak_rss_since_reset() - before
+    first = model.tok_embeddings.weight
+    rows = first.to_local() if isinstance(first, DTensor) else first
+    Path(out, f"load-{env.world_size}-{env.rank}.txt").write_text(f"{grown} {rows.shape[0]}")
+    torch.save(rows.detach().clone(), Path(out, f"rows-{env.world_size}-{env.rank}.pt"))

@@ -99,7 +99,8 @@ def test_stall_dumps_every_ranks_stacks_and_hang_stops(tmp_path):
     assert (hang_dir / "hangs").is_dir() and "over the 3s limit (dist.timeout_s)" in hung.stderr
     # Gloo's flight recorder, from both ranks: the sleeping rank's watchdog dumped it before stopping,
     # and its peer when its collective failed. The peer had enqueued a collective the sleeper never did.
-    assert f"flight recorder in {hang_dir / 'flight_recorder' / 'rank_1'}" in hung.stderr
+    # Which rank's report reaches the launcher first is a race; both dumps must exist.
+    assert f"flight recorder in {hang_dir / 'flight_recorder' / 'rank_'}" in hung.stderr
     traces = [pickle.loads((hang_dir / "flight_recorder" / f"rank_{r}").read_bytes()) for r in (0, 1)]
     last = [trace["entries"][-1]["collective_seq_id"] for trace in traces]
     assert last[0] > last[1], last

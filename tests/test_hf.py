@@ -5,12 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 from cli_utils import read_metrics, run_cli
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from shardtrain.checkpoint.weights import load_hf_into, model_config_of
+from shardtrain.checkpoint.weights import load_hf_into, load_safetensors_into, model_config_of
+from shardtrain.errors import CheckpointError
 from shardtrain.models.llama import Llama
 
 transformers = pytest.importorskip("transformers")
+
+
+def safe_open_metadata(path) -> dict:
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata()
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -37,11 +44,28 @@ def test_export_loads_in_transformers_with_matching_logits(tmp_path, tied):
     consolidated = tmp_path / "m.safetensors"
     assert run_cli("consolidate", str(ckpt), str(consolidated)).returncode == 0
     ours = Llama(model_config_of(consolidated))
-    ours.load_state_dict(load_file(consolidated), strict=not tied)
+    load_safetensors_into(ours, consolidated)  # a tied model's file names the weight twice
     ours.eval()
     x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert rel_error(hf(x).logits, ours(x)) < 1e-5
+    if not tied:
+        return
+    # A tied model's consolidated file starts a run and generates (it used to be refused:
+    # "unexpected keys ['output.weight']").
+    again = run_cli("train", "experiment=quick", "trainer.max_steps=1", "trainer.sample_tokens=0",
+                    "model.tie_embeddings=true", f"model.init_from={consolidated}",
+                    f"run.dir={tmp_path / 'again'}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    generated = run_cli("generate", str(consolidated), "--prompt", "def ", "--max-new-tokens", "8")
+    assert generated.returncode == 0 and generated.stdout.startswith("def "), generated.stderr[-3000:]
+    # The two names of one tied weight must hold the same tensor.
+    state = load_file(consolidated)
+    state["output.weight"] = state["output.weight"] + 1
+    broken = tmp_path / "broken.safetensors"
+    save_file(state, str(broken), metadata=safe_open_metadata(consolidated))
+    with pytest.raises(CheckpointError, match="tied weight"):
+        load_safetensors_into(Llama(model_config_of(consolidated)), broken)
 
 
 @pytest.fixture(scope="module")

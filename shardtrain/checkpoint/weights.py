@@ -16,18 +16,20 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardtrain.checkpoint import layout
 from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY, file_metadata, weight_files
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.config.schema import ModelConfig
-from shardtrain.distributed.sharded_model import shard_like
+from shardtrain.distributed.sharded_model import first_row, shard_like
 from shardtrain.errors import CheckpointError
 from shardtrain.models.llama_hf_adapter import (
     config_mismatches,
     from_hf,
     from_hf_name,
     model_config_from_hf,
+    rotary_heads,
 )
 
 HF_PREFIX = "hf:"
@@ -100,6 +102,34 @@ def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | N
     set_model_state_dict(model, state)
 
 
+def row_sharded(param: torch.Tensor) -> bool:
+    """Whether ``param`` is an FSDP2 DTensor whose shards are row ranges (dim 0)."""
+    return isinstance(param, DTensor) and param.ndim > 0 and all(
+        isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in param.placements)
+
+
+def own_rows(param: torch.Tensor, handle, name: str, what: str) -> torch.Tensor:
+    """The part of tensor ``name`` of an open safetensors file that this rank's ``param`` holds:
+    only its own rows of a row-sharded parameter (the file is memory-mapped, so other ranks' rows
+    are never read and a rank's memory while loading grows with its shard), else the whole tensor."""
+    stored = handle.get_slice(name)
+    shape = tuple(stored.get_shape())
+    if shape != tuple(param.shape):
+        raise CheckpointError(f"{what} has shape {list(shape)}, the model wants {list(param.shape)}")
+    if not row_sharded(param):
+        return handle.get_tensor(name)
+    first, rows = first_row(param), param.to_local().shape[0]
+    return stored[first:first + rows]
+
+
+def read_own_rows(param: torch.Tensor, part: torch.Tensor) -> None:
+    """``param`` := ``part`` from ``own_rows``."""
+    if row_sharded(param):
+        param.to_local().copy_(part.to(param.dtype))
+    else:
+        param.copy_(shard_like(part.to(param.dtype), param))
+
+
 def copy_into(param: torch.Tensor, full: torch.Tensor, what: str) -> None:
     """This rank's slice of ``full`` into ``param``, after checking the shape."""
     if tuple(full.shape) != tuple(param.shape):
@@ -109,14 +139,32 @@ def copy_into(param: torch.Tensor, full: torch.Tensor, what: str) -> None:
 
 @torch.no_grad()
 def load_safetensors_into(model: nn.Module, path: Path) -> None:
-    params = dict(model.named_parameters())
+    """Every parameter from the file, one full tensor at a time.
+
+    A parameter registered under several names (tied input and output embeddings) may be stored
+    under any of them or all: a consolidated checkpoint keeps every name its state dict had.
+    """
+    aliases: dict[int, list[str]] = {}
+    params: dict[int, torch.Tensor] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    known = {name for names in aliases.values() for name in names}
     with safe_open(str(path), framework="pt") as f:
         keys = set(f.keys())
-        missing, unexpected = sorted(set(params) - keys), sorted(keys - set(params))
+        missing = sorted(names[0] for names in aliases.values() if not keys.intersection(names))
+        unexpected = sorted(keys - known)
         if missing or unexpected:
             raise CheckpointError(f"{path}: missing keys {missing[:6]}, unexpected keys {unexpected[:6]}")
-        for name, param in params.items():
-            copy_into(param, f.get_tensor(name), f"{path}: {name}")  # one full tensor at a time
+        for key, names in aliases.items():
+            stored = [name for name in names if name in keys]
+            part = own_rows(params[key], f, stored[0], f"{path}: {stored[0]}")
+            read_own_rows(params[key], part)
+            for other in stored[1:]:  # the same weight twice must be the same weight
+                if not torch.equal(own_rows(params[key], f, other, f"{path}: {other}"), part):
+                    raise CheckpointError(f"{path}: {other} and {stored[0]} are one tied weight in "
+                                          "this model but differ in the file; untie the model "
+                                          "(model.tie_embeddings=false) to load it")
 
 
 def read_hf_config(directory: Path) -> dict:
@@ -145,8 +193,12 @@ def load_hf_into(model: nn.Module, cfg: ModelConfig, directory: str | Path) -> N
                 name = from_hf_name(hf_name)
                 if name is None or name not in params:
                     continue  # read only the tensors the model keeps
-                _, full = from_hf(hf_name, f.get_tensor(hf_name), cfg)
-                copy_into(params[name], full, hf_name)
+                if rotary_heads(name, cfg):
+                    # q and k rows are permuted within each head: read the whole tensor.
+                    _, full = from_hf(hf_name, f.get_tensor(hf_name), cfg)
+                    copy_into(params[name], full, hf_name)
+                else:
+                    read_own_rows(params[name], own_rows(params[name], f, hf_name, hf_name))
                 loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
