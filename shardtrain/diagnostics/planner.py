@@ -44,10 +44,6 @@ class Estimate:
     peak: int
     peak_phase: str
 
-    @property
-    def states(self) -> int:
-        return self.params + self.grads + self.optimizer
-
 
 def sharded_state_bytes(shapes: list[tuple[int, ...]], shard: int, rank: int,
                         storage: torch.dtype) -> tuple[int, int, int]:
@@ -104,13 +100,12 @@ def activation_model(cfg: Config, micro_batch: int, compute_dtype: torch.dtype,
 
 
 def unit_param_counts(model: nn.Module) -> tuple[list[int], list[int]]:
-    """Parameters per FSDP unit: (every block, the model's extra groups (embeddings, head))."""
+    """Parameters per FSDP unit: (every block, the model's extra groups (embeddings, head));
+    either may be empty."""
     blocks = [sum(p.numel() for p in blk.parameters()) for blk in model.modules()
               if isinstance(blk, getattr(model, "block_classes", ()))]
     groups = [sum(p.numel() for m in group for p in m.parameters())
               for group in getattr(model, "extra_shard_groups", list)()]
-    if not blocks and not groups:
-        return [sum(p.numel() for p in model.parameters())], []
     return blocks, groups
 
 
@@ -137,8 +132,9 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     checkpoint_all = plan.activation_checkpointing != "none"
     act = activation_model(cfg, cfg.trainer.micro_batch_size, plan.param_dtype, checkpoint_all)
     blocks, groups = unit_param_counts(model)
-    layers = len(blocks) if groups else 0
-    block_units = max(blocks)
+    layers = len(blocks)
+    # Without blocks or groups the root is the one unit.
+    block_units = max(blocks, default=total_params)
     head_unit = groups[-1] if groups else total_params
     compute, reduce = plan.param_dtype.itemsize, plan.reduce_dtype.itemsize
     if plan.reshard_after_forward is False:

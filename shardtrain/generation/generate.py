@@ -47,17 +47,13 @@ class ModeChoice:
         return f"the gathered model needs {human_bytes(self.gathered_bytes)}, {free} is free"
 
 
-def unique_parameter_count(model: nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
 def generation_mode(model: nn.Module, dtype: torch.dtype, device: torch.device,
                     requested: str = "auto") -> ModeChoice:
     """``gathered`` when the plain copy fits the free memory of every rank with room to spare,
     else ``sharded``; every rank gets the same answer (the least free memory of any rank)."""
     if requested not in GENERATION_MODES:
         raise GenerationError(f"generation mode {requested!r} is not one of {', '.join(GENERATION_MODES)}")
-    need = unique_parameter_count(model) * dtype.itemsize
+    need = sum(p.numel() for p in model.parameters()) * dtype.itemsize  # tied weights once
     free = free_memory_bytes(device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         least = torch.tensor([free if free is not None else -1], dtype=torch.int64,

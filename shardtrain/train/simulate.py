@@ -197,24 +197,24 @@ def block_names(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if classes and isinstance(module, classes)]
 
 
-def _simulate_depth(cfg: Config, world_size: int, local_world_size: int,
-                    factory: ModelFactory) -> Simulation:
-    started = time.perf_counter()
-    # Storages in reference cycles are freed whenever the collector happens to run, which the
-    # tracker would see at a random moment of the step: no collection during the step, so that
-    # every run gives the same bytes.
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """No garbage collection inside: storages in reference cycles are freed whenever the collector
+    happens to run, which the tracker would see at a random moment of the step; without it every
+    run gives the same bytes."""
     gc.disable()
     try:
-        return _simulate_step(cfg, world_size, local_world_size, factory, started)
+        yield
     finally:
         gc.enable()
 
 
-def _simulate_step(cfg: Config, world_size: int, local_world_size: int, factory: ModelFactory,
-                   started: float) -> Simulation:
+def _simulate_depth(cfg: Config, world_size: int, local_world_size: int,
+                    factory: ModelFactory) -> Simulation:
+    started = time.perf_counter()
     plan = resolve_plan(cfg.strategy, world_size, min(local_world_size, world_size))
     trainer = cfg.trainer
-    with fake_world(world_size):
+    with collector_paused(), fake_world(world_size):
         mesh = init_device_mesh("cpu", plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
         # Shard on the meta device: FSDP2 chunks every parameter into world-size pieces, which
         # meta tensors do in C++ and fake tensors in Python (minutes at 1,024 ranks).
@@ -270,11 +270,13 @@ def _extrapolate(probes: list[Simulation], layers: int) -> Simulation:
     def at(a: int, b: int) -> int:
         return a + (b - a) * (layers - low.layers) // span
 
-    phases = {phase: {kind: at(low.phases[phase].get(kind, 0), n) for kind, n in kinds.items()}
-              for phase, kinds in high.phases.items() if OTHER_BLOCKS not in phase and phase in low.phases}
-    activation_peaks = {phase: at(low.activation_peaks[phase], n)
-                        for phase, n in high.activation_peaks.items()
-                        if OTHER_BLOCKS not in phase and phase in low.activation_peaks}
+    # The blocks between the ends are never above them; a phase only the deeper probe has is one
+    # of those.
+    extended = [phase for phase in high.phases if OTHER_BLOCKS not in phase and phase in low.phases]
+    phases = {phase: {kind: at(low.phases[phase].get(kind, 0), n) for kind, n in high.phases[phase].items()}
+              for phase in extended}
+    activation_peaks = {phase: at(low.activation_peaks[phase], high.activation_peaks[phase])
+                        for phase in extended}
     return replace(high, layers=layers, phases=phases, activation_peaks=activation_peaks,
                    seconds=low.seconds + high.seconds,
                    probed_layers=(low.layers, high.layers), params=at(low.params, high.params),
