@@ -4,6 +4,7 @@ training: benchmarks/step_time.py under torchrun at each process count (``--proc
 checkpoint: benchmarks/checkpoint_worker.py under torchrun (2 processes) for the default model and
 the 200M-parameter preset, then ``shardtrain consolidate`` peak memory, and the disk's write speed.
 generation: benchmarks/generation.py, shardtrain's generate vs transformers' on one exported model.
+generation-modes: ``shardtrain generate --mode gathered`` vs ``--mode sharded`` at 2 processes.
 init: benchmarks/init_worker.py at 1, 2 and 4 processes, per-shard (chunked) initialisation of a
 ~300M-parameter model against full tensors on every rank: seconds and peak resident growth per rank.
 scaling: ``shardtrain plan --simulate`` for Llama-3 8B, 70B and 405B shapes at the world sizes they
@@ -41,6 +42,7 @@ CKPT_BEGIN, CKPT_END = "<!-- checkpoint:begin -->", "<!-- checkpoint:end -->"
 GEN_BEGIN, GEN_END = "<!-- generation:begin -->", "<!-- generation:end -->"
 SOAK_BEGIN, SOAK_END = "<!-- soak:begin -->", "<!-- soak:end -->"
 INIT_BEGIN, INIT_END = "<!-- init:begin -->", "<!-- init:end -->"
+MODES_BEGIN, MODES_END = "<!-- generation-modes:begin -->", "<!-- generation-modes:end -->"
 SCALING_DOC = ROOT / "docs" / "scaling.md"
 SCALING_BEGIN, SCALING_END = "<!-- scaling:begin -->", "<!-- scaling:end -->"
 SIM_BEGIN, SIM_END = "<!-- simulation:begin -->", "<!-- simulation:end -->"
@@ -280,6 +282,53 @@ Checkpoint directory (rank 0's view): {entries}.
 {SOAK_END}"""
 
 
+def cli_seconds(*args: str) -> float:
+    """Wall time of one ``shardtrain`` command, as a user runs it."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "shardtrain", *args], capture_output=True, text=True,
+                          timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"shardtrain {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def generation_modes_section(command: str, short: int = 16, long: int = 1000, repeats: int = 3) -> str:
+    """`generate --mode gathered` against `--mode sharded` (unit by unit) at 2 processes, FULL_SHARD,
+    on a checkpoint of the default model: seconds per extra token, from two output lengths (the
+    fastest of ``repeats`` runs of each, since start-up varies by more than a short output takes)."""
+    with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
+        run_dir = Path(workdir) / "run"
+        cli_seconds("train", "trainer.max_steps=4", "trainer.sample_every=0", "trainer.devices=2",
+                    f"run.dir={run_dir}")
+        ckpt = run_dir / "checkpoints" / "step-4"
+        per_token = {}
+        for mode in ("gathered", "sharded"):
+            walls = [min(cli_seconds("generate", str(ckpt), "--prompt", "def ", "--max-new-tokens",
+                                     str(n), "--devices", "2", "--mode", mode) for _ in range(repeats))
+                     for n in (short, long)]
+            per_token[mode] = (walls[1] - walls[0]) / (long - short)
+    ratio = per_token["sharded"] / per_token["gathered"]
+    return f"""{MODES_BEGIN}
+## Generation: gathered copy vs unit by unit
+
+- Command: `{command}`
+- Date: {datetime.date.today().isoformat()}; machine: {machine()}, gloo
+- What runs: `shardtrain train trainer.max_steps=4 trainer.devices=2` (default model, 3.1M
+  parameters, 4 blocks, FULL_SHARD), then `shardtrain generate CKPT --prompt "def " --devices 2
+  --mode gathered|sharded --max-new-tokens N` at N = {short} and {long}, the fastest of {repeats} runs
+  of each; per token = the difference of the two wall times over the {long - short} extra tokens
+  (start-up cancels out).
+
+| mode | ms per new token |
+| --- | --- |
+| gathered (one copy, no collectives per token) | {per_token["gathered"] * 1e3:.1f} |
+| sharded (one all-gather per unit per token: 4 blocks and the embeddings) | {per_token["sharded"] * 1e3:.1f} |
+
+Unit by unit costs {ratio:.1f}x per token here; it is what `--mode auto` picks only when the gathered
+copy would not fit the free memory.
+{MODES_END}"""
+
+
 def machine() -> str:
     return (f"{os.cpu_count()} CPU cores ({cpu_name()}), no GPU, torch {torch.__version__}, "
             f"Python {platform.python_version()}")
@@ -327,8 +376,8 @@ The seconds are those of `simulate` itself (building, sharding, the step); `shar
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--only", choices=["training", "checkpoint", "generation", "init", "scaling",
-                                           "soak"],
+    parser.add_argument("--only", choices=["training", "checkpoint", "generation", "generation-modes",
+                                           "init", "scaling", "soak"],
                         default=None)
     args = parser.parse_args()
     if args.only in (None, "training"):
@@ -351,6 +400,9 @@ def main() -> None:
         results = [run_torchrun(n, "init_worker.py", [mode]) for n in (1, 2, 4)
                    for mode in ("chunked", "full")]
         write_section(INIT_BEGIN, INIT_END, render_init(results, "python benchmarks/run.py --only init"))
+    if args.only in (None, "generation-modes"):
+        write_section(MODES_BEGIN, MODES_END,
+                      generation_modes_section("python benchmarks/run.py --only generation-modes"))
     if args.only in (None, "scaling"):
         scaling, timing = scaling_sections("python benchmarks/run.py --only scaling")
         write_section(SCALING_BEGIN, SCALING_END, scaling, SCALING_DOC)
