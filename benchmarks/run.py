@@ -10,6 +10,11 @@ init: benchmarks/init_worker.py at 1, 2 and 4 processes, per-shard (chunked) ini
 scaling: ``shardtrain plan --simulate`` for Llama-3 8B, 70B and 405B shapes at the world sizes they
 are trained at, every strategy with and without activation checkpointing: the table in
 docs/scaling.md, and how long one simulation of 405B at 1,024 ranks takes (probed and full depth).
+gpu (only with ``--only gpu``, needs one CUDA GPU, about 6 minutes on an H100):
+benchmarks/gpu_worker.py, a 1.1B Llama at sequence 2,048, bf16-mixed, shardtrain vs a hand-written
+FSDP2 loop with and without compile and activation checkpointing, then functional checks (CPU
+offload, async checkpoint resume, generation); ``--json-out`` keeps the raw results and
+``--from-json`` renders them on a machine without a GPU.
 soak (only with ``--only soak``, about 5 minutes): benchmarks/soak_worker.py, 2,000 steps with an
 async checkpoint every 10 steps; resident memory, threads, open files and disk use over the run.
 Each rewrites its own section of docs/benchmarks.md (scaling: also docs/scaling.md) with the
@@ -46,6 +51,7 @@ MODES_BEGIN, MODES_END = "<!-- generation-modes:begin -->", "<!-- generation-mod
 SCALING_DOC = ROOT / "docs" / "scaling.md"
 SCALING_BEGIN, SCALING_END = "<!-- scaling:begin -->", "<!-- scaling:end -->"
 SIM_BEGIN, SIM_END = "<!-- simulation:begin -->", "<!-- simulation:end -->"
+GPU_BEGIN, GPU_END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
 SCALING_MODELS = [("llama3_8b", "Llama-3 8B", [8, 64]), ("llama3_70b", "Llama-3 70B", [64, 512]),
                   ("llama3_405b", "Llama-3 405B", [1024])]
 SCALING_OVERRIDES = ["trainer.micro_batch_size=1", "trainer.seq_len=8192",
@@ -373,12 +379,103 @@ The seconds are those of `simulate` itself (building, sharding, the step); `shar
     return scaling, timing
 
 
+GPU_VARIANT_NAMES = {"plain": (False, False), "ac": (False, True), "compile": (True, False),
+                     "compile+ac": (True, True)}
+
+
+def gpu_results(variants: list[str], with_checks: bool) -> dict:
+    """Run benchmarks/gpu_worker.py under torchrun (NCCL, world size 1): one process per
+    (compile, AC) variant, then the functional checks."""
+    results: dict = {"runs": []}
+    for name in variants:
+        compiled, ac = GPU_VARIANT_NAMES[name]
+        args = ["speed"] + (["--compile"] if compiled else []) + (["--ac"] if ac else [])
+        results["runs"].append(run_torchrun(1, "gpu_worker.py", args))
+        print(json.dumps(results["runs"][-1]), flush=True)
+    if with_checks:
+        results["checks"] = run_torchrun(1, "gpu_worker.py", ["checks"])
+        print(json.dumps(results["checks"]), flush=True)
+    return results
+
+
+def gpu_section(command: str, results: dict) -> str:
+    """The GPU benchmark's section: a ~1.1B Llama at sequence 2,048, bf16-mixed, one GPU,
+    shardtrain against the hand-written FSDP2 loop per (compile, AC) variant; shardtrain's peak
+    memory against the simulator's and the planner's; the functional checks."""
+    runs, checks = results["runs"], results["checks"]
+    cfg = load_config(["model=llama_1b", "trainer.seq_len=2048", "trainer.micro_batch_size=4",
+                       "strategy.mixed_precision=bf16-mixed"])
+    predicted = {ac: (sim.peak, plan.peak) for (sim, plan), ac in
+                 zip(simulation_rows(cfg, [1], ["FULL_SHARD"], [False, True], 1), [False, True])}
+    gib = 2**30
+    rows = []
+    for r in runs:
+        tps, mfu, ms = r["tokens_per_s"], r["mfu"], {k: v * 1e3 for k, v in r["step_s"].items()}
+        spread = {k: f"{v[0] * 1e3:.0f}-{v[1] * 1e3:.0f}" for k, v in r["spread_s"].items()}
+        sim, plan = predicted[r["variant"]["ac"]]
+        rows.append(
+            f"| {'yes' if r['variant']['compile'] else 'no'} | {'yes' if r['variant']['ac'] else 'no'} "
+            f"| {tps['shardtrain']:,.0f} | {tps['handwritten']:,.0f} | {100 * mfu['shardtrain']:.1f}% "
+            f"| {100 * mfu['handwritten']:.1f}% | {ms['shardtrain']:.1f} ({spread['shardtrain']}) "
+            f"| {ms['handwritten']:.1f} ({spread['handwritten']}) | **{r['ratio']:.3f}** "
+            f"| {r['peak_mib']['measured_steady_state'] / 1024:.1f} / {r['peak_mib']['logged'] / 1024:.1f} "
+            f"| {sim / gib:.1f} / {plan / gib:.1f} |")
+    first = runs[0]
+    off, res, gen = checks["offload"], checks["resume"], checks["generation"]
+
+    def verdict(check: dict) -> str:
+        return "passed" if check.get("ok") else f"FAILED ({check.get('error', 'see the JSON')})"
+
+    return f"""{GPU_BEGIN}
+## GPU: a 1.1B Llama on one GPU, shardtrain vs a hand-written FSDP2 loop
+
+- Command: `{command}`
+- Date: {datetime.date.today().isoformat()}; device: {first['device']}, torch {first['torch']}, NCCL,
+  world size 1 (torchrun); MFU against {first['peak_flops'] / 1e12:,.0f} TFLOP/s dense bf16
+- Model: `model=llama_1b` ({first['params'] / 1e9:.2f}B parameters: dim 2,048, 22 layers, 32 heads,
+  4 KV heads, FFN 5,632, vocab 32,000), sequence 2,048, micro-batch 4 ({first['tokens_per_step']:,}
+  tokens a step), `bf16-mixed`, AdamW, clipping at 1.0; FLOPs per token
+  {first['flops_per_token'] / 1e9:.2f} G (6 x non-embedding parameters + attention), so activation
+  recomputation is not counted as useful work.
+- Method: shardtrain is `Trainer.create` + `Trainer.iteration`, the code `shardtrain train` runs
+  (data, step, logging bookkeeping, the preemption check); the hand-written loop is the FSDP2
+  tutorial's (`fully_shard` per block and root, `MixedPrecisionPolicy(bf16, fp32)`, mean loss,
+  `clip_grad_norm_`, the same AdamW, `loss.item()`), with torch's `checkpoint_wrapper` for AC and
+  `block.compile()` for compile, started from shardtrain's weights on shardtrain's batches. Both
+  live in one process and alternate: 5 rounds of 5 steps after 5 warm-up steps each; a step's time is
+  wall clock over a round with the device synchronised at its ends; medians, (min-max) over rounds.
+- Peak memory (shardtrain alone, before the hand-written model exists): torch.cuda.max_memory_allocated
+  over 3 steady-state steps / the peak shardtrain logs (`peak_memory_mib`); beside it what
+  `shardtrain plan --simulate` and the planner predict for the same configuration.
+
+| compile | AC | shardtrain tokens/s | hand-written tokens/s | shardtrain MFU | hand-written MFU | shardtrain ms/step | hand-written ms/step | ratio (time) | peak GiB: measured / logged | predicted GiB: simulated / planner |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+{chr(10).join(rows)}
+
+Functional checks on the same GPU (`benchmarks/gpu_worker.py checks`, default model):
+- CPU offload (`strategy.cpu_offload=true`): shards on the host {off.get('shards_on_host')}, pinned
+  {off.get('shards_pinned')}; 6 steps' losses against the on-device run, largest relative difference
+  {off.get('max_rel_loss_diff', float('nan')):.1e}: {verdict(off)}.
+- Async checkpoint and resume (`checkpoint.async_save=true checkpoint.interval=4`, killed after step 10,
+  restarted): losses of steps 9-12 against the uninterrupted run, largest relative difference
+  {res.get('max_rel_loss_diff', float('nan')):.1e}: {verdict(res)}.
+- `shardtrain generate --mode gathered` and `--mode sharded` on that checkpoint, 64 greedy tokens: same
+  text: {verdict(gen)}.
+{GPU_END}"""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--only", choices=["training", "checkpoint", "generation", "generation-modes",
-                                           "init", "scaling", "soak"],
+                                           "init", "scaling", "soak", "gpu"],
                         default=None)
+    parser.add_argument("--gpu-variants", nargs="+", choices=list(GPU_VARIANT_NAMES),
+                        default=list(GPU_VARIANT_NAMES), help="--only gpu: the (compile, AC) variants")
+    parser.add_argument("--no-checks", action="store_true", help="--only gpu: skip the functional checks")
+    parser.add_argument("--json-out", type=Path, default=None, help="--only gpu: also the raw results")
+    parser.add_argument("--from-json", type=Path, nargs="+", default=None,
+                        help="--only gpu: render the section from saved results (a machine without a GPU)")
     args = parser.parse_args()
     if args.only in (None, "training"):
         results = []
@@ -411,6 +508,19 @@ def main() -> None:
         with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
             soak = run_torchrun(2, "soak_worker.py", [str(Path(workdir) / "soak"), "2000"])
         write_section(SOAK_BEGIN, SOAK_END, render_soak(soak, "python benchmarks/run.py --only soak"))
+    if args.only == "gpu":
+        if args.from_json:
+            results = {"runs": []}
+            for path in args.from_json:
+                part = json.loads(path.read_text())
+                results["runs"] += part["runs"]
+                results.setdefault("checks", part.get("checks"))
+        else:
+            results = gpu_results(args.gpu_variants, with_checks=not args.no_checks)
+            if args.json_out is not None:
+                args.json_out.write_text(json.dumps(results, indent=1))
+        if results.get("checks") is not None and len(results["runs"]) == len(GPU_VARIANT_NAMES):
+            write_section(GPU_BEGIN, GPU_END, gpu_section("python benchmarks/run.py --only gpu", results))
     print(f"wrote {DOC}")
 
 

@@ -1,0 +1,271 @@
+"""The GPU benchmark's worker (started by ``benchmarks/run.py --only gpu`` under torchrun).
+
+``speed``: one process (NCCL, world size 1) builds shardtrain's ``Trainer`` exactly as
+``shardtrain train`` does and a hand-written FSDP2 loop on the same model shape, initial weights and
+batches, then times whole iterations of each, alternating rounds so that clock and thermal drift hit
+both alike. Before the hand-written model exists it also measures shardtrain's own peak memory
+(``torch.cuda.max_memory_allocated`` over steady-state steps) against the peak shardtrain logs.
+
+``checks``: the functional checks a CPU cannot reach: CPU offload keeps pinned host shards and
+trains like the on-device run; an asynchronous checkpoint resumes exactly; ``generate`` gives the
+same text gathered and unit by unit. Each prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from shardtrain.accelerator import device_peak_flops, peak_memory_mib
+from shardtrain.checkpoint.preemption import PreemptionFlag
+from shardtrain.config.loader import load_config
+from shardtrain.models.llama import Llama
+from shardtrain.train.loop import Trainer
+from shardtrain.train.optim import build_optimizer, build_scheduler
+
+QUIET = ["trainer.max_steps=100000", "trainer.eval_every=0", "trainer.log_every=1000000",
+         "trainer.sample_tokens=0", "trainer.progress_bar=false", "run.tensorboard=false",
+         "checkpoint.interval=0"]
+
+
+def synchronize() -> None:
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def max_allocated_mib(device: torch.device) -> float:
+    """The allocator's peak since ``reset_peak`` (0 on CPU, where there is none: smoke runs only)."""
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+
+
+def handwritten(cfg, trainer: Trainer, compiled: bool, checkpointed: bool):
+    """The FSDP2 tutorial loop on one GPU: blocks then root, bf16 params with fp32 reductions,
+    the same AdamW, torch's clip_grad_norm_, loss.item() for logging. Starts from shardtrain's
+    weights (copied), reads shardtrain's batches."""
+    device = trainer.env.device
+    mesh = trainer.built.mesh
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for index, block in enumerate(model.layers):
+        if checkpointed:
+            block = checkpoint_wrapper(block)
+            model.layers[index] = block
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+        if compiled:
+            block.compile()
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.to_empty(device=device)
+    ours = dict(trainer.model.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            source = ours[name.replace("._checkpoint_wrapped_module", "")]
+            param.to_local().copy_(source.to_local() if isinstance(source, DTensor) else source)
+        model.init_buffers()
+    optimizer = build_optimizer(model, cfg.trainer)
+    scheduler = build_scheduler(optimizer, cfg.trainer)
+
+    def step() -> float:
+        (x, y), = trainer.train_data.next_step()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def time_rounds(fns: dict, rounds: int, steps: int) -> dict[str, list[float]]:
+    """Seconds per step of each function, one entry per round, the functions alternating."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            synchronize()
+            start = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            synchronize()
+            times[name].append((time.perf_counter() - start) / steps)
+    return times
+
+
+def speed(args: argparse.Namespace) -> dict:
+    overrides = [*QUIET, f"run.dir={tempfile.mkdtemp()}", f"model={args.model}",
+                 f"trainer.seq_len={args.seq_len}", f"trainer.micro_batch_size={args.micro_batch}",
+                 "strategy.mixed_precision=bf16-mixed", f"strategy.compile={args.compile}",
+                 f"strategy.activation_checkpointing={'all' if args.ac else 'none'}"]
+    cfg = load_config(overrides)
+    start = time.perf_counter()
+    trainer = Trainer.create(cfg)
+    build_s = time.perf_counter() - start
+    trainer.preemption = PreemptionFlag(cfg.checkpoint.preemption_signals, trainer.env.device)
+    device = trainer.env.device
+    # shardtrain alone: warm-up (compilation, the diagnostics' first steps), then steady state.
+    start = time.perf_counter()
+    for _ in range(args.warmup):
+        trainer.iteration()
+    synchronize()
+    warmup_s = time.perf_counter() - start
+    reset_peak(device)
+    for _ in range(3):
+        trainer.iteration()
+    synchronize()
+    measured_peak = max_allocated_mib(device)
+    logged_peak = peak_memory_mib(device)
+    first_loss = trainer.result.losses[0]
+
+    reference = handwritten(cfg, trainer, args.compile, args.ac)
+    for _ in range(args.warmup):
+        reference()
+    times = time_rounds({"shardtrain": trainer.iteration, "handwritten": reference}, args.rounds,
+                        args.steps)
+    tokens = trainer.layout.global_batch * cfg.trainer.seq_len
+    flops_per_token = trainer.throughput.flops_per_token
+    peak_flops = device_peak_flops(device)
+    result = {"variant": {"compile": args.compile, "ac": args.ac}, "device": device_name(device),
+              "torch": torch.__version__, "params": sum(p.numel() for p in trainer.model.parameters()),
+              "tokens_per_step": tokens, "flops_per_token": flops_per_token, "peak_flops": peak_flops,
+              "build_s": build_s, "warmup_s": warmup_s, "first_loss": first_loss,
+              "peak_mib": {"measured_steady_state": measured_peak, "logged": logged_peak},
+              "step_s": {}, "spread_s": {}, "tokens_per_s": {}, "mfu": {}}
+    for name, values in times.items():
+        median = statistics.median(values)
+        result["step_s"][name] = median
+        result["spread_s"][name] = [min(values), max(values)]
+        result["tokens_per_s"][name] = tokens / median
+        result["mfu"][name] = tokens / median * flops_per_token / peak_flops if peak_flops else None
+    result["ratio"] = result["step_s"]["shardtrain"] / result["step_s"]["handwritten"]
+    return result
+
+
+def metrics(run_dir: Path, kind: str = "train") -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def cli(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "shardtrain", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"shardtrain {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def offload_check(workdir: Path) -> dict:
+    """CPU offload on a GPU: shards in pinned host memory, and the same losses as on the device."""
+    base = ["model=llama_default", "trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=0",
+            "trainer.sample_tokens=0", "trainer.progress_bar=false", "checkpoint.enabled=false",
+            "run.tensorboard=false", "trainer.micro_batch_size=8"]
+    offloaded = Trainer.create(load_config([*base, "strategy.cpu_offload=true",
+                                            f"run.dir={workdir / 'offload'}"]))
+    locals_ = [p.to_local() for p in offloaded.model.parameters()]
+    on_host = all(t.device.type == "cpu" for t in locals_)
+    pinned = all(t.is_pinned() for t in locals_)
+    offload_losses = offloaded.fit().losses
+    del offloaded
+    on_device = Trainer.create(load_config([*base, f"run.dir={workdir / 'device'}"]))
+    device_losses = on_device.fit().losses
+    diff = max(abs(a - b) / abs(b) for a, b in zip(offload_losses, device_losses))
+    return {"shards_on_host": on_host, "shards_pinned": pinned, "offload_losses": offload_losses,
+            "device_losses": device_losses, "max_rel_loss_diff": diff,
+            "ok": on_host and pinned and diff < 1e-4}
+
+
+def resume_check(workdir: Path) -> dict:
+    """Async checkpoints every 4 steps; a run killed after step 10 resumes from step 8 and must
+    repeat the uninterrupted run's losses for steps 9-12."""
+    base = ["model=llama_default", "trainer.max_steps=12", "trainer.log_every=1", "trainer.eval_every=0",
+            "trainer.sample_tokens=0", "trainer.progress_bar=false", "checkpoint.interval=4",
+            "checkpoint.async_save=true", "run.tensorboard=false"]
+    straight, broken = workdir / "straight", workdir / "broken"
+    cli("train", *base, f"run.dir={straight}")
+    killed = cli("train", *base, f"run.dir={broken}", env={"SHARDTRAIN_FAULT": "step:0:10:kill"},
+                 check=False)
+    cli("train", *base, f"run.dir={broken}")
+    want = {r["step"]: r["loss"] for r in metrics(straight)}
+    got = {r["step"]: r["loss"] for r in metrics(broken)}  # the resumed run's records come last
+    steps = list(range(9, 13))
+    diff = max(abs(got[s] - want[s]) / abs(want[s]) for s in steps)
+    return {"killed_exit": killed.returncode, "losses_uninterrupted": [want[s] for s in steps],
+            "losses_resumed": [got[s] for s in steps], "max_rel_loss_diff": diff,
+            "ok": killed.returncode != 0 and diff < 1e-5,
+            "checkpoint": str(straight / "checkpoints" / "step-12")}
+
+
+def generation_check(checkpoint: str) -> dict:
+    """Greedy text from the same checkpoint, gathered once and unit by unit, on the GPU."""
+    texts, seconds = {}, {}
+    for mode in ("gathered", "sharded"):
+        start = time.perf_counter()
+        proc = cli("generate", checkpoint, "--prompt", "def ", "--max-new-tokens", "64", "--mode", mode)
+        seconds[mode] = time.perf_counter() - start
+        texts[mode] = proc.stdout
+    return {"texts": texts, "seconds": seconds, "ok": texts["gathered"] == texts["sharded"] and
+            len(texts["gathered"]) > 4}
+
+
+def checks(args: argparse.Namespace) -> dict:
+    workdir = Path(tempfile.mkdtemp())
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    result = {"device": device_name(device), "torch": torch.__version__}
+    for name, fn in (("offload", lambda: offload_check(workdir)), ("resume", lambda: resume_check(workdir))):
+        try:
+            result[name] = fn()
+        except Exception as exc:  # report every check, even after one fails
+            result[name] = {"ok": False, "error": repr(exc)[-3000:]}
+    checkpoint = result["resume"].get("checkpoint")
+    try:
+        result["generation"] = generation_check(checkpoint) if checkpoint else {"ok": False,
+                                                                                 "error": "no checkpoint"}
+    except Exception as exc:
+        result["generation"] = {"ok": False, "error": repr(exc)[-3000:]}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["speed", "checks"])
+    parser.add_argument("--model", default="llama_1b")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--ac", action="store_true")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    result = speed(args) if args.mode == "speed" else checks(args)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
