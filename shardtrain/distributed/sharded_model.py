@@ -90,10 +90,23 @@ def first_row(param: DTensor) -> int:
     return min(rows, param.device_mesh.get_local_rank(shard_dim[0]) * -(-rows // groups))
 
 
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Buffers (RoPE tables and the like) to ``device``, parameters left where they are."""
+    for name, buffer in list(model.named_buffers()):
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, buffer.to(device))
+
+
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate the sharded parameters on ``device`` and initialise them world-size-invariantly."""
-    model.to_empty(device=device)
+def materialize(model: nn.Module, device: torch.device, seed: int, cpu_offload: bool = False) -> None:
+    """Allocate the sharded parameters on ``device`` and initialise them world-size-invariantly.
+
+    With CPU offload FSDP2 requires the sharded parameters in host memory before its first forward
+    (it pins and keeps them there); buffers are not FSDP's and must be on the device that computes.
+    """
+    model.to_empty(device="cpu" if cpu_offload else device)
+    if cpu_offload:
+        move_buffers(model, device)
     if getattr(model, "init_parameter", None) is None:
         raise ModelError(
             f"{type(model).__name__} has no init_parameter(name, tensor, generator); "
@@ -124,7 +137,7 @@ def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: Dev
         model = factory()
     if hasattr(model, "init_parameter"):
         report = parallelize(model, mesh, plan, policy)
-        materialize(model, env.device, cfg.trainer.seed)
+        materialize(model, env.device, cfg.trainer.seed, plan.cpu_offload)
     else:
         # Without a per-parameter initialiser there is no way to initialise shards independently
         # of the world size, so build the full model once on CPU (same seed on every rank).
@@ -136,7 +149,10 @@ def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: Dev
         torch.manual_seed(cfg.trainer.seed)
         model = factory()
         report = parallelize(model, mesh, plan, policy)
-        model.to(env.device)
+        if plan.cpu_offload:
+            move_buffers(model, env.device)
+        else:
+            model.to(env.device)
     sum_gradients(model)
     if cfg.strategy.compile:
         for name in report.units:
