@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from shardtrain.config.schema import Config, DataConfig
 from shardtrain.data.batches import GlobalOrder, TokenWindows
@@ -59,12 +60,14 @@ def run_cases(cases: dict[str, dict], out_dir: str) -> None:
     world_size = int(__import__("os").environ["WORLD_SIZE"])
     for name, case in cases.items():
         cfg = case_config(world_size, str(Path(out_dir, name)), **case)
+        breaks_before = sum(counters["graph_break"].values())
         trainer = Trainer.create(cfg, corpus=corpus)
         result = trainer.fit()
         weights = trainer.full_weights()
         if trainer.env.is_main:
             torch.save({"losses": result.losses, "grad_norms": result.grad_norms,
-                        "weights": weights, "val": result.val_losses[-1][1]},
+                        "weights": weights, "val": result.val_losses[-1][1],
+                        "graph_breaks": sum(counters["graph_break"].values()) - breaks_before},
                        Path(out_dir, f"{name}.pt"))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -281,11 +282,18 @@ class Trainer:
         steps_run = len(self.result.losses)
         phases = self.phases if (diag.enabled or diag.dry_run) and steps_run < diag.steps else None
         probe = DtypeProbe(b.model) if phases is not None and steps_run == 0 else None
+        # The dtype probe's hooks must not be traced into compiled blocks: a hook's side effect inside
+        # an activation-checkpointed block makes dynamo give up on that block for the rest of the run
+        # (measured: compile + AC ran at eager speed), and even without AC they cost a recompile.
+        # The probed first step therefore runs eagerly; compilation starts with the next one.
+        stance = torch.compiler.set_stance("force_eager") if probe is not None else nullcontext()
         start = time.perf_counter()
         try:
-            stats = train_step(b.model, b.optimizer, b.scheduler, batches, b.mesh,
-                               self.cfg.trainer.grad_clip_norm, self.env.device, step=self.step + 1,
-                               phases=phases, sharded_accumulation=b.plan.grad_accumulation == "sharded")
+            with stance:
+                stats = train_step(b.model, b.optimizer, b.scheduler, batches, b.mesh,
+                                   self.cfg.trainer.grad_clip_norm, self.env.device, step=self.step + 1,
+                                   phases=phases,
+                                   sharded_accumulation=b.plan.grad_accumulation == "sharded")
         finally:
             if probe is not None:
                 probe.close()
