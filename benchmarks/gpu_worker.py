@@ -125,7 +125,7 @@ def speed(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     trainer = Trainer.create(cfg)
     build_s = time.perf_counter() - start
-    trainer.preemption = PreemptionFlag(cfg.checkpoint.preemption_signals, trainer.env.device)
+    trainer.preemption = PreemptionFlag(cfg.checkpoint.preemption_signals)
     device = trainer.env.device
     # shardtrain alone: warm-up (compilation, the diagnostics' first steps), then steady state.
     start = time.perf_counter()

@@ -68,7 +68,7 @@ def main(overrides: list[str]) -> None:
     trainer = Trainer.create(cfg)
     trainer.log_setup()
     # Time the loop's whole iteration as fit() runs it, preemption check included.
-    trainer.preemption = PreemptionFlag(cfg.checkpoint.preemption_signals, trainer.env.device)
+    trainer.preemption = PreemptionFlag(cfg.checkpoint.preemption_signals)
     reference_step = handwritten(cfg, trainer)
     for _ in range(warmup):
         trainer.iteration()

@@ -222,8 +222,9 @@ class Trainer:
     def train(self) -> None:
         """Steps until ``max_steps`` (or one, for a dry run, or until preempted), then the final save."""
         self.console.open(self.step)
+        self.throughput.reset()
         if self.checkpointer is not None:
-            self.preemption = PreemptionFlag(self.cfg.checkpoint.preemption_signals, self.env.device)
+            self.preemption = PreemptionFlag(self.cfg.checkpoint.preemption_signals)
         self.watchdog.start()
         try:
             if self.cfg.diagnostics.dry_run:
@@ -254,11 +255,11 @@ class Trainer:
 
     def iteration(self) -> bool:
         """One iteration of ``fit``: a step, then checkpointing and preemption. False: stop."""
-        self.run_step()
+        stats = self.run_step()
         if self.checkpointer is None:
             return True
         self.checkpointer.poll()
-        if self.preemption is not None and self.preemption.agreed():
+        if self.preemption is not None and stats.stop_agreed:
             self.info(f"preemption ({self.preemption.signal_name or 'signal on another rank'}): "
                       f"saving at step {self.step} and stopping")
             self.save_checkpoint(blocking=True, phase="preemption save")
@@ -270,12 +271,12 @@ class Trainer:
 
     def run_step(self) -> StepStats:
         """The next global batch, one optimizer step, and what is due after it."""
-        stats, seconds = self.train_on_next_batch()
-        self.account(stats, seconds)
+        stats = self.train_on_next_batch()
+        self.account(stats)
         self.after_step(stats)
         return stats
 
-    def train_on_next_batch(self) -> tuple[StepStats, float]:
+    def train_on_next_batch(self) -> StepStats:
         diag, b = self.cfg.diagnostics, self.built
         self.watchdog.beat("training step", self.step + 1)
         batches = self.train_data.next_step()
@@ -293,7 +294,8 @@ class Trainer:
                 stats = train_step(b.model, b.optimizer, b.scheduler, batches, b.mesh,
                                    self.cfg.trainer.grad_clip_norm, self.env.device, step=self.step + 1,
                                    phases=phases,
-                                   sharded_accumulation=b.plan.grad_accumulation == "sharded")
+                                   sharded_accumulation=b.plan.grad_accumulation == "sharded",
+                                   stop_requested=self.preemption is not None and self.preemption.requested)
         finally:
             if probe is not None:
                 probe.close()
@@ -303,11 +305,11 @@ class Trainer:
         if phases is not None:
             self.report_phases(phases, probe)
         faults.inject("step", self.env.rank, self.step)
-        return stats, seconds
+        return stats
 
-    def account(self, stats: StepStats, seconds: float) -> None:
+    def account(self, stats: StepStats) -> None:
         """Results, throughput, and the skip policy for non-finite steps."""
-        self.throughput.add(stats.tokens, seconds)
+        self.throughput.add(stats.tokens)
         self.result.losses.append(stats.loss)
         self.result.grad_norms.append(stats.grad_norm)
         self.result.tokens_seen += stats.tokens

@@ -11,7 +11,8 @@ from torch.utils.tensorboard import SummaryWriter
 
 
 class Throughput:
-    """Tokens/s and FLOP/s over the steps since the last report."""
+    """Tokens/s and FLOP/s over the wall time since the last report: whole iterations (data, step,
+    evaluation, checkpoint saves, logging), not the optimizer step alone, which flatters a loop."""
 
     def __init__(self, flops_per_token: float, world_size: int, peak_flops: float | None) -> None:
         self.flops_per_token = flops_per_token
@@ -21,14 +22,14 @@ class Throughput:
 
     def reset(self) -> None:
         self.tokens = 0
-        self.seconds = 0.0
+        self.since = time.perf_counter()
 
-    def add(self, tokens: int, seconds: float) -> None:
+    def add(self, tokens: int) -> None:
         self.tokens += tokens
-        self.seconds += seconds
 
     def report(self) -> dict[str, float | None]:
-        tps = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        seconds = time.perf_counter() - self.since
+        tps = self.tokens / seconds if seconds > 0 else 0.0
         flops = tps * self.flops_per_token
         mfu = flops / (self.peak_flops * self.world_size) if self.peak_flops else None
         return {"tokens_per_s": tps, "model_tflops": flops / 1e12, "mfu": mfu}

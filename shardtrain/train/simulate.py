@@ -46,7 +46,7 @@ from shardtrain.distributed.parallelize import parallelize, sum_gradients
 from shardtrain.distributed.sharded_model import ModelFactory
 from shardtrain.errors import ConfigError
 from shardtrain.models.registry import build_model, model_factory
-from shardtrain.train.grad import clip_grads_, global_grad_norm
+from shardtrain.train.grad import clip_grads_, clip_scale, global_grad_norm
 from shardtrain.train.optim import build_optimizer
 from shardtrain.train.step import prepare_micro_batch, token_loss_sum
 
@@ -248,7 +248,7 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int,
                 params = [p for p in model.parameters() if p.grad is not None]
                 norm = global_grad_norm(params, mesh)
                 if trainer.grad_clip_norm > 0:
-                    clip_grads_(params, trainer.grad_clip_norm, norm)
+                    clip_grads_(params, clip_scale(trainer.grad_clip_norm, norm))
                 tracker.stage = "optimizer"
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -8,6 +8,7 @@ process computing the mean loss over the whole batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from shardtrain.diagnostics.memory import PhaseMemory
 from shardtrain.diagnostics.rails import explain_bypassed_forward
 from shardtrain.distributed.parallelize import reshard_all
 from shardtrain.errors import TrainingError
-from shardtrain.train.grad import clip_grads_, global_grad_norm
+from shardtrain.train.grad import clip_grads_, clip_scale, global_grad_norm
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -34,6 +35,8 @@ class StepStats:
     grad_norm: float
     tokens: int
     skipped: bool
+    # Some rank asked to stop (a preemption signal), agreed by every rank in this step's all-reduce.
+    stop_agreed: bool = False
 
 
 def token_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -56,6 +59,13 @@ def global_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def global_sum_tensor(value: torch.Tensor) -> torch.Tensor:
+    """``value`` summed over all ranks, left on its device: no host synchronisation."""
+    if dist.get_world_size() > 1:
+        dist.all_reduce(value)
+    return value
+
+
 def prepare_micro_batch(model: nn.Module, index: int, count: int, sharded_accumulation: bool) -> None:
     """Tell FSDP which reductions micro-batch ``index`` of ``count`` runs.
 
@@ -75,17 +85,20 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, micro_batches: list[Batch],
                mesh: DeviceMesh, grad_clip_norm: float, device: torch.device,
                step: int = 0, phases: PhaseMemory | None = None,
-               sharded_accumulation: bool = True) -> StepStats:
+               sharded_accumulation: bool = True, stop_requested: bool = False) -> StepStats:
     """One optimizer step (``step`` is its 1-based number; ``phases`` records memory per phase).
 
     With several micro-batches, ``sharded_accumulation`` reduce-scatters after every backward (only
     sharded gradients are held; replicas of a hybrid mesh all-reduce on the last one only);
     otherwise gradients stay unsharded and are reduced once, on the last micro-batch.
+    ``stop_requested`` (this rank was signalled) rides on the loss all-reduce, so that every rank
+    learns of any rank's request without a collective or host synchronisation of its own.
     """
+    # The global token count stays on the device (an asynchronous all-reduce): reading it back here
+    # would stall the host until the previous step's optimizer kernels finished.
     local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
-    (global_tokens,) = global_sum([local_tokens], device)
-    if global_tokens == 0:
-        raise TrainingError("a training step had no target tokens on any rank; check the data")
+    global_tokens = global_sum_tensor(torch.full((), local_tokens, dtype=torch.float64, device=device))
+    divisor = global_tokens.float()
 
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     last = len(micro_batches) - 1
@@ -94,7 +107,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         phases.start()
     for index, (x, y) in enumerate(micro_batches):
         prepare_micro_batch(model, index, len(micro_batches), sharded_accumulation)
-        loss = token_loss_sum(model, x.to(device), y.to(device)) / global_tokens
+        inputs, targets = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        loss = token_loss_sum(model, inputs, targets) / divisor
         if index == 0:
             loss = faults.poison_loss(rank, step, loss)
         if phases is not None and index == last:
@@ -106,12 +120,18 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
 
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = global_grad_norm(params, mesh)
-    (loss_value,) = global_sum([loss_sum.item()], device)
-    norm_value = grad_norm.item()
-    skipped = not (torch.isfinite(grad_norm).item() and torch.isfinite(torch.tensor(loss_value)))
+    scale = clip_scale(grad_clip_norm, grad_norm) if grad_clip_norm > 0 else torch.ones((), device=device)
+    # The step's one host synchronisation: what the skip decision and the log need, in one transfer.
+    loss_and_stop = global_sum_tensor(torch.stack(
+        [loss_sum.double(), torch.full((), float(stop_requested), dtype=torch.float64, device=device)]))
+    loss_value, stops, norm_value, scale_value, tokens = torch.cat(
+        [loss_and_stop, torch.stack([grad_norm.double(), scale.double(), global_tokens])]).tolist()
+    if tokens == 0:
+        raise TrainingError("a training step had no target tokens on any rank; check the data")
+    skipped = not (math.isfinite(norm_value) and math.isfinite(loss_value))
     if not skipped:
-        if grad_clip_norm > 0:
-            clip_grads_(params, grad_clip_norm, grad_norm)
+        if scale_value < 1.0:
+            clip_grads_(params, scale)
         optimizer.step()
     if phases is not None:
         phases.mark("optimizer")
@@ -119,8 +139,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     scheduler.step()
     if phases is not None:
         phases.mark("end")
-    return StepStats(loss=loss_value, grad_norm=norm_value, tokens=int(global_tokens),
-                     skipped=skipped)
+    return StepStats(loss=loss_value, grad_norm=norm_value, tokens=int(tokens), skipped=skipped,
+                     stop_agreed=stops > 0)
 
 
 @torch.no_grad()
