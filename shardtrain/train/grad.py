@@ -27,9 +27,11 @@ def global_grad_norm(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> torch.
         raise ModelError("some gradients are plain tensors, not DTensors: a parameter sits outside every "
                          "fully_shard unit, so its norm would be counted once per rank; shard the whole "
                          "model (fully_shard on the root) before training")
-    # One batched kernel per device and dtype instead of three per gradient (a 1B model has ~200
-    # gradients; launched one by one they left the GPU idle for milliseconds each step). With CPU
-    # offload the gradients live on the CPU while the collective runs on the mesh's device.
+    # Accumulated on the mesh's device: with CPU offload the gradients live on the CPU while the
+    # collective runs on the accelerator. Deliberately one reduction per gradient, not a batched
+    # torch._foreach_norm: that sums in another order, which moved the default run's first gradient
+    # norm by 6e-7 (relative) and, through clipping, every later step; training results stay
+    # bit-for-bit what they were (benchmarks/golden.py checks it).
     device = torch.device(mesh.device_type)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
