@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,12 @@ SCALING_DOC = ROOT / "docs" / "scaling.md"
 SCALING_BEGIN, SCALING_END = "<!-- scaling:begin -->", "<!-- scaling:end -->"
 SIM_BEGIN, SIM_END = "<!-- simulation:begin -->", "<!-- simulation:end -->"
 GPU_BEGIN, GPU_END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
+E2E_BEGIN, E2E_END = "<!-- e2e:begin -->", "<!-- e2e:end -->"
+E2E_CASES = [(1, "fp32"), (1, "bf16-mixed"), (2, "fp32"), (2, "bf16-mixed")]
+E2E_PROGRAMS = ["handwritten", "lightning", "shardtrain"]
+# Iterations 11-30 of 40 are timed: the first 10 hold start-up (and shardtrain's diagnostics step);
+# the last 10 hold shardtrain's final evaluation, which its record at step 40 includes.
+E2E_STEPS, E2E_FIRST, E2E_LAST = 40, 10, 30
 SCALING_MODELS = [("llama3_8b", "Llama-3 8B", [8, 64]), ("llama3_70b", "Llama-3 70B", [64, 512]),
                   ("llama3_405b", "Llama-3 405B", [1024])]
 SCALING_OVERRIDES = ["trainer.micro_batch_size=1", "trainer.seq_len=8192",
@@ -464,12 +471,96 @@ Functional checks on the same GPU (`benchmarks/gpu_worker.py checks`, default mo
 {GPU_END}"""
 
 
+def e2e_seconds(program: str, processes: int, precision: str, workdir: Path) -> float:
+    """Mean wall-clock seconds per iteration over iterations E2E_FIRST+1..E2E_LAST of one run."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["BENCH_DIR"] = str(workdir)
+    if program == "shardtrain":
+        run_dir = workdir / "shardtrain"
+        subprocess.run([sys.executable, "-m", "shardtrain", "train", f"trainer.devices={processes}",
+                        f"trainer.max_steps={E2E_STEPS}", "trainer.seq_len=256",
+                        f"trainer.micro_batch_size={16 // processes}",
+                        f"strategy.mixed_precision={precision}", f"run.dir={run_dir}"],
+                       check=True, capture_output=True, env=env, timeout=1800)
+        stamps = {r["step"]: r["time"] for r in map(json.loads, (run_dir / "metrics.jsonl").open())
+                  if r["kind"] == "train"}
+        return (stamps[E2E_LAST] - stamps[E2E_FIRST]) / (E2E_LAST - E2E_FIRST)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+           str(ROOT / "benchmarks" / "e2e_programs.py"), program, str(E2E_STEPS), precision]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"{program} at {processes} processes failed:\n{proc.stderr[-4000:]}")
+    times = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])["seconds"]
+    return sum(times[E2E_FIRST:E2E_LAST]) / (E2E_LAST - E2E_FIRST)
+
+
+def e2e_results(rounds: int) -> list[dict]:
+    """Every (processes, precision) case, the three programs alternating, ``rounds`` times over."""
+    seconds = {case: {p: [] for p in E2E_PROGRAMS} for case in E2E_CASES}
+    for round_index in range(rounds):
+        for case in E2E_CASES:
+            for program in E2E_PROGRAMS:
+                with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
+                    seconds[case][program].append(e2e_seconds(program, *case, Path(workdir)))
+                print(json.dumps({"round": round_index, "case": case, "program": program,
+                                  "s": seconds[case][program][-1]}), flush=True)
+    return [{"processes": n, "precision": precision, "seconds": seconds[(n, precision)]}
+            for n, precision in E2E_CASES]
+
+
+def render_e2e(results: list[dict], rounds: int, command: str) -> str:
+    tokens = 16 * 256
+    rows = []
+    for r in results:
+        med = {p: statistics.median(v) for p, v in r["seconds"].items()}
+        spread = {p: f"{tokens / max(v):,.0f}-{tokens / min(v):,.0f}" for p, v in r["seconds"].items()}
+        rows.append(
+            f"| {r['processes']}, {r['precision']} | "
+            + " | ".join(f"{tokens / med[p]:,.0f} ({spread[p]})" for p in E2E_PROGRAMS)
+            + f" | **{med['shardtrain'] / med['handwritten']:.3f}** | **{med['lightning'] / med['shardtrain']:.3f}** |")
+    return f"""{E2E_BEGIN}
+## End to end: `shardtrain train` against a hand-written FSDP2 loop and Lightning
+
+- Command: `{command}`
+- Date: {datetime.date.today().isoformat()}; machine: {machine()}, gloo, Lightning
+  {lightning_version()}
+- What runs, each as its own program under torchrun, in {rounds} rounds in which the three alternate:
+  `shardtrain train trainer.devices=N trainer.max_steps={E2E_STEPS} trainer.seq_len=256
+  trainer.micro_batch_size=16/N strategy.mixed_precision=P` with everything else at its default
+  (logging every 10 steps with TensorBoard, progress bar, diagnostics, checkpointing, final
+  evaluation and sample); `benchmarks/e2e_programs.py handwritten` (the FSDP2 tutorial loop: shard
+  blocks and root, AdamW, `clip_grad_norm_`, a print every 10 steps); `benchmarks/e2e_programs.py
+  lightning` (`ModelParallelStrategy` with `configure_model`, `gradient_clip_val=1.0`, the default
+  logger and progress bar). The same Llama (dim 256, 4 layers, 4 heads, 2 KV heads, FFN 704),
+  sequence 256, global batch 16, AdamW; bf16-mixed = `MixedPrecisionPolicy(bf16, fp32)` for all three.
+- Timed: whole iterations {E2E_FIRST + 1}-{E2E_LAST} of {E2E_STEPS}, wall clock (shardtrain: the
+  time stamps of its step-{E2E_FIRST} and step-{E2E_LAST} metrics records; the others: their own
+  per-iteration clocks). tokens/s = 4,096 tokens per iteration over the mean iteration time of a run;
+  the table gives the median over rounds and (the slowest-the fastest round).
+- Goals: time ratio shardtrain / hand-written at most 1.03; Lightning / shardtrain time (= shardtrain
+  tokens/s over Lightning's) at least 1.10.
+
+| processes, precision | hand-written tokens/s | Lightning tokens/s | shardtrain tokens/s | time: shardtrain / hand-written | speed: shardtrain / Lightning |
+| --- | --- | --- | --- | --- | --- |
+{chr(10).join(rows)}
+{E2E_END}"""
+
+
+def lightning_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("lightning")
+    except Exception:
+        return "not installed"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--only", choices=["training", "checkpoint", "generation", "generation-modes",
-                                           "init", "scaling", "soak", "gpu"],
+                                           "init", "scaling", "soak", "gpu", "e2e"],
                         default=None)
+    parser.add_argument("--rounds", type=int, default=3, help="--only e2e: alternating rounds")
     parser.add_argument("--gpu-variants", nargs="+", choices=list(GPU_VARIANT_NAMES),
                         default=list(GPU_VARIANT_NAMES), help="--only gpu: the (compile, AC) variants")
     parser.add_argument("--no-checks", action="store_true", help="--only gpu: skip the functional checks")
@@ -508,6 +599,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
             soak = run_torchrun(2, "soak_worker.py", [str(Path(workdir) / "soak"), "2000"])
         write_section(SOAK_BEGIN, SOAK_END, render_soak(soak, "python benchmarks/run.py --only soak"))
+    if args.only == "e2e":
+        write_section(E2E_BEGIN, E2E_END, render_e2e(e2e_results(args.rounds), args.rounds,
+                                                     f"python benchmarks/run.py --only e2e --rounds {args.rounds}"))
     if args.only == "gpu":
         if args.from_json:
             results = {"runs": []}
