@@ -16,6 +16,7 @@ from torch import nn
 from shardtrain.config.plan import STRATEGIES, resolve_plan
 from shardtrain.config.schema import Config
 from shardtrain.models.llama import ffn_hidden_dim
+from shardtrain.models.param_groups import no_decay_names
 from shardtrain.models.registry import build_model
 
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, in the parameters' storage dtype
@@ -55,6 +56,18 @@ def sharded_state_bytes(shapes: list[tuple[int, ...]], shard: int, rank: int,
         local += rows_on_rank(shape[0] if shape else 1, shard, rank) * rest
     optimizer = ADAM_MOMENTS * local * size + ADAM_STEP_BYTES * len(shapes)
     return local * size, local * size, optimizer
+
+
+def adamw_foreach_temporary(model: nn.Module, shard: int, storage: torch.dtype) -> int:
+    """Bytes of the one temporary AdamW's foreach path (its default on GPUs) allocates: the square
+    root of a parameter group's second moments, all at once, for the larger of our two groups."""
+    skip = no_decay_names(model)
+    local = {True: 0, False: 0}
+    for name, param in model.named_parameters():
+        shape = tuple(param.shape)
+        rest = math.prod(shape[1:]) if len(shape) > 1 else 1
+        local[name in skip] += rows_on_rank(shape[0] if shape else 1, shard, 0) * rest
+    return max(local.values()) * storage.itemsize
 
 
 @dataclass
@@ -148,18 +161,22 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         gathered_block = block_units * (2 * compute + reduce)
     earlier = grads if accumulating else 0  # sharded gradients of previous micro-batches
     first_block = act.block + act.block_backward
+    # Phases as (gradients held, activations and backward temporaries, gathered, optimizer temporaries).
     phases = {
         "backward start": (earlier, layers * act.saved_per_block + act.head_saved + act.head_backward,
-                           gathered_start),
+                           gathered_start, 0),
         # The head unit's gradients are reduced: the loss's tensors are gone, the buffers are not.
         "head reduced": (earlier, layers * act.saved_per_block,
-                         gathered_start + head_unit * (compute + reduce)),
+                         gathered_start + head_unit * (compute + reduce), 0),
         "block backward": (earlier, max(layers - 1, 0) * act.saved_per_block + first_block,
-                           gathered_block),
-        "backward end": (grads, first_block, gathered_block),
+                           gathered_block, 0),
+        "backward end": (grads, first_block, gathered_block, 0),
+        "optimizer step": (grads, 0, 0, adamw_foreach_temporary(model, plan.mesh_shape[-1],
+                                                                plan.storage_dtype)),
     }
-    name, (held_grads, at_peak, gathered) = max(phases.items(), key=lambda kv: sum(kv[1]))
-    peak = params + optim + accumulation + held_grads + at_peak + gathered
+    name, phase = max(phases.items(), key=lambda kv: sum(kv[1]))
+    peak = params + optim + accumulation + sum(phase)
+    gathered = phase[2]
     activations = max(phase[1] for phase in phases.values())
     return Estimate(plan.strategy, world_size, plan.mesh_shape, checkpoint_all, params, grads, optim,
                     accumulation, activations, gathered, peak, name)

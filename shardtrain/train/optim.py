@@ -8,16 +8,7 @@ import torch
 from torch import nn
 
 from shardtrain.config.schema import TrainerConfig
-
-
-def no_decay_names(model: nn.Module) -> set[str]:
-    """Norm weights, biases and embeddings (anything 1-D or owned by an nn.Embedding)."""
-    names = set()
-    for module_name, module in model.named_modules():
-        for param_name, param in module.named_parameters(recurse=False):
-            if param.ndim < 2 or isinstance(module, nn.Embedding):
-                names.add(f"{module_name}.{param_name}" if module_name else param_name)
-    return names
+from shardtrain.models.param_groups import no_decay_names
 
 
 def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:

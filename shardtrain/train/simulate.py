@@ -122,8 +122,9 @@ class PhasePeakTracker(FSDPMemTracker):
         snapshots = self._curr_mem_snap.values()
         total = sum(snapshot["Total"] for snapshot in snapshots)
         phase = self.phase()
-        activations = sum(int(snapshot.get(kind, 0))
-                          for snapshot in snapshots for kind in self.activation_kinds)
+        # The optimizer's temporaries are its own, not activations (its phase total counts them).
+        activations = 0 if self._in_opt else sum(int(snapshot.get(kind, 0)) for snapshot in snapshots
+                                                 for kind in self.activation_kinds)
         if activations > self.activation_peaks.get(phase, -1):
             self.activation_peaks[phase] = activations
         if total > self.peaks.get(phase, {}).get("Total", -1):
@@ -227,6 +228,11 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int,
             if hasattr(model, "init_buffers"):
                 model.init_buffers()
             optimizer = build_optimizer(model, trainer)
+            # The simulated step runs on CPU tensors, where AdamW defaults to its per-parameter path;
+            # on GPUs it defaults to foreach, whose temporaries (a group's square-rooted second
+            # moments) can be the peak of a step: simulate what a GPU runs.
+            for group in optimizer.param_groups:
+                group["foreach"] = True
             # A steady-state step: the optimizer's state exists before it starts, as from step 2 on.
             for param in model.parameters():
                 param.grad = torch.zeros_like(param)
