@@ -7,6 +7,8 @@ import sys
 
 from tqdm import tqdm
 
+from shardtrain.train.metrics import Throughput
+
 log = logging.getLogger("shardtrain")
 
 
@@ -41,10 +43,11 @@ class Console:
         if self.enabled and self.want_bar and sys.stderr.isatty():
             self.bar = tqdm(total=self.max_steps, initial=initial_step, desc="train", dynamic_ncols=True)
 
-    def advance(self, loss: float, tokens_per_s: float) -> None:
+    def advance(self, loss: float, throughput: Throughput) -> None:
+        """One step on the bar (nothing is computed without one: most steps are not logged)."""
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{throughput.report()['tokens_per_s']:.0f}")
 
     def show(self, step: int, record: dict) -> None:
         if not self.enabled:

@@ -334,7 +334,7 @@ class Trainer:
         """Progress, the metrics record, evaluation and sampling, each when it is due."""
         t, step = self.cfg.trainer, self.step
         last = step == t.max_steps
-        self.console.advance(stats.loss, self.throughput.report()["tokens_per_s"])
+        self.console.advance(stats.loss, self.throughput)
         record: dict = {}
         if due(step, t.log_every) or last:
             record.update(self.train_record(stats))
