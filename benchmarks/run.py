@@ -54,6 +54,7 @@ SCALING_BEGIN, SCALING_END = "<!-- scaling:begin -->", "<!-- scaling:end -->"
 SIM_BEGIN, SIM_END = "<!-- simulation:begin -->", "<!-- simulation:end -->"
 GPU_BEGIN, GPU_END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
 E2E_BEGIN, E2E_END = "<!-- e2e:begin -->", "<!-- e2e:end -->"
+PROFILE_BEGIN, PROFILE_END = "<!-- profile:begin -->", "<!-- profile:end -->"
 E2E_CASES = [(1, "fp32"), (1, "bf16-mixed"), (2, "fp32"), (2, "bf16-mixed")]
 E2E_PROGRAMS = ["handwritten", "lightning", "shardtrain"]
 # Iterations 11-30 of 40 are timed: the first 10 hold start-up (and shardtrain's diagnostics step);
@@ -546,6 +547,60 @@ def render_e2e(results: list[dict], rounds: int, command: str) -> str:
 {E2E_END}"""
 
 
+def gemm_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
+    """The machine's matrix-product rate in one process at its default threads (median)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def profile_section(command: str, top: int = 8) -> str:
+    """benchmarks/profile_step.py at 1 and 2 processes, fp32 and bf16-mixed: per-step wall time,
+    time outside any operator, and the operators whose self time differs most."""
+    parts = []
+    for n, precision in E2E_CASES:
+        r = run_torchrun(n, "profile_step.py", [f"trainer.micro_batch_size={16 // n}", "trainer.seq_len=256",
+                                                f"strategy.mixed_precision={precision}"])
+        ours, theirs = r["shardtrain"], r["handwritten"]
+        ops = sorted(set(ours["self_s"]) | set(theirs["self_s"]),
+                     key=lambda k: -abs(ours["self_s"].get(k, 0) - theirs["self_s"].get(k, 0)))[:top]
+        rows = "\n".join(f"| `{k}` | {ours['self_s'].get(k, 0) * 1e3:.2f} | {theirs['self_s'].get(k, 0) * 1e3:.2f} |"
+                         for k in ops)
+        parts.append(f"""### {n} process{'es' if n > 1 else ''}, {precision}
+
+| | shardtrain | hand-written |
+| --- | --- | --- |
+| wall ms per step (under the profiler) | {ours['wall_s'] * 1e3:.1f} | {theirs['wall_s'] * 1e3:.1f} |
+| ms outside any operator (Python, hooks, glue) | {ours['outside_ops_s'] * 1e3:.1f} | {theirs['outside_ops_s'] * 1e3:.1f} |
+| profiled events per step | {ours['ops_per_step']:,.0f} | {theirs['ops_per_step']:,.0f} |
+
+| operator (largest differences in self CPU ms per step) | shardtrain | hand-written |
+| --- | --- | --- |
+{rows}""")
+    fp32, bf16 = gemm_gflops(torch.float32), gemm_gflops(torch.bfloat16)
+    return f"""{PROFILE_BEGIN}
+## Profile: shardtrain's iteration against the hand-written step, op by op
+
+- Command: `{command}`
+- Date: {datetime.date.today().isoformat()}; machine: {machine()}, gloo
+- Both loops of the step-time benchmark (same process, model, weights and batches; sequence 256,
+  global batch 16), {10} steps each under `torch.profiler` (CPU activities) after 3 warm-up steps.
+  "Outside any operator" is the wall time minus the time of top-level operators on the step's
+  thread: Python, FSDP's hooks and everything else that is not a kernel.
+- This machine's 2048^3 matrix product, {torch.get_num_threads()} threads: fp32 {fp32:,.0f} GFLOP/s,
+  bf16 {bf16:,.0f} GFLOP/s. Its CPU has AVX512-BF16, so bf16 runs faster than fp32 here, for every
+  implementation; on a CPU without bf16 instructions it runs slower. Measure yours before choosing.
+
+{(chr(10) * 2).join(parts)}
+{PROFILE_END}"""
+
+
 def lightning_version() -> str:
     try:
         from importlib.metadata import version
@@ -558,7 +613,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--only", choices=["training", "checkpoint", "generation", "generation-modes",
-                                           "init", "scaling", "soak", "gpu", "e2e"],
+                                           "init", "scaling", "soak", "gpu", "e2e", "profile"],
                         default=None)
     parser.add_argument("--rounds", type=int, default=3, help="--only e2e: alternating rounds")
     parser.add_argument("--gpu-variants", nargs="+", choices=list(GPU_VARIANT_NAMES),
@@ -599,6 +654,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
             soak = run_torchrun(2, "soak_worker.py", [str(Path(workdir) / "soak"), "2000"])
         write_section(SOAK_BEGIN, SOAK_END, render_soak(soak, "python benchmarks/run.py --only soak"))
+    if args.only == "profile":
+        write_section(PROFILE_BEGIN, PROFILE_END, profile_section("python benchmarks/run.py --only profile"))
     if args.only == "e2e":
         write_section(E2E_BEGIN, E2E_END, render_e2e(e2e_results(args.rounds), args.rounds,
                                                      f"python benchmarks/run.py --only e2e --rounds {args.rounds}"))

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.config.loader import load_config
@@ -28,15 +28,18 @@ from shardtrain.train.optim import build_optimizer, build_scheduler
 
 
 def handwritten(cfg, trainer: Trainer):
-    """The FSDP2 tutorial loop: shard blocks then root, AdamW, clip_grad_norm_, step."""
+    """The FSDP2 tutorial loop: shard blocks then root (with shardtrain's precision policy), AdamW,
+    clip_grad_norm_, step."""
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     with torch.device("meta"):
         model = Llama(cfg.model)
+    plan = trainer.built.plan  # the same precision as shardtrain's run
+    mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
     for module in model.modules():
         if isinstance(module, TransformerBlock):
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     model.to_empty(device="cpu")
     with torch.no_grad():
         for name, p in model.named_parameters():
