@@ -10,6 +10,10 @@ init: benchmarks/init_worker.py at 1, 2 and 4 processes, per-shard (chunked) ini
 scaling: ``shardtrain plan --simulate`` for Llama-3 8B, 70B and 405B shapes at the world sizes they
 are trained at, every strategy with and without activation checkpointing: the table in
 docs/scaling.md, and how long one simulation of 405B at 1,024 ranks takes (probed and full depth).
+e2e (only with ``--only e2e``, about 10 minutes; needs ``pip install -e '.[bench]'`` for Lightning):
+``shardtrain train`` as users run it, against benchmarks/e2e_programs.py's hand-written FSDP2 loop
+and Lightning's ModelParallelStrategy, alternating in rounds, whole iterations by wall clock.
+profile (only with ``--only profile``): benchmarks/profile_step.py, both loops under torch.profiler.
 gpu (only with ``--only gpu``, needs one CUDA GPU, about 6 minutes on an H100):
 benchmarks/gpu_worker.py, a 1.1B Llama at sequence 2,048, bf16-mixed, shardtrain vs a hand-written
 FSDP2 loop with and without compile and activation checkpointing, then functional checks (CPU
