@@ -118,10 +118,15 @@ class Watchdog:
             self.recent.append(seconds)
 
     def limits(self) -> tuple[float, float, str]:
-        """(stall, timeout, the config key of the timeout) for the current phase."""
+        """(stall, timeout, the config key of the timeout) for the current phase.
+
+        A phase with a limit of its own (a checkpoint save) is not a step: comparing it with the
+        steps' median would call every large save a stall (seen: a 1.1B model's final save).
+        """
         if self.phase_limit is not None:
             timeout, key = self.phase_limit
-        elif self.recent:
+            return timeout, timeout, key
+        if self.recent:
             timeout, key = self.timeout_s, "dist.timeout_s"
         else:
             timeout, key = self.startup_timeout_s, "dist.startup_timeout_s"
