@@ -64,6 +64,8 @@ def adamw_foreach_temporary(model: nn.Module, shard: int, storage: torch.dtype) 
     skip = no_decay_names(model)
     local = {True: 0, False: 0}
     for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
         shape = tuple(param.shape)
         rest = math.prod(shape[1:]) if len(shape) > 1 else 1
         local[name in skip] += rows_on_rank(shape[0] if shape else 1, shard, 0) * rest
@@ -171,8 +173,9 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         "block backward": (earlier, max(layers - 1, 0) * act.saved_per_block + first_block,
                            gathered_block, 0),
         "backward end": (grads, first_block, gathered_block, 0),
-        "optimizer step": (grads, 0, 0, adamw_foreach_temporary(model, plan.mesh_shape[-1],
-                                                                plan.storage_dtype)),
+        # With CPU offload AdamW runs on host tensors, per parameter: no group-sized temporary.
+        "optimizer step": (grads, 0, 0, 0 if plan.cpu_offload else
+                           adamw_foreach_temporary(model, plan.mesh_shape[-1], plan.storage_dtype)),
     }
     name, phase = max(phases.items(), key=lambda kv: sum(kv[1]))
     peak = params + optim + accumulation + sum(phase)

@@ -121,11 +121,12 @@ class Watchdog:
         """(stall, timeout, the config key of the timeout) for the current phase.
 
         A phase with a limit of its own (a checkpoint save) is not a step: comparing it with the
-        steps' median would call every large save a stall (seen: a 1.1B model's final save).
+        steps' median would call every large save a stall (seen: a 1.1B model's final save). Its
+        stacks are dumped at half its limit instead, still well before the stop.
         """
         if self.phase_limit is not None:
             timeout, key = self.phase_limit
-            return timeout, timeout, key
+            return timeout / 2, timeout, key
         if self.recent:
             timeout, key = self.timeout_s, "dist.timeout_s"
         else:

@@ -92,7 +92,7 @@ def first_row(param: DTensor) -> int:
 
 def move_buffers(model: nn.Module, device: torch.device) -> None:
     """Buffers (RoPE tables and the like) to ``device``, parameters left where they are."""
-    for name, buffer in list(model.named_buffers()):
+    for name, buffer in list(model.named_buffers(remove_duplicate=False)):  # shared ones under each name
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner), attr, buffer.to(device))
 

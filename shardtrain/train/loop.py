@@ -282,12 +282,16 @@ class Trainer:
         batches = self.train_data.next_step()
         steps_run = len(self.result.losses)
         phases = self.phases if (diag.enabled or diag.dry_run) and steps_run < diag.steps else None
-        probe = DtypeProbe(b.model) if phases is not None and steps_run == 0 else None
+        compiled = self.cfg.strategy.compile
+        # A dry run's one step must exercise compilation, so with compile it goes without the probe.
+        probe = (DtypeProbe(b.model) if phases is not None and steps_run == 0
+                 and not (diag.dry_run and compiled) else None)
         # The dtype probe's hooks must not be traced into compiled blocks: a hook's side effect inside
         # an activation-checkpointed block makes dynamo give up on that block for the rest of the run
         # (measured: compile + AC ran at eager speed), and even without AC they cost a recompile.
         # The probed first step therefore runs eagerly; compilation starts with the next one.
-        stance = torch.compiler.set_stance("force_eager") if probe is not None else nullcontext()
+        eager_first = probe is not None and compiled
+        stance = torch.compiler.set_stance("force_eager") if eager_first else nullcontext()
         start = time.perf_counter()
         try:
             with stance:
@@ -295,17 +299,24 @@ class Trainer:
                                    self.cfg.trainer.grad_clip_norm, self.env.device, step=self.step + 1,
                                    phases=phases,
                                    sharded_accumulation=b.plan.grad_accumulation == "sharded",
-                                   stop_requested=self.preemption is not None and self.preemption.requested)
+                                   stop_requested=self.stop_requested)
         finally:
             if probe is not None:
                 probe.close()
         seconds = time.perf_counter() - start
-        self.watchdog.done(seconds)
+        if not eager_first:
+            # An eager first step is not counted: the compiling step after it keeps the start-up
+            # bound (dist.startup_timeout_s) and is not judged against an eager step's time.
+            self.watchdog.done(seconds)
         self.step += 1
         if phases is not None:
             self.report_phases(phases, probe)
         faults.inject("step", self.env.rank, self.step)
         return stats
+
+    def stop_requested(self) -> bool:
+        """This rank was signalled to stop (read by the step just before its loss all-reduce)."""
+        return self.preemption is not None and self.preemption.requested
 
     def account(self, stats: StepStats) -> None:
         """Results, throughput, and the skip policy for non-finite steps."""

@@ -9,6 +9,7 @@ process computing the mean loss over the whole batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,14 +86,16 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, micro_batches: list[Batch],
                mesh: DeviceMesh, grad_clip_norm: float, device: torch.device,
                step: int = 0, phases: PhaseMemory | None = None,
-               sharded_accumulation: bool = True, stop_requested: bool = False) -> StepStats:
+               sharded_accumulation: bool = True,
+               stop_requested: Callable[[], bool] | None = None) -> StepStats:
     """One optimizer step (``step`` is its 1-based number; ``phases`` records memory per phase).
 
     With several micro-batches, ``sharded_accumulation`` reduce-scatters after every backward (only
     sharded gradients are held; replicas of a hybrid mesh all-reduce on the last one only);
     otherwise gradients stay unsharded and are reduced once, on the last micro-batch.
-    ``stop_requested`` (this rank was signalled) rides on the loss all-reduce, so that every rank
-    learns of any rank's request without a collective or host synchronisation of its own.
+    ``stop_requested()`` (this rank was signalled), asked after backward, rides on the loss
+    all-reduce, so that every rank learns of any rank's request without a collective or host
+    synchronisation of its own.
     """
     # The global token count stays on the device (an asynchronous all-reduce): reading it back here
     # would stall the host until the previous step's optimizer kernels finished.
@@ -122,8 +125,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     grad_norm = global_grad_norm(params, mesh)
     scale = clip_scale(grad_clip_norm, grad_norm) if grad_clip_norm > 0 else torch.ones((), device=device)
     # The step's one host synchronisation: what the skip decision and the log need, in one transfer.
+    stop = float(stop_requested()) if stop_requested is not None else 0.0
     loss_and_stop = global_sum_tensor(torch.stack(
-        [loss_sum.double(), torch.full((), float(stop_requested), dtype=torch.float64, device=device)]))
+        [loss_sum.double(), torch.full((), stop, dtype=torch.float64, device=device)]))
     loss_value, stops, norm_value, scale_value, tokens = torch.cat(
         [loss_and_stop, torch.stack([grad_norm.double(), scale.double(), global_tokens])]).tolist()
     if tokens == 0:

@@ -1,0 +1,19 @@
+"""The training step's own contract at 2 real gloo ranks: a stop request from one rank reaches
+every rank through the step's loss all-reduce, and a step with no target tokens fails on all ranks
+together (both now decided at the step's one host synchronisation)."""
+
+from __future__ import annotations
+
+import json
+
+from distributed import run_on_ranks
+from step_workers import agreement_and_empty_steps
+
+
+def test_one_ranks_stop_request_reaches_all_and_empty_steps_fail_everywhere(tmp_path):
+    run_on_ranks(agreement_and_empty_steps, 2, str(tmp_path), tmp_path=tmp_path)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["signalled"] is True, (rank, result)  # only the last rank asked
+        assert result["quiet"] is False, (rank, result)
+        assert result["error"] and "no target tokens on any rank" in result["error"], (rank, result)
