@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from step_time import tutorial_step
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -88,18 +88,7 @@ def handwritten(cfg, trainer: Trainer, compiled: bool, checkpointed: bool):
     optimizer = build_optimizer(model, cfg.trainer)
     scheduler = build_scheduler(optimizer, cfg.trainer)
 
-    def step() -> float:
-        (x, y), = trainer.train_data.next_step()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.item()
-
-    return step
+    return tutorial_step(model, optimizer, scheduler, trainer, cfg.trainer.grad_clip_norm)
 
 
 def time_rounds(fns: dict, rounds: int, steps: int) -> dict[str, list[float]]:

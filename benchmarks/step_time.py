@@ -50,15 +50,23 @@ def handwritten(cfg, trainer: Trainer):
     optimizer = build_optimizer(model, cfg.trainer)
     scheduler = build_scheduler(optimizer, cfg.trainer)
 
-    def step():
-        (x, y), = trainer.train_data.next_step()  # same pipeline, same batches
+    return tutorial_step(model, optimizer, scheduler, trainer, cfg.trainer.grad_clip_norm)
+
+
+def tutorial_step(model, optimizer, scheduler, trainer: Trainer, clip: float):
+    """One step of the FSDP2 tutorial's loop on shardtrain's batches (same pipeline, same order)."""
+    device = trainer.env.device
+
+    def step() -> float:
+        (x, y), = trainer.train_data.next_step()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        loss.item()  # like any real loop that logs its loss
+        return loss.item()  # like any real loop that logs its loss
 
     return step
 
