@@ -10,6 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from shardtrain.checkpoint.weights import load_hf_into, load_safetensors_into, model_config_of
 from shardtrain.errors import CheckpointError
+from shardtrain.export.hf import export_hf
+from shardtrain.export.verify import verify_export
 from shardtrain.models.llama import Llama
 
 transformers = pytest.importorskip("transformers")
@@ -35,6 +37,7 @@ def test_export_loads_in_transformers_with_matching_logits(tmp_path, tied):
     exported = run_cli("export-hf", str(ckpt), str(out), "--max-shard-size", "40KB")
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
+    assert "verified: transformers' logits match the checkpoint's" in exported.stdout
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     assert type(hf).__name__ == "LlamaForCausalLM"
@@ -66,6 +69,24 @@ def test_export_loads_in_transformers_with_matching_logits(tmp_path, tied):
     save_file(state, str(broken), metadata=safe_open_metadata(consolidated))
     with pytest.raises(CheckpointError, match="tied weight"):
         load_safetensors_into(Llama(model_config_of(consolidated)), broken)
+
+
+def test_export_check_fails_on_corrupted_weights(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli("train", "experiment=quick", "trainer.max_steps=2", "trainer.sample_tokens=0",
+                   f"run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt, out = run_dir / "checkpoints" / "step-2", tmp_path / "hf"
+    bf16 = run_cli("export-hf", str(ckpt), str(out), "--dtype", "bf16")
+    assert bf16.returncode == 0 and "verified" in bf16.stdout, bf16.stderr[-3000:]  # rounded alike
+    export_hf(ckpt, out)  # overwrite in fp32, then damage one weight as a bad converter would
+    state = load_file(out / "model.safetensors")
+    state["model.layers.0.self_attn.q_proj.weight"][0] += 1.0
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"export check failed: .* differ from the checkpoint's"):
+        verify_export(ckpt, out)
+    skipped = run_cli("export-hf", str(ckpt), str(tmp_path / "unchecked"), "--no-verify")
+    assert skipped.returncode == 0 and "verified" not in skipped.stdout
 
 
 @pytest.fixture(scope="module")

@@ -195,6 +195,13 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     check_output(Path(args.out), Path(args.checkpoint), "export-hf output")
     for file in export_hf(args.checkpoint, args.out, args.max_shard_size, args.dtype):
         print(file)
+    if args.no_verify:
+        return 0
+    from shardtrain.export.verify import EXPORT_TOLERANCE, verify_export
+
+    difference = verify_export(args.checkpoint, args.out)
+    print(f"verified: transformers' logits match the checkpoint's, largest relative difference "
+          f"{difference:.1e} (limit {EXPORT_TOLERANCE:.0e})")
     return 0
 
 
@@ -325,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("out", help="output directory")
     hf.add_argument("--max-shard-size", default="2GB")
     hf.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"])
+    hf.add_argument("--no-verify", action="store_true",
+                    help="skip the check that transformers reproduces the checkpoint's logits")
 
     plan = sub.add_parser(
         "plan", help="estimate per-rank memory for each strategy and world size",
