@@ -1,9 +1,9 @@
 """``shardtrain export-hf``: a shardtrain checkpoint as a Hugging Face ``LlamaForCausalLM`` directory.
 
 Streams one consolidated shard at a time and converts tensor by tensor through the model's
-state-dict adapter (``models/llama_hf_adapter.py``); transformers itself is not needed (the tests
-use it as the judge). Importing goes the other way through ``model.init_from=hf:<dir>``
-(``checkpoint/weights.py``).
+state-dict adapter (``models/llama_hf_adapter.py``); the conversion does not use transformers, the
+self-check after it does (``export/verify.py``). Importing goes the other way through
+``model.init_from=hf:<dir>`` (``checkpoint/weights.py``).
 """
 
 from __future__ import annotations
