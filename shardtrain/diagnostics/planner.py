@@ -62,14 +62,11 @@ def adamw_foreach_temporary(model: nn.Module, shard: int, storage: torch.dtype) 
     """Bytes of the one temporary AdamW's foreach path (its default on GPUs) allocates: the square
     root of a parameter group's second moments, all at once, for the larger of our two groups."""
     skip = no_decay_names(model)
-    local = {True: 0, False: 0}
+    groups: dict[bool, list[tuple[int, ...]]] = {True: [], False: []}
     for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        shape = tuple(param.shape)
-        rest = math.prod(shape[1:]) if len(shape) > 1 else 1
-        local[name in skip] += rows_on_rank(shape[0] if shape else 1, shard, 0) * rest
-    return max(local.values()) * storage.itemsize
+        if param.requires_grad:
+            groups[name in skip].append(tuple(param.shape))
+    return max(sharded_state_bytes(shapes, shard, 0, storage)[0] for shapes in groups.values())
 
 
 @dataclass

@@ -53,18 +53,16 @@ def token_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     )
 
 
-def global_sum(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
 def global_sum_tensor(value: torch.Tensor) -> torch.Tensor:
     """``value`` summed over all ranks, left on its device: no host synchronisation."""
     if dist.get_world_size() > 1:
         dist.all_reduce(value)
     return value
+
+
+def global_sum(values: list[float], device: torch.device) -> list[float]:
+    """``values`` summed over all ranks, read back to the host (float64)."""
+    return global_sum_tensor(torch.tensor(values, dtype=torch.float64, device=device)).tolist()
 
 
 def prepare_micro_batch(model: nn.Module, index: int, count: int, sharded_accumulation: bool) -> None:
