@@ -2,12 +2,15 @@
 
 ``model.init_from`` and inference accept a shardtrain or plain DCP checkpoint directory, a
 consolidated ``.safetensors`` file, or ``hf:<dir>``, a local Hugging Face Llama directory (never
-downloaded). Each rank keeps only its own slice of every tensor it reads.
+downloaded) imported into the built-in model. ``model.name=hf`` models read their own Hugging Face
+directory (``load_hf_model_into``). Each rank keeps only its own slice of every tensor it reads.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from shardtrain.checkpoint.state import TrainState
 from shardtrain.config.schema import ModelConfig
 from shardtrain.distributed.sharded_model import first_row, shard_like
 from shardtrain.errors import CheckpointError
+from shardtrain.models.hf import CONFIG_FILE as HF_CONFIG_FILE
 from shardtrain.models.llama_hf_adapter import (
     config_mismatches,
     from_hf,
@@ -95,6 +99,13 @@ def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | N
     if path.is_file() and path.suffix == ".safetensors":
         load_safetensors_into(model, path)
         return
+    if (path / HF_CONFIG_FILE).is_file() and not (path / layout.METADATA_FILE).is_file():
+        if model_cfg is None or model_cfg.name != "hf":
+            raise CheckpointError(f"{path} is a Hugging Face model directory: train it with "
+                                  f"model.name=hf model.path={path} (a Llama also imports into the "
+                                  f"built-in model with model.init_from=hf:{path})")
+        load_hf_model_into(model, path)
+        return
     metadata = layout.verify(path, need_state=False)
     state = get_model_state_dict(model)
     check_model_compatible(path, metadata, state)
@@ -138,33 +149,68 @@ def copy_into(param: torch.Tensor, full: torch.Tensor, what: str) -> None:
 
 
 @torch.no_grad()
-def load_safetensors_into(model: nn.Module, path: Path) -> None:
-    """Every parameter from the file, one full tensor at a time.
+def load_files_into(model: nn.Module, files: list[Path], what: str,
+                    rename: Callable[[str], str] = lambda key: key) -> None:
+    """Every parameter of ``model`` (and each buffer the files hold) from safetensors ``files``, tensor
+    by tensor, each rank reading only its own rows (``own_rows``). ``rename`` maps a stored name to
+    the model's.
 
     A parameter registered under several names (tied input and output embeddings) may be stored
-    under any of them or all: a consolidated checkpoint keeps every name its state dict had.
+    under any of them or all: a consolidated checkpoint keeps every name its state dict had, a
+    Hugging Face directory only the first. Stored non-persistent buffers (RoPE tables in old
+    exports) are skipped: the model recomputes them.
     """
     aliases: dict[int, list[str]] = {}
-    params: dict[int, torch.Tensor] = {}
+    targets: dict[int, torch.Tensor] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
-        params[id(param)] = param
-    known = {name for names in aliases.values() for name in names}
-    with safe_open(str(path), framework="pt") as f:
-        keys = set(f.keys())
-        missing = sorted(names[0] for names in aliases.values() if not keys.intersection(names))
-        unexpected = sorted(keys - known)
+        targets[id(param)] = param
+    persistent = set(model.state_dict())
+    buffers = {name: buffer for name, buffer in model.named_buffers()}
+    with ExitStack() as stack:
+        stored: dict[str, tuple[object, str]] = {}  # model name -> (open file, stored name)
+        for file in files:
+            handle = stack.enter_context(safe_open(str(file), framework="pt"))
+            stored.update((rename(key), (handle, key)) for key in handle.keys())
+        known = {name for names in aliases.values() for name in names}
+        missing = sorted(names[0] for names in aliases.values() if not stored.keys() & set(names))
+        unexpected = sorted(name for name in stored.keys() - known if name not in buffers)
         if missing or unexpected:
-            raise CheckpointError(f"{path}: missing keys {missing[:6]}, unexpected keys {unexpected[:6]}")
+            raise CheckpointError(f"{what}: missing keys {missing[:6]}, unexpected keys {unexpected[:6]}")
         for key, names in aliases.items():
-            stored = [name for name in names if name in keys]
-            part = own_rows(params[key], f, stored[0], f"{path}: {stored[0]}")
-            read_own_rows(params[key], part)
-            for other in stored[1:]:  # the same weight twice must be the same weight
-                if not torch.equal(own_rows(params[key], f, other, f"{path}: {other}"), part):
-                    raise CheckpointError(f"{path}: {other} and {stored[0]} are one tied weight in "
-                                          "this model but differ in the file; untie the model "
-                                          "(model.tie_embeddings=false) to load it")
+            present = [name for name in names if name in stored]
+            handle, first = stored[present[0]]
+            part = own_rows(targets[key], handle, first, f"{what}: {first}")
+            read_own_rows(targets[key], part)
+            for other in present[1:]:  # the same weight twice must be the same weight
+                handle, name = stored[other]
+                if not torch.equal(own_rows(targets[key], handle, name, f"{what}: {name}"), part):
+                    raise CheckpointError(f"{what}: {name} and {first} are one tied weight in this "
+                                          "model but differ in the files; untie the model to load it")
+        for name in buffers.keys() & stored.keys() & persistent:
+            handle, key = stored[name]
+            copy_into(buffers[name], handle.get_tensor(key), f"{what}: {key}")
+
+
+def load_safetensors_into(model: nn.Module, path: Path) -> None:
+    """A consolidated shardtrain file (the model's own parameter names)."""
+    load_files_into(model, [path], str(path))
+
+
+def load_hf_model_into(model: nn.Module, directory: str | Path) -> None:
+    """A Hugging Face model directory into ``model.name=hf``'s model (transformers' names)."""
+    directory = Path(directory).expanduser()
+    load_files_into(model, weight_files(directory), str(directory), rename=model.parameter_name)
+
+
+def initial_weights(cfg: ModelConfig) -> str | None:
+    """Where a fresh run's weights come from: ``model.init_from``, else a Hugging Face model's own
+    directory (``model.pretrained``), else None (random initialisation)."""
+    if cfg.init_from:
+        return cfg.init_from
+    if cfg.name == "hf" and cfg.pretrained:
+        return cfg.path
+    return None
 
 
 def read_hf_config(directory: Path) -> dict:

@@ -107,6 +107,7 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         return status
     from contextlib import nullcontext
 
+    from shardtrain.data.tokenizer import tokenizer_for
     from shardtrain.distributed.env import destroy_distributed
     from shardtrain.generation.generate import (
         gathered_copy,
@@ -115,10 +116,10 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         sharded_inference,
     )
     from shardtrain.generation.inference import load_for_inference
-    from shardtrain.generation.text import TextStream
 
     try:
         loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype)
+        tokenizer = tokenizer_for(loaded.cfg.model)
         choice = generation_mode(loaded.model, loaded.compute_dtype, loaded.env.device, args.mode)
         main_rank = loaded.env.is_main
         if main_rank:
@@ -135,10 +136,11 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         with runner as model:
             for index, prompt in enumerate(prompts):
                 show(prompt)
-                stream = TextStream()  # byte tokens -> whole characters
-                generate(model, list(prompt.encode()), args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, top_p=args.top_p, seed=args.seed + index,
-                         use_cache=not args.no_cache, vocab_limit=256,
+                stream = tokenizer.stream()  # tokens -> whole characters, as they become final
+                generate(model, tokenizer.encode(prompt), args.max_new_tokens,
+                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                         seed=args.seed + index, use_cache=not args.no_cache,
+                         vocab_limit=tokenizer.vocab_size, stop_token=tokenizer.eos_id,
                          on_token=lambda token, stream=stream: show(stream.push(token)),
                          device=loaded.env.device)
                 show(stream.flush() + "\n")
@@ -159,20 +161,22 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     from shardtrain.config.schema import DataConfig
     from shardtrain.data.batches import TokenWindows, eval_batches
     from shardtrain.data.corpus import load_corpus
+    from shardtrain.data.tokenizer import tokenizer_for
     from shardtrain.distributed.env import destroy_distributed
     from shardtrain.generation.inference import load_for_inference
     from shardtrain.train.step import evaluate
 
     try:
         loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype)
+        tokenizer = tokenizer_for(loaded.cfg.model)
         if args.file:
             data = load_corpus(DataConfig(source="files", paths=[args.file], val_percent=0.0,
-                                          file_glob="*")).train if Path(args.file).is_file() \
+                                          file_glob="*"), tokenizer).train if Path(args.file).is_file() \
                 else load_corpus(DataConfig(source="files", paths=[args.file], val_percent=100.0,
-                                            file_glob=args.glob)).val
+                                            file_glob=args.glob), tokenizer).val
             source = args.file
         else:
-            corpus = load_corpus(loaded.cfg.data)
+            corpus = load_corpus(loaded.cfg.data, tokenizer)
             data, source = corpus.val, f"held-out split of {corpus.root}"
         windows = TokenWindows(data, args.seq_len, "evaluation data")
         batches = eval_batches(windows, args.samples, args.batch_size, loaded.env.world_size,
@@ -180,9 +184,10 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
         loss = evaluate(loaded.model, batches, loaded.env.device)
         if loaded.env.is_main:
             n = min(args.samples, windows.num_samples) * args.seq_len
-            print(f"eval on {source}: {n} bytes in windows of {args.seq_len}")
-            print(f"loss {loss:.4f} nats/byte | {loss / math.log(2):.4f} bits/byte | "
-                  f"perplexity {math.exp(loss):.3f} per byte")
+            unit = "byte" if tokenizer.name == "bytes" else "token"
+            print(f"eval on {source}: {n} {unit}s in windows of {args.seq_len}")
+            print(f"loss {loss:.4f} nats/{unit} | {loss / math.log(2):.4f} bits/{unit} | "
+                  f"perplexity {math.exp(loss):.3f} per {unit}")
     finally:
         destroy_distributed()
     return 0

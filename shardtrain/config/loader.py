@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import signal
 from pathlib import Path
 from typing import Any
@@ -133,14 +134,48 @@ def check_ranges(cfg: Config) -> None:
             raise ConfigError(f"{key}={value} must be greater than {above}")
 
 
+def check_model(cfg: Config) -> None:
+    """The model section: a Hugging Face directory that exists, or the built-in model's shape."""
+    m, seq_len = cfg.model, cfg.trainer.seq_len
+    if m.name == "hf":
+        if not m.path:
+            raise ConfigError("model.name=hf needs model.path=DIR, a local Hugging Face model directory "
+                              "(config.json, safetensors weights, tokenizer.json)")
+        config_file = Path(m.path).expanduser() / "config.json"
+        if not config_file.is_file():
+            raise ConfigError(f"model.path={m.path!r} has no config.json (nothing is downloaded: "
+                              "point it at a directory written by save_pretrained)")
+        try:
+            hf = json.loads(config_file.read_text())
+        except ValueError as exc:
+            raise ConfigError(f"{config_file} is not valid JSON ({exc})") from exc
+        positions = hf.get("max_position_embeddings") or hf.get("n_positions")
+        if positions and seq_len > positions:
+            raise ConfigError(f"trainer.seq_len={seq_len} exceeds the model's {positions} positions "
+                              f"({config_file}); lower trainer.seq_len")
+        return
+    if m.tokenizer in ("auto", "bytes") and m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is too small for byte-level data "
+                          "(256 token ids); use at least 256")
+    if seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"trainer.seq_len={seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
+            "lower trainer.seq_len or raise model.max_seq_len"
+        )
+    if m.dim % m.n_heads or m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"model.dim={m.dim}, model.n_heads={m.n_heads} and model.n_kv_heads={m.n_kv_heads}: dim "
+            "must divide by n_heads and n_heads by n_kv_heads"
+        )
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError("model.dim / model.n_heads (the head size) must be even for RoPE")
+
+
 def validate(cfg: Config) -> None:
     t = cfg.trainer
     cfg.dist.debug = str(cfg.dist.debug).upper()
     check_ranges(cfg)
     devices_count(t.devices)
-    if cfg.model.vocab_size < 256:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is too small for byte-level data "
-                          "(256 token ids); use at least 256")
     if cfg.dist.backend == "nccl" and not accelerator_count():
         raise ConfigError(
             "dist.backend=nccl needs GPUs and none is visible; use dist.backend=auto (gloo on CPU)"
@@ -150,24 +185,12 @@ def validate(cfg: Config) -> None:
             if not Path(entry).expanduser().exists():
                 raise ConfigError(f"data path {entry!r} does not exist; fix data.paths")
     for entry in cfg.strategy.wrap_policy:
-        if entry != "auto":
+        if entry != "auto" and "." in entry:  # a bare class name is looked up in the model itself
             try:
                 import_module_class(entry)
             except ShardtrainError as exc:
                 raise ConfigError(f"strategy.wrap_policy: {exc}") from exc
-    if t.seq_len > cfg.model.max_seq_len:
-        raise ConfigError(
-            f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
-            "lower trainer.seq_len or raise model.max_seq_len"
-        )
-    if cfg.model.dim % cfg.model.n_heads or cfg.model.n_heads % cfg.model.n_kv_heads:
-        raise ConfigError(
-            f"model.dim={cfg.model.dim}, model.n_heads={cfg.model.n_heads} and "
-            f"model.n_kv_heads={cfg.model.n_kv_heads}: dim must divide by n_heads and n_heads by "
-            "n_kv_heads"
-        )
-    if (cfg.model.dim // cfg.model.n_heads) % 2:
-        raise ConfigError("model.dim / model.n_heads (the head size) must be even for RoPE")
+    check_model(cfg)
     for name in cfg.checkpoint.preemption_signals:
         if not isinstance(getattr(signal, str(name), None), signal.Signals):
             raise ConfigError(f"checkpoint.preemption_signals: {name!r} is not a signal name like 'SIGTERM'")

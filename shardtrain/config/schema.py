@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# The models ``model.name`` can select (built by shardtrain.models.registry).
-BUILTIN_MODELS = ("llama",)
+# The models ``model.name`` can select (built by shardtrain.models.registry): the built-in Llama, or
+# any local Hugging Face transformers causal LM (``model.path``).
+BUILTIN_MODELS = ("llama", "hf")
 # Signals that mean "save and exit" (Slurm and Kubernetes send SIGTERM before killing).
 DEFAULT_PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
 
@@ -24,9 +25,19 @@ def knob(default: Any, *, at_least: float | None = None, above: float | None = N
 
 @dataclass
 class ModelConfig:
-    """A Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention)."""
+    """llama: the built-in Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention),
+    shaped by the fields below. hf: a Hugging Face causal LM, shaped by ``path``'s config.json (the
+    Llama fields are then unused)."""
 
     name: str = knob("llama", one_of=BUILTIN_MODELS)
+    # name=hf: a local model directory (config.json, safetensors weights, tokenizer.json). Never
+    # downloaded.
+    path: str | None = None
+    # name=hf: start from the weights in ``path`` (false: random weights from its config, to pretrain).
+    pretrained: bool = True
+    # auto: the model's own (name=hf: ``path``'s tokenizer.json; llama: bytes) | bytes | a
+    # tokenizer.json file or a directory holding one.
+    tokenizer: str = "auto"
     vocab_size: int = knob(256, at_least=1)  # 256 = byte-level tokens
     dim: int = knob(256, at_least=1)  # hidden size
     n_layers: int = knob(4, at_least=1)

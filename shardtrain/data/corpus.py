@@ -2,7 +2,9 @@
 
 Files are read in sorted order of their relative path and assigned to train or validation by a hash
 of that path, so the split is deterministic, independent of the world size, and stable when files are
-added. Tokens are raw bytes (vocabulary 256).
+added. Each file is one document, tokenized by the model's tokenizer (``data/tokenizer.py``): raw bytes
+for the built-in model (vocabulary 256, documents back to back), or a Hugging Face tokenizer with its
+end-of-text token after every document.
 """
 
 from __future__ import annotations
@@ -15,24 +17,48 @@ from pathlib import Path
 import numpy as np
 
 from shardtrain.config.schema import DataConfig
+from shardtrain.data.tokenizer import ByteTokenizer, Tokenizer
 from shardtrain.errors import DataError
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
+# Documents tokenized per call of a Hugging Face tokenizer's batch encoder (which runs in parallel).
+ENCODE_BATCH = 256
+
+
 @dataclass
 class Corpus:
-    train: np.ndarray  # uint8 byte tokens
+    train: np.ndarray  # token ids: uint8 bytes, else uint16 or uint32 by vocabulary size
     val: np.ndarray
     train_files: int
     val_files: int
     root: str
+    tokenizer: str = "bytes"
 
     def describe(self) -> str:
         return (
-            f"{self.root}: {self.train_files} train files ({self.train.size / 1e6:.1f} MB), "
-            f"{self.val_files} validation files ({self.val.size / 1e6:.1f} MB)"
+            f"{self.root}: {self.train_files} train files ({self.train.size / 1e6:.1f}M tokens), "
+            f"{self.val_files} validation files ({self.val.size / 1e6:.1f}M tokens); "
+            f"tokenizer {self.tokenizer}"
         )
+
+
+def token_dtype(vocab_size: int) -> type:
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+
+def tokenize(documents: list[bytes], tokenizer: Tokenizer) -> np.ndarray:
+    """All documents as one array of token ids, an end-of-text token after each (if the tokenizer
+    has one)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return np.frombuffer(b"".join(documents), dtype=np.uint8)
+    tail = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    dtype = token_dtype(tokenizer.vocab_size)
+    parts = [np.asarray(ids + tail, dtype=dtype)
+             for start in range(0, len(documents), ENCODE_BATCH)
+             for ids in tokenizer.encode_documents(documents[start:start + ENCODE_BATCH])]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
 
 
 def stdlib_root() -> Path:
@@ -53,7 +79,8 @@ def is_validation(relative_path: str, val_percent: float) -> bool:
     return zlib.crc32(relative_path.encode()) % 10_000 < val_percent * 100
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
+def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
+    tokenizer = tokenizer or ByteTokenizer()
     if cfg.source == "stdlib":
         roots = [stdlib_root()]
     elif cfg.source == "files":
@@ -86,11 +113,11 @@ def load_corpus(cfg: DataConfig) -> Corpus:
             f"{len(val_parts)} validation files; both need at least one (add files, raise "
             "data.max_bytes, or change data.val_percent)"
         )
-    as_array = lambda parts: np.frombuffer(b"".join(parts), dtype=np.uint8)  # noqa: E731
     return Corpus(
-        train=as_array(train_parts),
-        val=as_array(val_parts),
+        train=tokenize(train_parts, tokenizer),
+        val=tokenize(val_parts, tokenizer),
         train_files=len(train_parts),
         val_files=len(val_parts),
         root=", ".join(map(str, roots)),
+        tokenizer=tokenizer.name,
     )

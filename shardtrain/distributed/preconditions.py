@@ -69,8 +69,14 @@ def module_class_paths(model: nn.Module) -> list[str]:
     return sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()})
 
 
+def module_class_names(model: nn.Module) -> list[str]:
+    """Class names of the modules that hold parameters, the candidates for FSDP units."""
+    return sorted({type(m).__name__ for m in model.modules() if any(True for _ in m.parameters())})
+
+
 def resolve_wrap_classes(model: nn.Module, policy: Sequence[str | type]) -> tuple[type, ...]:
-    """Turn the configured wrap policy into classes and insist that it matches something."""
+    """Turn the configured wrap policy (``auto``: the model's ``block_classes``; a dotted class path;
+    or a bare class name of one of the model's modules) into classes, and insist that it matches."""
     classes: list[type] = []
     for entry in policy:
         if isinstance(entry, type):
@@ -84,6 +90,13 @@ def resolve_wrap_classes(model: nn.Module, policy: Sequence[str | type]) -> tupl
                     + ", ".join(module_class_paths(model))
                 )
             classes.extend(declared)
+        elif "." not in entry:
+            # A bare class name (e.g. "LlamaDecoderLayer"): the model's own class of that name.
+            found = {type(m) for m in model.modules() if type(m).__name__ == entry}
+            if not found:
+                raise ModelError(f"strategy.wrap_policy: {type(model).__name__} has no module of class "
+                                 f"{entry!r}; its classes: " + ", ".join(module_class_names(model)))
+            classes.extend(found)
         else:
             classes.append(import_module_class(entry))
     wrap = tuple(classes)

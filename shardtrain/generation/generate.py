@@ -148,17 +148,18 @@ def pick_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
 def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, use_cache: bool = True,
              vocab_limit: int | None = None, on_token: Callable[[int], None] | None = None,
-             device: torch.device | None = None) -> list[int]:
-    """New token ids after ``prompt`` from a plain model (see ``gathered_copy``)."""
+             device: torch.device | None = None, stop_token: int | None = None) -> list[int]:
+    """New token ids after ``prompt`` from a plain model (see ``gathered_copy``); ends early after
+    ``stop_token`` (a tokenizer's end of text), which is not returned."""
     device = device or next(model.parameters()).device
-    max_len = getattr(getattr(model, "cfg", None), "max_seq_len", None)
+    max_len = getattr(model, "max_seq_len", None)
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.tensor([prompt or [10]], dtype=torch.long, device=device)
     cache = None
     if use_cache and hasattr(model, "new_cache"):
         if max_len is not None and tokens.shape[1] + max_new_tokens > max_len:
             raise GenerationError(f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) "
-                                  f"exceeds model.max_seq_len={max_len}; ask for fewer new tokens")
+                                  f"exceeds the model's {max_len} positions; ask for fewer new tokens")
         cache = model.new_cache(tokens.shape[1] + max_new_tokens)
     out: list[int] = []
     step_input = tokens
@@ -171,6 +172,8 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temper
         if vocab_limit is not None:
             logits = logits[:, :vocab_limit]
         nxt = pick_next(logits, temperature, top_k, top_p, generator)
+        if int(nxt) == stop_token:
+            break
         tokens = torch.cat([tokens, nxt], dim=1)
         step_input = nxt
         out.append(int(nxt))

@@ -17,6 +17,7 @@ from torch import nn
 
 from shardtrain.config.schema import ModelConfig
 from shardtrain.errors import ModelError
+from shardtrain.models.dims import Dims
 
 
 def ffn_hidden_dim(cfg: ModelConfig) -> int:
@@ -172,6 +173,15 @@ class Llama(nn.Module):
         if cache is not None:
             cache.pos = end
         return self.output(self.norm(h))
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cfg.max_seq_len
+
+    @property
+    def dims(self) -> Dims:
+        c = self.cfg
+        return Dims(c.dim, c.n_layers, c.n_heads, c.n_kv_heads, ffn_hidden_dim(c), c.vocab_size)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         return KVCache(self.cfg.n_layers, max_len or self.cfg.max_seq_len)

@@ -8,9 +8,10 @@ from torch import nn
 
 from shardtrain.config.schema import BUILTIN_MODELS, ModelConfig
 from shardtrain.errors import ConfigError
+from shardtrain.models.hf import HFCausalLM
 from shardtrain.models.llama import Llama
 
-BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {"llama": Llama}
+BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {"llama": Llama, "hf": HFCausalLM}
 assert set(BUILDERS) == set(BUILTIN_MODELS), "config.schema.BUILTIN_MODELS and BUILDERS disagree"
 
 

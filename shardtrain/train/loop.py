@@ -17,12 +17,13 @@ from shardtrain import faults
 from shardtrain.accelerator import device_peak_flops, peak_memory_mib
 from shardtrain.checkpoint.checkpointer import Checkpointer
 from shardtrain.checkpoint.preemption import PreemptionFlag
-from shardtrain.checkpoint.weights import load_model_weights
+from shardtrain.checkpoint.weights import initial_weights, load_model_weights
 from shardtrain.config.loader import to_yaml
 from shardtrain.config.plan import check_world
 from shardtrain.config.schema import Config
 from shardtrain.data.batches import BatchLayout, TokenWindows, TrainBatches, eval_batches
 from shardtrain.data.corpus import Corpus, load_corpus
+from shardtrain.data.tokenizer import Tokenizer, tokenizer_for
 from shardtrain.diagnostics.memory import PhaseMemory
 from shardtrain.diagnostics.rails import check_uniform_batches
 from shardtrain.diagnostics.report import (
@@ -71,12 +72,13 @@ def due(step: int, every: int) -> bool:
 
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv, built: Built, corpus: Corpus,
-                 model_factory: ModelFactory) -> None:
+                 model_factory: ModelFactory, tokenizer: Tokenizer) -> None:
         self.cfg = cfg
         self.env = env
         self.built = built
         self.model_factory = model_factory
         self.corpus = corpus
+        self.tokenizer = tokenizer
         t = cfg.trainer
         self.layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, env.world_size)
         self.train_data = TrainBatches(
@@ -123,10 +125,11 @@ class Trainer:
         check_world(cfg, env.world_size, env.local_world_size)
         if env.device.type == "cpu":
             set_cpu_threads(env, cfg.trainer.threads_per_process)
-        corpus = corpus if corpus is not None else load_corpus(cfg.data)
+        tokenizer = tokenizer_for(cfg.model)
+        corpus = corpus if corpus is not None else load_corpus(cfg.data, tokenizer)
         factory = model_factory or default_model_factory(cfg.model)
         built = build(cfg, env, factory, wrap_policy, optimizer_factory)
-        trainer = cls(cfg, env, built, corpus, factory)
+        trainer = cls(cfg, env, built, corpus, factory, tokenizer)
         trainer.restore()
         return trainer
 
@@ -141,7 +144,8 @@ class Trainer:
     # ---- start and end -------------------------------------------------------------------
 
     def restore(self) -> None:
-        """Resume (checkpoint.resume) or start from given weights (model.init_from)."""
+        """Resume (checkpoint.resume), or start from given weights (model.init_from, a Hugging Face
+        model's own), else from the random initialisation the build made."""
         path = self.checkpointer.resume_path() if self.checkpointer is not None else None
         if path is not None:
             state = self.checkpointer.load(path)
@@ -153,9 +157,9 @@ class Trainer:
                       f"consumed (saved at world size {state.world_size}, {state.strategy})")
             if self.cfg.model.init_from:
                 self.info("model.init_from is ignored: resuming from a checkpoint")
-        elif self.cfg.model.init_from:
-            load_model_weights(self.model, self.cfg.model.init_from, self.cfg.model)
-            self.info(f"initialised weights from {self.cfg.model.init_from}")
+        elif source := initial_weights(self.cfg.model):
+            load_model_weights(self.model, source, self.cfg.model)
+            self.info(f"initialised weights from {source}")
 
     def beat_save(self, phase: str) -> None:
         """Saves get their own bound: a large synchronous save may take far longer than a step, and
@@ -388,10 +392,12 @@ class Trainer:
                       "runs a checkpoint unit by unit)")
             return ""
         plain = gathered_copy(self.model, self.model_factory, self.env.device, self.built.plan.param_dtype)
-        ids = generate(plain, list(t.sample_prompt.encode()), t.sample_tokens, temperature=0.8, top_k=40,
-                       seed=t.seed, vocab_limit=256, device=self.env.device)
+        prompt = self.tokenizer.encode(t.sample_prompt)
+        ids = generate(plain, prompt, t.sample_tokens, temperature=0.8, top_k=40, seed=t.seed,
+                       vocab_limit=self.tokenizer.vocab_size, device=self.env.device,
+                       stop_token=self.tokenizer.eos_id)
         del plain
-        text = (t.sample_prompt.encode() + bytes(ids)).decode("utf-8", errors="replace")
+        text = self.tokenizer.decode(prompt + ids)
         self.writer.write(self.step, "sample", {"text": text})
         self.info(f"sample at step {self.step}:\n{text}")
         return text

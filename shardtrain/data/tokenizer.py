@@ -1,0 +1,165 @@
+"""Text <-> token ids for data, generation and evaluation: bytes, or a Hugging Face fast tokenizer.
+
+The built-in model reads raw bytes (256 ids, no special tokens). A Hugging Face model reads its own
+``tokenizer.json`` through the ``tokenizers`` library (the Rust tokenizer transformers' fast tokenizers
+wrap; nothing is downloaded), with the end-of-text token and chat template its
+``tokenizer_config.json`` names. ``model.tokenizer`` picks one (``tokenizer_for``).
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+from pathlib import Path
+from typing import Protocol
+
+import tokenizers
+from tokenizers.decoders import DecodeStream
+
+from shardtrain.config.schema import ModelConfig
+from shardtrain.errors import DataError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# What ``export-hf`` copies from a Hugging Face model directory besides the weights and config.json.
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja")
+
+
+class TextStream(Protocol):
+    def push(self, token: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class Tokenizer(Protocol):
+    name: str  # identity: "bytes", or "tokenizers:<sha256 of tokenizer.json, 16 hex digits>"
+    vocab_size: int
+    eos_id: int | None  # appended after every document; None: documents are concatenated as they are
+    chat_template: str | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_documents(self, documents: list[bytes]) -> list[list[int]]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def stream(self) -> TextStream: ...
+
+
+class ByteStream:
+    """Bytes -> whole characters: an unfinished UTF-8 character is held back until it is complete,
+    bytes that can never form one become U+FFFD."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        return self._decoder.decode(bytes([token]))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+class ByteTokenizer:
+    """The built-in model's tokens: the 256 byte values of the UTF-8 text."""
+
+    name = "bytes"
+    vocab_size = 256
+    eos_id = None
+    chat_template = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def encode_documents(self, documents: list[bytes]) -> list[list[int]]:
+        return [list(doc) for doc in documents]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def stream(self) -> ByteStream:
+        return ByteStream()
+
+
+class HFStream:
+    """Token ids -> text as it becomes final (``tokenizers``' DecodeStream: byte-level BPE tokens that
+    end inside a character print nothing until the character is whole)."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=False)
+
+    def push(self, token: int) -> str:
+        return self._stream.step(self._tokenizer, token) or ""
+
+    def flush(self) -> str:
+        return ""
+
+
+def special_token(config: dict, key: str) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
+    value = config.get(key)
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` (and the ``tokenizer_config.json`` beside it, when present)."""
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path).expanduser()
+        file = path / TOKENIZER_FILE if path.is_dir() else path
+        if not file.is_file():
+            raise DataError(
+                f"{path}: no {TOKENIZER_FILE}; shardtrain reads fast tokenizers (save one with "
+                "transformers' tokenizer.save_pretrained(dir) or tokenizers' Tokenizer.save(path))")
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as exc:  # the library raises a bare Exception for a malformed file
+            raise DataError(f"{file}: not a readable tokenizer ({str(exc).splitlines()[0]})") from exc
+        self.name = "tokenizers:" + hashlib.sha256(file.read_bytes()).hexdigest()[:16]
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        config_file = file.parent / TOKENIZER_CONFIG_FILE
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        eos = special_token(config, "eos_token")
+        self.eos_id = self._tokenizer.token_to_id(eos) if eos else None
+        if eos and self.eos_id is None:
+            raise DataError(f"{config_file}: eos_token {eos!r} is not in {file}'s vocabulary")
+        template = file.parent / "chat_template.jinja"
+        self.chat_template = (template.read_text() if template.is_file()
+                              else config.get("chat_template"))
+
+    def encode(self, text: str) -> list[int]:
+        """With the tokenizer's own special tokens (e.g. a leading BOS), as transformers encodes."""
+        return self._tokenizer.encode(text).ids
+
+    def encode_documents(self, documents: list[bytes]) -> list[list[int]]:
+        texts = [doc.decode("utf-8", errors="replace") for doc in documents]
+        return [encoding.ids for encoding in self._tokenizer.encode_batch(texts)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+    def stream(self) -> HFStream:
+        return HFStream(self._tokenizer)
+
+
+def tokenizer_source(cfg: ModelConfig) -> str:
+    """What ``model.tokenizer`` resolves to: "bytes" or a path."""
+    if cfg.tokenizer != "auto":
+        return cfg.tokenizer
+    if cfg.name == "hf":
+        return str(cfg.path)
+    return "bytes"
+
+
+def tokenizer_for(cfg: ModelConfig) -> Tokenizer:
+    """The tokenizer of a model config, checked against the model's vocabulary where it is known."""
+    source = tokenizer_source(cfg)
+    tokenizer: Tokenizer = ByteTokenizer() if source == "bytes" else HFTokenizer(source)
+    if cfg.name == "llama" and tokenizer.vocab_size > cfg.vocab_size:
+        raise DataError(f"the tokenizer ({source}) has {tokenizer.vocab_size} tokens but "
+                        f"model.vocab_size={cfg.vocab_size}; raise model.vocab_size to at least "
+                        f"{tokenizer.vocab_size}")
+    return tokenizer

@@ -1,0 +1,189 @@
+"""Any local Hugging Face transformers causal LM, speaking the protocol shardtrain asks of a model.
+
+``model.name=hf model.path=DIR`` builds ``AutoModelForCausalLM.from_config(DIR/config.json)`` (on the
+meta device when the framework builds it; nothing is downloaded) inside ``HFCausalLM``, which adds what
+the framework needs and transformers does not say in one place:
+- FSDP units: the classes the model lists in ``_no_split_modules`` (its decoder layers); the input
+  embeddings and the final norm + head as their own units, a tied embedding and head in one.
+- ``init_parameter``: transformers' own scheme (normal(0, initializer_range) for matrices, ones for
+  norm weights, zeros for biases), element by element, so shards initialise independently.
+- ``init_buffers``: non-persistent buffers (RoPE ``inv_freq``) are not in any weight file and are
+  garbage after meta-device materialisation; the modules owning them are built again on CPU from the
+  model config and their buffers copied over.
+- a KV cache for generation: transformers' own ``DynamicCache``.
+Parameter names are transformers' under the ``hf.`` prefix; ``hf_name`` strips it for export.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+from shardtrain.config.schema import ModelConfig
+from shardtrain.errors import ModelError
+from shardtrain.models.dims import Dims
+
+PREFIX = "hf."
+CONFIG_FILE = "config.json"
+
+
+def hf_name(name: str) -> str:
+    """A parameter's name in transformers' state dict (and the model directory's files)."""
+    return name.removeprefix(PREFIX)
+
+
+def model_directory(cfg: ModelConfig) -> Path:
+    if not cfg.path:
+        raise ModelError("model.name=hf needs model.path=DIR, a local Hugging Face model directory")
+    directory = Path(cfg.path).expanduser()
+    if not (directory / CONFIG_FILE).is_file():
+        raise ModelError(f"model.path={cfg.path!r} has no {CONFIG_FILE}: not a Hugging Face model "
+                         "directory (nothing is downloaded; save the model there with save_pretrained)")
+    return directory
+
+
+def read_config(cfg: ModelConfig) -> PretrainedConfig:
+    """The transformers config of ``model.path``, from the local files only."""
+    directory = model_directory(cfg)
+    raw = json.loads((directory / CONFIG_FILE).read_text())
+    if "auto_map" in raw:
+        raise ModelError(f"{directory / CONFIG_FILE} asks for the model's own Python code (auto_map); "
+                         "shardtrain builds only model types transformers ships")
+    try:
+        return AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except (ValueError, KeyError) as exc:
+        raise ModelError(f"{directory / CONFIG_FILE}: transformers {transformers.__version__} cannot "
+                         f"read it ({str(exc).splitlines()[0]})") from exc
+
+
+def max_positions(config: PretrainedConfig) -> int | None:
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+class HFCache:
+    """transformers' cache behind the interface ``generation.generate`` uses (``pos``)."""
+
+    def __init__(self) -> None:
+        self.past = DynamicCache()
+        self.pos = 0
+
+
+class HFCausalLM(nn.Module):
+    init_parameter_elementwise = True
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.config = read_config(cfg)
+        try:
+            # fp32 master weights whatever the files hold: the sharding plan picks compute dtypes.
+            self.hf = AutoModelForCausalLM.from_config(self.config, attn_implementation="sdpa",
+                                                       dtype=torch.float32)
+        except ValueError as exc:
+            raise ModelError(f"model.path={cfg.path!r}: transformers cannot build a causal LM from its "
+                             f"config ({str(exc).splitlines()[0]})") from exc
+        self.max_seq_len = max_positions(self.config)
+        self.dims = Dims.of_hf(self.config)
+        names = set(getattr(self.hf, "_no_split_modules", None) or ())
+        self.block_classes = tuple({type(m) for m in self.modules() if type(m).__name__ in names})
+        self.tied = self.hf.get_input_embeddings().weight is self.hf.get_output_embeddings().weight
+        self.init_std = getattr(self.config, "initializer_range", None) or 0.02
+        self._init_rules = self._initialisation_rules()
+        # Stored names differ from module names for some families (GPT-NeoX's files say embed_out,
+        # the module lm_head): transformers' own renaming rules, applied as from_pretrained does.
+        transforms = get_model_conversion_mapping(self.hf)
+        self._renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        self._converters = [t for t in transforms if isinstance(t, WeightConverter)]
+
+    def forward(self, tokens: torch.Tensor, cache: HFCache | None = None) -> torch.Tensor:
+        if cache is None:
+            return self.hf(input_ids=tokens, use_cache=False).logits
+        logits = self.hf(input_ids=tokens, past_key_values=cache.past, use_cache=True).logits
+        cache.pos += tokens.shape[1]
+        return logits
+
+    def new_cache(self, max_len: int | None = None) -> HFCache:
+        return HFCache()
+
+    def parameter_name(self, stored: str) -> str:
+        """The parameter a tensor stored in the model directory's files under ``stored`` fills."""
+        name, converted = rename_source_key(stored, self._renamings, self._converters)
+        if converted is not None:
+            raise ModelError(f"{stored}: stored in a layout transformers converts while loading "
+                             f"({converted}); shardtrain reads weights tensor by tensor and cannot")
+        return PREFIX + name
+
+    # ---- what the framework asks of a model -------------------------------------------------
+
+    def extra_shard_groups(self) -> list[list[nn.Module]]:
+        """The input embeddings (with any other embedding outside the blocks, e.g. GPT-2's positions)
+        and the head with every other module outside the blocks that holds parameters (the final
+        norm); one group when input and output embeddings share their weight."""
+        in_blocks = {id(m) for block in self.modules() if isinstance(block, self.block_classes)
+                     for m in block.modules()}
+        head = self.hf.get_output_embeddings()
+        loose = [m for m in self.hf.modules() if id(m) not in in_blocks and m is not head
+                 and any(True for _ in m.parameters(recurse=False))]
+        inputs = [m for m in loose if isinstance(m, nn.Embedding)]
+        rest = [m for m in loose if not isinstance(m, nn.Embedding)]
+        if self.tied:
+            return [inputs + rest + [head]]
+        return [inputs, rest + [head]]
+
+    def _initialisation_rules(self) -> dict[str, str]:
+        """Per parameter name: "zeros" (biases), "ones" (norm weights) or "normal"."""
+        rules = {}
+        for module_name, module in self.named_modules():
+            norm = "Norm" in type(module).__name__
+            for param_name, _ in module.named_parameters(recurse=False):
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                rules[name] = "zeros" if param_name == "bias" else "ones" if norm else "normal"
+        return rules
+
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        rule = self._init_rules.get(name)
+        if rule is None:
+            raise ModelError(f"no initialisation rule for parameter {name!r}")
+        if rule == "normal":
+            tensor.normal_(0.0, self.init_std, generator=generator)
+        else:
+            tensor.fill_(1.0 if rule == "ones" else 0.0)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers after materialisation (they are in no weight file)."""
+        persistent = set(self.state_dict())
+        owners: dict[str, nn.Module] = {}
+        for name, _ in self.named_buffers():
+            if name not in persistent:
+                owner = name.rpartition(".")[0]
+                owners[owner] = self.get_submodule(owner)
+        for owner_name, module in owners.items():
+            if any(True for _ in module.parameters()) or not hasattr(module, "config"):
+                raise ModelError(
+                    f"{owner_name} ({type(module).__name__}) holds non-persistent buffers that shardtrain "
+                    "cannot recompute after building on the meta device; this model type is not supported")
+            with torch.device("cpu"):
+                fresh = type(module)(module.config)
+            for buffer_name, value in fresh.named_buffers():
+                module.get_buffer(buffer_name).copy_(value)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings and not self.tied:
+            n -= self.hf.get_input_embeddings().weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward): 6 per non-embedding parameter plus
+        attention's scores and weighted sum, as for the built-in model."""
+        d = self.dims
+        head_dim = getattr(self.config, "head_dim", None) or d.dim // d.n_heads
+        return 6 * self.num_params(exclude_embeddings=True) + 12 * d.n_layers * d.n_heads * head_dim * seq_len
