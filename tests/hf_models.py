@@ -49,9 +49,9 @@ def family_config(family: str, vocab_size: int = VOCAB, **sizes) -> transformers
         return transformers.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common)
     if family == "mistral":
         return transformers.MistralConfig(num_key_value_heads=3, sliding_window=None, **common)
-    if family == "gpt_neox":
-        return transformers.GPTNeoXConfig(rotary_pct=0.5, use_parallel_residual=True,
-                                          tie_word_embeddings=False, **common)
+    if family == "gpt_neox":  # 3 heads of 12: RoPE on the first 6 dimensions of each
+        return transformers.GPTNeoXConfig(**{**common, "num_attention_heads": 3}, rotary_pct=0.5,
+                                          use_parallel_residual=True, tie_word_embeddings=False)
     raise ValueError(family)
 
 
@@ -65,10 +65,14 @@ def make_model_dir(directory: Path, family: str, seed: int = 0, tokenizer: Token
     torch.manual_seed(seed)
     config = family_config(family, **sizes)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # larger than the default init so that logits differ visibly per token
+    with torch.no_grad():
+        # Like a trained model's: matrices larger than the default init (logits differ visibly per
+        # token), norm weights and biases away from their initial 1 and 0.
         for param in model.parameters():
             if param.ndim > 1:
                 param.normal_(0.0, 0.1)
+            else:
+                param.add_(torch.randn_like(param), alpha=0.1)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     fast = transformers.PreTrainedTokenizerFast(

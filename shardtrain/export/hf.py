@@ -1,15 +1,18 @@
-"""``shardtrain export-hf``: a shardtrain checkpoint as a Hugging Face ``LlamaForCausalLM`` directory.
+"""``shardtrain export-hf``: a shardtrain checkpoint as a Hugging Face model directory.
 
-Streams one consolidated shard at a time and converts tensor by tensor through the model's
-state-dict adapter (``models/llama_hf_adapter.py``); the conversion does not use transformers, the
-self-check after it does (``export/verify.py``). Importing goes the other way through
-``model.init_from=hf:<dir>`` (``checkpoint/weights.py``).
+Streams one consolidated shard at a time and converts tensor by tensor. The built-in Llama goes
+through its state-dict adapter (``models/llama_hf_adapter.py``) into a ``LlamaForCausalLM``; a
+``model.name=hf`` model already has transformers' names (under ``hf.``) and gets its own directory's
+config.json, generation config and tokenizer files back. The self-check after writing loads the
+directory with transformers (``export/verify.py``). Importing goes the other way through
+``model.init_from=hf:<dir>`` (built-in Llama) or ``model.name=hf`` (``checkpoint/weights.py``).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,19 +20,46 @@ from safetensors import safe_open
 
 from shardtrain.checkpoint.safetensors_files import save_shard, shard_name, write_index
 from shardtrain.checkpoint.weights import model_config_of
-from shardtrain.config.plan import DTYPES
-from shardtrain.errors import CheckpointError
+from shardtrain.config.plan import DTYPES, dtype_name
+from shardtrain.config.schema import ModelConfig
+from shardtrain.data.tokenizer import TOKENIZER_FILES
 from shardtrain.export.consolidate import consolidate
+from shardtrain.generation.generate import shared_parameter_names
+from shardtrain.models.hf import CONFIG_FILE, HFCausalLM, hf_name, model_directory
 from shardtrain.models.llama_hf_adapter import hf_config, to_hf
+
+Converter = Callable[[str, torch.Tensor], "tuple[str, torch.Tensor] | None"]
+
+
+def hf_model_converter(cfg: ModelConfig) -> Converter:
+    """transformers' names; a tied weight once, under its first name (from_pretrained ties it)."""
+    with torch.device("meta"):
+        model = HFCausalLM(cfg)
+    dropped = {name for names in shared_parameter_names(model) for name in names[1:]}
+    return lambda name, tensor: None if name in dropped else (hf_name(name), tensor)
+
+
+def write_hf_model_files(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> list[Path]:
+    """The model directory's config.json (with the written dtype), generation config and tokenizer."""
+    source = model_directory(cfg)
+    config = json.loads((source / CONFIG_FILE).read_text())
+    config["torch_dtype"] = config["dtype"] = dtype_name(dtype)
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    written = [out / CONFIG_FILE]
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+            written.append(out / name)
+    return written
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "2GB",
               dtype: str | None = None) -> list[Path]:
-    """A transformers-loadable Llama directory from a shardtrain checkpoint (or its safetensors)."""
+    """A transformers-loadable directory from a shardtrain checkpoint (or its safetensors)."""
     src, out = Path(checkpoint), Path(out_dir)
     cfg = model_config_of(src)
-    if cfg.name != "llama":
-        raise CheckpointError(f"export-hf supports the built-in llama model, not {cfg.name!r}")
+    convert: Converter = hf_model_converter(cfg) if cfg.name == "hf" else (
+        lambda name, tensor: to_hf(name, tensor, cfg))
     out.mkdir(parents=True, exist_ok=True)
     # Stream: consolidate shard by shard into a staging area, then rename and permute per tensor.
     staging = out / ".staging"
@@ -44,7 +74,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
         tensors = {}
         with safe_open(str(part), framework="pt") as f:
             for name in f.keys():
-                converted = to_hf(name, f.get_tensor(name), cfg)
+                converted = convert(name, f.get_tensor(name))
                 if converted is None:
                     continue
                 hf_name, t = converted
@@ -60,7 +90,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
         del tensors
     shutil.rmtree(staging, ignore_errors=True)
     files.append(write_index(out, weight_map, total))
-    config_file = out / "config.json"
+    if cfg.name == "hf":
+        return files + write_hf_model_files(cfg, out, out_dtype or torch.float32)
+    config_file = out / CONFIG_FILE
     config_file.write_text(json.dumps(hf_config(cfg, out_dtype or torch.float32), indent=2) + "\n")
     files.append(config_file)
     return files

@@ -13,7 +13,7 @@ import transformers
 
 from shardtrain.checkpoint.weights import load_model_weights, model_config_of
 from shardtrain.errors import CheckpointError
-from shardtrain.models.llama import Llama
+from shardtrain.models.registry import build_model
 
 # Largest |logit difference| relative to the largest |logit|: fp32 implementations of the same
 # model agree to ~1e-6; a single corrupted weight is off by orders of magnitude more.
@@ -29,12 +29,13 @@ def verify_export(checkpoint: str | Path, out_dir: str | Path,
     cfg = model_config_of(Path(checkpoint))
     written = json.loads((Path(out_dir) / "config.json").read_text())["torch_dtype"]
     dtype = getattr(torch, written)
-    ours = Llama(cfg)
+    ours = build_model(cfg)
     load_model_weights(ours, str(checkpoint), cfg)
     for param in ours.parameters():
         param.copy_(param.to(dtype).float())
+    transformers.utils.logging.disable_progress_bar()  # one line of result, not a loading bar
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32)
-    tokens = torch.randint(0, cfg.vocab_size, (2, min(32, cfg.max_seq_len)),
+    tokens = torch.randint(0, ours.dims.vocab_size, (2, min(32, ours.max_seq_len)),
                            generator=torch.Generator().manual_seed(0))
     want = ours.eval()(tokens)
     got = theirs.eval()(tokens).logits

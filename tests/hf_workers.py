@@ -1,0 +1,115 @@
+"""Hugging Face models trained by shardtrain vs the plain transformers model in a hand-written loop.
+
+``run_hf_cases`` runs inside every spawned rank: for each family and strategy it builds the model from
+its directory (``model.name=hf``), records the logits right after loading, trains 5 steps, and rank 0
+saves losses, grad norms and the gathered weights. ``hf_reference`` is one process, no FSDP:
+``from_pretrained``, the mean loss over the global batch, ``clip_grad_norm_``, AdamW.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+from shardtrain.config.schema import Config, DataConfig
+from shardtrain.data.batches import GlobalOrder, TokenWindows
+from shardtrain.data.corpus import Corpus, load_corpus
+from shardtrain.data.tokenizer import HFTokenizer
+from shardtrain.train.optim import build_optimizer, build_scheduler
+
+GLOBAL_BATCH = 8
+STEPS = 5
+PROBE = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(7))
+
+
+def hf_corpus(model_dir: str) -> Corpus:
+    return load_corpus(DataConfig(max_bytes=150_000, val_percent=30.0), HFTokenizer(model_dir))
+
+
+def hf_case_config(model_dir: str, world_size: int, run_dir: str, strategy: str = "FULL_SHARD",
+                   checkpoint: bool = False, **strategy_extra) -> Config:
+    cfg = Config()
+    cfg.model = dataclasses.replace(cfg.model, name="hf", path=model_dir)
+    cfg.strategy = dataclasses.replace(cfg.strategy, sharding_strategy=strategy, **strategy_extra)
+    cfg.trainer = dataclasses.replace(
+        cfg.trainer, max_steps=STEPS, micro_batch_size=GLOBAL_BATCH // world_size, seq_len=32,
+        lr=3e-3, warmup_steps=2, grad_clip_norm=1.0, eval_every=0, eval_samples=8, sample_tokens=0,
+        progress_bar=False, log_every=100,
+    )
+    cfg.run = dataclasses.replace(cfg.run, dir=run_dir, tensorboard=False)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, enabled=checkpoint, interval=0)
+    cfg.diagnostics = dataclasses.replace(cfg.diagnostics, enabled=False)
+    return cfg
+
+
+def run_hf_cases(model_dirs: dict[str, str], cases: dict[str, dict], out_dir: str) -> None:
+    from shardtrain.train.loop import Trainer
+
+    world_size = int(os.environ["WORLD_SIZE"])
+    for family, model_dir in model_dirs.items():
+        corpus = hf_corpus(model_dir)
+        for name, case in cases.items():
+            run_dir = str(Path(out_dir, f"{family}-{name}"))
+            trainer = Trainer.create(hf_case_config(model_dir, world_size, run_dir, **case), corpus=corpus)
+            with torch.no_grad():
+                trainer.model.eval()
+                logits = trainer.model(PROBE).detach().clone()
+                trainer.model.train()
+            result = trainer.fit()
+            weights = trainer.full_weights()
+            if trainer.env.is_main:
+                torch.save({"losses": result.losses, "grad_norms": result.grad_norms,
+                            "weights": weights, "logits": logits, "units": trainer.built.report.units},
+                           Path(out_dir, f"{family}-{name}.pt"))
+
+
+def hf_reference(model_dir: str) -> dict:
+    """The plain transformers model, one process, a hand-written loop."""
+    cfg = hf_case_config(model_dir, 1, "unused")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                              attn_implementation="sdpa")
+    with torch.no_grad():
+        logits = model.eval()(PROBE).logits
+    model.train()
+    optimizer = build_optimizer(model, cfg.trainer)
+    scheduler = build_scheduler(optimizer, cfg.trainer)
+    windows = TokenWindows(hf_corpus(model_dir).train, cfg.trainer.seq_len)
+    order = GlobalOrder(windows.num_samples, cfg.trainer.seed)
+    losses, norms, key_bias = [], [], []
+    for step in range(STEPS):
+        x, y = windows.batch(order.take(step * GLOBAL_BATCH, GLOBAL_BATCH))
+        loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        for name, param in model.named_parameters():
+            if name.endswith("attention.query_key_value.bias"):  # GPT-NeoX: see without_key_bias
+                fused = param.grad.view(model.config.num_attention_heads, 3, -1).abs()
+                rotary = fused.shape[-1] // 2  # hf_models sets rotary_pct=0.5
+                key_bias.append((fused[:, 1, rotary:].max().item(), fused[:, 0::2].max().item()))
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        losses.append(loss.item())
+    weights = {f"hf.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "grad_norms": norms, "weights": weights, "logits": logits,
+            "key_bias_grads": key_bias}
+
+
+def without_key_bias(weights: dict[str, torch.Tensor], heads: int, rotary: int) -> dict[str, torch.Tensor]:
+    """GPT-NeoX's fused QKV bias with the key bias of the dimensions RoPE leaves alone zeroed. Such
+    a bias adds the same amount to every score of a query, which softmax cancels: its exact gradient
+    is zero, the computed one is rounding noise, and Adam scales noise to steps as large as real
+    ones. Sharded and unsharded runs round differently, so those entries (only those) differ by up
+    to the learning rate per step."""
+    out = dict(weights)
+    for name, tensor in weights.items():
+        if name.endswith("attention.query_key_value.bias"):
+            fused = tensor.clone().view(heads, 3, -1)  # per head: query, key, value
+            fused[:, 1, rotary:] = 0
+            out[name] = fused.flatten()
+    return out
