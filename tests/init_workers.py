@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from shardtrain.checkpoint.weights import load_safetensors_into
+from shardtrain.checkpoint.weights import load_hf_model_into, load_safetensors_into
 from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import rss_bytes
@@ -117,16 +117,24 @@ def reset_peak_rss() -> None:
 
 
 def load_memory(out: str, weights: str, vocab: int, dim: int) -> None:
-    """Peak resident growth while loading a consolidated file into the sharded model."""
+    """Peak resident growth while loading a consolidated file (or, when ``weights`` is a directory,
+    a Hugging Face model directory into ``model.name=hf``) into the sharded model."""
     cfg = Config()
-    cfg.model = dataclasses.replace(cfg.model, vocab_size=vocab, dim=dim, n_layers=1, n_heads=8,
-                                    n_kv_heads=8, max_seq_len=64)
+    hf = Path(weights).is_dir()
+    if hf:
+        cfg.model = dataclasses.replace(cfg.model, name="hf", path=weights)
+    else:
+        cfg.model = dataclasses.replace(cfg.model, vocab_size=vocab, dim=dim, n_layers=1, n_heads=8,
+                                        n_kv_heads=8, max_seq_len=64)
     env, model = build(cfg)
     before = rss_bytes()
     reset_peak_rss()
-    load_safetensors_into(model, Path(weights))
+    if hf:
+        load_hf_model_into(model, weights)
+    else:
+        load_safetensors_into(model, Path(weights))
     grown = peak_rss_since_reset() - before
-    first = model.tok_embeddings.weight
+    first = model.hf.get_input_embeddings().weight if hf else model.tok_embeddings.weight
     rows = first.to_local() if isinstance(first, DTensor) else first
     Path(out, f"load-{env.world_size}-{env.rank}.txt").write_text(f"{grown} {rows.shape[0]}")
     torch.save(rows.detach().clone(), Path(out, f"rows-{env.world_size}-{env.rank}.pt"))

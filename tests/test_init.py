@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from distributed import run_on_ranks
 from init_workers import (
     SMALL_CHUNK,
@@ -134,4 +135,31 @@ def test_loading_a_consolidated_file_reads_only_the_own_rows(tmp_path):
         mine = torch.load(Path(tmp_path, f"rows-4-{rank}.pt"))
         assert mine.equal(state["tok_embeddings.weight"][rows:rows + held])
         rows += held
+    assert rows == vocab
+
+
+def test_loading_a_hugging_face_directory_reads_only_the_own_rows(tmp_path):
+    """The same for ``model.name=hf``: a Llama directory saved by transformers in two files with an
+    index (a 65,536 x 512 embedding and head), loaded by 4 ranks vs one."""
+    vocab, dim = 65536, 512
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=8,
+                                      max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config)
+    directory = tmp_path / "model"
+    model.save_pretrained(directory, max_shard_size="150MB")
+    assert (directory / "model.safetensors.index.json").is_file()
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    del model
+    for world in (1, 4):
+        run_on_ranks(load_memory, world, str(tmp_path), str(directory), vocab, dim, tmp_path=tmp_path)
+    alone = int(Path(tmp_path, "load-1-0.txt").read_text().split()[0])
+    assert alone > vocab * dim * 4
+    rows = 0
+    for rank in range(4):
+        grown, held = map(int, Path(tmp_path, f"load-4-{rank}.txt").read_text().split())
+        assert grown < alone / 2, (rank, grown, alone)
+        assert torch.load(Path(tmp_path, f"rows-4-{rank}.pt")).equal(embedding[rows:rows + held])
+        rows += held
+        print(f"rank {rank} of 4: peak growth {grown / 2**20:.0f} MiB; one rank alone {alone / 2**20:.0f} MiB")
     assert rows == vocab
