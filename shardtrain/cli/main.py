@@ -229,9 +229,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from shardtrain.train.simulate import simulation_rows, simulation_table
 
     strategies = [normalize_strategy_name(s) for s in args.strategies or [cfg.strategy.sharding_strategy]]
-    checkpointing = {"none": [False], "all": [True], "both": [False, True]}[args.ac]
-    if args.ac == "config":
-        checkpointing = [cfg.strategy.activation_checkpointing != "none"]
+    checkpointing = {"none": [False], "all": [True], "both": [False, True],
+                     "config": [cfg.strategy.activation_checkpointing != "none"]}[args.ac]
     rows = simulation_rows(cfg, args.world_sizes or [world], strategies, checkpointing, local,
                            probe=not args.full_depth)
     print(f"simulated one training step of rank 0 (micro-batch {cfg.trainer.micro_batch_size} x "

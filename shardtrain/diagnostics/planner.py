@@ -15,7 +15,7 @@ from torch import nn
 
 from shardtrain.config.plan import STRATEGIES, resolve_plan
 from shardtrain.config.schema import Config
-from shardtrain.models.llama import ffn_hidden_dim
+from shardtrain.models.dims import Dims
 from shardtrain.models.param_groups import no_decay_names
 from shardtrain.models.registry import build_model
 
@@ -87,15 +87,16 @@ def rms_norm_saved(dim: int, compute: int) -> int:
     return 4 * dim + 4 + cast + compute * dim
 
 
-def activation_model(cfg: Config, micro_batch: int, compute_dtype: torch.dtype,
+def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torch.dtype,
                      checkpointed: bool) -> ActivationModel:
     """What autograd keeps for the built-in Llama (counted tensor by tensor in
-    docs/memory-planner.md; SDPA keeps q, k, v, its output and a log-sum-exp, no score matrix)."""
-    m = cfg.model
+    docs/memory-planner.md; SDPA keeps q, k, v, its output and a log-sum-exp, no score matrix).
+    Hugging Face models of the same layout (Llama, Qwen2, Mistral) keep the same tensors; other
+    layouts (GPT-NeoX's LayerNorm and GELU MLP) are estimated as if they had it."""
     tokens = micro_batch * cfg.trainer.seq_len
     b = compute_dtype.itemsize
     kv = m.dim // m.n_heads * m.n_kv_heads
-    ffn = ffn_hidden_dim(m)
+    ffn = m.ffn_hidden_dim
     attention = b * (m.dim + 2 * kv) + 4 * m.n_heads + 2 * b * m.dim  # q k v, lse, output, wo input
     swiglu = 4 * b * ffn  # w1 and w3 outputs, silu output, their product
     block = tokens * (2 * rms_norm_saved(m.dim, b) + attention + swiglu)
@@ -142,7 +143,8 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         accumulation = total_params * plan.reduce_dtype.itemsize
 
     checkpoint_all = plan.activation_checkpointing != "none"
-    act = activation_model(cfg, cfg.trainer.micro_batch_size, plan.param_dtype, checkpoint_all)
+    act = activation_model(cfg, model.dims, cfg.trainer.micro_batch_size, plan.param_dtype,
+                           checkpoint_all)
     blocks, groups = unit_param_counts(model)
     layers = len(blocks)
     # Without blocks or groups the root is the one unit.

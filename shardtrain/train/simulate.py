@@ -261,7 +261,7 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int,
             held = state_bytes(model, optimizer)
     return Simulation(
         strategy=plan.strategy, world_size=world_size, mesh=plan.mesh_shape,
-        activation_checkpointing=cfg.strategy.activation_checkpointing, layers=cfg.model.n_layers,
+        activation_checkpointing=cfg.strategy.activation_checkpointing, layers=len(block_names(model)),
         params=held.params, grads=grads, optimizer=held.optimizer, phases=tracker.peaks,
         activation_peaks=tracker.activation_peaks,
         seconds=time.perf_counter() - started,
@@ -290,10 +290,12 @@ def _extrapolate(probes: list[Simulation], layers: int) -> Simulation:
 
 
 def probe_depths(cfg: Config) -> tuple[int, int] | None:
-    """Two depths to probe, or None: simulate in full (a model not deeper than the probes, or
-    activation checkpointing of every k-th block, where blocks differ)."""
+    """Two depths to probe, or None: simulate in full (a model not deeper than the probes,
+    activation checkpointing of every k-th block, where blocks differ, or a Hugging Face model,
+    whose depth is its config.json's, not ``model.n_layers``)."""
     first = 2 * END_BLOCKS  # the three blocks at each end, none in between
-    if cfg.strategy.activation_checkpointing == "every_k" or cfg.model.n_layers <= first + 1:
+    if (cfg.model.name != "llama" or cfg.strategy.activation_checkpointing == "every_k"
+            or cfg.model.n_layers <= first + 1):
         return None
     return first, first + 1
 
