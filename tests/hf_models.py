@@ -8,34 +8,25 @@ FSDP's uneven shards are exercised.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from safetensors.torch import load_file, save_file
 
-EOS = "<|endoftext|>"
+sys.path.insert(0, str(Path(__file__).parent.parent / "examples" / "finetune_hf"))
+import make_model  # noqa: E402  (the example's model maker: one tokenizer recipe for both)
+
 VOCAB = 300
 
 
-def train_tokenizer(texts: list[str], vocab_size: int = VOCAB) -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tokenizer.train_from_iterator(texts, trainer)
-    return tokenizer
-
-
 def sample_texts() -> list[str]:
-    """Some of the standard library's source files: text every machine has."""
-    import sysconfig
+    return make_model.sample_texts(count=12)
 
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(root.glob("[a-c]*.py"))[:12]
-    return [f.read_text(errors="replace") for f in files]
+
+def train_tokenizer(texts: list[str], vocab_size: int = VOCAB):
+    return make_model.train_tokenizer(texts, vocab_size)
 
 
 def family_config(family: str, vocab_size: int = VOCAB, **sizes) -> transformers.PretrainedConfig:
@@ -58,24 +49,17 @@ def family_config(family: str, vocab_size: int = VOCAB, **sizes) -> transformers
 FAMILIES = ("llama", "qwen2", "mistral", "gpt_neox")
 
 
-def make_model_dir(directory: Path, family: str, seed: int = 0, tokenizer: Tokenizer | None = None,
-                   max_shard_size: str | None = None, **sizes) -> Path:
-    """A model directory as users have them: config.json, safetensors weights, tokenizer files."""
-    directory.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    config = family_config(family, **sizes)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        # Like a trained model's: matrices larger than the default init (logits differ visibly per
-        # token), norm weights and biases away from their initial 1 and 0.
-        for param in model.parameters():
-            if param.ndim > 1:
-                param.normal_(0.0, 0.1)
-            else:
-                param.add_(torch.randn_like(param), alpha=0.1)
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(directory, **kwargs)
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer or train_tokenizer(sample_texts()), eos_token=EOS)
-    fast.save_pretrained(directory)
+def make_model_dir(directory: Path, family: str, seed: int = 0, tokenizer=None, **sizes) -> Path:
+    """A model directory as users have them, with weights like a trained model's: matrices larger
+    than the default init (logits differ visibly per token), norm weights and biases away from their
+    initial 1 and 0."""
+    make_model.save_model_dir(directory, family_config(family, **sizes),
+                              tokenizer or train_tokenizer(sample_texts()), seed=seed)
+    weights = directory / "model.safetensors"
+    tensors = load_file(str(weights))
+    generator = torch.Generator().manual_seed(seed)
+    for name, tensor in tensors.items():
+        noise = torch.randn(tensor.shape, generator=generator) * 0.1
+        tensors[name] = noise if tensor.ndim > 1 else tensor + noise
+    save_file(tensors, str(weights), metadata={"format": "pt"})
     return directory

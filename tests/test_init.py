@@ -161,5 +161,5 @@ def test_loading_a_hugging_face_directory_reads_only_the_own_rows(tmp_path):
         assert grown < alone / 2, (rank, grown, alone)
         assert torch.load(Path(tmp_path, f"rows-4-{rank}.pt")).equal(embedding[rows:rows + held])
         rows += held
-        print(f"rank {rank} of 4: peak growth {grown / 2**20:.0f} MiB; one rank alone {alone / 2**20:.0f} MiB")
+        print(f"rank {rank} of 4: peak growth {grown / 2**20:.0f} MiB; alone {alone / 2**20:.0f} MiB")
     assert rows == vocab

@@ -1,0 +1,69 @@
+"""Bring your own Hugging Face model, end to end: make a model directory, prepare data, train it
+sharded at 2 processes, generate from the checkpoint, export it back and load the export with
+transformers.
+
+    python examples/finetune_hf/run.py [--workdir DIR] [--steps N]
+
+Every step is the command a user would type (printed before it runs); CI runs this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+from make_model import make_llama, sample_texts
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "shardtrain", *args]
+    print("$ shardtrain " + shlex.join(args), flush=True)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"failed with exit {done.returncode}:\n{done.stderr[-4000:]}")
+    return done
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default="finetune_hf_work")
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+    work = Path(args.workdir).resolve()
+    shutil.rmtree(work, ignore_errors=True)
+
+    model_dir = make_llama(work / "model")  # what a user downloads once and keeps on disk
+    print(f"model directory: {model_dir}")
+    data_dir = work / "data"  # the text to fine-tune on: one document per file
+    data_dir.mkdir(parents=True)
+    for index, text in enumerate(sample_texts(count=60)):
+        (data_dir / f"doc{index:03d}.txt").write_text(text)
+
+    run_dir = work / "run"
+    log = run("train", "model=hf", f"model.path={model_dir}", "data=files", f"data.paths=[{data_dir}]",
+        "data.file_glob=*.txt", "data.val_percent=10", "trainer.devices=2",
+        f"trainer.max_steps={args.steps}", "trainer.micro_batch_size=4", "trainer.seq_len=128",
+        "trainer.lr=1e-3", "trainer.warmup_steps=5", f"trainer.eval_every={args.steps}",
+        "trainer.eval_samples=16", "trainer.sample_tokens=24", "trainer.progress_bar=false",
+        f"run.dir={run_dir}", "run.tensorboard=false")
+    print("\n".join(line for line in log.stderr.splitlines() if "initialised" in line or " | loss " in line))
+    checkpoint = run_dir / "checkpoints" / f"step-{args.steps}"
+    print(run("generate", str(checkpoint), "--prompt", "def ", "--max-new-tokens", "24").stdout)
+    export = work / "export"
+    print(run("export-hf", str(checkpoint), str(export)).stdout.strip().splitlines()[-1])
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(export))
+    inputs = tokenizer("def ", return_tensors="pt")
+    output = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    print("transformers generates from the export:", repr(tokenizer.decode(output[0])))
+
+
+if __name__ == "__main__":
+    main()
