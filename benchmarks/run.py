@@ -19,6 +19,10 @@ benchmarks/gpu_worker.py, a 1.1B Llama at sequence 2,048, bf16-mixed, shardtrain
 FSDP2 loop with and without compile and activation checkpointing, then functional checks (CPU
 offload, async checkpoint resume, generation); ``--json-out`` keeps the raw results and
 ``--from-json`` renders them on a machine without a GPU.
+hf (about 8 minutes): benchmarks/hf_bench.py; a 0.5B Hugging Face model (Qwen2.5-0.5B's shape, random
+bf16 weights saved here) built and loaded by ``model=hf`` at 1, 2 and 4 processes: seconds and peak
+resident growth per rank; then training tokens/s of an HF Llama against the built-in Llama of the
+same shape, in the same processes, alternating.
 soak (only with ``--only soak``, about 5 minutes): benchmarks/soak_worker.py, 2,000 steps with an
 async checkpoint every 10 steps; resident memory, threads, open files and disk use over the run.
 Each rewrites its own section of docs/benchmarks.md (scaling: also docs/scaling.md) with the
@@ -33,6 +37,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,6 +64,8 @@ SIM_BEGIN, SIM_END = "<!-- simulation:begin -->", "<!-- simulation:end -->"
 GPU_BEGIN, GPU_END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
 E2E_BEGIN, E2E_END = "<!-- e2e:begin -->", "<!-- e2e:end -->"
 PROFILE_BEGIN, PROFILE_END = "<!-- profile:begin -->", "<!-- profile:end -->"
+HF_BEGIN, HF_END = "<!-- hf:begin -->", "<!-- hf:end -->"
+HF_SPEED_CASES = [(1, "fp32"), (2, "fp32"), (1, "bf16-mixed")]
 E2E_CASES = [(1, "fp32"), (1, "bf16-mixed"), (2, "fp32"), (2, "bf16-mixed")]
 E2E_PROGRAMS = ["handwritten", "lightning", "shardtrain"]
 # Iterations 11-30 of 40 are timed: the first 10 hold start-up (and shardtrain's diagnostics step);
@@ -605,6 +612,60 @@ def profile_section(command: str, top: int = 8) -> str:
 {PROFILE_END}"""
 
 
+def hf_section(command: str) -> str:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from hf_bench import HALF_B, SHAPE, make_half_b, make_same_shape
+
+    with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
+        half_b = make_half_b(Path(workdir) / "half_b")
+        file_gib = sum(f.stat().st_size for f in half_b.glob("*.safetensors")) / 2**30
+        loads = [run_torchrun(n, "hf_bench.py", ["load", str(half_b)]) for n in (1, 2, 4)]
+        shutil.rmtree(half_b)
+        same = make_same_shape(Path(workdir) / "same_shape")
+        speeds = [run_torchrun(n, "hf_bench.py", ["throughput", str(same), f"trainer.micro_batch_size={8 // n}",
+                                                  "trainer.seq_len=256", f"strategy.mixed_precision={p}"])
+                  for n, p in HF_SPEED_CASES]
+    mib, gib = 2**20, 2**30
+    load_rows = "\n".join(
+        f"| {r['world_size']} | {max(x[0] for x in r['ranks']):.1f} | {max(x[1] for x in r['ranks']):.1f} | "
+        f"{max(x[2] for x in r['ranks']) / mib:,.0f} | {max(x[3] for x in r['ranks']) / gib:.2f} |"
+        for r in loads)
+    alone = max(x[2] for x in loads[0]["ranks"])
+    four = max(x[2] for x in loads[-1]["ranks"])
+    speed_rows = "\n".join(
+        f"| {r['world_size']} | {r['precision']} | {r['tokens_per_step']} | {r['tokens_per_s']['builtin']:,.0f} | "
+        f"{r['tokens_per_s']['hf']:,.0f} | {r['ratio']:.3f} |" for r in speeds)
+    shape = ", ".join(o.split(".", 1)[1] for o in SHAPE)
+    return f"""{HF_BEGIN}
+## Hugging Face models (`model=hf`)
+
+`{command}` on {machine()}, {datetime.date.today()}.
+
+Loading: a model of Qwen2.5-0.5B's shape ({loads[0]['params'] / 1e6:.0f}M parameters, tied
+{HALF_B['vocab_size']:,} x {HALF_B['hidden_size']} embedding; random weights saved by transformers in
+bf16, one {file_gib:.2f} GiB file) built by `model=hf` on the meta device, sharded (FULL_SHARD) and
+materialised in fp32, then read from the file, each rank only its own rows. The largest rank's
+numbers; peak growth is the resident set's high-water mark while reading, above where it started.
+
+| processes | build + materialise s | read weights s | peak growth while reading MiB | resident after GiB |
+| --- | --- | --- | --- | --- |
+{load_rows}
+
+At 4 processes each rank's peak growth is {four / alone:.2f} of one process reading alone (2 cores:
+4 processes share them, so seconds do not shrink with the shard).
+
+Training speed: the built-in Llama against the same shape built by transformers (`LlamaForCausalLM`,
+SDPA attention) through `model=hf` ({shape}; {speeds[0]['params']['builtin'] / 1e6:.1f}M parameters both),
+byte data, sequence 256, global batch 8, FULL_SHARD; whole loop iterations, the median of
+{speeds[0]['steps_timed']} each, alternating rounds in the same processes. Goal: HF within 5% of the
+built-in model (ratio = built-in step time / HF step time, >= 0.95).
+
+| processes | precision | tokens/step | built-in tokens/s | HF tokens/s | ratio |
+| --- | --- | --- | --- | --- | --- |
+{speed_rows}
+{HF_END}"""
+
+
 def lightning_version() -> str:
     try:
         from importlib.metadata import version
@@ -617,7 +678,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--only", choices=["training", "checkpoint", "generation", "generation-modes",
-                                           "init", "scaling", "soak", "gpu", "e2e", "profile"],
+                                           "init", "scaling", "soak", "gpu", "e2e", "profile", "hf"],
                         default=None)
     parser.add_argument("--rounds", type=int, default=3, help="--only e2e: alternating rounds")
     parser.add_argument("--gpu-variants", nargs="+", choices=list(GPU_VARIANT_NAMES),
@@ -654,6 +715,8 @@ def main() -> None:
         scaling, timing = scaling_sections("python benchmarks/run.py --only scaling")
         write_section(SCALING_BEGIN, SCALING_END, scaling, SCALING_DOC)
         write_section(SIM_BEGIN, SIM_END, timing)
+    if args.only in (None, "hf"):
+        write_section(HF_BEGIN, HF_END, hf_section("python benchmarks/run.py --only hf"))
     if args.only == "soak":
         with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
             soak = run_torchrun(2, "soak_worker.py", [str(Path(workdir) / "soak"), "2000"])

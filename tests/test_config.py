@@ -134,7 +134,11 @@ CHECKED_BY_CODE = {
     "checkpoint.resume": ("checkpoint.resume={tmp}/nowhere", "does not exist"),
     "checkpoint.preemption_signals": ("checkpoint.preemption_signals=[SIGNOPE]", "is not a signal name"),
     "run.dir": ("run.dir={tmp}/a_file", "is a file"),
+    "model.path": ("model.path={tmp}", "has no config.json"),
+    "model.tokenizer": ("model.tokenizer={tmp}/nowhere.json", "does not exist"),
 }
+# Presets a key's bad value is given with (its check applies only there).
+WITH_PRESET = {"data.paths": "data=files", "model.path": "model=hf"}
 # Keys that accept any value by design.
 FREE = {"data.file_glob": "any glob pattern", "trainer.sample_prompt": "any text", "run.name": "a label"}
 
@@ -153,7 +157,7 @@ def test_every_key_has_a_check(tmp_path):
                 load_config([f"{key}=maybe"])
     for key, (override, message) in CHECKED_BY_CODE.items():
         override = override.format(tmp=tmp_path)
-        needs_data = key == "data.paths"
+        preset = [WITH_PRESET[key]] if key in WITH_PRESET else []
         with pytest.raises(ShardtrainError, match=re.escape(message)):
-            cfg = load_config([override, "data=files"] if needs_data else [override])
+            cfg = load_config([override, *preset])
             check_training(cfg)

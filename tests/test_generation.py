@@ -16,9 +16,9 @@ import shardtrain.cli.launch
 import shardtrain.generation.inference
 from shardtrain.cli.main import build_parser, main
 from shardtrain.config.schema import ModelConfig
+from shardtrain.data.tokenizer import ByteStream
 from shardtrain.generation.generate import generate
 from shardtrain.generation.ranges import EVAL_RANGES, GENERATE_RANGES, Range
-from shardtrain.generation.text import TextStream
 from shardtrain.models.llama import Llama
 
 QUICK = ["experiment=quick", "trainer.eval_every=0", "trainer.sample_tokens=0", "run.tensorboard=false"]
@@ -82,12 +82,12 @@ def test_kv_cache_generation_equals_full_recompute():
 
 
 def test_text_stream_prints_whole_characters():
-    stream = TextStream()
+    stream = ByteStream()
     pieces = [stream.push(byte) for byte in "héllo €".encode()]
     # nothing is printed until a character's last byte has arrived, then the whole character
     assert pieces == ["h", "", "é", "l", "l", "o", " ", "", "", "€"]
     assert "".join(pieces) + stream.flush() == "héllo €"
-    bad = TextStream()
+    bad = ByteStream()
     # a byte that starts no character, and a character cut short by the next byte or by the end
     pieces = [bad.push(byte) for byte in b"a\xff\xe2\x82A\xe2\x82"]
     assert "".join(pieces) == "a\ufffd\ufffdA" and bad.flush() == "\ufffd"

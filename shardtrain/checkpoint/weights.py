@@ -136,7 +136,7 @@ def own_rows(param: torch.Tensor, handle, name: str, what: str) -> torch.Tensor:
 def read_own_rows(param: torch.Tensor, part: torch.Tensor) -> None:
     """``param`` := ``part`` from ``own_rows``."""
     if row_sharded(param):
-        param.to_local().copy_(part.to(param.dtype))
+        param.to_local().copy_(part)  # converts the dtype in the copy: no full-size temporary
     else:
         param.copy_(shard_like(part.to(param.dtype), param))
 
@@ -201,16 +201,6 @@ def load_hf_model_into(model: nn.Module, directory: str | Path) -> None:
     """A Hugging Face model directory into ``model.name=hf``'s model (transformers' names)."""
     directory = Path(directory).expanduser()
     load_files_into(model, weight_files(directory), str(directory), rename=model.parameter_name)
-
-
-def initial_weights(cfg: ModelConfig) -> str | None:
-    """Where a fresh run's weights come from: ``model.init_from``, else a Hugging Face model's own
-    directory (``model.pretrained``), else None (random initialisation)."""
-    if cfg.init_from:
-        return cfg.init_from
-    if cfg.name == "hf" and cfg.pretrained:
-        return cfg.path
-    return None
 
 
 def read_hf_config(directory: Path) -> dict:

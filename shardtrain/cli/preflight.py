@@ -10,6 +10,7 @@ from shardtrain.checkpoint import layout
 from shardtrain.checkpoint.safetensors_files import file_metadata, weight_files
 from shardtrain.checkpoint.weights import HF_PREFIX, read_hf_config
 from shardtrain.config.schema import Config
+from shardtrain.data.tokenizer import tokenizer_for
 from shardtrain.errors import CheckpointError, ConfigError
 
 
@@ -66,6 +67,9 @@ def check_training(cfg: Config) -> None:
     check_run_dir(Path(cfg.run.dir))
     check_resume(cfg)
     check_init_from(cfg.model.init_from)
+    if cfg.model.weights_source() == cfg.model.path and cfg.model.path:
+        weight_files(Path(cfg.model.path).expanduser())  # a Hugging Face model's own weights
+    tokenizer_for(cfg.model)  # a missing or unreadable tokenizer fails here, before any worker
 
 
 def check_output(out: Path, source: Path, what: str) -> None:

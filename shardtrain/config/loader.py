@@ -137,6 +137,9 @@ def check_ranges(cfg: Config) -> None:
 def check_model(cfg: Config) -> None:
     """The model section: a Hugging Face directory that exists, or the built-in model's shape."""
     m, seq_len = cfg.model, cfg.trainer.seq_len
+    if m.tokenizer not in ("auto", "bytes") and not Path(m.tokenizer).expanduser().exists():
+        raise ConfigError(f"model.tokenizer={m.tokenizer!r} does not exist; use auto (the model's own), "
+                          "bytes, or a tokenizer.json file or the directory holding one")
     if m.name == "hf":
         if not m.path:
             raise ConfigError("model.name=hf needs model.path=DIR, a local Hugging Face model directory "
@@ -154,6 +157,9 @@ def check_model(cfg: Config) -> None:
             raise ConfigError(f"trainer.seq_len={seq_len} exceeds the model's {positions} positions "
                               f"({config_file}); lower trainer.seq_len")
         return
+    if m.path:
+        raise ConfigError(f"model.path={m.path!r} is read with model.name=hf only (a Hugging Face model "
+                          "directory); add model=hf, or drop model.path for the built-in model")
     if m.tokenizer in ("auto", "bytes") and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is too small for byte-level data "
                           "(256 token ids); use at least 256")

@@ -55,6 +55,15 @@ class ModelConfig:
     # .safetensors file. null = random init.
     init_from: str | None = None
 
+    def weights_source(self) -> str | None:
+        """Where a fresh run's weights come from: ``init_from``, else a Hugging Face model's own
+        directory (``pretrained``), else None (random initialisation)."""
+        if self.init_from:
+            return self.init_from
+        if self.name == "hf" and self.pretrained:
+            return self.path
+        return None
+
 
 @dataclass
 class StrategyConfig:

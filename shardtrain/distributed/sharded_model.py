@@ -98,8 +98,10 @@ def move_buffers(model: nn.Module, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int, cpu_offload: bool = False) -> None:
-    """Allocate the sharded parameters on ``device`` and initialise them world-size-invariantly.
+def materialize(model: nn.Module, device: torch.device, seed: int, cpu_offload: bool = False,
+                initialize: bool = True) -> None:
+    """Allocate the sharded parameters on ``device`` and initialise them world-size-invariantly
+    (``initialize=False``: leave them uninitialised, for weights that are read next).
 
     With CPU offload FSDP2 requires the sharded parameters in host memory before its first forward
     (it pins and keeps them there); buffers are not FSDP's and must be on the device that computes.
@@ -107,6 +109,10 @@ def materialize(model: nn.Module, device: torch.device, seed: int, cpu_offload: 
     model.to_empty(device="cpu" if cpu_offload else device)
     if cpu_offload:
         move_buffers(model, device)
+    if not initialize:
+        if hasattr(model, "init_buffers"):
+            model.init_buffers()
+        return
     if getattr(model, "init_parameter", None) is None:
         raise ModelError(
             f"{type(model).__name__} has no init_parameter(name, tensor, generator); "
@@ -137,7 +143,10 @@ def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: Dev
         model = factory()
     if hasattr(model, "init_parameter"):
         report = parallelize(model, mesh, plan, policy)
-        materialize(model, env.device, cfg.trainer.seed, plan.cpu_offload)
+        # Weights that will be read (model.init_from, a Hugging Face model's own) need no drawing:
+        # at 0.5B parameters that is most of the start-up.
+        materialize(model, env.device, cfg.trainer.seed, plan.cpu_offload,
+                    initialize=cfg.model.weights_source() is None)
     else:
         # Without a per-parameter initialiser there is no way to initialise shards independently
         # of the world size, so build the full model once on CPU (same seed on every rank).

@@ -17,7 +17,7 @@ from shardtrain import faults
 from shardtrain.accelerator import device_peak_flops, peak_memory_mib
 from shardtrain.checkpoint.checkpointer import Checkpointer
 from shardtrain.checkpoint.preemption import PreemptionFlag
-from shardtrain.checkpoint.weights import initial_weights, load_model_weights
+from shardtrain.checkpoint.weights import load_model_weights
 from shardtrain.config.loader import to_yaml
 from shardtrain.config.plan import check_world
 from shardtrain.config.schema import Config
@@ -157,7 +157,7 @@ class Trainer:
                       f"consumed (saved at world size {state.world_size}, {state.strategy})")
             if self.cfg.model.init_from:
                 self.info("model.init_from is ignored: resuming from a checkpoint")
-        elif source := initial_weights(self.cfg.model):
+        elif source := self.cfg.model.weights_source():
             load_model_weights(self.model, source, self.cfg.model)
             self.info(f"initialised weights from {source}")
 
