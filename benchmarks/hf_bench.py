@@ -76,22 +76,23 @@ def peak_rss_since_reset() -> int:
 
 
 def load(model_dir: str) -> None:
-    """Build the sharded model on meta and materialise it, then read the directory's weights; the
-    seconds of each and the peak resident growth while reading, per rank."""
+    """Build the sharded model on meta and materialise it, then read the directory's weights: the
+    seconds of each, the rank's shard, and its peak resident growth over both, per rank."""
     cfg = load_config(["model=hf", f"model.path={model_dir}", "model.tokenizer=bytes"])
     env = init_distributed()
     plan = resolve_plan(cfg.strategy, env.world_size, env.local_world_size)
+    before = rss_bytes()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current resident set
     start = time.perf_counter()
     model, _ = build_sharded_model(cfg, env, plan, build_mesh(plan, env.device.type),
                                    model_factory(cfg.model))
     dist.barrier()
     built = time.perf_counter()
-    before = rss_bytes()
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current resident set
     load_hf_model_into(model, model_dir)
     dist.barrier()
     loaded = time.perf_counter()
-    row = torch.tensor([built - start, loaded - built, peak_rss_since_reset() - before, rss_bytes()],
+    shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    row = torch.tensor([built - start, loaded - built, peak_rss_since_reset() - before, shard],
                        dtype=torch.float64)
     rows = [torch.empty_like(row) for _ in range(env.world_size)]
     dist.all_gather(rows, row)

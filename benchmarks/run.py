@@ -625,10 +625,10 @@ def hf_section(command: str) -> str:
         speeds = [run_torchrun(n, "hf_bench.py", ["throughput", str(same), f"trainer.micro_batch_size={8 // n}",
                                                   "trainer.seq_len=256", f"strategy.mixed_precision={p}"])
                   for n, p in HF_SPEED_CASES]
-    mib, gib = 2**20, 2**30
+    mib = 2**20
     load_rows = "\n".join(
         f"| {r['world_size']} | {max(x[0] for x in r['ranks']):.1f} | {max(x[1] for x in r['ranks']):.1f} | "
-        f"{max(x[2] for x in r['ranks']) / mib:,.0f} | {max(x[3] for x in r['ranks']) / gib:.2f} |"
+        f"{max(x[3] for x in r['ranks']) / mib:,.0f} | {max(x[2] for x in r['ranks']) / mib:,.0f} |"
         for r in loads)
     alone = max(x[2] for x in loads[0]["ranks"])
     four = max(x[2] for x in loads[-1]["ranks"])
@@ -644,14 +644,17 @@ def hf_section(command: str) -> str:
 Loading: a model of Qwen2.5-0.5B's shape ({loads[0]['params'] / 1e6:.0f}M parameters, tied
 {HALF_B['vocab_size']:,} x {HALF_B['hidden_size']} embedding; random weights saved by transformers in
 bf16, one {file_gib:.2f} GiB file) built by `model=hf` on the meta device, sharded (FULL_SHARD) and
-materialised in fp32, then read from the file, each rank only its own rows. The largest rank's
-numbers; peak growth is the resident set's high-water mark while reading, above where it started.
+materialised in fp32 (no random weights are drawn for weights that are read next), then read from
+the file, each rank only its own rows. The largest rank's numbers; peak growth is the resident set's
+high-water mark over build and read, above where it stood before the build: the rank's fp32 shard
+plus the file pages of its own rows (memory-mapped, counted while resident) and one tensor's rows in
+flight.
 
-| processes | build + materialise s | read weights s | peak growth while reading MiB | resident after GiB |
+| processes | build + materialise s | read weights s | shard (fp32 params) MiB | peak growth MiB |
 | --- | --- | --- | --- | --- |
 {load_rows}
 
-At 4 processes each rank's peak growth is {four / alone:.2f} of one process reading alone (2 cores:
+At 4 processes each rank's peak growth is {four / alone:.2f} of one process loading alone (2 cores:
 4 processes share them, so seconds do not shrink with the shard).
 
 Training speed: the built-in Llama against the same shape built by transformers (`LlamaForCausalLM`,

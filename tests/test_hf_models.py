@@ -170,3 +170,25 @@ def test_tied_model_consolidates_initialises_and_generates(two_rank_runs, model_
                       "--devices", "2", "--mode", "sharded")
     assert sharded.returncode == 0, sharded.stderr[-2000:]
     assert sharded.stdout == generated.stdout
+
+
+def test_tokenizer_matches_transformers(model_dirs):
+    """Text, special tokens and the chat template: the same ids and text as transformers' own
+    tokenizer on the same files."""
+    from shardtrain.data.tokenizer import HFTokenizer
+
+    ours = HFTokenizer(model_dirs["llama"])
+    theirs = transformers.AutoTokenizer.from_pretrained(model_dirs["llama"])
+    text = "def main():\n    return 'héllo'  # 日本"
+    assert ours.encode(text) == theirs(text).input_ids
+    assert ours.decode(ours.encode(text)) == theirs.decode(theirs(text).input_ids)
+    assert ours.eos_id == theirs.eos_token_id and ours.vocab_size == len(theirs)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    rendered = ours.render_chat(messages)
+    assert rendered == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered.endswith("<|im_start|>assistant\n")
+    ids = theirs.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert ours.encode(rendered, special_tokens=False) == list(ids)
+    stream, ids = ours.stream(), ours.encode(text)
+    assert "".join(stream.push(i) for i in ids) + stream.flush() == ours.decode(ids)

@@ -16,6 +16,12 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS = "<|endoftext|>"
+# ChatML, as Qwen's tokenizers write it (a model trained on chat data would have learned it).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
 
 
 def sample_texts(count: int = 40) -> list[str]:
@@ -28,7 +34,8 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=[EOS, "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tokenizer.train_from_iterator(texts, trainer)
@@ -42,7 +49,8 @@ def save_model_dir(directory: Path, config: transformers.PretrainedConfig, token
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(directory, **save_kwargs)
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS).save_pretrained(directory)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS,
+                                         chat_template=CHAT_TEMPLATE).save_pretrained(directory)
     return directory
 
 

@@ -55,6 +55,8 @@ def main() -> None:
     print("\n".join(line for line in log.stderr.splitlines() if "initialised" in line or " | loss " in line))
     checkpoint = run_dir / "checkpoints" / f"step-{args.steps}"
     print(run("generate", str(checkpoint), "--prompt", "def ", "--max-new-tokens", "24").stdout)
+    print(run("generate", str(checkpoint), "--prompt", "Write a loop.", "--chat",
+              "--max-new-tokens", "16").stdout)
     export = work / "export"
     print(run("export-hf", str(checkpoint), str(export)).stdout.strip().splitlines()[-1])
 

@@ -135,9 +135,14 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
 
         with runner as model:
             for index, prompt in enumerate(prompts):
-                show(prompt)
+                if args.chat:  # the prompt as the user's turn, in the model's chat template
+                    text = tokenizer.render_chat([{"role": "user", "content": prompt}])
+                    ids = tokenizer.encode(text, special_tokens=False)
+                else:
+                    text, ids = prompt, tokenizer.encode(prompt)
+                show(text)
                 stream = tokenizer.stream()  # tokens -> whole characters, as they become final
-                generate(model, tokenizer.encode(prompt), args.max_new_tokens,
+                generate(model, ids, args.max_new_tokens,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                          seed=args.seed + index, use_cache=not args.no_cache,
                          vocab_limit=tokenizer.vocab_size, stop_token=tokenizer.eos_id,
@@ -310,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = no nucleus filter")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole context per token")
+    gen.add_argument("--chat", action="store_true",
+                     help="each prompt is a user message, rendered with the tokenizer's chat template")
     gen.add_argument("--devices", type=int, default=1, help="processes (sharded checkpoints)")
     gen.add_argument("--strategy", default="FULL_SHARD", help="how the checkpoint is sharded on load")
     gen.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Protocol
 
 import tokenizers
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers.decoders import DecodeStream
 
 from shardtrain.config.schema import ModelConfig
@@ -39,7 +41,9 @@ class Tokenizer(Protocol):
     eos_id: int | None  # appended after every document; None: documents are concatenated as they are
     chat_template: str | None
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]: ...
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
 
     def encode_documents(self, documents: list[bytes]) -> list[list[int]]: ...
 
@@ -70,8 +74,12 @@ class ByteTokenizer:
     eos_id = None
     chat_template = None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
         return list(text.encode())
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        raise DataError("the byte tokenizer has no chat template; chat needs a tokenizer with one "
+                        "(a Hugging Face model's tokenizer_config.json or chat_template.jinja)")
 
     def encode_documents(self, documents: list[bytes]) -> list[list[int]]:
         return [list(doc) for doc in documents]
@@ -98,6 +106,22 @@ class HFStream:
         return ""
 
 
+def raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def compile_chat_template(template: str):
+    """The environment transformers renders chat templates in: sandboxed, blocks trimmed, with the
+    ``raise_exception`` templates call to refuse a conversation."""
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+    environment.globals["raise_exception"] = raise_exception
+    try:
+        return environment.from_string(template)
+    except TemplateError as exc:
+        raise DataError(f"the tokenizer's chat template does not compile: {exc}") from exc
+
+
 def special_token(config: dict, key: str) -> str | None:
     """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
     value = config.get(key)
@@ -122,17 +146,36 @@ class HFTokenizer:
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         config_file = file.parent / TOKENIZER_CONFIG_FILE
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        eos = special_token(config, "eos_token")
-        self.eos_id = self._tokenizer.token_to_id(eos) if eos else None
-        if eos and self.eos_id is None:
-            raise DataError(f"{config_file}: eos_token {eos!r} is not in {file}'s vocabulary")
+        self.eos_token = special_token(config, "eos_token")
+        self.bos_token = special_token(config, "bos_token")
+        self.eos_id = self._tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        if self.eos_token and self.eos_id is None:
+            raise DataError(f"{config_file}: eos_token {self.eos_token!r} is not in {file}'s vocabulary")
         template = file.parent / "chat_template.jinja"
         self.chat_template = (template.read_text() if template.is_file()
                               else config.get("chat_template"))
+        if isinstance(self.chat_template, list):  # named templates: the default one
+            named = {t.get("name"): t.get("template") for t in self.chat_template}
+            self.chat_template = named.get("default")
+        self._chat = compile_chat_template(self.chat_template) if self.chat_template else None
 
-    def encode(self, text: str) -> list[int]:
-        """With the tokenizer's own special tokens (e.g. a leading BOS), as transformers encodes."""
-        return self._tokenizer.encode(text).ids
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        """With the tokenizer's own special tokens (e.g. a leading BOS), as transformers encodes;
+        ``special_tokens=False`` for text that already has them (a rendered chat template)."""
+        return self._tokenizer.encode(text, add_special_tokens=special_tokens).ids
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """``messages`` ([{"role": ..., "content": ...}]) as the model's chat template writes them,
+        rendered as transformers renders it (a sandboxed Jinja environment), with the prompt of the
+        assistant's turn at the end when ``add_generation_prompt``."""
+        if not self.chat_template:
+            raise DataError(f"the tokenizer {self.name} has no chat template (none in "
+                            f"{TOKENIZER_CONFIG_FILE} or chat_template.jinja)")
+        try:
+            return self._chat.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as exc:
+            raise DataError(f"the chat template of {self.name} failed: {exc}") from exc
 
     def encode_documents(self, documents: list[bytes]) -> list[list[int]]:
         texts = [doc.decode("utf-8", errors="replace") for doc in documents]
