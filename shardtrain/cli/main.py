@@ -246,6 +246,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from shardtrain.data.prepare import PrepareOptions, prepare
+    from shardtrain.errors import ConfigError
+
+    if args.workers < 1 or not 0 <= args.val_percent <= 100 or args.max_bytes < 0:
+        raise ConfigError("--workers must be at least 1, --val-percent between 0 and 100, "
+                          "--max-bytes not negative")
+    options = PrepareOptions(inputs=args.inputs, tokenizer=args.tokenizer, text_field=args.text_field,
+                             file_glob=args.glob, val_percent=args.val_percent,
+                             max_bytes=args.max_bytes, workers=args.workers)
+    result = prepare(options, args.out, progress=sys.stderr.isatty())
+    splits = result.manifest["splits"]
+    if result.up_to_date:
+        print(f"{args.out}: up to date (prepared from the same inputs and tokenizer); nothing to do")
+        return 0
+    tokens = sum(s["tokens"] for s in splits.values())
+    print(f"{args.out}: {splits['train']['documents']:,} train + {splits['val']['documents']:,} validation "
+          f"documents, {splits['train']['tokens']:,} + {splits['val']['tokens']:,} tokens "
+          f"({result.manifest['dtype']}, tokenizer {result.manifest['tokenizer']['name']}) in "
+          f"{result.seconds:.1f}s, {tokens / max(result.seconds, 1e-9):,.0f} tokens/s with "
+          f"{args.workers} worker(s)")
+    return 0
+
+
 def cmd_consolidate(args: argparse.Namespace) -> int:
     from shardtrain.cli.preflight import check_output
     from shardtrain.export.consolidate import consolidate
@@ -280,6 +304,23 @@ def build_parser() -> argparse.ArgumentParser:
         "strategy=hybrid_shard | shardtrain train experiment=quick trainer.max_steps=50",
     )
     train.add_argument("overrides", nargs="*", help="key=value config overrides")
+
+    prep = sub.add_parser(
+        "prepare", help="raw text, JSON Lines, Parquet or a datasets directory -> a prepared dataset",
+        description="Tokenizes every document once into memory-mappable token shards with a "
+        "manifest (docs/data.md). The same output for any --workers; run again on unchanged inputs, "
+        "it does nothing.")
+    prep.add_argument("inputs", nargs="+", help="files, directories, glob patterns; .jsonl(.gz), "
+                      ".parquet, a save_to_disk directory, or text files (one document each)")
+    prep.add_argument("--out", required=True, help="the prepared dataset's directory")
+    prep.add_argument("--tokenizer", default="bytes",
+                      help="bytes (default), a tokenizer.json, or a Hugging Face model directory")
+    prep.add_argument("--text-field", default="text", help="JSON field / column holding the text")
+    prep.add_argument("--glob", default="*", help="files taken from input directories")
+    prep.add_argument("--val-percent", type=float, default=5.0,
+                      help="documents held out for validation, by a hash of their file and line")
+    prep.add_argument("--max-bytes", type=int, default=0, help="stop after this much text (0 = all)")
+    prep.add_argument("--workers", type=int, default=1, help="tokenizing processes")
 
     cons = sub.add_parser(
         "consolidate",
@@ -393,6 +434,8 @@ def run_command(args: argparse.Namespace, argv: list[str] | None) -> int:
             return cmd_train(args.overrides)
         if args.command == "consolidate":
             return cmd_consolidate(args)
+        if args.command == "prepare":
+            return cmd_prepare(args)
         if args.command == "inspect":
             return cmd_inspect(args)
         if args.command == "plan":

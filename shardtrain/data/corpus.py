@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from shardtrain.config.schema import DataConfig
-from shardtrain.data.tokenizer import ByteTokenizer, Tokenizer
+from shardtrain.data.tokenizer import ByteTokenizer, Tokenizer, token_dtype
 from shardtrain.errors import DataError
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -42,10 +42,6 @@ class Corpus:
             f"{self.val_files} validation files ({self.val.size / 1e6:.1f}M tokens); "
             f"tokenizer {self.tokenizer}"
         )
-
-
-def token_dtype(vocab_size: int) -> type:
-    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
 
 def tokenize(documents: list[bytes], tokenizer: Tokenizer) -> np.ndarray:

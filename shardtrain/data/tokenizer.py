@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import tokenizers
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -188,6 +189,16 @@ class HFTokenizer:
         return HFStream(self._tokenizer)
 
 
+def token_dtype(vocab_size: int) -> type:
+    """The smallest unsigned type that holds every id: uint16 up to 65,536 tokens, else uint32."""
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+
+def load_tokenizer(source: str) -> Tokenizer:
+    """``bytes``, or a tokenizer.json file or the directory holding one (a model directory)."""
+    return ByteTokenizer() if source == "bytes" else HFTokenizer(source)
+
+
 def tokenizer_source(cfg: ModelConfig) -> str:
     """What ``model.tokenizer`` resolves to: "bytes" or a path."""
     if cfg.tokenizer != "auto":
@@ -200,7 +211,7 @@ def tokenizer_source(cfg: ModelConfig) -> str:
 def tokenizer_for(cfg: ModelConfig) -> Tokenizer:
     """The tokenizer of a model config, checked against the model's vocabulary where it is known."""
     source = tokenizer_source(cfg)
-    tokenizer: Tokenizer = ByteTokenizer() if source == "bytes" else HFTokenizer(source)
+    tokenizer = load_tokenizer(source)
     if cfg.name == "llama" and tokenizer.vocab_size > cfg.vocab_size:
         raise DataError(f"the tokenizer ({source}) has {tokenizer.vocab_size} tokens but "
                         f"model.vocab_size={cfg.vocab_size}; raise model.vocab_size to at least "

@@ -1,0 +1,225 @@
+"""``shardtrain prepare``: raw inputs -> a prepared dataset that training memory-maps.
+
+Layout of a prepared dataset directory::
+
+    manifest.json                 what it holds and what it was made from (below)
+    train/tokens-00000.npy ...    token ids, uint16 when the vocabulary fits, else uint32
+    train/docs-00000.npy ...      int64 start offset of each document within its shard
+    val/...                       the same for the validation split
+
+Every document is tokenized, followed by the tokenizer's end-of-text token (the byte tokenizer has
+none: documents are back to back), and appended to its split's current shard; a shard holds whole
+documents and up to ``shard_tokens`` tokens (one longer document gets a shard of its own). The
+manifest records the tokenizer (identity, vocabulary size, end-of-text id), the counts, every
+source's size and modification time, the options and the split; its ``fingerprint`` hashes all of
+them but the number of workers, and ``prepare`` with an unchanged fingerprint does nothing.
+
+Workers tokenize batches of documents in separate processes while the main process reads the inputs
+and writes the shards in input order, so the output is byte for byte the same for any number of
+workers. The directory is written beside the target and renamed into place when complete: an
+interrupted run never leaves a half-prepared dataset under the name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import shutil
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from shardtrain.data.documents import Source, documents, resolve_sources
+from shardtrain.data.tokenizer import Tokenizer, load_tokenizer, token_dtype
+from shardtrain.errors import DataError
+
+FORMAT = "shardtrain-prepared"
+VERSION = 1
+MANIFEST = "manifest.json"
+SPLITS = ("train", "val")
+SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 per shard file
+BATCH_DOCUMENTS = 256  # documents per task sent to a worker
+
+
+@dataclass
+class PrepareOptions:
+    inputs: list[str]
+    tokenizer: str = "bytes"  # "bytes", or a tokenizer.json / model directory
+    text_field: str = "text"  # JSON Lines field, Parquet or Arrow column
+    file_glob: str = "*"  # files taken from input directories
+    val_percent: float = 5.0  # documents (by a hash of their key) held out for validation
+    max_bytes: int = 0  # stop reading after this many bytes of text (0 = everything)
+    shard_tokens: int = SHARD_TOKENS
+    workers: int = field(default=1, metadata={"output": False})  # never changes the output
+
+
+@dataclass
+class PrepareResult:
+    manifest: dict
+    up_to_date: bool  # nothing was done: the dataset was already prepared from these inputs
+    seconds: float = 0.0
+
+
+def is_validation(key: str, val_percent: float) -> bool:
+    return zlib.crc32(key.encode()) % 10_000 < val_percent * 100
+
+
+def fingerprint(options: PrepareOptions, sources: list[Source], tokenizer: Tokenizer) -> str:
+    relevant = {k: v for k, v in asdict(options).items()
+                if PrepareOptions.__dataclass_fields__[k].metadata.get("output", True)}
+    described = {"format": FORMAT, "version": VERSION, "options": relevant,
+                 "tokenizer": tokenizer_entry(tokenizer), "sources": [s.fingerprint() for s in sources]}
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+
+
+def tokenizer_entry(tokenizer: Tokenizer) -> dict:
+    return {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}
+
+
+class ShardWriter:
+    """One split's shards: whole documents, up to ``limit`` tokens per shard."""
+
+    def __init__(self, directory: Path, dtype: type, limit: int) -> None:
+        self.directory = directory
+        self.dtype = dtype
+        self.limit = limit
+        self.parts: list[np.ndarray] = []
+        self.buffered = 0
+        self.shards: list[dict] = []
+        self.documents = 0
+        self.tokens = 0
+
+    def add(self, ids: np.ndarray) -> None:
+        if self.buffered and self.buffered + len(ids) > self.limit:
+            self.flush()
+        self.parts.append(ids)
+        self.buffered += len(ids)
+
+    def flush(self) -> None:
+        if not self.parts:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        index = len(self.shards)
+        lengths = np.fromiter((len(p) for p in self.parts), dtype=np.int64, count=len(self.parts))
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        tokens_file, docs_file = f"tokens-{index:05d}.npy", f"docs-{index:05d}.npy"
+        np.save(self.directory / tokens_file, np.concatenate(self.parts).astype(self.dtype, copy=False))
+        np.save(self.directory / docs_file, starts)
+        split = self.directory.name
+        self.shards.append({"tokens_file": f"{split}/{tokens_file}", "docs_file": f"{split}/{docs_file}",
+                            "tokens": int(lengths.sum()), "documents": len(lengths)})
+        self.documents += len(lengths)
+        self.tokens += int(lengths.sum())
+        self.parts, self.buffered = [], 0
+
+    def entry(self) -> dict:
+        self.flush()
+        return {"documents": self.documents, "tokens": self.tokens, "shards": self.shards}
+
+
+# Each worker process loads the tokenizer once (it is a path, not a pickled object).
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _start_worker(source: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = load_tokenizer(source)
+
+
+Batch = tuple[list[str], list[bytes]]  # the split of each document, and its text
+Encoded = tuple[list[str], list[np.ndarray]]
+
+
+def encode(tokenizer: Tokenizer, batch: Batch) -> Encoded:
+    """Token ids of each document, with the end-of-text token after it."""
+    splits, texts = batch
+    dtype = token_dtype(tokenizer.vocab_size)
+    tail = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    return splits, [np.asarray(ids + tail, dtype=dtype) for ids in tokenizer.encode_documents(texts)]
+
+
+def _encode_in_worker(batch: Batch) -> Encoded:
+    return encode(_worker_tokenizer, batch)
+
+
+def batches(sources: list[Source], options: PrepareOptions, bar: tqdm) -> Iterator[Batch]:
+    """(split of each document, its text) in input order, BATCH_DOCUMENTS at a time."""
+    splits: list[str] = []
+    texts: list[bytes] = []
+    read = 0
+    for source in sources:
+        for key, text in documents(source, options.text_field):
+            splits.append("val" if is_validation(key, options.val_percent) else "train")
+            texts.append(text)
+            read += len(text)
+            bar.update(1)
+            if len(texts) == BATCH_DOCUMENTS:
+                yield splits, texts
+                splits, texts = [], []
+            if options.max_bytes and read >= options.max_bytes:
+                break
+        if options.max_bytes and read >= options.max_bytes:
+            break
+    if texts:
+        yield splits, texts
+
+
+def read_manifest(directory: Path) -> dict | None:
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if manifest.get("format") == FORMAT else None
+
+
+def prepare(options: PrepareOptions, out: str | Path, progress: bool = True) -> PrepareResult:
+    """Prepare ``options.inputs`` into ``out`` (nothing to do when it is already prepared from them)."""
+    out = Path(out).expanduser()
+    tokenizer = load_tokenizer(options.tokenizer)
+    sources = resolve_sources(options.inputs, options.file_glob)
+    digest = fingerprint(options, sources, tokenizer)
+    existing = read_manifest(out)
+    if existing is not None and existing.get("fingerprint") == digest:
+        return PrepareResult(existing, up_to_date=True)
+    if out.exists() and existing is None and any(out.iterdir()):
+        raise DataError(f"{out} exists and is not a prepared dataset; choose another output directory")
+
+    started = time.perf_counter()
+    staging = out.with_name(f".{out.name}.preparing")
+    shutil.rmtree(staging, ignore_errors=True)
+    dtype = token_dtype(tokenizer.vocab_size)
+    writers = {split: ShardWriter(staging / split, dtype, options.shard_tokens) for split in SPLITS}
+    with tqdm(desc="prepare", unit=" docs", disable=not progress, leave=False) as bar:
+        work = batches(sources, options, bar)
+        if options.workers > 1:
+            with multiprocessing.get_context("spawn").Pool(
+                    options.workers, initializer=_start_worker, initargs=(options.tokenizer,)) as pool:
+                for splits, arrays in pool.imap(_encode_in_worker, work):
+                    for split, ids in zip(splits, arrays):
+                        writers[split].add(ids)
+        else:
+            for splits, arrays in (encode(tokenizer, batch) for batch in work):
+                for split, ids in zip(splits, arrays):
+                    writers[split].add(ids)
+    entries = {split: writer.entry() for split, writer in writers.items()}
+    if not entries["train"]["documents"]:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise DataError(f"{', '.join(options.inputs)}: no documents to train on (empty input, or every "
+                        "document held out: lower --val-percent)")
+    manifest = {
+        "format": FORMAT, "version": VERSION, "fingerprint": digest,
+        "tokenizer": tokenizer_entry(tokenizer), "dtype": np.dtype(dtype).name,
+        "options": {k: v for k, v in asdict(options).items() if k != "workers"},
+        "sources": [s.fingerprint() for s in sources], "splits": entries,
+    }
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+    return PrepareResult(manifest, up_to_date=False, seconds=time.perf_counter() - started)

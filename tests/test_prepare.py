@@ -1,0 +1,151 @@
+"""``shardtrain prepare``: every input format, the same bytes for any number of workers, nothing to
+do on unchanged inputs, and one clear line for each kind of bad data."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from cli_utils import run_cli
+from hf_models import make_model_dir
+
+from shardtrain.config.schema import DataConfig
+from shardtrain.data.corpus import load_corpus
+from shardtrain.data.prepare import PrepareOptions, prepare
+from shardtrain.data.tokenizer import HFTokenizer
+from shardtrain.errors import DataError
+
+TEXTS = [f"def f{i}():\n    return {i} * 'héllo'  # 日本\n" * (1 + i % 7) for i in range(300)]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """The same kind of text in every format prepare reads."""
+    root = tmp_path_factory.mktemp("inputs")
+    text_dir = root / "texts"
+    text_dir.mkdir()
+    for i, text in enumerate(TEXTS[:40]):
+        (text_dir / f"doc{i:03d}.txt").write_text(text)
+    with gzip.open(root / "records.jsonl.gz", "wt") as f:
+        for i, text in enumerate(TEXTS[40:140]):
+            f.write(json.dumps({"id": i, "body": text}) + "\n")
+    pq.write_table(pa.table({"body": TEXTS[140:220]}), root / "rows.parquet", row_group_size=30)
+    datasets.Dataset.from_dict({"body": TEXTS[220:]}).save_to_disk(str(root / "saved"))
+    return root
+
+
+def all_inputs(root) -> list[str]:
+    return [str(root / "texts"), str(root / "records.jsonl.gz"), str(root / "rows.parquet"),
+            str(root / "saved")]
+
+
+def read_split(out, split: str) -> tuple[np.ndarray, np.ndarray]:
+    manifest = json.loads((out / "manifest.json").read_text())
+    shards = manifest["splits"][split]["shards"]
+    tokens = [np.load(out / s["tokens_file"]) for s in shards]
+    docs = [np.load(out / s["docs_file"]) for s in shards]
+    return np.concatenate(tokens), docs
+
+
+def test_every_format_is_read_and_workers_do_not_change_a_byte(inputs, tmp_path):
+    model = make_model_dir(tmp_path / "model", "llama")
+    common = dict(inputs=all_inputs(inputs), tokenizer=str(model), text_field="body", val_percent=10.0,
+                  shard_tokens=4000)  # several shards per split
+    one = prepare(PrepareOptions(**common, workers=1), tmp_path / "one", progress=False)
+    four = prepare(PrepareOptions(**common, workers=4), tmp_path / "four", progress=False)
+    files = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file())
+    assert len(files) > 6 and four.manifest == one.manifest
+    for name in files:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "four" / name).read_bytes(), name
+    splits = one.manifest["splits"]
+    assert splits["train"]["documents"] + splits["val"]["documents"] == len(TEXTS)
+    assert len(splits["train"]["shards"]) > 1 and splits["val"]["documents"] > 0
+
+    # Every document, in input order, is its tokens followed by the end-of-text token.
+    tokenizer = HFTokenizer(model)
+    tokens, docs = read_split(tmp_path / "one", "train")
+    first = tokenizer.encode(TEXTS[0]) + [tokenizer.eos_id]
+    assert tokens[:len(first)].tolist() == first
+    assert one.manifest["tokenizer"]["name"] == tokenizer.name and tokens.dtype == np.uint16
+    assert sum(len(d) for d in docs) == splits["train"]["documents"]
+
+
+def test_bytes_match_the_built_in_corpus_and_unchanged_inputs_do_nothing(tmp_path):
+    out = tmp_path / "stdlib"
+    done = run_cli("prepare", __import__("sysconfig").get_paths()["stdlib"], "--glob", "*.py",
+                   "--max-bytes", "2000000", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "tokens/s" in done.stdout
+    corpus = load_corpus(DataConfig(max_bytes=2_000_000))
+    assert np.array_equal(read_split(out, "train")[0], corpus.train)
+    assert np.array_equal(read_split(out, "val")[0], corpus.val)
+    again = run_cli("prepare", __import__("sysconfig").get_paths()["stdlib"], "--glob", "*.py",
+                    "--max-bytes", "2000000", "--out", str(out))
+    assert again.returncode == 0 and "up to date" in again.stdout
+
+
+def test_a_changed_input_is_prepared_again(tmp_path):
+    (tmp_path / "in").mkdir()
+    doc = tmp_path / "in" / "a.txt"
+    doc.write_text("one two three " * 50)
+    (tmp_path / "in" / "b.txt").write_text("four five " * 50)
+    options = PrepareOptions(inputs=[str(tmp_path / "in")], val_percent=0.0)
+    assert not prepare(options, tmp_path / "out", progress=False).up_to_date
+    assert prepare(options, tmp_path / "out", progress=False).up_to_date
+    doc.write_text("six seven " * 80)
+    os.utime(doc, ns=(doc.stat().st_mtime_ns + 10**9,) * 2)
+    result = prepare(options, tmp_path / "out", progress=False)
+    assert not result.up_to_date and result.manifest["splits"]["train"]["tokens"] == 800 + 500
+
+
+@pytest.mark.parametrize("case", ["empty", "unreadable", "malformed", "missing_field", "not_text",
+                                  "parquet_column", "missing_input", "not_prepared"])
+def test_bad_data_is_one_clear_line(case, tmp_path):
+    target = tmp_path / "data.jsonl"
+    args = [str(target)]
+    if case == "empty":
+        target.write_text("\n\n")
+        message = "no documents to train on"
+    elif case == "unreadable":
+        target = tmp_path / "data.jsonl.gz"
+        target.write_bytes(b"\x1f\x8b not really gzip")
+        args, message = [str(target)], "cannot be read"
+    elif case == "malformed":
+        target.write_text('{"text": "fine"}\n{"text": "broken\n')
+        message = f"{target}:2: not valid JSON"
+    elif case == "missing_field":
+        target.write_text('{"text": "fine"}\n{"content": "x"}\n')
+        message = f"{target}:2: no 'text' field (fields: content)"
+    elif case == "not_text":
+        target.write_text('{"text": 3}\n')
+        message = "field 'text' is int, not text"
+    elif case == "parquet_column":
+        target = tmp_path / "rows.parquet"
+        pq.write_table(pa.table({"body": ["a", "b"]}), target)
+        args, message = [str(target)], "no column 'text' (columns: body)"
+    elif case == "missing_input":
+        args, message = [str(tmp_path / "nowhere.jsonl")], "does not exist"
+    else:
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "something.txt").write_text("mine")
+        target.write_text('{"text": "fine"}\n')
+        message = "is not a prepared dataset"
+    done = run_cli("prepare", *args, "--out", str(tmp_path / "out"), "--val-percent", "0")
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], done.stderr
+    if case == "not_prepared":
+        assert (tmp_path / "out" / "something.txt").read_text() == "mine"  # never touched
+
+
+def test_prepare_options_reject_bad_values(tmp_path):
+    done = run_cli("prepare", str(tmp_path), "--out", str(tmp_path / "o"), "--workers", "0")
+    assert done.returncode == 2 and "--workers must be at least 1" in done.stderr
+    with pytest.raises(DataError, match="no tokenizer.json"):
+        prepare(PrepareOptions(inputs=[str(tmp_path)], tokenizer=str(tmp_path)), tmp_path / "o")
