@@ -136,11 +136,13 @@ CHECKED_BY_CODE = {
     "run.dir": ("run.dir={tmp}/a_file", "is a file"),
     "model.path": ("model.path={tmp}", "has no config.json"),
     "model.tokenizer": ("model.tokenizer={tmp}/nowhere.json", "does not exist"),
+    "data.cache_dir": ("data.cache_dir={tmp}/a_file", "is a file"),
 }
 # Presets a key's bad value is given with (its check applies only there).
 WITH_PRESET = {"data.paths": "data=files", "model.path": "model=hf"}
 # Keys that accept any value by design.
-FREE = {"data.file_glob": "any glob pattern", "trainer.sample_prompt": "any text", "run.name": "a label"}
+FREE = {"data.file_glob": "any glob pattern", "data.text_field": "any field name",
+        "trainer.sample_prompt": "any text", "run.name": "a label"}
 
 
 def test_every_key_has_a_check(tmp_path):

@@ -31,8 +31,11 @@ def test_files_source_errors_are_clear(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         load_corpus(DataConfig(source="files", paths=[str(tmp_path / "missing")]))
     (tmp_path / "only.txt").write_text("hello")
-    with pytest.raises(DataError, match="validation files"):
-        load_corpus(DataConfig(source="files", paths=[str(tmp_path)], val_percent=0.0))
+    with pytest.raises(DataError, match="has no files matching '\\*.py'"):
+        load_corpus(DataConfig(source="files", paths=[str(tmp_path)], cache_dir=str(tmp_path / "c")))
+    with pytest.raises(DataError, match="validation documents"):
+        load_corpus(DataConfig(source="files", paths=[str(tmp_path)], val_percent=0.0, file_glob="*",
+                               cache_dir=str(tmp_path / "c")))
     with pytest.raises(DataError, match="trainer.seq_len"):
         TokenWindows(np.zeros(10, dtype=np.uint8), seq_len=64)
 

@@ -111,7 +111,7 @@ def test_bad_data_is_one_clear_line(case, tmp_path):
     args = [str(target)]
     if case == "empty":
         target.write_text("\n\n")
-        message = "no documents to train on"
+        message = "no documents (the input is empty)"
     elif case == "unreadable":
         target = tmp_path / "data.jsonl.gz"
         target.write_bytes(b"\x1f\x8b not really gzip")
@@ -149,3 +149,34 @@ def test_prepare_options_reject_bad_values(tmp_path):
     assert done.returncode == 2 and "--workers must be at least 1" in done.stderr
     with pytest.raises(DataError, match="no tokenizer.json"):
         prepare(PrepareOptions(inputs=[str(tmp_path)], tokenizer=str(tmp_path)), tmp_path / "o")
+
+
+def test_training_reads_a_prepared_dataset(tmp_path):
+    """data.source=prepared trains on exactly what data.source=stdlib prepares into the cache (the
+    same losses), and a dataset made with another tokenizer is refused before training starts."""
+    from cli_utils import read_metrics
+
+    stdlib = __import__("sysconfig").get_paths()["stdlib"]
+    out = tmp_path / "prepared"
+    assert run_cli("prepare", stdlib, "--glob", "*.py", "--max-bytes", "2000000",
+                   "--out", str(out)).returncode == 0
+    common = ["experiment=quick", "trainer.max_steps=3", "trainer.log_every=1",
+              "trainer.sample_tokens=0", "checkpoint.enabled=false"]
+    given = run_cli("train", *common, "data.source=prepared", f"data.paths=[{out}]",
+                    f"run.dir={tmp_path / 'given'}")
+    assert given.returncode == 0, given.stderr[-2000:]
+    assert f"prepared at {out}" in given.stderr
+    cached = run_cli("train", *common, f"data.cache_dir={tmp_path / 'cache'}",
+                     f"run.dir={tmp_path / 'cached'}")
+    assert cached.returncode == 0, cached.stderr[-2000:]
+    losses = [[r["loss"] for r in read_metrics(tmp_path / name)] for name in ("given", "cached")]
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+    model = make_model_dir(tmp_path / "model", "llama")
+    other = tmp_path / "other"
+    assert run_cli("prepare", stdlib, "--glob", "*.py", "--max-bytes", "300000",
+                   "--tokenizer", str(model), "--out", str(other)).returncode == 0
+    refused = run_cli("train", *common, "data.source=prepared", f"data.paths=[{other}]",
+                      f"run.dir={tmp_path / 'refused'}")
+    assert refused.returncode == 2
+    assert "but the model's is bytes (256 tokens)" in refused.stderr and "(300 tokens)" in refused.stderr

@@ -176,9 +176,10 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
         tokenizer = tokenizer_for(loaded.cfg.model)
         if args.file:
             data = load_corpus(DataConfig(source="files", paths=[args.file], val_percent=0.0,
-                                          file_glob="*"), tokenizer).train if Path(args.file).is_file() \
-                else load_corpus(DataConfig(source="files", paths=[args.file], val_percent=100.0,
-                                            file_glob=args.glob), tokenizer).val
+                                          file_glob="*"), tokenizer, need=("train",)).train \
+                if Path(args.file).is_file() else \
+                load_corpus(DataConfig(source="files", paths=[args.file], val_percent=100.0,
+                                       file_glob=args.glob), tokenizer, need=("val",)).val
             source = args.file
         else:
             corpus = load_corpus(loaded.cfg.data, tokenizer)

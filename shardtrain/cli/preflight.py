@@ -10,6 +10,7 @@ from shardtrain.checkpoint import layout
 from shardtrain.checkpoint.safetensors_files import file_metadata, weight_files
 from shardtrain.checkpoint.weights import HF_PREFIX, read_hf_config
 from shardtrain.config.schema import Config
+from shardtrain.data.prepared import open_prepared
 from shardtrain.data.tokenizer import tokenizer_for
 from shardtrain.errors import CheckpointError, ConfigError
 
@@ -69,7 +70,9 @@ def check_training(cfg: Config) -> None:
     check_init_from(cfg.model.init_from)
     if cfg.model.weights_source() == cfg.model.path and cfg.model.path:
         weight_files(Path(cfg.model.path).expanduser())  # a Hugging Face model's own weights
-    tokenizer_for(cfg.model)  # a missing or unreadable tokenizer fails here, before any worker
+    tokenizer = tokenizer_for(cfg.model)  # a missing or unreadable tokenizer fails here, before any worker
+    if cfg.data.source == "prepared" and len(cfg.data.paths) == 1:
+        open_prepared(cfg.data.paths[0], tokenizer)  # made with the model's tokenizer, and whole
 
 
 def check_output(out: Path, source: Path, what: str) -> None:

@@ -186,10 +186,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             "dist.backend=nccl needs GPUs and none is visible; use dist.backend=auto (gloo on CPU)"
         )
-    if cfg.data.source == "files":
+    if cfg.data.source in ("files", "prepared"):
         for entry in cfg.data.paths:
-            if not Path(entry).expanduser().exists():
+            if not any(ch in entry for ch in "*?[") and not Path(entry).expanduser().exists():
                 raise ConfigError(f"data path {entry!r} does not exist; fix data.paths")
+    if cfg.data.cache_dir != "auto" and Path(cfg.data.cache_dir).expanduser().is_file():
+        raise ConfigError(f"data.cache_dir={cfg.data.cache_dir!r} is a file; name a directory (or auto)")
     for entry in cfg.strategy.wrap_policy:
         if entry != "auto" and "." in entry:  # a bare class name is looked up in the model itself
             try:

@@ -96,14 +96,21 @@ class StrategyConfig:
 
 @dataclass
 class DataConfig:
-    # stdlib: the running interpreter's standard library .py files | files: ``paths`` below
-    source: str = knob("stdlib", one_of=("stdlib", "files"))
+    # stdlib: the running interpreter's standard library .py files | files: ``paths`` below (text
+    # files, directories, .jsonl(.gz), .parquet, save_to_disk directories) | prepared: ``paths`` is
+    # one directory written by ``shardtrain prepare``. stdlib and files are prepared into the cache.
+    source: str = knob("stdlib", one_of=("stdlib", "files", "prepared"))
     paths: list[str] = field(default_factory=list)
     file_glob: str = "*.py"
     # Percentage of files (chosen by a hash of their relative path) held out for validation.
     val_percent: float = knob(5.0, at_least=0.0, at_most=100.0)
     # Cap on bytes read (0 = everything); keeps tests and quick runs fast.
     max_bytes: int = knob(0, at_least=0)
+    # JSON Lines field / Parquet or Arrow column holding the text (source=files).
+    text_field: str = "text"
+    # Where stdlib and files sources are prepared once and reused (auto: ~/.cache/shardtrain/prepared,
+    # or $XDG_CACHE_HOME/shardtrain/prepared).
+    cache_dir: str = "auto"
 
 
 @dataclass

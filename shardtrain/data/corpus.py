@@ -1,119 +1,109 @@
-"""The built-in corpus: every machine with Python has its standard library's source files.
+"""A run's training and validation tokens: always a prepared dataset (``data/prepare.py``), read
+through memory maps (``data/prepared.py``).
 
-Files are read in sorted order of their relative path and assigned to train or validation by a hash
-of that path, so the split is deterministic, independent of the world size, and stable when files are
-added. Each file is one document, tokenized by the model's tokenizer (``data/tokenizer.py``): raw bytes
-for the built-in model (vocabulary 256, documents back to back), or a Hugging Face tokenizer with its
-end-of-text token after every document.
+``data.source=prepared`` names one (``data.paths=[DIR]``). ``stdlib`` (every machine with Python has
+its standard library's source files) and ``files`` (``data.paths`` with ``data.file_glob``) are
+prepared on first use into a cache (``data.cache_dir``) and read from there afterwards; a change to
+the inputs prepares them again. Each file is one document; files are read in sorted order of their
+relative path and assigned to train or validation by a hash of that path, so the split is
+deterministic, independent of the world size, and stable when files are added. Tokens are the
+model's (``data/tokenizer.py``): raw bytes for the built-in model, documents back to back, or a
+Hugging Face tokenizer with its end-of-text token after every document.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import os
 import sysconfig
-import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
 from shardtrain.config.schema import DataConfig
-from shardtrain.data.tokenizer import ByteTokenizer, Tokenizer, token_dtype
+from shardtrain.data.prepare import PrepareOptions, is_validation, prepare
+from shardtrain.data.prepared import TokenStream, open_prepared
+from shardtrain.data.tokenizer import ByteTokenizer, Tokenizer
 from shardtrain.errors import DataError
 
-EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-
-
-# Documents tokenized per call of a Hugging Face tokenizer's batch encoder (which runs in parallel).
-ENCODE_BATCH = 256
+__all__ = ["Corpus", "is_validation", "load_corpus", "stdlib_root"]
 
 
 @dataclass
 class Corpus:
-    train: np.ndarray  # token ids: uint8 bytes, else uint16 or uint32 by vocabulary size
-    val: np.ndarray
-    train_files: int
+    train: TokenStream  # token ids, memory-mapped
+    val: TokenStream
+    train_files: int  # documents in each split
     val_files: int
     root: str
     tokenizer: str = "bytes"
+    path: str = ""  # the prepared dataset read
 
     def describe(self) -> str:
         return (
-            f"{self.root}: {self.train_files} train files ({self.train.size / 1e6:.1f}M tokens), "
-            f"{self.val_files} validation files ({self.val.size / 1e6:.1f}M tokens); "
-            f"tokenizer {self.tokenizer}"
+            f"{self.root}: {self.train_files} train documents ({self.train.size / 1e6:.1f}M tokens), "
+            f"{self.val_files} validation documents ({self.val.size / 1e6:.1f}M tokens); "
+            f"tokenizer {self.tokenizer}; prepared at {self.path}"
         )
-
-
-def tokenize(documents: list[bytes], tokenizer: Tokenizer) -> np.ndarray:
-    """All documents as one array of token ids, an end-of-text token after each (if the tokenizer
-    has one)."""
-    if isinstance(tokenizer, ByteTokenizer):
-        return np.frombuffer(b"".join(documents), dtype=np.uint8)
-    tail = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-    dtype = token_dtype(tokenizer.vocab_size)
-    parts = [np.asarray(ids + tail, dtype=dtype)
-             for start in range(0, len(documents), ENCODE_BATCH)
-             for ids in tokenizer.encode_documents(documents[start:start + ENCODE_BATCH])]
-    return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
 
 
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def list_files(root: Path, pattern: str) -> list[Path]:
-    files = []
-    for path in root.rglob(pattern):
-        rel = path.relative_to(root)
-        if any(part in EXCLUDED_DIRS for part in rel.parts[:-1]) or not path.is_file():
-            continue
-        files.append(path)
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+def cache_root(cfg: DataConfig) -> Path:
+    if cfg.cache_dir != "auto":
+        return Path(cfg.cache_dir).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "shardtrain" / "prepared"
 
 
-def is_validation(relative_path: str, val_percent: float) -> bool:
-    return zlib.crc32(relative_path.encode()) % 10_000 < val_percent * 100
-
-
-def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
-    tokenizer = tokenizer or ByteTokenizer()
+def raw_inputs(cfg: DataConfig) -> list[Path]:
     if cfg.source == "stdlib":
-        roots = [stdlib_root()]
-    elif cfg.source == "files":
-        if not cfg.paths:
-            raise DataError("data.source=files needs data.paths=[dir_or_file,...]")
-        roots = [Path(p).expanduser() for p in cfg.paths]
-    else:
-        raise DataError(f"data.source={cfg.source!r} is unknown; use 'stdlib' or 'files'")
+        return [stdlib_root()]
+    if not cfg.paths:
+        raise DataError(f"data.source={cfg.source} needs data.paths=[...]")
+    return [Path(p).expanduser().resolve() for p in cfg.paths]
 
-    train_parts: list[bytes] = []
-    val_parts: list[bytes] = []
-    total = 0
-    for root in roots:
-        if cfg.max_bytes and total >= cfg.max_bytes:
-            break
-        if not root.exists():
-            raise DataError(f"data path {str(root)!r} does not exist; fix data.paths")
-        files = [root] if root.is_file() else list_files(root, cfg.file_glob)
-        base = root.parent if root.is_file() else root
-        for path in files:
-            data = path.read_bytes()
-            rel = path.relative_to(base).as_posix()
-            (val_parts if is_validation(rel, cfg.val_percent) else train_parts).append(data)
-            total += len(data)
-            if cfg.max_bytes and total >= cfg.max_bytes:
-                break
-    if not train_parts or not val_parts:
+
+def prepared_path(cfg: DataConfig, tokenizer: Tokenizer) -> Path:
+    """The prepared dataset of ``cfg``: given (``prepared``), or prepared into the cache now.
+
+    Every rank of a run may call this at once: a lock file makes one prepare while the others wait,
+    then find it up to date."""
+    if cfg.source == "prepared":
+        if len(cfg.paths) != 1:
+            raise DataError("data.source=prepared reads one prepared dataset: data.paths=[DIR]")
+        return Path(cfg.paths[0]).expanduser()
+    options = PrepareOptions(inputs=[str(p) for p in raw_inputs(cfg)], tokenizer=tokenizer.source,
+                             text_field=cfg.text_field,
+                             file_glob=cfg.file_glob, val_percent=cfg.val_percent,
+                             max_bytes=cfg.max_bytes)
+    described = {**asdict(options), "tokenizer": tokenizer.name}
+    described.pop("workers")
+    key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
+    root = cache_root(cfg)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        prepare(options, root / key, progress=False)
+    return root / key
+
+
+def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None,
+                need: tuple[str, ...] = ("train", "val")) -> Corpus:
+    """The corpus of ``cfg``; the splits in ``need`` must hold documents (evaluation on a file
+    needs one split only)."""
+    tokenizer = tokenizer or ByteTokenizer()
+    path = prepared_path(cfg, tokenizer)
+    dataset = open_prepared(path, tokenizer)
+    train_docs, val_docs = dataset.train.documents, dataset.val.documents
+    roots = ", ".join(dataset.manifest["options"]["inputs"])
+    if ("train" in need and not train_docs) or ("val" in need and not val_docs):
         raise DataError(
-            f"data from {', '.join(map(str, roots))} gave {len(train_parts)} training and "
-            f"{len(val_parts)} validation files; both need at least one (add files, raise "
-            "data.max_bytes, or change data.val_percent)"
+            f"data from {roots} gave {train_docs} training and {val_docs} validation documents; both "
+            "need at least one (add files, raise data.max_bytes, or change data.val_percent)"
         )
-    return Corpus(
-        train=tokenize(train_parts, tokenizer),
-        val=tokenize(val_parts, tokenizer),
-        train_files=len(train_parts),
-        val_files=len(val_parts),
-        root=", ".join(map(str, roots)),
-        tokenizer=tokenizer.name,
-    )
+    return Corpus(train=dataset.train, val=dataset.val, train_files=train_docs, val_files=val_docs,
+                  root=roots, tokenizer=tokenizer.name, path=str(path))

@@ -208,10 +208,9 @@ def prepare(options: PrepareOptions, out: str | Path, progress: bool = True) -> 
                 for split, ids in zip(splits, arrays):
                     writers[split].add(ids)
     entries = {split: writer.entry() for split, writer in writers.items()}
-    if not entries["train"]["documents"]:
+    if not entries["train"]["documents"] + entries["val"]["documents"]:
         shutil.rmtree(staging, ignore_errors=True)
-        raise DataError(f"{', '.join(options.inputs)}: no documents to train on (empty input, or every "
-                        "document held out: lower --val-percent)")
+        raise DataError(f"{', '.join(options.inputs)}: no documents (the input is empty)")
     manifest = {
         "format": FORMAT, "version": VERSION, "fingerprint": digest,
         "tokenizer": tokenizer_entry(tokenizer), "dtype": np.dtype(dtype).name,

@@ -38,6 +38,7 @@ class TextStream(Protocol):
 
 class Tokenizer(Protocol):
     name: str  # identity: "bytes", or "tokenizers:<sha256 of tokenizer.json, 16 hex digits>"
+    source: str  # "bytes" or the path it was loaded from
     vocab_size: int
     eos_id: int | None  # appended after every document; None: documents are concatenated as they are
     chat_template: str | None
@@ -71,6 +72,7 @@ class ByteTokenizer:
     """The built-in model's tokens: the 256 byte values of the UTF-8 text."""
 
     name = "bytes"
+    source = "bytes"
     vocab_size = 256
     eos_id = None
     chat_template = None
@@ -133,6 +135,7 @@ class HFTokenizer:
     """A ``tokenizer.json`` (and the ``tokenizer_config.json`` beside it, when present)."""
 
     def __init__(self, path: str | Path) -> None:
+        self.source = str(path)  # what load_tokenizer takes to load it again (prepare's workers)
         path = Path(path).expanduser()
         file = path / TOKENIZER_FILE if path.is_dir() else path
         if not file.is_file():

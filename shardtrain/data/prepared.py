@@ -1,0 +1,92 @@
+"""Reading a prepared dataset (``data/prepare.py``): each split's shards memory-mapped as one token
+stream, so a process's resident memory does not grow with the dataset, only with what it reads."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shardtrain.data.prepare import FORMAT, MANIFEST, SPLITS, VERSION
+from shardtrain.data.tokenizer import Tokenizer
+from shardtrain.errors import DataError
+
+
+class TokenStream:
+    """A split's tokens, shard after shard, read through memory maps. Supports ``len`` and slicing
+    with a step of 1 (a slice across a shard boundary is joined into one array)."""
+
+    def __init__(self, directory: Path, entry: dict) -> None:
+        self.shards = [np.load(directory / shard["tokens_file"], mmap_mode="r") for shard in entry["shards"]]
+        sizes = [len(shard) for shard in self.shards]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.documents = int(entry["documents"])
+        self._docs = [directory / shard["docs_file"] for shard in entry["shards"]]
+        self.dtype = self.shards[0].dtype if self.shards else np.dtype(np.uint16)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def size(self) -> int:
+        return len(self)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """Every token in memory at once: for tests and small data, never the training path."""
+        whole = self[0:len(self)]
+        return whole if dtype is None else whole.astype(dtype)
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError("a TokenStream is read by contiguous slices")
+        start, stop, _ = index.indices(len(self))
+        if stop <= start:
+            return np.empty(0, dtype=self.dtype)
+        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        pieces = []
+        while start < stop:
+            low, high = self.offsets[first], self.offsets[first + 1]
+            end = min(stop, high)
+            pieces.append(self.shards[first][start - low:end - low])
+            start, first = end, first + 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def document_starts(self) -> np.ndarray:
+        """Every document's first token, as offsets into the stream (for document masking)."""
+        starts = [np.load(file, mmap_mode="r") + offset for file, offset in zip(self._docs, self.offsets)]
+        return np.concatenate(starts) if starts else np.empty(0, dtype=np.int64)
+
+
+@dataclass
+class PreparedDataset:
+    path: Path
+    manifest: dict
+    train: TokenStream
+    val: TokenStream
+
+
+def open_prepared(path: str | Path, tokenizer: Tokenizer | None = None) -> PreparedDataset:
+    """A prepared dataset, checked to be whole and made with ``tokenizer`` (when given)."""
+    path = Path(path).expanduser()
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path} is not a prepared dataset (no readable {MANIFEST}); make one with "
+                        "shardtrain prepare INPUTS --out DIR") from exc
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise DataError(f"{path}: {MANIFEST} is not a version-{VERSION} shardtrain prepared dataset")
+    if tokenizer is not None:
+        made_with = manifest["tokenizer"]
+        if made_with["name"] != tokenizer.name or made_with["vocab_size"] != tokenizer.vocab_size:
+            raise DataError(
+                f"{path} was prepared with tokenizer {made_with['name']} ({made_with['vocab_size']} tokens) "
+                f"but the model's is {tokenizer.name} ({tokenizer.vocab_size} tokens); prepare it again "
+                "with the model's tokenizer (shardtrain prepare ... --tokenizer MODEL_DIR)")
+    missing = [shard[key] for split in SPLITS for shard in manifest["splits"][split]["shards"]
+               for key in ("tokens_file", "docs_file") if not (path / shard[key]).is_file()]
+    if missing:
+        raise DataError(f"{path} is incomplete: {', '.join(missing[:3])} missing; prepare it again")
+    return PreparedDataset(path, manifest, TokenStream(path, manifest["splits"]["train"]),
+                           TokenStream(path, manifest["splits"]["val"]))
