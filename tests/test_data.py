@@ -78,3 +78,21 @@ def test_eval_batches_pad_with_ignored_rows():
     assert len({len(b) for b in three}) == 1  # every rank runs as many forwards
     count = lambda batches: sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)  # noqa: E731
     assert count(one) == 13 * 10 == sum(count(b) for b in three)
+
+
+def test_global_order_is_a_permutation_per_epoch_without_storing_one():
+    """Every epoch visits each sample once, in a seeded order that changes per epoch and seed; the
+    id at any position of a billion-sample order is computed directly (nothing is stored)."""
+    for n in (1, 2, 3, 7, 100, 4097):
+        order = GlobalOrder(n, seed=5)
+        epochs = [order.take(e * n, n) for e in range(3)]
+        assert all(sorted(ids.tolist()) == list(range(n)) for ids in epochs)
+        if n > 10:
+            assert not np.array_equal(epochs[0], epochs[1])
+            assert not np.array_equal(epochs[0], GlobalOrder(n, seed=6).take(0, n))
+        if n >= 2:  # the end of one epoch and the start of the next
+            across = order.take(n - 2, 4)
+            assert across.tolist() == epochs[0][-2:].tolist() + epochs[1][:2].tolist()
+    huge = GlobalOrder(10**9, seed=1)
+    assert huge.take(123_456_789, 3).tolist() == [huge.take(123_456_789 + k, 1)[0] for k in range(3)]
+    assert ((huge.take(0, 1000) >= 0) & (huge.take(0, 1000) < 10**9)).all()

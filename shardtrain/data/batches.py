@@ -45,27 +45,65 @@ class TokenWindows:
         return torch.from_numpy(x), torch.from_numpy(y)
 
 
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic): a well-mixed 64-bit hash."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 class GlobalOrder:
-    """An endless sequence of sample ids: one seeded permutation per epoch."""
+    """An endless sequence of sample ids: one seeded permutation of ``range(num_samples)`` per epoch.
+
+    The permutation is computed position by position by a keyed Feistel network over the smallest
+    even number of bits that holds every id, walking cycles until the value falls inside the range
+    (a permutation of ``[0, 2^bits)`` restricted this way is a permutation of ``[0, num_samples)``).
+    Nothing is stored: memory does not grow with the dataset (a stored permutation of a billion
+    samples would be 8 GB), and any position's id is computed directly, so a run resumes anywhere.
+    """
+
+    ROUNDS = 4
 
     def __init__(self, num_samples: int, seed: int) -> None:
+        if num_samples < 1:
+            raise DataError("no samples to order")
         self.num_samples = num_samples
         self.seed = seed
-        self._epoch = -1
-        self._perm = np.empty(0, dtype=np.int64)
+        bits = max(2, (num_samples - 1).bit_length())
+        self.half = np.uint64((bits + 1) // 2)
+        self.low_mask = np.uint64((1 << int(self.half)) - 1)
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._perm = rng.permutation(self.num_samples)
-            self._epoch = epoch
-        return self._perm
+    def _keys(self, epoch: int) -> np.ndarray:
+        """One 64-bit key per round, from the seed and the epoch."""
+        seed, epoch_ = (np.array([v], dtype=np.uint64) for v in (self.seed, epoch))
+        base = mix64(seed) ^ mix64(epoch_ + np.uint64(0x9E3779B97F4A7C15))
+        return mix64(base + np.arange(1, self.ROUNDS + 1, dtype=np.uint64))
+
+    def _feistel(self, x: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        left, right = x >> self.half, x & self.low_mask
+        for key in keys:
+            left, right = right, left ^ (mix64(right ^ key) & self.low_mask)
+        return (left << self.half) | right
+
+    def permute(self, offsets: np.ndarray, epoch: int) -> np.ndarray:
+        """Epoch ``epoch``'s ids at ``offsets`` (each in ``[0, num_samples)``)."""
+        keys = self._keys(epoch)
+        x = offsets.astype(np.uint64)
+        outside = np.ones(len(x), dtype=bool)
+        limit = np.uint64(self.num_samples)
+        while outside.any():
+            x[outside] = self._feistel(x[outside], keys)
+            outside = x >= limit
+        return x.astype(np.int64)
 
     def take(self, start: int, count: int) -> np.ndarray:
+        """The ids at positions ``start .. start + count - 1`` of the endless order."""
+        positions = np.arange(start, start + count, dtype=np.int64)
+        epochs, offsets = np.divmod(positions, self.num_samples)
         out = np.empty(count, dtype=np.int64)
-        for k in range(count):
-            epoch, offset = divmod(start + k, self.num_samples)
-            out[k] = self._permutation(epoch)[offset]
+        for epoch in np.unique(epochs):
+            here = epochs == epoch
+            out[here] = self.permute(offsets[here], int(epoch))
         return out
 
 
