@@ -52,11 +52,13 @@ def case_config(world_size: int, run_dir: str, strategy: str = "FULL_SHARD",
     return cfg
 
 
-def run_cases(cases: dict[str, dict], out_dir: str) -> None:
-    """Inside each rank: train every case, rank 0 saves what the test compares."""
+def run_cases(cases: dict[str, dict], out_dir: str, prepared: str | None = None) -> None:
+    """Inside each rank: train every case, rank 0 saves what the test compares (on the small corpus,
+    or on the ``prepared`` dataset)."""
     from shardtrain.train.loop import Trainer
 
-    corpus = small_corpus()
+    corpus = small_corpus() if prepared is None else load_corpus(
+        DataConfig(source="prepared", paths=[prepared]))
     world_size = int(__import__("os").environ["WORLD_SIZE"])
     for name, case in cases.items():
         cfg = case_config(world_size, str(Path(out_dir, name)), **case)
@@ -71,10 +73,10 @@ def run_cases(cases: dict[str, dict], out_dir: str) -> None:
                        Path(out_dir, f"{name}.pt"))
 
 
-def reference_run(tied: bool = False) -> dict:
-    """One process, no sharding: the ground truth."""
+def reference_run(tied: bool = False, train_tokens=None) -> dict:
+    """One process, no sharding: the ground truth (on ``train_tokens``, default the small corpus)."""
     cfg = case_config(1, "unused", tied=tied)
-    corpus = small_corpus()
+    tokens = small_corpus().train if train_tokens is None else train_tokens
     torch.manual_seed(0)
     model = Llama(cfg.model)
     with torch.no_grad():
@@ -82,7 +84,7 @@ def reference_run(tied: bool = False) -> dict:
             init_full_parameter(model, name, p, cfg.trainer.seed)
     optimizer = build_optimizer(model, cfg.trainer)
     scheduler = build_scheduler(optimizer, cfg.trainer)
-    windows = TokenWindows(corpus.train, cfg.trainer.seq_len)
+    windows = TokenWindows(tokens, cfg.trainer.seq_len)
     order = GlobalOrder(windows.num_samples, cfg.trainer.seed)
     losses, norms = [], []
     for step in range(STEPS):

@@ -197,3 +197,26 @@ def test_resident_memory_does_not_grow_with_the_dataset(tmp_path):
     print(f"resident after 20 steps: 20 MB dataset {rss['small'] / 2**20:.0f} MiB, "
           f"2 GB dataset {rss['large'] / 2**20:.0f} MiB")
     assert abs(rss["large"] - rss["small"]) < 0.05 * rss["small"], rss
+
+
+def test_chat_records_train_on_the_assistant_turns_only(tmp_path):
+    """``messages`` rendered with the model's chat template; the target tokens are exactly the
+    assistant's turns as the template writes them (with its end-of-turn marker)."""
+    model = make_model_dir(tmp_path / "model", "llama")
+    chats = [{"messages": [{"role": "system", "content": "Be brief."},
+                           {"role": "user", "content": f"What is {i} + {i}?"},
+                           {"role": "assistant", "content": f"{2 * i}."},
+                           {"role": "user", "content": "Sure?"},
+                           {"role": "assistant", "content": "Yes."}]} for i in range(20)]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    result = prepare(PrepareOptions(inputs=[str(tmp_path / "chats.jsonl")], tokenizer=str(model),
+                                    val_percent=0.0), tmp_path / "out", progress=False)
+    assert "mask_file" in result.manifest["splits"]["train"]["shards"][0]
+    tokenizer = HFTokenizer(model)
+    tokens, _ = read_split(tmp_path / "out", "train")
+    mask = np.load(tmp_path / "out" / "train" / "mask-00000.npy")
+    targets = tokenizer.decode(tokens[mask == 1].tolist())
+    assert targets == "".join(f"{2 * i}.<|im_end|>\nYes.<|im_end|>\n" for i in range(20))
+    assert tokenizer.decode(tokens[:len(tokenizer.encode(tokenizer.render_chat(chats[0]["messages"],
+                                                                               False), False))].tolist()) \
+        == tokenizer.render_chat(chats[0]["messages"], add_generation_prompt=False)

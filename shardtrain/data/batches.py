@@ -33,15 +33,20 @@ class TokenWindows:
             )
 
     def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and targets for sample ``ids``; an id of -1 is padding (targets ignored)."""
+        """Inputs and targets for sample ``ids``; an id of -1 is padding (targets ignored), and so
+        is a token the data marks as no target (a fine-tuning prompt: ``TokenStream.targets``)."""
         x = np.zeros((len(ids), self.seq_len), dtype=np.int64)
         y = np.full((len(ids), self.seq_len), IGNORE_INDEX, dtype=np.int64)
+        masked = getattr(self.tokens, "has_masks", False)
         for row, i in enumerate(ids):
             if i < 0:
                 continue
-            window = self.tokens[i * self.seq_len : i * self.seq_len + self.seq_len + 1]
+            span = slice(i * self.seq_len, i * self.seq_len + self.seq_len + 1)
+            window = self.tokens[span]
             x[row] = window[:-1]
             y[row] = window[1:]
+            if masked:
+                y[row][self.tokens.targets(span)[1:] == 0] = IGNORE_INDEX
         return torch.from_numpy(x), torch.from_numpy(y)
 
 

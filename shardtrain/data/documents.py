@@ -7,7 +7,8 @@ whole file is one document). A directory written by ``datasets``' ``save_to_disk
 ``state.json``) is read as its Arrow files, one document per row; the ``datasets`` library is not
 needed for that. Each document has a key (the file's relative path, plus the line or row number for
 records) that decides its train/validation split by hash, so the split does not depend on how many
-processes prepare it or on other inputs.
+processes prepare it or on other inputs. A JSON Lines record without the text field but with
+``prompt`` and ``completion``, or ``messages`` (a chat), is a fine-tuning document.
 
 Bad input is one ``DataError`` naming the file (and line) and the fix.
 """
@@ -106,11 +107,44 @@ def text_of(record: object, field: str, where: str) -> str:
         raise DataError(f"{where}: a record must be a JSON object with a {field!r} field")
     if field not in record:
         raise DataError(f"{where}: no {field!r} field (fields: {', '.join(map(str, record)) or 'none'}); "
-                        "set data.text_field (or --text-field) to the field holding the text")
+                        "set data.text_field (or --text-field) to the field holding the text, or give "
+                        "fine-tuning records 'prompt' and 'completion', or 'messages'")
     value = record[field]
     if not isinstance(value, str):
         raise DataError(f"{where}: field {field!r} is {type(value).__name__}, not text")
     return value
+
+
+def fine_tuning_record(record: dict, where: str) -> dict:
+    """A prompt/completion pair or a chat, checked: the loss will count only the completion or the
+    assistant's turns."""
+    if "messages" in record:
+        messages = record["messages"]
+        well_formed = isinstance(messages, list) and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)
+        if not well_formed:
+            raise DataError(f"{where}: 'messages' must be a list of {{\"role\": ..., \"content\": ...}} "
+                            "objects with text values")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{where}: a chat without an assistant message has nothing to learn")
+        return {"messages": messages}
+    for field in ("prompt", "completion"):
+        if not isinstance(record[field], str):
+            raise DataError(f"{where}: field {field!r} is {type(record[field]).__name__}, not text")
+    return {"prompt": record["prompt"], "completion": record["completion"]}
+
+
+Document = bytes | dict  # plain text (UTF-8), or a fine-tuning record (prompt/completion, messages)
+
+
+def document_of(record: object, field: str, where: str) -> Document:
+    """A JSON record: its text field, else a fine-tuning record (``messages``, or ``prompt`` and
+    ``completion``)."""
+    if isinstance(record, dict) and field not in record and (
+            "messages" in record or ("prompt" in record and "completion" in record)):
+        return fine_tuning_record(record, where)
+    return text_of(record, field, where).encode()
 
 
 def column_texts(table: pa.Table, field: str, where: str) -> list[str]:
@@ -123,7 +157,7 @@ def column_texts(table: pa.Table, field: str, where: str) -> list[str]:
     return [text if text is not None else "" for text in column.to_pylist()]
 
 
-def read_jsonl(source: Source, field: str) -> Iterator[tuple[str, bytes]]:
+def read_jsonl(source: Source, field: str) -> Iterator[tuple[str, Document]]:
     opener = gzip.open if source.path.name.endswith(".gz") else open
     try:
         with opener(source.path, "rt", encoding="utf-8") as lines:
@@ -135,7 +169,7 @@ def read_jsonl(source: Source, field: str) -> Iterator[tuple[str, bytes]]:
                     record = json.loads(line)
                 except ValueError as exc:
                     raise DataError(f"{where}: not valid JSON ({exc})") from exc
-                yield f"{source.name}:{number}", text_of(record, field, where).encode()
+                yield f"{source.name}:{number}", document_of(record, field, where)
     except (OSError, UnicodeDecodeError, EOFError) as exc:
         raise DataError(f"{source.path}: cannot be read ({exc})") from exc
 
@@ -174,8 +208,8 @@ def read_text(source: Source) -> Iterator[tuple[str, bytes]]:
     yield source.name, data  # as stored: the byte tokenizer reads raw bytes, others decode UTF-8
 
 
-def documents(source: Source, field: str) -> Iterator[tuple[str, bytes]]:
-    """(key, UTF-8 text) of every document of ``source``, in order."""
+def documents(source: Source, field: str) -> Iterator[tuple[str, Document]]:
+    """(key, document) of every document of ``source``, in order."""
     if source.kind == "jsonl":
         return read_jsonl(source, field)
     if source.kind == "parquet":

@@ -5,6 +5,8 @@ Layout of a prepared dataset directory::
     manifest.json                 what it holds and what it was made from (below)
     train/tokens-00000.npy ...    token ids, uint16 when the vocabulary fits, else uint32
     train/docs-00000.npy ...      int64 start offset of each document within its shard
+    train/mask-00000.npy ...      uint8, 1 where a token is a training target (only in shards holding
+                                  fine-tuning documents; other shards' tokens are all targets)
     val/...                       the same for the validation split
 
 Every document is tokenized, followed by the tokenizer's end-of-text token (the byte tokenizer has
@@ -35,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from shardtrain.data.documents import Source, documents, resolve_sources
+from shardtrain.data.documents import Document, Source, documents, resolve_sources
 from shardtrain.data.tokenizer import Tokenizer, load_tokenizer, token_dtype
 from shardtrain.errors import DataError
 
@@ -90,15 +92,17 @@ class ShardWriter:
         self.dtype = dtype
         self.limit = limit
         self.parts: list[np.ndarray] = []
+        self.masks: list[np.ndarray | None] = []
         self.buffered = 0
         self.shards: list[dict] = []
         self.documents = 0
         self.tokens = 0
 
-    def add(self, ids: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
         if self.buffered and self.buffered + len(ids) > self.limit:
             self.flush()
         self.parts.append(ids)
+        self.masks.append(mask)
         self.buffered += len(ids)
 
     def flush(self) -> None:
@@ -112,11 +116,18 @@ class ShardWriter:
         np.save(self.directory / tokens_file, np.concatenate(self.parts).astype(self.dtype, copy=False))
         np.save(self.directory / docs_file, starts)
         split = self.directory.name
-        self.shards.append({"tokens_file": f"{split}/{tokens_file}", "docs_file": f"{split}/{docs_file}",
-                            "tokens": int(lengths.sum()), "documents": len(lengths)})
+        shard = {"tokens_file": f"{split}/{tokens_file}", "docs_file": f"{split}/{docs_file}",
+                 "tokens": int(lengths.sum()), "documents": len(lengths)}
+        if any(mask is not None for mask in self.masks):
+            mask_file = f"mask-{index:05d}.npy"
+            np.save(self.directory / mask_file, np.concatenate([
+                mask if mask is not None else np.ones(len(ids), dtype=np.uint8)
+                for ids, mask in zip(self.parts, self.masks)]))
+            shard["mask_file"] = f"{split}/{mask_file}"
+        self.shards.append(shard)
         self.documents += len(lengths)
         self.tokens += int(lengths.sum())
-        self.parts, self.buffered = [], 0
+        self.parts, self.masks, self.buffered = [], [], 0
 
     def entry(self) -> dict:
         self.flush()
@@ -132,16 +143,58 @@ def _start_worker(source: str) -> None:
     _worker_tokenizer = load_tokenizer(source)
 
 
-Batch = tuple[list[str], list[bytes]]  # the split of each document, and its text
-Encoded = tuple[list[str], list[np.ndarray]]
+Batch = tuple[list[str], list[Document]]  # the split of each document, and the document
+Encoded = tuple[list[str], list[tuple[np.ndarray, np.ndarray | None]]]  # ids, target mask (or None)
+
+
+def encode_pair(tokenizer: Tokenizer, record: dict) -> tuple[list[int], list[int]]:
+    """Prompt then completion; only the completion (and the end of text after it) are targets."""
+    prompt = tokenizer.encode(record["prompt"])
+    completion = tokenizer.encode(record["completion"], special_tokens=False)
+    tail = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    return prompt + completion + tail, [0] * len(prompt) + [1] * (len(completion) + len(tail))
+
+
+def encode_chat(tokenizer: Tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """The conversation in the model's chat template; the assistant's turns are the targets, found
+    by rendering the conversation up to each turn (with and without it) and tokenizing both."""
+    ids = tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=False),
+                           special_tokens=False)
+    mask = [0] * len(ids)
+    for turn, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.encode(tokenizer.render_chat(messages[:turn], add_generation_prompt=True),
+                                  special_tokens=False)
+        through = tokenizer.encode(
+            tokenizer.render_chat(messages[:turn + 1], add_generation_prompt=False), special_tokens=False)
+        if ids[:len(through)] != through or through[:len(before)] != before:
+            raise DataError(f"the chat template of {tokenizer.name} does not tokenize a conversation's "
+                            "prefix as the start of the whole; its assistant turns cannot be located")
+        mask[len(before):len(through)] = [1] * (len(through) - len(before))
+    tail = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    return ids + tail, mask + [0] * len(tail)  # the template ends turns; the separator is no target
 
 
 def encode(tokenizer: Tokenizer, batch: Batch) -> Encoded:
-    """Token ids of each document, with the end-of-text token after it."""
-    splits, texts = batch
+    """Token ids of each document, with the end-of-text token after it, and for fine-tuning
+    documents which tokens are targets."""
+    splits, docs = batch
     dtype = token_dtype(tokenizer.vocab_size)
     tail = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-    return splits, [np.asarray(ids + tail, dtype=dtype) for ids in tokenizer.encode_documents(texts)]
+    texts = [doc for doc in docs if isinstance(doc, bytes)]
+    plain = iter(tokenizer.encode_documents(texts)) if texts else iter(())
+    out: list[tuple[np.ndarray, np.ndarray | None]] = []
+    for doc in docs:
+        if isinstance(doc, bytes):
+            out.append((np.asarray(next(plain) + tail, dtype=dtype), None))
+            continue
+        if "messages" in doc:
+            ids, mask = encode_chat(tokenizer, doc["messages"])
+        else:
+            ids, mask = encode_pair(tokenizer, doc)
+        out.append((np.asarray(ids, dtype=dtype), np.asarray(mask, dtype=np.uint8)))
+    return splits, out
 
 
 def _encode_in_worker(batch: Batch) -> Encoded:
@@ -151,13 +204,13 @@ def _encode_in_worker(batch: Batch) -> Encoded:
 def batches(sources: list[Source], options: PrepareOptions, bar: tqdm) -> Iterator[Batch]:
     """(split of each document, its text) in input order, BATCH_DOCUMENTS at a time."""
     splits: list[str] = []
-    texts: list[bytes] = []
+    texts: list[Document] = []
     read = 0
     for source in sources:
         for key, text in documents(source, options.text_field):
             splits.append("val" if is_validation(key, options.val_percent) else "train")
             texts.append(text)
-            read += len(text)
+            read += len(text) if isinstance(text, bytes) else len(json.dumps(text))
             bar.update(1)
             if len(texts) == BATCH_DOCUMENTS:
                 yield splits, texts
@@ -200,13 +253,13 @@ def prepare(options: PrepareOptions, out: str | Path, progress: bool = True) -> 
         if options.workers > 1:
             with multiprocessing.get_context("spawn").Pool(
                     options.workers, initializer=_start_worker, initargs=(options.tokenizer,)) as pool:
-                for splits, arrays in pool.imap(_encode_in_worker, work):
-                    for split, ids in zip(splits, arrays):
-                        writers[split].add(ids)
+                for splits, encoded in pool.imap(_encode_in_worker, work):
+                    for split, (ids, mask) in zip(splits, encoded):
+                        writers[split].add(ids, mask)
         else:
-            for splits, arrays in (encode(tokenizer, batch) for batch in work):
-                for split, ids in zip(splits, arrays):
-                    writers[split].add(ids)
+            for splits, encoded in (encode(tokenizer, batch) for batch in work):
+                for split, (ids, mask) in zip(splits, encoded):
+                    writers[split].add(ids, mask)
     entries = {split: writer.entry() for split, writer in writers.items()}
     if not entries["train"]["documents"] + entries["val"]["documents"]:
         shutil.rmtree(staging, ignore_errors=True)

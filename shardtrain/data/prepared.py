@@ -24,6 +24,10 @@ class TokenStream:
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.documents = int(entry["documents"])
         self._docs = [directory / shard["docs_file"] for shard in entry["shards"]]
+        # Fine-tuning shards say which tokens are targets; None: every token of the shard is one.
+        self.masks = [np.load(directory / shard["mask_file"], mmap_mode="r") if "mask_file" in shard
+                      else None for shard in entry["shards"]]
+        self.has_masks = any(mask is not None for mask in self.masks)
         self.dtype = self.shards[0].dtype if self.shards else np.dtype(np.uint16)
 
     def __len__(self) -> int:
@@ -41,15 +45,27 @@ class TokenStream:
     def __getitem__(self, index: slice) -> np.ndarray:
         if not isinstance(index, slice) or index.step not in (None, 1):
             raise TypeError("a TokenStream is read by contiguous slices")
+        return self._read(self.shards, index, self.dtype)
+
+    def targets(self, index: slice) -> np.ndarray | None:
+        """1 where a token of ``index`` is a training target, 0 where not (a fine-tuning prompt);
+        None when every token of the stream is a target."""
+        if not self.has_masks:
+            return None
+        return self._read(self.masks, index, np.uint8)
+
+    def _read(self, arrays: list, index: slice, dtype) -> np.ndarray:
         start, stop, _ = index.indices(len(self))
         if stop <= start:
-            return np.empty(0, dtype=self.dtype)
+            return np.empty(0, dtype=dtype)
         first = int(np.searchsorted(self.offsets, start, side="right")) - 1
         pieces = []
         while start < stop:
             low, high = self.offsets[first], self.offsets[first + 1]
             end = min(stop, high)
-            pieces.append(self.shards[first][start - low:end - low])
+            array = arrays[first]
+            pieces.append(array[start - low:end - low] if array is not None
+                          else np.ones(end - start, dtype=dtype))
             start, first = end, first + 1
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
