@@ -61,3 +61,33 @@ def resident_after_steps(dataset: str, steps: int, out: str) -> None:
     trainer = Trainer.create(cfg)
     trainer.fit()
     Path(out, f"rss-{os.path.basename(dataset)}.txt").write_text(str(rss_bytes()))
+
+
+def consume(dataset: str, run_dir: str, max_steps: int, accum: int, out: str) -> None:
+    """Train (resuming from ``run_dir`` if it has a checkpoint) to ``max_steps`` and record, per
+    step, the sample ids this rank's micro-batches hold."""
+    from shardtrain.train.loop import Trainer
+
+    world = int(os.environ["WORLD_SIZE"])
+    cfg = Config()
+    cfg.model = dataclasses.replace(cfg.model, dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                                    max_seq_len=64)
+    cfg.data = dataclasses.replace(cfg.data, source="prepared", paths=[dataset])
+    cfg.trainer = dataclasses.replace(cfg.trainer, max_steps=max_steps, grad_accum_steps=accum,
+                                      micro_batch_size=8 // (world * accum), seq_len=32, eval_every=0,
+                                      eval_samples=8, sample_tokens=0, progress_bar=False)
+    cfg.run = dataclasses.replace(cfg.run, dir=run_dir, tensorboard=False)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, interval=0)
+    cfg.diagnostics = dataclasses.replace(cfg.diagnostics, enabled=False)
+    trainer = Trainer.create(cfg)
+    data, seen = trainer.train_data, []
+    take = data.next_step
+
+    def recording_next_step():
+        micro = data.layout.rank_slices(data.step_ids(), data.rank)
+        seen.append([trainer.step + 1, [ids.tolist() for ids in micro]])
+        return take()
+
+    data.next_step = recording_next_step
+    trainer.fit()
+    Path(out, f"seen-{world}-{trainer.env.rank}.json").write_text(json.dumps(seen))
