@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from shardtrain.config.schema import DataConfig
 from shardtrain.data.batches import (
@@ -96,3 +97,20 @@ def test_global_order_is_a_permutation_per_epoch_without_storing_one():
     huge = GlobalOrder(10**9, seed=1)
     assert huge.take(123_456_789, 3).tolist() == [huge.take(123_456_789 + k, 1)[0] for k in range(3)]
     assert ((huge.take(0, 1000) >= 0) & (huge.take(0, 1000) < 10**9)).all()
+
+
+def test_prefetched_batches_are_the_positions_batches():
+    """Batches made ahead in the background are exactly those of their position, also after the
+    position is set from a checkpoint (what was made ahead for another position is discarded)."""
+    windows = TokenWindows((np.arange(5000, dtype=np.int64) % 251).astype(np.uint16), seq_len=16)
+    layout = BatchLayout(2, 2, 2)
+    ahead, plain = (TrainBatches(windows, layout, 1, seed=3, prefetch=p) for p in (True, False))
+    for _ in range(3):
+        for (xa, ya), (xp, yp) in zip(ahead.next_step(), plain.next_step(), strict=True):
+            assert torch.equal(xa, xp) and torch.equal(ya, yp)
+    ahead.consumed_samples = plain.consumed_samples = 40  # a resume elsewhere
+    for (xa, ya), (xp, yp) in zip(ahead.next_step(), plain.next_step(), strict=True):
+        assert torch.equal(xa, xp) and torch.equal(ya, yp)
+    assert ahead.wait_s >= 0 and ahead.consumed_samples == 48
+    ahead.close()
+    assert len(ahead.next_step()) == 2  # still works, without prefetching

@@ -9,6 +9,8 @@ size without repeating or skipping a sample.
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -133,23 +135,52 @@ class BatchLayout:
 
 
 class TrainBatches:
-    """Hands each rank its micro-batches for the next step and tracks the global position."""
+    """Hands each rank its micro-batches for the next step and tracks the global position.
 
-    def __init__(self, windows: TokenWindows, layout: BatchLayout, rank: int, seed: int) -> None:
+    The batches of the following step are made ahead, in a background thread, while the current
+    step trains. They are a pure function of the position, so prefetching never changes what a step
+    gets, and a position set from a checkpoint simply discards what was made ahead. ``wait_s`` is how
+    long the last ``next_step`` waited for its batches.
+    """
+
+    def __init__(self, windows: TokenWindows, layout: BatchLayout, rank: int, seed: int,
+                 prefetch: bool = True) -> None:
         self.windows = windows
         self.layout = layout
         self.rank = rank
         self.order = GlobalOrder(windows.num_samples, seed)
         self.consumed_samples = 0
+        self.wait_s = 0.0
+        self._executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtrain-data")
+                          if prefetch else None)
+        self._ahead: tuple[int, Future] | None = None  # (position, its batches being made)
 
     def step_ids(self) -> np.ndarray:
         """The global sample ids of the next step (a function of the seed and the position only)."""
         return self.order.take(self.consumed_samples, self.layout.global_batch)
 
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        ids = self.step_ids()
-        self.consumed_samples += self.layout.global_batch
+    def batches_at(self, position: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        ids = self.order.take(position, self.layout.global_batch)
         return [self.windows.batch(s) for s in self.layout.rank_slices(ids, self.rank)]
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        started = time.perf_counter()
+        position = self.consumed_samples
+        if self._ahead is not None and self._ahead[0] == position:
+            batches = self._ahead[1].result()
+        else:
+            batches = self.batches_at(position)
+        self.wait_s = time.perf_counter() - started
+        self.consumed_samples = position + self.layout.global_batch
+        if self._executor is not None:
+            following = self.consumed_samples
+            self._ahead = (following, self._executor.submit(self.batches_at, following))
+        return batches
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor, self._ahead = None, None
 
 
 def eval_batches(windows: TokenWindows, num_samples: int, micro_batch_size: int,

@@ -25,6 +25,7 @@ def format_record(step: int, max_steps: int, record: dict) -> str:
             f"{record['model_tflops'] * 1e3:.1f} GFLOP/s",
             "MFU " + (f"{100 * mfu:.1f}%" if mfu is not None else "unknown (no peak for this device)"),
             f"peak mem {record['peak_memory_mib']:.0f} MiB",
+            f"data wait {record['data_wait_pct']:.1f}%",
         ]
     if "val_loss" in record:
         parts.append(f"val_loss {record['val_loss']:.4f}")

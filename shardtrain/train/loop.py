@@ -256,6 +256,7 @@ class Trainer:
             if self.preemption is not None:
                 self.preemption.restore()
                 self.preemption = None
+            self.train_data.close()
 
     def iteration(self) -> bool:
         """One iteration of ``fit``: a step, then checkpointing and preemption. False: stop."""
@@ -324,7 +325,7 @@ class Trainer:
 
     def account(self, stats: StepStats) -> None:
         """Results, throughput, and the skip policy for non-finite steps."""
-        self.throughput.add(stats.tokens)
+        self.throughput.add(stats.tokens, self.train_data.wait_s)
         self.result.losses.append(stats.loss)
         self.result.grad_norms.append(stats.grad_norm)
         self.result.tokens_seen += stats.tokens

@@ -22,17 +22,25 @@ class Throughput:
 
     def reset(self) -> None:
         self.tokens = 0
+        self.steps = 0
+        self.data_wait_s = 0.0
         self.since = time.perf_counter()
 
-    def add(self, tokens: int) -> None:
+    def add(self, tokens: int, data_wait_s: float = 0.0) -> None:
+        """One step's tokens, and how long it waited for its batches."""
         self.tokens += tokens
+        self.steps += 1
+        self.data_wait_s += data_wait_s
 
     def report(self) -> dict[str, float | None]:
         seconds = time.perf_counter() - self.since
         tps = self.tokens / seconds if seconds > 0 else 0.0
         flops = tps * self.flops_per_token
         mfu = flops / (self.peak_flops * self.world_size) if self.peak_flops else None
-        return {"tokens_per_s": tps, "model_tflops": flops / 1e12, "mfu": mfu}
+        # The share of the wall time spent waiting for data: what prefetching did not hide.
+        wait_pct = 100 * self.data_wait_s / seconds if seconds > 0 else 0.0
+        return {"tokens_per_s": tps, "model_tflops": flops / 1e12, "mfu": mfu,
+                "data_wait_ms": 1000 * self.data_wait_s / max(self.steps, 1), "data_wait_pct": wait_pct}
 
 
 class MetricsWriter:
