@@ -19,6 +19,9 @@ benchmarks/gpu_worker.py, a 1.1B Llama at sequence 2,048, bf16-mixed, shardtrain
 FSDP2 loop with and without compile and activation checkpointing, then functional checks (CPU
 offload, async checkpoint resume, generation); ``--json-out`` keeps the raw results and
 ``--from-json`` renders them on a machine without a GPU.
+data (about 5 minutes): benchmarks/data_bench.py; ``shardtrain prepare`` against ``datasets``' ``map``
+with the same fast tokenizer on the same JSON Lines file at 1 and 2 processes, and the default run's
+data wait.
 hf (about 8 minutes): benchmarks/hf_bench.py; a 0.5B Hugging Face model (Qwen2.5-0.5B's shape, random
 bf16 weights saved here) built and loaded by ``model=hf`` at 1, 2 and 4 processes: seconds and peak
 resident growth per rank; then training tokens/s of an HF Llama against the built-in Llama of the
@@ -65,6 +68,7 @@ GPU_BEGIN, GPU_END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
 E2E_BEGIN, E2E_END = "<!-- e2e:begin -->", "<!-- e2e:end -->"
 PROFILE_BEGIN, PROFILE_END = "<!-- profile:begin -->", "<!-- profile:end -->"
 HF_BEGIN, HF_END = "<!-- hf:begin -->", "<!-- hf:end -->"
+DATA_BEGIN, DATA_END = "<!-- data:begin -->", "<!-- data:end -->"
 HF_SPEED_CASES = [(1, "fp32"), (2, "fp32"), (1, "bf16-mixed")]
 E2E_CASES = [(1, "fp32"), (1, "bf16-mixed"), (2, "fp32"), (2, "bf16-mixed")]
 E2E_PROGRAMS = ["handwritten", "lightning", "shardtrain"]
@@ -669,6 +673,40 @@ built-in model (ratio = built-in step time / HF step time, >= 0.95).
 {HF_END}"""
 
 
+def data_section(command: str) -> str:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import datasets  # the benchmark's comparison (pip install -e '.[test]')
+    from data_bench import prepare_results, wait_results
+
+    prep = prepare_results([1, 2])
+    wait = wait_results()
+    rows = "\n".join(
+        f"| {r['workers']} | {r['tokens']:,} | {r['tokens_per_s']['shardtrain']:,.0f} | "
+        f"{r['tokens_per_s']['datasets']:,.0f} | {r['ratio']:.2f} |" for r in prep["rows"])
+    steady = wait["data_wait_pct"][1:]  # the first record holds the first, unprefetched step
+    return f"""{DATA_BEGIN}
+## Data pipeline
+
+`{command}` on {machine()}, {datetime.date.today()}; datasets {datasets.__version__}.
+
+`shardtrain prepare` against the `datasets` library on the same JSON Lines file (the standard
+library's `.py` files, one document each, {prep['corpus_bytes'] / 1e6:.0f} MB) with the same fast tokenizer
+(a byte-level BPE of 8,192 tokens trained locally), at the same number of processes: `load_dataset("json")`
+then `map` (batched, `num_proc`), against `prepare --workers` (tokens, shards and manifest written).
+Whole commands from a cold output, the median of {prep['rounds']} alternating rounds; the token counts
+are checked equal (end-of-text tokens not counted). Goal: at least 1.0x.
+
+| processes | tokens | prepare tokens/s | datasets map tokens/s | ratio (datasets time / prepare time) |
+| --- | --- | --- | --- | --- |
+{rows}
+
+Data wait of the default run (`shardtrain train`, {wait['steps']} steps, batches made ahead in a
+background thread): {statistics.mean(steady):.2f}% of the wall time on average over the records after
+the first (largest {max(steady):.2f}%; the first record, whose first step makes its own batches:
+{wait['data_wait_pct'][0]:.2f}%). Goal: under 2%.
+{DATA_END}"""
+
+
 def lightning_version() -> str:
     try:
         from importlib.metadata import version
@@ -681,7 +719,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--only", choices=["training", "checkpoint", "generation", "generation-modes",
-                                           "init", "scaling", "soak", "gpu", "e2e", "profile", "hf"],
+                                           "init", "scaling", "soak", "gpu", "e2e", "profile", "hf",
+                                           "data"],
                         default=None)
     parser.add_argument("--rounds", type=int, default=3, help="--only e2e: alternating rounds")
     parser.add_argument("--gpu-variants", nargs="+", choices=list(GPU_VARIANT_NAMES),
@@ -718,6 +757,8 @@ def main() -> None:
         scaling, timing = scaling_sections("python benchmarks/run.py --only scaling")
         write_section(SCALING_BEGIN, SCALING_END, scaling, SCALING_DOC)
         write_section(SIM_BEGIN, SIM_END, timing)
+    if args.only in (None, "data"):
+        write_section(DATA_BEGIN, DATA_END, data_section("python benchmarks/run.py --only data"))
     if args.only in (None, "hf"):
         write_section(HF_BEGIN, HF_END, hf_section("python benchmarks/run.py --only hf"))
     if args.only == "soak":
