@@ -82,6 +82,14 @@ def reference_run(tied: bool = False, train_tokens=None) -> dict:
     with torch.no_grad():
         for name, p in model.named_parameters():
             init_full_parameter(model, name, p, cfg.trainer.seed)
+    losses, norms = hand_written_loop(model, cfg, tokens, model)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "grad_norms": norms, "weights": weights}
+
+
+def hand_written_loop(model, cfg: Config, tokens, logits_of) -> tuple[list[float], list[float]]:
+    """STEPS steps of AdamW with global-norm clipping on the whole global batch of ``tokens``'
+    windows, in the global order; ``logits_of(x)`` runs the model. Returns losses and grad norms."""
     optimizer = build_optimizer(model, cfg.trainer)
     scheduler = build_scheduler(optimizer, cfg.trainer)
     windows = TokenWindows(tokens, cfg.trainer.seq_len)
@@ -89,16 +97,14 @@ def reference_run(tied: bool = False, train_tokens=None) -> dict:
     losses, norms = [], []
     for step in range(STEPS):
         x, y = windows.batch(order.take(step * GLOBAL_BATCH, GLOBAL_BATCH))
-        logits = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss = F.cross_entropy(logits_of(x).flatten(0, 1), y.flatten())
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm).item())
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
         losses.append(loss.item())
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "grad_norms": norms, "weights": weights}
+    return losses, norms
 
 
 def rel(a: float, b: float) -> float:

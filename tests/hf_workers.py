@@ -13,17 +13,13 @@ import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import transformers
+from equivalence import GLOBAL_BATCH, STEPS, hand_written_loop
 
 from shardtrain.config.schema import Config, DataConfig
-from shardtrain.data.batches import GlobalOrder, TokenWindows
 from shardtrain.data.corpus import Corpus, load_corpus
 from shardtrain.data.tokenizer import HFTokenizer
-from shardtrain.train.optim import build_optimizer, build_scheduler
 
-GLOBAL_BATCH = 8
-STEPS = 5
 ADAM_EPS = 1e-6  # see test_hf_models.py: bounds how far Adam blows up rounding noise
 PROBE = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(7))
 
@@ -77,20 +73,8 @@ def hf_reference(model_dir: str) -> dict:
     with torch.no_grad():
         logits = model.eval()(PROBE).logits
     model.train()
-    optimizer = build_optimizer(model, cfg.trainer)
-    scheduler = build_scheduler(optimizer, cfg.trainer)
-    windows = TokenWindows(hf_corpus(model_dir).train, cfg.trainer.seq_len)
-    order = GlobalOrder(windows.num_samples, cfg.trainer.seed)
-    losses, norms = [], []
-    for step in range(STEPS):
-        x, y = windows.batch(order.take(step * GLOBAL_BATCH, GLOBAL_BATCH))
-        loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm).item())
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
-        losses.append(loss.item())
+    losses, norms = hand_written_loop(model, cfg, hf_corpus(model_dir).train,
+                                      lambda x: model(input_ids=x).logits)
     weights = {f"hf.{n}": p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "grad_norms": norms, "weights": weights, "logits": logits}
 
