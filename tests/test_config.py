@@ -137,6 +137,7 @@ CHECKED_BY_CODE = {
     "model.path": ("model.path={tmp}", "has no config.json"),
     "model.tokenizer": ("model.tokenizer={tmp}/nowhere.json", "does not exist"),
     "data.cache_dir": ("data.cache_dir={tmp}/a_file", "is a file"),
+    "data.weights": ("data.weights=[1.0]", "one positive weight per prepared dataset"),
 }
 # Presets a key's bad value is given with (its check applies only there).
 WITH_PRESET = {"data.paths": "data=files", "model.path": "model=hf"}

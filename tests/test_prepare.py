@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from cli_utils import run_cli
 from hf_models import make_model_dir
 
@@ -257,3 +258,48 @@ def test_resume_at_other_world_sizes_consumes_exactly_the_uninterrupted_samples(
         assert resumed[step] == uninterrupted[step], step
     consumed = [i for step in sorted(uninterrupted) for i in uninterrupted[step]]
     assert len(set(consumed)) == len(consumed)  # one epoch: nothing repeated
+
+
+def test_a_mixture_draws_each_dataset_by_its_weight(tmp_path):
+    """Two prepared datasets with weights 3:1: every block of the order holds them 768:256, each
+    dataset's samples come in its own order without repeats, the order is the same at any split of
+    the global batch, and a run trains on the mixture."""
+    from cli_utils import read_metrics
+
+    from shardtrain.data.batches import MIXTURE_BLOCK, BatchLayout, TrainBatches
+
+    for name, letter in (("a", "a"), ("b", "b")):
+        (tmp_path / name).mkdir()
+        for i in range(30):
+            (tmp_path / name / f"{i}.txt").write_text(letter * 400)
+        prepare(PrepareOptions(inputs=[str(tmp_path / name)], val_percent=10.0), tmp_path / f"p{name}",
+                progress=False)
+    paths = [str(tmp_path / "pa"), str(tmp_path / "pb")]
+    corpus = load_corpus(DataConfig(source="prepared", paths=paths, weights=[3.0, 1.0]))
+    windows = corpus.train_windows(16)
+    order = windows.order(seed=7)
+    ids = order.take(0, 2 * MIXTURE_BLOCK)
+    datasets = ids >> 40
+    for block in range(2):
+        part = datasets[block * MIXTURE_BLOCK:(block + 1) * MIXTURE_BLOCK]
+        assert (part == 0).sum() == 768 and (part == 1).sum() == 256
+    a_ids = ids[datasets == 0] & ((1 << 40) - 1)
+    first_epoch = a_ids[:windows.parts[0].num_samples]
+    assert sorted(first_epoch.tolist()) == list(range(windows.parts[0].num_samples))
+    assert np.array_equal(order.take(100, 50), ids[100:150])
+    x, _ = windows.batch(ids[:64])
+    assert ((x == ord("a")).all(dim=1) == torch.from_numpy(datasets[:64] == 0)).all()
+
+    def rows(world: int, micro: int, accum: int) -> list[list[int]]:
+        loaders = [TrainBatches(windows, BatchLayout(micro, accum, world), rank, seed=7, prefetch=False)
+                   for rank in range(world)]
+        return [sorted(int(row[0]) for loader in loaders for x, _ in loader.next_step() for row in x)
+                for _ in range(5)]
+
+    assert rows(1, 8, 1) == rows(2, 2, 2) == rows(4, 1, 2)
+
+    done = run_cli("train", "experiment=quick", "trainer.max_steps=2", "trainer.sample_tokens=0",
+                   "checkpoint.enabled=false", "data.source=prepared", f"data.paths=[{paths[0]},{paths[1]}]",
+                   "data.weights=[3,1]", "trainer.seq_len=16", f"run.dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "mixture of" in done.stderr and read_metrics(tmp_path / "run")[-1]["step"] == 2

@@ -71,8 +71,9 @@ def check_training(cfg: Config) -> None:
     if cfg.model.weights_source() == cfg.model.path and cfg.model.path:
         weight_files(Path(cfg.model.path).expanduser())  # a Hugging Face model's own weights
     tokenizer = tokenizer_for(cfg.model)  # a missing or unreadable tokenizer fails here, before any worker
-    if cfg.data.source == "prepared" and len(cfg.data.paths) == 1:
-        open_prepared(cfg.data.paths[0], tokenizer)  # made with the model's tokenizer, and whole
+    if cfg.data.source == "prepared":
+        for path in cfg.data.paths:
+            open_prepared(path, tokenizer)  # made with the model's tokenizer, and whole
 
 
 def check_output(out: Path, source: Path, what: str) -> None:

@@ -190,6 +190,11 @@ def validate(cfg: Config) -> None:
         for entry in cfg.data.paths:
             if not any(ch in entry for ch in "*?[") and not Path(entry).expanduser().exists():
                 raise ConfigError(f"data path {entry!r} does not exist; fix data.paths")
+    weights = cfg.data.weights
+    if weights and (cfg.data.source != "prepared" or len(weights) != len(cfg.data.paths)
+                    or not all(isinstance(w, (int, float)) and w > 0 for w in weights)):
+        raise ConfigError(f"data.weights={list(weights)}: one positive weight per prepared dataset in "
+                          f"data.paths ({len(cfg.data.paths)} given), with data.source=prepared")
     if cfg.data.cache_dir != "auto" and Path(cfg.data.cache_dir).expanduser().is_file():
         raise ConfigError(f"data.cache_dir={cfg.data.cache_dir!r} is a file; name a directory (or auto)")
     for entry in cfg.strategy.wrap_policy:

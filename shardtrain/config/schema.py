@@ -108,6 +108,9 @@ class DataConfig:
     max_bytes: int = knob(0, at_least=0)
     # JSON Lines field / Parquet or Arrow column holding the text (source=files).
     text_field: str = "text"
+    # source=prepared with several paths: a mixture, each dataset drawn in proportion to its weight
+    # ([] = in proportion to their sizes).
+    weights: list[float] = field(default_factory=list)
     # Where stdlib and files sources are prepared once and reused (auto: ~/.cache/shardtrain/prepared,
     # or $XDG_CACHE_HOME/shardtrain/prepared).
     cache_dir: str = "auto"

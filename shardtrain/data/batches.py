@@ -34,6 +34,9 @@ class TokenWindows:
                 f"{seq_len + 1}; use more data or a shorter trainer.seq_len"
             )
 
+    def order(self, seed: int) -> GlobalOrder:
+        return GlobalOrder(self.num_samples, seed)
+
     def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets for sample ``ids``; an id of -1 is padding (targets ignored), and so
         is a token the data marks as no target (a fine-tuning prompt: ``TokenStream.targets``)."""
@@ -103,15 +106,93 @@ class GlobalOrder:
             outside = x >= limit
         return x.astype(np.int64)
 
-    def take(self, start: int, count: int) -> np.ndarray:
-        """The ids at positions ``start .. start + count - 1`` of the endless order."""
-        positions = np.arange(start, start + count, dtype=np.int64)
-        epochs, offsets = np.divmod(positions, self.num_samples)
-        out = np.empty(count, dtype=np.int64)
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        """The ids at ``positions`` (any non-negative positions) of the endless order."""
+        epochs, offsets = np.divmod(positions.astype(np.int64), self.num_samples)
+        out = np.empty(len(positions), dtype=np.int64)
         for epoch in np.unique(epochs):
             here = epochs == epoch
             out[here] = self.permute(offsets[here], int(epoch))
         return out
+
+    def take(self, start: int, count: int) -> np.ndarray:
+        """The ids at positions ``start .. start + count - 1`` of the endless order."""
+        return self.at(np.arange(start, start + count, dtype=np.int64))
+
+
+# Positions per block of a mixture's order: each block holds every dataset a fixed number of times.
+MIXTURE_BLOCK = 1024
+DATASET_SHIFT = 40  # a mixture's sample id: dataset index << DATASET_SHIFT | the dataset's sample id
+
+
+def block_counts(weights: list[float], block: int) -> np.ndarray:
+    """Each dataset's share of a block, in whole samples (largest remainder; every weight > 0 gets
+    at least one)."""
+    share = np.asarray(weights, dtype=np.float64) / sum(weights) * block
+    counts = np.maximum(np.floor(share).astype(np.int64), 1)
+    for index in np.argsort(-(share - np.floor(share)), kind="stable")[:max(block - counts.sum(), 0)]:
+        counts[index] += 1
+    return counts
+
+
+class MixtureOrder:
+    """The global order of a mixture of datasets: block ``b`` of the positions holds dataset ``d``
+    exactly ``counts[d]`` times (its weight's share), in an order seeded by (seed, b); the k-th time
+    dataset ``d`` comes up, it gives the k-th sample of its own global order. Everything is a
+    function of the seed and the position: resumable anywhere, at any world size."""
+
+    def __init__(self, sizes: list[int], weights: list[float], seed: int) -> None:
+        self.counts = block_counts(weights, MIXTURE_BLOCK)
+        self.block = int(self.counts.sum())
+        self.seed = seed
+        self.orders = [GlobalOrder(size, seed + 1_000_003 * (d + 1)) for d, size in enumerate(sizes)]
+        self._choices = np.repeat(np.arange(len(sizes)), self.counts)
+
+    def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """Block ``block``: the dataset of each slot, and each slot's position in its dataset."""
+        datasets = np.random.default_rng([self.seed, block, 0x6D6978]).permutation(self._choices)
+        local = np.empty(self.block, dtype=np.int64)
+        for d, count in enumerate(self.counts):
+            slots = np.flatnonzero(datasets == d)
+            local[slots] = block * count + np.arange(len(slots))
+        return datasets, local
+
+    def take(self, start: int, count: int) -> np.ndarray:
+        positions = np.arange(start, start + count, dtype=np.int64)
+        blocks, slots = np.divmod(positions, self.block)
+        datasets, local = np.empty(count, dtype=np.int64), np.empty(count, dtype=np.int64)
+        for block in np.unique(blocks):
+            here = blocks == block
+            block_datasets, block_local = self._block(int(block))
+            datasets[here], local[here] = block_datasets[slots[here]], block_local[slots[here]]
+        out = np.empty(count, dtype=np.int64)
+        for d, order in enumerate(self.orders):
+            mine = datasets == d
+            out[mine] = (d << DATASET_SHIFT) | order.at(local[mine])
+        return out
+
+
+class MixtureWindows:
+    """Training windows of several datasets, drawn in proportion to ``weights`` (``MixtureOrder``)."""
+
+    def __init__(self, parts: list[TokenWindows], weights: list[float]) -> None:
+        self.parts = parts
+        self.weights = weights
+        self.seq_len = parts[0].seq_len
+        self.num_samples = sum(part.num_samples for part in parts)
+
+    def order(self, seed: int) -> MixtureOrder:
+        return MixtureOrder([part.num_samples for part in self.parts], self.weights, seed)
+
+    def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.zeros((len(ids), self.seq_len), dtype=torch.int64)
+        y = torch.full((len(ids), self.seq_len), IGNORE_INDEX, dtype=torch.int64)
+        datasets = np.where(ids < 0, -1, ids >> DATASET_SHIFT)
+        for d, part in enumerate(self.parts):
+            rows = np.flatnonzero(datasets == d)
+            if len(rows):
+                x[rows], y[rows] = part.batch(ids[rows] & ((1 << DATASET_SHIFT) - 1))
+        return x, y
 
 
 @dataclass(frozen=True)
@@ -143,12 +224,12 @@ class TrainBatches:
     long the last ``next_step`` waited for its batches.
     """
 
-    def __init__(self, windows: TokenWindows, layout: BatchLayout, rank: int, seed: int,
+    def __init__(self, windows: TokenWindows | MixtureWindows, layout: BatchLayout, rank: int, seed: int,
                  prefetch: bool = True) -> None:
         self.windows = windows
         self.layout = layout
         self.rank = rank
-        self.order = GlobalOrder(windows.num_samples, seed)
+        self.order = windows.order(seed)
         self.consumed_samples = 0
         self.wait_s = 0.0
         self._executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtrain-data")

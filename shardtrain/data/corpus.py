@@ -18,10 +18,11 @@ import hashlib
 import json
 import os
 import sysconfig
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from shardtrain.config.schema import DataConfig
+from shardtrain.data.batches import MixtureWindows, TokenWindows
 from shardtrain.data.prepare import PrepareOptions, is_validation, prepare
 from shardtrain.data.prepared import TokenStream, open_prepared
 from shardtrain.data.tokenizer import ByteTokenizer, Tokenizer
@@ -32,13 +33,23 @@ __all__ = ["Corpus", "is_validation", "load_corpus", "stdlib_root"]
 
 @dataclass
 class Corpus:
-    train: TokenStream  # token ids, memory-mapped
+    train: TokenStream  # token ids, memory-mapped (a mixture: all its datasets' training tokens)
     val: TokenStream
     train_files: int  # documents in each split
     val_files: int
     root: str
     tokenizer: str = "bytes"
-    path: str = ""  # the prepared dataset read
+    path: str = ""  # the prepared dataset(s) read
+    # A mixture: each dataset's training tokens and its weight (empty for one dataset).
+    train_parts: list[TokenStream] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+
+    def train_windows(self, seq_len: int) -> TokenWindows | MixtureWindows:
+        if not self.train_parts:
+            return TokenWindows(self.train, seq_len, "training data")
+        parts = [TokenWindows(part, seq_len, f"training data of mixture part {index}")
+                 for index, part in enumerate(self.train_parts)]
+        return MixtureWindows(parts, self.weights or [part.num_samples for part in parts])
 
     def describe(self) -> str:
         return (
@@ -74,7 +85,7 @@ def prepared_path(cfg: DataConfig, tokenizer: Tokenizer) -> Path:
     then find it up to date."""
     if cfg.source == "prepared":
         if len(cfg.paths) != 1:
-            raise DataError("data.source=prepared reads one prepared dataset: data.paths=[DIR]")
+            raise DataError("data.source=prepared with several data.paths is a mixture (load_corpus)")
         return Path(cfg.paths[0]).expanduser()
     options = PrepareOptions(inputs=[str(p) for p in raw_inputs(cfg)], tokenizer=tokenizer.source,
                              text_field=cfg.text_field,
@@ -96,6 +107,8 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None,
     """The corpus of ``cfg``; the splits in ``need`` must hold documents (evaluation on a file
     needs one split only)."""
     tokenizer = tokenizer or ByteTokenizer()
+    if cfg.source == "prepared" and len(cfg.paths) > 1:
+        return load_mixture(cfg, tokenizer)
     path = prepared_path(cfg, tokenizer)
     dataset = open_prepared(path, tokenizer)
     train_docs, val_docs = dataset.train.documents, dataset.val.documents
@@ -107,3 +120,23 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None,
         )
     return Corpus(train=dataset.train, val=dataset.val, train_files=train_docs, val_files=val_docs,
                   root=roots, tokenizer=tokenizer.name, path=str(path))
+
+
+def load_mixture(cfg: DataConfig, tokenizer: Tokenizer) -> Corpus:
+    """Several prepared datasets (all made with the model's tokenizer), drawn by ``data.weights``;
+    validation is all their validation splits."""
+    if not cfg.paths:
+        raise DataError("data.source=prepared needs data.paths=[DIR, ...]")
+    datasets = [open_prepared(path, tokenizer) for path in cfg.paths]
+    empty = [str(d.path) for d in datasets if not d.train.documents]
+    if empty:
+        raise DataError(f"mixture datasets without training documents: {', '.join(empty)}")
+    val = TokenStream.concat([d.val for d in datasets])
+    if not val.documents:
+        raise DataError(f"no validation documents in any of {', '.join(cfg.paths)}; prepare one with "
+                        "--val-percent above 0")
+    return Corpus(train=TokenStream.concat([d.train for d in datasets]), val=val,
+                  train_files=sum(d.train.documents for d in datasets), val_files=val.documents,
+                  root="mixture of " + ", ".join(cfg.paths), tokenizer=tokenizer.name,
+                  path=", ".join(str(d.path) for d in datasets),
+                  train_parts=[d.train for d in datasets], weights=list(cfg.weights))

@@ -20,15 +20,29 @@ class TokenStream:
 
     def __init__(self, directory: Path, entry: dict) -> None:
         self.shards = [np.load(directory / shard["tokens_file"], mmap_mode="r") for shard in entry["shards"]]
-        sizes = [len(shard) for shard in self.shards]
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.documents = int(entry["documents"])
         self._docs = [directory / shard["docs_file"] for shard in entry["shards"]]
         # Fine-tuning shards say which tokens are targets; None: every token of the shard is one.
         self.masks = [np.load(directory / shard["mask_file"], mmap_mode="r") if "mask_file" in shard
                       else None for shard in entry["shards"]]
+        self._index()
+
+    def _index(self) -> None:
+        sizes = [len(shard) for shard in self.shards]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.has_masks = any(mask is not None for mask in self.masks)
         self.dtype = self.shards[0].dtype if self.shards else np.dtype(np.uint16)
+
+    @classmethod
+    def concat(cls, streams: list[TokenStream]) -> TokenStream:
+        """Several streams as one (the validation splits of a mixture), still memory-mapped."""
+        joined = cls.__new__(cls)
+        joined.shards = [shard for s in streams for shard in s.shards]
+        joined.masks = [mask for s in streams for mask in s.masks]
+        joined._docs = [doc for s in streams for doc in s._docs]
+        joined.documents = sum(s.documents for s in streams)
+        joined._index()
+        return joined
 
     def __len__(self) -> int:
         return int(self.offsets[-1])

@@ -81,9 +81,7 @@ class Trainer:
         self.tokenizer = tokenizer
         t = cfg.trainer
         self.layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, env.world_size)
-        self.train_data = TrainBatches(
-            TokenWindows(corpus.train, t.seq_len, "training data"), self.layout, env.rank, t.seed
-        )
+        self.train_data = TrainBatches(corpus.train_windows(t.seq_len), self.layout, env.rank, t.seed)
         val_windows = TokenWindows(corpus.val, t.seq_len, "validation data")
         self.val_batches = eval_batches(
             val_windows, t.eval_samples, t.micro_batch_size, env.world_size, env.rank
