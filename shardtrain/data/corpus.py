@@ -18,12 +18,12 @@ import hashlib
 import json
 import os
 import sysconfig
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardtrain.config.schema import DataConfig
 from shardtrain.data.batches import MixtureWindows, TokenWindows
-from shardtrain.data.prepare import PrepareOptions, is_validation, prepare
+from shardtrain.data.prepare import PrepareOptions, is_validation, output_options, prepare
 from shardtrain.data.prepared import TokenStream, open_prepared
 from shardtrain.data.tokenizer import ByteTokenizer, Tokenizer
 from shardtrain.errors import DataError
@@ -84,15 +84,12 @@ def prepared_path(cfg: DataConfig, tokenizer: Tokenizer) -> Path:
     Every rank of a run may call this at once: a lock file makes one prepare while the others wait,
     then find it up to date."""
     if cfg.source == "prepared":
-        if len(cfg.paths) != 1:
-            raise DataError("data.source=prepared with several data.paths is a mixture (load_corpus)")
-        return Path(cfg.paths[0]).expanduser()
+        return Path(cfg.paths[0]).expanduser()  # load_corpus sends every other count to load_mixture
     options = PrepareOptions(inputs=[str(p) for p in raw_inputs(cfg)], tokenizer=tokenizer.source,
                              text_field=cfg.text_field,
                              file_glob=cfg.file_glob, val_percent=cfg.val_percent,
                              max_bytes=cfg.max_bytes)
-    described = {**asdict(options), "tokenizer": tokenizer.name}
-    described.pop("workers")
+    described = {**output_options(options), "tokenizer": tokenizer.name}
     key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
     root = cache_root(cfg)
     root.mkdir(parents=True, exist_ok=True)
@@ -107,7 +104,7 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None,
     """The corpus of ``cfg``; the splits in ``need`` must hold documents (evaluation on a file
     needs one split only)."""
     tokenizer = tokenizer or ByteTokenizer()
-    if cfg.source == "prepared" and len(cfg.paths) > 1:
+    if cfg.source == "prepared" and len(cfg.paths) != 1:
         return load_mixture(cfg, tokenizer)
     path = prepared_path(cfg, tokenizer)
     dataset = open_prepared(path, tokenizer)

@@ -72,10 +72,19 @@ def is_validation(key: str, val_percent: float) -> bool:
     return zlib.crc32(key.encode()) % 10_000 < val_percent * 100
 
 
+def output_options(options: PrepareOptions) -> dict:
+    """The options that decide the output (all but the number of workers)."""
+    return {k: v for k, v in asdict(options).items()
+            if PrepareOptions.__dataclass_fields__[k].metadata.get("output", True)}
+
+
+def end_of_text(tokenizer: Tokenizer) -> list[int]:
+    """What follows every document: the tokenizer's end-of-text token, if it has one."""
+    return [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+
+
 def fingerprint(options: PrepareOptions, sources: list[Source], tokenizer: Tokenizer) -> str:
-    relevant = {k: v for k, v in asdict(options).items()
-                if PrepareOptions.__dataclass_fields__[k].metadata.get("output", True)}
-    described = {"format": FORMAT, "version": VERSION, "options": relevant,
+    described = {"format": FORMAT, "version": VERSION, "options": output_options(options),
                  "tokenizer": tokenizer_entry(tokenizer), "sources": [s.fingerprint() for s in sources]}
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
@@ -151,7 +160,7 @@ def encode_pair(tokenizer: Tokenizer, record: dict) -> tuple[list[int], list[int
     """Prompt then completion; only the completion (and the end of text after it) are targets."""
     prompt = tokenizer.encode(record["prompt"])
     completion = tokenizer.encode(record["completion"], special_tokens=False)
-    tail = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    tail = end_of_text(tokenizer)
     return prompt + completion + tail, [0] * len(prompt) + [1] * (len(completion) + len(tail))
 
 
@@ -172,7 +181,7 @@ def encode_chat(tokenizer: Tokenizer, messages: list[dict]) -> tuple[list[int], 
             raise DataError(f"the chat template of {tokenizer.name} does not tokenize a conversation's "
                             "prefix as the start of the whole; its assistant turns cannot be located")
         mask[len(before):len(through)] = [1] * (len(through) - len(before))
-    tail = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    tail = end_of_text(tokenizer)
     return ids + tail, mask + [0] * len(tail)  # the template ends turns; the separator is no target
 
 
@@ -181,7 +190,7 @@ def encode(tokenizer: Tokenizer, batch: Batch) -> Encoded:
     documents which tokens are targets."""
     splits, docs = batch
     dtype = token_dtype(tokenizer.vocab_size)
-    tail = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    tail = end_of_text(tokenizer)
     texts = [doc for doc in docs if isinstance(doc, bytes)]
     plain = iter(tokenizer.encode_documents(texts)) if texts else iter(())
     out: list[tuple[np.ndarray, np.ndarray | None]] = []
@@ -267,7 +276,7 @@ def prepare(options: PrepareOptions, out: str | Path, progress: bool = True) -> 
     manifest = {
         "format": FORMAT, "version": VERSION, "fingerprint": digest,
         "tokenizer": tokenizer_entry(tokenizer), "dtype": np.dtype(dtype).name,
-        "options": {k: v for k, v in asdict(options).items() if k != "workers"},
+        "options": output_options(options),
         "sources": [s.fingerprint() for s in sources], "splits": entries,
     }
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")

@@ -100,8 +100,9 @@ def move_buffers(model: nn.Module, device: torch.device) -> None:
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, seed: int, cpu_offload: bool = False,
                 initialize: bool = True) -> None:
-    """Allocate the sharded parameters on ``device`` and initialise them world-size-invariantly
-    (``initialize=False``: leave them uninitialised, for weights that are read next).
+    """Allocate the sharded parameters on ``device``, initialise them world-size-invariantly
+    (``initialize=False``: leave them uninitialised, for weights that are read next), and compute
+    the model's derived buffers.
 
     With CPU offload FSDP2 requires the sharded parameters in host memory before its first forward
     (it pins and keeps them there); buffers are not FSDP's and must be on the device that computes.
@@ -109,10 +110,14 @@ def materialize(model: nn.Module, device: torch.device, seed: int, cpu_offload: 
     model.to_empty(device="cpu" if cpu_offload else device)
     if cpu_offload:
         move_buffers(model, device)
-    if not initialize:
-        if hasattr(model, "init_buffers"):
-            model.init_buffers()
-        return
+    if initialize:
+        initialize_parameters(model, seed)
+    if hasattr(model, "init_buffers"):
+        model.init_buffers()
+
+
+def initialize_parameters(model: nn.Module, seed: int) -> None:
+    """Every (sharded) parameter from the model's ``init_parameter``, each rank only its own part."""
     if getattr(model, "init_parameter", None) is None:
         raise ModelError(
             f"{type(model).__name__} has no init_parameter(name, tensor, generator); "
@@ -131,8 +136,6 @@ def materialize(model: nn.Module, device: torch.device, seed: int, cpu_offload: 
         values = torch.empty(local.numel(), dtype=torch.float32)
         fill_elements(model.init_parameter, name, seed, values, first * row, param.numel())
         local.copy_(values.view(local.shape).to(local.dtype))
-    if hasattr(model, "init_buffers"):
-        model.init_buffers()
 
 
 def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: DeviceMesh,
