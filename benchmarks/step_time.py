@@ -58,8 +58,8 @@ def tutorial_step(model, optimizer, scheduler, trainer: Trainer, clip: float):
     device = trainer.env.device
 
     def step() -> float:
-        (x, y), = trainer.train_data.next_step()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        (batch,) = trainer.train_data.next_step()
+        x, y = batch.inputs.to(device, non_blocking=True), batch.targets.to(device, non_blocking=True)
         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

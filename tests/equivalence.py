@@ -96,7 +96,7 @@ def hand_written_loop(model, cfg: Config, tokens, logits_of) -> tuple[list[float
     order = GlobalOrder(windows.num_samples, cfg.trainer.seed)
     losses, norms = [], []
     for step in range(STEPS):
-        x, y = windows.batch(order.take(step * GLOBAL_BATCH, GLOBAL_BATCH))
+        x, y, _ = windows.batch(order.take(step * GLOBAL_BATCH, GLOBAL_BATCH))
         loss = F.cross_entropy(logits_of(x).flatten(0, 1), y.flatten())
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm).item())

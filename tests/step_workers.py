@@ -31,7 +31,8 @@ def agreement_and_empty_steps(out: str) -> None:
 
     signalled = step(trainer.train_data.next_step(), stop=lambda: dist.get_rank() == world - 1)
     quiet = step(trainer.train_data.next_step())
-    empty = [(x, torch.full_like(y, IGNORE_INDEX)) for x, y in trainer.train_data.next_step()]
+    empty = [b._replace(targets=torch.full_like(b.targets, IGNORE_INDEX))
+             for b in trainer.train_data.next_step()]
     try:
         step(empty)
         error = None

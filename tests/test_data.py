@@ -53,7 +53,8 @@ def global_step_ids(world: int, micro: int, accum: int, steps: int) -> list[list
         for loader in loaders:
             micro_batches = loader.next_step()
             assert len(micro_batches) == accum  # the same count on every rank, by construction
-            ids += [int(x[0]) // 8 for batch, _ in micro_batches for x in batch]  # window start / 8
+            # window start / 8
+            ids += [int(row[0]) // 8 for batch in micro_batches for row in batch.inputs]
         per_step.append(sorted(ids))
     return per_step
 
@@ -77,7 +78,7 @@ def test_eval_batches_pad_with_ignored_rows():
     one = eval_batches(windows, 13, micro_batch_size=4, dp_world_size=1, rank=0)
     three = [eval_batches(windows, 13, micro_batch_size=4, dp_world_size=3, rank=r) for r in range(3)]
     assert len({len(b) for b in three}) == 1  # every rank runs as many forwards
-    count = lambda batches: sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)  # noqa: E731
+    count = lambda batches: sum(int((b.targets != IGNORE_INDEX).sum()) for b in batches)  # noqa: E731
     assert count(one) == 13 * 10 == sum(count(b) for b in three)
 
 
@@ -106,11 +107,11 @@ def test_prefetched_batches_are_the_positions_batches():
     layout = BatchLayout(2, 2, 2)
     ahead, plain = (TrainBatches(windows, layout, 1, seed=3, prefetch=p) for p in (True, False))
     for _ in range(3):
-        for (xa, ya), (xp, yp) in zip(ahead.next_step(), plain.next_step(), strict=True):
-            assert torch.equal(xa, xp) and torch.equal(ya, yp)
+        for a, p in zip(ahead.next_step(), plain.next_step(), strict=True):
+            assert torch.equal(a.inputs, p.inputs) and torch.equal(a.targets, p.targets)
     ahead.consumed_samples = plain.consumed_samples = 40  # a resume elsewhere
-    for (xa, ya), (xp, yp) in zip(ahead.next_step(), plain.next_step(), strict=True):
-        assert torch.equal(xa, xp) and torch.equal(ya, yp)
+    for a, p in zip(ahead.next_step(), plain.next_step(), strict=True):
+        assert torch.equal(a.inputs, p.inputs) and torch.equal(a.targets, p.targets)
     assert ahead.wait_s >= 0 and ahead.consumed_samples == 48
     ahead.close()
     assert len(ahead.next_step()) == 2  # still works, without prefetching

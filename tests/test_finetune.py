@@ -55,7 +55,7 @@ def test_only_completions_are_targets(dataset):
     for q, a in zip(starts, answers):
         assert not mask[q:a].any() and mask[a:text.index("\n", a) + 1].all()
     windows = TokenWindows(data.train, 32)
-    _, y = windows.batch(np.arange(windows.num_samples))
+    y = windows.batch(np.arange(windows.num_samples)).targets
     share = (y != IGNORE_INDEX).float().mean().item()
     assert 0.1 < share < 0.6, share  # the prompts' tokens are no targets
 
@@ -69,7 +69,7 @@ def micro_batch_mean_differs(tokens) -> float:
         for name, p in model.named_parameters():
             init_full_parameter(model, name, p, cfg.trainer.seed)
     windows = TokenWindows(tokens, cfg.trainer.seq_len)
-    x, y = windows.batch(GlobalOrder(windows.num_samples, cfg.trainer.seed).take(0, GLOBAL_BATCH))
+    x, y, _ = windows.batch(GlobalOrder(windows.num_samples, cfg.trainer.seed).take(0, GLOBAL_BATCH))
 
     def gradient(loss):
         model.zero_grad()

@@ -263,7 +263,7 @@ def test_resume_at_other_world_sizes_consumes_exactly_the_uninterrupted_samples(
 def test_a_mixture_draws_each_dataset_by_its_weight(tmp_path):
     """Two prepared datasets with weights 3:1: every block of the order holds them 768:256, each
     dataset's samples come in its own order without repeats, the order is the same at any split of
-    the global batch, and a run trains on the mixture."""
+    the global batch, and a run trains on the mixture (with data.document_mask=true)."""
     from cli_utils import read_metrics
 
     from shardtrain.data.batches import MIXTURE_BLOCK, BatchLayout, TrainBatches
@@ -287,19 +287,21 @@ def test_a_mixture_draws_each_dataset_by_its_weight(tmp_path):
     first_epoch = a_ids[:windows.parts[0].num_samples]
     assert sorted(first_epoch.tolist()) == list(range(windows.parts[0].num_samples))
     assert np.array_equal(order.take(100, 50), ids[100:150])
-    x, _ = windows.batch(ids[:64])
+    x = windows.batch(ids[:64]).inputs
     assert ((x == ord("a")).all(dim=1) == torch.from_numpy(datasets[:64] == 0)).all()
 
     def rows(world: int, micro: int, accum: int) -> list[list[int]]:
         loaders = [TrainBatches(windows, BatchLayout(micro, accum, world), rank, seed=7, prefetch=False)
                    for rank in range(world)]
-        return [sorted(int(row[0]) for loader in loaders for x, _ in loader.next_step() for row in x)
+        return [sorted(int(row[0]) for loader in loaders for batch in loader.next_step()
+                       for row in batch.inputs)
                 for _ in range(5)]
 
     assert rows(1, 8, 1) == rows(2, 2, 2) == rows(4, 1, 2)
 
     done = run_cli("train", "experiment=quick", "trainer.max_steps=2", "trainer.sample_tokens=0",
                    "checkpoint.enabled=false", "data.source=prepared", f"data.paths=[{paths[0]},{paths[1]}]",
-                   "data.weights=[3,1]", "trainer.seq_len=16", f"run.dir={tmp_path / 'run'}")
+                   "data.weights=[3,1]", "trainer.seq_len=16", "data.document_mask=true",
+                   f"run.dir={tmp_path / 'run'}")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "mixture of" in done.stderr and read_metrics(tmp_path / "run")[-1]["step"] == 2

@@ -114,6 +114,10 @@ class DataConfig:
     # Where stdlib and files sources are prepared once and reused (auto: ~/.cache/shardtrain/prepared,
     # or $XDG_CACHE_HOME/shardtrain/prepared).
     cache_dir: str = "auto"
+    # Packed windows hold several documents: true keeps attention inside each document and restarts
+    # positions at each (the losses are those of the documents run alone); false lets tokens attend
+    # across document boundaries, as most pretraining does.
+    document_mask: bool = False
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -21,10 +22,40 @@ from shardtrain.errors import DataError
 IGNORE_INDEX = -100
 
 
-class TokenWindows:
-    """Non-overlapping windows of ``seq_len + 1`` tokens; sample i starts at ``i * seq_len``."""
+class Batch(NamedTuple):
+    """One micro-batch: ``inputs`` and ``targets`` (B, T), and with document masking each token's
+    position within its document (B, T), which the model turns into restarted positions and
+    attention that stays inside each document; None without."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, name: str = "data") -> None:
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    positions: torch.Tensor | None = None
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
+        return Batch(*(None if t is None else t.to(device, non_blocking=non_blocking) for t in self))
+
+
+def positions_in_window(starts: np.ndarray, length: int) -> np.ndarray:
+    """Each token's position within its document, for a window whose documents begin at offsets
+    ``starts`` (0 < start < length). The window's first token counts as a start: a document cut by
+    the window's edge is seen from there, so positions stay below the window length."""
+    segment = np.zeros(length, dtype=np.int64)
+    segment[starts] = starts
+    return np.arange(length, dtype=np.int64) - np.maximum.accumulate(segment)
+
+
+class TokenWindows:
+    """Non-overlapping windows of ``seq_len + 1`` tokens; sample i starts at ``i * seq_len``.
+
+    With ``document_mask`` (the tokens must be a prepared ``TokenStream``, which knows where its
+    documents begin) each batch carries positions within documents, and a target that lies in
+    another document than its input (the first token of the next document) is ignored: with
+    attention kept inside each document, a packed window's losses are then those of its documents
+    each run alone.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, name: str = "data",
+                 document_mask: bool = False) -> None:
         self.tokens = tokens
         self.seq_len = seq_len
         self.num_samples = (len(tokens) - 1) // seq_len
@@ -33,15 +64,20 @@ class TokenWindows:
                 f"{name} has {len(tokens)} tokens, fewer than one window of trainer.seq_len+1="
                 f"{seq_len + 1}; use more data or a shorter trainer.seq_len"
             )
+        if document_mask and not hasattr(tokens, "document_starts"):
+            raise DataError(f"data.document_mask=true needs to know where documents begin, and {name} is "
+                            "plain tokens; use a prepared dataset (shardtrain prepare, data.source=prepared)")
+        self.document_mask = document_mask
 
     def order(self, seed: int) -> GlobalOrder:
         return GlobalOrder(self.num_samples, seed)
 
-    def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, ids: np.ndarray) -> Batch:
         """Inputs and targets for sample ``ids``; an id of -1 is padding (targets ignored), and so
         is a token the data marks as no target (a fine-tuning prompt: ``TokenStream.targets``)."""
         x = np.zeros((len(ids), self.seq_len), dtype=np.int64)
         y = np.full((len(ids), self.seq_len), IGNORE_INDEX, dtype=np.int64)
+        positions = np.zeros((len(ids), self.seq_len), dtype=np.int64) if self.document_mask else None
         masked = getattr(self.tokens, "has_masks", False)
         for row, i in enumerate(ids):
             if i < 0:
@@ -52,7 +88,13 @@ class TokenWindows:
             y[row] = window[1:]
             if masked:
                 y[row][self.tokens.targets(span)[1:] == 0] = IGNORE_INDEX
-        return torch.from_numpy(x), torch.from_numpy(y)
+            if positions is not None:
+                # Documents beginning after the window's first token, up to its last target.
+                starts = self.tokens.document_starts(span.start + 1, span.stop) - span.start
+                y[row][starts - 1] = IGNORE_INDEX
+                positions[row] = positions_in_window(starts[starts < self.seq_len], self.seq_len)
+        return Batch(torch.from_numpy(x), torch.from_numpy(y),
+                     None if positions is None else torch.from_numpy(positions))
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
@@ -184,15 +226,19 @@ class MixtureWindows:
     def order(self, seed: int) -> MixtureOrder:
         return MixtureOrder([part.num_samples for part in self.parts], self.weights, seed)
 
-    def batch(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, ids: np.ndarray) -> Batch:
         x = torch.zeros((len(ids), self.seq_len), dtype=torch.int64)
         y = torch.full((len(ids), self.seq_len), IGNORE_INDEX, dtype=torch.int64)
+        positions = torch.zeros_like(x) if self.parts[0].document_mask else None
         datasets = np.where(ids < 0, -1, ids >> DATASET_SHIFT)
         for d, part in enumerate(self.parts):
             rows = np.flatnonzero(datasets == d)
             if len(rows):
-                x[rows], y[rows] = part.batch(ids[rows] & ((1 << DATASET_SHIFT) - 1))
-        return x, y
+                got = part.batch(ids[rows] & ((1 << DATASET_SHIFT) - 1))
+                x[rows], y[rows] = got.inputs, got.targets
+                if positions is not None:
+                    positions[rows] = got.positions
+        return Batch(x, y, positions)
 
 
 @dataclass(frozen=True)
@@ -240,11 +286,11 @@ class TrainBatches:
         """The global sample ids of the next step (a function of the seed and the position only)."""
         return self.order.take(self.consumed_samples, self.layout.global_batch)
 
-    def batches_at(self, position: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batches_at(self, position: int) -> list[Batch]:
         ids = self.order.take(position, self.layout.global_batch)
         return [self.windows.batch(s) for s in self.layout.rank_slices(ids, self.rank)]
 
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next_step(self) -> list[Batch]:
         started = time.perf_counter()
         position = self.consumed_samples
         if self._ahead is not None and self._ahead[0] == position:
@@ -265,7 +311,7 @@ class TrainBatches:
 
 
 def eval_batches(windows: TokenWindows, num_samples: int, micro_batch_size: int,
-                 dp_world_size: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                 dp_world_size: int, rank: int) -> list[Batch]:
     """The first ``num_samples`` validation windows, padded so every rank gets as many batches.
 
     Padding rows have only ignored targets, so the validation loss is the same at any world size.

@@ -44,10 +44,10 @@ class Corpus:
     train_parts: list[TokenStream] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
 
-    def train_windows(self, seq_len: int) -> TokenWindows | MixtureWindows:
+    def train_windows(self, seq_len: int, document_mask: bool = False) -> TokenWindows | MixtureWindows:
         if not self.train_parts:
-            return TokenWindows(self.train, seq_len, "training data")
-        parts = [TokenWindows(part, seq_len, f"training data of mixture part {index}")
+            return TokenWindows(self.train, seq_len, "training data", document_mask)
+        parts = [TokenWindows(part, seq_len, f"training data of mixture part {index}", document_mask)
                  for index, part in enumerate(self.train_parts)]
         return MixtureWindows(parts, self.weights or [part.num_samples for part in parts])
 

@@ -21,7 +21,8 @@ class TokenStream:
     def __init__(self, directory: Path, entry: dict) -> None:
         self.shards = [np.load(directory / shard["tokens_file"], mmap_mode="r") for shard in entry["shards"]]
         self.documents = int(entry["documents"])
-        self._docs = [directory / shard["docs_file"] for shard in entry["shards"]]
+        # Each shard's document starts (offsets within the shard), memory-mapped like its tokens.
+        self.starts = [np.load(directory / shard["docs_file"], mmap_mode="r") for shard in entry["shards"]]
         # Fine-tuning shards say which tokens are targets; None: every token of the shard is one.
         self.masks = [np.load(directory / shard["mask_file"], mmap_mode="r") if "mask_file" in shard
                       else None for shard in entry["shards"]]
@@ -39,7 +40,7 @@ class TokenStream:
         joined = cls.__new__(cls)
         joined.shards = [shard for s in streams for shard in s.shards]
         joined.masks = [mask for s in streams for mask in s.masks]
-        joined._docs = [doc for s in streams for doc in s._docs]
+        joined.starts = [starts for s in streams for starts in s.starts]
         joined.documents = sum(s.documents for s in streams)
         joined._index()
         return joined
@@ -83,10 +84,18 @@ class TokenStream:
             start, first = end, first + 1
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
-    def document_starts(self) -> np.ndarray:
-        """Every document's first token, as offsets into the stream (for document masking)."""
-        starts = [np.load(file, mmap_mode="r") + offset for file, offset in zip(self._docs, self.offsets)]
-        return np.concatenate(starts) if starts else np.empty(0, dtype=np.int64)
+    def document_starts(self, start: int, stop: int) -> np.ndarray:
+        """The offsets in ``[start, stop)`` at which a document begins (for document masking); only
+        the shards the range touches are read."""
+        found = []
+        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        while first < len(self.starts) and self.offsets[first] < stop:
+            low = int(self.offsets[first])
+            local = self.starts[first]
+            inside = local[np.searchsorted(local, start - low):np.searchsorted(local, stop - low)]
+            found.append(inside.astype(np.int64) + low)
+            first += 1
+        return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
 
 @dataclass

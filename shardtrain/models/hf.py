@@ -29,6 +29,7 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 from shardtrain.config.schema import ModelConfig
 from shardtrain.errors import ModelError
 from shardtrain.models.dims import Dims
+from shardtrain.models.masking import document_attention_bias
 
 PREFIX = "hf."
 CONFIG_FILE = "config.json"
@@ -102,7 +103,17 @@ class HFCausalLM(nn.Module):
         self._renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         self._converters = [t for t in transforms if isinstance(t, WeightConverter)]
 
-    def forward(self, tokens: torch.Tensor, cache: HFCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: HFCache | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is not None:
+            if cache is not None:
+                raise ModelError("positions= is for training on packed documents, not with a KV cache")
+            # Restarted position_ids alone do not stop SDPA attending across documents; a 4D mask
+            # is handed to the attention layers as it is. It must be in the attention's dtype, so
+            # the embeddings run first (under mixed precision only their output tells it).
+            embeds = self.hf.get_input_embeddings()(tokens)
+            return self.hf(inputs_embeds=embeds, position_ids=positions, use_cache=False,
+                           attention_mask=document_attention_bias(positions, embeds.dtype)).logits
         if cache is None:
             return self.hf(input_ids=tokens, use_cache=False).logits
         logits = self.hf(input_ids=tokens, past_key_values=cache.past, use_cache=True).logits

@@ -18,6 +18,7 @@ from torch import nn
 from shardtrain.config.schema import ModelConfig
 from shardtrain.errors import ModelError
 from shardtrain.models.dims import Dims
+from shardtrain.models.masking import document_attention_bias
 
 
 def ffn_hidden_dim(cfg: ModelConfig) -> int:
@@ -48,7 +49,8 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Te
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (even, odd) of the last dim. x: (B, H, T, D); cos/sin: (T, D/2)."""
+    """Rotate pairs (even, odd) of the last dim. x: (B, H, T, D); cos/sin: (T, D/2), or
+    (B, 1, T, D/2) for positions that differ per row (document masking)."""
     xf = x.float()
     x1, x2 = xf[..., 0::2], xf[..., 1::2]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
@@ -94,7 +96,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+                cache: KVCache | None = None, layer: int = 0,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -104,7 +107,7 @@ class Attention(nn.Module):
         if cache is not None:
             start = cache.pos
             k, v = cache.update(layer, k, v)
-        mask, causal = None, start == 0
+        causal = start == 0 and mask is None
         if start > 0 and t > 1:  # several new tokens after cached ones: causal, shifted
             mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)
         y = F.scaled_dot_product_attention(
@@ -135,8 +138,9 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer)
+                cache: KVCache | None = None, layer: int = 0,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -160,16 +164,27 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for ``tokens`` (B, T). ``positions`` (B, T), each token's position within its
+        document, packs several documents in a row: positions restart and attention stays inside
+        each document (``models/masking.py``)."""
         start = cache.pos if cache is not None else 0
         end = start + tokens.shape[1]
         if end > self.cfg.max_seq_len:
             raise ModelError(f"a sequence of {end} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}; "
                              "use shorter inputs or a model with a longer max_seq_len")
-        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         h = self.tok_embeddings(tokens)
+        mask = None
+        if positions is None:
+            cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
+        else:
+            if cache is not None:
+                raise ModelError("positions= is for training on packed documents, not with a KV cache")
+            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+            mask = document_attention_bias(positions, h.dtype)
         for index, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache, index) if cache is not None else layer(h, cos, sin)
+            h = layer(h, cos, sin, cache, index) if cache is not None else layer(h, cos, sin, mask=mask)
         if cache is not None:
             cache.pos = end
         return self.output(self.norm(h))

@@ -239,8 +239,10 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int,
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             tokens = torch.zeros(trainer.micro_batch_size, trainer.seq_len, dtype=torch.long)
+            # Document masking adds per-token positions and a (B, 1, T, T) mask to every forward.
+            positions = torch.zeros_like(tokens) if cfg.data.document_mask else None
             tracker = PhasePeakTracker(model, optimizer, block_names(model))
-            tracker.track_inputs((tokens,))
+            tracker.track_inputs((tokens,) if positions is None else (tokens, positions))
             steps = trainer.grad_accum_steps
             with tracker:
                 for index in range(steps):
@@ -248,7 +250,7 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int,
                         tracker.micro_batch = ("first micro-batch" if index == 0 else "last micro-batch"
                                                if index == steps - 1 else "middle micro-batches")
                     prepare_micro_batch(model, index, steps, plan.grad_accumulation == "sharded")
-                    (token_loss_sum(model, tokens, tokens) / tokens.numel()).backward()
+                    (token_loss_sum(model, tokens, tokens, positions) / tokens.numel()).backward()
                 tracker.stage = "gradient norm"
                 grads = state_bytes(model, None).grads
                 params = [p for p in model.parameters() if p.grad is not None]

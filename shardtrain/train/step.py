@@ -20,14 +20,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from shardtrain import faults
-from shardtrain.data.batches import IGNORE_INDEX
+from shardtrain.data.batches import IGNORE_INDEX, Batch
 from shardtrain.diagnostics.memory import PhaseMemory
 from shardtrain.diagnostics.rails import explain_bypassed_forward
 from shardtrain.distributed.parallelize import reshard_all
 from shardtrain.errors import TrainingError
 from shardtrain.train.grad import clip_grads_, clip_scale, global_grad_norm
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -40,9 +38,12 @@ class StepStats:
     stop_agreed: bool = False
 
 
-def token_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def token_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Summed cross-entropy over the target tokens; ``positions`` (document masking) go to the model."""
     try:
-        logits = model(inputs)  # always model(x): FSDP's hooks live on __call__
+        # Always model(x): FSDP's hooks live on __call__.
+        logits = model(inputs) if positions is None else model(inputs, positions=positions)
     except RuntimeError as exc:
         explained = explain_bypassed_forward(exc)
         if explained is not None:
@@ -97,7 +98,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     """
     # The global token count stays on the device (an asynchronous all-reduce): reading it back here
     # would stall the host until the previous step's optimizer kernels finished.
-    local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
+    local_tokens = sum(int((batch.targets != IGNORE_INDEX).sum()) for batch in micro_batches)
     global_tokens = global_sum_tensor(torch.full((), local_tokens, dtype=torch.float64, device=device))
     divisor = global_tokens.float()
 
@@ -106,10 +107,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     rank = dist.get_rank()
     if phases is not None:
         phases.start()
-    for index, (x, y) in enumerate(micro_batches):
+    for index, batch in enumerate(micro_batches):
         prepare_micro_batch(model, index, len(micro_batches), sharded_accumulation)
-        inputs, targets = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        loss = token_loss_sum(model, inputs, targets) / divisor
+        loss = token_loss_sum(model, *batch.to(device, non_blocking=True)) / divisor
         if index == 0:
             loss = faults.poison_loss(rank, step, loss)
         if phases is not None and index == last:
@@ -152,9 +152,9 @@ def evaluate(model: nn.Module, batches: list[Batch], device: torch.device) -> fl
     model.eval()
     loss = 0.0
     tokens = 0
-    for x, y in batches:
-        loss += token_loss_sum(model, x.to(device), y.to(device)).item()
-        tokens += int((y != IGNORE_INDEX).sum())
+    for batch in batches:
+        loss += token_loss_sum(model, *batch.to(device)).item()
+        tokens += int((batch.targets != IGNORE_INDEX).sum())
     model.train(was_training)
     reshard_all(model)
     loss, tokens = global_sum([loss, tokens], device)

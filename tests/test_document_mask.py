@@ -1,0 +1,134 @@
+"""``data.document_mask``: a packed window's per-token losses equal those of each of its documents
+run alone, for the built-in Llama (byte tokens, no end-of-text token) and Hugging Face models
+(their tokenizer's end-of-text token after every document), on batches from a prepared dataset."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_models import make_model_dir
+from torch import nn
+
+from shardtrain.config.schema import ModelConfig
+from shardtrain.data.batches import IGNORE_INDEX, TokenWindows, positions_in_window
+from shardtrain.data.prepare import PrepareOptions, prepare
+from shardtrain.data.prepared import open_prepared
+from shardtrain.errors import DataError, ModelError
+from shardtrain.models.hf import HFCausalLM
+from shardtrain.models.llama import Llama
+from shardtrain.models.masking import check_takes_positions, document_causal_mask
+
+SEQ_LEN = 64
+# Documents of 1 to 5 short lines: a window of 64 tokens holds several, and cuts some at its edges.
+TEXTS = [f"y{i} = x * {i % 7}\n" * (1 + i % 5) for i in range(60)]
+# Largest per-token difference allowed between a packed window and its documents alone (fp32; the
+# summation order differs, measured ~1e-6 at most).
+TOLERANCE = 1e-5
+
+
+def prepared_windows(directory, tokenizer: str) -> TokenWindows:
+    (directory / "texts").mkdir(parents=True)
+    for i, text in enumerate(TEXTS):
+        (directory / "texts" / f"{i:03d}.txt").write_text(text)
+    # Small shards: windows cross shard boundaries, so document starts are read from several.
+    prepare(PrepareOptions(inputs=[str(directory / "texts")], tokenizer=tokenizer, val_percent=0.0,
+                           shard_tokens=300), directory / "prepared", progress=False)
+    dataset = open_prepared(directory / "prepared")
+    assert len(dataset.manifest["splits"]["train"]["shards"]) > 3
+    return TokenWindows(dataset.train, SEQ_LEN, "test data", document_mask=True)
+
+
+def segments(positions: torch.Tensor) -> list[tuple[int, int]]:
+    """The (start, stop) of each document piece in one row of positions."""
+    starts = torch.nonzero(positions == 0).flatten().tolist()
+    return list(zip(starts, starts[1:] + [len(positions)], strict=True))
+
+
+def per_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="none").view(targets.shape)
+
+
+@torch.no_grad()
+def packed_and_alone(model: nn.Module, windows: TokenWindows) -> tuple[float, float]:
+    """Over every window: the largest difference between a token's loss in the packed window with
+    document masking and in its document run alone, and the same without the mask."""
+    batch = windows.batch(np.arange(windows.num_samples))
+    packed = per_token_losses(model(batch.inputs, positions=batch.positions), batch.targets)
+    unmasked = per_token_losses(model(batch.inputs), batch.targets)
+    alone = torch.zeros_like(packed)
+    for row in range(len(batch.inputs)):
+        for start, stop in segments(batch.positions[row]):
+            piece = slice(start, stop)
+            logits = model(batch.inputs[row:row + 1, piece])
+            alone[row, piece] = per_token_losses(logits, batch.targets[row:row + 1, piece])[0]
+    return (packed - alone).abs().max().item(), (unmasked - alone).abs().max().item()
+
+
+def test_windows_restart_positions_at_each_document_and_ignore_crossing_targets(tmp_path):
+    """Positions count from each document's first token (or the window's); a target that is the
+    next document's first token is ignored; every other token is a target as without masking."""
+    windows = prepared_windows(tmp_path, "bytes")
+    plain = TokenWindows(windows.tokens, SEQ_LEN)
+    ids = np.arange(windows.num_samples)
+    masked, unmasked = windows.batch(ids), plain.batch(ids)
+    assert torch.equal(masked.inputs, unmasked.inputs) and unmasked.positions is None
+    starts = windows.tokens.document_starts(0, len(windows.tokens))
+    assert len(starts) == len(TEXTS)
+    crossings = 0
+    for row in ids:
+        first = row * SEQ_LEN
+        inside = starts[(starts > first) & (starts <= first + SEQ_LEN)] - first
+        expected = [t - max([0] + [s for s in inside if s <= t]) for t in range(SEQ_LEN)]
+        assert masked.positions[row].tolist() == expected
+        ignored = torch.nonzero(masked.targets[row] == IGNORE_INDEX).flatten().numpy()
+        assert np.array_equal(ignored, inside - 1)
+        crossings += len(inside)
+    assert crossings > windows.num_samples  # windows hold several documents
+    assert positions_in_window(np.array([3, 5]), 8).tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+
+    mask = document_causal_mask(torch.tensor([[0, 1, 2, 0, 1]]))[0, 0]
+    assert mask.tolist() == [[True, False, False, False, False], [True, True, False, False, False],
+                             [True, True, True, False, False], [False, False, False, True, False],
+                             [False, False, False, True, True]]
+
+
+def test_built_in_llama_packed_window_equals_documents_alone(tmp_path):
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(dim=48, n_layers=2, n_heads=6, n_kv_heads=2, max_seq_len=128)).eval()
+    masked, unmasked = packed_and_alone(model, prepared_windows(tmp_path, "bytes"))
+    print(f"built-in Llama: packed vs alone {masked:.2e}, without the mask {unmasked:.2e}")
+    assert masked < TOLERANCE
+    assert unmasked > 100 * TOLERANCE  # the comparison can fail: attention across documents shows
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_hf_packed_window_equals_documents_alone(family, tmp_path):
+    """transformers models, given restarted position_ids and the 4D same-document mask (GPT-NeoX:
+    partial rotary, a fused QKV projection, its own attention code)."""
+    from transformers import AutoModelForCausalLM
+
+    directory = make_model_dir(tmp_path / "model", family)
+    model = HFCausalLM(ModelConfig(name="hf", path=str(directory)))
+    model.hf.load_state_dict(AutoModelForCausalLM.from_pretrained(str(directory)).state_dict())
+    windows = prepared_windows(tmp_path, str(directory))
+    assert windows.tokens.document_starts(0, len(windows.tokens)).size == len(TEXTS)
+    masked, unmasked = packed_and_alone(model.eval(), windows)
+    print(f"{family}: packed vs alone {masked:.2e}, without the mask {unmasked:.2e}")
+    assert masked < TOLERANCE
+    assert unmasked > 100 * TOLERANCE
+
+
+def test_document_mask_needs_document_starts_and_a_model_that_takes_positions():
+    with pytest.raises(DataError, match="needs to know where documents begin"):
+        TokenWindows(np.zeros(100, dtype=np.uint16), 16, "evaluation data", document_mask=True)
+
+    class NoPositions(nn.Module):
+        def forward(self, tokens):
+            return tokens
+
+    with pytest.raises(ModelError, match=r"NoPositions.forward does not.*data.document_mask=false"):
+        check_takes_positions(NoPositions())
+    check_takes_positions(Llama(ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1)))
