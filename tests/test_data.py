@@ -6,6 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from shardtrain.checkpoint.state import TrainState
+from shardtrain.config.loader import load_config
+from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import DataConfig
 from shardtrain.data.batches import (
     IGNORE_INDEX,
@@ -115,3 +118,16 @@ def test_prefetched_batches_are_the_positions_batches():
     assert ahead.wait_s >= 0 and ahead.consumed_samples == 48
     ahead.close()
     assert len(ahead.next_step()) == 2  # still works, without prefetching
+
+
+def test_a_resume_names_the_settings_that_change_the_data_order():
+    """The saved position means the same samples only under the same order: a resume compares the
+    settings that decide it (and only those: the batch split and document masking do not)."""
+    saved = load_config([])
+    state = TrainState.capture(saved, resolve_plan(saved.strategy, 1, 1), step=3, tokens_seen=0,
+                               consumed_samples=48, global_batch=16, scheduler={}, world_size=1)
+    same_order = load_config(["trainer.micro_batch_size=4", "trainer.grad_accum_steps=4",
+                              "data.document_mask=true"])
+    assert state.data_order_changes(same_order) == []
+    other = load_config(["trainer.seq_len=256", "data.max_bytes=1000"])
+    assert state.data_order_changes(other) == ["trainer.seq_len 128 -> 256", "data.max_bytes 0 -> 1000"]

@@ -145,6 +145,23 @@ def test_bad_data_is_one_clear_line(case, tmp_path):
         assert (tmp_path / "out" / "something.txt").read_text() == "mine"  # never touched
 
 
+def test_data_smaller_than_one_global_batch_fails_before_training(tmp_path):
+    """A global batch must hold distinct windows: fewer windows than one global batch is one line
+    naming both counts and the batch's factors."""
+    (tmp_path / "texts").mkdir()
+    for i in range(20):
+        (tmp_path / "texts" / f"{i}.txt").write_text(f"line {i}\n" * 8)  # ~60 windows of 17 bytes
+    prepare(PrepareOptions(inputs=[str(tmp_path / "texts")], val_percent=20.0), tmp_path / "p",
+            progress=False)
+    done = run_cli("train", "experiment=quick", "trainer.max_steps=1", "checkpoint.enabled=false",
+                   "data.source=prepared", f"data.paths=[{tmp_path / 'p'}]", "trainer.seq_len=16",
+                   "trainer.micro_batch_size=64", "trainer.grad_accum_steps=2", f"run.dir={tmp_path / 'run'}")
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "fewer than one global batch of 128" in lines[0], done.stderr[-2000:]
+    assert "trainer.micro_batch_size=64 x trainer.grad_accum_steps=2 x 1 data-parallel ranks" in lines[0]
+
+
 def test_prepare_options_reject_bad_values(tmp_path):
     done = run_cli("prepare", str(tmp_path), "--out", str(tmp_path / "o"), "--workers", "0")
     assert done.returncode == 2 and "--workers must be at least 1" in done.stderr

@@ -28,6 +28,10 @@ from shardtrain.version import __version__
 
 STATE_FILE = "trainer_state.json"
 FORMAT = "shardtrain-checkpoint-v1"
+# The settings that decide which sample sits at each position of the global order
+# (data/batches.py): resumed with another value, the saved position points into another order.
+DATA_ORDER_KEYS = ("trainer.seq_len", "trainer.seed", "data.source", "data.paths", "data.file_glob",
+                   "data.val_percent", "data.max_bytes", "data.text_field", "data.weights")
 
 
 @dataclass
@@ -72,6 +76,17 @@ class TrainState:
 
     def data_config(self) -> DataConfig:
         return DataConfig(**self.config["data"])
+
+    def data_order_changes(self, cfg: Config) -> list[str]:
+        """``DATA_ORDER_KEYS`` whose value in ``cfg`` differs from the saved run's, as "key old -> new"."""
+        now = OmegaConf.to_container(OmegaConf.structured(cfg))
+        changes = []
+        for key in DATA_ORDER_KEYS:
+            section, name = key.split(".")
+            before, after = self.config.get(section, {}).get(name), now[section][name]
+            if before != after:
+                changes.append(f"{key} {before!r} -> {after!r}")
+        return changes
 
     def write(self, directory: Path) -> None:
         """Durably: the file is fsynced before the checkpoint directory is renamed into place."""

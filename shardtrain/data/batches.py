@@ -272,6 +272,14 @@ class TrainBatches:
 
     def __init__(self, windows: TokenWindows | MixtureWindows, layout: BatchLayout, rank: int, seed: int,
                  prefetch: bool = True) -> None:
+        if windows.num_samples < layout.global_batch:
+            # One step would hold some windows twice (the order wraps into the next epoch).
+            raise DataError(
+                f"the training data has {windows.num_samples} windows of trainer.seq_len+1="
+                f"{windows.seq_len + 1} tokens, fewer than one global batch of {layout.global_batch} "
+                f"(trainer.micro_batch_size={layout.micro_batch_size} x trainer.grad_accum_steps="
+                f"{layout.grad_accum_steps} x {layout.dp_world_size} data-parallel ranks); use more "
+                "data, a smaller batch or a shorter trainer.seq_len")
         self.windows = windows
         self.layout = layout
         self.rank = rank

@@ -158,6 +158,10 @@ class Trainer:
             self.result.resumed_from = str(path)
             self.info(f"resumed from {path}: step {self.step}, {state.consumed_samples} samples "
                       f"consumed (saved at world size {state.world_size}, {state.strategy})")
+            changes = state.data_order_changes(self.cfg)
+            if changes and self.env.is_main:
+                log.warning(f"the data order differs from the checkpoint's ({'; '.join(changes)}): the "
+                            "saved position is read in the new order, so samples may repeat or be skipped")
             if self.cfg.model.init_from:
                 self.info("model.init_from is ignored: resuming from a checkpoint")
         elif source := self.cfg.model.weights_source():
