@@ -39,7 +39,7 @@ def family_config(family: str, vocab_size: int = VOCAB, **sizes) -> transformers
     if family == "qwen2":
         return transformers.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common)
     if family == "mistral":
-        return transformers.MistralConfig(num_key_value_heads=3, sliding_window=None, **common)
+        return transformers.MistralConfig(**{"num_key_value_heads": 3, "sliding_window": None, **common})
     if family == "gpt_neox":  # 3 heads of 12: RoPE on the first 6 dimensions of each
         return transformers.GPTNeoXConfig(**{**common, "num_attention_heads": 3}, rotary_pct=0.5,
                                           use_parallel_residual=True, tie_word_embeddings=False)

@@ -120,7 +120,7 @@ def test_prefetched_batches_are_the_positions_batches():
     assert len(ahead.next_step()) == 2  # still works, without prefetching
 
 
-def test_a_resume_names_the_settings_that_change_the_data_order():
+def test_a_resume_names_the_settings_that_change_the_data_order(tmp_path):
     """The saved position means the same samples only under the same order: a resume compares the
     settings that decide it (and only those: the batch split and document masking do not)."""
     saved = load_config([])
@@ -131,3 +131,9 @@ def test_a_resume_names_the_settings_that_change_the_data_order():
     assert state.data_order_changes(same_order) == []
     other = load_config(["trainer.seq_len=256", "data.max_bytes=1000"])
     assert state.data_order_changes(other) == ["trainer.seq_len 128 -> 256", "data.max_bytes 0 -> 1000"]
+    # A prepared dataset is read as it is: the preparing settings no longer matter.
+    prepared = load_config(["data.source=prepared", f"data.paths=[{tmp_path}]", "data.max_bytes=1000",
+                            "data.weights=[1.0]"])
+    del state.config["data"]["weights"]  # a checkpoint from before the key existed
+    assert state.data_order_changes(prepared) == ["data.source 'stdlib' -> 'prepared'",
+                                                  f"data.paths [] -> [{str(tmp_path)!r}]"]

@@ -16,9 +16,9 @@ from shardtrain.data.batches import IGNORE_INDEX, TokenWindows, positions_in_win
 from shardtrain.data.prepare import PrepareOptions, prepare
 from shardtrain.data.prepared import open_prepared
 from shardtrain.errors import DataError, ModelError
-from shardtrain.models.hf import HFCausalLM
+from shardtrain.models.hf import HFCausalLM, sequence_state_reason
 from shardtrain.models.llama import Llama
-from shardtrain.models.masking import check_takes_positions, document_causal_mask
+from shardtrain.models.masking import check_document_mask_support, document_causal_mask
 
 SEQ_LEN = 64
 # Documents of 1 to 5 short lines: a window of 64 tokens holds several, and cuts some at its edges.
@@ -104,13 +104,16 @@ def test_built_in_llama_packed_window_equals_documents_alone(tmp_path):
     assert unmasked > 100 * TOLERANCE  # the comparison can fail: attention across documents shows
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
-def test_hf_packed_window_equals_documents_alone(family, tmp_path):
-    """transformers models, given restarted position_ids and the 4D same-document mask (GPT-NeoX:
-    partial rotary, a fused QKV projection, its own attention code)."""
+@pytest.mark.parametrize(("family", "sizes"), [("llama", {}), ("gpt_neox", {}),
+                                               ("mistral", {"sliding_window": 4})],
+                         ids=["llama", "gpt_neox", "mistral_sliding_window"])
+def test_hf_packed_window_equals_documents_alone(family, sizes, tmp_path):
+    """transformers models, given restarted position_ids, from which transformers builds its own
+    mask: GPT-NeoX (partial rotary, a fused QKV projection, its own attention code), and Mistral
+    with a 4-token sliding window, which must still apply inside each document."""
     from transformers import AutoModelForCausalLM
 
-    directory = make_model_dir(tmp_path / "model", family)
+    directory = make_model_dir(tmp_path / "model", family, **sizes)
     model = HFCausalLM(ModelConfig(name="hf", path=str(directory)))
     model.hf.load_state_dict(AutoModelForCausalLM.from_pretrained(str(directory)).state_dict())
     windows = prepared_windows(tmp_path, str(directory))
@@ -130,5 +133,27 @@ def test_document_mask_needs_document_starts_and_a_model_that_takes_positions():
             return tokens
 
     with pytest.raises(ModelError, match=r"NoPositions.forward does not.*data.document_mask=false"):
-        check_takes_positions(NoPositions())
-    check_takes_positions(Llama(ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1)))
+        check_document_mask_support(NoPositions())
+    check_document_mask_support(Llama(ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1)))
+
+
+def test_models_that_carry_state_along_the_sequence_are_refused():
+    """Masking attention cannot separate documents in recurrent, convolution or state-space layers:
+    such Hugging Face models are recognised from their config and refused."""
+    import transformers
+
+    class Recurrent(nn.Module):
+        def forward(self, tokens, positions=None):
+            return tokens
+
+        def document_mask_refusal(self):
+            return "it is recurrent"
+
+    with pytest.raises(ModelError, match="cannot keep this model's documents apart: it is recurrent"):
+        check_document_mask_support(Recurrent())
+    refused = {name: sequence_state_reason(getattr(transformers, name)()) for name in (
+        "JambaConfig", "Qwen3NextConfig", "RecurrentGemmaConfig", "MambaConfig", "Lfm2Config")}
+    assert all(refused.values()), refused
+    assert "linear_attention" in refused["Qwen3NextConfig"] and "mamba_" in refused["JambaConfig"]
+    for name in ("LlamaConfig", "MistralConfig", "GPTNeoXConfig", "Gemma3TextConfig", "GptOssConfig"):
+        assert sequence_state_reason(getattr(transformers, name)()) is None, name

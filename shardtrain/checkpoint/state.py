@@ -30,8 +30,10 @@ STATE_FILE = "trainer_state.json"
 FORMAT = "shardtrain-checkpoint-v1"
 # The settings that decide which sample sits at each position of the global order
 # (data/batches.py): resumed with another value, the saved position points into another order.
-DATA_ORDER_KEYS = ("trainer.seq_len", "trainer.seed", "data.source", "data.paths", "data.file_glob",
-                   "data.val_percent", "data.max_bytes", "data.text_field", "data.weights")
+DATA_ORDER_KEYS = ("trainer.seq_len", "trainer.seed", "data.source", "data.paths", "data.weights")
+# ... and those that decide what is prepared from data.source=stdlib or files (a prepared dataset
+# is read as it is).
+PREPARING_KEYS = ("data.file_glob", "data.val_percent", "data.max_bytes", "data.text_field")
 
 
 @dataclass
@@ -80,12 +82,13 @@ class TrainState:
     def data_order_changes(self, cfg: Config) -> list[str]:
         """``DATA_ORDER_KEYS`` whose value in ``cfg`` differs from the saved run's, as "key old -> new"."""
         now = OmegaConf.to_container(OmegaConf.structured(cfg))
+        keys = DATA_ORDER_KEYS + (PREPARING_KEYS if cfg.data.source != "prepared" else ())
         changes = []
-        for key in DATA_ORDER_KEYS:
+        for key in keys:
             section, name = key.split(".")
-            before, after = self.config.get(section, {}).get(name), now[section][name]
-            if before != after:
-                changes.append(f"{key} {before!r} -> {after!r}")
+            saved = self.config.get(section, {})
+            if name in saved and saved[name] != now[section][name]:  # older checkpoints lack keys
+                changes.append(f"{key} {saved[name]!r} -> {now[section][name]!r}")
         return changes
 
     def write(self, directory: Path) -> None:

@@ -78,6 +78,8 @@ class ActivationModel:
     block_backward: int  # gradients alive inside one block's backward
     head_saved: int  # the final norm's tensors and the fp32 log-softmax output
     head_backward: int  # the loss gradient w.r.t. the fp32 logits, in and out of log-softmax
+    # data.document_mask: the additive mask all blocks share, from the forward to the last backward.
+    document_mask: int = 0
 
 
 def rms_norm_saved(dim: int, compute: int) -> int:
@@ -95,7 +97,8 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     layouts (GPT-NeoX's LayerNorm and GELU MLP) are estimated as if they had it."""
     tokens = micro_batch * cfg.trainer.seq_len
     b = compute_dtype.itemsize
-    kv = m.dim // m.n_heads * m.n_kv_heads
+    # With the document mask, keys and values reach SDPA repeated to every query head (models/llama).
+    kv = m.dim // m.n_heads * (m.n_heads if cfg.data.document_mask else m.n_kv_heads)
     ffn = m.ffn_hidden_dim
     attention = b * (m.dim + 2 * kv) + 4 * m.n_heads + 2 * b * m.dim  # q k v, lse, output, wo input
     swiglu = 4 * b * ffn  # w1 and w3 outputs, silu output, their product
@@ -109,6 +112,7 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
         block_backward=block_backward,
         head_saved=tokens * (rms_norm_saved(m.dim, b) + 4 * m.vocab_size),
         head_backward=tokens * 8 * m.vocab_size,
+        document_mask=tokens * cfg.trainer.seq_len * b if cfg.data.document_mask else 0,
     )
 
 
@@ -161,13 +165,13 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         gathered_start = head_unit * compute
         gathered_block = block_units * (2 * compute + reduce)
     earlier = grads if accumulating else 0  # sharded gradients of previous micro-batches
-    first_block = act.block + act.block_backward
+    first_block = act.block + act.block_backward + act.document_mask
     # Phases as (gradients held, activations and backward temporaries, gathered, optimizer temporaries).
     phases = {
-        "backward start": (earlier, layers * act.saved_per_block + act.head_saved + act.head_backward,
-                           gathered_start, 0),
+        "backward start": (earlier, layers * act.saved_per_block + act.head_saved + act.head_backward
+                           + act.document_mask, gathered_start, 0),
         # The head unit's gradients are reduced: the loss's tensors are gone, the buffers are not.
-        "head reduced": (earlier, layers * act.saved_per_block,
+        "head reduced": (earlier, layers * act.saved_per_block + act.document_mask,
                          gathered_start + head_unit * (compute + reduce), 0),
         "block backward": (earlier, max(layers - 1, 0) * act.saved_per_block + first_block,
                            gathered_block, 0),

@@ -29,7 +29,6 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 from shardtrain.config.schema import ModelConfig
 from shardtrain.errors import ModelError
 from shardtrain.models.dims import Dims
-from shardtrain.models.masking import document_attention_bias
 
 PREFIX = "hf."
 CONFIG_FILE = "config.json"
@@ -62,6 +61,31 @@ def read_config(cfg: ModelConfig) -> PretrainedConfig:
     except (ValueError, KeyError) as exc:
         raise ModelError(f"{directory / CONFIG_FILE}: transformers {transformers.__version__} cannot "
                          f"read it ({str(exc).splitlines()[0]})") from exc
+
+
+# Layer kinds (config ``layer_types`` / ``layers_block_type`` / ``block_types``) that mix tokens only
+# through attention, or not at all; any other kind (linear attention, recurrent, convolution, a
+# Mamba hybrid) carries state along the sequence, across document boundaries.
+ATTENTION_ONLY_KINDS = {"attention", "full_attention", "sliding_attention", "chunked_attention", "mlp", "moe"}
+# Model types whose layers carry such state and whose configs name no layer kinds.
+SEQUENCE_STATE_MODEL_TYPES = {"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "lfm2", "lfm2_moe"}
+
+
+def sequence_state_reason(config: PretrainedConfig) -> str | None:
+    """Why some layer of the model carries state along the sequence (so that an attention mask does
+    not separate packed documents), read from its config; None when none is known to."""
+    values = config.to_dict()
+    if config.model_type in SEQUENCE_STATE_MODEL_TYPES:
+        return f"a {config.model_type} model mixes tokens through recurrent or convolution layers"
+    ssm_keys = sorted(key for key in values if key.startswith(("mamba_", "ssm_")))
+    if ssm_keys:
+        return f"its config has state-space (Mamba) layers ({ssm_keys[0]})"
+    for field_name in ("layer_types", "layers_block_type", "block_types"):
+        kinds = values.get(field_name)
+        other = sorted(set(kinds) - ATTENTION_ONLY_KINDS) if isinstance(kinds, list) else []
+        if other:
+            return f"its {field_name} include {', '.join(map(str, other))}"
+    return None
 
 
 def max_positions(config: PretrainedConfig) -> int | None:
@@ -108,17 +132,17 @@ class HFCausalLM(nn.Module):
         if positions is not None:
             if cache is not None:
                 raise ModelError("positions= is for training on packed documents, not with a KV cache")
-            # Restarted position_ids alone do not stop SDPA attending across documents; a 4D mask
-            # is handed to the attention layers as it is. It must be in the attention's dtype, so
-            # the embeddings run first (under mixed precision only their output tells it).
-            embeds = self.hf.get_input_embeddings()(tokens)
-            return self.hf(inputs_embeds=embeds, position_ids=positions, use_cache=False,
-                           attention_mask=document_attention_bias(positions, embeds.dtype)).logits
+            # transformers reads packed sequences from position_ids that restart (with no attention
+            # mask and no cache) and builds the model's own mask from them, sliding windows included.
+            return self.hf(input_ids=tokens, position_ids=positions, use_cache=False).logits
         if cache is None:
             return self.hf(input_ids=tokens, use_cache=False).logits
         logits = self.hf(input_ids=tokens, past_key_values=cache.past, use_cache=True).logits
         cache.pos += tokens.shape[1]
         return logits
+
+    def document_mask_refusal(self) -> str | None:
+        return sequence_state_reason(self.config)
 
     def new_cache(self, max_len: int | None = None) -> HFCache:
         return HFCache()

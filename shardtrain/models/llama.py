@@ -110,10 +110,14 @@ class Attention(nn.Module):
         causal = start == 0 and mask is None
         if start > 0 and t > 1:  # several new tokens after cached ones: causal, shifted
             mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal and t > 1,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
+        grouped = self.n_kv_heads != self.n_heads
+        if grouped and mask is not None and t > 1:
+            # On CUDA, SDPA runs grouped-query attention with a mask only in its math kernel (the
+            # full fp32 score matrix per layer): give it as many key/value heads as query heads.
+            k, v = (z.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for z in (k, v))
+            grouped = False
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and t > 1,
+                                           enable_gqa=grouped)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 

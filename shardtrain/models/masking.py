@@ -2,8 +2,10 @@
 
 A batch with document masking carries each token's position within its document (``Batch.positions``,
 restarting at 0 where a document begins). Models that support it take ``positions=`` in ``forward``:
-rotary embeddings use those positions, and attention uses ``document_attention_bias``, an additive
-mask for ``scaled_dot_product_attention`` (SDPA runs it on CPU and on GPUs alike).
+rotary embeddings use those positions, and attention keeps to each document. The built-in Llama
+uses ``document_attention_bias``, an additive mask for ``scaled_dot_product_attention`` (SDPA runs it
+on CPU and on GPUs alike); Hugging Face models pass the positions as ``position_ids``, from which
+transformers builds the model's own mask.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
     0 (the first token of every row is one).
     """
     documents = (positions == 0).cumsum(dim=1)
-    same_document = documents.unsqueeze(2) == documents.unsqueeze(1)
+    allowed = documents.unsqueeze(2) == documents.unsqueeze(1)
     length = positions.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=positions.device).tril()
-    return (same_document & causal).unsqueeze(1)
+    allowed &= torch.ones(length, length, dtype=torch.bool, device=positions.device).tril()
+    return allowed.unsqueeze(1)
 
 
 def document_attention_bias(positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -34,14 +36,21 @@ def document_attention_bias(positions: torch.Tensor, dtype: torch.dtype) -> torc
     once per forward and shared by every layer. SDPA turns a boolean mask into this form on each
     call, and each layer's backward would keep its own copy: measured +1 GiB for 4 layers at 4 x
     4,096 tokens, where one shared copy is 256 MiB (fp32) or 128 MiB (bf16)."""
-    allowed = document_causal_mask(positions)
-    return torch.zeros_like(allowed, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    blocked = document_causal_mask(positions).logical_not_()
+    bias = torch.zeros(blocked.shape, dtype=dtype, device=positions.device)
+    return bias.masked_fill_(blocked, float("-inf"))
 
 
-def check_takes_positions(model: nn.Module) -> None:
-    """Refuse document masking for a model whose ``forward`` cannot take ``positions=``."""
+def check_document_mask_support(model: nn.Module) -> None:
+    """Refuse document masking for a model whose ``forward`` cannot take ``positions=``, or that
+    says (``document_mask_refusal()``) masking attention would not keep its documents apart."""
     if "positions" not in inspect.signature(model.forward).parameters:
         raise ModelError(
             f"data.document_mask=true needs a model whose forward takes positions= (per-token positions "
             f"within documents); {type(model).__name__}.forward does not. Give it that argument "
             "(see docs/data.md) or set data.document_mask=false")
+    refusal = getattr(model, "document_mask_refusal", None)
+    reason = refusal() if refusal is not None else None
+    if reason:
+        raise ModelError(f"data.document_mask=true cannot keep this model's documents apart: {reason}; "
+                         "set data.document_mask=false")

@@ -38,7 +38,7 @@ from shardtrain.distributed.env import DistEnv, apply_debug_switches, init_distr
 from shardtrain.distributed.sharded_model import ModelFactory
 from shardtrain.errors import TrainingError
 from shardtrain.generation.generate import gathered_copy, generate, generation_mode
-from shardtrain.models.masking import check_takes_positions
+from shardtrain.models.masking import check_document_mask_support
 from shardtrain.models.registry import model_factory as default_model_factory
 from shardtrain.train.build import Built, OptimizerFactory, build
 from shardtrain.train.console import Console
@@ -84,7 +84,7 @@ class Trainer:
         self.layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, env.world_size)
         document_mask = cfg.data.document_mask
         if document_mask:
-            check_takes_positions(built.model)
+            check_document_mask_support(built.model)
         self.train_data = TrainBatches(corpus.train_windows(t.seq_len, document_mask), self.layout,
                                        env.rank, t.seed)
         val_windows = TokenWindows(corpus.val, t.seq_len, "validation data", document_mask)
