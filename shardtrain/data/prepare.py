@@ -31,6 +31,7 @@ import shutil
 import time
 import zlib
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -83,9 +84,9 @@ def end_of_text(tokenizer: Tokenizer) -> list[int]:
     return [tokenizer.eos_id] if tokenizer.eos_id is not None else []
 
 
-def fingerprint(options: PrepareOptions, sources: list[Source], tokenizer: Tokenizer) -> str:
+def fingerprint(options: PrepareOptions, source_entries: list[dict], tokenizer: Tokenizer) -> str:
     described = {"format": FORMAT, "version": VERSION, "options": output_options(options),
-                 "tokenizer": tokenizer_entry(tokenizer), "sources": [s.fingerprint() for s in sources]}
+                 "tokenizer": tokenizer_entry(tokenizer), "sources": source_entries}
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
 
@@ -245,7 +246,8 @@ def prepare(options: PrepareOptions, out: str | Path, progress: bool = True) -> 
     out = Path(out).expanduser()
     tokenizer = load_tokenizer(options.tokenizer)
     sources = resolve_sources(options.inputs, options.file_glob)
-    digest = fingerprint(options, sources, tokenizer)
+    source_entries = [s.fingerprint() for s in sources]  # every input file's size and mtime, once
+    digest = fingerprint(options, source_entries, tokenizer)
     existing = read_manifest(out)
     if existing is not None and existing.get("fingerprint") == digest:
         return PrepareResult(existing, up_to_date=True)
@@ -257,18 +259,17 @@ def prepare(options: PrepareOptions, out: str | Path, progress: bool = True) -> 
     shutil.rmtree(staging, ignore_errors=True)
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {split: ShardWriter(staging / split, dtype, options.shard_tokens) for split in SPLITS}
-    with tqdm(desc="prepare", unit=" docs", disable=not progress, leave=False) as bar:
+    with tqdm(desc="prepare", unit=" docs", disable=not progress, leave=False) as bar, ExitStack() as stack:
         work = batches(sources, options, bar)
         if options.workers > 1:
-            with multiprocessing.get_context("spawn").Pool(
-                    options.workers, initializer=_start_worker, initargs=(options.tokenizer,)) as pool:
-                for splits, encoded in pool.imap(_encode_in_worker, work):
-                    for split, (ids, mask) in zip(splits, encoded):
-                        writers[split].add(ids, mask)
+            pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(
+                options.workers, initializer=_start_worker, initargs=(options.tokenizer,)))
+            results = pool.imap(_encode_in_worker, work)  # in input order, whatever finishes first
         else:
-            for splits, encoded in (encode(tokenizer, batch) for batch in work):
-                for split, (ids, mask) in zip(splits, encoded):
-                    writers[split].add(ids, mask)
+            results = (encode(tokenizer, batch) for batch in work)
+        for splits, encoded in results:
+            for split, (ids, mask) in zip(splits, encoded):
+                writers[split].add(ids, mask)
     entries = {split: writer.entry() for split, writer in writers.items()}
     if not entries["train"]["documents"] + entries["val"]["documents"]:
         shutil.rmtree(staging, ignore_errors=True)
@@ -277,7 +278,7 @@ def prepare(options: PrepareOptions, out: str | Path, progress: bool = True) -> 
         "format": FORMAT, "version": VERSION, "fingerprint": digest,
         "tokenizer": tokenizer_entry(tokenizer), "dtype": np.dtype(dtype).name,
         "options": output_options(options),
-        "sources": [s.fingerprint() for s in sources], "splits": entries,
+        "sources": source_entries, "splits": entries,
     }
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     if out.exists():

@@ -129,14 +129,13 @@ class HFCausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache: HFCache | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        if positions is not None:
-            if cache is not None:
-                raise ModelError("positions= is for training on packed documents, not with a KV cache")
-            # transformers reads packed sequences from position_ids that restart (with no attention
-            # mask and no cache) and builds the model's own mask from them, sliding windows included.
-            return self.hf(input_ids=tokens, position_ids=positions, use_cache=False).logits
         if cache is None:
-            return self.hf(input_ids=tokens, use_cache=False).logits
+            # With positions (document masking), transformers reads packed sequences from
+            # position_ids that restart (given no attention mask and no cache) and builds the
+            # model's own mask from them, sliding windows included.
+            return self.hf(input_ids=tokens, position_ids=positions, use_cache=False).logits
+        if positions is not None:
+            raise ModelError("positions= is for training on packed documents, not with a KV cache")
         logits = self.hf(input_ids=tokens, past_key_values=cache.past, use_cache=True).logits
         cache.pos += tokens.shape[1]
         return logits
