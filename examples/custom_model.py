@@ -3,11 +3,13 @@
     python examples/custom_model.py [key=value ...]                       # one process
     torchrun --standalone --nproc-per-node 2 examples/custom_model.py     # two processes
 
-shardtrain needs three things from a model: ``model(tokens) -> logits`` of shape (B, T, vocab), the
-class of its repeated block (the FSDP unit; given here as ``wrap_policy``), and, optionally, an
-``init_parameter(name, tensor, generator)`` method. With it the model is built on the meta device
-and every shard is initialised directly, identically at any world size; without it shardtrain builds
-the whole model on CPU on every rank before sharding (fine for small models) and says so.
+A language model of your own trains through the built-in language-model task: it needs
+``model(tokens) -> logits`` of shape (B, T, vocab), the class of its repeated block (the FSDP unit;
+given here as ``wrap_policy``), and, optionally, an ``init_parameter(name, tensor, generator)``
+method. With it the model is built on the meta device and every shard is initialised directly,
+identically at any world size; without it shardtrain builds the whole model on CPU on every rank
+before sharding (fine for small models) and says so. A model with another loss or other data is a
+task of its own: see docs/tasks.md and examples/tasks/.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 import shardtrain
 from shardtrain.distributed.env import destroy_distributed
+from shardtrain.tasks.language_model import LanguageModelTask
 
 
 class Block(nn.Module):
@@ -75,7 +78,7 @@ def main(overrides: list[str]) -> None:
     shardtrain.setup_logging()
     cfg = shardtrain.load_config(["experiment=quick", "trainer.max_steps=30", *overrides])
     try:
-        result = shardtrain.run_training(cfg, model_factory=TinyGPT, wrap_policy=[Block])
+        result = shardtrain.run_training(cfg, task=LanguageModelTask(model=TinyGPT, wrap_policy=[Block]))
     finally:
         destroy_distributed()
     print(f"first loss {result.losses[0]:.3f}, last loss {result.losses[-1]:.3f}")

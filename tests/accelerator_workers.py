@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from equivalence import case_config, small_corpus
 
+from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.loop import Trainer
 
 
@@ -22,7 +23,7 @@ def offload_on_device_mapped_group(out: str) -> None:
     cfg = case_config(world, f"{out}/run", cpu_offload=True)
     cfg.trainer = dataclasses.replace(cfg.trainer, sample_tokens=8)
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, enabled=True, interval=0, save_full=True)
-    trainer = Trainer.create(cfg, corpus=small_corpus())
+    trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=small_corpus()))
     result = trainer.fit()
     weights = trainer.full_weights()
     if int(os.environ["RANK"]) == 0:

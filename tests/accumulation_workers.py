@@ -9,6 +9,7 @@ import torch
 from equivalence import case_config, small_corpus
 from torch.profiler import ProfilerActivity, profile
 
+from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.loop import Trainer
 
 ACCUM = 2
@@ -24,7 +25,7 @@ def count_collectives(out: str) -> None:
             cfg = case_config(world, f"{out}/{strategy}-{mode}", strategy=strategy, accum=ACCUM,
                               shard_group_size=group, grad_accumulation=mode)
             cfg.diagnostics.enabled = False
-            trainer = Trainer.create(cfg, corpus=small_corpus())
+            trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=small_corpus()))
             assert trainer.built.plan.grad_accumulation == mode
             trainer.run_step()  # warm-up
             with profile(activities=[ProfilerActivity.CPU]) as prof:

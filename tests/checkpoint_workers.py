@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from equivalence import case_config, small_corpus
 
+from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.loop import Trainer
 
 N = 4  # steps before the interruption; runs are 2N steps
@@ -28,7 +29,7 @@ def ckpt_config(run_dir: str, world: int, strategy: str = "FULL_SHARD", accum: i
 
 def new_trainer(cfg) -> Trainer:
     """A trainer whose data records the global sample ids of every step it takes."""
-    trainer = Trainer.create(cfg, corpus=small_corpus())
+    trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=small_corpus()))
     data, take = trainer.train_data, trainer.train_data.next_step
     trainer.consumed_ids = []
 
@@ -100,7 +101,7 @@ def init_from(out: str, source: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     cfg = ckpt_config(f"{out}/init{world}", world)
     cfg.model = dataclasses.replace(cfg.model, init_from=source)
-    trainer = Trainer.create(cfg, corpus=small_corpus())
+    trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=small_corpus()))
     assert trainer.step == 0  # a new run: no optimizer state, no step
     weights = trainer.full_weights()
     if trainer.env.is_main:

@@ -12,6 +12,7 @@ from equivalence import case_config, small_corpus
 from torch import nn
 
 from shardtrain.errors import ShardtrainError
+from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.loop import Trainer
 
 
@@ -52,12 +53,13 @@ class BypassModel(nn.Module):
         return self.out(self.blocks[1].forward(h))
 
 
-def expect_error(out: str, name: str, **create_kwargs) -> None:
+def expect_error(out: str, name: str, model, **create_kwargs) -> None:
     """Build and train one step; record the ShardtrainError message every rank raised."""
     world = int(os.environ["WORLD_SIZE"])
     cfg = case_config(world, f"{out}/{name}")
     try:
-        trainer = Trainer.create(cfg, corpus=small_corpus(), wrap_policy=[Block], **create_kwargs)
+        task = LanguageModelTask(model=model, wrap_policy=[Block], corpus=small_corpus())
+        trainer = Trainer.create(cfg, task=task, **create_kwargs)
         trainer.run_step()
     except ShardtrainError as exc:
         Path(out, f"{name}-rank{os.environ['RANK']}.txt").write_text(f"{type(exc).__name__}: {exc}")
@@ -66,20 +68,20 @@ def expect_error(out: str, name: str, **create_kwargs) -> None:
 
 
 def rails(out: str) -> None:
-    expect_error(out, "shared", model_factory=SharedBlockModel)
-    expect_error(out, "bypass", model_factory=BypassModel)
+    expect_error(out, "shared", SharedBlockModel)
+    expect_error(out, "bypass", BypassModel)
 
     def stale_optimizer(sharded_model):
         unsharded = BypassModel()  # parameters from before sharding
         return torch.optim.AdamW(unsharded.parameters(), lr=1e-3)
 
-    expect_error(out, "optimizer", model_factory=BypassModel, optimizer_factory=stale_optimizer)
+    expect_error(out, "optimizer", BypassModel, optimizer_factory=stale_optimizer)
 
 
 def nan_step_is_skipped(out: str) -> None:
     """A NaN on one rank at step 3: the update is skipped everywhere, state left untouched."""
     world = int(os.environ["WORLD_SIZE"])
-    trainer = Trainer.create(case_config(world, f"{out}/nan"), corpus=small_corpus())
+    trainer = Trainer.create(case_config(world, f"{out}/nan"), task=LanguageModelTask(corpus=small_corpus()))
     for _ in range(2):
         trainer.run_step()
     before = trainer.full_weights()
@@ -115,7 +117,7 @@ def measured_state(out: str) -> None:
     for strategy, extra in STRATEGY_CASES[world]:
         cfg = case_config(world, f"{out}/m{world}-{strategy}", strategy=strategy, **extra)
         cfg.diagnostics = dataclasses.replace(cfg.diagnostics, enabled=True, steps=1)
-        trainer = Trainer.create(cfg, corpus=small_corpus())
+        trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=small_corpus()))
         trainer.run_step()
         if trainer.env.is_main:  # rank 0 logs every rank's table to metrics.jsonl after step 1
             records = [json.loads(line) for line in Path(cfg.run.dir, "metrics.jsonl").open()]

@@ -20,6 +20,7 @@ from shardtrain.data.batches import GlobalOrder, TokenWindows
 from shardtrain.data.corpus import Corpus, load_corpus
 from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.models.llama import Llama
+from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.optim import build_optimizer, build_scheduler
 
 GLOBAL_BATCH = 8
@@ -63,7 +64,7 @@ def run_cases(cases: dict[str, dict], out_dir: str, prepared: str | None = None)
     for name, case in cases.items():
         cfg = case_config(world_size, str(Path(out_dir, name)), **case)
         breaks_before = sum(counters["graph_break"].values())
-        trainer = Trainer.create(cfg, corpus=corpus)
+        trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=corpus))
         result = trainer.fit()
         weights = trainer.full_weights()
         if trainer.env.is_main:

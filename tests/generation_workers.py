@@ -13,6 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from shardtrain.generation import generate as generate_module
 from shardtrain.generation.generate import gathered_copy, generate, generation_mode, sharded_inference
+from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.loop import Trainer
 
 
@@ -20,7 +21,7 @@ def count_all_gathers(out: str) -> None:
     """FULL_SHARD at 2 ranks: all-gathers and tokens of whole generations, for two output lengths,
     gathered once and unit by unit; then a training-time sample that would not fit."""
     world = int(os.environ["WORLD_SIZE"])
-    trainer = Trainer.create(case_config(world, f"{out}/gen"), corpus=small_corpus())
+    trainer = Trainer.create(case_config(world, f"{out}/gen"), task=LanguageModelTask(corpus=small_corpus()))
     counts, tokens, seconds = {}, {}, {}
     for mode in ("gathered", "sharded"):
         choice = generation_mode(trainer.model, torch.float32, trainer.env.device, mode)
@@ -30,7 +31,7 @@ def count_all_gathers(out: str) -> None:
             started = time.perf_counter()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 if mode == "gathered":
-                    plain = gathered_copy(trainer.model, trainer.model_factory, trainer.env.device,
+                    plain = gathered_copy(trainer.model, trainer.task.build_model, trainer.env.device,
                                           torch.float32)
                     tokens[mode, new_tokens] = generate(plain, list(b"def "), new_tokens, vocab_limit=256)
                 else:

@@ -45,6 +45,7 @@ def hf_case_config(model_dir: str, world_size: int, run_dir: str, strategy: str 
 
 
 def run_hf_cases(model_dirs: dict[str, str], cases: dict[str, dict], out_dir: str) -> None:
+    from shardtrain.tasks.language_model import LanguageModelTask
     from shardtrain.train.loop import Trainer
 
     world_size = int(os.environ["WORLD_SIZE"])
@@ -52,7 +53,8 @@ def run_hf_cases(model_dirs: dict[str, str], cases: dict[str, dict], out_dir: st
         corpus = hf_corpus(model_dir)
         for name, case in cases.items():
             run_dir = str(Path(out_dir, f"{family}-{name}"))
-            trainer = Trainer.create(hf_case_config(model_dir, world_size, run_dir, **case), corpus=corpus)
+            trainer = Trainer.create(hf_case_config(model_dir, world_size, run_dir, **case),
+                                     task=LanguageModelTask(corpus=corpus))
             with torch.no_grad():
                 trainer.model.eval()
                 logits = trainer.model(PROBE).detach().clone()

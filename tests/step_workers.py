@@ -12,6 +12,7 @@ from equivalence import case_config, small_corpus
 
 from shardtrain.data.batches import IGNORE_INDEX
 from shardtrain.errors import TrainingError
+from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.loop import Trainer
 from shardtrain.train.step import train_step
 
@@ -21,12 +22,12 @@ def agreement_and_empty_steps(out: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     cfg = case_config(world, f"{out}/run")
     cfg.diagnostics.enabled = False
-    trainer = Trainer.create(cfg, corpus=small_corpus())
+    trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=small_corpus()))
     rank = dist.get_rank()
     b, device = trainer.built, trainer.env.device
 
     def step(batches, stop=None):
-        return train_step(b.model, b.optimizer, b.scheduler, batches, b.mesh, 1.0, device,
+        return train_step(b.model, trainer.task, b.optimizer, b.scheduler, batches, b.mesh, 1.0, device,
                           stop_requested=stop)
 
     signalled = step(trainer.train_data.next_step(), stop=lambda: dist.get_rank() == world - 1)

@@ -138,6 +138,8 @@ CHECKED_BY_CODE = {
     "model.tokenizer": ("model.tokenizer={tmp}/nowhere.json", "does not exist"),
     "data.cache_dir": ("data.cache_dir={tmp}/a_file", "is a file"),
     "data.weights": ("data.weights=[1.0]", "one positive weight per prepared dataset"),
+    "task.path": ("task=nope_module:Task", "does not import"),
+    "task.options": ("task.size=3", "takes no options"),  # the language-model task has none
 }
 # Presets a key's bad value is given with (its check applies only there).
 WITH_PRESET = {"data.paths": "data=files", "model.path": "model=hf"}

@@ -81,8 +81,10 @@ def test_eval_batches_pad_with_ignored_rows():
     one = eval_batches(windows, 13, micro_batch_size=4, dp_world_size=1, rank=0)
     three = [eval_batches(windows, 13, micro_batch_size=4, dp_world_size=3, rank=r) for r in range(3)]
     assert len({len(b) for b in three}) == 1  # every rank runs as many forwards
-    count = lambda batches: sum(int((b.targets != IGNORE_INDEX).sum()) for b in batches)  # noqa: E731
+    count = lambda batches: sum(int((b.targets != IGNORE_INDEX).sum()) * w for b, w in batches)  # noqa: E731
     assert count(one) == 13 * 10 == sum(count(b) for b in three)
+    # the third rank's second batch is only padding: it runs its forward and weighs nothing
+    assert [w for _, w in three[2]] == [1.0, 0.0]
 
 
 def test_global_order_is_a_permutation_per_epoch_without_storing_one():

@@ -53,12 +53,13 @@ class PlainModel(torch.nn.Module):
 def train_plain(out_dir: str) -> None:
     from equivalence import case_config, small_corpus
 
+    from shardtrain.tasks.language_model import LanguageModelTask
     from shardtrain.train.loop import Trainer
 
     world = int(os.environ["WORLD_SIZE"])
     cfg = case_config(world, str(Path(out_dir, "run")))
-    trainer = Trainer.create(cfg, model_factory=PlainModel, wrap_policy=[PlainBlock],
-                             corpus=small_corpus())
+    task = LanguageModelTask(model=PlainModel, wrap_policy=[PlainBlock], corpus=small_corpus())
+    trainer = Trainer.create(cfg, task=task)
     result = trainer.fit()
     weights = trainer.full_weights()
     if trainer.env.is_main:

@@ -107,7 +107,7 @@ def test_phase_tracker_keeps_the_stock_trackers_peak():
     original = sim_module.PhasePeakTracker
     try:
         sim_module.PhasePeakTracker = Stock
-        sim_module._simulate_depth(cfg, 8, 8, sim_module.model_factory(cfg.model))
+        sim_module._simulate_depth(cfg, 8, 8, sim_module.bound_task(cfg))
     finally:
         sim_module.PhasePeakTracker = original
     ours = simulate(cfg, 8, 8, probe=False)

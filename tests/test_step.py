@@ -16,4 +16,4 @@ def test_one_ranks_stop_request_reaches_all_and_empty_steps_fail_everywhere(tmp_
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["signalled"] is True, (rank, result)  # only the last rank asked
         assert result["quiet"] is False, (rank, result)
-        assert result["error"] and "no target tokens on any rank" in result["error"], (rank, result)
+        assert result["error"] and "a count of 0 on every rank" in result["error"], (rank, result)

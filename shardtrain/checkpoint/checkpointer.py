@@ -94,6 +94,22 @@ def read_rng_state(file: Path) -> dict[str, Any]:
     return state
 
 
+def drop_unsaved_optimizer_state(optim_state: dict[str, Any], saved_keys) -> list[str]:
+    """Leave out of ``optim_state`` the parameters the checkpoint holds no optimizer state for.
+
+    AdamW makes a parameter's state on its first gradient, so a parameter that never had one (a
+    head that is not used, a frozen part) has none in the checkpoint, while torch's
+    ``get_state_dict`` makes state for every parameter of a fresh optimizer. Loaded as it is, DCP
+    would miss those keys; left out, the resumed optimizer is the saved one: still no state there.
+    """
+    state = optim_state.get("state", {})
+    unsaved = [fqn for fqn in state
+               if not any(key.startswith(f"optim.state.{fqn}.") for key in saved_keys)]
+    for fqn in unsaved:
+        del state[fqn]
+    return unsaved
+
+
 @dataclass
 class PendingSave:
     step: int
@@ -290,12 +306,15 @@ class Checkpointer:
         if not any(k.startswith("optim.") for k in metadata.state_dict_metadata):
             raise CheckpointError(f"checkpoint {str(path)!r} has no optimizer state; use it as "
                                   "model.init_from to start a new run from its weights")
+        unsaved = drop_unsaved_optimizer_state(state["optim"], metadata.state_dict_metadata)
         try:
             dcp.load(state, checkpoint_id=str(path), process_group=self.group)
         except Exception as exc:
             raise CheckpointError(f"loading {str(path)!r} failed: {str(exc).splitlines()[0]}") from exc
+        # Not strict only to let the parameters without saved optimizer state stay without; the model
+        # state is this model's own keys, all read from the checkpoint.
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=StateDictOptions(strict=not unsaved))
         self.scheduler.load_state_dict(trainer_state.scheduler)
         if rng is not None:
             set_rng_state(rng)

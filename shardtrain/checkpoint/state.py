@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from shardtrain.config.loader import config_hash
 from shardtrain.config.plan import ShardingPlan, describe_mesh
-from shardtrain.config.schema import Config, DataConfig, ModelConfig
+from shardtrain.config.schema import LANGUAGE_MODEL_TASK, Config, DataConfig, ModelConfig
 from shardtrain.errors import CheckpointError
 from shardtrain.version import __version__
 
@@ -74,6 +74,13 @@ class TrainState:
         return describe_mesh(self.mesh_dim_names, self.mesh_shape)
 
     def model_config(self) -> ModelConfig:
+        """The language model's config; a CheckpointError for another task's checkpoint, whose
+        model only its task can build."""
+        task = self.config.get("task", {}).get("path", LANGUAGE_MODEL_TASK)  # older: no task section
+        if task != LANGUAGE_MODEL_TASK:
+            raise CheckpointError(f"this checkpoint was trained with task={task}; generate, eval and "
+                                  "export-hf serve the language-model task only (shardtrain consolidate "
+                                  "writes any task's weights to safetensors)")
         return ModelConfig(**self.config["model"])
 
     def data_config(self) -> DataConfig:

@@ -169,6 +169,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     from shardtrain.data.tokenizer import tokenizer_for
     from shardtrain.distributed.env import destroy_distributed
     from shardtrain.generation.inference import load_for_inference
+    from shardtrain.tasks.language_model import LanguageModelTask
     from shardtrain.train.step import evaluate
 
     try:
@@ -187,7 +188,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
         windows = TokenWindows(data, args.seq_len, "evaluation data")
         batches = eval_batches(windows, args.samples, args.batch_size, loaded.env.world_size,
                                loaded.env.rank)
-        loss = evaluate(loaded.model, batches, loaded.env.device)
+        loss, _ = evaluate(loaded.model, LanguageModelTask(), batches, loaded.env.device)
         if loaded.env.is_main:
             n = min(args.samples, windows.num_samples) * args.seq_len
             unit = "byte" if tokenizer.name == "bytes" else "token"
@@ -219,13 +220,20 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardtrain.config.loader import load_config
     from shardtrain.config.plan import launch_shape
+    from shardtrain.config.schema import LANGUAGE_MODEL_TASK
     from shardtrain.config.sizes import parse_size
     from shardtrain.diagnostics.planner import plan_table
+    from shardtrain.errors import ConfigError
 
     cfg = load_config(args.overrides)
     per_node, world = launch_shape(cfg)
     memory = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
     local = args.processes_per_node or per_node
+    language_model = cfg.task.path == LANGUAGE_MODEL_TASK
+    if not args.simulate and not language_model:
+        raise ConfigError(f"shardtrain plan's formulas know decoder language models only; for "
+                          f"task={cfg.task.path} use shardtrain plan --simulate (it runs the task's "
+                          "model on its example batch)")
     if not args.simulate:
         sizes = args.world_sizes or sorted({1, 2, 4, 8, world})
         print(plan_table(cfg, sizes, memory, local))
@@ -239,10 +247,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                      "config": [cfg.strategy.activation_checkpointing != "none"]}[args.ac]
     rows = simulation_rows(cfg, args.world_sizes or [world], strategies, checkpointing, local,
                            probe=not args.full_depth)
-    print(f"simulated one training step of rank 0 (micro-batch {cfg.trainer.micro_batch_size} x "
-          f"{cfg.trainer.seq_len} tokens, {cfg.trainer.grad_accum_steps} micro-batch(es), "
-          f"{cfg.strategy.mixed_precision}, {local} processes per node); GiB per rank, the "
-          "planner's estimate in brackets")
+    batch = (f"{cfg.trainer.micro_batch_size} x {cfg.trainer.seq_len} tokens" if language_model else
+             f"{cfg.trainer.micro_batch_size} samples of task {cfg.task.path}")
+    print(f"simulated one training step of rank 0 (micro-batch {batch}, "
+          f"{cfg.trainer.grad_accum_steps} micro-batch(es), {cfg.strategy.mixed_precision}, {local} "
+          "processes per node); GiB per rank, the planner's estimate in brackets")
     print(simulation_table(rows, memory, markdown=args.markdown))
     return 0
 

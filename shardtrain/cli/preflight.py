@@ -13,6 +13,8 @@ from shardtrain.config.schema import Config
 from shardtrain.data.prepared import open_prepared
 from shardtrain.data.tokenizer import tokenizer_for
 from shardtrain.errors import CheckpointError, ConfigError
+from shardtrain.tasks.language_model import LanguageModelTask
+from shardtrain.tasks.task import task_from_config
 
 
 def check_writable(path: Path, what: str) -> None:
@@ -68,6 +70,10 @@ def check_training(cfg: Config) -> None:
     check_run_dir(Path(cfg.run.dir))
     check_resume(cfg)
     check_init_from(cfg.model.init_from)
+    # The task is a Task with what the contract requires; the model and data checks below are the
+    # language model's.
+    if not isinstance(task_from_config(cfg), LanguageModelTask):
+        return
     if cfg.model.weights_source() == cfg.model.path and cfg.model.path:
         weight_files(Path(cfg.model.path).expanduser())  # a Hugging Face model's own weights
     tokenizer = tokenizer_for(cfg.model)  # a missing or unreadable tokenizer fails here, before any worker

@@ -1,4 +1,4 @@
-"""Dotted class paths in configs (``strategy.wrap_policy``): import them, or say why not."""
+"""Dotted class paths in configs (``strategy.wrap_policy``, ``task``): import them, or say why not."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib
 
 from torch import nn
 
-from shardtrain.errors import ModelError
+from shardtrain.errors import ConfigError, ModelError
 
 
 def import_module_class(path: str) -> type[nn.Module]:
@@ -21,3 +21,21 @@ def import_module_class(path: str) -> type[nn.Module]:
     if not isinstance(obj, type) or not issubclass(obj, nn.Module):
         raise ModelError(f"wrap policy entry {path!r} is not an nn.Module class")
     return obj
+
+
+def import_object(path: str, what: str) -> object:
+    """The object ``pkg.module:Name`` (or ``pkg.module.Name``) names; a ConfigError saying why not.
+    ``what`` names the setting in the message ("task")."""
+    module_name, colon, attr = path.partition(":")
+    if not colon:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"{what}={path!r} is not an import path like 'my_pkg.tasks:MyTask'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{what}={path!r}: module {module_name!r} does not import ({exc}); is it "
+                          "installed, or on PYTHONPATH?") from exc
+    if not hasattr(module, attr):
+        raise ConfigError(f"{what}={path!r}: module {module_name!r} has no {attr!r}")
+    return getattr(module, attr)

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from shardtrain.accelerator import accelerator_count
-from shardtrain.config.classpath import import_module_class
+from shardtrain.config.classpath import import_module_class, import_object
 from shardtrain.config.plan import devices_count, launch_shape, resolve_plan
 from shardtrain.config.schema import Config
 from shardtrain.config.suggest import closest
@@ -39,6 +39,18 @@ def apply_aliases(override: str) -> str:
     prefix = override[: len(override) - len(override.lstrip("+~"))]
     key, sep, value = override[len(prefix):].partition("=")
     return prefix + ALIASES.get(key, key) + sep + value
+
+
+def task_override(override: str) -> str:
+    """``task=X`` sets the task's path; ``task.NAME=V`` one of its options (checked in
+    ``check_task`` against the task's Options, once the task is known)."""
+    key, sep, value = override.partition("=")
+    bare = key.lstrip("+~")
+    if bare == "task" and sep:
+        return f"task.path={value}"
+    if bare.startswith("task.") and bare not in ("task.path", "task.options") and sep:
+        return f"++task.options.{bare.removeprefix('task.').removeprefix('options.')}={value}"
+    return override
 
 
 def group_options(group: str) -> list[str]:
@@ -73,13 +85,13 @@ def check_override(override: str) -> None:
             )
         return
     keys = schema_keys()
-    if key not in keys:
+    if key not in keys and not key.startswith("task.options."):
         raise ConfigError(f"unknown config key {key!r}{closest(key, list(keys) + list(GROUPS))}")
 
 
 def load_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The resolved, validated config for these overrides."""
-    overrides = [apply_aliases(o) for o in overrides]
+    overrides = [task_override(apply_aliases(o)) for o in overrides]
     for override in overrides:
         check_override(override)
     # The schema is the base of config.yaml's defaults list, so every section exists and is typed.
@@ -114,13 +126,16 @@ def config_hash(cfg: Config) -> str:
     return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()[:16]
 
 
-def check_ranges(cfg: Config) -> None:
-    """Every key against the bounds declared beside it in the schema (``knob(...)``)."""
-    for key, f in schema_keys().items():
+def check_ranges(cfg: Any, cls: type = Config, prefix: str = "") -> None:
+    """Every key against the bounds declared beside it in the schema (``knob(...)``); also a
+    task's options (``cls``: its Options, ``prefix`` "task.")."""
+    for key, f in schema_keys(cls).items():
         if not f.metadata:
             continue
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        key = prefix + key
         low, above, high, choices = (f.metadata.get(k) for k in ("at_least", "above", "at_most", "one_of"))
         if choices is not None and value not in choices:
             raise ConfigError(f"{key}={value!r} is unknown{closest(str(value), choices)}; choose one of "
@@ -177,6 +192,37 @@ def check_model(cfg: Config) -> None:
         raise ConfigError("model.dim / model.n_heads (the head size) must be even for RoPE")
 
 
+def check_task(cfg: Config) -> None:
+    """``task.path`` imports, and ``task.options`` fit its ``Options`` dataclass: names, types and
+    bounds, each wrong one a ConfigError naming ``task.NAME``. The options are stored back in full,
+    defaults included, so config.yaml and checkpoints record every one."""
+    cls = import_object(cfg.task.path, "task")
+    if not isinstance(cls, type):
+        raise ConfigError(f"task={cfg.task.path!r} is not a class")
+    options_cls = getattr(cls, "Options", None)
+    if options_cls is None:
+        if cfg.task.options:
+            raise ConfigError(f"task {cfg.task.path} takes no options (it declares no Options "
+                              f"dataclass), got task.{next(iter(cfg.task.options))}")
+        return
+    if not dataclasses.is_dataclass(options_cls):
+        raise ConfigError(f"task {cfg.task.path}: its Options must be a dataclass")
+    names = [f.name for f in dataclasses.fields(options_cls)]
+    for name in cfg.task.options:
+        if name not in names:
+            raise ConfigError(f"unknown task option 'task.{name}'"
+                              f"{closest(f'task.{name}', [f'task.{n}' for n in names])}; "
+                              f"{cls.__name__} takes: {', '.join(names) or 'none'}")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(options_cls), cfg.task.options)
+        options = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        raise ConfigError(f"invalid value for task.{key}: {str(exc).splitlines()[0]}") from exc
+    check_ranges(options, options_cls, "task.")
+    cfg.task.options = OmegaConf.to_container(merged)
+
+
 def validate(cfg: Config) -> None:
     t = cfg.trainer
     cfg.dist.debug = str(cfg.dist.debug).upper()
@@ -204,6 +250,7 @@ def validate(cfg: Config) -> None:
             except ShardtrainError as exc:
                 raise ConfigError(f"strategy.wrap_policy: {exc}") from exc
     check_model(cfg)
+    check_task(cfg)
     for name in cfg.checkpoint.preemption_signals:
         if not isinstance(getattr(signal, str(name), None), signal.Signals):
             raise ConfigError(f"checkpoint.preemption_signals: {name!r} is not a signal name like 'SIGTERM'")

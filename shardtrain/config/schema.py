@@ -210,8 +210,23 @@ class RunConfig:
     tensorboard: bool = True
 
 
+# The built-in task: a causal language model over token windows (model.*, data.*).
+LANGUAGE_MODEL_TASK = "shardtrain.tasks.language_model:LanguageModelTask"
+
+
+@dataclass
+class TaskConfig:
+    """What is trained: ``task=pkg.module:Class`` names a ``shardtrain.tasks.Task`` subclass
+    (docs/tasks.md); its typed options are set as ``task.NAME=VALUE`` and checked against the
+    task's ``Options`` dataclass."""
+
+    path: str = LANGUAGE_MODEL_TASK
+    options: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class Config:
+    task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     data: DataConfig = field(default_factory=DataConfig)

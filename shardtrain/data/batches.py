@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -44,6 +44,20 @@ def positions_in_window(starts: np.ndarray, length: int) -> np.ndarray:
     return np.arange(length, dtype=np.int64) - np.maximum.accumulate(segment)
 
 
+class SampleSource(Protocol):
+    """What the framework reads a task's data through: ``num_samples`` samples, the global order
+    over their ids, and ``batch(ids, keys)``, one micro-batch of the samples at ``ids`` (-1: padding,
+    which contributes nothing). ``keys`` are the samples' positions in the global order, which seed
+    per-sample random draws (``tasks/samples.py``); sources without draws ignore them."""
+
+    num_samples: int
+    sample_kind: str  # what a sample is, for messages ("samples", "windows of ... tokens")
+
+    def order(self, seed: int) -> GlobalOrder | MixtureOrder: ...
+
+    def batch(self, ids: np.ndarray, keys: np.ndarray | None = None) -> Any: ...
+
+
 class TokenWindows:
     """Non-overlapping windows of ``seq_len + 1`` tokens; sample i starts at ``i * seq_len``.
 
@@ -69,10 +83,14 @@ class TokenWindows:
                             "plain tokens; use a prepared dataset (shardtrain prepare, data.source=prepared)")
         self.document_mask = document_mask
 
+    @property
+    def sample_kind(self) -> str:
+        return f"windows of trainer.seq_len+1={self.seq_len + 1} tokens"
+
     def order(self, seed: int) -> GlobalOrder:
         return GlobalOrder(self.num_samples, seed)
 
-    def batch(self, ids: np.ndarray) -> Batch:
+    def batch(self, ids: np.ndarray, keys: np.ndarray | None = None) -> Batch:
         """Inputs and targets for sample ``ids``; an id of -1 is padding (targets ignored), and so
         is a token the data marks as no target (a fine-tuning prompt: ``TokenStream.targets``)."""
         x = np.zeros((len(ids), self.seq_len), dtype=np.int64)
@@ -222,11 +240,12 @@ class MixtureWindows:
         self.weights = weights
         self.seq_len = parts[0].seq_len
         self.num_samples = sum(part.num_samples for part in parts)
+        self.sample_kind = parts[0].sample_kind
 
     def order(self, seed: int) -> MixtureOrder:
         return MixtureOrder([part.num_samples for part in self.parts], self.weights, seed)
 
-    def batch(self, ids: np.ndarray) -> Batch:
+    def batch(self, ids: np.ndarray, keys: np.ndarray | None = None) -> Batch:
         x = torch.zeros((len(ids), self.seq_len), dtype=torch.int64)
         y = torch.full((len(ids), self.seq_len), IGNORE_INDEX, dtype=torch.int64)
         positions = torch.zeros_like(x) if self.parts[0].document_mask else None
@@ -270,16 +289,16 @@ class TrainBatches:
     long the last ``next_step`` waited for its batches.
     """
 
-    def __init__(self, windows: TokenWindows | MixtureWindows, layout: BatchLayout, rank: int, seed: int,
+    def __init__(self, windows: SampleSource, layout: BatchLayout, rank: int, seed: int,
                  prefetch: bool = True) -> None:
         if windows.num_samples < layout.global_batch:
-            # One step would hold some windows twice (the order wraps into the next epoch).
+            # One step would hold some samples twice (the order wraps into the next epoch).
+            shorter = " or a shorter trainer.seq_len" if "seq_len" in windows.sample_kind else ""
             raise DataError(
-                f"the training data has {windows.num_samples} windows of trainer.seq_len+1="
-                f"{windows.seq_len + 1} tokens, fewer than one global batch of {layout.global_batch} "
-                f"(trainer.micro_batch_size={layout.micro_batch_size} x trainer.grad_accum_steps="
-                f"{layout.grad_accum_steps} x {layout.dp_world_size} data-parallel ranks); use more "
-                "data, a smaller batch or a shorter trainer.seq_len")
+                f"the training data has {windows.num_samples} {windows.sample_kind}, fewer than one "
+                f"global batch of {layout.global_batch} (trainer.micro_batch_size="
+                f"{layout.micro_batch_size} x trainer.grad_accum_steps={layout.grad_accum_steps} x "
+                f"{layout.dp_world_size} data-parallel ranks); use more data, a smaller batch{shorter}")
         self.windows = windows
         self.layout = layout
         self.rank = rank
@@ -294,11 +313,13 @@ class TrainBatches:
         """The global sample ids of the next step (a function of the seed and the position only)."""
         return self.order.take(self.consumed_samples, self.layout.global_batch)
 
-    def batches_at(self, position: int) -> list[Batch]:
+    def batches_at(self, position: int) -> list[Any]:
         ids = self.order.take(position, self.layout.global_batch)
-        return [self.windows.batch(s) for s in self.layout.rank_slices(ids, self.rank)]
+        keys = np.arange(position, position + self.layout.global_batch, dtype=np.int64)
+        return [self.windows.batch(s, k) for s, k in zip(self.layout.rank_slices(ids, self.rank),
+                                                         self.layout.rank_slices(keys, self.rank))]
 
-    def next_step(self) -> list[Batch]:
+    def next_step(self) -> list[Any]:
         started = time.perf_counter()
         position = self.consumed_samples
         if self._ahead is not None and self._ahead[0] == position:
@@ -318,18 +339,19 @@ class TrainBatches:
             self._executor, self._ahead = None, None
 
 
-def eval_batches(windows: TokenWindows, num_samples: int, micro_batch_size: int,
-                 dp_world_size: int, rank: int) -> list[Batch]:
-    """The first ``num_samples`` validation windows, padded so every rank gets as many batches.
+def eval_batches(windows: SampleSource, num_samples: int, micro_batch_size: int,
+                 dp_world_size: int, rank: int) -> list[tuple[Any, float]]:
+    """The first ``num_samples`` validation samples as (micro-batch, weight), padded so that every
+    rank runs as many forwards (a rank with fewer would leave the others waiting in FSDP's
+    all-gathers: torchtitan#1617).
 
-    Padding rows have only ignored targets, so the validation loss is the same at any world size.
+    Padding contributes nothing (a token window's padding rows have only ignored targets; a batch
+    that is only padding has weight 0), so the validation loss is the same at any world size.
     """
     n = min(num_samples, windows.num_samples)
     per_round = micro_batch_size * dp_world_size
     rounds = -(-n // per_round)
     ids = np.full(rounds * per_round, -1, dtype=np.int64)
     ids[:n] = np.arange(n)
-    return [
-        windows.batch(ids[r * per_round + rank * micro_batch_size:][:micro_batch_size])
-        for r in range(rounds)
-    ]
+    mine = [ids[r * per_round + rank * micro_batch_size:][:micro_batch_size] for r in range(rounds)]
+    return [(windows.batch(part), float((part >= 0).any())) for part in mine]

@@ -10,7 +10,13 @@ chunk size only, never on the world size, and a rank draws just the chunks its s
 memory and time scale with its shard, not the model (a 70B model no longer needs every full weight on
 every rank). This needs an initialiser that fills elements independently of the tensor's shape, which
 a model declares with ``init_parameter_elementwise = True``; other models get ``init_parameter``
-called on full tensors, as before.
+called on full tensors, as before. The initialiser is the task's (a model the user did not change)
+or the model's own.
+
+Building "on meta" puts the parameters on the meta device but lets buffers be computed as the module
+constructs them (sinusoidal or rotary tables, masks): they are restored after materialisation, so a
+module the framework did not write needs no method of ours to recompute them. Tied parameters stay
+one object throughout.
 """
 
 from __future__ import annotations
@@ -18,12 +24,15 @@ from __future__ import annotations
 import logging
 import math
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
@@ -68,17 +77,36 @@ def fill_elements(init: InitFn, name: str, seed: int, out: torch.Tensor, start: 
         out[first - start:last - start] = chunk[first - low:last - low]
 
 
-def init_full_parameter(model: nn.Module, name: str, tensor: torch.Tensor, seed: int) -> None:
+def init_full_parameter(initializer: Any, name: str, tensor: torch.Tensor, seed: int) -> None:
     """The full initial value of parameter ``name``, exactly as the sharded build gives it at any
-    world size (for references and hand-written loops that start from the same weights)."""
-    if getattr(model, "init_parameter_elementwise", False):
+    world size (for references and hand-written loops that start from the same weights);
+    ``initializer``: the model or task whose ``init_parameter`` the build uses."""
+    if getattr(initializer, "init_parameter_elementwise", False):
         flat = torch.empty(tensor.numel(), dtype=torch.float32)
-        fill_elements(model.init_parameter, name, seed, flat, 0, tensor.numel())
+        fill_elements(initializer.init_parameter, name, seed, flat, 0, tensor.numel())
         tensor.copy_(flat.view(tensor.shape))
     else:
         full = torch.empty(tensor.shape, dtype=torch.float32)
-        model.init_parameter(name, full, torch.Generator().manual_seed(stable_seed(seed, name)))
+        initializer.init_parameter(name, full, torch.Generator().manual_seed(stable_seed(seed, name)))
         tensor.copy_(full)
+
+
+def _parameter_to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+    if param is None or param.device.type == "meta":
+        return None  # already meta: the same object, so a tied parameter stays tied
+    return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules constructed inside get their parameters on the meta device (initialisers then run on
+    meta, for free) and their buffers computed for real (they are small, and only the module knows
+    how to make them)."""
+    handle = register_module_parameter_registration_hook(_parameter_to_meta)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def first_row(param: DTensor) -> int:
@@ -99,57 +127,76 @@ def move_buffers(model: nn.Module, device: torch.device) -> None:
 
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, seed: int, cpu_offload: bool = False,
-                initialize: bool = True) -> None:
-    """Allocate the sharded parameters on ``device``, initialise them world-size-invariantly
-    (``initialize=False``: leave them uninitialised, for weights that are read next), and compute
-    the model's derived buffers.
+                initialize: bool = True, initializer: Any = None) -> None:
+    """Allocate the sharded parameters on ``device``, initialise them world-size-invariantly with
+    ``initializer.init_parameter`` (default: the model's; ``initialize=False``: leave them
+    uninitialised, for weights that are read next), and bring back the buffers: the model's own
+    ``init_buffers`` recomputes them, else the values they had when constructed are restored.
 
     With CPU offload FSDP2 requires the sharded parameters in host memory before its first forward
     (it pins and keeps them there); buffers are not FSDP's and must be on the device that computes.
     """
+    constructed = {name: buffer.clone() for name, buffer in model.named_buffers(remove_duplicate=False)
+                   if buffer.device.type != "meta"}
     model.to_empty(device="cpu" if cpu_offload else device)
     if cpu_offload:
         move_buffers(model, device)
     if initialize:
-        initialize_parameters(model, seed)
+        initialize_parameters(model, seed, initializer or model)
     if hasattr(model, "init_buffers"):
         model.init_buffers()
+        return
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        if name not in constructed:
+            raise ModelError(f"buffer {name!r} of {type(model).__name__} was made on the meta device, so "
+                             "its value is unknown after materialisation; build the model without a "
+                             "torch.device('meta') context, or give it init_buffers()")
+        buffer.copy_(constructed[name])
 
 
-def initialize_parameters(model: nn.Module, seed: int) -> None:
-    """Every (sharded) parameter from the model's ``init_parameter``, each rank only its own part."""
-    if getattr(model, "init_parameter", None) is None:
+def initializer_of(task_or_model: Any) -> Any:
+    """What initialises the parameters: an object with ``init_parameter``, else None."""
+    return task_or_model if getattr(task_or_model, "init_parameter", None) is not None else None
+
+
+def initialize_parameters(model: nn.Module, seed: int, initializer: Any = None) -> None:
+    """Every (sharded) parameter from ``initializer.init_parameter`` (default: the model's), each
+    rank only its own part."""
+    initializer = initializer or model
+    if getattr(initializer, "init_parameter", None) is None:
         raise ModelError(
             f"{type(model).__name__} has no init_parameter(name, tensor, generator); "
             "build it with init_device='cpu' instead of meta"
         )
-    elementwise = getattr(model, "init_parameter_elementwise", False)
+    elementwise = getattr(initializer, "init_parameter_elementwise", False)
     for name, param in model.named_parameters():
         if not (elementwise and isinstance(param, DTensor)):
             full = torch.empty(param.shape, dtype=torch.float32)
-            init_full_parameter(model, name, full, seed)
+            init_full_parameter(initializer, name, full, seed)
             param.copy_(shard_like(full.to(param.dtype), param))
             continue
         local = param.to_local()
         first = first_row(param)
         row = math.prod(param.shape[1:])  # global shape: a rank's shard may have no rows
         values = torch.empty(local.numel(), dtype=torch.float32)
-        fill_elements(model.init_parameter, name, seed, values, first * row, param.numel())
+        fill_elements(initializer.init_parameter, name, seed, values, first * row, param.numel())
         local.copy_(values.view(local.shape).to(local.dtype))
 
 
 def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: DeviceMesh,
                         factory: ModelFactory, wrap_policy: Sequence[str | type] | None = None,
-                        ) -> tuple[nn.Module, ShardingReport]:
+                        initializer: Any = None) -> tuple[nn.Module, ShardingReport]:
+    """``initializer``: an object with ``init_parameter`` (a task's) used instead of the model's."""
     policy = list(wrap_policy) if wrap_policy is not None else list(cfg.strategy.wrap_policy)
-    with torch.device("meta"):
+    with parameters_on_meta():
         model = factory()
-    if hasattr(model, "init_parameter"):
+    initializer = initializer_of(initializer) or initializer_of(model)
+    if initializer is not None:
         report = parallelize(model, mesh, plan, policy)
         # Weights that will be read (model.init_from, a Hugging Face model's own) need no drawing:
         # at 0.5B parameters that is most of the start-up.
         materialize(model, env.device, cfg.trainer.seed, plan.cpu_offload,
-                    initialize=cfg.model.weights_source() is None)
+                    initialize=cfg.model.weights_source() is None, initializer=initializer)
     else:
         # Without a per-parameter initialiser there is no way to initialise shards independently
         # of the world size, so build the full model once on CPU (same seed on every rank).

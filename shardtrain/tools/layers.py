@@ -25,6 +25,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("config", ["shardtrain.config"]),
     ("models", ["shardtrain.models"]),
     ("data", ["shardtrain.data"]),
+    # The task contract (model, data, loss of any kind) and the built-in language-model task.
+    ("tasks", ["shardtrain.tasks"]),
     ("distributed", ["shardtrain.distributed"]),
     ("checkpoint", ["shardtrain.checkpoint"]),
     ("diagnostics", ["shardtrain.diagnostics"]),

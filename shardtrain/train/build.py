@@ -3,7 +3,7 @@ materialise -> optimizer (on the sharded DTensors) -> scheduler."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +15,8 @@ from shardtrain.config.schema import Config
 from shardtrain.diagnostics.rails import check_optimizer
 from shardtrain.distributed.env import DistEnv, build_mesh
 from shardtrain.distributed.parallelize import ShardingReport
-from shardtrain.distributed.sharded_model import ModelFactory, build_sharded_model
+from shardtrain.distributed.sharded_model import build_sharded_model
+from shardtrain.tasks.task import Task
 from shardtrain.train.optim import build_optimizer, build_scheduler
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
@@ -31,12 +32,12 @@ class Built:
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
 
-def build(cfg: Config, env: DistEnv, model_factory: ModelFactory,
-          wrap_policy: Sequence[str | type] | None = None,
+def build(cfg: Config, env: DistEnv, task: Task,
           optimizer_factory: OptimizerFactory | None = None) -> Built:
     plan = resolve_plan(cfg.strategy, env.world_size, env.local_world_size)
     mesh = build_mesh(plan, env.device.type)
-    model, report = build_sharded_model(cfg, env, plan, mesh, model_factory, wrap_policy)
+    model, report = build_sharded_model(cfg, env, plan, mesh, task.build_model, task.wrap_policy(),
+                                        initializer=task)
     # Called with the sharded model, so it can only see the DTensor parameters; checked anyway,
     # since a factory may close over an optimizer or parameters made before sharding.
     optimizer = optimizer_factory(model) if optimizer_factory else build_optimizer(model, cfg.trainer)

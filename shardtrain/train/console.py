@@ -12,17 +12,26 @@ from shardtrain.train.metrics import Throughput
 log = logging.getLogger("shardtrain")
 
 
-def format_record(step: int, max_steps: int, record: dict) -> str:
-    """``step 10/300 | loss 2.1 | ... | val_loss 2.0`` from a metrics record."""
+def rate(record: dict) -> str:
+    """The task's own unit per second ("1234 tok/s"), else samples per second."""
+    if "tokens_per_s" in record:
+        return f"{record['tokens_per_s']:.0f} tok/s"
+    return f"{record['samples_per_s']:.1f} samples/s"
+
+
+def format_record(step: int, max_steps: int, record: dict, metrics: tuple[str, ...] = ()) -> str:
+    """``step 10/300 | loss 2.1 | ... | val_loss 2.0`` from a metrics record; ``metrics``: the
+    task's own values, shown after the loss."""
     parts = [f"step {step}/{max_steps}"]
     if "loss" in record:
-        mfu = record.get("mfu")
+        mfu, tflops = record.get("mfu"), record.get("model_tflops")
+        parts += [f"loss {record['loss']:.4f}"]
+        parts += [f"{name} {record[name]:.4g}" for name in metrics if name in record]
         parts += [
-            f"loss {record['loss']:.4f}",
             f"grad_norm {record['grad_norm']:.3f}",
             f"lr {record['lr']:.2e}",
-            f"{record['tokens_per_s']:.0f} tok/s",
-            f"{record['model_tflops'] * 1e3:.1f} GFLOP/s",
+            rate(record),
+            f"{tflops * 1e3:.1f} GFLOP/s" if tflops is not None else "GFLOP/s unknown",
             "MFU " + (f"{100 * mfu:.1f}%" if mfu is not None else "unknown (no peak for this device)"),
             f"peak mem {record['peak_memory_mib']:.0f} MiB",
             f"data wait {record['data_wait_pct']:.1f}%",
@@ -48,12 +57,12 @@ class Console:
         """One step on the bar (nothing is computed without one: most steps are not logged)."""
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{throughput.report()['tokens_per_s']:.0f}")
+            self.bar.set_postfix(loss=f"{loss:.3f}", rate=rate(throughput.report()))
 
-    def show(self, step: int, record: dict) -> None:
+    def show(self, step: int, record: dict, metrics: tuple[str, ...] = ()) -> None:
         if not self.enabled:
             return
-        line = format_record(step, self.max_steps, record)
+        line = format_record(step, self.max_steps, record, metrics)
         if self.bar is not None:
             self.bar.write(line)
         else:

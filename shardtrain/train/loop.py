@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils.flop_counter import FlopCounterMode
 
 from shardtrain import faults
 from shardtrain.accelerator import device_peak_flops, peak_memory_mib
@@ -21,9 +21,7 @@ from shardtrain.checkpoint.weights import load_model_weights
 from shardtrain.config.loader import to_yaml
 from shardtrain.config.plan import check_world
 from shardtrain.config.schema import Config
-from shardtrain.data.batches import BatchLayout, TokenWindows, TrainBatches, eval_batches
-from shardtrain.data.corpus import Corpus, load_corpus
-from shardtrain.data.tokenizer import Tokenizer, tokenizer_for
+from shardtrain.data.batches import BatchLayout, SampleSource, TrainBatches, eval_batches
 from shardtrain.diagnostics.memory import PhaseMemory
 from shardtrain.diagnostics.rails import check_uniform_batches
 from shardtrain.diagnostics.report import (
@@ -35,11 +33,11 @@ from shardtrain.diagnostics.report import (
 )
 from shardtrain.diagnostics.watchdog import Watchdog
 from shardtrain.distributed.env import DistEnv, apply_debug_switches, init_distributed, set_cpu_threads
-from shardtrain.distributed.sharded_model import ModelFactory
 from shardtrain.errors import TrainingError
 from shardtrain.generation.generate import gathered_copy, generate, generation_mode
-from shardtrain.models.masking import check_document_mask_support
-from shardtrain.models.registry import model_factory as default_model_factory
+from shardtrain.tasks.language_model import LanguageModelTask
+from shardtrain.tasks.samples import batch_size
+from shardtrain.tasks.task import Task, check_task, task_config_of, task_from_config
 from shardtrain.train.build import Built, OptimizerFactory, build
 from shardtrain.train.console import Console
 from shardtrain.train.metrics import MetricsWriter, Throughput
@@ -54,6 +52,8 @@ class TrainResult:
     grad_norms: list[float] = field(default_factory=list)
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     skipped_steps: int = 0
+    # The task's count summed over the steps run (target tokens for a language model); checkpoints
+    # carry it under this name.
     tokens_seen: int = 0
     sample: str | None = None
     resumed_from: str | None = None
@@ -61,43 +61,31 @@ class TrainResult:
     checkpoint_blocked_s: list[float] = field(default_factory=list)
 
 
-def count_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    if hasattr(model, "flops_per_token"):
-        return float(model.flops_per_token(seq_len))
-    return 6.0 * sum(p.numel() for p in model.parameters())
-
-
 def due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
 class Trainer:
-    def __init__(self, cfg: Config, env: DistEnv, built: Built, corpus: Corpus,
-                 model_factory: ModelFactory, tokenizer: Tokenizer) -> None:
+    def __init__(self, cfg: Config, env: DistEnv, built: Built, task: Task, train: SampleSource,
+                 val: SampleSource | None) -> None:
         self.cfg = cfg
         self.env = env
         self.built = built
-        self.model_factory = model_factory
-        self.corpus = corpus
-        self.tokenizer = tokenizer
+        self.task = task
         t = cfg.trainer
         self.layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, env.world_size)
-        document_mask = cfg.data.document_mask
-        if document_mask:
-            check_document_mask_support(built.model)
-        self.train_data = TrainBatches(corpus.train_windows(t.seq_len, document_mask), self.layout,
-                                       env.rank, t.seed)
-        val_windows = TokenWindows(corpus.val, t.seq_len, "validation data", document_mask)
-        self.val_batches = eval_batches(
-            val_windows, t.eval_samples, t.micro_batch_size, env.world_size, env.rank
-        )
+        self.train_data = TrainBatches(train, self.layout, env.rank, t.seed)
+        self.val_batches = ([] if val is None else
+                            eval_batches(val, t.eval_samples, t.micro_batch_size, env.world_size, env.rank))
         self.step = 0
         self.result = TrainResult()
         self.writer = MetricsWriter(Path(cfg.run.dir), cfg.run.tensorboard, env.is_main)
         self.console = Console(env.is_main, t.progress_bar, t.max_steps)
-        self.throughput = Throughput(count_flops_per_token(built.model, t.seq_len), env.world_size,
-                                     device_peak_flops(env.device))
+        self.throughput = Throughput(task.count_unit, env.world_size, device_peak_flops(env.device))
+        # FLOPs per sample counted on the first step when the task cannot say (Task.flops).
+        self.counted_flops_per_sample: float | None = None
         self.interval_losses: list[float] = []
+        self.interval_metrics: dict[str, list[float]] = {}
         self.consecutive_skips = 0
         self.checkpointer = (
             Checkpointer(cfg, built.plan, built.model, built.optimizer, built.scheduler, env.rank,
@@ -116,10 +104,9 @@ class Trainer:
             "validation batches": len(self.val_batches)}, env.device)
 
     @classmethod
-    def create(cls, cfg: Config, *, model_factory: ModelFactory | None = None,
-               wrap_policy: Sequence[str | type] | None = None,
-               optimizer_factory: OptimizerFactory | None = None,
-               corpus: Corpus | None = None) -> Trainer:
+    def create(cls, cfg: Config, *, task: Task | None = None,
+               optimizer_factory: OptimizerFactory | None = None) -> Trainer:
+        """Everything a run needs, for ``task`` (default: the one ``cfg.task`` names)."""
         apply_debug_switches(cfg.dist, Path(cfg.run.dir))
         # The process group's own timeout is the start-up bound; the per-step bound after the first
         # step is enforced by the watchdog (see diagnostics/watchdog.py).
@@ -128,11 +115,15 @@ class Trainer:
         check_world(cfg, env.world_size, env.local_world_size)
         if env.device.type == "cpu":
             set_cpu_threads(env, cfg.trainer.threads_per_process)
-        tokenizer = tokenizer_for(cfg.model)
-        corpus = corpus if corpus is not None else load_corpus(cfg.data, tokenizer)
-        factory = model_factory or default_model_factory(cfg.model)
-        built = build(cfg, env, factory, wrap_policy, optimizer_factory)
-        trainer = cls(cfg, env, built, corpus, factory, tokenizer)
+        if task is not None:
+            cfg.task = task_config_of(check_task(task))
+        else:
+            task = task_from_config(cfg)
+        task.bind(cfg)
+        # The data first: a data error is reported before the model is built.
+        train, val = task.train_samples(), task.val_samples()
+        built = build(cfg, env, task, optimizer_factory)
+        trainer = cls(cfg, env, built, task, train, val)
         trainer.restore()
         return trainer
 
@@ -207,8 +198,9 @@ class Trainer:
         self.info(f"world size {env.world_size} ({env.backend}, {env.device.type}); {b.plan.describe()}")
         self.info(f"model: {n_params / 1e6:.2f}M parameters, {len(b.report.units)} FSDP units "
                   f"({len(b.report.checkpointed)} activation-checkpointed)")
-        self.info(f"data: {self.corpus.describe()}; global batch {self.layout.global_batch} x "
-                  f"{t.seq_len} tokens = {self.layout.global_batch * t.seq_len} tokens/step")
+        self.info(f"task {type(self.task).__name__}; data: {self.task.describe()}; global batch "
+                  f"{self.layout.global_batch} samples ({t.micro_batch_size} per micro-batch x "
+                  f"{t.grad_accum_steps} micro-batches x {env.world_size} ranks)")
         diag = self.cfg.diagnostics
         if diag.enabled or diag.dry_run:
             self.info("\n".join(settings_lines(self.cfg, b.plan, b.report, env)))
@@ -224,7 +216,7 @@ class Trainer:
                 self.info(f"nothing to do: step {self.step} >= trainer.max_steps={t.max_steps}")
             self.train()
             finished = not (self.cfg.diagnostics.dry_run or self.result.preempted)
-            if finished and t.sample_tokens > 0:
+            if finished and t.sample_tokens > 0 and self.samples_text():
                 self.result.sample = self.sample()
         finally:
             self.writer.close()
@@ -302,19 +294,30 @@ class Trainer:
         # an activation-checkpointed block makes dynamo give up on that block for the rest of the run
         # (measured: compile + AC ran at eager speed), and even without AC they cost a recompile.
         # The probed first step therefore runs eagerly; compilation starts with the next one.
-        eager_first = probe is not None and compiled
+        # A task that cannot tell its FLOPs gets them counted once, on the first step's forward,
+        # which runs eagerly too (the counter is a dispatch mode, not something to trace).
+        counter = (FlopCounterMode(display=False) if steps_run == 0 and not (diag.dry_run and compiled)
+                   and self.counted_flops_per_sample is None and self.task.flops(batches[0]) is None
+                   else None)
+        eager_first = (probe is not None or counter is not None) and compiled
         stance = torch.compiler.set_stance("force_eager") if eager_first else nullcontext()
         start = time.perf_counter()
         try:
             with stance:
-                stats = train_step(b.model, b.optimizer, b.scheduler, batches, b.mesh,
+                stats = train_step(b.model, self.task, b.optimizer, b.scheduler, batches, b.mesh,
                                    self.cfg.trainer.grad_clip_norm, self.env.device, step=self.step + 1,
                                    phases=phases,
                                    sharded_accumulation=b.plan.grad_accumulation == "sharded",
-                                   stop_requested=self.stop_requested)
+                                   stop_requested=self.stop_requested,
+                                   flops_per_sample=self.counted_flops_per_sample,
+                                   flop_counter=counter)
         finally:
             if probe is not None:
                 probe.close()
+        if counter is not None:
+            # Forward FLOPs of the first micro-batch; backward costs about twice the forward.
+            self.counted_flops_per_sample = 3 * counter.get_total_flops() / max(batch_size(batches[0]), 1)
+            stats.flops = self.counted_flops_per_sample * self.layout.global_batch
         seconds = time.perf_counter() - start
         if not eager_first:
             # An eager first step is not counted: the compiling step after it keeps the start-up
@@ -332,11 +335,13 @@ class Trainer:
 
     def account(self, stats: StepStats) -> None:
         """Results, throughput, and the skip policy for non-finite steps."""
-        self.throughput.add(stats.tokens, self.train_data.wait_s)
+        self.throughput.add(self.layout.global_batch, stats.count, stats.flops, self.train_data.wait_s)
         self.result.losses.append(stats.loss)
         self.result.grad_norms.append(stats.grad_norm)
-        self.result.tokens_seen += stats.tokens
+        self.result.tokens_seen += int(stats.count)
         self.interval_losses.append(stats.loss)
+        for name, value in stats.metrics.items():
+            self.interval_metrics.setdefault(name, []).append(value)
         if not stats.skipped:
             self.consecutive_skips = 0
             return
@@ -361,21 +366,23 @@ class Trainer:
         record: dict = {}
         if due(step, t.log_every) or last:
             record.update(self.train_record(stats))
-        if due(step, t.eval_every) or last:
+        if (due(step, t.eval_every) or last) and self.val_batches:
             self.watchdog.beat("evaluation", step)
-            val = evaluate(self.model, self.val_batches, self.env.device)
+            val, val_metrics = evaluate(self.model, self.task, self.val_batches, self.env.device)
             self.result.val_losses.append((step, val))
             record["val_loss"] = val
-        if due(step, t.sample_every) and step < t.max_steps:
+            record.update({f"val_{name}": value for name, value in val_metrics.items()})
+        if due(step, t.sample_every) and step < t.max_steps and self.samples_text():
             self.sample()
         if record:
             self.writer.write(step, "train", record)
-            self.console.show(step, record)
+            self.console.show(step, record, tuple(self.interval_metrics) if "loss" in record else ())
 
     def train_record(self, stats: StepStats) -> dict:
         """The logged averages since the last record (and the counters they cover are reset)."""
         record = {
             "loss": sum(self.interval_losses) / len(self.interval_losses),
+            **{name: sum(values) / len(values) for name, values in self.interval_metrics.items()},
             "grad_norm": stats.grad_norm,
             "lr": self.built.scheduler.get_last_lr()[0],
             "peak_memory_mib": peak_memory_mib(self.env.device),
@@ -383,8 +390,13 @@ class Trainer:
             **self.throughput.report(),
         }
         self.interval_losses.clear()
+        self.interval_metrics.clear()
         self.throughput.reset()
         return record
+
+    def samples_text(self) -> bool:
+        """Sampling text during training is the language-model task's (it has a tokenizer)."""
+        return isinstance(self.task, LanguageModelTask)
 
     def sample(self) -> str:
         """A sample from the current weights (all ranks take part; gathered once, see generation).
@@ -399,13 +411,15 @@ class Trainer:
             self.info(f"sample at step {self.step} skipped: {choice.reason()} (`shardtrain generate` "
                       "runs a checkpoint unit by unit)")
             return ""
-        plain = gathered_copy(self.model, self.model_factory, self.env.device, self.built.plan.param_dtype)
-        prompt = self.tokenizer.encode(t.sample_prompt)
+        tokenizer = self.task.tokenizer
+        plain = gathered_copy(self.model, self.task.build_model, self.env.device,
+                              self.built.plan.param_dtype)
+        prompt = tokenizer.encode(t.sample_prompt)
         ids = generate(plain, prompt, t.sample_tokens, temperature=0.8, top_k=40, seed=t.seed,
-                       vocab_limit=self.tokenizer.vocab_size, device=self.env.device,
-                       stop_token=self.tokenizer.eos_id)
+                       vocab_limit=tokenizer.vocab_size, device=self.env.device,
+                       stop_token=tokenizer.eos_id)
         del plain
-        text = self.tokenizer.decode(prompt + ids)
+        text = tokenizer.decode(prompt + ids)
         self.writer.write(self.step, "sample", {"text": text})
         self.info(f"sample at step {self.step}:\n{text}")
         return text
@@ -427,14 +441,12 @@ class Trainer:
                              + rank_lines(ranks, list(PhaseMemory.PHASES))))
 
 
-def run_training(cfg: Config, *, model_factory: ModelFactory | None = None,
-                 wrap_policy: Sequence[str | type] | None = None,
+def run_training(cfg: Config, *, task: Task | None = None,
                  optimizer_factory: OptimizerFactory | None = None) -> TrainResult:
     """The library entry point: build, train, return the per-step results (on every rank).
 
-    ``model_factory()`` returns the unsharded model (it is called on the meta device when the model
-    has ``init_parameter``); ``wrap_policy`` lists its block classes; ``optimizer_factory(model)``
-    receives the sharded model (default: AdamW with the config's settings).
+    ``task`` holds the user's model, data and loss (docs/tasks.md; default: the task ``cfg.task``
+    names, the built-in language model unless set); ``optimizer_factory(model)`` receives the
+    sharded model (default: AdamW with the config's settings).
     """
-    return Trainer.create(cfg, model_factory=model_factory, wrap_policy=wrap_policy,
-                          optimizer_factory=optimizer_factory).fit()
+    return Trainer.create(cfg, task=task, optimizer_factory=optimizer_factory).fit()

@@ -11,35 +11,42 @@ from torch.utils.tensorboard import SummaryWriter
 
 
 class Throughput:
-    """Tokens/s and FLOP/s over the wall time since the last report: whole iterations (data, step,
-    evaluation, checkpoint saves, logging), not the optimizer step alone, which flatters a loop."""
+    """Samples/s, the task's count per second (``<unit>_per_s``: tokens/s for a language model) and
+    FLOP/s over the wall time since the last report: whole iterations (data, step, evaluation,
+    checkpoint saves, logging), not the optimizer step alone, which flatters a loop."""
 
-    def __init__(self, flops_per_token: float, world_size: int, peak_flops: float | None) -> None:
-        self.flops_per_token = flops_per_token
+    def __init__(self, unit: str, world_size: int, peak_flops: float | None) -> None:
+        self.unit = unit
         self.world_size = world_size
         self.peak_flops = peak_flops
         self.reset()
 
     def reset(self) -> None:
-        self.tokens = 0
+        self.samples = 0
+        self.count = 0.0
+        self.flops = 0.0
         self.steps = 0
         self.data_wait_s = 0.0
         self.since = time.perf_counter()
 
-    def add(self, tokens: int, data_wait_s: float = 0.0) -> None:
-        """One step's tokens, and how long it waited for its batches."""
-        self.tokens += tokens
+    def add(self, samples: int, count: float, flops: float, data_wait_s: float = 0.0) -> None:
+        """One step's samples, count and FLOPs (all ranks; 0 FLOPs: unknown), and how long it
+        waited for its batches."""
+        self.samples += samples
+        self.count += count
+        self.flops += flops
         self.steps += 1
         self.data_wait_s += data_wait_s
 
     def report(self) -> dict[str, float | None]:
         seconds = time.perf_counter() - self.since
-        tps = self.tokens / seconds if seconds > 0 else 0.0
-        flops = tps * self.flops_per_token
-        mfu = flops / (self.peak_flops * self.world_size) if self.peak_flops else None
+        per_s = 1 / seconds if seconds > 0 else 0.0
+        flops = self.flops * per_s
+        mfu = flops / (self.peak_flops * self.world_size) if self.peak_flops and flops else None
         # The share of the wall time spent waiting for data: what prefetching did not hide.
-        wait_pct = 100 * self.data_wait_s / seconds if seconds > 0 else 0.0
-        return {"tokens_per_s": tps, "model_tflops": flops / 1e12, "mfu": mfu,
+        wait_pct = 100 * self.data_wait_s * per_s
+        return {"samples_per_s": self.samples * per_s, f"{self.unit}_per_s": self.count * per_s,
+                "model_tflops": flops / 1e12 if flops else None, "mfu": mfu,
                 "data_wait_ms": 1000 * self.data_wait_s / max(self.steps, 1), "data_wait_pct": wait_pct}
 
 

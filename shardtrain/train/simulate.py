@@ -43,12 +43,15 @@ from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import state_bytes
 from shardtrain.diagnostics.planner import Estimate, estimate
 from shardtrain.distributed.parallelize import parallelize, sum_gradients
-from shardtrain.distributed.sharded_model import ModelFactory
+from shardtrain.distributed.preconditions import resolve_wrap_classes
 from shardtrain.errors import ConfigError
-from shardtrain.models.registry import build_model, model_factory
+from shardtrain.models.registry import build_model
+from shardtrain.tasks.language_model import LanguageModelTask
+from shardtrain.tasks.samples import tensors_of
+from shardtrain.tasks.task import Task, task_from_config
 from shardtrain.train.grad import clip_grads_, clip_scale, global_grad_norm
 from shardtrain.train.optim import build_optimizer
-from shardtrain.train.step import prepare_micro_batch, token_loss_sum
+from shardtrain.train.step import prepare_micro_batch
 
 END_BLOCKS = 3  # blocks at either end of the stack whose forward and backward are phases of their own
 OTHER_BLOCKS = "other blocks"  # never above the end blocks: affine in the block index
@@ -193,9 +196,10 @@ def fake_world(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def block_names(model: nn.Module) -> list[str]:
-    classes = getattr(model, "block_classes", ())
-    return [name for name, module in model.named_modules() if classes and isinstance(module, classes)]
+def block_names(model: nn.Module, classes: tuple[type, ...]) -> list[str]:
+    """The modules the wrap policy made units of, in order (the model itself aside)."""
+    return [name for name, module in model.named_modules()
+            if isinstance(module, classes) and module is not model]
 
 
 @contextmanager
@@ -210,18 +214,24 @@ def collector_paused() -> Iterator[None]:
         gc.enable()
 
 
-def _simulate_depth(cfg: Config, world_size: int, local_world_size: int,
-                    factory: ModelFactory) -> Simulation:
+def _simulate_depth(cfg: Config, world_size: int, local_world_size: int, task: Task) -> Simulation:
+    """One step of ``task`` (bound to ``cfg``) on its example batch."""
     started = time.perf_counter()
     plan = resolve_plan(cfg.strategy, world_size, min(local_world_size, world_size))
     trainer = cfg.trainer
+    # Real tensors, made before the fake mode: a task's collate and draws may read values.
+    batch = task.example_batch(trainer.micro_batch_size)
+    count = task.count(batch)  # the language model's: a plain number, known ahead
     with collector_paused(), fake_world(world_size):
         mesh = init_device_mesh("cpu", plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
         # Shard on the meta device: FSDP2 chunks every parameter into world-size pieces, which
         # meta tensors do in C++ and fake tensors in Python (minutes at 1,024 ranks).
         with torch.device("meta"):
-            model = factory()
-        parallelize(model, mesh, plan, list(cfg.strategy.wrap_policy))
+            model = task.build_model()
+        policy = task.wrap_policy()
+        policy = list(policy) if policy is not None else list(cfg.strategy.wrap_policy)
+        blocks = block_names(model, resolve_wrap_classes(model, policy))
+        parallelize(model, mesh, plan, policy)
         sum_gradients(model)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
@@ -238,11 +248,8 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int,
                 param.grad = torch.zeros_like(param)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            tokens = torch.zeros(trainer.micro_batch_size, trainer.seq_len, dtype=torch.long)
-            # Document masking adds per-token positions and a (B, 1, T, T) mask to every forward.
-            positions = torch.zeros_like(tokens) if cfg.data.document_mask else None
-            tracker = PhasePeakTracker(model, optimizer, block_names(model))
-            tracker.track_inputs((tokens,) if positions is None else (tokens, positions))
+            tracker = PhasePeakTracker(model, optimizer, blocks)
+            tracker.track_inputs(tuple(tensors_of(batch)))
             steps = trainer.grad_accum_steps
             with tracker:
                 for index in range(steps):
@@ -250,7 +257,8 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int,
                         tracker.micro_batch = ("first micro-batch" if index == 0 else "last micro-batch"
                                                if index == steps - 1 else "middle micro-batches")
                     prepare_micro_batch(model, index, steps, plan.grad_accumulation == "sharded")
-                    (token_loss_sum(model, tokens, tokens, positions) / tokens.numel()).backward()
+                    out = task.loss(model, batch)
+                    (out.loss / (count if count is not None else out.count)).backward()
                 tracker.stage = "gradient norm"
                 grads = state_bytes(model, None).grads
                 params = [p for p in model.parameters() if p.grad is not None]
@@ -263,7 +271,7 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int,
             held = state_bytes(model, optimizer)
     return Simulation(
         strategy=plan.strategy, world_size=world_size, mesh=plan.mesh_shape,
-        activation_checkpointing=cfg.strategy.activation_checkpointing, layers=len(block_names(model)),
+        activation_checkpointing=cfg.strategy.activation_checkpointing, layers=len(blocks),
         params=held.params, grads=grads, optimizer=held.optimizer, phases=tracker.peaks,
         activation_peaks=tracker.activation_peaks,
         seconds=time.perf_counter() - started,
@@ -302,13 +310,21 @@ def probe_depths(cfg: Config) -> tuple[int, int] | None:
     return first, first + 1
 
 
-def simulate(cfg: Config, world_size: int, local_world_size: int, *, probe: bool = True,
-             factory: ModelFactory | None = None) -> Simulation:
-    """Rank 0's memory during one training step of ``cfg`` at ``world_size`` ranks.
+def bound_task(cfg: Config, task: Task | None = None) -> Task:
+    """``task`` (default: the one ``cfg`` names), bound to ``cfg``."""
+    task = task if task is not None else task_from_config(cfg)
+    task.bind(cfg)
+    return task
 
-    ``probe``: simulate two shallow copies of the model (6 and 7 blocks) and extend every phase's
-    bytes along the line through them (exact for a stack of identical blocks); the full depth where
-    that does not apply or a custom ``factory`` builds the model.
+
+def simulate(cfg: Config, world_size: int, local_world_size: int, *, probe: bool = True,
+             task: Task | None = None) -> Simulation:
+    """Rank 0's memory during one training step of ``cfg``'s task (or ``task``) at ``world_size``
+    ranks, on the task's example batch.
+
+    ``probe``: simulate two shallow copies of the built-in model (6 and 7 blocks) and extend every
+    phase's bytes along the line through them (exact for a stack of identical blocks); the full
+    depth where that does not apply, or for any other task.
     """
     if world_size < 1:
         raise ConfigError(f"world size {world_size} must be at least 1")
@@ -321,30 +337,38 @@ def simulate(cfg: Config, world_size: int, local_world_size: int, *, probe: bool
             f"the simulator cannot run {plan.strategy} with trainer.grad_accum_steps > 1 and sharded "
             "accumulation; simulate with trainer.grad_accum_steps=1 (micro-batches after the first "
             "add only the sharded gradients, which the planner counts)")
-    make = factory or model_factory(cfg.model)
-    depths = probe_depths(cfg) if probe and factory is None else None
+    task = bound_task(cfg, task)
+    depths = probe_depths(cfg) if probe and type(task) is LanguageModelTask else None
     if depths is None:
-        return _simulate_depth(cfg, world_size, local_world_size, make)
-    probes = [_simulate_depth(c, world_size, local_world_size, model_factory(c.model))
+        return _simulate_depth(cfg, world_size, local_world_size, task)
+    probes = [_simulate_depth(c, world_size, local_world_size, bound_task(c, LanguageModelTask()))
               for c in (replace(cfg, model=replace(cfg.model, n_layers=d)) for d in depths)]
     return _extrapolate(probes, cfg.model.n_layers)
 
 
 def simulation_rows(cfg: Config, world_sizes: list[int], strategies: list[str],
                     checkpointing: list[bool], local_world_size: int, probe: bool = True,
-                    ) -> list[tuple[Simulation, Estimate]]:
-    """The simulation and the planner's estimate of every combination, in the order given."""
-    with torch.device("meta"):
-        model = build_model(cfg.model)
+                    ) -> list[tuple[Simulation, Estimate | None]]:
+    """The simulation and the planner's estimate (the language model's only; None for other
+    tasks) of every combination, in the order given."""
     cases = [(replace(cfg, strategy=replace(cfg.strategy, sharding_strategy=strategy,
                                             activation_checkpointing="all" if ac else "none")), world)
              for world in world_sizes for strategy in strategies for ac in checkpointing]
     sims = [simulate(case, world, local_world_size, probe=probe) for case, world in cases]
+    if type(task_from_config(cfg)) is not LanguageModelTask:
+        return [(sim, None) for sim in sims]
+    with torch.device("meta"):
+        model = build_model(cfg.model)
     return [(sim, estimate(case, model, case.strategy.sharding_strategy, world, local_world_size))
             for sim, (case, world) in zip(sims, cases)]
 
 
-def simulation_table(rows: list[tuple[Simulation, Estimate]], device_memory: int | None,
+def planned(plan: Estimate | None, what: str) -> str:
+    """The planner's figure in GiB, or "n/a" where its formulas do not apply (other tasks)."""
+    return f"{getattr(plan, what) / 2**30:.1f}" if plan is not None else "n/a"
+
+
+def simulation_table(rows: list[tuple[Simulation, Estimate | None]], device_memory: int | None,
                      markdown: bool = False) -> str:
     """Per-rank GiB of each simulation, the planner's activation peak and peak beside it."""
     gib = 2**30
@@ -354,8 +378,8 @@ def simulation_table(rows: list[tuple[Simulation, Estimate]], device_memory: int
     for sim, plan in rows:
         cells = [str(sim.world_size), sim.strategy, "yes" if sim.activation_checkpointing != "none" else "no",
                  f"{sim.params / gib:.2f}", f"{sim.grads / gib:.2f}", f"{sim.optimizer / gib:.2f}",
-                 f"{sim.activations / gib:.1f} ({plan.activations / gib:.1f})",
-                 f"{sim.peak / gib:.1f} ({plan.peak / gib:.1f})", sim.peak_phase]
+                 f"{sim.activations / gib:.1f} ({planned(plan, 'activations')})",
+                 f"{sim.peak / gib:.1f} ({planned(plan, 'peak')})", sim.peak_phase]
         if device_memory:
             cells.append("yes" if sim.fits(device_memory) else "no")
         cells.append(f"{sim.seconds:.1f}")

@@ -1,0 +1,101 @@
+"""The built-in task: a causal language model trained with next-token cross-entropy over token
+windows, for the built-in Llama, any local Hugging Face causal LM (``model.*``) or a module the user
+brings that maps token ids to logits, on the data of ``data.*``.
+
+It is a task like any other: the framework trains it through the same step, loop and checkpoints.
+What is particular to it lives here: the prepared, memory-mapped token windows (and mixtures) with
+their vectorised batching, the count of target tokens known before the forward (so the loss is
+divided by the global token count before backward, as torchtitan does), and the FLOPs formula.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardtrain.data.batches import IGNORE_INDEX, Batch, MixtureWindows, TokenWindows
+from shardtrain.data.corpus import Corpus, load_corpus
+from shardtrain.data.tokenizer import Tokenizer, tokenizer_for
+from shardtrain.models.masking import check_document_mask_support
+from shardtrain.models.registry import build_model
+from shardtrain.tasks.task import LossOutput, Task
+
+
+def token_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Summed cross-entropy over the target tokens; ``positions`` (document masking) go to the model."""
+    logits = model(batch.inputs) if batch.positions is None else model(batch.inputs,
+                                                                        positions=batch.positions)
+    return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token: the model's own formula, else 6 per parameter."""
+    if hasattr(model, "flops_per_token"):
+        return float(model.flops_per_token(seq_len))
+    return 6.0 * sum(p.numel() for p in model.parameters())
+
+
+class LanguageModelTask(Task):
+    """``model``: a factory of the module to train (default: ``model.*``'s built-in or Hugging Face
+    model); ``wrap_policy``: its block classes (default: ``strategy.wrap_policy``); ``corpus``: the
+    token data (default: ``data.*``, prepared and memory-mapped)."""
+
+    count_unit = "tokens"
+
+    def __init__(self, *, model: Callable[[], nn.Module] | None = None,
+                 wrap_policy: Sequence[type | str] | None = None, corpus: Corpus | None = None) -> None:
+        super().__init__()
+        self.model_factory = model
+        self.blocks = wrap_policy
+        self.corpus = corpus
+        self.tokenizer: Tokenizer | None = None
+        self.flops_per_token = 0.0
+
+    def bind(self, cfg) -> None:
+        super().bind(cfg)
+        self.tokenizer = tokenizer_for(cfg.model)
+
+    def load_corpus(self) -> Corpus:
+        if self.corpus is None:
+            self.corpus = load_corpus(self.cfg.data, self.tokenizer)
+        return self.corpus
+
+    def build_model(self) -> nn.Module:
+        model = self.model_factory() if self.model_factory is not None else build_model(self.cfg.model)
+        if self.cfg.data.document_mask:
+            check_document_mask_support(model)
+        self.flops_per_token = flops_per_token(model, self.cfg.trainer.seq_len)
+        return model
+
+    def wrap_policy(self) -> Sequence[type | str] | None:
+        return self.blocks
+
+    def train_samples(self) -> TokenWindows | MixtureWindows:
+        return self.load_corpus().train_windows(self.cfg.trainer.seq_len, self.cfg.data.document_mask)
+
+    def val_samples(self) -> TokenWindows:
+        return TokenWindows(self.load_corpus().val, self.cfg.trainer.seq_len, "validation data",
+                            self.cfg.data.document_mask)
+
+    def example_batch(self, micro_batch_size: int) -> Batch:
+        """Token ids of zeros (what the memory of a step depends on is their shape), with the
+        per-token positions document masking adds."""
+        tokens = torch.zeros(micro_batch_size, self.cfg.trainer.seq_len, dtype=torch.long)
+        return Batch(tokens, tokens, torch.zeros_like(tokens) if self.cfg.data.document_mask else None)
+
+    def loss(self, model: nn.Module, batch: Batch) -> LossOutput:
+        return LossOutput(token_loss_sum(model, batch), (batch.targets != IGNORE_INDEX).sum())
+
+    def count(self, batch: Batch) -> float:
+        return int((batch.targets != IGNORE_INDEX).sum())
+
+    def flops(self, batch: Batch) -> float:
+        return self.flops_per_token * batch.inputs.numel()
+
+    def describe(self) -> str:
+        t = self.cfg.trainer
+        return f"{self.load_corpus().describe()}; windows of {t.seq_len} tokens"

@@ -1,0 +1,140 @@
+"""A map-style dataset as the framework reads it: the global sample order, per-sample random draws,
+collation, and a structure check that turns a mismatched item into one line instead of a crash (or a
+hang) deep inside a collective.
+
+Items are tensors, or dicts, lists and tuples of tensors (and plain numbers). Items of one dataset
+must share their structure: the same keys, dtypes and numbers of dimensions; sizes may vary when the
+task's ``collate`` pads them.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardtrain.data.batches import GlobalOrder
+from shardtrain.errors import DataError
+
+Draw = Callable[[Any, torch.Generator], Any]
+
+
+def structure(item: Any) -> Any:
+    """What must agree between the items of a dataset (not the sizes, which a collate may pad)."""
+    if isinstance(item, torch.Tensor):
+        return f"tensor[{str(item.dtype).removeprefix('torch.')}, {item.ndim}-d]"
+    if isinstance(item, np.ndarray):
+        return f"ndarray[{item.dtype}, {item.ndim}-d]"
+    if isinstance(item, Mapping):
+        return {key: structure(value) for key, value in sorted(item.items())}
+    if isinstance(item, (list, tuple)):
+        return [structure(value) for value in item]
+    return type(item).__name__
+
+
+def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Every tensor of a (nested) batch moved to ``device``; other leaves as they are."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, Mapping):
+        return {key: to_device(value, device, non_blocking) for key, value in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a NamedTuple keeps its type
+        return type(batch)(*(to_device(value, device, non_blocking) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(value, device, non_blocking) for value in batch)
+    return batch
+
+
+def tensors_of(batch: Any) -> list[torch.Tensor]:
+    """Every tensor of a (nested) batch, in order."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if not isinstance(batch, (list, tuple)):
+        return []
+    return [tensor for value in batch for tensor in tensors_of(value)]
+
+
+def batch_size(batch: Any) -> int:
+    """The leading size of the first tensor of a (nested) batch: its number of samples."""
+    return next((int(t.shape[0]) for t in tensors_of(batch) if t.ndim), 0)
+
+
+def draw_seed(seed: int, salt: int, key: int) -> int:
+    return (seed * 1_000_003 + salt * 7_919 + zlib.crc32(key.to_bytes(8, "little", signed=True))
+            * 2_654_435_761) % (2**63)
+
+
+class MapSamples:
+    """A map-style dataset in the framework's data protocol (``data.batches.SampleSource``).
+
+    ``batch(ids, keys)`` collates the items at ``ids``; an id of -1 is padding (evaluation gives
+    every rank as many batches): padding rows are left out, and a batch that is only padding holds
+    item 0, which the evaluation weighs zero, so every rank runs the same forwards. ``draw(item,
+    generator)``, when given, makes each item's random draws from a generator seeded by (seed,
+    salt, key): a sample's key is its position in the global order in training and its index in
+    validation, so the draws do not depend on the world size or the micro-batch split.
+    """
+
+    sample_kind = "samples"
+
+    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any], name: str,
+                 draw: Draw | None = None, seed: int = 0, salt: int = 0) -> None:
+        try:
+            self.num_samples = len(dataset)
+        except TypeError as exc:
+            raise DataError(f"{name} ({type(dataset).__name__}) has no len(): the framework needs a "
+                            "map-style dataset (__len__ and __getitem__)") from exc
+        if self.num_samples < 1:
+            raise DataError(f"{name} is empty")
+        self.dataset = dataset
+        self.collate = collate
+        self.name = name
+        self.draw = draw
+        self.seed = seed
+        self.salt = salt
+        self.expected = structure(dataset[0])
+
+    def order(self, seed: int) -> GlobalOrder:
+        return GlobalOrder(self.num_samples, seed)
+
+    def item(self, index: int, key: int | None) -> Any:
+        item = self.dataset[index]
+        found = structure(item)
+        if found != self.expected:
+            raise DataError(f"{self.name}: item {index} is {found}, item 0 is {self.expected}; every "
+                            "item needs the same keys, dtypes and numbers of dimensions")
+        if self.draw is not None:
+            generator = torch.Generator().manual_seed(
+                draw_seed(self.seed, self.salt, index if key is None else key))
+            item = self.draw(item, generator)
+        return item
+
+    def batch(self, ids: np.ndarray, keys: np.ndarray | None = None) -> Any:
+        real = [(int(i), None if keys is None else int(k))
+                for i, k in zip(ids, keys if keys is not None else ids) if i >= 0]
+        if not real:
+            real = [(0, None)]  # weighed zero by the evaluation; the forward keeps ranks in step
+        items = [self.item(i, key) for i, key in real]
+        try:
+            return self.collate(items)
+        except RuntimeError as exc:
+            if "equal size" not in str(exc):  # default_collate's torch.stack of unequal sizes
+                raise
+            shapes = sorted({str(structure_shapes(item)) for item in items})[:2]
+            raise DataError(f"{self.name}: items of different shapes in one batch ({' vs '.join(shapes)}); "
+                            "give the task a collate(items) that pads them") from exc
+
+
+def structure_shapes(item: Any) -> Any:
+    if isinstance(item, (torch.Tensor, np.ndarray)):
+        return tuple(item.shape)
+    if isinstance(item, Mapping):
+        return {key: structure_shapes(value) for key, value in sorted(item.items())}
+    if isinstance(item, (list, tuple)):
+        return [structure_shapes(value) for value in item]
+    return item

@@ -1,0 +1,190 @@
+"""The task: the one place a user's code enters training (model, units, data, loss).
+
+A task says how to build the model, which of its module classes are the FSDP units, which datasets
+to train and validate on, and how to compute the loss of a batch. Everything else (sharding, mixed
+precision, accumulation with the global normalisation, clipping, checkpoints with exact resume at
+any world size, preemption, diagnostics, metrics, validation) is the framework's, the same for every
+task. The built-in language model is a task on this contract (``tasks/language_model.py``).
+
+Required: ``build_model``, ``train_dataset`` and ``loss``. Everything else is optional; see
+docs/tasks.md for the whole contract and what the framework guarantees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from shardtrain.config.classpath import import_object
+from shardtrain.config.schema import Config, TaskConfig
+from shardtrain.data.batches import SampleSource
+from shardtrain.errors import ConfigError
+from shardtrain.tasks.samples import MapSamples
+
+Number = torch.Tensor | float | int
+
+
+@dataclass
+class LossOutput:
+    """What ``Task.loss`` returns for one micro-batch.
+
+    ``loss``: the loss *summed* over the micro-batch (a scalar tensor with a gradient). ``count``:
+    what it is normalised by (tokens, samples, valid positions, elements: the task decides). The
+    framework divides the sum over all ranks and micro-batches by the count over all ranks and
+    micro-batches, so any split of the global batch gives the same gradient. ``metrics``: extra
+    named values to log, each a sum normalised by the same global count, or a ``(sum, count)`` pair
+    with a count of its own.
+    """
+
+    loss: torch.Tensor
+    count: Number
+    metrics: Mapping[str, Number | tuple[Number, Number]] = field(default_factory=dict)
+
+
+class Task:
+    """Subclass it; see the module docstring and docs/tasks.md.
+
+    ``Options``: a dataclass of the task's typed options, set from the command line as
+    ``task.NAME=VALUE`` and validated like every other key (``None``: the task has none).
+    ``count_unit``: what ``LossOutput.count`` counts, for the throughput line (``<unit>_per_s``).
+    """
+
+    Options: ClassVar[type | None] = None
+    count_unit: ClassVar[str] = "samples"
+
+    def __init__(self, options: Any = None, **overrides: Any) -> None:
+        if self.Options is None:
+            if options is not None or overrides:
+                raise ConfigError(f"{type(self).__name__} takes no options (it declares no Options "
+                                  "dataclass)")
+            self.options = None
+        else:
+            base = options if options is not None else self.Options()
+            self.options = dataclasses.replace(base, **overrides) if overrides else base
+        self.cfg: Config | None = None
+
+    # ---- set by the framework ---------------------------------------------------------------
+
+    def bind(self, cfg: Config) -> None:
+        """Called once, before anything is built, with the run's resolved configuration."""
+        self.cfg = cfg
+
+    @property
+    def seed(self) -> int:
+        return self.cfg.trainer.seed if self.cfg is not None else 0
+
+    # ---- the model ----------------------------------------------------------------------------
+
+    def build_model(self) -> nn.Module:
+        """The unsharded model. Called with parameters on the meta device (buffers are computed as
+        the module constructs them, and restored after materialisation) when the task or the model
+        has ``init_parameter(name, tensor, generator)``; otherwise built on the CPU, seeded, on
+        every rank, then sharded."""
+        raise NotImplementedError(f"{type(self).__name__} must define build_model()")
+
+    def wrap_policy(self) -> Sequence[type | str] | None:
+        """The module classes (or names) that become FSDP units; None: ``strategy.wrap_policy``."""
+        return None
+
+    # ---- data ---------------------------------------------------------------------------------
+
+    def train_dataset(self) -> Any:
+        """A map-style dataset (``len`` and ``[i]``) of tensors or dicts of tensors."""
+        raise NotImplementedError(f"{type(self).__name__} must define train_dataset()")
+
+    def val_dataset(self) -> Any | None:
+        """The validation dataset, or None for no validation."""
+        return None
+
+    def collate(self, items: list[Any]) -> Any:
+        """One micro-batch from its items; the default stacks tensors (``default_collate``)."""
+        return torch.utils.data.default_collate(items)
+
+    def train_samples(self) -> SampleSource:
+        """The training data as the framework reads it; a task with its own batching (the language
+        model's token windows) overrides this instead of ``train_dataset``."""
+        return MapSamples(self.train_dataset(), self.collate, "the training dataset",
+                          draw=self.draw_hook(), seed=self.seed)
+
+    def val_samples(self) -> SampleSource | None:
+        dataset = self.val_dataset()
+        if dataset is None:
+            return None
+        return MapSamples(dataset, self.collate, "the validation dataset", draw=self.draw_hook(),
+                          seed=self.seed, salt=1)
+
+    def example_batch(self, micro_batch_size: int) -> Any:
+        """A micro-batch as training makes them, for ``shardtrain plan --simulate``: by default the
+        first training items, collated (with their draws)."""
+        samples = self.train_samples()
+        return samples.batch(np.arange(micro_batch_size) % samples.num_samples)
+
+    def draw_hook(self):
+        """``draw(item, generator) -> item`` when the task defines it: per-sample randomness (noise,
+        masking, augmentation) from a generator seeded by the run's seed and the sample's position in
+        the global order, so a sample gets the same draw at any world size and micro-batch split, and
+        a resumed run draws what the uninterrupted run drew."""
+        return getattr(self, "draw", None)
+
+    # ---- the loss -----------------------------------------------------------------------------
+
+    def loss(self, model: nn.Module, batch: Any) -> LossOutput:
+        """The summed loss of a micro-batch (on the device), its count and optional metrics. Call
+        ``model(...)``, never ``model.forward(...)``: FSDP's hooks live on ``__call__``."""
+        raise NotImplementedError(f"{type(self).__name__} must define loss(model, batch)")
+
+    def count(self, batch: Any) -> float | None:
+        """The count of a micro-batch (still on the CPU) when it is known before the forward (the
+        language model's target tokens): the loss is then divided by the global count before
+        backward. None: it is known only from ``loss``, and the accumulated gradients are divided
+        once after the last micro-batch instead. Either way the gradient is the global mean."""
+        return None
+
+    def flops(self, batch: Any) -> float | None:
+        """Training FLOPs (forward and backward) of a micro-batch, for MFU; None: counted with
+        torch's FLOP counter on the first step (3x the forward)."""
+        return None
+
+    def describe(self) -> str:
+        """One line on the data, for the start-up report."""
+        return type(self).__name__
+
+
+def check_task(task: Any) -> Task:
+    """``task`` is a Task whose required methods are defined; a ConfigError naming what is missing."""
+    if not isinstance(task, Task):
+        raise ConfigError(f"the task must be a shardtrain.tasks.Task, not {type(task).__name__}")
+    cls = type(task)
+    missing = [name for name in ("build_model", "loss")
+               if getattr(cls, name) is getattr(Task, name)]
+    if cls.train_samples is Task.train_samples and cls.train_dataset is Task.train_dataset:
+        missing.append("train_dataset")
+    if missing:
+        raise ConfigError(f"task {cls.__module__}.{cls.__qualname__} lacks {', '.join(missing)}(); "
+                          "see docs/tasks.md for the contract")
+    return task
+
+
+def task_config_of(task: Task) -> TaskConfig:
+    """The config section that names ``task`` and its options (recorded in config.yaml and every
+    checkpoint, also for a task handed to ``run_training`` as an object)."""
+    cls = type(task)
+    options = dataclasses.asdict(task.options) if dataclasses.is_dataclass(task.options) else {}
+    return TaskConfig(path=f"{cls.__module__}:{cls.__qualname__}", options=options)
+
+
+def task_from_config(cfg: Config) -> Task:
+    """The task ``cfg.task.path`` names, with ``cfg.task.options`` (already validated by the config
+    loader)."""
+    cls = import_object(cfg.task.path, "task")
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ConfigError(f"task={cfg.task.path!r} is not a shardtrain.tasks.Task subclass")
+    if cls.Options is None:
+        return check_task(cls())
+    return check_task(cls(cls.Options(**cfg.task.options)))
