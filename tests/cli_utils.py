@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 SHARDTRAIN = [sys.executable, "-m", "shardtrain"]
@@ -25,3 +26,22 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def launch(args, env=None) -> subprocess.Popen:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.Popen([*SHARDTRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=full_env, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def wait_for_step(run_dir, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if read_metrics(run_dir) and read_metrics(run_dir)[-1]["step"] >= step:
+                return
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"training did not reach step {step}")

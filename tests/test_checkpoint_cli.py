@@ -6,11 +6,10 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 import time
 
 import pytest
-from cli_utils import SHARDTRAIN, read_metrics, run_cli
+from cli_utils import launch, read_metrics, run_cli, wait_for_step
 
 QUICK = ["experiment=quick", "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample_tokens=0",
          "trainer.micro_batch_size=2", "run.tensorboard=false"]
@@ -34,25 +33,6 @@ def test_kill_during_save_resume_picks_previous_complete(tmp_path):
     assert f"newest complete checkpoint is {ckpts / 'step-3'} (step 3)" in resumed.stderr
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-6", "step-8"]  # keep_last=2, no tmp
     assert read_metrics(run_dir)[-1]["step"] == 8
-
-
-def launch(args, env=None) -> subprocess.Popen:
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.Popen([*SHARDTRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=full_env, stdin=subprocess.DEVNULL, start_new_session=True)
-
-
-def wait_for_step(run_dir, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if read_metrics(run_dir) and read_metrics(run_dir)[-1]["step"] >= step:
-                return
-        except (FileNotFoundError, ValueError):
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"training did not reach step {step}")
 
 
 def test_sigterm_saves_exits_cleanly_and_resumes_exactly(tmp_path):

@@ -1,0 +1,118 @@
+"""Tasks that break the contract, for tests/test_tasks.py (imported by the spawned workers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from vit import ImageClassification, SyntheticImages
+
+from shardtrain.tasks.task import LossOutput, Task
+
+
+class NoLoss(Task):
+    def build_model(self):
+        return torch.nn.Linear(2, 2)
+
+    def train_dataset(self):
+        return [torch.zeros(2)] * 8
+
+
+class VectorLoss(ImageClassification):
+    """Returns the per-sample losses instead of their sum."""
+
+    def loss(self, model, batch):
+        logits = model(batch["image"]).float()
+        return LossOutput(F.cross_entropy(logits, batch["label"], reduction="none"), len(batch["label"]))
+
+
+class MissingKey(SyntheticImages):
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        return {"image": item["image"]} if index % 2 else item
+
+
+class MixedItems(ImageClassification):
+    """Every odd item of the training data lacks its label."""
+
+    def train_dataset(self):
+        o = self.options
+        return MissingKey(o.train_samples, o.classes, o.image_size, self.seed)
+
+
+class ImageEncoder(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, dim, kernel_size=4, stride=4)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.conv(images).mean(dim=(2, 3))
+
+
+class TextBlock(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.mlp = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class Captioner(torch.nn.Module):
+    """Text with an image for some samples: the image's features are added to the first position."""
+
+    def __init__(self, dim: int = 16, vocab: int = 32) -> None:
+        super().__init__()
+        self.encoder = ImageEncoder(dim)
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.blocks = torch.nn.ModuleList(TextBlock(dim) for _ in range(2))
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor, images: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        # The supported pattern: the encoder runs on every rank, on no images at all if this batch
+        # has none, so every rank all-gathers its parameters (skipping it on one rank would leave
+        # the others waiting in that all-gather: pytorch/pytorch#152964).
+        features = self.encoder(images)
+        x = x.index_add(0, rows, torch.nn.functional.pad(features[:, None], (0, 0, 0, x.shape[1] - 1)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class SomeImages(torch.utils.data.Dataset):
+    """One sample in four has an image; every item has the same keys (``has_image`` says which)."""
+
+    def __len__(self) -> int:
+        return 128
+
+    def __getitem__(self, index: int) -> dict:
+        generator = torch.Generator().manual_seed(index)
+        return {"tokens": torch.randint(0, 32, (6,), generator=generator),
+                "image": torch.randn(3, 8, 8, generator=generator),
+                "has_image": torch.tensor(index % 4 == 0)}
+
+
+class SometimesImages(Task):
+    """Batches on which some ranks have images and others none (tests/test_tasks.py)."""
+
+    def build_model(self):
+        return Captioner()
+
+    def wrap_policy(self):
+        return [ImageEncoder, TextBlock]
+
+    def train_dataset(self):
+        return SomeImages()
+
+    def collate(self, items):
+        has = torch.stack([item["has_image"] for item in items])
+        return {"tokens": torch.stack([item["tokens"] for item in items]),
+                "images": torch.stack([item["image"] for item in items])[has],  # possibly none
+                "rows": has.nonzero().flatten()}
+
+    def loss(self, model, batch):
+        logits = model(batch["tokens"][:, :-1], batch["images"], batch["rows"]).float()
+        targets = batch["tokens"][:, 1:]
+        return LossOutput(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"),
+                          targets.numel())

@@ -1,0 +1,93 @@
+"""The example tasks (examples/tasks/) trained inside spawned ranks, and their references.
+
+``run_task_cases`` runs inside every rank: each case trains one task with shardtrain and rank 0
+saves losses, gradient norms, validation loss, the gathered full weights and the global sample ids
+of every step. ``reference`` is the hand-written one-process loop (examples/tasks/reference.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from shardtrain.config.schema import Config
+
+EXAMPLES = Path(__file__).parent.parent / "examples" / "tasks"
+sys.path.insert(0, str(EXAMPLES))
+
+TASKS = {"vit": "vit:ImageClassification", "musicgen": "musicgen:CodebookLM",
+         "mdlm": "mdlm:MaskedDiffusionLM", "dit": "dit:LatentDiffusion"}
+GLOBAL_BATCH = 8
+N = 2  # steps before a checkpoint is resumed; runs are 2N steps
+
+
+# Test-only tasks (tests/broken_tasks.py) that train like the examples.
+MORE_TASKS = {"sometimes": "broken_tasks:SometimesImages"}
+
+
+def make_task(name: str):
+    module, _, cls = {**TASKS, **MORE_TASKS}[name].partition(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+def task_config(world: int, run_dir: str, strategy: str = "FULL_SHARD", accum: int = 2,
+                precision: str = "fp32", ac: str = "none", checkpoint_every: int = 0,
+                resume: str = "auto", **strategy_extra) -> Config:
+    """AdamW's eps is 1e-6, as in the Hugging Face equivalence tests: attention's key biases get a
+    gradient that is zero but for rounding (softmax ignores a shift shared by all keys), and with
+    eps 1e-8 Adam turns that noise into steps of full size, which differ between any two
+    summation orders (measured: 3e-4 to 7e-3 relative on qkv biases, everything else below 1e-6)."""
+    cfg = Config()
+    cfg.strategy = dataclasses.replace(cfg.strategy, sharding_strategy=strategy, mixed_precision=precision,
+                                       activation_checkpointing=ac, **strategy_extra)
+    cfg.trainer = dataclasses.replace(
+        cfg.trainer, max_steps=2 * N, micro_batch_size=GLOBAL_BATCH // (world * accum),
+        grad_accum_steps=accum, lr=3e-3, warmup_steps=1, grad_clip_norm=1.0, eval_every=0, adam_eps=1e-6,
+        eval_samples=12, sample_tokens=0, progress_bar=False, log_every=100)
+    cfg.run = dataclasses.replace(cfg.run, dir=run_dir, tensorboard=False)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, enabled=checkpoint_every > 0 or resume != "auto",
+                                         interval=checkpoint_every, resume=resume, keep_last=3)
+    return cfg
+
+
+def run_task_cases(cases: dict[str, dict], out: str) -> None:
+    """Inside each rank: train every case (``task`` plus ``task_config`` keywords)."""
+    from shardtrain.train.loop import Trainer
+
+    world = int(os.environ["WORLD_SIZE"])
+    for name, case in cases.items():
+        case = dict(case)
+        task = make_task(case.pop("task"))
+        trainer = Trainer.create(task_config(world, f"{out}/{name}", **case), task=task)
+        data, take, ids = trainer.train_data, trainer.train_data.next_step, []
+
+        def recording_next_step(data=data, take=take, ids=ids):
+            ids.append(data.step_ids().tolist())
+            return take()
+
+        data.next_step = recording_next_step
+        dtypes = set()  # what the model's forward receives, after FSDP's mixed-precision casts
+
+        def record_dtypes(module, args, kwargs, dtypes=dtypes):
+            dtypes.update(str(a.dtype) for a in args if torch.is_tensor(a))
+
+        trainer.model.register_forward_pre_hook(record_dtypes, with_kwargs=True)
+        result = trainer.fit()
+        weights = trainer.full_weights()
+        if trainer.env.is_main:
+            torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "weights": weights,
+                        "val": result.val_losses[-1][1] if result.val_losses else None, "ids": ids,
+                        "resumed_from": result.resumed_from,
+                        "input_dtypes": sorted(dtypes)},
+                       Path(out, f"{name}.pt"))
+
+
+def reference(name: str, steps: int = 2 * N) -> dict:
+    from reference import reference_run
+
+    return reference_run(make_task(name), task_config(1, "unused", accum=1), steps)
