@@ -26,6 +26,9 @@ hf (about 8 minutes): benchmarks/hf_bench.py; a 0.5B Hugging Face model (Qwen2.5
 bf16 weights saved here) built and loaded by ``model=hf`` at 1, 2 and 4 processes: seconds and peak
 resident growth per rank; then training tokens/s of an HF Llama against the built-in Llama of the
 same shape, in the same processes, alternating.
+task: benchmarks/task_step_time.py under torchrun at each process count (``--processes 1 2``), a
+task (examples/tasks/vit.py's vision transformer) against a hand-written FSDP2 loop for the same
+model and loss.
 soak (only with ``--only soak``, about 5 minutes): benchmarks/soak_worker.py, 2,000 steps with an
 async checkpoint every 10 steps; resident memory, threads, open files and disk use over the run.
 Each rewrites its own section of docs/benchmarks.md (scaling: also docs/scaling.md) with the
@@ -69,6 +72,7 @@ E2E_BEGIN, E2E_END = "<!-- e2e:begin -->", "<!-- e2e:end -->"
 PROFILE_BEGIN, PROFILE_END = "<!-- profile:begin -->", "<!-- profile:end -->"
 HF_BEGIN, HF_END = "<!-- hf:begin -->", "<!-- hf:end -->"
 DATA_BEGIN, DATA_END = "<!-- data:begin -->", "<!-- data:end -->"
+TASK_BEGIN, TASK_END = "<!-- task:begin -->", "<!-- task:end -->"
 HF_SPEED_CASES = [(1, "fp32"), (2, "fp32"), (1, "bf16-mixed")]
 E2E_CASES = [(1, "fp32"), (1, "bf16-mixed"), (2, "fp32"), (2, "bf16-mixed")]
 E2E_PROGRAMS = ["handwritten", "lightning", "shardtrain"]
@@ -257,6 +261,36 @@ def render(results: list[dict], command: str) -> str:
 Two processes on two cores split the same global batch; each process gets one core, so tokens/s
 does not double: the CPU is the bottleneck, not the sharding.
 {END}"""
+
+
+def render_task(results: list[dict], command: str) -> str:
+    rows = "\n".join(
+        f"| {r['world_size']} | {r['samples_per_step']} | {r['samples_per_s']['shardtrain']:,.1f} | "
+        f"{r['samples_per_s']['handwritten']:,.1f} | {r['step_s']['shardtrain'] * 1e3:.1f} | "
+        f"{r['step_s']['handwritten'] * 1e3:.1f} | **{r['ratio']:.3f}** |"
+        for r in results
+    )
+    params = results[0]["params"] / 1e6
+    return f"""{TASK_BEGIN}
+## A task's step: a vision transformer, shardtrain vs a hand-written FSDP2 loop
+
+- Command: `{command}`
+- Date: {datetime.date.today().isoformat()}
+- Machine: {os.cpu_count()} CPU cores ({cpu_name()}), no GPU, gloo backend, torch {torch.__version__},
+  Python {platform.python_version()}
+- Task and batch: `examples/tasks/vit.py` (`ImageClassification`: a timm-shaped ViT, 32x32 images,
+  patch 4, width 192, depth 6, {params:.1f}M parameters), FULL_SHARD, fp32, global batch 32 images at
+  every process count (micro-batch 32 / processes).
+- Method: as the training table above: the same processes, initial weights and batches, 6
+  alternating rounds of 5 timed steps after 3 warm-up steps, medians. shardtrain's step is
+  `Trainer.iteration` through the task contract (the task's `loss` returning the summed loss and its
+  count, the global normalisation, the metrics' all-reduce); the hand-written loop is the FSDP2
+  tutorial's with the task's model and a mean cross-entropy. Goal: ratio at most 1.03.
+
+| processes | samples/step | shardtrain samples/s | hand-written samples/s | shardtrain step ms | hand-written step ms | ratio (shardtrain / hand-written) |
+| --- | --- | --- | --- | --- | --- | --- |
+{rows}
+{TASK_END}"""
 
 
 def render_init(results: list[dict], command: str) -> str:
@@ -720,7 +754,7 @@ def main() -> None:
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--only", choices=["training", "checkpoint", "generation", "generation-modes",
                                            "init", "scaling", "soak", "gpu", "e2e", "profile", "hf",
-                                           "data"],
+                                           "data", "task"],
                         default=None)
     parser.add_argument("--rounds", type=int, default=3, help="--only e2e: alternating rounds")
     parser.add_argument("--gpu-variants", nargs="+", choices=list(GPU_VARIANT_NAMES),
@@ -738,6 +772,13 @@ def main() -> None:
         command = "python benchmarks/run.py --only training --processes " + " ".join(
             map(str, args.processes))
         write_section(BEGIN, END, render(results, command))
+    if args.only in (None, "task"):
+        results = []
+        for n in args.processes:
+            results.append(run_torchrun(n, "task_step_time.py", [f"trainer.micro_batch_size={32 // n}"]))
+            print(json.dumps(results[-1]))
+        command = "python benchmarks/run.py --only task --processes " + " ".join(map(str, args.processes))
+        write_section(TASK_BEGIN, TASK_END, render_task(results, command))
     if args.only in (None, "checkpoint"):
         with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
             results = checkpoint_results(Path(workdir))

@@ -71,16 +71,18 @@ def tutorial_step(model, optimizer, scheduler, trainer: Trainer, clip: float):
     return step
 
 
-def main(overrides: list[str]) -> None:
-    cfg = load_config(["trainer.max_steps=10000", "trainer.eval_every=0", "trainer.log_every=1000000",
-                       "trainer.sample_tokens=0", "trainer.progress_bar=false", "run.tensorboard=false",
-                       "checkpoint.interval=0", f"run.dir={tempfile.mkdtemp()}", *overrides])
-    rounds, steps_per_round, warmup = 6, 5, 3
-    trainer = Trainer.create(cfg)
-    trainer.log_setup()
-    # Time the loop's whole iteration as fit() runs it, preemption check included.
-    trainer.preemption = PreemptionFlag(cfg.checkpoint.preemption_signals)
-    reference_step = handwritten(cfg, trainer)
+def benchmark_config(overrides: list[str]):
+    return load_config(["trainer.max_steps=10000", "trainer.eval_every=0", "trainer.log_every=1000000",
+                        "trainer.sample_tokens=0", "trainer.progress_bar=false", "run.tensorboard=false",
+                        "checkpoint.interval=0", f"run.dir={tempfile.mkdtemp()}", *overrides])
+
+
+def alternating_medians(trainer: Trainer, reference_step, rounds: int = 6, steps_per_round: int = 5,
+                        warmup: int = 3) -> tuple[dict[str, float], int]:
+    """Median step seconds of the loop's whole iteration (as fit() runs it, the preemption check
+    included) and of ``reference_step``, in alternating rounds after a warm-up of each; and how many
+    steps of each were timed."""
+    trainer.preemption = PreemptionFlag(trainer.cfg.checkpoint.preemption_signals)
     for _ in range(warmup):
         trainer.iteration()
         reference_step()
@@ -92,7 +94,14 @@ def main(overrides: list[str]) -> None:
                 start = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - start)
-    medians = {k: statistics.median(v) for k, v in times.items()}
+    return {k: statistics.median(v) for k, v in times.items()}, len(times["shardtrain"])
+
+
+def main(overrides: list[str]) -> None:
+    cfg = benchmark_config(overrides)
+    trainer = Trainer.create(cfg)
+    trainer.log_setup()
+    medians, timed = alternating_medians(trainer, handwritten(cfg, trainer))
     tokens = trainer.layout.global_batch * cfg.trainer.seq_len
     if dist.get_rank() == 0:
         print(json.dumps({
@@ -101,7 +110,7 @@ def main(overrides: list[str]) -> None:
             "step_s": medians,
             "tokens_per_s": {k: tokens / v for k, v in medians.items()},
             "ratio": medians["shardtrain"] / medians["handwritten"],
-            "steps_timed": len(times["shardtrain"]),
+            "steps_timed": timed,
         }))
     dist.destroy_process_group()
 
