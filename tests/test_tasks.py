@@ -31,11 +31,13 @@ from distributed import run_on_ranks
 from equivalence import max_errors
 from safetensors.torch import load_file
 from task_workers import EXAMPLES, TASKS, N, reference, run_task_cases
+from torch.utils.data import default_collate
 
 from shardtrain.config.loader import load_config
-from shardtrain.data.batches import BatchLayout
-from shardtrain.errors import ConfigError
+from shardtrain.data.batches import BatchLayout, eval_batches
+from shardtrain.errors import ConfigError, DataError
 from shardtrain.export.consolidate import consolidate
+from shardtrain.tasks.samples import MapSamples
 from shardtrain.train.simulate import simulate
 
 # The example tasks and the broken ones (tests/broken_tasks.py), importable by every worker.
@@ -268,3 +270,30 @@ def test_plan_simulate_runs_a_task_on_its_example_batch(monkeypatch):
         sim = simulate(cfg, world, world)
         assert sim.layers == 6 and {"forward blocks[0]", "backward blocks[-1]"} <= sim.phases.keys()
         assert abs(sim.params / (weights / world) - 1) < 0.05, (world, sim.params)
+
+
+def test_map_samples_pad_validation_draw_by_position_and_name_ragged_items():
+    dataset = [{"x": torch.tensor([float(i)])} for i in range(13)]
+
+    def draw(item, generator):
+        return {"x": item["x"], "noise": torch.rand(1, generator=generator)}
+
+    samples = MapSamples(dataset, default_collate, "data", draw=draw, seed=3)
+    one = eval_batches(samples, 13, micro_batch_size=4, dp_world_size=1, rank=0)
+    three = [eval_batches(samples, 13, micro_batch_size=4, dp_world_size=3, rank=r) for r in range(3)]
+    assert len({len(batches) for batches in three}) == 1  # every rank runs as many forwards
+
+    def real(batches):
+        return sorted(x for batch, weight in batches if weight for x in batch["x"].flatten().tolist())
+
+    assert real(one) == sorted(x for batches in three for x in real(batches)) == list(range(13))
+    padding = [batch for batches in three for batch, weight in batches if weight == 0]
+    assert padding and all(batch["x"].tolist() == [[0.0]] for batch in padding)  # item 0, weighed 0
+    # a sample's draw follows its position in the global order, not its batch or rank
+    pair = samples.batch(np.array([5, 7]), np.array([10, 11]))
+    alone = samples.batch(np.array([7]), np.array([11]))
+    assert torch.equal(pair["noise"][1], alone["noise"][0])
+    assert not torch.equal(pair["noise"][1], samples.batch(np.array([7]), np.array([12]))["noise"][0])
+    ragged = MapSamples([torch.zeros(2), torch.zeros(3)], default_collate, "the ragged data")
+    with pytest.raises(DataError, match="the ragged data: items of different shapes in one batch"):
+        ragged.batch(np.array([0, 1]))
