@@ -116,3 +116,11 @@ class SometimesImages(Task):
         targets = batch["tokens"][:, 1:]
         return LossOutput(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"),
                           targets.numel())
+
+
+class RankMetrics(ImageClassification):
+    """Names a metric after its rank: the ranks' metrics differ."""
+
+    def loss(self, model, batch):
+        out = super().loss(model, batch)
+        return LossOutput(out.loss, out.count, {f"rank{torch.distributed.get_rank()}": out.count})

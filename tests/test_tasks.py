@@ -245,6 +245,8 @@ def test_bad_task_settings_are_one_line_before_anything_starts(monkeypatch, args
     ("broken_tasks:NoLoss", "lacks loss()"),
     ("collections:OrderedDict", "is not a shardtrain.tasks.Task subclass"),
     ("broken_tasks:VectorLoss", "returned a loss of shape [2]; it must be a scalar tensor"),
+    ("broken_tasks:RankMetrics", "ranks disagree on the task's metrics (name, has its own count): rank 0 "
+                                 "has (('rank0', False),), rank 1 has (('rank1', False),)"),
     ("broken_tasks:MixedItems", "is {'image': 'tensor[float32, 3-d]'}, item 0 is "
                                 "{'image': 'tensor[float32, 3-d]', 'label': 'tensor[int64, 0-d]'}"),
 ])

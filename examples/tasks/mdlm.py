@@ -94,6 +94,7 @@ class MaskedDiffusionLM(Task):
         train_bytes: int = 16_384
         val_bytes: int = 2_048
 
+    count_unit = "tokens"
     init_parameter_elementwise = True
 
     def build_model(self) -> nn.Module:

@@ -103,8 +103,10 @@ def drop_unsaved_optimizer_state(optim_state: dict[str, Any], saved_keys) -> lis
     would miss those keys; left out, the resumed optimizer is the saved one: still no state there.
     """
     state = optim_state.get("state", {})
-    unsaved = [fqn for fqn in state
-               if not any(key.startswith(f"optim.state.{fqn}.") for key in saved_keys)]
+    # DCP's flattened keys: optim.state.<parameter name>.<state name> (the state name has no dot)
+    saved = {key.removeprefix("optim.state.").rpartition(".")[0] for key in saved_keys
+             if key.startswith("optim.state.")}
+    unsaved = [fqn for fqn in state if fqn not in saved]
     for fqn in unsaved:
         del state[fqn]
     return unsaved

@@ -31,6 +31,8 @@ FORMAT = "shardtrain-checkpoint-v1"
 # The settings that decide which sample sits at each position of the global order
 # (data/batches.py): resumed with another value, the saved position points into another order.
 DATA_ORDER_KEYS = ("trainer.seq_len", "trainer.seed", "data.source", "data.paths", "data.weights")
+# Another task's data is its own: what it is comes from the task and its options.
+TASK_DATA_KEYS = ("trainer.seed", "task.path", "task.options")
 # ... and those that decide what is prepared from data.source=stdlib or files (a prepared dataset
 # is read as it is).
 PREPARING_KEYS = ("data.file_glob", "data.val_percent", "data.max_bytes", "data.text_field")
@@ -89,7 +91,10 @@ class TrainState:
     def data_order_changes(self, cfg: Config) -> list[str]:
         """``DATA_ORDER_KEYS`` whose value in ``cfg`` differs from the saved run's, as "key old -> new"."""
         now = OmegaConf.to_container(OmegaConf.structured(cfg))
-        keys = DATA_ORDER_KEYS + (PREPARING_KEYS if cfg.data.source != "prepared" else ())
+        if cfg.task.path != LANGUAGE_MODEL_TASK:
+            keys = TASK_DATA_KEYS  # a task's data is its own: its options may change it
+        else:
+            keys = DATA_ORDER_KEYS + (PREPARING_KEYS if cfg.data.source != "prepared" else ())
         changes = []
         for key in keys:
             section, name = key.split(".")

@@ -192,13 +192,14 @@ def check_model(cfg: Config) -> None:
         raise ConfigError("model.dim / model.n_heads (the head size) must be even for RoPE")
 
 
-def check_task(cfg: Config) -> None:
+def check_task_section(cfg: Config) -> None:
     """``task.path`` imports, and ``task.options`` fit its ``Options`` dataclass: names, types and
     bounds, each wrong one a ConfigError naming ``task.NAME``. The options are stored back in full,
     defaults included, so config.yaml and checkpoints record every one."""
     cls = import_object(cfg.task.path, "task")
     if not isinstance(cls, type):
         raise ConfigError(f"task={cfg.task.path!r} is not a class")
+    cfg.task.path = f"{cls.__module__}:{cls.__qualname__}"  # one spelling, whichever was given
     options_cls = getattr(cls, "Options", None)
     if options_cls is None:
         if cfg.task.options:
@@ -208,6 +209,10 @@ def check_task(cfg: Config) -> None:
     if not dataclasses.is_dataclass(options_cls):
         raise ConfigError(f"task {cfg.task.path}: its Options must be a dataclass")
     names = [f.name for f in dataclasses.fields(options_cls)]
+    reserved = sorted({"path", "options"} & set(names))
+    if reserved:
+        raise ConfigError(f"task {cfg.task.path}: an option may not be named {' or '.join(reserved)} "
+                          "(task.path and task.options are the task section's own keys); rename it")
     for name in cfg.task.options:
         if name not in names:
             raise ConfigError(f"unknown task option 'task.{name}'"
@@ -250,7 +255,7 @@ def validate(cfg: Config) -> None:
             except ShardtrainError as exc:
                 raise ConfigError(f"strategy.wrap_policy: {exc}") from exc
     check_model(cfg)
-    check_task(cfg)
+    check_task_section(cfg)
     for name in cfg.checkpoint.preemption_signals:
         if not isinstance(getattr(signal, str(name), None), signal.Signals):
             raise ConfigError(f"checkpoint.preemption_signals: {name!r} is not a signal name like 'SIGTERM'")

@@ -31,9 +31,6 @@ class Batch(NamedTuple):
     targets: torch.Tensor
     positions: torch.Tensor | None = None
 
-    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
-        return Batch(*(None if t is None else t.to(device, non_blocking=non_blocking) for t in self))
-
 
 def positions_in_window(starts: np.ndarray, length: int) -> np.ndarray:
     """Each token's position within its document, for a window whose documents begin at offsets

@@ -99,9 +99,11 @@ def _parameter_to_meta(module: nn.Module, name: str, param: nn.Parameter | None)
 
 @contextmanager
 def parameters_on_meta() -> Iterator[None]:
-    """Modules constructed inside get their parameters on the meta device (initialisers then run on
-    meta, for free) and their buffers computed for real (they are small, and only the module knows
-    how to make them)."""
+    """Modules constructed inside get their parameters on the meta device as they are registered
+    (so the initialisers modules run after registration, like ``nn.Linear.reset_parameters``, run on
+    meta, for free; a value computed before registration, ``nn.Parameter(torch.randn(...))``, is
+    still computed) and their buffers computed for real (they are small, and only the module knows
+    how to make them). A parameter tied by assigning it to a second attribute stays one object."""
     handle = register_module_parameter_registration_hook(_parameter_to_meta)
     try:
         yield
@@ -136,15 +138,17 @@ def materialize(model: nn.Module, device: torch.device, seed: int, cpu_offload: 
     With CPU offload FSDP2 requires the sharded parameters in host memory before its first forward
     (it pins and keeps them there); buffers are not FSDP's and must be on the device that computes.
     """
-    constructed = {name: buffer.clone() for name, buffer in model.named_buffers(remove_duplicate=False)
-                   if buffer.device.type != "meta"}
+    recompute = getattr(model, "init_buffers", None)
+    constructed = {} if recompute is not None else {
+        name: buffer.clone() for name, buffer in model.named_buffers(remove_duplicate=False)
+        if buffer.device.type != "meta"}
     model.to_empty(device="cpu" if cpu_offload else device)
     if cpu_offload:
         move_buffers(model, device)
     if initialize:
         initialize_parameters(model, seed, initializer or model)
-    if hasattr(model, "init_buffers"):
-        model.init_buffers()
+    if recompute is not None:
+        recompute()
         return
     for name, buffer in model.named_buffers(remove_duplicate=False):
         if name not in constructed:

@@ -22,17 +22,30 @@ from shardtrain.errors import DataError
 Draw = Callable[[Any, torch.Generator], Any]
 
 
+def walk(item: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``item`` with every leaf (tensor, array, number) replaced by ``leaf(it)``; dicts by sorted key."""
+    if isinstance(item, Mapping):
+        return {key: walk(value, leaf) for key, value in sorted(item.items())}
+    if isinstance(item, (list, tuple)):
+        return [walk(value, leaf) for value in item]
+    return leaf(item)
+
+
+def kind_of(leaf: Any) -> str:
+    if isinstance(leaf, torch.Tensor):
+        return f"tensor[{str(leaf.dtype).removeprefix('torch.')}, {leaf.ndim}-d]"
+    if isinstance(leaf, np.ndarray):
+        return f"ndarray[{leaf.dtype}, {leaf.ndim}-d]"
+    return type(leaf).__name__
+
+
+def shape_of(leaf: Any) -> tuple[int, ...]:
+    return tuple(getattr(leaf, "shape", ()))
+
+
 def structure(item: Any) -> Any:
     """What must agree between the items of a dataset (not the sizes, which a collate may pad)."""
-    if isinstance(item, torch.Tensor):
-        return f"tensor[{str(item.dtype).removeprefix('torch.')}, {item.ndim}-d]"
-    if isinstance(item, np.ndarray):
-        return f"ndarray[{item.dtype}, {item.ndim}-d]"
-    if isinstance(item, Mapping):
-        return {key: structure(value) for key, value in sorted(item.items())}
-    if isinstance(item, (list, tuple)):
-        return [structure(value) for value in item]
-    return type(item).__name__
+    return walk(item, kind_of)
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -125,16 +138,6 @@ class MapSamples:
         except RuntimeError as exc:
             if "equal size" not in str(exc):  # default_collate's torch.stack of unequal sizes
                 raise
-            shapes = sorted({str(structure_shapes(item)) for item in items})[:2]
+            shapes = sorted({str(walk(item, shape_of)) for item in items})[:2]
             raise DataError(f"{self.name}: items of different shapes in one batch ({' vs '.join(shapes)}); "
                             "give the task a collate(items) that pads them") from exc
-
-
-def structure_shapes(item: Any) -> Any:
-    if isinstance(item, (torch.Tensor, np.ndarray)):
-        return tuple(item.shape)
-    if isinstance(item, Mapping):
-        return {key: structure_shapes(value) for key, value in sorted(item.items())}
-    if isinstance(item, (list, tuple)):
-        return [structure_shapes(value) for value in item]
-    return item

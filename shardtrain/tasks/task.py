@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from shardtrain.config.classpath import import_object
@@ -84,8 +85,9 @@ class Task:
     def build_model(self) -> nn.Module:
         """The unsharded model. Called with parameters on the meta device (buffers are computed as
         the module constructs them, and restored after materialisation) when the task or the model
-        has ``init_parameter(name, tensor, generator)``; otherwise built on the CPU, seeded, on
-        every rank, then sharded."""
+        has ``init_parameter(name, tensor, generator)``; otherwise called a second time on the CPU,
+        seeded, on every rank, and that model is sharded (so it may be called more than once:
+        keep it free of side effects)."""
         raise NotImplementedError(f"{type(self).__name__} must define build_model()")
 
     def wrap_policy(self) -> Sequence[type | str] | None:
@@ -187,4 +189,5 @@ def task_from_config(cfg: Config) -> Task:
         raise ConfigError(f"task={cfg.task.path!r} is not a shardtrain.tasks.Task subclass")
     if cls.Options is None:
         return check_task(cls())
-    return check_task(cls(cls.Options(**cfg.task.options)))
+    options = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls.Options), cfg.task.options))
+    return check_task(cls(options))

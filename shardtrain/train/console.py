@@ -21,7 +21,7 @@ def rate(record: dict) -> str:
 
 def format_record(step: int, max_steps: int, record: dict, metrics: tuple[str, ...] = ()) -> str:
     """``step 10/300 | loss 2.1 | ... | val_loss 2.0`` from a metrics record; ``metrics``: the
-    task's own values, shown after the loss."""
+    names of the task's own values, shown after the loss (and the validation loss)."""
     parts = [f"step {step}/{max_steps}"]
     if "loss" in record:
         mfu, tflops = record.get("mfu"), record.get("model_tflops")
@@ -38,6 +38,7 @@ def format_record(step: int, max_steps: int, record: dict, metrics: tuple[str, .
         ]
     if "val_loss" in record:
         parts.append(f"val_loss {record['val_loss']:.4f}")
+        parts += [f"val_{name} {record[f'val_{name}']:.4g}" for name in metrics if f"val_{name}" in record]
     return " | ".join(parts)
 
 

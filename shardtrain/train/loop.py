@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils.flop_counter import FlopCounterMode
 
 from shardtrain import faults
 from shardtrain.accelerator import device_peak_flops, peak_memory_mib
@@ -36,10 +35,10 @@ from shardtrain.distributed.env import DistEnv, apply_debug_switches, init_distr
 from shardtrain.errors import TrainingError
 from shardtrain.generation.generate import gathered_copy, generate, generation_mode
 from shardtrain.tasks.language_model import LanguageModelTask
-from shardtrain.tasks.samples import batch_size
 from shardtrain.tasks.task import Task, check_task, task_config_of, task_from_config
 from shardtrain.train.build import Built, OptimizerFactory, build
 from shardtrain.train.console import Console
+from shardtrain.train.flops import counted_flops_per_sample
 from shardtrain.train.metrics import MetricsWriter, Throughput
 from shardtrain.train.step import StepStats, evaluate, train_step
 
@@ -82,10 +81,13 @@ class Trainer:
         self.writer = MetricsWriter(Path(cfg.run.dir), cfg.run.tensorboard, env.is_main)
         self.console = Console(env.is_main, t.progress_bar, t.max_steps)
         self.throughput = Throughput(task.count_unit, env.world_size, device_peak_flops(env.device))
-        # FLOPs per sample counted on the first step when the task cannot say (Task.flops).
-        self.counted_flops_per_sample: float | None = None
+        # FLOPs per sample counted once when the task cannot say (Task.flops).
+        self.counted_flops_per_sample = (counted_flops_per_sample(task, t.micro_batch_size)
+                                         if type(task).flops is Task.flops else None)
         self.interval_losses: list[float] = []
         self.interval_metrics: dict[str, list[float]] = {}
+        # The task's metrics as the first step returned them: every later step must return the same.
+        self.metric_kinds: tuple[tuple[str, bool], ...] | None = None
         self.consecutive_skips = 0
         self.checkpointer = (
             Checkpointer(cfg, built.plan, built.model, built.optimizer, built.scheduler, env.rank,
@@ -294,12 +296,7 @@ class Trainer:
         # an activation-checkpointed block makes dynamo give up on that block for the rest of the run
         # (measured: compile + AC ran at eager speed), and even without AC they cost a recompile.
         # The probed first step therefore runs eagerly; compilation starts with the next one.
-        # A task that cannot tell its FLOPs gets them counted once, on the first step's forward,
-        # which runs eagerly too (the counter is a dispatch mode, not something to trace).
-        counter = (FlopCounterMode(display=False) if steps_run == 0 and not (diag.dry_run and compiled)
-                   and self.counted_flops_per_sample is None and self.task.flops(batches[0]) is None
-                   else None)
-        eager_first = (probe is not None or counter is not None) and compiled
+        eager_first = probe is not None and compiled
         stance = torch.compiler.set_stance("force_eager") if eager_first else nullcontext()
         start = time.perf_counter()
         try:
@@ -310,14 +307,11 @@ class Trainer:
                                    sharded_accumulation=b.plan.grad_accumulation == "sharded",
                                    stop_requested=self.stop_requested,
                                    flops_per_sample=self.counted_flops_per_sample,
-                                   flop_counter=counter)
+                                   metric_kinds=self.metric_kinds)
         finally:
             if probe is not None:
                 probe.close()
-        if counter is not None:
-            # Forward FLOPs of the first micro-batch; backward costs about twice the forward.
-            self.counted_flops_per_sample = 3 * counter.get_total_flops() / max(batch_size(batches[0]), 1)
-            stats.flops = self.counted_flops_per_sample * self.layout.global_batch
+        self.metric_kinds = stats.metric_kinds
         seconds = time.perf_counter() - start
         if not eager_first:
             # An eager first step is not counted: the compiling step after it keeps the start-up
@@ -338,7 +332,7 @@ class Trainer:
         self.throughput.add(self.layout.global_batch, stats.count, stats.flops, self.train_data.wait_s)
         self.result.losses.append(stats.loss)
         self.result.grad_norms.append(stats.grad_norm)
-        self.result.tokens_seen += int(stats.count)
+        self.result.tokens_seen += round(stats.count)
         self.interval_losses.append(stats.loss)
         for name, value in stats.metrics.items():
             self.interval_metrics.setdefault(name, []).append(value)
@@ -376,7 +370,7 @@ class Trainer:
             self.sample()
         if record:
             self.writer.write(step, "train", record)
-            self.console.show(step, record, tuple(self.interval_metrics) if "loss" in record else ())
+            self.console.show(step, record, tuple(name for name, _ in self.metric_kinds))
 
     def train_record(self, stats: StepStats) -> dict:
         """The logged averages since the last record (and the counters they cover are reset)."""

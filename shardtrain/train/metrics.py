@@ -45,7 +45,10 @@ class Throughput:
         mfu = flops / (self.peak_flops * self.world_size) if self.peak_flops and flops else None
         # The share of the wall time spent waiting for data: what prefetching did not hide.
         wait_pct = 100 * self.data_wait_s * per_s
-        return {"samples_per_s": self.samples * per_s, f"{self.unit}_per_s": self.count * per_s,
+        # The count's own rate beside samples/s (tokens/s for a language model); a task whose count
+        # is its samples has samples/s alone.
+        rates = {f"{self.unit}_per_s": self.count * per_s, "samples_per_s": self.samples * per_s}
+        return {**rates,
                 "model_tflops": flops / 1e12 if flops else None, "mfu": mfu,
                 "data_wait_ms": 1000 * self.data_wait_s / max(self.steps, 1), "data_wait_pct": wait_pct}
 

@@ -338,7 +338,8 @@ def simulate(cfg: Config, world_size: int, local_world_size: int, *, probe: bool
             "accumulation; simulate with trainer.grad_accum_steps=1 (micro-batches after the first "
             "add only the sharded gradients, which the planner counts)")
     task = bound_task(cfg, task)
-    depths = probe_depths(cfg) if probe and type(task) is LanguageModelTask else None
+    builtin = isinstance(task, LanguageModelTask) and task.model_factory is None
+    depths = probe_depths(cfg) if probe and builtin else None
     if depths is None:
         return _simulate_depth(cfg, world_size, local_world_size, task)
     probes = [_simulate_depth(c, world_size, local_world_size, bound_task(c, LanguageModelTask()))
@@ -354,8 +355,9 @@ def simulation_rows(cfg: Config, world_sizes: list[int], strategies: list[str],
     cases = [(replace(cfg, strategy=replace(cfg.strategy, sharding_strategy=strategy,
                                             activation_checkpointing="all" if ac else "none")), world)
              for world in world_sizes for strategy in strategies for ac in checkpointing]
-    sims = [simulate(case, world, local_world_size, probe=probe) for case, world in cases]
-    if type(task_from_config(cfg)) is not LanguageModelTask:
+    task = task_from_config(cfg)
+    sims = [simulate(case, world, local_world_size, probe=probe, task=task) for case, world in cases]
+    if not isinstance(task, LanguageModelTask):
         return [(sim, None) for sim in sims]
     with torch.device("meta"):
         model = build_model(cfg.model)

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.utils.flop_counter import FlopCounterMode
 
 from shardtrain import faults
 from shardtrain.diagnostics.memory import PhaseMemory
@@ -45,6 +44,7 @@ class StepStats:
     stop_agreed: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
     flops: float = 0.0  # the step's training FLOPs over all ranks (0: unknown)
+    metric_kinds: tuple[tuple[str, bool], ...] = ()
 
 
 def run_loss(task: Task, model: nn.Module, batch: Any) -> LossOutput:
@@ -68,43 +68,52 @@ def run_loss(task: Task, model: nn.Module, batch: Any) -> LossOutput:
 
 
 def as_scalar(value: Any, device: torch.device) -> torch.Tensor:
-    """A count or metric (tensor or number) as a float64 scalar on ``device``."""
+    """A count or metric (tensor or number) as a float64 scalar on ``device``; a number becomes a
+    fill on the device, not a copy from the host (which would wait for the queued kernels)."""
     if isinstance(value, torch.Tensor):
         return value.detach().to(device=device, dtype=torch.float64).reshape(())
-    return torch.tensor(float(value), dtype=torch.float64, device=device)
+    return torch.full((), float(value), dtype=torch.float64, device=device)
+
+
+def metric_kinds(metrics: dict) -> tuple[tuple[str, bool], ...]:
+    """(name, has its own count) of each metric, in name order: what must not change."""
+    return tuple(sorted((name, isinstance(value, tuple)) for name, value in metrics.items()))
 
 
 class MetricSums:
     """The task's extra values, summed over micro-batches: a value alone is normalised by the
-    loss's count, a ``(sum, count)`` pair by its own."""
+    loss's count, a ``(sum, count)`` pair by its own. ``kinds``: the names (and kinds) every
+    micro-batch of the run must return, fixed by the first step: the step's one all-reduce carries
+    them, so a rank with other names would leave the others waiting in it."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, kinds: tuple[tuple[str, bool], ...] | None = None) -> None:
         self.device = device
+        self.kinds = kinds
         self.sums: dict[str, list[torch.Tensor]] = {}
 
     def add(self, metrics: dict) -> None:
-        if self.sums and sorted(metrics) != sorted(self.sums):
-            raise TrainingError(f"the task's metrics changed between micro-batches ({sorted(self.sums)} "
-                                f"vs {sorted(metrics)}); return the same names every time")
+        kinds = metric_kinds(metrics)
+        if self.kinds is None:
+            self.kinds = kinds
+        elif kinds != self.kinds:
+            raise TrainingError(f"the task's metrics changed: {list(self.kinds)} before, {list(kinds)} now "
+                                "(name, has its own count); return the same names, of the same kind, "
+                                "from every loss call")
         for name, value in metrics.items():
-            total, count = value if isinstance(value, tuple) else (value, None)
-            pair = [as_scalar(total, self.device),
-                    as_scalar(count, self.device) if count is not None else None]
-            if name not in self.sums:
-                self.sums[name] = pair
-            else:
-                self.sums[name] = [a + b if a is not None else None for a, b in zip(self.sums[name], pair)]
+            total, count = value if isinstance(value, tuple) else (value, 0.0)
+            pair = [as_scalar(total, self.device), as_scalar(count, self.device)]
+            old = self.sums.get(name)
+            self.sums[name] = pair if old is None else [a + b for a, b in zip(old, pair)]
 
     def vector(self) -> list[torch.Tensor]:
-        """Sums and own counts, in name order, for the step's one all-reduce."""
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        return [t if t is not None else zero for name in sorted(self.sums) for t in self.sums[name]]
+        """Each metric's sum and own count, in name order, for the step's one all-reduce."""
+        return [t for name in sorted(self.sums) for t in self.sums[name]]
 
     def values(self, reduced: list[float], count: float) -> dict[str, float]:
         out = {}
-        for index, name in enumerate(sorted(self.sums)):
+        for index, (name, own_count) in enumerate(self.kinds or ()):
             total, own = reduced[2 * index], reduced[2 * index + 1]
-            divisor = own if self.sums[name][1] is not None else count
+            divisor = own if own_count else count
             out[name] = total / divisor if divisor else float("nan")
         return out
 
@@ -114,11 +123,6 @@ def global_sum_tensor(value: torch.Tensor) -> torch.Tensor:
     if dist.get_world_size() > 1:
         dist.all_reduce(value)
     return value
-
-
-def global_sum(values: list[float], device: torch.device) -> list[float]:
-    """``values`` summed over all ranks, read back to the host (float64)."""
-    return global_sum_tensor(torch.tensor(values, dtype=torch.float64, device=device)).tolist()
 
 
 def prepare_micro_batch(model: nn.Module, index: int, count: int, sharded_accumulation: bool) -> None:
@@ -134,6 +138,25 @@ def prepare_micro_batch(model: nn.Module, index: int, count: int, sharded_accumu
         model.set_requires_all_reduce(index == count - 1)
     else:
         model.set_requires_gradient_sync(index == count - 1)
+
+
+def counts_ahead(task: Task) -> bool:
+    """The task knows a batch's count before the forward (it defines ``count``): decided by the
+    task's class, the same on every rank and step, so every rank takes the same collectives."""
+    return type(task).count is not Task.count
+
+
+def check_same_on_every_rank(what: str, value: Any) -> None:
+    """Every rank holds the same ``value``, or every rank raises the same error (one collective;
+    for what is decided once, such as the first step's metric names)."""
+    if dist.get_world_size() < 2:
+        return
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    if any(v != values[0] for v in values):
+        differing = next(rank for rank, v in enumerate(values) if v != values[0])
+        raise TrainingError(f"ranks disagree on {what}: rank 0 has {values[0]}, rank {differing} has "
+                            f"{values[differing]}; return the same from every rank")
 
 
 def local_flops(task: Task, micro_batches: list[Any], counted_per_sample: float | None) -> float:
@@ -157,7 +180,7 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
                sharded_accumulation: bool = True,
                stop_requested: Callable[[], bool] | None = None,
                flops_per_sample: float | None = None,
-               flop_counter: FlopCounterMode | None = None) -> StepStats:
+               metric_kinds: tuple[tuple[str, bool], ...] | None = None) -> StepStats:
     """One optimizer step (``step`` is its 1-based number; ``phases`` records memory per phase).
 
     With several micro-batches, ``sharded_accumulation`` reduce-scatters after every backward (only
@@ -165,11 +188,15 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
     otherwise gradients stay unsharded and are reduced once, on the last micro-batch.
     ``stop_requested()`` (this rank was signalled), asked after backward, rides on the loss
     all-reduce, so that every rank learns of any rank's request without a collective or host
-    synchronisation of its own. ``flop_counter`` counts the first micro-batch's forward.
+    synchronisation of its own. ``metric_kinds``: the task's metrics as the first step returned
+    them (None on the first step, whose names every rank then compares once).
     """
-    ahead = [task.count(batch) for batch in micro_batches]
     divisor = None
-    if all(count is not None for count in ahead):
+    if counts_ahead(task):
+        ahead = [task.count(batch) for batch in micro_batches]
+        if any(count is None for count in ahead):
+            raise TrainingError(f"{type(task).__name__}.count(batch) returned None; a task that defines "
+                                "count() must give every batch's count (or not define it)")
         # The global count stays on the device (an asynchronous all-reduce): reading it back here
         # would stall the host until the previous step's optimizer kernels finished.
         global_count = global_sum_tensor(torch.full((), sum(ahead), dtype=torch.float64, device=device))
@@ -178,19 +205,14 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
 
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     returned_count = torch.zeros((), dtype=torch.float64, device=device)
-    metrics = MetricSums(device)
+    metrics = MetricSums(device, metric_kinds)
     last = len(micro_batches) - 1
     rank = dist.get_rank()
     if phases is not None:
         phases.start()
     for index, batch in enumerate(micro_batches):
         prepare_micro_batch(model, index, len(micro_batches), sharded_accumulation)
-        on_device = to_device(batch, device, non_blocking=True)
-        if flop_counter is not None and index == 0:
-            with flop_counter:
-                out = run_loss(task, model, on_device)
-        else:
-            out = run_loss(task, model, on_device)
+        out = run_loss(task, model, to_device(batch, device, non_blocking=True))
         loss = out.loss / divisor if divisor is not None else out.loss
         if index == 0:
             loss = faults.poison_loss(rank, step, loss)
@@ -202,6 +224,8 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
         metrics.add(out.metrics)
     if phases is not None:
         phases.mark("backward")
+    if metric_kinds is None:
+        check_same_on_every_rank("the task's metrics (name, has its own count)", metrics.kinds)
 
     params = [p for p in model.parameters() if p.grad is not None]
     if divisor is None:
@@ -222,7 +246,7 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
                             "valid positions): nothing to learn from; check the data")
     if divisor is None:
         loss_value /= count
-    elif returned != count:
+    elif not math.isclose(returned, count, rel_tol=1e-9):
         raise TrainingError(f"{type(task).__name__}.count(batch) gave {count:g} for this step but "
                             f"loss(...) returned a count of {returned:g}; they must agree")
     skipped = not (math.isfinite(norm_value) and math.isfinite(loss_value))
@@ -238,7 +262,7 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
         phases.mark("end")
     return StepStats(loss=loss_value, grad_norm=norm_value, count=count, skipped=skipped,
                      stop_agreed=stops > 0, metrics=metrics.values(metric_values, count),
-                     flops=flops_value)
+                     flops=flops_value, metric_kinds=metrics.kinds or ())
 
 
 @torch.no_grad()
@@ -262,4 +286,5 @@ def evaluate(model: nn.Module, task: Task, batches: list[tuple[Any, float]],
     reshard_all(model)
     loss_value, count_value, *metric_values = global_sum_tensor(
         torch.stack([loss, count, *metrics.vector()])).tolist()
-    return loss_value / max(count_value, 1), metrics.values(metric_values, count_value)
+    mean = loss_value / count_value if count_value else float("nan")
+    return mean, metrics.values(metric_values, count_value)
