@@ -27,25 +27,32 @@ from shardtrain.train.loop import Trainer
 from shardtrain.train.optim import build_optimizer, build_scheduler
 
 
-def handwritten(cfg, trainer: Trainer):
-    """The FSDP2 tutorial loop: shard blocks then root (with shardtrain's precision policy), AdamW,
-    clip_grad_norm_, step."""
-    world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
-    with torch.device("meta"):
-        model = Llama(cfg.model)
+def sharded_by_hand(model: torch.nn.Module, block: type, initializer, trainer: Trainer) -> torch.nn.Module:
+    """The FSDP2 tutorial's sharding of ``model`` (built on meta): ``fully_shard`` per ``block``, then
+    the root, with shardtrain's precision policy; then the initial weights of shardtrain's run."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     plan = trainer.built.plan  # the same precision as shardtrain's run
     mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
     for module in model.modules():
-        if isinstance(module, TransformerBlock):
+        if isinstance(module, block):
             fully_shard(module, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     model.to_empty(device="cpu")
     with torch.no_grad():
         for name, p in model.named_parameters():
             full = torch.empty(p.shape)
-            init_full_parameter(model, name, full, cfg.trainer.seed)
+            init_full_parameter(initializer, name, full, trainer.cfg.trainer.seed)
             p.copy_(shard_like(full, p))
+    return model
+
+
+def handwritten(cfg, trainer: Trainer):
+    """The FSDP2 tutorial loop: shard blocks then root (with shardtrain's precision policy), AdamW,
+    clip_grad_norm_, step."""
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    model = sharded_by_hand(model, TransformerBlock, model, trainer)
+    with torch.no_grad():
         model.init_buffers()
     optimizer = build_optimizer(model, cfg.trainer)
     scheduler = build_scheduler(optimizer, cfg.trainer)

@@ -16,37 +16,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from shardtrain.distributed.sharded_model import init_full_parameter, shard_like
 from shardtrain.train.loop import Trainer
 from shardtrain.train.optim import build_optimizer, build_scheduler
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples" / "tasks"))
-from step_time import alternating_medians, benchmark_config  # noqa: E402
+from step_time import alternating_medians, benchmark_config, sharded_by_hand  # noqa: E402
 from vit import Block, ImageClassification  # noqa: E402
 
 SHAPE = dict(image_size=32, patch=4, classes=10, dim=192, depth=6, heads=3, train_samples=4096)
 
 
 def handwritten(cfg, trainer: Trainer, task: ImageClassification):
-    world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
     with torch.device("meta"):
         model = task.build_model()
-    plan = trainer.built.plan
-    mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
-    for module in model.modules():
-        if isinstance(module, Block):
-            fully_shard(module, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            full = torch.empty(p.shape)
-            init_full_parameter(task, name, full, cfg.trainer.seed)
-            p.copy_(shard_like(full, p))
+    model = sharded_by_hand(model, Block, task, trainer)
     optimizer = build_optimizer(model, cfg.trainer)
     scheduler = build_scheduler(optimizer, cfg.trainer)
     device = trainer.env.device

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -32,6 +33,20 @@ def launch(args, env=None) -> subprocess.Popen:
     full_env = {**os.environ, **(env or {})}
     return subprocess.Popen([*SHARDTRAIN, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=full_env, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def preempt(args, run_dir, step: int, env=None) -> tuple[int, str]:
+    """Start ``shardtrain args``, SIGTERM its whole process group (as Slurm does) once training has
+    logged ``step``; its exit status and output."""
+    proc = launch(args, env)
+    try:
+        wait_for_step(run_dir, step, proc)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out
 
 
 def wait_for_step(run_dir, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:

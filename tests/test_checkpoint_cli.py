@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
 import time
 
 import pytest
-from cli_utils import launch, read_metrics, run_cli, wait_for_step
+from cli_utils import preempt, read_metrics, run_cli
 
 QUICK = ["experiment=quick", "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample_tokens=0",
          "trainer.micro_batch_size=2", "run.tensorboard=false"]
@@ -42,15 +40,8 @@ def test_sigterm_saves_exits_cleanly_and_resumes_exactly(tmp_path):
     expected = [r["loss"] for r in read_metrics(tmp_path / "reference")]
 
     run_dir = tmp_path / "preempted"
-    proc = launch(["train", *common, f"run.dir={run_dir}"])
-    try:
-        wait_for_step(run_dir, 5, proc)
-        os.killpg(proc.pid, signal.SIGTERM)  # like Slurm: every process of the job gets it
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-3000:]
+    status, out = preempt(["train", *common, f"run.dir={run_dir}"], run_dir, 5)
+    assert status == 0, out[-3000:]
     assert "preemption (SIGTERM): saving at step" in out
     stopped_at = read_metrics(run_dir)[-1]["step"]
     assert 5 <= stopped_at < 30 and (run_dir / "checkpoints" / f"step-{stopped_at}").is_dir()

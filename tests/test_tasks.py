@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from cli_utils import launch, read_metrics, run_cli, wait_for_step
+from cli_utils import preempt, read_metrics, run_cli
 from distributed import run_on_ranks
 from equivalence import max_errors
 from safetensors.torch import load_file
@@ -206,15 +204,8 @@ def test_a_task_from_the_command_line_with_its_options_preempted_and_resumed(tmp
     assert "path: vit:ImageClassification" in config and "depth: 1" in config and "classes: 10" in config
 
     run_dir = tmp_path / "preempted"
-    proc = launch([*common, f"run.dir={run_dir}"], env=TASK_PATH)
-    try:
-        wait_for_step(run_dir, 4, proc)
-        os.killpg(proc.pid, signal.SIGTERM)  # like Slurm: every process of the job gets it
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-3000:]
+    status, out = preempt([*common, f"run.dir={run_dir}"], run_dir, 4, env=TASK_PATH)
+    assert status == 0, out[-3000:]
     stopped_at = read_metrics(run_dir)[-1]["step"]
     assert 4 <= stopped_at < 12 and "preemption (SIGTERM): saving at step" in out
     state = json.loads((run_dir / "checkpoints" / f"step-{stopped_at}" / "trainer_state.json").read_text())
