@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -77,13 +78,32 @@ def exact_resume(out: str) -> None:
     dump(second, losses, Path(out, "split.pt"))
 
 
+def bytes_read() -> int:
+    """Bytes this process has read through read() calls so far (the kernel's count, any file)."""
+    return int(re.search(r"^rchar: (\d+)$", Path("/proc/self/io").read_text(), re.M).group(1))
+
+
 def save_at_four(out: str) -> None:
-    """4 ranks FULL_SHARD: the uninterrupted reference, and a run stopped and saved at step N."""
+    """4 ranks FULL_SHARD: the uninterrupted reference, and a run stopped and saved at step N.
+
+    Also the bytes each rank reads to commit that save (hashing for the manifest) and to verify it
+    as a resume does: each rank its own share, not rank 0 (or every rank) all of it.
+    """
     full = new_trainer(ckpt_config(f"{out}/full4", 4))
     dump(full, full.fit().losses, Path(out, "full4.pt"))
     first = new_trainer(ckpt_config(f"{out}/first4", 4))
-    interrupted(first, N)
+    for _ in range(N):
+        first.run_step()
+    before_save = bytes_read()
+    first.save_checkpoint(blocking=True)
+    before_verify = bytes_read()
+    first.checkpointer.verify_checksums(Path(out, "first4", "checkpoints", f"step-{N}"))
+    reads = torch.tensor([before_verify - before_save, bytes_read() - before_verify])
+    gathered = [torch.zeros_like(reads) for _ in range(4)]
+    torch.distributed.all_gather(gathered, reads)
     dump(first, first.result.losses, Path(out, "first4.pt"))
+    if first.env.is_main:
+        torch.save(torch.stack(gathered), Path(out, "hash_reads4.pt"))
 
 
 def resume_elsewhere(out: str, strategy: str, accum: int) -> None:

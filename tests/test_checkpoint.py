@@ -44,6 +44,18 @@ def four_rank_checkpoint(tmp_path_factory):
     return out
 
 
+def test_checksum_work_is_split_between_ranks(four_rank_checkpoint):
+    """Committing a save and verifying it for a resume read about 1/4 of the checkpoint on each of
+    4 ranks (rank 0 alone hashed every file at commit, and every rank every file at resume)."""
+    ckpt = four_rank_checkpoint / "first4" / "checkpoints" / f"step-{N}"
+    recorded = json.loads((ckpt / "checksums.json").read_text())["files"]
+    total = sum(entry["bytes"] for entry in recorded.values())
+    reads = torch.load(four_rank_checkpoint / "hash_reads4.pt")  # [rank, (commit, verify)]
+    for phase, per_rank in zip(("commit", "verify"), reads.T.tolist(), strict=True):
+        # all of it read once between them; no rank much above its quarter (four equal shard files)
+        assert sum(per_rank) >= total and max(per_rank) < 0.4 * total, (phase, per_rank, total)
+
+
 @pytest.mark.parametrize(("world", "strategy", "accum"), [(2, "SHARD_GRAD_OP", 2), (1, "NO_SHARD", 1)])
 def test_resume_at_another_world_size_and_strategy(four_rank_checkpoint, world, strategy, accum):
     out = four_rank_checkpoint

@@ -222,7 +222,10 @@ def test_damage_inside_a_file_is_named_and_resume_falls_back(two_rank_run, tmp_p
         assert f"checksums:  damaged: {name}\n" in inspect.stdout
 
     consolidated = run_cli("consolidate", str(damaged), str(tmp_path / "out"), timeout=60)
-    assert message in error_line(consolidated)
+    if name.startswith("rng-"):  # never read to export the model: not hashed either
+        assert consolidated.returncode == 0, consolidated.stderr[-3000:]
+    else:
+        assert message in error_line(consolidated)
 
     explicit = run_cli("train", *QUICK, "trainer.max_steps=6", f"checkpoint.resume={damaged}",
                        f"run.dir={tmp_path / 'explicit'}", timeout=120)
@@ -250,7 +253,7 @@ def test_resume_auto_refuses_when_every_checkpoint_is_damaged(two_rank_run, tmp_
     for step in (2, 4):
         damage_file(run_dir / "checkpoints" / f"step-{step}" / "__1_0.distcp", "flip")
     proc = run_cli("train", *QUICK, "trainer.max_steps=6", f"run.dir={run_dir}", timeout=120)
-    assert "fails its checksums" in error_line(proc)
+    assert "fails its checks" in error_line(proc)
     assert proc.stderr.count("resume: skipping") == 2
 
 
@@ -262,7 +265,7 @@ def test_consolidate_can_skip_checksums(two_rank_run, tmp_path):
 
     ckpt = tmp_path / "step-4"
     shutil.copytree(two_rank_run[0] / "checkpoints" / "step-4", ckpt)
-    damage_file(ckpt / "rng-rank1.pt", "garble")  # consolidate never reads it
-    with pytest.raises(CheckpointError, match="rng-rank1.pt is damaged"):
+    damage_file(ckpt / "__1_0.distcp", "flip")  # one bit of a weight or a moment: still loads
+    with pytest.raises(CheckpointError, match="__1_0.distcp is damaged"):
         consolidate(ckpt, tmp_path / "a.safetensors")
     assert consolidate(ckpt, tmp_path / "b.safetensors", verify=False)[0].is_file()

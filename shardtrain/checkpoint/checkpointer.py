@@ -2,13 +2,15 @@
 
 Saving (every rank): model and optimizer state as sharded DTensors through ``get_state_dict`` into a
 temporary directory with ``dcp.save`` (or ``dcp.async_save``) on a process group of its own, plus this
-rank's RNG states. When DCP's metadata exists, every rank has written its files; rank 0 then writes
-``checksums.json`` (every file's sha256) and ``trainer_state.json``, renames the directory to its
-final name, and only after that deletes checkpoints beyond ``keep_last``. Nothing else needs a
-collective, so a save cannot deadlock with training collectives.
+rank's RNG states. When DCP's metadata exists, every rank has written its files; each rank hashes the
+files it wrote and rank 0 gathers the digests (one collective on the checkpoint group), writes
+``checksums.json`` and ``trainer_state.json``, renames the directory to its final name, and only
+after that deletes checkpoints beyond ``keep_last``. The checkpoint group is used by nothing else, so
+a save cannot deadlock with training collectives.
 
-Loading (every rank): the directory's structure and checksums are verified and it is compared with
-the model before DCP reads anything, on every rank from the same files, so a bad checkpoint makes every
+Loading (every rank): the directory's structure is checked and it is compared with the model before
+DCP reads anything, on every rank from the same files; its checksums are verified with each rank
+hashing about 1/world of the bytes and one all-gather of the verdicts, so a bad checkpoint makes every
 rank raise the same error at once instead of hanging in a collective. DCP then reshards to the
 current mesh.
 """
@@ -138,6 +140,8 @@ class Checkpointer:
         self.world_size = world_size
         self.root = Path(cfg.run.dir) / "checkpoints"
         self.pending: PendingSave | None = None
+        # (path, DCP metadata) of the checkpoint resume_path checked, so load does not read it again.
+        self.verified_metadata: tuple[Path, Any] | None = None
         # Checkpoints whose checksums failed at resume: a save of their step moves them aside, and
         # keep_last neither counts nor deletes them.
         self.damaged: set[Path] = set()
@@ -146,8 +150,8 @@ class Checkpointer:
         # Its timeout is the save's bound, not the step's: a large save may take longer than a step.
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(
             seconds=max(cfg.dist.timeout_s, cfg.checkpoint.save_timeout_s)))
-        # Finishing an async save (waiting for its files, then on rank 0 hashing them, writing the
-        # trainer state, renaming and pruning) runs here, off the training thread; no collectives.
+        # Finishing an async save (waiting for its files, hashing this rank's, then on rank 0 writing
+        # the manifest and trainer state, renaming and pruning) runs here, off the training thread.
         self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtrain-ckpt")
 
     # ---- finding what to resume ----------------------------------------------------------
@@ -158,7 +162,7 @@ class Checkpointer:
         if choice != "auto" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
             # A restarted attempt goes on from this run's newest checkpoint, not from the start's
             # choice (which would repeat or refuse the steps the failed attempt saved).
-            found = layout.scan(self.root)
+            found = layout.candidates(self.root)
             if found.complete:
                 self.info(f"resume: restart attempt, using this run's checkpoints (not resume={choice})")
                 choice = "auto"
@@ -167,14 +171,17 @@ class Checkpointer:
             return None
         if choice != "auto":
             path = Path(choice).expanduser()
-            layout.verify_chosen(path, self.ckpt.verify_checksums, warn=self.rank == 0)
+            self.verified_metadata = (path, layout.verify(path))  # fails rather than falls back
+            self.verify_checksums(path)
             return path
-        found = layout.scan(self.root)
+        found = layout.candidates(self.root)
         for path, why in found.skipped:
             self.info(f"resume: skipping {path}: {why}")
-        # Newest first, hashing only until one passes: not every checkpoint of the run on every start.
+        # Newest first, reading .metadata and hashing only until one passes: not every checkpoint of
+        # the run on every start, on every rank.
         for step, path in reversed(found.complete):
             try:
+                self.verified_metadata = (path, layout.verify(path))
                 self.verify_checksums(path)
             except CheckpointError as exc:
                 self.info(f"resume: skipping {path}: {exc}")
@@ -184,16 +191,35 @@ class Checkpointer:
             return path
         if found.complete:  # starting fresh would bury the run's progress under new checkpoints
             raise CheckpointError(
-                f"every checkpoint in {self.root} fails its checksums (see the lines above); resume one "
+                f"every checkpoint in {self.root} fails its checks (see the lines above); resume one "
                 "explicitly with checkpoint.verify_checksums=false if you accept the damage, or start "
                 "fresh in a new run.dir"
             )
         return None
 
     def verify_checksums(self, path: Path) -> None:
-        """Every rank hashes the same files and so reaches the same verdict: no rank waits alone."""
-        if self.ckpt.verify_checksums:
-            integrity.verify_files(path, warn=self.rank == 0)
+        """Each rank hashes its share of the recorded files (about 1/world of the bytes); one
+        all-gather of the verdicts (a failure to read the manifest included) makes every rank raise
+        the same error, or none, so no rank waits alone in a later collective."""
+        if not self.ckpt.verify_checksums:
+            return
+        try:
+            files = integrity.read_manifest(path)
+            share = [] if files is None else integrity.verification_share(files, self.rank, self.world_size)
+            verdict = (None if files is None else integrity.damaged_files(path, files, share), None)
+        except (CheckpointError, OSError) as exc:
+            verdict = (None, str(exc))
+        verdicts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(verdicts, verdict, group=self.group)
+        if errors := [error for _, error in verdicts if error is not None]:
+            raise CheckpointError(errors[0])
+        if all(damaged is None for damaged, _ in verdicts):
+            if files is None and self.rank == 0:
+                integrity.warn_unrecorded(path)
+            return
+        damaged = {name: why for part, _ in verdicts for name, why in (part or {}).items()}
+        if damaged:
+            raise integrity.damage_error(path, damaged)
 
     # ---- saving --------------------------------------------------------------------------
 
@@ -239,9 +265,9 @@ class Checkpointer:
             self.info(f"checkpoint step {step}: async save started, training blocked {blocked:.3f}s")
             return blocked
         dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
-        self.finalize(step, tmp, trainer_state)
-        # The others wait for rank 0's commit (hashing every file) here, under the save's bound,
-        # rather than in the next step's first collective under the step's bound.
+        self.commit(step, tmp, trainer_state)
+        # The others wait for rank 0's commit (writing two small files, renaming, pruning) here,
+        # under the save's bound, rather than in the next step's first collective under the step's.
         dist.barrier(group=self.group)
         blocked = time.perf_counter() - start
         self.info(f"checkpoint step {step}: saved to {final} in {blocked:.3f}s")
@@ -254,13 +280,19 @@ class Checkpointer:
         if self.rank == 0:
             save_file({k: v.contiguous() for k, v in full.items()}, str(path))
 
-    def finalize(self, step: int, tmp: Path, trainer_state: TrainState) -> None:
-        """Rank 0: make the checkpoint visible under its final name, then prune old ones."""
+    def commit(self, step: int, tmp: Path, trainer_state: TrainState) -> None:
+        """Every rank hashes the files it wrote (their pages are still cached), rank 0 gathers the
+        digests, records them and makes the checkpoint visible under its final name."""
+        mine = [name for name in integrity.covered_files(tmp)
+                if integrity.owner_rank(name, self.world_size) == self.rank]
+        entries = integrity.hash_entries(tmp, mine)
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(entries, gathered, dst=0, group=self.group)
         if self.rank != 0:
             return
         if not (tmp / layout.METADATA_FILE).is_file():
             raise CheckpointError(f"save of step {step} produced no DCP metadata in {tmp}")
-        integrity.write_manifest(tmp)
+        integrity.write_manifest(tmp, {name: e for part in gathered for name, e in part.items()})
         trainer_state.write(tmp)  # stays the last file written
         final = layout.step_dir(self.root, step)
         tmp.rename(final)
@@ -269,10 +301,14 @@ class Checkpointer:
 
     def finish_async(self, written: Future, step: int, tmp: Path, trainer_state: TrainState) -> None:
         written.result()
-        self.finalize(step, tmp, trainer_state)
+        # On every rank in the same order after DCP's own collectives of this save, and before the
+        # next save (which waits for this one): the group sees one sequence of collectives.
+        self.commit(step, tmp, trainer_state)
 
     def prune(self) -> None:
-        complete = [c for c in layout.scan(self.root).complete if c[1] not in self.damaged]
+        # Names only: a step-N directory is complete by construction (renamed after its last file),
+        # and reading every kept checkpoint's metadata after each save would cost a storm of reads.
+        complete = [c for c in layout.candidates(self.root).complete if c[1] not in self.damaged]
         for _, path in complete[: max(0, len(complete) - self.ckpt.keep_last)]:
             # Rename first: a crash while deleting must not leave a half directory named step-N.
             doomed = path.with_name(f".{path.name}.deleting")
@@ -298,7 +334,8 @@ class Checkpointer:
 
     def load(self, path: Path) -> TrainState:
         """Restore model, optimizer, scheduler and RNG from ``path``; return its trainer state."""
-        metadata = layout.verify(path)
+        known = self.verified_metadata
+        metadata = known[1] if known is not None and known[0] == path else layout.verify(path)
         trainer_state = TrainState.read(path)
         rng_file = path / f"rng-rank{self.rank}.pt"
         same_world = trainer_state.world_size == self.world_size

@@ -2,9 +2,15 @@
 
 DCP keeps no checksums: a shard whose bytes changed after the save (a bad disk, a bad copy, a zeroed
 block) has the right length and loads as wrong numbers or as an obscure unpickling error. At commit
-time rank 0 hashes every file of the checkpoint into ``checksums.json``::
+time every file's sha256 goes into ``checksums.json``::
 
     {"algorithm": "sha256", "files": {"__0_0.distcp": {"sha256": "<hex>", "bytes": 123}, ...}}
+
+The work is split so that it does not grow with the world size on any one rank: at a save each rank
+hashes the files it wrote (``owner_rank``: ``__<r>_*.distcp`` and ``rng-rank<r>.pt``; rank 0 the
+rest) and rank 0 writes the gathered digests; at a resume each rank hashes its ``verification_share``
+(the files balanced by bytes over the ranks) and the ranks agree on one verdict (the checkpointer's
+collectives; this module does no communication). A single process (consolidate, inspect) hashes all.
 
 The manifest covers every file but itself and ``trainer_state.json``, which is written after it (it
 stays the last file, and ``TrainState.read`` validates its JSON and fields). Verification hashes the
@@ -19,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 from shardtrain.checkpoint.state import STATE_FILE
@@ -50,17 +57,49 @@ def covered_files(directory: Path) -> list[str]:
                   if p.is_file() and p.relative_to(directory).as_posix() not in NOT_COVERED)
 
 
-def write_manifest(directory: Path) -> None:
-    """Hash every file of ``directory`` into ``checksums.json``, durably (fsynced)."""
-    files = {}
-    for name in covered_files(directory):
-        file = directory / name
-        files[name] = {ALGORITHM: file_sha256(file), "bytes": file.stat().st_size}
+# The files one rank writes at a save: DCP's FileSystemWriter names its shards __<rank>_<n>.distcp.
+RANK_FILE = re.compile(r"^(?:__(\d+)_\d+\.distcp|rng-rank(\d+)\.pt)$")
+
+
+def owner_rank(name: str, world_size: int) -> int:
+    """The rank that wrote ``name`` at a save and so hashes it there (page cache still warm); rank 0
+    for everything that names no rank (``.metadata``, ``model.safetensors``, a renamed DCP file)."""
+    match = RANK_FILE.match(name)
+    if match is None:
+        return 0
+    rank = int(match.group(1) or match.group(2))
+    return rank if rank < world_size else 0
+
+
+def hash_entries(directory: Path, names: list[str]) -> dict[str, dict]:
+    """Manifest entries (name -> {"sha256", "bytes"}) for ``names`` in ``directory``."""
+    return {name: {ALGORITHM: file_sha256(directory / name), "bytes": (directory / name).stat().st_size}
+            for name in names}
+
+
+def write_manifest(directory: Path, entries: dict[str, dict]) -> None:
+    """Write ``checksums.json`` from entries hashed by any ranks, durably (fsynced); the files no
+    entry covers (none when every rank did its part) are hashed here."""
+    missing = [name for name in covered_files(directory) if name not in entries]
+    files = {**entries, **hash_entries(directory, missing)}
     with open(directory / MANIFEST_FILE, "w") as f:
         json.dump({"algorithm": ALGORITHM, "files": files}, f, indent=1, sort_keys=True)
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def verification_share(files: dict[str, dict], rank: int, world_size: int) -> list[str]:
+    """The recorded files ``rank`` verifies: largest first to the least-loaded rank, so each rank
+    reads about 1/world of the bytes; every rank computes the same split from the same manifest."""
+    load = [0] * world_size
+    share: list[str] = []
+    for name in sorted(files, key=lambda n: (-files[n]["bytes"], n)):
+        chosen = min(range(world_size), key=lambda r: (load[r], r))
+        load[chosen] += files[name]["bytes"]
+        if chosen == rank:
+            share.append(name)
+    return sorted(share)
 
 
 def read_manifest(path: Path) -> dict[str, dict] | None:
@@ -84,41 +123,53 @@ def read_manifest(path: Path) -> dict[str, dict] | None:
     return files
 
 
-def damaged_files(path: Path) -> dict[str, str] | None:
-    """Damaged file name -> what is wrong with it; None when the checkpoint records no checksums.
+def damaged_files(path: Path, files: dict[str, dict] | None = None,
+                  names: list[str] | None = None) -> dict[str, str] | None:
+    """Damaged file name -> what is wrong with it, among ``names`` (default: every recorded file);
+    None when the checkpoint records no checksums.
 
     Sizes first (cheap), then hashes, so a missing or truncated file is named without hashing the rest.
     """
-    files = read_manifest(path)
+    files = read_manifest(path) if files is None else files
     if files is None:
         return None
+    names = sorted(files) if names is None else names
     damaged: dict[str, str] = {}
-    for name, entry in sorted(files.items()):
-        file = path / name
+    for name in names:
+        entry, file = files[name], path / name
         if not file.is_file():
             damaged[name] = f"{name} is missing"
         elif (size := file.stat().st_size) != entry["bytes"]:
             how = "truncated" if size < entry["bytes"] else "longer than recorded"
             damaged[name] = f"{name} is {how} ({size} bytes, {entry['bytes']} were recorded)"
-    for name, entry in sorted(files.items()):
-        if name not in damaged and (found := file_sha256(path / name)) != entry[ALGORITHM]:
-            damaged[name] = f"{name} is damaged (sha256 {found}, recorded {entry[ALGORITHM]})"
+    for name in names:
+        if name not in damaged and (found := file_sha256(path / name)) != files[name][ALGORITHM]:
+            damaged[name] = f"{name} is damaged (sha256 {found}, recorded {files[name][ALGORITHM]})"
     return damaged
 
 
-def verify_files(path: Path, *, warn: bool = True) -> None:
+def damage_error(path: Path, damaged: dict[str, str]) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {str(path)!r}: {'; '.join(damaged[n] for n in sorted(damaged))}; the checkpoint "
+        "is damaged (its files changed after the save), use another one"
+    )
+
+
+def warn_unrecorded(path: Path) -> None:
+    log.warning(f"checkpoint {path}: no checksums recorded (it predates {MANIFEST_FILE}, or "
+                "another tool wrote it); damage inside its files cannot be detected")
+
+
+def verify_files(path: Path, *, names: list[str] | None = None) -> None:
     """Raise a CheckpointError naming every damaged, missing or resized file of the checkpoint at
-    ``path``; a checkpoint without a manifest (saved before checksums existed) only gets a warning
-    (``warn=False``: not even that, for the ranks that would repeat rank 0's)."""
+    ``path`` (among ``names``, default all); a checkpoint without a manifest (saved before checksums
+    existed) only gets a warning. One process, every byte: the ranks of a run split it instead."""
     if not path.is_dir():
         what = "is a file, not a checkpoint directory" if path.exists() else "does not exist"
         raise CheckpointError(f"checkpoint {str(path)!r} {what}")
-    damaged = damaged_files(path)
-    if damaged is None and warn:
-        log.warning(f"checkpoint {path}: no checksums recorded (it predates {MANIFEST_FILE}, or "
-                    "another tool wrote it); damage inside its files cannot be detected")
-    elif damaged:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r}: {'; '.join(damaged.values())}; the checkpoint is damaged (its "
-            "files changed after the save), use another one"
-        )
+    files = read_manifest(path)
+    if files is None:
+        warn_unrecorded(path)
+        return
+    if damaged := damaged_files(path, files, [n for n in sorted(files) if names is None or n in names]):
+        raise damage_error(path, damaged)

@@ -22,7 +22,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardtrain.checkpoint import integrity
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.errors import CheckpointError
 
@@ -106,8 +105,10 @@ class Found:
     skipped: list[tuple[Path, str]]  # (path, why it is not usable)
 
 
-def scan(root: Path) -> Found:
-    """Complete checkpoints (oldest first) and everything else, each with the reason."""
+def candidates(root: Path) -> Found:
+    """Checkpoints by name (oldest first), with a stat each and nothing read: a ``step-N`` directory
+    is complete by construction once ``trainer_state.json`` is in it. The caller verifies the one it
+    uses (``verify``), newest first, so a start reads one checkpoint's metadata, not every one's."""
     complete, skipped = [], []
     if not root.is_dir():
         return Found(complete, skipped)
@@ -115,11 +116,10 @@ def scan(root: Path) -> Found:
         if TMP_DIR.match(entry.name):
             skipped.append((entry, "incomplete: the save did not finish (interrupted or crashed)"))
         elif match := STEP_DIR.match(entry.name):
-            try:
-                verify(entry)
+            if (entry / STATE_FILE).is_file():
                 complete.append((int(match.group(1)), entry))
-            except CheckpointError as exc:
-                skipped.append((entry, str(exc)))
+            else:
+                skipped.append((entry, f"incomplete: it has no {STATE_FILE}"))
     complete.sort()
     return Found(complete, skipped)
 
@@ -143,18 +143,10 @@ def detect_format(path: Path) -> str:
 
 def refuse_fresh_start(root: Path) -> None:
     """``checkpoint.resume=none`` must not write new checkpoints over a run's existing ones."""
-    found = scan(root)
+    found = candidates(root)
     if found.complete:
         raise CheckpointError(
             f"{root} already holds checkpoints ({found.complete[-1][1].name} is the newest) and "
             "checkpoint.resume=none would overwrite them; resume (checkpoint.resume=auto) or choose a "
             "new run.dir"
         )
-
-
-def verify_chosen(path: Path, checksums: bool, warn: bool = True) -> None:
-    """An explicitly chosen checkpoint: the structure first (cheap, the precise message), then the
-    recorded checksums; it fails rather than falls back."""
-    verify(path)
-    if checksums:
-        integrity.verify_files(path, warn=warn)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from shardtrain.checkpoint import integrity, layout
 from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY, save_shard, shard_name, write_index
@@ -59,6 +59,19 @@ def clean_name(name: str, prefix: str) -> str:
 class Plan:
     shards: list[list[tuple[str, str, TensorStorageMetadata]]]  # (checkpoint key, output name, meta)
     total_bytes: int
+    metadata: Metadata  # read once, reused by every output shard's read
+    files: list[str]  # the files the model's tensors are read from, and .metadata
+
+
+class KnownMetadataReader(FileSystemReader):
+    """DCP's file reader with the metadata already read: not once more per output shard."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(str(path))
+        self.known_metadata = metadata
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        return self.known_metadata
 
 
 def plan_shards(path: Path, max_shard_bytes: int | None, dtype: torch.dtype | None,
@@ -87,15 +100,19 @@ def plan_shards(path: Path, max_shard_bytes: int | None, dtype: torch.dtype | No
         shards[-1].append(entry)
         current += size
         total += size
-    return Plan(shards, total)
+    keys = {k for k, _, _ in selected}
+    files = {info.relative_path for index, info in (metadata.storage_data or {}).items()
+             if index.fqn in keys}
+    return Plan(shards, total, metadata, sorted(files | {layout.METADATA_FILE}))
 
 
-def load_tensors(path: Path, entries) -> dict[str, torch.Tensor]:
+def load_tensors(path: Path, entries, metadata: Metadata | None = None) -> dict[str, torch.Tensor]:
     state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, _, m in entries}
     with warnings.catch_warnings():
         # DCP warns that it runs without a process group: that is the point here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=True)
+        reader = FileSystemReader(str(path)) if metadata is None else KnownMetadataReader(path, metadata)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return state
 
 
@@ -109,7 +126,8 @@ def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | N
     limit = parse_size(max_shard_size, "--max-shard-size") if max_shard_size else None
     plan = plan_shards(path, limit, cast, key)  # the structure first: cheap, and the precise message
     if verify:
-        integrity.verify_files(path)  # then every byte
+        # then every byte of the files it reads (not the RNG files, nor files of optimizer state only)
+        integrity.verify_files(path, names=plan.files)
     single = out.suffix == ".safetensors"
     if single and len(plan.shards) > 1:
         raise CheckpointError(f"{out} names one file but --max-shard-size makes {len(plan.shards)} "
@@ -125,7 +143,7 @@ def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | N
         metadata[MODEL_CONFIG_KEY] = json.dumps(model_cfg, sort_keys=True)
     for index, entries in enumerate(plan.shards, start=1):
         name = out.name if single else shard_name(index, n)
-        loaded = load_tensors(path, entries)
+        loaded = load_tensors(path, entries, plan.metadata)
         tensors = {}
         for ckpt_key, out_name, _ in entries:
             t = loaded.pop(ckpt_key)
