@@ -4,15 +4,20 @@ processes that train on them."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
+import torch.distributed as dist
 
-from shardtrain.config.schema import Config
+from shardtrain.config.schema import Config, DataConfig
+from shardtrain.data.corpus import load_corpus
 from shardtrain.data.prepare import FORMAT, MANIFEST, VERSION
 from shardtrain.diagnostics.memory import rss_bytes
+from shardtrain.errors import DataError
 
 CHUNK = 1 << 24  # tokens written at a time
 
@@ -63,9 +68,52 @@ def resident_after_steps(dataset: str, steps: int, out: str) -> None:
     Path(out, f"rss-{os.path.basename(dataset)}.txt").write_text(str(rss_bytes()))
 
 
+# This process's directory reads under ``root``: each walk of an input tree reads every directory.
+walks = {"root": "", "reads": 0}
+
+
+def count_walks(event: str, args: tuple) -> None:
+    if event == "os.scandir" and walks["root"] and str(args[0]).startswith(walks["root"]):
+        walks["reads"] += 1
+
+
+def check_one_rank_walks(inputs: str, out: str) -> None:
+    """Every rank asks for the same cached corpus at once (issue 23, finding 14). On a cache all
+    ranks share, only rank 0 reads the inputs' directories; with a cache per node (simulated: ranks
+    0-1 and 2-3 given different cache directories) one rank per cache does. Every rank reads the
+    same tokens, and an input error found by the preparing rank is every rank's error."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sys.addaudithook(count_walks)
+    walks["root"] = str(Path(inputs).resolve())
+    for case, caches in (("shared", ["cache-shared"] * world),
+                         ("per node", [f"cache-node{r * 2 // world}" for r in range(world)])):
+        walks["reads"] = 0
+        cfg = DataConfig(source="files", paths=[inputs], file_glob="*.npy", val_percent=0.0,
+                         cache_dir=str(Path(out) / caches[rank]))
+        tokens = np.asarray(load_corpus(cfg, need=("train",)).train)
+        seen: list = [None] * world
+        dist.all_gather_object(seen, (walks["reads"], hashlib.sha256(tokens.tobytes()).hexdigest()))
+        reads = [count for count, _ in seen]
+        first_of_cache = [caches.index(cache) == r for r, cache in enumerate(caches)]
+        assert [count > 0 for count in reads] == first_of_cache, (case, reads)
+        assert len({digest for _, digest in seen}) == 1, case
+    walks["root"] = ""
+    # Bad inputs found by the preparing rank stop every rank with its line (none waits forever).
+    message = "no error"
+    try:
+        load_corpus(DataConfig(source="files", paths=[inputs], file_glob="*.none",
+                               cache_dir=str(Path(out) / "cache-shared")))
+    except DataError as exc:
+        message = str(exc)
+    lines: list = [None] * world
+    dist.all_gather_object(lines, message)
+    assert len(set(lines)) == 1 and "has no files matching '*.none'" in lines[0], lines
+
+
 def consume(dataset: str, run_dir: str, max_steps: int, accum: int, out: str) -> None:
     """Train (resuming from ``run_dir`` if it has a checkpoint) to ``max_steps`` and record, per
-    step, the sample ids this rank's micro-batches hold."""
+    step, the sample ids this rank's micro-batches hold. At 4 processes, first check that one rank
+    prepares a cached corpus for all (``check_one_rank_walks``, on the dataset's own files)."""
     from shardtrain.train.loop import Trainer
 
     world = int(os.environ["WORLD_SIZE"])
@@ -80,6 +128,8 @@ def consume(dataset: str, run_dir: str, max_steps: int, accum: int, out: str) ->
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, interval=0)
     cfg.diagnostics = dataclasses.replace(cfg.diagnostics, enabled=False)
     trainer = Trainer.create(cfg)
+    if world == 4:
+        check_one_rank_walks(dataset, out)
     data, seen = trainer.train_data, []
     take = data.next_step
 

@@ -17,13 +17,18 @@ import fcntl
 import hashlib
 import json
 import os
+import socket
 import sysconfig
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch.distributed as dist
+
 from shardtrain.config.schema import DataConfig
 from shardtrain.data.batches import MixtureWindows, TokenWindows
-from shardtrain.data.prepare import PrepareOptions, is_validation, output_options, prepare
+from shardtrain.data.prepare import PrepareOptions, is_validation, output_options, prepare, read_manifest
 from shardtrain.data.prepared import TokenStream, open_prepared
 from shardtrain.data.tokenizer import ByteTokenizer, Tokenizer
 from shardtrain.errors import DataError
@@ -81,8 +86,9 @@ def raw_inputs(cfg: DataConfig) -> list[Path]:
 def prepared_path(cfg: DataConfig, tokenizer: Tokenizer) -> Path:
     """The prepared dataset of ``cfg``: given (``prepared``), or prepared into the cache now.
 
-    Every rank of a run may call this at once: a lock file makes one prepare while the others wait,
-    then find it up to date."""
+    Every rank of a run may call this at once. In a distributed run one rank walks the inputs and
+    prepares while the others wait (``prepare_once``); a lone process takes a lock file, so that
+    processes sharing the cache outside one job prepare one at a time."""
     if cfg.source == "prepared":
         return Path(cfg.paths[0]).expanduser()  # load_corpus sends every other count to load_mixture
     options = PrepareOptions(inputs=[str(p) for p in raw_inputs(cfg)], tokenizer=tokenizer.source,
@@ -91,12 +97,107 @@ def prepared_path(cfg: DataConfig, tokenizer: Tokenizer) -> Path:
                              max_bytes=cfg.max_bytes)
     described = {**output_options(options), "tokenizer": tokenizer.name}
     key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
-    root = cache_root(cfg)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        prepare(options, root / key, progress=False)
-    return root / key
+    out = cache_root(cfg) / key
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        prepare_once(options, out)
+    else:
+        prepare_locked(options, out)
+    return out
+
+
+# How often ranks that wait for a preparing rank ask whether it is done: a collective per period
+# rather than one barrier, since preparing large inputs can outlast the process group's timeout.
+POLL_S = 1.0
+
+
+def prepare_locked(options: PrepareOptions, out: Path, lock_required: bool = True) -> str:
+    """Prepare ``options`` into ``out`` under a lock file beside it (nothing to do when it is up to
+    date, which takes a walk and a stat of every input file); the dataset's fingerprint."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:
+            # Shared filesystems may not support flock; within a distributed job the collectives
+            # already let one rank prepare at a time, so the lock only guards against other jobs.
+            if lock_required:
+                raise
+        return prepare(options, out, progress=False).manifest["fingerprint"]
+
+
+def fingerprint_at(out: Path) -> str | None:
+    manifest = read_manifest(out)
+    return None if manifest is None else manifest.get("fingerprint")
+
+
+def prepare_once(options: PrepareOptions, out: Path) -> None:
+    """Prepare the cache entry ``out`` for every rank of the default process group with as few
+    walks of the inputs as the cache allows: rank 0 prepares (a walk and a stat of every input file,
+    even when it is up to date) while the others wait, then every rank checks with one read of the
+    manifest that it sees rank 0's dataset. On a shared cache that is all: one walk, where every
+    rank used to walk in turn under the lock. The default cache is under the home directory, usually
+    shared, but ``XDG_CACHE_HOME`` or ``data.cache_dir`` may be node-local: ranks that do not see
+    rank 0's dataset then prepare their node's copy, the lowest of them on each host while the
+    others wait."""
+    rank = dist.get_rank()
+    work = lambda: prepare_locked(options, out, lock_required=False)  # noqa: E731
+    made = result_of(on_some_ranks(work if rank == 0 else None), 0)
+    seen = made if rank == 0 else fingerprint_at(out)
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (socket.gethostname(), seen == made))
+    leaders: dict[str, int] = {}
+    for other, (host, sees) in enumerate(views):
+        if not sees:
+            leaders.setdefault(host, other)
+    if not leaders:
+        return
+    leader = leaders.get(views[rank][0])  # None: every rank of this host sees rank 0's dataset
+    outcomes = on_some_ranks(work if leader == rank else None)
+    node_made = result_of(outcomes, rank if leader is None else leader)
+    if leader not in (None, rank) and not views[rank][1] and fingerprint_at(out) != node_made:
+        prepare_locked(options, out)  # a cache directory of its own, beside its node's
+
+
+def on_some_ranks(work: Callable[[], str] | None) -> list[tuple[str, str] | None]:
+    """Run ``work`` on the ranks given one while every rank waits for all of them; each rank's
+    outcome on every rank: ``("done", result)``, ``("error", message)`` (a ``DataError``),
+    ``("failed", description)`` (anything else, re-raised as it is on its rank) or None (no work)."""
+    outcome: list = [None]
+    thread = None
+    if work is not None:
+        def run() -> None:
+            try:
+                outcome[0] = ("done", work())
+            except DataError as exc:
+                outcome[0] = ("error", str(exc))
+            except BaseException as exc:  # re-raised on this rank below; the others get one line
+                outcome[0] = ("failed", f"{type(exc).__name__}: {exc}")
+                outcome.append(exc)
+
+        thread = threading.Thread(target=run, name="shardtrain-prepare", daemon=True)
+        thread.start()
+    while True:
+        if thread is not None:
+            thread.join(POLL_S)
+        busy = thread is not None and thread.is_alive()
+        states: list = [None] * dist.get_world_size()
+        dist.all_gather_object(states, "busy" if busy else outcome[0])
+        if "busy" not in states:
+            break
+    if len(outcome) > 1:
+        raise outcome[1]
+    return states
+
+
+def result_of(outcomes: list[tuple[str, str] | None], preparer: int) -> str | None:
+    """``preparer``'s result; a failure on any rank is raised on every rank as the same line."""
+    for other, outcome in enumerate(outcomes):
+        if outcome is not None and outcome[0] == "error":
+            raise DataError(outcome[1])
+        if outcome is not None and outcome[0] == "failed":
+            raise DataError(f"rank {other} failed to prepare the data ({outcome[1]}); see its log")
+    found = outcomes[preparer]
+    return None if found is None else found[1]
 
 
 def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None,
