@@ -26,6 +26,8 @@ hf (about 8 minutes): benchmarks/hf_bench.py; a 0.5B Hugging Face model (Qwen2.5
 bf16 weights saved here) built and loaded by ``model=hf`` at 1, 2 and 4 processes: seconds and peak
 resident growth per rank; then training tokens/s of an HF Llama against the built-in Llama of the
 same shape, in the same processes, alternating.
+checksum: benchmarks/checksum_worker.py at 4, 2 and 1 processes (llama_200m): each rank's checksum
+work at a commit and at a resume's verification of the same checkpoint, bytes and seconds.
 task: benchmarks/task_step_time.py under torchrun at each process count (``--processes 1 2``), a
 task (examples/tasks/vit.py's vision transformer) against a hand-written FSDP2 loop for the same
 model and loss.
@@ -73,6 +75,7 @@ PROFILE_BEGIN, PROFILE_END = "<!-- profile:begin -->", "<!-- profile:end -->"
 HF_BEGIN, HF_END = "<!-- hf:begin -->", "<!-- hf:end -->"
 DATA_BEGIN, DATA_END = "<!-- data:begin -->", "<!-- data:end -->"
 TASK_BEGIN, TASK_END = "<!-- task:begin -->", "<!-- task:end -->"
+SUM_BEGIN, SUM_END = "<!-- checksum:begin -->", "<!-- checksum:end -->"
 HF_SPEED_CASES = [(1, "fp32"), (2, "fp32"), (1, "bf16-mixed")]
 E2E_CASES = [(1, "fp32"), (1, "bf16-mixed"), (2, "fp32"), (2, "bf16-mixed")]
 E2E_PROGRAMS = ["handwritten", "lightning", "shardtrain"]
@@ -193,6 +196,56 @@ With one output file the whole model is in memory (plus DCP's read buffer). With
 reads a tensor's bytes, then copies them into place), whatever the model's size; a tensor larger than
 the limit gets a shard of its own (llama_200m's 125 MiB embedding matrix is its largest shard).
 {CKPT_END}"""
+
+
+def checksum_results(workdir: Path, preset: str = "llama_200m") -> list[dict]:
+    """Checksum work per rank at 4, 2 and 1 ranks: each run hashes its own save's commit, and all
+    verify the one checkpoint the 4-rank run saved (same files, same bytes)."""
+    model = [f"model={preset}", "trainer.micro_batch_size=1", "trainer.seq_len=64"]
+    results = [run_torchrun(4, "checksum_worker.py", [str(workdir / "ranks4"), "-", *model])]
+    for n in (2, 1):
+        results.append(run_torchrun(n, "checksum_worker.py",
+                                    [str(workdir / f"ranks{n}"), results[0]["path"], *model]))
+    for r in results:
+        print(json.dumps(r))
+    return results
+
+
+def render_checksum(results: list[dict], command: str) -> str:
+    def row(r: dict) -> str:
+        ranks = r["ranks"]
+        commit = max(x["commit_s"] for x in ranks)
+        verify = max(x["verify_s"] for x in ranks)
+        return (f"| {r['world_size']} | {r['saved_bytes'] / 1e9:.2f} GB | "
+                f"{max(x['commit_bytes'] for x in ranks) / 1e9:.2f} GB | {commit:.2f} s | "
+                f"{r['rank0_all_files_s']:.2f} s | {max(x['verify_bytes'] for x in ranks) / 1e9:.2f} GB | "
+                f"{verify:.2f} s |")
+    rows = "\n".join(row(r) for r in sorted(results, key=lambda r: r["world_size"]))
+    verified = results[0]["verified_bytes"] / 1e9
+    return f"""{SUM_BEGIN}
+## Checkpoint checksums: cost per rank
+
+What `checksums.json` ([checkpoints](checkpoints.md#checksums)) costs each rank, at 1, 2 and 4
+ranks: llama_200m after one step (fp32 weights and Adam's two moments), FULL_SHARD. At a commit each
+rank hashes the files it wrote (the largest rank's share and time shown; "rank 0 alone" is what the
+commit cost before, when rank 0 hashed every file while the others waited). A resume's verification
+is of one and the same checkpoint (the 4-rank run's, {verified:.2f} GB) at every world size: each
+rank hashes its share of the files (balanced by bytes) and the verdicts meet in one all-gather (the
+slowest rank's time shown; before, every rank hashed every file).
+
+- Command: `{command}`
+- Date: {datetime.date.today().isoformat()}
+- Machine: {os.cpu_count()} CPU cores ({cpu_name()}), no GPU, torch {torch.__version__}; the files
+  are in the page cache (right after the save), so this is hashing speed, not disk speed.
+
+| ranks | checkpoint saved | commit: largest rank's bytes | commit: slowest rank | commit: rank 0 alone (before) | verify: largest share | verify: slowest rank |
+| --- | --- | --- | --- | --- | --- | --- |
+{rows}
+
+The bytes a rank hashes fall as 1/ranks. The seconds fall with them only while there are cores to
+hash in parallel: this machine has 2, so 4 ranks hash no faster than 2 here; a GPU node runs one rank
+per GPU with several cores each, and a shared filesystem serves the ranks' reads in parallel.
+{SUM_END}"""
 
 
 def generation_results() -> dict:
@@ -755,7 +808,7 @@ def main() -> None:
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--only", choices=["training", "checkpoint", "generation", "generation-modes",
                                            "init", "scaling", "soak", "gpu", "e2e", "profile", "hf",
-                                           "data", "task"],
+                                           "data", "task", "checksum"],
                         default=None)
     parser.add_argument("--rounds", type=int, default=3, help="--only e2e: alternating rounds")
     parser.add_argument("--gpu-variants", nargs="+", choices=list(GPU_VARIANT_NAMES),
@@ -785,6 +838,10 @@ def main() -> None:
             results = checkpoint_results(Path(workdir))
         write_section(CKPT_BEGIN, CKPT_END,
                       render_checkpoint(results, "python benchmarks/run.py --only checkpoint"))
+    if args.only in (None, "checksum"):
+        with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
+            results = checksum_results(Path(workdir))
+        write_section(SUM_BEGIN, SUM_END, render_checksum(results, "python benchmarks/run.py --only checksum"))
     if args.only in (None, "generation"):
         write_section(GEN_BEGIN, GEN_END, render_generation(
             generation_results(), "python benchmarks/run.py --only generation"))

@@ -38,13 +38,41 @@ def accelerator_count() -> int:
 
 
 def claim_device(local_rank: int) -> torch.device:
-    """This process's device: accelerator ``local_rank`` (made current), or the CPU."""
+    """This process's device: accelerator ``local_rank`` (made current), or the CPU.
+
+    A scheduler that binds one device to each task (Slurm's ``--gpus-per-task=1``, a per-task
+    ``CUDA_VISIBLE_DEVICES``) leaves each process one visible device, number 0, whatever its local
+    rank: that one is used. Any other shortfall is a launch error, not a silent device sharing.
+    """
     kind = device_type()
     if kind == "cpu":
         return torch.device("cpu")
-    device = torch.device(kind, local_rank)
+    visible = accelerator_count()
+    if local_rank >= visible and visible != 1:
+        raise RuntimeError(f"local rank {local_rank} has no {kind} device of its own ({visible} visible); "
+                           "start one process per device, or give each process its own device")
+    device = torch.device(kind, local_rank if local_rank < visible else 0)
     torch.get_device_module(kind).set_device(device)
     return device
+
+
+def default_precision() -> str:
+    """The mixed-precision preset ``strategy.mixed_precision=auto`` means on this machine: bf16
+    compute (fp32 weights and reductions) on an accelerator with bf16 units, where fp32 matmuls
+    run at a few percent of its peak; fp32 on a CPU, which has no such units (bf16 is emulated)."""
+    kind = device_type()
+    if kind == "cpu":
+        return "fp32"
+    if kind == "cuda" and not torch.cuda.is_bf16_supported():
+        return "fp32"
+    return "bf16-mixed"
+
+
+def set_fp32_matmul(device: torch.device, tf32: bool) -> None:
+    """On accelerators, let fp32 matmuls (and convolutions) use TF32 tensor cores (``tf32``); a CPU
+    keeps full fp32, whatever ``tf32`` says, so CPU results do not depend on the setting."""
+    if device.type != "cpu":
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
 
 
 def process_group_backend(device: torch.device, requested: str = "auto", cpu_offload: bool = False) -> str:

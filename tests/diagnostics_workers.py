@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 from equivalence import case_config, small_corpus
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from shardtrain.distributed.parallelize import reshard_all
 from shardtrain.errors import ShardtrainError
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.loop import Trainer
@@ -53,10 +55,10 @@ class BypassModel(nn.Module):
         return self.out(self.blocks[1].forward(h))
 
 
-def expect_error(out: str, name: str, model, **create_kwargs) -> None:
+def expect_error(out: str, name: str, model, run_dir: str | None = None, **create_kwargs) -> None:
     """Build and train one step; record the ShardtrainError message every rank raised."""
     world = int(os.environ["WORLD_SIZE"])
-    cfg = case_config(world, f"{out}/{name}")
+    cfg = case_config(world, run_dir or f"{out}/{name}")
     try:
         task = LanguageModelTask(model=model, wrap_policy=[Block], corpus=small_corpus())
         trainer = Trainer.create(cfg, task=task, **create_kwargs)
@@ -76,12 +78,23 @@ def rails(out: str) -> None:
         return torch.optim.AdamW(unsharded.parameters(), lr=1e-3)
 
     expect_error(out, "optimizer", BypassModel, optimizer_factory=stale_optimizer)
+    # each rank its own run.dir, as node-local disks give it: stopped before any model exists
+    expect_error(out, "unshared", BypassModel, run_dir=f"{out}/unshared-rank{os.environ['RANK']}")
+    assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2)  # the cores, split
 
 
 def nan_step_is_skipped(out: str) -> None:
     """A NaN on one rank at step 3: the update is skipped everywhere, state left untouched."""
     world = int(os.environ["WORLD_SIZE"])
     trainer = Trainer.create(case_config(world, f"{out}/nan"), task=LanguageModelTask(corpus=small_corpus()))
+    # FULL_SHARD: after the forward only the last block stays gathered of the blocks (backward needs
+    # it at once); the others went back to their shards (DTensors).
+    with torch.no_grad():
+        trainer.model(torch.zeros(1, 8, dtype=torch.long))
+    layers = trainer.model.layers
+    kept = [i for i, block in enumerate(layers) if not isinstance(next(block.parameters()), DTensor)]
+    reshard_all(trainer.model)
+    assert kept == [len(layers) - 1], kept
     for _ in range(2):
         trainer.run_step()
     before = trainer.full_weights()

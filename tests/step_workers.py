@@ -4,17 +4,59 @@ from __future__ import annotations
 
 import json
 import os
+import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from equivalence import case_config, small_corpus
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtrain.data.batches import IGNORE_INDEX
 from shardtrain.errors import TrainingError
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.loop import Trainer
 from shardtrain.train.step import train_step
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the reads of tensor values by the host that synchronise with an accelerator:
+    ``item()``, ``bool()``, ``float()`` dispatch ``aten._local_scalar_dense``; ``tolist()`` and
+    ``numpy()`` do not dispatch, so they are wrapped while the mode is active.
+
+    On this CPU every tensor is a host tensor, so the reads of tensors that stay on the host on an
+    accelerator too are told apart by where they happen: AdamW's step counters (CPU tensors unless
+    capturable or fused) and ``Task.count`` on a micro-batch before it is moved to the device."""
+
+    HOST_RESIDENT = {("_get_value", "optimizer.py"), ("count", "language_model.py")}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+        self.host_resident = 0
+        self.originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+
+    def __enter__(self):
+        for name, original in self.originals.items():
+            def counted(tensor, *args, _name=name, _original=original, **kwargs):
+                self.reads.append(_name)
+                return _original(tensor, *args, **kwargs)
+            setattr(torch.Tensor, name, counted)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self.originals.items():
+            setattr(torch.Tensor, name, original)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            frames = {(f.name, Path(f.filename).name) for f in traceback.extract_stack()}
+            if frames & self.HOST_RESIDENT:
+                self.host_resident += 1
+            else:
+                self.reads.append(" <- ".join(f.name for f in traceback.extract_stack()[-5:-1]))
+        return func(*args, **(kwargs or {}))
 
 
 def agreement_and_empty_steps(out: str) -> None:
@@ -31,7 +73,10 @@ def agreement_and_empty_steps(out: str) -> None:
                           stop_requested=stop)
 
     signalled = step(trainer.train_data.next_step(), stop=lambda: dist.get_rank() == world - 1)
-    quiet = step(trainer.train_data.next_step())
+    batches = trainer.train_data.next_step()
+    with HostReads() as counter:  # a later step, as the trainer runs it (metric names known)
+        quiet = train_step(b.model, trainer.task, b.optimizer, b.scheduler, batches, b.mesh, 1.0, device,
+                           metric_kinds=signalled.metric_kinds)
     empty = [b._replace(targets=torch.full_like(b.targets, IGNORE_INDEX))
              for b in trainer.train_data.next_step()]
     try:
@@ -40,4 +85,5 @@ def agreement_and_empty_steps(out: str) -> None:
     except TrainingError as exc:
         error = str(exc)
     Path(out, f"rank{rank}.json").write_text(json.dumps(
-        {"signalled": signalled.stop_agreed, "quiet": quiet.stop_agreed, "error": error}))
+        {"signalled": signalled.stop_agreed, "quiet": quiet.stop_agreed, "error": error,
+         "host_reads": counter.reads, "host_resident_reads": counter.host_resident}))

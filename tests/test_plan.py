@@ -49,3 +49,20 @@ def test_fp16_without_loss_scaling_is_refused(key):
     with pytest.raises(ConfigError, match=rf"strategy\.{key}=fp16 needs loss scaling.*"
                                           r"strategy\.mixed_precision=bf16-mixed"):
         resolve_plan(StrategyConfig(mixed_precision="bf16-mixed", **{key: "fp16"}), 2, 2)
+
+
+def test_precision_default_is_bf16_mixed_on_accelerators_and_fp32_on_cpus():
+    """strategy.mixed_precision=auto: fp32 matmuls on an H100 run at a few percent of its bf16 peak."""
+    from shardtrain.accelerator import set_fp32_matmul
+
+    on_gpu = resolve_plan(StrategyConfig(), 8, 8, accelerated=True)
+    assert on_gpu.precision == "bf16-mixed"
+    assert (on_gpu.storage_dtype, on_gpu.param_dtype, on_gpu.reduce_dtype) == (
+        torch.float32, torch.bfloat16, torch.float32)
+    assert resolve_plan(StrategyConfig(), 8, 8, accelerated=False).precision == "fp32"
+    # this machine has no accelerator: the default run (and its golden losses) stays fp32
+    assert resolve_plan(StrategyConfig(), 1, 1).precision == "fp32"
+    assert resolve_plan(StrategyConfig(mixed_precision="fp32"), 1, 1, accelerated=True).precision == "fp32"
+    before = torch.get_float32_matmul_precision()
+    set_fp32_matmul(torch.device("cpu"), tf32=True)  # CPUs compute full fp32 whatever the setting
+    assert torch.get_float32_matmul_precision() == before == "highest"

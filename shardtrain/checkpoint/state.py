@@ -64,7 +64,7 @@ class TrainState:
             step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
             global_batch=global_batch, scheduler=scheduler, world_size=world_size,
             strategy=plan.strategy, mesh_shape=list(plan.mesh_shape),
-            mesh_dim_names=list(plan.mesh_dim_names), mixed_precision=cfg.strategy.mixed_precision,
+            mesh_dim_names=list(plan.mesh_dim_names), mixed_precision=plan.precision,
             config=OmegaConf.to_container(OmegaConf.structured(cfg)), config_hash=config_hash(cfg),
             versions={"shardtrain": __version__, "torch": torch.__version__,
                       "python": platform.python_version()},

@@ -239,7 +239,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(plan_table(cfg, sizes, memory, local))
         return 0
 
-    from shardtrain.config.plan import normalize_strategy_name
+    from shardtrain.config.plan import normalize_strategy_name, resolve_plan
     from shardtrain.train.simulate import simulation_rows, simulation_table
 
     strategies = [normalize_strategy_name(s) for s in args.strategies or [cfg.strategy.sharding_strategy]]
@@ -250,7 +250,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     batch = (f"{cfg.trainer.micro_batch_size} x {cfg.trainer.seq_len} tokens" if language_model else
              f"{cfg.trainer.micro_batch_size} samples of task {cfg.task.path}")
     print(f"simulated one training step of rank 0 (micro-batch {batch}, "
-          f"{cfg.trainer.grad_accum_steps} micro-batch(es), {cfg.strategy.mixed_precision}, {local} "
+          f"{cfg.trainer.grad_accum_steps} micro-batch(es), "
+          f"{resolve_plan(cfg.strategy, 1, 1, accelerated=True).precision}, {local} "
           "processes per node); GiB per rank, the planner's estimate in brackets")
     print(simulation_table(rows, memory, markdown=args.markdown))
     return 0
@@ -370,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="each prompt is a user message, rendered with the tokenizer's chat template")
     gen.add_argument("--devices", type=int, default=1, help="processes (sharded checkpoints)")
     gen.add_argument("--strategy", default="FULL_SHARD", help="how the checkpoint is sharded on load")
-    gen.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    gen.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                     help="compute dtype; auto: bf16 on accelerators with bf16 units, fp32 on CPUs")
     gen.add_argument("--mode", default="auto", choices=["auto", "gathered", "sharded"],
                      help="gathered: one copy of the model, no collectives per token; sharded: each "
                      "unit all-gathered per token; auto: gathered when it fits the free memory")
@@ -385,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, default=8)
     ev.add_argument("--devices", type=int, default=1)
     ev.add_argument("--strategy", default="FULL_SHARD")
-    ev.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ev.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                     help="compute dtype; auto: bf16 on accelerators with bf16 units, fp32 on CPUs")
 
     hf = sub.add_parser("export-hf", help="checkpoint -> Hugging Face Llama directory",
                         description="config.json + safetensors (with index) that transformers' "

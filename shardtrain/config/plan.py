@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from shardtrain.accelerator import accelerator_count
+from shardtrain.accelerator import accelerator_count, default_precision
 from shardtrain.config.schema import Config, StrategyConfig
 from shardtrain.config.suggest import closest
 from shardtrain.errors import ConfigError
@@ -64,6 +64,7 @@ class ShardingPlan:
     activation_checkpointing: str
     activation_checkpointing_every: int
     grad_accumulation: str = "sharded"  # sharded | unsharded (see StrategyConfig)
+    precision: str = "fp32"  # the mixed-precision preset, with auto resolved
 
     def checkpointed(self, block_index: int) -> bool:
         if self.activation_checkpointing == "all":
@@ -98,7 +99,9 @@ def normalize_strategy_name(name: str) -> str:
     return key
 
 
-def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int) -> ShardingPlan:
+def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int,
+                 accelerated: bool | None = None) -> ShardingPlan:
+    """``accelerated``: what ``mixed_precision=auto`` plans for (None: this machine's devices)."""
     strategy = normalize_strategy_name(cfg.sharding_strategy)
     hybrid, reshard = STRATEGIES[strategy]
 
@@ -134,10 +137,12 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int) ->
         )
 
     preset = cfg.mixed_precision.lower()
+    if preset == "auto":
+        preset = default_precision() if accelerated is None else ("bf16-mixed" if accelerated else "fp32")
     if preset not in PRECISION_PRESETS:
         raise ConfigError(
             f"strategy.mixed_precision={cfg.mixed_precision!r} is unknown"
-            f"{closest(preset, PRECISION_PRESETS)}; choose one of {', '.join(PRECISION_PRESETS)}"
+            f"{closest(preset, PRECISION_PRESETS)}; choose auto or one of {', '.join(PRECISION_PRESETS)}"
         )
     storage, param, reduce = PRECISION_PRESETS[preset]
     param = cfg.param_dtype or param
@@ -172,6 +177,7 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int) ->
         activation_checkpointing=ac,
         activation_checkpointing_every=cfg.activation_checkpointing_every,
         grad_accumulation=resolve_accumulation(cfg.grad_accumulation, mesh_shape[-1]),
+        precision=preset,
     )
 
 

@@ -75,8 +75,11 @@ class StrategyConfig:
     reshard_after_forward: Any = None
     # Hybrid strategies: ranks per shard group (0 = processes per node). Replicas = world / this.
     shard_group_size: int = knob(0, at_least=0)
-    # fp32 | bf16-mixed | bf16-pure
-    mixed_precision: str = "fp32"
+    # auto (bf16-mixed on accelerators with bf16 units, fp32 on CPUs) | fp32 | bf16-mixed | bf16-pure
+    mixed_precision: str = "auto"
+    # fp32 matmuls on accelerators use TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation);
+    # false: full fp32. CPUs always compute full fp32.
+    tf32: bool = True
     # Explicit overrides of the preset's dtypes (null = from the preset): fp32 | bf16 (fp16: no loss scaling)
     param_dtype: str | None = None
     reduce_dtype: str | None = None

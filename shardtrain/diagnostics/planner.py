@@ -135,7 +135,8 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
                            if world_size % max(cfg.strategy.shard_group_size, 1) == 0 else 0)
     if checkpointed is not None:
         strategy_cfg = replace(strategy_cfg, activation_checkpointing="all" if checkpointed else "none")
-    plan = resolve_plan(strategy_cfg, world_size, min(local, world_size))
+    # It plans for accelerators, wherever it runs: mixed_precision=auto means bf16-mixed there.
+    plan = resolve_plan(strategy_cfg, world_size, min(local, world_size), accelerated=True)
     shapes = [tuple(p.shape) for p in model.parameters()]
     params, grads, optim = sharded_state_bytes(shapes, plan.mesh_shape[-1], 0, plan.storage_dtype)
     total_params = sum(math.prod(s) for s in shapes)
@@ -160,9 +161,11 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         gathered_start = total_params * compute
         gathered_block = total_params * compute + head_unit * (compute + reduce)
     else:
-        # The head unit is never resharded after forward (parallelize); in a block's backward, the
-        # block, the prefetched next one and the block's reduce-scatter input.
-        gathered_start = head_unit * compute
+        # The head unit, and the last block under full resharding, are not resharded after forward
+        # (parallelize); in a block's backward, the block, the prefetched next one and the block's
+        # reduce-scatter input.
+        last_block = block_units if plan.reshard_after_forward is True and blocks else 0
+        gathered_start = (head_unit + last_block) * compute
         gathered_block = block_units * (2 * compute + reduce)
     earlier = grads if accumulating else 0  # sharded gradients of previous micro-batches
     first_block = act.block + act.block_backward + act.document_mask
@@ -193,7 +196,8 @@ def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, l
         model = build_model(cfg.model)
     n = sum(p.numel() for p in model.parameters())
     lines = [f"model: {n / 1e6:.1f}M parameters; micro-batch {cfg.trainer.micro_batch_size} x "
-             f"{cfg.trainer.seq_len} tokens; precision {cfg.strategy.mixed_precision}; "
+             f"{cfg.trainer.seq_len} tokens; precision "
+             f"{resolve_plan(cfg.strategy, 1, 1, accelerated=True).precision}; "
              f"{local} processes per node",
              "per-rank GiB (rank 0, the largest shard): params | grads | optimizer | activation peak "
              "(no AC / AC) | peak (no AC / AC)" + (" | fits" if device_memory else "")]

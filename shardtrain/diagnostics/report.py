@@ -23,10 +23,11 @@ def settings_lines(cfg: Config, plan: ShardingPlan, report: ShardingReport, env:
         "diagnostics: resolved settings",
         f"  strategy {plan.strategy}; mesh [{plan.mesh}] on {env.device.type}; backend {env.backend}; "
         f"world {env.world_size} ({env.local_world_size} per node)",
-        f"  mixed precision {cfg.strategy.mixed_precision}: storage {dtype_name(plan.storage_dtype)}, "
+        f"  mixed precision {plan.precision}: storage {dtype_name(plan.storage_dtype)}, "
         f"compute {dtype_name(plan.param_dtype)}, gradient reduce {dtype_name(plan.reduce_dtype)}; "
         f"cpu_offload {plan.cpu_offload}",
         f"  reshard_after_forward {plan.reshard_after_forward} for blocks"
+        + ("; False for the last block" if plan.reshard_after_forward is True and report.units[:-1] else "")
         + (f"; False for the head unit {sorted(heads)[0]}" if heads and "+" in sorted(heads)[0] else ""),
         f"  gradient accumulation {plan.grad_accumulation} ({cfg.trainer.grad_accum_steps} micro-batches "
         "per step)",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import secrets
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,11 +110,43 @@ def apply_debug_switches(dist_cfg: DistConfig, run_dir: Path) -> None:
 
 
 def set_cpu_threads(env: DistEnv, threads: int) -> int:
-    """Split the machine's cores between the processes on it (torchrun would set 1 each)."""
+    """Split the cores this process may use between the processes on its node, on every device:
+    torchrun sets one thread a worker, and with GPUs the host still runs the offloaded optimizer
+    step, the norm and clipping of offloaded gradients, and meta-device initialisation."""
     if threads <= 0:
-        threads = max(1, (os.cpu_count() or 1) // max(1, env.local_world_size))
+        threads = max(1, len(os.sched_getaffinity(0)) // max(1, env.local_world_size))
     torch.set_num_threads(threads)
     return threads
+
+
+def check_shared_run_dir(run_dir: Path, env: DistEnv) -> None:
+    """Every rank must see the directory rank 0 writes checkpoints into: on node-local disks only
+    rank 0's node would have a save's files, and each node would choose its own resume point.
+
+    Rank 0 writes a file of a name never used before (no cache can answer for it) and every rank
+    looks for it in its own ``run_dir``; one all-gather makes every rank raise the same one line.
+    """
+    if env.world_size == 1:
+        return
+    marker = [f".shardtrain-shared-{secrets.token_hex(8)}" if env.is_main else None]
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / marker[0]).write_text("rank 0 wrote this to check that every rank sees run.dir\n")
+    dist.broadcast_object_list(marker, src=0)
+    seen = (run_dir / marker[0]).is_file()
+    views: list = [None] * env.world_size
+    dist.all_gather_object(views, (seen, socket.gethostname(), str(run_dir.absolute())))
+    if env.is_main:
+        (run_dir / marker[0]).unlink()
+    blind = [rank for rank, (seen, _, _) in enumerate(views) if not seen]
+    if blind:
+        _, host, path = views[blind[0]]
+        raise ConfigError(
+            f"run.dir is not shared: rank {blind[0]} (host {host}) does not see the files rank 0 "
+            f"writes in {views[0][2]} (host {views[0][1]}; rank {blind[0]} looks in {path}, "
+            f"{len(blind)} rank(s) in all); set run.dir to one directory on a filesystem every node "
+            "mounts, the same for every rank"
+        )
 
 
 _MESHES: dict[tuple, DeviceMesh] = {}

@@ -58,9 +58,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
     blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, wrap) and m is not model]
     groups = getattr(model, "extra_shard_groups", list)()
     # Units as (name, modules, reshard_after_forward). By convention the last extra group holds the
-    # output head: its weights are needed again at once in backward, so (like torchtitan) that unit
-    # is not resharded after forward.
-    units = [(name, [block], plan.reshard_after_forward) for name, block in blocks]
+    # output head: its weights are needed again at once in backward, and so are the last block's,
+    # so (like torchtitan) neither is resharded after forward, which would only gather them again.
+    last = len(blocks) - 1
+    units = [(name, [block], False if index == last and plan.reshard_after_forward is True
+              else plan.reshard_after_forward) for index, (name, block) in enumerate(blocks)]
     units += [("+".join(names[m] for m in group), group,
                False if index == len(groups) - 1 else plan.reshard_after_forward)
               for index, group in enumerate(groups)]

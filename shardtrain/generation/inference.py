@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shardtrain.accelerator import set_fp32_matmul
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.checkpoint.weights import load_model_weights, model_config_of
 from shardtrain.config.plan import resolve_plan
@@ -30,7 +31,8 @@ class Loaded:
 
 
 def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
-                       dtype: str = "fp32") -> Loaded:
+                       dtype: str = "auto") -> Loaded:
+    """``dtype``: the compute dtype, fp32 | bf16 | auto (bf16 on accelerators with bf16 units)."""
     path = Path(checkpoint)
     if not path.exists():
         raise CheckpointError(f"{str(path)!r} does not exist")
@@ -39,11 +41,11 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
     cfg.model = dataclasses.replace(model_cfg, init_from=None)
     if path.is_dir():  # evaluate on the split the run trained with
         cfg.data = TrainState.read(path).data_config()
-    cfg.strategy = dataclasses.replace(cfg.strategy, sharding_strategy=strategy,
-                                       mixed_precision="fp32" if dtype == "fp32" else "bf16-mixed")
+    precision = {"fp32": "fp32", "bf16": "bf16-mixed"}.get(dtype, dtype)
+    cfg.strategy = dataclasses.replace(cfg.strategy, sharding_strategy=strategy, mixed_precision=precision)
     env = init_distributed(cfg.dist.backend, cfg.dist.startup_timeout_s)
-    if env.device.type == "cpu":
-        set_cpu_threads(env, 0)
+    set_cpu_threads(env, 0)
+    set_fp32_matmul(env.device, cfg.strategy.tf32)
     if path.is_file() and env.world_size > 1:
         raise CheckpointError("a consolidated safetensors file is loaded by one process; use the "
                               "sharded checkpoint directory with --devices N")

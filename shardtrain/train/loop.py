@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shardtrain import faults
-from shardtrain.accelerator import device_peak_flops, peak_memory_mib
+from shardtrain.accelerator import device_peak_flops, peak_memory_mib, set_fp32_matmul
 from shardtrain.checkpoint.checkpointer import Checkpointer
 from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.checkpoint.weights import load_model_weights
@@ -31,7 +31,13 @@ from shardtrain.diagnostics.report import (
     settings_lines,
 )
 from shardtrain.diagnostics.watchdog import Watchdog
-from shardtrain.distributed.env import DistEnv, apply_debug_switches, init_distributed, set_cpu_threads
+from shardtrain.distributed.env import (
+    DistEnv,
+    apply_debug_switches,
+    check_shared_run_dir,
+    init_distributed,
+    set_cpu_threads,
+)
 from shardtrain.errors import TrainingError
 from shardtrain.generation.generate import gathered_copy, generate, generation_mode
 from shardtrain.tasks.language_model import LanguageModelTask
@@ -115,8 +121,9 @@ class Trainer:
         env = init_distributed(cfg.dist.backend, max(cfg.dist.timeout_s, cfg.dist.startup_timeout_s),
                                cpu_offload=cfg.strategy.cpu_offload)
         check_world(cfg, env.world_size, env.local_world_size)
-        if env.device.type == "cpu":
-            set_cpu_threads(env, cfg.trainer.threads_per_process)
+        check_shared_run_dir(Path(cfg.run.dir), env)
+        set_cpu_threads(env, cfg.trainer.threads_per_process)
+        set_fp32_matmul(env.device, cfg.strategy.tf32)
         if task is not None:
             cfg.task = task_config_of(check_task(task))
         else:

@@ -217,7 +217,7 @@ def collector_paused() -> Iterator[None]:
 def _simulate_depth(cfg: Config, world_size: int, local_world_size: int, task: Task) -> Simulation:
     """One step of ``task`` (bound to ``cfg``) on its example batch."""
     started = time.perf_counter()
-    plan = resolve_plan(cfg.strategy, world_size, min(local_world_size, world_size))
+    plan = resolve_plan(cfg.strategy, world_size, min(local_world_size, world_size), accelerated=True)
     trainer = cfg.trainer
     # Real tensors, made before the fake mode: a task's collate and draws may read values.
     batch = task.example_batch(trainer.micro_batch_size)
@@ -328,7 +328,7 @@ def simulate(cfg: Config, world_size: int, local_world_size: int, *, probe: bool
     """
     if world_size < 1:
         raise ConfigError(f"world size {world_size} must be at least 1")
-    plan = resolve_plan(cfg.strategy, world_size, min(local_world_size, world_size))
+    plan = resolve_plan(cfg.strategy, world_size, min(local_world_size, world_size), accelerated=True)
     if (len(plan.mesh_shape) > 1 and plan.mesh_shape[0] > 1 and cfg.trainer.grad_accum_steps > 1
             and plan.grad_accumulation == "sharded"):
         # FSDP2's accumulation of partial reductions across replicas fails on the fake process

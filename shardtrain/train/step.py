@@ -238,9 +238,8 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
     summed = global_sum_tensor(torch.stack(
         [loss_sum.double(), torch.full((), stop, dtype=torch.float64, device=device), returned_count,
          torch.full((), flops, dtype=torch.float64, device=device), *metrics.vector()]))
-    loss_value, stops, returned, flops_value, *metric_values = summed.tolist()
-    norm_value, scale_value, count = torch.stack(
-        [grad_norm.double(), scale.double(), global_count]).tolist()
+    norm_value, scale_value, count, loss_value, stops, returned, flops_value, *metric_values = torch.cat(
+        [torch.stack([grad_norm.double(), scale.double(), global_count]), summed]).tolist()
     if count == 0:
         raise TrainingError("a training step had a count of 0 on every rank (no target tokens, no "
                             "valid positions): nothing to learn from; check the data")
