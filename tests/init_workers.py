@@ -19,6 +19,7 @@ from shardtrain.diagnostics.memory import rss_bytes
 from shardtrain.distributed import sharded_model
 from shardtrain.distributed.env import build_mesh, init_distributed
 from shardtrain.generation.generate import gathered_copy, generate
+from shardtrain.models import llama
 from shardtrain.models.registry import model_factory
 
 SMALL_CHUNK = 500  # elements: chunk boundaries fall inside every shard of the tiny model
@@ -77,6 +78,30 @@ def sampling_memory(out: str) -> None:
     dtypes = {str(p.dtype) for p in plain.parameters()}
     params = sum(p.numel() for p in model.parameters())
     Path(out, "sampling.txt").write_text(f"{grown} {params} {len(tokens)} {','.join(sorted(dtypes))}")
+    tables, rotated = rotary_dtypes(model, torch.tensor([list(b"def main")]))
+    Path(out, "rope.txt").write_text(f"{','.join(sorted(tables))} {','.join(sorted(rotated))}")
+
+
+def rotary_dtypes(model: nn.Module, tokens: torch.Tensor) -> tuple[set[str], set[str]]:
+    """The dtypes of the cos/sin tables every block's attention rotates q and k with, and of q and k,
+    in one forward of the sharded model: what arrives after FSDP cast each block's inputs."""
+    tables: set[str] = set()
+    rotated: set[str] = set()
+    original = llama.apply_rope
+
+    def probe(x: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
+        rotated.add(str(x.dtype))
+        # a complex table holds cos and sin as its real and imaginary parts
+        tables.update(str((t.real if t.is_complex() else t).dtype) for t in rope)
+        return original(x, *rope)
+
+    llama.apply_rope = probe
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        llama.apply_rope = original
+    return tables, rotated
 
 
 class FewRows(nn.Module):

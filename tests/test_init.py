@@ -79,14 +79,29 @@ def test_full_parameter_is_deterministic(elementwise, monkeypatch):
     assert not a.equal(b)
 
 
-def test_sampling_never_copies_the_model_in_fp32(tmp_path):
+@pytest.fixture(scope="module")
+def bf16_mixed_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bf16")
+    run_on_ranks(sampling_memory, 1, str(out), tmp_path=out)
+    return out
+
+
+def test_sampling_never_copies_the_model_in_fp32(bf16_mixed_run):
     """bf16-mixed: the gathered copy is allocated in bf16 (about half the fp32 model) plus one
     gathered parameter; building it in fp32 first would grow by at least the fp32 model."""
-    run_on_ranks(sampling_memory, 1, str(tmp_path), tmp_path=tmp_path)
-    grown, params, tokens, dtypes = Path(tmp_path, "sampling.txt").read_text().split()
+    grown, params, tokens, dtypes = Path(bf16_mixed_run, "sampling.txt").read_text().split()
     fp32_model = int(params) * 4
     assert int(params) > 90e6 and int(tokens) == 8 and dtypes == "torch.bfloat16"
     assert 0.4 * fp32_model < int(grown) < 0.75 * fp32_model, (int(grown), fp32_model)
+
+
+def test_rotary_tables_reach_the_blocks_in_fp32_under_bf16_mixed(bf16_mixed_run):
+    """FSDP's mixed precision casts each block's floating-point inputs to bf16. The rotary tables
+    must not be among them: in bf16 (8 significant bits) the slow-turning dimensions of
+    neighbouring far positions round to the same cos/sin. q and k are rotated in bf16 compute."""
+    tables, rotated = Path(bf16_mixed_run, "rope.txt").read_text().split()
+    assert rotated == "torch.bfloat16"  # the probe ran inside bf16-mixed blocks
+    assert tables == "torch.float32"
 
 
 def test_a_rank_with_an_empty_shard(tmp_path):

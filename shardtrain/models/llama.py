@@ -42,15 +42,19 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+    """Each position's rotations as cos + i*sin, (max_seq_len, head_dim/2). Complex, not two real
+    tables, because the blocks take it as an input and FSDP's mixed precision casts floating-point
+    inputs to bf16 (8 mantissa bits: far positions lose their angle) but leaves complex ones alone."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+    return torch.complex(angles.cos(), angles.sin())
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (even, odd) of the last dim. x: (B, H, T, D); cos/sin: (T, D/2), or
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (even, odd) of the last dim. x: (B, H, T, D); rope: (T, D/2), or
     (B, 1, T, D/2) for positions that differ per row (document masking)."""
+    cos, sin = rope.real, rope.imag
     xf = x.float()
     x1, x2 = xf[..., 0::2], xf[..., 1::2]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
@@ -95,14 +99,13 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None, layer: int = 0,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
+                layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         start = 0
         if cache is not None:
             start = cache.pos
@@ -141,10 +144,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None, layer: int = 0,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, mask)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
+                layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, cache, layer, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -163,10 +165,8 @@ class Llama(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        # RoPE tables are derived, not learned: non-persistent so checkpoints never carry them.
-        cos, sin = self.rope()
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        # Derived, not learned: non-persistent so checkpoints never carry it.
+        self.register_buffer("rope", self.rope_table(), persistent=False)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,14 +181,14 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)
         mask = None
         if positions is None:
-            cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
+            rope = self.rope[start:end]
         else:
             if cache is not None:
                 raise ModelError("positions= is for training on packed documents, not with a KV cache")
-            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+            rope = self.rope[positions].unsqueeze(1)
             mask = document_attention_bias(positions, h.dtype)
         for index, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache, index) if cache is not None else layer(h, cos, sin, mask=mask)
+            h = layer(h, rope, cache, index) if cache is not None else layer(h, rope, mask=mask)
         if cache is not None:
             cache.pos = end
         return self.output(self.norm(h))
@@ -214,14 +214,12 @@ class Llama(nn.Module):
             return [[self.tok_embeddings, self.norm, self.output]]
         return [[self.tok_embeddings], [self.norm, self.output]]
 
-    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta)
+    def rope_table(self) -> torch.Tensor:
+        return rope_table(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta)
 
     def init_buffers(self) -> None:
         """Recompute derived buffers after the meta-device model was materialised."""
-        cos, sin = self.rope()
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        self.rope.copy_(self.rope_table())
 
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Fill one full-size parameter; GPT-2 style, with scaled residual projections."""
