@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from shardtrain.checkpoint import weights as checkpoint_weights
 from shardtrain.checkpoint.weights import load_hf_model_into, load_safetensors_into
 from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import Config
@@ -141,9 +142,70 @@ def reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current resident set
 
 
-def load_memory(out: str, weights: str, vocab: int, dim: int) -> None:
+class CountingFile:
+    """An open safetensors file that counts the elements read of each tensor, whole or sliced."""
+
+    def __init__(self, handle, counts: dict[str, int]) -> None:
+        self.handle, self.counts = handle, counts
+
+    def __enter__(self) -> CountingFile:
+        self.handle.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return self.handle.keys()
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.counted(name, self.handle.get_tensor(name))
+
+    def get_slice(self, name: str) -> CountingSlice:
+        return CountingSlice(self, name, self.handle.get_slice(name))
+
+    def counted(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        self.counts[name] = self.counts.get(name, 0) + tensor.numel()
+        return tensor
+
+
+class CountingSlice:
+    def __init__(self, file: CountingFile, name: str, stored) -> None:
+        self.file, self.name, self.stored = file, name, stored
+
+    def get_shape(self) -> list[int]:
+        return self.stored.get_shape()
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.file.counted(self.name, self.stored[index])
+
+
+def qk_reads(out: str, directory: str) -> None:
+    """``model.init_from=hf:`` into the built-in Llama (6 heads, 2 key/value heads of 6 rows: at 4
+    ranks most shard boundaries of q and k fall inside a head, several on an odd row): the elements
+    of q and k each rank reads from the files, and the rows it then holds."""
+    cfg = Config()
+    cfg.model = dataclasses.replace(cfg.model, dim=36, n_layers=2, n_heads=6, n_kv_heads=2,
+                                    ffn_hidden_dim=97, max_seq_len=64, init_from=f"hf:{directory}")
+    env, model = build(cfg)
+    counts: dict[str, int] = {}
+    real = checkpoint_weights.safe_open
+    checkpoint_weights.safe_open = lambda *args, **kwargs: CountingFile(real(*args, **kwargs), counts)
+    try:
+        checkpoint_weights.load_hf_into(model, cfg.model, directory)
+    finally:
+        checkpoint_weights.safe_open = real
+    qk = sum(n for name, n in counts.items() if name.endswith(("q_proj.weight", "k_proj.weight")))
+    rows = {name: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in model.named_parameters() if name.endswith(("wq.weight", "wk.weight"))}
+    Path(out, f"qk-{env.world_size}-{env.rank}.txt").write_text(str(qk))
+    torch.save(rows, Path(out, f"qk-rows-{env.world_size}-{env.rank}.pt"))
+
+
+def load_memory(out: str, weights: str, vocab: int, dim: int, qk_directory: str | None = None) -> None:
     """Peak resident growth while loading a consolidated file (or, when ``weights`` is a directory,
-    a Hugging Face model directory into ``model.name=hf``) into the sharded model."""
+    a Hugging Face model directory into ``model.name=hf``) into the sharded model; then, given
+    ``qk_directory``, ``qk_reads`` of it."""
     cfg = Config()
     hf = Path(weights).is_dir()
     if hf:
@@ -163,3 +225,5 @@ def load_memory(out: str, weights: str, vocab: int, dim: int) -> None:
     rows = first.to_local() if isinstance(first, DTensor) else first
     Path(out, f"load-{env.world_size}-{env.rank}.txt").write_text(f"{grown} {rows.shape[0]}")
     torch.save(rows.detach().clone(), Path(out, f"rows-{env.world_size}-{env.rank}.pt"))
+    if qk_directory is not None:
+        qk_reads(out, qk_directory)

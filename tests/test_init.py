@@ -19,12 +19,13 @@ from init_workers import (
     sampling_memory,
     tiny_config,
 )
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from shardtrain.distributed import sharded_model
 from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.generation.generate import gathered_copy
 from shardtrain.models.llama import Llama
+from shardtrain.models.llama_hf_adapter import halves_to_interleaved
 
 CASES = [(1, "FULL_SHARD", 0), (2, "FULL_SHARD", 0), (4, "FULL_SHARD", 0), (4, "HYBRID_SHARD", 2),
          (2, "NO_SHARD", 0)]
@@ -153,28 +154,62 @@ def test_loading_a_consolidated_file_reads_only_the_own_rows(tmp_path):
     assert rows == vocab
 
 
-def test_loading_a_hugging_face_directory_reads_only_the_own_rows(tmp_path):
-    """The same for ``model.name=hf``: a Llama directory saved by transformers in two files with an
-    index (a 65,536 x 512 embedding and head), loaded by 4 ranks vs one."""
+@pytest.fixture(scope="module")
+def hf_loads(tmp_path_factory) -> tuple[Path, torch.Tensor, Path]:
+    """One run at 1 and at 4 ranks of both Hugging Face loads: a Llama directory saved by
+    transformers in two files with an index (a 65,536 x 512 embedding and head) into
+    ``model.name=hf``, and a small one (6 heads, 2 key/value heads) into the built-in Llama."""
+    out = tmp_path_factory.mktemp("hf_loads")
     vocab, dim = 65536, 512
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=8,
                                       max_position_embeddings=64)
     model = transformers.LlamaForCausalLM(config)
-    directory = tmp_path / "model"
+    directory = out / "model"
     model.save_pretrained(directory, max_shard_size="150MB")
     assert (directory / "model.safetensors.index.json").is_file()
     embedding = model.model.embed_tokens.weight.detach().clone()
     del model
+    small = out / "small"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=36, intermediate_size=97, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(small)
     for world in (1, 4):
-        run_on_ranks(load_memory, world, str(tmp_path), str(directory), vocab, dim, tmp_path=tmp_path)
-    alone = int(Path(tmp_path, "load-1-0.txt").read_text().split()[0])
-    assert alone > vocab * dim * 4
+        run_on_ranks(load_memory, world, str(out), str(directory), vocab, dim, str(small), tmp_path=out)
+    return out, embedding, small
+
+
+def test_loading_a_hugging_face_directory_reads_only_the_own_rows(hf_loads):
+    """The same for ``model.name=hf``, loaded by 4 ranks vs one."""
+    out, embedding, _ = hf_loads
+    alone = int(Path(out, "load-1-0.txt").read_text().split()[0])
+    assert alone > embedding.numel() * 4
     rows = 0
     for rank in range(4):
-        grown, held = map(int, Path(tmp_path, f"load-4-{rank}.txt").read_text().split())
+        grown, held = map(int, Path(out, f"load-4-{rank}.txt").read_text().split())
         assert grown < alone / 2, (rank, grown, alone)
-        assert torch.load(Path(tmp_path, f"rows-4-{rank}.pt")).equal(embedding[rows:rows + held])
+        assert torch.load(Path(out, f"rows-4-{rank}.pt")).equal(embedding[rows:rows + held])
         rows += held
         print(f"rank {rank} of 4: peak growth {grown / 2**20:.0f} MiB; alone {alone / 2**20:.0f} MiB")
-    assert rows == vocab
+    assert rows == embedding.shape[0]
+
+
+def test_init_from_hf_reads_only_the_own_q_and_k_rows(hf_loads):
+    """q and k are permuted within each head on the way in; each of 4 ranks still reads only its
+    own rows of them (a quarter of what one rank loading alone reads; reading them whole put
+    11.5 GiB of a 70B model's q and k on every rank), and holds exactly today's permuted rows."""
+    out, _, small = hf_loads
+    alone = int(Path(out, "qk-1-0.txt").read_text())
+    assert alone == 2 * (36 + 12) * 36  # 2 layers of q (36 x 36) and k (12 x 36)
+    stored = load_file(small / "model.safetensors")
+    held = [torch.load(Path(out, f"qk-rows-4-{rank}.pt")) for rank in range(4)]
+    for rank in range(4):
+        read = int(Path(out, f"qk-4-{rank}.txt").read_text())
+        print(f"rank {rank} of 4: read {read} q/k elements; alone {alone}")
+        assert read < alone / 2, (rank, read, alone)
+    for layer in range(2):
+        for ours, theirs, heads in (("wq", "q_proj", 6), ("wk", "k_proj", 2)):
+            name = f"layers.{layer}.attention.{ours}.weight"
+            want = halves_to_interleaved(stored[f"model.layers.{layer}.self_attn.{theirs}.weight"], heads)
+            assert torch.cat([rows[name] for rows in held]).equal(want), name
+            assert all(rows[name].shape[0] > 0 for rows in held)

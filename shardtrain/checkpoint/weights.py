@@ -30,8 +30,8 @@ from shardtrain.errors import CheckpointError
 from shardtrain.models.hf import CONFIG_FILE as HF_CONFIG_FILE
 from shardtrain.models.llama_hf_adapter import (
     config_mismatches,
-    from_hf,
     from_hf_name,
+    hf_rows,
     model_config_from_hf,
     rotary_heads,
 )
@@ -133,6 +133,26 @@ def own_rows(param: torch.Tensor, handle, name: str, what: str) -> torch.Tensor:
     return stored[first:first + rows]
 
 
+def own_permuted_rows(param: torch.Tensor, handle, name: str, heads: int) -> torch.Tensor:
+    """``own_rows`` of a q/k projection stored in Hugging Face's layout, permuted into ours: this
+    rank's rows lie in a few runs per head of the stored tensor (``hf_rows``), read run by run."""
+    stored = handle.get_slice(name)
+    shape = tuple(stored.get_shape())
+    if shape != tuple(param.shape):
+        raise CheckpointError(f"{name} has shape {list(shape)}, the model wants {list(param.shape)}")
+    first, count = (first_row(param), param.to_local().shape[0]) if row_sharded(param) else (0, shape[0])
+    if count == 0:
+        return stored[0:0]
+    ordered, order = hf_rows(torch.arange(first, first + count), heads, shape[0]).sort()
+    breaks = ((ordered.diff() != 1).nonzero().flatten() + 1).tolist()
+    part = None
+    for a, b in zip([0, *breaks], [*breaks, count]):
+        run = stored[int(ordered[a]):int(ordered[b - 1]) + 1]
+        part = run.new_empty((count, *shape[1:])) if part is None else part
+        part[order[a:b]] = run
+    return part
+
+
 def read_own_rows(param: torch.Tensor, part: torch.Tensor) -> None:
     """``param`` := ``part`` from ``own_rows``."""
     if row_sharded(param):
@@ -229,12 +249,10 @@ def load_hf_into(model: nn.Module, cfg: ModelConfig, directory: str | Path) -> N
                 name = from_hf_name(hf_name)
                 if name is None or name not in params:
                     continue  # read only the tensors the model keeps
-                if rotary_heads(name, cfg):
-                    # q and k rows are permuted within each head: read the whole tensor.
-                    _, full = from_hf(hf_name, f.get_tensor(hf_name), cfg)
-                    copy_into(params[name], full, hf_name)
-                else:
-                    read_own_rows(params[name], own_rows(params[name], f, hf_name, hf_name))
+                heads = rotary_heads(name, cfg)
+                part = (own_permuted_rows(params[name], f, hf_name, heads) if heads else
+                        own_rows(params[name], f, hf_name, hf_name))
+                read_own_rows(params[name], part)
                 loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:

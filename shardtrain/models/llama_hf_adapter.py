@@ -2,8 +2,9 @@
 ``state_dict_adapter.py`` beside each model): names, the q/k permutation and the config.
 
 Names map one to one; the query and key projections are permuted because shardtrain's RoPE rotates
-adjacent pairs (Meta's layout) while transformers rotates the two halves of each head. Both
-directions work one tensor at a time, so callers can stream.
+adjacent pairs (Meta's layout) while transformers rotates the two halves of each head. Export
+converts one tensor at a time (``to_hf``), so it can stream; import reads row by row (``hf_rows``), so
+each rank reads only its own rows of a permuted projection.
 """
 
 from __future__ import annotations
@@ -67,6 +68,14 @@ def halves_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+def hf_rows(rows: torch.Tensor, n_heads: int, total: int) -> torch.Tensor:
+    """The Hugging Face row holding each of our q/k ``rows`` (of ``total``): ``halves_to_interleaved``
+    row by row, so a rank can read its own rows of a permuted projection and no others."""
+    head_dim = total // n_heads
+    head, within = rows // head_dim, rows % head_dim
+    return head * head_dim + (within % 2) * (head_dim // 2) + within // 2
+
+
 def rotary_heads(name: str, cfg: ModelConfig) -> int | None:
     """Heads of a RoPE-rotated projection (q or k), None for every other parameter."""
     if name.endswith("attention.wq.weight"):
@@ -82,15 +91,6 @@ def to_hf(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> tuple[str, torch
         return None
     heads = rotary_heads(name, cfg)
     return to_hf_name(name), interleaved_to_halves(tensor, heads) if heads else tensor
-
-
-def from_hf(hf_name: str, tensor: torch.Tensor, cfg: ModelConfig) -> tuple[str, torch.Tensor] | None:
-    """A Hugging Face tensor -> (our parameter name, tensor); None for tensors we do not keep."""
-    name = from_hf_name(hf_name)
-    if name is None:
-        return None
-    heads = rotary_heads(name, cfg)
-    return name, halves_to_interleaved(tensor, heads) if heads else tensor
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
