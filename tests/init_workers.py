@@ -43,13 +43,58 @@ def build(cfg: Config):
     return env, model
 
 
-def initial_weights(out: str, strategy: str, shard_group: int) -> None:
+def initial_weights(out: str, strategy: str, shard_group: int, resume: bool = False) -> None:
+    """The built model's weights; with ``resume``, then ``resume_draws``."""
     sharded_model.INIT_CHUNK_ELEMENTS = SMALL_CHUNK
     env, model = build(tiny_config(strategy, shard_group))
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
             for n, p in model.named_parameters()}
     if env.rank == 0:
         torch.save(full, Path(out, f"init-{env.world_size}-{strategy}.pt"))
+    if resume:
+        resume_draws(out, strategy)
+
+
+class CountingLlama(llama.Llama):
+    """The built-in Llama, counting the calls of its initialiser."""
+
+    draws = 0
+
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        CountingLlama.draws += 1
+        super().init_parameter(name, tensor, generator)
+
+
+def resume_draws(out: str, strategy: str) -> None:
+    """A fresh run through the trainer (the draw deferred past the build), one step and a save;
+    then a run resuming it: the draws each made and the weights each holds."""
+    from equivalence import small_corpus  # the trainer's imports only in the rank that needs them
+
+    from shardtrain.tasks.language_model import LanguageModelTask
+    from shardtrain.train.loop import Trainer
+
+    cfg = tiny_config(strategy)
+    cfg.trainer = dataclasses.replace(cfg.trainer, max_steps=2, micro_batch_size=2, seq_len=32,
+                                      eval_every=0, sample_tokens=0, progress_bar=False)
+    cfg.run = dataclasses.replace(cfg.run, dir=str(Path(out, "resume")), tensorboard=False)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, enabled=True, interval=0)
+    cfg.diagnostics = dataclasses.replace(cfg.diagnostics, enabled=False)
+    corpus = small_corpus()
+
+    def new_trainer() -> Trainer:
+        CountingLlama.draws = 0
+        return Trainer.create(cfg, task=LanguageModelTask(model=lambda: CountingLlama(cfg.model),
+                                                          corpus=corpus))
+
+    fresh = new_trainer()
+    record = {"fresh_draws": CountingLlama.draws, "initial": fresh.full_weights()}
+    fresh.run_step()
+    fresh.save_checkpoint(blocking=True)
+    record["saved"] = fresh.full_weights()
+    resumed = new_trainer()
+    record.update(resumed_draws=CountingLlama.draws, step=resumed.step, resumed=resumed.full_weights())
+    if resumed.env.is_main:
+        torch.save(record, Path(out, "resume.pt"))
 
 
 def init_memory(out: str) -> None:

@@ -42,16 +42,38 @@ def reference(monkeypatch) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_weights_identical_at_every_world_size(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def initial_runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("init")
+    for world, strategy, group in CASES:
+        # One case resumes through the trainer too: a spawn fewer than a test of its own.
+        resume = (world, strategy) == (2, "FULL_SHARD")
+        run_on_ranks(initial_weights, world, str(out), strategy, group, resume, tmp_path=out)
+    return out
+
+
+def test_weights_identical_at_every_world_size(initial_runs, monkeypatch):
     expected = reference(monkeypatch)
     largest = max(p.numel() for p in expected.values())
     assert largest > 10 * SMALL_CHUNK  # several chunks per parameter, boundaries inside shards
-    for world, strategy, group in CASES:
-        run_on_ranks(initial_weights, world, str(tmp_path), strategy, group, tmp_path=tmp_path)
-        got = torch.load(Path(tmp_path, f"init-{world}-{strategy}.pt"))
+    for world, strategy, _ in CASES:
+        got = torch.load(Path(initial_runs, f"init-{world}-{strategy}.pt"))
         assert got.keys() == expected.keys()
         for name in expected:
             assert got[name].equal(expected[name]), (world, strategy, name)
+
+
+def test_resume_draws_no_random_initialisation(initial_runs, monkeypatch):
+    """A resume reads every weight from its checkpoint, so it draws none (at 70B the draw is minutes
+    of start-up); a fresh run through the trainer, whose draw waits until no checkpoint was found,
+    still starts from exactly the built model's weights."""
+    got = torch.load(Path(initial_runs, "resume.pt"))
+    expected = reference(monkeypatch)
+    assert got["fresh_draws"] > 0
+    assert all(got["initial"][name].equal(expected[name]) for name in expected)
+    assert got["step"] == 1 and got["resumed_draws"] == 0
+    assert not all(got["saved"][name].equal(expected[name]) for name in expected)  # it trained
+    assert all(got["resumed"][name].equal(got["saved"][name]) for name in expected)
 
 
 def test_a_rank_draws_only_its_shard(tmp_path):

@@ -13,6 +13,11 @@ a model declares with ``init_parameter_elementwise = True``; other models get ``
 called on full tensors, as before. The initialiser is the task's (a model the user did not change)
 or the model's own.
 
+A caller that learns only after building whether every parameter will be read from a checkpoint
+(the trainer finds its resume checkpoint once the optimizer exists) builds inside
+``deferred_initialization`` and draws only when nothing was read: at 70B the draw is minutes of
+start-up, thrown away by a resume.
+
 Building "on meta" puts the parameters on the meta device but lets buffers be computed as the module
 constructs them (sinusoidal or rotary tables, masks): they are restored after materialisation, so a
 module the framework did not write needs no method of ours to recompute them. Tied parameters stay
@@ -26,6 +31,8 @@ import math
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
+from functools import partial
 from typing import Any
 
 import torch
@@ -163,6 +170,7 @@ def initializer_of(task_or_model: Any) -> Any:
     return task_or_model if getattr(task_or_model, "init_parameter", None) is not None else None
 
 
+@torch.no_grad()
 def initialize_parameters(model: nn.Module, seed: int, initializer: Any = None) -> None:
     """Every (sharded) parameter from ``initializer.init_parameter`` (default: the model's), each
     rank only its own part."""
@@ -187,6 +195,33 @@ def initialize_parameters(model: nn.Module, seed: int, initializer: Any = None) 
         local.copy_(values.view(local.shape).to(local.dtype))
 
 
+class DeferredDraws:
+    """The random initialisations ``deferred_initialization`` held back."""
+
+    def __init__(self) -> None:
+        self.pending: list[Callable[[], None]] = []
+
+    def draw(self) -> None:
+        """Initialise the held-back models, as their build would have."""
+        while self.pending:
+            self.pending.pop(0)()
+
+
+_deferred: ContextVar[DeferredDraws | None] = ContextVar("deferred_draws", default=None)
+
+
+@contextmanager
+def deferred_initialization() -> Iterator[DeferredDraws]:
+    """Models built inside are materialised (buffers computed) without their random draw; call
+    ``draw()`` on what this yields when no checkpoint filled them."""
+    draws = DeferredDraws()
+    token = _deferred.set(draws)
+    try:
+        yield draws
+    finally:
+        _deferred.reset(token)
+
+
 def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: DeviceMesh,
                         factory: ModelFactory, wrap_policy: Sequence[str | type] | None = None,
                         initializer: Any = None) -> tuple[nn.Module, ShardingReport]:
@@ -199,8 +234,13 @@ def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: Dev
         report = parallelize(model, mesh, plan, policy)
         # Weights that will be read (model.init_from, a Hugging Face model's own) need no drawing:
         # at 0.5B parameters that is most of the start-up.
+        initialize = cfg.model.weights_source() is None
+        deferred = _deferred.get()
+        if initialize and deferred is not None:
+            deferred.pending.append(partial(initialize_parameters, model, cfg.trainer.seed, initializer))
+            initialize = False
         materialize(model, env.device, cfg.trainer.seed, plan.cpu_offload,
-                    initialize=cfg.model.weights_source() is None, initializer=initializer)
+                    initialize=initialize, initializer=initializer)
     else:
         # Without a per-parameter initialiser there is no way to initialise shards independently
         # of the world size, so build the full model once on CPU (same seed on every rank).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ from shardtrain.distributed.env import (
     init_distributed,
     set_cpu_threads,
 )
+from shardtrain.distributed.sharded_model import deferred_initialization
 from shardtrain.errors import TrainingError
 from shardtrain.generation.generate import gathered_copy, generate, generation_mode
 from shardtrain.tasks.language_model import LanguageModelTask
@@ -131,9 +133,10 @@ class Trainer:
         task.bind(cfg)
         # The data first: a data error is reported before the model is built.
         train, val = task.train_samples(), task.val_samples()
-        built = build(cfg, env, task, optimizer_factory)
+        with deferred_initialization() as draws:  # a resume reads every weight: no draw for it
+            built = build(cfg, env, task, optimizer_factory)
         trainer = cls(cfg, env, built, task, train, val)
-        trainer.restore()
+        trainer.restore(draws.draw)
         return trainer
 
     @property
@@ -146,9 +149,9 @@ class Trainer:
 
     # ---- start and end -------------------------------------------------------------------
 
-    def restore(self) -> None:
+    def restore(self, draw: Callable[[], None] = lambda: None) -> None:
         """Resume (checkpoint.resume), or start from given weights (model.init_from, a Hugging Face
-        model's own), else from the random initialisation the build made."""
+        model's own), else from the random initialisation: ``draw`` it, if the build deferred it."""
         path = self.checkpointer.resume_path() if self.checkpointer is not None else None
         if path is not None:
             state = self.checkpointer.load(path)
@@ -167,6 +170,8 @@ class Trainer:
         elif source := self.cfg.model.weights_source():
             load_model_weights(self.model, source, self.cfg.model)
             self.info(f"initialised weights from {source}")
+        else:
+            draw()
 
     def beat_save(self, phase: str) -> None:
         """Saves get their own bound: a large synchronous save may take far longer than a step, and
