@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import json
+
 import pytest
 import torch
 from cli_utils import read_metrics, run_cli
@@ -85,8 +89,43 @@ def test_export_check_fails_on_corrupted_weights(tmp_path):
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"export check failed: .* differ from the checkpoint's"):
         verify_export(ckpt, out)
+    del state["model.layers.0.self_attn.q_proj.weight"]  # dropped: transformers would draw it at random
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="export check failed"):
+        verify_export(ckpt, out)
     skipped = run_cli("export-hf", str(ckpt), str(tmp_path / "unchecked"), "--no-verify")
     assert skipped.returncode == 0 and "verified" not in skipped.stdout
+
+
+def test_export_check_holds_neither_model_whole(tmp_path):
+    """The self-check's peak host memory is under half of one fp32 copy of the model (it held two:
+    560 GB for a 70B model). A 6-layer model of 71 MB whose largest tensor is 3 MB, exported from a
+    consolidated file; the check's second run is measured, after the first imported its modules."""
+    from init_workers import peak_rss_since_reset, reset_peak_rss
+
+    from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY
+    from shardtrain.config.schema import ModelConfig
+    from shardtrain.diagnostics.memory import rss_bytes
+
+    cfg = ModelConfig(dim=512, n_layers=6, n_heads=8, n_kv_heads=4, max_seq_len=64)
+    torch.manual_seed(0)
+    state = {name: p.detach().clone() for name, p in Llama(cfg).named_parameters()}
+    model_bytes = sum(t.numel() * 4 for t in state.values())
+    assert model_bytes > 70e6 and max(t.numel() * 4 for t in state.values()) < model_bytes / 20
+    consolidated = tmp_path / "model.safetensors"
+    save_file(state, str(consolidated), metadata={"format": "pt", MODEL_CONFIG_KEY: json.dumps(
+        dataclasses.asdict(cfg))})
+    del state
+    export_hf(consolidated, tmp_path / "hf", max_shard_size="30MB")
+    assert verify_export(consolidated, tmp_path / "hf") < 1e-5
+    # Memory the first run freed goes back to the system, so the second cannot grow into it unseen.
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    before = rss_bytes()
+    reset_peak_rss()
+    verify_export(consolidated, tmp_path / "hf")
+    grown = peak_rss_since_reset() - before
+    print(f"self-check peak growth {grown / 2**20:.1f} MiB; the model in fp32 {model_bytes / 2**20:.1f} MiB")
+    assert grown < model_bytes / 2, (grown, model_bytes)
 
 
 @pytest.fixture(scope="module")

@@ -1,23 +1,40 @@
 """The export's self-check: the written directory, loaded by transformers, must give the checkpoint's
 logits. Peers' users report exports that load and then compute something else (a permuted q/k, a
 dropped tie, a wrong norm epsilon); ``export-hf`` runs this after writing unless ``--no-verify``.
+
+Neither model is ever whole in memory. Both are built with their parameters on the meta device and
+run on the same batch module by module: each module's own weights are read just before its forward
+(transformers' model from the written files, through transformers' renaming rules as
+``from_pretrained`` applies them; ours from the checkpoint) and dropped right after it. Host memory is
+about the largest module's weights, not the model twice in fp32 (560 GB for a 70B model).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import transformers
+from safetensors import safe_open
+from torch import nn
 
-from shardtrain.checkpoint.weights import load_model_weights, model_config_of
+from shardtrain.checkpoint.safetensors_files import weight_files
+from shardtrain.checkpoint.weights import model_config_of
+from shardtrain.config.schema import ModelConfig
+from shardtrain.distributed.sharded_model import parameters_on_meta
 from shardtrain.errors import CheckpointError
+from shardtrain.export.consolidate import load_tensors, plan_shards
+from shardtrain.models.hf import HFCausalLM
 from shardtrain.models.registry import build_model
 
 # Largest |logit difference| relative to the largest |logit|: fp32 implementations of the same
 # model agree to ~1e-6; a single corrupted weight is off by orders of magnitude more.
 EXPORT_TOLERANCE = 1e-4
+
+# Every name of one parameter (a tied weight has several) -> its value, read from disk.
+Reader = Callable[[list[str]], torch.Tensor]
 
 
 @torch.no_grad()
@@ -26,19 +43,19 @@ def verify_export(checkpoint: str | Path, out_dir: str | Path,
     """Compare the export's logits with the checkpoint's model on a fixed batch; return the largest
     relative difference, or raise naming it. Both sides hold the same weights rounded to the dtype
     the export was written in, and compute in fp32, so only a wrong conversion tells them apart."""
-    cfg = model_config_of(Path(checkpoint))
-    written = json.loads((Path(out_dir) / "config.json").read_text())["torch_dtype"]
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    cfg = model_config_of(checkpoint)
+    written = json.loads((out_dir / "config.json").read_text())["torch_dtype"]
     dtype = getattr(torch, written)
-    ours = build_model(cfg)
-    load_model_weights(ours, str(checkpoint), cfg)
-    for param in ours.parameters():
-        param.copy_(param.to(dtype).float())
-    transformers.utils.logging.disable_progress_bar()  # one line of result, not a loading bar
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32)
+    with parameters_on_meta():
+        ours = build_model(cfg)
+        theirs = HFCausalLM(ModelConfig(name="hf", path=str(out_dir)))  # from_pretrained's model
     tokens = torch.randint(0, ours.dims.vocab_size, (2, min(32, ours.max_seq_len)),
                            generator=torch.Generator().manual_seed(0))
-    want = ours.eval()(tokens)
-    got = theirs.eval()(tokens).logits
+    with checkpoint_reader(checkpoint) as read:
+        want = streamed_forward(ours, tokens, lambda names: read(names).to(dtype).float())
+    read = export_reader(out_dir, theirs.parameter_name)
+    got = streamed_forward(theirs, tokens, lambda names: read(names).float())
     difference = ((got - want).abs().max() / want.abs().max()).item()
     if not difference <= tolerance:  # NaN fails too
         raise CheckpointError(
@@ -46,3 +63,76 @@ def verify_export(checkpoint: str | Path, out_dir: str | Path,
             f"checkpoint's by {difference:.2e} (relative; limit {tolerance:.0e}): the written files do not "
             "reproduce the model. Do not use them; export again (--no-verify skips this check)")
     return difference
+
+
+def streamed_forward(model: nn.Module, tokens: torch.Tensor, read: Reader) -> torch.Tensor:
+    """``model(tokens)`` in eval mode, with each module's own parameters read just before its
+    forward and given back to the meta device right after it."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    handles = []
+    for module in model.modules():
+        own = {attr: param for attr, param in module._parameters.items() if param is not None}
+        if not own:
+            continue
+
+        def load(module: nn.Module, args, own=own) -> None:
+            for attr, param in own.items():
+                module._parameters[attr] = nn.Parameter(read(names[id(param)]), requires_grad=False)
+
+        def drop(module: nn.Module, args, output, own=own) -> None:
+            module._parameters.update(own)
+
+        handles += [module.register_forward_pre_hook(load), module.register_forward_hook(drop)]
+    try:
+        return model.eval()(tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def first_stored(names: list[str], stored, missing: str) -> str:
+    """The first of a parameter's names that ``stored`` holds; else an error saying ``missing``."""
+    for name in names:
+        if name in stored:
+            return name
+    raise CheckpointError(missing.format(names[0]))
+
+
+@contextmanager
+def checkpoint_reader(checkpoint: Path) -> Iterator[Reader]:
+    """Our parameters one at a time from a consolidated file or a DCP checkpoint."""
+    missing = f"{checkpoint} holds no {{}}: it is not a checkpoint of the model it describes"
+    if checkpoint.is_file():
+        with safe_open(str(checkpoint), framework="pt") as f:
+            stored = set(f.keys())
+        yield lambda names: read_one(checkpoint, first_stored(names, stored, missing))
+        return
+    plan = plan_shards(checkpoint, None, None, None)
+    entries = {entry[1]: entry for shard in plan.shards for entry in shard}
+
+    def read(names: list[str]) -> torch.Tensor:
+        entry = entries[first_stored(names, entries, missing)]
+        return load_tensors(checkpoint, [entry], plan.metadata)[entry[0]]
+
+    yield read
+
+
+def export_reader(out_dir: Path, parameter_name: Callable[[str], str]) -> Reader:
+    """transformers' parameters one at a time from the written files, found under the names
+    ``parameter_name`` gives the stored ones."""
+    stored: dict[str, tuple[Path, str]] = {}
+    for file in weight_files(out_dir):
+        with safe_open(str(file), framework="pt") as f:
+            stored.update((parameter_name(key), (file, key)) for key in f.keys())
+    missing = (f"export check failed: {out_dir} holds no weight for {{}} (transformers would draw it "
+               "at random); export again")
+    return lambda names: read_one(*stored[first_stored(names, stored, missing)])
+
+
+def read_one(file: Path, key: str) -> torch.Tensor:
+    # Opened for each tensor: an open file stays memory-mapped, and every page read through it
+    # would count against the process until it is closed, adding up to the whole file.
+    with safe_open(str(file), framework="pt") as f:
+        return f.get_tensor(key)
