@@ -135,11 +135,16 @@ def peak_memory_mib(device: torch.device) -> float:
 
 
 def free_memory_bytes(device: torch.device) -> int | None:
-    """Memory this process could still allocate on ``device``: the accelerator's free memory, or on
-    CPU the system's available memory (Linux /proc/meminfo); None where unknown."""
+    """Memory this process could still allocate on ``device``: the accelerator's free memory plus
+    what its caching allocator holds reserved but unused (``mem_get_info`` counts that as taken: after
+    training, gigabytes of it), or on CPU the system's available memory (Linux /proc/meminfo); None
+    where unknown."""
     module = torch.get_device_module(device.type) if device.type != "cpu" else None
     if module is not None and hasattr(module, "mem_get_info"):
-        return int(module.mem_get_info(device)[0])
+        cached = 0
+        if hasattr(module, "memory_reserved") and hasattr(module, "memory_allocated"):
+            cached = max(0, module.memory_reserved(device) - module.memory_allocated(device))
+        return int(module.mem_get_info(device)[0]) + int(cached)
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -162,5 +167,6 @@ def device_peak_flops(device: torch.device) -> float | None:
 
 
 def pin_offloaded_memory(device_type_name: str) -> bool:
-    """CPU offload pins host memory only when the mesh is on an accelerator (pinning needs one)."""
+    """Host memory that feeds a device (offloaded parameters, batches) is pinned only when the
+    device is an accelerator: pinning needs one, and a CPU run copies nothing."""
     return device_type_name != "cpu"

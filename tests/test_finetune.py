@@ -98,3 +98,17 @@ def test_sharded_fine_tuning_with_accumulation_matches_reference(dataset, tmp_pa
         failures += [f"{world}p {k} {v:.2e}" for k, v in errors.items() if not v <= TOL]
     print("\n".join(table))
     assert not failures, failures
+
+
+def test_flops_count_every_processed_token_not_only_targets():
+    """MFU under fine-tuning masks: the model computes every input token (the prompt's too), so the
+    FLOPs the step reports are per input token; the count that normalises the loss is the targets'."""
+    from shardtrain.data.batches import Batch
+    from shardtrain.tasks.language_model import LanguageModelTask
+
+    task = LanguageModelTask()
+    task.flops_per_token = 6.0
+    targets = torch.full((2, 8), IGNORE_INDEX)
+    targets[:, 6:] = 1  # only the answers' last two tokens are trained on
+    batch = Batch(inputs=torch.zeros(2, 8, dtype=torch.long), targets=targets)
+    assert task.flops(batch) == 6.0 * 16 and task.count(batch) == 4

@@ -44,6 +44,11 @@ def test_sharded_generation_equals_consolidated(tmp_path):
     multi = run_cli("generate", str(tmp_path / "m.safetensors"), "--prompts-file", str(prompts),
                     "--max-new-tokens", "8")
     assert multi.returncode == 0 and multi.stdout.count("\n") >= 2
+    # gathered at 2 ranks: each rank generates its share of the prompts, rank 0 prints all in order
+    split = run_cli("generate", str(ckpt), "--prompts-file", str(prompts), "--max-new-tokens", "8",
+                    "--devices", "2", "--mode", "gathered")
+    assert split.returncode == 0, split.stderr[-2000:]
+    assert "2 prompts split over 2 ranks" in split.stderr and split.stdout == multi.stdout
     evaluated = run_cli("eval", str(ckpt), "--samples", "16", "--devices", "2")
     assert evaluated.returncode == 0 and "perplexity" in evaluated.stdout, evaluated.stderr[-2000:]
 

@@ -107,6 +107,8 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         return status
     from contextlib import nullcontext
 
+    from torch.distributed import all_gather_object
+
     from shardtrain.data.tokenizer import tokenizer_for
     from shardtrain.distributed.env import destroy_distributed
     from shardtrain.generation.generate import (
@@ -133,22 +135,43 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
                 sys.stdout.write(text)
                 sys.stdout.flush()
 
+        def render(prompt: str) -> tuple[str, list[int]]:
+            if args.chat:  # the prompt as the user's turn, in the model's chat template
+                text = tokenizer.render_chat([{"role": "user", "content": prompt}])
+                return text, tokenizer.encode(text, special_tokens=False)
+            return prompt, tokenizer.encode(prompt)
+
+        def run(model, index: int, ids: list[int], on_text) -> None:
+            stream = tokenizer.stream()  # tokens -> whole characters, as they become final
+            generate(model, ids, args.max_new_tokens,
+                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                     seed=args.seed + index, use_cache=not args.no_cache,
+                     vocab_limit=tokenizer.vocab_size, stop_token=tokenizer.eos_id,
+                     on_token=lambda token: on_text(stream.push(token)), device=loaded.env.device)
+            on_text(stream.flush() + "\n")
+
+        world = loaded.env.world_size
         with runner as model:
-            for index, prompt in enumerate(prompts):
-                if args.chat:  # the prompt as the user's turn, in the model's chat template
-                    text = tokenizer.render_chat([{"role": "user", "content": prompt}])
-                    ids = tokenizer.encode(text, special_tokens=False)
-                else:
-                    text, ids = prompt, tokenizer.encode(prompt)
-                show(text)
-                stream = tokenizer.stream()  # tokens -> whole characters, as they become final
-                generate(model, ids, args.max_new_tokens,
-                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                         seed=args.seed + index, use_cache=not args.no_cache,
-                         vocab_limit=tokenizer.vocab_size, stop_token=tokenizer.eos_id,
-                         on_token=lambda token, stream=stream: show(stream.push(token)),
-                         device=loaded.env.device)
-                show(stream.flush() + "\n")
+            if choice.mode == "gathered" and world > 1 and len(prompts) > 1:
+                # Every rank holds the whole model: each generates its share of the prompts (the
+                # same tokens as anywhere else: the seed is the prompt's), rank 0 prints them in order.
+                if main_rank:
+                    print(f"generation: {len(prompts)} prompts split over {world} ranks", file=sys.stderr)
+                mine = {}
+                for index in range(loaded.env.rank, len(prompts), world):
+                    text, ids = render(prompts[index])
+                    parts = [text]
+                    run(model, index, ids, parts.append)
+                    mine[index] = "".join(parts)
+                every: list = [None] * world
+                all_gather_object(every, mine)
+                for index in range(len(prompts)):
+                    show(next(part[index] for part in every if index in part))
+            else:  # one prompt, or unit by unit (every rank takes part in every forward)
+                for index, prompt in enumerate(prompts):
+                    text, ids = render(prompt)
+                    show(text)
+                    run(model, index, ids, show)
     finally:
         destroy_distributed()
     return 0

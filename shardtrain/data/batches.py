@@ -10,6 +10,7 @@ size without repeating or skipping a sample.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -277,17 +278,33 @@ class BatchLayout:
         ]
 
 
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``batch`` (a tensor, or dicts, NamedTuples, lists and tuples of them) with every tensor
+    replaced by ``fn(tensor)``; other leaves and the containers' types as they are."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return {key: map_tensors(value, fn) for key, value in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a NamedTuple keeps its type
+        return type(batch)(*(map_tensors(value, fn) for value in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_tensors(value, fn) for value in batch)
+    return batch
+
+
 class TrainBatches:
     """Hands each rank its micro-batches for the next step and tracks the global position.
 
     The batches of the following step are made ahead, in a background thread, while the current
     step trains. They are a pure function of the position, so prefetching never changes what a step
     gets, and a position set from a checkpoint simply discards what was made ahead. ``wait_s`` is how
-    long the last ``next_step`` waited for its batches.
+    long the last ``next_step`` waited for its batches. ``pin_memory`` (accelerators only): the
+    thread also copies them into page-locked memory, so that the step's ``non_blocking`` copies to
+    the device are asynchronous (from pageable memory CUDA waits for the stream before each copy).
     """
 
     def __init__(self, windows: SampleSource, layout: BatchLayout, rank: int, seed: int,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, pin_memory: bool = False) -> None:
         if windows.num_samples < layout.global_batch:
             # One step would hold some samples twice (the order wraps into the next epoch).
             shorter = " or a shorter trainer.seq_len" if "seq_len" in windows.sample_kind else ""
@@ -302,6 +319,7 @@ class TrainBatches:
         self.order = windows.order(seed)
         self.consumed_samples = 0
         self.wait_s = 0.0
+        self.pin_memory = pin_memory
         self._executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtrain-data")
                           if prefetch else None)
         self._ahead: tuple[int, Future] | None = None  # (position, its batches being made)
@@ -313,8 +331,11 @@ class TrainBatches:
     def batches_at(self, position: int) -> list[Any]:
         ids = self.order.take(position, self.layout.global_batch)
         keys = np.arange(position, position + self.layout.global_batch, dtype=np.int64)
-        return [self.windows.batch(s, k) for s, k in zip(self.layout.rank_slices(ids, self.rank),
-                                                         self.layout.rank_slices(keys, self.rank))]
+        batches = [self.windows.batch(s, k) for s, k in zip(self.layout.rank_slices(ids, self.rank),
+                                                            self.layout.rank_slices(keys, self.rank))]
+        if self.pin_memory:
+            batches = [map_tensors(batch, torch.Tensor.pin_memory) for batch in batches]
+        return batches
 
     def next_step(self) -> list[Any]:
         started = time.perf_counter()

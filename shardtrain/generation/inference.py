@@ -16,7 +16,7 @@ from shardtrain.checkpoint.weights import load_model_weights, model_config_of
 from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import Config
 from shardtrain.distributed.env import DistEnv, build_mesh, init_distributed, set_cpu_threads
-from shardtrain.distributed.sharded_model import ModelFactory, build_sharded_model
+from shardtrain.distributed.sharded_model import ModelFactory, build_sharded_model, deferred_initialization
 from shardtrain.errors import CheckpointError
 from shardtrain.models.registry import model_factory
 
@@ -51,6 +51,7 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
                               "sharded checkpoint directory with --devices N")
     plan = resolve_plan(cfg.strategy, env.world_size, env.local_world_size)
     factory = model_factory(cfg.model)
-    model, _ = build_sharded_model(cfg, env, plan, build_mesh(plan, env.device.type), factory)
+    with deferred_initialization():  # every weight is read from the checkpoint: the draw never runs
+        model, _ = build_sharded_model(cfg, env, plan, build_mesh(plan, env.device.type), factory)
     load_model_weights(model, str(path))
     return Loaded(cfg, env, model, factory, plan.param_dtype)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardtrain.data.batches import GlobalOrder
+from shardtrain.data.batches import GlobalOrder, map_tensors
 from shardtrain.errors import DataError
 
 Draw = Callable[[Any, torch.Generator], Any]
@@ -50,15 +50,7 @@ def structure(item: Any) -> Any:
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Every tensor of a (nested) batch moved to ``device``; other leaves as they are."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, Mapping):
-        return {key: to_device(value, device, non_blocking) for key, value in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a NamedTuple keeps its type
-        return type(batch)(*(to_device(value, device, non_blocking) for value in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(value, device, non_blocking) for value in batch)
-    return batch
+    return map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=non_blocking))
 
 
 def tensors_of(batch: Any) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shardtrain import faults
-from shardtrain.accelerator import device_peak_flops, peak_memory_mib, set_fp32_matmul
+from shardtrain.accelerator import device_peak_flops, peak_memory_mib, pin_offloaded_memory, set_fp32_matmul
 from shardtrain.checkpoint.checkpointer import Checkpointer
 from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.checkpoint.weights import load_model_weights
@@ -81,7 +81,8 @@ class Trainer:
         self.task = task
         t = cfg.trainer
         self.layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, env.world_size)
-        self.train_data = TrainBatches(train, self.layout, env.rank, t.seed)
+        self.train_data = TrainBatches(train, self.layout, env.rank, t.seed,
+                                       pin_memory=pin_offloaded_memory(env.device.type))
         self.val_batches = ([] if val is None else
                             eval_batches(val, t.eval_samples, t.micro_batch_size, env.world_size, env.rank))
         self.step = 0
