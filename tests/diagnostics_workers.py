@@ -55,10 +55,12 @@ class BypassModel(nn.Module):
         return self.out(self.blocks[1].forward(h))
 
 
-def expect_error(out: str, name: str, model, run_dir: str | None = None, **create_kwargs) -> None:
+def expect_error(out: str, name: str, model, run_dir: str | None = None, checkpoints: bool = False,
+                 **create_kwargs) -> None:
     """Build and train one step; record the ShardtrainError message every rank raised."""
     world = int(os.environ["WORLD_SIZE"])
     cfg = case_config(world, run_dir or f"{out}/{name}")
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, enabled=checkpoints)
     try:
         task = LanguageModelTask(model=model, wrap_policy=[Block], corpus=small_corpus())
         trainer = Trainer.create(cfg, task=task, **create_kwargs)
@@ -79,7 +81,8 @@ def rails(out: str) -> None:
 
     expect_error(out, "optimizer", BypassModel, optimizer_factory=stale_optimizer)
     # each rank its own run.dir, as node-local disks give it: stopped before any model exists
-    expect_error(out, "unshared", BypassModel, run_dir=f"{out}/unshared-rank{os.environ['RANK']}")
+    expect_error(out, "unshared", BypassModel, run_dir=f"{out}/unshared-rank{os.environ['RANK']}",
+                 checkpoints=True)
     assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2)  # the cores, split
 
 

@@ -124,7 +124,8 @@ class Trainer:
         env = init_distributed(cfg.dist.backend, max(cfg.dist.timeout_s, cfg.dist.startup_timeout_s),
                                cpu_offload=cfg.strategy.cpu_offload)
         check_world(cfg, env.world_size, env.local_world_size)
-        check_shared_run_dir(Path(cfg.run.dir), env)
+        if cfg.checkpoint.enabled:  # saves and the resume choice need one run.dir; logs do not
+            check_shared_run_dir(Path(cfg.run.dir), env)
         set_cpu_threads(env, cfg.trainer.threads_per_process)
         set_fp32_matmul(env.device, cfg.strategy.tf32)
         if task is not None:
