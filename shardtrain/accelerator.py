@@ -15,6 +15,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from shardtrain.errors import ConfigError
+
 # Dense bf16 peak TFLOP/s per device (vendor data sheets, as collected by torchtitan). Anything not
 # listed reports MFU as unknown rather than guessing (torchtitan once reported 7x MFU by guessing).
 PEAK_BF16_TFLOPS = {
@@ -42,18 +44,27 @@ def claim_device(local_rank: int) -> torch.device:
 
     A scheduler that binds one device to each task (Slurm's ``--gpus-per-task=1``, a per-task
     ``CUDA_VISIBLE_DEVICES``) leaves each process one visible device, number 0, whatever its local
-    rank: that one is used. Any other shortfall is a launch error, not a silent device sharing.
+    rank: that one is used (``distributed.env.check_distinct_devices`` then makes sure no two
+    processes of a node got the same one). Any other shortfall is a launch error.
     """
     kind = device_type()
     if kind == "cpu":
         return torch.device("cpu")
     visible = accelerator_count()
     if local_rank >= visible and visible != 1:
-        raise RuntimeError(f"local rank {local_rank} has no {kind} device of its own ({visible} visible); "
-                           "start one process per device, or give each process its own device")
+        raise ConfigError(f"local rank {local_rank} has no {kind} device of its own ({visible} visible); "
+                          "start one process per device, or give each process its own device")
     device = torch.device(kind, local_rank if local_rank < visible else 0)
     torch.get_device_module(kind).set_device(device)
     return device
+
+
+def device_identity(device: torch.device) -> str | None:
+    """A name unique to the physical device (CUDA: its UUID), to find two processes on one device;
+    None on a CPU or where the accelerator does not say."""
+    if device.type == "cuda":
+        return str(torch.cuda.get_device_properties(device).uuid)
+    return None
 
 
 def default_precision() -> str:
@@ -69,10 +80,12 @@ def default_precision() -> str:
 
 
 def set_fp32_matmul(device: torch.device, tf32: bool) -> None:
-    """On accelerators, let fp32 matmuls (and convolutions) use TF32 tensor cores (``tf32``); a CPU
+    """On accelerators, let fp32 matmuls and convolutions use TF32 tensor cores (``tf32``); a CPU
     keeps full fp32, whatever ``tf32`` says, so CPU results do not depend on the setting."""
     if device.type != "cpu":
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    if device.type == "cuda":  # cuDNN's convolutions have a switch of their own (on by default)
+        torch.backends.cudnn.allow_tf32 = tf32
 
 
 def process_group_backend(device: torch.device, requested: str = "auto", cpu_offload: bool = False) -> str:

@@ -97,7 +97,7 @@ def save_at_four(out: str) -> None:
     before_save = bytes_read()
     first.save_checkpoint(blocking=True)
     before_verify = bytes_read()
-    first.checkpointer.verify_checksums(Path(out, "first4", "checkpoints", f"step-{N}"))
+    first.checkpointer.verify_agreed(Path(out, "first4", "checkpoints", f"step-{N}"))
     reads = torch.tensor([before_verify - before_save, bytes_read() - before_verify])
     gathered = [torch.zeros_like(reads) for _ in range(4)]
     torch.distributed.all_gather(gathered, reads)

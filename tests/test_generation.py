@@ -49,6 +49,12 @@ def test_sharded_generation_equals_consolidated(tmp_path):
                     "--devices", "2", "--mode", "gathered")
     assert split.returncode == 0, split.stderr[-2000:]
     assert "2 prompts split over 2 ranks" in split.stderr and split.stdout == multi.stdout
+    # a prompt only rank 1 generates is too long: every rank stops with its one line, none waits
+    prompts.write_text("def \n" + "x" * 5000 + "\n")
+    too_long = run_cli("generate", str(ckpt), "--prompts-file", str(prompts), "--max-new-tokens", "8",
+                       "--devices", "2", "--mode", "gathered", timeout=120)
+    assert too_long.returncode != 0, too_long.stderr[-2000:]
+    assert too_long.stderr.count("shardtrain: error: prompt 2: prompt (5000 tokens)") == 2  # both ranks
     evaluated = run_cli("eval", str(ckpt), "--samples", "16", "--devices", "2")
     assert evaluated.returncode == 0 and "perplexity" in evaluated.stdout, evaluated.stderr[-2000:]
 

@@ -66,3 +66,14 @@ def test_precision_default_is_bf16_mixed_on_accelerators_and_fp32_on_cpus():
     before = torch.get_float32_matmul_precision()
     set_fp32_matmul(torch.device("cpu"), tf32=True)  # CPUs compute full fp32 whatever the setting
     assert torch.get_float32_matmul_precision() == before == "highest"
+
+
+def test_plan_table_names_the_precision_for_any_valid_strategy():
+    """The header's precision comes from the preset alone: a hybrid shard group of 8 is valid at the
+    planned world sizes, whatever a world of 1 would say."""
+    from shardtrain.config.loader import load_config
+    from shardtrain.diagnostics.planner import plan_table
+
+    cfg = load_config(["strategy=hybrid_shard", "strategy.shard_group_size=8", "trainer.devices=8"])
+    table = plan_table(cfg, [8, 16], None, 8)
+    assert "precision bf16-mixed" in table and "16 x HYBRID_SHARD" in table

@@ -171,8 +171,7 @@ class Checkpointer:
             return None
         if choice != "auto":
             path = Path(choice).expanduser()
-            self.verified_metadata = (path, layout.verify(path))  # fails rather than falls back
-            self.verify_checksums(path)
+            self.verified_metadata = (path, self.verify_agreed(path))  # fails rather than falls back
             return path
         found = layout.candidates(self.root)
         for path, why in found.skipped:
@@ -181,8 +180,7 @@ class Checkpointer:
         # the run on every start, on every rank.
         for step, path in reversed(found.complete):
             try:
-                self.verified_metadata = (path, layout.verify(path))
-                self.verify_checksums(path)
+                self.verified_metadata = (path, self.verify_agreed(path))
             except CheckpointError as exc:
                 self.info(f"resume: skipping {path}: {exc}")
                 self.damaged.add(path)
@@ -197,29 +195,36 @@ class Checkpointer:
             )
         return None
 
-    def verify_checksums(self, path: Path) -> None:
-        """Each rank hashes its share of the recorded files (about 1/world of the bytes); one
-        all-gather of the verdicts (a failure to read the manifest included) makes every rank raise
-        the same error, or none, so no rank waits alone in a later collective."""
-        if not self.ckpt.verify_checksums:
-            return
+    def verify_agreed(self, path: Path) -> Any:
+        """DCP's metadata of the checkpoint at ``path``, checked by every rank and agreed on.
+
+        Each rank runs the structure checks and hashes its share of the recorded files (about
+        1/world of the bytes); one all-gather of the verdicts (the path each rank checked and any
+        error included) makes every rank return, or raise the same error, together: no rank goes on
+        alone to a later collective or to another checkpoint.
+        """
+        metadata, files = None, None
         try:
-            files = integrity.read_manifest(path)
+            metadata = layout.verify(path)
+            files = integrity.read_manifest(path) if self.ckpt.verify_checksums else None
             share = [] if files is None else integrity.verification_share(files, self.rank, self.world_size)
-            verdict = (None if files is None else integrity.damaged_files(path, files, share), None)
+            verdict = (str(path), None, {} if files is None else integrity.damaged_files(path, files, share))
         except (CheckpointError, OSError) as exc:
-            verdict = (None, str(exc))
+            verdict = (str(path), str(exc), {})
         verdicts: list[Any] = [None] * self.world_size
         dist.all_gather_object(verdicts, verdict, group=self.group)
-        if errors := [error for _, error in verdicts if error is not None]:
+        if differing := [rank for rank, (seen, _, _) in enumerate(verdicts) if seen != verdicts[0][0]]:
+            raise CheckpointError(
+                f"ranks chose different checkpoints to resume ({verdicts[0][0]} on rank 0, "
+                f"{verdicts[differing[0]][0]} on rank {differing[0]}); every rank must see the same "
+                "run.dir: put it on a filesystem every node mounts")
+        if errors := [error for _, error, _ in verdicts if error is not None]:
             raise CheckpointError(errors[0])
-        if all(damaged is None for damaged, _ in verdicts):
-            if files is None and self.rank == 0:
-                integrity.warn_unrecorded(path)
-            return
-        damaged = {name: why for part, _ in verdicts for name, why in (part or {}).items()}
-        if damaged:
+        if damaged := {name: why for _, _, part in verdicts for name, why in part.items()}:
             raise integrity.damage_error(path, damaged)
+        if self.ckpt.verify_checksums and files is None and self.rank == 0:
+            integrity.warn_unrecorded(path)
+        return metadata
 
     # ---- saving --------------------------------------------------------------------------
 
@@ -283,8 +288,11 @@ class Checkpointer:
     def commit(self, step: int, tmp: Path, trainer_state: TrainState) -> None:
         """Every rank hashes the files it wrote (their pages are still cached), rank 0 gathers the
         digests, records them and makes the checkpoint visible under its final name."""
-        mine = [name for name in integrity.covered_files(tmp)
-                if integrity.owner_rank(name, self.world_size) == self.rank]
+        # One listing of the top level (DCP's and the RNG files are there), no stat per file: rank 0
+        # hashes anything else when it writes the manifest.
+        mine = sorted(name for name in os.listdir(tmp)
+                      if integrity.owner_rank(name, self.world_size) == self.rank
+                      and name not in integrity.NOT_COVERED and (self.rank != 0 or (tmp / name).is_file()))
         entries = integrity.hash_entries(tmp, mine)
         gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(entries, gathered, dst=0, group=self.group)

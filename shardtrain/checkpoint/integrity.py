@@ -22,6 +22,7 @@ commit are not checked.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import logging
 import os
@@ -92,11 +93,11 @@ def write_manifest(directory: Path, entries: dict[str, dict]) -> None:
 def verification_share(files: dict[str, dict], rank: int, world_size: int) -> list[str]:
     """The recorded files ``rank`` verifies: largest first to the least-loaded rank, so each rank
     reads about 1/world of the bytes; every rank computes the same split from the same manifest."""
-    load = [0] * world_size
+    loads = [(0, r) for r in range(world_size)]  # a heap of (bytes so far, rank): ties to the lowest rank
     share: list[str] = []
     for name in sorted(files, key=lambda n: (-files[n]["bytes"], n)):
-        chosen = min(range(world_size), key=lambda r: (load[r], r))
-        load[chosen] += files[name]["bytes"]
+        load, chosen = heapq.heappop(loads)
+        heapq.heappush(loads, (load + files[name]["bytes"], chosen))
         if chosen == rank:
             share.append(name)
     return sorted(share)

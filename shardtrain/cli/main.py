@@ -111,6 +111,7 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
 
     from shardtrain.data.tokenizer import tokenizer_for
     from shardtrain.distributed.env import destroy_distributed
+    from shardtrain.errors import GenerationError
     from shardtrain.generation.generate import (
         gathered_copy,
         generate,
@@ -157,16 +158,22 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
                 # same tokens as anywhere else: the seed is the prompt's), rank 0 prints them in order.
                 if main_rank:
                     print(f"generation: {len(prompts)} prompts split over {world} ranks", file=sys.stderr)
-                mine = {}
+                mine, failed = {}, None
                 for index in range(loaded.env.rank, len(prompts), world):
-                    text, ids = render(prompts[index])
-                    parts = [text]
-                    run(model, index, ids, parts.append)
+                    try:
+                        text, ids = render(prompts[index])
+                        parts = [text]
+                        run(model, index, ids, parts.append)
+                    except ShardtrainError as exc:  # (a prompt too long): every rank raises it, below
+                        failed = (index, str(exc))
+                        break
                     mine[index] = "".join(parts)
                 every: list = [None] * world
-                all_gather_object(every, mine)
+                all_gather_object(every, (mine, failed))
+                if errors := sorted(error for _, error in every if error is not None):
+                    raise GenerationError(f"prompt {errors[0][0] + 1}: {errors[0][1]}")
                 for index in range(len(prompts)):
-                    show(next(part[index] for part in every if index in part))
+                    show(next(part[index] for part, _ in every if index in part))
             else:  # one prompt, or unit by unit (every rank takes part in every forward)
                 for index, prompt in enumerate(prompts):
                     text, ids = render(prompt)
@@ -262,7 +269,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(plan_table(cfg, sizes, memory, local))
         return 0
 
-    from shardtrain.config.plan import normalize_strategy_name, resolve_plan
+    from shardtrain.config.plan import normalize_strategy_name, resolve_precision
     from shardtrain.train.simulate import simulation_rows, simulation_table
 
     strategies = [normalize_strategy_name(s) for s in args.strategies or [cfg.strategy.sharding_strategy]]
@@ -274,7 +281,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
              f"{cfg.trainer.micro_batch_size} samples of task {cfg.task.path}")
     print(f"simulated one training step of rank 0 (micro-batch {batch}, "
           f"{cfg.trainer.grad_accum_steps} micro-batch(es), "
-          f"{resolve_plan(cfg.strategy, 1, 1, accelerated=True).precision}, {local} "
+          f"{resolve_precision(cfg.strategy.mixed_precision, accelerated=True)}, {local} "
           "processes per node); GiB per rank, the planner's estimate in brackets")
     print(simulation_table(rows, memory, markdown=args.markdown))
     return 0

@@ -99,6 +99,20 @@ def normalize_strategy_name(name: str) -> str:
     return key
 
 
+def resolve_precision(name: str, accelerated: bool | None = None) -> str:
+    """The mixed-precision preset ``strategy.mixed_precision`` names; ``auto`` is bf16-mixed on
+    accelerators (``accelerated``; None: this machine's devices) and fp32 on CPUs."""
+    preset = name.lower()
+    if preset == "auto":
+        preset = default_precision() if accelerated is None else ("bf16-mixed" if accelerated else "fp32")
+    if preset not in PRECISION_PRESETS:
+        raise ConfigError(
+            f"strategy.mixed_precision={name!r} is unknown"
+            f"{closest(preset, PRECISION_PRESETS)}; choose auto or one of {', '.join(PRECISION_PRESETS)}"
+        )
+    return preset
+
+
 def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int,
                  accelerated: bool | None = None) -> ShardingPlan:
     """``accelerated``: what ``mixed_precision=auto`` plans for (None: this machine's devices)."""
@@ -136,14 +150,7 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int,
             f"strategy.reshard_after_forward={raf!r} must be null, true, false or a positive int"
         )
 
-    preset = cfg.mixed_precision.lower()
-    if preset == "auto":
-        preset = default_precision() if accelerated is None else ("bf16-mixed" if accelerated else "fp32")
-    if preset not in PRECISION_PRESETS:
-        raise ConfigError(
-            f"strategy.mixed_precision={cfg.mixed_precision!r} is unknown"
-            f"{closest(preset, PRECISION_PRESETS)}; choose auto or one of {', '.join(PRECISION_PRESETS)}"
-        )
+    preset = resolve_precision(cfg.mixed_precision, accelerated)
     storage, param, reduce = PRECISION_PRESETS[preset]
     param = cfg.param_dtype or param
     reduce = cfg.reduce_dtype or reduce

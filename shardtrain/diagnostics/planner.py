@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from shardtrain.config.plan import STRATEGIES, resolve_plan
+from shardtrain.config.plan import STRATEGIES, resolve_plan, resolve_precision
 from shardtrain.config.schema import Config
 from shardtrain.models.dims import Dims
 from shardtrain.models.param_groups import no_decay_names
@@ -197,7 +197,7 @@ def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, l
     n = sum(p.numel() for p in model.parameters())
     lines = [f"model: {n / 1e6:.1f}M parameters; micro-batch {cfg.trainer.micro_batch_size} x "
              f"{cfg.trainer.seq_len} tokens; precision "
-             f"{resolve_plan(cfg.strategy, 1, 1, accelerated=True).precision}; "
+             f"{resolve_precision(cfg.strategy.mixed_precision, accelerated=True)}; "
              f"{local} processes per node",
              "per-rank GiB (rank 0, the largest shard): params | grads | optimizer | activation peak "
              "(no AC / AC) | peak (no AC / AC)" + (" | fits" if device_memory else "")]

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardtrain.accelerator import claim_device, process_group_backend
+from shardtrain.accelerator import claim_device, device_identity, process_group_backend
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import DistConfig
 from shardtrain.errors import ConfigError
@@ -60,7 +60,7 @@ def init_distributed(backend: str = "auto", timeout_s: int = 300, cpu_offload: b
             dist.init_process_group(
                 backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
-    return DistEnv(
+    env = DistEnv(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         local_rank=local_rank,
@@ -68,6 +68,24 @@ def init_distributed(backend: str = "auto", timeout_s: int = 300, cpu_offload: b
         device=device,
         backend=backend,
     )
+    check_distinct_devices(env)
+    return env
+
+
+def check_distinct_devices(env: DistEnv) -> None:
+    """Two processes on one accelerator (more processes than visible devices, each seeing one) run
+    out of memory or fail in the collective library much later: one line now, on every rank."""
+    if env.device.type == "cpu" or env.world_size == 1:
+        return
+    seen: list = [None] * env.world_size
+    dist.all_gather_object(seen, (socket.gethostname(), device_identity(env.device)))
+    first: dict = {}
+    for rank, (host, device) in enumerate(seen):
+        if device is not None and (host, device) in first:
+            raise ConfigError(f"ranks {first[host, device]} and {rank} on host {host} use the same "
+                              f"{env.device.type} device; start at most one process per device "
+                              "(trainer.devices, torchrun --nproc-per-node)")
+        first.setdefault((host, device), rank)
 
 
 def restart_safe_store(timeout: datetime.timedelta) -> dict:
@@ -114,9 +132,22 @@ def set_cpu_threads(env: DistEnv, threads: int) -> int:
     torchrun sets one thread a worker, and with GPUs the host still runs the offloaded optimizer
     step, the norm and clipping of offloaded gradients, and meta-device initialisation."""
     if threads <= 0:
-        threads = max(1, len(os.sched_getaffinity(0)) // max(1, env.local_world_size))
+        cores = os.sched_getaffinity(0)
+        threads = max(1, len(cores) // ranks_sharing_cores(cores, env))
     torch.set_num_threads(threads)
     return threads
+
+
+def ranks_sharing_cores(cores: set[int], env: DistEnv) -> int:
+    """How many processes of this node (this one included) may run on any of ``cores``: all of them
+    when they share the machine, one when a scheduler bound each to its own cores (Slurm's
+    ``--cpus-per-task``), which must then not be divided again. One all-gather at start-up."""
+    if env.world_size == 1:
+        return 1
+    views: list = [None] * env.world_size
+    dist.all_gather_object(views, (socket.gethostname(), sorted(cores)))
+    host = views[env.rank][0]
+    return sum(1 for other_host, other in views if other_host == host and cores & set(other))
 
 
 def check_shared_run_dir(run_dir: Path, env: DistEnv) -> None:
@@ -128,11 +159,17 @@ def check_shared_run_dir(run_dir: Path, env: DistEnv) -> None:
     """
     if env.world_size == 1:
         return
-    marker = [f".shardtrain-shared-{secrets.token_hex(8)}" if env.is_main else None]
+    marker: list = [f".shardtrain-shared-{secrets.token_hex(8)}" if env.is_main else None, None]
     if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / marker[0]).write_text("rank 0 wrote this to check that every rank sees run.dir\n")
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / marker[0]).write_text("rank 0 wrote this to check that every rank sees run.dir\n")
+        except OSError as exc:  # every rank raises it, rather than wait for rank 0 in the broadcast
+            marker[1] = f"run.dir={str(run_dir)!r} is not writable on rank 0 ({exc.strerror or exc}); " \
+                        "choose a directory this user can write"
     dist.broadcast_object_list(marker, src=0)
+    if marker[1] is not None:
+        raise ConfigError(marker[1])
     seen = (run_dir / marker[0]).is_file()
     views: list = [None] * env.world_size
     dist.all_gather_object(views, (seen, socket.gethostname(), str(run_dir.absolute())))

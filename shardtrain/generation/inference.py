@@ -45,7 +45,7 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
     cfg.strategy = dataclasses.replace(cfg.strategy, sharding_strategy=strategy, mixed_precision=precision)
     env = init_distributed(cfg.dist.backend, cfg.dist.startup_timeout_s)
     set_cpu_threads(env, 0)
-    set_fp32_matmul(env.device, cfg.strategy.tf32)
+    set_fp32_matmul(env.device, tf32=dtype != "fp32")  # --dtype fp32 asks for full fp32
     if path.is_file() and env.world_size > 1:
         raise CheckpointError("a consolidated safetensors file is loaded by one process; use the "
                               "sharded checkpoint directory with --devices N")
