@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -32,6 +35,20 @@ def test_stdlib_corpus_is_split_by_file_deterministically():
     assert str(stdlib_root()) in a.root and "site-packages" not in a.describe()
     split = [is_validation(f"x/{i}.py", 5.0) for i in range(4000)]
     assert 0.03 < sum(split) / len(split) < 0.07
+
+
+def test_an_interrupted_cache_entry_is_prepared_again(tmp_path, caplog):
+    """A cache entry left without its manifest (a run killed while replacing it) is redone, not an
+    error that needs the cache deleted by hand."""
+    cfg = DataConfig(max_bytes=200_000, val_percent=30.0, cache_dir=str(tmp_path / "cache"))
+    first = load_corpus(cfg)
+    tokens = np.array(first.train)  # read now: the entry is about to be half deleted
+    entry = Path(first.path)
+    (entry / "manifest.json").unlink()
+    shutil.rmtree(entry / "train")  # what a deletion killed half-way leaves
+    again = load_corpus(cfg)
+    assert "unfinished preparation" in caplog.text and np.array_equal(tokens, np.array(again.train))
+    assert not list(entry.parent.glob(".*.replaced"))
 
 
 def test_files_source_errors_are_clear(tmp_path):

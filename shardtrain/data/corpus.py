@@ -16,7 +16,9 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
+import shutil
 import socket
 import sysconfig
 import threading
@@ -32,6 +34,8 @@ from shardtrain.data.prepare import PrepareOptions, is_validation, output_option
 from shardtrain.data.prepared import TokenStream, open_prepared
 from shardtrain.data.tokenizer import ByteTokenizer, Tokenizer
 from shardtrain.errors import DataError
+
+log = logging.getLogger("shardtrain")
 
 __all__ = ["Corpus", "is_validation", "load_corpus", "stdlib_root"]
 
@@ -122,6 +126,11 @@ def prepare_locked(options: PrepareOptions, out: Path, lock_required: bool = Tru
             # already let one rank prepare at a time, so the lock only guards against other jobs.
             if lock_required:
                 raise
+        if out.is_dir() and read_manifest(out) is None:
+            # A cache entry without its manifest (written last) is a preparation that was killed
+            # half-way; under the lock nobody else writes it, and the cache is ours to redo.
+            log.warning(f"data cache: {out} is an unfinished preparation (interrupted); preparing it again")
+            shutil.rmtree(out)
         return prepare(options, out, progress=False).manifest["fingerprint"]
 
 

@@ -282,6 +282,13 @@ def prepare(options: PrepareOptions, out: str | Path, progress: bool = True) -> 
     }
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
+        # Renamed aside before it is deleted: a crash part-way through deleting the old dataset
+        # must not leave a directory at ``out`` that holds half of it.
+        aside = out.with_name(f".{out.name}.replaced")
+        shutil.rmtree(aside, ignore_errors=True)
+        out.rename(aside)
+        staging.rename(out)
+        shutil.rmtree(aside)
+    else:
+        staging.rename(out)
     return PrepareResult(manifest, up_to_date=False, seconds=time.perf_counter() - started)
