@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -16,7 +17,6 @@ import torch.distributed as dist
 from shardtrain.config.schema import Config, DataConfig
 from shardtrain.data.corpus import load_corpus
 from shardtrain.data.prepare import FORMAT, MANIFEST, VERSION
-from shardtrain.diagnostics.memory import rss_bytes
 from shardtrain.errors import DataError
 
 CHUNK = 1 << 24  # tokens written at a time
@@ -65,7 +65,16 @@ def resident_after_steps(dataset: str, steps: int, out: str) -> None:
     cfg.diagnostics = dataclasses.replace(cfg.diagnostics, enabled=False)
     trainer = Trainer.create(cfg)
     trainer.fit()
-    Path(out, f"rss-{os.path.basename(dataset)}.txt").write_text(str(rss_bytes()))
+    Path(out, f"rss-{os.path.basename(dataset)}.txt").write_text(str(anonymous_resident_bytes()))
+
+
+def anonymous_resident_bytes() -> int:
+    """Resident memory that is this process's own (heap, arrays), not page-cache pages of mapped
+    files: the kernel may map a file's cached pages in large folios (up to 2 MiB per touched page),
+    so mapped-file residency varies with the page cache's history, not with what the process holds.
+    Storing the sample order or copying tokens would show here."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"^RssAnon:\s+(\d+) kB$", status, re.M).group(1)) * 1024
 
 
 # This process's directory reads under ``root``: each walk of an input tree reads every directory.

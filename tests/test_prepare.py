@@ -202,8 +202,8 @@ def test_training_reads_a_prepared_dataset(tmp_path):
 
 def test_resident_memory_does_not_grow_with_the_dataset(tmp_path):
     """20 training steps on a 2 GB prepared dataset (a billion uint16 tokens) end with the same
-    resident memory, within 5%, as on 20 MB: the tokens are memory-mapped and the sample order is
-    computed, not stored."""
+    anonymous resident memory (the process's own, not mapped page cache), within 5%, as on 20 MB:
+    the tokens are memory-mapped and the sample order is computed, not stored."""
     from data_workers import resident_after_steps, write_prepared
     from distributed import run_on_ranks
 
