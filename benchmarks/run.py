@@ -168,7 +168,8 @@ def render_checkpoint(results: dict, command: str) -> str:
     rows = "\n".join(
         f"| {m['preset']} | {m['params'] / 1e6:.1f}M | {m['bytes'] / 2**20:,.0f} MiB | "
         f"{m['sync_s']:.2f} s ({m['bytes'] / 2**20 / m['sync_s']:,.0f} MiB/s) | "
-        f"{m['async_blocked_s']:.2f} s | {m['async_total_s']:.2f} s | {m['load_s']:.2f} s | "
+        f"{m['async_blocked_s']:.2f} s | {m['async_again_blocked_s']:.2f} s | {m['async_total_s']:.2f} s | "
+        f"{m['load_s']:.2f} s | "
         f"{m['model_mib']:,.0f} MiB | {m['consolidate_single_peak_mib']:,.0f} MiB | "
         f"{m['consolidate_sharded_peak_mib']:,.0f} MiB ({m['shard_size']} shards) |"
         for m in results["models"]
@@ -182,13 +183,14 @@ def render_checkpoint(results: dict, command: str) -> str:
   measured write speed (1 GiB, fsynced): **{results['disk_mib_s']:,.0f} MiB/s**
 - Each model trains one step at 2 processes (FULL_SHARD, fp32, so the checkpoint holds weights and
   Adam's two moments), then: a synchronous save; an asynchronous save (the time training is blocked,
-  then the whole write); a load of that checkpoint (verification + DCP read + resharding into the
+  then the whole write); one more step and a second asynchronous save, whose staging copy goes into
+  the host buffers the first allocated (`checkpoint.reuse_staging`, pinned on a GPU); a load of that checkpoint (verification + DCP read + resharding into the
   model and optimizer). Consolidation runs as `shardtrain consolidate` in its own process; its peak
   resident memory includes the Python + torch import baseline of
   {results['import_baseline_mib']:,.0f} MiB.
 
-| model | parameters | checkpoint size | sync save | async: training blocked | async: whole write | load | model weights (fp32) | consolidate peak RSS, one file | consolidate peak RSS, sharded |
-| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| model | parameters | checkpoint size | sync save | async: training blocked, first save | async: blocked, next save | async: whole write | load | model weights (fp32) | consolidate peak RSS, one file | consolidate peak RSS, sharded |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 {rows}
 
 With one output file the whole model is in memory (plus DCP's read buffer). With

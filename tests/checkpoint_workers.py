@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import json
 import os
 import re
 from pathlib import Path
@@ -11,6 +13,7 @@ import numpy as np
 import torch
 from equivalence import case_config, small_corpus
 
+from shardtrain.distributed.env import lazily_connected_gloo_group
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.loop import Trainer
 
@@ -59,11 +62,12 @@ def dump(trainer: Trainer, losses: list[float], path: Path) -> None:
 def exact_resume(out: str) -> None:
     """2 ranks: uninterrupted 2N steps vs N steps, stop, resume from run.dir, N more.
 
-    The uninterrupted run saves step N asynchronously while it trains on; resuming from that
-    checkpoint must also reproduce its last N steps exactly.
+    The uninterrupted run saves every N/2 steps asynchronously while it trains on, step N being its
+    second async save (staged into the buffers the first one used); resuming from that checkpoint
+    must also reproduce its last N steps exactly.
     """
     world = int(os.environ["WORLD_SIZE"])
-    full = new_trainer(ckpt_config(f"{out}/full", world, interval=N, async_save=True))
+    full = new_trainer(ckpt_config(f"{out}/full", world, interval=N // 2, async_save=True))
     dump(full, full.fit().losses, Path(out, "full.pt"))
     from_async = new_trainer(ckpt_config(f"{out}/from_async", world,
                                          resume=f"{out}/full/checkpoints/step-{N}"))
@@ -104,6 +108,31 @@ def save_at_four(out: str) -> None:
     dump(first, first.result.losses, Path(out, "first4.pt"))
     if first.env.is_main:
         torch.save(torch.stack(gathered), Path(out, "hash_reads4.pt"))
+    sockets_of_groups(out)
+
+
+def open_sockets() -> int:
+    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
+def sockets_of_groups(out: str) -> None:
+    """Sockets a rank opens for a full-mesh gloo group and for a lazily connected one (the
+    checkpoint group's kind), at creation and after one gather to rank 0."""
+    timeout = datetime.timedelta(seconds=60)
+    counts = []
+    for make in (lambda: torch.distributed.new_group(backend="gloo", timeout=timeout),
+                 lambda: lazily_connected_gloo_group(timeout)):
+        before = open_sockets()
+        group = make()
+        created = open_sockets() - before
+        torch.distributed.gather_object(1, [None] * 4 if torch.distributed.get_rank() == 0 else None,
+                                        dst=0, group=group)
+        counts.append([created, open_sockets() - before])
+    gathered = [None] * 4
+    torch.distributed.all_gather_object(gathered, counts)
+    if torch.distributed.get_rank() == 0:
+        Path(out, "group_sockets.json").write_text(json.dumps(gathered))
 
 
 def resume_elsewhere(out: str, strategy: str, accum: int) -> None:

@@ -17,6 +17,7 @@ from checkpoint_workers import (
 from distributed import run_on_ranks
 from safetensors.torch import load_file
 
+from shardtrain.checkpoint import staging
 from shardtrain.export.consolidate import consolidate
 
 
@@ -54,6 +55,17 @@ def test_checksum_work_is_split_between_ranks(four_rank_checkpoint):
     for phase, per_rank in zip(("commit", "verify"), reads.T.tolist(), strict=True):
         # all of it read once between them; no rank much above its quarter (four equal shard files)
         assert sum(per_rank) >= total and max(per_rank) < 0.4 * total, (phase, per_rank, total)
+
+
+def test_checkpoint_group_connects_ranks_on_first_use(four_rank_checkpoint):
+    """A full-mesh gloo group opens a socket to every peer when it is made (3 at 4 ranks, 1,023 at
+    1,024); the checkpoint group's kind opens none of them until a collective needs a pair (both
+    open one more socket of their own), and a gather connects no more pairs than the mesh holds."""
+    counts = json.loads((four_rank_checkpoint / "group_sockets.json").read_text())
+    for rank, ((mesh_created, mesh_used), (lazy_created, lazy_used)) in enumerate(counts):
+        assert mesh_created == mesh_used, (rank, counts)
+        assert mesh_created - lazy_created == 3, (rank, counts)
+        assert lazy_created < lazy_used <= mesh_used, (rank, counts)
 
 
 @pytest.mark.parametrize(("world", "strategy", "accum"), [(2, "SHARD_GRAD_OP", 2), (1, "NO_SHARD", 1)])
@@ -135,3 +147,21 @@ def test_consolidate_lightning_sharded_checkpoint(tmp_path, layout, prefix):
     report = run_cli("inspect", str(ckpt), timeout=60)
     assert report.returncode == 0, report.stdout + report.stderr
     assert "Lightning sharded checkpoint" in report.stdout and "global step: 7" in report.stdout
+
+
+def test_async_staging_reuses_its_buffers_and_copies_new_values():
+    """The run's stager copies each save into the buffers of the first (no fresh host copy per
+    save), and a later save's copy holds the state as it is then, not the first save's."""
+    stager = staging.reused_stager(torch.device("cpu"))
+    assert stager is not None, "torch 2.13 reuses DCP's staging buffers"
+    model = torch.nn.Linear(4, 4)
+    first = {k: v for k, v in stager.stage(model.state_dict()).items()}
+    first_values = {k: v.clone() for k, v in first.items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    second = stager.stage(model.state_dict())
+    for name, tensor in second.items():
+        assert tensor.untyped_storage().data_ptr() == first[name].untyped_storage().data_ptr(), name
+        assert torch.equal(tensor, model.state_dict()[name]), name
+    assert not torch.equal(second["weight"], first_values["weight"])
+    stager.close()

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -43,11 +44,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shardtrain import accelerator, faults
-from shardtrain.checkpoint import integrity, layout
+from shardtrain.checkpoint import integrity, layout, staging
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.checkpoint.weights import check_model_compatible
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
+from shardtrain.distributed.env import lazily_connected_gloo_group
 from shardtrain.errors import CheckpointError
 
 log = logging.getLogger("shardtrain")
@@ -148,11 +150,15 @@ class Checkpointer:
         # Checkpoint collectives get their own gloo group: an async save's thread can then never
         # interleave with a training collective on the default group (a known deadlock).
         # Its timeout is the save's bound, not the step's: a large save may take longer than a step.
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(
+        # Its pairs of ranks connect on first use: not a second full mesh of sockets.
+        self.group = lazily_connected_gloo_group(datetime.timedelta(
             seconds=max(cfg.dist.timeout_s, cfg.checkpoint.save_timeout_s)))
         # Finishing an async save (waiting for its files, hashing this rank's, then on rank 0 writing
         # the manifest and trainer state, renaming and pruning) runs here, off the training thread.
         self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtrain-ckpt")
+        # Made at the first async save (a run that never saves asynchronously holds no buffers).
+        self.stager: DefaultStager | None = None
+        self.stager_checked = False
 
     # ---- finding what to resume ----------------------------------------------------------
 
@@ -261,9 +267,9 @@ class Checkpointer:
             global_batch=global_batch, scheduler=self.scheduler.state_dict(), world_size=self.world_size,
         )
         if self.ckpt.async_save and not blocking:
-            # DCP's default staging (pageable host memory). Its pinned, reused buffers failed on
-            # the second save under torch 2.11 (docs/checkpoints.md), so they are not used yet.
-            written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+            # Staging copies the state before this returns; the write and the commit run behind.
+            written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+                                     async_stager=self.async_stager())
             finished = self.finisher.submit(self.finish_async, written, step, tmp, trainer_state)
             self.pending = PendingSave(step, tmp, finished, time.perf_counter(), trainer_state)
             blocked = time.perf_counter() - start
@@ -277,6 +283,24 @@ class Checkpointer:
         blocked = time.perf_counter() - start
         self.info(f"checkpoint step {step}: saved to {final} in {blocked:.3f}s")
         return blocked
+
+    def async_stager(self) -> DefaultStager | None:
+        """The run's stager with reused host buffers (``checkpoint.reuse_staging``), or None for
+        DCP's fresh copy per save. Buffers are reused only after the previous save has been written:
+        ``save`` waits for it first."""
+        if not self.stager_checked and self.ckpt.reuse_staging:
+            device = next(iter(self.model.parameters())).device
+            self.stager = staging.reused_stager(device)
+        self.stager_checked = True
+        return self.stager
+
+    def close(self) -> None:
+        """Release the staging buffers once no save is in flight (the finisher thread ends with the
+        process). A later async save stages into a fresh copy."""
+        self.wait()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
 
     def save_full_weights(self, path: Path) -> None:
         full = get_model_state_dict(

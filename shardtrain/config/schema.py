@@ -194,6 +194,9 @@ class CheckpointConfig:
     keep_last: int = knob(2, at_least=1)
     # checkpoint.async on the command line: overlap the write with training.
     async_save: bool = False
+    # Async saves copy the state into host buffers kept for the whole run (pinned on accelerators):
+    # a faster copy, for one host copy of this rank's state held between saves.
+    reuse_staging: bool = True
     # auto: newest complete checkpoint in run.dir (if any) | none: start fresh | a path
     resume: str = "auto"
     # Also write model.safetensors (full weights, gathered on rank 0 with CPU offload).

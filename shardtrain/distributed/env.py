@@ -37,6 +37,27 @@ class DistEnv:
         return self.rank == 0
 
 
+def lazily_connected_gloo_group(timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A gloo group over every rank whose pairs connect on first use, not all at creation.
+
+    A gloo group normally connects every pair of ranks when it is made: at 1,024 ranks, half a
+    million TCP connections through the rendezvous store at start-up, and a socket per peer on
+    every rank for the whole run. The checkpoint group's collectives (gathers to rank 0, DCP's
+    plan exchange, the verdicts' all-gather) use few of those pairs. torch reads the switch from
+    the environment when the group is made, so it is set for this group only; a connection that
+    then stalls is bounded by the watchdog, whatever gloo's own timeout does.
+    """
+    previous = os.environ.get("TORCH_GLOO_LAZY_INIT")
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    finally:
+        if previous is None:
+            del os.environ["TORCH_GLOO_LAZY_INIT"]
+        else:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = previous
+
+
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or (
         "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ

@@ -252,11 +252,11 @@ class Trainer:
                 return
             while self.step < self.cfg.trainer.max_steps and self.iteration():
                 pass
-            if self.checkpointer is not None and not self.result.preempted:
-                if self.last_saved_step != self.step:
+            if self.checkpointer is not None:
+                if not self.result.preempted and self.last_saved_step != self.step:
                     self.save_checkpoint(blocking=True, phase="final checkpoint")
                 self.beat_save("waiting for the last async save")
-                self.checkpointer.wait()
+                self.checkpointer.close()  # waits for it, then frees the staging buffers
         except Exception:
             # On gloo a peer stopped by its watchdog ends this rank's collectives at once, before this
             # rank's own watchdog fires: dump this rank's flight recorder too, so the dumps can be
