@@ -172,5 +172,6 @@ def verify_files(path: Path, *, names: list[str] | None = None) -> None:
     if files is None:
         warn_unrecorded(path)
         return
-    if damaged := damaged_files(path, files, [n for n in sorted(files) if names is None or n in names]):
+    wanted = None if names is None else set(names)
+    if damaged := damaged_files(path, files, [n for n in sorted(files) if wanted is None or n in wanted]):
         raise damage_error(path, damaged)

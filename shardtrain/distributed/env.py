@@ -12,6 +12,7 @@ import secrets
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,16 @@ from shardtrain.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where one rank runs: its host, its accelerator's identity (None on a CPU) and the cores it
+    may use. Gathered from every rank once, at start-up, for the checks that need the neighbours."""
+
+    host: str
+    device: str | None
+    cores: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class DistEnv:
     rank: int
     world_size: int
@@ -31,6 +42,7 @@ class DistEnv:
     local_world_size: int
     device: torch.device
     backend: str
+    placements: tuple[Placement, ...] = ()  # every rank's, by rank
 
     @property
     def is_main(self) -> bool:
@@ -81,6 +93,11 @@ def init_distributed(backend: str = "auto", timeout_s: int = 300, cpu_offload: b
             dist.init_process_group(
                 backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
+    mine = Placement(socket.gethostname(), device_identity(device), tuple(sorted(os.sched_getaffinity(0))))
+    placements: list[Any] = [mine]
+    if dist.get_world_size() > 1:  # one all-gather for every start-up check of the neighbours
+        placements = [None] * dist.get_world_size()
+        dist.all_gather_object(placements, mine)
     env = DistEnv(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -88,6 +105,7 @@ def init_distributed(backend: str = "auto", timeout_s: int = 300, cpu_offload: b
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
         device=device,
         backend=backend,
+        placements=tuple(placements),
     )
     check_distinct_devices(env)
     return env
@@ -96,12 +114,9 @@ def init_distributed(backend: str = "auto", timeout_s: int = 300, cpu_offload: b
 def check_distinct_devices(env: DistEnv) -> None:
     """Two processes on one accelerator (more processes than visible devices, each seeing one) run
     out of memory or fail in the collective library much later: one line now, on every rank."""
-    if env.device.type == "cpu" or env.world_size == 1:
-        return
-    seen: list = [None] * env.world_size
-    dist.all_gather_object(seen, (socket.gethostname(), device_identity(env.device)))
     first: dict = {}
-    for rank, (host, device) in enumerate(seen):
+    for rank, place in enumerate(env.placements):
+        host, device = place.host, place.device
         if device is not None and (host, device) in first:
             raise ConfigError(f"ranks {first[host, device]} and {rank} on host {host} use the same "
                               f"{env.device.type} device; start at most one process per device "
@@ -162,13 +177,12 @@ def set_cpu_threads(env: DistEnv, threads: int) -> int:
 def ranks_sharing_cores(cores: set[int], env: DistEnv) -> int:
     """How many processes of this node (this one included) may run on any of ``cores``: all of them
     when they share the machine, one when a scheduler bound each to its own cores (Slurm's
-    ``--cpus-per-task``), which must then not be divided again. One all-gather at start-up."""
-    if env.world_size == 1:
+    ``--cpus-per-task``), which must then not be divided again. No collective: start-up gathered
+    every rank's placement."""
+    if not env.placements:  # an environment made by hand, not by init_distributed
         return 1
-    views: list = [None] * env.world_size
-    dist.all_gather_object(views, (socket.gethostname(), sorted(cores)))
-    host = views[env.rank][0]
-    return sum(1 for other_host, other in views if other_host == host and cores & set(other))
+    host = env.placements[env.rank].host
+    return sum(1 for place in env.placements if place.host == host and cores & set(place.cores))
 
 
 def check_shared_run_dir(run_dir: Path, env: DistEnv) -> None:
