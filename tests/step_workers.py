@@ -74,9 +74,18 @@ def agreement_and_empty_steps(out: str) -> None:
 
     signalled = step(trainer.train_data.next_step(), stop=lambda: dist.get_rank() == world - 1)
     batches = trainer.train_data.next_step()
-    with HostReads() as counter:  # a later step, as the trainer runs it (metric names known)
+    counter = HostReads()
+    update = b.optimizer.step
+
+    def recorded_update(*args, **kwargs):  # where the update comes among the host reads
+        counter.reads.append("optimizer.step")
+        return update(*args, **kwargs)
+
+    b.optimizer.step = recorded_update
+    with counter:  # a later step, as the trainer runs it (metric names known)
         quiet = train_step(b.model, trainer.task, b.optimizer, b.scheduler, batches, b.mesh, 1.0, device,
                            metric_kinds=signalled.metric_kinds)
+    b.optimizer.step = update
     empty = [b._replace(targets=torch.full_like(b.targets, IGNORE_INDEX))
              for b in trainer.train_data.next_step()]
     try:

@@ -140,6 +140,10 @@ class TrainerConfig:
     beta1: float = knob(0.9, at_least=0.0, at_most=0.999999)
     beta2: float = knob(0.95, at_least=0.0, at_most=0.999999)
     adam_eps: float = knob(1e-8, above=0)
+    # AdamW's kernels: fused (one kernel per parameter group and device; skips a non-finite step on
+    # the device, so the step's host read comes after the update) where torch has it for the
+    # parameters' device, else foreach; or either by name.
+    optimizer_kernel: str = knob("auto", one_of=("auto", "fused", "foreach"))
     # 0 disables clipping; the global norm is still computed and logged.
     grad_clip_norm: float = knob(1.0, at_least=0)
     max_skipped_steps: int = knob(5, at_least=0)  # consecutive non-finite steps before stopping

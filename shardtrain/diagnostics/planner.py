@@ -59,8 +59,9 @@ def sharded_state_bytes(shapes: list[tuple[int, ...]], shard: int, rank: int,
 
 
 def adamw_foreach_temporary(model: nn.Module, shard: int, storage: torch.dtype) -> int:
-    """Bytes of the one temporary AdamW's foreach path (its default on GPUs) allocates: the square
-    root of a parameter group's second moments, all at once, for the larger of our two groups."""
+    """Bytes of the one temporary AdamW's foreach path (``trainer.optimizer_kernel=foreach``)
+    allocates: the square root of a parameter group's second moments, all at once, for the larger of
+    our two groups."""
     skip = no_decay_names(model)
     groups: dict[bool, list[tuple[int, ...]]] = {True: [], False: []}
     for name, param in model.named_parameters():
@@ -179,9 +180,10 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         "block backward": (earlier, max(layers - 1, 0) * act.saved_per_block + first_block,
                            gathered_block, 0),
         "backward end": (grads, first_block, gathered_block, 0),
-        # With CPU offload AdamW runs on host tensors, per parameter: no group-sized temporary.
-        "optimizer step": (grads, 0, 0, 0 if plan.cpu_offload else
-                           adamw_foreach_temporary(model, plan.mesh_shape[-1], plan.storage_dtype)),
+        # Fused AdamW updates each tensor in place: no group-sized temporary. Nor with CPU offload
+        # (host tensors).
+        "optimizer step": (grads, 0, 0, 0 if plan.cpu_offload or cfg.trainer.optimizer_kernel != "foreach"
+                           else adamw_foreach_temporary(model, plan.mesh_shape[-1], plan.storage_dtype)),
     }
     name, phase = max(phases.items(), key=lambda kv: sum(kv[1]))
     peak = params + optim + accumulation + sum(phase)

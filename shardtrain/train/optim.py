@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch import nn
 
 from shardtrain.config.schema import TrainerConfig
+from shardtrain.errors import ConfigError
 from shardtrain.models.param_groups import no_decay_names
+
+log = logging.getLogger("shardtrain")
 
 
 def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
@@ -22,12 +26,34 @@ def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.adam_eps,
-    )
+    settings = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.adam_eps}
+    groups = [g for g in groups if g["params"]]
+    if cfg.optimizer_kernel != "foreach":
+        try:
+            return torch.optim.AdamW(groups, fused=True, **settings)
+        except RuntimeError as exc:  # torch names the devices it has no fused kernel for
+            if cfg.optimizer_kernel == "fused":
+                raise ConfigError(f"trainer.optimizer_kernel=fused: {str(exc).splitlines()[0]}; use "
+                                  "trainer.optimizer_kernel=foreach") from exc
+            log.info("optimizer: no fused AdamW for these parameters' device; using foreach")
+    return torch.optim.AdamW(groups, foreach=True, **settings)
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` takes the skip decision as a device tensor (``found_inf``, the
+    protocol torch's GradScaler uses with fused optimizers) instead of from the host."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def step_unless(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:
+    """``optimizer.step()``, which leaves parameters, moments and step counts untouched where
+    ``nonfinite`` (a 0-dim device tensor) is true: no host read needed before the update."""
+    device = optimizer.param_groups[0]["params"][0].device  # with CPU offload, the host
+    optimizer.found_inf = nonfinite.float().to(device)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:

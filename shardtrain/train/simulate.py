@@ -237,12 +237,9 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int, task: T
             model.to_empty(device="cpu")
             if hasattr(model, "init_buffers"):
                 model.init_buffers()
+            # The kernel a GPU runs (fused by default; foreach's temporaries, a group's square-rooted
+            # second moments, can be the peak of a step).
             optimizer = build_optimizer(model, trainer)
-            # The simulated step runs on CPU tensors, where AdamW defaults to its per-parameter path;
-            # on GPUs it defaults to foreach, whose temporaries (a group's square-rooted second
-            # moments) can be the peak of a step: simulate what a GPU runs.
-            for group in optimizer.param_groups:
-                group["foreach"] = True
             # A steady-state step: the optimizer's state exists before it starts, as from step 2 on.
             for param in model.parameters():
                 param.grad = torch.zeros_like(param)

@@ -32,6 +32,7 @@ from shardtrain.errors import TrainingError
 from shardtrain.tasks.samples import batch_size, to_device
 from shardtrain.tasks.task import LossOutput, Task
 from shardtrain.train.grad import clip_grads_, clip_scale, global_grad_norm
+from shardtrain.train.optim import skips_on_device, step_unless
 
 
 @dataclass
@@ -233,11 +234,19 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
         clip_grads_(params, (1.0 / global_count).float())
     grad_norm = global_grad_norm(params, mesh)
     scale = clip_scale(grad_clip_norm, grad_norm) if grad_clip_norm > 0 else torch.ones((), device=device)
-    # The step's one host synchronisation: what the skip decision and the log need, in one transfer.
     stop = float(stop_requested()) if stop_requested is not None else 0.0
     summed = global_sum_tensor(torch.stack(
         [loss_sum.double(), torch.full((), stop, dtype=torch.float64, device=device), returned_count,
          torch.full((), flops, dtype=torch.float64, device=device), *metrics.vector()]))
+    on_device = skips_on_device(optimizer)
+    if on_device:
+        # The skip decision stays on the device (the same on every rank: both are global), so the
+        # update is queued before the host waits for anything.
+        if grad_clip_norm > 0:
+            clip_grads_(params, scale)  # a factor of exactly 1 changes nothing
+        step_unless(optimizer, ~(torch.isfinite(grad_norm) & torch.isfinite(summed[0])))
+    # The step's one host synchronisation: what the skip decision and the log need, in one transfer
+    # (after the update where the optimizer skips on the device, else before it).
     norm_value, scale_value, count, loss_value, stops, returned, flops_value, *metric_values = torch.cat(
         [torch.stack([grad_norm.double(), scale.double(), global_count]), summed]).tolist()
     if count == 0:
@@ -249,7 +258,7 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
         raise TrainingError(f"{type(task).__name__}.count(batch) gave {count:g} for this step but "
                             f"loss(...) returned a count of {returned:g}; they must agree")
     skipped = not (math.isfinite(norm_value) and math.isfinite(loss_value))
-    if not skipped:
+    if not skipped and not on_device:
         if scale_value < 1.0:
             clip_grads_(params, scale)
         optimizer.step()
