@@ -3,8 +3,9 @@ PATH, and ``FakeSlurm.submit`` doing what sbatch and slurmd do with a batch scri
 
 What is modelled, after Slurm's own behaviour:
 - Nodes are names; every node is this machine. They are called 127.0.0.1 and 127.0.0.2 (both loopback
-  addresses on Linux), so the first node's name, where a script puts its rendezvous, resolves
-  without an /etc/hosts entry, and the script needs no test-only switch.
+  addresses on Linux; SLURM_JOB_NODELIST=127.0.0.[1-2], compressed as Slurm writes it), so the first
+  node's name, where a script puts its rendezvous, resolves without an /etc/hosts entry, and the
+  script needs no test-only switch.
 - The batch script runs as slurmd runs it: a copy in a spool directory (a script cannot find files
   beside itself), started by bash in the submit directory in a session of its own, its output to the
   job's ``--output`` file (``--open-mode`` truncate or append on a requeue), with the SLURM_* variables
@@ -14,7 +15,8 @@ What is modelled, after Slurm's own behaviour:
 - srun starts one task per node, each in a process group of its own (proctrack/pgid: a signal to the
   step reaches the task's process group, not processes that left it), with the variables srun sets
   per task. It passes SIGUSR1, SIGUSR2, SIGALRM and SIGCONT on to the tasks and answers SIGTERM,
-  SIGINT, SIGHUP and SIGQUIT by SIGKILLing every process of the step, as srun does. Its exit status is
+  SIGHUP and SIGQUIT by SIGKILLing every process of the step, as srun does (and SIGINT, which srun
+  wants twice within a second). Its exit status is
   the highest of its tasks' (128 + N for a task killed by signal N); ``--kill-on-bad-exit`` ends the
   step when a task fails.
 - scontrol: ``show hostnames [LIST]`` and ``requeue JOBID``; a requeue is recorded, and the test
@@ -38,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-NODES = ("127.0.0.1", "127.0.0.2")
+NODELIST = "127.0.0.[1-2]"  # Slurm's compressed form of 127.0.0.1,127.0.0.2
 STATE_ENV = "FAKE_SLURM_STATE"  # where the stand-ins record what they were asked
 
 
@@ -205,18 +207,17 @@ STAND_INS = {"srun": srun, "scontrol": scontrol}
 # ---- sbatch and slurmd --------------------------------------------------------------------------
 
 
-def sbatch_options(script: Path, extra: list[str]) -> dict[str, str]:
-    """The #SBATCH lines at the top of the script, then the command line's options (which win)."""
-    lines = []
-    for line in script.read_text().splitlines()[1:]:
-        if line.startswith("#SBATCH"):
-            lines.extend(shlex.split(line[len("#SBATCH"):]))
-        elif line.strip() and not line.startswith("#"):
-            break  # sbatch stops reading directives at the first command
+def sbatch_options(script: Path) -> dict[str, str]:
+    """The #SBATCH lines at the top of the script, in their ``--name[=value]`` form."""
     options = {}
-    for arg in [*lines, *extra]:
-        name, _, value = arg.partition("=")
-        options[name.lstrip("-")] = value
+    for line in script.read_text().splitlines()[1:]:
+        if line.strip() and not line.startswith("#"):
+            break  # sbatch stops reading directives at the first command
+        if line.startswith("#SBATCH"):
+            for arg in shlex.split(line[len("#SBATCH"):]):
+                assert arg.startswith("--"), f"{arg}: the harness reads --name[=value] options only"
+                name, _, value = arg[2:].partition("=")
+                options[name] = value
     return options
 
 
@@ -250,12 +251,14 @@ class BatchJob:
         return self
 
     def batch_env(self) -> dict[str, str]:
-        nodes = self.slurm.nodes[:int(self.options.get("nodes", 1))]
+        every = expand_hostlist(self.slurm.nodelist)
+        nodes = every[:int(self.options.get("nodes", 1))]
+        nodelist = self.slurm.nodelist if len(nodes) == len(every) else ",".join(nodes)
         env = {**self.env, "PATH": f"{self.slurm.bin}{os.pathsep}{self.env.get('PATH', '')}",
                STATE_ENV: str(self.slurm.state),
                "SLURM_JOB_ID": str(self.slurm.job_id), "SLURM_JOBID": str(self.slurm.job_id),
                "SLURM_JOB_NAME": self.options.get("job-name", self.script.name),
-               "SLURM_JOB_NODELIST": ",".join(nodes), "SLURM_NODELIST": ",".join(nodes),
+               "SLURM_JOB_NODELIST": nodelist, "SLURM_NODELIST": nodelist,
                "SLURM_NNODES": str(len(nodes)), "SLURM_JOB_NUM_NODES": str(len(nodes)),
                "SLURM_SUBMIT_DIR": str(self.slurm.submit_dir), "SLURM_SUBMIT_HOST": nodes[0],
                "SLURMD_NODENAME": nodes[0], "SLURM_NODEID": "0", "SLURM_PROCID": "0",
@@ -284,16 +287,17 @@ class BatchJob:
         return self.output.read_text(errors="replace") if self.output.exists() else ""
 
     def kill(self) -> None:
-        if self.proc.poll() is None or descendants(self.proc.pid):
+        """Everything the job runs, if its batch shell still runs (srun and its tasks wait below it)."""
+        if self.proc.poll() is None:
             kill_tree(self.proc.pid)
             self.proc.wait(timeout=30)
 
 
 class FakeSlurm:
-    """One job at a time, on ``nodes`` (all of them this machine); ``root`` holds its files."""
+    """One job at a time, on the nodes of ``nodelist`` (all this machine); ``root`` holds its files."""
 
-    def __init__(self, root: Path, job_id: int = 4242, nodes: tuple[str, ...] = NODES) -> None:
-        self.root, self.job_id, self.nodes = root, job_id, nodes
+    def __init__(self, root: Path, job_id: int = 4242, nodelist: str = NODELIST) -> None:
+        self.root, self.job_id, self.nodelist = root, job_id, nodelist
         self.bin, self.state, self.submit_dir = root / "bin", root / "state", root / "submit"
         for directory in (self.bin, self.state, self.submit_dir):
             directory.mkdir(parents=True, exist_ok=True)
@@ -307,9 +311,8 @@ class FakeSlurm:
                                 f"sys.exit(STAND_INS[{command!r}](sys.argv[1:]))\n")
             stand_in.chmod(0o755)
 
-    def submit(self, script: Path, *args: str, env: dict[str, str], options: tuple[str, ...] = ()
-               ) -> BatchJob:
-        return BatchJob(self, script, list(args), sbatch_options(script, list(options)), env, 0).start()
+    def submit(self, script: Path, *args: str, env: dict[str, str]) -> BatchJob:
+        return BatchJob(self, script, list(args), sbatch_options(script), env, 0).start()
 
     def calls(self, command: str) -> list[dict]:
         return recorded(self.state, command)

@@ -1,10 +1,11 @@
 """examples/slurm/ run under a stand-in for Slurm on this machine (tests/slurm_harness.py).
 
-Two "nodes" of 2 gloo processes each train through train.sbatch (srun, one torchrun agent per node,
-c10d rendezvous on the first node). A rank dies and torchrun restarts both nodes' workers from the
-newest checkpoint; then the job gets Slurm's early-warning signal the way the script's --signal asks
-for it, saves, asks for a requeue, and the requeued job resumes: losses and weights bit for bit those
-of an uninterrupted 4-process run. Then consolidate.sbatch and generate.sbatch on the checkpoint.
+Two "nodes" of 2 gloo processes each train with hybrid_shard through train.sbatch (srun, one torchrun
+agent per node, c10d rendezvous on the first node). A rank dies and torchrun restarts both nodes'
+workers from the newest checkpoint; then the job gets Slurm's early-warning signal the way the
+script's --signal asks for it, saves, asks for a requeue, and the requeued job resumes: losses and
+weights bit for bit those of an uninterrupted 4-process run with the same mesh on one node. Then
+consolidate.sbatch and generate.sbatch on the checkpoint.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ SCRIPTS = Path(__file__).parent.parent / "examples" / "slurm"
 MAX_STEPS = 12
 TRAIN = ["experiment=quick", f"trainer.max_steps={MAX_STEPS}", "trainer.log_every=1",
          "trainer.eval_every=0", "trainer.sample_tokens=0", "trainer.micro_batch_size=2",
-         "run.tensorboard=false", "checkpoint.interval=2"]
+         "run.tensorboard=false", "checkpoint.interval=2", "strategy=hybrid_shard"]
 # Rank 1 (of 4) kills itself after step 3 of torchrun's first attempt.
 KILL_RANK_1 = {"SHARDTRAIN_FAULT": "step:1:3:kill:0"}
 
@@ -59,7 +60,9 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
 def slurm_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("slurm")
     reference = root / "reference"
-    proc = run_cli("train", *TRAIN, "trainer.devices=4", f"run.dir={reference}")
+    # One node of 4 processes with the mesh of 2 nodes x 2: [dp_replicate=2 x dp_shard=2]
+    proc = run_cli("train", *TRAIN, "trainer.devices=4", "strategy.shard_group_size=2",
+                   f"run.dir={reference}")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     slurm = FakeSlurm(root)
@@ -91,6 +94,7 @@ def test_restart_preemption_requeue_and_exact_resume(slurm_run):
     # 2 nodes x 2 processes met at the rendezvous; torchrun restarted the workers of both nodes
     # after rank 1 died, and they resumed from the newest checkpoint
     assert first_log.count("world size 4 (gloo") == 2
+    assert "HYBRID_SHARD: mesh [dp_replicate=2 x dp_shard=2]" in first_log  # shards within a node
     assert "resumed from runs/shardtrain/checkpoints/step-2:" in first_log
     assert r["sent"].name == "SIGUSR1"  # the script's --signal=B:USR1@...
     assert "shardtrain-slurm: SIGUSR1 received" in first_log
