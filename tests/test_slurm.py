@@ -31,18 +31,15 @@ TRAIN = ["experiment=quick", f"trainer.max_steps={MAX_STEPS}", "trainer.log_ever
 KILL_RANK_1 = {"SHARDTRAIN_FAULT": "step:1:3:kill:0"}
 
 
-def wait_for_steps(run_dir: Path, job: BatchJob, done, timeout: float = 240) -> None:
-    """Until ``done(steps)`` holds for the steps logged so far (in the order logged)."""
+def wait_until(job: BatchJob, done, timeout: float = 240) -> None:
+    """Until ``done(log)`` holds for the job's output so far."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert job.proc.poll() is None, job.log()[-3000:]
-        try:
-            if done([r["step"] for r in read_metrics(run_dir)]):
-                return
-        except (FileNotFoundError, ValueError):
-            pass
+        if done(job.log()):
+            return
         time.sleep(0.05)
-    raise TimeoutError(f"training did not get there:\n{job.log()[-3000:]}")
+    raise TimeoutError(f"the job did not get there:\n{job.log()[-3000:]}")
 
 
 def finish(job: BatchJob, timeout: float = 300) -> int:
@@ -70,9 +67,9 @@ def slurm_run(tmp_path_factory):
     run_dir = slurm.submit_dir / "runs" / "shardtrain"  # the script's default run.dir
     first = slurm.submit(SCRIPTS / "train.sbatch", *TRAIN, env=env)
     try:
-        # Rank 0 logs step 3 of the first attempt too; a second step 3 is the restarted attempt,
-        # training with its signal handlers in place (a signal during the restart would be lost).
-        wait_for_steps(run_dir, first, lambda steps: steps.count(3) == 2)
+        # A step logged after the resume is the restarted attempt training, its signal handlers in
+        # place (a signal during the restart would be lost: docs/slurm.md).
+        wait_until(first, lambda log: "] step " in log.partition("resumed from")[2])
         sent = first.send_signal()
     finally:
         first_status = finish(first)
