@@ -18,7 +18,7 @@ from shardtrain.accelerator import device_peak_flops, peak_memory_mib, pin_offlo
 from shardtrain.checkpoint.checkpointer import Checkpointer
 from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.checkpoint.weights import load_model_weights
-from shardtrain.config.loader import to_yaml
+from shardtrain.config.compose import to_yaml
 from shardtrain.config.plan import check_world
 from shardtrain.config.schema import Config
 from shardtrain.data.batches import BatchLayout, SampleSource, TrainBatches, eval_batches
