@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import os
 import signal
 import sys
@@ -65,10 +64,6 @@ def cmd_train(overrides: list[str]) -> int:
             print(f"shardtrain: error: {reason}; full log: {log_file}", file=sys.stderr)
         return status
     rank = int(os.environ.get("RANK", 0))
-    if rank == 0:
-        from shardtrain.config.compose import to_yaml
-
-        logging.getLogger("shardtrain").info("resolved config:\n" + to_yaml(cfg).rstrip())
     trainer = None
     try:
         trainer = Trainer.create(cfg)

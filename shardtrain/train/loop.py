@@ -217,6 +217,9 @@ class Trainer:
         self.info(f"task {type(self.task).__name__}; data: {self.task.describe()}; global batch "
                   f"{self.layout.global_batch} samples ({t.micro_batch_size} per micro-batch x "
                   f"{t.grad_accum_steps} micro-batches x {env.world_size} ranks)")
+        self.info(f"config: every key, resolved, in {Path(self.cfg.run.dir) / 'config.yaml'}")
+        if self.throughput.peak_flops is None:
+            self.info(f"MFU is not reported: no peak FLOP/s is known for this device ({env.device.type})")
         diag = self.cfg.diagnostics
         if diag.enabled or diag.dry_run:
             self.info("\n".join(settings_lines(self.cfg, b.plan, b.report, env)))
