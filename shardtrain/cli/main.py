@@ -265,8 +265,8 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardtrain.config.sizes import parse_size
 
-    cfg = compose_checked(args.overrides)
     memory = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
+    cfg = compose_checked(args.overrides)
     from shardtrain.config.loader import check_runtime
     from shardtrain.config.plan import launch_shape
     from shardtrain.config.schema import LANGUAGE_MODEL_TASK
