@@ -65,6 +65,7 @@ NO_TRAINING = [
     (["generate", "missing", "--prompt", "hi"], 2, "shardtrain: error: 'missing' does not exist"),
     (["generate", "missing", "--prompt", "hi", "--top-p", "0"], 2, "--top-p"),
     (["eval", "missing"], 2, "shardtrain: error: 'missing' does not exist"),
+    (["eval", ".", "--file", "missing.txt"], 2, "shardtrain: error: --file 'missing.txt' does not exist"),
     (["consolidate", "missing", "out.safetensors"], 2,
      "shardtrain: error: checkpoint 'missing' does not exist"),
     (["export-hf", "missing", "out"], 2, "shardtrain: error: checkpoint 'missing' does not exist"),

@@ -201,7 +201,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
 
     check_ranges(args, EVAL_RANGES)  # argument errors surface here, before any process starts
     check_exists(args.checkpoint)
-    if args.file:
+    if args.file and not any(ch in args.file for ch in "*?["):  # a glob pattern is matched later
         check_exists(args.file, "--file")
     status = on_devices(args.devices, argv)
     if status is not None:
