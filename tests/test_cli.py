@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
-from cli_utils import read_metrics, run_cli
+from cli_utils import clean_env, read_metrics, run_cli
 from distributed import free_port
+
+from shardtrain.train.console import format_record
 
 
 def test_default_train_runs_and_loss_falls(tmp_path):
@@ -26,7 +29,76 @@ def test_default_train_runs_and_loss_falls(tmp_path):
     assert all(r["mfu"] is None for r in records)  # CPU peak unknown: never a made-up MFU
     assert (run_dir / "config.yaml").is_file() and any((run_dir / "tensorboard").iterdir())
     assert read_metrics(run_dir, "sample")[0]["text"].startswith("def ")
-    assert "resolved config:" in proc.stderr and "val_loss" in proc.stderr
+    # The start-up report names config.yaml (the config is not dumped on the console) and says once
+    # that MFU is not reported; the step lines leave it out.
+    assert f"config: every key, resolved, in {run_dir / 'config.yaml'}" in proc.stderr
+    assert "sharding_strategy:" not in proc.stderr
+    assert proc.stderr.count("MFU is not reported: no peak FLOP/s is known for this device (cpu)") == 1
+    step_lines = [line for line in proc.stderr.splitlines() if "| loss " in line]
+    assert len(step_lines) == 4 and "val_loss" in step_lines[-1]
+    assert all("GFLOP/s" in line and "MFU" not in line and "unknown" not in line for line in step_lines)
+
+
+def test_console_line_leaves_out_what_is_unknown():
+    record = {"loss": 2.0, "grad_norm": 0.5, "lr": 1e-3, "tokens_per_s": 1000.0, "samples_per_s": 8.0,
+              "model_tflops": None, "mfu": None, "peak_memory_mib": 100.0, "data_wait_pct": 1.0}
+    assert format_record(10, 100, record) == (
+        "step 10/100 | loss 2.0000 | grad_norm 0.500 | lr 1.00e-03 | 1000 tok/s | peak mem 100 MiB | "
+        "data wait 1.0%")
+    known = format_record(10, 100, {**record, "model_tflops": 0.5, "mfu": 0.25})
+    assert "| 1000 tok/s | 500.0 GFLOP/s | MFU 25.0% | peak mem" in known
+
+
+# What `shardtrain` answers without training: (arguments, exit status, the line it ends with). The
+# paths do not exist.
+NO_TRAINING = [
+    (["--help"], 0, "show this help message and exit"),
+    (["train", "trainer.max_stepz=5"], 2,
+     "shardtrain: error: unknown config key 'trainer.max_stepz'; did you mean 'trainer.max_steps'?"),
+    (["train", "strategy=ful_shard"], 2, "did you mean 'full_shard'?"),
+    (["train", "strategy.sharding_strategy=ZERO3"], 2, "is not a sharding strategy"),
+    (["train", "trainer.max_steps=abc"], 2, "trainer.max_steps=abc"),
+    (["train", "data=files", "data.paths=[nowhere]"], 2, "data path 'nowhere' does not exist"),
+    (["train", "--devices", "2"], 2, "unrecognized arguments: --devices"),
+    (["plan", "trainer.max_stepz=5"], 2, "did you mean 'trainer.max_steps'?"),
+    (["plan", "--device-memory", "80XB"], 2, "--device-memory '80XB' is not a size"),
+    (["generate", "missing", "--prompt", "hi"], 2, "shardtrain: error: 'missing' does not exist"),
+    (["generate", "missing", "--prompt", "hi", "--top-p", "0"], 2, "--top-p"),
+    (["eval", "missing"], 2, "shardtrain: error: 'missing' does not exist"),
+    (["eval", ".", "--file", "missing.txt"], 2, "shardtrain: error: --file 'missing.txt' does not exist"),
+    (["consolidate", "missing", "out.safetensors"], 2,
+     "shardtrain: error: checkpoint 'missing' does not exist"),
+    (["export-hf", "missing", "out"], 2, "shardtrain: error: checkpoint 'missing' does not exist"),
+    (["inspect", "missing"], 2, "shardtrain: error: 'missing' does not exist"),
+]
+# Runs each in one fresh interpreter, as `python -m shardtrain ARGS` would, and reports what it
+# imported: torch and what stands on it take seconds to import.
+ANSWER = """
+import contextlib, io, json, sys
+from shardtrain.cli.main import main
+for args in json.loads(sys.argv[1]):
+    out = io.StringIO()
+    with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
+        try:
+            status = main(args)
+        except SystemExit as exc:
+            status = exc.code
+    heavy = [m for m in ("torch", "transformers", "safetensors") if m in sys.modules]
+    print(json.dumps([status, out.getvalue().strip().splitlines()[-1], heavy]))
+"""
+
+
+def test_answers_without_training_import_no_torch(tmp_path):
+    """A typo, a bad argument or a missing path is answered before torch is imported (it takes
+    seconds: the answer should take a fraction of one); no wall-clock bound, the imports tell."""
+    proc = subprocess.run([sys.executable, "-c", ANSWER, json.dumps([a for a, _, _ in NO_TRAINING])],
+                          capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answers = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(answers) == len(NO_TRAINING)
+    for (args, status, last_line), (got_status, got_line, heavy) in zip(NO_TRAINING, answers, strict=True):
+        assert (got_status, heavy) == (status, []), (args, got_line)
+        assert last_line in got_line, args
 
 
 def quick_losses(run_dir) -> list[float]:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 
 import pytest
 
 from shardtrain.cli.preflight import check_training
-from shardtrain.config.loader import GROUPS, group_options, load_config, schema_keys
+from shardtrain.config.keys import GROUPS, group_options, schema_keys
+from shardtrain.config.loader import load_config
 from shardtrain.errors import ConfigError, ShardtrainError
 
 
@@ -166,3 +170,55 @@ def test_every_key_has_a_check(tmp_path):
         with pytest.raises(ShardtrainError, match=re.escape(message)):
             cfg = load_config([override, *preset])
             check_training(cfg)
+
+
+# Composes the config json.loads(argv[1]) names and each bad one in argv[2], then names what it
+# imported: everything a config can tell about itself is answered without torch (seconds to import).
+COMPOSE = """
+import json, sys
+from shardtrain.config.compose import compose_config
+from shardtrain.errors import ConfigError
+cfg = compose_config(json.loads(sys.argv[1]))
+errors = []
+for bad in json.loads(sys.argv[2]):
+    try:
+        compose_config([bad])
+    except ConfigError as exc:
+        errors.append(str(exc))
+heavy = [m for m in ("torch", "transformers", "safetensors") if m in sys.modules]
+print(json.dumps([cfg.strategy.sharding_strategy, cfg.checkpoint.async_save, errors, heavy]))
+"""
+# Bad overrides of each kind compose_config checks, and the one-line error each gets.
+BAD = {
+    "trainer.max_stepz=5": "unknown config key 'trainer.max_stepz'; did you mean 'trainer.max_steps'?",
+    "strategy=ful_shard": "did you mean 'full_shard'?",
+    "trainer.max_steps=abc": "trainer.max_steps=abc",
+    "trainer.micro_batch_size=0": "trainer.micro_batch_size=0 must be at least 1",
+    "trainer.devices=two": "trainer.devices='two' must be 'auto' or a positive int",
+    "model.vocab_size=100": "too small for byte-level data",
+    "strategy.sharding_strategy=ZERO3": "is not a sharding strategy",
+    "strategy.mixed_precision=bf16": "strategy.mixed_precision='bf16' is unknown",
+    "strategy.reduce_dtype=fp16": "strategy.reduce_dtype=fp16 needs loss scaling",
+    "strategy.reshard_after_forward=-1": "must be null, true, false or a positive int",
+    "strategy.activation_checkpointing=some": "must be one of none, all, every_k",
+    "checkpoint.preemption_signals=[SIGKILL]": "SIGKILL cannot be caught",
+}
+
+
+def test_composing_and_checking_a_config_imports_no_torch(tmp_path):
+    overrides = ["experiment=quick", "strategy=hybrid_shard", "strategy.mixed_precision=bf16-mixed",
+                 "strategy.reduce_dtype=fp32", "strategy.activation_checkpointing=every_k",
+                 "trainer.devices=2", "checkpoint.async=true", "data=files", f"data.paths=[{tmp_path}]",
+                 "model.tokenizer=bytes", "checkpoint.preemption_signals=[SIGUSR1]"]
+    bad = list(BAD)
+    proc = subprocess.run([sys.executable, "-c", COMPOSE, json.dumps(overrides), json.dumps(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    strategy, async_save, errors, heavy = json.loads(proc.stdout)
+    assert (strategy, async_save, heavy) == ("HYBRID_SHARD", True, [])
+    assert len(errors) == len(bad)
+    for override, error in zip(bad, errors, strict=True):
+        assert BAD[override] in error, (override, error)
+    # What needs torch, the devices or the task's code comes after, in load_config.
+    cfg = load_config(overrides)
+    assert cfg.task.path == "shardtrain.tasks.language_model:LanguageModelTask"

@@ -27,10 +27,10 @@ def test_ruff_clean():
 
 
 def test_configuration_reference_lists_every_key():
-    from shardtrain.config.loader import schema_keys
+    from shardtrain.config.keys import schema_keys
 
     text = (ROOT / "docs" / "configuration.md").read_text()
-    from shardtrain.config.loader import ALIASES
+    from shardtrain.config.keys import ALIASES
 
     alias_of = {v: k for k, v in ALIASES.items()}
     leaves = [alias_of.get(k, k) for k, f in schema_keys().items() if "." in k]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from shardtrain.config.loader import config_hash
+from shardtrain.config.compose import config_hash
 from shardtrain.config.plan import ShardingPlan, describe_mesh
 from shardtrain.config.schema import LANGUAGE_MODEL_TASK, Config, DataConfig, ModelConfig
 from shardtrain.errors import CheckpointError

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import os
 import signal
 import sys
@@ -12,19 +11,33 @@ import time
 import traceback
 from pathlib import Path
 
+from shardtrain.cli.paths import check_exists, check_output
+from shardtrain.config.schema import Config
 from shardtrain.errors import ShardtrainError
 from shardtrain.logs import setup_logging
 
 
+def compose_checked(overrides: list[str]) -> Config:
+    """The config's own errors, each answered before the next import it does not need: a misspelt key
+    or preset before hydra (0.1 s), anything else the config can tell before torch (seconds)."""
+    from shardtrain.config.keys import check_overrides
+
+    check_overrides(overrides)
+    from shardtrain.config.compose import compose_config
+
+    return compose_config(overrides)
+
+
 def cmd_train(overrides: list[str]) -> int:
+    cfg = compose_checked(overrides)
     from shardtrain.cli.launch import killed_workers, launch_log_path, relaunch_if_needed
     from shardtrain.cli.preflight import check_training
-    from shardtrain.config.loader import load_config, to_yaml
+    from shardtrain.config.loader import check_runtime
     from shardtrain.diagnostics.failures import describe, first_failure, record_failure
     from shardtrain.distributed.env import destroy_distributed, under_torchrun
     from shardtrain.train.loop import Trainer
 
-    cfg = load_config(overrides)  # every config error surfaces here, before any process starts
+    check_runtime(cfg)  # every other config error surfaces here, before any process starts
     if under_torchrun():
         # The built-in launcher's agent ignores the preemption signals, and an ignored signal is
         # inherited: restore the default until the trainer installs its handler, so torchrun can
@@ -51,8 +64,6 @@ def cmd_train(overrides: list[str]) -> int:
             print(f"shardtrain: error: {reason}; full log: {log_file}", file=sys.stderr)
         return status
     rank = int(os.environ.get("RANK", 0))
-    if rank == 0:
-        logging.getLogger("shardtrain").info("resolved config:\n" + to_yaml(cfg).rstrip())
     trainer = None
     try:
         trainer = Trainer.create(cfg)
@@ -102,6 +113,7 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
 
     check_ranges(args, GENERATE_RANGES)  # argument errors surface here, before any process starts
     prompts = read_prompts(args)
+    check_exists(args.checkpoint)
     status = on_devices(args.devices, argv)
     if status is not None:
         return status
@@ -188,6 +200,9 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     from shardtrain.generation.ranges import EVAL_RANGES, check_ranges
 
     check_ranges(args, EVAL_RANGES)  # argument errors surface here, before any process starts
+    check_exists(args.checkpoint)
+    if args.file and not any(ch in args.file for ch in "*?["):  # a glob pattern is matched later
+        check_exists(args.file, "--file")
     status = on_devices(args.devices, argv)
     if status is not None:
         return status
@@ -231,10 +246,10 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    from shardtrain.cli.preflight import check_output
+    check_output(Path(args.out), Path(args.checkpoint), "export-hf output")
+    check_exists(args.checkpoint, "checkpoint")
     from shardtrain.export.hf import export_hf
 
-    check_output(Path(args.out), Path(args.checkpoint), "export-hf output")
     for file in export_hf(args.checkpoint, args.out, args.max_shard_size, args.dtype):
         print(file)
     if args.no_verify:
@@ -248,16 +263,18 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from shardtrain.config.loader import load_config
+    from shardtrain.config.sizes import parse_size
+
+    memory = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
+    cfg = compose_checked(args.overrides)
+    from shardtrain.config.loader import check_runtime
     from shardtrain.config.plan import launch_shape
     from shardtrain.config.schema import LANGUAGE_MODEL_TASK
-    from shardtrain.config.sizes import parse_size
     from shardtrain.diagnostics.planner import plan_table
     from shardtrain.errors import ConfigError
 
-    cfg = load_config(args.overrides)
+    check_runtime(cfg)
     per_node, world = launch_shape(cfg)
-    memory = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
     local = args.processes_per_node or per_node
     language_model = cfg.task.path == LANGUAGE_MODEL_TASK
     if not args.simulate and not language_model:
@@ -312,10 +329,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
-    from shardtrain.cli.preflight import check_output
+    check_output(Path(args.out), Path(args.checkpoint), "consolidate output")
+    check_exists(args.checkpoint, "checkpoint")
     from shardtrain.export.consolidate import consolidate
 
-    check_output(Path(args.out), Path(args.checkpoint), "consolidate output")
     files = consolidate(args.checkpoint, args.out, args.max_shard_size, args.dtype, args.key,
                         verify=not args.skip_checksums)
     for file in files:
@@ -324,6 +341,7 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    check_exists(args.path)
     from shardtrain.checkpoint.inspect import inspect_path
 
     report = inspect_path(args.path)

@@ -1,30 +1,21 @@
 """What the launching process checks before any worker starts: every path a command will read or
-write. A problem found here is one line and exit status 2, instead of every rank's traceback."""
+write. A problem found here is one line and exit status 2, instead of every rank's traceback.
+The checks that need no torch are in ``paths``, for the commands that check before importing it."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from shardtrain.checkpoint import layout
 from shardtrain.checkpoint.safetensors_files import file_metadata, weight_files
 from shardtrain.checkpoint.weights import HF_PREFIX, read_hf_config
+from shardtrain.cli.paths import check_writable
 from shardtrain.config.schema import Config
 from shardtrain.data.prepared import open_prepared
 from shardtrain.data.tokenizer import tokenizer_for
 from shardtrain.errors import CheckpointError, ConfigError
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.task import task_from_config
-
-
-def check_writable(path: Path, what: str) -> None:
-    """``path`` can be created or written: its nearest existing ancestor is a writable directory."""
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{what} {str(path)!r} cannot be written ({str(existing)!r} is not a "
-                          "writable directory); choose another path")
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -81,19 +72,3 @@ def check_training(cfg: Config) -> None:
     if cfg.data.source == "prepared":
         for path in cfg.data.paths:
             open_prepared(path, tokenizer)  # made with the model's tokenizer, and whole
-
-
-def check_output(out: Path, source: Path, what: str) -> None:
-    """An output path of ``consolidate`` or ``export-hf``: writable, and never inside the source."""
-    out, source = out.expanduser().resolve(), source.expanduser().resolve()
-    inside = source.is_dir() and source in out.parents
-    beside = source.is_file() and out == source.parent  # model.safetensors there is the source
-    if out == source or inside or beside:
-        raise ConfigError(f"{what} {str(out)!r} is inside the checkpoint it reads; write elsewhere "
-                          "(a checkpoint is never modified)")
-    single_file = out.suffix == ".safetensors"
-    if single_file and out.is_dir():
-        raise ConfigError(f"{what} {str(out)!r} is a directory; name a .safetensors file or drop the suffix")
-    if not single_file and out.exists() and not out.is_dir():
-        raise ConfigError(f"{what} {str(out)!r} is a file; pass a directory (or a .safetensors file name)")
-    check_writable(out, what)

@@ -2,43 +2,34 @@
 
 Pure functions of the config and the world: the launch shape (processes per node, world size), the
 mesh shape, reshard policy and dtypes. Unit-testable, and the ``plan`` and diagnostics commands can
-show them without starting any process group. This module is the one home of the dtype table, the
-strategy table and how a mesh is described.
+show them without starting any process group. This module is the one home of the torch dtype table
+and how a mesh is described; the names it resolves (strategies, precision presets) are ``strategy``'s,
+checked there without torch.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from shardtrain.accelerator import accelerator_count, default_precision
+from shardtrain.config.compose import devices_count
 from shardtrain.config.schema import Config, StrategyConfig
-from shardtrain.config.suggest import closest
+from shardtrain.config.strategy import (
+    DTYPE_NAMES,
+    PRECISION_PRESETS,
+    STRATEGIES,
+    check_compute_dtype,
+    checkpointing_mode,
+    normalize_strategy_name,
+    precision_preset,
+    reshard_setting,
+)
 from shardtrain.errors import ConfigError
 
-# FSDP1 name -> (hybrid mesh?, reshard parameters after forward?). NO_SHARD is a 2-D mesh whose
-# shard groups have size 1: every rank holds everything and gradients are all-reduced (DDP).
-STRATEGIES: dict[str, tuple[bool, bool]] = {
-    "FULL_SHARD": (False, True),
-    "SHARD_GRAD_OP": (False, False),
-    "NO_SHARD": (True, False),
-    "HYBRID_SHARD": (True, True),
-    "HYBRID_SHARD_ZERO2": (True, False),
-}
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-# preset -> (storage dtype, param dtype in forward/backward, gradient reduce dtype)
-PRECISION_PRESETS: dict[str, tuple[str, str, str]] = {
-    "fp32": ("fp32", "fp32", "fp32"),
-    "bf16-mixed": ("fp32", "bf16", "fp32"),
-    "bf16-pure": ("bf16", "bf16", "bf16"),
-}
-
-AC_MODES = ("none", "all", "every_k")
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -89,27 +80,12 @@ class ShardingPlan:
         )
 
 
-def normalize_strategy_name(name: str) -> str:
-    key = str(name).strip().upper().replace("-", "_")
-    if key not in STRATEGIES:
-        raise ConfigError(
-            f"strategy.sharding_strategy={name!r} is not a sharding strategy"
-            f"{closest(key, STRATEGIES)}; choose one of {', '.join(STRATEGIES)}"
-        )
-    return key
-
-
 def resolve_precision(name: str, accelerated: bool | None = None) -> str:
     """The mixed-precision preset ``strategy.mixed_precision`` names; ``auto`` is bf16-mixed on
     accelerators (``accelerated``; None: this machine's devices) and fp32 on CPUs."""
-    preset = name.lower()
+    preset = precision_preset(name)
     if preset == "auto":
         preset = default_precision() if accelerated is None else ("bf16-mixed" if accelerated else "fp32")
-    if preset not in PRECISION_PRESETS:
-        raise ConfigError(
-            f"strategy.mixed_precision={name!r} is unknown"
-            f"{closest(preset, PRECISION_PRESETS)}; choose auto or one of {', '.join(PRECISION_PRESETS)}"
-        )
     return preset
 
 
@@ -133,44 +109,24 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int,
         mesh_shape = (world_size,)
     names = ("dp_replicate", "dp_shard") if len(mesh_shape) == 2 else ("dp_shard",)
 
-    raf = cfg.reshard_after_forward
+    raf = reshard_setting(cfg.reshard_after_forward)
     if raf is None:
         reshard_after_forward: bool | int = reshard
     elif isinstance(raf, bool):
         reshard_after_forward = raf
-    elif isinstance(raf, int) and raf > 0:
+    else:
         if raf == 1 or mesh_shape[-1] % raf:
             raise ConfigError(
                 f"strategy.reshard_after_forward={raf} must be a divisor of the shard group size "
                 f"{mesh_shape[-1]} other than 1 (or true/false)"
             )
         reshard_after_forward = True if raf == mesh_shape[-1] else raf
-    else:
-        raise ConfigError(
-            f"strategy.reshard_after_forward={raf!r} must be null, true, false or a positive int"
-        )
 
     preset = resolve_precision(cfg.mixed_precision, accelerated)
     storage, param, reduce = PRECISION_PRESETS[preset]
-    param = cfg.param_dtype or param
-    reduce = cfg.reduce_dtype or reduce
-    for key, value in (("param_dtype", param), ("reduce_dtype", reduce)):
-        if value not in DTYPES:
-            raise ConfigError(f"strategy.{key}={value!r} must be one of {', '.join(DTYPES)}")
-        if value == "fp16":  # fp16 stays in DTYPES for casting exported weights, not for training
-            raise ConfigError(
-                f"strategy.{key}=fp16 needs loss scaling (fp16 gradients underflow to zero silently), "
-                "which shardtrain does not implement; use bf16 (strategy.mixed_precision=bf16-mixed)"
-            )
-
-    ac = cfg.activation_checkpointing.lower()
-    if ac not in AC_MODES:
-        raise ConfigError(
-            f"strategy.activation_checkpointing={cfg.activation_checkpointing!r} must be one of "
-            f"{', '.join(AC_MODES)}"
-        )
-    if ac == "every_k" and cfg.activation_checkpointing_every < 1:
-        raise ConfigError("strategy.activation_checkpointing_every must be at least 1")
+    param = check_compute_dtype("param_dtype", cfg.param_dtype or param)
+    reduce = check_compute_dtype("reduce_dtype", cfg.reduce_dtype or reduce)
+    ac = checkpointing_mode(cfg)
 
     return ShardingPlan(
         strategy=strategy,
@@ -196,17 +152,6 @@ def resolve_accumulation(choice: str, shard_group: int) -> str:
     if choice != "auto":
         return choice
     return "sharded" if shard_group > 1 else "unsharded"
-
-
-def devices_count(devices: Any) -> int | None:
-    """``trainer.devices`` as an int, or None for "auto"."""
-    if devices == "auto":
-        return None
-    if isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
-        return devices
-    if isinstance(devices, str) and devices.isdigit() and int(devices) >= 1:
-        return int(devices)
-    raise ConfigError(f"trainer.devices={devices!r} must be 'auto' or a positive int")
 
 
 def launch_shape(cfg: Config) -> tuple[int, int]:

@@ -1,7 +1,7 @@
 """The typed configuration schema: the single source of truth for every knob.
 
 YAML presets (``presets/``) and ``key=value`` overrides only ever set fields declared here; anything
-else is rejected before a process group exists (see ``shardtrain.config.loader``).
+else is rejected before a process group exists (see ``shardtrain.config.compose``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ DEFAULT_PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
 
 def knob(default: Any, *, at_least: float | None = None, above: float | None = None,
          at_most: float | None = None, one_of: tuple[str, ...] | None = None) -> Any:
-    """A field and the values it accepts, beside it: ``loader.check_ranges`` enforces them."""
+    """A field and the values it accepts, beside it: ``compose.check_ranges`` enforces them."""
     bounds = {"at_least": at_least, "above": above, "at_most": at_most, "one_of": one_of}
     return field(default=default, metadata={k: v for k, v in bounds.items() if v is not None})
 

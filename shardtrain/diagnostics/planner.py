@@ -13,8 +13,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from shardtrain.config.plan import STRATEGIES, resolve_plan, resolve_precision
+from shardtrain.config.plan import resolve_plan, resolve_precision
 from shardtrain.config.schema import Config
+from shardtrain.config.strategy import STRATEGIES
 from shardtrain.models.dims import Dims
 from shardtrain.models.param_groups import no_decay_names
 from shardtrain.models.registry import build_model

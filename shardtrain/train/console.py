@@ -27,15 +27,15 @@ def format_record(step: int, max_steps: int, record: dict, metrics: tuple[str, .
         mfu, tflops = record.get("mfu"), record.get("model_tflops")
         parts += [f"loss {record['loss']:.4f}"]
         parts += [f"{name} {record[name]:.4g}" for name in metrics if name in record]
-        parts += [
-            f"grad_norm {record['grad_norm']:.3f}",
-            f"lr {record['lr']:.2e}",
-            rate(record),
-            f"{tflops * 1e3:.1f} GFLOP/s" if tflops is not None else "GFLOP/s unknown",
-            "MFU " + (f"{100 * mfu:.1f}%" if mfu is not None else "unknown (no peak for this device)"),
-            f"peak mem {record['peak_memory_mib']:.0f} MiB",
-            f"data wait {record['data_wait_pct']:.1f}%",
-        ]
+        parts += [f"grad_norm {record['grad_norm']:.3f}", f"lr {record['lr']:.2e}", rate(record)]
+        # Unknowns are left out (FLOPs a task cannot count, MFU without the device's peak): the
+        # start-up report says once why, and metrics.jsonl records them as null.
+        if tflops is not None:
+            parts.append(f"{tflops * 1e3:.1f} GFLOP/s")
+        if mfu is not None:
+            parts.append(f"MFU {100 * mfu:.1f}%")
+        parts += [f"peak mem {record['peak_memory_mib']:.0f} MiB",
+                  f"data wait {record['data_wait_pct']:.1f}%"]
     if "val_loss" in record:
         parts.append(f"val_loss {record['val_loss']:.4f}")
         parts += [f"val_{name} {record[f'val_{name}']:.4g}" for name in metrics if f"val_{name}" in record]

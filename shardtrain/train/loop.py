@@ -18,7 +18,7 @@ from shardtrain.accelerator import device_peak_flops, peak_memory_mib, pin_offlo
 from shardtrain.checkpoint.checkpointer import Checkpointer
 from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.checkpoint.weights import load_model_weights
-from shardtrain.config.loader import to_yaml
+from shardtrain.config.compose import to_yaml
 from shardtrain.config.plan import check_world
 from shardtrain.config.schema import Config
 from shardtrain.data.batches import BatchLayout, SampleSource, TrainBatches, eval_batches
@@ -217,6 +217,9 @@ class Trainer:
         self.info(f"task {type(self.task).__name__}; data: {self.task.describe()}; global batch "
                   f"{self.layout.global_batch} samples ({t.micro_batch_size} per micro-batch x "
                   f"{t.grad_accum_steps} micro-batches x {env.world_size} ranks)")
+        self.info(f"config: every key, resolved, in {Path(self.cfg.run.dir) / 'config.yaml'}")
+        if self.throughput.peak_flops is None:
+            self.info(f"MFU is not reported: no peak FLOP/s is known for this device ({env.device.type})")
         diag = self.cfg.diagnostics
         if diag.enabled or diag.dry_run:
             self.info("\n".join(settings_lines(self.cfg, b.plan, b.report, env)))

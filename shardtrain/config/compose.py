@@ -1,0 +1,172 @@
+"""Compose a run's configuration: schema defaults <- YAML presets <- ``key=value`` overrides.
+
+Uses hydra-core's compose API over the presets shipped in ``presets/`` and checks the result against
+the dataclass schema: an unknown key or group option, a value of the wrong type or out of bounds, a
+path that does not exist or an impossible combination is a ``ConfigError`` that names the key and
+suggests the closest valid one.
+
+Nothing here imports torch (a test holds it to that): the config's own mistakes are answered in a
+fraction of a second. ``keys`` knows the names an override may use; ``loader`` checks next what
+needs torch, the devices or the task's code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from shardtrain.config.keys import PRESETS_DIR, check_overrides, schema_keys
+from shardtrain.config.schema import Config
+from shardtrain.config.strategy import check_strategy_names
+from shardtrain.config.suggest import closest
+from shardtrain.errors import ConfigError
+
+
+def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The config these overrides make, checked on its own (``loader.load_config`` goes on to check
+    it against the code it names and the devices)."""
+    overrides = check_overrides(overrides)
+    # The schema is the base of config.yaml's defaults list, so every section exists and is typed.
+    ConfigStore.instance().store(name="shardtrain_schema", node=Config)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(PRESETS_DIR), version_base=None):
+            composed = compose(config_name="config", overrides=overrides)
+    except HydraException as exc:
+        # Hydra wraps the OmegaConf type error; its cause says which value did not convert.
+        cause = exc.__cause__
+        detail = str(cause).splitlines()[0] if cause is not None else str(exc)
+        raise ConfigError(f"invalid override: {exc.args[0] if exc.args else exc}: {detail}") from exc
+    finally:
+        GlobalHydra.instance().clear()
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), composed)
+        cfg: Config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        message = str(exc).splitlines()[0]
+        raise ConfigError(f"invalid value for {key}: {message}") from exc
+    check_config(cfg)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def config_hash(cfg: Config) -> str:
+    return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()[:16]
+
+
+def check_ranges(cfg: Any, cls: type = Config, prefix: str = "") -> None:
+    """Every key against the bounds declared beside it in the schema (``knob(...)``); also a
+    task's options (``cls``: its Options, ``prefix`` "task.")."""
+    for key, f in schema_keys(cls).items():
+        if not f.metadata:
+            continue
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        key = prefix + key
+        low, above, high, choices = (f.metadata.get(k) for k in ("at_least", "above", "at_most", "one_of"))
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{key}={value!r} is unknown{closest(str(value), choices)}; choose one of "
+                              f"{', '.join(choices)}")
+        if low is not None and high is not None and not low <= value <= high:
+            raise ConfigError(f"{key}={value} must be between {low} and {high:g}")
+        if low is not None and value < low:
+            raise ConfigError(f"{key}={value} " + ("must not be negative" if low == 0 else
+                                                   f"must be at least {low}"))
+        if above is not None and value <= above:
+            raise ConfigError(f"{key}={value} must be greater than {above}")
+
+
+def check_model(cfg: Config) -> None:
+    """The model section: a Hugging Face directory that exists, or the built-in model's shape."""
+    m, seq_len = cfg.model, cfg.trainer.seq_len
+    if m.tokenizer not in ("auto", "bytes") and not Path(m.tokenizer).expanduser().exists():
+        raise ConfigError(f"model.tokenizer={m.tokenizer!r} does not exist; use auto (the model's own), "
+                          "bytes, or a tokenizer.json file or the directory holding one")
+    if m.name == "hf":
+        if not m.path:
+            raise ConfigError("model.name=hf needs model.path=DIR, a local Hugging Face model directory "
+                              "(config.json, safetensors weights, tokenizer.json)")
+        config_file = Path(m.path).expanduser() / "config.json"
+        if not config_file.is_file():
+            raise ConfigError(f"model.path={m.path!r} has no config.json (nothing is downloaded: "
+                              "point it at a directory written by save_pretrained)")
+        try:
+            hf = json.loads(config_file.read_text())
+        except ValueError as exc:
+            raise ConfigError(f"{config_file} is not valid JSON ({exc})") from exc
+        positions = hf.get("max_position_embeddings") or hf.get("n_positions")
+        if positions and seq_len > positions:
+            raise ConfigError(f"trainer.seq_len={seq_len} exceeds the model's {positions} positions "
+                              f"({config_file}); lower trainer.seq_len")
+        return
+    if m.path:
+        raise ConfigError(f"model.path={m.path!r} is read with model.name=hf only (a Hugging Face model "
+                          "directory); add model=hf, or drop model.path for the built-in model")
+    if m.tokenizer in ("auto", "bytes") and m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is too small for byte-level data "
+                          "(256 token ids); use at least 256")
+    if seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"trainer.seq_len={seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
+            "lower trainer.seq_len or raise model.max_seq_len"
+        )
+    if m.dim % m.n_heads or m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"model.dim={m.dim}, model.n_heads={m.n_heads} and model.n_kv_heads={m.n_kv_heads}: dim "
+            "must divide by n_heads and n_heads by n_kv_heads"
+        )
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError("model.dim / model.n_heads (the head size) must be even for RoPE")
+
+
+def devices_count(devices: Any) -> int | None:
+    """``trainer.devices`` as an int, or None for "auto"."""
+    if devices == "auto":
+        return None
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
+        return devices
+    if isinstance(devices, str) and devices.isdigit() and int(devices) >= 1:
+        return int(devices)
+    raise ConfigError(f"trainer.devices={devices!r} must be 'auto' or a positive int")
+
+
+def check_config(cfg: Config) -> None:
+    """Everything the config and the files it names can tell."""
+    cfg.dist.debug = str(cfg.dist.debug).upper()
+    check_ranges(cfg)
+    devices_count(cfg.trainer.devices)
+    if cfg.data.source in ("files", "prepared"):
+        for entry in cfg.data.paths:
+            if not any(ch in entry for ch in "*?[") and not Path(entry).expanduser().exists():
+                raise ConfigError(f"data path {entry!r} does not exist; fix data.paths")
+    weights = cfg.data.weights
+    if weights and (cfg.data.source != "prepared" or len(weights) != len(cfg.data.paths)
+                    or not all(isinstance(w, (int, float)) and w > 0 for w in weights)):
+        raise ConfigError(f"data.weights={list(weights)}: one positive weight per prepared dataset in "
+                          f"data.paths ({len(cfg.data.paths)} given), with data.source=prepared")
+    if cfg.data.cache_dir != "auto" and Path(cfg.data.cache_dir).expanduser().is_file():
+        raise ConfigError(f"data.cache_dir={cfg.data.cache_dir!r} is a file; name a directory (or auto)")
+    check_model(cfg)
+    for name in cfg.checkpoint.preemption_signals:
+        if not isinstance(getattr(signal, str(name), None), signal.Signals):
+            raise ConfigError(f"checkpoint.preemption_signals: {name!r} is not a signal name like 'SIGTERM'")
+        if name in ("SIGKILL", "SIGSTOP"):
+            raise ConfigError(
+                f"checkpoint.preemption_signals: {name} cannot be caught; use SIGTERM or SIGUSR1"
+            )
+    check_strategy_names(cfg.strategy)

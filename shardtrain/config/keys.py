@@ -1,0 +1,83 @@
+"""What a ``key=value`` override may name: the schema's keys and the presets' groups, with their
+aliases; an override naming anything else is a ConfigError suggesting the closest valid name.
+
+The first check the command line makes, so a misspelt key is answered before anything heavier than
+the schema is imported (hydra, then torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from shardtrain.config.schema import Config
+from shardtrain.config.suggest import closest
+from shardtrain.errors import ConfigError
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+GROUPS = ("model", "strategy", "data", "experiment")
+# Names that cannot be dataclass fields (Python keywords) -> their schema field.
+ALIASES = {"checkpoint.async": "checkpoint.async_save"}
+
+
+def apply_aliases(override: str) -> str:
+    prefix = override[: len(override) - len(override.lstrip("+~"))]
+    key, sep, value = override[len(prefix):].partition("=")
+    return prefix + ALIASES.get(key, key) + sep + value
+
+
+def task_override(override: str) -> str:
+    """``task=X`` sets the task's path; ``task.NAME=V`` one of its options (checked in
+    ``check_task`` against the task's Options, once the task is known)."""
+    key, sep, value = override.partition("=")
+    bare = key.lstrip("+~")
+    if bare == "task" and sep:
+        return f"task.path={value}"
+    if bare.startswith("task.") and bare not in ("task.path", "task.options") and sep:
+        return f"++task.options.{bare.removeprefix('task.').removeprefix('options.')}={value}"
+    return override
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (PRESETS_DIR / group).glob("*.yaml"))
+
+
+def schema_keys(cls: type = Config, prefix: str = "") -> dict[str, Any]:
+    """Every dotted key of the schema, mapped to its field (sections included)."""
+    keys: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        keys[key] = f
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not
+                                    dataclasses.MISSING else None):
+            keys.update(schema_keys(f.default_factory, key + "."))
+    return keys
+
+
+def check_override(override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(
+            f"argument {override!r} is not a key=value override (example: trainer.max_steps=100)"
+        )
+    key = override.split("=", 1)[0].lstrip("+~")
+    value = override.split("=", 1)[1]
+    if key in GROUPS:
+        options = group_options(key)
+        if value not in options and value != "null":
+            raise ConfigError(
+                f"{key}={value!r} is not a preset{closest(value, options)}; "
+                f"available in {key}/: {', '.join(options)}"
+            )
+        return
+    keys = schema_keys()
+    if key not in keys and not key.startswith("task.options."):
+        raise ConfigError(f"unknown config key {key!r}{closest(key, list(keys) + list(GROUPS))}")
+
+
+def check_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """The overrides in the schema's spelling (aliases, task options), each naming a key or preset."""
+    spelled = [task_override(apply_aliases(o)) for o in overrides]
+    for override in spelled:
+        check_override(override)
+    return spelled

@@ -1,0 +1,102 @@
+"""The strategy section's vocabulary, checked by name alone: sharding strategies (FSDP1 names),
+precision presets, dtypes, activation checkpointing modes.
+
+No torch here, so a misspelt strategy is answered as fast as any other config typo; ``plan`` turns
+these names into a sharding plan for the world and the devices the launch has.
+"""
+
+from __future__ import annotations
+
+from shardtrain.config.schema import StrategyConfig
+from shardtrain.config.suggest import closest
+from shardtrain.errors import ConfigError
+
+# FSDP1 name -> (hybrid mesh?, reshard parameters after forward?). NO_SHARD is a 2-D mesh whose
+# shard groups have size 1: every rank holds everything and gradients are all-reduced (DDP).
+STRATEGIES: dict[str, tuple[bool, bool]] = {
+    "FULL_SHARD": (False, True),
+    "SHARD_GRAD_OP": (False, False),
+    "NO_SHARD": (True, False),
+    "HYBRID_SHARD": (True, True),
+    "HYBRID_SHARD_ZERO2": (True, False),
+}
+
+# The dtypes a strategy may name (plan.DTYPES maps them to torch's).
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+
+# preset -> (storage dtype, param dtype in forward/backward, gradient reduce dtype)
+PRECISION_PRESETS: dict[str, tuple[str, str, str]] = {
+    "fp32": ("fp32", "fp32", "fp32"),
+    "bf16-mixed": ("fp32", "bf16", "fp32"),
+    "bf16-pure": ("bf16", "bf16", "bf16"),
+}
+
+AC_MODES = ("none", "all", "every_k")
+
+
+def normalize_strategy_name(name: str) -> str:
+    key = str(name).strip().upper().replace("-", "_")
+    if key not in STRATEGIES:
+        raise ConfigError(
+            f"strategy.sharding_strategy={name!r} is not a sharding strategy"
+            f"{closest(key, STRATEGIES)}; choose one of {', '.join(STRATEGIES)}"
+        )
+    return key
+
+
+def precision_preset(name: str) -> str:
+    """``strategy.mixed_precision`` checked and lower-cased: a preset, or ``auto`` (which only the
+    devices decide: ``plan.resolve_precision``)."""
+    preset = name.lower()
+    if preset != "auto" and preset not in PRECISION_PRESETS:
+        raise ConfigError(
+            f"strategy.mixed_precision={name!r} is unknown"
+            f"{closest(preset, PRECISION_PRESETS)}; choose auto or one of {', '.join(PRECISION_PRESETS)}"
+        )
+    return preset
+
+
+def check_compute_dtype(key: str, value: str) -> str:
+    """``strategy.param_dtype`` or ``strategy.reduce_dtype`` (``key``): a dtype training can use."""
+    if value not in DTYPE_NAMES:
+        raise ConfigError(f"strategy.{key}={value!r} must be one of {', '.join(DTYPE_NAMES)}")
+    if value == "fp16":  # fp16 stays a dtype name for casting exported weights, not for training
+        raise ConfigError(
+            f"strategy.{key}=fp16 needs loss scaling (fp16 gradients underflow to zero silently), "
+            "which shardtrain does not implement; use bf16 (strategy.mixed_precision=bf16-mixed)"
+        )
+    return value
+
+
+def checkpointing_mode(cfg: StrategyConfig) -> str:
+    ac = cfg.activation_checkpointing.lower()
+    if ac not in AC_MODES:
+        raise ConfigError(
+            f"strategy.activation_checkpointing={cfg.activation_checkpointing!r} must be one of "
+            f"{', '.join(AC_MODES)}"
+        )
+    if ac == "every_k" and cfg.activation_checkpointing_every < 1:
+        raise ConfigError("strategy.activation_checkpointing_every must be at least 1")
+    return ac
+
+
+def reshard_setting(value: object) -> bool | int | None:
+    """``strategy.reshard_after_forward`` as given: null, a bool, or a positive int (whether the int
+    divides the shard group is the plan's to check, once the world size is known)."""
+    if value is None or isinstance(value, bool) or (isinstance(value, int) and value > 0):
+        return value
+    raise ConfigError(
+        f"strategy.reshard_after_forward={value!r} must be null, true, false or a positive int"
+    )
+
+
+def check_strategy_names(cfg: StrategyConfig) -> None:
+    """Every name in the strategy section; what depends on the world size or the devices (group
+    sizes, ``auto`` precision) is checked when the plan is resolved."""
+    normalize_strategy_name(cfg.sharding_strategy)
+    reshard_setting(cfg.reshard_after_forward)
+    precision_preset(cfg.mixed_precision)
+    for key in ("param_dtype", "reduce_dtype"):
+        if getattr(cfg, key) is not None:
+            check_compute_dtype(key, getattr(cfg, key))
+    checkpointing_mode(cfg)
