@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 
 from shardtrain.report.panels import Bars, Line, Panel
 
-SIZE_INCHES = (10.0, 3.8)
+SIZE_INCHES = (10.0, 4.2)
 DPI = 100
 # Runs are told apart by colour; what a line is, by its style.
 RUN_COLOURS = [matplotlib.colors.to_hex(c) for c in matplotlib.colormaps["tab10"].colors]
@@ -103,8 +103,9 @@ def draw_panel(panel: Panel, colours: dict[str, str]) -> Figure:
     if panel.empty:
         ax.text(0.5, 0.5, "not logged by these runs", transform=ax.transAxes, ha="center",
                 va="center", color="#777777")
-    if ax.get_legend_handles_labels()[0]:
-        figure.legend(loc="outside right upper", fontsize=8, frameon=False)
+    handles = ax.get_legend_handles_labels()[0]
+    if handles:  # below the axes: the plot keeps the figure's width whatever the labels' length
+        figure.legend(loc="outside lower center", ncols=min(len(handles), 3), fontsize=8, frameon=False)
     return figure
 
 

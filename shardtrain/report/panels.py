@@ -104,11 +104,10 @@ def start_markers(run: Run, to_x=lambda step: step) -> list[Marker]:
         if index == 0 and start.resumed_from is None and start.restart_count == 0:
             continue  # the run's own beginning
         kind = "restart" if start.restart_count else "resume"
-        what = (f"resumed at step {start.step} from {start.resumed_from.rsplit('/', 1)[-1]}"
+        what = (f"resumed at step {start.step} ({start.resumed_from.rstrip('/').rsplit('/', 1)[-1]})"
                 if start.resumed_from else f"started over at step {start.step}")
-        restart = f"torchrun restart {start.restart_count}: " if start.restart_count else ""
-        world = f" (world size {start.world_size})" if start.world_size else ""
-        markers.append(Marker(run.name, to_x(start.step), kind, f"{run.name}: {restart}{what}{world}"))
+        restart = f"torchrun restart {start.restart_count}, " if start.restart_count else ""
+        markers.append(Marker(run.name, to_x(start.step), kind, f"{run.name}: {restart}{what}"))
     return markers
 
 
