@@ -33,6 +33,10 @@ task (examples/tasks/vit.py's vision transformer) against a hand-written FSDP2 l
 model and loss.
 cli (about 1 minute): how long the ``shardtrain`` command takes to answer ``--help``, a config typo and
 bad arguments (each a one-line error), median of several runs, against ``python -c "import torch"``.
+report (only with ``--only report``, about 3 minutes; needs Chromium, /usr/bin/chromium): three runs
+(one restarted by torchrun after a killed rank, one with another learning rate, one of 1,000 steps),
+``shardtrain report`` timed on them, the page screenshotted by headless Chromium, the screenshot
+checked not blank and kept as docs/images/report.png.
 soak (only with ``--only soak``, about 5 minutes): benchmarks/soak_worker.py, 2,000 steps with an
 async checkpoint every 10 steps; resident memory, threads, open files and disk use over the run.
 Each rewrites its own section of docs/benchmarks.md (scaling: also docs/scaling.md) with the
@@ -56,8 +60,10 @@ import time
 from pathlib import Path
 
 import torch
+from PIL import Image  # matplotlib's own dependency
 
 from shardtrain.config.loader import load_config
+from shardtrain.report.figures import RUN_COLOURS
 from shardtrain.train.simulate import simulate, simulation_rows, simulation_table
 
 ROOT = Path(__file__).parent.parent
@@ -90,6 +96,9 @@ CLI_CASES = [
     (["consolidate", "no/such/checkpoint", "out.safetensors"], 2),
     (["inspect", "no/such/checkpoint"], 2),
 ]
+REPORT_BEGIN, REPORT_END = "<!-- report:begin -->", "<!-- report:end -->"
+REPORT_SCREENSHOT = ROOT / "docs" / "images" / "report.png"
+CHROMIUM = "/usr/bin/chromium"
 HF_SPEED_CASES = [(1, "fp32"), (2, "fp32"), (1, "bf16-mixed")]
 E2E_CASES = [(1, "fp32"), (1, "bf16-mixed"), (2, "fp32"), (2, "bf16-mixed")]
 E2E_PROGRAMS = ["handwritten", "lightning", "shardtrain"]
@@ -875,6 +884,104 @@ the first (largest {max(steady):.2f}%; the first record, whose first step makes 
 {DATA_END}"""
 
 
+REPORT_TRAIN = ["train", "experiment=quick", "trainer.sample_tokens=0", "trainer.eval_every=10",
+                "trainer.log_every=2", "trainer.max_steps=60", "checkpoint.interval=20", "trainer.devices=2"]
+
+
+def screenshot(page: Path, out: Path, width: int = 1400, height: int = 3000) -> None:
+    """``page`` as headless Chromium draws it (no network, no GPU, a throwaway profile)."""
+    if not Path(CHROMIUM).exists():
+        raise SystemExit(f"--only report needs Chromium at {CHROMIUM} (Debian: apt-get install chromium)")
+    with tempfile.TemporaryDirectory() as profile:
+        proc = subprocess.run(
+            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--hide-scrollbars", "--force-color-profile=srgb", f"--user-data-dir={profile}",
+             f"--screenshot={out}", f"--window-size={width},{height}", page.resolve().as_uri()],
+            capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0 or not out.is_file():
+        raise SystemExit(f"chromium did not write a screenshot:\n{proc.stderr[-3000:]}")
+
+
+def screenshot_check(path: Path, run_colours: list[str]) -> dict:
+    """What the screenshot holds: distinct colours, and pixels drawn in each run's colour (the
+    figures' lines: a page whose images did not render has none)."""
+    image = Image.open(path).convert("RGB")
+    counts = {colour: n for n, colour in image.getcolors(maxcolors=image.width * image.height)}
+    wanted = {hex_colour: tuple(int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)) for hex_colour in run_colours}
+    result = {"size": image.size, "distinct_colours": len(counts),
+              "largest_share": max(counts.values()) / (image.width * image.height),
+              "run_colour_pixels": {h: counts.get(rgb, 0) for h, rgb in wanted.items()}}
+    if result["distinct_colours"] < 100 or min(result["run_colour_pixels"].values()) < 500:
+        raise SystemExit(f"the screenshot {path} looks blank or without its figures: {result}")
+    return result
+
+
+def keep_small(screenshot_path: Path, out: Path, width: int = 900) -> None:
+    """The screenshot for the docs: scaled to ``width`` and reduced to a 128-colour palette."""
+    image = Image.open(screenshot_path).convert("RGB")
+    image = image.resize((width, round(image.height * width / image.width)), Image.LANCZOS)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    image.quantize(colors=128).save(out, optimize=True)
+
+
+def report_section(command: str, repeats: int = 3) -> str:
+    """Runs made here, `shardtrain report` timed on them, its page screenshotted and checked."""
+    with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
+        work = Path(workdir)
+        restarted, lower, long = work / "restarted", work / "lower_lr", work / "long"
+        # Rank 1 is killed at step 33 of the first attempt: torchrun restarts both ranks, which
+        # resume from step-20 and log steps 22-32 again.
+        killed = {"SHARDTRAIN_FAULT": "step:1:33:kill:0"}
+        subprocess.run([sys.executable, "-m", "shardtrain", *REPORT_TRAIN, "trainer.max_restarts=1",
+                        "checkpoint.async_save=true", f"run.dir={restarted}"], check=True,
+                       capture_output=True, env={**os.environ, **killed}, timeout=900)
+        cli_seconds(*REPORT_TRAIN, "trainer.lr=0.001", f"run.dir={lower}")
+        cli_seconds("train", "experiment=quick", "trainer.sample_tokens=0", "trainer.max_steps=1000",
+                    "trainer.log_every=1", "trainer.eval_every=100", "checkpoint.interval=250",
+                    f"run.dir={long}")
+        records = {run.name: sum(1 for _ in open(run / "metrics.jsonl")) for run in (restarted, lower, long)}
+        page = work / "report.html"
+        load = os.getloadavg()[0]  # the timings below are only as quiet as the machine was
+        pair = min(cli_seconds("report", str(restarted), str(lower), "--out", str(page))
+                   for _ in range(repeats))
+        single_long = min(cli_seconds("report", str(long), "--out", str(work / "long.html"))
+                          for _ in range(repeats))
+        shot = work / "screenshot.png"
+        start = time.perf_counter()
+        screenshot(page, shot)
+        shot_s = time.perf_counter() - start
+        check = screenshot_check(shot, RUN_COLOURS[:2])
+        keep_small(shot, REPORT_SCREENSHOT)
+        page_kib = page.stat().st_size / 1024
+        chromium = subprocess.run([CHROMIUM, "--version"], capture_output=True, text=True).stdout.strip()
+    pixels = ", ".join(f"{colour}: {n:,}" for colour, n in check["run_colour_pixels"].items())
+    return f"""{REPORT_BEGIN}
+## Run report
+
+`{command}` on {machine()}, {datetime.date.today()}; {chromium}.
+
+Runs made for it (`experiment=quick`, 2 processes, 60 steps, a record every 2): `restarted` (rank 1
+killed at step 33, torchrun restarts both ranks, they resume from step-20; async checkpoints) with
+{records['restarted']} metrics lines, `lower_lr` (`trainer.lr=0.001`) with {records['lower_lr']}, and `long` (1 process,
+1,000 steps, a record every step) with {records['long']:,}.
+
+Load average when the timing started: {load:.1f} on {os.cpu_count()} cores.
+
+| `shardtrain report` (whole command, fastest of {repeats}) | seconds |
+| --- | --- |
+| `restarted` + `lower_lr` overlaid (10 panels, 10 PNGs, page {page_kib:,.0f} KiB) | {pair:.2f} |
+| `long` alone | {single_long:.2f} |
+
+Headless Chromium (`--headless --screenshot --window-size=1400,3000`, network off) drew the page in
+{shot_s:.1f} s: {check['distinct_colours']:,} distinct colours, the most common (the background)
+{check['largest_share']:.0%} of the pixels; pixels in the two runs' line colours: {pixels}
+(checked: at least 100 colours and 500 pixels of each run's colour, or the benchmark fails). The
+screenshot, scaled to 900 pixels wide, is [docs/images/report.png](images/report.png), shown in
+[report.md](report.md).
+{REPORT_END}"""
+
+
 def lightning_version() -> str:
     try:
         from importlib.metadata import version
@@ -888,7 +995,7 @@ def main() -> None:
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--only", choices=["training", "checkpoint", "generation", "generation-modes",
                                            "init", "scaling", "soak", "gpu", "e2e", "profile", "hf",
-                                           "data", "task", "checksum", "cli"],
+                                           "data", "task", "checksum", "cli", "report"],
                         default=None)
     parser.add_argument("--rounds", type=int, default=3, help="--only e2e: alternating rounds")
     parser.add_argument("--gpu-variants", nargs="+", choices=list(GPU_VARIANT_NAMES),
@@ -942,6 +1049,8 @@ def main() -> None:
         write_section(DATA_BEGIN, DATA_END, data_section("python benchmarks/run.py --only data"))
     if args.only in (None, "hf"):
         write_section(HF_BEGIN, HF_END, hf_section("python benchmarks/run.py --only hf"))
+    if args.only == "report":
+        write_section(REPORT_BEGIN, REPORT_END, report_section("python benchmarks/run.py --only report"))
     if args.only == "soak":
         with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
             soak = run_torchrun(2, "soak_worker.py", [str(Path(workdir) / "soak"), "2000"])

@@ -27,3 +27,7 @@ class CheckpointError(ShardtrainError):
 
 class GenerationError(ShardtrainError):
     """A generation request the model cannot serve (e.g. longer than its context)."""
+
+
+class ReportError(ShardtrainError):
+    """A run directory ``shardtrain report`` cannot read (missing, no metrics, nothing logged yet)."""

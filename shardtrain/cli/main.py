@@ -349,6 +349,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0 if report.complete else 1
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never a display, whatever MPLBACKEND says
+    from shardtrain.report.html import write_report
+
+    report = write_report(args.run_dirs, args.out, args.png_dir)
+    print(f"{report.html_path}: {len(report.runs)} run(s), {len(report.panels)} panels "
+          f"({len(report.png_paths)} PNGs in {report.png_paths[0].parent})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardtrain",
@@ -471,6 +483,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --simulate: simulate every layer instead of two probe depths")
     plan.add_argument("--markdown", action="store_true", help="with --simulate: a markdown table")
 
+    rep = sub.add_parser(
+        "report", help="plot runs: losses, throughput, memory, data wait, gradients, checkpoints",
+        description="One self-contained HTML page (no network needed to view it) and a PNG per "
+        "panel, from each run directory's metrics.jsonl and config.yaml; several runs are overlaid "
+        "with their config differences listed. Works on a running or resumed run (docs/report.md).")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run.dir of each training run")
+    rep.add_argument("--out", default="report.html", help="the HTML file to write (default report.html)")
+    rep.add_argument("--png-dir", default=None,
+                     help="where the PNGs go (default: <out without .html>_files/ beside the page)")
+
     insp = sub.add_parser("inspect", help="describe a checkpoint and check that it is whole",
                           description="Exit status 0 when complete with no problem found, else 1.")
     insp.add_argument("path", help="checkpoint directory, .safetensors file or index .json")
@@ -499,6 +521,8 @@ def run_command(args: argparse.Namespace, argv: list[str] | None) -> int:
             return cmd_prepare(args)
         if args.command == "inspect":
             return cmd_inspect(args)
+        if args.command == "report":
+            return cmd_report(args)
         if args.command == "plan":
             return cmd_plan(args)
         if args.command == "export-hf":

@@ -29,7 +29,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("tasks", ["shardtrain.tasks"]),
     ("distributed", ["shardtrain.distributed"]),
     ("checkpoint", ["shardtrain.checkpoint"]),
-    ("diagnostics", ["shardtrain.diagnostics"]),
+    # shardtrain.report reads what runs wrote (metrics.jsonl, config.yaml) and draws it.
+    ("diagnostics", ["shardtrain.diagnostics", "shardtrain.report"]),
     ("generation", ["shardtrain.generation"]),
     ("export", ["shardtrain.export"]),
     ("train", ["shardtrain.train"]),

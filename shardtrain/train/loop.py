@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -208,6 +209,14 @@ class Trainer:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(self.cfg))
 
+    def write_start_record(self) -> None:
+        """Where this attempt starts: ``shardtrain report`` marks resumes and restarts with it, and
+        drops what an abandoned attempt logged after the step this one resumed from."""
+        self.writer.write(self.step, "start", {
+            "resumed": self.result.resumed_from is not None, "resumed_from": self.result.resumed_from,
+            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "world_size": self.env.world_size})
+
     def log_setup(self) -> None:
         t, env, b = self.cfg.trainer, self.env, self.built
         n_params = sum(p.numel() for p in b.model.parameters())
@@ -230,6 +239,7 @@ class Trainer:
         t = self.cfg.trainer
         try:
             self.write_run_files()
+            self.write_start_record()
             self.log_setup()
             if self.step >= t.max_steps:
                 self.info(f"nothing to do: step {self.step} >= trainer.max_steps={t.max_steps}")

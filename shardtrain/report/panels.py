@@ -1,0 +1,257 @@
+"""What each panel of the report plots, as plain data: runs -> panels of lines, markers and bars.
+
+Pure (no drawing): the same panels are drawn by ``figures`` and written into the HTML as JSON, so
+what a reader sees and what a program reads back are one thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shardtrain.report.runs import Run, finite_or_none
+
+PHASES = ("forward", "backward", "optimizer", "end")
+STATE_PARTS = ("params", "grads", "optimizer")
+# Throughput fields, most telling first: a task's own count per second (tokens for a language
+# model, `<unit>_per_s`), else samples per second.
+SAMPLES_RATE = "samples_per_s"
+
+
+@dataclass
+class Line:
+    """One plotted series of one run. ``style``: ``line`` (joined), ``marked`` (dashed, each point
+    marked: sparse values such as the validation loss), ``points`` (markers only: events)."""
+
+    run: str
+    label: str
+    x: list[float]
+    y: list[float | None]
+    style: str = "line"
+
+
+@dataclass
+class Marker:
+    """A vertical marker at ``x``: an attempt that started there (``resume``, ``restart``) or a
+    step whose update was skipped (``skip``)."""
+
+    run: str
+    x: float
+    kind: str
+    label: str
+
+
+@dataclass
+class Level:
+    """A horizontal reference (the gradient clipping threshold)."""
+
+    run: str
+    y: float
+    label: str
+
+
+@dataclass
+class Bars:
+    """Stacked bars: for each group (phase) and run, one segment per part, in MiB."""
+
+    groups: list[str]
+    parts: list[str]
+    values: dict[str, dict[str, list[float]]]  # run -> part -> one value per group
+    step: dict[str, int]  # run -> the step of the record shown
+
+
+@dataclass
+class Panel:
+    id: str
+    title: str
+    xlabel: str
+    ylabel: str
+    lines: list[Line] = field(default_factory=list)
+    markers: list[Marker] = field(default_factory=list)
+    levels: list[Level] = field(default_factory=list)
+    bars: Bars | None = None
+    note: str = ""
+    log_y: bool = False
+    zero_based: bool = False  # the y axis starts at 0 (amounts: rates, seconds, MiB)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.lines or self.bars)
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def rate_key(runs: list[Run]) -> str:
+    """The throughput field: tokens_per_s, another task unit's ``<unit>_per_s``, else samples_per_s."""
+    keys = {k for run in runs for r in run.of("train") for k in r if k.endswith("_per_s")}
+    if "tokens_per_s" in keys:
+        return "tokens_per_s"
+    others = sorted(keys - {SAMPLES_RATE})
+    return others[0] if others else SAMPLES_RATE
+
+
+def unit_of(key: str) -> str:
+    return key.removesuffix("_per_s")
+
+
+def start_markers(run: Run, to_x=lambda step: step) -> list[Marker]:
+    """Each attempt after the first: where it resumed from (or that it started over)."""
+    markers = []
+    for index, start in enumerate(run.starts):
+        if index == 0 and start.resumed_from is None and start.restart_count == 0:
+            continue  # the run's own beginning
+        kind = "restart" if start.restart_count else "resume"
+        what = (f"resumed at step {start.step} ({start.resumed_from.rstrip('/').rsplit('/', 1)[-1]})"
+                if start.resumed_from else f"started over at step {start.step}")
+        restart = f"torchrun restart {start.restart_count}, " if start.restart_count else ""
+        markers.append(Marker(run.name, to_x(start.step), kind, f"{run.name}: {restart}{what}"))
+    return markers
+
+
+def skip_markers(run: Run) -> list[Marker]:
+    return [Marker(run.name, r["step"], "skip", f"{run.name}: step {r['step']} skipped (non-finite)")
+            for r in run.of("skip")]
+
+
+def steps_to_tokens(run: Run):
+    """Tokens seen at any step: the logged counts, joined linearly (a validation point or a resume
+    between two logged records has no count of its own)."""
+    steps, tokens = run.values("train", "tokens_seen")
+    known = [(s, t) for s, t in zip(steps, tokens) if t is not None]
+    xs = np.array([0.0] + [s for s, _ in known])
+    ys = np.array([0.0] + [t for _, t in known])
+    return lambda step: float(np.interp(step, xs, ys))
+
+
+def series_panel(runs: list[Run], panel_id: str, title: str, ylabel: str, key: str,
+                 scale: float = 1.0, zero_based: bool = True) -> Panel:
+    """One line per run of ``key`` against the step, with the attempts' starts marked."""
+    panel = Panel(panel_id, title, "step", ylabel, zero_based=zero_based)
+    for run in runs:
+        steps, values = run.values("train", key)
+        if any(v is not None for v in values):
+            panel.lines.append(Line(run.name, key, steps,
+                                    [None if v is None else v * scale for v in values]))
+        panel.markers += start_markers(run)
+    return panel
+
+
+def loss_panels(runs: list[Run]) -> list[Panel]:
+    by_step = Panel("loss_steps", "Loss against steps", "step", "loss (per target token)")
+    by_tokens = Panel("loss_tokens", "Loss against tokens seen", "tokens seen", "loss (per target token)")
+    for run in runs:
+        tokens_at = steps_to_tokens(run)
+        for key, style in (("loss", "line"), ("val_loss", "marked")):
+            steps, values = run.values("train", key)
+            if not steps:
+                continue
+            by_step.lines.append(Line(run.name, key, steps, values, style))
+            by_tokens.lines.append(Line(run.name, key, [tokens_at(s) for s in steps], values, style))
+        by_step.markers += start_markers(run) + skip_markers(run)
+        by_tokens.markers += start_markers(run, tokens_at)
+    return [by_step, by_tokens]
+
+
+def mfu_panel(runs: list[Run]) -> Panel:
+    """MFU in percent; where no run knows its device's peak, the model's TFLOP/s instead."""
+    if any(v is not None for run in runs for v in run.values("train", "mfu")[1]):
+        return series_panel(runs, "mfu", "Model FLOP/s utilisation", "MFU (%)", "mfu", scale=100)
+    panel = series_panel(runs, "mfu", "Model TFLOP/s (MFU unknown: no peak for this device)",
+                         "model TFLOP/s (all ranks)", "model_tflops")
+    panel.note = ("MFU needs the device's peak FLOP/s, unknown on a CPU or an unlisted accelerator "
+                  "(docs/metrics.md); the model's achieved TFLOP/s is drawn instead.")
+    return panel
+
+
+def memory_phase_panel(runs: list[Run]) -> Panel:
+    """Each phase of a step: the bytes of the sharded parameters, gradients and optimizer state, and
+    the rest of the phase's peak (accelerator: the allocator's peak; CPU: the process's RSS)."""
+    panel = Panel("memory_phases", "Memory by phase of a step (rank 0)", "phase", "MiB")
+    values: dict[str, dict[str, list[float]]] = {}
+    steps: dict[str, int] = {}
+    rest_parts = set()
+    for run in runs:
+        records = run.of("memory")
+        if not records:
+            continue
+        record = records[-1]  # the latest: optimizer state exists and the allocator is warm
+        accelerator = any(k.endswith(".peak_allocated_mib") for k in record)
+        total_key, rest = (("peak_allocated_mib", "activations and temporaries (allocator peak)")
+                           if accelerator else ("rss_mib", "rest of the process (resident set)"))
+        rest_parts.add(rest)
+        parts: dict[str, list[float]] = {part: [] for part in (*STATE_PARTS, rest)}
+        for phase in PHASES:
+            state = [float(record.get(f"{phase}.{part}_mib") or 0.0) for part in STATE_PARTS]
+            total = float(record.get(f"{phase}.{total_key}") or 0.0)
+            for part, value in zip(STATE_PARTS, state):
+                parts[part].append(value)
+            parts[rest].append(max(total - sum(state), 0.0))
+        values[run.name] = parts
+        steps[run.name] = record["step"]
+    if values:
+        all_parts = [*STATE_PARTS, *sorted(rest_parts)]
+        for parts in values.values():
+            for part in all_parts:
+                parts.setdefault(part, [0.0] * len(PHASES))
+        panel.bars = Bars(list(PHASES), all_parts, values, steps)
+        panel.note = ("From the latest `memory` record of each run (diagnostics.steps first steps of "
+                      "each attempt): " + ", ".join(f"{name} step {s}" for name, s in steps.items()) + ".")
+    return panel
+
+
+def grad_norm_panel(runs: list[Run]) -> Panel:
+    """The global gradient norm before clipping, the clipping threshold, and the logged steps where
+    the norm was above it (their update was scaled down to the threshold)."""
+    panel = series_panel(runs, "grad_norm", "Gradient norm (before clipping)", "global L2 norm",
+                         "grad_norm", zero_based=False)
+    for run in runs:
+        clip = finite_or_none(run.config.get("trainer.grad_clip_norm"))
+        if not clip or clip <= 0:
+            continue
+        panel.levels.append(Level(run.name, clip, f"{run.name}: clip at {clip:g}"))
+        steps, norms = run.values("train", "grad_norm")
+        clipped = [(s, n) for s, n in zip(steps, norms) if n is not None and n > clip]
+        if clipped:
+            panel.lines.append(Line(run.name, "clipped", [s for s, _ in clipped], [n for _, n in clipped],
+                                    "points"))
+    norms = [v for line in panel.lines for v in line.y if v]
+    panel.log_y = bool(norms) and max(norms) / min(norms) > 30
+    panel.note = ("The norm of the last step of each logged interval (trainer.log_every); the "
+                  "threshold is trainer.grad_clip_norm.")
+    return panel
+
+
+def checkpoint_panel(runs: list[Run]) -> Panel:
+    """Seconds training waited for each checkpoint save, synchronous and asynchronous apart."""
+    panel = Panel("checkpoints", "Checkpoint saves: time training was blocked", "step", "seconds blocked",
+                  zero_based=True)
+    for run in runs:
+        for label, is_async in (("blocked_s", False), ("blocked_s async", True)):
+            records = [r for r in run.of("checkpoint") if bool(r.get("async")) == is_async]
+            if records:
+                panel.lines.append(Line(run.name, label, [r["step"] for r in records],
+                                        [finite_or_none(r.get("blocked_s")) for r in records], "points"))
+        panel.markers += start_markers(run)
+    return panel
+
+
+def build_panels(runs: list[Run]) -> list[Panel]:
+    """Every panel of the report, in page order."""
+    rate = rate_key(runs)
+    unit = unit_of(rate)
+    panels = [
+        *loss_panels(runs),
+        series_panel(runs, "throughput", f"Throughput ({unit}/s, all ranks)", f"{unit}/s", rate),
+        mfu_panel(runs),
+        memory_phase_panel(runs),
+        series_panel(runs, "peak_memory", "Peak memory since start (rank 0)", "MiB", "peak_memory_mib"),
+        series_panel(runs, "data_wait", "Data wait (share of wall time)", "% of wall time", "data_wait_pct"),
+        grad_norm_panel(runs),
+        series_panel(runs, "lr", "Learning rate", "learning rate", "lr"),
+        checkpoint_panel(runs),
+    ]
+    panels[1].xlabel = f"{unit} seen"
+    return panels

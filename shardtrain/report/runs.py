@@ -1,0 +1,193 @@
+"""A run directory as the report reads it: ``metrics.jsonl`` as one timeline, ``config.yaml`` as flat keys.
+
+Pure reading, no drawing. A run may still be writing (its last line half written) or may have been
+resumed after a crash (records after the resume repeat steps the crashed attempt had logged): the
+timeline is what the run that continues did, one record per step and kind, sorted by step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from shardtrain.errors import ReportError
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+# Kinds logged at most once per step; a later record of a step replaces an earlier one.
+STEP_KINDS = ("train", "memory", "checkpoint", "skip")
+# A record starts with its step (MetricsWriter.write); a killed writer's unfinished line may have the
+# next attempt's first record appended to it, which is found again from here.
+RECORD_START = '{"step": '
+
+
+@dataclass
+class Start:
+    """One attempt's start (a ``start`` record): the step it began at, what it resumed from."""
+
+    step: int
+    resumed_from: str | None
+    restart_count: int
+    world_size: int | None
+
+
+@dataclass
+class Run:
+    path: Path
+    name: str
+    config: dict[str, Any]
+    records: dict[str, list[dict]]  # kind -> records, one per step, sorted by step
+    starts: list[Start] = field(default_factory=list)
+    unreadable_lines: int = 0
+
+    def of(self, kind: str) -> list[dict]:
+        return self.records.get(kind, [])
+
+    def values(self, kind: str, key: str) -> tuple[list[int], list[float | None]]:
+        """(steps, values) of ``key`` in the ``kind`` records that hold it (None: logged as null)."""
+        pairs = [(r["step"], finite_or_none(r[key])) for r in self.of(kind) if key in r]
+        return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def finite_or_none(value: Any) -> float | None:
+    """A number as a float, with null, NaN and infinities as None (JSON has no NaN)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def parse_lines(text: str) -> tuple[list[dict], int]:
+    """The records in a metrics.jsonl text, and how many whole lines could not be read.
+
+    The text after the last newline is a record still being written by a running run: it is left
+    out without being counted. A line whose start was left unfinished by a killed writer keeps the
+    record appended to it.
+    """
+    *lines, unfinished = text.split("\n")
+    records, unreadable = [], 0
+    for line in lines:
+        if not line.strip():
+            continue
+        record = _record(line)
+        if record is None:
+            unreadable += 1
+        else:
+            records.append(record)
+    if unfinished.strip() and (record := _record(unfinished)) is not None:
+        records.append(record)  # complete, only its newline missing
+    return records, unreadable
+
+
+def _record(line: str) -> dict | None:
+    for start in (0, line.rfind(RECORD_START)):
+        if start < 0:
+            continue
+        try:
+            record = json.loads(line[start:])
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and "kind" in record:
+            return record
+    return None
+
+
+def timeline(records: list[dict]) -> tuple[dict[str, list[dict]], list[Start]]:
+    """One record per step and kind, the later one winning, sorted by step; and the attempts' starts.
+
+    A ``start`` record at step S means training went back to S: what an earlier attempt logged after
+    S never happened in the run that continues, and is dropped even where no later record replaces
+    it (the attempts may log at different steps).
+    """
+    by_kind: dict[str, dict[int, dict]] = {kind: {} for kind in STEP_KINDS}
+    starts: list[Start] = []
+    for record in records:
+        kind, step = record["kind"], record["step"]
+        if kind == "start":
+            for kept in by_kind.values():
+                for later in [s for s in kept if s > step]:
+                    del kept[later]
+            starts.append(Start(step, record.get("resumed_from"), int(record.get("restart_count") or 0),
+                                record.get("world_size")))
+        elif kind in by_kind:
+            by_kind[kind][step] = record
+    return {kind: [kept[s] for s in sorted(kept)] for kind, kept in by_kind.items()}, starts
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as dotted keys (``trainer.lr``); lists and empty mappings stay values."""
+    if not isinstance(tree, dict) or (not tree and prefix):
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The run's resolved config as flat keys; empty when the run has not written it."""
+    if not path.is_file():
+        return {}
+    try:
+        return flatten(OmegaConf.to_container(OmegaConf.load(path)))
+    except (OmegaConfBaseException, OSError, ValueError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ReportError(f"{path} is not readable YAML ({first}); it is the config.yaml "
+                          "`shardtrain train` writes into run.dir") from exc
+
+
+def load_run(path: str | Path, name: str | None = None) -> Run:
+    """Read one run directory (``run.dir`` of a finished, resumed or running training)."""
+    run_dir = Path(path)
+    if not run_dir.is_dir():
+        raise ReportError(f"run directory {str(run_dir)!r} does not exist; pass the run.dir of a "
+                          "training run (the directory holding metrics.jsonl)")
+    metrics = run_dir / METRICS_FILE
+    if not metrics.is_file():
+        raise ReportError(f"{str(run_dir)!r} has no {METRICS_FILE}: not a training run directory "
+                          "(pass the run.dir of `shardtrain train`), or its run has not started")
+    records, unreadable = parse_lines(metrics.read_bytes().decode("utf-8", errors="replace"))
+    kinds, starts = timeline(records)
+    if not kinds["train"]:
+        raise ReportError(f"{metrics} has no training records yet (a run writes one every "
+                          "trainer.log_every steps); run the report again once it has logged a step")
+    return Run(run_dir, name or run_dir.name, read_config(run_dir / CONFIG_FILE), kinds, starts,
+               unreadable)
+
+
+def run_names(paths: list[Path]) -> list[str]:
+    """Short names that tell the runs apart: the directory names, with as many parent directories
+    as it takes when two share a name."""
+    parts = [p.resolve().parts for p in paths]
+    for depth in range(1, max((len(p) for p in parts), default=1) + 1):
+        names = ["/".join(p[-depth:]) for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    return [f"{i + 1}: {name}" for i, name in enumerate(names)]  # the same directory given twice
+
+
+def load_runs(paths: list[str | Path]) -> list[Run]:
+    paths = [Path(p) for p in paths]
+    return [load_run(p, name) for p, name in zip(paths, run_names(paths))]
+
+
+# run.dir always differs between runs and is shown beside each run's name already.
+NOT_COMPARED = ("run.dir",)
+
+
+def config_differences(runs: list[Run]) -> dict[str, list[Any]]:
+    """The flat config keys whose values are not the same in every run: key -> value per run
+    (None where a run's config lacks the key); sorted by key."""
+    keys = sorted({k for run in runs for k in run.config} - set(NOT_COMPARED))
+    missing = object()
+    differences = {}
+    for key in keys:
+        values = [run.config.get(key, missing) for run in runs]
+        if any(v != values[0] for v in values[1:]):
+            differences[key] = [None if v is missing else v for v in values]
+    return differences

@@ -1,0 +1,203 @@
+"""``shardtrain report`` on real runs: one that crashed and resumed, one with another learning rate.
+
+The plotted data is read back two ways, from the matplotlib figures' artists and from the JSON in
+the HTML page, and compared with metrics.jsonl as written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+
+import numpy as np
+import pytest
+from cli_utils import SHARDTRAIN, clean_env, run_cli
+
+from shardtrain.errors import ReportError
+from shardtrain.report.html import DATA_ID, write_report
+from shardtrain.report.panels import PHASES
+from shardtrain.report.runs import load_run, timeline
+
+STEPS = 8
+# Eight steps, a record each, validation every 4 and a checkpoint every 3: the crashed attempt of
+# the resumed run logs steps 1-4 and saves step-3, then is killed at step 5 (before its record).
+TRAIN = ["train", "experiment=quick", f"trainer.max_steps={STEPS}", "trainer.log_every=1",
+         "trainer.eval_every=4", "trainer.sample_tokens=0", "trainer.micro_batch_size=2",
+         "run.tensorboard=false", "checkpoint.interval=3"]
+LR = {"resumed": 0.003, "lower_lr": 0.001}
+PANEL_IDS = {"loss_steps", "loss_tokens", "throughput", "mfu", "memory_phases", "peak_memory",
+             "data_wait", "grad_norm", "lr", "checkpoints"}
+# Panel -> (line label, metrics field) drawn against the step.
+STEP_SERIES = {"loss_steps": [("loss", "loss"), ("val_loss", "val_loss")],
+               "throughput": [("tokens_per_s", "tokens_per_s")],
+               "mfu": [("model_tflops", "model_tflops")],  # CPU: MFU unknown, TFLOP/s drawn instead
+               "peak_memory": [("peak_memory_mib", "peak_memory_mib")],
+               "data_wait": [("data_wait_pct", "data_wait_pct")],
+               "grad_norm": [("grad_norm", "grad_norm")],
+               "lr": [("lr", "lr")]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two runs made concurrently: 'resumed' (killed by an injected fault at step 5, then the same
+    command again resumes from step-3 and logs step 4 a second time) and 'lower_lr'."""
+    base = tmp_path_factory.mktemp("report")
+    resumed, lower = base / "resumed", base / "lower_lr"
+    log = open(base / "lower_lr.log", "w")
+    other = subprocess.Popen([*SHARDTRAIN, *TRAIN, f"trainer.lr={LR['lower_lr']}", f"run.dir={lower}"],
+                             stdout=log, stderr=subprocess.STDOUT, env=clean_env(), stdin=subprocess.DEVNULL)
+    try:
+        crashed = run_cli(*TRAIN, f"run.dir={resumed}", env={"SHARDTRAIN_FAULT": "step:0:5:kill"})
+        assert crashed.returncode != 0, crashed.stderr[-3000:]
+        again = run_cli(*TRAIN, f"run.dir={resumed}")
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert other.wait(timeout=300) == 0, (base / "lower_lr.log").read_text()[-3000:]
+    finally:
+        if other.poll() is None:
+            other.kill()
+        log.close()
+    return {"resumed": resumed, "lower_lr": lower}
+
+
+def raw_records(run_dir) -> list[dict]:
+    """metrics.jsonl as written, every whole line (the text after the last newline is unfinished)."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]]
+
+
+def latest_per_step(run_dir, kind: str) -> list[dict]:
+    by_step = {}
+    for record in raw_records(run_dir):
+        if record["kind"] == kind:
+            by_step[record["step"]] = record
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def numbers(values) -> list[float]:
+    return [math.nan if v is None else float(v) for v in values]
+
+
+def same(a, b) -> bool:
+    return np.array_equal(np.asarray(numbers(a)), np.asarray(numbers(b)), equal_nan=True)
+
+
+def artists(figure, gid: str) -> list:
+    ax = figure.axes[0]
+    return [a for a in [*ax.get_lines(), *ax.patches] if a.get_gid() == gid]
+
+
+def json_line(data: dict, panel: str, run: str, label: str) -> dict:
+    (line,) = [ln for ln in data["panels"][panel]["lines"] if ln["run"] == run and ln["label"] == label]
+    return line
+
+
+def test_report_plots_exactly_the_metrics_of_a_resumed_and_an_overlaid_run(runs, tmp_path):
+    # A run still writing: its last line is half a record.
+    with open(runs["resumed"] / "metrics.jsonl", "a") as f:
+        f.write('{"step": 9, "kind": "train", "loss": 4.')
+    raw_steps = [r["step"] for r in raw_records(runs["resumed"]) if r["kind"] == "train"]
+    assert raw_steps.count(4) == 2 and raw_steps.count(5) == 1  # the crash made step 4 twice
+
+    out = tmp_path / "page" / "report.html"
+    proc = run_cli("report", str(runs["resumed"]), str(runs["lower_lr"]), "--out", str(out), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pngs = sorted((tmp_path / "page" / "report_files").iterdir())
+    assert {p.stem for p in pngs} == PANEL_IDS
+    assert all(p.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") for p in pngs)
+    page = out.read_text()
+    assert "http://" not in page and "https://" not in page  # self-contained: nothing to fetch
+    assert page.count("src='data:image/png;base64,") == len(PANEL_IDS)
+    data = json.loads(re.search(f'<script type="application/json" id="{DATA_ID}">(.*?)</script>',
+                                page, re.S).group(1))
+
+    report = write_report([runs["resumed"], runs["lower_lr"]], tmp_path / "again.html")
+    figures = report.figures
+    assert set(figures) == PANEL_IDS == set(data["panels"])
+
+    for run, run_dir in runs.items():
+        train = latest_per_step(run_dir, "train")
+        assert [r["step"] for r in train] == list(range(1, STEPS + 1))  # one continuous curve
+        for panel, series in STEP_SERIES.items():
+            for label, field in series:
+                held = [r for r in train if field in r]
+                steps, values = [r["step"] for r in held], [r[field] for r in held]
+                (line,) = artists(figures[panel], f"{run}|{label}")
+                assert same(line.get_xdata(), steps) and same(line.get_ydata(), values), (panel, run)
+                plotted = json_line(data, panel, run, label)
+                assert plotted["x"] == steps and same(plotted["y"], values), (panel, run)
+        # Against tokens: the training loss at each record's token count.
+        (line,) = artists(figures["loss_tokens"], f"{run}|loss")
+        assert same(line.get_xdata(), [r["tokens_seen"] for r in train])
+        assert same(line.get_ydata(), [r["loss"] for r in train])
+        assert json_line(data, "loss_tokens", run, "loss")["x"] == [r["tokens_seen"] for r in train]
+        # Checkpoint saves: the seconds each blocked training.
+        saves = latest_per_step(run_dir, "checkpoint")
+        assert [r["step"] for r in saves] == [3, 6, 8]
+        (line,) = artists(figures["checkpoints"], f"{run}|blocked_s")
+        assert same(line.get_xdata(), [3, 6, 8]) and same(line.get_ydata(), [r["blocked_s"] for r in saves])
+        assert json_line(data, "checkpoints", run, "blocked_s")["y"] == [r["blocked_s"] for r in saves]
+        # Memory by phase: the latest memory record's sharded-state bytes, stacked.
+        memory = latest_per_step(run_dir, "memory")[-1]
+        for part in ("params", "grads", "optimizer"):
+            expected = [memory[f"{phase}.{part}_mib"] for phase in PHASES]
+            heights = [bar.get_height() for bar in artists(figures["memory_phases"], f"{run}|{part}")]
+            assert same(heights, expected)
+            assert data["panels"]["memory_phases"]["bars"]["values"][run][part] == expected
+        # The clipping threshold of the config, and the logged norms above it marked.
+        (clip,) = artists(figures["grad_norm"], f"{run}|clip")
+        assert list(clip.get_ydata()) == [1.0, 1.0]
+        clipped = [r["step"] for r in train if r["grad_norm"] > 1.0]
+        assert [ln["x"] for ln in data["panels"]["grad_norm"]["lines"]
+                if ln["run"] == run and ln["label"] == "clipped"] == ([clipped] if clipped else [])
+
+    # The step logged twice: the record after the resume is the one drawn (throughput differs).
+    later = latest_per_step(runs["resumed"], "train")[3]
+    earlier = [r for r in raw_records(runs["resumed"]) if r["kind"] == "train" and r["step"] == 4][0]
+    assert later["time"] > earlier["time"] and later["tokens_per_s"] != earlier["tokens_per_s"]
+    assert json_line(data, "throughput", "resumed", "tokens_per_s")["y"][3] == later["tokens_per_s"]
+
+    # The resume is marked where it happened, on every panel against steps; the other run has none.
+    for panel in ("loss_steps", "throughput", "grad_norm", "checkpoints"):
+        (marker,) = artists(figures[panel], "resumed|resume")
+        assert list(marker.get_xdata()) == [3, 3]
+        assert not artists(figures[panel], "lower_lr|resume")
+    (marker,) = [m for m in data["panels"]["loss_steps"]["markers"] if m["run"] == "resumed"]
+    assert marker["x"] == 3 and marker["kind"] == "resume" and "step-3" in marker["label"]
+    attempts = {run["name"]: run["attempts"] for run in data["runs"]}
+    assert [a["step"] for a in attempts["resumed"]] == [0, 3]
+    assert attempts["resumed"][1]["resumed_from"] == str(runs["resumed"] / "checkpoints" / "step-3")
+    assert len(attempts["lower_lr"]) == 1 and attempts["lower_lr"][0]["resumed_from"] is None
+
+    # The configs differ in the learning rate alone (run.dir is each run's name).
+    assert data["config_differences"] == {"trainer.lr": [LR["resumed"], LR["lower_lr"]]}
+    assert "<td><code>trainer.lr</code></td><td>0.003</td><td>0.001</td>" in page
+
+
+def test_timeline_drops_what_an_abandoned_attempt_logged_after_the_resume_step():
+    """The crashed attempt logged steps 10 and 12 past its checkpoint at 8; the resumed attempt logs
+    every 5 steps: step 12 never happened in the run that continues."""
+    records = [{"step": 0, "kind": "start"},
+               *({"step": s, "kind": "train", "loss": 1.0} for s in (5, 10, 12)),
+               {"step": 8, "kind": "checkpoint"},
+               {"step": 8, "kind": "start", "resumed_from": "ckpt/step-8", "restart_count": 1},
+               *({"step": s, "kind": "train", "loss": 2.0} for s in (10, 15))]
+    kinds, starts = timeline(records)
+    assert [(r["step"], r["loss"]) for r in kinds["train"]] == [(5, 1.0), (10, 2.0), (15, 2.0)]
+    assert [r["step"] for r in kinds["checkpoint"]] == [8]
+    assert [(s.step, s.restart_count) for s in starts] == [(0, 0), (8, 1)]
+
+
+def test_bad_run_directories_fail_with_one_line(tmp_path):
+    proc = run_cli("report", str(tmp_path / "missing"), "--out", str(tmp_path / "r.html"), timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"shardtrain: error: run directory '{tmp_path / 'missing'}' does not exist; pass the run.dir of "
+        "a training run (the directory holding metrics.jsonl)"]
+    with pytest.raises(ReportError, match="has no metrics.jsonl: not a training run directory"):
+        load_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "kind": "start"}\n{"step": 1, "kind": "tr')
+    with pytest.raises(ReportError, match="has no training records yet"):
+        load_run(tmp_path)
+    with pytest.raises(ReportError, match="is a directory"):
+        write_report([tmp_path], tmp_path)
