@@ -70,6 +70,7 @@ NO_TRAINING = [
      "shardtrain: error: checkpoint 'missing' does not exist"),
     (["export-hf", "missing", "out"], 2, "shardtrain: error: checkpoint 'missing' does not exist"),
     (["inspect", "missing"], 2, "shardtrain: error: 'missing' does not exist"),
+    (["report", "missing"], 2, "shardtrain: error: run directory 'missing' does not exist"),
 ]
 # Runs each in one fresh interpreter, as `python -m shardtrain ARGS` would, and reports what it
 # imported: torch and what stands on it take seconds to import.
@@ -83,7 +84,7 @@ for args in json.loads(sys.argv[1]):
             status = main(args)
         except SystemExit as exc:
             status = exc.code
-    heavy = [m for m in ("torch", "transformers", "safetensors") if m in sys.modules]
+    heavy = [m for m in ("torch", "transformers", "safetensors", "matplotlib") if m in sys.modules]
     print(json.dumps([status, out.getvalue().strip().splitlines()[-1], heavy]))
 """
 

@@ -350,6 +350,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from shardtrain.report.runs import check_run_dir
+
+    for run_dir in args.run_dirs:  # answered before the plotting library's 2 s of imports
+        check_run_dir(Path(run_dir))
     import matplotlib
 
     matplotlib.use("Agg")  # files only: never a display, whatever MPLBACKEND says

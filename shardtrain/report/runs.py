@@ -141,9 +141,9 @@ def read_config(path: Path) -> dict[str, Any]:
                           "`shardtrain train` writes into run.dir") from exc
 
 
-def load_run(path: str | Path, name: str | None = None) -> Run:
-    """Read one run directory (``run.dir`` of a finished, resumed or running training)."""
-    run_dir = Path(path)
+def check_run_dir(run_dir: Path) -> Path:
+    """``run_dir``'s metrics file, or the one-line error that says what to pass instead (cheap:
+    the command line asks before it imports the plotting library)."""
     if not run_dir.is_dir():
         raise ReportError(f"run directory {str(run_dir)!r} does not exist; pass the run.dir of a "
                           "training run (the directory holding metrics.jsonl)")
@@ -151,6 +151,13 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     if not metrics.is_file():
         raise ReportError(f"{str(run_dir)!r} has no {METRICS_FILE}: not a training run directory "
                           "(pass the run.dir of `shardtrain train`), or its run has not started")
+    return metrics
+
+
+def load_run(path: str | Path, name: str | None = None) -> Run:
+    """Read one run directory (``run.dir`` of a finished, resumed or running training)."""
+    run_dir = Path(path)
+    metrics = check_run_dir(run_dir)
     records, unreadable = parse_lines(metrics.read_bytes().decode("utf-8", errors="replace"))
     kinds, starts = timeline(records)
     if not kinds["train"]:
