@@ -27,3 +27,7 @@ class CheckpointError(ShardtrainError):
 
 class GenerationError(ShardtrainError):
     """A generation request the model cannot serve (e.g. longer than its context)."""
+
+
+class TrackerError(ShardtrainError):
+    """An experiment tracker (W&B, MLflow) cannot start: not installed, unreachable, not logged in."""

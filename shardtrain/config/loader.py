@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from shardtrain.accelerator import accelerator_count
 from shardtrain.config.classpath import import_module_class, import_object
 from shardtrain.config.plan import devices_count, launch_shape, resolve_plan
-from shardtrain.config.schema import Config
+from shardtrain.config.schema import TRACKERS, Config
 from shardtrain.config.suggest import closest
 from shardtrain.errors import ConfigError, ShardtrainError
 
@@ -33,6 +33,9 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 GROUPS = ("model", "strategy", "data", "experiment")
 # Names that cannot be dataclass fields (Python keywords) -> their schema field.
 ALIASES = {"checkpoint.async": "checkpoint.async_save"}
+# Keys that were replaced -> what to write instead (a one-line error: the new key's values differ).
+REPLACED = {"run.tensorboard": "run.tensorboard was replaced by run.trackers, a list of trackers: "
+                               "run.trackers=[] for none, run.trackers=[tensorboard,wandb,mlflow] for more"}
 
 
 def apply_aliases(override: str) -> str:
@@ -84,6 +87,8 @@ def check_override(override: str) -> None:
                 f"available in {key}/: {', '.join(options)}"
             )
         return
+    if key in REPLACED:
+        raise ConfigError(REPLACED[key])
     keys = schema_keys()
     if key not in keys and not key.startswith("task.options."):
         raise ConfigError(f"unknown config key {key!r}{closest(key, list(keys) + list(GROUPS))}")
@@ -228,6 +233,15 @@ def check_task_section(cfg: Config) -> None:
     cfg.task.options = OmegaConf.to_container(merged)
 
 
+def check_trackers(trackers: list[str]) -> None:
+    for name in trackers:
+        if name not in TRACKERS:
+            raise ConfigError(f"run.trackers: {name!r} is not a tracker{closest(str(name), TRACKERS)}; "
+                              f"choose from {', '.join(TRACKERS)}")
+    if len(set(trackers)) != len(trackers):
+        raise ConfigError(f"run.trackers={list(trackers)} names a tracker twice; name each once")
+
+
 def validate(cfg: Config) -> None:
     t = cfg.trainer
     cfg.dist.debug = str(cfg.dist.debug).upper()
@@ -256,6 +270,7 @@ def validate(cfg: Config) -> None:
                 raise ConfigError(f"strategy.wrap_policy: {exc}") from exc
     check_model(cfg)
     check_task_section(cfg)
+    check_trackers(cfg.run.trackers)
     for name in cfg.checkpoint.preemption_signals:
         if not isinstance(getattr(signal, str(name), None), signal.Signals):
             raise ConfigError(f"checkpoint.preemption_signals: {name!r} is not a signal name like 'SIGTERM'")
