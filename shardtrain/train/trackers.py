@@ -319,6 +319,7 @@ class GuardedTracker:
         self.name = tracker.name
         self.pending: queue.Queue = queue.Queue(maxsize=max_pending)
         self.dropped = False
+        self.dropping = threading.Lock()  # the training thread and the tracker's may both drop it
         self.thread = threading.Thread(target=self.work, name=f"shardtrain-tracker-{self.name}",
                                        daemon=True)
         self.thread.start()
@@ -332,7 +333,9 @@ class GuardedTracker:
             self.drop(f"fell {self.pending.maxsize} records behind training at step {record.step}")
 
     def drop(self, reason: str) -> None:
-        if not self.dropped:
+        with self.dropping:
+            if self.dropped:
+                return
             self.dropped = True
             log.warning(f"tracker {self.name} {reason}; it is dropped and training goes on "
                         "(metrics.jsonl has every record)")
