@@ -228,8 +228,9 @@ class Trainer:
         outcome = "failed"
         try:
             self.write_run_files()
-            # A resumed training continues its tracker runs (their ids are kept in run.dir).
-            self.writer.start_trackers(self.cfg, resuming=self.result.resumed_from is not None)
+            if not self.cfg.diagnostics.dry_run:  # a dry run leaves no run in W&B or MLflow
+                # A resumed training continues its tracker runs (their ids are kept in run.dir).
+                self.writer.start_trackers(self.cfg, resuming=self.result.resumed_from is not None)
             self.log_setup()
             if self.step >= t.max_steps:
                 self.info(f"nothing to do: step {self.step} >= trainer.max_steps={t.max_steps}")
