@@ -22,7 +22,7 @@ from shardtrain.train.loop import Trainer
 
 def main(run_dir: str, verify_path: str, overrides: list[str]) -> None:
     cfg = load_config(["trainer.max_steps=100", "trainer.eval_every=0", "trainer.sample_tokens=0",
-                       "trainer.progress_bar=false", "run.tensorboard=false", "checkpoint.interval=0",
+                       "trainer.progress_bar=false", "run.trackers=[]", "checkpoint.interval=0",
                        f"run.dir={run_dir}", *overrides])
     trainer = Trainer.create(cfg)
     trainer.run_step()

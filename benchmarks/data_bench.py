@@ -100,7 +100,7 @@ def prepare_results(workers: list[int], rounds: int = 3, max_bytes: int = 20_000
 def wait_results(steps: int = 100) -> dict:
     with tempfile.TemporaryDirectory(dir=ROOT) as run_dir:
         subprocess.run([sys.executable, "-m", "shardtrain", "train", f"trainer.max_steps={steps}",
-                        "trainer.progress_bar=false", "trainer.sample_tokens=0", "run.tensorboard=false",
+                        "trainer.progress_bar=false", "trainer.sample_tokens=0", "run.trackers=[]",
                         "checkpoint.enabled=false", f"run.dir={run_dir}"], check=True, capture_output=True)
         records = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").open()]
     train = [r for r in records if r["kind"] == "train"]

@@ -27,7 +27,7 @@ GOLDEN = ROOT / "benchmarks" / "golden_default.json"
 def default_run(processes: int) -> list[list[str]]:
     with tempfile.TemporaryDirectory() as run_dir:
         subprocess.run([sys.executable, "-m", "shardtrain", "train", f"trainer.devices={processes}",
-                        "trainer.log_every=1", "trainer.progress_bar=false", "run.tensorboard=false",
+                        "trainer.log_every=1", "trainer.progress_bar=false", "run.trackers=[]",
                         f"run.dir={run_dir}"], check=True, capture_output=True)
         records = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").open()]
     return [[r["step"], repr(r["loss"]), repr(r["grad_norm"]), repr(r.get("val_loss"))]

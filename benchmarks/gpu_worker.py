@@ -38,7 +38,7 @@ from shardtrain.train.loop import Trainer
 from shardtrain.train.optim import build_optimizer, build_scheduler
 
 QUIET = ["trainer.max_steps=100000", "trainer.eval_every=0", "trainer.log_every=1000000",
-         "trainer.sample_tokens=0", "trainer.progress_bar=false", "run.tensorboard=false",
+         "trainer.sample_tokens=0", "trainer.progress_bar=false", "run.trackers=[]",
          "checkpoint.interval=0"]
 
 
@@ -171,7 +171,7 @@ def offload_check(workdir: Path) -> dict:
     """CPU offload on a GPU: shards in pinned host memory, and the same losses as on the device."""
     base = ["model=llama_default", "trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=0",
             "trainer.sample_tokens=0", "trainer.progress_bar=false", "checkpoint.enabled=false",
-            "run.tensorboard=false", "trainer.micro_batch_size=8"]
+            "run.trackers=[]", "trainer.micro_batch_size=8"]
     offloaded = Trainer.create(load_config([*base, "strategy.cpu_offload=true",
                                             f"run.dir={workdir / 'offload'}"]))
     locals_ = [p.to_local() for p in offloaded.model.parameters()]
@@ -192,7 +192,7 @@ def resume_check(workdir: Path) -> dict:
     repeat the uninterrupted run's losses for steps 9-12."""
     base = ["model=llama_default", "trainer.max_steps=12", "trainer.log_every=1", "trainer.eval_every=0",
             "trainer.sample_tokens=0", "trainer.progress_bar=false", "checkpoint.interval=4",
-            "checkpoint.async_save=true", "run.tensorboard=false"]
+            "checkpoint.async_save=true", "run.trackers=[]"]
     straight, broken = workdir / "straight", workdir / "broken"
     cli("train", *base, f"run.dir={straight}")
     killed = cli("train", *base, f"run.dir={broken}", env={"SHARDTRAIN_FAULT": "step:0:10:kill"},

@@ -108,7 +108,7 @@ def throughput(hf_dir: str, overrides: list[str]) -> None:
     """The built-in Llama and the same shape through transformers, trained in the same processes on
     the same byte data, alternating rounds of whole loop iterations."""
     common = ["trainer.max_steps=10000", "trainer.eval_every=0", "trainer.log_every=1000000",
-              "trainer.sample_tokens=0", "trainer.progress_bar=false", "run.tensorboard=false",
+              "trainer.sample_tokens=0", "trainer.progress_bar=false", "run.trackers=[]",
               "checkpoint.enabled=false", "diagnostics.enabled=false", *overrides]
     builtin = Trainer.create(load_config([*SHAPE, *common, f"run.dir={tempfile.mkdtemp()}"]))
     hf = Trainer.create(load_config(["model=hf", f"model.path={hf_dir}", "model.tokenizer=bytes",

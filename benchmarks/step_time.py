@@ -80,7 +80,7 @@ def tutorial_step(model, optimizer, scheduler, trainer: Trainer, clip: float):
 
 def benchmark_config(overrides: list[str]):
     return load_config(["trainer.max_steps=10000", "trainer.eval_every=0", "trainer.log_every=1000000",
-                        "trainer.sample_tokens=0", "trainer.progress_bar=false", "run.tensorboard=false",
+                        "trainer.sample_tokens=0", "trainer.progress_bar=false", "run.trackers=[]",
                         "checkpoint.interval=0", f"run.dir={tempfile.mkdtemp()}", *overrides])
 
 

@@ -31,3 +31,7 @@ class GenerationError(ShardtrainError):
 
 class ReportError(ShardtrainError):
     """A run directory ``shardtrain report`` cannot read (missing, no metrics, nothing logged yet)."""
+
+
+class TrackerError(ShardtrainError):
+    """An experiment tracker (W&B, MLflow) cannot start: not installed, unreachable, not logged in."""

@@ -60,7 +60,7 @@ def resident_after_steps(dataset: str, steps: int, out: str) -> None:
     cfg.trainer = dataclasses.replace(cfg.trainer, max_steps=steps, micro_batch_size=8, seq_len=128,
                                       eval_every=0, eval_samples=16, sample_tokens=0,
                                       progress_bar=False, log_every=1000)
-    cfg.run = dataclasses.replace(cfg.run, dir=str(Path(out) / "run"), tensorboard=False)
+    cfg.run = dataclasses.replace(cfg.run, dir=str(Path(out) / "run"), trackers=[])
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, enabled=False)
     cfg.diagnostics = dataclasses.replace(cfg.diagnostics, enabled=False)
     trainer = Trainer.create(cfg)
@@ -133,7 +133,7 @@ def consume(dataset: str, run_dir: str, max_steps: int, accum: int, out: str) ->
     cfg.trainer = dataclasses.replace(cfg.trainer, max_steps=max_steps, grad_accum_steps=accum,
                                       micro_batch_size=8 // (world * accum), seq_len=32, eval_every=0,
                                       eval_samples=8, sample_tokens=0, progress_bar=False)
-    cfg.run = dataclasses.replace(cfg.run, dir=run_dir, tensorboard=False)
+    cfg.run = dataclasses.replace(cfg.run, dir=run_dir, trackers=[])
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, interval=0)
     cfg.diagnostics = dataclasses.replace(cfg.diagnostics, enabled=False)
     trainer = Trainer.create(cfg)

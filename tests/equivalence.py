@@ -48,7 +48,7 @@ def case_config(world_size: int, run_dir: str, strategy: str = "FULL_SHARD",
         grad_accum_steps=accum, seq_len=32, lr=3e-3, warmup_steps=2, grad_clip_norm=1.0,
         eval_every=0, eval_samples=8, sample_tokens=0, progress_bar=False, log_every=100,
     )
-    cfg.run = dataclasses.replace(cfg.run, dir=run_dir, tensorboard=False)
+    cfg.run = dataclasses.replace(cfg.run, dir=run_dir, trackers=[])
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, enabled=False)
     return cfg
 

@@ -38,7 +38,7 @@ def hf_case_config(model_dir: str, world_size: int, run_dir: str, strategy: str 
         lr=3e-3, warmup_steps=2, grad_clip_norm=1.0, adam_eps=ADAM_EPS, eval_every=0, eval_samples=8,
         sample_tokens=0, progress_bar=False, log_every=100,
     )
-    cfg.run = dataclasses.replace(cfg.run, dir=run_dir, tensorboard=False)
+    cfg.run = dataclasses.replace(cfg.run, dir=run_dir, trackers=[])
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, enabled=checkpoint, interval=0)
     cfg.diagnostics = dataclasses.replace(cfg.diagnostics, enabled=False)
     return cfg

@@ -76,7 +76,7 @@ def resume_draws(out: str, strategy: str) -> None:
     cfg = tiny_config(strategy)
     cfg.trainer = dataclasses.replace(cfg.trainer, max_steps=2, micro_batch_size=2, seq_len=32,
                                       eval_every=0, sample_tokens=0, progress_bar=False)
-    cfg.run = dataclasses.replace(cfg.run, dir=str(Path(out, "resume")), tensorboard=False)
+    cfg.run = dataclasses.replace(cfg.run, dir=str(Path(out, "resume")), trackers=[])
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, enabled=True, interval=0)
     cfg.diagnostics = dataclasses.replace(cfg.diagnostics, enabled=False)
     corpus = small_corpus()

@@ -49,7 +49,7 @@ def task_config(world: int, run_dir: str, strategy: str = "FULL_SHARD", accum: i
         cfg.trainer, max_steps=2 * N, micro_batch_size=GLOBAL_BATCH // (world * accum),
         grad_accum_steps=accum, lr=3e-3, warmup_steps=1, grad_clip_norm=1.0, eval_every=0, adam_eps=1e-6,
         eval_samples=12, sample_tokens=0, progress_bar=False, log_every=100)
-    cfg.run = dataclasses.replace(cfg.run, dir=run_dir, tensorboard=False)
+    cfg.run = dataclasses.replace(cfg.run, dir=run_dir, trackers=[])
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, enabled=checkpoint_every > 0 or resume != "auto",
                                          interval=checkpoint_every, resume=resume, keep_last=3)
     return cfg

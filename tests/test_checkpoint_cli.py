@@ -10,7 +10,7 @@ import pytest
 from cli_utils import preempt, read_metrics, run_cli
 
 QUICK = ["experiment=quick", "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample_tokens=0",
-         "trainer.micro_batch_size=2", "run.tensorboard=false"]
+         "trainer.micro_batch_size=2", "run.trackers=[]"]
 
 
 def test_kill_during_save_resume_picks_previous_complete(tmp_path):

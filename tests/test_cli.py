@@ -107,7 +107,7 @@ def quick_losses(run_dir) -> list[float]:
 
 
 QUICK = ["experiment=quick", "trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=0",
-         "trainer.sample_tokens=0", "trainer.micro_batch_size=2", "run.tensorboard=false"]
+         "trainer.sample_tokens=0", "trainer.micro_batch_size=2", "run.trackers=[]"]
 
 
 @pytest.fixture(scope="module")

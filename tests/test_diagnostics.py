@@ -19,7 +19,7 @@ from shardtrain.diagnostics.watchdog import Watchdog, dump_flight_recorder
 from shardtrain.models.llama import Llama
 
 QUICK = ["experiment=quick", "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample_tokens=0",
-         "trainer.micro_batch_size=2", "run.tensorboard=false", "checkpoint.enabled=false"]
+         "trainer.micro_batch_size=2", "run.trackers=[]", "checkpoint.enabled=false"]
 
 
 def test_rails_in_library_use(tmp_path):

@@ -21,7 +21,7 @@ from shardtrain.generation.generate import generate
 from shardtrain.generation.ranges import EVAL_RANGES, GENERATE_RANGES, Range
 from shardtrain.models.llama import Llama
 
-QUICK = ["experiment=quick", "trainer.eval_every=0", "trainer.sample_tokens=0", "run.tensorboard=false"]
+QUICK = ["experiment=quick", "trainer.eval_every=0", "trainer.sample_tokens=0", "run.trackers=[]"]
 
 
 def test_sharded_generation_equals_consolidated(tmp_path):

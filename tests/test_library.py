@@ -19,7 +19,7 @@ def test_example_trains_on_two_processes(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(EXAMPLE), "trainer.max_steps=12", f"run.dir={run_dir}", "run.tensorboard=false"],
+         str(EXAMPLE), "trainer.max_steps=12", f"run.dir={run_dir}", "run.trackers=[]"],
         capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -25,7 +25,7 @@ STEPS = 8
 # the resumed run logs steps 1-4 and saves step-3, then is killed at step 5 (before its record).
 TRAIN = ["train", "experiment=quick", f"trainer.max_steps={STEPS}", "trainer.log_every=1",
          "trainer.eval_every=4", "trainer.sample_tokens=0", "trainer.micro_batch_size=2",
-         "run.tensorboard=false", "checkpoint.interval=3"]
+         "run.trackers=[]", "checkpoint.interval=3"]
 LR = {"resumed": 0.003, "lower_lr": 0.001}
 PANEL_IDS = {"loss_steps", "loss_tokens", "throughput", "mfu", "memory_phases", "peak_memory",
              "data_wait", "grad_norm", "lr", "checkpoints"}

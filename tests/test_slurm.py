@@ -26,7 +26,7 @@ SCRIPTS = Path(__file__).parent.parent / "examples" / "slurm"
 MAX_STEPS = 12
 TRAIN = ["experiment=quick", f"trainer.max_steps={MAX_STEPS}", "trainer.log_every=1",
          "trainer.eval_every=0", "trainer.sample_tokens=0", "trainer.micro_batch_size=2",
-         "run.tensorboard=false", "checkpoint.interval=2", "strategy=hybrid_shard"]
+         "run.trackers=[]", "checkpoint.interval=2", "strategy=hybrid_shard"]
 # Rank 1 (of 4) kills itself after step 3 of torchrun's first attempt.
 KILL_RANK_1 = {"SHARDTRAIN_FAULT": "step:1:3:kill:0"}
 

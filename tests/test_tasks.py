@@ -191,7 +191,7 @@ def test_a_task_from_the_command_line_with_its_options_preempted_and_resumed(tmp
     common = ["train", "task=vit:ImageClassification", "task.depth=1", "task.dim=16", "trainer.devices=2",
               "trainer.max_steps=12", "trainer.micro_batch_size=4", "trainer.log_every=1",
               "trainer.eval_every=6", "trainer.eval_samples=10", "checkpoint.interval=0",
-              "run.tensorboard=false"]
+              "run.trackers=[]"]
     whole = run_cli(*common, f"run.dir={tmp_path / 'whole'}", env=TASK_PATH)
     assert whole.returncode == 0, whole.stderr[-3000:]
     records = read_metrics(tmp_path / "whole")
@@ -243,7 +243,7 @@ def test_bad_task_settings_are_one_line_before_anything_starts(monkeypatch, args
 ])
 def test_a_task_breaking_the_contract_fails_with_one_line(tmp_path, task, message):
     proc = run_cli("train", f"task={task}", "trainer.devices=2", "trainer.max_steps=2",
-                   "trainer.micro_batch_size=2", "run.tensorboard=false", f"run.dir={tmp_path}",
+                   "trainer.micro_batch_size=2", "run.trackers=[]", f"run.dir={tmp_path}",
                    env=TASK_PATH, timeout=180)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]

@@ -51,7 +51,7 @@ def main() -> None:
         f"trainer.max_steps={args.steps}", "trainer.micro_batch_size=4", "trainer.seq_len=128",
         "trainer.lr=1e-3", "trainer.warmup_steps=5", f"trainer.eval_every={args.steps}",
         "trainer.eval_samples=16", "trainer.sample_tokens=24", "trainer.progress_bar=false",
-        f"run.dir={run_dir}", "run.tensorboard=false")
+        f"run.dir={run_dir}", "run.trackers=[]")
     print("\n".join(line for line in log.stderr.splitlines() if "initialised" in line or " | loss " in line))
     checkpoint = run_dir / "checkpoints" / f"step-{args.steps}"
     print(run("generate", str(checkpoint), "--prompt", "def ", "--max-new-tokens", "24").stdout)

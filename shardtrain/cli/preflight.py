@@ -16,6 +16,12 @@ from shardtrain.data.tokenizer import tokenizer_for
 from shardtrain.errors import CheckpointError, ConfigError
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.task import task_from_config
+from shardtrain.train.trackers import (
+    check_reachable,
+    missing_package_error,
+    missing_packages,
+    mlflow_tracking_uri,
+)
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -58,8 +64,18 @@ def check_init_from(source: str | None) -> None:
     layout.verify(path, need_state=False)
 
 
+def check_trackers(cfg: Config) -> None:
+    """The trackers' packages are installed and an MLflow server answers (W&B's login is checked by
+    its start on rank 0, which needs the library itself)."""
+    for name, package in missing_packages(cfg.run.trackers):
+        raise missing_package_error(name, package)
+    if "mlflow" in cfg.run.trackers:
+        check_reachable(mlflow_tracking_uri(cfg.run), cfg.run.tracker_timeout_s)
+
+
 def check_training(cfg: Config) -> None:
     check_run_dir(Path(cfg.run.dir))
+    check_trackers(cfg)
     check_resume(cfg)
     check_init_from(cfg.model.init_from)
     # The task is a Task with what the contract requires; the model and data checks below are the

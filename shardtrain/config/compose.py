@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from shardtrain.config.keys import PRESETS_DIR, check_overrides, schema_keys
-from shardtrain.config.schema import Config
+from shardtrain.config.schema import TRACKERS, Config
 from shardtrain.config.strategy import check_strategy_names
 from shardtrain.config.suggest import closest
 from shardtrain.errors import ConfigError
@@ -145,6 +145,15 @@ def devices_count(devices: Any) -> int | None:
     raise ConfigError(f"trainer.devices={devices!r} must be 'auto' or a positive int")
 
 
+def check_trackers(trackers: list[str]) -> None:
+    for name in trackers:
+        if name not in TRACKERS:
+            raise ConfigError(f"run.trackers: {name!r} is not a tracker{closest(str(name), TRACKERS)}; "
+                              f"choose from {', '.join(TRACKERS)}")
+    if len(set(trackers)) != len(trackers):
+        raise ConfigError(f"run.trackers={list(trackers)} names a tracker twice; name each once")
+
+
 def check_config(cfg: Config) -> None:
     """Everything the config and the files it names can tell."""
     cfg.dist.debug = str(cfg.dist.debug).upper()
@@ -162,6 +171,7 @@ def check_config(cfg: Config) -> None:
     if cfg.data.cache_dir != "auto" and Path(cfg.data.cache_dir).expanduser().is_file():
         raise ConfigError(f"data.cache_dir={cfg.data.cache_dir!r} is a file; name a directory (or auto)")
     check_model(cfg)
+    check_trackers(cfg.run.trackers)
     for name in cfg.checkpoint.preemption_signals:
         if not isinstance(getattr(signal, str(name), None), signal.Signals):
             raise ConfigError(f"checkpoint.preemption_signals: {name!r} is not a signal name like 'SIGTERM'")

@@ -19,6 +19,9 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 GROUPS = ("model", "strategy", "data", "experiment")
 # Names that cannot be dataclass fields (Python keywords) -> their schema field.
 ALIASES = {"checkpoint.async": "checkpoint.async_save"}
+# Keys that were replaced -> what to write instead (a one-line error: the new key's values differ).
+REPLACED = {"run.tensorboard": "run.tensorboard was replaced by run.trackers, a list of trackers: "
+                               "run.trackers=[] for none, run.trackers=[tensorboard,wandb,mlflow] for more"}
 
 
 def apply_aliases(override: str) -> str:
@@ -70,6 +73,8 @@ def check_override(override: str) -> None:
                 f"available in {key}/: {', '.join(options)}"
             )
         return
+    if key in REPLACED:
+        raise ConfigError(REPLACED[key])
     keys = schema_keys()
     if key not in keys and not key.startswith("task.options."):
         raise ConfigError(f"unknown config key {key!r}{closest(key, list(keys) + list(GROUPS))}")

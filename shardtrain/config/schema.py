@@ -213,11 +213,38 @@ class CheckpointConfig:
     preemption_signals: list[str] = field(default_factory=lambda: list(DEFAULT_PREEMPTION_SIGNALS))
 
 
+# The experiment trackers ``run.trackers`` can name (shardtrain.train.trackers); wandb and mlflow are
+# the optional extra ``shardtrain[trackers]``.
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
+@dataclass
+class WandbConfig:
+    project: str = "shardtrain"
+    entity: str | None = None  # null: the logged-in user's default entity
+
+
+@dataclass
+class MlflowConfig:
+    # null: $MLFLOW_TRACKING_URI if set, else a file store in run.dir/mlruns.
+    tracking_uri: str | None = None
+    experiment: str = "shardtrain"
+
+
 @dataclass
 class RunConfig:
     dir: str = "runs/default"
-    name: str = "shardtrain"
-    tensorboard: bool = True
+    name: str = "shardtrain"  # the run's name in W&B and MLflow
+    # Where every metrics record also goes (rank 0): tensorboard | wandb | mlflow ([] = metrics.jsonl only).
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    # Trackers log locally instead of to a server: W&B in offline mode (run.dir/wandb, `wandb sync`
+    # uploads it later), MLflow to the file store run.dir/mlruns.
+    offline: bool = False
+    # A tracker's start (connecting, creating or resuming its run) and its final flush may take this
+    # long: past it, start-up fails with one line, and at the end the tracker is left behind.
+    tracker_timeout_s: float = knob(60.0, above=0)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
 # The built-in task: a causal language model over token windows (model.*, data.*).

@@ -88,7 +88,7 @@ class Trainer:
                             eval_batches(val, t.eval_samples, t.micro_batch_size, env.world_size, env.rank))
         self.step = 0
         self.result = TrainResult()
-        self.writer = MetricsWriter(Path(cfg.run.dir), cfg.run.tensorboard, env.is_main)
+        self.writer = MetricsWriter(Path(cfg.run.dir), env.is_main)
         self.console = Console(env.is_main, t.progress_bar, t.max_steps)
         self.throughput = Throughput(task.count_unit, env.world_size, device_peak_flops(env.device))
         # FLOPs per sample counted once when the task cannot say (Task.flops).
@@ -237,9 +237,13 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         t = self.cfg.trainer
+        outcome = "failed"
         try:
             self.write_run_files()
-            self.write_start_record()
+            if not self.cfg.diagnostics.dry_run:  # a dry run leaves no run in W&B or MLflow
+                # A resumed training continues its tracker runs (their ids are kept in run.dir).
+                self.writer.start_trackers(self.cfg, resuming=self.result.resumed_from is not None)
+            self.write_start_record()  # the trackers get it too
             self.log_setup()
             if self.step >= t.max_steps:
                 self.info(f"nothing to do: step {self.step} >= trainer.max_steps={t.max_steps}")
@@ -247,8 +251,9 @@ class Trainer:
             finished = not (self.cfg.diagnostics.dry_run or self.result.preempted)
             if finished and t.sample_tokens > 0 and self.samples_text():
                 self.result.sample = self.sample()
+            outcome = "preempted" if self.result.preempted else "finished"
         finally:
-            self.writer.close()
+            self.writer.close(outcome)
         return self.result
 
     def train(self) -> None:

@@ -1,4 +1,4 @@
-"""Throughput and MFU, and the metrics sinks (JSON lines + TensorBoard), rank 0 only."""
+"""Throughput and MFU, and the metrics sink (JSON lines, and the trackers), rank 0 only."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torch.utils.tensorboard import SummaryWriter
+from shardtrain.config.schema import Config
+from shardtrain.train.trackers import GuardedTracker, close_trackers, start_trackers, tracker_record
 
 
 class Throughput:
@@ -54,31 +55,40 @@ class Throughput:
 
 
 class MetricsWriter:
-    """Appends one JSON object per record to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per record to ``metrics.jsonl`` and hands the same record to every
+    tracker of ``run.trackers`` (train/trackers.py); rank 0 only."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool) -> None:
+    def __init__(self, run_dir: Path, enabled: bool) -> None:
         self.enabled = enabled
         self._file = None
-        self._tb = None
+        self.trackers: list[GuardedTracker] = []
+        self.tracker_timeout_s = 0.0
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def start_trackers(self, cfg: Config, resuming: bool) -> None:
+        """The trackers, started (a ``TrackerError`` if one cannot start); ``resuming`` continues
+        their runs."""
+        if self.enabled:
+            self.trackers = start_trackers(cfg, resuming)
+            self.tracker_timeout_s = cfg.run.tracker_timeout_s
 
     def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
         record = {"step": step, "kind": kind, "time": time.time(), **values}
         self._file.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+        if self.trackers:
+            entry = tracker_record(step, kind, record["time"], values)
+            for tracker in self.trackers:
+                tracker.log(entry)
 
-    def close(self) -> None:
+    def close(self, outcome: str = "finished") -> None:
+        """``outcome``: finished, failed or preempted (recorded by W&B and MLflow)."""
         if self._file is not None:
             self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+            self._file = None
+        close_trackers(self.trackers, outcome, self.tracker_timeout_s)
+        self.trackers = []

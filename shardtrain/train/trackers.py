@@ -1,0 +1,424 @@
+"""Experiment trackers: TensorBoard, Weights & Biases and MLflow receive every metrics record (rank 0).
+
+``run.trackers`` names them. Each gets the records ``metrics.jsonl`` gets, and the resolved config,
+flattened to dotted keys, as the run's parameters. Values map the same way for every tracker
+(``split_values``): numbers (booleans as 0/1) are scalars named ``<kind>/<key>`` at the record's
+step; ``null`` (an unknown value, such as MFU on a CPU) is left out; text (a ``sample``) and lists
+(the per-rank memory table of ``memory_ranks``, as JSON) go as text: TensorBoard's text tab, a
+string in the W&B history, an MLflow artifact ``<kind>/<key>/step-<step>.txt``.
+
+Start-up is strict, training is not. A tracker that is not installed, cannot reach its server or
+cannot create its run stops the run before training with one ``TrackerError`` line naming the fix;
+once training runs, each tracker lives on its own thread behind a bounded queue (``GuardedTracker``):
+the training thread only enqueues, a tracker that raises is reported in one warning line and
+dropped, and one that blocks (a hung server, a flush that never returns) is left behind at the end
+after ``run.tracker_timeout_s``. Nothing a tracker does can stop or stall training.
+
+A resumed training continues its tracker runs: the W&B and MLflow run ids are kept in
+``run.dir/trackers.json`` and reopened when the trainer resumes from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch.utils.tensorboard import SummaryWriter
+
+from shardtrain.config.schema import Config, RunConfig
+from shardtrain.errors import TrackerError
+
+log = logging.getLogger("shardtrain")
+
+# The module each optional tracker needs, from the extra ``shardtrain[trackers]``.
+PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}
+INSTALL = "pip install 'shardtrain[trackers]'"
+# Where the tracker run ids of a run directory are kept, to continue those runs on resume.
+STATE_FILE = "trackers.json"
+# Records a tracker may fall behind the training thread before it is dropped (memory stays bounded
+# when a server is slower than training).
+MAX_PENDING = 10_000
+# How a run ended, for the trackers that record it (W&B exit code, MLflow run status).
+OUTCOMES = ("finished", "failed", "preempted")
+
+
+@dataclass(frozen=True)
+class TrackerRecord:
+    """One metrics record as trackers take it: numbers apart from text."""
+
+    step: int
+    kind: str
+    time: float
+    scalars: dict[str, float | int]
+    texts: dict[str, str]
+
+
+class Tracker(Protocol):
+    name: str
+    # What reopens this tracker's run when training resumes (None: nothing to reopen).
+    run_id: str | None
+
+    def log(self, record: TrackerRecord) -> None: ...
+
+    def close(self, outcome: str) -> None: ...
+
+
+def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as one level of dotted keys."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def split_values(values: Mapping[str, Any]) -> tuple[dict[str, float | int], dict[str, str]]:
+    """A record's values as (scalars, texts); ``None`` (unknown) is left out, lists become JSON."""
+    scalars: dict[str, float | int] = {}
+    texts: dict[str, str] = {}
+    for key, value in flatten(values).items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            scalars[key] = int(value)
+        elif isinstance(value, (int, float)):
+            scalars[key] = value
+        elif isinstance(value, str):
+            texts[key] = value
+        else:
+            texts[key] = json.dumps(value)
+    return scalars, texts
+
+
+def tracker_record(step: int, kind: str, time_s: float, values: Mapping[str, Any]) -> TrackerRecord:
+    scalars, texts = split_values(values)
+    return TrackerRecord(step, kind, time_s, scalars, texts)
+
+
+def config_params(cfg: Config) -> dict[str, Any]:
+    """The resolved config as a tracker run's parameters: one dotted key per setting."""
+    return flatten(dataclasses.asdict(cfg))
+
+
+def missing_packages(trackers: list[str]) -> list[tuple[str, str]]:
+    """(tracker, package) for every configured tracker whose package is not installed; found without
+    importing it (the launching process checks this before any worker starts)."""
+    return [(name, PACKAGES[name]) for name in trackers
+            if name in PACKAGES and importlib.util.find_spec(PACKAGES[name]) is None]
+
+
+def missing_package_error(name: str, package: str) -> TrackerError:
+    return TrackerError(f"run.trackers names {name} but the {package} package is not installed; "
+                        f"{INSTALL}, or remove {name} from run.trackers")
+
+
+def load_optional(name: str, module: str) -> Any:
+    """The deliberate optional-dependency load of a tracker's library (W&B, MLflow): imported only
+    when ``run.trackers`` names it, so neither is needed otherwise. This is the one import made at
+    run time outside ``shardtrain/cli``, through importlib on purpose."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        raise missing_package_error(name, PACKAGES[name]) from exc
+
+
+def mlflow_tracking_uri(run: RunConfig) -> str:
+    """run.mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else (and always with run.offline) the
+    file store run.dir/mlruns."""
+    uri = None if run.offline else (run.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+    return uri or (Path(run.dir).resolve() / "mlruns").as_uri()
+
+
+def check_reachable(uri: str, timeout_s: float) -> None:
+    """An HTTP(S) tracking server answers within ``timeout_s`` (any HTTP answer counts: credentials
+    are the client's business); other URIs (a file store, databricks) are not probed. MLflow's own
+    client would retry a refused connection for minutes before giving up."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s):
+            pass
+    except urllib.error.HTTPError:
+        return
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        raise TrackerError(f"run.trackers: the MLflow tracking server {uri} cannot be reached ({reason}); "
+                           "start it or fix run.mlflow.tracking_uri, or log to the file store "
+                           "run.dir/mlruns with run.offline=true") from exc
+
+
+class TensorBoardTracker:
+    name = "tensorboard"
+    run_id = None
+
+    def __init__(self, run: RunConfig, params: dict[str, Any], resume_id: str | None = None) -> None:
+        # A resumed run appends to the same event directory: TensorBoard joins the files.
+        self.writer = SummaryWriter(str(Path(run.dir) / "tensorboard"))
+        # Indented four spaces: TensorBoard's text tab renders markdown, and this keeps it verbatim.
+        self.writer.add_text("config", "\n".join(f"    {key}: {value}" for key, value in params.items()))
+
+    def log(self, record: TrackerRecord) -> None:
+        for key, value in record.scalars.items():
+            self.writer.add_scalar(f"{record.kind}/{key}", value, record.step)
+        for key, text in record.texts.items():
+            self.writer.add_text(f"{record.kind}/{key}", text, record.step)
+
+    def close(self, outcome: str) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    """A W&B run named run.name in run.wandb.project, its files in run.dir/wandb. Every record is one
+    history row, plotted against its training ``step`` (a W&B step metric: a resumed run repeats the
+    steps after its last checkpoint, which W&B's own monotonic step would drop)."""
+
+    name = "wandb"
+
+    def __init__(self, run: RunConfig, params: dict[str, Any], resume_id: str | None) -> None:
+        wandb = load_optional(self.name, "wandb")
+        # Console capture off: the launcher owns the workers' output (console and log file).
+        settings = wandb.Settings(console="off", init_timeout=run.tracker_timeout_s,
+                                  finish_timeout=run.tracker_timeout_s, quiet=True)
+        directory = Path(run.dir).resolve()
+        directory.mkdir(parents=True, exist_ok=True)
+        # mode None: W&B's own choice (WANDB_MODE, `wandb offline`, else online).
+        self.run = wandb.init(project=run.wandb.project, entity=run.wandb.entity, name=run.name,
+                              dir=str(directory), mode="offline" if run.offline else None,
+                              id=resume_id, resume="allow" if resume_id else None,
+                              reinit="create_new", settings=settings)
+        # A resumed run may change settings (a raised trainer.max_steps): the newest values win.
+        self.run.config.update(params, allow_val_change=True)
+        self.run.define_metric("*", step_metric="step")
+        self.run_id = self.run.id
+
+    def log(self, record: TrackerRecord) -> None:
+        self.run.log({"step": record.step,
+                      **{f"{record.kind}/{key}": value for key, value in record.scalars.items()},
+                      **{f"{record.kind}/{key}": text for key, text in record.texts.items()}})
+
+    def close(self, outcome: str) -> None:
+        self.run.finish(exit_code=1 if outcome == "failed" else 0)
+
+
+class MlflowTracker:
+    """An MLflow run named run.name in the experiment run.mlflow.experiment."""
+
+    name = "mlflow"
+    STATUS = {"finished": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
+
+    def __init__(self, run: RunConfig, params: dict[str, Any], resume_id: str | None) -> None:
+        uri = mlflow_tracking_uri(run)
+        check_reachable(uri, run.tracker_timeout_s)
+        if uri.startswith("file:"):
+            # MLflow 3 refuses its file store unless this is set; mlflow-skinny has no other local
+            # store (SQLite needs the full package), and choosing it here is the user's opt-in.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        tracking = load_optional(self.name, "mlflow.tracking")
+        self.entities = load_optional(self.name, "mlflow.entities")
+        self.limits = load_optional(self.name, "mlflow.utils.validation")
+        self.client = tracking.MlflowClient(uri)
+        experiment = self.client.get_experiment_by_name(run.mlflow.experiment)
+        experiment_id = (experiment.experiment_id if experiment is not None
+                         else self.client.create_experiment(run.mlflow.experiment))
+        existing = self.resumable(resume_id)
+        if existing is None:
+            self.run_id = self.client.create_run(experiment_id, run_name=run.name).info.run_id
+            self.log_params(params, {})
+        else:
+            self.run_id = existing.info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+            self.log_params(params, existing.data.params)
+
+    def resumable(self, run_id: str | None) -> Any:
+        """The stored run, if this tracking store still has it."""
+        if run_id is None:
+            return None
+        try:
+            found = self.client.get_run(run_id)
+        except Exception as exc:  # MlflowException, whose code says whether the run is missing
+            if getattr(exc, "error_code", None) != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            found = None
+        if found is None or found.info.lifecycle_stage != "active":
+            log.info(f"MLflow run {run_id} (run.dir/{STATE_FILE}) is not in this tracking store; "
+                     "starting a new run")
+            return None
+        return found
+
+    def log_params(self, params: dict[str, Any], existing: dict[str, str]) -> None:
+        """MLflow keeps a parameter's first value: on resume only new keys are logged, and changed
+        ones are named once (config.yaml in run.dir has this segment's values)."""
+        limit = self.limits.MAX_PARAM_VAL_LENGTH
+        values = {key: (value if isinstance(value, str) else json.dumps(value))[:limit]
+                  for key, value in params.items()}
+        changed = [key for key, value in values.items() if key in existing and existing[key] != value]
+        if changed:
+            log.info(f"MLflow keeps the first value of a parameter; changed since this run started: "
+                     f"{', '.join(changed)}")
+        fresh = [self.entities.Param(key, value) for key, value in values.items() if key not in existing]
+        per_batch = self.limits.MAX_PARAMS_TAGS_PER_BATCH
+        for start in range(0, len(fresh), per_batch):
+            self.client.log_batch(self.run_id, params=fresh[start:start + per_batch])
+
+    def log(self, record: TrackerRecord) -> None:
+        stamp = int(record.time * 1000)
+        metrics = [self.entities.Metric(f"{record.kind}/{key}", float(value), stamp, record.step)
+                   for key, value in record.scalars.items()]
+        per_batch = self.limits.MAX_METRICS_PER_BATCH
+        for start in range(0, len(metrics), per_batch):
+            self.client.log_batch(self.run_id, metrics=metrics[start:start + per_batch])
+        for key, text in record.texts.items():
+            self.client.log_text(self.run_id, text, f"{record.kind}/{key}/step-{record.step:08d}.txt")
+
+    def close(self, outcome: str) -> None:
+        self.client.set_terminated(self.run_id, self.STATUS[outcome])
+
+
+# name -> the tracker's class, made with (run config, params, its stored run id or None).
+FACTORIES = {
+    "tensorboard": TensorBoardTracker,
+    "wandb": WandbTracker,
+    "mlflow": MlflowTracker,
+}
+FIXES = {
+    "wandb": "log in (`wandb login` or WANDB_API_KEY) and check run.wandb.project and run.wandb.entity, "
+             "or log offline with run.offline=true",
+    "mlflow": "check run.mlflow.tracking_uri and the server, or log to the file store run.dir/mlruns "
+              "with run.offline=true",
+    "tensorboard": "check that run.dir is writable",
+}
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+class GuardedTracker:
+    """One tracker on its own thread behind a bounded queue. The training thread only enqueues, so a
+    tracker that blocks cannot stall a step and one that raises cannot stop training: its first
+    error is one warning line, and the tracker is dropped (``metrics.jsonl`` keeps every record)."""
+
+    def __init__(self, tracker: Tracker, max_pending: int = MAX_PENDING) -> None:
+        self.tracker = tracker
+        self.name = tracker.name
+        self.pending: queue.Queue = queue.Queue(maxsize=max_pending)
+        self.dropped = False
+        self.dropping = threading.Lock()  # the training thread and the tracker's may both drop it
+        self.thread = threading.Thread(target=self.work, name=f"shardtrain-tracker-{self.name}",
+                                       daemon=True)
+        self.thread.start()
+
+    def log(self, record: TrackerRecord) -> None:
+        if self.dropped:
+            return
+        try:
+            self.pending.put_nowait(record)
+        except queue.Full:
+            self.drop(f"fell {self.pending.maxsize} records behind training at step {record.step}")
+
+    def drop(self, reason: str) -> None:
+        with self.dropping:
+            if self.dropped:
+                return
+            self.dropped = True
+            log.warning(f"tracker {self.name} {reason}; it is dropped and training goes on "
+                        "(metrics.jsonl has every record)")
+
+    def work(self) -> None:
+        while True:
+            item = self.pending.get()
+            if self.dropped:
+                return
+            try:
+                if isinstance(item, TrackerRecord):
+                    self.tracker.log(item)
+                    continue
+                self.tracker.close(item)
+                return
+            except Exception as exc:
+                where = f"at step {item.step}" if isinstance(item, TrackerRecord) else "while closing"
+                self.drop(f"failed {where} ({first_line(exc)})")
+                return
+
+    def start_closing(self, outcome: str) -> None:
+        if self.dropped:
+            return
+        try:
+            self.pending.put_nowait(outcome)
+        except queue.Full:
+            self.drop(f"was {self.pending.maxsize} records behind training at the end")
+
+    def wait(self, deadline: float, timeout_s: float) -> None:
+        if self.dropped:
+            return
+        self.thread.join(max(0.0, deadline - time.monotonic()))
+        if self.thread.is_alive() and not self.dropped:
+            self.dropped = True
+            log.warning(f"tracker {self.name} did not finish within run.tracker_timeout_s={timeout_s:g}; "
+                        "left behind (records it had not sent yet may be missing from it)")
+
+
+def read_run_ids(run_dir: Path) -> dict[str, str]:
+    try:
+        return json.loads((run_dir / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def start_trackers(cfg: Config, resuming: bool) -> list[GuardedTracker]:
+    """Every tracker of ``run.trackers``, started (rank 0 only). ``resuming``: the trainer resumed
+    from a checkpoint, so the tracker runs stored in run.dir continue. A tracker that cannot start
+    is a ``TrackerError`` (the ones already started are closed first)."""
+    run = cfg.run
+    run_dir = Path(run.dir)
+    stored = read_run_ids(run_dir) if resuming else {}
+    params = config_params(cfg)
+    started: list[Tracker] = []
+    try:
+        for name in run.trackers:
+            if name in PACKAGES and importlib.util.find_spec(PACKAGES[name]) is None:
+                raise missing_package_error(name, PACKAGES[name])
+            try:
+                started.append(FACTORIES[name](run, params, stored.get(name)))
+            except TrackerError:
+                raise
+            except Exception as exc:
+                raise TrackerError(f"run.trackers: {name} could not start ({first_line(exc)}); "
+                                   f"{FIXES[name]}") from exc
+    except BaseException:
+        for tracker in started:
+            try:
+                tracker.close("failed")
+            except Exception as exc:
+                log.warning(f"tracker {tracker.name} did not close ({first_line(exc)})")
+        raise
+    ids = {tracker.name: tracker.run_id for tracker in started if tracker.run_id is not None}
+    if ids:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / STATE_FILE).write_text(json.dumps(ids, indent=1) + "\n")
+    return [GuardedTracker(tracker) for tracker in started]
+
+
+def close_trackers(trackers: list[GuardedTracker], outcome: str, timeout_s: float) -> None:
+    """Close every tracker at once, each within the same ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    for tracker in trackers:
+        tracker.start_closing(outcome)
+    for tracker in trackers:
+        tracker.wait(deadline, timeout_s)

@@ -1,0 +1,241 @@
+"""Experiment trackers: TensorBoard, W&B (offline) and MLflow (a file store) receive exactly the
+records of metrics.jsonl and the resolved config, a resumed training stays one tracker run, a tracker
+that breaks during training is dropped with one line while training finishes, and one that cannot
+start stops the run before training with one line.
+
+One training run of six steps and its resume to twelve are read back every way: W&B's own
+transaction log (the run-*.wandb files, LevelDB-style blocks of wandb's protobuf records), MLflow's
+client, TensorBoard's event reader. Before the resume, the test breaks MLflow's store for real (the
+file that holds ``train/val_loss`` is replaced by a directory), so its first validation record fails.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import threading
+from pathlib import Path
+
+import pytest
+from cli_utils import run_cli
+
+from shardtrain.config.loader import load_config
+from shardtrain.errors import ConfigError, TrackerError
+from shardtrain.train.trackers import GuardedTracker, close_trackers, start_trackers, tracker_record
+
+TRACKED = ["experiment=quick", "trainer.log_every=2", "trainer.eval_every=3", "checkpoint.interval=3",
+           "trainer.sample_tokens=8", "trainer.progress_bar=false",
+           "run.trackers=[tensorboard,wandb,mlflow]", "run.offline=true"]
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def expected_values(record: dict) -> dict:
+    """What a tracker should hold for one record (docs/metrics.md, trackers): ``kind/key`` names,
+    booleans as 0/1, unknown (null) values left out, lists as JSON text."""
+    out = {}
+    for key, value in record.items():
+        if key in ("step", "kind", "time") or value is None:
+            continue
+        out[f"{record['kind']}/{key}"] = (int(value) if isinstance(value, bool) else
+                                          json.dumps(value) if isinstance(value, list) else value)
+    return out
+
+
+def wandb_records(path: Path):
+    """The records of a W&B transaction log: a 7-byte header (':W&B', 0xBEE1, version), then 32 KiB
+    blocks of chunks, each with a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle,
+    4 last) and a piece of a serialized ``wandb_internal_pb2.Record``."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0)
+    pos, block, pieces = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, chunk_type = struct.unpack("<IHB", data[pos:pos + 7])
+        pieces += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if chunk_type in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pieces)
+            pieces = b""
+            yield record
+
+
+def read_wandb(run_dir: Path) -> tuple[set[str], list[dict], dict]:
+    """(run ids, history rows without W&B's own keys, config) over every segment, oldest first."""
+    ids, rows, config = set(), [], {}
+    for segment in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        for record in wandb_records(segment):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                ids.add(record.run.run_id)
+            elif kind == "config":
+                config.update({item.key: json.loads(item.value_json) for item in record.config.update})
+            elif kind == "history":
+                row = {item.key or ".".join(item.nested_key): json.loads(item.value_json)
+                       for item in record.history.item}
+                rows.append({k: v for k, v in row.items() if not k.startswith("_")})
+    return ids, rows, config
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory):
+    """Six steps with all three trackers, then MLflow's store broken, then resumed to twelve."""
+    run_dir = tmp_path_factory.mktemp("tracked")
+    first = run_cli("train", *TRACKED, "trainer.max_steps=6", f"run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    first_records = read_records(run_dir)
+    ids = json.loads((run_dir / "trackers.json").read_text())
+    [mlflow_run] = (run_dir / "mlruns").glob(f"*/{ids['mlflow']}")
+    val_loss = mlflow_run / "metrics" / "train" / "val_loss"
+    val_loss.unlink()
+    val_loss.mkdir()
+    second = run_cli("train", *TRACKED, "trainer.max_steps=12", f"run.dir={run_dir}")
+    assert second.returncode == 0, second.stderr[-3000:]
+    return run_dir, ids, first_records, read_records(run_dir), second
+
+
+def test_wandb_holds_every_record_and_the_config_in_one_resumed_run(tracked):
+    run_dir, ids, first_records, records, second = tracked
+    assert any(r["kind"] == k for r in records for k in ("checkpoint", "sample", "memory", "memory_ranks"))
+    assert "resumed from" in second.stderr and records[len(first_records)]["step"] > 6
+    run_ids, rows, config = read_wandb(run_dir)
+    assert run_ids == {ids["wandb"]}  # the resume reopened the same run
+    assert rows == [{"step": r["step"], **expected_values(r)} for r in records]
+    # The resolved config, flattened; a resume updates what changed.
+    assert config["trainer.max_steps"] == 12 and config["run.trackers"] == ["tensorboard", "wandb", "mlflow"]
+    assert config["model.n_layers"] == load_config(["experiment=quick"]).model.n_layers
+
+
+def test_a_broken_tracker_is_dropped_with_one_line_while_training_finishes(tracked, monkeypatch):
+    run_dir, ids, first_records, records, second = tracked
+    lines = [line for line in second.stderr.splitlines() if "tracker mlflow" in line]
+    assert len(lines) == 1 and "failed at step 9" in lines[0] and "Is a directory" in lines[0], lines
+    assert "dropped and training goes on" in lines[0] and "Traceback" not in second.stderr
+    assert records[-1]["step"] == 12 and any(r["kind"] == "checkpoint" and r["step"] == 12 for r in records)
+
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient((run_dir / "mlruns").as_uri())
+    run = client.get_run(ids["mlflow"])
+    assert run.data.params["trainer.max_steps"] == "6"  # MLflow keeps a parameter's first value
+    assert json.loads(run.data.params["run.trackers"]) == ["tensorboard", "wandb", "mlflow"]
+    # Every record before the failing one (the resumed run's first validation), none after it.
+    failing = next(i for i, r in enumerate(records) if i >= len(first_records) and "val_loss" in r)
+    entries = [{(key, r["step"], int(r["time"] * 1000), float(value))
+                for key, value in expected_values(r).items() if not isinstance(value, str)}
+               for r in records]
+    destroyed = "train/val_loss"  # its history went with the file the test replaced
+    before = {entry for entry in set().union(*entries[:failing]) if entry[0] != destroyed}
+    held = {(key, m.step, m.timestamp, m.value) for key in run.data.metrics
+            for m in client.get_metric_history(ids["mlflow"], key)}
+    assert before <= held <= before | entries[failing]
+    artifacts = Path(run.info.artifact_uri.removeprefix("file://"))
+    texts = {(f"{key}/step-{r['step']:08d}.txt", value) for r in records[:failing]
+             for key, value in expected_values(r).items() if isinstance(value, str)}
+    assert {"sample/text", "memory_ranks/ranks"} <= {name.rsplit("/", 1)[0] for name, _ in texts}
+    assert texts == {(str(p.relative_to(artifacts)), p.read_text()) for p in artifacts.rglob("*.txt")}
+
+
+def test_tensorboard_holds_every_record(tracked):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, _, _, records, _ = tracked
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    expected: dict[str, list] = {}
+    for r in records:
+        for key, value in expected_values(r).items():
+            if not isinstance(value, str):
+                expected.setdefault(key, []).append((r["step"], value))
+    assert set(events.Tags()["scalars"]) == set(expected)
+    for key, points in expected.items():
+        got = [(e.step, e.value) for e in events.Scalars(key)]
+        assert [s for s, _ in got] == [s for s, _ in points], key
+        assert all(v == pytest.approx(w, rel=1e-6, abs=1e-30) for (_, v), (_, w) in zip(got, points)), key
+    samples = [e.tensor_proto.string_val[0].decode() for e in events.Tensors("sample/text/text_summary")]
+    assert samples == [r["text"] for r in records if r["kind"] == "sample"]
+
+
+def test_an_unreachable_tracker_stops_the_run_at_start_up_with_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["experiment=quick", "run.trackers=[tensorboard,mlflow]", "run.mlflow.tracking_uri=http://127.0.0.1:1",
+            f"run.dir={run_dir}"]
+    proc = run_cli("train", *args)  # the launching process checks before any worker starts
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "shardtrain: error: run.trackers: the MLflow tracking server http://127.0.0.1:1 cannot be reached "
+        "([Errno 111] Connection refused); start it or fix run.mlflow.tracking_uri, or log to the file "
+        "store run.dir/mlruns with run.offline=true"]
+    assert not (run_dir / "metrics.jsonl").exists()
+    # A worker started by torchrun directly checks again when its trackers start; TensorBoard, started
+    # first, is closed.
+    with pytest.raises(TrackerError, match="cannot be reached"):
+        start_trackers(load_config(args), resuming=False)
+
+
+def test_the_old_tensorboard_switch_names_its_replacement():
+    replaced = r"^run.tensorboard was replaced by run.trackers.*run.trackers=\[\]"
+    with pytest.raises(ConfigError, match=replaced):
+        load_config(["run.tensorboard=false"])
+    with pytest.raises(ConfigError, match="did you mean 'wandb'"):
+        load_config(["run.trackers=[wandbb]"])
+
+
+class Hanging:
+    """A tracker whose every call blocks until released: a server that never answers."""
+
+    name, run_id = "hanging", None
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def log(self, record) -> None:
+        self.release.wait()
+
+    def close(self, outcome: str) -> None:
+        self.release.wait()
+
+
+class Raising:
+    name, run_id = "raising", None
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def log(self, record) -> None:
+        self.calls += 1
+        raise OSError("No space left on device")
+
+    def close(self, outcome: str) -> None:
+        self.calls += 1
+
+
+def test_a_hanging_or_raising_tracker_never_holds_training(caplog):
+    hanging, raising, behind = Hanging(), Raising(), Hanging()
+    behind.name = "behind"
+    guarded = [GuardedTracker(hanging), GuardedTracker(raising), GuardedTracker(behind, max_pending=2)]
+    try:
+        with caplog.at_level(logging.WARNING, logger="shardtrain"):
+            for step in range(1, 6):  # returns at once: trackers only receive on their own threads
+                for tracker in guarded:
+                    tracker.log(tracker_record(step, "train", 0.0, {"loss": 1.0 / step}))
+            close_trackers(guarded, "finished", timeout_s=0.2)
+    finally:
+        hanging.release.set()
+        behind.release.set()
+    warnings = sorted(r.getMessage() for r in caplog.records)
+    assert len(warnings) == 3, warnings
+    assert warnings[0].startswith("tracker behind fell 2 records behind training at step ")
+    assert warnings[1].startswith("tracker hanging did not finish within run.tracker_timeout_s=0.2;")
+    assert warnings[2].startswith("tracker raising failed at step 1 (OSError: No space left on device); "
+                                  "it is dropped")
+    assert raising.calls == 1  # dropped: never called again, not even to close
