@@ -105,7 +105,10 @@ def tracked(tmp_path_factory):
 def test_wandb_holds_every_record_and_the_config_in_one_resumed_run(tracked):
     run_dir, ids, first_records, records, second = tracked
     assert any(r["kind"] == k for r in records for k in ("checkpoint", "sample", "memory", "memory_ranks"))
-    assert "resumed from" in second.stderr and records[len(first_records)]["step"] > 6
+    assert "resumed from" in second.stderr
+    resumed = records[len(first_records)]  # the resumed attempt's start record, then its steps
+    assert (resumed["kind"], resumed["step"], resumed["resumed"]) == ("start", 6, True)
+    assert records[len(first_records) + 1]["step"] > 6
     run_ids, rows, config = read_wandb(run_dir)
     assert run_ids == {ids["wandb"]}  # the resume reopened the same run
     assert rows == [{"step": r["step"], **expected_values(r)} for r in records]
