@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardtrain.cli.launch import descendants
+
 NODELIST = "127.0.0.[1-2]"  # Slurm's compressed form of 127.0.0.1,127.0.0.2
 STATE_ENV = "FAKE_SLURM_STATE"  # where the stand-ins record what they were asked
 
@@ -61,25 +63,6 @@ def expand_hostlist(hostlist: str) -> list[str]:
             for number in range(int(first), int(last or first) + 1):
                 names.append(f"{prefix}{number:0{len(first)}d}{suffix}")
     return names
-
-
-def descendants(root: int) -> list[int]:
-    """Every process below ``root``, read from /proc in one pass (so nothing is missed when killed)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
 
 
 def kill_tree(root: int) -> None:
