@@ -68,8 +68,8 @@ def split_stderr(stream: IO[str], log: IO[str]) -> None:
             sys.stderr.flush()
 
 
-def descendants(root: int) -> list[int]:
-    """All processes below ``root`` (children, grandchildren, ...), from /proc."""
+def child_processes() -> dict[int, list[int]]:
+    """Every process's children, from /proc in one pass."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -80,6 +80,12 @@ def descendants(root: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def descendants(root: int) -> list[int]:
+    """All processes below ``root`` (children, grandchildren, ...), from /proc."""
+    children = child_processes()
     found, todo = [], list(children.get(root, []))
     while todo:
         pid = todo.pop()
@@ -104,6 +110,7 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
         agent = subprocess.Popen(torchrun_argv(nproc, command, preemption_signals, max_restarts),
                                  env=agent_env(max_restarts), preexec_fn=ignore_preemption_signals,
                                  start_new_session=True, text=True, errors="replace",
+                                 stdin=subprocess.DEVNULL,  # no worker may wait at a prompt (W&B's login)
                                  stderr=subprocess.PIPE if log is not None else None)
         reader = None
         if log is not None:
@@ -111,8 +118,10 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
             reader.start()
 
         def forward(signum, frame) -> None:
-            # Preemption signals go to the workers (the agent ignores them); others to the agent.
-            targets = descendants(agent.pid) if signum in signals else [agent.pid]
+            # Preemption signals go to the workers, the agent's children (the agent ignores them);
+            # not further down: W&B's service and compile workers keep their own sessions so that
+            # the trainer's signals miss them. Others go to the agent.
+            targets = child_processes().get(agent.pid, []) if signum in signals else [agent.pid]
             for pid in targets:
                 try:
                     os.kill(pid, signum)

@@ -27,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from shardtrain.config.keys import PRESETS_DIR, check_overrides, schema_keys
 from shardtrain.config.schema import TRACKERS, Config
-from shardtrain.config.strategy import check_strategy_names
+from shardtrain.config.strategy import check_strategy_names, devices_count
 from shardtrain.config.suggest import closest
 from shardtrain.errors import ConfigError
 
@@ -132,17 +132,6 @@ def check_model(cfg: Config) -> None:
         )
     if (m.dim // m.n_heads) % 2:
         raise ConfigError("model.dim / model.n_heads (the head size) must be even for RoPE")
-
-
-def devices_count(devices: Any) -> int | None:
-    """``trainer.devices`` as an int, or None for "auto"."""
-    if devices == "auto":
-        return None
-    if isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
-        return devices
-    if isinstance(devices, str) and devices.isdigit() and int(devices) >= 1:
-        return int(devices)
-    raise ConfigError(f"trainer.devices={devices!r} must be 'auto' or a positive int")
 
 
 def check_trackers(trackers: list[str]) -> None:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from shardtrain.accelerator import accelerator_count, default_precision
-from shardtrain.config.compose import devices_count
 from shardtrain.config.schema import Config, StrategyConfig
 from shardtrain.config.strategy import (
     DTYPE_NAMES,
@@ -23,6 +22,7 @@ from shardtrain.config.strategy import (
     STRATEGIES,
     check_compute_dtype,
     checkpointing_mode,
+    devices_count,
     normalize_strategy_name,
     precision_preset,
     reshard_setting,

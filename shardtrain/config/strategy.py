@@ -7,6 +7,8 @@ these names into a sharding plan for the world and the devices the launch has.
 
 from __future__ import annotations
 
+from typing import Any
+
 from shardtrain.config.schema import StrategyConfig
 from shardtrain.config.suggest import closest
 from shardtrain.errors import ConfigError
@@ -100,3 +102,14 @@ def check_strategy_names(cfg: StrategyConfig) -> None:
         if getattr(cfg, key) is not None:
             check_compute_dtype(key, getattr(cfg, key))
     checkpointing_mode(cfg)
+
+
+def devices_count(devices: Any) -> int | None:
+    """``trainer.devices`` as an int, or None for "auto"."""
+    if devices == "auto":
+        return None
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
+        return devices
+    if isinstance(devices, str) and devices.isdigit() and int(devices) >= 1:
+        return int(devices)
+    raise ConfigError(f"trainer.devices={devices!r} must be 'auto' or a positive int")

@@ -65,8 +65,9 @@ def finite_or_none(value: Any) -> float | None:
 def parse_lines(text: str) -> tuple[list[dict], int]:
     """The records in a metrics.jsonl text, and how many whole lines could not be read.
 
-    The text after the last newline is a record still being written by a running run: it is left
-    out without being counted. A line whose start was left unfinished by a killed writer keeps the
+    The text after the last newline is a record still being written by a running run: it counts
+    only if it already parses as a whole record (its newline not yet written), and is never counted
+    as unreadable. A line whose start was left unfinished by a killed writer keeps the
     record appended to it.
     """
     *lines, unfinished = text.split("\n")

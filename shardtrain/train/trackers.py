@@ -153,8 +153,12 @@ def check_reachable(uri: str, timeout_s: float) -> None:
     try:
         with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s):
             pass
-    except urllib.error.HTTPError:
-        return
+    except urllib.error.HTTPError as exc:
+        if exc.code < 500:  # it answered (perhaps asking for credentials: the client's business)
+            return
+        raise TrackerError(f"run.trackers: the MLflow tracking server {uri} answers HTTP {exc.code} "
+                           f"({exc.reason}); fix the server or run.mlflow.tracking_uri, or log to the "
+                           "file store run.dir/mlruns with run.offline=true") from exc
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", None) or exc
         raise TrackerError(f"run.trackers: the MLflow tracking server {uri} cannot be reached ({reason}); "
@@ -394,25 +398,42 @@ def start_trackers(cfg: Config, resuming: bool) -> list[GuardedTracker]:
         for name in run.trackers:
             if name in PACKAGES and importlib.util.find_spec(PACKAGES[name]) is None:
                 raise missing_package_error(name, PACKAGES[name])
-            try:
-                started.append(FACTORIES[name](run, params, stored.get(name)))
-            except TrackerError:
-                raise
-            except Exception as exc:
-                raise TrackerError(f"run.trackers: {name} could not start ({first_line(exc)}); "
-                                   f"{FIXES[name]}") from exc
+            started.append(start_within(name, run, params, stored.get(name)))
     except BaseException:
-        for tracker in started:
-            try:
-                tracker.close("failed")
-            except Exception as exc:
-                log.warning(f"tracker {tracker.name} did not close ({first_line(exc)})")
+        # Closed off the training thread too: a server that hangs must not hold the failure's line.
+        close_trackers([GuardedTracker(tracker) for tracker in started], "failed", run.tracker_timeout_s)
         raise
     ids = {tracker.name: tracker.run_id for tracker in started if tracker.run_id is not None}
     if ids:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / STATE_FILE).write_text(json.dumps(ids, indent=1) + "\n")
     return [GuardedTracker(tracker) for tracker in started]
+
+
+def start_within(name: str, run: RunConfig, params: dict[str, Any], resume_id: str | None) -> Tracker:
+    """Tracker ``name``, started on a thread of its own within ``run.tracker_timeout_s``: a client's
+    own retries (MLflow's: minutes against a server answering 503) cannot hold the run's start."""
+    outcome: dict[str, Any] = {}
+
+    def start() -> None:
+        try:
+            outcome["tracker"] = FACTORIES[name](run, params, resume_id)
+        except BaseException as exc:  # handed to the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=start, name=f"shardtrain-tracker-{name}-start", daemon=True)
+    thread.start()
+    thread.join(run.tracker_timeout_s)
+    if thread.is_alive():
+        raise TrackerError(f"run.trackers: {name} did not start within run.tracker_timeout_s="
+                           f"{run.tracker_timeout_s:g} s; {FIXES[name]}")
+    error = outcome.get("error")
+    if isinstance(error, TrackerError):
+        raise error
+    if error is not None:
+        raise TrackerError(f"run.trackers: {name} could not start ({first_line(error)}); "
+                           f"{FIXES[name]}") from error
+    return outcome["tracker"]
 
 
 def close_trackers(trackers: list[GuardedTracker], outcome: str, timeout_s: float) -> None:
