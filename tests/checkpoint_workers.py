@@ -126,6 +126,7 @@ def sockets_of_groups(out: str) -> None:
         before = open_sockets()
         group = make()
         created = open_sockets() - before
+        torch.distributed.barrier()  # no rank connects for the gather before every rank counted
         torch.distributed.gather_object(1, [None] * 4 if torch.distributed.get_rank() == 0 else None,
                                         dst=0, group=group)
         counts.append([created, open_sockets() - before])
