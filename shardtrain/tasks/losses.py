@@ -1,0 +1,109 @@
+"""A fused, chunked linear + cross-entropy: the output head and the loss computed a chunk of tokens at
+a time, so that neither the full ``[tokens, vocab]`` fp32 logits nor their gradient ever exist.
+
+The plain path, ``F.cross_entropy(head(hidden).float(), ...)``, keeps the logits in the compute dtype,
+their fp32 copy, and in backward a gradient of each: for a 128k vocabulary at 8k tokens over 8 GB, often
+a step's memory peak. Here each chunk's logits are computed exactly as the plain path computes them
+(the matmul in the compute dtype, then ``.float()``), its summed cross-entropy taken, and, while the
+chunk is at hand, the gradient of that sum with respect to the logits (softmax minus the one-hot target,
+zero for ignored tokens) turned into the chunk's gradients of the hidden states and the head weight.
+Backward only scales those by the incoming gradient (Liger-Kernel's fused linear cross-entropy does
+the same): no logits are recomputed, which ``benchmarks/loss_bench.py`` measured faster on CPU than
+per-chunk recomputation (``torch.utils.checkpoint``), whose head matmul runs a third time.
+
+The head weight and bias are inputs of the autograd function, so their gradients reach them through
+autograd: under FSDP2 the unsharded parameter gets them and its reduce-scatter hooks fire as usual.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shardtrain.data.batches import IGNORE_INDEX
+
+# Tokens per chunk when a caller names none: [2048, vocab] fp32 logits are 256 MB at a 32k vocabulary
+# and 1 GB at 128k; on CPU, chunks of 512 tokens ran the head's matmuls measurably slower, 2048 not.
+DEFAULT_CHUNK_TOKENS = 2048
+
+
+def _chunk_gradient(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[
+        torch.Tensor, torch.Tensor]:
+    """The chunk's summed cross-entropy and its gradient w.r.t. the fp32 logits (which it overwrites)."""
+    log_probs = logits.log_softmax(-1)
+    loss = F.nll_loss(log_probs, targets, ignore_index=ignore_index, reduction="sum")
+    grad = log_probs.exp_()
+    kept = targets != ignore_index
+    rows = torch.arange(targets.shape[0], device=targets.device)
+    grad[rows, targets.clamp(min=0)] -= kept.to(grad.dtype)
+    grad.mul_(kept.unsqueeze(1).to(grad.dtype))
+    return loss, grad
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, chunk_tokens: int, ignore_index: int) -> torch.Tensor:
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        with_grads = want_hidden or want_weight or want_bias
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        # Summed over chunks in fp32, rounded to the weight's dtype once in backward (as one matmul
+        # over all tokens accumulates in fp32 and rounds once).
+        fp32 = dict(dtype=torch.float32, device=weight.device)
+        grad_weight = torch.zeros(weight.shape, **fp32) if want_weight else None
+        grad_bias = torch.zeros(weight.shape[0], **fp32) if want_bias else None
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            chunk = hidden[rows]
+            logits = F.linear(chunk, weight, bias).float()
+            if not with_grads:
+                loss += F.cross_entropy(logits, targets[rows], ignore_index=ignore_index, reduction="sum")
+                continue
+            chunk_loss, grad_logits = _chunk_gradient(logits, targets[rows], ignore_index)
+            loss += chunk_loss
+            # The plain path's ``.float()`` hands its gradient back in the compute dtype: so here.
+            grad_logits = grad_logits.to(hidden.dtype)
+            if want_hidden:
+                torch.mm(grad_logits, weight, out=grad_hidden[rows])
+            if want_weight:
+                grad_weight += (grad_logits.t() @ chunk).float()
+            if want_bias:
+                grad_bias += grad_logits.float().sum(0)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        scale = grad_output.float()
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * scale.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * scale).to(ctx.weight_dtype)
+        if grad_bias is not None:
+            grad_bias = (grad_bias * scale).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                          bias: torch.Tensor | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                          ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Summed cross-entropy of ``F.linear(hidden, weight, bias)`` against ``targets``, never holding
+    more than ``chunk_tokens`` rows of logits; equal to
+    ``F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, ignore_index=ignore_index,
+    reduction="sum")`` (and its gradients) within fp32 rounding.
+
+    ``hidden``: (..., dim) final hidden states in the compute dtype; ``weight``: (vocab, dim);
+    ``targets``: (...) token ids, ``ignore_index`` where no loss is taken (fine-tuning masks). The loss
+    is an fp32 scalar. Under autograd it holds, between forward and backward, the gradients of the
+    hidden states (their size) and of the weight (fp32, its size) instead of the logits.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be at least 1")
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden states {tuple(hidden.shape)} and targets {tuple(targets.shape)} "
+                         "must agree in every dimension but the last")
+    return _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
+                                            targets.reshape(-1), chunk_tokens, ignore_index)
