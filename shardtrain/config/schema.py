@@ -134,7 +134,7 @@ class TrainerConfig:
     seq_len: int = knob(128, at_least=1)  # tokens per training window
     # The built-in task's output head and loss chunk by chunk, this many tokens at a time, never the
     # full fp32 logits (tasks/losses.py); 0 = the plain full-logits loss.
-    loss_chunk_tokens: int = knob(2048, at_least=0)
+    loss_chunk_tokens: int = knob(512, at_least=0)
     seed: int = knob(1234, at_least=0)  # weights and data order; the same at any world size
     lr: float = knob(3e-3, at_least=0)
     min_lr_ratio: float = knob(0.1, at_least=0.0, at_most=1.0)  # cosine floor, a fraction of lr

@@ -8,8 +8,10 @@ a step's memory peak. Here each chunk's logits are computed exactly as the plain
 chunk is at hand, the gradient of that sum with respect to the logits (softmax minus the one-hot target,
 zero for ignored tokens) turned into the chunk's gradients of the hidden states and the head weight.
 Backward only scales those by the incoming gradient (Liger-Kernel's fused linear cross-entropy does
-the same): no logits are recomputed, which ``benchmarks/loss_bench.py`` measured faster on CPU than
-per-chunk recomputation (``torch.utils.checkpoint``), whose head matmul runs a third time.
+the same): no logits are recomputed. The alternative, per-chunk recomputation under
+``torch.utils.checkpoint``, runs the head's matmul a third time (a third more head FLOPs on an
+accelerator); on this project's loaded 2-core CPU the two measured within noise of each other
+(``benchmarks/run.py --only loss``), so the design without recomputation was kept.
 
 The head weight and bias are inputs of the autograd function, so their gradients reach them through
 autograd: under FSDP2 the unsharded parameter gets them and its reduce-scatter hooks fire as usual.
@@ -22,19 +24,22 @@ import torch.nn.functional as F
 
 from shardtrain.data.batches import IGNORE_INDEX
 
-# Tokens per chunk when a caller names none: [2048, vocab] fp32 logits are 256 MB at a 32k vocabulary
-# and 1 GB at 128k; on CPU, chunks of 512 tokens ran the head's matmuls measurably slower, 2048 not.
-DEFAULT_CHUNK_TOKENS = 2048
+# Tokens per chunk when a caller names none: [512, vocab] fp32 logits are 62 MB at a 32k vocabulary
+# and 250 MB at 128k. Measured on CPU (docs/benchmarks.md): a step's peak fell by 35% (32k) and 54%
+# (128k) at 512 tokens, by 22% and 34% at 1,024, with no loss of tokens/s at either.
+DEFAULT_CHUNK_TOKENS = 512
 
 
 def _chunk_gradient(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[
         torch.Tensor, torch.Tensor]:
-    """The chunk's summed cross-entropy and its gradient w.r.t. the fp32 logits (which it overwrites)."""
-    log_probs = logits.log_softmax(-1)
-    loss = F.nll_loss(log_probs, targets, ignore_index=ignore_index, reduction="sum")
-    grad = log_probs.exp_()
+    """The chunk's summed cross-entropy and its gradient w.r.t. the fp32 logits, written over them
+    (one chunk-sized buffer, not the two or three of log-softmax and its gradient)."""
     kept = targets != ignore_index
     rows = torch.arange(targets.shape[0], device=targets.device)
+    picked = logits[rows, targets.clamp(min=0)]
+    log_normaliser = torch.logsumexp(logits, -1)
+    loss = ((log_normaliser - picked) * kept).sum()
+    grad = logits.sub_(log_normaliser.unsqueeze(1)).exp_()  # softmax
     grad[rows, targets.clamp(min=0)] -= kept.to(grad.dtype)
     grad.mul_(kept.unsqueeze(1).to(grad.dtype))
     return loss, grad
@@ -56,7 +61,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             chunk = hidden[rows]
-            logits = F.linear(chunk, weight, bias).float()
+            logits = F.linear(chunk, weight, bias).float()  # the compute-dtype copy is freed here
             if not with_grads:
                 loss += F.cross_entropy(logits, targets[rows], ignore_index=ignore_index, reduction="sum")
                 continue
