@@ -11,13 +11,14 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from distributed import run_on_ranks
 from equivalence import case_config, small_corpus
 from hf_models import make_model_dir
 
 from shardtrain.config.schema import ModelConfig
 from shardtrain.data.batches import IGNORE_INDEX, Batch
-from shardtrain.models.hf import HFCausalLM
+from shardtrain.models.hf import HFCausalLM, head_transform_reason
 from shardtrain.models.llama import Llama
 from shardtrain.tasks.language_model import LanguageModelTask, output_head, token_loss_sum
 from shardtrain.tasks.losses import chunked_cross_entropy
@@ -160,3 +161,13 @@ def test_two_rank_fsdp_training_follows_plain_loss(tmp_path):
         assert len(losses) == len(plain_losses) == 4
         for ours, theirs in zip(losses + norms, plain_losses + plain_norms, strict=True):
             assert abs(ours - theirs) <= tolerance * abs(theirs), (precision, losses, plain_losses)
+
+
+def test_hf_logit_transforms_keep_the_plain_loss():
+    """Cohere scales its logits, Gemma 2 soft-caps them: the head alone is not their logits."""
+    sizes = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    assert head_transform_reason(transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))) is None
+    for family in (transformers.CohereForCausalLM(transformers.CohereConfig(**sizes)),
+                   transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**sizes))):
+        assert "does more to its logits" in head_transform_reason(family)

@@ -10,6 +10,7 @@ divided by the global token count before backward, as torchtitan does), and the 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -23,6 +24,8 @@ from shardtrain.models.masking import check_document_mask_support
 from shardtrain.models.registry import build_model
 from shardtrain.tasks.losses import chunked_cross_entropy
 from shardtrain.tasks.task import LossOutput, Task
+
+log = logging.getLogger("shardtrain")
 
 
 def output_head(model: nn.Module) -> nn.Linear | None:
@@ -85,6 +88,9 @@ class LanguageModelTask(Task):
         if self.cfg.data.document_mask:
             check_document_mask_support(model)
         self.flops_per_token = flops_per_token(model, self.cfg.trainer.seq_len)
+        if self.cfg.trainer.loss_chunk_tokens > 0 and output_head(model) is None:
+            reason = getattr(model, "head_transform", None) or "the model gives only logits"
+            log.info("trainer.loss_chunk_tokens: the plain full-logits loss instead (%s)", reason)
         return model
 
     def wrap_policy(self) -> Sequence[type | str] | None:
