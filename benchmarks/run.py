@@ -1022,7 +1022,7 @@ def loss_section(command: str, rounds: int) -> str:
              "machine).", "",
              "A step's peak resident memory above what stays between steps (weights and AdamW's state), "
              "dim 512, 8 layers, 4 sequences of 512 tokens (2,048 tokens), fp32, one process, a fresh "
-             "process per case; `chunked` is the default (`trainer.loss_chunk_tokens=512`), `recompute` "
+             "process per case; `chunked` is `trainer.loss_chunk_tokens=512`, `recompute` "
              "the same chunks under `torch.utils.checkpoint` (the design not chosen):", "",
              "| vocabulary | full fp32 logits MiB | plain MiB | chunked MiB | recompute MiB | chunked / plain |",
              "| --- | --- | --- | --- | --- | --- |"]

@@ -80,10 +80,10 @@ class ActivationModel:
     block_backward: int  # gradients alive inside one block's backward
     # The final norm's tensors and the fp32 log-softmax output; with the chunked loss
     # (trainer.loss_chunk_tokens) instead the gradients it computed in forward: the hidden states'
-    # and the head weight's (fp32).
+    # and the head weight's.
     head_saved: int
-    # The loss gradient w.r.t. the fp32 logits, in and out of log-softmax; chunked: the larger of one
-    # chunk's logits (in forward) and the scaled gradients (in backward).
+    # The loss gradient w.r.t. the fp32 logits, in and out of log-softmax; chunked: one chunk's fp32
+    # logits and a temporary of their size (backward scales the gradients in place).
     head_backward: int
     # data.document_mask: the additive mask all blocks share, from the forward to the last backward.
     document_mask: int = 0
@@ -115,9 +115,8 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     block_backward = tokens * b * (m.dim + 3 * ffn) + b * m.dim * ffn
     chunk = min(cfg.trainer.loss_chunk_tokens, tokens)
     if chunk > 0:  # tasks/losses.py: one chunk's fp32 logits (and their compute-dtype copy) at a time
-        head_saved = tokens * (rms_norm_saved(m.dim, b) + b * m.dim) + 4 * m.vocab_size * m.dim
-        head_backward = max(chunk * m.vocab_size * (4 + (b if b != 4 else 0)),
-                            tokens * b * m.dim + b * m.vocab_size * m.dim)
+        head_saved = tokens * (rms_norm_saved(m.dim, b) + b * m.dim) + b * m.vocab_size * m.dim
+        head_backward = chunk * m.vocab_size * 8
     else:
         head_saved = tokens * (rms_norm_saved(m.dim, b) + 4 * m.vocab_size)
         head_backward = tokens * 8 * m.vocab_size

@@ -26,7 +26,7 @@ from shardtrain.data.batches import IGNORE_INDEX
 
 # Tokens per chunk when a caller names none: [512, vocab] fp32 logits are 62 MB at a 32k vocabulary
 # and 250 MB at 128k. Measured on CPU (docs/benchmarks.md): a step's peak fell by 35% (32k) and 54%
-# (128k) at 512 tokens, by 22% and 34% at 1,024, with no loss of tokens/s at either.
+# (128k) at 512 tokens, by 22% and 34% at 1,024, with no loss of tokens/s at 32k.
 DEFAULT_CHUNK_TOKENS = 512
 
 
@@ -53,11 +53,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         with_grads = want_hidden or want_weight or want_bias
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        # Summed over chunks in fp32, rounded to the weight's dtype once in backward (as one matmul
-        # over all tokens accumulates in fp32 and rounds once).
-        fp32 = dict(dtype=torch.float32, device=weight.device)
-        grad_weight = torch.zeros(weight.shape, **fp32) if want_weight else None
-        grad_bias = torch.zeros(weight.shape[0], **fp32) if want_bias else None
+        # Summed over chunks in the weight's dtype, in place (Liger-Kernel does the same): an fp32
+        # buffer of the weight's size, or a chunk's product upcast, would be the step's peak at a
+        # 128k vocabulary in bf16. In fp32 this is exactly the plain path's sum, in another order.
+        grad_weight = torch.zeros_like(weight) if want_weight else None
+        grad_bias = torch.zeros_like(bias) if want_bias else None
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             chunk = hidden[rows]
@@ -72,24 +72,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if want_hidden:
                 torch.mm(grad_logits, weight, out=grad_hidden[rows])
             if want_weight:
-                grad_weight += (grad_logits.t() @ chunk).float()
+                grad_weight.addmm_(grad_logits.t(), chunk)
             if want_bias:
-                grad_bias += grad_logits.float().sum(0)
+                grad_bias += grad_logits.sum(0)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        ctx.weight_dtype = weight.dtype
+        ctx.backward_done = False
         return loss
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        scale = grad_output.float()
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden * scale.to(grad_hidden.dtype)
-        if grad_weight is not None:
-            grad_weight = (grad_weight * scale).to(ctx.weight_dtype)
-        if grad_bias is not None:
-            grad_bias = (grad_bias * scale).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        if ctx.backward_done:
+            raise RuntimeError("chunked_cross_entropy's gradients were scaled in place by the first "
+                               "backward; backward through it twice (retain_graph) is not supported")
+        ctx.backward_done = True
+        # In place: a scaled copy of the weight's gradient would be one more weight-sized buffer.
+        grads = [None if g is None else g.mul_(grad_output.to(g.dtype)) for g in ctx.saved_tensors]
+        return *grads, None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
@@ -103,7 +101,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     ``hidden``: (..., dim) final hidden states in the compute dtype; ``weight``: (vocab, dim);
     ``targets``: (...) token ids, ``ignore_index`` where no loss is taken (fine-tuning masks). The loss
     is an fp32 scalar. Under autograd it holds, between forward and backward, the gradients of the
-    hidden states (their size) and of the weight (fp32, its size) instead of the logits.
+    hidden states and of the weight (their sizes and dtypes) instead of the logits.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be at least 1")
