@@ -39,6 +39,10 @@ report (only with ``--only report``, about 3 minutes; needs Chromium, /usr/bin/c
 checked not blank and kept as docs/images/report.png.
 soak (only with ``--only soak``, about 5 minutes): benchmarks/soak_worker.py, 2,000 steps with an
 async checkpoint every 10 steps; resident memory, threads, open files and disk use over the run.
+loss (about 10 minutes): benchmarks/loss_bench.py; the chunked linear + cross-entropy against the
+plain full-logits loss and against per-chunk recomputation: a step's peak memory at 32k and 128k
+vocabularies (a fresh process each), and tokens/s alternating in one process for the default model
+and a vocabulary-heavy one.
 Each rewrites its own section of docs/benchmarks.md (scaling: also docs/scaling.md) with the
 command, the machine and the date.
 """
@@ -85,6 +89,11 @@ DATA_BEGIN, DATA_END = "<!-- data:begin -->", "<!-- data:end -->"
 TASK_BEGIN, TASK_END = "<!-- task:begin -->", "<!-- task:end -->"
 SUM_BEGIN, SUM_END = "<!-- checksum:begin -->", "<!-- checksum:end -->"
 CLI_BEGIN, CLI_END = "<!-- cli:begin -->", "<!-- cli:end -->"
+LOSS_BEGIN, LOSS_END = "<!-- loss:begin -->", "<!-- loss:end -->"
+# (name, vocab, dim, layers, seq, micro-batch): the default model's shape, and a vocabulary-heavy one.
+LOSS_SPEED_MODELS = [("default model", 256, 256, 4, 128, 16), ("vocabulary-heavy", 32000, 512, 8, 512, 4)]
+LOSS_MEMORY_VOCABS = [32000, 128000]
+LOSS_KINDS = ["plain", "chunked", "recompute"]
 # (what a user types after `shardtrain`, the exit status it must give). The paths do not exist.
 CLI_CASES = [
     (["--help"], 0),
@@ -990,14 +999,57 @@ def lightning_version() -> str:
         return "not installed"
 
 
+def loss_bench(*args: object, env: dict | None = None) -> dict:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "loss_bench.py"), *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env={**os.environ, **(env or {})})
+    if proc.returncode != 0:
+        raise SystemExit(f"{cmd} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def loss_section(command: str, rounds: int) -> str:
+    """docs/benchmarks.md's chunked-loss section: peak memory per vocabulary, tokens/s per model."""
+    memory = {(vocab, kind): loss_bench("memory", vocab, 512, 8, 512, 4, kind,
+                                        env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+              for vocab in LOSS_MEMORY_VOCABS for kind in LOSS_KINDS}
+    load = os.getloadavg()[0]
+    speed = [(name, loss_bench("speed", *shape, rounds)) for name, *shape in LOSS_SPEED_MODELS]
+    lines = [LOSS_BEGIN, "## Chunked loss", "",
+             "The fused, chunked linear + cross-entropy (`trainer.loss_chunk_tokens`, tasks/losses.py) "
+             "against the plain loss that upcasts the whole `[tokens, vocab]` logits to fp32.", "",
+             f"`{command}` on {cpu_name()}, {datetime.date.today()}, torch {torch.__version__}, "
+             f"load average {load:.1f} on {os.cpu_count()} cores when it ran (other work shared the "
+             "machine).", "",
+             "A step's peak resident memory above what stays between steps (weights and AdamW's state), "
+             "dim 512, 8 layers, 4 sequences of 512 tokens (2,048 tokens), fp32, one process, a fresh "
+             "process per case; `chunked` is `trainer.loss_chunk_tokens=512`, `recompute` "
+             "the same chunks under `torch.utils.checkpoint` (the design not chosen):", "",
+             "| vocabulary | full fp32 logits MiB | plain MiB | chunked MiB | recompute MiB | chunked / plain |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for vocab in LOSS_MEMORY_VOCABS:
+        peaks = [memory[vocab, kind]["step_peak_mib"] for kind in LOSS_KINDS]
+        lines.append(f"| {vocab:,} | {memory[vocab, 'plain']['logits_fp32_mib']:,.0f} | "
+                     + " | ".join(f"{p:,.0f}" for p in peaks) + f" | {peaks[1] / peaks[0]:.2f} |")
+    lines += ["", f"Tokens/s of a whole step (forward, backward, fused AdamW), the three losses "
+              f"alternating step by step in one process, median of {rounds} rounds:", "",
+              "| model | vocabulary | tokens/step | plain | chunked | recompute | chunked / plain |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, result in speed:
+        rates = [result["tokens_per_s"][kind] for kind in LOSS_KINDS]
+        lines.append(f"| {name} (dim {result['dim']}, {result['layers']} layers) | {result['vocab']:,} | "
+                     f"{result['batch'] * result['seq']:,} | " + " | ".join(f"{r:,.0f}" for r in rates)
+                     + f" | {rates[1] / rates[0]:.2f} |")
+    return "\n".join(lines + [LOSS_END])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--only", choices=["training", "checkpoint", "generation", "generation-modes",
                                            "init", "scaling", "soak", "gpu", "e2e", "profile", "hf",
-                                           "data", "task", "checksum", "cli", "report"],
+                                           "data", "task", "checksum", "cli", "report", "loss"],
                         default=None)
-    parser.add_argument("--rounds", type=int, default=3, help="--only e2e: alternating rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="--only e2e, loss: alternating rounds")
     parser.add_argument("--gpu-variants", nargs="+", choices=list(GPU_VARIANT_NAMES),
                         default=list(GPU_VARIANT_NAMES), help="--only gpu: the (compile, AC) variants")
     parser.add_argument("--no-checks", action="store_true", help="--only gpu: skip the functional checks")
@@ -1049,6 +1101,9 @@ def main() -> None:
         write_section(DATA_BEGIN, DATA_END, data_section("python benchmarks/run.py --only data"))
     if args.only in (None, "hf"):
         write_section(HF_BEGIN, HF_END, hf_section("python benchmarks/run.py --only hf"))
+    if args.only in (None, "loss"):
+        write_section(LOSS_BEGIN, LOSS_END, loss_section(
+            f"python benchmarks/run.py --only loss --rounds {args.rounds}", args.rounds))
     if args.only == "report":
         write_section(REPORT_BEGIN, REPORT_END, report_section("python benchmarks/run.py --only report"))
     if args.only == "soak":

@@ -78,8 +78,13 @@ class ActivationModel:
     saved_per_block: int  # kept from a block's forward to its backward (its input only, under AC)
     block: int  # everything one block saves for backward (recomputed in its backward under AC)
     block_backward: int  # gradients alive inside one block's backward
-    head_saved: int  # the final norm's tensors and the fp32 log-softmax output
-    head_backward: int  # the loss gradient w.r.t. the fp32 logits, in and out of log-softmax
+    # The final norm's tensors and the fp32 log-softmax output; with the chunked loss
+    # (trainer.loss_chunk_tokens) instead the gradients it computed in forward: the hidden states'
+    # and the head weight's.
+    head_saved: int
+    # The loss gradient w.r.t. the fp32 logits, in and out of log-softmax; chunked: one chunk's fp32
+    # logits and a temporary of their size (backward scales the gradients in place).
+    head_backward: int
     # data.document_mask: the additive mask all blocks share, from the forward to the last backward.
     document_mask: int = 0
 
@@ -108,12 +113,19 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     # Inside a block's backward: the incoming gradient, three hidden-size gradients of the SwiGLU
     # and one FFN weight's gradient before FSDP reduces it.
     block_backward = tokens * b * (m.dim + 3 * ffn) + b * m.dim * ffn
+    chunk = min(cfg.trainer.loss_chunk_tokens, tokens)
+    if chunk > 0:  # tasks/losses.py: one chunk's fp32 logits (and their compute-dtype copy) at a time
+        head_saved = tokens * (rms_norm_saved(m.dim, b) + b * m.dim) + b * m.vocab_size * m.dim
+        head_backward = chunk * m.vocab_size * 8
+    else:
+        head_saved = tokens * (rms_norm_saved(m.dim, b) + 4 * m.vocab_size)
+        head_backward = tokens * 8 * m.vocab_size
     return ActivationModel(
         saved_per_block=tokens * b * m.dim if checkpointed else block,
         block=block,
         block_backward=block_backward,
-        head_saved=tokens * (rms_norm_saved(m.dim, b) + 4 * m.vocab_size),
-        head_backward=tokens * 8 * m.vocab_size,
+        head_saved=head_saved,
+        head_backward=head_backward,
         document_mask=tokens * cfg.trainer.seq_len * b if cfg.data.document_mask else 0,
     )
 

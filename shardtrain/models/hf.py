@@ -16,7 +16,9 @@ Parameter names are transformers' under the ``hf.`` prefix; ``hf_name`` strips i
 
 from __future__ import annotations
 
+import inspect
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -88,6 +90,29 @@ def sequence_state_reason(config: PretrainedConfig) -> str | None:
     return None
 
 
+def head_transform_reason(model: nn.Module) -> str | None:
+    """Why the logits of this transformers causal LM are not just its output head applied to its base
+    model's last hidden state (logit scaling or soft-capping, as Cohere and Gemma 2 apply), read from
+    its ``forward``'s source; None when they are, so a loss may apply the head itself chunk by chunk."""
+    forward = type(model).forward
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return f"the source of {type(model).__name__}.forward is not readable"
+    head = model.get_output_embeddings()
+    head_name = next((name for name, module in model.named_children() if module is head), None)
+    # Statements, not the ``logits=logits,`` keyword of the output's constructor.
+    assignments = [value for value in re.findall(r"^\s*logits\s*=\s*(.+)$", source, flags=re.MULTILINE)
+                   if not value.rstrip().endswith(",")]
+    if (head_name is None or len(assignments) != 1
+            or not assignments[0].startswith(f"self.{head_name}(hidden_states")
+            or re.search(r"\blogits\s*[-+*/]=|\blogits\.\w+_\(", source)
+            or f"self.{model.base_model_prefix}(" not in source
+            or "hidden_states = outputs.last_hidden_state" not in source):
+        return f"{type(model).__name__}.forward does more to its logits than apply its output head"
+    return None
+
+
 def max_positions(config: PretrainedConfig) -> int | None:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
@@ -120,6 +145,7 @@ class HFCausalLM(nn.Module):
         self.block_classes = tuple({type(m) for m in self.modules() if type(m).__name__ in names})
         self.tied = self.hf.get_input_embeddings().weight is self.hf.get_output_embeddings().weight
         self.init_std = getattr(self.config, "initializer_range", None) or 0.02
+        self.head_transform = head_transform_reason(self.hf)
         self._init_rules = self._initialisation_rules()
         # Stored names differ from module names for some families (GPT-NeoX's files say embed_out,
         # the module lm_head): transformers' own renaming rules, applied as from_pretrained does.
@@ -128,7 +154,15 @@ class HFCausalLM(nn.Module):
         self._converters = [t for t in transforms if isinstance(t, WeightConverter)]
 
     def forward(self, tokens: torch.Tensor, cache: HFCache | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, hidden_only: bool = False) -> torch.Tensor:
+        """Logits for ``tokens`` (B, T); ``hidden_only``: the base model's last hidden states instead,
+        (B, T, dim), for a loss that applies ``output_head()`` itself chunk by chunk (only where
+        ``head_transform_reason`` finds nothing else done to the logits)."""
+        if hidden_only:
+            if cache is not None:
+                raise ModelError("hidden_only= is for training, not with a KV cache")
+            return self.hf.base_model(input_ids=tokens, position_ids=positions,
+                                      use_cache=False).last_hidden_state
         if cache is None:
             # With positions (document masking), transformers reads packed sequences from
             # position_ids that restart (given no attention mask and no cache) and builds the
@@ -139,6 +173,11 @@ class HFCausalLM(nn.Module):
         logits = self.hf(input_ids=tokens, past_key_values=cache.past, use_cache=True).logits
         cache.pos += tokens.shape[1]
         return logits
+
+    def output_head(self) -> nn.Linear | None:
+        """The linear map from ``hidden_only`` states to logits; None when the model does more to its
+        logits than apply it (a loss must then take the logits from ``forward``)."""
+        return None if self.head_transform else self.hf.get_output_embeddings()
 
     def document_mask_refusal(self) -> str | None:
         return sequence_state_reason(self.config)

@@ -169,10 +169,11 @@ class Llama(nn.Module):
         self.register_buffer("rope", self.rope_table(), persistent=False)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, hidden_only: bool = False) -> torch.Tensor:
         """Logits for ``tokens`` (B, T). ``positions`` (B, T), each token's position within its
         document, packs several documents in a row: positions restart and attention stays inside
-        each document (``models/masking.py``)."""
+        each document (``models/masking.py``). ``hidden_only``: the final (normalised) hidden states
+        instead, (B, T, dim), for a loss that applies ``output_head()`` itself chunk by chunk."""
         start = cache.pos if cache is not None else 0
         end = start + tokens.shape[1]
         if end > self.cfg.max_seq_len:
@@ -191,7 +192,12 @@ class Llama(nn.Module):
             h = layer(h, rope, cache, index) if cache is not None else layer(h, rope, mask=mask)
         if cache is not None:
             cache.pos = end
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        return h if hidden_only else self.output(h)
+
+    def output_head(self) -> nn.Linear:
+        """The linear map from ``hidden_only`` states to logits (nothing else is applied to them)."""
+        return self.output
 
     @property
     def max_seq_len(self) -> int:

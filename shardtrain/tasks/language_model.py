@@ -10,6 +10,7 @@ divided by the global token count before backward, as torchtitan does), and the 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -21,13 +22,31 @@ from shardtrain.data.corpus import Corpus, load_corpus
 from shardtrain.data.tokenizer import Tokenizer, tokenizer_for
 from shardtrain.models.masking import check_document_mask_support
 from shardtrain.models.registry import build_model
+from shardtrain.tasks.losses import chunked_cross_entropy
 from shardtrain.tasks.task import LossOutput, Task
 
+log = logging.getLogger("shardtrain")
 
-def token_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Summed cross-entropy over the target tokens; ``positions`` (document masking) go to the model."""
-    logits = model(batch.inputs) if batch.positions is None else model(batch.inputs,
-                                                                        positions=batch.positions)
+
+def output_head(model: nn.Module) -> nn.Linear | None:
+    """The model's head when it can give hidden states instead of logits (``hidden_only=True``) and
+    its logits are that head's output and nothing more; None for a module that only maps to logits."""
+    head = getattr(model, "output_head", None)
+    return head() if callable(head) else None
+
+
+def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int = 0) -> torch.Tensor:
+    """Summed cross-entropy over the target tokens; ``positions`` (document masking) go to the model.
+
+    ``chunk_tokens`` > 0, for a model with an ``output_head``: the head and the loss chunk by chunk
+    (``chunked_cross_entropy``), never the full fp32 logits; otherwise from the model's logits."""
+    kwargs = {} if batch.positions is None else {"positions": batch.positions}
+    head = output_head(model) if chunk_tokens > 0 else None
+    if head is not None:
+        hidden = model(batch.inputs, hidden_only=True, **kwargs)
+        return chunked_cross_entropy(hidden, head.weight, batch.targets, bias=head.bias,
+                                     chunk_tokens=chunk_tokens, ignore_index=IGNORE_INDEX)
+    logits = model(batch.inputs, **kwargs)
     return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
@@ -69,6 +88,9 @@ class LanguageModelTask(Task):
         if self.cfg.data.document_mask:
             check_document_mask_support(model)
         self.flops_per_token = flops_per_token(model, self.cfg.trainer.seq_len)
+        if self.cfg.trainer.loss_chunk_tokens > 0 and output_head(model) is None:
+            reason = getattr(model, "head_transform", None) or "the model gives only logits"
+            log.info("trainer.loss_chunk_tokens: the plain full-logits loss instead (%s)", reason)
         return model
 
     def wrap_policy(self) -> Sequence[type | str] | None:
@@ -88,7 +110,8 @@ class LanguageModelTask(Task):
         return Batch(tokens, tokens, torch.zeros_like(tokens) if self.cfg.data.document_mask else None)
 
     def loss(self, model: nn.Module, batch: Batch) -> LossOutput:
-        return LossOutput(token_loss_sum(model, batch), (batch.targets != IGNORE_INDEX).sum())
+        return LossOutput(token_loss_sum(model, batch, self.cfg.trainer.loss_chunk_tokens),
+                          (batch.targets != IGNORE_INDEX).sum())
 
     def count(self, batch: Batch) -> float:
         return int((batch.targets != IGNORE_INDEX).sum())

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModMemStats, _FSDPRefType
 from torch.distributed.device_mesh import init_device_mesh
 
 from shardtrain.config.plan import resolve_plan
@@ -90,6 +90,22 @@ class PhasePeakTracker(FSDPMemTracker):
         # Set by the caller with several micro-batches: the first, middle and last ones hold
         # different gradients and buffers, so each is a phase of its own.
         self.micro_batch = ""
+
+    def _fsdp_param_group_pre_backward(self, fsdp_mod, orig_pre_backward):
+        return self._with_stats(fsdp_mod, super()._fsdp_param_group_pre_backward(fsdp_mod, orig_pre_backward))
+
+    def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
+        return self._with_stats(fsdp_mod, super()._fsdp_param_group_post_backward(fsdp_mod, orig))
+
+    def _with_stats(self, fsdp_mod: nn.Module, hook):
+        """The stock tracker keys a unit's backward by the module it instrumented last, and makes its
+        record only when that module's forward runs. The chunked loss never calls the head module
+        (it reads its weight): give such a module its record when its backward comes."""
+        def run(*args, **kwargs):
+            if fsdp_mod not in self.memory_tracking:
+                self.memory_tracking[fsdp_mod] = _FSDPModMemStats(type(fsdp_mod).__name__)
+            return hook(*args, **kwargs)
+        return run
 
     def block_phase(self, direction: str, index: int) -> str:
         last = len(self.block_index) - 1

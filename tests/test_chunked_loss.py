@@ -1,0 +1,173 @@
+"""The chunked linear + cross-entropy (``trainer.loss_chunk_tokens``): its loss and its gradients (of the
+hidden states, and of every parameter through the model, the head weight included) equal the plain
+full-logits loss's within fp32 rounding, for the built-in Llama (untied and tied) and a Hugging Face
+family, with document masking and a fine-tuning mask; and 2-rank FSDP2 training with it follows the
+plain loss."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from distributed import run_on_ranks
+from equivalence import case_config, small_corpus
+from hf_models import make_model_dir
+
+from shardtrain.config.schema import ModelConfig
+from shardtrain.data.batches import IGNORE_INDEX, Batch
+from shardtrain.models.hf import HFCausalLM, head_transform_reason
+from shardtrain.models.llama import Llama
+from shardtrain.tasks.language_model import LanguageModelTask, output_head, token_loss_sum
+from shardtrain.tasks.losses import chunked_cross_entropy
+
+# fp32: the chunked path sums the loss and the head's gradient chunk by chunk, in another order than
+# one matmul over all tokens; measured differences are ~1e-7 relative.
+TOLERANCE = 1e-6
+CHUNK = 24  # tokens: several chunks, the last one short (2 x 31 = 62 tokens)
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def masked_batch(vocab: int, document_mask: bool) -> Batch:
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (2, 32), generator=generator)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
+    targets[0, :9] = IGNORE_INDEX  # a fine-tuning mask: the prompt's tokens take no loss
+    targets[1, 20:] = IGNORE_INDEX
+    positions = None
+    if document_mask:  # three documents in row 0, two in row 1
+        starts = [[0, 7, 19], [0, 12]]
+        positions = torch.zeros_like(inputs)
+        for row, row_starts in enumerate(starts):
+            for start, stop in zip(row_starts, row_starts[1:] + [inputs.shape[1]], strict=True):
+                positions[row, start:stop] = torch.arange(stop - start)
+    return Batch(inputs, targets, positions)
+
+
+def loss_and_grads(model: torch.nn.Module, batch: Batch, chunk_tokens: int) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = token_loss_sum(model, batch, chunk_tokens)
+    (loss / 7.0).backward()  # as the step divides by the token count: backward scales by it
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def check_model(model: torch.nn.Module, vocab: int) -> None:
+    assert output_head(model) is not None
+    for document_mask in (False, True):
+        batch = masked_batch(vocab, document_mask)
+        plain_loss, plain_grads = loss_and_grads(model, batch, 0)
+        loss, grads = loss_and_grads(model, batch, CHUNK)
+        assert rel_error(loss, plain_loss) < TOLERANCE
+        assert grads.keys() == plain_grads.keys()
+        for name, grad in grads.items():
+            assert rel_error(grad, plain_grads[name]) < TOLERANCE, name
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_builtin_llama_matches_plain_loss(tied):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=301, dim=36, n_layers=2, n_heads=6, n_kv_heads=2, ffn_hidden_dim=97,
+                      max_seq_len=64, tie_embeddings=tied, init_std=0.2)
+    check_model(Llama(cfg), cfg.vocab_size)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_hf_family_matches_plain_loss(family, tmp_path):
+    model = HFCausalLM(ModelConfig(name="hf", path=str(make_model_dir(tmp_path, family))))
+    check_model(model, model.dims.vocab_size)
+
+
+def test_helper_matches_cross_entropy_with_bias_and_bf16():
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(3, 17, 40, generator=generator)
+    weight = torch.randn(250, 40, generator=generator) / 6
+    bias = torch.randn(250, generator=generator)
+    targets = torch.randint(0, 250, (3, 17), generator=generator)
+    targets[1] = IGNORE_INDEX
+
+    def grads(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (hidden, weight, bias)]
+        loss = fn(*leaves)
+        (loss * 0.3).backward()
+        return [loss.detach()] + [leaf.grad for leaf in leaves]
+
+    def plain(h, w, b):
+        return F.cross_entropy(F.linear(h, w, b).float().flatten(0, 1), targets.flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def chunked(h, w, b):
+        return chunked_cross_entropy(h, w, targets, bias=b, chunk_tokens=10)
+
+    for ours, theirs in zip(grads(chunked, torch.float32), grads(plain, torch.float32), strict=True):
+        assert rel_error(ours, theirs) < TOLERANCE
+    # bf16: the same logits (the matmul in bf16, then fp32), so the same loss; gradients within bf16
+    # rounding (the backward's scale is applied after the bf16 matmuls instead of before).
+    ours, theirs = grads(chunked, torch.bfloat16), grads(plain, torch.bfloat16)
+    assert rel_error(ours[0], theirs[0]) < TOLERANCE
+    for a, b in zip(ours[1:], theirs[1:], strict=True):
+        assert a.dtype == b.dtype == torch.bfloat16 and rel_error(a, b) < 1e-2
+    with torch.no_grad():  # evaluation: no gradients are computed, the loss is the same
+        assert rel_error(chunked(hidden, weight, bias), plain(hidden, weight, bias)) < TOLERANCE
+    with pytest.raises(ValueError, match="chunk_tokens=0"):
+        chunked_cross_entropy(hidden, weight, targets, chunk_tokens=0)
+
+
+def test_user_module_without_head():
+    class Logits(torch.nn.Module):  # what a user brings: token ids to logits, nothing else
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(11, 11)
+
+        def forward(self, tokens, positions=None):
+            return self.embed(tokens)
+
+    model = Logits()
+    batch = masked_batch(11, False)
+    assert output_head(model) is None
+    assert torch.equal(token_loss_sum(model, batch, CHUNK), token_loss_sum(model, batch, 0))
+
+
+def train_both_ways(out: str) -> None:
+    """Inside each rank: the same few FSDP2 steps with the plain and the chunked loss (tied
+    embeddings, bf16 mixed precision: the head is its own unit, gathered in bf16)."""
+    import os
+
+    from shardtrain.train.loop import Trainer
+
+    world = int(os.environ["WORLD_SIZE"])
+    results = {}
+    for name, chunk in (("plain", 0), ("chunked", 16)):
+        for precision in ("fp32", "bf16-mixed"):
+            cfg = case_config(world, f"{out}/{name}-{precision}", precision=precision, tied=True)
+            cfg.trainer = dataclasses.replace(cfg.trainer, max_steps=4, loss_chunk_tokens=chunk)
+            cfg.diagnostics.enabled = False
+            result = Trainer.create(cfg, task=LanguageModelTask(corpus=small_corpus())).fit()
+            results[name, precision] = (result.losses, result.grad_norms)
+    if int(os.environ["RANK"]) == 0:
+        torch.save(results, f"{out}/results.pt")
+
+
+def test_two_rank_fsdp_training_follows_plain_loss(tmp_path):
+    run_on_ranks(train_both_ways, 2, str(tmp_path), tmp_path=tmp_path)
+    results = torch.load(tmp_path / "results.pt")
+    for precision, tolerance in (("fp32", 1e-5), ("bf16-mixed", 1e-2)):
+        plain_losses, plain_norms = results["plain", precision]
+        losses, norms = results["chunked", precision]
+        assert len(losses) == len(plain_losses) == 4
+        for ours, theirs in zip(losses + norms, plain_losses + plain_norms, strict=True):
+            assert abs(ours - theirs) <= tolerance * abs(theirs), (precision, losses, plain_losses)
+
+
+def test_hf_logit_transforms_keep_the_plain_loss():
+    """Cohere scales its logits, Gemma 2 soft-caps them: the head alone is not their logits."""
+    sizes = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    assert head_transform_reason(transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))) is None
+    for family in (transformers.CohereForCausalLM(transformers.CohereConfig(**sizes)),
+                   transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**sizes))):
+        assert "does more to its logits" in head_transform_reason(family)
