@@ -103,7 +103,9 @@ def init_memory(out: str) -> None:
     cfg = Config()
     cfg.model = dataclasses.replace(cfg.model, vocab_size=65536, dim=1024, n_layers=13, n_heads=16,
                                     n_kv_heads=16, max_seq_len=128)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # From what is resident now, not from the peak so far (ru_maxrss): memory the imports touched
+    # and gave back would otherwise hide part of the growth.
+    before = rss_bytes() // 1024
     env, model = build(cfg)
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
     params = sum(p.numel() for p in model.parameters())

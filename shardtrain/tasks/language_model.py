@@ -110,8 +110,9 @@ class LanguageModelTask(Task):
         return Batch(tokens, tokens, torch.zeros_like(tokens) if self.cfg.data.document_mask else None)
 
     def loss(self, model: nn.Module, batch: Batch) -> LossOutput:
-        return LossOutput(token_loss_sum(model, batch, self.cfg.trainer.loss_chunk_tokens),
-                          (batch.targets != IGNORE_INDEX).sum())
+        # An unbound task (eval and generation use it without a training config) takes the plain loss.
+        chunk_tokens = self.cfg.trainer.loss_chunk_tokens if self.cfg is not None else 0
+        return LossOutput(token_loss_sum(model, batch, chunk_tokens), (batch.targets != IGNORE_INDEX).sum())
 
     def count(self, batch: Batch) -> float:
         return int((batch.targets != IGNORE_INDEX).sum())
