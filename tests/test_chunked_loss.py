@@ -16,12 +16,20 @@ from distributed import run_on_ranks
 from equivalence import case_config, small_corpus
 from hf_models import make_model_dir
 
+from shardtrain.config.loader import load_config
 from shardtrain.config.schema import ModelConfig
 from shardtrain.data.batches import IGNORE_INDEX, Batch
+from shardtrain.diagnostics.planner import estimate
 from shardtrain.models.hf import HFCausalLM, head_transform_reason
 from shardtrain.models.llama import Llama
+from shardtrain.models.registry import build_model
 from shardtrain.tasks.language_model import LanguageModelTask, output_head, token_loss_sum
-from shardtrain.tasks.losses import chunked_cross_entropy
+from shardtrain.tasks.losses import (
+    AUTO_CHUNK_MIN_VOCAB,
+    DEFAULT_CHUNK_TOKENS,
+    chunk_tokens_for,
+    chunked_cross_entropy,
+)
 
 # fp32: the chunked path sums the loss and the head's gradient chunk by chunk, in another order than
 # one matmul over all tokens; measured differences are ~1e-7 relative.
@@ -171,3 +179,22 @@ def test_hf_logit_transforms_keep_the_plain_loss():
     for family in (transformers.CohereForCausalLM(transformers.CohereConfig(**sizes)),
                    transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**sizes))):
         assert "does more to its logits" in head_transform_reason(family)
+
+
+def test_auto_chunks_large_vocabularies_only():
+    """The default, ``trainer.loss_chunk_tokens=auto``: the plain loss on small vocabularies (the
+    default model's 256, where chunking measured slower), chunks from 32k up; the planner agrees."""
+    assert chunk_tokens_for("auto", 256) == 0
+    assert chunk_tokens_for("auto", AUTO_CHUNK_MIN_VOCAB - 1) == 0
+    assert chunk_tokens_for("auto", AUTO_CHUNK_MIN_VOCAB) == DEFAULT_CHUNK_TOKENS
+    assert chunk_tokens_for(0, 128_000) == 0 and chunk_tokens_for(64, 256) == 64
+    assert load_config([]).trainer.loss_chunk_tokens == "auto"
+    shape = ["model.vocab_size=32000", "model.dim=64", "model.n_layers=1", "trainer.micro_batch_size=2",
+             "trainer.seq_len=1024"]
+    peaks = {}
+    for setting in ("auto", 0, DEFAULT_CHUNK_TOKENS):
+        cfg = load_config([*shape, f"trainer.loss_chunk_tokens={setting}"])
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+        peaks[setting] = estimate(cfg, model, "FULL_SHARD", 2, 2).peak
+    assert peaks["auto"] == peaks[DEFAULT_CHUNK_TOKENS] < peaks[0]

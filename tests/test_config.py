@@ -106,6 +106,8 @@ def bad_values(key: str, f) -> list[str]:
         values.append(str(bounds["at_most"] + 1))
     if "one_of" in bounds:
         values.append("no-such-choice")
+    if "or_auto" in bounds:
+        values.append("sometimes")
     return values
 
 

@@ -78,6 +78,11 @@ def check_ranges(cfg: Any, cls: type = Config, prefix: str = "") -> None:
         for part in key.split("."):
             value = getattr(value, part)
         key = prefix + key
+        if f.metadata.get("or_auto"):
+            if value == "auto":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{key}={value!r} must be 'auto' or a whole number")
         low, above, high, choices = (f.metadata.get(k) for k in ("at_least", "above", "at_most", "one_of"))
         if choices is not None and value not in choices:
             raise ConfigError(f"{key}={value!r} is unknown{closest(str(value), choices)}; choose one of "

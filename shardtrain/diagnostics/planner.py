@@ -19,6 +19,7 @@ from shardtrain.config.strategy import STRATEGIES
 from shardtrain.models.dims import Dims
 from shardtrain.models.param_groups import no_decay_names
 from shardtrain.models.registry import build_model
+from shardtrain.tasks.losses import chunk_tokens_for
 
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, in the parameters' storage dtype
 ADAM_STEP_BYTES = 4  # AdamW keeps one fp32 'step' scalar per parameter tensor
@@ -113,7 +114,7 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     # Inside a block's backward: the incoming gradient, three hidden-size gradients of the SwiGLU
     # and one FFN weight's gradient before FSDP reduces it.
     block_backward = tokens * b * (m.dim + 3 * ffn) + b * m.dim * ffn
-    chunk = min(cfg.trainer.loss_chunk_tokens, tokens)
+    chunk = min(chunk_tokens_for(cfg.trainer.loss_chunk_tokens, m.vocab_size), tokens)
     if chunk > 0:  # tasks/losses.py: one chunk's fp32 logits (and their compute-dtype copy) at a time
         head_saved = tokens * (rms_norm_saved(m.dim, b) + b * m.dim) + b * m.vocab_size * m.dim
         head_backward = chunk * m.vocab_size * 8

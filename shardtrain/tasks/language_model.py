@@ -22,7 +22,7 @@ from shardtrain.data.corpus import Corpus, load_corpus
 from shardtrain.data.tokenizer import Tokenizer, tokenizer_for
 from shardtrain.models.masking import check_document_mask_support
 from shardtrain.models.registry import build_model
-from shardtrain.tasks.losses import chunked_cross_entropy
+from shardtrain.tasks.losses import chunk_tokens_for, chunked_cross_entropy
 from shardtrain.tasks.task import LossOutput, Task
 
 log = logging.getLogger("shardtrain")
@@ -88,7 +88,7 @@ class LanguageModelTask(Task):
         if self.cfg.data.document_mask:
             check_document_mask_support(model)
         self.flops_per_token = flops_per_token(model, self.cfg.trainer.seq_len)
-        if self.cfg.trainer.loss_chunk_tokens > 0 and output_head(model) is None:
+        if self.cfg.trainer.loss_chunk_tokens not in (0, "auto") and output_head(model) is None:
             reason = getattr(model, "head_transform", None) or "the model gives only logits"
             log.info("trainer.loss_chunk_tokens: the plain full-logits loss instead (%s)", reason)
         return model
@@ -111,7 +111,9 @@ class LanguageModelTask(Task):
 
     def loss(self, model: nn.Module, batch: Batch) -> LossOutput:
         # An unbound task (eval and generation use it without a training config) takes the plain loss.
-        chunk_tokens = self.cfg.trainer.loss_chunk_tokens if self.cfg is not None else 0
+        head = output_head(model) if self.cfg is not None else None
+        chunk_tokens = 0 if head is None else chunk_tokens_for(self.cfg.trainer.loss_chunk_tokens,
+                                                               head.weight.shape[0])
         return LossOutput(token_loss_sum(model, batch, chunk_tokens), (batch.targets != IGNORE_INDEX).sum())
 
     def count(self, batch: Batch) -> float:

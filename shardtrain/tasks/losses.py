@@ -27,6 +27,18 @@ from shardtrain.data.batches import IGNORE_INDEX
 # and 250 MB at 128k. Measured on CPU (docs/benchmarks.md): a step's peak fell by 35% (32k) and 54%
 # (128k) at 512 tokens, by 22% and 34% at 1,024, with no loss of tokens/s at 32k.
 DEFAULT_CHUNK_TOKENS = 512
+# trainer.loss_chunk_tokens=auto chunks from this vocabulary up. Measured on CPU (docs/benchmarks.md):
+# as fast as the plain loss at 32k with a third less step memory, 0.58x at the default 256 tokens
+# (the head is then a sliver of the step, and the per-chunk loop's overhead is not).
+AUTO_CHUNK_MIN_VOCAB = 32_000
+
+
+def chunk_tokens_for(setting: int | str, vocab_size: int) -> int:
+    """Tokens per chunk of the loss (0: the plain full-logits loss) for ``trainer.loss_chunk_tokens``
+    (a count, or "auto") and the output head's vocabulary."""
+    if setting == "auto":
+        return DEFAULT_CHUNK_TOKENS if vocab_size >= AUTO_CHUNK_MIN_VOCAB else 0
+    return int(setting)
 
 
 def _chunk_gradient(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[
