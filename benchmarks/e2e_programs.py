@@ -53,16 +53,16 @@ def lr_lambda(max_steps: int):
 class Windows(torch.utils.data.Dataset):
     """Random windows of the corpus (fixed by the seed), as (input, target) pairs."""
 
-    def __init__(self, tokens: np.ndarray, count: int, seed: int = 0) -> None:
-        self.tokens = tokens
-        self.starts = np.random.default_rng(seed).integers(0, tokens.size - SEQ_LEN - 1, size=count)
+    def __init__(self, tokens: np.ndarray, count: int, seed: int = 0, seq_len: int = SEQ_LEN) -> None:
+        self.tokens, self.seq_len = tokens, seq_len
+        self.starts = np.random.default_rng(seed).integers(0, tokens.size - seq_len - 1, size=count)
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def __getitem__(self, index: int):
         start = self.starts[index]
-        chunk = torch.from_numpy(self.tokens[start:start + SEQ_LEN + 1].astype(np.int64))
+        chunk = torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
         return chunk[:-1], chunk[1:]
 
 

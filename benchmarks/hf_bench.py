@@ -12,13 +12,13 @@ import gc
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import transformers
+from step_time import shared_run_dir
 
 from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.checkpoint.weights import load_hf_model_into
@@ -110,9 +110,9 @@ def throughput(hf_dir: str, overrides: list[str]) -> None:
     common = ["trainer.max_steps=10000", "trainer.eval_every=0", "trainer.log_every=1000000",
               "trainer.sample_tokens=0", "trainer.progress_bar=false", "run.trackers=[]",
               "checkpoint.enabled=false", "diagnostics.enabled=false", *overrides]
-    builtin = Trainer.create(load_config([*SHAPE, *common, f"run.dir={tempfile.mkdtemp()}"]))
+    builtin = Trainer.create(load_config([*SHAPE, *common, f"run.dir={shared_run_dir('builtin')}"]))
     hf = Trainer.create(load_config(["model=hf", f"model.path={hf_dir}", "model.tokenizer=bytes",
-                                     *common, f"run.dir={tempfile.mkdtemp()}"]))
+                                     *common, f"run.dir={shared_run_dir('hf')}"]))
     for trainer in (builtin, hf):
         trainer.preemption = PreemptionFlag(trainer.cfg.checkpoint.preemption_signals)
     rounds, steps_per_round, warmup = 6, 5, 3

@@ -8,10 +8,12 @@ processes, alternating rounds so that machine noise hits both alike. Rank 0 prin
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -78,10 +80,19 @@ def tutorial_step(model, optimizer, scheduler, trainer: Trainer, clip: float):
     return step
 
 
+def shared_run_dir(name: str = "run") -> str:
+    """One run directory for every rank of this torchrun launch (shardtrain refuses a run.dir that
+    the ranks do not share), fresh for each launch: torchrun gives every launch its own run id."""
+    launch = os.environ.get("TORCHELASTIC_RUN_ID")
+    if launch is None:
+        return tempfile.mkdtemp(prefix=f"shardtrain-bench-{name}-")
+    return str(Path(tempfile.gettempdir()) / f"shardtrain-bench-{launch}-{name}")
+
+
 def benchmark_config(overrides: list[str]):
     return load_config(["trainer.max_steps=10000", "trainer.eval_every=0", "trainer.log_every=1000000",
                         "trainer.sample_tokens=0", "trainer.progress_bar=false", "run.trackers=[]",
-                        "checkpoint.interval=0", f"run.dir={tempfile.mkdtemp()}", *overrides])
+                        "checkpoint.interval=0", f"run.dir={shared_run_dir()}", *overrides])
 
 
 def alternating_medians(trainer: Trainer, reference_step, rounds: int = 6, steps_per_round: int = 5,
