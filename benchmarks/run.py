@@ -67,6 +67,7 @@ import torch
 from PIL import Image  # matplotlib's own dependency
 
 from shardtrain.config.loader import load_config
+from shardtrain.config.strategy import AC_MODES
 from shardtrain.report.figures import RUN_COLOURS
 from shardtrain.train.simulate import simulate, simulation_rows, simulation_table
 
@@ -94,6 +95,8 @@ LOSS_BEGIN, LOSS_END = "<!-- loss:begin -->", "<!-- loss:end -->"
 LOSS_SPEED_MODELS = [("default model", 256, 256, 4, 128, 16), ("vocabulary-heavy", 32000, 512, 8, 512, 4)]
 LOSS_MEMORY_VOCABS = [32000, 128000]
 LOSS_KINDS = ["plain", "chunked", "recompute"]
+AC_BEGIN, AC_END = "<!-- ac:begin -->", "<!-- ac:end -->"
+AC_SHAPE = (384, 6, 512, 4)  # dim, layers, sequence, sequences: activations well above the weights
 # (what a user types after `shardtrain`, the exit status it must give). The paths do not exist.
 CLI_CASES = [
     (["--help"], 0),
@@ -555,7 +558,7 @@ def scaling_sections(command: str) -> tuple[str, str]:
     for preset, title, worlds in SCALING_MODELS:
         cfg = load_config([f"model={preset}", *SCALING_OVERRIDES])
         rows = simulation_rows(cfg, worlds, ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"],
-                               [False, True], 8)
+                               ["none", "all"], 8)
         tables.append(f"### {title} (`model={preset}`)\n\n"
                       + simulation_table(rows, 80 * 10**9, markdown=True))
     scaling = f"""{SCALING_BEGIN}
@@ -615,7 +618,7 @@ def gpu_section(command: str, results: dict) -> str:
     cfg = load_config(["model=llama_1b", "trainer.seq_len=2048", "trainer.micro_batch_size=4",
                        "strategy.mixed_precision=bf16-mixed"])
     predicted = {ac: (sim.peak, plan.peak) for (sim, plan), ac in
-                 zip(simulation_rows(cfg, [1], ["FULL_SHARD"], [False, True], 1), [False, True])}
+                 zip(simulation_rows(cfg, [1], ["FULL_SHARD"], ["none", "all"], 1), [False, True])}
     gib = 2**30
     rows = []
     for r in runs:
@@ -1042,14 +1045,52 @@ def loss_section(command: str, rounds: int) -> str:
     return "\n".join(lines + [LOSS_END])
 
 
+def ac_section(command: str, rounds: int) -> str:
+    """docs/benchmarks.md's activation-checkpointing section: a step's peak memory and tokens/s of
+    every ``strategy.activation_checkpointing`` mode."""
+    bench = [sys.executable, str(ROOT / "benchmarks" / "ac_bench.py")]
+
+    def run(*args: object, env: dict | None = None) -> dict:
+        proc = subprocess.run([*bench, *map(str, args)], capture_output=True, text=True, timeout=3600,
+                              env={**os.environ, **(env or {})}, cwd=ROOT / "benchmarks")
+        if proc.returncode != 0:
+            raise SystemExit(f"ac_bench {args} failed:\n{proc.stderr[-3000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    memory = {mode: run("memory", *AC_SHAPE, mode, env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+              for mode in AC_MODES}
+    load = os.getloadavg()[0]
+    speed = run("speed", *AC_SHAPE, rounds)
+    dim, layers, seq, batch = AC_SHAPE
+    same = all(losses == speed["losses"]["none"] for losses in speed["losses"].values())
+    lines = [AC_BEGIN, "## Selective activation checkpointing", "",
+             "`strategy.activation_checkpointing` modes against each other: the built-in Llama, dim "
+             f"{dim}, {layers} layers, vocabulary 256, {batch} sequences of {seq} tokens, fp32, one "
+             "process (blocks checkpointed as `parallelize` does it; `every_k` with k = 2).", "",
+             f"`{command}` on {cpu_name()}, {datetime.date.today()}, torch {torch.__version__}, load "
+             f"average {load:.1f} on {os.cpu_count()} cores when it ran (other work shared the machine).", "",
+             "| mode | step peak MiB above weights + state | vs none | tokens/s | vs none |",
+             "| --- | --- | --- | --- | --- |"]
+    rates = speed["tokens_per_s"]
+    for mode in AC_MODES:
+        peak = memory[mode]["step_peak_mib"]
+        lines.append(f"| {mode} | {peak:,.0f} | {peak / memory['none']['step_peak_mib']:.2f} | "
+                     f"{rates[mode]:,.0f} | {rates[mode] / rates['none']:.2f} |")
+    lines += ["", f"Memory: Linux's peak resident size over one step, a fresh process per mode. Tokens/s: "
+              f"median of {rounds} rounds, the modes alternating step by step in one process. The "
+              f"modes' losses over the {rounds + 1} steps were "
+              + ("identical bit for bit." if same else f"not identical: {speed['losses']}")]
+    return "\n".join(lines + [AC_END])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--only", choices=["training", "checkpoint", "generation", "generation-modes",
                                            "init", "scaling", "soak", "gpu", "e2e", "profile", "hf",
-                                           "data", "task", "checksum", "cli", "report", "loss"],
+                                           "data", "task", "checksum", "cli", "report", "loss", "ac"],
                         default=None)
-    parser.add_argument("--rounds", type=int, default=3, help="--only e2e, loss: alternating rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="--only e2e, loss, ac: alternating rounds")
     parser.add_argument("--gpu-variants", nargs="+", choices=list(GPU_VARIANT_NAMES),
                         default=list(GPU_VARIANT_NAMES), help="--only gpu: the (compile, AC) variants")
     parser.add_argument("--no-checks", action="store_true", help="--only gpu: skip the functional checks")
@@ -1104,6 +1145,9 @@ def main() -> None:
     if args.only in (None, "loss"):
         write_section(LOSS_BEGIN, LOSS_END, loss_section(
             f"python benchmarks/run.py --only loss --rounds {args.rounds}", args.rounds))
+    if args.only in (None, "ac"):
+        write_section(AC_BEGIN, AC_END, ac_section(
+            f"python benchmarks/run.py --only ac --rounds {args.rounds}", args.rounds))
     if args.only == "report":
         write_section(REPORT_BEGIN, REPORT_END, report_section("python benchmarks/run.py --only report"))
     if args.only == "soak":

@@ -183,3 +183,21 @@ def pin_offloaded_memory(device_type_name: str) -> bool:
     """Host memory that feeds a device (offloaded parameters, batches) is pinned only when the
     device is an accelerator: pinning needs one, and a CPU run copies nothing."""
     return device_type_name != "cpu"
+
+
+def device_memory_bytes(device: torch.device, local_processes: int) -> int | None:
+    """What one process may use of its device's memory: an accelerator's total memory, or on a
+    CPU this process's share of the host's available memory (``MemAvailable`` over the processes on
+    the machine); None where unknown."""
+    module = torch.get_device_module(device.type) if device.type != "cpu" else None
+    if module is not None and hasattr(module, "mem_get_info"):
+        return int(module.mem_get_info(device)[1])
+    available = free_memory_bytes(device)
+    return available // max(local_processes, 1) if available is not None else None
+
+
+
+def allocated_bytes(device: torch.device) -> int | None:
+    """What the accelerator's allocator holds for tensors now (None on a CPU)."""
+    allocator = _allocator(device)
+    return int(allocator.memory_allocated(device)) if allocator is not None else None

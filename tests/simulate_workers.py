@@ -14,9 +14,14 @@ SCALE = ["trainer.micro_batch_size=1", "trainer.seq_len=8192", "strategy.mixed_p
 PROCESSES_PER_NODE = 8
 
 
-def scale_config(model: str, strategy: str, checkpointed: bool):
+def scale_config(model: str, strategy: str, ac: str):
     return load_config([f"model={model}", f"strategy={strategy}", *SCALE,
-                        f"strategy.activation_checkpointing={'all' if checkpointed else 'none'}"])
+                        f"strategy.activation_checkpointing={ac}"])
+
+
+def checkpointing_modes(strategy: str) -> tuple[str, ...]:
+    """With and without activation checkpointing; selective checkpointing with full sharding."""
+    return ("none", "all", "selective") if strategy == "full_shard" else ("none", "all")
 
 
 def simulate_against_planner(model: str, world: int) -> list[dict]:
@@ -24,15 +29,15 @@ def simulate_against_planner(model: str, world: int) -> list[dict]:
     results = []
     meta = None
     for strategy in STRATEGIES:
-        for checkpointed in (False, True):
-            cfg = scale_config(model, strategy, checkpointed)
+        for ac in checkpointing_modes(strategy):
+            cfg = scale_config(model, strategy, ac)
             if meta is None:
                 with torch.device("meta"):
                     meta = build_model(cfg.model)
             sim = simulate(cfg, world, PROCESSES_PER_NODE)
             plan = estimate(cfg, meta, cfg.strategy.sharding_strategy, world, PROCESSES_PER_NODE)
             results.append(dict(
-                case=f"{model} x {world} {strategy} AC={checkpointed}", seconds=sim.seconds,
+                case=f"{model} x {world} {strategy} AC={ac}", seconds=sim.seconds,
                 simulated=(sim.params, sim.grads, sim.optimizer, sim.activations, sim.peak),
                 planned=(plan.params, plan.grads, plan.optimizer, plan.activations, plan.peak),
             ))

@@ -290,8 +290,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from shardtrain.train.simulate import simulation_rows, simulation_table
 
     strategies = [normalize_strategy_name(s) for s in args.strategies or [cfg.strategy.sharding_strategy]]
-    checkpointing = {"none": [False], "all": [True], "both": [False, True],
-                     "config": [cfg.strategy.activation_checkpointing != "none"]}[args.ac]
+    checkpointing = {"both": ["none", "all"], "config": [cfg.strategy.activation_checkpointing]}.get(
+        args.ac, [args.ac])
     rows = simulation_rows(cfg, args.world_sizes or [world], strategies, checkpointing, local,
                            probe=not args.full_depth)
     batch = (f"{cfg.trainer.micro_batch_size} x {cfg.trainer.seq_len} tokens" if language_model else
@@ -481,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "(fake process group, fake tensors, FSDP2's memory tracker; docs/scaling.md)")
     plan.add_argument("--strategies", nargs="+", default=None,
                       help="with --simulate: strategies to simulate (default: the config's)")
-    plan.add_argument("--ac", choices=["config", "none", "all", "both"], default="config",
+    plan.add_argument("--ac", choices=["config", "none", "selective", "all", "both"], default="config",
                       help="with --simulate: activation checkpointing of the cases (default: the config's)")
     plan.add_argument("--full-depth", action="store_true",
                       help="with --simulate: simulate every layer instead of two probe depths")

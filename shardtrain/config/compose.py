@@ -134,6 +134,18 @@ def check_model(cfg: Config) -> None:
         raise ConfigError("model.dim / model.n_heads (the head size) must be even for RoPE")
 
 
+def check_batch_size(cfg: Config) -> None:
+    """``trainer.micro_batch_size``: a positive int, or auto with a global batch to keep fixed."""
+    t = cfg.trainer
+    micro = t.micro_batch_size
+    if micro == "auto":
+        if not t.global_batch_size:
+            raise ConfigError("trainer.micro_batch_size=auto needs trainer.global_batch_size=N (the "
+                              "sequences per step it keeps fixed while it chooses the micro-batch)")
+    elif isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
+        raise ConfigError(f"trainer.micro_batch_size={micro!r} must be 'auto' or a positive int")
+
+
 def check_trackers(trackers: list[str]) -> None:
     for name in trackers:
         if name not in TRACKERS:
@@ -148,6 +160,7 @@ def check_config(cfg: Config) -> None:
     cfg.dist.debug = str(cfg.dist.debug).upper()
     check_ranges(cfg)
     devices_count(cfg.trainer.devices)
+    check_batch_size(cfg)
     if cfg.data.source in ("files", "prepared"):
         for entry in cfg.data.paths:
             if not any(ch in entry for ch in "*?[") and not Path(entry).expanduser().exists():

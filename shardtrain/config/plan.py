@@ -58,7 +58,7 @@ class ShardingPlan:
     precision: str = "fp32"  # the mixed-precision preset, with auto resolved
 
     def checkpointed(self, block_index: int) -> bool:
-        if self.activation_checkpointing == "all":
+        if self.activation_checkpointing in ("all", "selective"):
             return True
         if self.activation_checkpointing == "every_k":
             return block_index % self.activation_checkpointing_every == 0
@@ -70,6 +70,8 @@ class ShardingPlan:
 
     def describe(self) -> str:
         ac = self.activation_checkpointing
+        if ac == "selective":
+            ac = "selective (matmul and attention outputs kept)"
         if ac == "every_k":
             ac = f"every {self.activation_checkpointing_every} blocks"
         return (
@@ -152,6 +154,18 @@ def resolve_accumulation(choice: str, shard_group: int) -> str:
     if choice != "auto":
         return choice
     return "sharded" if shard_group > 1 else "unsharded"
+
+
+def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
+    """Micro-batches per step that make ``global_batch`` sequences from ``micro_batch`` per rank on
+    ``world_size`` data-parallel ranks (``trainer.global_batch_size``)."""
+    per_micro_step = micro_batch * world_size
+    if global_batch % per_micro_step:
+        raise ConfigError(
+            f"trainer.global_batch_size={global_batch} is not a multiple of trainer.micro_batch_size="
+            f"{micro_batch} x {world_size} ranks = {per_micro_step}; choose a global batch that is, "
+            "or another micro-batch size")
+    return global_batch // per_micro_step
 
 
 def launch_shape(cfg: Config) -> tuple[int, int]:

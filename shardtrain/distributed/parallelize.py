@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardtrain.accelerator import pin_offloaded_memory
 from shardtrain.config.plan import ShardingPlan
@@ -24,19 +24,48 @@ from shardtrain.distributed.preconditions import (
     warn_tied_across_units,
 )
 
+# strategy.activation_checkpointing=selective keeps the outputs of these operators and recomputes
+# every other one (norms, RoPE, SiLU, products, casts, residual adds) in backward. Matmuls and
+# attention are where a block's FLOPs are; the element-wise rest costs a few percent of them to
+# redo, but its outputs are about half of what a block saves (docs/memory-planner.md). Unlike
+# torchtitan's "op" policy, every matmul is kept, not every other one: recomputing a matmul is what
+# full checkpointing costs, and `every_k`/`all` remain for when memory must go further.
+SELECTIVE_SAVED_OPS = frozenset({
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+})
 
-def enable_activation_checkpointing(module: nn.Module) -> None:
-    """Recompute this module's activations in backward.
+
+def keep_matmul_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ARG001 - torch's signature
+    """The selective policy: save what is expensive to recompute, recompute what is cheap."""
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts():
+    """Fresh (forward, recompute) contexts for every checkpointed call, as torch requires."""
+    return create_selective_checkpoint_contexts(keep_matmul_and_attention)
+
+
+def enable_activation_checkpointing(module: nn.Module, selective: bool = False) -> None:
+    """Recompute this module's activations in backward: all of them, or (``selective``) all but the
+    outputs of matmuls and attention, which are kept from the forward.
 
     The instance's ``forward`` is replaced instead of wrapping the module, so parameter names (and
     therefore checkpoints) do not change with the activation-checkpointing setting. FSDP's hooks sit
     on ``__call__`` and still run around it.
     """
     inner = module.forward
+    options = {"context_fn": selective_contexts} if selective else {}
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **options, **kwargs)
 
     module.forward = forward
 
@@ -87,7 +116,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
 
     for index, (name, block) in enumerate(blocks):
         if plan.checkpointed(index):
-            enable_activation_checkpointing(block)
+            enable_activation_checkpointing(block, selective=plan.activation_checkpointing == "selective")
             report.checkpointed.append(name)
     for name, modules, reshard in units:
         fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard, **common)
