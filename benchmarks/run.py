@@ -610,6 +610,35 @@ def gpu_results(variants: list[str], with_checks: bool) -> dict:
     return results
 
 
+FLOAT8_BEGIN, FLOAT8_END = "<!-- float8:begin -->", "<!-- float8:end -->"
+
+
+def float8_section(command: str, result: dict) -> str:
+    """docs/benchmarks.md's float8 section from benchmarks/gpu_worker.py float8's result."""
+    rates, losses = result["tokens_per_s"], result["losses"]
+    steps = len(losses["bf16"])
+    tail = max(steps // 10, 1)
+    mean = {name: statistics.fmean(values[-tail:]) for name, values in losses.items()}
+    lines = [FLOAT8_BEGIN, "## Float8 against bf16 (GPU)", "",
+             f"`{command}` on {result['device']}, {datetime.date.today()}, torch {result['torch']}: "
+             f"model={result['model']}, {result['tokens_per_step']:,} tokens a step, both runs compiled "
+             f"(`strategy.compile=true`), bf16-mixed, activation checkpointing "
+             f"{'all' if result['ac'] else 'none'}, the same initial weights and batches, {steps} steps "
+             f"each, alternating in chunks; float8 converted {result['float8_linears']} linear layers.", "",
+             "| run | tokens/s | vs bf16 | MFU (of the bf16 peak) | peak allocated MiB | "
+             f"mean loss, last {tail} steps |", "| --- | --- | --- | --- | --- | --- |"]
+    for name in ("bf16", "float8"):
+        mfu = result["mfu_bf16_peak"][name] if result["mfu_bf16_peak"] else None
+        lines.append(f"| {name} | {rates[name]:,.0f} | {rates[name] / rates['bf16']:.2f} | "
+                     + (f"{mfu:.1%}" if mfu is not None else "n/a")
+                     + f" | {result['peak_mib'][name]:,.0f} | {mean[name]:.4f} |")
+    marks = sorted({0, *range(steps // 6, steps, max(steps // 6, 1)), steps - 1})
+    lines += ["", "Loss curves (step: bf16 / float8):", "",
+              "| " + " | ".join(f"step {m + 1}" for m in marks) + " |", "|" + " --- |" * len(marks),
+              "| " + " | ".join(f"{losses['bf16'][m]:.3f} / {losses['float8'][m]:.3f}" for m in marks) + " |"]
+    return "\n".join(lines + [FLOAT8_END])
+
+
 def gpu_section(command: str, results: dict) -> str:
     """The GPU benchmark's section: a ~1.1B Llama at sequence 2,048, bf16-mixed, one GPU,
     shardtrain against the hand-written FSDP2 loop per (compile, AC) variant; shardtrain's peak
@@ -1088,11 +1117,13 @@ def main() -> None:
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--only", choices=["training", "checkpoint", "generation", "generation-modes",
                                            "init", "scaling", "soak", "gpu", "e2e", "profile", "hf",
-                                           "data", "task", "checksum", "cli", "report", "loss", "ac"],
+                                           "data", "task", "checksum", "cli", "report", "loss", "ac",
+                                           "float8"],
                         default=None)
     parser.add_argument("--rounds", type=int, default=3, help="--only e2e, loss, ac: alternating rounds")
     parser.add_argument("--gpu-variants", nargs="+", choices=list(GPU_VARIANT_NAMES),
                         default=list(GPU_VARIANT_NAMES), help="--only gpu: the (compile, AC) variants")
+    parser.add_argument("--train-steps", type=int, default=300, help="--only float8: steps of each run")
     parser.add_argument("--no-checks", action="store_true", help="--only gpu: skip the functional checks")
     parser.add_argument("--json-out", type=Path, default=None, help="--only gpu: also the raw results")
     parser.add_argument("--from-json", type=Path, nargs="+", default=None,
@@ -1148,6 +1179,15 @@ def main() -> None:
     if args.only in (None, "ac"):
         write_section(AC_BEGIN, AC_END, ac_section(
             f"python benchmarks/run.py --only ac --rounds {args.rounds}", args.rounds))
+    if args.only == "float8":
+        if not torch.cuda.is_available():
+            raise SystemExit("--only float8 needs a GPU of compute capability 8.9+ (H100, L4, ...)")
+        result = run_torchrun(1, "gpu_worker.py", ["float8", "--train-steps", str(args.train_steps),
+                                                   "--steps", "10"])
+        if args.json_out is not None:
+            args.json_out.write_text(json.dumps(result, indent=1))
+        write_section(FLOAT8_BEGIN, FLOAT8_END, float8_section(
+            f"python benchmarks/run.py --only float8 --train-steps {args.train_steps}", result))
     if args.only == "report":
         write_section(REPORT_BEGIN, REPORT_END, report_section("python benchmarks/run.py --only report"))
     if args.only == "soak":

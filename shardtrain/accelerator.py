@@ -79,6 +79,25 @@ def default_precision() -> str:
     return "bf16-mixed"
 
 
+# Float8 matmuls (e4m3/e5m2 tensor cores): NVIDIA Ada (8.9) and Hopper (9.0) on.
+FLOAT8_COMPUTE_CAPABILITY = (8, 9)
+
+
+def check_float8(device: torch.device | None = None) -> None:
+    """``strategy.float8=true`` needs float8 tensor cores: refused with one line anywhere else
+    (``device``: this process's; None: this machine's first accelerator, or the CPU)."""
+    kind = device.type if device is not None else device_type()
+    if kind == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability >= FLOAT8_COMPUTE_CAPABILITY:
+            return
+        where = f"{torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]})"
+    else:
+        where = "a CPU" if kind == "cpu" else f"a {kind} device"
+    raise ConfigError(f"strategy.float8=true needs a GPU with float8 matmuls (CUDA compute capability "
+                      f"8.9 or more: H100, H200, L4, B200), and this run has {where}; drop strategy.float8")
+
+
 def set_fp32_matmul(device: torch.device, tf32: bool) -> None:
     """On accelerators, let fp32 matmuls and convolutions use TF32 tensor cores (``tf32``); a CPU
     keeps full fp32, whatever ``tf32`` says, so CPU results do not depend on the setting."""

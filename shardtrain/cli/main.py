@@ -38,6 +38,8 @@ def cmd_train(overrides: list[str]) -> int:
     from shardtrain.train.loop import Trainer
 
     check_runtime(cfg)  # every other config error surfaces here, before any process starts
+    if cfg.strategy.float8:
+        import shardtrain.distributed.float8  # noqa: F401 - registers the conversion (loads torchao)
     if under_torchrun():
         # The built-in launcher's agent ignores the preemption signals, and an ignored signal is
         # inherited: restore the default until the trainer installs its handler, so torchrun can

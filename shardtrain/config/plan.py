@@ -56,6 +56,7 @@ class ShardingPlan:
     activation_checkpointing_every: int
     grad_accumulation: str = "sharded"  # sharded | unsharded (see StrategyConfig)
     precision: str = "fp32"  # the mixed-precision preset, with auto resolved
+    float8: bool = False  # strategy.float8: blocks' linears in float8, gathered in float8
 
     def checkpointed(self, block_index: int) -> bool:
         if self.activation_checkpointing in ("all", "selective"):
@@ -79,6 +80,7 @@ class ShardingPlan:
             f"storage={dtype_name(self.storage_dtype)} compute={dtype_name(self.param_dtype)} "
             f"reduce={dtype_name(self.reduce_dtype)}, cpu_offload={self.cpu_offload}, "
             f"activation_checkpointing={ac}, grad_accumulation={self.grad_accumulation}"
+            + (", float8 linears" if self.float8 else "")
         )
 
 
@@ -143,6 +145,7 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int,
         activation_checkpointing_every=cfg.activation_checkpointing_every,
         grad_accumulation=resolve_accumulation(cfg.grad_accumulation, mesh_shape[-1]),
         precision=preset,
+        float8=cfg.float8,
     )
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from shardtrain.config.plan import ShardingPlan, accumulation_steps, resolve_plan, resolve_precision
 from shardtrain.config.schema import Config
 from shardtrain.config.strategy import AC_MODES, STRATEGIES, checkpointing_mode
+from shardtrain.distributed.parallelize import float8_eligible
 from shardtrain.errors import ConfigError
 from shardtrain.models.dims import Dims
 from shardtrain.models.param_groups import no_decay_names
@@ -146,6 +147,13 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     )
 
 
+def float8_block_params(model: nn.Module) -> int:
+    """Parameters of the largest block that ``strategy.float8`` converts (gathered in float8)."""
+    return max((sum(m.weight.numel() for m in blk.modules() if float8_eligible(model, m))
+                for blk in model.modules() if isinstance(blk, getattr(model, "block_classes", ()))),
+               default=0)
+
+
 def unit_param_counts(model: nn.Module) -> tuple[list[int], list[int]]:
     """Parameters per FSDP unit: (every block, the model's extra groups (embeddings, head));
     either may be empty."""
@@ -191,17 +199,19 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     block_units = max(blocks, default=total_params)
     head_unit = groups[-1] if groups else total_params
     compute, reduce = plan.param_dtype.itemsize, plan.reduce_dtype.itemsize
+    # strategy.float8: a block's converted linears are gathered in float8, one byte a parameter.
+    float8_saved = float8_block_params(model) * (compute - 1) if plan.float8 else 0
     if plan.reshard_after_forward is False:
         # Every unit stays gathered from its forward until its backward.
-        gathered_start = total_params * compute
-        gathered_block = total_params * compute + head_unit * (compute + reduce)
+        gathered_start = total_params * compute - layers * float8_saved
+        gathered_block = gathered_start + head_unit * (compute + reduce)
     else:
         # The head unit, and the last block under full resharding, are not resharded after forward
         # (parallelize); in a block's backward, the block, the prefetched next one and the block's
         # reduce-scatter input.
         last_block = block_units if plan.reshard_after_forward is True and blocks else 0
-        gathered_start = (head_unit + last_block) * compute
-        gathered_block = block_units * (2 * compute + reduce)
+        gathered_start = (head_unit + last_block) * compute - (float8_saved if last_block else 0)
+        gathered_block = block_units * (2 * compute + reduce) - 2 * float8_saved
     earlier = grads if accumulating else 0  # sharded gradients of previous micro-batches
     first_block = act.block + act.recompute_extra + act.block_backward + act.document_mask
     # Phases as (gradients held, activations and backward temporaries, gathered, optimizer temporaries).

@@ -341,6 +341,9 @@ def simulate(cfg: Config, world_size: int, local_world_size: int, *, probe: bool
     """
     if world_size < 1:
         raise ConfigError(f"world size {world_size} must be at least 1")
+    if cfg.strategy.float8:
+        raise ConfigError("the simulator cannot run strategy.float8 (torchao's float8 matmuls need a GPU); "
+                          "`shardtrain plan` without --simulate counts it")
     plan = resolve_plan(cfg.strategy, world_size, min(local_world_size, world_size), accelerated=True)
     if (len(plan.mesh_shape) > 1 and plan.mesh_shape[0] > 1 and cfg.trainer.grad_accum_steps > 1
             and plan.grad_accumulation == "sharded"):
