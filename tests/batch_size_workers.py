@@ -15,6 +15,7 @@ from shardtrain.config.loader import load_config
 from shardtrain.data.corpus import load_corpus
 from shardtrain.diagnostics.memory import rss_bytes
 from shardtrain.diagnostics.planner import estimate
+from shardtrain.errors import TrainingError
 from shardtrain.models.registry import build_model
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.loop import Trainer
@@ -62,6 +63,12 @@ def auto_batch_run(out: str) -> None:
     trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=corpus))
     result = trainer.fit()
     choice = trainer.batch_choice
+    # A CPU cannot run out of memory with an error; the step's handler gets the accelerator's.
+    try:
+        with trainer.out_of_memory_explained():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    except TrainingError as exc:
+        out_of_memory = str(exc)
     if trainer.env.is_main:
         Path(out, "auto.json").write_text(json.dumps({
             "micro": choice.micro_batch_size, "accum": choice.grad_accum_steps,
@@ -70,5 +77,5 @@ def auto_batch_run(out: str) -> None:
             "config_micro": trainer.cfg.trainer.micro_batch_size,
             "global_batch": trainer.layout.global_batch, "losses": result.losses,
             "peak_bytes": peak_memory_mib(trainer.env.device) * 2**20, "world": world,
-            "log": lines,
+            "log": lines, "out_of_memory": out_of_memory,
         }))

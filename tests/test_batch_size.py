@@ -108,4 +108,8 @@ def test_auto_run_chooses_the_planners_size_and_fits(tmp_path):
     assert len(r["losses"]) == 2
     report = next(line for line in r["log"] if line.startswith("trainer.micro_batch_size=auto"))
     assert "4 per micro-batch x 4 micro-batches x 2 ranks = 32 sequences" in report
+    oom = r["out_of_memory"]
+    assert oom.startswith("step 3 ran out of cpu memory (rank 0): trainer.micro_batch_size=auto chose 4 ")
+    assert "planned peak of 0.11 GiB" in oom and "parameters and optimizer state" in oom
+    assert "the activation and communication-buffer estimate" in oom and "was wrong" in oom
     assert "activation_checkpointing=none" in report and "8 with none" in report.split("over it:")[1]

@@ -233,8 +233,9 @@ class Trainer:
         t, env, b = self.cfg.trainer, self.env, self.built
         n_params = sum(p.numel() for p in b.model.parameters())
         self.info(f"world size {env.world_size} ({env.backend}, {env.device.type}); {b.plan.describe()}")
+        float8 = f", {len(b.report.float8_linears)} float8 linear layers" if b.report.float8_linears else ""
         self.info(f"model: {n_params / 1e6:.2f}M parameters, {len(b.report.units)} FSDP units "
-                  f"({len(b.report.checkpointed)} activation-checkpointed)")
+                  f"({len(b.report.checkpointed)} activation-checkpointed{float8})")
         self.info(f"task {type(self.task).__name__}; data: {self.task.describe()}; global batch "
                   f"{self.layout.global_batch} samples ({t.micro_batch_size} per micro-batch x "
                   f"{t.grad_accum_steps} micro-batches x {env.world_size} ranks)")
