@@ -164,15 +164,19 @@ def unit_param_counts(model: nn.Module) -> tuple[list[int], list[int]]:
     return blocks, groups
 
 
+def check_planned_batch(cfg: Config) -> None:
+    if not isinstance(cfg.trainer.micro_batch_size, int):
+        raise ConfigError(f"the planner needs a number of sequences: trainer.micro_batch_size="
+                          f"{cfg.trainer.micro_batch_size} is chosen only when training starts; set "
+                          "trainer.micro_batch_size=N to plan for N")
+
+
 def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, local: int,
              checkpointed: bool | None = None, accelerated: bool | None = True) -> Estimate:
     """Rank 0's memory for ``strategy`` at ``world_size``; ``checkpointed`` overrides the config's
     activation checkpointing (all blocks or none); ``accelerated``: ``mixed_precision=auto`` means
     what it means on an accelerator (bf16-mixed), else on a CPU (fp32); None: on this machine."""
-    if not isinstance(cfg.trainer.micro_batch_size, int):
-        raise ConfigError(f"the planner needs a number of sequences: trainer.micro_batch_size="
-                          f"{cfg.trainer.micro_batch_size} is chosen only when training starts; set "
-                          "trainer.micro_batch_size=N to plan for N")
+    check_planned_batch(cfg)
     strategy_cfg = replace(cfg.strategy, sharding_strategy=strategy,
                            shard_group_size=cfg.strategy.shard_group_size
                            if world_size % max(cfg.strategy.shard_group_size, 1) == 0 else 0)
@@ -297,6 +301,7 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
 
 
 def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, local: int) -> str:
+    check_planned_batch(cfg)
     with torch.device("meta"):
         model = build_model(cfg.model)
     n = sum(p.numel() for p in model.parameters())
