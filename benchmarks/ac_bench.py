@@ -11,6 +11,7 @@ alternating step by step in one process (the machine's load falls on all alike);
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import json
 import statistics
@@ -20,19 +21,52 @@ from pathlib import Path
 
 import torch
 from loss_bench import status_mib
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import ModelConfig
 from shardtrain.config.strategy import AC_MODES
 from shardtrain.data.batches import Batch
-from shardtrain.distributed.parallelize import enable_activation_checkpointing
+from shardtrain.distributed.parallelize import SELECTIVE_SAVED_OPS, enable_activation_checkpointing
 from shardtrain.models.llama import Llama
 from shardtrain.tasks.language_model import token_loss_sum
 
 EVERY = 2  # every_k's k
+# The alternative selective policy measured beside shardtrain's: torchtitan's "op" policy, which
+# saves the same operators' outputs except every second matmul's (torchtitan
+# distributed/activation_checkpoint.py, _get_custom_policy).
+TORCHTITAN_OP = "torchtitan op"
+MODES = (*AC_MODES, TORCHTITAN_OP)
+
+
+def every_other_matmul_contexts():
+    matmuls = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        pass_ = "recompute" if ctx.is_recompute else "forward"
+        if op == torch.ops.aten.mm.default:
+            matmuls[pass_] += 1
+        keep = op in SELECTIVE_SAVED_OPS and not (op == torch.ops.aten.mm.default and matmuls[pass_] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def torchtitan_op_checkpointing(block: torch.nn.Module) -> None:
+    inner = block.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=every_other_matmul_contexts, **kwargs)
+
+    block.forward = forward
 
 
 def checkpointed(model: Llama, mode: str) -> Llama:
+    if mode == TORCHTITAN_OP:
+        for block in model.layers:
+            torchtitan_op_checkpointing(block)
+        return model
     plan = ShardingPlan("FULL_SHARD", (1,), ("dp_shard",), True, torch.float32, torch.float32,
                         torch.float32, False, mode, EVERY)
     for index, block in enumerate(model.layers):
@@ -71,24 +105,36 @@ def memory(dim: int, layers: int, seq: int, batch: int, mode: str) -> dict:
 
 
 def speed(dim: int, layers: int, seq: int, batch: int, rounds: int) -> dict:
+    # One thread: its CPU time is the work a mode does. With two, the threads' spin-waits in
+    # parallel regions count as CPU time too, and under other load those dominate (measured
+    # 2026-11-25 at load 6: every_k at 0.94x none's CPU seconds).
+    torch.set_num_threads(1)
     base, data = setup(dim, layers, seq, batch)
-    models = {mode: checkpointed(copy.deepcopy(base), mode) for mode in AC_MODES}
+    models = {mode: checkpointed(copy.deepcopy(base), mode) for mode in MODES}
     optimizers = {mode: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for mode, m in models.items()}
-    seconds: dict[str, list[float]] = {mode: [] for mode in AC_MODES}
-    losses: dict[str, list[float]] = {mode: [] for mode in AC_MODES}
-    for mode in AC_MODES:  # warm-up: first-call allocations, optimizer state
+    seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+    losses: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for mode in MODES:  # warm-up: first-call allocations, optimizer state
         losses[mode].append(step(models[mode], optimizers[mode], data))
+    # CPU seconds as well as wall seconds: on a shared machine the wall clock counts other
+    # processes' time, the process's CPU time only the work the mode does (recomputation included).
+    cpu: dict[str, list[float]] = {mode: [] for mode in MODES}
     for _ in range(rounds):
-        for mode in AC_MODES:
-            start = time.perf_counter()
+        for mode in MODES:
+            start, start_cpu = time.perf_counter(), time.process_time()
             losses[mode].append(step(models[mode], optimizers[mode], data))
             seconds[mode].append(time.perf_counter() - start)
+            cpu[mode].append(time.process_time() - start_cpu)
     return {"dim": dim, "layers": layers, "seq": seq, "batch": batch, "rounds": rounds,
             "threads": torch.get_num_threads(), "losses": losses,
-            "tokens_per_s": {mode: batch * seq / statistics.median(s) for mode, s in seconds.items()}}
+            "tokens_per_s": {mode: batch * seq / statistics.median(s) for mode, s in seconds.items()},
+            "cpu_s_per_step": {mode: statistics.median(s) for mode, s in cpu.items()}}
 
 
 if __name__ == "__main__":
     mode, *numbers, last = sys.argv[1:]
     shape = [int(n) for n in numbers]
-    print(json.dumps(memory(*shape, last) if mode == "memory" else speed(*shape, int(last))))
+    if mode == "memory":  # the command line spells "torchtitan op" with an underscore
+        print(json.dumps(memory(*shape, TORCHTITAN_OP if last == "torchtitan_op" else last)))
+    else:
+        print(json.dumps(speed(*shape, int(last))))

@@ -1086,8 +1086,9 @@ def ac_section(command: str, rounds: int) -> str:
             raise SystemExit(f"ac_bench {args} failed:\n{proc.stderr[-3000:]}")
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
-    memory = {mode: run("memory", *AC_SHAPE, mode, env={"MALLOC_MMAP_THRESHOLD_": "65536"})
-              for mode in AC_MODES}
+    modes = [*AC_MODES, "torchtitan op"]  # ac_bench.MODES
+    memory = {mode: run("memory", *AC_SHAPE, mode.replace(" ", "_"), env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+              for mode in modes}
     load = os.getloadavg()[0]
     speed = run("speed", *AC_SHAPE, rounds)
     dim, layers, seq, batch = AC_SHAPE
@@ -1095,18 +1096,23 @@ def ac_section(command: str, rounds: int) -> str:
     lines = [AC_BEGIN, "## Selective activation checkpointing", "",
              "`strategy.activation_checkpointing` modes against each other: the built-in Llama, dim "
              f"{dim}, {layers} layers, vocabulary 256, {batch} sequences of {seq} tokens, fp32, one "
-             "process (blocks checkpointed as `parallelize` does it; `every_k` with k = 2).", "",
+             "process (blocks checkpointed as `parallelize` does it; `every_k` with k = 2; `torchtitan op`: "
+             "torchtitan's per-operation policy, the same saved operators but every second matmul "
+             "recomputed, written in benchmarks/ac_bench.py for this comparison).", "",
              f"`{command}` on {cpu_name()}, {datetime.date.today()}, torch {torch.__version__}, load "
              f"average {load:.1f} on {os.cpu_count()} cores when it ran (other work shared the machine).", "",
-             "| mode | step peak MiB above weights + state | vs none | tokens/s | vs none |",
-             "| --- | --- | --- | --- | --- |"]
-    rates = speed["tokens_per_s"]
-    for mode in AC_MODES:
+             "| mode | step peak MiB above weights + state | vs none | CPU s a step | vs none | "
+             "tokens/s (wall) | vs none |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    rates, cpu = speed["tokens_per_s"], speed["cpu_s_per_step"]
+    for mode in modes:
         peak = memory[mode]["step_peak_mib"]
         lines.append(f"| {mode} | {peak:,.0f} | {peak / memory['none']['step_peak_mib']:.2f} | "
+                     f"{cpu[mode]:.2f} | {cpu[mode] / cpu['none']:.2f} | "
                      f"{rates[mode]:,.0f} | {rates[mode] / rates['none']:.2f} |")
-    lines += ["", f"Memory: Linux's peak resident size over one step, a fresh process per mode. Tokens/s: "
-              f"median of {rounds} rounds, the modes alternating step by step in one process. The "
+    lines += ["", f"Memory: Linux's peak resident size over one step, a fresh process per mode. Time: "
+              f"median of {rounds} rounds, the modes alternating step by step in one process; the "
+              "process runs one thread, whose CPU seconds count only the mode's own work; the wall clock "
+              "also counts other processes' on a shared machine. The "
               f"modes' losses over the {rounds + 1} steps were "
               + ("identical bit for bit." if same else f"not identical: {speed['losses']}")]
     return "\n".join(lines + [AC_END])
