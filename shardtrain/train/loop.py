@@ -387,7 +387,7 @@ class Trainer:
         states = (held.params + held.optimizer) / gib
         where = f"step {self.step + 1} ran out of {device} memory (rank {self.env.rank})"
         if self.batch_choice is None:
-            return (f"{where} at an allocator peak of {peak:.2f} GiB this phase; `shardtrain plan` "
+            return (f"{where} at an allocator peak of {peak:.2f} GiB; `shardtrain plan` "
                     "estimates the step's memory, trainer.micro_batch_size=auto (with "
                     "trainer.global_batch_size) chooses a batch that fits")
         planned = self.batch_choice.estimate
@@ -399,7 +399,7 @@ class Trainer:
                 f"with activation_checkpointing={self.batch_choice.activation_checkpointing} for a "
                 f"planned peak of {planned.peak / gib:.2f} GiB ({planned.peak_phase}); measured: "
                 f"parameters and optimizer state {states:.2f} GiB (planned {planned_states:.2f}), "
-                f"the allocator's peak this phase {peak:.2f} GiB (planned activations "
+                f"the allocator's peak before the failure {peak:.2f} GiB (planned activations "
                 f"{planned.activations / gib:.2f} GiB, gathered {planned.gathered / gib:.2f} GiB): "
                 f"{wrong} was wrong; lower trainer.memory_limit_gib or raise trainer.memory_margin")
 
