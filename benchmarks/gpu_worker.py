@@ -6,6 +6,10 @@ batches, then times whole iterations of each, alternating rounds so that clock a
 both alike. Before the hand-written model exists it also measures shardtrain's own peak memory
 (``torch.cuda.max_memory_allocated`` over steady-state steps) against the peak shardtrain logs.
 
+``float8``: shardtrain's bf16-mixed run against the same run with ``strategy.float8=true`` (both
+compiled), the same initial weights and batches: tokens/s (the two alternating in chunks of steps)
+and both loss curves over ``--train-steps`` steps.
+
 ``checks``: the functional checks a CPU cannot reach: CPU offload keeps pinned host shards and
 trains like the on-device run; an asynchronous checkpoint resumes exactly; ``generate`` gives the
 same text gathered and unit by unit. Each prints one JSON line.
@@ -30,6 +34,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+import shardtrain.distributed.float8  # noqa: F401 - registers strategy.float8's conversion (torchao)
 from shardtrain.accelerator import device_peak_flops, peak_memory_mib
 from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.config.loader import load_config
@@ -154,6 +159,48 @@ def speed(args: argparse.Namespace) -> dict:
     return result
 
 
+def float8_against_bf16(args: argparse.Namespace) -> dict:
+    """Two trainers in one process, bf16-mixed and float8, stepped in alternating chunks of
+    ``--steps`` steps (clock and thermal drift hit both alike) for ``--train-steps`` steps each."""
+    trainers = {}
+    for name in ("bf16", "float8"):
+        overrides = [*QUIET, f"run.dir={tempfile.mkdtemp()}", f"model={args.model}",
+                     f"trainer.seq_len={args.seq_len}", f"trainer.micro_batch_size={args.micro_batch}",
+                     "strategy.mixed_precision=bf16-mixed",
+                     "strategy.compile=true", f"strategy.float8={name == 'float8'}",
+                     f"strategy.activation_checkpointing={'all' if args.ac else 'none'}"]
+        trainers[name] = Trainer.create(load_config(overrides))
+        trainers[name].preemption = PreemptionFlag(trainers[name].cfg.checkpoint.preemption_signals)
+    device = trainers["bf16"].env.device
+    seconds: dict[str, list[float]] = {name: [] for name in trainers}
+    peaks: dict[str, float] = {}
+    done = 0
+    while done < args.train_steps:
+        chunk = min(args.steps, args.train_steps - done)
+        for name, trainer in trainers.items():
+            reset_peak(device)
+            synchronize()
+            start = time.perf_counter()
+            for _ in range(chunk):
+                trainer.iteration()
+            synchronize()
+            if done >= args.warmup:  # compilation and the diagnostics' first steps are not timed
+                seconds[name].append((time.perf_counter() - start) / chunk)
+            peaks[name] = max(peaks.get(name, 0.0), max_allocated_mib(device))
+        done += chunk
+    first = trainers["bf16"]
+    tokens = first.layout.global_batch * first.cfg.trainer.seq_len
+    peak_flops = device_peak_flops(device)
+    rates = {name: tokens / statistics.median(values) for name, values in seconds.items()}
+    return {"device": device_name(device), "torch": torch.__version__, "model": args.model,
+            "tokens_per_step": tokens, "steps": args.train_steps, "ac": args.ac,
+            "float8_linears": len(trainers["float8"].built.report.float8_linears),
+            "tokens_per_s": rates, "peak_mib": peaks,
+            "mfu_bf16_peak": {name: rate * first.throughput.flops_per_token / peak_flops
+                              for name, rate in rates.items()} if peak_flops else None,
+            "losses": {name: trainer.result.losses for name, trainer in trainers.items()}}
+
+
 def metrics(run_dir: Path, kind: str = "train") -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
@@ -240,7 +287,7 @@ def checks(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["speed", "checks"])
+    parser.add_argument("mode", choices=["speed", "checks", "float8"])
     parser.add_argument("--model", default="llama_1b")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--micro-batch", type=int, default=4)
@@ -249,8 +296,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--train-steps", type=int, default=300, help="float8: steps of each run")
     args = parser.parse_args()
-    result = speed(args) if args.mode == "speed" else checks(args)
+    result = {"speed": speed, "checks": checks, "float8": float8_against_bf16}[args.mode](args)
     if dist.is_initialized():
         dist.destroy_process_group()
     print(json.dumps(result))

@@ -72,6 +72,7 @@ import torch
 from PIL import Image  # matplotlib's own dependency
 
 from shardtrain.config.loader import load_config
+from shardtrain.config.strategy import AC_MODES
 from shardtrain.report.figures import RUN_COLOURS
 from shardtrain.train.simulate import simulate, simulation_rows, simulation_table
 
@@ -115,6 +116,8 @@ ABLATION_MODELS = {"default": "default model (dim 256, 4 layers, vocabulary 256,
 LOSS_SPEED_MODELS = [("default model", 256, 256, 4, 128, 16), ("vocabulary-heavy", 32000, 512, 8, 512, 4)]
 LOSS_MEMORY_VOCABS = [32000, 128000]
 LOSS_KINDS = ["plain", "chunked", "recompute"]
+AC_BEGIN, AC_END = "<!-- ac:begin -->", "<!-- ac:end -->"
+AC_SHAPE = (384, 6, 512, 4)  # dim, layers, sequence, sequences: activations well above the weights
 # (what a user types after `shardtrain`, the exit status it must give). The paths do not exist.
 CLI_CASES = [
     (["--help"], 0),
@@ -576,7 +579,7 @@ def scaling_sections(command: str) -> tuple[str, str]:
     for preset, title, worlds in SCALING_MODELS:
         cfg = load_config([f"model={preset}", *SCALING_OVERRIDES])
         rows = simulation_rows(cfg, worlds, ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"],
-                               [False, True], 8)
+                               ["none", "all"], 8)
         tables.append(f"### {title} (`model={preset}`)\n\n"
                       + simulation_table(rows, 80 * 10**9, markdown=True))
     scaling = f"""{SCALING_BEGIN}
@@ -628,6 +631,35 @@ def gpu_results(variants: list[str], with_checks: bool) -> dict:
     return results
 
 
+FLOAT8_BEGIN, FLOAT8_END = "<!-- float8:begin -->", "<!-- float8:end -->"
+
+
+def float8_section(command: str, result: dict) -> str:
+    """docs/benchmarks.md's float8 section from benchmarks/gpu_worker.py float8's result."""
+    rates, losses = result["tokens_per_s"], result["losses"]
+    steps = len(losses["bf16"])
+    tail = max(steps // 10, 1)
+    mean = {name: statistics.fmean(values[-tail:]) for name, values in losses.items()}
+    lines = [FLOAT8_BEGIN, "## Float8 against bf16 (GPU)", "",
+             f"`{command}` on {result['device']}, {datetime.date.today()}, torch {result['torch']}: "
+             f"model={result['model']}, {result['tokens_per_step']:,} tokens a step, both runs compiled "
+             f"(`strategy.compile=true`), bf16-mixed, activation checkpointing "
+             f"{'all' if result['ac'] else 'none'}, the same initial weights and batches, {steps} steps "
+             f"each, alternating in chunks; float8 converted {result['float8_linears']} linear layers.", "",
+             "| run | tokens/s | vs bf16 | MFU (of the bf16 peak) | peak allocated MiB | "
+             f"mean loss, last {tail} steps |", "| --- | --- | --- | --- | --- | --- |"]
+    for name in ("bf16", "float8"):
+        mfu = result["mfu_bf16_peak"][name] if result["mfu_bf16_peak"] else None
+        lines.append(f"| {name} | {rates[name]:,.0f} | {rates[name] / rates['bf16']:.2f} | "
+                     + (f"{mfu:.1%}" if mfu is not None else "n/a")
+                     + f" | {result['peak_mib'][name]:,.0f} | {mean[name]:.4f} |")
+    marks = sorted({0, *range(steps // 6, steps, max(steps // 6, 1)), steps - 1})
+    lines += ["", "Loss curves (step: bf16 / float8):", "",
+              "| " + " | ".join(f"step {m + 1}" for m in marks) + " |", "|" + " --- |" * len(marks),
+              "| " + " | ".join(f"{losses['bf16'][m]:.3f} / {losses['float8'][m]:.3f}" for m in marks) + " |"]
+    return "\n".join(lines + [FLOAT8_END])
+
+
 def gpu_section(command: str, results: dict) -> str:
     """The GPU benchmark's section: a ~1.1B Llama at sequence 2,048, bf16-mixed, one GPU,
     shardtrain against the hand-written FSDP2 loop per (compile, AC) variant; shardtrain's peak
@@ -636,7 +668,7 @@ def gpu_section(command: str, results: dict) -> str:
     cfg = load_config(["model=llama_1b", "trainer.seq_len=2048", "trainer.micro_batch_size=4",
                        "strategy.mixed_precision=bf16-mixed"])
     predicted = {ac: (sim.peak, plan.peak) for (sim, plan), ac in
-                 zip(simulation_rows(cfg, [1], ["FULL_SHARD"], [False, True], 1), [False, True])}
+                 zip(simulation_rows(cfg, [1], ["FULL_SHARD"], ["none", "all"], 1), [False, True])}
     gib = 2**30
     rows = []
     for r in runs:
@@ -1127,16 +1159,62 @@ def loss_section(command: str, rounds: int) -> str:
     return "\n".join(lines + [LOSS_END])
 
 
+def ac_section(command: str, rounds: int) -> str:
+    """docs/benchmarks.md's activation-checkpointing section: a step's peak memory and tokens/s of
+    every ``strategy.activation_checkpointing`` mode."""
+    bench = [sys.executable, str(ROOT / "benchmarks" / "ac_bench.py")]
+
+    def run(*args: object, env: dict | None = None) -> dict:
+        proc = subprocess.run([*bench, *map(str, args)], capture_output=True, text=True, timeout=3600,
+                              env={**os.environ, **(env or {})}, cwd=ROOT / "benchmarks")
+        if proc.returncode != 0:
+            raise SystemExit(f"ac_bench {args} failed:\n{proc.stderr[-3000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    modes = [*AC_MODES, "torchtitan op"]  # ac_bench.MODES
+    memory = {mode: run("memory", *AC_SHAPE, mode.replace(" ", "_"), env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+              for mode in modes}
+    load = os.getloadavg()[0]
+    speed = run("speed", *AC_SHAPE, rounds)
+    dim, layers, seq, batch = AC_SHAPE
+    same = all(losses == speed["losses"]["none"] for losses in speed["losses"].values())
+    lines = [AC_BEGIN, "## Selective activation checkpointing", "",
+             "`strategy.activation_checkpointing` modes against each other: the built-in Llama, dim "
+             f"{dim}, {layers} layers, vocabulary 256, {batch} sequences of {seq} tokens, fp32, one "
+             "process (blocks checkpointed as `parallelize` does it; `every_k` with k = 2; `torchtitan op`: "
+             "torchtitan's per-operation policy, the same saved operators but every second matmul "
+             "recomputed, written in benchmarks/ac_bench.py for this comparison).", "",
+             f"`{command}` on {cpu_name()}, {datetime.date.today()}, torch {torch.__version__}, load "
+             f"average {load:.1f} on {os.cpu_count()} cores when it ran (other work shared the machine).", "",
+             "| mode | step peak MiB above weights + state | vs none | CPU s a step | vs none | "
+             "tokens/s (wall) | vs none |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    rates, cpu = speed["tokens_per_s"], speed["cpu_s_per_step"]
+    for mode in modes:
+        peak = memory[mode]["step_peak_mib"]
+        lines.append(f"| {mode} | {peak:,.0f} | {peak / memory['none']['step_peak_mib']:.2f} | "
+                     f"{cpu[mode]:.2f} | {cpu[mode] / cpu['none']:.2f} | "
+                     f"{rates[mode]:,.0f} | {rates[mode] / rates['none']:.2f} |")
+    lines += ["", f"Memory: Linux's peak resident size over one step, a fresh process per mode. Time: "
+              f"median of {rounds} rounds, the modes alternating step by step in one process; the "
+              "process runs one thread, whose CPU seconds count only the mode's own work; the wall clock "
+              "also counts other processes' on a shared machine. The "
+              f"modes' losses over the {rounds + 1} steps were "
+              + ("identical bit for bit." if same else f"not identical: {speed['losses']}")]
+    return "\n".join(lines + [AC_END])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--only", choices=["training", "checkpoint", "generation", "generation-modes",
                                            "init", "scaling", "soak", "gpu", "e2e", "profile", "hf",
-                                           "data", "task", "checksum", "cli", "report", "loss", "ablation"],
+                                           "data", "task", "checksum", "cli", "report", "loss", "ac",
+                                           "float8", "ablation"],
                         default=None)
-    parser.add_argument("--rounds", type=int, default=3, help="--only e2e, loss, ablation: alternating rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="--only e2e, loss, ac, ablation: alternating rounds")
     parser.add_argument("--gpu-variants", nargs="+", choices=list(GPU_VARIANT_NAMES),
                         default=list(GPU_VARIANT_NAMES), help="--only gpu: the (compile, AC) variants")
+    parser.add_argument("--train-steps", type=int, default=300, help="--only float8: steps of each run")
     parser.add_argument("--no-checks", action="store_true", help="--only gpu: skip the functional checks")
     parser.add_argument("--json-out", type=Path, default=None, help="--only gpu: also the raw results")
     parser.add_argument("--from-json", type=Path, nargs="+", default=None,
@@ -1193,6 +1271,18 @@ def main() -> None:
         results = ablation_results(args.rounds, args.processes)
         command = f"python benchmarks/run.py --only ablation --rounds {args.rounds}"
         write_section(ABLATION_BEGIN, ABLATION_END, ablation_section(results, args.rounds, args.processes, command))
+    if args.only in (None, "ac"):
+        write_section(AC_BEGIN, AC_END, ac_section(
+            f"python benchmarks/run.py --only ac --rounds {args.rounds}", args.rounds))
+    if args.only == "float8":
+        if not torch.cuda.is_available():
+            raise SystemExit("--only float8 needs a GPU of compute capability 8.9+ (H100, L4, ...)")
+        result = run_torchrun(1, "gpu_worker.py", ["float8", "--train-steps", str(args.train_steps),
+                                                   "--steps", "10"])
+        if args.json_out is not None:
+            args.json_out.write_text(json.dumps(result, indent=1))
+        write_section(FLOAT8_BEGIN, FLOAT8_END, float8_section(
+            f"python benchmarks/run.py --only float8 --train-steps {args.train_steps}", result))
     if args.only == "report":
         write_section(REPORT_BEGIN, REPORT_END, report_section("python benchmarks/run.py --only report"))
     if args.only == "soak":

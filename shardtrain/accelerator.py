@@ -79,6 +79,25 @@ def default_precision() -> str:
     return "bf16-mixed"
 
 
+# Float8 matmuls (e4m3/e5m2 tensor cores): NVIDIA Ada (8.9) and Hopper (9.0) on.
+FLOAT8_COMPUTE_CAPABILITY = (8, 9)
+
+
+def check_float8(device: torch.device | None = None) -> None:
+    """``strategy.float8=true`` needs float8 tensor cores: refused with one line anywhere else
+    (``device``: this process's; None: this machine's first accelerator, or the CPU)."""
+    kind = device.type if device is not None else device_type()
+    if kind == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability >= FLOAT8_COMPUTE_CAPABILITY:
+            return
+        where = f"{torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]})"
+    else:
+        where = "a CPU" if kind == "cpu" else f"a {kind} device"
+    raise ConfigError(f"strategy.float8=true needs a GPU with float8 matmuls (CUDA compute capability "
+                      f"8.9 or more: H100, H200, L4, B200), and this run has {where}; drop strategy.float8")
+
+
 def set_fp32_matmul(device: torch.device, tf32: bool) -> None:
     """On accelerators, let fp32 matmuls and convolutions use TF32 tensor cores (``tf32``); a CPU
     keeps full fp32, whatever ``tf32`` says, so CPU results do not depend on the setting."""
@@ -183,3 +202,21 @@ def pin_offloaded_memory(device_type_name: str) -> bool:
     """Host memory that feeds a device (offloaded parameters, batches) is pinned only when the
     device is an accelerator: pinning needs one, and a CPU run copies nothing."""
     return device_type_name != "cpu"
+
+
+def device_memory_bytes(device: torch.device, local_processes: int) -> int | None:
+    """What one process may use of its device's memory: an accelerator's total memory, or on a
+    CPU this process's share of the host's available memory (``MemAvailable`` over the processes on
+    the machine); None where unknown."""
+    module = torch.get_device_module(device.type) if device.type != "cpu" else None
+    if module is not None and hasattr(module, "mem_get_info"):
+        return int(module.mem_get_info(device)[1])
+    available = free_memory_bytes(device)
+    return available // max(local_processes, 1) if available is not None else None
+
+
+
+def allocated_bytes(device: torch.device) -> int | None:
+    """What the accelerator's allocator holds for tensors now (None on a CPU)."""
+    allocator = _allocator(device)
+    return int(allocator.memory_allocated(device)) if allocator is not None else None

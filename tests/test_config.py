@@ -203,13 +203,14 @@ BAD = {
     "strategy=ful_shard": "did you mean 'full_shard'?",
     "trainer.max_steps=abc": "trainer.max_steps=abc",
     "trainer.micro_batch_size=0": "trainer.micro_batch_size=0 must be at least 1",
+    "trainer.micro_batch_size=auto": "needs trainer.global_batch_size=N",
     "trainer.devices=two": "trainer.devices='two' must be 'auto' or a positive int",
     "model.vocab_size=100": "too small for byte-level data",
     "strategy.sharding_strategy=ZERO3": "is not a sharding strategy",
     "strategy.mixed_precision=bf16": "strategy.mixed_precision='bf16' is unknown",
     "strategy.reduce_dtype=fp16": "strategy.reduce_dtype=fp16 needs loss scaling",
     "strategy.reshard_after_forward=-1": "must be null, true, false or a positive int",
-    "strategy.activation_checkpointing=some": "must be one of none, all, every_k",
+    "strategy.activation_checkpointing=some": "must be one of none, selective, every_k, all",
     "checkpoint.preemption_signals=[SIGKILL]": "SIGKILL cannot be caught",
 }
 

@@ -1,10 +1,11 @@
 """Sharded training computes what unsharded training computes.
 
 For 1, 2 and 4 gloo processes, every sharding strategy, fp32 and bf16-mixed, with and without
-activation checkpointing and gradient accumulation: the loss at each of 5 steps, the reported
-(global) grad norm, and the final full weights match a single-process reference loop written with
-plain PyTorch, for the same model and global batch of 8 sequences. The tiny model has sizes that do
-not divide by the world size (dim 36, FFN 97, vocab 256 x 36 ...), so FSDP's uneven shards are used.
+activation checkpointing (full, every k-th block, selective) and gradient accumulation: the loss at
+each of 5 steps, the reported (global) grad norm, and the final full weights match a single-process
+reference loop written with plain PyTorch, for the same model and global batch of 8 sequences. The
+tiny model has sizes that do not divide by the world size (dim 36, FFN 97, vocab 256 x 36 ...), so
+FSDP's uneven shards are used.
 
 Tolerances (max relative error; weights: per tensor, ||w - w_ref|| / ||w_ref||):
 - fp32: 1e-5 for losses, grad norms and weights (measured: below 1e-6).
@@ -87,6 +88,7 @@ def test_two_processes_match_reference(references, bf16_one_process, tmp_path):
         "full_shard_accum": dict(strategy="FULL_SHARD", accum=2),  # auto: sharded accumulation
         "full_shard_accum_unsharded": dict(strategy="FULL_SHARD", accum=2, grad_accumulation="unsharded"),
         "full_shard_ac_accum": dict(strategy="FULL_SHARD", ac="all", accum=2),
+        "full_shard_selective_ac_accum": dict(strategy="FULL_SHARD", ac="selective", accum=2),
         "shard_grad_op": dict(strategy="SHARD_GRAD_OP"),
         "shard_grad_op_ac_every2": dict(strategy="SHARD_GRAD_OP", ac="every_k"),
         "no_shard": dict(strategy="NO_SHARD"),
@@ -99,7 +101,12 @@ def test_two_processes_match_reference(references, bf16_one_process, tmp_path):
         "full_shard_bf16_pure": dict(strategy="FULL_SHARD", precision="bf16-pure"),
         **BF16_CASES,
     }
-    check(2, cases, references, tmp_path, bf16_baseline=bf16_one_process)
+    results = check(2, cases, references, tmp_path, bf16_baseline=bf16_one_process)
+    # Selective checkpointing recomputes element-wise operations with the same inputs and keeps the
+    # matmuls' outputs: the same numbers as no checkpointing, bit for bit.
+    selective, plain = results["full_shard_selective_ac_accum"], results["full_shard_accum"]
+    assert selective["losses"] == plain["losses"] and selective["grad_norms"] == plain["grad_norms"]
+    assert all(torch.equal(selective["weights"][n], w) for n, w in plain["weights"].items())
 
 
 def test_four_processes_match_reference(references, bf16_one_process, tmp_path):

@@ -38,6 +38,8 @@ def cmd_train(overrides: list[str]) -> int:
     from shardtrain.train.loop import Trainer
 
     check_runtime(cfg)  # every other config error surfaces here, before any process starts
+    if cfg.strategy.float8:
+        import shardtrain.distributed.float8  # noqa: F401 - registers the conversion (loads torchao)
     if under_torchrun():
         # The built-in launcher's agent ignores the preemption signals, and an ignored signal is
         # inherited: restore the default until the trainer installs its handler, so torchrun can
@@ -290,8 +292,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from shardtrain.train.simulate import simulation_rows, simulation_table
 
     strategies = [normalize_strategy_name(s) for s in args.strategies or [cfg.strategy.sharding_strategy]]
-    checkpointing = {"none": [False], "all": [True], "both": [False, True],
-                     "config": [cfg.strategy.activation_checkpointing != "none"]}[args.ac]
+    checkpointing = {"both": ["none", "all"], "config": [cfg.strategy.activation_checkpointing]}.get(
+        args.ac, [args.ac])
     rows = simulation_rows(cfg, args.world_sizes or [world], strategies, checkpointing, local,
                            probe=not args.full_depth)
     batch = (f"{cfg.trainer.micro_batch_size} x {cfg.trainer.seq_len} tokens" if language_model else
@@ -481,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "(fake process group, fake tensors, FSDP2's memory tracker; docs/scaling.md)")
     plan.add_argument("--strategies", nargs="+", default=None,
                       help="with --simulate: strategies to simulate (default: the config's)")
-    plan.add_argument("--ac", choices=["config", "none", "all", "both"], default="config",
+    plan.add_argument("--ac", choices=["config", "none", "selective", "all", "both"], default="config",
                       help="with --simulate: activation checkpointing of the cases (default: the config's)")
     plan.add_argument("--full-depth", action="store_true",
                       help="with --simulate: simulate every layer instead of two probe depths")

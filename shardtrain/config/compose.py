@@ -139,6 +139,14 @@ def check_model(cfg: Config) -> None:
         raise ConfigError("model.dim / model.n_heads (the head size) must be even for RoPE")
 
 
+def check_batch_size(cfg: Config) -> None:
+    """``trainer.micro_batch_size=auto`` keeps a global batch fixed: one must be named."""
+    t = cfg.trainer
+    if t.micro_batch_size == "auto" and not t.global_batch_size:
+        raise ConfigError("trainer.micro_batch_size=auto needs trainer.global_batch_size=N (the "
+                          "sequences per step it keeps fixed while it chooses the micro-batch)")
+
+
 def check_trackers(trackers: list[str]) -> None:
     for name in trackers:
         if name not in TRACKERS:
@@ -153,6 +161,7 @@ def check_config(cfg: Config) -> None:
     cfg.dist.debug = str(cfg.dist.debug).upper()
     check_ranges(cfg)
     devices_count(cfg.trainer.devices)
+    check_batch_size(cfg)
     if cfg.data.source in ("files", "prepared"):
         for entry in cfg.data.paths:
             if not any(ch in entry for ch in "*?[") and not Path(entry).expanduser().exists():

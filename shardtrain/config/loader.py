@@ -10,11 +10,12 @@ process starts.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from shardtrain.accelerator import accelerator_count
+from shardtrain.accelerator import accelerator_count, check_float8
 from shardtrain.config.classpath import import_module_class, import_object
 from shardtrain.config.compose import check_ranges, compose_config
 from shardtrain.config.plan import launch_shape, resolve_plan
@@ -80,6 +81,10 @@ def check_runtime(cfg: Config) -> None:
             except ShardtrainError as exc:
                 raise ConfigError(f"strategy.wrap_policy: {exc}") from exc
     check_task_section(cfg)
+    if cfg.strategy.float8:
+        check_float8()
+        if importlib.util.find_spec("torchao") is None:
+            raise ConfigError("strategy.float8=true needs torchao (pip install 'shardtrain[float8]')")
     # The strategy against the world size the launch will have.
     per_node, world = launch_shape(cfg)
     resolve_plan(cfg.strategy, world, per_node)

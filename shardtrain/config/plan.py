@@ -56,9 +56,10 @@ class ShardingPlan:
     activation_checkpointing_every: int
     grad_accumulation: str = "sharded"  # sharded | unsharded (see StrategyConfig)
     precision: str = "fp32"  # the mixed-precision preset, with auto resolved
+    float8: bool = False  # strategy.float8: blocks' linears in float8, gathered in float8
 
     def checkpointed(self, block_index: int) -> bool:
-        if self.activation_checkpointing == "all":
+        if self.activation_checkpointing in ("all", "selective"):
             return True
         if self.activation_checkpointing == "every_k":
             return block_index % self.activation_checkpointing_every == 0
@@ -70,6 +71,8 @@ class ShardingPlan:
 
     def describe(self) -> str:
         ac = self.activation_checkpointing
+        if ac == "selective":
+            ac = "selective (matmul and attention outputs kept)"
         if ac == "every_k":
             ac = f"every {self.activation_checkpointing_every} blocks"
         return (
@@ -77,6 +80,7 @@ class ShardingPlan:
             f"storage={dtype_name(self.storage_dtype)} compute={dtype_name(self.param_dtype)} "
             f"reduce={dtype_name(self.reduce_dtype)}, cpu_offload={self.cpu_offload}, "
             f"activation_checkpointing={ac}, grad_accumulation={self.grad_accumulation}"
+            + (", float8 linears" if self.float8 else "")
         )
 
 
@@ -141,6 +145,7 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int,
         activation_checkpointing_every=cfg.activation_checkpointing_every,
         grad_accumulation=resolve_accumulation(cfg.grad_accumulation, mesh_shape[-1]),
         precision=preset,
+        float8=cfg.float8,
     )
 
 
@@ -152,6 +157,18 @@ def resolve_accumulation(choice: str, shard_group: int) -> str:
     if choice != "auto":
         return choice
     return "sharded" if shard_group > 1 else "unsharded"
+
+
+def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
+    """Micro-batches per step that make ``global_batch`` sequences from ``micro_batch`` per rank on
+    ``world_size`` data-parallel ranks (``trainer.global_batch_size``)."""
+    per_micro_step = micro_batch * world_size
+    if global_batch % per_micro_step:
+        raise ConfigError(
+            f"trainer.global_batch_size={global_batch} is not a multiple of trainer.micro_batch_size="
+            f"{micro_batch} x {world_size} ranks = {per_micro_step}; choose a global batch that is, "
+            "or another micro-batch size")
+    return global_batch // per_micro_step
 
 
 def launch_shape(cfg: Config) -> tuple[int, int]:

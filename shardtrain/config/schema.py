@@ -87,7 +87,8 @@ class StrategyConfig:
     param_dtype: str | None = None
     reduce_dtype: str | None = None
     cpu_offload: bool = False
-    # none | all | every_k (with activation_checkpointing_every)
+    # none | selective (per operation: keep matmul and attention outputs, recompute the rest) |
+    # every_k (every k-th block in full, with activation_checkpointing_every) | all (every block in full)
     activation_checkpointing: str = "none"
     activation_checkpointing_every: int = knob(2, at_least=1)
     # Dotted class paths of the modules that become FSDP units. "auto": the model's own block classes.
@@ -98,6 +99,10 @@ class StrategyConfig:
     # (FSDP1's no_sync). auto: sharded whenever the shard group has more than one rank.
     grad_accumulation: str = knob("auto", one_of=("auto", "sharded", "unsharded"))
     compile: bool = False
+    # float8 matmuls in the blocks' linear layers, with float8 all-gathers of their weights
+    # (torchao's float8 training, tensor-wise scaling); GPUs of compute capability 8.9 and up only
+    # (H100, L4, ...); the output head keeps the compute dtype. Fast only with compile=true.
+    float8: bool = False
 
 
 @dataclass
@@ -132,8 +137,21 @@ class TrainerConfig:
     # Processes on this machine: an int, or "auto" (one per GPU; one on a CPU-only machine).
     devices: Any = "auto"
     num_nodes: int = knob(1, at_least=1)
-    micro_batch_size: int = knob(16, at_least=1)  # sequences per rank per micro-step
+    # Sequences per rank per micro-step, or "auto" (needs global_batch_size): the largest that the
+    # memory planner says fits memory_limit_gib less memory_margin, with the cheapest activation
+    # checkpointing from strategy.activation_checkpointing up (none < selective < every_k < all).
+    micro_batch_size: Any = knob(16, at_least=1, or_auto=True)
+    # Micro-batches per optimizer step. With global_batch_size set it follows from it (1 or that).
     grad_accum_steps: int = knob(1, at_least=1)
+    # Sequences per optimizer step over all ranks (0: micro_batch_size x grad_accum_steps x ranks).
+    # Set, it must be a multiple of micro_batch_size x ranks, and grad_accum_steps is derived.
+    global_batch_size: int = knob(0, at_least=0)
+    # micro_batch_size=auto plans against this much memory per process (0: the accelerator's total
+    # memory; on a CPU this process's share of the host's available memory).
+    memory_limit_gib: float = knob(0.0, at_least=0)
+    # ... less this fraction of it, for what the planner does not count (allocator fragmentation,
+    # the CUDA context, kernels' workspaces).
+    memory_margin: float = knob(0.1, at_least=0.0, at_most=0.9)
     seq_len: int = knob(128, at_least=1)  # tokens per training window
     # The built-in task's output head and loss chunk by chunk, this many tokens at a time, never the
     # full fp32 logits (tasks/losses.py); 0 = the plain full-logits loss; auto = chunks of 512 where

@@ -33,7 +33,9 @@ PRECISION_PRESETS: dict[str, tuple[str, str, str]] = {
     "bf16-pure": ("bf16", "bf16", "bf16"),
 }
 
-AC_MODES = ("none", "all", "every_k")
+# Cheapest in time first: none, selective (recompute element-wise operations), every_k (every k-th
+# block in full), all (every block in full). micro_batch_size=auto tries them in this order.
+AC_MODES = ("none", "selective", "every_k", "all")
 
 
 def normalize_strategy_name(name: str) -> str:

@@ -13,9 +13,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from shardtrain.config.plan import resolve_plan, resolve_precision
+from shardtrain.config.plan import ShardingPlan, accumulation_steps, resolve_plan, resolve_precision
 from shardtrain.config.schema import Config
-from shardtrain.config.strategy import STRATEGIES
+from shardtrain.config.strategy import AC_MODES, STRATEGIES, checkpointing_mode
+from shardtrain.distributed.parallelize import float8_eligible
+from shardtrain.errors import ConfigError
 from shardtrain.models.dims import Dims
 from shardtrain.models.param_groups import no_decay_names
 from shardtrain.models.registry import build_model
@@ -76,7 +78,10 @@ def adamw_foreach_temporary(model: nn.Module, shard: int, storage: torch.dtype) 
 class ActivationModel:
     """Activation bytes of one micro-batch of the built-in Llama, by what holds them."""
 
-    saved_per_block: int  # kept from a block's forward to its backward (its input only, under AC)
+    # Kept from each block's forward to its backward, block by block: everything it saves (no
+    # checkpointing), its input (checkpointed in full), or its input and the outputs of its matmuls
+    # and attention (selective).
+    saved_blocks: list[int]
     block: int  # everything one block saves for backward (recomputed in its backward under AC)
     block_backward: int  # gradients alive inside one block's backward
     # The final norm's tensors and the fp32 log-softmax output; with the chunked loss
@@ -88,6 +93,10 @@ class ActivationModel:
     head_backward: int
     # data.document_mask: the additive mask all blocks share, from the forward to the last backward.
     document_mask: int = 0
+    # Selective checkpointing: what the recomputation of a block holds besides ``block``: the kept
+    # outputs autograd itself does not save (q and k before RoPE, both projections back to the
+    # residual stream).
+    recompute_extra: int = 0
 
 
 def rms_norm_saved(dim: int, compute: int) -> int:
@@ -98,19 +107,24 @@ def rms_norm_saved(dim: int, compute: int) -> int:
 
 
 def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torch.dtype,
-                     checkpointed: bool) -> ActivationModel:
+                     plan: ShardingPlan) -> ActivationModel:
     """What autograd keeps for the built-in Llama (counted tensor by tensor in
     docs/memory-planner.md; SDPA keeps q, k, v, its output and a log-sum-exp, no score matrix).
     Hugging Face models of the same layout (Llama, Qwen2, Mistral) keep the same tensors; other
     layouts (GPT-NeoX's LayerNorm and GELU MLP) are estimated as if they had it."""
     tokens = micro_batch * cfg.trainer.seq_len
     b = compute_dtype.itemsize
+    head_dim = m.dim // m.n_heads
     # With the document mask, keys and values reach SDPA repeated to every query head (models/llama).
-    kv = m.dim // m.n_heads * (m.n_heads if cfg.data.document_mask else m.n_kv_heads)
+    kv = head_dim * (m.n_heads if cfg.data.document_mask else m.n_kv_heads)
     ffn = m.ffn_hidden_dim
     attention = b * (m.dim + 2 * kv) + 4 * m.n_heads + 2 * b * m.dim  # q k v, lse, output, wo input
     swiglu = 4 * b * ffn  # w1 and w3 outputs, silu output, their product
     block = tokens * (2 * rms_norm_saved(m.dim, b) + attention + swiglu)
+    # Selective: the input, the q, k, v projections (before any repetition), SDPA's output and
+    # log-sum-exp, the output projection, w1, w3 and w2 outputs.
+    projected_kv = head_dim * m.n_kv_heads
+    selective = tokens * (b * (5 * m.dim + 2 * projected_kv + 2 * ffn) + 4 * m.n_heads)
     # Inside a block's backward: the incoming gradient, three hidden-size gradients of the SwiGLU
     # and one FFN weight's gradient before FSDP reduces it.
     block_backward = tokens * b * (m.dim + 3 * ffn) + b * m.dim * ffn
@@ -121,14 +135,24 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     else:
         head_saved = tokens * (rms_norm_saved(m.dim, b) + 4 * m.vocab_size)
         head_backward = tokens * 8 * m.vocab_size
+    selective_mode = plan.activation_checkpointing == "selective"
+    kept = selective if selective_mode else tokens * b * m.dim
     return ActivationModel(
-        saved_per_block=tokens * b * m.dim if checkpointed else block,
+        saved_blocks=[kept if plan.checkpointed(i) else block for i in range(m.n_layers)],
         block=block,
         block_backward=block_backward,
         head_saved=head_saved,
         head_backward=head_backward,
         document_mask=tokens * cfg.trainer.seq_len * b if cfg.data.document_mask else 0,
+        recompute_extra=tokens * b * (3 * m.dim + projected_kv) if selective_mode else 0,
     )
+
+
+def float8_block_params(model: nn.Module) -> int:
+    """Parameters of the largest block that ``strategy.float8`` converts (gathered in float8)."""
+    return max((sum(m.weight.numel() for m in blk.modules() if float8_eligible(model, m))
+                for blk in model.modules() if isinstance(blk, getattr(model, "block_classes", ()))),
+               default=0)
 
 
 def unit_param_counts(model: nn.Module) -> tuple[list[int], list[int]]:
@@ -141,17 +165,26 @@ def unit_param_counts(model: nn.Module) -> tuple[list[int], list[int]]:
     return blocks, groups
 
 
+def check_planned_batch(cfg: Config) -> None:
+    if not isinstance(cfg.trainer.micro_batch_size, int):
+        raise ConfigError(f"the planner needs a number of sequences: trainer.micro_batch_size="
+                          f"{cfg.trainer.micro_batch_size} is chosen only when training starts; set "
+                          "trainer.micro_batch_size=N to plan for N")
+
+
 def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, local: int,
-             checkpointed: bool | None = None) -> Estimate:
+             checkpointed: bool | None = None, accelerated: bool | None = True) -> Estimate:
     """Rank 0's memory for ``strategy`` at ``world_size``; ``checkpointed`` overrides the config's
-    activation checkpointing (all blocks or none)."""
+    activation checkpointing (all blocks or none); ``accelerated``: ``mixed_precision=auto`` means
+    what it means on an accelerator (bf16-mixed), else on a CPU (fp32); None: on this machine."""
+    check_planned_batch(cfg)
     strategy_cfg = replace(cfg.strategy, sharding_strategy=strategy,
                            shard_group_size=cfg.strategy.shard_group_size
                            if world_size % max(cfg.strategy.shard_group_size, 1) == 0 else 0)
     if checkpointed is not None:
         strategy_cfg = replace(strategy_cfg, activation_checkpointing="all" if checkpointed else "none")
     # It plans for accelerators, wherever it runs: mixed_precision=auto means bf16-mixed there.
-    plan = resolve_plan(strategy_cfg, world_size, min(local, world_size), accelerated=True)
+    plan = resolve_plan(strategy_cfg, world_size, min(local, world_size), accelerated=accelerated)
     shapes = [tuple(p.shape) for p in model.parameters()]
     params, grads, optim = sharded_state_bytes(shapes, plan.mesh_shape[-1], 0, plan.storage_dtype)
     total_params = sum(math.prod(s) for s in shapes)
@@ -163,35 +196,38 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         accumulation = total_params * plan.reduce_dtype.itemsize
 
     checkpoint_all = plan.activation_checkpointing != "none"
-    act = activation_model(cfg, model.dims, cfg.trainer.micro_batch_size, plan.param_dtype,
-                           checkpoint_all)
+    act = activation_model(cfg, model.dims, cfg.trainer.micro_batch_size, plan.param_dtype, plan)
     blocks, groups = unit_param_counts(model)
     layers = len(blocks)
+    saved = act.saved_blocks if layers else []
     # Without blocks or groups the root is the one unit.
     block_units = max(blocks, default=total_params)
     head_unit = groups[-1] if groups else total_params
     compute, reduce = plan.param_dtype.itemsize, plan.reduce_dtype.itemsize
+    # strategy.float8: a block's converted linears are gathered in float8, one byte a parameter.
+    float8_saved = float8_block_params(model) * (compute - 1) if plan.float8 else 0
     if plan.reshard_after_forward is False:
         # Every unit stays gathered from its forward until its backward.
-        gathered_start = total_params * compute
-        gathered_block = total_params * compute + head_unit * (compute + reduce)
+        gathered_start = total_params * compute - layers * float8_saved
+        gathered_block = gathered_start + head_unit * (compute + reduce)
     else:
         # The head unit, and the last block under full resharding, are not resharded after forward
         # (parallelize); in a block's backward, the block, the prefetched next one and the block's
         # reduce-scatter input.
         last_block = block_units if plan.reshard_after_forward is True and blocks else 0
-        gathered_start = (head_unit + last_block) * compute
-        gathered_block = block_units * (2 * compute + reduce)
+        gathered_start = (head_unit + last_block) * compute - (float8_saved if last_block else 0)
+        gathered_block = block_units * (2 * compute + reduce) - 2 * float8_saved
     earlier = grads if accumulating else 0  # sharded gradients of previous micro-batches
-    first_block = act.block + act.block_backward + act.document_mask
+    first_block = act.block + act.recompute_extra + act.block_backward + act.document_mask
     # Phases as (gradients held, activations and backward temporaries, gathered, optimizer temporaries).
     phases = {
-        "backward start": (earlier, layers * act.saved_per_block + act.head_saved + act.head_backward
+        "backward start": (earlier, sum(saved) + act.head_saved + act.head_backward
                            + act.document_mask, gathered_start, 0),
         # The head unit's gradients are reduced: the loss's tensors are gone, the buffers are not.
-        "head reduced": (earlier, layers * act.saved_per_block + act.document_mask,
+        "head reduced": (earlier, sum(saved) + act.document_mask,
                          gathered_start + head_unit * (compute + reduce), 0),
-        "block backward": (earlier, max(layers - 1, 0) * act.saved_per_block + first_block,
+        # The model's last block: every earlier block's saved tensors are still held.
+        "block backward": (earlier, sum(saved[:-1]) + first_block,
                            gathered_block, 0),
         "backward end": (grads, first_block, gathered_block, 0),
         # Fused AdamW updates each tensor in place: no group-sized temporary. Nor with CPU offload
@@ -207,7 +243,66 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
                     accumulation, activations, gathered, peak, name)
 
 
+@dataclass
+class BatchChoice:
+    """What ``trainer.micro_batch_size=auto`` chose, and the planner's figures behind it."""
+
+    micro_batch_size: int
+    grad_accum_steps: int
+    activation_checkpointing: str
+    estimate: Estimate  # the planner's figures for the choice
+    budget: int  # bytes the planner's peak had to stay within: limit less margin less held
+    limit: int  # trainer.memory_limit_gib, or the device's memory
+    held: int  # what the process held when it chose (CPU: its resident set)
+    rejected: list[tuple[int, str, int]]  # (micro-batch, checkpointing, planned peak) over the budget
+
+    def describe(self, world_size: int, margin: float) -> str:
+        gib = 2**30
+        global_batch = self.micro_batch_size * self.grad_accum_steps * world_size
+        why = (f"the planner's peak {self.estimate.peak / gib:.2f} GiB ({self.estimate.peak_phase}) is "
+               f"within {self.budget / gib:.2f} GiB: the limit {self.limit / gib:.2f} GiB less "
+               f"{margin:.0%} margin less {self.held / gib:.2f} GiB held at start")
+        over = ", ".join(f"{micro} with {ac} {peak / gib:.2f} GiB" for micro, ac, peak in self.rejected[-3:])
+        return (f"trainer.micro_batch_size=auto: {self.micro_batch_size} per micro-batch x "
+                f"{self.grad_accum_steps} micro-batches x {world_size} ranks = {global_batch} sequences, "
+                f"activation_checkpointing={self.activation_checkpointing}; {why}"
+                + (f"; over it: {over}" if over else ""))
+
+
+def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, limit: int, held: int,
+                 accelerated: bool | None) -> BatchChoice:
+    """``trainer.micro_batch_size=auto``: the cheapest activation checkpointing, from the configured
+    mode up (``AC_MODES``' order), under which some micro-batch fits the budget, and the largest
+    micro-batch that does under it; every candidate divides the global batch's share of a rank.
+
+    Recomputation costs a fixed share of every step's compute (a third more FLOPs for full
+    checkpointing), a smaller micro-batch only per-micro-batch overheads: hence checkpointing is
+    the first thing to save, the micro-batch the second."""
+    t = cfg.trainer
+    per_rank = accumulation_steps(t.global_batch_size, 1, world_size)
+    budget = int(limit * (1 - t.memory_margin)) - held
+    sizes = [n for n in range(per_rank, 0, -1) if per_rank % n == 0]
+    rejected: list[tuple[int, str, int]] = []
+    cheapest = AC_MODES.index(checkpointing_mode(cfg.strategy))
+    for ac in AC_MODES[cheapest:]:
+        for micro in sizes:
+            trainer = replace(t, micro_batch_size=micro, grad_accum_steps=per_rank // micro)
+            trial = replace(cfg, trainer=trainer, strategy=replace(cfg.strategy, activation_checkpointing=ac))
+            planned = estimate(trial, model, cfg.strategy.sharding_strategy, world_size, local,
+                               accelerated=accelerated)
+            if planned.peak <= budget:
+                return BatchChoice(micro, per_rank // micro, ac, planned, budget, limit, held, rejected)
+            rejected.append((micro, ac, planned.peak))
+    gib = 2**30
+    raise ConfigError(
+        f"trainer.micro_batch_size=auto: nothing fits: one sequence with activation_checkpointing=all "
+        f"needs {rejected[-1][2] / gib:.2f} GiB by the planner, over {budget / gib:.2f} GiB (the limit "
+        f"{limit / gib:.2f} GiB less {t.memory_margin:.0%} margin less {held / gib:.2f} GiB held); raise "
+        "trainer.memory_limit_gib, shard over more ranks or shorten trainer.seq_len")
+
+
 def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, local: int) -> str:
+    check_planned_batch(cfg)
     with torch.device("meta"):
         model = build_model(cfg.model)
     n = sum(p.numel() for p in model.parameters())

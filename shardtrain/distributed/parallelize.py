@@ -7,36 +7,83 @@ decides the units and applies FSDP2 to them.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from shardtrain.accelerator import pin_offloaded_memory
+from shardtrain.accelerator import check_float8, pin_offloaded_memory
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.distributed.preconditions import (
     check_single_registration,
     resolve_wrap_classes,
     warn_tied_across_units,
 )
+from shardtrain.errors import ConfigError
+
+# strategy.float8's conversion of a model's linear layers (returns the names it converted). It
+# lives in shardtrain.distributed.float8, which registers it here when imported: that module
+# imports torchao, which costs every start-up 2.4 s and logs a line about its CUDA kernels on a CPU
+# machine, so only a run that asks for float8 imports it (the command line does; a program calling
+# Trainer.create itself imports shardtrain.distributed.float8 first).
+float8_conversions: list[Callable[[nn.Module], list[str]]] = []
+FLOAT8_MULTIPLE = 16  # float8 matmuls (torch._scaled_mm) need both sizes of a weight to divide by it
 
 
-def enable_activation_checkpointing(module: nn.Module) -> None:
-    """Recompute this module's activations in backward.
+def float8_eligible(model: nn.Module, module: nn.Module) -> bool:
+    """Whether strategy.float8 converts ``module`` of ``model``: a linear layer of float8-able sizes
+    other than the output head, whose logits' precision matters most."""
+    head_of = getattr(model, "output_head", None)
+    return (isinstance(module, nn.Linear) and module.in_features % FLOAT8_MULTIPLE == 0
+            and module.out_features % FLOAT8_MULTIPLE == 0
+            and not (callable(head_of) and module is head_of()))
+
+# strategy.activation_checkpointing=selective keeps the outputs of these operators and recomputes
+# every other one (norms, RoPE, SiLU, products, casts, residual adds) in backward. Matmuls and
+# attention are where a block's FLOPs are; the element-wise rest costs a few percent of them to
+# redo, but its outputs are about half of what a block saves (docs/memory-planner.md). Unlike
+# torchtitan's "op" policy, every matmul is kept, not every other one: recomputing a matmul is what
+# full checkpointing costs, and `every_k`/`all` remain for when memory must go further.
+SELECTIVE_SAVED_OPS = frozenset({
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+})
+
+
+def keep_matmul_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ARG001 - torch's signature
+    """The selective policy: save what is expensive to recompute, recompute what is cheap."""
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts():
+    """Fresh (forward, recompute) contexts for every checkpointed call, as torch requires."""
+    return create_selective_checkpoint_contexts(keep_matmul_and_attention)
+
+
+def enable_activation_checkpointing(module: nn.Module, selective: bool = False) -> None:
+    """Recompute this module's activations in backward: all of them, or (``selective``) all but the
+    outputs of matmuls and attention, which are kept from the forward.
 
     The instance's ``forward`` is replaced instead of wrapping the module, so parameter names (and
     therefore checkpoints) do not change with the activation-checkpointing setting. FSDP's hooks sit
     on ``__call__`` and still run around it.
     """
     inner = module.forward
+    options = {"context_fn": selective_contexts} if selective else {}
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **options, **kwargs)
 
     module.forward = forward
 
@@ -47,6 +94,7 @@ class ShardingReport:
     checkpointed: list[str] = field(default_factory=list)
     # Parameters (global element count) per unit, the root's own last.
     unit_params: dict[str, int] = field(default_factory=dict)
+    float8_linears: list[str] = field(default_factory=list)  # strategy.float8's converted layers
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
@@ -85,9 +133,16 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
     if plan.cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy(pin_memory=pin_offloaded_memory(mesh.device_type))
 
+    if plan.float8:
+        check_float8(torch.device(mesh.device_type))
+        if not float8_conversions:
+            raise ConfigError("strategy.float8=true: import shardtrain.distributed.float8 before building "
+                              "the model (it loads torchao; shardtrain train does it for you)")
+        # Before fully_shard: FSDP2 then gathers the converted weights in float8.
+        report.float8_linears = float8_conversions[-1](model)
     for index, (name, block) in enumerate(blocks):
         if plan.checkpointed(index):
-            enable_activation_checkpointing(block)
+            enable_activation_checkpointing(block, selective=plan.activation_checkpointing == "selective")
             report.checkpointed.append(name)
     for name, modules, reshard in units:
         fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard, **common)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +15,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shardtrain import faults
-from shardtrain.accelerator import device_peak_flops, peak_memory_mib, pin_offloaded_memory, set_fp32_matmul
+from shardtrain.accelerator import (
+    device_peak_flops,
+    peak_memory_mib,
+    phase_peak_bytes,
+    pin_offloaded_memory,
+    set_fp32_matmul,
+)
 from shardtrain.checkpoint.checkpointer import Checkpointer
 from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.checkpoint.weights import load_model_weights
@@ -23,7 +29,8 @@ from shardtrain.config.compose import to_yaml
 from shardtrain.config.plan import check_world
 from shardtrain.config.schema import Config
 from shardtrain.data.batches import BatchLayout, SampleSource, TrainBatches, eval_batches
-from shardtrain.diagnostics.memory import PhaseMemory
+from shardtrain.diagnostics.memory import PhaseMemory, state_bytes
+from shardtrain.diagnostics.planner import BatchChoice
 from shardtrain.diagnostics.rails import check_uniform_batches
 from shardtrain.diagnostics.report import (
     DtypeProbe,
@@ -45,6 +52,7 @@ from shardtrain.errors import TrainingError
 from shardtrain.generation.generate import gathered_copy, generate, generation_mode
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.task import Task, check_task, task_config_of, task_from_config
+from shardtrain.train.batch_size import resolve_batch
 from shardtrain.train.build import Built, OptimizerFactory, build
 from shardtrain.train.console import Console
 from shardtrain.train.flops import counted_flops_per_sample
@@ -105,6 +113,8 @@ class Trainer:
             if cfg.checkpoint.enabled else None
         )
         self.last_saved_step: int | None = None
+        # trainer.micro_batch_size=auto: what the planner chose, and its figures (Trainer.create).
+        self.batch_choice: BatchChoice | None = None
         self.preemption: PreemptionFlag | None = None
         self.phases = PhaseMemory(built.model, built.optimizer, env.device)
         # Started by fit(); beats are harmless without the thread (benchmarks drive steps directly).
@@ -136,9 +146,11 @@ class Trainer:
         task.bind(cfg)
         # The data first: a data error is reported before the model is built.
         train, val = task.train_samples(), task.val_samples()
+        batch_choice = resolve_batch(cfg, env, task)  # before anything reads the batch size
         with deferred_initialization() as draws:  # a resume reads every weight: no draw for it
             built = build(cfg, env, task, optimizer_factory)
         trainer = cls(cfg, env, built, task, train, val)
+        trainer.batch_choice = batch_choice
         trainer.restore(draws.draw)
         return trainer
 
@@ -221,11 +233,14 @@ class Trainer:
         t, env, b = self.cfg.trainer, self.env, self.built
         n_params = sum(p.numel() for p in b.model.parameters())
         self.info(f"world size {env.world_size} ({env.backend}, {env.device.type}); {b.plan.describe()}")
+        float8 = f", {len(b.report.float8_linears)} float8 linear layers" if b.report.float8_linears else ""
         self.info(f"model: {n_params / 1e6:.2f}M parameters, {len(b.report.units)} FSDP units "
-                  f"({len(b.report.checkpointed)} activation-checkpointed)")
+                  f"({len(b.report.checkpointed)} activation-checkpointed{float8})")
         self.info(f"task {type(self.task).__name__}; data: {self.task.describe()}; global batch "
                   f"{self.layout.global_batch} samples ({t.micro_batch_size} per micro-batch x "
                   f"{t.grad_accum_steps} micro-batches x {env.world_size} ranks)")
+        if self.batch_choice is not None:
+            self.info(self.batch_choice.describe(env.world_size, t.memory_margin))
         self.info(f"config: every key, resolved, in {Path(self.cfg.run.dir) / 'config.yaml'}")
         if self.throughput.peak_flops is None:
             self.info(f"MFU is not reported: no peak FLOP/s is known for this device ({env.device.type})")
@@ -332,7 +347,7 @@ class Trainer:
         stance = torch.compiler.set_stance("force_eager") if eager_first else nullcontext()
         start = time.perf_counter()
         try:
-            with stance:
+            with stance, self.out_of_memory_explained():
                 stats = train_step(b.model, self.task, b.optimizer, b.scheduler, batches, b.mesh,
                                    self.cfg.trainer.grad_clip_norm, self.env.device, step=self.step + 1,
                                    phases=phases,
@@ -354,6 +369,39 @@ class Trainer:
             self.report_phases(phases, probe)
         faults.inject("step", self.env.rank, self.step)
         return stats
+
+    @contextmanager
+    def out_of_memory_explained(self) -> Iterator[None]:
+        """An accelerator's out-of-memory error says which of the planner's estimates was wrong (a
+        CPU has no such error: the operating system kills the process)."""
+        try:
+            yield
+        except torch.OutOfMemoryError as exc:
+            raise TrainingError(self.out_of_memory_message()) from exc
+
+    def out_of_memory_message(self) -> str:
+        gib = 2**30
+        device = self.env.device
+        peak = (phase_peak_bytes(device) or 0) / gib
+        held = state_bytes(self.model, self.built.optimizer)
+        states = (held.params + held.optimizer) / gib
+        where = f"step {self.step + 1} ran out of {device} memory (rank {self.env.rank})"
+        if self.batch_choice is None:
+            return (f"{where} at an allocator peak of {peak:.2f} GiB; `shardtrain plan` "
+                    "estimates the step's memory, trainer.micro_batch_size=auto (with "
+                    "trainer.global_batch_size) chooses a batch that fits")
+        planned = self.batch_choice.estimate
+        planned_states = (planned.params + planned.optimizer) / gib
+        wrong = ("the parameter and optimizer state estimate" if states > planned_states * 1.05 else
+                 "the activation and communication-buffer estimate (or memory outside the allocator's "
+                 "view: fragmentation, other processes)")
+        return (f"{where}: trainer.micro_batch_size=auto chose {self.batch_choice.micro_batch_size} "
+                f"with activation_checkpointing={self.batch_choice.activation_checkpointing} for a "
+                f"planned peak of {planned.peak / gib:.2f} GiB ({planned.peak_phase}); measured: "
+                f"parameters and optimizer state {states:.2f} GiB (planned {planned_states:.2f}), "
+                f"the allocator's peak before the failure {peak:.2f} GiB (planned activations "
+                f"{planned.activations / gib:.2f} GiB, gathered {planned.gathered / gib:.2f} GiB): "
+                f"{wrong} was wrong; lower trainer.memory_limit_gib or raise trainer.memory_margin")
 
     def stop_requested(self) -> bool:
         """This rank was signalled to stop (read by the step just before its loss all-reduce)."""

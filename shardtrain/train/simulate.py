@@ -341,6 +341,9 @@ def simulate(cfg: Config, world_size: int, local_world_size: int, *, probe: bool
     """
     if world_size < 1:
         raise ConfigError(f"world size {world_size} must be at least 1")
+    if cfg.strategy.float8:
+        raise ConfigError("the simulator cannot run strategy.float8 (torchao's float8 matmuls need a GPU); "
+                          "`shardtrain plan` without --simulate counts it")
     plan = resolve_plan(cfg.strategy, world_size, min(local_world_size, world_size), accelerated=True)
     if (len(plan.mesh_shape) > 1 and plan.mesh_shape[0] > 1 and cfg.trainer.grad_accum_steps > 1
             and plan.grad_accumulation == "sharded"):
@@ -361,12 +364,13 @@ def simulate(cfg: Config, world_size: int, local_world_size: int, *, probe: bool
 
 
 def simulation_rows(cfg: Config, world_sizes: list[int], strategies: list[str],
-                    checkpointing: list[bool], local_world_size: int, probe: bool = True,
+                    checkpointing: list[str], local_world_size: int, probe: bool = True,
                     ) -> list[tuple[Simulation, Estimate | None]]:
     """The simulation and the planner's estimate (the language model's only; None for other
-    tasks) of every combination, in the order given."""
+    tasks) of every combination of world size, strategy and activation checkpointing mode
+    (``strategy.activation_checkpointing``'s values), in the order given."""
     cases = [(replace(cfg, strategy=replace(cfg.strategy, sharding_strategy=strategy,
-                                            activation_checkpointing="all" if ac else "none")), world)
+                                            activation_checkpointing=ac)), world)
              for world in world_sizes for strategy in strategies for ac in checkpointing]
     task = task_from_config(cfg)
     sims = [simulate(case, world, local_world_size, probe=probe, task=task) for case, world in cases]
@@ -391,7 +395,8 @@ def simulation_table(rows: list[tuple[Simulation, Estimate | None]], device_memo
             "peak (planner)", "peak phase"] + (["fits"] if device_memory else []) + ["seconds"]
     lines = []
     for sim, plan in rows:
-        cells = [str(sim.world_size), sim.strategy, "yes" if sim.activation_checkpointing != "none" else "no",
+        cells = [str(sim.world_size), sim.strategy, {"none": "no", "all": "yes"}.get(
+                     sim.activation_checkpointing, sim.activation_checkpointing),
                  f"{sim.params / gib:.2f}", f"{sim.grads / gib:.2f}", f"{sim.optimizer / gib:.2f}",
                  f"{sim.activations / gib:.1f} ({planned(plan, 'activations')})",
                  f"{sim.peak / gib:.1f} ({planned(plan, 'peak')})", sim.peak_phase]

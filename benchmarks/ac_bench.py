@@ -1,0 +1,140 @@
+"""Activation checkpointing modes against each other (``benchmarks/run.py --only ac``): one process,
+the built-in Llama, a training step (forward, backward, fused AdamW), blocks checkpointed the way
+``strategy.activation_checkpointing`` does it (``distributed.parallelize``).
+
+``python benchmarks/ac_bench.py memory DIM LAYERS SEQ BATCH MODE``: in a fresh process, a step's
+peak resident memory over what stays between steps; one JSON line.
+``python benchmarks/ac_bench.py speed DIM LAYERS SEQ BATCH ROUNDS``: tokens/s of every mode,
+alternating step by step in one process (the machine's load falls on all alike); one JSON line.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from loss_bench import status_mib
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from shardtrain.config.plan import ShardingPlan
+from shardtrain.config.schema import ModelConfig
+from shardtrain.config.strategy import AC_MODES
+from shardtrain.data.batches import Batch
+from shardtrain.distributed.parallelize import SELECTIVE_SAVED_OPS, enable_activation_checkpointing
+from shardtrain.models.llama import Llama
+from shardtrain.tasks.language_model import token_loss_sum
+
+EVERY = 2  # every_k's k
+# The alternative selective policy measured beside shardtrain's: torchtitan's "op" policy, which
+# saves the same operators' outputs except every second matmul's (torchtitan
+# distributed/activation_checkpoint.py, _get_custom_policy).
+TORCHTITAN_OP = "torchtitan op"
+MODES = (*AC_MODES, TORCHTITAN_OP)
+
+
+def every_other_matmul_contexts():
+    matmuls = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        pass_ = "recompute" if ctx.is_recompute else "forward"
+        if op == torch.ops.aten.mm.default:
+            matmuls[pass_] += 1
+        keep = op in SELECTIVE_SAVED_OPS and not (op == torch.ops.aten.mm.default and matmuls[pass_] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def torchtitan_op_checkpointing(block: torch.nn.Module) -> None:
+    inner = block.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=every_other_matmul_contexts, **kwargs)
+
+    block.forward = forward
+
+
+def checkpointed(model: Llama, mode: str) -> Llama:
+    if mode == TORCHTITAN_OP:
+        for block in model.layers:
+            torchtitan_op_checkpointing(block)
+        return model
+    plan = ShardingPlan("FULL_SHARD", (1,), ("dp_shard",), True, torch.float32, torch.float32,
+                        torch.float32, False, mode, EVERY)
+    for index, block in enumerate(model.layers):
+        if plan.checkpointed(index):
+            enable_activation_checkpointing(block, selective=mode == "selective")
+    return model
+
+
+def setup(dim: int, layers: int, seq: int, batch: int):
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=dim, n_layers=layers, n_heads=max(dim // 64, 1), n_kv_heads=max(dim // 128, 1),
+                      max_seq_len=seq)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
+    return Llama(cfg), Batch(tokens[:, :-1], tokens[:, 1:])
+
+
+def step(model: Llama, optimizer: torch.optim.Optimizer, batch: Batch) -> float:
+    loss = token_loss_sum(model, batch, 0)
+    (loss / batch.targets.numel()).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def memory(dim: int, layers: int, seq: int, batch: int, mode: str) -> dict:
+    """As loss_bench.memory: Linux's peak resident size over a step, reset just before it."""
+    model, data = setup(dim, layers, seq, batch)
+    model = checkpointed(model, mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    step(model, optimizer, Batch(data.inputs[:1, :8], data.targets[:1, :8]))
+    gc.collect()
+    before = status_mib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    loss = step(model, optimizer, data)
+    return {"mode": mode, "step_peak_mib": status_mib("VmHWM") - before, "loss": loss}
+
+
+def speed(dim: int, layers: int, seq: int, batch: int, rounds: int) -> dict:
+    # One thread: its CPU time is the work a mode does. With two, the threads' spin-waits in
+    # parallel regions count as CPU time too, and under other load those dominate (measured
+    # 2026-11-25 at load 6: every_k at 0.94x none's CPU seconds).
+    torch.set_num_threads(1)
+    base, data = setup(dim, layers, seq, batch)
+    models = {mode: checkpointed(copy.deepcopy(base), mode) for mode in MODES}
+    optimizers = {mode: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for mode, m in models.items()}
+    seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+    losses: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for mode in MODES:  # warm-up: first-call allocations, optimizer state
+        losses[mode].append(step(models[mode], optimizers[mode], data))
+    # CPU seconds as well as wall seconds: on a shared machine the wall clock counts other
+    # processes' time, the process's CPU time only the work the mode does (recomputation included).
+    cpu: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for _ in range(rounds):
+        for mode in MODES:
+            start, start_cpu = time.perf_counter(), time.process_time()
+            losses[mode].append(step(models[mode], optimizers[mode], data))
+            seconds[mode].append(time.perf_counter() - start)
+            cpu[mode].append(time.process_time() - start_cpu)
+    return {"dim": dim, "layers": layers, "seq": seq, "batch": batch, "rounds": rounds,
+            "threads": torch.get_num_threads(), "losses": losses,
+            "tokens_per_s": {mode: batch * seq / statistics.median(s) for mode, s in seconds.items()},
+            "cpu_s_per_step": {mode: statistics.median(s) for mode, s in cpu.items()}}
+
+
+if __name__ == "__main__":
+    mode, *numbers, last = sys.argv[1:]
+    shape = [int(n) for n in numbers]
+    if mode == "memory":  # the command line spells "torchtitan op" with an underscore
+        print(json.dumps(memory(*shape, TORCHTITAN_OP if last == "torchtitan_op" else last)))
+    else:
+        print(json.dumps(speed(*shape, int(last))))

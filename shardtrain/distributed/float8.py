@@ -1,0 +1,36 @@
+"""``strategy.float8=true``: torchao's float8 training for the blocks' linear layers.
+
+Importing this module registers the conversion with ``parallelize`` (it imports torchao, which only
+runs that ask for float8 pay for: see ``parallelize.float8_conversions``). As torchtitan does it:
+tensor-wise dynamic scaling, and FSDP2 all-gathers the converted weights in float8 (half the bytes
+of bf16), applied before ``fully_shard``. The output head keeps the compute dtype (the logits'
+precision matters most), and so does any linear layer whose sizes are not multiples of 16, which
+float8 matmuls need.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+from shardtrain.distributed import parallelize
+from shardtrain.distributed.parallelize import float8_eligible
+
+
+def convert_linears(model: nn.Module) -> list[str]:
+    """Swap the eligible linear layers of ``model`` for torchao's ``Float8Linear``, in place;
+    returns their names."""
+    converted: list[str] = []
+
+    def chosen(module: nn.Module, name: str) -> bool:
+        if not float8_eligible(model, module):
+            return False
+        converted.append(name)
+        return True
+
+    convert_to_float8_training(model, module_filter_fn=chosen,
+                               config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    return converted
+
+
+parallelize.float8_conversions.append(convert_linears)

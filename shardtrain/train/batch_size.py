@@ -1,0 +1,70 @@
+"""The batch a run trains with: ``trainer.global_batch_size`` turned into accumulation steps, and
+``trainer.micro_batch_size=auto`` chosen by the memory planner before anything is built."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from shardtrain.accelerator import allocated_bytes, device_memory_bytes
+from shardtrain.config.plan import accumulation_steps
+from shardtrain.config.schema import Config
+from shardtrain.diagnostics.memory import rss_bytes
+from shardtrain.diagnostics.planner import BatchChoice, choose_batch
+from shardtrain.distributed.env import DistEnv
+from shardtrain.errors import ConfigError
+from shardtrain.models.registry import build_model
+from shardtrain.tasks.language_model import LanguageModelTask
+from shardtrain.tasks.task import Task
+
+
+def agreed_memory(env: DistEnv, limit: int, held: int) -> tuple[int, int]:
+    """Every rank must choose the same batch: the smallest limit and the most held memory of any
+    rank decide."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return limit, held
+    low = torch.tensor([limit], dtype=torch.int64, device=env.device)
+    high = torch.tensor([held], dtype=torch.int64, device=env.device)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    return int(low.item()), int(high.item())
+
+
+def resolve_batch(cfg: Config, env: DistEnv, task: Task) -> BatchChoice | None:
+    """Set ``cfg.trainer``'s accumulation steps from a global batch size, and with
+    ``micro_batch_size=auto`` its micro-batch and ``cfg.strategy``'s activation checkpointing from
+    the planner; returns the planner's choice (None without auto). Every rank gets the same."""
+    t = cfg.trainer
+    if t.micro_batch_size != "auto":
+        if t.global_batch_size:
+            steps = accumulation_steps(t.global_batch_size, t.micro_batch_size, env.world_size)
+            if t.grad_accum_steps not in (1, steps):
+                raise ConfigError(f"trainer.grad_accum_steps={t.grad_accum_steps} contradicts trainer."
+                                  f"global_batch_size={t.global_batch_size} ({steps} micro-batches of "
+                                  f"{t.micro_batch_size} on {env.world_size} ranks); set one of them")
+            cfg.trainer = replace(t, grad_accum_steps=steps)
+        return None
+    if not isinstance(task, LanguageModelTask) or task.model_factory is not None:
+        raise ConfigError(f"trainer.micro_batch_size=auto needs the memory planner, whose formulas know "
+                          f"the built-in language-model task's models only; set trainer.micro_batch_size=N "
+                          f"for {type(task).__name__}")
+    limit = (int(t.memory_limit_gib * 2**30) if t.memory_limit_gib
+             else device_memory_bytes(env.device, env.local_world_size))
+    if limit is None:
+        raise ConfigError(f"trainer.micro_batch_size=auto cannot tell how much memory this {env.device.type} "
+                          "device has; set trainer.memory_limit_gib")
+    # What the process holds already counts against the limit: on an accelerator its tensors, on a
+    # CPU its whole resident set (the interpreter, torch, the loaded data), which is also what a CPU
+    # run's peak memory measures.
+    held = allocated_bytes(env.device)
+    limit, held = agreed_memory(env, limit, rss_bytes() if held is None else held)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    choice = choose_batch(cfg, model, env.world_size, env.local_world_size, limit, held,
+                          accelerated=None)
+    cfg.trainer = replace(t, micro_batch_size=choice.micro_batch_size,
+                          grad_accum_steps=choice.grad_accum_steps)
+    cfg.strategy = replace(cfg.strategy, activation_checkpointing=choice.activation_checkpointing)
+    return choice

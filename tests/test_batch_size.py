@@ -1,0 +1,116 @@
+"""trainer.micro_batch_size=auto and trainer.global_batch_size.
+
+The planner's choice is recomputed here from the planner's own estimates (every activation
+checkpointing mode from the cheapest, every micro-batch dividing a rank's share of the global
+batch, the largest that fits first), and a real 2-rank run under a memory limit this test sets
+chooses what the planner says and stays below that limit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from batch_size_workers import GLOBAL_BATCH, auto_batch_run, planned_peak
+from distributed import run_on_ranks
+
+from shardtrain.config.loader import load_config
+from shardtrain.config.plan import accumulation_steps
+from shardtrain.config.strategy import AC_MODES
+from shardtrain.diagnostics.planner import choose_batch, estimate
+from shardtrain.errors import ConfigError
+from shardtrain.models.registry import build_model
+
+GIB = 2**30
+WORLD = 64  # Llama-3 8B on 64 ranks of 8 per node, 8 sequences of 4,096 tokens per rank and step
+
+
+def expected_choice(cfg, model, world: int, budget: int) -> tuple[int, str]:
+    """The cheapest checkpointing under which some micro-batch fits, and the largest such batch."""
+    per_rank = cfg.trainer.global_batch_size // world
+    for ac in AC_MODES:
+        for micro in sorted((n for n in range(1, per_rank + 1) if per_rank % n == 0), reverse=True):
+            trial = replace(cfg, trainer=replace(cfg.trainer, micro_batch_size=micro,
+                                                 grad_accum_steps=per_rank // micro),
+                            strategy=replace(cfg.strategy, activation_checkpointing=ac))
+            if estimate(trial, model, "FULL_SHARD", world, 8).peak <= budget:
+                return micro, ac
+    raise AssertionError("nothing fits")
+
+
+@pytest.fixture(scope="module")
+def llama_8b():
+    cfg = load_config(["model=llama3_8b", "trainer.seq_len=4096", "trainer.micro_batch_size=auto",
+                       f"trainer.global_batch_size={8 * WORLD}", "strategy.mixed_precision=bf16-mixed"])
+    with torch.device("meta"):
+        return cfg, build_model(cfg.model)
+
+
+# Limits (GiB) and what the planner chose at each when this test was written: both sizes, and
+# every kind of checkpointing but every_k (never cheaper than full checkpointing at a smaller size).
+# At 20 GiB the chunked loss (auto: Llama-3's 128k vocabulary) leaves room for 4 (2 with the plain loss).
+@pytest.mark.parametrize(("limit_gib", "written"), [(80, (2, "none")), (45, (1, "none")),
+                                                     (30, (1, "selective")), (20, (4, "all"))])
+def test_auto_chooses_what_the_planner_says_fits(llama_8b, limit_gib, written):
+    cfg, model = llama_8b
+    choice = choose_batch(cfg, model, WORLD, 8, limit_gib * GIB, held=0, accelerated=True)
+    chosen = (choice.micro_batch_size, choice.activation_checkpointing)
+    assert chosen == expected_choice(cfg, model, WORLD, choice.budget) == written
+    assert choice.budget == int(limit_gib * GIB * 0.9) and choice.estimate.peak <= choice.budget
+    assert choice.micro_batch_size * choice.grad_accum_steps * WORLD == 8 * WORLD
+    assert "trainer.micro_batch_size=auto" in choice.describe(WORLD, 0.1)
+
+
+def test_auto_checkpoints_only_when_no_batch_fits_without(llama_8b):
+    cfg, model = llama_8b
+    one = replace(cfg, trainer=replace(cfg.trainer, micro_batch_size=1, grad_accum_steps=8))
+    peaks = {ac: estimate(replace(one, strategy=replace(one.strategy, activation_checkpointing=ac)),
+                          model, "FULL_SHARD", WORLD, 8).peak for ac in AC_MODES}
+    # (every second block in full holds more than selective checkpointing here: auto tries modes by
+    # their time cost, so every_k is chosen only where it fits and selective does not.)
+    assert peaks["all"] < min(peaks["every_k"], peaks["selective"]) < peaks["none"]
+    # Just below what one sequence needs without checkpointing: selective, at the largest size.
+    choice = choose_batch(cfg, model, WORLD, 8, int((peaks["none"] - 1) / 0.9), held=0, accelerated=True)
+    assert choice.activation_checkpointing == "selective"
+    assert choice.micro_batch_size == expected_choice(cfg, model, WORLD, choice.budget)[0]
+    # An explicit mode is the cheapest it may choose.
+    explicit = replace(cfg, strategy=replace(cfg.strategy, activation_checkpointing="all"))
+    assert choose_batch(explicit, model, WORLD, 8, 80 * GIB, 0, True).activation_checkpointing == "all"
+    with pytest.raises(ConfigError, match=r"nothing fits: one sequence .* raise trainer.memory_limit_gib"):
+        choose_batch(cfg, model, WORLD, 8, int(peaks["all"] * 0.9), held=0, accelerated=True)
+
+
+def test_global_batch_must_divide_over_ranks_and_micro_batches():
+    assert accumulation_steps(64, 4, 2) == 8
+    with pytest.raises(ConfigError, match="not a multiple of trainer.micro_batch_size=3 x 2 ranks"):
+        accumulation_steps(64, 3, 2)
+    with pytest.raises(ConfigError, match="needs trainer.global_batch_size"):
+        load_config(["trainer.micro_batch_size=auto"])
+    with pytest.raises(ConfigError, match="chosen only when training starts"):
+        cfg = load_config(["trainer.micro_batch_size=auto", "trainer.global_batch_size=8"])
+        with torch.device("meta"):
+            estimate(cfg, build_model(cfg.model), "FULL_SHARD", 1, 1)
+
+
+def test_auto_run_chooses_the_planners_size_and_fits(tmp_path):
+    run_on_ranks(auto_batch_run, 2, str(tmp_path), tmp_path=tmp_path)
+    r = json.loads((tmp_path / "auto.json").read_text())
+    base = load_config(["model.dim=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+                        "model.max_seq_len=1024", "trainer.seq_len=1024"])
+    base = replace(base, trainer=replace(base.trainer, global_batch_size=GLOBAL_BATCH))
+    # The planner, asked here for every size at the budget the run had: the largest that fits.
+    fitting = [m for m in (16, 8, 4, 2, 1) if planned_peak(base, 2, m) <= r["budget"]]
+    assert (r["micro"], r["ac"]) == (fitting[0], "none")
+    assert r["micro"] == 4  # the limit was set between the planner's 4 and 8
+    assert r["micro"] * r["accum"] * 2 == GLOBAL_BATCH == r["global_batch"] and r["config_micro"] == 4
+    assert r["peak_bytes"] < r["limit"], (r["peak_bytes"] / GIB, r["limit"] / GIB)  # the run fits
+    assert len(r["losses"]) == 2
+    report = next(line for line in r["log"] if line.startswith("trainer.micro_batch_size=auto"))
+    assert "4 per micro-batch x 4 micro-batches x 2 ranks = 32 sequences" in report
+    oom = r["out_of_memory"]
+    assert oom.startswith("step 3 ran out of cpu memory (rank 0): trainer.micro_batch_size=auto chose 4 ")
+    assert "planned peak of 0.11 GiB" in oom and "parameters and optimizer state" in oom
+    assert "the activation and communication-buffer estimate" in oom and "was wrong" in oom
+    assert "activation_checkpointing=none" in report and "8 with none" in report.split("over it:")[1]

@@ -1,0 +1,60 @@
+"""strategy.float8: refused where there are no float8 matmuls, counted by the planner, and the
+conversion swaps the blocks' linear layers (not the output head) for torchao's Float8Linear.
+Training itself needs a GPU of compute capability 8.9+: benchmarks/run.py --only float8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shardtrain.cli.main import main
+from shardtrain.config.loader import check_runtime, load_config
+from shardtrain.diagnostics.planner import estimate
+from shardtrain.errors import ConfigError
+from shardtrain.models.registry import build_model
+
+REFUSAL = "strategy.float8=true needs a GPU with float8 matmuls"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without float8")
+def test_float8_is_refused_on_cpu_with_one_line(capsys, tmp_path):
+    with pytest.raises(ConfigError, match=f"{REFUSAL} .* this run has a CPU; drop strategy.float8"):
+        check_runtime(load_config(["strategy.float8=true"]))
+    assert main(["train", "strategy.float8=true", f"run.dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"shardtrain: error: {REFUSAL}") and "\n" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_planner_gathers_converted_linears_in_float8():
+    # The plain loss: its peak is at the start of backward, where the float8 gathers count.
+    cfg = load_config(["model=llama3_8b", "trainer.seq_len=8192", "trainer.micro_batch_size=1",
+                       "strategy.mixed_precision=bf16-mixed", "trainer.loss_chunk_tokens=0"])
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    plain = estimate(cfg, model, "FULL_SHARD", 8, 8)
+    cfg.strategy.float8 = True
+    fp8 = estimate(cfg, model, "FULL_SHARD", 8, 8)
+    # One block's seven projections (dim 4,096, 8 KV heads of 128, FFN 14,336), counted here.
+    block_linears = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+    assert plain.peak_phase == fp8.peak_phase == "backward start"  # the head and the last block gathered
+    assert plain.peak - fp8.peak == plain.gathered - fp8.gathered == block_linears  # 2 bytes -> 1
+    assert (fp8.params, fp8.grads, fp8.optimizer, fp8.activations) == (
+        plain.params, plain.grads, plain.optimizer, plain.activations)
+
+
+def test_conversion_swaps_block_linears_but_not_the_head():
+    from torchao.float8.float8_linear import Float8Linear  # torchao: only this test pays its import
+
+    from shardtrain.distributed.float8 import convert_linears
+
+    cfg = load_config(["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+                       "model.ffn_hidden_dim=96"])
+    model = build_model(cfg.model)
+    converted = convert_linears(model)
+    linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert set(converted) == {n for n in linears if n.startswith("layers.")} and len(converted) == 14
+    assert all(isinstance(model.get_submodule(n), Float8Linear) for n in converted)
+    head = model.output_head()
+    assert not isinstance(head, Float8Linear) and isinstance(head, nn.Linear)
