@@ -157,6 +157,8 @@ class Trainer:
         model's own), else from the random initialisation: ``draw`` it, if the build deferred it."""
         path = self.checkpointer.resume_path() if self.checkpointer is not None else None
         if path is not None:
+            if self.cfg.finetune.method != "none":  # the checkpoint holds the adapters only
+                self.load_base_weights(draw)
             state = self.checkpointer.load(path)
             self.step = self.last_saved_step = state.step
             self.result.tokens_seen = state.tokens_seen
@@ -168,13 +170,18 @@ class Trainer:
             if changes and self.env.is_main:
                 log.warning(f"the data order differs from the checkpoint's ({'; '.join(changes)}): the "
                             "saved position is read in the new order, so samples may repeat or be skipped")
-            if self.cfg.model.init_from:
+            if self.cfg.model.init_from and self.cfg.finetune.method == "none":
                 self.info("model.init_from is ignored: resuming from a checkpoint")
-        elif source := self.cfg.model.weights_source():
+        else:
+            self.load_base_weights(draw)
+
+    def load_base_weights(self, draw: Callable[[], None]) -> None:
+        """The weights a fresh run starts from (with LoRA: the frozen base, and the adapters' draw)."""
+        if source := self.cfg.model.weights_source():
             load_model_weights(self.model, source, self.cfg.model)
             self.info(f"initialised weights from {source}")
-        else:
-            draw()
+        if source is None or self.cfg.finetune.method != "none":
+            draw()  # with a base read from files, only the adapters are still to be drawn
 
     def beat_save(self, phase: str) -> None:
         """Saves get their own bound: a large synchronous save may take far longer than a step, and

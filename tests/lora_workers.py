@@ -1,0 +1,109 @@
+"""LoRA runs of shardtrain vs PEFT's own model in a hand-written loop.
+
+``run_lora_cases`` runs inside every spawned rank: each case trains a tiny Hugging Face Llama with
+``finetune=lora`` (5 steps) and rank 0 saves losses, grad norms, the gathered weights (adapters and
+base) and what the case checked. ``lora_reference`` is one process, no FSDP: ``from_pretrained``,
+``peft.get_peft_model`` with the same LoRA settings, adapters started from the values the framework
+draws (``init_full_parameter``), the mean loss over the global batch, ``clip_grad_norm_``, AdamW.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+import transformers
+from equivalence import hand_written_loop
+from hf_workers import hf_case_config, hf_corpus
+from peft import get_peft_model
+
+from shardtrain.config.schema import Config, FinetuneConfig
+from shardtrain.distributed.sharded_model import init_full_parameter
+from shardtrain.errors import CheckpointError
+from shardtrain.models.hf import PREFIX, HFCausalLM
+from shardtrain.models.lora import AdapterInitializer, adapter_targets, lora_config
+
+LORA = FinetuneConfig(method="lora", rank=4, alpha=8.0)
+# PEFT's names for our parameters: get_peft_model wraps the transformers model twice over.
+PEFT_PREFIX = "base_model.model."
+
+
+def lora_case_config(model_dir: str, world_size: int, run_dir: str, **case) -> Config:
+    resume = case.pop("resume", None)
+    cfg = hf_case_config(model_dir, world_size, run_dir, **case)
+    cfg.finetune = dataclasses.replace(LORA)
+    if resume is not None:
+        cfg.checkpoint = dataclasses.replace(cfg.checkpoint, enabled=True, resume=resume)
+    return cfg
+
+
+def train_case(cfg: Config, corpus) -> dict:
+    from shardtrain.tasks.language_model import LanguageModelTask
+    from shardtrain.train.loop import Trainer
+
+    trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=corpus))
+    trainable = sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)
+    held = sorted({id(p) for g in trainer.built.optimizer.param_groups for p in g["params"]})
+    result = trainer.fit()
+    weights = trainer.full_weights()
+    return {"losses": result.losses, "grad_norms": result.grad_norms, "weights": weights,
+            "trainable": trainable, "optimizer_holds": len(held), "main": trainer.env.is_main}
+
+
+def run_lora_cases(model_dir: str, other_base: str, out_dir: str) -> None:
+    """FULL_SHARD with a checkpoint at step 3, HYBRID_SHARD, a resume from step 3, and a resume onto
+    another base (refused)."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    corpus = hf_corpus(model_dir)
+    results = {}
+    first = str(Path(out_dir, "full_shard"))
+    cfg = lora_case_config(model_dir, world_size, first, checkpoint=True)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, interval=3)
+    results["full_shard"] = train_case(cfg, corpus)
+    results["hybrid_shard"] = train_case(lora_case_config(
+        model_dir, world_size, str(Path(out_dir, "hybrid_shard")), strategy="HYBRID_SHARD",
+        shard_group_size=1), corpus)
+    step3 = str(Path(first, "checkpoints", "step-3"))
+    results["resumed"] = train_case(lora_case_config(
+        model_dir, world_size, str(Path(out_dir, "resumed")), resume=step3), corpus)
+    try:
+        train_case(lora_case_config(other_base, world_size, str(Path(out_dir, "other")), resume=step3),
+                   corpus)
+        results["other_base"] = None
+    except CheckpointError as exc:
+        results["other_base"] = str(exc)
+    if results["full_shard"]["main"]:
+        torch.save(results, Path(out_dir, "results.pt"))
+
+
+def peft_model_of(model_dir: str):
+    """The transformers model with PEFT's adapters on the targets shardtrain picks for it."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                              attn_implementation="sdpa")
+    modules = adapter_targets(model, LORA.targets)
+    return get_peft_model(model, lora_config(LORA, modules))
+
+
+def lora_reference(model_dir: str) -> dict:
+    """One process, no sharding: PEFT's model from the same initial adapters, hand-written loop."""
+    cfg = hf_case_config(model_dir, 1, "unused")
+    model = peft_model_of(model_dir)
+    initializer = AdapterInitializer(None, model)
+    # The adapters are drawn as the sharded build draws them for model.name=hf.
+    initializer.init_parameter_elementwise = HFCausalLM.init_parameter_elementwise
+    initializer.fan_in = {ours(n): f for n, f in initializer.fan_in.items()}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                init_full_parameter(initializer, ours(name), param, cfg.trainer.seed)
+    losses, norms = hand_written_loop(model, cfg, hf_corpus(model_dir).train,
+                                      lambda x: model(input_ids=x).logits)
+    weights = {ours(n): p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "grad_norms": norms, "weights": weights}
+
+
+def ours(peft_name: str) -> str:
+    """Our name of a parameter of PEFT's model."""
+    return PREFIX + peft_name.removeprefix(PEFT_PREFIX)
