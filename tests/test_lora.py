@@ -19,10 +19,11 @@ from distributed import run_on_ranks
 from equivalence import max_errors
 from hf_models import make_model_dir, sample_texts, train_tokenizer
 from lora_workers import lora_reference, run_lora_cases
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from shardtrain.errors import ConfigError
+from shardtrain.errors import CheckpointError, ConfigError
+from shardtrain.export.peft import export_peft, verify_peft_export
 from shardtrain.models.hf import PREFIX
 from shardtrain.models.lora import adapter_targets, is_adapter
 
@@ -110,3 +111,23 @@ def test_lora_targets_refuse_embeddings_and_head():
         assert "\n" not in str(caught.value)
     with pytest.raises(ConfigError, match="selects no nn.Linear"):
         adapter_targets(model, ["nothing"])
+
+
+def test_export_peft_round_trip_and_corruption(lora_runs, tmp_path):
+    out, _ = lora_runs
+    checkpoint = out / "full_shard" / "checkpoints" / "step-5"
+    written = export_peft(checkpoint, tmp_path / "adapter")
+    assert [p.name for p in written] == ["adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads(written[0].read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["peft_type"] == "LORA"
+    keys = load_file(str(written[1])).keys()
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
+    difference = verify_peft_export(checkpoint, tmp_path / "adapter")
+    print("export-peft logits", difference)
+    assert difference < TOL
+    tensors = load_file(str(written[1]))
+    key = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
+    tensors[key] = tensors[key] * 3
+    save_file(tensors, str(written[1]))
+    with pytest.raises(CheckpointError, match="export check failed"):
+        verify_peft_export(checkpoint, tmp_path / "adapter")

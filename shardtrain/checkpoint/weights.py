@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardtrain.checkpoint import layout
 from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY, file_metadata, weight_files
-from shardtrain.checkpoint.state import TrainState
+from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.config.schema import ModelConfig
 from shardtrain.distributed.sharded_model import first_row, shard_like
 from shardtrain.errors import CheckpointError
@@ -91,7 +91,17 @@ def model_config_of(path: Path) -> ModelConfig:
                                   "shardtrain consolidate from a shardtrain checkpoint)")
         return ModelConfig(**json.loads(raw))
     layout.verify(path)
-    return TrainState.read(path).model_config()
+    state = TrainState.read(path)
+    refuse_adapters_only(path, state)
+    return state.model_config()
+
+
+def refuse_adapters_only(path: Path, state: TrainState) -> None:
+    """A LoRA checkpoint holds adapters, not a model: what reads whole weights refuses it."""
+    if state.base_weights is not None:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds LoRA adapters only (finetune=lora): generate, "
+                              "eval, export-hf and model.init_from do not read them yet; "
+                              f"`shardtrain export-peft {path} OUT` writes them for PEFT")
 
 
 def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | None = None) -> None:
@@ -113,6 +123,8 @@ def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | N
         load_hf_model_into(model, path)
         return
     metadata = layout.verify(path, need_state=False)
+    if (path / STATE_FILE).is_file():
+        refuse_adapters_only(path, TrainState.read(path))
     adapted = get_model_state_dict(model)
     state = {base_name(name): value for name, value in adapted.items() if not is_adapter(name)}
     check_model_compatible(path, metadata, state)

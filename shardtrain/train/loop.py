@@ -43,6 +43,7 @@ from shardtrain.distributed.env import (
 from shardtrain.distributed.sharded_model import deferred_initialization
 from shardtrain.errors import TrainingError
 from shardtrain.generation.generate import gathered_copy, generate, generation_mode
+from shardtrain.models.lora import adapter_summary
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.task import Task, check_task, task_config_of, task_from_config
 from shardtrain.train.build import Built, OptimizerFactory, build
@@ -230,6 +231,8 @@ class Trainer:
         self.info(f"world size {env.world_size} ({env.backend}, {env.device.type}); {b.plan.describe()}")
         self.info(f"model: {n_params / 1e6:.2f}M parameters, {len(b.report.units)} FSDP units "
                   f"({len(b.report.checkpointed)} activation-checkpointed)")
+        if self.cfg.finetune.method != "none":
+            self.info(adapter_summary(b.model, self.cfg.finetune))
         self.info(f"task {type(self.task).__name__}; data: {self.task.describe()}; global batch "
                   f"{self.layout.global_batch} samples ({t.micro_batch_size} per micro-batch x "
                   f"{t.grad_accum_steps} micro-batches x {env.world_size} ranks)")
