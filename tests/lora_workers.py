@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from equivalence import hand_written_loop
+from equivalence import case_config, hand_written_loop, small_corpus
 from hf_workers import hf_case_config, hf_corpus
 from peft import get_peft_model
 
@@ -23,6 +23,7 @@ from shardtrain.config.schema import Config, FinetuneConfig
 from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.errors import CheckpointError
 from shardtrain.models.hf import PREFIX, HFCausalLM
+from shardtrain.models.llama import Llama
 from shardtrain.models.lora import AdapterInitializer, adapter_targets, lora_config
 
 LORA = FinetuneConfig(method="lora", rank=4, alpha=8.0)
@@ -65,6 +66,10 @@ def run_lora_cases(model_dir: str, other_base: str, out_dir: str) -> None:
     results["hybrid_shard"] = train_case(lora_case_config(
         model_dir, world_size, str(Path(out_dir, "hybrid_shard")), strategy="HYBRID_SHARD",
         shard_group_size=1), corpus)
+    builtin = case_config(world_size, str(Path(out_dir, "builtin")))
+    builtin.finetune = dataclasses.replace(LORA)
+    builtin.checkpoint = dataclasses.replace(builtin.checkpoint, enabled=True, interval=0)
+    results["builtin"] = train_case(builtin, small_corpus())
     step3 = str(Path(first, "checkpoints", "step-3"))
     results["resumed"] = train_case(lora_case_config(
         model_dir, world_size, str(Path(out_dir, "resumed")), resume=step3), corpus)
@@ -104,6 +109,26 @@ def lora_reference(model_dir: str) -> dict:
     return {"losses": losses, "grad_norms": norms, "weights": weights}
 
 
-def ours(peft_name: str) -> str:
+def ours(peft_name: str, prefix: str = PREFIX) -> str:
     """Our name of a parameter of PEFT's model."""
-    return PREFIX + peft_name.removeprefix(PEFT_PREFIX)
+    return prefix + peft_name.removeprefix(PEFT_PREFIX)
+
+
+def builtin_lora_reference() -> dict:
+    """The built-in Llama, drawn as the sharded build draws it, wrapped by ``get_peft_model``; the
+    hand-written loop on the small corpus."""
+    cfg = case_config(1, "unused")
+    model = Llama(cfg.model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            init_full_parameter(model, name, param, cfg.trainer.seed)
+    peft_model = get_peft_model(model, lora_config(LORA, adapter_targets(model, LORA.targets)))
+    initializer = AdapterInitializer(model, peft_model)
+    initializer.fan_in = {ours(n, ""): f for n, f in initializer.fan_in.items()}
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if param.requires_grad:
+                init_full_parameter(initializer, ours(name, ""), param, cfg.trainer.seed)
+    losses, norms = hand_written_loop(peft_model, cfg, small_corpus().train, peft_model)
+    weights = {ours(n, ""): p.detach().clone() for n, p in peft_model.named_parameters()}
+    return {"losses": losses, "grad_norms": norms, "weights": weights}

@@ -18,7 +18,7 @@ import torch
 from distributed import run_on_ranks
 from equivalence import max_errors
 from hf_models import make_model_dir, sample_texts, train_tokenizer
-from lora_workers import lora_reference, run_lora_cases
+from lora_workers import builtin_lora_reference, lora_reference, run_lora_cases
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -54,14 +54,18 @@ def adapters(weights: dict) -> dict:
     return {n: w for n, w in weights.items() if is_adapter(n)}
 
 
-@pytest.mark.parametrize("case", ["full_shard", "hybrid_shard"])
+@pytest.mark.parametrize("case", ["full_shard", "hybrid_shard", "builtin"])
 def test_lora_matches_peft_reference(lora_runs, reference, case):
     _, results = lora_runs
-    result, ref = results[case], reference
+    result = results[case]
+    ref = builtin_lora_reference() if case == "builtin" else reference
     errors = max_errors({**result, "weights": adapters(result["weights"])},
                         {**ref, "weights": adapters(ref["weights"])})
     print(case, errors)
     assert max(errors.values()) < TOL, errors
+    assert result["weights"].keys() == ref["weights"].keys()
+    frozen = [n for n in ref["weights"] if not is_adapter(n)]
+    assert frozen and all(torch.equal(result["weights"][n], ref["weights"][n]) for n in frozen)
     assert result["trainable"] == sorted(adapters(ref["weights"]))
     assert result["optimizer_holds"] == len(result["trainable"])
     moved = [n for n, w in adapters(result["weights"]).items() if ".lora_B." in n and w.abs().max() > 0]
@@ -111,6 +115,17 @@ def test_lora_targets_refuse_embeddings_and_head():
         assert "\n" not in str(caught.value)
     with pytest.raises(ConfigError, match="selects no nn.Linear"):
         adapter_targets(model, ["nothing"])
+
+
+def test_export_peft_of_the_builtin_llama(lora_runs, tmp_path):
+    """Its q/k adapters' lora_B rows go through the rotary permutation export-hf applies."""
+    out, _ = lora_runs
+    checkpoint = out / "builtin" / "checkpoints" / "step-5"
+    keys = load_file(str(export_peft(checkpoint, tmp_path / "adapter")[1])).keys()
+    assert "base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight" in keys
+    difference = verify_peft_export(checkpoint, tmp_path / "adapter")
+    print("export-peft logits, built-in Llama", difference)
+    assert difference < TOL
 
 
 def test_export_peft_round_trip_and_corruption(lora_runs, tmp_path):
