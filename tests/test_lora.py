@@ -22,6 +22,8 @@ from lora_workers import builtin_lora_reference, lora_reference, run_lora_cases
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from shardtrain.config.compose import compose_config
+from shardtrain.distributed.sharded_model import with_adapters
 from shardtrain.errors import CheckpointError, ConfigError
 from shardtrain.export.peft import export_peft, verify_peft_export
 from shardtrain.models.hf import PREFIX
@@ -146,3 +148,14 @@ def test_export_peft_round_trip_and_corruption(lora_runs, tmp_path):
     save_file(tensors, str(written[1]))
     with pytest.raises(CheckpointError, match="export check failed"):
         verify_peft_export(checkpoint, tmp_path / "adapter")
+
+
+def test_finetune_config_and_qlora_refusal():
+    cfg = compose_config(["finetune=lora", "finetune.rank=8", "finetune.targets=[q_proj,v_proj]"])
+    assert (cfg.finetune.method, cfg.finetune.rank, cfg.finetune.targets) == ("lora", 8, ["q_proj", "v_proj"])
+    with pytest.raises(ConfigError, match="not a preset|finetune.method"):
+        compose_config(["finetune=lorra"])
+    cfg = compose_config(["finetune=qlora"])
+    with pytest.raises(ConfigError, match="qlora does not run on a CPU") as caught:
+        with_adapters(lambda: nn.Linear(2, 2), cfg, torch.device("cpu"))
+    assert "\n" not in str(caught.value)

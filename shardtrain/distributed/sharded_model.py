@@ -234,9 +234,12 @@ def with_adapters(factory: ModelFactory, cfg: Config, device: torch.device) -> M
     if method == "none":
         return factory
     if method == "qlora":
-        where = ("on a CPU (torchao's NF4 base needs a GPU)" if device.type == "cpu" else
-                 "yet (the NF4 base is not built); use finetune.method=lora")
-        raise ConfigError(f"finetune.method=qlora does not run {where}")
+        if device.type == "cpu":
+            raise ConfigError("finetune.method=qlora does not run on a CPU (torchao's NF4 base dequantises "
+                              "every weight in each matmul there, far too slowly to train); use "
+                              "finetune.method=lora")
+        raise ConfigError("finetune.method=qlora is not built yet (the NF4 base under FSDP2, "
+                          "docs/finetuning.md); use finetune.method=lora")
     return lambda: add_adapters(factory(), cfg.finetune)
 
 
