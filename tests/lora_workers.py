@@ -18,6 +18,10 @@ import transformers
 from equivalence import case_config, hand_written_loop, small_corpus
 from hf_workers import hf_case_config, hf_corpus
 from peft import get_peft_model
+from task_workers import N, make_task, task_config  # puts examples/tasks on sys.path
+
+# isort: split
+from reference import reference_model, reference_run
 
 from shardtrain.config.schema import Config, FinetuneConfig
 from shardtrain.distributed.sharded_model import init_full_parameter
@@ -27,6 +31,8 @@ from shardtrain.models.llama import Llama
 from shardtrain.models.lora import AdapterInitializer, adapter_targets, lora_config
 
 LORA = FinetuneConfig(method="lora", rank=4, alpha=8.0)
+# The example vision transformer's projections (its patch embedding's "proj" is a Conv2d).
+VIT_TARGETS = ("attn.qkv", "attn.proj", "fc1", "fc2")
 # PEFT's names for our parameters: get_peft_model wraps the transformers model twice over.
 PEFT_PREFIX = "base_model.model."
 
@@ -40,11 +46,11 @@ def lora_case_config(model_dir: str, world_size: int, run_dir: str, **case) -> C
     return cfg
 
 
-def train_case(cfg: Config, corpus) -> dict:
+def train_case(cfg: Config, corpus=None, task=None) -> dict:
     from shardtrain.tasks.language_model import LanguageModelTask
     from shardtrain.train.loop import Trainer
 
-    trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=corpus))
+    trainer = Trainer.create(cfg, task=task if task is not None else LanguageModelTask(corpus=corpus))
     trainable = sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)
     held = sorted({id(p) for g in trainer.built.optimizer.param_groups for p in g["params"]})
     result = trainer.fit()
@@ -53,9 +59,9 @@ def train_case(cfg: Config, corpus) -> dict:
             "trainable": trainable, "optimizer_holds": len(held), "main": trainer.env.is_main}
 
 
-def run_lora_cases(model_dir: str, other_base: str, out_dir: str) -> None:
-    """FULL_SHARD with a checkpoint at step 3, HYBRID_SHARD, a resume from step 3, and a resume onto
-    another base (refused)."""
+def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, out_dir: str) -> None:
+    """A tiny HF Llama FULL_SHARD with a checkpoint at step 3, HYBRID_SHARD, a resume from step 3, and a
+    resume onto another base (refused); a tied-embedding Qwen2; the built-in Llama; a task's model."""
     world_size = int(os.environ["WORLD_SIZE"])
     corpus = hf_corpus(model_dir)
     results = {}
@@ -70,6 +76,11 @@ def run_lora_cases(model_dir: str, other_base: str, out_dir: str) -> None:
     builtin.finetune = dataclasses.replace(LORA)
     builtin.checkpoint = dataclasses.replace(builtin.checkpoint, enabled=True, interval=0)
     results["builtin"] = train_case(builtin, small_corpus())
+    results["qwen2"] = train_case(lora_case_config(tied_dir, world_size, str(Path(out_dir, "qwen2"))),
+                                  hf_corpus(tied_dir))
+    vit = task_config(world_size, str(Path(out_dir, "vit")))
+    vit.finetune = dataclasses.replace(LORA, targets=list(VIT_TARGETS))
+    results["vit"] = train_case(vit, task=make_task("vit"))
     step3 = str(Path(first, "checkpoints", "step-3"))
     results["resumed"] = train_case(lora_case_config(
         model_dir, world_size, str(Path(out_dir, "resumed")), resume=step3), corpus)
@@ -132,3 +143,22 @@ def builtin_lora_reference() -> dict:
     losses, norms = hand_written_loop(peft_model, cfg, small_corpus().train, peft_model)
     weights = {ours(n, ""): p.detach().clone() for n, p in peft_model.named_parameters()}
     return {"losses": losses, "grad_norms": norms, "weights": weights}
+
+
+def vit_lora_reference() -> dict:
+    """The example vision transformer as the task draws it, wrapped by ``get_peft_model``; the
+    examples' reference loop (tests/test_tasks.py's) on it."""
+    task = make_task("vit")
+    cfg = task_config(1, "unused", accum=1)
+    task.bind(cfg)
+    model = reference_model(task, cfg.trainer.seed)
+    peft_model = get_peft_model(model, lora_config(LORA, adapter_targets(model, VIT_TARGETS)))
+    initializer = AdapterInitializer(task, peft_model)
+    initializer.fan_in = {ours(n, ""): f for n, f in initializer.fan_in.items()}
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if param.requires_grad:
+                init_full_parameter(initializer, ours(name, ""), param, cfg.trainer.seed)
+    result = reference_run(task, cfg, 2 * N, model=peft_model)
+    result["weights"] = {ours(n, ""): w for n, w in result["weights"].items()}
+    return result
