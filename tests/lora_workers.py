@@ -24,8 +24,9 @@ from task_workers import N, make_task, task_config  # puts examples/tasks on sys
 from reference import reference_model, reference_run
 
 from shardtrain.config.schema import Config, FinetuneConfig
+from shardtrain.diagnostics.rails import check_optimizer
 from shardtrain.distributed.sharded_model import init_full_parameter
-from shardtrain.errors import CheckpointError
+from shardtrain.errors import CheckpointError, ModelError
 from shardtrain.models.hf import PREFIX, HFCausalLM
 from shardtrain.models.llama import Llama
 from shardtrain.models.lora import AdapterInitializer, adapter_targets, lora_config
@@ -52,11 +53,17 @@ def train_case(cfg: Config, corpus=None, task=None) -> dict:
 
     trainer = Trainer.create(cfg, task=task if task is not None else LanguageModelTask(corpus=corpus))
     trainable = sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)
+    try:  # an optimizer over every parameter holds the frozen base too: refused
+        check_optimizer(torch.optim.AdamW(trainer.model.parameters()), trainer.model)
+        everything_refusal = None
+    except ModelError as exc:
+        everything_refusal = str(exc)
     held = sorted({id(p) for g in trainer.built.optimizer.param_groups for p in g["params"]})
     result = trainer.fit()
     weights = trainer.full_weights()
     return {"losses": result.losses, "grad_norms": result.grad_norms, "weights": weights,
-            "trainable": trainable, "optimizer_holds": len(held), "main": trainer.env.is_main}
+            "trainable": trainable, "optimizer_holds": len(held), "main": trainer.env.is_main,
+            "everything_refusal": everything_refusal}
 
 
 def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, out_dir: str) -> None:

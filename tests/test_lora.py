@@ -81,6 +81,7 @@ def test_lora_matches_peft_reference(lora_runs, reference, model_dirs, case):
     assert frozen and all(torch.equal(result["weights"][n], ref["weights"][n]) for n in frozen)
     assert result["trainable"] == sorted(adapters(ref["weights"]))
     assert result["optimizer_holds"] == len(result["trainable"])
+    assert "frozen parameters" in result["everything_refusal"], result["everything_refusal"]
     moved = [n for n, w in adapters(result["weights"]).items() if ".lora_B." in n and w.abs().max() > 0]
     assert len(moved) == len(result["trainable"]) // 2  # every B left zero: the adapters trained
 
