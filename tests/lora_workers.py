@@ -63,7 +63,8 @@ def train_case(cfg: Config, corpus=None, task=None) -> dict:
     weights = trainer.full_weights()
     return {"losses": result.losses, "grad_norms": result.grad_norms, "weights": weights,
             "trainable": trainable, "optimizer_holds": len(held), "main": trainer.env.is_main,
-            "everything_refusal": everything_refusal}
+            "everything_refusal": everything_refusal,
+            "checkpointed": len(trainer.built.report.checkpointed)}
 
 
 def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, out_dir: str) -> None:
@@ -78,7 +79,7 @@ def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, out_dir: str)
     results["full_shard"] = train_case(cfg, corpus)
     results["hybrid_shard"] = train_case(lora_case_config(
         model_dir, world_size, str(Path(out_dir, "hybrid_shard")), strategy="HYBRID_SHARD",
-        shard_group_size=1), corpus)
+        shard_group_size=1, activation_checkpointing="all"), corpus)
     builtin = case_config(world_size, str(Path(out_dir, "builtin")))
     builtin.finetune = dataclasses.replace(LORA)
     builtin.checkpoint = dataclasses.replace(builtin.checkpoint, enabled=True, interval=0)
@@ -97,6 +98,13 @@ def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, out_dir: str)
         results["other_base"] = None
     except CheckpointError as exc:
         results["other_base"] = str(exc)
+    whole = lora_case_config(model_dir, world_size, str(Path(out_dir, "whole")), resume=step3)
+    whole.finetune = FinetuneConfig()  # finetune.method=none: a whole model onto adapters only
+    try:
+        train_case(whole, corpus)
+        results["without_lora"] = None
+    except CheckpointError as exc:
+        results["without_lora"] = str(exc)
     if results["full_shard"]["main"]:
         torch.save(results, Path(out_dir, "results.pt"))
 

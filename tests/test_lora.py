@@ -3,13 +3,14 @@
 process on the same batches.
 
 One spawned group runs every case: a tiny Hugging Face Llama FULL_SHARD (saving at step 3) and
-HYBRID_SHARD (2 replicas), a resume from step 3, a resume onto another base, a Qwen2 with tied
-embeddings, the built-in Llama (random base), and the example vision-transformer task (a task's own
-model and initialiser). Checked: losses, grad norms and final adapters within relative 1e-5 of the
-reference (measured: printed), the frozen base bit-identical, the optimizer holding exactly the
-adapters, the checkpoint holding only adapters and their optimizer state, the resume bit-exact, the
-other base refused with one line; export-peft's round trip through ``PeftModel.from_pretrained``
-and its failure on a corrupted adapter; embeddings, heads and non-Linear targets refused.
+HYBRID_SHARD (2 replicas, every block activation-checkpointed), a resume from step 3, a resume onto
+another base and one without finetune=lora, a Qwen2 with tied embeddings, the built-in Llama
+(random base), and the example vision-transformer task (a task's own model and initialiser).
+Checked: losses, grad norms and final adapters within relative 1e-5 of the reference (measured:
+printed), the frozen base bit-identical, the optimizer holding exactly the adapters, the checkpoint
+holding only adapters and their optimizer state, the resume bit-exact, the wrong resumes refused
+with one line; export-peft's round trip through ``PeftModel.from_pretrained`` and its failure on a
+corrupted adapter; embeddings, heads and non-Linear targets refused.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ import json
 
 import pytest
 import torch
+import transformers
 from distributed import run_on_ranks
 from equivalence import max_errors
-from hf_models import make_model_dir, sample_texts, train_tokenizer
+from hf_models import family_config, make_model_dir, sample_texts, train_tokenizer
 from lora_workers import builtin_lora_reference, lora_reference, run_lora_cases, vit_lora_reference
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from shardtrain.checkpoint.weights import model_config_of
 from shardtrain.config.compose import compose_config
 from shardtrain.distributed.sharded_model import with_adapters
 from shardtrain.errors import CheckpointError, ConfigError
@@ -82,6 +85,7 @@ def test_lora_matches_peft_reference(lora_runs, reference, model_dirs, case):
     assert result["trainable"] == sorted(adapters(ref["weights"]))
     assert result["optimizer_holds"] == len(result["trainable"])
     assert "frozen parameters" in result["everything_refusal"], result["everything_refusal"]
+    assert result["checkpointed"] == (3 if case == "hybrid_shard" else 0)
     moved = [n for n, w in adapters(result["weights"]).items() if ".lora_B." in n and w.abs().max() > 0]
     assert len(moved) == len(result["trainable"]) // 2  # every B left zero: the adapters trained
 
@@ -114,6 +118,11 @@ def test_lora_checkpoint_holds_adapters_and_resumes_exactly(lora_runs):
         assert torch.equal(resumed["weights"][name], weight), name
     refusal = results["other_base"]
     assert refusal is not None and "\n" not in refusal and "trained on base" in refusal, refusal
+    refusal = results["without_lora"]
+    assert refusal is not None and "\n" not in refusal and "finetune.method=lora" in refusal, refusal
+    with pytest.raises(CheckpointError, match="holds LoRA adapters only") as caught:
+        model_config_of(step3)  # what generate, eval and export-hf read first
+    assert "\n" not in str(caught.value) and "export-peft" in str(caught.value)
 
 
 def test_lora_targets_refuse_embeddings_and_head():
@@ -129,6 +138,20 @@ def test_lora_targets_refuse_embeddings_and_head():
         assert "\n" not in str(caught.value)
     with pytest.raises(ConfigError, match="selects no nn.Linear"):
         adapter_targets(model, ["nothing"])
+    model.patch = nn.Conv2d(3, 4, 2)
+    with pytest.raises(ConfigError, match="a Conv2d: LoRA takes nn.Linear layers only"):
+        adapter_targets(model, ["patch"])
+
+
+def test_lora_targets_refuse_a_tied_embedding():
+    """Qwen2 ties its head to its input embedding: either name is refused, the defaults are not."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(family_config("qwen2"))
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert len(adapter_targets(model, [])) == 3 * 7  # q k v o gate up down per layer
+    for target, what in (("embed_tokens", "embedding"), ("lm_head", "output head")):
+        with pytest.raises(ConfigError, match=f"selects the {what}"):
+            adapter_targets(model, [target])
 
 
 def test_export_peft_of_the_builtin_llama(lora_runs, tmp_path):
