@@ -28,12 +28,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from shardtrain.checkpoint.weights import model_config_of
+from shardtrain.cli.main import main
 from shardtrain.config.compose import compose_config
 from shardtrain.distributed.sharded_model import with_adapters
 from shardtrain.errors import CheckpointError, ConfigError
 from shardtrain.export.peft import export_peft, verify_peft_export
 from shardtrain.models.hf import PREFIX
-from shardtrain.models.lora import adapter_targets, is_adapter
+from shardtrain.models.llama import Llama
+from shardtrain.models.lora import adapter_targets, add_adapters, is_adapter
 
 TOL = 1e-5
 # The vision transformer's adapters: 1.4e-5 measured, all of it one row of blocks.0's fc1 lora_B (a
@@ -194,3 +196,22 @@ def test_finetune_config_and_qlora_refusal():
     with pytest.raises(ConfigError, match="qlora does not run on a CPU") as caught:
         with_adapters(lambda: nn.Linear(2, 2), cfg, torch.device("cpu"))
     assert "\n" not in str(caught.value)
+
+
+def test_plan_simulate_counts_the_adapters(capsys):
+    """plan --simulate builds the model with its adapters: gradients and Adam state of the adapters
+    only (fp32, at one rank: their full size); the planner's formulas (full fine-tuning) are flagged."""
+    overrides = ["model=llama3_8b", "model.n_layers=2", "trainer.seq_len=512", "trainer.micro_batch_size=1",
+                 "strategy.mixed_precision=bf16-mixed", "finetune=lora", "finetune.rank=64"]
+    assert main(["plan", "--simulate", *overrides, "--world-sizes", "1"]) == 0
+    out = capsys.readouterr().out
+    row = next(line.split() for line in out.splitlines() if line.startswith("1 "))
+    grads, optimizer = map(float, row[4:6])
+    cfg = compose_config(overrides)
+    with torch.device("meta"):
+        model = add_adapters(Llama(cfg.model), cfg.finetune)
+    adapter_gib = sum(p.numel() for p in model.parameters() if p.requires_grad) * 4 / 2**30
+    assert adapter_gib == pytest.approx(0.039, abs=0.001)  # 64 x 81,920 per layer, 2 layers
+    assert grads == pytest.approx(adapter_gib, abs=0.006)
+    assert optimizer == pytest.approx(2 * adapter_gib, abs=0.006)
+    assert "the planner's formulas count full fine-tuning" in out
