@@ -157,7 +157,9 @@ WITH_PRESET = {"data.paths": "data=files", "model.path": "model=hf",
 FREE = {"data.file_glob": "any glob pattern", "data.text_field": "any field name",
         "trainer.sample_prompt": "any text", "run.name": "a label",
         "run.wandb.project": "any W&B project", "run.wandb.entity": "any W&B entity",
-        "run.mlflow.experiment": "any experiment name"}
+        "run.mlflow.experiment": "any experiment name",
+        # checked against the model once it is built (tests/test_lora.py: selects no nn.Linear)
+        "finetune.targets": "module-name patterns"}
 
 
 def test_every_key_has_a_check(tmp_path):

@@ -21,3 +21,16 @@ def test_finetune_hf_example(tmp_path):
     assert "verified: transformers' logits match the checkpoint's" in out
     assert "transformers generates from the export:" in out
     assert (tmp_path / "work" / "export" / "tokenizer.json").is_file()
+
+
+def test_finetune_hf_example_with_lora(tmp_path):
+    """The same with finetune=lora: adapters trained at 2 processes, export-peft (with its
+    self-check), PEFT loads them onto the model and generates."""
+    done = subprocess.run([sys.executable, str(EXAMPLES / "finetune_hf" / "run.py"),
+                           "--workdir", str(tmp_path / "work"), "--steps", "4", "--lora"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "finetune=lora: rank 8" in out and "step 4/4 | loss" in out
+    assert "verified: peft.PeftModel's logits match the checkpoint's" in out
+    assert "peft generates with the adapters:" in out

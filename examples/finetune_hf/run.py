@@ -1,8 +1,9 @@
 """Bring your own Hugging Face model, end to end: make a model directory, prepare data, train it
 sharded at 2 processes, generate from the checkpoint, export it back and load the export with
-transformers.
+transformers. With --lora: train LoRA adapters on the frozen model (finetune=lora), export them
+as a PEFT adapter directory and load it with peft onto the model.
 
-    python examples/finetune_hf/run.py [--workdir DIR] [--steps N]
+    python examples/finetune_hf/run.py [--workdir DIR] [--steps N] [--lora]
 
 Every step is the command a user would type (printed before it runs); CI runs this file.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 import transformers
 from make_model import make_llama, sample_texts
+from peft import PeftModel
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -34,6 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="finetune_hf_work")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--lora", action="store_true", help="LoRA adapters on the frozen model")
     args = parser.parse_args()
     work = Path(args.workdir).resolve()
     shutil.rmtree(work, ignore_errors=True)
@@ -51,9 +54,14 @@ def main() -> None:
         f"trainer.max_steps={args.steps}", "trainer.micro_batch_size=4", "trainer.seq_len=128",
         "trainer.lr=1e-3", "trainer.warmup_steps=5", f"trainer.eval_every={args.steps}",
         "trainer.eval_samples=16", "trainer.sample_tokens=24", "trainer.progress_bar=false",
-        f"run.dir={run_dir}", "run.trackers=[]")
-    print("\n".join(line for line in log.stderr.splitlines() if "initialised" in line or " | loss " in line))
+        f"run.dir={run_dir}", "run.trackers=[]",
+        *(["finetune=lora", "finetune.rank=8", "trainer.sample_tokens=0"] if args.lora else []))
+    print("\n".join(line for line in log.stderr.splitlines()
+                    if "initialised" in line or " | loss " in line or "finetune=" in line))
     checkpoint = run_dir / "checkpoints" / f"step-{args.steps}"
+    if args.lora:
+        lora_round_trip(checkpoint, model_dir, work / "adapter")
+        return
     print(run("generate", str(checkpoint), "--prompt", "def ", "--max-new-tokens", "24").stdout)
     print(run("generate", str(checkpoint), "--prompt", "Write a loop.", "--chat",
               "--max-new-tokens", "16").stdout)
@@ -65,6 +73,17 @@ def main() -> None:
     inputs = tokenizer("def ", return_tensors="pt")
     output = model.generate(**inputs, max_new_tokens=16, do_sample=False)
     print("transformers generates from the export:", repr(tokenizer.decode(output[0])))
+
+
+def lora_round_trip(checkpoint: Path, model_dir: Path, adapter: Path) -> None:
+    """The adapters as PEFT's directory (checked by export-peft itself), loaded onto the model."""
+    print(run("export-peft", str(checkpoint), str(adapter)).stdout.strip().splitlines()[-1])
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    inputs = tokenizer("def ", return_tensors="pt")
+    output = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    print("peft generates with the adapters:", repr(tokenizer.decode(output[0])))
 
 
 if __name__ == "__main__":

@@ -44,13 +44,14 @@ def global_batch(task: Task, dataset, order: GlobalOrder, start: int, size: int,
     return task.collate(items)
 
 
-def reference_run(task: Task, cfg: Config, steps: int) -> dict:
-    """``steps`` steps on the whole global batch; losses, gradient norms and final weights."""
+def reference_run(task: Task, cfg: Config, steps: int, model: torch.nn.Module | None = None) -> dict:
+    """``steps`` steps on the whole global batch; losses, gradient norms and final weights (of
+    ``model``, default the task's ``reference_model``)."""
     task.bind(cfg)
     t = cfg.trainer
     seed = t.seed
     size = t.micro_batch_size * t.grad_accum_steps  # the caller sets a one-process global batch
-    model = reference_model(task, seed)
+    model = reference_model(task, seed) if model is None else model
     optimizer, dataset = build_optimizer(model, t), task.train_dataset()
     scheduler = build_scheduler(optimizer, t)
     order = GlobalOrder(len(dataset), seed)

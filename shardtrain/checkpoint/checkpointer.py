@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 from shardtrain import accelerator, faults
 from shardtrain.checkpoint import integrity, layout, staging
 from shardtrain.checkpoint.state import TrainState
-from shardtrain.checkpoint.weights import check_model_compatible
+from shardtrain.checkpoint.weights import base_identity, check_model_compatible, check_same_base
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
 from shardtrain.distributed.env import lazily_connected_gloo_group
@@ -159,6 +159,10 @@ class Checkpointer:
         # Made at the first async save (a run that never saves asynchronously holds no buffers).
         self.stager: DefaultStager | None = None
         self.stager_checked = False
+        # finetune=lora: only the adapters (the trainable parameters) and their optimizer state are
+        # saved; the frozen base is read again from where it came from, which this identifies.
+        self.adapters_only = cfg.finetune.method != "none"
+        self.base = base_identity(cfg.model, cfg.trainer.seed) if self.adapters_only else None
 
     # ---- finding what to resume ----------------------------------------------------------
 
@@ -235,7 +239,8 @@ class Checkpointer:
     # ---- saving --------------------------------------------------------------------------
 
     def training_state(self) -> dict[str, Any]:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(ignore_frozen_params=self.adapters_only))
         return {"model": model_state, "optim": optim_state}
 
     def save(self, step: int, *, tokens_seen: int, consumed_samples: int, global_batch: int,
@@ -265,6 +270,7 @@ class Checkpointer:
         trainer_state = TrainState.capture(
             self.cfg, self.plan, step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
             global_batch=global_batch, scheduler=self.scheduler.state_dict(), world_size=self.world_size,
+            base_weights=self.base,
         )
         if self.ckpt.async_save and not blocking:
             # Staging copies the state before this returns; the write and the commit run behind.
@@ -369,6 +375,11 @@ class Checkpointer:
         known = self.verified_metadata
         metadata = known[1] if known is not None and known[0] == path else layout.verify(path)
         trainer_state = TrainState.read(path)
+        if self.adapters_only:
+            check_same_base(path, trainer_state.base_weights, self.base)
+        elif trainer_state.base_weights is not None:
+            raise CheckpointError(f"checkpoint {str(path)!r} holds LoRA adapters only; resume it with "
+                                  "finetune.method=lora and the settings it was trained with")
         rng_file = path / f"rng-rank{self.rank}.pt"
         same_world = trainer_state.world_size == self.world_size
         rng = read_rng_state(rng_file) if same_world and rng_file.is_file() else None
@@ -385,7 +396,9 @@ class Checkpointer:
         # Not strict only to let the parameters without saved optimizer state stay without; the model
         # state is this model's own keys, all read from the checkpoint.
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=StateDictOptions(strict=not unsaved))
+                       optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=not (unsaved or self.adapters_only),
+                                                ignore_frozen_params=self.adapters_only))
         self.scheduler.load_state_dict(trainer_state.scheduler)
         if rng is not None:
             set_rng_state(rng)

@@ -55,11 +55,14 @@ class TrainState:
     versions: dict[str, str]
     saved_at: str
     format: str = FORMAT
+    # finetune=lora: the base weights the adapters belong to (checkpoint/weights.py base_identity);
+    # the checkpoint holds the adapters and their optimizer state only.
+    base_weights: dict[str, Any] | None = None
 
     @classmethod
     def capture(cls, cfg: Config, plan: ShardingPlan, *, step: int, tokens_seen: int,
                 consumed_samples: int, global_batch: int, scheduler: dict[str, Any],
-                world_size: int) -> TrainState:
+                world_size: int, base_weights: dict[str, Any] | None = None) -> TrainState:
         return cls(
             step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
             global_batch=global_batch, scheduler=scheduler, world_size=world_size,
@@ -68,7 +71,7 @@ class TrainState:
             config=OmegaConf.to_container(OmegaConf.structured(cfg)), config_hash=config_hash(cfg),
             versions={"shardtrain": __version__, "torch": torch.__version__,
                       "python": platform.python_version()},
-            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), base_weights=base_weights,
         )
 
     @property
@@ -130,7 +133,8 @@ class TrainState:
             found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
             raise CheckpointError(f"checkpoint {str(directory)!r}: unknown format {found!r} in {STATE_FILE}")
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = sorted(names - set(raw))
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        missing = sorted(required - set(raw))
         if missing:
             raise CheckpointError(f"checkpoint {str(directory)!r}: {STATE_FILE} lacks {missing}; the file "
                                   "is damaged, use another checkpoint")

@@ -8,6 +8,7 @@ directory (``load_hf_model_into``). Each rank keeps only its own slice of every 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -18,12 +19,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardtrain.checkpoint import layout
 from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY, file_metadata, weight_files
-from shardtrain.checkpoint.state import TrainState
+from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.config.schema import ModelConfig
 from shardtrain.distributed.sharded_model import first_row, shard_like
 from shardtrain.errors import CheckpointError
@@ -35,6 +40,7 @@ from shardtrain.models.llama_hf_adapter import (
     model_config_from_hf,
     rotary_heads,
 )
+from shardtrain.models.lora import base_name, is_adapter
 
 HF_PREFIX = "hf:"
 
@@ -85,7 +91,17 @@ def model_config_of(path: Path) -> ModelConfig:
                                   "shardtrain consolidate from a shardtrain checkpoint)")
         return ModelConfig(**json.loads(raw))
     layout.verify(path)
-    return TrainState.read(path).model_config()
+    state = TrainState.read(path)
+    refuse_adapters_only(path, state)
+    return state.model_config()
+
+
+def refuse_adapters_only(path: Path, state: TrainState) -> None:
+    """A LoRA checkpoint holds adapters, not a model: what reads whole weights refuses it."""
+    if state.base_weights is not None:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds LoRA adapters only (finetune=lora): generate, "
+                              "eval, export-hf and model.init_from do not read them yet; "
+                              f"`shardtrain export-peft {path} OUT` writes them for PEFT")
 
 
 def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | None = None) -> None:
@@ -107,10 +123,22 @@ def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | N
         load_hf_model_into(model, path)
         return
     metadata = layout.verify(path, need_state=False)
-    state = get_model_state_dict(model)
+    if (path / STATE_FILE).is_file():
+        refuse_adapters_only(path, TrainState.read(path))
+    adapted = get_model_state_dict(model)
+    state = {base_name(name): value for name, value in adapted.items() if not is_adapter(name)}
     check_model_compatible(path, metadata, state)
     dcp.load({"model": state}, checkpoint_id=str(path))
-    set_model_state_dict(model, state)
+    set_model_state_dict(model, {name: state[base_name(name)] for name in adapted if not is_adapter(name)},
+                         options=StateDictOptions(strict=len(state) == len(adapted)))
+
+
+def base_parameters(model: nn.Module, remove_duplicate: bool = True):
+    """(name, parameter) of every weight a weights source holds: a LoRA model's base under the names
+    it has without adapters, the adapters left out (they are drawn, or read from a checkpoint)."""
+    for name, param in model.named_parameters(remove_duplicate=remove_duplicate):
+        if not is_adapter(name):
+            yield base_name(name), param
 
 
 def row_sharded(param: torch.Tensor) -> bool:
@@ -182,11 +210,11 @@ def load_files_into(model: nn.Module, files: list[Path], what: str,
     """
     aliases: dict[int, list[str]] = {}
     targets: dict[int, torch.Tensor] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
+    for name, param in base_parameters(model, remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
         targets[id(param)] = param
-    persistent = set(model.state_dict())
-    buffers = {name: buffer for name, buffer in model.named_buffers()}
+    persistent = {base_name(name) for name in model.state_dict()}
+    buffers = {base_name(name): buffer for name, buffer in model.named_buffers()}
     with ExitStack() as stack:
         stored: dict[str, tuple[object, str]] = {}  # model name -> (open file, stored name)
         for file in files:
@@ -241,7 +269,7 @@ def load_hf_into(model: nn.Module, cfg: ModelConfig, directory: str | Path) -> N
     mismatched = config_mismatches(cfg, model_config_from_hf(read_hf_config(directory)))
     if mismatched:
         raise CheckpointError(f"{directory} does not fit the model config: " + "; ".join(mismatched))
-    params = dict(model.named_parameters())
+    params = dict(base_parameters(model))
     loaded = set()
     for file in weight_files(directory):
         with safe_open(str(file), framework="pt") as f:
@@ -257,3 +285,65 @@ def load_hf_into(model: nn.Module, cfg: ModelConfig, directory: str | Path) -> N
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"{directory} lacks weights for {missing[:6]}")
+
+
+# A fingerprint of a file reads its size, its first and last MiB and this many blocks between:
+# seconds for a 70B model's files, where hashing every byte would take minutes on every resume.
+FINGERPRINT_BLOCKS = 16
+FINGERPRINT_BLOCK = 1 << 16
+FINGERPRINT_ENDS = 1 << 20
+
+
+def file_fingerprint(path: Path) -> str:
+    """sha256 over a file's size, its first and last MiB and evenly spaced blocks between: any two
+    different models' weight files differ in it (fine-tuned weights differ everywhere), any copy
+    of a file has the same."""
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    digest.update(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(FINGERPRINT_ENDS))
+        for index in range(FINGERPRINT_BLOCKS):
+            f.seek(size * index // FINGERPRINT_BLOCKS)
+            digest.update(f.read(FINGERPRINT_BLOCK))
+        f.seek(max(0, size - FINGERPRINT_ENDS))
+        digest.update(f.read(FINGERPRINT_ENDS))
+    return digest.hexdigest()
+
+
+def source_files(source: str) -> list[Path]:
+    """The files holding the weights of a weights source (``ModelConfig.weights_source``)."""
+    path = Path(source.removeprefix(HF_PREFIX)).expanduser()
+    if path.is_file():
+        return [path]
+    if (path / HF_CONFIG_FILE).is_file() and not (path / layout.METADATA_FILE).is_file():
+        return weight_files(path)
+    if not path.is_dir():
+        raise CheckpointError(f"the base weights {source!r} do not exist")
+    return sorted(p for p in path.iterdir() if p.is_file() and (p.suffix == ".distcp"
+                                                                  or p.name == layout.METADATA_FILE))
+
+
+def base_identity(model_cfg: ModelConfig, seed: int) -> dict[str, Any]:
+    """What a LoRA checkpoint's adapters were trained on: the base weights' source with a fingerprint
+    of its files, or the seed of a random base."""
+    source = model_cfg.weights_source()
+    if source is None:
+        return {"source": "random", "seed": seed}
+    files = source_files(source)
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode() + file_fingerprint(file).encode())
+    return {"source": str(Path(source.removeprefix(HF_PREFIX)).expanduser().resolve()),
+            "fingerprint": digest.hexdigest()}
+
+
+def check_same_base(path: Path, saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
+    """A LoRA checkpoint resumes only onto the base its adapters were trained on."""
+    if saved is None:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds no adapters (it is not a finetune=lora "
+                              "checkpoint); resume it with finetune.method=none")
+    if saved.get("fingerprint", saved.get("seed")) != current.get("fingerprint", current.get("seed")):
+        raise CheckpointError(f"checkpoint {str(path)!r} was trained on base {saved['source']} "
+                              f"({saved.get('fingerprint', saved.get('seed'))}), not on this run's "
+                              f"{current['source']}: resume it on the base it was trained on")

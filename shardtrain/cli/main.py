@@ -264,6 +264,24 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_peft(args: argparse.Namespace) -> int:
+    check_output(Path(args.out), Path(args.checkpoint), "export-peft output")
+    check_exists(args.checkpoint, "checkpoint")
+    from shardtrain.export.peft import export_peft
+
+    for file in export_peft(args.checkpoint, args.out):
+        print(file)
+    if args.no_verify:
+        return 0
+    from shardtrain.export.peft import verify_peft_export
+    from shardtrain.export.verify import EXPORT_TOLERANCE
+
+    difference = verify_peft_export(args.checkpoint, args.out)
+    print(f"verified: peft.PeftModel's logits match the checkpoint's, largest relative difference "
+          f"{difference:.1e} (limit {EXPORT_TOLERANCE:.0e})")
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardtrain.config.sizes import parse_size
 
@@ -283,9 +301,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"shardtrain plan's formulas know decoder language models only; for "
                           f"task={cfg.task.path} use shardtrain plan --simulate (it runs the task's "
                           "model on its example batch)")
+    # The formulas count full fine-tuning; --simulate builds the model with its adapters.
+    lora_note = (f"finetune={cfg.finetune.method}: the planner's formulas count full fine-tuning (every "
+                 "parameter with gradients and Adam state); plan --simulate measures the adapters")
     if not args.simulate:
         sizes = args.world_sizes or sorted({1, 2, 4, 8, world})
         print(plan_table(cfg, sizes, memory, local))
+        if cfg.finetune.method != "none":
+            print(lora_note)
         return 0
 
     from shardtrain.config.plan import normalize_strategy_name, resolve_precision
@@ -303,6 +326,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{resolve_precision(cfg.strategy.mixed_precision, accelerated=True)}, {local} "
           "processes per node); GiB per rank, the planner's estimate in brackets")
     print(simulation_table(rows, memory, markdown=args.markdown))
+    if cfg.finetune.method != "none":
+        print(lora_note.replace("plan --simulate measures", "the simulation above measured"))
     return 0
 
 
@@ -466,6 +491,14 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("--no-verify", action="store_true",
                     help="skip the check that transformers reproduces the checkpoint's logits")
 
+    pe = sub.add_parser("export-peft", help="LoRA checkpoint -> PEFT adapter directory",
+                        description="adapter_config.json + adapter_model.safetensors that "
+                        "peft.PeftModel.from_pretrained(base, OUT) loads onto the transformers base.")
+    pe.add_argument("checkpoint", help="checkpoint directory of a finetune=lora run")
+    pe.add_argument("out", help="output directory")
+    pe.add_argument("--no-verify", action="store_true",
+                    help="skip the check that PEFT's model reproduces the checkpoint's logits")
+
     plan = sub.add_parser(
         "plan", help="estimate per-rank memory for each strategy and world size",
         description="Same key=value overrides as train. Parameters, gradients and optimizer state are "
@@ -533,6 +566,8 @@ def run_command(args: argparse.Namespace, argv: list[str] | None) -> int:
             return cmd_plan(args)
         if args.command == "export-hf":
             return cmd_export_hf(args)
+        if args.command == "export-peft":
+            return cmd_export_peft(args)
         if args.command == "generate":
             return cmd_generate(args, list(argv if argv is not None else sys.argv[1:]))
         if args.command == "eval":

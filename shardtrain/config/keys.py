@@ -42,6 +42,14 @@ def task_override(override: str) -> str:
     return override
 
 
+def finetune_override(override: str) -> str:
+    """``finetune=lora`` is short for ``finetune.method=lora``."""
+    key, sep, value = override.partition("=")
+    if key.lstrip("+~") == "finetune" and sep:
+        return f"finetune.method={value}"
+    return override
+
+
 def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (PRESETS_DIR / group).glob("*.yaml"))
 
@@ -82,7 +90,7 @@ def check_override(override: str) -> None:
 
 def check_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
     """The overrides in the schema's spelling (aliases, task options), each naming a key or preset."""
-    spelled = [task_override(apply_aliases(o)) for o in overrides]
+    spelled = [finetune_override(task_override(apply_aliases(o))) for o in overrides]
     for override in spelled:
         check_override(override)
     return spelled

@@ -239,6 +239,27 @@ class CheckpointConfig:
     preemption_signals: list[str] = field(default_factory=lambda: list(DEFAULT_PREEMPTION_SIGNALS))
 
 
+# What ``finetune.method`` can select (models/lora.py).
+FINETUNE_METHODS = ("none", "lora", "qlora")
+
+
+@dataclass
+class FinetuneConfig:
+    """Parameter-efficient fine-tuning: low-rank adapters (LoRA, injected by PEFT) train in fp32 on
+    a frozen base; checkpoints hold the adapters only (docs/finetuning.md)."""
+
+    # none: every parameter trains | lora | qlora (the frozen base in 4-bit NF4: not yet built, refused)
+    method: str = knob("none", one_of=FINETUNE_METHODS)
+    rank: int = knob(16, at_least=1)  # the adapters' rank r
+    alpha: float = knob(32.0, above=0)  # the update is scaled by alpha / rank
+    # Dropout on the adapters' input; it draws from each rank's own RNG (0: runs are identical at any
+    # world size).
+    dropout: float = knob(0.0, at_least=0.0, at_most=0.9)
+    # Module names (or ends of them) that get adapters; [] = the attention and MLP projections of the
+    # built-in Llama and the common Hugging Face families.
+    targets: list[str] = field(default_factory=list)
+
+
 # The experiment trackers ``run.trackers`` can name (shardtrain.train.trackers); wandb and mlflow are
 # the optional extra ``shardtrain[trackers]``.
 TRACKERS = ("tensorboard", "wandb", "mlflow")
@@ -298,3 +319,4 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)

@@ -19,7 +19,7 @@ log = logging.getLogger("shardtrain")
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    """The optimizer must hold exactly the model's sharded DTensor parameters."""
+    """The optimizer must hold exactly the model's trainable sharded DTensor parameters."""
     current = {id(p): n for n, p in model.named_parameters()}
     held = [p for group in optimizer.param_groups for p in group["params"]]
     stale = [p for p in held if id(p) not in current]
@@ -33,7 +33,13 @@ def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     plain = [current[id(p)] for p in held if not isinstance(p, DTensor)]
     if plain:
         raise ModelError(f"the optimizer holds parameters that are not sharded DTensors: {plain[:3]}")
-    missing = set(current) - {id(p) for p in held}
+    frozen = [current[id(p)] for p in held if not p.requires_grad]
+    if frozen:
+        raise ModelError(f"the optimizer holds {len(frozen)} frozen parameters (requires_grad=False, e.g. "
+                         f"{frozen[0]}): give it only the trainable ones, "
+                         "[p for p in model.parameters() if p.requires_grad]")
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    missing = trainable - {id(p) for p in held}
     if missing:
         log.warning("the optimizer does not update %d parameters: %s", len(missing),
                     [current[i] for i in list(missing)[:3]])

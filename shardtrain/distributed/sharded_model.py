@@ -45,7 +45,8 @@ from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
 from shardtrain.distributed.env import DistEnv
 from shardtrain.distributed.parallelize import ShardingReport, parallelize, sum_gradients
-from shardtrain.errors import ModelError
+from shardtrain.errors import ConfigError, ModelError
+from shardtrain.models.lora import AdapterInitializer, add_adapters, base_name, is_adapter
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,8 @@ def move_buffers(model: nn.Module, device: torch.device) -> None:
 
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, seed: int, cpu_offload: bool = False,
-                initialize: bool = True, initializer: Any = None) -> None:
+                initialize: bool = True, initializer: Any = None,
+                select: Callable[[str], bool] | None = None) -> None:
     """Allocate the sharded parameters on ``device``, initialise them world-size-invariantly with
     ``initializer.init_parameter`` (default: the model's; ``initialize=False``: leave them
     uninitialised, for weights that are read next), and bring back the buffers: the model's own
@@ -153,7 +155,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int, cpu_offload: 
     if cpu_offload:
         move_buffers(model, device)
     if initialize:
-        initialize_parameters(model, seed, initializer or model)
+        initialize_parameters(model, seed, initializer or model, select)
     if recompute is not None:
         recompute()
         return
@@ -171,9 +173,10 @@ def initializer_of(task_or_model: Any) -> Any:
 
 
 @torch.no_grad()
-def initialize_parameters(model: nn.Module, seed: int, initializer: Any = None) -> None:
+def initialize_parameters(model: nn.Module, seed: int, initializer: Any = None,
+                          select: Callable[[str], bool] | None = None) -> None:
     """Every (sharded) parameter from ``initializer.init_parameter`` (default: the model's), each
-    rank only its own part."""
+    rank only its own part; ``select``: only the parameters whose names it accepts."""
     initializer = initializer or model
     if getattr(initializer, "init_parameter", None) is None:
         raise ModelError(
@@ -181,7 +184,10 @@ def initialize_parameters(model: nn.Module, seed: int, initializer: Any = None) 
             "build it with init_device='cpu' instead of meta"
         )
     elementwise = getattr(initializer, "init_parameter_elementwise", False)
-    for name, param in model.named_parameters():
+    for adapted_name, param in model.named_parameters():
+        if select is not None and not select(adapted_name):
+            continue
+        name = base_name(adapted_name)  # a LoRA run's base draws what the plain run's does
         if not (elementwise and isinstance(param, DTensor)):
             full = torch.empty(param.shape, dtype=torch.float32)
             init_full_parameter(initializer, name, full, seed)
@@ -222,25 +228,48 @@ def deferred_initialization() -> Iterator[DeferredDraws]:
         _deferred.reset(token)
 
 
+def with_adapters(factory: ModelFactory, cfg: Config, device: torch.device) -> ModelFactory:
+    """``factory`` whose model gets LoRA adapters on a frozen base (``finetune.method``)."""
+    method = cfg.finetune.method
+    if method == "none":
+        return factory
+    if method == "qlora":
+        if device.type == "cpu":
+            raise ConfigError("finetune.method=qlora does not run on a CPU (torchao's NF4 base dequantises "
+                              "every weight in each matmul there, far too slowly to train); use "
+                              "finetune.method=lora")
+        raise ConfigError("finetune.method=qlora is not built yet (the NF4 base under FSDP2, "
+                          "docs/finetuning.md); use finetune.method=lora")
+    return lambda: add_adapters(factory(), cfg.finetune)
+
+
 def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: DeviceMesh,
                         factory: ModelFactory, wrap_policy: Sequence[str | type] | None = None,
                         initializer: Any = None) -> tuple[nn.Module, ShardingReport]:
-    """``initializer``: an object with ``init_parameter`` (a task's) used instead of the model's."""
+    """``initializer``: an object with ``init_parameter`` (a task's) used instead of the model's.
+    With ``finetune.method=lora`` the factory's model gets adapters before it is sharded."""
     policy = list(wrap_policy) if wrap_policy is not None else list(cfg.strategy.wrap_policy)
+    factory = with_adapters(factory, cfg, env.device)
     with parameters_on_meta():
         model = factory()
     initializer = initializer_of(initializer) or initializer_of(model)
+    if initializer is not None and cfg.finetune.method != "none":
+        initializer = AdapterInitializer(initializer, model)
     if initializer is not None:
         report = parallelize(model, mesh, plan, policy)
         # Weights that will be read (model.init_from, a Hugging Face model's own) need no drawing:
         # at 0.5B parameters that is most of the start-up.
         initialize = cfg.model.weights_source() is None
+        # LoRA on read weights: the adapters are still drawn.
+        select = None if initialize or cfg.finetune.method == "none" else is_adapter
+        initialize = initialize or select is not None
         deferred = _deferred.get()
         if initialize and deferred is not None:
-            deferred.pending.append(partial(initialize_parameters, model, cfg.trainer.seed, initializer))
+            deferred.pending.append(partial(initialize_parameters, model, cfg.trainer.seed, initializer,
+                                            select))
             initialize = False
         materialize(model, env.device, cfg.trainer.seed, plan.cpu_offload,
-                    initialize=initialize, initializer=initializer)
+                    initialize=initialize, initializer=initializer, select=select)
     else:
         # Without a per-parameter initialiser there is no way to initialise shards independently
         # of the world size, so build the full model once on CPU (same seed on every rank).

@@ -50,6 +50,7 @@ from shardtrain.distributed.env import (
 from shardtrain.distributed.sharded_model import deferred_initialization
 from shardtrain.errors import TrainingError
 from shardtrain.generation.generate import gathered_copy, generate, generation_mode
+from shardtrain.models.lora import adapter_summary
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.task import Task, check_task, task_config_of, task_from_config
 from shardtrain.train.batch_size import resolve_batch
@@ -169,6 +170,8 @@ class Trainer:
         model's own), else from the random initialisation: ``draw`` it, if the build deferred it."""
         path = self.checkpointer.resume_path() if self.checkpointer is not None else None
         if path is not None:
+            if self.cfg.finetune.method != "none":  # the checkpoint holds the adapters only
+                self.load_base_weights(draw)
             state = self.checkpointer.load(path)
             self.step = self.last_saved_step = state.step
             self.result.tokens_seen = state.tokens_seen
@@ -180,13 +183,18 @@ class Trainer:
             if changes and self.env.is_main:
                 log.warning(f"the data order differs from the checkpoint's ({'; '.join(changes)}): the "
                             "saved position is read in the new order, so samples may repeat or be skipped")
-            if self.cfg.model.init_from:
+            if self.cfg.model.init_from and self.cfg.finetune.method == "none":
                 self.info("model.init_from is ignored: resuming from a checkpoint")
-        elif source := self.cfg.model.weights_source():
+        else:
+            self.load_base_weights(draw)
+
+    def load_base_weights(self, draw: Callable[[], None]) -> None:
+        """The weights a fresh run starts from (with LoRA: the frozen base, and the adapters' draw)."""
+        if source := self.cfg.model.weights_source():
             load_model_weights(self.model, source, self.cfg.model)
             self.info(f"initialised weights from {source}")
-        else:
-            draw()
+        if source is None or self.cfg.finetune.method != "none":
+            draw()  # with a base read from files, only the adapters are still to be drawn
 
     def beat_save(self, phase: str) -> None:
         """Saves get their own bound: a large synchronous save may take far longer than a step, and
@@ -236,6 +244,8 @@ class Trainer:
         float8 = f", {len(b.report.float8_linears)} float8 linear layers" if b.report.float8_linears else ""
         self.info(f"model: {n_params / 1e6:.2f}M parameters, {len(b.report.units)} FSDP units "
                   f"({len(b.report.checkpointed)} activation-checkpointed{float8})")
+        if self.cfg.finetune.method != "none":
+            self.info(adapter_summary(b.model, self.cfg.finetune))
         self.info(f"task {type(self.task).__name__}; data: {self.task.describe()}; global batch "
                   f"{self.layout.global_batch} samples ({t.micro_batch_size} per micro-batch x "
                   f"{t.grad_accum_steps} micro-batches x {env.world_size} ranks)")

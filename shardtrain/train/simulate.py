@@ -44,6 +44,7 @@ from shardtrain.diagnostics.memory import state_bytes
 from shardtrain.diagnostics.planner import Estimate, estimate
 from shardtrain.distributed.parallelize import parallelize, sum_gradients
 from shardtrain.distributed.preconditions import resolve_wrap_classes
+from shardtrain.distributed.sharded_model import with_adapters
 from shardtrain.errors import ConfigError
 from shardtrain.models.registry import build_model
 from shardtrain.tasks.language_model import LanguageModelTask
@@ -243,7 +244,7 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int, task: T
         # Shard on the meta device: FSDP2 chunks every parameter into world-size pieces, which
         # meta tensors do in C++ and fake tensors in Python (minutes at 1,024 ranks).
         with torch.device("meta"):
-            model = task.build_model()
+            model = with_adapters(task.build_model, cfg, torch.device("meta"))()  # finetune=lora
         policy = task.wrap_policy()
         policy = list(policy) if policy is not None else list(cfg.strategy.wrap_policy)
         blocks = block_names(model, resolve_wrap_classes(model, policy))
@@ -258,7 +259,8 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int, task: T
             optimizer = build_optimizer(model, trainer)
             # A steady-state step: the optimizer's state exists before it starts, as from step 2 on.
             for param in model.parameters():
-                param.grad = torch.zeros_like(param)
+                if param.requires_grad:  # a LoRA run's frozen base has none
+                    param.grad = torch.zeros_like(param)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             tracker = PhasePeakTracker(model, optimizer, blocks)

@@ -1,0 +1,175 @@
+"""``shardtrain export-peft``: a LoRA checkpoint's adapters as a PEFT adapter directory.
+
+Writes ``adapter_config.json`` and ``adapter_model.safetensors`` under PEFT's key names
+(``base_model.model.<module>.lora_A.weight``), which ``peft.PeftModel.from_pretrained(base, OUT)``
+loads onto the transformers base model. A ``model.name=hf`` model's modules already have
+transformers' names (under ``hf.``); the built-in Llama's go through its state-dict adapter
+(``models/llama_hf_adapter.py``), as ``export-hf`` maps the base: a q/k adapter's ``lora_B`` rows
+take the same rotary permutation as the projection's own rows (``lora_A`` acts on inputs, which
+keep their order).
+
+The self-check (``verify_peft_export``) builds the checkpoint's model with its base and adapters,
+and the transformers base with the written adapters loaded by PEFT, and compares their logits.
+Both models are whole in host memory in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from peft import PeftModel
+from safetensors.torch import save_file
+from torch import nn
+
+from shardtrain.checkpoint import layout
+from shardtrain.checkpoint.state import TrainState
+from shardtrain.checkpoint.weights import load_model_weights
+from shardtrain.config.schema import FinetuneConfig, ModelConfig
+from shardtrain.distributed.sharded_model import init_full_parameter
+from shardtrain.errors import CheckpointError
+from shardtrain.export.consolidate import load_tensors, plan_shards
+from shardtrain.export.verify import EXPORT_TOLERANCE
+from shardtrain.models.hf import hf_name
+from shardtrain.models.llama_hf_adapter import hf_config, to_hf, to_hf_name
+from shardtrain.models.lora import ADAPTER_NAME, add_adapters, base_name, is_adapter, lora_config
+from shardtrain.models.registry import build_model
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # PeftModelForCausalLM -> LoraModel -> the transformers model
+
+
+@dataclass
+class LoraCheckpoint:
+    """What a ``finetune=lora`` checkpoint holds: its model, LoRA settings, base and adapters."""
+
+    path: Path
+    model: ModelConfig
+    finetune: FinetuneConfig
+    seed: int
+    adapters: dict[str, torch.Tensor]  # our parameter names -> full tensors
+
+    @classmethod
+    def read(cls, path: str | Path) -> LoraCheckpoint:
+        path = Path(path)
+        layout.verify(path)
+        state = TrainState.read(path)
+        if state.base_weights is None:
+            raise CheckpointError(f"checkpoint {str(path)!r} holds no LoRA adapters (it was not trained "
+                                  "with finetune=lora); export-hf exports whole models")
+        plan = plan_shards(path, None, None, "model")
+        entries = [entry for shard in plan.shards for entry in shard if is_adapter(entry[1])]
+        tensors = load_tensors(path, entries, plan.metadata)
+        return cls(path, state.model_config(), FinetuneConfig(**state.config["finetune"]),
+                   int(state.config["trainer"]["seed"]), {name: tensors[key] for key, name, _ in entries})
+
+
+def peft_key(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> tuple[str, torch.Tensor]:
+    """Our adapter parameter -> (PEFT's key, tensor) on the transformers model."""
+    module, _, rest = name.partition(".lora_")
+    matrix = "lora_" + rest.split(".")[0]  # lora_A | lora_B
+    if cfg.name == "hf":
+        return f"{PEFT_PREFIX}{hf_name(module)}.{matrix}.weight", tensor
+    weight = f"{module}.weight"
+    if matrix == "lora_B":  # output rows: permuted like the projection's
+        hf_weight, tensor = to_hf(weight, tensor, cfg)
+    else:
+        hf_weight = to_hf_name(weight)
+    return f"{PEFT_PREFIX}{hf_weight.removesuffix('.weight')}.{matrix}.weight", tensor
+
+
+def base_directory(cfg: ModelConfig) -> str | None:
+    """The Hugging Face directory PEFT's base model is loaded from, where the base is one."""
+    source = cfg.weights_source()
+    if cfg.name == "hf" and source == cfg.path:
+        return str(Path(source).expanduser().resolve())
+    if source is not None and source.startswith("hf:"):
+        return str(Path(source.removeprefix("hf:")).expanduser().resolve())
+    return None
+
+
+def export_peft(checkpoint: str | Path, out_dir: str | Path) -> list[Path]:
+    """PEFT's adapter directory from a ``finetune=lora`` checkpoint."""
+    ckpt = LoraCheckpoint.read(checkpoint)
+    out = Path(out_dir)
+    tensors = dict(peft_key(name, tensor, ckpt.model) for name, tensor in ckpt.adapters.items())
+    modules = sorted({key.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0] for key in tensors})
+    config = lora_config(ckpt.finetune, sorted({module.rsplit(".", 1)[-1] for module in modules}))
+    config.task_type = "CAUSAL_LM"
+    config.base_model_name_or_path = base_directory(ckpt.model)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+    config.save_pretrained(str(out))
+    return [out / ADAPTER_CONFIG, out / ADAPTER_WEIGHTS]
+
+
+@torch.no_grad()
+def checkpoint_model(ckpt: LoraCheckpoint) -> nn.Module:
+    """The checkpoint's model in fp32 on the CPU: its base as training read or drew it, and its adapters."""
+    model = add_adapters(build_model(ckpt.model), ckpt.finetune)
+    if source := ckpt.model.weights_source():
+        load_model_weights(model, source, ckpt.model)
+    else:
+        for name, param in model.named_parameters():
+            if not is_adapter(name):
+                init_full_parameter(model, base_name(name), param, ckpt.seed)
+    params = dict(model.named_parameters())
+    if set(params) - set(ckpt.adapters) != {n for n in params if not is_adapter(n)}:
+        missing = sorted(n for n in params if is_adapter(n) and n not in ckpt.adapters)
+        raise CheckpointError(f"{ckpt.path} lacks adapters for {missing[:3]}: the checkpoint does not fit "
+                              "the LoRA settings it records")
+    for name, tensor in ckpt.adapters.items():
+        params[name].copy_(tensor)
+    return model.eval()
+
+
+@torch.no_grad()
+def transformers_base(ckpt: LoraCheckpoint, ours: nn.Module) -> nn.Module:
+    """The transformers model PEFT's adapters go on: ``from_pretrained`` of the base directory, or
+    (a random or shardtrain base) the transformers Llama filled with our base weights."""
+    directory = base_directory(ckpt.model)
+    if directory is not None:
+        return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                                 attn_implementation="sdpa")
+    if ckpt.model.name == "hf":
+        config = transformers.AutoConfig.from_pretrained(ckpt.model.path)
+    else:
+        config = transformers.LlamaConfig(**hf_config(ckpt.model, torch.float32))
+    theirs = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                           attn_implementation="sdpa")
+    state = {}
+    for name, param in ours.named_parameters():
+        if is_adapter(name):
+            continue
+        name = base_name(name)
+        converted = (hf_name(name), param) if ckpt.model.name == "hf" else to_hf(name, param, ckpt.model)
+        if converted is not None:
+            state[converted[0]] = converted[1]
+    theirs.load_state_dict(state, strict=False)  # a tied head is the embedding: not stored twice
+    return theirs
+
+
+@torch.no_grad()
+def verify_peft_export(checkpoint: str | Path, out_dir: str | Path,
+                       tolerance: float = EXPORT_TOLERANCE) -> float:
+    """The largest relative logit difference between the checkpoint's model and the transformers base
+    with the exported adapters loaded by PEFT; a CheckpointError past ``tolerance``."""
+    ckpt = LoraCheckpoint.read(checkpoint)
+    ours = checkpoint_model(ckpt)
+    theirs = PeftModel.from_pretrained(transformers_base(ckpt, ours), str(out_dir),
+                                       adapter_name=ADAPTER_NAME).eval()
+    tokens = torch.randint(0, ours.dims.vocab_size, (2, min(32, ours.max_seq_len)),
+                           generator=torch.Generator().manual_seed(0))
+    want = ours(tokens).float()
+    got = theirs(input_ids=tokens).logits.float()
+    difference = ((got - want).abs().max() / want.abs().max()).item()
+    if not difference <= tolerance:  # NaN fails too
+        raise CheckpointError(
+            f"export check failed: {out_dir} loaded by peft.PeftModel gives logits that differ from the "
+            f"checkpoint's by {difference:.2e} (relative; limit {tolerance:.0e}): the written adapters do "
+            "not reproduce the model. Do not use them; export again (--no-verify skips this check)")
+    return difference

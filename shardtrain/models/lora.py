@@ -1,0 +1,165 @@
+"""Low-rank adapters (LoRA) on any model, injected in place by PEFT, on a frozen base.
+
+``add_adapters`` runs where the model is built (on the meta device, before sharding), so it serves
+the built-in Llama, ``model.name=hf`` and every task alike. PEFT's ``inject_adapter_in_model``
+replaces each targeted ``nn.Linear`` by a LoRA layer in place, without wrapping the model: module
+names stay ours, so FSDP units, activation checkpointing and the weight readers keep working. The
+one change in names is PEFT's: a targeted layer's own weight moves to ``<module>.base_layer.weight``
+beside ``<module>.lora_A.default.weight`` and ``<module>.lora_B.default.weight``; ``base_name``
+maps it back wherever base weights are read or drawn, so a LoRA run's base is the plain run's.
+
+The adapters' initial values are PEFT's (``lora_A`` kaiming-uniform with a = sqrt(5), that is
+uniform in +-1/sqrt(fan_in); ``lora_B`` zeros), drawn by ``AdapterInitializer`` through the
+framework's seeded, world-size-invariant initialisation instead of the global RNG.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtrain.config.schema import FinetuneConfig
+from shardtrain.errors import ConfigError, ModelError
+
+ADAPTER_NAME = "default"  # PEFT's name for a model's only adapter
+BASE_LAYER = ".base_layer."
+# finetune.targets=[]: the attention and MLP projections of the built-in Llama (wq..w3), of
+# Llama/Mistral/Qwen2-style Hugging Face models, and of GPT-NeoX (fused QKV, dense, the MLP pair).
+DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3",
+                   "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                   "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+
+
+def base_name(name: str) -> str:
+    """The name a parameter has in the model without adapters (PEFT moves a targeted layer's weight
+    under ``base_layer``)."""
+    return name.replace(BASE_LAYER, ".")
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter ``name`` belongs to a LoRA adapter."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def matches(module_name: str, target: str) -> bool:
+    """PEFT's rule for a list of targets: the whole name, or its end after a dot."""
+    return module_name == target or module_name.endswith("." + target)
+
+
+def head_modules(model: nn.Module) -> dict[int, str]:
+    """The model's output head(s), by id: LoRA there would bypass the chunked loss and export maps."""
+    heads = {}
+    for owner in (model, getattr(model, "hf", None)):
+        for getter in ("output_head", "get_output_embeddings"):
+            head = getattr(owner, getter, None)
+            found = head() if callable(head) else None
+            if isinstance(found, nn.Module):
+                heads[id(found)] = getter
+    return heads
+
+
+def adapter_targets(model: nn.Module, targets: Iterable[str]) -> list[str]:
+    """The modules of ``model`` the target patterns select, each an ``nn.Linear`` of the model's body;
+    a ConfigError naming an embedding, the output head or a layer LoRA does not take."""
+    patterns = list(targets) or list(DEFAULT_TARGETS)
+    heads = head_modules(model)
+    chosen = []
+    for name, module in model.named_modules():
+        if not name or not any(matches(name, pattern) for pattern in patterns):
+            continue
+        if isinstance(module, nn.Embedding):
+            raise ConfigError(f"finetune.targets selects the embedding {name!r}: LoRA on embeddings is "
+                              "not supported yet; target the attention and MLP projections")
+        if id(module) in heads:
+            raise ConfigError(f"finetune.targets selects the output head {name!r}: LoRA on the head is "
+                              "not supported yet; target the attention and MLP projections")
+        if type(module) is not nn.Linear:
+            if any(isinstance(child, nn.Linear) for child in module.modules()):
+                continue  # a container whose name matches (GPT-NeoX's "attention.dense" is the layer)
+            raise ConfigError(f"finetune.targets selects {name!r}, a {type(module).__name__}: LoRA "
+                              "takes nn.Linear layers only; name the projections")
+        chosen.append(name)
+    if not chosen:
+        raise ConfigError(f"finetune.targets {patterns} selects no nn.Linear of {type(model).__name__}; "
+                          "name its projections (the end of a module name, e.g. q_proj)")
+    return chosen
+
+
+def peft_package() -> Any:
+    """PEFT, imported only by runs that fine-tune with adapters, through importlib on purpose (as
+    the trackers are): importing it imports transformers' quantizers and, where installed, torchao,
+    1.5 s and torchao's kernel-loading warnings on CPU for every process of every other run."""
+    return importlib.import_module("peft")
+
+
+def lora_config(cfg: FinetuneConfig, modules: list[str]) -> Any:
+    """PEFT's ``LoraConfig`` for ``cfg`` on ``modules``."""
+    return peft_package().LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                      target_modules=modules, bias="none")
+
+
+def add_adapters(model: nn.Module, cfg: FinetuneConfig) -> nn.Module:
+    """``model`` with LoRA adapters on ``cfg.targets`` (PEFT, in place) and every other parameter
+    frozen. The adapters are fp32 whatever the base's dtype."""
+    if cfg.method not in ("lora", "qlora"):
+        raise ConfigError(f"finetune.method={cfg.method!r} adds no adapters")
+    modules = adapter_targets(model, cfg.targets)
+    peft_package().inject_adapter_in_model(lora_config(cfg, modules), model, adapter_name=ADAPTER_NAME)
+    for name, param in model.named_parameters():
+        adapter = is_adapter(name)
+        param.requires_grad_(adapter)
+        if adapter and param.dtype != torch.float32:
+            raise ModelError(f"adapter {name} was made in {param.dtype}; build the model in fp32")
+    return model
+
+
+def adapter_modules(model: nn.Module) -> list[str]:
+    """Names of the modules that carry adapters (PEFT's LoRA layers)."""
+    return sorted({name.split(".lora_A.")[0] for name, _ in model.named_parameters()
+                   if ".lora_A." in name})
+
+
+class AdapterInitializer:
+    """Initialises the adapters as PEFT does and defers every other parameter to ``base`` (the task's
+    or the model's ``init_parameter``), under the names the base model has. Elementwise whenever
+    ``base`` is: the bound of ``lora_A`` depends on its fan-in alone, recorded here."""
+
+    def __init__(self, base: Any, model: nn.Module) -> None:
+        self.base = base
+        self.init_parameter_elementwise = getattr(base, "init_parameter_elementwise", False)
+        self.fan_in = {name: param.shape[1] for name, param in model.named_parameters()
+                       if ".lora_A." in name}
+
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        if ".lora_A." in name:
+            bound = 1.0 / math.sqrt(self.fan_in[name])  # kaiming_uniform_(a=sqrt(5)) of PEFT
+            tensor.uniform_(-bound, bound, generator=generator)
+        elif ".lora_B." in name:
+            tensor.zero_()
+        else:
+            self.base.init_parameter(base_name(name), tensor, generator)
+
+
+def local_bytes(param: torch.Tensor) -> int:
+    """Bytes of ``param`` this rank holds (its shard, for a sharded DTensor)."""
+    local = param.to_local() if hasattr(param, "to_local") else param
+    return local.numel() * local.element_size()
+
+
+def adapter_summary(model: nn.Module, cfg: FinetuneConfig) -> str:
+    """One start-up line: trainable and frozen parameters, and what each costs this rank."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    count = sum(p.numel() for p in trainable)
+    total = count + sum(p.numel() for p in frozen)
+    mib = 2.0 ** 20
+    return (f"finetune={cfg.method}: rank {cfg.rank}, alpha {cfg.alpha:g} on {len(adapter_modules(model))} "
+            f"modules; {count:,} trainable parameters ({100 * count / max(total, 1):.2f}%), "
+            f"{total - count:,} frozen; this rank holds {sum(map(local_bytes, trainable)) / mib:.2f} MiB "
+            f"trainable (+ their gradients and 2 Adam moments) and "
+            f"{sum(map(local_bytes, frozen)) / mib:.2f} MiB frozen (no gradients, no optimizer state)")
