@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from shardtrain.config.plan import resolve_plan, resolve_precision
+from shardtrain.config.plan import refuse_tensor_parallel_estimate, resolve_plan, resolve_precision
 from shardtrain.config.schema import Config
 from shardtrain.config.strategy import STRATEGIES
 from shardtrain.models.dims import Dims
@@ -144,6 +144,7 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
              checkpointed: bool | None = None) -> Estimate:
     """Rank 0's memory for ``strategy`` at ``world_size``; ``checkpointed`` overrides the config's
     activation checkpointing (all blocks or none)."""
+    refuse_tensor_parallel_estimate(cfg.strategy, "the memory planner")
     strategy_cfg = replace(cfg.strategy, sharding_strategy=strategy,
                            shard_group_size=cfg.strategy.shard_group_size
                            if world_size % max(cfg.strategy.shard_group_size, 1) == 0 else 0)

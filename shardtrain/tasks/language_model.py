@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardtrain.data.batches import IGNORE_INDEX, Batch, MixtureWindows, TokenWindows
 from shardtrain.data.corpus import Corpus, load_corpus
@@ -47,8 +48,11 @@ def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int = 0) -> tor
         return chunked_cross_entropy(hidden, head.weight, batch.targets, bias=head.bias,
                                      chunk_tokens=chunk_tokens, ignore_index=IGNORE_INDEX)
     logits = model(batch.inputs, **kwargs)
-    return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(),
+    loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+    # Tensor-parallel logits are a DTensor split along the vocabulary; under the step's
+    # ``loss_parallel`` the summed loss is replicated over the group: every rank's local value is it.
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:

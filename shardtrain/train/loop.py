@@ -81,11 +81,15 @@ class Trainer:
         self.built = built
         self.task = task
         t = cfg.trainer
-        self.layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, env.world_size)
-        self.train_data = TrainBatches(train, self.layout, env.rank, t.seed,
+        # The ranks of a tensor-parallel group (neighbours: tp is the mesh's innermost dimension)
+        # are one data-parallel rank: they read the same micro-batches.
+        tp = built.plan.tensor_parallel
+        dp_rank, dp_world = env.rank // tp, env.world_size // tp
+        self.layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, dp_world)
+        self.train_data = TrainBatches(train, self.layout, dp_rank, t.seed,
                                        pin_memory=pin_offloaded_memory(env.device.type))
         self.val_batches = ([] if val is None else
-                            eval_batches(val, t.eval_samples, t.micro_batch_size, env.world_size, env.rank))
+                            eval_batches(val, t.eval_samples, t.micro_batch_size, dp_world, dp_rank))
         self.step = 0
         self.result = TrainResult()
         self.writer = MetricsWriter(Path(cfg.run.dir), env.is_main)
@@ -112,7 +116,7 @@ class Trainer:
                                  cfg.dist.startup_timeout_s, cfg.diagnostics.stall_factor,
                                  cfg.diagnostics.stall_min_s, flight_recorder=cfg.dist.flight_recorder)
         check_uniform_batches({"micro-batches per step": len(self.layout.rank_slices(
-            np.zeros(self.layout.global_batch, dtype=np.int64), env.rank)),
+            np.zeros(self.layout.global_batch, dtype=np.int64), dp_rank)),
             "validation batches": len(self.val_batches)}, env.device)
 
     @classmethod
@@ -394,7 +398,8 @@ class Trainer:
             record.update(self.train_record(stats))
         if (due(step, t.eval_every) or last) and self.val_batches:
             self.watchdog.beat("evaluation", step)
-            val, val_metrics = evaluate(self.model, self.task, self.val_batches, self.env.device)
+            val, val_metrics = evaluate(self.model, self.task, self.val_batches, self.env.device,
+                                         self.built.mesh)
             self.result.val_losses.append((step, val))
             record["val_loss"] = val
             record.update({f"val_{name}": value for name, value in val_metrics.items()})
