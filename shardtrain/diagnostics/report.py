@@ -65,7 +65,8 @@ class DtypeProbe:
         def hook(module, args):
             for p in module.parameters(recurse=False):
                 self.seen["parameters in forward"].add(dtype_name(p.dtype))
-                if isinstance(p, DTensor):
+                # Gathered by FSDP, a tensor-parallel parameter is still a DTensor, on the tp mesh.
+                if isinstance(p, DTensor) and set(p.device_mesh.mesh_dim_names or ("",)) - {"tp"}:
                     self.sharded_in_forward.append(name)
             for a in args:
                 if isinstance(a, torch.Tensor) and a.is_floating_point():

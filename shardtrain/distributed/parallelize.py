@@ -125,7 +125,7 @@ def tensor_parallel_layout(model: nn.Module) -> dict[str, str]:
     layout = {}
     for name, param in model.named_parameters():
         key = re.sub(r"\.\d+\.", ".*.", name)
-        layout[key] = str(param.placements[0]) if isinstance(param, DTensor) else "whole"
+        layout[key] = repr(param.placements[0]) if isinstance(param, DTensor) else "whole"
     return layout
 
 

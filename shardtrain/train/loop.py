@@ -229,7 +229,8 @@ class Trainer:
                   f"({len(b.report.checkpointed)} activation-checkpointed)")
         self.info(f"task {type(self.task).__name__}; data: {self.task.describe()}; global batch "
                   f"{self.layout.global_batch} samples ({t.micro_batch_size} per micro-batch x "
-                  f"{t.grad_accum_steps} micro-batches x {env.world_size} ranks)")
+                  f"{t.grad_accum_steps} micro-batches x {self.layout.dp_world_size} "
+                  f"{'data-parallel ranks' if b.plan.tensor_parallel > 1 else 'ranks'})")
         self.info(f"config: every key, resolved, in {Path(self.cfg.run.dir) / 'config.yaml'}")
         if self.throughput.peak_flops is None:
             self.info(f"MFU is not reported: no peak FLOP/s is known for this device ({env.device.type})")
