@@ -4,8 +4,9 @@ Equivalence: the built-in Llama trained as FSDP 2 x TP 2 (4 gloo ranks; with and
 parallelism, and with activation checkpointing) and HSDP 2 x 2 x TP 2 (8), fp32, 2 micro-batches,
 matches the single-process reference loop of tests/equivalence.py within 1e-5 (relative: per-step
 loss, per-step global gradient norm, per-tensor final weights; measured below 2e-6). A checkpoint
-saved at FSDP 4 and resumed at FSDP 2 x TP 2 goes on with the same samples and reaches the same
-losses and weights, and the TP checkpoint consolidates to the weights its ranks hold. And every
+saved at FSDP 4, resumed at FSDP 2 x TP 2, saved and resumed at FSDP 4 again goes on with the same
+samples and reaches the same losses and weights, and the TP checkpoint consolidates to the weights
+its ranks hold. And every
 layout that cannot work fails before launch with one line.
 """
 
@@ -19,7 +20,7 @@ import torch
 from distributed import run_on_ranks
 from equivalence import GLOBAL_BATCH, STEPS, max_errors, reference_run, small_corpus
 from safetensors.torch import load_file
-from tensor_parallel_workers import TP_MODEL, equivalence_and_resume
+from tensor_parallel_workers import SPLITS, TP_MODEL, equivalence_and_resume
 
 from shardtrain.config.loader import load_config
 from shardtrain.config.plan import (
@@ -62,7 +63,7 @@ def test_fsdp2_x_tp2_matches_reference_and_resumes_across_layouts(reference, tmp
     for name in cases:
         failures += compare(torch.load(tmp_path / f"{name}.pt"), reference, f"4p {name}")
     across = torch.load(tmp_path / "across_layouts.pt")
-    failures += compare(across, reference, "4p FSDP 4 -> FSDP 2 x TP 2 resume")
+    failures += compare(across, reference, "4p FSDP 4 -> FSDP 2 x TP 2 -> FSDP 4 resumes")
     assert not failures, "\n".join(failures)
     # The data position carried over: each step read the samples the uninterrupted order gives.
     cfg = Config()
@@ -70,12 +71,12 @@ def test_fsdp2_x_tp2_matches_reference_and_resumes_across_layouts(reference, tmp
     want = [sorted(order.take(step * GLOBAL_BATCH, GLOBAL_BATCH).tolist()) for step in range(STEPS)]
     assert [sorted(ids) for ids in across["ids"]] == want
     assert len(np.concatenate(across["ids"])) == len(set(np.concatenate(across["ids"]).tolist()))
-    # The TP run's last checkpoint consolidates (DCP reshards the 2-D DTensors) to exactly the
-    # weights its ranks gathered.
-    files = consolidate(tmp_path / "tp" / "checkpoints" / f"step-{STEPS}", tmp_path / "tp.safetensors")
+    # The TP run's checkpoint consolidates (DCP reshards the 2-D DTensors) to exactly the weights
+    # its ranks gathered.
+    files = consolidate(tmp_path / "tp" / "checkpoints" / f"step-{SPLITS[1]}", tmp_path / "tp.safetensors")
     consolidated = load_file(files[0])
-    assert consolidated.keys() == across["weights"].keys()
-    assert all(torch.equal(consolidated[k], w) for k, w in across["weights"].items())
+    assert consolidated.keys() == across["tp_weights"].keys()
+    assert all(torch.equal(consolidated[k], w) for k, w in across["tp_weights"].items())
 
 
 def test_hsdp_2x2_x_tp2_matches_reference(reference, tmp_path):
