@@ -167,7 +167,8 @@ class Trainer:
             self.train_data.consumed_samples = state.consumed_samples
             self.result.resumed_from = str(path)
             self.info(f"resumed from {path}: step {self.step}, {state.consumed_samples} samples "
-                      f"consumed (saved at world size {state.world_size}, {state.strategy})")
+                      f"consumed (saved at world size {state.world_size}, {state.strategy}, "
+                      f"mesh [{state.mesh}])")
             changes = state.data_order_changes(self.cfg)
             if changes and self.env.is_main:
                 log.warning(f"the data order differs from the checkpoint's ({'; '.join(changes)}): the "
