@@ -192,9 +192,6 @@ def check_tensor_parallel_layout(cfg: StrategyConfig, world_size: int, local_wor
         raise ConfigError(f"strategy.tensor_parallel={tp} must divide the {local_world_size} processes "
                           "of a node, so that no tensor-parallel group straddles two nodes; choose a "
                           f"divisor of {local_world_size}")
-    if cfg.cpu_offload:
-        raise ConfigError("strategy.cpu_offload=true with strategy.tensor_parallel > 1 is not supported "
-                          "yet; set strategy.cpu_offload=false or strategy.tensor_parallel=1")
     return tp
 
 
