@@ -208,6 +208,7 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
 
 
 def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, local: int) -> str:
+    refuse_tensor_parallel_estimate(cfg.strategy, "shardtrain plan")
     with torch.device("meta"):
         model = build_model(cfg.model)
     n = sum(p.numel() for p in model.parameters())

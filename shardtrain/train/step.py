@@ -131,6 +131,7 @@ def global_sum_tensor(value: torch.Tensor, copies: int = 1) -> torch.Tensor:
 
 
 def tensor_parallel_degree(mesh: DeviceMesh | None) -> int:
+    """The size of the mesh's ``tp`` dimension (1 without one)."""
     names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
     return mesh.size(names.index("tp")) if "tp" in names else 1
 
