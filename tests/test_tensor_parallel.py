@@ -59,6 +59,9 @@ def test_fsdp2_x_tp2_matches_reference_and_resumes_across_layouts(reference, tmp
         "fsdp2_tp2_no_sp": dict(tensor_parallel=2, sequence_parallel=False, accum=2, model=TP_MODEL),
         "fsdp2_tp2_sp_ac_offload": dict(tensor_parallel=2, ac="all", cpu_offload=True, accum=2,
                                         model=TP_MODEL),
+        # A 3-D mesh at 4 ranks (replicas all-reduce, a shard group of one).
+        "hsdp2x1_tp2_sp": dict(strategy="HYBRID_SHARD", shard_group_size=1, tensor_parallel=2, accum=2,
+                               model=TP_MODEL),
     }
     run_on_ranks(equivalence_and_resume, 4, str(tmp_path), cases, tmp_path=tmp_path)
     failures = []
