@@ -240,9 +240,6 @@ def check_tensor_parallel_support(cfg: Config) -> None:
     if cfg.task.path != LANGUAGE_MODEL_TASK:
         raise ConfigError(f"strategy.tensor_parallel={tp} supports the built-in language-model task only "
                           f"for now, not task={cfg.task.path}; set strategy.tensor_parallel=1")
-    if cfg.model.tie_embeddings:
-        raise ConfigError("model.tie_embeddings=true with strategy.tensor_parallel > 1 is not supported "
-                          "yet; set model.tie_embeddings=false or strategy.tensor_parallel=1")
     if cfg.strategy.compile:
         raise ConfigError("strategy.compile=true with strategy.tensor_parallel > 1 is not tested yet; "
                           "set strategy.compile=false or strategy.tensor_parallel=1")

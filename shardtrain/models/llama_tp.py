@@ -55,10 +55,6 @@ def check_tensor_parallel_dims(dims: Dims, tp: int) -> None:
 
 def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Apply the plan in place (on the meta device or real weights; before ``fully_shard``)."""
-    if model.cfg.tie_embeddings:
-        raise ConfigError("model.tie_embeddings=true with strategy.tensor_parallel > 1 is not supported "
-                          "yet (the embedding and the head would be split twice); set "
-                          "model.tie_embeddings=false or strategy.tensor_parallel=1")
     check_tensor_parallel_dims(model.dims, tp_mesh.size())
     # Where the residual stream lives between the matmuls: sharded along the sequence, or whole.
     stream = Shard(1) if sequence_parallel else Replicate()
@@ -68,6 +64,10 @@ def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
         "output": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),
         **({"norm": SequenceParallel()} if sequence_parallel else {}),
     })
+    if model.cfg.tie_embeddings:
+        # Each style distributed its module's weight into a parameter of its own; both split the
+        # vocabulary rows (Shard(0)), so the head takes the embedding's again.
+        model.output.weight = model.tok_embeddings.weight
     # The attention's inputs (x, rope, cache, layer, mask): only x is laid out; rope and the mask
     # cover the whole sequence, which every rank sees after the all-gather.
     rest = (None,) * 4
