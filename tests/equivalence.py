@@ -33,18 +33,20 @@ def small_corpus() -> Corpus:
 
 def case_config(world_size: int, run_dir: str, strategy: str = "FULL_SHARD",
                 precision: str = "fp32", ac: str = "none", accum: int = 1,
-                tied: bool = False, compile: bool = False, **strategy_extra) -> Config:
+                tied: bool = False, compile: bool = False, model: dict | None = None,
+                **strategy_extra) -> Config:
+    """``model``: sizes that replace the tiny model's (tensor parallelism needs even splits)."""
     cfg = Config()
-    cfg.model = dataclasses.replace(
-        cfg.model, dim=36, n_layers=3, n_heads=6, n_kv_heads=2, ffn_hidden_dim=97,
-        max_seq_len=64, tie_embeddings=tied,
-    )
+    sizes = dict(dim=36, n_layers=3, n_heads=6, n_kv_heads=2, ffn_hidden_dim=97, max_seq_len=64)
+    cfg.model = dataclasses.replace(cfg.model, tie_embeddings=tied, **(sizes | (model or {})))
     cfg.strategy = dataclasses.replace(
         cfg.strategy, sharding_strategy=strategy, mixed_precision=precision,
         activation_checkpointing=ac, compile=compile, **strategy_extra,
     )
     cfg.trainer = dataclasses.replace(
-        cfg.trainer, max_steps=STEPS, micro_batch_size=GLOBAL_BATCH // (world_size * accum),
+        cfg.trainer, max_steps=STEPS,
+        # A tensor-parallel group is one data-parallel rank.
+        micro_batch_size=GLOBAL_BATCH // (world_size // cfg.strategy.tensor_parallel * accum),
         grad_accum_steps=accum, seq_len=32, lr=3e-3, warmup_steps=2, grad_clip_norm=1.0,
         eval_every=0, eval_samples=8, sample_tokens=0, progress_bar=False, log_every=100,
     )
@@ -74,9 +76,10 @@ def run_cases(cases: dict[str, dict], out_dir: str, prepared: str | None = None)
                        Path(out_dir, f"{name}.pt"))
 
 
-def reference_run(tied: bool = False, train_tokens=None) -> dict:
-    """One process, no sharding: the ground truth (on ``train_tokens``, default the small corpus)."""
-    cfg = case_config(1, "unused", tied=tied)
+def reference_run(tied: bool = False, train_tokens=None, model: dict | None = None) -> dict:
+    """One process, no sharding: the ground truth (on ``train_tokens``, default the small corpus;
+    ``model``: as in ``case_config``)."""
+    cfg = case_config(1, "unused", tied=tied, model=model)
     tokens = small_corpus().train if train_tokens is None else train_tokens
     torch.manual_seed(0)
     model = Llama(cfg.model)

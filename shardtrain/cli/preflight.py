@@ -14,6 +14,8 @@ from shardtrain.config.schema import Config
 from shardtrain.data.prepared import open_prepared
 from shardtrain.data.tokenizer import tokenizer_for
 from shardtrain.errors import CheckpointError, ConfigError
+from shardtrain.models.llama import llama_dims
+from shardtrain.models.llama_tp import check_tensor_parallel_dims
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.task import task_from_config
 from shardtrain.train.trackers import (
@@ -82,6 +84,8 @@ def check_training(cfg: Config) -> None:
     # language model's.
     if not isinstance(task_from_config(cfg), LanguageModelTask):
         return
+    if cfg.model.name == "llama":
+        check_tensor_parallel_dims(llama_dims(cfg.model), cfg.strategy.tensor_parallel)
     if cfg.model.weights_source() == cfg.model.path and cfg.model.path:
         weight_files(Path(cfg.model.path).expanduser())  # a Hugging Face model's own weights
     tokenizer = tokenizer_for(cfg.model)  # a missing or unreadable tokenizer fails here, before any worker

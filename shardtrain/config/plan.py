@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from shardtrain.accelerator import accelerator_count, default_precision
-from shardtrain.config.schema import Config, StrategyConfig
+from shardtrain.config.schema import LANGUAGE_MODEL_TASK, Config, StrategyConfig
 from shardtrain.config.strategy import (
     DTYPE_NAMES,
     PRECISION_PRESETS,
@@ -57,6 +57,26 @@ class ShardingPlan:
     grad_accumulation: str = "sharded"  # sharded | unsharded (see StrategyConfig)
     precision: str = "fp32"  # the mixed-precision preset, with auto resolved
     float8: bool = False  # strategy.float8: blocks' linears in float8, gathered in float8
+    sequence_parallel: bool = False  # only with a tp dimension
+
+    def size(self, dim_name: str) -> int:
+        """The size of mesh dimension ``dim_name`` (1 where the mesh has none)."""
+        names = self.mesh_dim_names
+        return self.mesh_shape[names.index(dim_name)] if dim_name in names else 1
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self.size("tp")
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks that FSDP shards each parameter over."""
+        return self.size("dp_shard")
+
+    @property
+    def data_parallel_dims(self) -> tuple[str, ...]:
+        """The mesh dimensions FSDP runs over (every one but tp)."""
+        return tuple(name for name in self.mesh_dim_names if name != "tp")
 
     def checkpointed(self, block_index: int) -> bool:
         if self.activation_checkpointing in ("all", "selective"):
@@ -95,23 +115,32 @@ def resolve_precision(name: str, accelerated: bool | None = None) -> str:
 
 def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int,
                  accelerated: bool | None = None) -> ShardingPlan:
-    """``accelerated``: what ``mixed_precision=auto`` plans for (None: this machine's devices)."""
+    """``accelerated``: what ``mixed_precision=auto`` plans for (None: this machine's devices).
+
+    With ``tensor_parallel`` > 1 the mesh gains an innermost ``tp`` dimension (neighbouring ranks,
+    so that a group stays inside a node) and the data-parallel dimensions share world / tp ranks."""
     strategy = normalize_strategy_name(cfg.sharding_strategy)
     hybrid, reshard = STRATEGIES[strategy]
+    tp = check_tensor_parallel_layout(cfg, world_size, local_world_size)
+    dp_world, dp_per_node = world_size // tp, max(1, local_world_size // tp)
 
     if strategy == "NO_SHARD":
-        mesh_shape: tuple[int, ...] = (world_size, 1)
+        mesh_shape: tuple[int, ...] = (dp_world, 1)
     elif hybrid:
-        shard = cfg.shard_group_size or local_world_size
-        if shard <= 0 or world_size % shard:
+        shard = cfg.shard_group_size or dp_per_node
+        if shard <= 0 or dp_world % shard:
+            what = "the world size" if tp == 1 else "the data-parallel ranks (world / tensor_parallel)"
             raise ConfigError(
-                f"strategy.shard_group_size={shard} must divide the world size {world_size} "
-                f"for {strategy}; set strategy.shard_group_size to a divisor of {world_size}"
+                f"strategy.shard_group_size={shard} must divide {what} {dp_world} "
+                f"for {strategy}; set strategy.shard_group_size to a divisor of {dp_world}"
             )
-        mesh_shape = (world_size // shard, shard)
+        mesh_shape = (dp_world // shard, shard)
     else:
-        mesh_shape = (world_size,)
-    names = ("dp_replicate", "dp_shard") if len(mesh_shape) == 2 else ("dp_shard",)
+        mesh_shape = (dp_world,)
+    names: tuple[str, ...] = ("dp_replicate", "dp_shard") if len(mesh_shape) == 2 else ("dp_shard",)
+    if tp > 1:
+        mesh_shape, names = (*mesh_shape, tp), (*names, "tp")
+    shard_group = mesh_shape[names.index("dp_shard")]
 
     raf = reshard_setting(cfg.reshard_after_forward)
     if raf is None:
@@ -119,12 +148,12 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int,
     elif isinstance(raf, bool):
         reshard_after_forward = raf
     else:
-        if raf == 1 or mesh_shape[-1] % raf:
+        if raf == 1 or shard_group % raf:
             raise ConfigError(
                 f"strategy.reshard_after_forward={raf} must be a divisor of the shard group size "
-                f"{mesh_shape[-1]} other than 1 (or true/false)"
+                f"{shard_group} other than 1 (or true/false)"
             )
-        reshard_after_forward = True if raf == mesh_shape[-1] else raf
+        reshard_after_forward = True if raf == shard_group else raf
 
     preset = resolve_precision(cfg.mixed_precision, accelerated)
     storage, param, reduce = PRECISION_PRESETS[preset]
@@ -143,10 +172,32 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int,
         cpu_offload=cfg.cpu_offload,
         activation_checkpointing=ac,
         activation_checkpointing_every=cfg.activation_checkpointing_every,
-        grad_accumulation=resolve_accumulation(cfg.grad_accumulation, mesh_shape[-1]),
+        grad_accumulation=resolve_accumulation(cfg.grad_accumulation, shard_group),
         precision=preset,
         float8=cfg.float8,
+        sequence_parallel=tp > 1 and cfg.sequence_parallel,
     )
+
+
+def check_tensor_parallel_layout(cfg: StrategyConfig, world_size: int, local_world_size: int) -> int:
+    """The tensor-parallel degree, if the world and the nodes can hold it (one line otherwise)."""
+    tp = cfg.tensor_parallel
+    if tp == 1:
+        return tp
+    if world_size % tp:
+        raise ConfigError(f"strategy.tensor_parallel={tp} must divide the world size {world_size} "
+                          "(world = data-parallel ranks x tensor_parallel); choose a divisor of "
+                          f"{world_size}")
+    if tp > local_world_size and not cfg.tensor_parallel_across_nodes:
+        raise ConfigError(f"strategy.tensor_parallel={tp} is larger than the {local_world_size} "
+                          "processes of a node: its collectives (several per layer) would cross nodes; "
+                          "use at most the GPUs of a node, or set "
+                          "strategy.tensor_parallel_across_nodes=true to force it")
+    if local_world_size % tp and tp < local_world_size:
+        raise ConfigError(f"strategy.tensor_parallel={tp} must divide the {local_world_size} processes "
+                          "of a node, so that no tensor-parallel group straddles two nodes; choose a "
+                          f"divisor of {local_world_size}")
+    return tp
 
 
 def resolve_accumulation(choice: str, shard_group: int) -> str:
@@ -193,3 +244,37 @@ def check_world(cfg: Config, world_size: int, local_world_size: int) -> None:
             f"{cfg.trainer.num_nodes}; make them agree (trainer.devices=auto follows torchrun, "
             "torchrun --nproc-per-node N starts N per node)"
         )
+
+
+def check_tensor_parallel_support(cfg: Config) -> None:
+    """What tensor parallelism does not cover yet, refused in one line rather than run wrongly."""
+    tp = cfg.strategy.tensor_parallel
+    if tp == 1:
+        return
+    if cfg.model.name != "llama":
+        raise ConfigError(f"strategy.tensor_parallel={tp} supports the built-in Llama only for now, not "
+                          f"model.name={cfg.model.name}; set strategy.tensor_parallel=1")
+    if cfg.task.path != LANGUAGE_MODEL_TASK:
+        raise ConfigError(f"strategy.tensor_parallel={tp} supports the built-in language-model task only "
+                          f"for now, not task={cfg.task.path}; set strategy.tensor_parallel=1")
+    if cfg.strategy.compile:
+        raise ConfigError("strategy.compile=true with strategy.tensor_parallel > 1 is not tested yet; "
+                          "set strategy.compile=false or strategy.tensor_parallel=1")
+    if cfg.trainer.loss_chunk_tokens not in (0, "auto"):
+        raise ConfigError(f"trainer.loss_chunk_tokens={cfg.trainer.loss_chunk_tokens} (the chunked loss) "
+                          "does not take vocabulary-sharded logits; with strategy.tensor_parallel > 1 "
+                          "set trainer.loss_chunk_tokens=0 or auto (the loss runs on the sharded logits)")
+    not_yet = {"strategy.float8=true": cfg.strategy.float8,
+               "trainer.micro_batch_size=auto": cfg.trainer.micro_batch_size == "auto",
+               f"finetune.method={cfg.finetune.method}": cfg.finetune.method != "none"}
+    for setting, asked in not_yet.items():
+        if asked:
+            raise ConfigError(f"{setting} with strategy.tensor_parallel={tp} is not built yet; "
+                              "use one or the other")
+
+
+def refuse_tensor_parallel_estimate(cfg: StrategyConfig, what: str) -> None:
+    """The planner and ``plan --simulate`` do not count tensor parallelism yet."""
+    if cfg.tensor_parallel > 1:
+        raise ConfigError(f"{what} does not count tensor parallelism yet (strategy.tensor_parallel="
+                          f"{cfg.tensor_parallel}); plan with strategy.tensor_parallel=1")

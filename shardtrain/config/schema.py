@@ -103,6 +103,15 @@ class StrategyConfig:
     # (torchao's float8 training, tensor-wise scaling); GPUs of compute capability 8.9 and up only
     # (H100, L4, ...); the output head keeps the compute dtype. Fast only with compile=true.
     float8: bool = False
+    # Tensor parallelism: ranks per tensor-parallel group, the mesh's innermost ``tp`` dimension
+    # (1 = none). The data-parallel dimensions get world / this; shard_group_size then counts
+    # data-parallel ranks.
+    tensor_parallel: int = knob(1, at_least=1)
+    # With tensor_parallel > 1: the norms and the residual stream sharded along the sequence too.
+    sequence_parallel: bool = True
+    # Allow a tensor-parallel group larger than the processes of a node (its collectives then cross
+    # the inter-node network every layer).
+    tensor_parallel_across_nodes: bool = False
 
 
 @dataclass

@@ -13,7 +13,13 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from shardtrain.config.plan import ShardingPlan, accumulation_steps, resolve_plan, resolve_precision
+from shardtrain.config.plan import (
+    ShardingPlan,
+    accumulation_steps,
+    refuse_tensor_parallel_estimate,
+    resolve_plan,
+    resolve_precision,
+)
 from shardtrain.config.schema import Config
 from shardtrain.config.strategy import AC_MODES, STRATEGIES, checkpointing_mode
 from shardtrain.distributed.parallelize import float8_eligible
@@ -178,6 +184,7 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     activation checkpointing (all blocks or none); ``accelerated``: ``mixed_precision=auto`` means
     what it means on an accelerator (bf16-mixed), else on a CPU (fp32); None: on this machine."""
     check_planned_batch(cfg)
+    refuse_tensor_parallel_estimate(cfg.strategy, "the memory planner")
     strategy_cfg = replace(cfg.strategy, sharding_strategy=strategy,
                            shard_group_size=cfg.strategy.shard_group_size
                            if world_size % max(cfg.strategy.shard_group_size, 1) == 0 else 0)
@@ -303,6 +310,7 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
 
 def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, local: int) -> str:
     check_planned_batch(cfg)
+    refuse_tensor_parallel_estimate(cfg.strategy, "shardtrain plan")
     with torch.device("meta"):
         model = build_model(cfg.model)
     n = sum(p.numel() for p in model.parameters())

@@ -41,6 +41,12 @@ def settings_lines(cfg: Config, plan: ShardingPlan, report: ShardingReport, env:
     for name in report.units:
         mark = " (activation checkpointing)" if name in report.checkpointed else ""
         lines.append(f"  {name:40s} {report.unit_params.get(name, 0):>12,d} params{mark}")
+    if report.tensor_parallel:
+        sp = "on" if plan.sequence_parallel else "off"
+        lines.append(f"diagnostics: tensor parallel over tp={plan.tensor_parallel} (sequence parallel {sp}), "
+                     f"FSDP over {' x '.join(f'{n}={plan.size(n)}' for n in plan.data_parallel_dims)}; "
+                     "each parameter over tp:")
+        lines += [f"  {name:40s} {layout}" for name, layout in report.tensor_parallel.items()]
     return lines
 
 
@@ -59,7 +65,8 @@ class DtypeProbe:
         def hook(module, args):
             for p in module.parameters(recurse=False):
                 self.seen["parameters in forward"].add(dtype_name(p.dtype))
-                if isinstance(p, DTensor):
+                # Gathered by FSDP, a tensor-parallel parameter is still a DTensor, on the tp mesh.
+                if isinstance(p, DTensor) and set(p.device_mesh.mesh_dim_names or ("",)) - {"tp"}:
                     self.sharded_in_forward.append(name)
             for a in args:
                 if isinstance(a, torch.Tensor) and a.is_floating_point():

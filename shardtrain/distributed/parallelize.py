@@ -7,6 +7,7 @@ decides the units and applies FSDP2 to them.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardtrain.accelerator import check_float8, pin_offloaded_memory
@@ -95,6 +97,8 @@ class ShardingReport:
     # Parameters (global element count) per unit, the root's own last.
     unit_params: dict[str, int] = field(default_factory=dict)
     float8_linears: list[str] = field(default_factory=list)  # strategy.float8's converted layers
+    # Under tensor parallelism: each parameter's layout over tp (blocks' names as ``layers.*``).
+    tensor_parallel: dict[str, str] = field(default_factory=dict)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
@@ -123,6 +127,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
         report.unit_params[name] = sum(p.numel() for p in params.values())
     report.unit_params["<root>"] = sum(p.numel() for p in model.parameters() if id(p) not in seen)
     warn_tied_across_units(model, [name for name, _, _ in units])
+    if plan.tensor_parallel > 1:
+        # Tensor parallelism first: fully_shard then shards each TP shard over the data-parallel
+        # dimensions, giving 2-D (or 3-D) DTensor parameters on the one mesh.
+        apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel)
+        report.tensor_parallel = tensor_parallel_layout(model)
+        mesh = mesh[plan.data_parallel_dims]
 
     if plan.storage_dtype != torch.float32:
         # Parameters only: buffers such as RoPE tables keep their own (fp32) precision.
@@ -150,6 +160,27 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
     fully_shard(model, **common)
     report.units.append("<root>")
     return report
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """The model's own tensor-parallel plan (``parallelize_tensors(tp_mesh, sequence_parallel)``)."""
+    plan = getattr(model, "parallelize_tensors", None)
+    if plan is None:
+        raise ConfigError(f"{type(model).__name__} has no tensor-parallel plan (a "
+                          "parallelize_tensors(tp_mesh, sequence_parallel) method); set "
+                          "strategy.tensor_parallel=1")
+    plan(tp_mesh, sequence_parallel)
+
+
+def tensor_parallel_layout(model: nn.Module) -> dict[str, str]:
+    """How each parameter lies over tp, once for all blocks: ``Shard(0)`` (split by output rows),
+    ``Shard(1)`` (by input columns), ``Replicate()``, or ``whole`` (a plain tensor: every rank
+    computes it alike)."""
+    layout = {}
+    for name, param in model.named_parameters():
+        key = re.sub(r"\.\d+\.", ".*.", name)
+        layout[key] = repr(param.placements[0]) if isinstance(param, DTensor) else "whole"
+    return layout
 
 
 def reshard_all(model: nn.Module) -> None:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from shardtrain.config.plan import ShardingPlan
@@ -119,13 +119,17 @@ def parameters_on_meta() -> Iterator[None]:
         handle.remove()
 
 
+def local_box(param: DTensor) -> tuple[list[int], list[int]]:
+    """(global offsets, sizes) of the block of ``param`` this rank holds: FSDP's rows of it, and
+    under tensor parallelism its rows or columns of the TP shard (FSDP shards a TP shard's rows
+    again, a strided layout). DCP's own description of a DTensor's shard, which checkpoints rely on."""
+    chunk = param.__create_chunk_list__()[0]
+    return list(chunk.offsets), list(chunk.sizes)
+
+
 def first_row(param: DTensor) -> int:
-    """The first global row this rank holds of an FSDP2 (dim-0, ``torch.chunk``-rule) parameter."""
-    shard_dim = [i for i, p in enumerate(param.placements) if isinstance(p, Shard)]
-    if not shard_dim or not param.ndim:
-        return 0
-    rows, groups = param.shape[0], param.device_mesh.size(shard_dim[0])
-    return min(rows, param.device_mesh.get_local_rank(shard_dim[0]) * -(-rows // groups))
+    """The first global row this rank holds of a parameter sharded along dim 0."""
+    return local_box(param)[0][0] if param.ndim else 0
 
 
 def move_buffers(model: nn.Module, device: torch.device) -> None:
@@ -194,11 +198,19 @@ def initialize_parameters(model: nn.Module, seed: int, initializer: Any = None,
             param.copy_(shard_like(full.to(param.dtype), param))
             continue
         local = param.to_local()
-        first = first_row(param)
+        if param.ndim == 0:
+            offsets, sizes = [0], [1]
+        else:
+            offsets, sizes = local_box(param)
+        # The whole rows of the block are drawn (a contiguous range of the flattened parameter),
+        # then its columns cut out: tp times the shard's elements for a column-split weight, never
+        # more.
         row = math.prod(param.shape[1:])  # global shape: a rank's shard may have no rows
-        values = torch.empty(local.numel(), dtype=torch.float32)
-        fill_elements(initializer.init_parameter, name, seed, values, first * row, param.numel())
-        local.copy_(values.view(local.shape).to(local.dtype))
+        values = torch.empty(sizes[0] * row, dtype=torch.float32)
+        fill_elements(initializer.init_parameter, name, seed, values, offsets[0] * row, param.numel())
+        block = values.view(sizes[0], *param.shape[1:])[
+            (slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:], strict=True)))]
+        local.copy_(block.reshape(local.shape).to(local.dtype))
 
 
 class DeferredDraws:

@@ -14,10 +14,12 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardtrain.config.schema import ModelConfig
 from shardtrain.errors import ModelError
 from shardtrain.models.dims import Dims
+from shardtrain.models.llama_tp import parallelize_llama
 from shardtrain.models.masking import document_attention_bias
 
 
@@ -27,6 +29,11 @@ def ffn_hidden_dim(cfg: ModelConfig) -> int:
     hidden = int(8 * cfg.dim / 3)
     m = cfg.ffn_multiple_of
     return m * ((hidden + m - 1) // m)
+
+
+def llama_dims(cfg: ModelConfig) -> Dims:
+    """The sizes the built-in Llama of ``cfg`` will have (without building it)."""
+    return Dims(cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, ffn_hidden_dim(cfg), cfg.vocab_size)
 
 
 class RMSNorm(nn.Module):
@@ -102,9 +109,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
                 layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # Head counts from the projections' widths: under tensor parallelism each rank holds
+        # n_heads / tp query and n_kv_heads / tp key/value heads (models/llama_tp.py).
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         start = 0
         if cache is not None:
@@ -113,11 +122,11 @@ class Attention(nn.Module):
         causal = start == 0 and mask is None
         if start > 0 and t > 1:  # several new tokens after cached ones: causal, shifted
             mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)
-        grouped = self.n_kv_heads != self.n_heads
+        grouped = k.shape[1] != q.shape[1]
         if grouped and mask is not None and t > 1:
             # On CUDA, SDPA runs grouped-query attention with a mask only in its math kernel (the
             # full fp32 score matrix per layer): give it as many key/value heads as query heads.
-            k, v = (z.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for z in (k, v))
+            k, v = (z.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for z in (k, v))
             grouped = False
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and t > 1,
                                            enable_gqa=grouped)
@@ -205,13 +214,16 @@ class Llama(nn.Module):
 
     @property
     def dims(self) -> Dims:
-        c = self.cfg
-        return Dims(c.dim, c.n_layers, c.n_heads, c.n_kv_heads, ffn_hidden_dim(c), c.vocab_size)
+        return llama_dims(self.cfg)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         return KVCache(self.cfg.n_layers, max_len or self.cfg.max_seq_len)
 
     # ---- what the framework asks of a model -------------------------------------------------
+
+    def parallelize_tensors(self, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+        """Split the weights over ``tp_mesh`` (tensor parallelism; see ``models/llama_tp.py``)."""
+        parallelize_llama(self, tp_mesh, sequence_parallel)
 
     def extra_shard_groups(self) -> list[list[nn.Module]]:
         """Module groups that get their own FSDP unit besides the blocks (as torchtitan does)."""

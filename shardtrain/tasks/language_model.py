@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardtrain.data.batches import IGNORE_INDEX, Batch, MixtureWindows, TokenWindows
 from shardtrain.data.corpus import Corpus, load_corpus
@@ -47,8 +48,11 @@ def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int = 0) -> tor
         return chunked_cross_entropy(hidden, head.weight, batch.targets, bias=head.bias,
                                      chunk_tokens=chunk_tokens, ignore_index=IGNORE_INDEX)
     logits = model(batch.inputs, **kwargs)
-    return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(),
+    loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+    # Tensor-parallel logits are a DTensor split along the vocabulary; under the step's
+    # ``loss_parallel`` the summed loss is replicated over the group: every rank's local value is it.
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -111,7 +115,9 @@ class LanguageModelTask(Task):
 
     def loss(self, model: nn.Module, batch: Batch) -> LossOutput:
         # An unbound task (eval and generation use it without a training config) takes the plain loss.
-        head = output_head(model) if self.cfg is not None else None
+        # Under tensor parallelism the logits stay vocabulary-sharded (loss_parallel): never chunked.
+        tensor_parallel = self.cfg is not None and self.cfg.strategy.tensor_parallel > 1
+        head = output_head(model) if self.cfg is not None and not tensor_parallel else None
         chunk_tokens = 0 if head is None else chunk_tokens_for(self.cfg.trainer.loss_chunk_tokens,
                                                                head.weight.shape[0])
         return LossOutput(token_loss_sum(model, batch, chunk_tokens), (batch.targets != IGNORE_INDEX).sum())

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardtrain.config.plan import ShardingPlan, resolve_plan
+from shardtrain.config.plan import ShardingPlan, check_tensor_parallel_support, resolve_plan
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.rails import check_optimizer
 from shardtrain.distributed.env import DistEnv, build_mesh
@@ -34,6 +34,7 @@ class Built:
 
 def build(cfg: Config, env: DistEnv, task: Task,
           optimizer_factory: OptimizerFactory | None = None) -> Built:
+    check_tensor_parallel_support(cfg)
     plan = resolve_plan(cfg.strategy, env.world_size, env.local_world_size)
     mesh = build_mesh(plan, env.device.type)
     model, report = build_sharded_model(cfg, env, plan, mesh, task.build_model, task.wrap_policy(),

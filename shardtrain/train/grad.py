@@ -2,7 +2,9 @@
 
 Each rank holds a shard of every gradient. The global L2 norm is the square root of the sum of the
 shards' squared norms over the shard group; replicas (HSDP, NO_SHARD) hold identical reduced
-gradients and must not be counted twice, so the sum runs over the shard dimension only.
+gradients and must not be counted twice, so the sum runs over the shard dimension only. Under tensor
+parallelism the gradients split over the ``tp`` dimension are summed over it as well, and those
+replicated over it counted once.
 """
 
 from __future__ import annotations
@@ -32,14 +34,36 @@ def global_grad_norm(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> torch.
     # kernels per gradient (thousands of launches at 405B, just before the step's host read);
     # squares of fp32 norms, whatever the gradients' dtype.
     device = torch.device(mesh.device_type)
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for group in group_by_device_and_dtype([g.to_local() for g in grads]).values():
-        norms = torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32))
-        total += norms.pow(2).sum().to(device)
+    tensor_parallel = "tp" in (mesh.mesh_dim_names or ())
+    # Under tensor parallelism a gradient split over tp (the matmuls') sums over the tp group too;
+    # one replicated over it (the norms') is the same on every rank of the group: counted once.
+    split = [g for g in grads if tensor_parallel and split_over_tp(g)]
+    whole = [g for g in grads if not (tensor_parallel and split_over_tp(g))]
+    total = squared_norm(whole, device)
+    if split:
+        tp_sum = squared_norm(split, device)
+        dist.all_reduce(tp_sum, group=mesh.get_group("tp"))
+        total += tp_sum
     shard_group = mesh.get_group("dp_shard")
     if dist.get_world_size(shard_group) > 1:
         dist.all_reduce(total, group=shard_group)
     return total.sqrt()
+
+
+def split_over_tp(grad: DTensor) -> bool:
+    """Whether ``grad`` is sharded over the mesh's ``tp`` dimension (FSDP-only parameters live on
+    the data-parallel sub-mesh, which has none)."""
+    names = grad.device_mesh.mesh_dim_names or ()
+    return "tp" in names and grad.placements[names.index("tp")].is_shard()
+
+
+def squared_norm(grads: list[DTensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squares of this rank's shards of ``grads`` (fp32, on ``device``)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for group in group_by_device_and_dtype([g.to_local() for g in grads]).values():
+        norms = torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32))
+        total += norms.pow(2).sum().to(device)
+    return total
 
 
 def group_by_device_and_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:

@@ -90,11 +90,15 @@ class Trainer:
         self.built = built
         self.task = task
         t = cfg.trainer
-        self.layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, env.world_size)
-        self.train_data = TrainBatches(train, self.layout, env.rank, t.seed,
+        # The ranks of a tensor-parallel group (neighbours: tp is the mesh's innermost dimension)
+        # are one data-parallel rank: they read the same micro-batches.
+        tp = built.plan.tensor_parallel
+        dp_rank, dp_world = env.rank // tp, env.world_size // tp
+        self.layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, dp_world)
+        self.train_data = TrainBatches(train, self.layout, dp_rank, t.seed,
                                        pin_memory=pin_offloaded_memory(env.device.type))
         self.val_batches = ([] if val is None else
-                            eval_batches(val, t.eval_samples, t.micro_batch_size, env.world_size, env.rank))
+                            eval_batches(val, t.eval_samples, t.micro_batch_size, dp_world, dp_rank))
         self.step = 0
         self.result = TrainResult()
         self.writer = MetricsWriter(Path(cfg.run.dir), env.is_main)
@@ -123,7 +127,7 @@ class Trainer:
                                  cfg.dist.startup_timeout_s, cfg.diagnostics.stall_factor,
                                  cfg.diagnostics.stall_min_s, flight_recorder=cfg.dist.flight_recorder)
         check_uniform_batches({"micro-batches per step": len(self.layout.rank_slices(
-            np.zeros(self.layout.global_batch, dtype=np.int64), env.rank)),
+            np.zeros(self.layout.global_batch, dtype=np.int64), dp_rank)),
             "validation batches": len(self.val_batches)}, env.device)
 
     @classmethod
@@ -178,7 +182,8 @@ class Trainer:
             self.train_data.consumed_samples = state.consumed_samples
             self.result.resumed_from = str(path)
             self.info(f"resumed from {path}: step {self.step}, {state.consumed_samples} samples "
-                      f"consumed (saved at world size {state.world_size}, {state.strategy})")
+                      f"consumed (saved at world size {state.world_size}, {state.strategy}, "
+                      f"mesh [{state.mesh}])")
             changes = state.data_order_changes(self.cfg)
             if changes and self.env.is_main:
                 log.warning(f"the data order differs from the checkpoint's ({'; '.join(changes)}): the "
@@ -248,9 +253,10 @@ class Trainer:
             self.info(adapter_summary(b.model, self.cfg.finetune))
         self.info(f"task {type(self.task).__name__}; data: {self.task.describe()}; global batch "
                   f"{self.layout.global_batch} samples ({t.micro_batch_size} per micro-batch x "
-                  f"{t.grad_accum_steps} micro-batches x {env.world_size} ranks)")
+                  f"{t.grad_accum_steps} micro-batches x {self.layout.dp_world_size} "
+                  f"{'data-parallel ranks' if b.plan.tensor_parallel > 1 else 'ranks'})")
         if self.batch_choice is not None:
-            self.info(self.batch_choice.describe(env.world_size, t.memory_margin))
+            self.info(self.batch_choice.describe(self.layout.dp_world_size, t.memory_margin))
         self.info(f"config: every key, resolved, in {Path(self.cfg.run.dir) / 'config.yaml'}")
         if self.throughput.peak_flops is None:
             self.info(f"MFU is not reported: no peak FLOP/s is known for this device ({env.device.type})")
@@ -452,7 +458,8 @@ class Trainer:
             record.update(self.train_record(stats))
         if (due(step, t.eval_every) or last) and self.val_batches:
             self.watchdog.beat("evaluation", step)
-            val, val_metrics = evaluate(self.model, self.task, self.val_batches, self.env.device)
+            val, val_metrics = evaluate(self.model, self.task, self.val_batches, self.env.device,
+                                         self.built.mesh)
             self.result.val_losses.append((step, val))
             record["val_loss"] = val
             record.update({f"val_{name}": value for name, value in val_metrics.items()})

@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModMemStats, _FSDPRefType
 from torch.distributed.device_mesh import init_device_mesh
 
-from shardtrain.config.plan import resolve_plan
+from shardtrain.config.plan import refuse_tensor_parallel_estimate, resolve_plan
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import state_bytes
 from shardtrain.diagnostics.planner import Estimate, estimate
@@ -346,6 +346,7 @@ def simulate(cfg: Config, world_size: int, local_world_size: int, *, probe: bool
     if cfg.strategy.float8:
         raise ConfigError("the simulator cannot run strategy.float8 (torchao's float8 matmuls need a GPU); "
                           "`shardtrain plan` without --simulate counts it")
+    refuse_tensor_parallel_estimate(cfg.strategy, "plan --simulate")
     plan = resolve_plan(cfg.strategy, world_size, min(local_world_size, world_size), accelerated=True)
     if (len(plan.mesh_shape) > 1 and plan.mesh_shape[0] > 1 and cfg.trainer.grad_accum_steps > 1
             and plan.grad_accumulation == "sharded"):

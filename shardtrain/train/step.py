@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.parallel import loss_parallel
 
 from shardtrain import faults
 from shardtrain.diagnostics.memory import PhaseMemory
@@ -119,11 +121,25 @@ class MetricSums:
         return out
 
 
-def global_sum_tensor(value: torch.Tensor) -> torch.Tensor:
-    """``value`` summed over all ranks, left on its device: no host synchronisation."""
+def global_sum_tensor(value: torch.Tensor, copies: int = 1) -> torch.Tensor:
+    """``value`` summed over all ranks, left on its device: no host synchronisation. ``copies``:
+    how many ranks hold each data-parallel rank's values (the tensor-parallel degree, whose group
+    shares one micro-batch and one loss), divided out: a sum over data-parallel ranks."""
     if dist.get_world_size() > 1:
         dist.all_reduce(value)
-    return value
+    return value / copies if copies > 1 else value
+
+
+def tensor_parallel_degree(mesh: DeviceMesh | None) -> int:
+    """The size of the mesh's ``tp`` dimension (1 without one)."""
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    return mesh.size(names.index("tp")) if "tp" in names else 1
+
+
+def loss_context(copies: int) -> AbstractContextManager:
+    """Under tensor parallelism the logits are split along the vocabulary: ``loss_parallel`` takes
+    the cross-entropy on them without gathering them (its backward must run inside it too)."""
+    return loss_parallel() if copies > 1 else nullcontext()
 
 
 def prepare_micro_batch(model: nn.Module, index: int, count: int, sharded_accumulation: bool) -> None:
@@ -192,6 +208,7 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
     synchronisation of its own. ``metric_kinds``: the task's metrics as the first step returned
     them (None on the first step, whose names every rank then compares once).
     """
+    copies = tensor_parallel_degree(mesh)
     divisor = None
     if counts_ahead(task):
         ahead = [task.count(batch) for batch in micro_batches]
@@ -200,7 +217,8 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
                                 "count() must give every batch's count (or not define it)")
         # The global count stays on the device (an asynchronous all-reduce): reading it back here
         # would stall the host until the previous step's optimizer kernels finished.
-        global_count = global_sum_tensor(torch.full((), sum(ahead), dtype=torch.float64, device=device))
+        global_count = global_sum_tensor(torch.full((), sum(ahead), dtype=torch.float64, device=device),
+                                         copies)
         divisor = global_count.float()
     flops = local_flops(task, micro_batches, flops_per_sample)
 
@@ -213,13 +231,14 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
         phases.start()
     for index, batch in enumerate(micro_batches):
         prepare_micro_batch(model, index, len(micro_batches), sharded_accumulation)
-        out = run_loss(task, model, to_device(batch, device, non_blocking=True))
-        loss = out.loss / divisor if divisor is not None else out.loss
-        if index == 0:
-            loss = faults.poison_loss(rank, step, loss)
-        if phases is not None and index == last:
-            phases.mark("forward")
-        loss.backward()
+        with loss_context(copies):
+            out = run_loss(task, model, to_device(batch, device, non_blocking=True))
+            loss = out.loss / divisor if divisor is not None else out.loss
+            if index == 0:
+                loss = faults.poison_loss(rank, step, loss)
+            if phases is not None and index == last:
+                phases.mark("forward")
+            loss.backward()
         loss_sum += loss.detach()
         returned_count += as_scalar(out.count, device)
         metrics.add(out.metrics)
@@ -230,14 +249,14 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
 
     params = [p for p in model.parameters() if p.grad is not None]
     if divisor is None:
-        global_count = global_sum_tensor(returned_count.clone())
+        global_count = global_sum_tensor(returned_count.clone(), copies)
         clip_grads_(params, (1.0 / global_count).float())
     grad_norm = global_grad_norm(params, mesh)
     scale = clip_scale(grad_clip_norm, grad_norm) if grad_clip_norm > 0 else torch.ones((), device=device)
     stop = float(stop_requested()) if stop_requested is not None else 0.0
     summed = global_sum_tensor(torch.stack(
         [loss_sum.double(), torch.full((), stop, dtype=torch.float64, device=device), returned_count,
-         torch.full((), flops, dtype=torch.float64, device=device), *metrics.vector()]))
+         torch.full((), flops, dtype=torch.float64, device=device), *metrics.vector()]), copies)
     on_device = skips_on_device(optimizer)
     if on_device:
         # The skip decision stays on the device (the same on every rank: both are global), so the
@@ -275,16 +294,19 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
 
 @torch.no_grad()
 def evaluate(model: nn.Module, task: Task, batches: list[tuple[Any, float]],
-             device: torch.device) -> tuple[float, dict[str, float]]:
+             device: torch.device, mesh: DeviceMesh | None = None) -> tuple[float, dict[str, float]]:
     """The loss over the validation set, normalised by its global count, and the task's metrics
-    (identical on every rank). A batch of weight 0 (padding) runs its forward and counts nothing."""
+    (identical on every rank). A batch of weight 0 (padding) runs its forward and counts nothing.
+    ``mesh``: the model's (needed with tensor parallelism)."""
     was_training = model.training
     model.eval()
     loss = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
     metrics = MetricSums(device)
+    copies = tensor_parallel_degree(mesh)
     for batch, weight in batches:
-        out = run_loss(task, model, to_device(batch, device))
+        with loss_context(copies):
+            out = run_loss(task, model, to_device(batch, device))
         loss += out.loss.double() * weight
         count += as_scalar(out.count, device) * weight
         metrics.add({name: tuple(as_scalar(v, device) * weight for v in value)
@@ -293,6 +315,6 @@ def evaluate(model: nn.Module, task: Task, batches: list[tuple[Any, float]],
     model.train(was_training)
     reshard_all(model)
     loss_value, count_value, *metric_values = global_sum_tensor(
-        torch.stack([loss, count, *metrics.vector()])).tolist()
+        torch.stack([loss, count, *metrics.vector()]), copies).tolist()
     mean = loss_value / count_value if count_value else float("nan")
     return mean, metrics.values(metric_values, count_value)

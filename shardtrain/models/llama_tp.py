@@ -1,0 +1,93 @@
+"""The built-in Llama's tensor-parallel plan (beside the model, as its Hugging Face adapter is):
+which of its linear maps split their output features (column-wise) or their input features
+(row-wise) over the ``tp`` dimension of the mesh, with torch's ``torch.distributed.tensor.parallel``
+styles, after torchtitan's ``parallelize_llama``.
+
+Attention: ``wq``, ``wk``, ``wv`` column-wise (each rank holds whole heads: n_heads / tp query heads
+and n_kv_heads / tp key/value heads), ``wo`` row-wise; the feed-forward's ``w1``, ``w3`` column-wise
+and ``w2`` row-wise; so a block costs two collectives forward and two backward. The embedding is split
+along the vocabulary (row-wise) and so is the output head (column-wise): its logits stay sharded along
+the vocabulary and the loss is computed on them with ``loss_parallel`` (no rank holds full logits).
+
+Sequence parallelism (on by default): between the blocks' matmuls the residual stream and the norms
+are sharded along the sequence (``Shard(1)``) instead of replicated, so their activations (and the
+norms' work) are divided by tp; the all-reduces after ``wo`` and ``w2`` become reduce-scatters and
+an all-gather before the next column-wise matmul: the same bytes. Without it the residual stream is
+replicated and the norms are plain modules, each rank computing the same values.
+
+The modules compute on local tensors (``use_local_output``): the attention reads its local head
+counts from the projections' outputs, never from the config.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from shardtrain.errors import ConfigError
+from shardtrain.models.dims import Dims
+
+
+def check_tensor_parallel_dims(dims: Dims, tp: int) -> None:
+    """Every split the plan makes must be even: one line naming the first size that is not."""
+    if tp == 1:
+        return
+    sizes = (("model.n_heads", dims.n_heads, "query heads"),
+             ("model.n_kv_heads", dims.n_kv_heads, "key/value heads"),
+             ("model.ffn_hidden_dim", dims.ffn_hidden_dim, "the feed-forward width"),
+             ("model.vocab_size", dims.vocab_size, "the vocabulary"))
+    for key, size, what in sizes:
+        if size % tp:
+            fix = f"set {key} to a multiple of {tp}" if key != "model.n_kv_heads" else \
+                f"set {key} to a multiple of {tp} (or a smaller strategy.tensor_parallel)"
+            if key == "model.vocab_size":
+                fix = f"pad model.vocab_size to a multiple of {tp}"
+            raise ConfigError(f"strategy.tensor_parallel={tp} must divide {what} ({key}={size}); {fix}")
+
+
+def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Apply the plan in place (on the meta device or real weights; before ``fully_shard``)."""
+    check_tensor_parallel_dims(model.dims, tp_mesh.size())
+    # Where the residual stream lives between the matmuls: sharded along the sequence, or whole.
+    stream = Shard(1) if sequence_parallel else Replicate()
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        # DTensor logits sharded along the vocabulary, for loss_parallel.
+        "output": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),
+        **({"norm": SequenceParallel()} if sequence_parallel else {}),
+    })
+    if model.cfg.tie_embeddings:
+        # Each style distributed its module's weight into a parameter of its own; both split the
+        # vocabulary rows (Shard(0)), so the head takes the embedding's again.
+        model.output.weight = model.tok_embeddings.weight
+    # The attention's inputs (x, rope, cache, layer, mask): only x is laid out; rope and the mask
+    # cover the whole sequence, which every rank sees after the all-gather.
+    rest = (None,) * 4
+    for block in model.layers:
+        plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=stream),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+        }
+        if sequence_parallel:
+            plan |= {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1), *rest),
+                                                desired_input_layouts=(Replicate(), *rest)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                   desired_input_layouts=(Replicate(),)),
+            }
+        parallelize_module(block, tp_mesh, plan)
