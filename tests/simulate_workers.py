@@ -17,9 +17,9 @@ SCALE = ["trainer.micro_batch_size=1", "trainer.seq_len=8192", "strategy.mixed_p
 PROCESSES_PER_NODE = 8
 
 
-def scale_config(model: str, strategy: str, ac: str):
+def scale_config(model: str, strategy: str, ac: str, *extra: str):
     return load_config([f"model={model}", f"strategy={strategy}", *SCALE,
-                        f"strategy.activation_checkpointing={ac}"])
+                        f"strategy.activation_checkpointing={ac}", *extra])
 
 
 def checkpointing_modes(strategy: str) -> tuple[str, ...]:
@@ -57,4 +57,24 @@ def small_config(layers: int, strategy: str, ac: str, accumulate: int = 1, seq_l
 
 def probe_and_full_depth(strategy: str, ac: str, accumulate: int) -> tuple:
     cfg = small_config(10, strategy, ac, accumulate)
+    return simulate(cfg, 16, 4), simulate(cfg, 16, 4, probe=False)
+
+
+def simulate_tensor_parallel(model: str, world: int, tp: int, strategy: str, ac: str, *extra: str) -> dict:
+    """One FSDP x TP case (``tp`` ranks of a node's 8), simulated and planned."""
+    extra = tuple(setting for setting in extra if setting)
+    cfg = scale_config(model, strategy, ac, "trainer.devices=8", f"strategy.tensor_parallel={tp}", *extra)
+    with torch.device("meta"):
+        meta = build_model(cfg.model)
+    sim = simulate(cfg, world, PROCESSES_PER_NODE)
+    plan = estimate(cfg, meta, cfg.strategy.sharding_strategy, world, PROCESSES_PER_NODE)
+    return dict(case=f"{model} x {world} {strategy} TP {tp} AC={ac} {' '.join(extra)}".rstrip(),
+                seconds=sim.seconds, mesh=sim.mesh,
+                simulated=(sim.params, sim.grads, sim.optimizer, sim.activations, sim.peak),
+                planned=(plan.params, plan.grads, plan.optimizer, plan.activations, plan.peak))
+
+
+def tensor_parallel_probe_and_full_depth() -> tuple:
+    cfg = small_config(10, "full_shard", "all", seq_len=4096)
+    cfg.strategy.tensor_parallel = 4
     return simulate(cfg, 16, 4), simulate(cfg, 16, 4, probe=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -77,3 +79,42 @@ def test_plan_table_names_the_precision_for_any_valid_strategy():
     cfg = load_config(["strategy=hybrid_shard", "strategy.shard_group_size=8", "trainer.devices=8"])
     table = plan_table(cfg, [8, 16], None, 8)
     assert "precision bf16-mixed" in table and "16 x HYBRID_SHARD" in table
+
+
+def test_planner_counts_each_tp_shard_sharded_again_by_fsdp():
+    """The planner's tp shard of every parameter is the local shape the real plan gives (applied on
+    the meta device over a fake world), and its per-rank states are those shards split over the
+    data-parallel ranks: column-wise weights by output rows, row-wise by input columns, the
+    vocabulary-split embedding and head, norms whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from shardtrain.config.loader import load_config
+    from shardtrain.diagnostics.planner import estimate, plan_table, tensor_parallel_shapes
+    from shardtrain.models.llama import Llama
+    from shardtrain.train.simulate import fake_world
+
+    cfg = load_config(["trainer.devices=8", "strategy.tensor_parallel=2", "model.n_layers=2",
+                       "trainer.micro_batch_size=1"])
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    planned = {name: tensor_parallel_shapes(model, 2, True)[id(p)] for name, p in model.named_parameters()}
+    with fake_world(8), torch.device("meta"):
+        split = Llama(cfg.model)
+        mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp_shard", "tp"))
+        split.parallelize_tensors(mesh["tp"], True)
+    local = {name: tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape)
+             for name, p in split.named_parameters()}
+    assert planned == local
+    dim = cfg.model.dim
+    assert planned["layers.0.attention.wq.weight"] == (dim // 2, dim)
+    assert planned["layers.0.attention.wo.weight"] == (dim, dim // 2)
+    assert planned["layers.0.attention_norm.weight"] == (dim,)
+    assert planned["tok_embeddings.weight"] == (cfg.model.vocab_size // 2, dim)
+    # FSDP 4 x TP 2: each tp shard's rows split over 4 data-parallel ranks, fp32, AdamW's 2 moments.
+    plan = estimate(cfg, model, "FULL_SHARD", 8, 8)
+    rows = sum(-(-shape[0] // 4) * math.prod(shape[1:]) for shape in planned.values())
+    assert plan.mesh == (4, 2) and plan.params == plan.grads == 4 * rows
+    assert plan.optimizer == 8 * rows + 4 * len(planned)
+    table = plan_table(cfg, [8, 16], None, 8)
+    assert "8 x FULL_SHARD" in table and "16 x FULL_SHARD" in table

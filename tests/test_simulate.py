@@ -20,7 +20,9 @@ from simulate_workers import (
     checkpointing_modes,
     probe_and_full_depth,
     simulate_against_planner,
+    simulate_tensor_parallel,
     small_config,
+    tensor_parallel_probe_and_full_depth,
 )
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
@@ -35,6 +37,13 @@ TOLERANCE = 0.10
 
 
 PROBE_CASES = [("full_shard", "none", 2)]
+# FSDP x TP as the published recipes run them (torchtitan: 70B as FSDP 32 x TP 8 on 256 GPUs), with
+# every checkpointing mode, without sequence parallelism, on a 3-D hybrid mesh and SHARD_GRAD_OP.
+TP_GRID = [("llama3_70b", 256, 8, "full_shard", "none"), ("llama3_70b", 256, 8, "full_shard", "all"),
+           ("llama3_70b", 256, 8, "full_shard", "selective"),
+           ("llama3_70b", 256, 8, "full_shard", "all", "strategy.sequence_parallel=false"),
+           ("llama3_405b", 1024, 8, "full_shard", "none"), ("llama3_405b", 1024, 8, "full_shard", "all"),
+           ("llama3_8b", 64, 2, "hybrid_shard", "none"), ("llama3_8b", 64, 4, "shard_grad_op", "all")]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +52,12 @@ def simulations() -> dict:
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
         chunks = list(pool.map(simulate_against_planner, *zip(*GRID)))
         probes = {case: pool.submit(probe_and_full_depth, *case) for case in PROBE_CASES}
+        tp_probes = pool.submit(tensor_parallel_probe_and_full_depth)
+        tp_grid = list(pool.map(simulate_tensor_parallel, *zip(*[c[:5] for c in TP_GRID]),
+                                *zip(*[c[5:] or ("",) for c in TP_GRID])))
         return {"grid": [result for chunk in chunks for result in chunk],
-                "probes": {case: future.result() for case, future in probes.items()}}
+                "probes": {case: future.result() for case, future in probes.items()},
+                "tp_grid": tp_grid, "tp_probes": tp_probes.result()}
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +90,40 @@ def test_simulated_numbers_follow_the_strategies(grid_results):
     assert checkpointed[3] < selective[3] < 0.7 * full[3]
     # 8B at 8 ranks: 16 bytes per parameter over 8 ranks (fp32 params, grads, two Adam moments).
     assert abs(sum(full[:3]) - 16 * 8.03e9 / 8) / (16 * 8.03e9 / 8) < 0.01
+
+
+def test_planner_matches_the_simulation_with_tensor_parallelism(simulations):
+    """Per-rank states exact (each TP shard sharded again by FSDP over the data-parallel ranks),
+    activations and peak within 10%, at FSDP 32 x TP 8 (70B, 256 ranks) and FSDP 128 x TP 8 (405B,
+    1,024 ranks), in seconds."""
+    results = simulations["tp_grid"]
+    assert len(results) == len(TP_GRID)
+    for r in results:
+        sim_params, sim_grads, sim_optim, sim_act, sim_peak = r["simulated"]
+        params, grads, optim, act, peak = r["planned"]
+        assert (params, grads, optim) == (sim_params, sim_grads, sim_optim), r["case"]
+        assert abs(act / sim_act - 1) < TOLERANCE, (r["case"], act, sim_act)
+        assert abs(peak / sim_peak - 1) < TOLERANCE, (r["case"], peak, sim_peak)
+        assert r["seconds"] < 30, r
+    by_case = {r["case"]: r for r in results}
+    fsdp = {r["case"]: r["simulated"] for r in simulations["grid"]}["llama3_70b x 512 full_shard AC=none"]
+    tp8 = by_case["llama3_70b x 256 full_shard TP 8 AC=none"]
+    assert tp8["mesh"] == (32, 8)
+    # Each of 256 ranks holds about 1/256 of the weights, as under FSDP alone (the norms, replicated
+    # over tp, are sharded 32 ways only)...
+    assert 1 < tp8["simulated"][0] * 256 / (fsdp[0] * 512) < 1.01
+    # ...but TP 8 with sequence parallelism divides the activations of a sequence by about 5.
+    assert 4 < fsdp[3] / tp8["simulated"][3] < 6
+    no_sp = by_case["llama3_70b x 256 full_shard TP 8 AC=all strategy.sequence_parallel=false"]
+    assert no_sp["simulated"][3] > 3 * by_case["llama3_70b x 256 full_shard TP 8 AC=all"]["simulated"][3]
+
+
+def test_tensor_parallel_probes_equal_the_full_depth(simulations):
+    probed, full = simulations["tp_probes"]
+    assert probed.probed_layers == (6, 7) and full.probed_layers == ()
+    assert (probed.params, probed.grads, probed.optimizer) == (full.params, full.grads, full.optimizer)
+    assert probed.phases == {k: v for k, v in full.phases.items() if OTHER_BLOCKS not in k}
+    assert probed.peak == full.peak and probed.activations == full.activations
 
 
 @pytest.mark.parametrize("case", PROBE_CASES)

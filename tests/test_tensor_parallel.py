@@ -23,11 +23,7 @@ from safetensors.torch import load_file
 from tensor_parallel_workers import SPLITS, TP_MODEL, equivalence_and_resume
 
 from shardtrain.config.loader import load_config
-from shardtrain.config.plan import (
-    check_tensor_parallel_support,
-    refuse_tensor_parallel_estimate,
-    resolve_plan,
-)
+from shardtrain.config.plan import check_tensor_parallel_support, resolve_plan
 from shardtrain.config.schema import Config, StrategyConfig, TaskConfig
 from shardtrain.data.batches import GlobalOrder, TokenWindows
 from shardtrain.diagnostics.report import settings_lines
@@ -162,9 +158,6 @@ def test_what_is_not_built_yet_is_refused_with_one_line():
     for bad, message in refused:
         with pytest.raises(ConfigError, match=message):
             check_tensor_parallel_support(bad)
-    for what in ("plan --simulate", "the memory planner"):
-        with pytest.raises(ConfigError, match=f"{what} does not count tensor parallelism yet"):
-            refuse_tensor_parallel_estimate(cfg.strategy, what)
 
 
 def test_across_nodes_when_forced():

@@ -293,6 +293,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from shardtrain.diagnostics.planner import plan_table
     from shardtrain.errors import ConfigError
 
+    if args.processes_per_node:
+        # The nodes planned for, not this machine's: the layout checks (a tensor-parallel group
+        # within a node) are against them.
+        cfg.trainer.devices = args.processes_per_node
     check_runtime(cfg)
     per_node, world = launch_shape(cfg)
     local = args.processes_per_node or per_node

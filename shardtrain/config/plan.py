@@ -272,9 +272,3 @@ def check_tensor_parallel_support(cfg: Config) -> None:
             raise ConfigError(f"{setting} with strategy.tensor_parallel={tp} is not built yet; "
                               "use one or the other")
 
-
-def refuse_tensor_parallel_estimate(cfg: StrategyConfig, what: str) -> None:
-    """The planner and ``plan --simulate`` do not count tensor parallelism yet."""
-    if cfg.tensor_parallel > 1:
-        raise ConfigError(f"{what} does not count tensor parallelism yet (strategy.tensor_parallel="
-                          f"{cfg.tensor_parallel}); plan with strategy.tensor_parallel=1")

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from fnmatch import fnmatch
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from shardtrain.config.plan import (
     ShardingPlan,
     accumulation_steps,
-    refuse_tensor_parallel_estimate,
     resolve_plan,
     resolve_precision,
 )
@@ -36,6 +37,51 @@ ADAM_STEP_BYTES = 4  # AdamW keeps one fp32 'step' scalar per parameter tensor
 def rows_on_rank(rows: int, shard: int, rank: int) -> int:
     chunk = math.ceil(rows / shard) if rows else 0
     return max(0, min(chunk, rows - rank * chunk))
+
+
+def module_matches(path: str, pattern: str) -> bool:
+    """``parallelize_module``'s matching: token by token, each an fnmatch pattern (``layers.*.wq``)."""
+    names, tokens = path.split("."), pattern.split(".")
+    return len(names) == len(tokens) and all(fnmatch(n, t) for n, t in zip(names, tokens, strict=True))
+
+
+def split_dims(style: ParallelStyle, module: nn.Module) -> dict[str, int]:
+    """Which dimension of each of ``module``'s own parameters ``style`` splits over tp (the layouts
+    torch's ``ColwiseParallel`` and ``RowwiseParallel`` give linear and embedding weights); every
+    other style (``SequenceParallel``'s norms, ``PrepareModuleInput``) replicates them."""
+    embedding = isinstance(module, nn.Embedding)
+    if isinstance(style, ColwiseParallel):
+        return {"weight": 1} if embedding else {"weight": 0, "bias": 0}
+    if isinstance(style, RowwiseParallel):
+        return {"weight": 0} if embedding else {"weight": 1}  # a row-wise bias is replicated
+    return {}
+
+
+def tensor_parallel_shapes(model: nn.Module, tp: int, sequence_parallel: bool) -> dict[int, tuple[int, ...]]:
+    """Each parameter's shape on rank 0 of the tp group (by ``id``), from the model's own plan
+    (``tensor_parallel_plan(sequence_parallel)``): the split dimension in ``tp`` chunks, rank 0's
+    the largest (``torch.chunk``, as DTensor's ``Shard``). FSDP then shards each of these over the
+    data-parallel ranks."""
+    shapes = {id(p): tuple(p.shape) for p in model.parameters()}
+    if tp == 1:
+        return shapes
+    plan_of = getattr(model, "tensor_parallel_plan", None)
+    if plan_of is None:
+        raise ConfigError(f"the memory planner counts tensor parallelism from a model's "
+                          f"tensor_parallel_plan(sequence_parallel), which {type(model).__name__} "
+                          "lacks; plan with strategy.tensor_parallel=1")
+    modules = list(model.named_modules())
+    for pattern, style in plan_of(sequence_parallel).items():
+        for path, module in modules:
+            if not module_matches(path, pattern):
+                continue
+            for name, dim in split_dims(style, module).items():
+                param = getattr(module, name, None)
+                if isinstance(param, nn.Parameter):
+                    shape = list(param.shape)
+                    shape[dim] = math.ceil(shape[dim] / tp)
+                    shapes[id(param)] = tuple(shape)
+    return shapes
 
 
 @dataclass
@@ -68,15 +114,17 @@ def sharded_state_bytes(shapes: list[tuple[int, ...]], shard: int, rank: int,
     return local * size, local * size, optimizer
 
 
-def adamw_foreach_temporary(model: nn.Module, shard: int, storage: torch.dtype) -> int:
+def adamw_foreach_temporary(model: nn.Module, shard: int, storage: torch.dtype,
+                            shapes: dict[int, tuple[int, ...]] | None = None) -> int:
     """Bytes of the one temporary AdamW's foreach path (``trainer.optimizer_kernel=foreach``)
     allocates: the square root of a parameter group's second moments, all at once, for the larger of
-    our two groups."""
+    our two groups. ``shapes``: each parameter's shape before FSDP shards it (by ``id``; under
+    tensor parallelism its tp shard's)."""
     skip = no_decay_names(model)
     groups: dict[bool, list[tuple[int, ...]]] = {True: [], False: []}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            groups[name in skip].append(tuple(param.shape))
+            groups[name in skip].append(shapes[id(param)] if shapes else tuple(param.shape))
     return max(sharded_state_bytes(shapes, shard, 0, storage)[0] for shapes in groups.values())
 
 
@@ -120,29 +168,40 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     layouts (GPT-NeoX's LayerNorm and GELU MLP) are estimated as if they had it."""
     tokens = micro_batch * cfg.trainer.seq_len
     b = compute_dtype.itemsize
+    # Tensor parallelism (models/llama_tp.py) splits the attention by heads and the feed-forward by
+    # width over tp; sequence parallelism splits the residual stream and the norms by tokens (seq),
+    # and the norms' outputs are gathered whole again for the next matmul, which keeps them.
+    tp = plan.tensor_parallel
+    seq = tp if plan.sequence_parallel else 1
     head_dim = m.dim // m.n_heads
     # With the document mask, keys and values reach SDPA repeated to every query head (models/llama).
     kv = head_dim * (m.n_heads if cfg.data.document_mask else m.n_kv_heads)
     ffn = m.ffn_hidden_dim
     attention = b * (m.dim + 2 * kv) + 4 * m.n_heads + 2 * b * m.dim  # q k v, lse, output, wo input
     swiglu = 4 * b * ffn  # w1 and w3 outputs, silu output, their product
-    block = tokens * (2 * rms_norm_saved(m.dim, b) + attention + swiglu)
+    norm = (rms_norm_saved(m.dim, b) - b * m.dim) // seq + b * m.dim
+    block = tokens * (2 * norm + (attention + swiglu) // tp)
     # Selective: the input, the q, k, v projections (before any repetition), SDPA's output and
-    # log-sum-exp, the output projection, w1, w3 and w2 outputs.
+    # log-sum-exp, the output projection, w1, w3 and w2 outputs (the two projections back to the
+    # residual stream whole: under tp they are partial sums, before their reduction).
     projected_kv = head_dim * m.n_kv_heads
-    selective = tokens * (b * (5 * m.dim + 2 * projected_kv + 2 * ffn) + 4 * m.n_heads)
+    selective = tokens * (b * (m.dim // seq + 2 * m.dim) + (b * (2 * m.dim + 2 * projected_kv + 2 * ffn)
+                                                             + 4 * m.n_heads) // tp)
     # Inside a block's backward: the incoming gradient, three hidden-size gradients of the SwiGLU
     # and one FFN weight's gradient before FSDP reduces it.
-    block_backward = tokens * b * (m.dim + 3 * ffn) + b * m.dim * ffn
-    chunk = min(chunk_tokens_for(cfg.trainer.loss_chunk_tokens, m.vocab_size), tokens)
+    block_backward = tokens * b * (m.dim + 3 * ffn // tp) + b * m.dim * ffn // tp
+    # Under tp the loss is never chunked: it runs on the vocabulary-split logits (loss_parallel).
+    chunk = min(chunk_tokens_for(cfg.trainer.loss_chunk_tokens, m.vocab_size), tokens) if tp == 1 else 0
     if chunk > 0:  # tasks/losses.py: one chunk's fp32 logits (and their compute-dtype copy) at a time
         head_saved = tokens * (rms_norm_saved(m.dim, b) + b * m.dim) + b * m.vocab_size * m.dim
         head_backward = chunk * m.vocab_size * 8
     else:
-        head_saved = tokens * (rms_norm_saved(m.dim, b) + 4 * m.vocab_size)
-        head_backward = tokens * 8 * m.vocab_size
+        # Under tp the logits stay split along the vocabulary; loss_parallel's backward holds one
+        # more fp32 tensor of their size than the fused kernel does.
+        head_saved = tokens * (norm + 4 * m.vocab_size // tp)
+        head_backward = tokens * (8 if tp == 1 else 12) * m.vocab_size // tp
     selective_mode = plan.activation_checkpointing == "selective"
-    kept = selective if selective_mode else tokens * b * m.dim
+    kept = selective if selective_mode else tokens * b * m.dim // seq
     return ActivationModel(
         saved_blocks=[kept if plan.checkpointed(i) else block for i in range(m.n_layers)],
         block=block,
@@ -150,7 +209,7 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
         head_saved=head_saved,
         head_backward=head_backward,
         document_mask=tokens * cfg.trainer.seq_len * b if cfg.data.document_mask else 0,
-        recompute_extra=tokens * b * (3 * m.dim + projected_kv) if selective_mode else 0,
+        recompute_extra=tokens * b * (2 * m.dim + (m.dim + projected_kv) // tp) if selective_mode else 0,
     )
 
 
@@ -161,12 +220,16 @@ def float8_block_params(model: nn.Module) -> int:
                default=0)
 
 
-def unit_param_counts(model: nn.Module) -> tuple[list[int], list[int]]:
+def unit_param_counts(model: nn.Module, shapes: dict[int, tuple[int, ...]] | None = None,
+                      ) -> tuple[list[int], list[int]]:
     """Parameters per FSDP unit: (every block, the model's extra groups (embeddings, head));
-    either may be empty."""
-    blocks = [sum(p.numel() for p in blk.parameters()) for blk in model.modules()
+    either may be empty. ``shapes``: as ``adamw_foreach_temporary``'s (a unit's tp shard)."""
+    def numel(p: nn.Parameter) -> int:
+        return math.prod(shapes[id(p)]) if shapes else p.numel()
+
+    blocks = [sum(numel(p) for p in blk.parameters()) for blk in model.modules()
               if isinstance(blk, getattr(model, "block_classes", ()))]
-    groups = [sum(p.numel() for m in group for p in m.parameters())
+    groups = [sum(numel(p) for m in group for p in m.parameters())
               for group in getattr(model, "extra_shard_groups", list)()]
     return blocks, groups
 
@@ -184,7 +247,6 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     activation checkpointing (all blocks or none); ``accelerated``: ``mixed_precision=auto`` means
     what it means on an accelerator (bf16-mixed), else on a CPU (fp32); None: on this machine."""
     check_planned_batch(cfg)
-    refuse_tensor_parallel_estimate(cfg.strategy, "the memory planner")
     strategy_cfg = replace(cfg.strategy, sharding_strategy=strategy,
                            shard_group_size=cfg.strategy.shard_group_size
                            if world_size % max(cfg.strategy.shard_group_size, 1) == 0 else 0)
@@ -192,19 +254,21 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         strategy_cfg = replace(strategy_cfg, activation_checkpointing="all" if checkpointed else "none")
     # It plans for accelerators, wherever it runs: mixed_precision=auto means bf16-mixed there.
     plan = resolve_plan(strategy_cfg, world_size, min(local, world_size), accelerated=accelerated)
-    shapes = [tuple(p.shape) for p in model.parameters()]
-    params, grads, optim = sharded_state_bytes(shapes, plan.mesh_shape[-1], 0, plan.storage_dtype)
+    # Under tensor parallelism FSDP shards each tp shard (2-D/3-D DTensors): rank 0's of both.
+    local_shapes = tensor_parallel_shapes(model, plan.tensor_parallel, plan.sequence_parallel)
+    shapes = list(local_shapes.values())
+    params, grads, optim = sharded_state_bytes(shapes, plan.shard_group, 0, plan.storage_dtype)
     total_params = sum(math.prod(s) for s in shapes)
     accumulation = 0
     accumulating = cfg.trainer.grad_accum_steps > 1
-    if plan.grad_accumulation == "unsharded" and accumulating and plan.mesh_shape[-1] > 1:
+    if plan.grad_accumulation == "unsharded" and accumulating and plan.shard_group > 1:
         # Between micro-batches every rank holds each parameter's full gradient, kept in the reduce
         # dtype, besides the sharded one.
         accumulation = total_params * plan.reduce_dtype.itemsize
 
     checkpoint_all = plan.activation_checkpointing != "none"
     act = activation_model(cfg, model.dims, cfg.trainer.micro_batch_size, plan.param_dtype, plan)
-    blocks, groups = unit_param_counts(model)
+    blocks, groups = unit_param_counts(model, local_shapes)
     layers = len(blocks)
     saved = act.saved_blocks if layers else []
     # Without blocks or groups the root is the one unit.
@@ -240,8 +304,18 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         # Fused AdamW updates each tensor in place: no group-sized temporary. Nor with CPU offload
         # (host tensors).
         "optimizer step": (grads, 0, 0, 0 if plan.cpu_offload or cfg.trainer.optimizer_kernel != "foreach"
-                           else adamw_foreach_temporary(model, plan.mesh_shape[-1], plan.storage_dtype)),
+                           else adamw_foreach_temporary(model, plan.shard_group, plan.storage_dtype,
+                                                             local_shapes)),
     }
+    if plan.tensor_parallel > 1 and groups:
+        # The vocabulary-split embedding's gradient: DTensor computes it whole ([vocab, dim], from
+        # the gathered incoming gradient) and then keeps this rank's rows, beside the embedding unit
+        # and the last reduce-scatter.
+        dims = model.dims
+        tokens = cfg.trainer.micro_batch_size * cfg.trainer.seq_len
+        phases["embedding backward"] = (grads, tokens * compute * dims.dim,
+                                        (groups[0] + dims.vocab_size * dims.dim) * compute
+                                        + block_units * reduce, 0)
     name, phase = max(phases.items(), key=lambda kv: sum(kv[1]))
     peak = params + optim + accumulation + sum(phase)
     gathered = phase[2]
@@ -310,14 +384,16 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
 
 def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, local: int) -> str:
     check_planned_batch(cfg)
-    refuse_tensor_parallel_estimate(cfg.strategy, "shardtrain plan")
     with torch.device("meta"):
         model = build_model(cfg.model)
     n = sum(p.numel() for p in model.parameters())
     lines = [f"model: {n / 1e6:.1f}M parameters; micro-batch {cfg.trainer.micro_batch_size} x "
              f"{cfg.trainer.seq_len} tokens; precision "
              f"{resolve_precision(cfg.strategy.mixed_precision, accelerated=True)}; "
-             f"{local} processes per node",
+             f"{local} processes per node"
+             + (f"; tensor parallel {cfg.strategy.tensor_parallel} (sequence parallel "
+                f"{'on' if cfg.strategy.sequence_parallel else 'off'}), FSDP over the other ranks"
+                if cfg.strategy.tensor_parallel > 1 else ""),
              "per-rank GiB (rank 0, the largest shard): params | grads | optimizer | activation peak "
              "(no AC / AC) | peak (no AC / AC)" + (" | fits" if device_memory else "")]
     gib = 2**30

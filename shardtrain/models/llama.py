@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from shardtrain.config.schema import ModelConfig
 from shardtrain.errors import ModelError
 from shardtrain.models.dims import Dims
-from shardtrain.models.llama_tp import parallelize_llama
+from shardtrain.models.llama_tp import llama_tensor_parallel_plan, parallelize_llama
 from shardtrain.models.masking import document_attention_bias
 
 
@@ -224,6 +225,10 @@ class Llama(nn.Module):
     def parallelize_tensors(self, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
         """Split the weights over ``tp_mesh`` (tensor parallelism; see ``models/llama_tp.py``)."""
         parallelize_llama(self, tp_mesh, sequence_parallel)
+
+    def tensor_parallel_plan(self, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+        """The styles ``parallelize_tensors`` applies, by module path (read by the memory planner)."""
+        return llama_tensor_parallel_plan(sequence_parallel)
 
     def extra_shard_groups(self) -> list[list[nn.Module]]:
         """Module groups that get their own FSDP unit besides the blocks (as torchtitan does)."""

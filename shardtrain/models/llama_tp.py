@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -53,41 +54,46 @@ def check_tensor_parallel_dims(dims: Dims, tp: int) -> None:
             raise ConfigError(f"strategy.tensor_parallel={tp} must divide {what} ({key}={size}); {fix}")
 
 
-def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Apply the plan in place (on the meta device or real weights; before ``fully_shard``)."""
-    check_tensor_parallel_dims(model.dims, tp_mesh.size())
+def llama_tensor_parallel_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The plan, module path to style (``layers.*`` for every block), for ``parallelize_module``;
+    the memory planner reads which dimension of each weight it splits from the same plan."""
     # Where the residual stream lives between the matmuls: sharded along the sequence, or whole.
     stream = Shard(1) if sequence_parallel else Replicate()
-    parallelize_module(model, tp_mesh, {
+    plan: dict[str, ParallelStyle] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
         # DTensor logits sharded along the vocabulary, for loss_parallel.
         "output": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),
         **({"norm": SequenceParallel()} if sequence_parallel else {}),
-    })
+    }
+    # The attention's inputs (x, rope, cache, layer, mask): only x is laid out; rope and the mask
+    # cover the whole sequence, which every rank sees after the all-gather.
+    rest = (None,) * 4
+    block: dict[str, ParallelStyle] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=stream),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+    }
+    if sequence_parallel:
+        block |= {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), *rest),
+                                            desired_input_layouts=(Replicate(), *rest)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+        }
+    return plan | {f"layers.*.{path}": style for path, style in block.items()}
+
+
+def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Apply the plan in place (on the meta device or real weights; before ``fully_shard``)."""
+    check_tensor_parallel_dims(model.dims, tp_mesh.size())
+    parallelize_module(model, tp_mesh, llama_tensor_parallel_plan(sequence_parallel))
     if model.cfg.tie_embeddings:
         # Each style distributed its module's weight into a parameter of its own; both split the
         # vocabulary rows (Shard(0)), so the head takes the embedding's again.
         model.output.weight = model.tok_embeddings.weight
-    # The attention's inputs (x, rope, cache, layer, mask): only x is laid out; rope and the mask
-    # cover the whole sequence, which every rank sees after the all-gather.
-    rest = (None,) * 4
-    for block in model.layers:
-        plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=stream),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
-        }
-        if sequence_parallel:
-            plan |= {
-                "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), *rest),
-                                                desired_input_layouts=(Replicate(), *rest)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                   desired_input_layouts=(Replicate(),)),
-            }
-        parallelize_module(block, tp_mesh, plan)

@@ -34,11 +34,12 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModMemStats, _FSDPRefType
 from torch.distributed.device_mesh import init_device_mesh
 
-from shardtrain.config.plan import refuse_tensor_parallel_estimate, resolve_plan
+from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import state_bytes
 from shardtrain.diagnostics.planner import Estimate, estimate
@@ -52,7 +53,7 @@ from shardtrain.tasks.samples import tensors_of
 from shardtrain.tasks.task import Task, task_from_config
 from shardtrain.train.grad import clip_grads_, clip_scale, global_grad_norm
 from shardtrain.train.optim import build_optimizer
-from shardtrain.train.step import prepare_micro_batch
+from shardtrain.train.step import loss_context, prepare_micro_batch
 
 END_BLOCKS = 3  # blocks at either end of the stack whose forward and backward are phases of their own
 OTHER_BLOCKS = "other blocks"  # never above the end blocks: affine in the block index
@@ -172,6 +173,7 @@ class Simulation:
     activation_peaks: dict[str, int]  # each phase's most activations and backward temporaries
     seconds: float
     probed_layers: tuple[int, ...] = ()
+    tensor_parallel: int = 1  # the mesh's tp dimension (its last), 1 without one
 
     @property
     def peak_phase(self) -> str:
@@ -211,12 +213,26 @@ def fake_world(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        # DTensor's native cache of shardings keys a mesh by its shape and names, not its process
+        # groups: the next fake world's tensor-parallel meshes would find this one's destroyed groups.
+        torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 def block_names(model: nn.Module, classes: tuple[type, ...]) -> list[str]:
     """The modules the wrap policy made units of, in order (the model itself aside)."""
     return [name for name, module in model.named_modules()
             if isinstance(module, classes) and module is not model]
+
+
+@contextmanager
+def shapes_worked_out_apart() -> Iterator[None]:
+    """DTensor works out each operator's output shapes (tensor parallelism's, and the gradient
+    norm's over 2-D gradients) by running it on fake tensors of the unsplit sizes, in the fake mode
+    it detects: a ``TracingContext``'s, else the active one, which here is the simulator's own, so
+    the tracker would count them (a [tokens, vocabulary] fp32 tensor for the loss). No device ever
+    holds them: a fake mode of their own, as in a real run, keeps them out of the tracker's count."""
+    with tracing(TracingContext(FakeTensorMode())):
+        yield
 
 
 @contextmanager
@@ -266,14 +282,15 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int, task: T
             tracker = PhasePeakTracker(model, optimizer, blocks)
             tracker.track_inputs(tuple(tensors_of(batch)))
             steps = trainer.grad_accum_steps
-            with tracker:
+            with tracker, shapes_worked_out_apart():
                 for index in range(steps):
                     if steps > 1:
                         tracker.micro_batch = ("first micro-batch" if index == 0 else "last micro-batch"
                                                if index == steps - 1 else "middle micro-batches")
                     prepare_micro_batch(model, index, steps, plan.grad_accumulation == "sharded")
-                    out = task.loss(model, batch)
-                    (out.loss / (count if count is not None else out.count)).backward()
+                    with loss_context(plan.tensor_parallel):
+                        out = task.loss(model, batch)
+                        (out.loss / (count if count is not None else out.count)).backward()
                 tracker.stage = "gradient norm"
                 grads = state_bytes(model, None).grads
                 params = [p for p in model.parameters() if p.grad is not None]
@@ -289,7 +306,7 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int, task: T
         activation_checkpointing=cfg.strategy.activation_checkpointing, layers=len(blocks),
         params=held.params, grads=grads, optimizer=held.optimizer, phases=tracker.peaks,
         activation_peaks=tracker.activation_peaks,
-        seconds=time.perf_counter() - started,
+        seconds=time.perf_counter() - started, tensor_parallel=plan.tensor_parallel,
     )
 
 
@@ -346,7 +363,6 @@ def simulate(cfg: Config, world_size: int, local_world_size: int, *, probe: bool
     if cfg.strategy.float8:
         raise ConfigError("the simulator cannot run strategy.float8 (torchao's float8 matmuls need a GPU); "
                           "`shardtrain plan` without --simulate counts it")
-    refuse_tensor_parallel_estimate(cfg.strategy, "plan --simulate")
     plan = resolve_plan(cfg.strategy, world_size, min(local_world_size, world_size), accelerated=True)
     if (len(plan.mesh_shape) > 1 and plan.mesh_shape[0] > 1 and cfg.trainer.grad_accum_steps > 1
             and plan.grad_accumulation == "sharded"):
@@ -398,7 +414,8 @@ def simulation_table(rows: list[tuple[Simulation, Estimate | None]], device_memo
             "peak (planner)", "peak phase"] + (["fits"] if device_memory else []) + ["seconds"]
     lines = []
     for sim, plan in rows:
-        cells = [str(sim.world_size), sim.strategy, {"none": "no", "all": "yes"}.get(
+        strategy = sim.strategy + (f" x TP {sim.tensor_parallel}" if sim.tensor_parallel > 1 else "")
+        cells = [str(sim.world_size), strategy, {"none": "no", "all": "yes"}.get(
                      sim.activation_checkpointing, sim.activation_checkpointing),
                  f"{sim.params / gib:.2f}", f"{sim.grads / gib:.2f}", f"{sim.optimizer / gib:.2f}",
                  f"{sim.activations / gib:.1f} ({planned(plan, 'activations')})",
