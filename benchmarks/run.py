@@ -48,6 +48,9 @@ shardtrain with its defaults and with each of issue 26's features turned the oth
 loss, fused AdamW, selective activation checkpointing), against the hand-written FSDP2 loop and
 Lightning, each a fresh torchrun program, alternating in rounds: tokens/s and peak resident memory
 at 1 and 2 processes for the default model and a vocabulary-heavy one.
+tp (only with ``--only tp``, about 8 minutes at 2 rounds): benchmarks/ablation.py's shardtrain program
+at 2 processes as FSDP 2 and as FSDP 1 x TP 2 (with and without sequence parallelism), alternating
+in rounds: tokens/s and peak resident memory, the default model and the vocabulary-heavy one.
 Each rewrites its own section of docs/benchmarks.md (scaling: also docs/scaling.md) with the
 command, the machine and the date.
 """
@@ -97,6 +100,11 @@ SUM_BEGIN, SUM_END = "<!-- checksum:begin -->", "<!-- checksum:end -->"
 CLI_BEGIN, CLI_END = "<!-- cli:begin -->", "<!-- cli:end -->"
 LOSS_BEGIN, LOSS_END = "<!-- loss:begin -->", "<!-- loss:end -->"
 ABLATION_BEGIN, ABLATION_END = "<!-- ablation:begin -->", "<!-- ablation:end -->"
+TP_BEGIN, TP_END = "<!-- tp:begin -->", "<!-- tp:end -->"
+# (label, processes, overrides): FSDP over both ranks against tensor parallelism over them.
+TP_PROGRAMS = [("FSDP 2", 2, []), ("FSDP 1 x TP 2, sequence parallel", 2, ["strategy.tensor_parallel=2"]),
+               ("FSDP 1 x TP 2, no sequence parallelism", 2,
+                ["strategy.tensor_parallel=2", "strategy.sequence_parallel=false"])]
 # (row label, program, shardtrain overrides per model: a feature turned the other way from its default).
 ABLATION_PROGRAMS = [
     ("hand-written FSDP2 loop", "handwritten", {}),
@@ -142,6 +150,9 @@ SCALING_MODELS = [("llama3_8b", "Llama-3 8B", [8, 64]), ("llama3_70b", "Llama-3 
                   ("llama3_405b", "Llama-3 405B", [1024])]
 SCALING_OVERRIDES = ["trainer.micro_batch_size=1", "trainer.seq_len=8192",
                      "strategy.mixed_precision=bf16-mixed"]
+# FSDP x TP 8 rows beside the FSDP-only ones, at the sizes torchtitan's recipes name: 70B as FSDP 32 x
+# TP 8 on 256 GPUs, 405B as FSDP 128 x TP 8 on 1,024.
+SCALING_TENSOR_PARALLEL = {"llama3_70b": 256, "llama3_405b": 1024}
 HEADER = (
     "| processes | tokens/step | shardtrain tokens/s | hand-written tokens/s | shardtrain step ms "
     "| hand-written step ms | ratio (shardtrain / hand-written) |\n"
@@ -580,14 +591,25 @@ def scaling_sections(command: str) -> tuple[str, str]:
         cfg = load_config([f"model={preset}", *SCALING_OVERRIDES])
         rows = simulation_rows(cfg, worlds, ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"],
                                ["none", "all"], 8)
+        commands = ""
+        if preset in SCALING_TENSOR_PARALLEL:
+            world = SCALING_TENSOR_PARALLEL[preset]
+            overrides = [f"model={preset}", *SCALING_OVERRIDES, "strategy.tensor_parallel=8"]
+            rows += simulation_rows(load_config([*overrides, "trainer.devices=8"]), [world], ["FULL_SHARD"],
+                                    ["none", "all"], 8)
+            args = ["plan", "--simulate", *overrides, "--world-sizes", str(world), "--processes-per-node",
+                    "8", "--ac", "both", "--device-memory", "80GB"]
+            commands = (f"\n\nThe TP rows: `shardtrain {' '.join(args)}` ({cli_seconds(*args):.0f} s "
+                        "as a user runs it, imports included; its seconds column: each simulation)")
         tables.append(f"### {title} (`model={preset}`)\n\n"
-                      + simulation_table(rows, 80 * 10**9, markdown=True))
+                      + simulation_table(rows, 80 * 10**9, markdown=True) + commands)
     scaling = f"""{SCALING_BEGIN}
 - Command: `{command}` (rewrites this section)
 - Date: {datetime.date.today().isoformat()}; machine: {machine()}
 - Every case: micro-batch 1 x 8,192 tokens, `bf16-mixed`, 8 processes per node (hybrid strategies
   shard over the node's 8 and replicate across nodes), AdamW; fits = the simulated peak is at most
-  80 GB (74.5 GiB) per device.
+  80 GB (74.5 GiB) per device. `FULL_SHARD x TP 8`: tensor parallelism over each node's 8 ranks
+  with sequence parallelism and the loss on the vocabulary-split logits, FSDP over the nodes.
 
 {(chr(10) * 2).join(tables)}
 {SCALING_END}"""
@@ -1114,6 +1136,43 @@ def ablation_section(results: dict, rounds: int, processes: list[int], command: 
     return "\n".join(lines + [ABLATION_END])
 
 
+def tp_section(command: str, rounds: int) -> str:
+    """Tensor parallelism's cost on this CPU: benchmarks/ablation.py's shardtrain program (fresh
+    torchrun programs, alternating in rounds) under FSDP and under TP, tokens/s and peak memory."""
+    results: dict = {}
+    for round_index in range(rounds):
+        for model in ABLATION_MODELS:
+            for label, processes, overrides in TP_PROGRAMS:
+                result = ablation_run(model, "shardtrain", overrides, processes)
+                results.setdefault((model, label), []).append(result)
+                print(json.dumps({"round": round_index, "model": model, "row": label, **result}), flush=True)
+
+    def median(model: str, label: str, key: str) -> float:
+        return statistics.median(r[key] for r in results[model, label])
+
+    base = TP_PROGRAMS[0][0]
+    lines = [TP_BEGIN, "## Tensor parallelism on CPU (for the record)", "",
+             f"- Command: `{command}`",
+             f"- Date: {datetime.date.today().isoformat()}; machine: {machine()}, gloo, fp32; load average "
+             f"{os.getloadavg()[0]:.1f} at the end. The machine was shared with other work while it ran.",
+             "- Each row is shardtrain's training iteration (benchmarks/ablation.py's `shardtrain` program, "
+             f"defaults plus the row's settings), a fresh torchrun program of 2 processes; rows alternate "
+             f"within each of {rounds} rounds; {ABLATION_WARMUP} warm-up then {ABLATION_STEPS} timed "
+             "iterations; the same global batch (a TP group is one data-parallel rank, so its micro-batch "
+             "is twice FSDP's). Peak MiB: the largest rank's peak resident size over the timed iterations. "
+             "Medians over rounds.",
+             "- 4 processes (FSDP 4 against FSDP 2 x TP 2) are not measured: on 2 cores they would time "
+             "the oversubscription.", ""]
+    for model, title in ABLATION_MODELS.items():
+        lines += [f"**{title}**", "", "| layout | tokens/s (x FSDP 2) | peak MiB (x FSDP 2) |", "| --- | --- | --- |"]
+        for label, _, _ in TP_PROGRAMS:
+            rate, peak = median(model, label, "tokens_per_s"), median(model, label, "peak_mib")
+            lines.append(f"| {label} | {rate:,.0f} ({rate / median(model, base, 'tokens_per_s'):.2f}x) | "
+                         f"{peak:,.0f} ({peak / median(model, base, 'peak_mib'):.2f}x) |")
+        lines.append("")
+    return "\n".join(lines + [TP_END])
+
+
 def lightning_version() -> str:
     try:
         from importlib.metadata import version
@@ -1215,9 +1274,9 @@ def main() -> None:
     parser.add_argument("--only", choices=["training", "checkpoint", "generation", "generation-modes",
                                            "init", "scaling", "soak", "gpu", "e2e", "profile", "hf",
                                            "data", "task", "checksum", "cli", "report", "loss", "ac",
-                                           "float8", "ablation"],
+                                           "float8", "ablation", "tp"],
                         default=None)
-    parser.add_argument("--rounds", type=int, default=3, help="--only e2e, loss, ac, ablation: alternating rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="--only e2e, loss, ac, ablation, tp: alternating rounds")
     parser.add_argument("--gpu-variants", nargs="+", choices=list(GPU_VARIANT_NAMES),
                         default=list(GPU_VARIANT_NAMES), help="--only gpu: the (compile, AC) variants")
     parser.add_argument("--train-steps", type=int, default=300, help="--only float8: steps of each run")
@@ -1277,6 +1336,9 @@ def main() -> None:
         results = ablation_results(args.rounds, args.processes)
         command = f"python benchmarks/run.py --only ablation --rounds {args.rounds}"
         write_section(ABLATION_BEGIN, ABLATION_END, ablation_section(results, args.rounds, args.processes, command))
+    if args.only == "tp":
+        write_section(TP_BEGIN, TP_END, tp_section(f"python benchmarks/run.py --only tp --rounds {args.rounds}",
+                                                   args.rounds))
     if args.only in (None, "ac"):
         write_section(AC_BEGIN, AC_END, ac_section(
             f"python benchmarks/run.py --only ac --rounds {args.rounds}", args.rounds))

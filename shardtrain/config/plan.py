@@ -258,7 +258,10 @@ def check_tensor_parallel_support(cfg: Config) -> None:
         raise ConfigError(f"strategy.tensor_parallel={tp} supports the built-in language-model task only "
                           f"for now, not task={cfg.task.path}; set strategy.tensor_parallel=1")
     if cfg.strategy.compile:
-        raise ConfigError("strategy.compile=true with strategy.tensor_parallel > 1 is not tested yet; "
+        # Measured (docs/parallelism.md): compiled tensor-parallel blocks train without graph breaks
+        # but their gradients go wrong from the second step (torch 2.13, gloo).
+        raise ConfigError("strategy.compile=true with strategy.tensor_parallel > 1 gives wrong gradients "
+                          "from the second step with torch 2.13 (docs/parallelism.md); "
                           "set strategy.compile=false or strategy.tensor_parallel=1")
     if cfg.trainer.loss_chunk_tokens not in (0, "auto"):
         raise ConfigError(f"trainer.loss_chunk_tokens={cfg.trainer.loss_chunk_tokens} (the chunked loss) "

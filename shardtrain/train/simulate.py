@@ -397,6 +397,9 @@ def simulation_rows(cfg: Config, world_sizes: list[int], strategies: list[str],
         return [(sim, None) for sim in sims]
     with torch.device("meta"):
         model = build_model(cfg.model)
+    if cfg.strategy.tensor_parallel > 1 and not hasattr(model, "tensor_parallel_plan"):
+        # The planner splits parameters by the model's own plan; without one it has no figures.
+        return [(sim, None) for sim in sims]
     return [(sim, estimate(case, model, case.strategy.sharding_strategy, world, local_world_size))
             for sim, (case, world) in zip(sims, cases)]
 
