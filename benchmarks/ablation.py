@@ -91,7 +91,9 @@ def model_config(model: str) -> ModelConfig:
 
 def run_shardtrain(model: str, overrides: list[str]) -> dict:
     shape, seq_len, global_batch = MODELS[model]
-    world = int(os.environ["WORLD_SIZE"])
+    # A tensor-parallel group is one data-parallel rank (benchmarks/run.py --only tp).
+    tp = next((int(o.split("=")[1]) for o in overrides if o.startswith("strategy.tensor_parallel=")), 1)
+    world = int(os.environ["WORLD_SIZE"]) // tp
     cfg = benchmark_config([*(f"model.{k}={v}" for k, v in shape.items()), f"trainer.seq_len={seq_len}",
                             f"trainer.micro_batch_size={global_batch // world}",
                             f"strategy.mixed_precision={PRECISION}", f"trainer.lr={LR}", *overrides])

@@ -1136,6 +1136,17 @@ def ablation_section(results: dict, rounds: int, processes: list[int], command: 
     return "\n".join(lines + [ABLATION_END])
 
 
+TP_READING = (
+    "Reading it: at the same global batch a TP rank computes its group's whole micro-batch (twice an "
+    "FSDP rank's) for half of each matmul, so the FLOPs per rank are FSDP's, but every block adds two "
+    "all-gathers and two reduce-scatters of activations (with sequence parallelism; two all-reduces "
+    "without) on the critical path, where FSDP's traffic overlaps; on 2 CPU cores over gloo that costs "
+    "{low:.0%}-{high:.0%} of the tokens/s. Memory is not saved at this size either: the activations "
+    "between the matmuls and the vocabulary-split loss's extra tensors (docs/memory-planner.md) "
+    "outweigh the halved weights of a model this small. TP is for where FSDP alone stops fitting "
+    "(docs/scaling.md).")
+
+
 def tp_section(command: str, rounds: int) -> str:
     """Tensor parallelism's cost on this CPU: benchmarks/ablation.py's shardtrain program (fresh
     torchrun programs, alternating in rounds) under FSDP and under TP, tokens/s and peak memory."""
@@ -1170,6 +1181,9 @@ def tp_section(command: str, rounds: int) -> str:
             lines.append(f"| {label} | {rate:,.0f} ({rate / median(model, base, 'tokens_per_s'):.2f}x) | "
                          f"{peak:,.0f} ({peak / median(model, base, 'peak_mib'):.2f}x) |")
         lines.append("")
+    costs = [1 - median(model, label, "tokens_per_s") / median(model, base, "tokens_per_s")
+             for model in ABLATION_MODELS for label, _, _ in TP_PROGRAMS[1:]]
+    lines += [TP_READING.format(low=min(costs), high=max(costs)), ""]
     return "\n".join(lines + [TP_END])
 
 
