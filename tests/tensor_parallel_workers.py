@@ -39,13 +39,15 @@ def hf_tensor_parallel_cases(model_dirs: dict[str, str], cases: dict[str, dict],
     """Each case trains the Hugging Face model of its ``family`` (fp32, 2 micro-batches); rank 0
     saves losses, grad norms, the gathered weights and how each parameter lies over tp."""
     world = int(os.environ["WORLD_SIZE"])
-    corpora = {family: hf_corpus(path) for family, path in model_dirs.items()
-               if any(case["family"] == family for case in cases.values())}
+    # One family's corpus at a time: the families share a tokenizer recipe and so a prepared-data
+    # cache entry, which preparing for another family's tokenizer directory rewrites.
+    corpus, corpus_family = None, None
     for name, case in cases.items():
         case = dict(case)
         family = case.pop("family")
-        task = (FeedForwardOnlyPlan if case.pop("own_plan", False) else LanguageModelTask)(
-            corpus=corpora[family])
+        if family != corpus_family:
+            corpus, corpus_family = hf_corpus(model_dirs[family]), family
+        task = (FeedForwardOnlyPlan if case.pop("own_plan", False) else LanguageModelTask)(corpus=corpus)
         model_dir = model_dirs[family]
         cfg = hf_case_config(model_dir, world, f"{out}/{name}", **case)
         data_parallel = world // cfg.strategy.tensor_parallel

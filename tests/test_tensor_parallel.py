@@ -88,8 +88,8 @@ def compare(result: dict, reference: dict, label: str) -> list[str]:
 HF_CASES_4 = {
     "hf_llama_fsdp2_tp2_sp": dict(family="llama", tensor_parallel=2),
     "hf_llama_fsdp2_tp2_no_sp": dict(family="llama", tensor_parallel=2, sequence_parallel=False),
-    "hf_qwen2_tied_fsdp2_tp2_sp": dict(family="qwen2", tensor_parallel=2),
     "hf_llama_task_plan": dict(family="llama", tensor_parallel=2, sequence_parallel=False, own_plan=True),
+    "hf_qwen2_tied_fsdp2_tp2_sp": dict(family="qwen2", tensor_parallel=2),
 }
 
 
