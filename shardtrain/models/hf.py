@@ -32,7 +32,7 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 from shardtrain.config.schema import ModelConfig
 from shardtrain.errors import ModelError
 from shardtrain.models.dims import Dims
-from shardtrain.models.hf_tp import parallelize_hf, tensor_parallel_refusal
+from shardtrain.models.hf_tp import check_declared_plan, parallelize_hf
 
 PREFIX = "hf."
 CONFIG_FILE = "config.json"
@@ -276,4 +276,4 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, sequence_parallel: bool) ->
         return
     with torch.device("meta"):
         model = HFCausalLM(cfg)
-    tensor_parallel_refusal(model.hf, model.block_classes, tp, sequence_parallel)
+    check_declared_plan(model.hf, model.block_classes, tp, sequence_parallel)

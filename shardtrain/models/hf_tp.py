@@ -30,6 +30,9 @@ blocks, ``Shard(1)`` along the sequence with sequence parallelism, else ``Replic
 - anything else (fused ``packed_*`` projections, ``replicated_with_grad_allreduce`` norms as Qwen3's,
   experts, ``local_params``...): refused, naming the entry; a task may apply its own plan instead.
 
+Tied input and output embeddings (Qwen2's small models) are both split along the vocabulary
+(``Shard(0)`` of a ``[vocab, hidden]`` weight) and share the one split weight again afterwards.
+
 Sequence parallelism needs the Llama block layout (``input_layernorm``, ``self_attn``,
 ``post_attention_layernorm``, ``mlp`` and a final ``norm``: Llama, Mistral, Qwen2 and their kin):
 the norms become ``SequenceParallel``, ``self_attn`` and ``mlp`` gather their input along the
@@ -103,7 +106,7 @@ def check_split_sizes(config: PretrainedConfig, tp: int) -> None:
                               f"{config_file(config)}); choose a tensor_parallel that divides it")
 
 
-def tensor_parallel_refusal(model: nn.Module, blocks: tuple[type, ...], tp: int,
+def check_declared_plan(model: nn.Module, blocks: tuple[type, ...], tp: int,
                             sequence_parallel: bool) -> None:
     """Everything that keeps the declared plan from applying to ``model`` (a transformers causal
     LM with decoder-layer classes ``blocks``), one line: raised before any weight is split."""
@@ -167,7 +170,7 @@ def parallelize_hf(model: nn.Module, blocks: tuple[type, ...], tp_mesh: DeviceMe
                    sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Apply the translated plan to a transformers causal LM in place (before ``fully_shard``);
     returns what was applied, by module name."""
-    tensor_parallel_refusal(model, blocks, tp_mesh.size(), sequence_parallel)
+    check_declared_plan(model, blocks, tp_mesh.size(), sequence_parallel)
     stream = Shard(1) if sequence_parallel else Replicate()
     # With sequence parallelism the stream is a DTensor outside the blocks' matmuls (transformers'
     # code around them reads whole-sequence shapes); without, a plain replicated tensor.
