@@ -13,6 +13,8 @@ layout that cannot work fails before launch with one line.
 from __future__ import annotations
 
 import dataclasses
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -229,6 +231,20 @@ def test_bad_layouts_fail_before_launch_with_one_line(overrides, message, hf_lay
     with pytest.raises(ConfigError) as info:
         check_training(load_config(overrides))
     assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_a_task_with_its_own_plan_is_not_held_to_the_models(hf_layouts, hf_dirs, tmp_path):
+    """GPT-2 declares no plan: refused before launch, unless the task passes its own."""
+    model = tmp_path / "gpt2"
+    shutil.copytree(hf_layouts["gpt2"], model)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config.from_pretrained(model)).save_pretrained(model)
+    for file in Path(hf_dirs["llama"]).glob("tokenizer*"):
+        shutil.copy(file, model)
+    overrides = ["trainer.devices=2", "strategy.tensor_parallel=2", "model.name=hf", f"model.path={model}",
+                 f"run.dir={tmp_path}/run"]
+    with pytest.raises(ConfigError, match="a Hugging Face gpt2 model declares no tensor-parallel plan"):
+        check_training(load_config(overrides))
+    check_training(load_config([*overrides, "task=tensor_parallel_workers:FeedForwardOnlyPlan"]))
 
 
 @pytest.fixture(scope="module")

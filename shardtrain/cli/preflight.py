@@ -83,9 +83,12 @@ def check_training(cfg: Config) -> None:
     check_init_from(cfg.model.init_from)
     # The task is a Task with what the contract requires; the model and data checks below are the
     # language model's.
-    if not isinstance(task_from_config(cfg), LanguageModelTask):
+    task = task_from_config(cfg)
+    if not isinstance(task, LanguageModelTask):
         return
-    if cfg.model.name == "llama":
+    if task.tensor_parallel_hook() is not None:
+        pass  # the task's own tensor-parallel plan: the model's is not used
+    elif cfg.model.name == "llama":
         check_tensor_parallel_dims(llama_dims(cfg.model), cfg.strategy.tensor_parallel)
     elif cfg.model.name == "hf":
         check_hf_tensor_parallel(cfg.model, cfg.strategy.tensor_parallel, cfg.strategy.sequence_parallel)
