@@ -3,29 +3,85 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import torch
 from checkpoint_workers import interrupted, new_trainer
-from equivalence import STEPS, case_config, run_cases
+from equivalence import GLOBAL_BATCH, STEPS, case_config, run_cases
+from hf_workers import hf_case_config, hf_corpus
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from shardtrain.tasks.language_model import LanguageModelTask
+from shardtrain.train.loop import Trainer
 
 # The tiny model of the equivalence tests with a feed-forward width tensor parallelism can split
 # (97 cannot be halved); dim 36, 6 heads, 2 key/value heads and the 256-token vocabulary can.
 TP_MODEL = {"ffn_hidden_dim": 98}
-SPLITS = (2, 4)  # FSDP 4 to step 2, FSDP 2 x TP 2 to step 4, FSDP 4 again to the end
+SPLITS = (2, 4)  # FSDP 4 to step 2, FSDP 2 x TP 2 to step 4, FSDP 4 again (and 1 process) to the end
+# The tiny Hugging Face Llama of tests/hf_models.py with a feed-forward width TP 2 can split.
+HF_SIZES = {"intermediate_size": 98}
+ACCUM = 2
 
 
-def layout_config(run_dir: str, resume: str = "auto", **strategy):
-    cfg = case_config(4, run_dir, model=TP_MODEL, **strategy)
+class FeedForwardOnlyPlan(LanguageModelTask):
+    """A task passing its own tensor-parallel plan: only the feed-forward of each block is split
+    (attention, embedding and head stay whole on every rank of the group)."""
+
+    def parallelize_tensors(self, model, tp_mesh, sequence_parallel: bool) -> None:
+        for layer in model.hf.model.layers:
+            parallelize_module(layer.mlp, tp_mesh, {"gate_proj": ColwiseParallel(),
+                                                    "up_proj": ColwiseParallel(),
+                                                    "down_proj": RowwiseParallel()})
+
+
+def hf_tensor_parallel_cases(model_dirs: dict[str, str], cases: dict[str, dict], out: str) -> None:
+    """Each case trains the Hugging Face model of its ``family`` (fp32, 2 micro-batches); rank 0
+    saves losses, grad norms, the gathered weights and how each parameter lies over tp."""
+    world = int(os.environ["WORLD_SIZE"])
+    # One family's corpus at a time: the families share a tokenizer recipe and so a prepared-data
+    # cache entry, which preparing for another family's tokenizer directory rewrites.
+    corpus, corpus_family = None, None
+    for name, case in cases.items():
+        case = dict(case)
+        family = case.pop("family")
+        if family != corpus_family:
+            corpus, corpus_family = hf_corpus(model_dirs[family]), family
+        task = (FeedForwardOnlyPlan if case.pop("own_plan", False) else LanguageModelTask)(corpus=corpus)
+        model_dir = model_dirs[family]
+        cfg = hf_case_config(model_dir, world, f"{out}/{name}", **case)
+        data_parallel = world // cfg.strategy.tensor_parallel
+        cfg.trainer = dataclasses.replace(cfg.trainer, grad_accum_steps=ACCUM,
+                                          micro_batch_size=GLOBAL_BATCH // (data_parallel * ACCUM))
+        trainer = Trainer.create(cfg, task=task)
+        result = trainer.fit()
+        weights = trainer.full_weights()
+        if trainer.env.is_main:
+            torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "weights": weights,
+                        "layout": trainer.built.report.tensor_parallel}, Path(out, f"{name}.pt"))
+
+
+def eight_ranks(out: str, cases: dict[str, dict], hf_dirs: dict[str, str], hf_cases: dict[str, dict]) -> None:
+    """8 ranks: the built-in Llama's cases, then the Hugging Face ones."""
+    run_cases(cases, out)
+    hf_tensor_parallel_cases(hf_dirs, hf_cases, out)
+
+
+def layout_config(run_dir: str, resume: str = "auto", world: int = 4, **strategy):
+    cfg = case_config(world, run_dir, model=TP_MODEL, **strategy)
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, enabled=True, resume=resume)
     return cfg
 
 
-def equivalence_and_resume(out: str, cases: dict[str, dict]) -> None:
-    """4 ranks: every equivalence case, then one run across layouts (DCP reshards the DTensors at
-    each change): FSDP 4 to step 2, saved; resumed as FSDP 2 x TP 2 to step 4, saved; resumed as
-    FSDP 4 again to the last step."""
+def equivalence_and_resume(out: str, cases: dict[str, dict], hf_dirs: dict[str, str],
+                           hf_cases: dict[str, dict]) -> None:
+    """4 ranks: every equivalence case (the built-in Llama's, then the Hugging Face ones), then one
+    run across layouts (DCP reshards the DTensors at each change): FSDP 4 to step 2, saved;
+    resumed as FSDP 2 x TP 2 to step 4, saved; resumed as FSDP 4 again to the last step. The first
+    run also goes on to step 4 and saves there: the FSDP-only checkpoint the TP one is compared with.
+    ``one_process_leg`` resumes the TP checkpoint in one process afterwards."""
     run_cases(cases, out)
+    hf_tensor_parallel_cases(hf_dirs, hf_cases, out)
     first = new_trainer(layout_config(f"{out}/fsdp4"))
     interrupted(first, SPLITS[0])
     second = new_trainer(layout_config(f"{out}/tp", resume=f"{out}/fsdp4/checkpoints/step-{SPLITS[0]}",
@@ -33,15 +89,25 @@ def equivalence_and_resume(out: str, cases: dict[str, dict]) -> None:
     assert second.step == SPLITS[0], second.step
     interrupted(second, SPLITS[1] - SPLITS[0])
     tp_weights = second.full_weights()
+    interrupted(first, SPLITS[1] - SPLITS[0])  # the FSDP-only checkpoint at the TP one's step
     third = new_trainer(layout_config(f"{out}/back", resume=f"{out}/tp/checkpoints/step-{SPLITS[1]}"))
     assert third.step == SPLITS[1], third.step
     result = third.fit()
     weights = third.full_weights()
-    runs = (first, second, third)
+    runs = ((first, SPLITS[0]), (second, None), (third, None))
     if third.env.is_main:
-        torch.save({"losses": [loss for run in runs for loss in run.result.losses],
-                    "grad_norms": [norm for run in runs for norm in run.result.grad_norms],
+        torch.save({"losses": [loss for run, n in runs for loss in run.result.losses[:n]],
+                    "grad_norms": [norm for run, n in runs for norm in run.result.grad_norms[:n]],
                     "weights": weights, "tp_weights": tp_weights,
-                    "ids": [ids.tolist() for run in runs for ids in run.consumed_ids]},
+                    "ids": [ids.tolist() for run, n in runs for ids in run.consumed_ids[:n]]},
                    Path(out, "across_layouts.pt"))
     assert len(result.losses) == STEPS - SPLITS[1]
+
+
+def one_process_leg(out: str) -> None:
+    """1 process: the FSDP 2 x TP 2 checkpoint of step 4 resumed to the last step."""
+    run = new_trainer(layout_config(f"{out}/one", resume=f"{out}/tp/checkpoints/step-{SPLITS[1]}", world=1))
+    assert run.step == SPLITS[1], run.step
+    result = run.fit()
+    torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "weights": run.full_weights(),
+                "ids": [ids.tolist() for ids in run.consumed_ids]}, Path(out, "one_process.pt"))

@@ -13,22 +13,35 @@ layout that cannot work fails before launch with one line.
 from __future__ import annotations
 
 import dataclasses
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import transformers
 from distributed import run_on_ranks
 from equivalence import GLOBAL_BATCH, STEPS, max_errors, reference_run, small_corpus
+from hf_models import family_config, make_model_dir, sample_texts, train_tokenizer
+from hf_workers import hf_reference
 from safetensors.torch import load_file
-from tensor_parallel_workers import SPLITS, TP_MODEL, equivalence_and_resume
+from tensor_parallel_workers import (
+    HF_SIZES,
+    SPLITS,
+    TP_MODEL,
+    eight_ranks,
+    equivalence_and_resume,
+    one_process_leg,
+)
 
+from shardtrain.cli.preflight import check_training
 from shardtrain.config.loader import load_config
 from shardtrain.config.plan import check_tensor_parallel_support, resolve_plan
 from shardtrain.config.schema import Config, StrategyConfig, TaskConfig
 from shardtrain.data.batches import GlobalOrder, TokenWindows
 from shardtrain.diagnostics.report import settings_lines
 from shardtrain.distributed.env import DistEnv
-from shardtrain.distributed.parallelize import ShardingReport
+from shardtrain.distributed.parallelize import ShardingReport, apply_tensor_parallel
 from shardtrain.errors import ConfigError
 from shardtrain.export.consolidate import consolidate
 from shardtrain.models.llama import llama_dims
@@ -47,13 +60,39 @@ def tied_reference():
     return reference_run(model=TP_MODEL, tied=True)
 
 
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """Tiny Hugging Face Llama (untied) and Qwen2 (tied embeddings) directories whose sizes TP 2
+    can split."""
+    root = tmp_path_factory.mktemp("hf_tp")
+    tokenizer = train_tokenizer(sample_texts())
+    return {family: str(make_model_dir(root / family, family, seed=index, tokenizer=tokenizer, **HF_SIZES))
+            for index, family in enumerate(("llama", "qwen2"))}
+
+
+@pytest.fixture(scope="module")
+def hf_references(hf_dirs):
+    """The plain transformers models in the one-process hand-written loop."""
+    return {family: hf_reference(path) for family, path in hf_dirs.items()}
+
+
 def compare(result: dict, reference: dict, label: str) -> list[str]:
     errors = max_errors(result, reference)
     print(f"{label}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     return [f"{label}: {k} error {v:.2e} > {TOL:.0e}" for k, v in errors.items() if not v <= TOL]
 
 
-def test_fsdp2_x_tp2_matches_reference_and_resumes_across_layouts(reference, tied_reference, tmp_path):
+# Hugging Face models under the plan transformers declares, translated (and a task's own plan).
+HF_CASES_4 = {
+    "hf_llama_fsdp2_tp2_sp": dict(family="llama", tensor_parallel=2),
+    "hf_llama_fsdp2_tp2_no_sp": dict(family="llama", tensor_parallel=2, sequence_parallel=False),
+    "hf_llama_task_plan": dict(family="llama", tensor_parallel=2, sequence_parallel=False, own_plan=True),
+    "hf_qwen2_tied_fsdp2_tp2_sp": dict(family="qwen2", tensor_parallel=2),
+}
+
+
+def test_fsdp2_x_tp2_matches_reference_and_resumes_across_layouts(reference, tied_reference, hf_dirs,
+                                                                   hf_references, tmp_path):
     cases = {
         "fsdp2_tp2_sp": dict(tensor_parallel=2, accum=2, model=TP_MODEL),
         "fsdp2_tp2_no_sp": dict(tensor_parallel=2, sequence_parallel=False, accum=2, model=TP_MODEL),
@@ -65,39 +104,72 @@ def test_fsdp2_x_tp2_matches_reference_and_resumes_across_layouts(reference, tie
         # The head shares the embedding's vocabulary-split weight.
         "fsdp2_tp2_sp_tied": dict(tensor_parallel=2, accum=2, tied=True, model=TP_MODEL),
     }
-    run_on_ranks(equivalence_and_resume, 4, str(tmp_path), cases, tmp_path=tmp_path)
+    run_on_ranks(equivalence_and_resume, 4, str(tmp_path), cases, hf_dirs, HF_CASES_4, tmp_path=tmp_path)
+    # The last leg of the round trip: the TP checkpoint resumed in one process.
+    run_on_ranks(one_process_leg, 1, str(tmp_path), tmp_path=tmp_path)
     failures = []
     for name, case in cases.items():
         failures += compare(torch.load(tmp_path / f"{name}.pt"),
                             tied_reference if case.get("tied") else reference, f"4p {name}")
+    for name, case in HF_CASES_4.items():
+        failures += compare(torch.load(tmp_path / f"{name}.pt"), hf_references[case["family"]], f"4p {name}")
     across = torch.load(tmp_path / "across_layouts.pt")
     failures += compare(across, reference, "4p FSDP 4 -> FSDP 2 x TP 2 -> FSDP 4 resumes")
+    one = torch.load(tmp_path / "one_process.pt")
+    head = SPLITS[1]
+    failures += compare({"losses": across["losses"][:head] + one["losses"],
+                         "grad_norms": across["grad_norms"][:head] + one["grad_norms"],
+                         "weights": one["weights"]}, reference, "FSDP 4 -> TP -> 1 process resumes")
     assert not failures, "\n".join(failures)
     # The data position carried over: each step read the samples the uninterrupted order gives.
     cfg = Config()
     order = GlobalOrder(TokenWindows(small_corpus().train, 32).num_samples, cfg.trainer.seed)
     want = [sorted(order.take(step * GLOBAL_BATCH, GLOBAL_BATCH).tolist()) for step in range(STEPS)]
     assert [sorted(ids) for ids in across["ids"]] == want
+    assert [sorted(ids) for ids in across["ids"][:head] + one["ids"]] == want
     assert len(np.concatenate(across["ids"])) == len(set(np.concatenate(across["ids"]).tolist()))
     # The TP run's checkpoint consolidates (DCP reshards the 2-D DTensors) to exactly the weights
-    # its ranks gathered.
+    # its ranks gathered, and to the FSDP-only run's at the same step within the tolerance (the
+    # same training, split differently: sums rounded in another order).
     files = consolidate(tmp_path / "tp" / "checkpoints" / f"step-{SPLITS[1]}", tmp_path / "tp.safetensors")
     consolidated = load_file(files[0])
     assert consolidated.keys() == across["tp_weights"].keys()
     assert all(torch.equal(consolidated[k], w) for k, w in across["tp_weights"].items())
+    fsdp_files = consolidate(tmp_path / "fsdp4" / "checkpoints" / f"step-{SPLITS[1]}",
+                             tmp_path / "fsdp4.safetensors")
+    fsdp_only = load_file(fsdp_files[0])
+    assert fsdp_only.keys() == consolidated.keys()
+    differences = {k: ((consolidated[k] - w).norm() / w.norm()).item() for k, w in fsdp_only.items()}
+    print(f"consolidated TP vs FSDP-only checkpoint at step {SPLITS[1]}: largest relative difference "
+          f"{max(differences.values()):.1e}")
+    assert max(differences.values()) <= TOL, differences
+    # The start-up report's layout: the declared plan (norms replicated over tp with sequence
+    # parallelism, whole without), and the task's own plan where it passes one.
+    sp, no_sp, own = (torch.load(tmp_path / f"{name}.pt")["layout"] for name in
+                      ("hf_llama_fsdp2_tp2_sp", "hf_llama_fsdp2_tp2_no_sp", "hf_llama_task_plan"))
+    assert sp["hf.model.layers.*.self_attn.q_proj.weight"] == "Shard(dim=0)"
+    assert sp["hf.model.layers.*.self_attn.o_proj.weight"] == "Shard(dim=1)"
+    assert sp["hf.model.embed_tokens.weight"] == sp["hf.lm_head.weight"] == "Shard(dim=0)"
+    assert sp["hf.model.layers.*.input_layernorm.weight"] == "Replicate()"
+    assert no_sp["hf.model.layers.*.input_layernorm.weight"] == "whole"
+    assert own["hf.model.layers.*.mlp.down_proj.weight"] == "Shard(dim=1)"
+    assert own["hf.model.layers.*.self_attn.q_proj.weight"] == own["hf.lm_head.weight"] == "whole"
 
 
-def test_hsdp_2x2_x_tp2_matches_reference(reference, tmp_path):
-    from equivalence import run_cases
-
+def test_hsdp_2x2_x_tp2_matches_reference(reference, hf_dirs, hf_references, tmp_path):
     # Sequence parallelism on and off is compared at 4 ranks; here the 3-D mesh (8 processes on
-    # the suite's 2 cores: one case).
+    # the suite's 2 cores: one case for each model).
     cases = {"hsdp2x2_tp2_sp": dict(strategy="HYBRID_SHARD", shard_group_size=2, tensor_parallel=2,
                                     accum=2, model=TP_MODEL)}
-    run_on_ranks(run_cases, 8, cases, str(tmp_path), tmp_path=tmp_path)
+    hf_cases = {"hf_llama_hsdp2x2_tp2_sp": dict(family="llama", strategy="HYBRID_SHARD", shard_group_size=2,
+                                                tensor_parallel=2)}
+    run_on_ranks(eight_ranks, 8, str(tmp_path), cases, {"llama": hf_dirs["llama"]}, hf_cases,
+                 tmp_path=tmp_path)
     failures = []
     for name in cases:
         failures += compare(torch.load(tmp_path / f"{name}.pt"), reference, f"8p {name}")
+    for name in hf_cases:
+        failures += compare(torch.load(tmp_path / f"{name}.pt"), hf_references["llama"], f"8p {name}")
     assert not failures, "\n".join(failures)
 
 
@@ -137,27 +209,69 @@ def test_mesh_gains_an_innermost_tp_dimension(strategy, world, local, extra, mes
       "trainer.global_batch_size=4"], "trainer.micro_batch_size=auto with strategy.tensor_parallel=2"),
     (["trainer.devices=2", "strategy.tensor_parallel=2", "finetune=lora"],
      "finetune.method=lora with strategy.tensor_parallel=2 is not built yet"),
+    # Hugging Face models (the launching process's preflight reads their config and builds them on
+    # the meta device): no declared plan, sizes the plan cannot split, no Llama block layout for
+    # sequence parallelism, a style with no translation.
+    (["trainer.devices=2", "strategy.tensor_parallel=2", "model.name=hf", "model.path={gpt2}"],
+     "a Hugging Face gpt2 model declares no tensor-parallel plan (base_model_tp_plan"),
+    (["trainer.devices=2", "strategy.tensor_parallel=2", "model.name=hf", "model.path={llama_97}"],
+     "must divide the feed-forward width (intermediate_size=97 in"),
+    (["trainer.devices=2", "strategy.tensor_parallel=2", "model.name=hf", "model.path={gpt_neox}"],
+     "a gpt_neox block has input_layernorm, post_attention_layernorm, post_attention_dropout, "
+     "post_mlp_dropout, attention, mlp; set strategy.sequence_parallel=false"),
+    (["trainer.devices=2", "strategy.tensor_parallel=2", "model.name=hf", "model.path={qwen3}"],
+     "self_attn.q_norm: 'replicated_with_grad_allreduce' (transformers' style) has no translation"),
 ])
-def test_bad_layouts_fail_before_launch_with_one_line(overrides, message):
+def test_bad_layouts_fail_before_launch_with_one_line(overrides, message, hf_layouts, tmp_path):
+    overrides = [item.format(**hf_layouts) for item in overrides] + [f"run.dir={tmp_path}/run"]
     with pytest.raises(ConfigError) as info:
-        load_config(overrides)
+        check_training(load_config(overrides))
     assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_a_task_with_its_own_plan_is_not_held_to_the_models(hf_layouts, hf_dirs, tmp_path):
+    """GPT-2 declares no plan: refused before launch, unless the task passes its own."""
+    model = tmp_path / "gpt2"
+    shutil.copytree(hf_layouts["gpt2"], model)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config.from_pretrained(model)).save_pretrained(model)
+    for file in Path(hf_dirs["llama"]).glob("tokenizer*"):
+        shutil.copy(file, model)
+    overrides = ["trainer.devices=2", "strategy.tensor_parallel=2", "model.name=hf", f"model.path={model}",
+                 f"run.dir={tmp_path}/run"]
+    with pytest.raises(ConfigError, match="a Hugging Face gpt2 model declares no tensor-parallel plan"):
+        check_training(load_config(overrides))
+    check_training(load_config([*overrides, "task=tensor_parallel_workers:FeedForwardOnlyPlan"]))
+
+
+@pytest.fixture(scope="module")
+def hf_layouts(tmp_path_factory) -> dict[str, str]:
+    """Hugging Face model directories (configs only: the preflight reads no weights) that TP refuses."""
+    root = tmp_path_factory.mktemp("hf_layouts")
+    sizes = dict(vocab_size=300, hidden_size=36, num_hidden_layers=2, num_attention_heads=6,
+                 intermediate_size=98)
+    configs = {"gpt2": transformers.GPT2Config(vocab_size=300, n_embd=36, n_layer=2, n_head=6),
+               "llama_97": family_config("llama"),
+               "gpt_neox": transformers.GPTNeoXConfig(**sizes, tie_word_embeddings=False),
+               "qwen3": transformers.Qwen3Config(**sizes, num_key_value_heads=2, tie_word_embeddings=False)}
+    for name, config in configs.items():
+        config.save_pretrained(root / name)
+    return {name: str(root / name) for name in configs}
 
 
 def test_what_is_not_built_yet_is_refused_with_one_line():
     cfg = Config()
     cfg.strategy = dataclasses.replace(cfg.strategy, tensor_parallel=2)
     check_tensor_parallel_support(cfg)  # the built-in Llama and language-model task
-    refused = [(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name="hf")),
-                "supports the built-in Llama only for now, not model.name=hf"),
-               (dataclasses.replace(cfg, task=TaskConfig(path="my_tasks:Regression")),
-                "the built-in language-model task only for now, not task=my_tasks:Regression"),
-               # A CPU refuses float8 before this check; a GPU with float8 reaches it.
-               (dataclasses.replace(cfg, strategy=dataclasses.replace(cfg.strategy, float8=True)),
-                "strategy.float8=true with strategy.tensor_parallel=2 is not built yet")]
-    for bad, message in refused:
-        with pytest.raises(ConfigError, match=message):
-            check_tensor_parallel_support(bad)
+    # A Hugging Face model (its plan checked by the preflight) and a task of one's own (its plan or
+    # its model's) pass; a CPU refuses float8 before this check, a GPU with float8 reaches it.
+    check_tensor_parallel_support(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name="hf")))
+    check_tensor_parallel_support(dataclasses.replace(cfg, task=TaskConfig(path="my_tasks:Regression")))
+    with pytest.raises(ConfigError, match="strategy.float8=true with strategy.tensor_parallel=2 is not"):
+        check_tensor_parallel_support(
+            dataclasses.replace(cfg, strategy=dataclasses.replace(cfg.strategy, float8=True)))
+    # A model with no plan of its own, under a task that passes none: refused before any weight is split.
+    with pytest.raises(ConfigError, match=r"Linear has no tensor-parallel plan .*strategy.tensor_parallel=1"):
+        apply_tensor_parallel(torch.nn.Linear(2, 2), None, sequence_parallel=True)
 
 
 def test_across_nodes_when_forced():

@@ -14,6 +14,7 @@ from shardtrain.config.schema import Config
 from shardtrain.data.prepared import open_prepared
 from shardtrain.data.tokenizer import tokenizer_for
 from shardtrain.errors import CheckpointError, ConfigError
+from shardtrain.models.hf import check_tensor_parallel as check_hf_tensor_parallel
 from shardtrain.models.llama import llama_dims
 from shardtrain.models.llama_tp import check_tensor_parallel_dims
 from shardtrain.tasks.language_model import LanguageModelTask
@@ -82,10 +83,15 @@ def check_training(cfg: Config) -> None:
     check_init_from(cfg.model.init_from)
     # The task is a Task with what the contract requires; the model and data checks below are the
     # language model's.
-    if not isinstance(task_from_config(cfg), LanguageModelTask):
+    task = task_from_config(cfg)
+    if not isinstance(task, LanguageModelTask):
         return
-    if cfg.model.name == "llama":
+    if task.tensor_parallel_hook() is not None:
+        pass  # the task's own tensor-parallel plan: the model's is not used
+    elif cfg.model.name == "llama":
         check_tensor_parallel_dims(llama_dims(cfg.model), cfg.strategy.tensor_parallel)
+    elif cfg.model.name == "hf":
+        check_hf_tensor_parallel(cfg.model, cfg.strategy.tensor_parallel, cfg.strategy.sequence_parallel)
     if cfg.model.weights_source() == cfg.model.path and cfg.model.path:
         weight_files(Path(cfg.model.path).expanduser())  # a Hugging Face model's own weights
     tokenizer = tokenizer_for(cfg.model)  # a missing or unreadable tokenizer fails here, before any worker

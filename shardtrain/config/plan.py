@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from shardtrain.accelerator import accelerator_count, default_precision
-from shardtrain.config.schema import LANGUAGE_MODEL_TASK, Config, StrategyConfig
+from shardtrain.config.schema import Config, StrategyConfig
 from shardtrain.config.strategy import (
     DTYPE_NAMES,
     PRECISION_PRESETS,
@@ -251,12 +251,8 @@ def check_tensor_parallel_support(cfg: Config) -> None:
     tp = cfg.strategy.tensor_parallel
     if tp == 1:
         return
-    if cfg.model.name != "llama":
-        raise ConfigError(f"strategy.tensor_parallel={tp} supports the built-in Llama only for now, not "
-                          f"model.name={cfg.model.name}; set strategy.tensor_parallel=1")
-    if cfg.task.path != LANGUAGE_MODEL_TASK:
-        raise ConfigError(f"strategy.tensor_parallel={tp} supports the built-in language-model task only "
-                          f"for now, not task={cfg.task.path}; set strategy.tensor_parallel=1")
+    # Both model.name=llama and hf carry plans (the built-in's; the one transformers declares,
+    # checked against the model by the preflight); a task brings its own or its model's.
     if cfg.strategy.compile:
         # Measured (docs/parallelism.md): compiled tensor-parallel blocks train without graph breaks
         # but their gradients go wrong from the second step (torch 2.13, gloo).

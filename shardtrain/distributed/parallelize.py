@@ -101,9 +101,15 @@ class ShardingReport:
     tensor_parallel: dict[str, str] = field(default_factory=dict)
 
 
+# A task's own tensor-parallel plan: ``parallelize_tensors(model, tp_mesh, sequence_parallel)``
+# applies it to the unsharded model in place.
+TensorPlan = Callable[[nn.Module, DeviceMesh, bool], None]
+
+
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
-                wrap_policy: Sequence[str | type]) -> ShardingReport:
-    """Shard ``model`` in place, bottom-up: every matched block, the model's extra groups, the root."""
+                wrap_policy: Sequence[str | type], tensor_plan: TensorPlan | None = None) -> ShardingReport:
+    """Shard ``model`` in place, bottom-up: every matched block, the model's extra groups, the root.
+    ``tensor_plan``: the task's tensor-parallel plan, used instead of the model's own."""
     check_single_registration(model)
     wrap = resolve_wrap_classes(model, wrap_policy)
     names = {m: n for n, m in model.named_modules()}
@@ -130,7 +136,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
     if plan.tensor_parallel > 1:
         # Tensor parallelism first: fully_shard then shards each TP shard over the data-parallel
         # dimensions, giving 2-D (or 3-D) DTensor parameters on the one mesh.
-        apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel)
+        apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel, tensor_plan)
         report.tensor_parallel = tensor_parallel_layout(model)
         mesh = mesh[plan.data_parallel_dims]
 
@@ -162,12 +168,19 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
     return report
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """The model's own tensor-parallel plan (``parallelize_tensors(tp_mesh, sequence_parallel)``)."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
+                          tensor_plan: TensorPlan | None = None) -> None:
+    """The task's tensor-parallel plan (``tensor_plan``) when it has one, else the model's own
+    (``parallelize_tensors(tp_mesh, sequence_parallel)``: the built-in Llama's, a Hugging Face
+    model's declared plan)."""
+    if tensor_plan is not None:
+        tensor_plan(model, tp_mesh, sequence_parallel)
+        return
     plan = getattr(model, "parallelize_tensors", None)
     if plan is None:
         raise ConfigError(f"{type(model).__name__} has no tensor-parallel plan (a "
-                          "parallelize_tensors(tp_mesh, sequence_parallel) method); set "
+                          "parallelize_tensors(tp_mesh, sequence_parallel) method, or the task's "
+                          "parallelize_tensors(model, tp_mesh, sequence_parallel)); set "
                           "strategy.tensor_parallel=1")
     plan(tp_mesh, sequence_parallel)
 

@@ -44,7 +44,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
 from shardtrain.distributed.env import DistEnv
-from shardtrain.distributed.parallelize import ShardingReport, parallelize, sum_gradients
+from shardtrain.distributed.parallelize import ShardingReport, TensorPlan, parallelize, sum_gradients
 from shardtrain.errors import ConfigError, ModelError
 from shardtrain.models.lora import AdapterInitializer, add_adapters, base_name, is_adapter
 
@@ -257,8 +257,10 @@ def with_adapters(factory: ModelFactory, cfg: Config, device: torch.device) -> M
 
 def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: DeviceMesh,
                         factory: ModelFactory, wrap_policy: Sequence[str | type] | None = None,
-                        initializer: Any = None) -> tuple[nn.Module, ShardingReport]:
-    """``initializer``: an object with ``init_parameter`` (a task's) used instead of the model's.
+                        initializer: Any = None,
+                        tensor_plan: TensorPlan | None = None) -> tuple[nn.Module, ShardingReport]:
+    """``initializer``: an object with ``init_parameter`` (a task's) used instead of the model's;
+    ``tensor_plan``: a task's tensor-parallel plan, used instead of the model's.
     With ``finetune.method=lora`` the factory's model gets adapters before it is sharded."""
     policy = list(wrap_policy) if wrap_policy is not None else list(cfg.strategy.wrap_policy)
     factory = with_adapters(factory, cfg, env.device)
@@ -268,7 +270,7 @@ def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: Dev
     if initializer is not None and cfg.finetune.method != "none":
         initializer = AdapterInitializer(initializer, model)
     if initializer is not None:
-        report = parallelize(model, mesh, plan, policy)
+        report = parallelize(model, mesh, plan, policy, tensor_plan)
         # Weights that will be read (model.init_from, a Hugging Face model's own) need no drawing:
         # at 0.5B parameters that is most of the start-up.
         initialize = cfg.model.weights_source() is None
@@ -292,7 +294,7 @@ def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: Dev
         )
         torch.manual_seed(cfg.trainer.seed)
         model = factory()
-        report = parallelize(model, mesh, plan, policy)
+        report = parallelize(model, mesh, plan, policy, tensor_plan)
         if plan.cpu_offload:
             move_buffers(model, env.device)
         else:

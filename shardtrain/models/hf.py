@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import transformers
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
@@ -31,6 +32,7 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 from shardtrain.config.schema import ModelConfig
 from shardtrain.errors import ModelError
 from shardtrain.models.dims import Dims
+from shardtrain.models.hf_tp import check_declared_plan, parallelize_hf
 
 PREFIX = "hf."
 CONFIG_FILE = "config.json"
@@ -179,6 +181,11 @@ class HFCausalLM(nn.Module):
         logits than apply it (a loss must then take the logits from ``forward``)."""
         return None if self.head_transform else self.hf.get_output_embeddings()
 
+    def parallelize_tensors(self, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+        """The tensor-parallel plan transformers declares for this model, translated onto torch's
+        styles (``models/hf_tp.py``)."""
+        parallelize_hf(self.hf, self.block_classes, tp_mesh, sequence_parallel)
+
     def document_mask_refusal(self) -> str | None:
         return sequence_state_reason(self.config)
 
@@ -260,3 +267,13 @@ class HFCausalLM(nn.Module):
         d = self.dims
         head_dim = getattr(self.config, "head_dim", None) or d.dim // d.n_heads
         return 6 * self.num_params(exclude_embeddings=True) + 12 * d.n_layers * d.n_heads * head_dim * seq_len
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: int, sequence_parallel: bool) -> None:
+    """Whether ``model.path``'s model can take its declared tensor-parallel plan at ``tp``, before any
+    process starts: built on the meta device (no memory, no weights read); one line if not."""
+    if tp == 1:
+        return
+    with torch.device("meta"):
+        model = HFCausalLM(cfg)
+    check_declared_plan(model.hf, model.block_classes, tp, sequence_parallel)

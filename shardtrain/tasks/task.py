@@ -94,6 +94,14 @@ class Task:
         """The module classes (or names) that become FSDP units; None: ``strategy.wrap_policy``."""
         return None
 
+    def tensor_parallel_hook(self):
+        """``parallelize_tensors(model, tp_mesh, sequence_parallel)`` when the task defines it: its
+        own tensor-parallel plan, applied (with ``torch.distributed.tensor.parallel``) to the
+        unsharded model on the ``tp`` sub-mesh before FSDP shards it, instead of the model's own
+        ``parallelize_tensors(tp_mesh, sequence_parallel)`` (the built-in Llama's plan, a Hugging
+        Face model's declared one). Used only with ``strategy.tensor_parallel`` > 1."""
+        return getattr(self, "parallelize_tensors", None)
+
     # ---- data ---------------------------------------------------------------------------------
 
     def train_dataset(self) -> Any:

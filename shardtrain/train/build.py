@@ -38,7 +38,7 @@ def build(cfg: Config, env: DistEnv, task: Task,
     plan = resolve_plan(cfg.strategy, env.world_size, env.local_world_size)
     mesh = build_mesh(plan, env.device.type)
     model, report = build_sharded_model(cfg, env, plan, mesh, task.build_model, task.wrap_policy(),
-                                        initializer=task)
+                                        initializer=task, tensor_plan=task.tensor_parallel_hook())
     # Called with the sharded model, so it can only see the DTensor parameters; checked anyway,
     # since a factory may close over an optimizer or parameters made before sharding.
     optimizer = optimizer_factory(model) if optimizer_factory else build_optimizer(model, cfg.trainer)
