@@ -17,7 +17,7 @@ import torch
 import transformers
 from equivalence import case_config, hand_written_loop, small_corpus
 from hf_workers import hf_case_config, hf_corpus
-from peft import get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from task_workers import N, make_task, task_config  # puts examples/tasks on sys.path
 
 # isort: split
@@ -67,9 +67,10 @@ def train_case(cfg: Config, corpus=None, task=None) -> dict:
             "checkpointed": len(trainer.built.report.checkpointed)}
 
 
-def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, out_dir: str) -> None:
+def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, adapter_dir: str, out_dir: str) -> None:
     """A tiny HF Llama FULL_SHARD with a checkpoint at step 3, HYBRID_SHARD, a resume from step 3, and a
-    resume onto another base (refused); a tied-embedding Qwen2; the built-in Llama; a task's model."""
+    resume onto another base (refused); a tied-embedding Qwen2; the built-in Llama; a task's model;
+    adapters started from a PEFT adapter directory (model.adapter, which sets the targets)."""
     world_size = int(os.environ["WORLD_SIZE"])
     corpus = hf_corpus(model_dir)
     results = {}
@@ -89,6 +90,11 @@ def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, out_dir: str)
     vit = task_config(world_size, str(Path(out_dir, "vit")))
     vit.finetune = dataclasses.replace(LORA, targets=list(VIT_TARGETS))
     results["vit"] = train_case(vit, task=make_task("vit"))
+    from_adapter = lora_case_config(model_dir, world_size, str(Path(out_dir, "from_adapter")))
+    from_adapter.model = dataclasses.replace(from_adapter.model, adapter=adapter_dir)
+    from_adapter.finetune = FinetuneConfig(method="lora")  # rank, alpha, targets: the adapter's
+    results["from_adapter"] = train_case(from_adapter, corpus)
+    results["from_adapter"]["finetune"] = from_adapter.finetune
     step3 = str(Path(first, "checkpoints", "step-3"))
     results["resumed"] = train_case(lora_case_config(
         model_dir, world_size, str(Path(out_dir, "resumed")), resume=step3), corpus)
@@ -177,3 +183,27 @@ def vit_lora_reference() -> dict:
     result = reference_run(task, cfg, 2 * N, model=peft_model)
     result["weights"] = {ours(n, ""): w for n, w in result["weights"].items()}
     return result
+
+
+def peft_adapter_reference(model_dir: str, adapter_dir: str) -> dict:
+    """PEFT's own model loaded from the adapter directory (``PeftModel.from_pretrained``, trainable),
+    the hand-written loop."""
+    cfg = hf_case_config(model_dir, 1, "unused")
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                             attn_implementation="sdpa")
+    model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+    losses, norms = hand_written_loop(model, cfg, hf_corpus(model_dir).train,
+                                      lambda x: model(input_ids=x).logits)
+    weights = {ours(n): p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "grad_norms": norms, "weights": weights}
+
+
+def write_peft_adapter(model_dir: str, out: Path) -> Path:
+    """An adapter as PEFT users make one: ``get_peft_model`` on the model, random (non-zero) B so that
+    the adapter changes the model, ``save_pretrained``."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(3)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                        init_lora_weights=False, task_type="CAUSAL_LM")
+    get_peft_model(model, config).save_pretrained(str(out))
+    return out

@@ -15,6 +15,7 @@ corrupted adapter; embeddings, heads and non-Linear targets refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -23,16 +24,26 @@ import transformers
 from distributed import run_on_ranks
 from equivalence import max_errors
 from hf_models import family_config, make_model_dir, sample_texts, train_tokenizer
-from lora_workers import builtin_lora_reference, lora_reference, run_lora_cases, vit_lora_reference
+from lora_workers import (
+    builtin_lora_reference,
+    lora_reference,
+    peft_adapter_reference,
+    run_lora_cases,
+    vit_lora_reference,
+    write_peft_adapter,
+)
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from shardtrain.checkpoint.peft_adapter import resolve_adapter_settings
+from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY
 from shardtrain.checkpoint.weights import model_config_of
 from shardtrain.cli.main import main
 from shardtrain.config.compose import compose_config
 from shardtrain.distributed.sharded_model import with_adapters
 from shardtrain.errors import CheckpointError, ConfigError
-from shardtrain.export.peft import export_peft, verify_peft_export
+from shardtrain.export.merge import merge_in_place, merged_weights, verify_merged_export
+from shardtrain.export.peft import LoraCheckpoint, checkpoint_model, export_peft, verify_peft_export
 from shardtrain.models.hf import PREFIX
 from shardtrain.models.llama import Llama
 from shardtrain.models.lora import adapter_targets, add_adapters, is_adapter
@@ -55,9 +66,14 @@ def model_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def lora_runs(model_dirs, tmp_path_factory):
+def peft_adapter(model_dirs, tmp_path_factory):
+    return str(write_peft_adapter(model_dirs[0], tmp_path_factory.mktemp("peft_adapter") / "adapter"))
+
+
+@pytest.fixture(scope="module")
+def lora_runs(model_dirs, peft_adapter, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_runs")
-    run_on_ranks(run_lora_cases, 2, *model_dirs, str(out), tmp_path=out)
+    run_on_ranks(run_lora_cases, 2, *model_dirs, peft_adapter, str(out), tmp_path=out)
     return out, torch.load(out / "results.pt", weights_only=False)
 
 
@@ -215,3 +231,102 @@ def test_plan_simulate_counts_the_adapters(capsys):
     assert grads == pytest.approx(adapter_gib, abs=0.006)
     assert optimizer == pytest.approx(2 * adapter_gib, abs=0.006)
     assert "the planner's formulas count full fine-tuning" in out
+
+
+def test_model_adapter_starts_from_a_peft_adapter(lora_runs, model_dirs, peft_adapter):
+    """model.adapter=DIR (written by PEFT's save_pretrained, B non-zero): the run trains as PEFT's own
+    model loaded from it (PeftModel.from_pretrained) does; the adapter set rank, alpha and targets."""
+    _, results = lora_runs
+    result = results["from_adapter"]
+    assert (result["finetune"].rank, result["finetune"].alpha) == (4, 8.0)
+    assert len(result["finetune"].targets) == 3 * 3  # q_proj v_proj down_proj of 3 layers
+    ref = peft_adapter_reference(model_dirs[0], peft_adapter)
+    errors = max_errors({**result, "weights": adapters(result["weights"])},
+                        {**ref, "weights": adapters(ref["weights"])})
+    print("model.adapter", errors)
+    assert all(error < TOL for error in errors.values()), errors
+
+
+def test_model_adapter_conflicts_are_one_line(peft_adapter, model_dirs, tmp_path):
+    cfg = compose_config(["model=hf", f"model.path={model_dirs[0]}", "finetune=lora",
+                          f"model.adapter={peft_adapter}"])
+    assert resolve_adapter_settings(cfg) == ["finetune.rank=4 (from model.adapter)",
+                                             "finetune.alpha=8 (from model.adapter)",
+                                             "finetune.targets: the 9 modules model.adapter's weights are on"]
+    assert resolve_adapter_settings(cfg) == []  # settled: the same again (every rank resolves it)
+    cases = ((["finetune.rank=8"], "has r=4 but finetune.rank=8: drop finetune.rank"),
+             (["finetune=none"], "it needs finetune=lora"),
+             ([f"model.adapter={tmp_path}"], "is not a PEFT adapter directory"))
+    for extra, message in cases:
+        cfg = compose_config(["model=hf", f"model.path={model_dirs[0]}", "finetune=lora",
+                              f"model.adapter={peft_adapter}", *extra])
+        with pytest.raises(ConfigError, match=message) as caught:
+            resolve_adapter_settings(cfg)
+        assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("case", ["full_shard", "builtin"])
+def test_export_hf_merge_round_trip(lora_runs, tmp_path, capsys, case):
+    """export-hf --merge: W + alpha/r * B @ A per target (checked by hand on one), verified against the
+    checkpoint's model with its adapters; bf16 too; a corrupted merged weight fails the check."""
+    out, _ = lora_runs
+    checkpoint = out / case / "checkpoints" / "step-5"
+    assert main(["export-hf", str(checkpoint), str(tmp_path / "merged"), "--merge"]) == 0
+    verified = capsys.readouterr().out.splitlines()[-1]
+    print(case, verified)
+    assert verified.startswith("verified: transformers' logits match")
+    assert float(verified.split("difference ")[1].split()[0]) < TOL
+    ckpt = LoraCheckpoint.read(checkpoint)
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    module = "hf.model.layers.1.mlp.down_proj" if case == "full_shard" else "layers.1.feed_forward.w2"
+    key = "model.layers.1.mlp.down_proj.weight"
+    base = (load_file(f"{ckpt.model.path}/model.safetensors")[key] if case == "full_shard" else
+            checkpoint_model(ckpt).get_parameter(f"{module}.base_layer.weight").detach())
+    lora_a, lora_b = (ckpt.adapters[f"{module}.lora_{m}.default.weight"] for m in "AB")
+    delta = lora_b @ lora_a
+    assert delta.abs().max() > 0
+    torch.testing.assert_close(merged[key], base + (8.0 / 4) * delta, rtol=0, atol=1e-6)
+    assert main(["export-hf", str(checkpoint), str(tmp_path / "bf16"), "--merge", "--dtype", "bf16"]) == 0
+    assert load_file(str(tmp_path / "bf16" / "model.safetensors"))[key].dtype == torch.bfloat16
+    merged[key] = base  # the adapter left out of one target
+    save_file(merged, str(tmp_path / "merged" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="export check failed"):
+        verify_merged_export(checkpoint, tmp_path / "merged")
+
+
+def test_adapter_checkpoint_whole_model_commands_refused(lora_runs, tmp_path, capsys):
+    """export-hf without --merge and consolidate: one line naming what writes a LoRA checkpoint."""
+    out, _ = lora_runs
+    checkpoint = str(out / "full_shard" / "checkpoints" / "step-5")
+    for command, names in ((["export-hf"], ("--merge", "export-peft")),
+                           (["consolidate"], ("export-peft", "--merge"))):
+        assert main([*command, checkpoint, str(tmp_path / command[0])]) == 2
+        error = capsys.readouterr().err.strip()
+        assert "\n" not in error and all(name in error for name in names), error
+        assert not (tmp_path / command[0] / "model.safetensors").exists()
+
+
+def test_generate_and_eval_on_a_lora_checkpoint(lora_runs, model_dirs, tmp_path, capsys):
+    """generate and eval on the adapters-only checkpoint (base read again, adapters on it) give the
+    merged model's greedy tokens and loss: the merged weights as a consolidated file, same commands."""
+    out, _ = lora_runs
+    checkpoint = out / "full_shard" / "checkpoints" / "step-5"
+    ckpt = LoraCheckpoint.read(checkpoint)
+    model = checkpoint_model(ckpt)
+    merge_in_place(model)
+    save_file({k: v.contiguous() for k, v in merged_weights(model).items()}, str(tmp_path / "m.safetensors"),
+              metadata={"format": "pt", MODEL_CONFIG_KEY: json.dumps(dataclasses.asdict(ckpt.model))})
+    text = tmp_path / "eval.txt"
+    text.write_text("\n".join(sample_texts()))
+    outputs = {}
+    for source in (str(checkpoint), str(tmp_path / "m.safetensors")):
+        assert main(["generate", source, "--prompt", "def main", "--max-new-tokens", "16",
+                     "--dtype", "fp32"]) == 0
+        generated = capsys.readouterr().out
+        assert main(["eval", source, "--file", str(text), "--samples", "8", "--seq-len", "32",
+                     "--dtype", "fp32"]) == 0
+        outputs[source] = (generated, capsys.readouterr().out.splitlines()[-1])
+    (lora_text, lora_loss), (merged_text, merged_loss) = outputs.values()
+    print(lora_text, lora_loss, merged_loss)
+    assert lora_text == merged_text and len(lora_text) > len("def main")
+    assert lora_loss == merged_loss and lora_loss.startswith("loss ")

@@ -57,6 +57,9 @@ class ModelConfig:
     # Start from these weights only (no optimizer or step): a shardtrain checkpoint directory or a
     # .safetensors file. null = random init.
     init_from: str | None = None
+    # finetune=lora: start the adapters from this PEFT adapter directory (adapter_config.json +
+    # adapter_model.safetensors); it sets finetune.rank, alpha and targets (docs/finetuning.md).
+    adapter: str | None = None
 
     def weights_source(self) -> str | None:
         """Where a fresh run's weights come from: ``init_from``, else a Hugging Face model's own

@@ -25,21 +25,18 @@ from safetensors.torch import save_file
 from torch import nn
 
 from shardtrain.checkpoint import layout
+from shardtrain.checkpoint.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.checkpoint.weights import load_model_weights
 from shardtrain.config.schema import FinetuneConfig, ModelConfig
 from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import load_tensors, plan_shards
-from shardtrain.export.verify import EXPORT_TOLERANCE
+from shardtrain.export.verify import EXPORT_TOLERANCE, check_tokens, compare_logits
 from shardtrain.models.hf import hf_name
 from shardtrain.models.llama_hf_adapter import hf_config, to_hf, to_hf_name
 from shardtrain.models.lora import ADAPTER_NAME, add_adapters, base_name, is_adapter, lora_config
 from shardtrain.models.registry import build_model
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."  # PeftModelForCausalLM -> LoraModel -> the transformers model
 
 
 @dataclass
@@ -162,14 +159,6 @@ def verify_peft_export(checkpoint: str | Path, out_dir: str | Path,
     ours = checkpoint_model(ckpt)
     theirs = PeftModel.from_pretrained(transformers_base(ckpt, ours), str(out_dir),
                                        adapter_name=ADAPTER_NAME).eval()
-    tokens = torch.randint(0, ours.dims.vocab_size, (2, min(32, ours.max_seq_len)),
-                           generator=torch.Generator().manual_seed(0))
-    want = ours(tokens).float()
-    got = theirs(input_ids=tokens).logits.float()
-    difference = ((got - want).abs().max() / want.abs().max()).item()
-    if not difference <= tolerance:  # NaN fails too
-        raise CheckpointError(
-            f"export check failed: {out_dir} loaded by peft.PeftModel gives logits that differ from the "
-            f"checkpoint's by {difference:.2e} (relative; limit {tolerance:.0e}): the written adapters do "
-            "not reproduce the model. Do not use them; export again (--no-verify skips this check)")
-    return difference
+    tokens = check_tokens(ours)
+    return compare_logits(ours(tokens), theirs(input_ids=tokens).logits,
+                          f"{out_dir} loaded by peft.PeftModel", tolerance)

@@ -23,6 +23,7 @@ from shardtrain.accelerator import (
     set_fp32_matmul,
 )
 from shardtrain.checkpoint.checkpointer import Checkpointer
+from shardtrain.checkpoint.peft_adapter import load_peft_adapter, resolve_adapter_settings
 from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.checkpoint.weights import load_model_weights
 from shardtrain.config.compose import to_yaml
@@ -149,12 +150,15 @@ class Trainer:
         else:
             task = task_from_config(cfg)
         task.bind(cfg)
+        adapter_notes = resolve_adapter_settings(cfg)  # model.adapter: before the model is built
         # The data first: a data error is reported before the model is built.
         train, val = task.train_samples(), task.val_samples()
         batch_choice = resolve_batch(cfg, env, task)  # before anything reads the batch size
         with deferred_initialization() as draws:  # a resume reads every weight: no draw for it
             built = build(cfg, env, task, optimizer_factory)
         trainer = cls(cfg, env, built, task, train, val)
+        for note in adapter_notes:
+            trainer.info(note)
         trainer.batch_choice = batch_choice
         trainer.restore(draws.draw)
         return trainer
@@ -200,6 +204,9 @@ class Trainer:
             self.info(f"initialised weights from {source}")
         if source is None or self.cfg.finetune.method != "none":
             draw()  # with a base read from files, only the adapters are still to be drawn
+        if self.cfg.model.adapter:
+            load_peft_adapter(self.model, self.cfg)
+            self.info(f"adapters started from {self.cfg.model.adapter}")
 
     def beat_save(self, phase: str) -> None:
         """Saves get their own bound: a large synchronous save may take far longer than a step, and
