@@ -115,6 +115,29 @@ def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, adapter_dir: 
         torch.save(results, Path(out_dir, "results.pt"))
 
 
+def run_lora_cases_at_4(model_dir: str, tied_dir: str, step3: str, out_dir: str) -> None:
+    """At 4 ranks: the tiny HF Llama FULL_SHARD and HYBRID_SHARD (2 replicas x 2 shards), the Qwen2
+    (tied embeddings) and the built-in Llama FULL_SHARD; the HF Llama resumed from the step-3
+    checkpoint the 2-rank group saved."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    corpus = hf_corpus(model_dir)
+    results = {}
+    results["full_shard"] = train_case(lora_case_config(
+        model_dir, world_size, str(Path(out_dir, "full_shard"))), corpus)
+    results["hybrid_shard"] = train_case(lora_case_config(
+        model_dir, world_size, str(Path(out_dir, "hybrid_shard")), strategy="HYBRID_SHARD",
+        shard_group_size=2), corpus)
+    results["qwen2"] = train_case(lora_case_config(tied_dir, world_size, str(Path(out_dir, "qwen2"))),
+                                  hf_corpus(tied_dir))
+    builtin = case_config(world_size, str(Path(out_dir, "builtin")))
+    builtin.finetune = dataclasses.replace(LORA)
+    results["builtin"] = train_case(builtin, small_corpus())
+    results["resumed"] = train_case(lora_case_config(
+        model_dir, world_size, str(Path(out_dir, "resumed")), resume=step3), corpus)
+    if results["full_shard"]["main"]:
+        torch.save(results, Path(out_dir, "results.pt"))
+
+
 def peft_model_of(model_dir: str):
     """The transformers model with PEFT's adapters on the targets shardtrain picks for it."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,

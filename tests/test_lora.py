@@ -1,21 +1,25 @@
-"""LoRA under FSDP2 (``finetune=lora``) at 2 gloo ranks, fp32, against PEFT's own model
+"""LoRA under FSDP2 (``finetune=lora``) at 2 and 4 gloo ranks, fp32, against PEFT's own model
 (``get_peft_model`` on the same model and initial adapters) trained by a hand-written loop in one
 process on the same batches.
 
-One spawned group runs every case: a tiny Hugging Face Llama FULL_SHARD (saving at step 3) and
+One spawned group at 2 ranks runs: a tiny Hugging Face Llama FULL_SHARD (saving at step 3) and
 HYBRID_SHARD (2 replicas, every block activation-checkpointed), a resume from step 3, a resume onto
 another base and one without finetune=lora, a Qwen2 with tied embeddings, the built-in Llama
-(random base), and the example vision-transformer task (a task's own model and initialiser).
+(random base), the example vision-transformer task (a task's own model and initialiser), and a run
+started from an adapter PEFT wrote (``model.adapter``). One group at 4 ranks: the HF Llama FULL_SHARD
+and HYBRID_SHARD (2 x 2), the Qwen2, the built-in Llama, and the 2-rank step-3 checkpoint resumed.
 Checked: losses, grad norms and final adapters within relative 1e-5 of the reference (measured:
 printed), the frozen base bit-identical, the optimizer holding exactly the adapters, the checkpoint
-holding only adapters and their optimizer state, the resume bit-exact, the wrong resumes refused
-with one line; export-peft's round trip through ``PeftModel.from_pretrained`` and its failure on a
-corrupted adapter; embeddings, heads and non-Linear targets refused.
+holding only adapters and their optimizer state, the resume bit-exact (at 2 ranks; within 1e-5 at 4),
+the wrong resumes refused with one line; export-peft's and export-hf --merge's round trips and their
+failure on a corrupted file; generate and eval on the checkpoint equal to the merged model's;
+embeddings, heads and non-Linear targets refused; the planner counting the adapters.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -29,6 +33,7 @@ from lora_workers import (
     lora_reference,
     peft_adapter_reference,
     run_lora_cases,
+    run_lora_cases_at_4,
     vit_lora_reference,
     write_peft_adapter,
 )
@@ -78,20 +83,35 @@ def lora_runs(model_dirs, peft_adapter, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(model_dirs):
-    return lora_reference(model_dirs[0])
+def lora_runs_at_4(model_dirs, lora_runs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_runs_4")
+    step3 = lora_runs[0] / "full_shard" / "checkpoints" / "step-3"
+    run_on_ranks(run_lora_cases_at_4, 4, model_dirs[0], model_dirs[2], str(step3), str(out), tmp_path=out)
+    return torch.load(out / "results.pt", weights_only=False)
 
 
 def adapters(weights: dict) -> dict:
     return {n: w for n, w in weights.items() if is_adapter(n)}
 
 
-@pytest.mark.parametrize("case", ["full_shard", "hybrid_shard", "qwen2", "builtin", "vit"])
-def test_lora_matches_peft_reference(lora_runs, reference, model_dirs, case):
-    _, results = lora_runs
+@functools.cache
+def references(case: str, model_dirs: tuple[str, ...]) -> dict:
+    """PEFT's reference of each case, computed once for both world sizes."""
+    return {"builtin": builtin_lora_reference, "vit": vit_lora_reference,
+            "qwen2": lambda: lora_reference(model_dirs[2]),
+            "llama": lambda: lora_reference(model_dirs[0])}[case]()
+
+
+CASES = [("full_shard", 2), ("hybrid_shard", 2), ("qwen2", 2), ("builtin", 2), ("vit", 2),
+         ("full_shard", 4), ("hybrid_shard", 4), ("qwen2", 4), ("builtin", 4)]
+
+
+@pytest.mark.parametrize(("case", "world"), CASES, ids=[f"{case}-{world}" for case, world in CASES])
+def test_lora_matches_peft_reference(request, model_dirs, case, world):
+    results = (request.getfixturevalue("lora_runs")[1] if world == 2 else
+               request.getfixturevalue("lora_runs_at_4"))
     result = results[case]
-    ref = {"builtin": builtin_lora_reference, "vit": vit_lora_reference,
-           "qwen2": lambda: lora_reference(model_dirs[2])}.get(case, lambda: reference)()
+    ref = references(case if case in ("builtin", "vit", "qwen2") else "llama", model_dirs)
     errors = max_errors({**result, "weights": adapters(result["weights"])},
                         {**ref, "weights": adapters(ref["weights"])})
     print(case, errors)
@@ -103,7 +123,7 @@ def test_lora_matches_peft_reference(lora_runs, reference, model_dirs, case):
     assert result["trainable"] == sorted(adapters(ref["weights"]))
     assert result["optimizer_holds"] == len(result["trainable"])
     assert "frozen parameters" in result["everything_refusal"], result["everything_refusal"]
-    assert result["checkpointed"] == (3 if case == "hybrid_shard" else 0)
+    assert result["checkpointed"] == (3 if (case, world) == ("hybrid_shard", 2) else 0)
     moved = [n for n, w in adapters(result["weights"]).items() if ".lora_B." in n and w.abs().max() > 0]
     assert len(moved) == len(result["trainable"]) // 2  # every B left zero: the adapters trained
 
@@ -216,7 +236,7 @@ def test_finetune_config_and_qlora_refusal():
 
 def test_plan_simulate_counts_the_adapters(capsys):
     """plan --simulate builds the model with its adapters: gradients and Adam state of the adapters
-    only (fp32, at one rank: their full size); the planner's formulas (full fine-tuning) are flagged."""
+    only (fp32, at one rank: their full size); the planner's formulas count the same."""
     overrides = ["model=llama3_8b", "model.n_layers=2", "trainer.seq_len=512", "trainer.micro_batch_size=1",
                  "strategy.mixed_precision=bf16-mixed", "finetune=lora", "finetune.rank=64"]
     assert main(["plan", "--simulate", *overrides, "--world-sizes", "1"]) == 0
@@ -230,7 +250,13 @@ def test_plan_simulate_counts_the_adapters(capsys):
     assert adapter_gib == pytest.approx(0.039, abs=0.001)  # 64 x 81,920 per layer, 2 layers
     assert grads == pytest.approx(adapter_gib, abs=0.006)
     assert optimizer == pytest.approx(2 * adapter_gib, abs=0.006)
-    assert "the planner's formulas count full fine-tuning" in out
+    # The planner's formulas count the same: gradients and Adam state of the adapters only.
+    assert main(["plan", *overrides, "--world-sizes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "trainable: finetune=lora adapters" in out
+    planned = next(line.split() for line in out.splitlines() if "1 x FULL_SHARD" in line)
+    assert float(planned[4]) == pytest.approx(grads, abs=0.006)
+    assert float(planned[5]) == pytest.approx(optimizer, abs=0.006)
 
 
 def test_model_adapter_starts_from_a_peft_adapter(lora_runs, model_dirs, peft_adapter):
@@ -330,3 +356,17 @@ def test_generate_and_eval_on_a_lora_checkpoint(lora_runs, model_dirs, tmp_path,
     print(lora_text, lora_loss, merged_loss)
     assert lora_text == merged_text and len(lora_text) > len("def main")
     assert lora_loss == merged_loss and lora_loss.startswith("loss ")
+
+
+def test_lora_resumes_at_another_world_size(lora_runs, lora_runs_at_4):
+    """Saved at step 3 by 2 ranks, resumed by 4: steps 4 and 5 as the uninterrupted 2-rank run's (the
+    same state goes on; only the reduction order of 4 ranks differs) and the base bit-identical."""
+    _, results = lora_runs
+    full, resumed = results["full_shard"], lora_runs_at_4["resumed"]
+    errors = max_errors({"losses": resumed["losses"], "grad_norms": resumed["grad_norms"],
+                         "weights": adapters(resumed["weights"])},
+                        {"losses": full["losses"][3:], "grad_norms": full["grad_norms"][3:],
+                         "weights": adapters(full["weights"])})
+    print("resumed at 4 ranks from 2", errors)
+    assert all(error < TOL for error in errors.values()), errors
+    assert all(torch.equal(resumed["weights"][n], w) for n, w in full["weights"].items() if not is_adapter(n))

@@ -308,14 +308,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"shardtrain plan's formulas know decoder language models only; for "
                           f"task={cfg.task.path} use shardtrain plan --simulate (it runs the task's "
                           "model on its example batch)")
-    # The formulas count full fine-tuning; --simulate builds the model with its adapters.
-    lora_note = (f"finetune={cfg.finetune.method}: the planner's formulas count full fine-tuning (every "
-                 "parameter with gradients and Adam state); plan --simulate measures the adapters")
     if not args.simulate:
         sizes = args.world_sizes or sorted({1, 2, 4, 8, world})
         print(plan_table(cfg, sizes, memory, local))
-        if cfg.finetune.method != "none":
-            print(lora_note)
         return 0
 
     from shardtrain.config.plan import normalize_strategy_name, resolve_precision
@@ -333,8 +328,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{resolve_precision(cfg.strategy.mixed_precision, accelerated=True)}, {local} "
           "processes per node); GiB per rank, the planner's estimate in brackets")
     print(simulation_table(rows, memory, markdown=args.markdown))
-    if cfg.finetune.method != "none":
-        print(lora_note.replace("plan --simulate measures", "the simulation above measured"))
     return 0
 
 

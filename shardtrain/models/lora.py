@@ -143,23 +143,3 @@ class AdapterInitializer:
             tensor.zero_()
         else:
             self.base.init_parameter(base_name(name), tensor, generator)
-
-
-def local_bytes(param: torch.Tensor) -> int:
-    """Bytes of ``param`` this rank holds (its shard, for a sharded DTensor)."""
-    local = param.to_local() if hasattr(param, "to_local") else param
-    return local.numel() * local.element_size()
-
-
-def adapter_summary(model: nn.Module, cfg: FinetuneConfig) -> str:
-    """One start-up line: trainable and frozen parameters, and what each costs this rank."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    frozen = [p for p in model.parameters() if not p.requires_grad]
-    count = sum(p.numel() for p in trainable)
-    total = count + sum(p.numel() for p in frozen)
-    mib = 2.0 ** 20
-    return (f"finetune={cfg.method}: rank {cfg.rank}, alpha {cfg.alpha:g} on {len(adapter_modules(model))} "
-            f"modules; {count:,} trainable parameters ({100 * count / max(total, 1):.2f}%), "
-            f"{total - count:,} frozen; this rank holds {sum(map(local_bytes, trainable)) / mib:.2f} MiB "
-            f"trainable (+ their gradients and 2 Adam moments) and "
-            f"{sum(map(local_bytes, frozen)) / mib:.2f} MiB frozen (no gradients, no optimizer state)")

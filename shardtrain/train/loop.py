@@ -30,7 +30,7 @@ from shardtrain.config.compose import to_yaml
 from shardtrain.config.plan import check_world
 from shardtrain.config.schema import Config
 from shardtrain.data.batches import BatchLayout, SampleSource, TrainBatches, eval_batches
-from shardtrain.diagnostics.memory import PhaseMemory, state_bytes
+from shardtrain.diagnostics.memory import PhaseMemory, adapter_summary, state_bytes
 from shardtrain.diagnostics.planner import BatchChoice
 from shardtrain.diagnostics.rails import check_uniform_batches
 from shardtrain.diagnostics.report import (
@@ -51,7 +51,6 @@ from shardtrain.distributed.env import (
 from shardtrain.distributed.sharded_model import deferred_initialization
 from shardtrain.errors import TrainingError
 from shardtrain.generation.generate import gathered_copy, generate, generation_mode
-from shardtrain.models.lora import adapter_summary
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.task import Task, check_task, task_config_of, task_from_config
 from shardtrain.train.batch_size import resolve_batch
