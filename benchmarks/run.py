@@ -1216,7 +1216,7 @@ def ac_section(command: str, rounds: int) -> str:
 
 # The model of docs/finetuning.md's memory table, larger: full fine-tuning's state (16 bytes a
 # parameter) must stand out of a CPU process's ~500 MiB runtime.
-LORA_SHAPE = ["model.dim=1024", "model.n_layers=8", "model.n_heads=16", "model.n_kv_heads=8",
+LORA_SHAPE = ["model.dim=1024", "model.n_layers=8", "model.n_heads=16", "model.n_kv_heads=8", "model.ffn_hidden_dim=0",
               "trainer.micro_batch_size=2", "trainer.seq_len=128", "strategy.mixed_precision=fp32"]
 
 
@@ -1265,8 +1265,10 @@ def lora_section(command: str, processes: int = 2, steps: int = 3) -> str:
                      f"({planned.peak / mib:,.0f}) |")
     (_, _, _, full0, full_peak, full_plan), (_, _, _, lora0, lora_peak, lora_plan) = rows
     saved = sum(full0[k] - lora0[k] for k in ("params_mib", "grads_mib", "optimizer_mib"))
-    lines += ["", f"LoRA saved {saved:,.0f} MiB of state per rank ({(full_plan.peak - lora_plan.peak) / mib:,.0f} "
-              f"MiB by the planner) and {full_peak - lora_peak:,.0f} MiB of peak resident memory. On a CPU "
+    planned_saved = sum(getattr(full_plan, k) - getattr(lora_plan, k) for k in ("params", "grads", "optimizer"))
+    lines += ["", f"LoRA held {saved:,.0f} MiB less state per rank (the planner: {planned_saved / mib:,.0f}), "
+              f"and its peak resident set was {full_peak - lora_peak:,.0f} MiB lower (the planner's peak: "
+              f"{(full_plan.peak - lora_plan.peak) / mib:,.0f} MiB lower). On a CPU "
               "the resident set also holds the runtime (the interpreter, torch, gloo: about 500 MiB a "
               "process), which the planner, made for accelerators, does not count; its state columns "
               "are exact for FSDP2's layout.", LORA_END]

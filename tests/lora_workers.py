@@ -24,6 +24,7 @@ from task_workers import N, make_task, task_config  # puts examples/tasks on sys
 from reference import reference_model, reference_run
 
 from shardtrain.config.schema import Config, FinetuneConfig
+from shardtrain.diagnostics.memory import local_bytes
 from shardtrain.diagnostics.rails import check_optimizer
 from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.errors import CheckpointError, ModelError
@@ -59,12 +60,13 @@ def train_case(cfg: Config, corpus=None, task=None) -> dict:
     except ModelError as exc:
         everything_refusal = str(exc)
     held = sorted({id(p) for g in trainer.built.optimizer.param_groups for p in g["params"]})
+    frozen_bytes = sum(local_bytes(p) for p in trainer.model.parameters() if not p.requires_grad)
     result = trainer.fit()
     weights = trainer.full_weights()
     return {"losses": result.losses, "grad_norms": result.grad_norms, "weights": weights,
             "trainable": trainable, "optimizer_holds": len(held), "main": trainer.env.is_main,
             "everything_refusal": everything_refusal,
-            "checkpointed": len(trainer.built.report.checkpointed)}
+            "checkpointed": len(trainer.built.report.checkpointed), "frozen_bytes": frozen_bytes}
 
 
 def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, adapter_dir: str, out_dir: str) -> None:
@@ -90,6 +92,10 @@ def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, adapter_dir: 
     vit = task_config(world_size, str(Path(out_dir, "vit")))
     vit.finetune = dataclasses.replace(LORA, targets=list(VIT_TARGETS))
     results["vit"] = train_case(vit, task=make_task("vit"))
+    for case, base_dtype in (("bf16_mixed", "fp32"), ("bf16_base", "bf16")):  # finetune.base_dtype
+        cfg = lora_case_config(model_dir, world_size, str(Path(out_dir, case)), mixed_precision="bf16-mixed")
+        cfg.finetune = dataclasses.replace(cfg.finetune, base_dtype=base_dtype)
+        results[case] = train_case(cfg, corpus)
     from_adapter = lora_case_config(model_dir, world_size, str(Path(out_dir, "from_adapter")))
     from_adapter.model = dataclasses.replace(from_adapter.model, adapter=adapter_dir)
     from_adapter.finetune = FinetuneConfig(method="lora")  # rank, alpha, targets: the adapter's

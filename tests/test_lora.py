@@ -45,7 +45,9 @@ from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY
 from shardtrain.checkpoint.weights import model_config_of
 from shardtrain.cli.main import main
 from shardtrain.config.compose import compose_config
-from shardtrain.distributed.sharded_model import with_adapters
+from shardtrain.config.plan import resolve_plan
+from shardtrain.distributed.env import DistEnv
+from shardtrain.distributed.sharded_model import build_sharded_model, with_adapters
 from shardtrain.errors import CheckpointError, ConfigError
 from shardtrain.export.merge import merge_in_place, merged_weights, verify_merged_export
 from shardtrain.export.peft import LoraCheckpoint, checkpoint_model, export_peft, verify_peft_export
@@ -370,3 +372,22 @@ def test_lora_resumes_at_another_world_size(lora_runs, lora_runs_at_4):
     print("resumed at 4 ranks from 2", errors)
     assert all(error < TOL for error in errors.values()), errors
     assert all(torch.equal(resumed["weights"][n], w) for n, w in full["weights"].items() if not is_adapter(n))
+
+
+def test_bf16_base_storage_trains_as_the_fp32_base_under_bf16_mixed(lora_runs):
+    """finetune.base_dtype=bf16 holds the frozen base in half the bytes; under bf16-mixed (which casts
+    an fp32 base to bf16 for every forward anyway) the run is the fp32-stored run bit for bit."""
+    _, results = lora_runs
+    fp32_base, bf16_base = results["bf16_mixed"], results["bf16_base"]
+    assert bf16_base["losses"] == fp32_base["losses"]
+    assert bf16_base["grad_norms"] == fp32_base["grad_norms"]
+    assert all(torch.equal(w, fp32_base["weights"][n]) for n, w in adapters(bf16_base["weights"]).items())
+    assert all(w.dtype == torch.float32 for w in adapters(bf16_base["weights"]).values())
+    assert 2 * bf16_base["frozen_bytes"] == fp32_base["frozen_bytes"]
+    with pytest.raises(ConfigError, match="finetune.base_dtype=bf16 needs a bf16 compute dtype") as caught:
+        cfg = compose_config(["finetune=lora", "finetune.base_dtype=bf16", "strategy.mixed_precision=fp32"])
+        plan = resolve_plan(cfg.strategy, 1, 1)
+        env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
+                      backend="gloo", placements=())
+        build_sharded_model(cfg, env, plan, None, lambda: Llama(cfg.model))
+    assert "\n" not in str(caught.value)

@@ -205,10 +205,13 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     # It plans for accelerators, wherever it runs: mixed_precision=auto means bf16-mixed there.
     plan = resolve_plan(strategy_cfg, world_size, min(local, world_size), accelerated=accelerated)
     shapes = [tuple(p.shape) for p in model.parameters()]
-    params = sharded_state_bytes(shapes, plan.mesh_shape[-1], 0, plan.storage_dtype)[0]
     # Gradients and optimizer state: the trainable parameters' only (finetune=lora: the adapters).
     trainable = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
-    _, grads, optim = sharded_state_bytes(trainable, plan.mesh_shape[-1], 0, plan.storage_dtype)
+    frozen = [tuple(p.shape) for p in model.parameters() if not p.requires_grad]
+    params, grads, optim = sharded_state_bytes(trainable, plan.mesh_shape[-1], 0, plan.storage_dtype)
+    # A frozen base is stored in the storage dtype, or in finetune.base_dtype=bf16.
+    base_dtype = torch.bfloat16 if cfg.finetune.base_dtype == "bf16" else plan.storage_dtype
+    params += sharded_state_bytes(frozen, plan.mesh_shape[-1], 0, base_dtype)[0]
     total_params = sum(math.prod(s) for s in shapes)
     accumulation = 0
     accumulating = cfg.trainer.grad_accum_steps > 1

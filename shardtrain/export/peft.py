@@ -28,6 +28,7 @@ from shardtrain.checkpoint import layout
 from shardtrain.checkpoint.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.checkpoint.weights import load_model_weights
+from shardtrain.config.plan import DTYPES
 from shardtrain.config.schema import FinetuneConfig, ModelConfig
 from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.errors import CheckpointError
@@ -35,7 +36,14 @@ from shardtrain.export.consolidate import load_tensors, plan_shards
 from shardtrain.export.verify import EXPORT_TOLERANCE, check_tokens, compare_logits
 from shardtrain.models.hf import hf_name
 from shardtrain.models.llama_hf_adapter import hf_config, to_hf, to_hf_name
-from shardtrain.models.lora import ADAPTER_NAME, add_adapters, base_name, is_adapter, lora_config
+from shardtrain.models.lora import (
+    ADAPTER_NAME,
+    add_adapters,
+    base_name,
+    is_adapter,
+    lora_config,
+    round_base_to,
+)
 from shardtrain.models.registry import build_model
 
 
@@ -114,6 +122,8 @@ def checkpoint_model(ckpt: LoraCheckpoint) -> nn.Module:
         for name, param in model.named_parameters():
             if not is_adapter(name):
                 init_full_parameter(model, base_name(name), param, ckpt.seed)
+    if ckpt.finetune.base_dtype != "fp32":
+        round_base_to(model, DTYPES[ckpt.finetune.base_dtype])  # the base as training stored it
     params = dict(model.named_parameters())
     if set(params) - set(ckpt.adapters) != {n for n in params if not is_adapter(n)}:
         missing = sorted(n for n in params if is_adapter(n) and n not in ckpt.adapters)

@@ -22,7 +22,7 @@ from shardtrain.checkpoint.weights import (
     load_model_weights,
     model_config_of,
 )
-from shardtrain.config.plan import resolve_plan
+from shardtrain.config.plan import DTYPES, resolve_plan
 from shardtrain.config.schema import Config, FinetuneConfig
 from shardtrain.distributed.env import DistEnv, build_mesh, init_distributed, set_cpu_threads
 from shardtrain.distributed.sharded_model import (
@@ -32,6 +32,7 @@ from shardtrain.distributed.sharded_model import (
     with_adapters,
 )
 from shardtrain.errors import CheckpointError
+from shardtrain.models.lora import round_base_to
 from shardtrain.models.registry import model_factory
 
 
@@ -71,6 +72,11 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
         raise CheckpointError("a consolidated safetensors file is loaded by one process; use the "
                               "sharded checkpoint directory with --devices N")
     plan = resolve_plan(cfg.strategy, env.world_size, env.local_world_size)
+    stored_base = DTYPES[cfg.finetune.base_dtype] if lora else torch.float32
+    if stored_base != torch.float32 and plan.param_dtype == torch.float32:
+        # An fp32 forward cannot read a bf16 weight: the base is held in fp32 with the values
+        # training stored (rounded below).
+        cfg.finetune = dataclasses.replace(cfg.finetune, base_dtype="fp32")
     factory = model_factory(cfg.model)
     with deferred_initialization() as draws:  # every weight is read from the checkpoint: no draw
         model, _ = build_sharded_model(cfg, env, plan, build_mesh(plan, env.device.type), factory)
@@ -78,6 +84,8 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
         if source := cfg.model.weights_source():
             load_model_weights(model, source, cfg.model)
         draws.draw()  # a random base as training drew it (seeded), or nothing left to draw
+        if stored_base != torch.float32:
+            round_base_to(model, stored_base)
         load_adapters(model, path)
     else:
         load_model_weights(model, str(path))

@@ -143,3 +143,24 @@ class AdapterInitializer:
             tensor.zero_()
         else:
             self.base.init_parameter(base_name(name), tensor, generator)
+
+
+def store_base_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model`` with every frozen parameter stored in ``dtype`` (``finetune.base_dtype``); the
+    adapters stay fp32. FSDP2 all-gathers a unit of mixed dtypes and reduce-scatters only the
+    adapters' gradients, which stay of one dtype."""
+    for name, param in model.named_parameters():
+        if not is_adapter(name):
+            param.data = param.data.to(dtype)
+    return model
+
+
+@torch.no_grad()
+def round_base_to(model: nn.Module, dtype: torch.dtype) -> None:
+    """Round every frozen parameter of ``model`` (sharded or not) to ``dtype`` in place, keeping its
+    own dtype: a ``finetune.base_dtype=bf16`` base computed in fp32 (the exports' checks, generate
+    and eval in fp32) holds the values training stored."""
+    for name, param in model.named_parameters():
+        if not is_adapter(name):
+            local = param.to_local() if hasattr(param, "to_local") else param
+            local.copy_(local.to(dtype))

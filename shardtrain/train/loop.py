@@ -195,6 +195,9 @@ class Trainer:
                 self.info("model.init_from is ignored: resuming from a checkpoint")
         else:
             self.load_base_weights(draw)
+            if self.cfg.model.adapter:  # a fresh run's adapters from PEFT's directory (a resume's: saved)
+                load_peft_adapter(self.model, self.cfg)
+                self.info(f"adapters started from {self.cfg.model.adapter}")
 
     def load_base_weights(self, draw: Callable[[], None]) -> None:
         """The weights a fresh run starts from (with LoRA: the frozen base, and the adapters' draw)."""
@@ -203,9 +206,6 @@ class Trainer:
             self.info(f"initialised weights from {source}")
         if source is None or self.cfg.finetune.method != "none":
             draw()  # with a base read from files, only the adapters are still to be drawn
-        if self.cfg.model.adapter:
-            load_peft_adapter(self.model, self.cfg)
-            self.info(f"adapters started from {self.cfg.model.adapter}")
 
     def beat_save(self, phase: str) -> None:
         """Saves get their own bound: a large synchronous save may take far longer than a step, and
