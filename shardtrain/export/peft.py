@@ -64,7 +64,7 @@ class LoraCheckpoint:
         state = TrainState.read(path)
         if state.base_weights is None:
             raise CheckpointError(f"checkpoint {str(path)!r} holds no LoRA adapters (it was not trained "
-                                  "with finetune=lora); export-hf exports whole models")
+                                  "with finetune=lora); export-hf without --merge exports whole models")
         plan = plan_shards(path, None, None, "model")
         entries = [entry for shard in plan.shards for entry in shard if is_adapter(entry[1])]
         tensors = load_tensors(path, entries, plan.metadata)
