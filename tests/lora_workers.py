@@ -87,8 +87,8 @@ def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, adapter_dir: 
     builtin.finetune = dataclasses.replace(LORA)
     builtin.checkpoint = dataclasses.replace(builtin.checkpoint, enabled=True, interval=0)
     results["builtin"] = train_case(builtin, small_corpus())
-    results["qwen2"] = train_case(lora_case_config(tied_dir, world_size, str(Path(out_dir, "qwen2"))),
-                                  hf_corpus(tied_dir))
+    results["qwen2"] = train_case(lora_case_config(tied_dir, world_size, str(Path(out_dir, "qwen2")),
+                                                   checkpoint=True), hf_corpus(tied_dir))
     vit = task_config(world_size, str(Path(out_dir, "vit")))
     vit.finetune = dataclasses.replace(LORA, targets=list(VIT_TARGETS))
     results["vit"] = train_case(vit, task=make_task("vit"))

@@ -148,6 +148,8 @@ def test_lora_checkpoint_holds_adapters_and_resumes_exactly(lora_runs):
     model_keys = [k for k in keys if k.startswith("model.")]
     optim_keys = [k for k in keys if k.startswith("optim.state.")]
     assert model_keys and all(is_adapter(k) for k in model_keys), model_keys[:3]
+    tied = FileSystemReader(str(out / "qwen2" / "checkpoints" / "step-5")).read_metadata().state_dict_metadata
+    assert all(is_adapter(k) for k in tied if k.startswith("model.")), "a tied head saved with the adapters"
     assert {k.rpartition(".")[0].removeprefix("optim.state.") for k in optim_keys} \
         == {k.removeprefix("model.") for k in model_keys}
     state = json.loads((step3 / "trainer_state.json").read_text())
@@ -293,7 +295,7 @@ def test_model_adapter_conflicts_are_one_line(peft_adapter, model_dirs, tmp_path
         assert "\n" not in str(caught.value)
 
 
-@pytest.mark.parametrize("case", ["full_shard", "builtin"])
+@pytest.mark.parametrize("case", ["full_shard", "builtin", "qwen2"])
 def test_export_hf_merge_round_trip(lora_runs, tmp_path, capsys, case):
     """export-hf --merge: W + alpha/r * B @ A per target (checked by hand on one), verified against the
     checkpoint's model with its adapters; bf16 too; a corrupted merged weight fails the check."""
@@ -306,9 +308,9 @@ def test_export_hf_merge_round_trip(lora_runs, tmp_path, capsys, case):
     assert float(verified.split("difference ")[1].split()[0]) < TOL
     ckpt = LoraCheckpoint.read(checkpoint)
     merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
-    module = "hf.model.layers.1.mlp.down_proj" if case == "full_shard" else "layers.1.feed_forward.w2"
+    module = "layers.1.feed_forward.w2" if case == "builtin" else "hf.model.layers.1.mlp.down_proj"
     key = "model.layers.1.mlp.down_proj.weight"
-    base = (load_file(f"{ckpt.model.path}/model.safetensors")[key] if case == "full_shard" else
+    base = (load_file(f"{ckpt.model.path}/model.safetensors")[key] if case != "builtin" else
             checkpoint_model(ckpt).get_parameter(f"{module}.base_layer.weight").detach())
     lora_a, lora_b = (ckpt.adapters[f"{module}.lora_{m}.default.weight"] for m in "AB")
     delta = lora_b @ lora_a

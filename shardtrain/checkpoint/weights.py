@@ -50,11 +50,14 @@ def expected_shapes(state: dict[str, Any], prefix: str) -> dict[str, tuple[int, 
     return {f"{prefix}.{k}": tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def check_model_compatible(path: Path, metadata, model_state: dict[str, Any]) -> None:
-    """Name missing keys, unexpected keys and shape mismatches between checkpoint and model."""
+def check_model_compatible(path: Path, metadata, model_state: dict[str, Any],
+                           adapters_only: bool = False) -> None:
+    """Name missing keys, unexpected keys and shape mismatches between checkpoint and model;
+    ``adapters_only``: of the LoRA adapters alone (checkpoints of the first LoRA release also hold a
+    tied head, which no reader of them needs)."""
     saved = {
         k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
-        if k.startswith("model.") and hasattr(v, "size")
+        if k.startswith("model.") and hasattr(v, "size") and (is_adapter(k) or not adapters_only)
     }
     wanted = expected_shapes(model_state, "model")
     missing = sorted(set(wanted) - set(saved))
@@ -138,7 +141,7 @@ def load_adapters(model: nn.Module, path: Path) -> None:
     settings, sharded at any world size or not at all); its base is read or drawn separately."""
     metadata = layout.verify(path, need_state=False)
     state = {name: value for name, value in get_model_state_dict(model).items() if is_adapter(name)}
-    check_model_compatible(path, metadata, state)
+    check_model_compatible(path, metadata, state, adapters_only=True)
     dcp.load({"model": state}, checkpoint_id=str(path))
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
