@@ -31,6 +31,8 @@ work at a commit and at a resume's verification of the same checkpoint, bytes an
 task: benchmarks/task_step_time.py under torchrun at each process count (``--processes 1 2``), a
 task (examples/tasks/vit.py's vision transformer) against a hand-written FSDP2 loop for the same
 model and loss.
+lora (about 2 minutes): ``shardtrain train`` at 2 processes with full fine-tuning and with
+``finetune=lora`` of the same model: per-rank state and peak resident memory against the planner's.
 cli (about 1 minute): how long the ``shardtrain`` command takes to answer ``--help``, a config typo and
 bad arguments (each a one-line error), median of several runs, against ``python -c "import torch"``.
 report (only with ``--only report``, about 3 minutes; needs Chromium, /usr/bin/chromium): three runs
@@ -74,8 +76,10 @@ from pathlib import Path
 import torch
 from PIL import Image  # matplotlib's own dependency
 
+from shardtrain.config.compose import compose_config
 from shardtrain.config.loader import load_config
 from shardtrain.config.strategy import AC_MODES
+from shardtrain.diagnostics.planner import estimate, planned_model
 from shardtrain.report.figures import RUN_COLOURS
 from shardtrain.train.simulate import simulate, simulation_rows, simulation_table
 
@@ -125,6 +129,7 @@ LOSS_SPEED_MODELS = [("default model", 256, 256, 4, 128, 16), ("vocabulary-heavy
 LOSS_MEMORY_VOCABS = [32000, 128000]
 LOSS_KINDS = ["plain", "chunked", "recompute"]
 AC_BEGIN, AC_END = "<!-- ac:begin -->", "<!-- ac:end -->"
+LORA_BEGIN, LORA_END = "<!-- lora-memory:begin -->", "<!-- lora-memory:end -->"
 AC_SHAPE = (384, 6, 512, 4)  # dim, layers, sequence, sequences: activations well above the weights
 # (what a user types after `shardtrain`, the exit status it must give). The paths do not exist.
 CLI_CASES = [
@@ -1282,12 +1287,73 @@ def ac_section(command: str, rounds: int) -> str:
     return "\n".join(lines + [AC_END])
 
 
+# The model of docs/finetuning.md's memory table, larger: full fine-tuning's state (16 bytes a
+# parameter) must stand out of a CPU process's ~500 MiB runtime.
+LORA_SHAPE = ["model.dim=1024", "model.n_layers=8", "model.n_heads=16", "model.n_kv_heads=8", "model.ffn_hidden_dim=0",
+              "trainer.micro_batch_size=2", "trainer.seq_len=128", "strategy.mixed_precision=fp32"]
+
+
+def lora_section(command: str, processes: int = 2, steps: int = 3) -> str:
+    """docs/benchmarks.md's LoRA memory section: per-rank state and peak resident memory of full
+    fine-tuning and ``finetune=lora`` (rank 16, default targets) of the same model at ``processes``
+    ranks, measured by ``shardtrain train`` itself (the first step's table, metrics.jsonl), with the
+    planner's figures for the same configuration beside them."""
+    mib = 2**20
+    rows = []
+    load = os.getloadavg()[0]
+    for method in ("none", "lora"):
+        overrides = ["experiment=quick", f"finetune={method}", *LORA_SHAPE, f"trainer.devices={processes}",
+                     f"trainer.max_steps={steps}", "trainer.eval_every=0", "trainer.sample_tokens=0",
+                     "checkpoint.enabled=false"]
+        with tempfile.TemporaryDirectory() as run_dir:
+            proc = subprocess.run([*shardtrain_command(), "train", *overrides, f"run.dir={run_dir}"],
+                                  capture_output=True, text=True, timeout=3600)
+            if proc.returncode != 0:
+                raise SystemExit(f"finetune={method} failed:\n{proc.stderr[-3000:]}")
+            records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        ranks = next(r for r in records if r["kind"] == "memory_ranks")["ranks"]
+        peaks = [max(phase["rss_mib"] for phase in rank["phases"].values()) for rank in ranks]
+        cfg = compose_config(overrides)
+        model = planned_model(cfg)
+        planned = estimate(cfg, model, cfg.strategy.sharding_strategy, processes, processes, accelerated=False)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        rows.append((method, sum(p.numel() for p in model.parameters()), trainable, ranks[0], max(peaks),
+                     planned))
+    lines = [LORA_BEGIN, "## LoRA against full fine-tuning: memory per rank", "",
+             f"`{command}` on {cpu_name()}, {datetime.date.today()}, torch {torch.__version__}, load average "
+             f"{load:.1f} on {os.cpu_count()} cores when it ran. The built-in Llama ({', '.join(LORA_SHAPE)}), "
+             f"{processes} processes, FULL_SHARD, {steps} steps of `shardtrain train`; `finetune=lora` with "
+             "rank 16 on the default targets (the 7 projections of every block). Measured: rank 0's "
+             "parameters, gradients and optimizer state after the first step (the start-up table, "
+             "metrics.jsonl) and the largest resident set of any rank over the step's phases; planner: "
+             "`shardtrain plan`'s formulas for the same configuration (fp32, rank 0).", "",
+             "| | parameters (trainable) | params MiB | grads MiB | optimizer MiB | state MiB (planner) | "
+             "peak RSS MiB (planner's peak above the runtime) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for method, total, trainable, rank0, peak, planned in rows:
+        state = rank0["params_mib"] + rank0["grads_mib"] + rank0["optimizer_mib"]
+        planned_state = (planned.params + planned.grads + planned.optimizer) / mib
+        lines.append(f"| {'full fine-tuning' if method == 'none' else 'finetune=lora'} | {total / 1e6:.1f}M "
+                     f"({trainable / 1e6:.2f}M) | {rank0['params_mib']:.1f} | {rank0['grads_mib']:.1f} | "
+                     f"{rank0['optimizer_mib']:.1f} | {state:.1f} ({planned_state:.1f}) | {peak:,.0f} "
+                     f"({planned.peak / mib:,.0f}) |")
+    (_, _, _, full0, full_peak, full_plan), (_, _, _, lora0, lora_peak, lora_plan) = rows
+    saved = sum(full0[k] - lora0[k] for k in ("params_mib", "grads_mib", "optimizer_mib"))
+    planned_saved = sum(getattr(full_plan, k) - getattr(lora_plan, k) for k in ("params", "grads", "optimizer"))
+    lines += ["", f"LoRA held {saved:,.0f} MiB less state per rank (the planner: {planned_saved / mib:,.0f}), "
+              f"and its peak resident set was {full_peak - lora_peak:,.0f} MiB lower (the planner's peak: "
+              f"{(full_plan.peak - lora_plan.peak) / mib:,.0f} MiB lower). On a CPU "
+              "the resident set also holds the runtime (the interpreter, torch, gloo: about 500 MiB a "
+              "process), which the planner, made for accelerators, does not count; its state columns "
+              "are exact for FSDP2's layout.", LORA_END]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--only", choices=["training", "checkpoint", "generation", "generation-modes",
                                            "init", "scaling", "soak", "gpu", "e2e", "profile", "hf",
-                                           "data", "task", "checksum", "cli", "report", "loss", "ac",
+                                           "data", "task", "checksum", "cli", "report", "loss", "ac", "lora",
                                            "float8", "ablation", "tp"],
                         default=None)
     parser.add_argument("--rounds", type=int, default=3, help="--only e2e, loss, ac, ablation, tp: alternating rounds")
@@ -1353,6 +1419,8 @@ def main() -> None:
     if args.only == "tp":
         write_section(TP_BEGIN, TP_END, tp_section(f"python benchmarks/run.py --only tp --rounds {args.rounds}",
                                                    args.rounds))
+    if args.only in (None, "lora"):
+        write_section(LORA_BEGIN, LORA_END, lora_section("python benchmarks/run.py --only lora"))
     if args.only in (None, "ac"):
         write_section(AC_BEGIN, AC_END, ac_section(
             f"python benchmarks/run.py --only ac --rounds {args.rounds}", args.rounds))

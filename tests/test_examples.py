@@ -25,7 +25,8 @@ def test_finetune_hf_example(tmp_path):
 
 def test_finetune_hf_example_with_lora(tmp_path):
     """The same with finetune=lora: adapters trained at 2 processes, export-peft (with its
-    self-check), PEFT loads them onto the model and generates."""
+    self-check), PEFT loads them onto the model and generates; export-hf --merge's model generates
+    the same."""
     done = subprocess.run([sys.executable, str(EXAMPLES / "finetune_hf" / "run.py"),
                            "--workdir", str(tmp_path / "work"), "--steps", "4", "--lora"],
                           capture_output=True, text=True, timeout=900)
@@ -34,3 +35,4 @@ def test_finetune_hf_example_with_lora(tmp_path):
     assert "finetune=lora: rank 8" in out and "step 4/4 | loss" in out
     assert "verified: peft.PeftModel's logits match the checkpoint's" in out
     assert "peft generates with the adapters:" in out
+    assert "transformers generates from the merged export:" in out and "(the same)" in out

@@ -1,20 +1,25 @@
-"""LoRA under FSDP2 (``finetune=lora``) at 2 gloo ranks, fp32, against PEFT's own model
+"""LoRA under FSDP2 (``finetune=lora``) at 2 and 4 gloo ranks, fp32, against PEFT's own model
 (``get_peft_model`` on the same model and initial adapters) trained by a hand-written loop in one
 process on the same batches.
 
-One spawned group runs every case: a tiny Hugging Face Llama FULL_SHARD (saving at step 3) and
+One spawned group at 2 ranks runs: a tiny Hugging Face Llama FULL_SHARD (saving at step 3) and
 HYBRID_SHARD (2 replicas, every block activation-checkpointed), a resume from step 3, a resume onto
 another base and one without finetune=lora, a Qwen2 with tied embeddings, the built-in Llama
-(random base), and the example vision-transformer task (a task's own model and initialiser).
+(random base), the example vision-transformer task (a task's own model and initialiser), and a run
+started from an adapter PEFT wrote (``model.adapter``). One group at 4 ranks: the HF Llama FULL_SHARD
+and HYBRID_SHARD (2 x 2), the Qwen2, the built-in Llama, and the 2-rank step-3 checkpoint resumed.
 Checked: losses, grad norms and final adapters within relative 1e-5 of the reference (measured:
 printed), the frozen base bit-identical, the optimizer holding exactly the adapters, the checkpoint
-holding only adapters and their optimizer state, the resume bit-exact, the wrong resumes refused
-with one line; export-peft's round trip through ``PeftModel.from_pretrained`` and its failure on a
-corrupted adapter; embeddings, heads and non-Linear targets refused.
+holding only adapters and their optimizer state, the resume bit-exact (at 2 ranks; within 1e-5 at 4),
+the wrong resumes refused with one line; export-peft's and export-hf --merge's round trips and their
+failure on a corrupted file; generate and eval on the checkpoint equal to the merged model's;
+embeddings, heads and non-Linear targets refused; the planner counting the adapters.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 
 import pytest
@@ -23,16 +28,29 @@ import transformers
 from distributed import run_on_ranks
 from equivalence import max_errors
 from hf_models import family_config, make_model_dir, sample_texts, train_tokenizer
-from lora_workers import builtin_lora_reference, lora_reference, run_lora_cases, vit_lora_reference
+from lora_workers import (
+    builtin_lora_reference,
+    lora_reference,
+    peft_adapter_reference,
+    run_lora_cases,
+    run_lora_cases_at_4,
+    vit_lora_reference,
+    write_peft_adapter,
+)
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from shardtrain.checkpoint.peft_adapter import resolve_adapter_settings
+from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY
 from shardtrain.checkpoint.weights import model_config_of
 from shardtrain.cli.main import main
 from shardtrain.config.compose import compose_config
-from shardtrain.distributed.sharded_model import with_adapters
+from shardtrain.config.plan import resolve_plan
+from shardtrain.distributed.env import DistEnv
+from shardtrain.distributed.sharded_model import build_sharded_model, with_adapters
 from shardtrain.errors import CheckpointError, ConfigError
-from shardtrain.export.peft import export_peft, verify_peft_export
+from shardtrain.export.merge import merge_in_place, merged_weights, verify_merged_export
+from shardtrain.export.peft import LoraCheckpoint, checkpoint_model, export_peft, verify_peft_export
 from shardtrain.models.hf import PREFIX
 from shardtrain.models.llama import Llama
 from shardtrain.models.lora import adapter_targets, add_adapters, is_adapter
@@ -55,27 +73,47 @@ def model_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def lora_runs(model_dirs, tmp_path_factory):
+def peft_adapter(model_dirs, tmp_path_factory):
+    return str(write_peft_adapter(model_dirs[0], tmp_path_factory.mktemp("peft_adapter") / "adapter"))
+
+
+@pytest.fixture(scope="module")
+def lora_runs(model_dirs, peft_adapter, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_runs")
-    run_on_ranks(run_lora_cases, 2, *model_dirs, str(out), tmp_path=out)
+    run_on_ranks(run_lora_cases, 2, *model_dirs, peft_adapter, str(out), tmp_path=out)
     return out, torch.load(out / "results.pt", weights_only=False)
 
 
 @pytest.fixture(scope="module")
-def reference(model_dirs):
-    return lora_reference(model_dirs[0])
+def lora_runs_at_4(model_dirs, lora_runs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_runs_4")
+    step3 = lora_runs[0] / "full_shard" / "checkpoints" / "step-3"
+    run_on_ranks(run_lora_cases_at_4, 4, model_dirs[0], model_dirs[2], str(step3), str(out), tmp_path=out)
+    return torch.load(out / "results.pt", weights_only=False)
 
 
 def adapters(weights: dict) -> dict:
     return {n: w for n, w in weights.items() if is_adapter(n)}
 
 
-@pytest.mark.parametrize("case", ["full_shard", "hybrid_shard", "qwen2", "builtin", "vit"])
-def test_lora_matches_peft_reference(lora_runs, reference, model_dirs, case):
-    _, results = lora_runs
+@functools.cache
+def references(case: str, model_dirs: tuple[str, ...]) -> dict:
+    """PEFT's reference of each case, computed once for both world sizes."""
+    return {"builtin": builtin_lora_reference, "vit": vit_lora_reference,
+            "qwen2": lambda: lora_reference(model_dirs[2]),
+            "llama": lambda: lora_reference(model_dirs[0])}[case]()
+
+
+CASES = [("full_shard", 2), ("hybrid_shard", 2), ("qwen2", 2), ("builtin", 2), ("vit", 2),
+         ("full_shard", 4), ("hybrid_shard", 4), ("qwen2", 4), ("builtin", 4)]
+
+
+@pytest.mark.parametrize(("case", "world"), CASES, ids=[f"{case}-{world}" for case, world in CASES])
+def test_lora_matches_peft_reference(request, model_dirs, case, world):
+    results = (request.getfixturevalue("lora_runs")[1] if world == 2 else
+               request.getfixturevalue("lora_runs_at_4"))
     result = results[case]
-    ref = {"builtin": builtin_lora_reference, "vit": vit_lora_reference,
-           "qwen2": lambda: lora_reference(model_dirs[2])}.get(case, lambda: reference)()
+    ref = references(case if case in ("builtin", "vit", "qwen2") else "llama", model_dirs)
     errors = max_errors({**result, "weights": adapters(result["weights"])},
                         {**ref, "weights": adapters(ref["weights"])})
     print(case, errors)
@@ -87,7 +125,7 @@ def test_lora_matches_peft_reference(lora_runs, reference, model_dirs, case):
     assert result["trainable"] == sorted(adapters(ref["weights"]))
     assert result["optimizer_holds"] == len(result["trainable"])
     assert "frozen parameters" in result["everything_refusal"], result["everything_refusal"]
-    assert result["checkpointed"] == (3 if case == "hybrid_shard" else 0)
+    assert result["checkpointed"] == (3 if (case, world) == ("hybrid_shard", 2) else 0)
     moved = [n for n, w in adapters(result["weights"]).items() if ".lora_B." in n and w.abs().max() > 0]
     assert len(moved) == len(result["trainable"]) // 2  # every B left zero: the adapters trained
 
@@ -110,6 +148,8 @@ def test_lora_checkpoint_holds_adapters_and_resumes_exactly(lora_runs):
     model_keys = [k for k in keys if k.startswith("model.")]
     optim_keys = [k for k in keys if k.startswith("optim.state.")]
     assert model_keys and all(is_adapter(k) for k in model_keys), model_keys[:3]
+    tied = FileSystemReader(str(out / "qwen2" / "checkpoints" / "step-5")).read_metadata().state_dict_metadata
+    assert all(is_adapter(k) for k in tied if k.startswith("model.")), "a tied head saved with the adapters"
     assert {k.rpartition(".")[0].removeprefix("optim.state.") for k in optim_keys} \
         == {k.removeprefix("model.") for k in model_keys}
     state = json.loads((step3 / "trainer_state.json").read_text())
@@ -200,7 +240,7 @@ def test_finetune_config_and_qlora_refusal():
 
 def test_plan_simulate_counts_the_adapters(capsys):
     """plan --simulate builds the model with its adapters: gradients and Adam state of the adapters
-    only (fp32, at one rank: their full size); the planner's formulas (full fine-tuning) are flagged."""
+    only (fp32, at one rank: their full size); the planner's formulas count the same."""
     overrides = ["model=llama3_8b", "model.n_layers=2", "trainer.seq_len=512", "trainer.micro_batch_size=1",
                  "strategy.mixed_precision=bf16-mixed", "finetune=lora", "finetune.rank=64"]
     assert main(["plan", "--simulate", *overrides, "--world-sizes", "1"]) == 0
@@ -214,4 +254,142 @@ def test_plan_simulate_counts_the_adapters(capsys):
     assert adapter_gib == pytest.approx(0.039, abs=0.001)  # 64 x 81,920 per layer, 2 layers
     assert grads == pytest.approx(adapter_gib, abs=0.006)
     assert optimizer == pytest.approx(2 * adapter_gib, abs=0.006)
-    assert "the planner's formulas count full fine-tuning" in out
+    # The planner's formulas count the same: gradients and Adam state of the adapters only.
+    assert main(["plan", *overrides, "--world-sizes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "trainable: finetune=lora adapters" in out
+    planned = next(line.split() for line in out.splitlines() if "1 x FULL_SHARD" in line)
+    assert float(planned[4]) == pytest.approx(grads, abs=0.006)
+    assert float(planned[5]) == pytest.approx(optimizer, abs=0.006)
+
+
+def test_model_adapter_starts_from_a_peft_adapter(lora_runs, model_dirs, peft_adapter):
+    """model.adapter=DIR (written by PEFT's save_pretrained, B non-zero): the run trains as PEFT's own
+    model loaded from it (PeftModel.from_pretrained) does; the adapter set rank, alpha and targets."""
+    _, results = lora_runs
+    result = results["from_adapter"]
+    assert (result["finetune"].rank, result["finetune"].alpha) == (4, 8.0)
+    assert len(result["finetune"].targets) == 3 * 3  # q_proj v_proj down_proj of 3 layers
+    ref = peft_adapter_reference(model_dirs[0], peft_adapter)
+    errors = max_errors({**result, "weights": adapters(result["weights"])},
+                        {**ref, "weights": adapters(ref["weights"])})
+    print("model.adapter", errors)
+    assert all(error < TOL for error in errors.values()), errors
+
+
+def test_model_adapter_conflicts_are_one_line(peft_adapter, model_dirs, tmp_path):
+    cfg = compose_config(["model=hf", f"model.path={model_dirs[0]}", "finetune=lora",
+                          f"model.adapter={peft_adapter}"])
+    assert resolve_adapter_settings(cfg) == ["finetune.rank=4 (from model.adapter)",
+                                             "finetune.alpha=8 (from model.adapter)",
+                                             "finetune.targets: the 9 modules model.adapter's weights are on"]
+    assert resolve_adapter_settings(cfg) == []  # settled: the same again (every rank resolves it)
+    cases = ((["finetune.rank=8"], "has r=4 but finetune.rank=8: drop finetune.rank"),
+             (["finetune=none"], "it needs finetune=lora"),
+             ([f"model.adapter={tmp_path}"], "is not a PEFT adapter directory"))
+    for extra, message in cases:
+        cfg = compose_config(["model=hf", f"model.path={model_dirs[0]}", "finetune=lora",
+                              f"model.adapter={peft_adapter}", *extra])
+        with pytest.raises(ConfigError, match=message) as caught:
+            resolve_adapter_settings(cfg)
+        assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("case", ["full_shard", "builtin", "qwen2"])
+def test_export_hf_merge_round_trip(lora_runs, tmp_path, capsys, case):
+    """export-hf --merge: W + alpha/r * B @ A per target (checked by hand on one), verified against the
+    checkpoint's model with its adapters; bf16 too; a corrupted merged weight fails the check."""
+    out, _ = lora_runs
+    checkpoint = out / case / "checkpoints" / "step-5"
+    assert main(["export-hf", str(checkpoint), str(tmp_path / "merged"), "--merge"]) == 0
+    verified = capsys.readouterr().out.splitlines()[-1]
+    print(case, verified)
+    assert verified.startswith("verified: transformers' logits match")
+    assert float(verified.split("difference ")[1].split()[0]) < TOL
+    ckpt = LoraCheckpoint.read(checkpoint)
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    module = "layers.1.feed_forward.w2" if case == "builtin" else "hf.model.layers.1.mlp.down_proj"
+    key = "model.layers.1.mlp.down_proj.weight"
+    base = (load_file(f"{ckpt.model.path}/model.safetensors")[key] if case != "builtin" else
+            checkpoint_model(ckpt).get_parameter(f"{module}.base_layer.weight").detach())
+    lora_a, lora_b = (ckpt.adapters[f"{module}.lora_{m}.default.weight"] for m in "AB")
+    delta = lora_b @ lora_a
+    assert delta.abs().max() > 0
+    torch.testing.assert_close(merged[key], base + (8.0 / 4) * delta, rtol=0, atol=1e-6)
+    assert main(["export-hf", str(checkpoint), str(tmp_path / "bf16"), "--merge", "--dtype", "bf16"]) == 0
+    assert load_file(str(tmp_path / "bf16" / "model.safetensors"))[key].dtype == torch.bfloat16
+    merged[key] = base  # the adapter left out of one target
+    save_file(merged, str(tmp_path / "merged" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="export check failed"):
+        verify_merged_export(checkpoint, tmp_path / "merged")
+
+
+def test_adapter_checkpoint_whole_model_commands_refused(lora_runs, tmp_path, capsys):
+    """export-hf without --merge and consolidate: one line naming what writes a LoRA checkpoint."""
+    out, _ = lora_runs
+    checkpoint = str(out / "full_shard" / "checkpoints" / "step-5")
+    for command, names in ((["export-hf"], ("--merge", "export-peft")),
+                           (["consolidate"], ("export-peft", "--merge"))):
+        assert main([*command, checkpoint, str(tmp_path / command[0])]) == 2
+        error = capsys.readouterr().err.strip()
+        assert "\n" not in error and all(name in error for name in names), error
+        assert not (tmp_path / command[0] / "model.safetensors").exists()
+
+
+def test_generate_and_eval_on_a_lora_checkpoint(lora_runs, model_dirs, tmp_path, capsys):
+    """generate and eval on the adapters-only checkpoint (base read again, adapters on it) give the
+    merged model's greedy tokens and loss: the merged weights as a consolidated file, same commands."""
+    out, _ = lora_runs
+    checkpoint = out / "full_shard" / "checkpoints" / "step-5"
+    ckpt = LoraCheckpoint.read(checkpoint)
+    model = checkpoint_model(ckpt)
+    merge_in_place(model)
+    save_file({k: v.contiguous() for k, v in merged_weights(model).items()}, str(tmp_path / "m.safetensors"),
+              metadata={"format": "pt", MODEL_CONFIG_KEY: json.dumps(dataclasses.asdict(ckpt.model))})
+    text = tmp_path / "eval.txt"
+    text.write_text("\n".join(sample_texts()))
+    outputs = {}
+    for source in (str(checkpoint), str(tmp_path / "m.safetensors")):
+        assert main(["generate", source, "--prompt", "def main", "--max-new-tokens", "16",
+                     "--dtype", "fp32"]) == 0
+        generated = capsys.readouterr().out
+        assert main(["eval", source, "--file", str(text), "--samples", "8", "--seq-len", "32",
+                     "--dtype", "fp32"]) == 0
+        outputs[source] = (generated, capsys.readouterr().out.splitlines()[-1])
+    (lora_text, lora_loss), (merged_text, merged_loss) = outputs.values()
+    print(lora_text, lora_loss, merged_loss)
+    assert lora_text == merged_text and len(lora_text) > len("def main")
+    assert lora_loss == merged_loss and lora_loss.startswith("loss ")
+
+
+def test_lora_resumes_at_another_world_size(lora_runs, lora_runs_at_4):
+    """Saved at step 3 by 2 ranks, resumed by 4: steps 4 and 5 as the uninterrupted 2-rank run's (the
+    same state goes on; only the reduction order of 4 ranks differs) and the base bit-identical."""
+    _, results = lora_runs
+    full, resumed = results["full_shard"], lora_runs_at_4["resumed"]
+    errors = max_errors({"losses": resumed["losses"], "grad_norms": resumed["grad_norms"],
+                         "weights": adapters(resumed["weights"])},
+                        {"losses": full["losses"][3:], "grad_norms": full["grad_norms"][3:],
+                         "weights": adapters(full["weights"])})
+    print("resumed at 4 ranks from 2", errors)
+    assert all(error < TOL for error in errors.values()), errors
+    assert all(torch.equal(resumed["weights"][n], w) for n, w in full["weights"].items() if not is_adapter(n))
+
+
+def test_bf16_base_storage_trains_as_the_fp32_base_under_bf16_mixed(lora_runs):
+    """finetune.base_dtype=bf16 holds the frozen base in half the bytes; under bf16-mixed (which casts
+    an fp32 base to bf16 for every forward anyway) the run is the fp32-stored run bit for bit."""
+    _, results = lora_runs
+    fp32_base, bf16_base = results["bf16_mixed"], results["bf16_base"]
+    assert bf16_base["losses"] == fp32_base["losses"]
+    assert bf16_base["grad_norms"] == fp32_base["grad_norms"]
+    assert all(torch.equal(w, fp32_base["weights"][n]) for n, w in adapters(bf16_base["weights"]).items())
+    assert all(w.dtype == torch.float32 for w in adapters(bf16_base["weights"]).values())
+    assert 2 * bf16_base["frozen_bytes"] == fp32_base["frozen_bytes"]
+    with pytest.raises(ConfigError, match="finetune.base_dtype=bf16 needs a bf16 compute dtype") as caught:
+        cfg = compose_config(["finetune=lora", "finetune.base_dtype=bf16", "strategy.mixed_precision=fp32"])
+        plan = resolve_plan(cfg.strategy, 1, 1)
+        env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
+                      backend="gloo", placements=())
+        build_sharded_model(cfg, env, plan, None, lambda: Llama(cfg.model))
+    assert "\n" not in str(caught.value)

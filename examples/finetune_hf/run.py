@@ -1,7 +1,8 @@
 """Bring your own Hugging Face model, end to end: make a model directory, prepare data, train it
 sharded at 2 processes, generate from the checkpoint, export it back and load the export with
 transformers. With --lora: train LoRA adapters on the frozen model (finetune=lora), export them
-as a PEFT adapter directory and load it with peft onto the model.
+as a PEFT adapter directory and load it with peft onto the model, and export the merged model
+(export-hf --merge) and generate from it with transformers.
 
     python examples/finetune_hf/run.py [--workdir DIR] [--steps N] [--lora]
 
@@ -76,14 +77,21 @@ def main() -> None:
 
 
 def lora_round_trip(checkpoint: Path, model_dir: Path, adapter: Path) -> None:
-    """The adapters as PEFT's directory (checked by export-peft itself), loaded onto the model."""
+    """The adapters as PEFT's directory (checked by export-peft itself), loaded onto the model; the
+    merged model (export-hf --merge, checked too), loaded by transformers: both generate the same."""
     print(run("export-peft", str(checkpoint), str(adapter)).stdout.strip().splitlines()[-1])
     base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model = PeftModel.from_pretrained(base, str(adapter))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     inputs = tokenizer("def ", return_tensors="pt")
-    output = model.generate(**inputs, max_new_tokens=16, do_sample=False)
-    print("peft generates with the adapters:", repr(tokenizer.decode(output[0])))
+    with_adapters = tokenizer.decode(model.generate(**inputs, max_new_tokens=16, do_sample=False)[0])
+    print("peft generates with the adapters:", repr(with_adapters))
+    merged_dir = adapter.with_name("merged")
+    print(run("export-hf", str(checkpoint), str(merged_dir), "--merge").stdout.strip().splitlines()[-1])
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32)
+    text = tokenizer.decode(merged.generate(**inputs, max_new_tokens=16, do_sample=False)[0])
+    print("transformers generates from the merged export:", repr(text),
+          "(the same)" if text == with_adapters else "(DIFFERENT)")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
 from shardtrain.distributed.env import lazily_connected_gloo_group
 from shardtrain.errors import CheckpointError
+from shardtrain.models.lora import is_adapter
 
 log = logging.getLogger("shardtrain")
 
@@ -241,6 +242,8 @@ class Checkpointer:
     def training_state(self) -> dict[str, Any]:
         model_state, optim_state = get_state_dict(
             self.model, self.optimizer, options=StateDictOptions(ignore_frozen_params=self.adapters_only))
+        if self.adapters_only:  # DCP keeps a frozen tied head (Qwen2's lm_head): a whole embedding
+            model_state = {name: value for name, value in model_state.items() if is_adapter(name)}
         return {"model": model_state, "optim": optim_state}
 
     def save(self, step: int, *, tokens_seen: int, consumed_samples: int, global_batch: int,
@@ -384,7 +387,7 @@ class Checkpointer:
         same_world = trainer_state.world_size == self.world_size
         rng = read_rng_state(rng_file) if same_world and rng_file.is_file() else None
         state = self.training_state()
-        check_model_compatible(path, metadata, state["model"])
+        check_model_compatible(path, metadata, state["model"], adapters_only=self.adapters_only)
         if not any(k.startswith("optim.") for k in metadata.state_dict_metadata):
             raise CheckpointError(f"checkpoint {str(path)!r} has no optimizer state; use it as "
                                   "model.init_from to start a new run from its weights")

@@ -50,11 +50,14 @@ def expected_shapes(state: dict[str, Any], prefix: str) -> dict[str, tuple[int, 
     return {f"{prefix}.{k}": tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def check_model_compatible(path: Path, metadata, model_state: dict[str, Any]) -> None:
-    """Name missing keys, unexpected keys and shape mismatches between checkpoint and model."""
+def check_model_compatible(path: Path, metadata, model_state: dict[str, Any],
+                           adapters_only: bool = False) -> None:
+    """Name missing keys, unexpected keys and shape mismatches between checkpoint and model;
+    ``adapters_only``: of the LoRA adapters alone (checkpoints of the first LoRA release also hold a
+    tied head, which no reader of them needs)."""
     saved = {
         k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
-        if k.startswith("model.") and hasattr(v, "size")
+        if k.startswith("model.") and hasattr(v, "size") and (is_adapter(k) or not adapters_only)
     }
     wanted = expected_shapes(model_state, "model")
     missing = sorted(set(wanted) - set(saved))
@@ -99,9 +102,9 @@ def model_config_of(path: Path) -> ModelConfig:
 def refuse_adapters_only(path: Path, state: TrainState) -> None:
     """A LoRA checkpoint holds adapters, not a model: what reads whole weights refuses it."""
     if state.base_weights is not None:
-        raise CheckpointError(f"checkpoint {str(path)!r} holds LoRA adapters only (finetune=lora): generate, "
-                              "eval, export-hf and model.init_from do not read them yet; "
-                              f"`shardtrain export-peft {path} OUT` writes them for PEFT")
+        raise CheckpointError(f"checkpoint {str(path)!r} holds LoRA adapters only (finetune=lora), not a "
+                              f"whole model: `shardtrain export-hf {path} OUT --merge` writes the merged "
+                              f"model, `shardtrain export-peft {path} OUT` the adapters for PEFT")
 
 
 def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | None = None) -> None:
@@ -131,6 +134,16 @@ def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | N
     dcp.load({"model": state}, checkpoint_id=str(path))
     set_model_state_dict(model, {name: state[base_name(name)] for name in adapted if not is_adapter(name)},
                          options=StateDictOptions(strict=len(state) == len(adapted)))
+
+
+def load_adapters(model: nn.Module, path: Path) -> None:
+    """The adapters of a ``finetune=lora`` checkpoint into ``model`` (built with the same LoRA
+    settings, sharded at any world size or not at all); its base is read or drawn separately."""
+    metadata = layout.verify(path, need_state=False)
+    state = {name: value for name, value in get_model_state_dict(model).items() if is_adapter(name)}
+    check_model_compatible(path, metadata, state, adapters_only=True)
+    dcp.load({"model": state}, checkpoint_id=str(path))
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 
 def base_parameters(model: nn.Module, remove_duplicate: bool = True):

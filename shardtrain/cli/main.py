@@ -247,39 +247,46 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def cmd_export_hf(args: argparse.Namespace) -> int:
-    check_output(Path(args.out), Path(args.checkpoint), "export-hf output")
+def check_export_paths(args: argparse.Namespace, command: str) -> None:
+    """export-hf's and export-peft's paths, checked before torch is imported."""
+    check_output(Path(args.out), Path(args.checkpoint), f"{command} output")
     check_exists(args.checkpoint, "checkpoint")
-    from shardtrain.export.hf import export_hf
 
-    for file in export_hf(args.checkpoint, args.out, args.max_shard_size, args.dtype):
+
+def finish_export(args: argparse.Namespace, files: list[Path], verify, loaded_by: str) -> int:
+    """What every export does after writing: list the files, then run its self-check ``verify``
+    (unless --no-verify) and say what it measured."""
+    from shardtrain.export.verify import EXPORT_TOLERANCE
+
+    for file in files:
         print(file)
     if args.no_verify:
         return 0
-    from shardtrain.export.verify import EXPORT_TOLERANCE, verify_export
-
-    difference = verify_export(args.checkpoint, args.out)
-    print(f"verified: transformers' logits match the checkpoint's, largest relative difference "
+    difference = verify(args.checkpoint, args.out)
+    print(f"verified: {loaded_by} logits match the checkpoint's, largest relative difference "
           f"{difference:.1e} (limit {EXPORT_TOLERANCE:.0e})")
     return 0
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    check_export_paths(args, "export-hf")
+    if args.merge:  # a LoRA checkpoint: each target's weight plus alpha/r * B @ A
+        from shardtrain.export.merge import export_merged, verify_merged_export
+
+        files = export_merged(args.checkpoint, args.out, args.max_shard_size, args.dtype)
+        return finish_export(args, files, verify_merged_export, "transformers'")
+    from shardtrain.export.hf import export_hf
+    from shardtrain.export.verify import verify_export
+
+    files = export_hf(args.checkpoint, args.out, args.max_shard_size, args.dtype)
+    return finish_export(args, files, verify_export, "transformers'")
 
 
 def cmd_export_peft(args: argparse.Namespace) -> int:
-    check_output(Path(args.out), Path(args.checkpoint), "export-peft output")
-    check_exists(args.checkpoint, "checkpoint")
-    from shardtrain.export.peft import export_peft
+    check_export_paths(args, "export-peft")
+    from shardtrain.export.peft import export_peft, verify_peft_export
 
-    for file in export_peft(args.checkpoint, args.out):
-        print(file)
-    if args.no_verify:
-        return 0
-    from shardtrain.export.peft import verify_peft_export
-    from shardtrain.export.verify import EXPORT_TOLERANCE
-
-    difference = verify_peft_export(args.checkpoint, args.out)
-    print(f"verified: peft.PeftModel's logits match the checkpoint's, largest relative difference "
-          f"{difference:.1e} (limit {EXPORT_TOLERANCE:.0e})")
-    return 0
+    return finish_export(args, export_peft(args.checkpoint, args.out), verify_peft_export, "peft.PeftModel's")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -305,14 +312,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"shardtrain plan's formulas know decoder language models only; for "
                           f"task={cfg.task.path} use shardtrain plan --simulate (it runs the task's "
                           "model on its example batch)")
-    # The formulas count full fine-tuning; --simulate builds the model with its adapters.
-    lora_note = (f"finetune={cfg.finetune.method}: the planner's formulas count full fine-tuning (every "
-                 "parameter with gradients and Adam state); plan --simulate measures the adapters")
     if not args.simulate:
         sizes = args.world_sizes or sorted({1, 2, 4, 8, world})
         print(plan_table(cfg, sizes, memory, local))
-        if cfg.finetune.method != "none":
-            print(lora_note)
         return 0
 
     from shardtrain.config.plan import normalize_strategy_name, resolve_precision
@@ -330,8 +332,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{resolve_precision(cfg.strategy.mixed_precision, accelerated=True)}, {local} "
           "processes per node); GiB per rank, the planner's estimate in brackets")
     print(simulation_table(rows, memory, markdown=args.markdown))
-    if cfg.finetune.method != "none":
-        print(lora_note.replace("plan --simulate measures", "the simulation above measured"))
     return 0
 
 
@@ -494,6 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"])
     hf.add_argument("--no-verify", action="store_true",
                     help="skip the check that transformers reproduces the checkpoint's logits")
+    hf.add_argument("--merge", action="store_true",
+                    help="a finetune=lora checkpoint: write the merged model (each target's weight plus "
+                    "alpha/r * B @ A), checked against the checkpoint's model with its adapters")
 
     pe = sub.add_parser("export-peft", help="LoRA checkpoint -> PEFT adapter directory",
                         description="adapter_config.json + adapter_model.safetensors that "

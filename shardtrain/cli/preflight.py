@@ -4,9 +4,11 @@ The checks that need no torch are in ``paths``, for the commands that check befo
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from shardtrain.checkpoint import layout
+from shardtrain.checkpoint.peft_adapter import resolve_adapter_settings
 from shardtrain.checkpoint.safetensors_files import file_metadata, weight_files
 from shardtrain.checkpoint.weights import HF_PREFIX, read_hf_config
 from shardtrain.cli.paths import check_writable
@@ -81,6 +83,7 @@ def check_training(cfg: Config) -> None:
     check_trackers(cfg)
     check_resume(cfg)
     check_init_from(cfg.model.init_from)
+    resolve_adapter_settings(dataclasses.replace(cfg))  # model.adapter fits finetune (on a copy)
     # The task is a Task with what the contract requires; the model and data checks below are the
     # language model's.
     task = task_from_config(cfg)

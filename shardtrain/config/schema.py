@@ -57,6 +57,9 @@ class ModelConfig:
     # Start from these weights only (no optimizer or step): a shardtrain checkpoint directory or a
     # .safetensors file. null = random init.
     init_from: str | None = None
+    # finetune=lora: start the adapters from this PEFT adapter directory (adapter_config.json +
+    # adapter_model.safetensors); it sets finetune.rank, alpha and targets (docs/finetuning.md).
+    adapter: str | None = None
 
     def weights_source(self) -> str | None:
         """Where a fresh run's weights come from: ``init_from``, else a Hugging Face model's own
@@ -267,6 +270,9 @@ class FinetuneConfig:
     # Module names (or ends of them) that get adapters; [] = the attention and MLP projections of the
     # built-in Llama and the common Hugging Face families.
     targets: list[str] = field(default_factory=list)
+    # How the frozen base is stored: fp32 | bf16 (half the base's memory; needs a bf16 compute dtype,
+    # strategy.mixed_precision=bf16-mixed). The adapters stay fp32.
+    base_dtype: str = knob("fp32", one_of=("fp32", "bf16"))
 
 
 # The experiment trackers ``run.trackers`` can name (shardtrain.train.trackers); wandb and mlflow are

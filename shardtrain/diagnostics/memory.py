@@ -12,6 +12,8 @@ from torch.distributed.tensor import DTensor
 
 from shardtrain.accelerator import phase_peak_bytes, reset_phase_peak
 from shardtrain.config.plan import dtype_name
+from shardtrain.config.schema import FinetuneConfig
+from shardtrain.models.lora import adapter_modules
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -82,3 +84,17 @@ class PhaseMemory:
         entry.update(params_mib=s.params / 2**20, grads_mib=s.grads / 2**20,
                      optimizer_mib=s.optimizer / 2**20)
         self.record[phase] = entry
+
+
+def adapter_summary(model: nn.Module, cfg: FinetuneConfig) -> str:
+    """``finetune=lora``'s start-up line: trainable and frozen parameters, what each costs this rank."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    count = sum(p.numel() for p in trainable)
+    total = count + sum(p.numel() for p in frozen)
+    mib = 2.0 ** 20
+    return (f"finetune={cfg.method}: rank {cfg.rank}, alpha {cfg.alpha:g} on {len(adapter_modules(model))} "
+            f"modules; {count:,} trainable parameters ({100 * count / max(total, 1):.2f}%), "
+            f"{total - count:,} frozen; this rank holds {sum(map(local_bytes, trainable)) / mib:.2f} MiB "
+            f"trainable (+ their gradients and 2 Adam moments) and "
+            f"{sum(map(local_bytes, frozen)) / mib:.2f} MiB frozen (no gradients, no optimizer state)")

@@ -26,6 +26,7 @@ from shardtrain.config.strategy import AC_MODES, STRATEGIES, checkpointing_mode
 from shardtrain.distributed.parallelize import float8_eligible
 from shardtrain.errors import ConfigError
 from shardtrain.models.dims import Dims
+from shardtrain.models.lora import add_adapters
 from shardtrain.models.param_groups import no_decay_names
 from shardtrain.models.registry import build_model
 from shardtrain.tasks.losses import chunk_tokens_for
@@ -221,17 +222,27 @@ def float8_block_params(model: nn.Module) -> int:
 
 
 def unit_param_counts(model: nn.Module, shapes: dict[int, tuple[int, ...]] | None = None,
-                      ) -> tuple[list[int], list[int]]:
+                      trainable: bool = False) -> tuple[list[int], list[int]]:
     """Parameters per FSDP unit: (every block, the model's extra groups (embeddings, head));
-    either may be empty. ``shapes``: as ``adamw_foreach_temporary``'s (a unit's tp shard)."""
-    def numel(p: nn.Parameter) -> int:
-        return math.prod(shapes[id(p)]) if shapes else p.numel()
+    either may be empty. ``shapes``: as ``adamw_foreach_temporary``'s (a unit's tp shard).
+    ``trainable``: only those with gradients (FSDP2 reduce-scatters those)."""
+    def count(params) -> int:
+        return sum(math.prod(shapes[id(p)]) if shapes else p.numel()
+                   for p in params if p.requires_grad or not trainable)
 
-    blocks = [sum(numel(p) for p in blk.parameters()) for blk in model.modules()
+    blocks = [count(blk.parameters()) for blk in model.modules()
               if isinstance(blk, getattr(model, "block_classes", ()))]
-    groups = [sum(numel(p) for m in group for p in m.parameters())
+    groups = [count(p for m in group for p in m.parameters())
               for group in getattr(model, "extra_shard_groups", list)()]
     return blocks, groups
+
+
+def planned_model(cfg: Config) -> nn.Module:
+    """The model the planner counts, on the meta device: with ``finetune=lora`` its adapters on a
+    frozen base (the adapters have gradients and Adam state, the base neither)."""
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+        return add_adapters(model, cfg.finetune) if cfg.finetune.method != "none" else model
 
 
 def check_planned_batch(cfg: Config) -> None:
@@ -257,14 +268,20 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     # Under tensor parallelism FSDP shards each tp shard (2-D/3-D DTensors): rank 0's of both.
     local_shapes = tensor_parallel_shapes(model, plan.tensor_parallel, plan.sequence_parallel)
     shapes = list(local_shapes.values())
-    params, grads, optim = sharded_state_bytes(shapes, plan.shard_group, 0, plan.storage_dtype)
+    # Gradients and optimizer state: the trainable parameters' only (finetune=lora: the adapters).
+    trainable = [local_shapes[id(p)] for p in model.parameters() if p.requires_grad]
+    frozen = [local_shapes[id(p)] for p in model.parameters() if not p.requires_grad]
+    params, grads, optim = sharded_state_bytes(trainable, plan.shard_group, 0, plan.storage_dtype)
+    # A frozen base is stored in the storage dtype, or in finetune.base_dtype=bf16.
+    base_dtype = torch.bfloat16 if cfg.finetune.base_dtype == "bf16" else plan.storage_dtype
+    params += sharded_state_bytes(frozen, plan.shard_group, 0, base_dtype)[0]
     total_params = sum(math.prod(s) for s in shapes)
     accumulation = 0
     accumulating = cfg.trainer.grad_accum_steps > 1
     if plan.grad_accumulation == "unsharded" and accumulating and plan.shard_group > 1:
-        # Between micro-batches every rank holds each parameter's full gradient, kept in the reduce
-        # dtype, besides the sharded one.
-        accumulation = total_params * plan.reduce_dtype.itemsize
+        # Between micro-batches every rank holds each trainable parameter's full gradient, kept in
+        # the reduce dtype, besides the sharded one.
+        accumulation = sum(math.prod(s) for s in trainable) * plan.reduce_dtype.itemsize
 
     checkpoint_all = plan.activation_checkpointing != "none"
     act = activation_model(cfg, model.dims, cfg.trainer.micro_batch_size, plan.param_dtype, plan)
@@ -274,20 +291,25 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     # Without blocks or groups the root is the one unit.
     block_units = max(blocks, default=total_params)
     head_unit = groups[-1] if groups else total_params
+    # Reduce-scatter inputs: the gradients of a unit's trainable parameters (all, but with LoRA).
+    trainable_blocks, trainable_groups = unit_param_counts(model, local_shapes, trainable=True)
+    total_trainable = sum(math.prod(s) for s in trainable)
+    block_reduced = max(trainable_blocks, default=total_trainable)
+    head_reduced = trainable_groups[-1] if trainable_groups else total_trainable
     compute, reduce = plan.param_dtype.itemsize, plan.reduce_dtype.itemsize
     # strategy.float8: a block's converted linears are gathered in float8, one byte a parameter.
     float8_saved = float8_block_params(model) * (compute - 1) if plan.float8 else 0
     if plan.reshard_after_forward is False:
         # Every unit stays gathered from its forward until its backward.
         gathered_start = total_params * compute - layers * float8_saved
-        gathered_block = gathered_start + head_unit * (compute + reduce)
+        gathered_block = gathered_start + head_unit * compute + head_reduced * reduce
     else:
         # The head unit, and the last block under full resharding, are not resharded after forward
         # (parallelize); in a block's backward, the block, the prefetched next one and the block's
         # reduce-scatter input.
         last_block = block_units if plan.reshard_after_forward is True and blocks else 0
         gathered_start = (head_unit + last_block) * compute - (float8_saved if last_block else 0)
-        gathered_block = block_units * (2 * compute + reduce) - 2 * float8_saved
+        gathered_block = block_units * 2 * compute + block_reduced * reduce - 2 * float8_saved
     earlier = grads if accumulating else 0  # sharded gradients of previous micro-batches
     first_block = act.block + act.recompute_extra + act.block_backward + act.document_mask
     # Phases as (gradients held, activations and backward temporaries, gathered, optimizer temporaries).
@@ -296,7 +318,7 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
                            + act.document_mask, gathered_start, 0),
         # The head unit's gradients are reduced: the loss's tensors are gone, the buffers are not.
         "head reduced": (earlier, sum(saved) + act.document_mask,
-                         gathered_start + head_unit * (compute + reduce), 0),
+                         gathered_start + head_unit * compute + head_reduced * reduce, 0),
         # The model's last block: every earlier block's saved tensors are still held.
         "block backward": (earlier, sum(saved[:-1]) + first_block,
                            gathered_block, 0),
@@ -384,10 +406,12 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
 
 def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, local: int) -> str:
     check_planned_batch(cfg)
-    with torch.device("meta"):
-        model = build_model(cfg.model)
+    model = planned_model(cfg)
     n = sum(p.numel() for p in model.parameters())
-    lines = [f"model: {n / 1e6:.1f}M parameters; micro-batch {cfg.trainer.micro_batch_size} x "
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    adapters = (f" ({trained / 1e6:.2f}M trainable: finetune={cfg.finetune.method} adapters, the base "
+                "frozen without gradients or optimizer state)" if trained < n else "")
+    lines = [f"model: {n / 1e6:.1f}M parameters{adapters}; micro-batch {cfg.trainer.micro_batch_size} x "
              f"{cfg.trainer.seq_len} tokens; precision "
              f"{resolve_precision(cfg.strategy.mixed_precision, accelerated=True)}; "
              f"{local} processes per node"

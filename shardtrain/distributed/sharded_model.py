@@ -41,12 +41,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from shardtrain.config.plan import ShardingPlan
+from shardtrain.config.plan import DTYPES, ShardingPlan, dtype_name
 from shardtrain.config.schema import Config
 from shardtrain.distributed.env import DistEnv
 from shardtrain.distributed.parallelize import ShardingReport, TensorPlan, parallelize, sum_gradients
 from shardtrain.errors import ConfigError, ModelError
-from shardtrain.models.lora import AdapterInitializer, add_adapters, base_name, is_adapter
+from shardtrain.models.lora import AdapterInitializer, add_adapters, base_name, is_adapter, store_base_in
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +252,9 @@ def with_adapters(factory: ModelFactory, cfg: Config, device: torch.device) -> M
                               "finetune.method=lora")
         raise ConfigError("finetune.method=qlora is not built yet (the NF4 base under FSDP2, "
                           "docs/finetuning.md); use finetune.method=lora")
+    if cfg.finetune.base_dtype != "fp32":
+        base_dtype = DTYPES[cfg.finetune.base_dtype]
+        return lambda: store_base_in(add_adapters(factory(), cfg.finetune), base_dtype)
     return lambda: add_adapters(factory(), cfg.finetune)
 
 
@@ -263,6 +266,11 @@ def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: Dev
     ``tensor_plan``: a task's tensor-parallel plan, used instead of the model's.
     With ``finetune.method=lora`` the factory's model gets adapters before it is sharded."""
     policy = list(wrap_policy) if wrap_policy is not None else list(cfg.strategy.wrap_policy)
+    bf16_base = cfg.finetune.method != "none" and cfg.finetune.base_dtype == "bf16"
+    if bf16_base and plan.param_dtype != torch.bfloat16:
+        raise ConfigError(f"finetune.base_dtype=bf16 needs a bf16 compute dtype (this run computes in "
+                          f"{dtype_name(plan.param_dtype)}, which cannot read a bf16 weight); set "
+                          "strategy.mixed_precision=bf16-mixed or finetune.base_dtype=fp32")
     factory = with_adapters(factory, cfg, env.device)
     with parameters_on_meta():
         model = factory()

@@ -120,6 +120,11 @@ def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | N
                 dtype: str | None = None, key: str | None = None, verify: bool = True) -> list[Path]:
     """Write model-only safetensors; returns the files written."""
     path, out = Path(checkpoint), Path(out)
+    if layout.detect_format(path) == "shardtrain" and TrainState.read(path).base_weights is not None:
+        # Its model entries are the adapters alone: a "model" file of them would load as nothing.
+        raise CheckpointError(f"checkpoint {str(path)!r} holds LoRA adapters only: `shardtrain export-peft "
+                              f"{path} OUT` writes them (PEFT's format), `shardtrain export-hf {path} OUT "
+                              "--merge` the merged model")
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} must be one of {', '.join(DTYPES)}")
     cast = DTYPES.get(dtype) if dtype else None

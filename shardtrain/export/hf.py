@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -58,37 +59,53 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
     """A transformers-loadable directory from a shardtrain checkpoint (or its safetensors)."""
     src, out = Path(checkpoint), Path(out_dir)
     cfg = model_config_of(src)
-    convert: Converter = hf_model_converter(cfg) if cfg.name == "hf" else (
-        lambda name, tensor: to_hf(name, tensor, cfg))
     out.mkdir(parents=True, exist_ok=True)
     # Stream: consolidate shard by shard into a staging area, then rename and permute per tensor.
     staging = out / ".staging"
     staged = [src] if src.is_file() else consolidate(src, staging, max_shard_size=max_shard_size)
+    try:
+        parts = [partial(read_part, p) for p in staged if p.suffix == ".safetensors"]
+        return write_hf_directory(cfg, out, parts, dtype)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def read_part(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def write_hf_directory(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[], dict[str, torch.Tensor]]],
+                       dtype: str | None = None) -> list[Path]:
+    """The Hugging Face directory of a model whose weights, under our names, each of ``parts`` reads:
+    one output shard per part, read only when written (one in memory), converted (renamed, permuted,
+    cast) tensor by tensor."""
+    convert: Converter = hf_model_converter(cfg) if cfg.name == "hf" else (
+        lambda name, tensor: to_hf(name, tensor, cfg))
+    out.mkdir(parents=True, exist_ok=True)
     cast = DTYPES[dtype] if dtype else None
     files: list[Path] = []
     weight_map: dict[str, str] = {}
     total = 0
-    parts = [p for p in staged if p.suffix == ".safetensors"]
     out_dtype = None
-    for index, part in enumerate(parts, start=1):
+    for index, read in enumerate(parts, start=1):
+        part = read()
         tensors = {}
-        with safe_open(str(part), framework="pt") as f:
-            for name in f.keys():
-                converted = convert(name, f.get_tensor(name))
-                if converted is None:
-                    continue
-                hf_name, t = converted
-                t = (t.to(cast) if cast is not None else t).contiguous()
-                out_dtype = t.dtype
-                tensors[hf_name] = t
+        for name in list(part):
+            converted = convert(name, part.pop(name))
+            if converted is None:
+                continue
+            hf_name, t = converted
+            t = (t.to(cast) if cast is not None else t).contiguous()
+            out_dtype = t.dtype
+            tensors[hf_name] = t
         name = shard_name(index, len(parts))
         save_shard(tensors, out / name, {"format": "pt"})
         files.append(out / name)
         for key, t in tensors.items():
             weight_map[key] = name
             total += t.numel() * t.element_size()
-        del tensors
-    shutil.rmtree(staging, ignore_errors=True)
+        del tensors, part
     files.append(write_index(out, weight_map, total))
     if cfg.name == "hf":
         return files + write_hf_model_files(cfg, out, out_dtype or torch.float32)

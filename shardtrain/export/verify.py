@@ -50,18 +50,30 @@ def verify_export(checkpoint: str | Path, out_dir: str | Path,
     with parameters_on_meta():
         ours = build_model(cfg)
         theirs = HFCausalLM(ModelConfig(name="hf", path=str(out_dir)))  # from_pretrained's model
-    tokens = torch.randint(0, ours.dims.vocab_size, (2, min(32, ours.max_seq_len)),
-                           generator=torch.Generator().manual_seed(0))
+    tokens = check_tokens(ours)
     with checkpoint_reader(checkpoint) as read:
         want = streamed_forward(ours, tokens, lambda names: read(names).to(dtype).float())
     read = export_reader(out_dir, theirs.parameter_name)
     got = streamed_forward(theirs, tokens, lambda names: read(names).float())
-    difference = ((got - want).abs().max() / want.abs().max()).item()
+    return compare_logits(want, got, f"{out_dir} loaded by transformers", tolerance)
+
+
+def check_tokens(model: nn.Module) -> torch.Tensor:
+    """The fixed batch every export check runs: 2 sequences of up to 32 seeded tokens."""
+    return torch.randint(0, model.dims.vocab_size, (2, min(32, model.max_seq_len)),
+                         generator=torch.Generator().manual_seed(0))
+
+
+def compare_logits(want: torch.Tensor, got: torch.Tensor, loaded: str,
+                   tolerance: float = EXPORT_TOLERANCE) -> float:
+    """The largest |logit difference| relative to the largest |logit| of ``want``; a CheckpointError
+    past ``tolerance`` naming ``loaded`` (what was read back, and by what)."""
+    difference = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
     if not difference <= tolerance:  # NaN fails too
         raise CheckpointError(
-            f"export check failed: {out_dir} loaded by transformers gives logits that differ from the "
-            f"checkpoint's by {difference:.2e} (relative; limit {tolerance:.0e}): the written files do not "
-            "reproduce the model. Do not use them; export again (--no-verify skips this check)")
+            f"export check failed: {loaded} gives logits that differ from the checkpoint's by "
+            f"{difference:.2e} (relative; limit {tolerance:.0e}): the written files do not reproduce "
+            "the model. Do not use them; export again (--no-verify skips this check)")
     return difference
 
 

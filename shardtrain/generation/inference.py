@@ -1,5 +1,8 @@
 """Load a checkpoint for inference at any world size: a sharded DCP checkpoint (resharded to this
-world) or a consolidated safetensors file (one process), with the model config it was trained with."""
+world) or a consolidated safetensors file (one process), with the model config it was trained with.
+A ``finetune=lora`` checkpoint (adapters only) loads as its run ran: the base read from its source
+(or drawn from the run's seed), checked to be the base the adapters were trained on, and the
+adapters on it; ``generate`` and ``eval`` then run the base with its adapters."""
 
 from __future__ import annotations
 
@@ -11,13 +14,25 @@ import torch
 from torch import nn
 
 from shardtrain.accelerator import set_fp32_matmul
-from shardtrain.checkpoint.state import TrainState
-from shardtrain.checkpoint.weights import load_model_weights, model_config_of
-from shardtrain.config.plan import resolve_plan
-from shardtrain.config.schema import Config
+from shardtrain.checkpoint.state import STATE_FILE, TrainState
+from shardtrain.checkpoint.weights import (
+    base_identity,
+    check_same_base,
+    load_adapters,
+    load_model_weights,
+    model_config_of,
+)
+from shardtrain.config.plan import DTYPES, resolve_plan
+from shardtrain.config.schema import Config, FinetuneConfig
 from shardtrain.distributed.env import DistEnv, build_mesh, init_distributed, set_cpu_threads
-from shardtrain.distributed.sharded_model import ModelFactory, build_sharded_model, deferred_initialization
+from shardtrain.distributed.sharded_model import (
+    ModelFactory,
+    build_sharded_model,
+    deferred_initialization,
+    with_adapters,
+)
 from shardtrain.errors import CheckpointError
+from shardtrain.models.lora import round_base_to
 from shardtrain.models.registry import model_factory
 
 
@@ -36,11 +51,18 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
     path = Path(checkpoint)
     if not path.exists():
         raise CheckpointError(f"{str(path)!r} does not exist")
-    model_cfg = model_config_of(path)
+    state = TrainState.read(path) if (path / STATE_FILE).is_file() else None
+    lora = state is not None and state.base_weights is not None
     cfg = Config()
-    cfg.model = dataclasses.replace(model_cfg, init_from=None)
-    if path.is_dir():  # evaluate on the split the run trained with
-        cfg.data = TrainState.read(path).data_config()
+    if lora:  # adapters only: the base is read (or drawn) as training did, the adapters on it
+        cfg.model = state.model_config()
+        cfg.finetune = FinetuneConfig(**state.config["finetune"])
+        cfg.trainer = dataclasses.replace(cfg.trainer, seed=int(state.config["trainer"]["seed"]))
+        check_same_base(path, state.base_weights, base_identity(cfg.model, cfg.trainer.seed))
+    else:
+        cfg.model = dataclasses.replace(model_config_of(path), init_from=None)
+    if state is not None:  # evaluate on the split the run trained with
+        cfg.data = state.data_config()
     precision = {"fp32": "fp32", "bf16": "bf16-mixed"}.get(dtype, dtype)
     cfg.strategy = dataclasses.replace(cfg.strategy, sharding_strategy=strategy, mixed_precision=precision)
     env = init_distributed(cfg.dist.backend, cfg.dist.startup_timeout_s)
@@ -50,8 +72,21 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
         raise CheckpointError("a consolidated safetensors file is loaded by one process; use the "
                               "sharded checkpoint directory with --devices N")
     plan = resolve_plan(cfg.strategy, env.world_size, env.local_world_size)
+    stored_base = DTYPES[cfg.finetune.base_dtype] if lora else torch.float32
+    if stored_base != torch.float32 and plan.param_dtype == torch.float32:
+        # An fp32 forward cannot read a bf16 weight: the base is held in fp32 with the values
+        # training stored (rounded below).
+        cfg.finetune = dataclasses.replace(cfg.finetune, base_dtype="fp32")
     factory = model_factory(cfg.model)
-    with deferred_initialization():  # every weight is read from the checkpoint: the draw never runs
+    with deferred_initialization() as draws:  # every weight is read from the checkpoint: no draw
         model, _ = build_sharded_model(cfg, env, plan, build_mesh(plan, env.device.type), factory)
-    load_model_weights(model, str(path))
-    return Loaded(cfg, env, model, factory, plan.param_dtype)
+    if lora:
+        if source := cfg.model.weights_source():
+            load_model_weights(model, source, cfg.model)
+        draws.draw()  # a random base as training drew it (seeded), or nothing left to draw
+        if stored_base != torch.float32:
+            round_base_to(model, stored_base)
+        load_adapters(model, path)
+    else:
+        load_model_weights(model, str(path))
+    return Loaded(cfg, env, model, with_adapters(factory, cfg, env.device), plan.param_dtype)

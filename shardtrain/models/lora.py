@@ -145,21 +145,22 @@ class AdapterInitializer:
             self.base.init_parameter(base_name(name), tensor, generator)
 
 
-def local_bytes(param: torch.Tensor) -> int:
-    """Bytes of ``param`` this rank holds (its shard, for a sharded DTensor)."""
-    local = param.to_local() if hasattr(param, "to_local") else param
-    return local.numel() * local.element_size()
+def store_base_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model`` with every frozen parameter stored in ``dtype`` (``finetune.base_dtype``); the
+    adapters stay fp32. FSDP2 all-gathers a unit of mixed dtypes and reduce-scatters only the
+    adapters' gradients, which stay of one dtype."""
+    for name, param in model.named_parameters():
+        if not is_adapter(name):
+            param.data = param.data.to(dtype)
+    return model
 
 
-def adapter_summary(model: nn.Module, cfg: FinetuneConfig) -> str:
-    """One start-up line: trainable and frozen parameters, and what each costs this rank."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    frozen = [p for p in model.parameters() if not p.requires_grad]
-    count = sum(p.numel() for p in trainable)
-    total = count + sum(p.numel() for p in frozen)
-    mib = 2.0 ** 20
-    return (f"finetune={cfg.method}: rank {cfg.rank}, alpha {cfg.alpha:g} on {len(adapter_modules(model))} "
-            f"modules; {count:,} trainable parameters ({100 * count / max(total, 1):.2f}%), "
-            f"{total - count:,} frozen; this rank holds {sum(map(local_bytes, trainable)) / mib:.2f} MiB "
-            f"trainable (+ their gradients and 2 Adam moments) and "
-            f"{sum(map(local_bytes, frozen)) / mib:.2f} MiB frozen (no gradients, no optimizer state)")
+@torch.no_grad()
+def round_base_to(model: nn.Module, dtype: torch.dtype) -> None:
+    """Round every frozen parameter of ``model`` (sharded or not) to ``dtype`` in place, keeping its
+    own dtype: a ``finetune.base_dtype=bf16`` base computed in fp32 (the exports' checks, generate
+    and eval in fp32) holds the values training stored."""
+    for name, param in model.named_parameters():
+        if not is_adapter(name):
+            local = param.to_local() if hasattr(param, "to_local") else param
+            local.copy_(local.to(dtype))

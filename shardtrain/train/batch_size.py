@@ -12,10 +12,9 @@ from shardtrain.accelerator import allocated_bytes, device_memory_bytes
 from shardtrain.config.plan import accumulation_steps
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import rss_bytes
-from shardtrain.diagnostics.planner import BatchChoice, choose_batch
+from shardtrain.diagnostics.planner import BatchChoice, choose_batch, planned_model
 from shardtrain.distributed.env import DistEnv
 from shardtrain.errors import ConfigError
-from shardtrain.models.registry import build_model
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.task import Task
 
@@ -60,8 +59,7 @@ def resolve_batch(cfg: Config, env: DistEnv, task: Task) -> BatchChoice | None:
     # run's peak memory measures.
     held = allocated_bytes(env.device)
     limit, held = agreed_memory(env, limit, rss_bytes() if held is None else held)
-    with torch.device("meta"):
-        model = build_model(cfg.model)
+    model = planned_model(cfg)
     choice = choose_batch(cfg, model, env.world_size, env.local_world_size, limit, held,
                           accelerated=None)
     cfg.trainer = replace(t, micro_batch_size=choice.micro_batch_size,

@@ -23,13 +23,14 @@ from shardtrain.accelerator import (
     set_fp32_matmul,
 )
 from shardtrain.checkpoint.checkpointer import Checkpointer
+from shardtrain.checkpoint.peft_adapter import load_peft_adapter, resolve_adapter_settings
 from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.checkpoint.weights import load_model_weights
 from shardtrain.config.compose import to_yaml
 from shardtrain.config.plan import check_world
 from shardtrain.config.schema import Config
 from shardtrain.data.batches import BatchLayout, SampleSource, TrainBatches, eval_batches
-from shardtrain.diagnostics.memory import PhaseMemory, state_bytes
+from shardtrain.diagnostics.memory import PhaseMemory, adapter_summary, state_bytes
 from shardtrain.diagnostics.planner import BatchChoice
 from shardtrain.diagnostics.rails import check_uniform_batches
 from shardtrain.diagnostics.report import (
@@ -50,7 +51,6 @@ from shardtrain.distributed.env import (
 from shardtrain.distributed.sharded_model import deferred_initialization
 from shardtrain.errors import TrainingError
 from shardtrain.generation.generate import gathered_copy, generate, generation_mode
-from shardtrain.models.lora import adapter_summary
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.task import Task, check_task, task_config_of, task_from_config
 from shardtrain.train.batch_size import resolve_batch
@@ -149,12 +149,15 @@ class Trainer:
         else:
             task = task_from_config(cfg)
         task.bind(cfg)
+        adapter_notes = resolve_adapter_settings(cfg)  # model.adapter: before the model is built
         # The data first: a data error is reported before the model is built.
         train, val = task.train_samples(), task.val_samples()
         batch_choice = resolve_batch(cfg, env, task)  # before anything reads the batch size
         with deferred_initialization() as draws:  # a resume reads every weight: no draw for it
             built = build(cfg, env, task, optimizer_factory)
         trainer = cls(cfg, env, built, task, train, val)
+        for note in adapter_notes:
+            trainer.info(note)
         trainer.batch_choice = batch_choice
         trainer.restore(draws.draw)
         return trainer
@@ -192,6 +195,9 @@ class Trainer:
                 self.info("model.init_from is ignored: resuming from a checkpoint")
         else:
             self.load_base_weights(draw)
+            if self.cfg.model.adapter:  # a fresh run's adapters from PEFT's directory (a resume's: saved)
+                load_peft_adapter(self.model, self.cfg)
+                self.info(f"adapters started from {self.cfg.model.adapter}")
 
     def load_base_weights(self, draw: Callable[[], None]) -> None:
         """The weights a fresh run starts from (with LoRA: the frozen base, and the adapters' draw)."""

@@ -45,12 +45,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import state_bytes
-from shardtrain.diagnostics.planner import Estimate, estimate
+from shardtrain.diagnostics.planner import Estimate, estimate, planned_model
 from shardtrain.distributed.parallelize import parallelize, sum_gradients
 from shardtrain.distributed.preconditions import resolve_wrap_classes
 from shardtrain.distributed.sharded_model import with_adapters
 from shardtrain.errors import ConfigError
-from shardtrain.models.registry import build_model
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.samples import tensors_of
 from shardtrain.tasks.task import Task, task_from_config
@@ -398,8 +397,7 @@ def simulation_rows(cfg: Config, world_sizes: list[int], strategies: list[str],
     sims = [simulate(case, world, local_world_size, probe=probe, task=task) for case, world in cases]
     if not isinstance(task, LanguageModelTask):
         return [(sim, None) for sim in sims]
-    with torch.device("meta"):
-        model = build_model(cfg.model)
+    model = planned_model(cfg)
     if cfg.strategy.tensor_parallel > 1 and not hasattr(model, "tensor_parallel_plan"):
         # The planner splits parameters by the model's own plan; without one it has no figures.
         return [(sim, None) for sim in sims]

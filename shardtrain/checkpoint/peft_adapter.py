@@ -1,0 +1,133 @@
+"""``model.adapter=DIR``: a run's LoRA adapters start from a PEFT adapter directory
+(``adapter_config.json`` + ``adapter_model.safetensors``, as ``save_pretrained`` or ``shardtrain
+export-peft`` write it).
+
+``resolve_adapter_settings`` makes ``cfg.finetune`` the adapter's: its rank and alpha where the
+finetune config leaves them at their defaults (a value set to something else is a conflict, one
+line), and, where ``finetune.targets`` is empty, exactly the modules the adapter's weights are on.
+``load_peft_adapter`` then reads its weights into the adapters (after the base and the adapters'
+draw): PEFT's keys (``base_model.model.<module>.lora_A.weight``) map to ours as ``export-peft`` maps
+ours to them, backwards (the built-in Llama's q/k ``lora_B`` rows take the inverse rotary
+permutation); every adapter of the model must be in the file and every tensor of the file used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from shardtrain.config.schema import Config, FinetuneConfig
+from shardtrain.distributed.sharded_model import shard_like
+from shardtrain.errors import CheckpointError, ConfigError
+from shardtrain.models.hf import PREFIX as HF_PREFIX
+from shardtrain.models.llama_hf_adapter import from_hf_name, halves_to_interleaved, rotary_heads
+from shardtrain.models.lora import ADAPTER_NAME, is_adapter
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # PeftModelForCausalLM -> LoraModel -> the transformers model
+# <module>.lora_A.weight (save_pretrained drops the adapter's name) or <module>.lora_A.<name>.weight
+PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.(lora_[AB])(?:\.[^.]+)?\.weight$")
+# LoraConfig fields that change what the adapters compute: a value other than this is refused.
+PLAIN_LORA = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "bias": "none",
+              "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
+
+
+def read_adapter_config(directory: Path) -> dict:
+    """``adapter_config.json`` of a plain LoRA adapter; a ConfigError naming what does not fit."""
+    file = directory / ADAPTER_CONFIG
+    if not file.is_file() or not (directory / ADAPTER_WEIGHTS).is_file():
+        raise ConfigError(f"model.adapter={str(directory)!r} is not a PEFT adapter directory (it needs "
+                          f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}, as save_pretrained writes them)")
+    config = json.loads(file.read_text())
+    if config.get("peft_type") != "LORA":
+        raise ConfigError(f"model.adapter={str(directory)!r} is a {config.get('peft_type')} adapter; "
+                          "finetune=lora starts from LoRA adapters only")
+    for key, plain in PLAIN_LORA.items():
+        if config.get(key, plain) not in (plain, None, [], {}):
+            raise ConfigError(f"model.adapter={str(directory)!r} sets {key}={config[key]!r}: only plain "
+                              f"LoRA ({key}={plain!r}) is supported")
+    return config
+
+
+def adapter_modules_of(directory: Path, cfg: Config) -> list[str]:
+    """Our names of the modules the adapter's weights are on."""
+    return sorted({our_name(key, cfg)[0] for key in load_file(str(directory / ADAPTER_WEIGHTS))})
+
+
+def our_name(key: str, cfg: Config) -> tuple[str, str]:
+    """A PEFT adapter key -> (our module name, lora_A | lora_B)."""
+    match = PEFT_KEY.match(key)
+    if match is None:
+        raise CheckpointError(f"model.adapter: {key!r} is not a LoRA weight (<module>.lora_A.weight)")
+    module, matrix = match.groups()
+    if cfg.model.name == "hf":
+        return HF_PREFIX + module, matrix
+    ours = from_hf_name(module + ".weight")
+    if ours is None:
+        raise CheckpointError(f"model.adapter: {module!r} is no module of the built-in Llama "
+                              "(its adapters are on transformers' Llama names, as export-peft writes them)")
+    return ours.removesuffix(".weight"), matrix
+
+
+def resolve_adapter_settings(cfg: Config) -> list[str]:
+    """Make ``cfg.finetune`` the adapter's (see the module's doc); return what it set, one line each."""
+    if not cfg.model.adapter:
+        return []
+    directory = Path(cfg.model.adapter).expanduser()
+    if cfg.finetune.method != "lora":
+        raise ConfigError(f"model.adapter={str(directory)!r} starts LoRA adapters: it needs finetune=lora")
+    config = read_adapter_config(directory)
+    defaults, notes = FinetuneConfig(), []
+    changes = {}
+    for field, key in (("rank", "r"), ("alpha", "lora_alpha")):
+        theirs, ours = config[key], getattr(cfg.finetune, field)
+        if ours == theirs:
+            continue
+        if ours != getattr(defaults, field):
+            raise ConfigError(f"model.adapter={str(directory)!r} has {key}={theirs:g} but "
+                              f"finetune.{field}={ours:g}: drop finetune.{field} (the adapter sets it) or "
+                              "use an adapter of that shape")
+        changes[field] = type(ours)(theirs)
+        notes.append(f"finetune.{field}={theirs:g} (from model.adapter)")
+    if not cfg.finetune.targets:
+        changes["targets"] = adapter_modules_of(directory, cfg)
+        notes.append(f"finetune.targets: the {len(changes['targets'])} modules model.adapter's weights "
+                     "are on")
+    cfg.finetune = dataclasses.replace(cfg.finetune, **changes)
+    return notes
+
+
+@torch.no_grad()
+def load_peft_adapter(model: nn.Module, cfg: Config) -> None:
+    """The weights of ``model.adapter`` into the adapters of ``model`` (sharded or not)."""
+    directory = Path(cfg.model.adapter).expanduser()
+    params = {name: param for name, param in model.named_parameters() if is_adapter(name)}
+    loaded = set()
+    for key, tensor in load_file(str(directory / ADAPTER_WEIGHTS)).items():
+        module, matrix = our_name(key, cfg)
+        name = f"{module}.{matrix}.{ADAPTER_NAME}.weight"
+        if name not in params:
+            raise CheckpointError(f"model.adapter={str(directory)!r} has an adapter on {module!r}, which "
+                                  "finetune.targets does not select; leave finetune.targets empty (the "
+                                  "adapter sets it) or name that module")
+        heads = rotary_heads(f"{module}.weight", cfg.model) if cfg.model.name != "hf" else None
+        if heads and matrix == "lora_B":  # output rows: export-peft permuted them as the projection's
+            tensor = halves_to_interleaved(tensor, heads)
+        param = params[name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise CheckpointError(f"model.adapter: {key} has shape {list(tensor.shape)}, the model's "
+                                  f"{name} {list(param.shape)}: the adapter was made for another model")
+        full = shard_like(tensor.to(param.dtype), param)
+        (param.to_local() if hasattr(param, "to_local") else param).copy_(
+            full.to_local() if hasattr(full, "to_local") else full)
+        loaded.add(name)
+    if missing := sorted(set(params) - loaded):
+        raise CheckpointError(f"model.adapter={str(directory)!r} lacks {missing[0]} (and {len(missing) - 1} "
+                              "more): finetune.targets selects modules it has no adapter for")

@@ -1,0 +1,110 @@
+"""``shardtrain export-hf --merge``: a LoRA checkpoint as the merged full model (W + alpha/r * B @ A on
+every target), written as ``export-hf`` writes a whole model.
+
+The checkpoint's model (its base, read or drawn as training did, plus its adapters) is built whole in
+host memory in fp32 (as ``export-peft``'s check builds it); PEFT's own ``merge`` folds each adapter
+into its layer, checked on the spot: the merged model's logits must be the adapted model's. The
+merged weights then go through ``export/hf.py``'s conversion (the built-in Llama's state-dict
+adapter, or transformers' names), one output shard of at most ``--max-shard-size`` at a time.
+
+The self-check reads the written directory back as transformers would and compares its logits with
+the checkpoint's model with its adapters (written in fp32), or, written in bf16/fp16, with the merged
+weights rounded to that dtype (what the files can hold; the merge itself was checked in fp32).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import torch
+from peft.tuners.lora import LoraLayer
+from torch import nn
+
+from shardtrain.config.schema import ModelConfig
+from shardtrain.config.sizes import parse_size
+from shardtrain.distributed.sharded_model import parameters_on_meta
+from shardtrain.export.hf import write_hf_directory
+from shardtrain.export.peft import LoraCheckpoint, checkpoint_model
+from shardtrain.export.verify import (
+    EXPORT_TOLERANCE,
+    check_tokens,
+    compare_logits,
+    export_reader,
+    streamed_forward,
+)
+from shardtrain.models.hf import CONFIG_FILE, HFCausalLM
+from shardtrain.models.lora import ADAPTER_NAME, base_name, is_adapter
+
+
+@torch.no_grad()
+def merge_in_place(model: nn.Module) -> float:
+    """Fold every adapter of ``model`` into its layer (PEFT's ``merge``, which refuses NaN); return
+    the relative logit difference the merge made on the check batch (a CheckpointError past the
+    export tolerance)."""
+    tokens = check_tokens(model)
+    want = model(tokens)
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module.merge(safe_merge=True, adapter_names=[ADAPTER_NAME])
+    return compare_logits(want, model(tokens), "the merged model (in memory, before writing)")
+
+
+def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A merged model's weights under the names the model has without adapters."""
+    return {base_name(name): param.detach() for name, param in model.named_parameters()
+            if not is_adapter(name)}
+
+
+def shard_parts(tensors: dict[str, torch.Tensor], max_shard_size: str | None) -> list[list[str]]:
+    """The names in each output shard: in order, each shard at most ``max_shard_size`` bytes."""
+    limit = parse_size(max_shard_size, "--max-shard-size") if max_shard_size else None
+    parts: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if limit and parts[-1] and size + nbytes > limit:
+            parts.append([])
+            size = 0
+        parts[-1].append(name)
+        size += nbytes
+    return parts
+
+
+def select(tensors: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    return {name: tensors[name] for name in names}
+
+
+def export_merged(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "2GB",
+                  dtype: str | None = None) -> list[Path]:
+    """The merged full model of a ``finetune=lora`` checkpoint as a Hugging Face directory."""
+    ckpt = LoraCheckpoint.read(checkpoint)
+    model = checkpoint_model(ckpt)
+    merge_in_place(model)
+    tensors = merged_weights(model)
+    parts = [partial(select, tensors, names) for names in shard_parts(tensors, max_shard_size)]
+    return write_hf_directory(ckpt.model, Path(out_dir), parts, dtype)
+
+
+@torch.no_grad()
+def verify_merged_export(checkpoint: str | Path, out_dir: str | Path,
+                         tolerance: float = EXPORT_TOLERANCE) -> float:
+    """The largest relative logit difference between the written merged model, read back as
+    transformers reads it, and the checkpoint's model with its adapters; a CheckpointError past
+    ``tolerance``."""
+    out_dir = Path(out_dir)
+    model = checkpoint_model(LoraCheckpoint.read(checkpoint))
+    tokens = check_tokens(model)
+    written = getattr(torch, json.loads((out_dir / CONFIG_FILE).read_text())["torch_dtype"])
+    if written != torch.float32:  # the reference the files can hold: merged, rounded as written
+        merge_in_place(model)
+        for param in model.parameters():
+            param.copy_(param.to(written).float())
+    want = model(tokens)
+    with parameters_on_meta():
+        theirs = HFCausalLM(ModelConfig(name="hf", path=str(out_dir)))  # from_pretrained's model
+    read = export_reader(out_dir, theirs.parameter_name)
+    got = streamed_forward(theirs, tokens, lambda names: read(names).float())
+    return compare_logits(want, got, f"{out_dir} (merged) loaded by transformers", tolerance)
+
