@@ -10,10 +10,8 @@ from shardtrain.models.registry import build_model
 from shardtrain.train.simulate import simulate
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard")
-# The plain loss: the grid's phases were modelled for it (the chunked loss, auto at Llama-3's 128k
-# vocabulary, moves SHARD_GRAD_OP's peak to the end of backward, where the planner is 12% high).
-SCALE = ["trainer.micro_batch_size=1", "trainer.seq_len=8192", "strategy.mixed_precision=bf16-mixed",
-         "trainer.loss_chunk_tokens=0"]
+# The default loss: chunked (auto) at Llama-3's 128k vocabulary.
+SCALE = ["trainer.micro_batch_size=1", "trainer.seq_len=8192", "strategy.mixed_precision=bf16-mixed"]
 PROCESSES_PER_NODE = 8
 
 
