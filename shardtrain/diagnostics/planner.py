@@ -279,10 +279,10 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     compute, reduce = plan.param_dtype.itemsize, plan.reduce_dtype.itemsize
     # strategy.float8: a block's converted linears are gathered in float8, one byte a parameter.
     float8_saved = float8_block_params(model) * (compute - 1) if plan.float8 else 0
-    # The reduce-scatter input held in the last block's backward: with the chunked loss the head
-    # unit's (its whole gradient in the reduce dtype; plan --simulate: 1.96 GiB for Llama-3 8B), else
-    # at most a block's.
-    in_flight = (head_unit if act.chunked_loss else block_units) * reduce
+    # The reduce-scatter input held in a late block's backward: the previous block's, and with the
+    # chunked loss in the last block's the head unit's (its whole gradient in the reduce dtype;
+    # plan --simulate: 1.96 GiB for Llama-3 8B, more than a block's 0.81).
+    in_flight = max(head_unit if act.chunked_loss else 0, block_units) * reduce
     if plan.reshard_after_forward is False:
         # Every unit stays gathered from its forward until its backward, and is resharded after it:
         # in the last block's backward all but the head unit; in the first block's, the embeddings,
