@@ -10,10 +10,8 @@ from shardtrain.models.registry import build_model
 from shardtrain.train.simulate import simulate
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard")
-# The plain loss: the grid's phases were modelled for it (the chunked loss, auto at Llama-3's 128k
-# vocabulary, moves SHARD_GRAD_OP's peak to the end of backward, where the planner is 12% high).
-SCALE = ["trainer.micro_batch_size=1", "trainer.seq_len=8192", "strategy.mixed_precision=bf16-mixed",
-         "trainer.loss_chunk_tokens=0"]
+# The default loss: chunked (auto) at Llama-3's 128k vocabulary.
+SCALE = ["trainer.micro_batch_size=1", "trainer.seq_len=8192", "strategy.mixed_precision=bf16-mixed"]
 PROCESSES_PER_NODE = 8
 
 
@@ -27,20 +25,21 @@ def checkpointing_modes(strategy: str) -> tuple[str, ...]:
     return ("none", "all", "selective") if strategy == "full_shard" else ("none", "all")
 
 
-def simulate_against_planner(model: str, world: int) -> list[dict]:
-    """Every strategy, with and without activation checkpointing, of one model at one world size."""
+def simulate_against_planner(model: str, world: int, extra: str = "") -> list[dict]:
+    """Every strategy, with and without activation checkpointing, of one model at one world size
+    (``extra``: one more setting, named in each case)."""
     results = []
     meta = None
     for strategy in STRATEGIES:
         for ac in checkpointing_modes(strategy):
-            cfg = scale_config(model, strategy, ac)
+            cfg = scale_config(model, strategy, ac, *([extra] if extra else []))
             if meta is None:
                 with torch.device("meta"):
                     meta = build_model(cfg.model)
             sim = simulate(cfg, world, PROCESSES_PER_NODE)
             plan = estimate(cfg, meta, cfg.strategy.sharding_strategy, world, PROCESSES_PER_NODE)
             results.append(dict(
-                case=f"{model} x {world} {strategy} AC={ac}", seconds=sim.seconds,
+                case=f"{model} x {world} {strategy} AC={ac} {extra}".rstrip(), seconds=sim.seconds,
                 simulated=(sim.params, sim.grads, sim.optimizer, sim.activations, sim.peak),
                 planned=(plan.params, plan.grads, plan.optimizer, plan.activations, plan.peak),
             ))

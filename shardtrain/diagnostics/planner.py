@@ -152,6 +152,7 @@ class ActivationModel:
     # outputs autograd itself does not save (q and k before RoPE, both projections back to the
     # residual stream).
     recompute_extra: int = 0
+    chunked_loss: bool = False  # the head's gradient is complete before backward reaches it
 
 
 def rms_norm_saved(dim: int, compute: int) -> int:
@@ -211,6 +212,7 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
         head_backward=head_backward,
         document_mask=tokens * cfg.trainer.seq_len * b if cfg.data.document_mask else 0,
         recompute_extra=tokens * b * (2 * m.dim + (m.dim + projected_kv) // tp) if selective_mode else 0,
+        chunked_loss=chunk > 0,
     )
 
 
@@ -299,17 +301,26 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     compute, reduce = plan.param_dtype.itemsize, plan.reduce_dtype.itemsize
     # strategy.float8: a block's converted linears are gathered in float8, one byte a parameter.
     float8_saved = float8_block_params(model) * (compute - 1) if plan.float8 else 0
+    # The reduce-scatter input held in a late block's backward: the previous block's, and with the
+    # chunked loss in the last block's the head unit's (its whole gradient in the reduce dtype;
+    # plan --simulate: 1.96 GiB for Llama-3 8B, more than a block's 0.81).
+    in_flight = max(head_reduced if act.chunked_loss else 0, block_reduced) * reduce
     if plan.reshard_after_forward is False:
-        # Every unit stays gathered from its forward until its backward.
+        # Every unit stays gathered from its forward until its backward, and is resharded after it:
+        # in the last block's backward all but the head unit; in the first block's, the embeddings,
+        # the block and its reduce-scatter input.
         gathered_start = total_params * compute - layers * float8_saved
-        gathered_block = gathered_start + head_unit * compute + head_reduced * reduce
+        gathered_block = gathered_start - head_unit * compute + in_flight
+        gathered_end = ((groups[0] if groups else 0) * compute + block_units * compute
+                        + block_reduced * reduce - float8_saved)
     else:
         # The head unit, and the last block under full resharding, are not resharded after forward
         # (parallelize); in a block's backward, the block, the prefetched next one and the block's
         # reduce-scatter input.
         last_block = block_units if plan.reshard_after_forward is True and blocks else 0
         gathered_start = (head_unit + last_block) * compute - (float8_saved if last_block else 0)
-        gathered_block = block_units * 2 * compute + block_reduced * reduce - 2 * float8_saved
+        gathered_block = block_units * 2 * compute + in_flight - 2 * float8_saved
+        gathered_end = block_units * 2 * compute + block_reduced * reduce - 2 * float8_saved
     earlier = grads if accumulating else 0  # sharded gradients of previous micro-batches
     first_block = act.block + act.recompute_extra + act.block_backward + act.document_mask
     # Phases as (gradients held, activations and backward temporaries, gathered, optimizer temporaries).
@@ -322,7 +333,7 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         # The model's last block: every earlier block's saved tensors are still held.
         "block backward": (earlier, sum(saved[:-1]) + first_block,
                            gathered_block, 0),
-        "backward end": (grads, first_block, gathered_block, 0),
+        "backward end": (grads, first_block, gathered_end, 0),
         # Fused AdamW updates each tensor in place: no group-sized temporary. Nor with CPU offload
         # (host tensors).
         "optimizer step": (grads, 0, 0, 0 if plan.cpu_offload or cfg.trainer.optimizer_kernel != "foreach"
