@@ -205,8 +205,6 @@ def test_mesh_gains_an_innermost_tp_dimension(strategy, world, local, extra, mes
      "set trainer.loss_chunk_tokens=0"),
     (["trainer.devices=2", "strategy.tensor_parallel=2", "strategy.compile=true"],
      "set strategy.compile=false or strategy.tensor_parallel=1"),
-    (["trainer.devices=2", "strategy.tensor_parallel=2", "trainer.micro_batch_size=auto",
-      "trainer.global_batch_size=4"], "trainer.micro_batch_size=auto with strategy.tensor_parallel=2"),
     (["trainer.devices=2", "strategy.tensor_parallel=2", "finetune=lora"],
      "finetune.method=lora with strategy.tensor_parallel=2 is not built yet"),
     # Hugging Face models (the launching process's preflight reads their config and builds them on
@@ -266,6 +264,9 @@ def test_what_is_not_built_yet_is_refused_with_one_line():
     # its model's) pass; a CPU refuses float8 before this check, a GPU with float8 reaches it.
     check_tensor_parallel_support(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name="hf")))
     check_tensor_parallel_support(dataclasses.replace(cfg, task=TaskConfig(path="my_tasks:Regression")))
+    # micro_batch_size=auto: the planner counts tp (tests/test_batch_size.py).
+    check_tensor_parallel_support(dataclasses.replace(
+        cfg, trainer=dataclasses.replace(cfg.trainer, micro_batch_size="auto", global_batch_size=4)))
     with pytest.raises(ConfigError, match="strategy.float8=true with strategy.tensor_parallel=2 is not"):
         check_tensor_parallel_support(
             dataclasses.replace(cfg, strategy=dataclasses.replace(cfg.strategy, float8=True)))
