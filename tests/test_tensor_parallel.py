@@ -6,8 +6,11 @@ and HSDP 2 x 2 x TP 2 (8), fp32, 2 micro-batches, matches the single-process ref
 tests/equivalence.py within 1e-5 (relative: per-step loss, per-step global gradient norm, per-tensor
 final weights; measured below 5e-6). A checkpoint saved at FSDP 4, resumed at FSDP 2 x TP 2, saved
 and resumed at FSDP 4 again goes on with the same samples and reaches the same losses and weights,
-and the TP checkpoint consolidates to the weights its ranks hold. And every
-layout that cannot work fails before launch with one line.
+and the TP checkpoint consolidates to the weights its ranks hold. The same group's TP checkpoint
+exports to Hugging Face (its self-check passes; the FSDP-only export's weights within 1e-5) and
+generates in one process what the FSDP-only checkpoint does; the TP run's periodic sample is what
+one-process generation draws; bf16-mixed under TP is compared with the one-process bf16 run. And
+every layout that cannot work fails before launch with one line.
 """
 
 from __future__ import annotations
