@@ -82,7 +82,8 @@ def equivalence_and_resume(out: str, cases: dict[str, dict], hf_dirs: dict[str, 
                            hf_cases: dict[str, dict]) -> None:
     """4 ranks: every equivalence case (the built-in Llama's, then the Hugging Face ones), then one
     run across layouts (DCP reshards the DTensors at each change): FSDP 4 to step 2, saved;
-    resumed as FSDP 2 x TP 2 to step 4, saved; resumed as FSDP 4 again to the last step. The first
+    resumed as FSDP 2 x TP 2 to step 4 (sampling text at step 4), saved; resumed as FSDP 4 again
+    to the last step. The first
     run also goes on to step 4 and saves there: the FSDP-only checkpoint the TP one is compared with.
     ``one_process_leg`` resumes the TP checkpoint in one process afterwards."""
     run_cases(cases, out)
