@@ -12,6 +12,8 @@ from equivalence import GLOBAL_BATCH, STEPS, case_config, run_cases
 from hf_workers import hf_case_config, hf_corpus
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from shardtrain.generation.generate import gathered_copy, generate
+from shardtrain.generation.inference import load_for_inference
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.loop import Trainer
 
@@ -22,6 +24,9 @@ SPLITS = (2, 4)  # FSDP 4 to step 2, FSDP 2 x TP 2 to step 4, FSDP 4 again (and 
 # The tiny Hugging Face Llama of tests/hf_models.py with a feed-forward width TP 2 can split.
 HF_SIZES = {"intermediate_size": 98}
 ACCUM = 2
+SAMPLE_TOKENS = 8
+# bf16-mixed through the framework in one process: what a bf16-mixed TP run is compared with.
+BF16_ONE_PROCESS = {"bf16_one_process": dict(precision="bf16-mixed", accum=ACCUM, model=TP_MODEL)}
 
 
 class FeedForwardOnlyPlan(LanguageModelTask):
@@ -77,15 +82,18 @@ def equivalence_and_resume(out: str, cases: dict[str, dict], hf_dirs: dict[str, 
                            hf_cases: dict[str, dict]) -> None:
     """4 ranks: every equivalence case (the built-in Llama's, then the Hugging Face ones), then one
     run across layouts (DCP reshards the DTensors at each change): FSDP 4 to step 2, saved;
-    resumed as FSDP 2 x TP 2 to step 4, saved; resumed as FSDP 4 again to the last step. The first
+    resumed as FSDP 2 x TP 2 to step 4 (sampling text at step 4), saved; resumed as FSDP 4 again
+    to the last step. The first
     run also goes on to step 4 and saves there: the FSDP-only checkpoint the TP one is compared with.
     ``one_process_leg`` resumes the TP checkpoint in one process afterwards."""
     run_cases(cases, out)
     hf_tensor_parallel_cases(hf_dirs, hf_cases, out)
     first = new_trainer(layout_config(f"{out}/fsdp4"))
     interrupted(first, SPLITS[0])
-    second = new_trainer(layout_config(f"{out}/tp", resume=f"{out}/fsdp4/checkpoints/step-{SPLITS[0]}",
-                                       tensor_parallel=2))
+    tp_cfg = layout_config(f"{out}/tp", resume=f"{out}/fsdp4/checkpoints/step-{SPLITS[0]}", tensor_parallel=2)
+    # The periodic sample during training, drawn from the tensor-parallel weights (gathered once).
+    tp_cfg.trainer = dataclasses.replace(tp_cfg.trainer, sample_every=SPLITS[1], sample_tokens=SAMPLE_TOKENS)
+    second = new_trainer(tp_cfg)
     assert second.step == SPLITS[0], second.step
     interrupted(second, SPLITS[1] - SPLITS[0])
     tp_weights = second.full_weights()
@@ -104,10 +112,27 @@ def equivalence_and_resume(out: str, cases: dict[str, dict], hf_dirs: dict[str, 
     assert len(result.losses) == STEPS - SPLITS[1]
 
 
+def generated(checkpoint: str, prompt: list[int], **sampling) -> list[int]:
+    """What ``shardtrain generate`` does in one process: the checkpoint loaded, gathered, generated."""
+    loaded = load_for_inference(checkpoint, dtype="fp32")
+    model = gathered_copy(loaded.model, loaded.factory, loaded.env.device, loaded.compute_dtype)
+    return generate(model, prompt, SAMPLE_TOKENS, **sampling)
+
+
 def one_process_leg(out: str) -> None:
-    """1 process: the FSDP 2 x TP 2 checkpoint of step 4 resumed to the last step."""
+    """1 process: the FSDP 2 x TP 2 checkpoint of step 4 resumed to the last step; and generation
+    from that checkpoint and from the FSDP-only one of the same step: greedy, and with the
+    training-time sample's settings (the TP run sampled at that step)."""
+    run_cases(BF16_ONE_PROCESS, out)  # the baseline of the bf16-mixed TP case
     run = new_trainer(layout_config(f"{out}/one", resume=f"{out}/tp/checkpoints/step-{SPLITS[1]}", world=1))
     assert run.step == SPLITS[1], run.step
     result = run.fit()
+    tokenizer, t = run.task.tokenizer, run.cfg.trainer
+    prompt = tokenizer.encode(t.sample_prompt)
+    tp, fsdp = (f"{out}/{name}/checkpoints/step-{SPLITS[1]}" for name in ("tp", "fsdp4"))
+    sampled = generated(tp, prompt, temperature=0.8, top_k=40, seed=t.seed, vocab_limit=tokenizer.vocab_size,
+                        stop_token=tokenizer.eos_id)
     torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "weights": run.full_weights(),
-                "ids": [ids.tolist() for ids in run.consumed_ids]}, Path(out, "one_process.pt"))
+                "ids": [ids.tolist() for ids in run.consumed_ids],
+                "greedy": {name: generated(path, prompt) for name, path in (("tp", tp), ("fsdp", fsdp))},
+                "sampled": tokenizer.decode(prompt + sampled)}, Path(out, "one_process.pt"))

@@ -20,16 +20,20 @@ from shardtrain.config.loader import load_config
 from shardtrain.config.plan import accumulation_steps
 from shardtrain.config.strategy import AC_MODES
 from shardtrain.diagnostics.planner import choose_batch, estimate
+from shardtrain.distributed.env import DistEnv
 from shardtrain.errors import ConfigError
 from shardtrain.models.registry import build_model
+from shardtrain.tasks.language_model import LanguageModelTask
+from shardtrain.train.batch_size import resolve_batch
 
 GIB = 2**30
 WORLD = 64  # Llama-3 8B on 64 ranks of 8 per node, 8 sequences of 4,096 tokens per rank and step
 
 
 def expected_choice(cfg, model, world: int, budget: int) -> tuple[int, str]:
-    """The cheapest checkpointing under which some micro-batch fits, and the largest such batch."""
-    per_rank = cfg.trainer.global_batch_size // world
+    """The cheapest checkpointing under which some micro-batch fits, and the largest such batch
+    (the ranks of a tensor-parallel group share one data-parallel rank's share)."""
+    per_rank = cfg.trainer.global_batch_size // (world // cfg.strategy.tensor_parallel)
     for ac in AC_MODES:
         for micro in sorted((n for n in range(1, per_rank + 1) if per_rank % n == 0), reverse=True):
             trial = replace(cfg, trainer=replace(cfg.trainer, micro_batch_size=micro,
@@ -80,6 +84,35 @@ def test_auto_checkpoints_only_when_no_batch_fits_without(llama_8b):
     assert choose_batch(explicit, model, WORLD, 8, 80 * GIB, 0, True).activation_checkpointing == "all"
     with pytest.raises(ConfigError, match=r"nothing fits: one sequence .* raise trainer.memory_limit_gib"):
         choose_batch(cfg, model, WORLD, 8, int(peaks["all"] * 0.9), held=0, accelerated=True)
+
+
+def test_auto_under_tensor_parallelism_divides_the_batch_over_data_parallel_ranks(llama_8b):
+    """FSDP 8 x TP 8 on the 64 ranks: 8 data-parallel ranks, each (a tp group of 8) training on an
+    eighth of the global batch, planned with the tp-split weights and activations."""
+    cfg, model = llama_8b
+    tp = replace(cfg, trainer=replace(cfg.trainer, global_batch_size=64),
+                 strategy=replace(cfg.strategy, tensor_parallel=8))
+    choice = choose_batch(tp, model, WORLD, 8, 30 * GIB, held=0, accelerated=True)
+    assert choice.estimate.mesh == (8, 8)
+    assert choice.micro_batch_size * choice.grad_accum_steps * (WORLD // 8) == 64
+    chosen = (choice.micro_batch_size, choice.activation_checkpointing)
+    # At 30 GiB FSDP alone needed selective checkpointing for one sequence (above); TP 8 splits
+    # the activations: 4 sequences without (8 do not fit).
+    assert chosen == expected_choice(tp, model, WORLD, choice.budget) == (4, "none")
+    assert choice.rejected[0][:2] == (8, "none")
+    with pytest.raises(ConfigError, match="global_batch_size=60 is not a multiple of .*=1 x 8 ranks"):
+        choose_batch(replace(tp, trainer=replace(tp.trainer, global_batch_size=60)), model, WORLD, 8,
+                     30 * GIB, held=0, accelerated=True)
+
+
+def test_global_batch_under_tensor_parallelism_counts_data_parallel_ranks():
+    """4 ranks as FSDP 2 x TP 2 are 2 data-parallel ranks: 8 sequences of 2 per micro-batch are 2
+    micro-batches (4 on 4 plain FSDP ranks would have been 1)."""
+    cfg = load_config(["trainer.micro_batch_size=2", "trainer.global_batch_size=8"])
+    cfg.strategy = replace(cfg.strategy, tensor_parallel=2)
+    env = DistEnv(rank=0, world_size=4, local_world_size=4, local_rank=0, device=torch.device("cpu"),
+                  backend="gloo")
+    assert resolve_batch(cfg, env, LanguageModelTask()) is None and cfg.trainer.grad_accum_steps == 2
 
 
 def test_global_batch_must_divide_over_ranks_and_micro_batches():

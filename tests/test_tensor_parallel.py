@@ -6,13 +6,17 @@ and HSDP 2 x 2 x TP 2 (8), fp32, 2 micro-batches, matches the single-process ref
 tests/equivalence.py within 1e-5 (relative: per-step loss, per-step global gradient norm, per-tensor
 final weights; measured below 5e-6). A checkpoint saved at FSDP 4, resumed at FSDP 2 x TP 2, saved
 and resumed at FSDP 4 again goes on with the same samples and reaches the same losses and weights,
-and the TP checkpoint consolidates to the weights its ranks hold. And every
-layout that cannot work fails before launch with one line.
+and the TP checkpoint consolidates to the weights its ranks hold. The same group's TP checkpoint
+exports to Hugging Face (its self-check passes; the FSDP-only export's weights within 1e-5) and
+generates in one process what the FSDP-only checkpoint does; the TP run's periodic sample is what
+one-process generation draws; bf16-mixed under TP is compared with the one-process bf16 run. And
+every layout that cannot work fails before launch with one line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -26,7 +30,9 @@ from hf_models import family_config, make_model_dir, sample_texts, train_tokeniz
 from hf_workers import hf_reference
 from safetensors.torch import load_file
 from tensor_parallel_workers import (
+    BF16_ONE_PROCESS,
     HF_SIZES,
+    SAMPLE_TOKENS,
     SPLITS,
     TP_MODEL,
     eight_ranks,
@@ -44,10 +50,19 @@ from shardtrain.distributed.env import DistEnv
 from shardtrain.distributed.parallelize import ShardingReport, apply_tensor_parallel
 from shardtrain.errors import ConfigError
 from shardtrain.export.consolidate import consolidate
+from shardtrain.export.hf import export_hf
+from shardtrain.export.verify import verify_export
 from shardtrain.models.llama import llama_dims
 from shardtrain.models.llama_tp import check_tensor_parallel_dims
 
 TOL = 1e-5
+# bf16-mixed (relative, as test_equivalence.py's bf16 limits; weights per tensor). Losses and grad
+# norms as there. The weights' limit is wider: on this model (ffn 98) two bf16-mixed runs that
+# differ only in how sums are split and rounded land up to ~9% apart on the smallest, most
+# sign-driven tensor (Adam's first steps: layers.1.attention.wo): measured, the one-process bf16
+# run 9.3e-2 from the fp32 reference, FSDP 2 x TP 2 bf16 4.8e-2 from it and 5.8e-2 from the
+# one-process bf16 run; losses within 6.2e-5 and grad norms 8.9e-4 of the latter.
+BF16_TOL = {"loss": 1e-3, "grad_norm": 2e-2, "weights": 1e-1}
 
 
 @pytest.fixture(scope="module")
@@ -103,14 +118,24 @@ def test_fsdp2_x_tp2_matches_reference_and_resumes_across_layouts(reference, tie
                                model=TP_MODEL),
         # The head shares the embedding's vocabulary-split weight.
         "fsdp2_tp2_sp_tied": dict(tensor_parallel=2, accum=2, tied=True, model=TP_MODEL),
+        # bf16-mixed: against the one-process bf16-mixed run with test_equivalence's bf16 limits.
+        "fsdp2_tp2_sp_bf16": dict(tensor_parallel=2, precision="bf16-mixed", accum=2, model=TP_MODEL),
     }
     run_on_ranks(equivalence_and_resume, 4, str(tmp_path), cases, hf_dirs, HF_CASES_4, tmp_path=tmp_path)
     # The last leg of the round trip: the TP checkpoint resumed in one process.
     run_on_ranks(one_process_leg, 1, str(tmp_path), tmp_path=tmp_path)
     failures = []
+    bf16_baseline = torch.load(tmp_path / f"{next(iter(BF16_ONE_PROCESS))}.pt")
     for name, case in cases.items():
-        failures += compare(torch.load(tmp_path / f"{name}.pt"),
-                            tied_reference if case.get("tied") else reference, f"4p {name}")
+        result = torch.load(tmp_path / f"{name}.pt")
+        if case.get("precision", "fp32") == "fp32":
+            failures += compare(result, tied_reference if case.get("tied") else reference, f"4p {name}")
+            continue
+        for label, baseline in (("fp32 reference", reference), ("1-process bf16", bf16_baseline)):
+            errors = max_errors(result, baseline)
+            print(f"4p {name} vs {label}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+            failures += [f"4p {name} vs {label}: {k} error {errors[k]:.2e} > {BF16_TOL[k]:.0e}"
+                         for k in BF16_TOL if not errors[k] <= BF16_TOL[k]]
     for name, case in HF_CASES_4.items():
         failures += compare(torch.load(tmp_path / f"{name}.pt"), hf_references[case["family"]], f"4p {name}")
     across = torch.load(tmp_path / "across_layouts.pt")
@@ -143,6 +168,26 @@ def test_fsdp2_x_tp2_matches_reference_and_resumes_across_layouts(reference, tie
     print(f"consolidated TP vs FSDP-only checkpoint at step {SPLITS[1]}: largest relative difference "
           f"{max(differences.values()):.1e}")
     assert max(differences.values()) <= TOL, differences
+    # export-hf from the TP checkpoint: transformers' logits pass its self-check, and its weights are
+    # the FSDP-only checkpoint's export within the tolerance.
+    tp_ckpt = tmp_path / "tp" / "checkpoints" / f"step-{SPLITS[1]}"
+    export_hf(tp_ckpt, tmp_path / "tp_hf")
+    print(f"export-hf of the TP checkpoint: self-check {verify_export(tp_ckpt, tmp_path / 'tp_hf'):.1e}")
+    export_hf(fsdp_files[0], tmp_path / "fsdp4_hf")
+    exported, fsdp_exported = (load_file(tmp_path / name / "model.safetensors")
+                               for name in ("tp_hf", "fsdp4_hf"))
+    assert exported.keys() == fsdp_exported.keys() and "model.layers.0.self_attn.q_proj.weight" in exported
+    export_differences = {k: ((exported[k] - w).norm() / w.norm()).item() for k, w in fsdp_exported.items()}
+    print(f"export-hf TP vs FSDP-only: largest relative difference {max(export_differences.values()):.1e}")
+    assert max(export_differences.values()) <= TOL, export_differences
+    # Generation in one process from the TP checkpoint: the FSDP-only checkpoint's greedy tokens;
+    # and the TP run's own periodic sample (drawn from its gathered weights during training) is the
+    # one-process generation's with the same settings.
+    greedy = one["greedy"]
+    assert len(greedy["tp"]) == SAMPLE_TOKENS and greedy["tp"] == greedy["fsdp"], greedy
+    records = [json.loads(line) for line in (tmp_path / "tp" / "metrics.jsonl").read_text().splitlines()]
+    samples = [(r["step"], r["text"]) for r in records if r["kind"] == "sample"]
+    assert samples == [(SPLITS[1], one["sampled"])], (samples, one["sampled"])
     # The start-up report's layout: the declared plan (norms replicated over tp with sequence
     # parallelism, whole without), and the task's own plan where it passes one.
     sp, no_sp, own = (torch.load(tmp_path / f"{name}.pt")["layout"] for name in
@@ -205,8 +250,6 @@ def test_mesh_gains_an_innermost_tp_dimension(strategy, world, local, extra, mes
      "set trainer.loss_chunk_tokens=0"),
     (["trainer.devices=2", "strategy.tensor_parallel=2", "strategy.compile=true"],
      "set strategy.compile=false or strategy.tensor_parallel=1"),
-    (["trainer.devices=2", "strategy.tensor_parallel=2", "trainer.micro_batch_size=auto",
-      "trainer.global_batch_size=4"], "trainer.micro_batch_size=auto with strategy.tensor_parallel=2"),
     (["trainer.devices=2", "strategy.tensor_parallel=2", "finetune=lora"],
      "finetune.method=lora with strategy.tensor_parallel=2 is not built yet"),
     # Hugging Face models (the launching process's preflight reads their config and builds them on
@@ -266,6 +309,9 @@ def test_what_is_not_built_yet_is_refused_with_one_line():
     # its model's) pass; a CPU refuses float8 before this check, a GPU with float8 reaches it.
     check_tensor_parallel_support(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name="hf")))
     check_tensor_parallel_support(dataclasses.replace(cfg, task=TaskConfig(path="my_tasks:Regression")))
+    # micro_batch_size=auto: the planner counts tp (tests/test_batch_size.py).
+    check_tensor_parallel_support(dataclasses.replace(
+        cfg, trainer=dataclasses.replace(cfg.trainer, micro_batch_size="auto", global_batch_size=4)))
     with pytest.raises(ConfigError, match="strategy.float8=true with strategy.tensor_parallel=2 is not"):
         check_tensor_parallel_support(
             dataclasses.replace(cfg, strategy=dataclasses.replace(cfg.strategy, float8=True)))

@@ -264,7 +264,6 @@ def check_tensor_parallel_support(cfg: Config) -> None:
                           "does not take vocabulary-sharded logits; with strategy.tensor_parallel > 1 "
                           "set trainer.loss_chunk_tokens=0 or auto (the loss runs on the sharded logits)")
     not_yet = {"strategy.float8=true": cfg.strategy.float8,
-               "trainer.micro_batch_size=auto": cfg.trainer.micro_batch_size == "auto",
                f"finetune.method={cfg.finetune.method}": cfg.finetune.method != "none"}
     for setting, asked in not_yet.items():
         if asked:

@@ -391,9 +391,11 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
 
     Recomputation costs a fixed share of every step's compute (a third more FLOPs for full
     checkpointing), a smaller micro-batch only per-micro-batch overheads: hence checkpointing is
-    the first thing to save, the micro-batch the second."""
+    the first thing to save, the micro-batch the second. Under tensor parallelism the ranks of a
+    ``tp`` group share their micro-batches: a data-parallel rank's share is the global batch over
+    ``world_size / tensor_parallel``."""
     t = cfg.trainer
-    per_rank = accumulation_steps(t.global_batch_size, 1, world_size)
+    per_rank = accumulation_steps(t.global_batch_size, 1, world_size // cfg.strategy.tensor_parallel)
     budget = int(limit * (1 - t.memory_margin)) - held
     sizes = [n for n in range(per_rank, 0, -1) if per_rank % n == 0]
     rejected: list[tuple[int, str, int]] = []

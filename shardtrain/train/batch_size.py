@@ -38,11 +38,14 @@ def resolve_batch(cfg: Config, env: DistEnv, task: Task) -> BatchChoice | None:
     t = cfg.trainer
     if t.micro_batch_size != "auto":
         if t.global_batch_size:
-            steps = accumulation_steps(t.global_batch_size, t.micro_batch_size, env.world_size)
+            # The ranks of a tensor-parallel group are one data-parallel rank (they share batches).
+            data_parallel = env.world_size // cfg.strategy.tensor_parallel
+            steps = accumulation_steps(t.global_batch_size, t.micro_batch_size, data_parallel)
             if t.grad_accum_steps not in (1, steps):
                 raise ConfigError(f"trainer.grad_accum_steps={t.grad_accum_steps} contradicts trainer."
                                   f"global_batch_size={t.global_batch_size} ({steps} micro-batches of "
-                                  f"{t.micro_batch_size} on {env.world_size} ranks); set one of them")
+                                  f"{t.micro_batch_size} on {data_parallel} data-parallel ranks); set one "
+                                  "of them")
             cfg.trainer = replace(t, grad_accum_steps=steps)
         return None
     if not isinstance(task, LanguageModelTask) or task.model_factory is not None:
