@@ -12,11 +12,11 @@ from torch.distributed.tensor import DTensor
 
 from shardtrain.accelerator import phase_peak_bytes, reset_phase_peak
 from shardtrain.config.plan import dtype_name
+from shardtrain.models.lora import stored_bytes
 
 
 def local_bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if isinstance(t, DTensor) else t
-    return local.numel() * local.element_size()
+    return stored_bytes(t.to_local() if isinstance(t, DTensor) else t)
 
 
 @dataclass
