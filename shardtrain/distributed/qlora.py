@@ -51,7 +51,11 @@ def nf4_package() -> Any:
     """torchao's quantisation package, imported only by ``finetune=qlora`` runs, through importlib
     on purpose (as ``peft_package``): torchao costs every other run's start-up seconds and logs
     lines about its CUDA kernels on a CPU machine."""
-    return importlib.import_module("torchao.quantization")
+    try:
+        return importlib.import_module("torchao.quantization")
+    except ImportError:
+        raise ConfigError("finetune.method=qlora needs torchao (its NF4 tensor): "
+                          "pip install 'shardtrain[qlora]'") from None
 
 
 def quantized_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
