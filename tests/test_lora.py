@@ -236,8 +236,9 @@ def test_finetune_config_and_qlora_refusals():
                                           r"of whole NF4 blocks") as caught:
         check_quantizable(model, 1)
     assert "\n" not in str(caught.value) and "finetune.method=lora" in str(caught.value)
-    to_nf4_before_sharding(model[:1])  # a model built whole: quantised at once
+    kept = to_nf4_before_sharding(model[:1], shards=1)  # built whole: quantised at once, kept from FSDP
     base = model[0].base_layer
+    assert kept == {base.weight}
     assert isinstance(base.weight, NF4Tensor) and base.bias.dtype == torch.float32
     with pytest.raises(ConfigError, match="not the DCP checkpoint /runs/x/step-9; `shardtrain consolidate`"):
         with_adapters(nn.Linear, compose_config(["finetune=qlora", "model.init_from=/runs/x/step-9"]), None)

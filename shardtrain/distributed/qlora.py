@@ -87,13 +87,22 @@ def check_quantizable(model: nn.Module, shards: int) -> None:
                 f"HYBRID_SHARD with a smaller strategy.shard_group_size)")
 
 
-def to_nf4_before_sharding(model: nn.Module) -> None:
+def to_nf4_before_sharding(model: nn.Module, shards: int) -> set[nn.Parameter]:
     """``parallelize``'s last step before ``fully_shard``: each quantised weight as an NF4 tensor, on
-    meta (its layout; ``stand_in_for_nf4`` follows) or of its values, quantised whole."""
+    meta (its layout; ``stand_in_for_nf4`` follows) or of its values, quantised whole. Returns the
+    parameters FSDP must leave alone: with one rank per shard group there is nothing to shard, and
+    FSDP2 copies a parameter whose tensor brings its own all-gather as if it were a plain one (torch
+    2.13's world-size-1 path), so there the weights stay whole, outside FSDP (plain until the base
+    is in place, on meta)."""
     to_nf4 = nf4_package().to_nf4
+    kept = set()
     for _, module in quantized_linears(model):
         weight = module.weight.detach().contiguous()
-        module.weight = nn.Parameter(to_nf4(weight, NF4_BLOCK, NF4_SCALER_BLOCK), requires_grad=False)
+        if shards > 1 or weight.device.type != "meta":
+            module.weight = nn.Parameter(to_nf4(weight, NF4_BLOCK, NF4_SCALER_BLOCK), requires_grad=False)
+        if shards == 1:
+            kept.add(module.weight)
+    return kept
 
 
 def stand_in_for_nf4(model: nn.Module) -> None:
@@ -101,10 +110,11 @@ def stand_in_for_nf4(model: nn.Module) -> None:
     stand-in must come after it): each NF4 weight's place taken by a plain sharded tensor of its
     dtype and layout, which the build's draw and the weight readers fill as any other parameter;
     the NF4 parameters wait in ``model.nf4_pending`` for ``quantize_base``."""
-    pending = {}
+    pending: dict[str, nn.Parameter | None] = {}
     for name, module in quantized_linears(model):
         param = module.weight
-        if not is_nf4(param):
+        if not is_nf4(param):  # outside FSDP, whole (one rank per shard group): quantised in place later
+            pending[name] = None
             continue
         shard = local_tensor(param)
         local = torch.empty(shard.shape, dtype=param.dtype, device=shard.device)
@@ -140,6 +150,9 @@ def quantize_base(model: nn.Module) -> None:
     pending = model.__dict__.pop("nf4_pending", {})
     for name, nf4_param in pending.items():
         module = model.get_submodule(name)
+        if nf4_param is None:
+            module.weight = to_nf4_shard(module.weight)
+            continue
         torch.utils.swap_tensors(nf4_param, to_nf4_shard(module.weight))
         module.weight = nf4_param
 

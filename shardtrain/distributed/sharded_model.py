@@ -268,13 +268,14 @@ def refuse_with_qlora(cfg: Config) -> None:
                           f".safetensors file, not the DCP checkpoint {source}; `shardtrain consolidate` it")
 
 
-def nf4_conversion(model: nn.Module, cfg: Config, plan: ShardingPlan) -> Callable[[nn.Module], None] | None:
+def nf4_conversion(model: nn.Module, cfg: Config,
+                   plan: ShardingPlan) -> Callable[[nn.Module], set[nn.Parameter]] | None:
     """``finetune.method=qlora``: the base's linear weights to NF4 as FSDP shards them, after a check
     that their shards hold whole NF4 blocks (before minutes of reading weights)."""
     if cfg.finetune.method != "qlora":
         return None
     check_quantizable(model, plan.shard_group)
-    return to_nf4_before_sharding
+    return partial(to_nf4_before_sharding, shards=plan.shard_group)
 
 
 def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: DeviceMesh,
