@@ -14,6 +14,8 @@ e2e (only with ``--only e2e``, about 10 minutes; needs ``pip install -e '.[bench
 ``shardtrain train`` as users run it, against benchmarks/e2e_programs.py's hand-written FSDP2 loop
 and Lightning's ModelParallelStrategy, alternating in rounds, whole iterations by wall clock.
 profile (only with ``--only profile``): benchmarks/profile_step.py, both loops under torch.profiler.
+qlora (only with ``--only qlora``, needs one CUDA GPU): benchmarks/qlora_bench.py, the 1.1B Llama
+under finetune=lora and finetune=qlora: bytes of the base, peak memory, tokens/s.
 gpu (only with ``--only gpu``, needs one CUDA GPU, about 6 minutes on an H100):
 benchmarks/gpu_worker.py, a 1.1B Llama at sequence 2,048, bf16-mixed, shardtrain vs a hand-written
 FSDP2 loop with and without compile and activation checkpointing, then functional checks (CPU
@@ -659,6 +661,28 @@ def gpu_results(variants: list[str], with_checks: bool) -> dict:
 
 
 FLOAT8_BEGIN, FLOAT8_END = "<!-- float8:begin -->", "<!-- float8:end -->"
+QLORA_BEGIN, QLORA_END = "<!-- qlora:begin -->", "<!-- qlora:end -->"
+
+
+def qlora_section(command: str, results: list[dict]) -> str:
+    """docs/benchmarks.md's QLoRA section from benchmarks/qlora_bench.py's lora and qlora results."""
+    first = results[0]
+    rows = "\n".join(
+        f"| `finetune={r['variant']}` | {r['base_linear_mib']:,.0f} MiB | {r['params_mib']:,.0f} MiB | "
+        f"{r['grads_mib'] + r['optimizer_mib']:,.0f} MiB | {r['peak_mib']:,.0f} MiB | {r['tokens_per_s']:,.0f} | "
+        f"{r['losses'][-1]:.3f} |" for r in results)
+    return f"""## QLoRA against LoRA (GPU)
+
+`{first['model']}` on one {first['device']} (torch {first['torch']}), bf16-mixed (fp32 storage),
+{first['micro_batch']} x {first['seq_len']} tokens per step, rank 16 on the attention and MLP
+projections; the peak is the allocator's over steady-state steps.
+
+| | base linear weights | all parameters | adapters' grads + Adam | peak | tokens/s | last loss |
+| --- | --- | --- | --- | --- | --- | --- |
+{rows}
+
+`{command}`
+"""
 
 
 def float8_section(command: str, result: dict) -> str:
@@ -1354,7 +1378,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["training", "checkpoint", "generation", "generation-modes",
                                            "init", "scaling", "soak", "gpu", "e2e", "profile", "hf",
                                            "data", "task", "checksum", "cli", "report", "loss", "ac", "lora",
-                                           "float8", "ablation", "tp"],
+                                           "float8", "ablation", "tp", "qlora"],
                         default=None)
     parser.add_argument("--rounds", type=int, default=3, help="--only e2e, loss, ac, ablation, tp: alternating rounds")
     parser.add_argument("--gpu-variants", nargs="+", choices=list(GPU_VARIANT_NAMES),
@@ -1433,6 +1457,14 @@ def main() -> None:
             args.json_out.write_text(json.dumps(result, indent=1))
         write_section(FLOAT8_BEGIN, FLOAT8_END, float8_section(
             f"python benchmarks/run.py --only float8 --train-steps {args.train_steps}", result))
+    if args.only == "qlora":
+        if not torch.cuda.is_available():
+            raise SystemExit("--only qlora needs a CUDA GPU (NF4 runs on a CPU, dequantising every weight "
+                             "in each matmul, but its timings there say nothing)")
+        results = [run_torchrun(1, "qlora_bench.py", [variant]) for variant in ("lora", "qlora")]
+        if args.json_out is not None:
+            args.json_out.write_text(json.dumps(results, indent=1))
+        write_section(QLORA_BEGIN, QLORA_END, qlora_section("python benchmarks/run.py --only qlora", results))
     if args.only == "report":
         write_section(REPORT_BEGIN, REPORT_END, report_section("python benchmarks/run.py --only report"))
     if args.only == "soak":

@@ -19,20 +19,30 @@ from equivalence import case_config, hand_written_loop, small_corpus
 from hf_workers import hf_case_config, hf_corpus
 from peft import LoraConfig, PeftModel, get_peft_model
 from task_workers import N, make_task, task_config  # puts examples/tasks on sys.path
+from torch import nn
+from torchao.quantization import NF4Tensor, to_nf4
 
 # isort: split
 from reference import reference_model, reference_run
 
 from shardtrain.config.schema import Config, FinetuneConfig
-from shardtrain.diagnostics.memory import local_bytes
+from shardtrain.diagnostics.memory import state_bytes
 from shardtrain.diagnostics.rails import check_optimizer
+from shardtrain.distributed.parallelize import reshard_all
+from shardtrain.distributed.qlora import NF4_BLOCK, NF4_SCALER_BLOCK, is_nf4, quantized_linears
 from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.errors import CheckpointError, ModelError
 from shardtrain.models.hf import PREFIX, HFCausalLM
 from shardtrain.models.llama import Llama
-from shardtrain.models.lora import AdapterInitializer, adapter_targets, lora_config
+from shardtrain.models.lora import AdapterInitializer, adapter_targets, local_bytes, lora_config
+from shardtrain.tasks.language_model import LanguageModelTask
 
 LORA = FinetuneConfig(method="lora", rank=4, alpha=8.0)
+QLORA = dataclasses.replace(LORA, method="qlora")
+# A Llama whose linear weights split into whole NF4 blocks (64 x 256 elements) at 2 ranks.
+NF4_SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_hidden_layers=2)
+# The NF4 tensor's inner tensors that FSDP shards and all-gathers, and its mean (every rank's same).
+NF4_INNER = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
 # The example vision transformer's projections (its patch embedding's "proj" is a Conv2d).
 VIT_TARGETS = ("attn.qkv", "attn.proj", "fc1", "fc2")
 # PEFT's names for our parameters: get_peft_model wraps the transformers model twice over.
@@ -49,10 +59,14 @@ def lora_case_config(model_dir: str, world_size: int, run_dir: str, **case) -> C
 
 
 def train_case(cfg: Config, corpus=None, task=None) -> dict:
-    from shardtrain.tasks.language_model import LanguageModelTask
     from shardtrain.train.loop import Trainer
 
-    trainer = Trainer.create(cfg, task=task if task is not None else LanguageModelTask(corpus=corpus))
+    task = task if task is not None else LanguageModelTask(corpus=corpus)
+    return train_trained(Trainer.create(cfg, task=task))
+
+
+def train_trained(trainer) -> dict:
+    """Train a created trainer; what the cases check of it."""
     trainable = sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)
     try:  # an optimizer over every parameter holds the frozen base too: refused
         check_optimizer(torch.optim.AdamW(trainer.model.parameters()), trainer.model)
@@ -69,13 +83,15 @@ def train_case(cfg: Config, corpus=None, task=None) -> dict:
             "checkpointed": len(trainer.built.report.checkpointed), "frozen_bytes": frozen_bytes}
 
 
-def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, adapter_dir: str, out_dir: str) -> None:
+def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, adapter_dir: str, nf4_dir: str,
+                   out_dir: str) -> None:
     """A tiny HF Llama FULL_SHARD with a checkpoint at step 3, HYBRID_SHARD, a resume from step 3, and a
     resume onto another base (refused); a tied-embedding Qwen2; the built-in Llama; a task's model;
-    adapters started from a PEFT adapter directory (model.adapter, which sets the targets)."""
+    adapters started from a PEFT adapter directory (model.adapter, which sets the targets); QLoRA on a
+    Llama of NF4-sized weights, its resume, and its base's bytes under LoRA."""
     world_size = int(os.environ["WORLD_SIZE"])
+    results = run_qlora_cases(nf4_dir, world_size, out_dir)
     corpus = hf_corpus(model_dir)
-    results = {}
     first = str(Path(out_dir, "full_shard"))
     cfg = lora_case_config(model_dir, world_size, first, checkpoint=True)
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, interval=3)
@@ -144,18 +160,93 @@ def run_lora_cases_at_4(model_dir: str, tied_dir: str, step3: str, out_dir: str)
         torch.save(results, Path(out_dir, "results.pt"))
 
 
-def peft_model_of(model_dir: str):
-    """The transformers model with PEFT's adapters on the targets shardtrain picks for it."""
+def nf4_state(model) -> dict[str, dict]:
+    """Each NF4 weight's sharded local tensor, by our name: its class, and its inner tensors as
+    this rank holds them (4-bit data, int8 scales, their fp32 factors and mean)."""
+    state = {}
+    for name, param in model.named_parameters():
+        local = param.to_local()
+        if is_nf4(param):
+            state[name] = {"class": type(local).__name__, "dtype": local.quantized_data.dtype,
+                           "bytes": local_bytes(param), "fp32_bytes": local.numel() * 4,
+                           **{attr: getattr(local, attr).clone() for attr in NF4_INNER}}
+    return state
+
+
+def gathered_nf4(model) -> dict[str, dict]:
+    """``nf4_state`` of every rank, rank by rank (a collective)."""
+    ranks = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(ranks, nf4_state(model))
+    return {name: [rank[name] for rank in ranks] for name in ranks[0]}
+
+
+def unsharded_weight_types(model) -> dict[str, str]:
+    """The class of each quantised linear's weight while its FSDP unit runs forward (all-gathered)."""
+    seen = {}
+
+    def record(name: str, module: nn.Module) -> None:
+        weight = module.weight
+        seen[name] = (type(weight).__name__, getattr(weight, "quantized_data", weight).dtype)
+
+    handles = [module.register_forward_pre_hook(lambda m, _, name=name: record(name, m))
+               for name, module in quantized_linears(model)]
+    with torch.no_grad():
+        model(torch.zeros(1, 4, dtype=torch.long))
+    reshard_all(model)
+    for handle in handles:
+        handle.remove()
+    return seen
+
+
+def run_qlora_cases(nf4_dir: str, world_size: int, out_dir: str) -> dict:
+    """finetune=qlora FULL_SHARD with a checkpoint at step 3 (the NF4 shards recorded before and after
+    training, and the class of the weights FSDP all-gathers); its resume from step 3; the same
+    model's base under finetune=lora, for its bytes."""
+    from shardtrain.train.loop import Trainer
+
+    corpus = hf_corpus(nf4_dir)
+    results = {}
+    cfg = lora_case_config(nf4_dir, world_size, str(Path(out_dir, "qlora")), checkpoint=True)
+    cfg.finetune = dataclasses.replace(QLORA)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, interval=3)
+    trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=corpus))
+    before = gathered_nf4(trainer.model)
+    gathered_types = unsharded_weight_types(trainer.model)
+    results["qlora"] = train_trained(trainer)
+    results["qlora"].update(nf4_before=before, nf4_after=gathered_nf4(trainer.model),
+                            gathered_types=gathered_types, state_bytes=state_bytes(trainer.model, None))
+    resumed = lora_case_config(nf4_dir, world_size, str(Path(out_dir, "qlora_resumed")),
+                               resume=str(Path(out_dir, "qlora", "checkpoints", "step-3")))
+    resumed.finetune = dataclasses.replace(QLORA)
+    results["qlora_resumed"] = train_case(resumed, corpus)
+    as_lora = Trainer.create(lora_case_config(nf4_dir, world_size, str(Path(out_dir, "qlora_as_lora"))),
+                             task=LanguageModelTask(corpus=corpus))
+    quantized = set(results["qlora"]["nf4_after"])
+    results["qlora_as_lora"] = {"base_bytes": sum(local_bytes(p) for n, p in as_lora.model.named_parameters()
+                                                  if n in quantized),
+                                "state_bytes": state_bytes(as_lora.model, None)}
+    return results
+
+
+def peft_model_of(model_dir: str, nf4: bool = False):
+    """The transformers model with PEFT's adapters on the targets shardtrain picks for it; ``nf4``:
+    every linear weight but the head's first quantised whole by torchao's ``to_nf4`` (QLoRA's base)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                               attn_implementation="sdpa")
     modules = adapter_targets(model, LORA.targets)
+    if nf4:
+        for module in model.modules():
+            if type(module) is nn.Linear and module is not model.get_output_embeddings():
+                module.weight = nn.Parameter(to_nf4(module.weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK),
+                                             requires_grad=False)
     return get_peft_model(model, lora_config(LORA, modules))
 
 
-def lora_reference(model_dir: str) -> dict:
-    """One process, no sharding: PEFT's model from the same initial adapters, hand-written loop."""
+def lora_reference(model_dir: str, nf4: bool = False) -> dict:
+    """One process, no sharding: PEFT's model from the same initial adapters, hand-written loop;
+    ``nf4``: on the NF4 base (the weights returned dequantised, and the NF4 tensors under "nf4")."""
     cfg = hf_case_config(model_dir, 1, "unused")
-    model = peft_model_of(model_dir)
+    model = peft_model_of(model_dir, nf4)
     initializer = AdapterInitializer(None, model)
     # The adapters are drawn as the sharded build draws them for model.name=hf.
     initializer.init_parameter_elementwise = HFCausalLM.init_parameter_elementwise
@@ -166,8 +257,12 @@ def lora_reference(model_dir: str) -> dict:
                 init_full_parameter(initializer, ours(name), param, cfg.trainer.seed)
     losses, norms = hand_written_loop(model, cfg, hf_corpus(model_dir).train,
                                       lambda x: model(input_ids=x).logits)
-    weights = {ours(n): p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "grad_norms": norms, "weights": weights}
+    # .to(fp32) dequantises an NF4 weight (.float() keeps an fp32 one NF4, and its clone() quantises
+    # it again)
+    weights = {ours(n): p.detach().to(torch.float32).clone() for n, p in model.named_parameters()}
+    quantized = {ours(n): {attr: getattr(p, attr) for attr in NF4_INNER}
+                 for n, p in model.named_parameters() if isinstance(p, NF4Tensor)}
+    return {"losses": losses, "grad_norms": norms, "weights": weights, "nf4": quantized}
 
 
 def ours(peft_name: str, prefix: str = PREFIX) -> str:

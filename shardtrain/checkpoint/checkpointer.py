@@ -163,7 +163,7 @@ class Checkpointer:
         # finetune=lora: only the adapters (the trainable parameters) and their optimizer state are
         # saved; the frozen base is read again from where it came from, which this identifies.
         self.adapters_only = cfg.finetune.method != "none"
-        self.base = base_identity(cfg.model, cfg.trainer.seed) if self.adapters_only else None
+        self.base = base_identity(cfg.model, cfg.trainer.seed, cfg.finetune) if self.adapters_only else None
 
     # ---- finding what to resume ----------------------------------------------------------
 

@@ -29,7 +29,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from shardtrain.checkpoint import layout
 from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY, file_metadata, weight_files
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
-from shardtrain.config.schema import ModelConfig
+from shardtrain.config.schema import FinetuneConfig, ModelConfig
+from shardtrain.distributed.qlora import NF4_DESCRIPTION
 from shardtrain.distributed.sharded_model import first_row, shard_like
 from shardtrain.errors import CheckpointError
 from shardtrain.models.hf import CONFIG_FILE as HF_CONFIG_FILE
@@ -337,18 +338,21 @@ def source_files(source: str) -> list[Path]:
                                                                   or p.name == layout.METADATA_FILE))
 
 
-def base_identity(model_cfg: ModelConfig, seed: int) -> dict[str, Any]:
+def base_identity(model_cfg: ModelConfig, seed: int,
+                  finetune: FinetuneConfig | None = None) -> dict[str, Any]:
     """What a LoRA checkpoint's adapters were trained on: the base weights' source with a fingerprint
-    of its files, or the seed of a random base."""
+    of its files, or the seed of a random base; under QLoRA also how the base was quantised."""
+    qlora = finetune is not None and finetune.method == "qlora"
+    quantized = {"quantization": NF4_DESCRIPTION} if qlora else {}
     source = model_cfg.weights_source()
     if source is None:
-        return {"source": "random", "seed": seed}
+        return {"source": "random", "seed": seed, **quantized}
     files = source_files(source)
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.name.encode() + file_fingerprint(file).encode())
     return {"source": str(Path(source.removeprefix(HF_PREFIX)).expanduser().resolve()),
-            "fingerprint": digest.hexdigest()}
+            "fingerprint": digest.hexdigest(), **quantized}
 
 
 def check_same_base(path: Path, saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
@@ -360,3 +364,7 @@ def check_same_base(path: Path, saved: dict[str, Any] | None, current: dict[str,
         raise CheckpointError(f"checkpoint {str(path)!r} was trained on base {saved['source']} "
                               f"({saved.get('fingerprint', saved.get('seed'))}), not on this run's "
                               f"{current['source']}: resume it on the base it was trained on")
+    trained, now = saved.get("quantization", "none"), current.get("quantization", "none")
+    if trained != now:  # QLoRA adapters learnt the quantised base's errors: not the same base
+        raise CheckpointError(f"checkpoint {str(path)!r} was trained on the base quantised as {trained}, "
+                              f"not {now}: resume it with the finetune.method it was trained with")

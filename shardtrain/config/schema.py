@@ -260,7 +260,7 @@ class FinetuneConfig:
     """Parameter-efficient fine-tuning: low-rank adapters (LoRA, injected by PEFT) train in fp32 on
     a frozen base; checkpoints hold the adapters only (docs/finetuning.md)."""
 
-    # none: every parameter trains | lora | qlora (the frozen base in 4-bit NF4: not yet built, refused)
+    # none: every parameter trains | lora | qlora (LoRA on a base whose linear weights are 4-bit NF4)
     method: str = knob("none", one_of=FINETUNE_METHODS)
     rank: int = knob(16, at_least=1)  # the adapters' rank r
     alpha: float = knob(32.0, above=0)  # the update is scaled by alpha / rank

@@ -8,17 +8,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from shardtrain.accelerator import phase_peak_bytes, reset_phase_peak
 from shardtrain.config.plan import dtype_name
 from shardtrain.config.schema import FinetuneConfig
-from shardtrain.models.lora import adapter_modules
-
-
-def local_bytes(t: torch.Tensor) -> int:
-    local = t.to_local() if isinstance(t, DTensor) else t
-    return local.numel() * local.element_size()
+from shardtrain.models.lora import adapter_modules, local_bytes
 
 
 @dataclass

@@ -107,9 +107,12 @@ TensorPlan = Callable[[nn.Module, DeviceMesh, bool], None]
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
-                wrap_policy: Sequence[str | type], tensor_plan: TensorPlan | None = None) -> ShardingReport:
+                wrap_policy: Sequence[str | type], tensor_plan: TensorPlan | None = None,
+                before_sharding: Callable[[nn.Module], set[nn.Parameter]] | None = None) -> ShardingReport:
     """Shard ``model`` in place, bottom-up: every matched block, the model's extra groups, the root.
-    ``tensor_plan``: the task's tensor-parallel plan, used instead of the model's own."""
+    ``tensor_plan``: the task's tensor-parallel plan, used instead of the model's own.
+    ``before_sharding``: a conversion of the model's parameters in their storage dtype that FSDP must
+    see when it shards them (QLoRA's NF4 base); it returns the parameters FSDP must leave alone."""
     check_single_registration(model)
     wrap = resolve_wrap_classes(model, wrap_policy)
     names = {m: n for n, m in model.named_modules()}
@@ -156,6 +159,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
                               "the model (it loads torchao; shardtrain train does it for you)")
         # Before fully_shard: FSDP2 then gathers the converted weights in float8.
         report.float8_linears = float8_conversions[-1](model)
+    if before_sharding is not None and (ignored := before_sharding(model)):
+        common["ignored_params"] = ignored
     for index, (name, block) in enumerate(blocks):
         if plan.checkpointed(index):
             enable_activation_checkpointing(block, selective=plan.activation_checkpointing == "selective")

@@ -45,6 +45,7 @@ from shardtrain.config.plan import DTYPES, ShardingPlan, dtype_name
 from shardtrain.config.schema import Config
 from shardtrain.distributed.env import DistEnv
 from shardtrain.distributed.parallelize import ShardingReport, TensorPlan, parallelize, sum_gradients
+from shardtrain.distributed.qlora import check_quantizable, stand_in_for_nf4, to_nf4_before_sharding
 from shardtrain.errors import ConfigError, ModelError
 from shardtrain.models.lora import AdapterInitializer, add_adapters, base_name, is_adapter, store_base_in
 
@@ -246,16 +247,40 @@ def with_adapters(factory: ModelFactory, cfg: Config, device: torch.device) -> M
     if method == "none":
         return factory
     if method == "qlora":
-        if device.type == "cpu":
-            raise ConfigError("finetune.method=qlora does not run on a CPU (torchao's NF4 base dequantises "
-                              "every weight in each matmul there, far too slowly to train); use "
-                              "finetune.method=lora")
-        raise ConfigError("finetune.method=qlora is not built yet (the NF4 base under FSDP2, "
-                          "docs/finetuning.md); use finetune.method=lora")
+        refuse_with_qlora(cfg)
     if cfg.finetune.base_dtype != "fp32":
         base_dtype = DTYPES[cfg.finetune.base_dtype]
         return lambda: store_base_in(add_adapters(factory(), cfg.finetune), base_dtype)
     return lambda: add_adapters(factory(), cfg.finetune)
+
+
+def refuse_with_qlora(cfg: Config) -> None:
+    """What ``finetune.method=qlora``'s NF4 base does not combine with, in one line."""
+    not_with = {"strategy.float8=true (it converts the same linear layers)": cfg.strategy.float8,
+                "strategy.compile=true (not tested with the NF4 base yet)": cfg.strategy.compile,
+                "strategy.cpu_offload=true (not tested with the NF4 base yet)": cfg.strategy.cpu_offload,
+                "finetune.base_dtype=bf16 (not tested with the NF4 base yet)":
+                    cfg.finetune.base_dtype != "fp32"}
+    for setting, asked in not_with.items():
+        if asked:
+            raise ConfigError(f"finetune.method=qlora does not combine with {setting}; use one or the other")
+    source = cfg.model.weights_source()
+    dcp_checkpoint = source and source != cfg.model.path and not source.startswith("hf:")
+    if dcp_checkpoint and not source.endswith(".safetensors"):
+        # DCP's reader assigns state dicts, which makes FSDP re-read the parameters before the NF4
+        # base is in place
+        raise ConfigError(f"finetune.method=qlora reads its base from a Hugging Face directory or a "
+                          f".safetensors file, not the DCP checkpoint {source}; `shardtrain consolidate` it")
+
+
+def nf4_conversion(model: nn.Module, cfg: Config,
+                   plan: ShardingPlan) -> Callable[[nn.Module], set[nn.Parameter]] | None:
+    """``finetune.method=qlora``: the base's linear weights to NF4 as FSDP shards them, after a check
+    that their shards hold whole NF4 blocks (before minutes of reading weights)."""
+    if cfg.finetune.method != "qlora":
+        return None
+    check_quantizable(model, plan.shard_group)
+    return partial(to_nf4_before_sharding, shards=plan.shard_group)
 
 
 def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: DeviceMesh,
@@ -278,7 +303,7 @@ def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: Dev
     if initializer is not None and cfg.finetune.method != "none":
         initializer = AdapterInitializer(initializer, model)
     if initializer is not None:
-        report = parallelize(model, mesh, plan, policy, tensor_plan)
+        report = parallelize(model, mesh, plan, policy, tensor_plan, nf4_conversion(model, cfg, plan))
         # Weights that will be read (model.init_from, a Hugging Face model's own) need no drawing:
         # at 0.5B parameters that is most of the start-up.
         initialize = cfg.model.weights_source() is None
@@ -290,8 +315,13 @@ def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: Dev
             deferred.pending.append(partial(initialize_parameters, model, cfg.trainer.seed, initializer,
                                             select))
             initialize = False
+        qlora = cfg.finetune.method == "qlora"
         materialize(model, env.device, cfg.trainer.seed, plan.cpu_offload,
-                    initialize=initialize, initializer=initializer, select=select)
+                    initialize=initialize and not qlora, initializer=initializer, select=select)
+        if qlora:  # the base is drawn or read into plain stand-ins, then quantised (distributed/qlora.py)
+            stand_in_for_nf4(model)
+            if initialize:
+                initialize_parameters(model, cfg.trainer.seed, initializer, select)
     else:
         # Without a per-parameter initialiser there is no way to initialise shards independently
         # of the world size, so build the full model once on CPU (same seed on every rank).
@@ -302,7 +332,7 @@ def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: Dev
         )
         torch.manual_seed(cfg.trainer.seed)
         model = factory()
-        report = parallelize(model, mesh, plan, policy, tensor_plan)
+        report = parallelize(model, mesh, plan, policy, tensor_plan, nf4_conversion(model, cfg, plan))
         if plan.cpu_offload:
             move_buffers(model, env.device)
         else:

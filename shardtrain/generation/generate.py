@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from shardtrain.accelerator import free_memory_bytes
 from shardtrain.config.sizes import human_bytes
 from shardtrain.distributed.parallelize import reshard_all
+from shardtrain.distributed.qlora import full_value
 from shardtrain.errors import GenerationError
 
 GENERATION_MODES = ("auto", "gathered", "sharded")
@@ -108,7 +108,7 @@ def gathered_copy(model: nn.Module, factory: Callable[[], nn.Module], device: to
             owner, _, attr = name.rpartition(".")
             setattr(plain.get_submodule(owner), attr, tied)
     for name, param in model.named_parameters():
-        full = param.full_tensor() if isinstance(param, DTensor) else param
+        full = full_value(param)  # QLoRA's NF4 base dequantised
         plain.get_parameter(name).copy_(full)
         del full
     for name, buffer in model.named_buffers():

@@ -155,6 +155,21 @@ def store_base_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
+def local_bytes(param: torch.Tensor) -> int:
+    """Bytes of ``param`` this rank holds (its shard, for a sharded DTensor)."""
+    local = param.to_local() if hasattr(param, "to_local") else param
+    return stored_bytes(local)
+
+
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """Bytes ``tensor`` stores: for a tensor subclass such as QLoRA's NF4 weights, its inner tensors'
+    (4-bit data and scales), not its elements times the dtype it presents."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(stored_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
+
+
 @torch.no_grad()
 def round_base_to(model: nn.Module, dtype: torch.dtype) -> None:
     """Round every frozen parameter of ``model`` (sharded or not) to ``dtype`` in place, keeping its

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 from shardtrain import faults
 from shardtrain.accelerator import (
@@ -48,6 +47,7 @@ from shardtrain.distributed.env import (
     init_distributed,
     set_cpu_threads,
 )
+from shardtrain.distributed.qlora import full_value, nf4_summary, quantize_base
 from shardtrain.distributed.sharded_model import deferred_initialization
 from shardtrain.errors import TrainingError
 from shardtrain.generation.generate import gathered_copy, generate, generation_mode
@@ -206,6 +206,9 @@ class Trainer:
             self.info(f"initialised weights from {source}")
         if source is None or self.cfg.finetune.method != "none":
             draw()  # with a base read from files, only the adapters are still to be drawn
+        if self.cfg.finetune.method == "qlora":  # the base is in place: quantise it, weight by weight
+            quantize_base(self.model)
+            self.info(nf4_summary(self.model, self.env.device))
 
     def beat_save(self, phase: str) -> None:
         """Saves get their own bound: a large synchronous save may take far longer than a step, and
@@ -229,7 +232,7 @@ class Trainer:
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered in full (a collective; for tests and small models only)."""
         return {
-            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().float()
+            name: full_value(p).detach().cpu().float()
             for name, p in self.model.named_parameters()
         }
 
