@@ -58,6 +58,10 @@ def lora_case_config(model_dir: str, world_size: int, run_dir: str, **case) -> C
     return cfg
 
 
+# Tokens of the sample drawn at the end of a LoRA and a QLoRA run (from a gathered copy with adapters).
+SAMPLE_TOKENS = 6
+
+
 def train_case(cfg: Config, corpus=None, task=None) -> dict:
     from shardtrain.train.loop import Trainer
 
@@ -80,7 +84,8 @@ def train_trained(trainer) -> dict:
     return {"losses": result.losses, "grad_norms": result.grad_norms, "weights": weights,
             "trainable": trainable, "optimizer_holds": len(held), "main": trainer.env.is_main,
             "everything_refusal": everything_refusal,
-            "checkpointed": len(trainer.built.report.checkpointed), "frozen_bytes": frozen_bytes}
+            "checkpointed": len(trainer.built.report.checkpointed), "frozen_bytes": frozen_bytes,
+            "sample": result.sample}
 
 
 def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, adapter_dir: str, nf4_dir: str,
@@ -102,6 +107,7 @@ def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, adapter_dir: 
     builtin = case_config(world_size, str(Path(out_dir, "builtin")))
     builtin.finetune = dataclasses.replace(LORA)
     builtin.checkpoint = dataclasses.replace(builtin.checkpoint, enabled=True, interval=0)
+    builtin.trainer = dataclasses.replace(builtin.trainer, sample_tokens=SAMPLE_TOKENS)  # the end's sample
     results["builtin"] = train_case(builtin, small_corpus())
     results["qwen2"] = train_case(lora_case_config(tied_dir, world_size, str(Path(out_dir, "qwen2")),
                                                    checkpoint=True), hf_corpus(tied_dir))
@@ -209,6 +215,7 @@ def run_qlora_cases(nf4_dir: str, world_size: int, out_dir: str) -> dict:
     cfg = lora_case_config(nf4_dir, world_size, str(Path(out_dir, "qlora")), checkpoint=True)
     cfg.finetune = dataclasses.replace(QLORA)
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, interval=3)
+    cfg.trainer = dataclasses.replace(cfg.trainer, sample_tokens=SAMPLE_TOKENS)  # from the dequantised base
     trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=corpus))
     before = gathered_nf4(trainer.model)
     gathered_types = unsharded_weight_types(trainer.model)

@@ -49,6 +49,7 @@ from shardtrain.checkpoint.weights import model_config_of
 from shardtrain.cli.main import main
 from shardtrain.config.compose import compose_config
 from shardtrain.config.plan import resolve_plan
+from shardtrain.config.schema import Config
 from shardtrain.distributed.env import DistEnv
 from shardtrain.distributed.qlora import (
     NF4_GRAIN,
@@ -155,6 +156,16 @@ def test_lora_base_weights_untouched(lora_runs, model_dirs):
     assert base.keys() == {PREFIX + n for n in stored}
     for name, tensor in stored.items():
         assert torch.equal(base[PREFIX + name], tensor), name
+
+
+def test_lora_and_qlora_runs_sample_at_their_end(lora_runs):
+    """The sample at the end of training (on by default) is drawn from a gathered copy built as the
+    trained model is, adapters included (it once failed: the copy had no adapter modules)."""
+    _, results = lora_runs
+    prompt = Config().trainer.sample_prompt
+    for case in ("builtin", "qlora"):
+        sample = results[case]["sample"]
+        assert sample.startswith(prompt.split()[0]) and len(sample) > len(prompt.split()[0]), (case, sample)
 
 
 def test_lora_checkpoint_holds_adapters_and_resumes_exactly(lora_runs):

@@ -48,7 +48,7 @@ from shardtrain.distributed.env import (
     set_cpu_threads,
 )
 from shardtrain.distributed.qlora import full_value, nf4_summary, quantize_base
-from shardtrain.distributed.sharded_model import deferred_initialization
+from shardtrain.distributed.sharded_model import deferred_initialization, with_adapters
 from shardtrain.errors import TrainingError
 from shardtrain.generation.generate import gathered_copy, generate, generation_mode
 from shardtrain.tasks.language_model import LanguageModelTask
@@ -512,8 +512,9 @@ class Trainer:
                       "runs a checkpoint unit by unit)")
             return ""
         tokenizer = self.task.tokenizer
-        plain = gathered_copy(self.model, self.task.build_model, self.env.device,
-                              self.built.plan.param_dtype)
+        # The copy is built as the trained model was: with finetune=lora/qlora, adapters on the base.
+        plain = gathered_copy(self.model, with_adapters(self.task.build_model, self.cfg, self.env.device),
+                              self.env.device, self.built.plan.param_dtype)
         prompt = tokenizer.encode(t.sample_prompt)
         ids = generate(plain, prompt, t.sample_tokens, temperature=0.8, top_k=40, seed=t.seed,
                        vocab_limit=tokenizer.vocab_size, device=self.env.device,
