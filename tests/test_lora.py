@@ -50,6 +50,7 @@ from shardtrain.cli.main import main
 from shardtrain.config.compose import compose_config
 from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import Config
+from shardtrain.diagnostics.planner import estimate, nf4_bytes, planned_model
 from shardtrain.distributed.env import DistEnv
 from shardtrain.distributed.qlora import (
     NF4_GRAIN,
@@ -392,6 +393,22 @@ def test_plan_simulate_counts_the_adapters(capsys):
     planned = next(line.split() for line in out.splitlines() if "1 x FULL_SHARD" in line)
     assert float(planned[4]) == pytest.approx(grads, abs=0.006)
     assert float(planned[5]) == pytest.approx(optimizer, abs=0.006)
+
+
+def test_planner_counts_a_qlora_base_in_nf4():
+    """The planner counts QLoRA's quantised linears at NF4's bytes (4 bits, an int8 scale per 64, an
+    fp32 factor per 16,384 elements), the rest of the base, the adapters and their state as LoRA's."""
+    overrides = ["model=llama3_8b", "model.n_layers=2", "trainer.seq_len=512", "trainer.micro_batch_size=1",
+                 "strategy.mixed_precision=bf16-mixed"]
+    lora_cfg, qlora_cfg = (compose_config([*overrides, f"finetune={m}"]) for m in ("lora", "qlora"))
+    lora = estimate(lora_cfg, planned_model(lora_cfg), "FULL_SHARD", 8, 8)
+    qlora = estimate(qlora_cfg, planned_model(qlora_cfg), "FULL_SHARD", 8, 8)
+    # Every linear's rows split evenly over 8 ranks; each rank's share holds whole NF4 blocks.
+    quantized = sum(m.weight.numel() for _, m in quantized_linears(planned_model(qlora_cfg))) // 8
+    assert quantized == 2 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096) // 8
+    assert lora.params - qlora.params == quantized * 4 - nf4_bytes(quantized)
+    assert nf4_bytes(quantized) == quantized // 2 + quantized // 64 + 4 * (quantized // 16384)
+    assert (lora.grads, lora.optimizer) == (qlora.grads, qlora.optimizer)
 
 
 def test_model_adapter_starts_from_a_peft_adapter(lora_runs, model_dirs, peft_adapter):

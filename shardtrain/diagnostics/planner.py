@@ -24,6 +24,7 @@ from shardtrain.config.plan import (
 from shardtrain.config.schema import Config
 from shardtrain.config.strategy import AC_MODES, STRATEGIES, checkpointing_mode
 from shardtrain.distributed.parallelize import float8_eligible
+from shardtrain.distributed.qlora import NF4_BLOCK, NF4_GRAIN, quantized_linears
 from shardtrain.errors import ConfigError
 from shardtrain.models.dims import Dims
 from shardtrain.models.lora import add_adapters
@@ -101,6 +102,12 @@ class Estimate:
     gathered: int  # unsharded parameters and collective buffers at the peak
     peak: int
     peak_phase: str
+
+
+def nf4_bytes(elements: int) -> int:
+    """Bytes of ``elements`` NF4 values as torchao's ``to_nf4`` stores them: 4 bits each, an int8
+    scale per block of 64 and an fp32 factor per 256 scales (QLoRA's double quantisation)."""
+    return elements // 2 + elements // NF4_BLOCK + 4 * (elements // NF4_GRAIN)
 
 
 def sharded_state_bytes(shapes: list[tuple[int, ...]], shard: int, rank: int,
@@ -272,11 +279,16 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     shapes = list(local_shapes.values())
     # Gradients and optimizer state: the trainable parameters' only (finetune=lora: the adapters).
     trainable = [local_shapes[id(p)] for p in model.parameters() if p.requires_grad]
-    frozen = [local_shapes[id(p)] for p in model.parameters() if not p.requires_grad]
+    # finetune=qlora: the frozen linears but the head hold NF4 (distributed/qlora.py).
+    nf4 = ({id(m.weight) for _, m in quantized_linears(model)} if cfg.finetune.method == "qlora"
+           else set())
+    frozen = [local_shapes[id(p)] for p in model.parameters() if not p.requires_grad and id(p) not in nf4]
+    quantized = [local_shapes[id(p)] for p in model.parameters() if id(p) in nf4]
     params, grads, optim = sharded_state_bytes(trainable, plan.shard_group, 0, plan.storage_dtype)
     # A frozen base is stored in the storage dtype, or in finetune.base_dtype=bf16.
     base_dtype = torch.bfloat16 if cfg.finetune.base_dtype == "bf16" else plan.storage_dtype
     params += sharded_state_bytes(frozen, plan.shard_group, 0, base_dtype)[0]
+    params += nf4_bytes(sharded_state_bytes(quantized, plan.shard_group, 0, torch.uint8)[0])
     total_params = sum(math.prod(s) for s in shapes)
     accumulation = 0
     accumulating = cfg.trainer.grad_accum_steps > 1
