@@ -149,10 +149,11 @@ CHECKED_BY_CODE = {
     "task.options": ("task.size=3", "takes no options"),  # the language-model task has none
     "run.trackers": ("run.trackers=[tensorbord]", "is not a tracker"),
     "run.mlflow.tracking_uri": ("run.mlflow.tracking_uri=http://127.0.0.1:1", "cannot be reached"),
+    "model.adapter": ("model.adapter={tmp}", "is not a PEFT adapter directory"),
 }
 # Presets a key's bad value is given with (its check applies only there).
 WITH_PRESET = {"data.paths": "data=files", "model.path": "model=hf",
-               "run.mlflow.tracking_uri": "run.trackers=[mlflow]"}
+               "run.mlflow.tracking_uri": "run.trackers=[mlflow]", "model.adapter": "finetune=lora"}
 # Keys that accept any value by design.
 FREE = {"data.file_glob": "any glob pattern", "data.text_field": "any field name",
         "trainer.sample_prompt": "any text", "run.name": "a label",
