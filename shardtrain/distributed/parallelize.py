@@ -90,6 +90,12 @@ def enable_activation_checkpointing(module: nn.Module, selective: bool = False) 
     module.forward = forward
 
 
+def plain_embedding(module: nn.Module) -> bool:
+    """An ``nn.Embedding`` whose forward is the lookup itself (a subclass that scales or normalises
+    its weight may need it in backward)."""
+    return isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
+
+
 @dataclass
 class ShardingReport:
     units: list[str] = field(default_factory=list)
@@ -167,6 +173,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
             report.checkpointed.append(name)
     for name, modules, reshard in units:
         fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard, **common)
+        if reshard and all(plain_embedding(m) for m in modules):
+            # An embedding's backward reads the token ids, never its weight: gathering the table
+            # again for backward would cost an all-gather of it, and its memory, every step.
+            modules[0].set_unshard_in_backward(False)
         report.units.append(name)
     fully_shard(model, **common)
     report.units.append("<root>")

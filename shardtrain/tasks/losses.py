@@ -44,15 +44,22 @@ def chunk_tokens_for(setting: int | str, vocab_size: int) -> int:
 def _chunk_gradient(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[
         torch.Tensor, torch.Tensor]:
     """The chunk's summed cross-entropy and its gradient w.r.t. the fp32 logits, written over them
-    (one chunk-sized buffer, not the two or three of log-softmax and its gradient)."""
+    (one chunk-sized buffer, not the two or three of log-softmax and its gradient).
+
+    The softmax is taken in place (max, subtract, exp, sum, scale) rather than through
+    ``torch.logsumexp``, which on CPU allocates a second chunk-sized buffer and took 14% of a step
+    at a 32k vocabulary (docs/benchmarks.md, "Chunked loss")."""
     kept = targets != ignore_index
     rows = torch.arange(targets.shape[0], device=targets.device)
-    picked = logits[rows, targets.clamp(min=0)]
-    log_normaliser = torch.logsumexp(logits, -1)
+    picked = logits[rows, targets.clamp(min=0)]  # a copy, read before the logits are overwritten
+    maxes = logits.amax(-1, keepdim=True)
+    grad = logits.sub_(maxes).exp_()
+    sums = grad.sum(-1, keepdim=True)
+    log_normaliser = (sums.log() + maxes).squeeze(1)
     loss = ((log_normaliser - picked) * kept).sum()
-    grad = logits.sub_(log_normaliser.unsqueeze(1)).exp_()  # softmax
+    # One pass normalises the softmax and zeroes ignored tokens' rows.
+    grad.mul_(kept.unsqueeze(1).to(grad.dtype) / sums)
     grad[rows, targets.clamp(min=0)] -= kept.to(grad.dtype)
-    grad.mul_(kept.unsqueeze(1).to(grad.dtype))
     return loss, grad
 
 
