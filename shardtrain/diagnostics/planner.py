@@ -151,7 +151,8 @@ class ActivationModel:
     # and the head weight's.
     head_saved: int
     # The loss gradient w.r.t. the fp32 logits, in and out of log-softmax; chunked: one chunk's fp32
-    # logits and a temporary of their size (backward scales the gradients in place).
+    # logits, made their gradient in place, beside their compute-dtype copy (backward scales the
+    # gradients in place).
     head_backward: int
     # data.document_mask: the additive mask all blocks share, from the forward to the last backward.
     document_mask: int = 0
@@ -203,7 +204,7 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     chunk = min(chunk_tokens_for(cfg.trainer.loss_chunk_tokens, m.vocab_size), tokens) if tp == 1 else 0
     if chunk > 0:  # tasks/losses.py: one chunk's fp32 logits (and their compute-dtype copy) at a time
         head_saved = tokens * (rms_norm_saved(m.dim, b) + b * m.dim) + b * m.vocab_size * m.dim
-        head_backward = chunk * m.vocab_size * 8
+        head_backward = chunk * m.vocab_size * (4 + (b if b != 4 else 0))
     else:
         # Under tp the logits stay split along the vocabulary; loss_parallel's backward holds one
         # more fp32 tensor of their size than the fused kernel does.
