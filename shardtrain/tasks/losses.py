@@ -10,7 +10,7 @@ zero for ignored tokens) turned into the chunk's gradients of the hidden states 
 Backward only scales those by the incoming gradient (Liger-Kernel's fused linear cross-entropy does
 the same): no logits are recomputed. The alternative, per-chunk recomputation under
 ``torch.utils.checkpoint``, runs the head's matmul a third time: ``benchmarks/run.py --only loss``
-measured it at 0.73x this design's tokens/s at a 32k vocabulary on CPU, with the same peak memory.
+measured it at 0.79x this design's tokens/s at a 32k vocabulary on CPU, with more peak memory.
 
 The head weight and bias are inputs of the autograd function, so their gradients reach them through
 autograd: under FSDP2 the unsharded parameter gets them and its reduce-scatter hooks fire as usual.
@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from shardtrain.data.batches import IGNORE_INDEX
 
 # Tokens per chunk when a caller names none: [512, vocab] fp32 logits are 62 MB at a 32k vocabulary
-# and 250 MB at 128k. Measured on CPU (docs/benchmarks.md): a step's peak fell by 35% (32k) and 54%
-# (128k) at 512 tokens, by 22% and 34% at 1,024, with no loss of tokens/s at 32k.
+# and 250 MB at 128k. Measured on CPU (docs/benchmarks.md): a step's peak fell by 39% (32k) and 61%
+# (128k) at 512 tokens, and the step ran at 1.32x the plain loss's tokens/s at 32k.
 DEFAULT_CHUNK_TOKENS = 512
 # trainer.loss_chunk_tokens=auto chunks from this vocabulary up. Measured on CPU (docs/benchmarks.md):
-# as fast as the plain loss at 32k with a third less step memory, 0.58x at the default 256 tokens
+# 1.32x the plain loss's tokens/s at 32k with 39% less step memory, 0.97x at the default 256 tokens
 # (the head is then a sliver of the step, and the per-chunk loop's overhead is not).
 AUTO_CHUNK_MIN_VOCAB = 32_000
 
