@@ -31,9 +31,12 @@ from shardtrain.errors import ConfigError
 from shardtrain.train import simulate as sim_module
 from shardtrain.train.simulate import OTHER_BLOCKS, fake_world, simulate
 
-# With the default loss (chunked at Llama-3's 128k vocabulary), and at one point with the plain one.
+# With the default loss (chunked at Llama-3's 128k vocabulary), and at one point each with the plain
+# one and with tied embeddings (one unit holds the embeddings and the head: its gradient is reduced
+# at the end of backward).
 GRID = [("llama3_8b", 8, ""), ("llama3_8b", 64, ""), ("llama3_70b", 64, ""), ("llama3_70b", 512, ""),
-        ("llama3_405b", 1024, ""), ("llama3_8b", 8, "trainer.loss_chunk_tokens=0")]
+        ("llama3_405b", 1024, ""), ("llama3_8b", 8, "trainer.loss_chunk_tokens=0"),
+        ("llama3_8b", 8, "model.tie_embeddings=true")]
 TOLERANCE = 0.10
 
 

@@ -237,8 +237,9 @@ def unit_param_counts(model: nn.Module, shapes: dict[int, tuple[int, ...]] | Non
     either may be empty. ``shapes``: as ``adamw_foreach_temporary``'s (a unit's tp shard).
     ``trainable``: only those with gradients (FSDP2 reduce-scatters those)."""
     def count(params) -> int:
+        unique = {id(p): p for p in params}  # a tied weight is one parameter, gathered once
         return sum(math.prod(shapes[id(p)]) if shapes else p.numel()
-                   for p in params if p.requires_grad or not trainable)
+                   for p in unique.values() if p.requires_grad or not trainable)
 
     blocks = [count(blk.parameters()) for blk in model.modules()
               if isinstance(blk, getattr(model, "block_classes", ()))]
@@ -317,7 +318,14 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     # The reduce-scatter input held in a late block's backward: the previous block's, and with the
     # chunked loss in the last block's the head unit's (its whole gradient in the reduce dtype;
     # plan --simulate: 1.96 GiB for Llama-3 8B, more than a block's 0.81).
-    in_flight = max(head_reduced if act.chunked_loss else 0, block_reduced) * reduce
+    # With tied embeddings the head unit also holds the input embeddings, whose backward comes last:
+    # the chunked loss's head gradient is then held through the whole backward and reduced with the
+    # embeddings' at its end, the unit gathered again for that (plan --simulate, Llama-3 8B tied at 8
+    # ranks: peaks 5-12% high and activations 16% low before, within 3% since).
+    head_reduced_last = act.chunked_loss and groups and head_reduced > 0 and any(
+        isinstance(m, nn.Embedding) for m in model.extra_shard_groups()[-1])
+    held_head_grad = model.dims.vocab_size * model.dims.dim * compute if head_reduced_last else 0
+    in_flight = max(head_reduced if act.chunked_loss and not head_reduced_last else 0, block_reduced) * reduce
     if plan.reshard_after_forward is False:
         # Every unit stays gathered from its forward until its backward, and is resharded after it:
         # in the last block's backward all but the head unit; in the first block's, the embeddings,
@@ -344,15 +352,21 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         "head reduced": (earlier, sum(saved) + act.document_mask,
                          gathered_start + head_unit * compute + head_reduced * reduce, 0),
         # The model's last block: every earlier block's saved tensors are still held.
-        "block backward": (earlier, sum(saved[:-1]) + first_block,
+        "block backward": (earlier, sum(saved[:-1]) + first_block + held_head_grad,
                            gathered_block, 0),
-        "backward end": (grads, first_block, gathered_end, 0),
+        "backward end": (grads, first_block + held_head_grad, gathered_end, 0),
         # Fused AdamW updates each tensor in place: no group-sized temporary. Nor with CPU offload
         # (host tensors).
         "optimizer step": (grads, 0, 0, 0 if plan.cpu_offload or cfg.trainer.optimizer_kernel != "foreach"
                            else adamw_foreach_temporary(model, plan.shard_group, plan.storage_dtype,
                                                              local_shapes)),
     }
+    if head_reduced_last:
+        # After the embeddings' backward: the tied unit gathered again, its gradient (the head's
+        # part still held) reduced in the reduce dtype, the first block's reduce-scatter in flight.
+        del phases["head reduced"]
+        phases["embeddings reduced"] = (grads, held_head_grad, head_unit * compute + head_reduced * reduce
+                                        + block_reduced * reduce, 0)
     if plan.tensor_parallel > 1 and groups:
         # The vocabulary-split embedding's gradient: DTensor computes it whole ([vocab, dim], from
         # the gathered incoming gradient) and then keeps this rank's rows, beside the embedding unit
