@@ -161,6 +161,7 @@ class ActivationModel:
     # residual stream).
     recompute_extra: int = 0
     chunked_loss: bool = False  # the head's gradient is complete before backward reaches it
+    head_weight_grad: int = 0  # chunked: the head weight's gradient, part of ``head_saved``
 
 
 def rms_norm_saved(dim: int, compute: int) -> int:
@@ -203,11 +204,13 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     # Under tp the loss is never chunked: it runs on the vocabulary-split logits (loss_parallel).
     chunk = min(chunk_tokens_for(cfg.trainer.loss_chunk_tokens, m.vocab_size), tokens) if tp == 1 else 0
     if chunk > 0:  # tasks/losses.py: one chunk's fp32 logits (and their compute-dtype copy) at a time
-        head_saved = tokens * (rms_norm_saved(m.dim, b) + b * m.dim) + b * m.vocab_size * m.dim
+        head_weight_grad = b * m.vocab_size * m.dim
+        head_saved = tokens * (rms_norm_saved(m.dim, b) + b * m.dim) + head_weight_grad
         head_backward = chunk * m.vocab_size * (4 + (b if b != 4 else 0))
     else:
         # Under tp the logits stay split along the vocabulary; loss_parallel's backward holds one
         # more fp32 tensor of their size than the fused kernel does.
+        head_weight_grad = 0  # computed in backward, reduced with the head unit
         head_saved = tokens * (norm + 4 * m.vocab_size // tp)
         head_backward = tokens * (8 if tp == 1 else 12) * m.vocab_size // tp
     selective_mode = plan.activation_checkpointing == "selective"
@@ -221,6 +224,7 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
         document_mask=tokens * cfg.trainer.seq_len * b if cfg.data.document_mask else 0,
         recompute_extra=tokens * b * (2 * m.dim + (m.dim + projected_kv) // tp) if selective_mode else 0,
         chunked_loss=chunk > 0,
+        head_weight_grad=head_weight_grad,
     )
 
 
@@ -324,7 +328,7 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     # ranks: peaks 5-12% high and activations 16% low before, within 3% since).
     head_reduced_last = act.chunked_loss and groups and head_reduced > 0 and any(
         isinstance(m, nn.Embedding) for m in model.extra_shard_groups()[-1])
-    held_head_grad = model.dims.vocab_size * model.dims.dim * compute if head_reduced_last else 0
+    held_head_grad = act.head_weight_grad if head_reduced_last else 0
     in_flight = max(head_reduced if act.chunked_loss and not head_reduced_last else 0, block_reduced) * reduce
     if plan.reshard_after_forward is False:
         # Every unit stays gathered from its forward until its backward, and is resharded after it:

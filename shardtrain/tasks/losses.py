@@ -51,7 +51,8 @@ def _chunk_gradient(logits: torch.Tensor, targets: torch.Tensor, ignore_index: i
     at a 32k vocabulary (docs/benchmarks.md, "Chunked loss")."""
     kept = targets != ignore_index
     rows = torch.arange(targets.shape[0], device=targets.device)
-    picked = logits[rows, targets.clamp(min=0)]  # a copy, read before the logits are overwritten
+    columns = targets.clamp(min=0)  # ignored tokens' rows read (and later zero) column 0
+    picked = logits[rows, columns]  # a copy, read before the logits are overwritten
     maxes = logits.amax(-1, keepdim=True)
     grad = logits.sub_(maxes).exp_()
     sums = grad.sum(-1, keepdim=True)
@@ -59,7 +60,7 @@ def _chunk_gradient(logits: torch.Tensor, targets: torch.Tensor, ignore_index: i
     loss = ((log_normaliser - picked) * kept).sum()
     # One pass normalises the softmax and zeroes ignored tokens' rows.
     grad.mul_(kept.unsqueeze(1).to(grad.dtype) / sums)
-    grad[rows, targets.clamp(min=0)] -= kept.to(grad.dtype)
+    grad[rows, columns] -= kept.to(grad.dtype)
     return loss, grad
 
 
