@@ -164,9 +164,13 @@ class ActivationModel:
     head_weight_grad: int = 0  # chunked: the head weight's gradient, part of ``head_saved``
 
 
-def rms_norm_saved(dim: int, compute: int) -> int:
-    """Per token: RMSNorm normalises in fp32 (the fp32 input, its rsqrt), then scales in the compute
-    dtype (the cast input and the output). In fp32 the input is the fp32 input."""
+def rms_norm_saved(dim: int, compute: int, lean: bool) -> int:
+    """Per token, with the output (which the next matmul keeps). ``lean``: the built-in Llama's
+    (models/lean_ops.py) keeps its input and an fp32 rsqrt. Otherwise autograd's RMSNorm (Hugging
+    Face's) normalises in fp32 (the fp32 input, its rsqrt), then scales in the compute dtype (the
+    cast input and the output); in fp32 the input is the fp32 input."""
+    if lean:
+        return compute * dim + 4 + compute * dim
     cast = compute * dim if compute != 4 else 4 * dim
     return 4 * dim + 4 + cast + compute * dim
 
@@ -175,10 +179,12 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
                      plan: ShardingPlan) -> ActivationModel:
     """What autograd keeps for the built-in Llama (counted tensor by tensor in
     docs/memory-planner.md; SDPA keeps q, k, v, its output and a log-sum-exp, no score matrix).
-    Hugging Face models of the same layout (Llama, Qwen2, Mistral) keep the same tensors; other
-    layouts (GPT-NeoX's LayerNorm and GELU MLP) are estimated as if they had it."""
+    Hugging Face models of the same layout (Llama, Qwen2, Mistral) keep what autograd's plain
+    norms, SwiGLU and attention keep (the built-in Llama's lean layers keep less); other layouts
+    (GPT-NeoX's LayerNorm and GELU MLP) are estimated as if they had Llama's."""
     tokens = micro_batch * cfg.trainer.seq_len
     b = compute_dtype.itemsize
+    lean = cfg.model.name == "llama"  # models/lean_ops.py
     # Tensor parallelism (models/llama_tp.py) splits the attention by heads and the feed-forward by
     # width over tp; sequence parallelism splits the residual stream and the norms by tokens (seq),
     # and the norms' outputs are gathered whole again for the next matmul, which keeps them.
@@ -188,9 +194,11 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     # With the document mask, keys and values reach SDPA repeated to every query head (models/llama).
     kv = head_dim * (m.n_heads if cfg.data.document_mask else m.n_kv_heads)
     ffn = m.ffn_hidden_dim
-    attention = b * (m.dim + 2 * kv) + 4 * m.n_heads + 2 * b * m.dim  # q k v, lse, output, wo input
-    swiglu = 4 * b * ffn  # w1 and w3 outputs, silu output, their product
-    norm = (rms_norm_saved(m.dim, b) - b * m.dim) // seq + b * m.dim
+    # q k v, lse, output and wo's input: the same tensor for the built-in Llama (SDPA writes it in
+    # the query's (B, T, H, D) order), a copy for Hugging Face's (queries rotated as (B, H, T, D)).
+    attention = b * (m.dim + 2 * kv) + 4 * m.n_heads + (1 if lean else 2) * b * m.dim
+    swiglu = (3 if lean else 4) * b * ffn  # w1 and w3 outputs, their product (and silu's output)
+    norm = (rms_norm_saved(m.dim, b, lean) - b * m.dim) // seq + b * m.dim
     block = tokens * (2 * norm + (attention + swiglu) // tp)
     # Selective: the input, the q, k, v projections (before any repetition), SDPA's output and
     # log-sum-exp, the output projection, w1, w3 and w2 outputs (the two projections back to the
@@ -198,14 +206,17 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     projected_kv = head_dim * m.n_kv_heads
     selective = tokens * (b * (m.dim // seq + 2 * m.dim) + (b * (2 * m.dim + 2 * projected_kv + 2 * ffn)
                                                              + 4 * m.n_heads) // tp)
-    # Inside a block's backward: the incoming gradient, three hidden-size gradients of the SwiGLU
-    # and one FFN weight's gradient before FSDP reduces it.
-    block_backward = tokens * b * (m.dim + 3 * ffn // tp) + b * m.dim * ffn // tp
+    # Inside a block's backward, in its feed-forward's: the incoming gradient, three hidden-size
+    # gradients of the SwiGLU and two FFN weights' gradients (w2's, and w1's or w3's), which FSDP
+    # reduces only after the whole block's backward. Counting one was within 7% of plan --simulate
+    # while the blocks kept more; with the lean blocks it was 9-12% low under full checkpointing.
+    ffn_weight_grads = 2
+    block_backward = tokens * b * (m.dim + 3 * ffn // tp) + ffn_weight_grads * b * m.dim * ffn // tp
     # Under tp the loss is never chunked: it runs on the vocabulary-split logits (loss_parallel).
     chunk = min(chunk_tokens_for(cfg.trainer.loss_chunk_tokens, m.vocab_size), tokens) if tp == 1 else 0
     if chunk > 0:  # tasks/losses.py: one chunk's fp32 logits (and their compute-dtype copy) at a time
         head_weight_grad = b * m.vocab_size * m.dim
-        head_saved = tokens * (rms_norm_saved(m.dim, b) + b * m.dim) + head_weight_grad
+        head_saved = tokens * (rms_norm_saved(m.dim, b, lean) + b * m.dim) + head_weight_grad
         head_backward = chunk * m.vocab_size * (4 + (b if b != 4 else 0))
     else:
         # Under tp the logits stay split along the vocabulary; loss_parallel's backward holds one
@@ -353,8 +364,11 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         "backward start": (earlier, sum(saved) + act.head_saved + act.head_backward
                            + act.document_mask, gathered_start, 0),
         # The head unit's gradients are reduced: the loss's tensors are gone, the buffers are not.
-        "head reduced": (earlier, sum(saved) + act.document_mask,
-                         gathered_start + head_unit * compute + head_reduced * reduce, 0),
+        # Its reduce-scatter input is made before any block's backward has begun, and FSDP2's
+        # memory tracker counts it with the step's temporaries: so does this column (with the
+        # built-in Llama's lean blocks under full checkpointing, this is the activation peak).
+        "head reduced": (earlier, sum(saved) + act.document_mask + head_reduced * reduce,
+                         gathered_start + head_unit * compute, 0),
         # The model's last block: every earlier block's saved tensors are still held.
         "block backward": (earlier, sum(saved[:-1]) + first_block + held_head_grad,
                            gathered_block, 0),

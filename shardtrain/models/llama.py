@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from shardtrain.config.schema import ModelConfig
 from shardtrain.errors import ModelError
 from shardtrain.models.dims import Dims
+from shardtrain.models.lean_ops import rms_norm, swiglu
 from shardtrain.models.llama_tp import llama_tensor_parallel_plan, parallelize_llama
 from shardtrain.models.masking import document_attention_bias
 
@@ -44,10 +45,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 for stability under bf16, return in the input dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
@@ -60,9 +58,9 @@ def rope_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (even, odd) of the last dim. x: (B, H, T, D); rope: (T, D/2), or
-    (B, 1, T, D/2) for positions that differ per row (document masking)."""
-    cos, sin = rope.real, rope.imag
+    """Rotate pairs (even, odd) of the last dim. x: (B, T, H, D); rope: (T, D/2), or (B, T, D/2)
+    for positions that differ per row (document masking)."""
+    cos, sin = rope.real.unsqueeze(-2), rope.imag.unsqueeze(-2)
     xf = x.float()
     x1, x2 = xf[..., 0::2], xf[..., 1::2]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
@@ -112,10 +110,12 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         # Head counts from the projections' widths: under tensor parallelism each rank holds
         # n_heads / tp query and n_kv_heads / tp key/value heads (models/llama_tp.py).
-        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        # Rotated in (B, T, H, D) order, then viewed as (B, H, T, D): SDPA writes its output in its
+        # query's memory order, so the output projection reads it without a copy (a copy would
+        # also be kept for backward).
+        q = apply_rope(self.wq(x).view(b, t, -1, self.head_dim), rope).transpose(1, 2)
+        k = apply_rope(self.wk(x).view(b, t, -1, self.head_dim), rope).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
         start = 0
         if cache is not None:
             start = cache.pos
@@ -143,7 +143,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x)))
 
 
 class TransformerBlock(nn.Module):
@@ -196,7 +196,7 @@ class Llama(nn.Module):
         else:
             if cache is not None:
                 raise ModelError("positions= is for training on packed documents, not with a KV cache")
-            rope = self.rope[positions].unsqueeze(1)
+            rope = self.rope[positions]
             mask = document_attention_bias(positions, h.dtype)
         for index, layer in enumerate(self.layers):
             h = layer(h, rope, cache, index) if cache is not None else layer(h, rope, mask=mask)
