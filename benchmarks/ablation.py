@@ -8,9 +8,10 @@ logits the largest activation). PROGRAM: ``shardtrain`` (its training loop's ite
 iteration``, with its defaults and the ``key=value`` overrides: one feature on or off),
 ``handwritten`` (the FSDP2 tutorial's loop: shard blocks then root, ``torch.optim.AdamW`` as
 constructed by default, the full-logits loss, ``clip_grad_norm_``) or ``lightning`` (Lightning's
-``ModelParallelStrategy``, FSDP2, with ``configure_model``). All three train the same Llama class on
-windows of the same corpus at fp32 (the CPU's default precision; ``PRECISION=bf16-mixed`` in the
-environment for bf16-mixed, applied to all three alike).
+``ModelParallelStrategy``, FSDP2, with ``configure_model``). All three train the same Llama class (the
+latter two with plain autograd's norms and SwiGLU, ``lean_layers=False``) on windows of the same corpus
+at fp32 (the CPU's default precision; ``PRECISION=bf16-mixed`` in the environment for bf16-mixed,
+applied to all three alike).
 
 Each program runs ``WARMUP`` iterations, then resets the kernel's peak resident size (``clear_refs``)
 and times ``STEPS`` more. Rank 0 prints one JSON line: the median seconds of an iteration, and the
@@ -86,7 +87,9 @@ class Clock:
 
 
 def model_config(model: str) -> ModelConfig:
-    return ModelConfig(**MODELS[model][0])
+    """The hand-written loop's and Lightning's model: plain autograd's norms and SwiGLU, as a model
+    of one's own has them (shardtrain's lean layers are one of its features)."""
+    return ModelConfig(**MODELS[model][0], lean_layers=False)
 
 
 def run_shardtrain(model: str, overrides: list[str]) -> dict:

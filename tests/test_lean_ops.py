@@ -2,14 +2,13 @@
 
 Forward values and the weights' gradients are plain autograd's to the bit; the norm's input
 gradient (a regrouped formula) within 1e-6 relative in fp32. And a block keeps exactly the bytes
-the memory planner counts for it (docs/memory-planner.md), in fp32 and bf16.
+the memory planner counts for it (docs/memory-planner.md), in fp32 and bf16, lean or plain.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from shardtrain.config.loader import load_config
 from shardtrain.config.plan import resolve_plan
@@ -17,12 +16,6 @@ from shardtrain.diagnostics.planner import activation_model
 from shardtrain.models.lean_ops import rms_norm, swiglu
 from shardtrain.models.llama import Llama, llama_dims
 from shardtrain.models.masking import document_attention_bias
-
-
-def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf.type_as(x) * weight
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -35,7 +28,7 @@ def test_lean_layers_compute_what_autograd_computes(dtype: torch.dtype) -> None:
     x = (torch.randn(3, 17, 64, generator=generator) * 3).to(dtype).requires_grad_()
     weight = (torch.rand(64, generator=generator) + 0.5).to(dtype).requires_grad_()
     grad = torch.randn(3, 17, 64, generator=generator).to(dtype)
-    lean, plain = rms_norm(x, weight, 1e-5), plain_rms_norm(x, weight, 1e-5)
+    lean, plain = rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5, lean=False)
     assert torch.equal(lean, plain)
     (lean_x, lean_w), (plain_x, plain_w) = (torch.autograd.grad(y, (x, weight), grad) for y in (lean, plain))
     assert torch.equal(lean_w, plain_w)
@@ -43,7 +36,7 @@ def test_lean_layers_compute_what_autograd_computes(dtype: torch.dtype) -> None:
 
     gate, up = (torch.randn(3, 17, 40, generator=generator).to(dtype).requires_grad_() for _ in range(2))
     grad = torch.randn(3, 17, 40, generator=generator).to(dtype)
-    lean, plain = swiglu(gate, up), F.silu(gate) * up
+    lean, plain = swiglu(gate, up), swiglu(gate, up, lean=False)
     assert torch.equal(lean, plain)
     for a, b in zip(torch.autograd.grad(lean, (gate, up), grad), torch.autograd.grad(plain, (gate, up), grad),
                     strict=True):
@@ -68,10 +61,12 @@ def saved_bytes(run, exclude: tuple[torch.Tensor, ...]) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("document_mask", [False, True])
-def test_a_block_keeps_the_bytes_the_planner_counts(dtype: torch.dtype, document_mask: bool) -> None:
+@pytest.mark.parametrize(("document_mask", "lean"), [(False, True), (True, True), (False, False)])
+def test_a_block_keeps_the_bytes_the_planner_counts(dtype: torch.dtype, document_mask: bool,
+                                                    lean: bool) -> None:
     cfg = load_config(["model.dim=128", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2",
                        "trainer.seq_len=64", "trainer.micro_batch_size=2",
+                       f"model.lean_layers={str(lean).lower()}",
                        f"data.document_mask={str(document_mask).lower()}"])
     model = Llama(cfg.model)
     for parameter in model.parameters():  # as mixed precision casts them; the RoPE table stays complex

@@ -184,7 +184,8 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     (GPT-NeoX's LayerNorm and GELU MLP) are estimated as if they had Llama's."""
     tokens = micro_batch * cfg.trainer.seq_len
     b = compute_dtype.itemsize
-    lean = cfg.model.name == "llama"  # models/lean_ops.py
+    builtin = cfg.model.name == "llama"
+    lean = builtin and cfg.model.lean_layers  # models/lean_ops.py
     # Tensor parallelism (models/llama_tp.py) splits the attention by heads and the feed-forward by
     # width over tp; sequence parallelism splits the residual stream and the norms by tokens (seq),
     # and the norms' outputs are gathered whole again for the next matmul, which keeps them.
@@ -196,7 +197,7 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     ffn = m.ffn_hidden_dim
     # q k v, lse, output and wo's input: the same tensor for the built-in Llama (SDPA writes it in
     # the query's (B, T, H, D) order), a copy for Hugging Face's (queries rotated as (B, H, T, D)).
-    attention = b * (m.dim + 2 * kv) + 4 * m.n_heads + (1 if lean else 2) * b * m.dim
+    attention = b * (m.dim + 2 * kv) + 4 * m.n_heads + (1 if builtin else 2) * b * m.dim
     swiglu = (3 if lean else 4) * b * ffn  # w1 and w3 outputs, their product (and silu's output)
     norm = (rms_norm_saved(m.dim, b, lean) - b * m.dim) // seq + b * m.dim
     block = tokens * (2 * norm + (attention + swiglu) // tp)

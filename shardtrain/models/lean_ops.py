@@ -60,12 +60,17 @@ class _SwiGLU(torch.autograd.Function):
         return grad_gate, grad_up
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lean: bool = True) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, normalised in fp32 and
-    returned in ``x``'s dtype; keeps ``x`` and one fp32 value a row for backward."""
-    return _RMSNorm.apply(x, weight, eps)
+    returned in ``x``'s dtype. ``lean``: keeps ``x`` and one fp32 value a row for backward;
+    otherwise plain autograd's operations (which keep the fp32 input and the normalised input too)."""
+    if lean:
+        return _RMSNorm.apply(x, weight, eps)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``; keeps ``gate`` and ``up`` for backward, not ``silu(gate)``."""
-    return _SwiGLU.apply(gate, up)
+def swiglu(gate: torch.Tensor, up: torch.Tensor, lean: bool = True) -> torch.Tensor:
+    """``silu(gate) * up``. ``lean``: keeps ``gate`` and ``up`` for backward, not ``silu(gate)``;
+    otherwise plain autograd's operations."""
+    return _SwiGLU.apply(gate, up) if lean else F.silu(gate) * up

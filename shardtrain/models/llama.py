@@ -39,13 +39,14 @@ def llama_dims(cfg: ModelConfig) -> Dims:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, lean: bool = True) -> None:
         super().__init__()
         self.eps = eps
+        self.lean = lean
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.lean)
 
 
 def rope_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
@@ -138,20 +139,21 @@ class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         hidden = ffn_hidden_dim(cfg)
+        self.lean = cfg.lean_layers
         self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
         self.w3 = nn.Linear(cfg.dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x)))
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.lean))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.lean_layers)
         self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.lean_layers)
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: KVCache | None = None,
@@ -171,7 +173,7 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.lean_layers)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
