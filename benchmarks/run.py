@@ -49,7 +49,7 @@ vocabularies (a fresh process each), and tokens/s alternating in one process for
 and a vocabulary-heavy one.
 ablation (only with ``--only ablation``, about 35 minutes at 3 rounds): benchmarks/ablation.py;
 shardtrain with its defaults and with each of issue 26's features turned the other way (the chunked
-loss, fused AdamW, selective activation checkpointing), against the hand-written FSDP2 loop and
+loss, fused AdamW, selective activation checkpointing, the lean layers), against the hand-written FSDP2 loop and
 Lightning, each a fresh torchrun program, alternating in rounds: tokens/s and peak resident memory
 at 1 and 2 processes for the default model and a vocabulary-heavy one.
 tp (only with ``--only tp``, about 8 minutes at 2 rounds): benchmarks/ablation.py's shardtrain program
