@@ -7,7 +7,8 @@ layers, vocabulary 32,000, sequence 512, global batch 4: the output head is half
 logits the largest activation). PROGRAM: ``shardtrain`` (its training loop's iteration, ``Trainer.
 iteration``, with its defaults and the ``key=value`` overrides: one feature on or off),
 ``handwritten`` (the FSDP2 tutorial's loop: shard blocks then root, ``torch.optim.AdamW`` as
-constructed by default, the full-logits loss, ``clip_grad_norm_``) or ``lightning`` (Lightning's
+constructed by default, the full-logits loss, ``clip_grad_norm_``), ``paired`` (the first two with
+shardtrain's defaults in the same processes, alternating: tokens/s only) or ``lightning`` (Lightning's
 ``ModelParallelStrategy``, FSDP2, with ``configure_model``). All three train the same Llama class (the
 latter two with plain autograd's norms and SwiGLU, ``lean_layers=False``) on windows of the same corpus
 at fp32 (the CPU's default precision; ``PRECISION=bf16-mixed`` in the environment for bf16-mixed,
@@ -27,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -92,7 +94,8 @@ def model_config(model: str) -> ModelConfig:
     return ModelConfig(**MODELS[model][0], lean_layers=False)
 
 
-def run_shardtrain(model: str, overrides: list[str]) -> dict:
+def shardtrain_iteration(model: str, overrides: list[str]) -> Callable[[], None]:
+    """shardtrain's training-loop iteration (``Trainer.iteration``) with its defaults and ``overrides``."""
     shape, seq_len, global_batch = MODELS[model]
     # A tensor-parallel group is one data-parallel rank (benchmarks/run.py --only tp).
     tp = next((int(o.split("=")[1]) for o in overrides if o.startswith("strategy.tensor_parallel=")), 1)
@@ -102,19 +105,25 @@ def run_shardtrain(model: str, overrides: list[str]) -> dict:
                             f"strategy.mixed_precision={PRECISION}", f"trainer.lr={LR}", *overrides])
     trainer = Trainer.create(cfg)
     trainer.preemption = PreemptionFlag(cfg.checkpoint.preemption_signals)
+    return trainer.iteration
+
+
+def run_shardtrain(model: str, overrides: list[str]) -> dict:
     clock = Clock()
-    clock.measure(trainer.iteration)
+    clock.measure(shardtrain_iteration(model, overrides))
     return clock.result()
 
 
-def run_handwritten(model: str) -> dict:
+def handwritten_iteration(model: str, iterations: int) -> Callable[[], None]:
+    """One iteration of the hand-written loop, on the next of ``iterations`` global batches."""
     shape, seq_len, global_batch = MODELS[model]
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     net = shard(Llama(model_config(model)), init_device_mesh("cpu", (world,)), PRECISION)
     optimizer = torch.optim.AdamW(net.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
-    data = Windows(load_corpus(DataConfig()).train, (WARMUP + STEPS) * global_batch, seq_len=seq_len)
+    data = Windows(load_corpus(DataConfig()).train, iterations * global_batch, seq_len=seq_len)
     per_rank = global_batch // world
     step = 0
 
@@ -130,9 +139,37 @@ def run_handwritten(model: str) -> dict:
         loss.item()  # like any loop that logs its loss
         step += 1
 
+    return iteration
+
+
+def run_handwritten(model: str) -> dict:
     clock = Clock()
-    clock.measure(iteration)
+    clock.measure(handwritten_iteration(model, WARMUP + STEPS))
     return clock.result()
+
+
+def run_paired(model: str) -> dict:
+    """shardtrain's defaults and the hand-written loop in the same processes, alternating ``ROUNDS``
+    rounds of ``STEPS`` iterations each after ``WARMUP`` of each: a load on the machine that comes
+    and goes hits both alike. Tokens/s from the median iteration of each (no memory: both models are
+    resident, so the process's peak is neither's)."""
+    rounds = int(os.environ.get("ROUNDS", 4))
+    programs = {"shardtrain": shardtrain_iteration(model, []),
+                "handwritten": handwritten_iteration(model, WARMUP + rounds * STEPS)}
+    for _ in range(WARMUP):
+        for iteration in programs.values():
+            iteration()
+    seconds: dict[str, list[float]] = {name: [] for name in programs}
+    for _ in range(rounds):
+        for name, iteration in programs.items():
+            dist.barrier()
+            for _ in range(STEPS):
+                start = time.perf_counter()
+                iteration()
+                seconds[name].append(time.perf_counter() - start)
+    _, seq_len, global_batch = MODELS[model]
+    return {f"{name}_tokens_per_s": seq_len * global_batch / statistics.median(times)
+            for name, times in seconds.items()} | {"iterations_timed": rounds * STEPS}
 
 
 def run_lightning(model: str) -> dict:
@@ -185,10 +222,13 @@ def main() -> None:
         result = run_shardtrain(model, overrides)
     elif program == "handwritten":
         result = run_handwritten(model)
+    elif program == "paired":
+        result = run_paired(model)
     else:
         result = run_lightning(model)
     _, seq_len, global_batch = MODELS[model]
-    result["tokens_per_s"] = seq_len * global_batch / result["step_s"]
+    if "step_s" in result:
+        result["tokens_per_s"] = seq_len * global_batch / result["step_s"]
     if dist.get_rank() == 0:
         print(json.dumps(result), flush=True)
     dist.destroy_process_group()

@@ -52,6 +52,9 @@ shardtrain with its defaults and with each of issue 26's features turned the oth
 loss, fused AdamW, selective activation checkpointing, the lean layers), against the hand-written FSDP2 loop and
 Lightning, each a fresh torchrun program, alternating in rounds: tokens/s and peak resident memory
 at 1 and 2 processes for the default model and a vocabulary-heavy one.
+paired (only with ``--only paired``, about 10 minutes): benchmarks/ablation.py's paired program,
+shardtrain's defaults and the hand-written loop built side by side in one program per case (model,
+processes), alternating: tokens/s.
 tp (only with ``--only tp``, about 8 minutes at 2 rounds): benchmarks/ablation.py's shardtrain program
 at 2 processes as FSDP 2 and as FSDP 1 x TP 2 (with and without sequence parallelism), alternating
 in rounds: tokens/s and peak resident memory, the default model and the vocabulary-heavy one.
@@ -106,6 +109,7 @@ SUM_BEGIN, SUM_END = "<!-- checksum:begin -->", "<!-- checksum:end -->"
 CLI_BEGIN, CLI_END = "<!-- cli:begin -->", "<!-- cli:end -->"
 LOSS_BEGIN, LOSS_END = "<!-- loss:begin -->", "<!-- loss:end -->"
 ABLATION_BEGIN, ABLATION_END = "<!-- ablation:begin -->", "<!-- ablation:end -->"
+PAIRED_BEGIN, PAIRED_END = "<!-- paired:begin -->", "<!-- paired:end -->"
 TP_BEGIN, TP_END = "<!-- tp:begin -->", "<!-- tp:end -->"
 # (label, processes, overrides): FSDP over both ranks against tensor parallelism over them.
 TP_PROGRAMS = [("FSDP 2", 2, []), ("FSDP 1 x TP 2, sequence parallel", 2, ["strategy.tensor_parallel=2"]),
@@ -126,6 +130,9 @@ ABLATION_PROGRAMS = [
      {m: ["model.lean_layers=false"] for m in ("default", "vocab")}),
 ]
 ABLATION_WARMUP, ABLATION_STEPS = 1, 3  # iterations per program: not timed, then timed
+# The paired program (shardtrain's defaults and the hand-written loop alternating in one program):
+# rounds, and timed iterations of each per round.
+PAIRED_ROUNDS, PAIRED_STEPS = 4, 2
 ABLATION_MODELS = {"default": "default model (dim 256, 4 layers, vocabulary 256, sequence 256, 16 sequences a step)",
                    "vocab": "vocabulary-heavy (dim 512, 8 layers, vocabulary 32,000, sequence 512, 4 sequences a step)"}
 # (name, vocab, dim, layers, seq, micro-batch): the default model's shape, and a vocabulary-heavy one.
@@ -1101,6 +1108,8 @@ def ablation_run(model: str, program: str, overrides: list[str], processes: int)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors leave the resident set at once
     env["WARMUP"], env["STEPS"] = str(ABLATION_WARMUP), str(ABLATION_STEPS)
+    if program == "paired":
+        env["STEPS"], env["ROUNDS"] = str(PAIRED_STEPS), str(PAIRED_ROUNDS)
     with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
         env["BENCH_DIR"] = workdir
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
@@ -1130,6 +1139,36 @@ def ablation_results(rounds: int, processes: list[int]) -> dict:
                     print(json.dumps({"round": round_index, "model": model, "processes": n, "row": label,
                                       **result}), flush=True)
     return results
+
+
+def paired_results(processes: list[int]) -> dict:
+    """(model, processes) -> benchmarks/ablation.py's paired program's result."""
+    results = {}
+    for n in processes:
+        for model in ABLATION_MODELS:
+            results[model, n] = ablation_run(model, "paired", [], n)
+            print(json.dumps({"model": model, "processes": n, **results[model, n]}), flush=True)
+    return results
+
+
+def paired_section(results: dict, processes: list[int], command: str) -> str:
+    lines = [PAIRED_BEGIN, "## Ablation, paired: shardtrain's defaults and the hand-written loop in one program", "",
+             f"- Command: `{command}`",
+             f"- Date: {datetime.date.today().isoformat()}; machine: {machine()}, gloo, fp32; load average "
+             f"{os.getloadavg()[0]:.1f} at the end",
+             "- The ablation's two programs (benchmarks/ablation.py `paired`) built side by side in the same "
+             f"processes, one torchrun program per case, alternating {PAIRED_ROUNDS} rounds of {PAIRED_STEPS} "
+             f"timed iterations each after {ABLATION_WARMUP} of each: a load on the machine that comes and "
+             "goes hits both alike, which fresh programs in turn (the ablation above) cannot promise. Median "
+             "iteration, tokens/s; no memory column (both models are resident).", "",
+             "| model | processes | hand-written tokens/s | shardtrain, defaults | shardtrain / hand-written |",
+             "| --- | --- | --- | --- | --- |"]
+    for model in ABLATION_MODELS:
+        for n in processes:
+            paired = results[model, n]
+            hand_rate, ours = paired["handwritten_tokens_per_s"], paired["shardtrain_tokens_per_s"]
+            lines.append(f"| {model} | {n} | {hand_rate:,.0f} | {ours:,.0f} | {ours / hand_rate:.2f}x |")
+    return "\n".join(lines + ["", PAIRED_END])
 
 
 def ablation_section(results: dict, rounds: int, processes: list[int], command: str) -> str:
@@ -1382,7 +1421,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["training", "checkpoint", "generation", "generation-modes",
                                            "init", "scaling", "soak", "gpu", "e2e", "profile", "hf",
                                            "data", "task", "checksum", "cli", "report", "loss", "ac", "lora",
-                                           "float8", "ablation", "tp", "qlora"],
+                                           "float8", "ablation", "paired", "tp", "qlora"],
                         default=None)
     parser.add_argument("--rounds", type=int, default=3, help="--only e2e, loss, ac, ablation, tp: alternating rounds")
     parser.add_argument("--gpu-variants", nargs="+", choices=list(GPU_VARIANT_NAMES),
@@ -1444,6 +1483,9 @@ def main() -> None:
         results = ablation_results(args.rounds, args.processes)
         command = f"python benchmarks/run.py --only ablation --rounds {args.rounds}"
         write_section(ABLATION_BEGIN, ABLATION_END, ablation_section(results, args.rounds, args.processes, command))
+    if args.only == "paired":
+        write_section(PAIRED_BEGIN, PAIRED_END,
+                      paired_section(paired_results(args.processes), args.processes, "python benchmarks/run.py --only paired"))
     if args.only == "tp":
         write_section(TP_BEGIN, TP_END, tp_section(f"python benchmarks/run.py --only tp --rounds {args.rounds}",
                                                    args.rounds))
