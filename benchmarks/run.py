@@ -52,7 +52,7 @@ shardtrain with its defaults and with each of issue 26's features turned the oth
 loss, fused AdamW, selective activation checkpointing, the lean layers), against the hand-written FSDP2 loop and
 Lightning, each a fresh torchrun program, alternating in rounds: tokens/s and peak resident memory
 at 1 and 2 processes for the default model and a vocabulary-heavy one.
-paired (only with ``--only paired``, about 10 minutes): benchmarks/ablation.py's paired program,
+paired (only with ``--only paired``, about 5 minutes): benchmarks/ablation.py's paired program,
 shardtrain's defaults and the hand-written loop built side by side in one program per case (model,
 processes), alternating: tokens/s.
 tp (only with ``--only tp``, about 8 minutes at 2 rounds): benchmarks/ablation.py's shardtrain program
