@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,6 +83,15 @@ def test_one_rank_raising_stops_every_rank_quickly(tmp_path):
             and "failed first, at step 3: RuntimeError: injected fault: rank 1" in proc.stderr)
 
 
+def finished_dump(path: Path) -> dict | None:
+    """A flight-recorder dump, or None for one the launcher cut short (it stopped that rank while it
+    wrote: the same race as whether the rank dumps at all; seen in CI as an empty file)."""
+    try:
+        return pickle.loads(path.read_bytes())
+    except (EOFError, pickle.UnpicklingError):
+        return None
+
+
 def test_stall_dumps_every_ranks_stacks_and_hang_stops(tmp_path):
     run_dir = tmp_path / "stall"
     proc = run_cli("train", *QUICK, "trainer.devices=2", "trainer.max_steps=8",
@@ -107,7 +117,7 @@ def test_stall_dumps_every_ranks_stacks_and_hang_stops(tmp_path):
     # stopped by the launcher before it dumps) is a race: at least one dump, readable, with entries.
     assert f"flight recorder in {hang_dir / 'flight_recorder' / 'rank_'}" in hung.stderr
     dumps = sorted((hang_dir / "flight_recorder").iterdir())
-    traces = {p.name: pickle.loads(p.read_bytes()) for p in dumps}
+    traces = {p.name: trace for p in dumps if (trace := finished_dump(p)) is not None}
     assert traces and all(trace["entries"] for trace in traces.values()), sorted(traces)
     if len(traces) == 2:  # the waiting peer had enqueued a collective the sleeper never did
         last = [traces[f"rank_{r}"]["entries"][-1]["collective_seq_id"] for r in (0, 1)]
