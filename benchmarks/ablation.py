@@ -18,7 +18,9 @@ Each program runs ``WARMUP`` iterations, then resets the kernel's peak resident 
 and times ``STEPS`` more. Rank 0 prints one JSON line: the median seconds of an iteration, and the
 largest rank's peak resident memory during the timed iterations (weights, optimizer state and
 everything a step allocates; run under ``MALLOC_MMAP_THRESHOLD_`` so that freed tensors leave the
-resident set at once).
+resident set at once), and the largest rank's step memory: that peak less the resident size just
+before the timed iterations (the interpreter, torch, the weights and the optimizer state, which
+every program holds alike), what a step allocates.
 """
 
 from __future__ import annotations
@@ -67,25 +69,31 @@ def reset_peak() -> None:
 
 
 class Clock:
-    """Iteration times after the warm-up, and the peak resident size over them."""
+    """Iteration times after the warm-up, the peak resident size over them, and how far above the
+    resident size before them (the process, weights and optimizer state) that peak is."""
 
     def __init__(self) -> None:
         self.seconds: list[float] = []
-        self.iterations = 0
+        self.resident_mib = 0.0
+
+    def start_peak(self) -> None:
+        self.resident_mib = status_mib("VmRSS")
+        reset_peak()
 
     def measure(self, iteration) -> None:
         for _ in range(WARMUP):
             iteration()
-        reset_peak()
+        self.start_peak()
         for _ in range(STEPS):
             start = time.perf_counter()
             iteration()
             self.seconds.append(time.perf_counter() - start)
 
     def result(self) -> dict:
-        peaks = [None] * dist.get_world_size()
-        dist.all_gather_object(peaks, status_mib("VmHWM"))
-        return {"step_s": statistics.median(self.seconds), "peak_mib": max(peaks)}
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, (status_mib("VmHWM"), self.resident_mib))
+        return {"step_s": statistics.median(self.seconds), "peak_mib": max(peak for peak, _ in ranks),
+                "step_mib": max(peak - resident for peak, resident in ranks)}
 
 
 def model_config(model: str) -> ModelConfig:
@@ -198,7 +206,7 @@ def run_lightning(model: str) -> dict:
     class Timer(L.Callback):
         def on_train_batch_start(self, trainer, *args) -> None:
             if trainer.global_step == WARMUP:
-                reset_peak()
+                clock.start_peak()
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer, *args) -> None:

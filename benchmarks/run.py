@@ -1205,7 +1205,18 @@ def ablation_section(results: dict, rounds: int, processes: list[int], command: 
                 cells.append(f"{rate:,.0f} ({rate_x:.2f}x) | {peak:,.0f} ({peak_x:.2f}x)")
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
-    return "\n".join(lines + [ABLATION_END])
+    cases = [(model, n) for model in ABLATION_MODELS for n in processes]
+    lines += ["**Step memory**: each program's peak less its resident size just before the timed iterations "
+              "(the interpreter, torch, the weights and the optimizer state, alike in every program), that "
+              "is what a step allocates; MiB (x hand-written).", "",
+              "| program | " + " | ".join(f"{model}, {n} proc." for model, n in cases) + " |",
+              "| --- |" + " --- |" * len(cases)]
+    for label, _, _ in ABLATION_PROGRAMS:
+        cells = [f"{median(model, n, label, 'step_mib'):,.0f} "
+                 f"({median(model, n, label, 'step_mib') / median(model, n, hand, 'step_mib'):.2f}x)"
+                 for model, n in cases]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + ["", ABLATION_END])
 
 
 TP_READING = (

@@ -7,13 +7,19 @@ the memory planner counts for it (docs/memory-planner.md), in fp32 and bf16, lea
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from shardtrain.config.loader import load_config
 from shardtrain.config.plan import resolve_plan
 from shardtrain.diagnostics.planner import activation_model
-from shardtrain.models.lean_ops import rms_norm, swiglu
+from shardtrain.distributed.parallelize import enable_activation_checkpointing
+from shardtrain.models.lean_ops import rms_norm, swiglu, swiglu_projected
 from shardtrain.models.llama import Llama, llama_dims
 from shardtrain.models.masking import document_attention_bias
 
@@ -43,21 +49,80 @@ def test_lean_layers_compute_what_autograd_computes(dtype: torch.dtype) -> None:
         assert torch.equal(a, b)
 
 
-def saved_bytes(run, exclude: tuple[torch.Tensor, ...]) -> int:
-    """Bytes of the distinct storages autograd keeps for backward while ``run()`` runs, but for
-    those of ``exclude`` (parameters, tables: not activations)."""
-    excluded = {t.untyped_storage().data_ptr() for t in exclude}
-    storages: dict[int, int] = {}
+class FeedForwardHalf(torch.nn.Module):
+    """The second half of a feed-forward, ``down(silu(gate) * up)``, lean or plain."""
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
+    def __init__(self, down: torch.nn.Module, lean: bool) -> None:
+        super().__init__()
+        self.down, self.lean = down, lean
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        run()
-    return sum(storages.values())
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return swiglu_projected(gate, up, self.down, self.lean)
+
+
+class ScaledDown(torch.nn.Linear):
+    """A down projection that keeps a tensor of its own (not the product) for backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * 0.5)
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "all", "selective"])
+def test_the_recomputed_product_gives_autograds_gradients(checkpointing: str) -> None:
+    """w2's input recomputed in backward: outputs and every gradient bit for bit those of plain
+    autograd's layers, also under activation checkpointing (where the checkpoint keeps it) and for
+    a down projection that keeps something else; the product is not kept."""
+    generator = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(3, 17, 40, generator=generator).requires_grad_() for _ in range(2))
+    for down_class in (torch.nn.Linear, ScaledDown):
+        torch.manual_seed(0)
+        down = down_class(40, 24, bias=False)
+        results = []
+        for lean in (True, False):
+            half = FeedForwardHalf(down, lean)
+            if checkpointing != "none":
+                enable_activation_checkpointing(half, selective=checkpointing == "selective")
+            with StoragesMade() as mode:
+                out = half(gate, up)
+            gc.collect()
+            kept = {ref.cdata for ref, nbytes in mode.made if not ref.expired() and nbytes == 3 * 17 * 40 * 4}
+            grads = torch.autograd.grad(out.square().sum(), (gate, up, down.weight))
+            results.append((out, grads, len(kept)))
+        (lean_out, lean_grads, lean_kept), (plain_out, plain_grads, plain_kept) = results
+        assert torch.equal(lean_out, plain_out)
+        assert all(torch.equal(a, b) for a, b in zip(lean_grads, plain_grads, strict=True))
+        if checkpointing == "none" and down_class is torch.nn.Linear:
+            assert (lean_kept, plain_kept) == (0, 2)  # plain: silu's output and the product
+
+
+class StoragesMade(TorchDispatchMode):
+    """Weak references to the storage of every tensor an operator makes while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[StorageWeakRef, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                self.made.append((StorageWeakRef(storage), storage.nbytes()))
+        return out
+
+
+def kept_bytes(run, exclude: tuple[torch.Tensor, ...]) -> int:
+    """Bytes of the distinct storages ``run()`` makes that are alive once it returned, but for its
+    result's and those of ``exclude`` (parameters, tables: a transpose of a weight is a new tensor
+    on its storage): what its autograd graph keeps for backward (whoever keeps it: not only what
+    passes through saved-tensor hooks, which a layer's own hooks would hide)."""
+    with StoragesMade() as mode:
+        result = run()
+    gc.collect()
+    alive = dict((ref.cdata, nbytes) for ref, nbytes in mode.made if not ref.expired())
+    for tensor in (result, *exclude):
+        alive.pop(StorageWeakRef(tensor.untyped_storage()).cdata, None)
+    return sum(alive.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -76,9 +141,10 @@ def test_a_block_keeps_the_bytes_the_planner_counts(dtype: torch.dtype, document
     if document_mask:
         positions = torch.arange(64).remainder(40).expand(2, 64)  # two documents a row
         rope, mask = model.rope[positions], document_attention_bias(positions, dtype)
-    # The mask and the rows' RoPE table are made once for all blocks: the planner counts the mask
-    # beside them (and leaves out the table, head_dim * 4 bytes a token).
+    # The mask and the rows' RoPE table are made once for all blocks, before: the planner counts
+    # the mask beside them (and leaves out the table, head_dim * 4 bytes a token). The block's input
+    # is made in there too (``x * 1`` keeps nothing), so that it counts only where the block keeps it.
     exclude = (*model.parameters(), model.rope, rope, *([mask] if mask is not None else []))
-    kept = saved_bytes(lambda: model.layers[0](x, rope, mask=mask), exclude)
+    kept = kept_bytes(lambda: model.layers[0](x * 1, rope, mask=mask), exclude)
     planned = activation_model(cfg, llama_dims(cfg.model), 2, dtype, resolve_plan(cfg.strategy, 1, 1)).block
     assert kept == planned

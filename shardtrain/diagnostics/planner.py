@@ -156,9 +156,9 @@ class ActivationModel:
     head_backward: int
     # data.document_mask: the additive mask all blocks share, from the forward to the last backward.
     document_mask: int = 0
-    # Selective checkpointing: what the recomputation of a block holds besides ``block``: the kept
-    # outputs autograd itself does not save (q and k before RoPE, both projections back to the
-    # residual stream).
+    # What the recomputation of the last block holds besides ``block``: selective checkpointing's
+    # kept outputs autograd itself does not save (q and k before RoPE, both projections back to the
+    # residual stream); the lean feed-forward's SwiGLU product (kept when recomputed).
     recompute_extra: int = 0
     chunked_loss: bool = False  # the head's gradient is complete before backward reaches it
     head_weight_grad: int = 0  # chunked: the head weight's gradient, part of ``head_saved``
@@ -198,7 +198,11 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     # q k v, lse, output and wo's input: the same tensor for the built-in Llama (SDPA writes it in
     # the query's (B, T, H, D) order), a copy for Hugging Face's (queries rotated as (B, H, T, D)).
     attention = b * (m.dim + 2 * kv) + 4 * m.n_heads + (1 if builtin else 2) * b * m.dim
-    swiglu = (3 if lean else 4) * b * ffn  # w1 and w3 outputs, their product (and silu's output)
+    # w1 and w3 outputs, their product (and silu's output). The lean feed-forward recomputes the
+    # product for w2's backward, except under tensor parallelism (w2 keeps its DTensor) and in a
+    # checkpoint's recomputation (the checkpoint's own hooks see every tensor the block saves).
+    product_recomputed = lean and tp == 1
+    swiglu = (2 if product_recomputed else 3 if lean else 4) * b * ffn
     norm = (rms_norm_saved(m.dim, b, lean) - b * m.dim) // seq + b * m.dim
     block = tokens * (2 * norm + (attention + swiglu) // tp)
     # Selective: the input, the q, k, v projections (before any repetition), SDPA's output and
@@ -226,6 +230,9 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
         head_saved = tokens * (norm + 4 * m.vocab_size // tp)
         head_backward = tokens * (8 if tp == 1 else 12) * m.vocab_size // tp
     selective_mode = plan.activation_checkpointing == "selective"
+    recompute_extra = tokens * b * (2 * m.dim + (m.dim + projected_kv) // tp) if selective_mode else 0
+    if product_recomputed and plan.checkpointed(m.n_layers - 1):
+        recompute_extra += tokens * b * ffn
     kept = selective if selective_mode else tokens * b * m.dim // seq
     return ActivationModel(
         saved_blocks=[kept if plan.checkpointed(i) else block for i in range(m.n_layers)],
@@ -234,7 +241,7 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
         head_saved=head_saved,
         head_backward=head_backward,
         document_mask=tokens * cfg.trainer.seq_len * b if cfg.data.document_mask else 0,
-        recompute_extra=tokens * b * (2 * m.dim + (m.dim + projected_kv) // tp) if selective_mode else 0,
+        recompute_extra=recompute_extra,
         chunked_loss=chunk > 0,
         head_weight_grad=head_weight_grad,
     )

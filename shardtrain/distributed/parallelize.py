@@ -26,6 +26,7 @@ from shardtrain.distributed.preconditions import (
     warn_tied_across_units,
 )
 from shardtrain.errors import ConfigError
+from shardtrain.models.lean_ops import checkpointed
 
 # strategy.float8's conversion of a model's linear layers (returns the names it converted). It
 # lives in shardtrain.distributed.float8, which registers it here when imported: that module
@@ -83,9 +84,17 @@ def enable_activation_checkpointing(module: nn.Module, selective: bool = False) 
     inner = module.forward
     options = {"context_fn": selective_contexts} if selective else {}
 
+    def run(*args, **kwargs):
+        # In the forward and in the recomputation alike: the lean layers leave what is saved to
+        # the checkpoint (models/lean_ops.py). Compiled, the compiler decides that.
+        if torch.compiler.is_compiling():
+            return inner(*args, **kwargs)
+        with checkpointed():
+            return inner(*args, **kwargs)
+
     @functools.wraps(inner)
     def forward(*args, **kwargs):
-        return checkpoint(inner, *args, use_reentrant=False, **options, **kwargs)
+        return checkpoint(run, *args, use_reentrant=False, **options, **kwargs)
 
     module.forward = forward
 

@@ -5,9 +5,15 @@ the normalised input (the weight's gradient reads it), a second tensor of the re
 per norm; for SwiGLU it is both projections and ``silu(gate)``, a third hidden-size tensor beside
 the product the down projection keeps. These functions keep only what the other intermediates are
 cheap to recompute from (the norm's input and one rsqrt per token; the two projections) and redo the
-element-wise work in backward: a block keeps about 30% fewer activation bytes (docs/memory-planner.md)
-for no extra matmul. The forward values are autograd's to the bit (the same operations in the same
-order); the norm's input gradient is the same formula regrouped, equal within rounding.
+element-wise work in backward. The forward values are autograd's to the bit (the same operations in
+the same order); the norm's input gradient is the same formula regrouped, equal within rounding.
+
+``swiglu_projected`` goes one step further: the SwiGLU's product, which the down projection keeps
+for its weight's gradient, is recomputed from the two projections when backward reaches it (one
+element-wise pass), whatever module the down projection is (a LoRA layer keeps it the same way; a
+float8 linear or a tensor-parallel one that keeps something else keeps that). Together a block keeps
+40-47% fewer activation bytes than with autograd's layers (docs/memory-planner.md), for no extra
+matmul.
 
 They work on DTensors as they do on tensors (sequence parallelism hands the norms sharded inputs):
 every operation in them is an ordinary one.
@@ -15,8 +21,14 @@ every operation in them is an ordinary one.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Callable, Iterator
+
 import torch
 import torch.nn.functional as F
+from torch.autograd.graph import saved_tensors_hooks
 
 
 def _normalise(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,13 +70,56 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate, up = ctx.saved_tensors
+        gate, up = _gate_and_up(ctx)
+        ctx.gate_and_up = None  # the engine frees the saved tensors after this; so must we
         # The operations autograd's own backward runs, on silu(gate) recomputed; one gradient at a
         # time and the second in place, so that backward holds no more hidden-size tensors than
         # autograd's (the incoming gradient and the two outgoing ones).
         grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
         grad_up = F.silu(gate).mul_(grad)
         return grad_gate, grad_up
+
+
+def _gate_and_up(ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """A SwiGLU's saved projections, read once and held until its backward: the down projection's
+    backward reads them first (to recompute the product), and under activation checkpointing
+    saved tensors may be unpacked only once."""
+    if getattr(ctx, "gate_and_up", None) is None:
+        ctx.gate_and_up = ctx.saved_tensors
+    return ctx.gate_and_up
+
+
+class _RecomputedProduct:
+    """Kept by the down projection in place of (a view of) the SwiGLU's product."""
+
+    __slots__ = ("node", "size", "stride", "offset")
+
+    def __init__(self, node, view: torch.Tensor) -> None:
+        self.node = node  # the product's autograd node: part of the graph anyway
+        self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
+
+    def tensor(self) -> torch.Tensor:
+        gate, up = _gate_and_up(self.node)
+        # The forward's operations: the same values to the bit.
+        return F.silu(gate).mul_(up).as_strided(self.size, self.stride, self.offset)
+
+
+def _unpack(saved):
+    return saved.tensor() if isinstance(saved, _RecomputedProduct) else saved
+
+
+_checkpointed = contextvars.ContextVar("checkpointed", default=False)
+
+
+@contextlib.contextmanager
+def checkpointed() -> Iterator[None]:
+    """Activation checkpointing's forward and recomputation run inside this: the checkpoint already
+    recomputes the product, and tensors saved under a hook of ours would escape its own hooks."""
+    token = _checkpointed.set(True)
+    try:
+        yield
+    finally:
+        _checkpointed.reset(token)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, lean: bool = True) -> torch.Tensor:
@@ -78,3 +133,27 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, lean: bool = True) -> torch.Ten
     """``silu(gate) * up``. ``lean``: keeps ``gate`` and ``up`` for backward, not ``silu(gate)``;
     otherwise plain autograd's operations."""
     return _SwiGLU.apply(gate, up) if lean else F.silu(gate) * up
+
+
+def swiglu_projected(gate: torch.Tensor, up: torch.Tensor, down: Callable[[torch.Tensor], torch.Tensor],
+                     lean: bool = True) -> torch.Tensor:
+    """``down(silu(gate) * up)``, the feed-forward's second half. ``lean``: nothing keeps the product
+    for backward; ``down``'s backward gets it recomputed from ``gate`` and ``up`` (which the SwiGLU
+    keeps) in its place. Wherever ``down`` keeps something else (a float8 copy, a DTensor under tensor
+    parallelism), that is kept as it is; under compilation the compiler chooses what to keep."""
+    product = swiglu(gate, up, lean)
+    if not (lean and product.requires_grad) or _checkpointed.get() or torch.compiler.is_compiling():
+        return down(product)
+    node = product.grad_fn
+    # Autograd keeps the hooks with every tensor saved under them: a reference to the product
+    # here would keep it alive.
+    product_ref = weakref.ref(product)
+
+    def pack(saved: torch.Tensor):
+        target = product_ref()
+        if target is not None and (saved is target or saved._base is target):
+            return _RecomputedProduct(node, saved)
+        return saved
+
+    with saved_tensors_hooks(pack, _unpack):
+        return down(product)

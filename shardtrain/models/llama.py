@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from shardtrain.config.schema import ModelConfig
 from shardtrain.errors import ModelError
 from shardtrain.models.dims import Dims
-from shardtrain.models.lean_ops import rms_norm, swiglu
+from shardtrain.models.lean_ops import rms_norm, swiglu_projected
 from shardtrain.models.llama_tp import llama_tensor_parallel_plan, parallelize_llama
 from shardtrain.models.masking import document_attention_bias
 
@@ -145,7 +145,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.lean))
+        return swiglu_projected(self.w1(x), self.w3(x), self.w2, self.lean)
 
 
 class TransformerBlock(nn.Module):
