@@ -15,6 +15,7 @@ import transformers
 from distributed import run_on_ranks
 from equivalence import case_config, small_corpus
 from hf_models import make_model_dir
+from storages import peak_bytes
 
 from shardtrain.config.loader import load_config
 from shardtrain.config.schema import ModelConfig
@@ -123,6 +124,24 @@ def test_helper_matches_cross_entropy_with_bias_and_bf16():
         assert rel_error(chunked(hidden, weight, bias), plain(hidden, weight, bias)) < TOLERANCE
     with pytest.raises(ValueError, match="chunk_tokens=0"):
         chunked_cross_entropy(hidden, weight, targets, chunk_tokens=0)
+
+
+def test_one_chunk_of_logits_at_a_time():
+    """The forward (where the step's peak is: every block's activations are alive) holds the
+    gradients of the hidden states and of the weight, and one chunk's logits at a time: the next
+    chunk's logits are not made while the last ones live."""
+    tokens, dim, vocab, chunk = 4 * CHUNK, 16, 1000, CHUNK
+    hidden = torch.randn(tokens, dim, requires_grad=True)
+    weight = torch.randn(vocab, dim, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,))
+
+    def forward() -> None:
+        chunked_cross_entropy(hidden, weight, targets, chunk_tokens=chunk)
+
+    gradients = (tokens + vocab) * dim * 4
+    one_chunk = chunk * vocab * 4
+    # Beside them only per-token vectors (maxima, sums, picked logits, the kept mask): under 1/4 chunk.
+    assert gradients + one_chunk <= peak_bytes(forward) < gradients + 1.25 * one_chunk
 
 
 def test_user_module_without_head():

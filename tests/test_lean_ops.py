@@ -11,9 +11,7 @@ import gc
 
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from storages import StoragesMade, kept_bytes
 
 from shardtrain.config.loader import load_config
 from shardtrain.config.plan import resolve_plan
@@ -85,7 +83,8 @@ def test_the_recomputed_product_gives_autograds_gradients(checkpointing: str) ->
             with StoragesMade() as mode:
                 out = half(gate, up)
             gc.collect()
-            kept = {ref.cdata for ref, nbytes in mode.made if not ref.expired() and nbytes == 3 * 17 * 40 * 4}
+            kept = {key for key, (ref, nbytes) in mode.made.items()
+                    if not ref.expired() and nbytes == 3 * 17 * 40 * 4}
             grads = torch.autograd.grad(out.square().sum(), (gate, up, down.weight))
             results.append((out, grads, len(kept)))
         (lean_out, lean_grads, lean_kept), (plain_out, plain_grads, plain_kept) = results
@@ -93,36 +92,6 @@ def test_the_recomputed_product_gives_autograds_gradients(checkpointing: str) ->
         assert all(torch.equal(a, b) for a, b in zip(lean_grads, plain_grads, strict=True))
         if checkpointing == "none" and down_class is torch.nn.Linear:
             assert (lean_kept, plain_kept) == (0, 2)  # plain: silu's output and the product
-
-
-class StoragesMade(TorchDispatchMode):
-    """Weak references to the storage of every tensor an operator makes while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.made: list[tuple[StorageWeakRef, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                self.made.append((StorageWeakRef(storage), storage.nbytes()))
-        return out
-
-
-def kept_bytes(run, exclude: tuple[torch.Tensor, ...]) -> int:
-    """Bytes of the distinct storages ``run()`` makes that are alive once it returned, but for its
-    result's and those of ``exclude`` (parameters, tables: a transpose of a weight is a new tensor
-    on its storage): what its autograd graph keeps for backward (whoever keeps it: not only what
-    passes through saved-tensor hooks, which a layer's own hooks would hide)."""
-    with StoragesMade() as mode:
-        result = run()
-    gc.collect()
-    alive = dict((ref.cdata, nbytes) for ref, nbytes in mode.made if not ref.expired())
-    for tensor in (result, *exclude):
-        alive.pop(StorageWeakRef(tensor.untyped_storage()).cdata, None)
-    return sum(alive.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -64,6 +64,28 @@ def _chunk_gradient(logits: torch.Tensor, targets: torch.Tensor, ignore_index: i
     return loss, grad
 
 
+def _chunk_loss_and_grads(chunk: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          targets: torch.Tensor, ignore_index: int, grad_chunk: torch.Tensor | None,
+                          grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None,
+                          with_grads: bool) -> torch.Tensor:
+    """One chunk's summed cross-entropy; with ``with_grads``, its gradients written into
+    ``grad_chunk`` (the chunk's rows of the hidden states' gradient) and added to ``grad_weight`` and
+    ``grad_bias`` (those that are not None)."""
+    logits = F.linear(chunk, weight, bias).float()  # the compute-dtype copy is freed here
+    if not with_grads:
+        return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+    chunk_loss, grad_logits = _chunk_gradient(logits, targets, ignore_index)
+    # The plain path's ``.float()`` hands its gradient back in the compute dtype: so here.
+    grad_logits = grad_logits.to(chunk.dtype)
+    if grad_chunk is not None:
+        torch.mm(grad_logits, weight, out=grad_chunk)
+    if grad_weight is not None:
+        grad_weight.addmm_(grad_logits.t(), chunk)
+    if grad_bias is not None:
+        grad_bias += grad_logits.sum(0)
+    return chunk_loss
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -79,21 +101,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias) if want_bias else None
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            chunk = hidden[rows]
-            logits = F.linear(chunk, weight, bias).float()  # the compute-dtype copy is freed here
-            if not with_grads:
-                loss += F.cross_entropy(logits, targets[rows], ignore_index=ignore_index, reduction="sum")
-                continue
-            chunk_loss, grad_logits = _chunk_gradient(logits, targets[rows], ignore_index)
-            loss += chunk_loss
-            # The plain path's ``.float()`` hands its gradient back in the compute dtype: so here.
-            grad_logits = grad_logits.to(hidden.dtype)
-            if want_hidden:
-                torch.mm(grad_logits, weight, out=grad_hidden[rows])
-            if want_weight:
-                grad_weight.addmm_(grad_logits.t(), chunk)
-            if want_bias:
-                grad_bias += grad_logits.sum(0)
+            # One function call a chunk: its logits die when it returns. A loop variable would keep
+            # the last chunk's logits alive while the next chunk's are computed, two chunks at the
+            # peak (measured: 62 MiB more a rank at a 32k vocabulary).
+            grad_chunk = None if grad_hidden is None else grad_hidden[rows]
+            loss += _chunk_loss_and_grads(hidden[rows], weight, bias, targets[rows], ignore_index,
+                                          grad_chunk, grad_weight, grad_bias, with_grads)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.backward_done = False
         return loss
