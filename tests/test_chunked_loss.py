@@ -21,6 +21,7 @@ from shardtrain.config.loader import load_config
 from shardtrain.config.schema import ModelConfig
 from shardtrain.data.batches import IGNORE_INDEX, Batch
 from shardtrain.diagnostics.planner import estimate
+from shardtrain.distributed.parallelize import largest_first
 from shardtrain.models.hf import HFCausalLM, head_transform_reason
 from shardtrain.models.llama import Llama
 from shardtrain.models.registry import build_model
@@ -142,6 +143,18 @@ def test_one_chunk_of_logits_at_a_time():
     one_chunk = chunk * vocab * 4
     # Beside them only per-token vectors (maxima, sums, picked logits, the kept mask): under 1/4 chunk.
     assert gradients + one_chunk <= peak_bytes(forward) < gradients + 1.25 * one_chunk
+
+
+def test_head_units_put_the_head_first():
+    """FSDP2 keeps a unit's last gradient alive through its reduce-scatter: in the head's unit that
+    must be the norm's, not the head's (the head's is the largest tensor of the loss's phase)."""
+    for tied in (False, True):
+        model = Llama(ModelConfig(vocab_size=300, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                                  tie_embeddings=tied))
+        head_group = model.extra_shard_groups()[-1]
+        ordered = largest_first(head_group)
+        assert ordered[-1] is model.norm and ordered[0] in (model.output, model.tok_embeddings)
+        assert sorted(map(id, ordered)) == sorted(map(id, head_group))
 
 
 def test_user_module_without_head():
