@@ -44,24 +44,37 @@ def expected_choice(cfg, model, world: int, budget: int) -> tuple[int, str]:
     raise AssertionError("nothing fits")
 
 
-@pytest.fixture(scope="module")
-def llama_8b():
+def llama_8b_config(*overrides: str):
     cfg = load_config(["model=llama3_8b", "trainer.seq_len=4096", "trainer.micro_batch_size=auto",
-                       f"trainer.global_batch_size={8 * WORLD}", "strategy.mixed_precision=bf16-mixed"])
+                       f"trainer.global_batch_size={8 * WORLD}", "strategy.mixed_precision=bf16-mixed",
+                       *overrides])
     with torch.device("meta"):
         return cfg, build_model(cfg.model)
 
 
+@pytest.fixture(scope="module")
+def llama_8b():
+    return llama_8b_config()
+
+
+@pytest.fixture(scope="module")
+def llama_8b_plain_layers():
+    """Plain autograd's norms and SwiGLU, as a Hugging Face model has them: selective checkpointing
+    drops their element-wise tensors. With the lean layers there are none left to drop, and it keeps
+    a little more than no checkpointing (the two projections back to the residual stream)."""
+    return llama_8b_config("model.lean_layers=false")
+
+
 # Limits (GiB) and what the planner chose at each when this test was written (with the built-in
-# Llama's lean layers, w2's input recomputed): several sizes, and every kind of checkpointing.
-# Selective keeps 95% of what none keeps (the lean layers keep little else), so only a narrow band
-# chooses it. At 12 GiB full checkpointing with the chunked loss (auto: Llama-3's 128k vocabulary)
-# leaves room for 2.
-@pytest.mark.parametrize(("limit_gib", "written"), [(80, (4, "none")), (40, (2, "none")),
-                                                     (21.3, (1, "selective")), (16, (1, "every_k")),
-                                                     (12, (2, "all"))])
-def test_auto_chooses_what_the_planner_says_fits(llama_8b, limit_gib, written):
-    cfg, model = llama_8b
+# Llama's lean layers, w2's input and the norms' outputs recomputed): several sizes, and every kind
+# of checkpointing (selective with plain layers). At 12 GiB full checkpointing with the chunked loss
+# (auto: Llama-3's 128k vocabulary) leaves room for 2.
+@pytest.mark.parametrize(("plain_layers", "limit_gib", "written"),
+                         [(False, 80, (4, "none")), (False, 40, (2, "none")), (False, 16, (1, "every_k")),
+                          (False, 12, (2, "all")), (True, 21.3, (1, "selective"))])
+def test_auto_chooses_what_the_planner_says_fits(llama_8b, llama_8b_plain_layers, plain_layers, limit_gib,
+                                                 written):
+    cfg, model = llama_8b_plain_layers if plain_layers else llama_8b
     choice = choose_batch(cfg, model, WORLD, 8, limit_gib * GIB, held=0, accelerated=True)
     chosen = (choice.micro_batch_size, choice.activation_checkpointing)
     assert chosen == expected_choice(cfg, model, WORLD, choice.budget) == written
@@ -70,11 +83,15 @@ def test_auto_chooses_what_the_planner_says_fits(llama_8b, limit_gib, written):
     assert "trainer.micro_batch_size=auto" in choice.describe(WORLD, 0.1)
 
 
-def test_auto_checkpoints_only_when_no_batch_fits_without(llama_8b):
-    cfg, model = llama_8b
+def one_sequence_peaks(cfg, model) -> dict[str, int]:
     one = replace(cfg, trainer=replace(cfg.trainer, micro_batch_size=1, grad_accum_steps=8))
-    peaks = {ac: estimate(replace(one, strategy=replace(one.strategy, activation_checkpointing=ac)),
-                          model, "FULL_SHARD", WORLD, 8).peak for ac in AC_MODES}
+    return {ac: estimate(replace(one, strategy=replace(one.strategy, activation_checkpointing=ac)),
+                         model, "FULL_SHARD", WORLD, 8).peak for ac in AC_MODES}
+
+
+def test_auto_checkpoints_only_when_no_batch_fits_without(llama_8b, llama_8b_plain_layers):
+    cfg, model = llama_8b_plain_layers
+    peaks = one_sequence_peaks(cfg, model)
     # (auto tries modes by their time cost, selective before every second block in full, so every_k
     # is chosen only where it fits and selective does not.)
     assert peaks["all"] < min(peaks["every_k"], peaks["selective"]) < peaks["none"]
@@ -82,6 +99,12 @@ def test_auto_checkpoints_only_when_no_batch_fits_without(llama_8b):
     choice = choose_batch(cfg, model, WORLD, 8, int((peaks["none"] - 1) / 0.9), held=0, accelerated=True)
     assert choice.activation_checkpointing == "selective"
     assert choice.micro_batch_size == expected_choice(cfg, model, WORLD, choice.budget)[0]
+    # With the lean layers selective is no cheaper than none: below none, every_k is chosen.
+    cfg, model = llama_8b
+    peaks = one_sequence_peaks(cfg, model)
+    assert peaks["all"] < peaks["every_k"] < peaks["none"] <= peaks["selective"]
+    choice = choose_batch(cfg, model, WORLD, 8, int((peaks["none"] - 1) / 0.9), held=0, accelerated=True)
+    assert choice.activation_checkpointing == "every_k"
     # An explicit mode is the cheapest it may choose.
     explicit = replace(cfg, strategy=replace(cfg.strategy, activation_checkpointing="all"))
     assert choose_batch(explicit, model, WORLD, 8, 80 * GIB, 0, True).activation_checkpointing == "all"

@@ -17,6 +17,7 @@ from shardtrain.config.loader import load_config
 from shardtrain.config.plan import resolve_plan
 from shardtrain.diagnostics.planner import activation_model
 from shardtrain.distributed.parallelize import enable_activation_checkpointing
+from shardtrain.models import lean_ops
 from shardtrain.models.lean_ops import rms_norm, swiglu, swiglu_projected
 from shardtrain.models.llama import Llama, llama_dims
 from shardtrain.models.masking import document_attention_bias
@@ -92,6 +93,27 @@ def test_the_recomputed_product_gives_autograds_gradients(checkpointing: str) ->
         assert all(torch.equal(a, b) for a, b in zip(lean_grads, plain_grads, strict=True))
         if checkpointing == "none" and down_class is torch.nn.Linear:
             assert (lean_kept, plain_kept) == (0, 2)  # plain: silu's output and the product
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recomputed_norm_outputs_give_the_kept_ones_gradients(dtype: torch.dtype, monkeypatch) -> None:
+    """The projections after each norm get its output recomputed in backward (models/lean_ops.project):
+    a block's output and every gradient are bit for bit those of a block that keeps the outputs."""
+    cfg = load_config(["model.dim=64", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2"])
+    torch.manual_seed(0)
+    block = Llama(cfg.model).layers[0].to(dtype)
+    rope = Llama(cfg.model).rope[:12]
+    x = torch.randn(2, 12, 64, dtype=dtype, requires_grad=True)
+    grad = torch.randn(2, 12, 64, dtype=dtype)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        out = block(x * 1, rope)
+        return out, *torch.autograd.grad(out, (x, *block.parameters()), grad)
+
+    recomputed = run()
+    monkeypatch.setattr(lean_ops, "_may_recompute", lambda tensor: False)  # keep what autograd keeps
+    kept = run()
+    assert all(torch.equal(a, b) for a, b in zip(recomputed, kept, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -90,9 +90,10 @@ def test_simulated_numbers_follow_the_strategies(grid_results):
     assert zero2[:3] == full[:3] and zero2[4] > full[4]  # same shards, units stay gathered
     assert 7.5 < full[0] / wider[0] < 8.5  # 8x the ranks, 1/8 of the shard
     assert checkpointed[3] < full[3] / 3  # activation checkpointing keeps block inputs only
-    # Selective checkpointing keeps matmul and attention outputs: between the two (93% of none's:
-    # the built-in Llama's lean layers already keep little besides those, and not w2's input).
-    assert checkpointed[3] < selective[3] < 0.97 * full[3]
+    # Selective checkpointing keeps matmul and attention outputs. The built-in Llama's lean layers
+    # keep nothing else (their norms' outputs and w2's input are recomputed), so selective keeps
+    # 8% more than none (the two projections back to the residual stream, not the residual between).
+    assert checkpointed[3] < full[3] < selective[3] < 1.1 * full[3]
     # 8B at 8 ranks: 16 bytes per parameter over 8 ranks (fp32 params, grads, two Adam moments).
     assert abs(sum(full[:3]) - 16 * 8.03e9 / 8) / (16 * 8.03e9 / 8) < 0.01
 
@@ -117,9 +118,10 @@ def test_planner_matches_the_simulation_with_tensor_parallelism(simulations):
     # Each of 256 ranks holds about 1/256 of the weights, as under FSDP alone (the norms, replicated
     # over tp, are sharded 32 ways only)...
     assert 1 < tp8["simulated"][0] * 256 / (fsdp[0] * 512) < 1.01
-    # ...but TP 8 with sequence parallelism divides the activations of a sequence by about 3.4 (not
-    # 8: the norms' outputs are whole again for the matmuls, and under TP w2 keeps its input).
-    assert 3 < fsdp[3] / tp8["simulated"][3] < 4
+    # ...but TP 8 with sequence parallelism divides the activations of a sequence by about 2.9 (not
+    # 8: the norms' outputs are whole again for the matmuls, which keep them, and w2 keeps its input,
+    # where FSDP alone recomputes both in backward).
+    assert 2.5 < fsdp[3] / tp8["simulated"][3] < 3.5
     no_sp = by_case["llama3_70b x 256 full_shard TP 8 AC=all strategy.sequence_parallel=false"]
     assert no_sp["simulated"][3] > 3 * by_case["llama3_70b x 256 full_shard TP 8 AC=all"]["simulated"][3]
 

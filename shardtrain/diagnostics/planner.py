@@ -158,7 +158,8 @@ class ActivationModel:
     document_mask: int = 0
     # What the recomputation of the last block holds besides ``block``: selective checkpointing's
     # kept outputs autograd itself does not save (q and k before RoPE, both projections back to the
-    # residual stream); the lean feed-forward's SwiGLU product (kept when recomputed).
+    # residual stream); the lean feed-forward's SwiGLU product and the norms' outputs (kept when
+    # recomputed).
     recompute_extra: int = 0
     chunked_loss: bool = False  # the head's gradient is complete before backward reaches it
     head_weight_grad: int = 0  # chunked: the head weight's gradient, part of ``head_saved``
@@ -203,7 +204,10 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     # checkpoint's recomputation (the checkpoint's own hooks see every tensor the block saves).
     product_recomputed = lean and tp == 1
     swiglu = (2 if product_recomputed else 3 if lean else 4) * b * ffn
-    norm = (rms_norm_saved(m.dim, b, lean) - b * m.dim) // seq + b * m.dim
+    # A norm's output, which the next projections keep: recomputed for their backward from the lean
+    # norm's input and rsqrt (models/lean_ops.project), the same exceptions as the product.
+    norm_output_recomputed = product_recomputed
+    norm = (rms_norm_saved(m.dim, b, lean) - b * m.dim) // seq + (0 if norm_output_recomputed else b * m.dim)
     block = tokens * (2 * norm + (attention + swiglu) // tp)
     # Selective: the input, the q, k, v projections (before any repetition), SDPA's output and
     # log-sum-exp, the output projection, w1, w3 and w2 outputs (the two projections back to the
@@ -232,7 +236,7 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     selective_mode = plan.activation_checkpointing == "selective"
     recompute_extra = tokens * b * (2 * m.dim + (m.dim + projected_kv) // tp) if selective_mode else 0
     if product_recomputed and plan.checkpointed(m.n_layers - 1):
-        recompute_extra += tokens * b * ffn
+        recompute_extra += tokens * b * (ffn + 2 * m.dim)
     kept = selective if selective_mode else tokens * b * m.dim // seq
     return ActivationModel(
         saved_blocks=[kept if plan.checkpointed(i) else block for i in range(m.n_layers)],

@@ -8,12 +8,13 @@ cheap to recompute from (the norm's input and one rsqrt per token; the two proje
 element-wise work in backward. The forward values are autograd's to the bit (the same operations in
 the same order); the norm's input gradient is the same formula regrouped, equal within rounding.
 
-``swiglu_projected`` goes one step further: the SwiGLU's product, which the down projection keeps
-for its weight's gradient, is recomputed from the two projections when backward reaches it (one
-element-wise pass), whatever module the down projection is (a LoRA layer keeps it the same way; a
-float8 linear or a tensor-parallel one that keeps something else keeps that). Together a block keeps
-40-47% fewer activation bytes than with autograd's layers (docs/memory-planner.md), for no extra
-matmul.
+``swiglu_projected`` and ``project`` go one step further, through saved-tensor hooks around the
+projections: the SwiGLU's product, which the down projection keeps for its weight's gradient, is
+recomputed from the two projections when backward reaches it, and a norm's output, which the q, k, v
+(or w1, w3) projections keep, from the norm's input and rsqrt (one element-wise pass each), whatever
+module the projection is (a LoRA layer keeps it the same way; a float8 linear or a tensor-parallel
+one that keeps something else keeps that). Together a block keeps 47-54% fewer activation bytes than
+with autograd's layers (docs/memory-planner.md), for no extra matmul.
 
 They work on DTensors as they do on tensors (sequence parallelism hands the norms sharded inputs):
 every operation in them is an ordinary one.
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.tensor import DTensor
 
 
 def _normalise(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +39,13 @@ def _normalise(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch
     by construction."""
     xf = x.float()
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * rstd).type_as(x) * weight, rstd
+    return _scaled(xf, rstd, weight, x.dtype), rstd
+
+
+def _scaled(xf: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The norm's output from its fp32 input and rsqrt: the forward and its recomputation in
+    backward (``project``) both compute it here, so that they agree to the bit."""
+    return (xf * rstd).to(dtype) * weight
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -89,23 +97,72 @@ def _gate_and_up(ctx) -> tuple[torch.Tensor, torch.Tensor]:
     return ctx.gate_and_up
 
 
-class _RecomputedProduct:
-    """Kept by the down projection in place of (a view of) the SwiGLU's product."""
+class _Recomputed:
+    """Kept by a layer for backward in place of (a view of) a tensor that is recomputed, from what
+    another autograd node keeps anyway, when backward reads it."""
 
     __slots__ = ("node", "size", "stride", "offset")
 
     def __init__(self, node, view: torch.Tensor) -> None:
-        self.node = node  # the product's autograd node: part of the graph anyway
+        self.node = node  # the recomputed tensor's autograd node: part of the graph anyway
         self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
 
     def tensor(self) -> torch.Tensor:
+        return self.whole().as_strided(self.size, self.stride, self.offset)
+
+    def whole(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _RecomputedProduct(_Recomputed):
+    """The SwiGLU's product, kept by the down projection."""
+
+    __slots__ = ()
+
+    def whole(self) -> torch.Tensor:
         gate, up = _gate_and_up(self.node)
         # The forward's operations: the same values to the bit.
-        return F.silu(gate).mul_(up).as_strided(self.size, self.stride, self.offset)
+        return F.silu(gate).mul_(up)
+
+
+class _RecomputedNormOutput(_Recomputed):
+    """An RMSNorm's output, kept by the projections that read it."""
+
+    __slots__ = ()
+
+    def whole(self) -> torch.Tensor:
+        x, weight, rstd = self.node.saved_tensors
+        return _scaled(x.float(), rstd, weight, x.dtype)
 
 
 def _unpack(saved):
-    return saved.tensor() if isinstance(saved, _RecomputedProduct) else saved
+    return saved.tensor() if isinstance(saved, _Recomputed) else saved
+
+
+def _recomputing(target: torch.Tensor, kind: type[_Recomputed]):
+    """Saved-tensor hooks under which what saves ``target`` (or a view of it) keeps a ``kind`` in its
+    place. Autograd keeps the hooks with every tensor saved under them: a reference to ``target``
+    here would keep it alive."""
+    node = target.grad_fn
+    target_ref = weakref.ref(target)
+
+    def pack(saved: torch.Tensor):
+        target = target_ref()
+        if target is not None and (saved is target or saved._base is target):
+            return kind(node, saved)
+        return saved
+
+    return saved_tensors_hooks(pack, _unpack)
+
+
+def _may_recompute(tensor: torch.Tensor) -> bool:
+    """Recomputation in backward through our hooks: not under activation checkpointing (it already
+    recomputes, and tensors saved under a hook of ours would escape its own hooks) nor compilation
+    (the compiler chooses what to keep), and not for a DTensor (a tensor-parallel layer keeps its own
+    DTensor input, which is not it)."""
+    # Compilation first: the compiler cannot trace a context variable's lookup (a graph break).
+    return (not torch.compiler.is_compiling() and tensor.requires_grad and not isinstance(tensor, DTensor)
+            and not _checkpointed.get())
 
 
 _checkpointed = contextvars.ContextVar("checkpointed", default=False)
@@ -142,18 +199,21 @@ def swiglu_projected(gate: torch.Tensor, up: torch.Tensor, down: Callable[[torch
     keeps) in its place. Wherever ``down`` keeps something else (a float8 copy, a DTensor under tensor
     parallelism), that is kept as it is; under compilation the compiler chooses what to keep."""
     product = swiglu(gate, up, lean)
-    if not (lean and product.requires_grad) or _checkpointed.get() or torch.compiler.is_compiling():
+    if not (lean and _may_recompute(product)):
         return down(product)
-    node = product.grad_fn
-    # Autograd keeps the hooks with every tensor saved under them: a reference to the product
-    # here would keep it alive.
-    product_ref = weakref.ref(product)
-
-    def pack(saved: torch.Tensor):
-        target = product_ref()
-        if target is not None and (saved is target or saved._base is target):
-            return _RecomputedProduct(node, saved)
-        return saved
-
-    with saved_tensors_hooks(pack, _unpack):
+    with _recomputing(product, _RecomputedProduct):
         return down(product)
+
+
+def project(x: torch.Tensor,
+            *projections: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Each of ``projections`` applied to ``x``. When ``x`` is a lean RMSNorm's output
+    (``rms_norm(..., lean=True)``), what the projections keep of it for their weights' gradients
+    is recomputed from the norm's input and rsqrt (which the norm keeps) when backward reads it: one
+    element-wise pass each instead of a residual-stream-sized tensor kept per norm. Whatever a
+    projection keeps that is not ``x`` (a float8 copy, a LoRA layer's dropout output) is kept as it is."""
+    # Compiled, the compiler chooses what to keep (and cannot trace a look at the autograd graph).
+    if not (_may_recompute(x) and isinstance(x.grad_fn, _RMSNorm._backward_cls)):
+        return tuple(projection(x) for projection in projections)
+    with _recomputing(x, _RecomputedNormOutput):
+        return tuple(projection(x) for projection in projections)

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from shardtrain.config.schema import ModelConfig
 from shardtrain.errors import ModelError
 from shardtrain.models.dims import Dims
-from shardtrain.models.lean_ops import rms_norm, swiglu_projected
+from shardtrain.models.lean_ops import project, rms_norm, swiglu_projected
 from shardtrain.models.llama_tp import llama_tensor_parallel_plan, parallelize_llama
 from shardtrain.models.masking import document_attention_bias
 
@@ -114,9 +114,10 @@ class Attention(nn.Module):
         # Rotated in (B, T, H, D) order, then viewed as (B, H, T, D): SDPA writes its output in its
         # query's memory order, so the output projection reads it without a copy (a copy would
         # also be kept for backward).
-        q = apply_rope(self.wq(x).view(b, t, -1, self.head_dim), rope).transpose(1, 2)
-        k = apply_rope(self.wk(x).view(b, t, -1, self.head_dim), rope).transpose(1, 2)
-        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (y.view(b, t, -1, self.head_dim) for y in project(x, self.wq, self.wk, self.wv))
+        q = apply_rope(q, rope).transpose(1, 2)
+        k = apply_rope(k, rope).transpose(1, 2)
+        v = v.transpose(1, 2)
         start = 0
         if cache is not None:
             start = cache.pos
@@ -145,7 +146,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu_projected(self.w1(x), self.w3(x), self.w2, self.lean)
+        gate, up = project(x, self.w1, self.w3)
+        return swiglu_projected(gate, up, self.w2, self.lean)
 
 
 class TransformerBlock(nn.Module):
