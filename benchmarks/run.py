@@ -86,6 +86,7 @@ from shardtrain.config.loader import load_config
 from shardtrain.config.strategy import AC_MODES
 from shardtrain.diagnostics.planner import estimate, planned_model
 from shardtrain.report.figures import RUN_COLOURS
+from shardtrain.tasks.losses import DEFAULT_CHUNK_TOKENS
 from shardtrain.train.simulate import simulate, simulation_rows, simulation_table
 
 ROOT = Path(__file__).parent.parent
@@ -121,7 +122,7 @@ ABLATION_PROGRAMS = [
     ("Lightning (ModelParallelStrategy)", "lightning", {}),
     ("shardtrain, defaults", "shardtrain", {}),
     ("shardtrain, chunked loss turned the other way", "shardtrain",
-     {"default": ["trainer.loss_chunk_tokens=512"], "vocab": ["trainer.loss_chunk_tokens=0"]}),
+     {"default": [f"trainer.loss_chunk_tokens={DEFAULT_CHUNK_TOKENS}"], "vocab": ["trainer.loss_chunk_tokens=0"]}),
     ("shardtrain, foreach AdamW (not fused)", "shardtrain",
      {m: ["trainer.optimizer_kernel=foreach"] for m in ("default", "vocab")}),
     ("shardtrain, selective activation checkpointing", "shardtrain",
@@ -1301,7 +1302,8 @@ def loss_section(command: str, rounds: int) -> str:
              "machine).", "",
              "A step's peak resident memory above what stays between steps (weights and AdamW's state), "
              "dim 512, 8 layers, 4 sequences of 512 tokens (2,048 tokens), fp32, one process, a fresh "
-             "process per case; `chunked` is `trainer.loss_chunk_tokens=512`, `recompute` "
+             f"process per case; `chunked` is `trainer.loss_chunk_tokens={DEFAULT_CHUNK_TOKENS}` (auto's "
+             "chunk), `recompute` "
              "the same chunks under `torch.utils.checkpoint` (the design not chosen):", "",
              "| vocabulary | full fp32 logits MiB | plain MiB | chunked MiB | recompute MiB | chunked / plain |",
              "| --- | --- | --- | --- | --- | --- |"]

@@ -23,10 +23,12 @@ import torch.nn.functional as F
 
 from shardtrain.data.batches import IGNORE_INDEX
 
-# Tokens per chunk when a caller names none: [512, vocab] fp32 logits are 62 MB at a 32k vocabulary
-# and 250 MB at 128k. Measured on CPU (docs/benchmarks.md): a step's peak fell by 39% (32k) and 61%
-# (128k) at 512 tokens, and the step ran at 1.32x the plain loss's tokens/s at 32k.
-DEFAULT_CHUNK_TOKENS = 512
+# Tokens per chunk when a caller names none: [256, vocab] fp32 logits are 31 MiB at a 32k vocabulary
+# and 125 MiB at 128k (Liger-Kernel's rule, chunk logits about the size of the hidden states, gives
+# 256 tokens for Llama-3 8B at 8,192 tokens). The loss's forward and backward at 32k ran as fast at
+# 256 tokens a chunk as at 512 on this CPU (1.17 vs 1.21 s for 1,024 tokens on one thread; 128: 1.25,
+# 64: 1.46), and the vocabulary-heavy ablation's peak fell by 31 MiB a rank (docs/benchmarks.md).
+DEFAULT_CHUNK_TOKENS = 256
 # trainer.loss_chunk_tokens=auto chunks from this vocabulary up. Measured on CPU (docs/benchmarks.md):
 # 1.32x the plain loss's tokens/s at 32k with 39% less step memory, 0.97x at the default 256 tokens
 # (the head is then a sliver of the step, and the per-chunk loop's overhead is not).
