@@ -171,7 +171,8 @@ _checkpointed = contextvars.ContextVar("checkpointed", default=False)
 @contextlib.contextmanager
 def checkpointed() -> Iterator[None]:
     """Activation checkpointing's forward and recomputation run inside this: the checkpoint already
-    recomputes the product, and tensors saved under a hook of ours would escape its own hooks."""
+    recomputes the product and the norms' outputs, and tensors saved under a hook of ours would
+    escape its own hooks."""
     token = _checkpointed.set(True)
     try:
         yield
@@ -212,7 +213,7 @@ def project(x: torch.Tensor,
     is recomputed from the norm's input and rsqrt (which the norm keeps) when backward reads it: one
     element-wise pass each instead of a residual-stream-sized tensor kept per norm. Whatever a
     projection keeps that is not ``x`` (a float8 copy, a LoRA layer's dropout output) is kept as it is."""
-    # Compiled, the compiler chooses what to keep (and cannot trace a look at the autograd graph).
+    # _may_recompute first: compiled, the autograd graph is not there to look at.
     if not (_may_recompute(x) and isinstance(x.grad_fn, _RMSNorm._backward_cls)):
         return tuple(projection(x) for projection in projections)
     with _recomputing(x, _RecomputedNormOutput):
