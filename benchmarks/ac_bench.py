@@ -6,6 +6,7 @@ the built-in Llama, a training step (forward, backward, fused AdamW), blocks che
 peak resident memory over what stays between steps; one JSON line.
 ``python benchmarks/ac_bench.py speed DIM LAYERS SEQ BATCH ROUNDS``: tokens/s of every mode,
 alternating step by step in one process (the machine's load falls on all alike); one JSON line.
+``LEAN_LAYERS=0`` in the environment: the model with plain autograd's norms and SwiGLU.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import copy
 import functools
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -77,8 +79,10 @@ def checkpointed(model: Llama, mode: str) -> Llama:
 
 def setup(dim: int, layers: int, seq: int, batch: int):
     torch.manual_seed(0)
+    # LEAN_LAYERS=0: plain autograd's norms and SwiGLU (model.lean_layers=false), as Hugging Face
+    # models have them.
     cfg = ModelConfig(dim=dim, n_layers=layers, n_heads=max(dim // 64, 1), n_kv_heads=max(dim // 128, 1),
-                      max_seq_len=seq)
+                      max_seq_len=seq, lean_layers=os.environ.get("LEAN_LAYERS", "1") == "1")
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
     return Llama(cfg), Batch(tokens[:, :-1], tokens[:, 1:])
 

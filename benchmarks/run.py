@@ -1336,34 +1336,40 @@ def ac_section(command: str, rounds: int) -> str:
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     modes = [*AC_MODES, "torchtitan op"]  # ac_bench.MODES
-    memory = {mode: run("memory", *AC_SHAPE, mode.replace(" ", "_"), env={"MALLOC_MMAP_THRESHOLD_": "65536"})
-              for mode in modes}
+    kinds = (("lean (default)", "1"), ("plain autograd", "0"))  # model.lean_layers
+    memory = {(kind, mode): run("memory", *AC_SHAPE, mode.replace(" ", "_"),
+                                env={"MALLOC_MMAP_THRESHOLD_": "65536", "LEAN_LAYERS": lean})
+              for kind, lean in kinds for mode in modes}
     load = os.getloadavg()[0]
-    speed = run("speed", *AC_SHAPE, rounds)
+    speed = {kind: run("speed", *AC_SHAPE, rounds, env={"LEAN_LAYERS": lean}) for kind, lean in kinds}
     dim, layers, seq, batch = AC_SHAPE
-    same = all(losses == speed["losses"]["none"] for losses in speed["losses"].values())
+    same = all(losses == result["losses"]["none"] for result in speed.values()
+               for losses in result["losses"].values())
     lines = [AC_BEGIN, "## Selective activation checkpointing", "",
              "`strategy.activation_checkpointing` modes against each other: the built-in Llama, dim "
              f"{dim}, {layers} layers, vocabulary 256, {batch} sequences of {seq} tokens, fp32, one "
              "process (blocks checkpointed as `parallelize` does it; `every_k` with k = 2; `torchtitan op`: "
              "torchtitan's per-operation policy, the same saved operators but every second matmul "
-             "recomputed, written in benchmarks/ac_bench.py for this comparison).", "",
+             "recomputed, written in benchmarks/ac_bench.py for this comparison), with its lean layers "
+             "(the default) and with plain autograd's norms and SwiGLU (`model.lean_layers=false`, as "
+             "Hugging Face models have them).", "",
              f"`{command}` on {cpu_name()}, {datetime.date.today()}, torch {torch.__version__}, load "
              f"average {load:.1f} on {os.cpu_count()} cores when it ran (other work shared the machine).", "",
-             "| mode | step peak MiB above weights + state | vs none | CPU s a step | vs none | "
-             "tokens/s (wall) | vs none |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    rates, cpu = speed["tokens_per_s"], speed["cpu_s_per_step"]
-    for mode in modes:
-        peak = memory[mode]["step_peak_mib"]
-        lines.append(f"| {mode} | {peak:,.0f} | {peak / memory['none']['step_peak_mib']:.2f} | "
-                     f"{cpu[mode]:.2f} | {cpu[mode] / cpu['none']:.2f} | "
-                     f"{rates[mode]:,.0f} | {rates[mode] / rates['none']:.2f} |")
+             "| layers | mode | step peak MiB above weights + state | vs none | CPU s a step | vs none | "
+             "tokens/s (wall) | vs none |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for kind, _ in kinds:
+        rates, cpu = speed[kind]["tokens_per_s"], speed[kind]["cpu_s_per_step"]
+        for mode in modes:
+            peak, none_peak = memory[kind, mode]["step_peak_mib"], memory[kind, "none"]["step_peak_mib"]
+            lines.append(f"| {kind} | {mode} | {peak:,.0f} | {peak / none_peak:.2f} | "
+                         f"{cpu[mode]:.2f} | {cpu[mode] / cpu['none']:.2f} | "
+                         f"{rates[mode]:,.0f} | {rates[mode] / rates['none']:.2f} |")
     lines += ["", f"Memory: Linux's peak resident size over one step, a fresh process per mode. Time: "
               f"median of {rounds} rounds, the modes alternating step by step in one process; the "
               "process runs one thread, whose CPU seconds count only the mode's own work; the wall clock "
               "also counts other processes' on a shared machine. The "
-              f"modes' losses over the {rounds + 1} steps were "
-              + ("identical bit for bit." if same else f"not identical: {speed['losses']}")]
+              f"modes' losses over the {rounds + 1} steps (each kind of layers among its modes) were "
+              + ("identical bit for bit." if same else f"not identical: {speed}")]
     return "\n".join(lines + [AC_END])
 
 
