@@ -57,7 +57,8 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        x, weight, rstd = ctx.saved_tensors
+        x, weight, rstd = _saved_once(ctx)
+        ctx.saved_once = None  # the engine frees the saved tensors after this; so must we
         normed = x.float() * rstd
         grad_weight = (grad * normed.type_as(x)).sum_to_size(weight.shape)
         grad_normed = (grad * weight).float()
@@ -78,8 +79,8 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate, up = _gate_and_up(ctx)
-        ctx.gate_and_up = None  # the engine frees the saved tensors after this; so must we
+        gate, up = _saved_once(ctx)
+        ctx.saved_once = None  # the engine frees the saved tensors after this; so must we
         # The operations autograd's own backward runs, on silu(gate) recomputed; one gradient at a
         # time and the second in place, so that backward holds no more hidden-size tensors than
         # autograd's (the incoming gradient and the two outgoing ones).
@@ -88,13 +89,13 @@ class _SwiGLU(torch.autograd.Function):
         return grad_gate, grad_up
 
 
-def _gate_and_up(ctx) -> tuple[torch.Tensor, torch.Tensor]:
-    """A SwiGLU's saved projections, read once and held until its backward: the down projection's
-    backward reads them first (to recompute the product), and under activation checkpointing
-    saved tensors may be unpacked only once."""
-    if getattr(ctx, "gate_and_up", None) is None:
-        ctx.gate_and_up = ctx.saved_tensors
-    return ctx.gate_and_up
+def _saved_once(ctx) -> tuple[torch.Tensor, ...]:
+    """A lean function's saved tensors, read once and held until its own backward: a projection's
+    backward reads them first (to recompute the product or the norm's output), and under activation
+    checkpointing saved tensors may be unpacked only once."""
+    if getattr(ctx, "saved_once", None) is None:
+        ctx.saved_once = ctx.saved_tensors
+    return ctx.saved_once
 
 
 class _Recomputed:
@@ -120,7 +121,7 @@ class _RecomputedProduct(_Recomputed):
     __slots__ = ()
 
     def whole(self) -> torch.Tensor:
-        gate, up = _gate_and_up(self.node)
+        gate, up = _saved_once(self.node)
         # The forward's operations: the same values to the bit.
         return F.silu(gate).mul_(up)
 
@@ -131,7 +132,7 @@ class _RecomputedNormOutput(_Recomputed):
     __slots__ = ()
 
     def whole(self) -> torch.Tensor:
-        x, weight, rstd = self.node.saved_tensors
+        x, weight, rstd = _saved_once(self.node)
         return _scaled(x.float(), rstd, weight, x.dtype)
 
 
