@@ -30,8 +30,9 @@ from shardtrain.data.batches import IGNORE_INDEX
 # 64: 1.46), and the vocabulary-heavy ablation's peak fell by 31 MiB a rank (docs/benchmarks.md).
 DEFAULT_CHUNK_TOKENS = 256
 # trainer.loss_chunk_tokens=auto chunks from this vocabulary up. Measured on CPU (docs/benchmarks.md):
-# 1.32x the plain loss's tokens/s at 32k with 39% less step memory, 0.97x at the default 256 tokens
-# (the head is then a sliver of the step, and the per-chunk loop's overhead is not).
+# 1.16x the plain loss's tokens/s at 32k with 59% less step memory; at the default 256-token
+# vocabulary 0.97x with 512-token chunks and 1.06x with 256 (the head is a sliver of that step, and
+# within the scatter of one run either way it goes), so small vocabularies keep the plain loss.
 AUTO_CHUNK_MIN_VOCAB = 32_000
 
 
