@@ -69,13 +69,12 @@ def _chunk_gradient(logits: torch.Tensor, targets: torch.Tensor, ignore_index: i
 
 def _chunk_loss_and_grads(chunk: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           targets: torch.Tensor, ignore_index: int, grad_chunk: torch.Tensor | None,
-                          grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None,
-                          with_grads: bool) -> torch.Tensor:
-    """One chunk's summed cross-entropy; with ``with_grads``, its gradients written into
-    ``grad_chunk`` (the chunk's rows of the hidden states' gradient) and added to ``grad_weight`` and
-    ``grad_bias`` (those that are not None)."""
+                          grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None) -> torch.Tensor:
+    """One chunk's summed cross-entropy; its gradients written into ``grad_chunk`` (the chunk's rows
+    of the hidden states' gradient) and added to ``grad_weight`` and ``grad_bias``, those that are not
+    None (all None: the loss alone)."""
     logits = F.linear(chunk, weight, bias).float()  # the compute-dtype copy is freed here
-    if not with_grads:
+    if grad_chunk is None and grad_weight is None and grad_bias is None:
         return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
     chunk_loss, grad_logits = _chunk_gradient(logits, targets, ignore_index)
     # The plain path's ``.float()`` hands its gradient back in the compute dtype: so here.
@@ -94,7 +93,6 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, chunk_tokens: int, ignore_index: int) -> torch.Tensor:
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
-        with_grads = want_hidden or want_weight or want_bias
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         # Summed over chunks in the weight's dtype, in place (Liger-Kernel does the same): an fp32
@@ -109,7 +107,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             # peak (measured: 62 MiB more a rank at a 32k vocabulary).
             grad_chunk = None if grad_hidden is None else grad_hidden[rows]
             loss += _chunk_loss_and_grads(hidden[rows], weight, bias, targets[rows], ignore_index,
-                                          grad_chunk, grad_weight, grad_bias, with_grads)
+                                          grad_chunk, grad_weight, grad_bias)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.backward_done = False
         return loss
