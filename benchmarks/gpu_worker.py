@@ -34,13 +34,12 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-import shardtrain.distributed.float8  # noqa: F401 - registers strategy.float8's conversion (torchao)
 from shardtrain.accelerator import device_peak_flops, peak_memory_mib
 from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.config.loader import load_config
 from shardtrain.models.llama import Llama
 from shardtrain.train.loop import Trainer
-from shardtrain.train.optim import build_optimizer, build_scheduler
+from shardtrain.train.optim import build_scheduler
 
 QUIET = ["trainer.max_steps=100000", "trainer.eval_every=0", "trainer.log_every=1000000",
          "trainer.sample_tokens=0", "trainer.progress_bar=false", "run.trackers=[]",
@@ -68,8 +67,8 @@ def max_allocated_mib(device: torch.device) -> float:
 
 def handwritten(cfg, trainer: Trainer, compiled: bool, checkpointed: bool):
     """The FSDP2 tutorial loop on one GPU: blocks then root, bf16 params with fp32 reductions,
-    the same AdamW, torch's clip_grad_norm_, loss.item() for logging. Starts from shardtrain's
-    weights (copied), reads shardtrain's batches."""
+    torch.optim.AdamW with the same hyperparameters, torch's clip_grad_norm_, loss.item() for
+    logging. Starts from shardtrain's weights (copied), reads shardtrain's batches."""
     device = trainer.env.device
     mesh = trainer.built.mesh
     with torch.device("meta"):
@@ -90,7 +89,10 @@ def handwritten(cfg, trainer: Trainer, compiled: bool, checkpointed: bool):
             source = ours[name.replace("._checkpoint_wrapped_module", "")]
             param.to_local().copy_(source.to_local() if isinstance(source, DTensor) else source)
         model.init_buffers()
-    optimizer = build_optimizer(model, cfg.trainer)
+    # torch.optim.AdamW as users write it: its own kernel choice (foreach on a GPU), one group.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, eps=cfg.trainer.adam_eps,
+                                  betas=(cfg.trainer.beta1, cfg.trainer.beta2),
+                                  weight_decay=cfg.trainer.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.trainer)
 
     return tutorial_step(model, optimizer, scheduler, trainer, cfg.trainer.grad_clip_norm)
@@ -141,7 +143,7 @@ def speed(args: argparse.Namespace) -> dict:
     times = time_rounds({"shardtrain": trainer.iteration, "handwritten": reference}, args.rounds,
                         args.steps)
     tokens = trainer.layout.global_batch * cfg.trainer.seq_len
-    flops_per_token = trainer.throughput.flops_per_token
+    flops_per_token = trainer.task.flops_per_token
     peak_flops = device_peak_flops(device)
     result = {"variant": {"compile": args.compile, "ac": args.ac}, "device": device_name(device),
               "torch": torch.__version__, "params": sum(p.numel() for p in trainer.model.parameters()),
@@ -162,6 +164,9 @@ def speed(args: argparse.Namespace) -> dict:
 def float8_against_bf16(args: argparse.Namespace) -> dict:
     """Two trainers in one process, bf16-mixed and float8, stepped in alternating chunks of
     ``--steps`` steps (clock and thermal drift hit both alike) for ``--train-steps`` steps each."""
+    # Imported here, not above: it imports torchao, which speed and checks must run without.
+    import shardtrain.distributed.float8  # noqa: F401 - registers strategy.float8's conversion
+
     trainers = {}
     for name in ("bf16", "float8"):
         overrides = [*QUIET, f"run.dir={tempfile.mkdtemp()}", f"model={args.model}",
@@ -196,7 +201,7 @@ def float8_against_bf16(args: argparse.Namespace) -> dict:
             "tokens_per_step": tokens, "steps": args.train_steps, "ac": args.ac,
             "float8_linears": len(trainers["float8"].built.report.float8_linears),
             "tokens_per_s": rates, "peak_mib": peaks,
-            "mfu_bf16_peak": {name: rate * first.throughput.flops_per_token / peak_flops
+            "mfu_bf16_peak": {name: rate * first.task.flops_per_token / peak_flops
                               for name, rate in rates.items()} if peak_flops else None,
             "losses": {name: trainer.result.losses for name, trainer in trainers.items()}}
 
