@@ -25,6 +25,7 @@ from torchao.quantization import NF4Tensor, to_nf4
 # isort: split
 from reference import reference_model, reference_run
 
+from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import Config, FinetuneConfig
 from shardtrain.diagnostics.memory import state_bytes
 from shardtrain.diagnostics.rails import check_optimizer
@@ -93,9 +94,11 @@ def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, adapter_dir: 
     """A tiny HF Llama FULL_SHARD with a checkpoint at step 3, HYBRID_SHARD, a resume from step 3, and a
     resume onto another base (refused); a tied-embedding Qwen2; the built-in Llama; a task's model;
     adapters started from a PEFT adapter directory (model.adapter, which sets the targets); QLoRA on a
-    Llama of NF4-sized weights, its resume, and its base's bytes under LoRA."""
+    Llama of NF4-sized weights, its resume, and its base's bytes under LoRA; strategy.float8's
+    precomputed scales (torchao's other feature, whose import this group already pays)."""
     world_size = int(os.environ["WORLD_SIZE"])
     results = run_qlora_cases(nf4_dir, world_size, out_dir)
+    results["float8_scales"] = float8_scale_case()
     corpus = hf_corpus(model_dir)
     first = str(Path(out_dir, "full_shard"))
     cfg = lora_case_config(model_dir, world_size, first, checkpoint=True)
@@ -233,6 +236,55 @@ def run_qlora_cases(nf4_dir: str, world_size: int, out_dir: str) -> dict:
                                                   if n in quantized),
                                 "state_bytes": state_bytes(as_lora.model, None)}
     return results
+
+
+def float8_scale_case(steps: int = 3) -> dict:
+    """strategy.float8's scale precomputation on FULL_SHARD shards: the same tiny Llama, its linears
+    converted and sharded as parallelize does (a CPU refuses strategy.float8 itself, so the pieces
+    are called directly; torch's CPU float8 matmul is emulated), trained with and without
+    ``precompute_float8_scales_after_steps``: both runs' losses, and after each step each converted
+    weight's precomputed scale against float8's largest value over the weight's whole largest |w|."""
+    from torch.distributed.fsdp import fully_shard
+    from torchao.float8.float8_linear import Float8Linear
+
+    from shardtrain.distributed.env import build_mesh
+    from shardtrain.distributed.float8 import convert_linears
+    from shardtrain.distributed.parallelize import precompute_float8_scales_after_steps
+
+    cfg = case_config(int(os.environ["WORLD_SIZE"]), "unused", model=dict(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=256))
+    mesh = build_mesh(resolve_plan(cfg.strategy, int(os.environ["WORLD_SIZE"]), 1), "cpu")
+    batch = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (steps, 2, 33), generator=batch)
+    result: dict = {"losses": {}, "scales": []}
+    for precomputed in (False, True):
+        torch.manual_seed(0)
+        model = Llama(cfg.model)
+        converted = convert_linears(model)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if precomputed:
+            precompute_float8_scales_after_steps(optimizer, model)
+        float8_linears = [m for m in model.modules() if isinstance(m, Float8Linear)]
+        # The shard's own local tensor is what FSDP's gathers cast (to_local() gives another wrapper).
+        result["converted"] = len(converted)
+        result["before_first_step"] = [m.weight._local_tensor._precomputed_scale for m in float8_linears]
+        losses = []
+        for window in tokens:
+            loss = nn.functional.cross_entropy(model(window[:, :-1]).flatten(0, 1), window[:, 1:].flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            if precomputed:
+                finfo_max = torch.finfo(torch.float8_e4m3fn).max
+                result["scales"].append([
+                    (m.weight._local_tensor._precomputed_scale.item(),
+                     finfo_max / m.weight.full_tensor().abs().max().double().item()) for m in float8_linears])
+        result["losses"][precomputed] = losses
+    return result
 
 
 def peft_model_of(model_dir: str, nf4: bool = False):

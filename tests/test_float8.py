@@ -1,6 +1,7 @@
 """strategy.float8: refused where there are no float8 matmuls, counted by the planner, and the
 conversion swaps the blocks' linear layers (not the output head) for torchao's Float8Linear.
-Training itself needs a GPU of compute capability 8.9+: benchmarks/run.py --only float8."""
+Training itself needs a GPU of compute capability 8.9+: benchmarks/run.py --only float8; the scales
+precomputed after each step are tested at 2 ranks in test_lora.py (its group already imports torchao)."""
 
 from __future__ import annotations
 

@@ -370,6 +370,20 @@ def test_qlora_checkpoint_holds_adapters_and_resumes_exactly(lora_runs):
         assert torch.equal(resumed["weights"][name], weight), name
 
 
+def test_float8_scales_are_precomputed_after_each_step(lora_runs):
+    """strategy.float8 at 2 ranks (FULL_SHARD): after each optimizer step every converted weight
+    holds its scale for the next gathers, float8's largest value over the whole weight's largest |w|
+    (one all-reduce for all of them), and training with the precomputed scales gives the losses of
+    training with each gather computing its own (the same formula: 1e-6 relative)."""
+    _, results = lora_runs
+    result = results["float8_scales"]
+    assert result["converted"] == 2 * 7 and result["before_first_step"] == [None] * 14
+    plain, precomputed = result["losses"][False], result["losses"][True]
+    assert max(abs(a - b) / abs(a) for a, b in zip(plain, precomputed)) < 1e-6, (plain, precomputed)
+    assert len(result["scales"]) == len(plain) and all(len(step) == 14 for step in result["scales"])
+    assert all(abs(got - want) / want < 1e-6 for step in result["scales"] for got, want in step)
+
+
 def test_plan_simulate_counts_the_adapters(capsys):
     """plan --simulate builds the model with its adapters: gradients and Adam state of the adapters
     only (fp32, at one rank: their full size); the planner's formulas count the same."""

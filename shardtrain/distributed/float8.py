@@ -1,20 +1,25 @@
 """``strategy.float8=true``: torchao's float8 training for the blocks' linear layers.
 
 Importing this module registers the conversion with ``parallelize`` (it imports torchao, which only
-runs that ask for float8 pay for: see ``parallelize.float8_conversions``). As torchtitan does it:
-tensor-wise dynamic scaling, and FSDP2 all-gathers the converted weights in float8 (half the bytes
-of bf16), applied before ``fully_shard``. The output head keeps the compute dtype (the logits'
-precision matters most), and so does any linear layer whose sizes are not multiples of 16, which
-float8 matmuls need.
+runs that ask for float8 pay for: see ``parallelize.Float8Training``). As torchtitan does it:
+tensor-wise dynamic scaling, FSDP2 all-gathers the converted weights in float8 (half the bytes of
+bf16), applied before ``fully_shard``, and after each optimizer step every converted weight's scale
+is computed in one pass and one all-reduce for the next step's gathers. The output head keeps the
+compute dtype (the logits' precision matters most), and so does any linear layer whose sizes are
+not multiples of 16, which float8 matmuls need.
 """
 
 from __future__ import annotations
 
 from torch import nn
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+from torchao.float8 import (
+    Float8LinearConfig,
+    convert_to_float8_training,
+    precompute_float8_dynamic_scale_for_fsdp,
+)
 
 from shardtrain.distributed import parallelize
-from shardtrain.distributed.parallelize import float8_eligible
+from shardtrain.distributed.parallelize import Float8Training, float8_eligible
 
 
 def convert_linears(model: nn.Module) -> list[str]:
@@ -33,4 +38,5 @@ def convert_linears(model: nn.Module) -> list[str]:
     return converted
 
 
-parallelize.float8_conversions.append(convert_linears)
+parallelize.float8_training.append(Float8Training(
+    convert=convert_linears, precompute_scales=precompute_float8_dynamic_scale_for_fsdp))

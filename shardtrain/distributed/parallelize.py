@@ -28,13 +28,32 @@ from shardtrain.distributed.preconditions import (
 from shardtrain.errors import ConfigError
 from shardtrain.models.lean_ops import checkpointed
 
-# strategy.float8's conversion of a model's linear layers (returns the names it converted). It
-# lives in shardtrain.distributed.float8, which registers it here when imported: that module
-# imports torchao, which costs every start-up 2.4 s and logs a line about its CUDA kernels on a CPU
-# machine, so only a run that asks for float8 imports it (the command line does; a program calling
-# Trainer.create itself imports shardtrain.distributed.float8 first).
-float8_conversions: list[Callable[[nn.Module], list[str]]] = []
+
+@dataclass(frozen=True)
+class Float8Training:
+    """strategy.float8's torchao calls. They live in shardtrain.distributed.float8, which registers
+    them here when imported: that module imports torchao, which costs every start-up 2.4 s and logs a
+    line about its CUDA kernels on a CPU machine, so only a run that asks for float8 imports it (the
+    command line does; a program calling Trainer.create itself imports shardtrain.distributed.float8
+    first)."""
+
+    convert: Callable[[nn.Module], list[str]]  # swaps the eligible linear layers; their names
+    # Every converted weight's float8 scale in one pass and one all-reduce, for FSDP's next gathers:
+    # without it each gather reduces an amax per weight (on an H200 the 1.1B Llama's float8 step was
+    # bound by the host issuing those, docs/benchmarks.md).
+    precompute_scales: Callable[[nn.Module], None]
+
+
+float8_training: list[Float8Training] = []
 FLOAT8_MULTIPLE = 16  # float8 matmuls (torch._scaled_mm) need both sizes of a weight to divide by it
+
+
+def precompute_float8_scales_after_steps(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """After each of ``optimizer``'s steps, the float8 scales of ``model``'s converted weights for
+    the next step's gathers (as torchtitan does). Until the first step, and for a weight changed
+    other than by a step, each gather computes its weight's scale itself."""
+    precompute = float8_training[-1].precompute_scales
+    optimizer.register_step_post_hook(lambda *_: precompute(model))
 
 
 def float8_eligible(model: nn.Module, module: nn.Module) -> bool:
@@ -179,11 +198,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
 
     if plan.float8:
         check_float8(torch.device(mesh.device_type))
-        if not float8_conversions:
+        if not float8_training:
             raise ConfigError("strategy.float8=true: import shardtrain.distributed.float8 before building "
                               "the model (it loads torchao; shardtrain train does it for you)")
         # Before fully_shard: FSDP2 then gathers the converted weights in float8.
-        report.float8_linears = float8_conversions[-1](model)
+        report.float8_linears = float8_training[-1].convert(model)
     if before_sharding is not None and (ignored := before_sharding(model)):
         common["ignored_params"] = ignored
     for index, (name, block) in enumerate(blocks):

@@ -14,7 +14,7 @@ from shardtrain.config.plan import ShardingPlan, check_tensor_parallel_support, 
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.rails import check_optimizer
 from shardtrain.distributed.env import DistEnv, build_mesh
-from shardtrain.distributed.parallelize import ShardingReport
+from shardtrain.distributed.parallelize import ShardingReport, precompute_float8_scales_after_steps
 from shardtrain.distributed.sharded_model import build_sharded_model
 from shardtrain.tasks.task import Task
 from shardtrain.train.optim import build_optimizer, build_scheduler
@@ -43,5 +43,7 @@ def build(cfg: Config, env: DistEnv, task: Task,
     # since a factory may close over an optimizer or parameters made before sharding.
     optimizer = optimizer_factory(model) if optimizer_factory else build_optimizer(model, cfg.trainer)
     check_optimizer(optimizer, model)
+    if report.float8_linears:
+        precompute_float8_scales_after_steps(optimizer, model)
     scheduler = build_scheduler(optimizer, cfg.trainer)
     return Built(plan, mesh, model, report, optimizer, scheduler)
