@@ -97,9 +97,9 @@ def test_the_recomputed_product_gives_autograds_gradients(checkpointing: str) ->
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_recomputed_norm_outputs_give_the_kept_ones_gradients(dtype: torch.dtype, monkeypatch) -> None:
-    """The projections after each norm get its output recomputed in backward (models/lean_ops.project):
-    a block's output and every gradient are bit for bit those of a block that keeps the outputs, also
-    inside a checkpoint of the user's own."""
+    """The projections after each norm get its output recomputed in backward (models/lean_ops.project),
+    once a norm (q, k and v share it; so do w1 and w3): a block's output and every gradient are bit for
+    bit those of a block that keeps the outputs, also inside a checkpoint of the user's own."""
     cfg = load_config(["model.dim=64", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2"])
     torch.manual_seed(0)
     block = Llama(cfg.model).layers[0].to(dtype)
@@ -117,7 +117,12 @@ def test_recomputed_norm_outputs_give_the_kept_ones_gradients(dtype: torch.dtype
         out = torch.utils.checkpoint.checkpoint(block, x * 1, rope, use_reentrant=False)
         return out, *torch.autograd.grad(out, (x, *block.parameters()), grad)
 
-    recomputed, checkpointed = run(), run_checkpointed()
+    scaled = lean_ops._scaled
+    calls = []
+    monkeypatch.setattr(lean_ops, "_scaled", lambda *args: calls.append(args) or scaled(*args))
+    recomputed = run()
+    assert len(calls) == 4  # each of the block's two norms: its forward, and one recomputation
+    checkpointed = run_checkpointed()
     monkeypatch.setattr(lean_ops, "_may_recompute", lambda tensor: False)  # keep what autograd keeps
     kept = run()
     for ours in (recomputed, checkpointed):

@@ -11,7 +11,7 @@ the same order); the norm's input gradient is the same formula regrouped, equal 
 ``swiglu_projected`` and ``project`` go one step further, through saved-tensor hooks around the
 projections: the SwiGLU's product, which the down projection keeps for its weight's gradient, is
 recomputed from the two projections when backward reaches it, and a norm's output, which the q, k, v
-(or w1, w3) projections keep, from the norm's input and rsqrt (one element-wise pass each), whatever
+(or w1, w3) projections keep, from the norm's input and rsqrt (one element-wise pass a norm), whatever
 module the projection is (a LoRA layer keeps it the same way; a float8 linear or a tensor-parallel
 one that keeps something else keeps that). Together a block keeps 47-54% fewer activation bytes than
 with autograd's layers (docs/memory-planner.md), for no extra matmul.
@@ -58,7 +58,9 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         x, weight, rstd = _saved_once(ctx)
-        ctx.saved_once = None  # the engine frees the saved tensors after this; so must we
+        # The engine frees the saved tensors after this; so must we, and the output the
+        # projections' backward recomputed (_RecomputedNormOutput).
+        ctx.saved_once = ctx.recomputed_output = None
         normed = x.float() * rstd
         grad_weight = (grad * normed.type_as(x)).sum_to_size(weight.shape)
         grad_normed = (grad * weight).float()
@@ -127,13 +129,18 @@ class _RecomputedProduct(_Recomputed):
 
 
 class _RecomputedNormOutput(_Recomputed):
-    """An RMSNorm's output, kept by the projections that read it."""
+    """An RMSNorm's output, kept by the projections that read it: recomputed by the first of
+    their backwards and held on the norm's node for the others (q, k and v read one output), until
+    the norm's own backward, which follows theirs."""
 
     __slots__ = ()
 
     def whole(self) -> torch.Tensor:
-        x, weight, rstd = _saved_once(self.node)
-        return _scaled(x.float(), rstd, weight, x.dtype)
+        output = getattr(self.node, "recomputed_output", None)
+        if output is None:
+            x, weight, rstd = _saved_once(self.node)
+            output = self.node.recomputed_output = _scaled(x.float(), rstd, weight, x.dtype)
+        return output
 
 
 def _unpack(saved):
@@ -212,7 +219,7 @@ def project(x: torch.Tensor,
     """Each of ``projections`` applied to ``x``. When ``x`` is a lean RMSNorm's output
     (``rms_norm(..., lean=True)``), what the projections keep of it for their weights' gradients
     is recomputed from the norm's input and rsqrt (which the norm keeps) when backward reads it: one
-    element-wise pass each instead of a residual-stream-sized tensor kept per norm. Whatever a
+    element-wise pass a norm instead of a residual-stream-sized tensor kept per norm. Whatever a
     projection keeps that is not ``x`` (a float8 copy, a LoRA layer's dropout output) is kept as it is."""
     # _may_recompute first: compiled, the autograd graph is not there to look at.
     if not (_may_recompute(x) and isinstance(x.grad_fn, _RMSNorm._backward_cls)):
