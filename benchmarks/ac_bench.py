@@ -29,45 +29,51 @@ from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import ModelConfig
 from shardtrain.config.strategy import AC_MODES
 from shardtrain.data.batches import Batch
-from shardtrain.distributed.parallelize import SELECTIVE_SAVED_OPS, enable_activation_checkpointing
+from shardtrain.distributed.parallelize import (
+    SELECTIVE_ATTENTION,
+    SELECTIVE_MATMULS,
+    enable_activation_checkpointing,
+)
+from shardtrain.models import lean_ops
 from shardtrain.models.llama import Llama
 from shardtrain.tasks.language_model import token_loss_sum
 
 EVERY = 2  # every_k's k
-# The alternative selective policy measured beside shardtrain's: torchtitan's "op" policy, which
-# saves the same operators' outputs except every second matmul's (torchtitan
-# distributed/activation_checkpoint.py, _get_custom_policy).
-TORCHTITAN_OP = "torchtitan op"
-MODES = (*AC_MODES, TORCHTITAN_OP)
+# The alternative selective policy measured beside shardtrain's: every matmul's output kept, not
+# every other one (shardtrain's selective until 2026-11-27; with the lean layers it kept more than no
+# checkpointing).
+ALL_MATMULS = "every matmul kept"
+MODES = (*AC_MODES, ALL_MATMULS)
 
 
-def every_other_matmul_contexts():
-    matmuls = {"forward": 0, "recompute": 0}
-
-    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        pass_ = "recompute" if ctx.is_recompute else "forward"
-        if op == torch.ops.aten.mm.default:
-            matmuls[pass_] += 1
-        keep = op in SELECTIVE_SAVED_OPS and not (op == torch.ops.aten.mm.default and matmuls[pass_] % 2 == 0)
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
+def keep_every_matmul(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ARG001 - torch's signature
+    keep = op in SELECTIVE_MATMULS or op in SELECTIVE_ATTENTION
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def torchtitan_op_checkpointing(block: torch.nn.Module) -> None:
+def every_matmul_contexts():
+    return create_selective_checkpoint_contexts(keep_every_matmul)
+
+
+def every_matmul_checkpointing(block: torch.nn.Module) -> None:
+    """As parallelize.enable_activation_checkpointing, with that policy."""
     inner = block.forward
+
+    def run(*args, **kwargs):
+        with lean_ops.checkpointed():
+            return inner(*args, **kwargs)
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
-        return checkpoint(inner, *args, use_reentrant=False, context_fn=every_other_matmul_contexts, **kwargs)
+        return checkpoint(run, *args, use_reentrant=False, context_fn=every_matmul_contexts, **kwargs)
 
     block.forward = forward
 
 
 def checkpointed(model: Llama, mode: str) -> Llama:
-    if mode == TORCHTITAN_OP:
+    if mode == ALL_MATMULS:
         for block in model.layers:
-            torchtitan_op_checkpointing(block)
+            every_matmul_checkpointing(block)
         return model
     plan = ShardingPlan("FULL_SHARD", (1,), ("dp_shard",), True, torch.float32, torch.float32,
                         torch.float32, False, mode, EVERY)
@@ -138,7 +144,7 @@ def speed(dim: int, layers: int, seq: int, batch: int, rounds: int) -> dict:
 if __name__ == "__main__":
     mode, *numbers, last = sys.argv[1:]
     shape = [int(n) for n in numbers]
-    if mode == "memory":  # the command line spells "torchtitan op" with an underscore
-        print(json.dumps(memory(*shape, TORCHTITAN_OP if last == "torchtitan_op" else last)))
+    if mode == "memory":  # the command line spells the mode's spaces as underscores
+        print(json.dumps(memory(*shape, last.replace("_", " ") if last.replace("_", " ") in MODES else last)))
     else:
         print(json.dumps(speed(*shape, int(last))))

@@ -59,19 +59,20 @@ def llama_8b():
 
 @pytest.fixture(scope="module")
 def llama_8b_plain_layers():
-    """Plain autograd's norms and SwiGLU, as a Hugging Face model has them: selective checkpointing
-    drops their element-wise tensors. With the lean layers there are none left to drop, and it keeps
-    a little more than no checkpointing (the two projections back to the residual stream)."""
+    """Plain autograd's norms and SwiGLU, as a Hugging Face model has them: they keep element-wise
+    tensors that every checkpointing mode drops, so no checkpointing keeps far more than with the
+    lean layers, and selective less than every_k."""
     return llama_8b_config("model.lean_layers=false")
 
 
 # Limits (GiB) and what the planner chose at each when this test was written (with the built-in
-# Llama's lean layers, w2's input and the norms' outputs recomputed): several sizes, and every kind
-# of checkpointing (selective with plain layers). At 12 GiB full checkpointing with the chunked loss
-# (auto: Llama-3's 128k vocabulary) leaves room for 2.
+# Llama's lean layers, w2's input and the norms' outputs recomputed, and selective keeping attention
+# and every other matmul): several sizes, and every kind of checkpointing. At 12 GiB full
+# checkpointing with the chunked loss (auto: Llama-3's 128k vocabulary) leaves room for 2.
 @pytest.mark.parametrize(("plain_layers", "limit_gib", "written"),
-                         [(False, 80, (4, "none")), (False, 40, (2, "none")), (False, 16, (1, "every_k")),
-                          (False, 12, (2, "all")), (True, 21.3, (1, "selective"))])
+                         [(False, 80, (4, "none")), (False, 40, (2, "none")), (False, 16, (1, "selective")),
+                          (False, 14.5, (1, "every_k")), (False, 12, (2, "all")),
+                          (True, 21.3, (1, "selective"))])
 def test_auto_chooses_what_the_planner_says_fits(llama_8b, llama_8b_plain_layers, plain_layers, limit_gib,
                                                  written):
     cfg, model = llama_8b_plain_layers if plain_layers else llama_8b
@@ -90,21 +91,20 @@ def one_sequence_peaks(cfg, model) -> dict[str, int]:
 
 
 def test_auto_checkpoints_only_when_no_batch_fits_without(llama_8b, llama_8b_plain_layers):
-    cfg, model = llama_8b_plain_layers
-    peaks = one_sequence_peaks(cfg, model)
     # (auto tries modes by their time cost, selective before every second block in full, so every_k
     # is chosen only where it fits and selective does not.)
-    assert peaks["all"] < min(peaks["every_k"], peaks["selective"]) < peaks["none"]
-    # Just below what one sequence needs without checkpointing: selective, at the largest size.
-    choice = choose_batch(cfg, model, WORLD, 8, int((peaks["none"] - 1) / 0.9), held=0, accelerated=True)
-    assert choice.activation_checkpointing == "selective"
-    assert choice.micro_batch_size == expected_choice(cfg, model, WORLD, choice.budget)[0]
-    # With the lean layers selective is no cheaper than none: below none, every_k is chosen.
+    # Plain layers keep element-wise tensors that every mode drops: selective keeps less than
+    # every_k there. The lean layers keep none of them: selective keeps more than every_k, less
+    # than none.
+    for (cfg, model), order in ((llama_8b_plain_layers, ("all", "selective", "every_k", "none")),
+                                (llama_8b, ("all", "every_k", "selective", "none"))):
+        peaks = one_sequence_peaks(cfg, model)
+        assert [peaks[mode] for mode in order] == sorted(peaks.values()), peaks
+        # Just below what one sequence needs without checkpointing: selective, at the largest size.
+        choice = choose_batch(cfg, model, WORLD, 8, int((peaks["none"] - 1) / 0.9), held=0, accelerated=True)
+        assert choice.activation_checkpointing == "selective"
+        assert choice.micro_batch_size == expected_choice(cfg, model, WORLD, choice.budget)[0]
     cfg, model = llama_8b
-    peaks = one_sequence_peaks(cfg, model)
-    assert peaks["all"] < peaks["every_k"] < peaks["none"] <= peaks["selective"]
-    choice = choose_batch(cfg, model, WORLD, 8, int((peaks["none"] - 1) / 0.9), held=0, accelerated=True)
-    assert choice.activation_checkpointing == "every_k"
     # An explicit mode is the cheapest it may choose.
     explicit = replace(cfg, strategy=replace(cfg.strategy, activation_checkpointing="all"))
     assert choose_batch(explicit, model, WORLD, 8, 80 * GIB, 0, True).activation_checkpointing == "all"

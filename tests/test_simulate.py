@@ -90,10 +90,11 @@ def test_simulated_numbers_follow_the_strategies(grid_results):
     assert zero2[:3] == full[:3] and zero2[4] > full[4]  # same shards, units stay gathered
     assert 7.5 < full[0] / wider[0] < 8.5  # 8x the ranks, 1/8 of the shard
     assert checkpointed[3] < full[3] / 3  # activation checkpointing keeps block inputs only
-    # Selective checkpointing keeps matmul and attention outputs. The built-in Llama's lean layers
-    # keep nothing else (their norms' outputs and w2's input are recomputed), so selective keeps
-    # 8% more than none (the two projections back to the residual stream, not the residual between).
-    assert checkpointed[3] < full[3] < selective[3] < 1.1 * full[3]
+    # Selective checkpointing keeps attention's and every other matmul's outputs: between full
+    # checkpointing and none, with the built-in Llama's lean layers too (which keep no element-wise
+    # outputs for it to drop).
+    print("selective / none activations", selective[3] / full[3])
+    assert checkpointed[3] < selective[3] < 0.85 * full[3]
     # 8B at 8 ranks: 16 bytes per parameter over 8 ranks (fp32 params, grads, two Adam moments).
     assert abs(sum(full[:3]) - 16 * 8.03e9 / 8) / (16 * 8.03e9 / 8) < 0.01
 

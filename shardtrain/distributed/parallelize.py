@@ -64,17 +64,19 @@ def float8_eligible(model: nn.Module, module: nn.Module) -> bool:
             and module.out_features % FLOAT8_MULTIPLE == 0
             and not (callable(head_of) and module is head_of()))
 
-# strategy.activation_checkpointing=selective keeps the outputs of these operators and recomputes
-# every other one (norms, RoPE, SiLU, products, casts, residual adds) in backward. Matmuls and
-# attention are where a block's FLOPs are; the element-wise rest costs a few percent of them to
-# redo, but its outputs are about half of what a block saves (docs/memory-planner.md). Unlike
-# torchtitan's "op" policy, every matmul is kept, not every other one: recomputing a matmul is what
-# full checkpointing costs, and `every_k`/`all` remain for when memory must go further.
-SELECTIVE_SAVED_OPS = frozenset({
+# strategy.activation_checkpointing=selective is torchtitan's per-operator policy: a block keeps the
+# outputs of its attention and of every other matmul (the 1st, 3rd, ... of each forward) and
+# recomputes everything else in backward. Keeping every matmul's output would keep more than no
+# checkpointing with the built-in Llama's lean layers, which already keep only what is costly to
+# recompute (models/lean_ops.py); recomputing every other matmul (the built-in Llama's wk, wo and w3)
+# puts memory and time between none and all (docs/benchmarks.md).
+SELECTIVE_MATMULS = frozenset({
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten.baddbmm.default,
+})
+SELECTIVE_ATTENTION = frozenset({
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
@@ -82,19 +84,26 @@ SELECTIVE_SAVED_OPS = frozenset({
 })
 
 
-def keep_matmul_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ARG001 - torch's signature
-    """The selective policy: save what is expensive to recompute, recompute what is cheap."""
-    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def selective_contexts():
-    """Fresh (forward, recompute) contexts for every checkpointed call, as torch requires."""
-    return create_selective_checkpoint_contexts(keep_matmul_and_attention)
+    """Fresh (forward, recompute) contexts for every checkpointed call, as torch requires, each
+    counting its own matmuls: the recomputation must keep the same ones as the forward."""
+    matmuls = {False: 0, True: 0}  # by ctx.is_recompute
+
+    def keep_attention_and_every_other_matmul(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ARG001
+        if op in SELECTIVE_ATTENTION:
+            return CheckpointPolicy.MUST_SAVE
+        if op in SELECTIVE_MATMULS:
+            matmuls[ctx.is_recompute] += 1
+            if matmuls[ctx.is_recompute] % 2 == 1:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(keep_attention_and_every_other_matmul)
 
 
 def enable_activation_checkpointing(module: nn.Module, selective: bool = False) -> None:
     """Recompute this module's activations in backward: all of them, or (``selective``) all but the
-    outputs of matmuls and attention, which are kept from the forward.
+    outputs of attention and every other matmul, which are kept from the forward.
 
     The instance's ``forward`` is replaced instead of wrapping the module, so parameter names (and
     therefore checkpoints) do not change with the activation-checkpointing setting. FSDP's hooks sit
