@@ -75,6 +75,7 @@ SELECTIVE_MATMULS = frozenset({
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten.baddbmm.default,
+    torch.ops.aten._scaled_mm.default,  # strategy.float8's linear layers
 })
 SELECTIVE_ATTENTION = frozenset({
     torch.ops.aten._scaled_dot_product_flash_attention.default,
