@@ -243,13 +243,20 @@ def float8_scale_case(steps: int = 3) -> dict:
     converted and sharded as parallelize does (a CPU refuses strategy.float8 itself, so the pieces
     are called directly; torch's CPU float8 matmul is emulated), trained with and without
     ``precompute_float8_scales_after_steps``: both runs' losses, and after each step each converted
-    weight's precomputed scale against float8's largest value over the weight's whole largest |w|."""
+    weight's precomputed scale against float8's largest value over the weight's whole largest |w|;
+    then the same scales on another model after DCP's optimizer-state initialisation and a read of
+    the trained weights, before and after ``refresh_float8_scales`` (what a resume does)."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+    )
     from torch.distributed.fsdp import fully_shard
     from torchao.float8.float8_linear import Float8Linear
 
     from shardtrain.distributed.env import build_mesh
     from shardtrain.distributed.float8 import convert_linears
-    from shardtrain.distributed.parallelize import precompute_float8_scales_after_steps
+    from shardtrain.distributed.parallelize import precompute_float8_scales_after_steps, refresh_float8_scales
 
     cfg = case_config(int(os.environ["WORLD_SIZE"]), "unused", model=dict(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=256))
@@ -284,6 +291,28 @@ def float8_scale_case(steps: int = 3) -> dict:
                     (m.weight._local_tensor._precomputed_scale.item(),
                      finfo_max / m.weight.full_tensor().abs().max().double().item()) for m in float8_linears])
         result["losses"][precomputed] = losses
+    # A resume: reading a checkpoint initialises the optimizer's state with a zero-learning-rate step
+    # (DCP), whose hook computes scales from the weights before the read; the trainer refreshes them.
+    torch.manual_seed(1)
+    resumed = Llama(cfg.model)
+    convert_linears(resumed)
+    for block in resumed.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(resumed, mesh=mesh)
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    precompute_float8_scales_after_steps(resumed_optimizer, resumed)
+    get_state_dict(resumed, resumed_optimizer)
+    set_model_state_dict(resumed, get_model_state_dict(model))
+
+    def scale_errors() -> list[float]:
+        finfo_max = torch.finfo(torch.float8_e4m3fn).max
+        return [abs(m.weight._local_tensor._precomputed_scale.item()
+                    * m.weight.full_tensor().abs().max().item() / finfo_max - 1)
+                for m in resumed.modules() if isinstance(m, Float8Linear)]
+
+    result["resume_scale_errors"] = {"before_refresh": scale_errors()}
+    refresh_float8_scales(resumed)
+    result["resume_scale_errors"]["after_refresh"] = scale_errors()
     return result
 
 

@@ -382,6 +382,10 @@ def test_float8_scales_are_precomputed_after_each_step(lora_runs):
     assert max(abs(a - b) / abs(a) for a, b in zip(plain, precomputed)) < 1e-6, (plain, precomputed)
     assert len(result["scales"]) == len(plain) and all(len(step) == 14 for step in result["scales"])
     assert all(abs(got - want) / want < 1e-6 for step in result["scales"] for got, want in step)
+    # A resume's weights are read after DCP stepped the optimizer (and so its hook) on the ones before:
+    # stale scales until the trainer refreshes them.
+    errors = result["resume_scale_errors"]
+    assert max(errors["before_refresh"]) > 1e-3 and max(errors["after_refresh"]) < 1e-6, errors
 
 
 def test_plan_simulate_counts_the_adapters(capsys):

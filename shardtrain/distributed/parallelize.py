@@ -48,12 +48,16 @@ float8_training: list[Float8Training] = []
 FLOAT8_MULTIPLE = 16  # float8 matmuls (torch._scaled_mm) need both sizes of a weight to divide by it
 
 
+def refresh_float8_scales(model: nn.Module) -> None:
+    """The float8 scales of ``model``'s converted weights as they are now, for the next gathers."""
+    float8_training[-1].precompute_scales(model)
+
+
 def precompute_float8_scales_after_steps(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     """After each of ``optimizer``'s steps, the float8 scales of ``model``'s converted weights for
-    the next step's gathers (as torchtitan does). Until the first step, and for a weight changed
-    other than by a step, each gather computes its weight's scale itself."""
-    precompute = float8_training[-1].precompute_scales
-    optimizer.register_step_post_hook(lambda *_: precompute(model))
+    the next step's gathers (as torchtitan does). Until the first step each gather computes its
+    weight's scale itself; weights changed other than by a step need ``refresh_float8_scales``."""
+    optimizer.register_step_post_hook(lambda *_: refresh_float8_scales(model))
 
 
 def float8_eligible(model: nn.Module, module: nn.Module) -> bool:

@@ -47,6 +47,7 @@ from shardtrain.distributed.env import (
     init_distributed,
     set_cpu_threads,
 )
+from shardtrain.distributed.parallelize import refresh_float8_scales
 from shardtrain.distributed.qlora import full_value, nf4_summary, quantize_base
 from shardtrain.distributed.sharded_model import deferred_initialization, with_adapters
 from shardtrain.errors import TrainingError
@@ -198,6 +199,11 @@ class Trainer:
             if self.cfg.model.adapter:  # a fresh run's adapters from PEFT's directory (a resume's: saved)
                 load_peft_adapter(self.model, self.cfg)
                 self.info(f"adapters started from {self.cfg.model.adapter}")
+        if self.built.report.float8_linears:
+            # Scales of the weights just read: reading a checkpoint first initialises the optimizer's
+            # state with a zero-learning-rate step (torch's DCP), whose hook computed them from the
+            # weights before the read.
+            refresh_float8_scales(self.model)
 
     def load_base_weights(self, draw: Callable[[], None]) -> None:
         """The weights a fresh run starts from (with LoRA: the frozen base, and the adapters' draw)."""
