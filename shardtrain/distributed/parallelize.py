@@ -79,7 +79,9 @@ SELECTIVE_MATMULS = frozenset({
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten.baddbmm.default,
-    torch.ops.aten._scaled_mm.default,  # strategy.float8's linear layers
+    # torch's float8 matmul, wherever the policy sees it as that (in eager mode a float8 linear's
+    # matmul reaches the policy as aten.mm on torchao's tensor, counted above)
+    torch.ops.aten._scaled_mm.default,
 })
 SELECTIVE_ATTENTION = frozenset({
     torch.ops.aten._scaled_dot_product_flash_attention.default,
