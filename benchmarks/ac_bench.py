@@ -12,7 +12,6 @@ alternating step by step in one process (the machine's load falls on all alike);
 from __future__ import annotations
 
 import copy
-import functools
 import gc
 import json
 import os
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import torch
 from loss_bench import status_mib
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import ModelConfig
@@ -33,8 +32,8 @@ from shardtrain.distributed.parallelize import (
     SELECTIVE_ATTENTION,
     SELECTIVE_MATMULS,
     enable_activation_checkpointing,
+    selective_contexts,
 )
-from shardtrain.models import lean_ops
 from shardtrain.models.llama import Llama
 from shardtrain.tasks.language_model import token_loss_sum
 
@@ -55,31 +54,16 @@ def every_matmul_contexts():
     return create_selective_checkpoint_contexts(keep_every_matmul)
 
 
-def every_matmul_checkpointing(block: torch.nn.Module) -> None:
-    """As parallelize.enable_activation_checkpointing, with that policy."""
-    inner = block.forward
-
-    def run(*args, **kwargs):
-        with lean_ops.checkpointed():
-            return inner(*args, **kwargs)
-
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        return checkpoint(run, *args, use_reentrant=False, context_fn=every_matmul_contexts, **kwargs)
-
-    block.forward = forward
-
-
 def checkpointed(model: Llama, mode: str) -> Llama:
     if mode == ALL_MATMULS:
         for block in model.layers:
-            every_matmul_checkpointing(block)
+            enable_activation_checkpointing(block, every_matmul_contexts)
         return model
     plan = ShardingPlan("FULL_SHARD", (1,), ("dp_shard",), True, torch.float32, torch.float32,
                         torch.float32, False, mode, EVERY)
     for index, block in enumerate(model.layers):
         if plan.checkpointed(index):
-            enable_activation_checkpointing(block, selective=mode == "selective")
+            enable_activation_checkpointing(block, selective_contexts if mode == "selective" else None)
     return model
 
 
@@ -144,7 +128,7 @@ def speed(dim: int, layers: int, seq: int, batch: int, rounds: int) -> dict:
 if __name__ == "__main__":
     mode, *numbers, last = sys.argv[1:]
     shape = [int(n) for n in numbers]
-    if mode == "memory":  # the command line spells the mode's spaces as underscores
-        print(json.dumps(memory(*shape, last.replace("_", " ") if last.replace("_", " ") in MODES else last)))
+    if mode == "memory":  # the command line spells the modes' spaces as underscores
+        print(json.dumps(memory(*shape, {m.replace(" ", "_"): m for m in MODES}[last])))
     else:
         print(json.dumps(speed(*shape, int(last))))

@@ -264,13 +264,18 @@ def float8_scale_case(steps: int = 3) -> dict:
     batch = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (steps, 2, 33), generator=batch)
     result: dict = {"losses": {}, "scales": []}
-    for precomputed in (False, True):
-        torch.manual_seed(0)
+
+    def sharded_float8_llama(seed: int) -> tuple[Llama, list[str]]:
+        torch.manual_seed(seed)
         model = Llama(cfg.model)
         converted = convert_linears(model)
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        return model, converted
+
+    for precomputed in (False, True):
+        model, converted = sharded_float8_llama(0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         if precomputed:
             precompute_float8_scales_after_steps(optimizer, model)
@@ -293,12 +298,7 @@ def float8_scale_case(steps: int = 3) -> dict:
         result["losses"][precomputed] = losses
     # A resume: reading a checkpoint initialises the optimizer's state with a zero-learning-rate step
     # (DCP), whose hook computes scales from the weights before the read; the trainer refreshes them.
-    torch.manual_seed(1)
-    resumed = Llama(cfg.model)
-    convert_linears(resumed)
-    for block in resumed.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(resumed, mesh=mesh)
+    resumed, _ = sharded_float8_llama(1)
     resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
     precompute_float8_scales_after_steps(resumed_optimizer, resumed)
     get_state_dict(resumed, resumed_optimizer)

@@ -96,9 +96,12 @@ def test_auto_checkpoints_only_when_no_batch_fits_without(llama_8b, llama_8b_pla
     # Plain layers keep element-wise tensors that every mode drops: selective keeps less than
     # every_k there. The lean layers keep none of them: selective keeps more than every_k, less
     # than none.
-    for (cfg, model), order in ((llama_8b_plain_layers, ("all", "selective", "every_k", "none")),
-                                (llama_8b, ("all", "every_k", "selective", "none"))):
-        peaks = one_sequence_peaks(cfg, model)
+    peaks_of = {}
+    orders = {"plain": ("all", "selective", "every_k", "none"),
+              "lean": ("all", "every_k", "selective", "none")}
+    for layers, (cfg, model) in (("plain", llama_8b_plain_layers), ("lean", llama_8b)):
+        order = orders[layers]
+        peaks = peaks_of[layers] = one_sequence_peaks(cfg, model)
         assert [peaks[mode] for mode in order] == sorted(peaks.values()), peaks
         # Just below what one sequence needs without checkpointing: selective, at the largest size.
         choice = choose_batch(cfg, model, WORLD, 8, int((peaks["none"] - 1) / 0.9), held=0, accelerated=True)
@@ -109,7 +112,7 @@ def test_auto_checkpoints_only_when_no_batch_fits_without(llama_8b, llama_8b_pla
     explicit = replace(cfg, strategy=replace(cfg.strategy, activation_checkpointing="all"))
     assert choose_batch(explicit, model, WORLD, 8, 80 * GIB, 0, True).activation_checkpointing == "all"
     with pytest.raises(ConfigError, match=r"nothing fits: one sequence .* raise trainer.memory_limit_gib"):
-        choose_batch(cfg, model, WORLD, 8, int(peaks["all"] * 0.9), held=0, accelerated=True)
+        choose_batch(cfg, model, WORLD, 8, int(peaks_of["lean"]["all"] * 0.9), held=0, accelerated=True)
 
 
 def test_auto_under_tensor_parallelism_divides_the_batch_over_data_parallel_ranks(llama_8b):

@@ -108,16 +108,17 @@ def selective_contexts():
     return create_selective_checkpoint_contexts(keep_attention_and_every_other_matmul)
 
 
-def enable_activation_checkpointing(module: nn.Module, selective: bool = False) -> None:
-    """Recompute this module's activations in backward: all of them, or (``selective``) all but the
-    outputs of attention and every other matmul, which are kept from the forward.
+def enable_activation_checkpointing(module: nn.Module, contexts: Callable[[], tuple] | None = None) -> None:
+    """Recompute this module's activations in backward: all of them, or (with ``contexts``, a
+    selective-checkpointing context factory such as ``selective_contexts``) all but the outputs its
+    policy keeps from the forward.
 
     The instance's ``forward`` is replaced instead of wrapping the module, so parameter names (and
     therefore checkpoints) do not change with the activation-checkpointing setting. FSDP's hooks sit
     on ``__call__`` and still run around it.
     """
     inner = module.forward
-    options = {"context_fn": selective_contexts} if selective else {}
+    options = {"context_fn": contexts} if contexts is not None else {}
 
     def run(*args, **kwargs):
         # In the forward and in the recomputation alike: the lean layers leave what is saved to
@@ -223,7 +224,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
         common["ignored_params"] = ignored
     for index, (name, block) in enumerate(blocks):
         if plan.checkpointed(index):
-            enable_activation_checkpointing(block, selective=plan.activation_checkpointing == "selective")
+            enable_activation_checkpointing(
+                block, selective_contexts if plan.activation_checkpointing == "selective" else None)
             report.checkpointed.append(name)
     for name, modules, reshard in units:
         fully_shard(largest_first(modules) if len(modules) > 1 else modules[0], reshard_after_forward=reshard,
