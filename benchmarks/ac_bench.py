@@ -12,6 +12,7 @@ alternating step by step in one process (the machine's load falls on all alike);
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import json
 import os
@@ -22,42 +23,31 @@ from pathlib import Path
 
 import torch
 from loss_bench import status_mib
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import ModelConfig
 from shardtrain.config.strategy import AC_MODES
 from shardtrain.data.batches import Batch
-from shardtrain.distributed.parallelize import (
-    SELECTIVE_ATTENTION,
-    SELECTIVE_MATMULS,
-    enable_activation_checkpointing,
-    selective_contexts,
-)
+from shardtrain.distributed.parallelize import enable_activation_checkpointing, selective_contexts
 from shardtrain.models.llama import Llama
 from shardtrain.tasks.language_model import token_loss_sum
 
 EVERY = 2  # every_k's k
-# The alternative selective policy measured beside shardtrain's: every matmul's output kept, not
-# every other one (shardtrain's selective until 2026-11-27; with the lean layers it kept more than no
-# checkpointing).
-ALL_MATMULS = "every matmul kept"
-MODES = (*AC_MODES, ALL_MATMULS)
-
-
-def keep_every_matmul(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ARG001 - torch's signature
-    keep = op in SELECTIVE_MATMULS or op in SELECTIVE_ATTENTION
-    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def every_matmul_contexts():
-    return create_selective_checkpoint_contexts(keep_every_matmul)
+# The other selective policies measured beside shardtrain's: torchtitan's, which keeps the odd
+# matmuls (wq, wv, w1 and w2, whose output nothing reads: shardtrain's selective from 2026-11-27 to
+# the day after), and every matmul's output kept (shardtrain's selective until 2026-11-27; with the
+# lean layers it kept more than no checkpointing).
+OTHER_POLICIES = {
+    "odd matmuls kept (torchtitan)": functools.partial(selective_contexts, lambda matmul: matmul % 2 == 1),
+    "every matmul kept": functools.partial(selective_contexts, lambda matmul: True),
+}
+MODES = (*AC_MODES, *OTHER_POLICIES)
 
 
 def checkpointed(model: Llama, mode: str) -> Llama:
-    if mode == ALL_MATMULS:
+    if mode in OTHER_POLICIES:
         for block in model.layers:
-            enable_activation_checkpointing(block, every_matmul_contexts)
+            enable_activation_checkpointing(block, OTHER_POLICIES[mode])
         return model
     plan = ShardingPlan("FULL_SHARD", (1,), ("dp_shard",), True, torch.float32, torch.float32,
                         torch.float32, False, mode, EVERY)

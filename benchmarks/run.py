@@ -1344,7 +1344,7 @@ def ac_section(command: str, rounds: int) -> str:
             raise SystemExit(f"ac_bench {args} failed:\n{proc.stderr[-3000:]}")
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
-    modes = [*AC_MODES, "every matmul kept"]  # ac_bench.MODES
+    modes = [*AC_MODES, "odd matmuls kept (torchtitan)", "every matmul kept"]  # ac_bench.MODES
     kinds = (("lean (default)", "1"), ("plain autograd", "0"))  # model.lean_layers
     memory = {(kind, mode): run("memory", *AC_SHAPE, mode.replace(" ", "_"),
                                 env={"MALLOC_MMAP_THRESHOLD_": "65536", "LEAN_LAYERS": lean})
@@ -1358,9 +1358,11 @@ def ac_section(command: str, rounds: int) -> str:
              "`strategy.activation_checkpointing` modes against each other: the built-in Llama, dim "
              f"{dim}, {layers} layers, vocabulary 256, {batch} sequences of {seq} tokens, fp32, one "
              "process (blocks checkpointed as `parallelize` does it; `every_k` with k = 2; `selective`: "
-             "torchtitan's per-operation policy, attention's and every other matmul's outputs kept; "
-             "`every matmul kept`: every matmul's and attention's outputs kept, shardtrain's selective "
-             "until 2026-11-27, written in benchmarks/ac_bench.py for this comparison), with its lean layers "
+             "attention's and every second matmul's outputs kept (wk, wo, w3); `odd matmuls kept "
+             "(torchtitan)`: torchtitan's per-operation policy, attention's and the 1st, 3rd, ... matmul's "
+             "outputs kept (wq, wv, w1, w2), shardtrain's selective on 2026-11-27; `every matmul kept`: "
+             "every matmul's and attention's outputs kept, shardtrain's selective until 2026-11-27; the "
+             "last two for this comparison, benchmarks/ac_bench.py), with its lean layers "
              "(the default) and with plain autograd's norms and SwiGLU (`model.lean_layers=false`, as "
              "Hugging Face models have them).", "",
              f"`{command}` on {cpu_name()}, {datetime.date.today()}, torch {torch.__version__}, load "

@@ -265,6 +265,9 @@ def float8_scale_case(steps: int = 3) -> dict:
     tokens = torch.randint(0, 256, (steps, 2, 33), generator=batch)
     result: dict = {"losses": {}, "scales": []}
 
+    def next_token_loss(model: Llama, window: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(window[:, :-1]).flatten(0, 1), window[:, 1:].flatten())
+
     def sharded_float8_llama(seed: int) -> tuple[Llama, list[str]]:
         torch.manual_seed(seed)
         model = Llama(cfg.model)
@@ -285,7 +288,7 @@ def float8_scale_case(steps: int = 3) -> dict:
         result["before_first_step"] = [m.weight._local_tensor._precomputed_scale for m in float8_linears]
         losses = []
         for window in tokens:
-            loss = nn.functional.cross_entropy(model(window[:, :-1]).flatten(0, 1), window[:, 1:].flatten())
+            loss = next_token_loss(model, window)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -296,6 +299,23 @@ def float8_scale_case(steps: int = 3) -> dict:
                     (m.weight._local_tensor._precomputed_scale.item(),
                      finfo_max / m.weight.full_tensor().abs().max().double().item()) for m in float8_linears])
         result["losses"][precomputed] = losses
+    # The gathers cast with the precomputed scales rather than computing their own: the trained
+    # model's loss on one window with its scales as precomputed, with none (each gather computes
+    # it), and with every scale 16 times too large (weights saturate in float8) must differ there.
+    with torch.no_grad():
+        def window_loss() -> float:
+            return next_token_loss(model, tokens[0]).item()
+
+        precomputed_scales = [m.weight._local_tensor._precomputed_scale for m in float8_linears]
+        result["window_loss"] = {"precomputed": window_loss()}
+        for m in float8_linears:
+            m.weight._local_tensor._precomputed_scale = None
+        result["window_loss"]["computed_by_gathers"] = window_loss()
+        for m, scale in zip(float8_linears, precomputed_scales, strict=True):
+            m.weight._local_tensor._precomputed_scale = scale * 16
+        result["window_loss"]["scales_16x"] = window_loss()
+        for m, scale in zip(float8_linears, precomputed_scales, strict=True):
+            m.weight._local_tensor._precomputed_scale = scale
     # A resume: reading a checkpoint initialises the optimizer's state with a zero-learning-rate step
     # (DCP), whose hook computes scales from the weights before the read; the trainer refreshes them.
     resumed, _ = sharded_float8_llama(1)

@@ -67,11 +67,11 @@ def llama_8b_plain_layers():
 
 # Limits (GiB) and what the planner chose at each when this test was written (with the built-in
 # Llama's lean layers, w2's input and the norms' outputs recomputed, and selective keeping attention
-# and every other matmul): several sizes, and every kind of checkpointing. At 12 GiB full
+# and every second matmul): several sizes, and every kind of checkpointing. At 12 GiB full
 # checkpointing with the chunked loss (auto: Llama-3's 128k vocabulary) leaves room for 2.
 @pytest.mark.parametrize(("plain_layers", "limit_gib", "written"),
                          [(False, 80, (4, "none")), (False, 40, (2, "none")), (False, 16, (1, "selective")),
-                          (False, 14.5, (1, "every_k")), (False, 12, (2, "all")),
+                          (False, 14, (1, "every_k")), (False, 12, (2, "all")),
                           (True, 21.3, (1, "selective"))])
 def test_auto_chooses_what_the_planner_says_fits(llama_8b, llama_8b_plain_layers, plain_layers, limit_gib,
                                                  written):

@@ -374,7 +374,8 @@ def test_float8_scales_are_precomputed_after_each_step(lora_runs):
     """strategy.float8 at 2 ranks (FULL_SHARD): after each optimizer step every converted weight
     holds its scale for the next gathers, float8's largest value over the whole weight's largest |w|
     (one all-reduce for all of them), and training with the precomputed scales gives the losses of
-    training with each gather computing its own (the same formula: 1e-6 relative)."""
+    training with each gather computing its own (the same formula: 1e-6 relative); the gathers cast
+    with them (a scale 16 times too large changes the loss)."""
     _, results = lora_runs
     result = results["float8_scales"]
     assert result["converted"] == 2 * 7 and result["before_first_step"] == [None] * 14
@@ -382,6 +383,11 @@ def test_float8_scales_are_precomputed_after_each_step(lora_runs):
     assert max(abs(a - b) / abs(a) for a, b in zip(plain, precomputed)) < 1e-6, (plain, precomputed)
     assert len(result["scales"]) == len(plain) and all(len(step) == 14 for step in result["scales"])
     assert all(abs(got - want) / want < 1e-6 for step in result["scales"] for got, want in step)
+    # The gathers use them: a deliberately wrong scale changes the loss, the right one gives the loss of
+    # scales computed at each gather.
+    window = result["window_loss"]
+    assert abs(window["precomputed"] - window["computed_by_gathers"]) / window["precomputed"] < 1e-6, window
+    assert abs(window["scales_16x"] - window["precomputed"]) / window["precomputed"] > 1e-2, window
     # A resume's weights are read after DCP stepped the optimizer (and so its hook) on the ones before:
     # stale scales until the trainer refreshes them.
     errors = result["resume_scale_errors"]

@@ -90,7 +90,7 @@ def test_simulated_numbers_follow_the_strategies(grid_results):
     assert zero2[:3] == full[:3] and zero2[4] > full[4]  # same shards, units stay gathered
     assert 7.5 < full[0] / wider[0] < 8.5  # 8x the ranks, 1/8 of the shard
     assert checkpointed[3] < full[3] / 3  # activation checkpointing keeps block inputs only
-    # Selective checkpointing keeps attention's and every other matmul's outputs: between full
+    # Selective checkpointing keeps attention's and every second matmul's outputs: between full
     # checkpointing and none, with the built-in Llama's lean layers too (which keep no element-wise
     # outputs for it to drop).
     print("selective / none activations", selective[3] / full[3])

@@ -68,12 +68,16 @@ def float8_eligible(model: nn.Module, module: nn.Module) -> bool:
             and module.out_features % FLOAT8_MULTIPLE == 0
             and not (callable(head_of) and module is head_of()))
 
-# strategy.activation_checkpointing=selective is torchtitan's per-operator policy: a block keeps the
-# outputs of its attention and of every other matmul (the 1st, 3rd, ... of each forward) and
-# recomputes everything else in backward. Keeping every matmul's output would keep more than no
-# checkpointing with the built-in Llama's lean layers, which already keep only what is costly to
-# recompute (models/lean_ops.py); recomputing every other matmul (the built-in Llama's wk, wo and w3)
-# puts memory and time between none and all (docs/benchmarks.md).
+# strategy.activation_checkpointing=selective is a per-operator policy after torchtitan's: a block
+# keeps the outputs of its attention and of every second matmul (the 2nd, 4th, ... of each forward;
+# the built-in Llama's wk, wo and w3) and recomputes everything else in backward. Keeping every
+# matmul's output would keep more than no checkpointing with the built-in Llama's lean layers, which
+# already keep only what is costly to recompute (models/lean_ops.py). torchtitan keeps the odd ones
+# (wq, wv, w1, w2), but a block's last matmul (w2) is never recomputed: non-reentrant checkpointing
+# stops the recomputation once backward has every tensor it saved, and w2's output is not one of
+# them (it only joins the residual stream), so keeping it holds a hidden-size tensor a token for
+# nothing. The even ones cost the same recomputation (wq, wv, w1 instead of wk, wo, w3) and keep
+# that much less; docs/benchmarks.md measures it between none and all.
 SELECTIVE_MATMULS = frozenset({
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -91,21 +95,27 @@ SELECTIVE_ATTENTION = frozenset({
 })
 
 
-def selective_contexts():
-    """Fresh (forward, recompute) contexts for every checkpointed call, as torch requires, each
-    counting its own matmuls: the recomputation must keep the same ones as the forward."""
+def every_second(matmul: int) -> bool:
+    return matmul % 2 == 0
+
+
+def selective_contexts(keeps_matmul: Callable[[int], bool] = every_second) -> tuple:
+    """Fresh (forward, recompute) contexts for every checkpointed call, as torch requires, that keep
+    attention's outputs and those of the matmuls ``keeps_matmul`` picks by their 1-based order in
+    the forward (by default every second one), each context counting its own: the recomputation must
+    keep the same ones as the forward."""
     matmuls = {False: 0, True: 0}  # by ctx.is_recompute
 
-    def keep_attention_and_every_other_matmul(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ARG001
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ARG001
         if op in SELECTIVE_ATTENTION:
             return CheckpointPolicy.MUST_SAVE
         if op in SELECTIVE_MATMULS:
             matmuls[ctx.is_recompute] += 1
-            if matmuls[ctx.is_recompute] % 2 == 1:
+            if keeps_matmul(matmuls[ctx.is_recompute]):
                 return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(keep_attention_and_every_other_matmul)
+    return create_selective_checkpoint_contexts(policy)
 
 
 def enable_activation_checkpointing(module: nn.Module, contexts: Callable[[], tuple] | None = None) -> None:
@@ -158,6 +168,10 @@ class ShardingReport:
     # Parameters (global element count) per unit, the root's own last.
     unit_params: dict[str, int] = field(default_factory=dict)
     float8_linears: list[str] = field(default_factory=list)  # strategy.float8's converted layers
+    # Whether their scales are worth computing after each optimizer step for the next gathers: not
+    # with strategy.cpu_offload, where FSDP copies each shard to the device before its gather and
+    # torchao's copy drops the precomputed scale (each gather computes its own anyway).
+    float8_scales_precomputed: bool = False
     # Under tensor parallelism: each parameter's layout over tp (blocks' names as ``layers.*``).
     tensor_parallel: dict[str, str] = field(default_factory=dict)
 
@@ -220,6 +234,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
                               "the model (it loads torchao; shardtrain train does it for you)")
         # Before fully_shard: FSDP2 then gathers the converted weights in float8.
         report.float8_linears = float8_training[-1].convert(model)
+        report.float8_scales_precomputed = bool(report.float8_linears) and not plan.cpu_offload
     if before_sharding is not None and (ignored := before_sharding(model)):
         common["ignored_params"] = ignored
     for index, (name, block) in enumerate(blocks):

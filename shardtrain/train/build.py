@@ -43,7 +43,7 @@ def build(cfg: Config, env: DistEnv, task: Task,
     # since a factory may close over an optimizer or parameters made before sharding.
     optimizer = optimizer_factory(model) if optimizer_factory else build_optimizer(model, cfg.trainer)
     check_optimizer(optimizer, model)
-    if report.float8_linears:
+    if report.float8_scales_precomputed:
         precompute_float8_scales_after_steps(optimizer, model)
     scheduler = build_scheduler(optimizer, cfg.trainer)
     return Built(plan, mesh, model, report, optimizer, scheduler)

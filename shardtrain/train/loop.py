@@ -199,7 +199,7 @@ class Trainer:
             if self.cfg.model.adapter:  # a fresh run's adapters from PEFT's directory (a resume's: saved)
                 load_peft_adapter(self.model, self.cfg)
                 self.info(f"adapters started from {self.cfg.model.adapter}")
-        if self.built.report.float8_linears:
+        if self.built.report.float8_scales_precomputed:
             # Scales of the weights just read: reading a checkpoint first initialises the optimizer's
             # state with a zero-learning-rate step (torch's DCP), whose hook computed them from the
             # weights before the read.
