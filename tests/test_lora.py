@@ -18,6 +18,7 @@ embeddings, heads and non-Linear targets refused; the planner counting the adapt
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -52,6 +53,12 @@ from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.planner import estimate, nf4_bytes, planned_model
 from shardtrain.distributed.env import DistEnv
+from shardtrain.distributed.parallelize import (
+    adapter_scope,
+    enable_activation_checkpointing,
+    every_second,
+    selective_contexts,
+)
 from shardtrain.distributed.qlora import (
     NF4_GRAIN,
     check_quantizable,
@@ -565,3 +572,36 @@ def test_bf16_base_storage_trains_as_the_fp32_base_under_bf16_mixed(lora_runs):
                       backend="gloo", placements=())
         build_sharded_model(cfg, env, plan, None, lambda: Llama(cfg.model))
     assert "\n" not in str(caught.value)
+
+
+def test_selective_checkpointing_counts_the_base_projections_only():
+    """Under selective checkpointing a LoRA block's adapter matmuls are recomputed and not counted:
+    the policy numbers the base model's seven projections (it keeps wk's, wo's and w3's outputs,
+    not lora_B's as large beside them), and the gradients are no checkpointing's."""
+    cfg = compose_config(["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+                          "model.ffn_hidden_dim=128", "model.vocab_size=256", "finetune=lora"])
+    torch.manual_seed(0)
+    model = add_adapters(Llama(cfg.model), cfg.finetune)
+    with torch.no_grad():  # PEFT starts lora_B at zero: give the adapters something to add
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(std=0.1)
+    reference = copy.deepcopy(model)
+    counted = []
+
+    def every_second_recorded(matmul: int) -> bool:
+        counted.append(matmul)
+        return every_second(matmul)
+
+    for block in model.layers:
+        enable_activation_checkpointing(block, functools.partial(
+            selective_contexts, every_second_recorded, in_adapter=adapter_scope(block)))
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    for m in (model, reference):
+        nn.functional.cross_entropy(m(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    # Both blocks' forwards; torch 2.13 does not call the policy again in the recomputation (it reads
+    # the forward's decisions by index), earlier versions do, counting afresh.
+    assert counted[:14] == [*range(1, 8)] * 2 and all(n <= 7 for n in counted[14:]), counted
+    grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    assert len(grads) == 2 * 7 * 2
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters() if p.requires_grad)

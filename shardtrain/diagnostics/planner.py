@@ -142,7 +142,7 @@ class ActivationModel:
 
     # Kept from each block's forward to its backward, block by block: everything it saves (no
     # checkpointing), its input (checkpointed in full), or its input and the outputs of its
-    # attention and every other matmul (selective).
+    # attention and every second matmul (selective).
     saved_blocks: list[int]
     block: int  # everything one block saves for backward (recomputed in its backward under AC)
     block_backward: int  # gradients alive inside one block's backward

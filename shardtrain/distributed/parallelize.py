@@ -27,6 +27,7 @@ from shardtrain.distributed.preconditions import (
 )
 from shardtrain.errors import ConfigError
 from shardtrain.models.lean_ops import checkpointed
+from shardtrain.models.lora import is_adapter
 
 
 @dataclass(frozen=True)
@@ -99,14 +100,20 @@ def every_second(matmul: int) -> bool:
     return matmul % 2 == 0
 
 
-def selective_contexts(keeps_matmul: Callable[[int], bool] = every_second) -> tuple:
+def selective_contexts(keeps_matmul: Callable[[int], bool] = every_second,
+                       in_adapter: Callable[[], bool] = lambda: False) -> tuple:
     """Fresh (forward, recompute) contexts for every checkpointed call, as torch requires, that keep
     attention's outputs and those of the matmuls ``keeps_matmul`` picks by their 1-based order in
-    the forward (by default every second one), each context counting its own: the recomputation must
-    keep the same ones as the forward."""
+    the forward (by default every second one). torch 2.13 calls the policy in the forward only;
+    earlier versions call it in the recomputation too, which must count afresh to pick the same
+    ones (``ctx.is_recompute``). Operations while ``in_adapter()`` (a LoRA adapter's
+    low-rank pair, ``adapter_scope``) are recomputed and not counted, so the projections' order is
+    the base model's and no adapter output as large as its projection's is kept beside it."""
     matmuls = {False: 0, True: 0}  # by ctx.is_recompute
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ARG001
+        if in_adapter():
+            return CheckpointPolicy.PREFER_RECOMPUTE
         if op in SELECTIVE_ATTENTION:
             return CheckpointPolicy.MUST_SAVE
         if op in SELECTIVE_MATMULS:
@@ -116,6 +123,28 @@ def selective_contexts(keeps_matmul: Callable[[int], bool] = every_second) -> tu
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
+
+
+def adapter_scope(block: nn.Module) -> Callable[[], bool]:
+    """Whether ``block``'s forward (or its recomputation) is inside one of its LoRA adapters' layers
+    (PEFT's ``lora_A``/``lora_B`` linears), tracked by forward hooks on them. Under torch.compile the
+    hooks run while Dynamo traces, not when the compiler applies the policy: there adapter matmuls
+    count as projections."""
+    depth = 0
+
+    def enter(*_) -> None:
+        nonlocal depth
+        depth += 1
+
+    def leave(*_) -> None:
+        nonlocal depth
+        depth -= 1
+
+    for name, module in block.named_modules():
+        if is_adapter(name + ".") and isinstance(module, nn.Linear):
+            module.register_forward_pre_hook(enter)
+            module.register_forward_hook(leave, always_call=True)
+    return lambda: depth > 0
 
 
 def enable_activation_checkpointing(module: nn.Module, contexts: Callable[[], tuple] | None = None) -> None:
@@ -239,8 +268,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
         common["ignored_params"] = ignored
     for index, (name, block) in enumerate(blocks):
         if plan.checkpointed(index):
-            enable_activation_checkpointing(
-                block, selective_contexts if plan.activation_checkpointing == "selective" else None)
+            contexts = (functools.partial(selective_contexts, in_adapter=adapter_scope(block))
+                        if plan.activation_checkpointing == "selective" else None)
+            enable_activation_checkpointing(block, contexts)
             report.checkpointed.append(name)
     for name, modules, reshard in units:
         fully_shard(largest_first(modules) if len(modules) > 1 else modules[0], reshard_after_forward=reshard,
