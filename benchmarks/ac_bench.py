@@ -28,15 +28,20 @@ from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import ModelConfig
 from shardtrain.config.strategy import AC_MODES
 from shardtrain.data.batches import Batch
-from shardtrain.distributed.parallelize import enable_activation_checkpointing, selective_contexts
+from shardtrain.distributed.parallelize import (
+    block_selective_contexts,
+    enable_activation_checkpointing,
+    selective_contexts,
+)
 from shardtrain.models.llama import Llama
 from shardtrain.tasks.language_model import token_loss_sum
 
 EVERY = 2  # every_k's k
 # The other selective policies measured beside shardtrain's: torchtitan's, which keeps the odd
-# matmuls (wq, wv, w1 and w2, whose output nothing reads: shardtrain's selective from 2026-11-27 to
-# the day after), and every matmul's output kept (shardtrain's selective until 2026-11-27; with the
-# lean layers it kept more than no checkpointing).
+# matmuls (wq, wv, w1 and w2; with plain linears w2's output is never read; shardtrain's selective
+# on 2026-11-27, and still its choice for blocks with adapters or float8 linears), and every
+# matmul's output kept (shardtrain's selective until 2026-11-27; with the lean layers it kept more
+# than no checkpointing).
 OTHER_POLICIES = {
     "odd matmuls kept (torchtitan)": functools.partial(selective_contexts, lambda matmul: matmul % 2 == 1),
     "every matmul kept": functools.partial(selective_contexts, lambda matmul: True),
@@ -53,7 +58,8 @@ def checkpointed(model: Llama, mode: str) -> Llama:
                         torch.float32, False, mode, EVERY)
     for index, block in enumerate(model.layers):
         if plan.checkpointed(index):
-            enable_activation_checkpointing(block, selective_contexts if mode == "selective" else None)
+            enable_activation_checkpointing(block, block_selective_contexts(block, float8=False)
+                                            if mode == "selective" else None)
     return model
 
 

@@ -5,20 +5,32 @@
 #   bash benchmarks/gpu_session.sh float8   # float8 against bf16, 300 compiled steps each (~6 min, H200)
 #   bash benchmarks/gpu_session.sh table    # the 1.1B table, 4 variants, no functional checks (~5 min)
 #   bash benchmarks/gpu_session.sh checks   # offload, async resume, generation under FULL_SHARD
-# `.whl` (ignored by git) holds the wheels the device image lacks for its Python 3.12, fetched here
-# once: pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
-# manylinux2014_x86_64 -d .whl hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3
-# peft==0.21.2 torchao==0.18.0 (torchao's manylinux tag may need --platform manylinux_2_28_x86_64).
-# The raw results come back in $OUT; render them here, for instance
-#   python benchmarks/run.py --only float8 --from-json <dir>/float8.json
+# `.whl` (list it in .git/info/exclude) holds the wheels the device image lacks, for its Python 3.12,
+# made here once:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       --platform manylinux_2_28_x86_64 -d .whl hydra-core==1.3.8 omegaconf==2.3.1 peft==0.21.2 torchao==0.18.0
+#   pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   # published as a source archive only
+# The raw results come back in $OUT; render them here with
+#   python benchmarks/run.py --only float8 --from-json <files>/float8.json
+#   python benchmarks/run.py --only gpu --from-json <files>/gpu.json <files>/checks.json
 set -euo pipefail
 : "${OUT:?OUT: the folder whose files come back (the device tool sets it)}"
+part="${1:-}"
+case "$part" in
+    float8 | table | checks) ;;
+    *) echo "usage: bash benchmarks/gpu_session.sh float8|table|checks" >&2; exit 2 ;;
+esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/gpu.txt"
-case "${1:-}" in
+case "$part" in
     float8) python3 benchmarks/run.py --only float8 --train-steps 300 --json-out "$OUT/float8.json" ;;
     table) python3 benchmarks/run.py --only gpu --no-checks --json-out "$OUT/gpu.json" ;;
-    checks) python3 -m torch.distributed.run --standalone --nproc-per-node=1 benchmarks/gpu_worker.py checks ;;
-    *) echo "usage: bash benchmarks/gpu_session.sh float8|table|checks" >&2; exit 2 ;;
+    checks)
+        python3 -m torch.distributed.run --standalone --nproc-per-node=1 benchmarks/gpu_worker.py checks \
+            | tee "$OUT/checks.out"
+        # run.py --from-json reads {"runs": [...], "checks": {...}}; the worker's result is its last JSON line
+        grep '^{' "$OUT/checks.out" | tail -1 \
+            | python3 -c 'import json, sys; print(json.dumps({"runs": [], "checks": json.load(sys.stdin)}))' \
+                >"$OUT/checks.json" ;;
 esac 2>&1 | tee "$OUT/log.txt"

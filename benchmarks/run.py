@@ -1564,7 +1564,8 @@ def main() -> None:
             for path in args.from_json:
                 part = json.loads(path.read_text())
                 results["runs"] += part["runs"]
-                results.setdefault("checks", part.get("checks"))
+                if part.get("checks") is not None:  # gpu_session.sh writes them to a file of their own
+                    results["checks"] = part["checks"]
         else:
             results = gpu_results(args.gpu_variants, with_checks=not args.no_checks)
             if args.json_out is not None:

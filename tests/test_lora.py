@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import functools
 import json
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -54,9 +55,8 @@ from shardtrain.config.schema import Config
 from shardtrain.diagnostics.planner import estimate, nf4_bytes, planned_model
 from shardtrain.distributed.env import DistEnv
 from shardtrain.distributed.parallelize import (
-    adapter_scope,
+    block_selective_contexts,
     enable_activation_checkpointing,
-    every_second,
     selective_contexts,
 )
 from shardtrain.distributed.qlora import (
@@ -576,8 +576,10 @@ def test_bf16_base_storage_trains_as_the_fp32_base_under_bf16_mixed(lora_runs):
 
 def test_selective_checkpointing_counts_the_base_projections_only():
     """Under selective checkpointing a LoRA block's adapter matmuls are recomputed and not counted:
-    the policy numbers the base model's seven projections (it keeps wk's, wo's and w3's outputs,
-    not lora_B's as large beside them), and the gradients are no checkpointing's."""
+    the policy numbers the base model's seven projections and keeps the odd ones, w2's among them
+    (the adapters' matmuls save after w2's, so the recomputation would rerun it), where a plain
+    block keeps the even ones (w2's output never read); the gradients are no checkpointing's, and
+    compiled, the block is still captured as a graph (the adapter hooks do nothing there)."""
     cfg = compose_config(["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
                           "model.ffn_hidden_dim=128", "model.vocab_size=256", "finetune=lora"])
     torch.manual_seed(0)
@@ -586,22 +588,38 @@ def test_selective_checkpointing_counts_the_base_projections_only():
         for name, param in model.named_parameters():
             if ".lora_B." in name:
                 param.normal_(std=0.1)
-    reference = copy.deepcopy(model)
+    reference, compiled = copy.deepcopy(model), copy.deepcopy(model)
+    plain_block = Llama(cfg.model).layers[0]
+    kept = {kind: [n for n in range(1, 8) if block_selective_contexts(block, float8=False).args[0](n)]
+            for kind, block in (("lora", model.layers[0]), ("plain", plain_block))}
+    assert kept == {"lora": [1, 3, 5, 7], "plain": [2, 4, 6]}
     counted = []
-
-    def every_second_recorded(matmul: int) -> bool:
-        counted.append(matmul)
-        return every_second(matmul)
-
     for block in model.layers:
+        contexts = block_selective_contexts(block, float8=False)
+        keeps = contexts.args[0]
         enable_activation_checkpointing(block, functools.partial(
-            selective_contexts, every_second_recorded, in_adapter=adapter_scope(block)))
+            selective_contexts, lambda n, keeps=keeps: counted.append(n) or keeps(n), **contexts.keywords))
     tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
-    for m in (model, reference):
+
+    def backward(m: nn.Module) -> None:
         nn.functional.cross_entropy(m(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+
+    for m in (model, reference):
+        backward(m)
     # Both blocks' forwards; torch 2.13 does not call the policy again in the recomputation (it reads
     # the forward's decisions by index), earlier versions do, counting afresh.
     assert counted[:14] == [*range(1, 8)] * 2 and all(n <= 7 for n in counted[14:]), counted
     grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
     assert len(grads) == 2 * 7 * 2
     assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters() if p.requires_grad)
+    graphs = []
+
+    def counting_backend(graph: torch.fx.GraphModule, _inputs) -> Callable:
+        graphs.append(graph)
+        return graph.forward
+
+    for block in compiled.layers:
+        enable_activation_checkpointing(block, block_selective_contexts(block, float8=False))
+        block.compile(backend=counting_backend)
+    backward(compiled)
+    assert len(graphs) >= 2, graphs

@@ -157,8 +157,9 @@ class ActivationModel:
     # data.document_mask: the additive mask all blocks share, from the forward to the last backward.
     document_mask: int = 0
     # What the recomputation of the last block holds besides ``block``: selective checkpointing's
-    # kept outputs autograd itself does not save (k before RoPE, wo's output back to the residual
-    # stream); the lean feed-forward's SwiGLU product and the norms' outputs (kept when recomputed).
+    # kept outputs autograd itself does not save (k or q before RoPE, wo's or w2's output back to
+    # the residual stream); the lean feed-forward's SwiGLU product and the norms' outputs (kept
+    # when recomputed).
     recompute_extra: int = 0
     chunked_loss: bool = False  # the head's gradient is complete before backward reaches it
     head_weight_grad: int = 0  # chunked: the head weight's gradient, part of ``head_saved``
@@ -208,12 +209,14 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     norm_output_recomputed = product_recomputed
     norm = (rms_norm_saved(m.dim, b, lean) - b * m.dim) // seq + (0 if norm_output_recomputed else b * m.dim)
     block = tokens * (2 * norm + (attention + swiglu) // tp)
-    # Selective (parallelize.selective_contexts): the input, SDPA's output and log-sum-exp, and the
-    # outputs of every second matmul in forward order (wq, wk, wv, wo, w1, w3, w2): wk (before RoPE
-    # and any repetition), wo (back to the residual stream whole: under tp a partial sum, before its
-    # reduction) and w3.
+    # Selective (parallelize.block_selective_contexts): the input, SDPA's output and log-sum-exp, and
+    # every second projection's output in (wq, wk, wv, wo, w1, w3, w2) counted back from the one
+    # before the last: wk (before RoPE and any repetition), wo (whole: under tp a partial sum, before
+    # its reduction) and w3. With adapters or float8 linears, whose recomputation reruns the last
+    # one unless kept, counted back from the last: wq (before RoPE), wv, w1 and w2 (whole).
     projected_kv = head_dim * m.n_kv_heads
-    selective = tokens * (b * (m.dim // seq + m.dim) + (b * (m.dim + projected_kv + ffn)
+    last_kept = cfg.finetune.method != "none" or plan.float8
+    selective = tokens * (b * (m.dim // seq + m.dim) + (b * (m.dim + projected_kv + ffn + last_kept * m.dim)
                                                         + 4 * m.n_heads) // tp)
     # Inside a block's backward, in its feed-forward's: the incoming gradient, three hidden-size
     # gradients of the SwiGLU and two FFN weights' gradients (w2's, and w1's or w3's), which FSDP
@@ -234,7 +237,9 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
         head_saved = tokens * (norm + 4 * m.vocab_size // tp)
         head_backward = tokens * (8 if tp == 1 else 12) * m.vocab_size // tp
     selective_mode = plan.activation_checkpointing == "selective"
-    recompute_extra = tokens * b * (m.dim + projected_kv // tp) if selective_mode else 0
+    # the kept outputs autograd does not save itself: wo's or w2's, and k or q before RoPE
+    kept_unsaved = m.dim + (m.dim if last_kept else projected_kv) // tp
+    recompute_extra = tokens * b * kept_unsaved if selective_mode else 0
     if product_recomputed and plan.checkpointed(m.n_layers - 1):
         recompute_extra += tokens * b * (ffn + 2 * m.dim)
     kept = selective if selective_mode else tokens * b * m.dim // seq

@@ -70,15 +70,17 @@ def float8_eligible(model: nn.Module, module: nn.Module) -> bool:
             and not (callable(head_of) and module is head_of()))
 
 # strategy.activation_checkpointing=selective is a per-operator policy after torchtitan's: a block
-# keeps the outputs of its attention and of every second matmul (the 2nd, 4th, ... of each forward;
-# the built-in Llama's wk, wo and w3) and recomputes everything else in backward. Keeping every
-# matmul's output would keep more than no checkpointing with the built-in Llama's lean layers, which
-# already keep only what is costly to recompute (models/lean_ops.py). torchtitan keeps the odd ones
-# (wq, wv, w1, w2), but a block's last matmul (w2) is never recomputed: non-reentrant checkpointing
-# stops the recomputation once backward has every tensor it saved, and w2's output is not one of
-# them (it only joins the residual stream), so keeping it holds a hidden-size tensor a token for
-# nothing. The even ones cost the same recomputation (wq, wv, w1 instead of wk, wo, w3) and keep
-# that much less; docs/benchmarks.md measures it between none and all.
+# keeps the outputs of its attention and of every second matmul and recomputes everything else in
+# backward. Keeping every matmul's output would keep more than no checkpointing with the built-in
+# Llama's lean layers, which already keep only what is costly to recompute (models/lean_ops.py).
+# Which second ones: torchtitan keeps the odd ones (the built-in Llama's wq, wv, w1, w2), but
+# non-reentrant checkpointing stops the recomputation once backward has every tensor the block
+# saved, and a plain matmul saves its inputs before it runs, so the block's last matmul (w2) is
+# never rerun and its kept output never read: a hidden-size tensor a token held for nothing. Counted
+# back from the one before the last (wk, wo, w3 kept; wq, wv, w1 rerun) the recomputation costs the
+# same and keeps that much less (docs/benchmarks.md). A LoRA adapter's matmuls and a float8 linear
+# (autograd Functions) save after the base matmul has run, so there the last one is rerun unless
+# kept, and the count back from the last keeps it (torchtitan's choice for the built-in Llama).
 SELECTIVE_MATMULS = frozenset({
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -98,6 +100,18 @@ SELECTIVE_ATTENTION = frozenset({
 
 def every_second(matmul: int) -> bool:
     return matmul % 2 == 0
+
+
+def block_selective_contexts(block: nn.Module, float8: bool) -> Callable[[], tuple]:
+    """``selective_contexts`` for ``block`` (``float8``: some of its linears are float8): every second
+    of its projections kept counting back from the last, that one kept only where the recomputation
+    would rerun it (adapters, float8), the adapters' own matmuls recomputed and not counted."""
+    linears = [name for name, module in block.named_modules() if isinstance(module, nn.Linear)]
+    adapters = sum(is_adapter(name + ".") for name in linears)
+    projections = len(linears) - adapters
+    last_kept = 0 if adapters or float8 else 1  # (projections - matmul) % 2 of the kept ones
+    return functools.partial(selective_contexts, lambda matmul: (projections - matmul) % 2 == last_kept,
+                             in_adapter=adapter_scope(block) if adapters else lambda: False)
 
 
 def selective_contexts(keeps_matmul: Callable[[int], bool] = every_second,
@@ -127,18 +141,21 @@ def selective_contexts(keeps_matmul: Callable[[int], bool] = every_second,
 
 def adapter_scope(block: nn.Module) -> Callable[[], bool]:
     """Whether ``block``'s forward (or its recomputation) is inside one of its LoRA adapters' layers
-    (PEFT's ``lora_A``/``lora_B`` linears), tracked by forward hooks on them. Under torch.compile the
-    hooks run while Dynamo traces, not when the compiler applies the policy: there adapter matmuls
-    count as projections."""
+    (PEFT's ``lora_A``/``lora_B`` linears), tracked by forward hooks on them. Compiled, the hooks do
+    nothing: Dynamo will not trace a checkpointed region that changes state outside it (it would run
+    the block eagerly), and the compiler applies the policy to its own graph later, where adapter
+    matmuls count as projections."""
     depth = 0
 
     def enter(*_) -> None:
         nonlocal depth
-        depth += 1
+        if not torch.compiler.is_compiling():
+            depth += 1
 
     def leave(*_) -> None:
         nonlocal depth
-        depth -= 1
+        if not torch.compiler.is_compiling():
+            depth -= 1
 
     for name, module in block.named_modules():
         if is_adapter(name + ".") and isinstance(module, nn.Linear):
@@ -268,7 +285,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
         common["ignored_params"] = ignored
     for index, (name, block) in enumerate(blocks):
         if plan.checkpointed(index):
-            contexts = (functools.partial(selective_contexts, in_adapter=adapter_scope(block))
+            float8 = any(layer.startswith(name + ".") for layer in report.float8_linears)
+            contexts = (block_selective_contexts(block, float8)
                         if plan.activation_checkpointing == "selective" else None)
             enable_activation_checkpointing(block, contexts)
             report.checkpointed.append(name)
