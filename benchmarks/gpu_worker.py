@@ -18,6 +18,7 @@ same text gathered and unit by unit. Each prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -65,6 +66,12 @@ def max_allocated_mib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
 
 
+# The hand-written loop's model: shardtrain's Llama with plain autograd's norms and SwiGLU, as a
+# model of one's own has them and as the CPU ablation gives it (benchmarks/ablation.py); the lean
+# layers are one of shardtrain's features. Until 2026-11-27 it had them too (results record it).
+HANDWRITTEN_LAYERS = "plain autograd"
+
+
 def handwritten(cfg, trainer: Trainer, compiled: bool, checkpointed: bool):
     """The FSDP2 tutorial loop on one GPU: blocks then root, bf16 params with fp32 reductions,
     torch.optim.AdamW with the same hyperparameters, torch's clip_grad_norm_, loss.item() for
@@ -72,7 +79,7 @@ def handwritten(cfg, trainer: Trainer, compiled: bool, checkpointed: bool):
     device = trainer.env.device
     mesh = trainer.built.mesh
     with torch.device("meta"):
-        model = Llama(cfg.model)
+        model = Llama(dataclasses.replace(cfg.model, lean_layers=False))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for index, block in enumerate(model.layers):
         if checkpointed:
@@ -149,6 +156,7 @@ def speed(args: argparse.Namespace) -> dict:
               "torch": torch.__version__, "params": sum(p.numel() for p in trainer.model.parameters()),
               "tokens_per_step": tokens, "flops_per_token": flops_per_token, "peak_flops": peak_flops,
               "build_s": build_s, "warmup_s": warmup_s, "first_loss": first_loss,
+              "handwritten_layers": HANDWRITTEN_LAYERS,
               "peak_mib": {"measured_steady_state": measured_peak, "logged": logged_peak},
               "step_s": {}, "spread_s": {}, "tokens_per_s": {}, "mfu": {}}
     for name, values in times.items():

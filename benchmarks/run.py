@@ -744,6 +744,9 @@ def gpu_section(command: str, results: dict) -> str:
             f"| {r['peak_mib']['measured_steady_state'] / 1024:.1f} / {r['peak_mib']['logged'] / 1024:.1f} "
             f"| {sim / gib:.1f} / {plan / gib:.1f} |")
     first = runs[0]
+    # Results before 2026-11-28 do not say: their hand-written loop had shardtrain's lean layers.
+    layers = {"plain autograd": "with plain autograd's norms and SwiGLU, as the CPU ablation's",
+              "lean": "the lean layers included"}[first.get("handwritten_layers", "lean")]
     if checks is None:
         functional = ("Functional checks (`benchmarks/gpu_worker.py checks`): not run with these numbers "
                       "(the run had no time left for them); see the earlier runs below.")
@@ -779,7 +782,7 @@ def gpu_section(command: str, results: dict) -> str:
   tutorial's (`fully_shard` per block and root, `MixedPrecisionPolicy(bf16, fp32)`, the mean
   full-logits loss, `clip_grad_norm_`, `torch.optim.AdamW` with the same hyperparameters and its own
   kernel choice, `loss.item()`), with torch's `checkpoint_wrapper` for AC and `block.compile()` for
-  compile, on shardtrain's Llama class and config (the lean layers included), started from
+  compile, on shardtrain's Llama class and config ({layers}), started from
   shardtrain's weights on shardtrain's batches. shardtrain runs its defaults: the chunked loss
   (vocabulary 32,000), fused AdamW, the lean layers. Both
   live in one process and alternate: 5 rounds of 5 steps after 5 warm-up steps each; a step's time is
