@@ -98,27 +98,23 @@ SELECTIVE_ATTENTION = frozenset({
 })
 
 
-def every_second(matmul: int) -> bool:
-    return matmul % 2 == 0
-
-
 def block_selective_contexts(block: nn.Module, float8: bool) -> Callable[[], tuple]:
     """``selective_contexts`` for ``block`` (``float8``: some of its linears are float8): every second
     of its projections kept counting back from the last, that one kept only where the recomputation
     would rerun it (adapters, float8), the adapters' own matmuls recomputed and not counted."""
-    linears = [name for name, module in block.named_modules() if isinstance(module, nn.Linear)]
-    adapters = sum(is_adapter(name + ".") for name in linears)
-    projections = len(linears) - adapters
+    linears = {name: module for name, module in block.named_modules() if isinstance(module, nn.Linear)}
+    adapters = [module for name, module in linears.items() if is_adapter(name + ".")]
+    projections = len(linears) - len(adapters)
     last_kept = 0 if adapters or float8 else 1  # (projections - matmul) % 2 of the kept ones
     return functools.partial(selective_contexts, lambda matmul: (projections - matmul) % 2 == last_kept,
-                             in_adapter=adapter_scope(block) if adapters else lambda: False)
+                             in_adapter=adapter_scope(adapters))
 
 
-def selective_contexts(keeps_matmul: Callable[[int], bool] = every_second,
+def selective_contexts(keeps_matmul: Callable[[int], bool],
                        in_adapter: Callable[[], bool] = lambda: False) -> tuple:
     """Fresh (forward, recompute) contexts for every checkpointed call, as torch requires, that keep
     attention's outputs and those of the matmuls ``keeps_matmul`` picks by their 1-based order in
-    the forward (by default every second one). torch 2.13 calls the policy in the forward only;
+    the forward. torch 2.13 calls the policy in the forward only;
     earlier versions call it in the recomputation too, which must count afresh to pick the same
     ones (``ctx.is_recompute``). Operations while ``in_adapter()`` (a LoRA adapter's
     low-rank pair, ``adapter_scope``) are recomputed and not counted, so the projections' order is
@@ -139,12 +135,12 @@ def selective_contexts(keeps_matmul: Callable[[int], bool] = every_second,
     return create_selective_checkpoint_contexts(policy)
 
 
-def adapter_scope(block: nn.Module) -> Callable[[], bool]:
-    """Whether ``block``'s forward (or its recomputation) is inside one of its LoRA adapters' layers
-    (PEFT's ``lora_A``/``lora_B`` linears), tracked by forward hooks on them. Compiled, the hooks do
-    nothing: Dynamo will not trace a checkpointed region that changes state outside it (it would run
-    the block eagerly), and the compiler applies the policy to its own graph later, where adapter
-    matmuls count as projections."""
+def adapter_scope(adapters: Sequence[nn.Module]) -> Callable[[], bool]:
+    """Whether a forward (or its recomputation) is inside one of ``adapters`` (PEFT's ``lora_A``/
+    ``lora_B`` linears) now, tracked by forward hooks on them. Compiled, the hooks do nothing: Dynamo
+    will not trace a checkpointed region that changes state outside it (it would run the block
+    eagerly), and the compiler applies the policy to its own graph later, where adapter matmuls
+    count as projections."""
     depth = 0
 
     def enter(*_) -> None:
@@ -157,17 +153,16 @@ def adapter_scope(block: nn.Module) -> Callable[[], bool]:
         if not torch.compiler.is_compiling():
             depth -= 1
 
-    for name, module in block.named_modules():
-        if is_adapter(name + ".") and isinstance(module, nn.Linear):
-            module.register_forward_pre_hook(enter)
-            module.register_forward_hook(leave, always_call=True)
+    for module in adapters:
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, always_call=True)
     return lambda: depth > 0
 
 
 def enable_activation_checkpointing(module: nn.Module, contexts: Callable[[], tuple] | None = None) -> None:
     """Recompute this module's activations in backward: all of them, or (with ``contexts``, a
-    selective-checkpointing context factory such as ``selective_contexts``) all but the outputs its
-    policy keeps from the forward.
+    selective-checkpointing context factory such as ``block_selective_contexts`` returns) all but
+    the outputs its policy keeps from the forward.
 
     The instance's ``forward`` is replaced instead of wrapping the module, so parameter names (and
     therefore checkpoints) do not change with the activation-checkpointing setting. FSDP's hooks sit
@@ -285,9 +280,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
         common["ignored_params"] = ignored
     for index, (name, block) in enumerate(blocks):
         if plan.checkpointed(index):
-            float8 = any(layer.startswith(name + ".") for layer in report.float8_linears)
-            contexts = (block_selective_contexts(block, float8)
-                        if plan.activation_checkpointing == "selective" else None)
+            contexts = None
+            if plan.activation_checkpointing == "selective":
+                float8 = any(layer.startswith(name + ".") for layer in report.float8_linears)
+                contexts = block_selective_contexts(block, float8)
             enable_activation_checkpointing(block, contexts)
             report.checkpointed.append(name)
     for name, modules, reshard in units:
