@@ -11,6 +11,7 @@ import torch
 from equivalence import case_config, small_corpus
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
 
 from shardtrain.distributed.parallelize import reshard_all
 from shardtrain.errors import ShardtrainError
@@ -91,13 +92,17 @@ def nan_step_is_skipped(out: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     trainer = Trainer.create(case_config(world, f"{out}/nan"), task=LanguageModelTask(corpus=small_corpus()))
     # FULL_SHARD: after the forward only the last block stays gathered of the blocks (backward needs
-    # it at once); the others went back to their shards (DTensors).
-    with torch.no_grad():
+    # it at once); the others went back to their shards (DTensors). Each block prefetched the next
+    # unit's all-gather (the next block's, the last block the head's), as FSDP's trace labels show.
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as trace:
         trainer.model(torch.zeros(1, 8, dtype=torch.long))
     layers = trainer.model.layers
     kept = [i for i, block in enumerate(layers) if not isinstance(next(block.parameters()), DTensor)]
     reshard_all(trainer.model)
     assert kept == [len(layers) - 1], kept
+    prefetched = {e.name.split(" for ")[1] for e in trace.events()
+                  if e.name.startswith("FSDP::forward_prefetch")}
+    assert prefetched == {*(f"layers.{i}" for i in range(1, len(layers))), "norm, output"}, prefetched
     for _ in range(2):
         trainer.run_step()
     before = trainer.full_weights()

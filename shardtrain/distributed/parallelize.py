@@ -296,7 +296,24 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
         report.units.append(name)
     fully_shard(model, **common)
     report.units.append("<root>")
+    # Forward order: the blocks, then the head's group (the convention above). A tied model's one
+    # group holds the embeddings, gathered before any block and kept, so it needs no prefetch.
+    prefetch_in_forward([block for _, block in blocks] + ([groups[-1][0]] if len(groups) > 1 else []))
     return report
+
+
+def prefetch_in_forward(units: Sequence[nn.Module]) -> None:
+    """Each FSDP unit of ``units`` (in forward order) gathers the next one's parameters as soon as
+    its own have arrived, rather than the next unit at its own forward.
+
+    FSDP2 issues a unit's all-gather from that unit's forward pre-hook, which hides the gather
+    behind compute only while the host runs ahead of the device (CUDA streams): on a CPU, or with a
+    host that keeps the GPU waiting, each block's forward starts by waiting for its own gather.
+    Prefetched explicitly, the gather is issued one unit earlier; FSDP2 documents a one-unit
+    prefetch as its default overlap issued earlier from the host, so it costs no memory beyond it
+    (two units gathered at a time, as the planner counts)."""
+    for unit, following in zip(units, units[1:]):
+        unit.set_modules_to_forward_prefetch([following])
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from shardtrain.accelerator import free_memory_bytes
 from shardtrain.config.sizes import human_bytes
@@ -68,19 +67,14 @@ def generation_mode(model: nn.Module, dtype: torch.dtype, device: torch.device,
 
 @contextmanager
 def sharded_inference(model: nn.Module) -> Iterator[nn.Module]:
-    """The sharded model itself, ready for generation: in eval mode, each block prefetching the
-    next one's all-gather during its own forward; resharded and restored afterwards."""
-    classes = getattr(model, "block_classes", ())
-    blocks = [m for m in model.modules() if classes and isinstance(m, classes) and isinstance(m, FSDPModule)]
-    for block, following in zip(blocks, blocks[1:]):
-        block.set_modules_to_forward_prefetch([following])
+    """The sharded model itself, ready for generation: in eval mode (each block prefetches the next
+    one's all-gather during its own forward, as ``parallelize`` set it up for training); resharded
+    and restored afterwards."""
     was_training = model.training
     model.eval()
     try:
         yield model
     finally:
-        for block in blocks:
-            block.set_modules_to_forward_prefetch([])
         reshard_all(model)
         model.train(was_training)
 
