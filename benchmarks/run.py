@@ -83,7 +83,6 @@ from PIL import Image  # matplotlib's own dependency
 
 from shardtrain.config.compose import compose_config
 from shardtrain.config.loader import load_config
-from shardtrain.config.strategy import AC_MODES
 from shardtrain.diagnostics.planner import estimate, planned_model
 from shardtrain.report.figures import RUN_COLOURS
 from shardtrain.tasks.losses import DEFAULT_CHUNK_TOKENS
@@ -1347,13 +1346,13 @@ def ac_section(command: str, rounds: int) -> str:
             raise SystemExit(f"ac_bench {args} failed:\n{proc.stderr[-3000:]}")
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
-    modes = [*AC_MODES, "odd matmuls kept (torchtitan)", "every matmul kept"]  # ac_bench.MODES
     kinds = (("lean (default)", "1"), ("plain autograd", "0"))  # model.lean_layers
+    speed = {kind: run("speed", *AC_SHAPE, rounds, env={"LEAN_LAYERS": lean}) for kind, lean in kinds}
+    modes = list(speed[kinds[0][0]]["losses"])  # ac_bench.MODES, in its order
     memory = {(kind, mode): run("memory", *AC_SHAPE, mode.replace(" ", "_"),
                                 env={"MALLOC_MMAP_THRESHOLD_": "65536", "LEAN_LAYERS": lean})
               for kind, lean in kinds for mode in modes}
     load = os.getloadavg()[0]
-    speed = {kind: run("speed", *AC_SHAPE, rounds, env={"LEAN_LAYERS": lean}) for kind, lean in kinds}
     dim, layers, seq, batch = AC_SHAPE
     same = all(losses == result["losses"]["none"] for result in speed.values()
                for losses in result["losses"].values())
