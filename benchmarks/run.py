@@ -1118,7 +1118,12 @@ screenshot, scaled to 900 pixels wide, is [docs/images/report.png](images/report
 
 def ablation_run(model: str, program: str, overrides: list[str], processes: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors leave the resident set at once
+    if program != "paired":
+        # Freed tensors leave the resident set at once, so that the peak is what a step holds. Not
+        # for the paired program, which measures speed only: every large allocation then maps fresh
+        # pages, and the page faults cost both loops 20-25% of their tokens/s on this CPU
+        # (2026-11-27), more for the loop that allocates more, and vary with the machine's state.
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     env["WARMUP"], env["STEPS"] = str(ABLATION_WARMUP), str(ABLATION_STEPS)
     if program == "paired":
         env["STEPS"], env["ROUNDS"] = str(PAIRED_STEPS), str(PAIRED_ROUNDS)
@@ -1172,7 +1177,10 @@ def paired_section(results: dict, processes: list[int], command: str) -> str:
              f"processes, one torchrun program per case, alternating {PAIRED_ROUNDS} rounds of {PAIRED_STEPS} "
              f"timed iterations each after {ABLATION_WARMUP} of each: a load on the machine that comes and "
              "goes hits both alike, which fresh programs in turn (the ablation above) cannot promise. Median "
-             "iteration, tokens/s; no memory column (both models are resident).", "",
+             "iteration, tokens/s; no memory column (both models are resident), and so glibc's default "
+             "allocator settings, as users run (the ablation's `MALLOC_MMAP_THRESHOLD_` for its memory "
+             "columns maps fresh pages for every large tensor, whose faults cost both loops 20-25% of "
+             "their speed here).", "",
              "| model | processes | hand-written tokens/s | shardtrain, defaults | shardtrain / hand-written |",
              "| --- | --- | --- | --- | --- |"]
     for model in ABLATION_MODELS:
