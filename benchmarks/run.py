@@ -1118,15 +1118,15 @@ screenshot, scaled to 900 pixels wide, is [docs/images/report.png](images/report
 
 def ablation_run(model: str, program: str, overrides: list[str], processes: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    if program != "paired":
+    env["WARMUP"], env["STEPS"] = str(ABLATION_WARMUP), str(ABLATION_STEPS)
+    if program == "paired":
+        env["STEPS"], env["ROUNDS"] = str(PAIRED_STEPS), str(PAIRED_ROUNDS)
+    else:
         # Freed tensors leave the resident set at once, so that the peak is what a step holds. Not
         # for the paired program, which measures speed only: every large allocation then maps fresh
         # pages, and the page faults cost both loops 20-25% of their tokens/s on this CPU
         # (2026-11-27), more for the loop that allocates more, and vary with the machine's state.
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    env["WARMUP"], env["STEPS"] = str(ABLATION_WARMUP), str(ABLATION_STEPS)
-    if program == "paired":
-        env["STEPS"], env["ROUNDS"] = str(PAIRED_STEPS), str(PAIRED_ROUNDS)
     with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
         env["BENCH_DIR"] = workdir
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
