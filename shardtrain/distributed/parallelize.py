@@ -311,8 +311,7 @@ def prefetch_in_forward(units: Sequence[nn.Module]) -> None:
     keeps the GPU waiting (small models, eager), each block's forward starts by waiting for its own
     gather. FSDP2 documents a one-unit prefetch as its default overlap issued earlier from the host,
     so it costs no memory beyond it (two units gathered at a time, as the planner counts). On a CPU
-    with gloo the gather blocks the host either way; there the vocabulary-heavy ablation model ran
-    1.02-1.03x faster with it at 2 processes (in-process A/B, docs/benchmarks.md)."""
+    with gloo the gather blocks the host either way, so no overlap is claimed there."""
     for unit, following in zip(units, units[1:]):
         unit.set_modules_to_forward_prefetch([following])
 
