@@ -128,6 +128,8 @@ ABLATION_PROGRAMS = [
      {m: ["strategy.activation_checkpointing=selective"] for m in ("default", "vocab")}),
     ("shardtrain, plain autograd layers (not lean)", "shardtrain",
      {m: ["model.lean_layers=false"] for m in ("default", "vocab")}),
+    ("shardtrain, embedding table gathered (rows not exchanged)", "shardtrain",
+     {m: ["strategy.embedding_lookup=gather"] for m in ("default", "vocab")}),
 ]
 ABLATION_WARMUP, ABLATION_STEPS = 1, 3  # iterations per program: not timed, then timed
 # The paired program (shardtrain's defaults and the hand-written loop alternating in one program):

@@ -137,11 +137,15 @@ def sockets_of_groups(out: str) -> None:
 
 
 def resume_elsewhere(out: str, strategy: str, accum: int) -> None:
-    """Resume the 4-rank checkpoint at this world size, with another strategy and batch split."""
+    """Resume the 4-rank checkpoint at this world size, with another strategy and batch split (and
+    at 2 ranks with the embedding table gathered, where the 4 ranks exchanged its rows: the same
+    DTensor layout, so the same checkpoint)."""
     world = int(os.environ["WORLD_SIZE"])
     source = f"{out}/first4/checkpoints/step-{N}"
-    trainer = new_trainer(ckpt_config(f"{out}/resumed{world}", world, strategy=strategy, accum=accum,
-                                      resume=source))
+    cfg = ckpt_config(f"{out}/resumed{world}", world, strategy=strategy, accum=accum, resume=source)
+    if world == 2:
+        cfg.strategy = dataclasses.replace(cfg.strategy, embedding_lookup="gather")
+    trainer = new_trainer(cfg)
     assert trainer.step == N
     dump(trainer, trainer.fit().losses, Path(out, f"resumed{world}.pt"))
 

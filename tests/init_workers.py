@@ -18,6 +18,7 @@ from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import rss_bytes
 from shardtrain.distributed import sharded_model
+from shardtrain.distributed.embedding_exchange import exchange_embedding_rows
 from shardtrain.distributed.env import build_mesh, init_distributed
 from shardtrain.generation.generate import gathered_copy, generate
 from shardtrain.models import llama
@@ -274,3 +275,68 @@ def load_memory(out: str, weights: str, vocab: int, dim: int, qk_directory: str 
     torch.save(rows.detach().clone(), Path(out, f"rows-{env.world_size}-{env.rank}.pt"))
     if qk_directory is not None:
         qk_reads(out, qk_directory)
+
+
+def exchange_inputs(rank: int, micro_batch: int, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s token ids (row 1, the padding row, among them) and incoming gradient."""
+    generator = torch.Generator().manual_seed(100 * micro_batch + rank)
+    tokens = torch.randint(0, vocab, (2, 5), generator=generator)
+    tokens[0, 0] = 1
+    return tokens, torch.randn(2, 5, dim, generator=generator)
+
+
+def row_exchange(out: str) -> None:
+    """strategy.embedding_lookup=exchange against a plain lookup of the whole table, on a 1-D mesh of
+    4 ranks and a 2 x 2 hybrid one, fp32 and bf16 compute, two accumulated micro-batches, a padding
+    row and a vocabulary of 10 rows (3, 3, 3, 1 a rank; 5, 5 over 2)."""
+    env = init_distributed()
+    rank, world, vocab, dim = env.rank, env.world_size, 10, 3
+    table = torch.randn(vocab, dim, generator=torch.Generator().manual_seed(0))
+    for shape, names in (((world,), ("dp_shard",)), ((2, world // 2), ("dp_replicate", "dp_shard"))):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        for dtype in (torch.float32, torch.bfloat16):
+            embedding = nn.Embedding(vocab, dim, padding_idx=1)
+            embedding.weight.data.copy_(table)
+            weight = exchange_embedding_rows(embedding, mesh, dtype)
+            # The layout FSDP2 gives the same table: checkpoints read either way.
+            fsdp = nn.Embedding(vocab, dim)
+            fsdp.weight.data.copy_(table)
+            fully_shard(fsdp, mesh=mesh)
+            assert weight.placements == fsdp.weight.placements, (weight.placements, fsdp.weight.placements)
+            assert weight.to_local().equal(fsdp.weight.to_local())
+            expected = torch.zeros(vocab, dim)
+            for micro_batch in range(2):
+                embedding.sum_replicas = micro_batch == 1
+                tokens, incoming = exchange_inputs(rank, micro_batch, vocab, dim)
+                looked_up = embedding(tokens)
+                assert looked_up.dtype == dtype and looked_up.equal(table[tokens].to(dtype))
+                looked_up.backward(incoming.to(dtype))
+                for other in range(world):
+                    tokens, incoming = exchange_inputs(other, micro_batch, vocab, dim)
+                    expected.index_add_(0, tokens.flatten(), incoming.to(dtype).float().reshape(-1, dim))
+            expected[1] = 0  # nn.Embedding's padding row gets no gradient
+            got = weight.grad.full_tensor()
+            # fp32: the sums' order differs; bf16: each rank sums a token's gradients in bf16.
+            tolerance = 1e-6 if dtype == torch.float32 else 3e-2
+            assert torch.allclose(got, expected, rtol=tolerance, atol=tolerance), (shape, dtype)
+    try:
+        embedding(torch.tensor([[0, vocab]]))
+        raise AssertionError("an id beyond the table was looked up")
+    except IndexError as exc:
+        assert f"token id {vocab} is outside the embedding's {vocab} rows" in str(exc), exc
+    # In a model: an embedding alone in its unit is exchanged, a tied one (the head's matmul needs
+    # the whole table) is gathered with the head.
+    for tied, exchanged in ((False, ["tok_embeddings"]), (True, [])):
+        cfg = tiny_config("FULL_SHARD")
+        cfg.model = dataclasses.replace(cfg.model, tie_embeddings=tied)
+        plan = resolve_plan(cfg.strategy, env.world_size, env.local_world_size)
+        _, report = sharded_model.build_sharded_model(cfg, env, plan, build_mesh(plan, "cpu"),
+                                                      model_factory(cfg.model))
+        assert report.exchanged_embeddings == exchanged, (tied, report.exchanged_embeddings)
+    Path(out, f"exchange{rank}.ok").write_text("ok")
+
+
+def few_rows_and_row_exchange(out: str) -> None:
+    """Both 4-rank checks in one spawned group."""
+    empty_shard(out)
+    row_exchange(out)

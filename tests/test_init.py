@@ -12,7 +12,7 @@ from distributed import run_on_ranks
 from init_workers import (
     SMALL_CHUNK,
     FewRows,
-    empty_shard,
+    few_rows_and_row_exchange,
     init_memory,
     initial_weights,
     load_memory,
@@ -127,8 +127,10 @@ def test_rotary_tables_reach_the_blocks_in_fp32_under_bf16_mixed(bf16_mixed_run)
     assert tables == "torch.float32"
 
 
-def test_a_rank_with_an_empty_shard(tmp_path):
-    run_on_ranks(empty_shard, 4, str(tmp_path), tmp_path=tmp_path)
+def test_a_rank_with_an_empty_shard_and_embeddings_that_exchange_rows(tmp_path):
+    run_on_ranks(few_rows_and_row_exchange, 4, str(tmp_path), tmp_path=tmp_path)
+    # tests/init_workers.py's row_exchange asserts on every rank; each leaves a mark once through
+    assert sorted(p.name for p in tmp_path.glob("exchange*.ok")) == [f"exchange{r}.ok" for r in range(4)]
     got = torch.load(tmp_path / "few_rows.pt")
     plain = FewRows()
     for name, param in plain.named_parameters():

@@ -58,6 +58,7 @@ class ShardingPlan:
     precision: str = "fp32"  # the mixed-precision preset, with auto resolved
     float8: bool = False  # strategy.float8: blocks' linears in float8, gathered in float8
     sequence_parallel: bool = False  # only with a tp dimension
+    embedding_lookup: str = "gather"  # strategy.embedding_lookup: exchange | gather
 
     def size(self, dim_name: str) -> int:
         """The size of mesh dimension ``dim_name`` (1 where the mesh has none)."""
@@ -176,6 +177,7 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int,
         precision=preset,
         float8=cfg.float8,
         sequence_parallel=tp > 1 and cfg.sequence_parallel,
+        embedding_lookup=cfg.embedding_lookup,
     )
 
 

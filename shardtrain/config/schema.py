@@ -109,6 +109,11 @@ class StrategyConfig:
     # (torchao's float8 training, tensor-wise scaling); GPUs of compute capability 8.9 and up only
     # (H100, L4, ...); the output head keeps the compute dtype. Fast only with compile=true.
     float8: bool = False
+    # How a unit holding one nn.Embedding alone meets its table: exchange (each rank fetches the rows
+    # its tokens read from the ranks that own them, all-to-all, and sends their gradients back: the
+    # table is never gathered) | gather (FSDP gathers the whole table and reduce-scatters its whole
+    # gradient). Tied embeddings, tensor parallelism and cpu_offload always gather.
+    embedding_lookup: str = knob("exchange", one_of=("exchange", "gather"))
     # Tensor parallelism: ranks per tensor-parallel group, the mesh's innermost ``tp`` dimension
     # (1 = none). The data-parallel dimensions get world / this; shard_group_size then counts
     # data-parallel ranks.

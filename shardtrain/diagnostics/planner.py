@@ -23,6 +23,7 @@ from shardtrain.config.plan import (
 )
 from shardtrain.config.schema import Config
 from shardtrain.config.strategy import AC_MODES, STRATEGIES, checkpointing_mode
+from shardtrain.distributed.embedding_exchange import exchangeable, exchanges_rows
 from shardtrain.distributed.parallelize import float8_eligible
 from shardtrain.distributed.qlora import NF4_BLOCK, NF4_GRAIN, quantized_linears
 from shardtrain.errors import ConfigError
@@ -358,13 +359,16 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         isinstance(m, nn.Embedding) for m in model.extra_shard_groups()[-1])
     held_head_grad = act.head_weight_grad if head_reduced_last else 0
     in_flight = max(head_reduced if act.chunked_loss and not head_reduced_last else 0, block_reduced) * reduce
+    # strategy.embedding_lookup=exchange: an embedding alone in its unit is never gathered.
+    exchanged = sum(p.numel() for group in (model.extra_shard_groups() if exchanges_rows(plan) else [])
+                    if exchangeable(model, group) for p in group[0].parameters())
     if plan.reshard_after_forward is False:
         # Every unit stays gathered from its forward until its backward, and is resharded after it:
         # in the last block's backward all but the head unit; in the first block's, the embeddings,
         # the block and its reduce-scatter input.
-        gathered_start = total_params * compute - layers * float8_saved
+        gathered_start = (total_params - exchanged) * compute - layers * float8_saved
         gathered_block = gathered_start - head_unit * compute + in_flight
-        gathered_end = ((groups[0] if groups else 0) * compute + block_units * compute
+        gathered_end = ((groups[0] if groups and not exchanged else 0) * compute + block_units * compute
                         + block_reduced * reduce - float8_saved)
     else:
         # The head unit, and the last block under full resharding, are not resharded after forward

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from shardtrain.config.plan import ShardingPlan, dtype_name
 from shardtrain.config.schema import Config
+from shardtrain.distributed.embedding_exchange import ExchangedEmbedding
 from shardtrain.distributed.env import DistEnv
 from shardtrain.distributed.parallelize import ShardingReport
 
@@ -41,6 +42,9 @@ def settings_lines(cfg: Config, plan: ShardingPlan, report: ShardingReport, env:
     for name in report.units:
         mark = " (activation checkpointing)" if name in report.checkpointed else ""
         lines.append(f"  {name:40s} {report.unit_params.get(name, 0):>12,d} params{mark}")
+    for name in report.exchanged_embeddings:
+        lines.append(f"  {name:40s} {report.unit_params.get(name, 0):>12,d} params (not a unit: rows "
+                     "exchanged all-to-all, the table never gathered)")
     if report.tensor_parallel:
         sp = "on" if plan.sequence_parallel else "off"
         lines.append(f"diagnostics: tensor parallel over tp={plan.tensor_parallel} (sequence parallel {sp}), "
@@ -58,6 +62,9 @@ class DtypeProbe:
         self.sharded_in_forward: list[str] = []
         self.handles = []
         for name, module in model.named_modules():
+            # An exchanged embedding keeps its sharded table by design (it casts the rows it reads).
+            if isinstance(module, ExchangedEmbedding):
+                continue
             if any(True for _ in module.parameters(recurse=False)):
                 self.handles.append(module.register_forward_pre_hook(self._hook(name)))
 

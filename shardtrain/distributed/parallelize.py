@@ -20,6 +20,12 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from shardtrain.accelerator import check_float8, pin_offloaded_memory
 from shardtrain.config.plan import ShardingPlan
+from shardtrain.distributed.embedding_exchange import (
+    exchange_embedding_rows,
+    exchangeable,
+    exchanges_rows,
+    plain_embedding,
+)
 from shardtrain.distributed.preconditions import (
     check_single_registration,
     resolve_wrap_classes,
@@ -186,12 +192,6 @@ def enable_activation_checkpointing(module: nn.Module, contexts: Callable[[], tu
     module.forward = forward
 
 
-def plain_embedding(module: nn.Module) -> bool:
-    """An ``nn.Embedding`` whose forward is the lookup itself (a subclass that scales or normalises
-    its weight may need it in backward)."""
-    return isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
-
-
 def largest_first(modules: Sequence[nn.Module]) -> list[nn.Module]:
     """A grouped unit's modules, the one with the most parameter elements first and the smallest
     last. FSDP2's reduce-scatter (``foreach_reduce``, torch 2.11-2.13) keeps the unit's last gradient
@@ -215,6 +215,8 @@ class ShardingReport:
     float8_scales_precomputed: bool = False
     # Under tensor parallelism: each parameter's layout over tp (blocks' names as ``layers.*``).
     tensor_parallel: dict[str, str] = field(default_factory=dict)
+    # Embeddings looked up by exchanging rows, not FSDP units (strategy.embedding_lookup=exchange).
+    exchanged_embeddings: list[str] = field(default_factory=list)
 
 
 # A task's own tensor-parallel plan: ``parallelize_tensors(model, tp_mesh, sequence_parallel)``
@@ -286,6 +288,17 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
                 contexts = block_selective_contexts(block, float8)
             enable_activation_checkpointing(block, contexts)
             report.checkpointed.append(name)
+    if exchanges_rows(plan):
+        kept = []
+        for unit in units:
+            name, modules, _ = unit
+            if not exchangeable(model, modules):
+                kept.append(unit)
+                continue
+            weight = exchange_embedding_rows(modules[0], mesh, plan.param_dtype)
+            common["ignored_params"] = common.get("ignored_params", set()) | {weight}
+            report.exchanged_embeddings.append(name)
+        units = kept
     for name, modules, reshard in units:
         fully_shard(largest_first(modules) if len(modules) > 1 else modules[0], reshard_after_forward=reshard,
                     **common)

@@ -253,6 +253,10 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int, task: T
     """One step of ``task`` (bound to ``cfg``) on its example batch."""
     started = time.perf_counter()
     plan = resolve_plan(cfg.strategy, world_size, min(local_world_size, world_size), accelerated=True)
+    # Fake tensors hold no token ids, so a row exchange has no split sizes: the simulated step
+    # gathers the embedding table and reduces its whole gradient, which an exchanging run never
+    # holds (an upper bound for that unit).
+    plan = replace(plan, embedding_lookup="gather")
     trainer = cfg.trainer
     # Real tensors, made before the fake mode: a task's collate and draws may read values.
     batch = task.example_batch(trainer.micro_batch_size)

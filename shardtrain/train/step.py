@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from shardtrain import faults
 from shardtrain.diagnostics.memory import PhaseMemory
 from shardtrain.diagnostics.rails import explain_bypassed_forward
+from shardtrain.distributed.embedding_exchange import ExchangedEmbedding
 from shardtrain.distributed.parallelize import reshard_all
 from shardtrain.errors import TrainingError
 from shardtrain.tasks.samples import batch_size, to_device
@@ -143,7 +144,7 @@ def loss_context(copies: int) -> AbstractContextManager:
 
 
 def prepare_micro_batch(model: nn.Module, index: int, count: int, sharded_accumulation: bool) -> None:
-    """Tell FSDP which reductions micro-batch ``index`` of ``count`` runs.
+    """Tell FSDP (and the exchanged embeddings) which reductions micro-batch ``index`` of ``count`` runs.
 
     Sharded accumulation reduce-scatters after every backward (only sharded gradients are held) and
     all-reduces across the replicas of a hybrid mesh on the last micro-batch only; unsharded
@@ -151,6 +152,9 @@ def prepare_micro_batch(model: nn.Module, index: int, count: int, sharded_accumu
     """
     if not isinstance(model, FSDPModule) or count < 2:
         return
+    for module in model.modules():
+        if isinstance(module, ExchangedEmbedding):
+            module.sum_replicas = index == count - 1
     if sharded_accumulation:
         model.set_requires_all_reduce(index == count - 1)
     else:
