@@ -32,7 +32,10 @@ def simulate_against_planner(model: str, world: int, extra: str = "") -> list[di
     meta = None
     for strategy in STRATEGIES:
         for ac in checkpointing_modes(strategy):
-            cfg = scale_config(model, strategy, ac, *([extra] if extra else []))
+            # The simulator gathers the embedding table (fake tensors hold no token ids to route):
+            # the planner is asked about the same run.
+            cfg = scale_config(model, strategy, ac, "strategy.embedding_lookup=gather",
+                               *([extra] if extra else []))
             if meta is None:
                 with torch.device("meta"):
                     meta = build_model(cfg.model)

@@ -57,3 +57,19 @@ def test_planner_counts_unsharded_accumulated_gradients():
     assert unsharded.peak - sharded.peak == total * 4
     assert (unsharded.params, unsharded.grads, unsharded.optimizer) == (
         sharded.params, sharded.grads, sharded.optimizer)
+
+
+def test_planner_holds_no_table_for_an_exchanged_embedding():
+    """strategy.embedding_lookup=exchange: under SHARD_GRAD_OP every unit stays gathered from its
+    forward to its backward, but an exchanged embedding is never gathered (bf16 where planned)."""
+    cfg = load_config(["strategy.embedding_lookup=gather"])
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    gathered = estimate(cfg, model, "SHARD_GRAD_OP", 8, 8)
+    cfg.strategy.embedding_lookup = "exchange"
+    exchanged = estimate(cfg, model, "SHARD_GRAD_OP", 8, 8)
+    assert gathered.gathered - exchanged.gathered == model.tok_embeddings.weight.numel() * 2
+    # One rank shards nothing: there is nothing to exchange.
+    at_one = estimate(cfg, model, "SHARD_GRAD_OP", 1, 1).gathered
+    cfg.strategy.embedding_lookup = "gather"
+    assert estimate(cfg, model, "SHARD_GRAD_OP", 1, 1).gathered == at_one
