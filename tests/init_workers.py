@@ -304,6 +304,11 @@ def row_exchange(out: str) -> None:
             fully_shard(fsdp, mesh=mesh)
             assert weight.placements == fsdp.weight.placements, (weight.placements, fsdp.weight.placements)
             assert weight.to_local().equal(fsdp.weight.to_local())
+            # Materialising a model built on meta gives it new Parameter objects (to_empty).
+            embedding.to_empty(device="cpu")
+            weight = embedding.weight
+            with torch.no_grad():
+                weight.to_local().copy_(fsdp.weight.to_local())
             expected = torch.zeros(vocab, dim)
             for micro_batch in range(2):
                 embedding.sum_replicas = micro_batch == 1

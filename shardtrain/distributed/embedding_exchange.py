@@ -22,6 +22,8 @@ parallelism or CPU offload; ``strategy.embedding_lookup=gather`` turns it off.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -127,8 +129,16 @@ class ExchangedEmbedding(nn.Embedding):
     # Whether this backward ends the step's accumulation, when the replicas' shards are summed (the
     # training step sets it per micro-batch, as it tells FSDP when to all-reduce).
     sum_replicas: bool = True
+    # The weight whose gradient hook sums the replicas.
+    _summed: Callable[[], nn.Parameter | None] = staticmethod(lambda: None)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        replicated = self.route.replicas is not None and self.weight.requires_grad
+        if replicated and self._summed() is not self.weight:
+            # Here rather than when sharding: materialising the model (to_empty) and some loads
+            # replace the Parameter object, and a hook stays with the object it was put on.
+            self.weight.register_post_accumulate_grad_hook(partial(_sum_replicas, self))
+            self._summed = weakref.ref(self.weight)
         return _ExchangeLookup.apply(self.weight.to_local(), tokens, self.route)
 
     def extra_repr(self) -> str:
@@ -154,8 +164,6 @@ def exchange_embedding_rows(embedding: nn.Embedding, mesh: DeviceMesh,
     embedding.__class__ = ExchangedEmbedding
     embedding.route = RowRoute(group, replicas, -(-embedding.num_embeddings // group.size()),
                                embedding.num_embeddings, compute_dtype, embedding.padding_idx)
-    if replicas is not None and weight.requires_grad:
-        weight.register_post_accumulate_grad_hook(partial(_sum_replicas, embedding))
     return weight
 
 
