@@ -14,10 +14,10 @@ FSDP, and moves rows instead of the table (TorchRec's row-wise sharding of recom
   last micro-batch, as FSDP's hybrid all-reduce is.
 
 The traffic is the micro-batch's distinct tokens x dim, whatever the vocabulary and the world size,
-where FSDP moves the table twice. On this project's CPU the vocabulary-heavy ablation model at two
-processes steps faster with it (docs/benchmarks.md, the ablation). It applies to a unit holding one plain
-``nn.Embedding`` alone (not tied to the head, whose matmul needs the whole table), without tensor
-parallelism or CPU offload; ``strategy.embedding_lookup=gather`` turns it off.
+where FSDP moves the table twice (docs/parallelism.md has what it was measured to save). It applies
+to a unit holding one plain ``nn.Embedding`` alone (not tied to the head, whose matmul needs the
+whole table), without tensor parallelism or CPU offload; ``strategy.embedding_lookup=gather`` turns
+it off.
 """
 
 from __future__ import annotations
