@@ -245,7 +245,9 @@ def float8_scale_case(steps: int = 3) -> dict:
     ``precompute_float8_scales_after_steps``: both runs' losses, and after each step each converted
     weight's precomputed scale against float8's largest value over the weight's whole largest |w|;
     then the same scales on another model after DCP's optimizer-state initialisation and a read of
-    the trained weights, before and after ``refresh_float8_scales`` (what a resume does)."""
+    the trained weights, before and after ``refresh_float8_scales`` (what a resume does); and the
+    same training under HYBRID_SHARD with one rank a shard group, whose plan gathers the weights in
+    their own dtype (each linear casts its own to float8) and precomputes nothing."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_state_dict,
@@ -260,7 +262,9 @@ def float8_scale_case(steps: int = 3) -> dict:
 
     cfg = case_config(int(os.environ["WORLD_SIZE"]), "unused", model=dict(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=256))
-    mesh = build_mesh(resolve_plan(cfg.strategy, int(os.environ["WORLD_SIZE"]), 1), "cpu")
+    plan_strategy = dataclasses.replace(cfg.strategy, float8=True)  # (a CPU refuses it in load_config)
+    plan = resolve_plan(plan_strategy, int(os.environ["WORLD_SIZE"]), 1)
+    mesh = build_mesh(plan, "cpu")
     batch = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (steps, 2, 33), generator=batch)
     result: dict = {"losses": {}, "scales": []}
@@ -268,14 +272,21 @@ def float8_scale_case(steps: int = 3) -> dict:
     def next_token_loss(model: Llama, window: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(model(window[:, :-1]).flatten(0, 1), window[:, 1:].flatten())
 
-    def sharded_float8_llama(seed: int) -> tuple[Llama, list[str]]:
+    def sharded_float8_llama(seed: int, plan=plan, mesh=mesh) -> tuple[Llama, list[str]]:
         torch.manual_seed(seed)
         model = Llama(cfg.model)
-        converted = convert_linears(model)
+        converted = convert_linears(model, gather_in_float8=plan.gathers_float8)
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, converted
+
+    def train(model: Llama, optimizer: torch.optim.Optimizer, window: torch.Tensor) -> float:
+        loss = next_token_loss(model, window)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
 
     for precomputed in (False, True):
         model, converted = sharded_float8_llama(0)
@@ -288,11 +299,7 @@ def float8_scale_case(steps: int = 3) -> dict:
         result["before_first_step"] = [m.weight._local_tensor._precomputed_scale for m in float8_linears]
         losses = []
         for window in tokens:
-            loss = next_token_loss(model, window)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+            losses.append(train(model, optimizer, window))
             if precomputed:
                 finfo_max = torch.finfo(torch.float8_e4m3fn).max
                 result["scales"].append([
@@ -333,6 +340,18 @@ def float8_scale_case(steps: int = 3) -> dict:
     result["resume_scale_errors"] = {"before_refresh": scale_errors()}
     refresh_float8_scales(resumed)
     result["resume_scale_errors"]["after_refresh"] = scale_errors()
+
+    one_rank_groups = dataclasses.replace(plan_strategy, sharding_strategy="HYBRID_SHARD", shard_group_size=1)
+    hybrid = resolve_plan(one_rank_groups, int(os.environ["WORLD_SIZE"]), 1)
+    model, _ = sharded_float8_llama(0, hybrid, build_mesh(hybrid, "cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    precompute_float8_scales_after_steps(optimizer, model)  # finds no weight gathered in float8
+    weights = [m.weight for m in model.modules() if isinstance(m, Float8Linear)]
+    result["one_rank_shards"] = {
+        "mesh": hybrid.mesh, "gathers_float8": hybrid.gathers_float8,
+        "losses": [train(model, optimizer, window) for window in tokens],
+        "local_weight_types": sorted({type(w.to_local()).__name__ for w in weights}),
+        "gathers_float8_full_shard": plan.gathers_float8}
     return result
 
 

@@ -1,9 +1,12 @@
 """strategy.float8: refused where there are no float8 matmuls, counted by the planner, and the
-conversion swaps the blocks' linear layers (not the output head) for torchao's Float8Linear.
+conversion swaps the blocks' linear layers (not the output head) for torchao's Float8Linear, their
+weights gathered in float8 only where they are sharded.
 Training itself needs a GPU of compute capability 8.9+: benchmarks/run.py --only float8; the scales
 precomputed after each step are tested at 2 ranks in test_lora.py (its group already imports torchao)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from torch import nn
 
 from shardtrain.cli.main import main
 from shardtrain.config.loader import check_runtime, load_config
+from shardtrain.config.plan import resolve_plan
 from shardtrain.diagnostics.planner import estimate
 from shardtrain.errors import ConfigError
 from shardtrain.models.registry import build_model
@@ -44,6 +48,14 @@ def test_planner_gathers_converted_linears_in_float8():
     assert plain.peak - fp8.peak == plain.gathered - fp8.gathered == block_linears  # 2 bytes -> 1
     assert (fp8.params, fp8.grads, fp8.optimizer, fp8.activations) == (
         plain.params, plain.grads, plain.optimizer, plain.activations)
+    # One rank a shard group: the weights are gathered in bf16 (ShardingPlan.gathers_float8), so
+    # the plan is the plain one's.
+    for world_size, overrides in ((1, {}), (8, {"sharding_strategy": "HYBRID_SHARD", "shard_group_size": 1})):
+        cfg.strategy = dataclasses.replace(cfg.strategy, float8=False, **overrides)
+        plain = estimate(cfg, model, cfg.strategy.sharding_strategy, world_size, 8)
+        cfg.strategy.float8 = True
+        fp8 = estimate(cfg, model, cfg.strategy.sharding_strategy, world_size, 8)
+        assert (fp8.peak, fp8.gathered) == (plain.peak, plain.gathered), world_size
 
 
 def test_conversion_swaps_block_linears_but_not_the_head():
@@ -54,9 +66,27 @@ def test_conversion_swaps_block_linears_but_not_the_head():
     cfg = load_config(["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
                        "model.ffn_hidden_dim=96"])
     model = build_model(cfg.model)
-    converted = convert_linears(model)
+    converted = convert_linears(model, gather_in_float8=True)
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert set(converted) == {n for n in linears if n.startswith("layers.")} and len(converted) == 14
     assert all(isinstance(model.get_submodule(n), Float8Linear) for n in converted)
+    assert all(model.get_submodule(n).config.enable_fsdp_float8_all_gather for n in converted)
     head = model.output_head()
     assert not isinstance(head, Float8Linear) and isinstance(head, nn.Linear)
+    unsharded = build_model(cfg.model)
+    assert convert_linears(unsharded, gather_in_float8=False) == converted
+    assert not any(unsharded.get_submodule(n).config.enable_fsdp_float8_all_gather for n in converted)
+
+
+@pytest.mark.parametrize(("strategy", "world_size", "shard_group_size", "gathers"), [
+    ("FULL_SHARD", 8, 0, True), ("FULL_SHARD", 1, 0, False), ("HYBRID_SHARD", 8, 4, True),
+    ("HYBRID_SHARD", 8, 1, False), ("NO_SHARD", 8, 0, False)])
+def test_float8_weights_are_gathered_in_float8_only_where_sharded(strategy, world_size, shard_group_size,
+                                                                   gathers):
+    strategy_cfg = dataclasses.replace(load_config(["strategy.mixed_precision=bf16-mixed"]).strategy,
+                                       sharding_strategy=strategy, shard_group_size=shard_group_size)
+    local = min(world_size, 8)
+    assert resolve_plan(strategy_cfg, world_size, local).gathers_float8 is False
+    plan = resolve_plan(dataclasses.replace(strategy_cfg, float8=True), world_size, local)  # a CPU refuses it
+    assert plan.gathers_float8 is gathers
+    assert plan.describe().endswith(f"float8 linears gathered in {'float8' if gathers else 'bfloat16'}")

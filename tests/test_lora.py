@@ -382,7 +382,8 @@ def test_float8_scales_are_precomputed_after_each_step(lora_runs):
     holds its scale for the next gathers, float8's largest value over the whole weight's largest |w|
     (one all-reduce for all of them), and training with the precomputed scales gives the losses of
     training with each gather computing its own (the same formula: 1e-6 relative); the gathers cast
-    with them (a scale 16 times too large changes the loss)."""
+    with them (a scale 16 times too large changes the loss). With one rank a shard group the weights
+    are gathered in their own dtype, and train to the same losses."""
     _, results = lora_runs
     result = results["float8_scales"]
     assert result["converted"] == 2 * 7 and result["before_first_step"] == [None] * 14
@@ -399,6 +400,15 @@ def test_float8_scales_are_precomputed_after_each_step(lora_runs):
     # stale scales until the trainer refreshes them.
     errors = result["resume_scale_errors"]
     assert max(errors["before_refresh"]) > 1e-3 and max(errors["after_refresh"]) < 1e-6, errors
+    # One rank a shard group (2 replicas x 1): nothing to halve, the weights gathered in their own dtype
+    # (plain local tensors) and cast by each linear in its forward, with the same amax and so the same
+    # float8 values in fp32: FULL_SHARD's losses (replicas all-reduce where FULL_SHARD reduce-scatters).
+    one_rank = result["one_rank_shards"]
+    assert (one_rank["mesh"], one_rank["gathers_float8"], one_rank["gathers_float8_full_shard"]) == (
+        "dp_replicate=2 x dp_shard=1", False, True)
+    assert one_rank["local_weight_types"] == ["Tensor"], one_rank
+    assert max(abs(a - b) / abs(a) for a, b in zip(precomputed, one_rank["losses"])) < 1e-5, (
+        precomputed, one_rank["losses"])
 
 
 def test_plan_simulate_counts_the_adapters(capsys):

@@ -56,7 +56,7 @@ class ShardingPlan:
     activation_checkpointing_every: int
     grad_accumulation: str = "sharded"  # sharded | unsharded (see StrategyConfig)
     precision: str = "fp32"  # the mixed-precision preset, with auto resolved
-    float8: bool = False  # strategy.float8: blocks' linears in float8, gathered in float8
+    float8: bool = False  # strategy.float8: blocks' linears in float8 (gathered in float8: gathers_float8)
     sequence_parallel: bool = False  # only with a tp dimension
     embedding_lookup: str = "gather"  # strategy.embedding_lookup: exchange | gather
 
@@ -73,6 +73,16 @@ class ShardingPlan:
     def shard_group(self) -> int:
         """Ranks that FSDP shards each parameter over."""
         return self.size("dp_shard")
+
+    @property
+    def gathers_float8(self) -> bool:
+        """Whether FSDP gathers strategy.float8's weights in float8: only where it shards them over
+        more than one rank (torchtitan's choice too). With one rank a shard group there are no bytes
+        to halve, and the cast before each gather is host work outside the compiled blocks, one
+        weight at a time; gathered in the compute dtype, each weight is cast inside its compiled
+        block, fused (benchmarks/float8_host_ops.py: a compiled step then dispatches no more
+        operators than without float8)."""
+        return self.float8 and self.shard_group > 1
 
     @property
     def data_parallel_dims(self) -> tuple[str, ...]:
@@ -96,12 +106,13 @@ class ShardingPlan:
             ac = "selective (matmul and attention outputs kept)"
         if ac == "every_k":
             ac = f"every {self.activation_checkpointing_every} blocks"
+        gathered = "float8" if self.gathers_float8 else dtype_name(self.param_dtype)
         return (
             f"{self.strategy}: mesh [{self.mesh}], reshard_after_forward={self.reshard_after_forward}, "
             f"storage={dtype_name(self.storage_dtype)} compute={dtype_name(self.param_dtype)} "
             f"reduce={dtype_name(self.reduce_dtype)}, cpu_offload={self.cpu_offload}, "
             f"activation_checkpointing={ac}, grad_accumulation={self.grad_accumulation}"
-            + (", float8 linears" if self.float8 else "")
+            + (f", float8 linears gathered in {gathered}" if self.float8 else "")
         )
 
 

@@ -346,8 +346,9 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     block_reduced = max(trainable_blocks, default=total_trainable)
     head_reduced = trainable_groups[-1] if trainable_groups else total_trainable
     compute, reduce = plan.param_dtype.itemsize, plan.reduce_dtype.itemsize
-    # strategy.float8: a block's converted linears are gathered in float8, one byte a parameter.
-    float8_saved = float8_block_params(model) * (compute - 1) if plan.float8 else 0
+    # strategy.float8: a block's converted linears are gathered in float8, one byte a parameter,
+    # where they are sharded (a linear's cast of its weight is freed when its matmul has run).
+    float8_saved = float8_block_params(model) * (compute - 1) if plan.gathers_float8 else 0
     # The reduce-scatter input held in a late block's backward: the previous block's, and with the
     # chunked loss in the last block's the head unit's (its whole gradient in the reduce dtype;
     # plan --simulate: 1.96 GiB for Llama-3 8B, more than a block's 0.81).

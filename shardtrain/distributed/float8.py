@@ -2,9 +2,10 @@
 
 Importing this module registers the conversion with ``parallelize`` (it imports torchao, which only
 runs that ask for float8 pay for: see ``parallelize.Float8Training``). As torchtitan does it:
-tensor-wise dynamic scaling, FSDP2 all-gathers the converted weights in float8 (half the bytes of
-bf16), applied before ``fully_shard``, and after each optimizer step every converted weight's scale
-is computed in one pass and one all-reduce for the next step's gathers. The output head keeps the
+tensor-wise dynamic scaling, applied before ``fully_shard``; where FSDP2 shards the weights over
+more than one rank (``ShardingPlan.gathers_float8``) it all-gathers the converted ones in float8
+(half the bytes of bf16), and after each optimizer step every converted weight's scale is computed
+in one pass and one all-reduce for the next step's gathers. The output head keeps the
 compute dtype (the logits' precision matters most), and so does any linear layer whose sizes are
 not multiples of 16, which float8 matmuls need.
 """
@@ -22,9 +23,10 @@ from shardtrain.distributed import parallelize
 from shardtrain.distributed.parallelize import Float8Training, float8_eligible
 
 
-def convert_linears(model: nn.Module) -> list[str]:
+def convert_linears(model: nn.Module, gather_in_float8: bool) -> list[str]:
     """Swap the eligible linear layers of ``model`` for torchao's ``Float8Linear``, in place;
-    returns their names."""
+    returns their names. ``gather_in_float8``: FSDP gathers their weights in float8 (else in the
+    compute dtype, each cast in its linear's forward)."""
     converted: list[str] = []
 
     def chosen(module: nn.Module, name: str) -> bool:
@@ -34,7 +36,7 @@ def convert_linears(model: nn.Module) -> list[str]:
         return True
 
     convert_to_float8_training(model, module_filter_fn=chosen,
-                               config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+                               config=Float8LinearConfig(enable_fsdp_float8_all_gather=gather_in_float8))
     return converted
 
 

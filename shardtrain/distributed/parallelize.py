@@ -44,7 +44,8 @@ class Float8Training:
     command line does; a program calling Trainer.create itself imports shardtrain.distributed.float8
     first)."""
 
-    convert: Callable[[nn.Module], list[str]]  # swaps the eligible linear layers; their names
+    # Swaps the eligible linear layers (their weights gathered in float8 or not); their names.
+    convert: Callable[[nn.Module, bool], list[str]]
     # Every converted weight's float8 scale in one pass and one all-reduce, for FSDP's next gathers:
     # without it each gather reduces an amax per weight (on an H200 the 1.1B Llama's float8 step was
     # bound by the host issuing those, docs/benchmarks.md).
@@ -210,7 +211,8 @@ class ShardingReport:
     unit_params: dict[str, int] = field(default_factory=dict)
     float8_linears: list[str] = field(default_factory=list)  # strategy.float8's converted layers
     # Whether their scales are worth computing after each optimizer step for the next gathers: not
-    # with strategy.cpu_offload, where FSDP copies each shard to the device before its gather and
+    # where they are gathered in the compute dtype (ShardingPlan.gathers_float8), nor with
+    # strategy.cpu_offload, where FSDP copies each shard to the device before its gather and
     # torchao's copy drops the precomputed scale (each gather computes its own anyway).
     float8_scales_precomputed: bool = False
     # Under tensor parallelism: each parameter's layout over tp (blocks' names as ``layers.*``).
@@ -275,9 +277,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
         if not float8_training:
             raise ConfigError("strategy.float8=true: import shardtrain.distributed.float8 before building "
                               "the model (it loads torchao; shardtrain train does it for you)")
-        # Before fully_shard: FSDP2 then gathers the converted weights in float8.
-        report.float8_linears = float8_training[-1].convert(model)
-        report.float8_scales_precomputed = bool(report.float8_linears) and not plan.cpu_offload
+        # Before fully_shard, which then gathers the converted weights in float8 where they are sharded.
+        report.float8_linears = float8_training[-1].convert(model, plan.gathers_float8)
+        report.float8_scales_precomputed = (bool(report.float8_linears) and plan.gathers_float8
+                                            and not plan.cpu_offload)
     if before_sharding is not None and (ignored := before_sharding(model)):
         common["ignored_params"] = ignored
     for index, (name, block) in enumerate(blocks):
