@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
 import socket
@@ -29,6 +30,10 @@ def _entry(rank: int, world_size: int, port: int, fn, args, error_dir: str) -> N
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    # A rank that dies of a signal (SIGSEGV in native code) writes no traceback of its own: Python's
+    # fault handler puts every thread's stack in the error directory, which the report below reads.
+    crash_log = Path(error_dir, f"rank{rank}-fatal-signal.txt").open("w")
+    faulthandler.enable(crash_log, all_threads=True)
     try:
         fn(*args)
     except BaseException:
@@ -56,7 +61,7 @@ def run_on_ranks(fn, world_size: int, *args, tmp_path: Path, timeout_s: float = 
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{world_size}-process run exceeded {timeout_s}s")
     except Exception as exc:
-        reports = "\n".join(p.read_text() for p in sorted(error_dir.glob("*.txt")))
+        reports = "\n".join(text for p in sorted(error_dir.glob("*.txt")) if (text := p.read_text()))
         raise AssertionError(f"distributed run failed: {exc}\n{reports}") from exc
     finally:
         for process in ctx.processes:
