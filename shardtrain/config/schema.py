@@ -105,8 +105,9 @@ class StrategyConfig:
     # (FSDP1's no_sync). auto: sharded whenever the shard group has more than one rank.
     grad_accumulation: str = knob("auto", one_of=("auto", "sharded", "unsharded"))
     compile: bool = False
-    # float8 matmuls in the blocks' linear layers, with float8 all-gathers of their weights
-    # (torchao's float8 training, tensor-wise scaling); GPUs of compute capability 8.9 and up only
+    # float8 matmuls in the blocks' linear layers, with float8 all-gathers of their weights where
+    # they are sharded over more than one rank (torchao's float8 training, tensor-wise scaling;
+    # ShardingPlan.gathers_float8); GPUs of compute capability 8.9 and up only
     # (H100, L4, ...); the output head keeps the compute dtype. Fast only with compile=true.
     float8: bool = False
     # How a unit holding one nn.Embedding alone meets its table: exchange (each rank fetches the rows
