@@ -113,6 +113,10 @@ def test_auto_checkpoints_only_when_no_batch_fits_without(llama_8b, llama_8b_pla
     assert choose_batch(explicit, model, WORLD, 8, 80 * GIB, 0, True).activation_checkpointing == "all"
     with pytest.raises(ConfigError, match=r"nothing fits: one sequence .* raise trainer.memory_limit_gib"):
         choose_batch(cfg, model, WORLD, 8, int(peaks_of["lean"]["all"] * 0.9), held=0, accelerated=True)
+    # A process that already holds more than the limit allows: said so, not a negative budget.
+    with pytest.raises(ConfigError, match=r"nothing fits: the process already holds 3\.0 GiB at start, "
+                                          r"more than the limit 2\.0 GiB less 10% margin \(1\.8 GiB\)"):
+        choose_batch(cfg, model, WORLD, 8, 2 * GIB, held=3 * GIB, accelerated=True)
 
 
 def test_auto_under_tensor_parallelism_divides_the_batch_over_data_parallel_ranks(llama_8b):

@@ -175,9 +175,10 @@ class TrainerConfig:
     memory_margin: float = knob(0.1, at_least=0.0, at_most=0.9)
     seq_len: int = knob(128, at_least=1)  # tokens per training window
     # The built-in task's output head and loss chunk by chunk, this many tokens at a time, never the
-    # full fp32 logits (tasks/losses.py); 0 = the plain full-logits loss; auto = chunks of 512 where
-    # the vocabulary has at least 32,000 tokens, else plain (docs/benchmarks.md: 0.97x the plain loss's
-    # tokens/s at the default 256-token vocabulary, 1.32x at 32k, with 39% less step memory).
+    # full fp32 logits (tasks/losses.py); 0 = the plain full-logits loss; auto = chunks of 256 where
+    # the vocabulary has at least 32,000 tokens, else plain (docs/benchmarks.md, "Chunked loss":
+    # 1.16x the plain loss's tokens/s at 32k with 59% less step memory; at the default 256-token
+    # vocabulary 0.97x-1.06x, within the scatter, so it stays plain).
     loss_chunk_tokens: Any = knob("auto", at_least=0, or_auto=True)
     seed: int = knob(1234, at_least=0)  # weights and data order; the same at any world size
     lr: float = knob(3e-3, at_least=0)

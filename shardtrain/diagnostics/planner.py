@@ -22,6 +22,7 @@ from shardtrain.config.plan import (
     resolve_precision,
 )
 from shardtrain.config.schema import Config
+from shardtrain.config.sizes import human_bytes
 from shardtrain.config.strategy import AC_MODES, STRATEGIES, checkpointing_mode
 from shardtrain.distributed.embedding_exchange import exchangeable, exchanges_rows
 from shardtrain.distributed.parallelize import float8_eligible
@@ -438,12 +439,11 @@ class BatchChoice:
     rejected: list[tuple[int, str, int]]  # (micro-batch, checkpointing, planned peak) over the budget
 
     def describe(self, world_size: int, margin: float) -> str:
-        gib = 2**30
         global_batch = self.micro_batch_size * self.grad_accum_steps * world_size
-        why = (f"the planner's peak {self.estimate.peak / gib:.2f} GiB ({self.estimate.peak_phase}) is "
-               f"within {self.budget / gib:.2f} GiB: the limit {self.limit / gib:.2f} GiB less "
-               f"{margin:.0%} margin less {self.held / gib:.2f} GiB held at start")
-        over = ", ".join(f"{micro} with {ac} {peak / gib:.2f} GiB" for micro, ac, peak in self.rejected[-3:])
+        why = (f"the planner's peak {human_bytes(self.estimate.peak)} ({self.estimate.peak_phase}) is "
+               f"within {human_bytes(self.budget)}: the limit {human_bytes(self.limit)} less "
+               f"{margin:.0%} margin less {human_bytes(self.held)} held at start")
+        over = ", ".join(f"{micro} with {ac} {human_bytes(peak)}" for micro, ac, peak in self.rejected[-3:])
         return (f"trainer.micro_batch_size=auto: {self.micro_batch_size} per micro-batch x "
                 f"{self.grad_accum_steps} micro-batches x {world_size} ranks = {global_batch} sequences, "
                 f"activation_checkpointing={self.activation_checkpointing}; {why}"
@@ -463,7 +463,13 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
     ``world_size / tensor_parallel``."""
     t = cfg.trainer
     per_rank = accumulation_steps(t.global_batch_size, 1, world_size // cfg.strategy.tensor_parallel)
-    budget = int(limit * (1 - t.memory_margin)) - held
+    usable = int(limit * (1 - t.memory_margin))
+    budget = usable - held
+    if budget <= 0:
+        raise ConfigError(
+            f"trainer.micro_batch_size=auto: nothing fits: the process already holds {human_bytes(held)} "
+            f"at start, more than the limit {human_bytes(limit)} less {t.memory_margin:.0%} margin "
+            f"({human_bytes(usable)}); raise trainer.memory_limit_gib or lower trainer.memory_margin")
     sizes = [n for n in range(per_rank, 0, -1) if per_rank % n == 0]
     rejected: list[tuple[int, str, int]] = []
     cheapest = AC_MODES.index(checkpointing_mode(cfg.strategy))
@@ -476,11 +482,10 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
             if planned.peak <= budget:
                 return BatchChoice(micro, per_rank // micro, ac, planned, budget, limit, held, rejected)
             rejected.append((micro, ac, planned.peak))
-    gib = 2**30
     raise ConfigError(
         f"trainer.micro_batch_size=auto: nothing fits: one sequence with activation_checkpointing=all "
-        f"needs {rejected[-1][2] / gib:.2f} GiB by the planner, over {budget / gib:.2f} GiB (the limit "
-        f"{limit / gib:.2f} GiB less {t.memory_margin:.0%} margin less {held / gib:.2f} GiB held); raise "
+        f"needs {human_bytes(rejected[-1][2])} by the planner, over {human_bytes(budget)} (the limit "
+        f"{human_bytes(limit)} less {t.memory_margin:.0%} margin less {human_bytes(held)} held); raise "
         "trainer.memory_limit_gib, shard over more ranks or shorten trainer.seq_len")
 
 
