@@ -23,13 +23,23 @@ REFUSAL = "strategy.float8=true needs a GPU with float8 matmuls"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without float8")
-def test_float8_is_refused_on_cpu_with_one_line(capsys, tmp_path):
+def test_float8_is_refused_on_cpu_with_one_line_but_planned(capsys, tmp_path):
     with pytest.raises(ConfigError, match=f"{REFUSAL} .* this run has a CPU; drop strategy.float8"):
         check_runtime(load_config(["strategy.float8=true"]))
     assert main(["train", "strategy.float8=true", f"run.dir={tmp_path}/run"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"shardtrain: error: {REFUSAL}") and "\n" not in err
     assert not (tmp_path / "run").exists()
+    # Planning is for other machines (a login node plans the GPU job): the plan counts float8 and
+    # NCCL here without refusing, and --simulate says why it cannot run float8.
+    plan = ["plan", "model=llama3_8b", "trainer.seq_len=8192", "trainer.micro_batch_size=1",
+            "strategy.mixed_precision=bf16-mixed", "strategy.float8=true", "dist.backend=nccl"]
+    assert main([*plan, "--world-sizes", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "float8 linears, gathered in float8 where a shard group has more than one rank; 1 process per " \
+        "node" in out and "8 x FULL_SHARD" in out
+    assert main([*plan, "--simulate"]) == 2
+    assert "the simulator cannot run strategy.float8" in capsys.readouterr().err
 
 
 def test_planner_gathers_converted_linears_in_float8():

@@ -304,7 +304,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         # The nodes planned for, not this machine's: the layout checks (a tensor-parallel group
         # within a node) are against them.
         cfg.trainer.devices = args.processes_per_node
-    check_runtime(cfg)
+    check_runtime(cfg, runs_here=False)  # the machines planned for may have what this one lacks
     per_node, world = launch_shape(cfg)
     local = args.processes_per_node or per_node
     language_model = cfg.task.path == LANGUAGE_MODEL_TASK

@@ -67,13 +67,13 @@ def check_task_section(cfg: Config) -> None:
     cfg.task.options = OmegaConf.to_container(merged)
 
 
-def check_runtime(cfg: Config) -> None:
+def check_runtime(cfg: Config, runs_here: bool = True) -> None:
     """What a composed config needs torch, the task's code or the devices to check; completes
-    ``cfg.task`` (one spelling of its path, every option)."""
-    if cfg.dist.backend == "nccl" and not accelerator_count():
-        raise ConfigError(
-            "dist.backend=nccl needs GPUs and none is visible; use dist.backend=auto (gloo on CPU)"
-        )
+    ``cfg.task`` (one spelling of its path, every option). ``runs_here=False`` (``shardtrain plan``,
+    which plans for other machines, often from a login node without GPUs) skips what only this
+    machine's devices and packages decide: NCCL's GPUs, float8's tensor cores, torchao."""
+    if runs_here:
+        check_devices(cfg)
     for entry in cfg.strategy.wrap_policy:
         if entry != "auto" and "." in entry:  # a bare class name is looked up in the model itself
             try:
@@ -81,11 +81,19 @@ def check_runtime(cfg: Config) -> None:
             except ShardtrainError as exc:
                 raise ConfigError(f"strategy.wrap_policy: {exc}") from exc
     check_task_section(cfg)
-    if cfg.strategy.float8:
-        check_float8()
-        if importlib.util.find_spec("torchao") is None:
-            raise ConfigError("strategy.float8=true needs torchao (pip install 'shardtrain[float8]')")
     # The strategy against the world size the launch will have.
     per_node, world = launch_shape(cfg)
     resolve_plan(cfg.strategy, world, per_node)
     check_tensor_parallel_support(cfg)
+
+
+def check_devices(cfg: Config) -> None:
+    """What this machine must have for the run: GPUs for NCCL, float8 tensor cores and torchao."""
+    if cfg.dist.backend == "nccl" and not accelerator_count():
+        raise ConfigError(
+            "dist.backend=nccl needs GPUs and none is visible; use dist.backend=auto (gloo on CPU)"
+        )
+    if cfg.strategy.float8:
+        check_float8()
+        if importlib.util.find_spec("torchao") is None:
+            raise ConfigError("strategy.float8=true needs torchao (pip install 'shardtrain[float8]')")

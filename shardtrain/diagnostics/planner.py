@@ -498,8 +498,10 @@ def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, l
                 "frozen without gradients or optimizer state)" if trained < n else "")
     lines = [f"model: {n / 1e6:.1f}M parameters{adapters}; micro-batch {cfg.trainer.micro_batch_size} x "
              f"{cfg.trainer.seq_len} tokens; precision "
-             f"{resolve_precision(cfg.strategy.mixed_precision, accelerated=True)}; "
-             f"{local} processes per node"
+             f"{resolve_precision(cfg.strategy.mixed_precision, accelerated=True)}"
+             + ("; float8 linears, gathered in float8 where a shard group has more than one rank"
+                if cfg.strategy.float8 else "")
+             + f"; {local} process{'es' if local > 1 else ''} per node"
              + (f"; tensor parallel {cfg.strategy.tensor_parallel} (sequence parallel "
                 f"{'on' if cfg.strategy.sequence_parallel else 'off'}), FSDP over the other ranks"
                 if cfg.strategy.tensor_parallel > 1 else ""),
