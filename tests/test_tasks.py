@@ -224,6 +224,12 @@ def test_a_task_from_the_command_line_with_its_options_preempted_and_resumed(tmp
      "unknown task option 'task.depht'; did you mean 'task.depth'?"),
     (["task=vit:ImageClassification", "task.depth=deep"], "invalid value for task.depth"),
     (["task.depth=3"], "takes no options"),
+    (["task=vit:ImageClassification", "trainer.micro_batch_size=auto", "trainer.global_batch_size=16"],
+     "trainer.micro_batch_size=auto needs the memory planner, whose formulas know the built-in "
+     "language-model task's models only; set trainer.micro_batch_size=N for ImageClassification"),
+    (["task=vit:ImageClassification", "trainer.loss_chunk_tokens=16"],
+     "trainer.loss_chunk_tokens=16 sets the built-in language-model task's loss; ImageClassification "
+     "computes its own"),
 ])
 def test_bad_task_settings_are_one_line_before_anything_starts(monkeypatch, args, message):
     monkeypatch.syspath_prepend(str(EXAMPLES))

@@ -19,7 +19,7 @@ from shardtrain.accelerator import accelerator_count, check_float8
 from shardtrain.config.classpath import import_module_class, import_object
 from shardtrain.config.compose import check_ranges, compose_config
 from shardtrain.config.plan import check_tensor_parallel_support, launch_shape, resolve_plan
-from shardtrain.config.schema import Config
+from shardtrain.config.schema import LANGUAGE_MODEL_TASK, Config
 from shardtrain.config.suggest import closest
 from shardtrain.errors import ConfigError, ShardtrainError
 
@@ -67,6 +67,23 @@ def check_task_section(cfg: Config) -> None:
     cfg.task.options = OmegaConf.to_container(merged)
 
 
+def check_built_in_task_settings(cfg: Config) -> None:
+    """Settings that only the built-in language-model task (or a task derived from it) acts on:
+    refused for any other task, whose model and loss are its own, rather than ignored."""
+    task = import_object(cfg.task.path, "task")
+    if any(f"{c.__module__}:{c.__qualname__}" == LANGUAGE_MODEL_TASK for c in task.__mro__):
+        return
+    name = task.__name__
+    if cfg.trainer.micro_batch_size == "auto":
+        raise ConfigError(f"trainer.micro_batch_size=auto needs the memory planner, whose formulas know "
+                          f"the built-in language-model task's models only; set trainer.micro_batch_size=N "
+                          f"for {name} (shardtrain plan --simulate measures its memory)")
+    if cfg.trainer.loss_chunk_tokens != "auto":
+        raise ConfigError(f"trainer.loss_chunk_tokens={cfg.trainer.loss_chunk_tokens} sets the built-in "
+                          f"language-model task's loss; {name} computes its own (a task can call "
+                          "shardtrain.tasks.losses.chunked_cross_entropy in its loss); drop the setting")
+
+
 def check_runtime(cfg: Config, runs_here: bool = True) -> None:
     """What a composed config needs torch, the task's code or the devices to check; completes
     ``cfg.task`` (one spelling of its path, every option). ``runs_here=False`` (``shardtrain plan``,
@@ -81,6 +98,7 @@ def check_runtime(cfg: Config, runs_here: bool = True) -> None:
             except ShardtrainError as exc:
                 raise ConfigError(f"strategy.wrap_policy: {exc}") from exc
     check_task_section(cfg)
+    check_built_in_task_settings(cfg)
     # The strategy against the world size the launch will have.
     per_node, world = launch_shape(cfg)
     resolve_plan(cfg.strategy, world, per_node)
