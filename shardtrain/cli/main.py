@@ -330,7 +330,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"simulated one training step of rank 0 (micro-batch {batch}, "
           f"{cfg.trainer.grad_accum_steps} micro-batch(es), "
           f"{resolve_precision(cfg.strategy.mixed_precision, accelerated=True)}, {local} "
-          "processes per node); GiB per rank, the planner's estimate in brackets")
+          f"process{'es' if local > 1 else ''} per node); GiB per rank, the planner's estimate in brackets")
     print(simulation_table(rows, memory, markdown=args.markdown))
     return 0
 
