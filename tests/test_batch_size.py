@@ -16,10 +16,11 @@ import torch
 from batch_size_workers import GLOBAL_BATCH, auto_batch_run, planned_peak
 from distributed import run_on_ranks
 
+from shardtrain.cli.main import main
 from shardtrain.config.loader import load_config
 from shardtrain.config.plan import accumulation_steps
 from shardtrain.config.strategy import AC_MODES
-from shardtrain.diagnostics.planner import choose_batch, estimate
+from shardtrain.diagnostics.planner import NothingFits, choose_batch, estimate
 from shardtrain.distributed.env import DistEnv
 from shardtrain.errors import ConfigError
 from shardtrain.models.registry import build_model
@@ -180,3 +181,29 @@ def test_auto_run_chooses_the_planners_size_and_fits(tmp_path):
     assert f"planned peak of {r['planned'] / GIB:.2f} GiB" in oom and "parameters and optimizer state" in oom
     assert "the activation and communication-buffer estimate" in oom and "was wrong" in oom
     assert "activation_checkpointing=none" in report and "8 with none" in report.split("over it:")[1]
+
+
+def test_plan_shows_what_auto_would_choose_at_each_world_size(llama_8b, capsys):
+    """``shardtrain plan`` with micro_batch_size=auto: each row is the trainer's choice at that world
+    size and strategy against --device-memory (nothing held at start, as on an accelerator)."""
+    cfg, model = llama_8b
+    overrides = ["plan", "model=llama3_8b", "trainer.seq_len=4096", "trainer.micro_batch_size=auto",
+                 f"trainer.global_batch_size={8 * WORLD}", "strategy.mixed_precision=bf16-mixed",
+                 "--world-sizes", "8", str(WORLD), "--processes-per-node", "8"]
+    assert main([*overrides, "--device-memory", "30GiB"]) == 0
+    rows = {tuple(line.split()[:3]): line.split()[3:] for line in capsys.readouterr().out.splitlines()[2:]}
+    for world in (8, WORLD):
+        for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"):
+            trial = replace(cfg, strategy=replace(cfg.strategy, sharding_strategy=strategy))
+            row = rows[(str(world), "x", strategy)]
+            try:
+                choice = choose_batch(trial, model, world, 8, 30 * GIB, held=0, accelerated=True)
+            except NothingFits as exc:
+                assert row[:2] == ["nothing", "fits"] and row[-1] == f"{exc.smallest_peak / GIB:.2f})"
+                continue
+            assert row == [str(choice.micro_batch_size), "x", str(choice.grad_accum_steps),
+                           choice.activation_checkpointing, f"{choice.estimate.peak / GIB:.2f}"], strategy
+    assert rows[(str(WORLD), "x", "FULL_SHARD")][:4] == ["1", "x", "8", "none"]  # as the test above chose
+    assert rows[("8", "x", "NO_SHARD")][:2] == ["nothing", "fits"]
+    assert main(overrides) == 2
+    assert "needs the memory it plans against: add --device-memory 80GB" in capsys.readouterr().err

@@ -450,6 +450,15 @@ class BatchChoice:
                 + (f"; over it: {over}" if over else ""))
 
 
+class NothingFits(ConfigError):
+    """No micro-batch fits under any activation checkpointing; ``smallest_peak``: the planner's
+    peak for one sequence with every block recomputed."""
+
+    def __init__(self, message: str, smallest_peak: int):
+        super().__init__(message)
+        self.smallest_peak = smallest_peak
+
+
 def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, limit: int, held: int,
                  accelerated: bool | None) -> BatchChoice:
     """``trainer.micro_batch_size=auto``: the cheapest activation checkpointing, from the configured
@@ -482,14 +491,57 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
             if planned.peak <= budget:
                 return BatchChoice(micro, per_rank // micro, ac, planned, budget, limit, held, rejected)
             rejected.append((micro, ac, planned.peak))
-    raise ConfigError(
+    raise NothingFits(
         f"trainer.micro_batch_size=auto: nothing fits: one sequence with activation_checkpointing=all "
         f"needs {human_bytes(rejected[-1][2])} by the planner, over {human_bytes(budget)} (the limit "
         f"{human_bytes(limit)} less {t.memory_margin:.0%} margin less {human_bytes(held)} held); raise "
-        "trainer.memory_limit_gib, shard over more ranks or shorten trainer.seq_len")
+        "trainer.memory_limit_gib, shard over more ranks or shorten trainer.seq_len", rejected[-1][2])
+
+
+def auto_batch_table(cfg: Config, world_sizes: list[int], device_memory: int | None, local: int) -> str:
+    """``shardtrain plan`` with ``trainer.micro_batch_size=auto``: what a run would choose for each
+    world size and strategy against ``device_memory`` (else ``trainer.memory_limit_gib``), as the
+    trainer chooses it at start-up on an accelerator that holds nothing yet."""
+    limit = device_memory or int(cfg.trainer.memory_limit_gib * 2**30)
+    if not limit:
+        raise ConfigError("shardtrain plan with trainer.micro_batch_size=auto needs the memory it plans "
+                          "against: add --device-memory 80GB (or set trainer.memory_limit_gib)")
+    model = planned_model(cfg)
+    t = cfg.trainer
+    lines = [f"trainer.micro_batch_size=auto: global batch {t.global_batch_size} sequences of {t.seq_len} "
+             f"tokens, against {human_bytes(limit)} a process less {t.memory_margin:.0%} margin "
+             f"(nothing held before the model is built); "
+             f"{resolve_precision(cfg.strategy.mixed_precision, accelerated=True)}; {local} "
+             f"process{'es' if local > 1 else ''} per node",
+             "ranks x strategy: micro-batch x accumulation, activation checkpointing, planned peak GiB"]
+    for world in world_sizes:
+        for strategy in STRATEGIES:
+            if strategy.startswith("HYBRID") and (world < 2 or world % min(local, world)):
+                continue
+            data_parallel = world // cfg.strategy.tensor_parallel
+            if t.global_batch_size % data_parallel:
+                lines.append(f"  {world:>4} x {strategy:<19} not possible: {t.global_batch_size} sequences "
+                             f"do not divide over {data_parallel} data-parallel ranks")
+                continue
+            trial = replace(cfg, strategy=replace(cfg.strategy, sharding_strategy=strategy))
+            try:
+                choice = choose_batch(trial, model, world, local, limit, held=0, accelerated=True)
+            except NothingFits as exc:
+                lines.append(f"  {world:>4} x {strategy:<19} nothing fits (one sequence, every block "
+                             f"recomputed: {exc.smallest_peak / 2**30:.2f})")
+                continue
+            except ConfigError as exc:  # a layout this world size cannot take
+                lines.append(f"  {world:>4} x {strategy:<19} not possible: {exc}")
+                continue
+            lines.append(f"  {world:>4} x {strategy:<19} {choice.micro_batch_size:>3} x "
+                         f"{choice.grad_accum_steps:<4} {choice.activation_checkpointing:<10} "
+                         f"{choice.estimate.peak / 2**30:8.2f}")
+    return "\n".join(lines)
 
 
 def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, local: int) -> str:
+    if cfg.trainer.micro_batch_size == "auto":
+        return auto_batch_table(cfg, world_sizes, device_memory, local)
     check_planned_batch(cfg)
     model = planned_model(cfg)
     n = sum(p.numel() for p in model.parameters())
