@@ -207,3 +207,5 @@ def test_plan_shows_what_auto_would_choose_at_each_world_size(llama_8b, capsys):
     assert rows[("8", "x", "NO_SHARD")][:2] == ["nothing", "fits"]
     assert main(overrides) == 2
     assert "needs the memory it plans against: add --device-memory 80GB" in capsys.readouterr().err
+    assert main([*overrides, "--simulate"]) == 2
+    assert "plan --simulate runs one micro-batch size" in capsys.readouterr().err

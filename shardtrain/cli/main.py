@@ -320,6 +320,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from shardtrain.config.plan import normalize_strategy_name, resolve_precision
     from shardtrain.train.simulate import simulation_rows, simulation_table
 
+    if cfg.trainer.micro_batch_size == "auto":
+        raise ConfigError("shardtrain plan --simulate runs one micro-batch size: set "
+                          "trainer.micro_batch_size=N (without --simulate, plan shows what auto would "
+                          "choose at each world size)")
+
     strategies = [normalize_strategy_name(s) for s in args.strategies or [cfg.strategy.sharding_strategy]]
     checkpointing = {"both": ["none", "all"], "config": [cfg.strategy.activation_checkpointing]}.get(
         args.ac, [args.ac])
