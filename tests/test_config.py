@@ -134,7 +134,7 @@ CHECKED_BY_CODE = {
     "strategy.mixed_precision": ("strategy.mixed_precision=fp8", "is unknown"),
     "strategy.param_dtype": ("strategy.param_dtype=fp64", "must be one of"),
     "strategy.reduce_dtype": ("strategy.reduce_dtype=int8", "must be one of"),
-    "strategy.activation_checkpointing": ("strategy.activation_checkpointing=some", "must be one of"),
+    "strategy.activation_checkpointing": ("strategy.activation_checkpointing=some", "choose one of"),
     "strategy.wrap_policy": ("strategy.wrap_policy=[nope.Block]", "does not import"),
     "data.paths": ("data.paths=[{tmp}/nowhere]", "does not exist"),
     "trainer.devices": ("trainer.devices=0", "must be 'auto' or a positive int"),
@@ -213,7 +213,8 @@ BAD = {
     "strategy.mixed_precision=bf16": "strategy.mixed_precision='bf16' is unknown",
     "strategy.reduce_dtype=fp16": "strategy.reduce_dtype=fp16 needs loss scaling",
     "strategy.reshard_after_forward=-1": "must be null, true, false or a positive int",
-    "strategy.activation_checkpointing=some": "must be one of none, selective, every_k, all",
+    "strategy.activation_checkpointing=xyz": "is unknown; choose one of none, selective, every_k, all",
+    "strategy.activation_checkpointing=selectiv": "is unknown; did you mean 'selective'?; choose one of",
     "checkpoint.preemption_signals=[SIGKILL]": "SIGKILL cannot be caught",
 }
 

@@ -76,8 +76,8 @@ def checkpointing_mode(cfg: StrategyConfig) -> str:
     ac = cfg.activation_checkpointing.lower()
     if ac not in AC_MODES:
         raise ConfigError(
-            f"strategy.activation_checkpointing={cfg.activation_checkpointing!r} must be one of "
-            f"{', '.join(AC_MODES)}"
+            f"strategy.activation_checkpointing={cfg.activation_checkpointing!r} is unknown"
+            f"{closest(ac, AC_MODES)}; choose one of {', '.join(AC_MODES)}"
         )
     if ac == "every_k" and cfg.activation_checkpointing_every < 1:
         raise ConfigError("strategy.activation_checkpointing_every must be at least 1")
