@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from vit import ImageClassification, SyntheticImages
 
+from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.task import LossOutput, Task
 
 
@@ -124,3 +125,15 @@ class RankMetrics(ImageClassification):
     def loss(self, model, batch):
         out = super().loss(model, batch)
         return LossOutput(out.loss, out.count, {f"rank{torch.distributed.get_rank()}": out.count})
+
+
+class DerivedLanguageTask(LanguageModelTask):
+    """The built-in language-model task under another name: its settings (micro_batch_size=auto,
+    trainer.loss_chunk_tokens) apply."""
+
+
+class OwnModelLanguageTask(LanguageModelTask):
+    """A language-model task that builds a model of its own: the planner's formulas do not know it."""
+
+    def build_model(self) -> torch.nn.Module:
+        return super().build_model()

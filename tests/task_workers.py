@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from shardtrain.config.schema import Config
+from shardtrain.errors import ConfigError
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "tasks"
 sys.path.insert(0, str(EXAMPLES))
@@ -85,6 +86,17 @@ def run_task_cases(cases: dict[str, dict], out: str) -> None:
                         "resumed_from": result.resumed_from,
                         "input_dtypes": sorted(dtypes)},
                        Path(out, f"{name}.pt"))
+    # A task object given a setting only the built-in language-model task acts on: refused when the
+    # trainer learns the task, before its data or model are built.
+    cfg = task_config(world, f"{out}/refused")
+    cfg.trainer = dataclasses.replace(cfg.trainer, loss_chunk_tokens=16)
+    try:
+        Trainer.create(cfg, task=make_task("vit"))
+        refusal = "not refused"
+    except ConfigError as exc:
+        refusal = str(exc)
+    if int(os.environ["RANK"]) == 0:
+        Path(out, "refused.txt").write_text(refusal)
 
 
 def reference(name: str, steps: int = 2 * N) -> dict:

@@ -115,8 +115,9 @@ def test_auto_checkpoints_only_when_no_batch_fits_without(llama_8b, llama_8b_pla
     with pytest.raises(ConfigError, match=r"nothing fits: one sequence .* raise trainer.memory_limit_gib"):
         choose_batch(cfg, model, WORLD, 8, int(peaks_of["lean"]["all"] * 0.9), held=0, accelerated=True)
     # A process that already holds more than the limit allows: said so, not a negative budget.
-    with pytest.raises(ConfigError, match=r"nothing fits: the process already holds 3\.0 GiB at start, "
-                                          r"more than the limit 2\.0 GiB less 10% margin \(1\.8 GiB\)"):
+    held_too_much = (r"nothing fits: the process already holds 3\.0 GiB at start, which leaves nothing "
+                     r"of the limit 2\.0 GiB less 10% margin \(1\.8 GiB\)")
+    with pytest.raises(ConfigError, match=held_too_much):
         choose_batch(cfg, model, WORLD, 8, 2 * GIB, held=3 * GIB, accelerated=True)
 
 
@@ -205,6 +206,13 @@ def test_plan_shows_what_auto_would_choose_at_each_world_size(llama_8b, capsys):
                            choice.activation_checkpointing, f"{choice.estimate.peak / GIB:.2f}"], strategy
     assert rows[(str(WORLD), "x", "FULL_SHARD")][:4] == ["1", "x", "8", "none"]  # as the test above chose
     assert rows[("8", "x", "NO_SHARD")][:2] == ["nothing", "fits"]
+    # Under tensor parallelism a world too small for a tp group is a row, not a crash.
+    assert main([*overrides[:-5], "strategy.tensor_parallel=8", "--world-sizes", "1", str(WORLD),
+                 "--processes-per-node", "8", "--device-memory", "30GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel 8 (sequence parallel on), FSDP over the other ranks" in out.splitlines()[0]
+    assert "   1 x FULL_SHARD          not possible: tensor-parallel groups of 8 need a multiple of 8" in out
+    assert f"  {WORLD} x FULL_SHARD            4 x 16   none" in out  # FSDP 8 x TP 8 fits 4, as above
     assert main(overrides) == 2
     assert "needs the memory it plans against: add --device-memory 80GB" in capsys.readouterr().err
     assert main([*overrides, "--simulate"]) == 2

@@ -139,6 +139,14 @@ def test_tasks_equal_the_reference_at_two_processes(two_ranks, references):
     assert torch.load(two_ranks / "dit_full.pt")["input_dtypes"] == ["torch.float32", "torch.int64"]
 
 
+def test_a_task_object_refuses_the_built_in_tasks_loss_setting(two_ranks):
+    """The library path (Trainer.create(cfg, task=...)) checks what load_config checked for the
+    default task: an explicit trainer.loss_chunk_tokens for a task that computes its own loss."""
+    assert (two_ranks / "refused.txt").read_text().startswith(
+        "trainer.loss_chunk_tokens=16 sets the built-in language-model task's loss; ImageClassification "
+        "computes its own")
+
+
 def test_a_module_with_nothing_to_do_on_one_rank_runs_on_an_empty_input(two_ranks, references):
     """The supported pattern for inputs some batches lack (docs/tasks.md): the image encoder runs on
     every rank, on zero images where a micro-batch has none, and training equals the reference."""
@@ -227,6 +235,8 @@ def test_a_task_from_the_command_line_with_its_options_preempted_and_resumed(tmp
     (["task=vit:ImageClassification", "trainer.micro_batch_size=auto", "trainer.global_batch_size=16"],
      "trainer.micro_batch_size=auto needs the memory planner, whose formulas know the built-in "
      "language-model task's models only; set trainer.micro_batch_size=N for ImageClassification"),
+    (["task=broken_tasks:OwnModelLanguageTask", "trainer.micro_batch_size=auto",
+      "trainer.global_batch_size=16"], "set trainer.micro_batch_size=N for OwnModelLanguageTask"),
     (["task=vit:ImageClassification", "trainer.loss_chunk_tokens=16"],
      "trainer.loss_chunk_tokens=16 sets the built-in language-model task's loss; ImageClassification "
      "computes its own"),
@@ -236,6 +246,13 @@ def test_bad_task_settings_are_one_line_before_anything_starts(monkeypatch, args
     with pytest.raises(ConfigError) as caught:
         load_config(args)
     assert message in str(caught.value)
+
+
+def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    cfg = load_config(["task=broken_tasks:DerivedLanguageTask", "trainer.micro_batch_size=auto",
+                       "trainer.global_batch_size=16", "trainer.loss_chunk_tokens=16"])
+    assert cfg.task.path == "broken_tasks:DerivedLanguageTask"
 
 
 @pytest.mark.parametrize(("task", "message"), [

@@ -294,9 +294,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     memory = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
     cfg = compose_checked(args.overrides)
-    from shardtrain.config.loader import check_runtime
+    from shardtrain.config.classpath import import_object
+    from shardtrain.config.loader import check_runtime, planned_by_formulas
     from shardtrain.config.plan import launch_shape
-    from shardtrain.config.schema import LANGUAGE_MODEL_TASK
     from shardtrain.diagnostics.planner import plan_table
     from shardtrain.errors import ConfigError
 
@@ -307,7 +307,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_runtime(cfg, runs_here=False)  # the machines planned for may have what this one lacks
     per_node, world = launch_shape(cfg)
     local = args.processes_per_node or per_node
-    language_model = cfg.task.path == LANGUAGE_MODEL_TASK
+    language_model = planned_by_formulas(import_object(cfg.task.path, "task"))
     if not args.simulate and not language_model:
         raise ConfigError(f"shardtrain plan's formulas know decoder language models only; for "
                           f"task={cfg.task.path} use shardtrain plan --simulate (it runs the task's "

@@ -67,18 +67,36 @@ def check_task_section(cfg: Config) -> None:
     cfg.task.options = OmegaConf.to_container(merged)
 
 
-def check_built_in_task_settings(cfg: Config) -> None:
-    """Settings that only the built-in language-model task (or a task derived from it) acts on:
-    refused for any other task, whose model and loss are its own, rather than ignored."""
-    task = import_object(cfg.task.path, "task")
-    if any(f"{c.__module__}:{c.__qualname__}" == LANGUAGE_MODEL_TASK for c in task.__mro__):
-        return
-    name = task.__name__
-    if cfg.trainer.micro_batch_size == "auto":
+def built_in_ancestor(task_cls: type) -> type | None:
+    """The built-in language-model task's class if ``task_cls`` is it or derives from it."""
+    return next((c for c in task_cls.__mro__ if f"{c.__module__}:{c.__qualname__}" == LANGUAGE_MODEL_TASK),
+                None)
+
+
+def language_model_task(task_cls: type) -> bool:
+    """The built-in language-model task, or a task derived from it (its loss honours
+    ``trainer.loss_chunk_tokens``)."""
+    return built_in_ancestor(task_cls) is not None
+
+
+def planned_by_formulas(task_cls: type) -> bool:
+    """A language-model task that builds the built-in models from ``model.*``: what the memory
+    planner's formulas (``shardtrain plan``, ``micro_batch_size=auto``) know."""
+    built_in = built_in_ancestor(task_cls)
+    return built_in is not None and getattr(task_cls, "build_model", None) is built_in.build_model
+
+
+def check_built_in_task_settings(cfg: Config, task_cls: type | None = None) -> None:
+    """Settings that only the built-in language-model task acts on, refused for any other task
+    (``task_cls``: a task object's class; default, the class ``task=`` names), whose model or loss
+    are its own, rather than ignored."""
+    task_cls = task_cls or import_object(cfg.task.path, "task")
+    name = task_cls.__name__
+    if cfg.trainer.micro_batch_size == "auto" and not planned_by_formulas(task_cls):
         raise ConfigError(f"trainer.micro_batch_size=auto needs the memory planner, whose formulas know "
                           f"the built-in language-model task's models only; set trainer.micro_batch_size=N "
                           f"for {name} (shardtrain plan --simulate measures its memory)")
-    if cfg.trainer.loss_chunk_tokens != "auto":
+    if cfg.trainer.loss_chunk_tokens != "auto" and not language_model_task(task_cls):
         raise ConfigError(f"trainer.loss_chunk_tokens={cfg.trainer.loss_chunk_tokens} sets the built-in "
                           f"language-model task's loss; {name} computes its own (a task can call "
                           "shardtrain.tasks.losses.chunked_cross_entropy in its loss); drop the setting")

@@ -477,8 +477,8 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
     if budget <= 0:
         raise ConfigError(
             f"trainer.micro_batch_size=auto: nothing fits: the process already holds {human_bytes(held)} "
-            f"at start, more than the limit {human_bytes(limit)} less {t.memory_margin:.0%} margin "
-            f"({human_bytes(usable)}); raise trainer.memory_limit_gib or lower trainer.memory_margin")
+            f"at start, which leaves nothing of the limit {human_bytes(limit)} less {t.memory_margin:.0%} "
+            f"margin ({human_bytes(usable)}); raise trainer.memory_limit_gib or lower trainer.memory_margin")
     sizes = [n for n in range(per_rank, 0, -1) if per_rank % n == 0]
     rejected: list[tuple[int, str, int]] = []
     cheapest = AC_MODES.index(checkpointing_mode(cfg.strategy))
@@ -498,6 +498,17 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
         "trainer.memory_limit_gib, shard over more ranks or shorten trainer.seq_len", rejected[-1][2])
 
 
+def run_shape(cfg: Config, local: int) -> str:
+    """The plan tables' header: precision, float8, processes per node, tensor parallelism."""
+    return (f"precision {resolve_precision(cfg.strategy.mixed_precision, accelerated=True)}"
+            + ("; float8 linears, gathered in float8 where a shard group has more than one rank"
+               if cfg.strategy.float8 else "")
+            + f"; {local} process{'es' if local > 1 else ''} per node"
+            + (f"; tensor parallel {cfg.strategy.tensor_parallel} (sequence parallel "
+               f"{'on' if cfg.strategy.sequence_parallel else 'off'}), FSDP over the other ranks"
+               if cfg.strategy.tensor_parallel > 1 else ""))
+
+
 def auto_batch_table(cfg: Config, world_sizes: list[int], device_memory: int | None, local: int) -> str:
     """``shardtrain plan`` with ``trainer.micro_batch_size=auto``: what a run would choose for each
     world size and strategy against ``device_memory`` (else ``trainer.memory_limit_gib``), as the
@@ -506,19 +517,25 @@ def auto_batch_table(cfg: Config, world_sizes: list[int], device_memory: int | N
     if not limit:
         raise ConfigError("shardtrain plan with trainer.micro_batch_size=auto needs the memory it plans "
                           "against: add --device-memory 80GB (or set trainer.memory_limit_gib)")
-    model = planned_model(cfg)
     t = cfg.trainer
+    if int(limit * (1 - t.memory_margin)) < 1:
+        raise ConfigError(f"--device-memory {human_bytes(limit)} less {t.memory_margin:.0%} margin leaves "
+                          "nothing to plan in; give the device's memory, e.g. --device-memory 80GB")
+    model = planned_model(cfg)
+    tp = cfg.strategy.tensor_parallel
     lines = [f"trainer.micro_batch_size=auto: global batch {t.global_batch_size} sequences of {t.seq_len} "
              f"tokens, against {human_bytes(limit)} a process less {t.memory_margin:.0%} margin "
-             f"(nothing held before the model is built); "
-             f"{resolve_precision(cfg.strategy.mixed_precision, accelerated=True)}; {local} "
-             f"process{'es' if local > 1 else ''} per node",
+             f"(nothing held before the model is built); {run_shape(cfg, local)}",
              "ranks x strategy: micro-batch x accumulation, activation checkpointing, planned peak GiB"]
     for world in world_sizes:
         for strategy in STRATEGIES:
             if strategy.startswith("HYBRID") and (world < 2 or world % min(local, world)):
                 continue
-            data_parallel = world // cfg.strategy.tensor_parallel
+            if world % tp:
+                lines.append(f"  {world:>4} x {strategy:<19} not possible: tensor-parallel groups of {tp} "
+                             f"need a multiple of {tp} ranks")
+                continue
+            data_parallel = world // tp
             if t.global_batch_size % data_parallel:
                 lines.append(f"  {world:>4} x {strategy:<19} not possible: {t.global_batch_size} sequences "
                              f"do not divide over {data_parallel} data-parallel ranks")
@@ -530,7 +547,7 @@ def auto_batch_table(cfg: Config, world_sizes: list[int], device_memory: int | N
                 lines.append(f"  {world:>4} x {strategy:<19} nothing fits (one sequence, every block "
                              f"recomputed: {exc.smallest_peak / 2**30:.2f})")
                 continue
-            except ConfigError as exc:  # a layout this world size cannot take
+            except Exception as exc:  # a layout this world size cannot take, as in plan_table
                 lines.append(f"  {world:>4} x {strategy:<19} not possible: {exc}")
                 continue
             lines.append(f"  {world:>4} x {strategy:<19} {choice.micro_batch_size:>3} x "
@@ -549,14 +566,7 @@ def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, l
     adapters = (f" ({trained / 1e6:.2f}M trainable: finetune={cfg.finetune.method} adapters, the base "
                 "frozen without gradients or optimizer state)" if trained < n else "")
     lines = [f"model: {n / 1e6:.1f}M parameters{adapters}; micro-batch {cfg.trainer.micro_batch_size} x "
-             f"{cfg.trainer.seq_len} tokens; precision "
-             f"{resolve_precision(cfg.strategy.mixed_precision, accelerated=True)}"
-             + ("; float8 linears, gathered in float8 where a shard group has more than one rank"
-                if cfg.strategy.float8 else "")
-             + f"; {local} process{'es' if local > 1 else ''} per node"
-             + (f"; tensor parallel {cfg.strategy.tensor_parallel} (sequence parallel "
-                f"{'on' if cfg.strategy.sequence_parallel else 'off'}), FSDP over the other ranks"
-                if cfg.strategy.tensor_parallel > 1 else ""),
+             f"{cfg.trainer.seq_len} tokens; {run_shape(cfg, local)}",
              "per-rank GiB (rank 0, the largest shard): params | grads | optimizer | activation peak "
              "(no AC / AC) | peak (no AC / AC)" + (" | fits" if device_memory else "")]
     gib = 2**30

@@ -9,13 +9,13 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.accelerator import allocated_bytes, device_memory_bytes
+from shardtrain.config.loader import planned_by_formulas
 from shardtrain.config.plan import accumulation_steps
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import rss_bytes
 from shardtrain.diagnostics.planner import BatchChoice, choose_batch, planned_model
 from shardtrain.distributed.env import DistEnv
 from shardtrain.errors import ConfigError
-from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.task import Task
 
 
@@ -48,7 +48,7 @@ def resolve_batch(cfg: Config, env: DistEnv, task: Task) -> BatchChoice | None:
                                   "of them")
             cfg.trainer = replace(t, grad_accum_steps=steps)
         return None
-    if not isinstance(task, LanguageModelTask) or task.model_factory is not None:
+    if not planned_by_formulas(type(task)) or task.model_factory is not None:
         raise ConfigError(f"trainer.micro_batch_size=auto needs the memory planner, whose formulas know "
                           f"the built-in language-model task's models only; set trainer.micro_batch_size=N "
                           f"for {type(task).__name__}")

@@ -26,6 +26,7 @@ from shardtrain.checkpoint.peft_adapter import load_peft_adapter, resolve_adapte
 from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.checkpoint.weights import load_model_weights
 from shardtrain.config.compose import to_yaml
+from shardtrain.config.loader import check_built_in_task_settings
 from shardtrain.config.plan import check_world
 from shardtrain.config.schema import Config
 from shardtrain.data.batches import BatchLayout, SampleSource, TrainBatches, eval_batches
@@ -147,6 +148,7 @@ class Trainer:
         set_fp32_matmul(env.device, cfg.strategy.tf32)
         if task is not None:
             cfg.task = task_config_of(check_task(task))
+            check_built_in_task_settings(cfg, type(task))  # load_config checked the default task's
         else:
             task = task_from_config(cfg)
         task.bind(cfg)
