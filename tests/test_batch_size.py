@@ -176,7 +176,7 @@ def test_auto_run_chooses_the_planners_size_and_fits(tmp_path):
     assert r["peak_bytes"] < r["limit"], (r["peak_bytes"] / GIB, r["limit"] / GIB)  # the run fits
     assert len(r["losses"]) == 2
     report = next(line for line in r["log"] if line.startswith("trainer.micro_batch_size=auto"))
-    assert "4 per micro-batch x 4 micro-batches x 2 ranks = 32 sequences" in report
+    assert "4 per micro-batch x 4 micro-batches x 2 data-parallel ranks = 32 sequences" in report
     oom = r["out_of_memory"]
     assert oom.startswith("step 3 ran out of cpu memory (rank 0): trainer.micro_batch_size=auto chose 4 ")
     assert f"planned peak of {r['planned'] / GIB:.2f} GiB" in oom and "parameters and optimizer state" in oom

@@ -439,13 +439,15 @@ class BatchChoice:
     rejected: list[tuple[int, str, int]]  # (micro-batch, checkpointing, planned peak) over the budget
 
     def describe(self, world_size: int, margin: float) -> str:
+        """The start-up report's line; ``world_size``: the data-parallel ranks."""
         global_batch = self.micro_batch_size * self.grad_accum_steps * world_size
         why = (f"the planner's peak {human_bytes(self.estimate.peak)} ({self.estimate.peak_phase}) is "
                f"within {human_bytes(self.budget)}: the limit {human_bytes(self.limit)} less "
                f"{margin:.0%} margin less {human_bytes(self.held)} held at start")
         over = ", ".join(f"{micro} with {ac} {human_bytes(peak)}" for micro, ac, peak in self.rejected[-3:])
         return (f"trainer.micro_batch_size=auto: {self.micro_batch_size} per micro-batch x "
-                f"{self.grad_accum_steps} micro-batches x {world_size} ranks = {global_batch} sequences, "
+                f"{self.grad_accum_steps} micro-batches x {world_size} data-parallel "
+                f"rank{'s' if world_size > 1 else ''} = {global_batch} sequences, "
                 f"activation_checkpointing={self.activation_checkpointing}; {why}"
                 + (f"; over it: {over}" if over else ""))
 
