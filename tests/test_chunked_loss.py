@@ -230,3 +230,21 @@ def test_auto_chunks_large_vocabularies_only():
             model = build_model(cfg.model)
         peaks[setting] = estimate(cfg, model, "FULL_SHARD", 2, 2).peak
     assert peaks["auto"] == peaks[DEFAULT_CHUNK_TOKENS] < peaks[0]
+
+
+def test_the_start_up_report_names_the_loss_and_why():
+    """LanguageModelTask.describe (the start-up report's task line) says which loss the built
+    model gets: chunked and its chunk, plain and why, or the tensor-parallel sharded one."""
+    big = "model.vocab_size=32000"
+    cases = [([big], "chunked, 256 tokens at a time (vocabulary 32,000)"),
+             ([], "plain, full logits (vocabulary 256, auto: below 32,000)"),
+             (["trainer.loss_chunk_tokens=0", big], "plain, full logits (vocabulary 32,000)"),
+             (["trainer.loss_chunk_tokens=64"], "chunked, 64 tokens at a time (vocabulary 256)"),
+             (["strategy.tensor_parallel=2", "trainer.devices=2", "model.ffn_hidden_dim=96"],
+              "on the vocabulary-sharded logits (tensor parallel)")]
+    for overrides, expected in cases:
+        task = LanguageModelTask()
+        task.bind(load_config(["model=llama_tiny", *overrides]))
+        with torch.device("meta"):
+            task.build_model()
+        assert task.loss_kind == expected, overrides

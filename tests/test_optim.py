@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from shardtrain.config.schema import ModelConfig, TrainerConfig
 from shardtrain.models.llama import Llama
-from shardtrain.train.optim import build_optimizer, lr_factor, no_decay_names
+from shardtrain.train.optim import build_optimizer, lr_factor, no_decay_names, optimizer_kind
 
 
 def test_no_weight_decay_on_norms_biases_embeddings():
@@ -27,3 +29,13 @@ def test_warmup_then_cosine_to_min_ratio():
     assert lr_factor(10, 10, 100, 0.1) == 1.0
     assert math.isclose(lr_factor(55, 10, 100, 0.1), 0.55)
     assert math.isclose(lr_factor(100, 10, 100, 0.1), 0.1) and lr_factor(500, 10, 100, 0.1) == 0.1
+
+
+def test_kernels_as_asked_and_named_in_the_report():
+    """auto and fused take torch's fused AdamW where it has one (the CPU has it), foreach by name;
+    the start-up report's model line names which."""
+    model = Llama(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2))
+    kinds = {kernel: optimizer_kind(build_optimizer(model, TrainerConfig(optimizer_kernel=kernel)))
+             for kernel in ("auto", "fused", "foreach")}
+    assert kinds == {"auto": "AdamW (fused)", "fused": "AdamW (fused)", "foreach": "AdamW (foreach)"}
+    assert optimizer_kind(torch.optim.SGD(model.parameters(), lr=0.1)) == "SGD"

@@ -23,7 +23,7 @@ from shardtrain.data.corpus import Corpus, load_corpus
 from shardtrain.data.tokenizer import Tokenizer, tokenizer_for
 from shardtrain.models.masking import check_document_mask_support
 from shardtrain.models.registry import build_model
-from shardtrain.tasks.losses import chunk_tokens_for, chunked_cross_entropy
+from shardtrain.tasks.losses import AUTO_CHUNK_MIN_VOCAB, chunk_tokens_for, chunked_cross_entropy
 from shardtrain.tasks.task import LossOutput, Task
 
 log = logging.getLogger("shardtrain")
@@ -77,6 +77,7 @@ class LanguageModelTask(Task):
         self.corpus = corpus
         self.tokenizer: Tokenizer | None = None
         self.flops_per_token = 0.0
+        self.loss_kind = ""  # which loss ``loss`` takes, known once the model is built
 
     def bind(self, cfg) -> None:
         super().bind(cfg)
@@ -95,7 +96,22 @@ class LanguageModelTask(Task):
         if self.cfg.trainer.loss_chunk_tokens not in (0, "auto") and output_head(model) is None:
             reason = getattr(model, "head_transform", None) or "the model gives only logits"
             log.info("trainer.loss_chunk_tokens: the plain full-logits loss instead (%s)", reason)
+        self.loss_kind = self.describe_loss(model)
         return model
+
+    def describe_loss(self, model: nn.Module) -> str:
+        """Which cross-entropy ``loss`` takes for this model, and why (the start-up report)."""
+        if self.cfg.strategy.tensor_parallel > 1:
+            return "on the vocabulary-sharded logits (tensor parallel)"
+        head = output_head(model)
+        if head is None:
+            return "plain, from the model's logits"
+        setting, vocab = self.cfg.trainer.loss_chunk_tokens, head.weight.shape[0]
+        chunk = chunk_tokens_for(setting, vocab)
+        if chunk:
+            return f"chunked, {chunk} tokens at a time (vocabulary {vocab:,})"
+        why = f", auto: below {AUTO_CHUNK_MIN_VOCAB:,}" if setting == "auto" else ""
+        return f"plain, full logits (vocabulary {vocab:,}{why})"
 
     def wrap_policy(self) -> Sequence[type | str] | None:
         return self.blocks
@@ -130,4 +146,5 @@ class LanguageModelTask(Task):
 
     def describe(self) -> str:
         t = self.cfg.trainer
-        return f"{self.load_corpus().describe()}; windows of {t.seq_len} tokens"
+        loss = f"; loss {self.loss_kind}" if self.loss_kind else ""
+        return f"{self.load_corpus().describe()}; windows of {t.seq_len} tokens{loss}"

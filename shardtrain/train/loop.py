@@ -60,6 +60,7 @@ from shardtrain.train.build import Built, OptimizerFactory, build
 from shardtrain.train.console import Console
 from shardtrain.train.flops import counted_flops_per_sample
 from shardtrain.train.metrics import MetricsWriter, Throughput
+from shardtrain.train.optim import optimizer_kind
 from shardtrain.train.step import StepStats, evaluate, train_step
 
 log = logging.getLogger("shardtrain")
@@ -265,7 +266,8 @@ class Trainer:
         self.info(f"world size {env.world_size} ({env.backend}, {env.device.type}); {b.plan.describe()}")
         float8 = f", {len(b.report.float8_linears)} float8 linear layers" if b.report.float8_linears else ""
         self.info(f"model: {n_params / 1e6:.2f}M parameters, {len(b.report.units)} FSDP units "
-                  f"({len(b.report.checkpointed)} activation-checkpointed{float8})")
+                  f"({len(b.report.checkpointed)} activation-checkpointed{float8}); optimizer "
+                  f"{optimizer_kind(b.optimizer)}")
         if self.cfg.finetune.method != "none":
             self.info(adapter_summary(b.model, self.cfg.finetune))
         self.info(f"task {type(self.task).__name__}; data: {self.task.describe()}; global batch "

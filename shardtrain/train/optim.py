@@ -39,6 +39,12 @@ def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, foreach=True, **settings)
 
 
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class and, where it says, its kernels (the start-up report)."""
+    kernels = next((k for k in ("fused", "foreach") if optimizer.defaults.get(k)), None)
+    return type(optimizer).__name__ + (f" ({kernels})" if kernels else "")
+
+
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` takes the skip decision as a device tensor (``found_inf``, the
     protocol torch's GradScaler uses with fused optimizers) instead of from the host."""
