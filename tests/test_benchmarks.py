@@ -1,0 +1,30 @@
+"""The GPU benchmark's worker on this CPU with a tiny model: a lent GPU session has minutes of device
+time (benchmarks/gpu_session.sh), too few to find a Python error there. Timings and memory are not
+checked (a CPU's say nothing about a GPU's), only that the worker builds and times both loops and
+writes its result. Its float8 mode cannot run here (refused on a CPU, as users are)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+
+
+def test_gpu_worker_speed_mode_runs_both_loops_on_cpu(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+         "gpu_worker.py", "speed", "--model", "llama_tiny", "--seq-len", "32", "--micro-batch", "2",
+         "--warmup", "1", "--rounds", "1", "--steps", "1"],
+        cwd=BENCHMARKS, capture_output=True, text=True, timeout=300, env={**env, "TMPDIR": str(tmp_path)},
+        stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["variant"] == {"compile": False, "ac": False} and result["tokens_per_step"] == 64
+    assert result["handwritten_layers"] == "plain autograd"
+    assert set(result["step_s"]) == {"shardtrain", "handwritten"} and result["ratio"] > 0
+    assert 5.0 < result["first_loss"] < 6.0  # ln(256) = 5.55 for a fresh byte-level model
