@@ -177,7 +177,12 @@ def test_dry_run_reports_and_exits(tmp_path):
     for expected in ("diagnostics: resolved settings", "4 FSDP units + root, 3 activation-checkpointed",
                      "params (not a unit: rows exchanged all-to-all, the table never gathered)",
                      "parameters in forward: bfloat16", "sharded gradients after reduce-scatter: float32",
-                     "shard unevenness", "dry run complete"):
+                     "shard unevenness", "dry run complete",
+                     # The speed features in effect, and counts in words.
+                     "activation-checkpointed); optimizer AdamW (fused)",
+                     "loss plain, full logits (vocabulary 256, auto: below 32,000); global batch 4 samples "
+                     "(2 per micro-batch x 1 micro-batch x 2 ranks)",
+                     "gradient accumulation sharded (1 micro-batch per step)"):
         assert expected in proc.stderr, expected
     assert not (run_dir / "checkpoints").exists()
     memory = read_metrics(run_dir, "memory")

@@ -1,4 +1,5 @@
-"""Byte sizes as people write them (``5GB``, ``500MB``, ``2GiB``) and as reports print them."""
+"""Byte sizes as people write them (``5GB``, ``500MB``, ``2GiB``) and as reports print them, and
+counts of things as reports print them."""
 
 from __future__ import annotations
 
@@ -24,3 +25,10 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return str(n)
+
+
+def counted(n: int, noun: str) -> str:
+    """``n`` and the noun, plural unless there is one (``1 micro-batch``, ``4 micro-batches``)."""
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {noun}es" if noun.endswith(("ch", "sh", "s", "x")) else f"{n} {noun}s"

@@ -22,7 +22,7 @@ from shardtrain.config.plan import (
     resolve_precision,
 )
 from shardtrain.config.schema import Config
-from shardtrain.config.sizes import human_bytes
+from shardtrain.config.sizes import counted, human_bytes
 from shardtrain.config.strategy import AC_MODES, STRATEGIES, checkpointing_mode
 from shardtrain.distributed.embedding_exchange import exchangeable, exchanges_rows
 from shardtrain.distributed.parallelize import float8_eligible
@@ -446,8 +446,8 @@ class BatchChoice:
                f"{margin:.0%} margin less {human_bytes(self.held)} held at start")
         over = ", ".join(f"{micro} with {ac} {human_bytes(peak)}" for micro, ac, peak in self.rejected[-3:])
         return (f"trainer.micro_batch_size=auto: {self.micro_batch_size} per micro-batch x "
-                f"{self.grad_accum_steps} micro-batches x {world_size} data-parallel "
-                f"rank{'s' if world_size > 1 else ''} = {global_batch} sequences, "
+                f"{counted(self.grad_accum_steps, 'micro-batch')} x "
+                f"{counted(world_size, 'data-parallel rank')} = {global_batch} sequences, "
                 f"activation_checkpointing={self.activation_checkpointing}; {why}"
                 + (f"; over it: {over}" if over else ""))
 

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from shardtrain.config.plan import ShardingPlan, dtype_name
 from shardtrain.config.schema import Config
+from shardtrain.config.sizes import counted
 from shardtrain.distributed.embedding_exchange import ExchangedEmbedding
 from shardtrain.distributed.env import DistEnv
 from shardtrain.distributed.parallelize import ShardingReport
@@ -30,8 +31,8 @@ def settings_lines(cfg: Config, plan: ShardingPlan, report: ShardingReport, env:
         f"  reshard_after_forward {plan.reshard_after_forward} for blocks"
         + ("; False for the last block" if plan.reshard_after_forward is True and report.units[:-1] else "")
         + (f"; False for the head unit {sorted(heads)[0]}" if heads and "+" in sorted(heads)[0] else ""),
-        f"  gradient accumulation {plan.grad_accumulation} ({cfg.trainer.grad_accum_steps} micro-batches "
-        "per step)",
+        f"  gradient accumulation {plan.grad_accumulation} "
+        f"({counted(cfg.trainer.grad_accum_steps, 'micro-batch')} per step)",
         f"  activation checkpointing {plan.activation_checkpointing}; wrap policy "
         f"{list(cfg.strategy.wrap_policy)}; seed {cfg.trainer.seed}",
         f"  timeouts: {cfg.dist.startup_timeout_s}s for start-up and the first step, then "

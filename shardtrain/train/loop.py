@@ -29,6 +29,7 @@ from shardtrain.config.compose import to_yaml
 from shardtrain.config.loader import check_built_in_task_settings
 from shardtrain.config.plan import check_world
 from shardtrain.config.schema import Config
+from shardtrain.config.sizes import counted
 from shardtrain.data.batches import BatchLayout, SampleSource, TrainBatches, eval_batches
 from shardtrain.diagnostics.memory import PhaseMemory, adapter_summary, state_bytes
 from shardtrain.diagnostics.planner import BatchChoice
@@ -270,10 +271,11 @@ class Trainer:
                   f"{optimizer_kind(b.optimizer)}")
         if self.cfg.finetune.method != "none":
             self.info(adapter_summary(b.model, self.cfg.finetune))
+        ranks = "data-parallel rank" if b.plan.tensor_parallel > 1 else "rank"
         self.info(f"task {type(self.task).__name__}; data: {self.task.describe()}; global batch "
                   f"{self.layout.global_batch} samples ({t.micro_batch_size} per micro-batch x "
-                  f"{t.grad_accum_steps} micro-batches x {self.layout.dp_world_size} "
-                  f"{'data-parallel ranks' if b.plan.tensor_parallel > 1 else 'ranks'})")
+                  f"{counted(t.grad_accum_steps, 'micro-batch')} x "
+                  f"{counted(self.layout.dp_world_size, ranks)})")
         if self.batch_choice is not None:
             self.info(self.batch_choice.describe(self.layout.dp_world_size, t.memory_margin))
         self.info(f"config: every key, resolved, in {Path(self.cfg.run.dir) / 'config.yaml'}")
