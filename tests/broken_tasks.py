@@ -137,3 +137,10 @@ class OwnModelLanguageTask(LanguageModelTask):
 
     def build_model(self) -> torch.nn.Module:
         return super().build_model()
+
+
+class OwnLossLanguageTask(LanguageModelTask):
+    """A language-model task with a loss of its own: trainer.loss_chunk_tokens does not reach it."""
+
+    def loss(self, model, batch):
+        return super().loss(model, batch)

@@ -11,17 +11,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cli_utils import clean_env
+
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 
 
 def test_gpu_worker_speed_mode_runs_both_loops_on_cpu(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    # Run from benchmarks/ (its scripts import each other): shardtrain from this checkout.
+    path = os.pathsep.join(filter(None, [str(BENCHMARKS.parent), os.environ.get("PYTHONPATH")]))
+    env = clean_env(TMPDIR=str(tmp_path), PYTHONPATH=path)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
          "gpu_worker.py", "speed", "--model", "llama_tiny", "--seq-len", "32", "--micro-batch", "2",
          "--warmup", "1", "--rounds", "1", "--steps", "1"],
-        cwd=BENCHMARKS, capture_output=True, text=True, timeout=300, env={**env, "TMPDIR": str(tmp_path)},
-        stdin=subprocess.DEVNULL)
+        cwd=BENCHMARKS, capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["variant"] == {"compile": False, "ac": False} and result["tokens_per_step"] == 64

@@ -31,10 +31,11 @@ from safetensors.torch import load_file
 from task_workers import EXAMPLES, TASKS, N, reference, run_task_cases
 from torch.utils.data import default_collate
 
-from shardtrain.config.loader import load_config
+from shardtrain.config.loader import check_built_in_task_settings, load_config
 from shardtrain.data.batches import BatchLayout, eval_batches
 from shardtrain.errors import ConfigError, DataError
 from shardtrain.export.consolidate import consolidate
+from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.samples import MapSamples
 from shardtrain.train.simulate import simulate
 
@@ -237,6 +238,8 @@ def test_a_task_from_the_command_line_with_its_options_preempted_and_resumed(tmp
      "language-model task's models only; set trainer.micro_batch_size=N for ImageClassification"),
     (["task=broken_tasks:OwnModelLanguageTask", "trainer.micro_batch_size=auto",
       "trainer.global_batch_size=16"], "set trainer.micro_batch_size=N for OwnModelLanguageTask"),
+    (["task=broken_tasks:OwnLossLanguageTask", "trainer.loss_chunk_tokens=16"],
+     "OwnLossLanguageTask computes its own"),
     (["task=vit:ImageClassification", "trainer.loss_chunk_tokens=16"],
      "trainer.loss_chunk_tokens=16 sets the built-in language-model task's loss; ImageClassification "
      "computes its own"),
@@ -253,6 +256,12 @@ def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
     cfg = load_config(["task=broken_tasks:DerivedLanguageTask", "trainer.micro_batch_size=auto",
                        "trainer.global_batch_size=16", "trainer.loss_chunk_tokens=16"])
     assert cfg.task.path == "broken_tasks:DerivedLanguageTask"
+    # A task object built with a model of its own (the library's LanguageModelTask(model=...)):
+    # the planner's formulas do not know it, refused before its data or model are built.
+    with pytest.raises(ConfigError, match="set trainer.micro_batch_size=N for LanguageModelTask with a "
+                                          "model of its own"):
+        check_built_in_task_settings(cfg, LanguageModelTask(model=lambda: torch.nn.Linear(2, 2)))
+    check_built_in_task_settings(cfg, LanguageModelTask())
 
 
 @pytest.mark.parametrize(("task", "message"), [

@@ -74,9 +74,10 @@ def built_in_ancestor(task_cls: type) -> type | None:
 
 
 def language_model_task(task_cls: type) -> bool:
-    """The built-in language-model task, or a task derived from it (its loss honours
-    ``trainer.loss_chunk_tokens``)."""
-    return built_in_ancestor(task_cls) is not None
+    """The built-in language-model task, or a task derived from it that keeps its loss (which
+    honours ``trainer.loss_chunk_tokens``)."""
+    built_in = built_in_ancestor(task_cls)
+    return built_in is not None and getattr(task_cls, "loss", None) is built_in.loss
 
 
 def planned_by_formulas(task_cls: type) -> bool:
@@ -86,16 +87,18 @@ def planned_by_formulas(task_cls: type) -> bool:
     return built_in is not None and getattr(task_cls, "build_model", None) is built_in.build_model
 
 
-def check_built_in_task_settings(cfg: Config, task_cls: type | None = None) -> None:
+def check_built_in_task_settings(cfg: Config, task: object | None = None) -> None:
     """Settings that only the built-in language-model task acts on, refused for any other task
-    (``task_cls``: a task object's class; default, the class ``task=`` names), whose model or loss
-    are its own, rather than ignored."""
-    task_cls = task_cls or import_object(cfg.task.path, "task")
+    (``task``: a task object; default, the class ``task=`` names), whose model or loss are its own,
+    rather than ignored."""
+    task_cls = type(task) if task is not None else import_object(cfg.task.path, "task")
     name = task_cls.__name__
-    if cfg.trainer.micro_batch_size == "auto" and not planned_by_formulas(task_cls):
+    own_model = getattr(task, "model_factory", None) is not None  # LanguageModelTask(model=...)
+    if cfg.trainer.micro_batch_size == "auto" and (own_model or not planned_by_formulas(task_cls)):
         raise ConfigError(f"trainer.micro_batch_size=auto needs the memory planner, whose formulas know "
                           f"the built-in language-model task's models only; set trainer.micro_batch_size=N "
-                          f"for {name} (shardtrain plan --simulate measures its memory)")
+                          f"for {name}{' with a model of its own' if own_model else ''} (shardtrain plan "
+                          "--simulate measures its memory)")
     if cfg.trainer.loss_chunk_tokens != "auto" and not language_model_task(task_cls):
         raise ConfigError(f"trainer.loss_chunk_tokens={cfg.trainer.loss_chunk_tokens} sets the built-in "
                           f"language-model task's loss; {name} computes its own (a task can call "

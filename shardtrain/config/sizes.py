@@ -28,7 +28,8 @@ def human_bytes(n: float) -> str:
 
 
 def counted(n: int, noun: str) -> str:
-    """``n`` and the noun, plural unless there is one (``1 micro-batch``, ``4 micro-batches``)."""
+    """``n`` and the noun, plural unless there is one (``1 micro-batch``, ``4 micro-batches``);
+    English's regular plurals only (not "-y" -> "-ies")."""
     if n == 1:
         return f"{n} {noun}"
     return f"{n} {noun}es" if noun.endswith(("ch", "sh", "s", "x")) else f"{n} {noun}s"

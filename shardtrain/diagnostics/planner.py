@@ -521,8 +521,9 @@ def auto_batch_table(cfg: Config, world_sizes: list[int], device_memory: int | N
                           "against: add --device-memory 80GB (or set trainer.memory_limit_gib)")
     t = cfg.trainer
     if int(limit * (1 - t.memory_margin)) < 1:
-        raise ConfigError(f"--device-memory {human_bytes(limit)} less {t.memory_margin:.0%} margin leaves "
-                          "nothing to plan in; give the device's memory, e.g. --device-memory 80GB")
+        given = "--device-memory" if device_memory else "trainer.memory_limit_gib"
+        raise ConfigError(f"{given} of {human_bytes(limit)} less {t.memory_margin:.0%} margin leaves nothing "
+                          "to plan in; give the device's memory, e.g. --device-memory 80GB")
     model = planned_model(cfg)
     tp = cfg.strategy.tensor_parallel
     lines = [f"trainer.micro_batch_size=auto: global batch {t.global_batch_size} sequences of {t.seq_len} "
@@ -549,7 +550,7 @@ def auto_batch_table(cfg: Config, world_sizes: list[int], device_memory: int | N
                 lines.append(f"  {world:>4} x {strategy:<19} nothing fits (one sequence, every block "
                              f"recomputed: {exc.smallest_peak / 2**30:.2f})")
                 continue
-            except Exception as exc:  # a layout this world size cannot take, as in plan_table
+            except (ConfigError, ValueError) as exc:  # a layout this world size cannot take
                 lines.append(f"  {world:>4} x {strategy:<19} not possible: {exc}")
                 continue
             lines.append(f"  {world:>4} x {strategy:<19} {choice.micro_batch_size:>3} x "

@@ -100,7 +100,10 @@ class LanguageModelTask(Task):
         return model
 
     def describe_loss(self, model: nn.Module) -> str:
-        """Which cross-entropy ``loss`` takes for this model, and why (the start-up report)."""
+        """Which cross-entropy ``loss`` takes for this model, and why (the start-up report); nothing
+        for a subclass whose loss is its own."""
+        if type(self).loss is not LanguageModelTask.loss:
+            return ""
         if self.cfg.strategy.tensor_parallel > 1:
             return "on the vocabulary-sharded logits (tensor parallel)"
         head = output_head(model)

@@ -150,7 +150,7 @@ class Trainer:
         set_fp32_matmul(env.device, cfg.strategy.tf32)
         if task is not None:
             cfg.task = task_config_of(check_task(task))
-            check_built_in_task_settings(cfg, type(task))  # load_config checked the default task's
+            check_built_in_task_settings(cfg, task)  # load_config checked the default task's
         else:
             task = task_from_config(cfg)
         task.bind(cfg)

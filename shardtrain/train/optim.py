@@ -41,7 +41,8 @@ def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
     """The optimizer's class and, where it says, its kernels (the start-up report)."""
-    kernels = next((k for k in ("fused", "foreach") if optimizer.defaults.get(k)), None)
+    defaults = getattr(optimizer, "defaults", {})  # an optimizer_factory may return any optimizer
+    kernels = next((k for k in ("fused", "foreach") if defaults.get(k)), None)
     return type(optimizer).__name__ + (f" ({kernels})" if kernels else "")
 
 
