@@ -24,7 +24,6 @@ from shardtrain.diagnostics.planner import NothingFits, choose_batch, estimate
 from shardtrain.distributed.env import DistEnv
 from shardtrain.errors import ConfigError
 from shardtrain.models.registry import build_model
-from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.batch_size import resolve_batch
 
 GIB = 2**30
@@ -147,7 +146,7 @@ def test_global_batch_under_tensor_parallelism_counts_data_parallel_ranks():
     cfg.strategy = replace(cfg.strategy, tensor_parallel=2)
     env = DistEnv(rank=0, world_size=4, local_world_size=4, local_rank=0, device=torch.device("cpu"),
                   backend="gloo")
-    assert resolve_batch(cfg, env, LanguageModelTask()) is None and cfg.trainer.grad_accum_steps == 2
+    assert resolve_batch(cfg, env) is None and cfg.trainer.grad_accum_steps == 2
 
 
 def test_global_batch_must_divide_over_ranks_and_micro_batches():

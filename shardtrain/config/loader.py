@@ -87,14 +87,21 @@ def planned_by_formulas(task_cls: type) -> bool:
     return built_in is not None and getattr(task_cls, "build_model", None) is built_in.build_model
 
 
+def formulas_know(task: object) -> bool:
+    """A task object whose model the planner's formulas know: ``planned_by_formulas`` and no model
+    of its own (``LanguageModelTask(model=...)``)."""
+    return planned_by_formulas(type(task)) and getattr(task, "model_factory", None) is None
+
+
 def check_built_in_task_settings(cfg: Config, task: object | None = None) -> None:
     """Settings that only the built-in language-model task acts on, refused for any other task
     (``task``: a task object; default, the class ``task=`` names), whose model or loss are its own,
     rather than ignored."""
     task_cls = type(task) if task is not None else import_object(cfg.task.path, "task")
     name = task_cls.__name__
-    own_model = getattr(task, "model_factory", None) is not None  # LanguageModelTask(model=...)
-    if cfg.trainer.micro_batch_size == "auto" and (own_model or not planned_by_formulas(task_cls)):
+    own_model = getattr(task, "model_factory", None) is not None
+    known = formulas_know(task) if task is not None else planned_by_formulas(task_cls)
+    if cfg.trainer.micro_batch_size == "auto" and not known:
         raise ConfigError(f"trainer.micro_batch_size=auto needs the memory planner, whose formulas know "
                           f"the built-in language-model task's models only; set trainer.micro_batch_size=N "
                           f"for {name}{' with a model of its own' if own_model else ''} (shardtrain plan "

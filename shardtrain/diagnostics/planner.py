@@ -500,6 +500,13 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
         "trainer.memory_limit_gib, shard over more ranks or shorten trainer.seq_len", rejected[-1][2])
 
 
+def strategies_at(world: int, local: int) -> list[str]:
+    """The strategies the plan tables list at ``world`` ranks: a hybrid one only where its shard
+    groups (a node's processes) divide the world into more than one."""
+    hybrid_fits = world >= 2 and world % min(local, world) == 0
+    return [s for s in STRATEGIES if hybrid_fits or not s.startswith("HYBRID")]
+
+
 def run_shape(cfg: Config, local: int) -> str:
     """The plan tables' header: precision, float8, processes per node, tensor parallelism."""
     return (f"precision {resolve_precision(cfg.strategy.mixed_precision, accelerated=True)}"
@@ -531,9 +538,7 @@ def auto_batch_table(cfg: Config, world_sizes: list[int], device_memory: int | N
              f"(nothing held before the model is built); {run_shape(cfg, local)}",
              "ranks x strategy: micro-batch x accumulation, activation checkpointing, planned peak GiB"]
     for world in world_sizes:
-        for strategy in STRATEGIES:
-            if strategy.startswith("HYBRID") and (world < 2 or world % min(local, world)):
-                continue
+        for strategy in strategies_at(world, local):
             if world % tp:
                 lines.append(f"  {world:>4} x {strategy:<19} not possible: tensor-parallel groups of {tp} "
                              f"need a multiple of {tp} ranks")
@@ -574,9 +579,7 @@ def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, l
              "(no AC / AC) | peak (no AC / AC)" + (" | fits" if device_memory else "")]
     gib = 2**30
     for world in world_sizes:
-        for strategy in STRATEGIES:
-            if strategy.startswith("HYBRID") and (world < 2 or world % min(local, world)):
-                continue
+        for strategy in strategies_at(world, local):
             try:
                 plain, checkpointed = (estimate(cfg, model, strategy, world, local, checkpointed=ac)
                                        for ac in (False, True))

@@ -9,14 +9,12 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.accelerator import allocated_bytes, device_memory_bytes
-from shardtrain.config.loader import planned_by_formulas
 from shardtrain.config.plan import accumulation_steps
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import rss_bytes
 from shardtrain.diagnostics.planner import BatchChoice, choose_batch, planned_model
 from shardtrain.distributed.env import DistEnv
 from shardtrain.errors import ConfigError
-from shardtrain.tasks.task import Task
 
 
 def agreed_memory(env: DistEnv, limit: int, held: int) -> tuple[int, int]:
@@ -31,10 +29,11 @@ def agreed_memory(env: DistEnv, limit: int, held: int) -> tuple[int, int]:
     return int(low.item()), int(high.item())
 
 
-def resolve_batch(cfg: Config, env: DistEnv, task: Task) -> BatchChoice | None:
+def resolve_batch(cfg: Config, env: DistEnv) -> BatchChoice | None:
     """Set ``cfg.trainer``'s accumulation steps from a global batch size, and with
     ``micro_batch_size=auto`` its micro-batch and ``cfg.strategy``'s activation checkpointing from
-    the planner; returns the planner's choice (None without auto). Every rank gets the same."""
+    the planner (for a task whose model its formulas know: ``check_built_in_task_settings``);
+    returns the planner's choice (None without auto). Every rank gets the same."""
     t = cfg.trainer
     if t.micro_batch_size != "auto":
         if t.global_batch_size:
@@ -48,10 +47,6 @@ def resolve_batch(cfg: Config, env: DistEnv, task: Task) -> BatchChoice | None:
                                   "of them")
             cfg.trainer = replace(t, grad_accum_steps=steps)
         return None
-    if not planned_by_formulas(type(task)) or task.model_factory is not None:
-        raise ConfigError(f"trainer.micro_batch_size=auto needs the memory planner, whose formulas know "
-                          f"the built-in language-model task's models only; set trainer.micro_batch_size=N "
-                          f"for {type(task).__name__}")
     limit = (int(t.memory_limit_gib * 2**30) if t.memory_limit_gib
              else device_memory_bytes(env.device, env.local_world_size))
     if limit is None:

@@ -150,14 +150,16 @@ class Trainer:
         set_fp32_matmul(env.device, cfg.strategy.tf32)
         if task is not None:
             cfg.task = task_config_of(check_task(task))
-            check_built_in_task_settings(cfg, task)  # load_config checked the default task's
         else:
             task = task_from_config(cfg)
+        # The task object itself (load_config checked the class task= names): a LanguageModelTask
+        # with a model of its own, or a config built without load_config.
+        check_built_in_task_settings(cfg, task)
         task.bind(cfg)
         adapter_notes = resolve_adapter_settings(cfg)  # model.adapter: before the model is built
         # The data first: a data error is reported before the model is built.
         train, val = task.train_samples(), task.val_samples()
-        batch_choice = resolve_batch(cfg, env, task)  # before anything reads the batch size
+        batch_choice = resolve_batch(cfg, env)  # before anything reads the batch size
         with deferred_initialization() as draws:  # a resume reads every weight: no draw for it
             built = build(cfg, env, task, optimizer_factory)
         trainer = cls(cfg, env, built, task, train, val)

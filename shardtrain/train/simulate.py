@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModMemStats, _FSDPRefType
 from torch.distributed.device_mesh import init_device_mesh
 
-from shardtrain.config.loader import planned_by_formulas
+from shardtrain.config.loader import formulas_know
 from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import state_bytes
@@ -380,7 +380,7 @@ def simulate(cfg: Config, world_size: int, local_world_size: int, *, probe: bool
             "accumulation; simulate with trainer.grad_accum_steps=1 (micro-batches after the first "
             "add only the sharded gradients, which the planner counts)")
     task = bound_task(cfg, task)
-    builtin = planned_by_formulas(type(task)) and task.model_factory is None
+    builtin = formulas_know(task)
     depths = probe_depths(cfg) if probe and builtin else None
     if depths is None:
         return _simulate_depth(cfg, world_size, local_world_size, task)
@@ -400,7 +400,7 @@ def simulation_rows(cfg: Config, world_sizes: list[int], strategies: list[str],
              for world in world_sizes for strategy in strategies for ac in checkpointing]
     task = task_from_config(cfg)
     sims = [simulate(case, world, local_world_size, probe=probe, task=task) for case, world in cases]
-    if not planned_by_formulas(type(task)) or task.model_factory is not None:
+    if not formulas_know(task):
         return [(sim, None) for sim in sims]
     model = planned_model(cfg)
     if cfg.strategy.tensor_parallel > 1 and not hasattr(model, "tensor_parallel_plan"):
