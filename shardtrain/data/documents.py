@@ -58,12 +58,16 @@ class Source:
 
 
 def list_files(root: Path, pattern: str) -> list[Path]:
+    """The files under ``root`` whose path ends in ``pattern`` (as ``root.rglob(pattern)`` finds
+    them), sorted, skipping ``EXCLUDED_DIRS``. Those are pruned, not walked: the default corpus's
+    standard library holds the interpreter's site-packages, several times its size."""
     files = []
-    for path in root.rglob(pattern):
-        rel = path.relative_to(root)
-        if any(part in EXCLUDED_DIRS for part in rel.parts[:-1]) or not path.is_file():
-            continue
-        files.append(path)
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in EXCLUDED_DIRS]
+        for name in names:
+            path = Path(directory, name)
+            if path.relative_to(root).match(pattern) and path.is_file():
+                files.append(path)
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
