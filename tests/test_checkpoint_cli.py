@@ -11,6 +11,7 @@ from cli_utils import preempt, read_metrics, run_cli
 
 QUICK = ["experiment=quick", "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample_tokens=0",
          "trainer.micro_batch_size=2", "run.trackers=[]"]
+TEN_STEPS = ["trainer.devices=2", "trainer.max_steps=10", "checkpoint.interval=2", "checkpoint.keep_last=5"]
 
 
 def test_kill_during_save_resume_picks_previous_complete(tmp_path):
@@ -130,12 +131,12 @@ def test_resume_none_refuses_to_overwrite_checkpoints(good_checkpoint):
 
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
-    """A 2-rank run with complete checkpoints at steps 2 and 4 (keep_last=2), and its losses."""
+    """A 2-rank run with complete checkpoints every 2 steps to step 10, and its losses."""
     run_dir = tmp_path_factory.mktemp("checksums") / "run"
-    proc = run_cli("train", *QUICK, "trainer.devices=2", "trainer.max_steps=4", "checkpoint.interval=2",
-                   "checkpoint.keep_last=2", f"run.dir={run_dir}")
+    proc = run_cli("train", *QUICK, *TEN_STEPS, f"run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    saved = sorted(int(p.name[5:]) for p in (run_dir / "checkpoints").iterdir())
+    assert saved == [2, 4, 6, 8, 10], saved
     return run_dir, [r["loss"] for r in read_metrics(run_dir)]
 
 
@@ -185,11 +186,11 @@ def damage_file(file, how: str) -> None:
     file.write_bytes(bytes(data))
 
 
-DAMAGE = [  # (file in step-4, how, what every command must name)
-    ("__0_0.distcp", "zero_head", "__0_0.distcp is damaged (sha256 "),
-    ("__1_0.distcp", "flip", "__1_0.distcp is damaged (sha256 "),
-    ("rng-rank0.pt", "garble", "rng-rank0.pt is damaged (sha256 "),
-    ("trainer_state.json", "truncate", "trainer_state.json is unreadable"),
+DAMAGE = [  # (file, how, what every command must name, the step damaged for the fall-back test)
+    ("__0_0.distcp", "zero_head", "__0_0.distcp is damaged (sha256 ", 10),
+    ("__1_0.distcp", "flip", "__1_0.distcp is damaged (sha256 ", 8),
+    ("rng-rank0.pt", "garble", "rng-rank0.pt is damaged (sha256 ", 6),
+    ("trainer_state.json", "truncate", "trainer_state.json is unreadable", 4),
 ]
 
 
@@ -201,20 +202,24 @@ def error_line(proc) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize(("name", "how", "message"), DAMAGE, ids=[d[1] for d in DAMAGE])
-def test_damage_inside_a_file_is_named_and_resume_falls_back(two_rank_run, tmp_path, name, how, message):
+def damage_and_describe(checkpoint, name: str, how: str, message: str) -> str:
+    """Damage ``name`` in ``checkpoint``; what every report of it must say (a checksum mismatch
+    shows the found and the recorded sums)."""
+    damage_file(checkpoint / name, how)
+    if how == "truncate":
+        return message
+    recorded = json.loads((checkpoint / "checksums.json").read_text())["files"][name]["sha256"]
+    found = hashlib.sha256((checkpoint / name).read_bytes()).hexdigest()
+    return f"{message}{found}, recorded {recorded})"
+
+
+@pytest.mark.parametrize(("name", "how", "message", "step"), DAMAGE, ids=[d[1] for d in DAMAGE])
+def test_damage_inside_a_file_is_named(two_rank_run, tmp_path, name, how, message, step):
     import shutil
 
-    source, losses = two_rank_run
-    run_dir = tmp_path / "run"
-    shutil.copytree(source, run_dir)
-    ckpts = run_dir / "checkpoints"
-    damaged = ckpts / "step-4"
-    damage_file(damaged / name, how)
-    if how != "truncate":  # every report shows the found and the recorded checksum
-        recorded = json.loads((damaged / "checksums.json").read_text())["files"][name]["sha256"]
-        found = hashlib.sha256((damaged / name).read_bytes()).hexdigest()
-        message = f"{message}{found}, recorded {recorded})"
+    damaged = tmp_path / "step-4"
+    shutil.copytree(two_rank_run[0] / "checkpoints" / "step-4", damaged)
+    message = damage_and_describe(damaged, name, how, message)
 
     inspect = run_cli("inspect", str(damaged), timeout=60)
     assert inspect.returncode == 1 and message in inspect.stdout, inspect.stdout
@@ -231,18 +236,36 @@ def test_damage_inside_a_file_is_named_and_resume_falls_back(two_rank_run, tmp_p
                        f"run.dir={tmp_path / 'explicit'}", timeout=120)
     assert message in error_line(explicit)  # a path given by hand never falls back
 
-    resumed = run_cli("train", *QUICK, "trainer.devices=2", "trainer.max_steps=4", "checkpoint.interval=2",
-                      "checkpoint.keep_last=2", f"run.dir={run_dir}")
+
+def test_resume_falls_back_past_every_damaged_checkpoint(two_rank_run, tmp_path):
+    """Steps 4 to 10 each damaged one way: the resume names each, moves it aside when its step is
+    saved again, and goes on from step 2 to the uninterrupted run's losses, bit for bit."""
+    import shutil
+
+    from shardtrain.checkpoint.inspect import inspect_path
+
+    source, losses = two_rank_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(source, run_dir)
+    ckpts = run_dir / "checkpoints"
+    messages = {step: damage_and_describe(ckpts / f"step-{step}", name, how, message)
+                for name, how, message, step in DAMAGE}
+
+    resumed = run_cli("train", *QUICK, *TEN_STEPS, f"run.dir={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    skipped = next(line for line in resumed.stderr.splitlines() if f"resume: skipping {damaged}:" in line)
-    assert message in skipped
+    for step, message in messages.items():
+        skipped = [line for line in resumed.stderr.splitlines()
+                   if f"resume: skipping {ckpts / f'step-{step}'}:" in line]
+        assert len(skipped) == 1 and message in skipped[0], (step, skipped)
     assert f"newest complete checkpoint is {ckpts / 'step-2'} (step 2)" in resumed.stderr
-    assert [r["loss"] for r in read_metrics(run_dir)][-2:] == losses[2:4]  # exact, bit for bit
-    # the damaged checkpoint was moved aside, not overwritten or deleted
-    names = sorted(p.name for p in ckpts.iterdir())
-    assert names[:2] == ["step-2", "step-4"] and len(names) == 3 and names[2].startswith("step-4.damaged-")
-    assert (ckpts / names[2] / name).read_bytes() != (source / "checkpoints" / "step-4" / name).read_bytes()
-    assert run_cli("inspect", str(damaged), timeout=60).returncode == 0  # the new step-4 is whole
+    assert [r["loss"] for r in read_metrics(run_dir)][-8:] == losses[2:10]  # exact, bit for bit
+    # each damaged checkpoint was moved aside, not overwritten or deleted; its step saved anew
+    aside = {int(p.name.split(".")[0][5:]): p for p in ckpts.iterdir() if ".damaged-" in p.name}
+    assert sorted(aside) == sorted(messages)
+    for name, _, _, step in DAMAGE:
+        original = source / "checkpoints" / f"step-{step}" / name
+        assert (aside[step] / name).read_bytes() != original.read_bytes()
+        assert inspect_path(ckpts / f"step-{step}").complete  # the new step-N is whole
 
 
 def test_resume_auto_refuses_when_every_checkpoint_is_damaged(two_rank_run, tmp_path):
@@ -250,11 +273,11 @@ def test_resume_auto_refuses_when_every_checkpoint_is_damaged(two_rank_run, tmp_
 
     run_dir = tmp_path / "run"
     shutil.copytree(two_rank_run[0], run_dir)
-    for step in (2, 4):
-        damage_file(run_dir / "checkpoints" / f"step-{step}" / "__1_0.distcp", "flip")
-    proc = run_cli("train", *QUICK, "trainer.max_steps=6", f"run.dir={run_dir}", timeout=120)
+    for checkpoint in (run_dir / "checkpoints").iterdir():
+        damage_file(checkpoint / "__1_0.distcp", "flip")
+    proc = run_cli("train", *QUICK, "trainer.max_steps=12", f"run.dir={run_dir}", timeout=120)
     assert "fails its checks" in error_line(proc)
-    assert proc.stderr.count("resume: skipping") == 2
+    assert proc.stderr.count("resume: skipping") == 5
 
 
 def test_consolidate_can_skip_checksums(two_rank_run, tmp_path):
