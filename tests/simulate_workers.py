@@ -26,11 +26,11 @@ def checkpointing_modes(strategy: str) -> tuple[str, ...]:
 
 
 def simulate_against_planner(model: str, world: int, extra: str = "") -> list[dict]:
-    """Every strategy, with and without activation checkpointing, of one model at one world size
-    (``extra``: one more setting, named in each case)."""
+    """Every strategy, with and without activation checkpointing, of one model at one world size;
+    with ``extra`` (one more setting, named in each case) full sharding's modes only."""
     results = []
     meta = None
-    for strategy in STRATEGIES:
+    for strategy in STRATEGIES if not extra else STRATEGIES[:1]:
         for ac in checkpointing_modes(strategy):
             # The simulator gathers the embedding table (fake tensors hold no token ids to route):
             # the planner is asked about the same run.
@@ -42,7 +42,7 @@ def simulate_against_planner(model: str, world: int, extra: str = "") -> list[di
             sim = simulate(cfg, world, PROCESSES_PER_NODE)
             plan = estimate(cfg, meta, cfg.strategy.sharding_strategy, world, PROCESSES_PER_NODE)
             results.append(dict(
-                case=f"{model} x {world} {strategy} AC={ac} {extra}".rstrip(), seconds=sim.seconds,
+                case=f"{model} x {world} {strategy} AC={ac} {extra}".rstrip(), probed=sim.probed_layers,
                 simulated=(sim.params, sim.grads, sim.optimizer, sim.activations, sim.peak),
                 planned=(plan.params, plan.grads, plan.optimizer, plan.activations, plan.peak),
             ))

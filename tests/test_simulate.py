@@ -31,9 +31,9 @@ from shardtrain.errors import ConfigError
 from shardtrain.train import simulate as sim_module
 from shardtrain.train.simulate import OTHER_BLOCKS, fake_world, simulate
 
-# With the default loss (chunked at Llama-3's 128k vocabulary), and at one point each with the plain
-# one and with tied embeddings (one unit holds the embeddings and the head: its gradient is reduced
-# at the end of backward).
+# With the default loss (chunked at Llama-3's 128k vocabulary), and at one point each (full sharding,
+# every checkpointing mode) with the plain one and with tied embeddings (one unit holds the
+# embeddings and the head: its gradient is reduced at the end of backward).
 GRID = [("llama3_8b", 8, ""), ("llama3_8b", 64, ""), ("llama3_70b", 64, ""), ("llama3_70b", 512, ""),
         ("llama3_405b", 1024, ""), ("llama3_8b", 8, "trainer.loss_chunk_tokens=0"),
         ("llama3_8b", 8, "model.tie_embeddings=true")]
@@ -70,14 +70,17 @@ def grid_results(simulations) -> list[dict]:
 
 
 def test_planner_matches_the_simulation_at_scale(grid_results):
-    assert len(grid_results) == len(GRID) * sum(len(checkpointing_modes(s)) for s in STRATEGIES)
+    every_strategy = sum(len(checkpointing_modes(s)) for s in STRATEGIES)
+    extras = sum(1 for case in GRID if case[2])  # full sharding only
+    full_shard = len(checkpointing_modes(STRATEGIES[0]))
+    assert len(grid_results) == (len(GRID) - extras) * every_strategy + extras * full_shard
     for r in grid_results:
         sim_params, sim_grads, sim_optim, sim_act, sim_peak = r["simulated"]
         params, grads, optim, act, peak = r["planned"]
         assert (params, grads, optim) == (sim_params, sim_grads, sim_optim), r["case"]
         assert abs(act / sim_act - 1) < TOLERANCE, (r["case"], act, sim_act)
         assert abs(peak / sim_peak - 1) < TOLERANCE, (r["case"], peak, sim_peak)
-        assert r["seconds"] < 30, r  # "in seconds": a probe pair, never a full 126-layer step
+        assert len(r["probed"]) == 2, r  # a probe pair, never a full 126-layer step
 
 
 def test_simulated_numbers_follow_the_strategies(grid_results):
