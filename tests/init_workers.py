@@ -44,16 +44,25 @@ def build(cfg: Config):
     return env, model
 
 
-def initial_weights(out: str, strategy: str, shard_group: int, resume: bool = False) -> None:
-    """The built model's weights; with ``resume``, then ``resume_draws``."""
+def initial_weights(out: str, cases: list[tuple[str, int, bool]], few_rows: bool = False) -> None:
+    """Every case of this world size in one spawned group: each (strategy, shard group, resume)
+    built, its weights saved (with ``resume``, then ``resume_draws``); with ``few_rows``, first the
+    checks of ``few_rows_and_row_exchange``, at the default chunk size."""
+    if few_rows:
+        few_rows_and_row_exchange(out)
+    default_chunk = sharded_model.INIT_CHUNK_ELEMENTS
     sharded_model.INIT_CHUNK_ELEMENTS = SMALL_CHUNK
-    env, model = build(tiny_config(strategy, shard_group))
-    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in model.named_parameters()}
-    if env.rank == 0:
-        torch.save(full, Path(out, f"init-{env.world_size}-{strategy}.pt"))
-    if resume:
-        resume_draws(out, strategy)
+    try:
+        for strategy, shard_group, resume in cases:
+            env, model = build(tiny_config(strategy, shard_group))
+            full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                    for n, p in model.named_parameters()}
+            if env.rank == 0:
+                torch.save(full, Path(out, f"init-{env.world_size}-{strategy}.pt"))
+            if resume:
+                resume_draws(out, strategy)
+    finally:
+        sharded_model.INIT_CHUNK_ELEMENTS = default_chunk
 
 
 class CountingLlama(llama.Llama):
@@ -342,6 +351,6 @@ def row_exchange(out: str) -> None:
 
 
 def few_rows_and_row_exchange(out: str) -> None:
-    """Both 4-rank checks in one spawned group."""
+    """Both 4-rank checks (in the group of ``initial_weights`` at 4 ranks)."""
     empty_shard(out)
     row_exchange(out)

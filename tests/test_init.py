@@ -12,7 +12,6 @@ from distributed import run_on_ranks
 from init_workers import (
     SMALL_CHUNK,
     FewRows,
-    few_rows_and_row_exchange,
     init_memory,
     initial_weights,
     load_memory,
@@ -45,10 +44,12 @@ def reference(monkeypatch) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def initial_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("init")
-    for world, strategy, group in CASES:
-        # One case resumes through the trainer too: a spawn fewer than a test of its own.
-        resume = (world, strategy) == (2, "FULL_SHARD")
-        run_on_ranks(initial_weights, world, str(out), strategy, group, resume, tmp_path=out)
+    for world in sorted({case[0] for case in CASES}):
+        # One spawned group a world size. One case resumes through the trainer too, and the 4 ranks
+        # also run test_a_rank_with_an_empty_shard_and_embeddings_that_exchange_rows's checks.
+        cases = [(strategy, group, (world, strategy) == (2, "FULL_SHARD"))
+                 for size, strategy, group in CASES if size == world]
+        run_on_ranks(initial_weights, world, str(out), cases, world == 4, tmp_path=out)
     return out
 
 
@@ -127,11 +128,11 @@ def test_rotary_tables_reach_the_blocks_in_fp32_under_bf16_mixed(bf16_mixed_run)
     assert tables == "torch.float32"
 
 
-def test_a_rank_with_an_empty_shard_and_embeddings_that_exchange_rows(tmp_path):
-    run_on_ranks(few_rows_and_row_exchange, 4, str(tmp_path), tmp_path=tmp_path)
+def test_a_rank_with_an_empty_shard_and_embeddings_that_exchange_rows(initial_runs):
     # tests/init_workers.py's row_exchange asserts on every rank; each leaves a mark once through
-    assert sorted(p.name for p in tmp_path.glob("exchange*.ok")) == [f"exchange{r}.ok" for r in range(4)]
-    got = torch.load(tmp_path / "few_rows.pt")
+    marks = sorted(p.name for p in Path(initial_runs).glob("exchange*.ok"))
+    assert marks == [f"exchange{r}.ok" for r in range(4)]
+    got = torch.load(Path(initial_runs, "few_rows.pt"))
     plain = FewRows()
     for name, param in plain.named_parameters():
         expected = torch.empty(param.shape)
