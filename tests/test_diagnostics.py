@@ -72,13 +72,12 @@ def test_repeated_nan_stops_after_the_limit(tmp_path):
 
 
 def test_one_rank_raising_stops_every_rank_quickly(tmp_path):
-    start = time.monotonic()
+    run_dir = tmp_path / "raise"
     proc = run_cli("train", *QUICK, "trainer.devices=2", "trainer.max_steps=50", "dist.timeout_s=20",
-                   f"run.dir={tmp_path / 'raise'}", env={"SHARDTRAIN_FAULT": "step:1:3:raise"},
-                   timeout=120)
-    elapsed = time.monotonic() - start
+                   f"run.dir={run_dir}", env={"SHARDTRAIN_FAULT": "step:1:3:raise"}, timeout=120)
     assert proc.returncode != 0
-    assert elapsed < 20 + 30  # the configured timeout plus start-up margin; in practice seconds
+    # rank 0, waiting in a collective, was stopped with rank 1, not by its own 20 s limit later
+    assert not (run_dir / "hangs").exists() and "(dist.timeout_s)" not in proc.stderr
     assert ("shardtrain: error: rank 1 (host" in proc.stderr
             and "failed first, at step 3: RuntimeError: injected fault: rank 1" in proc.stderr)
 
@@ -106,11 +105,10 @@ def test_stall_dumps_every_ranks_stacks_and_hang_stops(tmp_path):
     assert "is slow" in proc.stderr
 
     hang_dir = tmp_path / "hang"
-    start = time.monotonic()
     hung = run_cli("train", *QUICK, "trainer.devices=2", "trainer.max_steps=8", "dist.timeout_s=3",
                    "dist.flight_recorder=true", f"run.dir={hang_dir}",
                    env={"SHARDTRAIN_FAULT": "step:1:4:sleep=120"}, timeout=120)
-    assert hung.returncode != 0 and time.monotonic() - start < 60
+    assert hung.returncode != 0  # stopped by the limit, not by the 120 s sleep's end:
     assert (hang_dir / "hangs").is_dir() and "over the 3s limit (dist.timeout_s)" in hung.stderr
     # Gloo's flight recorder, dumped by the watchdog of the rank that stops first. Both ranks' limits
     # run out within one step of each other, so which one that is (and whether the other is

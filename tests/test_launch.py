@@ -15,6 +15,8 @@ from cli_utils import clean_env, run_cli
 from distributed import free_port
 from safetensors.torch import load_file
 
+from shardtrain.cli.main import main
+
 QUICK = ["experiment=quick", "trainer.max_steps=10", "checkpoint.interval=3", "trainer.log_every=1",
          "trainer.eval_every=0", "trainer.sample_tokens=0"]
 # Rank 1 kills itself after step 5, on the first attempt only (a restarted attempt gets past it).
@@ -101,7 +103,8 @@ def test_worker_failure_is_one_line_naming_the_rank(tmp_path):
         ("file", "run.dir={tmp}/a_file", "is a file; run.dir must be a directory"),
     ],
 )
-def test_broken_paths_fail_before_any_worker_starts(tmp_path, make, override, message):
+def test_broken_paths_fail_before_any_worker_starts(tmp_path, capsys, make, override, message):
+    """The launching process answers (here in this one: it never gets as far as starting torchrun)."""
     if make == "empty_dir":
         (tmp_path / "empty").mkdir()
     elif make == "truncated":
@@ -112,10 +115,11 @@ def test_broken_paths_fail_before_any_worker_starts(tmp_path, make, override, me
     args = ["train", *QUICK, "trainer.devices=2", override.format(tmp=tmp_path)]
     if not override.startswith("run.dir"):
         args.append(f"run.dir={tmp_path / 'run'}")
-    proc = run_cli(*args, timeout=60)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert message in proc.stderr and proc.stderr.startswith("shardtrain: error: "), proc.stderr
-    assert "world size" not in proc.stderr and "Traceback" not in proc.stderr  # no worker started
+    status = main(args)
+    stderr = capsys.readouterr().err
+    assert status == 2, stderr[-2000:]
+    assert message in stderr and stderr.startswith("shardtrain: error: "), stderr
+    assert "world size" not in stderr and "Traceback" not in stderr  # no worker started
     assert not (tmp_path / "run" / "logs").exists()
 
 
