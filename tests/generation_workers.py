@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -22,13 +21,12 @@ def count_all_gathers(out: str) -> None:
     gathered once and unit by unit; then a training-time sample that would not fit."""
     world = int(os.environ["WORLD_SIZE"])
     trainer = Trainer.create(case_config(world, f"{out}/gen"), task=LanguageModelTask(corpus=small_corpus()))
-    counts, tokens, seconds = {}, {}, {}
+    counts, tokens = {}, {}
     for mode in ("gathered", "sharded"):
         choice = generation_mode(trainer.model, torch.float32, trainer.env.device, mode)
         assert choice.mode == mode and choice.gathered_bytes == 4 * sum(
             p.numel() for p in trainer.model.parameters())
         for new_tokens in (4, 24):
-            started = time.perf_counter()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 if mode == "gathered":
                     plain = gathered_copy(trainer.model, trainer.task.build_model, trainer.env.device,
@@ -38,7 +36,6 @@ def count_all_gathers(out: str) -> None:
                     with sharded_inference(trainer.model) as model:
                         tokens[mode, new_tokens] = generate(model, list(b"def "), new_tokens,
                                                             vocab_limit=256)
-            seconds[mode, new_tokens] = time.perf_counter() - started
             assert len(tokens[mode, new_tokens]) == new_tokens
             events = prof.key_averages()
             counts[mode, new_tokens] = sum(e.count for e in events if "all_gather" in e.key)
@@ -53,6 +50,6 @@ def count_all_gathers(out: str) -> None:
     generate_module.free_memory_bytes = lambda device: 1024
     skipped = trainer.sample()
     if trainer.env.is_main:
-        torch.save({"counts": counts, "tokens": tokens, "seconds": seconds, "skipped": skipped,
+        torch.save({"counts": counts, "tokens": tokens, "skipped": skipped,
                     "units": len(trainer.built.report.units),
                     "layers": trainer.cfg.model.n_layers}, Path(out, "counts.pt"))
