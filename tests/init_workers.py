@@ -48,21 +48,17 @@ def initial_weights(out: str, cases: list[tuple[str, int, bool]], few_rows: bool
     """Every case of this world size in one spawned group: each (strategy, shard group, resume)
     built, its weights saved (with ``resume``, then ``resume_draws``); with ``few_rows``, first the
     checks of ``few_rows_and_row_exchange``, at the default chunk size."""
-    if few_rows:
+    if few_rows:  # before the small chunks below, for the rest of this process
         few_rows_and_row_exchange(out)
-    default_chunk = sharded_model.INIT_CHUNK_ELEMENTS
     sharded_model.INIT_CHUNK_ELEMENTS = SMALL_CHUNK
-    try:
-        for strategy, shard_group, resume in cases:
-            env, model = build(tiny_config(strategy, shard_group))
-            full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                    for n, p in model.named_parameters()}
-            if env.rank == 0:
-                torch.save(full, Path(out, f"init-{env.world_size}-{strategy}.pt"))
-            if resume:
-                resume_draws(out, strategy)
-    finally:
-        sharded_model.INIT_CHUNK_ELEMENTS = default_chunk
+    for strategy, shard_group, resume in cases:
+        env, model = build(tiny_config(strategy, shard_group))
+        full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for n, p in model.named_parameters()}
+        if env.rank == 0:
+            torch.save(full, Path(out, f"init-{env.world_size}-{strategy}.pt"))
+        if resume:
+            resume_draws(out, strategy)
 
 
 class CountingLlama(llama.Llama):
