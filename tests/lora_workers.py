@@ -33,7 +33,8 @@ from shardtrain.distributed.parallelize import reshard_all
 from shardtrain.distributed.qlora import NF4_BLOCK, NF4_SCALER_BLOCK, is_nf4, quantized_linears
 from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.errors import CheckpointError, ModelError
-from shardtrain.models.hf import PREFIX, HFCausalLM
+from shardtrain.models.hf import HFCausalLM
+from shardtrain.models.hf_directory import PREFIX
 from shardtrain.models.llama import Llama
 from shardtrain.models.lora import AdapterInitializer, adapter_targets, local_bytes, lora_config
 from shardtrain.tasks.language_model import LanguageModelTask

@@ -105,3 +105,23 @@ def test_planted_violations_are_caught(tmp_path):
     proc = _layers(tmp_path / "upward" / "shardtrain")
     assert proc.returncode == 1
     assert proc.stdout.splitlines() == planted["upward"][1]
+
+
+# What a run of the built-in model imports, in a fresh interpreter: training (and its checks before
+# launch), generation, planning, inspecting and consolidating checkpoints.
+BUILT_IN_RUN = """
+import sys
+import shardtrain.checkpoint.inspect, shardtrain.cli.preflight, shardtrain.export.consolidate
+import shardtrain.generation.inference, shardtrain.train.loop, shardtrain.train.simulate
+print(" ".join(sorted(m for m in ("transformers", "peft", "torchao") if m in sys.modules)))
+"""
+
+
+def test_built_in_runs_do_not_import_optional_libraries():
+    """transformers, PEFT and torchao take 1-2 s each to import in every process; only the runs
+    that ask for them (model=hf, finetune=lora, strategy.float8) load them (models/registry,
+    models/lora, cli/main)."""
+    proc = subprocess.run([sys.executable, "-c", BUILT_IN_RUN], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "", proc.stdout

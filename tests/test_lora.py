@@ -69,7 +69,7 @@ from shardtrain.distributed.sharded_model import build_sharded_model, with_adapt
 from shardtrain.errors import CheckpointError, ConfigError
 from shardtrain.export.merge import merge_in_place, merged_weights, verify_merged_export
 from shardtrain.export.peft import LoraCheckpoint, checkpoint_model, export_peft, verify_peft_export
-from shardtrain.models.hf import PREFIX
+from shardtrain.models.hf_directory import PREFIX
 from shardtrain.models.llama import Llama
 from shardtrain.models.lora import adapter_targets, add_adapters, is_adapter
 

@@ -25,7 +25,7 @@ from torch import nn
 from shardtrain.config.schema import Config, FinetuneConfig
 from shardtrain.distributed.sharded_model import shard_like
 from shardtrain.errors import CheckpointError, ConfigError
-from shardtrain.models.hf import PREFIX as HF_PREFIX
+from shardtrain.models.hf_directory import PREFIX as HF_PREFIX
 from shardtrain.models.llama_hf_adapter import from_hf_name, halves_to_interleaved, rotary_heads
 from shardtrain.models.lora import ADAPTER_NAME, is_adapter
 

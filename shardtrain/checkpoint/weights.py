@@ -33,7 +33,7 @@ from shardtrain.config.schema import FinetuneConfig, ModelConfig
 from shardtrain.distributed.qlora import NF4_DESCRIPTION
 from shardtrain.distributed.sharded_model import first_row, shard_like
 from shardtrain.errors import CheckpointError
-from shardtrain.models.hf import CONFIG_FILE as HF_CONFIG_FILE
+from shardtrain.models.hf_directory import CONFIG_FILE as HF_CONFIG_FILE
 from shardtrain.models.llama_hf_adapter import (
     config_mismatches,
     from_hf_name,

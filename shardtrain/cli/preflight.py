@@ -16,7 +16,6 @@ from shardtrain.config.schema import Config
 from shardtrain.data.prepared import open_prepared
 from shardtrain.data.tokenizer import tokenizer_for
 from shardtrain.errors import CheckpointError, ConfigError
-from shardtrain.models.hf import check_tensor_parallel as check_hf_tensor_parallel
 from shardtrain.models.llama import llama_dims
 from shardtrain.models.llama_tp import check_tensor_parallel_dims
 from shardtrain.tasks.language_model import LanguageModelTask
@@ -94,6 +93,8 @@ def check_training(cfg: Config) -> None:
     elif cfg.model.name == "llama":
         check_tensor_parallel_dims(llama_dims(cfg.model), cfg.strategy.tensor_parallel)
     elif cfg.model.name == "hf":
+        from shardtrain.models.hf import check_tensor_parallel as check_hf_tensor_parallel  # transformers
+
         check_hf_tensor_parallel(cfg.model, cfg.strategy.tensor_parallel, cfg.strategy.sequence_parallel)
     if cfg.model.weights_source() == cfg.model.path and cfg.model.path:
         weight_files(Path(cfg.model.path).expanduser())  # a Hugging Face model's own weights

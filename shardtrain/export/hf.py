@@ -26,7 +26,8 @@ from shardtrain.config.schema import ModelConfig
 from shardtrain.data.tokenizer import TOKENIZER_FILES
 from shardtrain.export.consolidate import consolidate
 from shardtrain.generation.generate import shared_parameter_names
-from shardtrain.models.hf import CONFIG_FILE, HFCausalLM, hf_name, model_directory
+from shardtrain.models.hf import HFCausalLM
+from shardtrain.models.hf_directory import CONFIG_FILE, hf_name, model_directory
 from shardtrain.models.llama_hf_adapter import hf_config, to_hf
 
 Converter = Callable[[str, torch.Tensor], "tuple[str, torch.Tensor] | None"]

@@ -34,7 +34,8 @@ from shardtrain.export.verify import (
     export_reader,
     streamed_forward,
 )
-from shardtrain.models.hf import CONFIG_FILE, HFCausalLM
+from shardtrain.models.hf import HFCausalLM
+from shardtrain.models.hf_directory import CONFIG_FILE
 from shardtrain.models.lora import ADAPTER_NAME, base_name, is_adapter
 
 

@@ -34,7 +34,7 @@ from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import load_tensors, plan_shards
 from shardtrain.export.verify import EXPORT_TOLERANCE, check_tokens, compare_logits
-from shardtrain.models.hf import hf_name
+from shardtrain.models.hf_directory import hf_name
 from shardtrain.models.llama_hf_adapter import hf_config, to_hf, to_hf_name
 from shardtrain.models.lora import (
     ADAPTER_NAME,

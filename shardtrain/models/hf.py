@@ -11,7 +11,8 @@ the framework needs and transformers does not say in one place:
   garbage after meta-device materialisation; the modules owning them are built again on CPU from the
   model config and their buffers copied over.
 - a KV cache for generation: transformers' own ``DynamicCache``.
-Parameter names are transformers' under the ``hf.`` prefix; ``hf_name`` strips it for export.
+Parameter names are transformers' under the ``hf.`` prefix; ``models/hf_directory.hf_name`` strips it
+for export.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import inspect
 import json
 import re
-from pathlib import Path
 
 import torch
 import transformers
@@ -32,25 +32,8 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 from shardtrain.config.schema import ModelConfig
 from shardtrain.errors import ModelError
 from shardtrain.models.dims import Dims
+from shardtrain.models.hf_directory import CONFIG_FILE, PREFIX, model_directory
 from shardtrain.models.hf_tp import check_declared_plan, parallelize_hf
-
-PREFIX = "hf."
-CONFIG_FILE = "config.json"
-
-
-def hf_name(name: str) -> str:
-    """A parameter's name in transformers' state dict (and the model directory's files)."""
-    return name.removeprefix(PREFIX)
-
-
-def model_directory(cfg: ModelConfig) -> Path:
-    if not cfg.path:
-        raise ModelError("model.name=hf needs model.path=DIR, a local Hugging Face model directory")
-    directory = Path(cfg.path).expanduser()
-    if not (directory / CONFIG_FILE).is_file():
-        raise ModelError(f"model.path={cfg.path!r} has no {CONFIG_FILE}: not a Hugging Face model "
-                         "directory (nothing is downloaded; save the model there with save_pretrained)")
-    return directory
 
 
 def read_config(cfg: ModelConfig) -> PretrainedConfig:

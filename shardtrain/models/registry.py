@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 from torch import nn
 
 from shardtrain.config.schema import BUILTIN_MODELS, ModelConfig
 from shardtrain.errors import ConfigError
-from shardtrain.models.hf import HFCausalLM
 from shardtrain.models.llama import Llama
 
-BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {"llama": Llama, "hf": HFCausalLM}
+
+def hf_causal_lm(cfg: ModelConfig) -> nn.Module:
+    """``model.name=hf``: ``models/hf.HFCausalLM``, imported through importlib on purpose, as PEFT
+    and the trackers are: it imports transformers, 1-2 s of start-up for every process of every
+    run, which only the runs that train a Hugging Face model need."""
+    return importlib.import_module("shardtrain.models.hf").HFCausalLM(cfg)
+
+
+BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {"llama": Llama, "hf": hf_causal_lm}
 assert set(BUILDERS) == set(BUILTIN_MODELS), "config.schema.BUILTIN_MODELS and BUILDERS disagree"
 
 

@@ -1,0 +1,28 @@
+"""What shardtrain knows of a Hugging Face model directory without importing transformers: where its
+config is, and how its parameters are named inside shardtrain. Checkpoints, weights and adapters
+need these in every run; only runs with ``model.name=hf`` load transformers (``models/registry``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardtrain.config.schema import ModelConfig
+from shardtrain.errors import ModelError
+
+PREFIX = "hf."
+CONFIG_FILE = "config.json"
+
+
+def hf_name(name: str) -> str:
+    """A parameter's name in transformers' state dict (and the model directory's files)."""
+    return name.removeprefix(PREFIX)
+
+
+def model_directory(cfg: ModelConfig) -> Path:
+    if not cfg.path:
+        raise ModelError("model.name=hf needs model.path=DIR, a local Hugging Face model directory")
+    directory = Path(cfg.path).expanduser()
+    if not (directory / CONFIG_FILE).is_file():
+        raise ModelError(f"model.path={cfg.path!r} has no {CONFIG_FILE}: not a Hugging Face model "
+                         "directory (nothing is downloaded; save the model there with save_pretrained)")
+    return directory
