@@ -104,17 +104,26 @@ class LanguageModelTask(Task):
         for a subclass whose loss is its own."""
         if type(self).loss is not LanguageModelTask.loss:
             return ""
+        return self.loss_choice(model)[1]
+
+    def loss_choice(self, model: nn.Module) -> tuple[int, str]:
+        """The tokens a chunk of ``loss``'s head and cross-entropy for this model (0: the whole
+        logits at once), and why, in the start-up report's words."""
+        # An unbound task (eval and generation use it without a training config) takes the plain loss.
+        if self.cfg is None:
+            return 0, "plain, from the model's logits"
+        # Under tensor parallelism the logits stay vocabulary-sharded (loss_parallel): never chunked.
         if self.cfg.strategy.tensor_parallel > 1:
-            return "on the vocabulary-sharded logits (tensor parallel)"
+            return 0, "on the vocabulary-sharded logits (tensor parallel)"
         head = output_head(model)
         if head is None:
-            return "plain, from the model's logits"
+            return 0, "plain, from the model's logits"
         setting, vocab = self.cfg.trainer.loss_chunk_tokens, head.weight.shape[0]
         chunk = chunk_tokens_for(setting, vocab)
         if chunk:
-            return f"chunked, {chunk} tokens at a time (vocabulary {vocab:,})"
+            return chunk, f"chunked, {chunk} tokens at a time (vocabulary {vocab:,})"
         why = f", auto: below {AUTO_CHUNK_MIN_VOCAB:,}" if setting == "auto" else ""
-        return f"plain, full logits (vocabulary {vocab:,}{why})"
+        return 0, f"plain, full logits (vocabulary {vocab:,}{why})"
 
     def wrap_policy(self) -> Sequence[type | str] | None:
         return self.blocks
@@ -133,12 +142,7 @@ class LanguageModelTask(Task):
         return Batch(tokens, tokens, torch.zeros_like(tokens) if self.cfg.data.document_mask else None)
 
     def loss(self, model: nn.Module, batch: Batch) -> LossOutput:
-        # An unbound task (eval and generation use it without a training config) takes the plain loss.
-        # Under tensor parallelism the logits stay vocabulary-sharded (loss_parallel): never chunked.
-        tensor_parallel = self.cfg is not None and self.cfg.strategy.tensor_parallel > 1
-        head = output_head(model) if self.cfg is not None and not tensor_parallel else None
-        chunk_tokens = 0 if head is None else chunk_tokens_for(self.cfg.trainer.loss_chunk_tokens,
-                                                               head.weight.shape[0])
+        chunk_tokens, _ = self.loss_choice(model)
         return LossOutput(token_loss_sum(model, batch, chunk_tokens), (batch.targets != IGNORE_INDEX).sum())
 
     def count(self, batch: Batch) -> float:
