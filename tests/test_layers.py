@@ -118,9 +118,9 @@ print(" ".join(sorted(m for m in ("transformers", "peft", "torchao") if m in sys
 
 
 def test_built_in_runs_do_not_import_optional_libraries():
-    """transformers, PEFT and torchao take 1-2 s each to import in every process; only the runs
-    that ask for them (model=hf, finetune=lora, strategy.float8) load them (models/registry,
-    models/lora, cli/main)."""
+    """transformers, PEFT and torchao each add seconds to every process's start-up; only the runs
+    that ask for them load them (model=hf: models/registry; finetune=lora: models/lora; qlora's
+    NF4: distributed/qlora; strategy.float8: cli/main)."""
     proc = subprocess.run([sys.executable, "-c", BUILT_IN_RUN], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

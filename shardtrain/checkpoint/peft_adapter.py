@@ -25,7 +25,7 @@ from torch import nn
 from shardtrain.config.schema import Config, FinetuneConfig
 from shardtrain.distributed.sharded_model import shard_like
 from shardtrain.errors import CheckpointError, ConfigError
-from shardtrain.models.hf_directory import PREFIX as HF_PREFIX
+from shardtrain.models.hf_directory import PREFIX as HF_PARAMETER_PREFIX
 from shardtrain.models.llama_hf_adapter import from_hf_name, halves_to_interleaved, rotary_heads
 from shardtrain.models.lora import ADAPTER_NAME, is_adapter
 
@@ -68,7 +68,7 @@ def our_name(key: str, cfg: Config) -> tuple[str, str]:
         raise CheckpointError(f"model.adapter: {key!r} is not a LoRA weight (<module>.lora_A.weight)")
     module, matrix = match.groups()
     if cfg.model.name == "hf":
-        return HF_PREFIX + module, matrix
+        return HF_PARAMETER_PREFIX + module, matrix
     ours = from_hf_name(module + ".weight")
     if ours is None:
         raise CheckpointError(f"model.adapter: {module!r} is no module of the built-in Llama "

@@ -1,6 +1,7 @@
-"""What shardtrain knows of a Hugging Face model directory without importing transformers: where its
-config is, and how its parameters are named inside shardtrain. Checkpoints, weights and adapters
-need these in every run; only runs with ``model.name=hf`` load transformers (``models/registry``)."""
+"""What shardtrain knows of a Hugging Face model directory without importing transformers: its config
+file, where to find it, and the prefix of its parameters' names inside shardtrain. Weight loading
+and adapters (``checkpoint/``) use these in runs of every model; only runs with ``model.name=hf``
+load transformers (``models/registry``)."""
 
 from __future__ import annotations
 

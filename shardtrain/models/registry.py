@@ -14,8 +14,8 @@ from shardtrain.models.llama import Llama
 
 def hf_causal_lm(cfg: ModelConfig) -> nn.Module:
     """``model.name=hf``: ``models/hf.HFCausalLM``, imported through importlib on purpose, as PEFT
-    and the trackers are: it imports transformers, 1-2 s of start-up for every process of every
-    run, which only the runs that train a Hugging Face model need."""
+    and the trackers are: it imports transformers, 1-2 s of start-up for every process, which only
+    the runs with a Hugging Face model need (training, generating from, evaluating, exporting it)."""
     return importlib.import_module("shardtrain.models.hf").HFCausalLM(cfg)
 
 

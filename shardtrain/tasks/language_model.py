@@ -107,8 +107,8 @@ class LanguageModelTask(Task):
         return self.loss_choice(model)[1]
 
     def loss_choice(self, model: nn.Module) -> tuple[int, str]:
-        """The tokens a chunk of ``loss``'s head and cross-entropy for this model (0: the whole
-        logits at once), and why, in the start-up report's words."""
+        """Tokens per chunk of ``loss``'s head and cross-entropy for this model (0: the whole logits
+        at once), and why, in the start-up report's words."""
         # An unbound task (eval and generation use it without a training config) takes the plain loss.
         if self.cfg is None:
             return 0, "plain, from the model's logits"
