@@ -266,9 +266,9 @@ def load_hf_model_into(model: nn.Module, directory: str | Path) -> None:
 
 
 def read_hf_config(directory: Path) -> dict:
-    config_file = directory / "config.json"
+    config_file = directory / HF_CONFIG_FILE
     if not config_file.is_file():
-        raise CheckpointError(f"{directory} has no config.json: not a Hugging Face model directory")
+        raise CheckpointError(f"{directory} has no {HF_CONFIG_FILE}: not a Hugging Face model directory")
     config = json.loads(config_file.read_text())
     if config.get("model_type") != "llama":
         raise CheckpointError(f"{directory} holds a {config.get('model_type')!r} model; only llama "

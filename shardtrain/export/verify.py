@@ -27,6 +27,7 @@ from shardtrain.distributed.sharded_model import parameters_on_meta
 from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import load_tensors, plan_shards
 from shardtrain.models.hf import HFCausalLM
+from shardtrain.models.hf_directory import CONFIG_FILE
 from shardtrain.models.registry import build_model
 
 # Largest |logit difference| relative to the largest |logit|: fp32 implementations of the same
@@ -45,7 +46,7 @@ def verify_export(checkpoint: str | Path, out_dir: str | Path,
     the export was written in, and compute in fp32, so only a wrong conversion tells them apart."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     cfg = model_config_of(checkpoint)
-    written = json.loads((out_dir / "config.json").read_text())["torch_dtype"]
+    written = json.loads((out_dir / CONFIG_FILE).read_text())["torch_dtype"]
     dtype = getattr(torch, written)
     with parameters_on_meta():
         ours = build_model(cfg)

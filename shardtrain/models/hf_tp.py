@@ -60,6 +60,7 @@ from transformers import PretrainedConfig
 
 from shardtrain.errors import ConfigError
 from shardtrain.models.dims import Dims
+from shardtrain.models.hf_directory import CONFIG_FILE
 
 # transformers' style names (transformers.distributed.tensor_parallel) with a translation here.
 TRANSLATED_STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep",
@@ -90,7 +91,7 @@ def module_name(model: nn.Module, module: nn.Module) -> str:
 
 def config_file(config: PretrainedConfig) -> str:
     path = getattr(config, "_name_or_path", "") or ""
-    return str(Path(path) / "config.json") if path else "its config.json"
+    return str(Path(path) / CONFIG_FILE) if path else f"its {CONFIG_FILE}"
 
 
 def check_split_sizes(config: PretrainedConfig, tp: int) -> None:
