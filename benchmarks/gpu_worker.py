@@ -10,6 +10,10 @@ both alike. Before the hand-written model exists it also measures shardtrain's o
 compiled), the same initial weights and batches: tokens/s (the two alternating in chunks of steps)
 and both loss curves over ``--train-steps`` steps.
 
+With ``--profile-steps N`` speed also runs N more steps of each loop under ``torch.profiler`` and
+records, per operator, its self time on the device and on the host per step (where the two loops'
+time differs, op by op, for a session that cannot stay to look).
+
 ``checks``: the functional checks a CPU cannot reach: CPU offload keeps pinned host shards and
 trains like the on-device run; an asynchronous checkpoint resumes exactly; ``generate`` gives the
 same text gathered and unit by unit. Each prints one JSON line.
@@ -34,6 +38,7 @@ from step_time import tutorial_step
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
 
 from shardtrain.accelerator import device_peak_flops, peak_memory_mib
 from shardtrain.checkpoint.preemption import PreemptionFlag
@@ -119,6 +124,27 @@ def time_rounds(fns: dict, rounds: int, steps: int) -> dict[str, list[float]]:
     return times
 
 
+def profiled(fn, steps: int, device: torch.device) -> dict:
+    """``steps`` calls of ``fn`` under the profiler: wall, device-busy and host milliseconds per step,
+    and each operator's self milliseconds per step on the device and on the host, with its calls.
+
+    Device time is the kernels' own, attributed to the operator that launched them (a compiled
+    block's Triton kernels to its graph), so the operators' device times add up to the busy time."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        synchronize()
+        wall = time.perf_counter() - start
+    ops = {e.key: [e.self_device_time_total / 1e3 / steps, e.self_cpu_time_total / 1e3 / steps,
+                   e.count / steps] for e in prof.key_averages()}
+    return {"steps": steps, "wall_ms": wall * 1e3 / steps,
+            "device_busy_ms": sum(device for device, _, _ in ops.values()),
+            "events_per_step": sum(calls for _, _, calls in ops.values()), "ops": ops}
+
+
 def speed(args: argparse.Namespace) -> dict:
     overrides = [*QUIET, f"run.dir={tempfile.mkdtemp()}", f"model={args.model}",
                  f"trainer.seq_len={args.seq_len}", f"trainer.micro_batch_size={args.micro_batch}",
@@ -166,6 +192,9 @@ def speed(args: argparse.Namespace) -> dict:
         result["tokens_per_s"][name] = tokens / median
         result["mfu"][name] = tokens / median * flops_per_token / peak_flops if peak_flops else None
     result["ratio"] = result["step_s"]["shardtrain"] / result["step_s"]["handwritten"]
+    if args.profile_steps:
+        result["profile"] = {"shardtrain": profiled(trainer.iteration, args.profile_steps, device),
+                             "handwritten": profiled(reference, args.profile_steps, device)}
     return result
 
 
@@ -309,6 +338,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="speed: then this many steps of each loop under torch.profiler")
     parser.add_argument("--train-steps", type=int, default=300, help="float8: steps of each run")
     args = parser.parse_args()
     result = {"speed": speed, "checks": checks, "float8": float8_against_bf16}[args.mode](args)

@@ -18,7 +18,8 @@ qlora (only with ``--only qlora``, needs one CUDA GPU): benchmarks/qlora_bench.p
 under finetune=lora and finetune=qlora: bytes of the base, peak memory, tokens/s.
 gpu (only with ``--only gpu``, needs one CUDA GPU, about 6 minutes on an H100):
 benchmarks/gpu_worker.py, a 1.1B Llama at sequence 2,048, bf16-mixed, shardtrain vs a hand-written
-FSDP2 loop with and without compile and activation checkpointing, then functional checks (CPU
+FSDP2 loop with and without compile and activation checkpointing (each variant then profiles a few
+steps of each loop, device and host time per operator), then functional checks (CPU
 offload, async checkpoint resume, generation); ``--json-out`` keeps the raw results and
 ``--from-json`` renders them on a machine without a GPU.
 data (about 5 minutes): benchmarks/data_bench.py; ``shardtrain prepare`` against ``datasets``' ``map``
@@ -656,13 +657,50 @@ GPU_VARIANT_NAMES = {"plain": (False, False), "ac": (False, True), "compile": (T
                      "compile+ac": (True, True)}
 
 
+# Steps of each loop profiled after the timed rounds (seconds of a lent session's minutes): where the
+# ratio comes from, op by op, without a second session to look.
+GPU_PROFILE_STEPS = 3
+
+
+def gpu_profile_lines(runs: list[dict], top: int = 8) -> list[str]:
+    """Per variant that carries a profile: each loop's wall, device-busy and event counts per step, and
+    the operators whose self time per step (the device's; the host's without one) differs most
+    between the two loops."""
+    lines = []
+    for r in runs:
+        prof = r.get("profile")
+        if not prof:
+            continue
+        ours, theirs = prof["shardtrain"], prof["handwritten"]
+        variant = f"compile {'yes' if r['variant']['compile'] else 'no'}, AC {'yes' if r['variant']['ac'] else 'no'}"
+        lines += ["", f"Profile, {variant} ({ours['steps']} steps of each loop under `torch.profiler`, per step):", "",
+                  "| | shardtrain | hand-written |", "| --- | --- | --- |",
+                  f"| wall ms (profiled) | {ours['wall_ms']:.1f} | {theirs['wall_ms']:.1f} |",
+                  f"| device busy ms (kernels) | {ours['device_busy_ms']:.1f} | {theirs['device_busy_ms']:.1f} |",
+                  f"| profiled events | {ours['events_per_step']:,.0f} | {theirs['events_per_step']:,.0f} |",
+                  ""]
+        # Ranked by the device's time; by the host's where there is no device (the CPU smoke run).
+        column = 0 if ours["device_busy_ms"] or theirs["device_busy_ms"] else 1
+        lines += [f"| operator (largest differences in self {('device', 'host')[column]} ms per step) | shardtrain "
+                  "device | hand-written device | shardtrain host | hand-written host |",
+                  "| --- | --- | --- | --- | --- |"]
+        zero = [0.0, 0.0, 0.0]
+        names = sorted(set(ours["ops"]) | set(theirs["ops"]),
+                       key=lambda n: -abs(ours["ops"].get(n, zero)[column] - theirs["ops"].get(n, zero)[column]))
+        for name in names[:top]:
+            a, b = ours["ops"].get(name, zero), theirs["ops"].get(name, zero)
+            lines.append(f"| `{name[:80]}` | {a[0]:.2f} | {b[0]:.2f} | {a[1]:.2f} | {b[1]:.2f} |")
+    return lines
+
+
 def gpu_results(variants: list[str], with_checks: bool) -> dict:
     """Run benchmarks/gpu_worker.py under torchrun (NCCL, world size 1): one process per
     (compile, AC) variant, then the functional checks."""
     results: dict = {"runs": []}
     for name in variants:
         compiled, ac = GPU_VARIANT_NAMES[name]
-        args = ["speed"] + (["--compile"] if compiled else []) + (["--ac"] if ac else [])
+        args = ["speed", "--profile-steps", str(GPU_PROFILE_STEPS)] + (["--compile"] if compiled else []) \
+            + (["--ac"] if ac else [])
         results["runs"].append(run_torchrun(1, "gpu_worker.py", args))
         print(json.dumps(results["runs"][-1]), flush=True)
     if with_checks:
@@ -795,6 +833,7 @@ def gpu_section(command: str, results: dict) -> str:
 | compile | AC | shardtrain tokens/s | hand-written tokens/s | shardtrain MFU | hand-written MFU | shardtrain ms/step | hand-written ms/step | ratio (time) | peak GiB: measured / logged | predicted GiB: simulated / planner |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 {chr(10).join(rows)}
+{chr(10).join(gpu_profile_lines(runs))}
 
 {functional}
 {GPU_END}"""

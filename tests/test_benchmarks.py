@@ -1,10 +1,12 @@
 """The GPU benchmark's worker on this CPU with a tiny model: a lent GPU session has minutes of device
 time (benchmarks/gpu_session.sh), too few to find a Python error there. Timings and memory are not
 checked (a CPU's say nothing about a GPU's), only that the worker builds and times both loops and
-writes its result. Its float8 mode cannot run here (refused on a CPU, as users are)."""
+writes its result, with the profile a GPU session renders. Its float8 mode cannot run here (refused
+on a CPU, as users are)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,7 +25,7 @@ def test_gpu_worker_speed_mode_runs_both_loops_on_cpu(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
          "gpu_worker.py", "speed", "--model", "llama_tiny", "--seq-len", "32", "--micro-batch", "2",
-         "--warmup", "1", "--rounds", "1", "--steps", "1"],
+         "--warmup", "1", "--rounds", "1", "--steps", "1", "--profile-steps", "1"],
         cwd=BENCHMARKS, capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -31,3 +33,15 @@ def test_gpu_worker_speed_mode_runs_both_loops_on_cpu(tmp_path):
     assert result["handwritten_layers"] == "plain autograd"
     assert set(result["step_s"]) == {"shardtrain", "handwritten"} and result["ratio"] > 0
     assert 5.0 < result["first_loss"] < 6.0  # ln(256) = 5.55 for a fresh byte-level model
+    # The profile: both loops, each operator's self device and host ms per step; rendered as the
+    # GPU section renders it (ranked by host time here, where no device time exists).
+    profile = result["profile"]
+    for loop in ("shardtrain", "handwritten"):
+        assert profile[loop]["steps"] == 1 and profile[loop]["wall_ms"] > 0
+        assert profile[loop]["ops"]["aten::mm"][1] > 0  # [device ms, host ms, calls]
+    spec = importlib.util.spec_from_file_location("benchmarks_run", BENCHMARKS / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    lines = run.gpu_profile_lines([result], top=3)
+    assert any("largest differences in self host ms" in line for line in lines)
+    assert sum(line.startswith("| `") for line in lines) == 3
