@@ -22,7 +22,7 @@ from shardtrain.config.schema import ModelConfig
 from shardtrain.data.batches import IGNORE_INDEX, Batch
 from shardtrain.diagnostics.planner import estimate
 from shardtrain.distributed.parallelize import largest_first
-from shardtrain.models.hf import HFCausalLM, head_transform_reason
+from shardtrain.models.hf import HFCausalLM, head_transform_reason, transforms_head_output
 from shardtrain.models.llama import Llama
 from shardtrain.models.registry import build_model
 from shardtrain.tasks.language_model import LanguageModelTask, output_head, token_loss_sum
@@ -204,13 +204,34 @@ def test_two_rank_fsdp_training_follows_plain_loss(tmp_path):
 
 
 def test_hf_logit_transforms_keep_the_plain_loss():
-    """Cohere scales its logits, Gemma 2 soft-caps them: the head alone is not their logits."""
+    """Cohere and Granite scale their logits after the head, HyperCLOVAX on the head's line, MiniCPM3
+    its hidden states before it, Gemma 2 soft-caps them: the head alone is not their logits."""
     sizes = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                  num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    assert head_transform_reason(transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))) is None
+    for plain in (transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)),
+                  transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes))):
+        assert head_transform_reason(plain) is None
+    minicpm3 = dict(sizes, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                    v_head_dim=4)
     for family in (transformers.CohereForCausalLM(transformers.CohereConfig(**sizes)),
+                   transformers.GraniteForCausalLM(transformers.GraniteConfig(**sizes)),
+                   transformers.HyperCLOVAXForCausalLM(transformers.HyperCLOVAXConfig(**sizes)),
+                   transformers.MiniCPM3ForCausalLM(transformers.MiniCPM3Config(**minicpm3)),
                    transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**sizes))):
-        assert "does more to its logits" in head_transform_reason(family)
+        assert "does more to its logits" in head_transform_reason(family), type(family).__name__
+    # The shapes the source check reads, one change at a time from the plain one.
+    plain = ("outputs = self.model(input_ids)\nhidden_states = outputs.last_hidden_state\n"
+             "hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)\n"
+             "logits = self.lm_head(hidden_states)\nreturn Output(logits=logits,\n)")
+    assert not transforms_head_output(plain, "lm_head", "model")
+    assert not transforms_head_output(plain.replace("(hidden_states)\n", "(hidden_states).float()\n"),
+                                      "lm_head", "model")
+    for changed in (plain.replace("(hidden_states)\n", "(hidden_states) * self.scale\n"),
+                    plain.replace("keep)\n", "keep)\nhidden_states = hidden_states / 9\n"),
+                    plain + "\nlogits *= self.scale", plain + "\nhidden_states /= 2",
+                    plain + "\nlogits = torch.tanh(logits)",
+                    plain.replace("self.lm_head", "self.other_head")):
+        assert transforms_head_output(changed, "lm_head", "model"), changed
 
 
 def test_auto_chunks_large_vocabularies_only():

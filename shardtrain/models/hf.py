@@ -75,25 +75,39 @@ def sequence_state_reason(config: PretrainedConfig) -> str | None:
     return None
 
 
+def transforms_head_output(source: str, head_name: str, base_model_prefix: str) -> bool:
+    """Whether a causal LM's ``forward`` (its source) does anything to the logits but apply the head
+    named ``head_name`` to its base model's last hidden state, sliced at most: a scaling of the hidden
+    states (MiniCPM3 divides them) or of the logits, on the head's line (HyperCLOVAX) or after it
+    (Cohere, Granite), a soft-cap (Gemma 2). Anything not of that one plain shape counts as a transform."""
+    # Statements, not the ``logits=logits,`` keyword of the output's constructor.
+    logits = [value for value in re.findall(r"^\s*logits\s*=\s*(.+)$", source, flags=re.MULTILINE)
+              if not value.rstrip().endswith(",")]
+    hidden = [value for value in re.findall(r"^\s*hidden_states\s*=\s*(.+?)\s*$", source, flags=re.MULTILINE)
+              if not value.endswith(",")]
+    # After the base model's output, only slicing to the positions whose logits are kept.
+    slicing = r"slice_logits_to_keep\(hidden_states, \w+\)|hidden_states\[[^\]]*\]"
+    # ``.float()`` after the head is what the plain loss does anyway (Blt writes it).
+    plain_head = rf"self\.{re.escape(head_name)}\(hidden_states(\[[^\]]*\])?\)(\.float\(\))?\s*(#.*)?"
+    return (len(logits) != 1 or re.fullmatch(plain_head, logits[0].strip()) is None
+            or hidden[:1] != ["outputs.last_hidden_state"]
+            or any(re.fullmatch(slicing, value) is None for value in hidden[1:])
+            or re.search(r"\b(logits|hidden_states)\s*([-+*/]|//|\*\*)=|\b(logits|hidden_states)\.\w+_\(",
+                         source) is not None
+            or f"self.{base_model_prefix}(" not in source)
+
+
 def head_transform_reason(model: nn.Module) -> str | None:
     """Why the logits of this transformers causal LM are not just its output head applied to its base
-    model's last hidden state (logit scaling or soft-capping, as Cohere and Gemma 2 apply), read from
-    its ``forward``'s source; None when they are, so a loss may apply the head itself chunk by chunk."""
-    forward = type(model).forward
+    model's last hidden state (``transforms_head_output``), read from its ``forward``'s source; None
+    when they are, so a loss may apply the head itself chunk by chunk."""
     try:
-        source = inspect.getsource(forward)
+        source = inspect.getsource(type(model).forward)
     except (OSError, TypeError):
         return f"the source of {type(model).__name__}.forward is not readable"
     head = model.get_output_embeddings()
     head_name = next((name for name, module in model.named_children() if module is head), None)
-    # Statements, not the ``logits=logits,`` keyword of the output's constructor.
-    assignments = [value for value in re.findall(r"^\s*logits\s*=\s*(.+)$", source, flags=re.MULTILINE)
-                   if not value.rstrip().endswith(",")]
-    if (head_name is None or len(assignments) != 1
-            or not assignments[0].startswith(f"self.{head_name}(hidden_states")
-            or re.search(r"\blogits\s*[-+*/]=|\blogits\.\w+_\(", source)
-            or f"self.{model.base_model_prefix}(" not in source
-            or "hidden_states = outputs.last_hidden_state" not in source):
+    if head_name is None or transforms_head_output(source, head_name, model.base_model_prefix):
         return f"{type(model).__name__}.forward does more to its logits than apply its output head"
     return None
 
