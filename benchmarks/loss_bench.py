@@ -7,6 +7,9 @@ step's peak resident memory over what stays between steps (LOSS: ``plain``, ``ch
 prints one JSON line.
 ``python benchmarks/loss_bench.py speed VOCAB DIM LAYERS SEQ BATCH ROUNDS``: tokens/s of each loss,
 alternating step by step in one process (the machine's load falls on all alike); one JSON line.
+``python benchmarks/loss_bench.py precision TOKENS DIM VOCAB``: the head and loss alone in bf16, plain
+and chunked at several chunk sizes, against the same computed in fp32: the relative error of the
+loss and of the hidden states' and head weight's gradients; one JSON line.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from shardtrain.config.schema import ModelConfig
 from shardtrain.data.batches import IGNORE_INDEX, Batch
 from shardtrain.models.llama import Llama
 from shardtrain.tasks.language_model import token_loss_sum
-from shardtrain.tasks.losses import DEFAULT_CHUNK_TOKENS
+from shardtrain.tasks.losses import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 
 CHUNK = int(os.environ.get("LOSS_CHUNK_TOKENS", DEFAULT_CHUNK_TOKENS))
 
@@ -107,8 +110,42 @@ def speed(vocab: int, dim: int, layers: int, seq: int, batch: int, rounds: int) 
             "tokens_per_s": {kind: tokens / statistics.median(s) for kind, s in seconds.items()}}
 
 
+def precision(tokens: int, dim: int, vocab: int) -> dict:
+    """bf16 against fp32 for the plain loss and the chunked one: the chunked loss sums the head
+    weight's gradient chunk by chunk in bf16, one rounding a chunk, where the plain loss's single
+    matmul rounds it once. Targets skewed to the first 50 ids, as a real vocabulary's frequent tokens
+    give some weight rows large gradients of one sign (the case where roundings add up)."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, dim, generator=generator)
+    weight = torch.randn(vocab, dim, generator=generator) * 0.1
+    targets = torch.randint(0, 50, (tokens,), generator=generator)
+
+    def gradients(dtype: torch.dtype, chunk: int) -> list[torch.Tensor]:
+        h, w = (t.to(dtype).requires_grad_() for t in (hidden.bfloat16(), weight.bfloat16()))
+        if chunk:
+            loss = chunked_cross_entropy(h, w, targets, chunk_tokens=chunk)
+        else:
+            loss = F.cross_entropy(F.linear(h, w).float(), targets, reduction="sum")
+        (loss / tokens).backward()
+        return [loss.detach().float(), h.grad.float(), w.grad.float()]
+
+    exact = gradients(torch.float32, 0)  # the bf16 inputs, computed in fp32
+
+    def errors(values: list[torch.Tensor]) -> dict:
+        return {name: float((v - e).norm() / e.norm())
+                for name, v, e in zip(("loss", "hidden_grad", "weight_grad"), values, exact, strict=True)}
+
+    chunks = sorted({DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_TOKENS // 4, tokens // 4})
+    return {"tokens": tokens, "dim": dim, "vocab": vocab, "plain": errors(gradients(torch.bfloat16, 0)),
+            "chunked": {chunk: {"chunks": -(-tokens // chunk), **errors(gradients(torch.bfloat16, chunk))}
+                        for chunk in chunks}}
+
+
 if __name__ == "__main__":
     mode, *numbers, last = sys.argv[1:]
     shape = [int(n) for n in numbers]
-    result = memory(*shape, last) if mode == "memory" else speed(*shape, int(last))
+    if mode == "precision":
+        result = precision(*shape, int(last))
+    else:
+        result = memory(*shape, last) if mode == "memory" else speed(*shape, int(last))
     print(json.dumps(result))

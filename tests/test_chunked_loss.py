@@ -121,10 +121,23 @@ def test_helper_matches_cross_entropy_with_bias_and_bf16():
     assert rel_error(ours[0], theirs[0]) < TOLERANCE
     for a, b in zip(ours[1:], theirs[1:], strict=True):
         assert a.dtype == b.dtype == torch.bfloat16 and rel_error(a, b) < 1e-2
-    with torch.no_grad():  # evaluation: no gradients are computed, the loss is the same
-        assert rel_error(chunked(hidden, weight, bias), plain(hidden, weight, bias)) < TOLERANCE
+    # Evaluation (validation runs under no_grad on parameters that require grad): the same loss, and
+    # the loss alone: no autograd function, so none of the gradient buffers and matmuls.
+    leaves = [t.detach().requires_grad_() for t in (hidden, weight, bias)]
+    with torch.no_grad():
+        evaluated = chunked(*leaves)
+        assert rel_error(evaluated, plain(hidden, weight, bias)) < TOLERANCE and evaluated.grad_fn is None
     with pytest.raises(ValueError, match="chunk_tokens=0"):
         chunked_cross_entropy(hidden, weight, targets, chunk_tokens=0)
+    # A negative target other than ignore_index is an error, as in F.cross_entropy, not class 0.
+    wrong = targets.clone()
+    wrong[0, 3] = -1
+    with pytest.raises((IndexError, RuntimeError), match="-1"):
+        chunked_cross_entropy(hidden, weight, wrong, chunk_tokens=10)
+    # Its gradients come from forward, without a graph: a second derivative is refused, not zero.
+    loss = chunked(*leaves)
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(loss, leaves[0], create_graph=True)
 
 
 def test_one_chunk_of_logits_at_a_time():

@@ -53,9 +53,10 @@ def _chunk_gradient(logits: torch.Tensor, targets: torch.Tensor, ignore_index: i
     ``torch.logsumexp``, which on CPU allocates a second chunk-sized buffer and took 14% of a step
     at a 32k vocabulary (docs/benchmarks.md, "Chunked loss")."""
     kept = targets != ignore_index
-    rows = torch.arange(targets.shape[0], device=targets.device)
-    columns = targets.clamp(min=0)  # ignored tokens' rows read (and later zero) column 0
-    picked = logits[rows, columns]  # a copy, read before the logits are overwritten
+    # Ignored tokens' rows read (and later zero) column 0. gather and scatter check their indices as
+    # cross_entropy does: a negative target other than ignore_index is an error, not a wrapped index.
+    columns = targets.masked_fill(~kept, 0).unsqueeze(1)
+    picked = logits.gather(1, columns).squeeze(1)  # a copy, read before the logits are overwritten
     maxes = logits.amax(-1, keepdim=True)
     grad = logits.sub_(maxes).exp_()
     sums = grad.sum(-1, keepdim=True)
@@ -63,7 +64,7 @@ def _chunk_gradient(logits: torch.Tensor, targets: torch.Tensor, ignore_index: i
     loss = ((log_normaliser - picked) * kept).sum()
     # One pass normalises the softmax and zeroes ignored tokens' rows.
     grad.mul_(kept.unsqueeze(1).to(grad.dtype) / sums)
-    grad[rows, columns] -= kept.to(grad.dtype)
+    grad.scatter_add_(1, columns, -kept.to(grad.dtype).unsqueeze(1))
     return loss, grad
 
 
@@ -120,6 +121,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
+        # Autograd runs backward with grad mode on only for create_graph=True: the gradients here are
+        # buffers computed in forward, without a graph, so a gradient penalty would silently be a constant.
+        if torch.is_grad_enabled():
+            raise RuntimeError("chunked_cross_entropy has no second derivative (create_graph=True); "
+                               "take a gradient penalty through the plain F.cross_entropy loss")
         if ctx.backward_done:
             raise RuntimeError("chunked_cross_entropy's gradients were scaled in place by the first "
                                "backward; backward through it twice (retain_graph) is not supported")
@@ -135,17 +141,28 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     """Summed cross-entropy of ``F.linear(hidden, weight, bias)`` against ``targets``, never holding
     more than ``chunk_tokens`` rows of logits; equal to
     ``F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, ignore_index=ignore_index,
-    reduction="sum")`` (and its gradients) within fp32 rounding.
+    reduction="sum")`` (and its gradients) within fp32 rounding in fp32; in bf16 the weight's gradient
+    is summed chunk by chunk in bf16, one rounding a chunk (docs/tasks.md measures it).
 
     ``hidden``: (..., dim) final hidden states in the compute dtype; ``weight``: (vocab, dim);
     ``targets``: (...) token ids, ``ignore_index`` where no loss is taken (fine-tuning masks). The loss
     is an fp32 scalar. Under autograd it holds, between forward and backward, the gradients of the
-    hidden states and of the weight (their sizes and dtypes) instead of the logits.
+    hidden states and of the weight (their sizes and dtypes) instead of the logits; under
+    ``torch.no_grad``, or with no input that requires grad, it computes the loss alone.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be at least 1")
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden states {tuple(hidden.shape)} and targets {tuple(targets.shape)} "
                          "must agree in every dimension but the last")
-    return _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
-                                            targets.reshape(-1), chunk_tokens, ignore_index)
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    differentiable = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if not (torch.is_grad_enabled() and differentiable):
+        # Evaluation (torch.no_grad): the loss alone, no gradient buffers nor their matmuls.
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            loss += _chunk_loss_and_grads(hidden[rows], weight, bias, targets[rows], ignore_index,
+                                          None, None, None, first=start == 0)
+        return loss
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_tokens, ignore_index)
