@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from shardtrain.config.schema import ModelConfig, TrainerConfig
+from shardtrain.errors import ConfigError
 from shardtrain.models.llama import Llama
 from shardtrain.train.optim import build_optimizer, lr_factor, no_decay_names, optimizer_kind
 
@@ -39,3 +41,11 @@ def test_kernels_as_asked_and_named_in_the_report():
              for kernel in ("auto", "fused", "foreach")}
     assert kinds == {"auto": "AdamW (fused)", "fused": "AdamW (fused)", "foreach": "AdamW (foreach)"}
     assert optimizer_kind(torch.optim.SGD(model.parameters(), lr=0.1)) == "SGD"
+    # Where torch has no fused kernel (it says so only at the first step): auto takes foreach, and
+    # fused is refused in one line, both before any step.
+    with torch.device("meta"):
+        elsewhere = Llama(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2))
+    auto = build_optimizer(elsewhere, TrainerConfig(optimizer_kernel="auto"))
+    assert optimizer_kind(auto) == "AdamW (foreach)"
+    with pytest.raises(ConfigError, match="fused AdamW steps floating-point parameters on cpu, cuda"):
+        build_optimizer(elsewhere, TrainerConfig(optimizer_kernel="fused"))

@@ -15,6 +15,20 @@ from shardtrain.models.param_groups import no_decay_names
 log = logging.getLogger("shardtrain")
 
 
+# Device types torch's fused AdamW has kernels for (torch 2.11 to 2.13: CPU, CUDA, XPU, MPS). torch
+# checks only at the first step(), not when the optimizer is built: asked here, before building it.
+FUSED_ADAMW_DEVICES = ("cpu", "cuda", "xpu", "mps")
+
+
+def fused_adamw_refusal(params: list[torch.Tensor]) -> str | None:
+    """Why torch's fused AdamW cannot step these parameters (their dtype or device); None if it can."""
+    for param in params:
+        if not torch.is_floating_point(param) or param.device.type not in FUSED_ADAMW_DEVICES:
+            return (f"{param.dtype} parameters on {param.device.type}: torch's fused AdamW steps "
+                    f"floating-point parameters on {', '.join(FUSED_ADAMW_DEVICES)}")
+    return None
+
+
 def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
     """Must be called after sharding so the optimizer holds the DTensor parameters."""
     skip = no_decay_names(model)
@@ -29,13 +43,13 @@ def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
     settings = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.adam_eps}
     groups = [g for g in groups if g["params"]]
     if cfg.optimizer_kernel != "foreach":
-        try:
+        refusal = fused_adamw_refusal(decay + no_decay)
+        if refusal is None:
             return torch.optim.AdamW(groups, fused=True, **settings)
-        except RuntimeError as exc:  # torch names the devices it has no fused kernel for
-            if cfg.optimizer_kernel == "fused":
-                raise ConfigError(f"trainer.optimizer_kernel=fused: {str(exc).splitlines()[0]}; use "
-                                  "trainer.optimizer_kernel=foreach") from exc
-            log.info("optimizer: no fused AdamW for these parameters' device; using foreach")
+        if cfg.optimizer_kernel == "fused":
+            raise ConfigError(f"trainer.optimizer_kernel=fused: {refusal}; use "
+                              "trainer.optimizer_kernel=foreach")
+        log.info("optimizer: foreach AdamW (%s)", refusal)
     return torch.optim.AdamW(groups, foreach=True, **settings)
 
 
