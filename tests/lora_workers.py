@@ -276,7 +276,8 @@ def float8_scale_case(steps: int = 3) -> dict:
     def sharded_float8_llama(seed: int, plan=plan, mesh=mesh) -> tuple[Llama, list[str]]:
         torch.manual_seed(seed)
         model = Llama(cfg.model)
-        converted = convert_linears(model, gather_in_float8=plan.gathers_float8)
+        converted = convert_linears(model, [f"layers.{i}" for i in range(len(model.layers))],
+                                    gather_in_float8=plan.gathers_float8)
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)

@@ -68,15 +68,23 @@ def test_planner_gathers_converted_linears_in_float8():
         assert (fp8.peak, fp8.gathered) == (plain.peak, plain.gathered), world_size
 
 
-def test_conversion_swaps_block_linears_but_not_the_head():
+def test_conversion_swaps_block_linears_but_not_the_head(tmp_path):
+    """Only the blocks' linears: not the output head (even a Hugging Face model's whose logits are
+    scaled, which ``output_head`` does not name, or whose head is tied to the embedding), and not
+    LoRA's adapters, which train in fp32 (at rank 16 they would divide by 16)."""
+    import transformers
     from torchao.float8.float8_linear import Float8Linear  # torchao: only this test pays its import
 
+    from shardtrain.config.schema import ModelConfig
     from shardtrain.distributed.float8 import convert_linears
+    from shardtrain.models.hf import HFCausalLM
+    from shardtrain.models.lora import add_adapters
 
     cfg = load_config(["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
                        "model.ffn_hidden_dim=96"])
+    blocks = ["layers.0", "layers.1"]
     model = build_model(cfg.model)
-    converted = convert_linears(model, gather_in_float8=True)
+    converted = convert_linears(model, blocks, gather_in_float8=True)
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert set(converted) == {n for n in linears if n.startswith("layers.")} and len(converted) == 14
     assert all(isinstance(model.get_submodule(n), Float8Linear) for n in converted)
@@ -84,8 +92,25 @@ def test_conversion_swaps_block_linears_but_not_the_head():
     head = model.output_head()
     assert not isinstance(head, Float8Linear) and isinstance(head, nn.Linear)
     unsharded = build_model(cfg.model)
-    assert convert_linears(unsharded, gather_in_float8=False) == converted
+    assert convert_linears(unsharded, blocks, gather_in_float8=False) == converted
     assert not any(unsharded.get_submodule(n).config.enable_fsdp_float8_all_gather for n in converted)
+
+    lora = load_config(["model.dim=64", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2",
+                        "model.ffn_hidden_dim=96", "finetune=lora"])
+    adapted = add_adapters(build_model(lora.model), lora.finetune)
+    converted = convert_linears(adapted, ["layers.0"], gather_in_float8=True)
+    assert len(converted) == 7 and not any("lora_" in name for name in converted), converted
+
+    # Cohere scales its logits (so output_head() is None) and ties its head to the embedding.
+    transformers.CohereConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
+    cohere = HFCausalLM(ModelConfig(name="hf", path=str(tmp_path)))
+    assert cohere.output_head() is None
+    hf_blocks = [n for n, m in cohere.named_modules() if isinstance(m, cohere.block_classes)]
+    converted = convert_linears(cohere, hf_blocks, gather_in_float8=True)
+    assert len(converted) == 7 and not any("lm_head" in name for name in converted), converted
+    lm_head = cohere.hf.get_output_embeddings()
+    assert not isinstance(lm_head, Float8Linear) and lm_head.weight is cohere.hf.get_input_embeddings().weight
 
 
 @pytest.mark.parametrize(("strategy", "world_size", "shard_group_size", "gathers"), [

@@ -260,7 +260,7 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
 
 def float8_block_params(model: nn.Module) -> int:
     """Parameters of the largest block that ``strategy.float8`` converts (gathered in float8)."""
-    return max((sum(m.weight.numel() for m in blk.modules() if float8_eligible(model, m))
+    return max((sum(m.weight.numel() for n, m in blk.named_modules() if float8_eligible(model, n, m))
                 for blk in model.modules() if isinstance(blk, getattr(model, "block_classes", ()))),
                default=0)
 

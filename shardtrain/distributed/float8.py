@@ -5,12 +5,14 @@ runs that ask for float8 pay for: see ``parallelize.Float8Training``). As torcht
 tensor-wise dynamic scaling, applied before ``fully_shard``; where FSDP2 shards the weights over
 more than one rank (``ShardingPlan.gathers_float8``) it all-gathers the converted ones in float8
 (half the bytes of bf16), and after each optimizer step every converted weight's scale is computed
-in one pass and one all-reduce for the next step's gathers. The output head keeps the
-compute dtype (the logits' precision matters most), and so does any linear layer whose sizes are
-not multiples of 16, which float8 matmuls need.
+in one pass and one all-reduce for the next step's gathers. Only the blocks' linear layers are
+converted: the output head keeps the compute dtype (the logits' precision matters most), and so do
+LoRA adapters and any linear layer whose sizes are not multiples of 16, which float8 matmuls need.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from torch import nn
 from torchao.float8 import (
@@ -23,14 +25,15 @@ from shardtrain.distributed import parallelize
 from shardtrain.distributed.parallelize import Float8Training, float8_eligible
 
 
-def convert_linears(model: nn.Module, gather_in_float8: bool) -> list[str]:
-    """Swap the eligible linear layers of ``model`` for torchao's ``Float8Linear``, in place;
-    returns their names. ``gather_in_float8``: FSDP gathers their weights in float8 (else in the
-    compute dtype, each cast in its linear's forward)."""
+def convert_linears(model: nn.Module, blocks: Sequence[str], gather_in_float8: bool) -> list[str]:
+    """Swap the eligible linear layers inside ``model``'s ``blocks`` (their names) for torchao's
+    ``Float8Linear``, in place; returns their names. ``gather_in_float8``: FSDP gathers their weights
+    in float8 (else in the compute dtype, each cast in its linear's forward)."""
     converted: list[str] = []
+    prefixes = tuple(block + "." for block in blocks)
 
     def chosen(module: nn.Module, name: str) -> bool:
-        if not float8_eligible(model, module):
+        if not (name.startswith(prefixes) and float8_eligible(model, name, module)):
             return False
         converted.append(name)
         return True

@@ -44,8 +44,9 @@ class Float8Training:
     command line does; a program calling Trainer.create itself imports shardtrain.distributed.float8
     first)."""
 
-    # Swaps the eligible linear layers (their weights gathered in float8 or not); their names.
-    convert: Callable[[nn.Module, bool], list[str]]
+    # Swaps the eligible linear layers inside the named blocks (their weights gathered in float8 or
+    # not); their names.
+    convert: Callable[[nn.Module, Sequence[str], bool], list[str]]
     # Every converted weight's float8 scale in one pass and one all-reduce, for FSDP's next gathers:
     # without it each gather reduces an amax per weight (on an H200 the 1.1B Llama's float8 step was
     # bound by the host issuing those, docs/benchmarks.md).
@@ -68,12 +69,15 @@ def precompute_float8_scales_after_steps(optimizer: torch.optim.Optimizer, model
     optimizer.register_step_post_hook(lambda *_: refresh_float8_scales(model))
 
 
-def float8_eligible(model: nn.Module, module: nn.Module) -> bool:
-    """Whether strategy.float8 converts ``module`` of ``model``: a linear layer of float8-able sizes
-    other than the output head, whose logits' precision matters most."""
+def float8_eligible(model: nn.Module, name: str, module: nn.Module) -> bool:
+    """Whether strategy.float8 converts ``module`` (``name`` in a block of ``model``): a linear layer
+    of float8-able sizes, neither a LoRA adapter's (they train in fp32, and whether they divided by
+    16 would depend on the rank) nor the output head, whose logits' precision matters most. Only the
+    blocks' linears are asked: a head outside them is never converted, even where ``output_head``
+    does not name it (a Hugging Face model that scales its logits) or its weight is the embedding's."""
     head_of = getattr(model, "output_head", None)
     return (isinstance(module, nn.Linear) and module.in_features % FLOAT8_MULTIPLE == 0
-            and module.out_features % FLOAT8_MULTIPLE == 0
+            and module.out_features % FLOAT8_MULTIPLE == 0 and not is_adapter(name + ".")
             and not (callable(head_of) and module is head_of()))
 
 # strategy.activation_checkpointing=selective is a per-operator policy after torchtitan's: a block
@@ -278,7 +282,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
             raise ConfigError("strategy.float8=true: import shardtrain.distributed.float8 before building "
                               "the model (it loads torchao; shardtrain train does it for you)")
         # Before fully_shard, which then gathers the converted weights in float8 where they are sharded.
-        report.float8_linears = float8_training[-1].convert(model, plan.gathers_float8)
+        report.float8_linears = float8_training[-1].convert(model, [name for name, _ in blocks],
+                                                            plan.gathers_float8)
         report.float8_scales_precomputed = (bool(report.float8_linears) and plan.gathers_float8
                                             and not plan.cpu_offload)
     if before_sharding is not None and (ignored := before_sharding(model)):
