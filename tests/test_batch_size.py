@@ -134,7 +134,7 @@ def test_auto_under_tensor_parallelism_divides_the_batch_over_data_parallel_rank
     # (8 do not fit).
     assert chosen == expected_choice(tp, model, WORLD, choice.budget) == (4, "none")
     assert choice.rejected[0][:2] == (8, "none")
-    with pytest.raises(ConfigError, match="global_batch_size=60 is not a multiple of .*=1 x 8 ranks"):
+    with pytest.raises(ConfigError, match="global_batch_size=60 does not divide over 8 data-parallel ranks"):
         choose_batch(replace(tp, trainer=replace(tp.trainer, global_batch_size=60)), model, WORLD, 8,
                      30 * GIB, held=0, accelerated=True)
 
@@ -159,6 +159,31 @@ def test_global_batch_must_divide_over_ranks_and_micro_batches():
         cfg = load_config(["trainer.micro_batch_size=auto", "trainer.global_batch_size=8"])
         with torch.device("meta"):
             estimate(cfg, build_model(cfg.model), "FULL_SHARD", 1, 1)
+    # A config built without load_config, and accumulation steps auto would contradict: one line each.
+    env = DistEnv(rank=0, world_size=2, local_world_size=2, local_rank=0, device=torch.device("cpu"),
+                  backend="gloo")
+    auto = load_config(["trainer.micro_batch_size=auto", "trainer.global_batch_size=8"])
+    with pytest.raises(ConfigError, match="needs trainer.global_batch_size"):
+        resolve_batch(replace(auto, trainer=replace(auto.trainer, global_batch_size=0)), env)
+    with pytest.raises(ConfigError, match="grad_accum_steps=3 contradicts trainer.micro_batch_size=auto"):
+        resolve_batch(replace(auto, trainer=replace(auto.trainer, grad_accum_steps=3)), env)
+
+
+def test_the_planner_takes_accumulation_from_the_global_batch(llama_8b):
+    """``shardtrain plan`` and the planner with a fixed micro-batch and trainer.global_batch_size: the
+    accumulation steps the run will take at each world size (8 of 1 sequence at 8 ranks for 64), so
+    unsharded accumulation's held gradients are counted (they were planned as 1 step)."""
+    cfg, model = llama_8b
+    for accumulation in ("sharded", "unsharded"):
+        base = replace(cfg, trainer=replace(cfg.trainer, micro_batch_size=1),
+                       strategy=replace(cfg.strategy, grad_accumulation=accumulation))
+        by_global = replace(base, trainer=replace(base.trainer, global_batch_size=64))
+        by_steps = replace(base, trainer=replace(base.trainer, global_batch_size=0, grad_accum_steps=8))
+        one_step = replace(by_steps, trainer=replace(by_steps.trainer, grad_accum_steps=1))
+        planned = [estimate(c, model, "FULL_SHARD", 8, 8) for c in (by_global, by_steps, one_step)]
+        assert planned[0] == planned[1], accumulation
+        if accumulation == "unsharded":  # every rank holds the whole gradient between micro-batches
+            assert planned[0].peak > planned[2].peak + 25 * GIB
 
 
 def test_auto_run_chooses_the_planners_size_and_fits(tmp_path):

@@ -103,7 +103,7 @@ class ShardingPlan:
     def describe(self) -> str:
         ac = self.activation_checkpointing
         if ac == "selective":
-            ac = "selective (matmul and attention outputs kept)"
+            ac = "selective (attention and every second matmul's outputs kept)"
         if ac == "every_k":
             ac = f"every {self.activation_checkpointing_every} blocks"
         gathered = "float8" if self.gathers_float8 else dtype_name(self.param_dtype)

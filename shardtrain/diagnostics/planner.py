@@ -297,12 +297,25 @@ def check_planned_batch(cfg: Config) -> None:
                           "trainer.micro_batch_size=N to plan for N")
 
 
+def with_global_batch(cfg: Config, world_size: int) -> Config:
+    """``cfg`` with the accumulation steps its ``trainer.global_batch_size`` gives at ``world_size``
+    (as ``train.batch_size.resolve_batch`` sets them at start-up; a ``ConfigError`` where the
+    global batch does not divide), unchanged without a global batch size."""
+    t = cfg.trainer
+    if not t.global_batch_size or not isinstance(t.micro_batch_size, int):
+        return cfg
+    steps = accumulation_steps(t.global_batch_size, t.micro_batch_size,
+                               world_size // cfg.strategy.tensor_parallel)
+    return replace(cfg, trainer=replace(t, grad_accum_steps=steps))
+
+
 def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, local: int,
              checkpointed: bool | None = None, accelerated: bool | None = True) -> Estimate:
     """Rank 0's memory for ``strategy`` at ``world_size``; ``checkpointed`` overrides the config's
     activation checkpointing (all blocks or none); ``accelerated``: ``mixed_precision=auto`` means
     what it means on an accelerator (bf16-mixed), else on a CPU (fp32); None: on this machine."""
     check_planned_batch(cfg)
+    cfg = with_global_batch(cfg, world_size)  # what is held between micro-batches depends on it
     strategy_cfg = replace(cfg.strategy, sharding_strategy=strategy,
                            shard_group_size=cfg.strategy.shard_group_size
                            if world_size % max(cfg.strategy.shard_group_size, 1) == 0 else 0)
@@ -473,7 +486,12 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
     ``tp`` group share their micro-batches: a data-parallel rank's share is the global batch over
     ``world_size / tensor_parallel``."""
     t = cfg.trainer
-    per_rank = accumulation_steps(t.global_batch_size, 1, world_size // cfg.strategy.tensor_parallel)
+    data_parallel = world_size // cfg.strategy.tensor_parallel
+    if t.global_batch_size <= 0 or t.global_batch_size % data_parallel:
+        raise ConfigError(f"trainer.micro_batch_size=auto: trainer.global_batch_size={t.global_batch_size} "
+                          f"does not divide over {data_parallel} data-parallel ranks; choose a positive "
+                          f"multiple of {data_parallel}")
+    per_rank = t.global_batch_size // data_parallel
     usable = int(limit * (1 - t.memory_margin))
     budget = usable - held
     if budget <= 0:

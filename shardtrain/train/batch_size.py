@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.accelerator import allocated_bytes, device_memory_bytes
+from shardtrain.config.compose import check_batch_size
 from shardtrain.config.plan import accumulation_steps
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import rss_bytes
@@ -47,6 +48,11 @@ def resolve_batch(cfg: Config, env: DistEnv) -> BatchChoice | None:
                                   "of them")
             cfg.trainer = replace(t, grad_accum_steps=steps)
         return None
+    check_batch_size(cfg)  # load_config checks it; a config built without it reaches here too
+    if t.grad_accum_steps != 1:
+        raise ConfigError(f"trainer.grad_accum_steps={t.grad_accum_steps} contradicts trainer."
+                          "micro_batch_size=auto, which chooses the accumulation steps from "
+                          "trainer.global_batch_size; leave grad_accum_steps at 1")
     limit = (int(t.memory_limit_gib * 2**30) if t.memory_limit_gib
              else device_memory_bytes(env.device, env.local_world_size))
     if limit is None:

@@ -46,7 +46,7 @@ from shardtrain.config.loader import formulas_know
 from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import state_bytes
-from shardtrain.diagnostics.planner import Estimate, estimate, planned_model
+from shardtrain.diagnostics.planner import Estimate, estimate, planned_model, with_global_batch
 from shardtrain.distributed.parallelize import parallelize, sum_gradients
 from shardtrain.distributed.preconditions import resolve_wrap_classes
 from shardtrain.distributed.sharded_model import with_adapters
@@ -395,8 +395,9 @@ def simulation_rows(cfg: Config, world_sizes: list[int], strategies: list[str],
     """The simulation and the planner's estimate (the language model's only; None for other
     tasks) of every combination of world size, strategy and activation checkpointing mode
     (``strategy.activation_checkpointing``'s values), in the order given."""
-    cases = [(replace(cfg, strategy=replace(cfg.strategy, sharding_strategy=strategy,
-                                            activation_checkpointing=ac)), world)
+    # With trainer.global_batch_size, the accumulation steps of each world size (as the run's).
+    cases = [(replace(with_global_batch(cfg, world), strategy=replace(
+        cfg.strategy, sharding_strategy=strategy, activation_checkpointing=ac)), world)
              for world in world_sizes for strategy in strategies for ac in checkpointing]
     task = task_from_config(cfg)
     sims = [simulate(case, world, local_world_size, probe=probe, task=task) for case, world in cases]
