@@ -62,7 +62,13 @@ def resolve_batch(cfg: Config, env: DistEnv) -> BatchChoice | None:
     # CPU its whole resident set (the interpreter, torch, the loaded data), which is also what a CPU
     # run's peak memory measures.
     held = allocated_bytes(env.device)
-    limit, held = agreed_memory(env, limit, rss_bytes() if held is None else held)
+    if held is None:
+        held = rss_bytes()
+        if not t.memory_limit_gib:
+            # The host's MemAvailable already leaves out what this process holds: its share of the
+            # machine is that plus what it holds, which the budget then subtracts once.
+            limit += held
+    limit, held = agreed_memory(env, limit, held)
     model = planned_model(cfg)
     choice = choose_batch(cfg, model, env.world_size, env.local_world_size, limit, held,
                           accelerated=None)
