@@ -72,6 +72,7 @@ from shardtrain.export.peft import LoraCheckpoint, checkpoint_model, export_peft
 from shardtrain.models.hf_directory import PREFIX
 from shardtrain.models.llama import Llama
 from shardtrain.models.lora import adapter_targets, add_adapters, is_adapter
+from shardtrain.train.simulate import simulate
 
 TOL = 1e-5
 # The vision transformer's adapters: 1.4e-5 measured, all of it one row of blocks.0's fc1 lora_B (a
@@ -450,6 +451,9 @@ def test_planner_counts_a_qlora_base_in_nf4():
     assert lora.params - qlora.params == quantized * 4 - nf4_bytes(quantized)
     assert nf4_bytes(quantized) == quantized // 2 + quantized // 64 + 4 * (quantized // 16384)
     assert (lora.grads, lora.optimizer) == (qlora.grads, qlora.optimizer)
+    # The simulator would run the base in fp32 (NF4 needs real weights): refused, not misreported.
+    with pytest.raises(ConfigError, match="the simulator cannot run finetune=qlora"):
+        simulate(qlora_cfg, 8, 8)
 
 
 def test_model_adapter_starts_from_a_peft_adapter(lora_runs, model_dirs, peft_adapter):

@@ -370,15 +370,21 @@ def simulate(cfg: Config, world_size: int, local_world_size: int, *, probe: bool
     if cfg.strategy.float8:
         raise ConfigError("the simulator cannot run strategy.float8 (torchao's float8 matmuls need a GPU); "
                           "`shardtrain plan` without --simulate counts it")
+    if cfg.finetune.method == "qlora":
+        # Its base is quantised to NF4 by torchao as FSDP shards it, from real weights: the meta
+        # model here would be simulated with an fp32 base, four times and more the bytes.
+        raise ConfigError("the simulator cannot run finetune=qlora (it would simulate the base in fp32, "
+                          "not NF4); `shardtrain plan` without --simulate counts the 4-bit base")
     plan = resolve_plan(cfg.strategy, world_size, min(local_world_size, world_size), accelerated=True)
     if (len(plan.mesh_shape) > 1 and plan.mesh_shape[0] > 1 and cfg.trainer.grad_accum_steps > 1
             and plan.grad_accumulation == "sharded"):
         # FSDP2's accumulation of partial reductions across replicas fails on the fake process
         # group (the reduce-scatter output is not shaped like the shard there).
         raise ConfigError(
-            f"the simulator cannot run {plan.strategy} with trainer.grad_accum_steps > 1 and sharded "
-            "accumulation; simulate with trainer.grad_accum_steps=1 (micro-batches after the first "
-            "add only the sharded gradients, which the planner counts)")
+            f"the simulator cannot run {plan.strategy} with more than one micro-batch a step "
+            f"({cfg.trainer.grad_accum_steps}) and sharded accumulation; simulate with "
+            "trainer.grad_accum_steps=1 and without trainer.global_batch_size (micro-batches after the "
+            "first add only the sharded gradients, which the planner counts)")
     task = bound_task(cfg, task)
     builtin = formulas_know(task)
     depths = probe_depths(cfg) if probe and builtin else None
