@@ -241,3 +241,23 @@ def test_plan_shows_what_auto_would_choose_at_each_world_size(llama_8b, capsys):
     assert "needs the memory it plans against: add --device-memory 80GB" in capsys.readouterr().err
     assert main([*overrides, "--simulate"]) == 2
     assert "plan --simulate runs one micro-batch size" in capsys.readouterr().err
+
+
+def test_cpu_offload_leaves_the_states_off_the_device(llama_8b):
+    """strategy.cpu_offload: FSDP2 keeps the sharded parameters, gradients and AdamW's state in host
+    memory, so the planner counts them there, not in the device's peak, and auto can afford more
+    (at 24 GiB a rank Llama-3 8B recomputed every block without offload)."""
+    cfg, model = llama_8b
+    fixed = replace(cfg, trainer=replace(cfg.trainer, micro_batch_size=1))
+    plain = estimate(fixed, model, "FULL_SHARD", 8, 8)
+    offloaded = estimate(replace(fixed, strategy=replace(fixed.strategy, cpu_offload=True)), model,
+                         "FULL_SHARD", 8, 8)
+    assert (offloaded.params, offloaded.grads, offloaded.optimizer) == (0, 0, 0) and plain.host == 0
+    assert offloaded.host == plain.params + plain.grads + plain.optimizer
+    assert offloaded.activations == plain.activations
+    assert offloaded.peak <= plain.peak - plain.params - plain.optimizer
+    without = choose_batch(cfg, model, 8, 8, 24 * GIB, held=0, accelerated=True)
+    with_offload = choose_batch(replace(cfg, strategy=replace(cfg.strategy, cpu_offload=True)), model, 8, 8,
+                                24 * GIB, held=0, accelerated=True)
+    assert (without.micro_batch_size, without.activation_checkpointing) == (1, "all")
+    assert (with_offload.micro_batch_size, with_offload.activation_checkpointing) == (1, "none")

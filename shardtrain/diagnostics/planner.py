@@ -104,6 +104,9 @@ class Estimate:
     gathered: int  # unsharded parameters and collective buffers at the peak
     peak: int
     peak_phase: str
+    # strategy.cpu_offload: the sharded parameters, gradients and optimizer state, in host memory
+    # (then params, grads and optimizer, the device's, are 0)
+    host: int = 0
 
 
 def nf4_bytes(elements: int) -> int:
@@ -338,6 +341,12 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     base_dtype = torch.bfloat16 if cfg.finetune.base_dtype == "bf16" else plan.storage_dtype
     params += sharded_state_bytes(frozen, plan.shard_group, 0, base_dtype)[0]
     params += nf4_bytes(sharded_state_bytes(quantized, plan.shard_group, 0, torch.uint8)[0])
+    host = 0
+    if plan.cpu_offload:
+        # FSDP2's CPUOffloadPolicy keeps the sharded parameters, their gradients and AdamW's state in
+        # host memory (copied to the device for each gather, back after each reduce-scatter): the
+        # device holds the gathered units, the collective buffers and the step's tensors only.
+        host, params, grads, optim = params + grads + optim, 0, 0, 0
     total_params = sum(math.prod(s) for s in shapes)
     accumulation = 0
     accumulating = cfg.trainer.grad_accum_steps > 1
@@ -435,7 +444,7 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     gathered = phase[2]
     activations = max(phase[1] for phase in phases.values())
     return Estimate(plan.strategy, world_size, plan.mesh_shape, checkpoint_all, params, grads, optim,
-                    accumulation, activations, gathered, peak, name)
+                    accumulation, activations, gathered, peak, name, host)
 
 
 @dataclass
@@ -591,8 +600,10 @@ def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, l
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     adapters = (f" ({trained / 1e6:.2f}M trainable: finetune={cfg.finetune.method} adapters, the base "
                 "frozen without gradients or optimizer state)" if trained < n else "")
+    offload = ("; strategy.cpu_offload: parameters, gradients and optimizer state in host memory (host GiB "
+               "a rank at the end of each row), not the device's" if cfg.strategy.cpu_offload else "")
     lines = [f"model: {n / 1e6:.1f}M parameters{adapters}; micro-batch {cfg.trainer.micro_batch_size} x "
-             f"{cfg.trainer.seq_len} tokens; {run_shape(cfg, local)}",
+             f"{cfg.trainer.seq_len} tokens; {run_shape(cfg, local)}{offload}",
              "per-rank GiB (rank 0, the largest shard): params | grads | optimizer | activation peak "
              "(no AC / AC) | peak (no AC / AC)" + (" | fits" if device_memory else "")]
     gib = 2**30
@@ -611,6 +622,7 @@ def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, l
             g = [x / gib for x in (plain.params, plain.grads + plain.accumulation, plain.optimizer,
                                     plain.activations, checkpointed.activations, plain.peak,
                                     checkpointed.peak)]
+            host = f" | host {plain.host / gib:.2f}" if cfg.strategy.cpu_offload else ""
             lines.append(f"  {world:>4} x {strategy:<19} {g[0]:8.2f} {g[1]:8.2f} {g[2]:9.2f}   "
-                         f"{g[3]:7.2f} / {g[4]:<7.2f}   {g[5]:8.2f} / {g[6]:<8.2f}{fit}")
+                         f"{g[3]:7.2f} / {g[4]:<7.2f}   {g[5]:8.2f} / {g[6]:<8.2f}{fit}{host}")
     return "\n".join(lines)
