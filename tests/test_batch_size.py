@@ -25,6 +25,8 @@ from shardtrain.distributed.env import DistEnv
 from shardtrain.errors import ConfigError
 from shardtrain.models.registry import build_model
 from shardtrain.train.batch_size import resolve_batch
+from shardtrain.train.optim import step_unless
+from shardtrain.train.step import failing_part
 
 GIB = 2**30
 WORLD = 64  # Llama-3 8B on 64 ranks of 8 per node, 8 sequences of 4,096 tokens per rank and step
@@ -202,7 +204,8 @@ def test_auto_run_chooses_the_planners_size_and_fits(tmp_path):
     report = next(line for line in r["log"] if line.startswith("trainer.micro_batch_size=auto"))
     assert "4 per micro-batch x 4 micro-batches x 2 data-parallel ranks = 32 sequences" in report
     oom = r["out_of_memory"]
-    assert oom.startswith("step 3 ran out of cpu memory (rank 0): trainer.micro_batch_size=auto chose 4 ")
+    assert oom.startswith("step 3 ran out of cpu memory in forward (rank 0): trainer.micro_batch_size=auto "
+                          "chose 4 ")
     assert f"planned peak of {r['planned'] / GIB:.2f} GiB" in oom and "parameters and optimizer state" in oom
     assert "the activation and communication-buffer estimate" in oom and "was wrong" in oom
     assert "activation_checkpointing=none" in report and "8 with none" in report.split("over it:")[1]
@@ -261,3 +264,35 @@ def test_cpu_offload_leaves_the_states_off_the_device(llama_8b):
                                 24 * GIB, held=0, accelerated=True)
     assert (without.micro_batch_size, without.activation_checkpointing) == (1, "all")
     assert (with_offload.micro_batch_size, with_offload.activation_checkpointing) == (1, "none")
+
+
+def test_out_of_memory_names_the_part_of_the_step_that_failed():
+    """The out-of-memory message judges the planner by where the step failed: AdamW makes its state
+    in the first optimizer step, so a failure there says so rather than blaming activations."""
+    def out_of_memory(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    class FailsInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            out_of_memory()
+
+    class FailsInForward(torch.autograd.Function):  # forward runs through torch.autograd too
+        @staticmethod
+        def forward(ctx, x):
+            out_of_memory()
+
+    x = torch.ones(3, requires_grad=True)
+    optimizer = torch.optim.AdamW([x], fused=True)
+    optimizer.register_step_pre_hook(out_of_memory)
+    x.grad = torch.ones(3)
+    for run, part in ((lambda: FailsInBackward.apply(x).sum().backward(), "backward"),
+                      (lambda: FailsInForward.apply(x), "forward"),
+                      (lambda: step_unless(optimizer, torch.tensor(False)), "the optimizer step")):
+        with pytest.raises(torch.OutOfMemoryError) as failure:
+            run()
+        assert failing_part(failure.value) == part

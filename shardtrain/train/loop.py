@@ -62,7 +62,7 @@ from shardtrain.train.console import Console
 from shardtrain.train.flops import counted_flops_per_sample
 from shardtrain.train.metrics import MetricsWriter, Throughput
 from shardtrain.train.optim import optimizer_kind
-from shardtrain.train.step import StepStats, evaluate, train_step
+from shardtrain.train.step import StepStats, evaluate, failing_part, train_step
 
 log = logging.getLogger("shardtrain")
 
@@ -416,24 +416,29 @@ class Trainer:
         try:
             yield
         except torch.OutOfMemoryError as exc:
-            raise TrainingError(self.out_of_memory_message()) from exc
+            raise TrainingError(self.out_of_memory_message(failing_part(exc))) from exc
 
-    def out_of_memory_message(self) -> str:
+    def out_of_memory_message(self, part: str) -> str:
+        """``part``: where in the step it failed (``failing_part``)."""
         gib = 2**30
         device = self.env.device
         peak = (phase_peak_bytes(device) or 0) / gib
         held = state_bytes(self.model, self.built.optimizer)
         states = (held.params + held.optimizer) / gib
-        where = f"step {self.step + 1} ran out of {device} memory (rank {self.env.rank})"
+        where = f"step {self.step + 1} ran out of {device} memory in {part} (rank {self.env.rank})"
         if self.batch_choice is None:
             return (f"{where} at an allocator peak of {peak:.2f} GiB; `shardtrain plan` "
                     "estimates the step's memory, trainer.micro_batch_size=auto (with "
                     "trainer.global_batch_size) chooses a batch that fits")
         planned = self.batch_choice.estimate
         planned_states = (planned.params + planned.optimizer) / gib
-        wrong = ("the parameter and optimizer state estimate" if states > planned_states * 1.05 else
-                 "the activation and communication-buffer estimate (or memory outside the allocator's "
-                 "view: fragmentation, other processes)")
+        if part == "the optimizer step":  # AdamW's state is made there, at the first step
+            wrong = "the optimizer step's estimate (AdamW's state and its temporaries)"
+        elif states > planned_states * 1.05:
+            wrong = "the parameter and optimizer state estimate"
+        else:
+            wrong = ("the activation and communication-buffer estimate (or memory outside the allocator's "
+                     "view: fragmentation, other processes)")
         return (f"{where}: trainer.micro_batch_size=auto chose {self.batch_choice.micro_batch_size} "
                 f"with activation_checkpointing={self.batch_choice.activation_checkpointing} for a "
                 f"planned peak of {planned.peak / gib:.2f} GiB ({planned.peak_phase}); measured: "

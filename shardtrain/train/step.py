@@ -14,9 +14,11 @@ accumulated gradients are divided by the global count once, after the last micro
 from __future__ import annotations
 
 import math
+import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -192,6 +194,20 @@ def local_flops(task: Task, micro_batches: list[Any], counted_per_sample: float 
             return 0.0
         total += flops
     return total
+
+
+def failing_part(exc: BaseException) -> str:
+    """Which part of a training step raised ``exc``, read from its traceback: "the optimizer step"
+    (inside torch.optim), "backward" (autograd's engine, a checkpoint's recomputation included) or
+    "forward" (the model and the loss)."""
+    codes = [frame.f_code for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    if any(Path(code.co_filename).parts[-3:-1] == ("torch", "optim") for code in codes):
+        return "the optimizer step"
+    # Tensor.backward and torch.autograd.backward (forward passes through torch.autograd too: every
+    # autograd Function's apply, checkpoint's forward).
+    if any(code.co_name == "backward" and "torch" in Path(code.co_filename).parts[-3:-1] for code in codes):
+        return "backward"
+    return "forward"
 
 
 def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
