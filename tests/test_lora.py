@@ -592,10 +592,13 @@ def test_selective_checkpointing_counts_the_base_projections_only():
     """Under selective checkpointing a LoRA block's adapter matmuls are recomputed and not counted:
     the policy numbers the base model's seven projections and keeps the odd ones, w2's among them
     (the adapters' matmuls save after w2's, so the recomputation would rerun it), where a plain
-    block keeps the even ones (w2's output never read); the gradients are no checkpointing's, and
-    compiled, the block is still captured as a graph (the adapter hooks do nothing there)."""
-    cfg = compose_config(["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-                          "model.ffn_hidden_dim=128", "model.vocab_size=256", "finetune=lora"])
+    block, or one whose adapters leave w2 alone, keeps the even ones (w2's output never read); the
+    gradients are no checkpointing's. Adapters' matmuls are told by the rank among their sizes, so
+    compiled, the block is still captured as a graph and counts the same seven projections; a rank
+    that is also a projection's width is refused."""
+    cfg_overrides = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+                     "model.ffn_hidden_dim=128", "model.vocab_size=256", "finetune=lora"]
+    cfg = compose_config(cfg_overrides)
     torch.manual_seed(0)
     model = add_adapters(Llama(cfg.model), cfg.finetune)
     with torch.no_grad():  # PEFT starts lora_B at zero: give the adapters something to add
@@ -604,9 +607,17 @@ def test_selective_checkpointing_counts_the_base_projections_only():
                 param.normal_(std=0.1)
     reference, compiled = copy.deepcopy(model), copy.deepcopy(model)
     plain_block = Llama(cfg.model).layers[0]
+    attention_only = compose_config([*cfg_overrides, "finetune.targets=[wq,wv]"])
+    attention_block = add_adapters(Llama(attention_only.model), attention_only.finetune).layers[0]
     kept = {kind: [n for n in range(1, 8) if block_selective_contexts(block, float8=False).args[0](n)]
-            for kind, block in (("lora", model.layers[0]), ("plain", plain_block))}
-    assert kept == {"lora": [1, 3, 5, 7], "plain": [2, 4, 6]}
+            for kind, block in (("lora", model.layers[0]), ("plain", plain_block),
+                                ("attention only", attention_block))}
+    assert kept == {"lora": [1, 3, 5, 7], "plain": [2, 4, 6], "attention only": [2, 4, 6]}
+    # The kv projections' width is 32: as a rank, an adapter's matmul could not be told from them.
+    clashing = compose_config([*cfg_overrides, "finetune.rank=32"])
+    clashing_block = add_adapters(Llama(clashing.model), clashing.finetune).layers[0]
+    with pytest.raises(ConfigError, match="finetune.rank=32 is also a width of this block's projections"):
+        block_selective_contexts(clashing_block, float8=False)
     counted = []
     for block in model.layers:
         contexts = block_selective_contexts(block, float8=False)
@@ -632,8 +643,15 @@ def test_selective_checkpointing_counts_the_base_projections_only():
         graphs.append(graph)
         return graph.forward
 
+    counted_compiled = []
     for block in compiled.layers:
-        enable_activation_checkpointing(block, block_selective_contexts(block, float8=False))
+        contexts = block_selective_contexts(block, float8=False)
+        keeps = contexts.args[0]
+        enable_activation_checkpointing(block, functools.partial(
+            selective_contexts, lambda n, keeps=keeps: counted_compiled.append(n) or keeps(n),
+            **contexts.keywords))
         block.compile(backend=counting_backend)
     backward(compiled)
     assert len(graphs) >= 2, graphs
+    # The compiler applies the policy to its graph: the same seven projections a block, not 21 matmuls.
+    assert counted_compiled[:7] == [*range(1, 8)] and max(counted_compiled) == 7, counted_compiled

@@ -25,7 +25,7 @@ from shardtrain.config.schema import Config
 from shardtrain.config.sizes import counted, human_bytes
 from shardtrain.config.strategy import AC_MODES, STRATEGIES, checkpointing_mode
 from shardtrain.distributed.embedding_exchange import exchangeable, exchanges_rows
-from shardtrain.distributed.parallelize import float8_eligible
+from shardtrain.distributed.parallelize import float8_eligible, last_projection_adapted
 from shardtrain.distributed.qlora import NF4_BLOCK, NF4_GRAIN, quantized_linears
 from shardtrain.errors import ConfigError
 from shardtrain.models.dims import Dims
@@ -182,7 +182,7 @@ def rms_norm_saved(dim: int, compute: int, lean: bool) -> int:
 
 
 def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torch.dtype,
-                     plan: ShardingPlan) -> ActivationModel:
+                     plan: ShardingPlan, last_adapted: bool | None = None) -> ActivationModel:
     """What autograd keeps for the built-in Llama (counted tensor by tensor in
     docs/memory-planner.md; SDPA keeps q, k, v, its output and a log-sum-exp, no score matrix).
     Hugging Face models of the same layout (Llama, Qwen2, Mistral) keep what autograd's plain
@@ -217,10 +217,12 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     # Selective (parallelize.block_selective_contexts): the input, SDPA's output and log-sum-exp, and
     # every second projection's output in (wq, wk, wv, wo, w1, w3, w2) counted back from the one
     # before the last: wk (before RoPE and any repetition), wo (whole: under tp a partial sum, before
-    # its reduction) and w3. With adapters or float8 linears, whose recomputation reruns the last
-    # one unless kept, counted back from the last: wq (before RoPE), wv, w1 and w2 (whole).
+    # its reduction) and w3. With an adapter on the last projection or float8 linears, whose
+    # recomputation reruns the last one unless kept, counted back from the last: wq (before RoPE),
+    # wv, w1 and w2 (whole).
     projected_kv = head_dim * m.n_kv_heads
-    last_kept = cfg.finetune.method != "none" or plan.float8
+    # ``last_adapted``: whether the block's last projection has an adapter (None: any LoRA run's has).
+    last_kept = (cfg.finetune.method != "none" if last_adapted is None else last_adapted) or plan.float8
     selective = tokens * (b * (m.dim // seq + m.dim) + (b * (m.dim + projected_kv + ffn + last_kept * m.dim)
                                                         + 4 * m.n_heads) // tp)
     # Inside a block's backward, in its feed-forward's: the incoming gradient, three hidden-size
@@ -356,7 +358,10 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         accumulation = sum(math.prod(s) for s in trainable) * plan.reduce_dtype.itemsize
 
     checkpoint_all = plan.activation_checkpointing != "none"
-    act = activation_model(cfg, model.dims, cfg.trainer.micro_batch_size, plan.param_dtype, plan)
+    block_classes = getattr(model, "block_classes", ())
+    one_block = next((blk for blk in model.modules() if isinstance(blk, block_classes)), None)
+    act = activation_model(cfg, model.dims, cfg.trainer.micro_batch_size, plan.param_dtype, plan,
+                           None if one_block is None else last_projection_adapted(one_block))
     blocks, groups = unit_param_counts(model, local_shapes)
     layers = len(blocks)
     saved = act.saved_blocks if layers else []

@@ -109,65 +109,71 @@ SELECTIVE_ATTENTION = frozenset({
 })
 
 
+def last_projection_adapted(block: nn.Module) -> bool:
+    """Whether ``block``'s last projection carries a LoRA adapter: its last linear layer other than an
+    adapter's, in registration order, which is the forward's for the built-in Llama and the Hugging
+    Face layouts (w2, down_proj, dense_4h_to_h); PEFT's layer holds it as ``<name>.base_layer``."""
+    names = [name for name, module in block.named_modules() if isinstance(module, nn.Linear)]
+    base = [name for name in names if not is_adapter(name + ".")]
+    if not base:
+        return False
+    owner = base[-1].removesuffix(".base_layer")
+    return any(is_adapter(name + ".") and name.startswith(owner + ".") for name in names)
+
+
 def block_selective_contexts(block: nn.Module, float8: bool) -> Callable[[], tuple]:
     """``selective_contexts`` for ``block`` (``float8``: some of its linears are float8): every second
     of its projections kept counting back from the last, that one kept only where the recomputation
-    would rerun it (adapters, float8), the adapters' own matmuls recomputed and not counted."""
+    would rerun it (an adapter on it, float8), the adapters' own matmuls recomputed and not counted.
+
+    An adapter's matmuls are told apart by their size: one of the pair's sizes is the LoRA rank,
+    which must then be no projection's width (refused otherwise). A size, unlike a forward hook,
+    is what the compiler's graph still shows, so compiled and eager blocks keep the same outputs."""
     linears = {name: module for name, module in block.named_modules() if isinstance(module, nn.Linear)}
-    adapters = [module for name, module in linears.items() if is_adapter(name + ".")]
+    adapters = {name: module for name, module in linears.items() if is_adapter(name + ".")}
+    ranks = frozenset(module.out_features for name, module in adapters.items() if ".lora_A." in name + ".")
+    widths = {size for name, module in linears.items() if name not in adapters
+              for size in (module.in_features, module.out_features)}
+    if ranks & widths:
+        raise ConfigError(f"strategy.activation_checkpointing=selective tells LoRA's matmuls apart by the "
+                          f"rank, and finetune.rank={min(ranks & widths)} is also a width of this block's "
+                          "projections; choose another finetune.rank, or activation_checkpointing=all")
     projections = len(linears) - len(adapters)
-    last_kept = 0 if adapters or float8 else 1  # (projections - matmul) % 2 of the kept ones
+    last_kept = 0 if last_projection_adapted(block) or float8 else 1  # (projections - matmul) % 2
     return functools.partial(selective_contexts, lambda matmul: (projections - matmul) % 2 == last_kept,
-                             in_adapter=adapter_scope(adapters))
+                             adapter_ranks=ranks)
+
+
+def matmul_sizes(op, args: tuple) -> tuple[int, int]:
+    """The inner and output sizes of a matmul ``op`` of ``SELECTIVE_MATMULS`` called with ``args``."""
+    with_input = op in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)
+    left, right = args[1:3] if with_input else args[:2]
+    return left.shape[-1], right.shape[-1]
 
 
 def selective_contexts(keeps_matmul: Callable[[int], bool],
-                       in_adapter: Callable[[], bool] = lambda: False) -> tuple:
+                       adapter_ranks: frozenset[int] = frozenset()) -> tuple:
     """Fresh (forward, recompute) contexts for every checkpointed call, as torch requires, that keep
     attention's outputs and those of the matmuls ``keeps_matmul`` picks by their 1-based order in
     the forward. torch 2.13 calls the policy in the forward only;
     earlier versions call it in the recomputation too, which must count afresh to pick the same
-    ones (``ctx.is_recompute``). Operations while ``in_adapter()`` (a LoRA adapter's
-    low-rank pair, ``adapter_scope``) are recomputed and not counted, so the projections' order is
-    the base model's and no adapter output as large as its projection's is kept beside it."""
+    ones (``ctx.is_recompute``). A matmul with an inner or output size in ``adapter_ranks`` (a LoRA
+    adapter's low-rank pair) is recomputed and not counted, so the projections' order is the base
+    model's and no adapter output as large as its projection's is kept beside it."""
     matmuls = {False: 0, True: 0}  # by ctx.is_recompute
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ARG001
-        if in_adapter():
-            return CheckpointPolicy.PREFER_RECOMPUTE
         if op in SELECTIVE_ATTENTION:
             return CheckpointPolicy.MUST_SAVE
         if op in SELECTIVE_MATMULS:
+            if adapter_ranks and not adapter_ranks.isdisjoint(matmul_sizes(op, args)):
+                return CheckpointPolicy.PREFER_RECOMPUTE
             matmuls[ctx.is_recompute] += 1
             if keeps_matmul(matmuls[ctx.is_recompute]):
                 return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
-
-
-def adapter_scope(adapters: Sequence[nn.Module]) -> Callable[[], bool]:
-    """Whether a forward (or its recomputation) is inside one of ``adapters`` (PEFT's ``lora_A``/
-    ``lora_B`` linears) now, tracked by forward hooks on them. Compiled, the hooks do nothing: Dynamo
-    will not trace a checkpointed region that changes state outside it (it would run the block
-    eagerly), and the compiler applies the policy to its own graph later, where adapter matmuls
-    count as projections."""
-    depth = 0
-
-    def enter(*_) -> None:
-        nonlocal depth
-        if not torch.compiler.is_compiling():
-            depth += 1
-
-    def leave(*_) -> None:
-        nonlocal depth
-        if not torch.compiler.is_compiling():
-            depth -= 1
-
-    for module in adapters:
-        module.register_forward_pre_hook(enter)
-        module.register_forward_hook(leave, always_call=True)
-    return lambda: depth > 0
 
 
 def enable_activation_checkpointing(module: nn.Module, contexts: Callable[[], tuple] | None = None) -> None:
