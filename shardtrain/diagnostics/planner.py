@@ -552,21 +552,25 @@ def run_shape(cfg: Config, local: int) -> str:
 
 def auto_batch_table(cfg: Config, world_sizes: list[int], device_memory: int | None, local: int) -> str:
     """``shardtrain plan`` with ``trainer.micro_batch_size=auto``: what a run would choose for each
-    world size and strategy against ``device_memory`` (else ``trainer.memory_limit_gib``), as the
-    trainer chooses it at start-up on an accelerator that holds nothing yet."""
-    limit = device_memory or int(cfg.trainer.memory_limit_gib * 2**30)
+    world size and strategy against ``trainer.memory_limit_gib`` where set (the run's limit then,
+    whatever the device has), else ``device_memory``, as the trainer chooses it at start-up on an
+    accelerator that holds nothing yet."""
+    limit = int(cfg.trainer.memory_limit_gib * 2**30) or device_memory
     if not limit:
         raise ConfigError("shardtrain plan with trainer.micro_batch_size=auto needs the memory it plans "
                           "against: add --device-memory 80GB (or set trainer.memory_limit_gib)")
     t = cfg.trainer
     if int(limit * (1 - t.memory_margin)) < 1:
-        given = "--device-memory" if device_memory else "trainer.memory_limit_gib"
+        given = "trainer.memory_limit_gib" if t.memory_limit_gib else "--device-memory"
         raise ConfigError(f"{given} of {human_bytes(limit)} less {t.memory_margin:.0%} margin leaves nothing "
                           "to plan in; give the device's memory, e.g. --device-memory 80GB")
     model = planned_model(cfg)
     tp = cfg.strategy.tensor_parallel
     lines = [f"trainer.micro_batch_size=auto: global batch {t.global_batch_size} sequences of {t.seq_len} "
-             f"tokens, against {human_bytes(limit)} a process less {t.memory_margin:.0%} margin "
+             f"tokens, against {human_bytes(limit)} a process"
+             + (" (trainer.memory_limit_gib: the run's limit)" if t.memory_limit_gib and device_memory
+                else "")
+             + f" less {t.memory_margin:.0%} margin "
              f"(nothing held before the model is built); {run_shape(cfg, local)}",
              "ranks x strategy: micro-batch x accumulation, activation checkpointing, planned peak GiB"]
     for world in world_sizes:
