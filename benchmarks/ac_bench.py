@@ -39,7 +39,8 @@ from shardtrain.tasks.language_model import token_loss_sum
 EVERY = 2  # every_k's k
 # The other selective policies measured beside shardtrain's: torchtitan's, which keeps the odd
 # matmuls (wq, wv, w1 and w2; with plain linears w2's output is never read; shardtrain's selective
-# on 2026-11-27, and still its choice for blocks with adapters or float8 linears), and every
+# on 2026-11-27, and still its choice for blocks with an adapter on the last projection or float8
+# linears), and every
 # matmul's output kept (shardtrain's selective until 2026-11-27; with the lean layers it kept more
 # than no checkpointing).
 OTHER_POLICIES = {

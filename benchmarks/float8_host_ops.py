@@ -58,7 +58,8 @@ def step_counts(mode: str, mesh, tokens: torch.Tensor, compile_blocks: bool) -> 
     torch.manual_seed(0)
     model = Llama(load_config(SHAPE).model)
     if float8:
-        convert_linears(model, gather_in_float8=gathered_in_float8)
+        convert_linears(model, [f"layers.{i}" for i in range(len(model.layers))],
+                        gather_in_float8=gathered_in_float8)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)

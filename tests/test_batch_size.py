@@ -25,6 +25,7 @@ from shardtrain.distributed.env import DistEnv
 from shardtrain.errors import ConfigError
 from shardtrain.models.registry import build_model
 from shardtrain.train.batch_size import resolve_batch
+from shardtrain.train.grad import global_grad_norm
 from shardtrain.train.optim import step_unless
 from shardtrain.train.step import failing_part
 
@@ -186,6 +187,11 @@ def test_the_planner_takes_accumulation_from_the_global_batch(llama_8b):
         assert planned[0] == planned[1], accumulation
         if accumulation == "unsharded":  # every rank holds the whole gradient between micro-batches
             assert planned[0].peak > planned[2].peak + 25 * GIB
+    # Steps the global batch contradicts are refused, as the run refuses them.
+    contradicting = replace(cfg, trainer=replace(cfg.trainer, micro_batch_size=1, global_batch_size=64,
+                                                 grad_accum_steps=3))
+    with pytest.raises(ConfigError, match="grad_accum_steps=3 contradicts trainer.global_batch_size=64"):
+        estimate(contradicting, model, "FULL_SHARD", 8, 8)
 
 
 def test_auto_run_chooses_the_planners_size_and_fits(tmp_path):
@@ -259,6 +265,10 @@ def test_cpu_offload_leaves_the_states_off_the_device(llama_8b):
     assert offloaded.host == plain.params + plain.grads + plain.optimizer
     assert offloaded.activations == plain.activations
     assert offloaded.peak <= plain.peak - plain.params - plain.optimizer
+    # Planned for CPUs, the device is the host: the states stay in the peak.
+    on_cpu = [estimate(replace(fixed, strategy=replace(fixed.strategy, cpu_offload=offload)), model,
+                       "FULL_SHARD", 8, 8, accelerated=False) for offload in (False, True)]
+    assert on_cpu[0] == on_cpu[1] and on_cpu[1].host == 0
     without = choose_batch(cfg, model, 8, 8, 24 * GIB, held=0, accelerated=True)
     with_offload = choose_batch(replace(cfg, strategy=replace(cfg.strategy, cpu_offload=True)), model, 8, 8,
                                 24 * GIB, held=0, accelerated=True)
@@ -268,7 +278,8 @@ def test_cpu_offload_leaves_the_states_off_the_device(llama_8b):
 
 def test_out_of_memory_names_the_part_of_the_step_that_failed():
     """The out-of-memory message judges the planner by where the step failed: AdamW makes its state
-    in the first optimizer step, so a failure there says so rather than blaming activations."""
+    in the first optimizer step, so a failure there says so rather than blaming activations; one in
+    the gradient norm is not called a forward's."""
     def out_of_memory(*_):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
@@ -286,12 +297,18 @@ def test_out_of_memory_names_the_part_of_the_step_that_failed():
         def forward(ctx, x):
             out_of_memory()
 
+    class GradRaises:  # a parameter whose gradient's read fails, inside the global norm
+        @property
+        def grad(self):
+            out_of_memory()
+
     x = torch.ones(3, requires_grad=True)
     optimizer = torch.optim.AdamW([x], fused=True)
     optimizer.register_step_pre_hook(out_of_memory)
     x.grad = torch.ones(3)
     for run, part in ((lambda: FailsInBackward.apply(x).sum().backward(), "backward"),
                       (lambda: FailsInForward.apply(x), "forward"),
+                      (lambda: global_grad_norm([GradRaises()], None), "the gradient norm and clipping"),
                       (lambda: step_unless(optimizer, torch.tensor(False)), "the optimizer step")):
         with pytest.raises(torch.OutOfMemoryError) as failure:
             run()

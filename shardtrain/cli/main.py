@@ -332,8 +332,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            probe=not args.full_depth)
     batch = (f"{cfg.trainer.micro_batch_size} x {cfg.trainer.seq_len} tokens" if language_model else
              f"{cfg.trainer.micro_batch_size} samples of task {cfg.task.path}")
-    print(f"simulated one training step of rank 0 (micro-batch {batch}, "
-          f"{cfg.trainer.grad_accum_steps} micro-batch(es), "
+    micro_batches = (f"the micro-batches trainer.global_batch_size={cfg.trainer.global_batch_size} gives "
+                     "at each world size" if cfg.trainer.global_batch_size
+                     else f"{cfg.trainer.grad_accum_steps} micro-batch(es)")
+    print(f"simulated one training step of rank 0 (micro-batch {batch}, {micro_batches}, "
           f"{resolve_precision(cfg.strategy.mixed_precision, accelerated=True)}, {local} "
           f"process{'es' if local > 1 else ''} per node); GiB per rank, the planner's estimate in brackets")
     print(simulation_table(rows, memory, markdown=args.markdown))

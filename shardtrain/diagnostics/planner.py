@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from shardtrain.accelerator import device_type
 from shardtrain.config.plan import (
     ShardingPlan,
     accumulation_steps,
@@ -305,12 +306,17 @@ def check_planned_batch(cfg: Config) -> None:
 def with_global_batch(cfg: Config, world_size: int) -> Config:
     """``cfg`` with the accumulation steps its ``trainer.global_batch_size`` gives at ``world_size``
     (as ``train.batch_size.resolve_batch`` sets them at start-up; a ``ConfigError`` where the
-    global batch does not divide), unchanged without a global batch size."""
+    global batch does not divide, or where ``trainer.grad_accum_steps`` says otherwise), unchanged
+    without a global batch size."""
     t = cfg.trainer
     if not t.global_batch_size or not isinstance(t.micro_batch_size, int):
         return cfg
-    steps = accumulation_steps(t.global_batch_size, t.micro_batch_size,
-                               world_size // cfg.strategy.tensor_parallel)
+    data_parallel = world_size // cfg.strategy.tensor_parallel
+    steps = accumulation_steps(t.global_batch_size, t.micro_batch_size, data_parallel)
+    if t.grad_accum_steps not in (1, steps):
+        raise ConfigError(f"trainer.grad_accum_steps={t.grad_accum_steps} contradicts trainer."
+                          f"global_batch_size={t.global_batch_size} ({steps} micro-batches of "
+                          f"{t.micro_batch_size} on {data_parallel} data-parallel ranks); set one of them")
     return replace(cfg, trainer=replace(t, grad_accum_steps=steps))
 
 
@@ -344,10 +350,11 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     params += sharded_state_bytes(frozen, plan.shard_group, 0, base_dtype)[0]
     params += nf4_bytes(sharded_state_bytes(quantized, plan.shard_group, 0, torch.uint8)[0])
     host = 0
-    if plan.cpu_offload:
+    if plan.cpu_offload and (accelerated if accelerated is not None else device_type() != "cpu"):
         # FSDP2's CPUOffloadPolicy keeps the sharded parameters, their gradients and AdamW's state in
         # host memory (copied to the device for each gather, back after each reduce-scatter): the
-        # device holds the gathered units, the collective buffers and the step's tensors only.
+        # device holds the gathered units, the collective buffers and the step's tensors only. On a
+        # CPU the device is the host: they stay in its peak.
         host, params, grads, optim = params + grads + optim, 0, 0, 0
     total_params = sum(math.prod(s) for s in shapes)
     accumulation = 0
@@ -500,6 +507,10 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
     ``tp`` group share their micro-batches: a data-parallel rank's share is the global batch over
     ``world_size / tensor_parallel``."""
     t = cfg.trainer
+    if t.grad_accum_steps != 1:
+        raise ConfigError(f"trainer.grad_accum_steps={t.grad_accum_steps} contradicts trainer."
+                          "micro_batch_size=auto, which chooses the accumulation steps from "
+                          "trainer.global_batch_size; leave grad_accum_steps at 1")
     data_parallel = world_size // cfg.strategy.tensor_parallel
     if t.global_batch_size <= 0 or t.global_batch_size % data_parallel:
         raise ConfigError(f"trainer.micro_batch_size=auto: trainer.global_batch_size={t.global_batch_size} "

@@ -10,10 +10,9 @@ import torch.distributed as dist
 
 from shardtrain.accelerator import allocated_bytes, device_memory_bytes
 from shardtrain.config.compose import check_batch_size
-from shardtrain.config.plan import accumulation_steps
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import rss_bytes
-from shardtrain.diagnostics.planner import BatchChoice, choose_batch, planned_model
+from shardtrain.diagnostics.planner import BatchChoice, choose_batch, planned_model, with_global_batch
 from shardtrain.distributed.env import DistEnv
 from shardtrain.errors import ConfigError
 
@@ -37,22 +36,9 @@ def resolve_batch(cfg: Config, env: DistEnv) -> BatchChoice | None:
     returns the planner's choice (None without auto). Every rank gets the same."""
     t = cfg.trainer
     if t.micro_batch_size != "auto":
-        if t.global_batch_size:
-            # The ranks of a tensor-parallel group are one data-parallel rank (they share batches).
-            data_parallel = env.world_size // cfg.strategy.tensor_parallel
-            steps = accumulation_steps(t.global_batch_size, t.micro_batch_size, data_parallel)
-            if t.grad_accum_steps not in (1, steps):
-                raise ConfigError(f"trainer.grad_accum_steps={t.grad_accum_steps} contradicts trainer."
-                                  f"global_batch_size={t.global_batch_size} ({steps} micro-batches of "
-                                  f"{t.micro_batch_size} on {data_parallel} data-parallel ranks); set one "
-                                  "of them")
-            cfg.trainer = replace(t, grad_accum_steps=steps)
+        cfg.trainer = with_global_batch(cfg, env.world_size).trainer
         return None
     check_batch_size(cfg)  # load_config checks it; a config built without it reaches here too
-    if t.grad_accum_steps != 1:
-        raise ConfigError(f"trainer.grad_accum_steps={t.grad_accum_steps} contradicts trainer."
-                          "micro_batch_size=auto, which chooses the accumulation steps from "
-                          "trainer.global_batch_size; leave grad_accum_steps at 1")
     limit = (int(t.memory_limit_gib * 2**30) if t.memory_limit_gib
              else device_memory_bytes(env.device, env.local_world_size))
     if limit is None:

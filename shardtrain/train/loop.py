@@ -434,15 +434,18 @@ class Trainer:
         planned_states = (planned.params + planned.optimizer) / gib
         if part == "the optimizer step":  # AdamW's state is made there, at the first step
             wrong = "the optimizer step's estimate (AdamW's state and its temporaries)"
-        elif states > planned_states * 1.05:
+        elif not planned.host and states > planned_states * 1.05:  # host: offloaded, off the device
             wrong = "the parameter and optimizer state estimate"
         else:
             wrong = ("the activation and communication-buffer estimate (or memory outside the allocator's "
                      "view: fragmentation, other processes)")
+        measured_states = (f"parameters and optimizer state {states:.2f} GiB (planned {planned_states:.2f})"
+                           if not planned.host else "parameters and optimizer state in host memory "
+                           "(strategy.cpu_offload)")
         return (f"{where}: trainer.micro_batch_size=auto chose {self.batch_choice.micro_batch_size} "
                 f"with activation_checkpointing={self.batch_choice.activation_checkpointing} for a "
                 f"planned peak of {planned.peak / gib:.2f} GiB ({planned.peak_phase}); measured: "
-                f"parameters and optimizer state {states:.2f} GiB (planned {planned_states:.2f}), "
+                f"{measured_states}, "
                 f"the allocator's peak before the failure {peak:.2f} GiB (planned activations "
                 f"{planned.activations / gib:.2f} GiB, gathered {planned.gathered / gib:.2f} GiB): "
                 f"{wrong} was wrong; lower trainer.memory_limit_gib or raise trainer.memory_margin")

@@ -198,11 +198,14 @@ def local_flops(task: Task, micro_batches: list[Any], counted_per_sample: float 
 
 def failing_part(exc: BaseException) -> str:
     """Which part of a training step raised ``exc``, read from its traceback: "the optimizer step"
-    (inside torch.optim), "backward" (autograd's engine, a checkpoint's recomputation included) or
-    "forward" (the model and the loss)."""
+    (inside torch.optim, its hooks included), "the gradient norm and clipping" (train/grad.py),
+    "backward" (autograd's engine, a checkpoint's recomputation included) or "forward" (the model
+    and the loss)."""
     codes = [frame.f_code for frame, _ in traceback.walk_tb(exc.__traceback__)]
     if any(Path(code.co_filename).parts[-3:-1] == ("torch", "optim") for code in codes):
         return "the optimizer step"
+    if any(code.co_filename == global_grad_norm.__code__.co_filename for code in codes):
+        return "the gradient norm and clipping"
     # Tensor.backward and torch.autograd.backward (forward passes through torch.autograd too: every
     # autograd Function's apply, checkpoint's forward).
     if any(code.co_name == "backward" and "torch" in Path(code.co_filename).parts[-3:-1] for code in codes):
