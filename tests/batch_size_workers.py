@@ -79,6 +79,7 @@ def auto_batch_run(out: str) -> None:
             "ac": choice.activation_checkpointing, "limit": choice.limit, "held": choice.held,
             "budget": choice.budget, "planned": choice.estimate.peak, "limit_gib": limit_gib,
             "config_micro": trainer.cfg.trainer.micro_batch_size,
+            "caller_micro": cfg.trainer.micro_batch_size, "caller_ac": cfg.strategy.activation_checkpointing,
             "global_batch": trainer.layout.global_batch, "losses": result.losses,
             "peak_bytes": peak_memory_mib(trainer.env.device) * 2**20, "world": world,
             "log": lines, "out_of_memory": out_of_memory,

@@ -205,6 +205,9 @@ def test_auto_run_chooses_the_planners_size_and_fits(tmp_path):
     assert (r["micro"], r["ac"]) == (fitting[0], "none")
     assert r["micro"] == 4  # the limit was set between the planner's 4 and 8
     assert r["micro"] * r["accum"] * 2 == GLOBAL_BATCH == r["global_batch"] and r["config_micro"] == 4
+    # The choice is the trainer's copy's: the config the caller passed still says auto (it can start
+    # another run, at another world size, which chooses afresh).
+    assert (r["caller_micro"], r["caller_ac"]) == ("auto", "none")
     assert r["peak_bytes"] < r["limit"], (r["peak_bytes"] / GIB, r["limit"] / GIB)  # the run fits
     assert len(r["losses"]) == 2
     report = next(line for line in r["log"] if line.startswith("trainer.micro_batch_size=auto"))

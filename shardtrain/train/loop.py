@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -137,7 +137,13 @@ class Trainer:
     @classmethod
     def create(cls, cfg: Config, *, task: Task | None = None,
                optimizer_factory: OptimizerFactory | None = None) -> Trainer:
-        """Everything a run needs, for ``task`` (default: the one ``cfg.task`` names)."""
+        """Everything a run needs, for ``task`` (default: the one ``cfg.task`` names).
+
+        ``cfg`` itself is left as given: what start-up resolves (the task's settings, an adapter's,
+        the batch ``micro_batch_size=auto`` chooses) goes into the trainer's copy, ``trainer.cfg``,
+        so one config can start several runs (at other world sizes, ``auto`` chooses afresh)."""
+        # A shallow copy suffices: start-up replaces the config's sections, never edits one in place.
+        cfg = replace(cfg)
         apply_debug_switches(cfg.dist, Path(cfg.run.dir))
         # The process group's own timeout is the start-up bound; the per-step bound after the first
         # step is enforced by the watchdog (see diagnostics/watchdog.py).
