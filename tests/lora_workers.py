@@ -87,7 +87,7 @@ def train_trained(trainer) -> dict:
             "trainable": trainable, "optimizer_holds": len(held), "main": trainer.env.is_main,
             "everything_refusal": everything_refusal,
             "checkpointed": len(trainer.built.report.checkpointed), "frozen_bytes": frozen_bytes,
-            "sample": result.sample}
+            "sample": result.sample, "finetune": trainer.cfg.finetune}
 
 
 def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, adapter_dir: str, nf4_dir: str,
@@ -125,8 +125,7 @@ def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, adapter_dir: 
     from_adapter = lora_case_config(model_dir, world_size, str(Path(out_dir, "from_adapter")))
     from_adapter.model = dataclasses.replace(from_adapter.model, adapter=adapter_dir)
     from_adapter.finetune = FinetuneConfig(method="lora")  # rank, alpha, targets: the adapter's
-    results["from_adapter"] = train_case(from_adapter, corpus)
-    results["from_adapter"]["finetune"] = from_adapter.finetune
+    results["from_adapter"] = train_case(from_adapter, corpus)  # its "finetune": as the adapter set it
     step3 = str(Path(first, "checkpoints", "step-3"))
     results["resumed"] = train_case(lora_case_config(
         model_dir, world_size, str(Path(out_dir, "resumed")), resume=step3), corpus)
