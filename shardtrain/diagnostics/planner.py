@@ -264,11 +264,15 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     )
 
 
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks: its modules of its ``block_classes`` (none for a model without them)."""
+    return [blk for blk in model.modules() if isinstance(blk, getattr(model, "block_classes", ()))]
+
+
 def float8_block_params(model: nn.Module) -> int:
     """Parameters of the largest block that ``strategy.float8`` converts (gathered in float8)."""
     return max((sum(m.weight.numel() for n, m in blk.named_modules() if float8_eligible(model, n, m))
-                for blk in model.modules() if isinstance(blk, getattr(model, "block_classes", ()))),
-               default=0)
+                for blk in model_blocks(model)), default=0)
 
 
 def unit_param_counts(model: nn.Module, shapes: dict[int, tuple[int, ...]] | None = None,
@@ -281,8 +285,7 @@ def unit_param_counts(model: nn.Module, shapes: dict[int, tuple[int, ...]] | Non
         return sum(math.prod(shapes[id(p)]) if shapes else p.numel()
                    for p in unique.values() if p.requires_grad or not trainable)
 
-    blocks = [count(blk.parameters()) for blk in model.modules()
-              if isinstance(blk, getattr(model, "block_classes", ()))]
+    blocks = [count(blk.parameters()) for blk in model_blocks(model)]
     groups = [count(p for m in group for p in m.parameters())
               for group in getattr(model, "extra_shard_groups", list)()]
     return blocks, groups
@@ -365,10 +368,9 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         accumulation = sum(math.prod(s) for s in trainable) * plan.reduce_dtype.itemsize
 
     checkpoint_all = plan.activation_checkpointing != "none"
-    block_classes = getattr(model, "block_classes", ())
-    one_block = next((blk for blk in model.modules() if isinstance(blk, block_classes)), None)
+    blocks = model_blocks(model)
     act = activation_model(cfg, model.dims, cfg.trainer.micro_batch_size, plan.param_dtype, plan,
-                           None if one_block is None else last_projection_adapted(one_block))
+                           last_projection_adapted(blocks[0]) if blocks else None)
     blocks, groups = unit_param_counts(model, local_shapes)
     layers = len(blocks)
     saved = act.saved_blocks if layers else []

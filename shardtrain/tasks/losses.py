@@ -91,12 +91,29 @@ def _chunk_loss_and_grads(chunk: torch.Tensor, weight: torch.Tensor, bias: torch
     return chunk_loss
 
 
+def _summed_over_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        targets: torch.Tensor, chunk_tokens: int, ignore_index: int,
+                        grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None,
+                        grad_bias: torch.Tensor | None) -> torch.Tensor:
+    """The summed cross-entropy over every chunk of ``chunk_tokens`` rows, each chunk's gradients
+    written into the buffers given (``_chunk_loss_and_grads``; all None: the loss alone)."""
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        rows = slice(start, start + chunk_tokens)
+        # One function call a chunk: its logits die when it returns. A loop variable would keep
+        # the last chunk's logits alive while the next chunk's are computed, two chunks at the
+        # peak (measured: 62 MiB more a rank at a 32k vocabulary).
+        grad_chunk = None if grad_hidden is None else grad_hidden[rows]
+        loss += _chunk_loss_and_grads(hidden[rows], weight, bias, targets[rows], ignore_index,
+                                      grad_chunk, grad_weight, grad_bias, first=start == 0)
+    return loss
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, chunk_tokens: int, ignore_index: int) -> torch.Tensor:
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         # Summed over chunks in the weight's dtype, in place (Liger-Kernel does the same): an fp32
         # buffer of the weight's size, or a chunk's product upcast, would be the step's peak at a
@@ -107,14 +124,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if want_weight:
             grad_weight = torch.empty_like(weight) if hidden.shape[0] else torch.zeros_like(weight)
         grad_bias = torch.zeros_like(bias) if want_bias else None
-        for start in range(0, hidden.shape[0], chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
-            # One function call a chunk: its logits die when it returns. A loop variable would keep
-            # the last chunk's logits alive while the next chunk's are computed, two chunks at the
-            # peak (measured: 62 MiB more a rank at a 32k vocabulary).
-            grad_chunk = None if grad_hidden is None else grad_hidden[rows]
-            loss += _chunk_loss_and_grads(hidden[rows], weight, bias, targets[rows], ignore_index,
-                                          grad_chunk, grad_weight, grad_bias, first=start == 0)
+        loss = _summed_over_chunks(hidden, weight, bias, targets, chunk_tokens, ignore_index, grad_hidden,
+                                   grad_weight, grad_bias)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.backward_done = False
         return loss
@@ -159,10 +170,6 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     differentiable = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not (torch.is_grad_enabled() and differentiable):
         # Evaluation (torch.no_grad): the loss alone, no gradient buffers nor their matmuls.
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
-            loss += _chunk_loss_and_grads(hidden[rows], weight, bias, targets[rows], ignore_index,
-                                          None, None, None, first=start == 0)
-        return loss
+        return _summed_over_chunks(hidden, weight, bias, targets, chunk_tokens, ignore_index, None, None,
+                                   None)
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_tokens, ignore_index)
