@@ -6,6 +6,10 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
+import subprocess
+import sys
+import textwrap
 
 import datasets
 import numpy as np
@@ -13,13 +17,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from cli_utils import run_cli
+from cli_utils import clean_env, run_cli
 from hf_models import make_model_dir
 
 from shardtrain.config.schema import DataConfig
-from shardtrain.data.corpus import load_corpus
+from shardtrain.data.corpus import load_corpus, prepared_path
+from shardtrain.data.documents import list_files
 from shardtrain.data.prepare import PrepareOptions, prepare
-from shardtrain.data.tokenizer import HFTokenizer
+from shardtrain.data.tokenizer import ByteTokenizer, HFTokenizer
 from shardtrain.errors import DataError
 
 TEXTS = [f"def f{i}():\n    return {i} * 'héllo'  # 日本\n" * (1 + i % 7) for i in range(300)]
@@ -54,8 +59,10 @@ def read_split(out, split: str) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(tokens), docs
 
 
-def test_every_format_is_read_and_workers_do_not_change_a_byte(inputs, tmp_path):
+def test_every_format_is_read_and_workers_do_not_change_a_byte(inputs, tmp_path, monkeypatch):
     model = make_model_dir(tmp_path / "model", "llama")
+    # 19 batches: more than the 8 that 4 workers keep in flight, so results are waited for in order.
+    monkeypatch.setattr("shardtrain.data.prepare.BATCH_DOCUMENTS", 16)
     common = dict(inputs=all_inputs(inputs), tokenizer=str(model), text_field="body", val_percent=10.0,
                   shard_tokens=4000)  # several shards per split
     one = prepare(PrepareOptions(**common, workers=1), tmp_path / "one", progress=False)
@@ -104,19 +111,113 @@ def test_a_changed_input_is_prepared_again(tmp_path):
     result = prepare(options, tmp_path / "out", progress=False)
     assert not result.up_to_date and result.manifest["splits"]["train"]["tokens"] == 800 + 500
 
+    # An output inside its input (prepare's --out, or data.cache_dir under data.paths) is never
+    # read back into the next preparation, which would then never be up to date.
+    inside = tmp_path / "in" / "prepared"
+    assert not prepare(options, inside, progress=False).up_to_date
+    again = prepare(options, inside, progress=False)
+    assert again.up_to_date and [s["name"] for s in again.manifest["sources"]] == ["a.txt", "b.txt"]
+    shutil.rmtree(inside)
+    cfg = DataConfig(source="files", paths=[str(tmp_path / "in")], file_glob="*",
+                     cache_dir=str(tmp_path / "in" / "cache"))
+    cached = prepared_path(cfg, ByteTokenizer())
+    manifest = json.loads((cached / "manifest.json").read_text())
+    assert [s["name"] for s in manifest["sources"]] == ["a.txt", "b.txt"]
+    assert prepared_path(cfg, ByteTokenizer()) == cached
+    assert json.loads((cached / "manifest.json").read_text()) == manifest
 
-@pytest.mark.parametrize("case", ["empty", "unreadable", "malformed", "missing_field", "not_text",
-                                  "parquet_column", "missing_input", "not_prepared"])
+
+def test_inputs_in_every_layout_are_read_as_documented(tmp_path):
+    """Text the reader used to refuse or mangle: Parquet's dictionary-encoded and string_view
+    columns, a lone surrogate in JSON (replaced, as a text file's invalid bytes are), a file whose
+    name holds glob characters, ``--glob '**/*.txt'`` at the top level (as rglob), and a
+    ``save_to_disk`` directory inside an input directory (its rows, not its files as text)."""
+    def prepared(*inputs, glob="*"):
+        out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"
+        prepare(PrepareOptions(inputs=[str(i) for i in inputs], file_glob=glob, val_percent=0.0), out,
+                progress=False)
+        return bytes(read_split(out, "train")[0].tolist()).decode()
+
+    kinds = {"dict": pa.array(["ab", "cd", "ab"]).dictionary_encode(),
+             "view": pa.array(["ab", "cd", "ab"], type=pa.string_view())}
+    for name, column in kinds.items():
+        pq.write_table(pa.table({"text": column}), tmp_path / f"{name}.parquet")
+        assert prepared(tmp_path / f"{name}.parquet") == "abcdab", name
+
+    (tmp_path / "odd.jsonl").write_text('{"text": "bad \\ud800!"}\n'
+                                        '{"prompt": "p\\udfff", "completion": "c"}\n')
+    assert prepared(tmp_path / "odd.jsonl") == "bad \ufffd!p\ufffdc"
+
+    (tmp_path / "data[1].txt").write_text("bracketed")
+    assert prepared(tmp_path / "data[1].txt") == "bracketed"
+
+    tree = tmp_path / "tree"
+    for name in ("top.txt", ".hidden.txt", "top.md", "sub/mid.txt", "sub/deep/low.txt", "x/sub/y/z.txt"):
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(name)
+    for pattern in ("*", "*.txt", "**/*.txt", "sub/*.txt", "**/sub/**/*.txt", "s*/*/*.txt"):
+        found = [p.relative_to(tree) for p in list_files(tree, pattern)]
+        assert found == sorted(p.relative_to(tree) for p in tree.rglob(pattern) if p.is_file()), pattern
+    assert prepared(tree, glob="**/*.txt") == ".hidden.txtsub/deep/low.txtsub/mid.txttop.txtx/sub/y/z.txt"
+
+    datasets.Dataset.from_dict({"text": ["row0", "row1"]}).save_to_disk(str(tree / "x" / "saved"))
+    assert prepared(tree, glob="*").endswith("top.mdtop.txtrow0row1x/sub/y/z.txt")
+
+
+def test_a_dead_worker_is_one_line_not_a_hang(tmp_path):
+    """A tokenizing worker killed mid-run (SIGKILL, as for lack of memory) stops prepare with one
+    line; multiprocessing.Pool waited forever for its batch. The worker's function is replaced in
+    the parent by one that kills its process; spawned workers import it from the script."""
+    (tmp_path / "a.txt").write_text("hello " * 100)
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""\
+        import os
+        import sys
+
+        from shardtrain.cli.main import main
+        from shardtrain.data import prepare
+
+
+        def killed(batch):
+            os.kill(os.getpid(), 9)  # what the out-of-memory killer does
+
+
+        if __name__ == "__main__":
+            prepare._encode_in_worker = killed
+            sys.exit(main(["prepare", {str(tmp_path / "a.txt")!r}, "--workers", "2",
+                           "--out", {str(tmp_path / "out")!r}]))
+        """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env=clean_env(), stdin=subprocess.DEVNULL)  # a hang fails here
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "a tokenizing worker process died" in lines[0], done.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.preparing").exists()
+
+
+@pytest.mark.parametrize("case", ["empty", "empty_text", "unreadable", "corrupt_deflate", "malformed",
+                                  "missing_field", "not_text", "parquet_column", "missing_input",
+                                  "dataset_dict", "not_prepared", "out_is_a_file"])
 def test_bad_data_is_one_clear_line(case, tmp_path):
     target = tmp_path / "data.jsonl"
     args = [str(target)]
     if case == "empty":
         target.write_text("\n\n")
         message = "no documents (the input is empty)"
+    elif case == "empty_text":
+        target = tmp_path / "data.txt"
+        target.write_text("")
+        args, message = [str(target)], "no text (the input is empty: 1 empty document(s))"
     elif case == "unreadable":
         target = tmp_path / "data.jsonl.gz"
         target.write_bytes(b"\x1f\x8b not really gzip")
         args, message = [str(target)], "cannot be read"
+    elif case == "corrupt_deflate":  # zlib.error, which is no OSError
+        target = tmp_path / "data.jsonl.gz"
+        compressed = bytearray(gzip.compress(b'{"text": "fine"}\n' * 10))
+        compressed[10] = 0x07  # the first deflate block's type: 3, which does not exist
+        target.write_bytes(compressed)
+        args, message = [str(target)], "cannot be read (Error -3 while decompressing data"
     elif case == "malformed":
         target.write_text('{"text": "fine"}\n{"text": "broken\n')
         message = f"{target}:2: not valid JSON"
@@ -132,6 +233,15 @@ def test_bad_data_is_one_clear_line(case, tmp_path):
         args, message = [str(target)], "no column 'text' (columns: body)"
     elif case == "missing_input":
         args, message = [str(tmp_path / "nowhere.jsonl")], "does not exist"
+    elif case == "dataset_dict":
+        split = datasets.Dataset.from_dict({"text": ["a", "b"]})
+        datasets.DatasetDict({"train": split, "test": split}).save_to_disk(str(tmp_path / "dd"))
+        args = [str(tmp_path / "dd")]
+        message = f"{tmp_path / 'dd'} is a datasets DatasetDict (splits: train, test); give one split's"
+    elif case == "out_is_a_file":
+        target.write_text('{"text": "fine"}\n')
+        (tmp_path / "out").write_text("mine")
+        message = "out is a file, not a directory"
     else:
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "something.txt").write_text("mine")
@@ -143,6 +253,8 @@ def test_bad_data_is_one_clear_line(case, tmp_path):
     assert len(lines) == 1 and message in lines[0], done.stderr
     if case == "not_prepared":
         assert (tmp_path / "out" / "something.txt").read_text() == "mine"  # never touched
+    assert not (tmp_path / ".out.preparing").exists()  # nothing written
+    assert case in ("not_prepared", "out_is_a_file") or not (tmp_path / "out").exists()
 
 
 def test_data_smaller_than_one_global_batch_fails_before_training(tmp_path):

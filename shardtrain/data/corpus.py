@@ -118,7 +118,8 @@ def prepare_locked(options: PrepareOptions, out: Path, lock_required: bool = Tru
     """Prepare ``options`` into ``out`` under a lock file beside it (nothing to do when it is up to
     date, which takes a walk and a stat of every input file); the dataset's fingerprint."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f"{out.name}.lock", "w") as lock:
+    lock_path = out.parent / f"{out.name}.lock"
+    with open(lock_path, "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
         except OSError:
@@ -131,7 +132,9 @@ def prepare_locked(options: PrepareOptions, out: Path, lock_required: bool = Tru
             # half-way; under the lock nobody else writes it, and the cache is ours to redo.
             log.warning(f"data cache: {out} is an unfinished preparation (interrupted); preparing it again")
             shutil.rmtree(out)
-        return prepare(options, out, progress=False).manifest["fingerprint"]
+        # A cache inside an input directory holds shardtrain's own files (this and other
+        # preparations, their locks), which are never inputs.
+        return prepare(options, out, progress=False, exclude=(out.parent, lock_path)).manifest["fingerprint"]
 
 
 def fingerprint_at(out: Path) -> str | None:

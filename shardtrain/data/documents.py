@@ -4,10 +4,12 @@ An input is a file, a directory (its files matching a glob, recursively, sorted 
 glob pattern. By suffix a file is: JSON Lines (``.jsonl``, ``.jsonl.gz``; one document per line, its
 text in a chosen field), Parquet (``.parquet``; one document per row of a chosen column), or text (the
 whole file is one document). A directory written by ``datasets``' ``save_to_disk`` (it holds
-``state.json``) is read as its Arrow files, one document per row; the ``datasets`` library is not
-needed for that. Each document has a key (the file's relative path, plus the line or row number for
-records) that decides its train/validation split by hash, so the split does not depend on how many
-processes prepare it or on other inputs. A JSON Lines record without the text field but with
+``state.json``), given or found inside a given directory, is read as its Arrow files, one document
+per row; the ``datasets`` library is not needed for that. A ``DatasetDict``'s directory (it holds
+``dataset_dict.json`` and one such directory per split) is refused: a split must be chosen. Each
+document has a key (the file's relative path, plus the line or row number for records) that decides
+its train/validation split by hash, so the split does not depend on how many processes prepare it or
+on other inputs. A JSON Lines record without the text field but with
 ``prompt`` and ``completion``, or ``messages`` (a chat), is a fine-tuning document.
 
 Bad input is one ``DataError`` naming the file (and line) and the fix.
@@ -18,9 +20,12 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from collections.abc import Iterator
+import re
+import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from fnmatch import fnmatchcase
+from pathlib import Path, PurePosixPath
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -30,6 +35,9 @@ from shardtrain.errors import DataError
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 DATASETS_STATE = "state.json"  # what save_to_disk writes beside its Arrow files
+DATASET_DICT = "dataset_dict.json"  # what a DatasetDict's save_to_disk writes beside its splits
+# JSON can escape half of a UTF-16 pair alone ("\ud800"); no UTF-8 text holds one.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -57,37 +65,85 @@ class Source:
                 "mtime_ns": max(s.st_mtime_ns for s in stats)}
 
 
-def list_files(root: Path, pattern: str) -> list[Path]:
+def matches(relative: str, pattern: str) -> bool:
+    """Whether ``relative`` (a '/'-separated path) ends in ``pattern``, as ``Path.rglob(pattern)``
+    decides it: ``**`` stands for any number of directories, none included. ``PurePath.match``
+    takes ``**`` for one name before Python 3.13 (``'**/*.txt'`` skipped the top level)."""
+    return _matches_parts(PurePosixPath(relative).parts, ("**", *PurePosixPath(pattern).parts))
+
+
+def _matches_parts(parts: tuple[str, ...], pattern: tuple[str, ...]) -> bool:
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_matches_parts(parts[skip:], pattern[1:]) for skip in range(len(parts) + 1))
+    return bool(parts) and fnmatchcase(parts[0], pattern[0]) and _matches_parts(parts[1:], pattern[1:])
+
+
+def dataset_dict_error(directory: Path) -> DataError:
+    """A DatasetDict's directory: one split must be chosen (mixing train and test is never meant)."""
+    try:
+        splits = [str(s) for s in json.loads((directory / DATASET_DICT).read_text())["splits"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        splits = sorted(p.name for p in directory.iterdir() if (p / DATASETS_STATE).is_file())
+    return DataError(f"{directory} is a datasets DatasetDict (splits: {', '.join(splits) or 'none'}); "
+                     f"give one split's directory, {directory}/<split>")
+
+
+def list_files(root: Path, pattern: str, exclude: Iterable[Path] = ()) -> list[Path]:
     """The files under ``root`` whose path ends in ``pattern`` (as ``root.rglob(pattern)`` finds
-    them), sorted, skipping ``EXCLUDED_DIRS``. Those are pruned, not walked: the default corpus's
-    standard library holds the interpreter's site-packages, several times its size."""
+    them), sorted, skipping ``EXCLUDED_DIRS`` and the ``exclude`` paths inside ``root``. Those are
+    pruned, not walked: the default corpus's standard library holds the interpreter's
+    site-packages, several times its size. A ``save_to_disk`` directory found on the way (its
+    state.json beside Arrow files) is listed itself when its path matches, never its files."""
+    real_root = root.resolve()
+    inside = [e for e in (e.resolve() for e in exclude) if e != real_root and e.is_relative_to(real_root)]
+    skipped = {e.relative_to(real_root).as_posix() for e in inside}
     files = []
     for directory, subdirs, names in os.walk(root):
-        subdirs[:] = [d for d in subdirs if d not in EXCLUDED_DIRS]
+        here = Path(directory).relative_to(root)
+        saved = DATASETS_STATE in names and any(name.endswith(".arrow") for name in names)
+        if here.parts and (DATASET_DICT in names or saved):
+            if matches(here.as_posix(), pattern):
+                if DATASET_DICT in names:
+                    raise dataset_dict_error(Path(directory))
+                files.append(Path(directory))
+            subdirs.clear()
+            continue
+        subdirs[:] = [d for d in subdirs
+                      if d not in EXCLUDED_DIRS and (here / d).as_posix() not in skipped]
         for name in names:
             path = Path(directory, name)
-            if path.relative_to(root).match(pattern) and path.is_file():
+            relative = (here / name).as_posix()
+            if relative not in skipped and matches(relative, pattern) and path.is_file():
                 files.append(path)
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def resolve_sources(inputs: list[str], file_glob: str) -> list[Source]:
-    """Every input as sources, in order: inputs as given, each directory's files sorted."""
+def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] = ()) -> list[Source]:
+    """Every input as sources, in order: inputs as given, each directory's files sorted. An input
+    that exists is a path, even when its name holds glob characters. ``exclude`` (what ``prepare``
+    writes: its output, its staging directory) is never read from a directory or a pattern."""
+    exclude = list(exclude)  # read once per input
+    excluded = {e.resolve() for e in exclude}
     sources: list[Source] = []
     for entry in inputs:
         path = Path(entry).expanduser()
-        if any(ch in entry for ch in "*?["):
+        if not path.exists() and any(ch in entry for ch in "*?["):
             base = Path(os.path.dirname(entry) or ".").expanduser()
-            matches = sorted(p for p in base.glob(os.path.basename(entry)) if p.is_file())
-            if not matches:
+            matched = sorted(p for p in base.glob(os.path.basename(entry))
+                             if p.is_file() and p.resolve() not in excluded)
+            if not matched:
                 raise DataError(f"input {entry!r} matches no file")
-            sources += [Source(p, p.name) for p in matches]
+            sources += [Source(p, p.name) for p in matched]
         elif not path.exists():
             raise DataError(f"input {entry!r} does not exist; fix the path")
+        elif path.is_dir() and (path / DATASET_DICT).is_file():
+            raise dataset_dict_error(path)
         elif path.is_dir() and (path / DATASETS_STATE).is_file():
             sources.append(Source(path, path.name))
         elif path.is_dir():
-            files = list_files(path, file_glob)
+            files = list_files(path, file_glob, exclude)
             if not files:
                 raise DataError(f"input directory {entry!r} has no files matching {file_glob!r}")
             sources += [Source(p, p.relative_to(path).as_posix()) for p in files]
@@ -104,6 +160,15 @@ def arrow_files(directory: Path) -> list[Path]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DataError(f"{directory}: not a readable datasets directory ({exc}); write it with "
                         "Dataset.save_to_disk (a DatasetDict: give one split's directory)") from exc
+
+
+def valid_text(text: str) -> str:
+    """``text`` with each lone surrogate replaced by U+FFFD, as a text file's invalid UTF-8 is."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return LONE_SURROGATE.sub("\ufffd", text)
+    return text
 
 
 def text_of(record: object, field: str, where: str) -> str:
@@ -132,11 +197,12 @@ def fine_tuning_record(record: dict, where: str) -> dict:
                             "objects with text values")
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{where}: a chat without an assistant message has nothing to learn")
-        return {"messages": messages}
+        return {"messages": [{**m, "role": valid_text(m["role"]), "content": valid_text(m["content"])}
+                             for m in messages]}
     for field in ("prompt", "completion"):
         if not isinstance(record[field], str):
             raise DataError(f"{where}: field {field!r} is {type(record[field]).__name__}, not text")
-    return {"prompt": record["prompt"], "completion": record["completion"]}
+    return {"prompt": valid_text(record["prompt"]), "completion": valid_text(record["completion"])}
 
 
 Document = bytes | dict  # plain text (UTF-8), or a fine-tuning record (prompt/completion, messages)
@@ -148,7 +214,7 @@ def document_of(record: object, field: str, where: str) -> Document:
     if isinstance(record, dict) and field not in record and (
             "messages" in record or ("prompt" in record and "completion" in record)):
         return fine_tuning_record(record, where)
-    return text_of(record, field, where).encode()
+    return valid_text(text_of(record, field, where)).encode()
 
 
 def column_texts(table: pa.Table, field: str, where: str) -> list[str]:
@@ -156,9 +222,20 @@ def column_texts(table: pa.Table, field: str, where: str) -> list[str]:
         raise DataError(f"{where}: no column {field!r} (columns: {', '.join(table.column_names)}); "
                         "set data.text_field (or --text-field) to the column holding the text")
     column = table.column(field)
-    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+    if not is_text_type(column.type):
         raise DataError(f"{where}: column {field!r} is {column.type}, not text")
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        column = column.cast(pa.large_string())  # dictionary-encoded or string_view text
     return [text if text is not None else "" for text in column.to_pylist()]
+
+
+def is_text_type(kind: pa.DataType) -> bool:
+    """Strings in any of Arrow's layouts: offsets (string, large_string), views (string_view,
+    pyarrow 16 on) or dictionary-encoded (Parquet's choice for repetitive columns)."""
+    if pa.types.is_dictionary(kind):
+        return is_text_type(kind.value_type)
+    is_view = getattr(pa.types, "is_string_view", lambda _: False)
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or is_view(kind)
 
 
 def read_jsonl(source: Source, field: str) -> Iterator[tuple[str, Document]]:
@@ -174,7 +251,7 @@ def read_jsonl(source: Source, field: str) -> Iterator[tuple[str, Document]]:
                 except ValueError as exc:
                     raise DataError(f"{where}: not valid JSON ({exc})") from exc
                 yield f"{source.name}:{number}", document_of(record, field, where)
-    except (OSError, UnicodeDecodeError, EOFError) as exc:
+    except (OSError, UnicodeDecodeError, EOFError, zlib.error) as exc:  # a corrupt deflate stream: no OSError
         raise DataError(f"{source.path}: cannot be read ({exc})") from exc
 
 

@@ -18,8 +18,10 @@ them but the number of workers, and ``prepare`` with an unchanged fingerprint do
 
 Workers tokenize batches of documents in separate processes while the main process reads the inputs
 and writes the shards in input order, so the output is byte for byte the same for any number of
-workers. The directory is written beside the target and renamed into place when complete: an
-interrupted run never leaves a half-prepared dataset under the name.
+workers; a worker that dies (killed for memory) stops the run with one line. The directory is
+written beside the target and renamed into place when complete: an interrupted run never leaves a
+half-prepared dataset under the name, and a failed one leaves nothing. The output directory (and
+what is written beside it) is never read as an input, even inside an input directory.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ import multiprocessing
 import shutil
 import time
 import zlib
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,6 +53,7 @@ MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 per shard file
 BATCH_DOCUMENTS = 256  # documents per task sent to a worker
+BATCHES_AHEAD = 2  # per worker: batches read and queued while the writer waits for the oldest
 
 
 @dataclass
@@ -211,23 +217,51 @@ def _encode_in_worker(batch: Batch) -> Encoded:
     return encode(_worker_tokenizer, batch)
 
 
-def batches(sources: list[Source], options: PrepareOptions, bar: tqdm) -> Iterator[Batch]:
+def encoded_in_workers(pool: ProcessPoolExecutor, work: Iterable[Batch], ahead: int) -> Iterator[Encoded]:
+    """``work`` encoded by ``pool``, in input order, at most ``ahead`` batches in flight (reading
+    never runs further ahead of writing than that, so memory does not grow with the input). A worker
+    that dies breaks the pool, and every waiting result raises, where ``Pool.imap`` waited forever."""
+    pending: deque[Future] = deque()
+    try:
+        for batch in work:
+            pending.append(pool.submit(_encode_in_worker, batch))
+            if len(pending) >= ahead:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    except BrokenProcessPool as exc:
+        raise DataError("a tokenizing worker process died (most likely killed by the system for lack "
+                        "of memory: see dmesg); prepare again with fewer --workers") from exc
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+@dataclass
+class Reading:
+    """What ``batches`` has read: documents, and bytes of their text."""
+
+    documents: int = 0
+    bytes: int = 0
+
+
+def batches(sources: list[Source], options: PrepareOptions, bar: tqdm, reading: Reading) -> Iterator[Batch]:
     """(split of each document, its text) in input order, BATCH_DOCUMENTS at a time."""
     splits: list[str] = []
     texts: list[Document] = []
-    read = 0
     for source in sources:
         for key, text in documents(source, options.text_field):
             splits.append("val" if is_validation(key, options.val_percent) else "train")
             texts.append(text)
-            read += len(text) if isinstance(text, bytes) else len(json.dumps(text))
+            reading.documents += 1
+            reading.bytes += len(text) if isinstance(text, bytes) else len(json.dumps(text))
             bar.update(1)
             if len(texts) == BATCH_DOCUMENTS:
                 yield splits, texts
                 splits, texts = [], []
-            if options.max_bytes and read >= options.max_bytes:
+            if options.max_bytes and reading.bytes >= options.max_bytes:
                 break
-        if options.max_bytes and read >= options.max_bytes:
+        if options.max_bytes and reading.bytes >= options.max_bytes:
             break
     if texts:
         yield splits, texts
@@ -241,11 +275,19 @@ def read_manifest(directory: Path) -> dict | None:
     return manifest if manifest.get("format") == FORMAT else None
 
 
-def prepare(options: PrepareOptions, out: str | Path, progress: bool = True) -> PrepareResult:
-    """Prepare ``options.inputs`` into ``out`` (nothing to do when it is already prepared from them)."""
+def prepare(options: PrepareOptions, out: str | Path, progress: bool = True,
+            exclude: Iterable[Path] = ()) -> PrepareResult:
+    """Prepare ``options.inputs`` into ``out`` (nothing to do when it is already prepared from them).
+
+    ``out``, its staging and replaced siblings and ``exclude`` are never read as inputs: an output
+    inside an input directory would otherwise be tokenized into the next preparation."""
     out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{out} is a file, not a directory; choose another output directory")
     tokenizer = load_tokenizer(options.tokenizer)
-    sources = resolve_sources(options.inputs, options.file_glob)
+    staging = out.with_name(f".{out.name}.preparing")
+    aside = out.with_name(f".{out.name}.replaced")
+    sources = resolve_sources(options.inputs, options.file_glob, [out, staging, aside, *exclude])
     source_entries = [s.fingerprint() for s in sources]  # every input file's size and mtime, once
     digest = fingerprint(options, source_entries, tokenizer)
     existing = read_manifest(out)
@@ -255,36 +297,21 @@ def prepare(options: PrepareOptions, out: str | Path, progress: bool = True) -> 
         raise DataError(f"{out} exists and is not a prepared dataset; choose another output directory")
 
     started = time.perf_counter()
-    staging = out.with_name(f".{out.name}.preparing")
     shutil.rmtree(staging, ignore_errors=True)
-    dtype = token_dtype(tokenizer.vocab_size)
-    writers = {split: ShardWriter(staging / split, dtype, options.shard_tokens) for split in SPLITS}
-    with tqdm(desc="prepare", unit=" docs", disable=not progress, leave=False) as bar, ExitStack() as stack:
-        work = batches(sources, options, bar)
-        if options.workers > 1:
-            pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(
-                options.workers, initializer=_start_worker, initargs=(options.tokenizer,)))
-            results = pool.imap(_encode_in_worker, work)  # in input order, whatever finishes first
-        else:
-            results = (encode(tokenizer, batch) for batch in work)
-        for splits, encoded in results:
-            for split, (ids, mask) in zip(splits, encoded):
-                writers[split].add(ids, mask)
-    entries = {split: writer.entry() for split, writer in writers.items()}
-    if not entries["train"]["documents"] + entries["val"]["documents"]:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise DataError(f"{', '.join(options.inputs)}: no documents (the input is empty)")
-    manifest = {
-        "format": FORMAT, "version": VERSION, "fingerprint": digest,
-        "tokenizer": tokenizer_entry(tokenizer), "dtype": np.dtype(dtype).name,
-        "options": output_options(options),
-        "sources": source_entries, "splits": entries,
-    }
-    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    try:
+        # Made now, so that an output that cannot be written fails before the inputs are read.
+        staging.mkdir(parents=True)
+    except OSError as exc:
+        raise DataError(f"cannot create {staging} ({exc.strerror or exc}); choose an output directory "
+                        "in a writable directory") from exc
+    try:
+        manifest = write_staging(options, sources, source_entries, digest, tokenizer, staging, progress)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # a failed preparation leaves nothing behind
+        raise
     if out.exists():
         # Renamed aside before it is deleted: a crash part-way through deleting the old dataset
         # must not leave a directory at ``out`` that holds half of it.
-        aside = out.with_name(f".{out.name}.replaced")
         shutil.rmtree(aside, ignore_errors=True)
         out.rename(aside)
         staging.rename(out)
@@ -292,3 +319,37 @@ def prepare(options: PrepareOptions, out: str | Path, progress: bool = True) -> 
     else:
         staging.rename(out)
     return PrepareResult(manifest, up_to_date=False, seconds=time.perf_counter() - started)
+
+
+def write_staging(options: PrepareOptions, sources: list[Source], source_entries: list[dict], digest: str,
+                  tokenizer: Tokenizer, staging: Path, progress: bool) -> dict:
+    """Every document's tokens into shards under ``staging``, then the manifest; the manifest."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    writers = {split: ShardWriter(staging / split, dtype, options.shard_tokens) for split in SPLITS}
+    reading = Reading()
+    with tqdm(desc="prepare", unit=" docs", disable=not progress, leave=False) as bar, ExitStack() as stack:
+        work = batches(sources, options, bar, reading)
+        if options.workers > 1:
+            pool = stack.enter_context(ProcessPoolExecutor(
+                options.workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_start_worker, initargs=(options.tokenizer,)))
+            results = encoded_in_workers(pool, work, ahead=BATCHES_AHEAD * options.workers)
+        else:
+            results = (encode(tokenizer, batch) for batch in work)
+        for splits, encoded in results:
+            for split, (ids, mask) in zip(splits, encoded):
+                writers[split].add(ids, mask)
+    inputs = ", ".join(options.inputs)
+    if not reading.documents:
+        raise DataError(f"{inputs}: no documents (the input is empty)")
+    if not reading.bytes:
+        raise DataError(f"{inputs}: no text (the input is empty: {reading.documents} empty document(s))")
+    entries = {split: writer.entry() for split, writer in writers.items()}
+    manifest = {
+        "format": FORMAT, "version": VERSION, "fingerprint": digest,
+        "tokenizer": tokenizer_entry(tokenizer), "dtype": np.dtype(dtype).name,
+        "options": output_options(options),
+        "sources": source_entries, "splits": entries,
+    }
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
