@@ -1,13 +1,18 @@
 """Launching: restarts after a lost rank, one clear error line, and checks before any worker starts.
 
 Real processes throughout: the built-in launcher and plain torchrun with 2 gloo workers, faults
-injected from outside (SIGKILL of a worker, an exception in a worker).
+injected from outside (SIGKILL of a worker, an exception in a worker). The launcher's own plumbing
+(the stderr pipe, signal forwarding) is also tested with a stand-in for torchrun's agent.
 """
 
 from __future__ import annotations
 
+import os
+import resource
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -131,3 +136,105 @@ def test_outputs_are_checked_before_reading(tmp_path, uninterrupted):
     into_file = run_cli("export-hf", str(ckpt), str(tmp_path / "file"))
     assert into_file.returncode == 2 and "is a file; pass a directory" in into_file.stderr
     assert not (ckpt / "out.safetensors").exists()
+
+
+# The built-in launcher with a stand-in for torchrun's agent: argv[1] is the agent's Python code,
+# argv[2] the launch log, the rest the agent's arguments. Prints the agent's exit status.
+LAUNCHER = """
+import sys
+from pathlib import Path
+import shardtrain.cli.launch as launch
+agent = [sys.executable, "-c", sys.argv[1], *sys.argv[3:]]
+launch.torchrun_argv = lambda *args, **kwargs: agent
+status = launch.run_under_torchrun(2, ["train"], ("SIGUSR1", "SIGTERM"), 0, Path(sys.argv[2]))
+print("agent exited", status, flush=True)
+"""
+# An agent whose workers write 200 KB to stderr (tracebacks, warnings), more than a pipe holds,
+# with a log line every 1000 lines.
+NOISY_AGENT = """
+import sys
+for i in range(4000):
+    sys.stderr.write(f"[shardtrain] line {i}\\n" if i % 1000 == 0 else "x" * 50 + "\\n")
+"""
+# An agent that handles SIGHUP and SIGQUIT, as torchrun's does (--signals-to-handle), exiting
+# 100 + the signal; argv[1]: a file it writes its pid to once it handles them.
+HANDLING_AGENT = """
+import os, signal, sys, time
+for sig in (signal.SIGHUP, signal.SIGQUIT):
+    signal.signal(sig, lambda signum, frame: sys.exit(100 + signum))
+open(sys.argv[1], "w").write(str(os.getpid()))
+time.sleep(120)  # a guard: the test signals it long before
+"""
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_launch_log_that_cannot_be_written_does_not_hang_the_workers(tmp_path):
+    """run.dir's disk full: the log is dropped, the console says so once, the pipe is still read."""
+    proc = subprocess.run([sys.executable, "-c", LAUNCHER, NOISY_AGENT, "/dev/full"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=clean_env(),
+                          stdin=subprocess.DEVNULL)
+    assert proc.stdout == "agent exited 0\n", proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert [line for line in lines if line.startswith("[shardtrain] line")] == [
+        f"[shardtrain] line {i}" for i in range(0, 4000, 1000)]
+    (note,) = [line for line in lines if line.startswith("[shardtrain launcher]")]
+    assert "cannot write the launch log /dev/full (No space left on device)" in note
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_closed_console_does_not_hang_the_workers(tmp_path):
+    """The console's pipe closed: the log keeps every line and says once that the console is gone."""
+    read, write = os.pipe()
+    os.close(read)  # nobody will read the launcher's stderr
+    log = tmp_path / "launch.log"
+    try:
+        proc = subprocess.run([sys.executable, "-c", LAUNCHER, NOISY_AGENT, str(log)], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=write, text=True, timeout=120,
+                              env=clean_env(), stdin=subprocess.DEVNULL)
+    finally:
+        os.close(write)
+    assert proc.stdout == "agent exited 0\n"
+    lines = log.read_text().splitlines()
+    (note,) = [line for line in lines if line.startswith("[shardtrain launcher]")]
+    assert "cannot write the console (Broken pipe)" in note
+    assert len([line for line in lines if not line.startswith("[shardtrain launcher]")]) == 4000
+
+
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its SigCgt mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT], ids=lambda sig: sig.name)
+def test_signals_the_agent_handles_are_forwarded_to_it(tmp_path, sig):
+    """A hang-up or quit stops the agent (which stops its workers) instead of killing the launcher
+    and leaving the agent, in a session of its own, and its workers running."""
+    ready = tmp_path / "agent.pid"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, HANDLING_AGENT, str(tmp_path / "launch.log"), str(ready)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+        stdin=subprocess.DEVNULL,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)))  # no core from SIGQUIT
+    try:
+        # Once the agent handles the signal and the launcher catches it; the deadline is a guard
+        # only: past it the signal is sent anyway, and the assertions below say what went wrong.
+        guard = time.monotonic() + 60
+        while time.monotonic() < guard and launcher.poll() is None and not (
+                ready.exists() and ready.read_text() and catches(launcher.pid, sig)):
+            time.sleep(0.05)
+        launcher.send_signal(sig)
+        # Not communicate() first: an orphaned agent holds the launcher's stdout open.
+        assert launcher.wait(timeout=60) == 0, f"the launcher died of {sig.name}, its agent left running"
+        out, err = launcher.communicate(timeout=60)
+        assert out == f"agent exited {100 + sig}\n", err[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        if ready.exists() and ready.read_text():
+            try:
+                os.kill(int(ready.read_text()), signal.SIGKILL)  # an orphaned agent
+            except ProcessLookupError:
+                pass

@@ -201,3 +201,25 @@ def test_bad_run_directories_fail_with_one_line(tmp_path):
         load_run(tmp_path)
     with pytest.raises(ReportError, match="is a directory"):
         write_report([tmp_path], tmp_path)
+
+
+def test_torchrun_restarts_add_up_over_requeued_jobs(tmp_path):
+    """TORCHELASTIC_RESTART_COUNT counts from 0 again in each Slurm job: two requeued jobs that each
+    restarted once are two restarts, not the highest count (1)."""
+    run_dir = tmp_path / "requeued"
+    run_dir.mkdir()
+    ckpt = str(run_dir / "checkpoints")
+    records = []
+    # (step, resumed from, restart count): job 1 starts, torchrun restarts it; Slurm requeues, job 2
+    # resumes, torchrun restarts it.
+    for first, resumed, restarts in ((0, None, 0), (2, "step-2", 1), (4, "step-4", 0), (6, "step-6", 1)):
+        records.append({"step": first, "kind": "start", "resumed": resumed is not None,
+                        "resumed_from": f"{ckpt}/{resumed}" if resumed else None,
+                        "restart_count": restarts, "world_size": 2})
+        records += [{"step": s, "kind": "train", "loss": 1.0 / s, "tokens_seen": 64 * s}
+                    for s in (first + 1, first + 2)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "report.html"
+    write_report([run_dir], out)
+    # attempts, resumes, torchrun restarts
+    assert "<td class=num>4</td><td class=num>3</td><td class=num>2</td>" in out.read_text()

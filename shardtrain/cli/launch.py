@@ -10,11 +10,15 @@ and exit 0, and must not make torchrun's agent tear the job down as a failure. S
 its own session with those signals ignored and left out of ``--signals-to-handle``, and this
 process forwards them to the agent's worker processes (which torchrun starts in sessions of their
 own, so a process-group signal would not reach them). Finding the workers reads /proc (Linux).
+The signals the agent handles (SIGTERM when it is not a preemption signal, ``AGENT_SIGNALS``) are
+forwarded to the agent, which stops its workers: this process must not die of them first, leaving
+the agent and its workers running.
 
 Console: the workers' log lines (``[shardtrain ...]``) are shown as they come; everything else the
 agent and the workers write to stderr (tracebacks, every rank's copy of an error, torchrun's
 ``ChildFailedError`` report) goes to a log file under ``run.dir/logs/``, and the caller prints one
-line naming the rank that failed first.
+line naming the rank that failed first. The agent's stderr is read to its end even when the log or
+the console can no longer be written.
 """
 
 from __future__ import annotations
@@ -58,14 +62,50 @@ def agent_env(max_restarts: int) -> dict[str, str]:
     return env
 
 
-def split_stderr(stream: IO[str], log: IO[str]) -> None:
-    """Workers' log lines to the console, every line to the log file."""
+# How the launcher tags the lines it adds itself (a log line, so the console keeps it).
+LAUNCHER_TAG = f"{LOG_PREFIX} launcher]"
+
+
+def write_line(sink: IO[str], line: str) -> str | None:
+    """None once ``line`` is written, else why it could not be."""
+    try:
+        sink.write(line)
+        sink.flush()
+    except (OSError, ValueError) as exc:  # ValueError: the file was closed
+        return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    return None
+
+
+def split_stderr(stream: IO[str], log: IO[str], console: IO[str] | None = None) -> None:
+    """Workers' log lines to the console (default ``sys.stderr``), every line to the log file.
+
+    The pipe is read to its end whatever happens to the sinks: once nobody reads it, every worker
+    blocks at its next stderr write and the job hangs. A sink that fails (run.dir's disk full, the
+    console's pipe closed) is dropped, and the other one told once.
+    """
+    sinks: dict[str, IO[str] | None] = {"log": log, "console": sys.stderr if console is None else console}
     for line in stream:
-        log.write(line)
-        log.flush()
-        if line.startswith(LOG_PREFIX):
-            sys.stderr.write(line)
-            sys.stderr.flush()
+        for name, other in (("log", "console"), ("console", "log")):
+            sink = sinks[name]
+            if sink is None or (name == "console" and not line.startswith(LOG_PREFIX)):
+                continue
+            why = write_line(sink, line)
+            if why is None:
+                continue
+            sinks[name] = None
+            if name == "log":
+                note = (f"cannot write the launch log {getattr(log, 'name', '')} ({why}); the workers' "
+                        "stderr other than their log lines is lost from here on")
+            else:
+                note = f"cannot write the console ({why}); the workers' log lines go to this file only"
+            if sinks[other] is not None and write_line(sinks[other], f"{LAUNCHER_TAG} {note}\n"):
+                sinks[other] = None
+
+
+def close_quietly(log: IO[str]) -> None:
+    # A log that could not be written fails again on close, with the lines split_stderr has dropped.
+    with contextlib.suppress(OSError):
+        log.close()
 
 
 def child_processes() -> dict[int, list[int]]:
@@ -106,7 +146,9 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
     sys.stdout.flush()
     sys.stderr.flush()
     with contextlib.ExitStack() as stack:
-        log = stack.enter_context(open(log_file, "a")) if log_file is not None else None
+        log = open(log_file, "a") if log_file is not None else None
+        if log is not None:
+            stack.callback(close_quietly, log)
         agent = subprocess.Popen(torchrun_argv(nproc, command, preemption_signals, max_restarts),
                                  env=agent_env(max_restarts), preexec_fn=ignore_preemption_signals,
                                  start_new_session=True, text=True, errors="replace",
@@ -128,7 +170,9 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
                 except ProcessLookupError:
                     pass
 
-        for sig in {*signals, signal.SIGINT, signal.SIGTERM}:
+        # Every signal the agent handles, too: left at its default, SIGHUP or SIGQUIT would kill this
+        # process and leave the agent (in a session of its own) and the workers running.
+        for sig in {*signals, *(getattr(signal, name) for name in ("SIGTERM", *AGENT_SIGNALS))}:
             signal.signal(sig, forward)
         status = agent.wait()
         if reader is not None:

@@ -83,7 +83,9 @@ def _runs_table(runs: list[Run], colours: dict[str, str]) -> str:
         losses = run.values("train", "loss")[1]
         vals = [v for v in run.values("train", "val_loss")[1] if v is not None]
         resumes = sum(1 for s in run.starts if s.resumed_from)
-        restarts = max((s.restart_count for s in run.starts), default=0)
+        # TORCHELASTIC_RESTART_COUNT counts from 0 again in each requeued Slurm job: the attempts a
+        # restart started add up over the jobs, the highest count does not.
+        restarts = sum(1 for s in run.starts if s.restart_count > 0)
         worlds = sorted({s.world_size for s in run.starts if s.world_size})
         skipped = f"; {run.unreadable_lines} unreadable line(s) skipped" if run.unreadable_lines else ""
         rows.append(
