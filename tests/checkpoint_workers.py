@@ -7,6 +7,8 @@ import datetime
 import json
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ import torch
 from equivalence import case_config, small_corpus
 
 from shardtrain.distributed.env import lazily_connected_gloo_group
+from shardtrain.errors import CheckpointError
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.loop import Trainer
 
@@ -59,6 +62,56 @@ def dump(trainer: Trainer, losses: list[float], path: Path) -> None:
         torch.save({"losses": losses, "weights": weights, "ids": ids}, path)
 
 
+@contextmanager
+def fsynced_paths() -> Iterator[list[str]]:
+    """The paths of the files and directories this process fsyncs inside the block."""
+    paths: list[str] = []
+    real = os.fsync
+
+    def record(fd) -> None:
+        fd = fd if isinstance(fd, int) else fd.fileno()
+        paths.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    os.fsync = record
+    try:
+        yield paths
+    finally:
+        os.fsync = real
+
+
+def refused_then_restarted(out: str, world: int) -> None:
+    """resume=PATH from an older step of a run.dir that holds later checkpoints of another run:
+    refused on every rank before anything is saved or deleted, on a restarted attempt too (torchrun
+    restarts a refused attempt); a restarted attempt or requeued job whose earlier one saved later
+    checkpoints goes on from the newest of them."""
+    root = Path(out, "full", "checkpoints")
+    before = sorted(p.name for p in root.iterdir())
+    source = f"{out}/full/checkpoints/step-{N}"
+    older = ckpt_config(f"{out}/full", world, resume=source)
+    refusal = f"is step {N}, but {root} already holds later checkpoints (step-6, step-8)"
+    for restart_count in ("0", "1"):
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = restart_count
+        try:
+            new_trainer(older)
+        except CheckpointError as exc:
+            assert refusal in str(exc), exc
+        else:
+            raise AssertionError(f"not refused at restart count {restart_count}")
+        finally:
+            del os.environ["TORCHELASTIC_RESTART_COUNT"]
+        assert sorted(p.name for p in root.iterdir()) == before == [f"step-{N}", "step-6", "step-8"]
+    # from_async resumed from full's step-N and saved its own step-2N: a restart, or a requeued job
+    # of the same command (restart count 0 again), goes on from there
+    for restart_count in ("1", "0"):
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = restart_count
+        try:
+            restarted = new_trainer(ckpt_config(f"{out}/from_async", world, resume=source))
+        finally:
+            del os.environ["TORCHELASTIC_RESTART_COUNT"]
+        assert restarted.result.resumed_from == f"{out}/from_async/checkpoints/step-{2 * N}", restart_count
+
+
 def exact_resume(out: str) -> None:
     """2 ranks: uninterrupted 2N steps vs N steps, stop, resume from run.dir, N more.
 
@@ -73,13 +126,22 @@ def exact_resume(out: str) -> None:
                                          resume=f"{out}/full/checkpoints/step-{N}"))
     dump(from_async, from_async.fit().losses, Path(out, "from_async.pt"))
 
-    first = new_trainer(ckpt_config(f"{out}/split", world))
-    interrupted(first, N)
+    cfg = ckpt_config(f"{out}/split", world)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, save_full=True)
+    first = new_trainer(cfg)
+    with fsynced_paths() as synced:
+        interrupted(first, N)
+    # Every file of the save, and the directory's entries, are on disk before it is renamed complete.
+    tmp = Path(out, "split", "checkpoints", f".step-{N}.tmp").resolve()
+    assert str(tmp / f"rng-rank{first.env.rank}.pt") in synced, synced
+    if first.env.is_main:
+        assert {str(tmp / "model.safetensors"), str(tmp)} <= set(synced), synced
     losses = list(first.result.losses)
     second = new_trainer(ckpt_config(f"{out}/split", world))  # resume=auto finds step-N
     assert second.step == N and second.result.resumed_from.endswith(f"step-{N}")
     losses += second.fit().losses
     dump(second, losses, Path(out, "split.pt"))
+    refused_then_restarted(out, world)
 
 
 def bytes_read() -> int:

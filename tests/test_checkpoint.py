@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import pickle
+import re
 
 import pytest
 import torch
@@ -17,7 +19,10 @@ from checkpoint_workers import (
 from distributed import run_on_ranks
 from safetensors.torch import load_file
 
-from shardtrain.checkpoint import staging
+from shardtrain.checkpoint import layout, staging
+from shardtrain.checkpoint.inspect import inspect_path
+from shardtrain.checkpoint.state import STATE_FILE, TrainState
+from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import consolidate
 
 
@@ -110,6 +115,18 @@ def test_consolidation_is_bitwise_and_init_from_loads_it(four_rank_checkpoint, t
     bf16 = load_file(consolidate(ckpt, tmp_path / "bf16.safetensors", dtype="bf16")[0])
     assert all(t.dtype == torch.bfloat16 for t in bf16.values())
 
+    # Never written over or beside an earlier export's files (a reader would take theirs)
+    index = (tmp_path / "sharded" / "model.safetensors.index.json").read_text()
+    for out, message in ((tmp_path / "sharded", "already holds model files (model-00001-of-"),
+                         (tmp_path / "one", "already holds model files (model.safetensors)"),
+                         (single[0], "already exists; choose a new file name"),
+                         (tmp_path / "sharded" / "model.safetensors",
+                          "already holds model.safetensors.index.json")):
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            consolidate(ckpt, out, max_shard_size="20KB" if out.suffix != ".safetensors" else None)
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").read_text() == index
+    assert not (tmp_path / "sharded" / "model.safetensors").exists()
+
     # model.init_from: from the safetensors file at 2 ranks, from the DCP directory at 1 rank
     run_on_ranks(init_from, 2, str(tmp_path), str(single[0]), tmp_path=tmp_path)
     run_on_ranks(init_from, 1, str(tmp_path), str(ckpt), tmp_path=tmp_path)
@@ -137,16 +154,65 @@ def test_consolidate_lightning_sharded_checkpoint(tmp_path, layout, prefix):
     from cli_utils import run_cli
 
     tensors = {"layer.weight": torch.randn(6, 5), "layer.bias": torch.randn(6),
-               "head.weight": torch.randn(3, 6).to(torch.bfloat16)}
+               "head.weight": torch.randn(3, 6).to(torch.bfloat16),
+               "norm.num_batches_tracked": torch.tensor(123456789), "ids": torch.arange(300, 310)}
     ckpt = tmp_path / "last.ckpt"
     lightning_checkpoint(ckpt, layout, tensors)
     files = consolidate(ckpt, tmp_path / "out")
     weights = load_file(files[0])
     assert set(weights) == {prefix + k for k in tensors}  # no optimizer state, no _orig_mod.
     assert all(torch.equal(weights[prefix + k], v) for k, v in tensors.items())
+    # --dtype casts the floating-point tensors only; integers keep their values, and the index
+    # counts each tensor's bytes in the dtype it is written in
+    files = consolidate(ckpt, tmp_path / "bf16", dtype="bf16", max_shard_size="100B")
+    cast = {k: v for f in files if f.suffix == ".safetensors" for k, v in load_file(f).items()}
+    for name, v in tensors.items():
+        written = cast[prefix + name]
+        assert written.dtype == (torch.bfloat16 if v.is_floating_point() else v.dtype), name
+        assert v.is_floating_point() or torch.equal(written, v), name
+    index = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in cast.values())
     report = run_cli("inspect", str(ckpt), timeout=60)
     assert report.returncode == 0, report.stdout + report.stderr
     assert "Lightning sharded checkpoint" in report.stdout and "global step: 7" in report.stdout
+
+
+def test_metadata_that_is_not_dcps_is_a_checkpoint_error(tmp_path):
+    (tmp_path / ".metadata").write_bytes(pickle.dumps({"not": "dcp"}))
+    with pytest.raises(CheckpointError, match="holds a dict, not DCP's Metadata"):
+        layout.verify(tmp_path, need_state=False)
+    with pytest.raises(CheckpointError, match="holds a dict, not DCP's Metadata"):
+        consolidate(tmp_path, tmp_path.parent / "out")
+    report = inspect_path(tmp_path)
+    assert not report.complete and "holds a dict, not DCP's Metadata" in report.render()
+
+
+def test_trainer_state_fields_are_type_checked(tmp_path):
+    fields = dict(step=6, tokens_seen=96, consumed_samples=12, global_batch=2,
+                  scheduler={"last_epoch": 6}, world_size=1, strategy="FULL_SHARD", mesh_shape=[1],
+                  mesh_dim_names=["dp_shard"], mixed_precision="fp32", config={}, config_hash="abc",
+                  versions={"torch": "2"}, saved_at="now")
+    TrainState(**fields).write(tmp_path)
+    assert TrainState.read(tmp_path) == TrainState(**fields)
+    raw = json.loads((tmp_path / STATE_FILE).read_text())
+    for name, value, expected in (("step", "6", "int"), ("step", True, "int"),
+                                  ("scheduler", None, "dict"), ("mesh_shape", [1, "2"], "list[int]"),
+                                  ("base_weights", [1], "dict[str, Any] | None")):
+        (tmp_path / STATE_FILE).write_text(json.dumps({**raw, name: value}))
+        message = rf"field '{name}' is .*, not of type {re.escape(expected)}"
+        with pytest.raises(CheckpointError, match=message):
+            TrainState.read(tmp_path)
+
+
+def test_prune_keeps_the_checkpoint_just_saved(tmp_path):
+    """keep_last counts the steps up to the one just committed, never a later one (left by another
+    run in the same directory), nor one whose checksums failed: it deleted the new checkpoint."""
+    for step in (2, 4, 5, 8, 10):
+        (tmp_path / f"step-{step}").mkdir()
+        (tmp_path / f"step-{step}" / STATE_FILE).write_text("{}")
+    damaged = {tmp_path / "step-2"}
+    assert layout.prune(tmp_path, 5, 1, damaged) == [tmp_path / "step-4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-2", "step-5", "step-8"]
 
 
 def test_async_staging_reuses_its_buffers_and_copies_new_values():

@@ -137,6 +137,18 @@ def two_rank_run(tmp_path_factory):
     return run_dir, [r["loss"] for r in read_metrics(run_dir)]
 
 
+def test_resume_from_an_older_step_refuses_later_checkpoints_before_launch(two_rank_run):
+    """resume=PATH back to step 4 where steps 6-10 of another start lie: the run would save over
+    them (its keep_last pruned its own new save, then it stopped at step-6); refused in one line by
+    the launching process, nothing touched."""
+    run_dir = two_rank_run[0]
+    ckpts = run_dir / "checkpoints"
+    proc = run_cli("train", *QUICK, *TEN_STEPS, f"checkpoint.resume={ckpts / 'step-4'}", f"run.dir={run_dir}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "already holds later checkpoints (step-6, step-8, step-10)" in error_line(proc), proc.stderr[-999:]
+    assert sorted(int(p.name[5:]) for p in ckpts.iterdir()) == [2, 4, 6, 8, 10]
+
+
 def test_manifest_covers_every_file_and_rng_loads_weights_only(good_checkpoint, caplog):
     import torch
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -83,7 +84,24 @@ def test_export_check_fails_on_corrupted_weights(tmp_path):
     ckpt, out = run_dir / "checkpoints" / "step-2", tmp_path / "hf"
     bf16 = run_cli("export-hf", str(ckpt), str(out), "--dtype", "bf16")
     assert bf16.returncode == 0 and "verified" in bf16.stdout, bf16.stderr[-3000:]  # rounded alike
-    export_hf(ckpt, out)  # overwrite in fp32, then damage one weight as a bad converter would
+    # Never over an earlier export: its files left beside the new ones would be loaded instead
+    written = sorted(p.name for p in out.iterdir())
+    with pytest.raises(CheckpointError, match=f"output directory {out} already holds model files"):
+        export_hf(ckpt, out, max_shard_size="40KB")
+    assert sorted(p.name for p in out.iterdir()) == written
+    out = tmp_path / "hf32"
+    export_hf(ckpt, out)  # in fp32, then damage one weight as a bad converter would
+    # An earlier export's shards and index beside the single file: transformers loads the file, the
+    # check read the index
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model.safetensors"}  # a one-shard export's own
+    shutil.copyfile(out / "model.safetensors", out / "model-00001-of-00001.safetensors")
+    (out / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": {
+        name: "model-00001-of-00001.safetensors" for name in index["weight_map"]}}))
+    with pytest.raises(CheckpointError, match="export check failed: .* holds both model.safetensors and"):
+        verify_export(ckpt, out)
+    (out / "model-00001-of-00001.safetensors").unlink()
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
     state = load_file(out / "model.safetensors")
     state["model.layers.0.self_attn.q_proj.weight"][0] += 1.0
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -95,6 +113,21 @@ def test_export_check_fails_on_corrupted_weights(tmp_path):
         verify_export(ckpt, out)
     skipped = run_cli("export-hf", str(ckpt), str(tmp_path / "unchecked"), "--no-verify")
     assert skipped.returncode == 0 and "verified" not in skipped.stdout
+
+
+def test_export_dtype_casts_floating_point_tensors_only(tmp_path):
+    from shardtrain.config.schema import ModelConfig
+    from shardtrain.export.hf import write_hf_directory
+
+    cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=32, max_seq_len=16)
+    part = {"tok_embeddings.weight": torch.randn(32, 16), "norm.weight": torch.arange(16) * 1000003}
+    write_hf_directory(cfg, tmp_path, [lambda: dict(part)], "bf16")
+    written = load_file(tmp_path / "model.safetensors")
+    assert written["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert torch.equal(written["model.norm.weight"], part["norm.weight"])  # not rounded to bf16
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 32 * 16 * 2 + 16 * 8
 
 
 def test_export_check_holds_neither_model_whole(tmp_path):

@@ -72,6 +72,14 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def write_rng_state(file: Path) -> None:
+    """This process's RNG states into ``file``, fsynced as DCP's own files are before the commit."""
+    with open(file, "wb") as f:
+        torch.save(rng_state(), f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     n = state["numpy"]
@@ -170,19 +178,20 @@ class Checkpointer:
     def resume_path(self) -> Path | None:
         """The checkpoint ``checkpoint.resume`` selects, or None to start fresh."""
         choice = self.ckpt.resume
-        if choice != "auto" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
-            # A restarted attempt goes on from this run's newest checkpoint, not from the start's
-            # choice (which would repeat or refuse the steps the failed attempt saved).
-            found = layout.candidates(self.root)
-            if found.complete:
-                self.info(f"resume: restart attempt, using this run's checkpoints (not resume={choice})")
-                choice = "auto"
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+        if choice != "auto" and self.saved_by_earlier_attempt(choice, restarted):
+            # A restarted attempt or a requeued job goes on from this run's newest checkpoint, not
+            # from the start's choice (which would repeat or refuse the steps it saved before).
+            self.info(f"resume: this run's checkpoints after resume={choice} were saved by an earlier "
+                      "attempt or job of it: going on from the newest")
+            choice = "auto"
         if choice == "none":
             layout.refuse_fresh_start(self.root)
             return None
         if choice != "auto":
             path = Path(choice).expanduser()
-            self.verified_metadata = (path, self.verify_agreed(path))  # fails rather than falls back
+            # fails rather than falls back
+            self.verified_metadata = (path, self.verify_agreed(path, refuse_newer=True))
             return path
         found = layout.candidates(self.root)
         for path, why in found.skipped:
@@ -206,17 +215,31 @@ class Checkpointer:
             )
         return None
 
-    def verify_agreed(self, path: Path) -> Any:
+    def saved_by_earlier_attempt(self, choice: str, restarted: bool) -> bool:
+        """Whether the run's checkpoints after the one ``choice`` names were saved by an earlier
+        attempt (a torchrun restart) or job (a Slurm requeue) of this run, not left by another run
+        (whose later steps are refused: going on from them would undo that refusal). The attempts
+        share their ``checkpoint.resume``, recorded in each checkpoint's config; every rank reads
+        the same files. ``resume=none`` started only where there were no checkpoints: a restart
+        goes on from its own, a new job refuses them (``refuse_fresh_start``)."""
+        if choice == "none":
+            return restarted and bool(layout.candidates(self.root).complete)
+        return layout.saved_by_same_resume(self.root, choice)
+
+    def verify_agreed(self, path: Path, refuse_newer: bool = False) -> Any:
         """DCP's metadata of the checkpoint at ``path``, checked by every rank and agreed on.
 
         Each rank runs the structure checks and hashes its share of the recorded files (about
         1/world of the bytes); one all-gather of the verdicts (the path each rank checked and any
         error included) makes every rank return, or raise the same error, together: no rank goes on
-        alone to a later collective or to another checkpoint.
+        alone to a later collective or to another checkpoint. ``refuse_newer`` (a resume from a
+        path given by hand) also refuses a run directory that holds later checkpoints than it.
         """
         metadata, files = None, None
         try:
             metadata = layout.verify(path)
+            if refuse_newer:
+                layout.refuse_newer_checkpoints(self.root, path)
             files = integrity.read_manifest(path) if self.ckpt.verify_checksums else None
             share = [] if files is None else integrity.verification_share(files, self.rank, self.world_size)
             verdict = (str(path), None, {} if files is None else integrity.damaged_files(path, files, share))
@@ -265,7 +288,7 @@ class Checkpointer:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         dist.barrier(group=self.group)
-        torch.save(rng_state(), tmp / f"rng-rank{self.rank}.pt")
+        write_rng_state(tmp / f"rng-rank{self.rank}.pt")
         faults.inject("save", self.rank, step)
         if self.ckpt.save_full:
             self.save_full_weights(tmp / "model.safetensors")
@@ -317,6 +340,7 @@ class Checkpointer:
         )
         if self.rank == 0:
             save_file({k: v.contiguous() for k, v in full.items()}, str(path))
+            layout.fsync_path(path)  # durable before the commit, as DCP's files are
 
     def commit(self, step: int, tmp: Path, trainer_state: TrainState) -> None:
         """Every rank hashes the files it wrote (their pages are still cached), rank 0 gathers the
@@ -335,10 +359,13 @@ class Checkpointer:
             raise CheckpointError(f"save of step {step} produced no DCP metadata in {tmp}")
         integrity.write_manifest(tmp, {name: e for part in gathered for name, e in part.items()})
         trainer_state.write(tmp)  # stays the last file written
+        # The files' names in the directory must be on disk before it is renamed complete: a crash
+        # must not leave a step-N whose entries were lost.
+        layout.fsync_path(tmp)
         final = layout.step_dir(self.root, step)
         tmp.rename(final)
-        layout.fsync_dir(self.root)
-        self.prune()
+        layout.fsync_path(self.root)
+        self.prune(step)
 
     def finish_async(self, written: Future, step: int, tmp: Path, trainer_state: TrainState) -> None:
         written.result()
@@ -346,15 +373,10 @@ class Checkpointer:
         # next save (which waits for this one): the group sees one sequence of collectives.
         self.commit(step, tmp, trainer_state)
 
-    def prune(self) -> None:
-        # Names only: a step-N directory is complete by construction (renamed after its last file),
-        # and reading every kept checkpoint's metadata after each save would cost a storm of reads.
-        complete = [c for c in layout.candidates(self.root).complete if c[1] not in self.damaged]
-        for _, path in complete[: max(0, len(complete) - self.ckpt.keep_last)]:
-            # Rename first: a crash while deleting must not leave a half directory named step-N.
-            doomed = path.with_name(f".{path.name}.deleting")
-            path.rename(doomed)
-            shutil.rmtree(doomed)
+    def prune(self, committed: int) -> None:
+        """Checkpoints beyond ``keep_last`` up to the step just committed; never that one, nor a
+        later step, nor one whose checksums failed at resume."""
+        for path in layout.prune(self.root, committed, self.ckpt.keep_last, self.damaged):
             self.info(f"checkpoint: deleted {path.name} (checkpoint.keep_last={self.ckpt.keep_last})")
 
     def poll(self) -> None:

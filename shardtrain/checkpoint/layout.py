@@ -19,8 +19,11 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+from torch.distributed.checkpoint.metadata import Metadata
 
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.errors import CheckpointError
@@ -39,7 +42,7 @@ def tmp_dir(root: Path, step: int) -> Path:
     return root / f".step-{step}.tmp"
 
 
-def read_dcp_metadata(path: Path):
+def read_dcp_metadata(path: Path) -> Metadata:
     """DCP's metadata, or a CheckpointError that says what is wrong with ``path``."""
     if not path.exists():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
@@ -59,9 +62,15 @@ def read_dcp_metadata(path: Path):
         )
     try:
         with open(meta_file, "rb") as f:
-            return pickle.load(f)
+            metadata = pickle.load(f)
     except Exception as exc:  # a truncated or foreign pickle raises many different types
         raise CheckpointError(f"checkpoint {str(path)!r}: .metadata is unreadable ({exc})") from exc
+    if not isinstance(metadata, Metadata):  # every reader after this takes DCP's attributes for granted
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: .metadata holds a {type(metadata).__name__}, not DCP's "
+            "Metadata (this is not a DCP checkpoint, or the file was replaced); use another checkpoint"
+        )
+    return metadata
 
 
 def check_shard_files(path: Path, metadata) -> None:
@@ -124,12 +133,68 @@ def candidates(root: Path) -> Found:
     return Found(complete, skipped)
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def newer_checkpoints(root: Path, step: int) -> list[Path]:
+    """The complete checkpoints in ``root`` saved at a later step than ``step``, oldest first."""
+    return [path for saved, path in candidates(root).complete if saved > step]
+
+
+def recorded_resume(path: Path) -> str | None:
+    """The ``checkpoint.resume`` of the run that saved ``path``; None where it cannot be read."""
+    try:
+        return TrainState.read(path).config.get("checkpoint", {}).get("resume")
+    except CheckpointError:
+        return None
+
+
+def saved_by_same_resume(root: Path, choice: str) -> bool:
+    """Whether the checkpoints in ``root`` after the one ``checkpoint.resume=choice`` names were all
+    saved by runs started with that same choice: a restarted attempt or a requeued job of this run,
+    which goes on from them, not from ``choice`` again (it would repeat the steps and collide with
+    its own saves). Later checkpoints of any other run are refused (``refuse_newer_checkpoints``)."""
+    try:
+        step = TrainState.read(Path(choice).expanduser()).step
+    except CheckpointError:  # gone (pruned by this run's saves) or unreadable: every one is later
+        step = -1
+    later = newer_checkpoints(root, step)
+    return bool(later) and all(recorded_resume(path) == choice for path in later)
+
+
+def refuse_newer_checkpoints(root: Path, resumed: Path) -> None:
+    """``checkpoint.resume=PATH`` must not go on in a ``root`` that already holds later steps: its
+    saves would count them for ``keep_last`` and stop at the first step that exists, and a later
+    ``resume=auto`` would go back to them."""
+    step = TrainState.read(resumed).step
+    if newer := newer_checkpoints(root, step):
+        names = ", ".join(path.name for path in newer)
+        raise CheckpointError(
+            f"checkpoint.resume={resumed} is step {step}, but {root} already holds later checkpoints "
+            f"({names}) that this run would collide with; move them out of {root} or choose a new run.dir"
+        )
+
+
+def prune(root: Path, committed: int, keep_last: int, exclude: set[Path]) -> list[Path]:
+    """Delete complete checkpoints beyond the newest ``keep_last`` up to step ``committed`` (the one
+    just saved); returns the deleted ones. Later steps and ``exclude`` are neither counted nor deleted:
+    the checkpoint just committed is always kept."""
+    # Names only: a step-N directory is complete by construction (renamed after its last file),
+    # and reading every kept checkpoint's metadata after each save would cost a storm of reads.
+    kept = [path for step, path in candidates(root).complete if step <= committed and path not in exclude]
+    doomed = kept[: max(0, len(kept) - max(1, keep_last))]
+    for path in doomed:
+        # Rename first: a crash while deleting must not leave a half directory named step-N.
+        deleting = path.with_name(f".{path.name}.deleting")
+        path.rename(deleting)
+        shutil.rmtree(deleting)
+    return doomed
 
 
 def detect_format(path: Path) -> str:

@@ -7,6 +7,7 @@ this layout; ``inspect``, ``model.init_from`` and generation read it.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 from pathlib import Path
@@ -21,6 +22,12 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Metadata key under which shardtrain stores the model config in a consolidated file.
 MODEL_CONFIG_KEY = "shardtrain_model_config"
+# What readers of a model directory take from it (weights, indexes, configs, tokenizers): left by an
+# earlier export beside a new one, they would be loaded instead of it (transformers prefers
+# model.safetensors to an index) or mixed with it.
+MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt",
+               "*.pth", "*.gguf", "config.json", "generation_config.json", "adapter_config.json",
+               "tokenizer*", "special_tokens_map.json", "chat_template.jinja")
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
           "U8": torch.uint8, "BOOL": torch.bool}
@@ -62,6 +69,47 @@ def weight_files(directory: Path) -> list[Path]:
         return [directory / SINGLE_FILE]
     raise CheckpointError(f"{directory} has no {SINGLE_FILE} or {INDEX_FILE} (only safetensors "
                           "Hugging Face checkpoints are supported)")
+
+
+def model_files(directory: Path) -> list[str]:
+    """The names in ``directory`` that a model directory's readers would read (``MODEL_FILES``)."""
+    if not directory.is_dir():
+        return []
+    return sorted(entry.name for entry in directory.iterdir()
+                  if any(fnmatch.fnmatch(entry.name, pattern) for pattern in MODEL_FILES))
+
+
+def check_new_output(out: Path) -> None:
+    """An export's output must not mix with files already there: a directory that holds model files
+    (see ``MODEL_FILES``), or a ``.safetensors`` file that exists (or a single file written beside an
+    index), is refused. Nothing is deleted: the user's files stay as they are."""
+    if out.suffix == ".safetensors":
+        if out.exists():
+            raise CheckpointError(f"{out} already exists; choose a new file name or delete it first")
+        if out.name == SINGLE_FILE and (out.parent / INDEX_FILE).exists():
+            raise CheckpointError(f"{out.parent} already holds {INDEX_FILE}, which readers would take "
+                                  f"instead of the new {SINGLE_FILE}; choose a new directory or empty it")
+        return
+    check_new_directory(out)
+
+
+def check_new_directory(out: Path) -> None:
+    """An export's output directory: refused if it holds model files (``MODEL_FILES``) already."""
+    if found := model_files(out):
+        listed = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise CheckpointError(f"output directory {out} already holds model files ({listed}) that would "
+                              "be mixed with the new ones; choose a new directory or empty it")
+
+
+def check_one_layout(directory: Path) -> None:
+    """A single file beside an index of other shards: transformers loads the file, shardtrain's
+    readers the index's shards, so which weights a reader gets depends on the reader. (An index of
+    the single file alone, as a one-shard export writes, names the same weights.)"""
+    single, index = directory / SINGLE_FILE, directory / INDEX_FILE
+    if single.is_file() and index.is_file() and indexed_files(index) != [single]:
+        raise CheckpointError(f"{directory} holds both {SINGLE_FILE} and an {INDEX_FILE} of other "
+                              "shards: transformers loads the first, other readers the second; write "
+                              "the export to a new directory")
 
 
 def file_metadata(path: Path) -> dict[str, str]:

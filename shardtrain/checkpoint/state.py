@@ -13,6 +13,8 @@ import json
 import os
 import platform
 import time
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,4 +140,34 @@ class TrainState:
         if missing:
             raise CheckpointError(f"checkpoint {str(directory)!r}: {STATE_FILE} lacks {missing}; the file "
                                   "is damaged, use another checkpoint")
+        # A wrong type would otherwise surface far from here, as a traceback inside the resume.
+        hints = typing.get_type_hints(cls)
+        for name in sorted(names & set(raw)):
+            if not has_type(raw[name], hints[name]):
+                raise CheckpointError(
+                    f"checkpoint {str(directory)!r}: {STATE_FILE} field {name!r} is "
+                    f"{json.dumps(raw[name])[:60]}, not of type {type_name(hints[name])}; the file is "
+                    "damaged, use another checkpoint")
         return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+def has_type(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a field's annotation (int, str, list[int], dict[str, Any], X | None)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (types.UnionType, typing.Union):
+        return any(has_type(value, arg) for arg in args)
+    if hint is type(None):
+        return value is None
+    if hint is int:  # JSON's true/false load as bools, which Python counts as ints
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        return isinstance(value, list) and all(has_type(item, args[0]) for item in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(has_type(item, args[1]) for item in value.values())
+    return isinstance(value, hint)
+
+
+def type_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")

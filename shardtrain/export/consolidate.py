@@ -5,7 +5,9 @@ Reads shardtrain checkpoints, Lightning's sharded FSDP checkpoints (``meta.pt`` 
 ``model.``) and plain DCP directories. Only the tensors of the current output shard are ever in
 memory, so peak memory is about the largest output shard, not the model. No process group needed.
 The checksums a shardtrain checkpoint records are verified first (``verify=False``, the CLI's
-``--skip-checksums``, skips that), so damage is named instead of surfacing as a torch error.
+``--skip-checksums``, skips that), so damage is named instead of surfacing as a torch error. An
+output that already holds model files is refused (``check_new_output``): an earlier export's files
+left beside the new ones would be read instead of them.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from shardtrain.checkpoint import integrity, layout
-from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY, save_shard, shard_name, write_index
+from shardtrain.checkpoint.safetensors_files import (
+    MODEL_CONFIG_KEY,
+    check_new_output,
+    save_shard,
+    shard_name,
+    write_index,
+)
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.config.plan import DTYPES
 from shardtrain.config.sizes import parse_size
@@ -46,6 +54,12 @@ def model_prefix(keys: list[str], fmt: str, key: str | None) -> str:
         raise CheckpointError(f"no tensors under {prefix!r} in this checkpoint; its top-level keys are "
                               f"{tops}: pass --key with the one that holds the model")
     return prefix
+
+
+def written_dtype(stored: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor is written in: ``--dtype`` casts floating-point tensors only (an integer
+    buffer such as a step count or token ids would lose its values)."""
+    return cast if cast is not None and stored.is_floating_point else stored
 
 
 def clean_name(name: str, prefix: str) -> str:
@@ -93,7 +107,7 @@ def plan_shards(path: Path, max_shard_bytes: int | None, dtype: torch.dtype | No
     current = total = 0
     for entry in selected:
         meta = entry[2]
-        size = meta.size.numel() * (dtype or meta.properties.dtype).itemsize
+        size = meta.size.numel() * written_dtype(meta.properties.dtype, dtype).itemsize
         if max_shard_bytes and shards[-1] and current + size > max_shard_bytes:
             shards.append([])
             current = 0
@@ -129,6 +143,7 @@ def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | N
         raise CheckpointError(f"--dtype {dtype!r} must be one of {', '.join(DTYPES)}")
     cast = DTYPES.get(dtype) if dtype else None
     limit = parse_size(max_shard_size, "--max-shard-size") if max_shard_size else None
+    check_new_output(out)  # before reading anything: files of an earlier export must not mix in
     plan = plan_shards(path, limit, cast, key)  # the structure first: cheap, and the precise message
     if verify:
         # then every byte of the files it reads (not the RNG files, nor files of optimizer state only)
@@ -152,7 +167,7 @@ def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | N
         tensors = {}
         for ckpt_key, out_name, _ in entries:
             t = loaded.pop(ckpt_key)
-            tensors[out_name] = (t.to(cast) if cast is not None else t).contiguous()
+            tensors[out_name] = t.to(written_dtype(t.dtype, cast)).contiguous()
             weight_map[out_name] = name
         save_shard(tensors, directory / name, metadata)
         files.append(directory / name)

@@ -3,8 +3,9 @@
 Streams one consolidated shard at a time and converts tensor by tensor. The built-in Llama goes
 through its state-dict adapter (``models/llama_hf_adapter.py``) into a ``LlamaForCausalLM``; a
 ``model.name=hf`` model already has transformers' names (under ``hf.``) and gets its own directory's
-config.json, generation config and tokenizer files back. The self-check after writing loads the
-directory with transformers (``export/verify.py``). Importing goes the other way through
+config.json, generation config and tokenizer files back. An output directory that already holds
+model files is refused, never written into. The self-check after writing loads the directory with
+transformers (``export/verify.py``). Importing goes the other way through
 ``model.init_from=hf:<dir>`` (built-in Llama) or ``model.name=hf`` (``checkpoint/weights.py``).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -19,12 +21,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shardtrain.checkpoint.safetensors_files import save_shard, shard_name, write_index
+from shardtrain.checkpoint.safetensors_files import check_new_directory, save_shard, shard_name, write_index
 from shardtrain.checkpoint.weights import model_config_of
 from shardtrain.config.plan import DTYPES, dtype_name
 from shardtrain.config.schema import ModelConfig
 from shardtrain.data.tokenizer import TOKENIZER_FILES
-from shardtrain.export.consolidate import consolidate
+from shardtrain.export.consolidate import consolidate, written_dtype
 from shardtrain.generation.generate import shared_parameter_names
 from shardtrain.models.hf import HFCausalLM
 from shardtrain.models.hf_directory import CONFIG_FILE, hf_name, model_directory
@@ -60,11 +62,13 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
     """A transformers-loadable directory from a shardtrain checkpoint (or its safetensors)."""
     src, out = Path(checkpoint), Path(out_dir)
     cfg = model_config_of(src)
+    check_new_directory(out)  # before the consolidation's work, not after it
     out.mkdir(parents=True, exist_ok=True)
     # Stream: consolidate shard by shard into a staging area, then rename and permute per tensor.
-    staging = out / ".staging"
-    staged = [src] if src.is_file() else consolidate(src, staging, max_shard_size=max_shard_size)
+    # A fresh hidden directory each time: a crashed export's leftover is never read as this one's.
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
     try:
+        staged = [src] if src.is_file() else consolidate(src, staging, max_shard_size=max_shard_size)
         parts = [partial(read_part, p) for p in staged if p.suffix == ".safetensors"]
         return write_hf_directory(cfg, out, parts, dtype)
     finally:
@@ -83,6 +87,7 @@ def write_hf_directory(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[],
     cast) tensor by tensor."""
     convert: Converter = hf_model_converter(cfg) if cfg.name == "hf" else (
         lambda name, tensor: to_hf(name, tensor, cfg))
+    check_new_directory(out)
     out.mkdir(parents=True, exist_ok=True)
     cast = DTYPES[dtype] if dtype else None
     files: list[Path] = []
@@ -97,8 +102,9 @@ def write_hf_directory(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[],
             if converted is None:
                 continue
             hf_name, t = converted
-            t = (t.to(cast) if cast is not None else t).contiguous()
-            out_dtype = t.dtype
+            t = t.to(written_dtype(t.dtype, cast)).contiguous()
+            if t.is_floating_point():  # the config's dtype is the weights', not an integer buffer's
+                out_dtype = t.dtype
             tensors[hf_name] = t
         name = shard_name(index, len(parts))
         save_shard(tensors, out / name, {"format": "pt"})

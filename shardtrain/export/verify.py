@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from shardtrain.checkpoint.safetensors_files import weight_files
+from shardtrain.checkpoint.safetensors_files import check_one_layout, weight_files
 from shardtrain.checkpoint.weights import model_config_of
 from shardtrain.config.schema import ModelConfig
 from shardtrain.distributed.sharded_model import parameters_on_meta
@@ -135,6 +135,10 @@ def checkpoint_reader(checkpoint: Path) -> Iterator[Reader]:
 def export_reader(out_dir: Path, parameter_name: Callable[[str], str]) -> Reader:
     """transformers' parameters one at a time from the written files, found under the names
     ``parameter_name`` gives the stored ones."""
+    try:  # the files read here must be the ones transformers loads
+        check_one_layout(out_dir)
+    except CheckpointError as exc:
+        raise CheckpointError(f"export check failed: {exc}") from exc
     stored: dict[str, tuple[Path, str]] = {}
     for file in weight_files(out_dir):
         with safe_open(str(file), framework="pt") as f:
