@@ -36,7 +36,7 @@ from shardtrain.errors import CheckpointError, ModelError
 from shardtrain.models.hf import HFCausalLM
 from shardtrain.models.hf_directory import PREFIX
 from shardtrain.models.llama import Llama
-from shardtrain.models.lora import AdapterInitializer, adapter_targets, local_bytes, lora_config
+from shardtrain.models.lora import AdapterInitializer, adapter_targets, is_adapter, local_bytes, lora_config
 from shardtrain.tasks.language_model import LanguageModelTask
 
 LORA = FinetuneConfig(method="lora", rank=4, alpha=8.0)
@@ -90,6 +90,21 @@ def train_trained(trainer) -> dict:
             "sample": result.sample, "finetune": trainer.cfg.finetune}
 
 
+def bf16_pure_dtypes(cfg: Config, corpus) -> dict:
+    """One step under bf16-pure: the dtypes of the base, the adapters and the adapters' Adam state."""
+    from shardtrain.train.loop import Trainer
+
+    cfg.trainer = dataclasses.replace(cfg.trainer, max_steps=1)
+    trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=corpus))
+    trainer.fit()
+    params = dict(trainer.model.named_parameters())
+    state = trainer.built.optimizer.state
+    return {"base": {p.dtype for n, p in params.items() if not is_adapter(n)},
+            "adapters": {p.dtype for n, p in params.items() if is_adapter(n)},
+            "adam": {t.dtype for n, p in params.items() if is_adapter(n)
+                     for key, t in state[p].items() if key != "step"}}
+
+
 def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, adapter_dir: str, nf4_dir: str,
                    out_dir: str) -> None:
     """A tiny HF Llama FULL_SHARD with a checkpoint at step 3, HYBRID_SHARD, a resume from step 3, and a
@@ -119,9 +134,12 @@ def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, adapter_dir: 
     vit.finetune = dataclasses.replace(LORA, targets=list(VIT_TARGETS))
     results["vit"] = train_case(vit, task=make_task("vit"))
     for case, base_dtype in (("bf16_mixed", "fp32"), ("bf16_base", "bf16")):  # finetune.base_dtype
-        cfg = lora_case_config(model_dir, world_size, str(Path(out_dir, case)), mixed_precision="bf16-mixed")
+        cfg = lora_case_config(model_dir, world_size, str(Path(out_dir, case)), mixed_precision="bf16-mixed",
+                               checkpoint=case == "bf16_base")  # export-peft of a bf16 base
         cfg.finetune = dataclasses.replace(cfg.finetune, base_dtype=base_dtype)
         results[case] = train_case(cfg, corpus)
+    results["bf16_pure"] = bf16_pure_dtypes(lora_case_config(
+        model_dir, world_size, str(Path(out_dir, "bf16_pure")), mixed_precision="bf16-pure"), corpus)
     from_adapter = lora_case_config(model_dir, world_size, str(Path(out_dir, "from_adapter")))
     from_adapter.model = dataclasses.replace(from_adapter.model, adapter=adapter_dir)
     from_adapter.finetune = FinetuneConfig(method="lora")  # rank, alpha, targets: the adapter's

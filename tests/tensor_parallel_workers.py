@@ -12,6 +12,7 @@ from equivalence import GLOBAL_BATCH, STEPS, case_config, run_cases
 from hf_workers import hf_case_config, hf_corpus
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from shardtrain.errors import ConfigError
 from shardtrain.generation.generate import gathered_copy, generate
 from shardtrain.generation.inference import load_for_inference
 from shardtrain.tasks.language_model import LanguageModelTask
@@ -97,6 +98,15 @@ def equivalence_and_resume(out: str, cases: dict[str, dict], hf_dirs: dict[str, 
     assert second.step == SPLITS[0], second.step
     interrupted(second, SPLITS[1] - SPLITS[0])
     tp_weights = second.full_weights()
+    # A task's batch of a length sequence parallelism cannot split evenly: one line on every rank
+    # before any collective (it desynchronised the gathers: gloo aborted, NCCL may hang).
+    odd = torch.zeros(1, 7, dtype=torch.long, device=second.env.device)
+    try:
+        second.model(odd)
+    except ConfigError as error:
+        assert "a batch's sequence length=7 must be a multiple of strategy.tensor_parallel=2" in str(error)
+    else:
+        raise AssertionError("an uneven sequence split was not refused")
     interrupted(first, SPLITS[1] - SPLITS[0])  # the FSDP-only checkpoint at the TP one's step
     third = new_trainer(layout_config(f"{out}/back", resume=f"{out}/tp/checkpoints/step-{SPLITS[1]}"))
     assert third.step == SPLITS[1], third.step

@@ -43,7 +43,7 @@ from lora_workers import (
 )
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torchao.quantization import NF4Tensor
+from torchao.quantization import NF4Tensor, to_nf4
 
 from shardtrain.checkpoint.peft_adapter import resolve_adapter_settings
 from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY
@@ -51,7 +51,7 @@ from shardtrain.checkpoint.weights import model_config_of
 from shardtrain.cli.main import main
 from shardtrain.config.compose import compose_config
 from shardtrain.config.plan import resolve_plan
-from shardtrain.config.schema import Config
+from shardtrain.config.schema import Config, FinetuneConfig
 from shardtrain.diagnostics.planner import estimate, nf4_bytes, planned_model
 from shardtrain.distributed.env import DistEnv
 from shardtrain.distributed.parallelize import (
@@ -60,7 +60,9 @@ from shardtrain.distributed.parallelize import (
     selective_contexts,
 )
 from shardtrain.distributed.qlora import (
+    NF4_BLOCK,
     NF4_GRAIN,
+    NF4_SCALER_BLOCK,
     check_quantizable,
     quantized_linears,
     to_nf4_before_sharding,
@@ -68,7 +70,13 @@ from shardtrain.distributed.qlora import (
 from shardtrain.distributed.sharded_model import build_sharded_model, with_adapters
 from shardtrain.errors import CheckpointError, ConfigError
 from shardtrain.export.merge import merge_in_place, merged_weights, verify_merged_export
-from shardtrain.export.peft import LoraCheckpoint, checkpoint_model, export_peft, verify_peft_export
+from shardtrain.export.peft import (
+    LoraCheckpoint,
+    checkpoint_model,
+    export_peft,
+    target_modules,
+    verify_peft_export,
+)
 from shardtrain.models.hf_directory import PREFIX
 from shardtrain.models.llama import Llama
 from shardtrain.models.lora import adapter_targets, add_adapters, is_adapter
@@ -220,6 +228,13 @@ def test_lora_targets_refuse_embeddings_and_head():
     model.patch = nn.Conv2d(3, 4, 2)
     with pytest.raises(ConfigError, match="a Conv2d: LoRA takes nn.Linear layers only"):
         adapter_targets(model, ["patch"])
+    # A subclass of nn.Linear is a layer PEFT wraps (it was skipped as a container, without a word);
+    # MultiheadAttention's out_proj is one its parent reads without calling, so an adapter would not run.
+    model.wk = type("OwnLinear", (nn.Linear,), {})(4, 4)
+    assert adapter_targets(model, ["wq", "wk"]) == ["wq", "wk"]
+    model.mha = nn.MultiheadAttention(4, 2)
+    with pytest.raises(ConfigError, match="reads its weight without calling it"):
+        adapter_targets(model, ["out_proj"])
 
 
 def test_lora_targets_refuse_a_tied_embedding():
@@ -256,6 +271,18 @@ def test_export_peft_round_trip_and_corruption(lora_runs, tmp_path):
     difference = verify_peft_export(checkpoint, tmp_path / "adapter")
     print("export-peft logits", difference)
     assert difference < TOL
+    # An adapter on a module the run never trained leaves the logits alone (lora_B starts at zero)
+    # but trains on in PEFT: the check counts the modules. Last names only where the run's targets
+    # were last names: a run that targeted one layer's projection gets its full name.
+    widened = {**config, "target_modules": [*config["target_modules"], "lm_head"]}
+    written[0].write_text(json.dumps(widened))
+    with pytest.raises(CheckpointError, match=r"PEFT put adapters on \d+ modules, the checkpoint trained"):
+        verify_peft_export(checkpoint, tmp_path / "adapter")
+    written[0].write_text(json.dumps(config))
+    one = ["model.layers.0.self_attn.q_proj"]
+    assert target_modules(FinetuneConfig(targets=["layers.0.attention.wq"]), one) == one
+    assert target_modules(FinetuneConfig(targets=["wq"]), one) == ["q_proj"]
+    assert target_modules(FinetuneConfig(), one) == ["q_proj"]
     tensors = load_file(str(written[1]))
     key = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
     tensors[key] = tensors[key] * 3
@@ -276,7 +303,7 @@ def test_export_peft_of_a_qlora_checkpoint(lora_runs, tmp_path):
     assert difference < TOL
 
 
-def test_finetune_config_and_qlora_refusals():
+def test_finetune_config_and_qlora_refusals(model_dirs):
     """QLoRA runs on a CPU; what it cannot do is refused in one line: weights whose row shards do
     not hold whole NF4 blocks (named, with the fix), float8 (it converts the same layers)."""
     cfg = compose_config(["finetune=lora", "finetune.rank=8", "finetune.targets=[q_proj,v_proj]"])
@@ -298,6 +325,9 @@ def test_finetune_config_and_qlora_refusals():
     assert isinstance(base.weight, NF4Tensor) and base.bias.dtype == torch.float32
     with pytest.raises(ConfigError, match="not the DCP checkpoint /runs/x/step-9; `shardtrain consolidate`"):
         with_adapters(nn.Linear, compose_config(["finetune=qlora", "model.init_from=/runs/x/step-9"]), None)
+    # A Hugging Face directory is no DCP checkpoint: read as model.path is (it was refused as one).
+    with_adapters(nn.Linear, compose_config(["finetune=qlora", "model=hf", f"model.path={model_dirs[0]}",
+                                             f"model.init_from={model_dirs[1]}"]), None)
     for setting in ("strategy.float8=true", "strategy.compile=true"):
         with pytest.raises(ConfigError, match=f"qlora does not combine with {setting}") as caught:
             with_adapters(lambda: nn.Linear(2, 2), compose_config(["finetune=qlora", setting]),
@@ -529,13 +559,21 @@ def test_adapter_checkpoint_whole_model_commands_refused(lora_runs, tmp_path, ca
         assert not (tmp_path / command[0] / "model.safetensors").exists()
 
 
-def test_generate_and_eval_on_a_lora_checkpoint(lora_runs, model_dirs, tmp_path, capsys):
+@pytest.mark.parametrize("case", ["full_shard", "qlora"])
+def test_generate_and_eval_on_a_lora_checkpoint(lora_runs, model_dirs, tmp_path, capsys, case):
     """generate and eval on the adapters-only checkpoint (base read again, adapters on it) give the
-    merged model's greedy tokens and loss: the merged weights as a consolidated file, same commands."""
+    merged model's greedy tokens and loss: the merged weights as a consolidated file, same commands.
+    QLoRA's adapters run on the NF4 base they trained on (both commands once refused its checkpoint:
+    'trained on the base quantised as nf4, not none'), so its reference merges into that base."""
     out, _ = lora_runs
-    checkpoint = out / "full_shard" / "checkpoints" / "step-5"
+    checkpoint = out / case / "checkpoints" / "step-5"
     ckpt = LoraCheckpoint.read(checkpoint)
     model = checkpoint_model(ckpt)
+    if case == "qlora":
+        with torch.no_grad():
+            for _, linear in quantized_linears(model):
+                nf4 = to_nf4(linear.weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK)
+                linear.weight.copy_(nf4.to(torch.float32))
     merge_in_place(model)
     save_file({k: v.contiguous() for k, v in merged_weights(model).items()}, str(tmp_path / "m.safetensors"),
               metadata={"format": "pt", MODEL_CONFIG_KEY: json.dumps(dataclasses.asdict(ckpt.model))})
@@ -569,16 +607,25 @@ def test_lora_resumes_at_another_world_size(lora_runs, lora_runs_at_4):
     assert all(torch.equal(resumed["weights"][n], w) for n, w in full["weights"].items() if not is_adapter(n))
 
 
-def test_bf16_base_storage_trains_as_the_fp32_base_under_bf16_mixed(lora_runs):
+def test_bf16_base_storage_trains_as_the_fp32_base_under_bf16_mixed(lora_runs, tmp_path):
     """finetune.base_dtype=bf16 holds the frozen base in half the bytes; under bf16-mixed (which casts
-    an fp32 base to bf16 for every forward anyway) the run is the fp32-stored run bit for bit."""
-    _, results = lora_runs
+    an fp32 base to bf16 for every forward anyway) the run is the fp32-stored run bit for bit.
+    export-peft's check puts the adapters on the Hugging Face directory's base rounded as training
+    stored it (it compared with the unrounded base and failed: 9.4e-3)."""
+    out, results = lora_runs
+    checkpoint = out / "bf16_base" / "checkpoints" / "step-5"
+    export_peft(checkpoint, tmp_path / "adapter")
+    assert verify_peft_export(checkpoint, tmp_path / "adapter") < TOL
     fp32_base, bf16_base = results["bf16_mixed"], results["bf16_base"]
     assert bf16_base["losses"] == fp32_base["losses"]
     assert bf16_base["grad_norms"] == fp32_base["grad_norms"]
     assert all(torch.equal(w, fp32_base["weights"][n]) for n, w in adapters(bf16_base["weights"]).items())
     assert all(w.dtype == torch.float32 for w in adapters(bf16_base["weights"]).values())
     assert 2 * bf16_base["frozen_bytes"] == fp32_base["frozen_bytes"]
+    # bf16-pure stores the base in bf16 and keeps the adapters and their Adam state fp32 (it cast
+    # them to bf16 too, where small updates round away).
+    assert results["bf16_pure"] == {"base": {torch.bfloat16}, "adapters": {torch.float32},
+                                    "adam": {torch.float32}}, results["bf16_pure"]
     with pytest.raises(ConfigError, match="finetune.base_dtype=bf16 needs a bf16 compute dtype") as caught:
         cfg = compose_config(["finetune=lora", "finetune.base_dtype=bf16", "strategy.mixed_precision=fp32"])
         plan = resolve_plan(cfg.strategy, 1, 1)

@@ -250,6 +250,8 @@ def test_mesh_gains_an_innermost_tp_dimension(strategy, world, local, extra, mes
      "set trainer.loss_chunk_tokens=0"),
     (["trainer.devices=2", "strategy.tensor_parallel=2", "strategy.compile=true"],
      "set strategy.compile=false or strategy.tensor_parallel=1"),
+    (["trainer.devices=2", "strategy.tensor_parallel=2", "trainer.seq_len=33"],
+     "trainer.seq_len=33 must be a multiple of strategy.tensor_parallel=2 with sequence parallelism"),
     (["trainer.devices=2", "strategy.tensor_parallel=2", "finetune=lora"],
      "finetune.method=lora with strategy.tensor_parallel=2 is not built yet"),
     # Hugging Face models (the launching process's preflight reads their config and builds them on

@@ -17,7 +17,7 @@ from shardtrain.data.prepared import open_prepared
 from shardtrain.data.tokenizer import tokenizer_for
 from shardtrain.errors import CheckpointError, ConfigError
 from shardtrain.models.llama import llama_dims
-from shardtrain.models.llama_tp import check_tensor_parallel_dims
+from shardtrain.models.llama_tp import check_sequence_split, check_tensor_parallel_dims
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.task import task_from_config
 from shardtrain.train.trackers import (
@@ -42,7 +42,11 @@ def check_resume(cfg: Config) -> None:
         layout.refuse_fresh_start(Path(cfg.run.dir) / "checkpoints")
     else:
         # The structure only: the ranks verify the checksums, split between them, hashing it once.
-        layout.verify(Path(choice).expanduser())
+        path = Path(choice).expanduser()
+        layout.verify(path)
+        root = Path(cfg.run.dir) / "checkpoints"
+        if not layout.saved_by_same_resume(root, choice):  # else a requeued job goes on from them
+            layout.refuse_newer_checkpoints(root, path)
 
 
 def check_init_from(source: str | None) -> None:
@@ -92,6 +96,8 @@ def check_training(cfg: Config) -> None:
         pass  # the task's own tensor-parallel plan: the model's is not used
     elif cfg.model.name == "llama":
         check_tensor_parallel_dims(llama_dims(cfg.model), cfg.strategy.tensor_parallel)
+        if cfg.strategy.sequence_parallel:
+            check_sequence_split(cfg.trainer.seq_len, cfg.strategy.tensor_parallel)
     elif cfg.model.name == "hf":
         from shardtrain.models.hf import check_tensor_parallel as check_hf_tensor_parallel  # transformers
 

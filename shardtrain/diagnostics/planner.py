@@ -347,7 +347,9 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
            else set())
     frozen = [local_shapes[id(p)] for p in model.parameters() if not p.requires_grad and id(p) not in nf4]
     quantized = [local_shapes[id(p)] for p in model.parameters() if id(p) in nf4]
-    params, grads, optim = sharded_state_bytes(trainable, plan.shard_group, 0, plan.storage_dtype)
+    # LoRA adapters are stored in fp32 whatever the storage dtype (distributed/parallelize.py).
+    trainable_dtype = torch.float32 if cfg.finetune.method != "none" else plan.storage_dtype
+    params, grads, optim = sharded_state_bytes(trainable, plan.shard_group, 0, trainable_dtype)
     # A frozen base is stored in the storage dtype, or in finetune.base_dtype=bf16.
     base_dtype = torch.bfloat16 if cfg.finetune.base_dtype == "bf16" else plan.storage_dtype
     params += sharded_state_bytes(frozen, plan.shard_group, 0, base_dtype)[0]

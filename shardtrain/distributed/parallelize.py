@@ -274,9 +274,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
         mesh = mesh[plan.data_parallel_dims]
 
     if plan.storage_dtype != torch.float32:
-        # Parameters only: buffers such as RoPE tables keep their own (fp32) precision.
-        for param in model.parameters():
-            param.data = param.data.to(plan.storage_dtype)
+        # Parameters only: buffers such as RoPE tables keep their own (fp32) precision. LoRA
+        # adapters stay fp32 (their updates are small against their values; FSDP2 gathers a unit
+        # of mixed dtypes in param_dtype) and so does their Adam state.
+        for name, param in model.named_parameters():
+            if not is_adapter(name):
+                param.data = param.data.to(plan.storage_dtype)
     mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
     common = dict(mesh=mesh, mp_policy=mp)
     if plan.cpu_offload:

@@ -160,9 +160,10 @@ def quantize_base(model: nn.Module) -> None:
 def full_value(param: torch.Tensor) -> torch.Tensor:
     """The full value of a (sharded) parameter, an NF4 weight dequantised first on each rank: DTensor
     gathers the plain shards (its generic gather of an NF4 tensor's inner tensors leaves the
-    collectives un-waited on gloo)."""
+    collectives un-waited on gloo). Unsharded (one rank a shard group keeps the NF4 weights whole,
+    outside FSDP) it is dequantised here: copied as it is, it would be NF4's copy into a plain one."""
     if not isinstance(param, DTensor):
-        return param
+        return param.to(param.dtype) if hasattr(param, "__tensor_flatten__") else param
     local = param.to_local()
     if hasattr(local, "__tensor_flatten__"):
         param = DTensor.from_local(local.to(param.dtype), param.device_mesh, param.placements,

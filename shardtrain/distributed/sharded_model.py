@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ from shardtrain.distributed.env import DistEnv
 from shardtrain.distributed.parallelize import ShardingReport, TensorPlan, parallelize, sum_gradients
 from shardtrain.distributed.qlora import check_quantizable, stand_in_for_nf4, to_nf4_before_sharding
 from shardtrain.errors import ConfigError, ModelError
+from shardtrain.models.hf_directory import CONFIG_FILE
 from shardtrain.models.lora import AdapterInitializer, add_adapters, base_name, is_adapter, store_base_in
 
 log = logging.getLogger(__name__)
@@ -265,8 +267,12 @@ def refuse_with_qlora(cfg: Config) -> None:
         if asked:
             raise ConfigError(f"finetune.method=qlora does not combine with {setting}; use one or the other")
     source = cfg.model.weights_source()
-    dcp_checkpoint = source and source != cfg.model.path and not source.startswith("hf:")
-    if dcp_checkpoint and not source.endswith(".safetensors"):
+    # What else model.init_from may name: hf:DIR, a .safetensors file, or a Hugging Face directory
+    # (its config file; read as model.name=hf reads model.path).
+    dcp_checkpoint = (source and source != cfg.model.path and not source.startswith("hf:")
+                      and not source.endswith(".safetensors")
+                      and not (Path(source).expanduser() / CONFIG_FILE).is_file())
+    if dcp_checkpoint:
         # DCP's reader assigns state dicts, which makes FSDP re-read the parameters before the NF4
         # base is in place
         raise ConfigError(f"finetune.method=qlora reads its base from a Hugging Face directory or a "

@@ -38,6 +38,7 @@ from shardtrain.models.hf_directory import hf_name
 from shardtrain.models.llama_hf_adapter import hf_config, to_hf, to_hf_name
 from shardtrain.models.lora import (
     ADAPTER_NAME,
+    DEFAULT_TARGETS,
     add_adapters,
     base_name,
     is_adapter,
@@ -96,13 +97,26 @@ def base_directory(cfg: ModelConfig) -> str | None:
     return None
 
 
+def adapted_modules(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The transformers modules that PEFT's keys (``peft_key``) put adapters on."""
+    return sorted({key.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0] for key in tensors})
+
+
+def target_modules(finetune: FinetuneConfig, modules: list[str]) -> list[str]:
+    """``target_modules`` for ``adapter_config.json``: the modules' last names where the run's targets
+    were last names too (each selected every module so named, as PEFT's last names do), else their
+    full names: last names would give PEFT adapters on modules the run never trained."""
+    if all("." not in target for target in finetune.targets or DEFAULT_TARGETS):
+        return sorted({module.rsplit(".", 1)[-1] for module in modules})
+    return modules
+
+
 def export_peft(checkpoint: str | Path, out_dir: str | Path) -> list[Path]:
     """PEFT's adapter directory from a ``finetune=lora`` checkpoint."""
     ckpt = LoraCheckpoint.read(checkpoint)
     out = Path(out_dir)
     tensors = dict(peft_key(name, tensor, ckpt.model) for name, tensor in ckpt.adapters.items())
-    modules = sorted({key.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0] for key in tensors})
-    config = lora_config(ckpt.finetune, sorted({module.rsplit(".", 1)[-1] for module in modules}))
+    config = lora_config(ckpt.finetune, target_modules(ckpt.finetune, adapted_modules(tensors)))
     config.task_type = "CAUSAL_LM"
     config.base_model_name_or_path = base_directory(ckpt.model)
     out.mkdir(parents=True, exist_ok=True)
@@ -140,8 +154,11 @@ def transformers_base(ckpt: LoraCheckpoint, ours: nn.Module) -> nn.Module:
     (a random or shardtrain base) the transformers Llama filled with our base weights."""
     directory = base_directory(ckpt.model)
     if directory is not None:
-        return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+        base = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
                                                                  attn_implementation="sdpa")
+        if ckpt.finetune.base_dtype != "fp32":  # the base as training stored it, as ours is
+            round_base_to(base, DTYPES[ckpt.finetune.base_dtype])
+        return base
     if ckpt.model.name == "hf":
         config = transformers.AutoConfig.from_pretrained(ckpt.model.path)
     else:
@@ -169,6 +186,15 @@ def verify_peft_export(checkpoint: str | Path, out_dir: str | Path,
     ours = checkpoint_model(ckpt)
     theirs = PeftModel.from_pretrained(transformers_base(ckpt, ours), str(out_dir),
                                        adapter_name=ADAPTER_NAME).eval()
+    # Extra adapters leave the logits alone (PEFT starts lora_B at zero) but train on in PEFT.
+    expected = adapted_modules(dict(peft_key(n, t, ckpt.model) for n, t in ckpt.adapters.items()))
+    loaded = sorted(name.removeprefix(PEFT_PREFIX) for name, module in theirs.named_modules()
+                    if ADAPTER_NAME in getattr(module, "lora_A", {}))
+    if loaded != expected:
+        extra, missing = sorted(set(loaded) - set(expected)), sorted(set(expected) - set(loaded))
+        raise CheckpointError(f"export check failed: PEFT put adapters on {len(loaded)} modules, the "
+                              f"checkpoint trained {len(expected)} (extra {extra[:3]}, missing "
+                              f"{missing[:3]}); do not use {out_dir}")
     tokens = check_tokens(ours)
     return compare_logits(ours(tokens), theirs(input_ids=tokens).logits,
                           f"{out_dir} loaded by peft.PeftModel", tolerance)

@@ -1,8 +1,9 @@
 """Load a checkpoint for inference at any world size: a sharded DCP checkpoint (resharded to this
 world) or a consolidated safetensors file (one process), with the model config it was trained with.
-A ``finetune=lora`` checkpoint (adapters only) loads as its run ran: the base read from its source
-(or drawn from the run's seed), checked to be the base the adapters were trained on, and the
-adapters on it; ``generate`` and ``eval`` then run the base with its adapters."""
+A ``finetune=lora`` or ``qlora`` checkpoint (adapters only) loads as its run ran: the base read
+from its source (or drawn from the run's seed), checked to be the base the adapters were trained
+on, quantised to NF4 under QLoRA, and the adapters on it; ``generate`` and ``eval`` then run the
+base with its adapters."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from shardtrain.checkpoint.weights import (
 from shardtrain.config.plan import DTYPES, resolve_plan
 from shardtrain.config.schema import Config, FinetuneConfig
 from shardtrain.distributed.env import DistEnv, build_mesh, init_distributed, set_cpu_threads
+from shardtrain.distributed.qlora import quantize_base
 from shardtrain.distributed.sharded_model import (
     ModelFactory,
     build_sharded_model,
@@ -58,7 +60,7 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
         cfg.model = state.model_config()
         cfg.finetune = FinetuneConfig(**state.config["finetune"])
         cfg.trainer = dataclasses.replace(cfg.trainer, seed=int(state.config["trainer"]["seed"]))
-        check_same_base(path, state.base_weights, base_identity(cfg.model, cfg.trainer.seed))
+        check_same_base(path, state.base_weights, base_identity(cfg.model, cfg.trainer.seed, cfg.finetune))
     else:
         cfg.model = dataclasses.replace(model_config_of(path), init_from=None)
     if state is not None:  # evaluate on the split the run trained with
@@ -86,6 +88,8 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
         draws.draw()  # a random base as training drew it (seeded), or nothing left to draw
         if stored_base != torch.float32:
             round_base_to(model, stored_base)
+        if cfg.finetune.method == "qlora":  # the adapters learnt on the NF4 base, so they run on it
+            quantize_base(model)
         load_adapters(model, path)
     else:
         load_model_weights(model, str(path))

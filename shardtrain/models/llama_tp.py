@@ -54,6 +54,17 @@ def check_tensor_parallel_dims(dims: Dims, tp: int) -> None:
             raise ConfigError(f"strategy.tensor_parallel={tp} must divide {what} ({key}={size}); {fix}")
 
 
+def check_sequence_split(length: int, tp: int, what: str = "trainer.seq_len") -> None:
+    """Sequence parallelism splits every sequence into ``tp`` equal slices: the blocks hand the
+    residual stream on as local tensors, and each norm rebuilds the whole from its slice's length
+    times ``tp``, so an uneven split desynchronises the ranks' collectives (gloo aborts, NCCL may
+    hang) instead of failing."""
+    if tp > 1 and length % tp:
+        raise ConfigError(f"{what}={length} must be a multiple of strategy.tensor_parallel={tp} with "
+                          "sequence parallelism (the built-in Llama splits each sequence evenly); "
+                          f"use a length that is a multiple of {tp} or set strategy.sequence_parallel=false")
+
+
 def llama_tensor_parallel_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """The plan, module path to style (``layers.*`` for every block), for ``parallelize_module``;
     the memory planner reads which dimension of each weight it splits from the same plan."""
@@ -93,6 +104,15 @@ def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
     """Apply the plan in place (on the meta device or real weights; before ``fully_shard``)."""
     check_tensor_parallel_dims(model.dims, tp_mesh.size())
     parallelize_module(model, tp_mesh, llama_tensor_parallel_plan(sequence_parallel))
+    if sequence_parallel:
+        # Tasks that feed the built-in Llama their own lengths meet the check here, on every rank
+        # of the group alike (they see the same batch), before the first collective.
+        tp = tp_mesh.size()
+        def check_batch(_: nn.Module, args: tuple, kwargs: dict) -> None:
+            tokens = args[0] if args else kwargs["tokens"]
+            check_sequence_split(tokens.shape[1], tp, "a batch's sequence length")
+
+        model.register_forward_pre_hook(check_batch, with_kwargs=True)
     if model.cfg.tie_embeddings:
         # Each style distributed its module's weight into a parameter of its own; both split the
         # vocabulary rows (Shard(0)), so the head takes the embedding's again.

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from shardtrain.config.schema import FinetuneConfig
 from shardtrain.errors import ConfigError, ModelError
@@ -78,7 +79,11 @@ def adapter_targets(model: nn.Module, targets: Iterable[str]) -> list[str]:
         if id(module) in heads:
             raise ConfigError(f"finetune.targets selects the output head {name!r}: LoRA on the head is "
                               "not supported yet; target the attention and MLP projections")
-        if type(module) is not nn.Linear:
+        if isinstance(module, NonDynamicallyQuantizableLinear):
+            raise ConfigError(f"finetune.targets selects {name!r}, the output projection of an "
+                              "nn.MultiheadAttention, which reads its weight without calling it: an "
+                              "adapter there would never run; name other projections")
+        if not isinstance(module, nn.Linear):  # subclasses are layers PEFT wraps like nn.Linear
             if any(isinstance(child, nn.Linear) for child in module.modules()):
                 continue  # a container whose name matches (GPT-NeoX's "attention.dense" is the layer)
             raise ConfigError(f"finetune.targets selects {name!r}, a {type(module).__name__}: LoRA "
