@@ -20,7 +20,10 @@ from cli_utils import clean_env, run_cli
 from distributed import free_port
 from safetensors.torch import load_file
 
+from shardtrain.cli.launch import relaunch_if_needed
 from shardtrain.cli.main import main
+from shardtrain.config.compose import compose_config
+from shardtrain.errors import ConfigError
 
 QUICK = ["experiment=quick", "trainer.max_steps=10", "checkpoint.interval=3", "trainer.log_every=1",
          "trainer.eval_every=0", "trainer.sample_tokens=0"]
@@ -180,6 +183,16 @@ def test_a_launch_log_that_cannot_be_written_does_not_hang_the_workers(tmp_path)
     (note,) = [line for line in lines if line.startswith("[shardtrain launcher]")]
     assert "cannot write the launch log /dev/full (No space left on device)" in note
     assert "Traceback" not in proc.stderr
+
+
+def test_a_launch_log_that_cannot_be_created_is_one_line(tmp_path):
+    """The log's directory cannot be made (here a file is in the way; a full disk or a quota alike):
+    one line before torchrun starts, not a traceback."""
+    (tmp_path / "run").write_text("")
+    with pytest.raises(ConfigError, match=r"cannot write the launch log .*; free space in run.dir") as caught:
+        log = tmp_path / "run" / "logs" / "x.log"
+        relaunch_if_needed(compose_config(["trainer.devices=2"]), ["train"], log)
+    assert "\n" not in str(caught.value)
 
 
 def test_a_closed_console_does_not_hang_the_workers(tmp_path):

@@ -231,7 +231,12 @@ def relaunch_if_needed(cfg: Config, command: list[str], log_file: Path) -> int |
             "--rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id RUN -m shardtrain train ..."
         )
     if per_node > 1:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+            log_file.touch()
+        except OSError as exc:  # run.dir was checked writable: a full disk, a quota, a read-only remount
+            raise ConfigError(f"cannot write the launch log {log_file} ({exc.strerror or exc}); free space "
+                              "in run.dir or choose another run.dir") from exc
         return run_under_torchrun(per_node, command, list(cfg.checkpoint.preemption_signals),
                                   cfg.trainer.max_restarts, log_file)
     if cfg.trainer.max_restarts:
