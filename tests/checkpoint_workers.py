@@ -110,6 +110,15 @@ def refused_then_restarted(out: str, world: int) -> None:
         finally:
             del os.environ["TORCHELASTIC_RESTART_COUNT"]
         assert restarted.result.resumed_from == f"{out}/from_async/checkpoints/step-{2 * N}", restart_count
+    # The same resume with another learning rate is a new run over from_async's later step: refused
+    changed = ckpt_config(f"{out}/from_async", world, resume=source)
+    changed.trainer = dataclasses.replace(changed.trainer, lr=changed.trainer.lr * 2)
+    try:
+        new_trainer(changed)
+    except CheckpointError as exc:
+        assert f"already holds later checkpoints (step-{2 * N})" in str(exc), exc
+    else:
+        raise AssertionError("the same resume with another config went on from another run's checkpoint")
 
 
 def exact_resume(out: str) -> None:

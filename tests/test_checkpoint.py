@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import shutil
 
 import pytest
 import torch
@@ -22,6 +23,8 @@ from safetensors.torch import load_file
 from shardtrain.checkpoint import layout, staging
 from shardtrain.checkpoint.inspect import inspect_path
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
+from shardtrain.cli.preflight import check_resume
+from shardtrain.config.schema import Config
 from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import consolidate
 
@@ -185,6 +188,37 @@ def test_metadata_that_is_not_dcps_is_a_checkpoint_error(tmp_path):
         consolidate(tmp_path, tmp_path.parent / "out")
     report = inspect_path(tmp_path)
     assert not report.complete and "holds a dict, not DCP's Metadata" in report.render()
+
+
+def test_later_checkpoints_are_this_runs_only_with_the_same_resume_and_config(tmp_path):
+    """A requeued job of resume=PATH goes on from the later checkpoints it saved, also once its keep_last
+    pruned PATH (the launcher asked PATH to exist first, and refused the requeue); the same resume
+    with other settings, or later steps of another start, are not its own."""
+    chosen = tmp_path / "other" / "step-2"
+    root = tmp_path / "run" / "checkpoints"
+
+    def saved(directory, step, resume, digest="abc"):
+        directory.mkdir(parents=True)
+        TrainState(step=step, tokens_seen=0, consumed_samples=0, global_batch=2, scheduler={},
+                   world_size=1, strategy="FULL_SHARD", mesh_shape=[1], mesh_dim_names=["dp_shard"],
+                   mixed_precision="fp32", config={"checkpoint": {"resume": resume}}, config_hash=digest,
+                   versions={}, saved_at="now").write(directory)
+
+    saved(chosen, 2, "auto")
+    saved(root / "step-4", 4, str(chosen))
+    saved(root / "step-6", 6, str(chosen))
+    assert layout.saved_by_same_resume(root, str(chosen), "abc")
+    assert not layout.saved_by_same_resume(root, str(chosen), "another config")
+    assert not layout.saved_by_same_resume(root, str(tmp_path / "elsewhere" / "step-2"))
+    cfg = Config()
+    cfg.run.dir, cfg.checkpoint.resume = str(tmp_path / "run"), str(chosen)
+    check_resume(cfg)  # the ranks compare the configs
+    shutil.rmtree(chosen)  # pruned by the first job's keep_last: the requeue still goes on
+    assert layout.saved_by_same_resume(root, str(chosen), "abc")
+    check_resume(cfg)
+    saved(root / "step-8", 8, "auto")  # another start's later step: not this run's
+    with pytest.raises(CheckpointError, match="does not exist"):
+        check_resume(cfg)
 
 
 def test_trainer_state_fields_are_type_checked(tmp_path):

@@ -144,12 +144,17 @@ def test_outputs_are_checked_before_reading(tmp_path, uninterrupted):
 # The built-in launcher with a stand-in for torchrun's agent: argv[1] is the agent's Python code,
 # argv[2] the launch log, the rest the agent's arguments. Prints the agent's exit status.
 LAUNCHER = """
+import signal
 import sys
 from pathlib import Path
 import shardtrain.cli.launch as launch
 agent = [sys.executable, "-c", sys.argv[1], *sys.argv[3:]]
 launch.torchrun_argv = lambda *args, **kwargs: agent
+handled = (signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1)
+before = [signal.getsignal(sig) for sig in handled]
 status = launch.run_under_torchrun(2, ["train"], ("SIGUSR1", "SIGTERM"), 0, Path(sys.argv[2]))
+# the forwarding handlers are put back: a late signal must not go to a reused process id
+assert [signal.getsignal(sig) for sig in handled] == before
 print("agent exited", status, flush=True)
 """
 # An agent whose workers write 200 KB to stderr (tracebacks, warnings), more than a pipe holds,

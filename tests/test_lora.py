@@ -49,6 +49,7 @@ from shardtrain.checkpoint.peft_adapter import resolve_adapter_settings
 from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY
 from shardtrain.checkpoint.weights import model_config_of
 from shardtrain.cli.main import main
+from shardtrain.cli.preflight import check_init_from
 from shardtrain.config.compose import compose_config
 from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import Config, FinetuneConfig
@@ -328,6 +329,9 @@ def test_finetune_config_and_qlora_refusals(model_dirs):
     # A Hugging Face directory is no DCP checkpoint: read as model.path is (it was refused as one).
     with_adapters(nn.Linear, compose_config(["finetune=qlora", "model=hf", f"model.path={model_dirs[0]}",
                                              f"model.init_from={model_dirs[1]}"]), None)
+    check_init_from(model_dirs[1], "hf")  # the launcher's check agrees (it asked for DCP's metadata)
+    with pytest.raises(CheckpointError, match="is a Hugging Face model directory: train it with model"):
+        check_init_from(model_dirs[1], "llama")
     for setting in ("strategy.float8=true", "strategy.compile=true"):
         with pytest.raises(ConfigError, match=f"qlora does not combine with {setting}") as caught:
             with_adapters(lambda: nn.Linear(2, 2), compose_config(["finetune=qlora", setting]),
@@ -540,6 +544,9 @@ def test_export_hf_merge_round_trip(lora_runs, tmp_path, capsys, case):
     assert delta.abs().max() > 0
     torch.testing.assert_close(merged[key], base + (8.0 / 4) * delta, rtol=0, atol=1e-6)
     assert main(["export-hf", str(checkpoint), str(tmp_path / "bf16"), "--merge", "--dtype", "bf16"]) == 0
+    capsys.readouterr()
+    assert main(["export-hf", str(checkpoint), str(tmp_path / "bf16"), "--merge"]) == 2  # over an export
+    assert "already holds model files" in capsys.readouterr().err
     assert load_file(str(tmp_path / "bf16" / "model.safetensors"))[key].dtype == torch.bfloat16
     merged[key] = base  # the adapter left out of one target
     save_file(merged, str(tmp_path / "merged" / "model.safetensors"), metadata={"format": "pt"})

@@ -16,7 +16,7 @@ import pytest
 from cli_utils import SHARDTRAIN, clean_env, run_cli
 
 from shardtrain.errors import ReportError
-from shardtrain.report.html import DATA_ID, write_report
+from shardtrain.report.html import DATA_ID, torchrun_restarts, write_report
 from shardtrain.report.panels import PHASES
 from shardtrain.report.runs import load_run, timeline
 
@@ -223,3 +223,5 @@ def test_torchrun_restarts_add_up_over_requeued_jobs(tmp_path):
     write_report([run_dir], out)
     # attempts, resumes, torchrun restarts
     assert "<td class=num>4</td><td class=num>3</td><td class=num>2</td>" in out.read_text()
+    # A job whose restarted attempt failed before writing its start record: its next one counts it.
+    assert torchrun_restarts([0, 1, 0, 2]) == 3 and torchrun_restarts([0, 0, 0]) == 0

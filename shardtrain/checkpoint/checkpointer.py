@@ -47,6 +47,7 @@ from shardtrain import accelerator, faults
 from shardtrain.checkpoint import integrity, layout, staging
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.checkpoint.weights import base_identity, check_model_compatible, check_same_base
+from shardtrain.config.compose import config_hash
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
 from shardtrain.distributed.env import lazily_connected_gloo_group
@@ -224,7 +225,8 @@ class Checkpointer:
         goes on from its own, a new job refuses them (``refuse_fresh_start``)."""
         if choice == "none":
             return restarted and bool(layout.candidates(self.root).complete)
-        return layout.saved_by_same_resume(self.root, choice)
+        # The same config too: the same resume with another learning rate is a new run, not a requeue.
+        return layout.saved_by_same_resume(self.root, choice, config_hash(self.cfg))
 
     def verify_agreed(self, path: Path, refuse_newer: bool = False) -> Any:
         """DCP's metadata of the checkpoint at ``path``, checked by every rank and agreed on.

@@ -147,25 +147,27 @@ def newer_checkpoints(root: Path, step: int) -> list[Path]:
     return [path for saved, path in candidates(root).complete if saved > step]
 
 
-def recorded_resume(path: Path) -> str | None:
-    """The ``checkpoint.resume`` of the run that saved ``path``; None where it cannot be read."""
-    try:
-        return TrainState.read(path).config.get("checkpoint", {}).get("resume")
-    except CheckpointError:
-        return None
-
-
-def saved_by_same_resume(root: Path, choice: str) -> bool:
+def saved_by_same_resume(root: Path, choice: str, config_hash: str | None = None) -> bool:
     """Whether the checkpoints in ``root`` after the one ``checkpoint.resume=choice`` names were all
-    saved by runs started with that same choice: a restarted attempt or a requeued job of this run,
-    which goes on from them, not from ``choice`` again (it would repeat the steps and collide with
-    its own saves). Later checkpoints of any other run are refused (``refuse_newer_checkpoints``)."""
+    saved by runs started with that same choice (and, given ``config_hash``, the same config): a
+    restarted attempt or a requeued job of this run, which goes on from them, not from ``choice``
+    again (it would repeat the steps and collide with its own saves). Later checkpoints of any
+    other run, or of the same resume with other settings, are refused (``refuse_newer_checkpoints``)."""
     try:
         step = TrainState.read(Path(choice).expanduser()).step
     except CheckpointError:  # gone (pruned by this run's saves) or unreadable: every one is later
         step = -1
     later = newer_checkpoints(root, step)
-    return bool(later) and all(recorded_resume(path) == choice for path in later)
+
+    def same_run(path: Path) -> bool:
+        try:
+            state = TrainState.read(path)
+        except CheckpointError:
+            return False
+        return (state.config.get("checkpoint", {}).get("resume") == choice
+                and config_hash in (None, state.config_hash))
+
+    return bool(later) and all(same_run(path) for path in later)
 
 
 def refuse_newer_checkpoints(root: Path, resumed: Path) -> None:

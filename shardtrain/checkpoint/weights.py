@@ -34,6 +34,7 @@ from shardtrain.distributed.qlora import NF4_DESCRIPTION
 from shardtrain.distributed.sharded_model import first_row, shard_like
 from shardtrain.errors import CheckpointError
 from shardtrain.models.hf_directory import CONFIG_FILE as HF_CONFIG_FILE
+from shardtrain.models.hf_directory import is_model_directory
 from shardtrain.models.llama_hf_adapter import (
     config_mismatches,
     from_hf_name,
@@ -119,7 +120,7 @@ def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | N
     if path.is_file() and path.suffix == ".safetensors":
         load_safetensors_into(model, path)
         return
-    if (path / HF_CONFIG_FILE).is_file() and not (path / layout.METADATA_FILE).is_file():
+    if is_model_directory(path):
         if model_cfg is None or model_cfg.name != "hf":
             raise CheckpointError(f"{path} is a Hugging Face model directory: train it with "
                                   f"model.name=hf model.path={path} (a Llama also imports into the "
@@ -330,7 +331,7 @@ def source_files(source: str) -> list[Path]:
     path = Path(source.removeprefix(HF_PREFIX)).expanduser()
     if path.is_file():
         return [path]
-    if (path / HF_CONFIG_FILE).is_file() and not (path / layout.METADATA_FILE).is_file():
+    if is_model_directory(path):
         return weight_files(path)
     if not path.is_dir():
         raise CheckpointError(f"the base weights {source!r} do not exist")

@@ -173,7 +173,8 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
         # Every signal the agent handles, too: left at its default, SIGHUP or SIGQUIT would kill this
         # process and leave the agent (in a session of its own) and the workers running.
         for sig in {*signals, *(getattr(signal, name) for name in ("SIGTERM", *AGENT_SIGNALS))}:
-            signal.signal(sig, forward)
+            # Put back once the agent is gone: a late signal must not reach a reused process id.
+            stack.callback(signal.signal, sig, signal.signal(sig, forward))
         status = agent.wait()
         if reader is not None:
             reader.join()

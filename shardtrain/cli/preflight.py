@@ -16,6 +16,7 @@ from shardtrain.config.schema import Config
 from shardtrain.data.prepared import open_prepared
 from shardtrain.data.tokenizer import tokenizer_for
 from shardtrain.errors import CheckpointError, ConfigError
+from shardtrain.models.hf_directory import is_model_directory
 from shardtrain.models.llama import llama_dims
 from shardtrain.models.llama_tp import check_sequence_split, check_tensor_parallel_dims
 from shardtrain.tasks.language_model import LanguageModelTask
@@ -41,25 +42,32 @@ def check_resume(cfg: Config) -> None:
     if choice == "none":
         layout.refuse_fresh_start(Path(cfg.run.dir) / "checkpoints")
     else:
+        root = Path(cfg.run.dir) / "checkpoints"
+        if layout.saved_by_same_resume(root, choice):
+            # Perhaps a requeued job going on from its own later checkpoints (its choice may since
+            # have been pruned): the ranks decide, comparing the config start-up resolves.
+            return
         # The structure only: the ranks verify the checksums, split between them, hashing it once.
         path = Path(choice).expanduser()
         layout.verify(path)
-        root = Path(cfg.run.dir) / "checkpoints"
-        if not layout.saved_by_same_resume(root, choice):  # else a requeued job goes on from them
-            layout.refuse_newer_checkpoints(root, path)
+        layout.refuse_newer_checkpoints(root, path)
 
 
-def check_init_from(source: str | None) -> None:
+def check_init_from(source: str | None, model_name: str) -> None:
     if not source:
         return
-    if source.startswith(HF_PREFIX):
-        directory = Path(source[len(HF_PREFIX):]).expanduser()
+    path = Path(source).expanduser()
+    if is_model_directory(path) and model_name != "hf":
+        raise CheckpointError(f"model.init_from={source!r} is a Hugging Face model directory: train it "
+                              f"with model.name=hf model.path={source} (a Llama also imports into the "
+                              f"built-in model with model.init_from={HF_PREFIX}{source})")
+    if source.startswith(HF_PREFIX) or is_model_directory(path):  # hf:DIR, or DIR itself for model=hf
+        directory = Path(source.removeprefix(HF_PREFIX)).expanduser()
         if not directory.is_dir():
             raise CheckpointError(f"model.init_from={source!r}: {str(directory)!r} is not a directory")
         read_hf_config(directory)
         weight_files(directory)
         return
-    path = Path(source).expanduser()
     if path.suffix == ".safetensors":
         if not path.is_file():
             raise CheckpointError(f"model.init_from={source!r} does not exist")
@@ -85,7 +93,7 @@ def check_training(cfg: Config) -> None:
     check_run_dir(Path(cfg.run.dir))
     check_trackers(cfg)
     check_resume(cfg)
-    check_init_from(cfg.model.init_from)
+    check_init_from(cfg.model.init_from, cfg.model.name)
     resolve_adapter_settings(dataclasses.replace(cfg))  # model.adapter fits finetune (on a copy)
     # The task is a Task with what the contract requires; the model and data checks below are the
     # language model's.

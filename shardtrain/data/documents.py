@@ -162,13 +162,24 @@ def arrow_files(directory: Path) -> list[Path]:
                         "Dataset.save_to_disk (a DatasetDict: give one split's directory)") from exc
 
 
-def valid_text(text: str) -> str:
-    """``text`` with each lone surrogate replaced by U+FFFD, as a text file's invalid UTF-8 is."""
+def utf8(text: str) -> bytes:
+    """``text`` in UTF-8, each lone surrogate (JSON can escape half of a UTF-16 pair alone) replaced
+    by U+FFFD, the replacement character. Encoded once: this runs on the reading thread."""
     try:
-        text.encode()
+        return text.encode()
     except UnicodeEncodeError:
-        return LONE_SURROGATE.sub("\ufffd", text)
-    return text
+        return LONE_SURROGATE.sub("\ufffd", text).encode()
+
+
+def valid_text(value: object) -> object:
+    """``value`` with ``utf8``'s replacement in every string, nested ones included."""
+    if isinstance(value, str):
+        return utf8(value).decode()
+    if isinstance(value, dict):
+        return {key: valid_text(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [valid_text(item) for item in value]
+    return value
 
 
 def text_of(record: object, field: str, where: str) -> str:
@@ -197,8 +208,7 @@ def fine_tuning_record(record: dict, where: str) -> dict:
                             "objects with text values")
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{where}: a chat without an assistant message has nothing to learn")
-        return {"messages": [{**m, "role": valid_text(m["role"]), "content": valid_text(m["content"])}
-                             for m in messages]}
+        return {"messages": valid_text(messages)}  # every key a chat template may render
     for field in ("prompt", "completion"):
         if not isinstance(record[field], str):
             raise DataError(f"{where}: field {field!r} is {type(record[field]).__name__}, not text")
@@ -214,7 +224,7 @@ def document_of(record: object, field: str, where: str) -> Document:
     if isinstance(record, dict) and field not in record and (
             "messages" in record or ("prompt" in record and "completion" in record)):
         return fine_tuning_record(record, where)
-    return valid_text(text_of(record, field, where)).encode()
+    return utf8(text_of(record, field, where))
 
 
 def column_texts(table: pa.Table, field: str, where: str) -> list[str]:

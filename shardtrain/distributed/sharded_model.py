@@ -48,7 +48,7 @@ from shardtrain.distributed.env import DistEnv
 from shardtrain.distributed.parallelize import ShardingReport, TensorPlan, parallelize, sum_gradients
 from shardtrain.distributed.qlora import check_quantizable, stand_in_for_nf4, to_nf4_before_sharding
 from shardtrain.errors import ConfigError, ModelError
-from shardtrain.models.hf_directory import CONFIG_FILE
+from shardtrain.models.hf_directory import is_model_directory
 from shardtrain.models.lora import AdapterInitializer, add_adapters, base_name, is_adapter, store_base_in
 
 log = logging.getLogger(__name__)
@@ -271,7 +271,7 @@ def refuse_with_qlora(cfg: Config) -> None:
     # (its config file; read as model.name=hf reads model.path).
     dcp_checkpoint = (source and source != cfg.model.path and not source.startswith("hf:")
                       and not source.endswith(".safetensors")
-                      and not (Path(source).expanduser() / CONFIG_FILE).is_file())
+                      and not is_model_directory(Path(source).expanduser()))
     if dcp_checkpoint:
         # DCP's reader assigns state dicts, which makes FSDP re-read the parameters before the NF4
         # base is in place

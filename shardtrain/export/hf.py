@@ -87,8 +87,7 @@ def write_hf_directory(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[],
     cast) tensor by tensor."""
     convert: Converter = hf_model_converter(cfg) if cfg.name == "hf" else (
         lambda name, tensor: to_hf(name, tensor, cfg))
-    check_new_directory(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)  # new or without model files: its callers checked first
     cast = DTYPES[dtype] if dtype else None
     files: list[Path] = []
     weight_map: dict[str, str] = {}

@@ -22,6 +22,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
+from shardtrain.checkpoint.safetensors_files import check_new_directory
 from shardtrain.config.schema import ModelConfig
 from shardtrain.config.sizes import parse_size
 from shardtrain.distributed.sharded_model import parameters_on_meta
@@ -80,6 +81,7 @@ def select(tensors: dict[str, torch.Tensor], names: list[str]) -> dict[str, torc
 def export_merged(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "2GB",
                   dtype: str | None = None) -> list[Path]:
     """The merged full model of a ``finetune=lora`` checkpoint as a Hugging Face directory."""
+    check_new_directory(Path(out_dir))  # before the model is built and merged, not after
     ckpt = LoraCheckpoint.read(checkpoint)
     model = checkpoint_model(ckpt)
     merge_in_place(model)

@@ -19,6 +19,12 @@ def hf_name(name: str) -> str:
     return name.removeprefix(PREFIX)
 
 
+def is_model_directory(path: Path) -> bool:
+    """A Hugging Face model directory (its config file) that is not also a DCP checkpoint (whose
+    metadata file, ``.metadata``, decides: one saved beside a config is read as a checkpoint)."""
+    return (path / CONFIG_FILE).is_file() and not (path / ".metadata").is_file()
+
+
 def model_directory(cfg: ModelConfig) -> Path:
     if not cfg.path:
         raise ModelError("model.name=hf needs model.path=DIR, a local Hugging Face model directory")

@@ -76,6 +76,18 @@ def _number(value: float | None, digits: int = 4) -> str:
     return "" if value is None else f"{value:.{digits}g}"
 
 
+def torchrun_restarts(counts: list[int]) -> int:
+    """Restarts over a run's jobs from its start records' ``restart_count``, in order. torchrun's
+    count starts from 0 again in each requeued Slurm job (a drop begins a job), and an attempt that
+    failed before its start record still raised the next one's count: each job's highest counts."""
+    jobs: list[int] = []
+    for previous, count in zip([None, *counts], counts):
+        if previous is None or count <= previous:
+            jobs.append(0)
+        jobs[-1] = max(jobs[-1], count)
+    return sum(jobs)
+
+
 def _runs_table(runs: list[Run], colours: dict[str, str]) -> str:
     rows = []
     for run in runs:
@@ -83,9 +95,7 @@ def _runs_table(runs: list[Run], colours: dict[str, str]) -> str:
         losses = run.values("train", "loss")[1]
         vals = [v for v in run.values("train", "val_loss")[1] if v is not None]
         resumes = sum(1 for s in run.starts if s.resumed_from)
-        # TORCHELASTIC_RESTART_COUNT counts from 0 again in each requeued Slurm job: the attempts a
-        # restart started add up over the jobs, the highest count does not.
-        restarts = sum(1 for s in run.starts if s.restart_count > 0)
+        restarts = torchrun_restarts([s.restart_count for s in run.starts])
         worlds = sorted({s.world_size for s in run.starts if s.world_size})
         skipped = f"; {run.unreadable_lines} unreadable line(s) skipped" if run.unreadable_lines else ""
         rows.append(
