@@ -58,9 +58,19 @@ NO_TRAINING = [
     (["train", "strategy.sharding_strategy=ZERO3"], 2, "is not a sharding strategy"),
     (["train", "trainer.max_steps=abc"], 2, "trainer.max_steps=abc"),
     (["train", "data=files", "data.paths=[nowhere]"], 2, "data path 'nowhere' does not exist"),
+    # data.paths without a source that reads them (the run trained on the standard library), a sample
+    # longer than the model (it failed after training), a NaN (it passed every bound)
+    (["train", "data.paths=[corpus]"], 2, "is read with data.source=files or prepared; add data=files"),
+    (["train", "trainer.sample_tokens=1024"], 2, "leaves no room for the prompt in the model's 1024"),
+    (["train", "trainer.lr=nan"], 2, "trainer.lr=nan must be a finite number"),
     (["train", "--devices", "2"], 2, "unrecognized arguments: --devices"),
     (["plan", "trainer.max_stepz=5"], 2, "did you mean 'trainer.max_steps'?"),
     (["plan", "--device-memory", "80XB"], 2, "--device-memory '80XB' is not a size"),
+    # 0 and below: planned as if not given, or rows of "division by zero" and exit 0
+    (["plan", "--world-sizes", "0", "8"], 2, "--world-sizes 0 8: each must be at least 1"),
+    (["plan", "--processes-per-node", "0"], 2, "--processes-per-node 0: each must be at least 1"),
+    (["plan", "--device-memory", "0"], 2, "--device-memory '0' must be more than 0"),
+    (["generate", ".", "--prompts-file", "latin1.txt"], 2, "is not UTF-8 text"),
     (["generate", "missing", "--prompt", "hi"], 2, "shardtrain: error: 'missing' does not exist"),
     (["generate", "missing", "--prompt", "hi", "--top-p", "0"], 2, "--top-p"),
     (["eval", "missing"], 2, "shardtrain: error: 'missing' does not exist"),
@@ -91,6 +101,7 @@ for args in json.loads(sys.argv[1]):
 def test_answers_without_training_import_no_torch(tmp_path):
     """A typo, a bad argument or a missing path is answered before torch is imported (it takes
     seconds: the answer should take a fraction of one); no wall-clock bound, the imports tell."""
+    (tmp_path / "latin1.txt").write_bytes("café\n".encode("latin-1"))
     proc = subprocess.run([sys.executable, "-c", ANSWER, json.dumps([a for a, _, _ in NO_TRAINING])],
                           capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -108,6 +108,8 @@ def bad_values(key: str, f) -> list[str]:
         values.append("no-such-choice")
     if "or_auto" in bounds:
         values.append("sometimes")
+    if f.type == "float":  # NaN passes every comparison, inf every lower bound: both were accepted
+        values += ["nan", "inf"]
     return values
 
 
@@ -236,3 +238,12 @@ def test_composing_and_checking_a_config_imports_no_torch(tmp_path):
     # What needs torch, the devices or the task's code comes after, in load_config.
     cfg = load_config(overrides)
     assert cfg.task.path == "shardtrain.tasks.language_model:LanguageModelTask"
+
+
+def test_a_global_batch_the_micro_batches_do_not_divide_fails_before_launch():
+    """It was found by the workers, seconds after torchrun started them (exit 1, not one line)."""
+    with pytest.raises(ConfigError, match=r"global_batch_size=7 is not a multiple of .* = 8"):
+        load_config(["trainer.devices=2", "trainer.global_batch_size=7", "trainer.micro_batch_size=4"])
+    with pytest.raises(ConfigError, match="trainer.grad_accum_steps=3 contradicts"):
+        load_config(["trainer.global_batch_size=8", "trainer.micro_batch_size=4",
+                     "trainer.grad_accum_steps=3"])

@@ -17,7 +17,8 @@ import shardtrain.generation.inference
 from shardtrain.cli.main import build_parser, main
 from shardtrain.config.schema import ModelConfig
 from shardtrain.data.tokenizer import ByteStream
-from shardtrain.generation.generate import generate
+from shardtrain.errors import GenerationError
+from shardtrain.generation.generate import generate, generation_mode
 from shardtrain.generation.ranges import EVAL_RANGES, GENERATE_RANGES, Range
 from shardtrain.models.llama import Llama
 
@@ -84,6 +85,15 @@ def test_kv_cache_generation_equals_full_recompute():
         cached = generate(model, prompt, 40, use_cache=True, **sampling)
         full = generate(model, prompt, 40, use_cache=False, **sampling)
         assert cached == full
+    # Up to the last position, and no further, in both modes: the last new token is never fed back
+    # (the cache refused one token too early; without it a window slid past the model's length).
+    room = 128 - len(prompt) + 1
+    for use_cache in (True, False):
+        assert len(generate(model, prompt, room, use_cache=use_cache)) == room
+        with pytest.raises(GenerationError, match="exceeds the model's 128 positions"):
+            generate(model, prompt, room + 1, use_cache=use_cache)
+    # A tiny temperature is (almost) greedy, not an overflow to NaN in the softmax.
+    assert generate(model, prompt, 8, temperature=1e-40, seed=3) == generate(model, prompt, 8)
     # and the cached forward's logits equal the full forward's, chunked prefill included
     x = torch.randint(0, 256, (2, 30))
     cache = model.new_cache(30)
@@ -154,3 +164,13 @@ def test_out_of_range_flag_is_one_line_before_any_process(command, ranges, actio
 def test_range_message_names_flag_and_range(capsys):
     assert main(["generate", "ckpt", "--prompt", "x", "--top-p", "1.5"]) == 2
     assert capsys.readouterr().err == "shardtrain: error: --top-p 1.5 must be in (0, 1]\n"
+
+
+def test_cpu_ranks_of_a_machine_share_its_memory_for_the_gathered_copy():
+    """Each local process builds its own copy in the host's one memory: the choice compares the
+    copy with a share of it (it compared with all of it, N copies against one host)."""
+    model = Llama(ModelConfig(dim=48, n_layers=2, n_heads=6, n_kv_heads=2, max_seq_len=128))
+    alone = generation_mode(model, torch.float32, torch.device("cpu"))
+    crowded = generation_mode(model, torch.float32, torch.device("cpu"), local_processes=10**9)
+    assert alone.mode == "gathered" and crowded.mode == "sharded"
+    assert crowded.free_bytes < 2**20  # the host's available memory over a billion processes

@@ -103,7 +103,11 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         path = Path(args.prompts_file)
         if not path.is_file():
             raise ConfigError(f"--prompts-file {str(path)!r} does not exist")
-        prompts = [line for line in path.read_text().splitlines() if line.strip()]
+        try:
+            prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"--prompts-file {str(path)!r} is not UTF-8 text ({exc.reason} at byte "
+                              f"{exc.start}); save it as UTF-8") from exc
         if not prompts:
             raise ConfigError(f"--prompts-file {str(path)!r} has no prompt lines")
         return prompts
@@ -137,7 +141,8 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype)
         tokenizer = tokenizer_for(loaded.cfg.model)
-        choice = generation_mode(loaded.model, loaded.compute_dtype, loaded.env.device, args.mode)
+        choice = generation_mode(loaded.model, loaded.compute_dtype, loaded.env.device, args.mode,
+                                 loaded.env.local_world_size)
         main_rank = loaded.env.is_main
         if main_rank:
             print(f"generation: {choice.mode} ({choice.reason()})", file=sys.stderr)
@@ -291,14 +296,22 @@ def cmd_export_peft(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardtrain.config.sizes import parse_size
+    from shardtrain.errors import ConfigError
 
-    memory = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
+    # Checked, not dropped: 0 read as "not given" planned the machine's own layout instead.
+    for flag, values in (("--world-sizes", args.world_sizes or []),
+                         ("--processes-per-node", [] if args.processes_per_node is None
+                          else [args.processes_per_node])):
+        if any(value < 1 for value in values):
+            raise ConfigError(f"{flag} {' '.join(map(str, values))}: each must be at least 1")
+    memory = parse_size(args.device_memory, "--device-memory") if args.device_memory is not None else None
+    if memory is not None and memory <= 0:
+        raise ConfigError(f"--device-memory {args.device_memory!r} must be more than 0")
     cfg = compose_checked(args.overrides)
     from shardtrain.config.classpath import import_object
     from shardtrain.config.loader import check_runtime, planned_by_formulas
     from shardtrain.config.plan import launch_shape
     from shardtrain.diagnostics.planner import plan_table
-    from shardtrain.errors import ConfigError
 
     if args.processes_per_node:
         # The nodes planned for, not this machine's: the layout checks (a tensor-parallel group

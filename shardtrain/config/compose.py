@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import signal
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,8 @@ def check_ranges(cfg: Any, cls: type = Config, prefix: str = "") -> None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ConfigError(f"{key}={value!r} must be 'auto' or a whole number")
+        if isinstance(value, float) and not math.isfinite(value):  # NaN passes every comparison
+            raise ConfigError(f"{key}={value} must be a finite number")
         low, above, high, choices = (f.metadata.get(k) for k in ("at_least", "above", "at_most", "one_of"))
         if choices is not None and value not in choices:
             raise ConfigError(f"{key}={value!r} is unknown{closest(str(value), choices)}; choose one of "
@@ -94,6 +97,14 @@ def check_ranges(cfg: Any, cls: type = Config, prefix: str = "") -> None:
                                                    f"must be at least {low}"))
         if above is not None and value <= above:
             raise ConfigError(f"{key}={value} must be greater than {above}")
+
+
+def check_sample_length(sample_tokens: int, positions: int | None) -> None:
+    """The sample at the end of training (and every trainer.sample_every steps) needs a position
+    for at least one prompt token besides its new ones: refused here, not after training."""
+    if positions and sample_tokens >= positions:
+        raise ConfigError(f"trainer.sample_tokens={sample_tokens} leaves no room for the prompt in the "
+                          f"model's {positions} positions; lower trainer.sample_tokens (0: no sample)")
 
 
 def check_model(cfg: Config) -> None:
@@ -118,6 +129,7 @@ def check_model(cfg: Config) -> None:
         if positions and seq_len > positions:
             raise ConfigError(f"trainer.seq_len={seq_len} exceeds the model's {positions} positions "
                               f"({config_file}); lower trainer.seq_len")
+        check_sample_length(cfg.trainer.sample_tokens, positions)
         return
     if m.path:
         raise ConfigError(f"model.path={m.path!r} is read with model.name=hf only (a Hugging Face model "
@@ -130,6 +142,7 @@ def check_model(cfg: Config) -> None:
             f"trainer.seq_len={seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
             "lower trainer.seq_len or raise model.max_seq_len"
         )
+    check_sample_length(cfg.trainer.sample_tokens, m.max_seq_len)
     if m.dim % m.n_heads or m.n_heads % m.n_kv_heads:
         raise ConfigError(
             f"model.dim={m.dim}, model.n_heads={m.n_heads} and model.n_kv_heads={m.n_kv_heads}: dim "
@@ -162,6 +175,9 @@ def check_config(cfg: Config) -> None:
     check_ranges(cfg)
     devices_count(cfg.trainer.devices)
     check_batch_size(cfg)
+    if cfg.data.source == "stdlib" and cfg.data.paths:
+        raise ConfigError(f"data.paths={list(cfg.data.paths)} is read with data.source=files or prepared; "
+                          "add data=files (text, JSON Lines, Parquet) or data=prepared, or drop data.paths")
     if cfg.data.source in ("files", "prepared"):
         for entry in cfg.data.paths:
             if not any(ch in entry for ch in "*?[") and not Path(entry).expanduser().exists():

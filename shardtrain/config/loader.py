@@ -18,7 +18,12 @@ from omegaconf.errors import OmegaConfBaseException
 from shardtrain.accelerator import accelerator_count, check_float8
 from shardtrain.config.classpath import import_module_class, import_object
 from shardtrain.config.compose import check_ranges, compose_config
-from shardtrain.config.plan import check_tensor_parallel_support, launch_shape, resolve_plan
+from shardtrain.config.plan import (
+    check_tensor_parallel_support,
+    launch_shape,
+    resolve_plan,
+    with_global_batch,
+)
 from shardtrain.config.schema import LANGUAGE_MODEL_TASK, Config
 from shardtrain.config.suggest import closest
 from shardtrain.errors import ConfigError, ShardtrainError
@@ -130,6 +135,7 @@ def check_runtime(cfg: Config, runs_here: bool = True) -> None:
     # The strategy against the world size the launch will have.
     per_node, world = launch_shape(cfg)
     resolve_plan(cfg.strategy, world, per_node)
+    with_global_batch(cfg, world)  # a global batch the micro-batches do not divide, before any launch
     check_tensor_parallel_support(cfg)
 
 

@@ -10,7 +10,7 @@ checked there without torch.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -233,6 +233,23 @@ def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> 
             f"{micro_batch} x {world_size} ranks = {per_micro_step}; choose a global batch that is, "
             "or another micro-batch size")
     return global_batch // per_micro_step
+
+
+def with_global_batch(cfg: Config, world_size: int) -> Config:
+    """``cfg`` with the accumulation steps its ``trainer.global_batch_size`` gives at ``world_size``
+    (as ``train.batch_size.resolve_batch`` sets them at start-up; a ``ConfigError`` where the
+    global batch does not divide, or where ``trainer.grad_accum_steps`` says otherwise), unchanged
+    without a global batch size."""
+    t = cfg.trainer
+    if not t.global_batch_size or not isinstance(t.micro_batch_size, int):
+        return cfg
+    data_parallel = world_size // cfg.strategy.tensor_parallel
+    steps = accumulation_steps(t.global_batch_size, t.micro_batch_size, data_parallel)
+    if t.grad_accum_steps not in (1, steps):
+        raise ConfigError(f"trainer.grad_accum_steps={t.grad_accum_steps} contradicts trainer."
+                          f"global_batch_size={t.global_batch_size} ({steps} micro-batches of "
+                          f"{t.micro_batch_size} on {data_parallel} data-parallel ranks); set one of them")
+    return replace(cfg, trainer=replace(t, grad_accum_steps=steps))
 
 
 def launch_shape(cfg: Config) -> tuple[int, int]:

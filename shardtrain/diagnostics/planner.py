@@ -18,9 +18,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from shardtrain.accelerator import device_type
 from shardtrain.config.plan import (
     ShardingPlan,
-    accumulation_steps,
     resolve_plan,
     resolve_precision,
+    with_global_batch,
 )
 from shardtrain.config.schema import Config
 from shardtrain.config.sizes import counted, human_bytes
@@ -304,23 +304,6 @@ def check_planned_batch(cfg: Config) -> None:
         raise ConfigError(f"the planner needs a number of sequences: trainer.micro_batch_size="
                           f"{cfg.trainer.micro_batch_size} is chosen only when training starts; set "
                           "trainer.micro_batch_size=N to plan for N")
-
-
-def with_global_batch(cfg: Config, world_size: int) -> Config:
-    """``cfg`` with the accumulation steps its ``trainer.global_batch_size`` gives at ``world_size``
-    (as ``train.batch_size.resolve_batch`` sets them at start-up; a ``ConfigError`` where the
-    global batch does not divide, or where ``trainer.grad_accum_steps`` says otherwise), unchanged
-    without a global batch size."""
-    t = cfg.trainer
-    if not t.global_batch_size or not isinstance(t.micro_batch_size, int):
-        return cfg
-    data_parallel = world_size // cfg.strategy.tensor_parallel
-    steps = accumulation_steps(t.global_batch_size, t.micro_batch_size, data_parallel)
-    if t.grad_accum_steps not in (1, steps):
-        raise ConfigError(f"trainer.grad_accum_steps={t.grad_accum_steps} contradicts trainer."
-                          f"global_batch_size={t.global_batch_size} ({steps} micro-batches of "
-                          f"{t.micro_batch_size} on {data_parallel} data-parallel ranks); set one of them")
-    return replace(cfg, trainer=replace(t, grad_accum_steps=steps))
 
 
 def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, local: int,

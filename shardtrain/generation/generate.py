@@ -47,13 +47,16 @@ class ModeChoice:
 
 
 def generation_mode(model: nn.Module, dtype: torch.dtype, device: torch.device,
-                    requested: str = "auto") -> ModeChoice:
+                    requested: str = "auto", local_processes: int = 1) -> ModeChoice:
     """``gathered`` when the plain copy fits the free memory of every rank with room to spare,
-    else ``sharded``; every rank gets the same answer (the least free memory of any rank)."""
+    else ``sharded``; every rank gets the same answer (the least free memory of any rank). On a CPU
+    the ``local_processes`` of a machine each build their copy in its one memory: a share each."""
     if requested not in GENERATION_MODES:
         raise GenerationError(f"generation mode {requested!r} is not one of {', '.join(GENERATION_MODES)}")
     need = sum(p.numel() for p in model.parameters()) * dtype.itemsize  # tied weights once
     free = free_memory_bytes(device)
+    if free is not None and device.type == "cpu":
+        free //= max(local_processes, 1)
     if dist.is_initialized() and dist.get_world_size() > 1:
         least = torch.tensor([free if free is not None else -1], dtype=torch.int64,
                              device=device if dist.get_backend() != "gloo" else "cpu")
@@ -123,7 +126,10 @@ def pick_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
     """Greedy when temperature is 0; else sampling from the top-k (0 = all), top-p (1 = all) tokens."""
     if temperature <= 0:
         return logits.argmax(-1, keepdim=True)
-    logits = logits.float() / temperature
+    # Shifted to a maximum of 0 first: a tiny temperature then sends the others to -inf, where
+    # dividing the raw logits overflowed to inf and the softmax to NaN.
+    logits = logits.float()
+    logits = (logits - logits.max(-1, keepdim=True).values) / temperature
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -149,20 +155,22 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temper
     max_len = getattr(model, "max_seq_len", None)
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.tensor([prompt or [10]], dtype=torch.long, device=device)
+    # The positions the model sees: the prompt and every new token but the last, which is never fed
+    # back. The same limit with and without the cache (without it, a window once slid past it).
+    positions = tokens.shape[1] + max(max_new_tokens - 1, 0)
+    if max_len is not None and positions > max_len:
+        raise GenerationError(f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) "
+                              f"exceeds the model's {max_len} positions; ask for fewer new tokens")
     cache = None
     if use_cache and hasattr(model, "new_cache"):
-        if max_len is not None and tokens.shape[1] + max_new_tokens > max_len:
-            raise GenerationError(f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) "
-                                  f"exceeds the model's {max_len} positions; ask for fewer new tokens")
-        cache = model.new_cache(tokens.shape[1] + max_new_tokens)
+        cache = model.new_cache(positions)
     out: list[int] = []
     step_input = tokens
     for _ in range(max_new_tokens):
         if cache is not None:
             logits = model(step_input, cache=cache)[:, -1, :]
         else:
-            context = tokens if max_len is None else tokens[:, -max_len:]
-            logits = model(context)[:, -1, :]
+            logits = model(tokens)[:, -1, :]
         if vocab_limit is not None:
             logits = logits[:, :vocab_limit]
         nxt = pick_next(logits, temperature, top_k, top_p, generator)

@@ -10,9 +10,10 @@ import torch.distributed as dist
 
 from shardtrain.accelerator import allocated_bytes, device_memory_bytes
 from shardtrain.config.compose import check_batch_size
+from shardtrain.config.plan import with_global_batch
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import rss_bytes
-from shardtrain.diagnostics.planner import BatchChoice, choose_batch, planned_model, with_global_batch
+from shardtrain.diagnostics.planner import BatchChoice, choose_batch, planned_model
 from shardtrain.distributed.env import DistEnv
 from shardtrain.errors import ConfigError
 

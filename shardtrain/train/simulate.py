@@ -43,10 +43,10 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModM
 from torch.distributed.device_mesh import init_device_mesh
 
 from shardtrain.config.loader import formulas_know
-from shardtrain.config.plan import resolve_plan
+from shardtrain.config.plan import resolve_plan, with_global_batch
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import state_bytes
-from shardtrain.diagnostics.planner import Estimate, estimate, planned_model, with_global_batch
+from shardtrain.diagnostics.planner import Estimate, estimate, planned_model
 from shardtrain.distributed.parallelize import parallelize, sum_gradients
 from shardtrain.distributed.preconditions import resolve_wrap_classes
 from shardtrain.distributed.sharded_model import with_adapters
