@@ -26,6 +26,14 @@ class VectorLoss(ImageClassification):
         return LossOutput(F.cross_entropy(logits, batch["label"], reduction="none"), len(batch["label"]))
 
 
+class MetricNamedLoss(ImageClassification):
+    """A metric named like a field of the metrics record (it would overwrite the logged loss)."""
+
+    def loss(self, model, batch):
+        out = super().loss(model, batch)
+        return LossOutput(out.loss, out.count, {**out.metrics, "loss": out.loss.detach()})
+
+
 class MissingKey(SyntheticImages):
     def __getitem__(self, index):
         item = super().__getitem__(index)

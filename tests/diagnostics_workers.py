@@ -107,9 +107,15 @@ def nan_step_is_skipped(out: str) -> None:
         trainer.run_step()
     before = trainer.full_weights()
     optim_before = {k: v.clone() for k, v in trainer.built.optimizer.state_dict()["state"][0].items()}
+    schedule_before = (trainer.built.scheduler.last_epoch, trainer.built.scheduler.get_last_lr())
+    logged_count = trainer.interval_count
     os.environ["SHARDTRAIN_FAULT"] = "loss:1:3:nan"
     stats = trainer.run_step()
     del os.environ["SHARDTRAIN_FAULT"]
+    # the learning-rate schedule stays where it was too (docs/diagnostics.md), and the skipped
+    # step's loss is left out of the logging interval's mean
+    assert (trainer.built.scheduler.last_epoch, trainer.built.scheduler.get_last_lr()) == schedule_before
+    assert trainer.interval_count == logged_count
     after = trainer.full_weights()
     optim_after = trainer.built.optimizer.state_dict()["state"][0]
     assert stats.skipped and trainer.result.skipped_steps == 1

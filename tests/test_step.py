@@ -5,10 +5,23 @@ step's only read of a tensor's value by the host besides the embedding exchange'
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
+import torch
 from distributed import run_on_ranks
 from step_workers import agreement_and_empty_steps
+
+from shardtrain.config.schema import Config
+from shardtrain.errors import TrainingError
+from shardtrain.tasks.task import LossOutput
+from shardtrain.train.loop import Trainer, TrainResult
+from shardtrain.train.metrics import MetricsWriter, Throughput
+from shardtrain.train.step import StepStats, check_metric_names, run_loss
 
 
 def test_one_ranks_stop_request_reaches_all_and_empty_steps_fail_everywhere(tmp_path):
@@ -23,3 +36,104 @@ def test_one_ranks_stop_request_reaches_all_and_empty_steps_fail_everywhere(tmp_
         # one in each micro-batch's forward where the embedding exchanges rows: its split sizes
         assert result["host_reads"] == ["tolist", "optimizer.step", "tolist"], (rank, result["host_reads"])
         assert result["host_resident_reads"] > 0  # the filter above saw what it filters
+
+
+def bare_trainer(cfg: Config | None = None) -> Trainer:
+    """A Trainer holding only what the logging and resume bookkeeping read (no model, no ranks)."""
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg = cfg or Config()
+    trainer.env = SimpleNamespace(is_main=False, device=torch.device("cpu"))
+    trainer.throughput = Throughput("tokens", 1, None)
+    trainer.layout = SimpleNamespace(global_batch=2)
+    trainer.train_data = SimpleNamespace(wait_s=0.0)
+    trainer.result = TrainResult()
+    trainer.interval_loss_sum = trainer.interval_count = 0.0
+    trainer.interval_metrics = {}
+    trainer.consecutive_skips = 0
+    trainer.step = 0
+    trainer.writer = MetricsWriter(Path(), enabled=False)
+    trainer.metric_kinds = (("accuracy", True), ("errors", False))
+    scheduler = SimpleNamespace(get_last_lr=lambda: [1e-3], base_lrs=[3e-3, 3e-3])
+    optimizer = SimpleNamespace(param_groups=[{"lr": 3e-4}])
+    trainer.built = SimpleNamespace(scheduler=scheduler, optimizer=optimizer)
+    return trainer
+
+
+def test_the_logged_loss_and_metrics_are_means_over_the_intervals_counts():
+    """docs/metrics.md: the loss per target token over the interval, not a mean of the steps' means;
+    a skipped step counts in neither, and a (sum, count) metric with count 0 in one step is not NaN."""
+    trainer = bare_trainer()
+    steps = [StepStats(2.0, 1.0, 10.0, False, metric_sums={"accuracy": (3.0, 4.0), "errors": (5.0, 10.0)}),
+             StepStats(float("nan"), float("nan"), 10.0, True,
+                       metric_sums={"accuracy": (float("nan"), 4.0), "errors": (float("nan"), 10.0)}),
+             StepStats(1.0, 1.0, 30.0, False, metric_sums={"accuracy": (0.0, 0.0), "errors": (3.0, 30.0)})]
+    for stats in steps:
+        trainer.step += 1
+        trainer.account(stats)
+    record = trainer.train_record(steps[-1])
+    assert record["loss"] == pytest.approx((2.0 * 10 + 1.0 * 30) / 40)  # the skipped step left out
+    assert record["accuracy"] == pytest.approx(3 / 4) and record["errors"] == pytest.approx(8 / 40)
+    assert trainer.result.skipped_steps == 1
+    # the next interval starts empty: a record of skipped steps alone has no mean
+    trainer.account(steps[1])
+    skipped_only = trainer.train_record(steps[1])
+    assert all(math.isnan(skipped_only[name]) for name in ("loss", "accuracy", "errors"))
+    # every field a record has of its own is one a metric may not take
+    own = set(record) - {"accuracy", "errors"}
+    assert own | {"step", "kind", "time", "val_loss"} <= trainer.record_fields()
+
+
+@pytest.mark.parametrize("names", [["loss"], ["tokens_per_s"], ["mfu"], ["acc", "val_acc"]])
+def test_a_metric_named_like_a_record_field_is_refused(names):
+    fields = bare_trainer().record_fields()
+    with pytest.raises(TrainingError, match="named like fields of the metrics record"):
+        check_metric_names(Returns(None), tuple((name, False) for name in names), fields)
+    check_metric_names(Returns(None), (("accuracy", True), ("val", False)), fields)
+
+
+class Returns:
+    """A task whose loss returns ``out`` (run_loss reads ``loss`` and the class name only)."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def loss(self, model, batch):
+        return self.out
+
+
+WEIGHT = torch.ones(3, requires_grad=True)
+
+
+@pytest.mark.parametrize(("out", "message"), [
+    (LossOutput(WEIGHT.sum(), torch.ones(3)), "Returns.loss returned a count as a tensor of shape [3]; "
+                                               "return the micro-batch's total count"),
+    (LossOutput(WEIGHT.sum(), 3, {"acc": [1, 3]}), "Returns.loss returned metric 'acc' as list; return"),
+    (LossOutput(WEIGHT.sum(), 3, {"acc": (torch.ones(2), 3)}), "metric 'acc' with a sum as a tensor of "
+                                                                "shape [2]"),
+    (LossOutput(WEIGHT.sum().detach(), 3), "Returns.loss returned a loss that does not require grad"),
+])
+def test_bad_loss_output_values_are_one_line_naming_the_task(out, message):
+    with pytest.raises(TrainingError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        run_loss(Returns(out), None, None, training=True)
+
+
+def test_good_loss_output_values_pass():
+    good = LossOutput(WEIGHT.sum(), torch.tensor([3]), {"acc": (torch.tensor(1.0), 3), "x": 2.0})
+    assert run_loss(Returns(good), None, None, training=True) is good
+    # evaluation runs without gradients
+    assert run_loss(Returns(LossOutput(WEIGHT.sum().detach(), 3)), None, None) is not None
+
+
+def test_a_resume_names_the_schedule_settings_it_does_not_follow():
+    cfg = Config()
+    saved = {key: getattr(cfg.trainer, key) for key in ("lr", "max_steps", "warmup_steps", "min_lr_ratio")}
+    assert bare_trainer(cfg).schedule_changes(saved) == []
+    assert bare_trainer(cfg).schedule_changes({}) == []  # an older checkpoint without the keys
+    cfg.trainer = dataclasses.replace(cfg.trainer, lr=1e-3, max_steps=cfg.trainer.max_steps * 2)
+    trainer = bare_trainer(cfg)
+    trainer.step = 2
+    lr_change, schedule_change = trainer.schedule_changes({**saved, "lr": 3e-3})
+    assert lr_change == ("trainer.lr 0.003 -> 0.001: the resumed run keeps the checkpoint's base learning "
+                         "rate 0.003; start a new run to change it")
+    assert schedule_change.startswith(f"trainer.max_steps {saved['max_steps']} -> {cfg.trainer.max_steps}: "
+                                      "the schedule follows the new values from step 3 on")

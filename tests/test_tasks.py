@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections import OrderedDict, UserDict, defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +39,7 @@ from shardtrain.data.batches import BatchLayout, eval_batches
 from shardtrain.errors import ConfigError, DataError
 from shardtrain.export.consolidate import consolidate
 from shardtrain.tasks.language_model import LanguageModelTask
-from shardtrain.tasks.samples import MapSamples
+from shardtrain.tasks.samples import MapSamples, batch_size, to_device
 from shardtrain.train.simulate import simulate
 
 # The example tasks and the broken ones (tests/broken_tasks.py), importable by every worker.
@@ -270,6 +273,8 @@ def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
     ("broken_tasks:NoLoss", 2, "lacks loss()"),
     ("collections:OrderedDict", 2, "is not a shardtrain.tasks.Task subclass"),
     ("broken_tasks:VectorLoss", 1, "returned a loss of shape [2]; it must be a scalar tensor"),
+    ("broken_tasks:MetricNamedLoss", 1, "MetricNamedLoss.loss returned metrics ['loss'] named like fields of "
+                                        "the metrics record"),
     ("broken_tasks:RankMetrics", 2, "ranks disagree on the task's metrics (name, has its own count): "
                                     "rank 0 has (('rank0', False),), rank 1 has (('rank1', False),)"),
     ("broken_tasks:MixedItems", 1, "is {'image': 'tensor[float32, 3-d]'}, item 0 is "
@@ -324,3 +329,66 @@ def test_map_samples_pad_validation_draw_by_position_and_name_ragged_items():
     ragged = MapSamples([torch.zeros(2), torch.zeros(3)], default_collate, "the ragged data")
     with pytest.raises(DataError, match="the ragged data: items of different shapes in one batch"):
         ragged.batch(np.array([0, 1]))
+
+
+@dataclass(frozen=True)
+class PairBatch:
+    image: torch.Tensor
+    extra: dict
+    label: int = 0
+    derived: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "derived", self.image.sum(-1))
+
+
+class Encoding(UserDict):
+    """A mapping with attribute access and state of its own, as transformers' BatchEncoding."""
+
+    def __init__(self, data=None, note: str = "") -> None:
+        super().__init__(data)
+        self.note = note
+
+    def __getattr__(self, name: str):
+        if name == "data":
+            raise AttributeError(name)
+        return self.data[name]
+
+
+class FixedKeys(Mapping):
+    """A mapping whose constructor does not take a dict: it cannot be rebuilt."""
+
+    def __init__(self, image, mask) -> None:
+        self._items = {"image": image, "mask": mask}
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def test_a_collated_dataclass_or_mapping_subclass_moves_to_the_device_and_keeps_its_type():
+    """A task's collate may return a dataclass or a Mapping subclass (a BatchEncoding): every tensor
+    reaches the device (``meta`` here) and the container keeps its type; batch_size sees them."""
+    image = torch.zeros(3, 4)
+    batch = PairBatch(image, {"mask": torch.ones(3, 2)}, label=7)
+    moved = to_device(batch, torch.device("meta"))
+    assert type(moved) is PairBatch and moved.label == 7 and batch.image.device.type == "cpu"
+    assert [t.device.type for t in (moved.image, moved.extra["mask"], moved.derived)] == ["meta"] * 3
+    assert batch_size(batch) == 3 and batch_size(moved) == 3  # FLOPs per sample divide by it
+
+    encoding = Encoding({"input_ids": torch.zeros(5, 8, dtype=torch.long)}, note="kept")
+    got = to_device(encoding, torch.device("meta"))
+    assert type(got) is Encoding and got.note == "kept" and got.input_ids.is_meta
+    assert not encoding.input_ids.is_meta and batch_size(encoding) == 5
+    ordered = to_device(OrderedDict(x=torch.zeros(2)), torch.device("meta"))
+    counts = to_device(defaultdict(int, x=torch.zeros(2)), torch.device("meta"))
+    assert type(ordered) is OrderedDict and ordered["x"].is_meta
+    assert type(counts) is defaultdict and counts["x"].is_meta and counts["missing"] == 0
+    with pytest.raises(DataError, match=r"^a batch holds a FixedKeys, a mapping that cannot be rebuilt "
+                                        r".*have the task's collate return a dict, a dataclass"):
+        to_device(FixedKeys(image, image), torch.device("meta"))

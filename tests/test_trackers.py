@@ -242,3 +242,29 @@ def test_a_hanging_or_raising_tracker_never_holds_training(caplog):
     assert warnings[2].startswith("tracker raising failed at step 1 (OSError: No space left on device); "
                                   "it is dropped")
     assert raising.calls == 1  # dropped: never called again, not even to close
+
+
+def test_mlflow_maps_metric_names_it_refuses_instead_of_dropping_the_run(tmp_path, caplog):
+    """MLflow's log_batch refuses a whole batch for one name it does not take (a task metric
+    ``acc@1``): every name is mapped once to one it takes, distinct keys stay distinct, and ``loss``
+    reaches MLflow at every step."""
+    from mlflow.tracking import MlflowClient
+
+    cfg = load_config([f"run.dir={tmp_path}", "run.trackers=[mlflow]", "run.offline=true"])
+    [tracker] = start_trackers(cfg, resuming=False)
+    values = {"loss": 1.0, "acc@1": 0.5, "acc_1": 0.25, "top k": 2, "a//b": 3, "..": 4, "x" * 300: 5}
+    with caplog.at_level(logging.WARNING, logger="shardtrain"):
+        for step in (1, 2):  # the mapping holds across records, whatever the keys' order
+            record = dict(reversed(values.items())) if step == 2 else values
+            tracker.log(tracker_record(step, "train", 1.0 * step, record))
+        close_trackers([tracker], "finished", timeout_s=30)
+    assert not caplog.records  # not dropped
+    client = MlflowClient((tmp_path / "mlruns").as_uri())
+    names = tracker.tracker.names
+    assert names["train/loss"] == "train/loss" and names["train/acc_1"] == "train/acc_1"
+    assert names["train/acc@1"].startswith("train/acc_1-") and names["train/top k"] == "train/top k"
+    assert names["train/a//b"] == "train/a/_/b" and names["train/.."] == "train/__"
+    assert len(names["train/" + "x" * 300]) == 250 and len(set(names.values())) == len(values)
+    for key, value in values.items():
+        history = client.get_metric_history(tracker.tracker.run_id, names[f"train/{key}"])
+        assert [(m.step, m.value) for m in history] == [(1, value), (2, value)], key

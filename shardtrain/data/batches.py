@@ -9,7 +9,10 @@ size without repeating or skipping a sample.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
+from collections import UserDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -279,17 +282,56 @@ class BatchLayout:
 
 
 def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``batch`` (a tensor, or dicts, NamedTuples, lists and tuples of them) with every tensor
-    replaced by ``fn(tensor)``; other leaves and the containers' types as they are."""
+    """``batch`` (a tensor, or dataclasses, mappings, NamedTuples, lists and tuples of them) with every
+    tensor replaced by ``fn(tensor)``; other leaves and the containers' types as they are."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
+    # Before Mapping: a dataclass may be a mapping too (transformers' ModelOutput), and its fields
+    # hold what its items do and more.
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return map_fields(batch, fn)
     if isinstance(batch, Mapping):
-        return {key: map_tensors(value, fn) for key, value in batch.items()}
+        return map_mapping(batch, fn)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a NamedTuple keeps its type
         return type(batch)(*(map_tensors(value, fn) for value in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(map_tensors(value, fn) for value in batch)
     return batch
+
+
+def map_fields(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A dataclass rebuilt through its own ``__init__`` (``dataclasses.replace``, frozen ones too);
+    fields it does not take (``init=False``) are mapped after, as ``__post_init__`` left them."""
+    fields = dataclasses.fields(batch)
+    mapped = dataclasses.replace(batch, **{field.name: map_tensors(getattr(batch, field.name), fn)
+                                           for field in fields if field.init})
+    for field in fields:
+        if not field.init and hasattr(mapped, field.name):
+            object.__setattr__(mapped, field.name, map_tensors(getattr(mapped, field.name), fn))
+    return mapped
+
+
+def map_mapping(batch: Mapping, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A mapping of the same type: a plain dict as such; a dict or ``UserDict`` subclass (transformers'
+    ``BatchEncoding``) as a shallow copy with its values replaced, which keeps its attributes and
+    attribute access; any other mapping through ``type(batch)(dict)``, or one line saying what to
+    return instead."""
+    values = {key: map_tensors(value, fn) for key, value in batch.items()}
+    if type(batch) is dict:
+        return values
+    try:
+        if not isinstance(batch, (dict, UserDict)):
+            return type(batch)(values)
+        # copy.copy gives these their own storage (a UserDict copies .data): the batch is not changed.
+        mapped = copy.copy(batch)
+        for key, value in values.items():
+            mapped[key] = value
+        return mapped
+    except Exception as exc:  # any constructor that does not take a dict of its items
+        raise DataError(f"a batch holds a {type(batch).__qualname__}, a mapping that cannot be rebuilt "
+                        f"from a dict of its items ({type(exc).__name__}), so its tensors cannot be "
+                        "moved to the device; have the task's collate return a dict, a dataclass or "
+                        "a NamedTuple of tensors") from exc
 
 
 class TrainBatches:

@@ -9,6 +9,7 @@ task's ``collate`` pads them.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -49,7 +50,8 @@ def structure(item: Any) -> Any:
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Every tensor of a (nested) batch moved to ``device``; other leaves as they are."""
+    """Every tensor of a (nested) batch moved to ``device``, a dataclass's fields and a mapping
+    subclass's items included (``map_tensors``); other leaves and the containers' types as they are."""
     return map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=non_blocking))
 
 
@@ -57,7 +59,9 @@ def tensors_of(batch: Any) -> list[torch.Tensor]:
     """Every tensor of a (nested) batch, in order."""
     if isinstance(batch, torch.Tensor):
         return [batch]
-    if isinstance(batch, Mapping):
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):  # as map_tensors sees it
+        batch = [getattr(batch, field.name) for field in dataclasses.fields(batch)]
+    elif isinstance(batch, Mapping):
         batch = list(batch.values())
     if not isinstance(batch, (list, tuple)):
         return []

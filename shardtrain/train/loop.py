@@ -62,7 +62,7 @@ from shardtrain.train.console import Console
 from shardtrain.train.flops import counted_flops_per_sample
 from shardtrain.train.metrics import MetricsWriter, Throughput
 from shardtrain.train.optim import optimizer_kind
-from shardtrain.train.step import StepStats, evaluate, failing_part, train_step
+from shardtrain.train.step import StepStats, evaluate, failing_part, ratio, train_step
 
 log = logging.getLogger("shardtrain")
 
@@ -111,8 +111,12 @@ class Trainer:
         # FLOPs per sample counted once when the task cannot say (Task.flops).
         self.counted_flops_per_sample = (counted_flops_per_sample(task, t.micro_batch_size)
                                          if type(task).flops is Task.flops else None)
-        self.interval_losses: list[float] = []
-        self.interval_metrics: dict[str, list[float]] = {}
+        # The logging interval's sums (of the steps not skipped), divided once when the record is
+        # written: the loss and each metric are means over the interval's counts, not means of the
+        # steps' means (docs/metrics.md).
+        self.interval_loss_sum = 0.0
+        self.interval_count = 0.0
+        self.interval_metrics: dict[str, list[float]] = {}  # name: [sum, divisor]
         # The task's metrics as the first step returned them: every later step must return the same.
         self.metric_kinds: tuple[tuple[str, bool], ...] | None = None
         self.consecutive_skips = 0
@@ -204,6 +208,10 @@ class Trainer:
             if changes and self.env.is_main:
                 log.warning(f"the data order differs from the checkpoint's ({'; '.join(changes)}): the "
                             "saved position is read in the new order, so samples may repeat or be skipped")
+            schedule = self.schedule_changes(state.config.get("trainer", {}))
+            if schedule and self.env.is_main:
+                log.warning("the learning-rate schedule differs from the checkpoint's "
+                            f"({'; '.join(schedule)})")
             if self.cfg.model.init_from and self.cfg.finetune.method == "none":
                 self.info("model.init_from is ignored: resuming from a checkpoint")
         else:
@@ -216,6 +224,24 @@ class Trainer:
             # state with a zero-learning-rate step (torch's DCP), whose hook computed them from the
             # weights before the read.
             refresh_float8_scales(self.model)
+
+    def schedule_changes(self, saved: dict) -> list[str]:
+        """What a resume does with schedule settings changed since the checkpoint, one phrase each:
+        the scheduler's state (its base learning rate, its step) is the checkpoint's, while warmup,
+        max_steps and min_lr_ratio shape the schedule from the next step on."""
+        t, changes = self.cfg.trainer, []
+        if "lr" in saved and saved["lr"] != t.lr:  # older checkpoints lack keys
+            base = ", ".join(f"{lr:g}" for lr in dict.fromkeys(self.built.scheduler.base_lrs))
+            changes.append(f"trainer.lr {saved['lr']!r} -> {t.lr!r}: the resumed run keeps the checkpoint's "
+                           f"base learning rate {base}; start a new run to change it")
+        moved = [f"trainer.{key} {saved[key]!r} -> {getattr(t, key)!r}"
+                 for key in ("warmup_steps", "max_steps", "min_lr_ratio")
+                 if key in saved and saved[key] != getattr(t, key)]
+        if moved:
+            lr = self.built.optimizer.param_groups[0]["lr"]
+            changes.append(f"{', '.join(moved)}: the schedule follows the new values from step "
+                           f"{self.step + 1} on, so the learning rate ({lr:g} at the save) may jump")
+        return changes
 
     def load_base_weights(self, draw: Callable[[], None]) -> None:
         """The weights a fresh run starts from (with LoRA: the frozen base, and the adapters' draw)."""
@@ -399,7 +425,9 @@ class Trainer:
                                    sharded_accumulation=b.plan.grad_accumulation == "sharded",
                                    stop_requested=self.stop_requested,
                                    flops_per_sample=self.counted_flops_per_sample,
-                                   metric_kinds=self.metric_kinds)
+                                   metric_kinds=self.metric_kinds,
+                                   reserved_names=self.record_fields() if self.metric_kinds is None
+                                   else frozenset())
         finally:
             if probe is not None:
                 probe.close()
@@ -466,11 +494,14 @@ class Trainer:
         self.result.losses.append(stats.loss)
         self.result.grad_norms.append(stats.grad_norm)
         self.result.tokens_seen += round(stats.count)
-        self.interval_losses.append(stats.loss)
-        for name, value in stats.metrics.items():
-            self.interval_metrics.setdefault(name, []).append(value)
-        if not stats.skipped:
+        if not stats.skipped:  # a skipped step's loss is non-finite: it has its own `skip` record
             self.consecutive_skips = 0
+            self.interval_loss_sum += stats.loss * stats.count
+            self.interval_count += stats.count
+            for name, (total, divisor) in stats.metric_sums.items():
+                sums = self.interval_metrics.setdefault(name, [0.0, 0.0])
+                sums[0] += total
+                sums[1] += divisor
             return
         limit = self.cfg.trainer.max_skipped_steps
         self.result.skipped_steps += 1
@@ -506,18 +537,26 @@ class Trainer:
             self.writer.write(step, "train", record)
             self.console.show(step, record, tuple(name for name, _ in self.metric_kinds))
 
+    def record_fields(self) -> frozenset[str]:
+        """The names a train record (with validation) has of its own: a task's metric may not take one."""
+        return frozenset({"step", "kind", "time", "loss", "val_loss", "grad_norm", "lr", "peak_memory_mib",
+                          "tokens_seen", *self.throughput.report()})
+
     def train_record(self, stats: StepStats) -> dict:
-        """The logged averages since the last record (and the counters they cover are reset)."""
+        """The logged means since the last record, over the steps not skipped (NaN if every one
+        was), and the counters they cover are reset."""
+        names = [name for name, _ in self.metric_kinds or ()]
+        metric_sums = {name: self.interval_metrics.get(name, (0.0, 0.0)) for name in names}
         record = {
-            "loss": sum(self.interval_losses) / len(self.interval_losses),
-            **{name: sum(values) / len(values) for name, values in self.interval_metrics.items()},
+            "loss": ratio(self.interval_loss_sum, self.interval_count),
+            **{name: ratio(total, divisor) for name, (total, divisor) in metric_sums.items()},
             "grad_norm": stats.grad_norm,
             "lr": self.built.scheduler.get_last_lr()[0],
             "peak_memory_mib": peak_memory_mib(self.env.device),
             "tokens_seen": self.result.tokens_seen,
             **self.throughput.report(),
         }
-        self.interval_losses.clear()
+        self.interval_loss_sum = self.interval_count = 0.0
         self.interval_metrics.clear()
         self.throughput.reset()
         return record

@@ -14,6 +14,7 @@ accumulated gradients are divided by the global count once, after the last micro
 from __future__ import annotations
 
 import math
+import numbers
 import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -49,13 +50,19 @@ class StepStats:
     # Some rank asked to stop (a preemption signal), agreed by every rank in this step's all-reduce.
     stop_agreed: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+    # Each metric's global sum and divisor (its own count, or the step's count): what the loop adds
+    # over a logging interval and divides once, so a step whose count is 0 does not make the
+    # interval NaN and steps of unequal counts weigh by their counts.
+    metric_sums: dict[str, tuple[float, float]] = field(default_factory=dict)
     flops: float = 0.0  # the step's training FLOPs over all ranks (0: unknown)
     metric_kinds: tuple[tuple[str, bool], ...] = ()
 
 
-def run_loss(task: Task, model: nn.Module, batch: Any) -> LossOutput:
+def run_loss(task: Task, model: nn.Module, batch: Any, training: bool = False) -> LossOutput:
     """``task.loss``, with FSDP's cryptic error for a bypassed ``__call__`` explained, and its
-    result checked: a summed scalar loss and a count."""
+    result checked: a summed scalar loss (``training``: one backward can reach the weights from),
+    one count, and metrics of one number or a (sum, count) pair each, so that a wrong value is one
+    line naming the task rather than torch's error from deep in the step."""
     try:
         out = task.loss(model, batch)
     except RuntimeError as exc:
@@ -70,7 +77,39 @@ def run_loss(task: Task, model: nn.Module, batch: Any) -> LossOutput:
         shape = list(out.loss.shape) if isinstance(out.loss, torch.Tensor) else type(out.loss).__name__
         raise TrainingError(f"{type(task).__name__}.loss returned a loss of shape {shape}; it must be "
                             "a scalar tensor, the loss summed over the micro-batch")
+    if training and not out.loss.requires_grad:
+        raise TrainingError(f"{type(task).__name__}.loss returned a loss that does not require grad; "
+                            "compute it from the model's output (call model(...); no detach(), no "
+                            "torch.no_grad()) so that backward reaches the weights")
+    check_scalar(task, "a count", out.count, "the micro-batch's total count (a number or a one-element "
+                 "tensor), not one per sample")
+    for name, value in out.metrics.items():
+        if isinstance(value, tuple) and len(value) == 2:
+            for part, what in zip(value, ("sum", "count")):
+                check_scalar(task, f"metric {name!r} with a {what}", part,
+                             "(sum, count) as a tuple of two numbers or one-element tensors")
+        elif isinstance(value, (torch.Tensor, numbers.Real)):
+            check_scalar(task, f"metric {name!r}", value, "a number or a one-element tensor summed over "
+                         "the micro-batch, or a tuple (sum, count)")
+        else:
+            raise TrainingError(f"{type(task).__name__}.loss returned metric {name!r} as "
+                                f"{type(value).__name__}; return a number or one-element tensor summed "
+                                "over the micro-batch, or a tuple (sum, count)")
     return out
+
+
+def check_scalar(task: Task, what: str, value: Any, expected: str) -> None:
+    """``value`` is one number (a Python number or a one-element tensor), else one line naming
+    ``task`` and ``expected`` (torch's own error would be a reshape's, far from the task)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1:
+            return
+        found = f"a tensor of shape {list(value.shape)}"
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return
+    else:
+        found = type(value).__name__
+    raise TrainingError(f"{type(task).__name__}.loss returned {what} as {found}; return {expected}")
 
 
 def as_scalar(value: Any, device: torch.device) -> torch.Tensor:
@@ -115,13 +154,35 @@ class MetricSums:
         """Each metric's sum and own count, in name order, for the step's one all-reduce."""
         return [t for name in sorted(self.sums) for t in self.sums[name]]
 
-    def values(self, reduced: list[float], count: float) -> dict[str, float]:
+    def pairs(self, reduced: list[float], count: float) -> dict[str, tuple[float, float]]:
+        """Each metric's global (sum, divisor): its own count, or ``count`` (the loss's)."""
         out = {}
         for index, (name, own_count) in enumerate(self.kinds or ()):
             total, own = reduced[2 * index], reduced[2 * index + 1]
-            divisor = own if own_count else count
-            out[name] = total / divisor if divisor else float("nan")
+            out[name] = (total, own if own_count else count)
         return out
+
+    def values(self, reduced: list[float], count: float) -> dict[str, float]:
+        return {name: ratio(total, divisor)
+                for name, (total, divisor) in self.pairs(reduced, count).items()}
+
+
+def ratio(total: float, divisor: float) -> float:
+    """A mean, or NaN where nothing was counted."""
+    return total / divisor if divisor else float("nan")
+
+
+def check_metric_names(task: Task, kinds: tuple[tuple[str, bool], ...], reserved: frozenset[str]) -> None:
+    """A metric is logged beside the record's own fields (and as ``val_<name>``): a name that is one
+    of them, or whose ``val_`` form is another metric's, would overwrite it without a word."""
+    names = {name for name, _ in kinds}
+    clashes = sorted(name for name in names
+                     if name in reserved or f"val_{name}" in reserved
+                     or (name.startswith("val_") and name.removeprefix("val_") in names))
+    if clashes:
+        raise TrainingError(f"{type(task).__name__}.loss returned metrics {clashes} named like fields of "
+                            "the metrics record (loss, lr, grad_norm, tokens_seen, ..., or val_<metric>), "
+                            "which they would overwrite; rename them")
 
 
 def global_sum_tensor(value: torch.Tensor, copies: int = 1) -> torch.Tensor:
@@ -220,7 +281,8 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
                sharded_accumulation: bool = True,
                stop_requested: Callable[[], bool] | None = None,
                flops_per_sample: float | None = None,
-               metric_kinds: tuple[tuple[str, bool], ...] | None = None) -> StepStats:
+               metric_kinds: tuple[tuple[str, bool], ...] | None = None,
+               reserved_names: frozenset[str] = frozenset()) -> StepStats:
     """One optimizer step (``step`` is its 1-based number; ``phases`` records memory per phase).
 
     With several micro-batches, ``sharded_accumulation`` reduce-scatters after every backward (only
@@ -229,7 +291,8 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
     ``stop_requested()`` (this rank was signalled), asked after backward, rides on the loss
     all-reduce, so that every rank learns of any rank's request without a collective or host
     synchronisation of its own. ``metric_kinds``: the task's metrics as the first step returned
-    them (None on the first step, whose names every rank then compares once).
+    them (None on the first step, whose names every rank then compares once, and refuses those
+    in ``reserved_names``: the metrics record's own fields).
     """
     copies = tensor_parallel_degree(mesh)
     divisor = None
@@ -255,7 +318,7 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
     for index, batch in enumerate(micro_batches):
         prepare_micro_batch(model, index, len(micro_batches), sharded_accumulation)
         with loss_context(copies):
-            out = run_loss(task, model, to_device(batch, device, non_blocking=True))
+            out = run_loss(task, model, to_device(batch, device, non_blocking=True), training=True)
             loss = out.loss / divisor if divisor is not None else out.loss
             if index == 0:
                 loss = faults.poison_loss(rank, step, loss)
@@ -269,6 +332,7 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
         phases.mark("backward")
     if metric_kinds is None:
         check_same_on_every_rank("the task's metrics (name, has its own count)", metrics.kinds)
+        check_metric_names(task, metrics.kinds or (), reserved_names)
 
     params = [p for p in model.parameters() if p.grad is not None]
     if divisor is None:
@@ -307,11 +371,13 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
     if phases is not None:
         phases.mark("optimizer")
     optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
+    if not skipped:  # a skipped step leaves the schedule where it was, as it leaves the optimizer
+        scheduler.step()
     if phases is not None:
         phases.mark("end")
     return StepStats(loss=loss_value, grad_norm=norm_value, count=count, skipped=skipped,
                      stop_agreed=stops > 0, metrics=metrics.values(metric_values, count),
+                     metric_sums=metrics.pairs(metric_values, count),
                      flops=flops_value, metric_kinds=metrics.kinds or ())
 
 

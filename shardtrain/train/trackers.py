@@ -6,6 +6,8 @@ flattened to dotted keys, as the run's parameters. Values map the same way for e
 step; ``null`` (an unknown value, such as MFU on a CPU) is left out; text (a ``sample``) and lists
 (the per-rank memory table of ``memory_ranks``, as JSON) go as text: TensorBoard's text tab, a
 string in the W&B history, an MLflow artifact ``<kind>/<key>/step-<step>.txt``.
+MLflow refuses some names that the others take (``acc@1``), so its metric names are mapped to ones it
+accepts (``mlflow_name``; docs/metrics.md says how).
 
 Start-up is strict, training is not. A tracker that is not installed, cannot reach its server or
 cannot create its run stops the run before training with one ``TrackerError`` line naming the fix;
@@ -21,12 +23,14 @@ A resumed training continues its tracker runs: the W&B and MLflow run ids are ke
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
 import json
 import logging
 import os
 import queue
+import re
 import threading
 import time
 import urllib.error
@@ -53,6 +57,9 @@ STATE_FILE = "trackers.json"
 MAX_PENDING = 10_000
 # How a run ended, for the trackers that record it (W&B exit code, MLflow run status).
 OUTCOMES = ("finished", "failed", "preempted")
+# A character MLflow refuses in a metric name. Its rule is letters, digits, _ - . space / (and ':'
+# except on Windows); ASCII only and without ':' so that a server on any platform takes the name.
+MLFLOW_REFUSED = re.compile(r"[^A-Za-z0-9_\-. /]")
 
 
 @dataclass(frozen=True)
@@ -166,6 +173,23 @@ def check_reachable(uri: str, timeout_s: float) -> None:
                            "run.dir/mlruns with run.offline=true") from exc
 
 
+def mlflow_name(key: str, limit: int) -> str:
+    """``key`` as a metric name MLflow accepts: each refused character becomes ``_``, and an empty,
+    ``.`` or ``..`` path segment becomes underscores (MLflow refuses a name that a path normalisation
+    would change: ``a//b``, ``a/./b``, a trailing ``/``). Past ``limit`` characters it is cut and a
+    digest of the whole key appended, so that long keys stay apart."""
+    segments = MLFLOW_REFUSED.sub("_", key).split("/")
+    name = "/".join("_" * max(1, len(part)) if part in ("", ".", "..") else part for part in segments)
+    if len(name) <= limit:
+        return name
+    # The cut may leave a trailing "/" or "." that would normalise away: strip them before the digest.
+    return f"{name[:limit - 9].rstrip('/.')}-{key_digest(key)}"
+
+
+def key_digest(key: str, salt: int = 0) -> str:
+    return hashlib.sha1(f"{key}#{salt}".encode()).hexdigest()[:8]
+
+
 class TensorBoardTracker:
     name = "tensorboard"
     run_id = None
@@ -220,7 +244,11 @@ class WandbTracker:
 
 
 class MlflowTracker:
-    """An MLflow run named run.name in the experiment run.mlflow.experiment."""
+    """An MLflow run named run.name in the experiment run.mlflow.experiment. MLflow's ``log_batch``
+    refuses a whole batch for one name it does not accept (a task metric ``acc@1``), so every metric
+    name is mapped to one it accepts (``mlflow_name``), once per run and the same at every step;
+    distinct keys stay distinct (a key whose mapped name another key has already gets a digest of
+    itself appended)."""
 
     name = "mlflow"
     STATUS = {"finished": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
@@ -236,6 +264,8 @@ class MlflowTracker:
         self.entities = load_optional(self.name, "mlflow.entities")
         self.limits = load_optional(self.name, "mlflow.utils.validation")
         self.client = tracking.MlflowClient(uri)
+        self.names: dict[str, str] = {}  # a record's metric key -> its MLflow name
+        self.owners: dict[str, str] = {}  # an MLflow name -> the key it stands for
         experiment = self.client.get_experiment_by_name(run.mlflow.experiment)
         experiment_id = (experiment.experiment_id if experiment is not None
                          else self.client.create_experiment(run.mlflow.experiment))
@@ -279,10 +309,32 @@ class MlflowTracker:
         for start in range(0, len(fresh), per_batch):
             self.client.log_batch(self.run_id, params=fresh[start:start + per_batch])
 
+    def metric_name(self, key: str) -> str:
+        """The MLflow name of metric ``key``: fixed when first seen, so a series never changes name."""
+        name = self.names.get(key)
+        if name is not None:
+            return name
+        limit = self.limits.MAX_ENTITY_KEY_LENGTH
+        name, salt = mlflow_name(key, limit), 0
+        while name in self.owners:  # another key maps here: this one gets a suffix of its own
+            salt += 1
+            name = f"{mlflow_name(key, limit - 9)}-{key_digest(key, salt)}"
+        if name != key:
+            log.info(f"MLflow metric {key!r} is logged as {name!r} (MLflow names take only letters, "
+                     "digits, _ - . / and spaces, and each key keeps a name of its own)")
+        self.names[key], self.owners[name] = name, key
+        return name
+
     def log(self, record: TrackerRecord) -> None:
         stamp = int(record.time * 1000)
-        metrics = [self.entities.Metric(f"{record.kind}/{key}", float(value), stamp, record.step)
-                   for key, value in record.scalars.items()]
+        keys = [f"{record.kind}/{key}" for key in record.scalars]
+        # Keys MLflow takes as they are claim their names first, so that in a record holding both
+        # `acc_1` and `acc@1` the suffix goes to the renamed one, whatever the keys' order.
+        limit = self.limits.MAX_ENTITY_KEY_LENGTH
+        for key in sorted(keys, key=lambda key: mlflow_name(key, limit) != key):
+            self.metric_name(key)
+        metrics = [self.entities.Metric(self.names[key], float(value), stamp, record.step)
+                   for key, value in zip(keys, record.scalars.values())]
         per_batch = self.limits.MAX_METRICS_PER_BATCH
         for start in range(0, len(metrics), per_batch):
             self.client.log_batch(self.run_id, metrics=metrics[start:start + per_batch])
