@@ -573,7 +573,8 @@ class Trainer:
         """
         t = self.cfg.trainer
         self.watchdog.beat("sampling", self.step)
-        choice = generation_mode(self.model, self.built.plan.param_dtype, self.env.device)
+        choice = generation_mode(self.model, self.built.plan.param_dtype, self.env.device,
+                                 local_processes=self.env.local_world_size)
         if choice.mode != "gathered":
             self.info(f"sample at step {self.step} skipped: {choice.reason()} (`shardtrain generate` "
                       "runs a checkpoint unit by unit)")
