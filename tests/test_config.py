@@ -247,3 +247,12 @@ def test_a_global_batch_the_micro_batches_do_not_divide_fails_before_launch():
     with pytest.raises(ConfigError, match="trainer.grad_accum_steps=3 contradicts"):
         load_config(["trainer.global_batch_size=8", "trainer.micro_batch_size=4",
                      "trainer.grad_accum_steps=3"])
+
+
+def test_a_sample_longer_than_the_model_fails_before_training(tmp_path):
+    """It failed after training, when the end's sample asked for more positions than the model has;
+    a config loaded only to build a model (a library use) is not held to it."""
+    overrides = ["trainer.sample_tokens=1024", f"run.dir={tmp_path}/run"]
+    with pytest.raises(ConfigError, match="trainer.sample_tokens=1024 leaves no room for the prompt"):
+        check_training(load_config(overrides))
+    check_training(load_config([*overrides, "trainer.sample_tokens=1023"]))

@@ -100,6 +100,13 @@ def check_training(cfg: Config) -> None:
     task = task_from_config(cfg)
     if not isinstance(task, LanguageModelTask):
         return
+    if cfg.model.name == "llama" and cfg.trainer.sample_tokens >= cfg.model.max_seq_len:
+        # The sample at the end of training (and every sample_every steps) needs a position for a
+        # prompt token besides its new ones: refused here, not after training. (A Hugging Face
+        # model generates past its configured positions where its embedding allows: transformers'.)
+        raise ConfigError(f"trainer.sample_tokens={cfg.trainer.sample_tokens} leaves no room for the "
+                          f"prompt in model.max_seq_len={cfg.model.max_seq_len} positions; lower "
+                          "trainer.sample_tokens (0: no sample)")
     if task.tensor_parallel_hook() is not None:
         pass  # the task's own tensor-parallel plan: the model's is not used
     elif cfg.model.name == "llama":

@@ -99,14 +99,6 @@ def check_ranges(cfg: Any, cls: type = Config, prefix: str = "") -> None:
             raise ConfigError(f"{key}={value} must be greater than {above}")
 
 
-def check_sample_length(sample_tokens: int, positions: int | None) -> None:
-    """The sample at the end of training (and every trainer.sample_every steps) needs a position
-    for at least one prompt token besides its new ones: refused here, not after training."""
-    if positions and sample_tokens >= positions:
-        raise ConfigError(f"trainer.sample_tokens={sample_tokens} leaves no room for the prompt in the "
-                          f"model's {positions} positions; lower trainer.sample_tokens (0: no sample)")
-
-
 def check_model(cfg: Config) -> None:
     """The model section: a Hugging Face directory that exists, or the built-in model's shape."""
     m, seq_len = cfg.model, cfg.trainer.seq_len
@@ -129,7 +121,6 @@ def check_model(cfg: Config) -> None:
         if positions and seq_len > positions:
             raise ConfigError(f"trainer.seq_len={seq_len} exceeds the model's {positions} positions "
                               f"({config_file}); lower trainer.seq_len")
-        check_sample_length(cfg.trainer.sample_tokens, positions)
         return
     if m.path:
         raise ConfigError(f"model.path={m.path!r} is read with model.name=hf only (a Hugging Face model "
@@ -142,7 +133,6 @@ def check_model(cfg: Config) -> None:
             f"trainer.seq_len={seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
             "lower trainer.seq_len or raise model.max_seq_len"
         )
-    check_sample_length(cfg.trainer.sample_tokens, m.max_seq_len)
     if m.dim % m.n_heads or m.n_heads % m.n_kv_heads:
         raise ConfigError(
             f"model.dim={m.dim}, model.n_heads={m.n_heads} and model.n_kv_heads={m.n_kv_heads}: dim "
