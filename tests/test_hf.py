@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import re
 import shutil
 
 import pytest
@@ -178,6 +179,26 @@ def tiny_hf_llama(tmp_path_factory):
 
 HF_MODEL = ["model.dim=48", "model.n_layers=2", "model.n_heads=6", "model.n_kv_heads=2",
             "model.ffn_hidden_dim=96", "model.max_seq_len=128"]
+
+
+def test_init_from_hf_refuses_what_the_built_in_llama_computes_otherwise(tiny_hf_llama, tmp_path):
+    """Loaded without a word, these gave other logits (found by review: rms_norm_eps 1e-2 0.38 off,
+    attention biases 1.8e-2, Llama 3.1's rope scaling 1.7e-3): each is refused, naming it."""
+    from shardtrain.config.loader import load_config
+
+    directory, _ = tiny_hf_llama
+    cfg = load_config(HF_MODEL)
+    with pytest.raises(CheckpointError, match=r"model.norm_eps=0.01 but the checkpoint has 1e-05 \(set it\)"):
+        load_hf_into(Llama(cfg.model), dataclasses.replace(cfg.model, norm_eps=1e-2), directory)
+    config = json.loads((directory / "config.json").read_text())
+    llama3 = {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}
+    for change, named in ((llama3, "rope_type 'llama3'"), ({"attention_bias": True}, "attention_bias=true"),
+                          ({"hidden_act": "gelu"}, "hidden_act 'gelu'"), ({"head_dim": 16}, "head_dim 16")):
+        changed = tmp_path / named.split()[0]
+        shutil.copytree(directory, changed)
+        (changed / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(CheckpointError, match=f"cannot compute: {re.escape(named)}"):
+            load_hf_into(Llama(cfg.model), cfg.model, changed)
 
 
 def test_init_from_hf_matches_logits_and_trains_at_two_processes(tmp_path, tiny_hf_llama):

@@ -198,7 +198,8 @@ def hf_loads(tmp_path_factory) -> tuple[Path, torch.Tensor, Path]:
     small = out / "small"
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=256, hidden_size=36, intermediate_size=97, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(small)
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
+        rms_norm_eps=1e-5)).save_pretrained(small)
     for world in (1, 4):
         run_on_ranks(load_memory, world, str(out), str(directory), vocab, dim, str(small), tmp_path=out)
     return out, embedding, small

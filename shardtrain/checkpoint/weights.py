@@ -41,6 +41,7 @@ from shardtrain.models.llama_hf_adapter import (
     hf_rows,
     model_config_from_hf,
     rotary_heads,
+    unrepresentable,
 )
 from shardtrain.models.lora import base_name, is_adapter
 
@@ -274,6 +275,10 @@ def read_hf_config(directory: Path) -> dict:
     if config.get("model_type") != "llama":
         raise CheckpointError(f"{directory} holds a {config.get('model_type')!r} model; only llama "
                               "models can be imported")
+    if found := unrepresentable(config):
+        raise CheckpointError(f"{directory} is a Llama the built-in model cannot compute: "
+                              f"{'; '.join(found)}; train it as it is with model.name=hf "
+                              f"model.path={directory}")
     return config
 
 
@@ -290,6 +295,9 @@ def load_hf_into(model: nn.Module, cfg: ModelConfig, directory: str | Path) -> N
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
                 name = from_hf_name(hf_name)
+                if name is None and not hf_name.endswith("rotary_emb.inv_freq"):  # old exports' buffers
+                    raise CheckpointError(f"{directory}: {hf_name} has no place in the built-in Llama; "
+                                          f"train it as it is with model.name=hf model.path={directory}")
                 if name is None or name not in params:
                     continue  # read only the tensors the model keeps
                 heads = rotary_heads(name, cfg)

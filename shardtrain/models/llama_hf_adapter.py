@@ -9,6 +9,7 @@ each rank reads only its own rows of a permuted projection.
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -133,10 +134,33 @@ def model_config_from_hf(config: dict) -> ModelConfig:
     )
 
 
+# What the built-in Llama computes the same way as a Hugging Face Llama only at the same value.
+NUMERIC_FIELDS = ("rope_theta", "norm_eps")
+
+
+def unrepresentable(config: dict) -> list[str]:
+    """A Hugging Face Llama config's settings the built-in Llama has no way to compute: imported,
+    its weights would load and give other logits without a word (Llama 3.1's rope scaling, biases,
+    another activation, a head size other than dim / heads)."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    found = []
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        found.append(f"rope_type {rope.get('rope_type', rope.get('type'))!r} (only plain RoPE)")
+    found += [f"{key}=true (no biases)" for key in ("attention_bias", "mlp_bias") if config.get(key)]
+    if config.get("hidden_act", "silu") != "silu":
+        found.append(f"hidden_act {config['hidden_act']!r} (SwiGLU with silu only)")
+    head_dim = config.get("head_dim")
+    if head_dim and head_dim * config["num_attention_heads"] != config["hidden_size"]:
+        found.append(f"head_dim {head_dim} (the built-in Llama's is hidden_size / num_attention_heads)")
+    return found
+
+
 def config_mismatches(ours: ModelConfig, theirs: ModelConfig) -> list[str]:
     """Why a Hugging Face directory's weights cannot fill a model built from ``ours``."""
     problems = [f"model.{f}={getattr(ours, f)} but the checkpoint has {getattr(theirs, f)}"
                 for f in SHAPE_FIELDS if getattr(ours, f) != getattr(theirs, f)]
+    problems += [f"model.{f}={getattr(ours, f)} but the checkpoint has {getattr(theirs, f)} (set it)"
+                 for f in NUMERIC_FIELDS if not math.isclose(getattr(ours, f), getattr(theirs, f))]
     if ffn_hidden_dim(ours) != ffn_hidden_dim(theirs):
         problems.append(f"model.ffn_hidden_dim={ffn_hidden_dim(ours)} but the checkpoint has "
                         f"{ffn_hidden_dim(theirs)}")
