@@ -152,8 +152,11 @@ def test_models_that_carry_state_along_the_sequence_are_refused():
     with pytest.raises(ModelError, match="cannot keep this model's documents apart: it is recurrent"):
         check_document_mask_support(Recurrent())
     refused = {name: sequence_state_reason(getattr(transformers, name)()) for name in (
-        "JambaConfig", "Qwen3NextConfig", "RecurrentGemmaConfig", "MambaConfig", "Lfm2Config")}
+        "JambaConfig", "Qwen3NextConfig", "RecurrentGemmaConfig", "MambaConfig", "Lfm2Config",
+        "OPTConfig", "BioGptConfig")}
     assert all(refused.values()), refused
+    # OPT and BioGPT mask causally over the whole window, positions or not (found by review)
+    assert "without the documents' positions" in refused["OPTConfig"]
     assert "linear_attention" in refused["Qwen3NextConfig"] and "mamba_" in refused["JambaConfig"]
     for name in ("LlamaConfig", "MistralConfig", "GPTNeoXConfig", "Gemma3TextConfig", "GptOssConfig"):
         assert sequence_state_reason(getattr(transformers, name)()) is None, name
