@@ -61,7 +61,10 @@ def check_init_from(source: str | None, model_name: str) -> None:
         raise CheckpointError(f"model.init_from={source!r} is a Hugging Face model directory: train it "
                               f"with model.name=hf model.path={source} (a Llama also imports into the "
                               f"built-in model with model.init_from={HF_PREFIX}{source})")
-    if source.startswith(HF_PREFIX) or is_model_directory(path):  # hf:DIR, or DIR itself for model=hf
+    if is_model_directory(path):  # model=hf reads any family's directory as it reads model.path
+        weight_files(path)
+        return
+    if source.startswith(HF_PREFIX):  # a Llama imported into the built-in model
         directory = Path(source.removeprefix(HF_PREFIX)).expanduser()
         if not directory.is_dir():
             raise CheckpointError(f"model.init_from={source!r}: {str(directory)!r} is not a directory")
