@@ -7,6 +7,7 @@ import resource
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -334,6 +335,19 @@ def row_exchange(out: str) -> None:
         raise AssertionError("an id beyond the table was looked up")
     except IndexError as exc:
         assert f"token id {vocab} is outside the embedding's {vocab} rows" in str(exc), exc
+    # One rank's bad id stops every rank of its exchange group at the same exchange, none waits for
+    # the rank that raised (before, they sat in the next all-to-all until the group's timeout).
+    # The last mesh is hybrid: ranks 0-1 exchange rows, and so do ranks 2-3.
+    group_ranks = dist.get_process_group_ranks(embedding.route.group)
+    try:
+        embedding(torch.tensor([[0, vocab + 3 if rank == 1 else 2]]))
+        assert 1 not in group_ranks, "a rank went on past another rank's bad id"
+    except IndexError as exc:
+        expected = (f"token id {vocab + 3} is outside" if rank == 1
+                    else "rank 1 of the embedding's row exchange looked up a token id outside")
+        assert 1 in group_ranks and expected in str(exc), exc
+    looked_up = embedding(torch.tensor([[0, 2]]))  # the group is usable after the refusal
+    assert looked_up.float().equal(table[torch.tensor([[0, 2]])].to(looked_up.dtype).float())
     # In a model: an embedding alone in its unit is exchanged, a tied one (the head's matmul needs
     # the whole table) is gathered with the head.
     for tied, exchanged in ((False, ["tok_embeddings"]), (True, [])):

@@ -78,19 +78,28 @@ class _ExchangeLookup(torch.autograd.Function):
     def forward(ctx, local_rows: torch.Tensor, tokens: torch.Tensor, route: RowRoute) -> torch.Tensor:
         world, rank = dist.get_world_size(route.group), dist.get_rank(route.group)
         wanted, inverse = torch.unique(tokens.reshape(-1), return_inverse=True)  # sorted: by owner
-        # Owners clamped so that an id out of range still gives ``world`` counts: the check below
-        # then names it, on this rank, before any row moves.
+        # Owners clamped so that an id out of range still gives ``world`` counts. A rank holding
+        # one sends -1 to every rank in place of its counts (decided on the device: no extra host
+        # read), so that every rank stops at the check below rather than waiting in the next
+        # all-to-all for the rank that raised.
         owners = (wanted // route.rows).clamp_(0, world - 1)
         send = torch.bincount(owners, minlength=world) if wanted.numel() else owners.new_zeros(world)
+        bounds = wanted[[0, -1]] if wanted.numel() else send[:2]
+        if wanted.numel():
+            send = torch.where((bounds[0] < 0) | (bounds[1] >= route.num_embeddings),
+                               torch.full_like(send, -1), send)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=route.group)
-        bounds = wanted[[0, -1]] if wanted.numel() else send[:2]
         # The forward's one host read: the split sizes, with the range check (docs/metrics.md).
         sizes = torch.cat([send, recv, bounds]).tolist()
         send_sizes, recv_sizes, (low, high) = sizes[:world], sizes[world:2 * world], sizes[2 * world:]
         if wanted.numel() and (low < 0 or high >= route.num_embeddings):
             raise IndexError(f"token id {low if low < 0 else high} is outside the embedding's "
                              f"{route.num_embeddings} rows: the tokenizer and model.vocab_size disagree")
+        if min(recv_sizes) < 0:
+            raise IndexError(f"rank {recv_sizes.index(-1)} of the embedding's row exchange looked up a "
+                             f"token id outside its {route.num_embeddings} rows (its error names the "
+                             "id): the tokenizer and model.vocab_size disagree")
         asked = wanted.new_empty(sum(recv_sizes))
         dist.all_to_all_single(asked, wanted, recv_sizes, send_sizes, group=route.group)
         asked -= rank * route.rows  # this rank's own row numbers
