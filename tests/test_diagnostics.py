@@ -122,6 +122,19 @@ def test_stall_dumps_every_ranks_stacks_and_hang_stops(tmp_path):
         assert last[0] > last[1], last
 
 
+def test_the_end_of_training_sample_is_watched_like_the_steps(tmp_path):
+    """The sample after the last step gathers the model, a collective: a rank stuck there is
+    stopped by its watchdog (it used to run after the watchdog had stopped)."""
+    run_dir = tmp_path / "run"
+    hung = run_cli("train", *QUICK, "trainer.sample_tokens=4", "trainer.devices=2", "trainer.max_steps=2",
+                   "dist.timeout_s=3", f"run.dir={run_dir}", env={"SHARDTRAIN_FAULT": "sample:1:2:sleep=120"},
+                   timeout=100)
+    assert hung.returncode != 0
+    assert "over the 3s limit (dist.timeout_s)" in hung.stderr, hung.stderr[-3000:]
+    stacks = (run_dir / "hangs" / "rank-1.txt").read_text()
+    assert "rank 1: sampling of step 2" in stacks and "in inject" in stacks, stacks[:2000]
+
+
 def test_watchdog_save_phases_have_their_own_bound(tmp_path):
     dog = Watchdog(tmp_path, 0, timeout_s=0.3, startup_timeout_s=60, stall_factor=100, stall_min_s=100,
                    poll_s=0.02)

@@ -334,9 +334,6 @@ class Trainer:
             if self.step >= t.max_steps:
                 self.info(f"nothing to do: step {self.step} >= trainer.max_steps={t.max_steps}")
             self.train()
-            finished = not (self.cfg.diagnostics.dry_run or self.result.preempted)
-            if finished and t.sample_tokens > 0 and self.samples_text():
-                self.result.sample = self.sample()
             outcome = "preempted" if self.result.preempted else "finished"
         finally:
             self.writer.close(outcome)
@@ -361,6 +358,9 @@ class Trainer:
                     self.save_checkpoint(blocking=True, phase="final checkpoint")
                 self.beat_save("waiting for the last async save")
                 self.checkpointer.close()  # waits for it, then frees the staging buffers
+            # Inside the watchdog's watch: gathering the copy is a collective like any other.
+            if not self.result.preempted and self.cfg.trainer.sample_tokens > 0 and self.samples_text():
+                self.result.sample = self.sample()
         except Exception:
             # On gloo a peer stopped by its watchdog ends this rank's collectives at once, before this
             # rank's own watchdog fires: dump this rank's flight recorder too, so the dumps can be
@@ -573,6 +573,7 @@ class Trainer:
         """
         t = self.cfg.trainer
         self.watchdog.beat("sampling", self.step)
+        faults.inject("sample", self.env.rank, self.step)
         choice = generation_mode(self.model, self.built.plan.param_dtype, self.env.device,
                                  local_processes=self.env.local_world_size)
         if choice.mode != "gathered":
