@@ -19,11 +19,12 @@ import pytest
 import torch
 from cli_utils import clean_env, run_cli
 from hf_models import make_model_dir
+from tqdm import tqdm
 
 from shardtrain.config.schema import DataConfig
 from shardtrain.data.corpus import load_corpus, prepared_path
-from shardtrain.data.documents import list_files
-from shardtrain.data.prepare import PrepareOptions, prepare
+from shardtrain.data.documents import list_files, resolve_sources
+from shardtrain.data.prepare import PrepareOptions, Reading, batches, prepare
 from shardtrain.data.tokenizer import ByteTokenizer, HFTokenizer
 from shardtrain.errors import DataError
 
@@ -71,6 +72,16 @@ def test_every_format_is_read_and_workers_do_not_change_a_byte(inputs, tmp_path,
     assert len(files) > 6 and four.manifest == one.manifest
     for name in files:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "four" / name).read_bytes(), name
+    # Batches are cut at BATCH_BYTES of text too (what is in flight stays bounded for huge
+    # documents): more, smaller batches, the same bytes.
+    monkeypatch.setattr("shardtrain.data.prepare.BATCH_BYTES", 300)
+    options = PrepareOptions(**common, workers=2)
+    cut = [len(texts) for _, texts in batches(resolve_sources(options.inputs, options.file_glob), options,
+                                              tqdm(disable=True), Reading())]
+    assert max(cut) < 16 and sum(cut) == len(TEXTS), cut
+    prepare(options, tmp_path / "cut", progress=False)
+    for name in files:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "cut" / name).read_bytes(), name
     splits = one.manifest["splits"]
     assert splits["train"]["documents"] + splits["val"]["documents"] == len(TEXTS)
     assert len(splits["train"]["shards"]) > 1 and splits["val"]["documents"] > 0
@@ -125,6 +136,14 @@ def test_a_changed_input_is_prepared_again(tmp_path):
     assert [s["name"] for s in manifest["sources"]] == ["a.txt", "b.txt"]
     assert prepared_path(cfg, ByteTokenizer()) == cached
     assert json.loads((cached / "manifest.json").read_text()) == manifest
+    # ... nor is one written by an earlier preparation to another --out: its shards are token ids,
+    # which were tokenized as text. Given as the input itself, it is refused with the way to use it.
+    shutil.rmtree(tmp_path / "in" / "cache")
+    prepare(options, tmp_path / "in" / "old", progress=False)
+    other = prepare(options, tmp_path / "elsewhere", progress=False)
+    assert [s["name"] for s in other.manifest["sources"]] == ["a.txt", "b.txt"]
+    with pytest.raises(DataError, match="already a prepared dataset.*data.source=prepared"):
+        prepare(PrepareOptions(inputs=[str(tmp_path / "in" / "old")]), tmp_path / "twice", progress=False)
 
 
 def test_inputs_in_every_layout_are_read_as_documented(tmp_path):

@@ -36,6 +36,8 @@ EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 DATASETS_STATE = "state.json"  # what save_to_disk writes beside its Arrow files
 DATASET_DICT = "dataset_dict.json"  # what a DatasetDict's save_to_disk writes beside its splits
+PREPARED_FORMAT = "shardtrain-prepared"  # the "format" of what ``shardtrain prepare`` writes
+PREPARED_MANIFEST = "manifest.json"
 # JSON can escape half of a UTF-16 pair alone ("\ud800"); no UTF-8 text holds one.
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -80,6 +82,15 @@ def _matches_parts(parts: tuple[str, ...], pattern: tuple[str, ...]) -> bool:
     return bool(parts) and fnmatchcase(parts[0], pattern[0]) and _matches_parts(parts[1:], pattern[1:])
 
 
+def is_prepared_dataset(directory: Path) -> bool:
+    """Whether ``directory`` is what ``shardtrain prepare`` wrote (token shards, not text)."""
+    try:
+        manifest = json.loads((directory / PREPARED_MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == PREPARED_FORMAT
+
+
 def dataset_dict_error(directory: Path) -> DataError:
     """A DatasetDict's directory: one split must be chosen (mixing train and test is never meant)."""
     try:
@@ -95,7 +106,9 @@ def list_files(root: Path, pattern: str, exclude: Iterable[Path] = ()) -> list[P
     them), sorted, skipping ``EXCLUDED_DIRS`` and the ``exclude`` paths inside ``root``. Those are
     pruned, not walked: the default corpus's standard library holds the interpreter's
     site-packages, several times its size. A ``save_to_disk`` directory found on the way (its
-    state.json beside Arrow files) is listed itself when its path matches, never its files."""
+    state.json beside Arrow files) is listed itself when its path matches, never its files; a
+    prepared dataset found on the way (an earlier ``prepare --out`` inside the input) is pruned: its
+    shards are token ids, and read as text they were tokenized into the next preparation."""
     real_root = root.resolve()
     inside = [e for e in (e.resolve() for e in exclude) if e != real_root and e.is_relative_to(real_root)]
     skipped = {e.relative_to(real_root).as_posix() for e in inside}
@@ -108,6 +121,9 @@ def list_files(root: Path, pattern: str, exclude: Iterable[Path] = ()) -> list[P
                 if DATASET_DICT in names:
                     raise dataset_dict_error(Path(directory))
                 files.append(Path(directory))
+            subdirs.clear()
+            continue
+        if here.parts and PREPARED_MANIFEST in names and is_prepared_dataset(Path(directory)):
             subdirs.clear()
             continue
         subdirs[:] = [d for d in subdirs
@@ -140,6 +156,9 @@ def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] =
             raise DataError(f"input {entry!r} does not exist; fix the path")
         elif path.is_dir() and (path / DATASET_DICT).is_file():
             raise dataset_dict_error(path)
+        elif path.is_dir() and is_prepared_dataset(path):
+            raise DataError(f"input {entry!r} is already a prepared dataset (token ids, not text); "
+                            "train on it with data.source=prepared data.paths=[...]")
         elif path.is_dir() and (path / DATASETS_STATE).is_file():
             sources.append(Source(path, path.name))
         elif path.is_dir():

@@ -43,16 +43,26 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from shardtrain.data.documents import Document, Source, documents, resolve_sources
+from shardtrain.data.documents import (
+    PREPARED_FORMAT,
+    PREPARED_MANIFEST,
+    Document,
+    Source,
+    documents,
+    resolve_sources,
+)
 from shardtrain.data.tokenizer import Tokenizer, load_tokenizer, token_dtype
 from shardtrain.errors import DataError
 
-FORMAT = "shardtrain-prepared"
+FORMAT = PREPARED_FORMAT
 VERSION = 1
-MANIFEST = "manifest.json"
+MANIFEST = PREPARED_MANIFEST
 SPLITS = ("train", "val")
 SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 per shard file
-BATCH_DOCUMENTS = 256  # documents per task sent to a worker
+BATCH_DOCUMENTS = 256  # documents per task sent to a worker, at most
+# ... and at most about this much text: what is in flight (workers x BATCHES_AHEAD batches, and
+# their token ids) stays bounded when the documents are large (a corpus of whole books).
+BATCH_BYTES = 8 << 20
 BATCHES_AHEAD = 2  # per worker: batches read and queued while the writer waits for the oldest
 
 
@@ -246,19 +256,22 @@ class Reading:
 
 
 def batches(sources: list[Source], options: PrepareOptions, bar: tqdm, reading: Reading) -> Iterator[Batch]:
-    """(split of each document, its text) in input order, BATCH_DOCUMENTS at a time."""
+    """(split of each document, its text) in input order, BATCH_DOCUMENTS or BATCH_BYTES at a time."""
     splits: list[str] = []
     texts: list[Document] = []
+    batch_bytes = 0
     for source in sources:
         for key, text in documents(source, options.text_field):
             splits.append("val" if is_validation(key, options.val_percent) else "train")
             texts.append(text)
+            size = len(text) if isinstance(text, bytes) else len(json.dumps(text))
             reading.documents += 1
-            reading.bytes += len(text) if isinstance(text, bytes) else len(json.dumps(text))
+            reading.bytes += size
+            batch_bytes += size
             bar.update(1)
-            if len(texts) == BATCH_DOCUMENTS:
+            if len(texts) == BATCH_DOCUMENTS or batch_bytes >= BATCH_BYTES:
                 yield splits, texts
-                splits, texts = [], []
+                splits, texts, batch_bytes = [], [], 0
             if options.max_bytes and reading.bytes >= options.max_bytes:
                 break
         if options.max_bytes and reading.bytes >= options.max_bytes:
