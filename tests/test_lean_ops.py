@@ -7,10 +7,13 @@ the memory planner counts for it (docs/memory-planner.md), in fp32 and bf16, lea
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+from functools import partial
 
 import pytest
 import torch
+import transformers
 from storages import StoragesMade, kept_bytes
 
 from shardtrain.config.loader import load_config
@@ -18,6 +21,7 @@ from shardtrain.config.plan import resolve_plan
 from shardtrain.diagnostics.planner import activation_model
 from shardtrain.distributed.parallelize import block_selective_contexts, enable_activation_checkpointing
 from shardtrain.models import lean_ops
+from shardtrain.models.dims import Dims
 from shardtrain.models.lean_ops import rms_norm, swiglu, swiglu_projected
 from shardtrain.models.llama import Llama, llama_dims
 from shardtrain.models.masking import document_attention_bias
@@ -153,3 +157,24 @@ def test_a_block_keeps_the_bytes_the_planner_counts(dtype: torch.dtype, document
     kept = kept_bytes(lambda: model.layers[0](x * 1, rope, mask=mask), exclude)
     planned = activation_model(cfg, llama_dims(cfg.model), 2, dtype, resolve_plan(cfg.strategy, 1, 1)).block
     assert kept == planned
+
+
+@pytest.mark.parametrize("head_dim", [32, 48])
+def test_a_hugging_face_block_keeps_about_what_the_planner_counts(head_dim: int) -> None:
+    """A Hugging Face Llama-layout block (the planner's estimate, not its exact count: up to 10%
+    over), also where the config sets a head size other than dim / heads (Qwen3, Gemma, Mistral-
+    Nemo), whose attention tensors are heads x head_dim wide: counted as dim wide, they were under."""
+    cfg = load_config(["trainer.seq_len=64", "trainer.micro_batch_size=2"])
+    cfg.model = dataclasses.replace(cfg.model, name="hf")  # the estimate reads only the name
+    kept = []
+    for layers in (1, 2):  # the difference is one block's, whatever the embedding and head keep
+        config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                          num_key_value_heads=2, num_hidden_layers=layers, vocab_size=64,
+                                          head_dim=head_dim)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        tokens = torch.randint(0, 64, (2, 64))
+        run = partial(lambda m, t: m.model(input_ids=t, use_cache=False).last_hidden_state, model, tokens)
+        kept.append(kept_bytes(run, tuple(model.parameters())))
+    plan = resolve_plan(cfg.strategy, 1, 1)
+    planned = activation_model(cfg, Dims.of_hf(config), 2, torch.float32, plan).block
+    assert 1.0 <= planned / (kept[1] - kept[0]) <= 1.1, (planned, kept[1] - kept[0])

@@ -198,13 +198,13 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     # and the norms' outputs are gathered whole again for the next matmul, which keeps them.
     tp = plan.tensor_parallel
     seq = tp if plan.sequence_parallel else 1
-    head_dim = m.dim // m.n_heads
+    head_dim, queries = m.head_dim, m.attention_width
     # With the document mask, keys and values reach SDPA repeated to every query head (models/llama).
     kv = head_dim * (m.n_heads if cfg.data.document_mask else m.n_kv_heads)
     ffn = m.ffn_hidden_dim
     # q k v, lse, output and wo's input: the same tensor for the built-in Llama (SDPA writes it in
     # the query's (B, T, H, D) order), a copy for Hugging Face's (queries rotated as (B, H, T, D)).
-    attention = b * (m.dim + 2 * kv) + 4 * m.n_heads + (1 if builtin else 2) * b * m.dim
+    attention = b * (queries + 2 * kv) + 4 * m.n_heads + (1 if builtin else 2) * b * queries
     # w1 and w3 outputs, their product (and silu's output). The lean feed-forward recomputes the
     # product for w2's backward, except under tensor parallelism (w2 keeps its DTensor) and in a
     # checkpoint's recomputation (the checkpoint's own hooks see every tensor the block saves).
@@ -224,7 +224,7 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     projected_kv = head_dim * m.n_kv_heads
     # ``last_adapted``: whether the block's last projection has an adapter (None: any LoRA run's has).
     last_kept = (cfg.finetune.method != "none" if last_adapted is None else last_adapted) or plan.float8
-    selective = tokens * (b * (m.dim // seq + m.dim) + (b * (m.dim + projected_kv + ffn + last_kept * m.dim)
+    selective = tokens * (b * (m.dim // seq + m.dim) + (b * (queries + projected_kv + ffn + last_kept * queries)
                                                         + 4 * m.n_heads) // tp)
     # Inside a block's backward, in its feed-forward's: the incoming gradient, three hidden-size
     # gradients of the SwiGLU and two FFN weights' gradients (w2's, and w1's or w3's), which FSDP
@@ -246,7 +246,7 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
         head_backward = tokens * (8 if tp == 1 else 12) * m.vocab_size // tp
     selective_mode = plan.activation_checkpointing == "selective"
     # the kept outputs autograd does not save itself: wo's or w2's, and k or q before RoPE
-    kept_unsaved = m.dim + (m.dim if last_kept else projected_kv) // tp
+    kept_unsaved = m.dim + (queries if last_kept else projected_kv) // tp
     recompute_extra = tokens * b * kept_unsaved if selective_mode else 0
     if product_recomputed and plan.checkpointed(m.n_layers - 1):
         recompute_extra += tokens * b * (ffn + 2 * m.dim)

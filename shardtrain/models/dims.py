@@ -15,6 +15,9 @@ class Dims:
     n_kv_heads: int
     ffn_hidden_dim: int
     vocab_size: int
+    # An attention head's width: dim / n_heads unless the config sets it (Qwen3, Gemma, Mistral-Nemo:
+    # n_heads x head_dim is then not the model's width, and the attention's tensors follow it).
+    head_dim: int
 
     @classmethod
     def of_hf(cls, config) -> Dims:
@@ -23,4 +26,10 @@ class Dims:
         ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
         return cls(config.hidden_size, config.num_hidden_layers, heads,
                    getattr(config, "num_key_value_heads", None) or heads,
-                   ffn or 4 * config.hidden_size, config.vocab_size)
+                   ffn or 4 * config.hidden_size, config.vocab_size,
+                   getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+    @property
+    def attention_width(self) -> int:
+        """The query projection's output width (and the attention output's, wo's input)."""
+        return self.n_heads * self.head_dim

@@ -269,8 +269,7 @@ class HFCausalLM(nn.Module):
         """Training FLOPs per token (forward + backward): 6 per non-embedding parameter plus
         attention's scores and weighted sum, as for the built-in model."""
         d = self.dims
-        head_dim = getattr(self.config, "head_dim", None) or d.dim // d.n_heads
-        return 6 * self.num_params(exclude_embeddings=True) + 12 * d.n_layers * d.n_heads * head_dim * seq_len
+        return 6 * self.num_params(exclude_embeddings=True) + 12 * d.n_layers * d.attention_width * seq_len
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp: int, sequence_parallel: bool) -> None:

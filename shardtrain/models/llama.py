@@ -35,7 +35,8 @@ def ffn_hidden_dim(cfg: ModelConfig) -> int:
 
 def llama_dims(cfg: ModelConfig) -> Dims:
     """The sizes the built-in Llama of ``cfg`` will have (without building it)."""
-    return Dims(cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, ffn_hidden_dim(cfg), cfg.vocab_size)
+    return Dims(cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, ffn_hidden_dim(cfg), cfg.vocab_size,
+                cfg.dim // cfg.n_heads)
 
 
 class RMSNorm(nn.Module):
