@@ -11,14 +11,15 @@ import torch
 from cli_utils import run_cli
 from distributed import run_on_ranks
 from generation_workers import count_all_gathers
+from hf_models import make_model_dir
 
 import shardtrain.cli.launch
 import shardtrain.generation.inference
 from shardtrain.cli.main import build_parser, main
 from shardtrain.config.schema import ModelConfig
-from shardtrain.data.tokenizer import ByteStream
+from shardtrain.data.tokenizer import ByteStream, ByteTokenizer, HFTokenizer
 from shardtrain.errors import GenerationError
-from shardtrain.generation.generate import generate, generation_mode
+from shardtrain.generation.generate import generate, generation_mode, prompt_ids
 from shardtrain.generation.ranges import EVAL_RANGES, GENERATE_RANGES, Range
 from shardtrain.models.llama import Llama
 
@@ -77,7 +78,7 @@ def test_gathered_and_unit_by_unit_generation(tmp_path):
     assert r["skipped"] == ""  # training-time sampling that would not fit is skipped
 
 
-def test_kv_cache_generation_equals_full_recompute():
+def test_kv_cache_generation_equals_full_recompute(tmp_path):
     torch.manual_seed(0)
     model = Llama(ModelConfig(dim=48, n_layers=2, n_heads=6, n_kv_heads=2, max_seq_len=128)).eval()
     prompt = list(b"import os\n")
@@ -94,6 +95,14 @@ def test_kv_cache_generation_equals_full_recompute():
             generate(model, prompt, room + 1, use_cache=use_cache)
     # A tiny temperature is (almost) greedy, not an overflow to NaN in the softmax.
     assert generate(model, prompt, 8, temperature=1e-40, seed=3) == generate(model, prompt, 8)
+    # An empty prompt starts where documents start in training: after the end-of-text token, or at
+    # a new line where documents are concatenated as they are (the bytes); it was token id 10 for
+    # every tokenizer. generate itself takes no empty prompt.
+    assert prompt_ids(ByteTokenizer(), "") == [10] and prompt_ids(ByteTokenizer(), "a") == [97]
+    hf = HFTokenizer(make_model_dir(tmp_path / "qwen", "qwen2"))
+    assert hf.eos_id is not None and prompt_ids(hf, "") == [hf.eos_id]
+    with pytest.raises(GenerationError, match="an empty prompt"):
+        generate(model, [], 4)
     # and the cached forward's logits equal the full forward's, chunked prefill included
     x = torch.randint(0, 256, (2, 30))
     cache = model.new_cache(30)

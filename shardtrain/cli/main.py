@@ -134,6 +134,7 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         gathered_copy,
         generate,
         generation_mode,
+        prompt_ids,
         sharded_inference,
     )
     from shardtrain.generation.inference import load_for_inference
@@ -159,7 +160,7 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
             if args.chat:  # the prompt as the user's turn, in the model's chat template
                 text = tokenizer.render_chat([{"role": "user", "content": prompt}])
                 return text, tokenizer.encode(text, special_tokens=False)
-            return prompt, tokenizer.encode(prompt)
+            return prompt, prompt_ids(tokenizer, prompt)
 
         def run(model, index: int, ids: list[int], on_text) -> None:
             stream = tokenizer.stream()  # tokens -> whole characters, as they become final

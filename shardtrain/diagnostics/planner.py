@@ -224,8 +224,8 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     projected_kv = head_dim * m.n_kv_heads
     # ``last_adapted``: whether the block's last projection has an adapter (None: any LoRA run's has).
     last_kept = (cfg.finetune.method != "none" if last_adapted is None else last_adapted) or plan.float8
-    selective = tokens * (b * (m.dim // seq + m.dim) + (b * (queries + projected_kv + ffn + last_kept * queries)
-                                                        + 4 * m.n_heads) // tp)
+    kept_projections = queries + projected_kv + ffn + last_kept * queries
+    selective = tokens * (b * (m.dim // seq + m.dim) + (b * kept_projections + 4 * m.n_heads) // tp)
     # Inside a block's backward, in its feed-forward's: the incoming gradient, three hidden-size
     # gradients of the SwiGLU and two FFN weights' gradients (w2's, and w1's or w3's), which FSDP
     # reduces only after the whole block's backward. Counting one was within 7% of plan --simulate

@@ -25,6 +25,7 @@ from torch import nn
 
 from shardtrain.accelerator import free_memory_bytes
 from shardtrain.config.sizes import human_bytes
+from shardtrain.data.tokenizer import Tokenizer
 from shardtrain.distributed.parallelize import reshard_all
 from shardtrain.distributed.qlora import full_value
 from shardtrain.errors import GenerationError
@@ -144,6 +145,16 @@ def pick_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
     return torch.multinomial(probs, 1, generator=generator).to(logits.device)
 
 
+def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """``text``'s token ids; for an empty prompt, where a document starts in the training data: after
+    the tokenizer's end-of-text token, or, for a tokenizer without one (documents concatenated as
+    they are), at a new line."""
+    ids = tokenizer.encode(text)
+    if ids:
+        return ids
+    return [tokenizer.eos_id] if tokenizer.eos_id is not None else tokenizer.encode("\n")
+
+
 @torch.no_grad()
 def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, use_cache: bool = True,
@@ -154,7 +165,10 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temper
     device = device or next(model.parameters()).device
     max_len = getattr(model, "max_seq_len", None)
     generator = torch.Generator().manual_seed(seed)
-    tokens = torch.tensor([prompt or [10]], dtype=torch.long, device=device)
+    if not prompt:
+        raise GenerationError("an empty prompt: give at least one token (prompt_ids gives a tokenizer's "
+                              "start of a document for empty text)")
+    tokens = torch.tensor([prompt], dtype=torch.long, device=device)
     # The positions the model sees: the prompt and every new token but the last, which is never fed
     # back. The same limit with and without the cache (without it, a window once slid past it).
     positions = tokens.shape[1] + max(max_new_tokens - 1, 0)

@@ -53,7 +53,7 @@ from shardtrain.distributed.parallelize import refresh_float8_scales
 from shardtrain.distributed.qlora import full_value, nf4_summary, quantize_base
 from shardtrain.distributed.sharded_model import deferred_initialization, with_adapters
 from shardtrain.errors import TrainingError
-from shardtrain.generation.generate import gathered_copy, generate, generation_mode
+from shardtrain.generation.generate import gathered_copy, generate, generation_mode, prompt_ids
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.task import Task, check_task, task_config_of, task_from_config
 from shardtrain.train.batch_size import resolve_batch
@@ -584,7 +584,7 @@ class Trainer:
         # The copy is built as the trained model was: with finetune=lora/qlora, adapters on the base.
         plain = gathered_copy(self.model, with_adapters(self.task.build_model, self.cfg, self.env.device),
                               self.env.device, self.built.plan.param_dtype)
-        prompt = tokenizer.encode(t.sample_prompt)
+        prompt = prompt_ids(tokenizer, t.sample_prompt)
         ids = generate(plain, prompt, t.sample_tokens, temperature=0.8, top_k=40, seed=t.seed,
                        vocab_limit=tokenizer.vocab_size, device=self.env.device,
                        stop_token=tokenizer.eos_id)
