@@ -15,7 +15,7 @@ from shardtrain.config.schema import ModelConfig
 from shardtrain.data.batches import IGNORE_INDEX, TokenWindows, positions_in_window
 from shardtrain.data.prepare import PrepareOptions, prepare
 from shardtrain.data.prepared import open_prepared
-from shardtrain.errors import DataError, ModelError
+from shardtrain.errors import ConfigError, DataError, ModelError
 from shardtrain.models.hf import HFCausalLM, sequence_state_reason
 from shardtrain.models.llama import Llama
 from shardtrain.models.masking import check_document_mask_support, document_causal_mask
@@ -102,6 +102,16 @@ def test_built_in_llama_packed_window_equals_documents_alone(tmp_path):
     print(f"built-in Llama: packed vs alone {masked:.2e}, without the mask {unmasked:.2e}")
     assert masked < TOLERANCE
     assert unmasked > 100 * TOLERANCE  # the comparison can fail: attention across documents shows
+    # Positions a task got wrong are refused, not read from the rotary table's end (negative) or
+    # past it; a head size RoPE cannot rotate is refused by name where a ModelConfig is made in code.
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    for wrong in ([[0, 1, -1, 0]], [[0, 1, 128, 0]]):
+        with pytest.raises(RuntimeError, match="a position is outside 0..model.max_seq_len-1 \\(127\\)"):
+            model(tokens, positions=torch.tensor(wrong))
+    with pytest.raises(ModelError, match="must have the tokens' shape"):
+        model(tokens, positions=torch.arange(3)[None])
+    with pytest.raises(ConfigError, match="the head size.*must be even"):
+        Llama(ModelConfig(dim=30, n_heads=2, n_kv_heads=1))
 
 
 @pytest.mark.parametrize(("family", "sizes"), [("llama", {}), ("gpt_neox", {}),

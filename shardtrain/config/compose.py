@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from shardtrain.config.keys import PRESETS_DIR, check_overrides, schema_keys
-from shardtrain.config.schema import TRACKERS, Config
+from shardtrain.config.schema import TRACKERS, Config, ModelConfig
 from shardtrain.config.strategy import check_strategy_names, devices_count
 from shardtrain.config.suggest import closest
 from shardtrain.errors import ConfigError
@@ -133,13 +133,20 @@ def check_model(cfg: Config) -> None:
             f"trainer.seq_len={seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
             "lower trainer.seq_len or raise model.max_seq_len"
         )
+    check_llama_shape(m)
+
+
+def check_llama_shape(m: ModelConfig) -> None:
+    """The built-in Llama's heads: also checked where the model is built from a ModelConfig made in
+    code, which no config loader saw (a view() of a head size that does not divide failed obscurely)."""
     if m.dim % m.n_heads or m.n_heads % m.n_kv_heads:
         raise ConfigError(
             f"model.dim={m.dim}, model.n_heads={m.n_heads} and model.n_kv_heads={m.n_kv_heads}: dim "
             "must divide by n_heads and n_heads by n_kv_heads"
         )
     if (m.dim // m.n_heads) % 2:
-        raise ConfigError("model.dim / model.n_heads (the head size) must be even for RoPE")
+        raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads} (the head size) must be even "
+                          "for RoPE")
 
 
 def check_batch_size(cfg: Config) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from shardtrain.config.compose import check_llama_shape
 from shardtrain.config.schema import ModelConfig
 from shardtrain.errors import ModelError
 from shardtrain.models.dims import Dims
@@ -173,6 +174,7 @@ class Llama(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        check_llama_shape(cfg)
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
@@ -201,6 +203,14 @@ class Llama(nn.Module):
         else:
             if cache is not None:
                 raise ModelError("positions= is for training on packed documents, not with a KV cache")
+            if positions.shape != tokens.shape:
+                raise ModelError(f"positions {tuple(positions.shape)} must have the tokens' shape "
+                                 f"{tuple(tokens.shape)}: one position per token")
+            # On the device, without a host read: a negative position would index the rotary table
+            # from its end, silently.
+            torch._assert_async((positions.min() >= 0) & (positions.max() < self.cfg.max_seq_len),
+                                f"a position is outside 0..model.max_seq_len-1 ({self.cfg.max_seq_len - 1}): "
+                                "positions count tokens from each document's start")
             rope = self.rope[positions]
             mask = document_attention_bias(positions, h.dtype)
         for index, layer in enumerate(self.layers):
