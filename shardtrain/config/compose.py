@@ -91,7 +91,7 @@ def check_ranges(cfg: Any, cls: type = Config, prefix: str = "") -> None:
             raise ConfigError(f"{key}={value!r} is unknown{closest(str(value), choices)}; choose one of "
                               f"{', '.join(choices)}")
         if low is not None and high is not None and not low <= value <= high:
-            raise ConfigError(f"{key}={value} must be between {low} and {high:g}")
+            raise ConfigError(f"{key}={value} must be between {low} and {high}")
         if low is not None and value < low:
             raise ConfigError(f"{key}={value} " + ("must not be negative" if low == 0 else
                                                    f"must be at least {low}"))

@@ -180,7 +180,9 @@ class TrainerConfig:
     # 1.16x the plain loss's tokens/s at 32k with 59% less step memory; at the default 256-token
     # vocabulary 0.97x-1.06x, within the scatter, so it stays plain).
     loss_chunk_tokens: Any = knob("auto", at_least=0, or_auto=True)
-    seed: int = knob(1234, at_least=0)  # weights and data order; the same at any world size
+    # weights and data order; the same at any world size. At most 2^63 - 1: torch's and the data
+    # order's generators take 64 bits, and mixtures add an offset per dataset.
+    seed: int = knob(1234, at_least=0, at_most=2**63 - 1)
     lr: float = knob(3e-3, at_least=0)
     min_lr_ratio: float = knob(0.1, at_least=0.0, at_most=1.0)  # cosine floor, a fraction of lr
     warmup_steps: int = knob(30, at_least=0)  # linear warmup, then cosine decay to max_steps
