@@ -133,6 +133,11 @@ def test_the_end_of_training_sample_is_watched_like_the_steps(tmp_path):
     assert "over the 3s limit (dist.timeout_s)" in hung.stderr, hung.stderr[-3000:]
     stacks = (run_dir / "hangs" / "rank-1.txt").read_text()
     assert "rank 1: sampling of step 2" in stacks and "in inject" in stacks, stacks[:2000]
+    # The message says where the rank is: the stuck one outside any collective, a waiting one in it.
+    assert "its main thread is in inject (faults.py); stopping" in stacks.splitlines()[0]
+    waiting = run_dir / "hangs" / "rank-0.txt"
+    if waiting.exists():  # rank 0's limit may run out before the launcher stops it
+        assert "waiting in the collective" in waiting.read_text().splitlines()[0], waiting.read_text()[:500]
 
 
 def test_watchdog_save_phases_have_their_own_bound(tmp_path):

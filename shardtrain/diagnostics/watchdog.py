@@ -17,6 +17,7 @@ import faulthandler
 import logging
 import os
 import statistics
+import sys
 import threading
 import time
 from collections import deque
@@ -71,6 +72,27 @@ def dump_flight_recorder(prefix: str, rank: int, wait_s: float = 30.0) -> Path |
 
     threading.Thread(target=write, name="shardtrain-flight-recorder", daemon=True).start()
     return path if written.wait(wait_s) else None
+
+
+def main_thread_location() -> str:
+    """Where the main thread is, for a hang's message: the innermost call of shardtrain's (or the
+    user's) code, and whether it is waiting inside a torch.distributed collective. A rank waiting
+    for a stuck peer times out too, sometimes first: this tells the waiting rank from the stuck one
+    without reading the stacks."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return ""
+    calls = []
+    while frame is not None:
+        calls.append((frame.f_code.co_filename, frame.f_code.co_name))
+        frame = frame.f_back
+    own = next(((Path(file).name, name) for file, name in calls if "torch" not in Path(file).parts),
+               (Path(calls[0][0]).name, calls[0][1]))
+    collective = next((name for file, name in calls if Path(file).name == "distributed_c10d.py"), None)
+    where = f"its main thread is in {own[1]} ({own[0]})"
+    if collective is not None:
+        return f"{where}, waiting in the collective {collective}: another rank may be the one stuck"
+    return where
 
 
 class Watchdog:
@@ -144,7 +166,7 @@ class Watchdog:
             where = f"{phase} of step {step}"
             if elapsed > timeout:
                 self.stop_hung(step, f"rank {self.rank}: {where} has run {elapsed:.0f}s, over the "
-                                     f"{timeout:g}s limit ({key}); stopping")
+                                     f"{timeout:g}s limit ({key}); {main_thread_location()}; stopping")
             if elapsed > stall and not dumped:
                 path = self.run_dir / "stalls" / f"rank-{self.rank}-step-{step}.txt"
                 median = statistics.median(self.recent) if self.recent else 0.0
