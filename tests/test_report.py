@@ -17,8 +17,8 @@ from cli_utils import SHARDTRAIN, clean_env, run_cli
 
 from shardtrain.errors import ReportError
 from shardtrain.report.html import DATA_ID, torchrun_restarts, write_report
-from shardtrain.report.panels import PHASES
-from shardtrain.report.runs import load_run, timeline
+from shardtrain.report.panels import PHASES, start_markers
+from shardtrain.report.runs import load_run, load_runs, timeline
 
 STEPS = 8
 # Eight steps, a record each, validation every 4 and a checkpoint every 3: the crashed attempt of
@@ -225,3 +225,7 @@ def test_torchrun_restarts_add_up_over_requeued_jobs(tmp_path):
     assert "<td class=num>4</td><td class=num>3</td><td class=num>2</td>" in out.read_text()
     # A job whose restarted attempt failed before writing its start record: its next one counts it.
     assert torchrun_restarts([0, 1, 0, 2]) == 3 and torchrun_restarts([0, 0, 0]) == 0
+    # The markers number restarts over the run too (torchrun's count is per job: "restart 1" twice).
+    labels = [m.label for m in start_markers(load_runs([run_dir])[0])]
+    assert labels[0].endswith("torchrun restart 1, resumed at step 2 (step-2)"), labels
+    assert "torchrun restart 2 (1 in this job), resumed at step 6" in labels[2], labels

@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from shardtrain.errors import ReportError
 from shardtrain.report.figures import draw_panels, png_bytes, run_colours
 from shardtrain.report.panels import Panel, build_panels
-from shardtrain.report.runs import Run, config_differences, load_runs
+from shardtrain.report.runs import Run, config_differences, load_runs, restarts_so_far
 from shardtrain.version import __version__
 
 DATA_ID = "shardtrain-report-data"
@@ -77,15 +77,8 @@ def _number(value: float | None, digits: int = 4) -> str:
 
 
 def torchrun_restarts(counts: list[int]) -> int:
-    """Restarts over a run's jobs from its start records' ``restart_count``, in order. torchrun's
-    count starts from 0 again in each requeued Slurm job (a drop begins a job), and an attempt that
-    failed before its start record still raised the next one's count: each job's highest counts."""
-    jobs: list[int] = []
-    for previous, count in zip([None, *counts], counts):
-        if previous is None or count <= previous:
-            jobs.append(0)
-        jobs[-1] = max(jobs[-1], count)
-    return sum(jobs)
+    """Restarts over a run's jobs from its start records' ``restart_count``, in order."""
+    return restarts_so_far(counts)[-1] if counts else 0
 
 
 def _runs_table(runs: list[Run], colours: dict[str, str]) -> str:

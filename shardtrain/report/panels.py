@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from shardtrain.report.runs import Run, finite_or_none
+from shardtrain.report.runs import Run, finite_or_none, restarts_so_far
 
 PHASES = ("forward", "backward", "optimizer", "end")
 STATE_PARTS = ("params", "grads", "optimizer")
@@ -100,13 +100,16 @@ def unit_of(key: str) -> str:
 def start_markers(run: Run, to_x=lambda step: step) -> list[Marker]:
     """Each attempt after the first: where it resumed from (or that it started over)."""
     markers = []
-    for index, start in enumerate(run.starts):
+    totals = restarts_so_far([start.restart_count for start in run.starts])
+    for index, (start, total) in enumerate(zip(run.starts, totals, strict=True)):
         if index == 0 and start.resumed_from is None and start.restart_count == 0:
             continue  # the run's own beginning
         kind = "restart" if start.restart_count else "resume"
         what = (f"resumed at step {start.step} ({start.resumed_from.rstrip('/').rsplit('/', 1)[-1]})"
                 if start.resumed_from else f"started over at step {start.step}")
-        restart = f"torchrun restart {start.restart_count}, " if start.restart_count else ""
+        # Numbered over the run, as the runs table counts them (torchrun's own count is per job).
+        in_job = f" ({start.restart_count} in this job)" if total != start.restart_count else ""
+        restart = f"torchrun restart {total}{in_job}, " if start.restart_count else ""
         markers.append(Marker(run.name, to_x(start.step), kind, f"{run.name}: {restart}{what}"))
     return markers
 

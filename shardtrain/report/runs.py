@@ -37,6 +37,20 @@ class Start:
     world_size: int | None
 
 
+def restarts_so_far(counts: list[int]) -> list[int]:
+    """At each of a run's starts, in order (their ``restart_count``), the torchrun restarts since
+    the run began. torchrun's count starts from 0 again in each requeued Slurm job (a count that
+    does not rise begins a job), and an attempt that failed before its start record still raised
+    the next one's count: each job adds its highest count."""
+    totals: list[int] = []
+    earlier_jobs = 0
+    for previous, count in zip([None, *counts], counts):
+        if previous is not None and count <= previous:
+            earlier_jobs += previous
+        totals.append(earlier_jobs + count)
+    return totals
+
+
 @dataclass
 class Run:
     path: Path
