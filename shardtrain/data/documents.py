@@ -192,8 +192,8 @@ def utf8(text: str) -> bytes:
 
 def valid_text(value: object) -> object:
     """``value`` with ``utf8``'s replacement in every string, nested ones included."""
-    if isinstance(value, str):
-        return utf8(value).decode()
+    if isinstance(value, str):  # without encoding it: this runs on the reading thread
+        return LONE_SURROGATE.sub("\ufffd", value)
     if isinstance(value, dict):
         return {key: valid_text(item) for key, item in value.items()}
     if isinstance(value, list):
