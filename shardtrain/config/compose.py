@@ -174,7 +174,8 @@ def check_config(cfg: Config) -> None:
     check_batch_size(cfg)
     if cfg.data.source == "stdlib" and cfg.data.paths:
         raise ConfigError(f"data.paths={list(cfg.data.paths)} is read with data.source=files or prepared; "
-                          "add data=files (text, JSON Lines, Parquet) or data=prepared, or drop data.paths")
+                          "add data=files (text, JSON Lines, Parquet) or data.source=prepared, or drop "
+                          "data.paths")
     if cfg.data.source in ("files", "prepared"):
         for entry in cfg.data.paths:
             if not any(ch in entry for ch in "*?[") and not Path(entry).expanduser().exists():
