@@ -1,8 +1,9 @@
 """Fault injection for tests: make one rank fail at a named point of chosen steps.
 
 ``SHARDTRAIN_FAULT=<point>:<rank>:<steps>:<action>[:<attempt>]`` where steps is ``N`` or ``A-B``,
-action is ``kill`` (SIGKILL itself), ``raise`` (RuntimeError), ``sleep=S`` (stall S seconds) or
-``nan`` (poison the loss; point ``loss`` only), and attempt (optional) limits the fault to that
+action is ``kill`` (SIGKILL itself), ``raise`` (RuntimeError), ``sleep=S`` (stall S seconds),
+``signal=NAME`` (send itself that signal, e.g. a preemption's SIGTERM) or ``nan`` (poison the loss;
+point ``loss`` only), and attempt (optional) limits the fault to that
 torchrun restart attempt (``TORCHELASTIC_RESTART_COUNT``), so a restarted run can get past it.
 Points: ``save`` (inside a checkpoint save, after this rank wrote part of it), ``step`` (after a
 training step), ``sample`` (before a text sample is generated), ``loss`` (the first micro-batch's
@@ -42,6 +43,9 @@ def inject(point: str, rank: int, step: int) -> None:
         return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action.startswith("signal="):
+        os.kill(os.getpid(), getattr(signal, action.split("=", 1)[1]))
+        return
     if action.startswith("sleep="):
         time.sleep(float(action.split("=", 1)[1]))
         return

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from shardtrain.cli.launch import child_processes
+
 SHARDTRAIN = [sys.executable, "-m", "shardtrain"]
 
 
@@ -47,6 +49,29 @@ def preempt(args, run_dir, step: int, env=None) -> tuple[int, str]:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     return proc.returncode, out
+
+
+def preempt_at_start(args, env=None) -> tuple[int, str]:
+    """Start ``shardtrain args`` and SIGTERM its process group as soon as its training processes
+    exist (start-up: they are importing, building, loading), as a scheduler may; status and output."""
+    proc = launch(args, env)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(grandchildren(proc.pid)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out
+
+
+def grandchildren(pid: int) -> list[int]:
+    """The launcher's agent's children: its training processes."""
+    children = child_processes()
+    return [worker for agent in children.get(pid, []) for worker in children.get(agent, [])]
 
 
 def wait_for_step(run_dir, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:

@@ -6,7 +6,7 @@ import hashlib
 import json
 
 import pytest
-from cli_utils import preempt, read_metrics, run_cli
+from cli_utils import preempt, preempt_at_start, read_metrics, run_cli
 
 QUICK = ["experiment=quick", "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample_tokens=0",
          "trainer.micro_batch_size=2", "run.trackers=[]"]
@@ -50,6 +50,31 @@ def test_sigterm_saves_exits_cleanly_and_resumes_exactly(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     losses = [r["loss"] for r in read_metrics(run_dir)]
     assert losses == expected  # bit for bit across the preemption
+
+    # A signal during start-up, while the workers still ignore it as their agent does (imports) or
+    # build the model: the launcher delivers it once they catch it, and the first step stops (it
+    # was lost, the run going on to the end, or killed the workers without a word).
+    run_dir = tmp_path / "at_start"
+    status, out = preempt_at_start(["train", *common, f"run.dir={run_dir}"])
+    assert status == 0 and "preemption (SIGTERM): saving at step 1 and stopping" in out, out[-3000:]
+    assert (run_dir / "checkpoints" / "step-1").is_dir() and read_metrics(run_dir)[-1]["step"] == 1
+    resumed = run_cli("train", *common, f"run.dir={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["loss"] for r in read_metrics(run_dir)] == expected
+
+
+def test_a_preemption_save_does_not_wait_for_evaluation(tmp_path):
+    """Rank 0 is signalled after step 3; step 4 agrees to stop, and its save comes before the
+    evaluation due at step 4 would (it ate the scheduler's grace period before the SIGKILL)."""
+    run_dir = tmp_path / "run"
+    proc = run_cli("train", *QUICK, "trainer.devices=2", "trainer.max_steps=8", "trainer.eval_every=4",
+                   "checkpoint.interval=0", f"run.dir={run_dir}",
+                   env={"SHARDTRAIN_FAULT": "step:0:3:signal=SIGTERM"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "preemption (SIGTERM): saving at step 4" in proc.stderr, proc.stderr[-3000:]
+    records = read_metrics(run_dir)
+    assert records[-1]["step"] == 4 and "val_loss" not in records[-1], records[-1]
+    assert (run_dir / "checkpoints" / "step-4").is_dir()
 
 
 @pytest.fixture(scope="module")

@@ -134,6 +134,16 @@ def descendants(root: int) -> list[int]:
     return found
 
 
+def ignores(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` ignores ``sig`` (or is gone), from /proc/PID/status's SigIgn mask."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(line.split()[1] for line in f if line.startswith("SigIgn:"))
+    except (OSError, StopIteration, IndexError):
+        return True
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+
+
 def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Sequence[str],
                        max_restarts: int = 0, log_file: Path | None = None) -> int:
     """torchrun's exit status. With ``log_file``, only log lines reach the console (see above)."""
@@ -159,23 +169,44 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
             reader = threading.Thread(target=split_stderr, args=(agent.stderr, log), daemon=True)
             reader.start()
 
+        # Preemption signals received, and the workers each has reached. A worker inherits the
+        # agent's ignoring of them until its trainer installs a handler (start-up: imports, the
+        # model's build, a resume's load, minutes at scale), and a signal may come before the
+        # workers exist: it is delivered to each worker once that worker no longer ignores it.
+        pending: set[int] = set()
+        delivered: set[tuple[int, int]] = set()
+
+        def deliver() -> None:
+            # Only to the workers, the agent's children (the agent ignores these signals); not
+            # further down: W&B's service and compile workers keep their own sessions so that the
+            # trainer's signals miss them.
+            for pid in child_processes().get(agent.pid, []):
+                for sig in tuple(pending):
+                    if (pid, sig) not in delivered and not ignores(pid, sig):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, sig)
+                        delivered.add((pid, sig))
+
         def forward(signum, frame) -> None:
-            # Preemption signals go to the workers, the agent's children (the agent ignores them);
-            # not further down: W&B's service and compile workers keep their own sessions so that
-            # the trainer's signals miss them. Others go to the agent.
-            targets = child_processes().get(agent.pid, []) if signum in signals else [agent.pid]
-            for pid in targets:
-                try:
-                    os.kill(pid, signum)
-                except ProcessLookupError:
-                    pass
+            if signum in signals:
+                pending.add(signum)
+                deliver()
+            else:  # the signals the agent handles (it stops its workers)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(agent.pid, signum)
 
         # Every signal the agent handles, too: left at its default, SIGHUP or SIGQUIT would kill this
         # process and leave the agent (in a session of its own) and the workers running.
         for sig in {*signals, *(getattr(signal, name) for name in ("SIGTERM", *AGENT_SIGNALS))}:
             # Put back once the agent is gone: a late signal must not reach a reused process id.
             stack.callback(signal.signal, sig, signal.signal(sig, forward))
-        status = agent.wait()
+        while True:
+            try:
+                status = agent.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if pending:
+                    deliver()
         if reader is not None:
             reader.join()
     return status

@@ -40,12 +40,19 @@ def cmd_train(overrides: list[str]) -> int:
     check_runtime(cfg)  # every other config error surfaces here, before any process starts
     if cfg.strategy.float8:
         import shardtrain.distributed.float8  # noqa: F401 - registers the conversion (loads torchao)
+    preemption = None
     if under_torchrun():
         # The built-in launcher's agent ignores the preemption signals, and an ignored signal is
-        # inherited: restore the default until the trainer installs its handler, so torchrun can
-        # still stop this worker (and a preemption before training starts is not lost silently).
-        for name in cfg.checkpoint.preemption_signals:
-            signal.signal(getattr(signal, name), signal.SIG_DFL)
+        # inherited. With checkpoints, the trainer's handler goes in now, not when training starts:
+        # start-up takes minutes at scale, and a preemption then is acted on after the first step
+        # (a save, then a clean stop). Without, the default, so that the signal stops the worker.
+        if cfg.checkpoint.enabled:
+            from shardtrain.checkpoint.preemption import PreemptionFlag
+
+            preemption = PreemptionFlag(cfg.checkpoint.preemption_signals)
+        else:
+            for name in cfg.checkpoint.preemption_signals:
+                signal.signal(getattr(signal, name), signal.SIG_DFL)
     else:
         check_training(cfg)  # paths: run.dir, an explicit resume, model.init_from
     started = time.time()
@@ -69,6 +76,7 @@ def cmd_train(overrides: list[str]) -> int:
     trainer = None
     try:
         trainer = Trainer.create(cfg)
+        trainer.preemption = preemption
         trainer.fit()
     except BaseException as exc:
         if not isinstance(exc, SystemExit) or exc.code not in (0, None):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from shardtrain import faults
 from shardtrain.accelerator import (
@@ -343,7 +344,7 @@ class Trainer:
         """Steps until ``max_steps`` (or one, for a dry run, or until preempted), then the final save."""
         self.console.open(self.step)
         self.throughput.reset()
-        if self.checkpointer is not None:
+        if self.checkpointer is not None and self.preemption is None:  # else installed at start-up
             self.preemption = PreemptionFlag(self.cfg.checkpoint.preemption_signals)
         self.watchdog.start()
         try:
@@ -360,7 +361,10 @@ class Trainer:
                 self.checkpointer.close()  # waits for it, then frees the staging buffers
             # Inside the watchdog's watch: gathering the copy is a collective like any other.
             if not self.result.preempted and self.cfg.trainer.sample_tokens > 0 and self.samples_text():
-                self.result.sample = self.sample()
+                if self.preempted_anywhere():  # signalled during the last step's save: stop now
+                    self.info("preemption during the final save: the end-of-training sample is skipped")
+                else:
+                    self.result.sample = self.sample()
         except Exception:
             # On gloo a peer stopped by its watchdog ends this rank's collectives at once, before this
             # rank's own watchdog fires: dump this rank's flight recorder too, so the dumps can be
@@ -484,6 +488,16 @@ class Trainer:
                 f"{planned.activations / gib:.2f} GiB, gathered {planned.gathered / gib:.2f} GiB): "
                 f"{wrong} was wrong; lower trainer.memory_limit_gib or raise trainer.memory_margin")
 
+    def preempted_anywhere(self) -> bool:
+        """Whether any rank has been signalled to stop (one all-reduce; outside the steps, which
+        carry the flag in their own)."""
+        if self.preemption is None:
+            return False
+        flag = torch.tensor([float(self.preemption.requested)], device=self.env.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag)
+        return bool(flag.item())
+
     def stop_requested(self) -> bool:
         """This rank was signalled to stop (read by the step just before its loss all-reduce)."""
         return self.preemption is not None and self.preemption.requested
@@ -524,14 +538,17 @@ class Trainer:
         record: dict = {}
         if due(step, t.log_every) or last:
             record.update(self.train_record(stats))
-        if (due(step, t.eval_every) or last) and self.val_batches:
+        # A preemption's save comes next: evaluation and samples would eat the grace period the
+        # scheduler gives before its SIGKILL (every rank agrees on stop_agreed: all skip alike).
+        preempting = stats.stop_agreed
+        if (due(step, t.eval_every) or last) and self.val_batches and not preempting:
             self.watchdog.beat("evaluation", step)
             val, val_metrics = evaluate(self.model, self.task, self.val_batches, self.env.device,
                                          self.built.mesh)
             self.result.val_losses.append((step, val))
             record["val_loss"] = val
             record.update({f"val_{name}": value for name, value in val_metrics.items()})
-        if due(step, t.sample_every) and step < t.max_steps and self.samples_text():
+        if due(step, t.sample_every) and step < t.max_steps and self.samples_text() and not preempting:
             self.sample()
         if record:
             self.writer.write(step, "train", record)
