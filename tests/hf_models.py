@@ -3,7 +3,8 @@ downloaded): random weights saved as safetensors, and a byte-level BPE tokenizer
 
 Four families: Llama; Qwen2 with tied embeddings; Mistral; GPT-NeoX (LayerNorm with biases, parallel
 attention and MLP, partial rotary, a fused QKV projection). Sizes are not divisible by 2 or 4, so
-FSDP's uneven shards are exercised.
+FSDP's uneven shards are exercised. More families' configs (``initialisation_family_config``) for
+the from-scratch initialisation's tests.
 """
 
 from __future__ import annotations
@@ -43,10 +44,44 @@ def family_config(family: str, vocab_size: int = VOCAB, **sizes) -> transformers
     if family == "gpt_neox":  # 3 heads of 12: RoPE on the first 6 dimensions of each
         return transformers.GPTNeoXConfig(**{**common, "num_attention_heads": 3}, rotary_pct=0.5,
                                           use_parallel_residual=True, tie_word_embeddings=False)
+    return initialisation_family_config(family, common)
+
+
+def initialisation_family_config(family: str, common: dict) -> transformers.PretrainedConfig:
+    """Families whose own ``_init_weights`` departs from normal / ones / zeros: GPT-2 (residual
+    projections' std / sqrt(2 n_layer)), Gemma (tied; RMSNorm weights at zero, ``x * (1 + w)``; a
+    padding row), Jamba (Mamba mixers: log-arange ``A_log``, ``D`` ones), Bamba (Mamba-2 mixers),
+    Qwen3-Next (gated delta net: ``A_log`` log-uniform, zero-centred norms), Nemotron-H (Mamba-2:
+    ``dt_bias`` drawn through softplus's inverse, ``out_proj`` kaiming-uniform rescaled by a copy);
+    ModernBERT's decoder (``trunc_normal_``, which shardtrain cannot follow)."""
+    gqa = dict(common, num_key_value_heads=2)
+    if family == "gpt2":
+        return transformers.GPT2Config(**common)
+    if family == "gemma":
+        return transformers.GemmaConfig(**{**gqa, "pad_token_id": 1}, head_dim=6)
+    if family == "jamba":  # mamba, attention, mamba
+        return transformers.JambaConfig(**gqa, mamba_d_state=4, mamba_expand=2, attn_layer_period=3,
+                                        attn_layer_offset=1, num_experts=1, use_mamba_kernels=False)
+    if family == "bamba":
+        return transformers.BambaConfig(**gqa, mamba_n_heads=6, mamba_d_head=12, mamba_d_state=4,
+                                        mamba_n_groups=1, attn_layer_indices=[1])
+    if family == "qwen3_next":  # three linear-attention layers, one full
+        return transformers.Qwen3NextConfig(
+            **{**gqa, "num_hidden_layers": 4}, head_dim=6, linear_num_value_heads=4, linear_num_key_heads=2,
+            linear_key_head_dim=8, linear_value_head_dim=8, num_experts=3, num_experts_per_tok=1,
+            moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    if family == "nemotron_h":
+        return transformers.NemotronHConfig(**gqa, mamba_num_heads=6, mamba_head_dim=12, ssm_state_size=4,
+                                            n_groups=1, n_routed_experts=4, moe_intermediate_size=16,
+                                            moe_shared_expert_intermediate_size=16)
+    if family == "modernbert_decoder":
+        return transformers.ModernBertDecoderConfig(**{**common, "pad_token_id": 1, "bos_token_id": 2})
     raise ValueError(family)
 
 
 FAMILIES = ("llama", "qwen2", "mistral", "gpt_neox")
+# Families whose from-scratch initialisation is compared with transformers' (tests/test_hf_models.py).
+INITIALISATION_FAMILIES = (*FAMILIES, "gpt2", "gemma", "jamba", "bamba", "qwen3_next", "nemotron_h")
 
 
 def make_model_dir(directory: Path, family: str, seed: int = 0, tokenizer=None, **sizes) -> Path:

@@ -33,7 +33,6 @@ from shardtrain.distributed.parallelize import reshard_all
 from shardtrain.distributed.qlora import NF4_BLOCK, NF4_SCALER_BLOCK, is_nf4, quantized_linears
 from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.errors import CheckpointError, ModelError
-from shardtrain.models.hf import HFCausalLM
 from shardtrain.models.hf_directory import PREFIX
 from shardtrain.models.llama import Llama
 from shardtrain.models.lora import AdapterInitializer, adapter_targets, is_adapter, local_bytes, lora_config
@@ -393,8 +392,6 @@ def lora_reference(model_dir: str, nf4: bool = False) -> dict:
     cfg = hf_case_config(model_dir, 1, "unused")
     model = peft_model_of(model_dir, nf4)
     initializer = AdapterInitializer(None, model)
-    # The adapters are drawn as the sharded build draws them for model.name=hf.
-    initializer.init_parameter_elementwise = HFCausalLM.init_parameter_elementwise
     initializer.fan_in = {ours(n): f for n, f in initializer.fan_in.items()}
     with torch.no_grad():
         for name, param in model.named_parameters():

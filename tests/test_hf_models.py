@@ -17,24 +17,42 @@ eps 1e-6 damps steps driven by gradients below 1e-6, and the comparison is of th
 not of Adam's noise amplifier.
 
 Then every family's checkpoint is exported, loaded by ``from_pretrained`` and compared again.
+
+From scratch (``model.pretrained=false``, one process, ``init_full_parameter``: what the sharded build
+gives at any world size), these and six more families (GPT-2, Gemma, Jamba, Bamba, Qwen3-Next,
+Nemotron-H) start as transformers' ``from_config`` does.
 """
 
 from __future__ import annotations
+
+import math
+import re
 
 import pytest
 import torch
 import transformers
 from distributed import run_on_ranks
 from equivalence import max_errors
-from hf_models import FAMILIES, make_model_dir, sample_texts, train_tokenizer
+from hf_models import (
+    FAMILIES,
+    INITIALISATION_FAMILIES,
+    family_config,
+    make_model_dir,
+    sample_texts,
+    train_tokenizer,
+)
 from hf_workers import PROBE, hf_reference, run_hf_cases
 from safetensors.torch import load_file, save_file
 
 from shardtrain.checkpoint.weights import load_model_weights, model_config_of
-from shardtrain.errors import CheckpointError
+from shardtrain.config.schema import ModelConfig
+from shardtrain.distributed import sharded_model
+from shardtrain.distributed.sharded_model import fill_elements, init_full_parameter
+from shardtrain.errors import CheckpointError, ModelError
 from shardtrain.export.hf import export_hf
 from shardtrain.export.verify import verify_export
 from shardtrain.models.hf import HFCausalLM
+from shardtrain.models.hf_directory import hf_name
 
 TOL = 1e-5
 CASES = {
@@ -129,8 +147,7 @@ def test_export_round_trip(two_rank_runs, family, tmp_path):
 
 
 def test_missing_files_are_named(tmp_path):
-    from shardtrain.config.schema import ModelConfig
-    from shardtrain.errors import DataError, ModelError
+    from shardtrain.errors import DataError
 
     with pytest.raises(ModelError, match="has no config.json"):
         HFCausalLM(ModelConfig(name="hf", path=str(tmp_path)))
@@ -192,3 +209,103 @@ def test_tokenizer_matches_transformers(model_dirs):
     assert ours.encode(rendered, special_tokens=False) == list(ids)
     stream, ids = ours.stream(), ours.encode(text)
     assert "".join(stream.push(i) for i in ids) + stream.flush() == ours.decode(ids)
+
+
+# ---- from scratch (model.pretrained=false): each family's own initialisation ---------------------
+
+INIT_SEEDS = (0, 1, 2, 3)
+
+
+def from_scratch(directory, family: str, monkeypatch) -> HFCausalLM:
+    """The family's tiny model as ``model.pretrained=false`` builds it, drawn in chunks of 64
+    elements (several per parameter, as a rank's shard holds several)."""
+    monkeypatch.setattr(sharded_model, "INIT_CHUNK_ELEMENTS", 64)
+    family_config(family).save_pretrained(directory)
+    return HFCausalLM(ModelConfig(name="hf", path=str(directory), pretrained=False))
+
+
+def ours_initial(model: HFCausalLM, seed: int) -> dict[str, torch.Tensor]:
+    """The initial weights the sharded build gives at any world size (``init_full_parameter``)."""
+    weights = {}
+    for name, param in model.named_parameters():
+        weights[hf_name(name)] = torch.empty(param.shape)
+        init_full_parameter(model, name, weights[hf_name(name)], seed)
+    return weights
+
+
+def theirs_initial(config: transformers.PretrainedConfig, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return {name: param.detach() for name, param in model.named_parameters()}
+
+
+def pooled(weights: list[dict[str, torch.Tensor]], kind: str) -> torch.Tensor:
+    """Every seed's and every layer's values of the parameters of ``kind`` (names without a layer
+    index), flattened into one sample."""
+    return torch.cat([tensor.flatten() for one in weights for name, tensor in one.items()
+                      if re.sub(r"\.\d+\.", ".N.", name) == kind])
+
+
+@pytest.mark.parametrize("family", INITIALISATION_FAMILIES)
+def test_from_scratch_initialisation_follows_the_family(family, tmp_path, monkeypatch):
+    """``model.pretrained=false`` starts each parameter as the family's own ``_init_weights`` does in
+    ``AutoModelForCausalLM.from_config``: the parameters it fixes (equal under two seeds: norms,
+    biases, Mamba's log-arange ``A_log`` and ``D``) exactly; the random ones with its mean and std:
+    pooled over layers and 4 seeds, means within 6 standard errors of the difference, stds within
+    6/sqrt(n) of each other (measured, the worst across families and parameters: 2.8). Gemma's and
+    Qwen3-Next's zero-centred norms start at zero (the plain rule's ones doubled every norm's
+    output). Before this, GPT-2's residual projections had std 0.02 (family: 0.0082) and Mamba
+    mixers' A_log normal(0, 0.02) (family: log 1..N)."""
+    model = from_scratch(tmp_path, family, monkeypatch)
+    ours = [ours_initial(model, seed) for seed in INIT_SEEDS]
+    theirs = [theirs_initial(model.config, seed) for seed in INIT_SEEDS]
+    assert ours[0].keys() == theirs[0].keys()
+    assert all(ours_initial(model, 0)[name].equal(ours[0][name]) for name in ours[0])  # seeded
+    fixed = {name for name in theirs[0] if theirs[0][name].equal(theirs[1][name])}
+    failures = [f"{name}: fixed by the family, not equal" for name in sorted(fixed)
+                if not all(one[name].equal(theirs[0][name]) for one in ours)]
+    random_kinds = {re.sub(r"\.\d+\.", ".N.", name) for name in theirs[0]} - {
+        re.sub(r"\.\d+\.", ".N.", name) for name in fixed}
+    for kind in sorted(random_kinds):
+        a, b = pooled(ours, kind), pooled(theirs, kind)
+        n = b.numel()
+        mean_error = (a.mean() - b.mean()).abs() / (b.std() * math.sqrt(2 / n))
+        std_error = (a.std() / b.std() - 1).abs() * math.sqrt(n)
+        if not (mean_error < 6 and std_error < 6):
+            failures.append(f"{kind}: mean {a.mean():.4g} (family {b.mean():.4g}), std {a.std():.4g} "
+                            f"(family {b.std():.4g}) over {n} values")
+    assert not failures, "\n".join(failures)
+    if family in ("gemma", "qwen3_next"):
+        norms = [name for name in ours[0] if name.endswith("norm.weight") and "linear_attn" not in name]
+        assert norms and all(ours[0][name].eq(0).all() for name in norms)
+
+
+def test_computed_parameters_are_drawn_whole_and_the_rest_by_chunks(tmp_path, monkeypatch):
+    """Jamba: the Mamba mixers' ``A_log`` is computed whole (log 1..N, small); every other parameter
+    is drawn elementwise, so any range of it drawn alone (a rank's shard) equals that range of the
+    whole."""
+    model = from_scratch(tmp_path, "jamba", monkeypatch)
+    computed = sorted(name for name, _ in model.named_parameters()
+                      if not model.init_parameter_elementwise(name))
+    assert computed == ["hf.model.layers.0.mamba.A_log", "hf.model.layers.2.mamba.A_log"]
+    for name, param in model.named_parameters():
+        if name in computed:
+            continue
+        whole = torch.empty(param.numel())
+        fill_elements(model.init_parameter, name, 5, whole, 0, param.numel())
+        start, end = param.numel() // 3, param.numel() // 3 + param.numel() // 2
+        part = torch.empty(end - start)
+        fill_elements(model.init_parameter, name, 5, part, start, param.numel())
+        assert part.equal(whole[start:end]), name
+
+
+def test_a_parameter_whose_initialisation_cannot_be_followed_is_refused(tmp_path, monkeypatch):
+    """ModernBERT's decoder draws with ``trunc_normal_``, whose rejection loop reads the values: no
+    guess, a one-line error naming the parameter and saying to load weights."""
+    model = from_scratch(tmp_path, "modernbert_decoder", monkeypatch)
+    name, param = next(iter(model.named_parameters()))
+    with pytest.raises(ModelError) as info:
+        init_full_parameter(model, name, torch.empty(param.shape), 0)
+    message = str(info.value)
+    assert message.startswith(hf_name(name)) and "load weights instead" in message, message
+    assert "\n" not in message

@@ -9,9 +9,11 @@ own generator seeded by (seed, parameter name, chunk index). The values depend o
 chunk size only, never on the world size, and a rank draws just the chunks its shard overlaps: its
 memory and time scale with its shard, not the model (a 70B model no longer needs every full weight on
 every rank). This needs an initialiser that fills elements independently of the tensor's shape, which
-a model declares with ``init_parameter_elementwise = True``; other models get ``init_parameter``
-called on full tensors, as before. The initialiser is the task's (a model the user did not change)
-or the model's own.
+a model declares with ``init_parameter_elementwise = True``, or per parameter with a method
+``init_parameter_elementwise(name)`` (``model.name=hf`` computes a few small parameters whole, such
+as Mamba's ``A_log``); other parameters get ``init_parameter`` called on full tensors, each seeded by
+(seed, parameter name), the same on every rank (``models/initializer.py``). The initialiser is the
+task's (a model the user did not change) or the model's own.
 
 A caller that learns only after building whether every parameter will be read from a checkpoint
 (the trainer finds its resume checkpoint once the optimizer exists) builds inside
@@ -49,6 +51,7 @@ from shardtrain.distributed.parallelize import ShardingReport, TensorPlan, paral
 from shardtrain.distributed.qlora import check_quantizable, stand_in_for_nf4, to_nf4_before_sharding
 from shardtrain.errors import ConfigError, ModelError
 from shardtrain.models.hf_directory import is_model_directory
+from shardtrain.models.initializer import draws_elementwise
 from shardtrain.models.lora import AdapterInitializer, add_adapters, base_name, is_adapter, store_base_in
 
 log = logging.getLogger(__name__)
@@ -92,7 +95,7 @@ def init_full_parameter(initializer: Any, name: str, tensor: torch.Tensor, seed:
     """The full initial value of parameter ``name``, exactly as the sharded build gives it at any
     world size (for references and hand-written loops that start from the same weights);
     ``initializer``: the model or task whose ``init_parameter`` the build uses."""
-    if getattr(initializer, "init_parameter_elementwise", False):
+    if draws_elementwise(initializer, name):
         flat = torch.empty(tensor.numel(), dtype=torch.float32)
         fill_elements(initializer.init_parameter, name, seed, flat, 0, tensor.numel())
         tensor.copy_(flat.view(tensor.shape))
@@ -190,12 +193,11 @@ def initialize_parameters(model: nn.Module, seed: int, initializer: Any = None,
             f"{type(model).__name__} has no init_parameter(name, tensor, generator); "
             "build it with init_device='cpu' instead of meta"
         )
-    elementwise = getattr(initializer, "init_parameter_elementwise", False)
     for adapted_name, param in model.named_parameters():
         if select is not None and not select(adapted_name):
             continue
         name = base_name(adapted_name)  # a LoRA run's base draws what the plain run's does
-        if not (elementwise and isinstance(param, DTensor)):
+        if not (isinstance(param, DTensor) and draws_elementwise(initializer, name)):
             full = torch.empty(param.shape, dtype=torch.float32)
             init_full_parameter(initializer, name, full, seed)
             param.copy_(shard_like(full.to(param.dtype), param))

@@ -5,8 +5,11 @@ meta device when the framework builds it; nothing is downloaded) inside ``HFCaus
 the framework needs and transformers does not say in one place:
 - FSDP units: the classes the model lists in ``_no_split_modules`` (its decoder layers); the input
   embeddings and the final norm + head as their own units, a tied embedding and head in one.
-- ``init_parameter``: transformers' own scheme (normal(0, initializer_range) for matrices, ones for
-  norm weights, zeros for biases), element by element, so shards initialise independently.
+- ``init_parameter``: from scratch (``model.pretrained=false``), what the family's own
+  ``_init_weights`` does to each parameter (Gemma's zero-centred norms, GPT-2's scaled projections,
+  Mamba's ``A_log`` and ``D``), followed on a stand-in without data (``models/hf_init.py``): drawn
+  element by element, so shards initialise independently, but for a few small parameters the family
+  computes, which are computed whole; a parameter whose rule cannot be followed is refused.
 - ``init_buffers``: non-persistent buffers (RoPE ``inv_freq``) are not in any weight file and are
   garbage after meta-device materialisation; the modules owning them are built again on CPU from the
   model config and their buffers copied over.
@@ -32,7 +35,8 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 from shardtrain.config.schema import ModelConfig
 from shardtrain.errors import ModelError
 from shardtrain.models.dims import Dims
-from shardtrain.models.hf_directory import CONFIG_FILE, PREFIX, model_directory
+from shardtrain.models.hf_directory import CONFIG_FILE, PREFIX, hf_name, model_directory
+from shardtrain.models.hf_init import FamilyInitialisation
 from shardtrain.models.hf_tp import check_declared_plan, parallelize_hf
 
 
@@ -131,17 +135,18 @@ class HFCache:
         self.pos = 0
 
 
-class HFCausalLM(nn.Module):
-    init_parameter_elementwise = True
+def build_transformers_model(config: PretrainedConfig) -> nn.Module:
+    # fp32 master weights whatever the files hold: the sharding plan picks compute dtypes.
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
 
+
+class HFCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.config = read_config(cfg)
         try:
-            # fp32 master weights whatever the files hold: the sharding plan picks compute dtypes.
-            self.hf = AutoModelForCausalLM.from_config(self.config, attn_implementation="sdpa",
-                                                       dtype=torch.float32)
+            self.hf = build_transformers_model(self.config)
         except ValueError as exc:
             raise ModelError(f"model.path={cfg.path!r}: transformers cannot build a causal LM from its "
                              f"config ({str(exc).splitlines()[0]})") from exc
@@ -150,9 +155,8 @@ class HFCausalLM(nn.Module):
         names = set(getattr(self.hf, "_no_split_modules", None) or ())
         self.block_classes = tuple({type(m) for m in self.modules() if type(m).__name__ in names})
         self.tied = self.hf.get_input_embeddings().weight is self.hf.get_output_embeddings().weight
-        self.init_std = getattr(self.config, "initializer_range", None) or 0.02
         self.head_transform = head_transform_reason(self.hf)
-        self._init_rules = self._initialisation_rules()
+        self._family_init: FamilyInitialisation | None = None
         # Stored names differ from module names for some families (GPT-NeoX's files say embed_out,
         # the module lm_head): transformers' own renaming rules, applied as from_pretrained does.
         transforms = get_model_conversion_mapping(self.hf)
@@ -221,24 +225,21 @@ class HFCausalLM(nn.Module):
             return [inputs + rest + [head]]
         return [inputs, rest + [head]]
 
-    def _initialisation_rules(self) -> dict[str, str]:
-        """Per parameter name: "zeros" (biases), "ones" (norm weights) or "normal"."""
-        rules = {}
-        for module_name, module in self.named_modules():
-            norm = "Norm" in type(module).__name__
-            for param_name, _ in module.named_parameters(recurse=False):
-                name = f"{module_name}.{param_name}" if module_name else param_name
-                rules[name] = "zeros" if param_name == "bias" else "ones" if norm else "normal"
-        return rules
+    def family_initialisation(self) -> FamilyInitialisation:
+        """How the family initialises each parameter, found on first use: only runs that draw weights
+        pay for it (a second build of the model, on the meta device: 1 s at 70B)."""
+        if self._family_init is None:
+            self._family_init = FamilyInitialisation(lambda: build_transformers_model(self.config))
+        return self._family_init
+
+    def init_parameter_elementwise(self, name: str) -> bool:
+        """Whether ``init_parameter`` fills ``name`` element by element (each rank then draws only its
+        shard's chunks): all but the few small parameters the family computes whole."""
+        return self.family_initialisation().elementwise(hf_name(name))
 
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        rule = self._init_rules.get(name)
-        if rule is None:
-            raise ModelError(f"no initialisation rule for parameter {name!r}")
-        if rule == "normal":
-            tensor.normal_(0.0, self.init_std, generator=generator)
-        else:
-            tensor.fill_(1.0 if rule == "ones" else 0.0)
+        """``name`` (or, when elementwise, a chunk of it, flattened) as its family initialises it."""
+        self.family_initialisation().fill(hf_name(name), tensor, generator)
 
     @torch.no_grad()
     def init_buffers(self) -> None:

@@ -169,7 +169,8 @@ class TransformerBlock(nn.Module):
 class Llama(nn.Module):
     block_classes = (TransformerBlock,)
     # init_parameter fills each element on its own (by the parameter's name, never its shape), so
-    # each rank may initialise just the chunks of its own shard.
+    # each rank may initialise just the chunks of its own shard: True for every parameter (a model
+    # may answer per name instead, models/initializer.py).
     init_parameter_elementwise = True
 
     def __init__(self, cfg: ModelConfig) -> None:

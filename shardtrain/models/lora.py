@@ -26,6 +26,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from shardtrain.config.schema import FinetuneConfig
 from shardtrain.errors import ConfigError, ModelError
+from shardtrain.models.initializer import draws_elementwise
 
 ADAPTER_NAME = "default"  # PEFT's name for a model's only adapter
 BASE_LAYER = ".base_layer."
@@ -131,14 +132,18 @@ def adapter_modules(model: nn.Module) -> list[str]:
 
 class AdapterInitializer:
     """Initialises the adapters as PEFT does and defers every other parameter to ``base`` (the task's
-    or the model's ``init_parameter``), under the names the base model has. Elementwise whenever
-    ``base`` is: the bound of ``lora_A`` depends on its fan-in alone, recorded here."""
+    or the model's ``init_parameter``), under the names the base model has. The adapters are drawn
+    elementwise whatever the base (the bound of ``lora_A`` depends on its fan-in alone, recorded
+    here), every other parameter as ``base`` draws it."""
 
     def __init__(self, base: Any, model: nn.Module) -> None:
         self.base = base
-        self.init_parameter_elementwise = getattr(base, "init_parameter_elementwise", False)
         self.fan_in = {name: param.shape[1] for name, param in model.named_parameters()
                        if ".lora_A." in name}
+
+    def init_parameter_elementwise(self, name: str) -> bool:
+        # An adapter on read weights does not ask the base (which may not know how to draw them).
+        return is_adapter(name) or draws_elementwise(self.base, base_name(name))
 
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         if ".lora_A." in name:

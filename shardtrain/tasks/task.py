@@ -85,8 +85,10 @@ class Task:
     def build_model(self) -> nn.Module:
         """The unsharded model. Called with parameters on the meta device (buffers are computed as
         the module constructs them, and restored after materialisation) when the task or the model
-        has ``init_parameter(name, tensor, generator)``; otherwise called a second time on the CPU,
-        seeded, on every rank, and that model is sharded (so it may be called more than once:
+        has ``init_parameter(name, tensor, generator)`` (filling whole tensors, or chunks of the
+        flattened parameter for those ``init_parameter_elementwise`` names: True for all, or a
+        method asked per name; ``models/initializer.py``); otherwise called a second time on the
+        CPU, seeded, on every rank, and that model is sharded (so it may be called more than once:
         keep it free of side effects)."""
         raise NotImplementedError(f"{type(self).__name__} must define build_model()")
 
