@@ -16,6 +16,8 @@ class Throughput:
     FLOP/s over the wall time since the last report: whole iterations (data, step, evaluation,
     checkpoint saves, logging), not the optimizer step alone, which flatters a loop."""
 
+    RATE_FIELDS = ("model_tflops", "mfu", "data_wait_ms", "data_wait_pct")
+
     def __init__(self, unit: str, world_size: int, peak_flops: float | None) -> None:
         self.unit = unit
         self.world_size = world_size
@@ -39,6 +41,10 @@ class Throughput:
         self.steps += 1
         self.data_wait_s += data_wait_s
 
+    def field_names(self) -> tuple[str, ...]:
+        """The names ``report`` gives its values (a task's metric may not take one)."""
+        return (f"{self.unit}_per_s", "samples_per_s", *self.RATE_FIELDS)
+
     def report(self) -> dict[str, float | None]:
         seconds = time.perf_counter() - self.since
         per_s = 1 / seconds if seconds > 0 else 0.0
@@ -49,9 +55,9 @@ class Throughput:
         # The count's own rate beside samples/s (tokens/s for a language model); a task whose count
         # is its samples has samples/s alone.
         rates = {f"{self.unit}_per_s": self.count * per_s, "samples_per_s": self.samples * per_s}
-        return {**rates,
-                "model_tflops": flops / 1e12 if flops else None, "mfu": mfu,
-                "data_wait_ms": 1000 * self.data_wait_s / max(self.steps, 1), "data_wait_pct": wait_pct}
+        wait_ms = 1000 * self.data_wait_s / max(self.steps, 1)
+        values = (flops / 1e12 if flops else None, mfu, wait_ms, wait_pct)
+        return {**rates, **dict(zip(self.RATE_FIELDS, values, strict=True))}
 
 
 class MetricsWriter:
