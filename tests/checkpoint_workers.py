@@ -5,8 +5,14 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import logging
 import os
+import pathlib
 import re
+import resource
+import shutil
+import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -151,6 +157,131 @@ def exact_resume(out: str) -> None:
     losses += second.fit().losses
     dump(second, losses, Path(out, "split.pt"))
     refused_then_restarted(out, world)
+    unreadable_resumes(out, world)
+    failed_saves(out, full, second)
+
+
+def copy_on_rank0(source: Path, target: Path, change) -> None:
+    """Rank 0 copies a checkpoint (or a file) and ``change``s the copy; every rank waits for it."""
+    if torch.distributed.get_rank() == 0:
+        (shutil.copytree if source.is_dir() else shutil.copyfile)(source, target)
+        change(target)
+    torch.distributed.barrier()
+
+
+@contextmanager
+def warnings_logged() -> Iterator[list[str]]:
+    """The messages shardtrain logs at WARNING or above inside the block (on this rank)."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("shardtrain")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def unreadable_resumes(out: str, world: int) -> None:
+    """A shard DCP cannot unpickle (checksums not verified): every rank raises one line naming the
+    rank that failed and why, not "CheckpointException ranks:dict_keys([1])". A checkpoint without
+    one rank's RNG file (saved before checksums, which would name it missing): the resume goes on,
+    and rank 0 names that rank instead of it silently keeping fresh RNG states."""
+    saved = Path(out, "split", "checkpoints", f"step-{N}")
+
+    def zero_shard(copy: Path) -> None:
+        shard = copy / "__1_0.distcp"
+        shard.write_bytes(bytes(shard.stat().st_size))
+
+    zeroed = Path(out, "zeroed", f"step-{N}")
+    copy_on_rank0(saved, zeroed, zero_shard)
+    cfg = ckpt_config(f"{out}/zeroed_run", world, resume=str(zeroed))
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, verify_checksums=False)
+    try:
+        new_trainer(cfg)
+    except CheckpointError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("a zeroed shard loaded")
+    assert "\n" not in message and "CheckpointException" not in message, message
+    # Both ranks read parts of the zeroed shard: the lowest failed rank is named.
+    assert message.startswith(f"reading checkpoint {zeroed} failed on rank 0: UnpicklingError: "), message
+    assert "resume another checkpoint" in message, message
+
+    def drop_rng_of_rank1(copy: Path) -> None:
+        (copy / "rng-rank1.pt").unlink()
+        (copy / "checksums.json").unlink()
+
+    no_rng = Path(out, "no_rng", f"step-{N}")
+    copy_on_rank0(saved, no_rng, drop_rng_of_rank1)
+    with warnings_logged() as warned:
+        resumed = new_trainer(ckpt_config(f"{out}/no_rng_run", world, resume=str(no_rng)))
+    assert resumed.step == N
+    named = [m for m in warned if "rng-rank<r>.pt for rank(s) 1:" in m]
+    assert len(named) == (1 if resumed.env.is_main else 0), warned
+
+
+@contextmanager
+def file_size_limit(limit: int | None) -> Iterator[None]:
+    """Writes past ``limit`` bytes fail with EFBIG in this process (``ulimit -f``; root too, where
+    a read-only directory would not stop a write); None: no limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not death by SIGXFSZ
+    if limit is not None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def failed_saves(out: str, full: Trainer, split: Trainer) -> None:
+    """Rank 1 cannot write its shard (a file size limit, as a full disk would): a blocking save and
+    an async one (at the poll after it) raise on every rank one line naming rank 1, the cause, the
+    fix and the checkpoint left intact; nothing is committed and that checkpoint is untouched."""
+    rank = torch.distributed.get_rank()
+    for trainer, blocking in ((split, True), (full, False)):
+        root = Path(trainer.cfg.run.dir, "checkpoints")
+        last = root / f"step-{2 * N}"
+        rng, shard = (last / "rng-rank1.pt").stat().st_size, (last / "__1_0.distcp").stat().st_size
+        assert rng < shard, (rng, shard)
+        before = {p.name: p.read_bytes() for p in last.iterdir()}
+        step = 2 * N + 1
+        message = (f"saving step {step} to {root / f'.step-{step}.tmp'} failed on rank 1: [Errno 27] "
+                   f"File too large; raise the file size limit (ulimit -f) above a checkpoint file's "
+                   f"size (step-{2 * N} is intact)")
+        with file_size_limit((rng + shard) // 2 if rank == 1 else None):
+            try:
+                trainer.checkpointer.save(step, tokens_seen=0, consumed_samples=0,
+                                          global_batch=trainer.layout.global_batch, blocking=blocking)
+                if not blocking:
+                    assert trainer.checkpointer.pending is not None
+                    while trainer.checkpointer.pending is not None:  # as the training loop polls
+                        trainer.checkpointer.poll()
+                        time.sleep(0.05)
+            except CheckpointError as exc:
+                assert str(exc) == message, (blocking, str(exc))
+            else:
+                raise AssertionError(f"a save that could not be written succeeded (blocking={blocking})")
+        assert not (root / f"step-{step}").exists()
+        assert {p.name: p.read_bytes() for p in last.iterdir()} == before
+    # Rank 0 cannot make the directory to save into (a file holds its name): every rank raises its
+    # error, rather than rank 1 waiting for it until the checkpoint group's timeout.
+    root, step = Path(split.cfg.run.dir, "checkpoints"), 2 * N + 2
+    blocked = root / f".step-{step}.tmp"
+    copy_on_rank0(root / f"step-{2 * N}" / "trainer_state.json", blocked, lambda _: None)
+    try:
+        split.checkpointer.save(step, tokens_seen=0, consumed_samples=0,
+                                global_batch=split.layout.global_batch, blocking=True)
+    except CheckpointError as exc:
+        assert str(exc).startswith(f"saving step {step} to {blocked} failed on rank 0: [Errno 20] Not a "
+                                   "directory"), str(exc)
+        assert str(exc).endswith(f"check run.dir's filesystem (free space, permissions, what is in "
+                                 f"its checkpoints directory) (step-{2 * N} is intact)"), str(exc)
+    else:
+        raise AssertionError("saved into a file")
 
 
 def bytes_read() -> int:
@@ -179,7 +310,53 @@ def save_at_four(out: str) -> None:
     dump(first, first.result.losses, Path(out, "first4.pt"))
     if first.env.is_main:
         torch.save(torch.stack(gathered), Path(out, "hash_reads4.pt"))
+    shard_checks_split(out, first)
     sockets_of_groups(out)
+
+
+@contextmanager
+def stated_shard_files() -> Iterator[set[str]]:
+    """The names of the .distcp files this process stats inside the block (``is_file`` stats too)."""
+    names: set[str] = set()
+    real = pathlib.Path.stat
+
+    def stat(self, *args, **kwargs):
+        if self.suffix == ".distcp":
+            names.add(self.name)
+        return real(self, *args, **kwargs)
+
+    pathlib.Path.stat = stat
+    try:
+        yield names
+    finally:
+        pathlib.Path.stat = real
+
+
+def shard_checks_split(out: str, trainer: Trainer) -> None:
+    """A resume's structure check stats each shard file on one rank, not every file on every rank
+    (a million stats at 1,024 ranks); a missing shard is still named on every rank, with or
+    without checksums recorded."""
+    saved = Path(out, "first4", "checkpoints", f"step-{N}")
+    with stated_shard_files() as names:
+        trainer.checkpointer.verify_agreed(saved)
+    stated = [None] * 4
+    torch.distributed.all_gather_object(stated, sorted(names))
+    if trainer.env.is_main:
+        Path(out, "shard_stats4.json").write_text(json.dumps(stated))
+    for manifest in (True, False):
+        def drop_shard(copy: Path, manifest: bool = manifest) -> None:
+            (copy / "__3_0.distcp").unlink()
+            if not manifest:
+                (copy / "checksums.json").unlink()
+
+        copy = Path(out, f"missing_shard_{manifest}", f"step-{N}")
+        copy_on_rank0(saved, copy, drop_shard)
+        try:
+            trainer.checkpointer.verify_agreed(copy)
+        except CheckpointError as exc:
+            assert "__3_0.distcp" in str(exc) and "missing" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"a missing shard passed (manifest: {manifest})")
 
 
 def open_sockets() -> int:

@@ -65,6 +65,15 @@ def test_checksum_work_is_split_between_ranks(four_rank_checkpoint):
         assert sum(per_rank) >= total and max(per_rank) < 0.4 * total, (phase, per_rank, total)
 
 
+def test_resume_checks_each_shard_file_on_one_rank(four_rank_checkpoint):
+    """The structure check of a resume stats a rank's share of the 4 shard files (its round-robin
+    part, and the files it hashes), not all 4 on every rank (1,024 x 1,024 stats at 1,024 ranks);
+    between them the ranks check every one (a missing one is named: save_at_four)."""
+    stated = json.loads((four_rank_checkpoint / "shard_stats4.json").read_text())
+    assert all(len(names) <= 2 for names in stated), stated
+    assert {name for names in stated for name in names} == {f"__{r}_0.distcp" for r in range(4)}
+
+
 def test_checkpoint_group_connects_ranks_on_first_use(four_rank_checkpoint):
     """A full-mesh gloo group opens a socket to every peer when it is made (3 at 4 ranks, 1,023 at
     1,024); the checkpoint group's kind opens none of them until a collective needs a pair (both
@@ -247,6 +256,89 @@ def test_prune_keeps_the_checkpoint_just_saved(tmp_path):
     damaged = {tmp_path / "step-2"}
     assert layout.prune(tmp_path, 5, 1, damaged) == [tmp_path / "step-4"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-2", "step-5", "step-8"]
+
+
+def test_abandoned_saves_and_deletions_are_removed(tmp_path):
+    """A deletion that crashed left .step-4.deleting: pruning a step-4 saved again renamed onto it
+    and failed (ENOTEMPTY) after the new checkpoint had committed. remove_abandoned deletes what
+    crashed saves (.step-N.tmp) and deletions left, and nothing else."""
+    for step in (4, 6):
+        (tmp_path / f"step-{step}").mkdir()
+        (tmp_path / f"step-{step}" / STATE_FILE).write_text("{}")
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    for directory in (".step-4.deleting", ".step-37.tmp", ".step-2.deleting", ".step-9.tmp",
+                      ".step-5.damaged-1700000000", ".step-x.tmp", ".step-3.tmp.bak", outside):
+        (tmp_path / directory).mkdir()
+        (tmp_path / directory / "__0_0.distcp").write_bytes(b"shard")
+    (tmp_path / ".step-8.tmp").write_text("a file, not a save")
+    (tmp_path / ".step-7.tmp").symlink_to(outside, target_is_directory=True)
+
+    assert layout.prune(tmp_path, 6, 1, set()) == [tmp_path / "step-4"]
+    # .step-9.tmp: complete but never renamed, and resumed from by hand
+    assert layout.remove_abandoned(tmp_path, keep=tmp_path / ".step-9.tmp") == [
+        tmp_path / ".step-2.deleting", tmp_path / ".step-37.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".step-3.tmp.bak", ".step-5.damaged-1700000000", ".step-7.tmp", ".step-8.tmp", ".step-9.tmp",
+        ".step-x.tmp", "step-6"]
+    assert (outside / "__0_0.distcp").is_file()
+    assert layout.remove_abandoned(tmp_path / "none") == []
+
+
+def linear_base(directory, layer=None):
+    """A DCP checkpoint of an 8 MiB linear layer's weights (``layer``'s, or new ones), saved without
+    a process group."""
+    import torch.distributed.checkpoint as dcp
+
+    layer = layer or torch.nn.Linear(2048, 1024)
+    dcp.save({"model": layer.state_dict()}, checkpoint_id=str(directory), no_dist=True)
+    return layer
+
+
+def test_dcp_base_fingerprint_reads_its_metadata_only(tmp_path):
+    """A LoRA base saved as a DCP checkpoint is identified by its .metadata (DCP draws an id for each
+    save) and manifest, not by 3 MiB of every shard file read on every rank (3 GiB per rank for a
+    base saved at 1,024 ranks); a copy is the same base, another save is not, and an identity
+    recorded the old way (before this) is still accepted for the same base."""
+    import dataclasses
+
+    from checkpoint_workers import bytes_read
+
+    from shardtrain.checkpoint import weights
+
+    def identity(directory):
+        return weights.base_identity(dataclasses.replace(Config().model, init_from=str(directory)), 0)
+
+    base, other = tmp_path / "base", tmp_path / "other"
+    linear_base(other, linear_base(base))  # the same weights, saved again
+    before = bytes_read()
+    current = identity(base)
+    assert bytes_read() - before < (base / ".metadata").stat().st_size + (64 << 10)
+    shutil.copytree(base, tmp_path / "copy")
+    assert identity(tmp_path / "copy")["fingerprint"] == current["fingerprint"]
+    ckpt = tmp_path / "adapters"
+    weights.check_same_base(ckpt, identity(tmp_path / "copy"), current)
+    with pytest.raises(CheckpointError, match="trained on base"):
+        weights.check_same_base(ckpt, identity(other), current)
+    recorded_before = {"source": current["source"], "fingerprint": weights.files_fingerprint(str(base))}
+    weights.check_same_base(ckpt, recorded_before, current)
+    with pytest.raises(CheckpointError, match="trained on base"):
+        weights.check_same_base(ckpt, recorded_before, identity(other))
+
+
+def test_dcp_read_failure_is_one_line_naming_the_cause(tmp_path):
+    """DCP gathers a read's failures into a CheckpointException, a BaseException whose text named
+    only the ranks: model.init_from of an unreadable shard says the rank, the cause and the fix."""
+    from shardtrain.checkpoint.weights import load_model_weights
+
+    base = tmp_path / "base"
+    linear_base(base)
+    shard = base / "__0_0.distcp"
+    shard.write_bytes(bytes(shard.stat().st_size))
+    with pytest.raises(CheckpointError) as caught:
+        load_model_weights(torch.nn.Linear(2048, 1024), str(base))
+    message = str(caught.value)
+    assert message.startswith(f"reading checkpoint {base} failed on rank 0: UnpicklingError: "), message
+    assert "\n" not in message and "CheckpointException" not in message, message
 
 
 def test_async_staging_reuses_its_buffers_and_copies_new_values():

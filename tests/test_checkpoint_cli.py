@@ -24,12 +24,19 @@ def test_kill_during_save_resume_picks_previous_complete(tmp_path):
     assert not (ckpts / "step-6").exists()
     inspect = run_cli("inspect", str(ckpts / ".step-6.tmp"), timeout=60)
     assert inspect.returncode == 1 and "did not finish" in inspect.stdout
+    # What a preemption save killed at a step never saved again, and a deletion killed half-way,
+    # leave: removed at the resume (they stayed forever, full size); a look-alike name is not.
+    for name in (".step-7.tmp", ".step-1.deleting", ".step-7.tmp-notes"):
+        (ckpts / name).mkdir()
+        (ckpts / name / "__0_0.distcp").write_bytes(b"shard")
 
     resumed = run_cli(*args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"skipping {ckpts / '.step-6.tmp'}: incomplete: the save did not finish" in resumed.stderr
     assert f"newest complete checkpoint is {ckpts / 'step-3'} (step 3)" in resumed.stderr
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step-6", "step-8"]  # keep_last=2, no tmp
+    assert f"deleted .step-1.deleting, .step-6.tmp, .step-7.tmp in {ckpts} (left by" in resumed.stderr
+    # keep_last=2, no tmp
+    assert sorted(p.name for p in ckpts.iterdir()) == [".step-7.tmp-notes", "step-6", "step-8"]
     assert read_metrics(run_dir)[-1]["step"] == 8
 
 
@@ -118,6 +125,9 @@ def damaged_copy(good, tmp_path, damage: str):
     elif damage == "empty":
         shutil.rmtree(target)
         target.mkdir()
+    elif damage == "zeroed":  # the right size, so only a checksum (verify_checksums=false: none) tells
+        shard = target / "__0_0.distcp"
+        shard.write_bytes(bytes(shard.stat().st_size))
     return target
 
 
@@ -130,6 +140,8 @@ def damaged_copy(good, tmp_path, damage: str):
         ("empty", [], "is empty"),
         (None, ["model.dim=48", "model.n_heads=4"], "does not fit this model"),
         (None, ["model.n_layers=4"], "missing keys: model.layers.3."),
+        # DCP's own failure (a CheckpointException, which is no Exception): its cause, not its ranks
+        ("zeroed", ["checkpoint.verify_checksums=false"], "failed on rank 0: UnpicklingError: "),
     ],
 )
 def test_bad_checkpoints_fail_fast_with_their_own_message(good_checkpoint, tmp_path, damage, extra, message):
@@ -138,6 +150,10 @@ def test_bad_checkpoints_fail_fast_with_their_own_message(good_checkpoint, tmp_p
                    f"run.dir={tmp_path / 'run'}", timeout=120)  # a hang fails here
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+    if damage == "zeroed":  # the failure record (what the launcher reports at many ranks) says it too
+        assert f"reading checkpoint {path} {message}" in error_line(proc)
+        record = json.loads((tmp_path / "run" / "failures" / "rank-0.json").read_text())
+        assert record["type"] == "CheckpointError" and message in record["message"], record
     if damage in ("truncated", "no_metadata", "empty"):
         consolidated = run_cli("consolidate", str(path), str(tmp_path / "out"), timeout=60)
         assert consolidated.returncode == 2 and message in consolidated.stderr

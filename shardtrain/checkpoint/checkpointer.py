@@ -24,7 +24,9 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardtrain import accelerator, faults
 from shardtrain.checkpoint import integrity, layout, staging
+from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed, save_failed
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.checkpoint.weights import base_identity, check_model_compatible, check_same_base
 from shardtrain.config.compose import config_hash
@@ -55,6 +58,9 @@ from shardtrain.errors import CheckpointError
 from shardtrain.models.lora import is_adapter
 
 log = logging.getLogger("shardtrain")
+
+LOAD_FIX = ("resume another checkpoint, or check the filesystem it is on (with "
+            "checkpoint.verify_checksums=true a damaged file is named before anything is read)")
 
 
 def rng_state() -> dict[str, Any]:
@@ -177,6 +183,27 @@ class Checkpointer:
     # ---- finding what to resume ----------------------------------------------------------
 
     def resume_path(self) -> Path | None:
+        """The checkpoint ``checkpoint.resume`` selects, or None to start fresh; then rank 0 deletes
+        what crashed saves and deletions left in the run's checkpoints (``remove_abandoned``)."""
+        path = self.choose_resume()
+        if self.rank == 0:
+            self.remove_abandoned(path)
+        return path
+
+    def remove_abandoned(self, resumed: Path | None) -> None:
+        """Rank 0 only, once the ranks agreed on what to resume (the others read nothing of these
+        directories after that). A failure is a warning: the run can go on without the space."""
+        try:
+            removed = layout.remove_abandoned(self.root, keep=resumed)
+        except OSError as exc:
+            log.warning(f"checkpoint: deleting what an interrupted save or deletion left in {self.root} "
+                        f"failed ({exc}); delete its .step-*.tmp and .step-*.deleting directories by hand")
+            return
+        if removed:
+            log.info(f"checkpoint: deleted {', '.join(p.name for p in removed)} in {self.root} (left by "
+                     "an interrupted save or deletion; never loadable)")
+
+    def choose_resume(self) -> Path | None:
         """The checkpoint ``checkpoint.resume`` selects, or None to start fresh."""
         choice = self.ckpt.resume
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
@@ -231,15 +258,17 @@ class Checkpointer:
     def verify_agreed(self, path: Path, refuse_newer: bool = False) -> Any:
         """DCP's metadata of the checkpoint at ``path``, checked by every rank and agreed on.
 
-        Each rank runs the structure checks and hashes its share of the recorded files (about
-        1/world of the bytes); one all-gather of the verdicts (the path each rank checked and any
-        error included) makes every rank return, or raise the same error, together: no rank goes on
-        alone to a later collective or to another checkpoint. ``refuse_newer`` (a resume from a
-        path given by hand) also refuses a run directory that holds later checkpoints than it.
+        Each rank runs the structure checks (of the shard files, its 1/world of them) and hashes
+        its share of the recorded files (about 1/world of the bytes); one all-gather of the verdicts
+        (the path each rank checked and any error included) makes every rank return, or raise the
+        same error, together: no rank goes on alone to a later collective or to another checkpoint.
+        ``refuse_newer`` (a resume from a path given by hand) also refuses a run directory that holds
+        later checkpoints than it.
         """
         metadata, files = None, None
         try:
-            metadata = layout.verify(path)
+            # This rank's part of the shard files only: the all-gather below shares the verdicts.
+            metadata = layout.verify(path, share=(self.rank, self.world_size))
             if refuse_newer:
                 layout.refuse_newer_checkpoints(self.root, path)
             files = integrity.read_manifest(path) if self.ckpt.verify_checksums else None
@@ -280,20 +309,24 @@ class Checkpointer:
         # Every rank decides from the same files, so all raise together instead of some waiting.
         if final.exists() and final not in self.damaged and layout.is_complete(final):
             raise CheckpointError(f"{final} already exists; refusing to overwrite a checkpoint")
+        prepared: list[str | None] = [None]
         if self.rank == 0:
-            if final.exists():  # damaged (resume skipped it): keep it aside for inspection
-                aside = final.with_name(f"{final.name}.damaged-{int(time.time())}")
-                final.rename(aside)
-                self.damaged.discard(final)  # the new step-N that replaces it is counted again
-                self.info(f"checkpoint: moved damaged {final.name} to {aside.name}")
-            if tmp.exists():  # left by a crashed save of this step
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        dist.barrier(group=self.group)
-        write_rng_state(tmp / f"rng-rank{self.rank}.pt")
+            try:
+                with self.save_errors(step, tmp):
+                    self.prepare(final, tmp)
+            except CheckpointError as exc:
+                prepared[0] = str(exc)
+        # Every rank waits for the directory, and learns whether rank 0 could make it: all raise its
+        # error together rather than the others waiting in DCP's collectives until the timeout.
+        dist.broadcast_object_list(prepared, src=0, group=self.group)
+        if prepared[0] is not None:
+            raise CheckpointError(prepared[0])
+        with self.save_errors(step, tmp):  # this rank's own files: a full disk is said in one line
+            write_rng_state(tmp / f"rng-rank{self.rank}.pt")
         faults.inject("save", self.rank, step)
         if self.ckpt.save_full:
-            self.save_full_weights(tmp / "model.safetensors")
+            with self.save_errors(step, tmp):
+                self.save_full_weights(tmp / "model.safetensors")
         state = self.training_state()
         trainer_state = TrainState.capture(
             self.cfg, self.plan, step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
@@ -302,21 +335,53 @@ class Checkpointer:
         )
         if self.ckpt.async_save and not blocking:
             # Staging copies the state before this returns; the write and the commit run behind.
-            written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
-                                     async_stager=self.async_stager())
+            with self.save_errors(step, tmp):
+                written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+                                         async_stager=self.async_stager())
             finished = self.finisher.submit(self.finish_async, written, step, tmp, trainer_state)
             self.pending = PendingSave(step, tmp, finished, time.perf_counter(), trainer_state)
             blocked = time.perf_counter() - start
             self.info(f"checkpoint step {step}: async save started, training blocked {blocked:.3f}s")
             return blocked
-        dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
-        self.commit(step, tmp, trainer_state)
-        # The others wait for rank 0's commit (writing two small files, renaming, pruning) here,
+        # DCP's own collectives make every rank raise its failure together (the same one).
+        with self.save_errors(step, tmp):
+            dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
+        # The others wait for rank 0's commit (writing two small files, renaming, pruning) in it,
         # under the save's bound, rather than in the next step's first collective under the step's.
-        dist.barrier(group=self.group)
+        self.commit(step, tmp, trainer_state)
         blocked = time.perf_counter() - start
         self.info(f"checkpoint step {step}: saved to {final} in {blocked:.3f}s")
         return blocked
+
+    def prepare(self, final: Path, tmp: Path) -> None:
+        """Rank 0: an empty ``tmp`` to save into; a damaged ``final`` of the same step moved aside."""
+        if final.exists():  # damaged (resume skipped it): keep it aside for inspection
+            aside = final.with_name(f"{final.name}.damaged-{int(time.time())}")
+            final.rename(aside)
+            self.damaged.discard(final)  # the new step-N that replaces it is counted again
+            self.info(f"checkpoint: moved damaged {final.name} to {aside.name}")
+        if tmp.exists():  # left by a crashed save of this step
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+
+    @contextmanager
+    def save_errors(self, step: int, tmp: Path) -> Iterator[None]:
+        """A failure of the save of ``step`` (DCP's gathered ``CheckpointException``, which derives
+        from BaseException, or an OSError of a file written here) as one CheckpointError naming the
+        rank, the cause and the fix, and the checkpoint the failure left intact."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except DCP_FAILURES as exc:
+            raise CheckpointError(save_failed(step, tmp, exc, self.newest_intact(step), self.rank)) from exc
+
+    def newest_intact(self, step: int) -> str | None:
+        """The name of the newest complete checkpoint before ``step`` (a failed save never touches
+        it), or None."""
+        kept = [path for saved, path in layout.candidates(self.root).complete
+                if saved < step and path not in self.damaged]
+        return kept[-1].name if kept else None
 
     def async_stager(self) -> DefaultStager | None:
         """The run's stager with reused host buffers (``checkpoint.reuse_staging``), or None for
@@ -346,40 +411,67 @@ class Checkpointer:
 
     def commit(self, step: int, tmp: Path, trainer_state: TrainState) -> None:
         """Every rank hashes the files it wrote (their pages are still cached), rank 0 gathers the
-        digests, records them and makes the checkpoint visible under its final name."""
-        # One listing of the top level (DCP's and the RNG files are there), no stat per file: rank 0
-        # hashes anything else when it writes the manifest.
-        mine = sorted(name for name in os.listdir(tmp)
-                      if integrity.owner_rank(name, self.world_size) == self.rank
-                      and name not in integrity.NOT_COVERED and (self.rank != 0 or (tmp / name).is_file()))
-        entries = integrity.hash_entries(tmp, mine)
+        digests, records them and makes the checkpoint visible under its final name; then every
+        rank learns how that went, so all of them raise the same error or none does (one failing
+        alone would leave the others waiting in a later collective until its timeout)."""
+        failure: str | None = None
+        try:
+            # One listing of the top level (DCP's and the RNG files are there), no stat per file:
+            # rank 0 hashes anything else when it writes the manifest.
+            with self.save_errors(step, tmp):
+                mine = sorted(name for name in os.listdir(tmp)
+                              if integrity.owner_rank(name, self.world_size) == self.rank
+                              and name not in integrity.NOT_COVERED
+                              and (self.rank != 0 or (tmp / name).is_file()))
+                entries: dict[str, Any] | str = integrity.hash_entries(tmp, mine)
+        except CheckpointError as exc:
+            entries = str(exc)  # goes to rank 0 in place of the digests
         gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(entries, gathered, dst=0, group=self.group)
-        if self.rank != 0:
-            return
+        if self.rank == 0:
+            try:
+                self.finalize(step, tmp, trainer_state, gathered)
+            except CheckpointError as exc:
+                failure = str(exc)
+        outcome = [failure]
+        dist.broadcast_object_list(outcome, src=0, group=self.group)
+        if outcome[0] is not None:
+            raise CheckpointError(outcome[0])
+
+    def finalize(self, step: int, tmp: Path, trainer_state: TrainState, gathered: list[Any]) -> None:
+        """Rank 0: the manifest from every rank's digests, the trainer state, the rename, the prune."""
+        if errors := [part for part in gathered if isinstance(part, str)]:
+            raise CheckpointError(errors[0])  # a rank could not read back what it wrote
         if not (tmp / layout.METADATA_FILE).is_file():
             raise CheckpointError(f"save of step {step} produced no DCP metadata in {tmp}")
-        integrity.write_manifest(tmp, {name: e for part in gathered for name, e in part.items()})
-        trainer_state.write(tmp)  # stays the last file written
-        # The files' names in the directory must be on disk before it is renamed complete: a crash
-        # must not leave a step-N whose entries were lost.
-        layout.fsync_path(tmp)
-        final = layout.step_dir(self.root, step)
-        tmp.rename(final)
-        layout.fsync_path(self.root)
+        with self.save_errors(step, tmp):
+            integrity.write_manifest(tmp, {name: e for part in gathered for name, e in part.items()})
+            trainer_state.write(tmp)  # stays the last file written
+            # The files' names in the directory must be on disk before it is renamed complete: a
+            # crash must not leave a step-N whose entries were lost.
+            layout.fsync_path(tmp)
+            tmp.rename(layout.step_dir(self.root, step))
+            layout.fsync_path(self.root)
         self.prune(step)
 
     def finish_async(self, written: Future, step: int, tmp: Path, trainer_state: TrainState) -> None:
-        written.result()
+        # DCP's failure reaches the next poll (or close) as the same one line a blocking save gives.
+        with self.save_errors(step, tmp):
+            written.result()
         # On every rank in the same order after DCP's own collectives of this save, and before the
         # next save (which waits for this one): the group sees one sequence of collectives.
         self.commit(step, tmp, trainer_state)
 
     def prune(self, committed: int) -> None:
         """Checkpoints beyond ``keep_last`` up to the step just committed; never that one, nor a
-        later step, nor one whose checksums failed at resume."""
-        for path in layout.prune(self.root, committed, self.ckpt.keep_last, self.damaged):
-            self.info(f"checkpoint: deleted {path.name} (checkpoint.keep_last={self.ckpt.keep_last})")
+        later step, nor one whose checksums failed at resume. A deletion that fails is a warning:
+        the new checkpoint is committed, and stopping the run would not free the space either."""
+        try:
+            for path in layout.prune(self.root, committed, self.ckpt.keep_last, self.damaged):
+                self.info(f"checkpoint: deleted {path.name} (checkpoint.keep_last={self.ckpt.keep_last})")
+        except OSError as exc:
+            log.warning(f"checkpoint: step {committed} is saved, but deleting an older checkpoint "
+                        f"failed ({exc}); delete it by hand to free its space")
 
     def poll(self) -> None:
         """Non-blocking: report a finished async save (and raise its error, if it failed)."""
@@ -407,9 +499,8 @@ class Checkpointer:
         elif trainer_state.base_weights is not None:
             raise CheckpointError(f"checkpoint {str(path)!r} holds LoRA adapters only; resume it with "
                                   "finetune.method=lora and the settings it was trained with")
-        rng_file = path / f"rng-rank{self.rank}.pt"
         same_world = trainer_state.world_size == self.world_size
-        rng = read_rng_state(rng_file) if same_world and rng_file.is_file() else None
+        rng, without_rng = self.read_rng_state_agreed(path) if same_world else (None, [])
         state = self.training_state()
         check_model_compatible(path, metadata, state["model"], adapters_only=self.adapters_only)
         if not any(k.startswith("optim.") for k in metadata.state_dict_metadata):
@@ -418,8 +509,8 @@ class Checkpointer:
         unsaved = drop_unsaved_optimizer_state(state["optim"], metadata.state_dict_metadata)
         try:
             dcp.load(state, checkpoint_id=str(path), process_group=self.group)
-        except Exception as exc:
-            raise CheckpointError(f"loading {str(path)!r} failed: {str(exc).splitlines()[0]}") from exc
+        except DCP_FAILURES as exc:  # DCP's CheckpointException is a BaseException: named here
+            raise CheckpointError(load_failed(path, exc, LOAD_FIX, self.rank)) from exc
         # Not strict only to let the parameters without saved optimizer state stay without; the model
         # state is this model's own keys, all read from the checkpoint.
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
@@ -429,11 +520,33 @@ class Checkpointer:
         self.scheduler.load_state_dict(trainer_state.scheduler)
         if rng is not None:
             set_rng_state(rng)
-        else:
-            why = "world size changed" if not same_world else f"no {rng_file.name}"
-            self.info(f"resume: {why}; RNG states are not restored (the data order is global and does "
-                      "not depend on them)")
+        if not same_world:
+            self.info("resume: world size changed; RNG states are not restored (the data order is "
+                      "global and does not depend on them)")
+        elif without_rng and self.rank == 0:
+            shown = ", ".join(map(str, without_rng[:8])) + (
+                f" (+{len(without_rng) - 8} more)" if len(without_rng) > 8 else "")
+            log.warning(f"resume: {path} has no rng-rank<r>.pt for rank(s) {shown}: their RNG states are "
+                        "not restored (the data order is global and does not depend on them; dropout "
+                        "and other random draws on those ranks differ from an uninterrupted run)")
         return trainer_state
+
+    def read_rng_state_agreed(self, path: Path) -> tuple[dict[str, Any] | None, list[int]]:
+        """This rank's saved RNG state (None where its file is missing) and the ranks without one,
+        agreed in one all-gather: a rank without its file is named on rank 0 rather than going on
+        silently, and an unreadable file stops every rank with its error, not one rank alone while
+        the others wait in DCP's load."""
+        rng_file = path / f"rng-rank{self.rank}.pt"
+        rng, error = None, None
+        try:
+            rng = read_rng_state(rng_file) if rng_file.is_file() else None
+        except CheckpointError as exc:
+            error = str(exc)
+        verdicts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(verdicts, (rng is not None, error), group=self.group)
+        if errors := [error for _, error in verdicts if error is not None]:
+            raise CheckpointError(errors[0])
+        return rng, [rank for rank, (found, _) in enumerate(verdicts) if not found]
 
     def info(self, message: str) -> None:
         if self.rank == 0:

@@ -8,6 +8,7 @@
             trainer_state.json     human-readable state, written last, just before the rename
             model.safetensors      only with checkpoint.save_full=true
         .step-<N>.tmp/             a save in progress, or one that crashed: never loaded
+        .step-<N>.deleting/        a checkpoint keep_last is deleting (renamed first): never loaded
 
 A save writes into ``.step-<N>.tmp`` and is renamed to ``step-<N>`` only once the DCP metadata and
 ``trainer_state.json`` exist, so a directory named ``step-<N>`` is complete by construction. The
@@ -32,6 +33,8 @@ METADATA_FILE = ".metadata"
 LIGHTNING_META_FILE = "meta.pt"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^\.step-(\d+)\.tmp$")
+# What a crashed save or a crashed deletion leaves: never loadable, and never written by anything else.
+ABANDONED_DIR = re.compile(r"^\.step-\d+\.(?:tmp|deleting)$")
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -73,13 +76,21 @@ def read_dcp_metadata(path: Path) -> Metadata:
     return metadata
 
 
-def check_shard_files(path: Path, metadata) -> None:
-    """Every byte range the metadata points at must exist (catches missing and truncated shards)."""
+def check_shard_files(path: Path, metadata, share: tuple[int, int] | None = None) -> None:
+    """Every byte range the metadata points at must exist (catches missing and truncated shards).
+
+    ``share=(rank, world)``: only every world-th shard file from the rank-th, for ranks that each
+    check their part and agree on the verdicts (a checkpoint saved at 1,024 ranks has 1,024 shard
+    files: every rank stating all of them is a million stats at a resume)."""
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         end = info.offset + info.length
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for name, size in sorted(needed.items()):
+    files = sorted(needed.items())
+    if share is not None:
+        rank, world = share
+        files = files[rank::world]
+    for name, size in files:
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} is missing shard file {name}")
@@ -91,10 +102,11 @@ def check_shard_files(path: Path, metadata) -> None:
             )
 
 
-def verify(path: Path, need_state: bool = True):
-    """Metadata of a complete checkpoint at ``path``; raises CheckpointError naming the problem."""
+def verify(path: Path, need_state: bool = True, share: tuple[int, int] | None = None):
+    """Metadata of a complete checkpoint at ``path``; raises CheckpointError naming the problem.
+    ``share``: of the shard files, only this rank's part (``check_shard_files``)."""
     metadata = read_dcp_metadata(path)
-    check_shard_files(path, metadata)
+    check_shard_files(path, metadata, share)
     if need_state:
         TrainState.read(path)
     return metadata
@@ -194,9 +206,31 @@ def prune(root: Path, committed: int, keep_last: int, exclude: set[Path]) -> lis
     for path in doomed:
         # Rename first: a crash while deleting must not leave a half directory named step-N.
         deleting = path.with_name(f".{path.name}.deleting")
+        if deleting.is_dir() and not deleting.is_symlink():
+            # Left by a deletion of an earlier step-N that crashed: the rename onto it would fail
+            # (ENOTEMPTY) after the new checkpoint committed.
+            shutil.rmtree(deleting)
         path.rename(deleting)
         shutil.rmtree(deleting)
     return doomed
+
+
+def remove_abandoned(root: Path, keep: Path | None = None) -> list[Path]:
+    """Delete the ``.step-N.tmp`` (a save that never finished) and ``.step-N.deleting`` (a deletion
+    that never finished) directories in ``root``, but never ``keep`` (a checkpoint resumed from by
+    hand); returns the deleted ones. No resume loads them, and a save removes only the ``.tmp`` of
+    its own step: one left at a step never saved again (a preemption's) kept its full size forever.
+    Only real directories named so by shardtrain, only in ``root``: nothing else is touched."""
+    if not root.is_dir():
+        return []
+    kept = keep.resolve() if keep is not None else None
+    removed = []
+    for entry in sorted(root.iterdir()):
+        if (ABANDONED_DIR.match(entry.name) and entry.is_dir() and not entry.is_symlink()
+                and entry.resolve() != kept):
+            shutil.rmtree(entry)
+            removed.append(entry)
+    return removed
 
 
 def detect_format(path: Path) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch import nn
@@ -27,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardtrain.checkpoint import layout
+from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed
+from shardtrain.checkpoint.integrity import MANIFEST_FILE, file_sha256
 from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY, file_metadata, weight_files
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.config.schema import FinetuneConfig, ModelConfig
@@ -134,9 +137,21 @@ def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | N
     adapted = get_model_state_dict(model)
     state = {base_name(name): value for name, value in adapted.items() if not is_adapter(name)}
     check_model_compatible(path, metadata, state)
-    dcp.load({"model": state}, checkpoint_id=str(path))
+    read_dcp({"model": state}, path)
     set_model_state_dict(model, {name: state[base_name(name)] for name in adapted if not is_adapter(name)},
                          options=StateDictOptions(strict=len(state) == len(adapted)))
+
+
+def read_dcp(state: dict[str, Any], path: Path) -> None:
+    """``dcp.load`` of ``state`` from ``path`` (on the default group, if any), its failure as one
+    CheckpointError: DCP's own ``CheckpointException`` derives from BaseException and its text names
+    only the failed ranks, not why."""
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except DCP_FAILURES as exc:
+        rank = dist.get_rank() if dist.is_initialized() else None
+        raise CheckpointError(load_failed(path, exc, "use another checkpoint, or check the filesystem "
+                                                     "it is on", rank)) from exc
 
 
 def load_adapters(model: nn.Module, path: Path) -> None:
@@ -145,7 +160,7 @@ def load_adapters(model: nn.Module, path: Path) -> None:
     metadata = layout.verify(path, need_state=False)
     state = {name: value for name, value in get_model_state_dict(model).items() if is_adapter(name)}
     check_model_compatible(path, metadata, state, adapters_only=True)
-    dcp.load({"model": state}, checkpoint_id=str(path))
+    read_dcp({"model": state}, path)
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 
@@ -334,6 +349,11 @@ def file_fingerprint(path: Path) -> str:
     return digest.hexdigest()
 
 
+# ``fingerprint_kind`` of a DCP checkpoint base's identity (``dcp_fingerprint``). Identities without
+# the key (every other source, and DCP bases recorded before it) hold ``files_fingerprint``.
+DCP_FINGERPRINT = "dcp-metadata"
+
+
 def source_files(source: str) -> list[Path]:
     """The files holding the weights of a weights source (``ModelConfig.weights_source``)."""
     path = Path(source.removeprefix(HF_PREFIX)).expanduser()
@@ -347,6 +367,41 @@ def source_files(source: str) -> list[Path]:
                                                                   or p.name == layout.METADATA_FILE))
 
 
+def is_dcp_source(source: str) -> bool:
+    """Whether a weights source is a DCP checkpoint directory (one shard file per saving rank)."""
+    path = Path(source.removeprefix(HF_PREFIX)).expanduser()
+    return path.is_dir() and not is_model_directory(path)
+
+
+def files_fingerprint(source: str) -> str:
+    """``file_fingerprint`` of every file of the source, combined: about 3 MiB read per file."""
+    digest = hashlib.sha256()
+    for file in source_files(source):
+        digest.update(file.name.encode() + file_fingerprint(file).encode())
+    return digest.hexdigest()
+
+
+def dcp_fingerprint(source: str) -> str:
+    """sha256 of a DCP checkpoint's ``.metadata`` and, if it has one, its ``checksums.json``.
+
+    ``.metadata`` holds the id DCP draws for every save and where each tensor's bytes lie; the
+    manifest, every file's sha256. So a copy has the same fingerprint and another save (another
+    model, or the same one saved again) another. Two small files, read by every rank at start:
+    ``files_fingerprint`` read 3 MiB of every shard file on every rank, 3 GiB per rank for a base
+    saved at 1,024 ranks.
+    """
+    path = Path(source.removeprefix(HF_PREFIX)).expanduser()
+    digest = hashlib.sha256(DCP_FINGERPRINT.encode())
+    for name in (layout.METADATA_FILE, MANIFEST_FILE):
+        file = path / name
+        if name == layout.METADATA_FILE and not file.is_file():
+            raise CheckpointError(f"the base weights {source!r} are no DCP checkpoint: they have no "
+                                  f"{layout.METADATA_FILE}")
+        if file.is_file():
+            digest.update(b"\0" + name.encode() + b"\0" + file_sha256(file).encode())
+    return digest.hexdigest()
+
+
 def base_identity(model_cfg: ModelConfig, seed: int,
                   finetune: FinetuneConfig | None = None) -> dict[str, Any]:
     """What a LoRA checkpoint's adapters were trained on: the base weights' source with a fingerprint
@@ -356,12 +411,23 @@ def base_identity(model_cfg: ModelConfig, seed: int,
     source = model_cfg.weights_source()
     if source is None:
         return {"source": "random", "seed": seed, **quantized}
-    files = source_files(source)
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(file.name.encode() + file_fingerprint(file).encode())
-    return {"source": str(Path(source.removeprefix(HF_PREFIX)).expanduser().resolve()),
-            "fingerprint": digest.hexdigest(), **quantized}
+    resolved = str(Path(source.removeprefix(HF_PREFIX)).expanduser().resolve())
+    if is_dcp_source(source):
+        return {"source": resolved, "fingerprint": dcp_fingerprint(source),
+                "fingerprint_kind": DCP_FINGERPRINT, **quantized}
+    return {"source": resolved, "fingerprint": files_fingerprint(source), **quantized}
+
+
+def same_base(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether two identities (``base_identity``) name the same base weights."""
+    if saved.get("fingerprint", saved.get("seed")) == current.get("fingerprint", current.get("seed")):
+        return True
+    # A checkpoint saved before DCP bases were fingerprinted by their metadata holds the old kind:
+    # the current base's files are read the old way (slow, once) rather than the resume refused.
+    old_kind = "fingerprint" in saved and "fingerprint_kind" not in saved
+    if old_kind and current.get("fingerprint_kind") == DCP_FINGERPRINT:
+        return saved["fingerprint"] == files_fingerprint(current["source"])
+    return False
 
 
 def check_same_base(path: Path, saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
@@ -369,7 +435,7 @@ def check_same_base(path: Path, saved: dict[str, Any] | None, current: dict[str,
     if saved is None:
         raise CheckpointError(f"checkpoint {str(path)!r} holds no adapters (it is not a finetune=lora "
                               "checkpoint); resume it with finetune.method=none")
-    if saved.get("fingerprint", saved.get("seed")) != current.get("fingerprint", current.get("seed")):
+    if not same_base(saved, current):
         raise CheckpointError(f"checkpoint {str(path)!r} was trained on base {saved['source']} "
                               f"({saved.get('fingerprint', saved.get('seed'))}), not on this run's "
                               f"{current['source']}: resume it on the base it was trained on")

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from shardtrain.checkpoint import integrity, layout
+from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed
 from shardtrain.checkpoint.safetensors_files import (
     MODEL_CONFIG_KEY,
     check_new_output,
@@ -126,7 +127,11 @@ def load_tensors(path: Path, entries, metadata: Metadata | None = None) -> dict[
         # DCP warns that it runs without a process group: that is the point here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         reader = FileSystemReader(str(path)) if metadata is None else KnownMetadataReader(path, metadata)
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        try:
+            dcp.load(state, storage_reader=reader, no_dist=True)
+        except DCP_FAILURES as exc:  # DCP's CheckpointException is a BaseException: one line here
+            raise CheckpointError(load_failed(path, exc, "check the checkpoint's files (shardtrain inspect "
+                                              "names a damaged one when it has checksums)")) from exc
     return state
 
 

@@ -1,0 +1,78 @@
+"""DCP's failures as one line that names the rank, the cause and the fix.
+
+``dcp.save`` and ``dcp.load`` gather every rank's exception into a ``CheckpointException``, whose text
+starts "CheckpointException ranks:dict_keys([0, 1])" and then holds a traceback per rank. It derives
+from ``BaseException``, so ``except Exception`` lets it through: the user got that first line and no
+cause. These helpers find the first failed rank's own exception and say it in one line.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+# What the callers catch around DCP: its own gathered failures, and anything raised before (or
+# outside) its collectives, such as a storage error while setting up.
+DCP_FAILURES = (CheckpointException, Exception)
+
+
+def first_failure(exc: BaseException) -> tuple[int | None, BaseException]:
+    """(rank, exception) of the lowest rank DCP reports failed, or (None, ``exc``) for an exception
+    that is not DCP's gathered kind. Each value of ``failures`` is an (exception, stack summary) pair;
+    nested ``CheckpointException``s are unwrapped too."""
+    rank: int | None = None
+    seen = 0
+    while isinstance(exc, CheckpointException) and seen < 8:  # bounded: never loops on a cycle
+        seen += 1
+        failures = exc.failures or {}
+        causes = {r: f[0] if isinstance(f, tuple) and f else f for r, f in failures.items()}
+        found = [r for r in sorted(causes) if isinstance(causes[r], BaseException)]
+        if not found:
+            break
+        rank, exc = found[0], causes[found[0]]
+    return rank, exc
+
+
+def describe(exc: BaseException) -> str:
+    """One line for an exception: an OSError's own text ("[Errno 28] No space left on device"),
+    else its type and the first line of its message (torch's weights-only refusal reduced to what
+    it refused, not its page of advice)."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return str(exc).splitlines()[0] if str(exc) else f"[Errno {exc.errno}] {exc.strerror}"
+    text = str(exc)
+    refused = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+    line = refused.group(1) if refused else next((s for s in text.splitlines() if s.strip()), "")
+    return f"{type(exc).__name__}: {line.strip()}" if line else type(exc).__name__
+
+
+def save_fix(exc: BaseException) -> str:
+    """What the user can do about a save that failed with ``exc`` (an underlying exception)."""
+    code = exc.errno if isinstance(exc, OSError) else None
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return "free space on run.dir's filesystem (or raise its quota)"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "make run.dir's checkpoints directory writable"
+    if code == errno.EFBIG:
+        return "raise the file size limit (ulimit -f) above a checkpoint file's size"
+    return "check run.dir's filesystem (free space, permissions, what is in its checkpoints directory)"
+
+
+def save_failed(step: int, tmp, exc: BaseException, intact: str | None, rank: int | None = None) -> str:
+    """The message of a save of ``step`` into ``tmp`` that failed with ``exc`` (DCP's, or this
+    ``rank``'s own); ``intact`` names the newest complete checkpoint, which the save did not touch."""
+    failed, cause = first_failure(exc)
+    rank = failed if failed is not None else rank
+    where = f" on rank {rank}" if rank is not None else ""
+    kept = f"{intact} is intact" if intact else "no earlier checkpoint of this run exists"
+    return f"saving step {step} to {tmp} failed{where}: {describe(cause)}; {save_fix(cause)} ({kept})"
+
+
+def load_failed(path, exc: BaseException, fix: str, rank: int | None = None) -> str:
+    """The message of a read of the checkpoint at ``path`` that failed with ``exc`` (DCP's, or this
+    ``rank``'s own)."""
+    failed, cause = first_failure(exc)
+    rank = failed if failed is not None else rank
+    where = f" on rank {rank}" if rank is not None else ""
+    return f"reading checkpoint {path} failed{where}: {describe(cause)}; {fix}"
