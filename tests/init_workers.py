@@ -21,6 +21,7 @@ from shardtrain.diagnostics.memory import rss_bytes
 from shardtrain.distributed import sharded_model
 from shardtrain.distributed.embedding_exchange import exchange_embedding_rows
 from shardtrain.distributed.env import build_mesh, init_distributed
+from shardtrain.distributed.running_stats import average_running_statistics
 from shardtrain.generation.generate import gathered_copy, generate
 from shardtrain.models import llama
 from shardtrain.models.registry import model_factory
@@ -360,7 +361,36 @@ def row_exchange(out: str) -> None:
     Path(out, f"exchange{rank}.ok").write_text("ok")
 
 
+def running_statistics_agree(out: str) -> None:
+    """BatchNorm's running statistics, which each rank's forward updates from its own batches, are
+    averaged over the data-parallel ranks (both dimensions of a hybrid mesh), in fp32 for bf16 ones;
+    num_batches_tracked and the parameters are left alone."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for shape, names in (((world,), ("dp_shard",)), ((2, world // 2), ("dp_replicate", "dp_shard"))):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        for dtype in (torch.float32, torch.bfloat16):
+            model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3), nn.InstanceNorm1d(
+                3, track_running_stats=True), nn.BatchNorm1d(3, track_running_stats=False))
+            fully_shard(model, mesh=mesh)
+            ranks = torch.arange(world, dtype=torch.float32)
+            for module in (model[1], model[3]):
+                size = module.num_features
+                module.running_mean = (torch.arange(size) + 10.0 * rank).to(dtype)
+                module.running_var = (torch.arange(size) / 8 + 1.0 + rank).to(dtype)
+                module.num_batches_tracked.fill_(rank)
+            average_running_statistics(model, mesh, names)
+            for module in (model[1], model[3]):
+                size = module.num_features
+                mean = (torch.arange(size) + 10.0 * ranks.mean()).to(dtype)
+                var = (torch.arange(size) / 8 + 1.0 + ranks.mean()).to(dtype)
+                assert module.running_mean.dtype == dtype and module.running_mean.equal(mean), (shape, dtype)
+                assert module.running_var.equal(var), (shape, dtype, module.running_var, var)
+                assert int(module.num_batches_tracked) == rank
+    Path(out, f"running_stats{rank}.ok").write_text("ok")
+
+
 def few_rows_and_row_exchange(out: str) -> None:
-    """Both 4-rank checks (in the group of ``initial_weights`` at 4 ranks)."""
+    """The 4-rank checks (in the group of ``initial_weights`` at 4 ranks)."""
     empty_shard(out)
     row_exchange(out)
+    running_statistics_agree(out)

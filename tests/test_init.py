@@ -132,6 +132,9 @@ def test_a_rank_with_an_empty_shard_and_embeddings_that_exchange_rows(initial_ru
     # tests/init_workers.py's row_exchange asserts on every rank; each leaves a mark once through
     marks = sorted(p.name for p in Path(initial_runs).glob("exchange*.ok"))
     assert marks == [f"exchange{r}.ok" for r in range(4)]
+    # ... and BatchNorm's running statistics agree (distributed/running_stats.py)
+    marks = sorted(p.name for p in Path(initial_runs).glob("running_stats*.ok"))
+    assert marks == [f"running_stats{r}.ok" for r in range(4)]
     got = torch.load(Path(initial_runs, "few_rows.pt"))
     plain = FewRows()
     for name, param in plain.named_parameters():

@@ -52,6 +52,7 @@ from shardtrain.distributed.env import (
 )
 from shardtrain.distributed.parallelize import refresh_float8_scales
 from shardtrain.distributed.qlora import full_value, nf4_summary, quantize_base
+from shardtrain.distributed.running_stats import average_running_statistics, running_statistics
 from shardtrain.distributed.sharded_model import deferred_initialization, with_adapters
 from shardtrain.errors import TrainingError
 from shardtrain.generation.generate import gathered_copy, generate, generation_mode, prompt_ids
@@ -264,6 +265,7 @@ class Trainer:
     def save_checkpoint(self, blocking: bool = False, phase: str = "checkpoint save") -> None:
         """Every save goes through here (periodic, final, preemption), under ``beat_save``."""
         self.beat_save(phase)
+        self.agree_running_statistics()  # the checkpoint keeps the ranks' mean, not one rank's
         blocked = self.checkpointer.save(
             self.step, tokens_seen=self.result.tokens_seen,
             consumed_samples=self.train_data.consumed_samples, global_batch=self.layout.global_batch,
@@ -306,6 +308,10 @@ class Trainer:
                   f"{optimizer_kind(b.optimizer)}")
         if self.cfg.finetune.method != "none":
             self.info(adapter_summary(b.model, self.cfg.finetune))
+        if (statistics := running_statistics(b.model)) and self.layout.dp_world_size > 1:
+            self.info(f"{len(statistics)} running statistics (BatchNorm-style buffers each rank updates "
+                      "from its own batches): averaged over the data-parallel ranks before each "
+                      "evaluation and save; nn.SyncBatchNorm normalises with the global batch's")
         ranks = "data-parallel rank" if b.plan.tensor_parallel > 1 else "rank"
         self.info(f"task {type(self.task).__name__}; data: {self.task.describe()}; global batch "
                   f"{self.layout.global_batch} samples ({t.micro_batch_size} per micro-batch x "
@@ -488,6 +494,11 @@ class Trainer:
                 f"{planned.activations / gib:.2f} GiB, gathered {planned.gathered / gib:.2f} GiB): "
                 f"{wrong} was wrong; lower trainer.memory_limit_gib or raise trainer.memory_margin")
 
+    def agree_running_statistics(self) -> None:
+        """BatchNorm-style running statistics averaged over the data-parallel ranks
+        (distributed/running_stats.py)."""
+        average_running_statistics(self.model, self.built.mesh, self.built.plan.data_parallel_dims)
+
     def preempted_anywhere(self) -> bool:
         """Whether any rank has been signalled to stop (one all-reduce; outside the steps, which
         carry the flag in their own)."""
@@ -543,6 +554,7 @@ class Trainer:
         preempting = stats.stop_agreed
         if (due(step, t.eval_every) or last) and self.val_batches and not preempting:
             self.watchdog.beat("evaluation", step)
+            self.agree_running_statistics()  # every rank evaluates the same model
             val, val_metrics = evaluate(self.model, self.task, self.val_batches, self.env.device,
                                          self.built.mesh)
             self.result.val_losses.append((step, val))
