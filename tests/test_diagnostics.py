@@ -46,7 +46,8 @@ def test_wrap_policy_rails_from_the_cli(tmp_path):
     assert nothing.returncode != 0
     assert "matched no module of Llama" in nothing.stderr
     assert "shardtrain.models.llama.TransformerBlock" in nothing.stderr  # the classes it could use
-    assert "failed first, at step 0: ModelError" in nothing.stderr  # the launcher names it
+    # the launcher names it
+    assert "failed first, before its first step finished: ModelError" in nothing.stderr
     missing = run_cli("train", *QUICK, "trainer.devices=2", "strategy.wrap_policy=[mypkg.Block]",
                       f"run.dir={tmp_path / 'b'}")
     assert missing.returncode == 2
@@ -79,7 +80,7 @@ def test_one_rank_raising_stops_every_rank_quickly(tmp_path):
     # rank 0, waiting in a collective, was stopped with rank 1, not by its own 20 s limit later
     assert not (run_dir / "hangs").exists() and "(dist.timeout_s)" not in proc.stderr
     assert ("shardtrain: error: rank 1 (host" in proc.stderr
-            and "failed first, at step 3: RuntimeError: injected fault: rank 1" in proc.stderr)
+            and "failed first, after step 3: RuntimeError: injected fault: rank 1" in proc.stderr)
 
 
 def finished_dump(path: Path) -> dict | None:

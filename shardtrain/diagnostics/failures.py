@@ -38,5 +38,9 @@ def first_failure(run_dir: Path, since: float) -> dict | None:
 
 
 def describe(record: dict) -> str:
-    return (f"rank {record['rank']} (host {record['host']}) failed first, at step {record['step']}: "
-            f"{record['type']}: {record['message']}")
+    # ``step`` counts the steps done when it failed: 0 is start-up or the first step ("at step 0"
+    # read as a step that does not exist).
+    step = record["step"]
+    when = "before its first step finished" if step == 0 else f"after step {step}"
+    return (f"rank {record['rank']} (host {record['host']}) failed first, {when}: {record['type']}: "
+            f"{record['message']}")

@@ -6,6 +6,8 @@ not, in a fresh and a resumed run)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -17,6 +19,20 @@ from shardtrain.tasks.task import Task
 log = logging.getLogger("shardtrain")
 
 
+@contextmanager
+def fake_tensor_errors_unlogged() -> Iterator[None]:
+    """torch's fake tensors log an operator that fails with its whole traceback before raising: a
+    task whose loss fails (a shape error) printed it above its own error, which the step then
+    raises again with the real tensors. The warning below says the probe failed in one line."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def counted_flops_per_sample(task: Task, micro_batch_size: int) -> float | None:
     """3x the forward FLOPs per sample of ``task.loss`` on its example batch (backward costs about
     twice the forward); None, with one warning, where the task's code cannot run on fake tensors."""
@@ -24,7 +40,7 @@ def counted_flops_per_sample(task: Task, micro_batch_size: int) -> float | None:
     try:
         with torch.device("meta"):
             model = task.build_model()
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), fake_tensor_errors_unlogged():
             model.to_empty(device="cpu")
             with FlopCounterMode(display=False) as counter:
                 task.loss(model, batch)
