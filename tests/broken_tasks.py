@@ -152,3 +152,26 @@ class OwnLossLanguageTask(LanguageModelTask):
 
     def loss(self, model, batch):
         return super().loss(model, batch)
+
+
+class KeywordInit(ImageClassification):
+    """An ``__init__`` of its own taking the options as keywords (the style ``MyTask(depth=4)``
+    invites): built from the config with one keyword per option."""
+
+    def __init__(self, depth: int = 2, **overrides) -> None:
+        super().__init__(depth=depth, **overrides)
+
+
+class BareInit(ImageClassification):
+    """An ``__init__`` that takes no options: it cannot be built from the config."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+
+class DroppedOptions(ImageClassification):
+    """Takes the options as keywords but does not pass them on: the task would train other options
+    than the config records."""
+
+    def __init__(self, depth: int = 2, **overrides) -> None:
+        super().__init__()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import types
 from collections import OrderedDict, UserDict, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from shardtrain.errors import ConfigError, DataError
 from shardtrain.export.consolidate import consolidate
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.samples import MapSamples, batch_size, to_device
+from shardtrain.tasks.task import Task, task_from_config
 from shardtrain.train.simulate import simulate
 
 # The example tasks and the broken ones (tests/broken_tasks.py), importable by every worker.
@@ -232,6 +234,9 @@ def test_a_task_from_the_command_line_with_its_options_preempted_and_resumed(tmp
 @pytest.mark.parametrize(("args", "message"), [
     (["task=no_such_module:Task"], "task='no_such_module:Task': module 'no_such_module' does not import"),
     (["task=vit:Nothing"], "module 'vit' has no 'Nothing'"),
+    (["task=vit:ImageClasification"], "module 'vit' has no 'ImageClasification'; did you mean "
+                                      "'ImageClassification'?"),
+    (["task=no_such_package.tasks:Task"], "module 'no_such_package.tasks' does not import"),
     (["task=vit:ImageClassification", "task.depht=3"],
      "unknown task option 'task.depht'; did you mean 'task.depth'?"),
     (["task=vit:ImageClassification", "task.depth=deep"], "invalid value for task.depth"),
@@ -252,6 +257,38 @@ def test_bad_task_settings_are_one_line_before_anything_starts(monkeypatch, args
     with pytest.raises(ConfigError) as caught:
         load_config(args)
     assert message in str(caught.value)
+
+
+def test_a_task_module_whose_own_import_is_missing_names_that_package(monkeypatch, tmp_path):
+    """The task's module is there; a package it imports is not: the message says which to install
+    (not that the task's module is missing)."""
+    (tmp_path / "needs_missing_package.py").write_text("import shardtrain_no_such_package\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^task='needs_missing_package:Task': module "
+                                          r"'needs_missing_package' imports 'shardtrain_no_such_package', "
+                                          r"which is not installed; install it$"):
+        load_config(["task=needs_missing_package:Task"])
+
+
+def test_a_task_with_an_init_of_its_own_is_built_from_the_config_or_refused(monkeypatch):
+    """The command line, a resume and ``plan`` build the task from task.path and task.options: an
+    ``__init__(self, depth=2, **kw)`` gets the options as keywords (handed the Options object, its
+    depth was that object), one named ``options`` (dit's) the object; one that takes neither, or
+    drops them, is refused with one line naming the class and the rule."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    options = importlib.import_module("vit").ImageClassification.Options
+    task = task_from_config(load_config(["task=broken_tasks:KeywordInit", "task.depth=3"]))
+    assert type(task).__name__ == "KeywordInit" and task.options == options(depth=3)
+    dit = task_from_config(load_config(["task=dit:LatentDiffusion", "task.depth=3"]))
+    assert dit.options.depth == 3 and dit.alpha_bar.shape
+    with pytest.raises(ConfigError, match=r"^BareInit.__init__\(\) must accept the task's Options as its "
+                                          r"one argument, or each option as a keyword.*\(or leave "
+                                          r"__init__ to Task\)"):
+        task_from_config(load_config(["task=broken_tasks:BareInit"]))
+    with pytest.raises(ConfigError, match=r"^DroppedOptions.__init__\(depth=2, \*\*overrides\) must "
+                                          r"accept .*; built from the config, the task holds depth=2 "
+                                          r"where the config says depth=3$"):
+        task_from_config(load_config(["task=broken_tasks:DroppedOptions", "task.depth=3"]))
 
 
 def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
@@ -329,6 +366,80 @@ def test_map_samples_pad_validation_draw_by_position_and_name_ragged_items():
     ragged = MapSamples([torch.zeros(2), torch.zeros(3)], default_collate, "the ragged data")
     with pytest.raises(DataError, match="the ragged data: items of different shapes in one batch"):
         ragged.batch(np.array([0, 1]))
+
+
+def test_a_draw_returning_none_or_another_type_is_one_line():
+    """A draw that forgot its ``return`` is refused when the samples are made (item 0 is drawn
+    then), naming the task; one returning another type for some items too, instead of
+    default_collate's traceback."""
+
+    class ForgotReturn(Task):
+        def train_dataset(self):
+            return [torch.zeros(2)] * 4
+
+        def draw(self, item, generator):
+            item + torch.rand(2, generator=generator)  # the augmented item, never returned
+
+    with pytest.raises(DataError, match=r"^ForgotReturn.draw returned None for item 0; return the "
+                                        r"\(augmented\) item$"):
+        ForgotReturn().train_samples()
+
+    def sometimes_a_tuple(item, generator):
+        return (item["x"],) if item["x"].item() == 2 else item
+
+    samples = MapSamples([{"x": torch.tensor(float(i))} for i in range(4)], default_collate, "data",
+                         draw=sometimes_a_tuple)
+    assert samples.batch(np.array([0, 1]))["x"].tolist() == [0.0, 1.0]
+    with pytest.raises(DataError, match=r"sometimes_a_tuple returned a tuple for item 2 and a dict "
+                                        r"for item 0; return the same type for every item$"):
+        samples.batch(np.array([1, 2]))
+
+
+def test_a_draw_declaring_split_is_told_train_or_val():
+    """``draw(item, generator, split)``: an augmentation for training only leaves the validation
+    items as they are; a draw without ``split`` runs on both, as before."""
+
+    class TrainOnly(Task):
+        def train_dataset(self):
+            return [torch.zeros(2)] * 4
+
+        val_dataset = train_dataset
+
+        def draw(self, item, generator, split):
+            return item + 1 if split == "train" else item
+
+    class Both(TrainOnly):
+        def draw(self, item, generator):
+            return item + 1
+
+    ids = np.arange(4)
+    assert TrainOnly().train_samples().batch(ids).eq(1).all()
+    assert TrainOnly().val_samples().batch(ids).eq(0).all()
+    assert Both().val_samples().batch(ids).eq(1).all()
+
+
+class Graph:
+    """A batch with a ``.to`` of its own, as PyG's ``Data``."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def to(self, device):
+        return Graph(self.x.to(device))
+
+
+def test_an_object_with_its_own_to_is_moved_by_it_and_other_tensor_holders_are_refused():
+    """docs/tasks.md promises every tensor on the device: an object with ``.to`` is moved by it; one
+    holding tensors otherwise (a SimpleNamespace) is refused, not left on the CPU; numbers and
+    strings pass as they are."""
+    moved = to_device({"graph": Graph(torch.zeros(3)), "n": 3, "name": "a",
+                       "meta": types.SimpleNamespace(note="kept")}, torch.device("meta"))
+    assert moved["graph"].x.is_meta and (moved["n"], moved["name"], moved["meta"].note) == (3, "a", "kept")
+    for batch in (types.SimpleNamespace(x=torch.zeros(2)), [types.SimpleNamespace(xs=[torch.zeros(2)])]):
+        with pytest.raises(DataError, match=r"^a batch holds a SimpleNamespace with tensors in its "
+                                            r"attributes, .*return a dict, a tuple, a dataclass, or an "
+                                            r"object with a .to\(device\) method$"):
+            to_device(batch, torch.device("meta"))
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import importlib
 
 from torch import nn
 
+from shardtrain.config.suggest import closest
 from shardtrain.errors import ConfigError, ModelError
 
 
@@ -34,8 +35,22 @@ def import_object(path: str, what: str) -> object:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
+        missing = missing_dependency(exc, module_name)
+        if missing:
+            raise ConfigError(f"{what}={path!r}: module {module_name!r} imports {missing!r}, which is "
+                              "not installed; install it") from exc
         raise ConfigError(f"{what}={path!r}: module {module_name!r} does not import ({exc}); is it "
                           "installed, or on PYTHONPATH?") from exc
     if not hasattr(module, attr):
-        raise ConfigError(f"{what}={path!r}: module {module_name!r} has no {attr!r}")
+        names = [name for name in dir(module) if not name.startswith("_")]
+        raise ConfigError(f"{what}={path!r}: module {module_name!r} has no {attr!r}{closest(attr, names)}")
     return getattr(module, attr)
+
+
+def missing_dependency(exc: ImportError, module_name: str) -> str | None:
+    """The package that ``module_name``'s own code imports and that is missing, or None when the
+    module itself (or a package above it) is what is missing: the two need different fixes."""
+    missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+    if not missing or missing == module_name or module_name.startswith(f"{missing}."):
+        return None
+    return missing

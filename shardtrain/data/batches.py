@@ -13,7 +13,7 @@ import copy
 import dataclasses
 import time
 from collections import UserDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -281,42 +281,76 @@ class BatchLayout:
         ]
 
 
-def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor],
+                movable: Callable[[Any], Any] | None = None) -> Any:
     """``batch`` (a tensor, or dataclasses, mappings, NamedTuples, lists and tuples of them) with every
-    tensor replaced by ``fn(tensor)``; other leaves and the containers' types as they are."""
+    tensor replaced by ``fn(tensor)``; other leaves and the containers' types as they are. An object
+    with a ``.to`` method of its own (a PyG ``Data``) becomes ``movable(it)`` (None: left as it is);
+    any other object holding tensors in its attributes is refused (``other_object``)."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     # Before Mapping: a dataclass may be a mapping too (transformers' ModelOutput), and its fields
     # hold what its items do and more.
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return map_fields(batch, fn)
+        return map_fields(batch, fn, movable)
     if isinstance(batch, Mapping):
-        return map_mapping(batch, fn)
+        return map_mapping(batch, fn, movable)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a NamedTuple keeps its type
-        return type(batch)(*(map_tensors(value, fn) for value in batch))
+        return type(batch)(*(map_tensors(value, fn, movable) for value in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(map_tensors(value, fn) for value in batch)
+        return type(batch)(map_tensors(value, fn, movable) for value in batch)
+    return other_object(batch, movable)
+
+
+def other_object(batch: Any, movable: Callable[[Any], Any] | None) -> Any:
+    """A leaf that is none of the containers ``map_tensors`` rebuilds: moved by its own ``.to`` when
+    it has one, kept when it holds no tensor (a number, a string); one line otherwise, as its tensors
+    would silently stay where they are."""
+    if callable(getattr(batch, "to", None)):
+        return batch if movable is None else movable(batch)
+    if holds_tensors(batch):
+        raise DataError(f"a batch holds a {type(batch).__qualname__} with tensors in its attributes, "
+                        "which the framework cannot move to the device; have the task's collate return "
+                        "a dict, a tuple, a dataclass, or an object with a .to(device) method")
     return batch
 
 
-def map_fields(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def holds_tensors(obj: Any) -> bool:
+    """A tensor among ``obj``'s attributes (``__dict__`` or ``__slots__``) or the items of a list,
+    tuple or mapping among them; no deeper, so an object graph (cycles included) is never walked."""
+    values = list(getattr(obj, "__dict__", {}).values())
+    slots = getattr(type(obj), "__slots__", ())
+    values += [getattr(obj, name) for name in ([slots] if isinstance(slots, str) else slots)
+               if hasattr(obj, name)]
+    return any(isinstance(inner, torch.Tensor) for value in values for inner in one_level(value))
+
+
+def one_level(value: Any) -> Iterable[Any]:
+    if isinstance(value, Mapping):
+        return value.values()
+    return value if isinstance(value, (list, tuple)) else (value,)
+
+
+def map_fields(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor],
+               movable: Callable[[Any], Any] | None = None) -> Any:
     """A dataclass rebuilt through its own ``__init__`` (``dataclasses.replace``, frozen ones too);
     fields it does not take (``init=False``) are mapped after, as ``__post_init__`` left them."""
     fields = dataclasses.fields(batch)
-    mapped = dataclasses.replace(batch, **{field.name: map_tensors(getattr(batch, field.name), fn)
+    mapped = dataclasses.replace(batch, **{field.name: map_tensors(getattr(batch, field.name), fn, movable)
                                            for field in fields if field.init})
     for field in fields:
         if not field.init and hasattr(mapped, field.name):
-            object.__setattr__(mapped, field.name, map_tensors(getattr(mapped, field.name), fn))
+            object.__setattr__(mapped, field.name, map_tensors(getattr(mapped, field.name), fn, movable))
     return mapped
 
 
-def map_mapping(batch: Mapping, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def map_mapping(batch: Mapping, fn: Callable[[torch.Tensor], torch.Tensor],
+                movable: Callable[[Any], Any] | None = None) -> Any:
     """A mapping of the same type: a plain dict as such; a dict or ``UserDict`` subclass (transformers'
     ``BatchEncoding``) as a shallow copy with its values replaced, which keeps its attributes and
     attribute access; any other mapping through ``type(batch)(dict)``, or one line saying what to
     return instead."""
-    values = {key: map_tensors(value, fn) for key, value in batch.items()}
+    values = {key: map_tensors(value, fn, movable) for key, value in batch.items()}
     if type(batch) is dict:
         return values
     try:

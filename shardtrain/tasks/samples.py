@@ -10,6 +10,7 @@ task's ``collate`` pads them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -51,8 +52,12 @@ def structure(item: Any) -> Any:
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Every tensor of a (nested) batch moved to ``device``, a dataclass's fields and a mapping
-    subclass's items included (``map_tensors``); other leaves and the containers' types as they are."""
-    return map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=non_blocking))
+    subclass's items included (``map_tensors``), an object with a ``.to`` of its own (a PyG ``Data``)
+    by it; other leaves and the containers' types as they are. Such an object is moved blocking: it
+    is never pinned, and from pageable memory a non-blocking copy gains nothing (and not every
+    ``.to`` takes the keyword)."""
+    return map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=non_blocking),
+                       lambda obj: obj.to(device))
 
 
 def tensors_of(batch: Any) -> list[torch.Tensor]:
@@ -76,6 +81,16 @@ def batch_size(batch: Any) -> int:
 def draw_seed(seed: int, salt: int, key: int) -> int:
     return (seed * 1_000_003 + salt * 7_919 + zlib.crc32(key.to_bytes(8, "little", signed=True))
             * 2_654_435_761) % (2**63)
+
+
+def draw_name(draw: Draw) -> str:
+    """``<Task>.draw`` for a task's bound method (possibly in ``Task.draw_hook``'s partial), else the
+    function's own name."""
+    func = draw.func if isinstance(draw, functools.partial) else draw
+    owner = getattr(func, "__self__", None)
+    if owner is not None:
+        return f"{type(owner).__name__}.{func.__name__}"
+    return getattr(func, "__qualname__", "draw")
 
 
 class MapSamples:
@@ -107,6 +122,11 @@ class MapSamples:
         self.seed = seed
         self.salt = salt
         self.expected = structure(dataset[0])
+        # The type item 0's draw returns: every draw must return it (default_collate cannot mix
+        # types); drawn once here, so a draw returning None stops the run before the model is built.
+        self.drawn_type: type | None = None
+        if draw is not None:
+            self.drawn_type = type(self.item(0, None))
 
     def order(self, seed: int) -> GlobalOrder:
         return GlobalOrder(self.num_samples, seed)
@@ -120,8 +140,18 @@ class MapSamples:
         if self.draw is not None:
             generator = torch.Generator().manual_seed(
                 draw_seed(self.seed, self.salt, index if key is None else key))
-            item = self.draw(item, generator)
+            drawn = self.draw(item, generator)
+            if drawn is None or (self.drawn_type is not None and type(drawn) is not self.drawn_type):
+                raise DataError(self.bad_draw(drawn, index))
+            item = drawn
         return item
+
+    def bad_draw(self, drawn: Any, index: int) -> str:
+        name = draw_name(self.draw)
+        if drawn is None:
+            return f"{name} returned None for item {index}; return the (augmented) item"
+        return (f"{name} returned a {type(drawn).__name__} for item {index} and a "
+                f"{self.drawn_type.__name__} for item 0; return the same type for every item")
 
     def batch(self, ids: np.ndarray, keys: np.ndarray | None = None) -> Any:
         real = [(int(i), None if keys is None else int(k))

@@ -13,6 +13,8 @@ docs/tasks.md for the whole contract and what the framework guarantees.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -122,13 +124,13 @@ class Task:
         """The training data as the framework reads it; a task with its own batching (the language
         model's token windows) overrides this instead of ``train_dataset``."""
         return MapSamples(self.train_dataset(), self.collate, "the training dataset",
-                          draw=self.draw_hook(), seed=self.seed)
+                          draw=self.draw_hook("train"), seed=self.seed)
 
     def val_samples(self) -> SampleSource | None:
         dataset = self.val_dataset()
         if dataset is None:
             return None
-        return MapSamples(dataset, self.collate, "the validation dataset", draw=self.draw_hook(),
+        return MapSamples(dataset, self.collate, "the validation dataset", draw=self.draw_hook("val"),
                           seed=self.seed, salt=1)
 
     def example_batch(self, micro_batch_size: int) -> Any:
@@ -137,12 +139,17 @@ class Task:
         samples = self.train_samples()
         return samples.batch(np.arange(micro_batch_size) % samples.num_samples)
 
-    def draw_hook(self):
+    def draw_hook(self, split: str = "train"):
         """``draw(item, generator) -> item`` when the task defines it: per-sample randomness (noise,
         masking, augmentation) from a generator seeded by the run's seed and the sample's position in
         the global order, so a sample gets the same draw at any world size and micro-batch split, and
-        a resumed run draws what the uninterrupted run drew."""
-        return getattr(self, "draw", None)
+        a resumed run draws what the uninterrupted run drew. A draw that declares a ``split``
+        parameter gets ``split="train"`` or ``"val"`` (to leave the validation set unaugmented, say);
+        its signature is read here, once per dataset, not per item."""
+        draw = getattr(self, "draw", None)
+        if draw is None or "split" not in inspect.signature(draw).parameters:
+            return draw
+        return functools.partial(draw, split=split)
 
     # ---- the loss -----------------------------------------------------------------------------
 
@@ -200,4 +207,43 @@ def task_from_config(cfg: Config) -> Task:
     if cls.Options is None:
         return check_task(cls())
     options = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls.Options), cfg.task.options))
-    return check_task(cls(options))
+    return check_task(construct(cls, options))
+
+
+CONSTRUCTION_RULE = ("must accept the task's Options as its one argument, or each option as a keyword, "
+                     "and pass them on to Task.__init__ unchanged (or leave __init__ to Task): a run's "
+                     "task is rebuilt from task.path and task.options alone (resume, plan, every worker)")
+
+
+def construct(cls: type[Task], options: Any) -> Task:
+    """``cls`` holding ``options``, built the way its ``__init__`` takes them: as its one argument
+    (Task's own, or one whose first parameter is ``options`` or ``*args``), else as keywords, one
+    per option (``__init__(self, depth=2, **kw)`` forwarding them to Task's ``**overrides``, the
+    style ``MyTask(depth=4)`` invites). Handing the Options object to such an ``__init__`` would
+    bind it to its first option; a ConfigError naming the rule instead of a TypeError deep inside
+    the user's model."""
+    signature = inspect.signature(cls)
+    params = list(signature.parameters.values())
+    shown = f"{cls.__name__}.__init__({', '.join(str(p.replace(annotation=p.empty)) for p in params)})"
+    if params and (params[0].name == "options" or params[0].kind is inspect.Parameter.VAR_POSITIONAL):
+        args, keywords = (options,), {}
+    else:
+        args, keywords = (), {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.init}
+    try:
+        signature.bind(*args, **keywords)
+    except TypeError as exc:  # checked before the call: a TypeError from inside it is the user's
+        raise ConfigError(f"{shown} {CONSTRUCTION_RULE} ({exc})") from exc
+    task = cls(*args, **keywords)
+    differ = options_differ(getattr(task, "options", None), options)
+    if differ:
+        raise ConfigError(f"{shown} {CONSTRUCTION_RULE}; built from the config, the task holds {differ}")
+    return task
+
+
+def options_differ(held: Any, given: Any) -> str:
+    """Where the options a task holds differ from those it was built with ("" where they agree)."""
+    if not dataclasses.is_dataclass(held):
+        return f"options {held!r}, not {type(given).__qualname__}"
+    have, want = dataclasses.asdict(held), dataclasses.asdict(given)
+    return ", ".join(f"{name}={have.get(name)!r} where the config says {name}={value!r}"
+                     for name, value in want.items() if have.get(name) != value)
