@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -105,6 +106,16 @@ def test_eval_batches_pad_with_ignored_rows():
     assert count(one) == 13 * 10 == sum(count(b) for b in three)
     # the third rank's second batch is only padding: it runs its forward and weighs nothing
     assert [w for _, w in three[2]] == [1.0, 0.0]
+    # Collated when read (a large validation set is not held collated for the whole run), but the
+    # first at once, so that a data error shows at start-up; reading twice gives the same batches.
+    calls = []
+    counted = SimpleNamespace(num_samples=windows.num_samples,
+                              batch=lambda ids: calls.append(len(ids)) or windows.batch(ids))
+    lazy = eval_batches(counted, 13, micro_batch_size=4, dp_world_size=1, rank=0)
+    assert len(lazy) == 4 and calls == [4]
+    again = [(b.inputs.clone(), w) for b, w in lazy]
+    assert len(calls) == 5
+    assert all(x.equal(b.inputs) and w == v for (x, w), (b, v) in zip(again, one, strict=True))
 
 
 def test_global_order_is_a_permutation_per_epoch_without_storing_one():

@@ -13,7 +13,7 @@ import copy
 import dataclasses
 import time
 from collections import UserDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -433,8 +433,27 @@ class TrainBatches:
             self._executor, self._ahead = None, None
 
 
+class EvalBatches(Sequence):
+    """This rank's validation micro-batches as (batch, weight), each collated when it is read: a
+    large validation set (a task's images) is not held collated in memory for the whole run. The
+    first is collated at once, so that a data error is reported at start-up, not at the first
+    evaluation."""
+
+    def __init__(self, windows: SampleSource, parts: list[np.ndarray]) -> None:
+        self.windows, self.parts = windows, parts
+        if parts:
+            windows.batch(parts[0])
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __getitem__(self, index: int) -> tuple[Any, float]:
+        part = self.parts[index]
+        return self.windows.batch(part), float((part >= 0).any())
+
+
 def eval_batches(windows: SampleSource, num_samples: int, micro_batch_size: int,
-                 dp_world_size: int, rank: int) -> list[tuple[Any, float]]:
+                 dp_world_size: int, rank: int) -> EvalBatches:
     """The first ``num_samples`` validation samples as (micro-batch, weight), padded so that every
     rank runs as many forwards (a rank with fewer would leave the others waiting in FSDP's
     all-gathers: torchtitan#1617).
@@ -447,5 +466,5 @@ def eval_batches(windows: SampleSource, num_samples: int, micro_batch_size: int,
     rounds = -(-n // per_round)
     ids = np.full(rounds * per_round, -1, dtype=np.int64)
     ids[:n] = np.arange(n)
-    mine = [ids[r * per_round + rank * micro_batch_size:][:micro_batch_size] for r in range(rounds)]
-    return [(windows.batch(part), float((part >= 0).any())) for part in mine]
+    return EvalBatches(windows, [ids[r * per_round + rank * micro_batch_size:][:micro_batch_size]
+                                 for r in range(rounds)])

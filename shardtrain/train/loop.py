@@ -105,6 +105,7 @@ class Trainer:
                                        pin_memory=pin_offloaded_memory(env.device.type))
         self.val_batches = ([] if val is None else
                             eval_batches(val, t.eval_samples, t.micro_batch_size, dp_world, dp_rank))
+        self.val_available = 0 if val is None else val.num_samples
         self.step = 0
         self.result = TrainResult()
         self.writer = MetricsWriter(Path(cfg.run.dir), env.is_main)
@@ -319,6 +320,11 @@ class Trainer:
                   f"{counted(self.layout.dp_world_size, ranks)})")
         if self.batch_choice is not None:
             self.info(self.batch_choice.describe(self.layout.dp_world_size, t.memory_margin))
+        if self.val_batches:
+            used = min(t.eval_samples, self.val_available)
+            when = f"every {t.eval_every} steps and at the end" if t.eval_every else "at the end"
+            self.info(f"validation: the first {used} of {self.val_available} samples "
+                      f"(trainer.eval_samples), {when}")
         self.info(f"config: every key, resolved, in {Path(self.cfg.run.dir) / 'config.yaml'}")
         if self.throughput.peak_flops is None:
             self.info(f"MFU is not reported: no peak FLOP/s is known for this device ({env.device.type})")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -382,7 +382,7 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, task: Task, batches: list[tuple[Any, float]],
+def evaluate(model: nn.Module, task: Task, batches: Sequence[tuple[Any, float]],
              device: torch.device, mesh: DeviceMesh | None = None) -> tuple[float, dict[str, float]]:
     """The loss over the validation set, normalised by its global count, and the task's metrics
     (identical on every rank). A batch of weight 0 (padding) runs its forward and counts nothing.
