@@ -83,7 +83,8 @@ def run_task_cases(cases: dict[str, dict], out: str) -> None:
         if trainer.env.is_main:
             torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "weights": weights,
                         "val": result.val_losses[-1][1] if result.val_losses else None, "ids": ids,
-                        "resumed_from": result.resumed_from,
+                        "resumed_from": result.resumed_from, "metrics": result.metrics,
+                        "val_metrics": result.val_metrics,
                         "input_dtypes": sorted(dtypes)},
                        Path(out, f"{name}.pt"))
     # A task object given a setting only the built-in language-model task acts on: refused when the

@@ -127,6 +127,10 @@ def test_tasks_equal_the_reference_at_four_processes(four_ranks, references):
     # leaves it (and its weight decay) alone, as in the reference: still its initial value, exactly.
     assert torch.equal(results["vit_full"]["weights"]["head_dist.weight"],
                        references["vit"]["weights"]["head_dist.weight"])
+    # The library's result carries the task's metrics: each step's, and each evaluation's with its step.
+    vit = results["vit_full"]
+    assert len(vit["metrics"]) == len(vit["losses"]) and all(0 <= m["accuracy"] <= 1 for m in vit["metrics"])
+    assert vit["val_metrics"] and all(0 <= m["accuracy"] <= 1 for _, m in vit["val_metrics"])
 
 
 def test_tasks_equal_the_reference_at_two_processes(two_ranks, references):

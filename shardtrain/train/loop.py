@@ -74,6 +74,9 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     val_losses: list[tuple[int, float]] = field(default_factory=list)
+    # The task's metrics (LossOutput.metrics): each step's, and each evaluation's with its step.
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    val_metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     skipped_steps: int = 0
     # The task's count summed over the steps run (target tokens for a language model); checkpoints
     # carry it under this name.
@@ -523,6 +526,7 @@ class Trainer:
         """Results, throughput, and the skip policy for non-finite steps."""
         self.throughput.add(self.layout.global_batch, stats.count, stats.flops, self.train_data.wait_s)
         self.result.losses.append(stats.loss)
+        self.result.metrics.append(dict(stats.metrics))
         self.result.grad_norms.append(stats.grad_norm)
         self.result.tokens_seen += round(stats.count)
         if not stats.skipped:  # a skipped step's loss is non-finite: it has its own `skip` record
@@ -564,6 +568,7 @@ class Trainer:
             val, val_metrics = evaluate(self.model, self.task, self.val_batches, self.env.device,
                                          self.built.mesh)
             self.result.val_losses.append((step, val))
+            self.result.val_metrics.append((step, dict(val_metrics)))
             record["val_loss"] = val
             record.update({f"val_{name}": value for name, value in val_metrics.items()})
         if due(step, t.sample_every) and step < t.max_steps and self.samples_text() and not preempting:
