@@ -192,6 +192,7 @@ def test_dry_run_reports_and_exits(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The embedding exchanges rows (strategy.embedding_lookup): not a unit, listed below them.
     for expected in ("diagnostics: resolved settings", "4 FSDP units + root, 3 activation-checkpointed",
+                     "wrap policy ['auto'] -> TransformerBlock;",
                      "params (not a unit: rows exchanged all-to-all, the table never gathered)",
                      "parameters in forward: bfloat16", "sharded gradients after reduce-scatter: float32",
                      "shard unevenness", "dry run complete",

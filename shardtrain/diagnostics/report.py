@@ -34,7 +34,8 @@ def settings_lines(cfg: Config, plan: ShardingPlan, report: ShardingReport, env:
         f"  gradient accumulation {plan.grad_accumulation} "
         f"({counted(cfg.trainer.grad_accum_steps, 'micro-batch')} per step)",
         f"  activation checkpointing {plan.activation_checkpointing}; wrap policy "
-        f"{list(cfg.strategy.wrap_policy)}; seed {cfg.trainer.seed}",
+        f"{list(cfg.strategy.wrap_policy)} -> {', '.join(report.wrap_classes) or 'none'}; "
+        f"seed {cfg.trainer.seed}",
         f"  timeouts: {cfg.dist.startup_timeout_s}s for start-up and the first step, then "
         f"{cfg.dist.timeout_s}s; TORCH_DISTRIBUTED_DEBUG={cfg.dist.debug}",
         f"diagnostics: {len(report.units) - 1} FSDP units + root, "

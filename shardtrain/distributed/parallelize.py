@@ -216,6 +216,8 @@ def largest_first(modules: Sequence[nn.Module]) -> list[nn.Module]:
 @dataclass
 class ShardingReport:
     units: list[str] = field(default_factory=list)
+    # The classes the wrap policy resolved to (``auto``: the model's block_classes; a task's own).
+    wrap_classes: list[str] = field(default_factory=list)
     checkpointed: list[str] = field(default_factory=list)
     # Parameters (global element count) per unit, the root's own last.
     unit_params: dict[str, int] = field(default_factory=dict)
@@ -258,7 +260,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
                False if index == len(groups) - 1 else plan.reshard_after_forward)
               for index, group in enumerate(groups)]
 
-    report = ShardingReport()
+    report = ShardingReport(wrap_classes=[cls.__qualname__ for cls in wrap])
     seen: set[int] = set()
     for name, modules, _ in units:
         params = {id(p): p for m in modules for p in m.parameters() if id(p) not in seen}
