@@ -40,28 +40,28 @@ def launch(args, env=None) -> subprocess.Popen:
 def preempt(args, run_dir, step: int, env=None) -> tuple[int, str]:
     """Start ``shardtrain args``, SIGTERM its whole process group (as Slurm does) once training has
     logged ``step``; its exit status and output."""
-    proc = launch(args, env)
-    try:
-        wait_for_step(run_dir, step, proc)
-        os.killpg(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    return proc.returncode, out
+    return terminate_when(args, lambda proc: wait_for_step(run_dir, step, proc), env)
 
 
 def preempt_at_start(args, env=None) -> tuple[int, str]:
     """Start ``shardtrain args`` and SIGTERM its process group as soon as its training processes
     exist (start-up: they are importing, building, loading), as a scheduler may; status and output."""
-    proc = launch(args, env)
-    try:
+    def workers_exist(proc: subprocess.Popen) -> None:
         deadline = time.monotonic() + 120
         while not any(grandchildren(proc.pid)):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
             time.sleep(0.05)
+
+    return terminate_when(args, workers_exist, env, timeout=300)
+
+
+def terminate_when(args, ready, env=None, timeout: float = 120) -> tuple[int, str]:
+    """Start ``shardtrain args``, wait for ``ready(proc)``, SIGTERM its process group; status, output."""
+    proc = launch(args, env)
+    try:
+        ready(proc)
         os.killpg(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=300)
+        out, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
