@@ -122,7 +122,7 @@ def check_one_rank_walks(inputs: str, out: str) -> None:
 def consume(dataset: str, run_dir: str, max_steps: int, accum: int, out: str) -> None:
     """Train (resuming from ``run_dir`` if it has a checkpoint) to ``max_steps`` and record, per
     step, the sample ids this rank's micro-batches hold. At 4 processes, first check that one rank
-    prepares a cached corpus for all (``check_one_rank_walks``, on the dataset's own files)."""
+    prepares a cached corpus for all (``check_one_rank_walks``, on the dataset's own shard files)."""
     from shardtrain.train.loop import Trainer
 
     world = int(os.environ["WORLD_SIZE"])
@@ -138,7 +138,9 @@ def consume(dataset: str, run_dir: str, max_steps: int, accum: int, out: str) ->
     cfg.diagnostics = dataclasses.replace(cfg.diagnostics, enabled=False)
     trainer = Trainer.create(cfg)
     if world == 4:
-        check_one_rank_walks(dataset, out)
+        # Its train split's shard files as inputs (the dataset itself is refused as an input to
+        # prepare: it is token ids already).
+        check_one_rank_walks(str(Path(dataset) / "train"), out)
     data, seen = trainer.train_data, []
     take = data.next_step
 
