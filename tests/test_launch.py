@@ -93,7 +93,8 @@ def test_worker_failure_is_one_line_naming_the_rank(tmp_path):
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if not line.startswith("[shardtrain")]
     assert len(errors) == 1, proc.stderr[-3000:]
-    assert errors[0].startswith("shardtrain: error: rank 1 (host ") and "at step 4: RuntimeError" in errors[0]
+    assert errors[0].startswith("shardtrain: error: rank 1 (host ")
+    assert "failed first, after step 4: RuntimeError" in errors[0]
     logs = list((run_dir / "logs").glob("launch-*.log"))
     assert len(logs) == 1 and logs[0].name in errors[0]
     kept = logs[0].read_text()
