@@ -53,6 +53,7 @@ from shardtrain.checkpoint.weights import base_identity, check_model_compatible,
 from shardtrain.config.compose import config_hash
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
+from shardtrain.distributed.agreement import agree, gather_verdicts, raise_first_error
 from shardtrain.distributed.env import lazily_connected_gloo_group
 from shardtrain.errors import CheckpointError
 from shardtrain.models.lora import is_adapter
@@ -273,19 +274,18 @@ class Checkpointer:
                 layout.refuse_newer_checkpoints(self.root, path)
             files = integrity.read_manifest(path) if self.ckpt.verify_checksums else None
             share = [] if files is None else integrity.verification_share(files, self.rank, self.world_size)
-            verdict = (str(path), None, {} if files is None else integrity.damaged_files(path, files, share))
+            error, damaged = None, {} if files is None else integrity.damaged_files(path, files, share)
         except (CheckpointError, OSError) as exc:
-            verdict = (str(path), str(exc), {})
-        verdicts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(verdicts, verdict, group=self.group)
-        if differing := [rank for rank, (seen, _, _) in enumerate(verdicts) if seen != verdicts[0][0]]:
+            error, damaged = str(exc), {}
+        verdicts = gather_verdicts(error, (str(path), damaged), self.group)
+        seen = [checked for _, (checked, _) in verdicts]
+        if differing := [rank for rank, checked in enumerate(seen) if checked != seen[0]]:
             raise CheckpointError(
-                f"ranks chose different checkpoints to resume ({verdicts[0][0]} on rank 0, "
-                f"{verdicts[differing[0]][0]} on rank {differing[0]}); every rank must see the same "
+                f"ranks chose different checkpoints to resume ({seen[0]} on rank 0, "
+                f"{seen[differing[0]]} on rank {differing[0]}); every rank must see the same "
                 "run.dir: put it on a filesystem every node mounts")
-        if errors := [error for _, error, _ in verdicts if error is not None]:
-            raise CheckpointError(errors[0])
-        if damaged := {name: why for _, _, part in verdicts for name, why in part.items()}:
+        raise_first_error(verdicts, CheckpointError)
+        if damaged := {name: why for _, (_, part) in verdicts for name, why in part.items()}:
             raise integrity.damage_error(path, damaged)
         if self.ckpt.verify_checksums and files is None and self.rank == 0:
             integrity.warn_unrecorded(path)
@@ -542,11 +542,8 @@ class Checkpointer:
             rng = read_rng_state(rng_file) if rng_file.is_file() else None
         except CheckpointError as exc:
             error = str(exc)
-        verdicts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(verdicts, (rng is not None, error), group=self.group)
-        if errors := [error for _, error in verdicts if error is not None]:
-            raise CheckpointError(errors[0])
-        return rng, [rank for rank, (found, _) in enumerate(verdicts) if not found]
+        found = agree(error, rng is not None, self.group, error_type=CheckpointError)
+        return rng, [rank for rank, has_rng in enumerate(found) if not has_rng]
 
     def info(self, message: str) -> None:
         if self.rank == 0:

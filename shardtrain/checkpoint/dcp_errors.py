@@ -59,12 +59,18 @@ def save_fix(exc: BaseException) -> str:
     return "check run.dir's filesystem (free space, permissions, what is in its checkpoints directory)"
 
 
+def failed_where(exc: BaseException, rank: int | None) -> tuple[str, BaseException]:
+    """(" on rank N", cause): the rank DCP names as the first failed one, else ``rank`` (this
+    rank's own failure; "" where none is known), and that rank's own exception."""
+    failed, cause = first_failure(exc)
+    rank = failed if failed is not None else rank
+    return (f" on rank {rank}" if rank is not None else ""), cause
+
+
 def save_failed(step: int, tmp, exc: BaseException, intact: str | None, rank: int | None = None) -> str:
     """The message of a save of ``step`` into ``tmp`` that failed with ``exc`` (DCP's, or this
     ``rank``'s own); ``intact`` names the newest complete checkpoint, which the save did not touch."""
-    failed, cause = first_failure(exc)
-    rank = failed if failed is not None else rank
-    where = f" on rank {rank}" if rank is not None else ""
+    where, cause = failed_where(exc, rank)
     kept = f"{intact} is intact" if intact else "no earlier checkpoint of this run exists"
     return f"saving step {step} to {tmp} failed{where}: {describe(cause)}; {save_fix(cause)} ({kept})"
 
@@ -72,7 +78,5 @@ def save_failed(step: int, tmp, exc: BaseException, intact: str | None, rank: in
 def load_failed(path, exc: BaseException, fix: str, rank: int | None = None) -> str:
     """The message of a read of the checkpoint at ``path`` that failed with ``exc`` (DCP's, or this
     ``rank``'s own)."""
-    failed, cause = first_failure(exc)
-    rank = failed if failed is not None else rank
-    where = f" on rank {rank}" if rank is not None else ""
+    where, cause = failed_where(exc, rank)
     return f"reading checkpoint {path} failed{where}: {describe(cause)}; {fix}"

@@ -33,6 +33,7 @@ from shardtrain.checkpoint.integrity import MANIFEST_FILE, file_sha256
 from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY, file_metadata, weight_files
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.config.schema import FinetuneConfig, ModelConfig
+from shardtrain.distributed.agreement import agree
 from shardtrain.distributed.qlora import NF4_DESCRIPTION
 from shardtrain.distributed.sharded_model import first_row, shard_like
 from shardtrain.errors import CheckpointError
@@ -148,16 +149,12 @@ def verify_shared(path: Path):
     shared, so all raise the first error together, none going on alone into DCP's collectives."""
     if not dist.is_initialized():
         return layout.verify(path, need_state=False)
-    rank, world = dist.get_rank(), dist.get_world_size()
     metadata, error = None, None
     try:
-        metadata = layout.verify(path, need_state=False, share=(rank, world))
+        metadata = layout.verify(path, need_state=False, share=(dist.get_rank(), dist.get_world_size()))
     except CheckpointError as exc:
         error = str(exc)
-    verdicts: list[str | None] = [None] * world
-    dist.all_gather_object(verdicts, error)
-    if first := next((verdict for verdict in verdicts if verdict), None):
-        raise CheckpointError(first)
+    agree(error, error_type=CheckpointError)
     return metadata
 
 

@@ -1,0 +1,41 @@
+"""Ranks that check something each on their own, then stop or go on together.
+
+A check that fails on one rank only (a damaged file in its share, an unreadable RNG file) must stop
+every rank at once: a rank that raises alone leaves the others waiting in the next collective until
+the process group's timeout. One all-gather of each rank's verdict, then every rank raises the same
+error, or none does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from shardtrain.errors import ShardtrainError
+
+
+def gather_verdicts(error: str | None, detail: Any = None,
+                    group: dist.ProcessGroup | None = None) -> list[tuple[str | None, Any]]:
+    """Every rank's ``(error, detail)`` in rank order, on every rank (one all-gather); this rank's
+    alone where no process group runs."""
+    if not dist.is_initialized():
+        return [(error, detail)]
+    verdicts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(verdicts, (error, detail), group=group)
+    return verdicts
+
+
+def raise_first_error(verdicts: list[tuple[str | None, Any]], error_type: type[ShardtrainError]) -> None:
+    """Raise the lowest failed rank's error as ``error_type``, the same on every rank, if any failed."""
+    if first := next((error for error, _ in verdicts if error is not None), None):
+        raise error_type(first)
+
+
+def agree(error: str | None, detail: Any = None, group: dist.ProcessGroup | None = None, *,
+          error_type: type[ShardtrainError]) -> list[Any]:
+    """Every rank's ``detail`` in rank order, or the lowest failed rank's ``error`` raised as
+    ``error_type`` on every rank together."""
+    verdicts = gather_verdicts(error, detail, group)
+    raise_first_error(verdicts, error_type)
+    return [detail for _, detail in verdicts]
