@@ -51,7 +51,8 @@ def initialisation_family_config(family: str, common: dict) -> transformers.Pret
     """Families whose own ``_init_weights`` departs from normal / ones / zeros: GPT-2 (residual
     projections' std / sqrt(2 n_layer)), Gemma (tied; RMSNorm weights at zero, ``x * (1 + w)``; a
     padding row), Jamba (Mamba mixers: log-arange ``A_log``, ``D`` ones), Bamba (Mamba-2 mixers),
-    Qwen3-Next (gated delta net: ``A_log`` log-uniform, zero-centred norms), Nemotron-H (Mamba-2:
+    Gemma 2 and 3 (the same scaled embedding), Qwen3-Next (gated delta net: ``A_log`` log-uniform,
+    zero-centred norms), Nemotron-H (Mamba-2:
     ``dt_bias`` drawn through softplus's inverse, ``out_proj`` kaiming-uniform rescaled by a copy);
     ModernBERT's decoder (``trunc_normal_``, which shardtrain cannot follow)."""
     gqa = dict(common, num_key_value_heads=2)
@@ -59,6 +60,10 @@ def initialisation_family_config(family: str, common: dict) -> transformers.Pret
         return transformers.GPT2Config(**common)
     if family == "gemma":
         return transformers.GemmaConfig(**{**gqa, "pad_token_id": 1}, head_dim=6)
+    if family == "gemma2":  # also soft-capped logits and four norms a block
+        return transformers.Gemma2Config(**{**gqa, "pad_token_id": 1}, head_dim=6, sliding_window=16)
+    if family == "gemma3_text":
+        return transformers.Gemma3TextConfig(**{**gqa, "pad_token_id": 1}, head_dim=6, sliding_window=16)
     if family == "jamba":  # mamba, attention, mamba
         return transformers.JambaConfig(**gqa, mamba_d_state=4, mamba_expand=2, attn_layer_period=3,
                                         attn_layer_offset=1, num_experts=1, use_mamba_kernels=False)

@@ -9,11 +9,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from shardtrain.cli.preflight import check_training
 from shardtrain.config.keys import GROUPS, group_options, schema_keys
 from shardtrain.config.loader import load_config
 from shardtrain.errors import ConfigError, ShardtrainError
+from shardtrain.models.registry import build_model
+from shardtrain.tasks.language_model import LanguageModelTask
+from shardtrain.train.loop import check_sample_fits
 
 
 def test_defaults_and_presets_compose():
@@ -252,8 +256,19 @@ def test_a_global_batch_the_micro_batches_do_not_divide_fails_before_launch():
 
 def test_a_sample_longer_than_the_model_fails_before_training(tmp_path):
     """It failed after training, when the end's sample asked for more positions than the model has;
-    a config loaded only to build a model (a library use) is not held to it."""
+    a config loaded only to build a model (a library use) is not held to it. Before launch the
+    built-in model's positions are checked; at start-up, with the prompt's tokens (a Hugging Face
+    model's positions are known only there), exactly: the prompt and all but the last new token."""
     overrides = ["trainer.sample_tokens=1024", f"run.dir={tmp_path}/run"]
     with pytest.raises(ConfigError, match="trainer.sample_tokens=1024 leaves no room for the prompt"):
         check_training(load_config(overrides))
-    check_training(load_config([*overrides, "trainer.sample_tokens=1023"]))
+    cfg = load_config([*overrides, "trainer.sample_tokens=1023"])
+    check_training(cfg)
+    task = LanguageModelTask()
+    task.bind(cfg)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    with pytest.raises(ConfigError, match=r"sample_prompt \(4 tokens\) needs 1026 positions, the model has "
+                                          r"1024; set trainer.sample_tokens to at most 1021"):
+        check_sample_fits(cfg.trainer, task, model)
+    check_sample_fits(dataclasses.replace(cfg.trainer, sample_tokens=1021), task, model)

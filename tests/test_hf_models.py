@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -45,12 +46,16 @@ from hf_workers import PROBE, hf_reference, run_hf_cases
 from safetensors.torch import load_file, save_file
 
 from shardtrain.checkpoint.weights import load_model_weights, model_config_of
+from shardtrain.config.loader import load_config
 from shardtrain.config.schema import ModelConfig
+from shardtrain.diagnostics.planner import choose_batch, estimate
 from shardtrain.distributed import sharded_model
+from shardtrain.distributed.parallelize import selective_refusal
 from shardtrain.distributed.sharded_model import fill_elements, init_full_parameter
-from shardtrain.errors import CheckpointError, ModelError
+from shardtrain.errors import CheckpointError, ConfigError, ModelError
 from shardtrain.export.hf import export_hf
 from shardtrain.export.verify import verify_export
+from shardtrain.models.dims import Dims
 from shardtrain.models.hf import HFCausalLM
 from shardtrain.models.hf_directory import hf_name
 
@@ -309,3 +314,65 @@ def test_a_parameter_whose_initialisation_cannot_be_followed_is_refused(tmp_path
     message = str(info.value)
     assert message.startswith(hf_name(name)) and "load weights instead" in message, message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3_text"])
+def test_buffers_of_a_module_with_parameters_come_from_the_family(family, tmp_path):
+    """Gemma's scaled embedding holds the table and a non-persistent buffer (``embed_scale``,
+    sqrt(dim)), which no weight file has: built on the meta device and materialised, the model
+    computes what transformers' own does with the same weights. It was refused (the module could
+    not be built again without allocating its table)."""
+    family_config(family).save_pretrained(tmp_path)
+    with torch.device("meta"):
+        ours = HFCausalLM(ModelConfig(name="hf", path=str(tmp_path), pretrained=False))
+    sharded_model.materialize(ours, torch.device("cpu"), seed=0)
+    ours.hf.tie_weights()  # to_empty unties a model FSDP does not hold (the framework's always is)
+    theirs = transformers.AutoModelForCausalLM.from_config(ours.config, dtype=torch.float32)
+    missing, unexpected = theirs.load_state_dict(
+        {hf_name(name): param.detach() for name, param in ours.named_parameters()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
+    embedding = ours.hf.get_input_embeddings()
+    assert embedding.embed_scale.item() == pytest.approx(ours.config.hidden_size ** 0.5)
+    assert "_is_hf_initialized" not in embedding.weight.__dict__
+    tokens = torch.randint(0, ours.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel_error(ours(tokens), theirs(tokens).logits) < TOL
+
+
+def test_a_family_init_that_writes_parameters_with_the_buffers_is_refused(tmp_path, monkeypatch):
+    """Setting the buffers through ``_init_weights`` must leave the parameters as they are: a family
+    whose code writes them anyway (here: scales the table) is refused by name, not trained on."""
+    family_config("gemma").save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = HFCausalLM(ModelConfig(name="hf", path=str(tmp_path), pretrained=False))
+    monkeypatch.setattr(model.hf, "_init_weights", lambda module: module.weight.mul_(2))
+    wrote = r"hf.model.embed_tokens \(GemmaTextScaledWordEmbedding\): the family.s _init_weights, .* wrote"
+    with pytest.raises(ModelError, match=wrote + " its parameters too"):
+        sharded_model.materialize(model, torch.device("cpu"), seed=0)
+
+
+def test_a_family_without_sdpa_runs_eager_attention_which_selective_checkpointing_refuses(tmp_path):
+    """Gemma 2 has no SDPA path in transformers: it runs the family's eager attention (it was refused
+    for the SDPA shardtrain asked for), whose T x T scores the planner counts (tests/test_lean_ops.py).
+    Selective checkpointing counts matmuls by order and the eager scores are matmuls too: refused by
+    the run and by micro_batch_size=auto, which skips it. A model without attention is one line."""
+    family_config("gemma2").save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = HFCausalLM(ModelConfig(name="hf", path=str(tmp_path), pretrained=False))
+    assert model.hf.config._attn_implementation == "eager"
+    assert model.dims.eager_attention and model.dims.softcapped_scores
+    assert "Gemma2ForCausalLM's eager attention" in selective_refusal(model)
+    overrides = ["model.name=hf", f"model.path={tmp_path}", "trainer.seq_len=64",
+                 "trainer.micro_batch_size=auto", "trainer.global_batch_size=8"]
+    selective = load_config([*overrides, "strategy.activation_checkpointing=selective"])
+    with pytest.raises(ConfigError, match="eager attention .* use activation_checkpointing=every_k or all"):
+        choose_batch(selective, model, 1, 1, 2**30, 0, accelerated=True)
+    cfg = load_config(overrides)
+    none_fits = estimate(replace(cfg, trainer=replace(cfg.trainer, micro_batch_size=1)), model,
+                         "FULL_SHARD", 1, 1, accelerated=True).peak
+    choice = choose_batch(cfg, model, 1, 1, int(none_fits / 0.9) - 1, 0, accelerated=True)
+    assert choice.activation_checkpointing != "none"
+    assert "selective" not in {ac for _, ac, _ in choice.rejected} | {choice.activation_checkpointing}
+    mamba = transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4)
+    with pytest.raises(ModelError, match="MambaConfig has no attention heads"):
+        Dims.of_hf(mamba)

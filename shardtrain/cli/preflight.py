@@ -105,8 +105,8 @@ def check_training(cfg: Config) -> None:
         return
     if cfg.model.name == "llama" and cfg.trainer.sample_tokens >= cfg.model.max_seq_len:
         # The sample at the end of training (and every sample_every steps) needs a position for a
-        # prompt token besides its new ones: refused here, not after training. (A Hugging Face
-        # model generates past its configured positions where its embedding allows: transformers'.)
+        # prompt token besides its new ones: refused before launch. The exact check, with the
+        # prompt's tokens and a Hugging Face model's positions, is at start-up (check_sample_fits).
         raise ConfigError(f"trainer.sample_tokens={cfg.trainer.sample_tokens} leaves no room for the "
                           f"prompt in model.max_seq_len={cfg.model.max_seq_len} positions; lower "
                           "trainer.sample_tokens (0: no sample)")

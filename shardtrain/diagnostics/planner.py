@@ -26,7 +26,7 @@ from shardtrain.config.schema import Config
 from shardtrain.config.sizes import counted, human_bytes
 from shardtrain.config.strategy import AC_MODES, STRATEGIES, checkpointing_mode
 from shardtrain.distributed.embedding_exchange import exchangeable, exchanges_rows
-from shardtrain.distributed.parallelize import float8_eligible, last_projection_adapted
+from shardtrain.distributed.parallelize import float8_eligible, last_projection_adapted, selective_refusal
 from shardtrain.distributed.qlora import NF4_BLOCK, NF4_GRAIN, quantized_linears
 from shardtrain.errors import ConfigError
 from shardtrain.models.dims import Dims
@@ -205,6 +205,13 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     # q k v, lse, output and wo's input: the same tensor for the built-in Llama (SDPA writes it in
     # the query's (B, T, H, D) order), a copy for Hugging Face's (queries rotated as (B, H, T, D)).
     attention = b * (queries + 2 * kv) + 4 * m.n_heads + (1 if builtin else 2) * b * queries
+    if m.eager_attention:  # transformers' eager attention (a Hugging Face family without SDPA)
+        # Each head's T x T scores: the softmax's fp32 output, its compute-dtype copy (the matmul
+        # with the values keeps it) and a soft-cap's tanh output; keys and values repeated to every
+        # query head, no log-sum-exp. Attention dropout (0 in the families known) is not counted.
+        score = 4 + (b if b != 4 else 0) + (b if m.softcapped_scores else 0)
+        attention += score * m.n_heads * cfg.trainer.seq_len + 2 * b * head_dim * (m.n_heads - m.n_kv_heads)
+        attention -= 4 * m.n_heads
     # w1 and w3 outputs, their product (and silu's output). The lean feed-forward recomputes the
     # product for w2's backward, except under tensor parallelism (w2 keeps its DTensor) and in a
     # checkpoint's recomputation (the checkpoint's own hooks see every tensor the block saves).
@@ -514,7 +521,12 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
     sizes = [n for n in range(per_rank, 0, -1) if per_rank % n == 0]
     rejected: list[tuple[int, str, int]] = []
     cheapest = AC_MODES.index(checkpointing_mode(cfg.strategy))
-    for ac in AC_MODES[cheapest:]:
+    modes = list(AC_MODES[cheapest:])
+    if refusal := selective_refusal(model):
+        if modes[0] == "selective":
+            raise ConfigError(refusal)
+        modes = [ac for ac in modes if ac != "selective"]
+    for ac in modes:
         for micro in sizes:
             trainer = replace(t, micro_batch_size=micro, grad_accum_steps=per_rank // micro)
             trial = replace(cfg, trainer=trainer, strategy=replace(cfg.strategy, activation_checkpointing=ac))

@@ -144,6 +144,19 @@ def block_selective_contexts(block: nn.Module, float8: bool) -> Callable[[], tup
                              adapter_ranks=ranks)
 
 
+def selective_refusal(model: nn.Module) -> str | None:
+    """Why ``strategy.activation_checkpointing=selective`` cannot run on ``model`` (None: it can).
+    transformers' eager attention (a family without SDPA: Gemma 2) computes its scores with matmuls
+    of the same kind as the projections', which the policy counts by order: it would keep the wrong
+    outputs, a T x T score matrix among them."""
+    if getattr(getattr(model, "dims", None), "eager_attention", False):
+        family = type(getattr(model, "hf", model)).__name__
+        return (f"strategy.activation_checkpointing=selective keeps every second projection's output, "
+                f"counted in order, and {family}'s eager attention (the family has no SDPA) adds "
+                "matmuls of its own; use activation_checkpointing=every_k or all")
+    return None
+
+
 def matmul_sizes(op, args: tuple) -> tuple[int, int]:
     """The inner and output sizes of a matmul ``op`` of ``SELECTIVE_MATMULS`` called with ``args``."""
     with_input = op in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)
@@ -299,6 +312,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
                                             and not plan.cpu_offload)
     if before_sharding is not None and (ignored := before_sharding(model)):
         common["ignored_params"] = ignored
+    if plan.activation_checkpointing == "selective" and (refusal := selective_refusal(model)):
+        raise ConfigError(refusal)
     for index, (name, block) in enumerate(blocks):
         if plan.checkpointed(index):
             contexts = None

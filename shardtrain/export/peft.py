@@ -34,6 +34,7 @@ from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import load_tensors, plan_shards
 from shardtrain.export.verify import EXPORT_TOLERANCE, check_tokens, compare_logits
+from shardtrain.models.hf import attention_implementation
 from shardtrain.models.hf_directory import hf_name
 from shardtrain.models.llama_hf_adapter import hf_config, to_hf, to_hf_name
 from shardtrain.models.lora import (
@@ -154,8 +155,9 @@ def transformers_base(ckpt: LoraCheckpoint, ours: nn.Module) -> nn.Module:
     (a random or shardtrain base) the transformers Llama filled with our base weights."""
     directory = base_directory(ckpt.model)
     if directory is not None:
-        base = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
-                                                                 attn_implementation="sdpa")
+        base = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32,
+            attn_implementation=attention_implementation(transformers.AutoConfig.from_pretrained(directory)))
         if ckpt.finetune.base_dtype != "fp32":  # the base as training stored it, as ours is
             round_base_to(base, DTYPES[ckpt.finetune.base_dtype])
         return base
@@ -163,8 +165,8 @@ def transformers_base(ckpt: LoraCheckpoint, ours: nn.Module) -> nn.Module:
         config = transformers.AutoConfig.from_pretrained(ckpt.model.path)
     else:
         config = transformers.LlamaConfig(**hf_config(ckpt.model, torch.float32))
-    theirs = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                           attn_implementation="sdpa")
+    theirs = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation=attention_implementation(config))
     state = {}
     for name, param in ours.named_parameters():
         if is_adapter(name):

@@ -155,6 +155,13 @@ def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     return [tokenizer.eos_id] if tokenizer.eos_id is not None else tokenizer.encode("\n")
 
 
+def positions_needed(prompt_tokens: int, max_new_tokens: int) -> int:
+    """The positions a generation shows the model: the prompt and every new token but the last, which
+    is never fed back. The same limit with and without the cache (without it, a window once slid past
+    it)."""
+    return prompt_tokens + max(max_new_tokens - 1, 0)
+
+
 @torch.no_grad()
 def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, use_cache: bool = True,
@@ -169,9 +176,7 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temper
         raise GenerationError("an empty prompt: give at least one token (prompt_ids gives a tokenizer's "
                               "start of a document for empty text)")
     tokens = torch.tensor([prompt], dtype=torch.long, device=device)
-    # The positions the model sees: the prompt and every new token but the last, which is never fed
-    # back. The same limit with and without the cache (without it, a window once slid past it).
-    positions = tokens.shape[1] + max(max_new_tokens - 1, 0)
+    positions = positions_needed(len(prompt), max_new_tokens)
     if max_len is not None and positions > max_len:
         raise GenerationError(f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) "
                               f"exceeds the model's {max_len} positions; ask for fewer new tokens")

@@ -10,9 +10,10 @@ the framework needs and transformers does not say in one place:
   Mamba's ``A_log`` and ``D``), followed on a stand-in without data (``models/hf_init.py``): drawn
   element by element, so shards initialise independently, but for a few small parameters the family
   computes, which are computed whole; a parameter whose rule cannot be followed is refused.
-- ``init_buffers``: non-persistent buffers (RoPE ``inv_freq``) are not in any weight file and are
-  garbage after meta-device materialisation; the modules owning them are built again on CPU from the
-  model config and their buffers copied over.
+- ``init_buffers``: non-persistent buffers (RoPE ``inv_freq``, Gemma's ``embed_scale``) are not in
+  any weight file and are garbage after meta-device materialisation; a module owning them is built
+  again on CPU from the model config and its buffers copied over, or, where it holds parameters, the
+  family's ``_init_weights`` sets them with the parameters marked as already initialised.
 - a KV cache for generation: transformers' own ``DynamicCache``.
 Parameter names are transformers' under the ``hf.`` prefix; ``models/hf_directory.hf_name`` strips it
 for export.
@@ -31,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from shardtrain.config.schema import ModelConfig
 from shardtrain.errors import ModelError
@@ -135,9 +137,18 @@ class HFCache:
         self.pos = 0
 
 
+def attention_implementation(config: PretrainedConfig) -> str:
+    """torch's fused attention (``sdpa``: no score matrix kept) where the family has it; else the
+    family's own ``eager`` attention, which keeps each head's T x T scores (the planner counts
+    them): Gemma 2, whose scores are soft-capped."""
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "eager" if model_class is not None and not model_class._supports_sdpa else "sdpa"
+
+
 def build_transformers_model(config: PretrainedConfig) -> nn.Module:
     # fp32 master weights whatever the files hold: the sharding plan picks compute dtypes.
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attention_implementation(config),
+                                            dtype=torch.float32)
 
 
 class HFCausalLM(nn.Module):
@@ -151,7 +162,7 @@ class HFCausalLM(nn.Module):
             raise ModelError(f"model.path={cfg.path!r}: transformers cannot build a causal LM from its "
                              f"config ({str(exc).splitlines()[0]})") from exc
         self.max_seq_len = max_positions(self.config)
-        self.dims = Dims.of_hf(self.config)
+        self.dims = Dims.of_hf(self.config, attention_implementation(self.config) == "eager")
         names = set(getattr(self.hf, "_no_split_modules", None) or ())
         self.block_classes = tuple({type(m) for m in self.modules() if type(m).__name__ in names})
         self.tied = self.hf.get_input_embeddings().weight is self.hf.get_output_embeddings().weight
@@ -251,14 +262,43 @@ class HFCausalLM(nn.Module):
                 owner = name.rpartition(".")[0]
                 owners[owner] = self.get_submodule(owner)
         for owner_name, module in owners.items():
-            if any(True for _ in module.parameters()) or not hasattr(module, "config"):
-                raise ModelError(
-                    f"{owner_name} ({type(module).__name__}) holds non-persistent buffers that shardtrain "
-                    "cannot recompute after building on the meta device; this model type is not supported")
-            with torch.device("cpu"):
-                fresh = type(module)(module.config)
-            for buffer_name, value in fresh.named_buffers():
-                module.get_buffer(buffer_name).copy_(value)
+            if not any(True for _ in module.parameters()) and hasattr(module, "config"):
+                with torch.device("cpu"):  # a rotary embedding: built again from the config, small
+                    fresh = type(module)(module.config)
+                for buffer_name, value in fresh.named_buffers():
+                    module.get_buffer(buffer_name).copy_(value)
+            else:
+                self.init_buffers_by_family(owner_name, module, persistent)
+
+    def init_buffers_by_family(self, owner_name: str, module: nn.Module, persistent: set[str]) -> None:
+        """The non-persistent buffers of ``module``, a module with parameters (Gemma's scaled
+        embedding and its ``embed_scale``), as the family's ``_init_weights`` sets them: building it
+        again would allocate its parameters whole. The parameters are marked initialised, which
+        transformers' init functions respect (as when it loads weights), and their version counters
+        show that nothing wrote them; a buffer the family did not write is refused."""
+        params = list(module.parameters())
+        buffers = {name: buffer for name, buffer in module.named_buffers(prefix=owner_name, recurse=False)
+                   if name not in persistent}
+        param_versions = [param._version for param in params]
+        buffer_versions = {name: buffer._version for name, buffer in buffers.items()}
+        marks = [param.__dict__.get("_is_hf_initialized") for param in params]
+        for param in params:
+            param._is_hf_initialized = True
+        try:
+            self.hf._init_weights(module)
+        finally:
+            for param, mark in zip(params, marks):
+                if mark is None:
+                    del param._is_hf_initialized
+                else:
+                    param._is_hf_initialized = mark
+        unsupported = f"; {type(self.hf).__name__} is not supported"
+        if [param._version for param in params] != param_versions:
+            raise ModelError(f"{owner_name} ({type(module).__name__}): the family's _init_weights, run to "
+                             f"set its non-persistent buffers, wrote its parameters too{unsupported}")
+        if missed := [name for name, buffer in buffers.items() if buffer._version == buffer_versions[name]]:
+            raise ModelError(f"{', '.join(missed)} ({type(module).__name__}): a non-persistent buffer that "
+                             f"neither a weight file nor the family's _init_weights sets{unsupported}")
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -29,7 +29,7 @@ from shardtrain.checkpoint.weights import load_model_weights
 from shardtrain.config.compose import to_yaml
 from shardtrain.config.loader import check_built_in_task_settings
 from shardtrain.config.plan import check_world
-from shardtrain.config.schema import Config
+from shardtrain.config.schema import Config, TrainerConfig
 from shardtrain.config.sizes import counted
 from shardtrain.data.batches import BatchLayout, SampleSource, TrainBatches, eval_batches
 from shardtrain.diagnostics.memory import PhaseMemory, adapter_summary, state_bytes
@@ -54,8 +54,14 @@ from shardtrain.distributed.parallelize import refresh_float8_scales
 from shardtrain.distributed.qlora import full_value, nf4_summary, quantize_base
 from shardtrain.distributed.running_stats import average_running_statistics, running_statistics
 from shardtrain.distributed.sharded_model import deferred_initialization, with_adapters
-from shardtrain.errors import TrainingError
-from shardtrain.generation.generate import gathered_copy, generate, generation_mode, prompt_ids
+from shardtrain.errors import ConfigError, TrainingError
+from shardtrain.generation.generate import (
+    gathered_copy,
+    generate,
+    generation_mode,
+    positions_needed,
+    prompt_ids,
+)
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.task import Task, check_task, task_config_of, task_from_config
 from shardtrain.train.batch_size import resolve_batch
@@ -178,6 +184,7 @@ class Trainer:
         batch_choice = resolve_batch(cfg, env)  # before anything reads the batch size
         with deferred_initialization() as draws:  # a resume reads every weight: no draw for it
             built = build(cfg, env, task, optimizer_factory)
+        check_sample_fits(cfg.trainer, task, built.model)
         trainer = cls(cfg, env, built, task, train, val)
         for note in adapter_notes:
             trainer.info(note)
@@ -649,6 +656,21 @@ class Trainer:
         self.writer.write(self.step, "memory_ranks", {"ranks": ranks})
         self.info("\n".join(dtype_lines(probe, phases.grad_dtypes, self.built.plan)
                              + rank_lines(ranks, list(PhaseMemory.PHASES))))
+
+
+def check_sample_fits(trainer: TrainerConfig, task: Task, model: torch.nn.Module) -> None:
+    """The text samples (at the end, and every ``sample_every`` steps) fit the model's positions:
+    refused at start-up, not after the run has trained. The prompt's length is known only once the
+    task has its tokenizer, and a Hugging Face model's positions only from its config."""
+    max_len = getattr(model, "max_seq_len", None)
+    if trainer.sample_tokens == 0 or max_len is None or not isinstance(task, LanguageModelTask):
+        return
+    prompt = prompt_ids(task.tokenizer, trainer.sample_prompt)
+    if (needed := positions_needed(len(prompt), trainer.sample_tokens)) > max_len:
+        raise ConfigError(
+            f"trainer.sample_tokens={trainer.sample_tokens} after trainer.sample_prompt ({len(prompt)} "
+            f"tokens) needs {needed} positions, the model has {max_len}; set trainer.sample_tokens to "
+            f"at most {max(max_len - len(prompt) + 1, 0)} (0: no sample)")
 
 
 def run_training(cfg: Config, *, task: Task | None = None,
