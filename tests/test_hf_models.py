@@ -376,3 +376,32 @@ def test_a_family_without_sdpa_runs_eager_attention_which_selective_checkpointin
     mamba = transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4)
     with pytest.raises(ModelError, match="MambaConfig has no attention heads"):
         Dims.of_hf(mamba)
+
+
+def test_every_buffer_is_set_after_materialisation(tmp_path):
+    """DeepSeek-V3's router holds a persistent buffer (``e_score_correction_bias``: read with the
+    weights, zeros from the family's ``_init_weights``): from scratch it kept whatever memory the
+    device gave (NaN stands for that here). Every buffer now equals ``from_config``'s; a buffer the
+    family does not set is refused from scratch, named."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1)
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        ours = HFCausalLM(ModelConfig(name="hf", path=str(tmp_path), pretrained=False))
+    sharded_model.materialize(ours, torch.device("cpu"), seed=0)
+    with torch.no_grad():
+        for buffer in ours.buffers():
+            buffer.fill_(math.nan)
+    ours.init_buffers()
+    theirs = dict(transformers.AutoModelForCausalLM.from_config(config).named_buffers())
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in theirs
+    assert {hf_name(name): buffer for name, buffer in ours.named_buffers()}.keys() == theirs.keys()
+    for name, buffer in ours.named_buffers():
+        assert buffer.equal(theirs[hf_name(name)]), name
+    ours.hf._init_weights = lambda module: None  # a family that leaves the router's buffer alone
+    with pytest.raises(ModelError, match=r"e_score_correction_bias \(DeepseekV3TopkRouter\): a buffer the "
+                                         r"family's _init_weights does not set, so from scratch nothing"):
+        ours.init_buffers()

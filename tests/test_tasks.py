@@ -274,6 +274,15 @@ def test_a_task_module_whose_own_import_is_missing_names_that_package(monkeypatc
         load_config(["task=needs_missing_package:Task"])
 
 
+def test_a_task_module_with_a_syntax_error_is_one_line_naming_where(monkeypatch, tmp_path):
+    """It was a traceback through importlib's frames."""
+    (tmp_path / "unfinished_task.py").write_text("class Task:\n    def loss(self\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^task='unfinished_task:Task': .*unfinished_task.py, line 2: "
+                                          r".*; fix the module$"):
+        load_config(["task=unfinished_task:Task"])
+
+
 def test_a_task_with_an_init_of_its_own_is_built_from_the_config_or_refused(monkeypatch):
     """The command line, a resume and ``plan`` build the task from task.path and task.options: an
     ``__init__(self, depth=2, **kw)`` gets the options as keywords (handed the Options object, its

@@ -254,13 +254,14 @@ class HFCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        """Recompute non-persistent buffers after materialisation (they are in no weight file)."""
+        """Every buffer, garbage after materialisation on the device: non-persistent ones (RoPE
+        tables) are in no weight file, and persistent ones (a router's ``e_score_correction_bias``)
+        are read with the weights but from scratch nothing else sets them."""
         persistent = set(self.state_dict())
         owners: dict[str, nn.Module] = {}
         for name, _ in self.named_buffers():
-            if name not in persistent:
-                owner = name.rpartition(".")[0]
-                owners[owner] = self.get_submodule(owner)
+            owner = name.rpartition(".")[0]
+            owners.setdefault(owner, self.get_submodule(owner))
         for owner_name, module in owners.items():
             if not any(True for _ in module.parameters()) and hasattr(module, "config"):
                 with torch.device("cpu"):  # a rotary embedding: built again from the config, small
@@ -271,14 +272,14 @@ class HFCausalLM(nn.Module):
                 self.init_buffers_by_family(owner_name, module, persistent)
 
     def init_buffers_by_family(self, owner_name: str, module: nn.Module, persistent: set[str]) -> None:
-        """The non-persistent buffers of ``module``, a module with parameters (Gemma's scaled
-        embedding and its ``embed_scale``), as the family's ``_init_weights`` sets them: building it
-        again would allocate its parameters whole. The parameters are marked initialised, which
-        transformers' init functions respect (as when it loads weights), and their version counters
-        show that nothing wrote them; a buffer the family did not write is refused."""
+        """The buffers of ``module`` as the family's ``_init_weights`` sets them (Gemma's scaled
+        embedding's ``embed_scale``, a router's correction bias): building a module with parameters
+        again would allocate them whole. The parameters are marked initialised, which transformers'
+        init functions respect (as when it loads weights), and their version counters show that
+        nothing wrote them. A buffer the family does not set is refused where nothing else will: a
+        non-persistent one always, a persistent one when no weights are read."""
         params = list(module.parameters())
-        buffers = {name: buffer for name, buffer in module.named_buffers(prefix=owner_name, recurse=False)
-                   if name not in persistent}
+        buffers = dict(module.named_buffers(prefix=owner_name, recurse=False))
         param_versions = [param._version for param in params]
         buffer_versions = {name: buffer._version for name, buffer in buffers.items()}
         marks = [param.__dict__.get("_is_hf_initialized") for param in params]
@@ -295,10 +296,15 @@ class HFCausalLM(nn.Module):
         unsupported = f"; {type(self.hf).__name__} is not supported"
         if [param._version for param in params] != param_versions:
             raise ModelError(f"{owner_name} ({type(module).__name__}): the family's _init_weights, run to "
-                             f"set its non-persistent buffers, wrote its parameters too{unsupported}")
-        if missed := [name for name, buffer in buffers.items() if buffer._version == buffer_versions[name]]:
-            raise ModelError(f"{', '.join(missed)} ({type(module).__name__}): a non-persistent buffer that "
+                             f"set its buffers, wrote its parameters too{unsupported}")
+        missed = [name for name, buffer in buffers.items() if buffer._version == buffer_versions[name]]
+        if unread := [name for name in missed if name not in persistent]:
+            raise ModelError(f"{', '.join(unread)} ({type(module).__name__}): a non-persistent buffer that "
                              f"neither a weight file nor the family's _init_weights sets{unsupported}")
+        if missed and self.cfg.weights_source() is None:
+            raise ModelError(f"{', '.join(missed)} ({type(module).__name__}): a buffer the family's "
+                             "_init_weights does not set, so from scratch nothing does; load weights "
+                             "(model.pretrained=true with weights in model.path, or model.init_from=)")
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -141,9 +141,10 @@ class Compute:
         tensor.fill_(math.nan)  # to tell whether the calls wrote all of it
         self.holder._parameters[self.attr] = tensor
         try:
-            # Family code draws from the global generator: seeded from ours, and put back after.
+            # Family code draws from the global CPU generator: seeded from ours, and put back after
+            # (the CPU's alone: torch.manual_seed would seed every accelerator's too, for good).
             with torch.random.fork_rng(devices=[]), torch.no_grad():
-                torch.manual_seed(generator.initial_seed())
+                torch.default_generator.manual_seed(generator.initial_seed())
                 for model, module in self.calls:
                     model._init_weights(module)
         except Exception as exc:  # the family's code, on a stand-in it was not written for

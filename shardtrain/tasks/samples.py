@@ -121,12 +121,13 @@ class MapSamples:
         self.draw = draw
         self.seed = seed
         self.salt = salt
-        self.expected = structure(dataset[0])
+        first = dataset[0]
+        self.expected = structure(first)
         # The type item 0's draw returns: every draw must return it (default_collate cannot mix
         # types); drawn once here, so a draw returning None stops the run before the model is built.
         self.drawn_type: type | None = None
         if draw is not None:
-            self.drawn_type = type(self.item(0, None))
+            self.drawn_type = type(self.drawn(first, 0, None))
 
     def order(self, seed: int) -> GlobalOrder:
         return GlobalOrder(self.num_samples, seed)
@@ -137,6 +138,11 @@ class MapSamples:
         if found != self.expected:
             raise DataError(f"{self.name}: item {index} is {found}, item 0 is {self.expected}; every "
                             "item needs the same keys, dtypes and numbers of dimensions")
+        return self.drawn(item, index, key)
+
+    def drawn(self, item: Any, index: int, key: int | None) -> Any:
+        """``item`` (at ``index``) as the draw makes it, with the generator of ``key`` (validation:
+        None, the index's); the item itself without a draw."""
         if self.draw is not None:
             generator = torch.Generator().manual_seed(
                 draw_seed(self.seed, self.salt, index if key is None else key))
