@@ -405,3 +405,21 @@ def test_every_buffer_is_set_after_materialisation(tmp_path):
     with pytest.raises(ModelError, match=r"e_score_correction_bias \(DeepseekV3TopkRouter\): a buffer the "
                                          r"family's _init_weights does not set, so from scratch nothing"):
         ours.init_buffers()
+
+
+def test_an_embeddings_padding_row_starts_at_zero_in_any_shard(tmp_path, monkeypatch):
+    """transformers zeroes the ``padding_idx`` row after drawing the table; it was drawn with the
+    rest (a chunk does not know its rows). Now a range set after the draw, also where a rank's part
+    starts inside the row (Gemma's padding row is 1: elements 36..71 of a width-36 table)."""
+    model = from_scratch(tmp_path, "gemma", monkeypatch)
+    name = "hf.model.embed_tokens.weight"
+    constants = model.init_parameter_constants(name)
+    assert constants == ((36, 72, 0.0),)
+    param = dict(model.named_parameters())[name]
+    whole = torch.empty(param.numel())
+    fill_elements(model.init_parameter, name, 3, whole, 0, param.numel(), constants)
+    assert whole[36:72].eq(0).all() and whole[:36].ne(0).all() and whole[72:].ne(0).all()
+    part = torch.empty(100)
+    fill_elements(model.init_parameter, name, 3, part, 50, param.numel(), constants)
+    assert part.equal(whole[50:150])
+    assert ours_initial(model, 0)["model.embed_tokens.weight"][1].eq(0).all()

@@ -51,7 +51,7 @@ from shardtrain.distributed.parallelize import ShardingReport, TensorPlan, paral
 from shardtrain.distributed.qlora import check_quantizable, stand_in_for_nf4, to_nf4_before_sharding
 from shardtrain.errors import ConfigError, ModelError
 from shardtrain.models.hf_directory import is_model_directory
-from shardtrain.models.initializer import draws_elementwise
+from shardtrain.models.initializer import draws_elementwise, elementwise_constants
 from shardtrain.models.lora import AdapterInitializer, add_adapters, base_name, is_adapter, store_base_in
 
 log = logging.getLogger(__name__)
@@ -79,9 +79,11 @@ def stable_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
-def fill_elements(init: InitFn, name: str, seed: int, out: torch.Tensor, start: int, total: int) -> None:
+def fill_elements(init: InitFn, name: str, seed: int, out: torch.Tensor, start: int, total: int,
+                  constants: Sequence[tuple[int, int, float]] = ()) -> None:
     """``out`` (1-D, fp32) := elements ``[start, start + len(out))`` of parameter ``name``'s flattened
-    initial value (``total`` elements), drawing only the chunks that range overlaps."""
+    initial value (``total`` elements), drawing only the chunks that range overlaps; ``constants``:
+    ``(begin, end, value)`` ranges set after the draw (``models/initializer.elementwise_constants``)."""
     end = start + out.numel()
     for index in range(start // INIT_CHUNK_ELEMENTS, -(-end // INIT_CHUNK_ELEMENTS)):
         low = index * INIT_CHUNK_ELEMENTS
@@ -89,6 +91,9 @@ def fill_elements(init: InitFn, name: str, seed: int, out: torch.Tensor, start: 
         init(name, chunk, torch.Generator().manual_seed(stable_seed(seed, f"{name}#{index}")))
         first, last = max(start, low), min(end, low + chunk.numel())
         out[first - start:last - start] = chunk[first - low:last - low]
+    for begin, stop, value in constants:
+        if max(begin, start) < min(stop, end):
+            out[max(begin, start) - start:min(stop, end) - start] = value
 
 
 def init_full_parameter(initializer: Any, name: str, tensor: torch.Tensor, seed: int) -> None:
@@ -97,7 +102,8 @@ def init_full_parameter(initializer: Any, name: str, tensor: torch.Tensor, seed:
     ``initializer``: the model or task whose ``init_parameter`` the build uses."""
     if draws_elementwise(initializer, name):
         flat = torch.empty(tensor.numel(), dtype=torch.float32)
-        fill_elements(initializer.init_parameter, name, seed, flat, 0, tensor.numel())
+        fill_elements(initializer.init_parameter, name, seed, flat, 0, tensor.numel(),
+                      elementwise_constants(initializer, name))
         tensor.copy_(flat.view(tensor.shape))
     else:
         full = torch.empty(tensor.shape, dtype=torch.float32)
@@ -212,7 +218,8 @@ def initialize_parameters(model: nn.Module, seed: int, initializer: Any = None,
         # more.
         row = math.prod(param.shape[1:])  # global shape: a rank's shard may have no rows
         values = torch.empty(sizes[0] * row, dtype=torch.float32)
-        fill_elements(initializer.init_parameter, name, seed, values, offsets[0] * row, param.numel())
+        fill_elements(initializer.init_parameter, name, seed, values, offsets[0] * row, param.numel(),
+                      elementwise_constants(initializer, name))
         block = values.view(sizes[0], *param.shape[1:])[
             (slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:], strict=True)))]
         local.copy_(block.reshape(local.shape).to(local.dtype))

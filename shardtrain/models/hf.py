@@ -248,6 +248,11 @@ class HFCausalLM(nn.Module):
         shard's chunks): all but the few small parameters the family computes whole."""
         return self.family_initialisation().elementwise(hf_name(name))
 
+    def init_parameter_constants(self, name: str) -> tuple[tuple[int, int, float], ...]:
+        """Ranges of ``name``'s flattened elements its family sets to a constant after the draw (an
+        embedding's padding row), which the framework sets where a rank's chunks hold them."""
+        return self.family_initialisation().constants(hf_name(name))
+
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """``name`` (or, when elementwise, a chunk of it, flattened) as its family initialises it."""
         self.family_initialisation().fill(hf_name(name), tensor, generator)

@@ -26,10 +26,11 @@ through ``.data`` and views too). From the last write that sets the whole parame
   constructor's value, which a model built on the meta device does not have), whose family code reads
   data (``trunc_normal_``'s rejection loop) or that are too large to compute whole.
 
-Left out: rows set to a constant after the whole parameter was drawn (the ``padding_idx`` row of an
-embedding, which transformers zeroes) are drawn with the rest, as a chunk does not know which rows it
-holds. A tied parameter is initialised as the one it is tied to (transformers' tie source, the input
-embeddings), as transformers ties after initialising.
+Whole rows set to a constant after the last whole write (the ``padding_idx`` row of an embedding,
+which transformers zeroes) are element ranges the framework sets after the draw
+(``init_parameter_constants``), as a chunk alone does not know which rows it holds. A tied parameter
+is initialised as the one it is tied to (transformers' tie source, the input embeddings), as
+transformers ties after initialising.
 """
 
 from __future__ import annotations
@@ -87,9 +88,11 @@ class Write:
     call: Call
     step: Step
     whole: bool  # the parameter itself, not part of it
-    rows: bool  # whole rows of it (a view along its first dimension)
     # A copy from the parameter's own value: the ops (ELEMENTWISE_OUT) that computed the copied tensor.
     derived: tuple[Step, ...] = ()
+    # Whole rows of it (a view along its first dimension, or all of it): the range of the flattened
+    # parameter they are.
+    span: tuple[int, int] | None = None
 
     def overwrites(self) -> bool:
         return self.whole and self.step[0].overloadpacket in OVERWRITES and not self.derived
@@ -101,8 +104,14 @@ class Write:
         return self.step[0].overloadpacket in ELEMENTWISE and numbers_only(self.step)
 
     def constant_rows(self) -> bool:
-        return (not self.whole and self.rows and self.step[0].overloadpacket in CONSTANT_FILLS
+        return (not self.whole and self.span is not None and self.step[0].overloadpacket in CONSTANT_FILLS
                 and numbers_only(self.step))
+
+    def constant(self) -> tuple[int, int, float]:
+        """A ``constant_rows`` write as (begin, end, value) of the flattened parameter."""
+        op, args, kwargs = self.step
+        value = 0.0 if op.overloadpacket is aten.zero_ else float(args[0] if args else kwargs["value"])
+        return (*self.span, value)
 
     def replay(self, tensor: torch.Tensor, generator: torch.Generator) -> None:
         if self.derived:
@@ -119,9 +128,12 @@ class Write:
 
 @dataclass(frozen=True)
 class Draw:
-    """Elementwise writes with number arguments, replayed on a chunk, random ones with its generator."""
+    """Elementwise writes with number arguments, replayed on a chunk, random ones with its generator;
+    then ``constants``, (begin, end, value) ranges of the flattened parameter, set by the caller,
+    which knows where a chunk lies (``fill_elements``)."""
 
     writes: tuple[Write, ...]
+    constants: tuple[tuple[int, int, float], ...] = ()
 
     def fill(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         for write in self.writes:
@@ -232,15 +244,18 @@ class WriteRecorder(TorchDispatchMode):
             self.derive(out, args[0], (func, args[1:], kwargs))
         return out
 
-    def whole_parameter(self, tensor: torch.Tensor) -> tuple[str | None, bool, bool]:
-        """(the parameter ``tensor`` is part of, or None; whether all of it; whether whole rows)."""
+    def whole_parameter(self, tensor: torch.Tensor) -> tuple[str | None, bool, tuple[int, int] | None]:
+        """(the parameter ``tensor`` is part of, or None; whether all of it; the range of the
+        flattened parameter it is, where it is whole rows of it)."""
         found = self.params.get(StorageWeakRef(tensor.untyped_storage()))
         if found is None:
-            return None, False, False
+            return None, False, None
         name, param = found
         whole = (tensor.shape == param.shape and tensor.stride() == param.stride()
                  and tensor.storage_offset() == param.storage_offset())
-        return name, whole, whole or covers_rows(tensor, param)
+        begin = tensor.storage_offset() - param.storage_offset()
+        rows = whole or covers_rows(tensor, param)
+        return name, whole, (begin, begin + tensor.numel()) if rows else None
 
     def derive(self, out: Any, source: torch.Tensor, step: Step) -> None:
         if not isinstance(out, torch.Tensor) or not numbers_only(step):
@@ -257,7 +272,7 @@ class WriteRecorder(TorchDispatchMode):
         self.derived[StorageWeakRef(out.untyped_storage())] = (name, version, (*steps, step), out)
 
     def record(self, tensor: torch.Tensor, step: Step) -> None:
-        name, whole, rows = self.whole_parameter(tensor)
+        name, whole, span = self.whole_parameter(tensor)
         if name is None:
             return
         writes = self.writes.setdefault(name, [])
@@ -269,7 +284,7 @@ class WriteRecorder(TorchDispatchMode):
             # From this parameter's value as it is now (no write since), not another's.
             if known is not None and known[0] == name and known[1] == len(writes):
                 derived = known[2]
-        writes.append(Write(self.call, step, whole, rows, derived))
+        writes.append(Write(self.call, step, whole, derived, span))
 
 
 def record_writes(stand_in: PreTrainedModel) -> tuple[dict[str, list[Write]], dict[str, str]]:
@@ -317,8 +332,12 @@ def rule_of(name: str, writes: list[Write], stand_in: nn.Module) -> Rule:
         return Refused("its family's _init_weights does not set all of it (it keeps its constructor's "
                        "value, which a model built on the meta device does not have)")
     tail = writes[starts[-1]:]
-    if all(write.whole and write.replayable() or write.constant_rows() for write in tail):
-        return Draw(tuple(write for write in tail if write.whole))
+    whole = [index for index, write in enumerate(tail) if write.whole]
+    # Constant rows after the last whole write: set after the draw, as the family sets them.
+    if all(tail[index].replayable() for index in whole) and all(
+            write.constant_rows() for write in tail[whole[-1] + 1:]):
+        return Draw(tuple(tail[index] for index in whole),
+                    tuple(write.constant() for write in tail[whole[-1] + 1:]))
     calls = tuple(dict.fromkeys(write.call for write in tail))
     module_name, _, attr = name.rpartition(".")
     holder = stand_in.get_submodule(module_name)
@@ -373,6 +392,13 @@ class FamilyInitialisation:
             rule.fill(name, torch.empty(0), torch.Generator())
         return isinstance(rule, Draw)
 
+    def constants(self, name: str) -> tuple[tuple[int, int, float], ...]:
+        """(begin, end, value) ranges of an elementwise parameter's flattened elements the family sets
+        to a constant after its draw (an embedding's padding row)."""
+        rule = self.rule(name)
+        return rule.constants if isinstance(rule, Draw) else ()
+
     def fill(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        """``tensor``: all of parameter ``name``, or for an elementwise one any chunk of it, flattened."""
+        """``tensor``: all of parameter ``name`` in its shape, or for an elementwise one any chunk of
+        it, flattened (without its ``constants``, which the caller sets)."""
         self.rule(name).fill(name, tensor, generator)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from shardtrain.config.schema import FinetuneConfig
 from shardtrain.errors import ConfigError, ModelError
-from shardtrain.models.initializer import draws_elementwise
+from shardtrain.models.initializer import draws_elementwise, elementwise_constants
 
 ADAPTER_NAME = "default"  # PEFT's name for a model's only adapter
 BASE_LAYER = ".base_layer."
@@ -144,6 +144,9 @@ class AdapterInitializer:
     def init_parameter_elementwise(self, name: str) -> bool:
         # An adapter on read weights does not ask the base (which may not know how to draw them).
         return is_adapter(name) or draws_elementwise(self.base, base_name(name))
+
+    def init_parameter_constants(self, name: str) -> Sequence[tuple[int, int, float]]:
+        return () if is_adapter(name) else elementwise_constants(self.base, base_name(name))
 
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         if ".lora_A." in name:
