@@ -313,6 +313,9 @@ def test_a_parameter_whose_initialisation_cannot_be_followed_is_refused(tmp_path
         init_full_parameter(model, name, torch.empty(param.shape), 0)
     message = str(info.value)
     assert message.startswith(hf_name(name)) and "load weights instead" in message, message
+    # The call that failed on it (not a later one's) and why in words (not torch's internal op).
+    assert "ModernBertDecoderModel._init_weights(ModernBertDecoderEmbeddings)" in message, message
+    assert "it reads tensor values, as trunc_normal_'s rejection loop does" in message, message
     assert "\n" not in message
 
 

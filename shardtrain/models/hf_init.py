@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._ops import OpOverload
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import PreTrainedModel
@@ -180,6 +180,8 @@ Rule = Draw | Compute | Refused
 
 
 def first_line(exc: BaseException) -> str:
+    if isinstance(exc, DataDependentOutputException):  # the op is torch's, not what the user wrote
+        return "it reads tensor values, as trunc_normal_'s rejection loop does"
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
@@ -200,13 +202,16 @@ def init_calls(module: nn.Module, model: PreTrainedModel, seen: set[int]) -> Ite
 
 
 def replace_tensors(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Every parameter and buffer of ``model`` replaced by ``make(it)``, each module's its own: a tied
-    parameter comes apart, as it is while transformers initialises (it ties afterwards)."""
+    """Every parameter and buffer of ``model`` replaced by ``make(it)`` (a parameter as a parameter,
+    for family code that asks), each module's its own: a tied parameter comes apart, as it is while
+    transformers initialises (it ties afterwards)."""
     for module in model.modules():
-        for slots in (module._parameters, module._buffers):
-            for name, tensor in slots.items():
-                if tensor is not None:
-                    slots[name] = make(tensor)
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = nn.Parameter(make(param), requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = make(buffer)
 
 
 def covers_rows(view: torch.Tensor, param: torch.Tensor) -> bool:
@@ -310,10 +315,17 @@ def record_writes(stand_in: PreTrainedModel) -> tuple[dict[str, list[Write]], di
                 # What it wrote before failing, and what it may have been about to write.
                 written = {name for name, writes in recorder.writes.items()
                            if any(write.call == call for write in writes)}
-                failed.update(dict.fromkeys(written | subtree_names(stand_in, call[1]), reason))
+                for name in written | subtree_names(stand_in, call[1]):
+                    failed.setdefault(name, reason)  # the first call that failed on it
+    family = type(stand_in).__name__
     for name, param in stand_in.named_parameters(remove_duplicate=False):
         if param is not params[name]:
-            failed[name] = "its family's _init_weights replaces the parameter instead of writing it"
+            failed.setdefault(name, f"{family}._init_weights replaces the parameter instead of writing it")
+    # A parameter a module shares under several names: its writes under each (recorded under one).
+    for name, param in params.items():
+        first, _ = by_storage[StorageWeakRef(param.untyped_storage())]
+        if name != first and first in recorder.writes:
+            recorder.writes[name] = recorder.writes[first]
     return recorder.writes, failed
 
 
@@ -329,8 +341,8 @@ def rule_of(name: str, writes: list[Write], stand_in: nn.Module) -> Rule:
     """How to initialise parameter ``name`` of ``stand_in``, which the family's code writes so."""
     starts = [index for index, write in enumerate(writes) if write.overwrites()]
     if not starts:
-        return Refused("its family's _init_weights does not set all of it (it keeps its constructor's "
-                       "value, which a model built on the meta device does not have)")
+        return Refused(f"{type(stand_in).__name__}._init_weights does not set all of it (it keeps its "
+                       "constructor's value, which a model built on the meta device does not have)")
     tail = writes[starts[-1]:]
     whole = [index for index, write in enumerate(tail) if write.whole]
     # Constant rows after the last whole write: set after the draw, as the family sets them.
