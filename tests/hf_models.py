@@ -1,8 +1,10 @@
 """Tiny Hugging Face model directories made locally from transformers' config classes (nothing is
 downloaded): random weights saved as safetensors, and a byte-level BPE tokenizer trained here.
 
-Four families: Llama; Qwen2 with tied embeddings; Mistral; GPT-NeoX (LayerNorm with biases, parallel
-attention and MLP, partial rotary, a fused QKV projection). Sizes are not divisible by 2 or 4, so
+Five families: Llama; Qwen2 with tied embeddings; Mistral; GPT-NeoX (LayerNorm with biases, parallel
+attention and MLP, partial rotary, a fused QKV projection); Gemma 2 (eager attention with soft-capped
+scores and sliding windows, four norms a block, a scaled embedding with a buffer, tied, soft-capped
+logits). Sizes are not divisible by 2 or 4, so
 FSDP's uneven shards are exercised. More families' configs (``initialisation_family_config``) for
 the from-scratch initialisation's tests.
 """
@@ -61,9 +63,9 @@ def initialisation_family_config(family: str, common: dict) -> transformers.Pret
     if family == "gemma":
         return transformers.GemmaConfig(**{**gqa, "pad_token_id": 1}, head_dim=6)
     if family == "gemma2":  # also soft-capped logits and four norms a block
-        return transformers.Gemma2Config(**{**gqa, "pad_token_id": 1}, head_dim=6, sliding_window=16)
+        return transformers.Gemma2Config(**{"sliding_window": 16, **gqa, "pad_token_id": 1}, head_dim=6)
     if family == "gemma3_text":
-        return transformers.Gemma3TextConfig(**{**gqa, "pad_token_id": 1}, head_dim=6, sliding_window=16)
+        return transformers.Gemma3TextConfig(**{"sliding_window": 16, **gqa, "pad_token_id": 1}, head_dim=6)
     if family == "jamba":  # mamba, attention, mamba
         return transformers.JambaConfig(**gqa, mamba_d_state=4, mamba_expand=2, attn_layer_period=3,
                                         attn_layer_offset=1, num_experts=1, use_mamba_kernels=False)
@@ -84,7 +86,7 @@ def initialisation_family_config(family: str, common: dict) -> transformers.Pret
     raise ValueError(family)
 
 
-FAMILIES = ("llama", "qwen2", "mistral", "gpt_neox")
+FAMILIES = ("llama", "qwen2", "mistral", "gpt_neox", "gemma2")
 # Families whose from-scratch initialisation is compared with transformers' (tests/test_hf_models.py).
 INITIALISATION_FAMILIES = (*FAMILIES, "gpt2", "gemma", "jamba", "bamba", "qwen3_next", "nemotron_h")
 

@@ -19,6 +19,7 @@ from equivalence import GLOBAL_BATCH, STEPS, hand_written_loop
 from shardtrain.config.schema import Config, DataConfig
 from shardtrain.data.corpus import Corpus, load_corpus
 from shardtrain.data.tokenizer import HFTokenizer
+from shardtrain.models.hf import attention_implementation
 
 ADAM_EPS = 1e-6  # see test_hf_models.py: bounds how far Adam blows up rounding noise
 PROBE = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(7))
@@ -70,8 +71,9 @@ def run_hf_cases(model_dirs: dict[str, str], cases: dict[str, dict], out_dir: st
 def hf_reference(model_dir: str) -> dict:
     """The plain transformers model, one process, a hand-written loop."""
     cfg = hf_case_config(model_dir, 1, "unused")
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                              attn_implementation="sdpa")
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=attention_implementation(config))
     with torch.no_grad():
         logits = model.eval()(PROBE).logits
     model.train()

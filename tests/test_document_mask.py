@@ -115,12 +115,14 @@ def test_built_in_llama_packed_window_equals_documents_alone(tmp_path):
 
 
 @pytest.mark.parametrize(("family", "sizes"), [("llama", {}), ("gpt_neox", {}),
-                                               ("mistral", {"sliding_window": 4})],
-                         ids=["llama", "gpt_neox", "mistral_sliding_window"])
+                                               ("mistral", {"sliding_window": 4}),
+                                               ("gemma2", {"sliding_window": 4})],
+                         ids=["llama", "gpt_neox", "mistral_sliding_window", "gemma2_eager_sliding_window"])
 def test_hf_packed_window_equals_documents_alone(family, sizes, tmp_path):
     """transformers models, given restarted position_ids, from which transformers builds its own
-    mask: GPT-NeoX (partial rotary, a fused QKV projection, its own attention code), and Mistral
-    with a 4-token sliding window, which must still apply inside each document."""
+    mask: GPT-NeoX (partial rotary, a fused QKV projection, its own attention code), Mistral with a
+    4-token sliding window, which must still apply inside each document, and Gemma 2 the same in its
+    eager attention (no SDPA: the mask is built for the family's own code)."""
     from transformers import AutoModelForCausalLM
 
     directory = make_model_dir(tmp_path / "model", family, **sizes)

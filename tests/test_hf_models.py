@@ -1,10 +1,12 @@
-"""Bring your own Hugging Face model: four families made locally by transformers (no download),
+"""Bring your own Hugging Face model: five families made locally by transformers (no download),
 trained sharded by shardtrain from their own directories, against the plain transformers model.
 
-For Llama, Qwen2 (tied embeddings), Mistral and GPT-NeoX (LayerNorm with biases, parallel residual,
-partial rotary, fused QKV) at 2 and 4 gloo ranks, FULL_SHARD and HYBRID_SHARD, fp32: the logits right
-after loading equal ``from_pretrained``'s, and the losses and grad norms of 5 steps and the final
-weights equal a one-process hand-written loop over the plain model on the same batches.
+For Llama, Qwen2 (tied embeddings), Mistral, GPT-NeoX (LayerNorm with biases, parallel residual,
+partial rotary, fused QKV) and Gemma 2 (eager attention: no SDPA; soft-capped scores and logits,
+sliding windows, a scaled embedding's buffer, tied) at 2 and 4 gloo ranks, FULL_SHARD and
+HYBRID_SHARD, fp32: the logits right after loading equal ``from_pretrained``'s, and the losses and
+grad norms of 5 steps and the final weights equal a one-process hand-written loop over the plain
+model on the same batches.
 Tolerance: relative error 1e-5 (measured: at most 3e-6, printed by the test).
 
 AdamW runs with eps 1e-6 here (default 1e-8). Adam divides each gradient by its own running scale, so
@@ -101,7 +103,7 @@ def check_runs(world_size: int, out_dir, references) -> None:
             if len(blocks) != 3:
                 failures.append(f"{family}: {len(blocks)} block units, want 3 ({units})")
             tied_unit = [u for u in units if "embed" in u and "lm_head" in u]
-            if bool(tied_unit) != (family == "qwen2"):  # a tied embedding and head share one unit
+            if bool(tied_unit) != (family in ("qwen2", "gemma2")):  # a tied embedding and head: one unit
                 failures.append(f"{family}: units {units}")
     print("\n".join(table))
     assert not failures, "\n".join(failures)
