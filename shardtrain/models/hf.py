@@ -168,6 +168,10 @@ class HFCausalLM(nn.Module):
         self.tied = self.hf.get_input_embeddings().weight is self.hf.get_output_embeddings().weight
         self.head_transform = head_transform_reason(self.hf)
         self._family_init: FamilyInitialisation | None = None
+        # transformers renamed forward's past_key_values to cache (the old name warns, and goes in
+        # 5.40); the name this version's forward takes.
+        accepted = inspect.signature(self.hf.forward).parameters
+        self.cache_keyword = "cache" if "cache" in accepted else "past_key_values"
         # Stored names differ from module names for some families (GPT-NeoX's files say embed_out,
         # the module lm_head): transformers' own renaming rules, applied as from_pretrained does.
         transforms = get_model_conversion_mapping(self.hf)
@@ -191,7 +195,7 @@ class HFCausalLM(nn.Module):
             return self.hf(input_ids=tokens, position_ids=positions, use_cache=False).logits
         if positions is not None:
             raise ModelError("positions= is for training on packed documents, not with a KV cache")
-        logits = self.hf(input_ids=tokens, past_key_values=cache.past, use_cache=True).logits
+        logits = self.hf(input_ids=tokens, use_cache=True, **{self.cache_keyword: cache.past}).logits
         cache.pos += tokens.shape[1]
         return logits
 
