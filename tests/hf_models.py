@@ -62,6 +62,8 @@ def initialisation_family_config(family: str, common: dict) -> transformers.Pret
         return transformers.GPT2Config(**common)
     if family == "gemma":
         return transformers.GemmaConfig(**{**gqa, "pad_token_id": 1}, head_dim=6)
+    if family == "qwen3":  # per-head query and key norms
+        return transformers.Qwen3Config(**gqa, head_dim=6)
     if family == "gemma2":  # also soft-capped logits and four norms a block
         return transformers.Gemma2Config(**{"sliding_window": 16, **gqa, "pad_token_id": 1}, head_dim=6)
     if family == "gemma3_text":

@@ -25,6 +25,7 @@ from shardtrain.config.plan import (
 from shardtrain.config.schema import Config
 from shardtrain.config.sizes import counted, human_bytes
 from shardtrain.config.strategy import AC_MODES, STRATEGIES, checkpointing_mode
+from shardtrain.diagnostics.kept import kept_by_block
 from shardtrain.distributed.embedding_exchange import exchangeable, exchanges_rows
 from shardtrain.distributed.parallelize import float8_eligible, last_projection_adapted, selective_refusal
 from shardtrain.distributed.qlora import NF4_BLOCK, NF4_GRAIN, quantized_linears
@@ -239,6 +240,8 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     # while the blocks kept more; with the lean blocks it was 9-12% low under full checkpointing.
     ffn_weight_grads = 2
     block_backward = tokens * b * (m.dim + 3 * ffn // tp) + ffn_weight_grads * b * m.dim * ffn // tp
+    if m.eager_attention:  # the softmax's fp32 gradient, as large as its scores (plan --simulate)
+        block_backward += tokens * 4 * m.n_heads * cfg.trainer.seq_len // tp
     # Under tp the loss is never chunked: it runs on the vocabulary-split logits (loss_parallel).
     chunk = min(chunk_tokens_for(cfg.trainer.loss_chunk_tokens, m.vocab_size), tokens) if tp == 1 else 0
     if chunk > 0:  # tasks/losses.py: one chunk's fp32 logits (and their compute-dtype copy) at a time
@@ -269,6 +272,19 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
         chunked_loss=chunk > 0,
         head_weight_grad=head_weight_grad,
     )
+
+
+def with_blocks_measured(act: ActivationModel, per_sequence: list[int], micro_batch: int,
+                         plan: ShardingPlan) -> ActivationModel:
+    """``act`` with what each block keeps without checkpointing measured (``diagnostics/kept.py``,
+    bytes per sequence): a checkpointed block still keeps what the formula says (its input, or
+    selective's outputs), and recomputes the measured block in its backward."""
+    if len(per_sequence) != len(act.saved_blocks):
+        return act
+    measured = [kept * micro_batch for kept in per_sequence]
+    saved = [formula if plan.checkpointed(index) else measured[index]
+             for index, formula in enumerate(act.saved_blocks)]
+    return replace(act, saved_blocks=saved, block=max(measured))
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
@@ -363,6 +379,10 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     blocks = model_blocks(model)
     act = activation_model(cfg, model.dims, cfg.trainer.micro_batch_size, plan.param_dtype, plan,
                            last_projection_adapted(blocks[0]) if blocks else None)
+    if cfg.model.name == "hf" and plan.tensor_parallel == 1 and blocks:
+        # A Hugging Face family's blocks keep what its code keeps: measured, not the Llama formula.
+        kept = kept_by_block(cfg.model, cfg.trainer.seq_len, plan.param_dtype, cfg.data.document_mask)
+        act = with_blocks_measured(act, kept, cfg.trainer.micro_batch_size, plan)
     blocks, groups = unit_param_counts(model, local_shapes)
     layers = len(blocks)
     saved = act.saved_blocks if layers else []

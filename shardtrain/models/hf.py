@@ -315,6 +315,19 @@ class HFCausalLM(nn.Module):
                              "_init_weights does not set, so from scratch nothing does; load weights "
                              "(model.pretrained=true with weights in model.path, or model.init_from=)")
 
+    def layers_with_a_mask(self, seq_len: int, document_mask: bool) -> list[bool]:
+        """Per decoder layer, whether its SDPA attention gets a T x T mask at ``seq_len`` tokens
+        (which it keeps for backward): transformers lets SDPA mask causally without one unless the
+        layer's sliding window (or chunk) is shorter than the sequence or packed documents need one."""
+        config = self.config
+        layers = config.num_hidden_layers
+        window = getattr(config, "sliding_window", None)
+        types = getattr(config, "layer_types", None) or [
+            "sliding_attention" if window else "full_attention"] * layers
+        limits = {"sliding_attention": window,
+                  "chunked_attention": getattr(config, "attention_chunk_size", None)}
+        return [document_mask or (limits.get(kind) is not None and limits[kind] < seq_len) for kind in types]
+
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings and not self.tied:
