@@ -12,6 +12,7 @@ returned, which its autograd graph holds for backward, by the block whose forwar
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ from torch.utils._pytree import tree_flatten
 
 from shardtrain.config.schema import ModelConfig
 from shardtrain.models.registry import build_model
+
+log = logging.getLogger("shardtrain")
 
 
 class StoragesByBlock(TorchDispatchMode):
@@ -84,11 +87,11 @@ class Measured:
     layers_with_a_mask: Callable[[int, bool], list[bool]] | None  # (seq_len, document_mask)
 
 
-_measured: dict[tuple, Measured] = {}
+_measured: dict[tuple, Measured | None] = {}
 
 
 def kept_by_block(model_cfg: ModelConfig, seq_len: int, dtype: torch.dtype,
-                  document_mask: bool = False) -> list[int]:
+                  document_mask: bool = False) -> list[int] | None:
     """Bytes each block of ``model_cfg``'s model keeps from its forward to its backward for one
     sequence of ``seq_len`` tokens, parameters in ``dtype`` (FSDP's compute dtype; buffers keep
     theirs, as under its mixed precision). A micro-batch keeps that many times its sequences.
@@ -98,15 +101,26 @@ def kept_by_block(model_cfg: ModelConfig, seq_len: int, dtype: torch.dtype,
     (a sliding window shorter than the sequence, packed documents). Under fake tensors transformers
     makes every SDPA layer a mask (it cannot tell that none is needed): where a real run's layer has
     none, that term is left out. Measured once per model and dtype in a process (a second for a 70B
-    model)."""
+    model). None, with one warning, where the model's code cannot run on fake tensors."""
     key = (model_cfg.name, model_cfg.path, dtype)
     if key not in _measured:
-        (short, eager, masks), (long, _, _) = (measure(model_cfg, length, dtype) for length in PROBE_LENGTHS)
-        t1, t2 = PROBE_LENGTHS
-        per_length = [(k2 / t2 - k1 / t1) / (t2 - t1) for k1, k2 in zip(short, long)]
-        base = [k1 / t1 - c * t1 for k1, c in zip(short, per_length)]
-        _measured[key] = Measured(base, per_length, eager, masks)
+        try:
+            (short, eager, masks), (long, _, _) = (measure(model_cfg, length, dtype)
+                                                   for length in PROBE_LENGTHS)
+        except Exception as exc:  # the family's own code, on fake tensors: any error type
+            log.warning("the memory planner could not measure the blocks of %s on fake tensors (%s: %s); "
+                        "it counts them as Llama blocks, which may be under what they keep: check with "
+                        "shardtrain plan --simulate", model_cfg.path, type(exc).__name__,
+                        (str(exc).splitlines() or [""])[0])
+            _measured[key] = None
+        else:
+            t1, t2 = PROBE_LENGTHS
+            per_length = [(k2 / t2 - k1 / t1) / (t2 - t1) for k1, k2 in zip(short, long)]
+            base = [k1 / t1 - c * t1 for k1, c in zip(short, per_length)]
+            _measured[key] = Measured(base, per_length, eager, masks)
     m = _measured[key]
+    if m is None:
+        return None
     masked = m.layers_with_a_mask(seq_len, document_mask) if m.layers_with_a_mask else []
     if len(masked) != len(m.base):
         masked = [document_mask] * len(m.base)

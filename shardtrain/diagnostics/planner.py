@@ -382,7 +382,8 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     if cfg.model.name == "hf" and plan.tensor_parallel == 1 and blocks:
         # A Hugging Face family's blocks keep what its code keeps: measured, not the Llama formula.
         kept = kept_by_block(cfg.model, cfg.trainer.seq_len, plan.param_dtype, cfg.data.document_mask)
-        act = with_blocks_measured(act, kept, cfg.trainer.micro_batch_size, plan)
+        if kept is not None:
+            act = with_blocks_measured(act, kept, cfg.trainer.micro_batch_size, plan)
     blocks, groups = unit_param_counts(model, local_shapes)
     layers = len(blocks)
     saved = act.saved_blocks if layers else []
