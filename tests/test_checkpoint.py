@@ -25,6 +25,7 @@ from shardtrain.checkpoint.inspect import inspect_path
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.cli.preflight import check_resume
 from shardtrain.config.schema import Config
+from shardtrain.distributed.agreement import raise_first_error
 from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import consolidate
 
@@ -357,3 +358,11 @@ def test_async_staging_reuses_its_buffers_and_copies_new_values():
         assert torch.equal(tensor, model.state_dict()[name]), name
     assert not torch.equal(second["weight"], first_values["weight"])
     stager.close()
+
+
+def test_an_error_without_a_message_still_stops_every_rank():
+    """``str(OSError())`` is empty: the agreed verdicts took it for no error (found by review), so a
+    rank's failed RNG read became 'resumed without RNG state'."""
+    with pytest.raises(CheckpointError, match="a check failed on rank 1 without saying why"):
+        raise_first_error([(None, "fine"), (str(OSError()), None)], CheckpointError)
+    raise_first_error([(None, "fine"), (None, "fine")], CheckpointError)

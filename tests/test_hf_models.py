@@ -64,6 +64,7 @@ from shardtrain.export.verify import verify_export
 from shardtrain.models.dims import Dims
 from shardtrain.models.hf import HFCausalLM, attention_implementation
 from shardtrain.models.hf_directory import hf_name
+from shardtrain.models.hf_init import FamilyInitialisation
 from shardtrain.train.simulate import simulation_rows
 
 TOL = 1e-5
@@ -440,29 +441,30 @@ def hidden_states(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return model.model(input_ids=tokens, use_cache=False).last_hidden_state
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "gemma2", "bamba"])
 def test_the_planner_measures_what_a_hugging_face_block_keeps(family, tmp_path):
-    """The planner measures what a Hugging Face family's block keeps (diagnostics/kept.py: fake
-    tensors at two short lengths, extended) instead of counting it as Llama's: per-head q/k norms
-    (Qwen3, Gemma 3), four norms a block, an eager attention's scores (Gemma 2). Against the bytes a
-    real block keeps in bf16 (a 2-block model's less a 1-block model's): 0-10% over at 256 tokens
-    (measured 5% and 2% under for Gemma 2's eager scores); counted as Llama's, a block was 15% (Qwen3)
-    to 43% (Gemma 3) under. For Gemma 2 (no SDPA, so no causal mask the simulator's fake tensors
-    make transformers convert in every layer) the whole estimate, activations and peak, is within
-    10% of ``plan --simulate``, with and without checkpointing."""
+    """The planner measures what a Hugging Face family's blocks keep (diagnostics/kept.py, on fake
+    tensors at the run's length) instead of counting them as Llama's: per-head q/k norms (Qwen3,
+    Gemma 3), four norms a block, an eager attention's scores (Gemma 2), Mamba-2 mixers beside
+    attention (Bamba). Blocks 1 and 2 against the bytes they keep for real in bf16 at 256 tokens (a
+    model of n + 1 blocks less one of n): within -3% to +10% (measured: Qwen3 1.05, Gemma 3 with a
+    16-token window 1.0, Gemma 2 1.0, Bamba's attention and Mamba blocks 1.05 and 1.0); counted as
+    Llama's, a block was 15% (Qwen3) to 43% (Gemma 3) under. For Gemma 2 (no SDPA, so no causal mask
+    the simulator's fake tensors make transformers convert in every layer) the whole estimate,
+    activations and peak, is within 10% of ``plan --simulate``, with and without checkpointing."""
     seq_len, dtype = 256, torch.bfloat16
-    kept = []
-    for layers in (1, 2):
+    real = []
+    for layers in (1, 2, 3):
         config = family_config(family, num_hidden_layers=layers, max_position_embeddings=512)
         model = transformers.AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config), dtype=dtype)
         tokens = torch.zeros(1, seq_len, dtype=torch.long)
-        kept.append(kept_bytes(partial(hidden_states, model, tokens), tuple(model.parameters())))
+        real.append(kept_bytes(partial(hidden_states, model, tokens), tuple(model.parameters())))
     config.save_pretrained(tmp_path / "config")
     measured = kept_by_block(ModelConfig(name="hf", path=str(tmp_path / "config")), seq_len, dtype)
-    ratio = measured[0] / (kept[1] - kept[0])
-    print(f"{family}: measured / kept by a real block {ratio:.3f}")
-    assert len(set(measured)) == 1 and 0.97 <= ratio <= 1.1, (measured, kept)
+    ratios = [measured[block] / (real[block] - real[block - 1]) for block in (1, 2)]
+    print(f"{family}: measured / kept by real blocks 1 and 2: {ratios[0]:.3f} {ratios[1]:.3f}")
+    assert all(0.97 <= ratio <= 1.1 for ratio in ratios), (measured, real)
     if family != "gemma2":
         return
     directory = make_model_dir(tmp_path / family, family, max_position_embeddings=512)
@@ -472,3 +474,41 @@ def test_the_planner_measures_what_a_hugging_face_block_keeps(family, tmp_path):
         case = f"{family} AC={simulated.activation_checkpointing}"
         assert abs(planned.activations / simulated.activations - 1) < 0.1, (case, planned, simulated)
         assert abs(planned.peak / simulated.peak - 1) < 0.1, (case, planned.peak, simulated.peak)
+
+
+class ToyConfig(transformers.PretrainedConfig):
+    model_type = "shardtrain_toy"
+
+
+class ToyWithPartialWrites(transformers.PreTrainedModel):
+    """A family whose ``_init_weights`` writes part of a weight between two whole writes, and sets a
+    constant row after them."""
+
+    config_class = ToyConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.mixed = nn.Linear(3, 4, bias=False)  # normal, a column uniform, all doubled
+        self.padded = nn.Embedding(5, 3)  # normal, row 2 set to 7
+        self.post_init()
+
+    def _init_weights(self, module):
+        if module is self.mixed:
+            module.weight.normal_()
+            module.weight[:, 0].uniform_(100.0, 101.0)
+            module.weight.mul_(2.0)
+        elif module is self.padded:
+            module.weight.normal_()
+            module.weight[2].fill_(7.0)
+
+
+def test_a_part_written_between_whole_writes_is_computed_not_dropped():
+    """A part of a parameter written between two whole writes was dropped from the drawn rule (found
+    by review: column 0 came out about 0, the family's about 201): such a parameter is computed whole
+    now. Constant rows after the last whole write stay an elementwise draw with a constant range."""
+    family = FamilyInitialisation(lambda: ToyWithPartialWrites(ToyConfig()))
+    assert not family.elementwise("mixed.weight")
+    weight = torch.empty(4, 3)
+    family.fill("mixed.weight", weight, torch.Generator().manual_seed(0))
+    assert weight[:, 0].ge(200).all() and weight[:, 0].le(202).all() and weight[:, 1:].abs().lt(20).all()
+    assert family.elementwise("padded.weight") and family.constants("padded.weight") == ((6, 9, 7.0),)

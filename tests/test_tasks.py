@@ -360,7 +360,15 @@ def test_map_samples_pad_validation_draw_by_position_and_name_ragged_items():
     def draw(item, generator):
         return {"x": item["x"], "noise": torch.rand(1, generator=generator)}
 
-    samples = MapSamples(dataset, default_collate, "data", draw=draw, seed=3)
+    reads = []
+
+    class Counted(list):  # how often construction reads an item (once, item 0, for its structure)
+        def __getitem__(self, index):
+            reads.append(index)
+            return super().__getitem__(index)
+
+    samples = MapSamples(Counted(dataset), default_collate, "data", draw=draw, seed=3)
+    assert reads == [0]
     one = eval_batches(samples, 13, micro_batch_size=4, dp_world_size=1, rank=0)
     three = [eval_batches(samples, 13, micro_batch_size=4, dp_world_size=3, rank=r) for r in range(3)]
     assert len({len(batches) for batches in three}) == 1  # every rank runs as many forwards

@@ -42,8 +42,8 @@ def import_object(path: str, what: str) -> object:
         raise ConfigError(f"{what}={path!r}: module {module_name!r} does not import ({exc}); is it "
                           "installed, or on PYTHONPATH?") from exc
     except SyntaxError as exc:  # the user's own module: where, not a traceback through importlib
-        raise ConfigError(f"{what}={path!r}: {exc.filename}, line {exc.lineno}: {exc.msg}; fix the "
-                          "module") from exc
+        where = f"{exc.filename or module_name}, line {exc.lineno}"
+        raise ConfigError(f"{what}={path!r}: {where}: {exc.msg}; fix the module") from exc
     if not hasattr(module, attr):
         names = [name for name in dir(module) if not name.startswith("_")]
         raise ConfigError(f"{what}={path!r}: module {module_name!r} has no {attr!r}{closest(attr, names)}")

@@ -3,18 +3,19 @@
 The planner counts the built-in Llama's activations tensor by tensor (docs/memory-planner.md). A
 Hugging Face family's layers keep what its code keeps: per-head query and key norms (Qwen3, OLMo2,
 Gemma 3), four norms a block (Gemma 2 and 3), fp32 upcasts inside its norms, an eager attention's
-T x T scores. Counted as if they were Llama's, one block's bytes came out 15% (Qwen3) to 43% (Gemma
-3) under what the block keeps in bf16. So for them the planner runs the model's forward once on fake
-tensors (shapes only: no memory, no arithmetic) and counts the storages still alive when it has
-returned, which its autograd graph holds for backward, by the block whose forward made them.
+T x T scores, a state-space scan's chunks. Counted as if they were Llama's, one block's bytes came
+out 15% (Qwen3) to 43% (Gemma 3) under what the block keeps in bf16. So for them the planner runs the
+model's forward once on fake tensors (shapes only: no memory, no arithmetic) at the run's length and
+counts the storages still alive when it has returned, which its autograd graph holds for backward,
+by the block whose forward made them.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -29,19 +30,42 @@ from shardtrain.models.registry import build_model
 log = logging.getLogger("shardtrain")
 
 
+@contextmanager
+def fake_tensor_errors_unlogged() -> Iterator[None]:
+    """torch's fake tensors log an operator that fails with its whole traceback before raising; the
+    callers here say in one line that a probe on fake tensors failed."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+PLAIN, MASK, SCORES = "plain", "mask", "scores"
+
+
 class StoragesByBlock(TorchDispatchMode):
     """The storage of every tensor an operator makes while a block runs (not a view or an in-place
-    result of one of its inputs), with the block's index; weakly referenced, so that what is alive
-    later is what something still holds."""
+    result of one of its inputs), with the block's index and its kind: a 4-D tensor T x T in its last
+    two dimensions is a mask (one for all heads) or scores (per head); weakly referenced, so that
+    what is alive later is what something still holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, seq_len: int) -> None:
         super().__init__()
-        self.block: int | None = None
-        self.made: dict[int, tuple[StorageWeakRef, int, int]] = {}
+        self.seq_len = seq_len
+        self.running: list[int] = []  # the blocks whose forward is running, innermost last
+        self.made: dict[int, tuple[StorageWeakRef, int, int, str]] = {}
+
+    def kind(self, tensor: torch.Tensor) -> str:
+        if tensor.dim() != 4 or tuple(tensor.shape[-2:]) != (self.seq_len, self.seq_len):
+            return PLAIN
+        return MASK if tensor.shape[1] == 1 else SCORES
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.block is None:
+        if not self.running:
             return out
         inputs = {StorageWeakRef(t.untyped_storage()).cdata
                   for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
@@ -50,13 +74,14 @@ class StoragesByBlock(TorchDispatchMode):
                 storage = tensor.untyped_storage()
                 ref = StorageWeakRef(storage)
                 if ref.cdata not in inputs:
-                    self.made[ref.cdata] = (ref, storage.nbytes(), self.block)
+                    self.made[ref.cdata] = (ref, storage.nbytes(), self.running[-1], self.kind(tensor))
         return out
 
-    def alive_by_block(self, blocks: int) -> list[int]:
+    def alive_by_block(self, blocks: int, counted: Callable[[int, str], bool]) -> list[int]:
+        """Bytes alive per block, of the kinds ``counted(block, kind)`` accepts."""
         kept = [0] * blocks
-        for ref, nbytes, block in self.made.values():
-            if not ref.expired():
+        for ref, nbytes, block, kind in self.made.values():
+            if not ref.expired() and counted(block, kind):
                 kept[block] += nbytes
         return kept
 
@@ -65,29 +90,17 @@ def block_tagging_hooks(blocks: list[nn.Module], mode: StoragesByBlock) -> list:
     """Hooks that tell ``mode`` which block is running."""
     def enter(index: int) -> Callable:
         def hook(module, args):  # noqa: ARG001
-            mode.block = index
+            mode.running.append(index)
         return hook
 
     def leave(module, args, output):  # noqa: ARG001
-        mode.block = None
+        mode.running.pop()
 
     return [handle for index, block in enumerate(blocks)
             for handle in (block.register_forward_pre_hook(enter(index)), block.register_forward_hook(leave))]
 
 
-# Two short lengths: a block keeps a + c * T bytes a token at T tokens (c: attention's T x T tensors).
-PROBE_LENGTHS = (32, 64)
-
-
-@dataclass
-class Measured:
-    base: list[float]  # per block, bytes a token whatever the length
-    per_length: list[float]  # per block, bytes a token per token of the length (T x T tensors)
-    eager: bool  # eager attention: its scores are T x T in every layer
-    layers_with_a_mask: Callable[[int, bool], list[bool]] | None  # (seq_len, document_mask)
-
-
-_measured: dict[tuple, Measured | None] = {}
+_measured: dict[tuple, list[int] | None] = {}
 
 
 def kept_by_block(model_cfg: ModelConfig, seq_len: int, dtype: torch.dtype,
@@ -96,63 +109,54 @@ def kept_by_block(model_cfg: ModelConfig, seq_len: int, dtype: torch.dtype,
     sequence of ``seq_len`` tokens, parameters in ``dtype`` (FSDP's compute dtype; buffers keep
     theirs, as under its mixed precision). A micro-batch keeps that many times its sequences.
 
-    Measured at two short lengths and extended: per token, a constant and a term in the length,
-    the T x T tensors: eager attention's scores, and the mask an SDPA layer keeps where it needs one
-    (a sliding window shorter than the sequence, packed documents). Under fake tensors transformers
-    makes every SDPA layer a mask (it cannot tell that none is needed): where a real run's layer has
-    none, that term is left out. Measured once per model and dtype in a process (a second for a 70B
-    model). None, with one warning, where the model's code cannot run on fake tensors."""
-    key = (model_cfg.name, model_cfg.path, dtype)
+    Eager attention's T x T tensors all count (its scores). In an SDPA layer only a mask does, where a
+    real run's layer has one: under fake tensors transformers makes every SDPA layer a causal mask
+    (it cannot tell that none is needed), while a real run makes one only where a sliding window is
+    shorter than the sequence or packed documents need one (``layers_with_a_mask``); per-head scores
+    there are what the CPU's math kernel keeps, not an accelerator's fused one, which the planner
+    plans for. (A per-head tensor whose head size equals the sequence length would be taken for
+    scores: not a length the planner is for.) Measured once per model, length,
+    dtype and masking in a process (a second for a 70B model). None, with one warning, where the
+    model's code cannot run on fake tensors."""
+    key = (model_cfg.name, model_cfg.path, seq_len, dtype, document_mask)
     if key not in _measured:
         try:
-            (short, eager, masks), (long, _, _) = (measure(model_cfg, length, dtype)
-                                                   for length in PROBE_LENGTHS)
+            _measured[key] = measure(model_cfg, seq_len, dtype, document_mask)
         except Exception as exc:  # the family's own code, on fake tensors: any error type
             log.warning("the memory planner could not measure the blocks of %s on fake tensors (%s: %s); "
                         "it counts them as Llama blocks, which may be under what they keep: check with "
                         "shardtrain plan --simulate", model_cfg.path, type(exc).__name__,
                         (str(exc).splitlines() or [""])[0])
             _measured[key] = None
-        else:
-            t1, t2 = PROBE_LENGTHS
-            per_length = [(k2 / t2 - k1 / t1) / (t2 - t1) for k1, k2 in zip(short, long)]
-            base = [k1 / t1 - c * t1 for k1, c in zip(short, per_length)]
-            _measured[key] = Measured(base, per_length, eager, masks)
-    m = _measured[key]
-    if m is None:
-        return None
-    masked = m.layers_with_a_mask(seq_len, document_mask) if m.layers_with_a_mask else []
-    if len(masked) != len(m.base):
-        masked = [document_mask] * len(m.base)
-    return [round(seq_len * (a + (c * seq_len if m.eager or mask else 0)))
-            for a, c, mask in zip(m.base, m.per_length, masked)]
+    return _measured[key]
 
 
-def measure(model_cfg: ModelConfig, seq_len: int, dtype: torch.dtype
-            ) -> tuple[list[int], bool, Callable[[int, bool], list[bool]] | None]:
-    """What each block keeps for one sequence of ``seq_len`` tokens; whether the model runs eager
-    attention; which of its layers get a mask (``HFCausalLM.layers_with_a_mask``)."""
+def measure(model_cfg: ModelConfig, seq_len: int, dtype: torch.dtype, document_mask: bool) -> list[int]:
+    """What each block keeps for one sequence of ``seq_len`` tokens (``kept_by_block``)."""
     with torch.device("meta"):
         model = build_model(model_cfg)
     blocks = [module for module in model.modules() if isinstance(module, model.block_classes)]
     eager = bool(getattr(getattr(model, "dims", None), "eager_attention", False))
-    masks = getattr(model, "layers_with_a_mask", None)
+    masked = model.layers_with_a_mask(seq_len, document_mask)
+    if len(masked) != len(blocks):
+        raise ValueError(f"{len(blocks)} blocks, but {len(masked)} layers in the config")
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    mode = StoragesByBlock()
+    mode = StoragesByBlock(seq_len)
     hooks = block_tagging_hooks(blocks, mode)
     try:
-        with fake:
+        with fake, fake_tensor_errors_unlogged():
             model.to_empty(device="cpu")
             for param in model.parameters():
                 if param.is_floating_point():
                     param.data = param.data.to(dtype)
             tokens = torch.zeros(1, seq_len, dtype=torch.long)
-        with fake, mode:
-            logits = model(tokens)
+            with mode:
+                logits = model(tokens)
         gc.collect()
-        kept = mode.alive_by_block(len(blocks))
+        kept = mode.alive_by_block(len(blocks), lambda block, kind: (
+            kind == PLAIN or eager or (kind == MASK and masked[block])))
         del logits
     finally:
         for hook in hooks:
             hook.remove()
-    return kept, eager, masks
+    return kept

@@ -27,9 +27,12 @@ def gather_verdicts(error: str | None, detail: Any = None,
 
 
 def raise_first_error(verdicts: list[tuple[str | None, Any]], error_type: type[ShardtrainError]) -> None:
-    """Raise the lowest failed rank's error as ``error_type``, the same on every rank, if any failed."""
-    if first := next((error for error, _ in verdicts if error is not None), None):
-        raise error_type(first)
+    """Raise the lowest failed rank's error as ``error_type``, the same on every rank, if any failed
+    (also with an empty message: ``str(OSError())`` is one)."""
+    failed = [(rank, error) for rank, (error, _) in enumerate(verdicts) if error is not None]
+    if failed:
+        rank, error = failed[0]
+        raise error_type(error or f"a check failed on rank {rank} without saying why")
 
 
 def agree(error: str | None, detail: Any = None, group: dist.ProcessGroup | None = None, *,

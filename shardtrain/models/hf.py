@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+from transformers.initialization import guard_torch_init_functions
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from shardtrain.config.schema import ModelConfig
@@ -162,7 +163,7 @@ class HFCausalLM(nn.Module):
             raise ModelError(f"model.path={cfg.path!r}: transformers cannot build a causal LM from its "
                              f"config ({str(exc).splitlines()[0]})") from exc
         self.max_seq_len = max_positions(self.config)
-        self.dims = Dims.of_hf(self.config, attention_implementation(self.config) == "eager")
+        self.dims = Dims.of_hf(self.config, self.hf.config._attn_implementation == "eager")
         names = set(getattr(self.hf, "_no_split_modules", None) or ())
         self.block_classes = tuple({type(m) for m in self.modules() if type(m).__name__ in names})
         self.tied = self.hf.get_input_embeddings().weight is self.hf.get_output_embeddings().weight
@@ -284,9 +285,11 @@ class HFCausalLM(nn.Module):
         """The buffers of ``module`` as the family's ``_init_weights`` sets them (Gemma's scaled
         embedding's ``embed_scale``, a router's correction bias): building a module with parameters
         again would allocate them whole. The parameters are marked initialised, which transformers'
-        init functions respect (as when it loads weights), and their version counters show that
-        nothing wrote them. A buffer the family does not set is refused where nothing else will: a
-        non-persistent one always, a persistent one when no weights are read."""
+        init functions (and torch.nn.init's, which it guards as it does while loading) respect, and
+        their version counters show that nothing wrote them (a write through ``.data`` would not
+        show: transformers' own families make none). A buffer the family does not set is refused
+        where nothing else will: a non-persistent one always, a persistent one when no weights are
+        read."""
         params = list(module.parameters())
         buffers = dict(module.named_buffers(prefix=owner_name, recurse=False))
         param_versions = [param._version for param in params]
@@ -295,7 +298,8 @@ class HFCausalLM(nn.Module):
         for param in params:
             param._is_hf_initialized = True
         try:
-            self.hf._init_weights(module)
+            with guard_torch_init_functions():
+                self.hf._init_weights(module)
         finally:
             for param, mark in zip(params, marks):
                 if mark is None:

@@ -344,12 +344,13 @@ def rule_of(name: str, writes: list[Write], stand_in: nn.Module) -> Rule:
         return Refused(f"{type(stand_in).__name__}._init_weights does not set all of it (it keeps its "
                        "constructor's value, which a model built on the meta device does not have)")
     tail = writes[starts[-1]:]
-    whole = [index for index, write in enumerate(tail) if write.whole]
-    # Constant rows after the last whole write: set after the draw, as the family sets them.
-    if all(tail[index].replayable() for index in whole) and all(
-            write.constant_rows() for write in tail[whole[-1] + 1:]):
-        return Draw(tuple(tail[index] for index in whole),
-                    tuple(write.constant() for write in tail[whole[-1] + 1:]))
+    last_whole = max(index for index, write in enumerate(tail) if write.whole)
+    drawn, after = tail[:last_whole + 1], tail[last_whole + 1:]
+    # Whole elementwise writes, then constant rows (set after the draw, as the family sets them);
+    # a part written in between (or rows before a later whole write) is computed instead.
+    if all(write.whole and write.replayable() for write in drawn) and all(
+            write.constant_rows() for write in after):
+        return Draw(tuple(drawn), tuple(write.constant() for write in after))
     calls = tuple(dict.fromkeys(write.call for write in tail))
     module_name, _, attr = name.rpartition(".")
     holder = stand_in.get_submodule(module_name)

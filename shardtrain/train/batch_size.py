@@ -14,6 +14,7 @@ from shardtrain.config.plan import with_global_batch
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import rss_bytes
 from shardtrain.diagnostics.planner import BatchChoice, choose_batch, planned_model
+from shardtrain.distributed.agreement import agree
 from shardtrain.distributed.env import DistEnv
 from shardtrain.errors import ConfigError
 
@@ -56,9 +57,21 @@ def resolve_batch(cfg: Config, env: DistEnv) -> BatchChoice | None:
             # machine is that plus what it holds, which the budget then subtracts once.
             limit += held
     limit, held = agreed_memory(env, limit, held)
-    model = planned_model(cfg)
-    choice = choose_batch(cfg, model, env.world_size, env.local_world_size, limit, held,
-                          accelerated=None)
+    # Each rank plans alike from agreed inputs; shared, so that a rank whose planning failed or came
+    # out otherwise (a model whose blocks could not be measured there) stops every rank, at once.
+    choice, error = None, None
+    try:
+        choice = choose_batch(cfg, planned_model(cfg), env.world_size, env.local_world_size, limit, held,
+                              accelerated=None)
+    except ConfigError as exc:
+        error = str(exc)
+    picked = None if choice is None else (
+        choice.micro_batch_size, choice.grad_accum_steps, choice.activation_checkpointing)
+    picks = agree(error, picked, error_type=ConfigError)
+    if differing := [rank for rank, pick in enumerate(picks) if pick != picks[0]]:
+        raise ConfigError(f"trainer.micro_batch_size=auto chose differently on rank {differing[0]} "
+                          f"({picks[differing[0]]}) than on rank 0 ({picks[0]}), from the same limits: see "
+                          "the warnings above; set trainer.micro_batch_size=N")
     cfg.trainer = replace(t, micro_batch_size=choice.micro_batch_size,
                           grad_accum_steps=choice.grad_accum_steps)
     cfg.strategy = replace(cfg.strategy, activation_checkpointing=choice.activation_checkpointing)

@@ -6,31 +6,16 @@ not, in a fresh and a resumed run)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from shardtrain.diagnostics.kept import fake_tensor_errors_unlogged
 from shardtrain.tasks.samples import batch_size
 from shardtrain.tasks.task import Task
 
 log = logging.getLogger("shardtrain")
-
-
-@contextmanager
-def fake_tensor_errors_unlogged() -> Iterator[None]:
-    """torch's fake tensors log an operator that fails with its whole traceback before raising: a
-    task whose loss fails (a shape error) printed it above its own error, which the step then
-    raises again with the real tensors. The warning below says the probe failed in one line."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def counted_flops_per_sample(task: Task, micro_batch_size: int) -> float | None:

@@ -667,10 +667,12 @@ def check_sample_fits(trainer: TrainerConfig, task: Task, model: torch.nn.Module
         return
     prompt = prompt_ids(task.tokenizer, trainer.sample_prompt)
     if (needed := positions_needed(len(prompt), trainer.sample_tokens)) > max_len:
+        fix = (f"set trainer.sample_tokens to at most {max_len - len(prompt) + 1}" if len(prompt) <= max_len
+               else "shorten trainer.sample_prompt")
         raise ConfigError(
             f"trainer.sample_tokens={trainer.sample_tokens} after trainer.sample_prompt ({len(prompt)} "
-            f"tokens) needs {needed} positions, the model has {max_len}; set trainer.sample_tokens to "
-            f"at most {max(max_len - len(prompt) + 1, 0)} (0: no sample)")
+            f"tokens) needs {needed} positions, the model has {max_len}; {fix} (trainer.sample_tokens=0: "
+            "no sample)")
 
 
 def run_training(cfg: Config, *, task: Task | None = None,
