@@ -257,10 +257,12 @@ def qk_reads(out: str, directory: str) -> None:
     torch.save(rows, Path(out, f"qk-rows-{env.world_size}-{env.rank}.pt"))
 
 
-def load_memory(out: str, weights: str, vocab: int, dim: int, qk_directory: str | None = None) -> None:
+def load_memory(out: str, weights: str, vocab: int, dim: int, qk_directory: str | None = None,
+                moe_directory: str | None = None) -> None:
     """Peak resident growth while loading a consolidated file (or, when ``weights`` is a directory,
     a Hugging Face model directory into ``model.name=hf``) into the sharded model; then, given
-    ``qk_directory``, ``qk_reads`` of it."""
+    ``qk_directory``, ``qk_reads`` of it, and given ``moe_directory``, its stacked expert
+    parameters as loaded (``moe-WORLD.pt``, whole, from rank 0)."""
     cfg = Config()
     hf = Path(weights).is_dir()
     if hf:
@@ -282,6 +284,14 @@ def load_memory(out: str, weights: str, vocab: int, dim: int, qk_directory: str 
     torch.save(rows.detach().clone(), Path(out, f"rows-{env.world_size}-{env.rank}.pt"))
     if qk_directory is not None:
         qk_reads(out, qk_directory)
+    if moe_directory is not None:
+        cfg.model = dataclasses.replace(cfg.model, name="hf", path=moe_directory)
+        env, model = build(cfg)
+        load_hf_model_into(model, moe_directory)
+        stacked = {name: param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
+                   for name, param in model.named_parameters() if ".experts." in name}
+        if env.rank == 0:
+            torch.save(stacked, Path(out, f"moe-{env.world_size}.pt"))
 
 
 def exchange_inputs(rank: int, micro_batch: int, vocab: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:

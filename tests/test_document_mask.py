@@ -165,10 +165,12 @@ def test_models_that_carry_state_along_the_sequence_are_refused():
         check_document_mask_support(Recurrent())
     refused = {name: sequence_state_reason(getattr(transformers, name)()) for name in (
         "JambaConfig", "Qwen3NextConfig", "RecurrentGemmaConfig", "MambaConfig", "Lfm2Config",
-        "OPTConfig", "BioGptConfig")}
+        "OPTConfig", "BioGptConfig", "GptOssConfig")}
     assert all(refused.values()), refused
-    # OPT and BioGPT mask causally over the whole window, positions or not (found by review)
+    # OPT, BioGPT and GPT-OSS mask causally over the whole window, positions or not (found by
+    # reviews: GPT-OSS's logits 0.27 off)
     assert "without the documents' positions" in refused["OPTConfig"]
+    assert "without the documents' positions" in refused["GptOssConfig"]
     assert "linear_attention" in refused["Qwen3NextConfig"] and "mamba_" in refused["JambaConfig"]
-    for name in ("LlamaConfig", "MistralConfig", "GPTNeoXConfig", "Gemma3TextConfig", "GptOssConfig"):
+    for name in ("LlamaConfig", "MistralConfig", "GPTNeoXConfig", "Gemma3TextConfig", "Qwen3MoeConfig"):
         assert sequence_state_reason(getattr(transformers, name)()) is None, name

@@ -203,8 +203,13 @@ def hf_loads(tmp_path_factory) -> tuple[Path, torch.Tensor, Path]:
         vocab_size=256, hidden_size=36, intermediate_size=97, num_hidden_layers=2,
         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
         rms_norm_eps=1e-5)).save_pretrained(small)
+    # Mixtral as transformers saves it: each expert's w1, w2, w3 apart (3 experts: uneven over 4)
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=3, max_position_embeddings=64)).save_pretrained(out / "moe")
     for world in (1, 4):
-        run_on_ranks(load_memory, world, str(out), str(directory), vocab, dim, str(small), tmp_path=out)
+        run_on_ranks(load_memory, world, str(out), str(directory), vocab, dim, str(small), str(out / "moe"),
+                     tmp_path=out)
     return out, embedding, small
 
 
@@ -242,3 +247,18 @@ def test_init_from_hf_reads_only_the_own_q_and_k_rows(hf_loads):
             want = halves_to_interleaved(stored[f"model.layers.{layer}.self_attn.{theirs}.weight"], heads)
             assert torch.cat([rows[name] for rows in held]).equal(want), name
             assert all(rows[name].shape[0] > 0 for rows in held)
+
+
+def test_experts_stored_apart_load_into_the_stacked_parameters(hf_loads):
+    """Mixtral, Qwen3-MoE and DeepSeek-V3 directories store each expert's projections apart (what
+    transformers' save_pretrained writes), which transformers stacks while loading; they were
+    refused. Each rank now reads the experts its shard holds into the stacked parameters (gate and up
+    concatenated): at 1 and 4 ranks (3 experts: one rank holds none) equal to from_pretrained's."""
+    out, _, _ = hf_loads
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out / "moe", dtype=torch.float32)
+    want = {f"hf.{name}": param for name, param in theirs.named_parameters() if ".experts." in name}
+    assert any(name.endswith("gate_up_proj") for name in want)
+    for world in (1, 4):
+        loaded = torch.load(Path(out, f"moe-{world}.pt"))
+        assert loaded.keys() == want.keys()
+        assert all(loaded[name].equal(want[name]) for name in want), world

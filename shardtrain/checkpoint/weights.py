@@ -35,7 +35,7 @@ from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.config.schema import FinetuneConfig, ModelConfig
 from shardtrain.distributed.agreement import agree
 from shardtrain.distributed.qlora import NF4_DESCRIPTION
-from shardtrain.distributed.sharded_model import first_row, shard_like
+from shardtrain.distributed.sharded_model import first_row, local_box, shard_like
 from shardtrain.errors import CheckpointError
 from shardtrain.models.hf_directory import CONFIG_FILE as HF_CONFIG_FILE
 from shardtrain.models.hf_directory import is_model_directory
@@ -243,12 +243,42 @@ def copy_into(param: torch.Tensor, full: torch.Tensor, what: str) -> None:
     param.copy_(shard_like(full.to(param.dtype), param))
 
 
+def read_expert_parts(param: torch.Tensor, parts: list[tuple[Any, Any, str]], what: str) -> None:
+    """A parameter that stacks its experts (``[experts, rows, ...]``) from each expert's stored
+    tensors, ``(ExpertPart, open file, stored name)``: each rank reads only the part of each that
+    its shard holds (FSDP's rows are whole experts), none of the others."""
+    name, per_expert = parts[0][0].name, parts[0][0].parts
+    count = param.shape[0] * per_expert
+    found = {(part.expert, part.part) for part, _, _ in parts}
+    if len(parts) != count or found != {(e, p) for e in range(param.shape[0]) for p in range(per_expert)}:
+        raise CheckpointError(f"{what}: {name} stacks {param.shape[0]} experts from {count} stored tensors; "
+                              f"the files hold {len(parts)} of them")
+    local, (offsets, sizes) = ((param.to_local(), local_box(param)) if isinstance(param, DTensor)
+                               else (param, ([0] * param.ndim, list(param.shape))))
+    rows = param.shape[1] // per_expert
+    for part, handle, key in parts:
+        stored = handle.get_slice(key)
+        if list(stored.get_shape()) != [rows, *param.shape[2:]]:
+            raise CheckpointError(f"{what}: {key} has shape {list(stored.get_shape())}, the model wants "
+                                  f"{[rows, *param.shape[2:]]} for expert {part.expert} of {name}")
+        start = [part.expert, part.part * rows, *([0] * (param.ndim - 2))]
+        length = [1, rows, *param.shape[2:]]
+        low = [max(s, o) for s, o in zip(start, offsets)]
+        high = [min(s + n, o + z) for s, n, o, z in zip(start, length, offsets, sizes)]
+        if any(lo >= hi for lo, hi in zip(low, high)):
+            continue  # another rank's expert
+        source = stored[tuple(slice(lo - s, hi - s) for lo, hi, s in zip(low[1:], high[1:], start[1:]))]
+        local[tuple(slice(lo - o, hi - o) for lo, hi, o in zip(low, high, offsets))].copy_(source[None])
+
+
 @torch.no_grad()
 def load_files_into(model: nn.Module, files: list[Path], what: str,
-                    rename: Callable[[str], str] = lambda key: key) -> None:
+                    rename: Callable[[str], str] = lambda key: key,
+                    expert_part: Callable[[str], Any] = lambda key: None) -> None:
     """Every parameter of ``model`` (and each buffer the files hold) from safetensors ``files``, tensor
     by tensor, each rank reading only its own rows (``own_rows``). ``rename`` maps a stored name to
-    the model's.
+    the model's; ``expert_part`` says where one expert's stored tensor goes in a parameter that
+    stacks the experts (``read_expert_parts``), None for the others.
 
     A parameter registered under several names (tied input and output embeddings) may be stored
     under any of them or all: a consolidated checkpoint keeps every name its state dict had, a
@@ -264,15 +294,24 @@ def load_files_into(model: nn.Module, files: list[Path], what: str,
     buffers = {base_name(name): buffer for name, buffer in model.named_buffers()}
     with ExitStack() as stack:
         stored: dict[str, tuple[object, str]] = {}  # model name -> (open file, stored name)
+        experts: dict[str, list[tuple[Any, Any, str]]] = {}  # model name -> its experts' tensors
         for file in files:
             handle = stack.enter_context(safe_open(str(file), framework="pt"))
-            stored.update((rename(key), (handle, key)) for key in handle.keys())
+            for key in handle.keys():
+                if (part := expert_part(key)) is not None:
+                    experts.setdefault(part.name, []).append((part, handle, key))
+                else:
+                    stored[rename(key)] = (handle, key)
         known = {name for names in aliases.values() for name in names}
-        missing = sorted(names[0] for names in aliases.values() if not stored.keys() & set(names))
-        unexpected = sorted(name for name in stored.keys() - known if name not in buffers)
+        missing = sorted(names[0] for names in aliases.values()
+                         if not (stored.keys() | experts.keys()) & set(names))
+        unexpected = sorted(name for name in (stored.keys() | experts.keys()) - known if name not in buffers)
         if missing or unexpected:
             raise CheckpointError(f"{what}: missing keys {missing[:6]}, unexpected keys {unexpected[:6]}")
         for key, names in aliases.items():
+            if stacked := next((name for name in names if name in experts), None):
+                read_expert_parts(targets[key], experts[stacked], what)
+                continue
             present = [name for name in names if name in stored]
             handle, first = stored[present[0]]
             part = own_rows(targets[key], handle, first, f"{what}: {first}")
@@ -295,7 +334,8 @@ def load_safetensors_into(model: nn.Module, path: Path) -> None:
 def load_hf_model_into(model: nn.Module, directory: str | Path) -> None:
     """A Hugging Face model directory into ``model.name=hf``'s model (transformers' names)."""
     directory = Path(directory).expanduser()
-    load_files_into(model, weight_files(directory), str(directory), rename=model.parameter_name)
+    load_files_into(model, weight_files(directory), str(directory), rename=model.parameter_name,
+                    expert_part=model.expert_part)
 
 
 def read_hf_config(directory: Path) -> dict:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+from dataclasses import dataclass
 
 import torch
 import transformers
@@ -65,8 +66,9 @@ ATTENTION_ONLY_KINDS = {"attention", "full_attention", "sliding_attention", "chu
 SEQUENCE_STATE_MODEL_TYPES = {"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "lfm2", "lfm2_moe"}
 # Families whose modeling code builds its causal mask without the restarting position_ids, so
 # transformers never sees the packed documents (measured with transformers 5.24: OPT's second
-# document 0.17 off in its logits, BioGPT's 2e-2; 29 other families were exact).
-MASK_WITHOUT_POSITIONS_MODEL_TYPES = {"opt", "biogpt"}
+# document 0.17 off in its logits, BioGPT's 2e-2, GPT-OSS's 0.27; 29 other families were exact;
+# AfMoE's and GraniteMoeHybrid's code builds it the same way).
+MASK_WITHOUT_POSITIONS_MODEL_TYPES = {"opt", "biogpt", "gpt_oss", "afmoe", "granitemoehybrid"}
 
 
 def sequence_state_reason(config: PretrainedConfig) -> str | None:
@@ -128,6 +130,17 @@ def head_transform_reason(model: nn.Module) -> str | None:
 
 def max_positions(config: PretrainedConfig) -> int | None:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+@dataclass(frozen=True)
+class ExpertPart:
+    """One expert's stored tensor in a stacked expert parameter: ``name[expert]``'s ``part``-th of
+    ``parts`` equal slices along its first dimension (a gate projection before its up projection)."""
+
+    name: str
+    expert: int
+    part: int
+    parts: int
 
 
 class HFCache:
@@ -217,12 +230,34 @@ class HFCausalLM(nn.Module):
         return HFCache()
 
     def parameter_name(self, stored: str) -> str:
-        """The parameter a tensor stored in the model directory's files under ``stored`` fills."""
+        """The parameter a tensor stored in the model directory's files under ``stored`` fills
+        whole (``expert_part`` for one expert's share of a stacked one)."""
         name, converted = rename_source_key(stored, self._renamings, self._converters)
         if converted is not None:
             raise ModelError(f"{stored}: stored in a layout transformers converts while loading "
-                             f"({converted}); shardtrain reads weights tensor by tensor and cannot")
+                             f"({converted}) in a way shardtrain does not follow; load the model with "
+                             "transformers' from_pretrained and save its state_dict() with safetensors "
+                             "into a new model directory (beside config.json and the tokenizer files)")
         return PREFIX + name
+
+    def expert_part(self, stored: str) -> ExpertPart | None:
+        """Where one expert's tensor, stored as a module list does it (Mixtral's
+        ``experts.3.w1.weight``, Qwen3-MoE's ``experts.3.gate_proj.weight``), goes in the parameter
+        transformers stacks the experts in (``experts.gate_up_proj``: every expert's gate and up
+        projections, concatenated); None for a tensor stored as it is used."""
+        name, converted = rename_source_key(stored, self._renamings, self._converters)
+        if converted is None:
+            return None
+        converter = next(c for c in self._converters if converted in c.source_patterns)
+        steps = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+        if steps not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
+            return None  # parameter_name refuses it
+        pattern = re.escape(converted).replace(r"\*", r"(\d+)")
+        expert = re.search(pattern, stored)
+        if expert is None:
+            return None
+        return ExpertPart(PREFIX + name, int(expert.group(1)), converter.source_patterns.index(converted),
+                          len(converter.source_patterns))
 
     # ---- what the framework asks of a model -------------------------------------------------
 
