@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from shardtrain.cli.preflight import check_training
+from shardtrain.config.compose import compose_config
 from shardtrain.config.keys import GROUPS, group_options, schema_keys
 from shardtrain.config.loader import load_config
 from shardtrain.errors import ConfigError, ShardtrainError
@@ -272,3 +273,17 @@ def test_a_sample_longer_than_the_model_fails_before_training(tmp_path):
                                           r"1024; set trainer.sample_tokens to at most 1021"):
         check_sample_fits(cfg.trainer, task, model)
     check_sample_fits(dataclasses.replace(cfg.trainer, sample_tokens=1021), task, model)
+
+
+def test_model_paths_are_anchored_to_the_working_directory(tmp_path, monkeypatch):
+    """A relative model.path or tokenizer file is recorded absolute: generate and export-hf read the
+    checkpoint's config from elsewhere, where the relative path named nothing (found by review)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    (tmp_path / "models" / "qwen3").mkdir(parents=True)
+    (tmp_path / "models" / "qwen3" / "config.json").write_text("{}")
+    cfg = compose_config(["model.name=hf", "model.path=models/qwen3", "model.tokenizer=tok/tokenizer.json"])
+    assert cfg.model.path == str(tmp_path / "models" / "qwen3")
+    assert cfg.model.tokenizer == str(tmp_path / "tok" / "tokenizer.json")
+    assert compose_config([]).model.tokenizer == "auto" and compose_config([]).model.path is None

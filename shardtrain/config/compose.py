@@ -58,7 +58,19 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
         message = str(exc).splitlines()[0]
         raise ConfigError(f"invalid value for {key}: {message}") from exc
     check_config(cfg)
+    anchor_model_paths(cfg)
     return cfg
+
+
+def anchor_model_paths(cfg: Config) -> None:
+    """``model.path`` and a tokenizer file given relative to the working directory, made absolute:
+    checkpoints record them, and generate, eval and export-hf read them from wherever those run (a
+    relative path named another directory there, or none)."""
+    model = cfg.model
+    if model.path:
+        model.path = str(Path(model.path).expanduser().absolute())
+    if model.tokenizer not in ("auto", "bytes"):
+        model.tokenizer = str(Path(model.tokenizer).expanduser().absolute())
 
 
 def to_yaml(cfg: Config) -> str:
