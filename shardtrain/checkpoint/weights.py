@@ -147,11 +147,10 @@ def verify_shared(path: Path):
     """``layout.verify`` of a weights checkpoint, each rank checking its 1/world share of the shard
     files (every rank stat'ing every file is a million stats at 1,024 ranks); the ranks' verdicts are
     shared, so all raise the first error together, none going on alone into DCP's collectives."""
-    if not dist.is_initialized():
-        return layout.verify(path, need_state=False)
+    share = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
     metadata, error = None, None
     try:
-        metadata = layout.verify(path, need_state=False, share=(dist.get_rank(), dist.get_world_size()))
+        metadata = layout.verify(path, need_state=False, share=share)
     except CheckpointError as exc:
         error = str(exc)
     agree(error, error_type=CheckpointError)

@@ -259,6 +259,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
     ``before_sharding``: a conversion of the model's parameters in their storage dtype that FSDP must
     see when it shards them (QLoRA's NF4 base); it returns the parameters FSDP must leave alone."""
     check_single_registration(model)
+    if plan.activation_checkpointing == "selective" and (refusal := selective_refusal(model)):
+        raise ConfigError(refusal)  # before any tensor-parallel or float8 conversion
     wrap = resolve_wrap_classes(model, wrap_policy)
     names = {m: n for n, m in model.named_modules()}
     blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, wrap) and m is not model]
@@ -312,8 +314,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
                                             and not plan.cpu_offload)
     if before_sharding is not None and (ignored := before_sharding(model)):
         common["ignored_params"] = ignored
-    if plan.activation_checkpointing == "selective" and (refusal := selective_refusal(model)):
-        raise ConfigError(refusal)
     for index, (name, block) in enumerate(blocks):
         if plan.checkpointed(index):
             contexts = None
