@@ -237,10 +237,18 @@ def file_size_limit(limit: int | None) -> Iterator[None]:
         signal.signal(signal.SIGXFSZ, previous)
 
 
+def saves_in_flight_anywhere(checkpointer) -> bool:
+    """What the training step's all-reduce tells every rank: some rank's async save is unfinished."""
+    flag = torch.tensor([float(checkpointer.save_in_flight())])
+    torch.distributed.all_reduce(flag)
+    return bool(flag.item())
+
+
 def failed_saves(out: str, full: Trainer, split: Trainer) -> None:
     """Rank 1 cannot write its shard (a file size limit, as a full disk would): a blocking save and
-    an async one (at the poll after it) raise on every rank one line naming rank 1, the cause, the
-    fix and the checkpoint left intact; nothing is committed and that checkpoint is untouched."""
+    an async one (at the same poll on every rank, though rank 1 learns of it later) raise on every
+    rank one line naming rank 1, the cause, the fix and the checkpoint left intact; nothing is
+    committed and that checkpoint is untouched."""
     rank = torch.distributed.get_rank()
     for trainer, blocking in ((split, True), (full, False)):
         root = Path(trainer.cfg.run.dir, "checkpoints")
@@ -252,6 +260,9 @@ def failed_saves(out: str, full: Trainer, split: Trainer) -> None:
         message = (f"saving step {step} to {root / f'.step-{step}.tmp'} failed on rank 1: [Errno 27] "
                    f"File too large; raise the file size limit (ulimit -f) above a checkpoint file's "
                    f"size (step-{2 * N} is intact)")
+        polls = 0
+        if not blocking and rank == 1:  # rank 1 learns of the failure half a second after rank 0
+            trainer.checkpointer.finisher.submit(time.sleep, 0.5)
         with file_size_limit((rng + shard) // 2 if rank == 1 else None):
             try:
                 trainer.checkpointer.save(step, tokens_seen=0, consumed_samples=0,
@@ -259,12 +270,20 @@ def failed_saves(out: str, full: Trainer, split: Trainer) -> None:
                 if not blocking:
                     assert trainer.checkpointer.pending is not None
                     while trainer.checkpointer.pending is not None:  # as the training loop polls
-                        trainer.checkpointer.poll()
+                        polls += 1
+                        # A rank whose save is done waits while another rank's is not.
+                        trainer.checkpointer.poll(in_flight_anywhere=True)
+                        assert trainer.checkpointer.pending is not None
+                        trainer.checkpointer.poll(saves_in_flight_anywhere(trainer.checkpointer))
                         time.sleep(0.05)
             except CheckpointError as exc:
                 assert str(exc) == message, (blocking, str(exc))
             else:
                 raise AssertionError(f"a save that could not be written succeeded (blocking={blocking})")
+        if not blocking:  # every rank raised at the same poll, as it would at the same step
+            counts = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(counts, polls)
+            assert len(set(counts)) == 1 and counts[0] > 5, counts
         assert not (root / f"step-{step}").exists()
         assert {p.name: p.read_bytes() for p in last.iterdir()} == before
     # Rank 0 cannot make the directory to save into (a file holds its name): every rank raises its

@@ -473,9 +473,17 @@ class Checkpointer:
             log.warning(f"checkpoint: step {committed} is saved, but deleting an older checkpoint "
                         f"failed ({exc}); delete it by hand to free its space")
 
-    def poll(self) -> None:
-        """Non-blocking: report a finished async save (and raise its error, if it failed)."""
-        if self.pending is not None and self.pending.future.done():
+    def save_in_flight(self) -> bool:
+        """This rank's async save is still being written or committed."""
+        return self.pending is not None and not self.pending.future.done()
+
+    def poll(self, in_flight_anywhere: bool) -> None:
+        """Non-blocking: report a finished async save (and raise its error, if it failed) once no
+        rank has it in flight. ``in_flight_anywhere`` must be the same on every rank (the training
+        step reduces ``save_in_flight()``): ranks that finished at different times then report, or
+        raise, at the same step, instead of one stopping while the others go on into the next
+        step's collectives."""
+        if self.pending is not None and not in_flight_anywhere:
             self.wait()
 
     def wait(self) -> None:

@@ -408,7 +408,7 @@ class Trainer:
         stats = self.run_step()
         if self.checkpointer is None:
             return True
-        self.checkpointer.poll()
+        self.checkpointer.poll(stats.save_in_flight_anywhere)
         if self.preemption is not None and stats.stop_agreed:
             self.info(f"preemption ({self.preemption.signal_name or 'signal on another rank'}): "
                       f"saving at step {self.step} and stopping")
@@ -450,6 +450,8 @@ class Trainer:
                                    phases=phases,
                                    sharded_accumulation=b.plan.grad_accumulation == "sharded",
                                    stop_requested=self.stop_requested,
+                                   save_in_flight=None if self.checkpointer is None
+                                   else self.checkpointer.save_in_flight,
                                    flops_per_sample=self.counted_flops_per_sample,
                                    metric_kinds=self.metric_kinds,
                                    reserved_names=self.record_fields() if self.metric_kinds is None

@@ -49,6 +49,9 @@ class StepStats:
     skipped: bool
     # Some rank asked to stop (a preemption signal), agreed by every rank in this step's all-reduce.
     stop_agreed: bool = False
+    # Some rank's async checkpoint save was still being written when this step reduced: no rank
+    # finalizes it yet, so every rank reports (or raises) it at the same step.
+    save_in_flight_anywhere: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
     # Each metric's global sum and divisor (its own count, or the step's count): what the loop adds
     # over a logging interval and divides once, so a step whose count is 0 does not make the
@@ -280,6 +283,7 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
                step: int = 0, phases: PhaseMemory | None = None,
                sharded_accumulation: bool = True,
                stop_requested: Callable[[], bool] | None = None,
+               save_in_flight: Callable[[], bool] | None = None,
                flops_per_sample: float | None = None,
                metric_kinds: tuple[tuple[str, bool], ...] | None = None,
                reserved_names: frozenset[str] = frozenset()) -> StepStats:
@@ -290,7 +294,8 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
     otherwise gradients stay unsharded and are reduced once, on the last micro-batch.
     ``stop_requested()`` (this rank was signalled), asked after backward, rides on the loss
     all-reduce, so that every rank learns of any rank's request without a collective or host
-    synchronisation of its own. ``metric_kinds``: the task's metrics as the first step returned
+    synchronisation of its own; ``save_in_flight()`` (this rank's async save is still being
+    written) rides along the same way. ``metric_kinds``: the task's metrics as the first step returned
     them (None on the first step, whose names every rank then compares once, and refuses those
     in ``reserved_names``: the metrics record's own fields).
     """
@@ -340,10 +345,10 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
         clip_grads_(params, (1.0 / global_count).float())
     grad_norm = global_grad_norm(params, mesh)
     scale = clip_scale(grad_clip_norm, grad_norm) if grad_clip_norm > 0 else torch.ones((), device=device)
-    stop = float(stop_requested()) if stop_requested is not None else 0.0
+    flags = [float(asked()) if asked is not None else 0.0 for asked in (stop_requested, save_in_flight)]
+    host_values = [torch.full((), value, dtype=torch.float64, device=device) for value in (*flags, flops)]
     summed = global_sum_tensor(torch.stack(
-        [loss_sum.double(), torch.full((), stop, dtype=torch.float64, device=device), returned_count,
-         torch.full((), flops, dtype=torch.float64, device=device), *metrics.vector()]), copies)
+        [loss_sum.double(), *host_values[:2], returned_count, host_values[2], *metrics.vector()]), copies)
     on_device = skips_on_device(optimizer)
     if on_device:
         # The skip decision stays on the device (the same on every rank: both are global), so the
@@ -353,8 +358,8 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
         step_unless(optimizer, ~(torch.isfinite(grad_norm) & torch.isfinite(summed[0])))
     # The step's one host synchronisation: what the skip decision and the log need, in one transfer
     # (after the update where the optimizer skips on the device, else before it).
-    norm_value, scale_value, count, loss_value, stops, returned, flops_value, *metric_values = torch.cat(
-        [torch.stack([grad_norm.double(), scale.double(), global_count]), summed]).tolist()
+    values = torch.cat([torch.stack([grad_norm.double(), scale.double(), global_count]), summed]).tolist()
+    norm_value, scale_value, count, loss_value, stops, saving, returned, flops_value, *metric_values = values
     if count == 0:
         raise TrainingError("a training step had a count of 0 on every rank (no target tokens, no "
                             "valid positions): nothing to learn from; check the data")
@@ -376,7 +381,8 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
     if phases is not None:
         phases.mark("end")
     return StepStats(loss=loss_value, grad_norm=norm_value, count=count, skipped=skipped,
-                     stop_agreed=stops > 0, metrics=metrics.values(metric_values, count),
+                     stop_agreed=stops > 0, save_in_flight_anywhere=saving > 0,
+                     metrics=metrics.values(metric_values, count),
                      metric_sums=metrics.pairs(metric_values, count),
                      flops=flops_value, metric_kinds=metrics.kinds or ())
 
