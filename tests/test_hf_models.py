@@ -393,7 +393,7 @@ def test_every_buffer_is_set_after_materialisation(tmp_path):
     """DeepSeek-V3's router holds a persistent buffer (``e_score_correction_bias``: read with the
     weights, zeros from the family's ``_init_weights``): from scratch it kept whatever memory the
     device gave (NaN stands for that here). Every buffer now equals ``from_config``'s; a buffer the
-    family does not set is refused from scratch, named."""
+    family does not set is refused from scratch, named, and must be in the weights read."""
     config = transformers.DeepseekV3Config(
         vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, n_routed_experts=4, num_experts_per_tok=2,
@@ -416,6 +416,23 @@ def test_every_buffer_is_set_after_materialisation(tmp_path):
     with pytest.raises(ModelError, match=r"e_score_correction_bias \(DeepseekV3TopkRouter\): a buffer the "
                                          r"family's _init_weights does not set, so from scratch nothing"):
         ours.init_buffers()
+    # With weights read, such a buffer must be in them: loaded where it is, refused where it is not.
+    reference = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        reference.model.layers[1].mlp.gate.e_score_correction_bias.uniform_()
+    reference.save_pretrained(tmp_path)
+    ours.cfg = replace(ours.cfg, pretrained=True)
+    ours.init_buffers()
+    assert ours.buffers_only_in_weights == {"hf.model.layers.1.mlp.gate.e_score_correction_bias"}
+    load_model_weights(ours, str(tmp_path), ours.cfg)
+    assert ours.hf.model.layers[1].mlp.gate.e_score_correction_bias.equal(
+        reference.model.layers[1].mlp.gate.e_score_correction_bias)
+    stored = load_file(tmp_path / "model.safetensors")
+    del stored["model.layers.1.mlp.gate.e_score_correction_bias"]
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"lacks hf.model.layers.1.mlp.gate.e_score_correction_bias: "
+                                              r"buffers the model's family does not initialise"):
+        load_model_weights(ours, str(tmp_path), ours.cfg)
 
 
 def test_an_embeddings_padding_row_starts_at_zero_in_any_shard(tmp_path, monkeypatch):

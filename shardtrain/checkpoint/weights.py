@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -273,11 +273,13 @@ def read_expert_parts(param: torch.Tensor, parts: list[tuple[Any, Any, str]], wh
 @torch.no_grad()
 def load_files_into(model: nn.Module, files: list[Path], what: str,
                     rename: Callable[[str], str] = lambda key: key,
-                    expert_part: Callable[[str], Any] = lambda key: None) -> None:
+                    expert_part: Callable[[str], Any] = lambda key: None,
+                    required_buffers: Collection[str] = frozenset()) -> None:
     """Every parameter of ``model`` (and each buffer the files hold) from safetensors ``files``, tensor
     by tensor, each rank reading only its own rows (``own_rows``). ``rename`` maps a stored name to
     the model's; ``expert_part`` says where one expert's stored tensor goes in a parameter that
-    stacks the experts (``read_expert_parts``), None for the others.
+    stacks the experts (``read_expert_parts``), None for the others. ``required_buffers``: buffers
+    nothing but the files sets (a family's ``_init_weights`` leaves them), refused when absent.
 
     A parameter registered under several names (tied input and output embeddings) may be stored
     under any of them or all: a consolidated checkpoint keeps every name its state dict had, a
@@ -307,6 +309,10 @@ def load_files_into(model: nn.Module, files: list[Path], what: str,
         unexpected = sorted(name for name in (stored.keys() | experts.keys()) - known if name not in buffers)
         if missing or unexpected:
             raise CheckpointError(f"{what}: missing keys {missing[:6]}, unexpected keys {unexpected[:6]}")
+        if absent := sorted(name for name in required_buffers if base_name(name) not in stored):
+            raise CheckpointError(f"{what} lacks {', '.join(absent[:6])}: buffers the model's family does "
+                                  "not initialise, so only the weight files can set them; use a "
+                                  "directory saved with them (save_pretrained keeps persistent buffers)")
         for key, names in aliases.items():
             if stacked := next((name for name in names if name in experts), None):
                 read_expert_parts(targets[key], experts[stacked], what)
@@ -334,7 +340,8 @@ def load_hf_model_into(model: nn.Module, directory: str | Path) -> None:
     """A Hugging Face model directory into ``model.name=hf``'s model (transformers' names)."""
     directory = Path(directory).expanduser()
     load_files_into(model, weight_files(directory), str(directory), rename=model.parameter_name,
-                    expert_part=model.expert_part)
+                    expert_part=model.expert_part,
+                    required_buffers=getattr(model, "buffers_only_in_weights", frozenset()))
 
 
 def read_hf_config(directory: Path) -> dict:

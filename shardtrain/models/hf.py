@@ -303,6 +303,7 @@ class HFCausalLM(nn.Module):
         tables) are in no weight file, and persistent ones (a router's ``e_score_correction_bias``)
         are read with the weights but from scratch nothing else sets them."""
         persistent = set(self.state_dict())
+        self.buffers_only_in_weights: set[str] = set()
         owners: dict[str, nn.Module] = {}
         for name, _ in self.named_buffers():
             owner = name.rpartition(".")[0]
@@ -324,7 +325,7 @@ class HFCausalLM(nn.Module):
         their version counters show that nothing wrote them (a write through ``.data`` would not
         show: transformers' own families make none). A buffer the family does not set is refused
         where nothing else will: a non-persistent one always, a persistent one when no weights are
-        read."""
+        read (and the weights read must hold it: ``buffers_only_in_weights``)."""
         params = list(module.parameters())
         buffers = dict(module.named_buffers(prefix=owner_name, recurse=False))
         param_versions = [param._version for param in params]
@@ -353,6 +354,7 @@ class HFCausalLM(nn.Module):
             raise ModelError(f"{', '.join(missed)} ({type(module).__name__}): a buffer the family's "
                              "_init_weights does not set, so from scratch nothing does; load weights "
                              "(model.pretrained=true with weights in model.path, or model.init_from=)")
+        self.buffers_only_in_weights.update(missed)  # the weight files must hold them
 
     def layers_with_a_mask(self, seq_len: int, document_mask: bool) -> list[bool]:
         """Per decoder layer, whether its SDPA attention gets a T x T mask at ``seq_len`` tokens
