@@ -572,7 +572,10 @@ def strategies_at(world: int, local: int) -> list[str]:
 
 def run_shape(cfg: Config, local: int) -> str:
     """The plan tables' header: precision, float8, processes per node, tensor parallelism."""
-    return (f"precision {resolve_precision(cfg.strategy.mixed_precision, accelerated=True)}"
+    precision = resolve_precision(cfg.strategy.mixed_precision, accelerated=True)
+    if cfg.strategy.mixed_precision.lower() == "auto":  # planned for GPUs, whatever this machine is
+        precision += " (mixed_precision=auto on GPUs; on CPUs it trains in fp32)"
+    return (f"precision {precision}"
             + ("; float8 linears, gathered in float8 where a shard group has more than one rank"
                if cfg.strategy.float8 else "")
             + f"; {local} process{'es' if local > 1 else ''} per node"
