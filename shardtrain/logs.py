@@ -19,7 +19,13 @@ class TaggedFormatter(logging.Formatter):
         self.tag = tag
 
     def format(self, record: logging.LogRecord) -> str:
-        return "\n".join(f"{self.tag} {line}" for line in super().format(record).split("\n"))
+        text = super().format(record)
+        package = record.name.partition(".")[0]
+        if package not in ("shardtrain", "root", "__main__"):
+            # A library's line (torchao's kernel loading, a task module's own logger) under the
+            # tag would read as shardtrain's: it says whose it is.
+            text = f"{package}: {text}"
+        return "\n".join(f"{self.tag} {line}" for line in text.split("\n"))
 
 
 def setup_logging() -> None:

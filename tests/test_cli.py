@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
 import pytest
 from cli_utils import clean_env, read_metrics, run_cli
 
+from shardtrain.logs import TaggedFormatter
 from shardtrain.train.console import format_record
 
 
@@ -95,6 +97,19 @@ for args in json.loads(sys.argv[1]):
     heavy = [m for m in ("torch", "transformers", "safetensors", "matplotlib") if m in sys.modules]
     print(json.dumps([status, out.getvalue().strip().splitlines()[-1], heavy]))
 """
+
+
+def test_log_lines_say_which_library_wrote_them():
+    """Every line is tagged (the launcher keeps tagged lines on the console); a library's own line
+    says whose it is rather than reading as shardtrain's (torchao's kernel loading on CPU)."""
+    formatter = TaggedFormatter("[st 1]")
+
+    def line(name: str, message: str) -> str:
+        return formatter.format(logging.LogRecord(name, logging.WARNING, __file__, 1, message, None, None))
+
+    assert line("shardtrain.train.loop", "step 1\nstep 2") == "[st 1] step 1\n[st 1] step 2"
+    assert line("torchao.kernel.intmm", "Detected no triton") == "[st 1] torchao: Detected no triton"
+    assert line("root", "a warning") == "[st 1] a warning"
 
 
 def test_answers_without_training_import_no_torch(tmp_path):
