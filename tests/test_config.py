@@ -287,3 +287,17 @@ def test_model_paths_are_anchored_to_the_working_directory(tmp_path, monkeypatch
     assert cfg.model.path == str(tmp_path / "models" / "qwen3")
     assert cfg.model.tokenizer == str(tmp_path / "tok" / "tokenizer.json")
     assert compose_config([]).model.tokenizer == "auto" and compose_config([]).model.path is None
+
+
+def test_llama_fields_with_a_hugging_face_model_are_refused(tmp_path):
+    """model.name=hf takes its shape from config.json: a built-in Llama field set beside it (by hand
+    or by a llama preset) changed nothing and was silently ignored; now it is named."""
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"model.dim=1024 shapes the built-in Llama only; model.name=hf takes its shape from "
+            f"{tmp_path / 'config.json'}: drop it (the model=hf preset sets none) or edit config.json")):
+        compose_config(["model=hf", f"model.path={tmp_path}", "model.dim=1024"])
+    with pytest.raises(ConfigError, match=r"^model.dim=36, model.n_layers=3, model.n_heads=6, "
+                                          r"model.ffn_hidden_dim=97, model.max_seq_len=256 shape the"):
+        compose_config(["model=llama_tiny", "model.name=hf", f"model.path={tmp_path}"])
+    assert compose_config(["model=hf", f"model.path={tmp_path}"]).model.name == "hf"

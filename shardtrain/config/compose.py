@@ -32,6 +32,11 @@ from shardtrain.config.strategy import check_strategy_names, devices_count
 from shardtrain.config.suggest import closest
 from shardtrain.errors import ConfigError
 
+# ModelConfig's fields that only the built-in Llama reads (model.name=hf takes config.json's).
+LLAMA_ONLY_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim",
+                     "ffn_multiple_of", "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings",
+                     "lean_layers", "init_std")
+
 
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The config these overrides make, checked on its own (``loader.load_config`` goes on to check
@@ -129,6 +134,13 @@ def check_model(cfg: Config) -> None:
             hf = json.loads(config_file.read_text())
         except ValueError as exc:
             raise ConfigError(f"{config_file} is not valid JSON ({exc})") from exc
+        defaults = ModelConfig()
+        if changed := [key for key in LLAMA_ONLY_FIELDS if getattr(m, key) != getattr(defaults, key)]:
+            shown = ", ".join(f"model.{key}={getattr(m, key)}" for key in changed)
+            raise ConfigError(f"{shown} shape{'s' if len(changed) == 1 else ''} the built-in Llama only; "
+                              f"model.name=hf takes its shape from {config_file}: drop "
+                              f"{'it' if len(changed) == 1 else 'them'} (the model=hf preset sets none) "
+                              "or edit config.json")
         positions = hf.get("max_position_embeddings") or hf.get("n_positions")
         if positions and seq_len > positions:
             raise ConfigError(f"trainer.seq_len={seq_len} exceeds the model's {positions} positions "
