@@ -135,6 +135,15 @@ class RankMetrics(ImageClassification):
         return LossOutput(out.loss, out.count, {f"rank{torch.distributed.get_rank()}": out.count})
 
 
+class RankData(ImageClassification):
+    """Rank 1 has one training image fewer, as a node whose copy of the data differs would."""
+
+    def train_dataset(self) -> SyntheticImages:
+        o = self.options
+        fewer = torch.distributed.get_rank()
+        return SyntheticImages(o.train_samples - fewer, o.classes, o.image_size, self.seed)
+
+
 class DerivedLanguageTask(LanguageModelTask):
     """The built-in language-model task under another name: its settings (micro_batch_size=auto,
     trainer.loss_chunk_tokens) apply."""

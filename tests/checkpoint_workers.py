@@ -22,7 +22,7 @@ import torch
 from equivalence import case_config, small_corpus
 
 from shardtrain.distributed.env import lazily_connected_gloo_group
-from shardtrain.errors import CheckpointError
+from shardtrain.errors import CheckpointError, TrackerError
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.loop import Trainer
 
@@ -301,6 +301,35 @@ def failed_saves(out: str, full: Trainer, split: Trainer) -> None:
                                  f"its checkpoints directory) (step-{2 * N} is intact)"), str(exc)
     else:
         raise AssertionError("saved into a file")
+    # Rank 1 cannot write its RNG file, then rank 0 its consolidated weights (checkpoint.save_full):
+    # both before DCP's collectives, which the other rank went on into alone; now every rank raises
+    # the failed rank's one line.
+    checkpointer = split.checkpointer
+    checkpointer.ckpt = dataclasses.replace(checkpointer.ckpt, save_full=True)
+    rng = (root / f"step-{2 * N}" / "rng-rank0.pt").stat().st_size
+    weights = 4 * sum(p.numel() for p in split.model.parameters())
+    assert rng < weights, (rng, weights)
+    for failing, step, limit in ((1, 2 * N + 3, 16), (0, 2 * N + 4, (rng + weights) // 2)):
+        with file_size_limit(limit if rank == failing else None):
+            try:
+                checkpointer.save(step, tokens_seen=0, consumed_samples=0,
+                                  global_batch=split.layout.global_batch, blocking=True)
+            except CheckpointError as exc:
+                assert str(exc).startswith(f"saving step {step} to {root / f'.step-{step}.tmp'} failed on "
+                                           f"rank {failing}: [Errno 27] File too large"), str(exc)
+            else:
+                raise AssertionError(f"rank {failing} could not write, yet the save succeeded")
+    # A tracker that cannot start (they start on rank 0 only): every rank stops at start-up with its
+    # one line, rather than the others waiting in the first step.
+    run = split.cfg.run
+    split.cfg = dataclasses.replace(split.cfg, run=dataclasses.replace(
+        run, trackers=["mlflow"], mlflow=dataclasses.replace(run.mlflow, tracking_uri="http://127.0.0.1:1")))
+    try:
+        split.fit()
+    except TrackerError as exc:
+        assert "the MLflow tracking server http://127.0.0.1:1 cannot be reached" in str(exc), str(exc)
+    else:
+        raise AssertionError("a tracker that cannot start did not stop the run")
 
 
 def bytes_read() -> int:

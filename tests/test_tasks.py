@@ -327,6 +327,8 @@ def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
                                         "the metrics record"),
     ("broken_tasks:RankMetrics", 2, "ranks disagree on the task's metrics (name, has its own count): "
                                     "rank 0 has (('rank0', False),), rank 1 has (('rank1', False),)"),
+    ("broken_tasks:RankData", 2, "ranks disagree on training samples (511 vs 512): the ranks read different "
+                                 "data"),
     ("broken_tasks:MixedItems", 1, "is {'image': 'tensor[float32, 3-d]'}, item 0 is "
                                    "{'image': 'tensor[float32, 3-d]', 'label': 'tensor[int64, 0-d]'}"),
 ])

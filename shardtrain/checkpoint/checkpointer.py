@@ -24,10 +24,11 @@ import random
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ from shardtrain.checkpoint.weights import base_identity, check_model_compatible,
 from shardtrain.config.compose import config_hash
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
-from shardtrain.distributed.agreement import agree, gather_verdicts, raise_first_error
+from shardtrain.distributed.agreement import agree, gather_verdicts, raise_first_error, run_agreed
 from shardtrain.distributed.env import lazily_connected_gloo_group
 from shardtrain.errors import CheckpointError
 from shardtrain.models.lora import is_adapter
@@ -95,6 +96,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
                          n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     accelerator.set_rng_state(state.get("accelerator"))
+
+
+def write_full_weights(full: dict[str, torch.Tensor], file: Path) -> None:
+    """``checkpoint.save_full``'s consolidated safetensors file (rank 0, which holds ``full``)."""
+    if full:
+        save_file({k: v.contiguous() for k, v in full.items()}, str(file))
+        layout.fsync_path(file)  # durable before the commit, as DCP's files are
 
 
 def read_rng_state(file: Path) -> dict[str, Any]:
@@ -206,28 +214,17 @@ class Checkpointer:
 
     def choose_resume(self) -> Path | None:
         """The checkpoint ``checkpoint.resume`` selects, or None to start fresh."""
-        choice = self.ckpt.resume
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-        if choice != "auto" and self.saved_by_earlier_attempt(choice, restarted):
-            # A restarted attempt or a requeued job goes on from this run's newest checkpoint, not
-            # from the start's choice (which would repeat or refuse the steps it saved before).
-            self.info(f"resume: this run's checkpoints after resume={choice} were saved by an earlier "
-                      "attempt or job of it: going on from the newest")
-            choice = "auto"
+        choice, complete = self.resume_candidates()
         if choice == "none":
-            layout.refuse_fresh_start(self.root)
             return None
         if choice != "auto":
             path = Path(choice).expanduser()
             # fails rather than falls back
             self.verified_metadata = (path, self.verify_agreed(path, refuse_newer=True))
             return path
-        found = layout.candidates(self.root)
-        for path, why in found.skipped:
-            self.info(f"resume: skipping {path}: {why}")
         # Newest first, reading .metadata and hashing only until one passes: not every checkpoint of
         # the run on every start, on every rank.
-        for step, path in reversed(found.complete):
+        for step, path in reversed(complete):
             try:
                 self.verified_metadata = (path, self.verify_agreed(path))
             except CheckpointError as exc:
@@ -236,13 +233,48 @@ class Checkpointer:
                 continue
             self.info(f"resume: newest complete checkpoint is {path} (step {step})")
             return path
-        if found.complete:  # starting fresh would bury the run's progress under new checkpoints
+        if complete:  # starting fresh would bury the run's progress under new checkpoints
             raise CheckpointError(
                 f"every checkpoint in {self.root} fails its checks (see the lines above); resume one "
                 "explicitly with checkpoint.verify_checksums=false if you accept the damage, or start "
                 "fresh in a new run.dir"
             )
         return None
+
+    def resume_candidates(self) -> tuple[str, list[tuple[int, Path]]]:
+        """What ``checkpoint.resume`` comes to on every rank alike: ``none``, a path, or ``auto`` with
+        the run's complete checkpoints, oldest first. Rank 0 reads the directory (every rank's own
+        listing could differ on a network filesystem's cache, and a rank that found nothing would
+        skip the verification the others wait in); a restart is one where any rank's attempt
+        counter says so (torchrun counts a node's own failures only: a healthy node restarted for
+        another node's failure keeps 0)."""
+        restarts = agree(None, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), self.group,
+                         error_type=CheckpointError)
+        decision, error = None, None
+        if self.rank == 0:
+            try:
+                decision = self.decide_resume(restarted=max(restarts) > 0)
+            except (CheckpointError, OSError) as exc:  # OSError: the directory cannot be listed
+                error = str(exc) or type(exc).__name__
+        return agree(error, decision, self.group, error_type=CheckpointError)[0]
+
+    def decide_resume(self, restarted: bool) -> tuple[str, list[tuple[int, Path]]]:
+        """Rank 0: ``resume_candidates`` from the run's checkpoint directory."""
+        choice = self.ckpt.resume
+        if choice != "auto" and self.saved_by_earlier_attempt(choice, restarted):
+            # A restarted attempt or a requeued job goes on from this run's newest checkpoint, not
+            # from the start's choice (which would repeat or refuse the steps it saved before).
+            self.info(f"resume: this run's checkpoints after resume={choice} were saved by an earlier "
+                      "attempt or job of it: going on from the newest")
+            choice = "auto"
+        if choice == "none":
+            layout.refuse_fresh_start(self.root)
+        if choice != "auto":
+            return choice, []
+        found = layout.candidates(self.root)
+        for path, why in found.skipped:
+            self.info(f"resume: skipping {path}: {why}")
+        return choice, found.complete
 
     def saved_by_earlier_attempt(self, choice: str, restarted: bool) -> bool:
         """Whether the run's checkpoints after the one ``choice`` names were saved by an earlier
@@ -306,27 +338,32 @@ class Checkpointer:
         start = time.perf_counter()
         self.wait()  # one save in flight at a time
         final, tmp = layout.step_dir(self.root, step), layout.tmp_dir(self.root, step)
-        # Every rank decides from the same files, so all raise together instead of some waiting.
-        if final.exists() and final not in self.damaged and layout.is_complete(final):
-            raise CheckpointError(f"{final} already exists; refusing to overwrite a checkpoint")
         prepared: list[str | None] = [None]
         if self.rank == 0:
             try:
+                if final.exists() and final not in self.damaged and layout.is_complete(final):
+                    raise CheckpointError(f"{final} already exists; refusing to overwrite a checkpoint")
                 with self.save_errors(step, tmp):
                     self.prepare(final, tmp)
             except CheckpointError as exc:
                 prepared[0] = str(exc)
-        # Every rank waits for the directory, and learns whether rank 0 could make it: all raise its
-        # error together rather than the others waiting in DCP's collectives until the timeout.
+        # Every rank waits for the directory, and learns whether rank 0 could make it (or refused to
+        # overwrite a checkpoint): all raise its error together rather than the others waiting in
+        # DCP's collectives until the timeout.
         dist.broadcast_object_list(prepared, src=0, group=self.group)
         if prepared[0] is not None:
             raise CheckpointError(prepared[0])
-        with self.save_errors(step, tmp):  # this rank's own files: a full disk is said in one line
-            write_rng_state(tmp / f"rng-rank{self.rank}.pt")
+        # This rank's own files: a full disk is said in one line, and on every rank together (the
+        # others would go on into DCP's collectives, or the full weights' gather, without it).
+        run_agreed(lambda: self.write_file(step, tmp, write_rng_state, f"rng-rank{self.rank}.pt"), self.group)
         faults.inject("save", self.rank, step)
         if self.ckpt.save_full:
-            with self.save_errors(step, tmp):
-                self.save_full_weights(tmp / "model.safetensors")
+            full = get_model_state_dict(  # a collective; rank 0 holds the whole model
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if self.rank != 0:
+                full = {}
+            run_agreed(lambda: self.write_file(step, tmp, partial(write_full_weights, full),
+                                               "model.safetensors"), self.group)
         state = self.training_state()
         trainer_state = TrainState.capture(
             self.cfg, self.plan, step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
@@ -401,13 +438,10 @@ class Checkpointer:
             self.stager.close()
             self.stager = None
 
-    def save_full_weights(self, path: Path) -> None:
-        full = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if self.rank == 0:
-            save_file({k: v.contiguous() for k, v in full.items()}, str(path))
-            layout.fsync_path(path)  # durable before the commit, as DCP's files are
+    def write_file(self, step: int, tmp: Path, write: Callable[[Path], None], name: str) -> None:
+        """``write(tmp / name)``, its failure said as ``save_errors`` says it."""
+        with self.save_errors(step, tmp):
+            write(tmp / name)
 
     def commit(self, step: int, tmp: Path, trainer_state: TrainState) -> None:
         """Every rank hashes the files it wrote (their pages are still cached), rank 0 gathers the

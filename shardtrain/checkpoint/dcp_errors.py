@@ -9,6 +9,7 @@ cause. These helpers find the first failed rank's own exception and say it in on
 from __future__ import annotations
 
 import errno
+import os
 import re
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -35,12 +36,23 @@ def first_failure(exc: BaseException) -> tuple[int | None, BaseException]:
     return rank, exc
 
 
+def os_error_code(exc: BaseException) -> int | None:
+    """The errno of an OSError, or of a Rust library's I/O error (safetensors' "Error while
+    serializing: I/O error: File too large (os error 27)"), else None."""
+    if isinstance(exc, OSError):
+        return exc.errno
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    return int(found.group(1)) if found else None
+
+
 def describe(exc: BaseException) -> str:
-    """One line for an exception: an OSError's own text ("[Errno 28] No space left on device"),
-    else its type and the first line of its message (torch's weights-only refusal reduced to what
-    it refused, not its page of advice)."""
+    """One line for an exception: an OSError's own text ("[Errno 28] No space left on device"), a
+    Rust library's I/O error as the same, else its type and the first line of its message (torch's
+    weights-only refusal reduced to what it refused, not its page of advice)."""
     if isinstance(exc, OSError) and exc.errno is not None:
         return str(exc).splitlines()[0] if str(exc) else f"[Errno {exc.errno}] {exc.strerror}"
+    if (code := os_error_code(exc)) is not None:
+        return f"[Errno {code}] {os.strerror(code)}"
     text = str(exc)
     refused = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
     line = refused.group(1) if refused else next((s for s in text.splitlines() if s.strip()), "")
@@ -49,7 +61,7 @@ def describe(exc: BaseException) -> str:
 
 def save_fix(exc: BaseException) -> str:
     """What the user can do about a save that failed with ``exc`` (an underlying exception)."""
-    code = exc.errno if isinstance(exc, OSError) else None
+    code = os_error_code(exc)
     if code in (errno.ENOSPC, errno.EDQUOT):
         return "free space on run.dir's filesystem (or raise its quota)"
     if code in (errno.EACCES, errno.EPERM, errno.EROFS):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardtrain.errors import ModelError
+from shardtrain.errors import DataError, ModelError
 
 log = logging.getLogger("shardtrain")
 
@@ -59,15 +59,15 @@ def explain_bypassed_forward(exc: BaseException) -> ModelError | None:
     return None
 
 
-def check_uniform_batches(counts: dict[str, int], device: torch.device) -> None:
-    """Every rank must run the same number of micro-batches per step and evaluation batches."""
+def check_same_counts(counts: dict[str, tuple[int, str]], device: torch.device) -> None:
+    """Every rank must have the same of each count (name: (this rank's, what a difference means and
+    its fix)): one all-reduce of the counts and their negatives, for the smallest and largest."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
-    mine = torch.tensor(list(counts.values()), dtype=torch.int64, device=device)
-    low, high = mine.clone(), mine.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    for key, lo, hi in zip(counts, low.tolist(), high.tolist(), strict=True):
+    mine = torch.tensor([count for count, _ in counts.values()], dtype=torch.int64, device=device)
+    extremes = torch.cat([mine, -mine])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    high, low = extremes.tolist()[:len(counts)], [-value for value in extremes.tolist()[len(counts):]]
+    for (key, (_, meaning)), lo, hi in zip(counts.items(), low, high, strict=True):
         if lo != hi:
-            raise ModelError(f"ranks disagree on {key} ({lo} vs {hi}): the ranks with fewer would "
-                             "leave the others waiting in a collective forever")
+            raise DataError(f"ranks disagree on {key} ({lo} vs {hi}): {meaning}")

@@ -8,11 +8,14 @@ error, or none does.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from shardtrain.errors import ShardtrainError
+
+T = TypeVar("T")
 
 
 def gather_verdicts(error: str | None, detail: Any = None,
@@ -42,3 +45,23 @@ def agree(error: str | None, detail: Any = None, group: dist.ProcessGroup | None
     verdicts = gather_verdicts(error, detail, group)
     raise_first_error(verdicts, error_type)
     return [detail for _, detail in verdicts]
+
+
+def run_agreed(action: Callable[[], T], group: dist.ProcessGroup | None = None) -> T:
+    """``action()`` on every rank (rank 0's file writes, its trackers' start), then one all-gather
+    of how it went: where it raised a ``ShardtrainError`` or an ``OSError`` on some rank, every rank
+    raises the lowest such rank's, of its class (that rank its own exception), so that the others
+    do not go on into a collective that rank never joins. Returns this rank's result."""
+    try:
+        result, failure = action(), None
+    except (ShardtrainError, OSError) as exc:
+        result, failure = None, exc
+    error = None if failure is None else str(failure) or type(failure).__name__
+    verdicts = gather_verdicts(error, None if failure is None else type(failure), group)
+    failed = next((rank for rank, (error, _) in enumerate(verdicts) if error is not None), None)
+    if failed is None:
+        return result
+    if failure is not None and failed == (dist.get_rank(group) if dist.is_initialized() else 0):
+        raise failure
+    error, kind = verdicts[failed]
+    raise kind(error)

@@ -34,7 +34,7 @@ from shardtrain.config.sizes import counted
 from shardtrain.data.batches import BatchLayout, SampleSource, TrainBatches, eval_batches
 from shardtrain.diagnostics.memory import PhaseMemory, adapter_summary, state_bytes
 from shardtrain.diagnostics.planner import BatchChoice
-from shardtrain.diagnostics.rails import check_uniform_batches
+from shardtrain.diagnostics.rails import check_same_counts
 from shardtrain.diagnostics.report import (
     DtypeProbe,
     dtype_lines,
@@ -43,6 +43,7 @@ from shardtrain.diagnostics.report import (
     settings_lines,
 )
 from shardtrain.diagnostics.watchdog import Watchdog
+from shardtrain.distributed.agreement import run_agreed
 from shardtrain.distributed.env import (
     DistEnv,
     apply_debug_switches,
@@ -117,7 +118,7 @@ class Trainer:
         self.val_available = 0 if val is None else val.num_samples
         self.step = 0
         self.result = TrainResult()
-        self.writer = MetricsWriter(Path(cfg.run.dir), env.is_main)
+        self.writer = run_agreed(lambda: MetricsWriter(Path(cfg.run.dir), env.is_main))
         self.console = Console(env.is_main, t.progress_bar, t.max_steps)
         self.throughput = Throughput(task.count_unit, env.world_size, device_peak_flops(env.device))
         # FLOPs per sample counted once when the task cannot say (Task.flops).
@@ -146,9 +147,17 @@ class Trainer:
         self.watchdog = Watchdog(Path(cfg.run.dir), env.rank, cfg.dist.timeout_s,
                                  cfg.dist.startup_timeout_s, cfg.diagnostics.stall_factor,
                                  cfg.diagnostics.stall_min_s, flight_recorder=cfg.dist.flight_recorder)
-        check_uniform_batches({"micro-batches per step": len(self.layout.rank_slices(
-            np.zeros(self.layout.global_batch, dtype=np.int64), dp_rank)),
-            "validation batches": len(self.val_batches)}, env.device)
+        waiting = "the ranks with fewer would leave the others waiting in a collective forever"
+        # Each rank read (or prepared) its own copy of the data: copies that differ would give the
+        # ranks different global orders, repeating some samples and skipping others, silently.
+        different = ("the ranks read different data (data.paths, data.cache_dir or the Python install "
+                     "differs between nodes); give every node the same files")
+        check_same_counts({
+            "micro-batches per step": (len(self.layout.rank_slices(
+                np.zeros(self.layout.global_batch, dtype=np.int64), dp_rank)), waiting),
+            "validation batches": (len(self.val_batches), waiting),
+            "training samples": (train.num_samples, different),
+            "validation samples": (self.val_available, different)}, env.device)
 
     @classmethod
     def create(cls, cfg: Config, *, task: Task | None = None,
@@ -294,6 +303,13 @@ class Trainer:
             for name, p in self.model.named_parameters()
         }
 
+    def open_run_records(self) -> None:
+        self.write_run_files()
+        if not self.cfg.diagnostics.dry_run:  # a dry run leaves no run in W&B or MLflow
+            # A resumed training continues its tracker runs (their ids are kept in run.dir).
+            self.writer.start_trackers(self.cfg, resuming=self.result.resumed_from is not None)
+        self.write_start_record()  # the trackers get it too
+
     def write_run_files(self) -> None:
         if not self.env.is_main:
             return
@@ -348,11 +364,9 @@ class Trainer:
         t = self.cfg.trainer
         outcome = "failed"
         try:
-            self.write_run_files()
-            if not self.cfg.diagnostics.dry_run:  # a dry run leaves no run in W&B or MLflow
-                # A resumed training continues its tracker runs (their ids are kept in run.dir).
-                self.writer.start_trackers(self.cfg, resuming=self.result.resumed_from is not None)
-            self.write_start_record()  # the trackers get it too
+            # Rank 0's files and trackers: a failure there (a tracker not logged in, a full disk)
+            # stops every rank, not rank 0 alone while the others wait in the first step.
+            run_agreed(self.open_run_records)
             self.log_setup()
             if self.step >= t.max_steps:
                 self.info(f"nothing to do: step {self.step} >= trainer.max_steps={t.max_steps}")
