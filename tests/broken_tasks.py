@@ -144,6 +144,19 @@ class RankData(ImageClassification):
         return SyntheticImages(o.train_samples - fewer, o.classes, o.image_size, self.seed)
 
 
+class ChangingMetrics(ImageClassification):
+    """Rank 1 returns one more metric from its second step on: the names change on one rank only."""
+
+    calls = 0
+
+    def loss(self, model, batch):
+        out = super().loss(model, batch)
+        self.calls += 1  # 1: the FLOP count at start-up, 2: the first step
+        if torch.distributed.get_rank() == 1 and self.calls > 2:
+            return LossOutput(out.loss, out.count, {**out.metrics, "late": out.count})
+        return out
+
+
 class DerivedLanguageTask(LanguageModelTask):
     """The built-in language-model task under another name: its settings (micro_batch_size=auto,
     trainer.loss_chunk_tokens) apply."""

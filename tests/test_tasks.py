@@ -329,6 +329,8 @@ def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
                                     "rank 0 has (('rank0', False),), rank 1 has (('rank1', False),)"),
     ("broken_tasks:RankData", 2, "ranks disagree on training samples (511 vs 512): the ranks read different "
                                  "data"),
+    ("broken_tasks:ChangingMetrics", 2, "the task's metrics changed: [('accuracy', True)] before, "
+                                        "[('accuracy', True), ('late', False)] now"),
     ("broken_tasks:MixedItems", 1, "is {'image': 'tensor[float32, 3-d]'}, item 0 is "
                                    "{'image': 'tensor[float32, 3-d]', 'label': 'tensor[int64, 0-d]'}"),
 ])

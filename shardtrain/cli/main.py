@@ -192,8 +192,11 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
                         text, ids = render(prompts[index])
                         parts = [text]
                         run(model, index, ids, parts.append)
-                    except ShardtrainError as exc:  # (a prompt too long): every rank raises it, below
-                        failed = (index, str(exc))
+                    # A prompt too long, or any failure on this rank's own prompts (out of memory, a
+                    # chat template that raises): every rank raises it below, none waits in the gather.
+                    except Exception as exc:
+                        failed = (index, str(exc) if isinstance(exc, ShardtrainError)
+                                  else f"{type(exc).__name__}: {exc}")
                         break
                     mine[index] = "".join(parts)
                 every: list = [None] * world

@@ -186,10 +186,12 @@ class Trainer:
         # The task object itself (load_config checked the class task= names): a LanguageModelTask
         # with a model of its own, or a config built without load_config.
         check_built_in_task_settings(cfg, task)
-        task.bind(cfg)
-        adapter_notes = resolve_adapter_settings(cfg)  # model.adapter: before the model is built
+        # Each rank reads its own tokenizer, data and adapter files (node-local copies, perhaps): one
+        # that cannot stops every rank, not itself alone while the others wait in a collective.
+        run_agreed(lambda: task.bind(cfg))
+        adapter_notes = run_agreed(lambda: resolve_adapter_settings(cfg))  # before the model is built
         # The data first: a data error is reported before the model is built.
-        train, val = task.train_samples(), task.val_samples()
+        train, val = run_agreed(lambda: (task.train_samples(), task.val_samples()))
         batch_choice = resolve_batch(cfg, env)  # before anything reads the batch size
         with deferred_initialization() as draws:  # a resume reads every weight: no draw for it
             built = build(cfg, env, task, optimizer_factory)
@@ -268,7 +270,8 @@ class Trainer:
     def load_base_weights(self, draw: Callable[[], None]) -> None:
         """The weights a fresh run starts from (with LoRA: the frozen base, and the adapters' draw)."""
         if source := self.cfg.model.weights_source():
-            load_model_weights(self.model, source, self.cfg.model)
+            # Each rank reads its own rows: a file missing or damaged on one node stops every rank.
+            run_agreed(lambda: load_model_weights(self.model, source, self.cfg.model))
             self.info(f"initialised weights from {source}")
         if source is None or self.cfg.finetune.method != "none":
             draw()  # with a base read from files, only the adapters are still to be drawn

@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from shardtrain import faults
 from shardtrain.diagnostics.memory import PhaseMemory
 from shardtrain.diagnostics.rails import explain_bypassed_forward
+from shardtrain.distributed.agreement import agree
 from shardtrain.distributed.embedding_exchange import ExchangedEmbedding
 from shardtrain.distributed.parallelize import reshard_all
 from shardtrain.errors import TrainingError
@@ -138,15 +139,19 @@ class MetricSums:
         self.device = device
         self.kinds = kinds
         self.sums: dict[str, list[torch.Tensor]] = {}
+        # Other names than ``kinds`` from a loss call on this rank: said after the all-reduce (which
+        # carries the flag), so that every rank raises it together rather than this one alone.
+        self.changed: str | None = None
 
     def add(self, metrics: dict) -> None:
         kinds = metric_kinds(metrics)
         if self.kinds is None:
             self.kinds = kinds
         elif kinds != self.kinds:
-            raise TrainingError(f"the task's metrics changed: {list(self.kinds)} before, {list(kinds)} now "
-                                "(name, has its own count); return the same names, of the same kind, "
-                                "from every loss call")
+            self.changed = self.changed or (
+                f"the task's metrics changed: {list(self.kinds)} before, {list(kinds)} now (name, has its "
+                "own count); return the same names, of the same kind, from every loss call")
+            return
         for name, value in metrics.items():
             total, count = value if isinstance(value, tuple) else (value, 0.0)
             pair = [as_scalar(total, self.device), as_scalar(count, self.device)]
@@ -154,8 +159,18 @@ class MetricSums:
             self.sums[name] = pair if old is None else [a + b for a, b in zip(old, pair)]
 
     def vector(self) -> list[torch.Tensor]:
-        """Each metric's sum and own count, in name order, for the step's one all-reduce."""
-        return [t for name in sorted(self.sums) for t in self.sums[name]]
+        """Each metric's sum and own count, in name order, for the step's one all-reduce (as long on
+        every rank that agreed on ``kinds``), then whether this rank's metrics changed."""
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        sums = [t for name, _ in self.kinds or () for t in self.sums.get(name, (zero, zero))]
+        changed = torch.full((), float(self.changed is not None), dtype=torch.float64, device=self.device)
+        return [*sums, changed]
+
+    def raise_if_changed(self, reduced: list[float]) -> None:
+        """Every rank raises the first changed rank's error once any rank's metrics changed
+        (``reduced``: the reduced ``vector``; every rank sees the same flag, so all gather)."""
+        if reduced[-1] > 0:
+            agree(self.changed, error_type=TrainingError)
 
     def pairs(self, reduced: list[float], count: float) -> dict[str, tuple[float, float]]:
         """Each metric's global (sum, divisor): its own count, or ``count`` (the loss's)."""
@@ -360,6 +375,7 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
     # (after the update where the optimizer skips on the device, else before it).
     values = torch.cat([torch.stack([grad_norm.double(), scale.double(), global_count]), summed]).tolist()
     norm_value, scale_value, count, loss_value, stops, saving, returned, flops_value, *metric_values = values
+    metrics.raise_if_changed(metric_values)
     if count == 0:
         raise TrainingError("a training step had a count of 0 on every rank (no target tokens, no "
                             "valid positions): nothing to learn from; check the data")
@@ -409,7 +425,11 @@ def evaluate(model: nn.Module, task: Task, batches: Sequence[tuple[Any, float]],
                      for name, value in out.metrics.items()})
     model.train(was_training)
     reshard_all(model)
+    # Evaluation may return other metrics than training does, but the same on every rank: each
+    # rank's names decide the length of the all-reduce below.
+    check_same_on_every_rank("the task's validation metrics (name, has its own count)", metrics.kinds)
     loss_value, count_value, *metric_values = global_sum_tensor(
         torch.stack([loss, count, *metrics.vector()]), copies).tolist()
+    metrics.raise_if_changed(metric_values)
     mean = loss_value / count_value if count_value else float("nan")
     return mean, metrics.values(metric_values, count_value)
