@@ -43,6 +43,18 @@ def count_all_gathers(out: str) -> None:
             # and the backend's own events around each).
             counts[mode, new_tokens, "c10d"] = sum(e.count for e in events if e.key.startswith("c10d::")
                                                    and "allgather" in e.key)
+    # Unit by unit, every rank takes rank 0's tokens: here each rank samples with its own seed (as
+    # logits that differ in the last bit at a near-tie would pick differently), yet all generate
+    # rank 0's text, and none stops or goes on alone.
+    rank = trainer.env.rank
+    with sharded_inference(trainer.model) as model:
+        sampled = generate(model, list(b"def "), 12, temperature=1.0, seed=rank, vocab_limit=256,
+                           stop_token=int(b"\n"[0]), rank0_tokens=True)
+        alone = generate(model, list(b"def "), 12, temperature=1.0, seed=rank, vocab_limit=256)
+    every: list = [None] * world
+    torch.distributed.all_gather_object(every, (sampled, alone))
+    assert all(pair[0] == every[0][0] for pair in every), every
+    assert every[0][1] != every[1][1], every  # without it, the seeds do give other tokens
     # The sharded model is left as training needs it: sharded, in training mode.
     assert trainer.model.training and all(isinstance(p, DTensor) for p in trainer.model.parameters())
     trainer.run_step()

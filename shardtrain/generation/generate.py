@@ -166,9 +166,13 @@ def positions_needed(prompt_tokens: int, max_new_tokens: int) -> int:
 def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, use_cache: bool = True,
              vocab_limit: int | None = None, on_token: Callable[[int], None] | None = None,
-             device: torch.device | None = None, stop_token: int | None = None) -> list[int]:
+             device: torch.device | None = None, stop_token: int | None = None,
+             rank0_tokens: bool = False) -> list[int]:
     """New token ids after ``prompt`` from a plain model (see ``gathered_copy``); ends early after
-    ``stop_token`` (a tokenizer's end of text), which is not returned."""
+    ``stop_token`` (a tokenizer's end of text), which is not returned. ``rank0_tokens``: every rank
+    takes rank 0's token (a sharded model, whose every forward is a collective: a rank whose logits
+    differ in the last bit at a near-tie, from a kernel that accumulates in another order, would
+    otherwise stop or continue alone)."""
     device = device or next(model.parameters()).device
     max_len = getattr(model, "max_seq_len", None)
     generator = torch.Generator().manual_seed(seed)
@@ -193,6 +197,8 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temper
         if vocab_limit is not None:
             logits = logits[:, :vocab_limit]
         nxt = pick_next(logits, temperature, top_k, top_p, generator)
+        if rank0_tokens and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(nxt, src=0)
         if int(nxt) == stop_token:
             break
         tokens = torch.cat([tokens, nxt], dim=1)
