@@ -36,7 +36,7 @@ from task_workers import EXAMPLES, TASKS, N, reference, run_task_cases
 from torch.utils.data import default_collate
 
 from shardtrain.config.loader import check_built_in_task_settings, load_config
-from shardtrain.data.batches import BatchLayout, eval_batches
+from shardtrain.data.batches import BatchLayout, eval_batches, map_tensors, pinned_object
 from shardtrain.errors import ConfigError, DataError
 from shardtrain.export.consolidate import consolidate
 from shardtrain.tasks.language_model import LanguageModelTask
@@ -452,6 +452,9 @@ class Graph:
     def to(self, device):
         return Graph(self.x.to(device))
 
+    def pin_memory(self):
+        return Graph(self.x.clone().fill_(-1))  # on CPU only an accelerator's build pins: marked
+
 
 def test_an_object_with_its_own_to_is_moved_by_it_and_other_tensor_holders_are_refused():
     """docs/tasks.md promises every tensor on the device: an object with ``.to`` is moved by it; one
@@ -460,6 +463,10 @@ def test_an_object_with_its_own_to_is_moved_by_it_and_other_tensor_holders_are_r
     moved = to_device({"graph": Graph(torch.zeros(3)), "n": 3, "name": "a",
                        "meta": types.SimpleNamespace(note="kept")}, torch.device("meta"))
     assert moved["graph"].x.is_meta and (moved["n"], moved["name"], moved["meta"].note) == (3, "a", "kept")
+    # The loader pins such an object by its own pin_memory() where it has one (accelerators only).
+    pinned = map_tensors({"graph": Graph(torch.zeros(3)), "n": 3}, lambda tensor: tensor, pinned_object)
+    assert pinned["graph"].x.tolist() == [-1, -1, -1] and pinned["n"] == 3
+    assert pinned_object("a") == "a"
     for batch in (types.SimpleNamespace(x=torch.zeros(2)), [types.SimpleNamespace(xs=[torch.zeros(2)])]):
         with pytest.raises(DataError, match=r"^a batch holds a SimpleNamespace with tensors in its "
                                             r"attributes, .*return a dict, a tuple, a dataclass, or an "

@@ -53,9 +53,9 @@ def structure(item: Any) -> Any:
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Every tensor of a (nested) batch moved to ``device``, a dataclass's fields and a mapping
     subclass's items included (``map_tensors``), an object with a ``.to`` of its own (a PyG ``Data``)
-    by it; other leaves and the containers' types as they are. Such an object is moved blocking: it
-    is never pinned, and from pageable memory a non-blocking copy gains nothing (and not every
-    ``.to`` takes the keyword)."""
+    by it; other leaves and the containers' types as they are. Such an object is moved blocking (not
+    every ``.to`` takes the keyword), from page-locked memory where it has a ``pin_memory()`` of its
+    own and the loader pins (``data.batches.pinned_object``)."""
     return map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=non_blocking),
                        lambda obj: obj.to(device))
 
