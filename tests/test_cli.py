@@ -168,3 +168,28 @@ def test_bad_input_exits_nonzero_with_message(args, message, tmp_path):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_filesystem_failure_or_a_damaged_file_is_one_line(tmp_path):
+    """Found by review: a path the run cannot create (a full disk, a read-only home) and a damaged
+    .safetensors file printed a traceback; an existing output file read as an unwritable directory."""
+    (tmp_path / "a_file").write_text("x")
+    proc = run_cli("train", "experiment=quick", f"data.cache_dir={tmp_path / 'a_file' / 'cache'}",
+                   f"run.dir={tmp_path / 'run'}", timeout=180)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"shardtrain: error: [Errno 20] Not a directory: '{tmp_path / 'a_file' / 'cache'}'; check the path "
+        "and its filesystem")
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    for command in (["generate", str(damaged), "--prompt", "hi"],
+                    ["export-hf", str(damaged), str(tmp_path / "hf")]):
+        proc = run_cli(*command, timeout=180)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.strip().splitlines()[-1].startswith(
+            f"shardtrain: error: {damaged} is not a readable safetensors file ("), proc.stderr[-3000:]
+    existing = tmp_path / "a_file.safetensors"
+    existing.write_text("x")
+    proc = run_cli("consolidate", str(tmp_path / "run"), str(existing), timeout=60)
+    assert proc.stderr.strip() == (f"shardtrain: error: consolidate output '{existing}' already exists; "
+                                   "delete it or choose another name"), proc.stderr

@@ -10,7 +10,10 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -112,6 +115,20 @@ def check_one_layout(directory: Path) -> None:
                               "the export to a new directory")
 
 
+@contextmanager
+def open_safetensors(path: Path) -> Iterator[Any]:
+    """``safe_open`` of a weight file; one that is damaged, truncated or not safetensors at all (its
+    header is checked against the file's length here) is one line naming it."""
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except Exception as exc:  # safetensors raises several types for a bad header
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"{path} is not a readable safetensors file ({first}); write it again "
+                              "(consolidate or export the checkpoint anew) or point at another") from exc
+    with handle as f:
+        yield f
+
+
 def file_metadata(path: Path) -> dict[str, str]:
-    with safe_open(str(path), framework="pt") as f:
+    with open_safetensors(path) as f:
         return f.metadata() or {}

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -30,7 +29,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from shardtrain.checkpoint import layout
 from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed
 from shardtrain.checkpoint.integrity import MANIFEST_FILE, file_sha256
-from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY, file_metadata, weight_files
+from shardtrain.checkpoint.safetensors_files import (
+    MODEL_CONFIG_KEY,
+    file_metadata,
+    open_safetensors,
+    weight_files,
+)
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.config.schema import FinetuneConfig, ModelConfig
 from shardtrain.distributed.agreement import agree
@@ -297,7 +301,7 @@ def load_files_into(model: nn.Module, files: list[Path], what: str,
         stored: dict[str, tuple[object, str]] = {}  # model name -> (open file, stored name)
         experts: dict[str, list[tuple[Any, Any, str]]] = {}  # model name -> its experts' tensors
         for file in files:
-            handle = stack.enter_context(safe_open(str(file), framework="pt"))
+            handle = stack.enter_context(open_safetensors(file))
             for key in handle.keys():
                 if (part := expert_part(key)) is not None:
                     experts.setdefault(part.name, []).append((part, handle, key))
@@ -369,7 +373,7 @@ def load_hf_into(model: nn.Module, cfg: ModelConfig, directory: str | Path) -> N
     params = dict(base_parameters(model))
     loaded = set()
     for file in weight_files(directory):
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for hf_name in f.keys():
                 name = from_hf_name(hf_name)
                 if name is None and not hf_name.endswith("rotary_emb.inv_freq"):  # old exports' buffers

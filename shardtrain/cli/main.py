@@ -11,7 +11,7 @@ import time
 import traceback
 from pathlib import Path
 
-from shardtrain.cli.paths import check_exists, check_output
+from shardtrain.cli.paths import check_exists, check_output, os_failure
 from shardtrain.config.schema import Config
 from shardtrain.errors import ShardtrainError
 from shardtrain.logs import setup_logging
@@ -267,7 +267,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
 
 def check_export_paths(args: argparse.Namespace, command: str) -> None:
     """export-hf's and export-peft's paths, checked before torch is imported."""
-    check_output(Path(args.out), Path(args.checkpoint), f"{command} output")
+    check_output(Path(args.out), Path(args.checkpoint), f"{command} output", file_allowed=False)
     check_exists(args.checkpoint, "checkpoint")
 
 
@@ -615,4 +615,15 @@ def run_command(args: argparse.Namespace, argv: list[str] | None) -> int:
     except ShardtrainError as exc:
         print(f"shardtrain: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("shardtrain: interrupted (a training run with checkpoints resumes from its newest one "
+              "when the same command runs again)", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        # A full disk or a read-only path is one line, as the framework's own errors are; anything
+        # else is a bug, and its traceback is what finds it.
+        if (line := os_failure(exc)) is None:
+            raise
+        print(f"shardtrain: error: {line}", file=sys.stderr)
+        return 1
     return 1

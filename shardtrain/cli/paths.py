@@ -4,7 +4,9 @@ path holds (a whole checkpoint, a model) is checked by the command itself, after
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 from pathlib import Path
 
 from shardtrain.errors import ConfigError
@@ -26,17 +28,45 @@ def check_writable(path: Path, what: str) -> None:
                           "writable directory); choose another path")
 
 
-def check_output(out: Path, source: Path, what: str) -> None:
-    """An output path of ``consolidate`` or ``export-hf``: writable, and never inside the source."""
+def check_output(out: Path, source: Path, what: str, file_allowed: bool = True) -> None:
+    """An output path of ``consolidate`` (``file_allowed``: a .safetensors file or a directory) or
+    ``export-hf`` (a directory): writable, new where it is a file, and never inside the source."""
     out, source = out.expanduser().resolve(), source.expanduser().resolve()
     inside = source.is_dir() and source in out.parents
     beside = source.is_file() and out == source.parent  # model.safetensors there is the source
     if out == source or inside or beside:
         raise ConfigError(f"{what} {str(out)!r} is inside the checkpoint it reads; write elsewhere "
                           "(a checkpoint is never modified)")
-    single_file = out.suffix == ".safetensors"
+    single_file = file_allowed and out.suffix == ".safetensors"
     if single_file and out.is_dir():
         raise ConfigError(f"{what} {str(out)!r} is a directory; name a .safetensors file or drop the suffix")
+    if single_file and out.exists():
+        raise ConfigError(f"{what} {str(out)!r} already exists; delete it or choose another name")
     if not single_file and out.exists() and not out.is_dir():
-        raise ConfigError(f"{what} {str(out)!r} is a file; pass a directory (or a .safetensors file name)")
+        raise ConfigError(f"{what} {str(out)!r} is a file; pass a directory"
+                          + (" (or a new .safetensors file name)" if file_allowed else ""))
     check_writable(out, what)
+
+
+def os_failure(exc: BaseException) -> str | None:
+    """One line for a failure of the filesystem (an ``OSError``, or a Rust library's error that
+    carries one: safetensors' "... No space left on device (os error 28)") naming the cause and what
+    to do; None for any other exception."""
+    code = exc.errno if isinstance(exc, OSError) else None
+    if not isinstance(exc, OSError):
+        found = re.search(r"\(os error (\d+)\)", str(exc))
+        if found is None:
+            return None
+        code = int(found.group(1))
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if code is None:  # numpy's short write ("1938344 requested and 32704 written") has no errno
+        return f"{type(exc).__name__}: {text}; a write came up short: check free space on the filesystem"
+    if not isinstance(exc, OSError):
+        text = f"[Errno {code}] {os.strerror(code)} ({type(exc).__name__})"
+    fixes = {errno.ENOSPC: "free space on that filesystem (or choose a path on another)",
+             errno.EDQUOT: "free space within your quota (or choose a path on another filesystem)",
+             errno.EROFS: "choose a path on a writable filesystem (run.dir, data.cache_dir, the output)",
+             errno.EACCES: "make the path writable, or choose another (run.dir, data.cache_dir, the output)",
+             errno.EPERM: "make the path writable, or choose another (run.dir, data.cache_dir, the output)",
+             errno.EFBIG: "raise the file size limit (ulimit -f)"}
+    return f"{text}; {fixes.get(code, 'check the path and its filesystem')}"

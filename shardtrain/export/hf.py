@@ -19,9 +19,14 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from shardtrain.checkpoint.safetensors_files import check_new_directory, save_shard, shard_name, write_index
+from shardtrain.checkpoint.safetensors_files import (
+    check_new_directory,
+    open_safetensors,
+    save_shard,
+    shard_name,
+    write_index,
+)
 from shardtrain.checkpoint.weights import model_config_of
 from shardtrain.config.plan import DTYPES, dtype_name
 from shardtrain.config.schema import ModelConfig
@@ -76,7 +81,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
 
 
 def read_part(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(path), framework="pt") as f:
+    with open_safetensors(path) as f:
         return {name: f.get_tensor(name) for name in f.keys()}
 
 
