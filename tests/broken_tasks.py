@@ -18,6 +18,13 @@ class NoLoss(Task):
         return [torch.zeros(2)] * 8
 
 
+class BuildReturnsNone(ImageClassification):
+    """Builds its model but forgets to return it."""
+
+    def build_model(self):
+        super().build_model()
+
+
 class VectorLoss(ImageClassification):
     """Returns the per-sample losses instead of their sum."""
 

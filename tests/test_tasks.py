@@ -322,6 +322,8 @@ def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
 @pytest.mark.parametrize(("task", "devices", "message"), [
     ("broken_tasks:NoLoss", 2, "lacks loss()"),
     ("collections:OrderedDict", 2, "is not a shardtrain.tasks.Task subclass"),
+    ("broken_tasks:BuildReturnsNone", 1, "BuildReturnsNone.build_model returned NoneType; return the model, "
+                                         "an nn.Module"),
     ("broken_tasks:VectorLoss", 1, "returned a loss of shape [2]; it must be a scalar tensor"),
     ("broken_tasks:MetricNamedLoss", 1, "MetricNamedLoss.loss returned metrics ['loss'] named like fields of "
                                         "the metrics record"),

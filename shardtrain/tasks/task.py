@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -27,7 +27,7 @@ from torch import nn
 from shardtrain.config.classpath import import_object
 from shardtrain.config.schema import Config, TaskConfig
 from shardtrain.data.batches import SampleSource
-from shardtrain.errors import ConfigError
+from shardtrain.errors import ConfigError, ModelError
 from shardtrain.tasks.samples import MapSamples
 
 Number = torch.Tensor | float | int
@@ -173,6 +173,18 @@ class Task:
     def describe(self) -> str:
         """One line on the data, for the start-up report."""
         return type(self).__name__
+
+
+def model_factory(task: Task) -> Callable[[], nn.Module]:
+    """``task.build_model``, whose result is checked to be a module (a ``return`` forgotten gave
+    the framework's own AttributeError, deep in sharding)."""
+    def build() -> nn.Module:
+        model = task.build_model()
+        if not isinstance(model, nn.Module):
+            raise ModelError(f"{type(task).__name__}.build_model returned {type(model).__name__}; return "
+                             "the model, an nn.Module")
+        return model
+    return build
 
 
 def check_task(task: Any) -> Task:
