@@ -140,6 +140,10 @@ def damaged_copy(good, tmp_path, damage: str):
         ("empty", [], "is empty"),
         (None, ["model.dim=48", "model.n_heads=4"], "does not fit this model"),
         (None, ["model.n_layers=4"], "missing keys: model.layers.3."),
+        # the same tensors grouped otherwise: torch's RuntimeError, found by review
+        (None, ["model.tie_embeddings=true"], "does not fit this model's parameters (Missing optimizer "
+                                              "state for parameter 'output.weight' in checkpoint); use "
+                                              "the model config it was saved with"),
         # DCP's own failure (a CheckpointException, which is no Exception): its cause, not its ranks
         ("zeroed", ["checkpoint.verify_checksums=false"], "failed on rank 0: UnpicklingError: "),
     ],

@@ -98,6 +98,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
     accelerator.set_rng_state(state.get("accelerator"))
 
 
+def first_sentence(exc: BaseException) -> str:
+    """An exception's first sentence: torch's own advice after it (strict=False) is not ours."""
+    line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return line.split(". ")[0].rstrip(".")
+
+
 def write_full_weights(full: dict[str, torch.Tensor], file: Path) -> None:
     """``checkpoint.save_full``'s consolidated safetensors file (rank 0, which holds ``full``)."""
     if full:
@@ -555,10 +561,17 @@ class Checkpointer:
             raise CheckpointError(load_failed(path, exc, LOAD_FIX, self.rank)) from exc
         # Not strict only to let the parameters without saved optimizer state stay without; the model
         # state is this model's own keys, all read from the checkpoint.
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"],
-                       options=StateDictOptions(strict=not (unsaved or self.adapters_only),
-                                                ignore_frozen_params=self.adapters_only))
+        try:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"],
+                           options=StateDictOptions(strict=not (unsaved or self.adapters_only),
+                                                    ignore_frozen_params=self.adapters_only))
+        except (RuntimeError, KeyError) as exc:  # the same tensors, grouped otherwise (tied weights)
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} does not fit this model's parameters "
+                f"({first_sentence(exc)}); use the model config it was saved with (see its "
+                "trainer_state.json; model.tie_embeddings, for one), or start from its weights alone "
+                "with model.init_from") from exc
         self.scheduler.load_state_dict(trainer_state.scheduler)
         if rng is not None:
             set_rng_state(rng)
