@@ -163,6 +163,18 @@ def test_bad_checkpoints_fail_fast_with_their_own_message(good_checkpoint, tmp_p
         assert consolidated.returncode == 2 and message in consolidated.stderr
 
 
+def test_a_run_directory_given_for_a_checkpoint_names_its_newest(good_checkpoint, tmp_path):
+    """Found by review: a run.dir (or its checkpoints directory) where a checkpoint was asked for
+    said "the save did not finish"; it names the newest complete checkpoint instead."""
+    run_dir = good_checkpoint.parent.parent
+    for given, kind in ((run_dir, "a run directory"),
+                        (run_dir / "checkpoints", "a run's checkpoints directory")):
+        proc = run_cli("consolidate", str(given), str(tmp_path / "out"), timeout=60)
+        assert proc.returncode == 2 and proc.stderr.strip() == (
+            f"shardtrain: error: '{given}' is {kind}, not a checkpoint; its newest complete checkpoint "
+            f"is {good_checkpoint}"), proc.stderr
+
+
 def test_resume_none_refuses_to_overwrite_checkpoints(good_checkpoint):
     proc = run_cli("train", *QUICK, "checkpoint.resume=none", f"run.dir={good_checkpoint.parent.parent}")
     assert proc.returncode == 2 and "would overwrite them" in proc.stderr

@@ -171,7 +171,7 @@ class Checkpointer:
         self.scheduler = scheduler
         self.rank = rank
         self.world_size = world_size
-        self.root = Path(cfg.run.dir) / "checkpoints"
+        self.root = Path(cfg.run.dir) / layout.CHECKPOINTS_DIR
         self.pending: PendingSave | None = None
         # (path, DCP metadata) of the checkpoint resume_path checked, so load does not read it again.
         self.verified_metadata: tuple[Path, Any] | None = None

@@ -37,6 +37,10 @@ TMP_DIR = re.compile(r"^\.step-(\d+)\.tmp$")
 ABANDONED_DIR = re.compile(r"^\.step-\d+\.(?:tmp|deleting)$")
 
 
+# A run.dir's checkpoints live here (checkpoint/checkpointer.py).
+CHECKPOINTS_DIR = "checkpoints"
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step}"
 
@@ -50,15 +54,19 @@ def read_dcp_metadata(path: Path) -> Metadata:
     if not path.exists():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     if not path.is_dir():
+        weights_only = path.suffix == ".safetensors"
         raise CheckpointError(
             f"checkpoint {str(path)!r} is a file, not a checkpoint directory; pass the directory "
-            "that holds .metadata and the *.distcp files (a .safetensors file only works as "
-            "model.init_from)"
+            "that holds .metadata and the *.distcp files"
+            + ("; a .safetensors file holds weights alone: start a run from it with model.init_from"
+               if weights_only else "")
         )
     meta_file = path / METADATA_FILE
     if not meta_file.is_file():
         if not any(path.iterdir()):
             raise CheckpointError(f"checkpoint directory {str(path)!r} is empty")
+        if (kind := directory_of_checkpoints(path)) is not None:
+            raise CheckpointError(f"{str(path)!r} is {kind}")
         raise CheckpointError(
             f"checkpoint {str(path)!r} has no .metadata: the save did not finish (or this is not a DCP "
             "checkpoint); use an earlier complete checkpoint"
@@ -74,6 +82,20 @@ def read_dcp_metadata(path: Path) -> Metadata:
             "Metadata (this is not a DCP checkpoint, or the file was replaced); use another checkpoint"
         )
     return metadata
+
+
+def directory_of_checkpoints(path: Path) -> str | None:
+    """What a directory that holds checkpoints is, with its newest complete one (a run.dir, or its
+    checkpoints directory, given where a checkpoint was asked for), else None."""
+    for root, kind in ((path / CHECKPOINTS_DIR, "a run directory"), (path, "a run's checkpoints directory")):
+        if not root.is_dir():
+            continue
+        found = candidates(root)
+        if found.complete:
+            return f"{kind}, not a checkpoint; its newest complete checkpoint is {found.complete[-1][1]}"
+        if found.skipped or root != path:
+            return f"{kind}, not a checkpoint, and holds no complete checkpoint yet"
+    return None
 
 
 def check_shard_files(path: Path, metadata, share: tuple[int, int] | None = None) -> None:
