@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 
 import pytest
 from cli_utils import preempt, preempt_at_start, read_metrics, run_cli
@@ -107,11 +108,26 @@ def test_save_full_matches_consolidation_and_inspect_describes_it(good_checkpoin
     for expected in ("shardtrain checkpoint (DCP)", "complete:   yes", "step:       2",
                      "world size: 1", "strategy:   FULL_SHARD", "problems:   none found"):
         assert expected in report.stdout, report.stdout
+    # Found by review: without its trainer_state.json (written last) it read as a complete plain DCP
+    # directory, though resume, generate and export refuse it; a negative count passed too.
+    from shardtrain.checkpoint.inspect import inspect_path
+
+    without_state = shutil.copytree(good_checkpoint, tmp_path / "without_state")
+    (without_state / "trainer_state.json").unlink()
+    report = inspect_path(without_state)
+    assert (report.format, report.complete) == ("shardtrain checkpoint (DCP)", False)
+    assert report.problems == [
+        f"checkpoint {str(without_state)!r} has no trainer_state.json: it is not a complete shardtrain "
+        "checkpoint (model.init_from accepts plain DCP directories)"]
+    negative = shutil.copytree(good_checkpoint, tmp_path / "negative")
+    state = json.loads((negative / "trainer_state.json").read_text())
+    (negative / "trainer_state.json").write_text(json.dumps({**state, "consumed_samples": -10}))
+    assert inspect_path(negative).problems == [
+        f"checkpoint {str(negative)!r}: trainer_state.json field 'consumed_samples' is -10, less than 0; the "
+        "file is damaged, use another checkpoint"]
 
 
 def damaged_copy(good, tmp_path, damage: str):
-    import shutil
-
     target = tmp_path / "bad"
     shutil.copytree(good, target)
     if damage == "truncated":

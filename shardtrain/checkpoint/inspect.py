@@ -94,6 +94,8 @@ def inspect_path(target: str | Path) -> Report:
         inspect_safetensors(path / SINGLE_FILE, report)
         return report
     fmt = layout.detect_format(path)
+    if fmt == "dcp" and (any(path.glob("rng-rank*.pt")) or (path / integrity.MANIFEST_FILE).is_file()):
+        fmt = "shardtrain"  # shardtrain's own files, without the one its commit writes last
     report.format = FORMAT_NAMES[fmt]
     if layout.TMP_DIR.match(path.name):
         report.problems.append("this is a temporary directory of a save that did not finish")

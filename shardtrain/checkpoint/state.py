@@ -148,6 +148,17 @@ class TrainState:
                     f"checkpoint {str(directory)!r}: {STATE_FILE} field {name!r} is "
                     f"{json.dumps(raw[name])[:60]}, not of type {type_name(hints[name])}; the file is "
                     "damaged, use another checkpoint")
+        # A count below its least would surface far from here too (numpy's overflow on a negative
+        # sample count, a division by a world size of 0).
+        least = {"step": 0, "tokens_seen": 0, "consumed_samples": 0, "global_batch": 1, "world_size": 1}
+        for name, low in least.items():
+            if name in raw and raw[name] < low:
+                raise CheckpointError(f"checkpoint {str(directory)!r}: {STATE_FILE} field {name!r} is "
+                                      f"{raw[name]}, less than {low}; the file is damaged, use another "
+                                      "checkpoint")
+        if "mesh_shape" in raw and any(size < 1 for size in raw["mesh_shape"]):
+            raise CheckpointError(f"checkpoint {str(directory)!r}: {STATE_FILE} field 'mesh_shape' is "
+                                  f"{raw['mesh_shape']}; the file is damaged, use another checkpoint")
         return cls(**{k: v for k, v in raw.items() if k in names})
 
 
