@@ -22,6 +22,7 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -49,6 +50,8 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
         with initialize_config_dir(config_dir=str(PRESETS_DIR), version_base=None):
             composed = compose(config_name="config", overrides=overrides)
     except HydraException as exc:
+        if (unreadable := unreadable_override(overrides)) is not None:
+            raise ConfigError(unreadable) from exc
         # Hydra wraps the OmegaConf type error; its cause says which value did not convert.
         cause = exc.__cause__
         detail = str(cause).splitlines()[0] if cause is not None else str(exc)
@@ -65,6 +68,23 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
     check_config(cfg)
     anchor_model_paths(cfg)
     return cfg
+
+
+def unreadable_override(overrides: list[str]) -> str | None:
+    """The first override hydra's grammar cannot read as one value, said with its fix (hydra's
+    own message suggests --multirun, which shardtrain has not), else None."""
+    parser = OverridesParser.create()
+    for override in overrides:
+        key, _, value = override.partition("=")
+        try:
+            sweep = parser.parse_override(override).is_sweep_override()
+        except HydraException as exc:
+            return (f"cannot read {override!r} ({str(exc).splitlines()[0]}): quote a value holding "
+                    f"( ) [ ] {{ }} , = ' or spaces, e.g. {key}='{value}' (in a shell: \"{key}='{value}'\")")
+        if sweep:
+            return (f"{override!r}: a comma separates list items; write a list as {key}=[{value}], or "
+                    f"quote a value with a comma: {key}='{value}'")
+    return None
 
 
 def anchor_model_paths(cfg: Config) -> None:
