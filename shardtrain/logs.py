@@ -28,8 +28,16 @@ class TaggedFormatter(logging.Formatter):
         return "\n".join(f"{self.tag} {line}" for line in text.split("\n"))
 
 
+def not_for_users(record: logging.LogRecord) -> bool:
+    """False for torch's notice to libraries (torchao, imported by transformers) that registering an
+    Enum with pytree is deprecated: printed by every process of every Hugging Face run, and nothing
+    a user can act on."""
+    return "is an Enum subclass and is now natively supported" not in str(record.msg)
+
+
 def setup_logging() -> None:
     rank = int(os.environ.get("RANK", 0))
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(TaggedFormatter(f"{LOG_PREFIX}]" if rank == 0 else f"{LOG_PREFIX} rank {rank}]"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, handlers=[handler])
+    logging.getLogger("torch.utils._pytree").addFilter(not_for_users)

@@ -10,7 +10,7 @@ import sys
 import pytest
 from cli_utils import clean_env, read_metrics, run_cli
 
-from shardtrain.logs import TaggedFormatter
+from shardtrain.logs import TaggedFormatter, not_for_users
 from shardtrain.train.console import format_record
 
 
@@ -110,6 +110,12 @@ def test_log_lines_say_which_library_wrote_them():
     assert line("shardtrain.train.loop", "step 1\nstep 2") == "[st 1] step 1\n[st 1] step 2"
     assert line("torchao.kernel.intmm", "Detected no triton") == "[st 1] torchao: Detected no triton"
     assert line("root", "a warning") == "[st 1] a warning"
+    # torch's notice to torchao, printed by every process of a Hugging Face run, is dropped.
+    notice = logging.LogRecord("torch.utils._pytree", logging.WARNING, __file__, 1, "%s is an Enum subclass "
+                               "and is now natively supported by torch.compile", ("KernelPreference",), None)
+    assert not not_for_users(notice)
+    other = logging.LogRecord("torch.utils._pytree", logging.WARNING, __file__, 1, "other", None, None)
+    assert not_for_users(other)
 
 
 def test_answers_without_training_import_no_torch(tmp_path):
