@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from shardtrain.cli.main import main
 from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import StrategyConfig
 from shardtrain.errors import ConfigError
@@ -118,3 +119,12 @@ def test_planner_counts_each_tp_shard_sharded_again_by_fsdp():
     assert plan.optimizer == 8 * rows + 4 * len(planned)
     table = plan_table(cfg, [8, 16], None, 8)
     assert "8 x FULL_SHARD" in table and "16 x FULL_SHARD" in table
+
+
+def test_simulation_flags_without_simulate_are_refused(capsys):
+    """Found by review: --ac, --markdown, --full-depth and --strategies were silently ignored by the
+    formulas' table."""
+    assert main(["plan", "--ac", "all", "--markdown"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "shardtrain: error: --ac, --markdown shape plan --simulate's cases; add --simulate (the formulas' "
+        "table shows every strategy, with and without checkpointing)")

@@ -317,6 +317,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           else [args.processes_per_node])):
         if any(value < 1 for value in values):
             raise ConfigError(f"{flag} {' '.join(map(str, values))}: each must be at least 1")
+    simulation_only = [flag for flag, given in (
+        ("--strategies", args.strategies is not None), ("--ac", args.ac != "config"),
+        ("--full-depth", args.full_depth), ("--markdown", args.markdown)) if given]
+    if simulation_only and not args.simulate:
+        raise ConfigError(f"{', '.join(simulation_only)} shape{'s' if len(simulation_only) == 1 else ''} "
+                          "plan --simulate's cases; add --simulate (the formulas' table shows every "
+                          "strategy, with and without checkpointing)")
     memory = parse_size(args.device_memory, "--device-memory") if args.device_memory is not None else None
     if memory is not None and memory <= 0:
         raise ConfigError(f"--device-memory {args.device_memory!r} must be more than 0")
@@ -489,11 +496,11 @@ def build_parser() -> argparse.ArgumentParser:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt")
     source.add_argument("--prompts-file", help="a file with one prompt per line")
-    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate after each prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = no nucleus filter")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole context per token")
     gen.add_argument("--chat", action="store_true",
                      help="each prompt is a user message, rendered with the tokenizer's chat template")
@@ -511,10 +518,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "held-out split of the checkpoint's training data)")
     ev.add_argument("--glob", default="*", help="files to take from a --file directory")
     ev.add_argument("--samples", type=int, default=256, help="windows to evaluate")
-    ev.add_argument("--seq-len", type=int, default=128)
-    ev.add_argument("--batch-size", type=int, default=8)
-    ev.add_argument("--devices", type=int, default=1)
-    ev.add_argument("--strategy", default="FULL_SHARD")
+    ev.add_argument("--seq-len", type=int, default=128, help="tokens per window")
+    ev.add_argument("--batch-size", type=int, default=8, help="windows per forward on each process")
+    ev.add_argument("--devices", type=int, default=1, help="processes (sharded checkpoints)")
+    ev.add_argument("--strategy", default="FULL_SHARD", help="how the checkpoint is sharded on load")
     ev.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                      help="compute dtype; auto: bf16 on accelerators with bf16 units, fp32 on CPUs")
 
@@ -523,8 +530,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "AutoModelForCausalLM.from_pretrained loads as a Llama.")
     hf.add_argument("checkpoint", help="checkpoint directory, or a consolidated .safetensors file")
     hf.add_argument("out", help="output directory")
-    hf.add_argument("--max-shard-size", default="2GB")
-    hf.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"])
+    hf.add_argument("--max-shard-size", default="2GB",
+                    help="largest safetensors file; bigger models are split, with an index (e.g. 5GB)")
+    hf.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                    help="floating-point weights cast to it (default: as stored in the checkpoint)")
     hf.add_argument("--no-verify", action="store_true",
                     help="skip the check that transformers reproduces the checkpoint's logits")
     hf.add_argument("--merge", action="store_true",
@@ -573,7 +582,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where the PNGs go (default: <out without .html>_files/ beside the page)")
 
     insp = sub.add_parser("inspect", help="describe a checkpoint and check that it is whole",
-                          description="Exit status 0 when complete with no problem found, else 1.")
+                          description="Exit status 0 when complete with no problem found, 1 when "
+                          "incomplete or damaged, 2 when the path is no checkpoint at all.")
     insp.add_argument("path", help="checkpoint directory, .safetensors file or index .json")
     return parser
 
