@@ -233,6 +233,15 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"data.cache_dir={cfg.data.cache_dir!r} is a file; name a directory (or auto)")
     check_model(cfg)
     check_trackers(cfg.run.trackers)
+    for key, value in (("run.dir", cfg.run.dir), ("checkpoint.resume", cfg.checkpoint.resume),
+                       ("data.cache_dir", cfg.data.cache_dir)):
+        if not str(value).strip():  # '' is the working directory to pathlib, or '.' as a checkpoint
+            raise ConfigError(f"{key} is empty; name a directory"
+                              + (" (or auto, or none)" if key == "checkpoint.resume" else ""))
+    checkpoints = Path(cfg.run.dir).expanduser() / "checkpoints"
+    if cfg.checkpoint.enabled and checkpoints.exists() and not checkpoints.is_dir():
+        raise ConfigError(f"{checkpoints} is a file, where run.dir's checkpoints go; move it away or "
+                          "choose another run.dir")
     for name in cfg.checkpoint.preemption_signals:
         if not isinstance(getattr(signal, str(name), None), signal.Signals):
             raise ConfigError(f"checkpoint.preemption_signals: {name!r} is not a signal name like 'SIGTERM'")
