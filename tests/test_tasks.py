@@ -537,3 +537,18 @@ def test_a_collated_dataclass_or_mapping_subclass_moves_to_the_device_and_keeps_
     with pytest.raises(DataError, match=r"^a batch holds a FixedKeys, a mapping that cannot be rebuilt "
                                         r".*have the task's collate return a dict, a dataclass"):
         to_device(FixedKeys(image, image), torch.device("meta"))
+
+
+def test_a_checkpoint_resumed_with_another_task_names_both(tmp_path):
+    """Found by review: the language model resuming an image task's checkpoint listed 30 key
+    mismatches; the tasks are named instead."""
+    first = run_cli("train", "task=vit:ImageClassification", "trainer.max_steps=1",
+                    "trainer.micro_batch_size=2", "trainer.sample_tokens=0", "run.trackers=[]",
+                    f"run.dir={tmp_path}", env=TASK_PATH, timeout=180)
+    assert first.returncode == 0, first.stderr[-2000:]
+    proc = run_cli("train", "trainer.max_steps=2", f"run.dir={tmp_path}", env=TASK_PATH, timeout=180)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"shardtrain: error: checkpoint '{tmp_path / 'checkpoints' / 'step-1'}' was trained with "
+        "task=vit:ImageClassification, this run is task=shardtrain.tasks.language_model:LanguageModelTask; "
+        "resume it with the same task=")

@@ -547,6 +547,12 @@ class Checkpointer:
         elif trainer_state.base_weights is not None:
             raise CheckpointError(f"checkpoint {str(path)!r} holds LoRA adapters only; resume it with "
                                   "finetune.method=lora and the settings it was trained with")
+        # Its model is another task's. By class name: one module imported under another name (run
+        # from another directory) is still the same task.
+        if trainer_state.task_path.rpartition(":")[2] != self.cfg.task.path.rpartition(":")[2]:
+            raise CheckpointError(f"checkpoint {str(path)!r} was trained with "
+                                  f"task={trainer_state.task_path}, this run is task={self.cfg.task.path}; "
+                                  "resume it with the same task=")
         same_world = trainer_state.world_size == self.world_size
         rng, without_rng = self.read_rng_state_agreed(path) if same_world else (None, [])
         state = self.training_state()

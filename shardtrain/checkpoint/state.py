@@ -80,10 +80,15 @@ class TrainState:
     def mesh(self) -> str:
         return describe_mesh(self.mesh_dim_names, self.mesh_shape)
 
+    @property
+    def task_path(self) -> str:
+        """The ``task=`` the checkpoint was trained with (older checkpoints: the language model)."""
+        return self.config.get("task", {}).get("path", LANGUAGE_MODEL_TASK)
+
     def model_config(self) -> ModelConfig:
         """The language model's config; a CheckpointError for another task's checkpoint, whose
         model only its task can build."""
-        task = self.config.get("task", {}).get("path", LANGUAGE_MODEL_TASK)  # older: no task section
+        task = self.task_path
         if task != LANGUAGE_MODEL_TASK:
             raise CheckpointError(f"this checkpoint was trained with task={task}; generate, eval and "
                                   "export-hf serve the language-model task only (shardtrain consolidate "
