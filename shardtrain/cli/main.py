@@ -139,6 +139,7 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     from shardtrain.distributed.env import destroy_distributed
     from shardtrain.errors import GenerationError
     from shardtrain.generation.generate import (
+        check_positions,
         gathered_copy,
         generate,
         generation_mode,
@@ -209,6 +210,8 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
             else:  # one prompt, or unit by unit (every rank takes part in every forward)
                 for index, prompt in enumerate(prompts):
                     text, ids = render(prompt)
+                    # Before the prompt is shown: the error then starts a line of its own.
+                    check_positions(model, len(ids), args.max_new_tokens)
                     show(text)
                     run(model, index, ids, show)
     finally:

@@ -162,6 +162,16 @@ def positions_needed(prompt_tokens: int, max_new_tokens: int) -> int:
     return prompt_tokens + max(max_new_tokens - 1, 0)
 
 
+def check_positions(model: nn.Module, prompt_tokens: int, max_new_tokens: int) -> int:
+    """The positions a generation needs (``positions_needed``), refused where the model has fewer."""
+    positions = positions_needed(prompt_tokens, max_new_tokens)
+    max_len = getattr(model, "max_seq_len", None)
+    if max_len is not None and positions > max_len:
+        raise GenerationError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
+                              f"exceeds the model's {max_len} positions; ask for fewer new tokens")
+    return positions
+
+
 @torch.no_grad()
 def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, use_cache: bool = True,
@@ -174,16 +184,12 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temper
     differ in the last bit at a near-tie, from a kernel that accumulates in another order, would
     otherwise stop or continue alone)."""
     device = device or next(model.parameters()).device
-    max_len = getattr(model, "max_seq_len", None)
     generator = torch.Generator().manual_seed(seed)
     if not prompt:
         raise GenerationError("an empty prompt: give at least one token (prompt_ids gives a tokenizer's "
                               "start of a document for empty text)")
     tokens = torch.tensor([prompt], dtype=torch.long, device=device)
-    positions = positions_needed(len(prompt), max_new_tokens)
-    if max_len is not None and positions > max_len:
-        raise GenerationError(f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) "
-                              f"exceeds the model's {max_len} positions; ask for fewer new tokens")
+    positions = check_positions(model, len(prompt), max_new_tokens)
     cache = None
     if use_cache and hasattr(model, "new_cache"):
         cache = model.new_cache(positions)
