@@ -318,6 +318,14 @@ def test_damage_inside_a_file_is_named(two_rank_run, tmp_path, name, how, messag
                        f"run.dir={tmp_path / 'explicit'}", timeout=120)
     assert message in error_line(explicit)  # a path given by hand never falls back
 
+    # Reading the weights alone (generate, eval, model.init_from) checks the files it reads too: a
+    # flipped bit generated from a wrong weight, silently (found by review).
+    generated = run_cli("generate", str(damaged), "--prompt", "x", "--max-new-tokens", "2", timeout=120)
+    if name.startswith("rng-"):
+        assert generated.returncode == 0, generated.stderr[-3000:]
+    else:
+        assert message in error_line(generated)
+
 
 def test_resume_falls_back_past_every_damaged_checkpoint(two_rank_run, tmp_path):
     """Steps 4 to 10 each damaged one way: the resume names each, moves it aside when its step is

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from shardtrain.checkpoint import layout
+from shardtrain.checkpoint import integrity, layout
 from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed
 from shardtrain.checkpoint.integrity import MANIFEST_FILE, file_sha256
 from shardtrain.checkpoint.safetensors_files import (
@@ -149,16 +149,35 @@ def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | N
 
 def verify_shared(path: Path):
     """``layout.verify`` of a weights checkpoint, each rank checking its 1/world share of the shard
-    files (every rank stat'ing every file is a million stats at 1,024 ranks); the ranks' verdicts are
+    files (every rank stat'ing every file is a million stats at 1,024 ranks) and hashing its share
+    of the recorded files that hold the model (``model_files_damaged``); the ranks' verdicts are
     shared, so all raise the first error together, none going on alone into DCP's collectives."""
-    share = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
-    metadata, error = None, None
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    metadata, error, damaged = None, None, {}
     try:
-        metadata = layout.verify(path, need_state=False, share=share)
-    except CheckpointError as exc:
+        metadata = layout.verify(path, need_state=False, share=(rank, world))
+        damaged = model_files_damaged(path, metadata, rank, world)
+    except (CheckpointError, OSError) as exc:
         error = str(exc)
-    agree(error, error_type=CheckpointError)
+    if found := {name: why for part in agree(error, damaged, error_type=CheckpointError)
+                 for name, why in part.items()}:
+        raise integrity.damage_error(path, found)
     return metadata
+
+
+def model_files_damaged(path: Path, metadata, rank: int, world: int) -> dict[str, str]:
+    """What is wrong with this rank's share of the files a weights read needs (``.metadata`` and
+    those holding ``model.`` entries; not the optimizer's, nor the RNG files), by the checkpoint's
+    recorded checksums: a flipped bit would otherwise load as a wrong weight, silently."""
+    files = integrity.read_manifest(path)
+    if files is None:
+        if rank == 0:
+            integrity.warn_unrecorded(path)
+        return {}
+    read = {info.relative_path for index, info in (metadata.storage_data or {}).items()
+            if index.fqn.startswith("model.")} | {layout.METADATA_FILE}
+    wanted = {name: entry for name, entry in files.items() if name in read}
+    return integrity.damaged_files(path, wanted, integrity.verification_share(wanted, rank, world)) or {}
 
 
 def read_dcp(state: dict[str, Any], path: Path) -> None:
