@@ -225,6 +225,7 @@ BAD = {
     "strategy.activation_checkpointing=selectiv": "is unknown; did you mean 'selective'?; choose one of",
     "checkpoint.preemption_signals=[SIGKILL]": "SIGKILL cannot be caught",
     "checkpoint.resume=": "checkpoint.resume is empty; name a directory (or auto, or none)",
+    "finetune.rank=8": "finetune.rank=8 shapes LoRA adapters, and this run trains every parameter",
     # hydra's grammar: its own message offered --multirun (found by review)
     "data.paths=a,b": "'data.paths=a,b': a comma separates list items; write a list as data.paths=[a,b]",
     "trainer.sample_prompt=def f(x):": "quote a value holding ( ) [ ] { } , = ' or spaces, e.g. "

@@ -12,6 +12,7 @@ needs torch, the devices or the task's code.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -28,7 +29,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from shardtrain.config.keys import PRESETS_DIR, check_overrides, schema_keys
-from shardtrain.config.schema import TRACKERS, Config, ModelConfig
+from shardtrain.config.schema import TRACKERS, Config, FinetuneConfig, ModelConfig
 from shardtrain.config.strategy import check_strategy_names, devices_count
 from shardtrain.config.suggest import closest
 from shardtrain.errors import ConfigError
@@ -210,6 +211,19 @@ def check_trackers(trackers: list[str]) -> None:
         raise ConfigError(f"run.trackers={list(trackers)} names a tracker twice; name each once")
 
 
+def check_finetune(finetune: FinetuneConfig) -> None:
+    """The adapters' settings given without adapters changed nothing: refused, named."""
+    if finetune.method != "none":
+        return
+    defaults = FinetuneConfig()
+    if changed := [f.name for f in dataclasses.fields(finetune)
+                   if f.name != "method" and getattr(finetune, f.name) != getattr(defaults, f.name)]:
+        shown = ", ".join(f"finetune.{name}={getattr(finetune, name)}" for name in changed)
+        raise ConfigError(f"{shown} shape{'s' if len(changed) == 1 else ''} LoRA adapters, and this run "
+                          "trains every parameter (finetune.method=none); add finetune=lora (or qlora), "
+                          f"or drop {'it' if len(changed) == 1 else 'them'}")
+
+
 def check_config(cfg: Config) -> None:
     """Everything the config and the files it names can tell."""
     cfg.dist.debug = str(cfg.dist.debug).upper()
@@ -232,6 +246,7 @@ def check_config(cfg: Config) -> None:
     if cfg.data.cache_dir != "auto" and Path(cfg.data.cache_dir).expanduser().is_file():
         raise ConfigError(f"data.cache_dir={cfg.data.cache_dir!r} is a file; name a directory (or auto)")
     check_model(cfg)
+    check_finetune(cfg.finetune)
     check_trackers(cfg.run.trackers)
     for key, value in (("run.dir", cfg.run.dir), ("checkpoint.resume", cfg.checkpoint.resume),
                        ("data.cache_dir", cfg.data.cache_dir)):
