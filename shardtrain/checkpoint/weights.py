@@ -371,10 +371,14 @@ def read_hf_config(directory: Path) -> dict:
     config_file = directory / HF_CONFIG_FILE
     if not config_file.is_file():
         raise CheckpointError(f"{directory} has no {HF_CONFIG_FILE}: not a Hugging Face model directory")
-    config = json.loads(config_file.read_text())
-    if config.get("model_type") != "llama":
-        raise CheckpointError(f"{directory} holds a {config.get('model_type')!r} model; only llama "
-                              "models can be imported")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{config_file} is not readable JSON ({exc}); write it again with "
+                              "save_pretrained") from exc
+    if not isinstance(config, dict) or config.get("model_type") != "llama":
+        kind = config.get("model_type") if isinstance(config, dict) else type(config).__name__
+        raise CheckpointError(f"{directory} holds a {kind!r} model; only llama models can be imported")
     if found := unrepresentable(config):
         raise CheckpointError(f"{directory} is a Llama the built-in model cannot compute: "
                               f"{'; '.join(found)}; train it as it is with model.name=hf "

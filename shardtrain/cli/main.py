@@ -628,6 +628,9 @@ def run_command(args: argparse.Namespace, argv: list[str] | None) -> int:
     except ShardtrainError as exc:
         print(f"shardtrain: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `shardtrain inspect X | head`: the reader has gone, and so do we
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
+        return 141
     except KeyboardInterrupt:
         print("shardtrain: interrupted (a training run with checkpoints resumes from its newest one "
               "when the same command runs again)", file=sys.stderr)

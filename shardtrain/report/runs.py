@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -150,7 +151,7 @@ def read_config(path: Path) -> dict[str, Any]:
         return {}
     try:
         return flatten(OmegaConf.to_container(OmegaConf.load(path)))
-    except (OmegaConfBaseException, OSError, ValueError) as exc:
+    except (OmegaConfBaseException, OSError, ValueError, yaml.YAMLError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ReportError(f"{path} is not readable YAML ({first}); it is the config.yaml "
                           "`shardtrain train` writes into run.dir") from exc
