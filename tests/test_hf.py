@@ -199,6 +199,11 @@ def test_init_from_hf_refuses_what_the_built_in_llama_computes_otherwise(tiny_hf
         (changed / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(CheckpointError, match=f"cannot compute: {re.escape(named)}"):
             load_hf_into(Llama(cfg.model), cfg.model, changed)
+    unreadable = tmp_path / "unreadable"  # found by review: json's own traceback
+    shutil.copytree(directory, unreadable)
+    (unreadable / "config.json").write_text("{bad")
+    with pytest.raises(CheckpointError, match=r"config.json is not readable JSON \(Expecting property name"):
+        load_hf_into(Llama(cfg.model), cfg.model, unreadable)
 
 
 def test_init_from_hf_matches_logits_and_trains_at_two_processes(tmp_path, tiny_hf_llama):

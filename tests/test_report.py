@@ -18,7 +18,7 @@ from cli_utils import SHARDTRAIN, clean_env, run_cli
 from shardtrain.errors import ReportError
 from shardtrain.report.html import DATA_ID, torchrun_restarts, write_report
 from shardtrain.report.panels import PHASES, start_markers
-from shardtrain.report.runs import load_run, load_runs, timeline
+from shardtrain.report.runs import load_run, load_runs, read_config, timeline
 
 STEPS = 8
 # Eight steps, a record each, validation every 4 and a checkpoint every 3: the crashed attempt of
@@ -201,6 +201,9 @@ def test_bad_run_directories_fail_with_one_line(tmp_path):
         load_run(tmp_path)
     with pytest.raises(ReportError, match="is a directory"):
         write_report([tmp_path], tmp_path)
+    (tmp_path / "config.yaml").write_text("a: [\n  b: }")  # found by review: yaml's ParserError
+    with pytest.raises(ReportError, match=r"config.yaml is not readable YAML \(while parsing a flow node\)"):
+        read_config(tmp_path / "config.yaml")
 
 
 def test_torchrun_restarts_add_up_over_requeued_jobs(tmp_path):
