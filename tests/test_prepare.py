@@ -295,7 +295,16 @@ def test_data_smaller_than_one_global_batch_fails_before_training(tmp_path):
 
 def test_prepare_options_reject_bad_values(tmp_path):
     done = run_cli("prepare", str(tmp_path), "--out", str(tmp_path / "o"), "--workers", "0")
-    assert done.returncode == 2 and "--workers must be at least 1" in done.stderr
+    assert done.returncode == 2 and "--workers 0 must be at least 1" in done.stderr
+    # Found by review: one message listed every bound, and a split without validation documents was
+    # written without a word (training refuses it, naming a data.val_percent that cannot apply).
+    (tmp_path / "one.txt").write_text("a single document")
+    done = run_cli("prepare", str(tmp_path / "one.txt"), "--out", str(tmp_path / "single"))
+    assert done.returncode == 0 and done.stderr.startswith(f"warning: {tmp_path / 'single'} has no "
+                                                           "validation documents (--val-percent 5 of 1 "
+                                                           "documents)"), done.stderr
+    with pytest.raises(DataError, match=r"0 validation documents; both need at least one \(prepare it again"):
+        load_corpus(DataConfig(source="prepared", paths=[str(tmp_path / "single")]))
     with pytest.raises(DataError, match="no tokenizer.json"):
         prepare(PrepareOptions(inputs=[str(tmp_path)], tokenizer=str(tmp_path)), tmp_path / "o")
 

@@ -382,9 +382,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from shardtrain.data.prepare import PrepareOptions, prepare
     from shardtrain.errors import ConfigError
 
-    if args.workers < 1 or not 0 <= args.val_percent <= 100 or args.max_bytes < 0:
-        raise ConfigError("--workers must be at least 1, --val-percent between 0 and 100, "
-                          "--max-bytes not negative")
+    for wrong, flag, value, bound in ((args.workers < 1, "--workers", args.workers, "at least 1"),
+                                      (not 0 <= args.val_percent <= 100, "--val-percent", args.val_percent,
+                                       "between 0 and 100"),
+                                      (args.max_bytes < 0, "--max-bytes", args.max_bytes, "not negative")):
+        if wrong:
+            raise ConfigError(f"{flag} {value} must be {bound}")
     options = PrepareOptions(inputs=args.inputs, tokenizer=args.tokenizer, text_field=args.text_field,
                              file_glob=args.glob, val_percent=args.val_percent,
                              max_bytes=args.max_bytes, workers=args.workers)
@@ -394,6 +397,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         print(f"{args.out}: up to date (prepared from the same inputs and tokenizer); nothing to do")
         return 0
     tokens = sum(s["tokens"] for s in splits.values())
+    if not splits["val"]["documents"]:
+        print(f"warning: {args.out} has no validation documents (--val-percent {args.val_percent:g} of "
+              f"{splits['train']['documents']} documents): training on it refuses to run without; "
+              "prepare again with a larger --val-percent, or more inputs", file=sys.stderr)
     print(f"{args.out}: {splits['train']['documents']:,} train + {splits['val']['documents']:,} validation "
           f"documents, {splits['train']['tokens']:,} + {splits['val']['tokens']:,} tokens "
           f"({result.manifest['dtype']}, tokenizer {result.manifest['tokenizer']['name']}) in "

@@ -224,10 +224,10 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None,
     train_docs, val_docs = dataset.train.documents, dataset.val.documents
     roots = ", ".join(dataset.manifest["options"]["inputs"])
     if ("train" in need and not train_docs) or ("val" in need and not val_docs):
-        raise DataError(
-            f"data from {roots} gave {train_docs} training and {val_docs} validation documents; both "
-            "need at least one (add files, raise data.max_bytes, or change data.val_percent)"
-        )
+        fix = ("prepare it again with more inputs or another --val-percent" if cfg.source == "prepared"
+               else "add files, raise data.max_bytes, or change data.val_percent")
+        raise DataError(f"data from {roots} gave {train_docs} training and {val_docs} validation "
+                        f"documents; both need at least one ({fix})")
     return Corpus(train=dataset.train, val=dataset.val, train_files=train_docs, val_files=val_docs,
                   root=roots, tokenizer=tokenizer.name, path=str(path))
 
