@@ -236,12 +236,17 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     from shardtrain.data.corpus import load_corpus
     from shardtrain.data.tokenizer import tokenizer_for
     from shardtrain.distributed.env import destroy_distributed
+    from shardtrain.errors import ConfigError
     from shardtrain.generation.inference import load_for_inference
     from shardtrain.tasks.language_model import LanguageModelTask
     from shardtrain.train.step import evaluate
 
     try:
         loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype)
+        positions = getattr(loaded.model, "max_seq_len", None)
+        if positions is not None and args.seq_len > positions:
+            raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
+                              f"use --seq-len {positions} or less")
         tokenizer = tokenizer_for(loaded.cfg.model)
         if args.file:
             data = load_corpus(DataConfig(source="files", paths=[args.file], val_percent=0.0,
