@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from equivalence import case_config, small_corpus
 
+from shardtrain.checkpoint.weights import check_same_source
 from shardtrain.distributed.env import lazily_connected_gloo_group
 from shardtrain.errors import CheckpointError, TrackerError
 from shardtrain.tasks.language_model import LanguageModelTask
@@ -261,8 +262,8 @@ def failed_saves(out: str, full: Trainer, split: Trainer) -> None:
                    f"File too large; raise the file size limit (ulimit -f) above a checkpoint file's "
                    f"size (step-{2 * N} is intact)")
         polls = 0
-        if not blocking and rank == 1:  # rank 1 learns of the failure half a second after rank 0
-            trainer.checkpointer.finisher.submit(time.sleep, 0.5)
+        if not blocking and rank == 1:  # rank 1 learns of the failure a second after rank 0
+            trainer.checkpointer.finisher.submit(time.sleep, 1.0)
         with file_size_limit((rng + shard) // 2 if rank == 1 else None):
             try:
                 trainer.checkpointer.save(step, tokens_seen=0, consumed_samples=0,
@@ -283,7 +284,7 @@ def failed_saves(out: str, full: Trainer, split: Trainer) -> None:
         if not blocking:  # every rank raised at the same poll, as it would at the same step
             counts = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(counts, polls)
-            assert len(set(counts)) == 1 and counts[0] > 5, counts
+            assert len(set(counts)) == 1 and counts[0] > 1, counts  # more than one: it waited
         assert not (root / f"step-{step}").exists()
         assert {p.name: p.read_bytes() for p in last.iterdir()} == before
     # Rank 0 cannot make the directory to save into (a file holds its name): every rank raises its
@@ -319,6 +320,16 @@ def failed_saves(out: str, full: Trainer, split: Trainer) -> None:
                                            f"rank {failing}: [Errno 27] File too large"), str(exc)
             else:
                 raise AssertionError(f"rank {failing} could not write, yet the save succeeded")
+    # A weights source seen as one kind on rank 0 and another on rank 1 (a path that exists on some
+    # nodes only: each kind reads with other collectives) stops both ranks, naming what each saw.
+    seen = str(root / f"step-{2 * N}") if rank == 0 else str(root / "nowhere")
+    try:
+        check_same_source(seen)
+    except CheckpointError as exc:
+        assert str(exc) == (f"{seen} is a checkpoint directory on rank 0 but nothing on rank 1; put it "
+                            "on a filesystem every node mounts"), str(exc)
+    else:
+        raise AssertionError("ranks that see different things at one path went on")
     # A tracker that cannot start (they start on rank 0 only): every rank stops at start-up with its
     # one line, rather than the others waiting in the first step.
     run = split.cfg.run

@@ -347,9 +347,9 @@ class Checkpointer:
         prepared: list[str | None] = [None]
         if self.rank == 0:
             try:
-                if final.exists() and final not in self.damaged and layout.is_complete(final):
-                    raise CheckpointError(f"{final} already exists; refusing to overwrite a checkpoint")
-                with self.save_errors(step, tmp):
+                with self.save_errors(step, tmp):  # an OSError of these checks too: one line
+                    if final.exists() and final not in self.damaged and layout.is_complete(final):
+                        raise CheckpointError(f"{final} already exists; refusing to overwrite a checkpoint")
                     self.prepare(final, tmp)
             except CheckpointError as exc:
                 prepared[0] = str(exc)
@@ -573,6 +573,8 @@ class Checkpointer:
                            options=StateDictOptions(strict=not (unsaved or self.adapters_only),
                                                     ignore_frozen_params=self.adapters_only))
         except (RuntimeError, KeyError) as exc:  # the same tensors, grouped otherwise (tied weights)
+            if isinstance(exc, (torch.OutOfMemoryError, dist.DistError)):
+                raise  # not a mismatch: memory, or a peer (their own errors say so)
             raise CheckpointError(
                 f"checkpoint {str(path)!r} does not fit this model's parameters "
                 f"({first_sentence(exc)}); use the model config it was saved with (see its "

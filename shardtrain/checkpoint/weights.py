@@ -118,8 +118,11 @@ def refuse_adapters_only(path: Path, state: TrainState) -> None:
                               f"model, `shardtrain export-peft {path} OUT` the adapters for PEFT")
 
 
-def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | None = None) -> None:
-    """Fill ``model`` (sharded or not) with the weights at ``source``; optimizer state is not read."""
+def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | None = None,
+                       verify_checksums: bool = True) -> None:
+    """Fill ``model`` (sharded or not) with the weights at ``source``; optimizer state is not read.
+    ``verify_checksums``: a checkpoint directory's recorded checksums are checked first."""
+    check_same_source(source)
     if source.startswith(HF_PREFIX):
         if model_cfg is None:
             raise CheckpointError(f"{source}: importing a Hugging Face directory needs the model config")
@@ -136,7 +139,7 @@ def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | N
                                   f"built-in model with model.init_from=hf:{path})")
         load_hf_model_into(model, path)
         return
-    metadata = verify_shared(path)
+    metadata = verify_shared(path, verify_checksums)
     if (path / STATE_FILE).is_file():
         refuse_adapters_only(path, TrainState.read(path))
     adapted = get_model_state_dict(model)
@@ -147,7 +150,28 @@ def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | N
                          options=StateDictOptions(strict=len(state) == len(adapted)))
 
 
-def verify_shared(path: Path):
+def source_kind(source: str) -> str:
+    """What ``load_model_weights`` reads ``source`` as (each kind reads with other collectives)."""
+    path = Path(source.removeprefix(HF_PREFIX)).expanduser()
+    if source.startswith(HF_PREFIX):
+        return "a Hugging Face directory to import"
+    if path.is_file() and path.suffix == ".safetensors":
+        return "a safetensors file"
+    if is_model_directory(path):
+        return "a Hugging Face model directory"
+    return "a checkpoint directory" if path.is_dir() else "nothing"
+
+
+def check_same_source(source: str) -> None:
+    """Every rank sees the same kind of thing at ``source`` (one all-gather): a path that exists on
+    some nodes only would send the ranks down readers with different collectives."""
+    kinds = agree(None, source_kind(source), error_type=CheckpointError)
+    if differing := [rank for rank, kind in enumerate(kinds) if kind != kinds[0]]:
+        raise CheckpointError(f"{source} is {kinds[0]} on rank 0 but {kinds[differing[0]]} on rank "
+                              f"{differing[0]}; put it on a filesystem every node mounts")
+
+
+def verify_shared(path: Path, verify_checksums: bool = True):
     """``layout.verify`` of a weights checkpoint, each rank checking its 1/world share of the shard
     files (every rank stat'ing every file is a million stats at 1,024 ranks) and hashing its share
     of the recorded files that hold the model (``model_files_damaged``); the ranks' verdicts are
@@ -156,7 +180,7 @@ def verify_shared(path: Path):
     metadata, error, damaged = None, None, {}
     try:
         metadata = layout.verify(path, need_state=False, share=(rank, world))
-        damaged = model_files_damaged(path, metadata, rank, world)
+        damaged = model_files_damaged(path, metadata, rank, world) if verify_checksums else {}
     except (CheckpointError, OSError) as exc:
         error = str(exc)
     if found := {name: why for part in agree(error, damaged, error_type=CheckpointError)
@@ -167,8 +191,10 @@ def verify_shared(path: Path):
 
 def model_files_damaged(path: Path, metadata, rank: int, world: int) -> dict[str, str]:
     """What is wrong with this rank's share of the files a weights read needs (``.metadata`` and
-    those holding ``model.`` entries; not the optimizer's, nor the RNG files), by the checkpoint's
-    recorded checksums: a flipped bit would otherwise load as a wrong weight, silently."""
+    those holding ``model.`` entries: not the RNG files, nor files of optimizer state alone, though
+    DCP's writer puts a rank's optimizer state in the file with its model shard, so those are
+    hashed whole), by the checkpoint's recorded checksums: a flipped bit would otherwise load as a
+    wrong weight, silently."""
     files = integrity.read_manifest(path)
     if files is None:
         if rank == 0:

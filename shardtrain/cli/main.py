@@ -149,7 +149,8 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     from shardtrain.generation.inference import load_for_inference
 
     try:
-        loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype)
+        loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype,
+                                    verify_checksums=not args.skip_checksums)
         tokenizer = tokenizer_for(loaded.cfg.model)
         choice = generation_mode(loaded.model, loaded.compute_dtype, loaded.env.device, args.mode,
                                  loaded.env.local_world_size)
@@ -242,7 +243,8 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     from shardtrain.train.step import evaluate
 
     try:
-        loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype)
+        loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype,
+                                    verify_checksums=not args.skip_checksums)
         positions = getattr(loaded.model, "max_seq_len", None)
         if positions is not None and args.seq_len > positions:
             raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
@@ -451,6 +453,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+SKIP_CHECKSUMS_HELP = ("do not check a checkpoint directory's recorded checksums before reading it "
+                       "(they hash its model and optimizer shards, which DCP writes in one file a rank)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardtrain",
@@ -523,6 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--strategy", default="FULL_SHARD", help="how the checkpoint is sharded on load")
     gen.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                      help="compute dtype; auto: bf16 on accelerators with bf16 units, fp32 on CPUs")
+    gen.add_argument("--skip-checksums", action="store_true", help=SKIP_CHECKSUMS_HELP)
     gen.add_argument("--mode", default="auto", choices=["auto", "gathered", "sharded"],
                      help="gathered: one copy of the model, no collectives per token; sharded: each "
                      "unit all-gathered per token; auto: gathered when it fits the free memory")
@@ -537,6 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, default=8, help="windows per forward on each process")
     ev.add_argument("--devices", type=int, default=1, help="processes (sharded checkpoints)")
     ev.add_argument("--strategy", default="FULL_SHARD", help="how the checkpoint is sharded on load")
+    ev.add_argument("--skip-checksums", action="store_true", help=SKIP_CHECKSUMS_HELP)
     ev.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                      help="compute dtype; auto: bf16 on accelerators with bf16 units, fp32 on CPUs")
 

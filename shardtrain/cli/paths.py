@@ -59,8 +59,10 @@ def os_failure(exc: BaseException) -> str | None:
             return None
         code = int(found.group(1))
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    if code is None:  # numpy's short write ("1938344 requested and 32704 written") has no errno
+    if code is None and re.search(r"\d+ requested and \d+ written", text):  # numpy's short write
         return f"{type(exc).__name__}: {text}; a write came up short: check free space on the filesystem"
+    if code is None:
+        return f"{type(exc).__name__}: {text}; check the path and its filesystem"
     if not isinstance(exc, OSError):
         text = f"[Errno {code}] {os.strerror(code)} ({type(exc).__name__})"
     fixes = {errno.ENOSPC: "free space on that filesystem (or choose a path on another)",

@@ -255,7 +255,7 @@ class CheckpointConfig:
     resume: str = "auto"
     # Also write model.safetensors (full weights, gathered on rank 0 with CPU offload).
     save_full: bool = False
-    # Check every file's recorded checksum before resuming from a checkpoint (inspect always does).
+    # Check the recorded checksums before resuming, and of what model.init_from reads (inspect always does).
     verify_checksums: bool = True
     # A checkpoint save may take this long before the watchdog stops the run (saves are not bound by
     # dist.timeout_s, which is meant for one training step).

@@ -50,18 +50,36 @@ def agree(error: str | None, detail: Any = None, group: dist.ProcessGroup | None
 def run_agreed(action: Callable[[], T], group: dist.ProcessGroup | None = None) -> T:
     """``action()`` on every rank (rank 0's file writes, its trackers' start), then one all-gather
     of how it went: where it raised a ``ShardtrainError`` or an ``OSError`` on some rank, every rank
-    raises the lowest such rank's, of its class (that rank its own exception), so that the others
-    do not go on into a collective that rank never joins. Returns this rank's result."""
+    raises the lowest such rank's, of its class and with its arguments (an OSError's errno), that
+    rank its own exception; so the others do not go on into a collective it never joins. Returns
+    this rank's result."""
     try:
         result, failure = action(), None
     except (ShardtrainError, OSError) as exc:
         result, failure = None, exc
     error = None if failure is None else str(failure) or type(failure).__name__
-    verdicts = gather_verdicts(error, None if failure is None else type(failure), group)
+    detail = None
+    if failure is not None:  # plain arguments only: pickling anything else could fail on this rank alone
+        plain = all(isinstance(arg, (str, int, float, type(None))) for arg in failure.args)
+        detail = (type(failure), failure.args if plain else (error,))
+    verdicts = gather_verdicts(error, detail, group)
     failed = next((rank for rank, (error, _) in enumerate(verdicts) if error is not None), None)
     if failed is None:
         return result
     if failure is not None and failed == (dist.get_rank(group) if dist.is_initialized() else 0):
         raise failure
-    error, kind = verdicts[failed]
-    raise kind(error)
+    error, detail = verdicts[failed]
+    raise rebuilt(error, detail)
+
+
+def rebuilt(error: str, detail: Any) -> BaseException:
+    """The failed rank's exception from its class and arguments; a ShardtrainError with its message
+    where that cannot be (a class whose constructor takes other arguments, or a verdict that is not
+    run_agreed's, from ranks that reached different collectives)."""
+    try:
+        kind, args = detail
+        if isinstance(kind, type) and issubclass(kind, (ShardtrainError, OSError)):
+            return kind(*args)
+    except (TypeError, ValueError):
+        pass
+    return ShardtrainError(error)

@@ -48,8 +48,9 @@ class Loaded:
 
 
 def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
-                       dtype: str = "auto") -> Loaded:
-    """``dtype``: the compute dtype, fp32 | bf16 | auto (bf16 on accelerators with bf16 units)."""
+                       dtype: str = "auto", verify_checksums: bool = True) -> Loaded:
+    """``dtype``: the compute dtype, fp32 | bf16 | auto (bf16 on accelerators with bf16 units).
+    ``verify_checksums``: a checkpoint directory's recorded checksums are checked before reading."""
     path = Path(checkpoint)
     if not path.exists():
         raise CheckpointError(f"{str(path)!r} does not exist")
@@ -92,5 +93,5 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
             quantize_base(model)
         load_adapters(model, path)
     else:
-        load_model_weights(model, str(path))
+        load_model_weights(model, str(path), verify_checksums=verify_checksums)
     return Loaded(cfg, env, model, with_adapters(factory, cfg, env.device), plan.param_dtype)

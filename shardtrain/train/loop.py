@@ -271,7 +271,8 @@ class Trainer:
         """The weights a fresh run starts from (with LoRA: the frozen base, and the adapters' draw)."""
         if source := self.cfg.model.weights_source():
             # Each rank reads its own rows: a file missing or damaged on one node stops every rank.
-            run_agreed(lambda: load_model_weights(self.model, source, self.cfg.model))
+            run_agreed(lambda: load_model_weights(self.model, source, self.cfg.model,
+                                                  self.cfg.checkpoint.verify_checksums))
             self.info(f"initialised weights from {source}")
         if source is None or self.cfg.finetune.method != "none":
             draw()  # with a base read from files, only the adapters are still to be drawn
