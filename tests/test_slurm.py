@@ -10,6 +10,7 @@ consolidate.sbatch and generate.sbatch on the checkpoint.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -95,7 +96,10 @@ def test_restart_preemption_requeue_and_exact_resume(slurm_run):
     assert "resumed from runs/shardtrain/checkpoints/step-2:" in first_log
     assert r["sent"].name == "SIGUSR1"  # the script's --signal=B:USR1@...
     assert "shardtrain-slurm: SIGUSR1 received" in first_log
-    assert f"preemption (SIGUSR1): saving at step {r['stopped_at']}" in first_log
+    # Rank 0 names the signal, or, where another rank had it first (the step's all-reduce carries the
+    # request, not its name: seen once in a loaded full-suite run), says so.
+    assert re.search(rf"preemption \((SIGUSR1|signal on another rank)\): saving at step {r['stopped_at']}\b",
+                     first_log), first_log[-3000:]
     assert 3 <= r["stopped_at"] < MAX_STEPS
     assert f"step-{r['stopped_at']}" in r["saved"]
     assert r["requeues_after_first"] == [{"command": "requeue", "job_id": "4242"}]
