@@ -200,15 +200,15 @@ def reset_peak_rss() -> None:
 class CountingFile:
     """An open safetensors file that counts the elements read of each tensor, whole or sliced."""
 
-    def __init__(self, handle, counts: dict[str, int]) -> None:
-        self.handle, self.counts = handle, counts
+    def __init__(self, opening, counts: dict[str, int]) -> None:
+        self.opening, self.counts = opening, counts
 
     def __enter__(self) -> CountingFile:
-        self.handle.__enter__()
+        self.handle = self.opening.__enter__()  # open_safetensors' open file
         return self
 
     def __exit__(self, *exc) -> None:
-        self.handle.__exit__(*exc)
+        self.opening.__exit__(*exc)
 
     def keys(self) -> list[str]:
         return self.handle.keys()
@@ -244,12 +244,12 @@ def qk_reads(out: str, directory: str) -> None:
                                     ffn_hidden_dim=97, max_seq_len=64, init_from=f"hf:{directory}")
     env, model = build(cfg)
     counts: dict[str, int] = {}
-    real = checkpoint_weights.safe_open
-    checkpoint_weights.safe_open = lambda *args, **kwargs: CountingFile(real(*args, **kwargs), counts)
+    real = checkpoint_weights.open_safetensors
+    checkpoint_weights.open_safetensors = lambda *args, **kwargs: CountingFile(real(*args, **kwargs), counts)
     try:
         checkpoint_weights.load_hf_into(model, cfg.model, directory)
     finally:
-        checkpoint_weights.safe_open = real
+        checkpoint_weights.open_safetensors = real
     qk = sum(n for name, n in counts.items() if name.endswith(("q_proj.weight", "k_proj.weight")))
     rows = {name: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
             for name, p in model.named_parameters() if name.endswith(("wq.weight", "wk.weight"))}
