@@ -1,5 +1,9 @@
 """Errors that carry a message meant for the user: the CLI prints them without a traceback."""
 
+from __future__ import annotations
+
+import re
+
 
 class ShardtrainError(Exception):
     """Base class: the message names the problem and the fix."""
@@ -35,3 +39,12 @@ class ReportError(ShardtrainError):
 
 class TrackerError(ShardtrainError):
     """An experiment tracker (W&B, MLflow) cannot start: not installed, unreachable, not logged in."""
+
+
+def os_error_code(exc: BaseException) -> int | None:
+    """The errno of an OSError, or of a Rust library's I/O error (safetensors' "Error while
+    serializing: I/O error: File too large (os error 27)"), else None."""
+    if isinstance(exc, OSError):
+        return exc.errno
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    return int(found.group(1)) if found else None

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from equivalence import case_config, small_corpus
 
-from shardtrain.checkpoint.weights import check_same_source
+from shardtrain.checkpoint.weights import agreed_source_kind
 from shardtrain.distributed.env import lazily_connected_gloo_group
 from shardtrain.errors import CheckpointError, TrackerError
 from shardtrain.tasks.language_model import LanguageModelTask
@@ -324,7 +324,7 @@ def failed_saves(out: str, full: Trainer, split: Trainer) -> None:
     # nodes only: each kind reads with other collectives) stops both ranks, naming what each saw.
     seen = str(root / f"step-{2 * N}") if rank == 0 else str(root / "nowhere")
     try:
-        check_same_source(seen)
+        agreed_source_kind(seen)
     except CheckpointError as exc:
         assert str(exc) == (f"{seen} is a checkpoint directory on rank 0 but nothing on rank 1; put it "
                             "on a filesystem every node mounts"), str(exc)

@@ -14,6 +14,8 @@ import re
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from shardtrain.errors import os_error_code
+
 # What the callers catch around DCP: its own gathered failures, and anything raised before (or
 # outside) its collectives, such as a storage error while setting up.
 DCP_FAILURES = (CheckpointException, Exception)
@@ -34,15 +36,6 @@ def first_failure(exc: BaseException) -> tuple[int | None, BaseException]:
             break
         rank, exc = found[0], causes[found[0]]
     return rank, exc
-
-
-def os_error_code(exc: BaseException) -> int | None:
-    """The errno of an OSError, or of a Rust library's I/O error (safetensors' "Error while
-    serializing: I/O error: File too large (os error 27)"), else None."""
-    if isinstance(exc, OSError):
-        return exc.errno
-    found = re.search(r"\(os error (\d+)\)", str(exc))
-    return int(found.group(1)) if found else None
 
 
 def describe(exc: BaseException) -> str:

@@ -122,17 +122,17 @@ def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | N
                        verify_checksums: bool = True) -> None:
     """Fill ``model`` (sharded or not) with the weights at ``source``; optimizer state is not read.
     ``verify_checksums``: a checkpoint directory's recorded checksums are checked first."""
-    check_same_source(source)
-    if source.startswith(HF_PREFIX):
+    kind = agreed_source_kind(source)
+    if kind == HF_IMPORT:
         if model_cfg is None:
             raise CheckpointError(f"{source}: importing a Hugging Face directory needs the model config")
         load_hf_into(model, model_cfg, source[len(HF_PREFIX):])
         return
     path = Path(source).expanduser()
-    if path.is_file() and path.suffix == ".safetensors":
+    if kind == SAFETENSORS_FILE:
         load_safetensors_into(model, path)
         return
-    if is_model_directory(path):
+    if kind == HF_DIRECTORY:
         if model_cfg is None or model_cfg.name != "hf":
             raise CheckpointError(f"{path} is a Hugging Face model directory: train it with "
                                   f"model.name=hf model.path={path} (a Llama also imports into the "
@@ -150,25 +150,32 @@ def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | N
                          options=StateDictOptions(strict=len(state) == len(adapted)))
 
 
+# What ``load_model_weights`` reads a source as; each kind reads with other collectives.
+HF_IMPORT = "a Hugging Face directory to import"
+SAFETENSORS_FILE = "a safetensors file"
+HF_DIRECTORY = "a Hugging Face model directory"
+
+
 def source_kind(source: str) -> str:
-    """What ``load_model_weights`` reads ``source`` as (each kind reads with other collectives)."""
-    path = Path(source.removeprefix(HF_PREFIX)).expanduser()
+    """What ``load_model_weights`` reads ``source`` as, seen from this rank."""
     if source.startswith(HF_PREFIX):
-        return "a Hugging Face directory to import"
+        return HF_IMPORT
+    path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".safetensors":
-        return "a safetensors file"
+        return SAFETENSORS_FILE
     if is_model_directory(path):
-        return "a Hugging Face model directory"
+        return HF_DIRECTORY
     return "a checkpoint directory" if path.is_dir() else "nothing"
 
 
-def check_same_source(source: str) -> None:
-    """Every rank sees the same kind of thing at ``source`` (one all-gather): a path that exists on
-    some nodes only would send the ranks down readers with different collectives."""
+def agreed_source_kind(source: str) -> str:
+    """``source_kind``, the same on every rank (one all-gather), else an error on every rank: a path
+    that exists on some nodes only would send the ranks down readers with different collectives."""
     kinds = agree(None, source_kind(source), error_type=CheckpointError)
     if differing := [rank for rank, kind in enumerate(kinds) if kind != kinds[0]]:
         raise CheckpointError(f"{source} is {kinds[0]} on rank 0 but {kinds[differing[0]]} on rank "
                               f"{differing[0]}; put it on a filesystem every node mounts")
+    return kinds[0]
 
 
 def verify_shared(path: Path, verify_checksums: bool = True):

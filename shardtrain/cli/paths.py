@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from shardtrain.errors import ConfigError
+from shardtrain.errors import ConfigError, os_error_code
 
 
 def check_exists(path: str, what: str = "") -> None:
@@ -52,12 +52,9 @@ def os_failure(exc: BaseException) -> str | None:
     """One line for a failure of the filesystem (an ``OSError``, or a Rust library's error that
     carries one: safetensors' "... No space left on device (os error 28)") naming the cause and what
     to do; None for any other exception."""
-    code = exc.errno if isinstance(exc, OSError) else None
-    if not isinstance(exc, OSError):
-        found = re.search(r"\(os error (\d+)\)", str(exc))
-        if found is None:
-            return None
-        code = int(found.group(1))
+    code = os_error_code(exc)
+    if not isinstance(exc, OSError) and code is None:
+        return None
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if code is None and re.search(r"\d+ requested and \d+ written", text):  # numpy's short write
         return f"{type(exc).__name__}: {text}; a write came up short: check free space on the filesystem"
