@@ -82,7 +82,7 @@ def test_required_knobs_exist():
         ("dist.backend=mpi", "dist.backend='mpi' is unknown"),
         ("data.source=stdlb", "did you mean 'stdlib'?"),
         ("model.rope_theta=0", "model.rope_theta=0.0 must be greater than 0"),
-        ("checkpoint.async=maybe", "checkpoint.async_save=maybe"),
+        ("checkpoint.async=maybe", "checkpoint.async_save='maybe' is not a boolean"),
     ],
 )
 def test_bad_config_is_named(override, expected):
@@ -225,6 +225,8 @@ BAD = {
     "strategy.activation_checkpointing=selectiv": "is unknown; did you mean 'selective'?; choose one of",
     "checkpoint.preemption_signals=[SIGKILL]": "SIGKILL cannot be caught",
     "checkpoint.resume=": "checkpoint.resume is empty; name a directory (or auto, or none)",
+    # OmegaConf reads any integer as a boolean (compile=2 was true)
+    "strategy.compile=2": "strategy.compile='2' is not a boolean: write strategy.compile=true or",
     "finetune.rank=8": "finetune.rank=8 shapes LoRA adapters, and this run trains every parameter",
     # hydra's grammar: its own message offered --multirun (found by review)
     "data.paths=a,b": "'data.paths=a,b': a comma separates list items; write a list as data.paths=[a,b]",

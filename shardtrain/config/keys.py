@@ -19,6 +19,9 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 GROUPS = ("model", "strategy", "data", "experiment")
 # Names that cannot be dataclass fields (Python keywords) -> their schema field.
 ALIASES = {"checkpoint.async": "checkpoint.async_save"}
+# The spellings OmegaConf reads as a boolean; it also reads any other integer as true (compile=2),
+# which is more likely a value meant for another key than a yes.
+BOOLEAN_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
 # Keys that were replaced -> what to write instead (a one-line error: the new key's values differ).
 REPLACED = {"run.tensorboard": "run.tensorboard was replaced by run.trackers, a list of trackers: "
                                "run.trackers=[] for none, run.trackers=[tensorboard,wandb,mlflow] for more"}
@@ -86,6 +89,8 @@ def check_override(override: str) -> None:
     keys = schema_keys()
     if key not in keys and not key.startswith("task.options."):
         raise ConfigError(f"unknown config key {key!r}{closest(key, list(keys) + list(GROUPS))}")
+    if key in keys and keys[key].type in ("bool", bool) and value.strip().lower() not in BOOLEAN_WORDS:
+        raise ConfigError(f"{key}={value!r} is not a boolean: write {key}=true or {key}=false")
 
 
 def check_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
