@@ -219,7 +219,8 @@ def test_torchrun_restarts_add_up_over_requeued_jobs(tmp_path):
         records.append({"step": first, "kind": "start", "resumed": resumed is not None,
                         "resumed_from": f"{ckpt}/{resumed}" if resumed else None,
                         "restart_count": restarts, "world_size": 2})
-        records += [{"step": s, "kind": "train", "loss": 1.0 / s, "tokens_seen": 64 * s}
+        records += [{"step": s, "kind": "train", "loss": 1.0 / s, "tokens_seen": 64 * s,
+                     "tokens_per_s": 10.0}
                     for s in (first + 1, first + 2)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "report.html"
@@ -232,3 +233,22 @@ def test_torchrun_restarts_add_up_over_requeued_jobs(tmp_path):
     labels = [m.label for m in start_markers(load_runs([run_dir])[0])]
     assert labels[0].endswith("torchrun restart 1, resumed at step 2 (step-2)"), labels
     assert "torchrun restart 2 (1 in this job), resumed at step 6" in labels[2], labels
+
+
+def test_a_task_runs_loss_is_plotted_against_its_own_count(tmp_path):
+    """A task counting other units (a DiT's elements) logs ``<unit>_seen``; runs logged before the
+    rename kept every task's count as ``tokens_seen``, read the same way."""
+    for name, seen in (("new", "elements_seen"), ("old", "tokens_seen")):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        records = [{"step": s, "kind": "train", "loss": 1.0 / s, seen: 96 * s,
+                    "elements_per_s": 50.0, "samples_per_s": 2.0} for s in (1, 2, 3)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = write_report([tmp_path / "new", tmp_path / "old"], tmp_path / "report.html")
+    for run in ("new", "old"):
+        (line,) = artists(report.figures["loss_tokens"], f"{run}|loss")
+        assert list(line.get_xdata()) == [96, 192, 288], run
+    axes = report.figures["loss_tokens"].axes[0]
+    assert (axes.get_xlabel(), axes.get_ylabel()) == ("elements seen", "loss (per element)")
+    page = (tmp_path / "report.html").read_text()
+    assert "<th>elements seen</th>" in page and page.count("<td class=num>288</td>") == 2

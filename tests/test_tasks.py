@@ -217,6 +217,8 @@ def test_a_task_from_the_command_line_with_its_options_preempted_and_resumed(tmp
     assert all(0 <= r["accuracy"] <= 1 for r in records)
     assert [r["step"] for r in records if "val_accuracy" in r] == [6, 12]
     assert all(r["samples_per_s"] > 0 and r["model_tflops"] > 0 for r in records)  # FLOPs counted
+    assert [r["samples_seen"] for r in records] == [8 * s for s in range(1, 13)]  # the task's own unit
+    assert "tokens_seen" not in records[0]
     assert "task ImageClassification; data: synthetic 16x16 images" in whole.stderr
     config = (tmp_path / "whole" / "config.yaml").read_text()
     assert "path: vit:ImageClassification" in config and "depth: 1" in config and "classes: 10" in config

@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 
 from shardtrain.errors import ReportError
 from shardtrain.report.figures import draw_panels, png_bytes, run_colours
-from shardtrain.report.panels import Panel, build_panels
+from shardtrain.report.panels import Panel, build_panels, rate_key, seen_key, unit_of
 from shardtrain.report.runs import Run, config_differences, load_runs, restarts_so_far
 from shardtrain.version import __version__
 
@@ -81,7 +81,7 @@ def torchrun_restarts(counts: list[int]) -> int:
     return restarts_so_far(counts)[-1] if counts else 0
 
 
-def _runs_table(runs: list[Run], colours: dict[str, str]) -> str:
+def _runs_table(runs: list[Run], colours: dict[str, str], unit: str) -> str:
     rows = []
     for run in runs:
         train = run.of("train")
@@ -95,12 +95,13 @@ def _runs_table(runs: list[Run], colours: dict[str, str]) -> str:
             f"<tr><td><span class=swatch style='background:{colours[run.name]}'></span>"
             f"{html.escape(run.name)}</td><td><code>{html.escape(str(run.path))}</code>{skipped}</td>"
             f"<td class=num>{train[-1]['step']}</td>"
-            f"<td class=num>{train[-1].get('tokens_seen', '')}</td>"
+            f"<td class=num>{train[-1].get(seen_key(run, unit), '')}</td>"
             f"<td class=num>{_number(losses[-1] if losses else None)}</td>"
             f"<td class=num>{_number(min(vals) if vals else None)}</td>"
             f"<td class=num>{len(run.starts)}</td><td class=num>{resumes}</td><td class=num>{restarts}</td>"
             f"<td>{', '.join(map(str, worlds))}</td></tr>")
-    return ("<table><tr><th>run</th><th>directory</th><th>last step</th><th>tokens seen</th>"
+    return ("<table><tr><th>run</th><th>directory</th><th>last step</th>"
+            f"<th>{unit} seen</th>"
             "<th>last loss</th><th>best val_loss</th><th>attempts</th><th>resumes</th>"
             "<th>torchrun restarts</th><th>world size</th></tr>" + "".join(rows) + "</table>")
 
@@ -139,7 +140,7 @@ def page_html(runs: list[Run], panels: list[Panel], pngs: dict[str, bytes],
 <p class=note>Made {made} by shardtrain {__version__} from each run's metrics.jsonl and config.yaml.
 Dashed vertical lines: an attempt that resumed (or a torchrun restart); each curve is the run that
 continued (a step logged again after a resume replaces the earlier record).</p>
-<h2>Runs</h2>{_runs_table(runs, colours)}
+<h2>Runs</h2>{_runs_table(runs, colours, unit_of(rate_key(runs)))}
 <h2>Config differences</h2>{_differences_table(runs, differences)}
 <h2>Panels</h2><p class=note>{contents}</p>
 {sections}

@@ -119,13 +119,20 @@ def skip_markers(run: Run) -> list[Marker]:
             for r in run.of("skip")]
 
 
-def steps_to_tokens(run: Run):
-    """Tokens seen at any step: the logged counts, joined linearly (a validation point or a resume
-    between two logged records has no count of its own)."""
-    steps, tokens = run.values("train", "tokens_seen")
-    known = [(s, t) for s, t in zip(steps, tokens) if t is not None]
+def seen_key(run: Run, unit: str) -> str:
+    """The record field counting the task's unit so far: ``<unit>_seen``, or ``tokens_seen``, under
+    which runs logged before 2026-11-28 kept every task's count."""
+    key = f"{unit}_seen"
+    return key if any(key in r for r in run.of("train")) else "tokens_seen"
+
+
+def steps_to_count(run: Run, unit: str):
+    """The task's count seen at any step (tokens for a language model): the logged counts, joined
+    linearly (a validation point or a resume between two logged records has no count of its own)."""
+    steps, counts = run.values("train", seen_key(run, unit))
+    known = [(s, c) for s, c in zip(steps, counts) if c is not None]
     xs = np.array([0.0] + [s for s, _ in known])
-    ys = np.array([0.0] + [t for _, t in known])
+    ys = np.array([0.0] + [c for _, c in known])
     return lambda step: float(np.interp(step, xs, ys))
 
 
@@ -142,19 +149,21 @@ def series_panel(runs: list[Run], panel_id: str, title: str, ylabel: str, key: s
     return panel
 
 
-def loss_panels(runs: list[Run]) -> list[Panel]:
-    by_step = Panel("loss_steps", "Loss against steps", "step", "loss (per target token)")
-    by_tokens = Panel("loss_tokens", "Loss against tokens seen", "tokens seen", "loss (per target token)")
+def loss_panels(runs: list[Run], unit: str) -> list[Panel]:
+    """The loss against steps and against the task's count seen (tokens for a language model)."""
+    per = "target token" if unit == "tokens" else unit.removesuffix("s")
+    by_step = Panel("loss_steps", "Loss against steps", "step", f"loss (per {per})")
+    by_tokens = Panel("loss_tokens", f"Loss against {unit} seen", f"{unit} seen", f"loss (per {per})")
     for run in runs:
-        tokens_at = steps_to_tokens(run)
+        count_at = steps_to_count(run, unit)
         for key, style in (("loss", "line"), ("val_loss", "marked")):
             steps, values = run.values("train", key)
             if not steps:
                 continue
             by_step.lines.append(Line(run.name, key, steps, values, style))
-            by_tokens.lines.append(Line(run.name, key, [tokens_at(s) for s in steps], values, style))
+            by_tokens.lines.append(Line(run.name, key, [count_at(s) for s in steps], values, style))
         by_step.markers += start_markers(run) + skip_markers(run)
-        by_tokens.markers += start_markers(run, tokens_at)
+        by_tokens.markers += start_markers(run, count_at)
     return [by_step, by_tokens]
 
 
@@ -246,7 +255,7 @@ def build_panels(runs: list[Run]) -> list[Panel]:
     rate = rate_key(runs)
     unit = unit_of(rate)
     panels = [
-        *loss_panels(runs),
+        *loss_panels(runs, unit),
         series_panel(runs, "throughput", f"Throughput ({unit}/s, all ranks)", f"{unit}/s", rate),
         mfu_panel(runs),
         memory_phase_panel(runs),
@@ -256,5 +265,4 @@ def build_panels(runs: list[Run]) -> list[Panel]:
         series_panel(runs, "lr", "Learning rate", "learning rate", "lr"),
         checkpoint_panel(runs),
     ]
-    panels[1].xlabel = f"{unit} seen"
     return panels

@@ -85,9 +85,9 @@ class TrainResult:
     metrics: list[dict[str, float]] = field(default_factory=list)
     val_metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     skipped_steps: int = 0
-    # The task's count summed over the steps run (target tokens for a language model); checkpoints
-    # carry it under this name.
-    tokens_seen: int = 0
+    # The task's count summed over the steps run (target tokens for a language model): the metrics
+    # record's ``<count_unit>_seen``; checkpoints carry it as ``tokens_seen`` (their format's name).
+    count_seen: int = 0
     sample: str | None = None
     resumed_from: str | None = None
     preempted: bool = False
@@ -222,7 +222,7 @@ class Trainer:
                 self.load_base_weights(draw)
             state = self.checkpointer.load(path)
             self.step = self.last_saved_step = state.step
-            self.result.tokens_seen = state.tokens_seen
+            self.result.count_seen = state.tokens_seen
             self.train_data.consumed_samples = state.consumed_samples
             self.result.resumed_from = str(path)
             self.info(f"resumed from {path}: step {self.step}, {state.consumed_samples} samples "
@@ -291,7 +291,7 @@ class Trainer:
         self.beat_save(phase)
         self.agree_running_statistics()  # the checkpoint keeps the ranks' mean, not one rank's
         blocked = self.checkpointer.save(
-            self.step, tokens_seen=self.result.tokens_seen,
+            self.step, tokens_seen=self.result.count_seen,
             consumed_samples=self.train_data.consumed_samples, global_batch=self.layout.global_batch,
             blocking=blocking,
         )
@@ -555,7 +555,7 @@ class Trainer:
         self.result.losses.append(stats.loss)
         self.result.metrics.append(dict(stats.metrics))
         self.result.grad_norms.append(stats.grad_norm)
-        self.result.tokens_seen += round(stats.count)
+        self.result.count_seen += round(stats.count)
         if not stats.skipped:  # a skipped step's loss is non-finite: it has its own `skip` record
             self.consecutive_skips = 0
             self.interval_loss_sum += stats.loss * stats.count
@@ -607,7 +607,7 @@ class Trainer:
     def record_fields(self) -> frozenset[str]:
         """The names a train record (with validation) has of its own: a task's metric may not take one."""
         return frozenset({"step", "kind", "time", "loss", "val_loss", "grad_norm", "lr", "peak_memory_mib",
-                          "tokens_seen", *self.throughput.field_names()})
+                          *self.throughput.field_names()})
 
     def train_record(self, stats: StepStats) -> dict:
         """The logged means since the last record, over the steps not skipped (NaN if every one
@@ -620,7 +620,7 @@ class Trainer:
             "grad_norm": stats.grad_norm,
             "lr": self.built.scheduler.get_last_lr()[0],
             "peak_memory_mib": peak_memory_mib(self.env.device),
-            "tokens_seen": self.result.tokens_seen,
+            self.throughput.seen_field(): self.result.count_seen,
             **self.throughput.report(),
         }
         self.interval_loss_sum = self.interval_count = 0.0

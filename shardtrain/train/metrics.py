@@ -41,9 +41,14 @@ class Throughput:
         self.steps += 1
         self.data_wait_s += data_wait_s
 
+    def seen_field(self) -> str:
+        """The record's name for the count so far (``tokens_seen`` for a language model)."""
+        return f"{self.unit}_seen"
+
     def field_names(self) -> tuple[str, ...]:
-        """The names ``report`` gives its values (a task's metric may not take one)."""
-        return (f"{self.unit}_per_s", "samples_per_s", *self.RATE_FIELDS)
+        """The names a train record gives the throughput's values and the count so far (a task's
+        metric may not take one)."""
+        return (f"{self.unit}_per_s", "samples_per_s", self.seen_field(), *self.RATE_FIELDS)
 
     def report(self) -> dict[str, float | None]:
         seconds = time.perf_counter() - self.since

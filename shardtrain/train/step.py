@@ -199,8 +199,8 @@ def check_metric_names(task: Task, kinds: tuple[tuple[str, bool], ...], reserved
                      or (name.startswith("val_") and name.removeprefix("val_") in names))
     if clashes:
         raise TrainingError(f"{type(task).__name__}.loss returned metrics {clashes} named like fields of "
-                            "the metrics record (loss, lr, grad_norm, tokens_seen, ..., or val_<metric>), "
-                            "which they would overwrite; rename them")
+                            "the metrics record (loss, lr, grad_norm, <unit>_seen, <unit>_per_s, ..., "
+                            "or val_<metric>), which they would overwrite; rename them")
 
 
 def global_sum_tensor(value: torch.Tensor, copies: int = 1) -> torch.Tensor:
