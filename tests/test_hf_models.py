@@ -484,11 +484,26 @@ def test_the_planner_measures_what_a_hugging_face_block_keeps(family, tmp_path):
     assert all(0.97 <= ratio <= 1.1 for ratio in ratios), (measured, real)
     if family != "gemma2":
         return
-    directory = make_model_dir(tmp_path / family, family, max_position_embeddings=512)
+    # (a feed-forward width tensor parallelism 2 divides)
+    directory = make_model_dir(tmp_path / family, family, max_position_embeddings=512, intermediate_size=96)
     cfg = load_config(["model.name=hf", f"model.path={directory}", f"trainer.seq_len={seq_len}",
                        "trainer.micro_batch_size=2", "trainer.loss_chunk_tokens=0"])
     for simulated, planned in simulation_rows(cfg, [1], ["FULL_SHARD"], ["none", "all"], 1):
         case = f"{family} AC={simulated.activation_checkpointing}"
+        assert abs(planned.activations / simulated.activations - 1) < 0.1, (case, planned, simulated)
+        assert abs(planned.peak / simulated.peak - 1) < 0.1, (case, planned.peak, simulated.peak)
+    # Under tensor parallelism the planner splits the parameters by the family's declared plan (the
+    # styles training applies), and the measured blocks lose what tensor parallelism takes from a
+    # Llama block of the same sizes: states exact, activations and peak within 10% (measured: 1.00
+    # and 1.00 without checkpointing, 0.92 and 0.93 with, as at TP 1).
+    cfg = load_config(["model.name=hf", f"model.path={directory}", f"trainer.seq_len={seq_len}",
+                       "trainer.micro_batch_size=2", "trainer.loss_chunk_tokens=0", "trainer.devices=2",
+                       "strategy.tensor_parallel=2", "strategy.sequence_parallel=false"])
+    for simulated, planned in simulation_rows(cfg, [2], ["FULL_SHARD"], ["none", "all"], 2):
+        case = f"{family} TP 2 AC={simulated.activation_checkpointing}"
+        assert simulated.tensor_parallel == 2, case
+        states = (planned.params, planned.grads, planned.optimizer)
+        assert states == (simulated.params, simulated.grads, simulated.optimizer), (case, states)
         assert abs(planned.activations / simulated.activations - 1) < 0.1, (case, planned, simulated)
         assert abs(planned.peak / simulated.peak - 1) < 0.1, (case, planned.peak, simulated.peak)
 

@@ -65,7 +65,7 @@ def split_dims(style: ParallelStyle, module: nn.Module) -> dict[str, int]:
 
 def tensor_parallel_shapes(model: nn.Module, tp: int, sequence_parallel: bool) -> dict[int, tuple[int, ...]]:
     """Each parameter's shape on rank 0 of the tp group (by ``id``), from the model's own plan
-    (``tensor_parallel_plan(sequence_parallel)``): the split dimension in ``tp`` chunks, rank 0's
+    (``tensor_parallel_plan(sequence_parallel, tp)``): the split dimension in ``tp`` chunks, rank 0's
     the largest (``torch.chunk``, as DTensor's ``Shard``). FSDP then shards each of these over the
     data-parallel ranks."""
     shapes = {id(p): tuple(p.shape) for p in model.parameters()}
@@ -74,10 +74,10 @@ def tensor_parallel_shapes(model: nn.Module, tp: int, sequence_parallel: bool) -
     plan_of = getattr(model, "tensor_parallel_plan", None)
     if plan_of is None:
         raise ConfigError(f"the memory planner counts tensor parallelism from a model's "
-                          f"tensor_parallel_plan(sequence_parallel), which {type(model).__name__} "
+                          f"tensor_parallel_plan(sequence_parallel, tp), which {type(model).__name__} "
                           "lacks; plan with strategy.tensor_parallel=1")
     modules = list(model.named_modules())
-    for pattern, style in plan_of(sequence_parallel).items():
+    for pattern, style in plan_of(sequence_parallel, tp).items():
         for path, module in modules:
             if not module_matches(path, pattern):
                 continue
@@ -274,6 +274,14 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     )
 
 
+def without_tensor_parallel(plan: ShardingPlan) -> ShardingPlan:
+    """``plan`` with its tp dimension left out (and sequence parallelism with it)."""
+    kept = [(name, size) for name, size in zip(plan.mesh_dim_names, plan.mesh_shape, strict=True)
+            if name != "tp"]
+    return replace(plan, mesh_dim_names=tuple(name for name, _ in kept),
+                   mesh_shape=tuple(size for _, size in kept), sequence_parallel=False)
+
+
 def with_blocks_measured(act: ActivationModel, per_sequence: list[int], micro_batch: int,
                          plan: ShardingPlan) -> ActivationModel:
     """``act`` with what each block keeps without checkpointing measured (``diagnostics/kept.py``,
@@ -379,9 +387,17 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     blocks = model_blocks(model)
     act = activation_model(cfg, model.dims, cfg.trainer.micro_batch_size, plan.param_dtype, plan,
                            last_projection_adapted(blocks[0]) if blocks else None)
-    if cfg.model.name == "hf" and plan.tensor_parallel == 1 and blocks:
+    if cfg.model.name == "hf" and blocks:
         # A Hugging Face family's blocks keep what its code keeps: measured, not the Llama formula.
         kept = kept_by_block(cfg.model, cfg.trainer.seq_len, plan.param_dtype, cfg.data.document_mask)
+        if kept is not None and plan.tensor_parallel > 1:
+            # Measured whole; tensor parallelism splits it as it splits a Llama block of the same
+            # sizes (heads and feed-forward width over tp, the norms over tokens with sequence
+            # parallelism): the family's extra tensors scale with the parts they belong to.
+            whole = activation_model(cfg, model.dims, cfg.trainer.micro_batch_size, plan.param_dtype,
+                                     without_tensor_parallel(plan))
+            kept = [bytes_kept - (whole.block - act.block) // cfg.trainer.micro_batch_size
+                    for bytes_kept in kept]
         if kept is not None:
             act = with_blocks_measured(act, kept, cfg.trainer.micro_batch_size, plan)
     blocks, groups = unit_param_counts(model, local_shapes)

@@ -30,6 +30,7 @@ import torch
 import transformers
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
@@ -41,7 +42,12 @@ from shardtrain.errors import ModelError
 from shardtrain.models.dims import Dims
 from shardtrain.models.hf_directory import CONFIG_FILE, PREFIX, hf_name, model_directory
 from shardtrain.models.hf_init import FamilyInitialisation
-from shardtrain.models.hf_tp import check_declared_plan, parallelize_hf
+from shardtrain.models.hf_tp import (
+    check_declared_plan,
+    hf_tensor_parallel_styles,
+    module_name,
+    parallelize_hf,
+)
 
 
 def read_config(cfg: ModelConfig) -> PretrainedConfig:
@@ -222,6 +228,13 @@ class HFCausalLM(nn.Module):
         """The tensor-parallel plan transformers declares for this model, translated onto torch's
         styles (``models/hf_tp.py``)."""
         parallelize_hf(self.hf, self.block_classes, tp_mesh, sequence_parallel)
+
+    def tensor_parallel_plan(self, sequence_parallel: bool, tp: int) -> dict[str, ParallelStyle]:
+        """The styles ``parallelize_tensors`` applies at ``tp``, by module path (read by the memory
+        planner)."""
+        styles = hf_tensor_parallel_styles(self.hf, self.block_classes, tp, sequence_parallel)
+        prefix = module_name(self, self.hf)
+        return {f"{prefix}.{name}" if name else prefix: style for name, style in styles.items()}
 
     def document_mask_refusal(self) -> str | None:
         return sequence_state_reason(self.config)

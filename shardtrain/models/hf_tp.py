@@ -167,11 +167,12 @@ def translate(style: str, stream: Replicate | Shard, local: bool) -> ParallelSty
     raise ConfigError(f"transformers' tensor-parallel style {style!r} has no translation here")
 
 
-def parallelize_hf(model: nn.Module, blocks: tuple[type, ...], tp_mesh: DeviceMesh,
-                   sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Apply the translated plan to a transformers causal LM in place (before ``fully_shard``);
-    returns what was applied, by module name."""
-    check_declared_plan(model, blocks, tp_mesh.size(), sequence_parallel)
+def hf_tensor_parallel_styles(model: nn.Module, blocks: tuple[type, ...], tp: int,
+                              sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The translated plan for a transformers causal LM with decoder-layer classes ``blocks``: torch's
+    style for each module it splits, by module name (what ``parallelize_hf`` applies, and what the
+    memory planner reads); refused in one line where it cannot apply at ``tp``."""
+    check_declared_plan(model, blocks, tp, sequence_parallel)
     stream = Shard(1) if sequence_parallel else Replicate()
     # With sequence parallelism the stream is a DTensor outside the blocks' matmuls (transformers'
     # code around them reads whole-sequence shapes); without, a plain replicated tensor.
@@ -205,6 +206,14 @@ def parallelize_hf(model: nn.Module, blocks: tuple[type, ...], tp_mesh: DeviceMe
                                                       desired_input_layouts=(Replicate(),),
                                                       use_local_output=True),
                 }
+    return styles
+
+
+def parallelize_hf(model: nn.Module, blocks: tuple[type, ...], tp_mesh: DeviceMesh,
+                   sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Apply the translated plan (``hf_tensor_parallel_styles``) to a transformers causal LM in place
+    (before ``fully_shard``); returns what was applied, by module name."""
+    styles = hf_tensor_parallel_styles(model, blocks, tp_mesh.size(), sequence_parallel)
     tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
     parallelize_module(model, tp_mesh, styles)
     if tied:

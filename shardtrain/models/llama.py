@@ -242,8 +242,9 @@ class Llama(nn.Module):
         """Split the weights over ``tp_mesh`` (tensor parallelism; see ``models/llama_tp.py``)."""
         parallelize_llama(self, tp_mesh, sequence_parallel)
 
-    def tensor_parallel_plan(self, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-        """The styles ``parallelize_tensors`` applies, by module path (read by the memory planner)."""
+    def tensor_parallel_plan(self, sequence_parallel: bool, tp: int) -> dict[str, ParallelStyle]:
+        """The styles ``parallelize_tensors`` applies, by module path (read by the memory planner;
+        the same for any ``tp``)."""
         return llama_tensor_parallel_plan(sequence_parallel)
 
     def extra_shard_groups(self) -> list[list[nn.Module]]:
