@@ -89,13 +89,15 @@ def count_walks(event: str, args: tuple) -> None:
 def check_one_rank_walks(inputs: str, out: str) -> None:
     """Every rank asks for the same cached corpus at once (issue 23, finding 14). On a cache all
     ranks share, only rank 0 reads the inputs' directories; with a cache per node (simulated: ranks
-    0-1 and 2-3 given different cache directories) one rank per cache does. Every rank reads the
+    0-1 and 2-3 given different cache directories) one rank per cache does, and so with a cache per
+    rank (each preparing its own inside the same polling as the others' waits). Every rank reads the
     same tokens, and an input error found by the preparing rank is every rank's error."""
     world, rank = dist.get_world_size(), dist.get_rank()
     sys.addaudithook(count_walks)
     walks["root"] = str(Path(inputs).resolve())
     for case, caches in (("shared", ["cache-shared"] * world),
-                         ("per node", [f"cache-node{r * 2 // world}" for r in range(world)])):
+                         ("per node", [f"cache-node{r * 2 // world}" for r in range(world)]),
+                         ("per rank", [f"cache-rank{r}" for r in range(world)])):
         walks["reads"] = 0
         cfg = DataConfig(source="files", paths=[inputs], file_glob="*.npy", val_percent=0.0,
                          cache_dir=str(Path(out) / caches[rank]))

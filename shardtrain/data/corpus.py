@@ -150,7 +150,9 @@ def prepare_once(options: PrepareOptions, out: Path) -> None:
     rank used to walk in turn under the lock. The default cache is under the home directory, usually
     shared, but ``XDG_CACHE_HOME`` or ``data.cache_dir`` may be node-local: ranks that do not see
     rank 0's dataset then prepare their node's copy, the lowest of them on each host while the
-    others wait."""
+    others wait; a rank that sees neither (a cache directory of its own) then prepares its own, while
+    every rank still waits in the same polling (a rank preparing alone outside it would leave the
+    others in their next collective until its timeout, and its failure would stop it alone)."""
     rank = dist.get_rank()
     work = lambda: prepare_locked(options, out, lock_required=False)  # noqa: E731
     made = result_of(on_some_ranks(work if rank == 0 else None), 0)
@@ -166,8 +168,8 @@ def prepare_once(options: PrepareOptions, out: Path) -> None:
     leader = leaders.get(views[rank][0])  # None: every rank of this host sees rank 0's dataset
     outcomes = on_some_ranks(work if leader == rank else None)
     node_made = result_of(outcomes, rank if leader is None else leader)
-    if leader not in (None, rank) and not views[rank][1] and fingerprint_at(out) != node_made:
-        prepare_locked(options, out)  # a cache directory of its own, beside its node's
+    alone = leader not in (None, rank) and not views[rank][1] and fingerprint_at(out) != node_made
+    result_of(on_some_ranks(work if alone else None), rank)
 
 
 def on_some_ranks(work: Callable[[], str] | None) -> list[tuple[str, str] | None]:
