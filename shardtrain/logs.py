@@ -28,16 +28,31 @@ class TaggedFormatter(logging.Formatter):
         return "\n".join(f"{self.tag} {line}" for line in text.split("\n"))
 
 
+# Lines libraries print at import in every process of every Hugging Face or LoRA run that say
+# nothing a user can act on, by (logger name prefix, text): torch's notice to libraries (torchao,
+# imported by transformers) that registering an Enum with pytree is deprecated; torchao's kernels
+# for other uses than shardtrain's (MX formats, CUTLASS GEMMs, int8 Triton matmuls) that a CPU
+# build cannot load: its float8 training runs on torch's scaled matmul, NF4 on plain torch ops.
+NOT_FOR_USERS = (
+    ("torch.utils._pytree", "is an Enum subclass and is now natively supported"),
+    ("torchao", "Failed to load "),
+    ("torchao", "Detected no triton"),
+)
+
+
 def not_for_users(record: logging.LogRecord) -> bool:
-    """False for torch's notice to libraries (torchao, imported by transformers) that registering an
-    Enum with pytree is deprecated: printed by every process of every Hugging Face run, and nothing
-    a user can act on."""
-    return "is an Enum subclass and is now natively supported" not in str(record.msg)
+    """False for a line of ``NOT_FOR_USERS``."""
+    text = str(record.msg)
+    return not any((record.name == name or record.name.startswith(name + ".")) and part in text
+                   for name, part in NOT_FOR_USERS)
 
 
 def setup_logging() -> None:
     rank = int(os.environ.get("RANK", 0))
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(TaggedFormatter(f"{LOG_PREFIX}]" if rank == 0 else f"{LOG_PREFIX} rank {rank}]"))
+    # On the handler (a logger's filter does not see its children's records), and on torch's pytree
+    # logger, whose records torch's own handler prints.
+    handler.addFilter(not_for_users)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, handlers=[handler])
     logging.getLogger("torch.utils._pytree").addFilter(not_for_users)

@@ -116,6 +116,12 @@ def test_log_lines_say_which_library_wrote_them():
     assert not not_for_users(notice)
     other = logging.LogRecord("torch.utils._pytree", logging.WARNING, __file__, 1, "other", None, None)
     assert not_for_users(other)
+    # torchao's kernels for other uses than shardtrain's, which a CPU build cannot load: dropped too.
+    for name, message in (("torchao", "Failed to load /x/torchao/_C_mxfp8.so: Could not load this library"),
+                          ("torchao.kernel.intmm", "Warning: Detected no triton, on systems without")):
+        assert not not_for_users(logging.LogRecord(name, logging.WARNING, __file__, 1, message, None, None))
+    kept = logging.LogRecord("torchao.float8", logging.WARNING, __file__, 1, "other", None, None)
+    assert not_for_users(kept)
 
 
 def test_answers_without_training_import_no_torch(tmp_path):
