@@ -391,9 +391,10 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         # A Hugging Face family's blocks keep what its code keeps: measured, not the Llama formula.
         kept = kept_by_block(cfg.model, cfg.trainer.seq_len, plan.param_dtype, cfg.data.document_mask)
         if kept is not None and plan.tensor_parallel > 1:
-            # Measured whole; tensor parallelism splits it as it splits a Llama block of the same
-            # sizes (heads and feed-forward width over tp, the norms over tokens with sequence
-            # parallelism): the family's extra tensors scale with the parts they belong to.
+            # Measured whole; tensor parallelism takes from it what it takes from a Llama block of
+            # the same sizes (heads and feed-forward width split over tp, the norms over tokens with
+            # sequence parallelism). The family's extra tensors stay whole: right for Gemma 2's
+            # extra norms (plan --simulate), an over-count where tp splits them too (per-head norms).
             whole = activation_model(cfg, model.dims, cfg.trainer.micro_batch_size, plan.param_dtype,
                                      without_tensor_parallel(plan))
             kept = [bytes_kept - (whole.block - act.block) // cfg.trainer.micro_batch_size
