@@ -10,7 +10,13 @@ import torch
 from shardtrain.config.schema import ModelConfig, TrainerConfig
 from shardtrain.errors import ConfigError
 from shardtrain.models.llama import Llama
-from shardtrain.train.optim import build_optimizer, lr_factor, no_decay_names, optimizer_kind
+from shardtrain.train.optim import (
+    build_optimizer,
+    build_scheduler,
+    lr_factor,
+    no_decay_names,
+    optimizer_kind,
+)
 
 
 def test_no_weight_decay_on_norms_biases_embeddings():
@@ -31,6 +37,32 @@ def test_warmup_then_cosine_to_min_ratio():
     assert lr_factor(10, 10, 100, 0.1) == 1.0
     assert math.isclose(lr_factor(55, 10, 100, 0.1), 0.55)
     assert math.isclose(lr_factor(100, 10, 100, 0.1), 0.1) and lr_factor(500, 10, 100, 0.1) == 0.1
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "sqrt"])
+def test_warmup_stable_decay(decay):
+    """The last decay_fraction of the steps after warmup decay (here 18 of 90: from step 82); the
+    shapes meet at both ends and differ between (linear 0.55 halfway, cosine too, sqrt 0.4636)."""
+    factor = lambda step: lr_factor(step, 10, 100, 0.1, decay, 0.2)  # noqa: E731
+    assert factor(4) == 0.5 and factor(10) == factor(81) == 1.0
+    assert factor(82) == 1.0 and factor(100) == pytest.approx(0.1) and factor(200) == pytest.approx(0.1)
+    assert all(factor(s) >= factor(s + 1) for s in range(82, 100))
+    halfway = {"cosine": 0.55, "linear": 0.55, "sqrt": 0.1 + 0.9 * (1 - math.sqrt(0.5))}[decay]
+    assert factor(91) == pytest.approx(halfway)
+    # decay_fraction 1.0 is the decay from the end of warmup, bit for bit the schedule before it existed
+    assert all(lr_factor(s, 10, 100, 0.1, "cosine", 1.0) == lr_factor(s, 10, 100, 0.1) for s in range(120))
+    assert lr_factor(55, 10, 100, 0.1, "linear") == pytest.approx(0.55)
+    # the trainer's settings reach the scheduler
+    model = Llama(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2))
+    cfg = TrainerConfig(lr=1.0, warmup_steps=10, max_steps=100, min_lr_ratio=0.1, lr_decay=decay,
+                        decay_fraction=0.2)
+    scheduler = build_scheduler(build_optimizer(model, cfg), cfg)
+    rates = []
+    for _ in range(100):
+        rates.append(scheduler.get_last_lr()[0])
+        scheduler.optimizer.step()
+        scheduler.step()
+    assert rates == pytest.approx([factor(step) for step in range(100)])
 
 
 def test_kernels_as_asked_and_named_in_the_report():

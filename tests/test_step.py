@@ -21,6 +21,7 @@ from shardtrain.errors import TrainingError
 from shardtrain.tasks.task import LossOutput
 from shardtrain.train.loop import Trainer, TrainResult
 from shardtrain.train.metrics import MetricsWriter, Throughput
+from shardtrain.train.optim import SCHEDULE_SHAPE
 from shardtrain.train.step import StepStats, check_metric_names, run_loss
 
 
@@ -126,7 +127,7 @@ def test_good_loss_output_values_pass():
 
 def test_a_resume_names_the_schedule_settings_it_does_not_follow():
     cfg = Config()
-    saved = {key: getattr(cfg.trainer, key) for key in ("lr", "max_steps", "warmup_steps", "min_lr_ratio")}
+    saved = {key: getattr(cfg.trainer, key) for key in ("lr", *SCHEDULE_SHAPE)}
     assert bare_trainer(cfg).schedule_changes(saved) == []
     assert bare_trainer(cfg).schedule_changes({}) == []  # an older checkpoint without the keys
     cfg.trainer = dataclasses.replace(cfg.trainer, lr=1e-3, max_steps=cfg.trainer.max_steps * 2)
@@ -137,3 +138,8 @@ def test_a_resume_names_the_schedule_settings_it_does_not_follow():
                          "rate 0.003; start a new run to change it")
     assert schedule_change.startswith(f"trainer.max_steps {saved['max_steps']} -> {cfg.trainer.max_steps}: "
                                       "the schedule follows the new values from step 3 on")
+    # the decay's shape and share too: a warmup-stable-decay run extended with a new decay
+    cfg.trainer = dataclasses.replace(Config().trainer, lr_decay="linear", decay_fraction=0.2)
+    (shape_change,) = bare_trainer(cfg).schedule_changes(saved)
+    assert shape_change.startswith("trainer.lr_decay 'cosine' -> 'linear', "
+                                   "trainer.decay_fraction 1.0 -> 0.2: ")

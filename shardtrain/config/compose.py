@@ -135,6 +135,8 @@ def check_ranges(cfg: Any, cls: type = Config, prefix: str = "") -> None:
                                                    f"must be at least {low}"))
         if above is not None and value <= above:
             raise ConfigError(f"{key}={value} must be greater than {above}")
+        if high is not None and value > high:  # a bound above without one below
+            raise ConfigError(f"{key}={value} must be at most {high}")
 
 
 def check_model(cfg: Config) -> None:

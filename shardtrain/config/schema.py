@@ -185,7 +185,14 @@ class TrainerConfig:
     seed: int = knob(1234, at_least=0, at_most=2**63 - 1)
     lr: float = knob(3e-3, at_least=0)
     min_lr_ratio: float = knob(0.1, at_least=0.0, at_most=1.0)  # cosine floor, a fraction of lr
-    warmup_steps: int = knob(30, at_least=0)  # linear warmup, then cosine decay to max_steps
+    warmup_steps: int = knob(30, at_least=0)  # linear warmup, then the decay to max_steps
+    # The decay's shape, from lr to lr * min_lr_ratio at max_steps: cosine, linear, or sqrt (1 minus
+    # the square root of the progress: steep first, as torchtitan's).
+    lr_decay: str = knob("cosine", one_of=("cosine", "linear", "sqrt"))
+    # The share of the steps after warmup that decay; before them the rate stays at lr
+    # (warmup-stable-decay: with 0.1-0.2 a run is cheap to extend from a stable-phase checkpoint,
+    # which has not decayed yet). 1.0: decay from the end of warmup.
+    decay_fraction: float = knob(1.0, above=0.0, at_most=1.0)
     weight_decay: float = knob(0.1, at_least=0)  # not applied to norms, biases and embeddings
     beta1: float = knob(0.9, at_least=0.0, at_most=0.999999)
     beta2: float = knob(0.95, at_least=0.0, at_most=0.999999)

@@ -70,7 +70,7 @@ from shardtrain.train.build import Built, OptimizerFactory, build
 from shardtrain.train.console import Console
 from shardtrain.train.flops import counted_flops_per_sample
 from shardtrain.train.metrics import MetricsWriter, Throughput
-from shardtrain.train.optim import optimizer_kind
+from shardtrain.train.optim import SCHEDULE_SHAPE, optimizer_kind
 from shardtrain.train.step import StepStats, evaluate, failing_part, ratio, train_step
 
 log = logging.getLogger("shardtrain")
@@ -252,14 +252,15 @@ class Trainer:
     def schedule_changes(self, saved: dict) -> list[str]:
         """What a resume does with schedule settings changed since the checkpoint, one phrase each:
         the scheduler's state (its base learning rate, its step) is the checkpoint's, while warmup,
-        max_steps and min_lr_ratio shape the schedule from the next step on."""
+        max_steps, min_lr_ratio and the decay's shape and share shape the schedule from the next step
+        on."""
         t, changes = self.cfg.trainer, []
         if "lr" in saved and saved["lr"] != t.lr:  # older checkpoints lack keys
             base = ", ".join(f"{lr:g}" for lr in dict.fromkeys(self.built.scheduler.base_lrs))
             changes.append(f"trainer.lr {saved['lr']!r} -> {t.lr!r}: the resumed run keeps the checkpoint's "
                            f"base learning rate {base}; start a new run to change it")
         moved = [f"trainer.{key} {saved[key]!r} -> {getattr(t, key)!r}"
-                 for key in ("warmup_steps", "max_steps", "min_lr_ratio")
+                 for key in SCHEDULE_SHAPE
                  if key in saved and saved[key] != getattr(t, key)]
         if moved:
             lr = self.built.optimizer.param_groups[0]["lr"]

@@ -1,4 +1,5 @@
-"""AdamW on the sharded parameters, and the warmup + cosine learning-rate schedule."""
+"""AdamW on the sharded parameters, and the learning-rate schedule: linear warmup, a stable phase
+(``trainer.decay_fraction`` < 1), a cosine, linear or square-root decay."""
 
 from __future__ import annotations
 
@@ -77,12 +78,26 @@ def step_unless(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> No
         del optimizer.found_inf
 
 
-def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
-    """Linear warmup to 1, then cosine decay to ``min_ratio`` at ``max_steps``."""
+# The trainer keys that shape ``lr_factor`` (a resume follows their new values: Trainer.schedule_changes).
+SCHEDULE_SHAPE = ("warmup_steps", "max_steps", "min_lr_ratio", "lr_decay", "decay_fraction")
+
+
+def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float,
+              decay: str = "cosine", decay_fraction: float = 1.0) -> float:
+    """Linear warmup to 1, 1 until the last ``decay_fraction`` of the steps after warmup, then
+    ``decay`` (cosine, linear or sqrt) to ``min_ratio`` at ``max_steps``."""
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
     span = max(1, max_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
+    decay_steps = max(1, math.ceil(span * decay_fraction))
+    decay_start = warmup_steps + span - decay_steps
+    if step < decay_start:
+        return 1.0
+    progress = min(1.0, (step - decay_start) / decay_steps)
+    if decay == "linear":
+        return min_ratio + (1 - min_ratio) * (1 - progress)
+    if decay == "sqrt":
+        return min_ratio + (1 - min_ratio) * (1 - math.sqrt(progress))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -90,5 +105,6 @@ def build_scheduler(optimizer: torch.optim.Optimizer,
                     cfg: TrainerConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda step: lr_factor(step, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio),
+        lambda step: lr_factor(step, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio, cfg.lr_decay,
+                               cfg.decay_fraction),
     )
