@@ -187,6 +187,29 @@ def free_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
+def profiler_activities(device: torch.device) -> list[torch.profiler.ProfilerActivity]:
+    """What torch's profiler records for a run on ``device``: the host's operators, and the device's
+    kernels where the profiler has an activity for its type (CUDA, XPU)."""
+    activity = {"cuda": torch.profiler.ProfilerActivity.CUDA,
+                "xpu": torch.profiler.ProfilerActivity.XPU}.get(device.type)
+    return [torch.profiler.ProfilerActivity.CPU] + ([activity] if activity is not None else [])
+
+
+def record_memory_history(device: torch.device, enabled: bool) -> None:
+    """Start (or stop) the CUDA caching allocator's record of every allocation with its stack."""
+    if device.type != "cuda":
+        raise ConfigError("diagnostics.memory_snapshot records the CUDA caching allocator's history; "
+                          f"this run's device is {device.type}: set diagnostics.memory_snapshot=false")
+    # Bounded: a step of a large model makes hundreds of thousands of allocations.
+    torch.cuda.memory._record_memory_history(enabled="all" if enabled else None, max_entries=100_000,
+                                             device=device)
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """The CUDA allocator's recorded history, for https://pytorch.org/memory_viz."""
+    torch.cuda.memory._dump_snapshot(path)
+
+
 def device_peak_flops(device: torch.device) -> float | None:
     """Peak FLOP/s of one device, or None when unknown (every CPU, unlisted accelerators)."""
     if device.type == "cpu":

@@ -88,9 +88,12 @@ def rails(out: str) -> None:
 
 
 def nan_step_is_skipped(out: str) -> None:
-    """A NaN on one rank at step 3: the update is skipped everywhere, state left untouched."""
-    world = int(os.environ["WORLD_SIZE"])
-    trainer = Trainer.create(case_config(world, f"{out}/nan"), task=LanguageModelTask(corpus=small_corpus()))
+    """A NaN on one rank at step 3: the update is skipped everywhere, state left untouched. Steps 1
+    and 2 are traced by the profiler (diagnostics.profile_at): every rank writes its trace."""
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    cfg = case_config(world, f"{out}/nan")
+    cfg.diagnostics = dataclasses.replace(cfg.diagnostics, profile_at=1, profile_steps=2)
+    trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=small_corpus()))
     # FULL_SHARD: after the forward only the last block stays gathered of the blocks (backward needs
     # it at once); the others went back to their shards (DTensors). Each block prefetched the next
     # unit's all-gather (the next block's, the last block the head's), as FSDP's trace labels show.
@@ -105,6 +108,9 @@ def nan_step_is_skipped(out: str) -> None:
     assert prefetched == {*(f"layers.{i}" for i in range(1, len(layers))), "norm, output"}, prefetched
     for _ in range(2):
         trainer.run_step()
+    trace = json.loads(Path(out, "nan", "profiles", "steps-1-2", f"rank{rank}.json").read_text())
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert {"aten::mm", "Optimizer.step#AdamW.step"} <= names, sorted(n for n in names if n)[:40]
     before = trainer.full_weights()
     optim_before = {k: v.clone() for k, v in trainer.built.optimizer.state_dict()["state"][0].items()}
     schedule_before = (trainer.built.scheduler.last_epoch, trainer.built.scheduler.get_last_lr())

@@ -227,6 +227,8 @@ BAD = {
     "checkpoint.resume=": "checkpoint.resume is empty; name a directory (or auto, or none)",
     # OmegaConf reads any integer as a boolean (compile=2 was true)
     "strategy.compile=2": "strategy.compile='2' is not a boolean: write strategy.compile=true or",
+    "diagnostics.memory_snapshot=true": "records over the profiled steps; set diagnostics.profile_at=STEP",
+    "diagnostics.profile_at=9999": "diagnostics.profile_at=9999 is after trainer.max_steps=300: nothing",
     "finetune.rank=8": "finetune.rank=8 shapes LoRA adapters, and this run trains every parameter",
     # hydra's grammar: its own message offered --multirun (found by review)
     "data.paths=a,b": "'data.paths=a,b': a comma separates list items; write a list as data.paths=[a,b]",
@@ -252,6 +254,12 @@ def test_composing_and_checking_a_config_imports_no_torch(tmp_path):
     # What needs torch, the devices or the task's code comes after, in load_config.
     cfg = load_config(overrides)
     assert cfg.task.path == "shardtrain.tasks.language_model:LanguageModelTask"
+
+
+def test_a_memory_snapshot_needs_cuda():
+    """The CUDA caching allocator's history: refused in one line on a machine without CUDA."""
+    with pytest.raises(ConfigError, match="device is cpu; set diagnostics.memory_snapshot=false"):
+        load_config(["diagnostics.profile_at=1", "diagnostics.memory_snapshot=true"])
 
 
 def test_a_global_batch_the_micro_batches_do_not_divide_fails_before_launch():

@@ -226,6 +226,17 @@ def check_finetune(finetune: FinetuneConfig) -> None:
                           f"or drop {'it' if len(changed) == 1 else 'them'}")
 
 
+def check_profiling(cfg: Config) -> None:
+    """A profiling window that can happen; the memory snapshot only with one."""
+    d, max_steps = cfg.diagnostics, cfg.trainer.max_steps
+    if d.memory_snapshot and not d.profile_at:
+        raise ConfigError("diagnostics.memory_snapshot=true records over the profiled steps; set "
+                          "diagnostics.profile_at=STEP too")
+    if d.profile_at > max_steps:
+        raise ConfigError(f"diagnostics.profile_at={d.profile_at} is after trainer.max_steps={max_steps}: "
+                          "nothing would be traced; choose a step up to max_steps")
+
+
 def check_config(cfg: Config) -> None:
     """Everything the config and the files it names can tell."""
     cfg.dist.debug = str(cfg.dist.debug).upper()
@@ -250,6 +261,7 @@ def check_config(cfg: Config) -> None:
     check_model(cfg)
     check_finetune(cfg.finetune)
     check_trackers(cfg.run.trackers)
+    check_profiling(cfg)
     for key, value in (("run.dir", cfg.run.dir), ("checkpoint.resume", cfg.checkpoint.resume),
                        ("data.cache_dir", cfg.data.cache_dir)):
         if not str(value).strip():  # '' is the working directory to pathlib, or '.' as a checkpoint

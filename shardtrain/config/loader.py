@@ -15,7 +15,7 @@ import importlib.util
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from shardtrain.accelerator import accelerator_count, check_float8
+from shardtrain.accelerator import accelerator_count, check_float8, device_type
 from shardtrain.config.classpath import import_module_class, import_object
 from shardtrain.config.compose import check_ranges, compose_config
 from shardtrain.config.plan import (
@@ -145,6 +145,9 @@ def check_devices(cfg: Config) -> None:
         raise ConfigError(
             "dist.backend=nccl needs GPUs and none is visible; use dist.backend=auto (gloo on CPU)"
         )
+    if cfg.diagnostics.memory_snapshot and device_type() != "cuda":
+        raise ConfigError("diagnostics.memory_snapshot records the CUDA caching allocator's history, and "
+                          f"this machine's device is {device_type()}; set diagnostics.memory_snapshot=false")
     if cfg.strategy.float8:
         check_float8()
         if importlib.util.find_spec("torchao") is None:

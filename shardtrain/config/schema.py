@@ -244,6 +244,13 @@ class DiagnosticsConfig:
     stall_factor: float = knob(10.0, at_least=1)
     # ... and at least this long.
     stall_min_s: float = knob(30.0, at_least=0)
+    # Trace profile_steps steps from step profile_at with torch's profiler (0: never): each rank's
+    # Chrome trace in run.dir/profiles/, the costliest operators in rank 0's log.
+    profile_at: int = knob(0, at_least=0)
+    profile_steps: int = knob(2, at_least=1)
+    # With profile_at, on CUDA: the caching allocator's history over those steps, a snapshot per
+    # rank beside the traces (https://pytorch.org/memory_viz). Refused on other devices.
+    memory_snapshot: bool = False
 
 
 @dataclass

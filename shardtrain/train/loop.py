@@ -34,6 +34,7 @@ from shardtrain.config.sizes import counted
 from shardtrain.data.batches import BatchLayout, SampleSource, TrainBatches, eval_batches
 from shardtrain.diagnostics.memory import PhaseMemory, adapter_summary, state_bytes
 from shardtrain.diagnostics.planner import BatchChoice
+from shardtrain.diagnostics.profiler import StepProfiler
 from shardtrain.diagnostics.rails import check_same_counts
 from shardtrain.diagnostics.report import (
     DtypeProbe,
@@ -120,6 +121,7 @@ class Trainer:
         self.result = TrainResult()
         self.writer = run_agreed(lambda: MetricsWriter(Path(cfg.run.dir), env.is_main))
         self.console = Console(env.is_main, t.progress_bar, t.max_steps)
+        self.profiler = StepProfiler(cfg.diagnostics, Path(cfg.run.dir), env.rank, env.device)
         self.throughput = Throughput(task.count_unit, env.world_size, device_peak_flops(env.device))
         # FLOPs per sample counted once when the task cannot say (Task.flops).
         self.counted_flops_per_sample = (counted_flops_per_sample(task, t.micro_batch_size)
@@ -385,6 +387,9 @@ class Trainer:
         """Steps until ``max_steps`` (or one, for a dry run, or until preempted), then the final save."""
         self.console.open(self.step)
         self.throughput.reset()
+        if 0 < self.cfg.diagnostics.profile_at <= self.step:
+            self.info(f"profiler: diagnostics.profile_at={self.cfg.diagnostics.profile_at} is before the "
+                      f"resumed step {self.step + 1}: nothing is traced")
         if self.checkpointer is not None and self.preemption is None:  # else installed at start-up
             self.preemption = PreemptionFlag(self.cfg.checkpoint.preemption_signals)
         self.watchdog.start()
@@ -415,6 +420,7 @@ class Trainer:
                 log.error("rank %d: training failed%s", self.env.rank, dumped)
             raise
         finally:
+            self.profiler.close(self.step)
             self.watchdog.stop()
             self.console.close()
             if self.preemption is not None:
@@ -440,9 +446,11 @@ class Trainer:
 
     def run_step(self) -> StepStats:
         """The next global batch, one optimizer step, and what is due after it."""
+        self.profiler.before_step(self.step + 1)
         stats = self.train_on_next_batch()
         self.account(stats)
         self.after_step(stats)
+        self.profiler.after_step(self.step)
         return stats
 
     def train_on_next_batch(self) -> StepStats:

@@ -1,0 +1,88 @@
+"""A window of training steps traced by torch's profiler (``diagnostics.profile_at``,
+``diagnostics.profile_steps``): every rank writes its Chrome trace (https://ui.perfetto.dev or
+chrome://tracing) to ``run.dir/profiles/steps-A-B/``, and rank 0 logs the operators that took the
+most time. On CUDA, ``diagnostics.memory_snapshot`` also records the caching allocator's history
+over the window (https://pytorch.org/memory_viz).
+
+A whole iteration is traced (data, step, evaluation and saves due at it), as the throughput counts
+it. Nothing here is a collective and a trace that cannot be written is a warning, so the ranks go on
+together whatever one rank's disk does.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from shardtrain.accelerator import dump_memory_snapshot, profiler_activities, record_memory_history
+from shardtrain.config.schema import DiagnosticsConfig
+
+log = logging.getLogger("shardtrain")
+
+# Rows of the operator table rank 0 logs.
+TOP_OPERATORS = 15
+
+
+class StepProfiler:
+    """Starts torch's profiler before step ``profile_at`` and writes what it recorded after step
+    ``profile_at + profile_steps - 1`` (or when training ends inside the window)."""
+
+    def __init__(self, cfg: DiagnosticsConfig, run_dir: Path, rank: int, device: torch.device) -> None:
+        self.first = cfg.profile_at
+        self.last = cfg.profile_at + cfg.profile_steps - 1
+        self.snapshot = cfg.memory_snapshot
+        self.run_dir = run_dir
+        self.rank = rank
+        self.device = device
+        self.profiler: torch.profiler.profile | None = None
+        self.started_at = 0
+
+    def before_step(self, step: int) -> None:
+        """Before step ``step`` (1-based) runs."""
+        if self.first == 0 or step != self.first or self.profiler is not None:
+            return
+        if self.snapshot:
+            record_memory_history(self.device, True)
+        self.profiler = torch.profiler.profile(activities=profiler_activities(self.device),
+                                               record_shapes=True, profile_memory=True)
+        self.profiler.start()
+        self.started_at = step
+        if self.rank == 0:
+            log.info(f"profiler: tracing steps {self.first}-{self.last}")
+
+    def after_step(self, step: int) -> None:
+        """After step ``step`` and what was due at it."""
+        if self.profiler is not None and step >= self.last:
+            self.finish(step)
+
+    def close(self, step: int) -> None:
+        """Training ended (or failed) with the window open: write what was traced."""
+        if self.profiler is not None:
+            self.finish(step)
+
+    def finish(self, step: int) -> None:
+        profiler, self.profiler = self.profiler, None
+        profiler.stop()
+        folder = self.run_dir / "profiles" / f"steps-{self.started_at}-{step}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            profiler.export_chrome_trace(str(folder / f"rank{self.rank}.json"))
+            if self.snapshot:
+                dump_memory_snapshot(str(folder / f"rank{self.rank}-memory.pickle"))
+        except (OSError, RuntimeError) as exc:
+            log.warning(f"profiler: rank {self.rank} could not write its trace to {folder} ({exc}); "
+                        "training goes on")
+            return
+        finally:
+            if self.snapshot:
+                record_memory_history(self.device, False)
+        if self.rank == 0:
+            # By the device's time where the profiler recorded the device's kernels.
+            device_time = len(profiler_activities(self.device)) > 1
+            table = profiler.key_averages().table(
+                sort_by="self_device_time_total" if device_time else "self_cpu_time_total",
+                row_limit=TOP_OPERATORS)
+            log.info(f"profiler: steps {self.started_at}-{step} traced, each rank's trace in {folder}; "
+                     f"rank 0's costliest operators:\n{table}")
