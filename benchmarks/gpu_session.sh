@@ -4,7 +4,7 @@
 # machine from the repository root, one part a call, `.whl` carried:
 #   bash benchmarks/gpu_session.sh float8   # float8 against bf16, 300 compiled steps each (~6 min, H200)
 #   bash benchmarks/gpu_session.sh table    # the 1.1B table, 4 variants, no functional checks (~5 min)
-#   bash benchmarks/gpu_session.sh checks   # offload, async resume, generation under FULL_SHARD
+#   bash benchmarks/gpu_session.sh checks   # offload, async resume, generation under FULL_SHARD, profiling
 # `.whl` (list it in .git/info/exclude) holds the wheels the device image lacks, for its Python 3.12,
 # made here once:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \

@@ -316,11 +316,30 @@ def generation_check(checkpoint: str) -> dict:
             len(texts["gathered"]) > 4}
 
 
+def profile_check(workdir: Path) -> dict:
+    """diagnostics.profile_at with the memory snapshot on the GPU: the trace holds the device's
+    kernels, the snapshot is written, and rank 0 logs the operator table (CUDA-only code paths)."""
+    run_dir = workdir / "profile"
+    proc = cli("train", "model=llama_default", "trainer.max_steps=5", "trainer.eval_every=0",
+               "trainer.sample_tokens=0", "trainer.progress_bar=false", "checkpoint.enabled=false",
+               "run.trackers=[]", "diagnostics.profile_at=3", "diagnostics.profile_steps=2",
+               "diagnostics.memory_snapshot=true", f"run.dir={run_dir}")
+    folder = run_dir / "profiles" / "steps-3-4"
+    trace = json.loads((folder / "rank0.json").read_text())
+    kernels = sum(1 for event in trace["traceEvents"] if event.get("cat") == "kernel")
+    snapshot = folder / "rank0-memory.pickle"
+    snapshot_bytes = snapshot.stat().st_size if snapshot.is_file() else 0
+    table = "costliest operators" in proc.stderr
+    return {"kernels": kernels, "snapshot_bytes": snapshot_bytes, "table": table,
+            "ok": kernels > 0 and snapshot_bytes > 0 and table}
+
+
 def checks(args: argparse.Namespace) -> dict:
     workdir = Path(tempfile.mkdtemp())
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     result = {"device": device_name(device), "torch": torch.__version__}
-    for name, fn in (("offload", lambda: offload_check(workdir)), ("resume", lambda: resume_check(workdir))):
+    for name, fn in (("offload", lambda: offload_check(workdir)), ("resume", lambda: resume_check(workdir)),
+                     ("profile", lambda: profile_check(workdir))):
         try:
             result[name] = fn()
         except Exception as exc:  # report every check, even after one fails

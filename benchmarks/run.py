@@ -791,6 +791,7 @@ def gpu_section(command: str, results: dict) -> str:
                       "(the run had no time left for them); see the earlier runs below.")
     else:
         off, res, gen = checks["offload"], checks["resume"], checks["generation"]
+        prof = checks.get("profile", {"error": "not run (results before 2026-11-28)"})
 
         def verdict(check: dict) -> str:
             return "passed" if check.get("ok") else f"FAILED ({check.get('error', 'see the JSON')})"
@@ -803,7 +804,10 @@ def gpu_section(command: str, results: dict) -> str:
   restarted): losses of steps 9-12 against the uninterrupted run, largest relative difference
   {res.get('max_rel_loss_diff', float('nan')):.1e}: {verdict(res)}.
 - `shardtrain generate --mode gathered` and `--mode sharded` on that checkpoint, 64 greedy tokens: same
-  text: {verdict(gen)}."""
+  text: {verdict(gen)}.
+- `diagnostics.profile_at=3 diagnostics.profile_steps=2 diagnostics.memory_snapshot=true`: CUDA kernels
+  in the trace {prof.get('kernels')}, allocator snapshot {prof.get('snapshot_bytes')} bytes, operator
+  table logged {prof.get('table')}: {verdict(prof)}."""
 
     return f"""{GPU_BEGIN}
 ## GPU: a 1.1B Llama on one GPU, shardtrain vs a hand-written FSDP2 loop
