@@ -35,7 +35,8 @@ class TaggedFormatter(logging.Formatter):
 # build cannot load: its float8 training runs on torch's scaled matmul, NF4 on plain torch ops.
 NOT_FOR_USERS = (
     ("torch.utils._pytree", "is an Enum subclass and is now natively supported"),
-    ("torchao", "Failed to load "),
+    ("torchao", "_C_mxfp8"),
+    ("torchao", "_C_cutlass"),
     ("torchao", "Detected no triton"),
 )
 

@@ -256,6 +256,12 @@ def test_composing_and_checking_a_config_imports_no_torch(tmp_path):
     assert cfg.task.path == "shardtrain.tasks.language_model:LanguageModelTask"
 
 
+def test_every_boolean_spelling_omegaconf_reads_passes():
+    for value, expected in (("y", True), ("'false'", False), ("On", True), ("0", False),
+                            ("${trainer.progress_bar}", True)):
+        assert load_config([f"strategy.compile={value}"]).strategy.compile is expected, value
+
+
 def test_a_memory_snapshot_needs_cuda():
     """The CUDA caching allocator's history: refused in one line on a machine without CUDA."""
     with pytest.raises(ConfigError, match="device is cpu; set diagnostics.memory_snapshot=false"):

@@ -50,7 +50,16 @@ def test_warmup_stable_decay(decay):
     halfway = {"cosine": 0.55, "linear": 0.55, "sqrt": 0.1 + 0.9 * (1 - math.sqrt(0.5))}[decay]
     assert factor(91) == pytest.approx(halfway)
     # decay_fraction 1.0 is the decay from the end of warmup, bit for bit the schedule before it existed
-    assert all(lr_factor(s, 10, 100, 0.1, "cosine", 1.0) == lr_factor(s, 10, 100, 0.1) for s in range(120))
+    def before(step: int, warmup: int, max_steps: int, min_ratio: float) -> float:
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    for warmup, max_steps in ((10, 100), (0, 7), (30, 300), (5, 5), (9, 3)):
+        assert all(lr_factor(s, warmup, max_steps, 0.1, "cosine", 1.0) == before(s, warmup, max_steps, 0.1)
+                   for s in range(max_steps + 20)), (warmup, max_steps)
+    seventy = lambda step: lr_factor(step, 0, 1000, 0.0, "linear", 0.07)  # noqa: E731
+    assert seventy(930) == 1.0 and seventy(931) < 1.0  # 70 decay steps, not 71
     assert lr_factor(55, 10, 100, 0.1, "linear") == pytest.approx(0.55)
     # the trainer's settings reach the scheduler
     model = Llama(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2))

@@ -252,3 +252,23 @@ def test_a_task_runs_loss_is_plotted_against_its_own_count(tmp_path):
     assert (axes.get_xlabel(), axes.get_ylabel()) == ("elements seen", "loss (per element)")
     page = (tmp_path / "report.html").read_text()
     assert "<th>elements seen</th>" in page and page.count("<td class=num>288</td>") == 2
+
+
+def test_runs_counting_other_units_are_named_not_plotted_at_zero(tmp_path):
+    """A language model's run beside a ViT's: the loss-against-count panel is in tokens, the ViT's
+    run is left off it with a note (it was plotted at x = 0), and the table gives each run's own count."""
+    for name, fields in (("lm", {"tokens_per_s": 100.0, "samples_per_s": 1.0}),
+                         ("vit", {"samples_per_s": 4.0})):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        unit = "tokens" if name == "lm" else "samples"
+        records = [{"step": s, "kind": "train", "loss": 1.0 / s, f"{unit}_seen": 10 * s, **fields}
+                   for s in (1, 2)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = write_report([tmp_path / "lm", tmp_path / "vit"], tmp_path / "report.html")
+    assert artists(report.figures["loss_tokens"], "vit|loss") == []
+    (line,) = artists(report.figures["loss_tokens"], "lm|loss")
+    assert list(line.get_xdata()) == [10, 20]
+    page = (tmp_path / "report.html").read_text()
+    assert "Not on this panel, counting another unit: vit (samples)." in page
+    assert "<td class=num>20</td>" in page and "<td class=num>20 samples</td>" in page

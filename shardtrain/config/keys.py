@@ -21,7 +21,7 @@ GROUPS = ("model", "strategy", "data", "experiment")
 ALIASES = {"checkpoint.async": "checkpoint.async_save"}
 # The spellings OmegaConf reads as a boolean; it also reads any other integer as true (compile=2),
 # which is more likely a value meant for another key than a yes.
-BOOLEAN_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
+BOOLEAN_WORDS = ("true", "false", "yes", "no", "y", "n", "on", "off", "1", "0")
 # Keys that were replaced -> what to write instead (a one-line error: the new key's values differ).
 REPLACED = {"run.tensorboard": "run.tensorboard was replaced by run.trackers, a list of trackers: "
                                "run.trackers=[] for none, run.trackers=[tensorboard,wandb,mlflow] for more"}
@@ -89,8 +89,17 @@ def check_override(override: str) -> None:
     keys = schema_keys()
     if key not in keys and not key.startswith("task.options."):
         raise ConfigError(f"unknown config key {key!r}{closest(key, list(keys) + list(GROUPS))}")
-    if key in keys and keys[key].type in ("bool", bool) and value.strip().lower() not in BOOLEAN_WORDS:
+    if key in keys and keys[key].type in ("bool", bool) and not boolean_spelling(value):
         raise ConfigError(f"{key}={value!r} is not a boolean: write {key}=true or {key}=false")
+
+
+def boolean_spelling(value: str) -> bool:
+    """Whether an override's value reads as a boolean: a word of ``BOOLEAN_WORDS``, quoted or not,
+    or an interpolation (``${...}``, resolved later)."""
+    bare = value.strip()
+    if len(bare) >= 2 and bare[0] == bare[-1] and bare[0] in "'\"":
+        bare = bare[1:-1].strip()
+    return bare.lower() in BOOLEAN_WORDS or bare.startswith("${")
 
 
 def check_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:

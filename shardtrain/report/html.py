@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 
 from shardtrain.errors import ReportError
 from shardtrain.report.figures import draw_panels, png_bytes, run_colours
-from shardtrain.report.panels import Panel, build_panels, rate_key, seen_key, unit_of
+from shardtrain.report.panels import Panel, build_panels, rate_key, run_unit, seen_count, unit_of
 from shardtrain.report.runs import Run, config_differences, load_runs, restarts_so_far
 from shardtrain.version import __version__
 
@@ -81,6 +81,14 @@ def torchrun_restarts(counts: list[int]) -> int:
     return restarts_so_far(counts)[-1] if counts else 0
 
 
+def seen_cell(record: dict, unit: str, own_unit: str) -> str:
+    """A run's count so far, in the table's unit, or with its own unit named where it counts another."""
+    count = seen_count(record, own_unit)
+    if count is None:
+        return ""
+    return f"{count:.0f}" + ("" if own_unit == unit else f" {html.escape(own_unit)}")
+
+
 def _runs_table(runs: list[Run], colours: dict[str, str], unit: str) -> str:
     rows = []
     for run in runs:
@@ -95,7 +103,7 @@ def _runs_table(runs: list[Run], colours: dict[str, str], unit: str) -> str:
             f"<tr><td><span class=swatch style='background:{colours[run.name]}'></span>"
             f"{html.escape(run.name)}</td><td><code>{html.escape(str(run.path))}</code>{skipped}</td>"
             f"<td class=num>{train[-1]['step']}</td>"
-            f"<td class=num>{train[-1].get(seen_key(run, unit), '')}</td>"
+            f"<td class=num>{seen_cell(train[-1], unit, run_unit(run))}</td>"
             f"<td class=num>{_number(losses[-1] if losses else None)}</td>"
             f"<td class=num>{_number(min(vals) if vals else None)}</td>"
             f"<td class=num>{len(run.starts)}</td><td class=num>{resumes}</td><td class=num>{restarts}</td>"

@@ -119,18 +119,21 @@ def skip_markers(run: Run) -> list[Marker]:
             for r in run.of("skip")]
 
 
-def seen_key(run: Run, unit: str) -> str:
-    """The record field counting the task's unit so far: ``<unit>_seen``, or ``tokens_seen``, under
-    which runs logged before 2026-11-28 kept every task's count."""
-    key = f"{unit}_seen"
-    return key if any(key in r for r in run.of("train")) else "tokens_seen"
+def run_unit(run: Run) -> str:
+    """What a run's task counts (its throughput field's unit: tokens for a language model)."""
+    return unit_of(rate_key([run]))
+
+
+def seen_count(record: dict, unit: str) -> float | None:
+    """A train record's count so far: ``<unit>_seen``, or ``tokens_seen``, under which runs logged
+    before 2026-11-28 kept every task's count (a run resumed across that has both kinds)."""
+    return finite_or_none(record.get(f"{unit}_seen", record.get("tokens_seen")))
 
 
 def steps_to_count(run: Run, unit: str):
     """The task's count seen at any step (tokens for a language model): the logged counts, joined
     linearly (a validation point or a resume between two logged records has no count of its own)."""
-    steps, counts = run.values("train", seen_key(run, unit))
-    known = [(s, c) for s, c in zip(steps, counts) if c is not None]
+    known = [(r["step"], c) for r in run.of("train") if (c := seen_count(r, unit)) is not None]
     xs = np.array([0.0] + [s for s, _ in known])
     ys = np.array([0.0] + [c for _, c in known])
     return lambda step: float(np.interp(step, xs, ys))
@@ -154,16 +157,24 @@ def loss_panels(runs: list[Run], unit: str) -> list[Panel]:
     per = "target token" if unit == "tokens" else unit.removesuffix("s")
     by_step = Panel("loss_steps", "Loss against steps", "step", f"loss (per {per})")
     by_tokens = Panel("loss_tokens", f"Loss against {unit} seen", f"{unit} seen", f"loss (per {per})")
+    # A run counting another unit (a ViT's samples beside a language model's tokens) has no place on
+    # this panel's axis.
+    elsewhere = [f"{run.name} ({run_unit(run)})" for run in runs if run_unit(run) != unit]
+    if elsewhere:
+        by_tokens.note = f"Not on this panel, counting another unit: {', '.join(elsewhere)}."
     for run in runs:
+        counted_here = run_unit(run) == unit
         count_at = steps_to_count(run, unit)
         for key, style in (("loss", "line"), ("val_loss", "marked")):
             steps, values = run.values("train", key)
             if not steps:
                 continue
             by_step.lines.append(Line(run.name, key, steps, values, style))
-            by_tokens.lines.append(Line(run.name, key, [count_at(s) for s in steps], values, style))
+            if counted_here:
+                by_tokens.lines.append(Line(run.name, key, [count_at(s) for s in steps], values, style))
         by_step.markers += start_markers(run) + skip_markers(run)
-        by_tokens.markers += start_markers(run, count_at)
+        if counted_here:
+            by_tokens.markers += start_markers(run, count_at)
     return [by_step, by_tokens]
 
 

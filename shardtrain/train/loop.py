@@ -94,6 +94,11 @@ class TrainResult:
     preempted: bool = False
     checkpoint_blocked_s: list[float] = field(default_factory=list)
 
+    @property
+    def tokens_seen(self) -> int:
+        """``count_seen`` under its name before tasks counted other units (kept for callers of it)."""
+        return self.count_seen
+
 
 def due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
@@ -257,6 +262,9 @@ class Trainer:
         max_steps, min_lr_ratio and the decay's shape and share shape the schedule from the next step
         on."""
         t, changes = self.cfg.trainer, []
+        if "max_steps" in saved:  # a checkpoint from before a shape key existed ran with its default
+            defaults = TrainerConfig()
+            saved = {**{key: getattr(defaults, key) for key in SCHEDULE_SHAPE}, **saved}
         if "lr" in saved and saved["lr"] != t.lr:  # older checkpoints lack keys
             base = ", ".join(f"{lr:g}" for lr in dict.fromkeys(self.built.scheduler.base_lrs))
             changes.append(f"trainer.lr {saved['lr']!r} -> {t.lr!r}: the resumed run keeps the checkpoint's "

@@ -89,7 +89,7 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float,
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
     span = max(1, max_steps - warmup_steps)
-    decay_steps = max(1, math.ceil(span * decay_fraction))
+    decay_steps = max(1, round(span * decay_fraction))  # round: 1000 * 0.07 is 70.00000000000001
     decay_start = warmup_steps + span - decay_steps
     if step < decay_start:
         return 1.0
