@@ -17,7 +17,9 @@ from shardtrain.train.console import format_record
 def test_default_train_runs_and_loss_falls(tmp_path):
     run_dir = tmp_path / "default"
     proc = run_cli("train", "trainer.max_steps=40", "trainer.eval_every=20", "trainer.log_every=10",
-                   "trainer.sample_tokens=16", f"run.dir={run_dir}")
+                   "trainer.sample_tokens=16", f"run.dir={run_dir}",
+                   # a profiler window cut short by max_steps, closed before the final save and sample
+                   "diagnostics.profile_at=39", "diagnostics.profile_steps=5")
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(run_dir)
     losses = [r["loss"] for r in records]
@@ -30,6 +32,10 @@ def test_default_train_runs_and_loss_falls(tmp_path):
     assert all(r["mfu"] is None for r in records)  # CPU peak unknown: never a made-up MFU
     assert (run_dir / "config.yaml").is_file() and any((run_dir / "tensorboard").iterdir())
     assert read_metrics(run_dir, "sample")[0]["text"].startswith("def ")
+    assert "profiler: tracing steps 39-40" in proc.stderr and "rank 0's costliest operators:" in proc.stderr
+    trace = json.loads((run_dir / "profiles" / "steps-39-40" / "rank0.json").read_text())
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert "aten::mm" in names and not any("generate" in str(name) for name in names)
     # The start-up report names config.yaml (the config is not dumped on the console) and says once
     # that MFU is not reported; the step lines leave it out.
     assert f"config: every key, resolved, in {run_dir / 'config.yaml'}" in proc.stderr

@@ -229,6 +229,7 @@ BAD = {
     "strategy.compile=2": "strategy.compile='2' is not a boolean: write strategy.compile=true or",
     "diagnostics.memory_snapshot=true": "records over the profiled steps; set diagnostics.profile_at=STEP",
     "diagnostics.profile_at=9999": "diagnostics.profile_at=9999 is after trainer.max_steps=300: nothing",
+
     "finetune.rank=8": "finetune.rank=8 shapes LoRA adapters, and this run trains every parameter",
     # hydra's grammar: its own message offered --multirun (found by review)
     "data.paths=a,b": "'data.paths=a,b': a comma separates list items; write a list as data.paths=[a,b]",
@@ -266,6 +267,9 @@ def test_a_memory_snapshot_needs_cuda():
     """The CUDA caching allocator's history: refused in one line on a machine without CUDA."""
     with pytest.raises(ConfigError, match="device is cpu; set diagnostics.memory_snapshot=false"):
         load_config(["diagnostics.profile_at=1", "diagnostics.memory_snapshot=true"])
+    # a dry run trains one step: a window starting later would trace nothing
+    with pytest.raises(ConfigError, match="set diagnostics.profile_at=1 to trace it"):
+        load_config(["diagnostics.dry_run=true", "diagnostics.profile_at=3"])
 
 
 def test_a_global_batch_the_micro_batches_do_not_divide_fails_before_launch():

@@ -187,8 +187,8 @@ def test_flight_recorder_dump_without_a_process_group(tmp_path):
 def test_dry_run_reports_and_exits(tmp_path):
     run_dir = tmp_path / "dry"
     proc = run_cli("train", *QUICK, "trainer.devices=2", "diagnostics.dry_run=true",
-                   "strategy.mixed_precision=bf16-mixed", "strategy.activation_checkpointing=all",
-                   "checkpoint.enabled=true", f"run.dir={run_dir}")
+                   "diagnostics.profile_at=1", "strategy.mixed_precision=bf16-mixed",
+                   "strategy.activation_checkpointing=all", "checkpoint.enabled=true", f"run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The embedding exchanges rows (strategy.embedding_lookup): not a unit, listed below them.
     for expected in ("diagnostics: resolved settings", "4 FSDP units + root, 3 activation-checkpointed",
@@ -203,6 +203,7 @@ def test_dry_run_reports_and_exits(tmp_path):
                      "gradient accumulation sharded (1 micro-batch per step)"):
         assert expected in proc.stderr, expected
     assert not (run_dir / "checkpoints").exists()
+    assert {p.name for p in (run_dir / "profiles" / "steps-1-1").iterdir()} == {"rank0.json", "rank1.json"}
     memory = read_metrics(run_dir, "memory")
     assert memory and "optimizer.optimizer_mib" in memory[0] and "forward.rss_mib" in memory[0]
 

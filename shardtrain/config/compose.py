@@ -232,6 +232,9 @@ def check_profiling(cfg: Config) -> None:
     if d.memory_snapshot and not d.profile_at:
         raise ConfigError("diagnostics.memory_snapshot=true records over the profiled steps; set "
                           "diagnostics.profile_at=STEP too")
+    if d.dry_run and d.profile_at > 1:
+        raise ConfigError(f"diagnostics.dry_run trains step 1 only, and diagnostics.profile_at="
+                          f"{d.profile_at}: set diagnostics.profile_at=1 to trace it")
     if d.profile_at > max_steps:
         raise ConfigError(f"diagnostics.profile_at={d.profile_at} is after trainer.max_steps={max_steps}: "
                           "nothing would be traced; choose a step up to max_steps")

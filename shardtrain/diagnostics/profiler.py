@@ -4,9 +4,10 @@ chrome://tracing) to ``run.dir/profiles/steps-A-B/``, and rank 0 logs the operat
 most time. On CUDA, ``diagnostics.memory_snapshot`` also records the caching allocator's history
 over the window (https://pytorch.org/memory_viz).
 
-A whole iteration is traced (data, step, evaluation and saves due at it), as the throughput counts
-it. Nothing here is a collective and a trace that cannot be written is a warning, so the ranks go on
-together whatever one rank's disk does.
+The data, the step and the evaluation and sampling due at it are traced (a periodic checkpoint save
+too, except at the window's last step); the window closes before the final save and sample. Nothing
+here is a collective, and a trace that cannot be written (or a table that cannot be made) is a
+warning, so the ranks go on together whatever one rank meets.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ class StepProfiler:
     """Starts torch's profiler before step ``profile_at`` and writes what it recorded after step
     ``profile_at + profile_steps - 1`` (or when training ends inside the window)."""
 
-    def __init__(self, cfg: DiagnosticsConfig, run_dir: Path, rank: int, device: torch.device) -> None:
+    def __init__(self, cfg: DiagnosticsConfig, run_dir: Path, rank: int, device: torch.device,
+                 max_steps: int) -> None:
         self.first = cfg.profile_at
-        self.last = cfg.profile_at + cfg.profile_steps - 1
+        self.last = min(cfg.profile_at + cfg.profile_steps - 1, max_steps)
         self.snapshot = cfg.memory_snapshot
         self.run_dir = run_dir
         self.rank = rank
@@ -58,31 +60,37 @@ class StepProfiler:
             self.finish(step)
 
     def close(self, step: int) -> None:
-        """Training ended (or failed) with the window open: write what was traced."""
-        if self.profiler is not None:
-            self.finish(step)
+        """Training ended (or failed, inside step ``step + 1``) with the window open: write what was
+        traced. Never raises: it also runs while a training failure propagates."""
+        if self.profiler is None:
+            return
+        try:
+            self.finish(max(step, self.started_at))
+        except Exception as exc:  # the profiler's own failure must not replace the run's
+            self.profiler = None
+            log.warning(f"profiler: rank {self.rank} could not finish its trace ({type(exc).__name__}: "
+                        f"{exc})")
 
     def finish(self, step: int) -> None:
         profiler, self.profiler = self.profiler, None
-        profiler.stop()
         folder = self.run_dir / "profiles" / f"steps-{self.started_at}-{step}"
         try:
+            profiler.stop()
             folder.mkdir(parents=True, exist_ok=True)
             profiler.export_chrome_trace(str(folder / f"rank{self.rank}.json"))
             if self.snapshot:
                 dump_memory_snapshot(str(folder / f"rank{self.rank}-memory.pickle"))
-        except (OSError, RuntimeError) as exc:
+            if self.rank == 0:
+                # By the device's time where the profiler recorded the device's kernels.
+                device_time = len(profiler_activities(self.device)) > 1
+                table = profiler.key_averages().table(
+                    sort_by="self_device_time_total" if device_time else "self_cpu_time_total",
+                    row_limit=TOP_OPERATORS)
+                log.info(f"profiler: steps {self.started_at}-{step} traced, each rank's trace in "
+                         f"{folder}; rank 0's costliest operators:\n{table}")
+        except (OSError, RuntimeError, ValueError, KeyError) as exc:
             log.warning(f"profiler: rank {self.rank} could not write its trace to {folder} ({exc}); "
                         "training goes on")
-            return
         finally:
             if self.snapshot:
                 record_memory_history(self.device, False)
-        if self.rank == 0:
-            # By the device's time where the profiler recorded the device's kernels.
-            device_time = len(profiler_activities(self.device)) > 1
-            table = profiler.key_averages().table(
-                sort_by="self_device_time_total" if device_time else "self_cpu_time_total",
-                row_limit=TOP_OPERATORS)
-            log.info(f"profiler: steps {self.started_at}-{step} traced, each rank's trace in {folder}; "
-                     f"rank 0's costliest operators:\n{table}")

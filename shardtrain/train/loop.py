@@ -126,7 +126,7 @@ class Trainer:
         self.result = TrainResult()
         self.writer = run_agreed(lambda: MetricsWriter(Path(cfg.run.dir), env.is_main))
         self.console = Console(env.is_main, t.progress_bar, t.max_steps)
-        self.profiler = StepProfiler(cfg.diagnostics, Path(cfg.run.dir), env.rank, env.device)
+        self.profiler = StepProfiler(cfg.diagnostics, Path(cfg.run.dir), env.rank, env.device, t.max_steps)
         self.throughput = Throughput(task.count_unit, env.world_size, device_peak_flops(env.device))
         # FLOPs per sample counted once when the task cannot say (Task.flops).
         self.counted_flops_per_sample = (counted_flops_per_sample(task, t.micro_batch_size)
@@ -408,6 +408,7 @@ class Trainer:
                 return
             while self.step < self.cfg.trainer.max_steps and self.iteration():
                 pass
+            self.profiler.close(self.step)  # before the final save and sample
             if self.checkpointer is not None:
                 if not self.result.preempted and self.last_saved_step != self.step:
                     self.save_checkpoint(blocking=True, phase="final checkpoint")
