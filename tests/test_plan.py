@@ -10,6 +10,7 @@ import torch
 from shardtrain.cli.main import main
 from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import StrategyConfig
+from shardtrain.diagnostics.planner import split_block_bytes
 from shardtrain.errors import ConfigError
 
 
@@ -128,3 +129,14 @@ def test_simulation_flags_without_simulate_are_refused(capsys):
     assert capsys.readouterr().err.strip() == (
         "shardtrain: error: --ac, --markdown shape plan --simulate's cases; add --simulate (the formulas' "
         "table shows every strategy, with and without checkpointing)")
+
+
+def test_a_measured_block_under_tensor_parallelism_keeps_the_larger_estimate():
+    """Less what TP takes from a Llama block of the same sizes (a family's extra norms stay whole:
+    Gemma 2), or scaled as that block scales (a GELU MLP keeps less than SwiGLU's where TP splits:
+    GPT-NeoX at TP 8 went negative by subtraction); never below either, never negative."""
+    assert split_block_bytes(1_000, 800, 500, 1) == 700  # subtraction: 1000 - 300
+    assert split_block_bytes(350_208, 522_240, 100_000, 1) == 350_208 * 100_000 // 522_240
+    assert split_block_bytes(2_000, 1_600, 1_000, 2) == 1_700  # the formula's bytes are per micro-batch
+    assert all(split_block_bytes(kept, 522_240, split, 2) >= 0
+               for kept in (1, 350_208, 2_369_536) for split in (1, 40_000, 522_240))

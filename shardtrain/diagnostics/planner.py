@@ -274,6 +274,32 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     )
 
 
+def plan_splits_blocks(model: nn.Module, plan: ShardingPlan) -> bool:
+    """Whether the model's tensor-parallel plan splits a linear (or embedding) inside its blocks (a
+    family may declare a plan that splits its embeddings only: Bamba's)."""
+    styles = model.tensor_parallel_plan(plan.sequence_parallel, plan.tensor_parallel)
+    blocks = tuple(f"{name}." for name, module in model.named_modules()
+                   if isinstance(module, getattr(model, "block_classes", ())))
+    inside = {name for name, _ in model.named_modules() if name.startswith(blocks)}
+    # A Hugging Face plan names modules; the built-in Llama's has a few patterns (layers.*.wq).
+    return any(isinstance(style, (ColwiseParallel, RowwiseParallel))
+               and (pattern in inside if "*" not in pattern
+                    else any(module_matches(name, pattern) for name in inside))
+               for pattern, style in styles.items())
+
+
+def split_block_bytes(measured: int, whole_formula: int, split_formula: int, micro_batch: int) -> int:
+    """What a measured block (bytes per sequence) keeps under tensor parallelism: the larger of the
+    block less what TP takes from a Llama block of the same sizes (heads and feed-forward width over
+    tp, the norms over tokens with sequence parallelism) and the block scaled as that Llama block
+    scales. The first fits a family whose extra tensors tp leaves whole (Gemma 2's four norms: 1.00
+    of plan --simulate at TP 2), the second one whose layers keep less than Llama's where tp splits
+    (GPT-NeoX's GELU MLP, where the first went negative at TP 8)."""
+    less = measured - (whole_formula - split_formula) // micro_batch
+    scaled = measured * split_formula // whole_formula
+    return max(less, scaled)
+
+
 def without_tensor_parallel(plan: ShardingPlan) -> ShardingPlan:
     """``plan`` with its tp dimension left out (and sequence parallelism with it)."""
     kept = [(name, size) for name, size in zip(plan.mesh_dim_names, plan.mesh_shape, strict=True)
@@ -390,14 +416,10 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     if cfg.model.name == "hf" and blocks:
         # A Hugging Face family's blocks keep what its code keeps: measured, not the Llama formula.
         kept = kept_by_block(cfg.model, cfg.trainer.seq_len, plan.param_dtype, cfg.data.document_mask)
-        if kept is not None and plan.tensor_parallel > 1:
-            # Measured whole; tensor parallelism takes from it what it takes from a Llama block of
-            # the same sizes (heads and feed-forward width split over tp, the norms over tokens with
-            # sequence parallelism). The family's extra tensors stay whole: right for Gemma 2's
-            # extra norms (plan --simulate), an over-count where tp splits them too (per-head norms).
+        if kept is not None and plan.tensor_parallel > 1 and plan_splits_blocks(model, plan):
             whole = activation_model(cfg, model.dims, cfg.trainer.micro_batch_size, plan.param_dtype,
                                      without_tensor_parallel(plan))
-            kept = [bytes_kept - (whole.block - act.block) // cfg.trainer.micro_batch_size
+            kept = [split_block_bytes(bytes_kept, whole.block, act.block, cfg.trainer.micro_batch_size)
                     for bytes_kept in kept]
         if kept is not None:
             act = with_blocks_measured(act, kept, cfg.trainer.micro_batch_size, plan)
