@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from vit import ImageClassification, SyntheticImages
@@ -204,3 +206,11 @@ class DroppedOptions(ImageClassification):
 
     def __init__(self, depth: int = 2, **overrides) -> None:
         super().__init__()
+
+
+class SwitchedImages(ImageClassification):
+    """A boolean option (``task.augment=2`` was read as true, as OmegaConf reads any integer)."""
+
+    @dataclasses.dataclass
+    class Options(ImageClassification.Options):
+        augment: bool = False

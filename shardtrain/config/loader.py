@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from shardtrain.accelerator import accelerator_count, check_float8, device_type
 from shardtrain.config.classpath import import_module_class, import_object
 from shardtrain.config.compose import check_ranges, compose_config
+from shardtrain.config.keys import boolean_spelling
 from shardtrain.config.plan import (
     check_tensor_parallel_support,
     launch_shape,
@@ -62,6 +63,13 @@ def check_task_section(cfg: Config) -> None:
             raise ConfigError(f"unknown task option 'task.{name}'"
                               f"{closest(f'task.{name}', [f'task.{n}' for n in names])}; "
                               f"{cls.__name__} takes: {', '.join(names) or 'none'}")
+    for f in dataclasses.fields(options_cls):
+        raw = cfg.task.options.get(f.name)
+        if f.type in ("bool", bool) and raw is not None and not (
+                isinstance(raw, bool) or raw in (0, 1) or (isinstance(raw, str) and boolean_spelling(raw))):
+            # OmegaConf reads any integer as true, as for the schema's own booleans (config/keys.py).
+            raise ConfigError(f"task.{f.name}={raw!r} is not a boolean: write task.{f.name}=true or "
+                              f"task.{f.name}=false")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(options_cls), cfg.task.options)
         options = OmegaConf.to_object(merged)
