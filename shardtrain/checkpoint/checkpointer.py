@@ -361,7 +361,8 @@ class Checkpointer:
             raise CheckpointError(prepared[0])
         # This rank's own files: a full disk is said in one line, and on every rank together (the
         # others would go on into DCP's collectives, or the full weights' gather, without it).
-        run_agreed(lambda: self.write_file(step, tmp, write_rng_state, f"rng-rank{self.rank}.pt"), self.group)
+        rng = layout.rng_file(self.rank)
+        run_agreed(lambda: self.write_file(step, tmp, write_rng_state, rng), self.group)
         faults.inject("save", self.rank, step)
         if self.ckpt.save_full:
             full = get_model_state_dict(  # a collective; rank 0 holds the whole model
@@ -456,14 +457,11 @@ class Checkpointer:
         alone would leave the others waiting in a later collective until its timeout)."""
         failure: str | None = None
         try:
-            # One listing of the top level (DCP's and the RNG files are there), no stat per file:
-            # rank 0 hashes anything else when it writes the manifest.
+            # This rank's files by name, no listing: rank 0 hashes anything else (.metadata,
+            # model.safetensors) when it writes the manifest.
             with self.save_errors(step, tmp):
-                mine = sorted(name for name in os.listdir(tmp)
-                              if integrity.owner_rank(name, self.world_size) == self.rank
-                              and name not in integrity.NOT_COVERED
-                              and (self.rank != 0 or (tmp / name).is_file()))
-                entries: dict[str, Any] | str = integrity.hash_entries(tmp, mine)
+                entries: dict[str, Any] | str = integrity.hash_entries(
+                    tmp, integrity.files_of_rank(tmp, self.rank))
         except CheckpointError as exc:
             entries = str(exc)  # goes to rank 0 in place of the digests
         gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
@@ -599,7 +597,7 @@ class Checkpointer:
         agreed in one all-gather: a rank without its file is named on rank 0 rather than going on
         silently, and an unreadable file stops every rank with its error, not one rank alone while
         the others wait in DCP's load."""
-        rng_file = path / f"rng-rank{self.rank}.pt"
+        rng_file = path / layout.rng_file(self.rank)
         rng, error = None, None
         try:
             rng = read_rng_state(rng_file) if rng_file.is_file() else None

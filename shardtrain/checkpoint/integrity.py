@@ -7,7 +7,7 @@ time every file's sha256 goes into ``checksums.json``::
     {"algorithm": "sha256", "files": {"__0_0.distcp": {"sha256": "<hex>", "bytes": 123}, ...}}
 
 The work is split so that it does not grow with the world size on any one rank: at a save each rank
-hashes the files it wrote (``owner_rank``: ``__<r>_*.distcp`` and ``rng-rank<r>.pt``; rank 0 the
+hashes the files it wrote (``files_of_rank``: ``__<r>_*.distcp`` and ``rng-rank<r>.pt``; rank 0 the
 rest) and rank 0 writes the gathered digests; at a resume each rank hashes its ``verification_share``
 (the files balanced by bytes over the ranks) and the ranks agree on one verdict (the checkpointer's
 collectives; this module does no communication). A single process (consolidate, inspect) hashes all.
@@ -26,9 +26,9 @@ import heapq
 import json
 import logging
 import os
-import re
 from pathlib import Path
 
+from shardtrain.checkpoint.layout import rng_file
 from shardtrain.checkpoint.state import STATE_FILE
 from shardtrain.errors import CheckpointError
 
@@ -58,18 +58,17 @@ def covered_files(directory: Path) -> list[str]:
                   if p.is_file() and p.relative_to(directory).as_posix() not in NOT_COVERED)
 
 
-# The files one rank writes at a save: DCP's FileSystemWriter names its shards __<rank>_<n>.distcp.
-RANK_FILE = re.compile(r"^(?:__(\d+)_\d+\.distcp|rng-rank(\d+)\.pt)$")
-
-
-def owner_rank(name: str, world_size: int) -> int:
-    """The rank that wrote ``name`` at a save and so hashes it there (page cache still warm); rank 0
-    for everything that names no rank (``.metadata``, ``model.safetensors``, a renamed DCP file)."""
-    match = RANK_FILE.match(name)
-    if match is None:
-        return 0
-    rank = int(match.group(1) or match.group(2))
-    return rank if rank < world_size else 0
+def files_of_rank(directory: Path, rank: int) -> list[str]:
+    """The files ``rank`` wrote at a save, found by name rather than by listing the directory (which
+    holds two files a rank: every rank listing it is world x 2 x world entries read at scale): its
+    RNG file and DCP's shards ``__<rank>_0.distcp``, ``__<rank>_1.distcp``, ... (numbered from 0 by
+    FileSystemWriter). A file not found this way is hashed by rank 0 when it writes the manifest."""
+    names = [rng_file(rank)] if (directory / rng_file(rank)).is_file() else []
+    index = 0
+    while (directory / f"__{rank}_{index}.distcp").is_file():
+        names.append(f"__{rank}_{index}.distcp")
+        index += 1
+    return names
 
 
 def hash_entries(directory: Path, names: list[str]) -> dict[str, dict]:

@@ -41,6 +41,11 @@ ABANDONED_DIR = re.compile(r"^\.step-\d+\.(?:tmp|deleting)$")
 CHECKPOINTS_DIR = "checkpoints"
 
 
+def rng_file(rank: int) -> str:
+    """The name of rank ``rank``'s RNG states in a checkpoint."""
+    return f"rng-rank{rank}.pt"
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step}"
 
