@@ -101,6 +101,8 @@ SELECTIVE_MATMULS = frozenset({
     # matmul reaches the policy as aten.mm on torchao's tensor, counted above)
     torch.ops.aten._scaled_mm.default,
 })
+# transformers' eager attention: the scores (q @ k^T) and their product with the values, batched.
+EAGER_ATTENTION_MATMULS = frozenset({torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default})
 SELECTIVE_ATTENTION = frozenset({
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -121,14 +123,17 @@ def last_projection_adapted(block: nn.Module) -> bool:
     return any(is_adapter(name + ".") and name.startswith(owner + ".") for name in names)
 
 
-def block_selective_contexts(block: nn.Module, float8: bool) -> Callable[[], tuple]:
+def block_selective_contexts(block: nn.Module, float8: bool,
+                             eager_attention: bool = False) -> Callable[[], tuple]:
     """``selective_contexts`` for ``block`` (``float8``: some of its linears are float8): every second
     of its projections kept counting back from the last, that one kept only where the recomputation
     would rerun it (an adapter on it, float8), the adapters' own matmuls recomputed and not counted.
 
     An adapter's matmuls are told apart by their size: one of the pair's sizes is the LoRA rank,
     which must then be no projection's width (refused otherwise). A size, unlike a forward hook,
-    is what the compiler's graph still shows, so compiled and eager blocks keep the same outputs."""
+    is what the compiler's graph still shows, so compiled and eager blocks keep the same outputs.
+    ``eager_attention``: the block's attention is transformers' eager one, two batched matmuls a
+    layer (``EAGER_ATTENTION_MATMULS``), told apart from the projections' by their op."""
     linears = {name: module for name, module in block.named_modules() if isinstance(module, nn.Linear)}
     adapters = {name: module for name, module in linears.items() if is_adapter(name + ".")}
     ranks = frozenset(module.out_features for name, module in adapters.items() if ".lora_A." in name + ".")
@@ -141,19 +146,24 @@ def block_selective_contexts(block: nn.Module, float8: bool) -> Callable[[], tup
     projections = len(linears) - len(adapters)
     last_kept = 0 if last_projection_adapted(block) or float8 else 1  # (projections - matmul) % 2
     return functools.partial(selective_contexts, lambda matmul: (projections - matmul) % 2 == last_kept,
-                             adapter_ranks=ranks)
+                             adapter_ranks=ranks, eager_attention=eager_attention)
+
+
+def eager_attention(model: nn.Module) -> bool:
+    """Whether ``model``'s attention is transformers' eager one (a family without SDPA: Gemma 2)."""
+    return bool(getattr(getattr(model, "dims", None), "eager_attention", False))
 
 
 def selective_refusal(model: nn.Module) -> str | None:
     """Why ``strategy.activation_checkpointing=selective`` cannot run on ``model`` (None: it can).
-    transformers' eager attention (a family without SDPA: Gemma 2) computes its scores with matmuls
-    of the same kind as the projections', which the policy counts by order: it would keep the wrong
-    outputs, a T x T score matrix among them."""
-    if getattr(getattr(model, "dims", None), "eager_attention", False):
+    transformers' eager attention computes with batched matmuls, which tell it apart from the
+    projections, unless the family's experts compute with them too (GPT-OSS): the policy would
+    keep the wrong outputs, a T x T score matrix among them."""
+    if eager_attention(model) and any(name.endswith("experts") for name, _ in model.named_modules()):
         family = type(getattr(model, "hf", model)).__name__
-        return (f"strategy.activation_checkpointing=selective keeps every second projection's output, "
-                f"counted in order, and {family}'s eager attention (the family has no SDPA) adds "
-                "matmuls of its own; use activation_checkpointing=every_k or all")
+        return (f"strategy.activation_checkpointing=selective tells attention's matmuls from the "
+                f"projections' by their op, and {family}'s experts use attention's (batched) one; use "
+                "activation_checkpointing=every_k or all")
     return None
 
 
@@ -165,19 +175,27 @@ def matmul_sizes(op, args: tuple) -> tuple[int, int]:
 
 
 def selective_contexts(keeps_matmul: Callable[[int], bool],
-                       adapter_ranks: frozenset[int] = frozenset()) -> tuple:
+                       adapter_ranks: frozenset[int] = frozenset(), eager_attention: bool = False) -> tuple:
     """Fresh (forward, recompute) contexts for every checkpointed call, as torch requires, that keep
     attention's outputs and those of the matmuls ``keeps_matmul`` picks by their 1-based order in
     the forward. torch 2.13 calls the policy in the forward only;
     earlier versions call it in the recomputation too, which must count afresh to pick the same
     ones (``ctx.is_recompute``). A matmul with an inner or output size in ``adapter_ranks`` (a LoRA
     adapter's low-rank pair) is recomputed and not counted, so the projections' order is the base
-    model's and no adapter output as large as its projection's is kept beside it."""
+    model's and no adapter output as large as its projection's is kept beside it. With
+    ``eager_attention`` the batched matmuls are attention's, in pairs: the scores (recomputed) and
+    their product with the values (kept, as SDPA's output is)."""
     matmuls = {False: 0, True: 0}  # by ctx.is_recompute
+    attention_matmuls = {False: 0, True: 0}
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ARG001
         if op in SELECTIVE_ATTENTION:
             return CheckpointPolicy.MUST_SAVE
+        if eager_attention and op in EAGER_ATTENTION_MATMULS:
+            attention_matmuls[ctx.is_recompute] += 1
+            if attention_matmuls[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
         if op in SELECTIVE_MATMULS:
             if adapter_ranks and not adapter_ranks.isdisjoint(matmul_sizes(op, args)):
                 return CheckpointPolicy.PREFER_RECOMPUTE
@@ -319,7 +337,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
             contexts = None
             if plan.activation_checkpointing == "selective":
                 float8 = any(layer.startswith(name + ".") for layer in report.float8_linears)
-                contexts = block_selective_contexts(block, float8)
+                contexts = block_selective_contexts(block, float8, eager_attention(model))
             enable_activation_checkpointing(block, contexts)
             report.checkpointed.append(name)
     if exchanges_rows(plan):
