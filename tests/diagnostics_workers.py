@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 from shardtrain.distributed.parallelize import reshard_all
+from shardtrain.distributed.qlora import full_value
 from shardtrain.errors import ShardtrainError
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.loop import Trainer
@@ -93,7 +94,9 @@ def nan_step_is_skipped(out: str) -> None:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     cfg = case_config(world, f"{out}/nan")
     cfg.diagnostics = dataclasses.replace(cfg.diagnostics, profile_at=1, profile_steps=2)
+    cfg.trainer = dataclasses.replace(cfg.trainer, ema_decay=0.75)  # the weights' average: below
     trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=small_corpus()))
+    expected = trainer.full_weights()  # the average starts from the weights training starts from
     # FULL_SHARD: after the forward only the last block stays gathered of the blocks (backward needs
     # it at once); the others went back to their shards (DTensors). Each block prefetched the next
     # unit's all-gather (the next block's, the last block the head's), as FSDP's trace labels show.
@@ -108,6 +111,10 @@ def nan_step_is_skipped(out: str) -> None:
     assert prefetched == {*(f"layers.{i}" for i in range(1, len(layers))), "norm, output"}, prefetched
     for _ in range(2):
         trainer.run_step()
+        weights = trainer.full_weights()
+        expected = {name: 0.75 * expected[name] + 0.25 * weights[name] for name in expected}
+    average = {name: full_value(value).float() for name, value in trainer.average.average.items()}
+    assert all(torch.allclose(average[name], expected[name], rtol=1e-6, atol=1e-7) for name in expected)
     trace = json.loads(Path(out, "nan", "profiles", "steps-1-2", f"rank{rank}.json").read_text())
     names = {event.get("name") for event in trace["traceEvents"]}
     assert {"aten::mm", "Optimizer.step#AdamW.step"} <= names, sorted(n for n in names if n)[:40]
@@ -126,6 +133,9 @@ def nan_step_is_skipped(out: str) -> None:
     optim_after = trainer.built.optimizer.state_dict()["state"][0]
     assert stats.skipped and trainer.result.skipped_steps == 1
     assert all(torch.equal(before[k], after[k]) for k in before)
+    # a skipped step leaves the average where it was too
+    assert all(torch.equal(full_value(value).float(), average[name])
+               for name, value in trainer.average.average.items())
     for key, value in optim_before.items():
         local = optim_after[key]
         local = local.to_local() if hasattr(local, "to_local") else local

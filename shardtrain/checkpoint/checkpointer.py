@@ -162,7 +162,7 @@ class Checkpointer:
 
     def __init__(self, cfg: Config, plan: ShardingPlan, model: nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                 rank: int, world_size: int) -> None:
+                 rank: int, world_size: int, average: dict[str, torch.Tensor] | None = None) -> None:
         self.cfg = cfg
         self.plan = plan
         self.ckpt = cfg.checkpoint
@@ -194,6 +194,10 @@ class Checkpointer:
         # saved; the frozen base is read again from where it came from, which this identifies.
         self.adapters_only = cfg.finetune.method != "none"
         self.base = base_identity(cfg.model, cfg.trainer.seed, cfg.finetune) if self.adapters_only else None
+        # trainer.ema_decay: the weights' average, saved as ``ema.<name>`` and loaded in place; whether
+        # the last load found one (a checkpoint saved without it leaves it to the caller).
+        self.average = average
+        self.average_restored = False
 
     # ---- finding what to resume ----------------------------------------------------------
 
@@ -336,7 +340,10 @@ class Checkpointer:
             self.model, self.optimizer, options=StateDictOptions(ignore_frozen_params=self.adapters_only))
         if self.adapters_only:  # DCP keeps a frozen tied head (Qwen2's lm_head): a whole embedding
             model_state = {name: value for name, value in model_state.items() if is_adapter(name)}
-        return {"model": model_state, "optim": optim_state}
+        state = {"model": model_state, "optim": optim_state}
+        if self.average is not None:
+            state["ema"] = self.average
+        return state
 
     def save(self, step: int, *, tokens_seen: int, consumed_samples: int, global_batch: int,
              blocking: bool = False) -> float:
@@ -559,6 +566,9 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {str(path)!r} has no optimizer state; use it as "
                                   "model.init_from to start a new run from its weights")
         unsaved = drop_unsaved_optimizer_state(state["optim"], metadata.state_dict_metadata)
+        self.average_restored = any(k.startswith("ema.") for k in metadata.state_dict_metadata)
+        if "ema" in state and not self.average_restored:
+            del state["ema"]  # saved without trainer.ema_decay: the caller starts it from the weights
         try:
             dcp.load(state, checkpoint_id=str(path), process_group=self.group)
         except DCP_FAILURES as exc:  # DCP's CheckpointException is a BaseException: named here

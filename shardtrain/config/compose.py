@@ -226,6 +226,16 @@ def check_finetune(finetune: FinetuneConfig) -> None:
                           f"or drop {'it' if len(changed) == 1 else 'them'}")
 
 
+def check_weight_average(cfg: Config) -> None:
+    """trainer.ema_decay averages whole models: not a LoRA run's adapters, nor float8's weights."""
+    if cfg.trainer.ema_decay and cfg.finetune.method != "none":
+        raise ConfigError(f"trainer.ema_decay averages every weight, and finetune={cfg.finetune.method} "
+                          "trains adapters; set trainer.ema_decay=0")
+    if cfg.trainer.ema_decay and cfg.strategy.float8:
+        raise ConfigError("trainer.ema_decay does not average float8 linears' weights yet; set "
+                          "strategy.float8=false or trainer.ema_decay=0")
+
+
 def check_profiling(cfg: Config) -> None:
     """A profiling window that can happen; the memory snapshot only with one."""
     d, max_steps = cfg.diagnostics, cfg.trainer.max_steps
@@ -265,6 +275,7 @@ def check_config(cfg: Config) -> None:
     check_finetune(cfg.finetune)
     check_trackers(cfg.run.trackers)
     check_profiling(cfg)
+    check_weight_average(cfg)
     for key, value in (("run.dir", cfg.run.dir), ("checkpoint.resume", cfg.checkpoint.resume),
                        ("data.cache_dir", cfg.data.cache_dir)):
         if not str(value).strip():  # '' is the working directory to pathlib, or '.' as a checkpoint

@@ -197,6 +197,10 @@ class TrainerConfig:
     beta1: float = knob(0.9, at_least=0.0, at_most=0.999999)
     beta2: float = knob(0.95, at_least=0.0, at_most=0.999999)
     adam_eps: float = knob(1e-8, above=0)
+    # An exponential moving average of the weights, updated after every optimizer step (0: none):
+    # average = ema_decay * average + (1 - ema_decay) * weights. Checkpoints carry it (ema.*);
+    # `shardtrain consolidate CKPT OUT --key ema` writes it as the model's weights.
+    ema_decay: float = knob(0.0, at_least=0.0, at_most=0.99999999)
     # AdamW's kernels: fused (one kernel per parameter group and device; skips a non-finite step on
     # the device, so the step's host read comes after the update) where torch has it for the
     # parameters' device, else foreach; or either by name.

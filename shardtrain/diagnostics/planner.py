@@ -394,6 +394,8 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     base_dtype = torch.bfloat16 if cfg.finetune.base_dtype == "bf16" else plan.storage_dtype
     params += sharded_state_bytes(frozen, plan.shard_group, 0, base_dtype)[0]
     params += nf4_bytes(sharded_state_bytes(quantized, plan.shard_group, 0, torch.uint8)[0])
+    if cfg.trainer.ema_decay:  # the weights' average: fp32, sharded as the parameters (train/ema.py)
+        optim += sharded_state_bytes(trainable, plan.shard_group, 0, torch.float32)[0]
     host = 0
     if plan.cpu_offload and (accelerated if accelerated is not None else device_type() != "cpu"):
         # FSDP2's CPUOffloadPolicy keeps the sharded parameters, their gradients and AdamW's state in

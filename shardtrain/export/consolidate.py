@@ -162,8 +162,9 @@ def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | N
     n = len(plan.shards)
     files, weight_map = [], {}
     metadata = {"format": "pt"}
-    if layout.detect_format(path) == "shardtrain" and key is None:
-        # Lets `shardtrain generate` and `eval` rebuild the model from the file alone.
+    if layout.detect_format(path) == "shardtrain" and (key is None or key.rstrip(".") in ("model", "ema")):
+        # Lets `shardtrain generate` and `eval` rebuild the model from the file alone (the weights'
+        # average, trainer.ema_decay's, is the same model's).
         model_cfg = TrainState.read(path).config["model"]
         metadata[MODEL_CONFIG_KEY] = json.dumps(model_cfg, sort_keys=True)
     for index, entries in enumerate(plan.shards, start=1):

@@ -69,6 +69,7 @@ from shardtrain.tasks.task import Task, check_task, task_config_of, task_from_co
 from shardtrain.train.batch_size import resolve_batch
 from shardtrain.train.build import Built, OptimizerFactory, build
 from shardtrain.train.console import Console
+from shardtrain.train.ema import WeightAverage
 from shardtrain.train.flops import counted_flops_per_sample
 from shardtrain.train.metrics import MetricsWriter, Throughput
 from shardtrain.train.optim import SCHEDULE_SHAPE, optimizer_kind
@@ -140,9 +141,11 @@ class Trainer:
         # The task's metrics as the first step returned them: every later step must return the same.
         self.metric_kinds: tuple[tuple[str, bool], ...] | None = None
         self.consecutive_skips = 0
+        # trainer.ema_decay: set from the weights once they are drawn or read (restore).
+        self.average = WeightAverage(built.model, t.ema_decay) if t.ema_decay else None
         self.checkpointer = (
             Checkpointer(cfg, built.plan, built.model, built.optimizer, built.scheduler, env.rank,
-                         env.world_size)
+                         env.world_size, average=None if self.average is None else self.average.average)
             if cfg.checkpoint.enabled else None
         )
         self.last_saved_step: int | None = None
@@ -250,6 +253,11 @@ class Trainer:
             if self.cfg.model.adapter:  # a fresh run's adapters from PEFT's directory (a resume's: saved)
                 load_peft_adapter(self.model, self.cfg)
                 self.info(f"adapters started from {self.cfg.model.adapter}")
+        if self.average is not None and not (path is not None and self.checkpointer.average_restored):
+            if path is not None:
+                self.info(f"trainer.ema_decay: {path} holds no weight average; it starts from the "
+                          "resumed weights")
+            self.average.restart_from_weights()
         if self.built.report.float8_scales_precomputed:
             # Scales of the weights just read: reading a checkpoint first initialises the optimizer's
             # state with a zero-learning-rate step (torch's DCP), whose hook computed them from the
@@ -496,6 +504,8 @@ class Trainer:
             if probe is not None:
                 probe.close()
         self.metric_kinds = stats.metric_kinds
+        if self.average is not None and not stats.skipped:
+            self.average.update()
         seconds = time.perf_counter() - start
         if not eager_first:
             # An eager first step is not counted: the compiling step after it keeps the start-up
