@@ -26,20 +26,28 @@ class WeightAverage:
 
     def __init__(self, model: nn.Module, decay: float) -> None:
         self.decay = decay
-        self.parameters = [param for _, param in model.named_parameters()]
+        # A weight shared under two names (tied embeddings) has one average under both, as the
+        # model's state dict has the weight: consolidate --key ema then writes what --key model does.
+        self.parameters: list[torch.Tensor] = []
+        self.averages: list[torch.Tensor] = []
+        self.average: dict[str, torch.Tensor] = {}
+        by_parameter: dict[int, torch.Tensor] = {}
         with torch.no_grad():
-            self.average: dict[str, torch.Tensor] = {
-                name: param.detach().to(torch.float32, copy=True) for name, param in model.named_parameters()}
+            for name, param in model.named_parameters(remove_duplicate=False):
+                if id(param) not in by_parameter:
+                    by_parameter[id(param)] = param.detach().to(torch.float32, copy=True)
+                    self.parameters.append(param)
+                    self.averages.append(by_parameter[id(param)])
+                self.average[name] = by_parameter[id(param)]
 
     @torch.no_grad()
     def update(self) -> None:
         """One step of the average, on this rank's shards."""
-        averages = [local(average) for average in self.average.values()]
         weights = [local(param).to(torch.float32) for param in self.parameters]
-        torch._foreach_lerp_(averages, weights, 1.0 - self.decay)
+        torch._foreach_lerp_([local(average) for average in self.averages], weights, 1.0 - self.decay)
 
     @torch.no_grad()
     def restart_from_weights(self) -> None:
         """The average set to the current weights (a resume from a checkpoint saved without one)."""
-        for average, param in zip(self.average.values(), self.parameters, strict=True):
+        for average, param in zip(self.averages, self.parameters, strict=True):
             local(average).copy_(local(param))
