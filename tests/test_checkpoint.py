@@ -366,3 +366,18 @@ def test_an_error_without_a_message_still_stops_every_rank():
     with pytest.raises(CheckpointError, match="a check failed on rank 1 without saying why"):
         raise_first_error([(None, "fine"), (str(OSError()), None)], CheckpointError)
     raise_first_error([(None, "fine"), (None, "fine")], CheckpointError)
+
+
+def test_the_consolidated_average_takes_buffers_and_frozen_weights_from_the_model(tmp_path):
+    """trainer.ema_decay averages the trained parameters: `consolidate --key ema` writes them from
+    ``ema.*`` and the rest (a norm's running statistics, a frozen table) from ``model.*``."""
+    import torch.distributed.checkpoint as dcp
+
+    weight, average = torch.ones(3, 2), torch.full((3, 2), 0.5)
+    stats, frozen = torch.arange(3.0), torch.zeros(4)
+    dcp.save({"model": {"linear.weight": weight, "bn.running_mean": stats, "table": frozen},
+              "ema": {"linear.weight": average}}, checkpoint_id=str(tmp_path / "ckpt"))
+    (out,) = consolidate(tmp_path / "ckpt", tmp_path / "ema.safetensors", key="ema", verify=False)
+    written = load_file(str(out))
+    assert set(written) == {"linear.weight", "bn.running_mean", "table"}
+    assert torch.equal(written["linear.weight"], average) and torch.equal(written["bn.running_mean"], stats)

@@ -263,6 +263,13 @@ def test_every_boolean_spelling_omegaconf_reads_passes():
         assert load_config([f"strategy.compile={value}"]).strategy.compile is expected, value
 
 
+def test_a_weights_average_needs_checkpoints_and_whole_weights():
+    with pytest.raises(ConfigError, match="checkpoint.enabled=false saves none"):
+        load_config(["trainer.ema_decay=0.99", "checkpoint.enabled=false"])
+    with pytest.raises(ConfigError, match="finetune=lora trains adapters; set trainer.ema_decay=0"):
+        load_config(["trainer.ema_decay=0.99", "finetune=lora"])
+
+
 def test_a_memory_snapshot_needs_cuda():
     """The CUDA caching allocator's history: refused in one line on a machine without CUDA."""
     with pytest.raises(ConfigError, match="device is cpu; set diagnostics.memory_snapshot=false"):

@@ -54,15 +54,14 @@ from shardtrain.checkpoint.weights import load_model_weights, model_config_of
 from shardtrain.config.loader import load_config
 from shardtrain.config.schema import ModelConfig
 from shardtrain.diagnostics.kept import kept_by_block
-from shardtrain.diagnostics.planner import choose_batch, estimate
 from shardtrain.distributed import sharded_model
 from shardtrain.distributed.parallelize import (
+    attention_matmul,
     block_selective_contexts,
     enable_activation_checkpointing,
-    selective_refusal,
 )
 from shardtrain.distributed.sharded_model import fill_elements, init_full_parameter
-from shardtrain.errors import CheckpointError, ConfigError, ModelError
+from shardtrain.errors import CheckpointError, ModelError
 from shardtrain.export.hf import export_hf
 from shardtrain.export.verify import verify_export
 from shardtrain.models.dims import Dims
@@ -369,17 +368,15 @@ def test_a_family_init_that_writes_parameters_with_the_buffers_is_refused(tmp_pa
 def test_a_family_without_sdpa_runs_eager_attention_and_selective_checkpointing_keeps_its_output(tmp_path):
     """Gemma 2 has no SDPA path in transformers: it runs the family's eager attention (it was refused
     for the SDPA shardtrain asked for), whose T x T scores the planner counts (tests/test_lean_ops.py).
-    Selective checkpointing tells its two batched matmuls from the projections' by their op: it
-    keeps their product with the values (as SDPA's output) and recomputes the scores. Gradients equal
+    Selective checkpointing tells its two batched matmuls by their T x T operand: it keeps their
+    product with the values (as SDPA's output) and recomputes the scores. Gradients equal
     the unchecked model's, and a block keeps less than without checkpointing, more than with full
-    (it was refused). GPT-OSS's experts compute with the same op: refused, by the run and by
-    micro_batch_size=auto, which skips it. A model without attention is one line."""
+    (it was refused). A model without attention is one line."""
     family_config("gemma2").save_pretrained(tmp_path)
     with torch.device("meta"):
         model = HFCausalLM(ModelConfig(name="hf", path=str(tmp_path), pretrained=False))
     assert model.hf.config._attn_implementation == "eager"
     assert model.dims.eager_attention and model.dims.softcapped_scores
-    assert selective_refusal(model) is None
     config = family_config("gemma2", num_hidden_layers=2, max_position_embeddings=256)
     tokens = torch.randint(0, config.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0))
     kept, grads = {}, {}
@@ -398,25 +395,14 @@ def test_a_family_without_sdpa_runs_eager_attention_and_selective_checkpointing_
     for mode in ("selective", "all"):
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7)
                    for a, b in zip(grads["none"], grads[mode], strict=True)), mode
-    gpt_oss = transformers.GptOssConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
-        max_position_embeddings=128)
-    gpt_oss.save_pretrained(tmp_path / "gpt_oss")
-    with torch.device("meta"):
-        moe = HFCausalLM(ModelConfig(name="hf", path=str(tmp_path / "gpt_oss"), pretrained=False))
-    assert "GptOssForCausalLM's experts use attention's (batched) one" in selective_refusal(moe)
-    overrides = ["model.name=hf", f"model.path={tmp_path / 'gpt_oss'}", "trainer.seq_len=64",
-                 "trainer.micro_batch_size=auto", "trainer.global_batch_size=8"]
-    selective = load_config([*overrides, "strategy.activation_checkpointing=selective"])
-    with pytest.raises(ConfigError, match="experts use attention's .*checkpointing=every_k or all"):
-        choose_batch(selective, moe, 1, 1, 2**30, 0, accelerated=True)
-    cfg = load_config(overrides)
-    none_fits = estimate(replace(cfg, trainer=replace(cfg.trainer, micro_batch_size=1)), moe,
-                         "FULL_SHARD", 1, 1, accelerated=True).peak
-    choice = choose_batch(cfg, moe, 1, 1, int(none_fits / 0.9) - 1, 0, accelerated=True)
-    assert choice.activation_checkpointing != "none"
-    assert "selective" not in {ac for _, ac, _ in choice.rejected} | {choice.activation_checkpointing}
+    # The pair is told by its T x T operand, not by order: a rotary table's or an expert's batched
+    # matmul is neither (it would shift a count); a head size equal to the length alternates.
+    bmm = torch.ops.aten.bmm.default
+    q, k_t, probs, v = (torch.empty(4, *shape) for shape in ((128, 16), (16, 128), (128, 128), (128, 16)))
+    assert attention_matmul(bmm, (q, k_t)) == "scores" and attention_matmul(bmm, (probs, v)) == "output"
+    assert attention_matmul(bmm, (torch.empty(4, 8, 1), torch.empty(4, 1, 128))) is None
+    assert attention_matmul(bmm, (torch.empty(4, 16, 16), torch.empty(4, 16, 16))) == "either"
+    assert attention_matmul(torch.ops.aten.mm.default, (q[0], k_t[0])) is None
     mamba = transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4)
     with pytest.raises(ModelError, match="MambaConfig has no attention heads"):
         Dims.of_hf(mamba)

@@ -4,6 +4,7 @@ the process's resident memory, and the accelerator allocator's statistics where 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,10 +27,13 @@ class StateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> StateBytes:
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                averages: Sequence[torch.Tensor] = ()) -> StateBytes:
+    """This rank's parameter, gradient and optimizer-state bytes; ``averages`` (trainer.ema_decay's
+    weight average) count with the optimizer's, as the planner counts them."""
     params = list(model.parameters())
     grads = sum(local_bytes(p.grad) for p in params if p.grad is not None)
-    optim = 0
+    optim = sum(local_bytes(average) for average in averages)
     if optimizer is not None:
         for state in optimizer.state.values():
             optim += sum(local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
@@ -54,9 +58,11 @@ class PhaseMemory:
 
     PHASES = ("forward", "backward", "optimizer", "end")
 
-    def __init__(self, model: nn.Module, optimizer, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, optimizer, device: torch.device,
+                 averages: Sequence[torch.Tensor] = ()) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.averages = averages
         self.device = device
         self.record: dict[str, dict[str, float]] = {}
         self.grad_dtypes: set[str] = set()
@@ -74,7 +80,7 @@ class PhaseMemory:
         if phase == "backward":
             self.grad_dtypes |= {dtype_name(p.grad.dtype)
                                  for p in self.model.parameters() if p.grad is not None}
-        s = state_bytes(self.model, self.optimizer)
+        s = state_bytes(self.model, self.optimizer, self.averages)
         entry.update(params_mib=s.params / 2**20, grads_mib=s.grads / 2**20,
                      optimizer_mib=s.optimizer / 2**20)
         self.record[phase] = entry

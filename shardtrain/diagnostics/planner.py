@@ -27,7 +27,7 @@ from shardtrain.config.sizes import counted, human_bytes
 from shardtrain.config.strategy import AC_MODES, STRATEGIES, checkpointing_mode
 from shardtrain.diagnostics.kept import kept_by_block
 from shardtrain.distributed.embedding_exchange import exchangeable, exchanges_rows
-from shardtrain.distributed.parallelize import float8_eligible, last_projection_adapted, selective_refusal
+from shardtrain.distributed.parallelize import float8_eligible, last_projection_adapted
 from shardtrain.distributed.qlora import NF4_BLOCK, NF4_GRAIN, quantized_linears
 from shardtrain.errors import ConfigError
 from shardtrain.models.dims import Dims
@@ -584,10 +584,6 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
     rejected: list[tuple[int, str, int]] = []
     cheapest = AC_MODES.index(checkpointing_mode(cfg.strategy))
     modes = list(AC_MODES[cheapest:])
-    if refusal := selective_refusal(model):
-        if modes[0] == "selective":
-            raise ConfigError(refusal)
-        modes = [ac for ac in modes if ac != "selective"]
     for ac in modes:
         for micro in sizes:
             trainer = replace(t, micro_batch_size=micro, grad_accum_steps=per_rank // micro)

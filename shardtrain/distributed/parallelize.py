@@ -101,7 +101,8 @@ SELECTIVE_MATMULS = frozenset({
     # matmul reaches the policy as aten.mm on torchao's tensor, counted above)
     torch.ops.aten._scaled_mm.default,
 })
-# transformers' eager attention: the scores (q @ k^T) and their product with the values, batched.
+# transformers' eager attention: the scores (q @ k^T) and their product with the values, batched;
+# told from other batched matmuls (rotary tables, experts) by their square T x T operand.
 EAGER_ATTENTION_MATMULS = frozenset({torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default})
 SELECTIVE_ATTENTION = frozenset({
     torch.ops.aten._scaled_dot_product_flash_attention.default,
@@ -133,7 +134,7 @@ def block_selective_contexts(block: nn.Module, float8: bool,
     which must then be no projection's width (refused otherwise). A size, unlike a forward hook,
     is what the compiler's graph still shows, so compiled and eager blocks keep the same outputs.
     ``eager_attention``: the block's attention is transformers' eager one, two batched matmuls a
-    layer (``EAGER_ATTENTION_MATMULS``), told apart from the projections' by their op."""
+    layer (``EAGER_ATTENTION_MATMULS``), told apart by their T x T operand (``attention_matmul``)."""
     linears = {name: module for name, module in block.named_modules() if isinstance(module, nn.Linear)}
     adapters = {name: module for name, module in linears.items() if is_adapter(name + ".")}
     ranks = frozenset(module.out_features for name, module in adapters.items() if ".lora_A." in name + ".")
@@ -154,17 +155,17 @@ def eager_attention(model: nn.Module) -> bool:
     return bool(getattr(getattr(model, "dims", None), "eager_attention", False))
 
 
-def selective_refusal(model: nn.Module) -> str | None:
-    """Why ``strategy.activation_checkpointing=selective`` cannot run on ``model`` (None: it can).
-    transformers' eager attention computes with batched matmuls, which tell it apart from the
-    projections, unless the family's experts compute with them too (GPT-OSS): the policy would
-    keep the wrong outputs, a T x T score matrix among them."""
-    if eager_attention(model) and any(name.endswith("experts") for name, _ in model.named_modules()):
-        family = type(getattr(model, "hf", model)).__name__
-        return (f"strategy.activation_checkpointing=selective tells attention's matmuls from the "
-                f"projections' by their op, and {family}'s experts use attention's (batched) one; use "
-                "activation_checkpointing=every_k or all")
-    return None
+def attention_matmul(op, args: tuple) -> str | None:
+    """Which of eager attention's batched matmuls ``op(*args)`` is: ``scores`` (q @ k^T, a T x T
+    output), ``output`` (the T x T probabilities times the values), ``either`` (a head size equal to
+    the length makes both square), else None (another batched matmul, or not one)."""
+    if op not in EAGER_ATTENTION_MATMULS:
+        return None
+    left, right = args[1:3] if op == torch.ops.aten.baddbmm.default else args[:2]
+    square_input, square_output = left.shape[-2] == left.shape[-1], left.shape[-2] == right.shape[-1]
+    if square_input and square_output:
+        return "either"
+    return "output" if square_input else "scores" if square_output else None
 
 
 def matmul_sizes(op, args: tuple) -> tuple[int, int]:
@@ -183,19 +184,19 @@ def selective_contexts(keeps_matmul: Callable[[int], bool],
     ones (``ctx.is_recompute``). A matmul with an inner or output size in ``adapter_ranks`` (a LoRA
     adapter's low-rank pair) is recomputed and not counted, so the projections' order is the base
     model's and no adapter output as large as its projection's is kept beside it. With
-    ``eager_attention`` the batched matmuls are attention's, in pairs: the scores (recomputed) and
-    their product with the values (kept, as SDPA's output is)."""
+    ``eager_attention``: the scores (recomputed) and their product with the values (kept, as SDPA's
+    output is), neither counted."""
     matmuls = {False: 0, True: 0}  # by ctx.is_recompute
-    attention_matmuls = {False: 0, True: 0}
+    ambiguous = {False: 0, True: 0}  # eager attention's matmuls both square: scores, output, ...
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ARG001
         if op in SELECTIVE_ATTENTION:
             return CheckpointPolicy.MUST_SAVE
-        if eager_attention and op in EAGER_ATTENTION_MATMULS:
-            attention_matmuls[ctx.is_recompute] += 1
-            if attention_matmuls[ctx.is_recompute] % 2 == 0:
-                return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.PREFER_RECOMPUTE
+        if eager_attention and (part := attention_matmul(op, args)) is not None:
+            if part == "either":
+                ambiguous[ctx.is_recompute] += 1
+                part = "output" if ambiguous[ctx.is_recompute] % 2 == 0 else "scores"
+            return CheckpointPolicy.MUST_SAVE if part == "output" else CheckpointPolicy.PREFER_RECOMPUTE
         if op in SELECTIVE_MATMULS:
             if adapter_ranks and not adapter_ranks.isdisjoint(matmul_sizes(op, args)):
                 return CheckpointPolicy.PREFER_RECOMPUTE
@@ -277,8 +278,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
     ``before_sharding``: a conversion of the model's parameters in their storage dtype that FSDP must
     see when it shards them (QLoRA's NF4 base); it returns the parameters FSDP must leave alone."""
     check_single_registration(model)
-    if plan.activation_checkpointing == "selective" and (refusal := selective_refusal(model)):
-        raise ConfigError(refusal)  # before any tensor-parallel or float8 conversion
     wrap = resolve_wrap_classes(model, wrap_policy)
     names = {m: n for n, m in model.named_modules()}
     blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, wrap) and m is not model]

@@ -40,6 +40,10 @@ from shardtrain.errors import CheckpointError
 WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
+# Where a shardtrain checkpoint keeps trainer.ema_decay's average of the weights.
+AVERAGE_PREFIX = "ema."
+
+
 def model_prefix(keys: list[str], fmt: str, key: str | None) -> str:
     """Which top-level entry holds the model weights."""
     if key is not None:
@@ -99,6 +103,12 @@ def plan_shards(path: Path, max_shard_bytes: int | None, dtype: torch.dtype | No
     if prefix == "" and any(k.startswith(("optim.", "optimizer")) for k in tensors):
         raise CheckpointError("cannot tell model weights from optimizer state here; pass --key")
     selected = [(k, clean_name(k, prefix), tensors[k]) for k in tensors if k.startswith(prefix)]
+    if prefix == AVERAGE_PREFIX:
+        # trainer.ema_decay averages the trained parameters: the model's buffers (a norm's running
+        # statistics) and any frozen parameters come from the weights themselves.
+        averaged = {name for _, name, _ in selected}
+        selected += [(k, name, tensors[k]) for k in tensors if k.startswith("model.")
+                     if (name := clean_name(k, "model.")) not in averaged]
     if not selected:
         raise CheckpointError(f"checkpoint {str(path)!r} holds no model tensors")
     names = [n for _, n, _ in selected]

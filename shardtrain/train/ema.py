@@ -22,7 +22,8 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class WeightAverage:
-    """The average of ``model``'s parameters (every one trains: LoRA runs are refused at the config)."""
+    """The average of ``model``'s trained parameters (frozen ones and buffers stay as they are:
+    consolidate takes them from the weights)."""
 
     def __init__(self, model: nn.Module, decay: float) -> None:
         self.decay = decay
@@ -34,6 +35,8 @@ class WeightAverage:
         by_parameter: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for name, param in model.named_parameters(remove_duplicate=False):
+                if not param.requires_grad:
+                    continue
                 if id(param) not in by_parameter:
                     by_parameter[id(param)] = param.detach().to(torch.float32, copy=True)
                     self.parameters.append(param)
@@ -42,9 +45,12 @@ class WeightAverage:
 
     @torch.no_grad()
     def update(self) -> None:
-        """One step of the average, on this rank's shards."""
-        weights = [local(param).to(torch.float32) for param in self.parameters]
-        torch._foreach_lerp_([local(average) for average in self.averages], weights, 1.0 - self.decay)
+        """One step of the average, on this rank's shards. In two in-place passes rather than a lerp,
+        which needs the weights in fp32: a bf16 model's fp32 copy of every shard at once would be a
+        peak no phase of the step has."""
+        averages = [local(average) for average in self.averages]
+        torch._foreach_mul_(averages, self.decay)
+        torch._foreach_add_(averages, [local(param) for param in self.parameters], alpha=1.0 - self.decay)
 
     @torch.no_grad()
     def restart_from_weights(self) -> None:

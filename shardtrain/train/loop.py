@@ -152,7 +152,8 @@ class Trainer:
         # trainer.micro_batch_size=auto: what the planner chose, and its figures (Trainer.create).
         self.batch_choice: BatchChoice | None = None
         self.preemption: PreemptionFlag | None = None
-        self.phases = PhaseMemory(built.model, built.optimizer, env.device)
+        self.phases = PhaseMemory(built.model, built.optimizer, env.device,
+                                  () if self.average is None else self.average.averages)
         # Started by fit(); beats are harmless without the thread (benchmarks drive steps directly).
         self.watchdog = Watchdog(Path(cfg.run.dir), env.rank, cfg.dist.timeout_s,
                                  cfg.dist.startup_timeout_s, cfg.diagnostics.stall_factor,
@@ -253,16 +254,30 @@ class Trainer:
             if self.cfg.model.adapter:  # a fresh run's adapters from PEFT's directory (a resume's: saved)
                 load_peft_adapter(self.model, self.cfg)
                 self.info(f"adapters started from {self.cfg.model.adapter}")
+        if path is not None:
+            self.weight_average_changes(path, state.config.get("trainer", {}).get("ema_decay", 0.0))
         if self.average is not None and not (path is not None and self.checkpointer.average_restored):
-            if path is not None:
-                self.info(f"trainer.ema_decay: {path} holds no weight average; it starts from the "
-                          "resumed weights")
             self.average.restart_from_weights()
         if self.built.report.float8_scales_precomputed:
             # Scales of the weights just read: reading a checkpoint first initialises the optimizer's
             # state with a zero-learning-rate step (torch's DCP), whose hook computed them from the
             # weights before the read.
             refresh_float8_scales(self.model)
+
+    def weight_average_changes(self, path: Path, saved_decay: float) -> None:
+        """Rank 0 says what a resume does with the checkpoint's weight average (trainer.ema_decay)."""
+        decay, restored = self.cfg.trainer.ema_decay, self.checkpointer.average_restored
+        if not self.env.is_main:
+            return
+        if decay and not restored:
+            log.info(f"trainer.ema_decay: {path} holds no weight average; it starts from the resumed weights")
+        elif restored and not decay:
+            log.warning(f"{path} holds a weight average (trainer.ema_decay={saved_decay}), which this run "
+                        "does not keep: its checkpoints will hold none; resume with trainer.ema_decay="
+                        f"{saved_decay} to keep it")
+        elif restored and decay != saved_decay:
+            log.warning(f"trainer.ema_decay {saved_decay!r} -> {decay!r}: the resumed average goes on with "
+                        "the new decay")
 
     def schedule_changes(self, saved: dict) -> list[str]:
         """What a resume does with schedule settings changed since the checkpoint, one phrase each:
@@ -531,7 +546,8 @@ class Trainer:
         gib = 2**30
         device = self.env.device
         peak = (phase_peak_bytes(device) or 0) / gib
-        held = state_bytes(self.model, self.built.optimizer)
+        held = state_bytes(self.model, self.built.optimizer,
+                           () if self.average is None else self.average.averages)
         states = (held.params + held.optimizer) / gib
         where = f"step {self.step + 1} ran out of {device} memory in {part} (rank {self.env.rank})"
         if self.batch_choice is None:
