@@ -41,6 +41,11 @@ class TrackerError(ShardtrainError):
     """An experiment tracker (W&B, MLflow) cannot start: not installed, unreachable, not logged in."""
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's first line, or its type's name where it has no message."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def os_error_code(exc: BaseException) -> int | None:
     """The errno of an OSError, or of a Rust library's I/O error (safetensors' "Error while
     serializing: I/O error: File too large (os error 27)"), else None."""

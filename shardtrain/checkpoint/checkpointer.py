@@ -56,7 +56,7 @@ from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
 from shardtrain.distributed.agreement import agree, gather_verdicts, raise_first_error, run_agreed
 from shardtrain.distributed.env import lazily_connected_gloo_group
-from shardtrain.errors import CheckpointError
+from shardtrain.errors import CheckpointError, first_line
 from shardtrain.models.lora import is_adapter
 
 log = logging.getLogger("shardtrain")
@@ -100,8 +100,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def first_sentence(exc: BaseException) -> str:
     """An exception's first sentence: torch's own advice after it (strict=False) is not ours."""
-    line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return line.split(". ")[0].rstrip(".")
+    return first_line(exc).split(". ")[0].rstrip(".")
 
 
 def write_full_weights(full: dict[str, torch.Tensor], file: Path) -> None:

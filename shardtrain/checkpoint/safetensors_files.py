@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shardtrain.errors import CheckpointError
+from shardtrain.errors import CheckpointError, first_line
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -122,9 +122,9 @@ def open_safetensors(path: Path) -> Iterator[Any]:
     try:
         handle = safe_open(str(path), framework="pt")
     except Exception as exc:  # safetensors raises several types for a bad header
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise CheckpointError(f"{path} is not a readable safetensors file ({first}); write it again "
-                              "(consolidate or export the checkpoint anew) or point at another") from exc
+        raise CheckpointError(f"{path} is not a readable safetensors file ({first_line(exc)}); write "
+                              "it again (consolidate or export the checkpoint anew) or point at another"
+                              ) from exc
     with handle as f:
         yield f
 

@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from shardtrain.errors import ConfigError, os_error_code
+from shardtrain.errors import ConfigError, first_line, os_error_code
 
 
 def check_exists(path: str, what: str = "") -> None:
@@ -55,7 +55,7 @@ def os_failure(exc: BaseException) -> str | None:
     code = os_error_code(exc)
     if not isinstance(exc, OSError) and code is None:
         return None
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = first_line(exc)
     if code is None and re.search(r"\d+ requested and \d+ written", text):  # numpy's short write
         return f"{type(exc).__name__}: {text}; a write came up short: check free space on the filesystem"
     if code is None:

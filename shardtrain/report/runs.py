@@ -17,7 +17,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from shardtrain.errors import ReportError
+from shardtrain.errors import ReportError, first_line
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
@@ -152,8 +152,7 @@ def read_config(path: Path) -> dict[str, Any]:
     try:
         return flatten(OmegaConf.to_container(OmegaConf.load(path)))
     except (OmegaConfBaseException, OSError, ValueError, yaml.YAMLError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ReportError(f"{path} is not readable YAML ({first}); it is the config.yaml "
+        raise ReportError(f"{path} is not readable YAML ({first_line(exc)}); it is the config.yaml "
                           "`shardtrain train` writes into run.dir") from exc
 
 
