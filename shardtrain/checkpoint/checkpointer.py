@@ -341,7 +341,7 @@ class Checkpointer:
             model_state = {name: value for name, value in model_state.items() if is_adapter(name)}
         state = {"model": model_state, "optim": optim_state}
         if self.average is not None:
-            state["ema"] = self.average
+            state[layout.AVERAGE_KEY] = self.average
         return state
 
     def save(self, step: int, *, tokens_seen: int, consumed_samples: int, global_batch: int,
@@ -565,9 +565,11 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {str(path)!r} has no optimizer state; use it as "
                                   "model.init_from to start a new run from its weights")
         unsaved = drop_unsaved_optimizer_state(state["optim"], metadata.state_dict_metadata)
-        self.average_restored = any(k.startswith("ema.") for k in metadata.state_dict_metadata)
-        if "ema" in state and not self.average_restored:
-            del state["ema"]  # saved without trainer.ema_decay: the caller starts it from the weights
+        average = f"{layout.AVERAGE_KEY}."
+        self.average_restored = any(k.startswith(average) for k in metadata.state_dict_metadata)
+        if layout.AVERAGE_KEY in state and not self.average_restored:
+            # saved without trainer.ema_decay: the caller starts it from the weights
+            del state[layout.AVERAGE_KEY]
         try:
             dcp.load(state, checkpoint_id=str(path), process_group=self.group)
         except DCP_FAILURES as exc:  # DCP's CheckpointException is a BaseException: named here

@@ -39,6 +39,8 @@ ABANDONED_DIR = re.compile(r"^\.step-\d+\.(?:tmp|deleting)$")
 
 # A run.dir's checkpoints live here (checkpoint/checkpointer.py).
 CHECKPOINTS_DIR = "checkpoints"
+# A checkpoint's entry holding trainer.ema_decay's average of the weights (``ema.<parameter name>``).
+AVERAGE_KEY = "ema"
 
 
 def rng_file(rank: int) -> str:

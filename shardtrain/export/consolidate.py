@@ -40,8 +40,7 @@ from shardtrain.errors import CheckpointError
 WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
-# Where a shardtrain checkpoint keeps trainer.ema_decay's average of the weights.
-AVERAGE_PREFIX = "ema."
+AVERAGE_PREFIX = f"{layout.AVERAGE_KEY}."
 
 
 def model_prefix(keys: list[str], fmt: str, key: str | None) -> str:
@@ -172,7 +171,8 @@ def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | N
     n = len(plan.shards)
     files, weight_map = [], {}
     metadata = {"format": "pt"}
-    if layout.detect_format(path) == "shardtrain" and (key is None or key.rstrip(".") in ("model", "ema")):
+    model_entries = key is None or key.rstrip(".") in ("model", layout.AVERAGE_KEY)
+    if layout.detect_format(path) == "shardtrain" and model_entries:
         # Lets `shardtrain generate` and `eval` rebuild the model from the file alone (the weights'
         # average, trainer.ema_decay's, is the same model's).
         model_cfg = TrainState.read(path).config["model"]

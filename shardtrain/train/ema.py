@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+from shardtrain.distributed.qlora import local_tensor
 
 
 class WeightAverage:
@@ -48,12 +45,13 @@ class WeightAverage:
         """One step of the average, on this rank's shards. In two in-place passes rather than a lerp,
         which needs the weights in fp32: a bf16 model's fp32 copy of every shard at once would be a
         peak no phase of the step has."""
-        averages = [local(average) for average in self.averages]
+        averages = [local_tensor(average) for average in self.averages]
         torch._foreach_mul_(averages, self.decay)
-        torch._foreach_add_(averages, [local(param) for param in self.parameters], alpha=1.0 - self.decay)
+        torch._foreach_add_(averages, [local_tensor(param) for param in self.parameters],
+                            alpha=1.0 - self.decay)
 
     @torch.no_grad()
     def restart_from_weights(self) -> None:
         """The average set to the current weights (a resume from a checkpoint saved without one)."""
         for average, param in zip(self.averages, self.parameters, strict=True):
-            local(average).copy_(local(param))
+            local_tensor(average).copy_(local_tensor(param))

@@ -152,8 +152,9 @@ class Trainer:
         # trainer.micro_batch_size=auto: what the planner chose, and its figures (Trainer.create).
         self.batch_choice: BatchChoice | None = None
         self.preemption: PreemptionFlag | None = None
-        self.phases = PhaseMemory(built.model, built.optimizer, env.device,
-                                  () if self.average is None else self.average.averages)
+        # What the diagnostics count with the optimizer state, as the planner does.
+        self.average_tensors = () if self.average is None else tuple(self.average.averages)
+        self.phases = PhaseMemory(built.model, built.optimizer, env.device, self.average_tensors)
         # Started by fit(); beats are harmless without the thread (benchmarks drive steps directly).
         self.watchdog = Watchdog(Path(cfg.run.dir), env.rank, cfg.dist.timeout_s,
                                  cfg.dist.startup_timeout_s, cfg.diagnostics.stall_factor,
@@ -546,8 +547,7 @@ class Trainer:
         gib = 2**30
         device = self.env.device
         peak = (phase_peak_bytes(device) or 0) / gib
-        held = state_bytes(self.model, self.built.optimizer,
-                           () if self.average is None else self.average.averages)
+        held = state_bytes(self.model, self.built.optimizer, self.average_tensors)
         states = (held.params + held.optimizer) / gib
         where = f"step {self.step + 1} ran out of {device} memory in {part} (rank {self.env.rank})"
         if self.batch_choice is None:
