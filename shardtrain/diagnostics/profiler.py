@@ -39,18 +39,16 @@ class StepProfiler:
         self.rank = rank
         self.device = device
         self.profiler: torch.profiler.profile | None = None
-        self.started_at = 0
 
     def before_step(self, step: int) -> None:
         """Before step ``step`` (1-based) runs."""
-        if self.first == 0 or step != self.first or self.profiler is not None:
+        if step != self.first or self.profiler is not None:  # profile_at=0: no step is 0
             return
         if self.snapshot:
             record_memory_history(self.device, True)
         self.profiler = torch.profiler.profile(activities=profiler_activities(self.device),
                                                record_shapes=True, profile_memory=True)
         self.profiler.start()
-        self.started_at = step
         if self.rank == 0:
             log.info(f"profiler: tracing steps {self.first}-{self.last}")
 
@@ -65,7 +63,7 @@ class StepProfiler:
         if self.profiler is None:
             return
         try:
-            self.finish(max(step, self.started_at))
+            self.finish(max(step, self.first))
         except Exception as exc:  # the profiler's own failure must not replace the run's
             self.profiler = None
             log.warning(f"profiler: rank {self.rank} could not finish its trace ({type(exc).__name__}: "
@@ -73,7 +71,7 @@ class StepProfiler:
 
     def finish(self, step: int) -> None:
         profiler, self.profiler = self.profiler, None
-        folder = self.run_dir / "profiles" / f"steps-{self.started_at}-{step}"
+        folder = self.run_dir / "profiles" / f"steps-{self.first}-{step}"
         try:
             profiler.stop()
             folder.mkdir(parents=True, exist_ok=True)
@@ -86,7 +84,7 @@ class StepProfiler:
                 table = profiler.key_averages().table(
                     sort_by="self_device_time_total" if device_time else "self_cpu_time_total",
                     row_limit=TOP_OPERATORS)
-                log.info(f"profiler: steps {self.started_at}-{step} traced, each rank's trace in "
+                log.info(f"profiler: steps {self.first}-{step} traced, each rank's trace in "
                          f"{folder}; rank 0's costliest operators:\n{table}")
         except (OSError, RuntimeError, ValueError, KeyError) as exc:
             log.warning(f"profiler: rank {self.rank} could not write its trace to {folder} ({exc}); "
