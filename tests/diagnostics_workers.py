@@ -115,6 +115,15 @@ def nan_step_is_skipped(out: str) -> None:
         expected = {name: 0.75 * expected[name] + 0.25 * weights[name] for name in expected}
     average = {name: full_value(value).float() for name, value in trainer.average.average.items()}
     assert all(torch.allclose(average[name], expected[name], rtol=1e-6, atol=1e-7) for name in expected)
+    # Evaluation runs the model on the average swapped in, then the weights are back bit for bit.
+    with trainer.average.swapped_in():
+        inside = trainer.full_weights()
+    assert all(torch.equal(inside[name], value) for name, value in average.items())
+    assert all(torch.equal(value, weights[name]) for name, value in trainer.full_weights().items())
+    record = trainer.validate()
+    assert record["ema_val_loss"] != record["val_loss"] and trainer.result.average_val_losses == [
+        (trainer.step, record["ema_val_loss"])], record
+    assert all(torch.equal(value, weights[name]) for name, value in trainer.full_weights().items())
     trace = json.loads(Path(out, "nan", "profiles", "steps-1-2", f"rank{rank}.json").read_text())
     names = {event.get("name") for event in trace["traceEvents"]}
     assert {"aten::mm", "Optimizer.step#AdamW.step"} <= names, sorted(n for n in names if n)[:40]

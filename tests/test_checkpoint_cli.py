@@ -419,9 +419,32 @@ def test_the_weights_average_resumes_at_another_world_size_and_consolidates(tmp_
     proc = run_cli("generate", str(tmp_path / "split-ema.safetensors"), "--prompt", "def ",
                    "--max-new-tokens", "4")
     assert proc.returncode == 0 and proc.stdout.startswith("def "), proc.stderr[-3000:]
+    # The last step evaluated the weights and their average (swapped in); `eval --ema` reads the
+    # average from the checkpoint directory itself: each the loss the run logged, on the same
+    # windows (QUICK: 16 of 64 tokens, 2 a batch).
+    logged = read_metrics(whole)[-1]
+    assert logged["step"] == 6 and logged["ema_val_loss"] != logged["val_loss"], logged
+    for flags, field in (([], "val_loss"), (["--ema"], "ema_val_loss")):
+        proc = run_cli("eval", str(whole / "checkpoints" / "step-6"), "--samples", "16", "--seq-len", "64",
+                       "--batch-size", "2", *flags)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        loss = float(proc.stdout.split("loss ")[1].split()[0])
+        assert abs(loss - logged[field]) <= 6e-5, (field, loss, logged[field])  # printed to 4 places
+    proc = run_cli("generate", str(whole / "checkpoints" / "step-6"), "--ema", "--prompt", "def ",
+                   "--max-new-tokens", "4")
+    assert proc.returncode == 0 and proc.stdout.startswith("def "), proc.stderr[-3000:]
+    proc = run_cli("export-hf", str(whole / "checkpoints" / "step-6"), str(tmp_path / "hf-ema"), "--ema")
+    assert proc.returncode == 0 and "verified: transformers' logits match" in proc.stdout, proc.stderr[-3000:]
+    exported = load_file(str(tmp_path / "hf-ema" / "model.safetensors"))
+    assert exported["model.norm.weight"].equal(read["whole", "ema"]["norm.weight"])
+    # a file holds one set of weights; a run without an average has none to read
+    proc = run_cli("eval", str(tmp_path / "split-ema.safetensors"), "--ema")
+    assert "the weights' average (--ema) is read from a checkpoint directory" in error_line(proc)
     plain = tmp_path / "plain"
     proc = run_cli("train", *QUICK, "trainer.max_steps=2", f"run.dir={plain}")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli("generate", str(plain / "checkpoints" / "step-2"), "--ema", "--prompt", "x")
+    assert "holds no weight average (ema.*): its run trained without trainer.ema_decay" in error_line(proc)
     proc = run_cli("train", *ema, "trainer.max_steps=3", f"run.dir={plain}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "holds no weight average; it starts from the resumed weights" in proc.stderr

@@ -272,3 +272,22 @@ def test_runs_counting_other_units_are_named_not_plotted_at_zero(tmp_path):
     page = (tmp_path / "report.html").read_text()
     assert "Not on this panel, counting another unit: vit (samples)." in page
     assert "<td class=num>20</td>" in page and "<td class=num>20 samples</td>" in page
+
+
+def test_the_weights_averages_validation_loss_is_drawn_beside_the_weights(tmp_path):
+    """trainer.ema_decay's ``ema_val_loss`` is a line of its own (diamonds) on both loss panels, and
+    the table's best validation loss names the average's."""
+    run_dir = tmp_path / "ema"
+    run_dir.mkdir()
+    records = [{"step": s, "kind": "train", "loss": 3.0 / s, "tokens_seen": 64 * s, "tokens_per_s": 9.0,
+                **({"val_loss": 2.5 / s, "ema_val_loss": 2.25 / s} if s % 2 == 0 else {})}
+               for s in (1, 2, 3, 4)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = write_report([run_dir], tmp_path / "report.html")
+    for panel, xs in (("loss_steps", [2, 4]), ("loss_tokens", [128, 256])):
+        (line,) = artists(report.figures[panel], "ema|ema_val_loss")
+        assert [x for x, y in zip(line.get_xdata(), line.get_ydata()) if not math.isnan(y)] == xs
+        assert line.get_marker() == "D" and same(
+            [y for y in line.get_ydata() if not math.isnan(y)], [1.125, 0.5625])
+    page = (tmp_path / "report.html").read_text()
+    assert "<td class=num>0.625 (average 0.5625)</td>" in page

@@ -81,10 +81,11 @@ def test_the_logged_loss_and_metrics_are_means_over_the_intervals_counts():
     assert all(math.isnan(skipped_only[name]) for name in ("loss", "accuracy", "errors"))
     # every field a record has of its own is one a metric may not take
     own = set(record) - {"accuracy", "errors"}
-    assert own | {"step", "kind", "time", "val_loss"} <= trainer.record_fields()
+    assert own | {"step", "kind", "time", "val_loss", "ema_val_loss"} <= trainer.record_fields()
 
 
-@pytest.mark.parametrize("names", [["loss"], ["tokens_per_s"], ["mfu"], ["acc", "val_acc"]])
+@pytest.mark.parametrize("names", [["loss"], ["tokens_per_s"], ["mfu"], ["acc", "val_acc"],
+                                   ["acc", "ema_val_acc"], ["loss_avg", "ema_val_loss"]])
 def test_a_metric_named_like_a_record_field_is_refused(names):
     fields = bare_trainer().record_fields()
     with pytest.raises(TrainingError, match="named like fields of the metrics record"):

@@ -43,6 +43,12 @@ CHECKPOINTS_DIR = "checkpoints"
 AVERAGE_KEY = "ema"
 
 
+def no_average(path: Path) -> CheckpointError:
+    """What reading the weights' average from a checkpoint that has none says."""
+    return CheckpointError(f"checkpoint {str(path)!r} holds no weight average ({AVERAGE_KEY}.*): its run "
+                           "trained without trainer.ema_decay; read its weights (drop --ema / --key ema)")
+
+
 def rng_file(rank: int) -> str:
     """The name of rank ``rank``'s RNG states in a checkpoint."""
     return f"rng-rank{rank}.pt"

@@ -119,10 +119,16 @@ def refuse_adapters_only(path: Path, state: TrainState) -> None:
 
 
 def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | None = None,
-                       verify_checksums: bool = True) -> None:
+                       verify_checksums: bool = True, average: bool = False) -> None:
     """Fill ``model`` (sharded or not) with the weights at ``source``; optimizer state is not read.
-    ``verify_checksums``: a checkpoint directory's recorded checksums are checked first."""
+    ``verify_checksums``: a checkpoint directory's recorded checksums are checked first.
+    ``average``: the checkpoint's weight average (trainer.ema_decay) in place of its weights, the
+    buffers and any frozen parameters (which it does not average) from the weights."""
     kind = agreed_source_kind(source)
+    if average and kind in (HF_IMPORT, SAFETENSORS_FILE, HF_DIRECTORY):
+        raise CheckpointError(f"{source} is {kind}, which holds one set of weights: the weights' average "
+                              "(--ema) is read from a checkpoint directory (`shardtrain consolidate CKPT "
+                              "OUT --key ema` writes it as such a file)")
     if kind == HF_IMPORT:
         if model_cfg is None:
             raise CheckpointError(f"{source}: importing a Hugging Face directory needs the model config")
@@ -145,9 +151,23 @@ def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | N
     adapted = get_model_state_dict(model)
     state = {base_name(name): value for name, value in adapted.items() if not is_adapter(name)}
     check_model_compatible(path, metadata, state)
-    read_dcp({"model": state}, path)
+    if average:
+        read_dcp(averaged_state(path, metadata, state), path)
+    else:
+        read_dcp({"model": state}, path)
     set_model_state_dict(model, {name: state[base_name(name)] for name in adapted if not is_adapter(name)},
                          options=StateDictOptions(strict=len(state) == len(adapted)))
+
+
+def averaged_state(path: Path, metadata, state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The DCP read that fills the model's ``state`` with the checkpoint's weight average: each
+    tensor the average holds from it, the rest (buffers, frozen parameters) from the weights."""
+    saved = metadata.state_dict_metadata
+    averaged = {name: value for name, value in state.items() if f"{layout.AVERAGE_KEY}.{name}" in saved}
+    if not averaged:
+        raise layout.no_average(path)
+    rest = {name: value for name, value in state.items() if name not in averaged}
+    return {layout.AVERAGE_KEY: averaged, **({"model": rest} if rest else {})}
 
 
 # What ``load_model_weights`` reads a source as; each kind reads with other collectives.
@@ -198,17 +218,17 @@ def verify_shared(path: Path, verify_checksums: bool = True):
 
 def model_files_damaged(path: Path, metadata, rank: int, world: int) -> dict[str, str]:
     """What is wrong with this rank's share of the files a weights read needs (``.metadata`` and
-    those holding ``model.`` entries: not the RNG files, nor files of optimizer state alone, though
-    DCP's writer puts a rank's optimizer state in the file with its model shard, so those are
-    hashed whole), by the checkpoint's recorded checksums: a flipped bit would otherwise load as a
-    wrong weight, silently."""
+    those holding ``model.`` entries or the weights' average's ``ema.``: not the RNG files, nor
+    files of optimizer state alone, though DCP's writer puts a rank's optimizer state in the file
+    with its model shard, so those are hashed whole), by the checkpoint's recorded checksums: a
+    flipped bit would otherwise load as a wrong weight, silently."""
     files = integrity.read_manifest(path)
     if files is None:
         if rank == 0:
             integrity.warn_unrecorded(path)
         return {}
     read = {info.relative_path for index, info in (metadata.storage_data or {}).items()
-            if index.fqn.startswith("model.")} | {layout.METADATA_FILE}
+            if index.fqn.startswith(("model.", f"{layout.AVERAGE_KEY}."))} | {layout.METADATA_FILE}
     wanted = {name: entry for name, entry in files.items() if name in read}
     return integrity.damaged_files(path, wanted, integrity.verification_share(wanted, rank, world)) or {}
 

@@ -150,7 +150,7 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
 
     try:
         loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype,
-                                    verify_checksums=not args.skip_checksums)
+                                    verify_checksums=not args.skip_checksums, average=args.ema)
         tokenizer = tokenizer_for(loaded.cfg.model)
         choice = generation_mode(loaded.model, loaded.compute_dtype, loaded.env.device, args.mode,
                                  loaded.env.local_world_size)
@@ -244,7 +244,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
 
     try:
         loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype,
-                                    verify_checksums=not args.skip_checksums)
+                                    verify_checksums=not args.skip_checksums, average=args.ema)
         positions = getattr(loaded.model, "max_seq_len", None)
         if positions is not None and args.seq_len > positions:
             raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
@@ -299,15 +299,24 @@ def finish_export(args: argparse.Namespace, files: list[Path], verify, loaded_by
 def cmd_export_hf(args: argparse.Namespace) -> int:
     check_export_paths(args, "export-hf")
     if args.merge:  # a LoRA checkpoint: each target's weight plus alpha/r * B @ A
+        from shardtrain.errors import ConfigError
         from shardtrain.export.merge import export_merged, verify_merged_export
+
+        if args.ema:
+            raise ConfigError("export-hf --merge --ema: a LoRA run keeps no weight average "
+                              "(trainer.ema_decay is refused with adapters); drop --ema")
 
         files = export_merged(args.checkpoint, args.out, args.max_shard_size, args.dtype)
         return finish_export(args, files, verify_merged_export, "transformers'")
+    from functools import partial
+
+    from shardtrain.checkpoint import layout
     from shardtrain.export.hf import export_hf
     from shardtrain.export.verify import verify_export
 
-    files = export_hf(args.checkpoint, args.out, args.max_shard_size, args.dtype)
-    return finish_export(args, files, verify_export, "transformers'")
+    key = layout.AVERAGE_KEY if args.ema else None
+    files = export_hf(args.checkpoint, args.out, args.max_shard_size, args.dtype, key=key)
+    return finish_export(args, files, partial(verify_export, key=key), "transformers'")
 
 
 def cmd_export_peft(args: argparse.Namespace) -> int:
@@ -455,6 +464,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 SKIP_CHECKSUMS_HELP = ("do not check a checkpoint directory's recorded checksums before reading it "
                        "(they hash its model and optimizer shards, which DCP writes in one file a rank)")
+EMA_HELP = ("the checkpoint's weight average (a run with trainer.ema_decay) instead of its weights; "
+            "a checkpoint directory only")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -530,6 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                      help="compute dtype; auto: bf16 on accelerators with bf16 units, fp32 on CPUs")
     gen.add_argument("--skip-checksums", action="store_true", help=SKIP_CHECKSUMS_HELP)
+    gen.add_argument("--ema", action="store_true", help=EMA_HELP)
     gen.add_argument("--mode", default="auto", choices=["auto", "gathered", "sharded"],
                      help="gathered: one copy of the model, no collectives per token; sharded: each "
                      "unit all-gathered per token; auto: gathered when it fits the free memory")
@@ -545,6 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--devices", type=int, default=1, help="processes (sharded checkpoints)")
     ev.add_argument("--strategy", default="FULL_SHARD", help="how the checkpoint is sharded on load")
     ev.add_argument("--skip-checksums", action="store_true", help=SKIP_CHECKSUMS_HELP)
+    ev.add_argument("--ema", action="store_true", help=EMA_HELP)
     ev.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                      help="compute dtype; auto: bf16 on accelerators with bf16 units, fp32 on CPUs")
 
@@ -562,6 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("--merge", action="store_true",
                     help="a finetune=lora checkpoint: write the merged model (each target's weight plus "
                     "alpha/r * B @ A), checked against the checkpoint's model with its adapters")
+    hf.add_argument("--ema", action="store_true", help=EMA_HELP)
 
     pe = sub.add_parser("export-peft", help="LoRA checkpoint -> PEFT adapter directory",
                         description="adapter_config.json + adapter_model.safetensors that "

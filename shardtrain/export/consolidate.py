@@ -98,6 +98,9 @@ def plan_shards(path: Path, max_shard_bytes: int | None, dtype: torch.dtype | No
     layout.check_shard_files(path, metadata)
     tensors = {k: v for k, v in metadata.state_dict_metadata.items()
                if isinstance(v, TensorStorageMetadata)}
+    averaging = key is not None and key.rstrip(".") == layout.AVERAGE_KEY
+    if averaging and not any(k.startswith(AVERAGE_PREFIX) for k in tensors):
+        raise layout.no_average(path)
     prefix = model_prefix(list(tensors), layout.detect_format(path), key)
     if prefix == "" and any(k.startswith(("optim.", "optimizer")) for k in tensors):
         raise CheckpointError("cannot tell model weights from optimizer state here; pass --key")

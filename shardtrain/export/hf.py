@@ -31,6 +31,7 @@ from shardtrain.checkpoint.weights import model_config_of
 from shardtrain.config.plan import DTYPES, dtype_name
 from shardtrain.config.schema import ModelConfig
 from shardtrain.data.tokenizer import TOKENIZER_FILES
+from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import consolidate, written_dtype
 from shardtrain.generation.generate import shared_parameter_names
 from shardtrain.models.hf import HFCausalLM
@@ -63,17 +64,21 @@ def write_hf_model_files(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> lis
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "2GB",
-              dtype: str | None = None) -> list[Path]:
-    """A transformers-loadable directory from a shardtrain checkpoint (or its safetensors)."""
+              dtype: str | None = None, key: str | None = None) -> list[Path]:
+    """A transformers-loadable directory from a shardtrain checkpoint (or its safetensors).
+    ``key``: the checkpoint's entry to export (``ema``: the weights' average; default the model)."""
     src, out = Path(checkpoint), Path(out_dir)
     cfg = model_config_of(src)
+    if key is not None and src.is_file():
+        raise CheckpointError(f"{src} is a consolidated file, which holds one set of weights: the weights' "
+                              "average (--ema) is exported from a checkpoint directory")
     check_new_directory(out)  # before the consolidation's work, not after it
     out.mkdir(parents=True, exist_ok=True)
     # Stream: consolidate shard by shard into a staging area, then rename and permute per tensor.
     # A fresh hidden directory each time: a crashed export's leftover is never read as this one's.
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
     try:
-        staged = [src] if src.is_file() else consolidate(src, staging, max_shard_size=max_shard_size)
+        staged = [src] if src.is_file() else consolidate(src, staging, max_shard_size=max_shard_size, key=key)
         parts = [partial(read_part, p) for p in staged if p.suffix == ".safetensors"]
         return write_hf_directory(cfg, out, parts, dtype)
     finally:

@@ -40,10 +40,11 @@ Reader = Callable[[list[str]], torch.Tensor]
 
 @torch.no_grad()
 def verify_export(checkpoint: str | Path, out_dir: str | Path,
-                  tolerance: float = EXPORT_TOLERANCE) -> float:
+                  tolerance: float = EXPORT_TOLERANCE, key: str | None = None) -> float:
     """Compare the export's logits with the checkpoint's model on a fixed batch; return the largest
     relative difference, or raise naming it. Both sides hold the same weights rounded to the dtype
-    the export was written in, and compute in fp32, so only a wrong conversion tells them apart."""
+    the export was written in, and compute in fp32, so only a wrong conversion tells them apart.
+    ``key``: the checkpoint's entry that was exported (``ema``: the weights' average)."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     cfg = model_config_of(checkpoint)
     written = json.loads((out_dir / CONFIG_FILE).read_text())["torch_dtype"]
@@ -52,7 +53,7 @@ def verify_export(checkpoint: str | Path, out_dir: str | Path,
         ours = build_model(cfg)
         theirs = HFCausalLM(ModelConfig(name="hf", path=str(out_dir)))  # from_pretrained's model
     tokens = check_tokens(ours)
-    with checkpoint_reader(checkpoint) as read:
+    with checkpoint_reader(checkpoint, key) as read:
         want = streamed_forward(ours, tokens, lambda names: read(names).to(dtype).float())
     read = export_reader(out_dir, theirs.parameter_name)
     got = streamed_forward(theirs, tokens, lambda names: read(names).float())
@@ -114,15 +115,16 @@ def first_stored(names: list[str], stored, missing: str) -> str:
 
 
 @contextmanager
-def checkpoint_reader(checkpoint: Path) -> Iterator[Reader]:
-    """Our parameters one at a time from a consolidated file or a DCP checkpoint."""
+def checkpoint_reader(checkpoint: Path, key: str | None = None) -> Iterator[Reader]:
+    """Our parameters one at a time from a consolidated file or a DCP checkpoint (its entry ``key``,
+    as consolidate reads it)."""
     missing = f"{checkpoint} holds no {{}}: it is not a checkpoint of the model it describes"
     if checkpoint.is_file():
         with safe_open(str(checkpoint), framework="pt") as f:
             stored = set(f.keys())
         yield lambda names: read_one(checkpoint, first_stored(names, stored, missing))
         return
-    plan = plan_shards(checkpoint, None, None, None)
+    plan = plan_shards(checkpoint, None, None, key)
     entries = {entry[1]: entry for shard in plan.shards for entry in shard}
 
     def read(names: list[str]) -> torch.Tensor:

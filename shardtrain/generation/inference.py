@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from shardtrain.accelerator import set_fp32_matmul
+from shardtrain.checkpoint import layout
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.checkpoint.weights import (
     base_identity,
@@ -48,14 +49,17 @@ class Loaded:
 
 
 def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
-                       dtype: str = "auto", verify_checksums: bool = True) -> Loaded:
+                       dtype: str = "auto", verify_checksums: bool = True, average: bool = False) -> Loaded:
     """``dtype``: the compute dtype, fp32 | bf16 | auto (bf16 on accelerators with bf16 units).
-    ``verify_checksums``: a checkpoint directory's recorded checksums are checked before reading."""
+    ``verify_checksums``: a checkpoint directory's recorded checksums are checked before reading.
+    ``average``: the checkpoint's weight average (trainer.ema_decay) instead of its weights."""
     path = Path(checkpoint)
     if not path.exists():
         raise CheckpointError(f"{str(path)!r} does not exist")
     state = TrainState.read(path) if (path / STATE_FILE).is_file() else None
     lora = state is not None and state.base_weights is not None
+    if lora and average:  # trainer.ema_decay is refused with adapters: no run saved both
+        raise layout.no_average(path)
     cfg = Config()
     if lora:  # adapters only: the base is read (or drawn) as training did, the adapters on it
         cfg.model = state.model_config()
@@ -93,5 +97,5 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
             quantize_base(model)
         load_adapters(model, path)
     else:
-        load_model_weights(model, str(path), verify_checksums=verify_checksums)
+        load_model_weights(model, str(path), verify_checksums=verify_checksums, average=average)
     return Loaded(cfg, env, model, with_adapters(factory, cfg, env.device), plan.param_dtype)

@@ -23,10 +23,11 @@ DPI = 100
 RUN_COLOURS = [matplotlib.colors.to_hex(c) for c in matplotlib.colormaps["tab10"].colors]
 PART_COLOURS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868"}
 REST_COLOUR = "#bdbdbd"
-NAMES = {"loss": "train loss", "val_loss": "validation loss", "blocked_s": "blocking save",
+NAMES = {"loss": "train loss", "val_loss": "validation loss",
+         "ema_val_loss": "validation loss of the weights' average", "blocked_s": "blocking save",
          "blocked_s async": "async save (blocked part)", "clipped": "clipped (norm above threshold)",
          "params": "parameters", "grads": "gradients", "optimizer": "optimizer state"}
-POINT_MARKERS = {"clipped": "x", "blocked_s": "o", "blocked_s async": "s"}
+POINT_MARKERS = {"clipped": "x", "blocked_s": "o", "blocked_s async": "s", "ema_val_loss": "D"}
 MARKER_STYLES = {"resume": (0, (5, 3)), "restart": "-.", "skip": ":"}
 
 
@@ -44,7 +45,7 @@ def _values(values: list[float | None]) -> np.ndarray:
 
 def _draw_line(ax: Axes, line: Line, colour: str, label: str) -> None:
     style = {"line": {"linestyle": "-", "marker": "o" if len(line.x) == 1 else None, "markersize": 3},
-             "marked": {"linestyle": "--", "marker": "o", "markersize": 4},
+             "marked": {"linestyle": "--", "marker": POINT_MARKERS.get(line.label, "o"), "markersize": 4},
              "points": {"linestyle": "none", "marker": POINT_MARKERS.get(line.label, "o"), "markersize": 6,
                         "markerfacecolor": "none" if line.label.endswith("async") else colour}}[line.style]
     ax.plot(np.array(line.x, dtype=float), _values(line.y), color=colour, label=label,

@@ -95,6 +95,9 @@ def _runs_table(runs: list[Run], colours: dict[str, str], unit: str) -> str:
         train = run.of("train")
         losses = run.values("train", "loss")[1]
         vals = [v for v in run.values("train", "val_loss")[1] if v is not None]
+        averaged = [v for v in run.values("train", "ema_val_loss")[1] if v is not None]
+        best_val = _number(min(vals) if vals else None) + (
+            f" (average {_number(min(averaged))})" if averaged else "")
         resumes = sum(1 for s in run.starts if s.resumed_from)
         restarts = torchrun_restarts([s.restart_count for s in run.starts])
         worlds = sorted({s.world_size for s in run.starts if s.world_size})
@@ -105,7 +108,7 @@ def _runs_table(runs: list[Run], colours: dict[str, str], unit: str) -> str:
             f"<td class=num>{train[-1]['step']}</td>"
             f"<td class=num>{seen_cell(train[-1], unit, run_unit(run))}</td>"
             f"<td class=num>{_number(losses[-1] if losses else None)}</td>"
-            f"<td class=num>{_number(min(vals) if vals else None)}</td>"
+            f"<td class=num>{best_val}</td>"
             f"<td class=num>{len(run.starts)}</td><td class=num>{resumes}</td><td class=num>{restarts}</td>"
             f"<td>{', '.join(map(str, worlds))}</td></tr>")
     return ("<table><tr><th>run</th><th>directory</th><th>last step</th>"

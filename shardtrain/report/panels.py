@@ -165,7 +165,7 @@ def loss_panels(runs: list[Run], unit: str) -> list[Panel]:
     for run in runs:
         counted_here = run_unit(run) == unit
         count_at = steps_to_count(run, unit)
-        for key, style in (("loss", "line"), ("val_loss", "marked")):
+        for key, style in (("loss", "line"), ("val_loss", "marked"), ("ema_val_loss", "marked")):
             steps, values = run.values("train", key)
             if not steps:
                 continue

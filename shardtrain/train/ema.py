@@ -7,10 +7,14 @@ The average is held like the parameters themselves, as sharded DTensors on their
 whatever the storage dtype (a bf16 average loses the small updates a decay near 1 adds). Each rank
 updates its own shard: no communication. Checkpoints carry it beside the model (``ema.<name>``), so
 it resumes at any world size, and ``shardtrain consolidate CKPT OUT --key ema`` writes it as the
-model's weights.
+model's weights. Each evaluation during training evaluates the average too (``ema_val_loss``), with
+the average copied into the weights for its length (``swapped_in``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -55,3 +59,21 @@ class WeightAverage:
         """The average set to the current weights (a resume from a checkpoint saved without one)."""
         for average, param in zip(self.averages, self.parameters, strict=True):
             local_tensor(average).copy_(local_tensor(param))
+
+    @contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The model runs on the average (rounded to the weights' storage dtype, as a consolidated
+        average loads) until the block ends; then the weights are back bit for bit, on every exit.
+
+        Each rank swaps its own shards in place (FSDP2's shards are views into its padded storage,
+        so the tensors themselves stay). The weights wait in a copy meanwhile: as large as this
+        rank's parameter shards, while gradients (freed after every step) would need as much."""
+        weights = [local_tensor(param) for param in self.parameters]
+        with torch.no_grad():
+            kept = [weight.clone() for weight in weights]
+            torch._foreach_copy_(weights, [local_tensor(average) for average in self.averages])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(weights, kept)

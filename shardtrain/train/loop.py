@@ -86,6 +86,8 @@ class TrainResult:
     # The task's metrics (LossOutput.metrics): each step's, and each evaluation's with its step.
     metrics: list[dict[str, float]] = field(default_factory=list)
     val_metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    # trainer.ema_decay: the validation loss of the weights' average, at each evaluation's step.
+    average_val_losses: list[tuple[int, float]] = field(default_factory=list)
     skipped_steps: int = 0
     # The task's count summed over the steps run (target tokens for a language model): the metrics
     # record's ``<count_unit>_seen``; checkpoints carry it as ``tokens_seen`` (their format's name).
@@ -634,23 +636,36 @@ class Trainer:
         # scheduler gives before its SIGKILL (every rank agrees on stop_agreed: all skip alike).
         preempting = stats.stop_agreed
         if (due(step, t.eval_every) or last) and self.val_batches and not preempting:
-            self.watchdog.beat("evaluation", step)
-            self.agree_running_statistics()  # every rank evaluates the same model
-            val, val_metrics = evaluate(self.model, self.task, self.val_batches, self.env.device,
-                                         self.built.mesh)
-            self.result.val_losses.append((step, val))
-            self.result.val_metrics.append((step, dict(val_metrics)))
-            record["val_loss"] = val
-            record.update({f"val_{name}": value for name, value in val_metrics.items()})
+            record.update(self.validate())
         if due(step, t.sample_every) and step < t.max_steps and self.samples_text() and not preempting:
             self.sample()
         if record:
             self.writer.write(step, "train", record)
             self.console.show(step, record, tuple(name for name, _ in self.metric_kinds))
 
+    def validate(self) -> dict[str, float]:
+        """The validation loss and the task's metrics (``val_*``), and with a weight average the
+        same of the average (``ema_val_*``), as the metrics record's entries."""
+        step = self.step
+        self.watchdog.beat("evaluation", step)
+        self.agree_running_statistics()  # every rank evaluates the same model
+        val, val_metrics = evaluate(self.model, self.task, self.val_batches, self.env.device, self.built.mesh)
+        self.result.val_losses.append((step, val))
+        self.result.val_metrics.append((step, dict(val_metrics)))
+        record = {"val_loss": val, **{f"val_{name}": value for name, value in val_metrics.items()}}
+        if self.average is not None:
+            with self.average.swapped_in():
+                val, val_metrics = evaluate(self.model, self.task, self.val_batches, self.env.device,
+                                            self.built.mesh)
+            self.result.average_val_losses.append((step, val))
+            record["ema_val_loss"] = val
+            record.update({f"ema_val_{name}": value for name, value in val_metrics.items()})
+        return record
+
     def record_fields(self) -> frozenset[str]:
         """The names a train record (with validation) has of its own: a task's metric may not take one."""
-        return frozenset({"step", "kind", "time", "loss", "val_loss", "grad_norm", "lr", "peak_memory_mib",
+        return frozenset({"step", "kind", "time", "loss", "val_loss", "ema_val_loss", "grad_norm", "lr",
+                          "peak_memory_mib",
                           *self.throughput.field_names()})
 
     def train_record(self, stats: StepStats) -> dict:

@@ -191,16 +191,21 @@ def ratio(total: float, divisor: float) -> float:
 
 
 def check_metric_names(task: Task, kinds: tuple[tuple[str, bool], ...], reserved: frozenset[str]) -> None:
-    """A metric is logged beside the record's own fields (and as ``val_<name>``): a name that is one
-    of them, or whose ``val_`` form is another metric's, would overwrite it without a word."""
+    """A metric is logged beside the record's own fields (and as ``val_<name>``, and with a weight
+    average ``ema_val_<name>``): a name that is one of them, or whose other forms are another
+    metric's, would overwrite it without a word."""
     names = {name for name, _ in kinds}
+
+    def forms(name: str) -> tuple[str, str, str]:
+        return name, f"val_{name}", f"ema_val_{name}"
+
     clashes = sorted(name for name in names
-                     if name in reserved or f"val_{name}" in reserved
-                     or (name.startswith("val_") and name.removeprefix("val_") in names))
+                     if any(form in reserved for form in forms(name))
+                     or any(name in forms(other)[1:] for other in names))
     if clashes:
         raise TrainingError(f"{type(task).__name__}.loss returned metrics {clashes} named like fields of "
                             "the metrics record (loss, lr, grad_norm, <unit>_seen, <unit>_per_s, ..., "
-                            "or val_<metric>), which they would overwrite; rename them")
+                            "or val_<metric>, ema_val_<metric>), which they would overwrite; rename them")
 
 
 def global_sum_tensor(value: torch.Tensor, copies: int = 1) -> torch.Tensor:
