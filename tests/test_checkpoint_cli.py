@@ -331,6 +331,43 @@ def test_damage_inside_a_file_is_named(two_rank_run, tmp_path, name, how, messag
         assert anyway.returncode == 0, anyway.stderr[-3000:]
 
 
+# Runs commands through shardtrain's main() in one process and reports, after each, its exit status
+# and the gloo threads still alive (Linux names them gloo_tcp_loop, pt_gloo_runloop).
+GLOO_THREADS_AFTER = """
+import json, os, sys
+from shardtrain.cli.main import main
+
+def gloo_threads():
+    tasks = os.listdir("/proc/self/task")
+    return sum("gloo" in open(f"/proc/self/task/{t}/comm").read() for t in tasks)
+
+print(json.dumps([(main(argv), gloo_threads()) for argv in json.loads(sys.argv[1])]))
+"""
+
+
+def test_no_process_group_thread_outlives_a_command(two_rank_run, tmp_path):
+    """DTensor's caches held the meshes, and so gloo's process groups, past destroy_process_group:
+    their threads were torn down at interpreter exit, which now and then aborted a command that had
+    finished ("terminate called without an active exception", exit -6 where 0 or 2 was due)."""
+    import subprocess
+    import sys
+
+    from cli_utils import clean_env
+
+    healthy = two_rank_run[0] / "checkpoints" / "step-4"
+    damaged = tmp_path / "step-4"
+    shutil.copytree(healthy, damaged)
+    damage_file(damaged / "__0_0.distcp", "zero_head")
+    commands = [["generate", str(healthy), "--prompt", "x", "--max-new-tokens", "2"],  # gathered copy
+                ["generate", str(damaged), "--prompt", "x", "--max-new-tokens", "2"],  # checksum error
+                ["eval", str(healthy), "--samples", "4", "--seq-len", "32"]]
+    script = [sys.executable, "-c", GLOO_THREADS_AFTER, json.dumps(commands)]
+    proc = subprocess.run(script, capture_output=True, text=True, timeout=180, env=clean_env(),
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [[0, 0], [2, 0], [0, 0]], proc.stderr[-3000:]
+
+
 def test_resume_falls_back_past_every_damaged_checkpoint(two_rank_run, tmp_path):
     """Steps 4 to 10 each damaged one way: the resume names each, moves it aside when its step is
     saved again, and goes on from step 2 to the uninterrupted run's losses, bit for bit."""

@@ -17,6 +17,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import _redistribute
+from torch.distributed.tensor.debug import (
+    _clear_fast_path_sharding_prop_cache,
+    _clear_python_sharding_prop_cache,
+)
 
 from shardtrain.accelerator import claim_device, device_identity, process_group_backend
 from shardtrain.config.plan import ShardingPlan
@@ -235,5 +240,20 @@ def build_mesh(plan: ShardingPlan, device_type: str) -> DeviceMesh:
 def destroy_distributed() -> None:
     """Shut every process group down (call on every rank, once training or inference is over)."""
     _MESHES.clear()
+    release_dtensor_caches()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def release_dtensor_caches() -> None:
+    """Empty DTensor's caches of sharding propagations and redistribution plans. They keep the
+    specs of every operation and redistribution they saw, and through them the device meshes and
+    their process groups: gloo's threads then outlived ``destroy_process_group``, were torn down
+    during interpreter exit, and now and then aborted a finished command there ("terminate called
+    without an active exception", exit -6). Emptied first, the groups go when they are destroyed."""
+    _clear_python_sharding_prop_cache()
+    _clear_fast_path_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:  # a torch without the redistribution planner has none to clear
+        clear_planners()

@@ -47,6 +47,7 @@ from shardtrain.config.plan import resolve_plan, with_global_batch
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import state_bytes
 from shardtrain.diagnostics.planner import Estimate, estimate, planned_model
+from shardtrain.distributed.env import destroy_distributed
 from shardtrain.distributed.parallelize import parallelize, sum_gradients
 from shardtrain.distributed.preconditions import resolve_wrap_classes
 from shardtrain.distributed.sharded_model import with_adapters
@@ -215,10 +216,9 @@ def fake_world(world_size: int) -> Iterator[None]:
     try:
         yield
     finally:
-        dist.destroy_process_group()
-        # DTensor's native cache of shardings keys a mesh by its shape and names, not its process
-        # groups: the next fake world's tensor-parallel meshes would find this one's destroyed groups.
-        torch._C._clear_DTensor_sharding_propagator_cache()
+        # Also empties DTensor's caches, whose native one keys a mesh by its shape and names, not
+        # its process groups: the next fake world's meshes would find this one's destroyed groups.
+        destroy_distributed()
 
 
 def block_names(model: nn.Module, classes: tuple[type, ...]) -> list[str]:
