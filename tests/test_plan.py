@@ -100,7 +100,8 @@ def test_planner_counts_each_tp_shard_sharded_again_by_fsdp():
                        "trainer.micro_batch_size=1"])
     with torch.device("meta"):
         model = Llama(cfg.model)
-    planned = {name: tensor_parallel_shapes(model, 2, True)[id(p)] for name, p in model.named_parameters()}
+    shapes = tensor_parallel_shapes(model, 2, model.tensor_parallel_plan(True, 2))
+    planned = {name: shapes[id(p)] for name, p in model.named_parameters()}
     with fake_world(8), torch.device("meta"):
         split = Llama(cfg.model)
         mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp_shard", "tp"))

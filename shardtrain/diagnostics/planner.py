@@ -63,21 +63,30 @@ def split_dims(style: ParallelStyle, module: nn.Module) -> dict[str, int]:
     return {}
 
 
-def tensor_parallel_shapes(model: nn.Module, tp: int, sequence_parallel: bool) -> dict[int, tuple[int, ...]]:
-    """Each parameter's shape on rank 0 of the tp group (by ``id``), from the model's own plan
-    (``tensor_parallel_plan(sequence_parallel, tp)``): the split dimension in ``tp`` chunks, rank 0's
-    the largest (``torch.chunk``, as DTensor's ``Shard``). FSDP then shards each of these over the
-    data-parallel ranks."""
-    shapes = {id(p): tuple(p.shape) for p in model.parameters()}
-    if tp == 1:
-        return shapes
+def tensor_parallel_styles(model: nn.Module, plan: ShardingPlan) -> dict[str, ParallelStyle]:
+    """The model's own tensor-parallel plan for ``plan`` (``tensor_parallel_plan(sequence_parallel,
+    tp)``), built once for all the planner reads of it; empty without tensor parallelism."""
+    if plan.tensor_parallel == 1:
+        return {}
     plan_of = getattr(model, "tensor_parallel_plan", None)
     if plan_of is None:
         raise ConfigError(f"the memory planner counts tensor parallelism from a model's "
                           f"tensor_parallel_plan(sequence_parallel, tp), which {type(model).__name__} "
                           "lacks; plan with strategy.tensor_parallel=1")
+    return plan_of(plan.sequence_parallel, plan.tensor_parallel)
+
+
+def tensor_parallel_shapes(model: nn.Module, tp: int,
+                           styles: dict[str, ParallelStyle]) -> dict[int, tuple[int, ...]]:
+    """Each parameter's shape on rank 0 of the tp group (by ``id``), from the model's plan
+    (``tensor_parallel_styles``): the split dimension in ``tp`` chunks, rank 0's the largest
+    (``torch.chunk``, as DTensor's ``Shard``). FSDP then shards each of these over the
+    data-parallel ranks."""
+    shapes = {id(p): tuple(p.shape) for p in model.parameters()}
+    if tp == 1:
+        return shapes
     modules = list(model.named_modules())
-    for pattern, style in plan_of(sequence_parallel, tp).items():
+    for pattern, style in styles.items():
         for path, module in modules:
             if not module_matches(path, pattern):
                 continue
@@ -274,10 +283,10 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     )
 
 
-def plan_splits_blocks(model: nn.Module, plan: ShardingPlan) -> bool:
-    """Whether the model's tensor-parallel plan splits a linear (or embedding) inside its blocks (a
-    family may declare a plan that splits its embeddings only: Bamba's)."""
-    styles = model.tensor_parallel_plan(plan.sequence_parallel, plan.tensor_parallel)
+def plan_splits_blocks(model: nn.Module, styles: dict[str, ParallelStyle]) -> bool:
+    """Whether the model's tensor-parallel plan (``tensor_parallel_styles``) splits a linear (or
+    embedding) inside its blocks (a family may declare a plan that splits its embeddings only:
+    Bamba's)."""
     blocks = tuple(f"{name}." for name, module in model.named_modules()
                    if isinstance(module, getattr(model, "block_classes", ())))
     inside = {name for name, _ in model.named_modules() if name.startswith(blocks)}
@@ -378,7 +387,8 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     # It plans for accelerators, wherever it runs: mixed_precision=auto means bf16-mixed there.
     plan = resolve_plan(strategy_cfg, world_size, min(local, world_size), accelerated=accelerated)
     # Under tensor parallelism FSDP shards each tp shard (2-D/3-D DTensors): rank 0's of both.
-    local_shapes = tensor_parallel_shapes(model, plan.tensor_parallel, plan.sequence_parallel)
+    styles = tensor_parallel_styles(model, plan)
+    local_shapes = tensor_parallel_shapes(model, plan.tensor_parallel, styles)
     shapes = list(local_shapes.values())
     # Gradients and optimizer state: the trainable parameters' only (finetune=lora: the adapters).
     trainable = [local_shapes[id(p)] for p in model.parameters() if p.requires_grad]
@@ -418,7 +428,7 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     if cfg.model.name == "hf" and blocks:
         # A Hugging Face family's blocks keep what its code keeps: measured, not the Llama formula.
         kept = kept_by_block(cfg.model, cfg.trainer.seq_len, plan.param_dtype, cfg.data.document_mask)
-        if kept is not None and plan.tensor_parallel > 1 and plan_splits_blocks(model, plan):
+        if kept is not None and plan.tensor_parallel > 1 and plan_splits_blocks(model, styles):
             whole = activation_model(cfg, model.dims, cfg.trainer.micro_batch_size, plan.param_dtype,
                                      without_tensor_parallel(plan))
             kept = [split_block_bytes(bytes_kept, whole.block, act.block, cfg.trainer.micro_batch_size)
