@@ -246,6 +246,14 @@ def test_trainer_state_fields_are_type_checked(tmp_path):
         message = rf"field '{name}' is .*, not of type {re.escape(expected)}"
         with pytest.raises(CheckpointError, match=message):
             TrainState.read(tmp_path)
+    best = {"monitor": "val_loss", "mode": "min", "ranking": [[6, 2.5], [4, 3]]}
+    (tmp_path / STATE_FILE).write_text(json.dumps({**raw, "best": best}))
+    assert TrainState.read(tmp_path).best_steps() == {4, 6}
+    for damaged in ({**best, "ranking": [[6]]}, {**best, "mode": "lowest"},
+                    {**best, "ranking": [["6", 1.0]]}):
+        (tmp_path / STATE_FILE).write_text(json.dumps({**raw, "best": damaged}))
+        with pytest.raises(CheckpointError, match="field 'best' is .*, not a ranking of"):
+            TrainState.read(tmp_path)
 
 
 def test_prune_keeps_the_checkpoint_just_saved(tmp_path):
@@ -257,6 +265,30 @@ def test_prune_keeps_the_checkpoint_just_saved(tmp_path):
     damaged = {tmp_path / "step-2"}
     assert layout.prune(tmp_path, 5, 1, damaged) == [tmp_path / "step-4"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-2", "step-5", "step-8"]
+    # checkpoint.keep_best's steps are kept beside the newest keep_last
+    assert layout.prune(tmp_path, 10, 1, set(), best={5, 7}) == [tmp_path / "step-2", tmp_path / "step-8"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-5"]
+
+
+def test_the_best_checkpoints_ranking():
+    """The kept best by a value's least (or most); NaN never ranks; a resume takes the ranking only
+    when it judged the same value the same way."""
+    from shardtrain.checkpoint.best import BestCheckpoints
+    from shardtrain.config.schema import CheckpointConfig
+
+    best = BestCheckpoints(CheckpointConfig(keep_best=2))
+    for step, value in ((2, 3.0), (4, float("nan")), (6, 2.0), (8, 2.5), (10, 2.6), (12, 1.0)):
+        if best.ranks(value):
+            best.add(step, value)
+    assert best.ranking == [(12, 1.0), (6, 2.0)] and best.steps() == {6, 12}
+    most = BestCheckpoints(CheckpointConfig(keep_best=1, monitor="val_accuracy", monitor_mode="max"))
+    assert most.restore(best.state()).startswith("the resumed checkpoint ranked its best by val_loss (min)")
+    assert most.ranking == [] and most.ranks(0.1) and not most.ranks(float("inf"))
+    most.add(4, 0.5)
+    assert not most.ranks(0.4) and most.ranks(0.6)
+    again = BestCheckpoints(CheckpointConfig(keep_best=1))
+    assert again.restore(best.state()) is None and again.ranking == [(12, 1.0)]
+    assert "records no ranking" in again.restore(None)
 
 
 def test_abandoned_saves_and_deletions_are_removed(tmp_path):

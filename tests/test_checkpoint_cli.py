@@ -492,3 +492,36 @@ def test_the_weights_average_resumes_at_another_world_size_and_consolidates(tmp_
     proc = run_cli("train", *QUICK, "trainer.max_steps=5", f"run.dir={plain}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "holds a weight average (trainer.ema_decay=0.95), which this run does not keep" in proc.stderr
+
+
+def test_the_best_checkpoints_are_kept_beside_the_newest_across_a_resume(tmp_path):
+    """checkpoint.keep_best=2 with keep_last=1: an evaluation that ranks saves its step (no interval
+    saves here), and the prune keeps the newest and the two best by the logged value; the ranking
+    rides in the trainer state, so a resume at another world size goes on with it. Judged by the
+    most val_loss (monitor_mode=max), which falls at every evaluation here: the first two stay the
+    best, kept for their values alone."""
+    every_2 = [arg for arg in QUICK if not arg.startswith("trainer.eval_every")] + [
+        "trainer.eval_every=2", "checkpoint.interval=0", "checkpoint.keep_last=1", "checkpoint.keep_best=2",
+        "checkpoint.monitor_mode=max"]
+    run = tmp_path / "run"
+    for devices, steps in ((2, 8), (1, 12)):
+        proc = run_cli("train", *every_2, f"trainer.devices={devices}", f"trainer.max_steps={steps}",
+                       f"run.dir={run}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        # the first run saves steps 2 and 4 for their rank; the resumed run's evaluations rank none
+        assert ("at step 2 ranks among the 2 best; saving it" in proc.stderr) == (steps == 8)
+        assert ("ranks among" in proc.stderr) == (steps == 8), proc.stderr[-3000:]
+        logged = [(r["step"], r["val_loss"]) for r in read_metrics(run) if "val_loss" in r]
+        assert [step for step, _ in logged] == list(range(2, steps + 1, 2))
+        assert all(earlier[1] > later[1] for earlier, later in zip(logged, logged[1:])), logged
+        saved = run / "checkpoints"
+        assert {int(p.name[5:]) for p in saved.iterdir()} == {2, 4, steps}, proc.stderr[-3000:]
+        state = json.loads((saved / f"step-{steps}" / "trainer_state.json").read_text())
+        assert state["best"] == {"monitor": "val_loss", "mode": "max",
+                                 "ranking": [list(entry) for entry in logged[:2]]}
+    inspect = run_cli("inspect", str(run / "checkpoints" / "step-12"))
+    assert f"best:       by val_loss (max): step-2 {logged[0][1]:.6g}, step-4 " in inspect.stdout
+    wrong = run_cli("train", *every_2, "trainer.max_steps=2", "checkpoint.monitor=val_accuracy",
+                    f"run.dir={tmp_path / 'wrong'}")
+    assert ("checkpoint.monitor=val_accuracy is not among the values the evaluation logged (val_loss); "
+            "choose one of them") in error_line(wrong)

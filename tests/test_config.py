@@ -136,6 +136,7 @@ def test_every_numeric_key_declares_its_range_and_is_checked():
 # Keys without declared bounds: each with a bad value and the message it gets, from the config
 # loader or (for paths, checked by the launching process before any worker starts) the preflight.
 CHECKED_BY_CODE = {
+    "checkpoint.monitor": ("checkpoint.monitor=loss", "is no validation value"),
     "model.init_from": ("model.init_from={tmp}/missing.safetensors", "does not exist"),
     "strategy.sharding_strategy": ("strategy.sharding_strategy=ZERO3", "is not a sharding strategy"),
     "strategy.reshard_after_forward": ("strategy.reshard_after_forward=0", "must be null, true, false"),
@@ -160,8 +161,9 @@ CHECKED_BY_CODE = {
     "model.adapter": ("model.adapter={tmp}", "is not a PEFT adapter directory"),
 }
 # Presets a key's bad value is given with (its check applies only there).
-WITH_PRESET = {"data.paths": "data=files", "model.path": "model=hf",
-               "run.mlflow.tracking_uri": "run.trackers=[mlflow]", "model.adapter": "finetune=lora"}
+WITH_PRESET = {"data.paths": "data=files", "model.path": "model=hf", "model.adapter": "finetune=lora",
+               "checkpoint.monitor": "checkpoint.keep_best=1",
+               "run.mlflow.tracking_uri": "run.trackers=[mlflow]"}
 # Keys that accept any value by design.
 FREE = {"data.file_glob": "any glob pattern", "data.text_field": "any field name",
         "trainer.sample_prompt": "any text", "run.name": "a label",
@@ -268,6 +270,23 @@ def test_a_weights_average_needs_checkpoints_and_whole_weights():
         load_config(["trainer.ema_decay=0.99", "checkpoint.enabled=false"])
     with pytest.raises(ConfigError, match="finetune=lora trains adapters; set trainer.ema_decay=0"):
         load_config(["trainer.ema_decay=0.99", "finetune=lora"])
+
+
+def test_the_best_checkpoints_are_judged_by_a_validation_value_the_run_logs():
+    for overrides, message in (
+            (["checkpoint.keep_best=2", "checkpoint.enabled=false"], "checkpoint.enabled=false saves none"),
+            (["checkpoint.keep_best=2", "checkpoint.monitor=loss"], "'loss' is no validation value"),
+            (["checkpoint.keep_best=2", "checkpoint.monitor=ema_val_loss"],
+             "set trainer.ema_decay (e.g. 0.999) or monitor val_loss"),
+            (["checkpoint.monitor_mode=max"], "checkpoint.monitor_mode=max judges the checkpoints "
+                                              "checkpoint.keep_best keeps, and it is 0"),
+            (["checkpoint.keep_best=2", "checkpoint.monitor_mode=best"], "monitor_mode")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(overrides)
+    cfg = load_config(["checkpoint.keep_best=2", "checkpoint.monitor=ema_val_accuracy",
+                       "trainer.ema_decay=0.9",
+                       "checkpoint.monitor_mode=max"])
+    assert (cfg.checkpoint.keep_best, cfg.checkpoint.monitor_mode) == (2, "max")
 
 
 def test_a_memory_snapshot_needs_cuda():

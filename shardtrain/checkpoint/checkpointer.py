@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardtrain import accelerator, faults
 from shardtrain.checkpoint import integrity, layout, staging
+from shardtrain.checkpoint.best import BestCheckpoints
 from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed, save_failed
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.checkpoint.weights import base_identity, check_model_compatible, check_same_base
@@ -161,7 +162,8 @@ class Checkpointer:
 
     def __init__(self, cfg: Config, plan: ShardingPlan, model: nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                 rank: int, world_size: int, average: dict[str, torch.Tensor] | None = None) -> None:
+                 rank: int, world_size: int, average: dict[str, torch.Tensor] | None = None,
+                 best: BestCheckpoints | None = None) -> None:
         self.cfg = cfg
         self.plan = plan
         self.ckpt = cfg.checkpoint
@@ -197,6 +199,9 @@ class Checkpointer:
         # the last load found one (a checkpoint saved without it leaves it to the caller).
         self.average = average
         self.average_restored = False
+        # checkpoint.keep_best: its ranking goes into every save's trainer state, and the prune after
+        # the commit keeps the steps that state names.
+        self.best = best
 
     # ---- finding what to resume ----------------------------------------------------------
 
@@ -381,7 +386,7 @@ class Checkpointer:
         trainer_state = TrainState.capture(
             self.cfg, self.plan, step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
             global_batch=global_batch, scheduler=self.scheduler.state_dict(), world_size=self.world_size,
-            base_weights=self.base,
+            base_weights=self.base, best=None if self.best is None else self.best.state(),
         )
         if self.ckpt.async_save and not blocking:
             # Staging copies the state before this returns; the write and the commit run behind.
@@ -496,7 +501,7 @@ class Checkpointer:
             layout.fsync_path(tmp)
             tmp.rename(layout.step_dir(self.root, step))
             layout.fsync_path(self.root)
-        self.prune(step)
+        self.prune(step, trainer_state.best_steps())
 
     def finish_async(self, written: Future, step: int, tmp: Path, trainer_state: TrainState) -> None:
         # DCP's failure reaches the next poll (or close) as the same one line a blocking save gives.
@@ -506,13 +511,17 @@ class Checkpointer:
         # next save (which waits for this one): the group sees one sequence of collectives.
         self.commit(step, tmp, trainer_state)
 
-    def prune(self, committed: int) -> None:
-        """Checkpoints beyond ``keep_last`` up to the step just committed; never that one, nor a
-        later step, nor one whose checksums failed at resume. A deletion that fails is a warning:
-        the new checkpoint is committed, and stopping the run would not free the space either."""
+    def prune(self, committed: int, best: set[int]) -> None:
+        """Checkpoints beyond ``keep_last`` up to the step just committed but the ``best`` steps
+        (checkpoint.keep_best's ranking as the committed one recorded it); never the committed one,
+        nor a later step, nor one whose checksums failed at resume. A deletion that fails is a
+        warning: the new checkpoint is committed, and stopping the run would not free the space
+        either."""
+        kept = f"checkpoint.keep_last={self.ckpt.keep_last}" + (
+            "" if self.best is None else f", not among the {self.ckpt.keep_best} best by {self.ckpt.monitor}")
         try:
-            for path in layout.prune(self.root, committed, self.ckpt.keep_last, self.damaged):
-                self.info(f"checkpoint: deleted {path.name} (checkpoint.keep_last={self.ckpt.keep_last})")
+            for path in layout.prune(self.root, committed, self.ckpt.keep_last, self.damaged, best):
+                self.info(f"checkpoint: deleted {path.name} ({kept})")
         except OSError as exc:
             log.warning(f"checkpoint: step {committed} is saved, but deleting an older checkpoint "
                         f"failed ({exc}); delete it by hand to free its space")

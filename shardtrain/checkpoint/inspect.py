@@ -122,6 +122,9 @@ def inspect_path(target: str | Path) -> Report:
                 "step": state.step, "world size": state.world_size, "strategy": state.strategy,
                 "mesh": state.mesh, "samples seen": state.consumed_samples, "saved with": state.versions,
             })
+            if state.best:  # checkpoint.keep_best: the ranking as this checkpoint's save knew it
+                ranking = ", ".join(f"step-{step} {value:.6g}" for step, value in state.best["ranking"])
+                report.details["best"] = f"by {state.best['monitor']} ({state.best['mode']}): {ranking}"
         except CheckpointError as exc:
             report.problems.append(str(exc))
     elif fmt == "lightning":

@@ -230,14 +230,17 @@ def refuse_newer_checkpoints(root: Path, resumed: Path) -> None:
         )
 
 
-def prune(root: Path, committed: int, keep_last: int, exclude: set[Path]) -> list[Path]:
+def prune(root: Path, committed: int, keep_last: int, exclude: set[Path],
+          best: set[int] = frozenset()) -> list[Path]:
     """Delete complete checkpoints beyond the newest ``keep_last`` up to step ``committed`` (the one
-    just saved); returns the deleted ones. Later steps and ``exclude`` are neither counted nor deleted:
-    the checkpoint just committed is always kept."""
+    just saved), but those of the steps in ``best`` (checkpoint.keep_best's); returns the deleted
+    ones. Later steps and ``exclude`` are neither counted nor deleted: the checkpoint just committed
+    is always kept."""
     # Names only: a step-N directory is complete by construction (renamed after its last file),
     # and reading every kept checkpoint's metadata after each save would cost a storm of reads.
-    kept = [path for step, path in candidates(root).complete if step <= committed and path not in exclude]
-    doomed = kept[: max(0, len(kept) - max(1, keep_last))]
+    kept = [(step, path) for step, path in candidates(root).complete
+            if step <= committed and path not in exclude]
+    doomed = [path for step, path in kept[: max(0, len(kept) - max(1, keep_last))] if step not in best]
     for path in doomed:
         # Rename first: a crash while deleting must not leave a half directory named step-N.
         deleting = path.with_name(f".{path.name}.deleting")

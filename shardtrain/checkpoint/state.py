@@ -60,11 +60,15 @@ class TrainState:
     # finetune=lora: the base weights the adapters belong to (checkpoint/weights.py base_identity);
     # the checkpoint holds the adapters and their optimizer state only.
     base_weights: dict[str, Any] | None = None
+    # checkpoint.keep_best: the value judged, and the best checkpoints' steps and values so far
+    # (checkpoint/best.py), this one's among them when it ranked.
+    best: dict[str, Any] | None = None
 
     @classmethod
     def capture(cls, cfg: Config, plan: ShardingPlan, *, step: int, tokens_seen: int,
                 consumed_samples: int, global_batch: int, scheduler: dict[str, Any],
-                world_size: int, base_weights: dict[str, Any] | None = None) -> TrainState:
+                world_size: int, base_weights: dict[str, Any] | None = None,
+                best: dict[str, Any] | None = None) -> TrainState:
         return cls(
             step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
             global_batch=global_batch, scheduler=scheduler, world_size=world_size,
@@ -73,8 +77,12 @@ class TrainState:
             config=OmegaConf.to_container(OmegaConf.structured(cfg)), config_hash=config_hash(cfg),
             versions={"shardtrain": __version__, "torch": torch.__version__,
                       "python": platform.python_version()},
-            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), base_weights=base_weights,
+            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), base_weights=base_weights, best=best,
         )
+
+    def best_steps(self) -> set[int]:
+        """The steps of the best checkpoints this one's ranking names (checkpoint.keep_best)."""
+        return {int(step) for step, _ in (self.best or {}).get("ranking", [])}
 
     @property
     def mesh(self) -> str:
@@ -161,10 +169,24 @@ class TrainState:
                 raise CheckpointError(f"checkpoint {str(directory)!r}: {STATE_FILE} field {name!r} is "
                                       f"{raw[name]}, less than {low}; the file is damaged, use another "
                                       "checkpoint")
+        if raw.get("best") is not None and not well_formed_best(raw["best"]):
+            raise CheckpointError(f"checkpoint {str(directory)!r}: {STATE_FILE} field 'best' is "
+                                  f"{json.dumps(raw['best'])[:80]}, not a ranking of (step, value) pairs; "
+                                  "the file is damaged, use another checkpoint")
         if "mesh_shape" in raw and any(size < 1 for size in raw["mesh_shape"]):
             raise CheckpointError(f"checkpoint {str(directory)!r}: {STATE_FILE} field 'mesh_shape' is "
                                   f"{raw['mesh_shape']}; the file is damaged, use another checkpoint")
         return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+def well_formed_best(best: dict[str, Any]) -> bool:
+    """checkpoint.keep_best's record: the value judged, min or max, and [step, value] pairs."""
+    ranking = best.get("ranking")
+    return (isinstance(best.get("monitor"), str) and best.get("mode") in ("min", "max")
+            and isinstance(ranking, list)
+            and all(isinstance(entry, list) and len(entry) == 2 and has_type(entry[0], int)
+                    and isinstance(entry[1], (int, float)) and not isinstance(entry[1], bool)
+                    for entry in ranking))
 
 
 def has_type(value: Any, hint: Any) -> bool:

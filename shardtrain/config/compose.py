@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from shardtrain.config.keys import PRESETS_DIR, check_overrides, schema_keys
-from shardtrain.config.schema import TRACKERS, Config, FinetuneConfig, ModelConfig
+from shardtrain.config.schema import TRACKERS, CheckpointConfig, Config, FinetuneConfig, ModelConfig
 from shardtrain.config.strategy import check_strategy_names, devices_count
 from shardtrain.config.suggest import closest
 from shardtrain.errors import ConfigError
@@ -239,6 +239,27 @@ def check_weight_average(cfg: Config) -> None:
                           "strategy.float8=false or trainer.ema_decay=0")
 
 
+def check_best_checkpoints(cfg: Config) -> None:
+    """checkpoint.keep_best judges a validation value that the run logs."""
+    c = cfg.checkpoint
+    if not c.keep_best:
+        defaults = CheckpointConfig()
+        if changed := [f"checkpoint.{name}={getattr(c, name)}" for name in ("monitor", "monitor_mode")
+                       if getattr(c, name) != getattr(defaults, name)]:
+            raise ConfigError(f"{', '.join(changed)} judges the checkpoints checkpoint.keep_best keeps, "
+                              "and it is 0; set checkpoint.keep_best=N, or drop it")
+        return
+    if not c.enabled:
+        raise ConfigError("checkpoint.keep_best keeps checkpoints, and checkpoint.enabled=false saves "
+                          "none; enable checkpoints or set checkpoint.keep_best=0")
+    if not c.monitor.startswith(("val_", "ema_val_")):
+        raise ConfigError(f"checkpoint.monitor={c.monitor!r} is no validation value: name val_loss, "
+                          "ema_val_loss, or a task's metric as val_<name> (ema_val_<name>)")
+    if c.monitor.startswith("ema_val_") and not cfg.trainer.ema_decay:
+        raise ConfigError(f"checkpoint.monitor={c.monitor} judges the weights' average, which this run does "
+                          f"not keep; set trainer.ema_decay (e.g. 0.999) or monitor {c.monitor[4:]}")
+
+
 def check_profiling(cfg: Config) -> None:
     """A profiling window that can happen; the memory snapshot only with one."""
     d, max_steps = cfg.diagnostics, cfg.trainer.max_steps
@@ -279,6 +300,7 @@ def check_config(cfg: Config) -> None:
     check_trackers(cfg.run.trackers)
     check_profiling(cfg)
     check_weight_average(cfg)
+    check_best_checkpoints(cfg)
     for key, value in (("run.dir", cfg.run.dir), ("checkpoint.resume", cfg.checkpoint.resume),
                        ("data.cache_dir", cfg.data.cache_dir)):
         if not str(value).strip():  # '' is the working directory to pathlib, or '.' as a checkpoint

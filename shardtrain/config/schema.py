@@ -264,6 +264,13 @@ class CheckpointConfig:
     interval: int = knob(100, at_least=0)
     # Complete checkpoints kept; older ones are deleted only after a newer one is complete.
     keep_last: int = knob(2, at_least=1)
+    # Also keep the N checkpoints with the best `monitor` value (0: keep_last alone). An evaluation
+    # whose value ranks among them saves a checkpoint at its step, due or not.
+    keep_best: int = knob(0, at_least=0)
+    # The validation value judged: val_loss, ema_val_loss (with trainer.ema_decay), or a task's
+    # metric as val_<name> / ema_val_<name>; best is its least (min) or its most (max).
+    monitor: str = "val_loss"
+    monitor_mode: str = knob("min", one_of=("min", "max"))
     # checkpoint.async on the command line: overlap the write with training.
     async_save: bool = False
     # Async saves copy the state into host buffers kept for the whole run (pinned on accelerators):

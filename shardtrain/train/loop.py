@@ -22,6 +22,7 @@ from shardtrain.accelerator import (
     pin_offloaded_memory,
     set_fp32_matmul,
 )
+from shardtrain.checkpoint.best import BestCheckpoints
 from shardtrain.checkpoint.checkpointer import Checkpointer
 from shardtrain.checkpoint.peft_adapter import load_peft_adapter, resolve_adapter_settings
 from shardtrain.checkpoint.preemption import PreemptionFlag
@@ -145,9 +146,18 @@ class Trainer:
         self.consecutive_skips = 0
         # trainer.ema_decay: set from the weights once they are drawn or read (restore).
         self.average = WeightAverage(built.model, t.ema_decay) if t.ema_decay else None
+        # checkpoint.keep_best: the ranking of the evaluations so far; one that ranks saves its step.
+        self.best = (BestCheckpoints(cfg.checkpoint) if cfg.checkpoint.enabled and cfg.checkpoint.keep_best
+                     else None)
+        self.best_save_due = False
+        if self.best is not None and not self.val_batches:
+            raise ConfigError("checkpoint.keep_best ranks checkpoints by a validation value, and this run "
+                              "has no validation data; give it some (data.val_percent, or the task's "
+                              "validation set) or set checkpoint.keep_best=0")
         self.checkpointer = (
             Checkpointer(cfg, built.plan, built.model, built.optimizer, built.scheduler, env.rank,
-                         env.world_size, average=None if self.average is None else self.average.average)
+                         env.world_size, average=None if self.average is None else self.average.average,
+                         best=self.best)
             if cfg.checkpoint.enabled else None
         )
         self.last_saved_step: int | None = None
@@ -252,6 +262,8 @@ class Trainer:
                             f"({'; '.join(schedule)})")
             if self.cfg.model.init_from and self.cfg.finetune.method == "none":
                 self.info("model.init_from is ignored: resuming from a checkpoint")
+            if self.best is not None and (unranked := self.best.restore(state.best)) is not None:
+                self.info(f"checkpoint.keep_best: {unranked}")
         else:
             self.load_base_weights(draw)
             if self.cfg.model.adapter:  # a fresh run's adapters from PEFT's directory (a resume's: saved)
@@ -332,6 +344,7 @@ class Trainer:
             consumed_samples=self.train_data.consumed_samples, global_batch=self.layout.global_batch,
             blocking=blocking,
         )
+        self.best_save_due = False  # a save at this step keeps what the evaluation ranked
         self.result.checkpoint_blocked_s.append(blocked)
         self.writer.write(self.step, "checkpoint", {"blocked_s": blocked,
                                                     "async": self.cfg.checkpoint.async_save and not blocking})
@@ -475,7 +488,8 @@ class Trainer:
             self.save_checkpoint(blocking=True, phase="preemption save")
             self.result.preempted = True
             return False
-        if due(self.step, self.cfg.checkpoint.interval) and self.step < self.cfg.trainer.max_steps:
+        if (due(self.step, self.cfg.checkpoint.interval) and self.step < self.cfg.trainer.max_steps
+                or self.best_save_due):
             self.save_checkpoint()
         return True
 
@@ -637,6 +651,8 @@ class Trainer:
         preempting = stats.stop_agreed
         if (due(step, t.eval_every) or last) and self.val_batches and not preempting:
             record.update(self.validate())
+            if self.best is not None:
+                self.rank_evaluation(record)
         if due(step, t.sample_every) and step < t.max_steps and self.samples_text() and not preempting:
             self.sample()
         if record:
@@ -661,6 +677,20 @@ class Trainer:
             record["ema_val_loss"] = val
             record.update({f"ema_val_{name}": value for name, value in val_metrics.items()})
         return record
+
+    def rank_evaluation(self, record: dict[str, float]) -> None:
+        """checkpoint.keep_best: an evaluation whose value ranks among the best is saved at its step."""
+        monitor, step = self.cfg.checkpoint.monitor, self.step
+        if monitor not in record:
+            logged = ", ".join(sorted(name for name in record if name.startswith(("val_", "ema_val_"))))
+            raise TrainingError(f"checkpoint.monitor={monitor} is not among the values the evaluation "
+                                f"logged ({logged}); choose one of them")
+        value = record[monitor]
+        if self.best.ranks(value):
+            self.best.add(step, value)
+            self.best_save_due = True
+            self.info(f"checkpoint.keep_best: {monitor} {value:.6g} at step {step} ranks among the "
+                      f"{self.best.keep} best; saving it ({self.best.describe()})")
 
     def record_fields(self) -> frozenset[str]:
         """The names a train record (with validation) has of its own: a task's metric may not take one."""
