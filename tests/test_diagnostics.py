@@ -238,3 +238,27 @@ def test_plan_command_lists_strategies_and_fit():
     for strategy, verdict in fits.items():
         assert rows[f"8 x {strategy}"].rstrip().endswith(f"| {verdict}"), rows
     assert rows["1 x FULL_SHARD"].rstrip().endswith("| no"), rows
+
+
+def test_the_per_rank_table_of_many_ranks_shows_the_notable_ones():
+    """At 64 ranks the start-up table shows the first four and the extremes (most and least
+    parameters, most memory at each phase's end), says so, and judges unevenness over all 64."""
+    from shardtrain.diagnostics.report import rank_lines
+
+    phases = ["forward", "backward"]
+
+    def entry(rank: int, params: float, forward: float = 100.0, backward: float = 100.0) -> dict:
+        return {"rank": rank, "params_mib": params, "grads_mib": params, "optimizer_mib": 2 * params,
+                "phases": {"forward": {"rss_mib": forward}, "backward": {"rss_mib": backward}}}
+
+    entries = [entry(rank, 10.0) for rank in range(64)]
+    entries[40] = entry(40, 12.0)
+    entries[17] = entry(17, 5.0)
+    entries[33] = entry(33, 10.0, forward=900.0)
+    entries[50] = entry(50, 10.0, backward=950.0)
+    lines = rank_lines(entries, phases)
+    shown = [int(line.split("|")[0]) for line in lines[2:] if line.strip()[0].isdigit()]
+    assert shown == [0, 1, 2, 3, 17, 33, 40, 50]
+    assert "(8 of 64 ranks: the first four and the extremes" in lines[-2]
+    assert lines[-1].endswith("largest/smallest local parameters = 2.400")
+    assert len(rank_lines(entries[:16], phases)) == 2 + 16 + 1  # every rank up to 16

@@ -103,21 +103,45 @@ def dtype_lines(probe: DtypeProbe, grad_dtypes: set[str], plan: ShardingPlan) ->
     return lines
 
 
-def gather_rank_entries(entry: dict) -> list[dict]:
+def gather_rank_entries(entry: dict) -> list[dict] | None:
+    """Every rank's entry on rank 0, None on the others: rank 0 alone reports them (an all-gather
+    handed each of 1,024 ranks all 1,024 entries)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [entry]
-    entries: list = [None] * dist.get_world_size()
-    dist.all_gather_object(entries, entry)
+    entries: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(entry, entries, dst=0)
     return entries
+
+
+# Up to this many ranks the per-rank table shows each; beyond, the notable ones (notable_ranks).
+SHOWN_RANKS = 16
+
+
+def notable_ranks(entries: list[dict], phases: list[str]) -> list[dict]:
+    """The first four ranks, and those with the most and the least local parameters and the most
+    memory at each phase's end, in rank order: what a table of 1,024 lines would hide."""
+    picked = {e["rank"]: e for e in entries[:4]}
+    measures = [lambda e: e["params_mib"]] + [lambda e, phase=phase: e["phases"][phase]["rss_mib"]
+                                              for phase in phases]
+    for measure in measures:
+        top = max(entries, key=measure)
+        picked[top["rank"]] = top
+    least = min(entries, key=lambda e: e["params_mib"])
+    picked[least["rank"]] = least
+    return [picked[rank] for rank in sorted(picked)]
 
 
 def rank_lines(entries: list[dict], phases: list[str]) -> list[str]:
     lines = ["diagnostics: per-rank local state after step 1 (MiB) and memory by phase",
              "  rank | params |  grads | optimizer | " + " | ".join(f"{p} RSS" for p in phases)]
-    for e in entries:
+    shown = entries if len(entries) <= SHOWN_RANKS else notable_ranks(entries, phases)
+    for e in shown:
         rss = " | ".join(f"{e['phases'][p]['rss_mib']:>{len(p) + 4}.0f}" for p in phases)
         lines.append(f"  {e['rank']:>4} | {e['params_mib']:6.2f} | {e['grads_mib']:6.2f} | "
                      f"{e['optimizer_mib']:9.2f} | {rss}")
+    if len(shown) < len(entries):
+        lines.append(f"  ({len(shown)} of {len(entries)} ranks: the first four and the extremes; every "
+                     "rank's in metrics.jsonl, kind memory_ranks)")
     params = [e["params_mib"] for e in entries]
     if max(params) > 0:
         lines.append(f"  shard unevenness: largest/smallest local parameters = "

@@ -762,6 +762,8 @@ class Trainer:
                  "grads_mib": after["backward"]["grads_mib"],
                  "optimizer_mib": after["optimizer"]["optimizer_mib"], "phases": after}
         ranks = gather_rank_entries(entry)
+        if ranks is None:  # rank 0 writes and reports every rank's
+            return
         self.writer.write(self.step, "memory_ranks", {"ranks": ranks})
         self.info("\n".join(dtype_lines(probe, phases.grad_dtypes, self.built.plan)
                              + rank_lines(ranks, list(PhaseMemory.PHASES))))
