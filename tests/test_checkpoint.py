@@ -256,6 +256,26 @@ def test_trainer_state_fields_are_type_checked(tmp_path):
             TrainState.read(tmp_path)
 
 
+def test_a_damaged_scheduler_state_is_named_before_it_is_loaded(tmp_path):
+    """A base rate per parameter group and a position up to the checkpoint's step: anything else in
+    trainer_state.json's scheduler failed later as a traceback, or resumed at another rate."""
+    from shardtrain.checkpoint.checkpointer import check_scheduler_state
+
+    fields = dict(step=6, tokens_seen=96, consumed_samples=12, global_batch=2, world_size=1,
+                  strategy="FULL_SHARD", mesh_shape=[1], mesh_dim_names=["dp_shard"], mixed_precision="fp32",
+                  config={}, config_hash="abc", versions={"torch": "2"}, saved_at="now")
+    good = {"base_lrs": [0.003, 0.003], "last_epoch": 5, "_step_count": 6}
+    check_scheduler_state(tmp_path, TrainState(scheduler=good, **fields), 2)
+    for scheduler, message in (({**good, "base_lrs": [0.003]}, "'base_lrs' is [0.003], not 2 learning rates"),
+                               ({**good, "base_lrs": [0.003, "x"]}, "'base_lrs' is"),
+                               ({**good, "base_lrs": [0.003, float("nan")]}, "'base_lrs' is"),
+                               ({**good, "last_epoch": 7},
+                                "'last_epoch' is 7, not a step from 0 to the checkpoint's 6"),
+                               ({"last_epoch": 5}, "'base_lrs' is null")):
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            check_scheduler_state(tmp_path, TrainState(scheduler=scheduler, **fields), 2)
+
+
 def test_prune_keeps_the_checkpoint_just_saved(tmp_path):
     """keep_last counts the steps up to the one just committed, never a later one (left by another
     run in the same directory), nor one whose checksums failed: it deleted the new checkpoint."""

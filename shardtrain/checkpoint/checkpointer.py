@@ -18,7 +18,9 @@ current mesh.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
+import math
 import os
 import random
 import re
@@ -50,7 +52,7 @@ from shardtrain import accelerator, faults
 from shardtrain.checkpoint import integrity, layout, staging
 from shardtrain.checkpoint.best import BestCheckpoints
 from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed, save_failed
-from shardtrain.checkpoint.state import TrainState
+from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.checkpoint.weights import base_identity, check_model_compatible, check_same_base
 from shardtrain.config.compose import config_hash
 from shardtrain.config.plan import ShardingPlan
@@ -127,6 +129,30 @@ def read_rng_state(file: Path) -> dict[str, Any]:
             "states, otherwise use another checkpoint"
         ) from exc
     return state
+
+
+def check_scheduler_state(path: Path, state: TrainState, param_groups: int) -> None:
+    """The learning-rate scheduler's saved state, before ``load_state_dict`` takes it as it is (a
+    hand-edited or damaged one failed later as a traceback, or resumed at another rate): a base rate
+    per parameter group and a position between 0 and the checkpoint's step (a skipped step does not
+    advance it)."""
+    saved = state.scheduler
+    base, last = saved.get("base_lrs"), saved.get("last_epoch")
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    problem = None
+    if not (isinstance(base, list) and len(base) == param_groups
+            and all(number(lr) and lr >= 0 for lr in base)):
+        problem = (f"'base_lrs' is {json.dumps(base)[:60]}, not {param_groups} learning rates (one per "
+                   "parameter group)")
+    elif not (isinstance(last, int) and not isinstance(last, bool) and 0 <= last <= state.step):
+        problem = (f"'last_epoch' is {json.dumps(last)[:40]}, not a step from 0 to the checkpoint's "
+                   f"{state.step}")
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {str(path)!r}: the scheduler state in {STATE_FILE} is damaged "
+                              f"({problem}); use another checkpoint")
 
 
 def drop_unsaved_optimizer_state(optim_state: dict[str, Any], saved_keys) -> list[str]:
@@ -566,6 +592,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {str(path)!r} was trained with "
                                   f"task={trainer_state.task_path}, this run is task={self.cfg.task.path}; "
                                   "resume it with the same task=")
+        check_scheduler_state(path, trainer_state, len(self.optimizer.param_groups))
         same_world = trainer_state.world_size == self.world_size
         rng, without_rng = self.read_rng_state_agreed(path) if same_world else (None, [])
         state = self.training_state()
