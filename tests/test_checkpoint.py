@@ -309,6 +309,8 @@ def test_the_best_checkpoints_ranking():
     again = BestCheckpoints(CheckpointConfig(keep_best=1))
     assert again.restore(best.state()) is None and again.ranking == [(12, 1.0)]
     assert "records no ranking" in again.restore(None)
+    elsewhere = BestCheckpoints(CheckpointConfig(keep_best=1))  # resumed from another run.dir's
+    assert "another run's" in elsewhere.restore(best.state(), same_run=False) and elsewhere.ranking == []
 
 
 def test_abandoned_saves_and_deletions_are_removed(tmp_path):

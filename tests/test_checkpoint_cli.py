@@ -521,7 +521,18 @@ def test_the_best_checkpoints_are_kept_beside_the_newest_across_a_resume(tmp_pat
                                  "ranking": [list(entry) for entry in logged[:2]]}
     inspect = run_cli("inspect", str(run / "checkpoints" / "step-12"))
     assert f"best:       by val_loss (max): step-2 {logged[0][1]:.6g}, step-4 " in inspect.stdout
+    # By the least val_loss, one kept, saved asynchronously: each evaluation ranks, saves, and the
+    # best before it drops out of the ranking and is pruned when the new one commits.
+    falling = tmp_path / "falling"
+    proc = run_cli("train", *every_2[:-2], "checkpoint.keep_best=1", "checkpoint.async=true",
+                   "trainer.max_steps=6", f"run.dir={falling}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for step in (2, 4):
+        assert f"deleted step-{step} (checkpoint.keep_last=1, not among the 1 best by val_loss)" in (
+            proc.stderr)
+    assert [p.name for p in (falling / "checkpoints").iterdir()] == ["step-6"]
     wrong = run_cli("train", *every_2, "trainer.max_steps=2", "checkpoint.monitor=val_accuracy",
                     f"run.dir={tmp_path / 'wrong'}")
     assert ("checkpoint.monitor=val_accuracy is not among the values the evaluation logged (val_loss); "
             "choose one of them") in error_line(wrong)
+    assert read_metrics(tmp_path / "wrong")[-1]["val_loss"] > 0  # the evaluation is logged first

@@ -54,8 +54,10 @@ def test_console_line_leaves_out_what_is_unknown():
         "data wait 1.0%")
     known = format_record(10, 100, {**record, "model_tflops": 0.5, "mfu": 0.25})
     assert "| 1000 tok/s | 500.0 GFLOP/s | MFU 25.0% | peak mem" in known
-    averaged = format_record(10, 100, {**record, "val_loss": 1.5, "ema_val_loss": 1.25})
-    assert averaged.endswith("| data wait 1.0% | val_loss 1.5000 | ema_val_loss 1.2500")
+    averaged = format_record(10, 100, {**record, "val_loss": 1.5, "ema_val_loss": 1.25, "val_acc": 0.5,
+                                       "ema_val_acc": 0.75}, ("acc",))
+    assert averaged.endswith("| data wait 1.0% | val_loss 1.5000 | val_acc 0.5 | ema_val_loss 1.2500 | "
+                             "ema_val_acc 0.75")
 
 
 # What `shardtrain` answers without training: (arguments, exit status, the line it ends with). The

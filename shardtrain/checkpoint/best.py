@@ -49,9 +49,14 @@ class BestCheckpoints:
         """What a checkpoint's trainer state records of it."""
         return {"monitor": self.monitor, "mode": self.mode, "ranking": [[s, v] for s, v in self.ranking]}
 
-    def restore(self, saved: dict[str, Any] | None) -> str | None:
+    def restore(self, saved: dict[str, Any] | None, same_run: bool = True) -> str | None:
         """The ranking of a resumed checkpoint's trainer state; a line to say when it cannot be
-        taken (saved without one, or judging another value), None when it was."""
+        taken (saved without one, judging another value, or by another run: ``same_run`` false
+        when the checkpoint lies outside this run's checkpoints directory, whose steps its ranking
+        does not name), None when it was."""
+        if not same_run:
+            return ("the resumed checkpoint is another run's, whose best checkpoints lie in its own "
+                    "directory: checkpoint.keep_best ranks this run's evaluations from here on")
         if not saved:
             return ("the resumed checkpoint records no ranking of the best: checkpoint.keep_best ranks "
                     "the evaluations from here on")

@@ -260,7 +260,8 @@ class DiagnosticsConfig:
 @dataclass
 class CheckpointConfig:
     enabled: bool = True
-    # Save every N steps (0 = only at the end and on preemption). Written under run.dir/checkpoints.
+    # Save every N steps (0 = only at the end, on preemption and when an evaluation ranks among
+    # keep_best's). Written under run.dir/checkpoints.
     interval: int = knob(100, at_least=0)
     # Complete checkpoints kept; older ones are deleted only after a newer one is complete.
     keep_last: int = knob(2, at_least=1)

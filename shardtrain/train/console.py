@@ -41,6 +41,8 @@ def format_record(step: int, max_steps: int, record: dict, metrics: tuple[str, .
         parts += [f"val_{name} {record[f'val_{name}']:.4g}" for name in metrics if f"val_{name}" in record]
     if "ema_val_loss" in record:  # the weights' average (trainer.ema_decay)
         parts.append(f"ema_val_loss {record['ema_val_loss']:.4f}")
+        parts += [f"ema_val_{name} {record[f'ema_val_{name}']:.4g}" for name in metrics
+                  if f"ema_val_{name}" in record]
     return " | ".join(parts)
 
 

@@ -150,10 +150,6 @@ class Trainer:
         self.best = (BestCheckpoints(cfg.checkpoint) if cfg.checkpoint.enabled and cfg.checkpoint.keep_best
                      else None)
         self.best_save_due = False
-        if self.best is not None and not self.val_batches:
-            raise ConfigError("checkpoint.keep_best ranks checkpoints by a validation value, and this run "
-                              "has no validation data; give it some (data.val_percent, or the task's "
-                              "validation set) or set checkpoint.keep_best=0")
         self.checkpointer = (
             Checkpointer(cfg, built.plan, built.model, built.optimizer, built.scheduler, env.rank,
                          env.world_size, average=None if self.average is None else self.average.average,
@@ -216,6 +212,10 @@ class Trainer:
         adapter_notes = run_agreed(lambda: resolve_adapter_settings(cfg))  # before the model is built
         # The data first: a data error is reported before the model is built.
         train, val = run_agreed(lambda: (task.train_samples(), task.val_samples()))
+        if cfg.checkpoint.enabled and cfg.checkpoint.keep_best and (val is None or not val.num_samples):
+            raise ConfigError("checkpoint.keep_best ranks checkpoints by a validation value, and this run "
+                              "has no validation data; give it some (data.val_percent, or the task's "
+                              "validation set) or set checkpoint.keep_best=0")
         batch_choice = resolve_batch(cfg, env)  # before anything reads the batch size
         with deferred_initialization() as draws:  # a resume reads every weight: no draw for it
             built = build(cfg, env, task, optimizer_factory)
@@ -262,7 +262,8 @@ class Trainer:
                             f"({'; '.join(schedule)})")
             if self.cfg.model.init_from and self.cfg.finetune.method == "none":
                 self.info("model.init_from is ignored: resuming from a checkpoint")
-            if self.best is not None and (unranked := self.best.restore(state.best)) is not None:
+            same_run = path.parent.absolute() == self.checkpointer.root.absolute()
+            if self.best is not None and (unranked := self.best.restore(state.best, same_run)) is not None:
                 self.info(f"checkpoint.keep_best: {unranked}")
         else:
             self.load_base_weights(draw)
@@ -651,13 +652,13 @@ class Trainer:
         preempting = stats.stop_agreed
         if (due(step, t.eval_every) or last) and self.val_batches and not preempting:
             record.update(self.validate())
-            if self.best is not None:
-                self.rank_evaluation(record)
         if due(step, t.sample_every) and step < t.max_steps and self.samples_text() and not preempting:
             self.sample()
         if record:
             self.writer.write(step, "train", record)
             self.console.show(step, record, tuple(name for name, _ in self.metric_kinds))
+        if "val_loss" in record and self.best is not None:  # after the record: a wrong monitor stops here
+            self.rank_evaluation(record)
 
     def validate(self) -> dict[str, float]:
         """The validation loss and the task's metrics (``val_*``), and with a weight average the
@@ -670,6 +671,7 @@ class Trainer:
         self.result.val_metrics.append((step, dict(val_metrics)))
         record = {"val_loss": val, **{f"val_{name}": value for name, value in val_metrics.items()}}
         if self.average is not None:
+            self.watchdog.beat("evaluation of the weights' average", step)  # a bound of its own
             with self.average.swapped_in():
                 val, val_metrics = evaluate(self.model, self.task, self.val_batches, self.env.device,
                                             self.built.mesh)

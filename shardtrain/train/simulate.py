@@ -15,8 +15,8 @@ PyTorch APIs and behaviour this relies on that are not public (pinned by tests/t
 - the ``"fake"`` process-group backend (``torch.testing._internal.distributed.fake_pg``, registered
   by ``torch.distributed``) with its built-in fake store.
 - under tensor parallelism, ``torch._guards.TracingContext`` (DTensor's shape propagation finds its
-  fake mode there: ``shapes_worked_out_apart``) and ``torch._C._clear_DTensor_sharding_propagator_cache``
-  (between fake worlds: ``fake_world``).
+  fake mode there: ``shapes_worked_out_apart``), and between fake worlds (``fake_world``) DTensor's
+  sharding and redistribution caches emptied (``distributed.env.release_dtensor_caches``).
 
 Probe mode: the blocks of a decoder are identical and FSDP units are per block, so within one phase
 of the step (say, the backward of the model's last block) every byte the tracker sees is affine in
