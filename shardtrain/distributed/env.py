@@ -17,11 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import _redistribute
-from torch.distributed.tensor.debug import (
-    _clear_fast_path_sharding_prop_cache,
-    _clear_python_sharding_prop_cache,
-)
+from torch.distributed.tensor import DTensor, _redistribute
 
 from shardtrain.accelerator import claim_device, device_identity, process_group_backend
 from shardtrain.config.plan import ShardingPlan
@@ -251,9 +247,12 @@ def release_dtensor_caches() -> None:
     their process groups: gloo's threads then outlived ``destroy_process_group``, were torn down
     during interpreter exit, and now and then aborted a finished command there ("terminate called
     without an active exception", exit -6). Emptied first, the groups go when they are destroyed."""
-    _clear_python_sharding_prop_cache()
-    _clear_fast_path_sharding_prop_cache()
-    _redistribute._gen_transform_infos.cache_clear()
-    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
-    if clear_planners is not None:  # a torch without the redistribution planner has none to clear
-        clear_planners()
+    # Private caches, each from some torch release on (the names of torch.distributed.tensor.debug's
+    # helpers for them changed between releases): cleared where this torch has them.
+    clearers = (DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear,
+                getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),
+                getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
+                getattr(_redistribute, "clear_redistribute_planner_cache", None))
+    for clear in clearers:
+        if clear is not None:
+            clear()
