@@ -486,9 +486,11 @@ def test_the_weights_average_resumes_at_another_world_size_and_consolidates(tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "holds no weight average; it starts from the resumed weights" in proc.stderr
     # its average kept with another decay, or dropped: each said
-    proc = run_cli("train", *ema, "trainer.max_steps=4", "trainer.ema_decay=0.95", f"run.dir={plain}")
+    proc = run_cli("train", *ema, "trainer.max_steps=4", "trainer.ema_decay=0.95", "trainer.ema_warmup=true",
+                   f"run.dir={plain}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "trainer.ema_decay 0.9 -> 0.95: the resumed average goes on" in proc.stderr
+    assert "trainer.ema_warmup False -> True: the resumed average's decay follows" in proc.stderr
     proc = run_cli("train", *QUICK, "trainer.max_steps=5", f"run.dir={plain}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "holds a weight average (trainer.ema_decay=0.95), which this run does not keep" in proc.stderr

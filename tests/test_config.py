@@ -270,6 +270,8 @@ def test_a_weights_average_needs_checkpoints_and_whole_weights():
         load_config(["trainer.ema_decay=0.99", "checkpoint.enabled=false"])
     with pytest.raises(ConfigError, match="finetune=lora trains adapters; set trainer.ema_decay=0"):
         load_config(["trainer.ema_decay=0.99", "finetune=lora"])
+    with pytest.raises(ConfigError, match="trainer.ema_decay=0 keeps none; set trainer.ema_decay"):
+        load_config(["trainer.ema_warmup=true"])
 
 
 def test_the_best_checkpoints_are_judged_by_a_validation_value_the_run_logs():

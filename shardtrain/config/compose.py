@@ -234,6 +234,9 @@ def check_weight_average(cfg: Config) -> None:
     if cfg.trainer.ema_decay and not cfg.checkpoint.enabled:
         raise ConfigError("trainer.ema_decay's average is kept in checkpoints, and checkpoint.enabled=false "
                           "saves none; enable checkpoints or set trainer.ema_decay=0")
+    if cfg.trainer.ema_warmup and not cfg.trainer.ema_decay:
+        raise ConfigError("trainer.ema_warmup ramps the weights' average's decay, and trainer.ema_decay=0 "
+                          "keeps none; set trainer.ema_decay (e.g. 0.999) or drop trainer.ema_warmup")
     if cfg.trainer.ema_decay and cfg.strategy.float8:
         raise ConfigError("trainer.ema_decay does not average float8 linears' weights yet; set "
                           "strategy.float8=false or trainer.ema_decay=0")

@@ -1,7 +1,8 @@
 """An exponential moving average of the trained weights (``trainer.ema_decay``), as diffusion and
 image models are evaluated and shipped with: after every optimizer step that was not skipped,
 ``average = decay * average + (1 - decay) * weights``, starting from the weights training starts
-from (the random initialisation, ``model.init_from``'s or the resumed run's).
+from (the random initialisation, ``model.init_from``'s or the resumed run's); with
+``trainer.ema_warmup`` the decay of step s is ``min(decay, (1 + s) / (10 + s))``.
 
 The average is held like the parameters themselves, as sharded DTensors on their mesh, in fp32
 whatever the storage dtype (a bf16 average loses the small updates a decay near 1 adds). Each rank
@@ -26,8 +27,9 @@ class WeightAverage:
     """The average of ``model``'s trained parameters (frozen ones and buffers stay as they are:
     consolidate takes them from the weights)."""
 
-    def __init__(self, model: nn.Module, decay: float) -> None:
+    def __init__(self, model: nn.Module, decay: float, warmup: bool = False) -> None:
         self.decay = decay
+        self.warmup = warmup
         # A weight shared under two names (tied embeddings) has one average under both, as the
         # model's state dict has the weight: consolidate --key ema then writes what --key model does.
         self.parameters: list[torch.Tensor] = []
@@ -44,15 +46,19 @@ class WeightAverage:
                     self.averages.append(by_parameter[id(param)])
                 self.average[name] = by_parameter[id(param)]
 
+    def decay_at(self, step: int) -> float:
+        """The decay of ``step``'s update: ``decay``, or with ``warmup`` the ramp up to it."""
+        return min(self.decay, (1 + step) / (10 + step)) if self.warmup else self.decay
+
     @torch.no_grad()
-    def update(self) -> None:
-        """One step of the average, on this rank's shards. In two in-place passes rather than a lerp,
-        which needs the weights in fp32: a bf16 model's fp32 copy of every shard at once would be a
-        peak no phase of the step has."""
+    def update(self, step: int) -> None:
+        """``step``'s update of the average, on this rank's shards. In two in-place passes rather
+        than a lerp, which needs the weights in fp32: a bf16 model's fp32 copy of every shard at once
+        would be a peak no phase of the step has."""
+        decay = self.decay_at(step)
         averages = [local_tensor(average) for average in self.averages]
-        torch._foreach_mul_(averages, self.decay)
-        torch._foreach_add_(averages, [local_tensor(param) for param in self.parameters],
-                            alpha=1.0 - self.decay)
+        torch._foreach_mul_(averages, decay)
+        torch._foreach_add_(averages, [local_tensor(param) for param in self.parameters], alpha=1.0 - decay)
 
     @torch.no_grad()
     def restart_from_weights(self) -> None:

@@ -145,7 +145,7 @@ class Trainer:
         self.metric_kinds: tuple[tuple[str, bool], ...] | None = None
         self.consecutive_skips = 0
         # trainer.ema_decay: set from the weights once they are drawn or read (restore).
-        self.average = WeightAverage(built.model, t.ema_decay) if t.ema_decay else None
+        self.average = WeightAverage(built.model, t.ema_decay, t.ema_warmup) if t.ema_decay else None
         # checkpoint.keep_best: the ranking of the evaluations so far; one that ranks saves its step.
         self.best = (BestCheckpoints(cfg.checkpoint) if cfg.checkpoint.enabled and cfg.checkpoint.keep_best
                      else None)
@@ -271,7 +271,7 @@ class Trainer:
                 load_peft_adapter(self.model, self.cfg)
                 self.info(f"adapters started from {self.cfg.model.adapter}")
         if path is not None:
-            self.weight_average_changes(path, state.config.get("trainer", {}).get("ema_decay", 0.0))
+            self.weight_average_changes(path, state.config.get("trainer", {}))
         if self.average is not None and not (path is not None and self.checkpointer.average_restored):
             self.average.restart_from_weights()
         if self.built.report.float8_scales_precomputed:
@@ -280,9 +280,11 @@ class Trainer:
             # weights before the read.
             refresh_float8_scales(self.model)
 
-    def weight_average_changes(self, path: Path, saved_decay: float) -> None:
-        """Rank 0 says what a resume does with the checkpoint's weight average (trainer.ema_decay)."""
+    def weight_average_changes(self, path: Path, saved: dict) -> None:
+        """Rank 0 says what a resume does with the checkpoint's weight average (trainer.ema_decay),
+        ``saved`` the checkpoint's trainer settings."""
         decay, restored = self.cfg.trainer.ema_decay, self.checkpointer.average_restored
+        saved_decay, saved_warmup = saved.get("ema_decay", 0.0), saved.get("ema_warmup", False)
         if not self.env.is_main:
             return
         if decay and not restored:
@@ -294,6 +296,9 @@ class Trainer:
         elif restored and decay != saved_decay:
             log.warning(f"trainer.ema_decay {saved_decay!r} -> {decay!r}: the resumed average goes on with "
                         "the new decay")
+        if restored and decay and saved_warmup != self.cfg.trainer.ema_warmup:
+            log.warning(f"trainer.ema_warmup {saved_warmup} -> {self.cfg.trainer.ema_warmup}: the resumed "
+                        "average's decay follows the new setting from here on")
 
     def schedule_changes(self, saved: dict) -> list[str]:
         """What a resume does with schedule settings changed since the checkpoint, one phrase each:
@@ -538,7 +543,7 @@ class Trainer:
                 probe.close()
         self.metric_kinds = stats.metric_kinds
         if self.average is not None and not stats.skipped:
-            self.average.update()
+            self.average.update(self.step + 1)
         seconds = time.perf_counter() - start
         if not eager_first:
             # An eager first step is not counted: the compiling step after it keeps the start-up
