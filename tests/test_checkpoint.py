@@ -246,13 +246,13 @@ def test_trainer_state_fields_are_type_checked(tmp_path):
         message = rf"field '{name}' is .*, not of type {re.escape(expected)}"
         with pytest.raises(CheckpointError, match=message):
             TrainState.read(tmp_path)
-    best = {"monitor": "val_loss", "mode": "min", "ranking": [[6, 2.5], [4, 3]]}
+    best = {"monitor": "val_loss", "mode": "min", "ranking": [[6, 2.5], [4, 3]], "best": [6, 2.5], "stale": 0}
     (tmp_path / STATE_FILE).write_text(json.dumps({**raw, "best": best}))
     assert TrainState.read(tmp_path).best_steps() == {4, 6}
     for damaged in ({**best, "ranking": [[6]]}, {**best, "mode": "lowest"},
-                    {**best, "ranking": [["6", 1.0]]}):
+                    {**best, "ranking": [["6", 1.0]]}, {**best, "stale": -1}, {**best, "best": 2.5}):
         (tmp_path / STATE_FILE).write_text(json.dumps({**raw, "best": damaged}))
-        with pytest.raises(CheckpointError, match="field 'best' is .*, not a ranking of"):
+        with pytest.raises(CheckpointError, match="field 'best' is .*, not a record of the best evaluations"):
             TrainState.read(tmp_path)
 
 
@@ -290,27 +290,34 @@ def test_prune_keeps_the_checkpoint_just_saved(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-5"]
 
 
-def test_the_best_checkpoints_ranking():
-    """The kept best by a value's least (or most); NaN never ranks; a resume takes the ranking only
-    when it judged the same value the same way."""
-    from shardtrain.checkpoint.best import BestCheckpoints
-    from shardtrain.config.schema import CheckpointConfig
+def test_the_best_evaluations():
+    """The kept best by a value's least (or most); NaN never ranks nor improves; the evaluations
+    since the best improved by more than min_delta are counted; a resume takes the record only when
+    it judged the same value the same way, and another run's ranking never."""
+    from shardtrain.checkpoint.best import BestEvaluations
+    from shardtrain.config.schema import TrainerConfig
 
-    best = BestCheckpoints(CheckpointConfig(keep_best=2))
-    for step, value in ((2, 3.0), (4, float("nan")), (6, 2.0), (8, 2.5), (10, 2.6), (12, 1.0)):
-        if best.ranks(value):
-            best.add(step, value)
-    assert best.ranking == [(12, 1.0), (6, 2.0)] and best.steps() == {6, 12}
-    most = BestCheckpoints(CheckpointConfig(keep_best=1, monitor="val_accuracy", monitor_mode="max"))
-    assert most.restore(best.state()).startswith("the resumed checkpoint ranked its best by val_loss (min)")
-    assert most.ranking == [] and most.ranks(0.1) and not most.ranks(float("inf"))
-    most.add(4, 0.5)
-    assert not most.ranks(0.4) and most.ranks(0.6)
-    again = BestCheckpoints(CheckpointConfig(keep_best=1))
-    assert again.restore(best.state()) is None and again.ranking == [(12, 1.0)]
-    assert "records no ranking" in again.restore(None)
-    elsewhere = BestCheckpoints(CheckpointConfig(keep_best=1))  # resumed from another run.dir's
-    assert "another run's" in elsewhere.restore(best.state(), same_run=False) and elsewhere.ranking == []
+    best = BestEvaluations(TrainerConfig(early_stop_min_delta=0.1), keep=2)
+    ranked = [step for step, value in ((2, 3.0), (4, float("nan")), (6, 2.0), (8, 1.95), (10, 2.6), (12, 1.0))
+              if best.judge(step, value)]
+    assert ranked == [2, 6, 8, 12] and best.ranking == [(12, 1.0), (8, 1.95)]
+    assert (best.best, best.stale) == ((12, 1.0), 0)
+    best.judge(14, 0.95)  # better, by less than min_delta: ranks, yet counts as no improvement
+    assert best.ranking == [(14, 0.95), (12, 1.0)] and (best.best, best.stale) == ((12, 1.0), 1)
+    most = BestEvaluations(TrainerConfig(monitor="val_accuracy", monitor_mode="max"), keep=1)
+    assert most.restore(best.state()).startswith("the resumed checkpoint judged its evaluations by val_loss")
+    assert most.ranking == [] and most.best is None
+    assert most.judge(4, 0.5) and not most.judge(6, 0.4) and most.stale == 1
+    assert not most.judge(8, float("inf")) and most.stale == 2
+    again = BestEvaluations(TrainerConfig(), keep=1)
+    assert again.restore(best.state()) is None and again.ranking == [(14, 0.95)]
+    assert (again.best, again.stale) == ((12, 1.0), 1)
+    assert "records no best evaluation" in again.restore(None)
+    elsewhere = BestEvaluations(TrainerConfig(), keep=1)  # resumed from another run.dir's checkpoint
+    assert "another run's" in elsewhere.restore(best.state(), same_run=False)
+    assert elsewhere.ranking == [] and (elsewhere.best, elsewhere.stale) == ((12, 1.0), 1)
+    stopping = BestEvaluations(TrainerConfig(), keep=0)  # early stopping alone: nothing ranks
+    assert not stopping.judge(2, 1.0) and stopping.best == (2, 1.0)
 
 
 def test_abandoned_saves_and_deletions_are_removed(tmp_path):

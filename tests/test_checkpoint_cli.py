@@ -500,11 +500,11 @@ def test_the_best_checkpoints_are_kept_beside_the_newest_across_a_resume(tmp_pat
     """checkpoint.keep_best=2 with keep_last=1: an evaluation that ranks saves its step (no interval
     saves here), and the prune keeps the newest and the two best by the logged value; the ranking
     rides in the trainer state, so a resume at another world size goes on with it. Judged by the
-    most val_loss (monitor_mode=max), which falls at every evaluation here: the first two stay the
+    most val_loss (trainer.monitor_mode=max), which falls at every evaluation here: the first two stay the
     best, kept for their values alone."""
     every_2 = [arg for arg in QUICK if not arg.startswith("trainer.eval_every")] + [
         "trainer.eval_every=2", "checkpoint.interval=0", "checkpoint.keep_last=1", "checkpoint.keep_best=2",
-        "checkpoint.monitor_mode=max"]
+        "trainer.monitor_mode=max"]
     run = tmp_path / "run"
     for devices, steps in ((2, 8), (1, 12)):
         proc = run_cli("train", *every_2, f"trainer.devices={devices}", f"trainer.max_steps={steps}",
@@ -520,7 +520,8 @@ def test_the_best_checkpoints_are_kept_beside_the_newest_across_a_resume(tmp_pat
         assert {int(p.name[5:]) for p in saved.iterdir()} == {2, 4, steps}, proc.stderr[-3000:]
         state = json.loads((saved / f"step-{steps}" / "trainer_state.json").read_text())
         assert state["best"] == {"monitor": "val_loss", "mode": "max",
-                                 "ranking": [list(entry) for entry in logged[:2]]}
+                                 "ranking": [list(entry) for entry in logged[:2]],
+                                 "best": list(logged[0]), "stale": len(logged) - 1}
     inspect = run_cli("inspect", str(run / "checkpoints" / "step-12"))
     assert f"best:       by val_loss (max): step-2 {logged[0][1]:.6g}, step-4 " in inspect.stdout
     # By the least val_loss, one kept, saved asynchronously: each evaluation ranks, saves, and the
@@ -533,8 +534,28 @@ def test_the_best_checkpoints_are_kept_beside_the_newest_across_a_resume(tmp_pat
         assert f"deleted step-{step} (checkpoint.keep_last=1, not among the 1 best by val_loss)" in (
             proc.stderr)
     assert [p.name for p in (falling / "checkpoints").iterdir()] == ["step-6"]
-    wrong = run_cli("train", *every_2, "trainer.max_steps=2", "checkpoint.monitor=val_accuracy",
+    wrong = run_cli("train", *every_2, "trainer.max_steps=2", "trainer.monitor=val_accuracy",
                     f"run.dir={tmp_path / 'wrong'}")
-    assert ("checkpoint.monitor=val_accuracy is not among the values the evaluation logged (val_loss); "
+    assert ("trainer.monitor=val_accuracy is not among the values the evaluation logged (val_loss); "
             "choose one of them") in error_line(wrong)
     assert read_metrics(tmp_path / "wrong")[-1]["val_loss"] > 0  # the evaluation is logged first
+
+
+def test_early_stopping_ends_the_run_and_a_resume_knows_it(tmp_path):
+    """trainer.early_stop_patience=2 judged by the most val_loss (which falls at every evaluation
+    here, so none after step 2's improves): the run stops after the evaluation of step 6, saved;
+    the same command again has nothing to do, and a larger patience goes on to its next stop."""
+    every_2 = [arg for arg in QUICK if not arg.startswith("trainer.eval_every")] + [
+        "trainer.eval_every=2", "checkpoint.interval=0", "trainer.max_steps=20", "trainer.monitor_mode=max",
+        f"run.dir={tmp_path}"]
+    proc = run_cli("train", *every_2, "trainer.early_stop_patience=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "early stop at step 6: val_loss has not improved on " in proc.stderr
+    assert "(step 2) by more than 0 in 2 evaluations (trainer.early_stop_patience=2)" in proc.stderr
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-6"]
+    assert read_metrics(tmp_path)[-1]["step"] == 6
+    again = run_cli("train", *every_2, "trainer.early_stop_patience=2")
+    assert again.returncode == 0 and "nothing to do: the run stopped early at step 6" in again.stderr
+    assert read_metrics(tmp_path)[-1]["step"] == 6
+    longer = run_cli("train", *every_2, "trainer.early_stop_patience=3")
+    assert longer.returncode == 0 and "early stop at step 8:" in longer.stderr, longer.stderr[-3000:]

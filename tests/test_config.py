@@ -136,7 +136,7 @@ def test_every_numeric_key_declares_its_range_and_is_checked():
 # Keys without declared bounds: each with a bad value and the message it gets, from the config
 # loader or (for paths, checked by the launching process before any worker starts) the preflight.
 CHECKED_BY_CODE = {
-    "checkpoint.monitor": ("checkpoint.monitor=loss", "is no validation value"),
+    "trainer.monitor": ("trainer.monitor=loss", "is no validation value"),
     "model.init_from": ("model.init_from={tmp}/missing.safetensors", "does not exist"),
     "strategy.sharding_strategy": ("strategy.sharding_strategy=ZERO3", "is not a sharding strategy"),
     "strategy.reshard_after_forward": ("strategy.reshard_after_forward=0", "must be null, true, false"),
@@ -162,7 +162,7 @@ CHECKED_BY_CODE = {
 }
 # Presets a key's bad value is given with (its check applies only there).
 WITH_PRESET = {"data.paths": "data=files", "model.path": "model=hf", "model.adapter": "finetune=lora",
-               "checkpoint.monitor": "checkpoint.keep_best=1",
+               "trainer.monitor": "checkpoint.keep_best=1",
                "run.mlflow.tracking_uri": "run.trackers=[mlflow]"}
 # Keys that accept any value by design.
 FREE = {"data.file_glob": "any glob pattern", "data.text_field": "any field name",
@@ -274,21 +274,24 @@ def test_a_weights_average_needs_checkpoints_and_whole_weights():
         load_config(["trainer.ema_warmup=true"])
 
 
-def test_the_best_checkpoints_are_judged_by_a_validation_value_the_run_logs():
+def test_the_best_checkpoints_and_early_stopping_judge_a_validation_value():
     for overrides, message in (
             (["checkpoint.keep_best=2", "checkpoint.enabled=false"], "checkpoint.enabled=false saves none"),
-            (["checkpoint.keep_best=2", "checkpoint.monitor=loss"], "'loss' is no validation value"),
-            (["checkpoint.keep_best=2", "checkpoint.monitor=ema_val_loss"],
+            (["checkpoint.keep_best=2", "trainer.monitor=loss"], "'loss' is no validation value"),
+            (["trainer.early_stop_patience=3", "trainer.monitor=ema_val_loss"],
              "set trainer.ema_decay (e.g. 0.999) or monitor val_loss"),
-            (["checkpoint.monitor_mode=max"], "checkpoint.monitor_mode=max judges the checkpoints "
-                                              "checkpoint.keep_best keeps, and it is 0"),
-            (["checkpoint.keep_best=2", "checkpoint.monitor_mode=best"], "monitor_mode")):
+            (["trainer.monitor_mode=max", "trainer.early_stop_min_delta=0.01"],
+             "trainer.monitor_mode=max, trainer.early_stop_min_delta=0.01 judges the evaluations for "
+             "checkpoint.keep_best and trainer.early_stop_patience, both 0"),
+            (["checkpoint.keep_best=2", "trainer.monitor_mode=best"], "monitor_mode")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(overrides)
-    cfg = load_config(["checkpoint.keep_best=2", "checkpoint.monitor=ema_val_accuracy",
-                       "trainer.ema_decay=0.9",
-                       "checkpoint.monitor_mode=max"])
-    assert (cfg.checkpoint.keep_best, cfg.checkpoint.monitor_mode) == (2, "max")
+    cfg = load_config(["checkpoint.keep_best=2", "trainer.monitor=ema_val_accuracy", "trainer.ema_decay=0.9",
+                       "trainer.monitor_mode=max"])
+    assert (cfg.checkpoint.keep_best, cfg.trainer.monitor_mode) == (2, "max")
+    # early stopping needs no checkpoints
+    cfg = load_config(["trainer.early_stop_patience=2", "checkpoint.enabled=false"])
+    assert cfg.trainer.early_stop_patience == 2
 
 
 def test_a_memory_snapshot_needs_cuda():

@@ -1,10 +1,12 @@
-"""``checkpoint.keep_best``: the checkpoints with the best validation value, kept beside the newest
-``keep_last`` (as Lightning's ``ModelCheckpoint(monitor=..., save_top_k=...)``).
+"""The best evaluations by ``trainer.monitor``: the checkpoints ``checkpoint.keep_best`` keeps
+beside the newest ``keep_last`` (as Lightning's ``ModelCheckpoint(monitor=..., save_top_k=...)``),
+and the evaluations since the last improvement that ``trainer.early_stop_patience`` counts (as
+Lightning's ``EarlyStopping``).
 
-The ranking is part of every checkpoint's trainer state (``TrainState.best``), so a resume at any
-world size, and the prune after each commit, know it without reading any other checkpoint: each
-rank decides alike whether an evaluation's value ranks (it is all-reduced: the same everywhere),
-and rank 0's prune keeps the ranked steps.
+Both are part of every checkpoint's trainer state (``TrainState.best``), so a resume at any world
+size, and the prune after each commit, know them without reading any other checkpoint: each rank
+judges an evaluation alike (its value is all-reduced: the same everywhere), and rank 0's prune
+keeps the ranked steps.
 """
 
 from __future__ import annotations
@@ -12,58 +14,69 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from shardtrain.config.schema import CheckpointConfig
+from shardtrain.config.schema import TrainerConfig
 
 
-class BestCheckpoints:
-    """The ``keep`` best (step, value) pairs of ``monitor`` so far, best first."""
+class BestEvaluations:
+    """The ``keep`` best (step, value) pairs of ``monitor`` so far, best first; the best value
+    yet, and how many evaluations since it have not improved on it by more than ``min_delta``."""
 
-    def __init__(self, ckpt: CheckpointConfig) -> None:
-        self.keep = ckpt.keep_best
-        self.monitor = ckpt.monitor
-        self.mode = ckpt.monitor_mode
+    def __init__(self, trainer: TrainerConfig, keep: int) -> None:
+        self.keep = keep
+        self.monitor = trainer.monitor
+        self.mode = trainer.monitor_mode
+        self.min_delta = trainer.early_stop_min_delta
         self.ranking: list[tuple[int, float]] = []
+        self.best: tuple[int, float] | None = None
+        self.stale = 0
 
     def better(self, value: float, than: float) -> bool:
         return value < than if self.mode == "min" else value > than
 
-    def ranks(self, value: float) -> bool:
-        """Whether a checkpoint with this value would be among the kept ones (NaN never is)."""
+    def judge(self, step: int, value: float) -> bool:
+        """Take ``step``'s evaluation; whether its checkpoint ranks among the ``keep`` kept (it is
+        then in the ranking, the worst out beyond ``keep``). NaN neither ranks nor improves."""
         if not math.isfinite(value):
+            self.stale += 1
             return False
-        return len(self.ranking) < self.keep or self.better(value, self.ranking[-1][1])
-
-    def add(self, step: int, value: float) -> None:
-        """``step``'s value ranked in (call when ``ranks``); the worst falls out beyond ``keep``."""
+        margin = self.min_delta if self.mode == "min" else -self.min_delta
+        if self.best is None or self.better(value, self.best[1] - margin):
+            self.best, self.stale = (step, value), 0
+        else:
+            self.stale += 1
+        if not (len(self.ranking) < self.keep or (self.ranking and self.better(value, self.ranking[-1][1]))):
+            return False
         entries = [(s, v) for s, v in self.ranking if s != step] + [(step, value)]
         entries.sort(key=lambda entry: entry[1], reverse=self.mode == "max")
         self.ranking = entries[: self.keep]
-
-    def steps(self) -> set[int]:
-        return {step for step, _ in self.ranking}
+        return True
 
     def describe(self) -> str:
         return ", ".join(f"step-{step} {self.monitor} {value:.6g}" for step, value in self.ranking)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint's trainer state records of it."""
-        return {"monitor": self.monitor, "mode": self.mode, "ranking": [[s, v] for s, v in self.ranking]}
+        return {"monitor": self.monitor, "mode": self.mode, "ranking": [[s, v] for s, v in self.ranking],
+                "best": None if self.best is None else list(self.best), "stale": self.stale}
 
     def restore(self, saved: dict[str, Any] | None, same_run: bool = True) -> str | None:
-        """The ranking of a resumed checkpoint's trainer state; a line to say when it cannot be
-        taken (saved without one, judging another value, or by another run: ``same_run`` false
-        when the checkpoint lies outside this run's checkpoints directory, whose steps its ranking
-        does not name), None when it was."""
-        if not same_run:
-            return ("the resumed checkpoint is another run's, whose best checkpoints lie in its own "
-                    "directory: checkpoint.keep_best ranks this run's evaluations from here on")
+        """The record of a resumed checkpoint's trainer state; a line to say when it cannot be taken
+        (saved without one, judging another value, or by another run: ``same_run`` false when the
+        checkpoint lies outside this run's checkpoints directory, whose steps its ranking does not
+        name), None when it was. Another run's best value and count are taken all the same."""
         if not saved:
-            return ("the resumed checkpoint records no ranking of the best: checkpoint.keep_best ranks "
-                    "the evaluations from here on")
+            return ("the resumed checkpoint records no best evaluation: trainer.monitor is judged from "
+                    "here on")
         if (saved.get("monitor"), saved.get("mode")) != (self.monitor, self.mode):
-            return (f"the resumed checkpoint ranked its best by {saved.get('monitor')} "
-                    f"({saved.get('mode')}), this run by {self.monitor} ({self.mode}): the ranking starts "
-                    "again, and the checkpoints the old one kept are pruned as keep_last says")
-        self.ranking = [(int(step), float(value)) for step, value in saved.get("ranking", [])]
-        self.ranking = self.ranking[: self.keep]
+            return (f"the resumed checkpoint judged its evaluations by {saved.get('monitor')} "
+                    f"({saved.get('mode')}), this run by {self.monitor} ({self.mode}): judged afresh from "
+                    "here on, and the checkpoints the old ranking kept are pruned as keep_last says")
+        if saved.get("best") is not None:
+            self.best = (int(saved["best"][0]), float(saved["best"][1]))
+        self.stale = int(saved.get("stale", 0))
+        if not same_run:
+            return None if not self.keep else (
+                "the resumed checkpoint is another run's, whose best checkpoints lie in its own directory: "
+                "checkpoint.keep_best ranks this run's evaluations from here on")
+        self.ranking = [(int(step), float(value)) for step, value in saved.get("ranking", [])][: self.keep]
         return None

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardtrain import accelerator, faults
 from shardtrain.checkpoint import integrity, layout, staging
-from shardtrain.checkpoint.best import BestCheckpoints
+from shardtrain.checkpoint.best import BestEvaluations
 from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed, save_failed
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.checkpoint.weights import base_identity, check_model_compatible, check_same_base
@@ -189,7 +189,7 @@ class Checkpointer:
     def __init__(self, cfg: Config, plan: ShardingPlan, model: nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                  rank: int, world_size: int, average: dict[str, torch.Tensor] | None = None,
-                 best: BestCheckpoints | None = None) -> None:
+                 best: BestEvaluations | None = None) -> None:
         self.cfg = cfg
         self.plan = plan
         self.ckpt = cfg.checkpoint
@@ -225,8 +225,8 @@ class Checkpointer:
         # the last load found one (a checkpoint saved without it leaves it to the caller).
         self.average = average
         self.average_restored = False
-        # checkpoint.keep_best: its ranking goes into every save's trainer state, and the prune after
-        # the commit keeps the steps that state names.
+        # trainer.monitor's judge (checkpoint.keep_best, trainer.early_stop_patience): its record goes
+        # into every save's trainer state, and the prune after the commit keeps the steps it ranks.
         self.best = best
 
     # ---- finding what to resume ----------------------------------------------------------
@@ -543,8 +543,9 @@ class Checkpointer:
         nor a later step, nor one whose checksums failed at resume. A deletion that fails is a
         warning: the new checkpoint is committed, and stopping the run would not free the space
         either."""
-        kept = f"checkpoint.keep_last={self.ckpt.keep_last}" + (
-            "" if self.best is None else f", not among the {self.ckpt.keep_best} best by {self.ckpt.monitor}")
+        kept = f"checkpoint.keep_last={self.ckpt.keep_last}"
+        if self.ckpt.keep_best:
+            kept += f", not among the {self.ckpt.keep_best} best by {self.cfg.trainer.monitor}"
         try:
             for path in layout.prune(self.root, committed, self.ckpt.keep_last, self.damaged, best):
                 self.info(f"checkpoint: deleted {path.name} ({kept})")

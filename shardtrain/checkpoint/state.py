@@ -60,8 +60,9 @@ class TrainState:
     # finetune=lora: the base weights the adapters belong to (checkpoint/weights.py base_identity);
     # the checkpoint holds the adapters and their optimizer state only.
     base_weights: dict[str, Any] | None = None
-    # checkpoint.keep_best: the value judged, and the best checkpoints' steps and values so far
-    # (checkpoint/best.py), this one's among them when it ranked.
+    # checkpoint.keep_best, trainer.early_stop_patience: the value judged, the best checkpoints' steps
+    # and values so far (this one's among them when it ranked), the best evaluation and the
+    # evaluations since it (checkpoint/best.py).
     best: dict[str, Any] | None = None
 
     @classmethod
@@ -171,7 +172,7 @@ class TrainState:
                                       "checkpoint")
         if raw.get("best") is not None and not well_formed_best(raw["best"]):
             raise CheckpointError(f"checkpoint {str(directory)!r}: {STATE_FILE} field 'best' is "
-                                  f"{json.dumps(raw['best'])[:80]}, not a ranking of (step, value) pairs; "
+                                  f"{json.dumps(raw['best'])[:80]}, not a record of the best evaluations; "
                                   "the file is damaged, use another checkpoint")
         if "mesh_shape" in raw and any(size < 1 for size in raw["mesh_shape"]):
             raise CheckpointError(f"checkpoint {str(directory)!r}: {STATE_FILE} field 'mesh_shape' is "
@@ -180,13 +181,17 @@ class TrainState:
 
 
 def well_formed_best(best: dict[str, Any]) -> bool:
-    """checkpoint.keep_best's record: the value judged, min or max, and [step, value] pairs."""
+    """checkpoint/best.py's record: the value judged, min or max, [step, value] pairs ranked, the
+    best [step, value] (or null) and a count of evaluations."""
+    def pair(entry: Any) -> bool:
+        return (isinstance(entry, list) and len(entry) == 2 and has_type(entry[0], int)
+                and isinstance(entry[1], (int, float)) and not isinstance(entry[1], bool))
+
     ranking = best.get("ranking")
     return (isinstance(best.get("monitor"), str) and best.get("mode") in ("min", "max")
-            and isinstance(ranking, list)
-            and all(isinstance(entry, list) and len(entry) == 2 and has_type(entry[0], int)
-                    and isinstance(entry[1], (int, float)) and not isinstance(entry[1], bool)
-                    for entry in ranking))
+            and isinstance(ranking, list) and all(pair(entry) for entry in ranking)
+            and (best.get("best") is None or pair(best["best"]))
+            and has_type(best.get("stale", 0), int) and best.get("stale", 0) >= 0)
 
 
 def has_type(value: Any, hint: Any) -> bool:

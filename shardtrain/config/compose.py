@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from shardtrain.config.keys import PRESETS_DIR, check_overrides, schema_keys
-from shardtrain.config.schema import TRACKERS, CheckpointConfig, Config, FinetuneConfig, ModelConfig
+from shardtrain.config.schema import TRACKERS, Config, FinetuneConfig, ModelConfig, TrainerConfig
 from shardtrain.config.strategy import check_strategy_names, devices_count
 from shardtrain.config.suggest import closest
 from shardtrain.errors import ConfigError
@@ -242,25 +242,27 @@ def check_weight_average(cfg: Config) -> None:
                           "strategy.float8=false or trainer.ema_decay=0")
 
 
-def check_best_checkpoints(cfg: Config) -> None:
-    """checkpoint.keep_best judges a validation value that the run logs."""
-    c = cfg.checkpoint
-    if not c.keep_best:
-        defaults = CheckpointConfig()
-        if changed := [f"checkpoint.{name}={getattr(c, name)}" for name in ("monitor", "monitor_mode")
-                       if getattr(c, name) != getattr(defaults, name)]:
-            raise ConfigError(f"{', '.join(changed)} judges the checkpoints checkpoint.keep_best keeps, "
-                              "and it is 0; set checkpoint.keep_best=N, or drop it")
+def check_monitor(cfg: Config) -> None:
+    """trainer.monitor, judged by checkpoint.keep_best and trainer.early_stop_patience: a validation
+    value that the run logs."""
+    t, c = cfg.trainer, cfg.checkpoint
+    if not (c.keep_best or t.early_stop_patience):
+        defaults = TrainerConfig()
+        if changed := [f"trainer.{name}={getattr(t, name)}" for name in ("monitor", "monitor_mode",
+                                                                           "early_stop_min_delta")
+                       if getattr(t, name) != getattr(defaults, name)]:
+            raise ConfigError(f"{', '.join(changed)} judges the evaluations for checkpoint.keep_best and "
+                              "trainer.early_stop_patience, both 0; set one of them, or drop it")
         return
-    if not c.enabled:
+    if c.keep_best and not c.enabled:
         raise ConfigError("checkpoint.keep_best keeps checkpoints, and checkpoint.enabled=false saves "
                           "none; enable checkpoints or set checkpoint.keep_best=0")
-    if not c.monitor.startswith(("val_", "ema_val_")):
-        raise ConfigError(f"checkpoint.monitor={c.monitor!r} is no validation value: name val_loss, "
+    if not t.monitor.startswith(("val_", "ema_val_")):
+        raise ConfigError(f"trainer.monitor={t.monitor!r} is no validation value: name val_loss, "
                           "ema_val_loss, or a task's metric as val_<name> (ema_val_<name>)")
-    if c.monitor.startswith("ema_val_") and not cfg.trainer.ema_decay:
-        raise ConfigError(f"checkpoint.monitor={c.monitor} judges the weights' average, which this run does "
-                          f"not keep; set trainer.ema_decay (e.g. 0.999) or monitor {c.monitor[4:]}")
+    if t.monitor.startswith("ema_val_") and not t.ema_decay:
+        raise ConfigError(f"trainer.monitor={t.monitor} judges the weights' average, which this run does "
+                          f"not keep; set trainer.ema_decay (e.g. 0.999) or monitor {t.monitor[4:]}")
 
 
 def check_profiling(cfg: Config) -> None:
@@ -303,7 +305,7 @@ def check_config(cfg: Config) -> None:
     check_trackers(cfg.run.trackers)
     check_profiling(cfg)
     check_weight_average(cfg)
-    check_best_checkpoints(cfg)
+    check_monitor(cfg)
     for key, value in (("run.dir", cfg.run.dir), ("checkpoint.resume", cfg.checkpoint.resume),
                        ("data.cache_dir", cfg.data.cache_dir)):
         if not str(value).strip():  # '' is the working directory to pathlib, or '.' as a checkpoint

@@ -211,6 +211,15 @@ class TrainerConfig:
     # 0 disables clipping; the global norm is still computed and logged.
     grad_clip_norm: float = knob(1.0, at_least=0)
     max_skipped_steps: int = knob(5, at_least=0)  # consecutive non-finite steps before stopping
+    # The validation value that decides the best checkpoints (checkpoint.keep_best) and early
+    # stopping: val_loss, ema_val_loss (with ema_decay), or a task's metric as val_<name> /
+    # ema_val_<name>; the best is its least (min) or its most (max).
+    monitor: str = "val_loss"
+    monitor_mode: str = knob("min", one_of=("min", "max"))
+    # Stop when this many evaluations in a row have not improved monitor's best by more than
+    # early_stop_min_delta (0: never).
+    early_stop_patience: int = knob(0, at_least=0)
+    early_stop_min_delta: float = knob(0.0, at_least=0.0)
     log_every: int = knob(10, at_least=1)
     eval_every: int = knob(100, at_least=0)  # 0 = only at the end
     eval_samples: int = knob(128, at_least=1)  # validation windows, the same set at any world size
@@ -268,13 +277,9 @@ class CheckpointConfig:
     interval: int = knob(100, at_least=0)
     # Complete checkpoints kept; older ones are deleted only after a newer one is complete.
     keep_last: int = knob(2, at_least=1)
-    # Also keep the N checkpoints with the best `monitor` value (0: keep_last alone). An evaluation
-    # whose value ranks among them saves a checkpoint at its step, due or not.
+    # Also keep the N checkpoints with the best trainer.monitor value (0: keep_last alone). An
+    # evaluation whose value ranks among them saves a checkpoint at its step, due or not.
     keep_best: int = knob(0, at_least=0)
-    # The validation value judged: val_loss, ema_val_loss (with trainer.ema_decay), or a task's
-    # metric as val_<name> / ema_val_<name>; best is its least (min) or its most (max).
-    monitor: str = "val_loss"
-    monitor_mode: str = knob("min", one_of=("min", "max"))
     # checkpoint.async on the command line: overlap the write with training.
     async_save: bool = False
     # Async saves copy the state into host buffers kept for the whole run (pinned on accelerators):

@@ -22,7 +22,7 @@ from shardtrain.accelerator import (
     pin_offloaded_memory,
     set_fp32_matmul,
 )
-from shardtrain.checkpoint.best import BestCheckpoints
+from shardtrain.checkpoint.best import BestEvaluations
 from shardtrain.checkpoint.checkpointer import Checkpointer
 from shardtrain.checkpoint.peft_adapter import load_peft_adapter, resolve_adapter_settings
 from shardtrain.checkpoint.preemption import PreemptionFlag
@@ -89,6 +89,7 @@ class TrainResult:
     val_metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     # trainer.ema_decay: the validation loss of the weights' average, at each evaluation's step.
     average_val_losses: list[tuple[int, float]] = field(default_factory=list)
+    stopped_early: bool = False  # trainer.early_stop_patience ended the run before max_steps
     skipped_steps: int = 0
     # The task's count summed over the steps run (target tokens for a language model): the metrics
     # record's ``<count_unit>_seen``; checkpoints carry it as ``tokens_seen`` (their format's name).
@@ -146,9 +147,10 @@ class Trainer:
         self.consecutive_skips = 0
         # trainer.ema_decay: set from the weights once they are drawn or read (restore).
         self.average = WeightAverage(built.model, t.ema_decay, t.ema_warmup) if t.ema_decay else None
-        # checkpoint.keep_best: the ranking of the evaluations so far; one that ranks saves its step.
-        self.best = (BestCheckpoints(cfg.checkpoint) if cfg.checkpoint.enabled and cfg.checkpoint.keep_best
-                     else None)
+        # trainer.monitor judged at each evaluation: one that ranks among checkpoint.keep_best's saves
+        # its step, and trainer.early_stop_patience evaluations without improving stop the run.
+        keep = cfg.checkpoint.keep_best if cfg.checkpoint.enabled else 0
+        self.best = BestEvaluations(t, keep) if keep or t.early_stop_patience else None
         self.best_save_due = False
         self.checkpointer = (
             Checkpointer(cfg, built.plan, built.model, built.optimizer, built.scheduler, env.rank,
@@ -212,10 +214,7 @@ class Trainer:
         adapter_notes = run_agreed(lambda: resolve_adapter_settings(cfg))  # before the model is built
         # The data first: a data error is reported before the model is built.
         train, val = run_agreed(lambda: (task.train_samples(), task.val_samples()))
-        if cfg.checkpoint.enabled and cfg.checkpoint.keep_best and (val is None or not val.num_samples):
-            raise ConfigError("checkpoint.keep_best ranks checkpoints by a validation value, and this run "
-                              "has no validation data; give it some (data.val_percent, or the task's "
-                              "validation set) or set checkpoint.keep_best=0")
+        check_something_to_judge(cfg, val)
         batch_choice = resolve_batch(cfg, env)  # before anything reads the batch size
         with deferred_initialization() as draws:  # a resume reads every weight: no draw for it
             built = build(cfg, env, task, optimizer_factory)
@@ -264,7 +263,7 @@ class Trainer:
                 self.info("model.init_from is ignored: resuming from a checkpoint")
             same_run = path.parent.absolute() == self.checkpointer.root.absolute()
             if self.best is not None and (unranked := self.best.restore(state.best, same_run)) is not None:
-                self.info(f"checkpoint.keep_best: {unranked}")
+                self.info(f"trainer.monitor: {unranked}")
         else:
             self.load_base_weights(draw)
             if self.cfg.model.adapter:  # a fresh run's adapters from PEFT's directory (a resume's: saved)
@@ -430,6 +429,10 @@ class Trainer:
             self.log_setup()
             if self.step >= t.max_steps:
                 self.info(f"nothing to do: step {self.step} >= trainer.max_steps={t.max_steps}")
+            elif self.stopped_early():
+                self.info(f"nothing to do: the run stopped early at step {self.step} (trainer.early_stop_"
+                          f"patience={t.early_stop_patience} evaluations without improving {t.monitor}); "
+                          "raise trainer.early_stop_patience to go on")
             self.train()
             outcome = "preempted" if self.result.preempted else "finished"
         finally:
@@ -451,7 +454,7 @@ class Trainer:
                 self.run_step()
                 self.info("dry run complete: the configuration builds, shards and trains one step")
                 return
-            while self.step < self.cfg.trainer.max_steps and self.iteration():
+            while self.step < self.cfg.trainer.max_steps and not self.stopped_early() and self.iteration():
                 pass
             self.profiler.close(self.step)  # before the final save and sample
             if self.checkpointer is not None:
@@ -663,7 +666,7 @@ class Trainer:
             self.writer.write(step, "train", record)
             self.console.show(step, record, tuple(name for name, _ in self.metric_kinds))
         if "val_loss" in record and self.best is not None:  # after the record: a wrong monitor stops here
-            self.rank_evaluation(record)
+            self.judge_evaluation(record)
 
     def validate(self) -> dict[str, float]:
         """The validation loss and the task's metrics (``val_*``), and with a weight average the
@@ -685,19 +688,30 @@ class Trainer:
             record.update({f"ema_val_{name}": value for name, value in val_metrics.items()})
         return record
 
-    def rank_evaluation(self, record: dict[str, float]) -> None:
-        """checkpoint.keep_best: an evaluation whose value ranks among the best is saved at its step."""
-        monitor, step = self.cfg.checkpoint.monitor, self.step
-        if monitor not in record:
+    def judge_evaluation(self, record: dict[str, float]) -> None:
+        """trainer.monitor's value of this evaluation: saved at its step when it ranks among
+        checkpoint.keep_best's, and counted towards trainer.early_stop_patience when it does not
+        improve on the best."""
+        t, step = self.cfg.trainer, self.step
+        if t.monitor not in record:
             logged = ", ".join(sorted(name for name in record if name.startswith(("val_", "ema_val_"))))
-            raise TrainingError(f"checkpoint.monitor={monitor} is not among the values the evaluation "
+            raise TrainingError(f"trainer.monitor={t.monitor} is not among the values the evaluation "
                                 f"logged ({logged}); choose one of them")
-        value = record[monitor]
-        if self.best.ranks(value):
-            self.best.add(step, value)
+        value = record[t.monitor]
+        if self.best.judge(step, value):
             self.best_save_due = True
-            self.info(f"checkpoint.keep_best: {monitor} {value:.6g} at step {step} ranks among the "
+            self.info(f"checkpoint.keep_best: {t.monitor} {value:.6g} at step {step} ranks among the "
                       f"{self.best.keep} best; saving it ({self.best.describe()})")
+        if self.stopped_early():
+            best_step, best_value = self.best.best or (0, float("nan"))
+            self.result.stopped_early = True
+            self.info(f"early stop at step {step}: {t.monitor} has not improved on {best_value:.6g} "
+                      f"(step {best_step}) by more than {t.early_stop_min_delta:g} in {self.best.stale} "
+                      f"evaluations (trainer.early_stop_patience={t.early_stop_patience})")
+
+    def stopped_early(self) -> bool:
+        patience = self.cfg.trainer.early_stop_patience
+        return self.best is not None and patience > 0 and self.best.stale >= patience
 
     def record_fields(self) -> frozenset[str]:
         """The names a train record (with validation) has of its own: a task's metric may not take one."""
@@ -774,6 +788,19 @@ class Trainer:
         self.writer.write(self.step, "memory_ranks", {"ranks": ranks})
         self.info("\n".join(dtype_lines(probe, phases.grad_dtypes, self.built.plan)
                              + rank_lines(ranks, list(PhaseMemory.PHASES))))
+
+
+def check_something_to_judge(cfg: Config, val: SampleSource | None) -> None:
+    """checkpoint.keep_best and trainer.early_stop_patience judge validation values: a run without
+    validation data is refused before its model is built."""
+    keep_best = cfg.checkpoint.enabled and cfg.checkpoint.keep_best
+    judged = [key for key, on in (("checkpoint.keep_best", keep_best),
+                                  ("trainer.early_stop_patience", cfg.trainer.early_stop_patience)) if on]
+    if judged and (val is None or not val.num_samples):
+        verb = "judges" if len(judged) == 1 else "judge"
+        raise ConfigError(f"{' and '.join(judged)} {verb} a validation value, and this run has no validation "
+                          "data; give it some (data.val_percent, or the task's validation set) or set "
+                          f"{'=0 and '.join(judged)}=0")
 
 
 def check_sample_fits(trainer: TrainerConfig, task: Task, model: torch.nn.Module) -> None:
