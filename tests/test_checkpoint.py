@@ -318,6 +318,12 @@ def test_the_best_evaluations():
     assert elsewhere.ranking == [] and (elsewhere.best, elsewhere.stale) == ((12, 1.0), 1)
     stopping = BestEvaluations(TrainerConfig(), keep=0)  # early stopping alone: nothing ranks
     assert not stopping.judge(2, 1.0) and stopping.best == (2, 1.0)
+    stopping.stopped_at = 2
+    assert BestEvaluations(TrainerConfig(), keep=0).restore(stopping.state()) is None
+    older = {key: value for key, value in best.state().items() if key in ("monitor", "mode", "ranking")}
+    taken = BestEvaluations(TrainerConfig(), keep=2)  # a record without its best: the ranking's first
+    assert taken.restore(older) is None
+    assert (taken.best, taken.stale, taken.stopped_at) == ((14, 0.95), 0, None)
 
 
 def test_abandoned_saves_and_deletions_are_removed(tmp_path):

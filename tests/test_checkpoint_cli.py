@@ -521,9 +521,10 @@ def test_the_best_checkpoints_are_kept_beside_the_newest_across_a_resume(tmp_pat
         state = json.loads((saved / f"step-{steps}" / "trainer_state.json").read_text())
         assert state["best"] == {"monitor": "val_loss", "mode": "max",
                                  "ranking": [list(entry) for entry in logged[:2]],
-                                 "best": list(logged[0]), "stale": len(logged) - 1}
+                                 "best": list(logged[0]), "stale": len(logged) - 1, "stopped_at": None}
     inspect = run_cli("inspect", str(run / "checkpoints" / "step-12"))
-    assert f"best:       by val_loss (max): step-2 {logged[0][1]:.6g}, step-4 " in inspect.stdout
+    assert (f"best:       by val_loss (max); kept step-2 {logged[0][1]:.6g}, step-4 {logged[1][1]:.6g}; "
+            f"best step 2 ({logged[0][1]:.6g}), 5 evaluation(s) since\n") in inspect.stdout
     # By the least val_loss, one kept, saved asynchronously: each evaluation ranks, saves, and the
     # best before it drops out of the ranking and is pruned when the new one commits.
     falling = tmp_path / "falling"
@@ -542,20 +543,25 @@ def test_the_best_checkpoints_are_kept_beside_the_newest_across_a_resume(tmp_pat
 
 
 def test_early_stopping_ends_the_run_and_a_resume_knows_it(tmp_path):
-    """trainer.early_stop_patience=2 judged by the most val_loss (which falls at every evaluation
-    here, so none after step 2's improves): the run stops after the evaluation of step 6, saved;
-    the same command again has nothing to do, and a larger patience goes on to its next stop."""
+    """trainer.early_stop_patience judged by the most val_loss (which falls at every evaluation here,
+    so none after step 2's improves). Patience running out at max_steps is a finished run, which a
+    larger max_steps goes on from; before it, the run stops after that evaluation, saved; the same
+    command again has nothing to do, and a larger patience goes on to its next stop."""
     every_2 = [arg for arg in QUICK if not arg.startswith("trainer.eval_every")] + [
-        "trainer.eval_every=2", "checkpoint.interval=0", "trainer.max_steps=20", "trainer.monitor_mode=max",
-        f"run.dir={tmp_path}"]
-    proc = run_cli("train", *every_2, "trainer.early_stop_patience=2")
+        "trainer.eval_every=2", "checkpoint.interval=0", "trainer.monitor_mode=max", f"run.dir={tmp_path}"]
+    finished = run_cli("train", *every_2, "trainer.max_steps=6", "trainer.early_stop_patience=2")
+    assert finished.returncode == 0 and "early stop" not in finished.stderr, finished.stderr[-3000:]
+    inspect = run_cli("inspect", str(tmp_path / "checkpoints" / "step-6"))
+    assert "; best step 2 (" in inspect.stdout and "), 2 evaluation(s) since\n" in inspect.stdout
+    proc = run_cli("train", *every_2, "trainer.max_steps=20", "trainer.early_stop_patience=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "early stop at step 6: val_loss has not improved on " in proc.stderr
-    assert "(step 2) by more than 0 in 2 evaluations (trainer.early_stop_patience=2)" in proc.stderr
-    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-6"]
-    assert read_metrics(tmp_path)[-1]["step"] == 6
-    again = run_cli("train", *every_2, "trainer.early_stop_patience=2")
-    assert again.returncode == 0 and "nothing to do: the run stopped early at step 6" in again.stderr
-    assert read_metrics(tmp_path)[-1]["step"] == 6
-    longer = run_cli("train", *every_2, "trainer.early_stop_patience=3")
-    assert longer.returncode == 0 and "early stop at step 8:" in longer.stderr, longer.stderr[-3000:]
+    assert "early stop at step 8: val_loss has not improved on " in proc.stderr
+    assert "(step 2) by more than 0 in 3 evaluations (trainer.early_stop_patience=2)" in proc.stderr
+    assert read_metrics(tmp_path)[-1]["step"] == 8
+    inspect = run_cli("inspect", str(tmp_path / "checkpoints" / "step-8"))
+    assert "3 evaluation(s) since; stopped early at step 8\n" in inspect.stdout, inspect.stdout
+    again = run_cli("train", *every_2, "trainer.max_steps=20", "trainer.early_stop_patience=2")
+    assert again.returncode == 0 and "nothing to do: the run stopped early at step 8" in again.stderr
+    assert read_metrics(tmp_path)[-1]["step"] == 8
+    longer = run_cli("train", *every_2, "trainer.max_steps=20", "trainer.early_stop_patience=4")
+    assert longer.returncode == 0 and "early stop at step 10:" in longer.stderr, longer.stderr[-3000:]

@@ -283,6 +283,7 @@ def test_the_best_checkpoints_and_early_stopping_judge_a_validation_value():
             (["trainer.monitor_mode=max", "trainer.early_stop_min_delta=0.01"],
              "trainer.monitor_mode=max, trainer.early_stop_min_delta=0.01 judges the evaluations for "
              "checkpoint.keep_best and trainer.early_stop_patience, both 0"),
+            (["trainer.early_stop_patience=2", "trainer.eval_every=0"], "set trainer.eval_every=N"),
             (["checkpoint.keep_best=2", "trainer.monitor_mode=best"], "monitor_mode")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(overrides)

@@ -149,7 +149,8 @@ def test_a_resume_names_the_schedule_settings_it_does_not_follow():
 
 
 def test_the_weights_average_warms_up_its_decay():
-    """trainer.ema_warmup: step s's decay is min(ema_decay, (1 + s) / (10 + s)); without it, ema_decay."""
+    """trainer.ema_warmup: step s's decay is min(ema_decay, s / (9 + s)) (diffusers': 0.1 at the first
+    update); without it, ema_decay."""
     from torch import nn
 
     from shardtrain.train.ema import WeightAverage
@@ -158,11 +159,11 @@ def test_the_weights_average_warms_up_its_decay():
     with torch.no_grad():
         model.weight.fill_(1.0)
     ramped, plain = WeightAverage(model, 0.9, warmup=True), WeightAverage(model, 0.9)
-    assert [ramped.decay_at(s) for s in (1, 8, 80, 1000)] == [2 / 11, 0.5, 0.9, 0.9]
+    assert [ramped.decay_at(s) for s in (1, 9, 81, 1000)] == [0.1, 0.5, 0.9, 0.9]
     assert plain.decay_at(1) == 0.9
     with torch.no_grad():
         model.weight.fill_(3.0)
     ramped.update(1)
     plain.update(1)
-    assert torch.allclose(ramped.averages[0], torch.full((2, 2), 2 / 11 * 1.0 + 9 / 11 * 3.0))
+    assert torch.allclose(ramped.averages[0], torch.full((2, 2), 0.1 * 1.0 + 0.9 * 3.0))
     assert torch.allclose(plain.averages[0], torch.full((2, 2), 0.9 * 1.0 + 0.1 * 3.0))

@@ -29,6 +29,9 @@ class BestEvaluations:
         self.ranking: list[tuple[int, float]] = []
         self.best: tuple[int, float] | None = None
         self.stale = 0
+        # The step at which trainer.early_stop_patience ended the run (a resume from it has nothing
+        # to do unless the patience grew).
+        self.stopped_at: int | None = None
 
     def better(self, value: float, than: float) -> bool:
         return value < than if self.mode == "min" else value > than
@@ -57,7 +60,8 @@ class BestEvaluations:
     def state(self) -> dict[str, Any]:
         """What a checkpoint's trainer state records of it."""
         return {"monitor": self.monitor, "mode": self.mode, "ranking": [[s, v] for s, v in self.ranking],
-                "best": None if self.best is None else list(self.best), "stale": self.stale}
+                "best": None if self.best is None else list(self.best), "stale": self.stale,
+                "stopped_at": self.stopped_at}
 
     def restore(self, saved: dict[str, Any] | None, same_run: bool = True) -> str | None:
         """The record of a resumed checkpoint's trainer state; a line to say when it cannot be taken
@@ -71,9 +75,11 @@ class BestEvaluations:
             return (f"the resumed checkpoint judged its evaluations by {saved.get('monitor')} "
                     f"({saved.get('mode')}), this run by {self.monitor} ({self.mode}): judged afresh from "
                     "here on, and the checkpoints the old ranking kept are pruned as keep_last says")
-        if saved.get("best") is not None:
-            self.best = (int(saved["best"][0]), float(saved["best"][1]))
+        best = saved.get("best") or (saved["ranking"][0] if saved.get("ranking") else None)
+        if best is not None:
+            self.best = (int(best[0]), float(best[1]))
         self.stale = int(saved.get("stale", 0))
+        self.stopped_at = saved.get("stopped_at")
         if not same_run:
             return None if not self.keep else (
                 "the resumed checkpoint is another run's, whose best checkpoints lie in its own directory: "

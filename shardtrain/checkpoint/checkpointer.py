@@ -239,6 +239,13 @@ class Checkpointer:
             self.remove_abandoned(path)
         return path
 
+    def holds(self, path: Path) -> bool:
+        """Whether ``path`` lies in this run's checkpoints directory, as rank 0 sees it: every rank
+        gets the same answer (relative paths or mounts that differ between nodes cannot split them)."""
+        verdict = [path.parent.resolve() == self.root.resolve() if self.rank == 0 else None]
+        dist.broadcast_object_list(verdict, src=0, group=self.group)
+        return bool(verdict[0])
+
     def remove_abandoned(self, resumed: Path | None) -> None:
         """Rank 0 only, once the ranks agreed on what to resume (the others read nothing of these
         directories after that). A failure is a warning: the run can go on without the space."""
@@ -593,7 +600,6 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {str(path)!r} was trained with "
                                   f"task={trainer_state.task_path}, this run is task={self.cfg.task.path}; "
                                   "resume it with the same task=")
-        check_scheduler_state(path, trainer_state, len(self.optimizer.param_groups))
         same_world = trainer_state.world_size == self.world_size
         rng, without_rng = self.read_rng_state_agreed(path) if same_world else (None, [])
         state = self.training_state()
@@ -626,6 +632,8 @@ class Checkpointer:
                 f"({first_sentence(exc)}); use the model config it was saved with (see its "
                 "trainer_state.json; model.tie_embeddings, for one), or start from its weights alone "
                 "with model.init_from") from exc
+        # After the optimizer's state: a run with other parameter groups is named there, not here.
+        check_scheduler_state(path, trainer_state, len(self.optimizer.param_groups))
         self.scheduler.load_state_dict(trainer_state.scheduler)
         if rng is not None:
             set_rng_state(rng)

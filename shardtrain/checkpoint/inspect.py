@@ -76,6 +76,20 @@ def inspect_safetensors(path: Path, report: Report) -> None:
     report.complete = not report.problems
 
 
+def describe_best(best: dict) -> str:
+    """checkpoint/best.py's record in one line: the checkpoints keep_best keeps, the best evaluation,
+    the evaluations since it, and an early stop."""
+    parts = [f"by {best['monitor']} ({best['mode']})"]
+    if best["ranking"]:
+        parts.append("kept " + ", ".join(f"step-{step} {value:.6g}" for step, value in best["ranking"]))
+    if best.get("best") is not None:
+        step, value = best["best"]
+        parts.append(f"best step {step} ({value:.6g}), {best.get('stale', 0)} evaluation(s) since")
+    if best.get("stopped_at") is not None:
+        parts.append(f"stopped early at step {best['stopped_at']}")
+    return "; ".join(parts)
+
+
 def inspect_path(target: str | Path) -> Report:
     path = Path(target)
     report = Report(str(path))
@@ -122,9 +136,8 @@ def inspect_path(target: str | Path) -> Report:
                 "step": state.step, "world size": state.world_size, "strategy": state.strategy,
                 "mesh": state.mesh, "samples seen": state.consumed_samples, "saved with": state.versions,
             })
-            if state.best:  # checkpoint.keep_best: the ranking as this checkpoint's save knew it
-                ranking = ", ".join(f"step-{step} {value:.6g}" for step, value in state.best["ranking"])
-                report.details["best"] = f"by {state.best['monitor']} ({state.best['mode']}): {ranking}"
+            if state.best:  # trainer.monitor's judge, as this checkpoint's save knew it
+                report.details["best"] = describe_best(state.best)
         except CheckpointError as exc:
             report.problems.append(str(exc))
     elif fmt == "lightning":

@@ -182,7 +182,7 @@ class TrainState:
 
 def well_formed_best(best: dict[str, Any]) -> bool:
     """checkpoint/best.py's record: the value judged, min or max, [step, value] pairs ranked, the
-    best [step, value] (or null) and a count of evaluations."""
+    best [step, value] (or null), a count of evaluations and the step of an early stop (or null)."""
     def pair(entry: Any) -> bool:
         return (isinstance(entry, list) and len(entry) == 2 and has_type(entry[0], int)
                 and isinstance(entry[1], (int, float)) and not isinstance(entry[1], bool))
@@ -191,7 +191,8 @@ def well_formed_best(best: dict[str, Any]) -> bool:
     return (isinstance(best.get("monitor"), str) and best.get("mode") in ("min", "max")
             and isinstance(ranking, list) and all(pair(entry) for entry in ranking)
             and (best.get("best") is None or pair(best["best"]))
-            and has_type(best.get("stale", 0), int) and best.get("stale", 0) >= 0)
+            and has_type(best.get("stale", 0), int) and best.get("stale", 0) >= 0
+            and has_type(best.get("stopped_at"), int | None))
 
 
 def has_type(value: Any, hint: Any) -> bool:

@@ -257,6 +257,9 @@ def check_monitor(cfg: Config) -> None:
     if c.keep_best and not c.enabled:
         raise ConfigError("checkpoint.keep_best keeps checkpoints, and checkpoint.enabled=false saves "
                           "none; enable checkpoints or set checkpoint.keep_best=0")
+    if t.early_stop_patience and not t.eval_every:
+        raise ConfigError("trainer.early_stop_patience counts evaluations, and trainer.eval_every=0 "
+                          "evaluates at the last step only; set trainer.eval_every=N")
     if not t.monitor.startswith(("val_", "ema_val_")):
         raise ConfigError(f"trainer.monitor={t.monitor!r} is no validation value: name val_loss, "
                           "ema_val_loss, or a task's metric as val_<name> (ema_val_<name>)")

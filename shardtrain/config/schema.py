@@ -201,8 +201,8 @@ class TrainerConfig:
     # average = ema_decay * average + (1 - ema_decay) * weights. Checkpoints carry it (ema.*);
     # `shardtrain consolidate CKPT OUT --key ema` writes it as the model's weights.
     ema_decay: float = knob(0.0, at_least=0.0, at_most=0.99999999)
-    # The average's decay at step s is min(ema_decay, (1 + s) / (10 + s)) (diffusers' EMAModel's
-    # ramp): without it the starting weights weigh in for about 1 / (1 - ema_decay) steps.
+    # The average's decay at step s is min(ema_decay, s / (9 + s)) (diffusers' EMAModel's ramp, 0.1
+    # at step 1): without it the starting weights weigh in for about 1 / (1 - ema_decay) steps.
     ema_warmup: bool = False
     # AdamW's kernels: fused (one kernel per parameter group and device; skips a non-finite step on
     # the device, so the step's host read comes after the update) where torch has it for the

@@ -2,7 +2,8 @@
 image models are evaluated and shipped with: after every optimizer step that was not skipped,
 ``average = decay * average + (1 - decay) * weights``, starting from the weights training starts
 from (the random initialisation, ``model.init_from``'s or the resumed run's); with
-``trainer.ema_warmup`` the decay of step s is ``min(decay, (1 + s) / (10 + s))``.
+``trainer.ema_warmup`` the decay of step s is ``min(decay, s / (9 + s))`` (diffusers' ramp: 0.1 at
+the first step).
 
 The average is held like the parameters themselves, as sharded DTensors on their mesh, in fp32
 whatever the storage dtype (a bf16 average loses the small updates a decay near 1 adds). Each rank
@@ -47,8 +48,9 @@ class WeightAverage:
                 self.average[name] = by_parameter[id(param)]
 
     def decay_at(self, step: int) -> float:
-        """The decay of ``step``'s update: ``decay``, or with ``warmup`` the ramp up to it."""
-        return min(self.decay, (1 + step) / (10 + step)) if self.warmup else self.decay
+        """The decay of ``step``'s update (the first step is 1): ``decay``, or with ``warmup`` the ramp
+        up to it, diffusers' ``(1 + t) / (10 + t)`` of the updates before this one, t = step - 1."""
+        return min(self.decay, step / (9 + step)) if self.warmup else self.decay
 
     @torch.no_grad()
     def update(self, step: int) -> None:

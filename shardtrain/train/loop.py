@@ -26,6 +26,7 @@ from shardtrain.checkpoint.best import BestEvaluations
 from shardtrain.checkpoint.checkpointer import Checkpointer
 from shardtrain.checkpoint.peft_adapter import load_peft_adapter, resolve_adapter_settings
 from shardtrain.checkpoint.preemption import PreemptionFlag
+from shardtrain.checkpoint.state import TrainState
 from shardtrain.checkpoint.weights import load_model_weights
 from shardtrain.config.compose import to_yaml
 from shardtrain.config.loader import check_built_in_task_settings
@@ -89,7 +90,9 @@ class TrainResult:
     val_metrics: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     # trainer.ema_decay: the validation loss of the weights' average, at each evaluation's step.
     average_val_losses: list[tuple[int, float]] = field(default_factory=list)
-    stopped_early: bool = False  # trainer.early_stop_patience ended the run before max_steps
+    # trainer.early_stop_patience ended the run before max_steps (in this start, or in the one it
+    # resumed, which left it nothing to do)
+    stopped_early: bool = False
     skipped_steps: int = 0
     # The task's count summed over the steps run (target tokens for a language model): the metrics
     # record's ``<count_unit>_seen``; checkpoints carry it as ``tokens_seen`` (their format's name).
@@ -152,6 +155,7 @@ class Trainer:
         keep = cfg.checkpoint.keep_best if cfg.checkpoint.enabled else 0
         self.best = BestEvaluations(t, keep) if keep or t.early_stop_patience else None
         self.best_save_due = False
+        self.stop_early = False  # trainer.early_stop_patience ran out (now, or before the resume)
         self.checkpointer = (
             Checkpointer(cfg, built.plan, built.model, built.optimizer, built.scheduler, env.rank,
                          env.world_size, average=None if self.average is None else self.average.average,
@@ -214,7 +218,7 @@ class Trainer:
         adapter_notes = run_agreed(lambda: resolve_adapter_settings(cfg))  # before the model is built
         # The data first: a data error is reported before the model is built.
         train, val = run_agreed(lambda: (task.train_samples(), task.val_samples()))
-        check_something_to_judge(cfg, val)
+        run_agreed(lambda: check_something_to_judge(cfg, val))
         batch_choice = resolve_batch(cfg, env)  # before anything reads the batch size
         with deferred_initialization() as draws:  # a resume reads every weight: no draw for it
             built = build(cfg, env, task, optimizer_factory)
@@ -261,9 +265,8 @@ class Trainer:
                             f"({'; '.join(schedule)})")
             if self.cfg.model.init_from and self.cfg.finetune.method == "none":
                 self.info("model.init_from is ignored: resuming from a checkpoint")
-            same_run = path.parent.absolute() == self.checkpointer.root.absolute()
-            if self.best is not None and (unranked := self.best.restore(state.best, same_run)) is not None:
-                self.info(f"trainer.monitor: {unranked}")
+            if self.best is not None:
+                self.restore_evaluations(path, state)
         else:
             self.load_base_weights(draw)
             if self.cfg.model.adapter:  # a fresh run's adapters from PEFT's directory (a resume's: saved)
@@ -278,6 +281,15 @@ class Trainer:
             # state with a zero-learning-rate step (torch's DCP), whose hook computed them from the
             # weights before the read.
             refresh_float8_scales(self.model)
+
+    def restore_evaluations(self, path: Path, state: TrainState) -> None:
+        """The resumed checkpoint's best evaluations (trainer.monitor), and whether the run had
+        stopped early there with the patience it still has."""
+        if (unranked := self.best.restore(state.best, self.checkpointer.holds(path))) is not None:
+            self.info(f"trainer.monitor: {unranked}")
+        patience = self.cfg.trainer.early_stop_patience
+        self.stop_early = bool(patience) and self.best.stopped_at == self.step and self.best.stale >= patience
+        self.result.stopped_early = self.stop_early
 
     def weight_average_changes(self, path: Path, saved: dict) -> None:
         """Rank 0 says what a resume does with the checkpoint's weight average (trainer.ema_decay),
@@ -429,7 +441,7 @@ class Trainer:
             self.log_setup()
             if self.step >= t.max_steps:
                 self.info(f"nothing to do: step {self.step} >= trainer.max_steps={t.max_steps}")
-            elif self.stopped_early():
+            elif self.stop_early:
                 self.info(f"nothing to do: the run stopped early at step {self.step} (trainer.early_stop_"
                           f"patience={t.early_stop_patience} evaluations without improving {t.monitor}); "
                           "raise trainer.early_stop_patience to go on")
@@ -454,7 +466,7 @@ class Trainer:
                 self.run_step()
                 self.info("dry run complete: the configuration builds, shards and trains one step")
                 return
-            while self.step < self.cfg.trainer.max_steps and not self.stopped_early() and self.iteration():
+            while self.step < self.cfg.trainer.max_steps and not self.stop_early and self.iteration():
                 pass
             self.profiler.close(self.step)  # before the final save and sample
             if self.checkpointer is not None:
@@ -702,16 +714,14 @@ class Trainer:
             self.best_save_due = True
             self.info(f"checkpoint.keep_best: {t.monitor} {value:.6g} at step {step} ranks among the "
                       f"{self.best.keep} best; saving it ({self.best.describe()})")
-        if self.stopped_early():
+        patience = t.early_stop_patience
+        if patience and self.best.stale >= patience and step < t.max_steps:  # at max_steps: finished
             best_step, best_value = self.best.best or (0, float("nan"))
-            self.result.stopped_early = True
+            self.best.stopped_at = step  # before this step's save, which records it
+            self.stop_early = self.result.stopped_early = True
             self.info(f"early stop at step {step}: {t.monitor} has not improved on {best_value:.6g} "
                       f"(step {best_step}) by more than {t.early_stop_min_delta:g} in {self.best.stale} "
-                      f"evaluations (trainer.early_stop_patience={t.early_stop_patience})")
-
-    def stopped_early(self) -> bool:
-        patience = self.cfg.trainer.early_stop_patience
-        return self.best is not None and patience > 0 and self.best.stale >= patience
+                      f"evaluations (trainer.early_stop_patience={patience})")
 
     def record_fields(self) -> frozenset[str]:
         """The names a train record (with validation) has of its own: a task's metric may not take one."""
