@@ -726,8 +726,7 @@ class Trainer:
     def record_fields(self) -> frozenset[str]:
         """The names a train record (with validation) has of its own: a task's metric may not take one."""
         return frozenset({"step", "kind", "time", "loss", "val_loss", "ema_val_loss", "grad_norm", "lr",
-                          "peak_memory_mib",
-                          *self.throughput.field_names()})
+                          "peak_memory_mib", *self.throughput.field_names()})
 
     def train_record(self, stats: StepStats) -> dict:
         """The logged means since the last record, over the steps not skipped (NaN if every one
