@@ -215,3 +215,23 @@ def test_plan_simulate_command(capsys):
     out = capsys.readouterr().out
     assert out.count("SHARD_GRAD_OP") == 1 and "  yes  " in out
     assert "peak (planner)" in out and "fits" in out
+
+
+def test_the_weights_average_is_counted_as_the_planner_counts_it():
+    """trainer.ema_decay's fp32 average, sharded as the parameters: the simulation holds it with the
+    optimizer's state at every phase, by exactly the bytes the planner adds."""
+    import dataclasses
+
+    from shardtrain.diagnostics.planner import estimate
+    from shardtrain.models.registry import build_model
+
+    cfg = small_config(3, "full_shard", "none", seq_len=1024)
+    averaged = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, ema_decay=0.999))
+    plain, with_average = simulate(cfg, 16, 4, probe=False), simulate(averaged, 16, 4, probe=False)
+    with torch.device("meta"):
+        meta = build_model(cfg.model)
+    planned = (estimate(averaged, meta, "FULL_SHARD", 16, 4).optimizer
+               - estimate(cfg, meta, "FULL_SHARD", 16, 4).optimizer)
+    assert planned > 0 and with_average.optimizer - plain.optimizer == planned
+    assert {phase: with_average.phases[phase]["Total"] - peaks["Total"]
+            for phase, peaks in plain.phases.items()} == dict.fromkeys(plain.phases, planned)

@@ -42,6 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModMemStats, _FSDPRefType
 from torch.distributed.device_mesh import init_device_mesh
 
+from shardtrain.checkpoint import layout
 from shardtrain.config.loader import formulas_know
 from shardtrain.config.plan import resolve_plan, with_global_batch
 from shardtrain.config.schema import Config
@@ -55,6 +56,7 @@ from shardtrain.errors import ConfigError
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.samples import tensors_of
 from shardtrain.tasks.task import Task, task_from_config
+from shardtrain.train.ema import WeightAverage
 from shardtrain.train.grad import clip_grads_, clip_scale, global_grad_norm
 from shardtrain.train.optim import build_optimizer
 from shardtrain.train.step import loss_context, prepare_micro_batch
@@ -286,6 +288,13 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int, task: T
                     param.grad = torch.zeros_like(param)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if trainer.ema_decay:
+                # The weights' average, held beside each parameter's AdamW state: the tracker counts
+                # it with the optimizer's (its own track_external does nothing), as the planner
+                # does. Its update is in place, with no temporaries of its own.
+                average = WeightAverage(model, trainer.ema_decay)
+                for param, averaged in zip(average.parameters, average.averages, strict=True):
+                    optimizer.state[param][layout.AVERAGE_KEY] = averaged
             tracker = PhasePeakTracker(model, optimizer, blocks)
             tracker.track_inputs(tuple(tensors_of(batch)))
             steps = trainer.grad_accum_steps
