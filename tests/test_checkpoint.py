@@ -285,8 +285,14 @@ def test_prune_keeps_the_checkpoint_just_saved(tmp_path):
     damaged = {tmp_path / "step-2"}
     assert layout.prune(tmp_path, 5, 1, damaged) == [tmp_path / "step-4"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-2", "step-5", "step-8"]
-    # checkpoint.keep_best's steps are kept beside the newest keep_last
+    # checkpoint.keep_best's steps are kept beside the newest keep_last, the best one linked
     assert layout.prune(tmp_path, 10, 1, set(), best={5, 7}) == [tmp_path / "step-2", tmp_path / "step-8"]
+    layout.point_best(tmp_path, 10)
+    layout.point_best(tmp_path, 5)  # replaced, not stacked
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "step-10", "step-5"]
+    assert (tmp_path / "best").resolve() == (tmp_path / "step-5").resolve()
+    assert [step for step, _ in layout.candidates(tmp_path).complete] == [5, 10]  # not a checkpoint
+    layout.point_best(tmp_path, None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-5"]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 
 import pytest
@@ -517,7 +518,8 @@ def test_the_best_checkpoints_are_kept_beside_the_newest_across_a_resume(tmp_pat
         assert [step for step, _ in logged] == list(range(2, steps + 1, 2))
         assert all(earlier[1] > later[1] for earlier, later in zip(logged, logged[1:])), logged
         saved = run / "checkpoints"
-        assert {int(p.name[5:]) for p in saved.iterdir()} == {2, 4, steps}, proc.stderr[-3000:]
+        assert {int(p.name[5:]) for p in saved.glob("step-*")} == {2, 4, steps}, proc.stderr[-3000:]
+        assert (saved / "best").resolve() == saved / "step-2"  # the link every command takes as a path
         state = json.loads((saved / f"step-{steps}" / "trainer_state.json").read_text())
         assert state["best"] == {"monitor": "val_loss", "mode": "max",
                                  "ranking": [list(entry) for entry in logged[:2]],
@@ -534,7 +536,8 @@ def test_the_best_checkpoints_are_kept_beside_the_newest_across_a_resume(tmp_pat
     for step in (2, 4):
         assert f"deleted step-{step} (checkpoint.keep_last=1, not among the 1 best by val_loss)" in (
             proc.stderr)
-    assert [p.name for p in (falling / "checkpoints").iterdir()] == ["step-6"]
+    assert sorted(p.name for p in (falling / "checkpoints").iterdir()) == ["best", "step-6"]
+    assert os.readlink(falling / "checkpoints" / "best") == "step-6"
     wrong = run_cli("train", *every_2, "trainer.max_steps=2", "trainer.monitor=val_accuracy",
                     f"run.dir={tmp_path / 'wrong'}")
     assert ("trainer.monitor=val_accuracy is not among the values the evaluation logged (val_loss); "

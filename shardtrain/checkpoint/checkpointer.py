@@ -535,6 +535,7 @@ class Checkpointer:
             tmp.rename(layout.step_dir(self.root, step))
             layout.fsync_path(self.root)
         self.prune(step, trainer_state.best_steps())
+        self.point_best(trainer_state)
 
     def finish_async(self, written: Future, step: int, tmp: Path, trainer_state: TrainState) -> None:
         # DCP's failure reaches the next poll (or close) as the same one line a blocking save gives.
@@ -559,6 +560,17 @@ class Checkpointer:
         except OSError as exc:
             log.warning(f"checkpoint: step {committed} is saved, but deleting an older checkpoint "
                         f"failed ({exc}); delete it by hand to free its space")
+
+    def point_best(self, trainer_state: TrainState) -> None:
+        """Rank 0: ``checkpoints/best`` to the best checkpoint the committed one's ranking names. A
+        link that cannot be made is a warning, as a failed deletion is: the checkpoint is saved."""
+        ranking = (trainer_state.best or {}).get("ranking") if self.ckpt.keep_best else None
+        try:
+            layout.point_best(self.root, ranking[0][0] if ranking else None)
+        except OSError as exc:
+            link = self.root / layout.BEST_LINK
+            log.warning(f"checkpoint: step {trainer_state.step} is saved, but the link {link} to the best "
+                        f"checkpoint could not be made ({exc})")
 
     def save_in_flight(self) -> bool:
         """This rank's async save is still being written or committed."""

@@ -253,6 +253,26 @@ def prune(root: Path, committed: int, keep_last: int, exclude: set[Path],
     return doomed
 
 
+# checkpoint.keep_best: a link in the checkpoints directory to the best checkpoint, which every
+# command that reads one takes as a path (``runs/x/checkpoints/best``).
+BEST_LINK = "best"
+
+
+def point_best(root: Path, step: int | None) -> None:
+    """``root/best`` -> ``step-N`` (a relative link, replaced in one rename), or no link when there
+    is no best (checkpoint.keep_best off: nothing keeps a target it would name from the prune)."""
+    link = root / BEST_LINK
+    if step is None:
+        if link.is_symlink():
+            link.unlink()
+        return
+    staged = root / f".{BEST_LINK}.link"
+    if staged.is_symlink():
+        staged.unlink()
+    staged.symlink_to(f"step-{step}", target_is_directory=True)
+    os.replace(staged, link)
+
+
 def remove_abandoned(root: Path, keep: Path | None = None) -> list[Path]:
     """Delete the ``.step-N.tmp`` (a save that never finished) and ``.step-N.deleting`` (a deletion
     that never finished) directories in ``root``, but never ``keep`` (a checkpoint resumed from by
