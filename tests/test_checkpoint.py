@@ -294,6 +294,11 @@ def test_prune_keeps_the_checkpoint_just_saved(tmp_path):
     assert [step for step, _ in layout.candidates(tmp_path).complete] == [5, 10]  # not a checkpoint
     layout.point_best(tmp_path, None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-5"]
+    (tmp_path / "best").mkdir()  # the user's own: never replaced, nor removed
+    with pytest.raises(CheckpointError, match="is not shardtrain's link to a step-N"):
+        layout.point_best(tmp_path, 10)
+    layout.point_best(tmp_path, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "step-10", "step-5"]
 
 
 def test_the_best_evaluations():

@@ -228,6 +228,7 @@ class Checkpointer:
         # trainer.monitor's judge (checkpoint.keep_best, trainer.early_stop_patience): its record goes
         # into every save's trainer state, and the prune after the commit keeps the steps it ranks.
         self.best = best
+        self.best_link_warned = False
 
     # ---- finding what to resume ----------------------------------------------------------
 
@@ -534,8 +535,10 @@ class Checkpointer:
             layout.fsync_path(tmp)
             tmp.rename(layout.step_dir(self.root, step))
             layout.fsync_path(self.root)
-        self.prune(step, trainer_state.best_steps())
+        # The link first: its target, this step or a ranked one, is never pruned, while the one
+        # it named before may be.
         self.point_best(trainer_state)
+        self.prune(step, trainer_state.best_steps())
 
     def finish_async(self, written: Future, step: int, tmp: Path, trainer_state: TrainState) -> None:
         # DCP's failure reaches the next poll (or close) as the same one line a blocking save gives.
@@ -563,14 +566,16 @@ class Checkpointer:
 
     def point_best(self, trainer_state: TrainState) -> None:
         """Rank 0: ``checkpoints/best`` to the best checkpoint the committed one's ranking names. A
-        link that cannot be made is a warning, as a failed deletion is: the checkpoint is saved."""
+        link that cannot be made is a warning, once a run, as a failed deletion is: the checkpoint
+        is saved."""
         ranking = (trainer_state.best or {}).get("ranking") if self.ckpt.keep_best else None
         try:
             layout.point_best(self.root, ranking[0][0] if ranking else None)
-        except OSError as exc:
-            link = self.root / layout.BEST_LINK
-            log.warning(f"checkpoint: step {trainer_state.step} is saved, but the link {link} to the best "
-                        f"checkpoint could not be made ({exc})")
+        except (OSError, CheckpointError) as exc:
+            if not self.best_link_warned:
+                self.best_link_warned = True
+                log.warning(f"checkpoint: step {trainer_state.step} is saved, but the link to the best "
+                            f"checkpoint could not be made: {exc}")
 
     def save_in_flight(self) -> bool:
         """This rank's async save is still being written or committed."""

@@ -9,6 +9,7 @@
             model.safetensors      only with checkpoint.save_full=true
         .step-<N>.tmp/             a save in progress, or one that crashed: never loaded
         .step-<N>.deleting/        a checkpoint keep_last is deleting (renamed first): never loaded
+        best -> step-<N>           checkpoint.keep_best's link to the best (made as .best.link)
 
 A save writes into ``.step-<N>.tmp`` and is renamed to ``step-<N>`` only once the DCP metadata and
 ``trainer_state.json`` exist, so a directory named ``step-<N>`` is complete by construction. The
@@ -260,17 +261,27 @@ BEST_LINK = "best"
 
 def point_best(root: Path, step: int | None) -> None:
     """``root/best`` -> ``step-N`` (a relative link, replaced in one rename), or no link when there
-    is no best (checkpoint.keep_best off: nothing keeps a target it would name from the prune)."""
+    is no best (checkpoint.keep_best off: nothing keeps a target it would name from the prune). Only
+    a link of ours is replaced or removed: a ``best`` that is anything else is a CheckpointError,
+    and stays as it is."""
     link = root / BEST_LINK
+    ours = link.is_symlink() and STEP_DIR.match(os.readlink(link)) is not None
     if step is None:
-        if link.is_symlink():
+        if ours:
             link.unlink()
         return
+    if (link.exists() or link.is_symlink()) and not ours:
+        raise CheckpointError(f"{link} is not shardtrain's link to a step-N: the best checkpoint is not "
+                              "linked (move it away to have the link)")
     staged = root / f".{BEST_LINK}.link"
     if staged.is_symlink():
         staged.unlink()
     staged.symlink_to(f"step-{step}", target_is_directory=True)
-    os.replace(staged, link)
+    try:
+        os.replace(staged, link)
+    except OSError:
+        staged.unlink()
+        raise
 
 
 def remove_abandoned(root: Path, keep: Path | None = None) -> list[Path]:

@@ -291,7 +291,8 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int, task: T
             if trainer.ema_decay:
                 # The weights' average, held beside each parameter's AdamW state: the tracker counts
                 # it with the optimizer's (its own track_external does nothing), as the planner
-                # does. Its update is in place, with no temporaries of its own.
+                # does. Its update is in place, with no temporaries of its own. After the warm-up
+                # step: AdamW makes a parameter's state only where it finds none.
                 average = WeightAverage(model, trainer.ema_decay)
                 for param, averaged in zip(average.parameters, average.averages, strict=True):
                     optimizer.state[param][layout.AVERAGE_KEY] = averaged
