@@ -138,7 +138,10 @@ def test_the_end_of_training_sample_is_watched_like_the_steps(tmp_path):
     assert "its main thread is in inject (faults.py); stopping" in stacks.splitlines()[0]
     waiting = run_dir / "hangs" / "rank-0.txt"
     if waiting.exists():  # rank 0's limit may run out before the launcher stops it
-        assert "waiting in the collective" in waiting.read_text().splitlines()[0], waiting.read_text()[:500]
+        # ... while it waits in the gather, or as it unwinds from the gather rank 1's exit failed
+        # (a race seen in CI): never blamed as the stuck one.
+        first = waiting.read_text().splitlines()[0]
+        assert "waiting in the collective" in first or "in inject" not in first, waiting.read_text()[:500]
 
 
 def test_watchdog_save_phases_have_their_own_bound(tmp_path):

@@ -164,7 +164,9 @@ class Watchdog:
                 phase, step, dumped = self.phase, self.step, self.stall_dumped
                 stall, timeout, key = self.limits()
             where = f"{phase} of step {step}"
-            if elapsed > timeout:
+            # A main thread that stopped the watch meanwhile has left the phase (finished it, or a
+            # peer's exit failed its collective and it is unwinding): not a hang of this rank.
+            if elapsed > timeout and not self._stop.is_set():
                 self.stop_hung(step, f"rank {self.rank}: {where} has run {elapsed:.0f}s, over the "
                                      f"{timeout:g}s limit ({key}); {main_thread_location()}; stopping")
             if elapsed > stall and not dumped:
