@@ -568,7 +568,7 @@ class Checkpointer:
         """Rank 0: ``checkpoints/best`` to the best checkpoint the committed one's ranking names. A
         link that cannot be made is a warning, once a run, as a failed deletion is: the checkpoint
         is saved."""
-        ranking = (trainer_state.best or {}).get("ranking") if self.ckpt.keep_best else None
+        ranking = (trainer_state.best or {}).get("ranking")  # empty without checkpoint.keep_best
         try:
             layout.point_best(self.root, ranking[0][0] if ranking else None)
         except (OSError, CheckpointError) as exc:
