@@ -5,7 +5,8 @@ action is ``kill`` (SIGKILL itself), ``raise`` (RuntimeError), ``sleep=S`` (stal
 ``signal=NAME`` (send itself that signal, e.g. a preemption's SIGTERM) or ``nan`` (poison the loss;
 point ``loss`` only), and attempt (optional) limits the fault to that
 torchrun restart attempt (``TORCHELASTIC_RESTART_COUNT``), so a restarted run can get past it.
-Points: ``save`` (inside a checkpoint save, after this rank wrote part of it), ``step`` (after a
+Points: ``save`` (inside a checkpoint save, after this rank wrote part of it), ``commit`` (in an
+async save's background thread, after DCP wrote it, before the commit), ``step`` (after a
 training step), ``sample`` (before a text sample is generated), ``loss`` (the first micro-batch's
 loss). Unset, this costs one dictionary lookup.
 Never set it in production.

@@ -544,6 +544,7 @@ class Checkpointer:
         # DCP's failure reaches the next poll (or close) as the same one line a blocking save gives.
         with self.save_errors(step, tmp):
             written.result()
+        faults.inject("commit", self.rank, step)
         # On every rank in the same order after DCP's own collectives of this save, and before the
         # next save (which waits for this one): the group sees one sequence of collectives.
         self.commit(step, tmp, trainer_state)

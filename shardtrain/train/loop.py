@@ -487,6 +487,7 @@ class Trainer:
             dumped = self.watchdog.dump_flight_recorder()
             if dumped:
                 log.error("rank %d: training failed%s", self.env.rank, dumped)
+            self.commit_pending_save()
             raise
         finally:
             self.profiler.close(self.step)
@@ -496,6 +497,21 @@ class Trainer:
                 self.preemption.restore()
                 self.preemption = None
             self.train_data.close()
+
+    def commit_pending_save(self) -> None:
+        """After a failure, an async save still in flight commits before the ranks stop, as a
+        blocking save of that step would have: it is the newest state saved before the failure, and
+        unwinding would tear its process group down under it and leave an abandoned directory. Its
+        own failure is a warning; the failure that stopped training is the error."""
+        if self.checkpointer is None or self.checkpointer.pending is None:
+            return
+        step = self.checkpointer.pending.step
+        self.info(f"training failed with the async save of step {step} in flight: letting it commit")
+        self.beat_save("committing the async save after a failure")
+        try:
+            self.checkpointer.wait()
+        except Exception as exc:  # noqa: BLE001 - the training failure is the one to raise
+            log.warning(f"checkpoint: the async save of step {step} did not commit either: {exc}")
 
     def iteration(self) -> bool:
         """One iteration of ``fit``: a step, then checkpointing and preemption. False: stop."""
