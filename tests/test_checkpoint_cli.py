@@ -540,9 +540,9 @@ def test_the_best_checkpoints_are_kept_beside_the_newest_across_a_resume(tmp_pat
     assert os.readlink(falling / "checkpoints" / "best") == "step-6"
     # A failure while an async save is in flight (step 1's, its commit held back 3 s): the save
     # commits before the run stops, as a blocking one would have, rather than being abandoned.
-    wrong = run_cli("train", *QUICK, "trainer.eval_every=2", "checkpoint.keep_best=1", "checkpoint.interval=1",
-                    "checkpoint.async=true",
-                    "trainer.max_steps=2", "trainer.monitor=val_accuracy", f"run.dir={tmp_path / 'wrong'}",
+    wrong = run_cli("train", *QUICK, "trainer.eval_every=2", "checkpoint.keep_best=1",
+                    "checkpoint.interval=1", "checkpoint.async=true", "trainer.max_steps=2",
+                    "trainer.monitor=val_accuracy", f"run.dir={tmp_path / 'wrong'}",
                     env={"SHARDTRAIN_FAULT": "commit:0:1:sleep=3"})
     assert ("trainer.monitor=val_accuracy is not among the values the evaluation logged (val_loss); "
             "choose one of them") in error_line(wrong)
