@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from checkpoint_workers import interrupted, new_trainer
 from equivalence import GLOBAL_BATCH, STEPS, case_config, run_cases
 from hf_workers import hf_case_config, hf_corpus
@@ -16,6 +17,7 @@ from shardtrain.errors import ConfigError
 from shardtrain.generation.generate import gathered_copy, generate
 from shardtrain.generation.inference import load_for_inference
 from shardtrain.tasks.language_model import LanguageModelTask
+from shardtrain.tasks.task import LossOutput
 from shardtrain.train.loop import Trainer
 
 # The tiny model of the equivalence tests with a feed-forward width tensor parallelism can split
@@ -41,6 +43,17 @@ class FeedForwardOnlyPlan(LanguageModelTask):
                                                     "down_proj": RowwiseParallel()})
 
 
+class LossOnSplitLogits(LanguageModelTask):
+    """The language model's loss as a task of one's own writes it: cross-entropy on the model's
+    logits, under TP a DTensor split along the vocabulary, handed to the framework as it comes (no
+    ``to_local``), with a metric from the same DTensor."""
+
+    def loss(self, model, batch) -> LossOutput:
+        logits = model(batch.inputs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction="sum")
+        return LossOutput(loss, batch.targets.numel(), {"nll": loss.detach()})
+
+
 def hf_tensor_parallel_cases(model_dirs: dict[str, str], cases: dict[str, dict], out: str) -> None:
     """Each case trains the Hugging Face model of its ``family`` (fp32, 2 micro-batches); rank 0
     saves losses, grad norms, the gathered weights and how each parameter lies over tp."""
@@ -53,7 +66,9 @@ def hf_tensor_parallel_cases(model_dirs: dict[str, str], cases: dict[str, dict],
         family = case.pop("family")
         if family != corpus_family:
             corpus, corpus_family = hf_corpus(model_dirs[family]), family
-        task = (FeedForwardOnlyPlan if case.pop("own_plan", False) else LanguageModelTask)(corpus=corpus)
+        own_plan, own_loss = case.pop("own_plan", False), case.pop("own_loss", False)
+        task = (FeedForwardOnlyPlan if own_plan else LossOnSplitLogits if own_loss
+                else LanguageModelTask)(corpus=corpus)
         model_dir = model_dirs[family]
         cfg = hf_case_config(model_dir, world, f"{out}/{name}", **case)
         data_parallel = world // cfg.strategy.tensor_parallel

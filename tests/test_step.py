@@ -8,9 +8,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from distributed import run_on_ranks
@@ -22,7 +24,7 @@ from shardtrain.tasks.task import LossOutput
 from shardtrain.train.loop import Trainer, TrainResult
 from shardtrain.train.metrics import MetricsWriter, Throughput
 from shardtrain.train.optim import SCHEDULE_SHAPE
-from shardtrain.train.step import StepStats, check_metric_names, run_loss
+from shardtrain.train.step import StepStats, check_metric_names, count_ahead, run_loss
 
 
 def test_one_ranks_stop_request_reaches_all_and_empty_steps_fail_everywhere(tmp_path):
@@ -121,9 +123,31 @@ def test_bad_loss_output_values_are_one_line_naming_the_task(out, message):
 
 def test_good_loss_output_values_pass():
     good = LossOutput(WEIGHT.sum(), torch.tensor([3]), {"acc": (torch.tensor(1.0), 3), "x": 2.0})
-    assert run_loss(Returns(good), None, None, training=True) is good
+    out = run_loss(Returns(good), None, None, training=True)
+    assert out.loss is good.loss and out.count is good.count  # plain values pass as they are
+    assert out.metrics == {"acc": good.metrics["acc"], "x": 2.0}
     # evaluation runs without gradients
     assert run_loss(Returns(LossOutput(WEIGHT.sum().detach(), 3)), None, None) is not None
+
+
+class Counts:
+    """A task whose count(batch) returns ``value``."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def count(self, batch):
+        return self.value
+
+
+def test_a_count_ahead_is_one_number_or_one_line_naming_the_task():
+    assert [count_ahead(Counts(value), None) for value in (3, 2.5, torch.tensor([4]), np.int64(5))] == [
+        3.0, 2.5, 4.0, 5.0]
+    for value, found in ((None, "None; a task that defines count() must give every batch's count"),
+                         (torch.ones(2), "a tensor of shape [2]; return the micro-batch's total count"),
+                         ("7", "str; return")):
+        with pytest.raises(TrainingError, match="^" + re.escape(f"Counts.count(batch) returned {found}")):
+            count_ahead(Counts(value), None)
 
 
 def test_a_resume_names_the_schedule_settings_it_does_not_follow():

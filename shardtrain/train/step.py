@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardtrain import faults
@@ -99,7 +100,31 @@ def run_loss(task: Task, model: nn.Module, batch: Any, training: bool = False) -
             raise TrainingError(f"{type(task).__name__}.loss returned metric {name!r} as "
                                 f"{type(value).__name__}; return a number or one-element tensor summed "
                                 "over the micro-batch, or a tuple (sum, count)")
-    return out
+    return LossOutput(whole(out.loss), whole(out.count),
+                      {name: tuple(map(whole, value)) if isinstance(value, tuple) else whole(value)
+                       for name, value in out.metrics.items()})
+
+
+def whole(value: Any) -> Any:
+    """A DTensor value as a plain tensor holding its whole value: under tensor parallelism a task's
+    loss or metric computed on vocabulary-split DTensor logits (``loss_parallel``) is one, and the
+    step's sums are plain tensors. Differentiable, so backward still runs through ``loss_parallel``."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def count_ahead(task: Task, batch: Any) -> float:
+    """``task.count(batch)`` as a number (the batch is still on the CPU: no device read)."""
+    count = task.count(batch)
+    if count is None:
+        raise TrainingError(f"{type(task).__name__}.count(batch) returned None; a task that defines "
+                            "count() must give every batch's count (or not define it)")
+    if not (isinstance(count, numbers.Real) and not isinstance(count, bool)
+            or isinstance(count, torch.Tensor) and count.numel() == 1):
+        found = (f"a tensor of shape {list(count.shape)}" if isinstance(count, torch.Tensor)
+                 else type(count).__name__)
+        raise TrainingError(f"{type(task).__name__}.count(batch) returned {found}; return the "
+                            "micro-batch's total count, a number or a one-element tensor")
+    return float(count)
 
 
 def check_scalar(task: Task, what: str, value: Any, expected: str) -> None:
@@ -322,13 +347,10 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
     copies = tensor_parallel_degree(mesh)
     divisor = None
     if counts_ahead(task):
-        ahead = [task.count(batch) for batch in micro_batches]
-        if any(count is None for count in ahead):
-            raise TrainingError(f"{type(task).__name__}.count(batch) returned None; a task that defines "
-                                "count() must give every batch's count (or not define it)")
+        ahead = sum(count_ahead(task, batch) for batch in micro_batches)
         # The global count stays on the device (an asynchronous all-reduce): reading it back here
         # would stall the host until the previous step's optimizer kernels finished.
-        global_count = global_sum_tensor(torch.full((), sum(ahead), dtype=torch.float64, device=device),
+        global_count = global_sum_tensor(torch.full((), ahead, dtype=torch.float64, device=device),
                                          copies)
         divisor = global_count.float()
     flops = local_flops(task, micro_batches, flops_per_sample)
