@@ -316,24 +316,32 @@ def test_the_best_evaluations():
     best.judge(14, 0.95)  # better, by less than min_delta: ranks, yet counts as no improvement
     assert best.ranking == [(14, 0.95), (12, 1.0)] and (best.best, best.stale) == ((12, 1.0), 1)
     most = BestEvaluations(TrainerConfig(monitor="val_accuracy", monitor_mode="max"), keep=1)
-    assert most.restore(best.state()).startswith("the resumed checkpoint judged its evaluations by val_loss")
+    assert most.restore(best.state(), {12, 14}).startswith(
+        "the resumed checkpoint judged its evaluations by val_loss")
     assert most.ranking == [] and most.best is None
     assert most.judge(4, 0.5) and not most.judge(6, 0.4) and most.stale == 1
     assert not most.judge(8, float("inf")) and most.stale == 2
     again = BestEvaluations(TrainerConfig(), keep=1)
-    assert again.restore(best.state()) is None and again.ranking == [(14, 0.95)]
+    assert again.restore(best.state(), {12, 14}) is None and again.ranking == [(14, 0.95)]
     assert (again.best, again.stale) == ((12, 1.0), 1)
-    assert "records no best evaluation" in again.restore(None)
+    assert "records no best evaluation" in again.restore(None, set())
+    # Rolled back to a checkpoint whose ranking names a step a later commit pruned: ranked without it.
+    rolled = BestEvaluations(TrainerConfig(), keep=2)
+    assert rolled.restore(best.state(), {12, 16}) == ("the resumed checkpoint ranked step-14 among the best, "
+                                                     "which this run's checkpoints no longer hold: ranked "
+                                                     "without them")
+    assert rolled.ranking == [(12, 1.0)]
+    assert rolled.judge(18, 1.5) and rolled.ranking == [(12, 1.0), (18, 1.5)]
     elsewhere = BestEvaluations(TrainerConfig(), keep=1)  # resumed from another run.dir's checkpoint
-    assert "another run's" in elsewhere.restore(best.state(), same_run=False)
+    assert "another run's" in elsewhere.restore(best.state(), held=None)
     assert elsewhere.ranking == [] and (elsewhere.best, elsewhere.stale) == ((12, 1.0), 1)
     stopping = BestEvaluations(TrainerConfig(), keep=0)  # early stopping alone: nothing ranks
     assert not stopping.judge(2, 1.0) and stopping.best == (2, 1.0)
     stopping.stopped_at = 2
-    assert BestEvaluations(TrainerConfig(), keep=0).restore(stopping.state()) is None
+    assert BestEvaluations(TrainerConfig(), keep=0).restore(stopping.state(), {2}) is None
     older = {key: value for key, value in best.state().items() if key in ("monitor", "mode", "ranking")}
     taken = BestEvaluations(TrainerConfig(), keep=2)  # a record without its best: the ranking's first
-    assert taken.restore(older) is None
+    assert taken.restore(older, {12, 14}) is None
     assert (taken.best, taken.stale, taken.stopped_at) == ((14, 0.95), 0, None)
 
 

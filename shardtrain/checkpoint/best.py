@@ -63,11 +63,14 @@ class BestEvaluations:
                 "best": None if self.best is None else list(self.best), "stale": self.stale,
                 "stopped_at": self.stopped_at}
 
-    def restore(self, saved: dict[str, Any] | None, same_run: bool = True) -> str | None:
+    def restore(self, saved: dict[str, Any] | None, held: set[int] | None) -> str | None:
         """The record of a resumed checkpoint's trainer state; a line to say when it cannot be taken
-        (saved without one, judging another value, or by another run: ``same_run`` false when the
+        (saved without one, judging another value, or by another run: ``held`` None when the
         checkpoint lies outside this run's checkpoints directory, whose steps its ranking does not
-        name), None when it was. Another run's best value and count are taken all the same."""
+        name), None when it was. ``held``: the steps whose checkpoints this run's directory still
+        holds (a rollback to an older checkpoint may find ranked steps a later commit pruned: they
+        leave the ranking, which would otherwise keep out every evaluation worse than theirs and
+        point ``best`` at nothing). Another run's best value and count are taken all the same."""
         if not saved:
             return ("the resumed checkpoint records no best evaluation: trainer.monitor is judged from "
                     "here on")
@@ -80,9 +83,13 @@ class BestEvaluations:
             self.best = (int(best[0]), float(best[1]))
         self.stale = int(saved.get("stale", 0))
         self.stopped_at = saved.get("stopped_at")
-        if not same_run:
+        if held is None:
             return None if not self.keep else (
                 "the resumed checkpoint is another run's, whose best checkpoints lie in its own directory: "
                 "checkpoint.keep_best ranks this run's evaluations from here on")
-        self.ranking = [(int(step), float(value)) for step, value in saved.get("ranking", [])][: self.keep]
+        ranking = [(int(step), float(value)) for step, value in saved.get("ranking", [])][: self.keep]
+        self.ranking = [entry for entry in ranking if entry[0] in held]
+        if gone := [f"step-{step}" for step, _ in ranking if step not in held]:
+            return (f"the resumed checkpoint ranked {', '.join(gone)} among the best, which this run's "
+                    "checkpoints no longer hold: ranked without them")
         return None

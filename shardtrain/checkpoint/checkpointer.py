@@ -240,12 +240,16 @@ class Checkpointer:
             self.remove_abandoned(path)
         return path
 
-    def holds(self, path: Path) -> bool:
-        """Whether ``path`` lies in this run's checkpoints directory, as rank 0 sees it: every rank
-        gets the same answer (relative paths or mounts that differ between nodes cannot split them)."""
-        verdict = [path.parent.resolve() == self.root.resolve() if self.rank == 0 else None]
+    def steps_held(self, path: Path) -> set[int] | None:
+        """The steps of this run's complete checkpoints when ``path`` lies among them (the resumed
+        checkpoint's ranking names only those), else None: another run's. As rank 0 sees it, so
+        every rank gets the same answer (relative paths or mounts that differ between nodes cannot
+        split them)."""
+        verdict: list[set[int] | None] = [None]
+        if self.rank == 0 and path.resolve().parent == self.root.resolve():
+            verdict[0] = {step for step, _ in layout.candidates(self.root).complete}
         dist.broadcast_object_list(verdict, src=0, group=self.group)
-        return bool(verdict[0])
+        return verdict[0]
 
     def remove_abandoned(self, resumed: Path | None) -> None:
         """Rank 0 only, once the ranks agreed on what to resume (the others read nothing of these

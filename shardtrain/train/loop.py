@@ -285,7 +285,7 @@ class Trainer:
     def restore_evaluations(self, path: Path, state: TrainState) -> None:
         """The resumed checkpoint's best evaluations (trainer.monitor), and whether the run had
         stopped early there with the patience it still has."""
-        if (unranked := self.best.restore(state.best, self.checkpointer.holds(path))) is not None:
+        if (unranked := self.best.restore(state.best, self.checkpointer.steps_held(path))) is not None:
             self.info(f"trainer.monitor: {unranked}")
         patience = self.cfg.trainer.early_stop_patience
         self.stop_early = bool(patience) and self.best.stopped_at == self.step and self.best.stale >= patience
