@@ -229,6 +229,17 @@ def test_later_checkpoints_are_this_runs_only_with_the_same_resume_and_config(tm
     saved(root / "step-8", 8, "auto")  # another start's later step: not this run's
     with pytest.raises(CheckpointError, match="does not exist"):
         check_resume(cfg)
+    # resume=another run's checkpoints/best, which that run moves on to a step later than this run's
+    # own: a restart still goes on from its own checkpoints, not from the link's new target.
+    link, mine = tmp_path / "other" / "best", tmp_path / "mine" / "checkpoints"
+    saved(tmp_path / "other" / "step-3", 3, "auto")
+    link.symlink_to("step-3")
+    saved(mine / "step-4", 4, str(link))
+    saved(mine / "step-6", 6, str(link))
+    saved(tmp_path / "other" / "step-10", 10, "auto")
+    link.unlink()
+    link.symlink_to("step-10")
+    assert layout.saved_by_same_resume(mine, str(link), "abc")
 
 
 def test_trainer_state_fields_are_type_checked(tmp_path):

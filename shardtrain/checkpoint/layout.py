@@ -196,17 +196,14 @@ def newer_checkpoints(root: Path, step: int) -> list[Path]:
 
 
 def saved_by_same_resume(root: Path, choice: str, config_hash: str | None = None) -> bool:
-    """Whether the checkpoints in ``root`` after the one ``checkpoint.resume=choice`` names were all
-    saved by runs started with that same choice (and, given ``config_hash``, the same config): a
-    restarted attempt or a requeued job of this run, which goes on from them, not from ``choice``
-    again (it would repeat the steps and collide with its own saves). Later checkpoints of any
-    other run, or of the same resume with other settings, are refused (``refuse_newer_checkpoints``)."""
-    try:
-        step = TrainState.read(Path(choice).expanduser()).step
-    except CheckpointError:  # gone (pruned by this run's saves) or unreadable: every one is later
-        step = -1
-    later = newer_checkpoints(root, step)
-
+    """Whether ``root`` holds checkpoints saved by runs started with ``checkpoint.resume=choice``
+    (and, given ``config_hash``, the same config), and none saved by another run after the first of
+    them: a restarted attempt or a requeued job of this run, which goes on from them, not from
+    ``choice`` again (it would repeat the steps and collide with its own saves). Later checkpoints of
+    any other run, or of the same resume with other settings, are refused
+    (``refuse_newer_checkpoints``). Judged from ``root``'s own checkpoints, not from the step
+    ``choice`` names now: that may be a link another run moves on (``checkpoints/best``), or a
+    checkpoint this run's saves pruned."""
     def same_run(path: Path) -> bool:
         try:
             state = TrainState.read(path)
@@ -215,7 +212,9 @@ def saved_by_same_resume(root: Path, choice: str, config_hash: str | None = None
         return (state.config.get("checkpoint", {}).get("resume") == choice
                 and config_hash in (None, state.config_hash))
 
-    return bool(later) and all(same_run(path) for path in later)
+    saved = candidates(root).complete
+    first = next((step for step, path in saved if same_run(path)), None)
+    return first is not None and all(same_run(path) for step, path in saved if step > first)
 
 
 def refuse_newer_checkpoints(root: Path, resumed: Path) -> None:
