@@ -186,10 +186,11 @@ def test_a_run_directory_given_for_a_checkpoint_names_its_newest(good_checkpoint
     run_dir = good_checkpoint.parent.parent
     for given, kind in ((run_dir, "a run directory"),
                         (run_dir / "checkpoints", "a run's checkpoints directory")):
-        proc = run_cli("consolidate", str(given), str(tmp_path / "out"), timeout=60)
-        assert proc.returncode == 2 and proc.stderr.strip() == (
-            f"shardtrain: error: '{given}' is {kind}, not a checkpoint; its newest complete checkpoint "
-            f"is {good_checkpoint}"), proc.stderr
+        for command in (["consolidate", str(given), str(tmp_path / "out")], ["inspect", str(given)]):
+            proc = run_cli(*command, timeout=60)
+            assert proc.returncode == 2 and proc.stderr.strip() == (
+                f"shardtrain: error: '{given}' is {kind}, not a checkpoint; its newest complete checkpoint "
+                f"is {good_checkpoint}"), (command, proc.stderr)
 
 
 def test_resume_none_refuses_to_overwrite_checkpoints(good_checkpoint):

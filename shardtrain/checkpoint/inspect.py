@@ -107,6 +107,9 @@ def inspect_path(target: str | Path) -> Report:
     if not (path / layout.METADATA_FILE).exists() and (path / SINGLE_FILE).is_file():
         inspect_safetensors(path / SINGLE_FILE, report)
         return report
+    if not (path / layout.METADATA_FILE).exists() and (kind := layout.directory_of_checkpoints(path)):
+        # not a damaged checkpoint: the wrong level (consolidate and the rest refuse it alike)
+        raise CheckpointError(f"{str(path)!r} is {kind}")
     fmt = layout.detect_format(path)
     if fmt == "dcp" and (any(path.glob("rng-rank*.pt")) or (path / integrity.MANIFEST_FILE).is_file()):
         fmt = "shardtrain"  # shardtrain's own files, without the one its commit writes last
