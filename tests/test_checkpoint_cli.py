@@ -74,16 +74,26 @@ def test_sigterm_saves_exits_cleanly_and_resumes_exactly(tmp_path):
 
 def test_a_preemption_save_does_not_wait_for_evaluation(tmp_path):
     """Rank 0 is signalled after step 3; step 4 agrees to stop, and its save comes before the
-    evaluation due at step 4 would (it ate the scheduler's grace period before the SIGKILL)."""
+    evaluation due at step 4 would (it ate the scheduler's grace period before the SIGKILL). The
+    checkpoint records the evaluation as due, and the resume runs it first, judging it for
+    keep_best, also when step 4 is the last (it was lost for good: found by review)."""
     run_dir = tmp_path / "run"
-    proc = run_cli("train", *QUICK, "trainer.devices=2", "trainer.max_steps=8", "trainer.eval_every=4",
-                   "checkpoint.interval=0", f"run.dir={run_dir}",
-                   env={"SHARDTRAIN_FAULT": "step:0:3:signal=SIGTERM"})
+    args = [*QUICK, "trainer.devices=2", "trainer.eval_every=4", "checkpoint.interval=0",
+            "checkpoint.keep_best=1", f"run.dir={run_dir}"]
+    proc = run_cli("train", *args, "trainer.max_steps=8", env={"SHARDTRAIN_FAULT": "step:0:3:signal=SIGTERM"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "preemption (SIGTERM): saving at step 4" in proc.stderr, proc.stderr[-3000:]
     records = read_metrics(run_dir)
     assert records[-1]["step"] == 4 and "val_loss" not in records[-1], records[-1]
-    assert (run_dir / "checkpoints" / "step-4").is_dir()
+    state = json.loads((run_dir / "checkpoints" / "step-4" / "trainer_state.json").read_text())
+    assert state["evaluation_due"] is True
+    resumed = run_cli("train", *args, "trainer.max_steps=4")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step 4: the evaluation the preemption skipped runs now" in resumed.stderr
+    assert "nothing to do" not in resumed.stderr, resumed.stderr[-3000:]
+    records = read_metrics(run_dir)
+    assert records[-1]["step"] == 4 and records[-1]["val_loss"] > 0, records[-1]
+    assert os.readlink(run_dir / "checkpoints" / "best") == "step-4"  # it ranked: the link moved
 
 
 @pytest.fixture(scope="module")

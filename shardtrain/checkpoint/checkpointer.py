@@ -388,8 +388,9 @@ class Checkpointer:
         return state
 
     def save(self, step: int, *, tokens_seen: int, consumed_samples: int, global_batch: int,
-             blocking: bool = False) -> float:
-        """Start (async) or do (sync) a save; returns the seconds training was blocked."""
+             blocking: bool = False, evaluation_due: bool = False) -> float:
+        """Start (async) or do (sync) a save; returns the seconds training was blocked.
+        ``evaluation_due``: the evaluation due at this step has not run (a preemption's save)."""
         start = time.perf_counter()
         self.wait()  # one save in flight at a time
         final, tmp = layout.step_dir(self.root, step), layout.tmp_dir(self.root, step)
@@ -425,6 +426,7 @@ class Checkpointer:
             self.cfg, self.plan, step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
             global_batch=global_batch, scheduler=self.scheduler.state_dict(), world_size=self.world_size,
             base_weights=self.base, best=None if self.best is None else self.best.state(),
+            evaluation_due=evaluation_due,
         )
         if self.ckpt.async_save and not blocking:
             # Staging copies the state before this returns; the write and the commit run behind.
@@ -574,13 +576,18 @@ class Checkpointer:
         link that cannot be made is a warning, once a run, as a failed deletion is: the checkpoint
         is saved."""
         ranking = (trainer_state.best or {}).get("ranking")  # empty without checkpoint.keep_best
+        self.point_best_at(ranking[0][0] if ranking else None, f"step {trainer_state.step} is saved")
+
+    def point_best_at(self, step: int | None, context: str) -> None:
+        """Rank 0: ``checkpoints/best`` to ``step``'s checkpoint (None: removed); ``context`` begins
+        the warning when the link cannot be made."""
         try:
-            layout.point_best(self.root, ranking[0][0] if ranking else None)
+            layout.point_best(self.root, step)
         except (OSError, CheckpointError) as exc:
             if not self.best_link_warned:
                 self.best_link_warned = True
-                log.warning(f"checkpoint: step {trainer_state.step} is saved, but the link to the best "
-                            f"checkpoint could not be made: {exc}")
+                log.warning(f"checkpoint: {context}, but the link to the best checkpoint could not be "
+                            f"made: {exc}")
 
     def save_in_flight(self) -> bool:
         """This rank's async save is still being written or committed."""

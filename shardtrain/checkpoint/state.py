@@ -64,12 +64,14 @@ class TrainState:
     # and values so far (this one's among them when it ranked), the best evaluation and the
     # evaluations since it (checkpoint/best.py).
     best: dict[str, Any] | None = None
+    # A preemption saved this step before the evaluation due at it: a resume runs it first.
+    evaluation_due: bool = False
 
     @classmethod
     def capture(cls, cfg: Config, plan: ShardingPlan, *, step: int, tokens_seen: int,
                 consumed_samples: int, global_batch: int, scheduler: dict[str, Any],
                 world_size: int, base_weights: dict[str, Any] | None = None,
-                best: dict[str, Any] | None = None) -> TrainState:
+                best: dict[str, Any] | None = None, evaluation_due: bool = False) -> TrainState:
         return cls(
             step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
             global_batch=global_batch, scheduler=scheduler, world_size=world_size,
@@ -79,6 +81,7 @@ class TrainState:
             versions={"shardtrain": __version__, "torch": torch.__version__,
                       "python": platform.python_version()},
             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), base_weights=base_weights, best=best,
+            evaluation_due=evaluation_due,
         )
 
     def best_steps(self) -> set[int]:

@@ -163,6 +163,9 @@ class Trainer:
             if cfg.checkpoint.enabled else None
         )
         self.last_saved_step: int | None = None
+        # The evaluation due at this step was skipped for a preemption's save (then saved as
+        # due, and run first by the resume).
+        self.evaluation_due = False
         # trainer.micro_batch_size=auto: what the planner chose, and its figures (Trainer.create).
         self.batch_choice: BatchChoice | None = None
         self.preemption: PreemptionFlag | None = None
@@ -249,6 +252,7 @@ class Trainer:
                 self.load_base_weights(draw)
             state = self.checkpointer.load(path)
             self.step = self.last_saved_step = state.step
+            self.evaluation_due = state.evaluation_due
             self.result.count_seen = state.tokens_seen
             self.train_data.consumed_samples = state.consumed_samples
             self.result.resumed_from = str(path)
@@ -359,7 +363,7 @@ class Trainer:
         blocked = self.checkpointer.save(
             self.step, tokens_seen=self.result.count_seen,
             consumed_samples=self.train_data.consumed_samples, global_batch=self.layout.global_batch,
-            blocking=blocking,
+            blocking=blocking, evaluation_due=self.evaluation_due,
         )
         self.best_save_due = False  # a save at this step keeps what the evaluation ranked
         self.result.checkpoint_blocked_s.append(blocked)
@@ -439,7 +443,7 @@ class Trainer:
             # stops every rank, not rank 0 alone while the others wait in the first step.
             run_agreed(self.open_run_records)
             self.log_setup()
-            if self.step >= t.max_steps:
+            if self.step >= t.max_steps and not self.evaluation_due:
                 self.info(f"nothing to do: step {self.step} >= trainer.max_steps={t.max_steps}")
             elif self.stop_early:
                 self.info(f"nothing to do: the run stopped early at step {self.step} (trainer.early_stop_"
@@ -466,6 +470,8 @@ class Trainer:
                 self.run_step()
                 self.info("dry run complete: the configuration builds, shards and trains one step")
                 return
+            if self.evaluation_due:
+                self.evaluate_skipped()
             while self.step < self.cfg.trainer.max_steps and not self.stop_early and self.iteration():
                 pass
             self.profiler.close(self.step)  # before the final save and sample
@@ -686,8 +692,11 @@ class Trainer:
         # A preemption's save comes next: evaluation and samples would eat the grace period the
         # scheduler gives before its SIGKILL (every rank agrees on stop_agreed: all skip alike).
         preempting = stats.stop_agreed
-        if (due(step, t.eval_every) or last) and self.val_batches and not preempting:
-            record.update(self.validate())
+        if (due(step, t.eval_every) or last) and self.val_batches:
+            if preempting:  # saved as due: the resume runs it first, on these same weights
+                self.evaluation_due = True
+            else:
+                record.update(self.validate())
         if due(step, t.sample_every) and step < t.max_steps and self.samples_text() and not preempting:
             self.sample()
         if record:
@@ -695,6 +704,23 @@ class Trainer:
             self.console.show(step, record, tuple(name for name, _ in self.metric_kinds))
         if "val_loss" in record and self.best is not None:  # after the record: a wrong monitor stops here
             self.judge_evaluation(record)
+
+    def evaluate_skipped(self) -> None:
+        """The evaluation a preemption's save skipped at the resumed step, before any further step:
+        the weights are those it would have evaluated (the resume is exact), so its record, its
+        rank among the best and its early-stop count are the uninterrupted run's. The resumed
+        checkpoint is this step's: one that ranks is already saved, and the best link is moved to it."""
+        self.evaluation_due = False
+        self.info(f"step {self.step}: the evaluation the preemption skipped runs now")
+        record = self.validate()
+        self.writer.write(self.step, "train", record)
+        self.console.show(self.step, record, tuple(name for name, _ in self.metric_kinds or ()))
+        if self.best is None:
+            return
+        self.judge_evaluation(record)
+        self.best_save_due = False  # saved: the checkpoint just resumed
+        if self.env.is_main and self.checkpointer is not None and self.best.ranking:
+            self.checkpointer.point_best_at(self.best.ranking[0][0], f"step {self.step} was evaluated")
 
     def validate(self) -> dict[str, float]:
         """The validation loss and the task's metrics (``val_*``), and with a weight average the
