@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -272,6 +273,11 @@ def test_export_peft_round_trip_and_corruption(lora_runs, tmp_path):
     difference = verify_peft_export(checkpoint, tmp_path / "adapter")
     print("export-peft logits", difference)
     assert difference < TOL
+    # Never over an adapter, nor into a model's directory (found by review: into the base model's,
+    # transformers then loaded the adapters with it).
+    for taken in (tmp_path / "adapter", Path(json.loads(written[0].read_text())["base_model_name_or_path"])):
+        with pytest.raises(CheckpointError, match="already holds model files"):
+            export_peft(checkpoint, taken)
     # An adapter on a module the run never trained leaves the logits alone (lora_B starts at zero)
     # but trains on in PEFT: the check counts the modules. Last names only where the run's targets
     # were last names: a run that targeted one layer's projection gets its full name.

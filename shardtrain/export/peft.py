@@ -26,6 +26,7 @@ from torch import nn
 
 from shardtrain.checkpoint import layout
 from shardtrain.checkpoint.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
+from shardtrain.checkpoint.safetensors_files import check_new_directory
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.checkpoint.weights import load_model_weights
 from shardtrain.config.plan import DTYPES
@@ -116,6 +117,9 @@ def export_peft(checkpoint: str | Path, out_dir: str | Path) -> list[Path]:
     """PEFT's adapter directory from a ``finetune=lora`` checkpoint."""
     ckpt = LoraCheckpoint.read(checkpoint)
     out = Path(out_dir)
+    # Never into a model's directory (a base model's own would load the adapters from then on) nor
+    # over another adapter.
+    check_new_directory(out)
     tensors = dict(peft_key(name, tensor, ckpt.model) for name, tensor in ckpt.adapters.items())
     config = lora_config(ckpt.finetune, target_modules(ckpt.finetune, adapted_modules(tensors)))
     config.task_type = "CAUSAL_LM"
