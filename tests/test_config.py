@@ -277,6 +277,9 @@ def test_a_weights_average_needs_checkpoints_and_whole_weights():
 def test_the_best_checkpoints_and_early_stopping_judge_a_validation_value():
     for overrides, message in (
             (["checkpoint.keep_best=2", "checkpoint.enabled=false"], "checkpoint.enabled=false saves none"),
+            # found by review: the run started afresh without a word
+            (["checkpoint.resume=/some/step-4", "checkpoint.enabled=false"],
+             "checkpoint.resume=/some/step-4 is not read with checkpoint.enabled=false"),
             (["checkpoint.keep_best=2", "trainer.monitor=loss"], "'loss' is no validation value"),
             (["trainer.early_stop_patience=3", "trainer.monitor=ema_val_loss"],
              "set trainer.ema_decay (e.g. 0.999) or monitor val_loss"),

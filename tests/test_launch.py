@@ -110,6 +110,12 @@ def test_worker_failure_is_one_line_naming_the_rank(tmp_path):
         (None, "model.init_from={tmp}/nothing.safetensors", "does not exist"),
         (None, "model.init_from=hf:{tmp}/no_model", "is not a directory"),
         ("file", "run.dir={tmp}/a_file", "is a file; run.dir must be a directory"),
+        # Found by review: a checkpoint (or checkpoints/) as run.dir trained afresh inside it.
+        ("checkpoints", "run.dir={tmp}/r/checkpoints/step-4",
+         "run.dir='{tmp}/r/checkpoints/step-4' is a checkpoint; run.dir is the run's directory"),
+        ("checkpoints", "run.dir={tmp}/r/checkpoints",
+         "run.dir='{tmp}/r/checkpoints' is a run's checkpoints directory; name the run's directory, "
+         "'{tmp}/r', to go on"),
     ],
 )
 def test_broken_paths_fail_before_any_worker_starts(tmp_path, capsys, make, override, message):
@@ -121,13 +127,16 @@ def test_broken_paths_fail_before_any_worker_starts(tmp_path, capsys, make, over
         (tmp_path / "truncated" / ".metadata").write_bytes(b"\x80\x04trunc")
     elif make == "file":
         (tmp_path / "a_file").write_text("not a directory")
+    elif make == "checkpoints":
+        (tmp_path / "r" / "checkpoints" / "step-4").mkdir(parents=True)
+        (tmp_path / "r" / "checkpoints" / "step-4" / "trainer_state.json").write_text("{}")
     args = ["train", *QUICK, "trainer.devices=2", override.format(tmp=tmp_path)]
     if not override.startswith("run.dir"):
         args.append(f"run.dir={tmp_path / 'run'}")
     status = main(args)
     stderr = capsys.readouterr().err
     assert status == 2, stderr[-2000:]
-    assert message in stderr and stderr.startswith("shardtrain: error: "), stderr
+    assert message.format(tmp=tmp_path) in stderr and stderr.startswith("shardtrain: error: "), stderr
     assert "world size" not in stderr and "Traceback" not in stderr  # no worker started
     assert not (tmp_path / "run" / "logs").exists()
 

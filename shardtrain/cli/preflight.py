@@ -10,6 +10,7 @@ from pathlib import Path
 from shardtrain.checkpoint import layout
 from shardtrain.checkpoint.peft_adapter import resolve_adapter_settings
 from shardtrain.checkpoint.safetensors_files import file_metadata, weight_files
+from shardtrain.checkpoint.state import STATE_FILE
 from shardtrain.checkpoint.weights import HF_PREFIX, read_hf_config
 from shardtrain.cli.paths import check_writable
 from shardtrain.config.schema import Config
@@ -32,7 +33,23 @@ from shardtrain.train.trackers import (
 def check_run_dir(run_dir: Path) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.dir={str(run_dir)!r} is a file; run.dir must be a directory")
+    if run_dir.is_dir():
+        check_not_checkpoints(run_dir)
     check_writable(run_dir, "run.dir")
+
+
+def check_not_checkpoints(run_dir: Path) -> None:
+    """A checkpoint, or a run's checkpoints directory, named as run.dir (to go on from it): training
+    would start afresh inside it."""
+    if (run_dir / layout.METADATA_FILE).is_file() or (run_dir / STATE_FILE).is_file():
+        raise ConfigError(f"run.dir={str(run_dir)!r} is a checkpoint; run.dir is the run's directory "
+                          "(the one holding checkpoints/): name that one to go on from its newest "
+                          "checkpoint, or set checkpoint.resume to this checkpoint with a new run.dir")
+    if any(layout.STEP_DIR.match(entry.name) or layout.TMP_DIR.match(entry.name)
+           for entry in run_dir.iterdir()):
+        run = repr(str(run_dir.parent)) if run_dir.name == layout.CHECKPOINTS_DIR else "the one above"
+        raise ConfigError(f"run.dir={str(run_dir)!r} is a run's checkpoints directory; name the run's "
+                          f"directory, {run}, to go on from its newest checkpoint")
 
 
 def check_resume(cfg: Config) -> None:

@@ -314,6 +314,10 @@ def check_config(cfg: Config) -> None:
         if not str(value).strip():  # '' is the working directory to pathlib, or '.' as a checkpoint
             raise ConfigError(f"{key} is empty; name a directory"
                               + (" (or auto, or none)" if key == "checkpoint.resume" else ""))
+    if not cfg.checkpoint.enabled and cfg.checkpoint.resume not in ("auto", "none"):
+        raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume} is not read with "
+                          "checkpoint.enabled=false (the run would start afresh); enable checkpoints, or "
+                          "start from its weights alone with model.init_from")
     checkpoints = Path(cfg.run.dir).expanduser() / "checkpoints"
     if cfg.checkpoint.enabled and checkpoints.exists() and not checkpoints.is_dir():
         raise ConfigError(f"{checkpoints} is a file, where run.dir's checkpoints go; move it away or "
