@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,8 +56,15 @@ def test_sharded_generation_equals_consolidated(tmp_path):
     prompts.write_text("def \n" + "x" * 5000 + "\n")
     too_long = run_cli("generate", str(ckpt), "--prompts-file", str(prompts), "--max-new-tokens", "8",
                        "--devices", "2", "--mode", "gathered", timeout=120)
-    assert too_long.returncode != 0, too_long.stderr[-2000:]
-    assert too_long.stderr.count("shardtrain: error: prompt 2: prompt (5000 tokens)") == 2  # both ranks
+    assert too_long.returncode == 2, too_long.stderr[-2000:]
+    # one line on the console, as `train` gives (found by review: every rank's copy, then torchrun's
+    # traceback); both ranks' copies and torchrun's report in the log it names
+    (line,) = [line for line in too_long.stderr.splitlines() if line.startswith("shardtrain: ")]
+    assert line.startswith("shardtrain: error: prompt 2: prompt (5000 tokens)") and "Traceback" not in (
+        too_long.stderr)
+    log = Path(line.rpartition("; full log: ")[2])
+    assert log.read_text().count("shardtrain: error: prompt 2: prompt (5000 tokens)") == 2
+    log.unlink()
     evaluated = run_cli("eval", str(ckpt), "--samples", "16", "--devices", "2")
     assert evaluated.returncode == 0 and "perplexity" in evaluated.stdout, evaluated.stderr[-2000:]
 

@@ -42,6 +42,8 @@ from shardtrain.errors import ConfigError
 from shardtrain.logs import LOG_PREFIX
 
 AGENT_SIGNALS = ("SIGINT", "SIGHUP", "SIGQUIT")
+# How a command's last line to stderr begins (cli/main.py), a worker's too.
+COMMAND_END = "shardtrain: "
 
 
 def torchrun_argv(nproc: int, command: list[str], preemption_signals: Sequence[str],
@@ -243,6 +245,16 @@ def killed_workers(log_file: Path) -> list[tuple[int, str]]:
                 name = f"signal {-int(code)}"
             killed.append((int(rank), name))
     return killed
+
+
+def first_worker_line(log_file: Path) -> str | None:
+    """The first line a worker's command ended with (``shardtrain: error: ...``, ``shardtrain:
+    interrupted``), which every rank printed to the log; None if none did (a crash)."""
+    try:
+        with open(log_file, errors="replace") as log:
+            return next((line.strip() for line in log if line.startswith(COMMAND_END)), None)
+    except OSError:
+        return None
 
 
 def launch_log_path(run_dir: Path, started: float) -> Path:

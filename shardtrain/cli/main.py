@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -15,6 +17,10 @@ from shardtrain.cli.paths import check_exists, check_output, os_failure
 from shardtrain.config.schema import Config
 from shardtrain.errors import ShardtrainError
 from shardtrain.logs import setup_logging
+
+INTERRUPTED = "shardtrain: interrupted"
+# A worker's lines to the console: under the built-in launcher only log lines reach it.
+log = logging.getLogger("shardtrain")
 
 
 def compose_checked(overrides: list[str]) -> Config:
@@ -91,7 +97,7 @@ def cmd_train(overrides: list[str]) -> int:
 
 def on_devices(devices: int, argv: list[str]) -> int | None:
     """Run ``shardtrain argv`` on ``devices`` processes under torchrun, or None to run here."""
-    from shardtrain.cli.launch import run_under_torchrun
+    from shardtrain.cli.launch import first_worker_line, run_under_torchrun
     from shardtrain.distributed.env import under_torchrun
     from shardtrain.errors import ConfigError
 
@@ -100,7 +106,23 @@ def on_devices(devices: int, argv: list[str]) -> int | None:
             raise ConfigError(f"--devices {devices} but torchrun started {os.environ['WORLD_SIZE']}")
         return None
     if devices > 1:
-        return run_under_torchrun(devices, argv, ())
+        # The workers' stderr (every rank's copy of an error, torchrun's ChildFailedError report) goes
+        # to a log; the console gets their log lines, then one line, as `train` gives.
+        handle, name = tempfile.mkstemp(prefix=f"shardtrain-{argv[0]}-", suffix=".log")
+        os.close(handle)
+        log_file = Path(name)
+        status = run_under_torchrun(devices, argv, (), log_file=log_file)
+        if status == 0:
+            log_file.unlink(missing_ok=True)
+            return 0
+        line = first_worker_line(log_file)
+        if line == INTERRUPTED:
+            print(INTERRUPTED, file=sys.stderr)
+            return 130
+        reason = (line.removeprefix("shardtrain: error: ") if line else
+                  f"the {devices} processes exited with status {status} without an error line")
+        print(f"shardtrain: error: {reason}; full log: {log_file}", file=sys.stderr)
+        return 2 if line else status
     return None
 
 
@@ -156,7 +178,7 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
                                  loaded.env.local_world_size)
         main_rank = loaded.env.is_main
         if main_rank:
-            print(f"generation: {choice.mode} ({choice.reason()})", file=sys.stderr)
+            log.info(f"generation: {choice.mode} ({choice.reason()})")
         runner = (nullcontext(gathered_copy(loaded.model, loaded.factory, loaded.env.device,
                                             loaded.compute_dtype))
                   if choice.mode == "gathered" else sharded_inference(loaded.model))
@@ -188,7 +210,7 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
                 # Every rank holds the whole model: each generates its share of the prompts (the
                 # same tokens as anywhere else: the seed is the prompt's), rank 0 prints them in order.
                 if main_rank:
-                    print(f"generation: {len(prompts)} prompts split over {world} ranks", file=sys.stderr)
+                    log.info(f"generation: {len(prompts)} prompts split over {world} ranks")
                 mine, failed = {}, None
                 for index in range(loaded.env.rank, len(prompts), world):
                     try:
@@ -666,8 +688,8 @@ def run_command(args: argparse.Namespace, argv: list[str] | None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
         return 141
     except KeyboardInterrupt:
-        print("shardtrain: interrupted (a training run with checkpoints resumes from its newest one "
-              "when the same command runs again)", file=sys.stderr)
+        print(INTERRUPTED + (" (a training run with checkpoints resumes from its newest one when the "
+                             "same command runs again)" if args.command == "train" else ""), file=sys.stderr)
         return 130
     except Exception as exc:
         # A full disk or a read-only path is one line, as the framework's own errors are; anything
