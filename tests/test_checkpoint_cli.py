@@ -479,6 +479,12 @@ def test_the_weights_average_resumes_at_another_world_size_and_consolidates(tmp_
         assert proc.returncode == 0, proc.stderr[-3000:]
         loss = float(proc.stdout.split("loss ")[1].split()[0])
         assert abs(loss - logged[field]) <= 6e-5, (field, loss, logged[field])  # printed to 4 places
+    # The consolidated average scores the same: the file records the run's data as well as its model
+    # (found by review: a file was scored on the default data, whatever the run trained on).
+    proc = run_cli("eval", str(tmp_path / "whole-ema.safetensors"), "--samples", "16", "--seq-len", "64",
+                   "--batch-size", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert abs(float(proc.stdout.split("loss ")[1].split()[0]) - logged["ema_val_loss"]) <= 6e-5
     proc = run_cli("generate", str(whole / "checkpoints" / "step-6"), "--ema", "--prompt", "def ",
                    "--max-new-tokens", "4")
     assert proc.returncode == 0 and proc.stdout.startswith("def "), proc.stderr[-3000:]

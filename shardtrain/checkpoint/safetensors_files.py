@@ -25,6 +25,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Metadata key under which shardtrain stores the model config in a consolidated file.
 MODEL_CONFIG_KEY = "shardtrain_model_config"
+# ... and the training data's config: `eval` scores the held-out split of it.
+DATA_CONFIG_KEY = "shardtrain_data_config"
 # What readers of a model directory take from it (weights, indexes, configs, tokenizers): left by an
 # earlier export beside a new one, they would be loaded instead of it (transformers prefers
 # model.safetensors to an index) or mixed with it.

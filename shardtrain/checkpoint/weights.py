@@ -30,13 +30,14 @@ from shardtrain.checkpoint import integrity, layout
 from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed
 from shardtrain.checkpoint.integrity import MANIFEST_FILE, file_sha256
 from shardtrain.checkpoint.safetensors_files import (
+    DATA_CONFIG_KEY,
     MODEL_CONFIG_KEY,
     file_metadata,
     open_safetensors,
     weight_files,
 )
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
-from shardtrain.config.schema import FinetuneConfig, ModelConfig
+from shardtrain.config.schema import DataConfig, FinetuneConfig, ModelConfig
 from shardtrain.distributed.agreement import agree
 from shardtrain.distributed.qlora import NF4_DESCRIPTION
 from shardtrain.distributed.sharded_model import first_row, local_box, shard_like
@@ -108,6 +109,15 @@ def model_config_of(path: Path) -> ModelConfig:
     state = TrainState.read(path)
     refuse_adapters_only(path, state)
     return state.model_config()
+
+
+def data_config_of(path: Path) -> DataConfig | None:
+    """The training data's config saved with a shardtrain checkpoint or consolidated file; None
+    where it was not saved (a file consolidated by an older shardtrain)."""
+    if path.is_file():
+        raw = file_metadata(path).get(DATA_CONFIG_KEY) if path.suffix == ".safetensors" else None
+        return None if raw is None else DataConfig(**json.loads(raw))
+    return TrainState.read(path).data_config()
 
 
 def refuse_adapters_only(path: Path, state: TrainState) -> None:

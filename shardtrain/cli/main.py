@@ -280,6 +280,9 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
                                        file_glob=args.glob), tokenizer, need=("val",)).val
             source = args.file
         else:
+            if not loaded.data_known:
+                raise ConfigError(f"{args.checkpoint} does not record the data its run trained on "
+                                  "(consolidated by an older shardtrain); name the text to score with --file")
             corpus = load_corpus(loaded.cfg.data, tokenizer)
             data, source = corpus.val, f"held-out split of {corpus.root}"
         windows = TokenWindows(data, args.seq_len, "evaluation data")

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from shardtrain.checkpoint import integrity, layout
 from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed
 from shardtrain.checkpoint.safetensors_files import (
+    DATA_CONFIG_KEY,
     MODEL_CONFIG_KEY,
     check_new_output,
     save_shard,
@@ -178,8 +179,9 @@ def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | N
     if layout.detect_format(path) == "shardtrain" and model_entries:
         # Lets `shardtrain generate` and `eval` rebuild the model from the file alone (the weights'
         # average, trainer.ema_decay's, is the same model's).
-        model_cfg = TrainState.read(path).config["model"]
-        metadata[MODEL_CONFIG_KEY] = json.dumps(model_cfg, sort_keys=True)
+        saved = TrainState.read(path).config
+        metadata[MODEL_CONFIG_KEY] = json.dumps(saved["model"], sort_keys=True)
+        metadata[DATA_CONFIG_KEY] = json.dumps(saved["data"], sort_keys=True)
     for index, entries in enumerate(plan.shards, start=1):
         name = out.name if single else shard_name(index, n)
         loaded = load_tensors(path, entries, plan.metadata)

@@ -20,6 +20,7 @@ from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.checkpoint.weights import (
     base_identity,
     check_same_base,
+    data_config_of,
     load_adapters,
     load_model_weights,
     model_config_of,
@@ -46,6 +47,7 @@ class Loaded:
     model: nn.Module  # sharded
     factory: ModelFactory  # builds the plain (unsharded) model, e.g. for gathered generation
     compute_dtype: torch.dtype
+    data_known: bool = True  # cfg.data is the run's data (not for a file consolidated before it was kept)
 
 
 def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
@@ -68,8 +70,10 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
         check_same_base(path, state.base_weights, base_identity(cfg.model, cfg.trainer.seed, cfg.finetune))
     else:
         cfg.model = dataclasses.replace(model_config_of(path), init_from=None)
-    if state is not None:  # evaluate on the split the run trained with
-        cfg.data = state.data_config()
+    # `eval` scores the held-out split of the data the run trained with
+    data = state.data_config() if state is not None else data_config_of(path)
+    if data is not None:
+        cfg.data = data
     precision = {"fp32": "fp32", "bf16": "bf16-mixed"}.get(dtype, dtype)
     cfg.strategy = dataclasses.replace(cfg.strategy, sharding_strategy=strategy, mixed_precision=precision)
     env = init_distributed(cfg.dist.backend, cfg.dist.startup_timeout_s)
@@ -98,4 +102,5 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
         load_adapters(model, path)
     else:
         load_model_weights(model, str(path), verify_checksums=verify_checksums, average=average)
-    return Loaded(cfg, env, model, with_adapters(factory, cfg, env.device), plan.param_dtype)
+    return Loaded(cfg, env, model, with_adapters(factory, cfg, env.device), plan.param_dtype,
+                  data_known=data is not None)
