@@ -356,6 +356,21 @@ def test_the_best_evaluations():
     assert (taken.best, taken.stale, taken.stopped_at) == ((14, 0.95), 0, None)
 
 
+def test_a_directory_of_consolidated_weights_is_named_for_what_it_is(tmp_path):
+    """Found by review: consolidate's output directory given as a checkpoint was "a save that did not
+    finish"; the one-file kind names the file to pass, the sharded kind the way to one file."""
+    (tmp_path / "one").mkdir()
+    file = tmp_path / "one" / "model.safetensors"
+    file.write_bytes(b"")
+    named = f"holds consolidated weights, not a checkpoint: pass the file, '{file}'"
+    with pytest.raises(CheckpointError, match=re.escape(named)):
+        layout.read_dcp_metadata(tmp_path / "one")
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="consolidate it into one .safetensors file"):
+        layout.read_dcp_metadata(tmp_path / "shards")
+
+
 def test_abandoned_saves_and_deletions_are_removed(tmp_path):
     """A deletion that crashed left .step-4.deleting: pruning a step-4 saved again renamed onto it
     and failed (ENOTEMPTY) after the new checkpoint had committed. remove_abandoned deletes what

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from shardtrain.checkpoint.safetensors_files import INDEX_FILE, SINGLE_FILE
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.errors import CheckpointError
 
@@ -81,6 +82,14 @@ def read_dcp_metadata(path: Path) -> Metadata:
             raise CheckpointError(f"checkpoint directory {str(path)!r} is empty")
         if (kind := directory_of_checkpoints(path)) is not None:
             raise CheckpointError(f"{str(path)!r} is {kind}")
+        if (path / SINGLE_FILE).is_file():
+            raise CheckpointError(f"{str(path)!r} holds consolidated weights, not a checkpoint: pass the "
+                                  f"file, {str(path / SINGLE_FILE)!r}")
+        if (path / INDEX_FILE).is_file():
+            raise CheckpointError(f"{str(path)!r} holds consolidated weights in shards (--max-shard-size), "
+                                  "which shardtrain does not read back (transformers does, with a "
+                                  "config.json: `shardtrain export-hf` writes such a directory); pass the "
+                                  "checkpoint itself, or consolidate it into one .safetensors file")
         raise CheckpointError(
             f"checkpoint {str(path)!r} has no .metadata: the save did not finish (or this is not a DCP "
             "checkpoint); use an earlier complete checkpoint"
