@@ -132,6 +132,16 @@ def test_simulation_flags_without_simulate_are_refused(capsys):
         "table shows every strategy, with and without checkpointing)")
 
 
+def test_a_layout_judged_for_this_machine_names_processes_per_node(capsys):
+    """Found by review: planning tensor parallelism from a login node failed on this machine's one
+    process without naming the flag that plans for other nodes."""
+    assert main(["plan", "strategy.tensor_parallel=8", "--world-sizes", "16"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "process(es) per node; plan for other nodes with --processes-per-node N)")
+    assert main(["plan", "strategy.tensor_parallel=8", "--world-sizes", "16",
+                 "--processes-per-node", "8"]) == 0
+
+
 def test_a_measured_block_under_tensor_parallelism_keeps_the_larger_estimate():
     """Less what TP takes from a Llama block of the same sizes (a family's extra norms stay whole:
     Gemma 2), or scaled as that block scales (a GELU MLP keeps less than SwiGLU's where TP splits:

@@ -381,7 +381,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         # The nodes planned for, not this machine's: the layout checks (a tensor-parallel group
         # within a node) are against them.
         cfg.trainer.devices = args.processes_per_node
-    check_runtime(cfg, runs_here=False)  # the machines planned for may have what this one lacks
+    try:
+        check_runtime(cfg, runs_here=False)  # the machines planned for may have what this one lacks
+    except ConfigError as exc:
+        if args.processes_per_node or not (cfg.strategy.tensor_parallel > 1 or cfg.strategy.shard_group_size):
+            raise
+        # The layout checks judged this machine's processes (found by review: from a login node)
+        raise ConfigError(f"{exc} (judged for this machine's {launch_shape(cfg)[0]} process(es) per "
+                          "node; plan for other nodes with --processes-per-node N)") from exc
     per_node, world = launch_shape(cfg)
     local = args.processes_per_node or per_node
     language_model = planned_by_formulas(import_object(cfg.task.path, "task"))
