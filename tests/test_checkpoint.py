@@ -371,6 +371,20 @@ def test_a_directory_of_consolidated_weights_is_named_for_what_it_is(tmp_path):
         layout.read_dcp_metadata(tmp_path / "shards")
 
 
+def test_inspect_refuses_a_directory_that_is_no_checkpoint(tmp_path):
+    """Found by review: an empty directory or one of text files was inspected as a checkpoint whose
+    save did not finish (exit 1, read as damage); what holds no checkpoint file is refused (exit 2)."""
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("text")
+    for directory in (tmp_path / "texts", tmp_path / "texts" / "empty"):
+        directory.mkdir(exist_ok=True)
+        with pytest.raises(CheckpointError, match="is no checkpoint: it holds no .metadata and no"):
+            inspect_path(directory)
+    abandoned = tmp_path / ".step-4.tmp"  # an interrupted save: reported, not refused
+    abandoned.mkdir()
+    assert "did not finish" in inspect_path(abandoned).render()
+
+
 def test_abandoned_saves_and_deletions_are_removed(tmp_path):
     """A deletion that crashed left .step-4.deleting: pruning a step-4 saved again renamed onto it
     and failed (ENOTEMPTY) after the new checkpoint had committed. remove_abandoned deletes what

@@ -110,6 +110,11 @@ def inspect_path(target: str | Path) -> Report:
     if not (path / layout.METADATA_FILE).exists() and (kind := layout.directory_of_checkpoints(path)):
         # not a damaged checkpoint: the wrong level (consolidate and the rest refuse it alike)
         raise CheckpointError(f"{str(path)!r} is {kind}")
+    own_files = (layout.METADATA_FILE, layout.STATE_FILE, integrity.MANIFEST_FILE)
+    if not (any((path / name).exists() for name in own_files) or any(path.glob("*.distcp"))
+            or any(path.glob("rng-rank*.pt")) or layout.TMP_DIR.match(path.name)):
+        raise CheckpointError(f"{str(path)!r} is no checkpoint: it holds no .metadata and no *.distcp "
+                              "files (pass a checkpoint directory, a .safetensors file or an index)")
     fmt = layout.detect_format(path)
     if fmt == "dcp" and (any(path.glob("rng-rank*.pt")) or (path / integrity.MANIFEST_FILE).is_file()):
         fmt = "shardtrain"  # shardtrain's own files, without the one its commit writes last

@@ -82,10 +82,11 @@ def read_dcp_metadata(path: Path) -> Metadata:
             raise CheckpointError(f"checkpoint directory {str(path)!r} is empty")
         if (kind := directory_of_checkpoints(path)) is not None:
             raise CheckpointError(f"{str(path)!r} is {kind}")
-        if (path / SINGLE_FILE).is_file():
+        consolidated = not any(path.glob("*.distcp"))  # a save_full checkpoint holds a model.safetensors too
+        if consolidated and (path / SINGLE_FILE).is_file():
             raise CheckpointError(f"{str(path)!r} holds consolidated weights, not a checkpoint: pass the "
                                   f"file, {str(path / SINGLE_FILE)!r}")
-        if (path / INDEX_FILE).is_file():
+        if consolidated and (path / INDEX_FILE).is_file():
             raise CheckpointError(f"{str(path)!r} holds consolidated weights in shards (--max-shard-size), "
                                   "which shardtrain does not read back (transformers does, with a "
                                   "config.json: `shardtrain export-hf` writes such a directory); pass the "
