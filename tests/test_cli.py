@@ -91,6 +91,12 @@ NO_TRAINING = [
     (["export-hf", "missing", "out"], 2, "shardtrain: error: checkpoint 'missing' does not exist"),
     (["inspect", "missing"], 2, "shardtrain: error: 'missing' does not exist"),
     (["report", "missing"], 2, "shardtrain: error: run directory 'missing' does not exist"),
+    # found by review: the right words for the mistake made
+    (["report", "latin1.txt"], 2, "'latin1.txt' is a file; pass the run directory holding it ('.')"),
+    (["generate", ".", "--prompts-file", "."], 2, "--prompts-file '.' is a directory; name a text file"),
+    (["train", "data.paths=/x"], 2, "str is not a ListConfig, list or tuple; a list is written in "
+                                    "brackets: key=[a,b]"),
+    (["train", "checkpoint.resume=null"], 2, "this key takes no null (checkpoint.resume=none starts afresh)"),
 ]
 # Runs each in one fresh interpreter, as `python -m shardtrain ARGS` would, and reports what it
 # imported: torch and what stands on it take seconds to import.

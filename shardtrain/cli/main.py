@@ -131,6 +131,9 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
     if args.prompts_file:
         path = Path(args.prompts_file)
+        if path.is_dir():
+            raise ConfigError(f"--prompts-file {str(path)!r} is a directory; name a text file, one prompt "
+                              "a line")
         if not path.is_file():
             raise ConfigError(f"--prompts-file {str(path)!r} does not exist")
         try:

@@ -40,6 +40,16 @@ LLAMA_ONLY_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "
                      "lean_layers", "init_std")
 
 
+def override_hint(detail: str) -> str:
+    """How to write the value OmegaConf refused (its own message names only the type)."""
+    if "is not a ListConfig" in detail:
+        return "; a list is written in brackets: key=[a,b] (key=[a] for one)"
+    if "is not Optional" in detail:
+        return "; this key takes no null" + (" (checkpoint.resume=none starts afresh)"
+                                              if "checkpoint.resume" in detail else "")
+    return ""
+
+
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The config these overrides make, checked on its own (``loader.load_config`` goes on to check
     it against the code it names and the devices)."""
@@ -56,7 +66,9 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
         # Hydra wraps the OmegaConf type error; its cause says which value did not convert.
         cause = exc.__cause__
         detail = str(cause).splitlines()[0] if cause is not None else str(exc)
-        raise ConfigError(f"invalid override: {exc.args[0] if exc.args else exc}: {detail}") from exc
+        hint = override_hint(detail)
+        detail = detail.rstrip(".") if hint else detail
+        raise ConfigError(f"invalid override: {exc.args[0] if exc.args else exc}: {detail}{hint}") from exc
     finally:
         GlobalHydra.instance().clear()
     try:

@@ -77,7 +77,7 @@ class TokenWindows:
         if self.num_samples < 1:
             raise DataError(
                 f"{name} has {len(tokens)} tokens, fewer than one window of trainer.seq_len+1="
-                f"{seq_len + 1}; use more data or a shorter trainer.seq_len"
+                f"{seq_len + 1}; use more data or a shorter trainer.seq_len (eval: --seq-len)"
             )
         if document_mask and not hasattr(tokens, "document_starts"):
             raise DataError(f"data.document_mask=true needs to know where documents begin, and {name} is "

@@ -159,6 +159,9 @@ def read_config(path: Path) -> dict[str, Any]:
 def check_run_dir(run_dir: Path) -> Path:
     """``run_dir``'s metrics file, or the one-line error that says what to pass instead (cheap:
     the command line asks before it imports the plotting library)."""
+    if run_dir.is_file():
+        raise ReportError(f"{str(run_dir)!r} is a file; pass the run directory holding it "
+                          f"({str(run_dir.parent)!r}): the report reads its metrics.jsonl and config.yaml")
     if not run_dir.is_dir():
         raise ReportError(f"run directory {str(run_dir)!r} does not exist; pass the run.dir of a "
                           "training run (the directory holding metrics.jsonl)")
