@@ -362,7 +362,8 @@ def test_a_directory_of_consolidated_weights_is_named_for_what_it_is(tmp_path):
     (tmp_path / "one").mkdir()
     file = tmp_path / "one" / "model.safetensors"
     file.write_bytes(b"")
-    named = f"holds consolidated weights, not a checkpoint: pass the file, '{file}'"
+    named = (f"holds consolidated weights, not a checkpoint: generate, eval, export-hf and model.init_from "
+             f"take its file, '{file}'; consolidate and checkpoint.resume the checkpoint it was made from")
     with pytest.raises(CheckpointError, match=re.escape(named)):
         layout.read_dcp_metadata(tmp_path / "one")
     (tmp_path / "shards").mkdir()

@@ -94,6 +94,15 @@ def test_a_preemption_save_does_not_wait_for_evaluation(tmp_path):
     records = read_metrics(run_dir)
     assert records[-1]["step"] == 4 and records[-1]["val_loss"] > 0, records[-1]
     assert os.readlink(run_dir / "checkpoints" / "best") == "step-4"  # it ranked: the link moved
+    # Resumed into another run.dir, the skipped evaluation counts for early stopping but ranks
+    # nothing there: step 4 is not that run's (found by review: best linked to a missing step-4).
+    other = tmp_path / "other"
+    proc = run_cli("train", *args[:-1], f"run.dir={other}", "trainer.max_steps=4",
+                   f"checkpoint.resume={run_dir / 'checkpoints' / 'step-4'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the evaluation the preemption skipped runs now" in proc.stderr
+    assert "ranks among" not in proc.stderr
+    assert not (other / "checkpoints" / "best").exists()
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +197,9 @@ def test_bad_checkpoints_fail_fast_with_their_own_message(good_checkpoint, tmp_p
     if damage in ("truncated", "no_metadata", "empty"):
         consolidated = run_cli("consolidate", str(path), str(tmp_path / "out"), timeout=60)
         assert consolidated.returncode == 2 and message in consolidated.stderr
+    if damage == "no_metadata":  # save_full: its model.safetensors does not make it a consolidated file
+        inspected = run_cli("inspect", str(path), timeout=60)
+        assert inspected.returncode == 1 and "complete:   no" in inspected.stdout, inspected.stdout
 
 
 def test_a_run_directory_given_for_a_checkpoint_names_its_newest(good_checkpoint, tmp_path):

@@ -186,6 +186,12 @@ def test_timeline_drops_what_an_abandoned_attempt_logged_after_the_resume_step()
     assert [(r["step"], r["loss"]) for r in kinds["train"]] == [(5, 1.0), (10, 2.0), (15, 2.0)]
     assert [r["step"] for r in kinds["checkpoint"]] == [8]
     assert [(s.step, s.restart_count) for s in starts] == [(0, 0), (8, 1)]
+    # A preemption at step 8 skipped its evaluation; the resume runs it and logs it at step 8: its
+    # values join the step's record, which keeps the step's loss (found by review: it replaced it).
+    records += [{"step": 15, "kind": "start", "resumed_from": "ckpt/step-15"},
+                {"step": 15, "kind": "train", "val_loss": 1.5}]
+    kinds, _ = timeline(records)
+    assert kinds["train"][-1] == {"step": 15, "kind": "train", "loss": 2.0, "val_loss": 1.5}
 
 
 def test_bad_run_directories_fail_with_one_line(tmp_path):

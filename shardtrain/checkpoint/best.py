@@ -36,9 +36,10 @@ class BestEvaluations:
     def better(self, value: float, than: float) -> bool:
         return value < than if self.mode == "min" else value > than
 
-    def judge(self, step: int, value: float) -> bool:
+    def judge(self, step: int, value: float, rank: bool = True) -> bool:
         """Take ``step``'s evaluation; whether its checkpoint ranks among the ``keep`` kept (it is
-        then in the ranking, the worst out beyond ``keep``). NaN neither ranks nor improves."""
+        then in the ranking, the worst out beyond ``keep``). NaN neither ranks nor improves.
+        ``rank`` False: counted for early stopping only (its checkpoint is not this run's)."""
         if not math.isfinite(value):
             self.stale += 1
             return False
@@ -47,6 +48,8 @@ class BestEvaluations:
             self.best, self.stale = (step, value), 0
         else:
             self.stale += 1
+        if not rank:
+            return False
         if not (len(self.ranking) < self.keep or (self.ranking and self.better(value, self.ranking[-1][1]))):
             return False
         entries = [(s, v) for s, v in self.ranking if s != step] + [(step, value)]

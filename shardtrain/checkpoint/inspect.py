@@ -104,7 +104,10 @@ def inspect_path(target: str | Path) -> Report:
     if (path / INDEX_FILE).is_file():
         inspect_safetensors(path / INDEX_FILE, report)
         return report
-    if not (path / layout.METADATA_FILE).exists() and (path / SINGLE_FILE).is_file():
+    # Consolidated weights: not a save_full checkpoint (DCP shards beside its model.safetensors) whose
+    # .metadata is gone, nor one whose save did not finish.
+    if (not (path / layout.METADATA_FILE).exists() and (path / SINGLE_FILE).is_file()
+            and not any(path.glob("*.distcp")) and not layout.TMP_DIR.match(path.name)):
         inspect_safetensors(path / SINGLE_FILE, report)
         return report
     if not (path / layout.METADATA_FILE).exists() and (kind := layout.directory_of_checkpoints(path)):

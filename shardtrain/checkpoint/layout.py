@@ -84,8 +84,10 @@ def read_dcp_metadata(path: Path) -> Metadata:
             raise CheckpointError(f"{str(path)!r} is {kind}")
         consolidated = not any(path.glob("*.distcp"))  # a save_full checkpoint holds a model.safetensors too
         if consolidated and (path / SINGLE_FILE).is_file():
-            raise CheckpointError(f"{str(path)!r} holds consolidated weights, not a checkpoint: pass the "
-                                  f"file, {str(path / SINGLE_FILE)!r}")
+            raise CheckpointError(f"{str(path)!r} holds consolidated weights, not a checkpoint: generate, "
+                                  f"eval, export-hf and model.init_from take its file, "
+                                  f"{str(path / SINGLE_FILE)!r}; consolidate and checkpoint.resume the "
+                                  "checkpoint it was made from")
         if consolidated and (path / INDEX_FILE).is_file():
             raise CheckpointError(f"{str(path)!r} holds consolidated weights in shards (--max-shard-size), "
                                   "which shardtrain does not read back (transformers does, with a "

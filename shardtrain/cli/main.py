@@ -117,6 +117,7 @@ def on_devices(devices: int, argv: list[str]) -> int | None:
             return 0
         line = first_worker_line(log_file)
         if line == INTERRUPTED:
+            log_file.unlink(missing_ok=True)
             print(INTERRUPTED, file=sys.stderr)
             return 130
         reason = (line.removeprefix("shardtrain: error: ") if line else
@@ -387,7 +388,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         check_runtime(cfg, runs_here=False)  # the machines planned for may have what this one lacks
     except ConfigError as exc:
-        if args.processes_per_node or not (cfg.strategy.tensor_parallel > 1 or cfg.strategy.shard_group_size):
+        layout_error = any(key in str(exc) for key in ("strategy.tensor_parallel=",
+                                                        "strategy.shard_group_size="))
+        if args.processes_per_node or cfg.trainer.devices != "auto" or not layout_error:
             raise
         # The layout checks judged this machine's processes (found by review: from a login node)
         raise ConfigError(f"{exc} (judged for this machine's {launch_shape(cfg)[0]} process(es) per "

@@ -114,7 +114,9 @@ def _record(line: str) -> dict | None:
 
 
 def timeline(records: list[dict]) -> tuple[dict[str, list[dict]], list[Start]]:
-    """One record per step and kind, the later one winning, sorted by step; and the attempts' starts.
+    """One record per step and kind, sorted by step, the later values winning where two records of
+    a step name the same field (an evaluation a preemption skipped, run by the resume, adds its
+    values to the step's record); and the attempts' starts.
 
     A ``start`` record at step S means training went back to S: what an earlier attempt logged after
     S never happened in the run that continues, and is dropped even where no later record replaces
@@ -131,7 +133,7 @@ def timeline(records: list[dict]) -> tuple[dict[str, list[dict]], list[Start]]:
             starts.append(Start(step, record.get("resumed_from"), int(record.get("restart_count") or 0),
                                 record.get("world_size")))
         elif kind in by_kind:
-            by_kind[kind][step] = record
+            by_kind[kind][step] = {**by_kind[kind].get(step, {}), **record}
     return {kind: [kept[s] for s in sorted(kept)] for kind, kept in by_kind.items()}, starts
 
 

@@ -166,6 +166,8 @@ class Trainer:
         # The evaluation due at this step was skipped for a preemption's save (then saved as
         # due, and run first by the resume).
         self.evaluation_due = False
+        # The resumed checkpoint lies in this run's checkpoints directory (what a ranking names).
+        self.resumed_here = True
         # trainer.micro_batch_size=auto: what the planner chose, and its figures (Trainer.create).
         self.batch_choice: BatchChoice | None = None
         self.preemption: PreemptionFlag | None = None
@@ -289,7 +291,9 @@ class Trainer:
     def restore_evaluations(self, path: Path, state: TrainState) -> None:
         """The resumed checkpoint's best evaluations (trainer.monitor), and whether the run had
         stopped early there with the patience it still has."""
-        if (unranked := self.best.restore(state.best, self.checkpointer.steps_held(path))) is not None:
+        held = self.checkpointer.steps_held(path)
+        self.resumed_here = held is not None
+        if (unranked := self.best.restore(state.best, held)) is not None:
             self.info(f"trainer.monitor: {unranked}")
         patience = self.cfg.trainer.early_stop_patience
         self.stop_early = bool(patience) and self.best.stopped_at == self.step and self.best.stale >= patience
@@ -717,7 +721,9 @@ class Trainer:
         self.console.show(self.step, record, tuple(name for name, _ in self.metric_kinds or ()))
         if self.best is None:
             return
-        self.judge_evaluation(record)
+        # Another run's checkpoint (resumed from its directory) is not this run's to rank or link:
+        # counted for early stopping only, as its own run counted it.
+        self.judge_evaluation(record, rank=self.resumed_here)
         self.best_save_due = False  # saved: the checkpoint just resumed
         if self.env.is_main and self.checkpointer is not None and self.best.ranking:
             self.checkpointer.point_best_at(self.best.ranking[0][0], f"step {self.step} was evaluated")
@@ -742,7 +748,7 @@ class Trainer:
             record.update({f"ema_val_{name}": value for name, value in val_metrics.items()})
         return record
 
-    def judge_evaluation(self, record: dict[str, float]) -> None:
+    def judge_evaluation(self, record: dict[str, float], rank: bool = True) -> None:
         """trainer.monitor's value of this evaluation: saved at its step when it ranks among
         checkpoint.keep_best's, and counted towards trainer.early_stop_patience when it does not
         improve on the best."""
@@ -752,7 +758,7 @@ class Trainer:
             raise TrainingError(f"trainer.monitor={t.monitor} is not among the values the evaluation "
                                 f"logged ({logged}); choose one of them")
         value = record[t.monitor]
-        if self.best.judge(step, value):
+        if self.best.judge(step, value, rank):
             self.best_save_due = True
             self.info(f"checkpoint.keep_best: {t.monitor} {value:.6g} at step {step} ranks among the "
                       f"{self.best.keep} best; saving it ({self.best.describe()})")
