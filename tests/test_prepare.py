@@ -10,6 +10,8 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+from types import SimpleNamespace
 
 import datasets
 import numpy as np
@@ -24,7 +26,7 @@ from tqdm import tqdm
 from shardtrain.config.schema import DataConfig
 from shardtrain.data.corpus import load_corpus, prepared_path
 from shardtrain.data.documents import list_files, resolve_sources
-from shardtrain.data.prepare import PrepareOptions, Reading, batches, prepare
+from shardtrain.data.prepare import PrepareOptions, Reading, batches, locked, prepare, tokenizer_entry
 from shardtrain.data.tokenizer import ByteTokenizer, HFTokenizer
 from shardtrain.errors import DataError
 
@@ -117,6 +119,10 @@ def test_a_changed_input_is_prepared_again(tmp_path):
     options = PrepareOptions(inputs=[str(tmp_path / "in")], val_percent=0.0)
     assert not prepare(options, tmp_path / "out", progress=False).up_to_date
     assert prepare(options, tmp_path / "out", progress=False).up_to_date
+    # A shard lost since: prepared again, where "up to date" left it broken for good (found by review)
+    shard = tmp_path / "out" / "train" / "tokens-00000.npy"
+    shard.unlink()
+    assert not prepare(options, tmp_path / "out", progress=False).up_to_date and shard.is_file()
     doc.write_text("six seven " * 80)
     os.utime(doc, ns=(doc.stat().st_mtime_ns + 10**9,) * 2)
     result = prepare(options, tmp_path / "out", progress=False)
@@ -146,6 +152,37 @@ def test_a_changed_input_is_prepared_again(tmp_path):
         prepare(PrepareOptions(inputs=[str(tmp_path / "in" / "old")]), tmp_path / "twice", progress=False)
 
 
+def test_preparations_of_one_output_run_one_after_the_other(tmp_path):
+    """Found by review: two `prepare --out X` at once (one per node of a job) shared X's staging
+    directory, each deleting the other's shards, and both said they succeeded. The later one waits
+    for the lock beside X, then finds X up to date."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("one two three " * 50)
+    options = PrepareOptions(inputs=[str(tmp_path / "in")], val_percent=0.0)
+    out = tmp_path / "out"
+    results = []
+    with locked(tmp_path / ".out.shardtrain-lock"):  # another preparation of out is under way
+        waiting = threading.Thread(target=lambda: results.append(prepare(options, out, progress=False)))
+        waiting.start()
+        waiting.join(timeout=2)
+        assert waiting.is_alive() and not out.exists()  # it waits, writing nothing
+        prepare(options, out, progress=False, lock=False)  # the one holding the lock
+    waiting.join(timeout=60)
+    assert not waiting.is_alive() and results[0].up_to_date
+
+
+def test_the_tokenizer_entry_covers_what_renders_conversations():
+    """A changed chat template (or BOS token) renders fine-tuning conversations to other tokens: the
+    preparation's fingerprint covers it (found by review: a stale cache was used)."""
+    tokenizer = SimpleNamespace(name="tokenizers:abc", vocab_size=100, eos_id=2, chat_template="{{ a }}",
+                                bos_token="<s>")
+    entries = [tokenizer_entry(tokenizer)]
+    for change in ({"chat_template": "{{ b }}"}, {"bos_token": "<bos>"}, {"eos_id": 3}):
+        entries.append(tokenizer_entry(SimpleNamespace(**{**vars(tokenizer), **change})))
+    assert len({json.dumps(entry, sort_keys=True) for entry in entries}) == len(entries)
+    assert tokenizer_entry(ByteTokenizer())["chat_template"] is None
+
+
 def test_inputs_in_every_layout_are_read_as_documented(tmp_path):
     """Text the reader used to refuse or mangle: Parquet's dictionary-encoded and string_view
     columns, a lone surrogate in JSON (replaced, as a text file's invalid bytes are), a file whose
@@ -162,6 +199,11 @@ def test_inputs_in_every_layout_are_read_as_documented(tmp_path):
     for name, column in kinds.items():
         pq.write_table(pa.table({"text": column}), tmp_path / f"{name}.parquet")
         assert prepared(tmp_path / f"{name}.parquet") == "abcdab", name
+    # Bytes that are not UTF-8 in a string column (Arrow does not check what other tools wrote):
+    # replaced, as in text files (found by review: a traceback)
+    bad = pa.array([b"ok \xff", b"cd"]).view(pa.string())
+    pq.write_table(pa.table({"text": bad}), tmp_path / "bad.parquet")
+    assert prepared(tmp_path / "bad.parquet") == "ok \ufffdcd"
 
     (tmp_path / "odd.jsonl").write_text('{"text": "bad \\ud800!"}\n'
                                         '{"prompt": "p\\udfff", "completion": "c"}\n')

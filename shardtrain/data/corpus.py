@@ -122,11 +122,12 @@ def prepare_locked(options: PrepareOptions, out: Path, lock_required: bool = Tru
     with open(lock_path, "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
-        except OSError:
+        except OSError as exc:
             # Shared filesystems may not support flock; within a distributed job the collectives
             # already let one rank prepare at a time, so the lock only guards against other jobs.
             if lock_required:
-                raise
+                raise DataError(f"cannot lock the data cache entry {lock_path} ({exc.strerror or exc}); "
+                                "set data.cache_dir to a directory on a filesystem with file locks") from exc
         if out.is_dir() and read_manifest(out) is None:
             # A cache entry without its manifest (written last) is a preparation that was killed
             # half-way; under the lock nobody else writes it, and the cache is ours to redo.
@@ -134,7 +135,8 @@ def prepare_locked(options: PrepareOptions, out: Path, lock_required: bool = Tru
             shutil.rmtree(out)
         # A cache inside an input directory holds shardtrain's own files (this and other
         # preparations, their locks), which are never inputs.
-        return prepare(options, out, progress=False, exclude=(out.parent, lock_path)).manifest["fingerprint"]
+        return prepare(options, out, progress=False, exclude=(out.parent, lock_path),
+                       lock=False).manifest["fingerprint"]
 
 
 def fingerprint_at(out: Path) -> str | None:

@@ -33,6 +33,9 @@ import pyarrow.parquet as pq
 from shardtrain.errors import DataError
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+# The lock file `shardtrain prepare` keeps beside its output: never an input, even where an output
+# was made inside an input directory and later removed.
+PREPARE_LOCK_SUFFIX = ".shardtrain-lock"
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 DATASETS_STATE = "state.json"  # what save_to_disk writes beside its Arrow files
 DATASET_DICT = "dataset_dict.json"  # what a DatasetDict's save_to_disk writes beside its splits
@@ -131,7 +134,8 @@ def list_files(root: Path, pattern: str, exclude: Iterable[Path] = ()) -> list[P
         for name in names:
             path = Path(directory, name)
             relative = (here / name).as_posix()
-            if relative not in skipped and matches(relative, pattern) and path.is_file():
+            if (relative not in skipped and not name.endswith(PREPARE_LOCK_SUFFIX)
+                    and matches(relative, pattern) and path.is_file()):
                 files.append(path)
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
@@ -255,7 +259,13 @@ def column_texts(table: pa.Table, field: str, where: str) -> list[str]:
         raise DataError(f"{where}: column {field!r} is {column.type}, not text")
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         column = column.cast(pa.large_string())  # dictionary-encoded or string_view text
-    return [text if text is not None else "" for text in column.to_pylist()]
+    try:
+        return [text if text is not None else "" for text in column.to_pylist()]
+    except UnicodeDecodeError:
+        # Arrow does not check what other tools wrote as strings: bytes that are not UTF-8 are
+        # replaced, as in text files.
+        return ["" if raw is None else raw.decode("utf-8", errors="replace")
+                for raw in column.cast(pa.large_binary()).to_pylist()]
 
 
 def is_text_type(kind: pa.DataType) -> bool:

@@ -26,9 +26,12 @@ what is written beside it) is never read as an input, even inside an input direc
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
 import multiprocessing
+import os
 import shutil
 import time
 import zlib
@@ -36,7 +39,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,6 +47,7 @@ import numpy as np
 from tqdm import tqdm
 
 from shardtrain.data.documents import (
+    PREPARE_LOCK_SUFFIX,
     PREPARED_FORMAT,
     PREPARED_MANIFEST,
     Document,
@@ -53,6 +57,8 @@ from shardtrain.data.documents import (
 )
 from shardtrain.data.tokenizer import Tokenizer, load_tokenizer, token_dtype
 from shardtrain.errors import DataError
+
+log = logging.getLogger("shardtrain")
 
 FORMAT = PREPARED_FORMAT
 VERSION = 1
@@ -107,7 +113,13 @@ def fingerprint(options: PrepareOptions, source_entries: list[dict], tokenizer: 
 
 
 def tokenizer_entry(tokenizer: Tokenizer) -> dict:
-    return {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}
+    """What of the tokenizer the tokens depend on: its vocabulary (by ``name``, a digest of it), the
+    end-of-text id appended to every document, and the chat template and BOS token that render
+    fine-tuning conversations (tokenizer.json alone left a changed template's cache in use)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
+            "chat_template": None if template is None else hashlib.sha256(template.encode()).hexdigest()[:16],
+            "bos_token": getattr(tokenizer, "bos_token", None)}
 
 
 class ShardWriter:
@@ -213,7 +225,8 @@ def encode(tokenizer: Tokenizer, batch: Batch) -> Encoded:
     out: list[tuple[np.ndarray, np.ndarray | None]] = []
     for doc in docs:
         if isinstance(doc, bytes):
-            out.append((np.asarray(next(plain) + tail, dtype=dtype), None))
+            out.append((np.concatenate([np.asarray(next(plain), dtype=dtype), np.asarray(tail, dtype=dtype)]),
+                        None))
             continue
         if "messages" in doc:
             ids, mask = encode_chat(tokenizer, doc["messages"])
@@ -280,6 +293,26 @@ def batches(sources: list[Source], options: PrepareOptions, bar: tqdm, reading: 
         yield splits, texts
 
 
+def missing_files(directory: Path, manifest: dict) -> list[str]:
+    """The shard files ``manifest`` names that ``directory`` lacks (one listing per split)."""
+    listed: dict[str, set[str]] = {}
+    gone = []
+    for split in SPLITS:
+        for shard in manifest.get("splits", {}).get(split, {}).get("shards", []):
+            for key in ("tokens_file", "docs_file", "mask_file"):
+                if not (name := shard.get(key)):
+                    continue
+                parent, _, base = name.rpartition("/")
+                if parent not in listed:
+                    try:
+                        listed[parent] = set(os.listdir(directory / parent))
+                    except OSError:
+                        listed[parent] = set()
+                if base not in listed[parent]:
+                    gone.append(name)
+    return gone
+
+
 def read_manifest(directory: Path) -> dict | None:
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
@@ -289,14 +322,47 @@ def read_manifest(directory: Path) -> dict | None:
 
 
 def prepare(options: PrepareOptions, out: str | Path, progress: bool = True,
-            exclude: Iterable[Path] = ()) -> PrepareResult:
-    """Prepare ``options.inputs`` into ``out`` (nothing to do when it is already prepared from them).
+            exclude: Iterable[Path] = (), lock: bool = True) -> PrepareResult:
+    """Prepare ``options.inputs`` into ``out`` (nothing to do when it is already prepared from them
+    and whole).
 
-    ``out``, its staging and replaced siblings and ``exclude`` are never read as inputs: an output
-    inside an input directory would otherwise be tokenized into the next preparation."""
+    ``out``, its staging and replaced siblings, its lock and ``exclude`` are never read as inputs:
+    an output inside an input directory would otherwise be tokenized into the next preparation.
+    ``lock``: under a lock file beside ``out``, so that preparations of one output (``prepare``
+    started on every node of a job) run one after the other, the later ones finding it up to date;
+    they shared one staging directory, and each deleted the other's shards. False: the caller holds
+    a lock of its own (the data cache's)."""
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
         raise DataError(f"{out} is a file, not a directory; choose another output directory")
+    lock_path = out.with_name(f".{out.name}{PREPARE_LOCK_SUFFIX}")
+    with ExitStack() as held:
+        if lock:
+            held.enter_context(locked(lock_path))
+        return prepare_unlocked(options, out, progress, [*exclude, lock_path])
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created) for the block; where the filesystem has no
+    ``flock``, a warning, and the block runs unlocked."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "w")
+    except OSError as exc:
+        raise DataError(f"cannot create the lock file {path} ({exc.strerror or exc}); choose an output "
+                        "directory in a writable directory") from exc
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError as exc:
+            log.warning(f"data: cannot lock {path} ({exc.strerror or exc}): another preparation of the "
+                        "same output at the same time would spoil it")
+        yield
+
+
+def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool,
+                     exclude: list[Path]) -> PrepareResult:
     tokenizer = load_tokenizer(options.tokenizer)
     staging = out.with_name(f".{out.name}.preparing")
     aside = out.with_name(f".{out.name}.replaced")
@@ -305,7 +371,11 @@ def prepare(options: PrepareOptions, out: str | Path, progress: bool = True,
     digest = fingerprint(options, source_entries, tokenizer)
     existing = read_manifest(out)
     if existing is not None and existing.get("fingerprint") == digest:
-        return PrepareResult(existing, up_to_date=True)
+        if not (gone := missing_files(out, existing)):
+            return PrepareResult(existing, up_to_date=True)
+        # Ours, and named "prepare it again" by the reader that found it so: done here.
+        log.warning(f"data: {out} is prepared but incomplete ({', '.join(gone[:3])} missing); preparing "
+                    "it again")
     if out.exists() and existing is None and any(out.iterdir()):
         raise DataError(f"{out} exists and is not a prepared dataset; choose another output directory")
 
