@@ -180,6 +180,13 @@ def test_a_resume_names_the_settings_that_change_the_data_order(tmp_path):
     same_order = load_config(["trainer.micro_batch_size=4", "trainer.grad_accum_steps=4",
                               "data.document_mask=true"])
     assert state.data_order_changes(same_order) == []
+    # The same settings over changed data (found by review: no word, and the order was another)
+    state.train_samples = 1000
+    assert state.data_order_changes(same_order, 1000) == []
+    assert state.data_order_changes(same_order, 1200) == [
+        "training samples 1000 -> 1200 (the data changed since the save)"]
+    state.train_samples = None  # a checkpoint from before the count was kept
+    assert state.data_order_changes(same_order, 1200) == []
     other = load_config(["trainer.seq_len=256", "data.max_bytes=1000"])
     assert state.data_order_changes(other) == ["trainer.seq_len 128 -> 256", "data.max_bytes 0 -> 1000"]
     # A prepared dataset is read as it is: the preparing settings no longer matter.

@@ -388,7 +388,8 @@ class Checkpointer:
         return state
 
     def save(self, step: int, *, tokens_seen: int, consumed_samples: int, global_batch: int,
-             blocking: bool = False, evaluation_due: bool = False) -> float:
+             blocking: bool = False, evaluation_due: bool = False,
+             train_samples: int | None = None) -> float:
         """Start (async) or do (sync) a save; returns the seconds training was blocked.
         ``evaluation_due``: the evaluation due at this step has not run (a preemption's save)."""
         start = time.perf_counter()
@@ -426,7 +427,7 @@ class Checkpointer:
             self.cfg, self.plan, step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
             global_batch=global_batch, scheduler=self.scheduler.state_dict(), world_size=self.world_size,
             base_weights=self.base, best=None if self.best is None else self.best.state(),
-            evaluation_due=evaluation_due,
+            evaluation_due=evaluation_due, train_samples=train_samples,
         )
         if self.ckpt.async_save and not blocking:
             # Staging copies the state before this returns; the write and the commit run behind.

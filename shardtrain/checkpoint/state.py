@@ -66,12 +66,16 @@ class TrainState:
     best: dict[str, Any] | None = None
     # A preemption saved this step before the evaluation due at it: a resume runs it first.
     evaluation_due: bool = False
+    # The training data's sample count, on which the global order depends: data changed since (files
+    # edited or added under the same settings) is said at the resume.
+    train_samples: int | None = None
 
     @classmethod
     def capture(cls, cfg: Config, plan: ShardingPlan, *, step: int, tokens_seen: int,
                 consumed_samples: int, global_batch: int, scheduler: dict[str, Any],
                 world_size: int, base_weights: dict[str, Any] | None = None,
-                best: dict[str, Any] | None = None, evaluation_due: bool = False) -> TrainState:
+                best: dict[str, Any] | None = None, evaluation_due: bool = False,
+                train_samples: int | None = None) -> TrainState:
         return cls(
             step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
             global_batch=global_batch, scheduler=scheduler, world_size=world_size,
@@ -81,7 +85,7 @@ class TrainState:
             versions={"shardtrain": __version__, "torch": torch.__version__,
                       "python": platform.python_version()},
             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), base_weights=base_weights, best=best,
-            evaluation_due=evaluation_due,
+            evaluation_due=evaluation_due, train_samples=train_samples,
         )
 
     def best_steps(self) -> set[int]:
@@ -110,8 +114,9 @@ class TrainState:
     def data_config(self) -> DataConfig:
         return DataConfig(**self.config["data"])
 
-    def data_order_changes(self, cfg: Config) -> list[str]:
-        """``DATA_ORDER_KEYS`` whose value in ``cfg`` differs from the saved run's, as "key old -> new"."""
+    def data_order_changes(self, cfg: Config, train_samples: int | None = None) -> list[str]:
+        """``DATA_ORDER_KEYS`` whose value in ``cfg`` differs from the saved run's, as "key old -> new",
+        and the training data's sample count (``train_samples``, now) where it differs from the saved."""
         now = OmegaConf.to_container(OmegaConf.structured(cfg))
         if cfg.task.path != LANGUAGE_MODEL_TASK:
             keys = TASK_DATA_KEYS  # a task's data is its own: its options may change it
@@ -123,6 +128,9 @@ class TrainState:
             saved = self.config.get(section, {})
             if name in saved and saved[name] != now[section][name]:  # older checkpoints lack keys
                 changes.append(f"{key} {saved[name]!r} -> {now[section][name]!r}")
+        if None not in (self.train_samples, train_samples) and self.train_samples != train_samples:
+            changes.append(f"training samples {self.train_samples} -> {train_samples} (the data changed "
+                           "since the save)")
         return changes
 
     def write(self, directory: Path) -> None:

@@ -261,7 +261,7 @@ class Trainer:
             self.info(f"resumed from {path}: step {self.step}, {state.consumed_samples} samples "
                       f"consumed (saved at world size {state.world_size}, {state.strategy}, "
                       f"mesh [{state.mesh}])")
-            changes = state.data_order_changes(self.cfg)
+            changes = state.data_order_changes(self.cfg, self.train_data.windows.num_samples)
             if changes and self.env.is_main:
                 log.warning(f"the data order differs from the checkpoint's ({'; '.join(changes)}): the "
                             "saved position is read in the new order, so samples may repeat or be skipped")
@@ -368,6 +368,7 @@ class Trainer:
             self.step, tokens_seen=self.result.count_seen,
             consumed_samples=self.train_data.consumed_samples, global_batch=self.layout.global_batch,
             blocking=blocking, evaluation_due=self.evaluation_due,
+            train_samples=self.train_data.windows.num_samples,
         )
         self.best_save_due = False  # a save at this step keeps what the evaluation ranked
         self.result.checkpoint_blocked_s.append(blocked)
