@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from equivalence import case_config
 
 from shardtrain.config.plan import DTYPES, PRECISION_PRESETS
 from shardtrain.diagnostics.planner import sharded_state_bytes
-from shardtrain.diagnostics.watchdog import Watchdog, dump_flight_recorder
+from shardtrain.diagnostics.watchdog import Watchdog, bounded, dump_flight_recorder
 from shardtrain.models.llama import Llama
 
 QUICK = ["experiment=quick", "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample_tokens=0",
@@ -151,7 +153,10 @@ def test_watchdog_save_phases_have_their_own_bound(tmp_path):
 
     def stop_hung(step: int, message: str) -> None:  # instead of dumping stacks and os._exit
         stopped.append(message)
+        steps_done.append(step)
         dog.stop()
+
+    steps_done: list[int] = []
 
     dog.stop_hung = stop_hung
     dog.done(0.01)  # past the first step: the step bound is dist.timeout_s
@@ -161,13 +166,26 @@ def test_watchdog_save_phases_have_their_own_bound(tmp_path):
     dog.start()
     time.sleep(1.0)  # three times the step bound
     assert not stopped
-    dog.beat("training step", 4)  # back to the step bound
+    dog.beat("training step", 4, under_way=True)  # back to the step bound
     assert dog.limits()[1:] == (0.3, "dist.timeout_s")
     deadline = time.monotonic() + 5
     while not stopped and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(stopped) == 1 and "training step of step 4" in stopped[0]
+    assert steps_done == [3]  # the failure record counts the steps done (it said "after step 4")
     assert "over the 0.3s limit (dist.timeout_s)" in stopped[0]
+
+
+def test_evidence_is_written_within_a_bound_or_given_up():
+    """Found by review: on a stalled filesystem (run.dir's, often the hang's own cause) the stack
+    dump blocked the watchdog, which then never stopped the process. Each piece of evidence is
+    written in a thread of its own, waited for within a bound."""
+    never = threading.Event()
+    assert not bounded(never.wait, "test", wait_s=0.2)  # a write that never returns: given up
+    assert not bounded(lambda: 1 / 0, "test", wait_s=5)  # one that fails: given up, no raise
+    written = []
+    assert bounded(lambda: written.append(1), "test", wait_s=5) and written == [1]
+    never.set()
 
 
 def test_a_save_longer_than_the_step_bound_completes(tmp_path):
@@ -207,7 +225,11 @@ def test_dry_run_reports_and_exits(tmp_path):
         assert expected in proc.stderr, expected
     assert not (run_dir / "checkpoints").exists()
     assert {p.name for p in (run_dir / "profiles" / "steps-1-1").iterdir()} == {"rank0.json", "rank1.json"}
-    memory = read_metrics(run_dir, "memory")
+    # Its records go beside a run's, never into them (found by review: a dry run in a finished run's
+    # directory added an attempt and a step past max_steps to its report, and replaced its config)
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "config.yaml").exists()
+    records = [json.loads(line) for line in (run_dir / "dry-run.jsonl").read_text().splitlines()]
+    memory = [r for r in records if r["kind"] == "memory"]
     assert memory and "optimizer.optimizer_mib" in memory[0] and "forward.rss_mib" in memory[0]
 
 

@@ -21,8 +21,9 @@ from distributed import free_port
 from safetensors.torch import load_file
 
 from shardtrain.cli.launch import relaunch_if_needed
-from shardtrain.cli.main import main
+from shardtrain.cli.main import launch_outcome, main
 from shardtrain.config.compose import compose_config
+from shardtrain.diagnostics.failures import record_failure
 from shardtrain.errors import ConfigError
 
 QUICK = ["experiment=quick", "trainer.max_steps=10", "checkpoint.interval=3", "trainer.log_every=1",
@@ -139,6 +140,19 @@ def test_broken_paths_fail_before_any_worker_starts(tmp_path, capsys, make, over
     assert message.format(tmp=tmp_path) in stderr and stderr.startswith("shardtrain: error: "), stderr
     assert "world size" not in stderr and "Traceback" not in stderr  # no worker started
     assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_a_launched_run_ends_in_one_line_naming_why(tmp_path, capsys):
+    """Ctrl-C reaches every worker: each says "interrupted" and records no failure, and the launcher
+    says so with 130 (found by review: "rank 1 failed first: KeyboardInterrupt", exit 1). A recorded
+    failure is named by its rank."""
+    log = tmp_path / "launch.log"
+    log.write_text("[shardtrain] step 3/100\nshardtrain: interrupted (a training run ...)\nTraceback ...\n")
+    assert launch_outcome(1, tmp_path, 0.0, log) == 130
+    assert capsys.readouterr().err.startswith("shardtrain: interrupted (a training run with checkpoints")
+    record_failure(tmp_path, 1, 4, "RuntimeError", "boom")
+    assert launch_outcome(1, tmp_path, 0.0, log) == 1
+    assert capsys.readouterr().err.startswith("shardtrain: error: rank 1 (host ")
 
 
 def test_outputs_are_checked_before_reading(tmp_path, uninterrupted):

@@ -19,6 +19,7 @@ from shardtrain.errors import ShardtrainError
 from shardtrain.logs import setup_logging
 
 INTERRUPTED = "shardtrain: interrupted"
+RESUMES = " (a training run with checkpoints resumes from its newest one when the same command runs again)"
 # A worker's lines to the console: under the built-in launcher only log lines reach it.
 log = logging.getLogger("shardtrain")
 
@@ -36,10 +37,10 @@ def compose_checked(overrides: list[str]) -> Config:
 
 def cmd_train(overrides: list[str]) -> int:
     cfg = compose_checked(overrides)
-    from shardtrain.cli.launch import killed_workers, launch_log_path, relaunch_if_needed
+    from shardtrain.cli.launch import launch_log_path, relaunch_if_needed
     from shardtrain.cli.preflight import check_training
     from shardtrain.config.loader import check_runtime
-    from shardtrain.diagnostics.failures import describe, first_failure, record_failure
+    from shardtrain.diagnostics.failures import record_failure
     from shardtrain.distributed.env import destroy_distributed, under_torchrun
     from shardtrain.train.loop import Trainer
 
@@ -65,19 +66,7 @@ def cmd_train(overrides: list[str]) -> int:
     log_file = launch_log_path(Path(cfg.run.dir), started)
     status = relaunch_if_needed(cfg, ["train", *overrides], log_file)
     if status is not None:
-        if status != 0:
-            failure = first_failure(Path(cfg.run.dir), started)
-            killed = killed_workers(log_file)
-            if killed:
-                rank, name = killed[0]
-                reason = (f"rank {rank} was killed by {name} without a Python error (killed from "
-                          "outside, or by the out-of-memory killer); its peers' errors are fallout")
-            elif failure is not None:
-                reason = describe(failure)
-            else:
-                reason = f"the training processes exited with status {status} without an error record"
-            print(f"shardtrain: error: {reason}; full log: {log_file}", file=sys.stderr)
-        return status
+        return launch_outcome(status, Path(cfg.run.dir), started, log_file)
     rank = int(os.environ.get("RANK", 0))
     trainer = None
     try:
@@ -85,7 +74,9 @@ def cmd_train(overrides: list[str]) -> int:
         trainer.preemption = preemption
         trainer.fit()
     except BaseException as exc:
-        if not isinstance(exc, SystemExit) or exc.code not in (0, None):
+        # Ctrl-C (forwarded to every worker by the launcher) is no rank's failure
+        stopped = isinstance(exc, KeyboardInterrupt) or isinstance(exc, SystemExit) and exc.code in (0, None)
+        if not stopped:
             step = trainer.step if trainer is not None else 0
             record_failure(Path(cfg.run.dir), rank, step, type(exc).__name__, str(exc).splitlines()[0]
                            if str(exc) else "", traceback.format_exc())
@@ -93,6 +84,32 @@ def cmd_train(overrides: list[str]) -> int:
     finally:
         destroy_distributed()
     return 0
+
+
+def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -> int:
+    """The exit status of a launched training, and its one line when it did not succeed: the rank
+    that failed first (from the failure records since ``started``), a rank killed from outside, or
+    an interrupt (Ctrl-C reaches every worker, and none recorded a failure)."""
+    from shardtrain.cli.launch import first_worker_line, killed_workers
+    from shardtrain.diagnostics.failures import describe, first_failure
+
+    if status == 0:
+        return 0
+    failure = first_failure(run_dir, started)
+    killed = killed_workers(log_file)
+    if failure is None and not killed and (first_worker_line(log_file) or "").startswith(INTERRUPTED):
+        print(f"{INTERRUPTED}{RESUMES}", file=sys.stderr)
+        return 130
+    if killed:
+        rank, name = killed[0]
+        reason = (f"rank {rank} was killed by {name} without a Python error (killed from "
+                  "outside, or by the out-of-memory killer); its peers' errors are fallout")
+    elif failure is not None:
+        reason = describe(failure)
+    else:
+        reason = f"the training processes exited with status {status} without an error record"
+    print(f"shardtrain: error: {reason}; full log: {log_file}", file=sys.stderr)
+    return status
 
 
 def on_devices(devices: int, argv: list[str]) -> int | None:
@@ -704,8 +721,7 @@ def run_command(args: argparse.Namespace, argv: list[str] | None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
         return 141
     except KeyboardInterrupt:
-        print(INTERRUPTED + (" (a training run with checkpoints resumes from its newest one when the "
-                             "same command runs again)" if args.command == "train" else ""), file=sys.stderr)
+        print(INTERRUPTED + (RESUMES if args.command == "train" else ""), file=sys.stderr)
         return 130
     except Exception as exc:
         # A full disk or a read-only path is one line, as the framework's own errors are; anything

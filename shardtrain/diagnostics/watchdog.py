@@ -14,6 +14,7 @@ backend's own timeout is.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import os
 import statistics
@@ -21,6 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,6 +40,29 @@ def dump_stacks(path: Path, header: str) -> None:
         f.write(header + "\n\n")
         f.flush()
         faulthandler.dump_traceback(file=f, all_threads=True)
+
+
+# How long the watchdog waits for each piece of evidence it writes into run.dir before it stops.
+EVIDENCE_WAIT_S = 30.0
+
+
+def bounded(work: Callable[[], None], name: str, wait_s: float | None = None) -> bool:
+    """``work()`` in a thread, waited for at most ``wait_s``; whether it finished. A stalled shared
+    filesystem is a common cause of a hang, and run.dir is on it: writing the evidence there must
+    not keep the watchdog from stopping the process."""
+    ended, succeeded = threading.Event(), []
+
+    def run() -> None:
+        try:
+            work()
+            succeeded.append(True)
+        except Exception:  # noqa: BLE001 - evidence is best effort: the stop is what matters
+            pass
+        finally:
+            ended.set()
+
+    threading.Thread(target=run, name=f"shardtrain-{name}", daemon=True).start()
+    return ended.wait(EVIDENCE_WAIT_S if wait_s is None else wait_s) and bool(succeeded)
 
 
 def flight_recorder_trace() -> bytes:
@@ -110,6 +135,7 @@ class Watchdog:
         self.recent: deque[float] = deque(maxlen=20)
         self.phase = "start-up"
         self.step = 0
+        self.steps_done = 0
         self.phase_limit: tuple[float, str] | None = None  # (seconds, config key) from beat
         self.started = time.monotonic()
         self.stall_dumped = False
@@ -118,6 +144,8 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="shardtrain-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
+        with self._lock:  # the start-up bound runs from here, not from construction (a resume's load)
+            self.started = time.monotonic()
         self._thread.start()
         return self
 
@@ -125,12 +153,14 @@ class Watchdog:
         self._stop.set()
 
     def beat(self, phase: str, step: int, timeout_s: float | None = None,
-             key: str = "the phase's own limit") -> None:
+             key: str = "the phase's own limit", under_way: bool = False) -> None:
         """``phase`` of ``step`` starts now. ``timeout_s`` (the config ``key`` that set it, for the
         message) bounds this phase instead of the step bound; the next beat without it returns to
-        the step bound."""
+        the step bound. ``under_way``: ``step`` is the step being trained, not one done (a failure
+        record counts the steps done)."""
         with self._lock:
             self.phase, self.step = phase, step
+            self.steps_done = step - 1 if under_way else step
             self.phase_limit = None if timeout_s is None else (timeout_s, key)
             self.started = time.monotonic()
             self.stall_dumped = False
@@ -161,31 +191,36 @@ class Watchdog:
         while not self._stop.wait(self.poll_s):
             with self._lock:
                 elapsed = time.monotonic() - self.started
-                phase, step, dumped = self.phase, self.step, self.stall_dumped
+                phase, step, dumped, steps_done = self.phase, self.step, self.stall_dumped, self.steps_done
                 stall, timeout, key = self.limits()
             where = f"{phase} of step {step}"
             # A main thread that stopped the watch meanwhile has left the phase (finished it, or a
             # peer's exit failed its collective and it is unwinding): not a hang of this rank.
             if elapsed > timeout and not self._stop.is_set():
-                self.stop_hung(step, f"rank {self.rank}: {where} has run {elapsed:.0f}s, over the "
+                self.stop_hung(steps_done, f"rank {self.rank}: {where} has run {elapsed:.0f}s, over the "
                                      f"{timeout:g}s limit ({key}); {main_thread_location()}; stopping")
             if elapsed > stall and not dumped:
                 path = self.run_dir / "stalls" / f"rank-{self.rank}-step-{step}.txt"
                 median = statistics.median(self.recent) if self.recent else 0.0
-                dump_stacks(path, f"rank {self.rank}: {where} has run {elapsed:.1f}s; recent steps "
-                                  f"took {median:.2f}s (median)")
-                log.warning("rank %d: %s is slow (%.1fs, recent median %.2fs); Python stacks in %s",
-                            self.rank, where, elapsed, median, path)
+                header = (f"rank {self.rank}: {where} has run {elapsed:.1f}s; recent steps took "
+                          f"{median:.2f}s (median)")
+                written = bounded(functools.partial(dump_stacks, path, header), "stall-dump")
+                log.warning("rank %d: %s is slow (%.1fs, recent median %.2fs); %s", self.rank, where,
+                            elapsed, median, f"Python stacks in {path}" if written else
+                            f"its Python stacks could not be written to {path} in {EVIDENCE_WAIT_S:g}s")
                 with self._lock:
                     self.stall_dumped = True
 
     def stop_hung(self, step: int, message: str) -> None:
-        """Leave the evidence (stacks, flight recorder, failure record) and exit with status 124."""
+        """Leave the evidence (stacks, flight recorder, failure record), each written within
+        ``EVIDENCE_WAIT_S`` or given up, and exit with status 124. ``step``: the steps done."""
         path = self.run_dir / "hangs" / f"rank-{self.rank}.txt"
-        dump_stacks(path, message)
+        stacks = (f"stacks in {path}" if bounded(lambda: dump_stacks(path, message), "hang-dump")
+                  else f"stacks could not be written to {path} in {EVIDENCE_WAIT_S:g}s")
         # We stop before the process group's own (longer) timeout, and so before NCCL's own dump.
-        evidence = f"stacks in {path}{self.dump_flight_recorder()}"
-        record_failure(self.run_dir, self.rank, step, "Timeout", f"{message}; {evidence}")
+        evidence = f"{stacks}{self.dump_flight_recorder()}"
+        bounded(lambda: record_failure(self.run_dir, self.rank, step, "Timeout", f"{message}; {evidence}"),
+                "failure-record")
         log.error("%s; %s", message, evidence)
         logging.shutdown()
         os._exit(HANG_EXIT_STATUS)

@@ -73,7 +73,7 @@ from shardtrain.train.build import Built, OptimizerFactory, build
 from shardtrain.train.console import Console
 from shardtrain.train.ema import WeightAverage
 from shardtrain.train.flops import counted_flops_per_sample
-from shardtrain.train.metrics import MetricsWriter, Throughput
+from shardtrain.train.metrics import DRY_RUN_FILE, METRICS_FILE, MetricsWriter, Throughput
 from shardtrain.train.optim import SCHEDULE_SHAPE, optimizer_kind
 from shardtrain.train.step import StepStats, evaluate, failing_part, ratio, train_step
 
@@ -132,7 +132,10 @@ class Trainer:
         self.val_available = 0 if val is None else val.num_samples
         self.step = 0
         self.result = TrainResult()
-        self.writer = run_agreed(lambda: MetricsWriter(Path(cfg.run.dir), env.is_main))
+        # A dry run checks a configuration: it leaves the run's records (metrics.jsonl, config.yaml)
+        # as they were, and writes its own beside them.
+        self.writer = run_agreed(lambda: MetricsWriter(
+            Path(cfg.run.dir), env.is_main, DRY_RUN_FILE if cfg.diagnostics.dry_run else METRICS_FILE))
         self.console = Console(env.is_main, t.progress_bar, t.max_steps)
         self.profiler = StepProfiler(cfg.diagnostics, Path(cfg.run.dir), env.rank, env.device, t.max_steps)
         self.throughput = Throughput(task.count_unit, env.world_size, device_peak_flops(env.device))
@@ -391,7 +394,7 @@ class Trainer:
         self.write_start_record()  # the trackers get it too
 
     def write_run_files(self) -> None:
-        if not self.env.is_main:
+        if not self.env.is_main or self.cfg.diagnostics.dry_run:
             return
         run_dir = Path(self.cfg.run.dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -552,7 +555,7 @@ class Trainer:
 
     def train_on_next_batch(self) -> StepStats:
         diag, b = self.cfg.diagnostics, self.built
-        self.watchdog.beat("training step", self.step + 1)
+        self.watchdog.beat("training step", self.step + 1, under_way=True)
         batches = self.train_data.next_step()
         steps_run = len(self.result.losses)
         phases = self.phases if (diag.enabled or diag.dry_run) and steps_run < diag.steps else None

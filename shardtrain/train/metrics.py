@@ -65,11 +65,17 @@ class Throughput:
         return {**rates, **dict(zip(self.RATE_FIELDS, values, strict=True))}
 
 
+METRICS_FILE = "metrics.jsonl"
+# A dry run's records: its one step must not join the run's own (an extra attempt, a step past
+# max_steps in `shardtrain report`).
+DRY_RUN_FILE = "dry-run.jsonl"
+
+
 class MetricsWriter:
     """Appends one JSON object per record to ``metrics.jsonl`` and hands the same record to every
     tracker of ``run.trackers`` (train/trackers.py); rank 0 only."""
 
-    def __init__(self, run_dir: Path, enabled: bool) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, name: str = METRICS_FILE) -> None:
         self.enabled = enabled
         self._file = None
         self.trackers: list[GuardedTracker] = []
@@ -77,7 +83,7 @@ class MetricsWriter:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self._file = open(run_dir / name, "a", buffering=1)
 
     def start_trackers(self, cfg: Config, resuming: bool) -> None:
         """The trackers, started (a ``TrackerError`` if one cannot start); ``resuming`` continues
