@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -86,6 +87,19 @@ def rails(out: str) -> None:
     expect_error(out, "unshared", BypassModel, run_dir=f"{out}/unshared-rank{os.environ['RANK']}",
                  checkpoints=True)
     assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2)  # the cores, split
+    # A wrap policy naming a class inside another's blocks (an attention beside its block, as some
+    # Hugging Face families' _no_split_modules do), and the embedding of an extra group: the
+    # outermost blocks are the units, each module sharded once (found by review: "overlapping
+    # meshes" and "fully_shard has already been applied" from inside torch).
+    cfg = case_config(int(os.environ["WORLD_SIZE"]), f"{out}/nested")
+    cfg.strategy = dataclasses.replace(cfg.strategy, embedding_lookup="gather")
+    task = LanguageModelTask(wrap_policy=["TransformerBlock", "Attention", "Embedding"],
+                             corpus=small_corpus())
+    trainer = Trainer.create(cfg, task=task)
+    units = [*(f"layers.{i}" for i in range(len(trainer.model.layers))), "tok_embeddings", "norm+output",
+             "<root>"]
+    assert trainer.built.report.units == units, trainer.built.report.units
+    assert math.isfinite(trainer.run_step().loss)
 
 
 def nan_step_is_skipped(out: str) -> None:

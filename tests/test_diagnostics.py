@@ -57,6 +57,19 @@ def test_wrap_policy_rails_from_the_cli(tmp_path):
     assert "world size" not in missing.stderr  # rejected before any process started
 
 
+def test_a_wrap_policy_matching_only_the_model_itself_is_refused():
+    """Found by review: [Llama] passed the "matched something" check through the root and trained
+    one unit holding the whole model, the trap the check is there for."""
+    from shardtrain.config.schema import ModelConfig
+    from shardtrain.distributed.preconditions import resolve_wrap_classes
+    from shardtrain.errors import ModelError
+    from shardtrain.models.llama import Llama
+
+    model = Llama(ModelConfig(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=8))
+    with pytest.raises(ModelError, match=r"wrap policy \[Llama\] matches only the model itself \(Llama\)"):
+        resolve_wrap_classes(model, ["Llama"])
+
+
 def test_nan_step_skipped_with_state_untouched(tmp_path):
     run_on_ranks(nan_step_is_skipped, 2, str(tmp_path), tmp_path=tmp_path)
 

@@ -227,6 +227,10 @@ def test_lora_targets_refuse_embeddings_and_head():
         assert "\n" not in str(caught.value)
     with pytest.raises(ConfigError, match="selects no nn.Linear"):
         adapter_targets(model, ["nothing"])
+    # One misspelt among good ones (found by review: dropped without a word)
+    with pytest.raises(ConfigError, match=r"finetune.targets \['wv_typo'\] selects no nn.Linear of Module "
+                                          r"\(the others do\); fix or drop it"):
+        adapter_targets(model, ["wq", "wv_typo"])
     model.patch = nn.Conv2d(3, 4, 2)
     with pytest.raises(ConfigError, match="a Conv2d: LoRA takes nn.Linear layers only"):
         adapter_targets(model, ["patch"])

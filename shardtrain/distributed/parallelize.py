@@ -270,6 +270,31 @@ class ShardingReport:
 TensorPlan = Callable[[nn.Module, DeviceMesh, bool], None]
 
 
+def extra_groups(model: nn.Module) -> list[list[nn.Module]]:
+    """The model's units beside its blocks (``extra_shard_groups``: the embedding, the final norm
+    with the head), the empty ones left out (a model whose embeddings are a block class)."""
+    return [group for group in getattr(model, "extra_shard_groups", list)() if group]
+
+
+def outermost_blocks(model: nn.Module, wrap: tuple[type, ...]) -> list[tuple[str, nn.Module]]:
+    """The modules of the ``wrap`` classes, as (name, module), that lie inside no other such module
+    nor in an extra group's module: units may not overlap (FSDP refused nested matches sharded
+    parent first, "overlapping meshes", and a module sharded twice); a class inside another's blocks
+    (a Hugging Face attention listed beside its decoder layer) is sharded with them."""
+    names = {module: name for name, module in model.named_modules()}
+    grouped = [names[module] for group in extra_groups(model) for module in group]
+    taken = [f"{name}." for name in grouped]
+    found = []
+    for name, module in model.named_modules():
+        if module is model or not isinstance(module, wrap) or name in grouped:
+            continue
+        if any(name.startswith(prefix) for prefix in taken):
+            continue
+        found.append((name, module))
+        taken.append(f"{name}.")
+    return found
+
+
 def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
                 wrap_policy: Sequence[str | type], tensor_plan: TensorPlan | None = None,
                 before_sharding: Callable[[nn.Module], set[nn.Parameter]] | None = None) -> ShardingReport:
@@ -280,8 +305,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
     check_single_registration(model)
     wrap = resolve_wrap_classes(model, wrap_policy)
     names = {m: n for n, m in model.named_modules()}
-    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, wrap) and m is not model]
-    groups = getattr(model, "extra_shard_groups", list)()
+    groups = extra_groups(model)
+    blocks = outermost_blocks(model, wrap)
     # Units as (name, modules, reshard_after_forward). By convention the last extra group holds the
     # output head: its weights are needed again at once in backward, and so are the last block's,
     # so (like torchtitan) neither is resharded after forward, which would only gather them again.

@@ -100,6 +100,11 @@ def resolve_wrap_classes(model: nn.Module, policy: Sequence[str | type]) -> tupl
         else:
             classes.append(import_module_class(entry))
     wrap = tuple(classes)
+    if isinstance(model, wrap) and not any(isinstance(m, wrap) for m in model.modules() if m is not model):
+        raise ModelError(
+            f"wrap policy [{', '.join(c.__qualname__ for c in wrap)}] matches only the model itself "
+            f"({type(model).__name__}): the whole model would be one unit, gathered whole on every rank; "
+            "name its block class, one of: " + ", ".join(module_class_paths(model)))
     if not any(isinstance(m, wrap) for m in model.modules()):
         names = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in wrap)
         raise ModelError(

@@ -93,6 +93,13 @@ def adapter_targets(model: nn.Module, targets: Iterable[str]) -> list[str]:
     if not chosen:
         raise ConfigError(f"finetune.targets {patterns} selects no nn.Linear of {type(model).__name__}; "
                           "name its projections (the end of a module name, e.g. q_proj)")
+    # Each pattern given must select a layer (the defaults name several families' projections):
+    # one that selects none, misspelt, would train fewer adapters than asked without a word.
+    idle = [pattern for pattern in targets if not any(matches(name, pattern) for name in chosen)]
+    if idle:
+        raise ConfigError(f"finetune.targets {idle} select{'s' if len(idle) == 1 else ''} no nn.Linear of "
+                          f"{type(model).__name__} (the others do); fix or drop "
+                          f"{'it' if len(idle) == 1 else 'them'}")
     return chosen
 
 

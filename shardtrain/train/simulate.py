@@ -49,7 +49,7 @@ from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import state_bytes
 from shardtrain.diagnostics.planner import Estimate, estimate, planned_model
 from shardtrain.distributed.env import destroy_distributed
-from shardtrain.distributed.parallelize import parallelize, sum_gradients
+from shardtrain.distributed.parallelize import outermost_blocks, parallelize, sum_gradients
 from shardtrain.distributed.preconditions import resolve_wrap_classes
 from shardtrain.distributed.sharded_model import with_adapters
 from shardtrain.errors import ConfigError
@@ -224,9 +224,8 @@ def fake_world(world_size: int) -> Iterator[None]:
 
 
 def block_names(model: nn.Module, classes: tuple[type, ...]) -> list[str]:
-    """The modules the wrap policy made units of, in order (the model itself aside)."""
-    return [name for name, module in model.named_modules()
-            if isinstance(module, classes) and module is not model]
+    """The modules the wrap policy made units of, in order, as ``parallelize`` chooses them."""
+    return [name for name, _ in outermost_blocks(model, classes)]
 
 
 @contextmanager
