@@ -30,7 +30,14 @@ import torch.distributed as dist
 
 from shardtrain.config.schema import DataConfig
 from shardtrain.data.batches import MixtureWindows, TokenWindows
-from shardtrain.data.prepare import PrepareOptions, is_validation, output_options, prepare, read_manifest
+from shardtrain.data.prepare import (
+    PrepareOptions,
+    is_validation,
+    output_options,
+    prepare,
+    read_manifest,
+    tokenizer_entry,
+)
 from shardtrain.data.prepared import TokenStream, open_prepared
 from shardtrain.data.tokenizer import ByteTokenizer, Tokenizer
 from shardtrain.errors import DataError
@@ -99,7 +106,9 @@ def prepared_path(cfg: DataConfig, tokenizer: Tokenizer) -> Path:
                              text_field=cfg.text_field,
                              file_glob=cfg.file_glob, val_percent=cfg.val_percent,
                              max_bytes=cfg.max_bytes)
-    described = {**output_options(options), "tokenizer": tokenizer.name}
+    # The whole tokenizer entry: two tokenizers with one vocabulary and other chat templates (a base
+    # model's and its instruct model's) would otherwise share an entry, each preparing it again.
+    described = {**output_options(options), "tokenizer": tokenizer_entry(tokenizer)}
     key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
     out = cache_root(cfg) / key
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
