@@ -15,6 +15,7 @@ from cli_utils import read_metrics, run_cli
 from diagnostics_workers import STRATEGY_CASES, measured_state, nan_step_is_skipped, rails
 from distributed import run_on_ranks
 from equivalence import case_config
+from torch import nn
 
 from shardtrain.config.plan import DTYPES, PRECISION_PRESETS
 from shardtrain.diagnostics.planner import sharded_state_bytes
@@ -68,6 +69,30 @@ def test_a_wrap_policy_matching_only_the_model_itself_is_refused():
     model = Llama(ModelConfig(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=8))
     with pytest.raises(ModelError, match=r"wrap policy \[Llama\] matches only the model itself \(Llama\)"):
         resolve_wrap_classes(model, ["Llama"])
+
+
+def test_units_are_the_outermost_blocks_outside_the_extra_groups():
+    """Matches inside another match are sharded with it; a match that is a group's member is the
+    group's; blocks inside a group's module stay units of their own (sharded before it)."""
+    from shardtrain.distributed.parallelize import outermost_blocks
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = nn.Sequential(Block(), Block())
+            self.layers = nn.ModuleList([Block()])
+            self.head = nn.Linear(2, 2)
+
+        def extra_shard_groups(self):
+            return [[self.encoder], [self.head], []]
+
+    names = [name for name, _ in outermost_blocks(Model(), (Block, nn.Linear))]
+    assert names == ["encoder.0", "encoder.1", "layers.0"], names
 
 
 def test_nan_step_skipped_with_state_untouched(tmp_path):

@@ -24,7 +24,7 @@ from hf_models import make_model_dir
 from tqdm import tqdm
 
 from shardtrain.config.schema import DataConfig
-from shardtrain.data.corpus import load_corpus, prepared_path
+from shardtrain.data.corpus import fingerprint_at, load_corpus, prepared_path
 from shardtrain.data.documents import list_files, resolve_sources
 from shardtrain.data.prepare import PrepareOptions, Reading, batches, locked, prepare, tokenizer_entry
 from shardtrain.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -123,6 +123,19 @@ def test_a_changed_input_is_prepared_again(tmp_path):
     shard = tmp_path / "out" / "train" / "tokens-00000.npy"
     shard.unlink()
     assert not prepare(options, tmp_path / "out", progress=False).up_to_date and shard.is_file()
+    # Up to date, nothing is written beside it, not even the lock (a read-only share's dataset)
+    lock = tmp_path / ".out.shardtrain-lock"
+    lock.unlink()
+    assert prepare(options, tmp_path / "out", progress=False).up_to_date and not lock.exists()
+    # Another output's lock file is never an input, through a directory or a pattern
+    lock.touch()
+    with pytest.raises(DataError, match="matches no file"):  # the lock is all the pattern finds
+        resolve_sources([str(tmp_path / "*")], "*", [])
+    assert [s.name for s in resolve_sources([str(tmp_path / "in" / "*")], "*", [])] == ["a.txt", "b.txt"]
+    (tmp_path / "in" / ".old.shardtrain-lock").touch()
+    assert [s.name for s in resolve_sources([str(tmp_path / "in" / "*")], "*", [])] == ["a.txt", "b.txt"]
+    assert [s.name for s in resolve_sources([str(tmp_path / "in")], "*", [])] == ["a.txt", "b.txt"]
+    (tmp_path / "in" / ".old.shardtrain-lock").unlink()
     doc.write_text("six seven " * 80)
     os.utime(doc, ns=(doc.stat().st_mtime_ns + 10**9,) * 2)
     result = prepare(options, tmp_path / "out", progress=False)
@@ -141,6 +154,10 @@ def test_a_changed_input_is_prepared_again(tmp_path):
     manifest = json.loads((cached / "manifest.json").read_text())
     assert [s["name"] for s in manifest["sources"]] == ["a.txt", "b.txt"]
     assert prepared_path(cfg, ByteTokenizer()) == cached
+    # A cache entry with a shard missing is no rank's to read: prepared again on the next use
+    (cached / "train" / "tokens-00000.npy").unlink()
+    assert fingerprint_at(cached) is None
+    assert prepared_path(cfg, ByteTokenizer()) == cached and fingerprint_at(cached) == manifest["fingerprint"]
     assert json.loads((cached / "manifest.json").read_text()) == manifest
     # ... nor is one written by an earlier preparation to another --out: its shards are token ids,
     # which were tokenized as text. Given as the input itself, it is refused with the way to use it.
@@ -200,10 +217,12 @@ def test_inputs_in_every_layout_are_read_as_documented(tmp_path):
         pq.write_table(pa.table({"text": column}), tmp_path / f"{name}.parquet")
         assert prepared(tmp_path / f"{name}.parquet") == "abcdab", name
     # Bytes that are not UTF-8 in a string column (Arrow does not check what other tools wrote):
-    # replaced, as in text files (found by review: a traceback)
+    # read as a text file's bytes are (found by review: a traceback)
     bad = pa.array([b"ok \xff", b"cd"]).view(pa.string())
     pq.write_table(pa.table({"text": bad}), tmp_path / "bad.parquet")
-    assert prepared(tmp_path / "bad.parquet") == "ok \ufffdcd"
+    prepare(PrepareOptions(inputs=[str(tmp_path / "bad.parquet")], val_percent=0.0), tmp_path / "bad",
+            progress=False)
+    assert bytes(read_split(tmp_path / "bad", "train")[0].tolist()) == b"ok \xffcd"
 
     (tmp_path / "odd.jsonl").write_text('{"text": "bad \\ud800!"}\n'
                                         '{"prompt": "p\\udfff", "completion": "c"}\n')

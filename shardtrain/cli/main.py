@@ -405,8 +405,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         check_runtime(cfg, runs_here=False)  # the machines planned for may have what this one lacks
     except ConfigError as exc:
-        layout_error = any(key in str(exc) for key in ("strategy.tensor_parallel=",
-                                                        "strategy.shard_group_size="))
+        # the layout against the world and node sizes (other refusals name the keys too)
+        layout_error = "must divide" in str(exc) or "processes of a node" in str(exc)
         if args.processes_per_node or cfg.trainer.devices != "auto" or not layout_error:
             raise
         # The layout checks judged this machine's processes (found by review: from a login node)

@@ -152,7 +152,8 @@ def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] =
         if not path.exists() and any(ch in entry for ch in "*?["):
             base = Path(os.path.dirname(entry) or ".").expanduser()
             matched = sorted(p for p in base.glob(os.path.basename(entry))
-                             if p.is_file() and p.resolve() not in excluded)
+                             if p.is_file() and p.resolve() not in excluded
+                             and not p.name.endswith(PREPARE_LOCK_SUFFIX))
             if not matched:
                 raise DataError(f"input {entry!r} matches no file")
             sources += [Source(p, p.name) for p in matched]
@@ -250,7 +251,7 @@ def document_of(record: object, field: str, where: str) -> Document:
     return utf8(text_of(record, field, where))
 
 
-def column_texts(table: pa.Table, field: str, where: str) -> list[str]:
+def column_texts(table: pa.Table, field: str, where: str) -> list[bytes]:
     if field not in table.column_names:
         raise DataError(f"{where}: no column {field!r} (columns: {', '.join(table.column_names)}); "
                         "set data.text_field (or --text-field) to the column holding the text")
@@ -259,13 +260,10 @@ def column_texts(table: pa.Table, field: str, where: str) -> list[str]:
         raise DataError(f"{where}: column {field!r} is {column.type}, not text")
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         column = column.cast(pa.large_string())  # dictionary-encoded or string_view text
-    try:
-        return [text if text is not None else "" for text in column.to_pylist()]
-    except UnicodeDecodeError:
-        # Arrow does not check what other tools wrote as strings: bytes that are not UTF-8 are
-        # replaced, as in text files.
-        return ["" if raw is None else raw.decode("utf-8", errors="replace")
-                for raw in column.cast(pa.large_binary()).to_pylist()]
+    # The bytes, as a text file's: Arrow does not check that what other tools wrote as strings is
+    # UTF-8 (its to_pylist then raised), and the tokenizer handles bytes that are not as it does a
+    # text file's.
+    return [b"" if raw is None else raw for raw in column.cast(pa.large_binary()).to_pylist()]
 
 
 def is_text_type(kind: pa.DataType) -> bool:
@@ -298,7 +296,7 @@ def read_table_rows(source: Source, tables: Iterator[pa.Table], field: str) -> I
     row = 0
     for table in tables:
         for text in column_texts(table, field, str(source.path)):
-            yield f"{source.name}:{row}", text.encode()
+            yield f"{source.name}:{row}", text
             row += 1
 
 

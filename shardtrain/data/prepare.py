@@ -336,10 +336,15 @@ def prepare(options: PrepareOptions, out: str | Path, progress: bool = True,
     if out.exists() and not out.is_dir():
         raise DataError(f"{out} is a file, not a directory; choose another output directory")
     lock_path = out.with_name(f".{out.name}{PREPARE_LOCK_SUFFIX}")
-    with ExitStack() as held:
-        if lock:
-            held.enter_context(locked(lock_path))
-        return prepare_unlocked(options, out, progress, [*exclude, lock_path])
+    exclude = [*exclude, lock_path]
+    if not lock:
+        return prepare_unlocked(options, out, progress, exclude)
+    # Up to date: nothing is written, not even the lock (a dataset on a read-only share, another
+    # user's); else under the lock, where a preparation that finished meanwhile is found up to date.
+    if (current := prepare_unlocked(options, out, progress, exclude, check_only=True)) is not None:
+        return current
+    with locked(lock_path):
+        return prepare_unlocked(options, out, progress, exclude)
 
 
 @contextmanager
@@ -361,8 +366,9 @@ def locked(path: Path) -> Iterator[None]:
         yield
 
 
-def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool,
-                     exclude: list[Path]) -> PrepareResult:
+def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool, exclude: list[Path],
+                     check_only: bool = False) -> PrepareResult | None:
+    """``prepare``'s work; ``check_only``: the result if ``out`` is up to date, else None."""
     tokenizer = load_tokenizer(options.tokenizer)
     staging = out.with_name(f".{out.name}.preparing")
     aside = out.with_name(f".{out.name}.replaced")
@@ -373,11 +379,15 @@ def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool,
     if existing is not None and existing.get("fingerprint") == digest:
         if not (gone := missing_files(out, existing)):
             return PrepareResult(existing, up_to_date=True)
+        if check_only:
+            return None
         # Ours, and named "prepare it again" by the reader that found it so: done here.
         log.warning(f"data: {out} is prepared but incomplete ({', '.join(gone[:3])} missing); preparing "
                     "it again")
     if out.exists() and existing is None and any(out.iterdir()):
         raise DataError(f"{out} exists and is not a prepared dataset; choose another output directory")
+    if check_only:
+        return None
 
     started = time.perf_counter()
     shutil.rmtree(staging, ignore_errors=True)

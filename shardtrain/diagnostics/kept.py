@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from shardtrain.config.schema import ModelConfig
+from shardtrain.distributed.parallelize import outermost_blocks
 from shardtrain.models.registry import build_model
 
 log = logging.getLogger("shardtrain")
@@ -135,7 +136,7 @@ def measure(model_cfg: ModelConfig, seq_len: int, dtype: torch.dtype, document_m
     """What each block keeps for one sequence of ``seq_len`` tokens (``kept_by_block``)."""
     with torch.device("meta"):
         model = build_model(model_cfg)
-    blocks = [module for module in model.modules() if isinstance(module, model.block_classes)]
+    blocks = [module for _, module in outermost_blocks(model, tuple(model.block_classes))]
     eager = bool(getattr(getattr(model, "dims", None), "eager_attention", False))
     masked = model.layers_with_a_mask(seq_len, document_mask)
     if len(masked) != len(blocks):

@@ -27,7 +27,7 @@ from shardtrain.config.sizes import counted, human_bytes
 from shardtrain.config.strategy import AC_MODES, STRATEGIES, checkpointing_mode
 from shardtrain.diagnostics.kept import kept_by_block
 from shardtrain.distributed.embedding_exchange import exchangeable, exchanges_rows
-from shardtrain.distributed.parallelize import float8_eligible, last_projection_adapted
+from shardtrain.distributed.parallelize import float8_eligible, last_projection_adapted, outermost_blocks
 from shardtrain.distributed.qlora import NF4_BLOCK, NF4_GRAIN, quantized_linears
 from shardtrain.errors import ConfigError
 from shardtrain.models.dims import Dims
@@ -331,8 +331,9 @@ def with_blocks_measured(act: ActivationModel, per_sequence: list[int], micro_ba
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's blocks: its modules of its ``block_classes`` (none for a model without them)."""
-    return [blk for blk in model.modules() if isinstance(blk, getattr(model, "block_classes", ()))]
+    """The model's blocks as ``parallelize`` makes units of them: the outermost modules of its
+    ``block_classes`` (none for a model without them)."""
+    return [blk for _, blk in outermost_blocks(model, tuple(getattr(model, "block_classes", ())))]
 
 
 def float8_block_params(model: nn.Module) -> int:

@@ -13,7 +13,6 @@ backend's own timeout is.
 
 from __future__ import annotations
 
-import faulthandler
 import functools
 import logging
 import os
@@ -21,6 +20,7 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -34,12 +34,21 @@ log = logging.getLogger("shardtrain")
 HANG_EXIT_STATUS = 124
 
 
-def dump_stacks(path: Path, header: str) -> None:
+def stacks_text(header: str) -> str:
+    """Every thread's Python stack under ``header``, as text: made in memory, so that writing it to a
+    stalled filesystem blocks only the writing thread (faulthandler writes holding the GIL)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    parts = [header, ""]
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"Thread {ident:#x} ({names.get(ident, 'unnamed')}), most recent call last:")
+        parts += [line.rstrip("\n") for line in traceback.format_stack(frame)]
+        parts.append("")
+    return "\n".join(parts)
+
+
+def dump_stacks(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        f.write(header + "\n\n")
-        f.flush()
-        faulthandler.dump_traceback(file=f, all_threads=True)
+    path.write_text(text)
 
 
 # How long the watchdog waits for each piece of evidence it writes into run.dir before it stops.
@@ -204,7 +213,7 @@ class Watchdog:
                 median = statistics.median(self.recent) if self.recent else 0.0
                 header = (f"rank {self.rank}: {where} has run {elapsed:.1f}s; recent steps took "
                           f"{median:.2f}s (median)")
-                written = bounded(functools.partial(dump_stacks, path, header), "stall-dump")
+                written = bounded(functools.partial(dump_stacks, path, stacks_text(header)), "stall-dump")
                 log.warning("rank %d: %s is slow (%.1fs, recent median %.2fs); %s", self.rank, where,
                             elapsed, median, f"Python stacks in {path}" if written else
                             f"its Python stacks could not be written to {path} in {EVIDENCE_WAIT_S:g}s")
@@ -215,7 +224,8 @@ class Watchdog:
         """Leave the evidence (stacks, flight recorder, failure record), each written within
         ``EVIDENCE_WAIT_S`` or given up, and exit with status 124. ``step``: the steps done."""
         path = self.run_dir / "hangs" / f"rank-{self.rank}.txt"
-        stacks = (f"stacks in {path}" if bounded(lambda: dump_stacks(path, message), "hang-dump")
+        text = stacks_text(message)
+        stacks = (f"stacks in {path}" if bounded(lambda: dump_stacks(path, text), "hang-dump")
                   else f"stacks could not be written to {path} in {EVIDENCE_WAIT_S:g}s")
         # We stop before the process group's own (longer) timeout, and so before NCCL's own dump.
         evidence = f"{stacks}{self.dump_flight_recorder()}"

@@ -278,15 +278,15 @@ def extra_groups(model: nn.Module) -> list[list[nn.Module]]:
 
 def outermost_blocks(model: nn.Module, wrap: tuple[type, ...]) -> list[tuple[str, nn.Module]]:
     """The modules of the ``wrap`` classes, as (name, module), that lie inside no other such module
-    nor in an extra group's module: units may not overlap (FSDP refused nested matches sharded
+    and are no extra group's member: units may not overlap (FSDP refused nested matches sharded
     parent first, "overlapping meshes", and a module sharded twice); a class inside another's blocks
-    (a Hugging Face attention listed beside its decoder layer) is sharded with them."""
-    names = {module: name for name, module in model.named_modules()}
-    grouped = [names[module] for group in extra_groups(model) for module in group]
-    taken = [f"{name}." for name in grouped]
+    (a Hugging Face attention listed beside its decoder layer) is sharded with them. Blocks inside a
+    group's module (an encoder made one group) stay units of their own, sharded before it."""
+    grouped = {id(module) for group in extra_groups(model) for module in group}
+    taken: list[str] = []
     found = []
     for name, module in model.named_modules():
-        if module is model or not isinstance(module, wrap) or name in grouped:
+        if module is model or not isinstance(module, wrap) or id(module) in grouped:
             continue
         if any(name.startswith(prefix) for prefix in taken):
             continue

@@ -434,7 +434,8 @@ class Trainer:
             when = f"every {t.eval_every} steps and at the end" if t.eval_every else "at the end"
             self.info(f"validation: the first {used} of {self.val_available} samples "
                       f"(trainer.eval_samples), {when}")
-        self.info(f"config: every key, resolved, in {Path(self.cfg.run.dir) / 'config.yaml'}")
+        if not self.cfg.diagnostics.dry_run:  # a dry run leaves the run's files as they are
+            self.info(f"config: every key, resolved, in {Path(self.cfg.run.dir) / 'config.yaml'}")
         if self.throughput.peak_flops is None:
             self.info(f"MFU is not reported: no peak FLOP/s is known for this device ({env.device.type})")
         diag = self.cfg.diagnostics
