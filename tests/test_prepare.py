@@ -27,6 +27,7 @@ from shardtrain.config.schema import DataConfig
 from shardtrain.data.corpus import fingerprint_at, load_corpus, prepared_path
 from shardtrain.data.documents import list_files, resolve_sources
 from shardtrain.data.prepare import PrepareOptions, Reading, batches, locked, prepare, tokenizer_entry
+from shardtrain.data.prepared import open_prepared
 from shardtrain.data.tokenizer import ByteTokenizer, HFTokenizer
 from shardtrain.errors import DataError
 
@@ -439,6 +440,17 @@ def test_chat_records_train_on_the_assistant_turns_only(tmp_path):
     assert tokenizer.decode(tokens[:len(tokenizer.encode(tokenizer.render_chat(chats[0]["messages"],
                                                                                False), False))].tolist()) \
         == tokenizer.render_chat(chats[0]["messages"], add_generation_prompt=False)
+    assert open_prepared(tmp_path / "out", tokenizer).manifest is not None
+    # The model's tokenizer with another template (its vocabulary the same): these renderings are
+    # not its format (found by review: accepted, and a changed template's preparation was reused)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    other = HFTokenizer(model)
+    assert other.name == tokenizer.name and other.chat_template != tokenizer.chat_template
+    with pytest.raises(DataError, match="rendered with another chat template than the model's"):
+        open_prepared(tmp_path / "out", other)
 
 
 def test_resume_at_other_world_sizes_consumes_exactly_the_uninterrupted_samples(tmp_path):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shardtrain.data.prepare import FORMAT, MANIFEST, SPLITS, VERSION
+from shardtrain.data.prepare import FORMAT, MANIFEST, SPLITS, VERSION, tokenizer_entry
 from shardtrain.data.tokenizer import Tokenizer
 from shardtrain.errors import DataError
 
@@ -281,6 +281,14 @@ def open_prepared(path: str | Path, tokenizer: Tokenizer | None = None) -> Prepa
         raise DataError(f"{path}: {MANIFEST} names no token dtype; prepare it again")
     directory = DatasetDirectory(path)
     shards = [shard for split in SPLITS for shard in manifest["splits"][split]["shards"]]
+    if tokenizer is not None and any("mask_file" in shard for shard in shards):
+        # Conversations were rendered with the chat template (and trained on its assistant turns):
+        # a model whose tokenizer renders them otherwise would learn a format it is not prompted in.
+        recorded = manifest["tokenizer"].get("chat_template", "unrecorded")
+        if recorded not in ("unrecorded", tokenizer_entry(tokenizer)["chat_template"]):
+            raise DataError(f"{path} holds conversations rendered with another chat template than the "
+                            f"model's tokenizer's ({tokenizer.name}); prepare it again with the model's "
+                            "tokenizer (shardtrain prepare ... --tokenizer MODEL_DIR)")
     # Masks are checked after the other files so that the message names the same files as ever
     # when tokens or document starts are missing.
     missing = (directory.missing([shard[key] for shard in shards for key in ("tokens_file", "docs_file")])
