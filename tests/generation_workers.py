@@ -49,7 +49,7 @@ def count_all_gathers(out: str) -> None:
     rank = trainer.env.rank
     with sharded_inference(trainer.model) as model:
         sampled = generate(model, list(b"def "), 12, temperature=1.0, seed=rank, vocab_limit=256,
-                           stop_token=int(b"\n"[0]), rank0_tokens=True)
+                           stop_tokens={int(b"\n"[0])}, rank0_tokens=True)
         alone = generate(model, list(b"def "), 12, temperature=1.0, seed=rank, vocab_limit=256)
     every: list = [None] * world
     torch.distributed.all_gather_object(every, (sampled, alone))

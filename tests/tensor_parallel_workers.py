@@ -156,7 +156,7 @@ def one_process_leg(out: str) -> None:
     prompt = tokenizer.encode(t.sample_prompt)
     tp, fsdp = (f"{out}/{name}/checkpoints/step-{SPLITS[1]}" for name in ("tp", "fsdp4"))
     sampled = generated(tp, prompt, temperature=0.8, top_k=40, seed=t.seed, vocab_limit=tokenizer.vocab_size,
-                        stop_token=tokenizer.eos_id)
+                        stop_tokens=tokenizer.stop_ids)
     torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "weights": run.full_weights(),
                 "ids": [ids.tolist() for ids in run.consumed_ids],
                 "greedy": {name: generated(path, prompt) for name, path in (("tp", tp), ("fsdp", fsdp))},

@@ -4,6 +4,7 @@ tokens printed as whole characters, and every numeric flag of generate/eval rang
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -67,6 +68,24 @@ def test_sharded_generation_equals_consolidated(tmp_path):
     log.unlink()
     evaluated = run_cli("eval", str(ckpt), "--samples", "16", "--devices", "2")
     assert evaluated.returncode == 0 and "perplexity" in evaluated.stdout, evaluated.stderr[-2000:]
+
+
+def test_generation_stops_where_the_models_generation_config_says(tmp_path):
+    """Found by review: only tokenizer_config.json's eos_token ended generation, so a chat model whose
+    turn ends on another token (Gemma's <end_of_turn>, listed in generation_config.json) ran on to
+    --max-new-tokens. The stop ids are transformers' generate's: the end of text and those listed."""
+    directory = make_model_dir(tmp_path / "model", "llama")
+    plain = HFTokenizer(directory)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [plain.eos_id, 7, 10**9]}))
+    tokenizer = HFTokenizer(directory)
+    assert tokenizer.stop_ids == {plain.eos_id, 7}  # an id outside the vocabulary is no stop
+    model = Llama(ModelConfig(vocab_size=tokenizer.vocab_size, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                              max_seq_len=64))
+    free = generate(model, [1, 2, 3], 12)
+    assert len(free) == 12
+    stopped = generate(model, [1, 2, 3], 12, stop_tokens={free[4]})
+    assert stopped == free[:free.index(free[4])]
+    assert ByteTokenizer().stop_ids == frozenset()
 
 
 def test_gathered_and_unit_by_unit_generation(tmp_path):

@@ -220,7 +220,7 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
             generate(model, ids, args.max_new_tokens,
                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                      seed=args.seed + index, use_cache=not args.no_cache,
-                     vocab_limit=tokenizer.vocab_size, stop_token=tokenizer.eos_id,
+                     vocab_limit=tokenizer.vocab_size, stop_tokens=tokenizer.stop_ids,
                      on_token=lambda token: on_text(stream.push(token)), device=loaded.env.device,
                      rank0_tokens=choice.mode != "gathered")
             on_text(stream.flush() + "\n")

@@ -41,6 +41,7 @@ class Tokenizer(Protocol):
     source: str  # "bytes" or the path it was loaded from
     vocab_size: int
     eos_id: int | None  # appended after every document; None: documents are concatenated as they are
+    stop_ids: frozenset[int]  # where generation ends: the end of text, and a model's end of turn
     chat_template: str | None
 
     def encode(self, text: str, special_tokens: bool = True) -> list[int]: ...
@@ -68,6 +69,18 @@ class ByteStream:
         return self._decoder.decode(b"", final=True)
 
 
+def generation_stops(directory: Path, vocab_size: int) -> frozenset[int]:
+    """The ids a model's ``generation_config.json`` ends generation at (``eos_token_id``, one or a
+    list), as transformers' ``generate`` does: a chat model's end of turn is often not the
+    tokenizer's end of text (Gemma's ``<end_of_turn>``, Llama 3's ``<|eot_id|>``)."""
+    try:
+        ids = json.loads((directory / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return frozenset()
+    ids = ids if isinstance(ids, list) else [ids]
+    return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size)
+
+
 class ByteTokenizer:
     """The built-in model's tokens: the 256 byte values of the UTF-8 text."""
 
@@ -75,6 +88,7 @@ class ByteTokenizer:
     source = "bytes"
     vocab_size = 256
     eos_id = None
+    stop_ids: frozenset[int] = frozenset()
     chat_template = None
 
     def encode(self, text: str, special_tokens: bool = True) -> list[int]:
@@ -157,6 +171,7 @@ class HFTokenizer:
         self.eos_id = self._tokenizer.token_to_id(self.eos_token) if self.eos_token else None
         if self.eos_token and self.eos_id is None:
             raise DataError(f"{config_file}: eos_token {self.eos_token!r} is not in {file}'s vocabulary")
+        self.stop_ids = frozenset({self.eos_id} - {None}) | generation_stops(file.parent, self.vocab_size)
         template = file.parent / "chat_template.jinja"
         self.chat_template = (template.read_text() if template.is_file()
                               else config.get("chat_template"))

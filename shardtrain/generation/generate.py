@@ -15,7 +15,7 @@ is one all-gather per unit per new token (docs/generation.md measures it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -176,10 +176,11 @@ def check_positions(model: nn.Module, prompt_tokens: int, max_new_tokens: int) -
 def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, use_cache: bool = True,
              vocab_limit: int | None = None, on_token: Callable[[int], None] | None = None,
-             device: torch.device | None = None, stop_token: int | None = None,
+             device: torch.device | None = None, stop_tokens: Collection[int] = (),
              rank0_tokens: bool = False) -> list[int]:
-    """New token ids after ``prompt`` from a plain model (see ``gathered_copy``); ends early after
-    ``stop_token`` (a tokenizer's end of text), which is not returned. ``rank0_tokens``: every rank
+    """New token ids after ``prompt`` from a plain model (see ``gathered_copy``); ends early at one
+    of ``stop_tokens`` (a tokenizer's ``stop_ids``: its end of text, an end of turn), which is not
+    returned. ``rank0_tokens``: every rank
     takes rank 0's token (a sharded model, whose every forward is a collective: a rank whose logits
     differ in the last bit at a near-tie, from a kernel that accumulates in another order, would
     otherwise stop or continue alone)."""
@@ -205,7 +206,7 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temper
         nxt = pick_next(logits, temperature, top_k, top_p, generator)
         if rank0_tokens and dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(nxt, src=0)
-        if int(nxt) == stop_token:
+        if int(nxt) in stop_tokens:
             break
         tokens = torch.cat([tokens, nxt], dim=1)
         step_input = nxt

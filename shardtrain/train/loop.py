@@ -826,7 +826,7 @@ class Trainer:
         prompt = prompt_ids(tokenizer, t.sample_prompt)
         ids = generate(plain, prompt, t.sample_tokens, temperature=0.8, top_k=40, seed=t.seed,
                        vocab_limit=tokenizer.vocab_size, device=self.env.device,
-                       stop_token=tokenizer.eos_id)
+                       stop_tokens=tokenizer.stop_ids)
         del plain
         text = tokenizer.decode(prompt + ids)
         self.writer.write(self.step, "sample", {"text": text})
