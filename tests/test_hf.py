@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from shardtrain.checkpoint.weights import load_hf_into, load_safetensors_into, model_config_of
 from shardtrain.errors import CheckpointError
+from shardtrain.export.consolidate import consolidate
 from shardtrain.export.hf import export_hf
 from shardtrain.export.verify import verify_export
 from shardtrain.models.llama import Llama
@@ -90,6 +91,12 @@ def test_export_check_fails_on_corrupted_weights(tmp_path):
     with pytest.raises(CheckpointError, match=f"output directory {out} already holds model files"):
         export_hf(ckpt, out, max_shard_size="40KB")
     assert sorted(p.name for p in out.iterdir()) == written
+    # --max-shard-size measures bf16 shards as written (found by review: as the stored fp32, twice as
+    # many shards as asked for), as consolidate --dtype bf16 does
+    shards = [p for p in export_hf(ckpt, tmp_path / "hf16", max_shard_size="40KB", dtype="bf16")
+              if p.name.startswith("model-")]
+    assert len(shards) == len([p for p in consolidate(ckpt, tmp_path / "c16", max_shard_size="40KB",
+                                                      dtype="bf16") if p.suffix == ".safetensors"])
     out = tmp_path / "hf32"
     export_hf(ckpt, out)  # in fp32, then damage one weight as a bad converter would
     # An earlier export's shards and index beside the single file: transformers loads the file, the

@@ -78,7 +78,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
     # A fresh hidden directory each time: a crashed export's leftover is never read as this one's.
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
     try:
-        staged = [src] if src.is_file() else consolidate(src, staging, max_shard_size=max_shard_size, key=key)
+        # Cast while consolidating: --max-shard-size then measures the shards as written.
+        staged = [src] if src.is_file() else consolidate(src, staging, max_shard_size=max_shard_size,
+                                                          dtype=dtype, key=key)
         parts = [partial(read_part, p) for p in staged if p.suffix == ".safetensors"]
         return write_hf_directory(cfg, out, parts, dtype)
     finally:
