@@ -89,23 +89,20 @@ def flight_recorder_trace() -> bytes:
     return c10d._dump_fr_trace()
 
 
-def dump_flight_recorder(prefix: str, rank: int, wait_s: float = 30.0) -> Path | None:
+def dump_flight_recorder(prefix: str, rank: int, wait_s: float | None = None) -> Path | None:
     """Write the flight recorder to ``<prefix><rank>`` (the name NCCL's own dump on timeout uses).
 
-    In a thread, waited for at most ``wait_s``: on a hung backend the dump itself might block, and
-    nothing may keep the watchdog from stopping the process. None if it failed or did not finish.
+    ``bounded``: on a hung backend the dump itself might block, and nothing may keep the watchdog
+    from stopping the process. None if it failed or did not finish within ``wait_s``.
     """
     path = Path(f"{prefix}{rank}")
-    written = threading.Event()
 
     def write() -> None:
         data = flight_recorder_trace()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-        written.set()
 
-    threading.Thread(target=write, name="shardtrain-flight-recorder", daemon=True).start()
-    return path if written.wait(wait_s) else None
+    return path if bounded(write, "flight-recorder", wait_s) else None
 
 
 def main_thread_location() -> str:
