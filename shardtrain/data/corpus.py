@@ -13,7 +13,6 @@ Hugging Face tokenizer with its end-of-text token after every document.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -33,6 +32,7 @@ from shardtrain.data.batches import MixtureWindows, TokenWindows
 from shardtrain.data.prepare import (
     PrepareOptions,
     is_validation,
+    locked,
     missing_files,
     output_options,
     prepare,
@@ -126,18 +126,12 @@ POLL_S = 1.0
 
 def prepare_locked(options: PrepareOptions, out: Path, lock_required: bool = True) -> str:
     """Prepare ``options`` into ``out`` under a lock file beside it (nothing to do when it is up to
-    date, which takes a walk and a stat of every input file); the dataset's fingerprint."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    date, which takes a walk and a stat of every input file); the dataset's fingerprint.
+    ``lock_required`` False: a filesystem without locks is a warning (within a distributed job the
+    collectives already let one rank prepare at a time; the lock only guards against other jobs)."""
     lock_path = out.parent / f"{out.name}.lock"
-    with open(lock_path, "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        except OSError as exc:
-            # Shared filesystems may not support flock; within a distributed job the collectives
-            # already let one rank prepare at a time, so the lock only guards against other jobs.
-            if lock_required:
-                raise DataError(f"cannot lock the data cache entry {lock_path} ({exc.strerror or exc}); "
-                                "set data.cache_dir to a directory on a filesystem with file locks") from exc
+    fix = "set data.cache_dir to a directory on a filesystem with file locks" if lock_required else None
+    with locked(lock_path, required=fix):
         if out.is_dir() and read_manifest(out) is None:
             # A cache entry without its manifest (written last) is a preparation that was killed
             # half-way; under the lock nobody else writes it, and the cache is ours to redo.

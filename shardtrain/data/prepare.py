@@ -36,7 +36,7 @@ import shutil
 import time
 import zlib
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import ExitStack, contextmanager
@@ -293,24 +293,33 @@ def batches(sources: list[Source], options: PrepareOptions, bar: tqdm, reading: 
         yield splits, texts
 
 
-def missing_files(directory: Path, manifest: dict) -> list[str]:
-    """The shard files ``manifest`` names that ``directory`` lacks (one listing per split)."""
+def absent(names: Iterable[str], listing: Callable[[str], set[str]]) -> list[str]:
+    """The ``names`` (relative, '/'-separated) that ``listing`` (a folder's file names; '' for the
+    top) does not hold, in order: one listing a folder, where a check of each name would stat
+    every shard."""
     listed: dict[str, set[str]] = {}
     gone = []
-    for split in SPLITS:
-        for shard in manifest.get("splits", {}).get(split, {}).get("shards", []):
-            for key in ("tokens_file", "docs_file", "mask_file"):
-                if not (name := shard.get(key)):
-                    continue
-                parent, _, base = name.rpartition("/")
-                if parent not in listed:
-                    try:
-                        listed[parent] = set(os.listdir(directory / parent))
-                    except OSError:
-                        listed[parent] = set()
-                if base not in listed[parent]:
-                    gone.append(name)
+    for name in names:
+        parent, _, base = name.rpartition("/")
+        if parent not in listed:
+            listed[parent] = listing(parent)
+        if base not in listed[parent]:
+            gone.append(name)
     return gone
+
+
+def missing_files(directory: Path, manifest: dict) -> list[str]:
+    """The shard files ``manifest`` names that ``directory`` lacks."""
+    def listing(parent: str) -> set[str]:
+        try:
+            return set(os.listdir(directory / parent))
+        except OSError:
+            return set()
+
+    names = [name for split in SPLITS
+             for shard in manifest.get("splits", {}).get(split, {}).get("shards", [])
+             for key in ("tokens_file", "docs_file", "mask_file") if (name := shard.get(key))]
+    return absent(names, listing)
 
 
 def read_manifest(directory: Path) -> dict | None:
@@ -348,19 +357,22 @@ def prepare(options: PrepareOptions, out: str | Path, progress: bool = True,
 
 
 @contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` (created) for the block; where the filesystem has no
-    ``flock``, a warning, and the block runs unlocked."""
+def locked(path: Path, required: str | None = None) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created) for the block. Where the filesystem has no
+    ``flock``: with ``required`` (what to do instead), a ``DataError`` saying so; else a warning,
+    and the block runs unlocked."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(path, "w")
     except OSError as exc:
-        raise DataError(f"cannot create the lock file {path} ({exc.strerror or exc}); choose an output "
-                        "directory in a writable directory") from exc
+        raise DataError(f"cannot create the lock file {path} ({exc.strerror or exc}); choose a "
+                        "directory you can write") from exc
     with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX)
         except OSError as exc:
+            if required:
+                raise DataError(f"cannot lock {path} ({exc.strerror or exc}); {required}") from exc
             log.warning(f"data: cannot lock {path} ({exc.strerror or exc}): another preparation of the "
                         "same output at the same time would spoil it")
         yield

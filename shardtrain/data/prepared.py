@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shardtrain.data.prepare import FORMAT, MANIFEST, SPLITS, VERSION, tokenizer_entry
+from shardtrain.data.prepare import FORMAT, MANIFEST, SPLITS, VERSION, absent, tokenizer_entry
 from shardtrain.data.tokenizer import Tokenizer
 from shardtrain.errors import DataError
 
@@ -64,15 +64,7 @@ class DatasetDirectory:
 
     def missing(self, names: list[str]) -> list[str]:
         """The ``names`` (relative, '/'-separated) that are not files, in order."""
-        listed: dict[str, set[str]] = {}
-        gone = []
-        for name in names:
-            parent, _, base = name.rpartition("/")
-            if parent not in listed:
-                listed[parent] = self.listing(parent)
-            if base not in listed[parent]:
-                gone.append(name)
-        return gone
+        return absent(names, self.listing)
 
     def map(self, name: str, dtype: np.dtype | None, length: int) -> np.memmap:
         """``name`` memory-mapped (what ``np.load(mmap_mode="r")`` returns), checked against the
