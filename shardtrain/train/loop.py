@@ -709,8 +709,7 @@ class Trainer:
         if due(step, t.sample_every) and step < t.max_steps and self.samples_text() and not preempting:
             self.sample()
         if record:
-            self.writer.write(step, "train", record)
-            self.console.show(step, record, tuple(name for name, _ in self.metric_kinds))
+            self.log_record(record)
         if "val_loss" in record and self.best is not None:  # after the record: a wrong monitor stops here
             self.judge_evaluation(record)
 
@@ -722,8 +721,7 @@ class Trainer:
         self.evaluation_due = False
         self.info(f"step {self.step}: the evaluation the preemption skipped runs now")
         record = self.validate()
-        self.writer.write(self.step, "train", record)
-        self.console.show(self.step, record, tuple(name for name, _ in self.metric_kinds or ()))
+        self.log_record(record)
         if self.best is None:
             return
         # Another run's checkpoint (resumed from its directory) is not this run's to rank or link:
@@ -732,6 +730,12 @@ class Trainer:
         self.best_save_due = False  # saved: the checkpoint just resumed
         if self.env.is_main and self.checkpointer is not None and self.best.ranking:
             self.checkpointer.point_best_at(self.best.ranking[0][0], f"step {self.step} was evaluated")
+
+    def log_record(self, record: dict) -> None:
+        """This step's train record, to the metrics log and the console."""
+        self.writer.write(self.step, "train", record)
+        # Before the first step (a skipped evaluation run first) the task's metrics are not known yet.
+        self.console.show(self.step, record, tuple(name for name, _ in self.metric_kinds or ()))
 
     def validate(self) -> dict[str, float]:
         """The validation loss and the task's metrics (``val_*``), and with a weight average the
