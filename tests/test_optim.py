@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from shardtrain.config.schema import ModelConfig, TrainerConfig
 from shardtrain.errors import ConfigError
@@ -30,6 +31,18 @@ def test_no_weight_decay_on_norms_biases_embeddings():
     assert id(model.tok_embeddings.weight) not in decayed and id(model.output.weight) in decayed
     tied = Llama(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, tie_embeddings=True))
     assert "tok_embeddings.weight" in no_decay_names(tied)  # the shared head weight is an embedding
+
+
+def test_no_weight_decay_on_norms_and_biases_of_any_shape():
+    """Found by review: only 1-D parameters counted as norms and biases, so a LayerNorm over (C, H, W)
+    and the attention's 3-D bias_k were decayed towards zero."""
+    model = nn.ModuleDict({"norm": nn.LayerNorm((4, 3, 3)), "group": nn.GroupNorm(2, 4),
+                           "attention": nn.MultiheadAttention(8, 2, add_bias_kv=True),
+                           "pos": nn.ParameterDict({"table": nn.Parameter(torch.zeros(16, 8))})})
+    skip = no_decay_names(model)
+    assert {"norm.weight", "norm.bias", "group.weight", "attention.bias_k", "attention.bias_v",
+            "attention.in_proj_bias"} <= skip
+    assert "attention.in_proj_weight" not in skip and "pos.table" not in skip  # a learnt table is decayed
 
 
 def test_warmup_then_cosine_to_min_ratio():
