@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from shardtrain.data.batches import IGNORE_INDEX, GlobalOrder, TokenWindows
 from shardtrain.data.prepare import PrepareOptions, prepare
 from shardtrain.data.prepared import OPEN_SHARD_FILES, open_prepared
+from shardtrain.data.tokenizer import ByteTokenizer
 from shardtrain.errors import DataError
 
 SEQ_LEN = 16
@@ -140,3 +142,16 @@ def test_shards_read_late_are_still_checked(datasets, tmp_path):
     with pytest.raises(DataError, match=f"{first} is gone .*prepared again while this process read it"):
         reader.train[0:1]
     assert np.array_equal(open_prepared(again).train, open_prepared(datasets[50]).train)
+
+
+def test_a_tokenizer_with_another_end_of_text_is_warned_about(datasets, caplog):
+    """Found by review: one tokenizer.json with two end-of-text ids (a base model's and its instruct
+    model's) passed the vocabulary check in silence; the model then learns one separator and
+    generation stops at the other."""
+    made_with = ByteTokenizer()
+    open_prepared(datasets[50], made_with)
+    assert "ends its documents" not in caplog.text
+    other = SimpleNamespace(name=made_with.name, vocab_size=made_with.vocab_size, eos_id=7)
+    open_prepared(datasets[50], other)
+    assert ("ends its documents with no end-of-text token but the model's tokenizer ends text with "
+            "token 7") in caplog.text

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import threading
 import weakref
@@ -24,6 +25,8 @@ import numpy as np
 from shardtrain.data.prepare import FORMAT, MANIFEST, SPLITS, VERSION, absent, tokenizer_entry
 from shardtrain.data.tokenizer import Tokenizer
 from shardtrain.errors import DataError
+
+log = logging.getLogger("shardtrain")
 
 # Shard files (tokens, document starts, target masks) a process keeps memory-mapped at once, over
 # all the datasets it reads. Each holds a descriptor, so this bounds the data's share of the
@@ -269,6 +272,14 @@ def open_prepared(path: str | Path, tokenizer: Tokenizer | None = None) -> Prepa
                 f"{path} was prepared with tokenizer {made_with['name']} ({made_with['vocab_size']} tokens) "
                 f"but the model's is {tokenizer.name} ({tokenizer.vocab_size} tokens); prepare it again "
                 "with the model's tokenizer (shardtrain prepare ... --tokenizer MODEL_DIR)")
+        if made_with.get("eos_id", tokenizer.eos_id) != tokenizer.eos_id:
+            # One tokenizer.json, two end-of-text tokens (a base model's and its instruct model's):
+            # the model learns the data's separator, and generation stops at the other one.
+            ends = lambda eos: "no end-of-text token" if eos is None else f"token {eos}"  # noqa: E731
+            log.warning(f"data: {path} ends its documents with {ends(made_with['eos_id'])} but the "
+                        f"model's tokenizer ends text with {ends(tokenizer.eos_id)}; generation will "
+                        "not stop where training documents ended (prepare it again with the model's "
+                        "tokenizer)")
     if "dtype" not in manifest:
         raise DataError(f"{path}: {MANIFEST} names no token dtype; prepare it again")
     directory = DatasetDirectory(path)
