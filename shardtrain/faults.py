@@ -1,6 +1,7 @@
 """Fault injection for tests: make one rank fail at a named point of chosen steps.
 
-``SHARDTRAIN_FAULT=<point>:<rank>:<steps>:<action>[:<attempt>]`` where steps is ``N`` or ``A-B``,
+``SHARDTRAIN_FAULT=<point>:<rank>:<steps>:<action>[:<attempt>]`` (several: comma-separated, the
+first that matches acts) where steps is ``N`` or ``A-B``,
 action is ``kill`` (SIGKILL itself), ``raise`` (RuntimeError), ``sleep=S`` (stall S seconds),
 ``signal=NAME`` (send itself that signal, e.g. a preemption's SIGTERM) or ``nan`` (poison the loss;
 point ``loss`` only), and attempt (optional) limits the fault to that
@@ -27,15 +28,16 @@ def _match(point: str, rank: int, step: int) -> str | None:
     spec = os.environ.get(ENV)
     if not spec:
         return None
-    want_point, want_rank, steps, action, *attempt = spec.split(":")
-    first, _, last = steps.partition("-")
-    if want_point != point or int(want_rank) != rank:
-        return None
-    if attempt and int(attempt[0]) != int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)):
-        return None
-    if not int(first) <= step <= int(last or first):
-        return None
-    return action
+    for fault in spec.split(","):
+        want_point, want_rank, steps, action, *attempt = fault.split(":")
+        first, _, last = steps.partition("-")
+        if want_point != point or int(want_rank) != rank:
+            continue
+        if attempt and int(attempt[0]) != int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)):
+            continue
+        if int(first) <= step <= int(last or first):
+            return action
+    return None
 
 
 def inject(point: str, rank: int, step: int) -> None:

@@ -567,17 +567,22 @@ def test_the_best_checkpoints_are_kept_beside_the_newest_across_a_resume(tmp_pat
             proc.stderr)
     assert sorted(p.name for p in (falling / "checkpoints").iterdir()) == ["best", "step-6"]
     assert os.readlink(falling / "checkpoints" / "best") == "step-6"
-    # A failure while an async save is in flight (step 1's, its commit held back 3 s): the save
-    # commits before the run stops, as a blocking one would have, rather than being abandoned.
-    wrong = run_cli("train", *QUICK, "trainer.eval_every=2", "checkpoint.keep_best=1",
-                    "checkpoint.interval=1", "checkpoint.async=true", "trainer.max_steps=2",
-                    "trainer.monitor=val_accuracy", f"run.dir={tmp_path / 'wrong'}",
-                    env={"SHARDTRAIN_FAULT": "commit:0:1:sleep=3"})
-    assert ("trainer.monitor=val_accuracy is not among the values the evaluation logged (val_loss); "
+    # A failure while an async save is in flight (step 1's, its commit held back 3 s, and every rank
+    # failing after step 2): the save commits before the run stops, as a blocking one would have,
+    # rather than being abandoned.
+    failing = run_cli("train", *QUICK, "checkpoint.interval=1", "checkpoint.async=true",
+                      "trainer.max_steps=3", f"run.dir={tmp_path / 'failing'}",
+                      env={"SHARDTRAIN_FAULT": "commit:0:1:sleep=3,step:0:2:raise,step:1:2:raise"})
+    assert failing.returncode == 1 and "injected fault: rank 0 failed at step of step 2" in failing.stderr
+    assert "training failed with the async save of step 1 in flight: letting it commit" in failing.stderr
+    assert sorted(p.name for p in (tmp_path / "failing" / "checkpoints").iterdir()) == ["step-1"]
+    # A task's metric misspelt as trainer.monitor stops the run before its first step (it stopped it
+    # at the first evaluation, which may be hours in).
+    wrong = run_cli("train", *QUICK, "trainer.eval_every=2", "checkpoint.keep_best=1", "trainer.max_steps=2",
+                    "trainer.monitor=val_accuracy", f"run.dir={tmp_path / 'wrong'}")
+    assert ("trainer.monitor=val_accuracy is not among the values the evaluation logs (val_loss); "
             "choose one of them") in error_line(wrong)
-    assert read_metrics(tmp_path / "wrong")[-1]["val_loss"] > 0  # the evaluation is logged first
-    assert "training failed with the async save of step 1 in flight: letting it commit" in wrong.stderr
-    assert sorted(p.name for p in (tmp_path / "wrong" / "checkpoints").iterdir()) == ["step-1"]
+    assert "step 1" not in wrong.stderr and not (tmp_path / "wrong" / "checkpoints").exists()
 
 
 def test_early_stopping_ends_the_run_and_a_resume_knows_it(tmp_path):

@@ -205,10 +205,12 @@ def test_language_model_commands_refuse_a_task_checkpoint(two_ranks):
 def test_a_task_from_the_command_line_with_its_options_preempted_and_resumed(tmp_path):
     """``task=`` with typed options, at 2 processes: the task's metrics and throughput, its config
     and checkpoint record; SIGTERM saves and exits 0, and the resumed run's losses are the
-    uninterrupted run's, bit for bit."""
+    uninterrupted run's, bit for bit. Early stopping judges the task's accuracy (found before the
+    first step, on one validation micro-batch, without touching the random streams)."""
     common = ["train", "task=vit:ImageClassification", "task.depth=1", "task.dim=16", "trainer.devices=2",
               "trainer.max_steps=12", "trainer.micro_batch_size=4", "trainer.log_every=1",
               "trainer.eval_every=6", "trainer.eval_samples=10", "checkpoint.interval=0",
+              "trainer.monitor=val_accuracy", "trainer.monitor_mode=max", "trainer.early_stop_patience=10",
               "run.trackers=[]"]
     whole = run_cli(*common, f"run.dir={tmp_path / 'whole'}", env=TASK_PATH)
     assert whole.returncode == 0, whole.stderr[-3000:]

@@ -20,6 +20,7 @@ from shardtrain.accelerator import (
     peak_memory_mib,
     phase_peak_bytes,
     pin_offloaded_memory,
+    rng_forked,
     set_fp32_matmul,
 )
 from shardtrain.checkpoint.best import BestEvaluations
@@ -475,6 +476,7 @@ class Trainer:
             self.preemption = PreemptionFlag(self.cfg.checkpoint.preemption_signals)
         self.watchdog.start()
         try:
+            self.check_monitor_logged()
             if self.cfg.diagnostics.dry_run:
                 self.run_step()
                 self.info("dry run complete: the configuration builds, shards and trains one step")
@@ -736,6 +738,25 @@ class Trainer:
         self.writer.write(self.step, "train", record)
         # Before the first step (a skipped evaluation run first) the task's metrics are not known yet.
         self.console.show(self.step, record, tuple(name for name, _ in self.metric_kinds or ()))
+
+    def check_monitor_logged(self) -> None:
+        """A task's metric named by trainer.monitor, looked for in an evaluation of one validation
+        micro-batch before the first step: misspelt (val_acc for val_accuracy), it stopped the run at
+        its first evaluation, which may be hours in. val_loss (and its average's) is always logged."""
+        t = self.cfg.trainer
+        if (self.best is None or not self.val_batches or self.evaluation_due
+                or t.monitor.removeprefix("ema_") == "val_loss"):
+            return
+        self.watchdog.beat("evaluation", self.step)
+        # Forked: a task that draws noise in its loss (diffusion) leaves the run's random streams as
+        # they were, so that a resumed run draws what the uninterrupted one does.
+        with rng_forked(self.env.device):
+            _, metrics = evaluate(self.model, self.task, [self.val_batches[0]], self.env.device,
+                                  self.built.mesh)
+        logged = ["val_loss", *(f"val_{name}" for name in metrics)]
+        if t.monitor.removeprefix("ema_") not in logged:
+            raise TrainingError(f"trainer.monitor={t.monitor} is not among the values the evaluation "
+                                f"logs ({', '.join(sorted(logged))}); choose one of them")
 
     def validate(self) -> dict[str, float]:
         """The validation loss and the task's metrics (``val_*``), and with a weight average the
