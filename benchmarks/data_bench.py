@@ -5,6 +5,9 @@ prepare: ``shardtrain prepare`` against the ``datasets`` library (``load_dataset
 at the same number of processes, alternating, each from a cold output (datasets' cache is a fresh
 directory each time). Tokens/s counts the tokens both produce (checked equal).
 wait: the default run's ``data_wait_pct``, the share of the wall time steps waited for batches.
+long: one long document (the standard library's .py files as one text) encoded by the ``tokenizers``
+library in one piece against shardtrain's pieces, each in a fresh process: peak resident growth and
+seconds, the ids checked equal.
 """
 
 from __future__ import annotations
@@ -95,6 +98,60 @@ def prepare_results(workers: list[int], rounds: int = 3, max_bytes: int = 20_000
                          "tokens_per_s": {k: tokens["shardtrain"] / v for k, v in median.items()},
                          "ratio": median["datasets"] / median["shardtrain"]})
     return {"corpus_bytes": corpus_bytes, "rounds": rounds, "rows": rows}
+
+
+LONG_DOCUMENT_PROGRAM = """
+import hashlib, json, os, sys, threading, time
+import numpy as np, tokenizers
+from shardtrain.data.tokenizer import HFTokenizer
+text_file, tokenizer, mode = sys.argv[1:4]
+data = open(text_file, "rb").read()
+page = os.sysconf("SC_PAGE_SIZE")
+def resident():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * page
+baseline, peak, done = resident(), [0], threading.Event()
+def watch():  # the resident size's peak above the baseline (ru_maxrss counts the imports' peak)
+    while not done.wait(0.005):
+        peak[0] = max(peak[0], resident())
+watcher = threading.Thread(target=watch)
+watcher.start()
+started = time.perf_counter()
+if mode == "whole":
+    ids = tokenizers.Tokenizer.from_file(tokenizer).encode(data.decode()).ids
+else:
+    ids = HFTokenizer(tokenizer).encode_documents([data])[0]
+seconds = time.perf_counter() - started
+done.set()
+watcher.join()
+digest = hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()
+print(json.dumps({"seconds": seconds, "peak_growth_bytes": max(peak[0], resident()) - baseline,
+                  "tokens": len(ids), "sha256": digest}))
+"""
+
+
+def long_document_results(max_bytes: int = 20_000_000) -> dict:
+    """One long document encoded whole (the ``tokenizers`` library's encode) and by shardtrain (in
+    pieces where the tokenizer allows), each in a fresh process."""
+    sys.path.insert(0, str(ROOT / "examples" / "finetune_hf"))
+    from make_model import make_llama
+
+    with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
+        work = Path(workdir)
+        model = make_llama(work / "model", vocab_size=8192)
+        corpus = work / "corpus.jsonl"
+        write_corpus(corpus, max_bytes)
+        text_file = work / "one-document.txt"
+        text_file.write_text("".join(json.loads(line)["text"] for line in corpus.open()))
+        runs = {}
+        for mode in ("whole", "pieces"):
+            done = subprocess.run([sys.executable, "-c", LONG_DOCUMENT_PROGRAM, str(text_file),
+                                   str(model / "tokenizer.json"), mode],
+                                  check=True, capture_output=True, text=True)
+            runs[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+        if runs["whole"]["sha256"] != runs["pieces"]["sha256"]:
+            raise SystemExit("a long document's ids differ encoded in pieces")
+        return {"bytes": text_file.stat().st_size, **runs}
 
 
 def wait_results(steps: int = 100) -> dict:

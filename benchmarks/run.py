@@ -22,9 +22,9 @@ FSDP2 loop with and without compile and activation checkpointing (each variant t
 steps of each loop, device and host time per operator), then functional checks (CPU
 offload, async checkpoint resume, generation); ``--json-out`` keeps the raw results and
 ``--from-json`` renders them on a machine without a GPU.
-data (about 5 minutes): benchmarks/data_bench.py; ``shardtrain prepare`` against ``datasets``' ``map``
+data (about 6 minutes): benchmarks/data_bench.py; ``shardtrain prepare`` against ``datasets``' ``map``
 with the same fast tokenizer on the same JSON Lines file at 1 and 2 processes, and the default run's
-data wait.
+data wait; one long document encoded whole and in pieces.
 hf (about 8 minutes): benchmarks/hf_bench.py; a 0.5B Hugging Face model (Qwen2.5-0.5B's shape, random
 bf16 weights saved here) built and loaded by ``model=hf`` at 1, 2 and 4 processes: seconds and peak
 resident growth per rank; then training tokens/s of an HF Llama against the built-in Llama of the
@@ -1032,10 +1032,12 @@ built-in model (ratio = built-in step time / HF step time, >= 0.95).
 def data_section(command: str) -> str:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import datasets  # the benchmark's comparison (pip install -e '.[test]')
-    from data_bench import prepare_results, wait_results
+    from data_bench import long_document_results, prepare_results, wait_results
 
     prep = prepare_results([1, 2])
     wait = wait_results()
+    long = long_document_results()
+    whole, pieces = long["whole"], long["pieces"]
     rows = "\n".join(
         f"| {r['workers']} | {r['tokens']:,} | {r['tokens_per_s']['shardtrain']:,.0f} | "
         f"{r['tokens_per_s']['datasets']:,.0f} | {r['ratio']:.2f} |" for r in prep["rows"])
@@ -1060,6 +1062,13 @@ Data wait of the default run (`shardtrain train`, {wait['steps']} steps, batches
 background thread): {statistics.mean(steady):.2f}% of the wall time on average over the records after
 the first (largest {max(steady):.2f}%; the first record, whose first step makes its own batches:
 {wait['data_wait_pct'][0]:.2f}%). Goal: under 2%.
+
+One long document (the same files as one text, {long['bytes'] / 1e6:.0f} MB, {whole['tokens']:,} tokens) encoded
+by the `tokenizers` library in one piece against shardtrain's tokenizer, which cuts a document longer
+than 256 Ki characters where lines start (docs/data.md), each in a fresh process: peak resident growth
+{whole['peak_growth_bytes'] / 2**30:.2f} GiB in one piece, {pieces['peak_growth_bytes'] / 2**30:.2f} GiB in pieces
+({whole['peak_growth_bytes'] / pieces['peak_growth_bytes']:.1f}x less), in {whole['seconds']:.1f} s and
+{pieces['seconds']:.1f} s; the ids are checked equal.
 {DATA_END}"""
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import datasets
@@ -18,9 +19,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import tokenizers
 import torch
 from cli_utils import clean_env, run_cli
-from hf_models import make_model_dir
+from hf_models import make_model_dir, train_tokenizer
+from tokenizers import processors
 from tqdm import tqdm
 
 from shardtrain.config.schema import DataConfig
@@ -535,3 +538,68 @@ def test_a_mixture_draws_each_dataset_by_its_weight(tmp_path):
                    f"run.dir={tmp_path / 'run'}")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "mixture of" in done.stderr and read_metrics(tmp_path / "run")[-1]["step"] == 2
+
+
+def save_tokenizer(tokenizer: tokenizers.Tokenizer, directory) -> HFTokenizer:
+    directory.mkdir()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return HFTokenizer(directory)
+
+
+def test_long_documents_are_encoded_a_piece_at_a_time_to_the_same_ids(tmp_path, monkeypatch):
+    """Found by review: a document was encoded in one piece, at some 500 bytes a token (a 100 MB
+    text file took 12 GB per worker). Cut at line starts where the tokenizer encodes them alike,
+    with its special tokens around the whole, the ids are those of one piece; a tokenizer that
+    marks a text's start (SentencePiece's prefix space) is encoded whole."""
+    text = (Path(textwrap.__file__).read_text() + "\n\n  indented\n\ttab\r\nÉté\n") * 3
+    # 2,000 tokens: merges of whitespace runs ("\n\n\n", indentations), which GPT-2's pre-tokenizer
+    # splits before a word; a piece cut after such a run would encode it otherwise.
+    byte_level = train_tokenizer(sample_texts_for_tokenizer(), vocab_size=2000)
+    with_specials = train_tokenizer(sample_texts_for_tokenizer(), vocab_size=2000)
+    with_specials.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A <|im_end|>", special_tokens=[
+            ("<|im_start|>", with_specials.token_to_id("<|im_start|>")),
+            ("<|im_end|>", with_specials.token_to_id("<|im_end|>"))])
+    sentencepiece = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    sentencepiece.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(prepend_scheme="first")
+    sentencepiece.train_from_iterator([text], tokenizers.trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>"], show_progress=False))
+    expected = {"byte_level": ([], []), "with_specials": ([with_specials.token_to_id("<|im_start|>")],
+                                                          [with_specials.token_to_id("<|im_end|>")]),
+                "sentencepiece": None}
+    whole = {}
+    for name, raw in (("byte_level", byte_level), ("with_specials", with_specials),
+                      ("sentencepiece", sentencepiece)):
+        tokenizer = save_tokenizer(raw, tmp_path / name)
+        assert tokenizer.piecewise == expected[name], name
+        whole[name] = tokenizer.encode_documents([text.encode()])[0]
+        assert list(whole[name]) == raw.encode(text).ids, name
+    monkeypatch.setattr("shardtrain.data.tokenizer.PIECE_CHARS", 500)  # some 600 pieces
+    for name in whole:
+        tokenizer = HFTokenizer(tmp_path / name)
+        short, long = tokenizer.encode_documents([b"a short one", text.encode()])
+        assert list(long) == list(whole[name]) and short == raw_ids(tmp_path / name, "a short one"), name
+
+
+def sample_texts_for_tokenizer() -> list[str]:
+    return [Path(textwrap.__file__).read_text(), *TEXTS[:50]]
+
+
+def raw_ids(directory, text: str) -> list[int]:
+    return tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json")).encode(text).ids
+
+
+def test_a_tokenizer_files_truncation_and_padding_are_not_applied(tmp_path):
+    """Found by review: a tokenizer.json saved after a call with truncation or padding keeps them,
+    and the library applies them to every encode: each document was cut to max_length and padded.
+    Found by a reading of the fix: a cache prepared with them was still found up to date."""
+    raw = train_tokenizer(sample_texts_for_tokenizer())
+    plain = raw.encode(TEXTS[5]).ids
+    raw.enable_truncation(8)
+    raw.enable_padding(length=16, pad_id=0)
+    tokenizer = save_tokenizer(raw, tmp_path / "saved")
+    assert tokenizer.encode(TEXTS[5]) == plain and len(plain) > 16
+    assert tokenizer.encode_documents([TEXTS[5].encode()])[0] == plain
+    # a preparation made before, with the cut documents, is not found up to date
+    assert tokenizer_entry(tokenizer)["truncation_off"] and "truncation_off" not in tokenizer_entry(
+        save_tokenizer(train_tokenizer(sample_texts_for_tokenizer()), tmp_path / "plain"))

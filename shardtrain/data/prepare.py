@@ -117,9 +117,14 @@ def tokenizer_entry(tokenizer: Tokenizer) -> dict:
     end-of-text id appended to every document, and the chat template and BOS token that render
     fine-tuning conversations (tokenizer.json alone left a changed template's cache in use)."""
     template = getattr(tokenizer, "chat_template", None)
-    return {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
-            "chat_template": None if template is None else hashlib.sha256(template.encode()).hexdigest()[:16],
-            "bos_token": getattr(tokenizer, "bos_token", None)}
+    digest = None if template is None else hashlib.sha256(template.encode()).hexdigest()[:16]
+    entry = {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
+             "chat_template": digest, "bos_token": getattr(tokenizer, "bos_token", None)}
+    if getattr(tokenizer, "file_truncates", False):
+        # Prepared before its truncation and padding were turned off, its documents were cut: a
+        # fingerprint of its own prepares them again (every other tokenizer's stays as it was).
+        entry["truncation_off"] = True
+    return entry
 
 
 class ShardWriter:
