@@ -337,6 +337,8 @@ def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
     ("broken_tasks:BuildReturnsNone", 1, "BuildReturnsNone.build_model returned NoneType; return the model, "
                                          "an nn.Module"),
     ("broken_tasks:VectorLoss", 1, "returned a loss of shape [2]; it must be a scalar tensor"),
+    ("broken_tasks:ItemLoss", 1, "returned a loss of type float (a tensor's .item() leaves nothing to "
+                                 "backward); it must be a scalar tensor"),
     ("broken_tasks:MetricNamedLoss", 1, "MetricNamedLoss.loss returned metrics ['loss'] named like fields of "
                                         "the metrics record"),
     ("broken_tasks:RankMetrics", 2, "ranks disagree on the task's metrics (name, has its own count): "
@@ -355,6 +357,21 @@ def test_a_task_breaking_the_contract_fails_with_one_line(tmp_path, task, device
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+    assert "FLOPs unknown" not in proc.stderr  # said after a first step, which none of these finish
+
+
+def test_flops_a_task_cannot_count_are_said_after_the_first_step(tmp_path):
+    """A loss the FLOP counter cannot run (a metric read with .item()) trains without MFU, and says
+    so once, on rank 0, after the first step (said before it, the warning came ahead of the loss's
+    own error, naming the wrong fix)."""
+    proc = run_cli("train", "task=broken_tasks:ItemMetric", "trainer.devices=2", "trainer.max_steps=2",
+                   "trainer.micro_batch_size=2", "trainer.log_every=1", "run.trackers=[]",
+                   f"run.dir={tmp_path}", env=TASK_PATH, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("FLOPs unknown (MFU not reported): the FLOP counter could not run "
+                             "ItemMetric.loss") == 1, proc.stderr[-3000:]
+    records = read_metrics(tmp_path)
+    assert len(records) == 2 and records[0]["model_tflops"] is None and "hits" in records[0]
 
 
 def test_plan_simulate_runs_a_task_on_its_example_batch(monkeypatch):

@@ -269,7 +269,8 @@ def check_world(cfg: Config, world_size: int, local_world_size: int) -> None:
     per_node, world = launch_shape(cfg)
     if (local_world_size, world_size) != (per_node, world):
         raise ConfigError(
-            f"{world_size} processes were started, {local_world_size} per node, but the config asks "
+            f"{world_size} {'process was' if world_size == 1 else 'processes were'} started, "
+            f"{local_world_size} per node, but the config asks "
             f"for trainer.devices={cfg.trainer.devices} per node x trainer.num_nodes="
             f"{cfg.trainer.num_nodes}; make them agree (trainer.devices=auto follows torchrun, "
             "torchrun --nproc-per-node N starts N per node)"

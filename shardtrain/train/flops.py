@@ -5,8 +5,6 @@ not, in a fresh and a resumed run)."""
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
@@ -15,12 +13,11 @@ from shardtrain.diagnostics.kept import fake_tensor_errors_unlogged
 from shardtrain.tasks.samples import batch_size
 from shardtrain.tasks.task import Task
 
-log = logging.getLogger("shardtrain")
 
-
-def counted_flops_per_sample(task: Task, micro_batch_size: int) -> float | None:
+def counted_flops_per_sample(task: Task, micro_batch_size: int) -> tuple[float | None, str | None]:
     """3x the forward FLOPs per sample of ``task.loss`` on its example batch (backward costs about
-    twice the forward); None, with one warning, where the task's code cannot run on fake tensors."""
+    twice the forward), or None and why, where the task's code cannot run on fake tensors (the
+    caller says so once a step has run: a loss the step refuses is the error to see first)."""
     batch = task.example_batch(micro_batch_size)
     try:
         with torch.device("meta"):
@@ -30,8 +27,7 @@ def counted_flops_per_sample(task: Task, micro_batch_size: int) -> float | None:
             with FlopCounterMode(display=False) as counter:
                 task.loss(model, batch)
     except Exception as exc:  # the task's own code, on fake tensors: any error type
-        log.warning("FLOPs unknown (MFU not reported): the FLOP counter could not run %s.loss on a "
-                    "fake model (%s: %s); give the task flops(batch)", type(task).__name__,
-                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        return None
-    return 3 * counter.get_total_flops() / max(batch_size(batch), 1)
+        return None, (f"FLOPs unknown (MFU not reported): the FLOP counter could not run "
+                      f"{type(task).__name__}.loss on a fake model ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0] if str(exc) else ''}); give the task flops(batch)")
+    return 3 * counter.get_total_flops() / max(batch_size(batch), 1), None

@@ -140,9 +140,11 @@ class Trainer:
         self.console = Console(env.is_main, t.progress_bar, t.max_steps)
         self.profiler = StepProfiler(cfg.diagnostics, Path(cfg.run.dir), env.rank, env.device, t.max_steps)
         self.throughput = Throughput(task.count_unit, env.world_size, device_peak_flops(env.device))
-        # FLOPs per sample counted once when the task cannot say (Task.flops).
-        self.counted_flops_per_sample = (counted_flops_per_sample(task, t.micro_batch_size)
-                                         if type(task).flops is Task.flops else None)
+        # FLOPs per sample counted once when the task cannot say (Task.flops); why not, if they
+        # cannot be, said after the first step.
+        self.counted_flops_per_sample, self.flops_unknown = (
+            counted_flops_per_sample(task, t.micro_batch_size) if type(task).flops is Task.flops
+            else (None, None))
         # The logging interval's sums (of the steps not skipped), divided once when the record is
         # written: the loss and each metric are means over the interval's counts, not means of the
         # steps' means (docs/metrics.md).
@@ -590,6 +592,10 @@ class Trainer:
             if probe is not None:
                 probe.close()
         self.metric_kinds = stats.metric_kinds
+        if self.flops_unknown:
+            if self.env.is_main:  # the same on every rank
+                log.warning(self.flops_unknown)
+            self.flops_unknown = None
         if self.average is not None and not stats.skipped:
             self.average.update(self.step + 1)
         seconds = time.perf_counter() - start

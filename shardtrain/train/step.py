@@ -79,9 +79,11 @@ def run_loss(task: Task, model: nn.Module, batch: Any, training: bool = False) -
         raise TrainingError(f"{type(task).__name__}.loss returned {type(out).__name__}; return "
                             "LossOutput(loss=summed loss, count=what it is normalised by)")
     if not (isinstance(out.loss, torch.Tensor) and out.loss.ndim == 0):
-        shape = list(out.loss.shape) if isinstance(out.loss, torch.Tensor) else type(out.loss).__name__
-        raise TrainingError(f"{type(task).__name__}.loss returned a loss of shape {shape}; it must be "
-                            "a scalar tensor, the loss summed over the micro-batch")
+        what = (f"of shape {list(out.loss.shape)}" if isinstance(out.loss, torch.Tensor)
+                else f"of type {type(out.loss).__name__} (a tensor's .item() leaves nothing to backward)"
+                if isinstance(out.loss, (int, float)) else f"of type {type(out.loss).__name__}")
+        raise TrainingError(f"{type(task).__name__}.loss returned a loss {what}; it must be a scalar "
+                            "tensor, the loss summed over the micro-batch")
     if training and not out.loss.requires_grad:
         raise TrainingError(f"{type(task).__name__}.loss returned a loss that does not require grad; "
                             "compute it from the model's output (call model(...); no detach(), no "
