@@ -208,3 +208,14 @@ def test_a_resume_names_the_settings_that_change_the_data_order(tmp_path):
     del state.config["data"]["weights"]  # a checkpoint from before the key existed
     assert state.data_order_changes(prepared) == ["data.source 'stdlib' -> 'prepared'",
                                                   f"data.paths [] -> [{str(tmp_path)!r}]"]
+    # A task's options are named one by one, as they are set (found by a user trial: both whole
+    # dictionaries, in different key orders); those that may shape the model name a misfit too.
+    state.config["task"] = {"path": "tabreg:Regression", "options": {"hidden": 64, "train_samples": 2048}}
+    task = load_config([])
+    task.task.path, task.task.options = "tabreg:Regression", {"train_samples": 1024, "hidden": 32}
+    assert state.data_order_changes(task) == ["task.hidden 64 -> 32", "task.train_samples 2048 -> 1024"]
+    task.model.dim = 128
+    assert state.model_changes(task) == ("; it was saved with other settings: model.dim 256 -> 128, "
+                                         "task.hidden 64 -> 32, task.train_samples 2048 -> 1024")
+    del state.config["task"]
+    assert state.model_changes(load_config(["model.init_from=/elsewhere"])) == ""  # shapes nothing

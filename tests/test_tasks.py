@@ -243,6 +243,12 @@ def test_a_task_from_the_command_line_with_its_options_preempted_and_resumed(tmp
     skipped = [r for r in logged if "loss" not in r]
     assert [r["step"] for r in skipped] == ([stopped_at] if stopped_at % 6 == 0 else []), skipped
     assert all(r["val_accuracy"] == records[stopped_at - 1]["val_accuracy"] for r in skipped)
+    # An option that shapes the model, changed at a resume, is named (found by a user trial: a
+    # dozen shape mismatches, and "the model config", which a task does not have).
+    wider = run_cli(*[a for a in common if a != "task.dim=16"], "task.dim=32", "trainer.max_steps=14",
+                    f"run.dir={run_dir}", env=TASK_PATH)
+    assert wider.returncode != 0 and "it was saved with other settings: task.dim 16 -> 32; use the " \
+        "settings it was saved with" in wider.stderr, wider.stderr[-3000:]
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -633,7 +633,9 @@ class Checkpointer:
         same_world = trainer_state.world_size == self.world_size
         rng, without_rng = self.read_rng_state_agreed(path) if same_world else (None, [])
         state = self.training_state()
-        check_model_compatible(path, metadata, state["model"], adapters_only=self.adapters_only)
+        saved_with = trainer_state.model_changes(self.cfg)
+        check_model_compatible(path, metadata, state["model"], adapters_only=self.adapters_only,
+                               saved_with=saved_with)
         if not any(k.startswith("optim.") for k in metadata.state_dict_metadata):
             raise CheckpointError(f"checkpoint {str(path)!r} has no optimizer state; use it as "
                                   "model.init_from to start a new run from its weights")
@@ -659,7 +661,7 @@ class Checkpointer:
                 raise  # not a mismatch: memory, or a peer (their own errors say so)
             raise CheckpointError(
                 f"checkpoint {str(path)!r} does not fit this model's parameters "
-                f"({first_sentence(exc)}); use the model config it was saved with (see its "
+                f"({first_sentence(exc)}){saved_with}; use the settings it was saved with (see its "
                 "trainer_state.json; model.tie_embeddings, for one), or start from its weights alone "
                 "with model.init_from") from exc
         # After the optimizer's state: a run with other parameter groups is named there, not here.

@@ -35,6 +35,10 @@ FORMAT = "shardtrain-checkpoint-v1"
 DATA_ORDER_KEYS = ("trainer.seq_len", "trainer.seed", "data.source", "data.paths", "data.weights")
 # Another task's data is its own: what it is comes from the task and its options.
 TASK_DATA_KEYS = ("trainer.seed", "task.path", "task.options")
+# The settings that shape the model's parameters (a task's are among its options).
+MODEL_SHAPE_KEYS = tuple(f"model.{name}" for name in (
+    "name", "path", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim",
+    "ffn_multiple_of", "tie_embeddings"))
 # ... and those that decide what is prepared from data.source=stdlib or files (a prepared dataset
 # is read as it is).
 PREPARING_KEYS = ("data.file_glob", "data.val_percent", "data.max_bytes", "data.text_field")
@@ -114,24 +118,43 @@ class TrainState:
     def data_config(self) -> DataConfig:
         return DataConfig(**self.config["data"])
 
-    def data_order_changes(self, cfg: Config, train_samples: int | None = None) -> list[str]:
-        """``DATA_ORDER_KEYS`` whose value in ``cfg`` differs from the saved run's, as "key old -> new",
-        and the training data's sample count (``train_samples``, now) where it differs from the saved."""
+    def setting_changes(self, cfg: Config, keys: tuple[str, ...]) -> list[str]:
+        """The ``keys`` whose value in ``cfg`` differs from the saved run's, as "key old -> new"; a
+        task's options one by one, as they are set (``task.hidden``). Keys an older checkpoint lacks
+        are not compared."""
         now = OmegaConf.to_container(OmegaConf.structured(cfg))
-        if cfg.task.path != LANGUAGE_MODEL_TASK:
-            keys = TASK_DATA_KEYS  # a task's data is its own: its options may change it
-        else:
-            keys = DATA_ORDER_KEYS + (PREPARING_KEYS if cfg.data.source != "prepared" else ())
         changes = []
         for key in keys:
             section, name = key.split(".")
             saved = self.config.get(section, {})
-            if name in saved and saved[name] != now[section][name]:  # older checkpoints lack keys
-                changes.append(f"{key} {saved[name]!r} -> {now[section][name]!r}")
+            if name not in saved or saved[name] == now[section][name]:
+                continue
+            old, new = saved[name], now[section][name]
+            if key == "task.options" and isinstance(old, dict) and isinstance(new, dict):
+                changes += [f"task.{option} {old.get(option)!r} -> {new.get(option)!r}"
+                            for option in sorted({*old, *new}) if old.get(option) != new.get(option)]
+            else:
+                changes.append(f"{key} {old!r} -> {new!r}")
+        return changes
+
+    def data_order_changes(self, cfg: Config, train_samples: int | None = None) -> list[str]:
+        """``DATA_ORDER_KEYS`` whose value in ``cfg`` differs from the saved run's, as "key old -> new",
+        and the training data's sample count (``train_samples``, now) where it differs from the saved."""
+        if cfg.task.path != LANGUAGE_MODEL_TASK:
+            keys = TASK_DATA_KEYS  # a task's data is its own: its options may change it
+        else:
+            keys = DATA_ORDER_KEYS + (PREPARING_KEYS if cfg.data.source != "prepared" else ())
+        changes = self.setting_changes(cfg, keys)
         if None not in (self.train_samples, train_samples) and self.train_samples != train_samples:
             changes.append(f"training samples {self.train_samples} -> {train_samples} (the data changed "
                            "since the save)")
         return changes
+
+    def model_changes(self, cfg: Config) -> str:
+        """What a checkpoint that does not fit the model was saved with, where this run differs:
+        the model's config and the task's options (either may shape the model)."""
+        changes = self.setting_changes(cfg, (*MODEL_SHAPE_KEYS, "task.options"))
+        return f"; it was saved with other settings: {', '.join(changes)}" if changes else ""
 
     def write(self, directory: Path) -> None:
         """Durably: the file is fsynced before the checkpoint directory is renamed into place."""

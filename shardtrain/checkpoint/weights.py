@@ -63,10 +63,11 @@ def expected_shapes(state: dict[str, Any], prefix: str) -> dict[str, tuple[int, 
 
 
 def check_model_compatible(path: Path, metadata, model_state: dict[str, Any],
-                           adapters_only: bool = False) -> None:
+                           adapters_only: bool = False, saved_with: str = "") -> None:
     """Name missing keys, unexpected keys and shape mismatches between checkpoint and model;
     ``adapters_only``: of the LoRA adapters alone (checkpoints of the first LoRA release also hold a
-    tied head, which no reader of them needs)."""
+    tied head, which no reader of them needs); ``saved_with``: the settings the checkpoint was saved
+    with where this run differs, when known (``TrainState.model_changes``)."""
     saved = {
         k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
         if k.startswith("model.") and hasattr(v, "size") and (is_adapter(k) or not adapters_only)
@@ -92,8 +93,8 @@ def check_model_compatible(path: Path, metadata, model_state: dict[str, Any],
     if mismatched:
         problems.append(f"shape mismatches: {show(mismatched)}")
     raise CheckpointError(
-        f"checkpoint {str(path)!r} does not fit this model ({'; '.join(problems)}); "
-        "use the model config it was saved with (see its trainer_state.json)"
+        f"checkpoint {str(path)!r} does not fit this model ({'; '.join(problems)}){saved_with}; "
+        "use the settings it was saved with (see its trainer_state.json)"
     )
 
 
