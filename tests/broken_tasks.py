@@ -46,7 +46,12 @@ class ItemLoss(ImageClassification):
 
 class ItemMetric(ImageClassification):
     """A valid loss with a metric read as a Python number: it trains, and the FLOP counter (fake
-    tensors have no values) cannot run it."""
+    tensors have no values) cannot run it. Its position table is frozen."""
+
+    def build_model(self):
+        model = super().build_model()
+        model.pos_embed.requires_grad_(False)
+        return model
 
     def loss(self, model, batch):
         logits = model(batch["image"]).float()

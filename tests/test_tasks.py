@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import types
 from collections import OrderedDict, UserDict, defaultdict
 from collections.abc import Mapping
@@ -378,6 +379,9 @@ def test_flops_a_task_cannot_count_are_said_after_the_first_step(tmp_path):
                              "ItemMetric.loss") == 1, proc.stderr[-3000:]
     records = read_metrics(tmp_path)
     assert len(records) == 2 and records[0]["model_tflops"] is None and "hits" in records[0]
+    # the start-up report counts its frozen parameters (the position table)
+    table = re.search(r"model: [0-9.]+M parameters \(([0-9,]+) frozen\)", proc.stderr)
+    assert table and int(table[1].replace(",", "")) > 0, proc.stderr[-3000:]
 
 
 def test_plan_simulate_runs_a_task_on_its_example_batch(monkeypatch):

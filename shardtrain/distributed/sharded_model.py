@@ -340,11 +340,12 @@ def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: Dev
     else:
         # Without a per-parameter initialiser there is no way to initialise shards independently
         # of the world size, so build the full model once on CPU (same seed on every rank).
-        log.warning(
-            "%s has no init_parameter(name, tensor, generator): building it in full on CPU on "
-            "every rank before sharding (fine for small models; add init_parameter to build on "
-            "the meta device)", type(model).__name__,
-        )
+        if env.is_main:  # every rank's would be the same line
+            log.warning(
+                "%s has no init_parameter(name, tensor, generator): building it in full on CPU on "
+                "every rank before sharding (fine for small models; add init_parameter to build on "
+                "the meta device)", type(model).__name__,
+            )
         torch.manual_seed(cfg.trainer.seed)
         model = factory()
         report = parallelize(model, mesh, plan, policy, tensor_plan, nf4_conversion(model, cfg, plan))

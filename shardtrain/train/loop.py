@@ -414,9 +414,13 @@ class Trainer:
     def log_setup(self) -> None:
         t, env, b = self.cfg.trainer, self.env, self.built
         n_params = sum(p.numel() for p in b.model.parameters())
+        frozen = sum(p.numel() for p in b.model.parameters() if not p.requires_grad)
         self.info(f"world size {env.world_size} ({env.backend}, {env.device.type}); {b.plan.describe()}")
         float8 = f", {len(b.report.float8_linears)} float8 linear layers" if b.report.float8_linears else ""
-        self.info(f"model: {n_params / 1e6:.2f}M parameters, {len(b.report.units)} FSDP units "
+        # LoRA's frozen base has a line of its own (adapter_summary)
+        count = f"{frozen / 1e6:.2f}M" if frozen >= 5_000 else f"{frozen:,}"
+        held = f" ({count} frozen)" if frozen and self.cfg.finetune.method == "none" else ""
+        self.info(f"model: {n_params / 1e6:.2f}M parameters{held}, {len(b.report.units)} FSDP units "
                   f"({len(b.report.checkpointed)} activation-checkpointed{float8}); optimizer "
                   f"{optimizer_kind(b.optimizer)}")
         if self.cfg.finetune.method != "none":
