@@ -153,6 +153,11 @@ def test_a_launched_run_ends_in_one_line_naming_why(tmp_path, capsys):
     record_failure(tmp_path, 1, 4, "RuntimeError", "boom")
     assert launch_outcome(1, tmp_path, 0.0, log) == 1
     assert capsys.readouterr().err.startswith("shardtrain: error: rank 1 (host ")
+    # The framework's own error exits 2, as one process does (found by a docs review: torchrun's 1)
+    (tmp_path / "failures" / "rank-1.json").unlink()
+    record_failure(tmp_path, 0, 4, "DataError", "the data is short", exit_status=2)
+    assert launch_outcome(1, tmp_path, 0.0, log) == 2
+    assert "rank 0 (host " in capsys.readouterr().err
 
 
 def test_outputs_are_checked_before_reading(tmp_path, uninterrupted):

@@ -79,7 +79,8 @@ def cmd_train(overrides: list[str]) -> int:
         if not stopped:
             step = trainer.step if trainer is not None else 0
             record_failure(Path(cfg.run.dir), rank, step, type(exc).__name__, str(exc).splitlines()[0]
-                           if str(exc) else "", traceback.format_exc())
+                           if str(exc) else "", traceback.format_exc(),
+                           exit_status=2 if isinstance(exc, ShardtrainError) else 1)
         raise
     finally:
         destroy_distributed()
@@ -87,9 +88,10 @@ def cmd_train(overrides: list[str]) -> int:
 
 
 def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -> int:
-    """The exit status of a launched training, and its one line when it did not succeed: the rank
-    that failed first (from the failure records since ``started``), a rank killed from outside, or
-    an interrupt (Ctrl-C reaches every worker, and none recorded a failure)."""
+    """The exit status of a launched training (the first failure's, as one process gives it), and
+    its one line when it did not succeed: the rank that failed first (from the failure records
+    since ``started``), a rank killed from outside, or an interrupt (Ctrl-C reaches every worker,
+    and none recorded a failure)."""
     from shardtrain.cli.launch import first_worker_line, killed_workers
     from shardtrain.diagnostics.failures import describe, first_failure
 
@@ -106,6 +108,8 @@ def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -
                   "outside, or by the out-of-memory killer); its peers' errors are fallout")
     elif failure is not None:
         reason = describe(failure)
+        # The status one process gives for it (2: a framework error), which torchrun's 1 hides.
+        status = failure.get("exit_status", status)
     else:
         reason = f"the training processes exited with status {status} without an error record"
     print(f"shardtrain: error: {reason}; full log: {log_file}", file=sys.stderr)

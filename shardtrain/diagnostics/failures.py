@@ -12,13 +12,16 @@ FAILURE_DIR = "failures"
 
 
 def record_failure(run_dir: Path, rank: int, step: int, kind: str, message: str,
-                   traceback_text: str = "") -> None:
+                   traceback_text: str = "", exit_status: int = 1) -> None:
+    """``exit_status``: what a single process exits with for this failure (2 for the framework's
+    own errors), which the launcher gives too: torchrun's own is 1 for any failure."""
     try:
         directory = Path(run_dir) / FAILURE_DIR
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"rank-{rank}.json").write_text(json.dumps({
             "rank": rank, "host": socket.gethostname(), "step": step, "type": kind,
             "message": message, "time": time.time(), "traceback": traceback_text,
+            "exit_status": exit_status,
         }, indent=2))
     except OSError:
         pass  # reporting must never mask the original failure

@@ -226,7 +226,8 @@ class Watchdog:
                   else f"stacks could not be written to {path} in {EVIDENCE_WAIT_S:g}s")
         # We stop before the process group's own (longer) timeout, and so before NCCL's own dump.
         evidence = f"{stacks}{self.dump_flight_recorder()}"
-        bounded(lambda: record_failure(self.run_dir, self.rank, step, "Timeout", f"{message}; {evidence}"),
+        bounded(lambda: record_failure(self.run_dir, self.rank, step, "Timeout", f"{message}; {evidence}",
+                                      exit_status=HANG_EXIT_STATUS),
                 "failure-record")
         log.error("%s; %s", message, evidence)
         logging.shutdown()
