@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shardtrain.cli.main import main
+from shardtrain.cli.main import main, overrides_first
 from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import StrategyConfig
 from shardtrain.diagnostics.planner import split_block_bytes
@@ -140,6 +140,19 @@ def test_a_layout_judged_for_this_machine_names_processes_per_node(capsys):
         "process(es) per node; plan for other nodes with --processes-per-node N)")
     assert main(["plan", "strategy.tensor_parallel=8", "--world-sizes", "16",
                  "--processes-per-node", "8"]) == 0
+
+
+def test_overrides_may_follow_the_options_that_take_several_values(capsys):
+    """Found by a docs review: ``--world-sizes 2 trainer.seq_len=4096`` (as docs/benchmarks.md wrote
+    it) was "invalid int value", and an override after another option was unrecognised."""
+    assert overrides_first(["plan", "--world-sizes", "2", "4", "trainer.seq_len=256", "--ac", "none",
+                            "model.dim=64"]) == ["plan", "trainer.seq_len=256", "model.dim=64",
+                                                 "--world-sizes", "2", "4", "--ac", "none"]
+    assert overrides_first(["train", "--x", "a=b"]) == ["train", "--x", "a=b"]  # plan's alone
+    assert main(["plan", "--world-sizes", "2", "trainer.seq_len=256", "--device-memory", "8GB",
+                 "trainer.micro_batch_size=3"]) == 0
+    table = capsys.readouterr().out
+    assert "micro-batch 3 x 256 tokens" in table and "2 x FULL_SHARD" in table
 
 
 def test_a_measured_block_under_tensor_parallelism_keeps_the_larger_estimate():

@@ -684,7 +684,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def overrides_first(argv: list[str]) -> list[str]:
+    """``plan``'s key=value overrides moved before its options: ``--world-sizes`` and
+    ``--strategies`` take several values and swallowed the overrides after them (``--world-sizes 2
+    trainer.seq_len=4096`` was "invalid int value"), and overrides after another option were
+    unrecognised. No value of plan's options holds a '='."""
+    command = next((i for i, token in enumerate(argv) if not token.startswith("-")), None)
+    if command is None or argv[command] != "plan":
+        return argv
+    rest = argv[command + 1:]
+    overrides = [token for token in rest if "=" in token and not token.startswith("-")]
+    others = [token for token in rest if not ("=" in token and not token.startswith("-"))]
+    return [*argv[:command + 1], *overrides, *others]
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = overrides_first(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     setup_logging()
     try:
