@@ -1063,12 +1063,11 @@ background thread): {statistics.mean(steady):.2f}% of the wall time on average o
 the first (largest {max(steady):.2f}%; the first record, whose first step makes its own batches:
 {wait['data_wait_pct'][0]:.2f}%). Goal: under 2%.
 
-One long document (the same files as one text, {long['bytes'] / 1e6:.0f} MB, {whole['tokens']:,} tokens) encoded
-by the `tokenizers` library in one piece against shardtrain's tokenizer, which cuts a document longer
-than 256 Ki characters where lines start (docs/data.md), each in a fresh process: peak resident growth
-{whole['peak_growth_bytes'] / 2**30:.2f} GiB in one piece, {pieces['peak_growth_bytes'] / 2**30:.2f} GiB in pieces
-({whole['peak_growth_bytes'] / pieces['peak_growth_bytes']:.1f}x less), in {whole['seconds']:.1f} s and
-{pieces['seconds']:.1f} s; the ids are checked equal.
+One long document (the same files as one text, {long['bytes'] / 1e6:.0f} MB, {whole['tokens']:,} tokens)
+encoded by the `tokenizers` library in one piece, and by shardtrain's tokenizer, which cuts a
+document longer than 256 Ki characters after lone newlines (docs/data.md), each in a fresh process:
+peak resident growth {whole['peak_growth_bytes'] / 2**30:.2f} GiB in one piece, {pieces['peak_growth_bytes'] / 2**30:.2f} GiB in pieces \
+({whole['peak_growth_bytes'] / pieces['peak_growth_bytes']:.1f}x less), {whole['seconds']:.1f} s and {pieces['seconds']:.1f} s; the ids are checked equal.
 {DATA_END}"""
 
 

@@ -272,7 +272,7 @@ class HFTokenizer:
     def encode_long(self, text: str) -> list[int] | np.ndarray:
         """A long document's ids, encoded a few ``PIECE_CHARS`` at a time where the tokenizer allows
         (the same ids as in one piece, in a fraction of the memory: an encoding takes some 300 bytes
-        a token, 1.8 GB for 20 MB of source against 0.46 GB in pieces, docs/data.md); else in one
+        a token, 1.66 GiB for 20 MB of source against 0.44 GiB in pieces, docs/data.md); else in one
         piece."""
         if self.piecewise is None:
             return self._tokenizer.encode(text).ids
