@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import resource
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -133,14 +131,6 @@ def rng_state() -> torch.Tensor | None:
 def set_rng_state(state: torch.Tensor | None) -> None:
     if state is not None and torch.accelerator.is_available():
         torch.get_device_module(device_type()).set_rng_state(state)
-
-
-@contextmanager
-def rng_forked(device: torch.device) -> Iterator[None]:
-    """The CPU's and ``device``'s random streams as they were before the block."""
-    accelerators = [] if device.type == "cpu" else [device]
-    with torch.random.fork_rng(devices=accelerators, device_type=device.type):
-        yield
 
 
 # The allocator's peak is reset per phase by the diagnostics; the run's peak must survive that.

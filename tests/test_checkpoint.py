@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import pickle
+import random
 import re
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from checkpoint_workers import (
@@ -21,6 +23,7 @@ from distributed import run_on_ranks
 from safetensors.torch import load_file
 
 from shardtrain.checkpoint import layout, staging
+from shardtrain.checkpoint.checkpointer import random_streams_kept
 from shardtrain.checkpoint.inspect import inspect_path
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.cli.preflight import check_resume
@@ -508,3 +511,18 @@ def test_the_consolidated_average_takes_buffers_and_frozen_weights_from_the_mode
     written = load_file(str(out))
     assert set(written) == {"linear.weight", "bn.running_mean", "table"}
     assert torch.equal(written["linear.weight"], average) and torch.equal(written["bn.running_mean"], stats)
+
+
+def test_random_streams_kept_leaves_every_stream_a_checkpoint_restores_as_it_was():
+    """The evaluation that looks for trainer.monitor before the first step runs under it: a task
+    drawing from Python's, NumPy's or torch's streams there must not move a resumed run off the
+    uninterrupted run's draws (found by a review: torch's alone were forked)."""
+    def seeded_draws() -> tuple:
+        return torch.rand(3).tolist(), np.random.rand(3).tolist(), random.random()
+
+    torch.manual_seed(7), np.random.seed(7), random.seed(7)
+    expected = seeded_draws()
+    torch.manual_seed(7), np.random.seed(7), random.seed(7)
+    with random_streams_kept():
+        torch.randn(5), np.random.rand(4), random.random()
+    assert seeded_draws() == expected

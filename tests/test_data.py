@@ -215,7 +215,9 @@ def test_a_resume_names_the_settings_that_change_the_data_order(tmp_path):
     task.task.path, task.task.options = "tabreg:Regression", {"train_samples": 1024, "hidden": 32}
     assert state.data_order_changes(task) == ["task.hidden 64 -> 32", "task.train_samples 2048 -> 1024"]
     task.model.dim = 128
+    task.finetune.rank = 8  # a LoRA run's adapters are shaped by it (found by a review of the fix)
     assert state.model_changes(task) == ("; it was saved with other settings: model.dim 256 -> 128, "
-                                         "task.hidden 64 -> 32, task.train_samples 2048 -> 1024")
+                                         "finetune.rank 16 -> 8, task.hidden 64 -> 32, "
+                                         "task.train_samples 2048 -> 1024")
     del state.config["task"]
     assert state.model_changes(load_config(["model.init_from=/elsewhere"])) == ""  # shapes nothing

@@ -101,6 +101,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
     accelerator.set_rng_state(state.get("accelerator"))
 
 
+@contextmanager
+def random_streams_kept() -> Iterator[None]:
+    """Every random stream a checkpoint restores (Python's, NumPy's, torch's, the accelerator's) as
+    it was before the block: draws in it do not move the run off its saved course."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+
+
 def first_sentence(exc: BaseException) -> str:
     """An exception's first sentence: torch's own advice after it (strict=False) is not ours."""
     return first_line(exc).split(". ")[0].rstrip(".")

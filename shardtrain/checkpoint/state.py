@@ -35,13 +35,15 @@ FORMAT = "shardtrain-checkpoint-v1"
 DATA_ORDER_KEYS = ("trainer.seq_len", "trainer.seed", "data.source", "data.paths", "data.weights")
 # Another task's data is its own: what it is comes from the task and its options.
 TASK_DATA_KEYS = ("trainer.seed", "task.path", "task.options")
+# ... and those that decide what is prepared from data.source=stdlib or files (a prepared dataset
+# is read as it is).
+PREPARING_KEYS = ("data.file_glob", "data.val_percent", "data.max_bytes", "data.text_field")
 # The settings that shape the model's parameters (a task's are among its options).
 MODEL_SHAPE_KEYS = tuple(f"model.{name}" for name in (
     "name", "path", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim",
     "ffn_multiple_of", "tie_embeddings"))
-# ... and those that decide what is prepared from data.source=stdlib or files (a prepared dataset
-# is read as it is).
-PREPARING_KEYS = ("data.file_glob", "data.val_percent", "data.max_bytes", "data.text_field")
+# ... and a LoRA run's adapters.
+ADAPTER_SHAPE_KEYS = ("finetune.method", "finetune.rank", "finetune.targets")
 
 
 @dataclass
@@ -153,7 +155,7 @@ class TrainState:
     def model_changes(self, cfg: Config) -> str:
         """What a checkpoint that does not fit the model was saved with, where this run differs:
         the model's config and the task's options (either may shape the model)."""
-        changes = self.setting_changes(cfg, (*MODEL_SHAPE_KEYS, "task.options"))
+        changes = self.setting_changes(cfg, (*MODEL_SHAPE_KEYS, *ADAPTER_SHAPE_KEYS, "task.options"))
         return f"; it was saved with other settings: {', '.join(changes)}" if changes else ""
 
     def write(self, directory: Path) -> None:

@@ -142,4 +142,4 @@ def check_training(cfg: Config) -> None:
     tokenizer = tokenizer_for(cfg.model)  # a missing or unreadable tokenizer fails here, before any worker
     if cfg.data.source == "prepared":
         for path in cfg.data.paths:
-            open_prepared(path, tokenizer)  # made with the model's tokenizer, and whole
+            open_prepared(path, tokenizer, warn=False)  # made with the model's tokenizer, and whole

@@ -255,8 +255,10 @@ class PreparedDataset:
     val: TokenStream
 
 
-def open_prepared(path: str | Path, tokenizer: Tokenizer | None = None) -> PreparedDataset:
-    """A prepared dataset, checked to be whole and made with ``tokenizer`` (when given)."""
+def open_prepared(path: str | Path, tokenizer: Tokenizer | None = None, warn: bool = True) -> PreparedDataset:
+    """A prepared dataset, checked to be whole and made with ``tokenizer`` (when given); ``warn``:
+    what is worth a warning is said (on rank 0; a launcher's check before the ranks start says
+    nothing, the training will)."""
     path = Path(path).expanduser()
     try:
         manifest = json.loads((path / MANIFEST).read_text())
@@ -272,7 +274,8 @@ def open_prepared(path: str | Path, tokenizer: Tokenizer | None = None) -> Prepa
                 f"{path} was prepared with tokenizer {made_with['name']} ({made_with['vocab_size']} tokens) "
                 f"but the model's is {tokenizer.name} ({tokenizer.vocab_size} tokens); prepare it again "
                 "with the model's tokenizer (shardtrain prepare ... --tokenizer MODEL_DIR)")
-        if made_with.get("eos_id", tokenizer.eos_id) != tokenizer.eos_id:
+        rank_zero = int(os.environ.get("RANK", "0")) == 0
+        if warn and rank_zero and made_with.get("eos_id", tokenizer.eos_id) != tokenizer.eos_id:
             # One tokenizer.json, two end-of-text tokens (a base model's and its instruct model's):
             # the model learns the data's separator, and generation stops at the other one.
             ends = lambda eos: "no end-of-text token" if eos is None else f"token {eos}"  # noqa: E731

@@ -20,11 +20,10 @@ from shardtrain.accelerator import (
     peak_memory_mib,
     phase_peak_bytes,
     pin_offloaded_memory,
-    rng_forked,
     set_fp32_matmul,
 )
 from shardtrain.checkpoint.best import BestEvaluations
-from shardtrain.checkpoint.checkpointer import Checkpointer
+from shardtrain.checkpoint.checkpointer import Checkpointer, random_streams_kept
 from shardtrain.checkpoint.peft_adapter import load_peft_adapter, resolve_adapter_settings
 from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.checkpoint.state import TrainState
@@ -754,19 +753,20 @@ class Trainer:
         micro-batch before the first step: misspelt (val_acc for val_accuracy), it stopped the run at
         its first evaluation, which may be hours in. val_loss (and its average's) is always logged."""
         t = self.cfg.trainer
-        if (self.best is None or not self.val_batches or self.evaluation_due
-                or t.monitor.removeprefix("ema_") == "val_loss"):
+        if (self.best is None or not self.val_batches or self.evaluation_due or self.stop_early
+                or self.step >= t.max_steps or t.monitor.removeprefix("ema_") == "val_loss"):
             return
         self.watchdog.beat("evaluation", self.step)
-        # Forked: a task that draws noise in its loss (diffusion) leaves the run's random streams as
-        # they were, so that a resumed run draws what the uninterrupted one does.
-        with rng_forked(self.env.device):
+        # A task that draws noise in its loss or collation (diffusion) leaves the run's random
+        # streams as they were, so that a resumed run draws what the uninterrupted one does.
+        with random_streams_kept():
             _, metrics = evaluate(self.model, self.task, [self.val_batches[0]], self.env.device,
                                   self.built.mesh)
         logged = ["val_loss", *(f"val_{name}" for name in metrics)]
         if t.monitor.removeprefix("ema_") not in logged:
             raise TrainingError(f"trainer.monitor={t.monitor} is not among the values the evaluation "
                                 f"logs ({', '.join(sorted(logged))}); choose one of them")
+        self.throughput.reset()  # the first interval's rates are the steps
 
     def validate(self) -> dict[str, float]:
         """The validation loss and the task's metrics (``val_*``), and with a weight average the
