@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,7 +32,14 @@ from shardtrain.data.corpus import fingerprint_at, load_corpus, prepared_path
 from shardtrain.data.documents import list_files, resolve_sources
 from shardtrain.data.prepare import PrepareOptions, Reading, batches, locked, prepare, tokenizer_entry
 from shardtrain.data.prepared import open_prepared
-from shardtrain.data.tokenizer import ByteTokenizer, HFTokenizer
+from shardtrain.data.tokenizer import (
+    SPLIT_PROBES,
+    ByteTokenizer,
+    HFTokenizer,
+    line_pieces,
+    piecewise_affixes,
+    pre_token_starts_at,
+)
 from shardtrain.errors import DataError
 
 TEXTS = [f"def f{i}():\n    return {i} * 'héllo'  # 日本\n" * (1 + i % 7) for i in range(300)]
@@ -579,6 +587,28 @@ def test_long_documents_are_encoded_a_piece_at_a_time_to_the_same_ids(tmp_path, 
         tokenizer = HFTokenizer(tmp_path / name)
         short, long = tokenizer.encode_documents([b"a short one", text.encode()])
         assert list(long) == list(whole[name]) and short == raw_ids(tmp_path / name, "a short one"), name
+
+
+def test_tokenizers_a_cut_could_change_are_encoded_whole():
+    """Found by a review of the piecewise encoding: an added token that takes the whitespace before
+    it (RoBERTa's ``<mask>``, lstrip) or spans a newline, and a BPE without a pre-tokenizer (it merges
+    across newlines: Gemma-style conversions), pass the probes, and a cut changed their ids."""
+    base = train_tokenizer(sample_texts_for_tokenizer(), vocab_size=2000)
+    assert piecewise_affixes(base) == ([], [])
+    masked = train_tokenizer(sample_texts_for_tokenizer(), vocab_size=2000)
+    masked.add_special_tokens([tokenizers.AddedToken("<mask>", lstrip=True)])
+    spanning = train_tokenizer(sample_texts_for_tokenizer(), vocab_size=2000)
+    spanning.add_tokens([tokenizers.AddedToken("x\ny", special=False)])
+    chars = sorted(set("".join(SPLIT_PROBES) + "{}"))
+    vocab = {**{c: i for i, c in enumerate(chars)}, "\n}": len(chars)}
+    unsplit = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[("\n", "}")]))
+    for raw in (masked, spanning, unsplit):
+        assert piecewise_affixes(raw) is None
+    # a cut is made only where the pre-tokenizer starts a token (here: every lone newline)
+    text = "foo bar\nbaz qux\n  indented\nend"
+    assert line_pieces(text, 1, partial(pre_token_starts_at, base)) == ["foo bar\n", "baz qux\n  indented\n",
+                                                                        "end"]
+    assert line_pieces(text, 1, lambda text, cut: False) == [text]
 
 
 def sample_texts_for_tokenizer() -> list[str]:

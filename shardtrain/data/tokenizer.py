@@ -11,7 +11,8 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
-from functools import cached_property
+from collections.abc import Callable
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Protocol
 
@@ -152,6 +153,7 @@ def special_token(config: dict, key: str) -> str | None:
 # time (in parallel).
 PIECE_CHARS = 1 << 18
 PIECES_AT_ONCE = 4
+CUT_CONTEXT = 64  # characters either side of a cut that its pre-tokenization is judged on
 Affixes = tuple[list[int], list[int]]
 
 # Texts whose line starts a tokenizer must encode as it encodes them within the text, for a long
@@ -161,15 +163,17 @@ SPLIT_PROBES = ("def f(x):\n    return x + 1\n\n\nprint(f(41))\n",
                 "a\nb\n\nc \n d\r\ne")
 
 
-def line_pieces(text: str, size: int) -> list[str]:
+def line_pieces(text: str, size: int, cuttable: Callable[[str, int], bool] = lambda text, cut: True
+                ) -> list[str]:
     """``text`` in pieces of at least ``size`` characters (the last may be shorter), each cut after
-    a lone newline, between non-space characters: there a pre-tokenizer's token ends and the next
-    starts (GPT-2's splits the last character off a run of whitespace before a word, so a run of
-    blank lines or an indentation is not cut)."""
+    a lone newline, between non-space characters, where ``cuttable(text, cut)`` agrees: there a
+    regex pre-tokenizer's token ends and the next starts (GPT-2's splits the last character off a
+    run of whitespace before a word, so a run of blank lines or an indentation is not cut)."""
     pieces, start = [], 0
     while len(text) - start > size:
         cut = text.find("\n", start + size - 1)
-        while cut != -1 and cut + 1 < len(text) and (text[cut + 1].isspace() or text[cut - 1].isspace()):
+        while cut != -1 and cut + 1 < len(text) and (text[cut + 1].isspace() or text[cut - 1].isspace()
+                                                      or not cuttable(text, cut + 1)):
             cut = text.find("\n", cut + 1)
         if cut == -1 or cut + 1 == len(text):
             break
@@ -179,11 +183,29 @@ def line_pieces(text: str, size: int) -> list[str]:
     return pieces
 
 
+def pre_token_starts_at(tokenizer: tokenizers.Tokenizer, text: str, cut: int) -> bool:
+    """Whether the tokenizer's pre-tokenizer starts a token at ``cut`` of ``text`` (judged on the
+    normalised text around it): its model never merges across that, so the text may be cut there."""
+    left, right = text[max(0, cut - CUT_CONTEXT):cut], text[cut:cut + CUT_CONTEXT]
+    window = left + right
+    if tokenizer.normalizer is not None:
+        window, left = tokenizer.normalizer.normalize_str(window), tokenizer.normalizer.normalize_str(left)
+        if not window.startswith(left):
+            return False
+    return any(start == len(left) for _, (start, _) in tokenizer.pre_tokenizer.pre_tokenize_str(window))
+
+
 def piecewise_affixes(tokenizer: tokenizers.Tokenizer) -> Affixes | None:
-    """The special tokens the tokenizer puts before and after a text's own (a BOS, an EOS), if the
-    probe texts encode cut at every line start as they do whole, which is what encoding a long
-    document in pieces needs; None if not (a normaliser or pre-tokenizer that marks the text's
-    start, as SentencePiece's prefix space does)."""
+    """The special tokens the tokenizer puts before and after a text's own (a BOS, an EOS), if a
+    long document may be encoded in pieces: it has a pre-tokenizer (its model merges within a
+    pre-token only; each cut is then checked to start one), no added token that could span a cut
+    or take the newline before it (``lstrip``, RoBERTa's ``<mask>``), and the probe texts encode
+    cut at every line start as they do whole; None if not (a normaliser or pre-tokenizer that marks
+    the text's start, as SentencePiece's prefix space does)."""
+    if tokenizer.pre_tokenizer is None:
+        return None
+    if any(token.lstrip or "\n" in token.content for token in tokenizer.get_added_tokens_decoder().values()):
+        return None
     affixes = set()
     for probe in SPLIT_PROBES:
         whole = tokenizer.encode(probe, add_special_tokens=False).ids
@@ -277,7 +299,7 @@ class HFTokenizer:
         if self.piecewise is None:
             return self._tokenizer.encode(text).ids
         prefix, suffix = self.piecewise
-        pieces = line_pieces(text, PIECE_CHARS)
+        pieces = line_pieces(text, PIECE_CHARS, partial(pre_token_starts_at, self._tokenizer))
         parts = [np.asarray(prefix, dtype=np.int64)]
         for first in range(0, len(pieces), PIECES_AT_ONCE):
             encodings = self._tokenizer.encode_batch(pieces[first:first + PIECES_AT_ONCE],
