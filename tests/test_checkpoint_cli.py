@@ -174,12 +174,14 @@ def damaged_copy(good, tmp_path, damage: str):
         ("no_metadata", [], "has no .metadata: the save did not finish"),
         ("file", [], "is a file, not a checkpoint directory"),
         ("empty", [], "is empty"),
-        (None, ["model.dim=48", "model.n_heads=4"], "does not fit this model"),
+        (None, ["model.dim=48", "model.n_heads=4"], "it was saved with other settings: model.dim 36 -> "
+                                                    "48, model.n_heads 6 -> 4"),
         (None, ["model.n_layers=4"], "missing keys: model.layers.3."),
         # the same tensors grouped otherwise: torch's RuntimeError, found by review
         (None, ["model.tie_embeddings=true"], "does not fit this model's parameters (Missing optimizer "
-                                              "state for parameter 'output.weight' in checkpoint); use "
-                                              "the model config it was saved with"),
+                                              "state for parameter 'output.weight' in checkpoint); it was "
+                                              "saved with other settings: model.tie_embeddings False -> "
+                                              "True; use the settings it was saved with"),
         # DCP's own failure (a CheckpointException, which is no Exception): its cause, not its ranks
         ("zeroed", ["checkpoint.verify_checksums=false"], "failed on rank 0: UnpicklingError: "),
     ],

@@ -52,19 +52,6 @@ def test_an_interrupted_cache_entry_is_prepared_again(tmp_path, caplog):
     assert not list(entry.parent.glob(".*.replaced"))
 
 
-def test_a_cache_entry_lock_that_cannot_be_made_is_a_data_error(tmp_path):
-    """The data cache takes its lock with the preparation's own helper: a lock file it cannot create
-    is one line naming it (it was a raw IsADirectoryError from open)."""
-    cfg = DataConfig(max_bytes=200_000, val_percent=30.0, cache_dir=str(tmp_path / "cache"))
-    first = load_corpus(cfg)
-    entry = Path(first.path)
-    shutil.rmtree(entry)
-    (entry.parent / f"{entry.name}.lock").unlink()
-    (entry.parent / f"{entry.name}.lock").mkdir()  # in the lock file's way
-    with pytest.raises(DataError, match=r"cannot create the lock file .*\.lock"):
-        load_corpus(cfg)
-
-
 def test_files_source_errors_are_clear(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         load_corpus(DataConfig(source="files", paths=[str(tmp_path / "missing")]))

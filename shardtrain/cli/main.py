@@ -80,11 +80,21 @@ def cmd_train(overrides: list[str]) -> int:
             step = trainer.step if trainer is not None else 0
             record_failure(Path(cfg.run.dir), rank, step, type(exc).__name__, str(exc).splitlines()[0]
                            if str(exc) else "", traceback.format_exc(),
-                           exit_status=2 if isinstance(exc, ShardtrainError) else 1)
+                           exit_status=exit_status_of(exc))
         raise
     finally:
         destroy_distributed()
     return 0
+
+
+def exit_status_of(exc: BaseException) -> int:
+    """What one process exits with for ``exc`` (run_command's mapping): 2 for the framework's own
+    errors, a SystemExit's own code, 1 for anything else."""
+    if isinstance(exc, ShardtrainError):
+        return 2
+    if isinstance(exc, SystemExit) and isinstance(exc.code, int):
+        return exc.code
+    return 1
 
 
 def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -> int:

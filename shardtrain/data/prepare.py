@@ -365,14 +365,10 @@ def prepare(options: PrepareOptions, out: str | Path, progress: bool = True,
 def locked(path: Path, required: str | None = None) -> Iterator[None]:
     """An exclusive ``flock`` on ``path`` (created) for the block. Where the filesystem has no
     ``flock``: with ``required`` (what to do instead), a ``DataError`` saying so; else a warning,
-    and the block runs unlocked."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path, "w")
-    except OSError as exc:
-        raise DataError(f"cannot create the lock file {path} ({exc.strerror or exc}); choose a "
-                        "directory you can write") from exc
-    with handle:
+    and the block runs unlocked. A lock file that cannot be created is the filesystem's error (the
+    CLI's one line for those: a full disk, a path under a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX)
         except OSError as exc:
