@@ -10,7 +10,6 @@ import signal
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 from shardtrain.cli.paths import check_exists, check_output, os_failure
@@ -40,7 +39,7 @@ def cmd_train(overrides: list[str]) -> int:
     from shardtrain.cli.launch import launch_log_path, relaunch_if_needed
     from shardtrain.cli.preflight import check_training
     from shardtrain.config.loader import check_runtime
-    from shardtrain.diagnostics.failures import record_failure
+    from shardtrain.diagnostics.failures import is_failure, record_exception
     from shardtrain.distributed.env import destroy_distributed, under_torchrun
     from shardtrain.train.loop import Trainer
 
@@ -74,27 +73,14 @@ def cmd_train(overrides: list[str]) -> int:
         trainer.preemption = preemption
         trainer.fit()
     except BaseException as exc:
-        # Ctrl-C (forwarded to every worker by the launcher) is no rank's failure
-        stopped = isinstance(exc, KeyboardInterrupt) or isinstance(exc, SystemExit) and exc.code in (0, None)
-        if not stopped:
-            step = trainer.step if trainer is not None else 0
-            record_failure(Path(cfg.run.dir), rank, step, type(exc).__name__, str(exc).splitlines()[0]
-                           if str(exc) else "", traceback.format_exc(),
-                           exit_status=exit_status_of(exc))
+        # A failure in training is recorded by the trainer, before its trackers close; this one is
+        # a failure to build it.
+        if is_failure(exc) and not (trainer is not None and trainer.failure_recorded):
+            record_exception(Path(cfg.run.dir), rank, trainer.step if trainer is not None else 0, exc)
         raise
     finally:
         destroy_distributed()
     return 0
-
-
-def exit_status_of(exc: BaseException) -> int:
-    """What one process exits with for ``exc`` (run_command's mapping): 2 for the framework's own
-    errors, a SystemExit's own code, 1 for anything else."""
-    if isinstance(exc, ShardtrainError):
-        return 2
-    if isinstance(exc, SystemExit) and isinstance(exc.code, int):
-        return exc.code
-    return 1
 
 
 def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -> int:

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import socket
 import time
+import traceback
 from pathlib import Path
+
+from shardtrain.errors import ShardtrainError
 
 FAILURE_DIR = "failures"
 
@@ -25,6 +28,28 @@ def record_failure(run_dir: Path, rank: int, step: int, kind: str, message: str,
         }, indent=2))
     except OSError:
         pass  # reporting must never mask the original failure
+
+
+def is_failure(exc: BaseException) -> bool:
+    """Not an interrupt (Ctrl-C reaches every worker: no rank's failure) nor a clean exit."""
+    return not (isinstance(exc, KeyboardInterrupt) or isinstance(exc, SystemExit) and exc.code in (0, None))
+
+
+def exit_status_of(exc: BaseException) -> int:
+    """What one process exits with for ``exc`` (the CLI's mapping): 2 for the framework's own
+    errors, a SystemExit's own code, 1 for anything else."""
+    if isinstance(exc, ShardtrainError):
+        return 2
+    if isinstance(exc, SystemExit) and isinstance(exc.code, int):
+        return exc.code
+    return 1
+
+
+def record_exception(run_dir: Path, rank: int, step: int, exc: BaseException) -> None:
+    """``exc`` as this rank's failure record."""
+    text = str(exc)
+    record_failure(run_dir, rank, step, type(exc).__name__, text.splitlines()[0] if text else "",
+                   "".join(traceback.format_exception(exc)), exit_status_of(exc))
 
 
 def first_failure(run_dir: Path, since: float) -> dict | None:

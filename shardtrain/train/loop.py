@@ -34,6 +34,7 @@ from shardtrain.config.plan import check_world
 from shardtrain.config.schema import Config, TrainerConfig
 from shardtrain.config.sizes import counted
 from shardtrain.data.batches import BatchLayout, SampleSource, TrainBatches, eval_batches
+from shardtrain.diagnostics.failures import is_failure, record_exception
 from shardtrain.diagnostics.memory import PhaseMemory, adapter_summary, state_bytes
 from shardtrain.diagnostics.planner import BatchChoice
 from shardtrain.diagnostics.profiler import StepProfiler
@@ -153,6 +154,7 @@ class Trainer:
         # The task's metrics as the first step returned them: every later step must return the same.
         self.metric_kinds: tuple[tuple[str, bool], ...] | None = None
         self.consecutive_skips = 0
+        self.failure_recorded = False  # in run.dir/failures by fit, for the CLI not to record it again
         # trainer.ema_decay: set from the weights once they are drawn or read (restore).
         self.average = WeightAverage(built.model, t.ema_decay, t.ema_warmup) if t.ema_decay else None
         # trainer.monitor judged at each evaluation: one that ranks among checkpoint.keep_best's saves
@@ -466,6 +468,13 @@ class Trainer:
                           "raise trainer.early_stop_patience to go on")
             self.train()
             outcome = "preempted" if self.result.preempted else "finished"
+        except BaseException as exc:
+            if is_failure(exc):
+                # Before the trackers close (up to run.tracker_timeout_s): the launcher names the
+                # first record as the root cause, and a peer's fallout must not come first.
+                record_exception(Path(self.cfg.run.dir), self.env.rank, self.step, exc)
+                self.failure_recorded = True
+            raise
         finally:
             self.writer.close(outcome)
         return self.result
