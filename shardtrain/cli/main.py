@@ -73,10 +73,10 @@ def cmd_train(overrides: list[str]) -> int:
         trainer.preemption = preemption
         trainer.fit()
     except BaseException as exc:
-        # A failure in training is recorded by the trainer, before its trackers close; this one is
-        # a failure to build it.
-        if is_failure(exc) and not (trainer is not None and trainer.failure_recorded):
-            record_exception(Path(cfg.run.dir), rank, trainer.step if trainer is not None else 0, exc)
+        # A failure in training is recorded by the trainer (fit), before its trackers close; this
+        # one is a failure to build it.
+        if trainer is None and is_failure(exc):
+            record_exception(Path(cfg.run.dir), rank, 0, exc)
         raise
     finally:
         destroy_distributed()
@@ -688,10 +688,9 @@ def overrides_first(argv: list[str]) -> list[str]:
     command = next((i for i, token in enumerate(argv) if not token.startswith("-")), None)
     if command is None or argv[command] != "plan":
         return argv
-    rest = argv[command + 1:]
-    overrides = [token for token in rest if "=" in token and not token.startswith("-")]
-    others = [token for token in rest if not ("=" in token and not token.startswith("-"))]
-    return [*argv[:command + 1], *overrides, *others]
+    # A stable sort: the overrides first, each group in its own order.
+    rest = sorted(argv[command + 1:], key=lambda token: "=" not in token or token.startswith("-"))
+    return [*argv[:command + 1], *rest]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -154,7 +154,6 @@ class Trainer:
         # The task's metrics as the first step returned them: every later step must return the same.
         self.metric_kinds: tuple[tuple[str, bool], ...] | None = None
         self.consecutive_skips = 0
-        self.failure_recorded = False  # in run.dir/failures by fit, for the CLI not to record it again
         # trainer.ema_decay: set from the weights once they are drawn or read (restore).
         self.average = WeightAverage(built.model, t.ema_decay, t.ema_warmup) if t.ema_decay else None
         # trainer.monitor judged at each evaluation: one that ranks among checkpoint.keep_best's saves
@@ -473,7 +472,6 @@ class Trainer:
                 # Before the trackers close (up to run.tracker_timeout_s): the launcher names the
                 # first record as the root cause, and a peer's fallout must not come first.
                 record_exception(Path(self.cfg.run.dir), self.env.rank, self.step, exc)
-                self.failure_recorded = True
             raise
         finally:
             self.writer.close(outcome)
