@@ -5,13 +5,15 @@ prepare: ``shardtrain prepare`` against the ``datasets`` library (``load_dataset
 at the same number of processes, alternating, each from a cold output (datasets' cache is a fresh
 directory each time). Tokens/s counts the tokens both produce (checked equal).
 wait: the default run's ``data_wait_pct``, the share of the wall time steps waited for batches.
-long: one long document (the standard library's .py files as one text) encoded by the ``tokenizers``
-library in one piece against shardtrain's pieces, each in a fresh process: peak resident growth and
-seconds, the ids checked equal.
+long: one long document (the standard library's .py files as one text) through ``shardtrain prepare``
+(which encodes it in pieces), the same command with the cut turned off, and the ``tokenizers``
+library's encode of the whole text, each in a fresh process: seconds and the peak resident size of
+the command and its workers, the ids checked equal.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -21,6 +23,9 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
+import psutil
 
 ROOT = Path(__file__).parent.parent
 
@@ -100,58 +105,94 @@ def prepare_results(workers: list[int], rounds: int = 3, max_bytes: int = 20_000
     return {"corpus_bytes": corpus_bytes, "rounds": rounds, "rows": rows}
 
 
-LONG_DOCUMENT_PROGRAM = """
-import hashlib, json, os, sys, threading, time
+LIBRARY_WHOLE_PROGRAM = """
+import hashlib, sys
 import numpy as np, tokenizers
-from shardtrain.data.tokenizer import HFTokenizer
-text_file, tokenizer, mode = sys.argv[1:4]
-data = open(text_file, "rb").read()
-page = os.sysconf("SC_PAGE_SIZE")
-def resident():
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * page
-baseline, peak, done = resident(), [0], threading.Event()
-def watch():  # the resident size's peak above the baseline (ru_maxrss counts the imports' peak)
-    while not done.wait(0.005):
-        peak[0] = max(peak[0], resident())
-watcher = threading.Thread(target=watch)
-watcher.start()
-started = time.perf_counter()
-if mode == "whole":
-    ids = tokenizers.Tokenizer.from_file(tokenizer).encode(data.decode()).ids
-else:
-    ids = HFTokenizer(tokenizer).encode_documents([data])[0]
-seconds = time.perf_counter() - started
-done.set()
-watcher.join()
-digest = hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()
-print(json.dumps({"seconds": seconds, "peak_growth_bytes": max(peak[0], resident()) - baseline,
-                  "tokens": len(ids), "sha256": digest}))
+text_file, tokenizer = sys.argv[1:3]
+ids = tokenizers.Tokenizer.from_file(tokenizer).encode(open(text_file, encoding="utf-8").read()).ids
+print(hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest(), len(ids))
+"""
+
+# `shardtrain prepare` as a user runs it, with the cut of long documents turned off: the piece size
+# raised past any document (one process: workers=1 encodes in the command's own process).
+PREPARE_UNCUT_PROGRAM = """
+import runpy, sys
+import shardtrain.data.tokenizer
+shardtrain.data.tokenizer.PIECE_CHARS = sys.maxsize
+sys.argv = ["shardtrain", *sys.argv[1:]]
+runpy.run_module("shardtrain", run_name="__main__")
 """
 
 
+def peak_tree_resident(command: list[str]) -> tuple[float, int, str]:
+    """Seconds, the peak of the summed resident size of ``command``'s process and its children
+    (prepare's worker processes), sampled every 5 ms, and its standard output; fails if the command
+    does."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    root, peak = psutil.Process(proc.pid), 0
+    while proc.poll() is None:
+        try:
+            tree = [root, *root.children(recursive=True)]
+            peak = max(peak, sum(p.memory_info().rss for p in tree))
+        except psutil.NoSuchProcess:  # one ended between the listing and the reading
+            pass
+        time.sleep(0.005)
+    seconds = time.perf_counter() - started
+    out, err = proc.communicate()
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(command[:4])} ... failed ({proc.returncode}): {err[-2000:]}")
+    return seconds, peak, out
+
+
+def prepared_ids(out: Path) -> tuple[str, int]:
+    """The sha256 of a prepared one-document dataset's ids as int64 (its end-of-text token left
+    out, as the library's encode has none) and their count."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    ids = np.concatenate([np.load(out / shard["tokens_file"]).astype(np.int64)
+                          for shard in manifest["splits"]["train"]["shards"]])
+    if manifest["tokenizer"]["eos_id"] is not None:
+        ids = ids[:-1]
+    return hashlib.sha256(ids.tobytes()).hexdigest(), len(ids)
+
+
 def long_document_results(max_bytes: int = 20_000_000) -> dict:
-    """One long document encoded whole (the ``tokenizers`` library's encode) and by shardtrain (in
-    pieces where the tokenizer allows), each in a fresh process."""
+    """One long document through ``shardtrain prepare`` (which cuts it in pieces where the tokenizer
+    allows), the same command with the cut turned off, and the ``tokenizers`` library's encode of
+    the whole text, each in a fresh process: seconds and peak resident size, the ids checked equal."""
     sys.path.insert(0, str(ROOT / "examples" / "finetune_hf"))
     from make_model import make_llama
 
     with tempfile.TemporaryDirectory(dir=ROOT) as workdir:
         work = Path(workdir)
         model = make_llama(work / "model", vocab_size=8192)
+        tokenizer = str(model / "tokenizer.json")
         corpus = work / "corpus.jsonl"
         write_corpus(corpus, max_bytes)
         text_file = work / "one-document.txt"
         text_file.write_text("".join(json.loads(line)["text"] for line in corpus.open()))
+        prepare = ["prepare", str(text_file), "--tokenizer", tokenizer, "--val-percent", "0"]
+        commands = {
+            "prepare": [sys.executable, "-m", "shardtrain", *prepare, "--workers", "1",
+                        "--out", str(work / "cut")],
+            "prepare_2_workers": [sys.executable, "-m", "shardtrain", *prepare, "--workers", "2",
+                                  "--out", str(work / "cut-2")],
+            "prepare_uncut": [sys.executable, "-c", PREPARE_UNCUT_PROGRAM, *prepare, "--workers", "1",
+                              "--out", str(work / "uncut")],
+            "library_whole": [sys.executable, "-c", LIBRARY_WHOLE_PROGRAM, str(text_file), tokenizer],
+        }
         runs = {}
-        for mode in ("whole", "pieces"):
-            done = subprocess.run([sys.executable, "-c", LONG_DOCUMENT_PROGRAM, str(text_file),
-                                   str(model / "tokenizer.json"), mode],
-                                  check=True, capture_output=True, text=True)
-            runs[mode] = json.loads(done.stdout.strip().splitlines()[-1])
-        if runs["whole"]["sha256"] != runs["pieces"]["sha256"]:
-            raise SystemExit("a long document's ids differ encoded in pieces")
-        return {"bytes": text_file.stat().st_size, **runs}
+        for name, command in commands.items():
+            seconds, peak, done_output = peak_tree_resident(command)
+            runs[name] = {"seconds": seconds, "peak_resident_bytes": peak}
+            if name == "library_whole":
+                digest, count = done_output.split()
+                ids = {name: (digest, int(count))}
+        ids.update((name, prepared_ids(work / out)) for name, out in
+                   (("prepare", "cut"), ("prepare_2_workers", "cut-2"), ("prepare_uncut", "uncut")))
+        if len(set(ids.values())) != 1:
+            raise SystemExit(f"a long document's ids differ: {ids}")
+        return {"bytes": text_file.stat().st_size, "tokens": ids["prepare"][1], **runs}
 
 
 def wait_results(steps: int = 100) -> dict:

@@ -583,10 +583,14 @@ def test_long_documents_are_encoded_a_piece_at_a_time_to_the_same_ids(tmp_path, 
         whole[name] = tokenizer.encode_documents([text.encode()])[0]
         assert list(whole[name]) == raw.encode(text).ids, name
     monkeypatch.setattr("shardtrain.data.tokenizer.PIECE_CHARS", 500)  # some 600 pieces
+    # Windows line ends: cut after "\r\n" too (before, such a file was never cut)
+    crlf = text.replace("\n", "\r\n")
+    assert len(line_pieces(crlf, 500, partial(pre_token_starts_at, byte_level))) > 3  # 1 before
     for name in whole:
         tokenizer = HFTokenizer(tmp_path / name)
-        short, long = tokenizer.encode_documents([b"a short one", text.encode()])
+        short, long, windows = tokenizer.encode_documents([b"a short one", text.encode(), crlf.encode()])
         assert list(long) == list(whole[name]) and short == raw_ids(tmp_path / name, "a short one"), name
+        assert list(windows) == raw_ids(tmp_path / name, crlf), name
 
 
 def test_tokenizers_a_cut_could_change_are_encoded_whole():
@@ -609,6 +613,7 @@ def test_tokenizers_a_cut_could_change_are_encoded_whole():
     assert line_pieces(text, 1, partial(pre_token_starts_at, base)) == ["foo bar\n", "baz qux\n  indented\n",
                                                                         "end"]
     assert line_pieces(text, 1, lambda text, cut: False) == [text]
+    assert line_pieces("a\r\nb\r\n\r\nc\r\n", 1) == ["a\r\n", "b\r\n\r\nc\r\n"]  # a blank line is not cut
 
 
 def sample_texts_for_tokenizer() -> list[str]:

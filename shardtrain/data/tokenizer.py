@@ -166,21 +166,29 @@ SPLIT_PROBES = ("def f(x):\n    return x + 1\n\n\nprint(f(41))\n",
 def line_pieces(text: str, size: int, cuttable: Callable[[str, int], bool] = lambda text, cut: True
                 ) -> list[str]:
     """``text`` in pieces of at least ``size`` characters (the last may be shorter), each cut after
-    a lone newline, between non-space characters, where ``cuttable(text, cut)`` agrees: there a
-    regex pre-tokenizer's token ends and the next starts (GPT-2's splits the last character off a
-    run of whitespace before a word, so a run of blank lines or an indentation is not cut)."""
+    a lone line end (``\n`` or Windows' ``\r\n``) between non-space characters, where
+    ``cuttable(text, cut)`` agrees: there a regex pre-tokenizer's token ends and the next starts
+    (GPT-2's splits the last character off a run of whitespace before a word, so a run of blank
+    lines or an indentation is not cut)."""
     pieces, start = [], 0
     while len(text) - start > size:
         cut = text.find("\n", start + size - 1)
-        while cut != -1 and cut + 1 < len(text) and (text[cut + 1].isspace() or text[cut - 1].isspace()
-                                                      or not cuttable(text, cut + 1)):
+        while cut != -1 and not (lone_line_end(text, cut) and cuttable(text, cut + 1)):
             cut = text.find("\n", cut + 1)
-        if cut == -1 or cut + 1 == len(text):
+        if cut == -1:
             break
         pieces.append(text[start:cut + 1])
         start = cut + 1
     pieces.append(text[start:])
     return pieces
+
+
+def lone_line_end(text: str, newline: int) -> bool:
+    """Whether the ``\n`` at ``newline`` ends a line (after a ``\r`` or not) whose last character is
+    not a space, and a character that is not one follows."""
+    last = newline - 2 if newline > 0 and text[newline - 1] == "\r" else newline - 1
+    return (last >= 0 and not text[last].isspace() and newline + 1 < len(text)
+            and not text[newline + 1].isspace())
 
 
 def pre_token_starts_at(tokenizer: tokenizers.Tokenizer, text: str, cut: int) -> bool:
@@ -293,9 +301,9 @@ class HFTokenizer:
 
     def encode_long(self, text: str) -> list[int] | np.ndarray:
         """A long document's ids, encoded a few ``PIECE_CHARS`` at a time where the tokenizer allows
-        (the same ids as in one piece, in a fraction of the memory: an encoding takes some 300 bytes
-        a token, 1.66 GiB for 20 MB of source against 0.44 GiB in pieces, docs/data.md); else in one
-        piece."""
+        (the same ids as in one piece, in a fraction of the memory: an encoding takes some 500 bytes
+        a token, and `shardtrain prepare` of 20 MB of source peaked at 3.07 GiB whole, 0.51 GiB in
+        pieces, docs/data.md); else in one piece."""
         if self.piecewise is None:
             return self._tokenizer.encode(text).ids
         prefix, suffix = self.piecewise
