@@ -65,6 +65,8 @@ def test_sharded_generation_equals_consolidated(tmp_path):
         too_long.stderr)
     log = Path(line.rpartition("; full log: ")[2])
     assert log.read_text().count("shardtrain: error: prompt 2: prompt (5000 tokens)") == 2
+    # the status given is the first failing worker's, read from torchrun's report
+    assert shardtrain.cli.launch.root_cause_exit(log) == 2
     log.unlink()
     evaluated = run_cli("eval", str(ckpt), "--samples", "16", "--devices", "2")
     assert evaluated.returncode == 0 and "perplexity" in evaluated.stdout, evaluated.stderr[-2000:]

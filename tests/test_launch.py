@@ -20,7 +20,7 @@ from cli_utils import clean_env, run_cli
 from distributed import free_port
 from safetensors.torch import load_file
 
-from shardtrain.cli.launch import relaunch_if_needed
+from shardtrain.cli.launch import relaunch_if_needed, root_cause_exit
 from shardtrain.cli.main import launch_outcome, main
 from shardtrain.config.compose import compose_config
 from shardtrain.diagnostics.failures import record_failure
@@ -100,6 +100,9 @@ def test_worker_failure_is_one_line_naming_the_rank(tmp_path):
     assert len(logs) == 1 and logs[0].name in errors[0]
     kept = logs[0].read_text()
     assert "Traceback" in kept and "ChildFailedError" in kept  # kept for whoever digs deeper
+    # torchrun's report read as `generate --devices` reads it: the root cause is rank 1's RuntimeError,
+    # status 1, though rank 0 is listed first among the failures
+    assert root_cause_exit(logs[0]) == 1
 
 
 @pytest.mark.parametrize(

@@ -217,6 +217,7 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
 # One worker in torchrun's final ChildFailedError report: "rank : 1 (local_rank: 1)" then
 # "exitcode : -9 (pid: 123)  (SIGKILL)".
 REPORTED_WORKER = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:[^)]*\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+ROOT_CAUSE = "Root Cause (first observed failure)"  # the report lists the other failures before it
 
 
 # A worker SIGKILLed (from outside, or by the out-of-memory killer) cannot leave a record. SIGTERM
@@ -225,19 +226,23 @@ REPORTED_WORKER = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:[^)]*\)\s*\n\s*ex
 EXTERNAL_SIGNALS = {signal.SIGKILL}
 
 
+def final_report(log_file: Path) -> str:
+    """torchrun's final ChildFailedError report in ``log_file`` ("" without one)."""
+    try:
+        text = log_file.read_text(errors="replace")
+    except OSError:
+        return ""
+    return text[text.rfind("ChildFailedError"):] if "ChildFailedError" in text else ""
+
+
 def killed_workers(log_file: Path) -> list[tuple[int, str]]:
     """(rank, signal name) of workers torchrun reports as killed by a signal in its final report.
 
     Such a worker left no Python error; the errors its peers recorded ("connection reset") are
     fallout. Parsing torchrun's human-readable report is best effort: nothing found, nothing said.
     """
-    try:
-        text = log_file.read_text(errors="replace")
-    except OSError:
-        return []
-    report = text[text.rfind("ChildFailedError"):] if "ChildFailedError" in text else ""
     killed = []
-    for rank, code in REPORTED_WORKER.findall(report):
+    for rank, code in REPORTED_WORKER.findall(final_report(log_file)):
         if int(code) < 0 and -int(code) in EXTERNAL_SIGNALS:
             try:
                 name = signal.Signals(-int(code)).name
@@ -245,6 +250,14 @@ def killed_workers(log_file: Path) -> list[tuple[int, str]]:
                 name = f"signal {-int(code)}"
             killed.append((int(rank), name))
     return killed
+
+
+def root_cause_exit(log_file: Path) -> int | None:
+    """The exit code torchrun's final report gives its root cause (the first observed failure;
+    negative for a signal), None without one (best effort, as ``killed_workers``)."""
+    report = final_report(log_file)
+    found = REPORTED_WORKER.search(report, report.find(ROOT_CAUSE)) if ROOT_CAUSE in report else None
+    return int(found.group(2)) if found else None
 
 
 def first_worker_line(log_file: Path) -> str | None:

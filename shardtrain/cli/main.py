@@ -114,7 +114,7 @@ def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -
 
 def on_devices(devices: int, argv: list[str]) -> int | None:
     """Run ``shardtrain argv`` on ``devices`` processes under torchrun, or None to run here."""
-    from shardtrain.cli.launch import first_worker_line, run_under_torchrun
+    from shardtrain.cli.launch import first_worker_line, root_cause_exit, run_under_torchrun
     from shardtrain.distributed.env import under_torchrun
     from shardtrain.errors import ConfigError
 
@@ -140,7 +140,10 @@ def on_devices(devices: int, argv: list[str]) -> int | None:
         reason = (line.removeprefix("shardtrain: error: ") if line else
                   f"the {devices} processes exited with status {status} without an error line")
         print(f"shardtrain: error: {reason}; full log: {log_file}", file=sys.stderr)
-        return 2 if line else status
+        # The status the first failing worker gave (2 for a framework error, 1 for an OS one), which
+        # torchrun's own 1 hides.
+        code = root_cause_exit(log_file)
+        return code if code is not None and code > 0 else (2 if line else status)
     return None
 
 
