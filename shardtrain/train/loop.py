@@ -765,8 +765,10 @@ class Trainer:
             return
         self.watchdog.beat("evaluation", self.step)
         # A task that draws noise in its loss or collation (diffusion) leaves the run's random
-        # streams as they were, so that a resumed run draws what the uninterrupted one does.
-        with random_streams_kept():
+        # streams as they were, so that a resumed run draws what the uninterrupted one does. Eager
+        # under compile: compiled first for this one no-grad micro-batch, the blocks' training graph
+        # would be a recompile, with any dimension the two differ in made dynamic for the run.
+        with random_streams_kept(), torch.compiler.set_stance("force_eager"):
             _, metrics = evaluate(self.model, self.task, [self.val_batches[0]], self.env.device,
                                   self.built.mesh)
         logged = ["val_loss", *(f"val_{name}" for name in metrics)]
