@@ -29,6 +29,11 @@ class CheckpointError(ShardtrainError):
     """A checkpoint is missing, incomplete, damaged or does not fit the model."""
 
 
+class CheckpointUnverifiable(CheckpointError):
+    """A checkpoint could not be checked: the filesystem or the host failed (an I/O error, memory),
+    which says nothing of the checkpoint, so it is never taken for damage."""
+
+
 class GenerationError(ShardtrainError):
     """A generation request the model cannot serve (e.g. longer than its context)."""
 

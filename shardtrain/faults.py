@@ -7,7 +7,8 @@ action is ``kill`` (SIGKILL itself), ``raise`` (RuntimeError), ``sleep=S`` (stal
 point ``loss`` only), and attempt (optional) limits the fault to that
 torchrun restart attempt (``TORCHELASTIC_RESTART_COUNT``), so a restarted run can get past it.
 Points: ``save`` (inside a checkpoint save, after this rank wrote part of it), ``commit`` (in an
-async save's background thread, after DCP wrote it, before the commit), ``step`` (after a
+async save's background thread, after DCP wrote it, before the commit), ``resume`` (as a checkpoint
+of the given step is loaded, after its checks), ``step`` (after a
 training step), ``sample`` (before a text sample is generated), ``loss`` (the first micro-batch's
 loss). Unset, this costs one dictionary lookup.
 Never set it in production.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import json
 import logging
 import os
@@ -21,9 +22,10 @@ import numpy as np
 import torch
 from equivalence import case_config, small_corpus
 
+from shardtrain.checkpoint import integrity
 from shardtrain.checkpoint.weights import agreed_source_kind
 from shardtrain.distributed.env import lazily_connected_gloo_group
-from shardtrain.errors import CheckpointError, TrackerError
+from shardtrain.errors import CheckpointError, CheckpointUnverifiable, TrackerError
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.loop import Trainer
 
@@ -221,6 +223,29 @@ def unreadable_resumes(out: str, world: int) -> None:
     assert resumed.step == N
     named = [m for m in warned if "rng-rank<r>.pt for rank(s) 1:" in m]
     assert len(named) == (1 if resumed.env.is_main else 0), warned
+
+    # Found by a scale review: an I/O error while one rank hashed its share (a stale handle, a
+    # filesystem timeout; at 1,024 ranks some rank meets one) made every rank pass over a good
+    # checkpoint as damaged, and a later save of its step move it aside. The run stops instead.
+    copy_on_rank0(Path(out, "split", "checkpoints"), Path(out, "eio_run", "checkpoints"), lambda copy: None)
+    hashed = integrity.file_sha256
+
+    def failing_on_rank1(path):
+        if torch.distributed.get_rank() == 1:
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return hashed(path)
+
+    integrity.file_sha256 = failing_on_rank1
+    try:
+        new_trainer(ckpt_config(f"{out}/eio_run", world))
+    except CheckpointUnverifiable as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("a checkpoint one rank could not read was resumed")
+    finally:
+        integrity.file_sha256 = hashed
+    assert f"step-{2 * N}' could not be checked on rank 1 (OSError: [Errno 5]" in message, message
+    assert "no sign of damage" in message and "skipping" not in message, message
 
 
 @contextmanager

@@ -240,6 +240,15 @@ def test_a_save_longer_than_the_step_bound_completes(tmp_path):
                    env={"SHARDTRAIN_FAULT": "save:0:2:sleep=4"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run_dir / "checkpoints" / "step-2").is_dir() and not (run_dir / "hangs").exists()
+    # Found by a scale review: a resume ran before the watchdog started, bound only by the checkpoint
+    # group's timeout (gloo's first connection to a peer waits five times it). A rank stuck in it now
+    # stops the run at checkpoint.save_timeout_s, with its stacks and exit status 124.
+    stuck = run_cli("train", *QUICK, "trainer.devices=2", "checkpoint.enabled=true", "trainer.max_steps=4",
+                    "checkpoint.save_timeout_s=3", f"run.dir={run_dir}",
+                    env={"SHARDTRAIN_FAULT": "resume:1:3:sleep=120"}, timeout=100)
+    assert stuck.returncode == 124, stuck.stderr[-3000:]
+    assert "resume from a checkpoint has run" in stuck.stderr and (
+        "over the 3s limit (checkpoint.save_timeout_s)" in stuck.stderr), stuck.stderr[-3000:]
 
 
 def test_flight_recorder_dump_without_a_process_group(tmp_path):

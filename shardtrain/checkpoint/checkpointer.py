@@ -59,7 +59,7 @@ from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
 from shardtrain.distributed.agreement import agree, gather_verdicts, raise_first_error, run_agreed
 from shardtrain.distributed.env import lazily_connected_gloo_group
-from shardtrain.errors import CheckpointError, first_line
+from shardtrain.errors import CheckpointError, CheckpointUnverifiable, first_line
 from shardtrain.models.lora import is_adapter
 
 log = logging.getLogger("shardtrain")
@@ -290,6 +290,8 @@ class Checkpointer:
         for step, path in reversed(complete):
             try:
                 self.verified_metadata = (path, self.verify_agreed(path))
+            except CheckpointUnverifiable:
+                raise  # not the checkpoint's fault: never skipped (and later moved aside) for it
             except CheckpointError as exc:
                 self.info(f"resume: skipping {path}: {exc}")
                 self.damaged.add(path)
@@ -361,7 +363,7 @@ class Checkpointer:
         ``refuse_newer`` (a resume from a path given by hand) also refuses a run directory that holds
         later checkpoints than it.
         """
-        metadata, files = None, None
+        metadata, files, unverifiable = None, None, False
         try:
             # This rank's part of the shard files only: the all-gather below shares the verdicts.
             metadata = layout.verify(path, share=(self.rank, self.world_size))
@@ -370,17 +372,26 @@ class Checkpointer:
             files = integrity.read_manifest(path) if self.ckpt.verify_checksums else None
             share = [] if files is None else integrity.verification_share(files, self.rank, self.world_size)
             error, damaged = None, {} if files is None else integrity.damaged_files(path, files, share)
-        except (CheckpointError, OSError) as exc:
+        except (CheckpointError, FileNotFoundError) as exc:  # a file gone since: as a missing one
             error, damaged = str(exc), {}
-        verdicts = gather_verdicts(error, (str(path), damaged), self.group)
-        seen = [checked for _, (checked, _) in verdicts]
+        except (OSError, MemoryError) as exc:  # an I/O error, a stale handle, the host's memory
+            error, damaged, unverifiable = f"{type(exc).__name__}: {exc}", {}, True
+        verdicts = gather_verdicts(error, (str(path), damaged, unverifiable), self.group)
+        seen = [checked for _, (checked, _, _) in verdicts]
         if differing := [rank for rank, checked in enumerate(seen) if checked != seen[0]]:
             raise CheckpointError(
                 f"ranks chose different checkpoints to resume ({seen[0]} on rank 0, "
                 f"{seen[differing[0]]} on rank {differing[0]}); every rank must see the same "
                 "run.dir: put it on a filesystem every node mounts")
+        if failed := next(((rank, error) for rank, (error, (_, _, unchecked)) in enumerate(verdicts)
+                           if unchecked), None):
+            raise CheckpointUnverifiable(
+                f"checkpoint {str(path)!r} could not be checked on rank {failed[0]} ({failed[1]}): the "
+                "filesystem or the host failed, which is no sign of damage, so the run stops rather "
+                "than pass over a checkpoint that may be good; start it again once the filesystem "
+                "answers (a requeued job retries)")
         raise_first_error(verdicts, CheckpointError)
-        if damaged := {name: why for _, (_, part) in verdicts for name, why in part.items()}:
+        if damaged := {name: why for _, (_, part, _) in verdicts for name, why in part.items()}:
             raise integrity.damage_error(path, damaged)
         if self.ckpt.verify_checksums and files is None and self.rank == 0:
             integrity.warn_unrecorded(path)
@@ -627,9 +638,11 @@ class Checkpointer:
 
     def load(self, path: Path) -> TrainState:
         """Restore model, optimizer, scheduler and RNG from ``path``; return its trainer state."""
-        known = self.verified_metadata
+        # Taken, not kept: a large model's metadata is GiBs of Python objects at 1,024 ranks.
+        known, self.verified_metadata = self.verified_metadata, None
         metadata = known[1] if known is not None and known[0] == path else layout.verify(path)
         trainer_state = TrainState.read(path)
+        faults.inject("resume", self.rank, trainer_state.step)
         if self.adapters_only:
             check_same_base(path, trainer_state.base_weights, self.base)
         elif trainer_state.base_weights is not None:
@@ -657,7 +670,8 @@ class Checkpointer:
             # saved without trainer.ema_decay: the caller starts it from the weights
             del state[layout.AVERAGE_KEY]
         try:
-            dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+            dcp.load(state, storage_reader=layout.KnownMetadataReader(path, metadata),
+                     process_group=self.group)
         except DCP_FAILURES as exc:  # DCP's CheckpointException is a BaseException: named here
             raise CheckpointError(load_failed(path, exc, LOAD_FIX, self.rank)) from exc
         # Not strict only to let the parameters without saved optimizer state stay without; the model

@@ -25,6 +25,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from shardtrain.checkpoint.safetensors_files import INDEX_FILE, SINGLE_FILE
@@ -64,6 +65,19 @@ def tmp_dir(root: Path, step: int) -> Path:
     return root / f".step-{step}.tmp"
 
 
+class KnownMetadataReader(FileSystemReader):
+    """DCP's file reader with the metadata already read (and checked): DCP's load would read and
+    unpickle ``.metadata`` once more on every rank (hundreds of MiB, several GiB of Python objects,
+    for a 405B model at 1,024 ranks), and the exporter once more per output shard."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(str(path))
+        self.known_metadata = metadata
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        return self.known_metadata
+
+
 def read_dcp_metadata(path: Path) -> Metadata:
     """DCP's metadata, or a CheckpointError that says what is wrong with ``path``."""
     if not path.exists():
@@ -100,6 +114,8 @@ def read_dcp_metadata(path: Path) -> Metadata:
     try:
         with open(meta_file, "rb") as f:
             metadata = pickle.load(f)
+    except (OSError, MemoryError):
+        raise  # the filesystem or the host failed, not the file: no sign of damage
     except Exception as exc:  # a truncated or foreign pickle raises many different types
         raise CheckpointError(f"checkpoint {str(path)!r}: .metadata is unreadable ({exc})") from exc
     if not isinstance(metadata, Metadata):  # every reader after this takes DCP's attributes for granted

@@ -175,8 +175,8 @@ class TrainState:
                 "checkpoint (model.init_from accepts plain DCP directories)"
             )
         try:
-            raw = json.loads(file.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raw = json.loads(file.read_text())  # an OSError is the filesystem's, not damage: raised
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(
                 f"checkpoint {str(directory)!r}: {STATE_FILE} is unreadable ({exc}); the file is damaged, "
                 "use another checkpoint"

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -163,9 +164,9 @@ def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | N
     state = {base_name(name): value for name, value in adapted.items() if not is_adapter(name)}
     check_model_compatible(path, metadata, state)
     if average:
-        read_dcp(averaged_state(path, metadata, state), path)
+        read_dcp(averaged_state(path, metadata, state), path, metadata)
     else:
-        read_dcp({"model": state}, path)
+        read_dcp({"model": state}, path, metadata)
     set_model_state_dict(model, {name: state[base_name(name)] for name in adapted if not is_adapter(name)},
                          options=StateDictOptions(strict=len(state) == len(adapted)))
 
@@ -244,12 +245,12 @@ def model_files_damaged(path: Path, metadata, rank: int, world: int) -> dict[str
     return integrity.damaged_files(path, wanted, integrity.verification_share(wanted, rank, world)) or {}
 
 
-def read_dcp(state: dict[str, Any], path: Path) -> None:
-    """``dcp.load`` of ``state`` from ``path`` (on the default group, if any), its failure as one
-    CheckpointError: DCP's own ``CheckpointException`` derives from BaseException and its text names
-    only the failed ranks, not why."""
+def read_dcp(state: dict[str, Any], path: Path, metadata: Metadata) -> None:
+    """``dcp.load`` of ``state`` from ``path`` (on the default group, if any) with the ``metadata``
+    already read and checked, its failure as one CheckpointError: DCP's own ``CheckpointException``
+    derives from BaseException and its text names only the failed ranks, not why."""
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=layout.KnownMetadataReader(path, metadata))
     except DCP_FAILURES as exc:
         rank = dist.get_rank() if dist.is_initialized() else None
         raise CheckpointError(load_failed(path, exc, "use another checkpoint, or check the filesystem "
@@ -262,7 +263,7 @@ def load_adapters(model: nn.Module, path: Path) -> None:
     metadata = verify_shared(path)
     state = {name: value for name, value in get_model_state_dict(model).items() if is_adapter(name)}
     check_model_compatible(path, metadata, state, adapters_only=True)
-    read_dcp({"model": state}, path)
+    read_dcp({"model": state}, path, metadata)
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 

@@ -22,7 +22,8 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -147,13 +148,29 @@ class Watchdog:
         self.stall_dumped = False
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="shardtrain-watchdog", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def start(self) -> Watchdog:
         with self._lock:  # the start-up bound runs from here, not from construction (a resume's load)
             self.started = time.monotonic()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="shardtrain-watchdog", daemon=True)
         self._thread.start()
         return self
+
+    @contextmanager
+    def watching(self, phase: str, timeout_s: float, key: str) -> Iterator[None]:
+        """``phase`` bounded by ``timeout_s`` before the watch proper starts (a resume inside
+        ``Trainer.create``: its checkpoint reads and collectives); unwatched again after it."""
+        self.start()
+        self.beat(phase, 0, timeout_s, key)
+        try:
+            yield
+        finally:
+            self.stop()
+            self._thread.join()  # within one poll: start() makes the next thread
+            with self._lock:
+                self.phase, self.phase_limit = "start-up", None
 
     def stop(self) -> None:
         self._stop.set()
@@ -199,7 +216,7 @@ class Watchdog:
                 elapsed = time.monotonic() - self.started
                 phase, step, dumped, steps_done = self.phase, self.step, self.stall_dumped, self.steps_done
                 stall, timeout, key = self.limits()
-            where = f"{phase} of step {step}"
+            where = f"{phase} of step {step}" if step else phase
             # A main thread that stopped the watch meanwhile has left the phase (finished it, or a
             # peer's exit failed its collective and it is unwinding): not a hang of this rank.
             if elapsed > timeout and not self._stop.is_set():

@@ -82,17 +82,6 @@ class Plan:
     files: list[str]  # the files the model's tensors are read from, and .metadata
 
 
-class KnownMetadataReader(FileSystemReader):
-    """DCP's file reader with the metadata already read: not once more per output shard."""
-
-    def __init__(self, path: Path, metadata: Metadata) -> None:
-        super().__init__(str(path))
-        self.known_metadata = metadata
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        return self.known_metadata
-
-
 def plan_shards(path: Path, max_shard_bytes: int | None, dtype: torch.dtype | None,
                 key: str | None) -> Plan:
     metadata = layout.read_dcp_metadata(path)
@@ -139,7 +128,8 @@ def load_tensors(path: Path, entries, metadata: Metadata | None = None) -> dict[
     with warnings.catch_warnings():
         # DCP warns that it runs without a process group: that is the point here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        reader = FileSystemReader(str(path)) if metadata is None else KnownMetadataReader(path, metadata)
+        reader = (FileSystemReader(str(path)) if metadata is None
+                  else layout.KnownMetadataReader(path, metadata))
         try:
             dcp.load(state, storage_reader=reader, no_dist=True)
         except DCP_FAILURES as exc:  # DCP's CheckpointException is a BaseException: one line here

@@ -6,7 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -254,11 +254,13 @@ class Trainer:
     def restore(self, draw: Callable[[], None] = lambda: None) -> None:
         """Resume (checkpoint.resume), or start from given weights (model.init_from, a Hugging Face
         model's own), else from the random initialisation: ``draw`` it, if the build deferred it."""
-        path = self.checkpointer.resume_path() if self.checkpointer is not None else None
+        with self.resume_watched():
+            path = self.checkpointer.resume_path() if self.checkpointer is not None else None
         if path is not None:
             if self.cfg.finetune.method != "none":  # the checkpoint holds the adapters only
                 self.load_base_weights(draw)
-            state = self.checkpointer.load(path)
+            with self.resume_watched():
+                state = self.checkpointer.load(path)
             self.step = self.last_saved_step = state.step
             self.evaluation_due = state.evaluation_due
             self.result.count_seen = state.tokens_seen
@@ -278,7 +280,8 @@ class Trainer:
             if self.cfg.model.init_from and self.cfg.finetune.method == "none":
                 self.info("model.init_from is ignored: resuming from a checkpoint")
             if self.best is not None:
-                self.restore_evaluations(path, state)
+                with self.resume_watched():
+                    self.restore_evaluations(path, state)
         else:
             self.load_base_weights(draw)
             if self.cfg.model.adapter:  # a fresh run's adapters from PEFT's directory (a resume's: saved)
@@ -293,6 +296,12 @@ class Trainer:
             # state with a zero-learning-rate step (torch's DCP), whose hook computed them from the
             # weights before the read.
             refresh_float8_scales(self.model)
+
+    def resume_watched(self) -> AbstractContextManager[None]:
+        """A resume's checks, reads and checkpoint-group collectives, bounded as a save is: the
+        group's own timeout is as long, and gloo's first connection to a peer waits five times it."""
+        return self.watchdog.watching("resume from a checkpoint", self.cfg.checkpoint.save_timeout_s,
+                                      "checkpoint.save_timeout_s")
 
     def restore_evaluations(self, path: Path, state: TrainState) -> None:
         """The resumed checkpoint's best evaluations (trainer.monitor), and whether the run had
@@ -520,12 +529,15 @@ class Trainer:
             raise
         finally:
             self.profiler.close(self.step)
+            # Watched: closing waits for the batches being made ahead, and a read stuck on a stalled
+            # filesystem would keep the process from exiting, unbounded, after the last step.
+            self.watchdog.beat("closing the training data", self.step)
+            self.train_data.close()
             self.watchdog.stop()
             self.console.close()
             if self.preemption is not None:
                 self.preemption.restore()
                 self.preemption = None
-            self.train_data.close()
 
     def commit_pending_save(self) -> None:
         """After a failure, an async save still in flight commits before the ranks stop, as a
