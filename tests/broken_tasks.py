@@ -178,6 +178,16 @@ class RankData(ImageClassification):
         return SyntheticImages(o.train_samples - fewer, o.classes, o.image_size, self.seed)
 
 
+class RankDataFails(ImageClassification):
+    """Rank 1's data code raises a plain ValueError (a file only one node lacks, read by the user's
+    own code): every rank stops at once, rank 1 named, not rank 0 left waiting until the timeout."""
+
+    def train_dataset(self) -> SyntheticImages:
+        if torch.distributed.get_rank() == 1:
+            raise ValueError("shard 7 of the images is missing on this node")
+        return super().train_dataset()
+
+
 class ChangingMetrics(ImageClassification):
     """Rank 1 returns one more metric from its second step on: the names change on one rank only."""
 

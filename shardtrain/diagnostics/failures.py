@@ -15,16 +15,17 @@ FAILURE_DIR = "failures"
 
 
 def record_failure(run_dir: Path, rank: int, step: int, kind: str, message: str,
-                   traceback_text: str = "", exit_status: int = 1) -> None:
+                   traceback_text: str = "", exit_status: int = 1, fallout: bool = False) -> None:
     """``exit_status``: what a single process exits with for this failure (2 for the framework's
-    own errors), which the launcher gives too: torchrun's own is 1 for any failure."""
+    own errors), which the launcher gives too: torchrun's own is 1 for any failure. ``fallout``:
+    this rank raised another rank's failure (an agreed check), never the root cause."""
     try:
         directory = Path(run_dir) / FAILURE_DIR
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"rank-{rank}.json").write_text(json.dumps({
             "rank": rank, "host": socket.gethostname(), "step": step, "type": kind,
             "message": message, "time": time.time(), "traceback": traceback_text,
-            "exit_status": exit_status,
+            "exit_status": exit_status, "fallout": fallout,
         }, indent=2))
     except OSError:
         pass  # reporting must never mask the original failure
@@ -49,11 +50,13 @@ def record_exception(run_dir: Path, rank: int, step: int, exc: BaseException) ->
     """``exc`` as this rank's failure record."""
     text = str(exc)
     record_failure(run_dir, rank, step, type(exc).__name__, text.splitlines()[0] if text else "",
-                   "".join(traceback.format_exception(exc)), exit_status_of(exc))
+                   "".join(traceback.format_exception(exc)), exit_status_of(exc),
+                   fallout=getattr(exc, "failed_rank", rank) != rank)
 
 
 def first_failure(run_dir: Path, since: float) -> dict | None:
-    """The earliest failure recorded after ``since`` (the root cause; later ones are fallout)."""
+    """The earliest failure recorded after ``since`` that is not another rank's failure raised
+    here (the root cause; later ones are fallout)."""
     records = []
     for path in (Path(run_dir) / FAILURE_DIR).glob("rank-*.json"):
         try:
@@ -62,7 +65,7 @@ def first_failure(run_dir: Path, since: float) -> dict | None:
             continue
         if record.get("time", 0) >= since:
             records.append(record)
-    return min(records, key=lambda r: r["time"]) if records else None
+    return min(records, key=lambda r: (r.get("fallout", False), r["time"])) if records else None
 
 
 def describe(record: dict) -> str:

@@ -35,7 +35,14 @@ def raise_first_error(verdicts: list[tuple[str | None, Any]], error_type: type[S
     failed = [(rank, error) for rank, (error, _) in enumerate(verdicts) if error is not None]
     if failed:
         rank, error = failed[0]
-        raise error_type(error or f"a check failed on rank {rank} without saying why")
+        raise from_rank(error_type(error or f"a check failed on rank {rank} without saying why"), rank)
+
+
+def from_rank(exc: BaseException, rank: int) -> BaseException:
+    """``exc``, marked as raised on every rank for ``rank``'s failure: another rank's failure record
+    of it is fallout, which the launcher does not name as the root cause (``failed_rank``)."""
+    exc.failed_rank = rank
+    return exc
 
 
 def agree(error: str | None, detail: Any = None, group: dist.ProcessGroup | None = None, *,
@@ -48,16 +55,20 @@ def agree(error: str | None, detail: Any = None, group: dist.ProcessGroup | None
 
 
 def run_agreed(action: Callable[[], T], group: dist.ProcessGroup | None = None) -> T:
-    """``action()`` on every rank (rank 0's file writes, its trackers' start), then one all-gather
-    of how it went: where it raised a ``ShardtrainError`` or an ``OSError`` on some rank, every rank
-    raises the lowest such rank's, of its class and with its arguments (an OSError's errno), that
-    rank its own exception; so the others do not go on into a collective it never joins. Returns
-    this rank's result."""
+    """``action()`` on every rank (rank 0's file writes, its trackers' start, a task's own data
+    code), then one all-gather of how it went: where it raised on some rank, every rank raises the
+    lowest such rank's, of its class and with its arguments where it is a ``ShardtrainError`` or an
+    ``OSError`` (an OSError's errno; any other as a ``ShardtrainError`` with its message), that rank
+    its own exception; so the others do not go on into a collective it never joins. Returns this
+    rank's result."""
     try:
         result, failure = action(), None
-    except (ShardtrainError, OSError) as exc:
+    except Exception as exc:  # a task's ValueError on one node too: not the others' wait until the timeout
         result, failure = None, exc
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
     error = None if failure is None else str(failure) or type(failure).__name__
+    if failure is not None and not isinstance(failure, (ShardtrainError, OSError)):
+        error = f"{type(failure).__name__} on rank {rank}: {error}"  # the others raise it as a message
     detail = None
     if failure is not None:  # plain arguments only: pickling anything else could fail on this rank alone
         plain = all(isinstance(arg, (str, int, float, type(None))) for arg in failure.args)
@@ -66,10 +77,10 @@ def run_agreed(action: Callable[[], T], group: dist.ProcessGroup | None = None) 
     failed = next((rank for rank, (error, _) in enumerate(verdicts) if error is not None), None)
     if failed is None:
         return result
-    if failure is not None and failed == (dist.get_rank(group) if dist.is_initialized() else 0):
+    if failure is not None and failed == rank:
         raise failure
     error, detail = verdicts[failed]
-    raise rebuilt(error, detail)
+    raise from_rank(rebuilt(error, detail), failed)
 
 
 def rebuilt(error: str, detail: Any) -> BaseException:
