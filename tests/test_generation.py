@@ -88,6 +88,16 @@ def test_generation_stops_where_the_models_generation_config_says(tmp_path):
     stopped = generate(model, [1, 2, 3], 12, stop_tokens={free[4]})
     assert stopped == free[:free.index(free[4])]
     assert ByteTokenizer().stop_ids == frozenset()
+    # Found by a new-user trial: a base model fine-tuned on ChatML conversations ends its turns with
+    # <|im_end|>, which its generation_config does not list: `generate --chat` ran on to
+    # --max-new-tokens. The template's end of an assistant's turn is a stop for chat.
+    assert tokenizer.turn_end_ids == {tokenizer.encode("<|im_end|>", special_tokens=False)[0]}
+    assert ByteTokenizer().turn_end_ids == frozenset()
+    (directory / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    assert HFTokenizer(directory).turn_end_ids == frozenset()
 
 
 def test_gathered_and_unit_by_unit_generation(tmp_path):

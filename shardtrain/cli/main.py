@@ -218,12 +218,16 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
                 return text, tokenizer.encode(text, special_tokens=False)
             return prompt, prompt_ids(tokenizer, prompt)
 
+        # A chat turn ends at the template's end of turn too (a base model fine-tuned on
+        # conversations: its generation_config names only the end of text).
+        stops = tokenizer.stop_ids | (tokenizer.turn_end_ids if args.chat else frozenset())
+
         def run(model, index: int, ids: list[int], on_text) -> None:
             stream = tokenizer.stream()  # tokens -> whole characters, as they become final
             generate(model, ids, args.max_new_tokens,
                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                      seed=args.seed + index, use_cache=not args.no_cache,
-                     vocab_limit=tokenizer.vocab_size, stop_tokens=tokenizer.stop_ids,
+                     vocab_limit=tokenizer.vocab_size, stop_tokens=stops,
                      on_token=lambda token: on_text(stream.push(token)), device=loaded.env.device,
                      rank0_tokens=choice.mode != "gathered")
             on_text(stream.flush() + "\n")

@@ -44,6 +44,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     eos_id: int | None  # appended after every document; None: documents are concatenated as they are
     stop_ids: frozenset[int]  # where generation ends: the end of text, and a model's end of turn
+    turn_end_ids: frozenset[int]  # the chat template's end of an assistant's turn (generate --chat)
     chat_template: str | None
 
     def encode(self, text: str, special_tokens: bool = True) -> list[int]: ...
@@ -91,6 +92,7 @@ class ByteTokenizer:
     vocab_size = 256
     eos_id = None
     stop_ids: frozenset[int] = frozenset()
+    turn_end_ids: frozenset[int] = frozenset()
     chat_template = None
 
     def encode(self, text: str, special_tokens: bool = True) -> list[int]:
@@ -155,6 +157,9 @@ PIECE_CHARS = 1 << 18
 PIECES_AT_ONCE = 4
 CUT_CONTEXT = 64  # characters either side of a cut that its pre-tokenization is judged on
 Affixes = tuple[list[int], list[int]]
+
+# An assistant message whose end in a rendered conversation shows the template's end of turn.
+TURN_PROBE = "shardtrain turn probe"
 
 # Texts whose line starts a tokenizer must encode as it encodes them within the text, for a long
 # document to be encoded a piece at a time: code, prose, blank lines, indentation, digits, accents.
@@ -287,6 +292,25 @@ class HFTokenizer:
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except TemplateError as exc:
             raise DataError(f"the chat template of {self.name} failed: {exc}") from exc
+
+    @cached_property
+    def turn_end_ids(self) -> frozenset[int]:
+        """The special token the chat template closes an assistant's turn with (ChatML's
+        ``<|im_end|>``, Llama 3's ``<|eot_id|>``, Gemma's ``<end_of_turn>``), where it has one: a
+        base model fine-tuned on conversations learns to end its turn there, not with the end of
+        text its ``generation_config.json`` names, so ``generate --chat`` stops at it too."""
+        if not self.chat_template:
+            return frozenset()
+        try:
+            text = self.render_chat([{"role": "user", "content": "Hi"},
+                                     {"role": "assistant", "content": TURN_PROBE}],
+                                    add_generation_prompt=False)
+        except DataError:  # a template that refuses the probe conversation: no end of turn known
+            return frozenset()
+        after = text.partition(TURN_PROBE)[2].lstrip()
+        special = {token.content: i for i, token in self._tokenizer.get_added_tokens_decoder().items()
+                   if token.special}
+        return frozenset(i for content, i in special.items() if after.startswith(content))
 
     def encode_documents(self, documents: list[bytes]) -> list[list[int] | np.ndarray]:
         texts = [doc.decode("utf-8", errors="replace") for doc in documents]
