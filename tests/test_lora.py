@@ -205,6 +205,12 @@ def test_lora_checkpoint_holds_adapters_and_resumes_exactly(lora_runs):
     assert resumed["losses"] == full["losses"][3:]
     for name, weight in full["weights"].items():
         assert torch.equal(resumed["weights"][name], weight), name
+    # Found by a new-user trial: alpha changed at a resume went unsaid, and the learning rate the
+    # resume keeps (the checkpoint's) was recorded as the new one, which the next resume then named.
+    rescaled = results["rescaled"]
+    assert rescaled["lr"] == pytest.approx(rescaled["saved_lr"]), rescaled
+    assert any("the adapters' settings differ from the checkpoint's (finetune.alpha 8.0 -> 16.0)" in w
+               for w in rescaled["warned"]), rescaled["warned"]
     refusal = results["other_base"]
     assert refusal is not None and "\n" not in refusal and "trained on base" in refusal, refusal
     refusal = results["without_lora"]

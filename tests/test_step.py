@@ -160,7 +160,7 @@ def test_a_resume_names_the_schedule_settings_it_does_not_follow():
     trainer.step = 2
     lr_change, schedule_change = trainer.schedule_changes({**saved, "lr": 3e-3})
     assert lr_change == ("trainer.lr 0.003 -> 0.001: the resumed run keeps the checkpoint's base learning "
-                         "rate 0.003; start a new run to change it")
+                         "rate 0.003 (and records it); start a new run to change it")
     assert schedule_change.startswith(f"trainer.max_steps {saved['max_steps']} -> {cfg.trainer.max_steps}: "
                                       "the schedule follows the new values from step 3 on")
     # the decay's shape and share too: a warmup-stable-decay run extended with a new decay

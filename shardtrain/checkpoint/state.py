@@ -44,6 +44,9 @@ MODEL_SHAPE_KEYS = tuple(f"model.{name}" for name in (
     "ffn_multiple_of", "tie_embeddings"))
 # ... and a LoRA run's adapters.
 ADAPTER_SHAPE_KEYS = ("finetune.method", "finetune.rank", "finetune.targets")
+# A LoRA run's adapter settings that fit any checkpoint of the same shape, but change what the
+# adapters do (their scale alpha / rank, their dropout): a resume that changes them says so.
+ADAPTER_SCALE_KEYS = ("finetune.alpha", "finetune.dropout")
 
 
 @dataclass

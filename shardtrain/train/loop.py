@@ -26,7 +26,7 @@ from shardtrain.checkpoint.best import BestEvaluations
 from shardtrain.checkpoint.checkpointer import Checkpointer, random_streams_kept
 from shardtrain.checkpoint.peft_adapter import load_peft_adapter, resolve_adapter_settings
 from shardtrain.checkpoint.preemption import PreemptionFlag
-from shardtrain.checkpoint.state import TrainState
+from shardtrain.checkpoint.state import ADAPTER_SCALE_KEYS, TrainState
 from shardtrain.checkpoint.weights import load_model_weights
 from shardtrain.config.compose import to_yaml
 from shardtrain.config.loader import check_built_in_task_settings
@@ -273,10 +273,18 @@ class Trainer:
             if changes and self.env.is_main:
                 log.warning(f"the data order differs from the checkpoint's ({'; '.join(changes)}): the "
                             "saved position is read in the new order, so samples may repeat or be skipped")
-            schedule = self.schedule_changes(state.config.get("trainer", {}))
+            saved_trainer = state.config.get("trainer", {})
+            schedule = self.schedule_changes(saved_trainer)
             if schedule and self.env.is_main:
                 log.warning("the learning-rate schedule differs from the checkpoint's "
                             f"({'; '.join(schedule)})")
+            if "lr" in saved_trainer:  # the rate it goes on with: what config.yaml and the next save record
+                self.cfg.trainer = replace(self.cfg.trainer, lr=saved_trainer["lr"])
+            adapters = state.setting_changes(self.cfg, ADAPTER_SCALE_KEYS)
+            if adapters and self.env.is_main:
+                log.warning(f"the adapters' settings differ from the checkpoint's ({', '.join(adapters)}): "
+                            f"the adapters trained so far are scaled and dropped out by the new values "
+                            f"from step {self.step + 1} on, and the checkpoints record them")
             if self.cfg.model.init_from and self.cfg.finetune.method == "none":
                 self.info("model.init_from is ignored: resuming from a checkpoint")
             if self.best is not None:
@@ -346,7 +354,7 @@ class Trainer:
         if "lr" in saved and saved["lr"] != t.lr:  # older checkpoints lack keys
             base = ", ".join(f"{lr:g}" for lr in dict.fromkeys(self.built.scheduler.base_lrs))
             changes.append(f"trainer.lr {saved['lr']!r} -> {t.lr!r}: the resumed run keeps the checkpoint's "
-                           f"base learning rate {base}; start a new run to change it")
+                           f"base learning rate {base} (and records it); start a new run to change it")
         moved = [f"trainer.{key} {saved[key]!r} -> {getattr(t, key)!r}"
                  for key in SCHEDULE_SHAPE
                  if key in saved and saved[key] != getattr(t, key)]
