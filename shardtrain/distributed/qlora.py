@@ -157,6 +157,16 @@ def quantize_base(model: nn.Module) -> None:
         module.weight = nf4_param
 
 
+@torch.no_grad()
+def round_base_to_nf4(model: nn.Module) -> None:
+    """Each weight QLoRA quantises (a whole model, not sharded) replaced by its NF4 value,
+    dequantised: the base a QLoRA checkpoint's adapters trained on, in the weights' own dtype."""
+    to_nf4 = nf4_package().to_nf4
+    for _, module in quantized_linears(model):
+        weight = module.weight
+        weight.copy_(to_nf4(weight.detach().contiguous(), NF4_BLOCK, NF4_SCALER_BLOCK).to(weight.dtype))
+
+
 def full_value(param: torch.Tensor) -> torch.Tensor:
     """The full value of a (sharded) parameter, an NF4 weight dequantised first on each rank: DTensor
     gathers the plain shards (its generic gather of an NF4 tensor's inner tensors leaves the

@@ -31,6 +31,7 @@ from shardtrain.checkpoint.state import TrainState
 from shardtrain.checkpoint.weights import load_model_weights
 from shardtrain.config.plan import DTYPES
 from shardtrain.config.schema import FinetuneConfig, ModelConfig
+from shardtrain.distributed.qlora import round_base_to_nf4
 from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import load_tensors, plan_shards
@@ -132,8 +133,10 @@ def export_peft(checkpoint: str | Path, out_dir: str | Path) -> list[Path]:
 
 
 @torch.no_grad()
-def checkpoint_model(ckpt: LoraCheckpoint) -> nn.Module:
-    """The checkpoint's model in fp32 on the CPU: its base as training read or drew it, and its adapters."""
+def checkpoint_model(ckpt: LoraCheckpoint, nf4_base: bool = False) -> nn.Module:
+    """The checkpoint's model in fp32 on the CPU: its base as training read or drew it, and its
+    adapters. ``nf4_base``: a QLoRA checkpoint's base quantised to NF4 and back, as training used it
+    (export-peft's check leaves it plain: it checks the mapping onto PEFT's model of the plain base)."""
     model = add_adapters(build_model(ckpt.model), ckpt.finetune)
     if source := ckpt.model.weights_source():
         load_model_weights(model, source, ckpt.model)
@@ -143,6 +146,8 @@ def checkpoint_model(ckpt: LoraCheckpoint) -> nn.Module:
                 init_full_parameter(model, base_name(name), param, ckpt.seed)
     if ckpt.finetune.base_dtype != "fp32":
         round_base_to(model, DTYPES[ckpt.finetune.base_dtype])  # the base as training stored it
+    if nf4_base and ckpt.finetune.method == "qlora":
+        round_base_to_nf4(model)
     params = dict(model.named_parameters())
     if set(params) - set(ckpt.adapters) != {n for n in params if not is_adapter(n)}:
         missing = sorted(n for n in params if is_adapter(n) and n not in ckpt.adapters)
