@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import functools
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -586,6 +587,25 @@ def test_adapter_checkpoint_whole_model_commands_refused(lora_runs, tmp_path, ca
         error = capsys.readouterr().err.strip()
         assert "\n" not in error and all(name in error for name in names), error
         assert not (tmp_path / command[0] / "model.safetensors").exists()
+
+
+def test_a_moved_base_is_named_before_an_export_writes(lora_runs, tmp_path, capsys):
+    """Found by a new-user trial: with its base directory moved since training, export-peft wrote the
+    adapter files, then failed its check ('has no config.json'), leaving files a rerun refused to
+    overwrite. The missing base is said first, with the way out; nothing is written."""
+    out, _ = lora_runs
+    moved = tmp_path / "moved"
+    shutil.copytree(out / "full_shard" / "checkpoints" / "step-5", moved)
+    state = json.loads((moved / "trainer_state.json").read_text())
+    gone = str(tmp_path / "was-here")
+    state["config"]["model"]["path"] = gone
+    (moved / "trainer_state.json").write_text(json.dumps(state))
+    for command in (["export-peft"], ["export-hf", "--merge"]):
+        assert main([command[0], str(moved), str(tmp_path / "out"), *command[1:]]) == 2
+        error = capsys.readouterr().err.strip()
+        assert "\n" not in error, error
+        assert f"the base weights {gone!r} do not exist (moved or deleted" in error, error
+        assert "ln -s NEW" in error and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("case", ["full_shard", "qlora"])

@@ -516,7 +516,10 @@ def source_files(source: str) -> list[Path]:
     if is_model_directory(path):
         return weight_files(path)
     if not path.is_dir():
-        raise CheckpointError(f"the base weights {source!r} do not exist")
+        raise CheckpointError(
+            f"the base weights {source!r} do not exist (moved or deleted since training?); put them back "
+            f"there, or link that path to where they are now (ln -s NEW {path}); a run resumed with the "
+            "new path (model.path or model.init_from) records it in its next checkpoint")
     return sorted(p for p in path.iterdir() if p.is_file() and (p.suffix == ".distcp"
                                                                   or p.name == layout.METADATA_FILE))
 

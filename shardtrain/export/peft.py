@@ -28,7 +28,7 @@ from shardtrain.checkpoint import layout
 from shardtrain.checkpoint.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 from shardtrain.checkpoint.safetensors_files import check_new_directory
 from shardtrain.checkpoint.state import TrainState
-from shardtrain.checkpoint.weights import load_model_weights
+from shardtrain.checkpoint.weights import load_model_weights, source_files
 from shardtrain.config.plan import DTYPES
 from shardtrain.config.schema import FinetuneConfig, ModelConfig
 from shardtrain.distributed.qlora import round_base_to_nf4
@@ -69,6 +69,8 @@ class LoraCheckpoint:
         if state.base_weights is None:
             raise CheckpointError(f"checkpoint {str(path)!r} holds no LoRA adapters (it was not trained "
                                   "with finetune=lora); export-hf without --merge exports whole models")
+        if source := state.model_config().weights_source():
+            source_files(source)  # a base moved since training: said before anything is written
         plan = plan_shards(path, None, None, "model")
         entries = [entry for shard in plan.shards for entry in shard if is_adapter(entry[1])]
         tensors = load_tensors(path, entries, plan.metadata)
