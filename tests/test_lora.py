@@ -566,6 +566,20 @@ def test_export_hf_merge_round_trip(lora_runs, tmp_path, capsys, case):
     delta = lora_b @ lora_a
     assert delta.abs().max() > 0
     torch.testing.assert_close(merged[key], base + (8.0 / 4) * delta, rtol=0, atol=1e-6)
+    if case == "full_shard":
+        # generate takes the export itself, a Hugging Face directory (a new-user trial followed the
+        # error's advice to its model.safetensors, which failed too), to the checkpoint's tokens;
+        # a PEFT adapter directory is named as one
+        capsys.readouterr()
+        outputs = []
+        for source in (checkpoint, tmp_path / "merged"):
+            assert main(["generate", str(source), "--prompt", "def main", "--max-new-tokens", "12",
+                         "--dtype", "fp32"]) == 0
+            outputs.append(capsys.readouterr().out)
+        assert outputs[0] == outputs[1] and len(outputs[0]) > len("def main"), outputs
+        export_peft(checkpoint, tmp_path / "adapter")
+        assert main(["generate", str(tmp_path / "adapter"), "--prompt", "x"]) == 2
+        assert "is a PEFT adapter directory (export-peft writes these)" in capsys.readouterr().err
     assert main(["export-hf", str(checkpoint), str(tmp_path / "bf16"), "--merge", "--dtype", "bf16"]) == 0
     capsys.readouterr()
     assert main(["export-hf", str(checkpoint), str(tmp_path / "bf16"), "--merge"]) == 2  # over an export

@@ -28,6 +28,7 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from shardtrain.checkpoint.peft_adapter import ADAPTER_CONFIG
 from shardtrain.checkpoint.safetensors_files import INDEX_FILE, SINGLE_FILE
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.errors import CheckpointError
@@ -94,6 +95,10 @@ def read_dcp_metadata(path: Path) -> Metadata:
     if not meta_file.is_file():
         if not any(path.iterdir()):
             raise CheckpointError(f"checkpoint directory {str(path)!r} is empty")
+        if (path / ADAPTER_CONFIG).is_file():
+            raise CheckpointError(f"{str(path)!r} is a PEFT adapter directory (export-peft writes these), "
+                                  "not a checkpoint: PEFT loads it onto its base model; shardtrain trains "
+                                  f"from it with finetune=lora model.adapter={path}")
         if (kind := directory_of_checkpoints(path)) is not None:
             raise CheckpointError(f"{str(path)!r} is {kind}")
         consolidated = not any(path.glob("*.distcp"))  # a save_full checkpoint holds a model.safetensors too

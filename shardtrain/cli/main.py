@@ -309,8 +309,11 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
             source = args.file
         else:
             if not loaded.data_known:
-                raise ConfigError(f"{args.checkpoint} does not record the data its run trained on "
-                                  "(consolidated by an older shardtrain); name the text to score with --file")
+                why = ("a Hugging Face model directory" if loaded.cfg.model.name == "hf"
+                       and Path(loaded.cfg.model.path) == Path(args.checkpoint) else
+                       "consolidated by an older shardtrain")
+                raise ConfigError(f"{args.checkpoint} does not record the data its run trained on ({why}); "
+                                  "name the text to score with --file")
             corpus = load_corpus(loaded.cfg.data, tokenizer)
             data, source = corpus.val, f"held-out split of {corpus.root}"
         windows = TokenWindows(data, args.seq_len, "evaluation data")

@@ -26,7 +26,7 @@ from shardtrain.checkpoint.weights import (
     model_config_of,
 )
 from shardtrain.config.plan import DTYPES, resolve_plan
-from shardtrain.config.schema import Config, FinetuneConfig
+from shardtrain.config.schema import Config, FinetuneConfig, ModelConfig
 from shardtrain.distributed.env import DistEnv, build_mesh, init_distributed, set_cpu_threads
 from shardtrain.distributed.qlora import quantize_base
 from shardtrain.distributed.sharded_model import (
@@ -36,6 +36,7 @@ from shardtrain.distributed.sharded_model import (
     with_adapters,
 )
 from shardtrain.errors import CheckpointError
+from shardtrain.models.hf_directory import is_model_directory
 from shardtrain.models.lora import round_base_to
 from shardtrain.models.registry import model_factory
 
@@ -52,7 +53,9 @@ class Loaded:
 
 def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
                        dtype: str = "auto", verify_checksums: bool = True, average: bool = False) -> Loaded:
-    """``dtype``: the compute dtype, fp32 | bf16 | auto (bf16 on accelerators with bf16 units).
+    """``checkpoint``: a shardtrain checkpoint directory, a consolidated ``.safetensors`` file, or a
+    Hugging Face model directory (``export-hf``'s output, or any local one).
+    ``dtype``: the compute dtype, fp32 | bf16 | auto (bf16 on accelerators with bf16 units).
     ``verify_checksums``: a checkpoint directory's recorded checksums are checked before reading.
     ``average``: the checkpoint's weight average (trainer.ema_decay) instead of its weights."""
     path = Path(checkpoint)
@@ -63,15 +66,22 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
     if lora and average:  # trainer.ema_decay is refused with adapters: no run saved both
         raise layout.no_average(path)
     cfg = Config()
+    hf_directory = state is None and path.is_dir() and is_model_directory(path)
+    if hf_directory and average:
+        raise CheckpointError(f"{str(path)!r} is a Hugging Face model directory, which holds one set of "
+                              "weights: the weights' average (--ema) is read from a checkpoint directory")
     if lora:  # adapters only: the base is read (or drawn) as training did, the adapters on it
         cfg.model = state.model_config()
         cfg.finetune = FinetuneConfig(**state.config["finetune"])
         cfg.trainer = dataclasses.replace(cfg.trainer, seed=int(state.config["trainer"]["seed"]))
         check_same_base(path, state.base_weights, base_identity(cfg.model, cfg.trainer.seed, cfg.finetune))
+    elif hf_directory:  # its config.json says the model; its tokenizer is beside it
+        cfg.model = ModelConfig(name="hf", path=str(path))
     else:
         cfg.model = dataclasses.replace(model_config_of(path), init_from=None)
     # `eval` scores the held-out split of the data the run trained with
-    data = state.data_config() if state is not None else data_config_of(path)
+    data = (None if hf_directory else
+            state.data_config() if state is not None else data_config_of(path))
     if data is not None:
         cfg.data = data
     precision = {"fp32": "fp32", "bf16": "bf16-mixed"}.get(dtype, dtype)
@@ -101,6 +111,6 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
             quantize_base(model)
         load_adapters(model, path)
     else:
-        load_model_weights(model, str(path), verify_checksums=verify_checksums, average=average)
+        load_model_weights(model, str(path), cfg.model, verify_checksums=verify_checksums, average=average)
     return Loaded(cfg, env, model, with_adapters(factory, cfg, env.device), plan.param_dtype,
                   data_known=data is not None)
