@@ -333,10 +333,16 @@ def test_finetune_config_and_qlora_refusals(model_dirs):
                             torch.device("cpu"))
     model = factory()
     assert [n for n, _ in quantized_linears(model)] == ["0.base_layer", "1"]  # the untargeted one too
-    with pytest.raises(ConfigError, match=r"1.weight \(36 x 128\) does not split into 1 row shards "
-                                          r"of whole NF4 blocks") as caught:
+    # at one rank a shard group: no advice to use fewer (a new-user trial was told so at 1 process)
+    whole_blocks = (r"1.weight \(36 x 128\) does not hold whole NF4 blocks \(64 x 256 = 16,384 elements "
+                    r"each: its size must be a multiple of 16,384\)")
+    with pytest.raises(ConfigError, match=whole_blocks) as caught:
         check_quantizable(model, 1)
     assert "\n" not in str(caught.value) and "finetune.method=lora" in str(caught.value)
+    assert "fewer ranks" not in str(caught.value)
+    with pytest.raises(ConfigError, match=r"1.weight \(36 x 128\) does not split into 2 row shards "
+                                          r"of whole NF4 blocks.*fewer ranks per shard group"):
+        check_quantizable(model, 2)
     kept = to_nf4_before_sharding(model[:1], shards=1)  # built whole: quantised at once, kept from FSDP
     base = model[0].base_layer
     assert kept == {base.weight}

@@ -80,6 +80,11 @@ def check_quantizable(model: nn.Module, shards: int) -> None:
     for name, module in quantized_linears(model):
         rows, cols = module.weight.shape
         if rows % shards or (rows * cols) % (NF4_GRAIN * shards):
+            if shards == 1:  # nothing to split: its size is not a whole number of blocks
+                raise ConfigError(
+                    f"finetune.method=qlora: {name}.weight ({rows} x {cols}) does not hold whole NF4 "
+                    f"blocks ({NF4_BLOCK} x {NF4_SCALER_BLOCK} = {NF4_GRAIN:,} elements each: its size "
+                    f"must be a multiple of {NF4_GRAIN:,}); use finetune.method=lora for this model")
             raise ConfigError(
                 f"finetune.method=qlora: {name}.weight ({rows} x {cols}) does not split into {shards} "
                 f"row shards of whole NF4 blocks ({NF4_BLOCK} x {NF4_SCALER_BLOCK} elements each); "
