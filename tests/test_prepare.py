@@ -90,7 +90,7 @@ def test_every_format_is_read_and_workers_do_not_change_a_byte(inputs, tmp_path,
     # documents): more, smaller batches, the same bytes.
     monkeypatch.setattr("shardtrain.data.prepare.BATCH_BYTES", 300)
     options = PrepareOptions(**common, workers=2)
-    cut = [len(texts) for _, texts in batches(resolve_sources(options.inputs, options.file_glob), options,
+    cut = [len(texts) for _, texts, _ in batches(resolve_sources(options.inputs, options.file_glob), options,
                                               tqdm(disable=True), Reading())]
     assert max(cut) < 16 and sum(cut) == len(TEXTS), cut
     prepare(options, tmp_path / "cut", progress=False)
@@ -462,6 +462,17 @@ def test_chat_records_train_on_the_assistant_turns_only(tmp_path):
     assert other.name == tokenizer.name and other.chat_template != tokenizer.chat_template
     with pytest.raises(DataError, match="rendered with another chat template than the model's"):
         open_prepared(tmp_path / "out", other)
+    # A template that refuses a role (Gemma's and Mistral's raise on "system"): the record is named
+    # (found by a new-user trial: only the template's words, for a system message on line 51)
+    config["chat_template"] = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception("
+                               "'System role not supported') }}{% endif %}{{ m.content }}\n{% endfor %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    plain = [{"messages": c["messages"][1:]} for c in chats]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(c) + "\n" for c in [*plain[:2], chats[2]]))
+    with pytest.raises(DataError, match=r"^mixed.jsonl:3: the chat template of .* failed: System role not "
+                                        r"supported"):
+        prepare(PrepareOptions(inputs=[str(tmp_path / "mixed.jsonl")], tokenizer=str(model), val_percent=0.0),
+                tmp_path / "refused", progress=False)
 
 
 def test_resume_at_other_world_sizes_consumes_exactly_the_uninterrupted_samples(tmp_path):

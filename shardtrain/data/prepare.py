@@ -186,7 +186,8 @@ def _start_worker(source: str) -> None:
     _worker_tokenizer = load_tokenizer(source)
 
 
-Batch = tuple[list[str], list[Document]]  # the split of each document, and the document
+# The split of each document, the document, and its key (file and line: what an error names).
+Batch = tuple[list[str], list[Document], list[str]]
 Encoded = tuple[list[str], list[tuple[np.ndarray, np.ndarray | None]]]  # ids, target mask (or None)
 
 
@@ -222,21 +223,22 @@ def encode_chat(tokenizer: Tokenizer, messages: list[dict]) -> tuple[list[int], 
 def encode(tokenizer: Tokenizer, batch: Batch) -> Encoded:
     """Token ids of each document, with the end-of-text token after it, and for fine-tuning
     documents which tokens are targets."""
-    splits, docs = batch
+    splits, docs, keys = batch
     dtype = token_dtype(tokenizer.vocab_size)
     tail = end_of_text(tokenizer)
     texts = [doc for doc in docs if isinstance(doc, bytes)]
     plain = iter(tokenizer.encode_documents(texts)) if texts else iter(())
     out: list[tuple[np.ndarray, np.ndarray | None]] = []
-    for doc in docs:
+    for doc, key in zip(docs, keys):
         if isinstance(doc, bytes):
             out.append((np.concatenate([np.asarray(next(plain), dtype=dtype), np.asarray(tail, dtype=dtype)]),
                         None))
             continue
-        if "messages" in doc:
-            ids, mask = encode_chat(tokenizer, doc["messages"])
-        else:
-            ids, mask = encode_pair(tokenizer, doc)
+        try:
+            ids, mask = (encode_chat(tokenizer, doc["messages"]) if "messages" in doc
+                         else encode_pair(tokenizer, doc))
+        except DataError as exc:  # the template's own error (a role it refuses): which record
+            raise DataError(f"{key}: {exc}") from exc
         out.append((np.asarray(ids, dtype=dtype), np.asarray(mask, dtype=np.uint8)))
     return splits, out
 
@@ -277,25 +279,27 @@ def batches(sources: list[Source], options: PrepareOptions, bar: tqdm, reading: 
     """(split of each document, its text) in input order, BATCH_DOCUMENTS or BATCH_BYTES at a time."""
     splits: list[str] = []
     texts: list[Document] = []
+    keys: list[str] = []
     batch_bytes = 0
     for source in sources:
         for key, text in documents(source, options.text_field):
             splits.append("val" if is_validation(key, options.val_percent) else "train")
             texts.append(text)
+            keys.append(key)
             size = len(text) if isinstance(text, bytes) else len(json.dumps(text))
             reading.documents += 1
             reading.bytes += size
             batch_bytes += size
             bar.update(1)
             if len(texts) == BATCH_DOCUMENTS or batch_bytes >= BATCH_BYTES:
-                yield splits, texts
-                splits, texts, batch_bytes = [], [], 0
+                yield splits, texts, keys
+                splits, texts, keys, batch_bytes = [], [], [], 0
             if options.max_bytes and reading.bytes >= options.max_bytes:
                 break
         if options.max_bytes and reading.bytes >= options.max_bytes:
             break
     if texts:
-        yield splits, texts
+        yield splits, texts, keys
 
 
 def absent(names: Iterable[str], listing: Callable[[str], set[str]]) -> list[str]:
