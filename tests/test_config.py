@@ -56,6 +56,14 @@ def test_required_knobs_exist():
     [
         ("trainer.max_step=5", "unknown config key 'trainer.max_step'; did you mean 'trainer.max_steps'?"),
         ("traner.seed=1", "did you mean 'trainer.seed'?"),
+        # other frameworks' names, and the section's own keys first (a new-user trial was offered
+        # 'checkpoint' for checkpoint.every and trainer.min_lr_ratio for trainer.learning_rate)
+        ("checkpoint.every=5", "did you mean 'checkpoint.interval'?"),
+        ("trainer.learning_rate=1e-3", "did you mean 'trainer.lr'?"),
+        ("trainer.warmup=5", "did you mean 'trainer.warmup_steps'?"),
+        ("finetune.r=8", "did you mean 'finetune.rank'?"),
+        ("lora.rank=8", "did you mean 'finetune.rank'?"),
+        ("finetune.rnak=8", "did you mean 'finetune.rank'?"),
         ("strategy=ful_shard", "did you mean 'full_shard'?"),
         ("trainer.max_steps=abc", "trainer.max_steps=abc"),
         ("strategy.sharding_strategy=FULLSHARD", "did you mean 'FULL_SHARD'?"),

@@ -27,6 +27,32 @@ REPLACED = {"run.tensorboard": "run.tensorboard was replaced by run.trackers, a 
                                "run.trackers=[] for none, run.trackers=[tensorboard,wandb,mlflow] for more"}
 
 
+# Other frameworks' names for a key's last part (Hugging Face Trainer's, PEFT's, Lightning's), which
+# spelling alone does not lead to (learning_rate is closer to min_lr_ratio than to lr).
+OTHER_NAMES = {
+    "learning_rate": "lr", "warmup": "warmup_steps", "num_warmup_steps": "warmup_steps",
+    "every": "interval", "save_every": "interval", "save_steps": "interval", "save_interval": "interval",
+    "r": "rank", "lora_r": "rank", "lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout",
+    "target_modules": "targets", "batch_size": "micro_batch_size",
+    "per_device_train_batch_size": "micro_batch_size", "gradient_accumulation_steps": "grad_accum_steps",
+    "max_grad_norm": "grad_clip_norm", "gradient_clip_val": "grad_clip_norm", "output_dir": "dir",
+}
+
+
+def key_hint(key: str, keys: list[str]) -> str:
+    """``"; did you mean 'x'?"`` for an unknown ``key``: a key of the same last part (or another
+    framework's name for it) in the same section, or the only one anywhere (lora.rank); else the
+    closest spelling among the section's keys, then among all."""
+    section, _, name = key.rpartition(".")
+    name = OTHER_NAMES.get(name, name)
+    same_name = [k for k in keys if k.rpartition(".")[2] == name]
+    in_section = [k for k in same_name if k.rpartition(".")[0] == section]
+    if in_section or len(same_name) == 1:
+        return f"; did you mean {(in_section or same_name)[0]!r}?"
+    return closest(key, [k for k in keys if k.rpartition(".")[0] == section and section]) or closest(
+        key, keys)
+
+
 def apply_aliases(override: str) -> str:
     prefix = override[: len(override) - len(override.lstrip("+~"))]
     key, sep, value = override[len(prefix):].partition("=")
@@ -88,7 +114,7 @@ def check_override(override: str) -> None:
         raise ConfigError(REPLACED[key])
     keys = schema_keys()
     if key not in keys and not key.startswith("task.options."):
-        raise ConfigError(f"unknown config key {key!r}{closest(key, list(keys) + list(GROUPS))}")
+        raise ConfigError(f"unknown config key {key!r}{key_hint(key, list(keys) + list(GROUPS))}")
     if key in keys and keys[key].type in ("bool", bool) and not boolean_spelling(value):
         raise ConfigError(f"{key}={value!r} is not a boolean: write {key}=true or {key}=false")
 
