@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from cli_utils import run_cli
 from distributed import run_on_ranks
 from equivalence import GLOBAL_BATCH, case_config, max_errors, reference_run, run_cases
 
@@ -112,3 +113,22 @@ def test_flops_count_every_processed_token_not_only_targets():
     targets[:, 6:] = 1  # only the answers' last two tokens are trained on
     batch = Batch(inputs=torch.zeros(2, 8, dtype=torch.long), targets=targets)
     assert task.flops(batch) == 6.0 * 16 and task.count(batch) == 4
+
+
+def test_eval_of_fine_tuning_data_says_what_it_scores(dataset, tmp_path):
+    """Found by a new-user trial: `eval` on fine-tuning records reported tokens read and a loss 'per
+    token', while the loss scores the answers' tokens only: it now counts those and names the unit."""
+    run_dir = tmp_path / "run"
+    trained = run_cli("train", "experiment=quick", "data.source=prepared", f"data.paths=[{dataset}]",
+                      "trainer.max_steps=2", "checkpoint.interval=2", "trainer.eval_every=0",
+                      "trainer.sample_tokens=0", "run.trackers=[]", f"run.dir={run_dir}")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    evaluated = run_cli("eval", str(run_dir / "checkpoints" / "step-2"), "--samples", "8", "--seq-len", "32")
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    read, scored = evaluated.stdout.splitlines()
+    windows = TokenWindows(open_prepared(dataset).val, 32)
+    targets = int((windows.batch(np.arange(8)).targets != IGNORE_INDEX).sum())
+    assert 0 < targets < 8 * 32
+    assert read.endswith(f"256 bytes in windows of 32, {targets} of them targets (the fine-tuning records' "
+                         "answers, which the loss scores)"), read
+    assert "nats/target byte" in scored and scored.endswith("per target byte"), scored
