@@ -185,9 +185,12 @@ def test_a_resume_names_the_settings_that_change_the_data_order(tmp_path):
     assert state.data_order_changes(same_order, 1000) == []
     assert state.data_order_changes(same_order, 1200) == [
         "training samples 1000 -> 1200 (the data changed since the save)"]
+    # ... but a changed window length explains a new count (a new-user trial was told the data changed)
+    other = load_config(["trainer.seq_len=256", "data.max_bytes=1000"])
+    assert state.data_order_changes(other, 500) == ["trainer.seq_len 128 -> 256", "data.max_bytes 0 -> 1000",
+                                                    "training samples 1000 -> 500 (from the settings above)"]
     state.train_samples = None  # a checkpoint from before the count was kept
     assert state.data_order_changes(same_order, 1200) == []
-    other = load_config(["trainer.seq_len=256", "data.max_bytes=1000"])
     assert state.data_order_changes(other) == ["trainer.seq_len 128 -> 256", "data.max_bytes 0 -> 1000"]
     # A prepared dataset is read as it is: the preparing settings no longer matter.
     prepared = load_config(["data.source=prepared", f"data.paths=[{tmp_path}]", "data.max_bytes=1000",

@@ -288,8 +288,8 @@ def test_a_dead_worker_is_one_line_not_a_hang(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["empty", "empty_text", "unreadable", "corrupt_deflate", "malformed",
-                                  "missing_field", "not_text", "parquet_column", "missing_input",
-                                  "dataset_dict", "not_prepared", "out_is_a_file"])
+                                  "missing_field", "not_text", "sharegpt_roles", "parquet_column",
+                                  "missing_input", "dataset_dict", "not_prepared", "out_is_a_file"])
 def test_bad_data_is_one_clear_line(case, tmp_path):
     target = tmp_path / "data.jsonl"
     args = [str(target)]
@@ -319,6 +319,12 @@ def test_bad_data_is_one_clear_line(case, tmp_path):
     elif case == "not_text":
         target.write_text('{"text": 3}\n')
         message = "field 'text' is int, not text"
+    elif case == "sharegpt_roles":  # the roles it found, and ShareGPT's names for the template's
+        chat = {"messages": [{"role": "human", "content": "Hi?"}, {"role": "gpt", "content": "Hello."}]}
+        target.write_text(json.dumps(chat) + "\n")
+        message = (f"{target}:1: a chat without an assistant message has nothing to learn (its roles: gpt, "
+                   "human; the chat template's are system, user and assistant (ShareGPT's human and gpt are "
+                   "user and assistant))")
     elif case == "parquet_column":
         target = tmp_path / "rows.parquet"
         pq.write_table(pa.table({"body": ["a", "b"]}), target)
@@ -380,6 +386,8 @@ def test_prepare_options_reject_bad_values(tmp_path):
         load_corpus(DataConfig(source="prepared", paths=[str(tmp_path / "single")]))
     with pytest.raises(DataError, match="no tokenizer.json"):
         prepare(PrepareOptions(inputs=[str(tmp_path)], tokenizer=str(tmp_path)), tmp_path / "o")
+    with pytest.raises(DataError, match="tokenizer '.*nomodel' does not exist"):  # not "no tokenizer.json"
+        prepare(PrepareOptions(inputs=[str(tmp_path)], tokenizer=str(tmp_path / "nomodel")), tmp_path / "o")
 
 
 def test_training_reads_a_prepared_dataset(tmp_path):
@@ -462,6 +470,11 @@ def test_chat_records_train_on_the_assistant_turns_only(tmp_path):
     assert other.name == tokenizer.name and other.chat_template != tokenizer.chat_template
     with pytest.raises(DataError, match="rendered with another chat template than the model's"):
         open_prepared(tmp_path / "out", other)
+    # ... and a tokenizer without any is told so (a new-user trial was told of "another" template)
+    (model / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                             if k != "chat_template"}))
+    with pytest.raises(DataError, match="a chat template, and the model's tokenizer .* has none"):
+        open_prepared(tmp_path / "out", HFTokenizer(model))
     # A template that refuses a role (Gemma's and Mistral's raise on "system"): the record is named
     # (found by a new-user trial: only the template's words, for a system message on line 51)
     config["chat_template"] = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception("

@@ -151,8 +151,10 @@ class TrainState:
             keys = DATA_ORDER_KEYS + (PREPARING_KEYS if cfg.data.source != "prepared" else ())
         changes = self.setting_changes(cfg, keys)
         if None not in (self.train_samples, train_samples) and self.train_samples != train_samples:
-            changes.append(f"training samples {self.train_samples} -> {train_samples} (the data changed "
-                           "since the save)")
+            # A changed setting (the windows' length, the data's paths) explains the count; else the
+            # files themselves changed under the same settings.
+            why = "from the settings above" if changes else "the data changed since the save"
+            changes.append(f"training samples {self.train_samples} -> {train_samples} ({why})")
         return changes
 
     def model_changes(self, cfg: Config) -> str:

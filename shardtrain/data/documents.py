@@ -231,7 +231,11 @@ def fine_tuning_record(record: dict, where: str) -> dict:
             raise DataError(f"{where}: 'messages' must be a list of {{\"role\": ..., \"content\": ...}} "
                             "objects with text values")
         if not any(m["role"] == "assistant" for m in messages):
-            raise DataError(f"{where}: a chat without an assistant message has nothing to learn")
+            roles = sorted({m["role"] for m in messages})
+            sharegpt = " (ShareGPT's human and gpt are user and assistant)" if "gpt" in roles else ""
+            raise DataError(f"{where}: a chat without an assistant message has nothing to learn (its "
+                            f"roles: {', '.join(roles) or 'none'}; the chat template's are system, user "
+                            f"and assistant{sharegpt})")
         return {"messages": valid_text(messages)}  # every key a chat template may render
     for field in ("prompt", "completion"):
         if not isinstance(record[field], str):

@@ -291,7 +291,14 @@ def open_prepared(path: str | Path, tokenizer: Tokenizer | None = None, warn: bo
         # Conversations were rendered with the chat template (and trained on its assistant turns):
         # a model whose tokenizer renders them otherwise would learn a format it is not prompted in.
         recorded = manifest["tokenizer"].get("chat_template", "unrecorded")
-        if recorded not in ("unrecorded", tokenizer_entry(tokenizer)["chat_template"]):
+        now = tokenizer_entry(tokenizer)["chat_template"]
+        if recorded not in (None, "unrecorded") and now is None:
+            raise DataError(f"{path} holds conversations rendered with a chat template, and the model's "
+                            f"tokenizer ({tokenizer.name}) has none: it would be prompted in no format "
+                            "at all; train a model whose tokenizer has that template (a chat model's "
+                            "tokenizer_config.json or chat_template.jinja), or prepare the data as "
+                            "prompt/completion records")
+        if recorded not in ("unrecorded", now):
             raise DataError(f"{path} holds conversations rendered with another chat template than the "
                             f"model's tokenizer's ({tokenizer.name}); prepare it again with the model's "
                             "tokenizer (shardtrain prepare ... --tokenizer MODEL_DIR)")

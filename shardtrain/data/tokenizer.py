@@ -243,6 +243,9 @@ class HFTokenizer:
         self.source = str(path)  # what load_tokenizer takes to load it again (prepare's workers)
         path = Path(path).expanduser()
         file = path / TOKENIZER_FILE if path.is_dir() else path
+        if not path.exists():
+            raise DataError(f"tokenizer {str(path)!r} does not exist; name a tokenizer.json file or the "
+                            "model directory holding one (or 'bytes')")
         if not file.is_file():
             raise DataError(
                 f"{path}: no {TOKENIZER_FILE}; shardtrain reads fast tokenizers (save one with "
