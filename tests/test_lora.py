@@ -47,6 +47,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torchao.quantization import NF4Tensor, to_nf4
 
+from shardtrain.checkpoint.inspect import inspect_path
 from shardtrain.checkpoint.peft_adapter import resolve_adapter_settings
 from shardtrain.checkpoint.safetensors_files import MODEL_CONFIG_KEY
 from shardtrain.checkpoint.weights import model_config_of
@@ -202,6 +203,9 @@ def test_lora_checkpoint_holds_adapters_and_resumes_exactly(lora_runs):
         == {k.removeprefix("model.") for k in model_keys}
     state = json.loads((step3 / "trainer_state.json").read_text())
     assert state["base_weights"]["fingerprint"]
+    # inspect says what the adapters need (a new-user trial found no word of LoRA in it)
+    adapters = inspect_path(step3).details["adapters"]
+    assert adapters.startswith("lora rank 4 alpha 8.0 on ") and "; base /" in adapters, adapters
     full, resumed = results["full_shard"], results["resumed"]
     assert resumed["losses"] == full["losses"][3:]
     for name, weight in full["weights"].items():
@@ -279,6 +283,8 @@ def test_export_peft_round_trip_and_corruption(lora_runs, tmp_path):
     assert [p.name for p in written] == ["adapter_config.json", "adapter_model.safetensors"]
     config = json.loads(written[0].read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["peft_type"] == "LORA"
+    # in order: PEFT wrote its set in hash order, so two exports differed (a new-user trial)
+    assert config["target_modules"] == sorted(config["target_modules"]) and len(config["target_modules"]) > 1
     keys = load_file(str(written[1])).keys()
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
     difference = verify_peft_export(checkpoint, tmp_path / "adapter")

@@ -149,6 +149,13 @@ def inspect_path(target: str | Path) -> Report:
             })
             if state.best:  # trainer.monitor's judge, as this checkpoint's save knew it
                 report.details["best"] = describe_best(state.best)
+            if state.base_weights is not None:  # adapters only: what they need to be used
+                tune = state.config.get("finetune", {})
+                report.details["adapters"] = (
+                    f"{tune.get('method')} rank {tune.get('rank')} alpha {tune.get('alpha')} on "
+                    f"{', '.join(tune.get('targets') or []) or 'the default targets'}; base "
+                    + ("drawn from the run's seed" if state.base_weights.get("source") == "random"
+                       else str(state.base_weights.get("source"))))
         except CheckpointError as exc:
             report.problems.append(str(exc))
     elif fmt == "lightning":

@@ -125,6 +125,9 @@ def export_peft(checkpoint: str | Path, out_dir: str | Path) -> list[Path]:
     check_new_directory(out)
     tensors = dict(peft_key(name, tensor, ckpt.model) for name, tensor in ckpt.adapters.items())
     config = lora_config(ckpt.finetune, target_modules(ckpt.finetune, adapted_modules(tensors)))
+    # PEFT keeps them as a set, which it writes in the interpreter's hash order: sorted, two exports
+    # of one checkpoint are the same bytes.
+    config.target_modules = sorted(config.target_modules)
     config.task_type = "CAUSAL_LM"
     config.base_model_name_or_path = base_directory(ckpt.model)
     out.mkdir(parents=True, exist_ok=True)

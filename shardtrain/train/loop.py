@@ -280,6 +280,11 @@ class Trainer:
                             f"({'; '.join(schedule)})")
             if "lr" in saved_trainer:  # the rate it goes on with: what config.yaml and the next save record
                 self.cfg.trainer = replace(self.cfg.trainer, lr=saved_trainer["lr"])
+            moved = (state.setting_changes(self.cfg, ("model.path",))
+                     if self.cfg.model.name == "hf" and self.cfg.finetune.method == "none" else [])
+            if moved and self.env.is_main:  # LoRA's base is checked by its fingerprint instead
+                log.warning(f"{moved[0]}: the weights are the checkpoint's; the new directory's "
+                            "config.json and tokenizer are read from now on (and export-hf copies them)")
             adapters = state.setting_changes(self.cfg, ADAPTER_SCALE_KEYS)
             if adapters and self.env.is_main:
                 log.warning(f"the adapters' settings differ from the checkpoint's ({', '.join(adapters)}): "
@@ -437,8 +442,9 @@ class Trainer:
         # LoRA's frozen base has a line of its own (adapter_summary)
         count = f"{frozen / 1e6:.2f}M" if frozen >= 5_000 else f"{frozen:,}"
         held = f" ({count} frozen)" if frozen and self.cfg.finetune.method == "none" else ""
-        self.info(f"model: {n_params / 1e6:.2f}M parameters{held}, {len(b.report.units)} FSDP units "
-                  f"({len(b.report.checkpointed)} activation-checkpointed{float8}); optimizer "
+        # units holds the root, counted apart as the diagnostics' module tree counts it
+        self.info(f"model: {n_params / 1e6:.2f}M parameters{held}, {len(b.report.units) - 1} FSDP units + "
+                  f"root ({len(b.report.checkpointed)} activation-checkpointed{float8}); optimizer "
                   f"{optimizer_kind(b.optimizer)}")
         if self.cfg.finetune.method != "none":
             self.info(adapter_summary(b.model, self.cfg.finetune))
