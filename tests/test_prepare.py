@@ -662,3 +662,16 @@ def test_a_tokenizer_files_truncation_and_padding_are_not_applied(tmp_path):
     # a preparation made before, with the cut documents, is not found up to date
     assert tokenizer_entry(tokenizer)["truncation_off"] and "truncation_off" not in tokenizer_entry(
         save_tokenizer(train_tokenizer(sample_texts_for_tokenizer()), tmp_path / "plain"))
+
+
+def test_a_record_with_text_and_fine_tuning_fields_is_said_once(tmp_path):
+    """Read as its text, as documented, but no longer silently (a new-user trial): once a file."""
+    chat = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
+    source = tmp_path / "both.jsonl"
+    source.write_text("".join(json.dumps({**chat, "text": f"plain {i}"}) + "\n" for i in range(3)))
+    done = run_cli("prepare", str(source), "--out", str(tmp_path / "out"), "--val-percent", "0")
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "fine-tuning fields" in line]
+    assert len(said) == 1, done.stderr
+    assert f"{source}:1: a record with both 'text' and fine-tuning fields is read as its 'text', every " \
+        "token a target" in said[0], done.stderr

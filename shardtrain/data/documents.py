@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 import re
 import zlib
@@ -32,6 +33,7 @@ import pyarrow.parquet as pq
 
 from shardtrain.errors import DataError
 
+log = logging.getLogger("shardtrain")
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 # The lock file `shardtrain prepare` keeps beside its output: never an input, even where an output
 # was made inside an input directory and later removed.
@@ -246,6 +248,11 @@ def fine_tuning_record(record: dict, where: str) -> dict:
 Document = bytes | dict  # plain text (UTF-8), or a fine-tuning record (prompt/completion, messages)
 
 
+def is_text_and_fine_tuning(record: object, field: str) -> bool:
+    return isinstance(record, dict) and field in record and (
+        "messages" in record or ("prompt" in record and "completion" in record))
+
+
 def document_of(record: object, field: str, where: str) -> Document:
     """A JSON record: its text field, else a fine-tuning record (``messages``, or ``prompt`` and
     ``completion``)."""
@@ -283,6 +290,7 @@ def read_jsonl(source: Source, field: str) -> Iterator[tuple[str, Document]]:
     opener = gzip.open if source.path.name.endswith(".gz") else open
     try:
         with opener(source.path, "rt", encoding="utf-8") as lines:
+            mixed_said = False
             for number, line in enumerate(lines, start=1):
                 if not line.strip():
                     continue
@@ -291,6 +299,11 @@ def read_jsonl(source: Source, field: str) -> Iterator[tuple[str, Document]]:
                     record = json.loads(line)
                 except ValueError as exc:
                     raise DataError(f"{where}: not valid JSON ({exc})") from exc
+                if not mixed_said and is_text_and_fine_tuning(record, field):
+                    mixed_said = True  # once a file: the rule is the file's, not the record's
+                    log.warning(f"{where}: a record with both {field!r} and fine-tuning fields is read as "
+                                f"its {field!r}, every token a target (said once a file); drop {field!r} to "
+                                "train on the conversation's or completion's tokens only")
                 yield f"{source.name}:{number}", document_of(record, field, where)
     except (OSError, UnicodeDecodeError, EOFError, zlib.error) as exc:  # a corrupt deflate stream: no OSError
         raise DataError(f"{source.path}: cannot be read ({exc})") from exc
