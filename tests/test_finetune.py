@@ -132,3 +132,10 @@ def test_eval_of_fine_tuning_data_says_what_it_scores(dataset, tmp_path):
     assert read.endswith(f"256 bytes in windows of 32, {targets} of them targets (the fine-tuning records' "
                          "answers, which the loss scores)"), read
     assert "nats/target byte" in scored and scored.endswith("per target byte"), scored
+    # --file takes a prepared dataset (its validation split), which it refused as a training input
+    named = run_cli("eval", str(run_dir / "checkpoints" / "step-2"), "--file", str(dataset), "--samples", "8",
+                    "--seq-len", "32")
+    assert named.returncode == 0, named.stderr[-2000:]
+    named_read, named_scored = named.stdout.splitlines()
+    assert named_read == f"eval on validation split of {dataset}: {read.partition(': ')[2]}", named_read
+    assert named_scored == scored

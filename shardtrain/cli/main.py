@@ -287,6 +287,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     from shardtrain.config.schema import DataConfig
     from shardtrain.data.batches import TokenWindows, eval_batches
     from shardtrain.data.corpus import load_corpus
+    from shardtrain.data.documents import is_prepared_dataset
     from shardtrain.data.tokenizer import tokenizer_for
     from shardtrain.distributed.env import destroy_distributed
     from shardtrain.errors import ConfigError
@@ -302,7 +303,10 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
             raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
                               f"use --seq-len {positions} or less")
         tokenizer = tokenizer_for(loaded.cfg.model)
-        if args.file:
+        if args.file and is_prepared_dataset(Path(args.file)):  # its validation split, as training reads it
+            data = load_corpus(DataConfig(source="prepared", paths=[args.file]), tokenizer, need=("val",)).val
+            source = f"validation split of {args.file}"
+        elif args.file:
             data = load_corpus(DataConfig(source="files", paths=[args.file], val_percent=0.0,
                                           file_glob="*"), tokenizer, need=("train",)).train \
                 if Path(args.file).is_file() else \
@@ -624,8 +628,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")
     ev.add_argument("checkpoint", help="checkpoint directory, or a consolidated .safetensors file")
-    ev.add_argument("--file", default=None, help="a file or directory to evaluate on (default: the "
-                    "held-out split of the checkpoint's training data)")
+    ev.add_argument("--file", default=None, help="a file or directory to evaluate on, or a prepared "
+                    "dataset's validation split (default: the held-out split of the checkpoint's "
+                    "training data)")
     ev.add_argument("--glob", default="*", help="files to take from a --file directory")
     ev.add_argument("--samples", type=int, default=256, help="windows to evaluate")
     ev.add_argument("--seq-len", type=int, default=128, help="tokens per window")
