@@ -128,18 +128,22 @@ def peak_tree_resident(command: list[str]) -> tuple[float, int, str]:
     """Seconds, the peak of the summed resident size of ``command``'s process and its children
     (prepare's worker processes), sampled every 5 ms, and its standard output; fails if the command
     does."""
-    started = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    root, peak = psutil.Process(proc.pid), 0
-    while proc.poll() is None:
-        try:
-            tree = [root, *root.children(recursive=True)]
-            peak = max(peak, sum(p.memory_info().rss for p in tree))
-        except psutil.NoSuchProcess:  # one ended between the listing and the reading
-            pass
-        time.sleep(0.005)
-    seconds = time.perf_counter() - started
-    out, err = proc.communicate()
+    # Files, not pipes: a pipe nobody reads until the end would stop a talkative command.
+    with tempfile.TemporaryFile("w+") as out_file, tempfile.TemporaryFile("w+") as err_file:
+        started = time.perf_counter()
+        proc = subprocess.Popen(command, stdout=out_file, stderr=err_file, text=True)
+        root, peak = psutil.Process(proc.pid), 0
+        while proc.poll() is None:
+            try:
+                tree = [root, *root.children(recursive=True)]
+                peak = max(peak, sum(p.memory_info().rss for p in tree))
+            except psutil.NoSuchProcess:  # one ended between the listing and the reading
+                pass
+            time.sleep(0.005)
+        seconds = time.perf_counter() - started
+        out_file.seek(0)
+        err_file.seek(0)
+        out, err = out_file.read(), err_file.read()
     if proc.returncode:
         raise SystemExit(f"{' '.join(command[:4])} ... failed ({proc.returncode}): {err[-2000:]}")
     return seconds, peak, out

@@ -246,6 +246,24 @@ def unreadable_resumes(out: str, world: int) -> None:
         integrity.file_sha256 = hashed
     assert f"step-{2 * N}' could not be checked on rank 1 (OSError: [Errno 5]" in message, message
     assert "no sign of damage" in message and "skipping" not in message, message
+    # ... and reading its checksums.json (found by review: still called damage)
+    read_text = pathlib.Path.read_text
+
+    def manifest_failing_on_rank1(self, *args, **kwargs):
+        if self.name == integrity.MANIFEST_FILE and torch.distributed.get_rank() == 1:
+            raise OSError(errno.ESTALE, "Stale file handle", str(self))
+        return read_text(self, *args, **kwargs)
+
+    pathlib.Path.read_text = manifest_failing_on_rank1
+    try:
+        new_trainer(ckpt_config(f"{out}/eio_run", world))
+    except CheckpointUnverifiable as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("a checkpoint whose checksums one rank could not read was resumed")
+    finally:
+        pathlib.Path.read_text = read_text
+    assert "could not be checked on rank 1 (OSError: [Errno 116] Stale file handle" in message, message
 
 
 @contextmanager

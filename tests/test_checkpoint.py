@@ -526,3 +526,19 @@ def test_random_streams_kept_leaves_every_stream_a_checkpoint_restores_as_it_was
     with random_streams_kept():
         torch.randn(5), np.random.rand(4), random.random()
     assert seeded_draws() == expected
+
+
+def test_a_flipped_bit_in_metadata_is_damage_not_lack_of_memory(tmp_path):
+    """Found by review: a flipped bit in a pickle frame's length makes unpickling raise MemoryError,
+    which the resume had come to take for the host's shortage (stop, "no sign of damage") instead of
+    damage (skip it, resume the previous checkpoint). A small file asking for terabytes is damage."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path), no_dist=True)
+    metadata = tmp_path / ".metadata"
+    data = bytearray(metadata.read_bytes())
+    assert data[2] == pickle.FRAME[0]  # protocol 4+: PROTO, then FRAME and its 8-byte length
+    data[8] ^= 0x40  # the length's bit 46: 64 TiB
+    metadata.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="far more memory than its size accounts for: damaged"):
+        layout.read_dcp_metadata(tmp_path)

@@ -160,9 +160,14 @@ def test_a_resume_names_the_schedule_settings_it_does_not_follow():
     trainer.step = 2
     lr_change, schedule_change = trainer.schedule_changes({**saved, "lr": 3e-3})
     assert lr_change == ("trainer.lr 0.003 -> 0.001: the resumed run keeps the checkpoint's base learning "
-                         "rate 0.003 (and records it); start a new run to change it")
+                         "rate 0.003; start a new run to change it")
     assert schedule_change.startswith(f"trainer.max_steps {saved['max_steps']} -> {cfg.trainer.max_steps}: "
                                       "the schedule follows the new values from step 3 on")
+    # Saved with lr 0.001 by a run that kept its checkpoint's 0.003, resumed with 0.003: no change in
+    # effect, none named (a new-user trial was told of a change from 0.001, a rate never used)
+    cfg.trainer = dataclasses.replace(Config().trainer, lr=3e-3)
+    assert bare_trainer(cfg).schedule_changes({**saved, "lr": 1e-3}, asked_lrs=[3e-3, 3e-3]) == []
+    assert bare_trainer(cfg).schedule_changes({**saved, "lr": 1e-3}, asked_lrs=[1e-3, 1e-3])  # a change
     # the decay's shape and share too: a warmup-stable-decay run extended with a new decay
     cfg.trainer = dataclasses.replace(Config().trainer, lr_decay="linear", decay_fraction=0.2)
     (shape_change,) = bare_trainer(cfg).schedule_changes(saved)

@@ -108,13 +108,13 @@ def read_manifest(path: Path) -> dict[str, dict] | None:
     if not file.is_file():
         return None
     try:
-        raw = json.loads(file.read_text())
+        raw = json.loads(file.read_text())  # an OSError is the filesystem's, not damage: raised
         files = raw["files"]
         if raw["algorithm"] != ALGORITHM or not all(
             isinstance(e[ALGORITHM], str) and isinstance(e["bytes"], int) for e in files.values()
         ):
             raise ValueError(f"not a {ALGORITHM} manifest")
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(
             f"checkpoint {str(path)!r}: {MANIFEST_FILE} is unreadable ({exc}); the checkpoint is "
             "damaged, use another one (or skip verification: checkpoint.verify_checksums=false, "

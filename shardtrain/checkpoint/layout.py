@@ -79,6 +79,14 @@ class KnownMetadataReader(FileSystemReader):
         return self.known_metadata
 
 
+def free_memory() -> int:
+    """Bytes of memory free on this host (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
 def read_dcp_metadata(path: Path) -> Metadata:
     """DCP's metadata, or a CheckpointError that says what is wrong with ``path``."""
     if not path.exists():
@@ -119,8 +127,16 @@ def read_dcp_metadata(path: Path) -> Metadata:
     try:
         with open(meta_file, "rb") as f:
             metadata = pickle.load(f)
-    except (OSError, MemoryError):
-        raise  # the filesystem or the host failed, not the file: no sign of damage
+    except OSError:
+        raise  # the filesystem failed, not the file: no sign of damage
+    except MemoryError as exc:
+        # A flipped bit in a pickle frame's length asks for a huge allocation: damage. A real
+        # shortage comes with a file that is a good share of the free memory (its objects take
+        # some 7 times its bytes).
+        if meta_file.stat().st_size * 16 >= free_memory():
+            raise
+        raise CheckpointError(f"checkpoint {str(path)!r}: .metadata is unreadable (it asks for far more "
+                              "memory than its size accounts for: damaged)") from exc
     except Exception as exc:  # a truncated or foreign pickle raises many different types
         raise CheckpointError(f"checkpoint {str(path)!r}: .metadata is unreadable ({exc})") from exc
     if not isinstance(metadata, Metadata):  # every reader after this takes DCP's attributes for granted

@@ -153,7 +153,8 @@ class TrainState:
         if None not in (self.train_samples, train_samples) and self.train_samples != train_samples:
             # A changed setting (the windows' length, the data's paths) explains the count; else the
             # files themselves changed under the same settings.
-            why = "from the settings above" if changes else "the data changed since the save"
+            counting = [change for change in changes if not change.startswith("trainer.seed ")]
+            why = "from the settings above" if counting else "the data changed since the save"
             changes.append(f"training samples {self.train_samples} -> {train_samples} ({why})")
         return changes
 

@@ -220,7 +220,7 @@ def verify_shared(path: Path, verify_checksums: bool = True):
     try:
         metadata = layout.verify(path, need_state=False, share=(rank, world))
         damaged = model_files_damaged(path, metadata, rank, world) if verify_checksums else {}
-    except (CheckpointError, OSError) as exc:
+    except (CheckpointError, OSError, MemoryError) as exc:  # on one rank alone too: agreed below
         error = str(exc)
     if found := {name: why for part in agree(error, damaged, error_type=CheckpointError)
                  for name, why in part.items()}:
@@ -517,9 +517,9 @@ def source_files(source: str) -> list[Path]:
         return weight_files(path)
     if not path.is_dir():
         raise CheckpointError(
-            f"the base weights {source!r} do not exist (moved or deleted since training?); put them back "
-            f"there, or link that path to where they are now (ln -s NEW {path}); a run resumed with the "
-            "new path (model.path or model.init_from) records it in its next checkpoint")
+            f"the base weights {source!r} do not exist; if they moved since a run trained on them, put "
+            f"them back, or link that path to where they are now (ln -s NEW {path}); a run resumed with "
+            "the new path (model.path or model.init_from) records it in its next checkpoint")
     return sorted(p for p in path.iterdir() if p.is_file() and (p.suffix == ".distcp"
                                                                   or p.name == layout.METADATA_FILE))
 

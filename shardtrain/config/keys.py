@@ -47,7 +47,10 @@ def key_hint(key: str, keys: list[str]) -> str:
     name = OTHER_NAMES.get(name, name)
     same_name = [k for k in keys if k.rpartition(".")[2] == name]
     in_section = [k for k in same_name if k.rpartition(".")[0] == section]
-    if in_section or len(same_name) == 1:
+    # Another section's key only for a section that does not exist (trainer.every is not
+    # checkpoint.interval: eval_every and log_every are nearer in meaning).
+    known_section = any(k.startswith(f"{section}.") for k in keys)
+    if in_section or (len(same_name) == 1 and not known_section):
         return f"; did you mean {(in_section or same_name)[0]!r}?"
     return closest(key, [k for k in keys if k.rpartition(".")[0] == section and section]) or closest(
         key, keys)

@@ -151,6 +151,8 @@ class Watchdog:
         self._thread: threading.Thread | None = None
 
     def start(self) -> Watchdog:
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("the watchdog is already watching: stop it first")
         with self._lock:  # the start-up bound runs from here, not from construction (a resume's load)
             self.started = time.monotonic()
         self._stop.clear()

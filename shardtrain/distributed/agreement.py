@@ -8,6 +8,7 @@ error, or none does.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -70,9 +71,13 @@ def run_agreed(action: Callable[[], T], group: dist.ProcessGroup | None = None) 
     if failure is not None and not isinstance(failure, (ShardtrainError, OSError)):
         error = f"{type(failure).__name__} on rank {rank}: {error}"  # the others raise it as a message
     detail = None
-    if failure is not None:  # plain arguments only: pickling anything else could fail on this rank alone
+    if failure is not None:  # plain values only: pickling anything else could fail on this rank alone
         plain = all(isinstance(arg, (str, int, float, type(None))) for arg in failure.args)
-        detail = (type(failure), failure.args if plain else (error,))
+        kind = type(failure) if isinstance(failure, (ShardtrainError, OSError)) and picklable(
+            type(failure)) else None
+        # The rank whose failure it is: an agreed error raised inside the action (a nested check)
+        # names its own, so that rank's record is the root cause and the others' fallout.
+        detail = (kind, failure.args if plain else (error,), getattr(failure, "failed_rank", rank))
     verdicts = gather_verdicts(error, detail, group)
     failed = next((rank for rank, (error, _) in enumerate(verdicts) if error is not None), None)
     if failed is None:
@@ -80,7 +85,8 @@ def run_agreed(action: Callable[[], T], group: dist.ProcessGroup | None = None) 
     if failure is not None and failed == rank:
         raise failure
     error, detail = verdicts[failed]
-    raise from_rank(rebuilt(error, detail), failed)
+    origin = detail[2] if isinstance(detail, tuple) and len(detail) == 3 else failed
+    raise from_rank(rebuilt(error, detail), origin)
 
 
 def rebuilt(error: str, detail: Any) -> BaseException:
@@ -88,9 +94,18 @@ def rebuilt(error: str, detail: Any) -> BaseException:
     where that cannot be (a class whose constructor takes other arguments, or a verdict that is not
     run_agreed's, from ranks that reached different collectives)."""
     try:
-        kind, args = detail
+        kind, args, _ = detail
         if isinstance(kind, type) and issubclass(kind, (ShardtrainError, OSError)):
             return kind(*args)
     except (TypeError, ValueError):
         pass
     return ShardtrainError(error)
+
+
+def picklable(kind: type) -> bool:
+    """Whether the class goes through the all-gather (one defined inside a function does not)."""
+    try:
+        pickle.dumps(kind)
+    except Exception:  # PicklingError, AttributeError: the class cannot be found by its name
+        return False
+    return True

@@ -259,6 +259,7 @@ class Trainer:
         if path is not None:
             if self.cfg.finetune.method != "none":  # the checkpoint holds the adapters only
                 self.load_base_weights(draw)
+            asked_lrs = list(self.built.scheduler.base_lrs)  # the load replaces them with the saved
             with self.resume_watched():
                 state = self.checkpointer.load(path)
             self.step = self.last_saved_step = state.step
@@ -274,12 +275,10 @@ class Trainer:
                 log.warning(f"the data order differs from the checkpoint's ({'; '.join(changes)}): the "
                             "saved position is read in the new order, so samples may repeat or be skipped")
             saved_trainer = state.config.get("trainer", {})
-            schedule = self.schedule_changes(saved_trainer)
+            schedule = self.schedule_changes(saved_trainer, asked_lrs)
             if schedule and self.env.is_main:
                 log.warning("the learning-rate schedule differs from the checkpoint's "
                             f"({'; '.join(schedule)})")
-            if "lr" in saved_trainer:  # the rate it goes on with: what config.yaml and the next save record
-                self.cfg.trainer = replace(self.cfg.trainer, lr=saved_trainer["lr"])
             moved = (state.setting_changes(self.cfg, ("model.path",))
                      if self.cfg.model.name == "hf" and self.cfg.finetune.method == "none" else [])
             if moved and self.env.is_main:  # LoRA's base is checked by its fingerprint instead
@@ -347,19 +346,22 @@ class Trainer:
             log.warning(f"trainer.ema_warmup {saved_warmup} -> {self.cfg.trainer.ema_warmup}: the resumed "
                         "average's decay follows the new setting from here on")
 
-    def schedule_changes(self, saved: dict) -> list[str]:
+    def schedule_changes(self, saved: dict, asked_lrs: list[float] | None = None) -> list[str]:
         """What a resume does with schedule settings changed since the checkpoint, one phrase each:
         the scheduler's state (its base learning rate, its step) is the checkpoint's, while warmup,
         max_steps, min_lr_ratio and the decay's shape and share shape the schedule from the next step
-        on."""
+        on. ``asked_lrs``: the scheduler's base rates as this run built them, before the load."""
         t, changes = self.cfg.trainer, []
         if "max_steps" in saved:  # a checkpoint from before a shape key existed ran with its default
             defaults = TrainerConfig()
             saved = {**{key: getattr(defaults, key) for key in SCHEDULE_SHAPE}, **saved}
-        if "lr" in saved and saved["lr"] != t.lr:  # older checkpoints lack keys
-            base = ", ".join(f"{lr:g}" for lr in dict.fromkeys(self.built.scheduler.base_lrs))
+        base_lrs = self.built.scheduler.base_lrs
+        # Against the rates in effect, not the saved config's: a run resumed with another lr records
+        # that one, and its next resume named a change from a rate it never ran at.
+        if "lr" in saved and saved["lr"] != t.lr and asked_lrs != list(base_lrs):  # older ones lack keys
+            base = ", ".join(f"{lr:g}" for lr in dict.fromkeys(base_lrs))
             changes.append(f"trainer.lr {saved['lr']!r} -> {t.lr!r}: the resumed run keeps the checkpoint's "
-                           f"base learning rate {base} (and records it); start a new run to change it")
+                           f"base learning rate {base}; start a new run to change it")
         moved = [f"trainer.{key} {saved[key]!r} -> {getattr(t, key)!r}"
                  for key in SCHEDULE_SHAPE
                  if key in saved and saved[key] != getattr(t, key)]
@@ -546,12 +548,14 @@ class Trainer:
             # Watched: closing waits for the batches being made ahead, and a read stuck on a stalled
             # filesystem would keep the process from exiting, unbounded, after the last step.
             self.watchdog.beat("closing the training data", self.step)
-            self.train_data.close()
-            self.watchdog.stop()
-            self.console.close()
-            if self.preemption is not None:
-                self.preemption.restore()
-                self.preemption = None
+            try:
+                self.train_data.close()
+            finally:  # a close that raises (or Ctrl-C in its wait) must not leave the watch running
+                self.watchdog.stop()
+                self.console.close()
+                if self.preemption is not None:
+                    self.preemption.restore()
+                    self.preemption = None
 
     def commit_pending_save(self) -> None:
         """After a failure, an async save still in flight commits before the ranks stop, as a
@@ -794,7 +798,8 @@ class Trainer:
         # streams as they were, so that a resumed run draws what the uninterrupted one does. Eager
         # under compile: compiled first for this one no-grad micro-batch, the blocks' training graph
         # would be a recompile, with any dimension the two differ in made dynamic for the run.
-        with random_streams_kept(), torch.compiler.set_stance("force_eager"):
+        eager = torch.compiler.set_stance("force_eager") if self.cfg.strategy.compile else nullcontext()
+        with random_streams_kept(), eager:
             _, metrics = evaluate(self.model, self.task, [self.val_batches[0]], self.env.device,
                                   self.built.mesh)
         logged = ["val_loss", *(f"val_{name}" for name in metrics)]
