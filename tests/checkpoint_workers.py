@@ -235,15 +235,8 @@ def unreadable_resumes(out: str, world: int) -> None:
             raise OSError(errno.EIO, "Input/output error", str(path))
         return hashed(path)
 
-    integrity.file_sha256 = failing_on_rank1
-    try:
-        new_trainer(ckpt_config(f"{out}/eio_run", world))
-    except CheckpointUnverifiable as exc:
-        message = str(exc)
-    else:
-        raise AssertionError("a checkpoint one rank could not read was resumed")
-    finally:
-        integrity.file_sha256 = hashed
+    message = unverifiable_resume(ckpt_config(f"{out}/eio_run", world), integrity, "file_sha256",
+                                  failing_on_rank1, "a checkpoint one rank could not read")
     assert f"step-{2 * N}' could not be checked on rank 1 (OSError: [Errno 5]" in message, message
     assert "no sign of damage" in message and "skipping" not in message, message
     # ... and reading its checksums.json (found by review: still called damage)
@@ -254,16 +247,24 @@ def unreadable_resumes(out: str, world: int) -> None:
             raise OSError(errno.ESTALE, "Stale file handle", str(self))
         return read_text(self, *args, **kwargs)
 
-    pathlib.Path.read_text = manifest_failing_on_rank1
-    try:
-        new_trainer(ckpt_config(f"{out}/eio_run", world))
-    except CheckpointUnverifiable as exc:
-        message = str(exc)
-    else:
-        raise AssertionError("a checkpoint whose checksums one rank could not read was resumed")
-    finally:
-        pathlib.Path.read_text = read_text
+    message = unverifiable_resume(ckpt_config(f"{out}/eio_run", world), pathlib.Path, "read_text",
+                                  manifest_failing_on_rank1,
+                                  "a checkpoint whose checksums one rank could not read")
     assert "could not be checked on rank 1 (OSError: [Errno 116] Stale file handle" in message, message
+
+
+def unverifiable_resume(cfg, owner: object, name: str, failing, what: str) -> str:
+    """The CheckpointUnverifiable message of a resume with ``owner.name`` replaced by ``failing``
+    (an I/O error on one rank), put back after."""
+    original = getattr(owner, name)
+    setattr(owner, name, failing)
+    try:
+        new_trainer(cfg)
+    except CheckpointUnverifiable as exc:
+        return str(exc)
+    finally:
+        setattr(owner, name, original)
+    raise AssertionError(f"{what} was resumed")
 
 
 @contextmanager
