@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 import torch
 from distributed import run_on_ranks
+from omegaconf import OmegaConf
 from step_workers import agreement_and_empty_steps
 
+from shardtrain.checkpoint.state import TrainState
 from shardtrain.config.schema import Config
 from shardtrain.errors import TrainingError
 from shardtrain.tasks.task import LossOutput
@@ -175,6 +177,32 @@ def test_a_resume_names_the_schedule_settings_it_does_not_follow():
     assert bare_trainer(cfg).schedule_changes(older) == [shape_change]  # saved before the keys existed
     assert shape_change.startswith("trainer.lr_decay 'cosine' -> 'linear', "
                                    "trainer.decay_fraction 1.0 -> 0.2: ")
+
+
+def test_a_resume_says_each_changed_setting_once_and_nothing_when_none_changed():
+    cfg = Config()
+    saved = TrainState(step=4, tokens_seen=0, consumed_samples=8, global_batch=2, scheduler={},
+                       world_size=1, strategy="FULL_SHARD", mesh_shape=[1], mesh_dim_names=["shard"],
+                       mixed_precision="fp32", config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+                       config_hash="", versions={}, saved_at="", train_samples=100)
+    trainer = bare_trainer(cfg)
+    trainer.train_data = SimpleNamespace(windows=SimpleNamespace(num_samples=100))
+    trainer.step = 4
+    assert trainer.resume_changes(saved, asked_lrs=[3e-3, 3e-3]) == []
+    changed = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, seed=cfg.trainer.seed + 1,
+                                                                   warmup_steps=cfg.trainer.warmup_steps + 5),
+                                  finetune=dataclasses.replace(cfg.finetune, alpha=cfg.finetune.alpha * 2))
+    trainer = bare_trainer(changed)
+    trainer.train_data = SimpleNamespace(windows=SimpleNamespace(num_samples=90))
+    trainer.step = 4
+    order, schedule, adapters = trainer.resume_changes(saved, asked_lrs=[3e-3, 3e-3])
+    assert order.startswith("the data order differs from the checkpoint's (trainer.seed "
+                            f"{cfg.trainer.seed} -> {cfg.trainer.seed + 1}; training samples 100 -> 90 "
+                            "(the data changed since the save))")
+    assert schedule.startswith("the learning-rate schedule differs from the checkpoint's "
+                               "(trainer.warmup_steps")
+    assert adapters.startswith("the adapters' settings differ from the checkpoint's (finetune.alpha ")
+    assert "from step 5 on" in adapters
 
 
 def test_the_weights_average_warms_up_its_decay():

@@ -270,37 +270,20 @@ class Trainer:
             self.info(f"resumed from {path}: step {self.step}, {state.consumed_samples} samples "
                       f"consumed (saved at world size {state.world_size}, {state.strategy}, "
                       f"mesh [{state.mesh}])")
-            changes = state.data_order_changes(self.cfg, self.train_data.windows.num_samples)
-            if changes and self.env.is_main:
-                log.warning(f"the data order differs from the checkpoint's ({'; '.join(changes)}): the "
-                            "saved position is read in the new order, so samples may repeat or be skipped")
-            saved_trainer = state.config.get("trainer", {})
-            schedule = self.schedule_changes(saved_trainer, asked_lrs)
-            if schedule and self.env.is_main:
-                log.warning("the learning-rate schedule differs from the checkpoint's "
-                            f"({'; '.join(schedule)})")
-            moved = (state.setting_changes(self.cfg, ("model.path",))
-                     if self.cfg.model.name == "hf" and self.cfg.finetune.method == "none" else [])
-            if moved and self.env.is_main:  # LoRA's base is checked by its fingerprint instead
-                log.warning(f"{moved[0]}: the weights are the checkpoint's; the new directory's "
-                            "config.json and tokenizer are read from now on (and export-hf copies them)")
-            adapters = state.setting_changes(self.cfg, ADAPTER_SCALE_KEYS)
-            if adapters and self.env.is_main:
-                log.warning(f"the adapters' settings differ from the checkpoint's ({', '.join(adapters)}): "
-                            f"the adapters trained so far are scaled and dropped out by the new values "
-                            f"from step {self.step + 1} on, and the checkpoints record them")
+            if self.env.is_main:
+                for change in self.resume_changes(state, asked_lrs):
+                    log.warning(change)
             if self.cfg.model.init_from and self.cfg.finetune.method == "none":
                 self.info("model.init_from is ignored: resuming from a checkpoint")
             if self.best is not None:
                 with self.resume_watched():
                     self.restore_evaluations(path, state)
+            self.weight_average_changes(path, state.config.get("trainer", {}))
         else:
             self.load_base_weights(draw)
             if self.cfg.model.adapter:  # a fresh run's adapters from PEFT's directory (a resume's: saved)
                 load_peft_adapter(self.model, self.cfg)
                 self.info(f"adapters started from {self.cfg.model.adapter}")
-        if path is not None:
-            self.weight_average_changes(path, state.config.get("trainer", {}))
         if self.average is not None and not (path is not None and self.checkpointer.average_restored):
             self.average.restart_from_weights()
         if self.built.report.float8_scales_precomputed:
@@ -308,6 +291,27 @@ class Trainer:
             # state with a zero-learning-rate step (torch's DCP), whose hook computed them from the
             # weights before the read.
             refresh_float8_scales(self.model)
+
+    def resume_changes(self, state: TrainState, asked_lrs: list[float]) -> list[str]:
+        """What a resume does with settings changed since the checkpoint was saved, one warning each
+        (the weight average's are weight_average_changes', which needs the load's outcome)."""
+        warnings = []
+        if order := state.data_order_changes(self.cfg, self.train_data.windows.num_samples):
+            warnings.append(f"the data order differs from the checkpoint's ({'; '.join(order)}): the saved "
+                            "position is read in the new order, so samples may repeat or be skipped")
+        if schedule := self.schedule_changes(state.config.get("trainer", {}), asked_lrs):
+            warnings.append("the learning-rate schedule differs from the checkpoint's "
+                            f"({'; '.join(schedule)})")
+        # LoRA's base is checked by its fingerprint instead.
+        if self.cfg.model.name == "hf" and self.cfg.finetune.method == "none":
+            for moved in state.setting_changes(self.cfg, ("model.path",)):
+                warnings.append(f"{moved}: the weights are the checkpoint's; the new directory's config.json "
+                                "and tokenizer are read from now on (and export-hf copies them)")
+        if adapters := state.setting_changes(self.cfg, ADAPTER_SCALE_KEYS):
+            warnings.append(f"the adapters' settings differ from the checkpoint's ({', '.join(adapters)}): "
+                            "the adapters trained so far are scaled and dropped out by the new values from "
+                            f"step {self.step + 1} on, and the checkpoints record them")
+        return warnings
 
     def resume_watched(self) -> AbstractContextManager[None]:
         """A resume's checks, reads and checkpoint-group collectives, bounded as a save is: the
