@@ -384,6 +384,10 @@ def test_prepare_options_reject_bad_values(tmp_path):
                                                            "documents)"), done.stderr
     with pytest.raises(DataError, match=r"0 validation documents; both need at least one \(prepare it again"):
         load_corpus(DataConfig(source="prepared", paths=[str(tmp_path / "single")]))
+    # eval --file reads the validation split alone: the message named both splits as needed
+    with pytest.raises(DataError, match=r"0 validation documents; the validation split needs at least one "
+                                        r"\(prepare it again with --val-percent above 0\)$"):
+        load_corpus(DataConfig(source="prepared", paths=[str(tmp_path / "single")]), need=("val",))
     with pytest.raises(DataError, match="no tokenizer.json"):
         prepare(PrepareOptions(inputs=[str(tmp_path)], tokenizer=str(tmp_path)), tmp_path / "o")
     with pytest.raises(DataError, match="tokenizer '.*nomodel' does not exist"):  # not "no tokenizer.json"

@@ -282,8 +282,6 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
         return status
     import math
 
-    import torch
-
     from shardtrain.config.schema import DataConfig
     from shardtrain.data.batches import TokenWindows, eval_batches
     from shardtrain.data.corpus import load_corpus
@@ -293,7 +291,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     from shardtrain.errors import ConfigError
     from shardtrain.generation.inference import load_for_inference
     from shardtrain.tasks.language_model import LanguageModelTask
-    from shardtrain.train.step import evaluate, global_sum_tensor
+    from shardtrain.train.step import evaluate
 
     try:
         loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype,
@@ -326,16 +324,13 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
         batches = eval_batches(windows, args.samples, args.batch_size, loaded.env.world_size,
                                loaded.env.rank)
         task = LanguageModelTask()
-        loss, _ = evaluate(loaded.model, task, batches, loaded.env.device)
+        loss, _, scored = evaluate(loaded.model, task, batches, loaded.env.device)
         # Fine-tuning records score their answers only: the loss is per target, not per token read.
         masked = getattr(data, "has_masks", False)
-        scored = int(global_sum_tensor(torch.tensor(
-            float(sum(task.count(batch) * weight for batch, weight in batches)) if masked else 0.0,
-            dtype=torch.float64, device=loaded.env.device)).item())
         if loaded.env.is_main:
             n = min(args.samples, windows.num_samples) * args.seq_len
             unit = "byte" if tokenizer.name == "bytes" else "token"
-            targets = (f", {scored} of them targets (the fine-tuning records' answers, which the loss "
+            targets = (f", {scored:.0f} of them targets (the fine-tuning records' answers, which the loss "
                        "scores)" if masked else "")
             print(f"eval on {source}: {n} {unit}s in windows of {args.seq_len}{targets}")
             unit = f"target {unit}" if masked else unit

@@ -222,6 +222,9 @@ def result_of(outcomes: list[tuple[str, str] | None], preparer: int) -> str | No
     return None if found is None else found[1]
 
 
+SPLIT_NAMES = {"train": "training", "val": "validation"}
+
+
 def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None,
                 need: tuple[str, ...] = ("train", "val")) -> Corpus:
     """The corpus of ``cfg``; the splits in ``need`` must hold documents (evaluation on a file
@@ -234,10 +237,15 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None,
     train_docs, val_docs = dataset.train.documents, dataset.val.documents
     roots = ", ".join(dataset.manifest["options"]["inputs"])
     if ("train" in need and not train_docs) or ("val" in need and not val_docs):
-        fix = ("prepare it again with more inputs or another --val-percent" if cfg.source == "prepared"
-               else "add files, raise data.max_bytes, or change data.val_percent")
+        if cfg.source != "prepared":
+            fix = "add files, raise data.max_bytes, or change data.val_percent"
+        elif need == ("val",):  # evaluation reads the validation split alone
+            fix = "prepare it again with --val-percent above 0"
+        else:
+            fix = "prepare it again with more inputs or another --val-percent"
+        needs = "both need" if len(need) == 2 else f"the {SPLIT_NAMES[need[0]]} split needs"
         raise DataError(f"data from {roots} gave {train_docs} training and {val_docs} validation "
-                        f"documents; both need at least one ({fix})")
+                        f"documents; {needs} at least one ({fix})")
     return Corpus(train=dataset.train, val=dataset.val, train_files=train_docs, val_files=val_docs,
                   root=roots, tokenizer=tokenizer.name, path=str(path))
 

@@ -804,8 +804,8 @@ class Trainer:
         # would be a recompile, with any dimension the two differ in made dynamic for the run.
         eager = torch.compiler.set_stance("force_eager") if self.cfg.strategy.compile else nullcontext()
         with random_streams_kept(), eager:
-            _, metrics = evaluate(self.model, self.task, [self.val_batches[0]], self.env.device,
-                                  self.built.mesh)
+            metrics = evaluate(self.model, self.task, [self.val_batches[0]], self.env.device,
+                               self.built.mesh).metrics
         logged = ["val_loss", *(f"val_{name}" for name in metrics)]
         if t.monitor.removeprefix("ema_") not in logged:
             raise TrainingError(f"trainer.monitor={t.monitor} is not among the values the evaluation "
@@ -818,15 +818,16 @@ class Trainer:
         step = self.step
         self.watchdog.beat("evaluation", step)
         self.agree_running_statistics()  # every rank evaluates the same model
-        val, val_metrics = evaluate(self.model, self.task, self.val_batches, self.env.device, self.built.mesh)
+        val, val_metrics, _ = evaluate(self.model, self.task, self.val_batches, self.env.device,
+                                       self.built.mesh)
         self.result.val_losses.append((step, val))
         self.result.val_metrics.append((step, dict(val_metrics)))
         record = {"val_loss": val, **{f"val_{name}": value for name, value in val_metrics.items()}}
         if self.average is not None:
             self.watchdog.beat("evaluation of the weights' average", step)  # a bound of its own
             with self.average.swapped_in():
-                val, val_metrics = evaluate(self.model, self.task, self.val_batches, self.env.device,
-                                            self.built.mesh)
+                val, val_metrics, _ = evaluate(self.model, self.task, self.val_batches, self.env.device,
+                                               self.built.mesh)
             self.result.average_val_losses.append((step, val))
             record["ema_val_loss"] = val
             record.update({f"ema_val_{name}": value for name, value in val_metrics.items()})

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -432,12 +432,19 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
                      flops=flops_value, metric_kinds=metrics.kinds or ())
 
 
+class Evaluation(NamedTuple):
+    """An evaluation's outcome, the same on every rank."""
+    loss: float  # the summed loss over the global count
+    metrics: dict[str, float]
+    count: float  # the task's global count (target tokens for a language model)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, task: Task, batches: Sequence[tuple[Any, float]],
-             device: torch.device, mesh: DeviceMesh | None = None) -> tuple[float, dict[str, float]]:
-    """The loss over the validation set, normalised by its global count, and the task's metrics
-    (identical on every rank). A batch of weight 0 (padding) runs its forward and counts nothing.
-    ``mesh``: the model's (needed with tensor parallelism)."""
+             device: torch.device, mesh: DeviceMesh | None = None) -> Evaluation:
+    """The loss over the validation set, normalised by its global count, and the task's metrics.
+    A batch of weight 0 (padding) runs its forward and counts nothing. ``mesh``: the model's
+    (needed with tensor parallelism)."""
     was_training = model.training
     model.eval()
     loss = torch.zeros((), dtype=torch.float64, device=device)
@@ -461,4 +468,4 @@ def evaluate(model: nn.Module, task: Task, batches: Sequence[tuple[Any, float]],
         torch.stack([loss, count, *metrics.vector()]), copies).tolist()
     metrics.raise_if_changed(metric_values)
     mean = loss_value / count_value if count_value else float("nan")
-    return mean, metrics.values(metric_values, count_value)
+    return Evaluation(mean, metrics.values(metric_values, count_value), count_value)
