@@ -64,9 +64,13 @@ def test_sharded_generation_equals_consolidated(tmp_path):
     assert line.startswith("shardtrain: error: prompt 2: prompt (5000 tokens)") and "Traceback" not in (
         too_long.stderr)
     log = Path(line.rpartition("; full log: ")[2])
-    assert log.read_text().count("shardtrain: error: prompt 2: prompt (5000 tokens)") == 2
-    # the status given is the first failing worker's, read from torchrun's report
-    assert shardtrain.cli.launch.root_cause_exit(log) == 2
+    kept = log.read_text()
+    assert all(kept.count(f"shardtrain: error: [rank {rank}] prompt 2: prompt (5000 tokens)") == 1
+               for rank in (0, 1)), kept[-2000:]  # each worker's line names its rank
+    # the status given and the line shown are the first failing worker's, read from torchrun's report
+    (first, status) = shardtrain.cli.launch.root_cause(log)
+    assert status == 2 and first in (0, 1)
+    assert shardtrain.cli.launch.failed_rank_line(log, first) == line.partition("; full log: ")[0]
     log.unlink()
     evaluated = run_cli("eval", str(ckpt), "--samples", "16", "--devices", "2")
     assert evaluated.returncode == 0 and "perplexity" in evaluated.stdout, evaluated.stderr[-2000:]

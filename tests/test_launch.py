@@ -20,8 +20,8 @@ from cli_utils import clean_env, run_cli
 from distributed import free_port
 from safetensors.torch import load_file
 
-from shardtrain.cli.launch import relaunch_if_needed, root_cause_exit
-from shardtrain.cli.main import launch_outcome, main
+from shardtrain.cli.launch import failed_rank_line, relaunch_if_needed, root_cause
+from shardtrain.cli.main import error_line, launch_outcome, main
 from shardtrain.config.compose import compose_config
 from shardtrain.diagnostics.failures import record_failure
 from shardtrain.errors import ConfigError
@@ -102,7 +102,32 @@ def test_worker_failure_is_one_line_naming_the_rank(tmp_path):
     assert "Traceback" in kept and "ChildFailedError" in kept  # kept for whoever digs deeper
     # torchrun's report read as `generate --devices` reads it: the root cause is rank 1's RuntimeError,
     # status 1, though rank 0 is listed first among the failures
-    assert root_cause_exit(logs[0]) == 1
+    assert root_cause(logs[0]) == (1, 1)
+
+
+def test_the_line_shown_is_the_first_failing_ranks(tmp_path):
+    """`generate`/`eval --devices N` show the error line of the rank torchrun's report names as the
+    root cause: in the log, a peer's line may come first (a tie of whole seconds in the report's
+    timestamps, or rank 0 failing later but writing sooner)."""
+    log = tmp_path / "workers.log"
+    log.write_text("[shardtrain] a log line\n"
+                   "shardtrain: error: [rank 0] a collective failed: connection reset by peer\n"
+                   "shardtrain: error: [rank 1] prompt 2: prompt (5000 tokens) exceeds the model\n")
+    assert failed_rank_line(log, 1) == "shardtrain: error: prompt 2: prompt (5000 tokens) exceeds the model"
+    assert failed_rank_line(log, None) == "shardtrain: error: a collective failed: connection reset by peer"
+    assert failed_rank_line(log, 3) == failed_rank_line(log, None)  # that rank left no line: the first
+    assert failed_rank_line(tmp_path / "missing.log", 1) is None
+
+
+def test_a_workers_error_line_names_its_rank_only_in_a_world_of_several(monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert error_line("no space left") == "shardtrain: error: [rank 3] no space left"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert error_line("no space left") == "shardtrain: error: no space left"
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert error_line("no space left") == "shardtrain: error: no space left"
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,9 @@ from shardtrain.logs import LOG_PREFIX
 AGENT_SIGNALS = ("SIGINT", "SIGHUP", "SIGQUIT")
 # How a command's last line to stderr begins (cli/main.py), a worker's too.
 COMMAND_END = "shardtrain: "
+ERROR_START = f"{COMMAND_END}error: "
+# A worker of a multi-process world names its rank in its error line (cli/main.py error_line).
+RANK_TAG = re.compile(re.escape(ERROR_START) + r"\[rank \d+\] ")
 
 
 def torchrun_argv(nproc: int, command: list[str], preemption_signals: Sequence[str],
@@ -252,22 +255,36 @@ def killed_workers(log_file: Path) -> list[tuple[int, str]]:
     return killed
 
 
-def root_cause_exit(log_file: Path) -> int | None:
-    """The exit code torchrun's final report gives its root cause (the first observed failure;
-    negative for a signal), None without one (best effort, as ``killed_workers``)."""
+def root_cause(log_file: Path) -> tuple[int, int] | None:
+    """The rank and exit code torchrun's final report gives its root cause (the first observed
+    failure; the code negative for a signal), None without one (best effort, as ``killed_workers``)."""
     report = final_report(log_file)
     found = REPORTED_WORKER.search(report, report.find(ROOT_CAUSE)) if ROOT_CAUSE in report else None
-    return int(found.group(2)) if found else None
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def worker_lines(log_file: Path) -> list[str]:
+    """The lines the workers' commands ended with (``shardtrain: error: [rank N] ...``,
+    ``shardtrain: interrupted``), in the log's order; none if none did (a crash)."""
+    try:
+        with open(log_file, errors="replace") as log:
+            return [line.strip() for line in log if line.startswith(COMMAND_END)]
+    except OSError:
+        return []
 
 
 def first_worker_line(log_file: Path) -> str | None:
-    """The first line a worker's command ended with (``shardtrain: error: ...``, ``shardtrain:
-    interrupted``), which every rank printed to the log; None if none did (a crash)."""
-    try:
-        with open(log_file, errors="replace") as log:
-            return next((line.strip() for line in log if line.startswith(COMMAND_END)), None)
-    except OSError:
-        return None
+    return next(iter(worker_lines(log_file)), None)
+
+
+def failed_rank_line(log_file: Path, rank: int | None) -> str | None:
+    """The error line of worker ``rank`` (the first to fail, by torchrun's report), without its rank
+    tag; the first worker line when that rank left none (or ``rank`` is None). Every rank may fail,
+    and in the log a peer's fallout can come before the first failure's own line."""
+    lines = worker_lines(log_file)
+    tagged = f"{ERROR_START}[rank {rank}] "
+    line = next((line for line in lines if line.startswith(tagged)), lines[0] if lines else None)
+    return RANK_TAG.sub(ERROR_START, line, count=1) if line else None
 
 
 def launch_log_path(run_dir: Path, started: float) -> Path:

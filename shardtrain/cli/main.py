@@ -114,7 +114,7 @@ def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -
 
 def on_devices(devices: int, argv: list[str]) -> int | None:
     """Run ``shardtrain argv`` on ``devices`` processes under torchrun, or None to run here."""
-    from shardtrain.cli.launch import first_worker_line, root_cause_exit, run_under_torchrun
+    from shardtrain.cli.launch import failed_rank_line, root_cause, run_under_torchrun
     from shardtrain.distributed.env import under_torchrun
     from shardtrain.errors import ConfigError
 
@@ -132,7 +132,8 @@ def on_devices(devices: int, argv: list[str]) -> int | None:
         if status == 0:
             log_file.unlink(missing_ok=True)
             return 0
-        line = first_worker_line(log_file)
+        cause = root_cause(log_file)  # the first failing worker's rank and exit status
+        line = failed_rank_line(log_file, cause[0] if cause else None)
         if line == INTERRUPTED:
             log_file.unlink(missing_ok=True)
             print(INTERRUPTED, file=sys.stderr)
@@ -142,8 +143,7 @@ def on_devices(devices: int, argv: list[str]) -> int | None:
         print(f"shardtrain: error: {reason}; full log: {log_file}", file=sys.stderr)
         # The status the first failing worker gave (2 for a framework error, 1 for an OS one), which
         # torchrun's own 1 hides.
-        code = root_cause_exit(log_file)
-        return code if code is not None and code > 0 else (2 if line else status)
+        return cause[1] if cause is not None and cause[1] > 0 else (2 if line else status)
     return None
 
 
@@ -750,7 +750,7 @@ def run_command(args: argparse.Namespace, argv: list[str] | None) -> int:
         if args.command == "eval":
             return cmd_eval(args, list(argv if argv is not None else sys.argv[1:]))
     except ShardtrainError as exc:
-        print(f"shardtrain: error: {exc}", file=sys.stderr)
+        print(error_line(str(exc)), file=sys.stderr)
         return 2
     except BrokenPipeError:  # `shardtrain inspect X | head`: the reader has gone, and so do we
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
@@ -763,6 +763,14 @@ def run_command(args: argparse.Namespace, argv: list[str] | None) -> int:
         # else is a bug, and its traceback is what finds it.
         if (line := os_failure(exc)) is None:
             raise
-        print(f"shardtrain: error: {line}", file=sys.stderr)
+        print(error_line(line), file=sys.stderr)
         return 1
     return 1
+
+
+def error_line(message: str) -> str:
+    """A command's last line for an error. A worker of a multi-process world names its rank: the
+    launcher (and whoever reads the log) tells the first failure's line from its peers' by it."""
+    world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK")
+    tag = f"[rank {rank}] " if rank is not None and world.isdigit() and int(world) > 1 else ""
+    return f"shardtrain: error: {tag}{message}"
