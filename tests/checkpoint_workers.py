@@ -21,8 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from equivalence import case_config, small_corpus
+from safetensors.torch import save_file
 
 from shardtrain.checkpoint import integrity
+from shardtrain.checkpoint.checkpointer import agreed_base_identity
 from shardtrain.checkpoint.weights import agreed_source_kind
 from shardtrain.distributed.env import lazily_connected_gloo_group
 from shardtrain.errors import CheckpointError, CheckpointUnverifiable, TrackerError
@@ -162,6 +164,38 @@ def exact_resume(out: str) -> None:
     refused_then_restarted(out, world)
     unreadable_resumes(out, world)
     failed_saves(out, full, second)
+    base_copies_differ(out, world)
+
+
+def base_copies_differ(out: str, world: int) -> None:
+    """Found by review: each rank fingerprinted its own copy of a LoRA base alone, so a node whose copy
+    was missing raised alone (its peers waited in the next collective) and one whose copy differed
+    trained on another base. Here each rank is given its own copy."""
+    rank = int(os.environ["RANK"])
+    copy = Path(out, f"base-rank{rank}.safetensors")
+    if not copy.exists():
+        save_file({"w": torch.full((4,), float(rank > 0))}, str(copy))
+    cfg = ckpt_config(f"{out}/lora", world)
+    cfg.finetune = dataclasses.replace(cfg.finetune, method="lora")
+    cfg.model = dataclasses.replace(cfg.model, init_from=str(copy))
+    try:
+        agreed_base_identity(cfg)
+    except CheckpointError as exc:
+        assert str(exc).startswith(f"the base weights {str(copy.resolve())!r} differ between ranks (rank 1's "
+                                   "copy has other contents than rank 0's)"), exc
+        assert exc.failed_rank == 1
+    else:
+        raise AssertionError("different copies of the base were not refused")
+    missing = Path(out, "base-missing.safetensors") if rank == 1 else copy
+    cfg.model = dataclasses.replace(cfg.model, init_from=str(missing))
+    try:
+        agreed_base_identity(cfg)
+    except CheckpointError as exc:  # rank 1's own error, and on rank 0 the same, rebuilt
+        assert str(exc).startswith(f"the base weights {str(Path(out, 'base-missing.safetensors'))!r} do not "
+                                   "exist"), exc
+        assert getattr(exc, "failed_rank", 1) == 1, exc
+    else:
+        raise AssertionError("a base missing on rank 1 went on")
 
 
 def copy_on_rank0(source: Path, target: Path, change) -> None:

@@ -102,6 +102,12 @@ def test_bad_config_is_named(override, expected):
 def test_hybrid_group_must_divide_world():
     with pytest.raises(ConfigError, match="shard_group_size=3 must divide the world size 4"):
         load_config(["trainer.devices=4", "strategy=hybrid_shard", "strategy.shard_group_size=3"])
+    # Found by review: a group size beside a strategy that is not hybrid was ignored (full sharding)
+    for strategy in ("full_shard", "shard_grad_op", "no_shard"):
+        with pytest.raises(ConfigError, match=r"^strategy.shard_group_size=2 applies to the hybrid "
+                                              f"strategies only; {strategy.upper()} shards over every"):
+            load_config([f"strategy={strategy}", "strategy.shard_group_size=2"])
+    assert load_config(["strategy=hybrid_shard_zero2", "strategy.shard_group_size=1"])
 
 
 def test_checkpoint_async_alias():

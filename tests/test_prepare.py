@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from shardtrain.config.schema import DataConfig
 from shardtrain.data.corpus import fingerprint_at, load_corpus, prepared_path
-from shardtrain.data.documents import list_files, resolve_sources
+from shardtrain.data.documents import is_prepared_dataset, list_files, resolve_sources
 from shardtrain.data.prepare import PrepareOptions, Reading, batches, locked, prepare, tokenizer_entry
 from shardtrain.data.prepared import open_prepared
 from shardtrain.data.tokenizer import (
@@ -388,6 +388,17 @@ def test_prepare_options_reject_bad_values(tmp_path):
     with pytest.raises(DataError, match=r"0 validation documents; the validation split needs at least one "
                                         r"\(prepare it again with --val-percent above 0\)$"):
         load_corpus(DataConfig(source="prepared", paths=[str(tmp_path / "single")]), need=("val",))
+    # Found by review: a prepared dataset with a damaged manifest was read as text (eval --file scored
+    # its .npy bytes); another manifest.json beside text files is still just a file
+    (tmp_path / "single" / "manifest.json").write_text('{"format": "shardtrain-prep')
+    for found in (lambda: is_prepared_dataset(tmp_path / "single"),
+                  lambda: resolve_sources([str(tmp_path / "single")], "*")):
+        with pytest.raises(DataError, match=f"^{tmp_path / 'single' / 'manifest.json'} cannot be read "
+                                            r"\(JSONDecodeError\): the prepared dataset is damaged"):
+            found()
+    (tmp_path / "web").mkdir()
+    (tmp_path / "web" / "manifest.json").write_text("{not json")
+    assert not is_prepared_dataset(tmp_path / "web") and not is_prepared_dataset(tmp_path / "one.txt")
     with pytest.raises(DataError, match="no tokenizer.json"):
         prepare(PrepareOptions(inputs=[str(tmp_path)], tokenizer=str(tmp_path)), tmp_path / "o")
     with pytest.raises(DataError, match="tokenizer '.*nomodel' does not exist"):  # not "no tokenizer.json"

@@ -271,6 +271,11 @@ def test_a_task_from_the_command_line_with_its_options_preempted_and_resumed(tmp
       "trainer.global_batch_size=16"], "set trainer.micro_batch_size=N for OwnModelLanguageTask"),
     (["task=broken_tasks:OwnLossLanguageTask", "trainer.loss_chunk_tokens=16"],
      "OwnLossLanguageTask computes its own"),
+    # Found by review: accepted and ignored for another task
+    (["task=vit:ImageClassification", "trainer.sample_every=5"],
+     "trainer.sample_every=5 acts on the built-in language-model task's text only; ImageClassification "
+     "has data and a model of its own: drop the setting"),
+    (["task=vit:ImageClassification", "data.document_mask=true"], "data.document_mask=true acts on"),
     (["task=vit:ImageClassification", "trainer.loss_chunk_tokens=16"],
      "trainer.loss_chunk_tokens=16 sets the built-in language-model task's loss; ImageClassification "
      "computes its own"),

@@ -57,7 +57,7 @@ from shardtrain.checkpoint.weights import base_identity, check_model_compatible,
 from shardtrain.config.compose import config_hash
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
-from shardtrain.distributed.agreement import agree, gather_verdicts, raise_first_error, run_agreed
+from shardtrain.distributed.agreement import agree, from_rank, gather_verdicts, raise_first_error, run_agreed
 from shardtrain.distributed.env import lazily_connected_gloo_group
 from shardtrain.errors import CheckpointError, CheckpointUnverifiable, first_line
 from shardtrain.models.lora import is_adapter
@@ -193,6 +193,20 @@ class PendingSave:
     trainer_state: TrainState
 
 
+def agreed_base_identity(cfg: Config) -> dict[str, Any]:
+    """The LoRA base's identity (``base_identity``), taken on every rank, since each reads its own rows
+    of the base: a rank that cannot read its copy, or whose copy differs, stops every rank together
+    (alone, it left its peers waiting in the next collective, or trained on another base)."""
+    identity = run_agreed(lambda: base_identity(cfg.model, cfg.trainer.seed, cfg.finetune))
+    fingerprints = agree(None, identity.get("fingerprint"), error_type=CheckpointError)
+    differing = next((rank for rank, found in enumerate(fingerprints) if found != fingerprints[0]), None)
+    if differing is not None:
+        raise from_rank(CheckpointError(
+            f"the base weights {identity['source']!r} differ between ranks (rank {differing}'s copy has "
+            "other contents than rank 0's): give every node the same files"), differing)
+    return identity
+
+
 class Checkpointer:
     """Saves and restores model, optimizer, scheduler and RNG; the run's counters travel in
     ``TrainState``."""
@@ -231,7 +245,7 @@ class Checkpointer:
         # finetune=lora: only the adapters (the trainable parameters) and their optimizer state are
         # saved; the frozen base is read again from where it came from, which this identifies.
         self.adapters_only = cfg.finetune.method != "none"
-        self.base = base_identity(cfg.model, cfg.trainer.seed, cfg.finetune) if self.adapters_only else None
+        self.base = agreed_base_identity(cfg) if self.adapters_only else None
         # trainer.ema_decay: the weights' average, saved as ``ema.<name>`` and loaded in place; whether
         # the last load found one (a checkpoint saved without it leaves it to the caller).
         self.average = average

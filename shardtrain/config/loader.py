@@ -119,6 +119,14 @@ def check_built_in_task_settings(cfg: Config, task: object | None = None) -> Non
                           f"the built-in language-model task's models only; set trainer.micro_batch_size=N "
                           f"for {name}{' with a model of its own' if own_model else ''} (shardtrain plan "
                           "--simulate measures its memory)")
+    # What the language-model task alone reads (its text samples, its windows' document positions).
+    text_only = {"trainer.sample_every": cfg.trainer.sample_every,
+                 "data.document_mask": cfg.data.document_mask}
+    for key, value in text_only.items():
+        if value and built_in_ancestor(task_cls) is None:
+            shown = str(value).lower() if isinstance(value, bool) else value
+            raise ConfigError(f"{key}={shown} acts on the built-in language-model task's text only; "
+                              f"{name} has data and a model of its own: drop the setting")
     if cfg.trainer.loss_chunk_tokens != "auto" and not language_model_task(task_cls):
         raise ConfigError(f"trainer.loss_chunk_tokens={cfg.trainer.loss_chunk_tokens} sets the built-in "
                           f"language-model task's loss; {name} computes its own (a task can call "

@@ -88,11 +88,20 @@ def _matches_parts(parts: tuple[str, ...], pattern: tuple[str, ...]) -> bool:
 
 
 def is_prepared_dataset(directory: Path) -> bool:
-    """Whether ``directory`` is what ``shardtrain prepare`` wrote (token shards, not text)."""
+    """Whether ``directory`` is what ``shardtrain prepare`` wrote (token shards, not text). One whose
+    manifest is damaged is a DataError: read as text, its token shards would be scored or trained on
+    as bytes without a word."""
+    manifest_file = directory / PREPARED_MANIFEST
     try:
-        manifest = json.loads((directory / PREPARED_MANIFEST).read_text())
-    except (OSError, ValueError):
+        manifest = json.loads(manifest_file.read_text())
+    except (FileNotFoundError, NotADirectoryError):
         return False
+    except (OSError, ValueError) as exc:
+        if not any(next((directory / split).glob("tokens-*.npy"), None) for split in ("train", "val")):
+            return False  # some other manifest.json beside text files
+        why = getattr(exc, "strerror", None) or type(exc).__name__
+        raise DataError(f"{manifest_file} cannot be read ({why}): the prepared dataset is damaged; run "
+                        "shardtrain prepare again") from exc
     return isinstance(manifest, dict) and manifest.get("format") == PREPARED_FORMAT
 
 

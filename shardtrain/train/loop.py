@@ -282,7 +282,7 @@ class Trainer:
         else:
             self.load_base_weights(draw)
             if self.cfg.model.adapter:  # a fresh run's adapters from PEFT's directory (a resume's: saved)
-                load_peft_adapter(self.model, self.cfg)
+                run_agreed(lambda: load_peft_adapter(self.model, self.cfg))  # each rank reads its copy
                 self.info(f"adapters started from {self.cfg.model.adapter}")
         if self.average is not None and not (path is not None and self.checkpointer.average_restored):
             self.average.restart_from_weights()
