@@ -20,7 +20,7 @@ import shardtrain.generation.inference
 from shardtrain.cli.main import build_parser, main
 from shardtrain.config.schema import ModelConfig
 from shardtrain.data.tokenizer import ByteStream, ByteTokenizer, HFTokenizer
-from shardtrain.errors import GenerationError
+from shardtrain.errors import DataError, GenerationError
 from shardtrain.generation.generate import generate, generation_mode, prompt_ids
 from shardtrain.generation.ranges import EVAL_RANGES, GENERATE_RANGES, Range
 from shardtrain.models.llama import Llama
@@ -85,6 +85,12 @@ def test_generation_stops_where_the_models_generation_config_says(tmp_path):
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [plain.eos_id, 7, 10**9]}))
     tokenizer = HFTokenizer(directory)
     assert tokenizer.stop_ids == {plain.eos_id, 7}  # an id outside the vocabulary is no stop
+    # Found by review: a generation_config.json that did not parse was ignored (no stops but the end
+    # of text, silently)
+    (directory / "generation_config.json").write_text('{"eos_token_id": [2, 7')
+    with pytest.raises(DataError, match=r"generation_config.json cannot be read \(JSONDecodeError\)"):
+        HFTokenizer(directory)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [plain.eos_id, 7, 10**9]}))
     model = Llama(ModelConfig(vocab_size=tokenizer.vocab_size, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
                               max_seq_len=64))
     free = generate(model, [1, 2, 3], 12)

@@ -76,10 +76,16 @@ def generation_stops(directory: Path, vocab_size: int) -> frozenset[int]:
     """The ids a model's ``generation_config.json`` ends generation at (``eos_token_id``, one or a
     list), as transformers' ``generate`` does: a chat model's end of turn is often not the
     tokenizer's end of text (Gemma's ``<end_of_turn>``, Llama 3's ``<|eot_id|>``)."""
+    file = directory / "generation_config.json"
     try:
-        ids = json.loads((directory / "generation_config.json").read_text()).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
+        config = json.loads(file.read_text())
+    except FileNotFoundError:
         return frozenset()
+    except (OSError, ValueError) as exc:  # ignored, generation would run past the model's end of turn
+        why = getattr(exc, "strerror", None) or type(exc).__name__
+        raise DataError(f"{file} cannot be read ({why}); mend it, or remove it to stop at the "
+                        "tokenizer's end of text only") from exc
+    ids = config.get("eos_token_id") if isinstance(config, dict) else None
     ids = ids if isinstance(ids, list) else [ids]
     return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size)
 
