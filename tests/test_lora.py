@@ -84,6 +84,7 @@ from shardtrain.export.peft import (
 from shardtrain.models.hf_directory import PREFIX
 from shardtrain.models.llama import Llama
 from shardtrain.models.lora import adapter_targets, add_adapters, is_adapter
+from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.simulate import simulate
 
 TOL = 1e-5
@@ -250,6 +251,27 @@ def test_lora_targets_refuse_embeddings_and_head():
     model.mha = nn.MultiheadAttention(4, 2)
     with pytest.raises(ConfigError, match="reads its weight without calling it"):
         adapter_targets(model, ["out_proj"])
+
+
+def test_lora_flops_count_the_frozen_base_without_weight_gradients():
+    """Found by review: MFU under LoRA counted 6 FLOPs a base parameter, where the frozen base computes
+    no weight gradients (4 a parameter), so the logged MFU was ~1.5x what the step computed."""
+    cfg = compose_config(["model=llama_tiny", "finetune.method=lora", "finetune.rank=4",
+                          "trainer.seq_len=32"])
+    task = LanguageModelTask()
+    task.bind(cfg)
+    with torch.device("meta"):
+        model = task.build_model()
+    full = model.flops_per_token(32)
+    n = model.num_params(exclude_embeddings=True)
+    adapted = [module for name, module in model.named_modules() if name in adapter_targets(model, [])]
+    adapters = sum(4 * (linear.in_features + linear.out_features) for linear in adapted)
+    assert adapters and task.flops_per_token == full - 2 * n + 6 * adapters
+    plain = LanguageModelTask()
+    plain.bind(compose_config(["model=llama_tiny", "trainer.seq_len=32"]))
+    with torch.device("meta"):
+        plain.build_model()
+    assert plain.flops_per_token == full
 
 
 def test_lora_targets_refuse_a_tied_embedding():

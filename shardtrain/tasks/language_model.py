@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from shardtrain.data.batches import IGNORE_INDEX, Batch, MixtureWindows, TokenWindows
 from shardtrain.data.corpus import Corpus, load_corpus
 from shardtrain.data.tokenizer import Tokenizer, tokenizer_for
+from shardtrain.models.lora import adapter_flops_per_token
 from shardtrain.models.masking import check_document_mask_support
 from shardtrain.models.registry import build_model
 from shardtrain.tasks.losses import AUTO_CHUNK_MIN_VOCAB, chunk_tokens_for, chunked_cross_entropy
@@ -92,7 +93,8 @@ class LanguageModelTask(Task):
         model = self.model_factory() if self.model_factory is not None else build_model(self.cfg.model)
         if self.cfg.data.document_mask:
             check_document_mask_support(model)
-        self.flops_per_token = flops_per_token(model, self.cfg.trainer.seq_len)
+        full = flops_per_token(model, self.cfg.trainer.seq_len)
+        self.flops_per_token = adapter_flops_per_token(model, full, self.cfg.finetune)
         if self.cfg.trainer.loss_chunk_tokens not in (0, "auto") and output_head(model) is None:
             reason = getattr(model, "head_transform", None) or "the model gives only logits"
             log.info("trainer.loss_chunk_tokens: the plain full-logits loss instead (%s)", reason)
