@@ -9,6 +9,7 @@ in this project's CI (its machines have none); the CPU path is the tested one.
 
 from __future__ import annotations
 
+import re
 import resource
 import sys
 
@@ -22,9 +23,12 @@ from shardtrain.errors import ConfigError
 PEAK_BF16_TFLOPS = {
     "A100": 312.0,
     "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
     "H100": 989.0,
+    "H200 NVL": 835.0,
     "H200": 989.0,
     "B200": 2250.0,
+    "GB200": 2500.0,
     "MI300X": 1300.0,
 }
 
@@ -214,9 +218,15 @@ def device_peak_flops(device: torch.device) -> float | None:
     """Peak FLOP/s of one device, or None when unknown (every CPU, unlisted accelerators)."""
     if device.type == "cpu":
         return None
-    name = torch.get_device_module(device.type).get_device_name(device)
+    return peak_flops_of(torch.get_device_module(device.type).get_device_name(device))
+
+
+def peak_flops_of(device_name: str) -> float | None:
+    """The listed peak of a device named ``device_name`` ("NVIDIA H100 80GB HBM3"): the longest listed
+    name found in it as whole words, so that "H100 NVL" is not taken for an H100 SXM, nor "GB200" for
+    a B200; None when none is."""
     for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
-        if key in name:
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name):
             return PEAK_BF16_TFLOPS[key] * 1e12
     return None
 
