@@ -18,10 +18,12 @@ from hf_models import make_model_dir
 import shardtrain.cli.launch
 import shardtrain.generation.inference
 from shardtrain.cli.main import build_parser, main
-from shardtrain.config.schema import ModelConfig
+from shardtrain.config.schema import DataConfig, ModelConfig
+from shardtrain.data.corpus import load_corpus
 from shardtrain.data.tokenizer import ByteStream, ByteTokenizer, HFTokenizer
 from shardtrain.errors import DataError, GenerationError
 from shardtrain.generation.generate import generate, generation_mode, prompt_ids
+from shardtrain.generation.inference import data_changed_since
 from shardtrain.generation.ranges import EVAL_RANGES, GENERATE_RANGES, Range
 from shardtrain.models.llama import Llama
 
@@ -232,3 +234,26 @@ def test_cpu_ranks_of_a_machine_share_its_memory_for_the_gathered_copy():
     crowded = generation_mode(model, torch.float32, torch.device("cpu"), local_processes=10**9)
     assert alone.mode == "gathered" and crowded.mode == "sharded"
     assert crowded.free_bytes < 2**20  # the host's available memory over a billion processes
+
+
+def test_eval_says_when_the_runs_data_now_gives_other_samples(tmp_path):
+    """Found by review: eval without --file reads the run's data settings again (relative data.paths,
+    this Python's standard library, files edited since) and scored whatever they gave without a
+    word; the checkpoint's training sample count tells."""
+    (tmp_path / "data").mkdir()
+    for index in range(40):
+        (tmp_path / "data" / f"{index}.txt").write_text(f"document {index} " * 50)
+    data = DataConfig(source="files", paths=[str(tmp_path / "data")], file_glob="*.txt",
+                      cache_dir=str(tmp_path / "cache"))
+    corpus = load_corpus(data)
+    samples = corpus.train_windows(64).num_samples
+    state = argparse.Namespace(train_samples=samples, config={"trainer": {"seq_len": 64},
+                                                              "data": {"document_mask": False}})
+    assert data_changed_since(state, corpus) is None
+    assert data_changed_since(argparse.Namespace(train_samples=None), corpus) is None  # older checkpoints
+    (tmp_path / "data" / "new.txt").write_text("another document " * 400)
+    changed = data_changed_since(state, load_corpus(data))
+    assert changed.startswith(f"the run's data ({tmp_path / 'data'}) now gives ") and changed.endswith(
+        f"training samples, where the run trained on {samples}: its files changed since, or data.paths or "
+        "the standard library resolve to others here, so the held-out split scored is not the run's; name "
+        "the text to score with --file"), changed

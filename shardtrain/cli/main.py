@@ -289,7 +289,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     from shardtrain.data.tokenizer import tokenizer_for
     from shardtrain.distributed.env import destroy_distributed
     from shardtrain.errors import ConfigError
-    from shardtrain.generation.inference import load_for_inference
+    from shardtrain.generation.inference import data_changed_since, load_for_inference
     from shardtrain.tasks.language_model import LanguageModelTask
     from shardtrain.train.step import evaluate
 
@@ -320,6 +320,8 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
                                   "name the text to score with --file")
             corpus = load_corpus(loaded.cfg.data, tokenizer)
             data, source = corpus.val, f"held-out split of {corpus.root}"
+            if loaded.env.is_main and (changed := data_changed_since(loaded.state, corpus)):
+                log.warning(changed)
         windows = TokenWindows(data, args.seq_len, "evaluation data")
         batches = eval_batches(windows, args.samples, args.batch_size, loaded.env.world_size,
                                loaded.env.rank)

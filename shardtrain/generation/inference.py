@@ -27,6 +27,7 @@ from shardtrain.checkpoint.weights import (
 )
 from shardtrain.config.plan import DTYPES, resolve_plan
 from shardtrain.config.schema import Config, FinetuneConfig, ModelConfig
+from shardtrain.data.corpus import Corpus
 from shardtrain.distributed.env import DistEnv, build_mesh, init_distributed, set_cpu_threads
 from shardtrain.distributed.qlora import quantize_base
 from shardtrain.distributed.sharded_model import (
@@ -49,6 +50,7 @@ class Loaded:
     factory: ModelFactory  # builds the plain (unsharded) model, e.g. for gathered generation
     compute_dtype: torch.dtype
     data_known: bool = True  # cfg.data is the run's data (not for a file consolidated before it was kept)
+    state: TrainState | None = None  # a checkpoint directory's
 
 
 def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
@@ -113,4 +115,19 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
     else:
         load_model_weights(model, str(path), cfg.model, verify_checksums=verify_checksums, average=average)
     return Loaded(cfg, env, model, with_adapters(factory, cfg, env.device), plan.param_dtype,
-                  data_known=data is not None)
+                  data_known=data is not None, state=state)
+
+
+def data_changed_since(state: TrainState | None, corpus: Corpus) -> str | None:
+    """Why the data ``eval`` reads as the run's (its recorded settings, read again) is not what the run
+    trained on, where the training sample count differs from the checkpoint's; else None."""
+    if state is None or state.train_samples is None:
+        return None
+    trainer, data = state.config.get("trainer", {}), state.config.get("data", {})
+    found = corpus.train_windows(trainer["seq_len"], data.get("document_mask", False)).num_samples
+    if found == state.train_samples:
+        return None
+    return (f"the run's data ({corpus.root}) now gives {found} training samples, where the run trained on "
+            f"{state.train_samples}: its files changed since, or data.paths or the standard library "
+            "resolve to others here, so the held-out split scored is not the run's; name the text "
+            "to score with --file")
