@@ -22,7 +22,13 @@ from cli_utils import run_cli
 
 from shardtrain.config.loader import load_config
 from shardtrain.errors import ConfigError, TrackerError
-from shardtrain.train.trackers import GuardedTracker, close_trackers, start_trackers, tracker_record
+from shardtrain.train.trackers import (
+    GuardedTracker,
+    close_trackers,
+    mlflow_tracking_uri,
+    start_trackers,
+    tracker_record,
+)
 
 TRACKED = ["experiment=quick", "trainer.log_every=2", "trainer.eval_every=3", "checkpoint.interval=3",
            "trainer.sample_tokens=8", "trainer.progress_bar=false",
@@ -268,3 +274,48 @@ def test_mlflow_maps_metric_names_it_refuses_instead_of_dropping_the_run(tmp_pat
     for key, value in values.items():
         history = client.get_metric_history(tracker.tracker.run_id, names[f"train/{key}"])
         assert [(m.step, m.value) for m in history] == [(1, value), (2, value)], key
+
+
+def test_a_resume_keeps_the_ids_of_trackers_it_leaves_out_and_names_an_unreadable_file(tmp_path, caplog):
+    """Found by a new-user trial: a resume without W&B rewrote trackers.json with MLflow's id alone, so
+    the next resume with W&B started a new W&B run; an unreadable trackers.json started new runs of
+    every tracker without a word."""
+    cfg = load_config([f"run.dir={tmp_path}", "run.trackers=[mlflow]", "run.offline=true"])
+    [first] = start_trackers(cfg, resuming=False)
+    close_trackers([first], "finished", timeout_s=30)
+    ids = json.loads((tmp_path / "trackers.json").read_text())
+    (tmp_path / "trackers.json").write_text(json.dumps({**ids, "wandb": "w4nd8"}))
+    [resumed] = start_trackers(cfg, resuming=True)
+    close_trackers([resumed], "finished", timeout_s=30)
+    assert json.loads((tmp_path / "trackers.json").read_text()) == {**ids, "wandb": "w4nd8"}
+    (tmp_path / "trackers.json").write_text('{"mlflow": "4f')
+    with caplog.at_level(logging.WARNING, logger="shardtrain"):
+        [fresh] = start_trackers(cfg, resuming=True)
+        close_trackers([fresh], "finished", timeout_s=30)
+    [warning] = [r.getMessage() for r in caplog.records if "trackers.json" in r.getMessage()]
+    assert warning == (f"{tmp_path / 'trackers.json'} cannot be read (JSONDecodeError; kept as "
+                       f"{tmp_path / 'trackers.json.unreadable'}): the trackers start new runs instead of "
+                       "continuing this run's")
+    assert (tmp_path / "trackers.json.unreadable").read_text() == '{"mlflow": "4f'
+    assert json.loads((tmp_path / "trackers.json").read_text())["mlflow"] != ids["mlflow"]
+
+
+def test_a_plain_path_as_the_mlflow_tracking_uri_is_its_file_store(tmp_path, monkeypatch):
+    """Found by a new-user trial: run.mlflow.tracking_uri=/shared/mlruns failed with MLflow's
+    maintenance-mode refusal and advice to use run.offline; file:///shared/mlruns worked."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    for given, store in ((str(tmp_path / "shared"), tmp_path / "shared"),
+                         ("./relative", tmp_path / "relative")):
+        cfg = load_config([f"run.dir={tmp_path / 'run'}", "run.trackers=[mlflow]",
+                           f"run.mlflow.tracking_uri={given}"])
+        assert mlflow_tracking_uri(cfg.run) == store.as_uri()
+        [tracker] = start_trackers(cfg, resuming=False)
+        close_trackers([tracker], "interrupted", timeout_s=30)
+        assert any(store.glob(f"*/{tracker.tracker.run_id}")), list(store.iterdir())
+        # Ctrl-C is the user's stop, not a failure (a trial saw FAILED)
+        assert MlflowClient(store.as_uri()).get_run(tracker.tracker.run_id).info.status == "KILLED"
+    for kept in ("databricks", "http://127.0.0.1:5000", "sqlite:///mlflow.db", "file:///x"):
+        cfg = load_config([f"run.mlflow.tracking_uri={kept}"])
+        assert mlflow_tracking_uri(cfg.run) == kept

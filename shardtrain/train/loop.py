@@ -497,6 +497,8 @@ class Trainer:
             self.train()
             outcome = "preempted" if self.result.preempted else "finished"
         except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):  # the user's stop, no failure: MLflow's KILLED
+                outcome = "interrupted"
             if is_failure(exc):
                 # Before the trackers close (up to run.tracker_timeout_s): the launcher names the
                 # first record as the root cause, and a peer's fallout must not come first.

@@ -103,7 +103,7 @@ class MetricsWriter:
                 tracker.log(entry)
 
     def close(self, outcome: str = "finished") -> None:
-        """``outcome``: finished, failed or preempted (recorded by W&B and MLflow)."""
+        """``outcome``: finished, failed, preempted or interrupted (recorded by W&B and MLflow)."""
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -56,7 +56,7 @@ STATE_FILE = "trackers.json"
 # when a server is slower than training).
 MAX_PENDING = 10_000
 # How a run ended, for the trackers that record it (W&B exit code, MLflow run status).
-OUTCOMES = ("finished", "failed", "preempted")
+OUTCOMES = ("finished", "failed", "preempted", "interrupted")
 # A character MLflow refuses in a metric name. Its rule is letters, digits, _ - . space / (and ':'
 # except on Windows); ASCII only and without ':' so that a server on any platform takes the name.
 MLFLOW_REFUSED = re.compile(r"[^A-Za-z0-9_\-. /]")
@@ -148,6 +148,10 @@ def mlflow_tracking_uri(run: RunConfig) -> str:
     """run.mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else (and always with run.offline) the
     file store run.dir/mlruns."""
     uri = None if run.offline else (run.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
+    if uri and "://" not in uri and uri.startswith(("/", ".", "~")):
+        # A plain path is a file store to MLflow too; as a file: URI it gets the file store's opt-in
+        # below (given as a path, MLflow 3 refused it as a store in maintenance mode).
+        return Path(uri).expanduser().resolve().as_uri()
     return uri or (Path(run.dir).resolve() / "mlruns").as_uri()
 
 
@@ -240,7 +244,7 @@ class WandbTracker:
                       **{f"{record.kind}/{key}": text for key, text in record.texts.items()}})
 
     def close(self, outcome: str) -> None:
-        self.run.finish(exit_code=1 if outcome == "failed" else 0)
+        self.run.finish(exit_code={"failed": 1, "interrupted": 130}.get(outcome, 0))  # the process's
 
 
 class MlflowTracker:
@@ -251,7 +255,7 @@ class MlflowTracker:
     itself appended)."""
 
     name = "mlflow"
-    STATUS = {"finished": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
+    STATUS = {"finished": "FINISHED", "failed": "FAILED", "preempted": "KILLED", "interrupted": "KILLED"}
 
     def __init__(self, run: RunConfig, params: dict[str, Any], resume_id: str | None) -> None:
         uri = mlflow_tracking_uri(run)
@@ -431,10 +435,28 @@ class GuardedTracker:
 
 
 def read_run_ids(run_dir: Path) -> dict[str, str]:
+    """The tracker runs a resumed run continues. An unreadable file is set aside (its ids may still be
+    read by hand) with a warning: the trackers then start new runs, which a silent {} hid."""
+    file = run_dir / STATE_FILE
     try:
-        return json.loads((run_dir / STATE_FILE).read_text())
-    except (OSError, ValueError):
+        ids = json.loads(file.read_text())
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as exc:
+        ids, why = None, getattr(exc, "strerror", None) or type(exc).__name__
+    else:
+        why = "not a JSON object of tracker names and run ids"
+    if isinstance(ids, dict) and all(isinstance(v, str) for v in ids.values()):
+        return ids
+    kept = file.with_name(STATE_FILE + ".unreadable")
+    try:
+        file.replace(kept)
+        where = f"kept as {kept}"
+    except OSError:
+        where = "this run's ids replace it"
+    log.warning(f"{file} cannot be read ({why}; {where}): the trackers start new runs instead of "
+                "continuing this run's")
+    return {}
 
 
 def start_trackers(cfg: Config, resuming: bool) -> list[GuardedTracker]:
@@ -455,7 +477,8 @@ def start_trackers(cfg: Config, resuming: bool) -> list[GuardedTracker]:
         # Closed off the training thread too: a server that hangs must not hold the failure's line.
         close_trackers([GuardedTracker(tracker) for tracker in started], "failed", run.tracker_timeout_s)
         raise
-    ids = {tracker.name: tracker.run_id for tracker in started if tracker.run_id is not None}
+    # A tracker left out of this resume keeps its run for a later one: ids are merged, not replaced.
+    ids = {**stored, **{tracker.name: tracker.run_id for tracker in started if tracker.run_id is not None}}
     if ids:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / STATE_FILE).write_text(json.dumps(ids, indent=1) + "\n")
