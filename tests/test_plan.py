@@ -135,11 +135,34 @@ def test_simulation_flags_without_simulate_are_refused(capsys):
 def test_a_layout_judged_for_this_machine_names_processes_per_node(capsys):
     """Found by review: planning tensor parallelism from a login node failed on this machine's one
     process without naming the flag that plans for other nodes."""
-    assert main(["plan", "strategy.tensor_parallel=8", "--world-sizes", "16"]) == 2
+    assert main(["plan", "model=llama3_8b", "strategy.tensor_parallel=8", "--world-sizes", "16"]) == 2
     assert capsys.readouterr().err.strip().endswith(
         "process(es) per node; plan for other nodes with --processes-per-node N)")
-    assert main(["plan", "strategy.tensor_parallel=8", "--world-sizes", "16",
+    assert main(["plan", "model=llama3_8b", "strategy.tensor_parallel=8", "--world-sizes", "16",
                  "--processes-per-node", "8"]) == 0
+    capsys.readouterr()
+
+
+def test_plan_rows_judge_each_world_size_and_the_formulas_refuse_uneven_splits(capsys):
+    """Found by a new-user trial: a shard group size the world does not divide was planned with a
+    node's group instead, the layout was judged at the config's own world size rather than the
+    planned ones, hybrid rows vanished where their groups did not fit, and the formulas gave
+    figures for a tensor-parallel degree the model's heads do not split by."""
+    assert main(["plan", "model=llama3_8b", "strategy=hybrid_shard", "strategy.shard_group_size=16",
+                 "--world-sizes", "16", "24", "--processes-per-node", "8"]) == 0
+    rows = {" ".join(line.split()[:3]): line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert "not possible" not in rows["16 x HYBRID_SHARD"] and "not possible" not in rows["24 x FULL_SHARD"]
+    assert rows["24 x HYBRID_SHARD"].endswith("not possible: strategy.shard_group_size=16 must divide the "
+                                              "world size 24 for HYBRID_SHARD; set strategy.shard_group_size "
+                                              "to a divisor of 24")
+    assert main(["plan", "--world-sizes", "12", "--processes-per-node", "8"]) == 0
+    assert "12 x HYBRID_SHARD        not possible" in capsys.readouterr().out
+    assert main(["plan", "model=llama3_70b", "strategy.tensor_parallel=3", "--world-sizes", "96",
+                 "--processes-per-node", "3"]) == 2
+    assert capsys.readouterr().err == (
+        "shardtrain: error: strategy.tensor_parallel=3 must divide query heads (model.n_heads=64); this "
+        "model splits evenly at strategy.tensor_parallel=1, 2, 4, 8, or set model.n_heads to a multiple of "
+        "3\n")
 
 
 def test_overrides_may_follow_the_options_that_take_several_values(capsys):

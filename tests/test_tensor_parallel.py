@@ -333,7 +333,8 @@ def test_across_nodes_when_forced():
 @pytest.mark.parametrize(("sizes", "message"), [
     ({"n_heads": 6, "n_kv_heads": 3, "dim": 36}, "key/value heads (model.n_kv_heads=3)"),
     ({"n_heads": 3, "n_kv_heads": 1, "dim": 36}, "query heads (model.n_heads=3)"),
-    ({"ffn_hidden_dim": 97}, "feed-forward width (model.ffn_hidden_dim=97); set model.ffn_hidden_dim"),
+    ({"ffn_hidden_dim": 97}, "feed-forward width (model.ffn_hidden_dim=97); this model splits evenly at "
+                             "strategy.tensor_parallel=1, or set model.ffn_hidden_dim to a multiple of 2"),
     ({"vocab_size": 257}, "pad model.vocab_size to a multiple of 2"),
 ])
 def test_model_sizes_must_split_evenly(sizes, message):

@@ -415,17 +415,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if memory is not None and memory <= 0:
         raise ConfigError(f"--device-memory {args.device_memory!r} must be more than 0")
     cfg = compose_checked(args.overrides)
+    from shardtrain.cli.preflight import check_model_splits
     from shardtrain.config.classpath import import_object
     from shardtrain.config.loader import check_runtime, planned_by_formulas
     from shardtrain.config.plan import launch_shape
     from shardtrain.diagnostics.planner import plan_table
+    from shardtrain.tasks.task import task_from_config
 
     if args.processes_per_node:
         # The nodes planned for, not this machine's: the layout checks (a tensor-parallel group
         # within a node) are against them.
         cfg.trainer.devices = args.processes_per_node
     try:
-        check_runtime(cfg, runs_here=False)  # the machines planned for may have what this one lacks
+        # The machines planned for may have what this one lacks; with --world-sizes each row says
+        # whether its layout is possible there (a shard group or tensor-parallel degree that does
+        # not fit the config's own world was refused for every row).
+        check_runtime(cfg, runs_here=False, rows_judge_layouts=bool(args.world_sizes))
     except ConfigError as exc:
         # the layout against the world and node sizes (other refusals name the keys too)
         layout_error = "must divide" in str(exc) or "processes of a node" in str(exc)
@@ -437,6 +442,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     per_node, world = launch_shape(cfg)
     local = args.processes_per_node or per_node
     language_model = planned_by_formulas(import_object(cfg.task.path, "task"))
+    if language_model:  # the formulas would give figures for a split that cannot exist
+        check_model_splits(cfg, task_from_config(cfg))
     if not args.simulate and not language_model:
         raise ConfigError(f"shardtrain plan's formulas know decoder language models only; for "
                           f"task={cfg.task.path} use shardtrain plan --simulate (it runs the task's "

@@ -109,6 +109,21 @@ def check_trackers(cfg: Config) -> None:
         check_reachable(mlflow_tracking_uri(cfg.run), cfg.run.tracker_timeout_s)
 
 
+def check_model_splits(cfg: Config, task: LanguageModelTask) -> None:
+    """The model's sizes split evenly at ``strategy.tensor_parallel`` (train before launch, and plan's
+    formulas, which would otherwise give figures for a layout that cannot exist)."""
+    if task.tensor_parallel_hook() is not None:
+        return  # the task's own tensor-parallel plan: the model's is not used
+    if cfg.model.name == "llama":
+        check_tensor_parallel_dims(llama_dims(cfg.model), cfg.strategy.tensor_parallel)
+        if cfg.strategy.sequence_parallel:
+            check_sequence_split(cfg.trainer.seq_len, cfg.strategy.tensor_parallel)
+    elif cfg.model.name == "hf":
+        from shardtrain.models.hf import check_tensor_parallel as check_hf_tensor_parallel  # transformers
+
+        check_hf_tensor_parallel(cfg.model, cfg.strategy.tensor_parallel, cfg.strategy.sequence_parallel)
+
+
 def check_training(cfg: Config) -> None:
     check_run_dir(Path(cfg.run.dir))
     check_trackers(cfg)
@@ -127,16 +142,7 @@ def check_training(cfg: Config) -> None:
         raise ConfigError(f"trainer.sample_tokens={cfg.trainer.sample_tokens} leaves no room for the "
                           f"prompt in model.max_seq_len={cfg.model.max_seq_len} positions; lower "
                           "trainer.sample_tokens (0: no sample)")
-    if task.tensor_parallel_hook() is not None:
-        pass  # the task's own tensor-parallel plan: the model's is not used
-    elif cfg.model.name == "llama":
-        check_tensor_parallel_dims(llama_dims(cfg.model), cfg.strategy.tensor_parallel)
-        if cfg.strategy.sequence_parallel:
-            check_sequence_split(cfg.trainer.seq_len, cfg.strategy.tensor_parallel)
-    elif cfg.model.name == "hf":
-        from shardtrain.models.hf import check_tensor_parallel as check_hf_tensor_parallel  # transformers
-
-        check_hf_tensor_parallel(cfg.model, cfg.strategy.tensor_parallel, cfg.strategy.sequence_parallel)
+    check_model_splits(cfg, task)
     if cfg.model.weights_source() == cfg.model.path and cfg.model.path:
         weight_files(Path(cfg.model.path).expanduser())  # a Hugging Face model's own weights
     tokenizer = tokenizer_for(cfg.model)  # a missing or unreadable tokenizer fails here, before any worker

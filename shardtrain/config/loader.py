@@ -20,6 +20,7 @@ from shardtrain.config.classpath import import_module_class, import_object
 from shardtrain.config.compose import check_ranges, compose_config
 from shardtrain.config.keys import boolean_spelling
 from shardtrain.config.plan import (
+    check_tensor_parallel_in_nodes,
     check_tensor_parallel_support,
     launch_shape,
     resolve_plan,
@@ -133,11 +134,13 @@ def check_built_in_task_settings(cfg: Config, task: object | None = None) -> Non
                           "shardtrain.tasks.losses.chunked_cross_entropy in its loss); drop the setting")
 
 
-def check_runtime(cfg: Config, runs_here: bool = True) -> None:
+def check_runtime(cfg: Config, runs_here: bool = True, rows_judge_layouts: bool = False) -> None:
     """What a composed config needs torch, the task's code or the devices to check; completes
     ``cfg.task`` (one spelling of its path, every option). ``runs_here=False`` (``shardtrain plan``,
     which plans for other machines, often from a login node without GPUs) skips what only this
-    machine's devices and packages decide: NCCL's GPUs, float8's tensor cores, torchao."""
+    machine's devices and packages decide: NCCL's GPUs, float8's tensor cores, torchao.
+    ``rows_judge_layouts`` (``plan --world-sizes``): the layout is judged at each world size planned
+    for, not at the launch's."""
     if runs_here:
         check_devices(cfg)
     for entry in cfg.strategy.wrap_policy:
@@ -150,8 +153,11 @@ def check_runtime(cfg: Config, runs_here: bool = True) -> None:
     check_built_in_task_settings(cfg)
     # The strategy against the world size the launch will have.
     per_node, world = launch_shape(cfg)
-    resolve_plan(cfg.strategy, world, per_node)
-    with_global_batch(cfg, world)  # a global batch the micro-batches do not divide, before any launch
+    if rows_judge_layouts:
+        check_tensor_parallel_in_nodes(cfg.strategy, per_node)  # the nodes' size is the same in each row
+    else:
+        resolve_plan(cfg.strategy, world, per_node)
+        with_global_batch(cfg, world)  # a global batch the micro-batches do not divide, before any launch
     check_tensor_parallel_support(cfg)
 
 

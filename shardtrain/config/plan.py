@@ -201,6 +201,14 @@ def check_tensor_parallel_layout(cfg: StrategyConfig, world_size: int, local_wor
         raise ConfigError(f"strategy.tensor_parallel={tp} must divide the world size {world_size} "
                           "(world = data-parallel ranks x tensor_parallel); choose a divisor of "
                           f"{world_size}")
+    check_tensor_parallel_in_nodes(cfg, local_world_size)
+    return tp
+
+
+def check_tensor_parallel_in_nodes(cfg: StrategyConfig, local_world_size: int) -> None:
+    """A tensor-parallel group stays inside a node of ``local_world_size`` processes (whatever the
+    world size: ``plan --world-sizes`` checks this once)."""
+    tp = cfg.tensor_parallel
     if tp > local_world_size and not cfg.tensor_parallel_across_nodes:
         raise ConfigError(f"strategy.tensor_parallel={tp} is larger than the {local_world_size} "
                           "processes of a node: its collectives (several per layer) would cross nodes; "
@@ -210,7 +218,6 @@ def check_tensor_parallel_layout(cfg: StrategyConfig, world_size: int, local_wor
         raise ConfigError(f"strategy.tensor_parallel={tp} must divide the {local_world_size} processes "
                           "of a node, so that no tensor-parallel group straddles two nodes; choose a "
                           f"divisor of {local_world_size}")
-    return tp
 
 
 def resolve_accumulation(choice: str, shard_group: int) -> str:

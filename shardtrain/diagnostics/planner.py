@@ -380,9 +380,8 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     what it means on an accelerator (bf16-mixed), else on a CPU (fp32); None: on this machine."""
     check_planned_batch(cfg)
     cfg = with_global_batch(cfg, world_size)  # what is held between micro-batches depends on it
-    strategy_cfg = replace(cfg.strategy, sharding_strategy=strategy,
-                           shard_group_size=cfg.strategy.shard_group_size
-                           if world_size % max(cfg.strategy.shard_group_size, 1) == 0 else 0)
+    # A shard group size the world does not divide is the row's "not possible", never another group.
+    strategy_cfg = replace(cfg.strategy, sharding_strategy=strategy)
     if checkpointed is not None:
         strategy_cfg = replace(strategy_cfg, activation_checkpointing="all" if checkpointed else "none")
     # It plans for accelerators, wherever it runs: mixed_precision=auto means bf16-mixed there.
@@ -611,11 +610,10 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
         "trainer.memory_limit_gib, shard over more ranks or shorten trainer.seq_len", rejected[-1][2])
 
 
-def strategies_at(world: int, local: int) -> list[str]:
-    """The strategies the plan tables list at ``world`` ranks: a hybrid one only where its shard
-    groups (a node's processes) divide the world into more than one."""
-    hybrid_fits = world >= 2 and world % min(local, world) == 0
-    return [s for s in STRATEGIES if hybrid_fits or not s.startswith("HYBRID")]
+def strategies_at(world: int) -> list[str]:
+    """The strategies the plan tables list at ``world`` ranks: the hybrid ones from two ranks on
+    (where their shard groups do not divide the world, the row says so)."""
+    return [s for s in STRATEGIES if world >= 2 or not s.startswith("HYBRID")]
 
 
 def run_shape(cfg: Config, local: int) -> str:
@@ -656,7 +654,7 @@ def auto_batch_table(cfg: Config, world_sizes: list[int], device_memory: int | N
              f"(nothing held before the model is built); {run_shape(cfg, local)}",
              "ranks x strategy: micro-batch x accumulation, activation checkpointing, planned peak GiB"]
     for world in world_sizes:
-        for strategy in strategies_at(world, local):
+        for strategy in strategies_at(world):
             if world % tp:
                 lines.append(f"  {world:>4} x {strategy:<19} not possible: tensor-parallel groups of {tp} "
                              f"need a multiple of {tp} ranks")
@@ -699,11 +697,11 @@ def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, l
              "(no AC / AC) | peak (no AC / AC)" + (" | fits" if device_memory else "")]
     gib = 2**30
     for world in world_sizes:
-        for strategy in strategies_at(world, local):
+        for strategy in strategies_at(world):
             try:
                 plain, checkpointed = (estimate(cfg, model, strategy, world, local, checkpointed=ac)
                                        for ac in (False, True))
-            except Exception as exc:  # a combination the plan rejects (e.g. group size)
+            except (ConfigError, ValueError) as exc:  # a layout this world size cannot take (a bug raises)
                 lines.append(f"  {world:>4} x {strategy:<19} not possible: {exc}")
                 continue
             fit = ""

@@ -47,11 +47,13 @@ def check_tensor_parallel_dims(dims: Dims, tp: int) -> None:
              ("model.vocab_size", dims.vocab_size, "the vocabulary"))
     for key, size, what in sizes:
         if size % tp:
-            fix = f"set {key} to a multiple of {tp}" if key != "model.n_kv_heads" else \
-                f"set {key} to a multiple of {tp} (or a smaller strategy.tensor_parallel)"
-            if key == "model.vocab_size":
-                fix = f"pad model.vocab_size to a multiple of {tp}"
-            raise ConfigError(f"strategy.tensor_parallel={tp} must divide {what} ({key}={size}); {fix}")
+            # A preset model's sizes are given: the degrees it takes come first.
+            degrees = [d for d in range(1, tp * 8 + 1) if all(s % d == 0 for _, s, _ in sizes)]
+            fix = f"pad model.vocab_size to a multiple of {tp}" if key == "model.vocab_size" else \
+                f"set {key} to a multiple of {tp}"
+            evenly = ", ".join(map(str, degrees))
+            raise ConfigError(f"strategy.tensor_parallel={tp} must divide {what} ({key}={size}); this "
+                              f"model splits evenly at strategy.tensor_parallel={evenly}, or {fix}")
 
 
 def check_sequence_split(length: int, tp: int, what: str = "trainer.seq_len") -> None:
