@@ -10,15 +10,19 @@ import json
 import math
 import re
 import subprocess
+from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 from cli_utils import SHARDTRAIN, clean_env, run_cli
 
+from shardtrain.diagnostics.failures import record_failure
 from shardtrain.errors import ReportError
-from shardtrain.report.html import DATA_ID, torchrun_restarts, write_report
-from shardtrain.report.panels import PHASES, start_markers
-from shardtrain.report.runs import load_run, load_runs, read_config, timeline
+from shardtrain.report.figures import _draw_line, isolated_points
+from shardtrain.report.html import DATA_ID, ending, torchrun_restarts, write_report
+from shardtrain.report.panels import PHASES, Line, start_markers
+from shardtrain.report.runs import load_run, load_runs, read_config, run_names, timeline
 
 STEPS = 8
 # Eight steps, a record each, validation every 4 and a checkpoint every 3: the crashed attempt of
@@ -110,6 +114,24 @@ def test_report_plots_exactly_the_metrics_of_a_resumed_and_an_overlaid_run(runs,
     assert page.count("src='data:image/png;base64,") == len(PANEL_IDS)
     data = json.loads(re.search(f'<script type="application/json" id="{DATA_ID}">(.*?)</script>',
                                 page, re.S).group(1))
+
+    # How each run ended (a new-user trial found a killed run looked healthy): both finished, and
+    # the resumed run's killed attempt wrote no end; killed now, the table says so
+    assert page.count("<td>finished</td>") == 2
+    resumed = load_run(runs["resumed"])
+    assert [start.outcome for start in resumed.starts] == [None, "finished"]
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in raw_records(runs["resumed"])
+                                                  if r["kind"] != "end"))
+    assert ending(load_run(killed)) == "no end recorded: still running, or killed without a record"
+    with open(killed / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 8, "kind": "end", "time": 2e9, "outcome": "preempted"}) + "\n")
+    assert ending(load_run(killed)) == "preempted at step 8"
+    record_failure(killed, 1, 7, "RuntimeError", "CUDA error: an illegal memory access")
+    assert ending(load_run(killed)).startswith("rank 1 (host ")  # a failure record after the last start
+    assert ending(load_run(killed)).endswith("failed first, after step 7: RuntimeError: CUDA error: an "
+                                             "illegal memory access")
 
     report = write_report([runs["resumed"], runs["lower_lr"]], tmp_path / "again.html")
     figures = report.figures
@@ -297,3 +319,27 @@ def test_the_weights_averages_validation_loss_is_drawn_beside_the_weights(tmp_pa
             [y for y in line.get_ydata() if not math.isnan(y)], [1.125, 0.5625])
     page = (tmp_path / "report.html").read_text()
     assert "<td class=num>0.625 (average 0.5625)</td>" in page
+
+
+def test_a_point_between_skipped_steps_is_drawn():
+    """Found by a new-user trial: a loss logged between two skipped (NaN) steps had no neighbour to
+    join, so its line drew nothing; it was in the page's data only."""
+    y = np.array([np.nan, 5.5, np.nan, np.nan, 5.1, 5.0, np.nan, 4.8])
+    assert isolated_points(y) == [1, 7]
+    assert isolated_points(np.array([3.0])) == [0] and isolated_points(np.array([1.0, 2.0])) == []
+    figure, ax = plt.subplots()
+    _draw_line(ax, Line(run="r", label="loss", x=list(range(8)), y=[None if math.isnan(v) else v for v in y],
+                        style="line"), "#000000", "r")
+    [drawn] = ax.get_lines()
+    assert drawn.get_marker() == "o" and drawn.get_markevery() == [1, 7]
+    plt.close(figure)
+
+
+def test_runs_are_named_apart_and_one_given_twice_is_refused(tmp_path):
+    """Found by a new-user trial: the same run twice was overlaid as '1: //tmp/...' and '2: //tmp/...'."""
+    assert run_names([Path("/a/x/run"), Path("/b/x/run")]) == ["a/x/run", "b/x/run"]
+    assert run_names([Path("/run"), Path("/x/run")]) == ["/run", "x/run"]  # one slash at the root
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(ReportError, match=r"^'.*/sub/\.\./run' and '.*/run' are the same run directory; give "
+                                          "each run once$"):
+        load_runs([tmp_path / "run", f"{tmp_path / 'sub'}/../run"])

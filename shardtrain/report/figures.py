@@ -43,8 +43,19 @@ def _values(values: list[float | None]) -> np.ndarray:
     return np.array([np.nan if v is None else v for v in values], dtype=float)
 
 
+def isolated_points(y: np.ndarray) -> list[int]:
+    """Indices of values with no value beside them (a lone point, or one between skipped steps),
+    which a line alone would not draw."""
+    finite = np.isfinite(y)
+    before = np.concatenate(([False], finite[:-1]))
+    after = np.concatenate((finite[1:], [False]))
+    return np.flatnonzero(finite & ~before & ~after).tolist()
+
+
 def _draw_line(ax: Axes, line: Line, colour: str, label: str) -> None:
-    style = {"line": {"linestyle": "-", "marker": "o" if len(line.x) == 1 else None, "markersize": 3},
+    lone = isolated_points(_values(line.y))
+    style = {"line": {"linestyle": "-", "marker": "o" if lone else None, "markevery": lone or None,
+                      "markersize": 3},
              "marked": {"linestyle": "--", "marker": POINT_MARKERS.get(line.label, "o"), "markersize": 4},
              "points": {"linestyle": "none", "marker": POINT_MARKERS.get(line.label, "o"), "markersize": 6,
                         "markerfacecolor": "none" if line.label.endswith("async") else colour}}[line.style]

@@ -18,6 +18,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from shardtrain.diagnostics.failures import describe
 from shardtrain.errors import ReportError
 from shardtrain.report.figures import draw_panels, png_bytes, run_colours
 from shardtrain.report.panels import Panel, build_panels, rate_key, run_unit, seen_count, unit_of
@@ -110,11 +111,24 @@ def _runs_table(runs: list[Run], colours: dict[str, str], unit: str) -> str:
             f"<td class=num>{_number(losses[-1] if losses else None)}</td>"
             f"<td class=num>{best_val}</td>"
             f"<td class=num>{len(run.starts)}</td><td class=num>{resumes}</td><td class=num>{restarts}</td>"
-            f"<td>{', '.join(map(str, worlds))}</td></tr>")
+            f"<td>{', '.join(map(str, worlds))}</td><td class=num>{len(run.of('skip'))}</td>"
+            f"<td>{html.escape(ending(run))}</td></tr>")
     return ("<table><tr><th>run</th><th>directory</th><th>last step</th>"
             f"<th>{unit} seen</th>"
             "<th>last loss</th><th>best val_loss</th><th>attempts</th><th>resumes</th>"
-            "<th>torchrun restarts</th><th>world size</th></tr>" + "".join(rows) + "</table>")
+            "<th>torchrun restarts</th><th>world size</th><th>skipped steps</th><th>ended</th></tr>"
+            + "".join(rows) + "</table>")
+
+
+def ending(run: Run) -> str:
+    """How the run's last attempt ended, from its ``end`` record and its failure record: a run that
+    was killed (SIGKILL, the out-of-memory killer, a node lost) writes neither."""
+    last = run.starts[-1] if run.starts else None
+    if run.failure is not None:
+        return describe(run.failure)
+    if last is None or last.outcome is None:
+        return "no end recorded: still running, or killed without a record"
+    return last.outcome if last.outcome == "finished" else f"{last.outcome} at step {last.ended_at}"
 
 
 def _differences_table(runs: list[Run], differences: dict[str, list[Any]]) -> str:

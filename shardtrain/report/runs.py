@@ -17,6 +17,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from shardtrain.diagnostics.failures import first_failure
 from shardtrain.errors import ReportError, first_line
 
 METRICS_FILE = "metrics.jsonl"
@@ -36,6 +37,11 @@ class Start:
     resumed_from: str | None
     restart_count: int
     world_size: int | None
+    time: float | None = None
+    # How it ended (its ``end`` record): finished, preempted, interrupted or failed, at ``ended_at``;
+    # None where it wrote none (still running, killed, or written before the record existed).
+    outcome: str | None = None
+    ended_at: int | None = None
 
 
 def restarts_so_far(counts: list[int]) -> list[int]:
@@ -60,6 +66,8 @@ class Run:
     records: dict[str, list[dict]]  # kind -> records, one per step, sorted by step
     starts: list[Start] = field(default_factory=list)
     unreadable_lines: int = 0
+    # The last attempt's root-cause failure record (run.dir/failures), if it recorded one.
+    failure: dict | None = None
 
     def of(self, kind: str) -> list[dict]:
         return self.records.get(kind, [])
@@ -131,7 +139,9 @@ def timeline(records: list[dict]) -> tuple[dict[str, list[dict]], list[Start]]:
                 for later in [s for s in kept if s > step]:
                     del kept[later]
             starts.append(Start(step, record.get("resumed_from"), int(record.get("restart_count") or 0),
-                                record.get("world_size")))
+                                record.get("world_size"), record.get("time")))
+        elif kind == "end" and starts:
+            starts[-1].outcome, starts[-1].ended_at = str(record.get("outcome")), step
         elif kind in by_kind:
             by_kind[kind][step] = {**by_kind[kind].get(step, {}), **record}
     return {kind: [kept[s] for s in sorted(kept)] for kind, kept in by_kind.items()}, starts
@@ -183,8 +193,10 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     if not kinds["train"]:
         raise ReportError(f"{metrics} has no training records yet (a run writes one every "
                           "trainer.log_every steps); run the report again once it has logged a step")
+    last_start = starts[-1].time if starts and starts[-1].time is not None else None
+    failure = first_failure(run_dir, last_start) if last_start is not None else None
     return Run(run_dir, name or run_dir.name, read_config(run_dir / CONFIG_FILE), kinds, starts,
-               unreadable)
+               unreadable, failure)
 
 
 def run_names(paths: list[Path]) -> list[str]:
@@ -192,14 +204,19 @@ def run_names(paths: list[Path]) -> list[str]:
     as it takes when two share a name."""
     parts = [p.resolve().parts for p in paths]
     for depth in range(1, max((len(p) for p in parts), default=1) + 1):
-        names = ["/".join(p[-depth:]) for p in parts]
+        names = [Path(*p[-depth:]).as_posix() for p in parts]
         if len(set(names)) == len(names):
             return names
-    return [f"{i + 1}: {name}" for i, name in enumerate(names)]  # the same directory given twice
+    raise ReportError("the same run directory is given twice; give each run once")  # load_runs checks
 
 
 def load_runs(paths: list[str | Path]) -> list[Run]:
     paths = [Path(p) for p in paths]
+    seen: dict[Path, Path] = {}
+    for path in paths:
+        if (first := seen.setdefault(path.resolve(), path)) is not path:
+            raise ReportError(f"{str(path)!r} and {str(first)!r} are the same run directory; give each run "
+                              "once")
     return [load_run(p, name) for p, name in zip(paths, run_names(paths))]
 
 

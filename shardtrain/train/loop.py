@@ -505,7 +505,7 @@ class Trainer:
                 record_exception(Path(self.cfg.run.dir), self.env.rank, self.step, exc)
             raise
         finally:
-            self.writer.close(outcome)
+            self.writer.close(outcome, self.step)
         return self.result
 
     def train(self) -> None:

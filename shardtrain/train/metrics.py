@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -102,9 +103,14 @@ class MetricsWriter:
             for tracker in self.trackers:
                 tracker.log(entry)
 
-    def close(self, outcome: str = "finished") -> None:
-        """``outcome``: finished, failed, preempted or interrupted (recorded by W&B and MLflow)."""
+    def close(self, outcome: str = "finished", step: int | None = None) -> None:
+        """``outcome``: finished, failed, preempted or interrupted (recorded by W&B and MLflow, and
+        at ``step`` as an ``end`` record in metrics.jsonl, which the report reads)."""
         if self._file is not None:
+            if step is not None:
+                with contextlib.suppress(OSError):  # a full disk must not mask how the run ended
+                    self._file.write(json.dumps({"step": step, "kind": "end", "time": time.time(),
+                                                 "outcome": outcome}) + "\n")
             self._file.close()
             self._file = None
         close_trackers(self.trackers, outcome, self.tracker_timeout_s)
