@@ -109,8 +109,7 @@ class MetricsWriter:
         if self._file is not None:
             if step is not None:
                 with contextlib.suppress(OSError):  # a full disk must not mask how the run ended
-                    self._file.write(json.dumps({"step": step, "kind": "end", "time": time.time(),
-                                                 "outcome": outcome}) + "\n")
+                    self.write(step, "end", {"outcome": outcome})
             self._file.close()
             self._file = None
         close_trackers(self.trackers, outcome, self.tracker_timeout_s)
