@@ -339,3 +339,6 @@ def test_the_per_rank_table_of_many_ranks_shows_the_notable_ones():
     assert "(8 of 64 ranks: the first four and the extremes" in lines[-2]
     assert lines[-1].endswith("largest/smallest local parameters = 2.400")
     assert len(rank_lines(entries[:16], phases)) == 2 + 16 + 1  # every rank up to 16
+    # a resumed run's first measured step is its own number (a trial read "after step 1" at step 11)
+    assert rank_lines(entries[:2], phases, step=11)[0].startswith("diagnostics: per-rank local state after "
+                                                                  "step 11 (MiB)")

@@ -23,8 +23,10 @@ from cli_utils import run_cli
 from shardtrain.config.loader import load_config
 from shardtrain.errors import ConfigError, TrackerError
 from shardtrain.train.trackers import (
+    FIXES,
     GuardedTracker,
     close_trackers,
+    fix_for,
     mlflow_tracking_uri,
     start_trackers,
     tracker_record,
@@ -319,3 +321,17 @@ def test_a_plain_path_as_the_mlflow_tracking_uri_is_its_file_store(tmp_path, mon
     for kept in ("databricks", "http://127.0.0.1:5000", "sqlite:///mlflow.db", "file:///x"):
         cfg = load_config([f"run.mlflow.tracking_uri={kept}"])
         assert mlflow_tracking_uri(cfg.run) == kept
+
+
+def test_a_file_in_the_way_of_a_trackers_directory_is_named(tmp_path):
+    """Found by a new-user trial: run.dir/wandb as a file got 'log in, or log offline' (the run was
+    offline already)."""
+    (tmp_path / "wandb").write_text("x")
+    try:
+        (tmp_path / "wandb" / "offline-run-1").mkdir()
+    except NotADirectoryError as exc:
+        assert fix_for("wandb", exc) == f"{tmp_path / 'wandb'} is a file where wandb writes a directory: " \
+                                        "move it away"
+    else:
+        raise AssertionError("mkdir under a file succeeded")
+    assert fix_for("mlflow", ValueError("bad")) == FIXES["mlflow"]

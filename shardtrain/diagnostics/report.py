@@ -131,8 +131,10 @@ def notable_ranks(entries: list[dict], phases: list[str]) -> list[dict]:
     return [picked[rank] for rank in sorted(picked)]
 
 
-def rank_lines(entries: list[dict], phases: list[str]) -> list[str]:
-    lines = ["diagnostics: per-rank local state after step 1 (MiB) and memory by phase",
+def rank_lines(entries: list[dict], phases: list[str], step: int = 1) -> list[str]:
+    """The per-rank table after the first step measured (``step``: the run's step number there, past
+    1 in a resumed run)."""
+    lines = [f"diagnostics: per-rank local state after step {step} (MiB) and memory by phase",
              "  rank | params |  grads | optimizer | " + " | ".join(f"{p} RSS" for p in phases)]
     shown = entries if len(entries) <= SHOWN_RANKS else notable_ranks(entries, phases)
     for e in shown:

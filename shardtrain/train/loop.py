@@ -931,7 +931,7 @@ class Trainer:
             return
         self.writer.write(self.step, "memory_ranks", {"ranks": ranks})
         self.info("\n".join(dtype_lines(probe, phases.grad_dtypes, self.built.plan)
-                             + rank_lines(ranks, list(PhaseMemory.PHASES))))
+                             + rank_lines(ranks, list(PhaseMemory.PHASES), self.step)))
 
 
 def check_something_to_judge(cfg: Config, val: SampleSource | None) -> None:

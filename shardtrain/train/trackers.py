@@ -507,8 +507,21 @@ def start_within(name: str, run: RunConfig, params: dict[str, Any], resume_id: s
         raise error
     if error is not None:
         raise TrackerError(f"run.trackers: {name} could not start ({first_line(error)}); "
-                           f"{FIXES[name]}") from error
+                           f"{fix_for(name, error)}") from error
     return outcome["tracker"]
+
+
+def fix_for(name: str, error: BaseException) -> str:
+    """What to do about a tracker that could not start: for a file in the way of a directory it
+    writes (its own under run.dir), that file; else the tracker's usual fixes (a login, a server)."""
+    if isinstance(error, (NotADirectoryError, FileExistsError)) and error.filename:
+        path = Path(error.filename)
+        in_the_way = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        if in_the_way is not None:
+            return f"{in_the_way} is a file where {name} writes a directory: move it away"
+    if isinstance(error, PermissionError) and error.filename:
+        return f"{error.filename} cannot be written: give run.dir where this user may write"
+    return FIXES[name]
 
 
 def close_trackers(trackers: list[GuardedTracker], outcome: str, timeout_s: float) -> None:
