@@ -94,8 +94,12 @@ NO_TRAINING = [
     # found by review: the right words for the mistake made
     (["report", "latin1.txt"], 2, "'latin1.txt' is a file; pass the run directory holding it ('.')"),
     (["generate", ".", "--prompts-file", "."], 2, "--prompts-file '.' is a directory; name a text file"),
-    (["train", "data.paths=/x"], 2, "str is not a ListConfig, list or tuple; a list is written in "
-                                    "brackets: key=[a,b]"),
+    (["train", "data.paths=/x"], 2, "shardtrain: error: data.paths=/x is not a list: write data.paths=[/x] "
+                                    "(a list is in brackets: key=[a,b])"),
+    # found by a new-user trial: Hydra's words first, or none of the way out
+    (["train", "run.mlflow=foo"], 2, "shardtrain: error: run.mlflow is a section of settings, not a value: "
+                                     "set its keys (run.mlflow.tracking_uri, run.mlflow.experiment, ...)"),
+    (["train", "run.trackers=[wandbb]"], 2, "'wandbb' is not a tracker; did you mean 'wandb'? Choose from "),
     (["train", "checkpoint.resume=null"], 2, "this key takes no null (checkpoint.resume=none starts afresh)"),
 ]
 # Runs each in one fresh interpreter, as `python -m shardtrain ARGS` would, and reports what it
@@ -208,6 +212,12 @@ def test_a_filesystem_failure_or_a_damaged_file_is_one_line(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         f"shardtrain: error: [Errno 20] Not a directory: '{tmp_path / 'a_file' / 'cache'}'; check the path "
         "and its filesystem")
+    # A run.dir the permissions allow but the filesystem refuses (found by a new-user trial: exit 1
+    # with the OS's words, not naming run.dir)
+    proc = run_cli("train", "experiment=quick", "run.dir=/proc/shardtrain-run", timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "shardtrain: error: run.dir='/proc/shardtrain-run' cannot be created (No such file or directory); "
+        "choose another path"), proc.stderr[-3000:]
     damaged = tmp_path / "damaged.safetensors"
     damaged.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
     for command in (["generate", str(damaged), "--prompt", "hi"],

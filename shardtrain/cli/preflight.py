@@ -36,6 +36,11 @@ def check_run_dir(run_dir: Path) -> None:
     if run_dir.is_dir():
         check_not_checkpoints(run_dir)
     check_writable(run_dir, "run.dir")
+    try:  # made now, as training would: a path the permissions allow may still refuse (/proc, a quota)
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"run.dir={str(run_dir)!r} cannot be created ({exc.strerror or exc}); choose "
+                          "another path") from exc
 
 
 def check_not_checkpoints(run_dir: Path) -> None:

@@ -16,7 +16,9 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import signal
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,33 @@ def override_hint(detail: str) -> str:
     return ""
 
 
+def plain_override_error(message: str, detail: str) -> str | None:
+    """Hydra's "Error merging override KEY=VALUE" for a value of the wrong shape, said as the mistake
+    made (a list without brackets, a value given to a whole section), or None for any other."""
+    found = re.search(r"override (\S+?)=(\S*)", message)
+    if found is None:
+        return None
+    key, value = found.groups()
+    if "is not a ListConfig" in detail:
+        return f"{key}={value} is not a list: write {key}=[{value}] (a list is in brackets: key=[a,b])"
+    if "is not a subclass of" in detail:
+        section = section_fields(key)
+        example = f" ({', '.join(f'{key}.{name}' for name in section[:4])}, ...)" if section else ""
+        return f"{key} is a section of settings, not a value: set its keys{example}"
+    return None
+
+
+def section_fields(key: str) -> list[str]:
+    """The field names of the config section at dotted ``key`` (``run.mlflow``); [] if none."""
+    node: Any = Config
+    for part in key.split("."):
+        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+        if part not in hints:
+            return []
+        node = hints[part]
+    return [field.name for field in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
+
+
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The config these overrides make, checked on its own (``loader.load_config`` goes on to check
     it against the code it names and the devices)."""
@@ -66,6 +95,8 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
         # Hydra wraps the OmegaConf type error; its cause says which value did not convert.
         cause = exc.__cause__
         detail = str(cause).splitlines()[0] if cause is not None else str(exc)
+        if (plain := plain_override_error(str(exc.args[0]) if exc.args else str(exc), detail)) is not None:
+            raise ConfigError(plain) from exc
         hint = override_hint(detail)
         detail = detail.rstrip(".") if hint else detail
         raise ConfigError(f"invalid override: {exc.args[0] if exc.args else exc}: {detail}{hint}") from exc
@@ -219,8 +250,9 @@ def check_batch_size(cfg: Config) -> None:
 def check_trackers(trackers: list[str]) -> None:
     for name in trackers:
         if name not in TRACKERS:
-            raise ConfigError(f"run.trackers: {name!r} is not a tracker{closest(str(name), TRACKERS)}; "
-                              f"choose from {', '.join(TRACKERS)}")
+            hint = closest(str(name), TRACKERS)
+            raise ConfigError(f"run.trackers: {name!r} is not a tracker{hint}{' C' if hint else '; c'}hoose "
+                              f"from {', '.join(TRACKERS)}")
     if len(set(trackers)) != len(trackers):
         raise ConfigError(f"run.trackers={list(trackers)} names a tracker twice; name each once")
 
