@@ -229,6 +229,26 @@ def test_bad_run_directories_fail_with_one_line(tmp_path):
         load_run(tmp_path)
     with pytest.raises(ReportError, match="is a directory"):
         write_report([tmp_path], tmp_path)
+    # Found by a new-user trial: what a directory is instead, and a run that will never log a step
+    record_failure(tmp_path, 0, 0, "TrackerError", "run.trackers: wandb could not start")
+    with pytest.raises(ReportError, match=r"has no training records: the run failed before its first logged "
+                                          r"step \(rank 0 \(host .*\) failed first, before its first step "
+                                          r"finished: TrackerError: run.trackers: wandb could not start; "):
+        load_run(tmp_path)
+    (tmp_path / "checkpoints" / "step-2").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-2" / "trainer_state.json").write_text("{}")
+    (tmp_path / "dry").mkdir()
+    (tmp_path / "dry" / "dry-run.jsonl").write_text("")
+    for given, says in ((tmp_path / "checkpoints", f"is a run's checkpoints, not its run directory; pass "
+                                                   f"'{tmp_path}'"),
+                        (tmp_path / "checkpoints" / "step-2", f"not its run directory; pass '{tmp_path}'"),
+                        (tmp_path / "dry", "holds a dry run's records only (dry-run.jsonl)")):
+        with pytest.raises(ReportError, match=re.escape(says)):
+            load_run(given)
+    for out, png_dir, says in ((tmp_path / "r.png", None, "names an image; --out is the HTML page"),
+                               (tmp_path / "r.html", tmp_path / "metrics.jsonl", "--png-dir '")):
+        with pytest.raises(ReportError, match=re.escape(says)):
+            write_report([tmp_path], out, png_dir)
     (tmp_path / "config.yaml").write_text("a: [\n  b: }")  # found by review: yaml's ParserError
     with pytest.raises(ReportError, match=r"config.yaml is not readable YAML \(while parsing a flow node\)"):
         read_config(tmp_path / "config.yaml")

@@ -183,6 +183,11 @@ def write_report(run_dirs: list[str | Path], out: str | Path, png_dir: str | Pat
     if out.is_dir():
         raise ReportError(f"--out {str(out)!r} is a directory; give the HTML file to write, e.g. "
                           f"{out / 'report.html'}")
+    if out.suffix.lower() in (".png", ".svg", ".pdf", ".jpg", ".jpeg"):
+        raise ReportError(f"--out {str(out)!r} names an image; --out is the HTML page (e.g. "
+                          f"{out.with_suffix('.html')}), and the PNGs go to --png-dir")
+    if png_dir is not None and Path(png_dir).exists() and not Path(png_dir).is_dir():
+        raise ReportError(f"--png-dir {str(png_dir)!r} is a file; give a directory for the PNGs")
     png_dir = Path(png_dir) if png_dir is not None else default_png_dir(out)
     runs = load_runs(run_dirs)
     panels = build_panels(runs)

@@ -17,10 +17,12 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from shardtrain.diagnostics.failures import first_failure
+from shardtrain.checkpoint.state import STATE_FILE
+from shardtrain.diagnostics.failures import describe, first_failure
 from shardtrain.errors import ReportError, first_line
 
 METRICS_FILE = "metrics.jsonl"
+DRY_RUN_FILE = "dry-run.jsonl"  # a dry run's records, beside a run's (train/metrics.py)
 CONFIG_FILE = "config.yaml"
 # Kinds logged at most once per step; a later record of a step replaces an earlier one.
 STEP_KINDS = ("train", "memory", "checkpoint", "skip")
@@ -179,6 +181,13 @@ def check_run_dir(run_dir: Path) -> Path:
                           "training run (the directory holding metrics.jsonl)")
     metrics = run_dir / METRICS_FILE
     if not metrics.is_file():
+        if (run_dir / DRY_RUN_FILE).is_file():
+            raise ReportError(f"{str(run_dir)!r} holds a dry run's records only ({DRY_RUN_FILE}): a dry run "
+                              "trains nothing to report; report the run.dir of a training run")
+        if run_dir.name == "checkpoints" or (run_dir / STATE_FILE).is_file():
+            run = run_dir.parent if run_dir.name == "checkpoints" else run_dir.parent.parent
+            raise ReportError(f"{str(run_dir)!r} is a run's checkpoints, not its run directory; pass "
+                              f"{str(run)!r}")
         raise ReportError(f"{str(run_dir)!r} has no {METRICS_FILE}: not a training run directory "
                           "(pass the run.dir of `shardtrain train`), or its run has not started")
     return metrics
@@ -191,6 +200,10 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     records, unreadable = parse_lines(metrics.read_bytes().decode("utf-8", errors="replace"))
     kinds, starts = timeline(records)
     if not kinds["train"]:
+        failed = first_failure(run_dir, 0.0)
+        if failed is not None:  # it never will log one
+            raise ReportError(f"{metrics} has no training records: the run failed before its first "
+                              f"logged step ({describe(failed)}; {run_dir / 'failures'})")
         raise ReportError(f"{metrics} has no training records yet (a run writes one every "
                           "trainer.log_every steps); run the report again once it has logged a step")
     last_start = starts[-1].time if starts and starts[-1].time is not None else None
