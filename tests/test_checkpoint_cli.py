@@ -271,10 +271,17 @@ def test_checkpoint_without_manifest_only_warns(good_checkpoint, tmp_path, caplo
 
     from shardtrain.checkpoint.inspect import inspect_path
     from shardtrain.checkpoint.integrity import verify_files
+    from shardtrain.errors import CheckpointError
 
     old = tmp_path / "old"
     shutil.copytree(good_checkpoint, old)
-    (old / "checksums.json").unlink()  # as saved before checksums existed
+    (old / "checksums.json").unlink()  # as a copy made without it: its save recorded one
+    with pytest.raises(CheckpointError, match=r"checksums.json is missing, though its save wrote one: the "
+                                              r"checkpoint is incomplete \(copied without it\?\)"):
+        verify_files(old)  # found by review: read as an older checkpoint, verified by nothing
+    state = json.loads((old / "trainer_state.json").read_text())
+    assert state.pop("checksums") is True
+    (old / "trainer_state.json").write_text(json.dumps(state))  # as saved before checksums existed
     verify_files(old)
     assert "no checksums recorded" in caplog.text
     report = inspect_path(old)

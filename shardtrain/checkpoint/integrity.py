@@ -103,9 +103,20 @@ def verification_share(files: dict[str, dict], rank: int, world_size: int) -> li
 
 
 def read_manifest(path: Path) -> dict[str, dict] | None:
-    """The recorded files (name -> {"sha256", "bytes"}), or None when no manifest exists."""
+    """The recorded files (name -> {"sha256", "bytes"}), or None when no manifest exists (a
+    checkpoint from before checksums, or another tool's); a CheckpointError where the checkpoint's
+    trainer state says its save wrote one."""
     file = path / MANIFEST_FILE
     if not file.is_file():
+        try:
+            recorded = json.loads((path / STATE_FILE).read_text()).get("checksums") is True
+        except (OSError, ValueError, AttributeError):  # none, or damaged: its own reader says so
+            recorded = False
+        if recorded:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r}: {MANIFEST_FILE} is missing, though its save wrote one: the "
+                "checkpoint is incomplete (copied without it?); copy it again or use another one "
+                "(checkpoint.verify_checksums=false, consolidate --skip-checksums read it unverified)")
         return None
     try:
         raw = json.loads(file.read_text())  # an OSError is the filesystem's, not damage: raised

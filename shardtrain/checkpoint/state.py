@@ -78,6 +78,9 @@ class TrainState:
     # The training data's sample count, on which the global order depends: data changed since (files
     # edited or added under the same settings) is said at the resume.
     train_samples: int | None = None
+    # The save wrote checksums.json (every save since 2026-11-29 records so): a copy without it is
+    # incomplete, not an older checkpoint that never had one.
+    checksums: bool = False
 
     @classmethod
     def capture(cls, cfg: Config, plan: ShardingPlan, *, step: int, tokens_seen: int,
@@ -94,7 +97,7 @@ class TrainState:
             versions={"shardtrain": __version__, "torch": torch.__version__,
                       "python": platform.python_version()},
             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), base_weights=base_weights, best=best,
-            evaluation_due=evaluation_due, train_samples=train_samples,
+            evaluation_due=evaluation_due, train_samples=train_samples, checksums=True,
         )
 
     def best_steps(self) -> set[int]:
