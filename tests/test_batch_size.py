@@ -15,11 +15,13 @@ import pytest
 import torch
 from batch_size_workers import GLOBAL_BATCH, auto_batch_run, planned_peak
 from distributed import run_on_ranks
+from hf_models import make_model_dir
 
 from shardtrain.cli.main import main
 from shardtrain.config.loader import load_config
 from shardtrain.config.plan import accumulation_steps
 from shardtrain.config.strategy import AC_MODES
+from shardtrain.diagnostics import kept
 from shardtrain.diagnostics.planner import NothingFits, choose_batch, estimate
 from shardtrain.distributed.env import DistEnv
 from shardtrain.errors import ConfigError
@@ -316,3 +318,25 @@ def test_out_of_memory_names_the_part_of_the_step_that_failed():
         with pytest.raises(torch.OutOfMemoryError) as failure:
             run()
         assert failing_part(failure.value) == part
+
+
+def test_auto_refuses_to_plan_from_blocks_it_could_not_measure(tmp_path, monkeypatch):
+    """Found by review: where a Hugging Face family's blocks could not run on fake tensors, auto chose a
+    micro-batch from the Llama formula (a warning said it "may be under" what they keep), and the run
+    could run out of memory mid-way."""
+    directory = make_model_dir(tmp_path / "model", "llama")
+
+    def cannot_measure(*args, **kwargs):
+        raise NotImplementedError("aten::foo has no fake implementation")
+
+    monkeypatch.setattr(kept, "measure", cannot_measure)
+    monkeypatch.setattr(kept, "_measured", {})
+    monkeypatch.setattr(kept, "_unmeasured", {})
+    cfg = load_config(["model=hf", f"model.path={directory}", "trainer.micro_batch_size=auto",
+                       "trainer.global_batch_size=8", "trainer.memory_limit_gib=8", "trainer.seq_len=32"])
+    env = DistEnv(rank=0, world_size=1, local_world_size=1, local_rank=0, device=torch.device("cpu"),
+                  backend="gloo")
+    with pytest.raises(ConfigError, match=r"^trainer.micro_batch_size=auto: the memory planner could not "
+                                          r"measure the blocks of .*model \(NotImplementedError: aten::foo "
+                                          r"has no fake implementation\), .*set trainer.micro_batch_size=N"):
+        resolve_batch(cfg, env)

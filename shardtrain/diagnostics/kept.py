@@ -102,6 +102,13 @@ def block_tagging_hooks(blocks: list[nn.Module], mode: StoragesByBlock) -> list:
 
 
 _measured: dict[tuple, list[int] | None] = {}
+_unmeasured: dict[tuple[str, str | None], str] = {}  # (model name, path) -> why it could not be measured
+
+
+def unmeasured(model_cfg: ModelConfig) -> str | None:
+    """Why this process could not measure the blocks of ``model_cfg``'s model (``kept_by_block``
+    then counted them as Llama blocks), or None."""
+    return _unmeasured.get((model_cfg.name, model_cfg.path))
 
 
 def kept_by_block(model_cfg: ModelConfig, seq_len: int, dtype: torch.dtype,
@@ -124,6 +131,8 @@ def kept_by_block(model_cfg: ModelConfig, seq_len: int, dtype: torch.dtype,
         try:
             _measured[key] = measure(model_cfg, seq_len, dtype, document_mask)
         except Exception as exc:  # the family's own code, on fake tensors: any error type
+            _unmeasured[(model_cfg.name, model_cfg.path)] = (
+                f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
             log.warning("the memory planner could not measure the blocks of %s on fake tensors (%s: %s); "
                         "it counts them as Llama blocks, which may be under what they keep: check with "
                         "shardtrain plan --simulate", model_cfg.path, type(exc).__name__,
