@@ -376,3 +376,14 @@ def test_llama_fields_with_a_hugging_face_model_are_refused(tmp_path):
                                           r"model.ffn_hidden_dim=97, model.max_seq_len=256 shape the"):
         compose_config(["model=llama_tiny", "model.name=hf", f"model.path={tmp_path}"])
     assert compose_config(["model=hf", f"model.path={tmp_path}"]).model.name == "hf"
+
+
+def test_preparation_settings_beside_a_prepared_dataset_are_refused(tmp_path):
+    """Found by review: accepted and ignored (a prepared dataset keeps the split and slice it was
+    prepared with); a preset's value (the quick experiment's data.max_bytes) is left alone."""
+    prepared = ["data.source=prepared", f"data.paths=[{tmp_path}]"]
+    with pytest.raises(ConfigError, match=r"^data.val_percent, data.file_glob shape how shardtrain prepares "
+                                          r"text .* drop them, or prepare again"):
+        compose_config([*prepared, "data.val_percent=50", "data.file_glob=*.txt"])
+    assert compose_config(["experiment=quick", *prepared]).data.max_bytes == 2_000_000
+    assert compose_config(["data.val_percent=50"]).data.val_percent == 50  # text sources take it

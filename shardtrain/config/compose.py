@@ -110,8 +110,29 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
         message = str(exc).splitlines()[0]
         raise ConfigError(f"invalid value for {key}: {message}") from exc
     check_config(cfg)
+    check_preparation_overrides(cfg, overrides)
     anchor_model_paths(cfg)
     return cfg
+
+
+# The data settings that shape a preparation of text (data.source=files or stdlib).
+PREPARATION_KEYS = ("data.val_percent", "data.max_bytes", "data.text_field", "data.file_glob")
+
+
+def check_preparation_overrides(cfg: Config, overrides: list[str]) -> None:
+    """A preparation setting given beside ``data.source=prepared``, which reads a dataset prepared
+    with its own (they were accepted and ignored). Presets' values are left alone: the quick
+    experiment's data.max_bytes slices text sources, and a prepared dataset is whole."""
+    if cfg.data.source != "prepared":
+        return
+    given = [key for key in PREPARATION_KEYS
+             if any(override.lstrip("+~").partition("=")[0] == key for override in overrides)]
+    if given:
+        raise ConfigError(f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} how shardtrain prepares "
+                          "text (data.source=files or stdlib); data.source=prepared reads a dataset with the "
+                          "settings it was prepared with (its manifest.json): drop "
+                          f"{'it' if len(given) == 1 else 'them'}, or prepare again (shardtrain prepare "
+                          "--val-percent, --max-bytes, --text-field, --glob)")
 
 
 def unreadable_override(overrides: list[str]) -> str | None:
