@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -187,3 +188,16 @@ def test_a_measured_block_under_tensor_parallelism_keeps_the_larger_estimate():
     assert split_block_bytes(2_000, 1_600, 1_000, 2) == 1_700  # the formula's bytes are per micro-batch
     assert all(split_block_bytes(kept, 522_240, split, 2) >= 0
                for kept in (1, 350_208, 2_369_536) for split in (1, 40_000, 522_240))
+
+
+def test_tensor_parallel_units_hand_fsdp_no_view(capsys):
+    """Found by a new-user trial: under tensor parallelism the embedding's unit returned its local
+    tensor as a view (DTensor.to_local), on which FSDP hooks its backward; torch 2.13 warns that an
+    in-place op there would drop the hook. Each such output is now a tensor of its own."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["plan", "--simulate", "strategy.tensor_parallel=2", "trainer.micro_batch_size=2",
+                     "--world-sizes", "4", "--processes-per-node", "4"]) == 0
+    views = [str(w.message) for w in caught if "returned a view tensor" in str(w.message)]
+    assert not views, views
+    assert "FULL_SHARD x TP 2" in capsys.readouterr().out

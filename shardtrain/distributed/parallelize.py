@@ -10,6 +10,7 @@ import functools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -376,6 +377,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
             report.exchanged_embeddings.append(name)
         units = kept
     for name, modules, reshard in units:
+        if plan.tensor_parallel > 1:
+            for module in modules:  # before fully_shard's own hook, after the tensor-parallel style's
+                module.register_forward_hook(output_own_storage)
         fully_shard(largest_first(modules) if len(modules) > 1 else modules[0], reshard_after_forward=reshard,
                     **common)
         if reshard and all(plain_embedding(m) for m in modules):
@@ -420,6 +424,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
                           "parallelize_tensors(model, tp_mesh, sequence_parallel)); set "
                           "strategy.tensor_parallel=1")
     plan(tp_mesh, sequence_parallel)
+
+
+def output_own_storage(module: nn.Module, args: Any, output: Any) -> Any:
+    """A unit's output as a tensor of its own where a tensor-parallel style handed back a view
+    (``DTensor.to_local``, the embedding's): FSDP hooks its backward on the output, and an in-place
+    op on a view would drop that hook (torch 2.13 warns of it). One activation copied a step."""
+    return output.clone() if isinstance(output, torch.Tensor) and output._base is not None else output
 
 
 def tensor_parallel_layout(model: nn.Module) -> dict[str, str]:
