@@ -198,6 +198,15 @@ def base_copies_differ(out: str, world: int) -> None:
         raise AssertionError("a base missing on rank 1 went on")
 
 
+def as_saved_before_checksums(checkpoint: Path) -> None:
+    """``checkpoint`` as a save from before checksums.json: without it, and without the trainer
+    state's word that its save wrote one (a copy missing it alone is incomplete, and refused)."""
+    (checkpoint / "checksums.json").unlink()
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    state.pop("checksums", None)
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+
+
 def copy_on_rank0(source: Path, target: Path, change) -> None:
     """Rank 0 copies a checkpoint (or a file) and ``change``s the copy; every rank waits for it."""
     if torch.distributed.get_rank() == 0:
@@ -248,7 +257,7 @@ def unreadable_resumes(out: str, world: int) -> None:
 
     def drop_rng_of_rank1(copy: Path) -> None:
         (copy / "rng-rank1.pt").unlink()
-        (copy / "checksums.json").unlink()
+        as_saved_before_checksums(copy)
 
     no_rng = Path(out, "no_rng", f"step-{N}")
     copy_on_rank0(saved, no_rng, drop_rng_of_rank1)
@@ -484,7 +493,7 @@ def shard_checks_split(out: str, trainer: Trainer) -> None:
         def drop_shard(copy: Path, manifest: bool = manifest) -> None:
             (copy / "__3_0.distcp").unlink()
             if not manifest:
-                (copy / "checksums.json").unlink()
+                as_saved_before_checksums(copy)
 
         copy = Path(out, f"missing_shard_{manifest}", f"step-{N}")
         copy_on_rank0(saved, copy, drop_shard)

@@ -42,7 +42,7 @@ def test_cpu_offload_gathers_through_a_device_mapped_group(tmp_path):
     ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H200", 989.0),
     ("NVIDIA A100-SXM4-80GB", 312.0), ("AMD Instinct MI300X", 1300.0), ("NVIDIA B200", 2250.0),
     # found by review: matched by substring, "H100 NVL" was an H100 SXM and "GB200" a B200
-    ("NVIDIA H100 NVL", 835.0), ("NVIDIA GB200", 2500.0),
+    ("NVIDIA H100 NVL", 835.0), ("NVIDIA GB200", 2500.0), ("NVIDIA GH200 480GB", 989.0),
     ("NVIDIA H800", None), ("NVIDIA A1000", None), ("Intel(R) Data Center GPU Max 1550", None)])
 def test_peak_flops_by_device_name(name, tflops):
     assert peak_flops_of(name) == (None if tflops is None else tflops * 1e12)

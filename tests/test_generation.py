@@ -253,6 +253,8 @@ def test_eval_says_when_the_runs_data_now_gives_other_samples(tmp_path):
     assert data_changed_since(argparse.Namespace(train_samples=None), corpus) is None  # older checkpoints
     (tmp_path / "data" / "new.txt").write_text("another document " * 400)
     changed = data_changed_since(state, load_corpus(data))
+    short = argparse.Namespace(train_samples=samples, config={"trainer": {"seq_len": 10**7}, "data": {}})
+    assert "now gives 0 training samples" in data_changed_since(short, corpus)  # not one window: said
     assert changed.startswith(f"the run's data ({tmp_path / 'data'}) now gives ") and changed.endswith(
         f"training samples, where the run trained on {samples}: its files changed since, or data.paths or "
         "the standard library resolve to others here, so the held-out split scored is not the run's; name "

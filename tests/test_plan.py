@@ -158,6 +158,12 @@ def test_plan_rows_judge_each_world_size_and_the_formulas_refuse_uneven_splits(c
                                               "to a divisor of 24")
     assert main(["plan", "--world-sizes", "12", "--processes-per-node", "8"]) == 0
     assert "12 x HYBRID_SHARD        not possible" in capsys.readouterr().out
+    # a global batch beside tensor parallelism at a world size it does not divide: a row, not a
+    # ZeroDivisionError (found by review)
+    assert main(["plan", "model=llama3_8b", "strategy.tensor_parallel=2", "trainer.global_batch_size=8",
+                 "trainer.micro_batch_size=1", "--processes-per-node", "2"]) == 0
+    assert "1 x FULL_SHARD          not possible: strategy.tensor_parallel=2 must divide the world size 1" \
+        in capsys.readouterr().out
     assert main(["plan", "model=llama3_70b", "strategy.tensor_parallel=3", "--world-sizes", "96",
                  "--processes-per-node", "3"]) == 2
     assert capsys.readouterr().err == (

@@ -216,7 +216,7 @@ def test_timeline_drops_what_an_abandoned_attempt_logged_after_the_resume_step()
     assert kinds["train"][-1] == {"step": 15, "kind": "train", "loss": 2.0, "val_loss": 1.5}
 
 
-def test_bad_run_directories_fail_with_one_line(tmp_path):
+def test_bad_run_directories_fail_with_one_line(tmp_path, monkeypatch):
     proc = run_cli("report", str(tmp_path / "missing"), "--out", str(tmp_path / "r.html"), timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
@@ -235,10 +235,19 @@ def test_bad_run_directories_fail_with_one_line(tmp_path):
                                           r"step \(rank 0 \(host .*\) failed first, before its first step "
                                           r"finished: TrackerError: run.trackers: wandb could not start; "):
         load_run(tmp_path)
+    # a later attempt, started and not yet logging: the earlier failure is not its (found by review)
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "kind": "start", "time": 4e9}\n')
+    with pytest.raises(ReportError, match="has no training records yet"):
+        load_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text(metrics)
     (tmp_path / "checkpoints" / "step-2").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step-2" / "trainer_state.json").write_text("{}")
     (tmp_path / "dry").mkdir()
     (tmp_path / "dry" / "dry-run.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path / "checkpoints")  # `report step-2` from inside checkpoints/ (not '.')
+    with pytest.raises(ReportError, match=re.escape(f"not its run directory; pass '{tmp_path}'")):
+        load_run(Path("step-2"))
     for given, says in ((tmp_path / "checkpoints", f"is a run's checkpoints, not its run directory; pass "
                                                    f"'{tmp_path}'"),
                         (tmp_path / "checkpoints" / "step-2", f"not its run directory; pass '{tmp_path}'"),

@@ -168,9 +168,10 @@ def check_checksums(path: Path, report: Report) -> bool:
     """Record the checksum verdict; False when .metadata itself is damaged (it is a pickle: not read)."""
     try:
         damaged = integrity.damaged_files(path)
-    except CheckpointError as exc:  # the manifest itself is unreadable
+    except CheckpointError as exc:  # the manifest itself is unreadable, or missing from a save that wrote one
         report.problems.append(str(exc))
-        report.details["checksums"] = "unreadable"
+        missing = not (path / integrity.MANIFEST_FILE).exists()
+        report.details["checksums"] = "missing (its save wrote them)" if missing else "unreadable"
         return True
     if damaged is None:
         report.details["checksums"] = "none recorded (damage inside the files cannot be detected)"

@@ -250,7 +250,12 @@ def with_global_batch(cfg: Config, world_size: int) -> Config:
     t = cfg.trainer
     if not t.global_batch_size or not isinstance(t.micro_batch_size, int):
         return cfg
-    data_parallel = world_size // cfg.strategy.tensor_parallel
+    tp = cfg.strategy.tensor_parallel
+    if world_size % tp:  # the layout's own message; without it, a division by no data-parallel rank
+        raise ConfigError(f"strategy.tensor_parallel={tp} must divide the world size {world_size} "
+                          "(world = data-parallel ranks x tensor_parallel); choose a divisor of "
+                          f"{world_size}")
+    data_parallel = world_size // tp
     steps = accumulation_steps(t.global_batch_size, t.micro_batch_size, data_parallel)
     if t.grad_accum_steps not in (1, steps):
         raise ConfigError(f"trainer.grad_accum_steps={t.grad_accum_steps} contradicts trainer."

@@ -36,7 +36,7 @@ from shardtrain.distributed.sharded_model import (
     deferred_initialization,
     with_adapters,
 )
-from shardtrain.errors import CheckpointError
+from shardtrain.errors import CheckpointError, DataError
 from shardtrain.models.hf_directory import is_model_directory
 from shardtrain.models.lora import round_base_to
 from shardtrain.models.registry import model_factory
@@ -124,7 +124,10 @@ def data_changed_since(state: TrainState | None, corpus: Corpus) -> str | None:
     if state is None or state.train_samples is None:
         return None
     trainer, data = state.config.get("trainer", {}), state.config.get("data", {})
-    found = corpus.train_windows(trainer["seq_len"], data.get("document_mask", False)).num_samples
+    try:
+        found = corpus.train_windows(trainer["seq_len"], data.get("document_mask", False)).num_samples
+    except DataError:  # too little left for one training window: changed, and said so, not raised
+        found = 0
     if found == state.train_samples:
         return None
     return (f"the run's data ({corpus.root}) now gives {found} training samples, where the run trained on "

@@ -17,12 +17,13 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from shardtrain.checkpoint.state import STATE_FILE
 from shardtrain.diagnostics.failures import describe, first_failure
 from shardtrain.errors import ReportError, first_line
 
 METRICS_FILE = "metrics.jsonl"
 DRY_RUN_FILE = "dry-run.jsonl"  # a dry run's records, beside a run's (train/metrics.py)
+# A checkpoint's trainer state (checkpoint/state.py, whose import brings torch: `report` answers without)
+STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"
 # Kinds logged at most once per step; a later record of a step replaces an earlier one.
 STEP_KINDS = ("train", "memory", "checkpoint", "skip")
@@ -185,7 +186,8 @@ def check_run_dir(run_dir: Path) -> Path:
             raise ReportError(f"{str(run_dir)!r} holds a dry run's records only ({DRY_RUN_FILE}): a dry run "
                               "trains nothing to report; report the run.dir of a training run")
         if run_dir.name == "checkpoints" or (run_dir / STATE_FILE).is_file():
-            run = run_dir.parent if run_dir.name == "checkpoints" else run_dir.parent.parent
+            whole = run_dir.absolute()  # `report step-4` from inside checkpoints/ names the run, not '.'
+            run = whole.parent if whole.name == "checkpoints" else whole.parent.parent
             raise ReportError(f"{str(run_dir)!r} is a run's checkpoints, not its run directory; pass "
                               f"{str(run)!r}")
         raise ReportError(f"{str(run_dir)!r} has no {METRICS_FILE}: not a training run directory "
@@ -200,7 +202,8 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     records, unreadable = parse_lines(metrics.read_bytes().decode("utf-8", errors="replace"))
     kinds, starts = timeline(records)
     if not kinds["train"]:
-        failed = first_failure(run_dir, 0.0)
+        # An attempt's failure, not an earlier one's that a running attempt has not logged past yet
+        failed = first_failure(run_dir, starts[-1].time or 0.0) if starts else first_failure(run_dir, 0.0)
         if failed is not None:  # it never will log one
             raise ReportError(f"{metrics} has no training records: the run failed before its first "
                               f"logged step ({describe(failed)}; {run_dir / 'failures'})")
