@@ -4,6 +4,7 @@ failed first and why, instead of leaving the user to dig through interleaved tra
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 import traceback
@@ -22,13 +23,21 @@ def record_failure(run_dir: Path, rank: int, step: int, kind: str, message: str,
     try:
         directory = Path(run_dir) / FAILURE_DIR
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / f"rank-{rank}.json").write_text(json.dumps({
+        write_whole(directory / f"rank-{rank}.json", json.dumps({
             "rank": rank, "host": socket.gethostname(), "step": step, "type": kind,
             "message": message, "time": time.time(), "traceback": traceback_text,
             "exit_status": exit_status, "fallout": fallout,
         }, indent=2))
     except OSError:
         pass  # reporting must never mask the original failure
+
+
+def write_whole(path: Path, text: str) -> None:
+    """``text`` into ``path`` whole or not at all: a process stopped mid-write (the launcher stops the
+    other workers once one exits) leaves no empty or half evidence file behind."""
+    part = path.with_name(f".{path.name}.part")
+    part.write_text(text)
+    os.replace(part, path)
 
 
 def is_failure(exc: BaseException) -> bool:

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardtrain.diagnostics.failures import record_failure
+from shardtrain.diagnostics.failures import record_failure, write_whole
 
 log = logging.getLogger("shardtrain")
 HANG_EXIT_STATUS = 124
@@ -49,7 +49,7 @@ def stacks_text(header: str) -> str:
 
 def dump_stacks(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    write_whole(path, text)
 
 
 # How long the watchdog waits for each piece of evidence it writes into run.dir before it stops.
