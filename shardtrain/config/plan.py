@@ -197,12 +197,17 @@ def check_tensor_parallel_layout(cfg: StrategyConfig, world_size: int, local_wor
     tp = cfg.tensor_parallel
     if tp == 1:
         return tp
+    check_tensor_parallel_divides(tp, world_size)
+    check_tensor_parallel_in_nodes(cfg, local_world_size)
+    return tp
+
+
+def check_tensor_parallel_divides(tp: int, world_size: int) -> None:
+    """The world is data-parallel ranks x ``tp`` (one line otherwise)."""
     if world_size % tp:
         raise ConfigError(f"strategy.tensor_parallel={tp} must divide the world size {world_size} "
                           "(world = data-parallel ranks x tensor_parallel); choose a divisor of "
                           f"{world_size}")
-    check_tensor_parallel_in_nodes(cfg, local_world_size)
-    return tp
 
 
 def check_tensor_parallel_in_nodes(cfg: StrategyConfig, local_world_size: int) -> None:
@@ -251,10 +256,7 @@ def with_global_batch(cfg: Config, world_size: int) -> Config:
     if not t.global_batch_size or not isinstance(t.micro_batch_size, int):
         return cfg
     tp = cfg.strategy.tensor_parallel
-    if world_size % tp:  # the layout's own message; without it, a division by no data-parallel rank
-        raise ConfigError(f"strategy.tensor_parallel={tp} must divide the world size {world_size} "
-                          "(world = data-parallel ranks x tensor_parallel); choose a divisor of "
-                          f"{world_size}")
+    check_tensor_parallel_divides(tp, world_size)  # else a division by no data-parallel rank below
     data_parallel = world_size // tp
     steps = accumulation_steps(t.global_batch_size, t.micro_batch_size, data_parallel)
     if t.grad_accum_steps not in (1, steps):

@@ -203,7 +203,7 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     kinds, starts = timeline(records)
     if not kinds["train"]:
         # An attempt's failure, not an earlier one's that a running attempt has not logged past yet
-        failed = first_failure(run_dir, starts[-1].time or 0.0) if starts else first_failure(run_dir, 0.0)
+        failed = first_failure(run_dir, (starts[-1].time if starts else None) or 0.0)
         if failed is not None:  # it never will log one
             raise ReportError(f"{metrics} has no training records: the run failed before its first "
                               f"logged step ({describe(failed)}; {run_dir / 'failures'})")
