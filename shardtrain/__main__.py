@@ -1,3 +1,3 @@
-from shardtrain.cli.main import main
+from shardtrain.cli.main import run
 
-raise SystemExit(main())
+run()
