@@ -25,27 +25,26 @@ def checkpointing_modes(strategy: str) -> tuple[str, ...]:
     return ("none", "all", "selective") if strategy == "full_shard" else ("none", "all")
 
 
-def simulate_against_planner(model: str, world: int, extra: str = "") -> list[dict]:
-    """Every strategy, with and without activation checkpointing, of one model at one world size;
-    with ``extra`` (one more setting, named in each case) full sharding's modes only."""
+def simulate_against_planner(model: str, world: int, strategy: str, extra: str = "") -> list[dict]:
+    """``strategy`` with every checkpointing mode, one model at one world size; ``extra`` (one more
+    setting) named in each case."""
     results = []
     meta = None
-    for strategy in STRATEGIES if not extra else STRATEGIES[:1]:
-        for ac in checkpointing_modes(strategy):
-            # The simulator gathers the embedding table (fake tensors hold no token ids to route):
-            # the planner is asked about the same run.
-            cfg = scale_config(model, strategy, ac, "strategy.embedding_lookup=gather",
-                               *([extra] if extra else []))
-            if meta is None:
-                with torch.device("meta"):
-                    meta = build_model(cfg.model)
-            sim = simulate(cfg, world, PROCESSES_PER_NODE)
-            plan = estimate(cfg, meta, cfg.strategy.sharding_strategy, world, PROCESSES_PER_NODE)
-            results.append(dict(
-                case=f"{model} x {world} {strategy} AC={ac} {extra}".rstrip(), probed=sim.probed_layers,
-                simulated=(sim.params, sim.grads, sim.optimizer, sim.activations, sim.peak),
-                planned=(plan.params, plan.grads, plan.optimizer, plan.activations, plan.peak),
-            ))
+    for ac in checkpointing_modes(strategy):
+        # The simulator gathers the embedding table (fake tensors hold no token ids to route):
+        # the planner is asked about the same run.
+        cfg = scale_config(model, strategy, ac, "strategy.embedding_lookup=gather",
+                           *([extra] if extra else []))
+        if meta is None:
+            with torch.device("meta"):
+                meta = build_model(cfg.model)
+        sim = simulate(cfg, world, PROCESSES_PER_NODE)
+        plan = estimate(cfg, meta, cfg.strategy.sharding_strategy, world, PROCESSES_PER_NODE)
+        results.append(dict(
+            case=f"{model} x {world} {strategy} AC={ac} {extra}".rstrip(), probed=sim.probed_layers,
+            simulated=(sim.params, sim.grads, sim.optimizer, sim.activations, sim.peak),
+            planned=(plan.params, plan.grads, plan.optimizer, plan.activations, plan.peak),
+        ))
     return results
 
 
