@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TextIO
 
 LOG_PREFIX = "[shardtrain"
 
@@ -48,12 +49,18 @@ def not_for_users(record: logging.LogRecord) -> bool:
                    for name, part in NOT_FOR_USERS)
 
 
-def setup_logging() -> None:
-    rank = int(os.environ.get("RANK", 0))
-    handler = logging.StreamHandler(sys.stderr)
+def console_handler(stream: TextIO, rank: int = 0) -> logging.Handler:
+    """The handler of a command's lines to ``stream``: tagged with the rank, libraries' noise left out."""
+    handler = logging.StreamHandler(stream)
     handler.setFormatter(TaggedFormatter(f"{LOG_PREFIX}]" if rank == 0 else f"{LOG_PREFIX} rank {rank}]"))
     # On the handler (a logger's filter does not see its children's records), and on torch's pytree
     # logger, whose records torch's own handler prints.
     handler.addFilter(not_for_users)
+    return handler
+
+
+def setup_logging() -> None:
+    rank = int(os.environ.get("RANK", 0))
+    handler = console_handler(sys.stderr, rank)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, handlers=[handler])
     logging.getLogger("torch.utils._pytree").addFilter(not_for_users)
