@@ -211,7 +211,7 @@ def test_a_run_directory_given_for_a_checkpoint_names_its_newest(good_checkpoint
     for given, kind in ((run_dir, "a run directory"),
                         (run_dir / "checkpoints", "a run's checkpoints directory")):
         for command in (["consolidate", str(given), str(tmp_path / "out")], ["inspect", str(given)]):
-            proc = run_cli(*command, timeout=60)
+            proc = run_here(*command)
             assert proc.returncode == 2 and proc.stderr.strip() == (
                 f"shardtrain: error: '{given}' is {kind}, not a checkpoint; its newest complete checkpoint "
                 f"is {good_checkpoint}"), (command, proc.stderr)
