@@ -33,8 +33,9 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
 
 def run_here(*args: str) -> subprocess.CompletedProcess:
     """``shardtrain args`` in this process, for a command that starts no process group and no worker
-    (inspect, consolidate, export-hf, report): what ``run_cli`` gives, without a new interpreter's
-    4 s of imports. Its log lines are on its stderr, tagged as the command's console has them."""
+    (inspect, consolidate, export-hf, report, prepare, plan): what ``run_cli`` gives, without a new
+    interpreter's 4 s of imports. Its log lines are on its stderr, tagged as the command's console
+    has them."""
     out, err = io.StringIO(), io.StringIO()
     logger = logging.getLogger("shardtrain")
     handler, level = console_handler(err), logger.level
