@@ -198,15 +198,17 @@ def test_outputs_are_checked_before_reading(tmp_path, uninterrupted):
     assert not (ckpt / "out.safetensors").exists()
 
 
-# The built-in launcher with a stand-in for torchrun's agent: argv[1] is the agent's Python code,
-# argv[2] the launch log, the rest the agent's arguments. Prints the agent's exit status.
+# The built-in launcher with a stand-in for torchrun's agent module: argv[1] is the module's code
+# (written to the working directory), argv[2] the launch log, the rest the agent's arguments. Prints
+# the agent's exit status.
 LAUNCHER = """
 import signal
 import sys
 from pathlib import Path
 import shardtrain.cli.launch as launch
-agent = [sys.executable, "-c", sys.argv[1], *sys.argv[3:]]
-launch.torchrun_argv = lambda *args, **kwargs: agent
+Path("standin_agent.py").write_text(sys.argv[1])
+launch.AGENT_MODULE = "standin_agent"
+launch.torchrun_args = lambda *args, **kwargs: sys.argv[3:]
 handled = (signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1)
 before = [signal.getsignal(sig) for sig in handled]
 status = launch.run_under_torchrun(2, ["train"], ("SIGUSR1", "SIGTERM"), 0, Path(sys.argv[2]))

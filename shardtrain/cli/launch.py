@@ -14,6 +14,12 @@ The signals the agent handles (SIGTERM when it is not a preemption signal, ``AGE
 forwarded to the agent, which stops its workers: this process must not die of them first, leaving
 the agent and its workers running.
 
+The agent is this process forked, running ``python -m torch.distributed.run`` (``runpy``), not a new
+interpreter: this process has imported torch for its checks already, and a new one would spend 1.6 s
+(on one core) importing it again before the workers start. The fork happens before this process
+starts a thread; torch's own native threads are those a DataLoader's forked workers inherit too, and
+the agent does no tensor work. The workers are new interpreters, as torchrun makes them.
+
 Console: the workers' log lines (``[shardtrain ...]``) are shown as they come; everything else the
 agent and the workers write to stderr (tracebacks, every rank's copy of an error, torchrun's
 ``ChildFailedError`` report) goes to a log file under ``run.dir/logs/``, and the caller prints one
@@ -24,14 +30,16 @@ the console can no longer be written.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
+import runpy
 import signal
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -49,22 +57,62 @@ ERROR_START = f"{COMMAND_END}error: "
 RANK_TAG = re.compile(re.escape(ERROR_START) + r"\[rank \d+\] ")
 
 
-def torchrun_argv(nproc: int, command: list[str], preemption_signals: Sequence[str],
+# The module the agent runs, as ``python -m`` would.
+AGENT_MODULE = "torch.distributed.run"
+
+
+def torchrun_args(nproc: int, command: list[str], preemption_signals: Sequence[str],
                   max_restarts: int = 0) -> list[str]:
     # The agent handles (stops its workers on) every signal that is not a preemption signal.
     handled = [s for s in ("SIGTERM", *AGENT_SIGNALS) if s not in preemption_signals]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+    return ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
             f"--signals-to-handle={','.join(handled)}", "-m", "shardtrain", *command]
 
 
 def agent_env(max_restarts: int) -> dict[str, str]:
-    env = dict(os.environ)
+    """What the agent's environment adds to this process's."""
     if max_restarts:
         # The agent's shared store survives restarts and hands a restarted attempt the dead
         # attempt's keys (pytorch/pytorch#135712); without sharing, each attempt has its own store.
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    return env
+        return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return {}
+
+
+def fork_agent(module: str, args: list[str], env: dict[str, str], ignored: Sequence[int],
+               stderr_fd: int | None) -> int:
+    """The process id of a fork of this process running ``python -m module args`` in a session of
+    its own, with ``ignored`` signals ignored, no stdin (no worker may wait at a prompt: W&B's
+    login) and, with ``stderr_fd``, its stderr there."""
+    pid = os.fork()
+    if pid:
+        return pid
+    status = 1
+    try:
+        os.setsid()
+        for sig in ignored:
+            signal.signal(sig, signal.SIG_IGN)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        if stderr_fd is not None:
+            os.dup2(stderr_fd, 2)
+            os.close(stderr_fd)
+        os.environ.update(env)
+        # Logging as a new interpreter has it: torch's records must not take this command's format.
+        logging.root.handlers.clear()
+        logging.root.setLevel(logging.WARNING)
+        sys.argv = [module, *args]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        status = 0
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # the interpreter's report of an uncaught error (torchrun's failure report)
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(status)  # not this command's exit handlers: they belong to the parent
 
 
 # How the launcher tags the lines it adds itself (a log line, so the console keeps it).
@@ -153,25 +201,20 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
                        max_restarts: int = 0, log_file: Path | None = None) -> int:
     """torchrun's exit status. With ``log_file``, only log lines reach the console (see above)."""
     signals = [getattr(signal, name) for name in preemption_signals]
-
-    def ignore_preemption_signals() -> None:  # runs in the child before exec
-        for sig in signals:
-            signal.signal(sig, signal.SIG_IGN)
-
     sys.stdout.flush()
     sys.stderr.flush()
     with contextlib.ExitStack() as stack:
         log = open(log_file, "a") if log_file is not None else None
         if log is not None:
             stack.callback(close_quietly, log)
-        agent = subprocess.Popen(torchrun_argv(nproc, command, preemption_signals, max_restarts),
-                                 env=agent_env(max_restarts), preexec_fn=ignore_preemption_signals,
-                                 start_new_session=True, text=True, errors="replace",
-                                 stdin=subprocess.DEVNULL,  # no worker may wait at a prompt (W&B's login)
-                                 stderr=subprocess.PIPE if log is not None else None)
+        read_fd, write_fd = os.pipe() if log is not None else (None, None)
+        agent = fork_agent(AGENT_MODULE, torchrun_args(nproc, command, preemption_signals, max_restarts),
+                           agent_env(max_restarts), signals, write_fd)
         reader = None
-        if log is not None:
-            reader = threading.Thread(target=split_stderr, args=(agent.stderr, log), daemon=True)
+        if read_fd is not None:
+            os.close(write_fd)  # the pipe ends when the agent and the workers have closed it
+            stderr = stack.enter_context(open(read_fd, errors="replace"))
+            reader = threading.Thread(target=split_stderr, args=(stderr, log), daemon=True)
             reader.start()
 
         # Preemption signals received, and the workers each has reached. A worker inherits the
@@ -185,7 +228,7 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
             # Only to the workers, the agent's children (the agent ignores these signals); not
             # further down: W&B's service and compile workers keep their own sessions so that the
             # trainer's signals miss them.
-            for pid in child_processes().get(agent.pid, []):
+            for pid in child_processes().get(agent, []):
                 for sig in tuple(pending):
                     if (pid, sig) not in delivered and not ignores(pid, sig):
                         with contextlib.suppress(ProcessLookupError):
@@ -198,23 +241,31 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
                 deliver()
             else:  # the signals the agent handles (it stops its workers)
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(agent.pid, signum)
+                    os.kill(agent, signum)
 
         # Every signal the agent handles, too: left at its default, SIGHUP or SIGQUIT would kill this
         # process and leave the agent (in a session of its own) and the workers running.
         for sig in {*signals, *(getattr(signal, name) for name in ("SIGTERM", *AGENT_SIGNALS))}:
             # Put back once the agent is gone: a late signal must not reach a reused process id.
             stack.callback(signal.signal, sig, signal.signal(sig, forward))
-        while True:
-            try:
-                status = agent.wait(timeout=0.5)
-                break
-            except subprocess.TimeoutExpired:
-                if pending:
-                    deliver()
+        status = wait_delivering(agent, pending, deliver)
         if reader is not None:
             reader.join()
     return status
+
+
+def wait_delivering(pid: int, pending: set[int], deliver: Callable[[], None]) -> int:
+    """The exit status of child ``pid`` (minus the signal that killed it), calling ``deliver``
+    every half second while signals are ``pending``."""
+    delivered_at = 0.0
+    while True:
+        done, wait_status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(wait_status)
+        if pending and time.monotonic() - delivered_at >= 0.5:
+            deliver()
+            delivered_at = time.monotonic()
+        time.sleep(0.05)
 
 
 # One worker in torchrun's final ChildFailedError report: "rank : 1 (local_rank: 1)" then
