@@ -30,6 +30,7 @@ the console can no longer be written.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import re
@@ -79,26 +80,30 @@ def agent_env(max_restarts: int) -> dict[str, str]:
 
 
 def fork_agent(module: str, args: list[str], env: dict[str, str], ignored: Sequence[int],
-               stderr_fd: int | None) -> int:
+               stderr_pipe: tuple[int, int] | None) -> int:
     """The process id of a fork of this process running ``python -m module args`` in a session of
     its own, with ``ignored`` signals ignored, no stdin (no worker may wait at a prompt: W&B's
-    login) and, with ``stderr_fd``, its stderr there."""
+    login) and, with ``stderr_pipe`` (read end, write end), its stderr into that pipe."""
     pid = os.fork()
     if pid:
         return pid
-    status = 1
+    status, interrupted = 1, False
     try:
         os.setsid()
         for sig in ignored:
             signal.signal(sig, signal.SIG_IGN)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        if stderr_fd is not None:
-            os.dup2(stderr_fd, 2)
-            os.close(stderr_fd)
+        if stderr_pipe is not None:
+            # Not the read end: were this process to hold it, the launcher's death would leave the
+            # workers writing into a pipe nobody reads, blocking once it is full, not failing.
+            os.close(stderr_pipe[0])
+            os.dup2(stderr_pipe[1], 2)
+            os.close(stderr_pipe[1])
         os.environ.update(env)
         # Logging as a new interpreter has it: torch's records must not take this command's format.
         logging.root.handlers.clear()
         logging.root.setLevel(logging.WARNING)
+        gc.freeze()  # the launcher's objects: neither walked nor finalised here
         sys.argv = [module, *args]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         status = 0
@@ -106,13 +111,24 @@ def fork_agent(module: str, args: list[str], env: dict[str, str], ignored: Seque
         status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        interrupted = True
     except BaseException:  # the interpreter's report of an uncaught error (torchrun's failure report)
         traceback.print_exc()
     finally:
-        with contextlib.suppress(OSError, ValueError):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(status)  # not this command's exit handlers: they belong to the parent
+        # Never back into the launcher's code, whatever a signal handler raises from here on.
+        try:
+            signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+            with contextlib.suppress(OSError, ValueError):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            if interrupted:  # as the interpreter ends on Ctrl-C: killed by SIGINT
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        finally:
+            os._exit(status & 0xFF)  # not the launcher's exit handlers; a status as the system keeps it
 
 
 # How the launcher tags the lines it adds itself (a log line, so the console keeps it).
@@ -207,13 +223,16 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
         log = open(log_file, "a") if log_file is not None else None
         if log is not None:
             stack.callback(close_quietly, log)
-        read_fd, write_fd = os.pipe() if log is not None else (None, None)
+        pipe = os.pipe() if log is not None else None
+        # The agent's status is waited for: a SIGCHLD ignored by whoever started this process would
+        # have the system reap it unasked.
+        stack.callback(signal.signal, signal.SIGCHLD, signal.signal(signal.SIGCHLD, signal.SIG_DFL))
         agent = fork_agent(AGENT_MODULE, torchrun_args(nproc, command, preemption_signals, max_restarts),
-                           agent_env(max_restarts), signals, write_fd)
+                           agent_env(max_restarts), signals, pipe)
         reader = None
-        if read_fd is not None:
-            os.close(write_fd)  # the pipe ends when the agent and the workers have closed it
-            stderr = stack.enter_context(open(read_fd, errors="replace"))
+        if pipe is not None:
+            os.close(pipe[1])  # the pipe ends when the agent and the workers have closed it
+            stderr = stack.enter_context(open(pipe[0], errors="replace"))
             reader = threading.Thread(target=split_stderr, args=(stderr, log), daemon=True)
             reader.start()
 
