@@ -43,6 +43,9 @@ DATASETS_STATE = "state.json"  # what save_to_disk writes beside its Arrow files
 DATASET_DICT = "dataset_dict.json"  # what a DatasetDict's save_to_disk writes beside its splits
 PREPARED_FORMAT = "shardtrain-prepared"  # the "format" of what ``shardtrain prepare`` writes
 PREPARED_MANIFEST = "manifest.json"
+# A prepared split's shard files (prepare.py writes them; a directory holding one is a prepared dataset).
+PREPARED_SHARD = "{kind}-{index:05d}.npy"  # kind: tokens, docs, mask
+PREPARED_TOKEN_SHARDS = "tokens-*.npy"  # the token shards among them
 # JSON can escape half of a UTF-16 pair alone ("\ud800"); no UTF-8 text holds one.
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -97,7 +100,7 @@ def is_prepared_dataset(directory: Path) -> bool:
     except (FileNotFoundError, NotADirectoryError):
         return False
     except (OSError, ValueError) as exc:
-        if not any(next((directory / split).glob("tokens-*.npy"), None) for split in ("train", "val")):
+        if not any(next((directory / split).glob(PREPARED_TOKEN_SHARDS), None) for split in ("train", "val")):
             return False  # some other manifest.json beside text files
         why = getattr(exc, "strerror", None) or type(exc).__name__
         raise DataError(f"{manifest_file} cannot be read ({why}): the prepared dataset is damaged; run "

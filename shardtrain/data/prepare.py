@@ -50,6 +50,7 @@ from shardtrain.data.documents import (
     PREPARE_LOCK_SUFFIX,
     PREPARED_FORMAT,
     PREPARED_MANIFEST,
+    PREPARED_SHARD,
     Document,
     Source,
     documents,
@@ -155,14 +156,15 @@ class ShardWriter:
         index = len(self.shards)
         lengths = np.fromiter((len(p) for p in self.parts), dtype=np.int64, count=len(self.parts))
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        tokens_file, docs_file = f"tokens-{index:05d}.npy", f"docs-{index:05d}.npy"
+        tokens_file, docs_file = (PREPARED_SHARD.format(kind=kind, index=index)
+                                  for kind in ("tokens", "docs"))
         np.save(self.directory / tokens_file, np.concatenate(self.parts).astype(self.dtype, copy=False))
         np.save(self.directory / docs_file, starts)
         split = self.directory.name
         shard = {"tokens_file": f"{split}/{tokens_file}", "docs_file": f"{split}/{docs_file}",
                  "tokens": int(lengths.sum()), "documents": len(lengths)}
         if any(mask is not None for mask in self.masks):
-            mask_file = f"mask-{index:05d}.npy"
+            mask_file = PREPARED_SHARD.format(kind="mask", index=index)
             np.save(self.directory / mask_file, np.concatenate([
                 mask if mask is not None else np.ones(len(ids), dtype=np.uint8)
                 for ids, mask in zip(self.parts, self.masks)]))
