@@ -1,15 +1,18 @@
-"""Run the real ``shardtrain`` command in a subprocess, with a deadline."""
+"""Run the real ``shardtrain`` command as a process of its own, with a deadline."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,9 +29,63 @@ def clean_env(**extra: str) -> dict:
     return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
 
 
+class Preloaded:
+    """The client of ``preloaded.py``: ``shardtrain`` commands forked from one interpreter that has
+    imported torch and shardtrain (see there for what differs from a new interpreter). Started at
+    the first command, again if it died, stopped when this process exits."""
+
+    def __init__(self) -> None:
+        self.server: subprocess.Popen | None = None
+        self.pending = b""
+
+    def start(self) -> subprocess.Popen:
+        if self.server is None or self.server.poll() is not None:
+            self.server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("preloaded.py"))],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=clean_env())
+            self.pending = b""
+            atexit.register(self.server.stdin.close)  # its loop ends, and so does it
+        return self.server
+
+    def answer(self, deadline: float | None) -> int | None:
+        """The server's next line as a number, or None past ``deadline``."""
+        fd = self.server.stdout.fileno()
+        while b"\n" not in self.pending:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and (left <= 0 or not select.select([fd], [], [], left)[0]):
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError(f"the preloaded interpreter died (status {self.server.wait()}); "
+                                   "its traceback is in the test's output above")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return int(line)
+
+    def run(self, args: list[str], timeout: float, env: dict) -> subprocess.CompletedProcess:
+        server = self.start()
+        with tempfile.TemporaryDirectory(prefix="shardtrain-cli-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            request = {"args": args, "env": env, "cwd": os.getcwd(), "stdout": str(out), "stderr": str(err)}
+            server.stdin.write((json.dumps(request) + "\n").encode())
+            server.stdin.flush()
+            pid = self.answer(None)
+            status = self.answer(time.monotonic() + timeout)
+            command = [*SHARDTRAIN, *args]
+            if status is None:  # as subprocess.run's deadline, with what the command started too
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                self.answer(None)
+                raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text())
+            return subprocess.CompletedProcess(command, status, out.read_text(), err.read_text())
+
+
+PRELOADED = Preloaded()
+
+
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*SHARDTRAIN, *args], capture_output=True, text=True, timeout=timeout,
-                          env=clean_env(**(env or {})), stdin=subprocess.DEVNULL)
+    """``shardtrain args`` as its own process, with a deadline: forked from the preloaded
+    interpreter (``preloaded.py``), not started anew."""
+    return PRELOADED.run(list(args), timeout, clean_env(**(env or {})))
 
 
 def run_here(*args: str) -> subprocess.CompletedProcess:
