@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shardtrain.cli.launch import child_processes
+from shardtrain.cli.launch import child_processes, descendants
 from shardtrain.cli.main import main
 from shardtrain.logs import console_handler
 
@@ -29,10 +29,24 @@ def clean_env(**extra: str) -> dict:
     return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
 
 
+def holders(*files: Path) -> list[int]:
+    """The processes that have one of ``files`` open, from /proc."""
+    targets, found = {str(file) for file in files}, []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{entry}/fd/{fd}") in targets:
+                        found.append(int(entry))
+                        break
+    return found
+
+
 class Preloaded:
     """The client of ``preloaded.py``: ``shardtrain`` commands forked from one interpreter that has
     imported torch and shardtrain (see there for what differs from a new interpreter). Started at
-    the first command, again if it died, stopped when this process exits."""
+    the first command, again if it died or a command was interrupted, stopped when this process
+    exits."""
 
     def __init__(self) -> None:
         self.server: subprocess.Popen | None = None
@@ -40,8 +54,9 @@ class Preloaded:
 
     def start(self) -> subprocess.Popen:
         if self.server is None or self.server.poll() is not None:
+            env = {k: v for k, v in clean_env().items() if k != "PYTHONPATH"}  # each command's own
             self.server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("preloaded.py"))],
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=clean_env())
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
             self.pending = b""
             atexit.register(self.server.stdin.close)  # its loop ends, and so does it
         return self.server
@@ -63,20 +78,43 @@ class Preloaded:
 
     def run(self, args: list[str], timeout: float, env: dict) -> subprocess.CompletedProcess:
         server = self.start()
+        command, deadline = [*SHARDTRAIN, *args], time.monotonic() + timeout
         with tempfile.TemporaryDirectory(prefix="shardtrain-cli-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
             request = {"args": args, "env": env, "cwd": os.getcwd(), "stdout": str(out), "stderr": str(err)}
-            server.stdin.write((json.dumps(request) + "\n").encode())
-            server.stdin.flush()
-            pid = self.answer(None)
-            status = self.answer(time.monotonic() + timeout)
-            command = [*SHARDTRAIN, *args]
-            if status is None:  # as subprocess.run's deadline, with what the command started too
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
-                self.answer(None)
-                raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text())
+            pid = status = None
+            try:
+                server.stdin.write((json.dumps(request) + "\n").encode())
+                server.stdin.flush()
+                pid = self.answer(None)
+                status = self.answer(deadline)
+                # Done, as subprocess.run is, once every process the command started has let go of
+                # its output as well: an agent or a worker left running fails the test.
+                while status is not None and holders(out, err) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if status is None or holders(out, err):
+                    stop(pid, out, err)
+                    if status is None:
+                        self.answer(None)  # the server has reaped it
+                    raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text())
+            except subprocess.TimeoutExpired:
+                raise
+            except BaseException:  # out of step with the server (Ctrl-C): both go
+                if pid is not None:
+                    stop(pid, out, err)
+                server.kill()
+                server.wait()
+                self.server = None
+                raise
             return subprocess.CompletedProcess(command, status, out.read_text(), err.read_text())
+
+
+def stop(pid: int, *files: Path) -> None:
+    """SIGKILL a command, everything it started (also what left its process group or was orphaned)
+    and whatever still writes its output."""
+    for target in (*descendants(pid), pid, *holders(*files)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGKILL)
 
 
 PRELOADED = Preloaded()

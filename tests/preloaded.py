@@ -7,9 +7,11 @@ exiting through the interpreter's own exit (its exit handlers, its status), with
 environment, working directory, module search path (``PYTHONPATH``), no stdin, and its stdout and
 stderr in files. What is not as in a new interpreter: the modules imported here were imported with
 this process's environment (the tests' own, the same for every command; no test sets a variable read
-at import time), in this order. A module that fails to import in a new interpreter is still found by
-the tests that start one: every training process under torchrun, the launcher's own tests, the
-default training, the examples and the import checks (test_layers, test_cli, test_config).
+at import time), in this order; and every command has this process's string hash seed (a set of
+strings iterates in the same order in each). A module that fails to import in a new interpreter is
+still found by the tests that start one: every training process under torchrun, the launcher's own
+tests, the default training, the examples and the import checks (test_layers, test_cli,
+test_config).
 
 Protocol, one command at a time: a JSON request per line on stdin ({"args", "env", "cwd", "stdout",
 "stderr"}); the answer is two lines on stdout, the command's process id once it runs, then its exit
@@ -19,11 +21,11 @@ caller's deadline can stop it with what it started.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import runpy
-import signal
 import sys
 
 import torch  # noqa: F401 - what every command imports; the rest below stands on it
@@ -48,11 +50,10 @@ def become(request: dict) -> None:
     """Turn this forked process into ``python -m shardtrain ARGS`` as the request describes; the
     command's SystemExit ends the process as the interpreter ends it."""
     os.setpgid(0, 0)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    extra = [os.path.abspath(p) for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [request["cwd"], *extra, *BASE_PATH]
     stdin = os.open(os.devnull, os.O_RDONLY)
     os.dup2(stdin, 0)
@@ -75,6 +76,8 @@ def serve() -> None:
         pid = os.fork()
         if pid == 0:
             become(request)
+        with contextlib.suppress(OSError):  # its group before the caller may signal it (and in it)
+            os.setpgid(pid, pid)
         print(pid, flush=True)
         _, status = os.waitpid(pid, 0)
         print(os.waitstatus_to_exitcode(status), flush=True)
