@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import io
 import json
-import logging
 import os
 import select
 import signal
@@ -17,8 +15,6 @@ import time
 from pathlib import Path
 
 from shardtrain.cli.launch import child_processes, descendants
-from shardtrain.cli.main import main
-from shardtrain.logs import console_handler
 
 SHARDTRAIN = [sys.executable, "-m", "shardtrain"]
 
@@ -124,28 +120,6 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
     """``shardtrain args`` as its own process, with a deadline: forked from the preloaded
     interpreter (``preloaded.py``), not started anew."""
     return PRELOADED.run(list(args), timeout, clean_env(**(env or {})))
-
-
-def run_here(*args: str) -> subprocess.CompletedProcess:
-    """``shardtrain args`` in this process, for a command that starts no process group and no worker
-    (inspect, consolidate, export-hf, report, prepare, plan): what ``run_cli`` gives, without a new
-    interpreter's 4 s of imports. Its log lines are on its stderr, tagged as the command's console
-    has them."""
-    out, err = io.StringIO(), io.StringIO()
-    logger = logging.getLogger("shardtrain")
-    handler, level = console_handler(err), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                status = main(list(args))
-            except SystemExit as exc:  # argparse's usage errors
-                status = exc.code if isinstance(exc.code, int) else 2
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-    return subprocess.CompletedProcess([*SHARDTRAIN, *args], status, out.getvalue(), err.getvalue())
 
 
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:

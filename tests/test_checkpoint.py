@@ -167,7 +167,7 @@ def lightning_checkpoint(path, layout: str, tensors: dict[str, torch.Tensor]) ->
 
 @pytest.mark.parametrize(("layout", "prefix"), [("trainer", "model."), ("fabric", "")])
 def test_consolidate_lightning_sharded_checkpoint(tmp_path, layout, prefix):
-    from cli_utils import run_here
+    from cli_utils import run_cli
 
     tensors = {"layer.weight": torch.randn(6, 5), "layer.bias": torch.randn(6),
                "head.weight": torch.randn(3, 6).to(torch.bfloat16),
@@ -188,7 +188,7 @@ def test_consolidate_lightning_sharded_checkpoint(tmp_path, layout, prefix):
         assert v.is_floating_point() or torch.equal(written, v), name
     index = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in cast.values())
-    report = run_here("inspect", str(ckpt))
+    report = run_cli("inspect", str(ckpt))
     assert report.returncode == 0, report.stdout + report.stderr
     assert "Lightning sharded checkpoint" in report.stdout and "global step: 7" in report.stdout
 

@@ -8,7 +8,7 @@ import os
 import shutil
 
 import pytest
-from cli_utils import preempt, preempt_at_start, read_metrics, run_cli, run_here
+from cli_utils import preempt, preempt_at_start, read_metrics, run_cli
 
 QUICK = ["experiment=quick", "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample_tokens=0",
          "trainer.micro_batch_size=2", "run.trackers=[]"]
@@ -24,7 +24,7 @@ def test_kill_during_save_resume_picks_previous_complete(tmp_path):
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "step-3").is_dir() and (ckpts / ".step-6.tmp").is_dir()
     assert not (ckpts / "step-6").exists()
-    inspect = run_here("inspect", str(ckpts / ".step-6.tmp"))
+    inspect = run_cli("inspect", str(ckpts / ".step-6.tmp"))
     assert inspect.returncode == 1 and "did not finish" in inspect.stdout
     # What a preemption save killed at a step never saved again, and a deletion killed half-way,
     # leave: removed at the resume (they stayed forever, full size); a look-alike name is not.
@@ -123,7 +123,7 @@ def test_save_full_matches_consolidation_and_inspect_describes_it(good_checkpoin
     consolidated = load_file(consolidate(good_checkpoint, tmp_path / "m.safetensors")[0])
     assert full.keys() == consolidated.keys()
     assert all(__import__("torch").equal(full[k], consolidated[k]) for k in full)
-    report = run_here("inspect", str(good_checkpoint))
+    report = run_cli("inspect", str(good_checkpoint))
     assert report.returncode == 0
     for expected in ("shardtrain checkpoint (DCP)", "complete:   yes", "step:       2",
                      "world size: 1", "strategy:   FULL_SHARD", "problems:   none found"):
@@ -197,10 +197,10 @@ def test_bad_checkpoints_fail_fast_with_their_own_message(good_checkpoint, tmp_p
         record = json.loads((tmp_path / "run" / "failures" / "rank-0.json").read_text())
         assert record["type"] == "CheckpointError" and message in record["message"], record
     if damage in ("truncated", "no_metadata", "empty"):
-        consolidated = run_here("consolidate", str(path), str(tmp_path / "out"))
+        consolidated = run_cli("consolidate", str(path), str(tmp_path / "out"))
         assert consolidated.returncode == 2 and message in consolidated.stderr
     if damage == "no_metadata":  # save_full: its model.safetensors does not make it a consolidated file
-        inspected = run_here("inspect", str(path))
+        inspected = run_cli("inspect", str(path))
         assert inspected.returncode == 1 and "complete:   no" in inspected.stdout, inspected.stdout
 
 
@@ -211,7 +211,7 @@ def test_a_run_directory_given_for_a_checkpoint_names_its_newest(good_checkpoint
     for given, kind in ((run_dir, "a run directory"),
                         (run_dir / "checkpoints", "a run's checkpoints directory")):
         for command in (["consolidate", str(given), str(tmp_path / "out")], ["inspect", str(given)]):
-            proc = run_here(*command)
+            proc = run_cli(*command)
             assert proc.returncode == 2 and proc.stderr.strip() == (
                 f"shardtrain: error: '{given}' is {kind}, not a checkpoint; its newest complete checkpoint "
                 f"is {good_checkpoint}"), (command, proc.stderr)
@@ -337,12 +337,12 @@ def test_damage_inside_a_file_is_named(two_rank_run, tmp_path, name, how, messag
     shutil.copytree(two_rank_run[0] / "checkpoints" / "step-4", damaged)
     message = damage_and_describe(damaged, name, how, message)
 
-    inspect = run_here("inspect", str(damaged))
+    inspect = run_cli("inspect", str(damaged))
     assert inspect.returncode == 1 and message in inspect.stdout, inspect.stdout
     if how != "truncate":
         assert f"checksums:  damaged: {name}\n" in inspect.stdout
 
-    consolidated = run_here("consolidate", str(damaged), str(tmp_path / "out"))
+    consolidated = run_cli("consolidate", str(damaged), str(tmp_path / "out"))
     if name.startswith("rng-"):  # never read to export the model: not hashed either
         assert consolidated.returncode == 0, consolidated.stderr[-3000:]
     else:
@@ -479,7 +479,7 @@ def test_the_weights_average_resumes_at_another_world_size_and_consolidates(tmp_
     for name, run in (("split", split), ("whole", whole)):
         for key in ("ema", "model"):
             out = tmp_path / f"{name}-{key}.safetensors"
-            proc = run_here("consolidate", str(run / "checkpoints" / "step-6"), str(out), "--key", key)
+            proc = run_cli("consolidate", str(run / "checkpoints" / "step-6"), str(out), "--key", key)
             assert proc.returncode == 0, proc.stderr[-3000:]
             read[name, key] = load_file(str(out))
     assert set(read["split", "ema"]) == set(read["whole", "model"]) and "norm.weight" in read["split", "ema"]
@@ -510,7 +510,7 @@ def test_the_weights_average_resumes_at_another_world_size_and_consolidates(tmp_
     proc = run_cli("generate", str(whole / "checkpoints" / "step-6"), "--ema", "--prompt", "def ",
                    "--max-new-tokens", "4")
     assert proc.returncode == 0 and proc.stdout.startswith("def "), proc.stderr[-3000:]
-    proc = run_here("export-hf", str(whole / "checkpoints" / "step-6"), str(tmp_path / "hf-ema"), "--ema")
+    proc = run_cli("export-hf", str(whole / "checkpoints" / "step-6"), str(tmp_path / "hf-ema"), "--ema")
     assert proc.returncode == 0 and "verified: transformers' logits match" in proc.stdout, proc.stderr[-3000:]
     exported = load_file(str(tmp_path / "hf-ema" / "model.safetensors"))
     assert exported["model.norm.weight"].equal(read["whole", "ema"]["norm.weight"])
@@ -563,7 +563,7 @@ def test_the_best_checkpoints_are_kept_beside_the_newest_across_a_resume(tmp_pat
         assert state["best"] == {"monitor": "val_loss", "mode": "max",
                                  "ranking": [list(entry) for entry in logged[:2]],
                                  "best": list(logged[0]), "stale": len(logged) - 1, "stopped_at": None}
-    inspect = run_here("inspect", str(run / "checkpoints" / "step-12"))
+    inspect = run_cli("inspect", str(run / "checkpoints" / "step-12"))
     assert (f"best:       by val_loss (max); kept step-2 {logged[0][1]:.6g}, step-4 {logged[1][1]:.6g}; "
             f"best step 2 ({logged[0][1]:.6g}), 5 evaluation(s) since\n") in inspect.stdout
     # By the least val_loss, one kept, saved asynchronously: each evaluation ranks, saves, and the
@@ -604,14 +604,14 @@ def test_early_stopping_ends_the_run_and_a_resume_knows_it(tmp_path):
         "trainer.eval_every=2", "checkpoint.interval=0", "trainer.monitor_mode=max", f"run.dir={tmp_path}"]
     finished = run_cli("train", *every_2, "trainer.max_steps=6", "trainer.early_stop_patience=2")
     assert finished.returncode == 0 and "early stop" not in finished.stderr, finished.stderr[-3000:]
-    inspect = run_here("inspect", str(tmp_path / "checkpoints" / "step-6"))
+    inspect = run_cli("inspect", str(tmp_path / "checkpoints" / "step-6"))
     assert "; best step 2 (" in inspect.stdout and "), 2 evaluation(s) since\n" in inspect.stdout
     proc = run_cli("train", *every_2, "trainer.max_steps=20", "trainer.early_stop_patience=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "early stop at step 8: val_loss has not improved on " in proc.stderr
     assert "(step 2) by more than 0 in 3 evaluations (trainer.early_stop_patience=2)" in proc.stderr
     assert read_metrics(tmp_path)[-1]["step"] == 8
-    inspect = run_here("inspect", str(tmp_path / "checkpoints" / "step-8"))
+    inspect = run_cli("inspect", str(tmp_path / "checkpoints" / "step-8"))
     assert "3 evaluation(s) since; stopped early at step 8\n" in inspect.stdout, inspect.stdout
     again = run_cli("train", *every_2, "trainer.max_steps=20", "trainer.early_stop_patience=2")
     assert again.returncode == 0 and "nothing to do: the run stopped early at step 8" in again.stderr

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from cli_utils import clean_env, read_metrics, run_cli, run_here
+from cli_utils import clean_env, read_metrics, run_cli
 
 from shardtrain.logs import TaggedFormatter, not_for_users
 from shardtrain.train.console import format_record
@@ -228,6 +228,6 @@ def test_a_filesystem_failure_or_a_damaged_file_is_one_line(tmp_path):
             f"shardtrain: error: {damaged} is not a readable safetensors file ("), proc.stderr[-3000:]
     existing = tmp_path / "a_file.safetensors"
     existing.write_text("x")
-    proc = run_here("consolidate", str(tmp_path / "run"), str(existing))
+    proc = run_cli("consolidate", str(tmp_path / "run"), str(existing))
     assert proc.stderr.strip() == (f"shardtrain: error: consolidate output '{existing}' already exists; "
                                    "delete it or choose another name"), proc.stderr

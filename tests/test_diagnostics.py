@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_utils import read_metrics, run_cli, run_here
+from cli_utils import read_metrics, run_cli
 from diagnostics_workers import STRATEGY_CASES, measured_state, nan_step_is_skipped, rails
 from distributed import run_on_ranks
 from equivalence import case_config
@@ -304,7 +304,7 @@ def test_planner_matches_measured_state(tmp_path, world):
 
 
 def test_plan_command_lists_strategies_and_fit():
-    proc = run_here("plan", "model=llama_200m", "--device-memory", "3GB", "--world-sizes", "1", "8",
+    proc = run_cli("plan", "model=llama_200m", "--device-memory", "3GB", "--world-sizes", "1", "8",
                     "--processes-per-node", "4")
     assert proc.returncode == 0, proc.stderr
     assert "204.8M parameters" in proc.stdout and "precision bf16-mixed" in proc.stdout  # planned for GPUs

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_utils import run_cli, run_here
+from cli_utils import run_cli
 from distributed import run_on_ranks
 from generation_workers import count_all_gathers
 from hf_models import make_model_dir
@@ -35,7 +35,7 @@ def test_sharded_generation_equals_consolidated(tmp_path):
     trained = run_cli("train", *QUICK, "trainer.max_steps=40", f"run.dir={run_dir}")
     assert trained.returncode == 0, trained.stderr[-3000:]
     ckpt = run_dir / "checkpoints" / "step-40"
-    assert run_here("consolidate", str(ckpt), str(tmp_path / "m.safetensors")).returncode == 0
+    assert run_cli("consolidate", str(ckpt), str(tmp_path / "m.safetensors")).returncode == 0
     for options in (["--temperature", "0"], ["--temperature", "0.9", "--top-k", "20", "--top-p", "0.9",
                                               "--seed", "3"]):
         sharded = run_cli("generate", str(ckpt), "--prompt", "def ", "--max-new-tokens", "48",

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from cli_utils import read_metrics, run_cli, run_here
+from cli_utils import read_metrics, run_cli
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -41,7 +41,7 @@ def test_export_loads_in_transformers_with_matching_logits(tmp_path, tied):
     assert proc.returncode == 0, proc.stderr[-3000:]
     ckpt = run_dir / "checkpoints" / "step-3"
     out = tmp_path / "hf"
-    exported = run_here("export-hf", str(ckpt), str(out), "--max-shard-size", "40KB")
+    exported = run_cli("export-hf", str(ckpt), str(out), "--max-shard-size", "40KB")
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
     assert "verified: transformers' logits match the checkpoint's" in exported.stdout
@@ -52,7 +52,7 @@ def test_export_loads_in_transformers_with_matching_logits(tmp_path, tied):
     assert hf.config.tie_word_embeddings == tied
 
     consolidated = tmp_path / "m.safetensors"
-    assert run_here("consolidate", str(ckpt), str(consolidated)).returncode == 0
+    assert run_cli("consolidate", str(ckpt), str(consolidated)).returncode == 0
     ours = Llama(model_config_of(consolidated))
     load_safetensors_into(ours, consolidated)  # a tied model's file names the weight twice
     ours.eval()
@@ -84,7 +84,7 @@ def test_export_check_fails_on_corrupted_weights(tmp_path):
                    f"run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     ckpt, out = run_dir / "checkpoints" / "step-2", tmp_path / "hf"
-    bf16 = run_here("export-hf", str(ckpt), str(out), "--dtype", "bf16")
+    bf16 = run_cli("export-hf", str(ckpt), str(out), "--dtype", "bf16")
     assert bf16.returncode == 0 and "verified" in bf16.stdout, bf16.stderr[-3000:]  # rounded alike
     # Never over an earlier export: its files left beside the new ones would be loaded instead
     written = sorted(p.name for p in out.iterdir())
@@ -119,7 +119,7 @@ def test_export_check_fails_on_corrupted_weights(tmp_path):
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="export check failed"):
         verify_export(ckpt, out)
-    skipped = run_here("export-hf", str(ckpt), str(tmp_path / "unchecked"), "--no-verify")
+    skipped = run_cli("export-hf", str(ckpt), str(tmp_path / "unchecked"), "--no-verify")
     assert skipped.returncode == 0 and "verified" not in skipped.stdout
 
 

@@ -181,11 +181,11 @@ def test_missing_files_are_named(tmp_path):
 
 def test_tied_model_consolidates_initialises_and_generates(two_rank_runs, model_dirs, tmp_path):
     """Qwen2's tied embedding: consolidate, start a run from the file, generate from it."""
-    from cli_utils import run_cli, run_here
+    from cli_utils import run_cli
 
     checkpoint = two_rank_runs / "qwen2-full_shard" / "checkpoints" / "step-5"
     consolidated = tmp_path / "qwen2.safetensors"
-    done = run_here("consolidate", str(checkpoint), str(consolidated))
+    done = run_cli("consolidate", str(checkpoint), str(consolidated))
     assert done.returncode == 0, done.stderr[-2000:]
     again = run_cli("train", "model=hf", f"model.path={model_dirs['qwen2']}",
                     f"model.init_from={consolidated}",

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_utils import clean_env, run_cli, run_here
+from cli_utils import clean_env, run_cli
 from distributed import free_port
 from safetensors.torch import load_file
 
@@ -33,7 +33,7 @@ KILL_RANK_1 = {"SHARDTRAIN_FAULT": "step:1:5:kill:0"}
 
 
 def final_weights(run_dir, out):
-    proc = run_here("consolidate", str(run_dir / "checkpoints" / "step-10"), str(out))
+    proc = run_cli("consolidate", str(run_dir / "checkpoints" / "step-10"), str(out))
     assert proc.returncode == 0, proc.stderr
     return load_file(str(out))
 
@@ -190,10 +190,10 @@ def test_a_launched_run_ends_in_one_line_naming_why(tmp_path, capsys):
 
 def test_outputs_are_checked_before_reading(tmp_path, uninterrupted):
     ckpt = uninterrupted[0] / "checkpoints" / "step-10"
-    inside = run_here("consolidate", str(ckpt), str(ckpt / "out.safetensors"))
+    inside = run_cli("consolidate", str(ckpt), str(ckpt / "out.safetensors"))
     assert inside.returncode == 2 and "inside the checkpoint it reads" in inside.stderr
     (tmp_path / "file").write_text("x")
-    into_file = run_here("export-hf", str(ckpt), str(tmp_path / "file"))
+    into_file = run_cli("export-hf", str(ckpt), str(tmp_path / "file"))
     assert into_file.returncode == 2 and "is a file; pass a directory" in into_file.stderr
     assert not (ckpt / "out.safetensors").exists()
 

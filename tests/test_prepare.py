@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import tokenizers
 import torch
-from cli_utils import clean_env, run_cli, run_here
+from cli_utils import clean_env, run_cli
 from hf_models import make_model_dir, train_tokenizer
 from tokenizers import processors
 from tqdm import tqdm
@@ -111,14 +111,14 @@ def test_every_format_is_read_and_workers_do_not_change_a_byte(inputs, tmp_path,
 
 def test_bytes_match_the_built_in_corpus_and_unchanged_inputs_do_nothing(tmp_path):
     out = tmp_path / "stdlib"
-    done = run_here("prepare", __import__("sysconfig").get_paths()["stdlib"], "--glob", "*.py",
+    done = run_cli("prepare", __import__("sysconfig").get_paths()["stdlib"], "--glob", "*.py",
                     "--max-bytes", "2000000", "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert "tokens/s" in done.stdout
     corpus = load_corpus(DataConfig(max_bytes=2_000_000))
     assert np.array_equal(read_split(out, "train")[0], corpus.train)
     assert np.array_equal(read_split(out, "val")[0], corpus.val)
-    again = run_here("prepare", __import__("sysconfig").get_paths()["stdlib"], "--glob", "*.py",
+    again = run_cli("prepare", __import__("sysconfig").get_paths()["stdlib"], "--glob", "*.py",
                      "--max-bytes", "2000000", "--out", str(out))
     assert again.returncode == 0 and "up to date" in again.stdout
 
@@ -345,7 +345,7 @@ def test_bad_data_is_one_clear_line(case, tmp_path):
         (tmp_path / "out" / "something.txt").write_text("mine")
         target.write_text('{"text": "fine"}\n')
         message = "is not a prepared dataset"
-    done = run_here("prepare", *args, "--out", str(tmp_path / "out"), "--val-percent", "0")
+    done = run_cli("prepare", *args, "--out", str(tmp_path / "out"), "--val-percent", "0")
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], done.stderr
@@ -373,12 +373,12 @@ def test_data_smaller_than_one_global_batch_fails_before_training(tmp_path):
 
 
 def test_prepare_options_reject_bad_values(tmp_path):
-    done = run_here("prepare", str(tmp_path), "--out", str(tmp_path / "o"), "--workers", "0")
+    done = run_cli("prepare", str(tmp_path), "--out", str(tmp_path / "o"), "--workers", "0")
     assert done.returncode == 2 and "--workers 0 must be at least 1" in done.stderr
     # Found by review: one message listed every bound, and a split without validation documents was
     # written without a word (training refuses it, naming a data.val_percent that cannot apply).
     (tmp_path / "one.txt").write_text("a single document")
-    done = run_here("prepare", str(tmp_path / "one.txt"), "--out", str(tmp_path / "single"))
+    done = run_cli("prepare", str(tmp_path / "one.txt"), "--out", str(tmp_path / "single"))
     assert done.returncode == 0 and done.stderr.startswith(f"warning: {tmp_path / 'single'} has no "
                                                            "validation documents (--val-percent 5 of 1 "
                                                            "documents)"), done.stderr
@@ -412,7 +412,7 @@ def test_training_reads_a_prepared_dataset(tmp_path):
 
     stdlib = __import__("sysconfig").get_paths()["stdlib"]
     out = tmp_path / "prepared"
-    assert run_here("prepare", stdlib, "--glob", "*.py", "--max-bytes", "2000000",
+    assert run_cli("prepare", stdlib, "--glob", "*.py", "--max-bytes", "2000000",
                     "--out", str(out)).returncode == 0
     common = ["experiment=quick", "trainer.max_steps=3", "trainer.log_every=1",
               "trainer.sample_tokens=0", "checkpoint.enabled=false"]
@@ -428,7 +428,7 @@ def test_training_reads_a_prepared_dataset(tmp_path):
 
     model = make_model_dir(tmp_path / "model", "llama")
     other = tmp_path / "other"
-    assert run_here("prepare", stdlib, "--glob", "*.py", "--max-bytes", "300000",
+    assert run_cli("prepare", stdlib, "--glob", "*.py", "--max-bytes", "300000",
                     "--tokenizer", str(model), "--out", str(other)).returncode == 0
     refused = run_cli("train", *common, "data.source=prepared", f"data.paths=[{other}]",
                       f"run.dir={tmp_path / 'refused'}")
@@ -684,7 +684,7 @@ def test_a_record_with_text_and_fine_tuning_fields_is_said_once(tmp_path):
     chat = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
     source = tmp_path / "both.jsonl"
     source.write_text("".join(json.dumps({**chat, "text": f"plain {i}"}) + "\n" for i in range(3)))
-    done = run_here("prepare", str(source), "--out", str(tmp_path / "out"), "--val-percent", "0")
+    done = run_cli("prepare", str(source), "--out", str(tmp_path / "out"), "--val-percent", "0")
     assert done.returncode == 0, done.stderr
     said = [line for line in done.stderr.splitlines() if "fine-tuning fields" in line]
     assert len(said) == 1, done.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
-from cli_utils import SHARDTRAIN, clean_env, run_cli, run_here
+from cli_utils import SHARDTRAIN, clean_env, run_cli
 
 from shardtrain.diagnostics.failures import record_failure
 from shardtrain.errors import ReportError
@@ -104,7 +104,7 @@ def test_report_plots_exactly_the_metrics_of_a_resumed_and_an_overlaid_run(runs,
     assert raw_steps.count(4) == 2 and raw_steps.count(5) == 1  # the crash made step 4 twice
 
     out = tmp_path / "page" / "report.html"
-    proc = run_here("report", str(runs["resumed"]), str(runs["lower_lr"]), "--out", str(out))
+    proc = run_cli("report", str(runs["resumed"]), str(runs["lower_lr"]), "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     pngs = sorted((tmp_path / "page" / "report_files").iterdir())
     assert {p.stem for p in pngs} == PANEL_IDS
@@ -217,7 +217,7 @@ def test_timeline_drops_what_an_abandoned_attempt_logged_after_the_resume_step()
 
 
 def test_bad_run_directories_fail_with_one_line(tmp_path, monkeypatch):
-    proc = run_here("report", str(tmp_path / "missing"), "--out", str(tmp_path / "r.html"))
+    proc = run_cli("report", str(tmp_path / "missing"), "--out", str(tmp_path / "r.html"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         f"shardtrain: error: run directory '{tmp_path / 'missing'}' does not exist; pass the run.dir of "
