@@ -78,7 +78,7 @@ class Preloaded:
         with tempfile.TemporaryDirectory(prefix="shardtrain-cli-") as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
             request = {"args": args, "env": env, "cwd": os.getcwd(), "stdout": str(out), "stderr": str(err)}
-            pid = status = None
+            pid = None
             try:
                 server.stdin.write((json.dumps(request) + "\n").encode())
                 server.stdin.flush()
@@ -86,15 +86,14 @@ class Preloaded:
                 status = self.answer(deadline)
                 # Done, as subprocess.run is, once every process the command started has let go of
                 # its output as well: an agent or a worker left running fails the test.
-                while status is not None and holders(out, err) and time.monotonic() < deadline:
+                left = [] if status is None else holders(out, err)
+                while left and time.monotonic() < deadline:
                     time.sleep(0.05)
-                if status is None or holders(out, err):
+                    left = holders(out, err)
+                if status is None or left:
                     stop(pid, out, err)
                     if status is None:
                         self.answer(None)  # the server has reaped it
-                    raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text())
-            except subprocess.TimeoutExpired:
-                raise
             except BaseException:  # out of step with the server (Ctrl-C): both go
                 if pid is not None:
                     stop(pid, out, err)
@@ -102,12 +101,14 @@ class Preloaded:
                 server.wait()
                 self.server = None
                 raise
+            if status is None or left:
+                raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text())
             return subprocess.CompletedProcess(command, status, out.read_text(), err.read_text())
 
 
 def stop(pid: int, *files: Path) -> None:
-    """SIGKILL a command, everything it started (also what left its process group or was orphaned)
-    and whatever still writes its output."""
+    """SIGKILL a command, everything it started (also what went into a session of its own, or was
+    orphaned) and whatever still writes its output."""
     for target in (*descendants(pid), pid, *holders(*files)):
         with contextlib.suppress(ProcessLookupError):
             os.kill(target, signal.SIGKILL)

@@ -15,13 +15,11 @@ test_config).
 
 Protocol, one command at a time: a JSON request per line on stdin ({"args", "env", "cwd", "stdout",
 "stderr"}); the answer is two lines on stdout, the command's process id once it runs, then its exit
-status (minus the signal that killed it). The command leads a process group of its own, so that a
-caller's deadline can stop it with what it started.
+status (minus the signal that killed it).
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
@@ -49,7 +47,6 @@ BASE_PATH = sys.path[1:]
 def become(request: dict) -> None:
     """Turn this forked process into ``python -m shardtrain ARGS`` as the request describes; the
     command's SystemExit ends the process as the interpreter ends it."""
-    os.setpgid(0, 0)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -72,13 +69,10 @@ def serve() -> None:
     gc.freeze()  # what is imported stays shared with every fork, untouched by their collections
     for line in sys.stdin:
         request = json.loads(line)
-        sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
             become(request)
-        with contextlib.suppress(OSError):  # its group before the caller may signal it (and in it)
-            os.setpgid(pid, pid)
-        print(pid, flush=True)
+        print(pid, flush=True)  # flushed: nothing buffered is left for the next fork to write again
         _, status = os.waitpid(pid, 0)
         print(os.waitstatus_to_exitcode(status), flush=True)
 

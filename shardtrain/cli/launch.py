@@ -92,7 +92,9 @@ def fork_agent(module: str, args: list[str], env: dict[str, str], ignored: Seque
         os.setsid()
         for sig in ignored:
             signal.signal(sig, signal.SIG_IGN)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
         if stderr_pipe is not None:
             # Not the read end: were this process to hold it, the launcher's death would leave the
             # workers writing into a pipe nobody reads, blocking once it is full, not failing.
