@@ -25,7 +25,7 @@ from shardtrain.errors import TrainingError
 from shardtrain.tasks.task import LossOutput
 from shardtrain.train.loop import Trainer, TrainResult
 from shardtrain.train.metrics import MetricsWriter, Throughput
-from shardtrain.train.optim import SCHEDULE_SHAPE
+from shardtrain.train.optim import SCHEDULE_SHAPE, build_scheduler, follow_schedule, lr_factor
 from shardtrain.train.step import StepStats, check_metric_names, count_ahead, run_loss
 
 
@@ -177,6 +177,30 @@ def test_a_resume_names_the_schedule_settings_it_does_not_follow():
     assert bare_trainer(cfg).schedule_changes(older) == [shape_change]  # saved before the keys existed
     assert shape_change.startswith("trainer.lr_decay 'cosine' -> 'linear', "
                                    "trainer.decay_fraction 1.0 -> 0.2: ")
+
+
+def test_a_resume_runs_its_next_step_at_the_changed_schedules_rate():
+    """The optimizer's saved rate is the checkpoint's schedule's for the next step: follow_schedule
+    puts the new schedule's there (a review measured step 6 at the old rate, step 7 at the new)."""
+    saved_cfg = dataclasses.replace(Config().trainer, lr=1.0, warmup_steps=10, max_steps=20)
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([param], lr=saved_cfg.lr)
+    scheduler = build_scheduler(optimizer, saved_cfg)
+    for _ in range(5):
+        optimizer.step()
+        scheduler.step()
+    saved = optimizer.state_dict(), scheduler.state_dict()
+    for cfg in (saved_cfg, dataclasses.replace(saved_cfg, warmup_steps=0)):
+        optimizer = torch.optim.AdamW([param], lr=cfg.lr)
+        scheduler = build_scheduler(optimizer, cfg)
+        optimizer.load_state_dict(saved[0])
+        scheduler.load_state_dict(saved[1])
+        assert optimizer.param_groups[0]["lr"] == 0.6  # the saved schedule's rate for step 6
+        follow_schedule(scheduler)
+        expected = lr_factor(5, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio, cfg.lr_decay,
+                             cfg.decay_fraction)
+        assert optimizer.param_groups[0]["lr"] == expected
+        assert (expected == 0.6) == (cfg is saved_cfg), expected  # unchanged: the same rate, exactly
 
 
 def test_a_resume_says_each_changed_setting_once_and_nothing_when_none_changed():

@@ -75,7 +75,7 @@ from shardtrain.train.console import Console
 from shardtrain.train.ema import WeightAverage
 from shardtrain.train.flops import counted_flops_per_sample
 from shardtrain.train.metrics import DRY_RUN_FILE, METRICS_FILE, MetricsWriter, Throughput
-from shardtrain.train.optim import SCHEDULE_SHAPE, optimizer_kind
+from shardtrain.train.optim import SCHEDULE_SHAPE, follow_schedule, optimizer_kind
 from shardtrain.train.step import StepStats, evaluate, failing_part, ratio, train_step
 
 log = logging.getLogger("shardtrain")
@@ -262,6 +262,7 @@ class Trainer:
             asked_lrs = list(self.built.scheduler.base_lrs)  # the load replaces them with the saved
             with self.resume_watched():
                 state = self.checkpointer.load(path)
+            follow_schedule(self.built.scheduler)
             self.step = self.last_saved_step = state.step
             self.evaluation_due = state.evaluation_due
             self.result.count_seen = state.tokens_seen

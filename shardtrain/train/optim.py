@@ -108,3 +108,12 @@ def build_scheduler(optimizer: torch.optim.Optimizer,
         lambda step: lr_factor(step, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio, cfg.lr_decay,
                                cfg.decay_fraction),
     )
+
+
+def follow_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Set each parameter group's learning rate to what this run's schedule gives at the scheduler's
+    step. A resumed optimizer holds the rate the checkpoint's schedule computed for the next step:
+    with changed warmup, max_steps or decay, the new schedule would start one step late."""
+    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
+                                   scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * factor(scheduler.last_epoch)
