@@ -123,6 +123,16 @@ def test_save_full_matches_consolidation_and_inspect_describes_it(good_checkpoin
     consolidated = load_file(consolidate(good_checkpoint, tmp_path / "m.safetensors")[0])
     assert full.keys() == consolidated.keys()
     assert all(__import__("torch").equal(full[k], consolidated[k]) for k in full)
+    # Found by review: with tied embeddings every save failed (the two names share memory, which
+    # safetensors refuses), and the file lacked the model's config that generate and eval read.
+    tied = run_cli("train", *QUICK, "trainer.max_steps=1", "checkpoint.save_full=true",
+                   "model.tie_embeddings=true", f"run.dir={tmp_path / 'tied'}")
+    assert tied.returncode == 0, tied.stderr[-3000:]
+    tied_file = tmp_path / "tied" / "checkpoints" / "step-1" / "model.safetensors"
+    tied_full = load_file(tied_file)
+    assert tied_full["tok_embeddings.weight"].equal(tied_full["output.weight"])
+    generated = run_cli("generate", str(tied_file), "--prompt", "x", "--max-new-tokens", "2", timeout=120)
+    assert generated.returncode == 0, generated.stderr[-2000:]
     report = run_cli("inspect", str(good_checkpoint))
     assert report.returncode == 0
     for expected in ("shardtrain checkpoint (DCP)", "complete:   yes", "step:       2",

@@ -52,6 +52,7 @@ from shardtrain import accelerator, faults
 from shardtrain.checkpoint import integrity, layout, staging
 from shardtrain.checkpoint.best import BestEvaluations
 from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed, save_failed
+from shardtrain.checkpoint.safetensors_files import shardtrain_metadata, unshared
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.checkpoint.weights import base_identity, check_model_compatible, check_same_base
 from shardtrain.config.compose import config_hash
@@ -117,10 +118,11 @@ def first_sentence(exc: BaseException) -> str:
     return first_line(exc).split(". ")[0].rstrip(".")
 
 
-def write_full_weights(full: dict[str, torch.Tensor], file: Path) -> None:
-    """``checkpoint.save_full``'s consolidated safetensors file (rank 0, which holds ``full``)."""
+def write_full_weights(full: dict[str, torch.Tensor], config: dict[str, Any], file: Path) -> None:
+    """``checkpoint.save_full``'s consolidated safetensors file (rank 0, which holds ``full``), as
+    ``consolidate`` writes it: the run's model and data config in its metadata."""
     if full:
-        save_file({k: v.contiguous() for k, v in full.items()}, str(file))
+        save_file(unshared(full), str(file), metadata=shardtrain_metadata(config))
         layout.fsync_path(file)  # durable before the commit, as DCP's files are
 
 
@@ -451,13 +453,6 @@ class Checkpointer:
         rng = layout.rng_file(self.rank)
         run_agreed(lambda: self.write_file(step, tmp, write_rng_state, rng), self.group)
         faults.inject("save", self.rank, step)
-        if self.ckpt.save_full:
-            full = get_model_state_dict(  # a collective; rank 0 holds the whole model
-                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if self.rank != 0:
-                full = {}
-            run_agreed(lambda: self.write_file(step, tmp, partial(write_full_weights, full),
-                                               "model.safetensors"), self.group)
         state = self.training_state()
         trainer_state = TrainState.capture(
             self.cfg, self.plan, step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
@@ -465,6 +460,13 @@ class Checkpointer:
             base_weights=self.base, best=None if self.best is None else self.best.state(),
             evaluation_due=evaluation_due, train_samples=train_samples,
         )
+        if self.ckpt.save_full:
+            full = get_model_state_dict(  # a collective; rank 0 holds the whole model
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if self.rank != 0:
+                full = {}
+            write = partial(write_full_weights, full, trainer_state.config)
+            run_agreed(lambda: self.write_file(step, tmp, write, "model.safetensors"), self.group)
         if self.ckpt.async_save and not blocking:
             # Staging copies the state before this returns; the write and the commit run behind.
             with self.save_errors(step, tmp):

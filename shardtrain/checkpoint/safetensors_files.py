@@ -43,6 +43,25 @@ def shard_name(index: int, count: int) -> str:
     return SINGLE_FILE if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
+def shardtrain_metadata(config: dict[str, Any]) -> dict[str, str]:
+    """A consolidated file's metadata: the model's and the data's config (from a checkpoint's
+    ``trainer_state.json``), so that ``generate`` and ``eval`` rebuild the model from the file alone."""
+    return {"format": "pt", MODEL_CONFIG_KEY: json.dumps(config["model"], sort_keys=True),
+            DATA_CONFIG_KEY: json.dumps(config["data"], sort_keys=True)}
+
+
+def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors, contiguous, each with storage of its own: safetensors refuses tensors that share
+    memory (tied embeddings: both names are written, equal, as consolidation writes them)."""
+    seen: set[int] = set()
+    result = {}
+    for name, tensor in tensors.items():
+        storage = tensor.untyped_storage().data_ptr()
+        result[name] = tensor.clone() if storage in seen else tensor.contiguous()
+        seen.add(storage)
+    return result
+
+
 def save_shard(tensors: dict[str, torch.Tensor], target: Path, metadata: dict[str, str]) -> None:
     """Write one file atomically (a crash leaves no half-written file under the final name)."""
     tmp = target.with_name(target.name + ".tmp")

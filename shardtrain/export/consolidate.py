@@ -12,7 +12,6 @@ left beside the new ones would be read instead of them.
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +24,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from shardtrain.checkpoint import integrity, layout
 from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed
 from shardtrain.checkpoint.safetensors_files import (
-    DATA_CONFIG_KEY,
-    MODEL_CONFIG_KEY,
     check_new_output,
     save_shard,
     shard_name,
+    shardtrain_metadata,
     write_index,
 )
 from shardtrain.checkpoint.state import TrainState
@@ -167,11 +165,8 @@ def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | N
     metadata = {"format": "pt"}
     model_entries = key is None or key.rstrip(".") in ("model", layout.AVERAGE_KEY)
     if layout.detect_format(path) == "shardtrain" and model_entries:
-        # Lets `shardtrain generate` and `eval` rebuild the model from the file alone (the weights'
-        # average, trainer.ema_decay's, is the same model's).
-        saved = TrainState.read(path).config
-        metadata[MODEL_CONFIG_KEY] = json.dumps(saved["model"], sort_keys=True)
-        metadata[DATA_CONFIG_KEY] = json.dumps(saved["data"], sort_keys=True)
+        # the weights' average (trainer.ema_decay's) is the same model's
+        metadata = shardtrain_metadata(TrainState.read(path).config)
     for index, entries in enumerate(plan.shards, start=1):
         name = out.name if single else shard_name(index, n)
         loaded = load_tensors(path, entries, plan.metadata)
