@@ -59,6 +59,15 @@ def test_export_loads_in_transformers_with_matching_logits(tmp_path, tied):
     x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert rel_error(hf(x).logits, ours(x)) < 1e-5
+    # From the consolidated file: as many shards, each read alone (found by review: one shard of the
+    # whole file, read whole, whatever --max-shard-size said), the same tensors.
+    from_file = [p for p in export_hf(consolidated, tmp_path / "hf-from-file", max_shard_size="40KB")
+                 if p.suffix == ".safetensors"]
+    shards = [p for p in out.iterdir() if p.suffix == ".safetensors"]
+    assert len(from_file) == len(shards) > 2
+    written = {k: v for p in from_file for k, v in load_file(p).items()}
+    expected = {k: v for p in shards for k, v in load_file(p).items()}
+    assert written.keys() == expected.keys() and all(written[k].equal(expected[k]) for k in written)
     if not tied:
         return
     # A tied model's consolidated file starts a run and generates (it used to be refused:

@@ -12,6 +12,7 @@ transformers (``export/verify.py``). Importing goes the other way through
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from shardtrain.checkpoint.safetensors_files import DTYPES as SAFETENSORS_DTYPES
 from shardtrain.checkpoint.safetensors_files import (
     check_new_directory,
     open_safetensors,
@@ -30,6 +32,7 @@ from shardtrain.checkpoint.safetensors_files import (
 from shardtrain.checkpoint.weights import model_config_of
 from shardtrain.config.plan import DTYPES, dtype_name
 from shardtrain.config.schema import ModelConfig
+from shardtrain.config.sizes import parse_size
 from shardtrain.data.tokenizer import TOKENIZER_FILES
 from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import consolidate, written_dtype
@@ -79,17 +82,47 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
     try:
         # Cast while consolidating: --max-shard-size then measures the shards as written.
-        staged = [src] if src.is_file() else consolidate(src, staging, max_shard_size=max_shard_size,
-                                                          dtype=dtype, key=key)
-        parts = [partial(read_part, p) for p in staged if p.suffix == ".safetensors"]
+        if src.is_file():  # one file: read a shard's tensors at a time as well
+            parts = [partial(read_part, src, names) for names in file_parts(src, max_shard_size, dtype)]
+        else:
+            staged = consolidate(src, staging, max_shard_size=max_shard_size, dtype=dtype, key=key)
+            parts = [partial(read_part, p) for p in staged if p.suffix == ".safetensors"]
         return write_hf_directory(cfg, out, parts, dtype)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def read_part(path: Path) -> dict[str, torch.Tensor]:
+def shard_parts(sizes: dict[str, int], max_shard_size: str | None) -> list[list[str]]:
+    """The names in each output shard, given each tensor's bytes as written: in order, each shard
+    at most ``max_shard_size`` bytes (a tensor larger than that alone in its shard)."""
+    limit = parse_size(max_shard_size, "--max-shard-size") if max_shard_size else None
+    parts: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in sizes.items():
+        if limit and parts[-1] and size + nbytes > limit:
+            parts.append([])
+            size = 0
+        parts[-1].append(name)
+        size += nbytes
+    return parts
+
+
+def file_parts(path: Path, max_shard_size: str | None, dtype: str | None) -> list[list[str]]:
+    """``shard_parts`` of a safetensors file's tensors, sized from its header (nothing loaded)."""
+    cast = DTYPES[dtype] if dtype else None
+    sizes = {}
     with open_safetensors(path) as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
+        for name in f.keys():
+            piece = f.get_slice(name)
+            stored = SAFETENSORS_DTYPES[piece.get_dtype()]
+            sizes[name] = math.prod(piece.get_shape()) * written_dtype(stored, cast).itemsize
+    return shard_parts(sizes, max_shard_size)
+
+
+def read_part(path: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` of a safetensors file (default: all of them)."""
+    with open_safetensors(path) as f:
+        return {name: f.get_tensor(name) for name in (f.keys() if names is None else names)}
 
 
 def write_hf_directory(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[], dict[str, torch.Tensor]]],

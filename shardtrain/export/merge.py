@@ -24,9 +24,8 @@ from torch import nn
 
 from shardtrain.checkpoint.safetensors_files import check_new_directory
 from shardtrain.config.schema import ModelConfig
-from shardtrain.config.sizes import parse_size
 from shardtrain.distributed.sharded_model import parameters_on_meta
-from shardtrain.export.hf import write_hf_directory
+from shardtrain.export.hf import shard_parts, write_hf_directory
 from shardtrain.export.peft import LoraCheckpoint, checkpoint_model
 from shardtrain.export.verify import (
     EXPORT_TOLERANCE,
@@ -59,21 +58,6 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
             if not is_adapter(name)}
 
 
-def shard_parts(tensors: dict[str, torch.Tensor], max_shard_size: str | None) -> list[list[str]]:
-    """The names in each output shard: in order, each shard at most ``max_shard_size`` bytes."""
-    limit = parse_size(max_shard_size, "--max-shard-size") if max_shard_size else None
-    parts: list[list[str]] = [[]]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if limit and parts[-1] and size + nbytes > limit:
-            parts.append([])
-            size = 0
-        parts[-1].append(name)
-        size += nbytes
-    return parts
-
-
 def select(tensors: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
     return {name: tensors[name] for name in names}
 
@@ -89,7 +73,8 @@ def export_merged(checkpoint: str | Path, out_dir: str | Path, max_shard_size: s
     model = checkpoint_model(ckpt, nf4_base=True)
     merge_in_place(model)
     tensors = merged_weights(model)
-    parts = [partial(select, tensors, names) for names in shard_parts(tensors, max_shard_size)]
+    sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in tensors.items()}
+    parts = [partial(select, tensors, names) for names in shard_parts(sizes, max_shard_size)]
     return write_hf_directory(ckpt.model, Path(out_dir), parts, dtype)
 
 
