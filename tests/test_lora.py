@@ -654,6 +654,25 @@ def test_a_moved_base_is_named_before_an_export_writes(lora_runs, tmp_path, caps
         assert "ln -s NEW" in error and not (tmp_path / "out").exists()
 
 
+def test_a_damaged_adapter_checkpoint_is_named_by_every_reader(lora_runs, tmp_path, capsys):
+    """Found by review: export-peft and export-hf --merge read the adapters without their checksums
+    (a flipped bit was exported, and their self-checks compared against the same bytes), and
+    generate --skip-checksums checked them anyway."""
+    out, _ = lora_runs
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out / "full_shard" / "checkpoints" / "step-5", damaged)
+    shard = damaged / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    for command in (["export-peft"], ["export-hf", "--merge"]):
+        assert main([command[0], str(damaged), str(tmp_path / "out"), *command[1:]]) == 2
+        assert "__0_0.distcp is damaged (sha256 " in capsys.readouterr().err
+    generate = ["generate", str(damaged), "--prompt", "x", "--max-new-tokens", "2"]
+    assert main(generate) == 2 and "__0_0.distcp is damaged (sha256 " in capsys.readouterr().err
+    assert main([*generate, "--skip-checksums"]) == 0, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("case", ["full_shard", "qlora"])
 def test_generate_and_eval_on_a_lora_checkpoint(lora_runs, model_dirs, tmp_path, capsys, case):
     """generate and eval on the adapters-only checkpoint (base read again, adapters on it) give the

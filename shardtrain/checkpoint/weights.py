@@ -257,10 +257,10 @@ def read_dcp(state: dict[str, Any], path: Path, metadata: Metadata) -> None:
                                                      "it is on", rank)) from exc
 
 
-def load_adapters(model: nn.Module, path: Path) -> None:
+def load_adapters(model: nn.Module, path: Path, verify_checksums: bool = True) -> None:
     """The adapters of a ``finetune=lora`` checkpoint into ``model`` (built with the same LoRA
     settings, sharded at any world size or not at all); its base is read or drawn separately."""
-    metadata = verify_shared(path)
+    metadata = verify_shared(path, verify_checksums)
     state = {name: value for name, value in get_model_state_dict(model).items() if is_adapter(name)}
     check_model_compatible(path, metadata, state, adapters_only=True)
     read_dcp({"model": state}, path, metadata)

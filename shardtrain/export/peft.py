@@ -24,7 +24,7 @@ from peft import PeftModel
 from safetensors.torch import save_file
 from torch import nn
 
-from shardtrain.checkpoint import layout
+from shardtrain.checkpoint import integrity, layout
 from shardtrain.checkpoint.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 from shardtrain.checkpoint.safetensors_files import check_new_directory
 from shardtrain.checkpoint.state import TrainState
@@ -72,6 +72,7 @@ class LoraCheckpoint:
         if source := state.model_config().weights_source():
             source_files(source)  # a base moved since training: said before anything is written
         plan = plan_shards(path, None, None, "model")
+        integrity.verify_files(path, names=plan.files)  # every byte read, as consolidate verifies
         entries = [entry for shard in plan.shards for entry in shard if is_adapter(entry[1])]
         tensors = load_tensors(path, entries, plan.metadata)
         return cls(path, state.model_config(), FinetuneConfig(**state.config["finetune"]),

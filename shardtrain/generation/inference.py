@@ -111,7 +111,7 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
             round_base_to(model, stored_base)
         if cfg.finetune.method == "qlora":  # the adapters learnt on the NF4 base, so they run on it
             quantize_base(model)
-        load_adapters(model, path)
+        load_adapters(model, path, verify_checksums)
     else:
         load_model_weights(model, str(path), cfg.model, verify_checksums=verify_checksums, average=average)
     return Loaded(cfg, env, model, with_adapters(factory, cfg, env.device), plan.param_dtype,
