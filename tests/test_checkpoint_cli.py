@@ -120,7 +120,14 @@ def test_save_full_matches_consolidation_and_inspect_describes_it(good_checkpoin
     from shardtrain.export.consolidate import consolidate
 
     full = load_file(good_checkpoint / "model.safetensors")
-    consolidated = load_file(consolidate(good_checkpoint, tmp_path / "m.safetensors")[0])
+    consolidated_file = consolidate(good_checkpoint, tmp_path / "m.safetensors")[0]
+    consolidated = load_file(consolidated_file)
+    # Readable as any other file written here (found by review: safetensors writes 0600 whatever the
+    # umask, so a shared cluster's serving job could not read an export).
+    umask = os.umask(0o077)
+    os.umask(umask)
+    for written in (good_checkpoint / "model.safetensors", consolidated_file):
+        assert written.stat().st_mode & 0o777 == 0o666 & ~umask, (written, oct(written.stat().st_mode))
     assert full.keys() == consolidated.keys()
     assert all(__import__("torch").equal(full[k], consolidated[k]) for k in full)
     # Found by review: with tied embeddings every save failed (the two names share memory, which

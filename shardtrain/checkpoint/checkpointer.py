@@ -38,7 +38,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict import (
@@ -52,7 +51,7 @@ from shardtrain import accelerator, faults
 from shardtrain.checkpoint import integrity, layout, staging
 from shardtrain.checkpoint.best import BestEvaluations
 from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed, save_failed
-from shardtrain.checkpoint.safetensors_files import shardtrain_metadata, unshared
+from shardtrain.checkpoint.safetensors_files import save_safetensors, shardtrain_metadata, unshared
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.checkpoint.weights import base_identity, check_model_compatible, check_same_base
 from shardtrain.config.compose import config_hash
@@ -122,7 +121,7 @@ def write_full_weights(full: dict[str, torch.Tensor], config: dict[str, Any], fi
     """``checkpoint.save_full``'s consolidated safetensors file (rank 0, which holds ``full``), as
     ``consolidate`` writes it: the run's model and data config in its metadata."""
     if full:
-        save_file(unshared(full), str(file), metadata=shardtrain_metadata(config))
+        save_safetensors(unshared(full), file, shardtrain_metadata(config))
         layout.fsync_path(file)  # durable before the commit, as DCP's files are
 
 

@@ -8,6 +8,7 @@ this layout; ``inspect``, ``model.init_from`` and generation read it.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -62,10 +63,27 @@ def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return result
 
 
+@functools.cache
+def new_file_mode() -> int:
+    """The mode a new file gets from this process: 0666 less its umask (read once; a file another
+    thread creates meanwhile gets the stricter 077)."""
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' ``save_file`` with the permissions any other file written here gets: the library
+    creates its files 0600 whatever the umask, so on a shared cluster an export was unreadable to
+    the serving job or a colleague."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, new_file_mode())
+
+
 def save_shard(tensors: dict[str, torch.Tensor], target: Path, metadata: dict[str, str]) -> None:
     """Write one file atomically (a crash leaves no half-written file under the final name)."""
     tmp = target.with_name(target.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
+    save_safetensors(tensors, tmp, metadata)
     os.replace(tmp, target)
 
 

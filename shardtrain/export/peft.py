@@ -21,12 +21,11 @@ from pathlib import Path
 import torch
 import transformers
 from peft import PeftModel
-from safetensors.torch import save_file
 from torch import nn
 
 from shardtrain.checkpoint import integrity, layout
 from shardtrain.checkpoint.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
-from shardtrain.checkpoint.safetensors_files import check_new_directory
+from shardtrain.checkpoint.safetensors_files import check_new_directory, save_safetensors
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.checkpoint.weights import load_model_weights, source_files
 from shardtrain.config.plan import DTYPES
@@ -132,8 +131,8 @@ def export_peft(checkpoint: str | Path, out_dir: str | Path) -> list[Path]:
     config.task_type = "CAUSAL_LM"
     config.base_model_name_or_path = base_directory(ckpt.model)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / ADAPTER_WEIGHTS),
-              metadata={"format": "pt"})
+    save_safetensors({k: v.contiguous() for k, v in tensors.items()}, out / ADAPTER_WEIGHTS,
+                     {"format": "pt"})
     config.save_pretrained(str(out))
     return [out / ADAPTER_CONFIG, out / ADAPTER_WEIGHTS]
 
