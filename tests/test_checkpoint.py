@@ -20,6 +20,7 @@ from checkpoint_workers import (
     save_at_four,
 )
 from distributed import run_on_ranks
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from shardtrain.checkpoint import layout, staging
@@ -203,6 +204,12 @@ def test_metadata_that_is_not_dcps_is_a_checkpoint_error(tmp_path):
     assert not report.complete and "holds a dict, not DCP's Metadata" in report.render()
 
 
+def config_resumed_from(resume: str) -> dict:
+    """A saved config (``TrainState.config``) of a run started with ``checkpoint.resume=resume``."""
+    config = OmegaConf.to_container(OmegaConf.structured(Config()))
+    return {**config, "checkpoint": {**config["checkpoint"], "resume": resume}}
+
+
 def test_later_checkpoints_are_this_runs_only_with_the_same_resume_and_config(tmp_path):
     """A requeued job of resume=PATH goes on from the later checkpoints it saved, also once its keep_last
     pruned PATH (the launcher asked PATH to exist first, and refused the requeue); the same resume
@@ -214,7 +221,7 @@ def test_later_checkpoints_are_this_runs_only_with_the_same_resume_and_config(tm
         directory.mkdir(parents=True)
         TrainState(step=step, tokens_seen=0, consumed_samples=0, global_batch=2, scheduler={},
                    world_size=1, strategy="FULL_SHARD", mesh_shape=[1], mesh_dim_names=["dp_shard"],
-                   mixed_precision="fp32", config={"checkpoint": {"resume": resume}}, config_hash=digest,
+                   mixed_precision="fp32", config=config_resumed_from(resume), config_hash=digest,
                    versions={}, saved_at="now").write(directory)
 
     saved(chosen, 2, "auto")
@@ -246,10 +253,11 @@ def test_later_checkpoints_are_this_runs_only_with_the_same_resume_and_config(tm
 
 
 def test_trainer_state_fields_are_type_checked(tmp_path):
+    config = config_resumed_from("auto")
     fields = dict(step=6, tokens_seen=96, consumed_samples=12, global_batch=2,
                   scheduler={"last_epoch": 6}, world_size=1, strategy="FULL_SHARD", mesh_shape=[1],
-                  mesh_dim_names=["dp_shard"], mixed_precision="fp32", config={}, config_hash="abc",
-                  versions={"torch": "2"}, saved_at="now")
+                  mesh_dim_names=["dp_shard"], mixed_precision="fp32", config=config, config_hash="abc",
+                  versions={"torch": "2", "shardtrain": "9.1"}, saved_at="now")
     TrainState(**fields).write(tmp_path)
     assert TrainState.read(tmp_path) == TrainState(**fields)
     raw = json.loads((tmp_path / STATE_FILE).read_text())
@@ -267,6 +275,20 @@ def test_trainer_state_fields_are_type_checked(tmp_path):
                     {**best, "ranking": [["6", 1.0]]}, {**best, "stale": -1}, {**best, "best": 2.5}):
         (tmp_path / STATE_FILE).write_text(json.dumps({**raw, "best": damaged}))
         with pytest.raises(CheckpointError, match="field 'best' is .*, not a record of the best evaluations"):
+            TrainState.read(tmp_path)
+    # The saved config, which readers rebuild (found by review: tracebacks, and on one rank of a
+    # resume an AttributeError its peers waited on for the checkpoint group's timeout).
+    for damaged, message in (({**config, "model": {**config["model"], "experts": 8}},
+                              "holds settings shardtrain .* does not know \\(model.experts\\): it was "
+                              "saved by shardtrain 9.1; read it with that version"),
+                             ({k: v for k, v in config.items() if k != "model"},
+                              "its config's 'model' section is missing, not a mapping"),
+                             ({**config, "task": "x"}, "its config's 'task' section is \"x\", not a mapping"),
+                             ({**config, "task": {"path": 3}}, "its config's task.path is not a string"),
+                             ({**config, "checkpoint": []},
+                              "its config's 'checkpoint' section is \\[\\], not")):
+        (tmp_path / STATE_FILE).write_text(json.dumps({**raw, "config": damaged}))
+        with pytest.raises(CheckpointError, match=message):
             TrainState.read(tmp_path)
 
 

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from shardtrain.config.compose import config_hash
 from shardtrain.config.plan import ShardingPlan, describe_mesh
-from shardtrain.config.schema import LANGUAGE_MODEL_TASK, Config, DataConfig, ModelConfig
+from shardtrain.config.schema import LANGUAGE_MODEL_TASK, Config, DataConfig, FinetuneConfig, ModelConfig
 from shardtrain.errors import CheckpointError
 from shardtrain.version import __version__
 
@@ -222,7 +222,34 @@ class TrainState:
         if "mesh_shape" in raw and any(size < 1 for size in raw["mesh_shape"]):
             raise CheckpointError(f"checkpoint {str(directory)!r}: {STATE_FILE} field 'mesh_shape' is "
                                   f"{raw['mesh_shape']}; the file is damaged, use another checkpoint")
+        check_saved_config(directory, raw["config"], raw["versions"].get("shardtrain", "unknown"))
         return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+# The saved config's sections that readers rebuild as dataclasses (the rest are compared key by key).
+REBUILT_SECTIONS = {"model": ModelConfig, "data": DataConfig, "finetune": FinetuneConfig}
+
+
+def check_saved_config(directory: Path, config: dict[str, Any], saved_by: str) -> None:
+    """A CheckpointError, rather than a traceback far from here (on one rank of a resume: the others
+    waiting in its agreement), where the saved config is not the shape this shardtrain reads: a
+    section missing or not a mapping, or settings it does not know (a newer or older shardtrain's)."""
+    where = f"checkpoint {str(directory)!r}: {STATE_FILE}"
+    for section in (f.name for f in dataclasses.fields(Config)):
+        required = section in ("model", "data", "trainer")
+        if (required or section in config) and not isinstance(config.get(section), dict):
+            found = json.dumps(config.get(section))[:60] if section in config else "missing"
+            raise CheckpointError(f"{where}: its config's {section!r} section is {found}, not a mapping; "
+                                  "the file is damaged, use another checkpoint")
+    if not isinstance(config.get("task", {}).get("path", LANGUAGE_MODEL_TASK), str):
+        raise CheckpointError(f"{where}: its config's task.path is not a string; the file is damaged, "
+                              "use another checkpoint")
+    for section, schema in REBUILT_SECTIONS.items():
+        unknown = sorted(set(config.get(section, {})) - {f.name for f in dataclasses.fields(schema)})
+        if unknown:
+            names = ", ".join(f"{section}.{name}" for name in unknown)
+            raise CheckpointError(f"{where} holds settings shardtrain {__version__} does not know ({names}): "
+                                  f"it was saved by shardtrain {saved_by}; read it with that version")
 
 
 def well_formed_best(best: dict[str, Any]) -> bool:
