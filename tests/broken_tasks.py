@@ -123,8 +123,25 @@ class Captioner(torch.nn.Module):
         return self.head(x)
 
 
+class SkippingCaptioner(Captioner):
+    """Runs the image encoder only where a micro-batch has images: its parameters, in the root unit
+    (not a unit of their own), get gradients on some ranks only (strategy.reduce_unused_params)."""
+
+    def forward(self, tokens: torch.Tensor, images: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        if len(rows):
+            features = self.encoder(images)
+            x = x.index_add(0, rows, torch.nn.functional.pad(features[:, None], (0, 0, 0, x.shape[1] - 1)))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 class SomeImages(torch.utils.data.Dataset):
-    """One sample in four has an image; every item has the same keys (``has_image`` says which)."""
+    """One sample in ``every`` has an image; every item has the same keys (``has_image`` says which)."""
+
+    def __init__(self, every: int = 4) -> None:
+        self.every = every
 
     def __len__(self) -> int:
         return 128
@@ -133,7 +150,7 @@ class SomeImages(torch.utils.data.Dataset):
         generator = torch.Generator().manual_seed(index)
         return {"tokens": torch.randint(0, 32, (6,), generator=generator),
                 "image": torch.randn(3, 8, 8, generator=generator),
-                "has_image": torch.tensor(index % 4 == 0)}
+                "has_image": torch.tensor(index % self.every == 0)}
 
 
 class SometimesImages(Task):
@@ -159,6 +176,21 @@ class SometimesImages(Task):
         targets = batch["tokens"][:, 1:]
         return LossOutput(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"),
                           targets.numel())
+
+
+class SkipsImages(SometimesImages):
+    """Skips the image encoder where a micro-batch has no images: ranks use different parameters in
+    a step. One sample in two has an image, so every global batch has some (the reference, one
+    process, then gives every parameter a gradient each step, as the sharded run's reduction does)."""
+
+    def build_model(self):
+        return SkippingCaptioner()
+
+    def wrap_policy(self):
+        return [TextBlock]
+
+    def train_dataset(self):
+        return SomeImages(every=2)
 
 
 class RankMetrics(ImageClassification):

@@ -28,7 +28,7 @@ N = 2  # steps before a checkpoint is resumed; runs are 2N steps
 
 
 # Test-only tasks (tests/broken_tasks.py) that train like the examples.
-MORE_TASKS = {"sometimes": "broken_tasks:SometimesImages"}
+MORE_TASKS = {"sometimes": "broken_tasks:SometimesImages", "skips": "broken_tasks:SkipsImages"}
 
 
 def make_task(name: str):

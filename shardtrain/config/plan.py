@@ -59,6 +59,7 @@ class ShardingPlan:
     float8: bool = False  # strategy.float8: blocks' linears in float8 (gathered in float8: gathers_float8)
     sequence_parallel: bool = False  # only with a tp dimension
     embedding_lookup: str = "gather"  # strategy.embedding_lookup: exchange | gather
+    reduce_unused_params: bool = False  # strategy.reduce_unused_params
 
     def size(self, dim_name: str) -> int:
         """The size of mesh dimension ``dim_name`` (1 where the mesh has none)."""
@@ -189,6 +190,7 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int,
         float8=cfg.float8,
         sequence_parallel=tp > 1 and cfg.sequence_parallel,
         embedding_lookup=cfg.embedding_lookup,
+        reduce_unused_params=cfg.reduce_unused_params,
     )
 
 

@@ -124,6 +124,13 @@ class StrategyConfig:
     # Allow a tensor-parallel group larger than the processes of a node (its collectives then cross
     # the inter-node network every layer).
     tensor_parallel_across_nodes: bool = False
+    # Ranks may use different parameters in one step (a module inside a unit that only some
+    # micro-batches run: an image projection, experts no token reached): every rank then reduces a
+    # gradient for each trainable parameter, zeros where its step used none, so the reduce-scatter
+    # matches (torch's set_reduce_scatter_unused_params). A parameter no rank used in a step then
+    # gets a zero gradient, which AdamW steps (momentum, weight decay) where plain PyTorch skips it.
+    # Without it such a step fails (gloo: "Received data size doesn't match"; NCCL may hang).
+    reduce_unused_params: bool = False
 
 
 @dataclass

@@ -457,13 +457,22 @@ def reshard_all(model: nn.Module) -> None:
             module.reshard()
 
 
-def sum_gradients(model: nn.Module) -> None:
+def sum_gradients(model: nn.Module, include_unused: bool = False) -> None:
     """Make FSDP sum gradients instead of averaging them: the loss carries the normalisation.
 
     The loss is divided by the global token count. Plain SUM collectives (no PREMUL_SUM, which gloo
-    lacks) so that gloo, NCCL and others take the same path.
+    lacks) so that gloo, NCCL and others take the same path. ``include_unused``
+    (strategy.reduce_unused_params): each rank reduces a gradient for every trainable parameter of a
+    unit, zeros for those its step did not use, so ranks that used different parameters send
+    collectives of the same size.
     """
+    if include_unused and not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        raise ConfigError("strategy.reduce_unused_params=true needs FSDP2's "
+                          f"set_reduce_scatter_unused_params, which torch {torch.__version__} lacks: use "
+                          "a newer torch")
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+            if include_unused:
+                module.set_reduce_scatter_unused_params(True, recurse=False)

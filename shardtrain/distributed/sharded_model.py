@@ -353,7 +353,7 @@ def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: Dev
             move_buffers(model, env.device)
         else:
             model.to(env.device)
-    sum_gradients(model)
+    sum_gradients(model, plan.reduce_unused_params)
     if cfg.strategy.compile:
         for name in report.units:
             if name != "<root>" and "+" not in name:
