@@ -451,15 +451,17 @@ def evaluate(model: nn.Module, task: Task, batches: Sequence[tuple[Any, float]],
     count = torch.zeros((), dtype=torch.float64, device=device)
     metrics = MetricSums(device)
     copies = tensor_parallel_degree(mesh)
-    for batch, weight in batches:
-        with loss_context(copies):
-            out = run_loss(task, model, to_device(batch, device))
-        loss += out.loss.double() * weight
-        count += as_scalar(out.count, device) * weight
-        metrics.add({name: tuple(as_scalar(v, device) * weight for v in value)
-                     if isinstance(value, tuple) else as_scalar(value, device) * weight
-                     for name, value in out.metrics.items()})
-    model.train(was_training)
+    try:
+        for batch, weight in batches:
+            with loss_context(copies):
+                out = run_loss(task, model, to_device(batch, device))
+            loss += out.loss.double() * weight
+            count += as_scalar(out.count, device) * weight
+            metrics.add({name: tuple(as_scalar(v, device) * weight for v in value)
+                         if isinstance(value, tuple) else as_scalar(value, device) * weight
+                         for name, value in out.metrics.items()})
+    finally:  # a library caller that catches a task's error gets its model back as it gave it
+        model.train(was_training)
     reshard_all(model)
     # Evaluation may return other metrics than training does, but the same on every rank: each
     # rank's names decide the length of the all-reduce below.
