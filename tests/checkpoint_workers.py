@@ -407,6 +407,31 @@ def failed_saves(out: str, full: Trainer, split: Trainer) -> None:
                                            f"rank {failing}: [Errno 27] File too large"), str(exc)
             else:
                 raise AssertionError(f"rank {failing} could not write, yet the save succeeded")
+    # Syncing the checkpoints directory fails after the rename (found by review: reported as a failed
+    # save, "step-N is intact", though the step was complete and would be resumed): the line says so.
+    from shardtrain.checkpoint import layout
+
+    checkpointer.ckpt = dataclasses.replace(checkpointer.ckpt, save_full=False)
+    step, synced = 2 * N + 5, layout.fsync_path
+
+    def failing_on_root(path: Path) -> None:
+        if Path(path).resolve() == root.resolve():
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        synced(path)
+
+    layout.fsync_path = failing_on_root
+    try:
+        checkpointer.save(step, tokens_seen=0, consumed_samples=0, global_batch=split.layout.global_batch,
+                          blocking=True)
+    except CheckpointError as exc:
+        assert re.fullmatch(f"step {step} is saved as .*step-{step}, but syncing .*checkpoints failed "
+                            r"\(Input/output error\): a power loss may undo the rename; check the "
+                            "filesystem", str(exc)), exc
+    else:
+        raise AssertionError("a failed sync of the checkpoints directory went unsaid")
+    finally:
+        layout.fsync_path = synced
+    assert (root / f"step-{step}" / "trainer_state.json").is_file()
     # A weights source seen as one kind on rank 0 and another on rank 1 (a path that exists on some
     # nodes only: each kind reads with other collectives) stops both ranks, naming what each saw.
     seen = str(root / f"step-{2 * N}") if rank == 0 else str(root / "nowhere")

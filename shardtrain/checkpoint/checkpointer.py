@@ -577,8 +577,13 @@ class Checkpointer:
             # The files' names in the directory must be on disk before it is renamed complete: a
             # crash must not leave a step-N whose entries were lost.
             layout.fsync_path(tmp)
-            tmp.rename(layout.step_dir(self.root, step))
+            tmp.rename(final := layout.step_dir(self.root, step))
+        try:
             layout.fsync_path(self.root)
+        except OSError as exc:  # after the rename: the save is complete, its durability is not
+            raise CheckpointError(f"step {step} is saved as {final}, but syncing {self.root} failed "
+                                  f"({exc.strerror or type(exc).__name__}): a power loss may undo the "
+                                  "rename; check the filesystem") from exc
         # The link first: its target, this step or a ranked one, is never pruned, while the one
         # it named before may be.
         self.point_best(trainer_state)
