@@ -303,7 +303,8 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
                               f"use --seq-len {positions} or less")
         tokenizer = tokenizer_for(loaded.cfg.model)
         if args.file and is_prepared_dataset(Path(args.file)):  # its validation split, as training reads it
-            data = load_corpus(DataConfig(source="prepared", paths=[args.file]), tokenizer, need=("val",)).val
+            corpus = load_corpus(DataConfig(source="prepared", paths=[args.file]), tokenizer, need=("val",))
+            windows = corpus.val_windows(args.seq_len, what="evaluation data")
             source = f"validation split of {args.file}"
         elif args.file:
             data = load_corpus(DataConfig(source="files", paths=[args.file], val_percent=0.0,
@@ -311,6 +312,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
                 if Path(args.file).is_file() else \
                 load_corpus(DataConfig(source="files", paths=[args.file], val_percent=100.0,
                                        file_glob=args.glob), tokenizer, need=("val",)).val
+            windows = TokenWindows(data, args.seq_len, "evaluation data")
             source = args.file
         else:
             if not loaded.data_known:
@@ -320,16 +322,17 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
                 raise ConfigError(f"{args.checkpoint} does not record the data its run trained on ({why}); "
                                   "name the text to score with --file")
             corpus = load_corpus(loaded.cfg.data, tokenizer)
-            data, source = corpus.val, f"held-out split of {corpus.root}"
+            # a mixture's held-out windows interleaved, as training's evaluations read them
+            windows = corpus.val_windows(args.seq_len, what="evaluation data")
+            source = f"held-out split of {corpus.root}"
             if loaded.env.is_main and (changed := data_changed_since(loaded.state, corpus)):
                 log.warning(changed)
-        windows = TokenWindows(data, args.seq_len, "evaluation data")
         batches = eval_batches(windows, args.samples, args.batch_size, loaded.env.world_size,
                                loaded.env.rank)
         task = LanguageModelTask()
         loss, _, scored = evaluate(loaded.model, task, batches, loaded.env.device)
         # Fine-tuning records score their answers only: the loss is per target, not per token read.
-        masked = getattr(data, "has_masks", False)
+        masked = windows.targets_masked
         if loaded.env.is_main:
             n = min(args.samples, windows.num_samples) * args.seq_len
             unit = "byte" if tokenizer.name == "bytes" else "token"

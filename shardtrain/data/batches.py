@@ -88,6 +88,11 @@ class TokenWindows:
     def sample_kind(self) -> str:
         return f"windows of trainer.seq_len+1={self.seq_len + 1} tokens"
 
+    @property
+    def targets_masked(self) -> bool:
+        """Whether some tokens are no targets (a fine-tuning record's prompt)."""
+        return bool(getattr(self.tokens, "has_masks", False))
+
     def order(self, seed: int) -> GlobalOrder:
         return GlobalOrder(self.num_samples, seed)
 
@@ -97,7 +102,7 @@ class TokenWindows:
         x = np.zeros((len(ids), self.seq_len), dtype=np.int64)
         y = np.full((len(ids), self.seq_len), IGNORE_INDEX, dtype=np.int64)
         positions = np.zeros((len(ids), self.seq_len), dtype=np.int64) if self.document_mask else None
-        masked = getattr(self.tokens, "has_masks", False)
+        masked = self.targets_masked
         for row, i in enumerate(ids):
             if i < 0:
                 continue
@@ -191,7 +196,9 @@ def block_counts(weights: list[float], block: int) -> np.ndarray:
     at least one)."""
     share = np.asarray(weights, dtype=np.float64) / sum(weights) * block
     counts = np.maximum(np.floor(share).astype(np.int64), 1)
-    for index in np.argsort(-(share - np.floor(share)), kind="stable")[:max(block - counts.sum(), 0)]:
+    # A share raised to its one sample has had its remainder: it competes for no second one.
+    remainders = np.where(share < 1, -1.0, share - np.floor(share))
+    for index in np.argsort(-remainders, kind="stable")[:max(block - counts.sum(), 0)]:
         counts[index] += 1
     return counts
 
@@ -259,6 +266,31 @@ class MixtureWindows:
                 if positions is not None:
                     positions[rows] = got.positions
         return Batch(x, y, positions)
+
+
+class InterleavedWindows:
+    """Several datasets' validation windows as one source, each dataset's windows spread evenly
+    through it (in proportion to its count): evaluation reads the first ``trainer.eval_samples``,
+    which then sample every dataset, where the datasets one after another gave the first alone."""
+
+    def __init__(self, parts: list[TokenWindows]) -> None:
+        counts = [part.num_samples for part in parts]
+        # Window j of a dataset of n sits at (j + 0.5) / n of the way through; ties keep dataset order.
+        spread = np.concatenate([(np.arange(n) + 0.5) / n for n in counts])
+        ids = np.concatenate([(d << DATASET_SHIFT) | np.arange(n, dtype=np.int64)
+                              for d, n in enumerate(counts)])
+        self.ids = ids[np.argsort(spread, kind="stable")]
+        self.windows = MixtureWindows(parts, [float(n) for n in counts])
+        self.targets_masked = any(part.targets_masked for part in parts)
+        self.num_samples = self.windows.num_samples
+        self.seq_len = self.windows.seq_len
+        self.sample_kind = self.windows.sample_kind
+
+    def order(self, seed: int) -> MixtureOrder:
+        return self.windows.order(seed)
+
+    def batch(self, ids: np.ndarray, keys: np.ndarray | None = None) -> Batch:
+        return self.windows.batch(np.where(ids < 0, -1, self.ids[np.maximum(ids, 0)]))
 
 
 @dataclass(frozen=True)

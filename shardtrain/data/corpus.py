@@ -28,7 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from shardtrain.config.schema import DataConfig
-from shardtrain.data.batches import MixtureWindows, TokenWindows
+from shardtrain.data.batches import InterleavedWindows, MixtureWindows, TokenWindows
 from shardtrain.data.prepare import (
     PrepareOptions,
     is_validation,
@@ -57,9 +57,11 @@ class Corpus:
     root: str
     tokenizer: str = "bytes"
     path: str = ""  # the prepared dataset(s) read
-    # A mixture: each dataset's training tokens and its weight (empty for one dataset).
+    # A mixture: each dataset's training tokens and its weight, and its validation tokens (empty
+    # for one dataset).
     train_parts: list[TokenStream] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
+    val_parts: list[TokenStream] = field(default_factory=list)
 
     def train_windows(self, seq_len: int, document_mask: bool = False) -> TokenWindows | MixtureWindows:
         if not self.train_parts:
@@ -67,6 +69,17 @@ class Corpus:
         parts = [TokenWindows(part, seq_len, f"training data of mixture part {index}", document_mask)
                  for index, part in enumerate(self.train_parts)]
         return MixtureWindows(parts, self.weights or [part.num_samples for part in parts])
+
+    def val_windows(self, seq_len: int, document_mask: bool = False,
+                    what: str = "validation data") -> TokenWindows | InterleavedWindows:
+        """The validation windows; a mixture's interleaved, so that the first of them (those an
+        evaluation of ``trainer.eval_samples`` reads) sample every dataset whose validation split
+        holds a window."""
+        parts = [(index, part) for index, part in enumerate(self.val_parts) if (len(part) - 1) // seq_len]
+        if len(parts) < 2:
+            return TokenWindows(self.val, seq_len, what, document_mask)
+        return InterleavedWindows([TokenWindows(part, seq_len, f"{what} of mixture part {index}",
+                                                document_mask) for index, part in parts])
 
     def describe(self) -> str:
         return (
@@ -267,4 +280,5 @@ def load_mixture(cfg: DataConfig, tokenizer: Tokenizer) -> Corpus:
                   train_files=sum(d.train.documents for d in datasets), val_files=val.documents,
                   root="mixture of " + ", ".join(cfg.paths), tokenizer=tokenizer.name,
                   path=", ".join(str(d.path) for d in datasets),
-                  train_parts=[d.train for d in datasets], weights=list(cfg.weights))
+                  train_parts=[d.train for d in datasets], weights=list(cfg.weights),
+                  val_parts=[d.val for d in datasets])

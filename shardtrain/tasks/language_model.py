@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardtrain.data.batches import IGNORE_INDEX, Batch, MixtureWindows, TokenWindows
+from shardtrain.data.batches import IGNORE_INDEX, Batch, InterleavedWindows, MixtureWindows, TokenWindows
 from shardtrain.data.corpus import Corpus, load_corpus
 from shardtrain.data.tokenizer import Tokenizer, tokenizer_for
 from shardtrain.models.lora import adapter_flops_per_token
@@ -133,9 +133,8 @@ class LanguageModelTask(Task):
     def train_samples(self) -> TokenWindows | MixtureWindows:
         return self.load_corpus().train_windows(self.cfg.trainer.seq_len, self.cfg.data.document_mask)
 
-    def val_samples(self) -> TokenWindows:
-        return TokenWindows(self.load_corpus().val, self.cfg.trainer.seq_len, "validation data",
-                            self.cfg.data.document_mask)
+    def val_samples(self) -> TokenWindows | InterleavedWindows:
+        return self.load_corpus().val_windows(self.cfg.trainer.seq_len, self.cfg.data.document_mask)
 
     def example_batch(self, micro_batch_size: int) -> Batch:
         """Token ids of zeros (what the memory of a step depends on is their shape), with the
