@@ -39,6 +39,7 @@ from shardtrain.data.tokenizer import (
     line_pieces,
     piecewise_affixes,
     pre_token_starts_at,
+    token_dtype,
 )
 from shardtrain.errors import DataError
 
@@ -703,3 +704,24 @@ def test_a_record_with_text_and_fine_tuning_fields_is_said_once(tmp_path):
     assert len(said) == 1, done.stderr
     assert f"{source}:1: a record with both 'text' and fine-tuning fields is read as its 'text', every " \
         "token a target" in said[0], done.stderr
+
+
+def test_token_ids_past_the_model_are_refused_at_the_build(tmp_path):
+    """Found by review: a tokenizer whose ids skip numbers counted its tokens, not its largest id
+    (stored as uint16, its largest id wrapped or overflowed), and a Hugging Face model's embedding was
+    never compared with the tokenizer: an IndexError deep in the first step (a device-side assert on
+    one rank of a GPU)."""
+    from shardtrain.config.schema import Config, ModelConfig
+    from shardtrain.models.llama import Llama
+    from shardtrain.tasks.language_model import LanguageModelTask
+
+    vocab = {"[UNK]": 0, "a": 1, "b": 2, "far": 70000}
+    sparse = save_tokenizer(tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]")),
+                            tmp_path / "sparse")
+    assert sparse.vocab_size == 70001 and token_dtype(sparse.vocab_size) is np.uint32
+    task = LanguageModelTask(model=lambda: Llama(ModelConfig(vocab_size=200, dim=16, n_layers=1, n_heads=2,
+                                                            max_seq_len=32)))
+    task.bind(Config())  # the byte tokenizer: ids up to 255
+    with pytest.raises(DataError, match=r"^the tokenizer \(bytes\) has ids up to 255 but the model's input "
+                                        r"embedding has 200 rows; use the model's own tokenizer"):
+        task.build_model()

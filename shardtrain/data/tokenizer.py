@@ -267,7 +267,9 @@ class HFTokenizer:
         self._tokenizer.no_truncation()
         self._tokenizer.no_padding()
         self.name = "tokenizers:" + hashlib.sha256(file.read_bytes()).hexdigest()[:16]
-        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        # The largest id + 1, not the count: ids may skip numbers (the stored dtype and the model's
+        # vocabulary must hold the largest).
+        self.vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         config_file = file.parent / TOKENIZER_CONFIG_FILE
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         self.eos_token = special_token(config, "eos_token")

@@ -224,6 +224,10 @@ class HFCausalLM(nn.Module):
         logits than apply it (a loss must then take the logits from ``forward``)."""
         return None if self.head_transform else self.hf.get_output_embeddings()
 
+    def input_embedding(self) -> nn.Module:
+        """The token embedding: its rows are the ids the model can read."""
+        return self.hf.get_input_embeddings()
+
     def parallelize_tensors(self, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
         """The tensor-parallel plan transformers declares for this model, translated onto torch's
         styles (``models/hf_tp.py``)."""

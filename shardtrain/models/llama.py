@@ -225,6 +225,10 @@ class Llama(nn.Module):
         """The linear map from ``hidden_only`` states to logits (nothing else is applied to them)."""
         return self.output
 
+    def input_embedding(self) -> nn.Embedding:
+        """The token embedding: its rows are the ids the model can read."""
+        return self.tok_embeddings
+
     @property
     def max_seq_len(self) -> int:
         return self.cfg.max_seq_len

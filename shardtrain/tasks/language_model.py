@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor
 
 from shardtrain.data.batches import IGNORE_INDEX, Batch, InterleavedWindows, MixtureWindows, TokenWindows
 from shardtrain.data.corpus import Corpus, load_corpus
-from shardtrain.data.tokenizer import Tokenizer, tokenizer_for
+from shardtrain.data.tokenizer import Tokenizer, tokenizer_for, tokenizer_source
+from shardtrain.errors import DataError
 from shardtrain.models.lora import adapter_flops_per_token
 from shardtrain.models.masking import check_document_mask_support
 from shardtrain.models.registry import build_model
@@ -35,6 +36,13 @@ def output_head(model: nn.Module) -> nn.Linear | None:
     its logits are that head's output and nothing more; None for a module that only maps to logits."""
     head = getattr(model, "output_head", None)
     return head() if callable(head) else None
+
+
+def embedding_rows(model: nn.Module) -> int | None:
+    """How many token ids the model's input embedding holds (``input_embedding``), if it says."""
+    embedding = getattr(model, "input_embedding", None)
+    weight = getattr(embedding(), "weight", None) if callable(embedding) else None
+    return None if weight is None else int(weight.shape[0])
 
 
 def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int = 0) -> torch.Tensor:
@@ -91,6 +99,14 @@ class LanguageModelTask(Task):
 
     def build_model(self) -> nn.Module:
         model = self.model_factory() if self.model_factory is not None else build_model(self.cfg.model)
+        rows = embedding_rows(model)
+        if rows is not None and self.tokenizer is not None and self.tokenizer.vocab_size > rows:
+            # An id past the rows is an IndexError deep in the first step on a CPU, a device-side
+            # assert on one rank of an accelerator (its peers waiting in a collective).
+            raise DataError(f"the tokenizer ({tokenizer_source(self.cfg.model)}) has ids up to "
+                            f"{self.tokenizer.vocab_size - 1} but the model's input embedding has {rows} "
+                            "rows; use the model's own tokenizer (model.tokenizer=auto), or resize the "
+                            "model's embeddings to the tokenizer first")
         if self.cfg.data.document_mask:
             check_document_mask_support(model)
         full = flops_per_token(model, self.cfg.trainer.seq_len)
