@@ -129,6 +129,22 @@ def test_gathered_and_unit_by_unit_generation(tmp_path):
     assert r["skipped"] == ""  # training-time sampling that would not fit is skipped
 
 
+@pytest.mark.parametrize("family", ["bamba", "jamba", "gemma2"])
+def test_hugging_face_cached_generation_equals_full_recompute(family, tmp_path):
+    """Found by review: the cache was transformers' DynamicCache without the model's config, which
+    gives every layer keys and values: a hybrid's Mamba layers failed (IndexError). With a sliding
+    window (Gemma 2's, 16 tokens here) the cache keeps the window only."""
+    from hf_models import family_config
+
+    from shardtrain.models.hf import HFCausalLM
+
+    family_config(family).save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    model = HFCausalLM(ModelConfig(name="hf", path=str(tmp_path))).eval()
+    prompt = [1, 2, 3, 5, 8]
+    assert generate(model, prompt, 20, use_cache=True) == generate(model, prompt, 20, use_cache=False)
+
+
 def test_kv_cache_generation_equals_full_recompute(tmp_path):
     torch.manual_seed(0)
     model = Llama(ModelConfig(dim=48, n_layers=2, n_heads=6, n_kv_heads=2, max_seq_len=128)).eval()
@@ -145,7 +161,8 @@ def test_kv_cache_generation_equals_full_recompute(tmp_path):
         with pytest.raises(GenerationError, match="exceeds the model's 128 positions"):
             generate(model, prompt, room + 1, use_cache=use_cache)
     # A tiny temperature is (almost) greedy, not an overflow to NaN in the softmax.
-    assert generate(model, prompt, 8, temperature=1e-40, seed=3) == generate(model, prompt, 8)
+    for tiny in (1e-40, 1e-50, 1e-320):  # below fp32's smallest number too (found by review: NaN)
+        assert generate(model, prompt, 8, temperature=tiny, seed=3) == generate(model, prompt, 8)
     # An empty prompt starts where documents start in training: after the end-of-text token, or at
     # a new line where documents are concatenated as they are (the bytes); it was token id 10 for
     # every tokenizer. generate itself takes no empty prompt.

@@ -127,12 +127,20 @@ class HFStream:
     def __init__(self, tokenizer: tokenizers.Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=False)
+        self._ids: list[int] = []
+        self._printed: list[str] = []
 
     def push(self, token: int) -> str:
-        return self._stream.step(self._tokenizer, token) or ""
+        self._ids.append(token)
+        text = self._stream.step(self._tokenizer, token) or ""
+        self._printed.append(text)
+        return text
 
     def flush(self) -> str:
-        return ""
+        """What the ids decode to beyond what was printed: a character the last tokens left
+        unfinished, as U+FFFD (as the byte tokenizer's stream ends one)."""
+        whole, printed = self._tokenizer.decode(self._ids, skip_special_tokens=False), "".join(self._printed)
+        return whole[len(printed):] if whole.startswith(printed) else ""
 
 
 def raise_exception(message: str) -> None:

@@ -128,8 +128,10 @@ def pick_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
     if temperature <= 0:
         return logits.argmax(-1, keepdim=True)
     # Shifted to a maximum of 0 first: a tiny temperature then sends the others to -inf, where
-    # dividing the raw logits overflowed to inf and the softmax to NaN.
+    # dividing the raw logits overflowed to inf and the softmax to NaN. One below fp32's smallest
+    # normal would be 0 in the division (the top logit's 0 / 0 a NaN): fp32's smallest it is.
     logits = logits.float()
+    temperature = max(temperature, torch.finfo(torch.float32).tiny)
     logits = (logits - logits.max(-1, keepdim=True).values) / temperature
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]

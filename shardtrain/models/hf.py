@@ -150,10 +150,12 @@ class ExpertPart:
 
 
 class HFCache:
-    """transformers' cache behind the interface ``generation.generate`` uses (``pos``)."""
+    """transformers' cache behind the interface ``generation.generate`` uses (``pos``); built from
+    the model's config, which gives each layer its kind of cache (a hybrid's Mamba layers keep a
+    state, not keys and values)."""
 
-    def __init__(self) -> None:
-        self.past = DynamicCache()
+    def __init__(self, config: PretrainedConfig) -> None:
+        self.past = DynamicCache(config=config)
         self.pos = 0
 
 
@@ -244,7 +246,7 @@ class HFCausalLM(nn.Module):
         return sequence_state_reason(self.config)
 
     def new_cache(self, max_len: int | None = None) -> HFCache:
-        return HFCache()
+        return HFCache(self.config)
 
     def parameter_name(self, stored: str) -> str:
         """The parameter a tensor stored in the model directory's files under ``stored`` fills
