@@ -48,6 +48,12 @@ def test_export_loads_in_transformers_with_matching_logits(tmp_path, tied):
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     assert type(hf).__name__ == "LlamaForCausalLM"
+    # The byte tokenizer goes with it (found by review: generate on the export found no tokenizer):
+    # transformers' reads each byte as its own id, as training did, and generate takes the directory.
+    text = "def main():\n    return 'héllo'  # 日本\x00"
+    their_tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert their_tokenizer(text).input_ids == list(text.encode())
+    assert their_tokenizer.decode(list(text.encode())) == text
     assert hf.config.num_key_value_heads < hf.config.num_attention_heads  # grouped-query attention
     assert hf.config.tie_word_embeddings == tied
 
@@ -70,6 +76,8 @@ def test_export_loads_in_transformers_with_matching_logits(tmp_path, tied):
     assert written.keys() == expected.keys() and all(written[k].equal(expected[k]) for k in written)
     if not tied:
         return
+    from_export = run_cli("generate", str(out), "--prompt", "def ", "--max-new-tokens", "8")
+    assert from_export.returncode == 0 and from_export.stdout.startswith("def "), from_export.stderr[-3000:]
     # A tied model's consolidated file starts a run and generates (it used to be refused:
     # "unexpected keys ['output.weight']").
     again = run_cli("train", "experiment=quick", "trainer.max_steps=1", "trainer.sample_tokens=0",

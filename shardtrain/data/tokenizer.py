@@ -72,6 +72,20 @@ class ByteStream:
         return self._decoder.decode(b"", final=True)
 
 
+def byte_level_tokenizer() -> tokenizers.Tokenizer:
+    """The byte tokenizer as a ``tokenizers`` one (each byte of the UTF-8 text its own id), for the
+    ``tokenizer.json`` of an exported built-in model: transformers and shardtrain then read it alike.
+    Byte-level BPE's printable stand-ins for the bytes, no merges, no regex split."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    stand_in = {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE({stand_in[b]: b for b in range(256)}, []))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    return tokenizer
+
+
 def generation_stops(directory: Path, vocab_size: int) -> frozenset[int]:
     """The ids a model's ``generation_config.json`` ends generation at (``eos_token_id``, one or a
     list), as transformers' ``generate`` does: a chat model's end of turn is often not the

@@ -33,7 +33,13 @@ from shardtrain.checkpoint.weights import model_config_of
 from shardtrain.config.plan import DTYPES, dtype_name
 from shardtrain.config.schema import ModelConfig
 from shardtrain.config.sizes import parse_size
-from shardtrain.data.tokenizer import TOKENIZER_FILES
+from shardtrain.data.tokenizer import (
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    TOKENIZER_FILES,
+    byte_level_tokenizer,
+    tokenizer_source,
+)
 from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import consolidate, written_dtype
 from shardtrain.generation.generate import shared_parameter_names
@@ -163,4 +169,29 @@ def write_hf_directory(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[],
     config_file = out / CONFIG_FILE
     config_file.write_text(json.dumps(hf_config(cfg, out_dtype or torch.float32), indent=2) + "\n")
     files.append(config_file)
-    return files
+    return files + write_tokenizer_files(cfg, out)
+
+
+def write_tokenizer_files(cfg: ModelConfig, out: Path) -> list[Path]:
+    """The built-in model's tokenizer beside its weights, so that the directory is a whole model to
+    transformers and to ``generate`` and ``eval`` (which read it as model=hf): the byte tokenizer as
+    a ``tokenizer.json``, or the files of the tokenizer ``model.tokenizer`` named."""
+    source = tokenizer_source(cfg)
+    if source == "bytes":
+        byte_level_tokenizer().save(str(out / TOKENIZER_FILE))
+        # No tokenizer class of the model's: LlamaTokenizerFast would put a BOS token first.
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
+                    "clean_up_tokenization_spaces": False}
+        (out / TOKENIZER_CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+        return [out / TOKENIZER_FILE, out / TOKENIZER_CONFIG_FILE]
+    path = Path(source)
+    directory = path if path.is_dir() else path.parent
+    copies = {name: directory / name for name in TOKENIZER_FILES}
+    if path.is_file():  # a tokenizer file named otherwise
+        copies[TOKENIZER_FILE] = path
+    written = []
+    for name, copied in copies.items():
+        if copied.is_file():
+            shutil.copyfile(copied, out / name)
+            written.append(out / name)
+    return written
