@@ -223,6 +223,13 @@ def test_init_from_hf_refuses_what_the_built_in_llama_computes_otherwise(tiny_hf
         (changed / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(CheckpointError, match=f"cannot compute: {re.escape(named)}"):
             load_hf_into(Llama(cfg.model), cfg.model, changed)
+    # Without the key, transformers computes with its default 1e-6 (found by review: read as 1e-5,
+    # the built-in default, so nothing was refused and the norms differed).
+    unset = tmp_path / "unset"
+    shutil.copytree(directory, unset)
+    (unset / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "rms_norm_eps"}))
+    with pytest.raises(CheckpointError, match=r"model.norm_eps=1e-05 but the checkpoint has 1e-06"):
+        load_hf_into(Llama(cfg.model), cfg.model, unset)
     unreadable = tmp_path / "unreadable"  # found by review: json's own traceback
     shutil.copytree(directory, unreadable)
     (unreadable / "config.json").write_text("{bad")

@@ -129,7 +129,7 @@ def model_config_from_hf(config: dict) -> ModelConfig:
         ffn_hidden_dim=config["intermediate_size"],
         max_seq_len=config.get("max_position_embeddings", 2048),
         rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-        norm_eps=config.get("rms_norm_eps", 1e-5),
+        norm_eps=config.get("rms_norm_eps", 1e-6),  # transformers' LlamaConfig default, as it reads it
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
     )
 
