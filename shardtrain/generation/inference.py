@@ -28,6 +28,7 @@ from shardtrain.checkpoint.weights import (
 from shardtrain.config.plan import DTYPES, resolve_plan
 from shardtrain.config.schema import Config, FinetuneConfig, ModelConfig
 from shardtrain.data.corpus import Corpus
+from shardtrain.distributed.agreement import run_agreed
 from shardtrain.distributed.env import DistEnv, build_mesh, init_distributed, set_cpu_threads
 from shardtrain.distributed.qlora import quantize_base
 from shardtrain.distributed.sharded_model import (
@@ -105,7 +106,7 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
         model, _ = build_sharded_model(cfg, env, plan, build_mesh(plan, env.device.type), factory)
     if lora:
         if source := cfg.model.weights_source():
-            load_model_weights(model, source, cfg.model)
+            run_agreed(lambda: load_model_weights(model, source, cfg.model))
         draws.draw()  # a random base as training drew it (seeded), or nothing left to draw
         if stored_base != torch.float32:
             round_base_to(model, stored_base)
@@ -113,7 +114,10 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
             quantize_base(model)
         load_adapters(model, path, verify_checksums)
     else:
-        load_model_weights(model, str(path), cfg.model, verify_checksums=verify_checksums, average=average)
+        # Each rank reads and checks its own rows (a tied weight's two copies among them): what one
+        # rank finds, every rank raises, none going on alone into the next collective.
+        run_agreed(lambda: load_model_weights(model, str(path), cfg.model, verify_checksums=verify_checksums,
+                                              average=average))
     return Loaded(cfg, env, model, with_adapters(factory, cfg, env.device), plan.param_dtype,
                   data_known=data is not None, state=state)
 
