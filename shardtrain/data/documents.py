@@ -164,13 +164,20 @@ def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] =
     for entry in inputs:
         path = Path(entry).expanduser()
         if not path.exists() and any(ch in entry for ch in "*?["):
-            base = Path(os.path.dirname(entry) or ".").expanduser()
-            matched = sorted(p for p in base.glob(os.path.basename(entry))
+            # Patterns in directory parts too (data.paths has no shell to expand them; ** recurses):
+            # globbed from the last directory before the first pattern, each file named from there.
+            fixed = []
+            for part in path.parts[:-1]:
+                if any(ch in part for ch in "*?["):
+                    break
+                fixed.append(part)
+            base = Path(*fixed) if fixed else Path(".")
+            matched = sorted(p for p in base.glob(str(path.relative_to(base)) if fixed else str(path))
                              if p.is_file() and p.resolve() not in excluded
                              and not p.name.endswith(PREPARE_LOCK_SUFFIX))
             if not matched:
                 raise DataError(f"input {entry!r} matches no file")
-            sources += [Source(p, p.name) for p in matched]
+            sources += [Source(p, p.relative_to(base).as_posix()) for p in matched]
         elif not path.exists():
             raise DataError(f"input {entry!r} does not exist; fix the path")
         elif path.is_dir() and (path / DATASET_DICT).is_file():

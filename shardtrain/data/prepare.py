@@ -421,10 +421,11 @@ def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool, exclude
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # a failed preparation leaves nothing behind
         raise
+    # An old dataset a crash left aside (between the two renames below) goes too.
+    shutil.rmtree(aside, ignore_errors=True)
     if out.exists():
         # Renamed aside before it is deleted: a crash part-way through deleting the old dataset
         # must not leave a directory at ``out`` that holds half of it.
-        shutil.rmtree(aside, ignore_errors=True)
         out.rename(aside)
         staging.rename(out)
         shutil.rmtree(aside)

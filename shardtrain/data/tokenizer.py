@@ -293,7 +293,14 @@ class HFTokenizer:
         # vocabulary must hold the largest).
         self.vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         config_file = file.parent / TOKENIZER_CONFIG_FILE
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        try:
+            config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise DataError(f"{config_file} is not readable JSON ({exc}); repair it, or remove it to use "
+                            "the tokenizer without its settings") from exc
+        if not isinstance(config, dict):
+            raise DataError(f"{config_file} holds a {type(config).__name__}, not the tokenizer's settings; "
+                            "repair it, or remove it to use the tokenizer without them")
         self.eos_token = special_token(config, "eos_token")
         self.bos_token = special_token(config, "bos_token")
         self.eos_id = self._tokenizer.token_to_id(self.eos_token) if self.eos_token else None
