@@ -71,11 +71,21 @@ def test_export_loads_in_transformers_with_matching_logits(tmp_path, tied):
                  if p.suffix == ".safetensors"]
     shards = [p for p in out.iterdir() if p.suffix == ".safetensors"]
     assert len(from_file) == len(shards) > 2
+    assert all(load_file(p) for p in from_file)  # no shard of a tied head's dropped name alone (review)
     written = {k: v for p in from_file for k, v in load_file(p).items()}
     expected = {k: v for p in shards for k, v in load_file(p).items()}
     assert written.keys() == expected.keys() and all(written[k].equal(expected[k]) for k in written)
     if not tied:
         return
+    # A part holding only the tied head's second name makes no shard (found by review: an empty
+    # shard, counted in the others' "-of-N" names).
+    from shardtrain.export.hf import write_hf_directory
+
+    weights = load_file(consolidated)
+    head = {"output.weight": weights.pop("output.weight")}
+    files = write_hf_directory(model_config_of(consolidated), tmp_path / "two-parts",
+                               [lambda: dict(weights), lambda: dict(head)])
+    assert [p.name for p in files if p.suffix == ".safetensors"] == ["model.safetensors"]
     from_export = run_cli("generate", str(out), "--prompt", "def ", "--max-new-tokens", "8")
     assert from_export.returncode == 0 and from_export.stdout.startswith("def "), from_export.stderr[-3000:]
     # A tied model's consolidated file starts a run and generates (it used to be refused:

@@ -140,11 +140,10 @@ def write_hf_directory(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[],
         lambda name, tensor: to_hf(name, tensor, cfg))
     out.mkdir(parents=True, exist_ok=True)  # new or without model files: its callers checked first
     cast = DTYPES[dtype] if dtype else None
-    files: list[Path] = []
-    weight_map: dict[str, str] = {}
+    written: list[tuple[Path, list[str]]] = []  # each shard under a staging name, its tensors' names
     total = 0
     out_dtype = None
-    for index, read in enumerate(parts, start=1):
+    for read in parts:
         part = read()
         tensors = {}
         for name in list(part):
@@ -156,13 +155,20 @@ def write_hf_directory(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[],
             if t.is_floating_point():  # the config's dtype is the weights', not an integer buffer's
                 out_dtype = t.dtype
             tensors[hf_name] = t
-        name = shard_name(index, len(parts))
-        save_shard(tensors, out / name, {"format": "pt"})
-        files.append(out / name)
-        for key, t in tensors.items():
-            weight_map[key] = name
-            total += t.numel() * t.element_size()
+        if tensors:  # a part of dropped names only (a tied head's second name) makes no shard
+            staged = out / f".shard-{len(written) + 1}.staging"
+            save_shard(tensors, staged, {"format": "pt"})
+            written.append((staged, list(tensors)))
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
         del tensors, part
+    # Named once their number is known: "-of-N" counts the shards written.
+    files: list[Path] = []
+    weight_map: dict[str, str] = {}
+    for index, (staged, names) in enumerate(written, start=1):
+        name = shard_name(index, len(written))
+        staged.rename(out / name)
+        files.append(out / name)
+        weight_map.update(dict.fromkeys(names, name))
     files.append(write_index(out, weight_map, total))
     if cfg.name == "hf":
         return files + write_hf_model_files(cfg, out, out_dtype or torch.float32)
