@@ -196,9 +196,9 @@ def block_counts(weights: list[float], block: int) -> np.ndarray:
     at least one)."""
     share = np.asarray(weights, dtype=np.float64) / sum(weights) * block
     counts = np.maximum(np.floor(share).astype(np.int64), 1)
-    # A share raised to its one sample has had its remainder: it competes for no second one.
-    remainders = np.where(share < 1, -1.0, share - np.floor(share))
-    for index in np.argsort(-remainders, kind="stable")[:max(block - counts.sum(), 0)]:
+    # A share raised to its one sample still competes for a remainder's (a second one where its
+    # fraction wins): changing that would change the order of mixtures saved before, unannounced.
+    for index in np.argsort(-(share - np.floor(share)), kind="stable")[:max(block - counts.sum(), 0)]:
         counts[index] += 1
     return counts
 
@@ -270,26 +270,40 @@ class MixtureWindows:
 
 class InterleavedWindows:
     """Several datasets' validation windows as one source, each dataset's windows spread evenly
-    through it (in proportion to its count): evaluation reads the first ``trainer.eval_samples``,
-    which then sample every dataset, where the datasets one after another gave the first alone."""
+    through it: window j of a dataset of n sits at j / n of the way (ties in dataset order), so the
+    first k positions hold the first window of each of the first k datasets, and any first m are
+    every dataset's in proportion to its count. Evaluation reads the first ``trainer.eval_samples``:
+    the datasets one after another gave the first dataset's alone."""
 
     def __init__(self, parts: list[TokenWindows]) -> None:
-        counts = [part.num_samples for part in parts]
-        # Window j of a dataset of n sits at (j + 0.5) / n of the way through; ties keep dataset order.
-        spread = np.concatenate([(np.arange(n) + 0.5) / n for n in counts])
-        ids = np.concatenate([(d << DATASET_SHIFT) | np.arange(n, dtype=np.int64)
-                              for d, n in enumerate(counts)])
-        self.ids = ids[np.argsort(spread, kind="stable")]
-        self.windows = MixtureWindows(parts, [float(n) for n in counts])
-        self.targets_masked = any(part.targets_masked for part in parts)
-        self.num_samples = self.windows.num_samples
+        self.counts = np.array([part.num_samples for part in parts], dtype=np.int64)
+        self.windows = MixtureWindows(parts, [float(n) for n in self.counts])
+        self.num_samples = int(self.counts.sum())
         self.seq_len = self.windows.seq_len
         self.sample_kind = self.windows.sample_kind
+        self.targets_masked = any(part.targets_masked for part in parts)
+        self.ids = np.zeros(0, dtype=np.int64)  # the mixture ids of the first positions, made as read
 
-    def order(self, seed: int) -> MixtureOrder:
-        return self.windows.order(seed)
+    def first(self, m: int) -> np.ndarray:
+        """The mixture ids at positions 0 .. m - 1. A window j of dataset d is among the first m
+        only if j * N / n_d < m (at least that many keys are smaller), so each dataset's candidates
+        are its first ceil(m * n_d / N) + 1: about m of them in all, never the whole split."""
+        total = self.num_samples
+        ids, keys = [], []
+        for d, n in enumerate(self.counts.tolist()):
+            j = np.arange(min(n, -(-m * n // total) + 1), dtype=np.int64)
+            ids.append((d << DATASET_SHIFT) | j)
+            keys.append(j / n)  # correctly rounded: equal fractions are equal floats
+        ids, keys = np.concatenate(ids), np.concatenate(keys)
+        return ids[np.argsort(keys, kind="stable")[:m]]  # the datasets were concatenated in order
+
+    def order(self, seed: int) -> GlobalOrder:
+        return GlobalOrder(self.num_samples, seed)
 
     def batch(self, ids: np.ndarray, keys: np.ndarray | None = None) -> Batch:
+        needed = max(int(ids.max(initial=-1)) + 1, 1)
+        if needed > len(self.ids):  # grown by doubling: an evaluation reads its positions in order
+            self.ids = self.first(min(self.num_samples, max(needed, 2 * len(self.ids))))
         return self.windows.batch(np.where(ids < 0, -1, self.ids[np.maximum(ids, 0)]))
 
 

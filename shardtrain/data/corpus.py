@@ -75,7 +75,7 @@ class Corpus:
         """The validation windows; a mixture's interleaved, so that the first of them (those an
         evaluation of ``trainer.eval_samples`` reads) sample every dataset whose validation split
         holds a window."""
-        parts = [(index, part) for index, part in enumerate(self.val_parts) if (len(part) - 1) // seq_len]
+        parts = [(index, part) for index, part in enumerate(self.val_parts) if len(part) > seq_len]
         if len(parts) < 2:
             return TokenWindows(self.val, seq_len, what, document_mask)
         return InterleavedWindows([TokenWindows(part, seq_len, f"{what} of mixture part {index}",
