@@ -17,7 +17,7 @@ import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from omegaconf import OmegaConf
@@ -27,6 +27,8 @@ from shardtrain.config.plan import ShardingPlan, describe_mesh
 from shardtrain.config.schema import LANGUAGE_MODEL_TASK, Config, DataConfig, FinetuneConfig, ModelConfig
 from shardtrain.errors import CheckpointError
 from shardtrain.version import __version__
+
+T = TypeVar("T")
 
 STATE_FILE = "trainer_state.json"
 FORMAT = "shardtrain-checkpoint-v1"
@@ -121,10 +123,13 @@ class TrainState:
             raise CheckpointError(f"this checkpoint was trained with task={task}; generate, eval and "
                                   "export-hf serve the language-model task only (shardtrain consolidate "
                                   "writes any task's weights to safetensors)")
-        return ModelConfig(**self.config["model"])
+        return self.rebuilt("model", ModelConfig)
 
     def data_config(self) -> DataConfig:
-        return DataConfig(**self.config["data"])
+        return self.rebuilt("data", DataConfig)
+
+    def finetune_config(self) -> FinetuneConfig:
+        return self.rebuilt("finetune", FinetuneConfig)
 
     def setting_changes(self, cfg: Config, keys: tuple[str, ...]) -> list[str]:
         """The ``keys`` whose value in ``cfg`` differs from the saved run's, as "key old -> new"; a
@@ -222,18 +227,31 @@ class TrainState:
         if "mesh_shape" in raw and any(size < 1 for size in raw["mesh_shape"]):
             raise CheckpointError(f"checkpoint {str(directory)!r}: {STATE_FILE} field 'mesh_shape' is "
                                   f"{raw['mesh_shape']}; the file is damaged, use another checkpoint")
-        check_saved_config(directory, raw["config"], raw["versions"].get("shardtrain", "unknown"))
+        check_saved_config(directory, raw["config"])
         return cls(**{k: v for k, v in raw.items() if k in names})
 
+    def rebuilt(self, section: str, schema: type[T]) -> T:
+        """The saved config's ``section`` as ``schema`` (``rebuild_config``). Checked where a reader
+        needs the dataclass, not when the file is read: a resume compares settings key by key."""
+        return rebuild_config(schema, self.config.get(section, {}), section,
+                              f"shardtrain {self.versions.get('shardtrain', 'unknown')}")
 
-# The saved config's sections that readers rebuild as dataclasses (the rest are compared key by key).
-REBUILT_SECTIONS = {"model": ModelConfig, "data": DataConfig, "finetune": FinetuneConfig}
+
+def rebuild_config(schema: type[T], saved: dict[str, Any], section: str, saved_by: str) -> T:
+    """A saved config section as ``schema``; settings this shardtrain does not know (a newer one
+    saved them) are one line naming them and who saved them, not a TypeError."""
+    unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(schema)})
+    if unknown:
+        names = ", ".join(f"{section}.{name}" for name in unknown)
+        raise CheckpointError(f"saved settings shardtrain {__version__} does not know ({names}), written "
+                              f"by {saved_by}: read them with that version")
+    return schema(**saved)
 
 
-def check_saved_config(directory: Path, config: dict[str, Any], saved_by: str) -> None:
+def check_saved_config(directory: Path, config: dict[str, Any]) -> None:
     """A CheckpointError, rather than a traceback far from here (on one rank of a resume: the others
     waiting in its agreement), where the saved config is not the shape this shardtrain reads: a
-    section missing or not a mapping, or settings it does not know (a newer or older shardtrain's)."""
+    section missing or not a mapping."""
     where = f"checkpoint {str(directory)!r}: {STATE_FILE}"
     for section in (f.name for f in dataclasses.fields(Config)):
         required = section in ("model", "data", "trainer")
@@ -244,12 +262,6 @@ def check_saved_config(directory: Path, config: dict[str, Any], saved_by: str) -
     if not isinstance(config.get("task", {}).get("path", LANGUAGE_MODEL_TASK), str):
         raise CheckpointError(f"{where}: its config's task.path is not a string; the file is damaged, "
                               "use another checkpoint")
-    for section, schema in REBUILT_SECTIONS.items():
-        unknown = sorted(set(config.get(section, {})) - {f.name for f in dataclasses.fields(schema)})
-        if unknown:
-            names = ", ".join(f"{section}.{name}" for name in unknown)
-            raise CheckpointError(f"{where} holds settings shardtrain {__version__} does not know ({names}): "
-                                  f"it was saved by shardtrain {saved_by}; read it with that version")
 
 
 def well_formed_best(best: dict[str, Any]) -> bool:

@@ -37,7 +37,7 @@ from shardtrain.checkpoint.safetensors_files import (
     open_safetensors,
     weight_files,
 )
-from shardtrain.checkpoint.state import STATE_FILE, TrainState
+from shardtrain.checkpoint.state import STATE_FILE, TrainState, rebuild_config
 from shardtrain.config.schema import DataConfig, FinetuneConfig, ModelConfig
 from shardtrain.distributed.agreement import agree
 from shardtrain.distributed.qlora import NF4_DESCRIPTION
@@ -106,7 +106,7 @@ def model_config_of(path: Path) -> ModelConfig:
         if raw is None:
             raise CheckpointError(f"{path} carries no shardtrain model config (it was not written by "
                                   "shardtrain consolidate from a shardtrain checkpoint)")
-        return ModelConfig(**json.loads(raw))
+        return rebuild_config(ModelConfig, json.loads(raw), "model", f"the shardtrain that wrote {path}")
     layout.verify(path)
     state = TrainState.read(path)
     refuse_adapters_only(path, state)
@@ -118,7 +118,8 @@ def data_config_of(path: Path) -> DataConfig | None:
     where it was not saved (a file consolidated by an older shardtrain)."""
     if path.is_file():
         raw = file_metadata(path).get(DATA_CONFIG_KEY) if path.suffix == ".safetensors" else None
-        return None if raw is None else DataConfig(**json.loads(raw))
+        return None if raw is None else rebuild_config(DataConfig, json.loads(raw), "data",
+                                                       f"the shardtrain that wrote {path}")
     return TrainState.read(path).data_config()
 
 

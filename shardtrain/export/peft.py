@@ -74,7 +74,7 @@ class LoraCheckpoint:
         integrity.verify_files(path, names=plan.files)  # every byte read, as consolidate verifies
         entries = [entry for shard in plan.shards for entry in shard if is_adapter(entry[1])]
         tensors = load_tensors(path, entries, plan.metadata)
-        return cls(path, state.model_config(), FinetuneConfig(**state.config["finetune"]),
+        return cls(path, state.model_config(), state.finetune_config(),
                    int(state.config["trainer"]["seed"]), {name: tensors[key] for key, name, _ in entries})
 
 

@@ -26,7 +26,7 @@ from shardtrain.checkpoint.weights import (
     model_config_of,
 )
 from shardtrain.config.plan import DTYPES, resolve_plan
-from shardtrain.config.schema import Config, FinetuneConfig, ModelConfig
+from shardtrain.config.schema import Config, ModelConfig
 from shardtrain.data.corpus import Corpus
 from shardtrain.distributed.agreement import run_agreed
 from shardtrain.distributed.env import DistEnv, build_mesh, init_distributed, set_cpu_threads
@@ -75,7 +75,7 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
                               "weights: the weights' average (--ema) is read from a checkpoint directory")
     if lora:  # adapters only: the base is read (or drawn) as training did, the adapters on it
         cfg.model = state.model_config()
-        cfg.finetune = FinetuneConfig(**state.config["finetune"])
+        cfg.finetune = state.finetune_config()
         cfg.trainer = dataclasses.replace(cfg.trainer, seed=int(state.config["trainer"]["seed"]))
         check_same_base(path, state.base_weights, base_identity(cfg.model, cfg.trainer.seed, cfg.finetune))
     elif hf_directory:  # its config.json says the model; its tokenizer is beside it
