@@ -262,7 +262,6 @@ class Trainer:
             asked_lrs = list(self.built.scheduler.base_lrs)  # the load replaces them with the saved
             with self.resume_watched():
                 state = self.checkpointer.load(path)
-            follow_schedule(self.built.scheduler)
             self.step = self.last_saved_step = state.step
             self.evaluation_due = state.evaluation_due
             self.result.count_seen = state.tokens_seen
@@ -274,6 +273,7 @@ class Trainer:
             if self.env.is_main:
                 for change in self.resume_changes(state, asked_lrs):
                     log.warning(change)
+            follow_schedule(self.built.scheduler)  # after the warnings, which name the saved rate
             if self.cfg.model.init_from and self.cfg.finetune.method == "none":
                 self.info("model.init_from is ignored: resuming from a checkpoint")
             if self.best is not None:
