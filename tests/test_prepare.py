@@ -161,6 +161,12 @@ def test_a_changed_input_is_prepared_again(tmp_path):
     assert [s.name for s in resolve_sources([str(tmp_path / "t*" / "a.txt")], "*", [])] == ["tree/a.txt"]
     assert [s.name for s in resolve_sources([str(tmp_path / "tree" / "**" / "a.txt")], "*", [])] == [
         "a.txt", "sub/a.txt"]
+    (tmp_path / "tree" / "run[1]").mkdir()  # a directory that exists is read as named
+    (tmp_path / "tree" / "run[1]" / "x.txt").write_text("seven " * 50)
+    (tmp_path / "tree" / "run1").mkdir()
+    (tmp_path / "tree" / "run1" / "y.txt").write_text("eight " * 50)
+    assert [s.name for s in resolve_sources([str(tmp_path / "tree" / "run[1]" / "*.txt")], "*", [])] == [
+        "x.txt"]
     (tmp_path / "in" / ".old.shardtrain-lock").unlink()
     doc.write_text("six seven " * 80)
     os.utime(doc, ns=(doc.stat().st_mtime_ns + 10**9,) * 2)

@@ -168,7 +168,8 @@ def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] =
             # globbed from the last directory before the first pattern, each file named from there.
             fixed = []
             for part in path.parts[:-1]:
-                if any(ch in part for ch in "*?["):
+                # a directory that exists is read as named, even with *?[ in its name (as a file is)
+                if any(ch in part for ch in "*?[") and not Path(*fixed, part).is_dir():
                     break
                 fixed.append(part)
             base = Path(*fixed) if fixed else Path(".")
