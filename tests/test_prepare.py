@@ -741,6 +741,21 @@ def test_token_ids_past_the_model_are_refused_at_the_build(tmp_path):
     sparse = save_tokenizer(tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]")),
                             tmp_path / "sparse")
     assert sparse.vocab_size == 70001 and token_dtype(sparse.vocab_size) is np.uint32
+    # A dataset an older shardtrain prepared with it (vocab_size 4 recorded): read where its dtype
+    # holds every id, refused where it cut them
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("a b far " * 20)
+    prepare(PrepareOptions(inputs=[str(tmp_path / "docs")], val_percent=0.0,
+                           tokenizer=str(tmp_path / "sparse")), tmp_path / "prepared", progress=False)
+    manifest_file = tmp_path / "prepared" / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest["tokenizer"]["vocab_size"] = 4
+    manifest_file.write_text(json.dumps(manifest))
+    open_prepared(tmp_path / "prepared", sparse)
+    manifest_file.write_text(json.dumps({**manifest, "dtype": "uint16"}))
+    with pytest.raises(DataError, match=r"prepared by an older shardtrain, which stored this tokenizer's ids "
+                                        r"\(up to 70000\) as uint16: larger ones were cut; prepare it again"):
+        open_prepared(tmp_path / "prepared", sparse)
     (tmp_path / "sparse" / "tokenizer_config.json").write_text("{bad")  # found by review: a traceback
     with pytest.raises(DataError, match=r"tokenizer_config.json is not readable JSON \(Expecting"):
         HFTokenizer(tmp_path / "sparse")

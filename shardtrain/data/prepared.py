@@ -269,7 +269,7 @@ def open_prepared(path: str | Path, tokenizer: Tokenizer | None = None, warn: bo
         raise DataError(f"{path}: {MANIFEST} is not a version-{VERSION} shardtrain prepared dataset")
     if tokenizer is not None:
         made_with = manifest["tokenizer"]
-        if made_with["name"] != tokenizer.name or made_with["vocab_size"] != tokenizer.vocab_size:
+        if made_with["name"] != tokenizer.name:
             raise DataError(
                 f"{path} was prepared with tokenizer {made_with['name']} ({made_with['vocab_size']} tokens) "
                 f"but the model's is {tokenizer.name} ({tokenizer.vocab_size} tokens); prepare it again "
@@ -285,6 +285,14 @@ def open_prepared(path: str | Path, tokenizer: Tokenizer | None = None, warn: bo
                         "tokenizer)")
     if "dtype" not in manifest:
         raise DataError(f"{path}: {MANIFEST} names no token dtype; prepare it again")
+    if tokenizer is not None and manifest["tokenizer"]["vocab_size"] != tokenizer.vocab_size:
+        # The same tokenizer file, another vocab_size: an older shardtrain counted a tokenizer whose
+        # ids skip numbers by its tokens, not its largest id. Its dtype may still hold them all.
+        stored = manifest["dtype"]
+        if stored not in ("uint16", "uint32") or np.iinfo(stored).max < tokenizer.vocab_size - 1:
+            raise DataError(f"{path} was prepared by an older shardtrain, which stored this tokenizer's "
+                            f"ids (up to {tokenizer.vocab_size - 1}) as {stored}: larger ones were cut; "
+                            "prepare it again")
     directory = DatasetDirectory(path)
     shards = [shard for split in SPLITS for shard in manifest["splits"][split]["shards"]]
     if tokenizer is not None and any("mask_file" in shard for shard in shards):
