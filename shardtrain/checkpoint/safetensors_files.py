@@ -7,8 +7,8 @@ this layout; ``inspect``, ``model.init_from`` and generation read it.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
-import functools
 import json
 import os
 from collections.abc import Iterator
@@ -63,13 +63,16 @@ def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return result
 
 
-@functools.cache
-def new_file_mode() -> int:
-    """The mode a new file gets from this process: 0666 less its umask (read once; a file another
-    thread creates meanwhile gets the stricter 077)."""
+def read_umask() -> int:
+    """The process's umask (reading it means setting it: done once, at import, before any thread
+    that writes files has started)."""
     umask = os.umask(0o077)
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
+
+
+# The mode any new file gets here: 0666 less the umask.
+NEW_FILE_MODE = 0o666 & ~read_umask()
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
@@ -77,7 +80,11 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dic
     creates its files 0600 whatever the umask, so on a shared cluster an export was unreadable to
     the serving job or a colleague."""
     save_file(tensors, str(path), metadata=metadata)
-    os.chmod(path, new_file_mode())
+    try:
+        os.chmod(path, NEW_FILE_MODE)
+    except OSError as exc:  # a filesystem without modes (some network mounts) keeps its own
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
 
 
 def save_shard(tensors: dict[str, torch.Tensor], target: Path, metadata: dict[str, str]) -> None:
