@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from shardtrain.checkpoint.weights import load_hf_into, load_safetensors_into, model_config_of
+from shardtrain.config.schema import ModelConfig
 from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import consolidate
 from shardtrain.export.hf import export_hf
@@ -54,6 +55,11 @@ def test_export_loads_in_transformers_with_matching_logits(tmp_path, tied):
     their_tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
     assert their_tokenizer(text).input_ids == list(text.encode())
     assert their_tokenizer.decode(list(text.encode())) == text
+    from shardtrain.export.hf import tokenizer_copies
+
+    gone = str(tmp_path / "gone" / "tokenizer.json")  # a tokenizer moved since training: said first
+    with pytest.raises(CheckpointError, match=re.escape(f"model.tokenizer={gone!r} does not exist")):
+        tokenizer_copies(ModelConfig(tokenizer=gone))
     assert hf.config.num_key_value_heads < hf.config.num_attention_heads  # grouped-query attention
     assert hf.config.tie_word_embeddings == tied
 
@@ -151,7 +157,6 @@ def test_export_check_fails_on_corrupted_weights(tmp_path):
 
 
 def test_export_dtype_casts_floating_point_tensors_only(tmp_path):
-    from shardtrain.config.schema import ModelConfig
     from shardtrain.export.hf import write_hf_directory
 
     cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=32, max_seq_len=16)

@@ -82,6 +82,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
         raise CheckpointError(f"{src} is a consolidated file, which holds one set of weights: the weights' "
                               "average (--ema) is exported from a checkpoint directory")
     check_new_directory(out)  # before the consolidation's work, not after it
+    if cfg.name != "hf":
+        tokenizer_copies(cfg)  # a tokenizer gone since training: said before anything is written
     out.mkdir(parents=True, exist_ok=True)
     # Stream: consolidate shard by shard into a staging area, then rename and permute per tensor.
     # A fresh hidden directory each time: a crashed export's leftover is never read as this one's.
@@ -178,26 +180,35 @@ def write_hf_directory(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[],
     return files + write_tokenizer_files(cfg, out)
 
 
+def tokenizer_copies(cfg: ModelConfig) -> dict[str, Path] | None:
+    """The files of the tokenizer ``model.tokenizer`` named, by the name each gets in a model
+    directory; None for the byte tokenizer. One that is gone since training is one line."""
+    source = tokenizer_source(cfg)
+    if source == "bytes":
+        return None
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"the run's tokenizer model.tokenizer={source!r} does not exist (moved since "
+                              "training?); put it back, or link its new place there")
+    directory = path if path.is_dir() else path.parent
+    copies = {name: directory / name for name in TOKENIZER_FILES}
+    if path.is_file():  # a tokenizer file named otherwise
+        copies[TOKENIZER_FILE] = path
+    return {name: copied for name, copied in copies.items() if copied.is_file()}
+
+
 def write_tokenizer_files(cfg: ModelConfig, out: Path) -> list[Path]:
     """The built-in model's tokenizer beside its weights, so that the directory is a whole model to
     transformers and to ``generate`` and ``eval`` (which read it as model=hf): the byte tokenizer as
     a ``tokenizer.json``, or the files of the tokenizer ``model.tokenizer`` named."""
-    source = tokenizer_source(cfg)
-    if source == "bytes":
+    copies = tokenizer_copies(cfg)
+    if copies is None:
         byte_level_tokenizer().save(str(out / TOKENIZER_FILE))
         # No tokenizer class of the model's: LlamaTokenizerFast would put a BOS token first.
         settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
                     "clean_up_tokenization_spaces": False}
         (out / TOKENIZER_CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
         return [out / TOKENIZER_FILE, out / TOKENIZER_CONFIG_FILE]
-    path = Path(source)
-    directory = path if path.is_dir() else path.parent
-    copies = {name: directory / name for name in TOKENIZER_FILES}
-    if path.is_file():  # a tokenizer file named otherwise
-        copies[TOKENIZER_FILE] = path
-    written = []
     for name, copied in copies.items():
-        if copied.is_file():
-            shutil.copyfile(copied, out / name)
-            written.append(out / name)
-    return written
+        shutil.copyfile(copied, out / name)
+    return [out / name for name in copies]
