@@ -178,9 +178,12 @@ def test_ranks_that_use_different_parameters_in_a_step_equal_the_reference(two_r
     layout = BatchLayout(micro_batch_size=2, grad_accum_steps=2, dp_world_size=2)
     # every step has images (so the reference gives the encoder a gradient, as the reduction does)
     assert all((np.array(ids) % 2 == 0).any() for ids in result["ids"])
-    imageless = [part for ids in result["ids"] for rank in range(2)
-                 for part in layout.rank_slices(np.array(ids), rank) if not (part % 2 == 0).any()]
-    assert imageless, "no micro-batch without images: the case tests nothing"
+    # ... and at some micro-batch one rank runs the encoder while the other does not: their
+    # reduce-scatters would differ there without strategy.reduce_unused_params
+    differing = [(step, k) for step, ids in enumerate(result["ids"])
+                 for k, parts in enumerate(zip(*(layout.rank_slices(np.array(ids), r) for r in range(2))))
+                 if len({bool((part % 2 == 0).any()) for part in parts}) == 2]
+    assert differing, "no micro-batch where the ranks differ: the case tests nothing"
     compare({"skips_full": result}, references, {})
 
 
