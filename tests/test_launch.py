@@ -20,7 +20,7 @@ from cli_utils import clean_env, run_cli
 from distributed import free_port
 from safetensors.torch import load_file
 
-from shardtrain.cli.launch import failed_rank_line, relaunch_if_needed, root_cause
+from shardtrain.cli.launch import failed_rank_line, killed_first, relaunch_if_needed, root_cause
 from shardtrain.cli.main import error_line, launch_outcome, main
 from shardtrain.config.compose import compose_config
 from shardtrain.diagnostics.failures import record_failure
@@ -117,6 +117,28 @@ def test_the_line_shown_is_the_first_failing_ranks(tmp_path):
     assert failed_rank_line(log, None) == "shardtrain: error: a collective failed: connection reset by peer"
     assert failed_rank_line(log, 3) == failed_rank_line(log, None)  # that rank left no line: the first
     assert failed_rank_line(tmp_path / "missing.log", 1) is None
+
+
+def torchrun_report(first: tuple[int, int], other: tuple[int, int]) -> str:
+    """torchrun's final report as it prints it: the other failure listed first, then the root cause."""
+    def failure(index: int, rank: int, code: int, time: str) -> str:
+        return (f"[{index}]:\n  time      : 2026-11-30_01:00:{time}\n  host      : node1\n"
+                f"  rank      : {rank} (local_rank: {rank})\n  exitcode  : {code} (pid: {100 + rank})\n"
+                "  error_file: <N/A>\n")
+    return ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n" + "=" * 60 + "\n"
+            "shardtrain FAILED\n" + "-" * 60 + "\nFailures:\n" + failure(1, *other, "35") + "-" * 60 + "\n"
+            "Root Cause (first observed failure):\n" + failure(0, *first, "01") + "=" * 60 + "\n")
+
+
+def test_a_rank_torchrun_killed_after_the_first_failure_is_not_blamed(tmp_path):
+    """Found by review: any worker listed with -9 was named the cause and the first failure's error
+    fallout; on NCCL a peer waiting on the failed rank is SIGKILLed by torchrun 30 s after its SIGTERM
+    (a preemption signal, which only asks a step's end). Only the root cause killed from outside is."""
+    log = tmp_path / "workers.log"
+    log.write_text("shardtrain: error: [rank 1] no space left on device\n" + torchrun_report((1, 2), (0, -9)))
+    assert killed_first(log) is None and root_cause(log) == (1, 2)
+    log.write_text(torchrun_report((1, -9), (0, 1)))
+    assert killed_first(log) == (1, "SIGKILL")
 
 
 def test_a_workers_error_line_names_its_rank_only_in_a_world_of_several(monkeypatch):

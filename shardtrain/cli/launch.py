@@ -310,21 +310,22 @@ def final_report(log_file: Path) -> str:
     return text[text.rfind("ChildFailedError"):] if "ChildFailedError" in text else ""
 
 
-def killed_workers(log_file: Path) -> list[tuple[int, str]]:
-    """(rank, signal name) of workers torchrun reports as killed by a signal in its final report.
+def killed_first(log_file: Path) -> tuple[int, str] | None:
+    """(rank, signal name) of the worker torchrun's report names as the root cause (the first
+    observed failure) where a signal from outside killed it (SIGKILL: by hand, or the out-of-memory
+    killer): it left no Python error, and the errors its peers recorded ("connection reset") are
+    fallout. None otherwise: a worker torchrun itself killed after another's failure (its SIGTERM
+    only asks a worker to stop at a step's end; one waiting in a collective on the dead peer is
+    SIGKILLed 30 s later) is fallout too, and the first failure's own record says why."""
+    cause = root_cause(log_file)
+    if cause is None or cause[1] >= 0 or -cause[1] not in EXTERNAL_SIGNALS:
+        return None
+    return cause[0], signal.Signals(-cause[1]).name
 
-    Such a worker left no Python error; the errors its peers recorded ("connection reset") are
-    fallout. Parsing torchrun's human-readable report is best effort: nothing found, nothing said.
-    """
-    killed = []
-    for rank, code in REPORTED_WORKER.findall(final_report(log_file)):
-        if int(code) < 0 and -int(code) in EXTERNAL_SIGNALS:
-            try:
-                name = signal.Signals(-int(code)).name
-            except ValueError:
-                name = f"signal {-int(code)}"
-            killed.append((int(rank), name))
-    return killed
+
+def killed_reason(rank: int, name: str) -> str:
+    return (f"rank {rank} was killed by {name} without a Python error (killed from outside, or by the "
+            "out-of-memory killer); its peers' errors are fallout")
 
 
 def root_cause(log_file: Path) -> tuple[int, int] | None:

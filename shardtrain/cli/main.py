@@ -89,20 +89,19 @@ def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -
     its one line when it did not succeed: the rank that failed first (from the failure records
     since ``started``), a rank killed from outside, or an interrupt (Ctrl-C reaches every worker,
     and none recorded a failure)."""
-    from shardtrain.cli.launch import first_worker_line, killed_workers
+    from shardtrain.cli.launch import first_worker_line, killed_first, killed_reason
     from shardtrain.diagnostics.failures import describe, first_failure
 
     if status == 0:
         return 0
     failure = first_failure(run_dir, started)
-    killed = killed_workers(log_file)
+    killed = killed_first(log_file)
     if failure is None and not killed and (first_worker_line(log_file) or "").startswith(INTERRUPTED):
         print(f"{INTERRUPTED}{RESUMES}", file=sys.stderr)
         return 130
     if killed:
-        rank, name = killed[0]
-        reason = (f"rank {rank} was killed by {name} without a Python error (killed from "
-                  "outside, or by the out-of-memory killer); its peers' errors are fallout")
+        reason = killed_reason(*killed)
+        status = 128 + signal.Signals[killed[1]].value  # as a shell reports a process it killed
     elif failure is not None:
         reason = describe(failure)
         # The status one process gives for it (2: a framework error), which torchrun's 1 hides.
@@ -115,7 +114,13 @@ def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -
 
 def on_devices(devices: int, argv: list[str]) -> int | None:
     """Run ``shardtrain argv`` on ``devices`` processes under torchrun, or None to run here."""
-    from shardtrain.cli.launch import failed_rank_line, root_cause, run_under_torchrun
+    from shardtrain.cli.launch import (
+        failed_rank_line,
+        killed_first,
+        killed_reason,
+        root_cause,
+        run_under_torchrun,
+    )
     from shardtrain.distributed.env import under_torchrun
     from shardtrain.errors import ConfigError
 
@@ -134,6 +139,9 @@ def on_devices(devices: int, argv: list[str]) -> int | None:
             log_file.unlink(missing_ok=True)
             return 0
         cause = root_cause(log_file)  # the first failing worker's rank and exit status
+        if killed := killed_first(log_file):  # it left no line: any line in the log is a peer's fallout
+            print(f"shardtrain: error: {killed_reason(*killed)}; full log: {log_file}", file=sys.stderr)
+            return 128 + signal.Signals[killed[1]].value
         line = failed_rank_line(log_file, cause[0] if cause else None)
         if line == INTERRUPTED:
             log_file.unlink(missing_ok=True)
