@@ -372,3 +372,25 @@ def test_runs_are_named_apart_and_one_given_twice_is_refused(tmp_path):
     with pytest.raises(ReportError, match=r"^'.*/sub/\.\./run' and '.*/run' are the same run directory; give "
                                           "each run once$"):
         load_runs([tmp_path / "run", f"{tmp_path / 'sub'}/../run"])
+
+
+def test_hand_edited_records_and_odd_run_names_make_a_report(tmp_path):
+    """Found by review: a start record's world_size went into the page unescaped (a shared report ran
+    the script a string held), a string among the counts stopped the report with a traceback, a run
+    directory named with $ failed matplotlib's math parser, and each skipped step was a legend entry
+    of its own (100 of them hid the plot)."""
+    run_dir = tmp_path / "cost$^$x"
+    run_dir.mkdir()
+    records = [{"step": 0, "kind": "start", "world_size": "<img src=x onerror=alert(1)>",
+                "restart_count": "two", "resumed_from": 5},
+               {"step": 0, "kind": "start", "world_size": 2, "restart_count": 0}]
+    records += [{"step": s, "kind": "train", "loss": 1.0 / s, "tokens_seen": 64 * s, "tokens_per_s": 10.0}
+                for s in range(1, 121)]
+    records += [{"step": s, "kind": "skip"} for s in range(5, 105)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = write_report([run_dir], tmp_path / "report.html")
+    page = (tmp_path / "report.html").read_text()
+    assert "<img src=x" not in page and "<td>2</td>" in page
+    labels = [t.get_text() for t in report.figures["loss_steps"].legends[0].get_texts()]
+    skipped = [label for label in labels if "skipped" in label]
+    assert skipped == [r"cost\$^\$x: 100 steps skipped (non-finite)"], labels

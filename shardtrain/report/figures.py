@@ -8,6 +8,7 @@ leak into, no backend chosen by the environment. Each drawn artist carries a ``g
 from __future__ import annotations
 
 import io
+from collections import Counter
 
 import matplotlib
 import numpy as np
@@ -80,10 +81,16 @@ def _draw_bars(ax: Axes, bars: Bars, colours: dict[str, str]) -> None:
             bottom += heights
         if len(runs) > 1:
             for xi, top in zip(x, bottom):
-                ax.annotate(run, (xi, top), textcoords="offset points", xytext=(0, 2), ha="center",
+                ax.annotate(literal(run), (xi, top), textcoords="offset points", xytext=(0, 2), ha="center",
                             fontsize=7, color=colours[run], rotation=90, va="bottom")
     ax.set_xticks(positions, bars.groups)
     ax.margins(y=0.25)
+
+
+def literal(text: str) -> str:
+    """A label as written: matplotlib reads $...$ as math (a run directory named a$b failed the
+    report with a ValueError, a$1$b printed as math)."""
+    return text.replace("$", r"\$")
 
 
 def draw_panel(panel: Panel, colours: dict[str, str]) -> Figure:
@@ -91,23 +98,31 @@ def draw_panel(panel: Panel, colours: dict[str, str]) -> Figure:
     figure = Figure(figsize=SIZE_INCHES, dpi=DPI, layout="constrained")
     FigureCanvasAgg(figure)
     ax = figure.add_subplot()
-    ax.set_title(panel.title, fontsize=11, loc="left")
-    ax.set_xlabel(panel.xlabel)
-    ax.set_ylabel(panel.ylabel)
+    ax.set_title(literal(panel.title), fontsize=11, loc="left")
+    ax.set_xlabel(literal(panel.xlabel))
+    ax.set_ylabel(literal(panel.ylabel))
     ax.grid(alpha=0.3)
     several = len(colours) > 1
     if panel.bars is not None:
         _draw_bars(ax, panel.bars, colours)
     for line in panel.lines:
         name = NAMES.get(line.label, line.label)
-        _draw_line(ax, line, colours[line.run], f"{line.run}: {name}" if several else name)
+        _draw_line(ax, line, colours[line.run], literal(f"{line.run}: {name}" if several else name))
     for level in panel.levels:
-        ax.axhline(level.y, color=colours[level.run], linestyle=":", linewidth=1.2, label=level.label,
-                   gid=gid(level.run, "clip"))
+        ax.axhline(level.y, color=colours[level.run], linestyle=":", linewidth=1.2,
+                   label=literal(level.label), gid=gid(level.run, "clip"))
+    # One legend entry for a run's skipped steps, however many (100 entries hid the plot).
+    skips = Counter(marker.run for marker in panel.markers if marker.kind == "skip")
+    named: set[str] = set()
     for marker in panel.markers:
         colour = "#d62728" if marker.kind == "skip" else colours[marker.run]
+        label = literal(marker.label)
+        if marker.kind == "skip" and skips[marker.run] > 1:
+            label = "_nolegend_" if marker.run in named else literal(
+                f"{marker.run}: {skips[marker.run]} steps skipped (non-finite)")
+            named.add(marker.run)
         ax.axvline(marker.x, color=colour, linestyle=MARKER_STYLES[marker.kind], linewidth=1.1,
-                   alpha=0.8, label=marker.label, gid=gid(marker.run, marker.kind))
+                   alpha=0.8, label=label, gid=gid(marker.run, marker.kind))
     if panel.log_y:
         ax.set_yscale("log")
     elif panel.zero_based and not panel.empty:

@@ -111,7 +111,7 @@ def _runs_table(runs: list[Run], colours: dict[str, str], unit: str) -> str:
             f"<td class=num>{_number(losses[-1] if losses else None)}</td>"
             f"<td class=num>{best_val}</td>"
             f"<td class=num>{len(run.starts)}</td><td class=num>{resumes}</td><td class=num>{restarts}</td>"
-            f"<td>{', '.join(map(str, worlds))}</td><td class=num>{len(run.of('skip'))}</td>"
+            f"<td>{html.escape(', '.join(map(str, worlds)))}</td><td class=num>{len(run.of('skip'))}</td>"
             f"<td>{html.escape(ending(run))}</td></tr>")
     return ("<table><tr><th>run</th><th>directory</th><th>last step</th>"
             f"<th>{unit} seen</th>"

@@ -88,6 +88,12 @@ def finite_or_none(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
+def count_or_none(value: Any) -> int | None:
+    """A count a record holds, or None where it holds something else (a hand-edited file's string,
+    which a report would otherwise sort among numbers, or print into its page)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def parse_lines(text: str) -> tuple[list[dict], int]:
     """The records in a metrics.jsonl text, and how many whole lines could not be read.
 
@@ -141,8 +147,10 @@ def timeline(records: list[dict]) -> tuple[dict[str, list[dict]], list[Start]]:
             for kept in by_kind.values():
                 for later in [s for s in kept if s > step]:
                     del kept[later]
-            starts.append(Start(step, record.get("resumed_from"), int(record.get("restart_count") or 0),
-                                record.get("world_size"), record.get("time")))
+            restarts = count_or_none(record.get("restart_count")) or 0
+            resumed = record.get("resumed_from") if isinstance(record.get("resumed_from"), str) else None
+            starts.append(Start(step, resumed, restarts,
+                                count_or_none(record.get("world_size")), record.get("time")))
         elif kind == "end" and starts:
             starts[-1].outcome, starts[-1].ended_at = str(record.get("outcome")), step
         elif kind in by_kind:
