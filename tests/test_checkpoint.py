@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from shardtrain.checkpoint import layout, staging
-from shardtrain.checkpoint.checkpointer import random_streams_kept
+from shardtrain.checkpoint.checkpointer import random_streams_kept, seed_random_streams
 from shardtrain.checkpoint.inspect import inspect_path
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.cli.preflight import check_resume
@@ -552,6 +552,15 @@ def test_random_streams_kept_leaves_every_stream_a_checkpoint_restores_as_it_was
     with random_streams_kept():
         torch.randn(5), np.random.rand(4), random.random()
     assert seeded_draws() == expected
+    # A fresh run seeds them from trainer.seed and its data-parallel rank (found by review: torch's
+    # CPU stream differed between two runs of one seed; on CUDA every rank started at one default,
+    # so every rank drew the same dropout masks).
+    draws = {}
+    for seed, rank in ((1, 0), (1, 1), (2, 0), (1, 0)):
+        seed_random_streams(seed, rank)
+        draws.setdefault((seed, rank), []).append(seeded_draws())
+    assert draws[1, 0][0] == draws[1, 0][1]
+    assert len({str(d[0]) for d in draws.values()}) == 3  # each (seed, rank) its own
 
 
 def test_a_flipped_bit_in_metadata_is_damage_not_lack_of_memory(tmp_path):

@@ -101,6 +101,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
     accelerator.set_rng_state(state.get("accelerator"))
 
 
+def seed_random_streams(seed: int, stream: int) -> None:
+    """Every random stream a checkpoint restores (Python's, NumPy's, torch's on the CPU and on the
+    accelerators), seeded from ``seed`` and ``stream`` (a data-parallel rank): a fresh run is
+    reproduced by its seed, and its ranks draw different dropout masks. Unseeded, torch's CPU stream
+    differed between two runs of one seed, and every CUDA rank started at the same default."""
+    mixed = int(np.random.SeedSequence([seed, stream]).generate_state(1, dtype=np.uint64)[0])
+    random.seed(mixed)
+    np.random.seed(mixed % 2**32)
+    torch.manual_seed(mixed)  # the CPU's and every accelerator's
+
+
 @contextmanager
 def random_streams_kept() -> Iterator[None]:
     """Every random stream a checkpoint restores (Python's, NumPy's, torch's, the accelerator's) as

@@ -23,7 +23,7 @@ from shardtrain.accelerator import (
     set_fp32_matmul,
 )
 from shardtrain.checkpoint.best import BestEvaluations
-from shardtrain.checkpoint.checkpointer import Checkpointer, random_streams_kept
+from shardtrain.checkpoint.checkpointer import Checkpointer, random_streams_kept, seed_random_streams
 from shardtrain.checkpoint.peft_adapter import load_peft_adapter, resolve_adapter_settings
 from shardtrain.checkpoint.preemption import PreemptionFlag
 from shardtrain.checkpoint.state import ADAPTER_SCALE_KEYS, TrainState
@@ -131,6 +131,9 @@ class Trainer:
         self.val_batches = ([] if val is None else
                             eval_batches(val, t.eval_samples, t.micro_batch_size, dp_world, dp_rank))
         self.val_available = 0 if val is None else val.num_samples
+        # A fresh run's streams (a resume at the same layout restores each rank's from its checkpoint).
+        # Tensor-parallel peers share one: they compute on the same micro-batches.
+        seed_random_streams(t.seed, dp_rank)
         self.step = 0
         self.result = TrainResult()
         # A dry run checks a configuration: it leaves the run's records (metrics.jsonl, config.yaml)
