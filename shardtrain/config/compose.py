@@ -278,8 +278,14 @@ def check_trackers(trackers: list[str]) -> None:
         raise ConfigError(f"run.trackers={list(trackers)} names a tracker twice; name each once")
 
 
-def check_finetune(finetune: FinetuneConfig) -> None:
-    """The adapters' settings given without adapters changed nothing: refused, named."""
+def check_finetune(finetune: FinetuneConfig, mixed_precision: str = "auto") -> None:
+    """The adapters' settings given without adapters changed nothing: refused, named. QLoRA under
+    bf16-pure would quantise bf16-rounded weights (their NF4 scales differ, a layer's output by 3%),
+    which generate, eval and export-hf --merge, quantising the fp32 weights, do not rebuild."""
+    if finetune.method == "qlora" and mixed_precision == "bf16-pure":
+        raise ConfigError("finetune.method=qlora with strategy.mixed_precision=bf16-pure would quantise the "
+                          "base from bf16-rounded weights, which generate, eval and export do not rebuild; "
+                          "use strategy.mixed_precision=bf16-mixed (the NF4 base is 4-bit either way)")
     if finetune.method != "none":
         return
     defaults = FinetuneConfig()
@@ -369,7 +375,7 @@ def check_config(cfg: Config) -> None:
     if cfg.data.cache_dir != "auto" and Path(cfg.data.cache_dir).expanduser().is_file():
         raise ConfigError(f"data.cache_dir={cfg.data.cache_dir!r} is a file; name a directory (or auto)")
     check_model(cfg)
-    check_finetune(cfg.finetune)
+    check_finetune(cfg.finetune, cfg.strategy.mixed_precision)
     check_trackers(cfg.run.trackers)
     check_profiling(cfg)
     check_weight_average(cfg)

@@ -338,6 +338,13 @@ def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: Dev
             if initialize:
                 initialize_parameters(model, cfg.trainer.seed, initializer, select)
     else:
+        if cfg.finetune.method == "qlora" and plan.size("dp_shard") > 1 and cfg.model.weights_source():
+            # Built whole, it is quantised whole from its draw; weights read in afterwards land shard by
+            # shard, and torchao re-quantises each shard alone (another base at each world size).
+            raise ConfigError(f"finetune.method=qlora reads {type(model).__name__}'s base into NF4 shards, "
+                              "which needs init_parameter(name, tensor, generator) (docs/tasks.md: the model "
+                              "is then built on meta and its base quantised whole once read); add it, or "
+                              "use finetune=lora")
         # Without a per-parameter initialiser there is no way to initialise shards independently
         # of the world size, so build the full model once on CPU (same seed on every rank).
         if env.is_main:  # every rank's would be the same line
