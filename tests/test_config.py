@@ -387,3 +387,13 @@ def test_preparation_settings_beside_a_prepared_dataset_are_refused(tmp_path):
         compose_config([*prepared, "data.val_percent=50", "data.file_glob=*.txt"])
     assert compose_config(["experiment=quick", *prepared]).data.max_bytes == 2_000_000
     assert compose_config(["data.val_percent=50"]).data.val_percent == 50  # text sources take it
+
+
+def test_qlora_under_bf16_pure_is_refused():
+    """Found by review: training quantised the bf16-rounded base, generate, eval and export-hf --merge
+    the fp32 one (a layer's output 3% apart), and nothing said so."""
+    with pytest.raises(ConfigError, match="finetune.method=qlora with strategy.mixed_precision=bf16-pure "
+                                          "would quantise the base from bf16-rounded weights"):
+        load_config(["finetune.method=qlora", "strategy.mixed_precision=bf16-pure"])
+    mixed = load_config(["finetune.method=qlora", "strategy.mixed_precision=bf16-mixed"])
+    assert mixed.finetune.method == "qlora"
