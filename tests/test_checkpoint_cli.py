@@ -63,8 +63,10 @@ def test_sigterm_saves_exits_cleanly_and_resumes_exactly(tmp_path):
     # A signal during start-up, while the workers still ignore it as their agent does (imports) or
     # build the model: the launcher delivers it once they catch it, and the first step stops (it
     # was lost, the run going on to the end, or killed the workers without a word).
+    # Its step is logged though no record was due (trainer.log_every=5; found by review: the steps
+    # since the last record were in none, the resume's interval starting after them).
     run_dir = tmp_path / "at_start"
-    status, out = preempt_at_start(["train", *common, f"run.dir={run_dir}"])
+    status, out = preempt_at_start(["train", *common, "trainer.log_every=5", f"run.dir={run_dir}"])
     assert status == 0 and "preemption (SIGTERM): saving at step 1 and stopping" in out, out[-3000:]
     assert (run_dir / "checkpoints" / "step-1").is_dir() and read_metrics(run_dir)[-1]["step"] == 1
     resumed = run_cli("train", *common, f"run.dir={run_dir}")

@@ -754,11 +754,13 @@ class Trainer:
         last = step == t.max_steps
         self.console.advance(stats.loss, self.throughput)
         record: dict = {}
-        if due(step, t.log_every) or last:
-            record.update(self.train_record(stats))
         # A preemption's save comes next: evaluation and samples would eat the grace period the
         # scheduler gives before its SIGKILL (every rank agrees on stop_agreed: all skip alike).
         preempting = stats.stop_agreed
+        # The steps since the last record are logged at a preemption's step too: the resume's
+        # interval starts after it, and they would be in no record.
+        if due(step, t.log_every) or last or preempting:
+            record.update(self.train_record(stats))
         if (due(step, t.eval_every) or last) and self.val_batches:
             if preempting:  # saved as due: the resume runs it first, on these same weights
                 self.evaluation_due = True
