@@ -272,7 +272,8 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
         status = wait_delivering(agent, pending, deliver)
         if reader is not None:
             reader.join()
-    return status
+    # An agent killed by a signal: the shell's 128 + its number (sys.exit(-2) would exit 254).
+    return 128 - status if status < 0 else status
 
 
 def wait_delivering(pid: int, pending: set[int], deliver: Callable[[], None]) -> int:
