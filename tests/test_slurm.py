@@ -65,7 +65,7 @@ def slurm_run(tmp_path_factory):
 
     slurm = FakeSlurm(root)
     env = clean_env(GPUS_PER_NODE="2", PYTHON=sys.executable, RDZV_PORT=str(free_port()), **KILL_RANK_1)
-    run_dir = slurm.submit_dir / "runs" / "shardtrain"  # the script's default run.dir
+    run_dir = slurm.submit_dir / "runs" / "shardtrain-4242"  # the script's default run.dir: the job's own
     first = slurm.submit(SCRIPTS / "train.sbatch", *TRAIN, env=env)
     try:
         # A step logged after the resume is the restarted attempt training, its signal handlers in
@@ -93,7 +93,7 @@ def test_restart_preemption_requeue_and_exact_resume(slurm_run):
     # after rank 1 died, and they resumed from the newest checkpoint
     assert first_log.count("world size 4 (gloo") == 2
     assert "HYBRID_SHARD: mesh [dp_replicate=2 x dp_shard=2]" in first_log  # shards within a node
-    assert "resumed from runs/shardtrain/checkpoints/step-2:" in first_log
+    assert "resumed from runs/shardtrain-4242/checkpoints/step-2:" in first_log
     assert r["sent"].name == "SIGUSR1"  # the script's --signal=B:USR1@...
     assert "shardtrain-slurm: SIGUSR1 received" in first_log
     # Rank 0 names the signal, or, where another rank had it first (the step's all-reduce carries the
@@ -108,7 +108,7 @@ def test_restart_preemption_requeue_and_exact_resume(slurm_run):
     assert r["slurm"].calls("requeue") == r["requeues_after_first"]  # a finished run asks for none
     # --open-mode=append: the requeued job's output follows the first run's in the same file
     assert r["log"].startswith(first_log) and "(restart 1)" in later
-    assert f"resumed from runs/shardtrain/checkpoints/step-{r['stopped_at']}:" in later
+    assert f"resumed from runs/shardtrain-4242/checkpoints/step-{r['stopped_at']}:" in later
     for call in r["slurm"].calls("srun"):
         assert call["options"]["nodes"] == "2" and call["options"]["ntasks-per-node"] == "1"
     # run.dir was checked to be shared at start-up (both "nodes" see it), leaving no marker behind
