@@ -172,6 +172,16 @@ def test_plan_rows_judge_each_world_size_and_the_formulas_refuse_uneven_splits(c
         "3\n")
 
 
+def test_the_formulas_say_they_do_not_model_a_wrap_policy(capsys):
+    """Found by review: plan's formulas take the model's blocks as units whatever
+    strategy.wrap_policy says, and gave the default policy's table without a word."""
+    assert main(["plan", "strategy.wrap_policy=[shardtrain.models.llama.FeedForward]"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("note: the formulas take the model's blocks as FSDP units, not strategy."
+                          "wrap_policy=[shardtrain.models.llama.FeedForward]; shardtrain plan --simulate")
+    assert main(["plan"]) == 0 and not capsys.readouterr().out.startswith("note:")
+
+
 def test_overrides_may_follow_the_options_that_take_several_values(capsys):
     """Found by a docs review: ``--world-sizes 2 trainer.seq_len=4096`` (as docs/benchmarks.md wrote
     it) was "invalid int value", and an override after another option was unrecognised."""

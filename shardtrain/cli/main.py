@@ -462,6 +462,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           "model on its example batch)")
     if not args.simulate:
         sizes = args.world_sizes or sorted({1, 2, 4, 8, world})
+        if list(cfg.strategy.wrap_policy) != ["auto"]:
+            # The formulas know the model's own blocks as units; the simulation builds the run's own.
+            print(f"note: the formulas take the model's blocks as FSDP units, not strategy.wrap_policy="
+                  f"[{','.join(map(str, cfg.strategy.wrap_policy))}]; shardtrain plan --simulate shards "
+                  "the model as that policy does")
         print(plan_table(cfg, sizes, memory, local))
         return 0
 

@@ -374,6 +374,9 @@ def check_config(cfg: Config) -> None:
                           f"data.paths ({len(cfg.data.paths)} given), with data.source=prepared")
     if cfg.data.cache_dir != "auto" and Path(cfg.data.cache_dir).expanduser().is_file():
         raise ConfigError(f"data.cache_dir={cfg.data.cache_dir!r} is a file; name a directory (or auto)")
+    if not cfg.strategy.wrap_policy:  # said before torch is imported, as the training's build says it
+        raise ConfigError("strategy.wrap_policy=[] names no module class: nothing would be sharded per "
+                          "block; use [auto] (the model's own blocks) or the classes to shard")
     check_model(cfg)
     check_finetune(cfg.finetune, cfg.strategy.mixed_precision)
     check_trackers(cfg.run.trackers)
