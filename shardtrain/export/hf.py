@@ -64,12 +64,19 @@ def write_hf_model_files(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> lis
     config = json.loads((source / CONFIG_FILE).read_text())
     config["torch_dtype"] = config["dtype"] = dtype_name(dtype)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    written = [out / CONFIG_FILE]
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copyfile(source / name, out / name)
-            written.append(out / name)
-    return written
+    return [out / CONFIG_FILE] + copy_files(tokenizer_files_in(source), out)
+
+
+def tokenizer_files_in(directory: Path) -> dict[str, Path]:
+    """The tokenizer files a model directory holds, by name."""
+    return {name: directory / name for name in TOKENIZER_FILES if (directory / name).is_file()}
+
+
+def copy_files(copies: dict[str, Path], out: Path) -> list[Path]:
+    """Each source copied into ``out`` under its name; the written paths."""
+    for name, source in copies.items():
+        shutil.copyfile(source, out / name)
+    return [out / name for name in copies]
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "2GB",
@@ -190,11 +197,10 @@ def tokenizer_copies(cfg: ModelConfig) -> dict[str, Path] | None:
     if not path.exists():
         raise CheckpointError(f"the run's tokenizer model.tokenizer={source!r} does not exist (moved since "
                               "training?); put it back, or link its new place there")
-    directory = path if path.is_dir() else path.parent
-    copies = {name: directory / name for name in TOKENIZER_FILES}
+    copies = tokenizer_files_in(path if path.is_dir() else path.parent)
     if path.is_file():  # a tokenizer file named otherwise
         copies[TOKENIZER_FILE] = path
-    return {name: copied for name, copied in copies.items() if copied.is_file()}
+    return copies
 
 
 def write_tokenizer_files(cfg: ModelConfig, out: Path) -> list[Path]:
@@ -209,6 +215,4 @@ def write_tokenizer_files(cfg: ModelConfig, out: Path) -> list[Path]:
                     "clean_up_tokenization_spaces": False}
         (out / TOKENIZER_CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
         return [out / TOKENIZER_FILE, out / TOKENIZER_CONFIG_FILE]
-    for name, copied in copies.items():
-        shutil.copyfile(copied, out / name)
-    return [out / name for name in copies]
+    return copy_files(copies, out)
