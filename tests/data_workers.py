@@ -123,8 +123,9 @@ def check_one_rank_walks(inputs: str, out: str) -> None:
 
 def consume(dataset: str, run_dir: str, max_steps: int, accum: int, out: str) -> None:
     """Train (resuming from ``run_dir`` if it has a checkpoint) to ``max_steps`` and record, per
-    step, the sample ids this rank's micro-batches hold. At 4 processes, first check that one rank
-    prepares a cached corpus for all (``check_one_rank_walks``, on the dataset's own shard files)."""
+    step, the sample ids this rank's micro-batches hold and the rows they return. At 4 processes,
+    first check that one rank prepares a cached corpus for all (``check_one_rank_walks``, on the
+    dataset's own shard files)."""
     from shardtrain.train.loop import Trainer
 
     world = int(os.environ["WORLD_SIZE"])
@@ -148,8 +149,11 @@ def consume(dataset: str, run_dir: str, max_steps: int, accum: int, out: str) ->
 
     def recording_next_step():
         micro = data.layout.rank_slices(data.step_ids(), data.rank)
-        seen.append([trainer.step + 1, [ids.tolist() for ids in micro]])
-        return take()
+        batches = take()
+        # What the batches hold too, not only the ids the position says they should.
+        seen.append([trainer.step + 1, [ids.tolist() for ids in micro],
+                     [[batch.inputs.tolist(), batch.targets.tolist()] for batch in batches]])
+        return batches
 
     data.next_step = recording_next_step
     trainer.fit()

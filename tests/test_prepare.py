@@ -534,11 +534,14 @@ def test_resume_at_other_world_sizes_consumes_exactly_the_uninterrupted_samples(
     source.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     prepare(PrepareOptions(inputs=[str(source)], val_percent=10.0), tmp_path / "data", progress=False)
 
-    def steps(world: int, out) -> dict[int, list[int]]:
-        """Step -> the step's sample ids in global order (micro-step after micro-step, the ranks'
-        slices side by side in each)."""
-        per_rank = [dict((step, micro) for step, micro in json.loads(
-            (out / f"seen-{world}-{rank}.json").read_text())) for rank in range(world)]
+    def steps(world: int, out, rows: bool = False) -> dict[int, list]:
+        """Step -> the step's sample ids (``rows``: the (inputs, targets) rows its batches returned)
+        in global order (micro-step after micro-step, the ranks' slices side by side in each)."""
+        per_rank = [{step: batches if rows else micro for step, micro, batches in json.loads(
+            (out / f"seen-{world}-{rank}.json").read_text())} for rank in range(world)]
+        if rows:
+            return {step: [(x, y) for k in range(len(per_rank[0][step])) for rank in per_rank
+                           for x, y in zip(*rank[step][k])] for step in per_rank[0]}
         return {step: [i for k in range(len(per_rank[0][step])) for rank in per_rank for i in rank[step][k]]
                 for step in per_rank[0]}
 
@@ -548,14 +551,20 @@ def test_resume_at_other_world_sizes_consumes_exactly_the_uninterrupted_samples(
     run_on_ranks(consume, 1, str(tmp_path / "data"), str(tmp_path / "run-whole"), 7, 1, str(whole),
                  tmp_path=tmp_path)
     resumed: dict[int, list[int]] = {}
+    resumed_rows: dict[int, list] = {}
     for world, accum, until in ((4, 1, 3), (2, 2, 5), (1, 4, 7)):
         run_on_ranks(consume, world, str(tmp_path / "data"), str(tmp_path / "run-parts"), until, accum,
                      str(parts), tmp_path=tmp_path)
         resumed.update(steps(world, parts))
-    uninterrupted = steps(1, whole)
+        resumed_rows.update(steps(world, parts, rows=True))
+    uninterrupted, uninterrupted_rows = steps(1, whole), steps(1, whole, rows=True)
     assert sorted(resumed) == sorted(uninterrupted) == list(range(1, 8))
     for step in uninterrupted:
         assert resumed[step] == uninterrupted[step], step
+        # The rows the batches returned, in the same order (a batch built from another position
+        # than the ids say would pass the ids' check alone).
+        assert len(resumed_rows[step]) == len(resumed[step]), step
+        assert resumed_rows[step] == uninterrupted_rows[step], step
     consumed = [i for step in sorted(uninterrupted) for i in uninterrupted[step]]
     assert len(set(consumed)) == len(consumed)  # one epoch: nothing repeated
 
