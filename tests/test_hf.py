@@ -272,6 +272,16 @@ def test_init_from_hf_matches_logits_and_trains_at_two_processes(tmp_path, tiny_
     assert "initialised weights from hf:" in proc.stderr
     loss = read_metrics(run_dir)[0]["loss"]
     assert 4.5 < loss < 7.0  # a random model's loss on bytes (ln 256 = 5.55), and finite
+    # The two ranks trained the Hugging Face weights: after one AdamW step every weight is within one
+    # step (the learning rate) of them; a random draw (std 0.02) or a part left unloaded is not.
+    consolidated = tmp_path / "from-hf.safetensors"
+    assert run_cli("consolidate", str(run_dir / "checkpoints" / "step-1"), str(consolidated)).returncode == 0
+    trained = Llama(cfg.model)
+    load_safetensors_into(trained, consolidated)
+    lr = cfg.trainer.lr
+    for (name, after), before in zip(trained.state_dict().items(), ours.state_dict().values(), strict=True):
+        assert (after - before).abs().max() <= 1.01 * lr, name
+    assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), ours.parameters()))
 
     wrong = run_cli("train", "experiment=quick", "model.dim=36", f"model.init_from=hf:{directory}",
                     "trainer.max_steps=1", f"run.dir={tmp_path / 'wrong'}")
