@@ -199,8 +199,9 @@ def train_both_ways(out: str) -> None:
             cfg = case_config(world, f"{out}/{name}-{precision}", precision=precision, tied=True)
             cfg.trainer = dataclasses.replace(cfg.trainer, max_steps=4, loss_chunk_tokens=chunk)
             cfg.diagnostics.enabled = False
-            result = Trainer.create(cfg, task=LanguageModelTask(corpus=small_corpus())).fit()
-            results[name, precision] = (result.losses, result.grad_norms)
+            trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=small_corpus()))
+            result = trainer.fit()
+            results[name, precision] = (result.losses, result.grad_norms, trainer.task.loss_kind)
     if int(os.environ["RANK"]) == 0:
         torch.save(results, f"{out}/results.pt")
 
@@ -209,8 +210,9 @@ def test_two_rank_fsdp_training_follows_plain_loss(tmp_path):
     run_on_ranks(train_both_ways, 2, str(tmp_path), tmp_path=tmp_path)
     results = torch.load(tmp_path / "results.pt")
     for precision, tolerance in (("fp32", 1e-5), ("bf16-mixed", 1e-2)):
-        plain_losses, plain_norms = results["plain", precision]
-        losses, norms = results["chunked", precision]
+        plain_losses, plain_norms, plain_kind = results["plain", precision]
+        losses, norms, kind = results["chunked", precision]
+        assert kind.startswith("chunked, 16 tokens") and not plain_kind.startswith("chunked"), plain_kind
         assert len(losses) == len(plain_losses) == 4
         for ours, theirs in zip(losses + norms, plain_losses + plain_norms, strict=True):
             assert abs(ours - theirs) <= tolerance * abs(theirs), (precision, losses, plain_losses)
