@@ -35,6 +35,7 @@ from hf_models import family_config, make_model_dir, sample_texts, train_tokeniz
 from lora_workers import (
     NF4_INNER,
     NF4_SIZES,
+    SAMPLE_TOKENS,
     builtin_lora_reference,
     lora_reference,
     peft_adapter_reference,
@@ -180,14 +181,21 @@ def test_lora_base_weights_untouched(lora_runs, model_dirs):
         assert torch.equal(base[PREFIX + name], tensor), name
 
 
-def test_lora_and_qlora_runs_sample_at_their_end(lora_runs):
+def test_lora_and_qlora_runs_sample_at_their_end(lora_runs, capsys):
     """The sample at the end of training (on by default) is drawn from a gathered copy built as the
-    trained model is, adapters included (it once failed: the copy had no adapter modules)."""
-    _, results = lora_runs
-    prompt = Config().trainer.sample_prompt
+    trained model is, adapters included (it once failed: the copy had no adapter modules): the text
+    ``generate`` gives from the run's last checkpoint with the sample's settings."""
+    out, results = lora_runs
+    trainer = Config().trainer
     for case in ("builtin", "qlora"):
         sample = results[case]["sample"]
-        assert sample.startswith(prompt.split()[0]) and len(sample) > len(prompt.split()[0]), (case, sample)
+        assert sample.startswith(trainer.sample_prompt), (case, sample)
+        last = max((out / case / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+        capsys.readouterr()
+        assert main(["generate", str(last), "--prompt", trainer.sample_prompt, "--max-new-tokens",
+                     str(SAMPLE_TOKENS), "--temperature", "0.8", "--top-k", "40", "--seed",
+                     str(trainer.seed), "--dtype", "fp32"]) == 0
+        assert capsys.readouterr().out.rstrip("\n") == sample, case
 
 
 def test_lora_checkpoint_holds_adapters_and_resumes_exactly(lora_runs):
