@@ -66,13 +66,18 @@ def run_cases(cases: dict[str, dict], out_dir: str, prepared: str | None = None)
     for name, case in cases.items():
         cfg = case_config(world_size, str(Path(out_dir, name)), **case)
         breaks_before = sum(counters["graph_break"].values())
+        graphs_before = counters["stats"]["unique_graphs"]
         trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=corpus))
         result = trainer.fit()
         weights = trainer.full_weights()
         if trainer.env.is_main:
             torch.save({"losses": result.losses, "grad_norms": result.grad_norms,
                         "weights": weights, "val": result.val_losses[-1][1],
-                        "graph_breaks": sum(counters["graph_break"].values()) - breaks_before},
+                        "graph_breaks": sum(counters["graph_break"].values()) - breaks_before,
+                        # That compilation happened: the case's blocks wrapped, and dynamo traced.
+                        "compiled_modules": sum(getattr(m, "_compiled_call_impl", None) is not None
+                                                for m in trainer.model.modules()),
+                        "graphs": counters["stats"]["unique_graphs"] - graphs_before},
                        Path(out_dir, f"{name}.pt"))
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 from shardtrain.config.schema import Config
 from shardtrain.errors import ConfigError
@@ -78,6 +79,7 @@ def run_task_cases(cases: dict[str, dict], out: str) -> None:
             dtypes.update(str(a.dtype) for a in args if torch.is_tensor(a))
 
         trainer.model.register_forward_pre_hook(record_dtypes, with_kwargs=True)
+        graphs_before = counters["stats"]["unique_graphs"]
         result = trainer.fit()
         weights = trainer.full_weights()
         if trainer.env.is_main:
@@ -85,7 +87,11 @@ def run_task_cases(cases: dict[str, dict], out: str) -> None:
                         "val": result.val_losses[-1][1] if result.val_losses else None, "ids": ids,
                         "resumed_from": result.resumed_from, "metrics": result.metrics,
                         "val_metrics": result.val_metrics,
-                        "input_dtypes": sorted(dtypes)},
+                        "input_dtypes": sorted(dtypes),
+                        # That strategy.compile compiled: blocks wrapped, and dynamo traced.
+                        "compiled": (sum(getattr(m, "_compiled_call_impl", None) is not None
+                                         for m in trainer.model.modules()),
+                                     counters["stats"]["unique_graphs"] - graphs_before)},
                        Path(out, f"{name}.pt"))
     # A task object given a setting only the built-in language-model task acts on: refused when the
     # trainer learns the task, before its data or model are built.

@@ -54,6 +54,9 @@ def check(world_size: int, cases: dict[str, dict], references, tmp_path, bf16_ba
                          + ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
             failures += [f"{world_size}p {name} vs {label}: {k} error {errs[k]:.2e} > {limits[k]:.0e}"
                          for k in limits if not errs[k] <= limits[k]]
+        if bool(case.get("compile")) != (result["compiled_modules"] > 0 and result["graphs"] > 0):
+            failures.append(f"{world_size}p {name}: compile={case.get('compile', False)} but "
+                            f"{result['compiled_modules']} compiled modules, {result['graphs']} graphs")
         if case.get("compile") and result["graph_breaks"]:
             # A graph break in a checkpointed block makes dynamo run that block eagerly for good.
             failures.append(f"{world_size}p {name}: {result['graph_breaks']} graph breaks in compiled blocks")

@@ -138,7 +138,10 @@ def test_tasks_equal_the_reference_at_four_processes(four_ranks, references):
 def test_tasks_equal_the_reference_at_two_processes(two_ranks, references):
     names = [f"{n}_{s}" for n in TASKS for s in ("full", "hybrid", "from4")]
     names += ["vit_zero2", "musicgen_noshard", "mdlm_hybridzero2", "dit_ac", "vit_offload", "mdlm_compile"]
-    compare(load(two_ranks, names), references, {})
+    loaded = load(two_ranks, names)
+    compare(loaded, references, {})
+    modules, graphs = loaded["mdlm_compile"]["compiled"]
+    assert modules > 0 and graphs > 0 and loaded["mdlm_hybridzero2"]["compiled"] == (0, 0)
     # bf16-mixed against the fp32 reference, biases left out of the weights: they start at zero and
     # after 4 steps hold only Adam's first, sign-like steps, which bf16 rounding flips (measured up
     # to 0.12 on a qkv bias); every other tensor holds the language model's bf16 limit.
