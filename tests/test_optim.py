@@ -33,6 +33,21 @@ def test_no_weight_decay_on_norms_biases_embeddings():
     assert "tok_embeddings.weight" in no_decay_names(tied)  # the shared head weight is an embedding
 
 
+@pytest.mark.parametrize("kernel", ["foreach", "auto"])
+def test_the_optimizer_takes_every_setting(kernel):
+    """Every reference loop builds its optimizer with build_optimizer too: the settings' wiring is
+    checked here, against values no default has (found by review: betas or eps lost went unseen)."""
+    model = Llama(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2))
+    cfg = TrainerConfig(lr=7e-4, weight_decay=0.05, beta1=0.8, beta2=0.9, adam_eps=1e-7,
+                        optimizer_kernel=kernel)
+    optimizer = build_optimizer(model, cfg)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert sorted(g["weight_decay"] for g in optimizer.param_groups) == [0.0, 0.05]
+    for group in optimizer.param_groups:
+        assert (group["lr"], group["betas"], group["eps"]) == (7e-4, (0.8, 0.9), 1e-7)
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
+
+
 def test_no_weight_decay_on_norms_and_biases_of_any_shape():
     """Found by review: only 1-D parameters counted as norms and biases, so a LayerNorm over (C, H, W)
     and the attention's 3-D bias_k were decayed towards zero."""
