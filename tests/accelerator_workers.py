@@ -27,5 +27,6 @@ def offload_on_device_mapped_group(out: str) -> None:
     result = trainer.fit()
     weights = trainer.full_weights()
     if int(os.environ["RANK"]) == 0:
-        torch.save({"sample": result.sample, "losses": result.losses, "weights": weights},
+        torch.save({"sample": result.sample, "losses": result.losses, "grad_norms": result.grad_norms,
+                    "weights": weights},
                    Path(out, "offload.pt"))
