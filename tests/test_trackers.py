@@ -112,7 +112,8 @@ def tracked(tmp_path_factory):
 
 def test_wandb_holds_every_record_and_the_config_in_one_resumed_run(tracked):
     run_dir, ids, first_records, records, second = tracked
-    assert any(r["kind"] == k for r in records for k in ("checkpoint", "sample", "memory", "memory_ranks"))
+    kinds = {r["kind"] for r in records}  # every kind the rows below must carry is there to carry
+    assert {"checkpoint", "sample", "memory", "memory_ranks"} <= kinds, kinds
     assert "resumed from" in second.stderr
     resumed = records[len(first_records)]  # the resumed attempt's start record, then its steps
     assert (resumed["kind"], resumed["step"], resumed["resumed"]) == ("start", 6, True)
