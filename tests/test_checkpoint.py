@@ -530,13 +530,14 @@ def test_the_consolidated_average_takes_buffers_and_frozen_weights_from_the_mode
     import torch.distributed.checkpoint as dcp
 
     weight, average = torch.ones(3, 2), torch.full((3, 2), 0.5)
-    stats, frozen = torch.arange(3.0), torch.zeros(4)
+    stats, frozen = torch.arange(3.0), torch.arange(1.0, 5.0)  # not zeros: a zero-filled one would pass
     dcp.save({"model": {"linear.weight": weight, "bn.running_mean": stats, "table": frozen},
               "ema": {"linear.weight": average}}, checkpoint_id=str(tmp_path / "ckpt"))
     (out,) = consolidate(tmp_path / "ckpt", tmp_path / "ema.safetensors", key="ema", verify=False)
     written = load_file(str(out))
     assert set(written) == {"linear.weight", "bn.running_mean", "table"}
     assert torch.equal(written["linear.weight"], average) and torch.equal(written["bn.running_mean"], stats)
+    assert torch.equal(written["table"], frozen)
 
 
 def test_random_streams_kept_leaves_every_stream_a_checkpoint_restores_as_it_was():

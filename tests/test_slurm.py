@@ -109,6 +109,7 @@ def test_restart_preemption_requeue_and_exact_resume(slurm_run):
     # --open-mode=append: the requeued job's output follows the first run's in the same file
     assert r["log"].startswith(first_log) and "(restart 1)" in later
     assert f"resumed from runs/shardtrain-4242/checkpoints/step-{r['stopped_at']}:" in later
+    assert r["slurm"].calls("srun"), "no srun call recorded"
     for call in r["slurm"].calls("srun"):
         assert call["options"]["nodes"] == "2" and call["options"]["ntasks-per-node"] == "1"
     # run.dir was checked to be shared at start-up (both "nodes" see it), leaving no marker behind
