@@ -663,9 +663,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                      help="compute dtype; auto: bf16 on accelerators with bf16 units, fp32 on CPUs")
 
-    hf = sub.add_parser("export-hf", help="checkpoint -> Hugging Face Llama directory",
-                        description="config.json + safetensors (with index) that transformers' "
-                        "AutoModelForCausalLM.from_pretrained loads as a Llama.")
+    hf = sub.add_parser("export-hf", help="checkpoint -> Hugging Face model directory",
+                        description="config.json + safetensors (with index) + tokenizer that transformers' "
+                        "AutoModelForCausalLM.from_pretrained loads: the built-in model as a Llama, "
+                        "a model=hf run as its own architecture.")
     hf.add_argument("checkpoint", help="checkpoint directory, or a consolidated .safetensors file")
     hf.add_argument("out", help="output directory")
     hf.add_argument("--max-shard-size", default="2GB",
