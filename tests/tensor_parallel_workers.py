@@ -13,6 +13,8 @@ from equivalence import GLOBAL_BATCH, STEPS, case_config, run_cases
 from hf_workers import hf_case_config, hf_corpus
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from shardtrain.checkpoint.safetensors_files import open_safetensors, weight_files
+from shardtrain.checkpoint.weights import base_parameters, own_rows, row_sharded
 from shardtrain.errors import ConfigError
 from shardtrain.generation.generate import gathered_copy, generate
 from shardtrain.generation.inference import load_for_inference
@@ -75,11 +77,31 @@ def hf_tensor_parallel_cases(model_dirs: dict[str, str], cases: dict[str, dict],
         cfg.trainer = dataclasses.replace(cfg.trainer, grad_accum_steps=ACCUM,
                                           micro_batch_size=GLOBAL_BATCH // (data_parallel * ACCUM))
         trainer = Trainer.create(cfg, task=task)
+        column_blocks = column_blocks_read(trainer.model, Path(model_dir))
         result = trainer.fit()
         weights = trainer.full_weights()
         if trainer.env.is_main:
             torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "weights": weights,
-                        "layout": trainer.built.report.tensor_parallel}, Path(out, f"{name}.pt"))
+                        "layout": trainer.built.report.tensor_parallel, "column_blocks": column_blocks},
+                       Path(out, f"{name}.pt"))
+
+
+def column_blocks_read(model, directory: Path) -> int:
+    """How many weights split along a column (row-parallel under TP) this rank read as its own block
+    only, each equal to what the model was loaded with (found by review: each rank read the
+    whole tensor, a third of a model per rank at every start)."""
+    params = dict(base_parameters(model, remove_duplicate=False))
+    checked = 0
+    for file in weight_files(directory):
+        with open_safetensors(file) as handle:
+            for key in handle.keys():
+                param = params.get(model.parameter_name(key))
+                if isinstance(param, torch.distributed.tensor.DTensor) and not row_sharded(param):
+                    part = own_rows(param, handle, key, key)
+                    assert part.shape == param.to_local().shape and part.numel() < param.numel(), key
+                    assert torch.equal(part.to(param.dtype), param.to_local()), key
+                    checked += 1
+    return checked
 
 
 def eight_ranks(out: str, cases: dict[str, dict], hf_dirs: dict[str, str], hf_cases: dict[str, dict]) -> None:

@@ -192,8 +192,12 @@ def test_fsdp2_x_tp2_matches_reference_and_resumes_across_layouts(reference, tie
     assert samples == [(SPLITS[1], one["sampled"])], (samples, one["sampled"])
     # The start-up report's layout: the declared plan (norms replicated over tp with sequence
     # parallelism, whole without), and the task's own plan where it passes one.
-    sp, no_sp, own = (torch.load(tmp_path / f"{name}.pt")["layout"] for name in
-                      ("hf_llama_fsdp2_tp2_sp", "hf_llama_fsdp2_tp2_no_sp", "hf_llama_task_plan"))
+    runs = {name: torch.load(tmp_path / f"{name}.pt") for name in
+            ("hf_llama_fsdp2_tp2_sp", "hf_llama_fsdp2_tp2_no_sp", "hf_llama_task_plan")}
+    sp, no_sp, own = (run["layout"] for run in runs.values())
+    # Row-parallel weights (o_proj, down_proj) were read as each rank's block of columns, not whole.
+    read = {name: run["column_blocks"] for name, run in runs.items()}
+    assert all(count >= 2 for count in read.values()), read
     assert sp["hf.model.layers.*.self_attn.q_proj.weight"] == "Shard(dim=0)"
     assert sp["hf.model.layers.*.self_attn.o_proj.weight"] == "Shard(dim=1)"
     assert sp["hf.model.embed_tokens.weight"] == sp["hf.lm_head.weight"] == "Shard(dim=0)"

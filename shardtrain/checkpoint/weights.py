@@ -282,18 +282,24 @@ def row_sharded(param: torch.Tensor) -> bool:
         isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in param.placements)
 
 
+def box_slices(param: DTensor) -> tuple[slice, ...]:
+    """The global index of the block of ``param`` this rank holds (``local_box``)."""
+    offsets, sizes = local_box(param)
+    return tuple(slice(offset, offset + size) for offset, size in zip(offsets, sizes))
+
+
 def own_rows(param: torch.Tensor, handle, name: str, what: str) -> torch.Tensor:
-    """The part of tensor ``name`` of an open safetensors file that this rank's ``param`` holds:
-    only its own rows of a row-sharded parameter (the file is memory-mapped, so other ranks' rows
-    are never read and a rank's memory while loading grows with its shard), else the whole tensor."""
+    """The part of tensor ``name`` of an open safetensors file that this rank's ``param`` holds: its
+    block of a sharded parameter (FSDP's rows; under tensor parallelism a row-parallel weight's
+    columns too: the file is memory-mapped, so other ranks' parts are never read and a rank's memory
+    while loading grows with its shard), else the whole tensor."""
     stored = handle.get_slice(name)
     shape = tuple(stored.get_shape())
     if shape != tuple(param.shape):
         raise CheckpointError(f"{what} has shape {list(shape)}, the model wants {list(param.shape)}")
-    if not row_sharded(param):
+    if not isinstance(param, DTensor) or param.ndim == 0:
         return handle.get_tensor(name)
-    first, rows = first_row(param), param.to_local().shape[0]
-    return stored[first:first + rows]
+    return stored[box_slices(param)]
 
 
 def own_permuted_rows(param: torch.Tensor, handle, name: str, heads: int) -> torch.Tensor:
@@ -313,15 +319,15 @@ def own_permuted_rows(param: torch.Tensor, handle, name: str, heads: int) -> tor
         run = stored[int(ordered[a]):int(ordered[b - 1]) + 1]
         part = run.new_empty((count, *shape[1:])) if part is None else part
         part[order[a:b]] = run
+    if isinstance(param, DTensor) and not row_sharded(param):  # split along columns: this rank's block
+        part = part[box_slices(param)]
     return part
 
 
 def read_own_rows(param: torch.Tensor, part: torch.Tensor) -> None:
-    """``param`` := ``part`` from ``own_rows``."""
-    if row_sharded(param):
-        param.to_local().copy_(part)  # converts the dtype in the copy: no full-size temporary
-    else:
-        param.copy_(shard_like(part.to(param.dtype), param))
+    """``param`` := ``part`` from ``own_rows`` (this rank's block of a DTensor)."""
+    # copy_ converts the dtype in the copy: no full-size temporary
+    (param.to_local() if isinstance(param, DTensor) else param).copy_(part)
 
 
 def copy_into(param: torch.Tensor, full: torch.Tensor, what: str) -> None:
