@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from accelerator_workers import offload_on_device_mapped_group
@@ -11,6 +13,7 @@ from safetensors.torch import load_file
 
 from shardtrain.accelerator import peak_flops_of, process_group_backend
 from shardtrain.config.schema import Config
+from shardtrain.distributed.env import gloo_beside_accelerator, gloo_connects_lazily
 
 
 @pytest.mark.parametrize(
@@ -28,6 +31,22 @@ from shardtrain.config.schema import Config
 def test_process_group_backend(device, requested, offload, expected):
     assert process_group_backend(torch.device(device, 0 if device != "cpu" else None), requested,
                                  offload) == expected
+
+
+def test_gloo_beside_an_accelerator_connects_lazily(monkeypatch):
+    """CPU offload's gloo side carries rare CPU tensors: its groups connect pairs on first use (found
+    by a large-scale review: eagerly, every pair at start-up, a socket per peer past the usual
+    open-files limit at 1,024 ranks). A CPU run's gloo trains: connected at creation."""
+    monkeypatch.delenv("TORCH_GLOO_LAZY_INIT", raising=False)
+    assert gloo_beside_accelerator(process_group_backend(torch.device("cuda", 0), "auto", True))
+    assert not any(gloo_beside_accelerator(process_group_backend(device, "auto", offload))
+                   for device in (torch.device("cpu"), torch.device("cuda", 0)) for offload in (False, True)
+                   if not (device.type == "cuda" and offload))
+    with gloo_connects_lazily():
+        assert os.environ["TORCH_GLOO_LAZY_INIT"] == "1"
+    with gloo_connects_lazily(False):
+        assert "TORCH_GLOO_LAZY_INIT" not in os.environ
+    assert "TORCH_GLOO_LAZY_INIT" not in os.environ  # only the groups made inside
 
 
 def test_cpu_offload_gathers_through_a_device_mapped_group(tmp_path):

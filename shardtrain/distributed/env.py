@@ -6,10 +6,12 @@ everything after set-up asks the mesh or this ``DistEnv``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import secrets
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,25 +52,43 @@ class DistEnv:
         return self.rank == 0
 
 
-def lazily_connected_gloo_group(timeout: datetime.timedelta) -> dist.ProcessGroup:
-    """A gloo group over every rank whose pairs connect on first use, not all at creation.
+@contextlib.contextmanager
+def gloo_connects_lazily(lazily: bool = True) -> Iterator[None]:
+    """Gloo groups made inside connect each pair of ranks on first use, not all at creation.
 
     A gloo group normally connects every pair of ranks when it is made: at 1,024 ranks, half a
     million TCP connections through the rendezvous store at start-up, and a socket per peer on
-    every rank for the whole run. The checkpoint group's collectives (gathers to rank 0, DCP's
-    plan exchange, the verdicts' all-gather) use few of those pairs. torch reads the switch from
-    the environment when the group is made, so it is set for this group only; a connection that
-    then stalls is bounded by the watchdog, whatever gloo's own timeout does.
+    every rank for the whole run (past a common open-files limit of 1,024). torch reads the switch
+    from the environment when a group is made, so it is set for the groups made inside only; a
+    connection that then stalls is bounded by the watchdog, whatever gloo's own timeout does.
     """
+    if not lazily:
+        yield
+        return
     previous = os.environ.get("TORCH_GLOO_LAZY_INIT")
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     try:
-        return dist.new_group(backend="gloo", timeout=timeout)
+        yield
     finally:
         if previous is None:
             del os.environ["TORCH_GLOO_LAZY_INIT"]
         else:
             os.environ["TORCH_GLOO_LAZY_INIT"] = previous
+
+
+def gloo_beside_accelerator(backend: str) -> bool:
+    """Whether ``backend`` is gloo beside an accelerator's (``cpu:gloo,cuda:nccl``, CPU offload):
+    its gloo side carries only the rare CPU tensors (a sample's or a full save's gathers, object
+    collectives), a few pairs of ranks, so it connects lazily. A CPU run's gloo is its training
+    backend, every collective's: connected at creation, as tested."""
+    return "gloo" in backend and "," in backend
+
+
+def lazily_connected_gloo_group(timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A gloo group over every rank whose pairs connect on first use (the checkpoint group's
+    collectives, gathers to rank 0, DCP's plan exchange, the verdicts' all-gather, use few)."""
+    with gloo_connects_lazily():
+        return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def under_torchrun() -> bool:
@@ -88,12 +108,13 @@ def init_distributed(backend: str = "auto", timeout_s: int = 300, cpu_offload: b
     backend = process_group_backend(device, backend, cpu_offload)
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        if under_torchrun():
-            dist.init_process_group(backend=backend, timeout=timeout, **restart_safe_store(timeout))
-        else:
-            dist.init_process_group(
-                backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
-            )
+        with gloo_connects_lazily(gloo_beside_accelerator(backend)):
+            if under_torchrun():
+                dist.init_process_group(backend=backend, timeout=timeout, **restart_safe_store(timeout))
+            else:
+                dist.init_process_group(
+                    backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+                )
     mine = Placement(socket.gethostname(), device_identity(device), tuple(sorted(os.sched_getaffinity(0))))
     placements: list[Any] = [mine]
     if dist.get_world_size() > 1:  # one all-gather for every start-up check of the neighbours
@@ -229,7 +250,10 @@ def build_mesh(plan: ShardingPlan, device_type: str) -> DeviceMesh:
     """The device mesh for ``plan``; one per shape and process group, since each costs new groups."""
     key = (device_type, plan.mesh_shape, plan.mesh_dim_names, id(dist.group.WORLD))
     if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
+        # The mesh's groups take the default group's backend: gloo beside an accelerator's connects
+        # lazily there too.
+        with gloo_connects_lazily(gloo_beside_accelerator(dist.get_backend())):
+            _MESHES[key] = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
     return _MESHES[key]
 
 
