@@ -210,6 +210,17 @@ class RankData(ImageClassification):
         return SyntheticImages(o.train_samples - fewer, o.classes, o.image_size, self.seed)
 
 
+class RankDataTooFew(ImageClassification):
+    """Rank 1's copy of the data holds fewer images than one global batch: its batches refuse it
+    while rank 0's go on (found by review: rank 0 then waited in the next collective until the
+    process group's timeout)."""
+
+    def train_dataset(self) -> SyntheticImages:
+        o = self.options
+        count = 4 if torch.distributed.get_rank() == 1 else o.train_samples
+        return SyntheticImages(count, o.classes, o.image_size, self.seed)
+
+
 class RankDataFails(ImageClassification):
     """Rank 1's data code raises a plain ValueError (a file only one node lacks, read by the user's
     own code): every rank stops at once, rank 1 named, not rank 0 left waiting until the timeout."""

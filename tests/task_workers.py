@@ -17,7 +17,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from shardtrain.config.schema import Config
-from shardtrain.errors import ConfigError
+from shardtrain.errors import ConfigError, DataError
 
 EXAMPLES = Path(__file__).parent.parent / "examples" / "tasks"
 sys.path.insert(0, str(EXAMPLES))
@@ -29,7 +29,8 @@ N = 2  # steps before a checkpoint is resumed; runs are 2N steps
 
 
 # Test-only tasks (tests/broken_tasks.py) that train like the examples.
-MORE_TASKS = {"sometimes": "broken_tasks:SometimesImages", "skips": "broken_tasks:SkipsImages"}
+MORE_TASKS = {"sometimes": "broken_tasks:SometimesImages", "skips": "broken_tasks:SkipsImages",
+              "too_few": "broken_tasks:RankDataTooFew"}
 
 
 def make_task(name: str):
@@ -102,8 +103,15 @@ def run_task_cases(cases: dict[str, dict], out: str) -> None:
         refusal = "not refused"
     except ConfigError as exc:
         refusal = str(exc)
+    # One rank's data too small for a step: every rank stops with its error (none waits).
+    try:
+        Trainer.create(task_config(world, f"{out}/too_few"), task=make_task("too_few"))
+        too_few = "not refused"
+    except DataError as exc:
+        too_few = f"{exc} (failed_rank {getattr(exc, 'failed_rank', None)})"
     if int(os.environ["RANK"]) == 0:
         Path(out, "refused.txt").write_text(refusal)
+        Path(out, "too_few.txt").write_text(too_few)
 
 
 def reference(name: str, steps: int = 2 * N) -> dict:

@@ -162,6 +162,15 @@ def test_a_task_object_refuses_the_built_in_tasks_loss_setting(two_ranks):
         "computes its own")
 
 
+def test_one_ranks_data_too_small_for_a_step_stops_every_rank(two_ranks):
+    """Rank 1's copy holds fewer samples than a global batch: rank 0 raises rank 1's error too, at
+    once (found by review: it went on into the next collective and waited for the timeout)."""
+    assert (two_ranks / "too_few.txt").read_text() == (
+        "the training data has 4 samples, fewer than one global batch of 8 (trainer.micro_batch_size=2 "
+        "x trainer.grad_accum_steps=2 x 2 data-parallel ranks); use more data, a smaller batch "
+        "(failed_rank 1)")
+
+
 def test_a_module_with_nothing_to_do_on_one_rank_runs_on_an_empty_input(two_ranks, references):
     """The supported pattern for inputs some batches lack (docs/tasks.md): the image encoder runs on
     every rank, on zero images where a micro-batch has none, and training equals the reference."""

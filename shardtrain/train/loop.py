@@ -126,10 +126,13 @@ class Trainer:
         tp = built.plan.tensor_parallel
         dp_rank, dp_world = env.rank // tp, env.world_size // tp
         self.layout = BatchLayout(t.micro_batch_size, t.grad_accum_steps, dp_world)
-        self.train_data = TrainBatches(train, self.layout, dp_rank, t.seed,
-                                       pin_memory=pin_offloaded_memory(env.device.type))
-        self.val_batches = ([] if val is None else
-                            eval_batches(val, t.eval_samples, t.micro_batch_size, dp_world, dp_rank))
+        # Agreed: a rank whose copy of the data is too small for the global batch, or whose first
+        # validation batch does not collate, stops every rank (alone, its peers waited in the next
+        # collective for the process group's timeout).
+        pin = pin_offloaded_memory(env.device.type)
+        self.train_data, self.val_batches = run_agreed(lambda: (
+            TrainBatches(train, self.layout, dp_rank, t.seed, pin_memory=pin),
+            [] if val is None else eval_batches(val, t.eval_samples, t.micro_batch_size, dp_world, dp_rank)))
         self.val_available = 0 if val is None else val.num_samples
         # A fresh run's streams (a resume at the same layout restores each rank's from its checkpoint).
         # Tensor-parallel peers share one: they compute on the same micro-batches.
