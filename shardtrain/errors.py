@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 
 class ShardtrainError(Exception):
@@ -58,3 +60,15 @@ def os_error_code(exc: BaseException) -> int | None:
         return exc.errno
     found = re.search(r"\(os error (\d+)\)", str(exc))
     return int(found.group(1)) if found else None
+
+
+def json_object(path: Path, error_type: type[ShardtrainError], fix: str) -> dict:
+    """The JSON object a file holds; where it holds something else (not JSON, a list, a number) one
+    ``error_type`` line naming the file and ``fix``. An OSError is the filesystem's: raised as it is."""
+    try:
+        value = json.loads(path.read_text())
+    except ValueError as exc:  # UnicodeDecodeError too
+        raise error_type(f"{path} is not valid JSON ({first_line(exc)}); {fix}") from exc
+    if not isinstance(value, dict):
+        raise error_type(f"{path} holds a JSON {type(value).__name__}, not an object; {fix}")
+    return value

@@ -14,17 +14,16 @@ permutation); every adapter of the model must be in the file and every tensor of
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
+from shardtrain.checkpoint.safetensors_files import open_safetensors
 from shardtrain.config.schema import Config, FinetuneConfig
 from shardtrain.distributed.sharded_model import shard_like
-from shardtrain.errors import CheckpointError, ConfigError
+from shardtrain.errors import CheckpointError, ConfigError, json_object
 from shardtrain.models.hf_directory import PREFIX as HF_PARAMETER_PREFIX
 from shardtrain.models.llama_hf_adapter import from_hf_name, halves_to_interleaved, rotary_heads
 from shardtrain.models.lora import ADAPTER_NAME, is_adapter
@@ -45,7 +44,11 @@ def read_adapter_config(directory: Path) -> dict:
     if not file.is_file() or not (directory / ADAPTER_WEIGHTS).is_file():
         raise ConfigError(f"model.adapter={str(directory)!r} is not a PEFT adapter directory (it needs "
                           f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}, as save_pretrained writes them)")
-    config = json.loads(file.read_text())
+    config = json_object(file, ConfigError, "save the adapter again with save_pretrained")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(config.get(key), (int, float)) or isinstance(config.get(key), bool):
+            raise ConfigError(f"{file} has no number {key} (it has {config.get(key)!r}); save the adapter "
+                              "again with save_pretrained")
     if config.get("peft_type") != "LORA":
         raise ConfigError(f"model.adapter={str(directory)!r} is a {config.get('peft_type')} adapter; "
                           "finetune=lora starts from LoRA adapters only")
@@ -58,7 +61,14 @@ def read_adapter_config(directory: Path) -> dict:
 
 def adapter_modules_of(directory: Path, cfg: Config) -> list[str]:
     """Our names of the modules the adapter's weights are on."""
-    return sorted({our_name(key, cfg)[0] for key in load_file(str(directory / ADAPTER_WEIGHTS))})
+    with open_safetensors(directory / ADAPTER_WEIGHTS) as f:
+        return sorted({our_name(key, cfg)[0] for key in f.keys()})
+
+
+def adapter_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a PEFT adapter's weight file (a damaged file: one line naming it)."""
+    with open_safetensors(directory / ADAPTER_WEIGHTS) as f:
+        return {key: f.get_tensor(key) for key in f.keys()}
 
 
 def our_name(key: str, cfg: Config) -> tuple[str, str]:
@@ -110,7 +120,7 @@ def load_peft_adapter(model: nn.Module, cfg: Config) -> None:
     directory = Path(cfg.model.adapter).expanduser()
     params = {name: param for name, param in model.named_parameters() if is_adapter(name)}
     loaded = set()
-    for key, tensor in load_file(str(directory / ADAPTER_WEIGHTS)).items():
+    for key, tensor in adapter_weights(directory).items():
         module, matrix = our_name(key, cfg)
         name = f"{module}.{matrix}.{ADAPTER_NAME}.weight"
         if name not in params:

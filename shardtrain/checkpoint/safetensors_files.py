@@ -107,6 +107,9 @@ def indexed_files(index: Path) -> list[Path]:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+    if not (isinstance(weight_map, dict) and all(isinstance(name, str) for name in weight_map.values())):
+        raise CheckpointError(f"{index}: not a valid safetensors index (its weight_map is not a mapping "
+                              "of tensor names to file names)")
     return sorted({index.parent / name for name in weight_map.values()})
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 import re
 import signal
@@ -34,7 +33,7 @@ from shardtrain.config.keys import PRESETS_DIR, check_overrides, schema_keys
 from shardtrain.config.schema import TRACKERS, Config, FinetuneConfig, ModelConfig, TrainerConfig
 from shardtrain.config.strategy import check_strategy_names, devices_count
 from shardtrain.config.suggest import closest
-from shardtrain.errors import ConfigError
+from shardtrain.errors import ConfigError, json_object
 
 # ModelConfig's fields that only the built-in Llama reads (model.name=hf takes config.json's).
 LLAMA_ONLY_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim",
@@ -217,10 +216,7 @@ def check_model(cfg: Config) -> None:
         if not config_file.is_file():
             raise ConfigError(f"model.path={m.path!r} has no config.json (nothing is downloaded: "
                               "point it at a directory written by save_pretrained)")
-        try:
-            hf = json.loads(config_file.read_text())
-        except ValueError as exc:
-            raise ConfigError(f"{config_file} is not valid JSON ({exc})") from exc
+        hf = json_object(config_file, ConfigError, "write it again with save_pretrained")
         defaults = ModelConfig()
         if changed := [key for key in LLAMA_ONLY_FIELDS if getattr(m, key) != getattr(defaults, key)]:
             shown = ", ".join(f"model.{key}={getattr(m, key)}" for key in changed)

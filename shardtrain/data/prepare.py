@@ -338,7 +338,7 @@ def read_manifest(directory: Path) -> dict | None:
         manifest = json.loads((directory / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
-    return manifest if manifest.get("format") == FORMAT else None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
 
 
 def prepare(options: PrepareOptions, out: str | Path, progress: bool = True,

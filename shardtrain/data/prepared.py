@@ -265,7 +265,8 @@ def open_prepared(path: str | Path, tokenizer: Tokenizer | None = None, warn: bo
     except (OSError, ValueError) as exc:
         raise DataError(f"{path} is not a prepared dataset (no readable {MANIFEST}); make one with "
                         "shardtrain prepare INPUTS --out DIR") from exc
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if not (isinstance(manifest, dict) and manifest.get("format") == FORMAT
+            and manifest.get("version") == VERSION):
         raise DataError(f"{path}: {MANIFEST} is not a version-{VERSION} shardtrain prepared dataset")
     if tokenizer is not None:
         made_with = manifest["tokenizer"]

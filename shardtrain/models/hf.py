@@ -22,7 +22,6 @@ for export.
 from __future__ import annotations
 
 import inspect
-import json
 import re
 from dataclasses import dataclass
 
@@ -38,7 +37,7 @@ from transformers.initialization import guard_torch_init_functions
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from shardtrain.config.schema import ModelConfig
-from shardtrain.errors import ModelError
+from shardtrain.errors import ModelError, json_object
 from shardtrain.models.dims import Dims
 from shardtrain.models.hf_directory import CONFIG_FILE, PREFIX, hf_name, model_directory
 from shardtrain.models.hf_init import FamilyInitialisation
@@ -53,7 +52,7 @@ from shardtrain.models.hf_tp import (
 def read_config(cfg: ModelConfig) -> PretrainedConfig:
     """The transformers config of ``model.path``, from the local files only."""
     directory = model_directory(cfg)
-    raw = json.loads((directory / CONFIG_FILE).read_text())
+    raw = json_object(directory / CONFIG_FILE, ModelError, "write it again with save_pretrained")
     if "auto_map" in raw:
         raise ModelError(f"{directory / CONFIG_FILE} asks for the model's own Python code (auto_map); "
                          "shardtrain builds only model types transformers ships")

@@ -1,0 +1,85 @@
+"""JSON and safetensors files that are damaged or hold the wrong kind of value: one line naming the
+file, never a traceback (found by a review of the commands' bad inputs: a list where an object was
+expected gave AttributeError, invalid JSON a JSONDecodeError, a truncated adapter a SafetensorError)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from shardtrain.checkpoint.peft_adapter import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    adapter_weights,
+    read_adapter_config,
+)
+from shardtrain.checkpoint.safetensors_files import indexed_files
+from shardtrain.config.compose import compose_config
+from shardtrain.config.schema import ModelConfig
+from shardtrain.data.prepare import read_manifest
+from shardtrain.data.prepared import open_prepared
+from shardtrain.errors import CheckpointError, ConfigError, DataError, ModelError, json_object
+from shardtrain.models.hf import read_config
+
+NOT_OBJECTS = ("[]", "3", "null", '"text"', "{", "\xff")
+
+
+@pytest.mark.parametrize("text", NOT_OBJECTS)
+def test_json_object_names_the_file_and_the_fix(tmp_path, text):
+    file = tmp_path / "settings.json"
+    file.write_bytes(text.encode("latin-1"))
+    with pytest.raises(ConfigError, match=rf"^{file} (is not valid JSON \(.+\)|holds a JSON \w+, not an "
+                                          r"object); do this$"):
+        json_object(file, ConfigError, "do this")
+    file.write_text('{"a": 1}')
+    assert json_object(file, ConfigError, "do this") == {"a": 1}
+
+
+def test_each_reader_of_a_json_object_refuses_another_value(tmp_path):
+    # A Hugging Face model directory's config.json: at the config (train, plan) and at the model
+    # (generate and eval read it there).
+    model = tmp_path / "model"
+    model.mkdir()
+    for text in ("[]", "{"):
+        (model / "config.json").write_text(text)
+        with pytest.raises(ConfigError, match="config.json (holds a JSON list|is not valid JSON)"):
+            compose_config(["model=hf", f"model.path={model}"])
+        with pytest.raises(ModelError, match="config.json (holds a JSON list|is not valid JSON)"):
+            read_config(ModelConfig(name="hf", path=str(model)))
+    # A safetensors index whose weight_map is not names to files.
+    index = tmp_path / "model.safetensors.index.json"
+    for weight_map in (None, [], {"w": 5}):
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(CheckpointError, match="not a valid safetensors index"):
+            indexed_files(index)
+    # A prepared dataset's manifest: a list is no manifest (prepare refuses the directory as one it
+    # did not make; training refuses it).
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text("[]")
+    assert read_manifest(data) is None
+    with pytest.raises(DataError, match="manifest.json is not a version-"):
+        open_prepared(data)
+
+
+def test_a_damaged_peft_adapter_is_one_line(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    save_file({"base_model.model.layers.0.q_proj.lora_A.weight": torch.zeros(2, 4)},
+              str(adapter / ADAPTER_WEIGHTS))
+    for text, message in (("{", "is not valid JSON"), ("[]", "holds a JSON list"),
+                          ('{"peft_type": "LORA", "lora_alpha": 8}', "has no number r"),
+                          ('{"peft_type": "LORA", "r": 4, "lora_alpha": "8"}', "has no number lora_alpha")):
+        (adapter / ADAPTER_CONFIG).write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            read_adapter_config(adapter)
+    (adapter / ADAPTER_CONFIG).write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
+    assert read_adapter_config(adapter)["r"] == 4
+    assert list(adapter_weights(adapter)) == ["base_model.model.layers.0.q_proj.lora_A.weight"]
+    weights = adapter / ADAPTER_WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:-8])  # truncated
+    with pytest.raises(CheckpointError, match=f"{weights} is not a readable safetensors file"):
+        adapter_weights(adapter)
