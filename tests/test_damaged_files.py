@@ -4,7 +4,9 @@ expected gave AttributeError, invalid JSON a JSONDecodeError, a truncated adapte
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from shardtrain.checkpoint.peft_adapter import (
     read_adapter_config,
 )
 from shardtrain.checkpoint.safetensors_files import indexed_files
+from shardtrain.cli.paths import os_failure
 from shardtrain.config.compose import compose_config
 from shardtrain.config.schema import ModelConfig
 from shardtrain.data.prepare import read_manifest
@@ -83,3 +86,19 @@ def test_a_damaged_peft_adapter_is_one_line(tmp_path):
     weights.write_bytes(weights.read_bytes()[:-8])  # truncated
     with pytest.raises(CheckpointError, match=f"{weights} is not a readable safetensors file"):
         adapter_weights(adapter)
+
+
+def test_a_refused_permission_names_reading_or_writing(tmp_path, monkeypatch):
+    """Found by review: a shard this user cannot read was told to be made writable. (This suite runs
+    as root, for whom every file is readable: os.access is what a user's session would answer.)"""
+    shard = tmp_path / "__0_0.distcp"
+    shard.write_bytes(b"x")
+    refused = PermissionError(errno.EACCES, "Permission denied", str(shard))
+    assert os_failure(refused).endswith("make the path writable, or choose another (the run directory, the "
+                                        "data cache, the output)")
+    monkeypatch.setattr(os, "access", lambda path, mode: mode != os.R_OK)
+    assert os_failure(refused) == (f"[Errno 13] Permission denied: '{shard}'; make it readable by this "
+                                   "user (its owner or mode), or point at a copy you can read")
+    # A place to write that does not exist yet is always about writing.
+    missing = PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "new" / "out"))
+    assert "make the path writable" in os_failure(missing)

@@ -65,7 +65,16 @@ def os_failure(exc: BaseException) -> str | None:
     fixes = {errno.ENOSPC: "free space on that filesystem (or choose a path on another)",
              errno.EDQUOT: "free space within your quota (or choose a path on another filesystem)",
              errno.EROFS: "choose a path on a writable filesystem (run.dir, data.cache_dir, the output)",
-             errno.EACCES: "make the path writable, or choose another (run.dir, data.cache_dir, the output)",
-             errno.EPERM: "make the path writable, or choose another (run.dir, data.cache_dir, the output)",
+             errno.EACCES: permission_fix(exc),
+             errno.EPERM: permission_fix(exc),
              errno.EFBIG: "raise the file size limit (ulimit -f)"}
     return f"{text}; {fixes.get(code, 'check the path and its filesystem')}"
+
+
+def permission_fix(exc: BaseException) -> str:
+    """What to do about a refused permission: a file this user cannot read (a checkpoint's shard, a
+    metrics file) is made readable; anything else is a place to write."""
+    path = getattr(exc, "filename", None)
+    if path and os.path.exists(path) and not os.access(path, os.R_OK):
+        return "make it readable by this user (its owner or mode), or point at a copy you can read"
+    return "make the path writable, or choose another (the run directory, the data cache, the output)"
