@@ -399,6 +399,13 @@ def test_a_directory_of_consolidated_weights_is_named_for_what_it_is(tmp_path):
     (tmp_path / "shards" / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(CheckpointError, match="consolidate it into one .safetensors file"):
         layout.read_dcp_metadata(tmp_path / "shards")
+    # With a config.json, a Hugging Face model (export-hf's output): not passed on to its weights
+    # file, which carries no run config (found by review: the advice failed when followed).
+    (tmp_path / "shards" / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"'{tmp_path / 'shards'}' is a Hugging Face model directory, not a checkpoint: generate and "
+            f"eval read it as it is; train from it with model.name=hf model.path={tmp_path / 'shards'}")):
+        layout.read_dcp_metadata(tmp_path / "shards")
 
 
 def test_inspect_refuses_a_directory_that_is_no_checkpoint(tmp_path):

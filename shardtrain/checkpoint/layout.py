@@ -32,6 +32,7 @@ from shardtrain.checkpoint.peft_adapter import ADAPTER_CONFIG
 from shardtrain.checkpoint.safetensors_files import INDEX_FILE, SINGLE_FILE
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.errors import CheckpointError
+from shardtrain.models.hf_directory import is_model_directory
 
 METADATA_FILE = ".metadata"
 LIGHTNING_META_FILE = "meta.pt"
@@ -109,6 +110,10 @@ def read_dcp_metadata(path: Path) -> Metadata:
                                   f"from it with finetune=lora model.adapter={path}")
         if (kind := directory_of_checkpoints(path)) is not None:
             raise CheckpointError(f"{str(path)!r} is {kind}")
+        if is_model_directory(path):  # export-hf's output among them: its weights carry no run config
+            raise CheckpointError(f"{str(path)!r} is a Hugging Face model directory, not a checkpoint: "
+                                  "generate and eval read it as it is; train from it with model.name=hf "
+                                  f"model.path={path} (or, a Llama, model.init_from=hf:{path})")
         consolidated = not any(path.glob("*.distcp"))  # a save_full checkpoint holds a model.safetensors too
         if consolidated and (path / SINGLE_FILE).is_file():
             raise CheckpointError(f"{str(path)!r} holds consolidated weights, not a checkpoint: generate, "
