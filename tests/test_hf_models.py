@@ -27,8 +27,10 @@ Nemotron-H) start as transformers' ``from_config`` does.
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import shutil
 from dataclasses import replace
 from functools import partial
 
@@ -150,6 +152,17 @@ def test_export_round_trip(two_rank_runs, family, tmp_path):
         assert rel_error(theirs(PROBE).logits, ours.eval()(PROBE)) < 1e-5
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
     assert tokenizer.decode(tokenizer("def main():").input_ids) == "def main():"
+    if family == "llama":
+        # The model's directory moved since training: said before any consolidation, naming the
+        # fix (found by review: said after the whole checkpoint was consolidated into staging).
+        moved = tmp_path / "moved"
+        shutil.copytree(checkpoint, moved)
+        state = json.loads((moved / "trainer_state.json").read_text())
+        state["config"]["model"]["path"] = str(tmp_path / "gone")
+        (moved / "trainer_state.json").write_text(json.dumps(state))
+        with pytest.raises(ModelError, match="has no config.json.*moved since a run trained on it"):
+            export_hf(moved, tmp_path / "never", max_shard_size="20KB")
+        assert not (tmp_path / "never").exists()
     if family != "gpt_neox":
         return
     # The self-check fails loudly when the written weights do not reproduce the model.

@@ -89,8 +89,12 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
         raise CheckpointError(f"{src} is a consolidated file, which holds one set of weights: the weights' "
                               "average (--ema) is exported from a checkpoint directory")
     check_new_directory(out)  # before the consolidation's work, not after it
+    # A tokenizer, or a Hugging Face model's directory, gone since training: said before the
+    # consolidation's work, not after it.
     if cfg.name != "hf":
-        tokenizer_copies(cfg)  # a tokenizer gone since training: said before anything is written
+        tokenizer_copies(cfg)
+    else:
+        model_directory(cfg)
     out.mkdir(parents=True, exist_ok=True)
     # Stream: consolidate shard by shard into a staging area, then rename and permute per tensor.
     # A fresh hidden directory each time: a crashed export's leftover is never read as this one's.

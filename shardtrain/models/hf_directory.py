@@ -31,5 +31,6 @@ def model_directory(cfg: ModelConfig) -> Path:
     directory = Path(cfg.path).expanduser()
     if not (directory / CONFIG_FILE).is_file():
         raise ModelError(f"model.path={cfg.path!r} has no {CONFIG_FILE}: not a Hugging Face model "
-                         "directory (nothing is downloaded; save the model there with save_pretrained)")
+                         "directory (nothing is downloaded; save the model there with save_pretrained; "
+                         "a model moved since a run trained on it: put it back, or link its new place there)")
     return directory
