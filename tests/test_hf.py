@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import json
 import re
 import shutil
@@ -168,6 +169,33 @@ def test_export_dtype_casts_floating_point_tensors_only(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == 32 * 16 * 2 + 16 * 8
+
+
+def test_a_failed_export_leaves_none_of_its_files(tmp_path):
+    """Found by review: a failure after the shards (a full disk, the tokenizer gone) left weights, an
+    index and config.json, a model to transformers without its tokenizer, and a rerun was refused.
+    What the directory held before stays."""
+    from shardtrain.export.hf import write_hf_directory
+
+    cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=32, max_seq_len=16)
+    part = {"tok_embeddings.weight": torch.randn(32, 16), "norm.weight": torch.ones(16)}
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "README.md").write_text("mine")
+
+    def full_disk():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        write_hf_directory(cfg, out, [lambda: dict(part), full_disk])
+    assert sorted(p.name for p in out.iterdir()) == ["README.md"]
+    gone = dataclasses.replace(cfg, tokenizer=str(tmp_path / "gone" / "tokenizer.json"))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        write_hf_directory(gone, out, [lambda: dict(part)])
+    assert sorted(p.name for p in out.iterdir()) == ["README.md"]
+    names = {p.name for p in write_hf_directory(cfg, out, [lambda: dict(part)])}
+    assert names == {"model.safetensors", "model.safetensors.index.json", "tokenizer.json",
+                     "tokenizer_config.json", "config.json"}
 
 
 def test_export_check_holds_neither_model_whole(tmp_path):

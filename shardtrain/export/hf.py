@@ -59,12 +59,13 @@ def hf_model_converter(cfg: ModelConfig) -> Converter:
 
 
 def write_hf_model_files(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> list[Path]:
-    """The model directory's config.json (with the written dtype), generation config and tokenizer."""
+    """The model directory's tokenizer, then its config.json (with the written dtype), last."""
     source = model_directory(cfg)
     config = json.loads((source / CONFIG_FILE).read_text())
     config["torch_dtype"] = config["dtype"] = dtype_name(dtype)
+    files = copy_files(tokenizer_files_in(source), out)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    return [out / CONFIG_FILE] + copy_files(tokenizer_files_in(source), out)
+    return files + [out / CONFIG_FILE]
 
 
 def tokenizer_files_in(directory: Path) -> dict[str, Path]:
@@ -148,10 +149,25 @@ def write_hf_directory(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[],
                        dtype: str | None = None) -> list[Path]:
     """The Hugging Face directory of a model whose weights, under our names, each of ``parts`` reads:
     one output shard per part, read only when written (one in memory), converted (renamed, permuted,
-    cast) tensor by tensor."""
+    cast) tensor by tensor. config.json comes last, so that a directory without it is unfinished to
+    every reader; a failure removes every file this call wrote (a full disk left the weights, the
+    index and config.json: a model to transformers, without its tokenizer)."""
+    out.mkdir(parents=True, exist_ok=True)  # new or without model files: its callers checked first
+    before = set(out.iterdir())
+    try:
+        return write_hf_files(cfg, out, parts, dtype)
+    except BaseException:
+        for path in set(out.iterdir()) - before:
+            if not path.is_dir():
+                path.unlink(missing_ok=True)
+        raise
+
+
+def write_hf_files(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[], dict[str, torch.Tensor]]],
+                   dtype: str | None) -> list[Path]:
+    """``write_hf_directory``'s files: the shards, the index, the tokenizer, config.json."""
     convert: Converter = hf_model_converter(cfg) if cfg.name == "hf" else (
         lambda name, tensor: to_hf(name, tensor, cfg))
-    out.mkdir(parents=True, exist_ok=True)  # new or without model files: its callers checked first
     cast = DTYPES[dtype] if dtype else None
     written: list[tuple[Path, list[str]]] = []  # each shard under a staging name, its tensors' names
     total = 0
@@ -185,10 +201,10 @@ def write_hf_directory(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[],
     files.append(write_index(out, weight_map, total))
     if cfg.name == "hf":
         return files + write_hf_model_files(cfg, out, out_dtype or torch.float32)
+    files += write_tokenizer_files(cfg, out)
     config_file = out / CONFIG_FILE
     config_file.write_text(json.dumps(hf_config(cfg, out_dtype or torch.float32), indent=2) + "\n")
-    files.append(config_file)
-    return files + write_tokenizer_files(cfg, out)
+    return files + [config_file]
 
 
 def tokenizer_copies(cfg: ModelConfig) -> dict[str, Path] | None:
