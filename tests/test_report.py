@@ -254,10 +254,14 @@ def test_bad_run_directories_fail_with_one_line(tmp_path, monkeypatch):
                         (tmp_path / "dry", "holds a dry run's records only (dry-run.jsonl)")):
         with pytest.raises(ReportError, match=re.escape(says)):
             load_run(given)
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
     for out, png_dir, says in ((tmp_path / "r.png", None, "names an image; --out is the HTML page"),
-                               (tmp_path / "r.html", tmp_path / "metrics.jsonl", "--png-dir '")):
+                               (tmp_path / "r.html", tmp_path / "metrics.jsonl", "--png-dir '"),
+                               # found by review: the run's own records were written over
+                               (tmp_path / "metrics.jsonl", None, "exists and is not an HTML page")):
         with pytest.raises(ReportError, match=re.escape(says)):
             write_report([tmp_path], out, png_dir)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
     (tmp_path / "config.yaml").write_text("a: [\n  b: }")  # found by review: yaml's ParserError
     with pytest.raises(ReportError, match=r"config.yaml is not readable YAML \(while parsing a flow node\)"):
         read_config(tmp_path / "config.yaml")

@@ -12,6 +12,7 @@ import datetime
 import html
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,6 +187,10 @@ def write_report(run_dirs: list[str | Path], out: str | Path, png_dir: str | Pat
     if out.suffix.lower() in (".png", ".svg", ".pdf", ".jpg", ".jpeg"):
         raise ReportError(f"--out {str(out)!r} names an image; --out is the HTML page (e.g. "
                           f"{out.with_suffix('.html')}), and the PNGs go to --png-dir")
+    if out.is_file() and out.suffix.lower() not in (".html", ".htm"):
+        # A page is written over an earlier page only: not over a run's metrics.jsonl or config.
+        raise ReportError(f"--out {str(out)!r} exists and is not an HTML page; name a new file or an "
+                          ".html one to replace")
     if png_dir is not None and Path(png_dir).exists() and not Path(png_dir).is_dir():
         raise ReportError(f"--png-dir {str(png_dir)!r} is a file; give a directory for the PNGs")
     png_dir = Path(png_dir) if png_dir is not None else default_png_dir(out)
@@ -200,7 +205,13 @@ def write_report(run_dirs: list[str | Path], out: str | Path, png_dir: str | Pat
             png_paths.append(png_dir / f"{panel_id}.png")
             png_paths[-1].write_bytes(data)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(page_html(runs, panels, pngs, config_differences(runs)))
+        # Written beside, then renamed: a write that fails half way leaves the earlier page whole.
+        partial = out.with_name(f".{out.name}.partial")
+        try:
+            partial.write_text(page_html(runs, panels, pngs, config_differences(runs)))
+            os.replace(partial, out)
+        finally:
+            partial.unlink(missing_ok=True)
     except OSError as exc:
         raise ReportError(f"cannot write the report: {exc.strerror}: {exc.filename}") from exc
     return Report(runs, panels, figures, out, png_paths)
