@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from shardtrain.checkpoint.inspect import inspect_path
 from shardtrain.checkpoint.peft_adapter import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -58,6 +59,8 @@ def test_each_reader_of_a_json_object_refuses_another_value(tmp_path):
         index.write_text(json.dumps({"weight_map": weight_map}))
         with pytest.raises(CheckpointError, match="not a valid safetensors index"):
             indexed_files(index)
+        report = inspect_path(index)  # damaged (inspect exits 1), not "no checkpoint" (2)
+        assert not report.complete and "not a valid safetensors index" in report.problems[0]
     # A prepared dataset's manifest: a list is no manifest (prepare refuses the directory as one it
     # did not make; training refuses it).
     data = tmp_path / "data"

@@ -55,7 +55,12 @@ def inspect_safetensors(path: Path, report: Report) -> None:
     files = [path]
     if path.name.endswith(".index.json"):
         report.format = "safetensors shards (index)"
-        files = indexed_files(path)
+        try:
+            files = indexed_files(path)
+        except CheckpointError as exc:  # damaged (exit 1), not absent (exit 2)
+            report.problems.append(str(exc))
+            report.complete = False
+            return
         report.details["files"] = len(files)
     else:
         report.format = "safetensors file"
