@@ -105,3 +105,17 @@ def test_a_refused_permission_names_reading_or_writing(tmp_path, monkeypatch):
     # A place to write that does not exist yet is always about writing.
     missing = PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "new" / "out"))
     assert "make the path writable" in os_failure(missing)
+
+
+def test_a_quoted_home_is_the_path_written(tmp_path, monkeypatch):
+    """Found by review: the output was checked as $HOME/m.safetensors and written to ./~/m.safetensors."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardtrain.cli.main import main
+
+    dcp.save({"model": {"w": torch.ones(2)}}, checkpoint_id=str(tmp_path / "ckpt"))
+    (tmp_path / "home").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["consolidate", str(tmp_path / "ckpt"), "~/m.safetensors", "--skip-checksums"]) == 0
+    assert (tmp_path / "home" / "m.safetensors").is_file() and not (tmp_path / "~").exists()

@@ -356,7 +356,9 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def check_export_paths(args: argparse.Namespace, command: str) -> None:
-    """export-hf's and export-peft's paths, checked before torch is imported."""
+    """export-hf's and export-peft's paths, checked before torch is imported (a quoted ``~`` is
+    expanded once, so that the path checked is the path written)."""
+    args.out, args.checkpoint = os.path.expanduser(args.out), os.path.expanduser(args.checkpoint)
     check_output(Path(args.out), Path(args.checkpoint), f"{command} output", file_allowed=False)
     check_exists(args.checkpoint, "checkpoint")
 
@@ -527,6 +529,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
+    args.out, args.checkpoint = os.path.expanduser(args.out), os.path.expanduser(args.checkpoint)
     check_output(Path(args.out), Path(args.checkpoint), "consolidate output")
     check_exists(args.checkpoint, "checkpoint")
     from shardtrain.export.consolidate import consolidate
