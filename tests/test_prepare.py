@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -141,6 +142,13 @@ def test_a_changed_input_is_prepared_again(tmp_path):
     (tmp_path / "out").rename(tmp_path / ".out.replaced")
     assert not prepare(options, tmp_path / "out", progress=False).up_to_date
     assert not (tmp_path / ".out.replaced").exists()
+    # An output that is a link to a dataset: prepared where it points, the link kept (found by
+    # review: the link was put aside, a directory made in its place, and removing the aside failed)
+    (tmp_path / "link").symlink_to(tmp_path / "out")
+    doc.write_text("one two three " * 60)
+    assert not prepare(options, tmp_path / "link", progress=False).up_to_date
+    assert (tmp_path / "link").is_symlink() and prepare(options, tmp_path / "out", progress=False).up_to_date
+    assert not (tmp_path / ".link.replaced").exists() and not (tmp_path / ".out.replaced").exists()
     # Up to date, nothing is written beside it, not even the lock (a read-only share's dataset)
     lock = tmp_path / ".out.shardtrain-lock"
     lock.unlink()
@@ -201,10 +209,11 @@ def test_a_changed_input_is_prepared_again(tmp_path):
         prepare(PrepareOptions(inputs=[str(tmp_path / "in" / "old")]), tmp_path / "twice", progress=False)
 
 
-def test_preparations_of_one_output_run_one_after_the_other(tmp_path):
+def test_preparations_of_one_output_run_one_after_the_other(tmp_path, caplog):
     """Found by review: two `prepare --out X` at once (one per node of a job) shared X's staging
     directory, each deleting the other's shards, and both said they succeeded. The later one waits
     for the lock beside X, then finds X up to date."""
+    caplog.set_level(logging.INFO, logger="shardtrain")
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.txt").write_text("one two three " * 50)
     options = PrepareOptions(inputs=[str(tmp_path / "in")], val_percent=0.0)
@@ -218,6 +227,8 @@ def test_preparations_of_one_output_run_one_after_the_other(tmp_path):
         prepare(options, out, progress=False, lock=False)  # the one holding the lock
     waiting.join(timeout=60)
     assert not waiting.is_alive() and results[0].up_to_date
+    # The wait was said (found by review: silent behind a stopped preparation)
+    assert "waiting for another preparation of the same output" in caplog.text
 
 
 def test_the_tokenizer_entry_covers_what_renders_conversations():

@@ -353,6 +353,8 @@ def prepare(options: PrepareOptions, out: str | Path, progress: bool = True,
     they shared one staging directory, and each deleted the other's shards. False: the caller holds
     a lock of its own (the data cache's)."""
     out = Path(out).expanduser()
+    if out.is_symlink():  # the dataset goes where the link points, and the link stays (renamed aside,
+        out = out.resolve()  # the link was replaced by a directory and its removal failed)
     if out.exists() and not out.is_dir():
         raise DataError(f"{out} is a file, not a directory; choose another output directory")
     lock_path = out.with_name(f".{out.name}{PREPARE_LOCK_SUFFIX}")
@@ -376,7 +378,12 @@ def locked(path: Path, required: str | None = None) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as handle:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # held: said, so that a wait behind a stopped one is not silent
+                log.info(f"data: waiting for another preparation of the same output to finish (it holds "
+                         f"{path})")
+                fcntl.flock(handle, fcntl.LOCK_EX)
         except OSError as exc:
             if required:
                 raise DataError(f"cannot lock {path} ({exc.strerror or exc}); {required}") from exc
