@@ -27,6 +27,14 @@ class BuildReturnsNone(ImageClassification):
         super().build_model()
 
 
+class MovesModel(ImageClassification):
+    """Moves its model to a device in build_model, as a hand-written loop does (found by review:
+    torch's "Cannot copy out of meta tensor ... use to_empty()", advice that is not the fix)."""
+
+    def build_model(self):
+        return super().build_model().to("cpu")
+
+
 class VectorLoss(ImageClassification):
     """Returns the per-sample losses instead of their sum."""
 

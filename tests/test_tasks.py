@@ -378,6 +378,8 @@ def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
     ("collections:OrderedDict", 2, "is not a shardtrain.tasks.Task subclass"),
     ("broken_tasks:BuildReturnsNone", 1, "BuildReturnsNone.build_model returned NoneType; return the model, "
                                          "an nn.Module"),
+    ("broken_tasks:MovesModel", 1, "the model was moved (.to(device), .cuda(), .cpu()) while it was being "
+                                   "built: build_model runs with parameters on the meta device"),
     ("broken_tasks:VectorLoss", 1, "returned a loss of shape [2]; it must be a scalar tensor"),
     ("broken_tasks:ItemLoss", 1, "returned a loss of type float (a tensor's .item() leaves nothing to "
                                  "backward); it must be a scalar tensor"),

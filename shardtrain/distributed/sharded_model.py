@@ -313,7 +313,15 @@ def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: Dev
                           "strategy.mixed_precision=bf16-mixed or finetune.base_dtype=fp32")
     factory = with_adapters(factory, cfg, env.device)
     with parameters_on_meta():
-        model = factory()
+        try:
+            model = factory()
+        except NotImplementedError as exc:
+            if "meta tensor" not in str(exc):
+                raise
+            # torch's own advice (to_empty) is not the fix here: the move is.
+            raise ModelError("the model was moved (.to(device), .cuda(), .cpu()) while it was being built: "
+                             "build_model runs with parameters on the meta device and must return the model "
+                             "unmoved; the framework places each rank's shard on its device") from exc
     initializer = initializer_of(initializer) or initializer_of(model)
     if initializer is not None and cfg.finetune.method != "none":
         initializer = AdapterInitializer(initializer, model)
