@@ -35,6 +35,14 @@ class MovesModel(ImageClassification):
         return super().build_model().to("cpu")
 
 
+class BuiltInBf16(ImageClassification):
+    """Returns its model in bf16, as from_pretrained(torch_dtype=torch.bfloat16) does (found by
+    review: it trained with bf16 weights and Adam state under a precision promising fp32 ones)."""
+
+    def build_model(self):
+        return super().build_model().to(torch.bfloat16)
+
+
 class VectorLoss(ImageClassification):
     """Returns the per-sample losses instead of their sum."""
 

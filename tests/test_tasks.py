@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import re
 import types
 from collections import OrderedDict, UserDict, defaultdict
@@ -407,6 +408,19 @@ def test_a_task_breaking_the_contract_fails_with_one_line(tmp_path, task, device
                "on this node" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert "FLOPs unknown" not in proc.stderr  # said after a first step, which none of these finish
+
+
+def test_a_model_built_in_bf16_trains_fp32_master_weights(tmp_path):
+    """Its trainable parameters are stored as the precision says (fp32), and the start-up report
+    says so."""
+    proc = run_cli("train", "task=broken_tasks:BuiltInBf16", "trainer.max_steps=2",
+                   "trainer.micro_batch_size=2", "trainer.log_every=1", "run.trackers=[]",
+                   f"run.dir={tmp_path}", env=TASK_PATH, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"trainable parameters the model built in another dtype \([0-9,]+ elements in "
+                     r"bfloat16\) are stored in float32", proc.stderr), proc.stderr[-3000:]
+    records = read_metrics(tmp_path)
+    assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
 
 
 def test_flops_a_task_cannot_count_are_said_after_the_first_step(tmp_path):

@@ -21,6 +21,7 @@ from shardtrain.distributed.parallelize import ShardingReport
 
 def settings_lines(cfg: Config, plan: ShardingPlan, report: ShardingReport, env: DistEnv) -> list[str]:
     heads = set(report.units[-2:-1]) if len(report.units) > 1 else set()
+    upcast = ", ".join(f"{count:,} elements in {dtype}" for dtype, count in report.upcast.items())
     lines = [
         "diagnostics: resolved settings",
         f"  strategy {plan.strategy}; mesh [{plan.mesh}] on {env.device.type}; backend {env.backend}; "
@@ -28,6 +29,8 @@ def settings_lines(cfg: Config, plan: ShardingPlan, report: ShardingReport, env:
         f"  mixed precision {plan.precision}: storage {dtype_name(plan.storage_dtype)}, "
         f"compute {dtype_name(plan.param_dtype)}, gradient reduce {dtype_name(plan.reduce_dtype)}; "
         f"cpu_offload {plan.cpu_offload}",
+        *([f"  trainable parameters the model built in another dtype ({upcast}) are stored in "
+           f"{dtype_name(plan.storage_dtype)}, as the precision says"] if report.upcast else []),
         f"  reshard_after_forward {plan.reshard_after_forward} for blocks"
         + ("; False for the last block" if plan.reshard_after_forward is True and report.units[:-1] else "")
         + (f"; False for the head unit {sorted(heads)[0]}" if heads and "+" in sorted(heads)[0] else ""),

@@ -264,6 +264,9 @@ class ShardingReport:
     tensor_parallel: dict[str, str] = field(default_factory=dict)
     # Embeddings looked up by exchanging rows, not FSDP units (strategy.embedding_lookup=exchange).
     exchanged_embeddings: list[str] = field(default_factory=list)
+    # Trainable parameters the model was built with in another dtype than the storage's, cast to it:
+    # elements by their dtype as built.
+    upcast: dict[str, int] = field(default_factory=dict)
 
 
 # A task's own tensor-parallel plan: ``parallelize_tensors(model, tp_mesh, sequence_parallel)``
@@ -339,6 +342,16 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
         # of mixed dtypes in param_dtype) and so does their Adam state.
         for name, param in model.named_parameters():
             if not is_adapter(name):
+                param.data = param.data.to(plan.storage_dtype)
+    else:
+        # A model built in bf16 (from_pretrained(torch_dtype=...), .half()) would train with bf16
+        # master weights, gradients and Adam state under a precision that promises fp32 ones:
+        # trainable parameters are stored as the plan says; frozen ones (a LoRA base, a frozen
+        # encoder) keep the dtype they were given.
+        for param in model.parameters():
+            if param.requires_grad and param.is_floating_point() and param.dtype != plan.storage_dtype:
+                report.upcast[str(param.dtype).removeprefix("torch.")] = (
+                    report.upcast.get(str(param.dtype).removeprefix("torch."), 0) + param.numel())
                 param.data = param.data.to(plan.storage_dtype)
     mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
     common = dict(mesh=mesh, mp_policy=mp)
