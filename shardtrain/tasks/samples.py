@@ -3,8 +3,8 @@ collation, and a structure check that turns a mismatched item into one line inst
 hang) deep inside a collective.
 
 Items are tensors, or dicts, lists and tuples of tensors (and plain numbers). Items of one dataset
-must share their structure: the same keys, dtypes and numbers of dimensions; sizes may vary when the
-task's ``collate`` pads them.
+must share their structure: the same keys, dtypes and numbers of dimensions; sizes (a list's length
+among them) may vary when the task's ``collate`` pads them.
 """
 
 from __future__ import annotations
@@ -46,8 +46,17 @@ def shape_of(leaf: Any) -> tuple[int, ...]:
 
 
 def structure(item: Any) -> Any:
-    """What must agree between the items of a dataset (not the sizes, which a collate may pad)."""
-    return walk(item, kind_of)
+    """What must agree between the items of a dataset (not the sizes, which a collate may pad): a
+    mapping's keys and a tuple's positions, each with its kind; a list is a sequence, whose length
+    is a size (a Hugging Face dataset's row holds its token ids as a list of ints): the kinds of its
+    elements, not their number."""
+    if isinstance(item, Mapping):
+        return {key: structure(value) for key, value in sorted(item.items())}
+    if isinstance(item, tuple):
+        return [structure(value) for value in item]
+    if isinstance(item, list):
+        return f"list[{' | '.join(sorted({str(structure(value)) for value in item}))}]"
+    return kind_of(item)
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
