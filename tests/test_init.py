@@ -262,3 +262,37 @@ def test_experts_stored_apart_load_into_the_stacked_parameters(hf_loads):
         loaded = torch.load(Path(out, f"moe-{world}.pt"))
         assert loaded.keys() == want.keys()
         assert all(loaded[name].equal(want[name]) for name in want), world
+
+
+def test_an_init_parameter_that_fills_nothing_or_returns_a_new_tensor_is_refused():
+    """Found by review: the tensor a task's init_parameter is given was torch.empty, so a hook that
+    passed over a name (a custom init for a new head only) or returned a new tensor left
+    uninitialised memory as the weights, without a word."""
+    from shardtrain.errors import ModelError
+
+    class HeadOnly:
+        init_parameter_elementwise = False
+
+        def init_parameter(self, name, tensor, generator):
+            if name == "head.weight":
+                tensor.normal_(0, 0.02, generator=generator)
+
+    class Returns:
+        def init_parameter(self, name, tensor, generator):
+            return torch.zeros_like(tensor)
+
+    class ReturnsItsTensor:  # nn.init and in-place methods return the tensor they fill: fine
+        init_parameter_elementwise = True
+
+        def init_parameter(self, name, tensor, generator):
+            return torch.nn.init.normal_(tensor, generator=generator)
+
+    init_full_parameter(HeadOnly(), "head.weight", torch.empty(4, 3), seed=0)
+    with pytest.raises(ModelError, match=r"HeadOnly.init_parameter left parameter 'body.weight' unfilled"):
+        init_full_parameter(HeadOnly(), "body.weight", torch.empty(4, 3), seed=0)
+    with pytest.raises(ModelError, match=r"Returns.init_parameter returned a new tensor for 'w'; fill the "
+                                         "tensor it is given in place"):
+        init_full_parameter(Returns(), "w", torch.empty(2), seed=0)
+    drawn = torch.empty(5, 3)
+    init_full_parameter(ReturnsItsTensor(), "w", drawn, seed=0)  # by chunks: elementwise
+    assert torch.isfinite(drawn).all() and drawn.std() > 0

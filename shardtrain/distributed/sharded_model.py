@@ -79,6 +79,22 @@ def stable_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
+def run_init(init: InitFn, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+    """``init(name, tensor, generator)``, checked to have filled ``tensor`` in place: a hook that
+    returns a new tensor, or passes over a name, would leave the uninitialised memory as the weights
+    (it is given NaN, so that what it leaves is seen)."""
+    tensor.fill_(float("nan"))
+    returned = init(name, tensor, generator)
+    owner = getattr(init, "__qualname__", "init_parameter")
+    if returned is not None and returned is not tensor:
+        raise ModelError(f"{owner} returned a new tensor for {name!r}; fill the tensor it is given in "
+                         "place (tensor.normal_(0, 0.02, generator=generator), nn.init.*_(tensor)) and "
+                         "return nothing")
+    if torch.isnan(tensor).any():
+        raise ModelError(f"{owner} left parameter {name!r} unfilled (or filled it with NaN); fill every "
+                         "parameter it is called with, in place (pretrained weights: model.init_from)")
+
+
 def fill_elements(init: InitFn, name: str, seed: int, out: torch.Tensor, start: int, total: int,
                   constants: Sequence[tuple[int, int, float]] = ()) -> None:
     """``out`` (1-D, fp32) := elements ``[start, start + len(out))`` of parameter ``name``'s flattened
@@ -88,7 +104,7 @@ def fill_elements(init: InitFn, name: str, seed: int, out: torch.Tensor, start: 
     for index in range(start // INIT_CHUNK_ELEMENTS, -(-end // INIT_CHUNK_ELEMENTS)):
         low = index * INIT_CHUNK_ELEMENTS
         chunk = torch.empty(min(INIT_CHUNK_ELEMENTS, total - low), dtype=torch.float32)
-        init(name, chunk, torch.Generator().manual_seed(stable_seed(seed, f"{name}#{index}")))
+        run_init(init, name, chunk, torch.Generator().manual_seed(stable_seed(seed, f"{name}#{index}")))
         first, last = max(start, low), min(end, low + chunk.numel())
         out[first - start:last - start] = chunk[first - low:last - low]
     for begin, stop, value in constants:
@@ -107,7 +123,8 @@ def init_full_parameter(initializer: Any, name: str, tensor: torch.Tensor, seed:
         tensor.copy_(flat.view(tensor.shape))
     else:
         full = torch.empty(tensor.shape, dtype=torch.float32)
-        initializer.init_parameter(name, full, torch.Generator().manual_seed(stable_seed(seed, name)))
+        generator = torch.Generator().manual_seed(stable_seed(seed, name))
+        run_init(initializer.init_parameter, name, full, generator)
         tensor.copy_(full)
 
 
