@@ -665,3 +665,25 @@ def test_a_checkpoint_resumed_with_another_task_names_both(tmp_path):
         f"shardtrain: error: checkpoint '{tmp_path / 'checkpoints' / 'step-1'}' was trained with "
         "task=vit:ImageClassification, this run is task=shardtrain.tasks.language_model:LanguageModelTask; "
         "resume it with the same task=")
+
+
+def test_a_wrap_policy_of_one_class_or_name_is_a_list_of_one():
+    """Found by review: `return Block` failed deep in sharding ('type' object is not iterable) and
+    `return "Block"` was read letter by letter ('has no module of class B')."""
+    from shardtrain.tasks.task import wrap_policy_of
+
+    class Returning(Task):
+        def __init__(self, policy):
+            super().__init__()
+            self.policy = policy
+
+        def wrap_policy(self):
+            return self.policy
+
+    assert wrap_policy_of(Returning(torch.nn.Linear)) == [torch.nn.Linear]
+    assert wrap_policy_of(Returning("Block")) == ["Block"]
+    assert wrap_policy_of(Returning(("Block", torch.nn.Linear))) == ["Block", torch.nn.Linear]
+    assert wrap_policy_of(Returning(None)) is None
+    for bad in (3, [3], ["Block", None]):
+        with pytest.raises(ConfigError, match=r"Returning.wrap_policy\(\) must return module classes"):
+            wrap_policy_of(Returning(bad))

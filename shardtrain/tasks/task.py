@@ -187,6 +187,24 @@ def model_factory(task: Task) -> Callable[[], nn.Module]:
     return build
 
 
+def wrap_policy_of(task: Task) -> list[type | str] | None:
+    """``task.wrap_policy()`` as a list: one class or name alone is taken as a list of one (a string
+    was iterated character by character, a class was not iterable); anything else is one line."""
+    policy = task.wrap_policy()
+    if policy is None:
+        return None
+    if isinstance(policy, (str, type)):
+        return [policy]
+    try:
+        policy = list(policy)
+    except TypeError:
+        policy = None
+    if policy is None or not all(isinstance(entry, (str, type)) for entry in policy):
+        raise ConfigError(f"{type(task).__name__}.wrap_policy() must return module classes or their names "
+                          "(a list, e.g. [Block]), or None for strategy.wrap_policy")
+    return policy
+
+
 def check_task(task: Any) -> Task:
     """``task`` is a Task whose required methods are defined; a ConfigError naming what is missing."""
     if not isinstance(task, Task):

@@ -16,7 +16,7 @@ from shardtrain.diagnostics.rails import check_optimizer
 from shardtrain.distributed.env import DistEnv, build_mesh
 from shardtrain.distributed.parallelize import ShardingReport, precompute_float8_scales_after_steps
 from shardtrain.distributed.sharded_model import build_sharded_model
-from shardtrain.tasks.task import Task, model_factory
+from shardtrain.tasks.task import Task, model_factory, wrap_policy_of
 from shardtrain.train.optim import build_optimizer, build_scheduler
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
@@ -37,7 +37,7 @@ def build(cfg: Config, env: DistEnv, task: Task,
     check_tensor_parallel_support(cfg)
     plan = resolve_plan(cfg.strategy, env.world_size, env.local_world_size)
     mesh = build_mesh(plan, env.device.type)
-    model, report = build_sharded_model(cfg, env, plan, mesh, model_factory(task), task.wrap_policy(),
+    model, report = build_sharded_model(cfg, env, plan, mesh, model_factory(task), wrap_policy_of(task),
                                         initializer=task, tensor_plan=task.tensor_parallel_hook())
     # Called with the sharded model, so it can only see the DTensor parameters; checked anyway,
     # since a factory may close over an optimizer or parameters made before sharding.
