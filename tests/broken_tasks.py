@@ -194,6 +194,27 @@ class SometimesImages(Task):
                           targets.numel())
 
 
+class CaptionerWithMethod(Captioner):
+    def caption(self, tokens: torch.Tensor, images: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return self.forward(tokens, images, rows)
+
+
+class CallsAMethod(SometimesImages):
+    """Its loss calls a method of the model (CLIP's encode_image, a VAE's decode), not the model: the
+    root's own parameters (embedding, head) are gathered for it because it is named."""
+
+    forward_methods = ("caption",)
+
+    def build_model(self):
+        return CaptionerWithMethod()
+
+    def loss(self, model, batch):
+        logits = model.caption(batch["tokens"][:, :-1], batch["images"], batch["rows"]).float()
+        targets = batch["tokens"][:, 1:]
+        return LossOutput(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"),
+                          targets.numel())
+
+
 class SkipsImages(SometimesImages):
     """Skips the image encoder where a micro-batch has no images: ranks use different parameters in
     a step. One sample in two has an image, so every global batch has some (the reference, one

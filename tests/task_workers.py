@@ -30,7 +30,7 @@ N = 2  # steps before a checkpoint is resumed; runs are 2N steps
 
 # Test-only tasks (tests/broken_tasks.py) that train like the examples.
 MORE_TASKS = {"sometimes": "broken_tasks:SometimesImages", "skips": "broken_tasks:SkipsImages",
-              "too_few": "broken_tasks:RankDataTooFew"}
+              "too_few": "broken_tasks:RankDataTooFew", "method": "broken_tasks:CallsAMethod"}
 
 
 def make_task(name: str):

@@ -91,6 +91,7 @@ def two_ranks(four_ranks, tmp_path_factory):
                  vit_offload=dict(task="vit", cpu_offload=True),
                  mdlm_compile=dict(task="mdlm", compile=True))
     cases["sometimes_full"] = dict(task="sometimes")  # some ranks' micro-batches have no images
+    cases["method_full"] = dict(task="method")  # ... and the loss calls a method of the model
     cases["skips_full"] = dict(task="skips", reduce_unused_params=True)  # ... and skip the encoder
     cases["vit_bf16"] = dict(task="vit", precision="bf16-mixed")
     cases["dit_bf16"] = dict(task="dit", precision="bf16-mixed")
@@ -180,6 +181,14 @@ def test_a_module_with_nothing_to_do_on_one_rank_runs_on_an_empty_input(two_rank
     imageless = [part for ids in result["ids"] for rank in range(2)
                  for part in layout.rank_slices(np.array(ids), rank) if not (part % 4 == 0).any()]
     assert imageless, "no micro-batch without images: the case tests nothing"
+    compare({"sometimes_full": result}, references, {})
+
+
+def test_a_loss_calling_a_method_of_the_model_named_in_forward_methods_equals_the_reference(
+        two_ranks, references):
+    """The model's own parameters (the root unit's embedding and head) are gathered for a method the
+    task names in forward_methods, as for forward: the same training as the model called."""
+    result = torch.load(two_ranks / "method_full.pt")
     compare({"sometimes_full": result}, references, {})
 
 

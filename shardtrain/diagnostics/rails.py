@@ -54,7 +54,9 @@ def explain_bypassed_forward(exc: BaseException) -> ModelError | None:
         return ModelError(
             "a sharded module's parameters were used without FSDP gathering them: some forward ran "
             "as module.forward(x) (or a submodule's forward was called directly), which skips "
-            "FSDP's hooks. Call modules as module(x). Original error: " + str(exc).splitlines()[0]
+            "FSDP's hooks. Call modules as module(x); a method called in place of the model "
+            "(model.encode_image(x)) is named in the task's forward_methods. Original error: "
+            + str(exc).splitlines()[0]
         )
     return None
 

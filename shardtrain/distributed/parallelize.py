@@ -15,7 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -406,6 +412,22 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
     # group holds the embeddings, gathered before any block and kept, so it needs no prefetch.
     prefetch_in_forward([block for _, block in blocks] + ([groups[-1][0]] if len(groups) > 1 else []))
     return report
+
+
+def register_forward_methods(model: nn.Module, names: Sequence[str]) -> None:
+    """Methods a task's loss calls instead of the model itself (CLIP's ``encode_image``, a VAE's
+    ``encode``/``decode``): FSDP gathers a unit's parameters around its forward only, so each FSDP
+    unit that has such a method gathers for it too (``register_fsdp_forward_method``). A name no
+    unit has is one line."""
+    for name in names:
+        units = [module for module in model.modules()
+                 if isinstance(module, FSDPModule) and callable(getattr(module, name, None))]
+        if not units:
+            raise ConfigError(f"forward_methods names {name!r}, which neither {type(model).__name__} nor any "
+                              "of its FSDP units has; name the model's methods the loss calls in place of "
+                              "model(...)")
+        for unit in units:
+            register_fsdp_forward_method(unit, name)
 
 
 def prefetch_in_forward(units: Sequence[nn.Module]) -> None:

@@ -56,10 +56,14 @@ class Task:
     ``Options``: a dataclass of the task's typed options, set from the command line as
     ``task.NAME=VALUE`` and validated like every other key (``None``: the task has none).
     ``count_unit``: what ``LossOutput.count`` counts, for the throughput line (``<unit>_per_s``).
+    ``forward_methods``: the model's methods ``loss`` calls in place of ``model(...)`` (CLIP's
+    ``encode_image``, a VAE's ``encode``): FSDP gathers a unit's parameters around its forward only,
+    and for these too once they are named.
     """
 
     Options: ClassVar[type | None] = None
     count_unit: ClassVar[str] = "samples"
+    forward_methods: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, options: Any = None, **overrides: Any) -> None:
         if self.Options is None:

@@ -14,7 +14,11 @@ from shardtrain.config.plan import ShardingPlan, check_tensor_parallel_support, 
 from shardtrain.config.schema import Config
 from shardtrain.diagnostics.rails import check_optimizer
 from shardtrain.distributed.env import DistEnv, build_mesh
-from shardtrain.distributed.parallelize import ShardingReport, precompute_float8_scales_after_steps
+from shardtrain.distributed.parallelize import (
+    ShardingReport,
+    precompute_float8_scales_after_steps,
+    register_forward_methods,
+)
 from shardtrain.distributed.sharded_model import build_sharded_model
 from shardtrain.tasks.task import Task, model_factory, wrap_policy_of
 from shardtrain.train.optim import build_optimizer, build_scheduler
@@ -39,6 +43,7 @@ def build(cfg: Config, env: DistEnv, task: Task,
     mesh = build_mesh(plan, env.device.type)
     model, report = build_sharded_model(cfg, env, plan, mesh, model_factory(task), wrap_policy_of(task),
                                         initializer=task, tensor_plan=task.tensor_parallel_hook())
+    register_forward_methods(model, task.forward_methods)
     # Called with the sharded model, so it can only see the DTensor parameters; checked anyway,
     # since a factory may close over an optimizer or parameters made before sharding.
     optimizer = optimizer_factory(model) if optimizer_factory else build_optimizer(model, cfg.trainer)

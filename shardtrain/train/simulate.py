@@ -49,7 +49,12 @@ from shardtrain.config.schema import Config
 from shardtrain.diagnostics.memory import state_bytes
 from shardtrain.diagnostics.planner import Estimate, estimate, planned_model
 from shardtrain.distributed.env import destroy_distributed
-from shardtrain.distributed.parallelize import outermost_blocks, parallelize, sum_gradients
+from shardtrain.distributed.parallelize import (
+    outermost_blocks,
+    parallelize,
+    register_forward_methods,
+    sum_gradients,
+)
 from shardtrain.distributed.preconditions import resolve_wrap_classes
 from shardtrain.distributed.sharded_model import with_adapters
 from shardtrain.errors import ConfigError
@@ -273,6 +278,7 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int, task: T
         policy = policy if policy is not None else list(cfg.strategy.wrap_policy)
         blocks = block_names(model, resolve_wrap_classes(model, policy))
         parallelize(model, mesh, plan, policy)
+        register_forward_methods(model, task.forward_methods)
         sum_gradients(model)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
