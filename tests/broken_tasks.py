@@ -258,6 +258,14 @@ class RankDataTooFew(ImageClassification):
         return SyntheticImages(count, o.classes, o.image_size, self.seed)
 
 
+class OwnBind(ImageClassification):
+    """Overrides bind() without calling super().bind() (found by review: Task.seed then read 0, so
+    trainer.seed had no effect on the task's draws)."""
+
+    def bind(self, cfg):
+        self.bound = True
+
+
 class RankDataFails(ImageClassification):
     """Rank 1's data code raises a plain ValueError (a file only one node lacks, read by the user's
     own code): every rank stops at once, rank 1 named, not rank 0 left waiting until the timeout."""

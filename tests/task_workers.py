@@ -30,7 +30,8 @@ N = 2  # steps before a checkpoint is resumed; runs are 2N steps
 
 # Test-only tasks (tests/broken_tasks.py) that train like the examples.
 MORE_TASKS = {"sometimes": "broken_tasks:SometimesImages", "skips": "broken_tasks:SkipsImages",
-              "too_few": "broken_tasks:RankDataTooFew", "method": "broken_tasks:CallsAMethod"}
+              "too_few": "broken_tasks:RankDataTooFew", "method": "broken_tasks:CallsAMethod",
+              "own_bind": "broken_tasks:OwnBind"}
 
 
 def make_task(name: str):
@@ -109,9 +110,14 @@ def run_task_cases(cases: dict[str, dict], out: str) -> None:
         too_few = "not refused"
     except DataError as exc:
         too_few = f"{exc} (failed_rank {getattr(exc, 'failed_rank', None)})"
+    # A task whose bind() skips super().bind(): its seed is still the run's.
+    cfg = task_config(world, f"{out}/own_bind")
+    cfg.trainer = dataclasses.replace(cfg.trainer, seed=17)
+    own_bind = Trainer.create(cfg, task=make_task("own_bind")).task
     if int(os.environ["RANK"]) == 0:
         Path(out, "refused.txt").write_text(refusal)
         Path(out, "too_few.txt").write_text(too_few)
+        Path(out, "own_bind.txt").write_text(f"{own_bind.bound} {own_bind.seed}")
 
 
 def reference(name: str, steps: int = 2 * N) -> dict:

@@ -164,6 +164,10 @@ def test_a_task_object_refuses_the_built_in_tasks_loss_setting(two_ranks):
         "computes its own")
 
 
+def test_a_task_binding_without_super_still_has_the_runs_seed(two_ranks):
+    assert (two_ranks / "own_bind.txt").read_text() == "True 17"
+
+
 def test_one_ranks_data_too_small_for_a_step_stops_every_rank(two_ranks):
     """Rank 1's copy holds fewer samples than a global batch: rank 0 raises rank 1's error too, at
     once (found by review: it went on into the next collective and waited for the timeout)."""

@@ -231,6 +231,7 @@ class Trainer:
         check_built_in_task_settings(cfg, task)
         # Each rank reads its own tokenizer, data and adapter files (node-local copies, perhaps): one
         # that cannot stops every rank, not itself alone while the others wait in a collective.
+        task.cfg = cfg  # what Task.seed reads, also where an overriding bind() skips super().bind()
         run_agreed(lambda: task.bind(cfg))
         adapter_notes = run_agreed(lambda: resolve_adapter_settings(cfg))  # before the model is built
         # The data first: a data error is reported before the model is built.

@@ -367,6 +367,7 @@ def probe_depths(cfg: Config) -> tuple[int, int] | None:
 def bound_task(cfg: Config, task: Task | None = None) -> Task:
     """``task`` (default: the one ``cfg`` names), bound to ``cfg``."""
     task = task if task is not None else task_from_config(cfg)
+    task.cfg = cfg  # as the trainer sets it (an overriding bind() may skip super().bind())
     task.bind(cfg)
     return task
 
