@@ -43,7 +43,7 @@ from shardtrain.errors import ConfigError, DataError
 from shardtrain.export.consolidate import consolidate
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.samples import MapSamples, batch_size, to_device
-from shardtrain.tasks.task import Task, task_from_config
+from shardtrain.tasks.task import LossOutput, Task, task_from_config
 from shardtrain.train.simulate import simulate
 
 # The example tasks and the broken ones (tests/broken_tasks.py), importable by every worker.
@@ -498,6 +498,9 @@ def test_map_samples_pad_validation_draw_by_position_and_name_ragged_items():
     alone = samples.batch(np.array([7]), np.array([11]))
     assert torch.equal(pair["noise"][1], alone["noise"][0])
     assert not torch.equal(pair["noise"][1], samples.batch(np.array([7]), np.array([12]))["noise"][0])
+    loader = torch.utils.data.DataLoader([torch.zeros(2)] * 4, batch_size=2)  # a porting habit
+    with pytest.raises(DataError, match=r"the loader \(DataLoader\) cannot be indexed: return the dataset"):
+        MapSamples(loader, default_collate, "the loader")
     ragged = MapSamples([torch.zeros(2), torch.zeros(3)], default_collate, "the ragged data")
     with pytest.raises(DataError, match="the ragged data: items of different shapes in one batch"):
         ragged.batch(np.array([0, 1]))
@@ -700,3 +703,31 @@ def test_a_wrap_policy_of_one_class_or_name_is_a_list_of_one():
     for bad in (3, [3], ["Block", None]):
         with pytest.raises(ConfigError, match=r"Returning.wrap_policy\(\) must return module classes"):
             wrap_policy_of(Returning(bad))
+
+
+def test_a_task_object_is_checked_for_what_the_library_path_needs():
+    """Trainer.create(cfg, task=...) takes an instance whose __init__ ran Task's (found by review:
+    the class itself was 'not type', and a missing super().__init__() an AttributeError on
+    'options' deep in the start-up)."""
+    from shardtrain.tasks.task import check_task
+
+    class Forgets(Task):
+        def __init__(self, depth: int = 2):
+            self.depth = depth
+
+        def build_model(self):
+            return torch.nn.Linear(2, 2)
+
+        def train_dataset(self):
+            return [torch.zeros(2)] * 4
+
+        def loss(self, model, batch):
+            return LossOutput(model(batch).sum(), len(batch))
+
+    with pytest.raises(ConfigError, match=r"the task is the class Forgets; pass an instance, Forgets\(\)"):
+        check_task(Forgets)
+    with pytest.raises(ConfigError, match=r"Forgets.__init__ does not call super\(\).__init__\(\)"):
+        check_task(Forgets())
+    done = Forgets()
+    Task.__init__(done)
+    assert check_task(done) is done

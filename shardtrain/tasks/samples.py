@@ -122,6 +122,10 @@ class MapSamples:
         except TypeError as exc:
             raise DataError(f"{name} ({type(dataset).__name__}) has no len(): the framework needs a "
                             "map-style dataset (__len__ and __getitem__)") from exc
+        if not hasattr(dataset, "__getitem__"):  # a DataLoader has a len() too
+            raise DataError(f"{name} ({type(dataset).__name__}) cannot be indexed: return the dataset "
+                            "itself (__len__ and __getitem__); the framework batches it "
+                            "(trainer.micro_batch_size) and collates it (Task.collate)")
         if self.num_samples < 1:
             raise DataError(f"{name} is empty")
         self.dataset = dataset

@@ -211,9 +211,14 @@ def wrap_policy_of(task: Task) -> list[type | str] | None:
 
 def check_task(task: Any) -> Task:
     """``task`` is a Task whose required methods are defined; a ConfigError naming what is missing."""
+    if isinstance(task, type) and issubclass(task, Task):
+        raise ConfigError(f"the task is the class {task.__name__}; pass an instance, {task.__name__}()")
     if not isinstance(task, Task):
         raise ConfigError(f"the task must be a shardtrain.tasks.Task, not {type(task).__name__}")
     cls = type(task)
+    if not hasattr(task, "options"):  # what Task.__init__ sets
+        raise ConfigError(f"{cls.__name__}.__init__ does not call super().__init__(); call it (with the "
+                          "task's options, if any) before setting attributes of its own")
     missing = [name for name in ("build_model", "loss")
                if getattr(cls, name) is getattr(Task, name)]
     if cls.train_samples is Task.train_samples and cls.train_dataset is Task.train_dataset:
