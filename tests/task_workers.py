@@ -117,7 +117,7 @@ def run_task_cases(cases: dict[str, dict], out: str) -> None:
     if int(os.environ["RANK"]) == 0:
         Path(out, "refused.txt").write_text(refusal)
         Path(out, "too_few.txt").write_text(too_few)
-        Path(out, "own_bind.txt").write_text(f"{own_bind.bound} {own_bind.seed}")
+        Path(out, "own_bind.txt").write_text(f"{own_bind.bound} {own_bind.seed} {own_bind.datasets_made}")
 
 
 def reference(name: str, steps: int = 2 * N) -> dict:

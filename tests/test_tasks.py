@@ -165,7 +165,9 @@ def test_a_task_object_refuses_the_built_in_tasks_loss_setting(two_ranks):
 
 
 def test_a_task_binding_without_super_still_has_the_runs_seed(two_ranks):
-    assert (two_ranks / "own_bind.txt").read_text() == "True 17"
+    """... and its start-up made its training dataset once (found by review: the FLOP count made it
+    again for its example batch, loading a large in-memory dataset twice)."""
+    assert (two_ranks / "own_bind.txt").read_text() == "True 17 1"
 
 
 def test_one_ranks_data_too_small_for_a_step_stops_every_rank(two_ranks):

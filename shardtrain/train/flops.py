@@ -5,20 +5,28 @@ not, in a fresh and a resumed run)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from shardtrain.data.batches import SampleSource
 from shardtrain.diagnostics.kept import fake_tensor_errors_unlogged
 from shardtrain.tasks.samples import batch_size
 from shardtrain.tasks.task import Task
 
 
-def counted_flops_per_sample(task: Task, micro_batch_size: int) -> tuple[float | None, str | None]:
+def counted_flops_per_sample(task: Task, micro_batch_size: int, train: SampleSource | None = None
+                             ) -> tuple[float | None, str | None]:
     """3x the forward FLOPs per sample of ``task.loss`` on its example batch (backward costs about
     twice the forward), or None and why, where the task's code cannot run on fake tensors (the
-    caller says so once a step has run: a loss the step refuses is the error to see first)."""
-    batch = task.example_batch(micro_batch_size)
+    caller says so once a step has run: a loss the step refuses is the error to see first).
+    ``train``: the training samples already made, whose first items are the default example batch
+    (made again, a large in-memory dataset was loaded twice at start-up)."""
+    if train is not None and type(task).example_batch is Task.example_batch:
+        batch = train.batch(np.arange(micro_batch_size) % train.num_samples)
+    else:
+        batch = task.example_batch(micro_batch_size)
     try:
         with torch.device("meta"):
             model = task.build_model()

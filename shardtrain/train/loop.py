@@ -149,7 +149,7 @@ class Trainer:
         # FLOPs per sample counted once when the task cannot say (Task.flops); why not, if they
         # cannot be, said after the first step.
         self.counted_flops_per_sample, self.flops_unknown = (
-            counted_flops_per_sample(task, t.micro_batch_size) if type(task).flops is Task.flops
+            counted_flops_per_sample(task, t.micro_batch_size, train) if type(task).flops is Task.flops
             else (None, None))
         # The logging interval's sums (of the steps not skipped), divided once when the record is
         # written: the loss and each metric are means over the interval's counts, not means of the
