@@ -438,6 +438,17 @@ def test_a_model_built_in_bf16_trains_fp32_master_weights(tmp_path):
     assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
 
 
+def test_a_count_that_is_not_samples_under_count_unit_samples_is_said(tmp_path):
+    """SometimesImages counts target tokens and leaves count_unit at 'samples': its records would
+    name the tokens samples_seen (found by review), so the first step says to set it, once."""
+    proc = run_cli("train", "task=broken_tasks:SometimesImages", "trainer.max_steps=2",
+                   "trainer.micro_batch_size=2", "run.trackers=[]", f"run.dir={tmp_path}",
+                   env=TASK_PATH, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("SometimesImages.loss counts ") == 1, proc.stderr[-3000:]
+    assert "its count_unit is 'samples': set count_unit (e.g. 'tokens')" in proc.stderr
+
+
 def test_flops_a_task_cannot_count_are_said_after_the_first_step(tmp_path):
     """A loss the FLOP counter cannot run (a metric read with .item()) trains without MFU, and says
     so once, on rank 0, after the first step (said before it, the warning came ahead of the loss's

@@ -726,6 +726,13 @@ class Trainer:
     def account(self, stats: StepStats) -> None:
         """Results, throughput, and the skip policy for non-finite steps."""
         self.throughput.add(self.layout.global_batch, stats.count, stats.flops, self.train_data.wait_s)
+        if (not self.result.losses and self.task.count_unit == "samples"
+                and stats.count > self.layout.global_batch and self.env.is_main):
+            # More than one a sample is not samples (fewer may be: samples left out of a loss).
+            log.warning(f"{type(self.task).__name__}.loss counts {stats.count:g} for a step of "
+                        f"{self.layout.global_batch} samples, and its count_unit is 'samples': set "
+                        "count_unit (e.g. 'tokens') so that the records name what it counts "
+                        "(<count_unit>_per_s, <count_unit>_seen)")
         self.result.losses.append(stats.loss)
         self.result.metrics.append(dict(stats.metrics))
         self.result.grad_norms.append(stats.grad_norm)
