@@ -744,3 +744,29 @@ def test_a_task_object_is_checked_for_what_the_library_path_needs():
     done = Forgets()
     Task.__init__(done)
     assert check_task(done) is done
+
+
+def test_a_misspelt_hook_is_said(caplog):
+    """A hook the framework never calls because of its name (init_parameters, draws) is said."""
+    from shardtrain.tasks.task import check_task
+
+    class Misspelt(Task):
+        def build_model(self):
+            return torch.nn.Linear(2, 2)
+
+        def train_dataset(self):
+            return [torch.zeros(2)] * 4
+
+        def loss(self, model, batch):
+            return LossOutput(model(batch).sum(), len(batch))
+
+        def init_parameters(self, name, tensor, generator):
+            tensor.zero_()
+
+        def encode(self, batch):  # a helper of its own: nothing like a hook
+            return batch
+
+    check_task(Misspelt())
+    assert "task Misspelt defines 'init_parameters', which the framework does not call; did you mean " \
+           "'init_parameter'?" in caplog.text
+    assert "'encode'" not in caplog.text

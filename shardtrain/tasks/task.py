@@ -13,8 +13,10 @@ docs/tasks.md for the whole contract and what the framework guarantees.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -29,6 +31,12 @@ from shardtrain.config.schema import Config, TaskConfig
 from shardtrain.data.batches import SampleSource
 from shardtrain.errors import ConfigError, ModelError
 from shardtrain.tasks.samples import MapSamples
+
+log = logging.getLogger("shardtrain")
+
+# What the framework looks up on a task beside Task's own methods and attributes (docs/tasks.md).
+OPTIONAL_HOOKS = ("draw", "init_parameter", "init_parameter_elementwise", "init_parameter_constants",
+                  "parallelize_tensors")
 
 Number = torch.Tensor | float | int
 
@@ -216,6 +224,13 @@ def check_task(task: Any) -> Task:
     if not isinstance(task, Task):
         raise ConfigError(f"the task must be a shardtrain.tasks.Task, not {type(task).__name__}")
     cls = type(task)
+    hooks = {name for name in dir(Task) if not name.startswith("_")} | {*OPTIONAL_HOOKS, "options", "cfg"}
+    for name in sorted(vars(cls)):
+        near = difflib.get_close_matches(name, hooks, n=1, cutoff=0.85)
+        if not name.startswith("_") and name not in hooks and near:
+            # A misspelt hook is never called: said, not silently ignored.
+            log.warning(f"task {cls.__name__} defines {name!r}, which the framework does not call; did you "
+                        f"mean {near[0]!r}?")
     if not hasattr(task, "options"):  # what Task.__init__ sets
         raise ConfigError(f"{cls.__name__}.__init__ does not call super().__init__(); call it (with the "
                           "task's options, if any) before setting attributes of its own")
