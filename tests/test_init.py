@@ -296,3 +296,13 @@ def test_an_init_parameter_that_fills_nothing_or_returns_a_new_tensor_is_refused
     drawn = torch.empty(5, 3)
     init_full_parameter(ReturnsItsTensor(), "w", drawn, seed=0)  # by chunks: elementwise
     assert torch.isfinite(drawn).all() and drawn.std() > 0
+
+
+def test_a_lazy_module_is_refused_with_what_to_build_instead():
+    """nn.LazyLinear has no shape before a forward: torch's own error advised a dummy forward,
+    which build_model cannot run (found by review)."""
+    from shardtrain.errors import ModelError
+
+    refused = r"LazyLinear is a lazy module .*nn.Linear\(in, out\) for nn.LazyLinear\(out\)"
+    with sharded_model.parameters_on_meta(), pytest.raises(ModelError, match=refused):
+        torch.nn.Sequential(torch.nn.LazyLinear(4))

@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.nn.parameter import UninitializedParameter
 
 from shardtrain.config.plan import DTYPES, ShardingPlan, dtype_name
 from shardtrain.config.schema import Config
@@ -129,6 +130,10 @@ def init_full_parameter(initializer: Any, name: str, tensor: torch.Tensor, seed:
 
 
 def _parameter_to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+    if isinstance(param, UninitializedParameter):
+        raise ModelError(f"{type(module).__name__} is a lazy module (its {name!r} has no shape until a first "
+                         "forward), which cannot be sharded before it has run; build the model with its "
+                         f"sizes given (nn.Linear(in, out) for nn.LazyLinear(out))")
     if param is None or param.device.type == "meta":
         return None  # already meta: the same object, so a tied parameter stays tied
     return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
