@@ -49,6 +49,44 @@ def test_gloo_beside_an_accelerator_connects_lazily(monkeypatch):
     assert "TORCH_GLOO_LAZY_INIT" not in os.environ  # only the groups made inside
 
 
+def test_the_default_group_and_the_mesh_connect_gloo_lazily_beside_an_accelerator(monkeypatch):
+    """The wiring of the switch: set while the default group and the mesh's groups are made, for a
+    backend of gloo beside an accelerator's (on this CPU machine the group is then made as gloo
+    alone: the switch is what is checked, recorded at each call)."""
+    import torch.distributed as dist
+
+    from shardtrain.config.plan import resolve_plan
+    from shardtrain.config.schema import StrategyConfig
+    from shardtrain.distributed import env as env_module
+
+    monkeypatch.delenv("TORCH_GLOO_LAZY_INIT", raising=False)
+    seen = []
+    make_group, make_mesh = dist.init_process_group, env_module.init_device_mesh
+
+    def recording_group(backend, **kwargs):
+        seen.append(("group", backend, os.environ.get("TORCH_GLOO_LAZY_INIT")))
+        make_group(backend="gloo", **kwargs)
+
+    def recording_mesh(*args, **kwargs):
+        seen.append(("mesh", dist.get_backend(), os.environ.get("TORCH_GLOO_LAZY_INIT")))
+        return make_mesh(*args, **kwargs)
+
+    for backend, lazily in (("cpu:gloo,cuda:nccl", "1"), ("gloo", None)):
+        monkeypatch.setattr(env_module, "process_group_backend",
+                            lambda device, requested, offload, backend=backend: backend)
+        monkeypatch.setattr(env_module.dist, "init_process_group", recording_group)
+        monkeypatch.setattr(env_module.dist, "get_backend", lambda group=None, backend=backend: backend)
+        monkeypatch.setattr(env_module, "init_device_mesh", recording_mesh)
+        try:
+            env_module.init_distributed()
+            env_module.build_mesh(resolve_plan(StrategyConfig(), 1, 1), "cpu")
+        finally:
+            monkeypatch.undo()
+            env_module.destroy_distributed()
+        assert seen[-2:] == [("group", backend, lazily), ("mesh", backend, lazily)], seen
+    assert "TORCH_GLOO_LAZY_INIT" not in os.environ
+
+
 def test_cpu_offload_gathers_through_a_device_mapped_group(tmp_path):
     run_on_ranks(offload_on_device_mapped_group, 2, str(tmp_path), tmp_path=tmp_path)
     result = torch.load(tmp_path / "offload.pt")

@@ -82,6 +82,9 @@ def test_a_damaged_peft_adapter_is_one_line(tmp_path):
         (adapter / ADAPTER_CONFIG).write_text(text)
         with pytest.raises(ConfigError, match=message):
             read_adapter_config(adapter)
+    (adapter / ADAPTER_CONFIG).write_text('{"peft_type": "IA3"}')  # another kind first, without r
+    with pytest.raises(ConfigError, match="is a IA3 adapter; finetune=lora starts from LoRA adapters only"):
+        read_adapter_config(adapter)
     (adapter / ADAPTER_CONFIG).write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
     assert read_adapter_config(adapter)["r"] == 4
     assert list(adapter_weights(adapter)) == ["base_model.model.layers.0.q_proj.lora_A.weight"]

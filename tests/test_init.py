@@ -297,6 +297,14 @@ def test_an_init_parameter_that_fills_nothing_or_returns_a_new_tensor_is_refused
     init_full_parameter(ReturnsItsTensor(), "w", drawn, seed=0)  # by chunks: elementwise
     assert torch.isfinite(drawn).all() and drawn.std() > 0
 
+    class ThroughAView:  # a conv weight filled through a 2-D view of it, the view returned: fine
+        def init_parameter(self, name, tensor, generator):
+            return torch.nn.init.orthogonal_(tensor.view(tensor.shape[0], -1), generator=generator)
+
+    conv = torch.empty(4, 2, 3, 3)
+    init_full_parameter(ThroughAView(), "conv.weight", conv, seed=0)
+    assert torch.isfinite(conv).all()
+
 
 def test_a_lazy_module_is_refused_with_what_to_build_instead():
     """nn.LazyLinear has no shape before a forward: torch's own error advised a dummy forward,

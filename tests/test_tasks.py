@@ -530,6 +530,9 @@ def test_map_samples_pad_validation_draw_by_position_and_name_ragged_items():
 
     padded = MapSamples(rows, pad, "the rows").batch(np.array([0, 1]))
     assert padded["input_ids"].tolist() == [[1, 2, 3], [4, 5, 0]]
+    # An empty list is a list of any kind (a row without labels beside rows with some).
+    empty = MapSamples([*rows, {"input_ids": [], "label": 2}], pad, "the rows with an empty one")
+    assert empty.batch(np.array([0, 2]))["input_ids"].tolist() == [[1, 2, 3], [0, 0, 0]]
     with pytest.raises(DataError, match="the ragged rows: items of different shapes in one batch"):
         MapSamples(rows, default_collate, "the ragged rows").batch(np.array([0, 1]))
     floats = MapSamples([*rows, {"input_ids": [0.5], "label": 2}], pad, "the mixed rows")

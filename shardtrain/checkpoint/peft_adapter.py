@@ -45,10 +45,6 @@ def read_adapter_config(directory: Path) -> dict:
         raise ConfigError(f"model.adapter={str(directory)!r} is not a PEFT adapter directory (it needs "
                           f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}, as save_pretrained writes them)")
     config = json_object(file, ConfigError, "save the adapter again with save_pretrained")
-    for key in ("r", "lora_alpha"):
-        if not isinstance(config.get(key), (int, float)) or isinstance(config.get(key), bool):
-            raise ConfigError(f"{file} has no number {key} (it has {config.get(key)!r}); save the adapter "
-                              "again with save_pretrained")
     if config.get("peft_type") != "LORA":
         raise ConfigError(f"model.adapter={str(directory)!r} is a {config.get('peft_type')} adapter; "
                           "finetune=lora starts from LoRA adapters only")
@@ -56,6 +52,10 @@ def read_adapter_config(directory: Path) -> dict:
         if config.get(key, plain) not in (plain, None, [], {}):
             raise ConfigError(f"model.adapter={str(directory)!r} sets {key}={config[key]!r}: only plain "
                               f"LoRA ({key}={plain!r}) is supported")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(config.get(key), (int, float)) or isinstance(config.get(key), bool):
+            raise ConfigError(f"{file} has no number {key} (it has {config.get(key)!r}); save the adapter "
+                              "again with save_pretrained")
     return config
 
 

@@ -64,7 +64,8 @@ def os_failure(exc: BaseException) -> str | None:
         text = f"[Errno {code}] {os.strerror(code)} ({type(exc).__name__})"
     fixes = {errno.ENOSPC: "free space on that filesystem (or choose a path on another)",
              errno.EDQUOT: "free space within your quota (or choose a path on another filesystem)",
-             errno.EROFS: "choose a path on a writable filesystem (run.dir, data.cache_dir, the output)",
+             errno.EROFS: "choose a path on a writable filesystem (the run directory, the data cache, the "
+                          "output)",
              errno.EACCES: permission_fix(exc),
              errno.EPERM: permission_fix(exc),
              errno.EFBIG: "raise the file size limit (ulimit -f)"}

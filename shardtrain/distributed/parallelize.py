@@ -419,7 +419,7 @@ def register_forward_methods(model: nn.Module, names: Sequence[str]) -> None:
     ``encode``/``decode``): FSDP gathers a unit's parameters around its forward only, so each FSDP
     unit that has such a method gathers for it too (``register_fsdp_forward_method``). A name no
     unit has is one line."""
-    for name in names:
+    for name in ((names,) if isinstance(names, str) else names):  # one name alone, not its letters
         units = [module for module in model.modules()
                  if isinstance(module, FSDPModule) and callable(getattr(module, name, None))]
         if not units:

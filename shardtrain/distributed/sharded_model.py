@@ -87,13 +87,14 @@ def run_init(init: InitFn, name: str, tensor: torch.Tensor, generator: torch.Gen
     tensor.fill_(float("nan"))
     returned = init(name, tensor, generator)
     owner = getattr(init, "__qualname__", "init_parameter")
-    if returned is not None and returned is not tensor:
+    if not torch.isnan(tensor).any():
+        return  # filled in place (what it returns, a view of it, say, does not matter)
+    if isinstance(returned, torch.Tensor):
         raise ModelError(f"{owner} returned a new tensor for {name!r}; fill the tensor it is given in "
                          "place (tensor.normal_(0, 0.02, generator=generator), nn.init.*_(tensor)) and "
                          "return nothing")
-    if torch.isnan(tensor).any():
-        raise ModelError(f"{owner} left parameter {name!r} unfilled (or filled it with NaN); fill every "
-                         "parameter it is called with, in place (pretrained weights: model.init_from)")
+    raise ModelError(f"{owner} left parameter {name!r} unfilled (or filled it with NaN); fill every "
+                     "parameter it is called with, in place (pretrained weights: model.init_from)")
 
 
 def fill_elements(init: InitFn, name: str, seed: int, out: torch.Tensor, start: int, total: int,
