@@ -721,24 +721,28 @@ def test_a_wrap_policy_of_one_class_or_name_is_a_list_of_one():
             wrap_policy_of(Returning(bad))
 
 
+class SmallestTask(Task):
+    """What a task must define, and no more."""
+
+    def build_model(self):
+        return torch.nn.Linear(2, 2)
+
+    def train_dataset(self):
+        return [torch.zeros(2)] * 4
+
+    def loss(self, model, batch):
+        return LossOutput(model(batch).sum(), len(batch))
+
+
 def test_a_task_object_is_checked_for_what_the_library_path_needs():
     """Trainer.create(cfg, task=...) takes an instance whose __init__ ran Task's (found by review:
     the class itself was 'not type', and a missing super().__init__() an AttributeError on
     'options' deep in the start-up)."""
     from shardtrain.tasks.task import check_task
 
-    class Forgets(Task):
+    class Forgets(SmallestTask):
         def __init__(self, depth: int = 2):
             self.depth = depth
-
-        def build_model(self):
-            return torch.nn.Linear(2, 2)
-
-        def train_dataset(self):
-            return [torch.zeros(2)] * 4
-
-        def loss(self, model, batch):
-            return LossOutput(model(batch).sum(), len(batch))
 
     with pytest.raises(ConfigError, match=r"the task is the class Forgets; pass an instance, Forgets\(\)"):
         check_task(Forgets)
@@ -753,16 +757,7 @@ def test_a_misspelt_hook_is_said(caplog):
     """A hook the framework never calls because of its name (init_parameters, draws) is said."""
     from shardtrain.tasks.task import check_task
 
-    class Misspelt(Task):
-        def build_model(self):
-            return torch.nn.Linear(2, 2)
-
-        def train_dataset(self):
-            return [torch.zeros(2)] * 4
-
-        def loss(self, model, batch):
-            return LossOutput(model(batch).sum(), len(batch))
-
+    class Misspelt(SmallestTask):
         def init_parameters(self, name, tensor, generator):
             tensor.zero_()
 
