@@ -140,7 +140,9 @@ def srun(args: list[str]) -> int:
         raise SystemExit("srun (test stand-in): only one task on each of the job's nodes is modelled")
     cpus = options.get("cpus-per-task") or os.environ.get("SRUN_CPUS_PER_TASK")
     step = len(recorded(Path(os.environ[STATE_ENV]), "srun"))
-    record("srun", options=options, command=command, step=step)
+    # "argv", not "command": that key names the stand-in (found when a test first required a
+    # recorded srun call: the argv list overwrote it, so no srun call was ever found)
+    record("srun", options=options, argv=command, step=step)
     pending: list[int] = []
     for sig in (*FORWARDED, *ENDING):
         signal.signal(sig, lambda signum, frame: pending.append(signum))
