@@ -133,6 +133,13 @@ def equivalence_and_resume(out: str, cases: dict[str, dict], hf_dirs: dict[str, 
     tp_cfg.trainer = dataclasses.replace(tp_cfg.trainer, sample_every=SPLITS[1], sample_tokens=SAMPLE_TOKENS)
     second = new_trainer(tp_cfg)
     assert second.step == SPLITS[0], second.step
+    # At the same world size with tensor parallelism added, rank r is another data-parallel rank:
+    # the streams are seeded afresh, tensor-parallel peers alike (found by review: each rank took
+    # the FSDP run's rank r's, so the two ranks of a tensor-parallel group drew different dropout).
+    streams: list = [None] * 4
+    torch.distributed.all_gather_object(streams, torch.get_rng_state())
+    assert torch.equal(streams[0], streams[1]) and torch.equal(streams[2], streams[3])
+    assert not torch.equal(streams[0], streams[2])
     interrupted(second, SPLITS[1] - SPLITS[0])
     tp_weights = second.full_weights()
     # A task's batch of a length sequence parallelism cannot split evenly: one line on every rank

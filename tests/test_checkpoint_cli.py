@@ -116,6 +116,22 @@ def good_checkpoint(tmp_path_factory):
     return run_dir / "checkpoints" / "step-2"
 
 
+def test_a_resume_takes_the_optimizer_settings_built_now(tmp_path):
+    """Found by review: loading the optimizer's state put the saved groups' settings in place of the
+    ones built now: a checkpoint saved with foreach AdamW (every one from before fused became the
+    default) made the fused optimizer take the foreach path, which failed at the first step
+    ("Expected grad_scale and found_inf to be None"), and a changed weight decay was ignored."""
+    first = run_cli("train", *QUICK, "trainer.max_steps=2", "trainer.optimizer_kernel=foreach",
+                    f"run.dir={tmp_path}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_cli("train", *QUICK, "trainer.max_steps=3", "trainer.weight_decay=0.05",
+                      "trainer.log_every=1", f"run.dir={tmp_path}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "the optimizer's settings differ from the checkpoint's (trainer.weight_decay 0.1 -> 0.05): its " \
+           "moments are the checkpoint's, the new values apply from step 3" in resumed.stderr
+    assert [r["step"] for r in read_metrics(tmp_path) if r["kind"] == "train"][-1] == 3
+
+
 def test_save_full_matches_consolidation_and_inspect_describes_it(good_checkpoint, tmp_path):
     from safetensors.torch import load_file
 

@@ -66,6 +66,9 @@ log = logging.getLogger("shardtrain")
 
 LOAD_FIX = ("resume another checkpoint, or check the filesystem it is on (with "
             "checkpoint.verify_checksums=true a damaged file is named before anything is read)")
+# An optimizer group's entries a resume takes from the checkpoint; every other setting is the one the
+# optimizer was built with now.
+SAVED_GROUP_KEYS = frozenset({"params", "param_names", "lr", "initial_lr"})
 
 
 def rng_state() -> dict[str, Any]:
@@ -685,7 +688,12 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {str(path)!r} was trained with "
                                   f"task={trainer_state.task_path}, this run is task={self.cfg.task.path}; "
                                   "resume it with the same task=")
-        same_world = trainer_state.world_size == self.world_size
+        # Each rank's streams are its data-parallel index's (tensor-parallel peers share one): restored
+        # where the world and the tensor-parallel degree are the saved ones, so that rank r is the
+        # same data-parallel rank; else seeded afresh (checkpointer.seed_random_streams).
+        saved_tp = dict(zip(trainer_state.mesh_dim_names, trainer_state.mesh_shape)).get("tp", 1)
+        same_world = (trainer_state.world_size == self.world_size
+                      and saved_tp == self.plan.tensor_parallel)
         rng, without_rng = self.read_rng_state_agreed(path) if same_world else (None, [])
         state = self.training_state()
         saved_with = trainer_state.model_changes(self.cfg)
@@ -705,6 +713,12 @@ class Checkpointer:
                      process_group=self.group)
         except DCP_FAILURES as exc:  # DCP's CheckpointException is a BaseException: named here
             raise CheckpointError(load_failed(path, exc, LOAD_FIX, self.rank)) from exc
+        # Loading an optimizer's state replaces its groups' settings with the saved ones: the kernel
+        # flags too (a checkpoint saved with foreach AdamW made the fused one built now take the
+        # foreach path, which failed at the next step) and the decay, betas and eps the config now
+        # sets. Only the rate is the checkpoint's (the schedule takes it from there).
+        built_settings = [{key: value for key, value in group.items() if key not in SAVED_GROUP_KEYS}
+                          for group in self.optimizer.param_groups]
         # Not strict only to let the parameters without saved optimizer state stay without; the model
         # state is this model's own keys, all read from the checkpoint.
         try:
@@ -720,14 +734,16 @@ class Checkpointer:
                 f"({first_sentence(exc)}){saved_with}; use the settings it was saved with (see its "
                 "trainer_state.json; model.tie_embeddings, for one), or start from its weights alone "
                 "with model.init_from") from exc
+        for group, settings in zip(self.optimizer.param_groups, built_settings, strict=True):
+            group.update(settings)
         # After the optimizer's state: a run with other parameter groups is named there, not here.
         check_scheduler_state(path, trainer_state, len(self.optimizer.param_groups))
         self.scheduler.load_state_dict(trainer_state.scheduler)
         if rng is not None:
             set_rng_state(rng)
         if not same_world:
-            self.info("resume: world size changed; RNG states are not restored (the data order is "
-                      "global and does not depend on them)")
+            self.info("resume: world size or tensor parallelism changed; RNG states are seeded afresh, "
+                      "not restored (the data order is global and does not depend on them)")
         elif without_rng and self.rank == 0:
             shown = ", ".join(map(str, without_rng[:8])) + (
                 f" (+{len(without_rng) - 8} more)" if len(without_rng) > 8 else "")

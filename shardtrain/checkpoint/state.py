@@ -49,6 +49,9 @@ ADAPTER_SHAPE_KEYS = ("finetune.method", "finetune.rank", "finetune.targets")
 # A LoRA run's adapter settings that fit any checkpoint of the same shape, but change what the
 # adapters do (their scale alpha / rank, their dropout): a resume that changes them says so.
 ADAPTER_SCALE_KEYS = ("finetune.alpha", "finetune.dropout")
+# AdamW's settings besides the rate (which the schedule's warning covers): a resume keeps the
+# optimizer's moments and takes these as configured now.
+OPTIMIZER_SETTING_KEYS = ("trainer.weight_decay", "trainer.beta1", "trainer.beta2", "trainer.adam_eps")
 
 
 @dataclass

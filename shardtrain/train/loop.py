@@ -26,7 +26,7 @@ from shardtrain.checkpoint.best import BestEvaluations
 from shardtrain.checkpoint.checkpointer import Checkpointer, random_streams_kept, seed_random_streams
 from shardtrain.checkpoint.peft_adapter import load_peft_adapter, resolve_adapter_settings
 from shardtrain.checkpoint.preemption import PreemptionFlag
-from shardtrain.checkpoint.state import ADAPTER_SCALE_KEYS, TrainState
+from shardtrain.checkpoint.state import ADAPTER_SCALE_KEYS, OPTIMIZER_SETTING_KEYS, TrainState
 from shardtrain.checkpoint.weights import load_model_weights
 from shardtrain.config.compose import to_yaml
 from shardtrain.config.loader import check_built_in_task_settings
@@ -315,6 +315,10 @@ class Trainer:
             for moved in state.setting_changes(self.cfg, ("model.path",)):
                 warnings.append(f"{moved}: the weights are the checkpoint's; the new directory's config.json "
                                 "and tokenizer are read from now on (and export-hf copies them)")
+        if settings := state.setting_changes(self.cfg, OPTIMIZER_SETTING_KEYS):
+            warnings.append(f"the optimizer's settings differ from the checkpoint's ({', '.join(settings)}): "
+                            f"its moments are the checkpoint's, the new values apply from step "
+                            f"{self.step + 1}")
         if adapters := state.setting_changes(self.cfg, ADAPTER_SCALE_KEYS):
             warnings.append(f"the adapters' settings differ from the checkpoint's ({', '.join(adapters)}): "
                             "the adapters trained so far are scaled and dropped out by the new values from "
