@@ -60,7 +60,8 @@ def bare_trainer(cfg: Config | None = None) -> Trainer:
     trainer.metric_kinds = (("accuracy", True), ("errors", False))
     scheduler = SimpleNamespace(get_last_lr=lambda: [1e-3], base_lrs=[3e-3, 3e-3])
     optimizer = SimpleNamespace(param_groups=[{"lr": 3e-4}])
-    trainer.built = SimpleNamespace(scheduler=scheduler, optimizer=optimizer)
+    trainer.built = SimpleNamespace(scheduler=scheduler, optimizer=optimizer,
+                                    plan=SimpleNamespace(precision="fp32"))
     return trainer
 
 
@@ -227,6 +228,27 @@ def test_a_resume_says_each_changed_setting_once_and_nothing_when_none_changed()
                                "(trainer.warmup_steps")
     assert adapters.startswith("the adapters' settings differ from the checkpoint's (finetune.alpha ")
     assert "from step 5 on" in adapters
+    # Found by a review of resumes with changes: these changed what the run computes without a word
+    # (the optimizer's settings were even ignored: the load put the saved ones back).
+    changed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, rope_theta=5e5),
+                                  trainer=dataclasses.replace(cfg.trainer, weight_decay=0.01))
+    trainer = bare_trainer(changed)
+    trainer.train_data = SimpleNamespace(windows=SimpleNamespace(num_samples=100))
+    trainer.step = 4
+    trainer.layout = SimpleNamespace(global_batch=4)
+    trainer.built.plan.precision = "bf16-pure"
+    model, precision, batch, optimizer = trainer.resume_changes(saved, asked_lrs=[3e-3, 3e-3])
+    assert model.startswith("the model's settings differ from the checkpoint's (model.rope_theta 10000.0 -> "
+                            "500000.0)")
+    assert precision.startswith("the precision differs from the checkpoint's (fp32 -> bf16-pure)")
+    assert batch.startswith("the global batch differs from the checkpoint's (2 -> 4 samples a step)")
+    assert optimizer.startswith("the optimizer's settings differ from the checkpoint's (trainer.weight_decay "
+                                "0.1 -> 0.01)")
+    other = dataclasses.replace(cfg.model, tokenizer="other/tokenizer.json")
+    trainer.cfg = dataclasses.replace(cfg, model=other)
+    trainer.layout, trainer.built.plan.precision = SimpleNamespace(global_batch=2), "fp32"
+    [order] = trainer.resume_changes(saved, asked_lrs=[3e-3, 3e-3])
+    assert "model.tokenizer 'auto' -> 'other/tokenizer.json'" in order, order
 
 
 def test_the_weights_average_warms_up_its_decay():

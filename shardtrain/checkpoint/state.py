@@ -34,7 +34,8 @@ STATE_FILE = "trainer_state.json"
 FORMAT = "shardtrain-checkpoint-v1"
 # The settings that decide which sample sits at each position of the global order
 # (data/batches.py): resumed with another value, the saved position points into another order.
-DATA_ORDER_KEYS = ("trainer.seq_len", "trainer.seed", "data.source", "data.paths", "data.weights")
+DATA_ORDER_KEYS = ("trainer.seq_len", "trainer.seed", "data.source", "data.paths", "data.weights",
+                   "model.tokenizer")
 # Another task's data is its own: what it is comes from the task and its options.
 TASK_DATA_KEYS = ("trainer.seed", "task.path", "task.options")
 # ... and those that decide what is prepared from data.source=stdlib or files (a prepared dataset
@@ -44,6 +45,8 @@ PREPARING_KEYS = ("data.file_glob", "data.val_percent", "data.max_bytes", "data.
 MODEL_SHAPE_KEYS = tuple(f"model.{name}" for name in (
     "name", "path", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim",
     "ffn_multiple_of", "tie_embeddings"))
+# Settings that fit any checkpoint of the model's shape but change what it computes.
+MODEL_FUNCTION_KEYS = ("model.rope_theta", "model.norm_eps")
 # ... and a LoRA run's adapters.
 ADAPTER_SHAPE_KEYS = ("finetune.method", "finetune.rank", "finetune.targets")
 # A LoRA run's adapter settings that fit any checkpoint of the same shape, but change what the

@@ -26,7 +26,12 @@ from shardtrain.checkpoint.best import BestEvaluations
 from shardtrain.checkpoint.checkpointer import Checkpointer, random_streams_kept, seed_random_streams
 from shardtrain.checkpoint.peft_adapter import load_peft_adapter, resolve_adapter_settings
 from shardtrain.checkpoint.preemption import PreemptionFlag
-from shardtrain.checkpoint.state import ADAPTER_SCALE_KEYS, OPTIMIZER_SETTING_KEYS, TrainState
+from shardtrain.checkpoint.state import (
+    ADAPTER_SCALE_KEYS,
+    MODEL_FUNCTION_KEYS,
+    OPTIMIZER_SETTING_KEYS,
+    TrainState,
+)
 from shardtrain.checkpoint.weights import load_model_weights
 from shardtrain.config.compose import to_yaml
 from shardtrain.config.loader import check_built_in_task_settings
@@ -315,6 +320,17 @@ class Trainer:
             for moved in state.setting_changes(self.cfg, ("model.path",)):
                 warnings.append(f"{moved}: the weights are the checkpoint's; the new directory's config.json "
                                 "and tokenizer are read from now on (and export-hf copies them)")
+        if computed := state.setting_changes(self.cfg, MODEL_FUNCTION_KEYS):
+            warnings.append(f"the model's settings differ from the checkpoint's ({', '.join(computed)}): the "
+                            "weights are the checkpoint's, computed with the new values from now on")
+        if state.mixed_precision != self.built.plan.precision:
+            warnings.append(f"the precision differs from the checkpoint's ({state.mixed_precision} -> "
+                            f"{self.built.plan.precision}): its weights and optimizer state are read into "
+                            "the new storage dtype")
+        if state.global_batch != self.layout.global_batch:
+            warnings.append(f"the global batch differs from the checkpoint's ({state.global_batch} -> "
+                            f"{self.layout.global_batch} samples a step): the learning rate and schedule are "
+                            "as configured, not scaled with it")
         if settings := state.setting_changes(self.cfg, OPTIMIZER_SETTING_KEYS):
             warnings.append(f"the optimizer's settings differ from the checkpoint's ({', '.join(settings)}): "
                             f"its moments are the checkpoint's, the new values apply from step "
