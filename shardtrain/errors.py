@@ -36,6 +36,11 @@ class CheckpointUnverifiable(CheckpointError):
     which says nothing of the checkpoint, so it is never taken for damage."""
 
 
+class CheckpointFromNewerVersion(CheckpointUnverifiable):
+    """A checkpoint in a format a newer shardtrain writes: not damage either, so never skipped (and
+    later moved aside) by ``checkpoint.resume=auto`` for it."""
+
+
 class GenerationError(ShardtrainError):
     """A generation request the model cannot serve (e.g. longer than its context)."""
 

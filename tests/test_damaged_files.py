@@ -122,3 +122,21 @@ def test_a_quoted_home_is_the_path_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["consolidate", str(tmp_path / "ckpt"), "~/m.safetensors", "--skip-checksums"]) == 0
     assert (tmp_path / "home" / "m.safetensors").is_file() and not (tmp_path / "~").exists()
+
+
+def test_a_checkpoint_of_a_newer_format_is_not_damage(tmp_path):
+    """Found by review: a newer shardtrain's format was 'unknown', which resume=auto took for damage:
+    it skipped the checkpoint, resumed an older one, and later moved the newer one aside."""
+    from shardtrain.checkpoint.state import STATE_FILE, TrainState
+    from shardtrain.errors import CheckpointFromNewerVersion, CheckpointUnverifiable
+
+    (tmp_path / STATE_FILE).write_text(json.dumps({"format": "shardtrain-checkpoint-v2",
+                                                   "versions": {"shardtrain": "9.0"}}))
+    with pytest.raises(CheckpointFromNewerVersion, match=r"is in format 'shardtrain-checkpoint-v2', written "
+                                                         r"by shardtrain 9.0; this one .* reads "
+                                                         r"'shardtrain-checkpoint-v1'"):
+        TrainState.read(tmp_path)
+    (tmp_path / STATE_FILE).write_text(json.dumps({"format": "someone-else"}))
+    with pytest.raises(CheckpointError, match="unknown format 'someone-else'") as refused:
+        TrainState.read(tmp_path)
+    assert not isinstance(refused.value, CheckpointUnverifiable)  # another tool's: skipped as before

@@ -25,13 +25,14 @@ from omegaconf import OmegaConf
 from shardtrain.config.compose import config_hash
 from shardtrain.config.plan import ShardingPlan, describe_mesh
 from shardtrain.config.schema import LANGUAGE_MODEL_TASK, Config, DataConfig, FinetuneConfig, ModelConfig
-from shardtrain.errors import CheckpointError
+from shardtrain.errors import CheckpointError, CheckpointFromNewerVersion
 from shardtrain.version import __version__
 
 T = TypeVar("T")
 
 STATE_FILE = "trainer_state.json"
-FORMAT = "shardtrain-checkpoint-v1"
+FORMAT_FAMILY = "shardtrain-checkpoint-v"
+FORMAT = f"{FORMAT_FAMILY}1"
 # The settings that decide which sample sits at each position of the global order
 # (data/batches.py): resumed with another value, the saved position points into another order.
 DATA_ORDER_KEYS = ("trainer.seq_len", "trainer.seed", "data.source", "data.paths", "data.weights",
@@ -201,8 +202,14 @@ class TrainState:
                 f"checkpoint {str(directory)!r}: {STATE_FILE} is unreadable ({exc}); the file is damaged, "
                 "use another checkpoint"
             ) from exc
+        found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        if isinstance(found, str) and found.startswith(FORMAT_FAMILY) and found != FORMAT:
+            versions = raw.get("versions") if isinstance(raw.get("versions"), dict) else {}
+            saved_by = versions.get("shardtrain", "of a newer version")
+            raise CheckpointFromNewerVersion(
+                f"checkpoint {str(directory)!r} is in format {found!r}, written by shardtrain {saved_by}; "
+                f"this one ({__version__}) reads {FORMAT!r}: resume it with the version that saved it")
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-            found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
             raise CheckpointError(f"checkpoint {str(directory)!r}: unknown format {found!r} in {STATE_FILE}")
         names = {f.name for f in dataclasses.fields(cls)}
         required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
