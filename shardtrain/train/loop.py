@@ -288,6 +288,8 @@ class Trainer:
             follow_schedule(self.built.scheduler)  # after the warnings, which name the saved rate
             if self.cfg.model.init_from and self.cfg.finetune.method == "none":
                 self.info("model.init_from is ignored: resuming from a checkpoint")
+            if self.cfg.model.adapter:
+                self.info("model.adapter is ignored: the adapters are the checkpoint's (resuming from it)")
             if self.best is not None:
                 with self.resume_watched():
                     self.restore_evaluations(path, state)
