@@ -383,6 +383,15 @@ def test_the_best_evaluations():
     taken = BestEvaluations(TrainerConfig(), keep=2)  # a record without its best: the ranking's first
     assert taken.restore(older, {12, 14}) is None
     assert (taken.best, taken.stale, taken.stopped_at) == ((14, 0.95), 0, None)
+    # Values over another validation set do not compare (found by review: ranked against them).
+    on_128 = BestEvaluations(TrainerConfig(), keep=2, evaluated=128)
+    on_128.judge(4, 1.0)
+    on_64 = BestEvaluations(TrainerConfig(), keep=2, evaluated=64)
+    assert "judged evaluations of 128 validation samples, this run evaluates 64" in on_64.restore(
+        on_128.state(), {4})
+    assert on_64.ranking == [] and on_64.best is None
+    again = BestEvaluations(TrainerConfig(), keep=2, evaluated=128)
+    assert again.restore(on_128.state(), {4}) is None and again.ranking == [(4, 1.0)]
 
 
 def test_a_directory_of_consolidated_weights_is_named_for_what_it_is(tmp_path):

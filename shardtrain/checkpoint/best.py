@@ -21,8 +21,10 @@ class BestEvaluations:
     """The ``keep`` best (step, value) pairs of ``monitor`` so far, best first; the best value
     yet, and how many evaluations since it have not improved on it by more than ``min_delta``."""
 
-    def __init__(self, trainer: TrainerConfig, keep: int) -> None:
+    def __init__(self, trainer: TrainerConfig, keep: int, evaluated: int | None = None) -> None:
         self.keep = keep
+        # The validation samples each evaluation reads: values over another set do not compare.
+        self.evaluated = evaluated
         self.monitor = trainer.monitor
         self.mode = trainer.monitor_mode
         self.min_delta = trainer.early_stop_min_delta
@@ -64,7 +66,7 @@ class BestEvaluations:
         """What a checkpoint's trainer state records of it."""
         return {"monitor": self.monitor, "mode": self.mode, "ranking": [[s, v] for s, v in self.ranking],
                 "best": None if self.best is None else list(self.best), "stale": self.stale,
-                "stopped_at": self.stopped_at}
+                "stopped_at": self.stopped_at, "evaluated": self.evaluated}
 
     def restore(self, saved: dict[str, Any] | None, held: set[int] | None) -> str | None:
         """The record of a resumed checkpoint's trainer state; a line to say when it cannot be taken
@@ -81,6 +83,11 @@ class BestEvaluations:
             return (f"the resumed checkpoint judged its evaluations by {saved.get('monitor')} "
                     f"({saved.get('mode')}), this run by {self.monitor} ({self.mode}): judged afresh from "
                     "here on, and the checkpoints the old ranking kept are pruned as keep_last says")
+        if None not in (saved.get("evaluated"), self.evaluated) and saved["evaluated"] != self.evaluated:
+            return (f"the resumed checkpoint judged evaluations of {saved['evaluated']} validation samples, "
+                    f"this run evaluates {self.evaluated} (trainer.eval_samples or the validation data "
+                    "changed): judged afresh from here on, and the checkpoints the old ranking kept are "
+                    "pruned as keep_last says")
         best = saved.get("best") or (saved["ranking"][0] if saved.get("ranking") else None)
         if best is not None:
             self.best = (int(best[0]), float(best[1]))

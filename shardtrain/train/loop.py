@@ -170,7 +170,8 @@ class Trainer:
         # trainer.monitor judged at each evaluation: one that ranks among checkpoint.keep_best's saves
         # its step, and trainer.early_stop_patience evaluations without improving stop the run.
         keep = cfg.checkpoint.keep_best if cfg.checkpoint.enabled else 0
-        self.best = BestEvaluations(t, keep) if keep or t.early_stop_patience else None
+        self.best = (BestEvaluations(t, keep, min(t.eval_samples, self.val_available))
+                     if keep or t.early_stop_patience else None)
         self.best_save_due = False
         self.stop_early = False  # trainer.early_stop_patience ran out (now, or before the resume)
         self.checkpointer = (
