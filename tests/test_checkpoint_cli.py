@@ -597,7 +597,8 @@ def test_the_best_checkpoints_are_kept_beside_the_newest_across_a_resume(tmp_pat
         state = json.loads((saved / f"step-{steps}" / "trainer_state.json").read_text())
         assert state["best"] == {"monitor": "val_loss", "mode": "max",
                                  "ranking": [list(entry) for entry in logged[:2]],
-                                 "best": list(logged[0]), "stale": len(logged) - 1, "stopped_at": None}
+                                 "best": list(logged[0]), "stale": len(logged) - 1, "stopped_at": None,
+                                 "evaluated": 16}  # trainer.eval_samples of experiment=quick
     inspect = run_cli("inspect", str(run / "checkpoints" / "step-12"))
     assert (f"best:       by val_loss (max); kept step-2 {logged[0][1]:.6g}, step-4 {logged[1][1]:.6g}; "
             f"best step 2 ({logged[0][1]:.6g}), 5 evaluation(s) since\n") in inspect.stdout
