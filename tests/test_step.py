@@ -49,6 +49,7 @@ def bare_trainer(cfg: Config | None = None) -> Trainer:
     trainer.cfg = cfg or Config()
     trainer.env = SimpleNamespace(is_main=False, device=torch.device("cpu"))
     trainer.throughput = Throughput("tokens", 1, None)
+    trainer.task = SimpleNamespace(count_unit="tokens")
     trainer.layout = SimpleNamespace(global_batch=2)
     trainer.train_data = SimpleNamespace(wait_s=0.0)
     trainer.result = TrainResult()
