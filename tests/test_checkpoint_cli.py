@@ -130,6 +130,16 @@ def test_a_resume_takes_the_optimizer_settings_built_now(tmp_path):
     assert "the optimizer's settings differ from the checkpoint's (trainer.weight_decay 0.1 -> 0.05): its " \
            "moments are the checkpoint's, the new values apply from step 3" in resumed.stderr
     assert [r["step"] for r in read_metrics(tmp_path) if r["kind"] == "train"][-1] == 3
+    # A newer shardtrain's checkpoint stops resume=auto with one line: not skipped as damage for an
+    # older one and later moved aside (found by review).
+    state_file = tmp_path / "checkpoints" / "step-3" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**state, "format": "shardtrain-checkpoint-v2",
+                                      "versions": {**state["versions"], "shardtrain": "9.0"}}))
+    newer = run_cli("train", *QUICK, "trainer.max_steps=4", f"run.dir={tmp_path}")
+    assert newer.returncode == 2, newer.stderr[-3000:]
+    assert "is in format 'shardtrain-checkpoint-v2', written by shardtrain 9.0" in newer.stderr
+    assert "skipping" not in newer.stderr and state_file.is_file()
 
 
 def test_save_full_matches_consolidation_and_inspect_describes_it(good_checkpoint, tmp_path):

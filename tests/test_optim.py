@@ -118,3 +118,28 @@ def test_kernels_as_asked_and_named_in_the_report():
     assert optimizer_kind(auto) == "AdamW (foreach)"
     with pytest.raises(ConfigError, match="fused AdamW steps floating-point parameters on cpu, cuda"):
         build_optimizer(elsewhere, TrainerConfig(optimizer_kernel="fused"))
+
+
+def test_a_loaded_state_keeps_the_kernels_and_settings_built_now():
+    """What a resume does around the optimizer's state load (Checkpointer.load): the kernels and the
+    configured decay, betas and eps are the ones built now (found by review: a foreach checkpoint
+    made a fused AdamW take the foreach path and fail, a new decay was ignored), while the rate and
+    the running values some optimizers keep in their groups (Prodigy's d) stay the checkpoint's."""
+    from shardtrain.checkpoint.checkpointer import built_group_settings, restore_built_settings
+
+    model = torch.nn.Linear(2, 2)
+    saved = torch.optim.AdamW(model.parameters(), lr=0.5, foreach=True, weight_decay=0.1)
+    saved.param_groups[0]["d"] = 7.0  # a running value of the optimizer's own
+    model(torch.randn(3, 2)).sum().backward()
+    saved.step()
+    built = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True, weight_decay=0.05, betas=(0.8, 0.9))
+    built.param_groups[0]["d"] = 1.0
+    settings = built_group_settings(built)
+    built.load_state_dict(saved.state_dict())
+    restore_built_settings(built, settings)
+    group = built.param_groups[0]
+    assert (group["fused"], group["foreach"]) == (True, None)
+    assert (group["weight_decay"], group["betas"]) == (0.05, (0.8, 0.9))
+    assert (group["lr"], group["d"]) == (0.5, 7.0)
+    model(torch.randn(3, 2)).sum().backward()
+    built.step()  # the fused kernel runs: the state's step count where it wants it

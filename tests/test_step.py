@@ -241,7 +241,8 @@ def test_a_resume_says_each_changed_setting_once_and_nothing_when_none_changed()
     model, precision, batch, optimizer = trainer.resume_changes(saved, asked_lrs=[3e-3, 3e-3])
     assert model.startswith("the model's settings differ from the checkpoint's (model.rope_theta 10000.0 -> "
                             "500000.0)")
-    assert precision.startswith("the precision differs from the checkpoint's (fp32 -> bf16-pure)")
+    assert precision == ("the precision differs from the checkpoint's (fp32 -> bf16-pure): its weights and "
+                         "optimizer state are read into bf16 (stored in fp32 before)")
     assert batch.startswith("the global batch differs from the checkpoint's (2 -> 4 samples a step)")
     assert optimizer.startswith("the optimizer's settings differ from the checkpoint's (trainer.weight_decay "
                                 "0.1 -> 0.01)")

@@ -59,16 +59,45 @@ from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
 from shardtrain.distributed.agreement import agree, from_rank, gather_verdicts, raise_first_error, run_agreed
 from shardtrain.distributed.env import lazily_connected_gloo_group
-from shardtrain.errors import CheckpointError, CheckpointUnverifiable, first_line
+from shardtrain.errors import CheckpointError, CheckpointFromNewerVersion, CheckpointUnverifiable, first_line
 from shardtrain.models.lora import is_adapter
 
 log = logging.getLogger("shardtrain")
 
 LOAD_FIX = ("resume another checkpoint, or check the filesystem it is on (with "
             "checkpoint.verify_checksums=true a damaged file is named before anything is read)")
-# An optimizer group's entries a resume takes from the checkpoint; every other setting is the one the
-# optimizer was built with now.
-SAVED_GROUP_KEYS = frozenset({"params", "param_names", "lr", "initial_lr"})
+# An optimizer group's settings a resume takes from the optimizer built now, not the checkpoint: its
+# kernels and what the config sets besides the rate. Everything else (the rate; the running values
+# some optimizers keep in their groups, Prodigy's d, schedule-free's weight sum) is the checkpoint's.
+BUILT_GROUP_KEYS = ("fused", "foreach", "capturable", "differentiable", "weight_decay", "betas", "eps")
+
+
+def built_group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each group's ``BUILT_GROUP_KEYS`` as the optimizer was built, to put back after a load."""
+    return [{key: group[key] for key in BUILT_GROUP_KEYS if key in group} for group in optimizer.param_groups]
+
+
+def restore_built_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> None:
+    """``built_group_settings`` back in the groups a loaded state replaced, the step counts placed
+    where those kernels keep them."""
+    for group, built in zip(optimizer.param_groups, settings, strict=True):
+        group.update(built)
+    place_step_counts(optimizer)
+
+
+def place_step_counts(optimizer: torch.optim.Optimizer) -> None:
+    """Each parameter's ``step`` count where its group's kernel keeps it: on the parameter's device
+    for fused or capturable groups, else on the CPU. torch places it by the saved group's flags; a
+    resume under other kernels (``trainer.optimizer_kernel``) would otherwise hand a fused kernel a
+    CPU count, or make the foreach path read a device count back twice per parameter each step."""
+    for group in optimizer.param_groups:
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                where = param.device if on_device else torch.device("cpu")
+                if step.device != where:
+                    optimizer.state[param]["step"] = step.to(where)
 
 
 def rng_state() -> dict[str, Any]:
@@ -392,7 +421,9 @@ class Checkpointer:
         ``refuse_newer`` (a resume from a path given by hand) also refuses a run directory that holds
         later checkpoints than it.
         """
-        metadata, files, unverifiable = None, None, False
+        # Why a check failed other than by damage: "io" (the filesystem or the host), "newer" (a
+        # newer shardtrain's format); neither is skipped (and later moved aside) as damage.
+        metadata, files, unverifiable = None, None, None
         try:
             # This rank's part of the shard files only: the all-gather below shares the verdicts.
             metadata = layout.verify(path, share=(self.rank, self.world_size))
@@ -401,10 +432,12 @@ class Checkpointer:
             files = integrity.read_manifest(path) if self.ckpt.verify_checksums else None
             share = [] if files is None else integrity.verification_share(files, self.rank, self.world_size)
             error, damaged = None, {} if files is None else integrity.damaged_files(path, files, share)
+        except CheckpointFromNewerVersion as exc:
+            error, damaged, unverifiable = str(exc), {}, "newer"
         except (CheckpointError, FileNotFoundError) as exc:  # a file gone since: as a missing one
             error, damaged = str(exc), {}
         except (OSError, MemoryError) as exc:  # an I/O error, a stale handle, the host's memory
-            error, damaged, unverifiable = f"{type(exc).__name__}: {exc}", {}, True
+            error, damaged, unverifiable = f"{type(exc).__name__}: {exc}", {}, "io"
         verdicts = gather_verdicts(error, (str(path), damaged, unverifiable), self.group)
         seen = [checked for _, (checked, _, _) in verdicts]
         if differing := [rank for rank, checked in enumerate(seen) if checked != seen[0]]:
@@ -412,6 +445,8 @@ class Checkpointer:
                 f"ranks chose different checkpoints to resume ({seen[0]} on rank 0, "
                 f"{seen[differing[0]]} on rank {differing[0]}); every rank must see the same "
                 "run.dir: put it on a filesystem every node mounts")
+        if newer := next((error for error, (_, _, unchecked) in verdicts if unchecked == "newer"), None):
+            raise CheckpointFromNewerVersion(newer)
         if failed := next(((rank, error) for rank, (error, (_, _, unchecked)) in enumerate(verdicts)
                            if unchecked), None):
             raise CheckpointUnverifiable(
@@ -717,8 +752,7 @@ class Checkpointer:
         # flags too (a checkpoint saved with foreach AdamW made the fused one built now take the
         # foreach path, which failed at the next step) and the decay, betas and eps the config now
         # sets. Only the rate is the checkpoint's (the schedule takes it from there).
-        built_settings = [{key: value for key, value in group.items() if key not in SAVED_GROUP_KEYS}
-                          for group in self.optimizer.param_groups]
+        built_settings = built_group_settings(self.optimizer)
         # Not strict only to let the parameters without saved optimizer state stay without; the model
         # state is this model's own keys, all read from the checkpoint.
         try:
@@ -734,8 +768,7 @@ class Checkpointer:
                 f"({first_sentence(exc)}){saved_with}; use the settings it was saved with (see its "
                 "trainer_state.json; model.tie_embeddings, for one), or start from its weights alone "
                 "with model.init_from") from exc
-        for group, settings in zip(self.optimizer.param_groups, built_settings, strict=True):
-            group.update(settings)
+        restore_built_settings(self.optimizer, built_settings)
         # After the optimizer's state: a run with other parameter groups is named there, not here.
         check_scheduler_state(path, trainer_state, len(self.optimizer.param_groups))
         self.scheduler.load_state_dict(trainer_state.scheduler)

@@ -38,6 +38,7 @@ from shardtrain.config.loader import check_built_in_task_settings
 from shardtrain.config.plan import check_world
 from shardtrain.config.schema import Config, TrainerConfig
 from shardtrain.config.sizes import counted
+from shardtrain.config.strategy import PRECISION_PRESETS
 from shardtrain.data.batches import BatchLayout, SampleSource, TrainBatches, eval_batches
 from shardtrain.diagnostics.failures import is_failure, record_exception
 from shardtrain.diagnostics.memory import PhaseMemory, adapter_summary, state_bytes
@@ -326,10 +327,13 @@ class Trainer:
         if computed := state.setting_changes(self.cfg, MODEL_FUNCTION_KEYS):
             warnings.append(f"the model's settings differ from the checkpoint's ({', '.join(computed)}): the "
                             "weights are the checkpoint's, computed with the new values from now on")
-        if state.mixed_precision != self.built.plan.precision:
-            warnings.append(f"the precision differs from the checkpoint's ({state.mixed_precision} -> "
-                            f"{self.built.plan.precision}): its weights and optimizer state are read into "
-                            "the new storage dtype")
+        saved, now = state.mixed_precision.lower(), self.built.plan.precision
+        if saved != now:
+            before, after = PRECISION_PRESETS.get(saved, (None,))[0], PRECISION_PRESETS[now][0]
+            kept = (f"its weights and optimizer state are read into {after} (stored in {before} before)"
+                    if before != after else
+                    f"its weights and optimizer state stay {after}; the compute dtype changes")
+            warnings.append(f"the precision differs from the checkpoint's ({saved} -> {now}): {kept}")
         if state.global_batch != self.layout.global_batch:
             warnings.append(f"the global batch differs from the checkpoint's ({state.global_batch} -> "
                             f"{self.layout.global_batch} samples a step): the learning rate and schedule are "
