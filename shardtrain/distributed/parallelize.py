@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardtrain.accelerator import check_float8, pin_offloaded_memory
-from shardtrain.config.plan import ShardingPlan
+from shardtrain.config.plan import ShardingPlan, dtype_name
 from shardtrain.distributed.embedding_exchange import (
     exchange_embedding_rows,
     exchangeable,
@@ -356,8 +356,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
         # encoder) keep the dtype they were given.
         for param in model.parameters():
             if param.requires_grad and param.is_floating_point() and param.dtype != plan.storage_dtype:
-                report.upcast[str(param.dtype).removeprefix("torch.")] = (
-                    report.upcast.get(str(param.dtype).removeprefix("torch."), 0) + param.numel())
+                built = dtype_name(param.dtype)
+                report.upcast[built] = report.upcast.get(built, 0) + param.numel()
                 param.data = param.data.to(plan.storage_dtype)
     mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
     common = dict(mesh=mesh, mp_policy=mp)

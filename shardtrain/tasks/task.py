@@ -148,8 +148,7 @@ class Task:
     def example_batch(self, micro_batch_size: int) -> Any:
         """A micro-batch as training makes them, for ``shardtrain plan --simulate``: by default the
         first training items, collated (with their draws)."""
-        samples = self.train_samples()
-        return samples.batch(np.arange(micro_batch_size) % samples.num_samples)
+        return leading_batch(self.train_samples(), micro_batch_size)
 
     def draw_hook(self, split: str = "train"):
         """``draw(item, generator) -> item`` when the task defines it: per-sample randomness (noise,
@@ -197,6 +196,12 @@ def model_factory(task: Task) -> Callable[[], nn.Module]:
                              "the model, an nn.Module")
         return model
     return build
+
+
+def leading_batch(samples: SampleSource, micro_batch_size: int) -> Any:
+    """A micro-batch of the first samples (wrapping round a source smaller than it): the default
+    example batch."""
+    return samples.batch(np.arange(micro_batch_size) % samples.num_samples)
 
 
 def wrap_policy_of(task: Task) -> list[type | str] | None:

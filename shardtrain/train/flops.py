@@ -5,7 +5,6 @@ not, in a fresh and a resumed run)."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
@@ -13,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from shardtrain.data.batches import SampleSource
 from shardtrain.diagnostics.kept import fake_tensor_errors_unlogged
 from shardtrain.tasks.samples import batch_size
-from shardtrain.tasks.task import Task
+from shardtrain.tasks.task import Task, leading_batch
 
 
 def counted_flops_per_sample(task: Task, micro_batch_size: int, train: SampleSource | None = None
@@ -24,7 +23,7 @@ def counted_flops_per_sample(task: Task, micro_batch_size: int, train: SampleSou
     ``train``: the training samples already made, whose first items are the default example batch
     (made again, a large in-memory dataset was loaded twice at start-up)."""
     if train is not None and type(task).example_batch is Task.example_batch:
-        batch = train.batch(np.arange(micro_batch_size) % train.num_samples)
+        batch = leading_batch(train, micro_batch_size)
     else:
         batch = task.example_batch(micro_batch_size)
     try:
