@@ -508,18 +508,30 @@ def test_the_weights_average_resumes_at_another_world_size_and_consolidates(tmp_
     """trainer.ema_decay: saved beside the weights at 2 processes, resumed at 1, the average at step 6
     equals the uninterrupted 1-process run's (within fp32 sums in another order); `consolidate --key
     ema` writes it as a model `generate` reads; a resume from a checkpoint without one starts it from
-    the resumed weights, and says so."""
+    the resumed weights, and says so. The split run is started from the whole run's step 2 with
+    checkpoint.resume=PATH and requeued at another world size with the same command: the requeue goes
+    on from the split run's own step 4 (it was refused: the accumulation steps the global batch gives
+    at each world size entered the config's identity)."""
     from safetensors.torch import load_file
 
     # a global batch and a learning rate that stay the same whatever max_steps and the processes
     ema = [*QUICK, "trainer.ema_decay=0.9", "checkpoint.interval=2", "trainer.global_batch_size=4",
-           "trainer.min_lr_ratio=1.0"]
+           "trainer.min_lr_ratio=1.0", "checkpoint.keep_last=3"]
     split, whole = tmp_path / "split", tmp_path / "whole"
-    for args in (["trainer.devices=2", "trainer.max_steps=4", f"run.dir={split}"],
-                 ["trainer.devices=1", "trainer.max_steps=6", f"run.dir={split}"],
-                 ["trainer.devices=1", "trainer.max_steps=6", f"run.dir={whole}"]):
-        proc = run_cli("train", *ema, *args)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli("train", *ema, "trainer.devices=1", "trainer.max_steps=6", f"run.dir={whole}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The same command but the processes (Slurm's script passes trainer.num_nodes=$SLURM_NNODES),
+    # preempted at step 4 and requeued
+    started = [*ema, "trainer.max_steps=6", f"run.dir={split}",
+               f"checkpoint.resume={whole / 'checkpoints' / 'step-2'}"]
+    proc = run_cli("train", *started, "trainer.devices=2",
+                   env={"SHARDTRAIN_FAULT": "step:0:3:signal=SIGTERM"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "preemption (SIGTERM): saving at step 4" in proc.stderr
+    proc = run_cli("train", *started, "trainer.devices=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "were saved by an earlier attempt or job of it: going on from the newest" in proc.stderr
+    assert [r["step"] for r in read_metrics(split)] == [3, 4, 5, 6]
     read = {}
     for name, run in (("split", split), ("whole", whole)):
         for key in ("ema", "model"):

@@ -175,8 +175,9 @@ def test_a_resume_names_the_settings_that_change_the_data_order(tmp_path):
     """The saved position means the same samples only under the same order: a resume compares the
     settings that decide it (and only those: the batch split and document masking do not)."""
     saved = load_config([])
-    state = TrainState.capture(saved, resolve_plan(saved.strategy, 1, 1), step=3, tokens_seen=0,
-                               consumed_samples=48, global_batch=16, scheduler={}, world_size=1)
+    state = TrainState.capture(saved, resolve_plan(saved.strategy, 1, 1), requested_hash="", step=3,
+                               tokens_seen=0, consumed_samples=48, global_batch=16, scheduler={},
+                               world_size=1)
     same_order = load_config(["trainer.micro_batch_size=4", "trainer.grad_accum_steps=4",
                               "data.document_mask=true"])
     assert state.data_order_changes(same_order) == []

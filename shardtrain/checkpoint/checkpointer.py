@@ -54,7 +54,6 @@ from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed, save_fai
 from shardtrain.checkpoint.safetensors_files import save_safetensors, shardtrain_metadata, unshared
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.checkpoint.weights import base_identity, check_model_compatible, check_same_base
-from shardtrain.config.compose import config_hash
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
 from shardtrain.distributed.agreement import agree, from_rank, gather_verdicts, raise_first_error, run_agreed
@@ -257,9 +256,12 @@ class Checkpointer:
 
     def __init__(self, cfg: Config, plan: ShardingPlan, model: nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                 rank: int, world_size: int, average: dict[str, torch.Tensor] | None = None,
-                 best: BestEvaluations | None = None) -> None:
+                 rank: int, world_size: int, requested_hash: str,
+                 average: dict[str, torch.Tensor] | None = None, best: BestEvaluations | None = None) -> None:
         self.cfg = cfg
+        # run_identity_hash of the config before start-up resolved it (TrainState.config_hash): what
+        # tells a requeue of this run, at any world size, from another run.
+        self.requested_hash = requested_hash
         self.plan = plan
         self.ckpt = cfg.checkpoint
         self.model = model
@@ -409,7 +411,7 @@ class Checkpointer:
         if choice == "none":
             return restarted and bool(layout.candidates(self.root).complete)
         # The same config too: the same resume with another learning rate is a new run, not a requeue.
-        return layout.saved_by_same_resume(self.root, choice, config_hash(self.cfg))
+        return layout.saved_by_same_resume(self.root, choice, self.requested_hash)
 
     def verify_agreed(self, path: Path, refuse_newer: bool = False) -> Any:
         """DCP's metadata of the checkpoint at ``path``, checked by every rank and agreed on.
@@ -503,7 +505,8 @@ class Checkpointer:
         faults.inject("save", self.rank, step)
         state = self.training_state()
         trainer_state = TrainState.capture(
-            self.cfg, self.plan, step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
+            self.cfg, self.plan, requested_hash=self.requested_hash, step=step, tokens_seen=tokens_seen,
+            consumed_samples=consumed_samples,
             global_batch=global_batch, scheduler=self.scheduler.state_dict(), world_size=self.world_size,
             base_weights=self.base, best=None if self.best is None else self.best.state(),
             evaluation_due=evaluation_due, train_samples=train_samples,

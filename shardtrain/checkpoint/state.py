@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 import torch
 from omegaconf import OmegaConf
 
-from shardtrain.config.compose import config_hash
 from shardtrain.config.plan import ShardingPlan, describe_mesh
 from shardtrain.config.schema import LANGUAGE_MODEL_TASK, Config, DataConfig, FinetuneConfig, ModelConfig
 from shardtrain.errors import CheckpointError, CheckpointFromNewerVersion
@@ -71,6 +70,10 @@ class TrainState:
     mesh_dim_names: list[str]
     mixed_precision: str
     config: dict[str, Any]
+    # The config as the run was asked for, without its launch shape and before start-up derived its
+    # accumulation steps (and an auto micro-batch) from the world it found: a requeue of the same run
+    # at another world size has the same one (config/compose.py run_identity_hash; checkpoint/layout.py
+    # saved_by_same_resume).
     config_hash: str
     versions: dict[str, str]
     saved_at: str
@@ -92,7 +95,7 @@ class TrainState:
     checksums: bool = False
 
     @classmethod
-    def capture(cls, cfg: Config, plan: ShardingPlan, *, step: int, tokens_seen: int,
+    def capture(cls, cfg: Config, plan: ShardingPlan, *, requested_hash: str, step: int, tokens_seen: int,
                 consumed_samples: int, global_batch: int, scheduler: dict[str, Any],
                 world_size: int, base_weights: dict[str, Any] | None = None,
                 best: dict[str, Any] | None = None, evaluation_due: bool = False,
@@ -102,7 +105,7 @@ class TrainState:
             global_batch=global_batch, scheduler=scheduler, world_size=world_size,
             strategy=plan.strategy, mesh_shape=list(plan.mesh_shape),
             mesh_dim_names=list(plan.mesh_dim_names), mixed_precision=plan.precision,
-            config=OmegaConf.to_container(OmegaConf.structured(cfg)), config_hash=config_hash(cfg),
+            config=OmegaConf.to_container(OmegaConf.structured(cfg)), config_hash=requested_hash,
             versions={"shardtrain": __version__, "torch": torch.__version__,
                       "python": platform.python_version()},
             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), base_weights=base_weights, best=best,

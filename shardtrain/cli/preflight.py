@@ -67,7 +67,7 @@ def check_resume(cfg: Config) -> None:
         root = Path(cfg.run.dir) / "checkpoints"
         if layout.saved_by_same_resume(root, choice):
             # Perhaps a requeued job going on from its own later checkpoints (its choice may since
-            # have been pruned): the ranks decide, comparing the config start-up resolves.
+            # have been pruned): the ranks decide, comparing the config as asked for (TrainState.config_hash).
             return
         # The structure only: the ranks verify the checksums, split between them, hashing it once.
         path = Path(choice).expanduser()

@@ -170,6 +170,15 @@ def config_hash(cfg: Config) -> str:
     return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()[:16]
 
 
+def run_identity_hash(cfg: Config) -> str:
+    """``config_hash`` of ``cfg`` without where it runs (``trainer.devices``, ``trainer.num_nodes``):
+    a requeued job of the same run may be given another number of nodes (the Slurm script passes
+    ``trainer.num_nodes=$SLURM_NNODES``). Taken before start-up derives the accumulation steps or an
+    auto micro-batch from the world it finds."""
+    return config_hash(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, devices="auto",
+                                                                            num_nodes=1)))
+
+
 def check_ranges(cfg: Any, cls: type = Config, prefix: str = "") -> None:
     """Every key against the bounds declared beside it in the schema (``knob(...)``); also a
     task's options (``cls``: its Options, ``prefix`` "task.")."""

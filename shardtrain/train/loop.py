@@ -33,7 +33,7 @@ from shardtrain.checkpoint.state import (
     TrainState,
 )
 from shardtrain.checkpoint.weights import load_model_weights
-from shardtrain.config.compose import to_yaml
+from shardtrain.config.compose import run_identity_hash, to_yaml
 from shardtrain.config.loader import check_built_in_task_settings
 from shardtrain.config.plan import check_world
 from shardtrain.config.schema import Config, TrainerConfig
@@ -121,7 +121,7 @@ def due(step: int, every: int) -> bool:
 
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv, built: Built, task: Task, train: SampleSource,
-                 val: SampleSource | None) -> None:
+                 val: SampleSource | None, requested_hash: str) -> None:
         self.cfg = cfg
         self.env = env
         self.built = built
@@ -177,8 +177,8 @@ class Trainer:
         self.stop_early = False  # trainer.early_stop_patience ran out (now, or before the resume)
         self.checkpointer = (
             Checkpointer(cfg, built.plan, built.model, built.optimizer, built.scheduler, env.rank,
-                         env.world_size, average=None if self.average is None else self.average.average,
-                         best=self.best)
+                         env.world_size, requested_hash,
+                         average=None if self.average is None else self.average.average, best=self.best)
             if cfg.checkpoint.enabled else None
         )
         self.last_saved_step: int | None = None
@@ -244,11 +244,14 @@ class Trainer:
         # The data first: a data error is reported before the model is built.
         train, val = run_agreed(lambda: (task.train_samples(), task.val_samples()))
         run_agreed(lambda: check_something_to_judge(cfg, val))
+        # The run's identity in its checkpoints: the config as asked for, not the accumulation steps
+        # (or auto micro-batch) resolved from this world, which a requeue at another size changes.
+        requested_hash = run_identity_hash(cfg)
         batch_choice = resolve_batch(cfg, env)  # before anything reads the batch size
         with deferred_initialization() as draws:  # a resume reads every weight: no draw for it
             built = build(cfg, env, task, optimizer_factory)
         check_sample_fits(cfg.trainer, task, built.model)
-        trainer = cls(cfg, env, built, task, train, val)
+        trainer = cls(cfg, env, built, task, train, val, requested_hash)
         for note in adapter_notes:
             trainer.info(note)
         trainer.batch_choice = batch_choice
