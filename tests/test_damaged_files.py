@@ -140,3 +140,14 @@ def test_a_checkpoint_of_a_newer_format_is_not_damage(tmp_path):
     with pytest.raises(CheckpointError, match="unknown format 'someone-else'") as refused:
         TrainState.read(tmp_path)
     assert not isinstance(refused.value, CheckpointUnverifiable)  # another tool's: skipped as before
+    # A field a later shardtrain added within the same format is read past (docs/checkpoints.md)
+    from omegaconf import OmegaConf
+
+    from shardtrain.config.schema import Config
+    TrainState(step=2, tokens_seen=0, consumed_samples=4, global_batch=2, scheduler={}, world_size=1,
+               strategy="FULL_SHARD", mesh_shape=[1], mesh_dim_names=["dp_shard"], mixed_precision="fp32",
+               config=OmegaConf.to_container(OmegaConf.structured(Config())), config_hash="abc",
+               versions={"shardtrain": "9.0"}, saved_at="now").write(tmp_path)
+    raw = json.loads((tmp_path / STATE_FILE).read_text())
+    (tmp_path / STATE_FILE).write_text(json.dumps({**raw, "added_later": {"any": 1}}))
+    assert TrainState.read(tmp_path).step == 2

@@ -31,6 +31,8 @@ T = TypeVar("T")
 
 STATE_FILE = "trainer_state.json"
 FORMAT_FAMILY = "shardtrain-checkpoint-v"
+# Fields added within a format are those an older reader may drop (TrainState.read does); a field
+# that must not be ignored comes with a new format, which an older reader refuses.
 FORMAT = f"{FORMAT_FAMILY}1"
 # The settings that decide which sample sits at each position of the global order
 # (data/batches.py): resumed with another value, the saved position points into another order.
