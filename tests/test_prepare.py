@@ -641,6 +641,13 @@ def test_a_mixture_draws_each_dataset_by_its_weight(tmp_path):
                    f"run.dir={tmp_path / 'run'}")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "mixture of" in done.stderr and read_metrics(tmp_path / "run")[-1]["step"] == 2
+    assert "windows a block of 1,024 (weight's share): pa 768 (75.00%), pb 256 (25.00%)" in done.stderr
+    assert "as often as its weight says" not in done.stderr
+    # A weight under one window in a block is raised to one: said (found by review: it was silent,
+    # and weights=[] by size gives a small dataset beside large ones such a weight)
+    windows.weights = [0.9995, 0.0005]
+    assert ("big 1023 (99.95%), small 1 (0.05%); small drawn 2x as often as its weight says"
+            in windows.describe(["big", "small"]))
 
 
 def save_tokenizer(tokenizer: tokenizers.Tokenizer, directory) -> HFTokenizer:

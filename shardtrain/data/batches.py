@@ -189,6 +189,8 @@ class GlobalOrder:
 # Positions per block of a mixture's order: each block holds every dataset a fixed number of times.
 MIXTURE_BLOCK = 1024
 DATASET_SHIFT = 40  # a mixture's sample id: dataset index << DATASET_SHIFT | the dataset's sample id
+# A dataset whose share of a block is off its weight's by more than this is named at start-up.
+MIXTURE_SHARE_TOLERANCE = 0.05
 
 
 def block_counts(weights: list[float], block: int) -> np.ndarray:
@@ -252,6 +254,26 @@ class MixtureWindows:
 
     def order(self, seed: int) -> MixtureOrder:
         return MixtureOrder([part.num_samples for part in self.parts], self.weights, seed)
+
+    def describe(self, names: list[str]) -> str:
+        """How many windows of each dataset (``names``) a block of the order holds, and where that
+        is not the weight's share: a block holds whole windows, at least one of each dataset, so a
+        weight under one window in 1,024 is raised to one (weights=[] by size: a small dataset
+        beside large ones)."""
+        counts = block_counts(self.weights, MIXTURE_BLOCK)
+        block, total = int(counts.sum()), sum(self.weights)
+        shares = ", ".join(f"{name} {count} ({weight / total:.2%})"
+                           for name, count, weight in zip(names, counts, self.weights, strict=True))
+        text = f"mixture, windows a block of {block:,} (weight's share): {shares}"
+        off = [(name, count / block / (weight / total))
+               for name, count, weight in zip(names, counts, self.weights, strict=True)
+               if abs(count / block / (weight / total) - 1) > MIXTURE_SHARE_TOLERANCE]
+        if off:
+            text += "; " + ", ".join(f"{name} drawn {ratio:.2g}x as often as its weight says"
+                                     for name, ratio in off)
+            text += (" (a block holds whole windows, at least one of each dataset: give it a larger weight, "
+                     "or leave it out)")
+        return text
 
     def batch(self, ids: np.ndarray, keys: np.ndarray | None = None) -> Batch:
         x = torch.zeros((len(ids), self.seq_len), dtype=torch.int64)

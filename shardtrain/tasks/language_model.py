@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -171,4 +172,13 @@ class LanguageModelTask(Task):
     def describe(self) -> str:
         t = self.cfg.trainer
         loss = f"; loss {self.loss_kind}" if self.loss_kind else ""
-        return f"{self.load_corpus().describe()}; windows of {t.seq_len} tokens{loss}"
+        windows = self.train_samples()
+        mixture = (f"; {windows.describe(dataset_names(self.cfg.data.paths))}"
+                   if isinstance(windows, MixtureWindows) else "")
+        return f"{self.load_corpus().describe()}; windows of {t.seq_len} tokens{mixture}{loss}"
+
+
+def dataset_names(paths: Sequence[str]) -> list[str]:
+    """The datasets' directory names, or their paths where two share a name."""
+    names = [Path(path).name or path for path in paths]
+    return names if len(set(names)) == len(names) else list(paths)
