@@ -256,6 +256,61 @@ time.sleep(120)  # a guard: the test signals it long before
 """
 
 
+# An agent whose worker (in a session of its own, as torchrun starts it) ignores the preemption
+# signals for a second (start-up: the agent's ignoring inherited), then stops on SIGUSR1; argv[1]: a
+# file the agent writes its pid and the worker's to.
+ORPHANED_WORKER = """
+import signal, sys, time
+time.sleep(1)
+def stop(signum, frame):
+    sys.stderr.write("[shardtrain] worker stopping on " + signal.Signals(signum).name + "\\n")
+    sys.exit(0)
+signal.signal(signal.SIGUSR1, stop)
+time.sleep(120)  # a guard: the launcher signals it long before
+"""
+ORPHANING_AGENT = f"""
+import os, subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", {ORPHANED_WORKER!r}], start_new_session=True)
+open(sys.argv[1], "w").write(f"{{os.getpid()}} {{worker.pid}}")
+time.sleep(120)
+"""
+
+
+def test_workers_left_by_a_killed_agent_are_stopped(tmp_path):
+    """torchrun's agent SIGKILLed (by hand, the out-of-memory killer): its workers, orphaned, were left
+    training to the end while the launcher waited for their pipe (found by review, measured: 400
+    steps trained after the kill). They are sent the first preemption signal once they catch it."""
+    ready = tmp_path / "pids"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, ORPHANING_AGENT, str(tmp_path / "launch.log"), str(ready)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+        stdin=subprocess.DEVNULL)
+    try:
+        guard = time.monotonic() + 60
+        while time.monotonic() < guard and not (ready.exists() and len(ready.read_text().split()) == 2):
+            time.sleep(0.05)
+        agent, worker = map(int, ready.read_text().split())
+        os.kill(agent, signal.SIGKILL)
+        out, err = launcher.communicate(timeout=60)
+        assert out == "agent exited 137\n", err[-3000:]
+        assert ("torchrun's agent was killed by SIGKILL, leaving its workers running: sending them SIGUSR1 "
+                "(they save a checkpoint and stop, as at a preemption)") in err
+        assert "[shardtrain] worker stopping on SIGUSR1" in err
+        try:  # gone, or a zombie where nothing reaps orphans
+            state = Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            state = "gone"
+        assert state in ("gone", "Z"), state
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in map(int, ready.read_text().split() if ready.exists() else []):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
 def test_a_launch_log_that_cannot_be_written_does_not_hang_the_workers(tmp_path):
     """run.dir's disk full: the log is dropped, the console says so once, the pipe is still read."""

@@ -12,7 +12,8 @@ process forwards them to the agent's worker processes (which torchrun starts in 
 own, so a process-group signal would not reach them). Finding the workers reads /proc (Linux).
 The signals the agent handles (SIGTERM when it is not a preemption signal, ``AGENT_SIGNALS``) are
 forwarded to the agent, which stops its workers: this process must not die of them first, leaving
-the agent and its workers running.
+the agent and its workers running. An agent that dies of a signal itself (SIGKILL) leaves its
+workers orphaned and training; this process sends them the first preemption signal.
 
 The agent is this process forked, running ``python -m torch.distributed.run`` (``runpy``), not a new
 interpreter: this process has imported torch for its checks already, and a new one would spend 1.6 s
@@ -215,6 +216,37 @@ def ignores(pid: int, sig: int) -> bool:
     return bool(int(mask, 16) >> (sig - 1) & 1)
 
 
+def pipe_writers(read_fd: int) -> list[int]:
+    """The processes whose stderr is the pipe ``read_fd`` reads, but those whose parent's is too:
+    the agent's workers once the agent is gone (not what they started: W&B's service, compile
+    workers), from /proc."""
+    target = f"pipe:[{os.fstat(read_fd).st_ino}]"
+    writers = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{entry}/fd/2") == target:
+                    writers.add(int(entry))
+    children = child_processes()
+    below = {child for pid in writers for child in children.get(pid, [])}
+    return sorted(writers - below)
+
+
+def stop_orphaned_workers(read_fd: int, reader: threading.Thread, sig: int) -> None:
+    """The agent died of a signal (SIGKILL: by hand, or the out-of-memory killer) and left its
+    workers running, orphaned, with no one to restart or stop them: they train on to the end while
+    this process waits for their pipe. Each is sent ``sig`` (a preemption signal: they save and stop
+    at the next step) once it no longer ignores it, until the pipe ends."""
+    asked: set[int] = set()
+    while reader.is_alive():
+        for pid in pipe_writers(read_fd):
+            if pid not in asked and not ignores(pid, sig):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+                asked.add(pid)
+        reader.join(0.5)
+
+
 def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Sequence[str],
                        max_restarts: int = 0, log_file: Path | None = None) -> int:
     """torchrun's exit status. With ``log_file``, only log lines reach the console (see above)."""
@@ -271,6 +303,14 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
             stack.callback(signal.signal, sig, signal.signal(sig, forward))
         status = wait_delivering(agent, pending, deliver)
         if reader is not None:
+            if status < 0:
+                stop = signals[0] if signals else signal.SIGTERM
+                then = "they save a checkpoint and stop, as at a preemption" if signals else "it stops them"
+                with contextlib.suppress(OSError, ValueError):
+                    print(f"{LAUNCHER_TAG} torchrun's agent was killed by {signal.Signals(-status).name}, "
+                          f"leaving its workers running: sending them {signal.Signals(stop).name} ({then})",
+                          file=sys.stderr, flush=True)
+                stop_orphaned_workers(stderr.fileno(), reader, stop)
             reader.join()
     # An agent killed by a signal: the shell's 128 + its number (sys.exit(-2) would exit 254).
     return 128 - status if status < 0 else status
