@@ -8,8 +8,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from cli_utils import clean_env, read_metrics, run_cli
 
+from shardtrain.distributed.env import init_distributed
+from shardtrain.errors import ConfigError
 from shardtrain.logs import TaggedFormatter, not_for_users
 from shardtrain.train.console import format_record
 
@@ -200,6 +203,23 @@ def test_bad_input_exits_nonzero_with_message(args, message, tmp_path):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_copies_started_without_torchrun_are_refused(tmp_path, monkeypatch):
+    """Found by review: `srun -n 8 shardtrain train` (or a launcher setting WORLD_SIZE alone) ran 8
+    worlds of one, each training alone into the same run.dir, without a word."""
+    for env, started_by in (({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "3"}, "8 copies started by srun"),
+                            ({"WORLD_SIZE": "4", "RANK": "1"}, "4 copies started by a launcher that set "
+                                                               "WORLD_SIZE")):
+        proc = run_cli("train", "trainer.max_steps=1", f"run.dir={tmp_path}", env=env, timeout=120)
+        assert proc.returncode == 2 and started_by in proc.stderr, proc.stderr[-2000:]
+        assert "start one torchrun agent per node" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "checkpoints").exists()
+    # The library's entry (a task of one's own under mpirun): before any process group exists
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="one of 2 copies started by mpirun"):
+        init_distributed()
+    assert not torch.distributed.is_initialized()
 
 
 def test_a_filesystem_failure_or_a_damaged_file_is_one_line(tmp_path):

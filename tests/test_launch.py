@@ -84,6 +84,8 @@ def test_plain_torchrun_with_restarts_and_a_shared_store(tmp_path, uninterrupted
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr
     assert_bitwise_equal(final_weights(run_dir, tmp_path / "w.safetensors"), uninterrupted[1])
+    # torchrun's default --signals-to-handle holds SIGTERM, a preemption signal: said once an attempt
+    assert "torchrun's agent handles SIGTERM itself (its --signals-to-handle)" in proc.stderr
 
 
 def test_worker_failure_is_one_line_naming_the_rank(tmp_path):
@@ -92,6 +94,7 @@ def test_worker_failure_is_one_line_naming_the_rank(tmp_path):
                    env={"SHARDTRAIN_FAULT": "step:1:4:raise"})
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+    assert "signals-to-handle" not in proc.stderr  # the built-in launcher's agent leaves them alone
     errors = [line for line in proc.stderr.splitlines() if not line.startswith("[shardtrain")]
     assert len(errors) == 1, proc.stderr[-3000:]
     assert errors[0].startswith("shardtrain: error: rank 1 (host ")

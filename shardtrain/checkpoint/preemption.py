@@ -8,7 +8,19 @@ then takes the same path after that step, at no extra collective or host synchro
 
 from __future__ import annotations
 
+import os
 import signal
+
+# torchrun's agent sets it from --signals-to-handle (default SIGTERM,SIGINT,SIGHUP,SIGQUIT), and its
+# workers inherit it: the signals the agent acts on itself.
+AGENT_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+
+
+def handled_by_the_agent(signal_names: list[str]) -> list[str]:
+    """The preemption signals torchrun's agent handles itself: on one it stops the workers as a
+    failure and SIGKILLs them after its shutdown timeout (30 s), cutting a preemption's save short."""
+    handled = {name.strip() for name in os.environ.get(AGENT_SIGNALS_ENV, "").split(",")}
+    return [name for name in signal_names if name in handled]
 
 
 class PreemptionFlag:

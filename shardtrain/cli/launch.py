@@ -47,7 +47,7 @@ from typing import IO
 
 from shardtrain.config.plan import check_world, launch_shape
 from shardtrain.config.schema import Config
-from shardtrain.distributed.env import under_torchrun
+from shardtrain.distributed.env import check_not_one_of_many, under_torchrun
 from shardtrain.errors import ConfigError
 from shardtrain.logs import LOG_PREFIX
 
@@ -411,6 +411,7 @@ def relaunch_if_needed(cfg: Config, command: list[str], log_file: Path) -> int |
         world = int(os.environ["WORLD_SIZE"])
         check_world(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         return None
+    check_not_one_of_many()  # each copy would start torchrun's own world
     per_node, _ = launch_shape(cfg)
     if cfg.trainer.num_nodes > 1:
         raise ConfigError(

@@ -97,12 +97,36 @@ def under_torchrun() -> bool:
     )
 
 
+# The variables that say how many copies of a command a launcher other than torchrun started, and
+# who: srun -n N, mpirun, or a launcher setting WORLD_SIZE without the rest of torchrun's variables.
+COPIES_STARTED_BY = (("WORLD_SIZE", "a launcher that set WORLD_SIZE (without LOCAL_RANK or RANK)"),
+                     ("SLURM_STEP_NUM_TASKS", "srun"), ("OMPI_COMM_WORLD_SIZE", "mpirun"))
+
+
+def check_not_one_of_many() -> None:
+    """Outside torchrun, a process that is one of several copies of the command (``srun -n 8
+    shardtrain train``) would run alone as a world of one, every copy writing the same run.dir:
+    refused, naming the launcher and the way to start it."""
+    if under_torchrun():
+        return
+    for name, launcher in COPIES_STARTED_BY:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            raise ConfigError(
+                f"{name}={value}: this process is one of {value} copies started by {launcher}, not by "
+                "torchrun, and each would run alone as a world of one, all into the same run.dir; start "
+                "one torchrun agent per node (srun --ntasks-per-node=1 torchrun --nproc-per-node N -m "
+                "shardtrain ...: examples/slurm/train.sbatch), or give every process RANK, LOCAL_RANK, "
+                "WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
+
+
 def init_distributed(backend: str = "auto", timeout_s: int = 300, cpu_offload: bool = False) -> DistEnv:
     """Join (or create, for a lone process) the default process group.
 
     Under torchrun the rendezvous comes from the environment. A lone process gets a world of one on
     an in-memory store, so single-process runs take exactly the same FSDP2 code path.
     """
+    check_not_one_of_many()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = claim_device(local_rank)
     backend = process_group_backend(device, backend, cpu_offload)

@@ -25,7 +25,7 @@ from shardtrain.accelerator import (
 from shardtrain.checkpoint.best import BestEvaluations
 from shardtrain.checkpoint.checkpointer import Checkpointer, random_streams_kept, seed_random_streams
 from shardtrain.checkpoint.peft_adapter import load_peft_adapter, resolve_adapter_settings
-from shardtrain.checkpoint.preemption import PreemptionFlag
+from shardtrain.checkpoint.preemption import PreemptionFlag, handled_by_the_agent
 from shardtrain.checkpoint.state import (
     ADAPTER_SCALE_KEYS,
     MODEL_FUNCTION_KEYS,
@@ -492,6 +492,13 @@ class Trainer:
                   f"{optimizer_kind(b.optimizer)}")
         if self.cfg.finetune.method != "none":
             self.info(adapter_summary(b.model, self.cfg.finetune))
+        if self.checkpointer is not None and env.is_main and (
+                agent := handled_by_the_agent(list(self.cfg.checkpoint.preemption_signals))):
+            log.warning(f"torchrun's agent handles {', '.join(agent)} itself (its --signals-to-handle): it "
+                        "stops the workers as a failure and SIGKILLs them after its shutdown timeout (30 s), "
+                        "cutting a preemption's save short; start torchrun with those signals ignored and "
+                        "left out of --signals-to-handle (docs/checkpoints.md, Preemption), or use "
+                        "trainer.devices=N")
         if (statistics := running_statistics(b.model)) and self.layout.dp_world_size > 1:
             self.info(f"{len(statistics)} running statistics (BatchNorm-style buffers each rank updates "
                       "from its own batches): averaged over the data-parallel ranks before each "
