@@ -44,6 +44,23 @@ class SharedBlockModel(nn.Module):
         return self.out(self.decoder[0](self.encoder[0](self.emb(tokens))))
 
 
+class TiedAcrossUnitsModel(nn.Module):
+    """The head tied to the embedding, each in a unit of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(256, 24)
+        self.blocks = nn.ModuleList([Block()])
+        self.out = nn.Linear(24, 256, bias=False)
+        self.out.weight = self.emb.weight
+
+    def extra_shard_groups(self) -> list[list[nn.Module]]:
+        return [[self.emb], [self.out]]
+
+    def forward(self, tokens):
+        return self.out(self.blocks[0](self.emb(tokens)))
+
+
 class BypassModel(nn.Module):
     """Calls a sharded block's forward directly, skipping FSDP's hooks."""
 
@@ -77,6 +94,7 @@ def expect_error(out: str, name: str, model, run_dir: str | None = None, checkpo
 def rails(out: str) -> None:
     expect_error(out, "shared", SharedBlockModel)
     expect_error(out, "bypass", BypassModel)
+    expect_error(out, "tied", TiedAcrossUnitsModel)
 
     def stale_optimizer(sharded_model):
         unsharded = BypassModel()  # parameters from before sharding

@@ -35,8 +35,8 @@ from shardtrain.distributed.embedding_exchange import (
 )
 from shardtrain.distributed.preconditions import (
     check_single_registration,
+    check_tied_within_units,
     resolve_wrap_classes,
-    warn_tied_across_units,
 )
 from shardtrain.errors import ConfigError
 from shardtrain.models.lean_ops import checkpointed
@@ -334,7 +334,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
         seen.update(params)
         report.unit_params[name] = sum(p.numel() for p in params.values())
     report.unit_params["<root>"] = sum(p.numel() for p in model.parameters() if id(p) not in seen)
-    warn_tied_across_units(model, [name for name, _, _ in units])
+    check_tied_within_units(model, [name for name, _, _ in units])
     if plan.tensor_parallel > 1:
         # Tensor parallelism first: fully_shard then shards each TP shard over the data-parallel
         # dimensions, giving 2-D (or 3-D) DTensor parameters on the one mesh.

@@ -43,8 +43,9 @@ def owning_unit(name: str, units: Sequence[str]) -> str:
     return best
 
 
-def warn_tied_across_units(model: nn.Module, units: Sequence[str]) -> list[str]:
-    """Parameters shared by modules that sit in different FSDP units (call before sharding)."""
+def check_tied_within_units(model: nn.Module, units: Sequence[str]) -> None:
+    """Parameters shared by modules that sit in different FSDP units (call before sharding): torch's
+    fully_shard refuses them at the first forward, with a ValueError naming neither units nor fix."""
     owners: dict[int, set[str]] = defaultdict(set)
     names: dict[int, list[str]] = defaultdict(list)
     for module_name, module in model.named_modules():
@@ -52,17 +53,12 @@ def warn_tied_across_units(model: nn.Module, units: Sequence[str]) -> list[str]:
             full = f"{module_name}.{pname}" if module_name else pname
             owners[id(param)].add(owning_unit(module_name, units))
             names[id(param)].append(full)
-    warnings = []
     for key, unit_set in owners.items():
         if len(unit_set) > 1:
-            warnings.append(
-                f"tied parameter {' = '.join(names[key])} spans FSDP units {sorted(unit_set)}: it is "
-                "gathered by one unit and used by another. Put the modules sharing it in one unit "
-                "(e.g. extra_shard_groups() returning them together) to avoid extra all-gathers"
-            )
-    for message in warnings:
-        log.warning(message)
-    return warnings
+            raise ModelError(
+                f"tied parameter {' = '.join(names[key])} spans FSDP units {sorted(unit_set)}: one "
+                "parameter can belong to one unit only; put the modules sharing it in one unit (the "
+                "model's extra_shard_groups() returning them in one group, e.g. [[embed, head]])")
 
 
 def module_class_paths(model: nn.Module) -> list[str]:
