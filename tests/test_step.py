@@ -251,6 +251,16 @@ def test_a_resume_says_each_changed_setting_once_and_nothing_when_none_changed()
     trainer.layout, trainer.built.plan.precision = SimpleNamespace(global_batch=2), "fp32"
     [order] = trainer.resume_changes(saved, asked_lrs=[3e-3, 3e-3])
     assert "model.tokenizer 'auto' -> 'other/tokenizer.json'" in order, order
+    # Another torch release (the GPU machines' 2.11 and the CPU's 2.13 share checkpoints); another
+    # build or patch of the same release says nothing
+    trainer.cfg = cfg
+    this = torch.__version__.split("+")[0].split(".")
+    for version, said in ((f"{this[0]}.{this[1]}.9+cu130", False), (f"{this[0]}.{int(this[1]) - 1}.0", True)):
+        saved.versions = {"torch": version}
+        told = trainer.resume_changes(saved, asked_lrs=[3e-3, 3e-3])
+        assert told == ([f"the checkpoint was saved under torch {version}, this run has {torch.__version__}: "
+                         "Distributed Checkpoint promises no compatibility across torch releases; it loaded, "
+                         "and the first steps' loss should go on from the saved run's"] if said else []), told
 
 
 def test_the_weights_average_warms_up_its_decay():

@@ -115,6 +115,12 @@ class TrainResult:
         return self.count_seen
 
 
+def release(version: str) -> tuple[str, ...]:
+    """A torch version's major and minor release (2.11.0+cu130 -> ('2', '11')): patch releases and
+    builds for other devices save and read checkpoints alike."""
+    return tuple(version.split("+")[0].split(".")[:2])
+
+
 def due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
@@ -349,6 +355,12 @@ class Trainer:
             warnings.append(f"the adapters' settings differ from the checkpoint's ({', '.join(adapters)}): "
                             "the adapters trained so far are scaled and dropped out by the new values from "
                             f"step {self.step + 1} on, and the checkpoints record them")
+        saved_torch = state.versions.get("torch", "")
+        if saved_torch and release(saved_torch) != release(torch.__version__):
+            warnings.append(f"the checkpoint was saved under torch {saved_torch}, this run has "
+                            f"{torch.__version__}: Distributed Checkpoint promises no compatibility across "
+                            "torch releases; it loaded, and the first steps' loss should go on from the "
+                            "saved run's")
         return warnings
 
     def resume_watched(self) -> AbstractContextManager[None]:
