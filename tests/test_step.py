@@ -20,10 +20,11 @@ from omegaconf import OmegaConf
 from step_workers import agreement_and_empty_steps
 
 from shardtrain.checkpoint.state import TrainState
-from shardtrain.config.schema import Config
+from shardtrain.config.plan import resolve_plan
+from shardtrain.config.schema import Config, StrategyConfig
 from shardtrain.errors import TrainingError
 from shardtrain.tasks.task import LossOutput
-from shardtrain.train.loop import Trainer, TrainResult
+from shardtrain.train.loop import Trainer, TrainResult, precision_cautions
 from shardtrain.train.metrics import MetricsWriter, Throughput
 from shardtrain.train.optim import SCHEDULE_SHAPE, build_scheduler, follow_schedule, lr_factor
 from shardtrain.train.step import StepStats, check_metric_names, count_ahead, run_loss
@@ -261,6 +262,27 @@ def test_a_resume_says_each_changed_setting_once_and_nothing_when_none_changed()
         assert told == ([f"the checkpoint was saved under torch {version}, this run has {torch.__version__}: "
                          "Distributed Checkpoint promises no compatibility across torch releases; it loaded, "
                          "and the first steps' loss should go on from the saved run's"] if said else []), told
+
+
+def test_bf16_reductions_and_weights_are_said_at_start_up():
+    """From a review of the seeds' rules: bf16-pure (bf16 reductions, no fp32 master weights) and a
+    bf16 reduce_dtype were taken without a word. LoRA's fp32 adapters on a bf16 base are not bf16
+    weights that train; one rank reduces nothing."""
+    from torch import nn
+
+    pure = resolve_plan(StrategyConfig(mixed_precision="bf16-pure"), 2, 2)
+    model = nn.Linear(4, 4).to(torch.bfloat16)
+    reduce, weights = precision_cautions(model, pure, 2)
+    assert reduce.startswith("gradients are reduced in bf16 over 2 data-parallel ranks")
+    assert weights.startswith("trainable weights are stored in bf16 (no fp32 master weights)")
+    assert precision_cautions(model, pure, 1) == [weights]
+    model.weight.requires_grad_(False)
+    model.bias.requires_grad_(False)
+    assert precision_cautions(model, pure, 1) == []
+    mixed = resolve_plan(StrategyConfig(mixed_precision="bf16-mixed"), 2, 2)
+    assert precision_cautions(nn.Linear(4, 4), mixed, 8) == []
+    reduced = resolve_plan(StrategyConfig(mixed_precision="bf16-mixed", reduce_dtype="bf16"), 2, 2)
+    assert [c[:32] for c in precision_cautions(nn.Linear(4, 4), reduced, 8)] == [reduce[:32]]
 
 
 def test_the_weights_average_warms_up_its_decay():

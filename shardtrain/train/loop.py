@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from shardtrain import faults
 from shardtrain.accelerator import (
@@ -35,7 +36,7 @@ from shardtrain.checkpoint.state import (
 from shardtrain.checkpoint.weights import load_model_weights
 from shardtrain.config.compose import run_identity_hash, to_yaml
 from shardtrain.config.loader import check_built_in_task_settings
-from shardtrain.config.plan import check_world
+from shardtrain.config.plan import ShardingPlan, check_world
 from shardtrain.config.schema import Config, TrainerConfig
 from shardtrain.config.sizes import counted
 from shardtrain.config.strategy import PRECISION_PRESETS
@@ -113,6 +114,22 @@ class TrainResult:
     def tokens_seen(self) -> int:
         """``count_seen`` under its name before tasks counted other units (kept for callers of it)."""
         return self.count_seen
+
+
+def precision_cautions(model: nn.Module, plan: ShardingPlan, data_parallel_ranks: int) -> list[str]:
+    """What a bf16 choice costs, said at start-up: gradients summed over ranks in bf16, and
+    trainable weights (and so AdamW's state) kept in bf16 without fp32 master weights."""
+    cautions = []
+    if plan.reduce_dtype == torch.bfloat16 and data_parallel_ranks > 1:
+        cautions.append(f"gradients are reduced in bf16 over {data_parallel_ranks} data-parallel ranks: a "
+                        "sum of many ranks' gradients keeps 8 bits of mantissa; strategy.reduce_dtype=fp32 "
+                        "reduces in fp32 (bf16-mixed's default)")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if any(p.dtype == torch.bfloat16 for p in trainable):
+        cautions.append("trainable weights are stored in bf16 (no fp32 master weights): an update below a "
+                        "weight's bf16 resolution (1/256 of it) is lost, and AdamW's moments are bf16 too; "
+                        "strategy.mixed_precision=bf16-mixed keeps fp32 weights and computes in bf16")
+    return cautions
 
 
 def release(version: str) -> tuple[str, ...]:
@@ -504,6 +521,9 @@ class Trainer:
                   f"{optimizer_kind(b.optimizer)}")
         if self.cfg.finetune.method != "none":
             self.info(adapter_summary(b.model, self.cfg.finetune))
+        if env.is_main:
+            for caution in precision_cautions(b.model, b.plan, self.layout.dp_world_size):
+                log.warning(f"precision: {caution}")
         if self.checkpointer is not None and env.is_main and (
                 agent := handled_by_the_agent(list(self.cfg.checkpoint.preemption_signals))):
             log.warning(f"torchrun's agent handles {', '.join(agent)} itself (its --signals-to-handle): it "
