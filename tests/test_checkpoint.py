@@ -105,11 +105,22 @@ def test_resume_at_another_world_size_and_strategy(four_rank_checkpoint, world, 
     sample_ids_match([first["ids"], resumed["ids"]], full["ids"])
 
 
-def test_consolidation_is_bitwise_and_init_from_loads_it(four_rank_checkpoint, tmp_path):
+def test_consolidation_is_bitwise_and_init_from_loads_it(four_rank_checkpoint, tmp_path, monkeypatch):
+    """One file is streamed a group of tensors at a time, as shards are (found by review: one file
+    held the whole model in memory, 280 GB for a 70B); safetensors reads what it writes."""
+    import shardtrain.export.consolidate as consolidation
+
     out = four_rank_checkpoint
     ckpt = out / "full4" / "checkpoints" / f"step-{2 * N}"
     gathered = torch.load(out / "full4.pt")["weights"]
+    groups, read = [], consolidation.load_tensors
+    monkeypatch.setattr(consolidation, "READ_BYTES", 8 * 2**10)
+    monkeypatch.setattr(consolidation, "load_tensors", lambda path, entries, metadata: (
+        groups.append(sum(m.size.numel() * m.properties.dtype.itemsize for _, _, m in entries)
+                      if len(entries) > 1 else 0), read(path, entries, metadata))[1])
     single = consolidate(ckpt, tmp_path / "one" / "model.safetensors")
+    assert len(groups) > 3 and max(groups) <= 8 * 2**10, groups  # (0: a tensor alone)
+    monkeypatch.undo()
     assert [p.name for p in single] == ["model.safetensors"]
     weights = load_file(single[0])
     assert weights.keys() == gathered.keys()

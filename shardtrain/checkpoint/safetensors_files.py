@@ -94,6 +94,55 @@ def save_shard(tensors: dict[str, torch.Tensor], target: Path, metadata: dict[st
     os.replace(tmp, target)
 
 
+# A tensor of a file written as it streams: its name, dtype and shape, known before its bytes.
+TensorLayout = tuple[str, torch.dtype, tuple[int, ...]]
+SAFETENSORS_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def streamed_header(layout: list[TensorLayout], metadata: dict[str, str]) -> bytes:
+    """The safetensors header of ``layout``'s tensors stored one after another in that order: an
+    8-byte little-endian length, then the JSON (padded with spaces to a multiple of 8 bytes, as the
+    library writes it) of each tensor's dtype, shape and byte range."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, dtype, shape in layout:
+        if dtype not in SAFETENSORS_NAMES:
+            raise CheckpointError(f"tensor {name!r} is {dtype}, which safetensors files do not hold here "
+                                  f"(one of {', '.join(DTYPES)}); pass --dtype to cast it")
+        size = dtype.itemsize * int(torch.Size(shape).numel())
+        header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def write_streamed(target: Path, layout: list[TensorLayout], metadata: dict[str, str],
+                   tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """A safetensors file whose header is known before its tensors (``layout``, in file order), the
+    tensors' bytes written as ``tensors`` yields them in that order: only the ones being yielded are
+    in memory, not the file's (the library writes from a dict of every tensor). Atomic, as
+    ``save_shard``; the library reads the result (tested)."""
+    tmp = target.with_name(target.name + ".tmp")
+    try:
+        with open(tmp, "wb") as out:
+            out.write(streamed_header(layout, metadata))
+            expected = iter(layout)
+            for name, tensor in tensors:
+                want = next(expected)
+                if (name, tensor.dtype, tuple(tensor.shape)) != want:  # the caller's order: a bug if not
+                    raise RuntimeError(f"streamed tensor {name} {tensor.dtype} {tuple(tensor.shape)} is not "
+                                       f"the next of the header, {want}")
+                # Little-endian bytes (the format's, and every platform torch trains on)
+                out.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            if next(expected, None) is not None:
+                raise RuntimeError(f"{target}: fewer tensors streamed than its header holds")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_index(directory: Path, weight_map: dict[str, str], total_bytes: int) -> Path:
     index = directory / INDEX_FILE
     index.write_text(json.dumps({"metadata": {"total_size": total_bytes},

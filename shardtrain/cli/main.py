@@ -609,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cons = sub.add_parser(
         "consolidate",
-        help="sharded checkpoint -> model-only safetensors (streamed, one output shard in memory)",
+        help="sharded checkpoint -> model-only safetensors (streamed: one file or shards, 256 MiB in memory)",
         description="Reads shardtrain, Lightning (meta.pt + .metadata + *.distcp) and plain DCP "
         "checkpoints. OUT ending in .safetensors: one file; otherwise a directory with "
         "model.safetensors, or HF-style shards + model.safetensors.index.json with --max-shard-size.",

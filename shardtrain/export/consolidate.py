@@ -1,9 +1,11 @@
-"""Sharded DCP checkpoint -> model-only safetensors, streamed one output shard at a time.
+"""Sharded DCP checkpoint -> model-only safetensors, streamed a group of tensors at a time.
 
 Reads shardtrain checkpoints, Lightning's sharded FSDP checkpoints (``meta.pt`` + ``.metadata`` +
 ``*.distcp``; the Trainer keeps weights under ``state_dict.``, Fabric under the user's key such as
-``model.``) and plain DCP directories. Only the tensors of the current output shard are ever in
-memory, so peak memory is about the largest output shard, not the model. No process group needed.
+``model.``) and plain DCP directories. Each output file's header is written first (every tensor's
+dtype, shape and place is known from DCP's metadata), then its tensors, read ``READ_BYTES`` at a
+time (a larger tensor alone): peak memory is about that, not the model, nor the output file (one
+file of a 70B model held it all). No process group needed.
 The checksums a shardtrain checkpoint records are verified first (``verify=False``, the CLI's
 ``--skip-checksums``, skips that), so damage is named instead of surfacing as a torch error. An
 output that already holds model files is refused (``check_new_output``): an earlier export's files
@@ -13,6 +15,7 @@ left beside the new ones would be read instead of them.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,15 +28,19 @@ from shardtrain.checkpoint import integrity, layout
 from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed
 from shardtrain.checkpoint.safetensors_files import (
     check_new_output,
-    save_shard,
     shard_name,
     shardtrain_metadata,
     write_index,
+    write_streamed,
 )
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.config.plan import DTYPES
 from shardtrain.config.sizes import parse_size
 from shardtrain.errors import CheckpointError
+
+# The bytes of checkpoint tensors read from DCP at once while a file is written: fewer reads of larger
+# groups cost little, and the peak memory is about this (or the largest tensor).
+READ_BYTES = 256 * 2**20
 
 # Wrapper prefixes that torch.compile and FSDP1/activation-checkpoint wrappers put into names.
 WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -136,6 +143,34 @@ def load_tensors(path: Path, entries, metadata: Metadata | None = None) -> dict[
     return state
 
 
+def read_groups(entries: list) -> Iterator[list]:
+    """``entries`` in order, in runs of at most ``READ_BYTES`` stored bytes (a larger tensor alone)."""
+    budget = READ_BYTES
+    group: list = []
+    size = 0
+    for entry in entries:
+        meta = entry[2]
+        nbytes = meta.size.numel() * meta.properties.dtype.itemsize
+        if group and size + nbytes > budget:
+            yield group
+            group, size = [], 0
+        group.append(entry)
+        size += nbytes
+    if group:
+        yield group
+
+
+def streamed_tensors(path: Path, entries: list, metadata: Metadata,
+                     cast: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(output name, tensor in its written dtype) of ``entries`` in order, read a group at a time."""
+    for group in read_groups(entries):
+        loaded = load_tensors(path, group, metadata)
+        for ckpt_key, out_name, _ in group:
+            tensor = loaded.pop(ckpt_key)
+            yield out_name, tensor.to(written_dtype(tensor.dtype, cast))
+        del loaded
+
+
 def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | None = None,
                 dtype: str | None = None, key: str | None = None, verify: bool = True) -> list[Path]:
     """Write model-only safetensors; returns the files written."""
@@ -169,15 +204,12 @@ def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | N
         metadata = shardtrain_metadata(TrainState.read(path).config)
     for index, entries in enumerate(plan.shards, start=1):
         name = out.name if single else shard_name(index, n)
-        loaded = load_tensors(path, entries, plan.metadata)
-        tensors = {}
-        for ckpt_key, out_name, _ in entries:
-            t = loaded.pop(ckpt_key)
-            tensors[out_name] = t.to(written_dtype(t.dtype, cast)).contiguous()
-            weight_map[out_name] = name
-        save_shard(tensors, directory / name, metadata)
+        tensors = [(out_name, written_dtype(meta.properties.dtype, cast), tuple(meta.size))
+                   for _, out_name, meta in entries]
+        write_streamed(directory / name, tensors, metadata,
+                       streamed_tensors(path, entries, plan.metadata, cast))
+        weight_map.update((out_name, name) for _, out_name, _ in entries)
         files.append(directory / name)
-        del tensors, loaded
     if n > 1:
         files.append(write_index(directory, weight_map, plan.total_bytes))
     return files
