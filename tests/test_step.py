@@ -22,9 +22,10 @@ from step_workers import agreement_and_empty_steps
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import Config, StrategyConfig
+from shardtrain.distributed.parallelize import ShardingReport
 from shardtrain.errors import TrainingError
 from shardtrain.tasks.task import LossOutput
-from shardtrain.train.loop import Trainer, TrainResult, precision_cautions
+from shardtrain.train.loop import Trainer, TrainResult, precision_cautions, root_unit_caution
 from shardtrain.train.metrics import MetricsWriter, Throughput
 from shardtrain.train.optim import SCHEDULE_SHAPE, build_scheduler, follow_schedule, lr_factor
 from shardtrain.train.step import StepStats, check_metric_names, count_ahead, run_loss
@@ -283,6 +284,21 @@ def test_bf16_reductions_and_weights_are_said_at_start_up():
     assert precision_cautions(nn.Linear(4, 4), mixed, 8) == []
     reduced = resolve_plan(StrategyConfig(mixed_precision="bf16-mixed", reduce_dtype="bf16"), 2, 2)
     assert [c[:32] for c in precision_cautions(nn.Linear(4, 4), reduced, 8)] == [reduce[:32]]
+
+
+def test_a_root_unit_holding_most_parameters_is_said():
+    """From a review of the seeds' rules: a wrap policy matching only small modules (Llama's
+    Attention) left the MLPs in the root, gathered whole all step, without a word."""
+    report = ShardingReport(wrap_classes=["Attention"],
+                            unit_params={"layers.0.attention": 400, "layers.1.attention": 400,
+                                         "<root>": 1200})
+    two = resolve_plan(StrategyConfig(), 2, 2)
+    said = root_unit_caution(report, two)
+    assert said.startswith("the root unit holds 60% of the parameters (1,200): outside every unit of the "
+                           "wrap policy (Attention)"), said
+    assert root_unit_caution(report, resolve_plan(StrategyConfig(), 1, 1)) is None  # nothing is sharded
+    report.unit_params["<root>"] = 800
+    assert root_unit_caution(report, two) is None
 
 
 def test_the_weights_average_warms_up_its_decay():

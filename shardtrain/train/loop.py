@@ -62,7 +62,7 @@ from shardtrain.distributed.env import (
     init_distributed,
     set_cpu_threads,
 )
-from shardtrain.distributed.parallelize import refresh_float8_scales
+from shardtrain.distributed.parallelize import ShardingReport, refresh_float8_scales
 from shardtrain.distributed.qlora import full_value, nf4_summary, quantize_base
 from shardtrain.distributed.running_stats import average_running_statistics, running_statistics
 from shardtrain.distributed.sharded_model import deferred_initialization, with_adapters
@@ -130,6 +130,25 @@ def precision_cautions(model: nn.Module, plan: ShardingPlan, data_parallel_ranks
                         "weight's bf16 resolution (1/256 of it) is lost, and AdamW's moments are bf16 too; "
                         "strategy.mixed_precision=bf16-mixed keeps fp32 weights and computes in bf16")
     return cautions
+
+
+# The share of the parameters the root unit may hold before the start-up says what that costs.
+ROOT_SHARE_LIMIT = 0.5
+
+
+def root_unit_caution(report: ShardingReport, plan: ShardingPlan) -> str | None:
+    """Where the root unit holds most of the parameters (a wrap policy matching only small modules,
+    or most of the model outside every unit): FSDP gathers the root's parameters at the start of
+    forward and keeps them whole through it, so that share is not sharded while it is used."""
+    total = sum(report.unit_params.values())
+    root = report.unit_params.get("<root>", 0)
+    if plan.shard_group < 2 or not total or root / total <= ROOT_SHARE_LIMIT:
+        return None
+    return (f"the root unit holds {root / total:.0%} of the parameters ({root:,}): outside every unit of "
+            f"the wrap policy ({', '.join(report.wrap_classes) or 'none'}), they are gathered whole on every "
+            "rank for all of forward and backward, so memory for them does not fall with the ranks; put "
+            "their modules in units (strategy.wrap_policy naming the model's block class, or the "
+            "model's extra_shard_groups())")
 
 
 def release(version: str) -> tuple[str, ...]:
@@ -524,6 +543,8 @@ class Trainer:
         if env.is_main:
             for caution in precision_cautions(b.model, b.plan, self.layout.dp_world_size):
                 log.warning(f"precision: {caution}")
+            if root := root_unit_caution(b.report, b.plan):
+                log.warning(f"sharding: {root}")
         if self.checkpointer is not None and env.is_main and (
                 agent := handled_by_the_agent(list(self.cfg.checkpoint.preemption_signals))):
             log.warning(f"torchrun's agent handles {', '.join(agent)} itself (its --signals-to-handle): it "
