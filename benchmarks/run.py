@@ -281,7 +281,7 @@ def render_checkpoint(results: dict, command: str) -> str:
 
 Consolidation streams one file and shards alike: each file's header first, then its tensors read
 from the checkpoint about 256 MiB at a time (a larger tensor alone), so the peak is the import
-baseline plus about twice a read group (DCP reads a tensor's bytes, then copies them into place),
+baseline plus one to two read groups (DCP reads a tensor's bytes, then copies them into place),
 whatever the model's size or the output's layout (before 2026-11-30, one output file held the whole
 model: 1,184 MiB for llama_200m).
 {CKPT_END}"""
