@@ -125,6 +125,11 @@ def test_consolidation_is_bitwise_and_init_from_loads_it(four_rank_checkpoint, t
     weights = load_file(single[0])
     assert weights.keys() == gathered.keys()
     assert all(torch.equal(weights[k], gathered[k]) for k in gathered)
+    # In the library's order (larger items first, then names), not DCP's
+    raw = single[0].read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    header.pop("__metadata__")
+    assert sorted(header, key=lambda name: header[name]["data_offsets"]) == sorted(header)
 
     files = consolidate(ckpt, tmp_path / "sharded", max_shard_size="20KB")
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
@@ -161,6 +166,38 @@ def test_consolidation_is_bitwise_and_init_from_loads_it(four_rank_checkpoint, t
     for world in (2, 1):
         loaded = torch.load(tmp_path / f"init{world}.pt")
         assert all(torch.equal(loaded[k], gathered[k]) for k in gathered)
+
+
+def test_a_streamed_file_holds_every_dtype_aligned(tmp_path):
+    """consolidate's own safetensors writer: every dtype the format holds (torchtitan keeps a complex
+    freqs_cis; float8 and unsigned weights exist), odd sizes, 0-d, empty and non-contiguous tensors,
+    read back by the library; in the library's order, each offset a multiple of its item size
+    (found by review: DCP's order put an fp32 after 3 bf16 values, which zero-copy readers refuse)."""
+    from safetensors.torch import load_file
+
+    from shardtrain.checkpoint.safetensors_files import DTYPES, file_order_key, write_streamed
+
+    tensors = {"odd_bf16": torch.randn(3).bfloat16(), "scalar_bf16": torch.tensor(0.5).bfloat16(),
+               "flag": torch.tensor([True]), "empty": torch.zeros(0, 4), "steps": torch.arange(3),
+               "freqs": torch.polar(torch.ones(5), torch.arange(5.0)),
+               "ids": torch.arange(7).to(torch.uint16), "scaled": torch.randn(6).to(torch.float8_e4m3fn),
+               "columns": torch.randn(4, 6).t()}
+    names = sorted(tensors, key=lambda name: file_order_key(name, tensors[name].dtype))
+    target = tmp_path / "m.safetensors"
+    write_streamed(target, [(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in names], {"format": "pt"},
+                   iter([(n, tensors[n]) for n in names]))
+    read = load_file(target)
+    assert read.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert read[name].dtype == tensor.dtype and read[name].shape == tensor.shape, name
+        assert read[name].reshape(-1).view(torch.uint8).equal(tensor.reshape(-1).view(torch.uint8)), name
+    header = json.loads(target.read_bytes()[8:8 + int.from_bytes(target.read_bytes()[:8], "little")])
+    for name, entry in header.items():
+        if name != "__metadata__":
+            assert entry["data_offsets"][0] % DTYPES[entry["dtype"]].itemsize == 0, (name, entry)
+    with pytest.raises(CheckpointError, match="which safetensors files cannot hold"):
+        write_streamed(tmp_path / "c.safetensors", [("z", torch.complex128, (1,))], {}, iter([]))
+    assert not list(tmp_path.glob("c.safetensors*"))
 
 
 def lightning_checkpoint(path, layout: str, tensors: dict[str, torch.Tensor]) -> None:

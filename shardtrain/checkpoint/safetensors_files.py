@@ -34,9 +34,13 @@ DATA_CONFIG_KEY = "shardtrain_data_config"
 MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt",
                "*.pth", "*.gguf", "config.json", "generation_config.json", "adapter_config.json",
                "tokenizer*", "special_tokens_map.json", "chat_template.jinja")
+# Every dtype the format holds, by its name in a file's header.
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-          "U8": torch.uint8, "BOOL": torch.bool}
+          "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
+          "BOOL": torch.bool, "C64": torch.complex64, "F8_E4M3": torch.float8_e4m3fn,
+          "F8_E5M2": torch.float8_e5m2, "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+          "F8_E5M2FNUZ": torch.float8_e5m2fnuz}
 
 
 def shard_name(index: int, count: int) -> str:
@@ -99,16 +103,29 @@ TensorLayout = tuple[str, torch.dtype, tuple[int, ...]]
 SAFETENSORS_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
+def check_writable(layout: list[TensorLayout]) -> None:
+    """Every tensor of ``layout`` in a dtype safetensors holds (before any file is written)."""
+    for name, dtype, _ in layout:
+        if dtype not in SAFETENSORS_NAMES:
+            raise CheckpointError(f"tensor {name!r} is {dtype}, which safetensors files cannot hold (they "
+                                  f"hold {', '.join(DTYPES)})")
+
+
+def file_order_key(name: str, dtype: torch.dtype) -> tuple[int, str]:
+    """The order the library writes a file's tensors in, larger items first (then by name): each
+    tensor's offset is then a multiple of its item size, which readers that map the file and view
+    its bytes as the dtype (zero-copy loaders) need."""
+    return -dtype.itemsize, name
+
+
 def streamed_header(layout: list[TensorLayout], metadata: dict[str, str]) -> bytes:
     """The safetensors header of ``layout``'s tensors stored one after another in that order: an
     8-byte little-endian length, then the JSON (padded with spaces to a multiple of 8 bytes, as the
     library writes it) of each tensor's dtype, shape and byte range."""
+    check_writable(layout)
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, dtype, shape in layout:
-        if dtype not in SAFETENSORS_NAMES:
-            raise CheckpointError(f"tensor {name!r} is {dtype}, which safetensors files do not hold here "
-                                  f"(one of {', '.join(DTYPES)}); pass --dtype to cast it")
         size = dtype.itemsize * int(torch.Size(shape).numel())
         header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape),
                         "data_offsets": [offset, offset + size]}

@@ -28,6 +28,8 @@ from shardtrain.checkpoint import integrity, layout
 from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed
 from shardtrain.checkpoint.safetensors_files import (
     check_new_output,
+    check_writable,
+    file_order_key,
     shard_name,
     shardtrain_metadata,
     write_index,
@@ -143,6 +145,12 @@ def load_tensors(path: Path, entries, metadata: Metadata | None = None) -> dict[
     return state
 
 
+def written_layout(entries: list, cast: torch.dtype | None) -> list:
+    """(output name, written dtype, shape) of each entry: a file's header, before its bytes."""
+    return [(out_name, written_dtype(meta.properties.dtype, cast), tuple(meta.size))
+            for _, out_name, meta in entries]
+
+
 def read_groups(entries: list) -> Iterator[list]:
     """``entries`` in order, in runs of at most ``READ_BYTES`` stored bytes (a larger tensor alone)."""
     budget = READ_BYTES
@@ -202,11 +210,13 @@ def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | N
     if layout.detect_format(path) == "shardtrain" and model_entries:
         # the weights' average (trainer.ema_decay's) is the same model's
         metadata = shardtrain_metadata(TrainState.read(path).config)
+    check_writable([entry for entries in plan.shards for entry in written_layout(entries, cast)])
     for index, entries in enumerate(plan.shards, start=1):
         name = out.name if single else shard_name(index, n)
-        tensors = [(out_name, written_dtype(meta.properties.dtype, cast), tuple(meta.size))
-                   for _, out_name, meta in entries]
-        write_streamed(directory / name, tensors, metadata,
+        # In the order the file holds them: each offset a multiple of its item size
+        entries = sorted(entries, key=lambda entry: file_order_key(
+            entry[1], written_dtype(entry[2].properties.dtype, cast)))
+        write_streamed(directory / name, written_layout(entries, cast), metadata,
                        streamed_tensors(path, entries, plan.metadata, cast))
         weight_map.update((out_name, name) for _, out_name, _ in entries)
         files.append(directory / name)
