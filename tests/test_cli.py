@@ -11,10 +11,12 @@ import pytest
 import torch
 from cli_utils import clean_env, read_metrics, run_cli
 
-from shardtrain.distributed.env import init_distributed
+from shardtrain.config.schema import Config
+from shardtrain.distributed.env import check_not_one_of_many, init_distributed
 from shardtrain.errors import ConfigError
 from shardtrain.logs import TaggedFormatter, not_for_users
 from shardtrain.train.console import format_record
+from shardtrain.train.loop import Trainer
 
 
 def test_default_train_runs_and_loss_falls(tmp_path):
@@ -208,18 +210,29 @@ def test_bad_input_exits_nonzero_with_message(args, message, tmp_path):
 def test_copies_started_without_torchrun_are_refused(tmp_path, monkeypatch):
     """Found by review: `srun -n 8 shardtrain train` (or a launcher setting WORLD_SIZE alone) ran 8
     worlds of one, each training alone into the same run.dir, without a word."""
-    for env, started_by in (({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "3"}, "8 copies started by srun"),
-                            ({"WORLD_SIZE": "4", "RANK": "1"}, "4 copies started by a launcher that set "
-                                                               "WORLD_SIZE")):
-        proc = run_cli("train", "trainer.max_steps=1", f"run.dir={tmp_path}", env=env, timeout=120)
-        assert proc.returncode == 2 and started_by in proc.stderr, proc.stderr[-2000:]
+    for env, devices, said in (
+            ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "3"}, 1,
+             "8 copies started by srun, not by torchrun, and each would train alone as a world of one"),
+            ({"SLURM_STEP_NUM_TASKS": "2"}, 2, "each would start a torchrun world of its own"),
+            ({"WORLD_SIZE": "4", "RANK": "1"}, 1,
+             "4 copies started by a launcher that set WORLD_SIZE but not LOCAL_RANK")):
+        proc = run_cli("train", "trainer.max_steps=1", f"trainer.devices={devices}", f"run.dir={tmp_path}",
+                       env=env, timeout=120)
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr[-2000:]
         assert "start one torchrun agent per node" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "checkpoints").exists()
     # The library's entry (a task of one's own under mpirun): before any process group exists
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="one of 2 copies started by mpirun"):
-        init_distributed()
+        Trainer.create(Config())
     assert not torch.distributed.is_initialized()
+    # What is not training may run as many copies (srun -n 4 ... generate, one GPU each), and a
+    # WORLD_SIZE left in the environment is torchrun's to replace under the built-in launcher
+    init_distributed()
+    torch.distributed.destroy_process_group()
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    check_not_one_of_many(starts_torchrun=True)
 
 
 def test_a_filesystem_failure_or_a_damaged_file_is_one_line(tmp_path):

@@ -411,8 +411,8 @@ def relaunch_if_needed(cfg: Config, command: list[str], log_file: Path) -> int |
         world = int(os.environ["WORLD_SIZE"])
         check_world(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         return None
-    check_not_one_of_many()  # each copy would start torchrun's own world
     per_node, _ = launch_shape(cfg)
+    check_not_one_of_many(starts_torchrun=per_node > 1)
     if cfg.trainer.num_nodes > 1:
         raise ConfigError(
             f"trainer.num_nodes={cfg.trainer.num_nodes}: start torchrun on every node, e.g. "

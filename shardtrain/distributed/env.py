@@ -97,27 +97,35 @@ def under_torchrun() -> bool:
     )
 
 
-# The variables that say how many copies of a command a launcher other than torchrun started, and
-# who: srun -n N, mpirun, or a launcher setting WORLD_SIZE without the rest of torchrun's variables.
-COPIES_STARTED_BY = (("WORLD_SIZE", "a launcher that set WORLD_SIZE (without LOCAL_RANK or RANK)"),
-                     ("SLURM_STEP_NUM_TASKS", "srun"), ("OMPI_COMM_WORLD_SIZE", "mpirun"))
+# The variables that say how many copies of a command a launcher other than torchrun started.
+COPIES_STARTED_BY = (("SLURM_STEP_NUM_TASKS", "srun"), ("OMPI_COMM_WORLD_SIZE", "mpirun"))
 
 
-def check_not_one_of_many() -> None:
-    """Outside torchrun, a process that is one of several copies of the command (``srun -n 8
-    shardtrain train``) would run alone as a world of one, every copy writing the same run.dir:
-    refused, naming the launcher and the way to start it."""
+def check_not_one_of_many(starts_torchrun: bool = False) -> None:
+    """Training outside torchrun, in a process that is one of several copies of the command (``srun
+    -n 8 shardtrain train``, mpirun, a launcher that set WORLD_SIZE but not torchrun's other
+    variables): every copy would train a world of its own into the same run.dir. Refused, naming
+    the launcher and the way to start it. ``starts_torchrun``: this process starts torchrun's agent
+    itself (``trainer.devices=N``), which gives its workers their own WORLD_SIZE."""
     if under_torchrun():
         return
-    for name, launcher in COPIES_STARTED_BY:
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 1:
-            raise ConfigError(
-                f"{name}={value}: this process is one of {value} copies started by {launcher}, not by "
-                "torchrun, and each would run alone as a world of one, all into the same run.dir; start "
-                "one torchrun agent per node (srun --ntasks-per-node=1 torchrun --nproc-per-node N -m "
-                "shardtrain ...: examples/slurm/train.sbatch), or give every process RANK, LOCAL_RANK, "
-                "WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
+    found = [(name, launcher, int(os.environ[name])) for name, launcher in COPIES_STARTED_BY
+             if os.environ.get(name, "").isdigit() and int(os.environ[name]) > 1]
+    world = os.environ.get("WORLD_SIZE", "")
+    if not starts_torchrun and world.isdigit() and int(world) > 1:
+        missing = " and ".join(name for name in ("RANK", "LOCAL_RANK") if name not in os.environ)
+        found.append(("WORLD_SIZE", f"a launcher that set WORLD_SIZE but not {missing}", int(world)))
+    if not found:
+        return
+    name, launcher, copies = found[0]
+    alone = ("start a torchrun world of its own (trainer.devices)" if starts_torchrun
+             else "train alone as a world of one")
+    raise ConfigError(
+        f"{name}={copies}: this process is one of {copies} copies started by {launcher}, not by torchrun, "
+        f"and each would {alone}, all into the same run.dir; start one torchrun agent per node (srun "
+        "--ntasks-per-node=1 torchrun --nproc-per-node N -m shardtrain train ...: "
+        "examples/slurm/train.sbatch), or give every process RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR "
+        "and MASTER_PORT")
 
 
 def init_distributed(backend: str = "auto", timeout_s: int = 300, cpu_offload: bool = False) -> DistEnv:
@@ -126,7 +134,6 @@ def init_distributed(backend: str = "auto", timeout_s: int = 300, cpu_offload: b
     Under torchrun the rendezvous comes from the environment. A lone process gets a world of one on
     an in-memory store, so single-process runs take exactly the same FSDP2 code path.
     """
-    check_not_one_of_many()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = claim_device(local_rank)
     backend = process_group_backend(device, backend, cpu_offload)

@@ -58,6 +58,7 @@ from shardtrain.distributed.agreement import run_agreed
 from shardtrain.distributed.env import (
     DistEnv,
     apply_debug_switches,
+    check_not_one_of_many,
     check_shared_run_dir,
     init_distributed,
     set_cpu_threads,
@@ -261,6 +262,7 @@ class Trainer:
         so one config can start several runs (at other world sizes, ``auto`` chooses afresh)."""
         # A shallow copy suffices: start-up replaces the config's sections, never edits one in place.
         cfg = replace(cfg)
+        check_not_one_of_many()  # the library's entry to training, as the command's
         apply_debug_switches(cfg.dist, Path(cfg.run.dir))
         # The process group's own timeout is the start-up bound; the per-step bound after the first
         # step is enforced by the watchdog (see diagnostics/watchdog.py).
