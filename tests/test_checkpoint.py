@@ -275,14 +275,16 @@ def test_later_checkpoints_are_this_runs_only_with_the_same_resume_and_config(tm
     saved(chosen, 2, "auto")
     saved(root / "step-4", 4, str(chosen))
     saved(root / "step-6", 6, str(chosen))
-    assert layout.saved_by_same_resume(root, str(chosen), "abc")
-    assert not layout.saved_by_same_resume(root, str(chosen), "another config")
+    assert layout.saved_by_same_resume(root, str(chosen), {"abc"})
+    assert not layout.saved_by_same_resume(root, str(chosen), {"another config"})
+    # a checkpoint from before 2026-11-30 holds the resolved config's hash, which is also compared
+    assert layout.saved_by_same_resume(root, str(chosen), {"another config", "abc"})
     assert not layout.saved_by_same_resume(root, str(tmp_path / "elsewhere" / "step-2"))
     cfg = Config()
     cfg.run.dir, cfg.checkpoint.resume = str(tmp_path / "run"), str(chosen)
     check_resume(cfg)  # the ranks compare the configs
     shutil.rmtree(chosen)  # pruned by the first job's keep_last: the requeue still goes on
-    assert layout.saved_by_same_resume(root, str(chosen), "abc")
+    assert layout.saved_by_same_resume(root, str(chosen), {"abc"})
     check_resume(cfg)
     saved(root / "step-8", 8, "auto")  # another start's later step: not this run's
     with pytest.raises(CheckpointError, match="does not exist"):
@@ -297,7 +299,7 @@ def test_later_checkpoints_are_this_runs_only_with_the_same_resume_and_config(tm
     saved(tmp_path / "other" / "step-10", 10, "auto")
     link.unlink()
     link.symlink_to("step-10")
-    assert layout.saved_by_same_resume(mine, str(link), "abc")
+    assert layout.saved_by_same_resume(mine, str(link), {"abc"})
 
 
 def test_trainer_state_fields_are_type_checked(tmp_path):

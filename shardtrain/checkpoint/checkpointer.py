@@ -54,6 +54,7 @@ from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed, save_fai
 from shardtrain.checkpoint.safetensors_files import save_safetensors, shardtrain_metadata, unshared
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.checkpoint.weights import base_identity, check_model_compatible, check_same_base
+from shardtrain.config.compose import config_hash
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
 from shardtrain.distributed.agreement import agree, from_rank, gather_verdicts, raise_first_error, run_agreed
@@ -411,7 +412,9 @@ class Checkpointer:
         if choice == "none":
             return restarted and bool(layout.candidates(self.root).complete)
         # The same config too: the same resume with another learning rate is a new run, not a requeue.
-        return layout.saved_by_same_resume(self.root, choice, self.requested_hash)
+        # Checkpoints saved before 2026-11-30 hold the hash of the config as resolved (a requeue at
+        # the same world size still matches it).
+        return layout.saved_by_same_resume(self.root, choice, {self.requested_hash, config_hash(self.cfg)})
 
     def verify_agreed(self, path: Path, refuse_newer: bool = False) -> Any:
         """DCP's metadata of the checkpoint at ``path``, checked by every rank and agreed on.

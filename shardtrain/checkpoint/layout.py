@@ -22,6 +22,7 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -249,12 +250,12 @@ def newer_checkpoints(root: Path, step: int) -> list[Path]:
     return [path for saved, path in candidates(root).complete if saved > step]
 
 
-def saved_by_same_resume(root: Path, choice: str, config_hash: str | None = None) -> bool:
+def saved_by_same_resume(root: Path, choice: str, config_hashes: Collection[str] | None = None) -> bool:
     """Whether ``root`` holds checkpoints saved by runs started with ``checkpoint.resume=choice``
-    (and, given ``config_hash``, the same config), and none saved by another run after the first of
-    them: a restarted attempt or a requeued job of this run, which goes on from them, not from
-    ``choice`` again (it would repeat the steps and collide with its own saves). Later checkpoints of
-    any other run, or of the same resume with other settings, are refused
+    (and, given ``config_hashes``, the same config: its hash one of them), and none saved by another
+    run after the first of them: a restarted attempt or a requeued job of this run, which goes on
+    from them, not from ``choice`` again (it would repeat the steps and collide with its own saves).
+    Later checkpoints of any other run, or of the same resume with other settings, are refused
     (``refuse_newer_checkpoints``). Judged from ``root``'s own checkpoints, not from the step
     ``choice`` names now: that may be a link another run moves on (``checkpoints/best``), or a
     checkpoint this run's saves pruned."""
@@ -264,7 +265,7 @@ def saved_by_same_resume(root: Path, choice: str, config_hash: str | None = None
         except CheckpointError:
             return False
         return (state.config.get("checkpoint", {}).get("resume") == choice
-                and config_hash in (None, state.config_hash))
+                and (config_hashes is None or state.config_hash in config_hashes))
 
     saved = candidates(root).complete
     first = next((step for step, path in saved if same_run(path)), None)
