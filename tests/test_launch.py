@@ -297,7 +297,7 @@ def test_workers_left_by_a_killed_agent_are_stopped(tmp_path):
         out, err = launcher.communicate(timeout=60)
         assert out == "agent exited 137\n", err[-3000:]
         assert ("torchrun's agent was killed by SIGKILL, leaving its workers running: sending them SIGUSR1 "
-                "(they save a checkpoint and stop, as at a preemption)") in err
+                "(with checkpoints on they save one and stop, as at a preemption)") in err
         assert "[shardtrain] worker stopping on SIGUSR1" in err
         try:  # gone, or a zombie where nothing reaps orphans
             state = Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[0]

@@ -232,6 +232,24 @@ def pipe_writers(read_fd: int) -> list[int]:
     return sorted(writers - below)
 
 
+def orphans_stop_signal(killed_by: int, signals: Sequence[int]) -> int:
+    """The signal the workers of an agent killed by ``killed_by`` are sent, said on the console: an
+    interrupt (Ctrl-C while the agent started) interrupts them; else the first preemption signal
+    (with checkpoints on, they save and stop), or SIGTERM where there is none."""
+    if killed_by == signal.SIGINT:
+        stop, what = signal.SIGINT, "torchrun's agent was interrupted (SIGINT)"
+        then = "they stop"
+    else:
+        stop = signals[0] if signals else signal.SIGTERM
+        what = f"torchrun's agent was killed by {signal.Signals(killed_by).name}"
+        then = ("with checkpoints on they save one and stop, as at a preemption" if signals
+                else "it stops them")
+    with contextlib.suppress(OSError, ValueError):
+        print(f"{LAUNCHER_TAG} {what}, leaving its workers running: sending them "
+              f"{signal.Signals(stop).name} ({then})", file=sys.stderr, flush=True)
+    return stop
+
+
 def stop_orphaned_workers(read_fd: int, reader: threading.Thread, sig: int) -> None:
     """The agent died of a signal (SIGKILL: by hand, or the out-of-memory killer) and left its
     workers running, orphaned, with no one to restart or stop them: they train on to the end while
@@ -276,6 +294,8 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
         # workers exist: it is delivered to each worker once that worker no longer ignores it.
         pending: set[int] = set()
         delivered: set[tuple[int, int]] = set()
+        # Set once the agent is reaped: its process id may be another process's from then on.
+        orphaned: list[int] = []
 
         def deliver() -> None:
             # Only to the workers, the agent's children (the agent ignores these signals); not
@@ -289,7 +309,11 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
                         delivered.add((pid, sig))
 
         def forward(signum, frame) -> None:
-            if signum in signals:
+            if orphaned:  # the agent is gone: its workers, left running, get every signal now
+                for pid in pipe_writers(orphaned[0]):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signum)
+            elif signum in signals:
                 pending.add(signum)
                 deliver()
             else:  # the signals the agent handles (it stops its workers)
@@ -304,13 +328,8 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
         status = wait_delivering(agent, pending, deliver)
         if reader is not None:
             if status < 0:
-                stop = signals[0] if signals else signal.SIGTERM
-                then = "they save a checkpoint and stop, as at a preemption" if signals else "it stops them"
-                with contextlib.suppress(OSError, ValueError):
-                    print(f"{LAUNCHER_TAG} torchrun's agent was killed by {signal.Signals(-status).name}, "
-                          f"leaving its workers running: sending them {signal.Signals(stop).name} ({then})",
-                          file=sys.stderr, flush=True)
-                stop_orphaned_workers(stderr.fileno(), reader, stop)
+                orphaned.append(stderr.fileno())
+                stop_orphaned_workers(stderr.fileno(), reader, orphans_stop_signal(-status, signals))
             reader.join()
     # An agent killed by a signal: the shell's 128 + its number (sys.exit(-2) would exit 254).
     return 128 - status if status < 0 else status

@@ -107,8 +107,9 @@ def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -
         # The status one process gives for it (2: a framework error), which torchrun's 1 hides.
         status = failure.get("exit_status", status)
     elif status > 128:  # run_under_torchrun: the agent itself died of a signal
-        reason = (f"torchrun's agent was killed by {signal.Signals(status - 128).name} (from outside, or by "
-                  "the out-of-memory killer); its workers were stopped")
+        name = signal.Signals(status - 128).name
+        how = " (from outside, or by the out-of-memory killer)" if name == "SIGKILL" else ""
+        reason = f"torchrun's agent was killed by {name}{how}; its workers were stopped"
     else:
         reason = f"the training processes exited with status {status} without an error record"
     print(f"shardtrain: error: {reason}; full log: {log_file}", file=sys.stderr)
