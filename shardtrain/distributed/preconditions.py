@@ -6,7 +6,6 @@ use) gets them.
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -14,8 +13,6 @@ from torch import nn
 
 from shardtrain.config.classpath import import_module_class
 from shardtrain.errors import ModelError
-
-log = logging.getLogger("shardtrain")
 
 
 def check_single_registration(model: nn.Module) -> None:

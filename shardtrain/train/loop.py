@@ -547,13 +547,14 @@ class Trainer:
                 log.warning(f"precision: {caution}")
             if root := root_unit_caution(b.report, b.plan):
                 log.warning(f"sharding: {root}")
-        if self.checkpointer is not None and env.is_main and (
-                agent := handled_by_the_agent(list(self.cfg.checkpoint.preemption_signals))):
-            log.warning(f"torchrun's agent handles {', '.join(agent)} itself (its --signals-to-handle): it "
-                        "stops the workers as a failure and SIGKILLs them after its shutdown timeout (30 s), "
-                        "cutting a preemption's save short; start torchrun with those signals ignored and "
-                        "left out of --signals-to-handle (docs/checkpoints.md, Preemption; on one node "
-                        "trainer.devices=N starts torchrun so, on Slurm examples/slurm/train.sbatch)")
+            agent = handled_by_the_agent(list(self.cfg.checkpoint.preemption_signals))
+            if self.checkpointer is not None and agent:
+                log.warning(f"torchrun's agent handles {', '.join(agent)} itself (its --signals-to-handle): "
+                            "it stops the workers as a failure and SIGKILLs them after its shutdown timeout "
+                            "(30 s), cutting a preemption's save short; start torchrun with those signals "
+                            "ignored and left out of --signals-to-handle (docs/checkpoints.md, Preemption; "
+                            "on one node trainer.devices=N starts torchrun so, on Slurm "
+                            "examples/slurm/train.sbatch)")
         if (statistics := running_statistics(b.model)) and self.layout.dp_world_size > 1:
             self.info(f"{len(statistics)} running statistics (BatchNorm-style buffers each rank updates "
                       "from its own batches): averaged over the data-parallel ranks before each "
