@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
 import re
@@ -250,6 +251,29 @@ def test_metadata_that_is_not_dcps_is_a_checkpoint_error(tmp_path):
         consolidate(tmp_path, tmp_path.parent / "out")
     report = inspect_path(tmp_path)
     assert not report.complete and "holds a dict, not DCP's Metadata" in report.render()
+
+
+class RunsCode:
+    """What a tampered .metadata could hold: unpickling it runs a command."""
+
+    def __init__(self, marker: os.PathLike) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_metadata_that_would_run_code_is_refused_unrun(tmp_path):
+    checkpoint, marker = tmp_path / "checkpoint", tmp_path / "ran"
+    checkpoint.mkdir()
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    refused = f"names {os.system.__module__}.system, which DCP's metadata does not hold"
+    with pytest.raises(CheckpointError, match=refused):
+        layout.verify(checkpoint, need_state=False)
+    with pytest.raises(CheckpointError, match=refused):
+        consolidate(checkpoint, tmp_path / "out")
+    assert refused in inspect_path(checkpoint).render()
+    assert not marker.exists()
 
 
 def config_resumed_from(resume: str) -> dict:

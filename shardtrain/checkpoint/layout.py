@@ -18,6 +18,8 @@ checks below also verify it, so that a damaged or hand-copied directory gets a p
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import os
 import pickle
 import re
@@ -26,6 +28,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -89,6 +93,42 @@ def free_memory() -> int:
         return 0
 
 
+# What DCP's .metadata may name besides the classes of torch's metadata module: its per-entry storage
+# record, the values of tensor properties, and a checkpoint id that is a path.
+METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
+    ("collections", "OrderedDict"),
+    *(("builtins", name) for name in ("set", "frozenset", "bytearray", "complex", "slice")),
+}
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """A name in ``.metadata`` that DCP's metadata does not hold."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` without running code from the file: a pickle may call any
+    importable function, so only the names DCP's metadata is made of are found: the dataclasses and
+    enums of ``torch.distributed.checkpoint.metadata`` (any of them: a later torch may add one), the
+    storage record, dtypes, layouts, memory formats and ``torch.Size``. The checkpoint's other
+    pickles (the RNG files) load with ``torch.load(weights_only=True)`` for the same reason."""
+
+    def find_class(self, module: str, name: str):
+        if module == dcp_metadata.__name__:
+            found = getattr(dcp_metadata, name, None)
+            if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
+                return found
+        elif module == "torch" and isinstance(getattr(torch, name, None),
+                                              torch.dtype | torch.layout | torch.memory_format):
+            return getattr(torch, name)
+        elif (module, name) in METADATA_GLOBALS:
+            return super().find_class(module, name)
+        raise RefusedGlobal(f"{module}.{name}")
+
+
 def read_dcp_metadata(path: Path) -> Metadata:
     """DCP's metadata, or a CheckpointError that says what is wrong with ``path``."""
     if not path.exists():
@@ -132,9 +172,14 @@ def read_dcp_metadata(path: Path) -> Metadata:
         )
     try:
         with open(meta_file, "rb") as f:
-            metadata = pickle.load(f)
+            metadata = MetadataUnpickler(f).load()
     except OSError:
         raise  # the filesystem failed, not the file: no sign of damage
+    except RefusedGlobal as exc:
+        raise CheckpointError(f"checkpoint {str(path)!r}: .metadata names {exc}, which DCP's metadata does "
+                              "not hold; it is not loaded, since unpickling it could run code from the "
+                              "file (a tampered file, or not a DCP checkpoint): use a checkpoint whose "
+                              "origin you know") from exc
     except MemoryError as exc:
         # A flipped bit in a pickle frame's length asks for a huge allocation: damage. A real
         # shortage comes with a file that is a good share of the free memory (its objects take

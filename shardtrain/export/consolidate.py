@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from shardtrain.checkpoint import integrity, layout
@@ -130,15 +129,15 @@ def plan_shards(path: Path, max_shard_bytes: int | None, dtype: torch.dtype | No
     return Plan(shards, total, metadata, sorted(files | {layout.METADATA_FILE}))
 
 
-def load_tensors(path: Path, entries, metadata: Metadata | None = None) -> dict[str, torch.Tensor]:
+def load_tensors(path: Path, entries, metadata: Metadata) -> dict[str, torch.Tensor]:
+    """``entries``' tensors from ``path``, with its ``metadata`` as ``layout.read_dcp_metadata`` read it
+    (DCP's own reader unpickles ``.metadata`` with no restriction)."""
     state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, _, m in entries}
     with warnings.catch_warnings():
         # DCP warns that it runs without a process group: that is the point here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        reader = (FileSystemReader(str(path)) if metadata is None
-                  else layout.KnownMetadataReader(path, metadata))
         try:
-            dcp.load(state, storage_reader=reader, no_dist=True)
+            dcp.load(state, storage_reader=layout.KnownMetadataReader(path, metadata), no_dist=True)
         except DCP_FAILURES as exc:  # DCP's CheckpointException is a BaseException: one line here
             raise CheckpointError(load_failed(path, exc, "check the checkpoint's files (shardtrain inspect "
                                               "names a damaged one when it has checksums)")) from exc
