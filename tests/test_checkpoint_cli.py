@@ -671,8 +671,12 @@ def test_early_stopping_ends_the_run_and_a_resume_knows_it(tmp_path):
     assert read_metrics(tmp_path)[-1]["step"] == 8
     inspect = run_cli("inspect", str(tmp_path / "checkpoints" / "step-8"))
     assert "3 evaluation(s) since; stopped early at step 8\n" in inspect.stdout, inspect.stdout
-    again = run_cli("train", *every_2, "trainer.max_steps=20", "trainer.early_stop_patience=2")
+    records, config = (tmp_path / "metrics.jsonl").read_bytes(), (tmp_path / "config.yaml").read_bytes()
+    again = run_cli("train", *every_2, "trainer.max_steps=20", "trainer.early_stop_patience=2",
+                    "trainer.sample_tokens=8")
     assert again.returncode == 0 and "nothing to do: the run stopped early at step 8" in again.stderr
-    assert read_metrics(tmp_path)[-1]["step"] == 8
+    # The run's files as its training left them: no attempt recorded, no sample, its own config.
+    assert (tmp_path / "metrics.jsonl").read_bytes() == records and "sample at step" not in again.stderr
+    assert (tmp_path / "config.yaml").read_bytes() == config
     longer = run_cli("train", *every_2, "trainer.max_steps=20", "trainer.early_stop_patience=4")
     assert longer.returncode == 0 and "early stop at step 10:" in longer.stderr, longer.stderr[-3000:]

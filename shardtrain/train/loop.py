@@ -582,19 +582,14 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------
 
     def fit(self) -> TrainResult:
-        t = self.cfg.trainer
+        if (left := self.nothing_left()) is not None:
+            return self.finished_already(left)
         outcome = "failed"
         try:
             # Rank 0's files and trackers: a failure there (a tracker not logged in, a full disk)
             # stops every rank, not rank 0 alone while the others wait in the first step.
             run_agreed(self.open_run_records)
             self.log_setup()
-            if self.step >= t.max_steps and not self.evaluation_due:
-                self.info(f"nothing to do: step {self.step} >= trainer.max_steps={t.max_steps}")
-            elif self.stop_early:
-                self.info(f"nothing to do: the run stopped early at step {self.step} (trainer.early_stop_"
-                          f"patience={t.early_stop_patience} evaluations without improving {t.monitor}); "
-                          "raise trainer.early_stop_patience to go on")
             self.train()
             outcome = "preempted" if self.result.preempted else "finished"
         except BaseException as exc:
@@ -607,6 +602,35 @@ class Trainer:
             raise
         finally:
             self.writer.close(outcome, self.step)
+        return self.result
+
+    def nothing_left(self) -> str | None:
+        """Why this start has no step, evaluation or dry run to do (the same command run again after
+        its run finished, or stopped early), else None."""
+        t = self.cfg.trainer
+        if self.cfg.diagnostics.dry_run or self.evaluation_due:
+            return None
+        if self.step >= t.max_steps:
+            return f"step {self.step} >= trainer.max_steps={t.max_steps}"
+        if self.stop_early:
+            return (f"the run stopped early at step {self.step} (trainer.early_stop_patience="
+                    f"{t.early_stop_patience} evaluations without improving {t.monitor}); raise "
+                    "trainer.early_stop_patience to go on")
+        return None
+
+    def finished_already(self, left: str) -> TrainResult:
+        """One line, and the run's files as its training left them: no start and end records, no
+        tracker run, no sample, the config.yaml of the run that trained (each re-run of a finished
+        command counted as an attempt in the report, opened a W&B/MLflow run that logged nothing,
+        and generated the end-of-training sample again)."""
+        self.info(f"nothing to do: {left}")
+        try:
+            self.train_data.close()
+        finally:
+            self.writer.close()
+            if self.preemption is not None:
+                self.preemption.restore()
+                self.preemption = None
         return self.result
 
     def train(self) -> None:
