@@ -187,6 +187,13 @@ def test_a_changed_input_is_prepared_again(tmp_path):
     assert not prepare(options, inside, progress=False).up_to_date
     again = prepare(options, inside, progress=False)
     assert again.up_to_date and [s["name"] for s in again.manifest["sources"]] == ["a.txt", "b.txt"]
+    # ... also where a pattern covers it (found by review: the output's shards and manifest were
+    # read back, each preparation grew by the previous one's), and a prepared dataset it goes into.
+    pattern = PrepareOptions(inputs=[str(tmp_path / "in" / "**" / "*")], file_glob="*")
+    assert not prepare(pattern, tmp_path / "in" / "globbed", progress=False).up_to_date
+    again = prepare(pattern, tmp_path / "in" / "globbed", progress=False)
+    assert again.up_to_date and [s["name"] for s in again.manifest["sources"]] == ["a.txt", "b.txt"]
+    shutil.rmtree(tmp_path / "in" / "globbed")
     shutil.rmtree(inside)
     cfg = DataConfig(source="files", paths=[str(tmp_path / "in")], file_glob="*",
                      cache_dir=str(tmp_path / "in" / "cache"))
@@ -194,6 +201,13 @@ def test_a_changed_input_is_prepared_again(tmp_path):
     manifest = json.loads((cached / "manifest.json").read_text())
     assert [s["name"] for s in manifest["sources"]] == ["a.txt", "b.txt"]
     assert prepared_path(cfg, ByteTokenizer()) == cached
+    assert not list((tmp_path / "in" / "cache").glob("*.lock"))  # its lock is named as prepare's
+    globbed = DataConfig(source="files", paths=[str(tmp_path / "in" / "**" / "*")], file_glob="*",
+                         cache_dir=str(tmp_path / "in" / "cache"))
+    in_cache = prepared_path(globbed, ByteTokenizer())
+    assert [s["name"] for s in json.loads((in_cache / "manifest.json").read_text())["sources"]] == [
+        "a.txt", "b.txt"]
+    assert prepared_path(globbed, ByteTokenizer()) == in_cache
     # A cache entry with a shard missing is no rank's to read: prepared again on the next use
     (cached / "train" / "tokens-00000.npy").unlink()
     assert fingerprint_at(cached) is None

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from shardtrain.config.schema import DataConfig
 from shardtrain.data.batches import InterleavedWindows, MixtureWindows, TokenWindows
+from shardtrain.data.documents import PREPARE_LOCK_SUFFIX
 from shardtrain.data.prepare import (
     PrepareOptions,
     is_validation,
@@ -142,7 +143,7 @@ def prepare_locked(options: PrepareOptions, out: Path, lock_required: bool = Tru
     date, which takes a walk and a stat of every input file); the dataset's fingerprint.
     ``lock_required`` False: a filesystem without locks is a warning (within a distributed job the
     collectives already let one rank prepare at a time; the lock only guards against other jobs)."""
-    lock_path = out.parent / f"{out.name}.lock"
+    lock_path = out.with_name(f".{out.name}{PREPARE_LOCK_SUFFIX}")  # never an input, as prepare's own
     fix = "set data.cache_dir to a directory on a filesystem with file locks" if lock_required else None
     with locked(lock_path, required=fix):
         if out.is_dir() and read_manifest(out) is None:

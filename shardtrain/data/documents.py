@@ -154,6 +154,25 @@ def list_files(root: Path, pattern: str, exclude: Iterable[Path] = ()) -> list[P
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
+def skipped_by_pattern(path: Path, base: Path, excluded: set[Path], datasets: dict[Path, bool]) -> bool:
+    """Whether a file a pattern matched is one a directory input would not read either: a lock
+    file, anything inside an excluded path (prepare's output: read back, each preparation grew by
+    the previous one's shards and manifest and was never up to date), inside a prepared dataset or
+    a ``save_to_disk`` directory the pattern went into. ``datasets``: what is known of directories
+    so far (a pattern's matches share them)."""
+    if path.name.endswith(PREPARE_LOCK_SUFFIX):
+        return True
+    real = path.resolve()
+    if any(real.is_relative_to(e) for e in excluded):
+        return True
+    for directory in (base / d for d in path.relative_to(base).parents):
+        if directory not in datasets:
+            datasets[directory] = is_prepared_dataset(directory) or (directory / DATASETS_STATE).is_file()
+        if datasets[directory]:
+            return True
+    return False
+
+
 def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] = ()) -> list[Source]:
     """Every input as sources, in order: inputs as given, each directory's files sorted. An input
     that exists is a path, even when its name holds glob characters. ``exclude`` (what ``prepare``
@@ -173,9 +192,10 @@ def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] =
                     break
                 fixed.append(part)
             base = Path(*fixed) if fixed else Path(".")
-            matched = sorted(p for p in base.glob(str(path.relative_to(base)) if fixed else str(path))
-                             if p.is_file() and p.resolve() not in excluded
-                             and not p.name.endswith(PREPARE_LOCK_SUFFIX))
+            found = base.glob(str(path.relative_to(base)) if fixed else str(path))
+            datasets: dict[Path, bool] = {}
+            matched = sorted(p for p in found
+                             if p.is_file() and not skipped_by_pattern(p, base, excluded, datasets))
             if not matched:
                 raise DataError(f"input {entry!r} matches no file")
             sources += [Source(p, p.relative_to(base).as_posix()) for p in matched]
