@@ -314,9 +314,12 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
             raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
                               f"use --seq-len {positions} or less")
         tokenizer = tokenizer_for(loaded.cfg.model)
+        # Scored as the run's evaluations scored: a model trained on documents each attending
+        # within itself is scored so (the loss of packed windows differs otherwise).
+        mask = loaded.cfg.data.document_mask
         if args.file and is_prepared_dataset(Path(args.file)):  # its validation split, as training reads it
             corpus = load_corpus(DataConfig(source="prepared", paths=[args.file]), tokenizer, need=("val",))
-            windows = corpus.val_windows(args.seq_len, what="evaluation data")
+            windows = corpus.val_windows(args.seq_len, mask, what="evaluation data")
             source = f"validation split of {args.file}"
         elif args.file:
             data = load_corpus(DataConfig(source="files", paths=[args.file], val_percent=0.0,
@@ -324,7 +327,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
                 if Path(args.file).is_file() else \
                 load_corpus(DataConfig(source="files", paths=[args.file], val_percent=100.0,
                                        file_glob=args.glob), tokenizer, need=("val",)).val
-            windows = TokenWindows(data, args.seq_len, "evaluation data")
+            windows = TokenWindows(data, args.seq_len, "evaluation data", mask)
             source = args.file
         else:
             if not loaded.data_known:
@@ -335,7 +338,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
                                   "name the text to score with --file")
             corpus = load_corpus(loaded.cfg.data, tokenizer)
             # a mixture's held-out windows interleaved, as training's evaluations read them
-            windows = corpus.val_windows(args.seq_len, what="evaluation data")
+            windows = corpus.val_windows(args.seq_len, mask, what="evaluation data")
             source = f"held-out split of {corpus.root}"
             if loaded.env.is_main and (changed := data_changed_since(loaded.state, corpus)):
                 log.warning(changed)
@@ -350,7 +353,8 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
             unit = "byte" if tokenizer.name == "bytes" else "token"
             targets = (f", {scored:.0f} of them targets (the fine-tuning records' answers, which the loss "
                        "scores)" if masked else "")
-            print(f"eval on {source}: {n} {unit}s in windows of {args.seq_len}{targets}")
+            masked_documents = ", each document attending within itself (data.document_mask)" if mask else ""
+            print(f"eval on {source}: {n} {unit}s in windows of {args.seq_len}{masked_documents}{targets}")
             unit = f"target {unit}" if masked else unit
             print(f"loss {loss:.4f} nats/{unit} | {loss / math.log(2):.4f} bits/{unit} | "
                   f"perplexity {math.exp(loss):.3f} per {unit}")
