@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from shardtrain.config.schema import DataConfig
 from shardtrain.data.corpus import fingerprint_at, load_corpus, prepared_path
-from shardtrain.data.documents import is_prepared_dataset, list_files, resolve_sources
+from shardtrain.data.documents import Source, is_prepared_dataset, list_files, resolve_sources
 from shardtrain.data.prepare import PrepareOptions, Reading, batches, locked, prepare, tokenizer_entry
 from shardtrain.data.prepared import open_prepared
 from shardtrain.data.tokenizer import (
@@ -334,7 +334,8 @@ def test_a_dead_worker_is_one_line_not_a_hang(tmp_path):
 
 @pytest.mark.parametrize("case", ["empty", "empty_text", "unreadable", "corrupt_deflate", "malformed",
                                   "missing_field", "not_text", "sharegpt_roles", "parquet_column",
-                                  "missing_input", "dataset_dict", "not_prepared", "out_is_a_file"])
+                                  "missing_input", "dataset_dict", "not_prepared", "out_is_a_file",
+                                  "compressed_text", "not_utf8"])
 def test_bad_data_is_one_clear_line(case, tmp_path):
     target = tmp_path / "data.jsonl"
     args = [str(target)]
@@ -381,6 +382,13 @@ def test_bad_data_is_one_clear_line(case, tmp_path):
         datasets.DatasetDict({"train": split, "test": split}).save_to_disk(str(tmp_path / "dd"))
         args = [str(tmp_path / "dd")]
         message = f"{tmp_path / 'dd'} is a datasets DatasetDict (splits: train, test); give one split's"
+    elif case == "compressed_text":  # found by review: tokenized as its compressed bytes
+        target = tmp_path / "notes.txt.gz"
+        target.write_bytes(gzip.compress(b"hello"))
+        args, message = [str(target)], "notes.txt.gz: a compressed or archived file"
+    elif case == "not_utf8":  # found by review: named a position in the decoder's chunk, no line
+        target.write_bytes(b'{"text": "fine"}\n' * 3 + b'{"text": "caf\xe9"}\n')
+        message = f"{target}:4: not UTF-8 (byte 0xe9 at byte 14 of the line)"
     elif case == "out_is_a_file":
         target.write_text('{"text": "fine"}\n')
         (tmp_path / "out").write_text("mine")
@@ -415,6 +423,15 @@ def test_data_smaller_than_one_global_batch_fails_before_training(tmp_path):
     lines = [line for line in done.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and "fewer than one global batch of 128" in lines[0], done.stderr[-2000:]
     assert "trainer.micro_batch_size=64 x trainer.grad_accum_steps=2 x 1 data-parallel ranks" in lines[0]
+
+
+def test_a_file_is_read_by_its_suffix_whatever_its_case():
+    """JSON Lines' other name and upper-case suffixes are records too (found by review: read as
+    text, a document of JSON syntax)."""
+    kinds = {name: Source(Path(name), name).kind for name in (
+        "a.jsonl", "a.JSONL", "a.ndjson", "a.ndjson.gz", "a.Jsonl.GZ", "a.PARQUET", "a.json", "a.txt")}
+    assert kinds == {"a.jsonl": "jsonl", "a.JSONL": "jsonl", "a.ndjson": "jsonl", "a.ndjson.gz": "jsonl",
+                     "a.Jsonl.GZ": "jsonl", "a.PARQUET": "parquet", "a.json": "text", "a.txt": "text"}
 
 
 def test_prepare_options_reject_bad_values(tmp_path):

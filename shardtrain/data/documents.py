@@ -1,12 +1,13 @@
 """The documents of raw inputs, in one deterministic order: what ``shardtrain prepare`` tokenizes.
 
 An input is a file, a directory (its files matching a glob, recursively, sorted by relative path) or a
-glob pattern. By suffix a file is: JSON Lines (``.jsonl``, ``.jsonl.gz``; one document per line, its
-text in a chosen field), Parquet (``.parquet``; one document per row of a chosen column), or text (the
-whole file is one document). A directory written by ``datasets``' ``save_to_disk`` (it holds
-``state.json``), given or found inside a given directory, is read as its Arrow files, one document
-per row; the ``datasets`` library is not needed for that. A ``DatasetDict``'s directory (it holds
-``dataset_dict.json`` and one such directory per split) is refused: a split must be chosen. Each
+glob pattern. By suffix a file is: JSON Lines (``.jsonl``, ``.ndjson``, either gzipped; one document
+per line, its text in a chosen field), Parquet (``.parquet``; one document per row of a chosen
+column), or text (the whole file is one document; a compressed or archived one is refused). A
+directory written by ``datasets``' ``save_to_disk`` (it holds ``state.json``), given or found
+inside a given directory, is read as its Arrow files, one document per row; the ``datasets`` library
+is not needed for that. A ``DatasetDict``'s directory (it holds ``dataset_dict.json`` and one such
+directory per split) is refused: a split must be chosen. Each
 document has a key (the file's relative path, plus the line or row number for records) that decides
 its train/validation split by hash, so the split does not depend on how many processes prepare it or
 on other inputs. A JSON Lines record without the text field but with
@@ -38,7 +39,10 @@ EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 # The lock file `shardtrain prepare` keeps beside its output: never an input, even where an output
 # was made inside an input directory and later removed.
 PREPARE_LOCK_SUFFIX = ".shardtrain-lock"
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")  # matched ignoring case
+# Compressed or archived files other than JSON lines: read as text they were tokenized as their
+# compressed bytes, without a word.
+PACKED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".7z", ".tar", ".tgz")
 DATASETS_STATE = "state.json"  # what save_to_disk writes beside its Arrow files
 DATASET_DICT = "dataset_dict.json"  # what a DatasetDict's save_to_disk writes beside its splits
 PREPARED_FORMAT = "shardtrain-prepared"  # the "format" of what ``shardtrain prepare`` writes
@@ -61,9 +65,10 @@ class Source:
     def kind(self) -> str:
         if self.path.is_dir():
             return "arrow"
-        if self.path.name.endswith(JSONL_SUFFIXES):
+        name = self.path.name.lower()
+        if name.endswith(JSONL_SUFFIXES):
             return "jsonl"
-        if self.path.suffix == ".parquet":
+        if name.endswith(".parquet"):
             return "parquet"
         return "text"
 
@@ -215,7 +220,18 @@ def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] =
             sources += [Source(p, p.relative_to(path).as_posix()) for p in files]
         else:
             sources.append(Source(path, path.name))
+    for source in sources:
+        check_not_packed(source)
     return sources
+
+
+def check_not_packed(source: Source) -> None:
+    """A compressed or archived file that is not JSON lines is refused: read as text, its
+    compressed bytes were the training data."""
+    if source.kind == "text" and source.path.name.lower().endswith(PACKED_SUFFIXES):
+        raise DataError(f"{source.path}: a compressed or archived file, which shardtrain does not read as "
+                        "text (it reads .jsonl/.jsonl.gz, .parquet and uncompressed text); decompress it, "
+                        "or leave it out of the inputs (--glob, data.file_glob)")
 
 
 def arrow_files(directory: Path) -> list[Path]:
@@ -327,14 +343,22 @@ def is_text_type(kind: pa.DataType) -> bool:
 
 
 def read_jsonl(source: Source, field: str) -> Iterator[tuple[str, Document]]:
-    opener = gzip.open if source.path.name.endswith(".gz") else open
+    opener = gzip.open if source.path.name.lower().endswith(".gz") else open
     try:
-        with opener(source.path, "rt", encoding="utf-8") as lines:
+        # Bytes, decoded line by line: a byte that is not UTF-8 is named by its line (a text-mode
+        # read named a position within its decoder's chunk, not the file's).
+        with opener(source.path, "rb") as lines:
             mixed_said = False
-            for number, line in enumerate(lines, start=1):
+            for number, raw in enumerate(lines, start=1):
+                where = f"{source.path}:{number}"
+                try:
+                    line = raw.decode()
+                except UnicodeDecodeError as exc:
+                    raise DataError(f"{where}: not UTF-8 (byte {raw[exc.start]:#04x} at byte {exc.start + 1} "
+                                    "of the line); JSON Lines are UTF-8: re-encode the file (for Latin-1, "
+                                    "iconv -f latin1 -t utf-8)") from exc
                 if not line.strip():
                     continue
-                where = f"{source.path}:{number}"
                 try:
                     record = json.loads(line)
                 except ValueError as exc:
@@ -345,7 +369,7 @@ def read_jsonl(source: Source, field: str) -> Iterator[tuple[str, Document]]:
                                 f"its {field!r}, every token a target (said once a file); drop {field!r} to "
                                 "train on the conversation's or completion's tokens only")
                 yield f"{source.name}:{number}", document_of(record, field, where)
-    except (OSError, UnicodeDecodeError, EOFError, zlib.error) as exc:  # a corrupt deflate stream: no OSError
+    except (OSError, EOFError, zlib.error) as exc:  # a corrupt deflate stream: no OSError
         raise DataError(f"{source.path}: cannot be read ({exc})") from exc
 
 
