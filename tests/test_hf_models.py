@@ -137,7 +137,7 @@ def test_four_ranks_match_plain_transformers(model_dirs, references, tmp_path):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_export_round_trip(two_rank_runs, family, tmp_path):
+def test_export_round_trip(two_rank_runs, model_dirs, family, tmp_path):
     checkpoint = two_rank_runs / f"{family}-full_shard" / "checkpoints" / "step-5"
     out = tmp_path / "export"
     names = {path.name for path in export_hf(checkpoint, out, max_shard_size="20KB")}
@@ -163,6 +163,13 @@ def test_export_round_trip(two_rank_runs, family, tmp_path):
         with pytest.raises(ModelError, match="has no config.json.*moved since a run trained on it"):
             export_hf(moved, tmp_path / "never", max_shard_size="20KB")
         assert not (tmp_path / "never").exists()
+        # A run that put another tokenizer in the model's place (model.tokenizer) exports that one
+        # (found by review: the model directory's was copied, encoding text into other ids).
+        state["config"]["model"].update(path=str(model_dirs[family]), tokenizer="bytes")
+        (moved / "trainer_state.json").write_text(json.dumps(state))
+        export_hf(moved, tmp_path / "bytes", max_shard_size="20KB")
+        byte_level = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "bytes"))
+        assert byte_level("def é").input_ids == list("def é".encode())
     if family != "gpt_neox":
         return
     # The self-check fails loudly when the written weights do not reproduce the model.

@@ -59,11 +59,15 @@ def hf_model_converter(cfg: ModelConfig) -> Converter:
 
 
 def write_hf_model_files(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> list[Path]:
-    """The model directory's tokenizer, then its config.json (with the written dtype), last."""
+    """The run's tokenizer (the model directory's, or the one ``model.tokenizer`` put in its place),
+    then the model directory's config.json (with the written dtype), last."""
     source = model_directory(cfg)
     config = json.loads((source / CONFIG_FILE).read_text())
     config["torch_dtype"] = config["dtype"] = dtype_name(dtype)
-    files = copy_files(tokenizer_files_in(source), out)
+    if cfg.tokenizer == "auto":
+        files = copy_files(tokenizer_files_in(source), out)
+    else:  # the base model's would encode text into other ids than the run trained on
+        files = write_tokenizer_files(cfg, out, config.get("max_position_embeddings", cfg.max_seq_len))
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return files + [out / CONFIG_FILE]
 
@@ -92,10 +96,10 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
     check_new_directory(out)  # before the consolidation's work, not after it
     # A tokenizer, or a Hugging Face model's directory, gone since training: said before the
     # consolidation's work, not after it.
-    if cfg.name != "hf":
-        tokenizer_copies(cfg)
-    else:
+    if cfg.name == "hf":
         model_directory(cfg)
+    if cfg.name != "hf" or cfg.tokenizer != "auto":
+        tokenizer_copies(cfg)
     out.mkdir(parents=True, exist_ok=True)
     # Stream: consolidate shard by shard into a staging area, then rename and permute per tensor.
     # A fresh hidden directory each time: a crashed export's leftover is never read as this one's.
@@ -201,7 +205,7 @@ def write_hf_files(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[], dic
     files.append(write_index(out, weight_map, total))
     if cfg.name == "hf":
         return files + write_hf_model_files(cfg, out, out_dtype or torch.float32)
-    files += write_tokenizer_files(cfg, out)
+    files += write_tokenizer_files(cfg, out, cfg.max_seq_len)
     config_file = out / CONFIG_FILE
     config_file.write_text(json.dumps(hf_config(cfg, out_dtype or torch.float32), indent=2) + "\n")
     return files + [config_file]
@@ -223,15 +227,16 @@ def tokenizer_copies(cfg: ModelConfig) -> dict[str, Path] | None:
     return copies
 
 
-def write_tokenizer_files(cfg: ModelConfig, out: Path) -> list[Path]:
-    """The built-in model's tokenizer beside its weights, so that the directory is a whole model to
+def write_tokenizer_files(cfg: ModelConfig, out: Path, max_length: int) -> list[Path]:
+    """The run's tokenizer beside its weights, so that the directory is a whole model to
     transformers and to ``generate`` and ``eval`` (which read it as model=hf): the byte tokenizer as
-    a ``tokenizer.json``, or the files of the tokenizer ``model.tokenizer`` named."""
+    a ``tokenizer.json`` (for ``max_length`` positions), or the files of the tokenizer
+    ``model.tokenizer`` named."""
     copies = tokenizer_copies(cfg)
     if copies is None:
         byte_level_tokenizer().save(str(out / TOKENIZER_FILE))
         # No tokenizer class of the model's: LlamaTokenizerFast would put a BOS token first.
-        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
                     "clean_up_tokenization_spaces": False}
         (out / TOKENIZER_CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
         return [out / TOKENIZER_FILE, out / TOKENIZER_CONFIG_FILE]
