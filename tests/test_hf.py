@@ -112,7 +112,7 @@ def test_export_loads_in_transformers_with_matching_logits(tmp_path, tied):
         load_safetensors_into(Llama(model_config_of(consolidated)), broken)
 
 
-def test_export_check_fails_on_corrupted_weights(tmp_path):
+def test_export_check_fails_on_corrupted_weights(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     proc = run_cli("train", "experiment=quick", "trainer.max_steps=2", "trainer.sample_tokens=0",
                    f"run.dir={run_dir}")
@@ -131,6 +131,29 @@ def test_export_check_fails_on_corrupted_weights(tmp_path):
               if p.name.startswith("model-")]
     assert len(shards) == len([p for p in consolidate(ckpt, tmp_path / "c16", max_shard_size="40KB",
                                                       dtype="bf16") if p.suffix == ".safetensors"])
+    # A consolidation that fails part-way (a full disk at its second shard) leaves none of its
+    # files (found by review: they blocked the rerun, "already holds model files", and kept the space)
+    from shardtrain.checkpoint.safetensors_files import write_streamed
+
+    written = []
+
+    def full_at_second(target, *args):
+        written.append(target)
+        if len(written) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_streamed(target, *args)
+
+    monkeypatch.setattr("shardtrain.export.consolidate.write_streamed", full_at_second)
+    with pytest.raises(OSError, match="No space left"):
+        consolidate(ckpt, tmp_path / "partial", max_shard_size="40KB")
+    assert len(written) == 2 and not (tmp_path / "partial").exists()
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "README.md").write_text("mine")
+    written.clear()
+    with pytest.raises(OSError, match="No space left"):
+        consolidate(ckpt, tmp_path / "kept", max_shard_size="40KB")
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["README.md"]
+    monkeypatch.undo()
     out = tmp_path / "hf32"
     export_hf(ckpt, out)  # in fp32, then damage one weight as a bad converter would
     # An earlier export's shards and index beside the single file: transformers loads the file, the

@@ -200,18 +200,36 @@ def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | N
     if single and len(plan.shards) > 1:
         raise CheckpointError(f"{out} names one file but --max-shard-size makes {len(plan.shards)} "
                               "shards; pass a directory instead")
-    directory = out.parent if single else out
-    directory.mkdir(parents=True, exist_ok=True)
-    n = len(plan.shards)
-    files, weight_map = [], {}
     metadata = {"format": "pt"}
     model_entries = key is None or key.rstrip(".") in ("model", layout.AVERAGE_KEY)
     if layout.detect_format(path) == "shardtrain" and model_entries:
         # the weights' average (trainer.ema_decay's) is the same model's
         metadata = shardtrain_metadata(TrainState.read(path).config)
     check_writable([entry for entries in plan.shards for entry in written_layout(entries, cast)])
+    directory = out.parent if single else out
+    made = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    files: list[Path] = []
+    try:
+        return write_shards(path, plan, directory, out.name if single else None, metadata, cast, files)
+    except BaseException:
+        # What a failure (a full disk, Ctrl-C) left would block the next attempt ("already holds
+        # model files") and keep the space that ran out: the files this call wrote go.
+        for file in files:
+            file.unlink(missing_ok=True)
+        if made and not any(directory.iterdir()):
+            directory.rmdir()
+        raise
+
+
+def write_shards(path: Path, plan: Plan, directory: Path, single_name: str | None, metadata: dict[str, str],
+                 cast: torch.dtype | None, files: list[Path]) -> list[Path]:
+    """``plan``'s shards into ``directory`` (one file named ``single_name``, or numbered shards and
+    their index), each appended to ``files`` once written."""
+    n = len(plan.shards)
+    weight_map = {}
     for index, entries in enumerate(plan.shards, start=1):
-        name = out.name if single else shard_name(index, n)
+        name = single_name or shard_name(index, n)
         # In the order the file holds them: each offset a multiple of its item size
         entries = sorted(entries, key=lambda entry: file_order_key(
             entry[1], written_dtype(entry[2].properties.dtype, cast)))
