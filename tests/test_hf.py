@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from shardtrain.checkpoint.weights import load_hf_into, load_safetensors_into, model_config_of
 from shardtrain.config.schema import ModelConfig
-from shardtrain.errors import CheckpointError
+from shardtrain.errors import CheckpointError, ConfigError
 from shardtrain.export.consolidate import consolidate
 from shardtrain.export.hf import export_hf
 from shardtrain.export.verify import verify_export
@@ -154,6 +154,9 @@ def test_export_check_fails_on_corrupted_weights(tmp_path, monkeypatch):
         consolidate(ckpt, tmp_path / "kept", max_shard_size="40KB")
     assert [p.name for p in (tmp_path / "kept").iterdir()] == ["README.md"]
     monkeypatch.undo()
+    for size in ("0", "0.5B"):  # found by review: no limit at all, one file
+        with pytest.raises(ConfigError, match=f"--max-shard-size '{size}' must be more than 0"):
+            consolidate(ckpt, tmp_path / "zero", max_shard_size=size)
     out = tmp_path / "hf32"
     export_hf(ckpt, out)  # in fp32, then damage one weight as a bad converter would
     # An earlier export's shards and index beside the single file: transformers loads the file, the

@@ -434,8 +434,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           "plan --simulate's cases; add --simulate (the formulas' table shows every "
                           "strategy, with and without checkpointing)")
     memory = parse_size(args.device_memory, "--device-memory") if args.device_memory is not None else None
-    if memory is not None and memory <= 0:
-        raise ConfigError(f"--device-memory {args.device_memory!r} must be more than 0")
     cfg = compose_checked(args.overrides)
     from shardtrain.cli.preflight import check_model_splits
     from shardtrain.config.classpath import import_object

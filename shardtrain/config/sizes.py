@@ -13,10 +13,15 @@ UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 
 def parse_size(text: str, option: str = "size") -> int:
+    """Bytes, at least one: every size given is a bound or an amount, where 0 read as "none" (an
+    unlimited shard size) would do the opposite of what was asked without a word."""
     match = SIZE.match(str(text))
     if not match or match.group(2).upper() not in UNITS:
         raise ConfigError(f"{option} {text!r} is not a size like 5GB, 500MB or 2GiB")
-    return int(float(match.group(1)) * UNITS[match.group(2).upper()])
+    size = int(float(match.group(1)) * UNITS[match.group(2).upper()])
+    if size < 1:
+        raise ConfigError(f"{option} {text!r} must be more than 0")
+    return size
 
 
 def human_bytes(n: float) -> str:
