@@ -425,6 +425,30 @@ def test_data_smaller_than_one_global_batch_fails_before_training(tmp_path):
     assert "trainer.micro_batch_size=64 x trainer.grad_accum_steps=2 x 1 data-parallel ranks" in lines[0]
 
 
+def test_a_tokenizer_naming_no_end_of_text_is_said(tmp_path, caplog):
+    """Found by review: a tokenizer.json copied without its tokenizer_config.json ran the documents
+    into each other with nothing between them, without a word (its vocabulary had <|endoftext|>)."""
+    vocabulary = {"alpha": 0, "beta": 1, "[UNK]": 2}
+    raw = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    raw.add_special_tokens(["<|endoftext|>"])
+    tokenizer = save_tokenizer(raw, tmp_path / "tokenizer")
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("alpha beta")
+    options = PrepareOptions(inputs=[str(tmp_path / "a.txt"), str(tmp_path / "b.txt")],
+                             tokenizer=tokenizer.source, val_percent=0.0)
+    with caplog.at_level(logging.WARNING, logger="shardtrain"):
+        prepare(options, tmp_path / "out", progress=False)
+    said = [r.getMessage() for r in caplog.records if "names no end-of-text token" in r.getMessage()]
+    assert len(said) == 1 and f'add "eos_token": "<|endoftext|>" (in its vocabulary) to {tmp_path}' in said[0]
+    (tmp_path / "tokenizer" / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shardtrain"):
+        separated = prepare(options, tmp_path / "out", progress=False)  # another eos_id: prepared again
+    assert not separated.up_to_date and not any("end-of-text" in r.getMessage() for r in caplog.records)
+    assert read_split(tmp_path / "out", "train")[0].tolist() == [0, 1, 3, 0, 1, 3]
+
+
 def test_a_file_is_read_by_its_suffix_whatever_its_case():
     """JSON Lines' other name and upper-case suffixes are records too (found by review: read as
     text, a document of JSON syntax)."""

@@ -56,7 +56,7 @@ from shardtrain.data.documents import (
     documents,
     resolve_sources,
 )
-from shardtrain.data.tokenizer import Tokenizer, load_tokenizer, token_dtype
+from shardtrain.data.tokenizer import TOKENIZER_CONFIG_FILE, Tokenizer, load_tokenizer, token_dtype
 from shardtrain.errors import DataError
 
 log = logging.getLogger("shardtrain")
@@ -105,6 +105,21 @@ def output_options(options: PrepareOptions) -> dict:
 def end_of_text(tokenizer: Tokenizer) -> list[int]:
     """What follows every document: the tokenizer's end-of-text token, if it has one."""
     return [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+
+
+def no_end_of_text(tokenizer: Tokenizer) -> str | None:
+    """The warning for a Hugging Face tokenizer whose settings name no end-of-text token: the
+    documents then run into each other with nothing between them (the byte tokenizer's way, which
+    data.md states; for a tokenizer.json copied without its tokenizer_config.json, an accident)."""
+    if tokenizer.eos_id is not None or tokenizer.name == "bytes":
+        return None
+    held = getattr(tokenizer, "unnamed_end_tokens", [])
+    settings = getattr(tokenizer, "config_file", TOKENIZER_CONFIG_FILE)
+    fix = (f'add "eos_token": "{held[0]}" (in its vocabulary) to {settings}' if held else
+           f"name its end-of-text token as eos_token in {settings}")
+    return (f"data: the tokenizer {tokenizer.source} names no end-of-text token (no eos_token in "
+            f"{TOKENIZER_CONFIG_FILE}): documents follow each other with nothing between them, and "
+            f"generation stops only at its length; {fix}, then prepare again")
 
 
 def fingerprint(options: PrepareOptions, source_entries: list[dict], tokenizer: Tokenizer) -> str:
@@ -415,6 +430,8 @@ def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool, exclude
     if check_only:
         return None
 
+    if (unseparated := no_end_of_text(tokenizer)) is not None:
+        log.warning(unseparated)
     started = time.perf_counter()
     shutil.rmtree(staging, ignore_errors=True)
     try:

@@ -27,6 +27,8 @@ from shardtrain.errors import DataError
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# End-of-text tokens of common vocabularies (GPT-2, Llama 3, Llama 2/Mistral, Gemma, Qwen's chat).
+COMMON_END_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 # What ``export-hf`` copies from a Hugging Face model directory besides the weights and config.json.
 TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
@@ -307,6 +309,10 @@ class HFTokenizer:
         if self.eos_token and self.eos_id is None:
             raise DataError(f"{config_file}: eos_token {self.eos_token!r} is not in {file}'s vocabulary")
         self.stop_ids = frozenset({self.eos_id} - {None}) | generation_stops(file.parent, self.vocab_size)
+        self.config_file = config_file
+        # What an end-of-text token of a common vocabulary it holds would be, where its settings name none.
+        vocabulary = self._tokenizer.get_vocab(with_added_tokens=True) if self.eos_id is None else {}
+        self.unnamed_end_tokens = [token for token in COMMON_END_TOKENS if token in vocabulary]
         template = file.parent / "chat_template.jinja"
         self.chat_template = (template.read_text() if template.is_file()
                               else config.get("chat_template"))
