@@ -449,6 +449,16 @@ def test_a_tokenizer_naming_no_end_of_text_is_said(tmp_path, caplog):
     assert read_split(tmp_path / "out", "train")[0].tolist() == [0, 1, 3, 0, 1, 3]
 
 
+def test_parquet_is_read_a_column_at_a_time(tmp_path):
+    """Found by review: every column was read and decoded (an image column beside the text)."""
+    from shardtrain.data.documents import parquet_tables
+
+    rows = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"body": ["a", "b", "c"], "image": [b"\x00" * 1000] * 3}), rows, row_group_size=2)
+    assert [t.column_names for t in parquet_tables(rows, "body")] == [["body"]] * 2
+    assert [t.column_names for t in parquet_tables(rows, "text")] == [["body", "image"]] * 2  # for the error
+
+
 def test_a_file_is_read_by_its_suffix_whatever_its_case():
     """JSON Lines' other name and upper-case suffixes are records too (found by review: read as
     text, a document of JSON syntax)."""

@@ -381,11 +381,15 @@ def read_table_rows(source: Source, tables: Iterator[pa.Table], field: str) -> I
             row += 1
 
 
-def parquet_tables(path: Path) -> Iterator[pa.Table]:
+def parquet_tables(path: Path, field: str) -> Iterator[pa.Table]:
+    """The row groups of a Parquet file, of column ``field`` alone where it has one (an image or
+    audio column beside the text was read and decoded for nothing); all of them where it does not,
+    for the error that names them."""
     try:
         reader = pq.ParquetFile(path)
+        columns = [field] if field in reader.schema_arrow.names else None
         for group in range(reader.num_row_groups):
-            yield reader.read_row_group(group)
+            yield reader.read_row_group(group, columns=columns)
     except (OSError, pa.ArrowException) as exc:
         raise DataError(f"{path}: not a readable Parquet file ({exc})") from exc
 
@@ -412,7 +416,7 @@ def documents(source: Source, field: str) -> Iterator[tuple[str, Document]]:
     if source.kind == "jsonl":
         return read_jsonl(source, field)
     if source.kind == "parquet":
-        return read_table_rows(source, parquet_tables(source.path), field)
+        return read_table_rows(source, parquet_tables(source.path, field), field)
     if source.kind == "arrow":
         return read_table_rows(source, arrow_tables(source.path), field)
     return read_text(source)
