@@ -480,6 +480,12 @@ def test_prepare_options_reject_bad_values(tmp_path):
                                                            "documents)"), done.stderr
     with pytest.raises(DataError, match=r"0 validation documents; both need at least one \(prepare it again"):
         load_corpus(DataConfig(source="prepared", paths=[str(tmp_path / "single")]))
+    # The same file as data.source=files: one document whatever data.val_percent says (found by
+    # review: the message told to change data.val_percent)
+    with pytest.raises(DataError, match=r"both need at least one \(a text file is one document, held out or "
+                                        r"trained on whole: split it into several files"):
+        load_corpus(DataConfig(source="files", paths=[str(tmp_path / "one.txt")],
+                               cache_dir=str(tmp_path / "cache")))
     # eval --file reads the validation split alone: the message named both splits as needed
     with pytest.raises(DataError, match=r"0 validation documents; the validation split needs at least one "
                                         r"\(prepare it again with --val-percent above 0\)$"):

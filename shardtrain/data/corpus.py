@@ -251,7 +251,11 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None,
     train_docs, val_docs = dataset.train.documents, dataset.val.documents
     roots = ", ".join(dataset.manifest["options"]["inputs"])
     if ("train" in need and not train_docs) or ("val" in need and not val_docs):
-        if cfg.source != "prepared":
+        if cfg.source != "prepared" and train_docs + val_docs == 1 and len(need) == 2:
+            # one text file: one document, whole in one split whatever data.val_percent says
+            fix = ("a text file is one document, held out or trained on whole: split it into several "
+                   "files, or give JSON Lines, one document a line")
+        elif cfg.source != "prepared":
             fix = "add files, raise data.max_bytes, or change data.val_percent"
         elif need == ("val",):  # evaluation reads the validation split alone
             fix = "prepare it again with --val-percent above 0"
