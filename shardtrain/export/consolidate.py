@@ -15,8 +15,9 @@ left beside the new ones would be read instead of them.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -178,10 +179,11 @@ def streamed_tensors(path: Path, entries: list, metadata: Metadata,
         del loaded
 
 
-def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | None = None,
-                dtype: str | None = None, key: str | None = None, verify: bool = True) -> list[Path]:
-    """Write model-only safetensors; returns the files written."""
-    path, out = Path(checkpoint), Path(out)
+def checked_plan(path: Path, max_shard_size: str | None, dtype: str | None, key: str | None,
+                 verify: bool) -> tuple[Plan, torch.dtype | None]:
+    """The output shards of checkpoint ``path`` and the dtype they are cast to, after every check
+    that comes before a tensor is read: the kind of checkpoint, the options, its structure, then
+    the checksums of the files it reads."""
     if layout.detect_format(path) == "shardtrain" and TrainState.read(path).base_weights is not None:
         # Its model entries are the adapters alone: a "model" file of them would load as nothing.
         raise CheckpointError(f"checkpoint {str(path)!r} holds LoRA adapters only: `shardtrain export-peft "
@@ -191,11 +193,34 @@ def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | N
         raise CheckpointError(f"--dtype {dtype!r} must be one of {', '.join(DTYPES)}")
     cast = DTYPES.get(dtype) if dtype else None
     limit = parse_size(max_shard_size, "--max-shard-size") if max_shard_size else None
-    check_new_output(out)  # before reading anything: files of an earlier export must not mix in
     plan = plan_shards(path, limit, cast, key)  # the structure first: cheap, and the precise message
     if verify:
         # then every byte of the files it reads (not the RNG files, nor files of optimizer state only)
         integrity.verify_files(path, names=plan.files)
+    return plan, cast
+
+
+def shard_readers(checkpoint: str | Path, max_shard_size: str | None = None, dtype: str | None = None,
+                  key: str | None = None) -> list[Callable[[], dict[str, torch.Tensor]]]:
+    """The shards ``consolidate`` would write, each a function that reads its tensors (output names,
+    cast) into memory when called: export-hf converts them as they come, with no consolidated copy
+    on disk (it staged one, the model's size in free disk on top of the export)."""
+    path = Path(checkpoint)
+    plan, cast = checked_plan(path, max_shard_size, dtype, key, verify=True)
+    return [partial(shard_tensors, path, entries, plan.metadata, cast) for entries in plan.shards]
+
+
+def shard_tensors(path: Path, entries: list, metadata: Metadata,
+                  cast: torch.dtype | None) -> dict[str, torch.Tensor]:
+    return dict(streamed_tensors(path, entries, metadata, cast))
+
+
+def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | None = None,
+                dtype: str | None = None, key: str | None = None, verify: bool = True) -> list[Path]:
+    """Write model-only safetensors; returns the files written."""
+    path, out = Path(checkpoint), Path(out)
+    check_new_output(out)  # before reading anything: files of an earlier export must not mix in
+    plan, cast = checked_plan(path, max_shard_size, dtype, key, verify)
     single = out.suffix == ".safetensors"
     if single and len(plan.shards) > 1:
         raise CheckpointError(f"{out} names one file but --max-shard-size makes {len(plan.shards)} "

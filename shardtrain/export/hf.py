@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -41,7 +40,7 @@ from shardtrain.data.tokenizer import (
     tokenizer_source,
 )
 from shardtrain.errors import CheckpointError
-from shardtrain.export.consolidate import consolidate, written_dtype
+from shardtrain.export.consolidate import shard_readers, written_dtype
 from shardtrain.generation.generate import shared_parameter_names
 from shardtrain.models.hf import HFCausalLM
 from shardtrain.models.hf_directory import CONFIG_FILE, hf_name, model_directory
@@ -100,20 +99,13 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
         model_directory(cfg)
     if cfg.name != "hf" or cfg.tokenizer != "auto":
         tokenizer_copies(cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    # Stream: consolidate shard by shard into a staging area, then rename and permute per tensor.
-    # A fresh hidden directory each time: a crashed export's leftover is never read as this one's.
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
-    try:
-        # Cast while consolidating: --max-shard-size then measures the shards as written.
-        if src.is_file():  # one file: read a shard's tensors at a time as well
-            parts = [partial(read_part, src, names) for names in file_parts(src, max_shard_size, dtype)]
-        else:
-            staged = consolidate(src, staging, max_shard_size=max_shard_size, dtype=dtype, key=key)
-            parts = [partial(read_part, p) for p in staged if p.suffix == ".safetensors"]
-        return write_hf_directory(cfg, out, parts, dtype)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    # Streamed: each output shard's tensors read (from the checkpoint, or the file) when it is
+    # written, renamed, permuted and cast tensor by tensor; one shard in memory, no staged copy.
+    if src.is_file():
+        parts = [partial(read_part, src, names) for names in file_parts(src, max_shard_size, dtype)]
+    else:
+        parts = shard_readers(src, max_shard_size, dtype, key)
+    return write_hf_directory(cfg, out, parts, dtype)
 
 
 def shard_parts(sizes: dict[str, int], max_shard_size: str | None) -> list[list[str]]:
