@@ -61,6 +61,19 @@ def test_each_reader_of_a_json_object_refuses_another_value(tmp_path):
             indexed_files(index)
         report = inspect_path(index)  # damaged (inspect exits 1), not "no checkpoint" (2)
         assert not report.complete and "not a valid safetensors index" in report.problems[0]
+    # An index that maps names to files that do not hold them (found by review: "complete", while
+    # transformers, which looks each name up in it, fails to load the directory)
+    save_file({"a": torch.zeros(2), "b": torch.ones(2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"c": torch.zeros(2)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    index.write_text(json.dumps({"weight_map": {"a": first, "b": first, "c": second}}))
+    assert inspect_path(index).complete
+    index.write_text(json.dumps({"weight_map": {"a": first, "b": second, "ghost": second}}))
+    report = inspect_path(index)
+    assert not report.complete and report.problems == [
+        f"{index.name} maps b to {second}, which does not hold it ({first} does)",
+        f"{index.name} maps ghost to {second}, which does not hold it",
+        f"{index.name} does not name c (in {second})"]
     # A prepared dataset's manifest: a list is no manifest (prepare refuses the directory as one it
     # did not make; training refuses it).
     data = tmp_path / "data"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,10 +54,12 @@ def add_tensor(report: Report, name: str, dtype: torch.dtype, numel: int) -> Non
 
 def inspect_safetensors(path: Path, report: Report) -> None:
     files = [path]
+    weight_map: dict[str, str] | None = None
     if path.name.endswith(".index.json"):
         report.format = "safetensors shards (index)"
         try:
             files = indexed_files(path)
+            weight_map = json.loads(path.read_text())["weight_map"]  # read and checked just now
         except CheckpointError as exc:  # damaged (exit 1), not absent (exit 2)
             report.problems.append(str(exc))
             report.complete = False
@@ -64,6 +67,7 @@ def inspect_safetensors(path: Path, report: Report) -> None:
         report.details["files"] = len(files)
     else:
         report.format = "safetensors file"
+    held: dict[str, str] = {}  # each tensor's file
     for file in files:
         if not file.is_file():
             report.problems.append(f"missing shard file {file.name}")
@@ -76,9 +80,24 @@ def inspect_safetensors(path: Path, report: Report) -> None:
                     for d in sl.get_shape():
                         numel *= d
                     add_tensor(report, name, DTYPES.get(sl.get_dtype(), torch.uint8), numel)
+                    held[name] = file.name
         except Exception as exc:
             report.problems.append(f"{file.name} is unreadable: {exc}")
+    if weight_map is not None and not report.problems:
+        report.problems += index_disagreements(path.name, weight_map, held)
     report.complete = not report.problems
+
+
+def index_disagreements(index: str, weight_map: dict[str, str], held: dict[str, str]) -> list[str]:
+    """Where an index's weight_map and its shards disagree: transformers looks each tensor up in the
+    map, so a name it maps to the wrong file, or to none, fails to load (a few named, then a count)."""
+    wrong = [f"{index} maps {name} to {file}, which does not hold it"
+             + (f" ({held[name]} does)" if name in held else "")
+             for name, file in weight_map.items() if held.get(name) != file]
+    wrong += [f"{index} does not name {name} (in {file})"
+              for name, file in held.items() if name not in weight_map]
+    return wrong[:5] + ([f"... and {len(wrong) - 5} more disagreements of {index} with its shards"]
+                        if len(wrong) > 5 else [])
 
 
 def describe_best(best: dict) -> str:
