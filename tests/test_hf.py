@@ -56,6 +56,10 @@ def test_export_loads_in_transformers_with_matching_logits(tmp_path, tied):
     their_tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
     assert their_tokenizer(text).input_ids == list(text.encode())
     assert their_tokenizer.decode(list(text.encode())) == text
+    # ... and eval counts its loss per byte, as of the checkpoint (found by review: "per token")
+    from shardtrain.data.tokenizer import HFTokenizer, reads_bytes
+
+    assert reads_bytes(HFTokenizer(out))
     from shardtrain.export.hf import tokenizer_copies
 
     gone = str(tmp_path / "gone" / "tokenizer.json")  # a tokenizer moved since training: said first

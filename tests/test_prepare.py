@@ -40,6 +40,7 @@ from shardtrain.data.tokenizer import (
     line_pieces,
     piecewise_affixes,
     pre_token_starts_at,
+    reads_bytes,
     token_dtype,
 )
 from shardtrain.errors import DataError
@@ -433,6 +434,7 @@ def test_a_tokenizer_naming_no_end_of_text_is_said(tmp_path, caplog):
     raw.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     raw.add_special_tokens(["<|endoftext|>"])
     tokenizer = save_tokenizer(raw, tmp_path / "tokenizer")
+    assert not reads_bytes(tokenizer) and reads_bytes(ByteTokenizer())  # eval's loss: per token, per byte
     for name in ("a.txt", "b.txt"):
         (tmp_path / name).write_text("alpha beta")
     options = PrepareOptions(inputs=[str(tmp_path / "a.txt"), str(tmp_path / "b.txt")],

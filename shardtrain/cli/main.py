@@ -299,7 +299,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     from shardtrain.data.batches import TokenWindows, eval_batches
     from shardtrain.data.corpus import load_corpus
     from shardtrain.data.documents import is_prepared_dataset
-    from shardtrain.data.tokenizer import tokenizer_for
+    from shardtrain.data.tokenizer import reads_bytes, tokenizer_for
     from shardtrain.distributed.env import destroy_distributed
     from shardtrain.errors import ConfigError
     from shardtrain.generation.inference import data_changed_since, load_for_inference
@@ -350,7 +350,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
         masked = windows.targets_masked
         if loaded.env.is_main:
             n = min(args.samples, windows.num_samples) * args.seq_len
-            unit = "byte" if tokenizer.name == "bytes" else "token"
+            unit = "byte" if reads_bytes(tokenizer) else "token"
             targets = (f", {scored:.0f} of them targets (the fine-tuning records' answers, which the loss "
                        "scores)" if masked else "")
             masked_documents = ", each document attending within itself (data.document_mask)" if mask else ""

@@ -74,6 +74,20 @@ class ByteStream:
         return self._decoder.decode(b"", final=True)
 
 
+# Text whose UTF-8 bytes a byte-level tokenizer encodes one id each: ASCII, two-, three-byte
+# characters and control bytes.
+BYTE_PROBE = "def é(x):\n\t日本 \x00~"
+
+
+def reads_bytes(tokenizer: Tokenizer) -> bool:
+    """Whether each id is one byte of the UTF-8 text: the byte tokenizer, or the ``tokenizer.json``
+    an export of a byte-level model carries (eval's loss is then per byte, as training's was)."""
+    if tokenizer.name == "bytes":
+        return True
+    return tokenizer.vocab_size == 256 and tokenizer.encode(BYTE_PROBE, special_tokens=False) == list(
+        BYTE_PROBE.encode())
+
+
 def byte_level_tokenizer() -> tokenizers.Tokenizer:
     """The byte tokenizer as a ``tokenizers`` one (each byte of the UTF-8 text its own id), for the
     ``tokenizer.json`` of an exported built-in model: transformers and shardtrain then read it alike.
