@@ -443,10 +443,12 @@ def failed_saves(out: str, full: Trainer, split: Trainer) -> None:
     else:
         raise AssertionError("ranks that see different things at one path went on")
     # A tracker that cannot start (they start on rank 0 only): every rank stops at start-up with its
-    # one line, rather than the others waiting in the first step.
+    # one line, rather than the others waiting in the first step (a step left to train: a finished
+    # run has nothing to do and starts no tracker).
     run = split.cfg.run
     split.cfg = dataclasses.replace(split.cfg, run=dataclasses.replace(
-        run, trackers=["mlflow"], mlflow=dataclasses.replace(run.mlflow, tracking_uri="http://127.0.0.1:1")))
+        run, trackers=["mlflow"], mlflow=dataclasses.replace(run.mlflow, tracking_uri="http://127.0.0.1:1")),
+        trainer=dataclasses.replace(split.cfg.trainer, max_steps=split.step + 1))
     try:
         split.fit()
     except TrackerError as exc:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
 import random
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +25,7 @@ from checkpoint_workers import (
 from distributed import run_on_ranks
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from shardtrain.checkpoint import layout, staging
 from shardtrain.checkpoint.checkpointer import random_streams_kept, seed_random_streams
@@ -274,6 +277,25 @@ def test_metadata_that_would_run_code_is_refused_unrun(tmp_path):
         consolidate(checkpoint, tmp_path / "out")
     assert refused in inspect_path(checkpoint).render()
     assert not marker.exists()
+    # ... nor does a non-tensor entry of a shard file (found by review: DCP's planner unpickles them
+    # with weights_only=False at resume)
+    tampered = io.BytesIO()
+    torch.save(RunsCode(marker), tampered)
+    tampered.seek(0)
+    with pytest.raises(pickle.UnpicklingError, match="system"):
+        layout.WeightsOnlyLoadPlanner().load_bytes(None, tampered)
+    assert not marker.exists()
+
+
+def test_metadata_written_by_python_3_13_reads():
+    """Python 3.13 pickles paths (DCP's checkpoint id) from pathlib._local (found by review: every
+    checkpoint a 3.13 interpreter saved was refused)."""
+    metadata = Metadata(state_dict_metadata={}, storage_meta=StorageMeta(checkpoint_id=Path("/runs/step-2")))
+    written = pickle.dumps(metadata, protocol=2)  # globals as text lines, no frames to resize
+    assert b"cpathlib\nPosixPath\n" in written
+    as_313 = written.replace(b"cpathlib\nPosixPath\n", b"cpathlib._local\nPosixPath\n")
+    read = layout.MetadataUnpickler(io.BytesIO(as_313)).load()
+    assert read.storage_meta.checkpoint_id == Path("/runs/step-2")
 
 
 def config_resumed_from(resume: str) -> dict:

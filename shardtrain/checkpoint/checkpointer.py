@@ -751,7 +751,7 @@ class Checkpointer:
             del state[layout.AVERAGE_KEY]
         try:
             dcp.load(state, storage_reader=layout.KnownMetadataReader(path, metadata),
-                     process_group=self.group)
+                     planner=layout.WeightsOnlyLoadPlanner(), process_group=self.group)
         except DCP_FAILURES as exc:  # DCP's CheckpointException is a BaseException: named here
             raise CheckpointError(load_failed(path, exc, LOAD_FIX, self.rank)) from exc
         # Loading an optimizer's state replaces its groups' settings with the saved ones: the kernel

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import io
 import os
+import pathlib
 import pickle
 import re
 import shutil
@@ -30,8 +32,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import ReadItem
 
 from shardtrain.checkpoint.peft_adapter import ADAPTER_CONFIG
 from shardtrain.checkpoint.safetensors_files import INDEX_FILE, SINGLE_FILE
@@ -72,6 +75,19 @@ def tmp_dir(root: Path, step: int) -> Path:
     return root / f".step-{step}.tmp"
 
 
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, its non-tensor entries (the optimizer's settings, ...) unpickled with
+    ``torch.load(weights_only=True)``: DCP's own loads them with ``weights_only=False``, which runs
+    whatever a tampered shard file holds. What the safe load gives is pickled again (plain values
+    only) for DCP's placement of it."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        safe = io.BytesIO()
+        torch.save(torch.load(value, weights_only=True), safe)
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
+
+
 class KnownMetadataReader(FileSystemReader):
     """DCP's file reader with the metadata already read (and checked): DCP's load would read and
     unpickle ``.metadata`` once more on every rank (hundreds of MiB, several GiB of Python objects,
@@ -93,13 +109,14 @@ def free_memory() -> int:
         return 0
 
 
+# A checkpoint id that is a path (DCP's writer keeps the directory it saved to).
+PATH_CLASSES = ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
 # What DCP's .metadata may name besides the classes of torch's metadata module: its per-entry storage
 # record, the values of tensor properties, and a checkpoint id that is a path.
 METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
-    *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
     ("collections", "OrderedDict"),
     *(("builtins", name) for name in ("set", "frozenset", "bytearray", "complex", "slice")),
 }
@@ -124,6 +141,9 @@ class MetadataUnpickler(pickle.Unpickler):
         elif module == "torch" and isinstance(getattr(torch, name, None),
                                               torch.dtype | torch.layout | torch.memory_format):
             return getattr(torch, name)
+        elif module.split(".")[0] == "pathlib" and name in PATH_CLASSES:
+            # By name: Python 3.13 pickles them from pathlib._local, which 3.11 does not have.
+            return getattr(pathlib, name)
         elif (module, name) in METADATA_GLOBALS:
             return super().find_class(module, name)
         raise RefusedGlobal(f"{module}.{name}")

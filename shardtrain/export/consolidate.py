@@ -138,7 +138,8 @@ def load_tensors(path: Path, entries, metadata: Metadata) -> dict[str, torch.Ten
         # DCP warns that it runs without a process group: that is the point here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.load(state, storage_reader=layout.KnownMetadataReader(path, metadata), no_dist=True)
+            dcp.load(state, storage_reader=layout.KnownMetadataReader(path, metadata),
+                     planner=layout.WeightsOnlyLoadPlanner(), no_dist=True)
         except DCP_FAILURES as exc:  # DCP's CheckpointException is a BaseException: one line here
             raise CheckpointError(load_failed(path, exc, "check the checkpoint's files (shardtrain inspect "
                                               "names a damaged one when it has checksums)")) from exc
