@@ -195,6 +195,14 @@ def test_a_changed_input_is_prepared_again(tmp_path):
     again = prepare(pattern, tmp_path / "in" / "globbed", progress=False)
     assert again.up_to_date and [s["name"] for s in again.manifest["sources"]] == ["a.txt", "b.txt"]
     shutil.rmtree(tmp_path / "in" / "globbed")
+    # What is excluded counts below the pattern's base only (a cache directory above the inputs),
+    # and a state.json without Arrow files beside it is no dataset (found by review of the above:
+    # "matches no file", and files hidden)
+    assert [s.name for s in resolve_sources([str(tmp_path / "in" / "*")], "*", [tmp_path])] == [
+        "a.txt", "b.txt"]
+    (tmp_path / "in" / "state.json").write_text("{}")
+    assert [s.name for s in resolve_sources([str(tmp_path / "in" / "*.txt")], "*", [])] == ["a.txt", "b.txt"]
+    (tmp_path / "in" / "state.json").unlink()
     shutil.rmtree(inside)
     cfg = DataConfig(source="files", paths=[str(tmp_path / "in")], file_glob="*",
                      cache_dir=str(tmp_path / "in" / "cache"))

@@ -159,23 +159,30 @@ def list_files(root: Path, pattern: str, exclude: Iterable[Path] = ()) -> list[P
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def skipped_by_pattern(path: Path, base: Path, excluded: set[Path], datasets: dict[Path, bool]) -> bool:
-    """Whether a file a pattern matched is one a directory input would not read either: a lock
-    file, anything inside an excluded path (prepare's output: read back, each preparation grew by
-    the previous one's shards and manifest and was never up to date), inside a prepared dataset or
-    a ``save_to_disk`` directory the pattern went into. ``datasets``: what is known of directories
-    so far (a pattern's matches share them)."""
+def skipped_by_pattern(path: Path, base: Path, excluded: list[Path], datasets: dict[Path, bool]) -> bool:
+    """Whether a file a pattern matched is one a directory input at ``base`` would not read either: a
+    lock file, anything inside an excluded path below ``base`` (prepare's output: read back, each
+    preparation grew by the previous one's shards and manifest and was never up to date), inside a
+    prepared dataset or a ``save_to_disk`` directory below ``base`` (as ``list_files`` prunes them).
+    ``excluded``: those inside ``base``, resolved; ``datasets``: what is known of directories so far
+    (a pattern's matches share them)."""
     if path.name.endswith(PREPARE_LOCK_SUFFIX):
         return True
     real = path.resolve()
     if any(real.is_relative_to(e) for e in excluded):
         return True
-    for directory in (base / d for d in path.relative_to(base).parents):
+    for directory in (base / d for d in path.relative_to(base).parents if d.parts):
         if directory not in datasets:
-            datasets[directory] = is_prepared_dataset(directory) or (directory / DATASETS_STATE).is_file()
+            datasets[directory] = is_prepared_dataset(directory) or is_saved_dataset(directory)
         if datasets[directory]:
             return True
     return False
+
+
+def is_saved_dataset(directory: Path) -> bool:
+    """Whether ``directory`` is what ``datasets``' ``save_to_disk`` wrote: its state.json beside
+    Arrow files (a state.json alone is some other file)."""
+    return (directory / DATASETS_STATE).is_file() and next(directory.glob("*.arrow"), None) is not None
 
 
 def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] = ()) -> list[Source]:
@@ -198,9 +205,13 @@ def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] =
                 fixed.append(part)
             base = Path(*fixed) if fixed else Path(".")
             found = base.glob(str(path.relative_to(base)) if fixed else str(path))
+            real_base = base.resolve()
+            # As list_files: what is excluded counts below the pattern's base only (a data.cache_dir
+            # holding the inputs' directory excludes itself, not them).
+            inside = [e for e in excluded if e != real_base and e.is_relative_to(real_base)]
             datasets: dict[Path, bool] = {}
             matched = sorted(p for p in found
-                             if p.is_file() and not skipped_by_pattern(p, base, excluded, datasets))
+                             if p.is_file() and not skipped_by_pattern(p, base, inside, datasets))
             if not matched:
                 raise DataError(f"input {entry!r} matches no file")
             sources += [Source(p, p.relative_to(base).as_posix()) for p in matched]
