@@ -469,13 +469,18 @@ def test_parquet_is_read_a_column_at_a_time(tmp_path):
     assert [t.column_names for t in parquet_tables(rows, "text")] == [["body", "image"]] * 2  # for the error
 
 
-def test_a_file_is_read_by_its_suffix_whatever_its_case():
+def test_a_file_is_read_by_its_suffix_whatever_its_case(tmp_path):
     """JSON Lines' other name and upper-case suffixes are records too (found by review: read as
-    text, a document of JSON syntax)."""
-    kinds = {name: Source(Path(name), name).kind for name in (
-        "a.jsonl", "a.JSONL", "a.ndjson", "a.ndjson.gz", "a.Jsonl.GZ", "a.PARQUET", "a.json", "a.txt")}
-    assert kinds == {"a.jsonl": "jsonl", "a.JSONL": "jsonl", "a.ndjson": "jsonl", "a.ndjson.gz": "jsonl",
-                     "a.Jsonl.GZ": "jsonl", "a.PARQUET": "parquet", "a.json": "text", "a.txt": "text"}
+    text, a document of JSON syntax); datasets prepared from them as text are stale, no other."""
+    names = ("a.jsonl", "a.JSONL", "a.ndjson", "a.ndjson.gz", "a.Jsonl.GZ", "a.PARQUET", "a.json", "a.txt")
+    for name in names:
+        (tmp_path / name).write_text("{}")
+    sources = {name: Source(tmp_path / name, name) for name in names}
+    assert {name: source.kind for name, source in sources.items()} == {
+        "a.jsonl": "jsonl", "a.JSONL": "jsonl", "a.ndjson": "jsonl", "a.ndjson.gz": "jsonl",
+        "a.Jsonl.GZ": "jsonl", "a.PARQUET": "parquet", "a.json": "text", "a.txt": "text"}
+    assert [name for name, source in sources.items() if "read_as" in source.fingerprint()] == [
+        "a.JSONL", "a.ndjson", "a.ndjson.gz", "a.Jsonl.GZ", "a.PARQUET"]
 
 
 def test_prepare_options_reject_bad_values(tmp_path):

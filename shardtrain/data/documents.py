@@ -40,6 +40,8 @@ EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 # was made inside an input directory and later removed.
 PREPARE_LOCK_SUFFIX = ".shardtrain-lock"
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")  # matched ignoring case
+# The suffixes (case as written) that made a file records before the ones above did.
+FIRST_SUFFIXES = {"jsonl": (".jsonl", ".jsonl.gz"), "parquet": (".parquet",)}
 # Compressed or archived files other than JSON lines: read as text they were tokenized as their
 # compressed bytes, without a word.
 PACKED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".7z", ".tar", ".tgz")
@@ -73,11 +75,17 @@ class Source:
         return "text"
 
     def fingerprint(self) -> dict:
-        """What makes a prepared dataset stale: any file's size or modification time."""
-        files = arrow_files(self.path) if self.kind == "arrow" else [self.path]
+        """What makes a prepared dataset stale: any file's size or modification time, and how the
+        file is read where that is not what its suffix said before .ndjson and suffixes in any case
+        were records (those prepared as text are prepared again; every other fingerprint stays)."""
+        kind = self.kind
+        files = arrow_files(self.path) if kind == "arrow" else [self.path]
         stats = [f.stat() for f in files]
-        return {"name": self.name, "bytes": sum(s.st_size for s in stats),
-                "mtime_ns": max(s.st_mtime_ns for s in stats)}
+        entry = {"name": self.name, "bytes": sum(s.st_size for s in stats),
+                 "mtime_ns": max(s.st_mtime_ns for s in stats)}
+        if kind not in ("arrow", "text") and not self.path.name.endswith(FIRST_SUFFIXES[kind]):
+            entry["read_as"] = kind
+        return entry
 
 
 def matches(relative: str, pattern: str) -> bool:
