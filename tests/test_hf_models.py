@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 from dataclasses import replace
@@ -170,6 +171,9 @@ def test_export_round_trip(two_rank_runs, model_dirs, family, tmp_path):
         export_hf(moved, tmp_path / "bytes", max_shard_size="20KB")
         byte_level = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "bytes"))
         assert byte_level("def é").input_ids == list("def é".encode())
+        generation = os.path.join(model_dirs[family], "generation_config.json")  # the model's, kept
+        with open(generation, "rb") as model_file:
+            assert (tmp_path / "bytes" / "generation_config.json").read_bytes() == model_file.read()
     if family != "gpt_neox":
         return
     # The self-check fails loudly when the written weights do not reproduce the model.

@@ -30,8 +30,9 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # End-of-text tokens of common vocabularies (GPT-2, Llama 3, Llama 2/Mistral, Gemma, Qwen's chat).
 COMMON_END_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 # What ``export-hf`` copies from a Hugging Face model directory besides the weights and config.json.
+GENERATION_CONFIG_FILE = "generation_config.json"
 TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja")
+                   GENERATION_CONFIG_FILE, "chat_template.jinja")
 
 
 class TextStream(Protocol):
@@ -106,7 +107,7 @@ def generation_stops(directory: Path, vocab_size: int) -> frozenset[int]:
     """The ids a model's ``generation_config.json`` ends generation at (``eos_token_id``, one or a
     list), as transformers' ``generate`` does: a chat model's end of turn is often not the
     tokenizer's end of text (Gemma's ``<end_of_turn>``, Llama 3's ``<|eot_id|>``)."""
-    file = directory / "generation_config.json"
+    file = directory / GENERATION_CONFIG_FILE
     try:
         config = json.loads(file.read_text())
     except FileNotFoundError:

@@ -33,6 +33,7 @@ from shardtrain.config.plan import DTYPES, dtype_name
 from shardtrain.config.schema import ModelConfig
 from shardtrain.config.sizes import parse_size
 from shardtrain.data.tokenizer import (
+    GENERATION_CONFIG_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
     TOKENIZER_FILES,
@@ -67,6 +68,10 @@ def write_hf_model_files(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> lis
         files = copy_files(tokenizer_files_in(source), out)
     else:  # the base model's would encode text into other ids than the run trained on
         files = write_tokenizer_files(cfg, out, config.get("max_position_embeddings", cfg.max_seq_len))
+        # The sampling defaults and stop ids are the model's, not those beside the tokenizer.
+        if (generation := source / GENERATION_CONFIG_FILE).is_file():
+            shutil.copyfile(generation, out / GENERATION_CONFIG_FILE)
+            files = sorted({*files, out / GENERATION_CONFIG_FILE})
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return files + [out / CONFIG_FILE]
 
