@@ -54,6 +54,8 @@ PREPARED_SHARD = "{kind}-{index:05d}.npy"  # kind: tokens, docs, mask
 PREPARED_TOKEN_SHARDS = "tokens-*.npy"  # the token shards among them
 # JSON can escape half of a UTF-16 pair alone ("\ud800"); no UTF-8 text holds one.
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+# What a read with errors="surrogateescape" puts in place of each byte that is not UTF-8.
+NOT_UTF8 = re.compile("[\udc80-\udcff]")
 
 
 @dataclass(frozen=True)
@@ -364,18 +366,17 @@ def is_text_type(kind: pa.DataType) -> bool:
 def read_jsonl(source: Source, field: str) -> Iterator[tuple[str, Document]]:
     opener = gzip.open if source.path.name.lower().endswith(".gz") else open
     try:
-        # Bytes, decoded line by line: a byte that is not UTF-8 is named by its line (a text-mode
-        # read named a position within its decoder's chunk, not the file's).
-        with opener(source.path, "rb") as lines:
+        # A byte that is not UTF-8 kept as a stand-in (surrogateescape) and named by its line: a
+        # strict read named a position within its decoder's chunk, not the file's.
+        with opener(source.path, "rt", encoding="utf-8", errors="surrogateescape") as lines:
             mixed_said = False
-            for number, raw in enumerate(lines, start=1):
+            for number, line in enumerate(lines, start=1):
                 where = f"{source.path}:{number}"
-                try:
-                    line = raw.decode()
-                except UnicodeDecodeError as exc:
-                    raise DataError(f"{where}: not UTF-8 (byte {raw[exc.start]:#04x} at byte {exc.start + 1} "
+                if bad := NOT_UTF8.search(line):
+                    at = len(line[:bad.start()].encode("utf-8", "surrogateescape")) + 1
+                    raise DataError(f"{where}: not UTF-8 (byte {ord(bad.group()) - 0xDC00:#04x} at byte {at} "
                                     "of the line); JSON Lines are UTF-8: re-encode the file (for Latin-1, "
-                                    "iconv -f latin1 -t utf-8)") from exc
+                                    "iconv -f latin1 -t utf-8)")
                 if not line.strip():
                     continue
                 try:
