@@ -158,6 +158,16 @@ def test_export_check_fails_on_corrupted_weights(tmp_path, monkeypatch):
         consolidate(ckpt, tmp_path / "kept", max_shard_size="40KB")
     assert [p.name for p in (tmp_path / "kept").iterdir()] == ["README.md"]
     monkeypatch.undo()
+
+    def index_cut_short(directory, *args):  # the last file written: part of it, then the disk is full
+        (directory / "model.safetensors.index.json").write_text('{"metadata": {"total_')
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("shardtrain.export.consolidate.write_index", index_cut_short)
+    with pytest.raises(OSError, match="No space left"):
+        consolidate(ckpt, tmp_path / "kept", max_shard_size="40KB")
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["README.md"]
+    monkeypatch.undo()
     for size in ("0", "0.5B"):  # found by review: no limit at all, one file
         with pytest.raises(ConfigError, match=f"--max-shard-size '{size}' must be more than 0"):
             consolidate(ckpt, tmp_path / "zero", max_shard_size=size)

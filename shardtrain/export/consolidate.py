@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from shardtrain.checkpoint import integrity, layout
 from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed
 from shardtrain.checkpoint.safetensors_files import (
+    INDEX_FILE,
     check_new_output,
     check_writable,
     file_order_key,
@@ -264,5 +265,6 @@ def write_shards(path: Path, plan: Plan, directory: Path, single_name: str | Non
         weight_map.update((out_name, name) for _, out_name, _ in entries)
         files.append(directory / name)
     if n > 1:
-        files.append(write_index(directory, weight_map, plan.total_bytes))
+        files.append(directory / INDEX_FILE)  # before it is written: a half-written index goes too
+        write_index(directory, weight_map, plan.total_bytes)
     return files
