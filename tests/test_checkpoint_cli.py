@@ -408,6 +408,8 @@ def test_damage_inside_a_file_is_named(two_rank_run, tmp_path, name, how, messag
         anyway = run_cli("generate", str(damaged), "--prompt", "x", "--max-new-tokens", "2",
                          "--skip-checksums", timeout=120)
         assert anyway.returncode == 0, anyway.stderr[-3000:]
+        exported = run_cli("export-hf", str(damaged), str(tmp_path / "hf"), "--skip-checksums", "--no-verify")
+        assert exported.returncode == 0, exported.stderr[-3000:]
 
 
 # Runs commands through shardtrain's main() in one process and reports, after each, its exit status

@@ -679,6 +679,13 @@ def test_a_damaged_adapter_checkpoint_is_named_by_every_reader(lora_runs, tmp_pa
     generate = ["generate", str(damaged), "--prompt", "x", "--max-new-tokens", "2"]
     assert main(generate) == 2 and "__0_0.distcp is damaged (sha256 " in capsys.readouterr().err
     assert main([*generate, "--skip-checksums"]) == 0, capsys.readouterr().err
+    # ... and the exports read it anyway when asked to, their self-checks too (found by review: no
+    # --skip-checksums, where consolidate, generate and eval had one)
+    for command in (["export-peft"], ["export-hf", "--merge"]):
+        anyway = tmp_path / f"anyway-{command[0]}"
+        assert main([command[0], str(damaged), str(anyway), *command[1:], "--skip-checksums"]) == 0, (
+            capsys.readouterr().err)
+        assert "verified:" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("case", ["full_shard", "qlora"])

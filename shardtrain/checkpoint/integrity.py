@@ -116,7 +116,8 @@ def read_manifest(path: Path) -> dict[str, dict] | None:
             raise CheckpointError(
                 f"checkpoint {str(path)!r}: {MANIFEST_FILE} is missing, though its save wrote one: the "
                 "checkpoint is incomplete (copied without it?); copy it again or use another one "
-                "(checkpoint.verify_checksums=false, consolidate --skip-checksums read it unverified)")
+                "(checkpoint.verify_checksums=false, or --skip-checksums of the commands that read "
+                "it, reads it unverified)")
         return None
     try:
         raw = json.loads(file.read_text())  # an OSError is the filesystem's, not damage: raised
@@ -129,7 +130,7 @@ def read_manifest(path: Path) -> dict[str, dict] | None:
         raise CheckpointError(
             f"checkpoint {str(path)!r}: {MANIFEST_FILE} is unreadable ({exc}); the checkpoint is "
             "damaged, use another one (or skip verification: checkpoint.verify_checksums=false, "
-            "consolidate --skip-checksums)"
+            "--skip-checksums of the commands that read it)"
         ) from exc
     return files
 

@@ -388,6 +388,8 @@ def finish_export(args: argparse.Namespace, files: list[Path], verify, loaded_by
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
     check_export_paths(args, "export-hf")
+    from functools import partial
+
     if args.merge:  # a LoRA checkpoint: each target's weight plus alpha/r * B @ A
         from shardtrain.errors import ConfigError
         from shardtrain.export.merge import export_merged, verify_merged_export
@@ -396,24 +398,29 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
             raise ConfigError("export-hf --merge --ema: a LoRA run keeps no weight average "
                               "(trainer.ema_decay is refused with adapters); drop --ema")
 
-        files = export_merged(args.checkpoint, args.out, args.max_shard_size, args.dtype)
-        return finish_export(args, files, verify_merged_export, "transformers'")
-    from functools import partial
-
+        verified = not args.skip_checksums
+        files = export_merged(args.checkpoint, args.out, args.max_shard_size, args.dtype, verified)
+        return finish_export(args, files, partial(verify_merged_export, verify_checksums=verified),
+                             "transformers'")
     from shardtrain.checkpoint import layout
     from shardtrain.export.hf import export_hf
     from shardtrain.export.verify import verify_export
 
     key = layout.AVERAGE_KEY if args.ema else None
-    files = export_hf(args.checkpoint, args.out, args.max_shard_size, args.dtype, key=key)
+    files = export_hf(args.checkpoint, args.out, args.max_shard_size, args.dtype, key=key,
+                      verify_checksums=not args.skip_checksums)
     return finish_export(args, files, partial(verify_export, key=key), "transformers'")
 
 
 def cmd_export_peft(args: argparse.Namespace) -> int:
     check_export_paths(args, "export-peft")
+    from functools import partial
+
     from shardtrain.export.peft import export_peft, verify_peft_export
 
-    return finish_export(args, export_peft(args.checkpoint, args.out), verify_peft_export, "peft.PeftModel's")
+    verified = not args.skip_checksums
+    return finish_export(args, export_peft(args.checkpoint, args.out, verified),
+                         partial(verify_peft_export, verify_checksums=verified), "peft.PeftModel's")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -688,6 +695,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a finetune=lora checkpoint: write the merged model (each target's weight plus "
                     "alpha/r * B @ A), checked against the checkpoint's model with its adapters")
     hf.add_argument("--ema", action="store_true", help=EMA_HELP)
+    hf.add_argument("--skip-checksums", action="store_true", help=SKIP_CHECKSUMS_HELP)
 
     pe = sub.add_parser("export-peft", help="LoRA checkpoint -> PEFT adapter directory",
                         description="adapter_config.json + adapter_model.safetensors that "
@@ -696,6 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("out", help="output directory")
     pe.add_argument("--no-verify", action="store_true",
                     help="skip the check that PEFT's model reproduces the checkpoint's logits")
+    pe.add_argument("--skip-checksums", action="store_true", help=SKIP_CHECKSUMS_HELP)
 
     plan = sub.add_parser(
         "plan", help="estimate per-rank memory for each strategy and world size",

@@ -203,12 +203,12 @@ def checked_plan(path: Path, max_shard_size: str | None, dtype: str | None, key:
 
 
 def shard_readers(checkpoint: str | Path, max_shard_size: str | None = None, dtype: str | None = None,
-                  key: str | None = None) -> list[Callable[[], dict[str, torch.Tensor]]]:
+                  key: str | None = None, verify: bool = True) -> list[Callable[[], dict[str, torch.Tensor]]]:
     """The shards ``consolidate`` would write, each a function that reads its tensors (output names,
     cast) into memory when called: export-hf converts them as they come, with no consolidated copy
     on disk (it staged one, the model's size in free disk on top of the export)."""
     path = Path(checkpoint)
-    plan, cast = checked_plan(path, max_shard_size, dtype, key, verify=True)
+    plan, cast = checked_plan(path, max_shard_size, dtype, key, verify)
     return [partial(shard_tensors, path, entries, plan.metadata, cast) for entries in plan.shards]
 
 

@@ -89,7 +89,7 @@ def copy_files(copies: dict[str, Path], out: Path) -> list[Path]:
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "2GB",
-              dtype: str | None = None, key: str | None = None) -> list[Path]:
+              dtype: str | None = None, key: str | None = None, verify_checksums: bool = True) -> list[Path]:
     """A transformers-loadable directory from a shardtrain checkpoint (or its safetensors).
     ``key``: the checkpoint's entry to export (``ema``: the weights' average; default the model)."""
     src, out = Path(checkpoint), Path(out_dir)
@@ -109,7 +109,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
     if src.is_file():
         parts = [partial(read_part, src, names) for names in file_parts(src, max_shard_size, dtype)]
     else:
-        parts = shard_readers(src, max_shard_size, dtype, key)
+        parts = shard_readers(src, max_shard_size, dtype, key, verify_checksums)
     return write_hf_directory(cfg, out, parts, dtype)
 
 

@@ -63,10 +63,10 @@ def select(tensors: dict[str, torch.Tensor], names: list[str]) -> dict[str, torc
 
 
 def export_merged(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str = "2GB",
-                  dtype: str | None = None) -> list[Path]:
+                  dtype: str | None = None, verify_checksums: bool = True) -> list[Path]:
     """The merged full model of a ``finetune=lora`` checkpoint as a Hugging Face directory."""
     check_new_directory(Path(out_dir))  # before the model is built and merged, not after
-    ckpt = LoraCheckpoint.read(checkpoint)
+    ckpt = LoraCheckpoint.read(checkpoint, verify_checksums)
     # QLoRA: merged into the NF4 base's values, which training, generate and eval ran the adapters
     # on (PEFT's merge of a 4-bit model dequantises the same way); the plain base's differ by NF4's
     # rounding (measured: 0.22 relative in a tiny model's logits).
@@ -79,13 +79,13 @@ def export_merged(checkpoint: str | Path, out_dir: str | Path, max_shard_size: s
 
 
 @torch.no_grad()
-def verify_merged_export(checkpoint: str | Path, out_dir: str | Path,
-                         tolerance: float = EXPORT_TOLERANCE) -> float:
+def verify_merged_export(checkpoint: str | Path, out_dir: str | Path, tolerance: float = EXPORT_TOLERANCE,
+                         verify_checksums: bool = True) -> float:
     """The largest relative logit difference between the written merged model, read back as
     transformers reads it, and the checkpoint's model with its adapters; a CheckpointError past
     ``tolerance``."""
     out_dir = Path(out_dir)
-    model = checkpoint_model(LoraCheckpoint.read(checkpoint), nf4_base=True)
+    model = checkpoint_model(LoraCheckpoint.read(checkpoint, verify_checksums), nf4_base=True)
     tokens = check_tokens(model)
     written = getattr(torch, json.loads((out_dir / CONFIG_FILE).read_text())["torch_dtype"])
     if written != torch.float32:  # the reference the files can hold: merged, rounded as written

@@ -61,7 +61,7 @@ class LoraCheckpoint:
     adapters: dict[str, torch.Tensor]  # our parameter names -> full tensors
 
     @classmethod
-    def read(cls, path: str | Path) -> LoraCheckpoint:
+    def read(cls, path: str | Path, verify_checksums: bool = True) -> LoraCheckpoint:
         path = Path(path)
         layout.verify(path)
         state = TrainState.read(path)
@@ -71,7 +71,8 @@ class LoraCheckpoint:
         if source := state.model_config().weights_source():
             source_files(source)  # a base moved since training: said before anything is written
         plan = plan_shards(path, None, None, "model")
-        integrity.verify_files(path, names=plan.files)  # every byte read, as consolidate verifies
+        if verify_checksums:
+            integrity.verify_files(path, names=plan.files)  # every byte read, as consolidate verifies
         entries = [entry for shard in plan.shards for entry in shard if is_adapter(entry[1])]
         tensors = load_tensors(path, entries, plan.metadata)
         return cls(path, state.model_config(), state.finetune_config(),
@@ -116,9 +117,9 @@ def target_modules(finetune: FinetuneConfig, modules: list[str]) -> list[str]:
     return modules
 
 
-def export_peft(checkpoint: str | Path, out_dir: str | Path) -> list[Path]:
+def export_peft(checkpoint: str | Path, out_dir: str | Path, verify_checksums: bool = True) -> list[Path]:
     """PEFT's adapter directory from a ``finetune=lora`` checkpoint."""
-    ckpt = LoraCheckpoint.read(checkpoint)
+    ckpt = LoraCheckpoint.read(checkpoint, verify_checksums)
     out = Path(out_dir)
     # Never into a model's directory (a base model's own would load the adapters from then on) nor
     # over another adapter.
@@ -194,11 +195,11 @@ def transformers_base(ckpt: LoraCheckpoint, ours: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def verify_peft_export(checkpoint: str | Path, out_dir: str | Path,
-                       tolerance: float = EXPORT_TOLERANCE) -> float:
+def verify_peft_export(checkpoint: str | Path, out_dir: str | Path, tolerance: float = EXPORT_TOLERANCE,
+                       verify_checksums: bool = True) -> float:
     """The largest relative logit difference between the checkpoint's model and the transformers base
     with the exported adapters loaded by PEFT; a CheckpointError past ``tolerance``."""
-    ckpt = LoraCheckpoint.read(checkpoint)
+    ckpt = LoraCheckpoint.read(checkpoint, verify_checksums)
     ours = checkpoint_model(ckpt)
     theirs = PeftModel.from_pretrained(transformers_base(ckpt, ours), str(out_dir),
                                        adapter_name=ADAPTER_NAME).eval()
