@@ -101,6 +101,11 @@ def rails(out: str) -> None:
         return torch.optim.AdamW(unsharded.parameters(), lr=1e-3)
 
     expect_error(out, "optimizer", BypassModel, optimizer_factory=stale_optimizer)
+
+    def no_return(sharded_model):  # found by review: 'NoneType' object has no attribute ...
+        torch.optim.AdamW(sharded_model.parameters(), lr=1e-3)
+
+    expect_error(out, "no_return", BypassModel, optimizer_factory=no_return)
     # each rank its own run.dir, as node-local disks give it: stopped before any model exists
     expect_error(out, "unshared", BypassModel, run_dir=f"{out}/unshared-rank{os.environ['RANK']}",
                  checkpoints=True)
@@ -118,6 +123,19 @@ def rails(out: str) -> None:
              "<root>"]
     assert trainer.built.report.units == units, trainer.built.report.units
     assert math.isfinite(trainer.run_step().loss)
+    # A factory's empty first group, as PyTorch allows (the no-decay-first idiom on a model whose
+    # names match none): it trains (found by review: IndexError in the step's skip decision).
+    cfg = case_config(int(os.environ["WORLD_SIZE"]), f"{out}/empty_group")
+
+    def no_decay_first(sharded_model):
+        no_decay = [p for name, p in sharded_model.named_parameters() if name.endswith(".bias")]
+        decay = [p for name, p in sharded_model.named_parameters() if not name.endswith(".bias")]
+        return torch.optim.AdamW([{"params": no_decay, "weight_decay": 0.0}, {"params": decay}], lr=1e-3,
+                                 fused=True)
+
+    trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=small_corpus()),
+                             optimizer_factory=no_decay_first)
+    assert not trainer.built.optimizer.param_groups[0]["params"] and math.isfinite(trainer.run_step().loss)
 
 
 def nan_step_is_skipped(out: str) -> None:

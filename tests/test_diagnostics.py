@@ -35,6 +35,7 @@ def test_rails_in_library_use(tmp_path):
         "tied": "tied parameter emb.weight = out.weight spans FSDP units ['emb', 'out']: one parameter can "
                 "belong to one unit only",
         "optimizer": "it was built before sharding",
+        "no_return": "the optimizer factory returned NoneType, not a torch.optim.Optimizer",
         "unshared": f"run.dir is not shared: rank 1 (host {socket.gethostname()}) does not see the files "
                     f"rank 0 writes in {tmp_path / 'unshared-rank0'}",
     }

@@ -20,6 +20,10 @@ log = logging.getLogger("shardtrain")
 
 def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     """The optimizer must hold exactly the model's trainable sharded DTensor parameters."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ModelError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim."
+                         "Optimizer: it must return the optimizer it builds on the sharded model (a "
+                         "missing return gives None)")
     current = {id(p): n for n, p in model.named_parameters()}
     held = [p for group in optimizer.param_groups for p in group["params"]]
     stale = [p for p in held if id(p) not in current]
@@ -38,6 +42,9 @@ def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
         raise ModelError(f"the optimizer holds {len(frozen)} frozen parameters (requires_grad=False, e.g. "
                          f"{frozen[0]}): give it only the trainable ones, "
                          "[p for p in model.parameters() if p.requires_grad]")
+    if not held:
+        raise ModelError("the optimizer holds no parameters (its groups are empty): give it the model's "
+                         "trainable ones, [p for p in model.parameters() if p.requires_grad]")
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     missing = trainable - {id(p) for p in held}
     if missing:

@@ -70,7 +70,9 @@ def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
 def step_unless(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:
     """``optimizer.step()``, which leaves parameters, moments and step counts untouched where
     ``nonfinite`` (a 0-dim device tensor) is true: no host read needed before the update."""
-    device = optimizer.param_groups[0]["params"][0].device  # with CPU offload, the host
+    # With CPU offload, the host; the first group holding a parameter (a factory's groups may be
+    # empty, as PyTorch allows: one for the norms of a model without any)
+    device = next(params[0].device for params in (g["params"] for g in optimizer.param_groups) if params)
     optimizer.found_inf = nonfinite.float().to(device)
     try:
         optimizer.step()
