@@ -84,6 +84,16 @@ class MetricNamedLoss(ImageClassification):
         return LossOutput(out.loss, out.count, {**out.metrics, "loss": out.loss.detach()})
 
 
+class ValidationMetricNamedLoss(ImageClassification):
+    """A metric of evaluation only, named so that its val_<name> is the validation loss (found by
+    review: it replaced val_loss, which keep_best and early stopping judge)."""
+
+    def loss(self, model, batch):
+        out = super().loss(model, batch)
+        extra = {} if model.training else {"loss": out.loss.detach()}
+        return LossOutput(out.loss, out.count, {**out.metrics, **extra})
+
+
 class MissingKey(SyntheticImages):
     def __getitem__(self, index):
         item = super().__getitem__(index)

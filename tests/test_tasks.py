@@ -401,6 +401,8 @@ def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
                                  "backward); it must be a scalar tensor"),
     ("broken_tasks:MetricNamedLoss", 1, "MetricNamedLoss.loss returned metrics ['loss'] named like fields of "
                                         "the metrics record"),
+    ("broken_tasks:ValidationMetricNamedLoss", 1, "ValidationMetricNamedLoss.loss returned metrics ['loss'] "
+                                                  "named like fields of the metrics record"),
     ("broken_tasks:RankMetrics", 2, "ranks disagree on the task's metrics (name, has its own count): "
                                     "rank 0 has (('rank0', False),), rank 1 has (('rank1', False),)"),
     ("broken_tasks:RankData", 2, "ranks disagree on training samples (511 vs 512): the ranks read different "
@@ -422,7 +424,8 @@ def test_a_task_breaking_the_contract_fails_with_one_line(tmp_path, task, device
         assert "failed first, before its first step finished: ValueError: shard 7 of the images is missing " \
                "on this node" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-    assert "FLOPs unknown" not in proc.stderr  # said after a first step, which none of these finish
+    # said after a first step, which none of these finish (ValidationMetricNamedLoss's are counted)
+    assert "FLOPs unknown" not in proc.stderr
 
 
 def test_a_model_built_in_bf16_trains_fp32_master_weights(tmp_path):

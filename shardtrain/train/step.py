@@ -217,6 +217,10 @@ def ratio(total: float, divisor: float) -> float:
     return total / divisor if divisor else float("nan")
 
 
+# The evaluation record's own fields, which a validation metric's val_<name> must not take.
+EVALUATION_FIELDS = frozenset({"val_loss", "ema_val_loss"})
+
+
 def check_metric_names(task: Task, kinds: tuple[tuple[str, bool], ...], reserved: frozenset[str]) -> None:
     """A metric is logged beside the record's own fields (and as ``val_<name>``, and with a weight
     average ``ema_val_<name>``): a name that is one of them, or whose other forms are another
@@ -466,6 +470,9 @@ def evaluate(model: nn.Module, task: Task, batches: Sequence[tuple[Any, float]],
     # Evaluation may return other metrics than training does, but the same on every rank: each
     # rank's names decide the length of the all-reduce below.
     check_same_on_every_rank("the task's validation metrics (name, has its own count)", metrics.kinds)
+    # Logged as val_<name>: one named "loss" would replace val_loss, which keep_best and early
+    # stopping judge (training's names are checked at the first step, these may differ).
+    check_metric_names(task, metrics.kinds or (), EVALUATION_FIELDS)
     loss_value, count_value, *metric_values = global_sum_tensor(
         torch.stack([loss, count, *metrics.vector()]), copies).tolist()
     metrics.raise_if_changed(metric_values)
