@@ -20,6 +20,17 @@ class NoLoss(Task):
         return [torch.zeros(2)] * 8
 
 
+class NeedsArgument(ImageClassification):
+    """Settings taken by __init__ without an Options dataclass: nothing can pass them (found by
+    review: a TypeError's traceback on every worker)."""
+
+    Options = None
+
+    def __init__(self, data_dir):
+        super().__init__()
+        self.data_dir = data_dir
+
+
 class BuildReturnsNone(ImageClassification):
     """Builds its model but forgets to return it."""
 

@@ -392,6 +392,8 @@ def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
 @pytest.mark.parametrize(("task", "devices", "message"), [
     ("broken_tasks:NoLoss", 2, "lacks loss()"),
     ("collections:OrderedDict", 2, "is not a shardtrain.tasks.Task subclass"),
+    ("broken_tasks:NeedsArgument", 2, "NeedsArgument.__init__ needs data_dir, and a run's task is built from "
+                                      "task.path and task.options alone"),
     ("broken_tasks:BuildReturnsNone", 1, "BuildReturnsNone.build_model returned NoneType; return the model, "
                                          "an nn.Module"),
     ("broken_tasks:MovesModel", 1, "the model was moved (.to(device), .cuda(), .cpu()) while it was being "

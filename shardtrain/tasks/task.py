@@ -264,6 +264,13 @@ def task_from_config(cfg: Config) -> Task:
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise ConfigError(f"task={cfg.task.path!r} is not a shardtrain.tasks.Task subclass")
     if cls.Options is None:
+        required = [p.name for p in inspect.signature(cls).parameters.values()
+                    if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if required:  # a TypeError from inside the user's class otherwise, on every worker
+            raise ConfigError(f"task {cfg.task.path}: {cls.__name__}.__init__ needs {', '.join(required)}, "
+                              "and a run's task is built from task.path and task.options alone (resume, "
+                              "plan, every worker): declare them as fields of an Options dataclass on the "
+                              "class (docs/tasks.md), set with task.NAME=VALUE")
         return check_task(cls())
     options = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls.Options), cfg.task.options))
     return check_task(construct(cls, options))
