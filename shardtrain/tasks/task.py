@@ -177,8 +177,9 @@ class Task:
         return None
 
     def flops(self, batch: Any) -> float | None:
-        """Training FLOPs (forward and backward) of a micro-batch, for MFU; None: counted with
-        torch's FLOP counter on the first step (3x the forward)."""
+        """Training FLOPs (forward and backward) of a micro-batch, for MFU. Not overridden (this
+        default's None): counted with torch's FLOP counter at start-up (3x the forward); an override
+        returns a number for every micro-batch."""
         return None
 
     def describe(self) -> str:

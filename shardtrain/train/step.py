@@ -305,8 +305,10 @@ def local_flops(task: Task, micro_batches: list[Any], counted_per_sample: float 
     total = 0.0
     for batch in micro_batches:
         flops = task.flops(batch)
-        if flops is None:
-            return 0.0
+        if flops is None:  # this rank's step counted as none: an MFU understated without a word
+            raise TrainingError(f"{type(task).__name__}.flops returned None: a task's flops(batch) returns "
+                                "the micro-batch's training FLOPs, a number; leave flops undefined to "
+                                "have torch's FLOP counter count them")
         total += flops
     return total
 
