@@ -93,3 +93,30 @@ def test_the_public_names_are_typed_listed_and_importable():
     declared = {alias.name for node in checked.body for alias in node.names}
     assert declared == set(shardtrain._EXPORTS)
     assert (Path(shardtrain.__file__).parent / "py.typed").is_file()
+
+
+def test_a_task_object_run_again_reads_the_new_runs_data(tmp_path):
+    """Found by review: a LanguageModelTask passed to a second run (a sweep over data.*) kept the
+    first run's corpus, tokenized with its tokenizer; a corpus given to the constructor stays."""
+    import dataclasses
+
+    from shardtrain.config.loader import load_config
+    from shardtrain.tasks.language_model import LanguageModelTask
+
+    runs = []
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        for i in range(20):
+            (tmp_path / name / f"{i}.txt").write_text(f"{name} {i} " * 40)
+        runs.append(load_config(["data=files", f"data.paths=[{tmp_path / name}]",
+                                 f"data.cache_dir={tmp_path / 'cache'}"]))
+    task = LanguageModelTask()
+    roots = []
+    for cfg in runs:
+        task.bind(cfg)
+        roots.append(task.load_corpus().root)
+    assert roots == [str(tmp_path / "first"), str(tmp_path / "second")]
+    given = task.load_corpus()
+    kept = LanguageModelTask(corpus=given)
+    kept.bind(dataclasses.replace(runs[0]))
+    assert kept.load_corpus() is given

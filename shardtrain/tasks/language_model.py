@@ -84,6 +84,7 @@ class LanguageModelTask(Task):
         super().__init__()
         self.model_factory = model
         self.blocks = wrap_policy
+        self.given_corpus = corpus
         self.corpus = corpus
         self.tokenizer: Tokenizer | None = None
         self.flops_per_token = 0.0
@@ -92,6 +93,9 @@ class LanguageModelTask(Task):
     def bind(self, cfg) -> None:
         super().bind(cfg)
         self.tokenizer = tokenizer_for(cfg.model)
+        # The corpus of this run's data.* (the object passed to another run, a sweep, read that
+        # run's corpus, tokenized with its tokenizer); one given to the constructor stays.
+        self.corpus = self.given_corpus
 
     def load_corpus(self) -> Corpus:
         if self.corpus is None:
