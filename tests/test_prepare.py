@@ -469,6 +469,18 @@ def test_parquet_is_read_a_column_at_a_time(tmp_path):
     assert [t.column_names for t in parquet_tables(rows, "text")] == [["body", "image"]] * 2  # for the error
 
 
+def test_a_null_text_is_an_empty_document_in_every_format(tmp_path):
+    """A JSON null stopped preparation (a traceback-free 'NoneType, not text') where a Parquet or
+    Arrow null was an empty document: pandas writes missing text as null in both."""
+    from shardtrain.data.documents import documents
+
+    (tmp_path / "a.jsonl").write_text('{"text": "ab"}\n{"text": null}\n')
+    pq.write_table(pa.table({"text": ["ab", None]}), tmp_path / "a.parquet")
+    read = {kind: [text for _, text in documents(Source(tmp_path / f"a.{kind}", f"a.{kind}"), "text")]
+            for kind in ("jsonl", "parquet")}
+    assert read == {"jsonl": [b"ab", b""], "parquet": [b"ab", b""]}
+
+
 def test_a_file_is_read_by_its_suffix_whatever_its_case(tmp_path):
     """JSON Lines' other name and upper-case suffixes are records too (found by review: read as
     text, a document of JSON syntax); datasets prepared from them as text are stale, no other."""

@@ -293,6 +293,8 @@ def text_of(record: object, field: str, where: str) -> str:
                         "set data.text_field (or --text-field) to the field holding the text, or give "
                         "fine-tuning records 'prompt' and 'completion', or 'messages'")
     value = record[field]
+    if value is None:  # missing text, as a Parquet or Arrow null is: an empty document, not a stop
+        return ""
     if not isinstance(value, str):
         raise DataError(f"{where}: field {field!r} is {type(value).__name__}, not text")
     return value
