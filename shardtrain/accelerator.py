@@ -9,6 +9,7 @@ in this project's CI (its machines have none); the CPU path is the tested one.
 
 from __future__ import annotations
 
+import os
 import re
 import resource
 import sys
@@ -110,6 +111,16 @@ def set_fp32_matmul(device: torch.device, tf32: bool) -> None:
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
     if device.type == "cuda":  # cuDNN's convolutions have a switch of their own (on by default)
         torch.backends.cudnn.allow_tf32 = tf32
+
+
+def use_deterministic_kernels() -> None:
+    """Deterministic kernels for the rest of the process (``trainer.deterministic``). cuBLAS reads
+    its workspace setting when it creates a handle, at the first matmul: set before the model is
+    built, it applies (a value the user exported is kept)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 def process_group_backend(device: torch.device, requested: str = "auto", cpu_offload: bool = False) -> str:

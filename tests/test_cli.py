@@ -183,9 +183,10 @@ def single_process_losses(tmp_path_factory):
 def test_devices_relaunches_under_torchrun(tmp_path, single_process_losses):
     run_dir = tmp_path / "two"
     proc = run_cli("train", *QUICK, "trainer.devices=2", "trainer.grad_accum_steps=2",
-                   "strategy=shard_grad_op", f"run.dir={run_dir}")
+                   "strategy=shard_grad_op", "trainer.deterministic=true", f"run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world size 2" in proc.stderr and "SHARD_GRAD_OP" in proc.stderr
+    assert "deterministic kernels" in proc.stderr  # torch's own switch, read back: it is on
     for a, b in zip(quick_losses(run_dir), single_process_losses, strict=True):
         assert abs(a - b) / b < 1e-5
 

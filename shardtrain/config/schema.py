@@ -190,6 +190,13 @@ class TrainerConfig:
     # weights and data order; the same at any world size. At most 2^63 - 1: torch's and the data
     # order's generators take 64 bits, and mixtures add an offset per dataset.
     seed: int = knob(1234, at_least=0, at_most=2**63 - 1)
+    # Deterministic kernels, so two runs on the same hardware and world size match bit for bit on
+    # accelerators too (a CPU's already do): torch.use_deterministic_algorithms(True) (an operation
+    # without a deterministic kernel then stops the run, naming itself), cuDNN's deterministic
+    # convolutions without autotuning, and cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG). Costs
+    # speed where atomics-based kernels (scatter-add, some attention backwards) are replaced. Set for
+    # the whole process, and left set.
+    deterministic: bool = False
     lr: float = knob(3e-3, at_least=0)
     min_lr_ratio: float = knob(0.1, at_least=0.0, at_most=1.0)  # cosine floor, a fraction of lr
     warmup_steps: int = knob(30, at_least=0)  # linear warmup, then the decay to max_steps

@@ -22,6 +22,7 @@ from shardtrain.accelerator import (
     phase_peak_bytes,
     pin_offloaded_memory,
     set_fp32_matmul,
+    use_deterministic_kernels,
 )
 from shardtrain.checkpoint.best import BestEvaluations
 from shardtrain.checkpoint.checkpointer import Checkpointer, random_streams_kept, seed_random_streams
@@ -273,6 +274,8 @@ class Trainer:
             check_shared_run_dir(Path(cfg.run.dir), env)
         set_cpu_threads(env, cfg.trainer.threads_per_process)
         set_fp32_matmul(env.device, cfg.strategy.tf32)
+        if cfg.trainer.deterministic:
+            use_deterministic_kernels()
         if task is not None:
             cfg.task = task_config_of(check_task(task))
         else:
@@ -531,7 +534,9 @@ class Trainer:
         t, env, b = self.cfg.trainer, self.env, self.built
         n_params = sum(p.numel() for p in b.model.parameters())
         frozen = sum(p.numel() for p in b.model.parameters() if not p.requires_grad)
-        self.info(f"world size {env.world_size} ({env.backend}, {env.device.type}); {b.plan.describe()}")
+        deterministic = "; deterministic kernels" if torch.are_deterministic_algorithms_enabled() else ""
+        self.info(f"world size {env.world_size} ({env.backend}, {env.device.type}); {b.plan.describe()}"
+                  f"{deterministic}")
         float8 = f", {len(b.report.float8_linears)} float8 linear layers" if b.report.float8_linears else ""
         # LoRA's frozen base has a line of its own (adapter_summary)
         count = f"{frozen / 1e6:.2f}M" if frozen >= 5_000 else f"{frozen:,}"
