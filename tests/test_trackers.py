@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import struct
 import threading
 from pathlib import Path
@@ -309,8 +310,9 @@ def test_a_plain_path_as_the_mlflow_tracking_uri_is_its_file_store(tmp_path, mon
     from mlflow.tracking import MlflowClient
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_DISABLE_TELEMETRY", raising=False)  # undone after: set by the tracker
     for given, store in ((str(tmp_path / "shared"), tmp_path / "shared"),
-                         ("./relative", tmp_path / "relative")):
+                         ("./relative", tmp_path / "relative"), ("bare", tmp_path / "bare")):
         cfg = load_config([f"run.dir={tmp_path / 'run'}", "run.trackers=[mlflow]",
                            f"run.mlflow.tracking_uri={given}"])
         assert mlflow_tracking_uri(cfg.run) == store.as_uri()
@@ -319,7 +321,8 @@ def test_a_plain_path_as_the_mlflow_tracking_uri_is_its_file_store(tmp_path, mon
         assert any(store.glob(f"*/{tracker.tracker.run_id}")), list(store.iterdir())
         # Ctrl-C is the user's stop, not a failure (a trial saw FAILED)
         assert MlflowClient(store.as_uri()).get_run(tracker.tracker.run_id).info.status == "KILLED"
-    for kept in ("databricks", "http://127.0.0.1:5000", "sqlite:///mlflow.db", "file:///x"):
+    assert os.environ["MLFLOW_DISABLE_TELEMETRY"] == "true"  # a local store sends nothing away
+    for kept in ("databricks", "databricks-uc", "http://127.0.0.1:5000", "sqlite:///mlflow.db", "file:///x"):
         cfg = load_config([f"run.mlflow.tracking_uri={kept}"])
         assert mlflow_tracking_uri(cfg.run) == kept
 

@@ -144,11 +144,15 @@ def load_optional(name: str, module: str) -> Any:
         raise missing_package_error(name, PACKAGES[name]) from exc
 
 
+# Tracking URIs that are a scheme alone (Databricks' workspace and Unity Catalog), not a path.
+MLFLOW_SCHEME_ONLY_URIS = ("databricks", "databricks-uc", "uc")
+
+
 def mlflow_tracking_uri(run: RunConfig) -> str:
     """run.mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else (and always with run.offline) the
     file store run.dir/mlruns."""
     uri = None if run.offline else (run.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
-    if uri and "://" not in uri and uri.startswith(("/", ".", "~")):
+    if uri and ":" not in uri and uri not in MLFLOW_SCHEME_ONLY_URIS:  # mlruns, ./mlruns, /shared/mlruns
         # A plain path is a file store to MLflow too; as a file: URI it gets the file store's opt-in
         # below (given as a path, MLflow 3 refused it as a store in maintenance mode).
         return Path(uri).expanduser().resolve().as_uri()
@@ -264,6 +268,9 @@ class MlflowTracker:
             # MLflow 3 refuses its file store unless this is set; mlflow-skinny has no other local
             # store (SQLite needs the full package), and choosing it here is the user's opt-in.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            # A local store sends nothing away: MLflow's telemetry looked up its server (a DNS
+            # query from a run told to stay offline) and wrote ~/.config/mlflow.
+            os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         tracking = load_optional(self.name, "mlflow.tracking")
         self.entities = load_optional(self.name, "mlflow.entities")
         self.limits = load_optional(self.name, "mlflow.utils.validation")
