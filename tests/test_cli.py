@@ -87,6 +87,8 @@ NO_TRAINING = [
     (["plan", "--processes-per-node", "0"], 2, "--processes-per-node 0: each must be at least 1"),
     (["plan", "--device-memory", "0"], 2, "--device-memory '0' must be more than 0"),
     (["generate", ".", "--prompts-file", "latin1.txt"], 2, "is not UTF-8 text"),
+    # argv bytes that are not UTF-8 (Latin-1 é), as Python keeps them: a traceback at tokenization
+    (["generate", "missing", "--prompt", "caf\udce9"], 2, "--prompt is not UTF-8 text"),
     (["generate", "missing", "--prompt", "hi"], 2, "shardtrain: error: 'missing' does not exist"),
     (["generate", "missing", "--prompt", "hi", "--top-p", "0"], 2, "--top-p"),
     (["eval", "missing"], 2, "shardtrain: error: 'missing' does not exist"),
@@ -147,6 +149,19 @@ def test_log_lines_say_which_library_wrote_them():
         assert not not_for_users(logging.LogRecord(name, logging.WARNING, __file__, 1, message, None, None))
     kept = logging.LogRecord("torchao.float8", logging.WARNING, __file__, 1, "other", None, None)
     assert not_for_users(kept)
+
+
+def test_a_prompts_file_is_cut_at_line_ends_alone(tmp_path):
+    """Found by review: splitlines() cut a prompt at a form feed (Python's sources, the default
+    corpus, hold them) and at U+2028, and a byte-order mark began the first prompt."""
+    from argparse import Namespace
+
+    from shardtrain.cli.main import read_prompts
+
+    path = tmp_path / "prompts.txt"
+    path.write_bytes("\ufeffdef a\r\n\nclass B\fC\n   \nx = 1\u2028y\n".encode())
+    prompts = read_prompts(Namespace(prompts_file=str(path), prompt=None))
+    assert prompts == ["def a", "class B\fC", "x = 1\u2028y"]
 
 
 def test_answers_without_training_import_no_torch(tmp_path):

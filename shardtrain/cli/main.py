@@ -171,13 +171,23 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         if not path.is_file():
             raise ConfigError(f"--prompts-file {str(path)!r} does not exist")
         try:
-            prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            # A prompt a line, lines ending in \n or \r\n alone: splitlines() also cut a prompt at a
+            # form feed (which Python's sources hold) or U+2028. A byte-order mark is no prompt's.
+            text = path.read_text(encoding="utf-8-sig")
         except UnicodeDecodeError as exc:
             raise ConfigError(f"--prompts-file {str(path)!r} is not UTF-8 text ({exc.reason} at byte "
                               f"{exc.start}); save it as UTF-8") from exc
+        except OSError as exc:
+            raise ConfigError(f"--prompts-file {str(path)!r} cannot be read ({exc.strerror or exc})") from exc
+        prompts = [line.removesuffix("\r") for line in text.split("\n") if line.strip()]
         if not prompts:
             raise ConfigError(f"--prompts-file {str(path)!r} has no prompt lines")
         return prompts
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # argv bytes that are not UTF-8, kept by Python as surrogates
+        raise ConfigError("--prompt is not UTF-8 text (the terminal's or script's encoding); give it as "
+                          "UTF-8, or put it in a UTF-8 file for --prompts-file") from exc
     return [args.prompt]
 
 
