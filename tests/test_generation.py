@@ -63,11 +63,11 @@ def test_sharded_generation_equals_consolidated(tmp_path):
     # one line on the console, as `train` gives (found by review: every rank's copy, then torchrun's
     # traceback); both ranks' copies and torchrun's report in the log it names
     (line,) = [line for line in too_long.stderr.splitlines() if line.startswith("shardtrain: ")]
-    assert line.startswith("shardtrain: error: prompt 2: prompt (5000 tokens)") and "Traceback" not in (
-        too_long.stderr)
+    assert line.startswith("shardtrain: error: prompt 2: the prompt (5000 tokens) is longer")
+    assert "Traceback" not in too_long.stderr
     log = Path(line.rpartition("; full log: ")[2])
     kept = log.read_text()
-    assert all(kept.count(f"shardtrain: error: [rank {rank}] prompt 2: prompt (5000 tokens)") == 1
+    assert all(kept.count(f"shardtrain: error: [rank {rank}] prompt 2: the prompt (5000 tokens)") == 1
                for rank in (0, 1)), kept[-2000:]  # each worker's line names its rank
     # the status given and the line shown are the first failing worker's, read from torchrun's report
     (first, status) = shardtrain.cli.launch.root_cause(log)
@@ -158,8 +158,16 @@ def test_kv_cache_generation_equals_full_recompute(tmp_path):
     room = 128 - len(prompt) + 1
     for use_cache in (True, False):
         assert len(generate(model, prompt, room, use_cache=use_cache)) == room
-        with pytest.raises(GenerationError, match="exceeds the model's 128 positions"):
+        with pytest.raises(GenerationError, match="exceeds the model's 128 positions; ask for fewer"):
             generate(model, prompt, room + 1, use_cache=use_cache)
+    # A prompt too long by itself is to be shortened; a token id past the embedding (another model's
+    # tokenizer) is refused, not an IndexError (found by review).
+    with pytest.raises(GenerationError, match=r"the prompt \(129 tokens\) is longer than the model's 128 "
+                                              "positions; shorten it"):
+        generate(model, [1] * 129, 1)
+    with pytest.raises(GenerationError, match="holds token id 256 and the model embeds 256 ids: the "
+                                              "tokenizer is not this model's"):
+        generate(model, [1, 256], 1)
     # A tiny temperature is (almost) greedy, not an overflow to NaN in the softmax.
     for tiny in (1e-40, 1e-50, 1e-320):  # below fp32's smallest number too (found by review: NaN)
         assert generate(model, prompt, 8, temperature=tiny, seed=3) == generate(model, prompt, 8)

@@ -208,7 +208,7 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     from shardtrain.distributed.env import destroy_distributed
     from shardtrain.errors import GenerationError
     from shardtrain.generation.generate import (
-        check_positions,
+        check_prompt,
         gathered_copy,
         generate,
         generation_mode,
@@ -284,8 +284,13 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
             else:  # one prompt, or unit by unit (every rank takes part in every forward)
                 for index, prompt in enumerate(prompts):
                     text, ids = render(prompt)
-                    # Before the prompt is shown: the error then starts a line of its own.
-                    check_positions(model, len(ids), args.max_new_tokens)
+                    # Before the prompt is shown: the error then starts a line of its own, and names
+                    # the prompt as the split path's does.
+                    try:
+                        check_prompt(model, ids, args.max_new_tokens)
+                    except GenerationError as exc:
+                        named = f"prompt {index + 1}: {exc}" if len(prompts) > 1 else str(exc)
+                        raise GenerationError(named) from exc
                     show(text)
                     run(model, index, ids, show)
     finally:

@@ -164,14 +164,30 @@ def positions_needed(prompt_tokens: int, max_new_tokens: int) -> int:
     return prompt_tokens + max(max_new_tokens - 1, 0)
 
 
-def check_positions(model: nn.Module, prompt_tokens: int, max_new_tokens: int) -> int:
-    """The positions a generation needs (``positions_needed``), refused where the model has fewer."""
-    positions = positions_needed(prompt_tokens, max_new_tokens)
+def check_prompt(model: nn.Module, prompt: list[int], max_new_tokens: int) -> int:
+    """The positions a generation of ``prompt`` needs (``positions_needed``), refused where the model
+    has fewer; a token id past the model's embedding (a tokenizer that is not the model's: an index
+    error on a CPU, a device-side assert on a GPU) refused too."""
+    rows = embedding_rows(model)
+    if rows is not None and prompt and max(prompt) >= rows:
+        raise GenerationError(f"the prompt holds token id {max(prompt)} and the model embeds {rows} ids: "
+                              "the tokenizer is not this model's (its model.tokenizer, or the "
+                              "tokenizer.json of its Hugging Face directory)")
+    positions = positions_needed(len(prompt), max_new_tokens)
     max_len = getattr(model, "max_seq_len", None)
+    if max_len is not None and len(prompt) > max_len:
+        raise GenerationError(f"the prompt ({len(prompt)} tokens) is longer than the model's {max_len} "
+                              "positions; shorten it")
     if max_len is not None and positions > max_len:
-        raise GenerationError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
+        raise GenerationError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) "
                               f"exceeds the model's {max_len} positions; ask for fewer new tokens")
     return positions
+
+
+def embedding_rows(model: nn.Module) -> int | None:
+    """The token ids the model's input embedding holds, where the model names its embedding."""
+    embedding = model.input_embedding() if hasattr(model, "input_embedding") else None
+    return getattr(embedding, "num_embeddings", None)
 
 
 @torch.no_grad()
@@ -192,7 +208,7 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temper
         raise GenerationError("an empty prompt: give at least one token (prompt_ids gives a tokenizer's "
                               "start of a document for empty text)")
     tokens = torch.tensor([prompt], dtype=torch.long, device=device)
-    positions = check_positions(model, len(prompt), max_new_tokens)
+    positions = check_prompt(model, prompt, max_new_tokens)
     cache = None
     if use_cache and hasattr(model, "new_cache"):
         cache = model.new_cache(positions)
