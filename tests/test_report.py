@@ -398,3 +398,16 @@ def test_hand_edited_records_and_odd_run_names_make_a_report(tmp_path):
     labels = [t.get_text() for t in report.figures["loss_steps"].legends[0].get_texts()]
     skipped = [label for label in labels if "skipped" in label]
     assert skipped == [r"cost\$^\$x: 100 steps skipped (non-finite)"], labels
+
+
+def test_a_run_named_with_an_underscore_keeps_its_legend_entry_and_nan_losses_draw_none(tmp_path):
+    """Found by review: matplotlib leaves labels starting with _ out of the legend (a run directory
+    _base had no entry), and a run whose losses were all NaN had legend entries for empty lines."""
+    for name, loss in (("_base", 1.0), ("diverged", float("nan"))):
+        (tmp_path / name).mkdir()
+        records = [{"step": 0, "kind": "start", "world_size": 1, "restart_count": 0}]
+        records += [{"step": s, "kind": "train", "loss": loss, "tokens_seen": 64 * s} for s in range(1, 4)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = write_report([tmp_path / "_base", tmp_path / "diverged"], tmp_path / "report.html")
+    labels = [t.get_text() for t in report.figures["loss_steps"].legends[0].get_texts()]
+    assert [label for label in labels if "loss" in label] == ["\u200b_base: train loss"], labels

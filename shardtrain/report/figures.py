@@ -89,8 +89,10 @@ def _draw_bars(ax: Axes, bars: Bars, colours: dict[str, str]) -> None:
 
 def literal(text: str) -> str:
     """A label as written: matplotlib reads $...$ as math (a run directory named a$b failed the
-    report with a ValueError, a$1$b printed as math)."""
-    return text.replace("$", r"\$")
+    report with a ValueError, a$1$b printed as math), and leaves a label starting with _ out of the
+    legend (a run directory named _base lost its entry): a zero-width space goes before it."""
+    text = text.replace("$", r"\$")
+    return "\u200b" + text if text.startswith("_") else text
 
 
 def draw_panel(panel: Panel, colours: dict[str, str]) -> Figure:

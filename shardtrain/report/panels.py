@@ -167,7 +167,7 @@ def loss_panels(runs: list[Run], unit: str) -> list[Panel]:
         count_at = steps_to_count(run, unit)
         for key, style in (("loss", "line"), ("val_loss", "marked"), ("ema_val_loss", "marked")):
             steps, values = run.values("train", key)
-            if not steps:
+            if all(v is None for v in values):  # none logged, or none finite: no empty legend entry
                 continue
             by_step.lines.append(Line(run.name, key, steps, values, style))
             if counted_here:
