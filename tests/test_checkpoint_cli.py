@@ -6,9 +6,10 @@ import hashlib
 import json
 import os
 import shutil
+import time
 
 import pytest
-from cli_utils import preempt, preempt_at_start, read_metrics, run_cli
+from cli_utils import launch, preempt, preempt_at_start, read_metrics, run_cli
 
 QUICK = ["experiment=quick", "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample_tokens=0",
          "trainer.micro_batch_size=2", "run.trackers=[]"]
@@ -40,6 +41,28 @@ def test_kill_during_save_resume_picks_previous_complete(tmp_path):
     # keep_last=2, no tmp
     assert sorted(p.name for p in ckpts.iterdir()) == [".step-7.tmp-notes", "step-6", "step-8"]
     assert read_metrics(run_dir)[-1]["step"] == 8
+
+
+def test_a_save_whose_files_vanish_under_it_is_not_committed(tmp_path):
+    """Found by review: a save whose RNG file something else deleted while it ran (another start in
+    the run.dir) was committed without it, and its resume then skipped the RNG states."""
+    run_dir = tmp_path / "run"
+    proc = launch(["train", *QUICK, "trainer.max_steps=2", "checkpoint.interval=2", f"run.dir={run_dir}"],
+                  env={"SHARDTRAIN_FAULT": "save:0:2:sleep=6"})  # after the RNG file, before DCP
+    try:
+        rng = run_dir / "checkpoints" / ".step-2.tmp" / "rng-rank0.pt"
+        deadline = time.monotonic() + 120
+        while not rng.is_file():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.05)
+        rng.unlink()
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, out[-3000:]
+    assert "save of step 2: rank 0's rng-rank0.pt is gone from" in out and "Traceback" not in out
+    assert not (run_dir / "checkpoints" / "step-2").exists()
 
 
 def test_sigterm_saves_exits_cleanly_and_resumes_exactly(tmp_path):

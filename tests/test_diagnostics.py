@@ -263,6 +263,9 @@ def test_flight_recorder_dump_without_a_process_group(tmp_path):
 
 def test_dry_run_reports_and_exits(tmp_path):
     run_dir = tmp_path / "dry"
+    # A live run's save in progress in the same run.dir: a dry run leaves it (found by review: it
+    # deleted it as abandoned, and the live run committed that step without its RNG file).
+    (run_dir / "checkpoints" / ".step-4.tmp").mkdir(parents=True)
     proc = run_cli("train", *QUICK, "trainer.devices=2", "diagnostics.dry_run=true",
                    "diagnostics.profile_at=1", "strategy.mixed_precision=bf16-mixed",
                    "strategy.activation_checkpointing=all", "checkpoint.enabled=true", f"run.dir={run_dir}")
@@ -279,7 +282,7 @@ def test_dry_run_reports_and_exits(tmp_path):
                      "(2 per micro-batch x 1 micro-batch x 2 ranks)",
                      "gradient accumulation sharded (1 micro-batch per step)"):
         assert expected in proc.stderr, expected
-    assert not (run_dir / "checkpoints").exists()
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [".step-4.tmp"]
     assert {p.name for p in (run_dir / "profiles" / "steps-1-1").iterdir()} == {"rank0.json", "rank1.json"}
     # Its records go beside a run's, never into them (found by review: a dry run in a finished run's
     # directory added an attempt and a step past max_steps to its report, and replaced its config)

@@ -308,7 +308,9 @@ class Checkpointer:
         """The checkpoint ``checkpoint.resume`` selects, or None to start fresh; then rank 0 deletes
         what crashed saves and deletions left in the run's checkpoints (``remove_abandoned``)."""
         path = self.choose_resume()
-        if self.rank == 0:
+        # A dry run changes no file of the run: started beside a live run of the same run.dir, it
+        # deleted the .tmp of the save that run was writing.
+        if self.rank == 0 and not self.cfg.diagnostics.dry_run:
             self.remove_abandoned(path)
         return path
 
@@ -604,6 +606,12 @@ class Checkpointer:
             # This rank's files by name, no listing: rank 0 hashes anything else (.metadata,
             # model.safetensors) when it writes the manifest.
             with self.save_errors(step, tmp):
+                if not (tmp / layout.rng_file(self.rank)).is_file():
+                    raise CheckpointError(
+                        f"save of step {step}: rank {self.rank}'s {layout.rng_file(self.rank)} is gone from "
+                        f"{tmp} since it was written: something else removed files of this save (another "
+                        "shardtrain started in this run.dir?); the save is abandoned, earlier checkpoints "
+                        "stay as they were")
                 entries: dict[str, Any] | str = integrity.hash_entries(
                     tmp, integrity.files_of_rank(tmp, self.rank))
         except CheckpointError as exc:
