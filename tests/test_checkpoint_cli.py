@@ -313,6 +313,8 @@ def test_resume_from_an_older_step_refuses_later_checkpoints_before_launch(two_r
     proc = run_cli("train", *QUICK, *TEN_STEPS, f"checkpoint.resume={ckpts / 'step-4'}", f"run.dir={run_dir}")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "already holds later checkpoints (step-6, step-8, step-10)" in error_line(proc), proc.stderr[-999:]
+    # found by review: the run started again with a raised max_steps goes on with resume=auto
+    assert "use checkpoint.resume=auto; else move them out of" in error_line(proc)
     assert sorted(int(p.name[5:]) for p in ckpts.iterdir()) == [2, 4, 6, 8, 10]
 
 

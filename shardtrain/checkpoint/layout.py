@@ -346,7 +346,9 @@ def refuse_newer_checkpoints(root: Path, resumed: Path) -> None:
         names = ", ".join(path.name for path in newer)
         raise CheckpointError(
             f"checkpoint.resume={resumed} is step {step}, but {root} already holds later checkpoints "
-            f"({names}) that this run would collide with; move them out of {root} or choose a new run.dir"
+            f"({names}) that this run would collide with; to go on from the newest of them (this run, "
+            "started again with other settings: a raised trainer.max_steps), use checkpoint.resume=auto; "
+            f"else move them out of {root} or choose a new run.dir"
         )
 
 
