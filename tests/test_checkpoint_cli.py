@@ -97,6 +97,18 @@ def test_sigterm_saves_exits_cleanly_and_resumes_exactly(tmp_path):
     assert [r["loss"] for r in read_metrics(run_dir)] == expected
 
 
+def test_a_signal_during_a_single_process_start_up_saves_after_the_first_step(tmp_path):
+    """Found by review: one process (no torchrun) installed its handler only when training began, so
+    a SIGTERM while it loaded a checkpoint killed it (status 143) instead of a save after a step."""
+    args = ["train", *QUICK, "checkpoint.interval=0", f"run.dir={tmp_path}"]
+    first = run_cli(*args, "trainer.max_steps=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    proc = run_cli(*args, "trainer.max_steps=3", env={"SHARDTRAIN_FAULT": "resume:0:1:signal=SIGTERM"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "preemption (SIGTERM): saving at step 2 and stopping" in proc.stderr
+    assert (tmp_path / "checkpoints" / "step-2").is_dir()
+
+
 def test_a_preemption_save_does_not_wait_for_evaluation(tmp_path):
     """Rank 0 is signalled after step 3; step 4 agrees to stop, and its save comes before the
     evaluation due at step 4 would (it ate the scheduler's grace period before the SIGKILL). The

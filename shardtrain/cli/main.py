@@ -67,6 +67,10 @@ def cmd_train(overrides: list[str]) -> int:
     status = relaunch_if_needed(cfg, ["train", *overrides], log_file)
     if status is not None:
         return launch_outcome(status, Path(cfg.run.dir), started, log_file)
+    if preemption is None and cfg.checkpoint.enabled:  # one process, training here: as under torchrun
+        from shardtrain.checkpoint.preemption import PreemptionFlag
+
+        preemption = PreemptionFlag(cfg.checkpoint.preemption_signals)
     rank = int(os.environ.get("RANK", 0))
     trainer = None
     try:
