@@ -681,8 +681,15 @@ def test_the_best_checkpoints_are_kept_beside_the_newest_across_a_resume(tmp_pat
                       "trainer.max_steps=3", f"run.dir={tmp_path / 'failing'}",
                       env={"SHARDTRAIN_FAULT": "commit:0:1:sleep=3,step:0:2:raise,step:1:2:raise"})
     assert failing.returncode == 1 and "injected fault: rank 0 failed at step of step 2" in failing.stderr
-    assert "training failed with the async save of step 1 in flight: letting it commit" in failing.stderr
+    assert "training stopped with the async save of step 1 in flight: letting it commit" in failing.stderr
     assert sorted(p.name for p in (tmp_path / "failing" / "checkpoints").iterdir()) == ["step-1"]
+    # Ctrl-C the same way (found by review: it left only .step-1.tmp, where a blocking save kept step-1)
+    stopped = run_cli("train", *QUICK, "checkpoint.interval=1", "checkpoint.async=true",
+                      "trainer.max_steps=3", f"run.dir={tmp_path / 'stopped'}",
+                      env={"SHARDTRAIN_FAULT": "commit:0:1:sleep=3,step:0:2:signal=SIGINT"})
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert "training stopped with the async save of step 1 in flight: letting it commit" in stopped.stderr
+    assert sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir()) == ["step-1"]
     # A task's metric misspelt as trainer.monitor stops the run before its first step (it stopped it
     # at the first evaluation, which may be hours in).
     wrong = run_cli("train", *QUICK, "trainer.eval_every=2", "checkpoint.keep_best=1", "trainer.max_steps=2",

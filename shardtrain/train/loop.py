@@ -670,13 +670,16 @@ class Trainer:
                     self.info("preemption during the final save: the end-of-training sample is skipped")
                 else:
                     self.result.sample = self.sample()
-        except Exception:
-            # On gloo a peer stopped by its watchdog ends this rank's collectives at once, before this
-            # rank's own watchdog fires: dump this rank's flight recorder too, so the dumps can be
-            # compared rank by rank.
-            dumped = self.watchdog.dump_flight_recorder()
-            if dumped:
-                log.error("rank %d: training failed%s", self.env.rank, dumped)
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                # On gloo a peer stopped by its watchdog ends this rank's collectives at once, before
+                # this rank's own watchdog fires: dump this rank's flight recorder too, so the dumps
+                # can be compared rank by rank.
+                dumped = self.watchdog.dump_flight_recorder()
+                if dumped:
+                    log.error("rank %d: training failed%s", self.env.rank, dumped)
+            # Ctrl-C too (it reaches every rank): the save in flight is the newest state, as a
+            # blocking save of its step would have kept it; a second Ctrl-C leaves it.
             self.commit_pending_save()
             raise
         finally:
@@ -701,7 +704,7 @@ class Trainer:
         if self.checkpointer is None or self.checkpointer.pending is None:
             return
         step = self.checkpointer.pending.step
-        self.info(f"training failed with the async save of step {step} in flight: letting it commit")
+        self.info(f"training stopped with the async save of step {step} in flight: letting it commit")
         self.beat_save("committing the async save after a failure")
         try:
             self.checkpointer.wait()
