@@ -400,14 +400,17 @@ def test_a_damaged_scheduler_state_is_named_before_it_is_loaded(tmp_path):
     fields = dict(step=6, tokens_seen=96, consumed_samples=12, global_batch=2, world_size=1,
                   strategy="FULL_SHARD", mesh_shape=[1], mesh_dim_names=["dp_shard"], mixed_precision="fp32",
                   config={}, config_hash="abc", versions={"torch": "2"}, saved_at="now")
-    good = {"base_lrs": [0.003, 0.003], "last_epoch": 5, "_step_count": 6}
+    good = {"base_lrs": [0.003, 0.003], "last_epoch": 5, "_step_count": 6, "lr_lambdas": [None, None]}
     check_scheduler_state(tmp_path, TrainState(scheduler=good, **fields), 2)
     for scheduler, message in (({**good, "base_lrs": [0.003]}, "'base_lrs' is [0.003], not 2 learning rates"),
                                ({**good, "base_lrs": [0.003, "x"]}, "'base_lrs' is"),
                                ({**good, "base_lrs": [0.003, float("nan")]}, "'base_lrs' is"),
                                ({**good, "last_epoch": 7},
                                 "'last_epoch' is 7, not a step from 0 to the checkpoint's 6"),
-                               ({"last_epoch": 5}, "'base_lrs' is null")):
+                               ({"last_epoch": 5}, "'base_lrs' is null"),
+                               # found by review: a KeyError traceback in load_state_dict
+                               ({k: v for k, v in good.items() if k != "lr_lambdas"}, "'lr_lambdas' is null"),
+                               ({**good, "lr_lambdas": [None]}, "'lr_lambdas' is [null], not one entry")):
         with pytest.raises(CheckpointError, match=re.escape(message)):
             check_scheduler_state(tmp_path, TrainState(scheduler=scheduler, **fields), 2)
 

@@ -192,7 +192,7 @@ def check_scheduler_state(path: Path, state: TrainState, param_groups: int) -> N
     per parameter group and a position between 0 and the checkpoint's step (a skipped step does not
     advance it)."""
     saved = state.scheduler
-    base, last = saved.get("base_lrs"), saved.get("last_epoch")
+    base, last, lambdas = saved.get("base_lrs"), saved.get("last_epoch"), saved.get("lr_lambdas")
 
     def number(value: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -205,6 +205,11 @@ def check_scheduler_state(path: Path, state: TrainState, param_groups: int) -> N
     elif not (isinstance(last, int) and not isinstance(last, bool) and 0 <= last <= state.step):
         problem = (f"'last_epoch' is {json.dumps(last)[:40]}, not a step from 0 to the checkpoint's "
                    f"{state.step}")
+    elif not (isinstance(lambdas, list) and len(lambdas) == param_groups
+              and all(entry is None or isinstance(entry, dict) for entry in lambdas)):
+        # LambdaLR's load_state_dict indexes it per group: a KeyError or TypeError traceback
+        problem = (f"'lr_lambdas' is {json.dumps(lambdas)[:40]}, not one entry (null) per parameter "
+                   "group")
     if problem is not None:
         raise CheckpointError(f"checkpoint {str(path)!r}: the scheduler state in {STATE_FILE} is damaged "
                               f"({problem}); use another checkpoint")
