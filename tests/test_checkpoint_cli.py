@@ -124,13 +124,6 @@ def test_a_preemption_save_does_not_wait_for_evaluation(tmp_path):
     assert records[-1]["step"] == 4 and "val_loss" not in records[-1], records[-1]
     state = json.loads((run_dir / "checkpoints" / "step-4" / "trainer_state.json").read_text())
     assert state["evaluation_due"] is True
-    resumed = run_cli("train", *args, "trainer.max_steps=4")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "step 4: the evaluation the preemption skipped runs now" in resumed.stderr
-    assert "nothing to do" not in resumed.stderr, resumed.stderr[-3000:]
-    records = read_metrics(run_dir)
-    assert records[-1]["step"] == 4 and records[-1]["val_loss"] > 0, records[-1]
-    assert os.readlink(run_dir / "checkpoints" / "best") == "step-4"  # it ranked: the link moved
     # Resumed into another run.dir, the skipped evaluation counts for early stopping but ranks
     # nothing there: step 4 is not that run's (found by review: best linked to a missing step-4).
     other = tmp_path / "other"
@@ -140,6 +133,22 @@ def test_a_preemption_save_does_not_wait_for_evaluation(tmp_path):
     assert "the evaluation the preemption skipped runs now" in proc.stderr
     assert "ranks among" not in proc.stderr
     assert not (other / "checkpoints" / "best").exists()
+    assert json.loads((run_dir / "checkpoints" / "step-4" / "trainer_state.json").read_text()) == state
+    resumed = run_cli("train", *args, "trainer.max_steps=4")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step 4: the evaluation the preemption skipped runs now" in resumed.stderr
+    assert "nothing to do" not in resumed.stderr, resumed.stderr[-3000:]
+    records = read_metrics(run_dir)
+    assert records[-1]["step"] == 4 and records[-1]["val_loss"] > 0, records[-1]
+    assert os.readlink(run_dir / "checkpoints" / "best") == "step-4"  # it ranked: the link moved
+    # The checkpoint records the evaluation as run: the same command again has nothing to do (found by
+    # review: each re-run evaluated, sampled and logged step 4 again).
+    logged = (run_dir / "metrics.jsonl").read_text()
+    again = run_cli("train", *args, "trainer.max_steps=4")
+    assert again.returncode == 0 and "nothing to do: step 4 >= trainer.max_steps=4" in again.stderr
+    assert (run_dir / "metrics.jsonl").read_text() == logged
+    saved = json.loads((run_dir / "checkpoints" / "step-4" / "trainer_state.json").read_text())
+    assert saved["evaluation_due"] is False and saved["best"]["ranking"][0][0] == 4
 
 
 @pytest.fixture(scope="module")

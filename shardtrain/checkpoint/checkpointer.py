@@ -17,6 +17,7 @@ current mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -688,6 +689,19 @@ class Checkpointer:
         is saved."""
         ranking = (trainer_state.best or {}).get("ranking")  # empty without checkpoint.keep_best
         self.point_best_at(ranking[0][0] if ranking else None, f"step {trainer_state.step} is saved")
+
+    def mark_evaluated(self, path: Path) -> None:
+        """Rank 0: the resumed checkpoint ``path`` records that the evaluation its preemption skipped
+        has run, and the ranking after it: a preemption at the last step left it due, so each re-run
+        of the finished command evaluated, sampled and logged that step again. A failure is a
+        warning: the next re-run evaluates once more, nothing worse."""
+        try:
+            saved = TrainState.read(path)
+            best = None if self.best is None else self.best.state()
+            dataclasses.replace(saved, evaluation_due=False, best=best).replace_in(path)
+        except (OSError, CheckpointError) as exc:
+            log.warning(f"checkpoint: the evaluation of {path} ran, but recording it there failed ({exc}); "
+                        "a re-run from it evaluates it again")
 
     def point_best_at(self, step: int | None, context: str) -> None:
         """Rank 0: ``checkpoints/best`` to ``step``'s checkpoint (None: removed); ``context`` begins

@@ -186,11 +186,22 @@ class TrainState:
 
     def write(self, directory: Path) -> None:
         """Durably: the file is fsynced before the checkpoint directory is renamed into place."""
-        with open(directory / STATE_FILE, "w") as f:
+        self.write_file(directory / STATE_FILE)
+
+    def write_file(self, path: Path) -> None:
+        with open(path, "w") as f:
             json.dump(dataclasses.asdict(self), f, indent=2, sort_keys=True)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
+
+    def replace_in(self, directory: Path) -> None:
+        """Into a committed checkpoint, whole or not at all: written beside the directory (no file
+        the checkpoint's listing would meet if this stopped half-way), then renamed over the old one.
+        The manifest does not cover this file."""
+        part = directory.parent / f".{directory.name}.{STATE_FILE}.part"
+        self.write_file(part)
+        os.replace(part, directory / STATE_FILE)
 
     @classmethod
     def read(cls, directory: Path) -> TrainState:

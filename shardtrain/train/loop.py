@@ -918,14 +918,18 @@ class Trainer:
         self.info(f"step {self.step}: the evaluation the preemption skipped runs now")
         record = self.validate()
         self.log_record(record)
-        if self.best is None:
-            return
-        # Another run's checkpoint (resumed from its directory) is not this run's to rank or link:
-        # counted for early stopping only, as its own run counted it.
-        self.judge_evaluation(record, rank=self.resumed_here)
-        self.best_save_due = False  # saved: the checkpoint just resumed
-        if self.env.is_main and self.checkpointer is not None and self.best.ranking:
-            self.checkpointer.point_best_at(self.best.ranking[0][0], f"step {self.step} was evaluated")
+        if self.best is not None:
+            # Another run's checkpoint (resumed from its directory) is not this run's to rank or
+            # link: counted for early stopping only, as its own run counted it.
+            self.judge_evaluation(record, rank=self.resumed_here)
+            self.best_save_due = False  # saved: the checkpoint just resumed
+            if self.env.is_main and self.checkpointer is not None and self.best.ranking:
+                self.checkpointer.point_best_at(self.best.ranking[0][0], f"step {self.step} was evaluated")
+        # This run's own checkpoint records it; another run's is left as that run saved it.
+        resumed = Path(self.result.resumed_from or "")
+        if (self.env.is_main and self.checkpointer is not None
+                and resumed.parent.resolve() == self.checkpointer.root.resolve()):
+            self.checkpointer.mark_evaluated(resumed)
 
     def log_record(self, record: dict) -> None:
         """This step's train record, to the metrics log and the console."""
