@@ -93,6 +93,8 @@ def test_required_knobs_exist():
         ("checkpoint.async=maybe", "checkpoint.async_save='maybe' is not a boolean"),
         # found by review: accepted by plan (a whole table), refused by train's build
         ("strategy.wrap_policy=[]", "strategy.wrap_policy=[] names no module class"),
+        # found by review: Hydra's ValueError traceback
+        ("model=null", "model=null: a run needs a model preset; available in model/: "),
     ],
 )
 def test_bad_config_is_named(override, expected):
@@ -364,6 +366,10 @@ def test_model_paths_are_anchored_to_the_working_directory(tmp_path, monkeypatch
     assert cfg.model.path == str(tmp_path / "models" / "qwen3")
     assert cfg.model.tokenizer == str(tmp_path / "tok" / "tokenizer.json")
     assert compose_config([]).model.tokenizer == "auto" and compose_config([]).model.path is None
+    # run.dir's ~, given quoted, is the home directory, not a directory named ~ here (found by
+    # review); experiment=null, the default said again, is no override (it was a traceback)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert compose_config(["run.dir='~/runs/a'", "experiment=null"]).run.dir == str(tmp_path / "home/runs/a")
 
 
 def test_llama_fields_with_a_hugging_face_model_are_refused(tmp_path):

@@ -110,7 +110,7 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
         raise ConfigError(f"invalid value for {key}: {message}") from exc
     check_config(cfg)
     check_preparation_overrides(cfg, overrides)
-    anchor_model_paths(cfg)
+    anchor_paths(cfg)
     return cfg
 
 
@@ -151,13 +151,15 @@ def unreadable_override(overrides: list[str]) -> str | None:
     return None
 
 
-def anchor_model_paths(cfg: Config) -> None:
+def anchor_paths(cfg: Config) -> None:
     """``model.path`` and a tokenizer file given relative to the working directory, made absolute:
     checkpoints record them, and generate, eval and export-hf read them from wherever those run (a
-    relative path named another directory there, or none)."""
+    relative path named another directory there, or none); ``run.dir``'s ``~`` expanded."""
     model = cfg.model
     if model.path:
         model.path = str(Path(model.path).expanduser().absolute())
+    if cfg.run.dir.startswith("~"):  # quoted, '~/runs/a' made a directory named ~ here
+        cfg.run.dir = str(Path(cfg.run.dir).expanduser())
     if model.tokenizer not in ("auto", "bytes"):
         model.tokenizer = str(Path(model.tokenizer).expanduser().absolute())
 

@@ -107,6 +107,9 @@ def check_override(override: str) -> None:
     value = override.split("=", 1)[1]
     if key in GROUPS:
         options = group_options(key)
+        if value == "null" and key != "experiment":
+            raise ConfigError(f"{key}=null: a run needs a {key} preset; available in {key}/: "
+                              f"{', '.join(options)}")
         if value not in options and value != "null":
             raise ConfigError(
                 f"{key}={value!r} is not a preset{closest(value, options)}; "
@@ -136,4 +139,6 @@ def check_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
     spelled = [finetune_override(task_override(apply_aliases(o))) for o in overrides]
     for override in spelled:
         check_override(override)
-    return spelled
+    # experiment=null is the default (no experiment preset): said again, nothing to override (Hydra
+    # refused a null group override with a traceback).
+    return [o for o in spelled if o.lstrip("+") != "experiment=null"]
