@@ -395,3 +395,22 @@ def test_signals_the_agent_handles_are_forwarded_to_it(tmp_path, sig):
                 os.kill(int(ready.read_text()), signal.SIGKILL)  # an orphaned agent
             except ProcessLookupError:
                 pass
+
+
+def test_more_threads_than_cores_is_said(caplog):
+    """Found by review: trainer.threads_per_process=1000 on 2 cores ran 27x slower without a word."""
+    import torch
+
+    from shardtrain.distributed.env import DistEnv, set_cpu_threads
+
+    env = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
+                  backend="gloo")
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        assert set_cpu_threads(env, cores) == cores and "take turns" not in caplog.text
+        assert set_cpu_threads(env, cores + 1) == cores + 1
+    finally:
+        torch.set_num_threads(before)
+    said = f"trainer.threads_per_process={cores + 1} x 1 process(es) on this node's {cores} core(s)"
+    assert said in caplog.text

@@ -14,6 +14,8 @@ from typing import Any
 BUILTIN_MODELS = ("llama", "hf")
 # Signals that mean "save and exit" (Slurm and Kubernetes send SIGTERM before killing).
 DEFAULT_PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
+# The longest timeout any key takes: 100 days (a larger one overflowed timedelta, a traceback).
+LONGEST_WAIT_S = 100 * 24 * 3600
 
 
 def knob(default: Any, *, at_least: float | None = None, above: float | None = None,
@@ -242,7 +244,7 @@ class TrainerConfig:
     # Also sample every N steps during training (0 = only at the end); logged as kind=sample.
     sample_every: int = knob(0, at_least=0)
     # CPU threads per process (0 = cores / local processes).
-    threads_per_process: int = knob(0, at_least=0)
+    threads_per_process: int = knob(0, at_least=0, at_most=4096)
     progress_bar: bool = True
     # Built-in launcher (trainer.devices=N): torchrun restarts the workers this many times after a
     # failure (a lost rank); each restart resumes from the newest complete checkpoint.
@@ -253,9 +255,9 @@ class TrainerConfig:
 class DistConfig:
     backend: str = knob("auto", one_of=("auto", "gloo", "nccl"))
     # A step (or a collective) that takes longer than this stops the run on every rank.
-    timeout_s: int = knob(300, at_least=1)
+    timeout_s: int = knob(300, at_least=1, at_most=LONGEST_WAIT_S)
     # The same bound for start-up and the first step, which include compilation and warm-up.
-    startup_timeout_s: int = knob(600, at_least=1)
+    startup_timeout_s: int = knob(600, at_least=1, at_most=LONGEST_WAIT_S)
     # TORCH_DISTRIBUTED_DEBUG: OFF | INFO | DETAIL
     debug: str = knob("OFF", one_of=("OFF", "INFO", "DETAIL"))
     # The collective flight recorder (NCCL's, or torch's own on gloo), dumped to
@@ -273,7 +275,7 @@ class DiagnosticsConfig:
     # Dump every rank's Python stacks when a step takes this many times the recent median ...
     stall_factor: float = knob(10.0, at_least=1)
     # ... and at least this long.
-    stall_min_s: float = knob(30.0, at_least=0)
+    stall_min_s: float = knob(30.0, at_least=0, at_most=LONGEST_WAIT_S)
     # Trace profile_steps steps from step profile_at with torch's profiler (0: never): each rank's
     # Chrome trace in run.dir/profiles/, the costliest operators in rank 0's log.
     profile_at: int = knob(0, at_least=0)
@@ -307,7 +309,7 @@ class CheckpointConfig:
     verify_checksums: bool = True
     # A checkpoint save may take this long before the watchdog stops the run (saves are not bound by
     # dist.timeout_s, which is meant for one training step).
-    save_timeout_s: int = knob(1800, at_least=1)
+    save_timeout_s: int = knob(1800, at_least=1, at_most=LONGEST_WAIT_S)
     preemption_signals: list[str] = field(default_factory=lambda: list(DEFAULT_PREEMPTION_SIGNALS))
 
 
@@ -364,7 +366,7 @@ class RunConfig:
     offline: bool = False
     # A tracker's start (connecting, creating or resuming its run) and its final flush may take this
     # long: past it, start-up fails with one line, and at the end the tracker is left behind.
-    tracker_timeout_s: float = knob(60.0, above=0)
+    tracker_timeout_s: float = knob(60.0, above=0, at_most=LONGEST_WAIT_S)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 

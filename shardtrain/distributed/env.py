@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import secrets
 import socket
@@ -25,6 +26,8 @@ from shardtrain.accelerator import claim_device, device_identity, process_group_
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import DistConfig
 from shardtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -220,9 +223,14 @@ def set_cpu_threads(env: DistEnv, threads: int) -> int:
     """Split the cores this process may use between the processes on its node, on every device:
     torchrun sets one thread a worker, and with GPUs the host still runs the offloaded optimizer
     step, the norm and clipping of offloaded gradients, and meta-device initialisation."""
+    cores = os.sched_getaffinity(0)
+    sharing = ranks_sharing_cores(cores, env)
     if threads <= 0:
-        cores = os.sched_getaffinity(0)
-        threads = max(1, len(cores) // ranks_sharing_cores(cores, env))
+        threads = max(1, len(cores) // sharing)
+    elif threads * sharing > len(cores) and env.local_rank == 0:
+        log.warning(f"trainer.threads_per_process={threads} x {sharing} process(es) on this node's "
+                    f"{len(cores)} core(s): the threads take turns on the cores, which is slower than "
+                    "one thread a core; 0 divides the cores between the processes")
     torch.set_num_threads(threads)
     return threads
 
