@@ -85,6 +85,7 @@ NO_TRAINING = [
     # 0 and below: planned as if not given, or rows of "division by zero" and exit 0
     (["plan", "--world-sizes", "0", "8"], 2, "--world-sizes 0 8: each must be at least 1"),
     (["plan", "--processes-per-node", "0"], 2, "--processes-per-node 0: each must be at least 1"),
+    (["plan", "--world-sizes", "99999999999"], 2, "--world-sizes 99999999999: each must be at most 1,048"),
     (["plan", "--device-memory", "0"], 2, "--device-memory '0' must be more than 0"),
     (["generate", ".", "--prompts-file", "latin1.txt"], 2, "is not UTF-8 text"),
     # argv bytes that are not UTF-8 (Latin-1 é), as Python keeps them: a traceback at tokenization

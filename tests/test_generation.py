@@ -76,6 +76,11 @@ def test_sharded_generation_equals_consolidated(tmp_path):
     log.unlink()
     evaluated = run_cli("eval", str(ckpt), "--samples", "16", "--devices", "2")
     assert evaluated.returncode == 0 and "perplexity" in evaluated.stdout, evaluated.stderr[-2000:]
+    # A micro-batch far past the samples: the same score (found by review: its padding was allocated,
+    # a 74 GiB traceback)
+    huge = run_cli("eval", str(ckpt), "--samples", "16", "--batch-size", "10000000000")
+    assert huge.returncode == 0, huge.stderr[-2000:]
+    assert huge.stdout.splitlines()[-1] == evaluated.stdout.splitlines()[-1]
 
 
 def test_generation_stops_where_the_models_generation_config_says(tmp_path):

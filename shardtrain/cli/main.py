@@ -361,8 +361,11 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
             source = f"held-out split of {corpus.root}"
             if loaded.env.is_main and (changed := data_changed_since(loaded.state, corpus)):
                 log.warning(changed)
-        batches = eval_batches(windows, args.samples, args.batch_size, loaded.env.world_size,
-                               loaded.env.rank)
+        # No micro-batch larger than the samples a rank scores: the padding of --batch-size 10^10
+        # for 2 samples was allocated (a traceback), and a forward over it computed nothing.
+        scored_here = -(-min(args.samples, windows.num_samples) // loaded.env.world_size)
+        batches = eval_batches(windows, args.samples, min(args.batch_size, scored_here),
+                               loaded.env.world_size, loaded.env.rank)
         task = LanguageModelTask()
         loss, _, scored = evaluate(loaded.model, task, batches, loaded.env.device)
         # Fine-tuning records score their answers only: the loss is per target, not per token read.
@@ -442,6 +445,9 @@ def cmd_export_peft(args: argparse.Namespace) -> int:
                          partial(verify_peft_export, verify_checksums=verified), "peft.PeftModel's")
 
 
+MOST_RANKS = 1 << 20  # plan's world sizes: beyond any machine, within a process group's counts
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardtrain.config.sizes import parse_size
     from shardtrain.errors import ConfigError
@@ -452,6 +458,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           else [args.processes_per_node])):
         if any(value < 1 for value in values):
             raise ConfigError(f"{flag} {' '.join(map(str, values))}: each must be at least 1")
+        if any(value > MOST_RANKS for value in values):  # a ProcessGroup's int32: a TypeError traceback
+            raise ConfigError(f"{flag} {' '.join(map(str, values))}: each must be at most {MOST_RANKS:,}")
     simulation_only = [flag for flag, given in (
         ("--strategies", args.strategies is not None), ("--ac", args.ac != "config"),
         ("--full-depth", args.full_depth), ("--markdown", args.markdown)) if given]
