@@ -215,6 +215,10 @@ def test_devices_relaunches_under_torchrun(tmp_path, single_process_losses):
         (["data.source=files", "data.paths=[/nonexistent/dir]", "trainer.max_steps=1"],
          "data path '/nonexistent/dir' does not exist"),
         (["trainer.devices=2", "trainer.num_nodes=2"], "start torchrun on every node"),
+        # found by review: neither named its key, and AUTO not its spelling
+        (["checkpoint.resume=AUTO"], "checkpoint.resume='AUTO' does not exist; the choice is spelt in lower "
+                                     "case: checkpoint.resume=auto"),
+        (["model.init_from=nowhere"], "shardtrain: error: model.init_from='nowhere' does not exist"),
     ],
 )
 def test_bad_input_exits_nonzero_with_message(args, message, tmp_path):

@@ -165,7 +165,7 @@ CHECKED_BY_CODE = {
     "strategy.wrap_policy": ("strategy.wrap_policy=[nope.Block]", "does not import"),
     "data.paths": ("data.paths=[{tmp}/nowhere]", "does not exist"),
     "trainer.devices": ("trainer.devices=0", "must be 'auto' or a positive int"),
-    "checkpoint.resume": ("checkpoint.resume={tmp}/nowhere", "does not exist"),
+    "checkpoint.resume": ("checkpoint.resume={tmp}/nowhere", "resume='{tmp}/nowhere' does not exist"),
     "checkpoint.preemption_signals": ("checkpoint.preemption_signals=[SIGNOPE]", "is not a signal name"),
     "run.dir": ("run.dir={tmp}/a_file", "is a file"),
     "model.path": ("model.path={tmp}", "has no config.json"),
@@ -205,7 +205,7 @@ def test_every_key_has_a_check(tmp_path):
             with pytest.raises(ConfigError, match=re.escape(key)):
                 load_config([f"{key}=maybe"])
     for key, (override, message) in CHECKED_BY_CODE.items():
-        override = override.format(tmp=tmp_path)
+        override, message = override.format(tmp=tmp_path), message.format(tmp=tmp_path)
         preset = [WITH_PRESET[key]] if key in WITH_PRESET else []
         with pytest.raises(ShardtrainError, match=re.escape(message)):
             cfg = load_config([override, *preset])

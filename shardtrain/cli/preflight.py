@@ -71,6 +71,11 @@ def check_resume(cfg: Config) -> None:
             return
         # The structure only: the ranks verify the checksums, split between them, hashing it once.
         path = Path(choice).expanduser()
+        if not path.exists():
+            spelled = choice.lower() in ("auto", "none")  # AUTO, None: the words, not a path
+            raise ConfigError(f"checkpoint.resume={choice!r} does not exist" + (
+                f"; the choice is spelt in lower case: checkpoint.resume={choice.lower()}" if spelled else
+                "; name a checkpoint directory (step-N), a run directory, auto or none"))
         layout.verify(path)
         layout.refuse_newer_checkpoints(root, path)
 
@@ -102,6 +107,8 @@ def check_init_from(source: str | None, model_name: str) -> None:
             raise CheckpointError(f"model.init_from={source!r} is not a readable safetensors file "
                                   f"({str(exc).splitlines()[0]})") from exc
         return
+    if not path.exists():
+        raise ConfigError(f"model.init_from={source!r} does not exist")
     layout.verify(path, need_state=False)
 
 
