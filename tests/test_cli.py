@@ -183,8 +183,8 @@ def quick_losses(run_dir) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir)]
 
 
-QUICK = ["experiment=quick", "trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=0",
-         "trainer.sample_tokens=0", "trainer.micro_batch_size=2", "run.trackers=[]"]
+QUICK = ["experiment=quick", "trainer.max_steps=6", "trainer.warmup_steps=12", "trainer.log_every=1",
+         "trainer.eval_every=0", "trainer.sample_tokens=0", "trainer.micro_batch_size=2", "run.trackers=[]"]
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +203,9 @@ def test_devices_relaunches_under_torchrun(tmp_path, single_process_losses):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world size 2" in proc.stderr and "SHARD_GRAD_OP" in proc.stderr
     assert "deterministic kernels" in proc.stderr  # torch's own switch, read back: it is on
+    # found by review: a warmup longer than the run kept the rate below trainer.lr without a word
+    assert ("trainer.warmup_steps=12 > trainer.max_steps=6: the learning rate rises for the whole run and "
+            "peaks at 0.0015, 50% of trainer.lr=0.003") in proc.stderr
     for a, b in zip(quick_losses(run_dir), single_process_losses, strict=True):
         assert abs(a - b) / b < 1e-5
 

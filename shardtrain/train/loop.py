@@ -547,6 +547,12 @@ class Trainer:
                   f"{optimizer_kind(b.optimizer)}")
         if self.cfg.finetune.method != "none":
             self.info(adapter_summary(b.model, self.cfg.finetune))
+        if env.is_main and t.warmup_steps > t.max_steps:
+            # The default 30-step warmup with a short run: the rate never reaches trainer.lr.
+            reached = t.max_steps / t.warmup_steps
+            log.warning(f"schedule: trainer.warmup_steps={t.warmup_steps} > trainer.max_steps={t.max_steps}: "
+                        f"the learning rate rises for the whole run and peaks at {t.lr * reached:.3g}, "
+                        f"{reached:.0%} of trainer.lr={t.lr:g}; lower trainer.warmup_steps")
         if env.is_main:
             for caution in precision_cautions(b.model, b.plan, self.layout.dp_world_size):
                 log.warning(f"precision: {caution}")
