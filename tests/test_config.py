@@ -292,6 +292,17 @@ def test_a_weights_average_needs_checkpoints_and_whole_weights():
         load_config(["trainer.ema_warmup=true"])
 
 
+def test_save_settings_and_restarts_without_checkpoints_are_refused():
+    """Found by review: checkpoint.enabled=false with save_full=true wrote no weights, and with
+    trainer.max_restarts=1 a restart trained the same steps again, both without a word."""
+    with pytest.raises(ConfigError, match=r"^checkpoint.async_save=True, checkpoint.save_full=True shape "
+                                          "checkpoints, and checkpoint.enabled=false saves none"):
+        load_config(["checkpoint.enabled=false", "checkpoint.save_full=true", "checkpoint.async=true"])
+    with pytest.raises(ConfigError, match=r"^trainer.max_restarts=1 restarts from the newest checkpoint"):
+        load_config(["checkpoint.enabled=false", "trainer.max_restarts=1"])
+    assert not load_config(["checkpoint.enabled=false"]).checkpoint.enabled
+
+
 def test_the_best_checkpoints_and_early_stopping_judge_a_validation_value():
     for overrides, message in (
             (["checkpoint.keep_best=2", "checkpoint.enabled=false"], "checkpoint.enabled=false saves none"),

@@ -30,7 +30,14 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from shardtrain.config.keys import PRESETS_DIR, check_overrides, schema_keys
-from shardtrain.config.schema import TRACKERS, Config, FinetuneConfig, ModelConfig, TrainerConfig
+from shardtrain.config.schema import (
+    TRACKERS,
+    CheckpointConfig,
+    Config,
+    FinetuneConfig,
+    ModelConfig,
+    TrainerConfig,
+)
 from shardtrain.config.strategy import check_strategy_names, devices_count
 from shardtrain.config.suggest import closest
 from shardtrain.errors import ConfigError, json_object
@@ -149,6 +156,26 @@ def unreadable_override(overrides: list[str]) -> str | None:
             return (f"{override!r}: a comma separates list items; write a list as {key}=[{value}], or "
                     f"quote a value with a comma: {key}='{value}'")
     return None
+
+
+# Settings of the saves themselves: with checkpoint.enabled=false none is saved, and each was ignored
+# without a word (save_full=true wrote no model.safetensors).
+SAVE_SETTINGS = ("interval", "keep_last", "async_save", "reuse_staging", "save_full")
+
+
+def check_nothing_expects_checkpoints(cfg: Config) -> None:
+    """With checkpoints off: no save setting changed from its default, and no restart, which goes on
+    from the newest checkpoint (without one it trained the same steps again)."""
+    default = CheckpointConfig()
+    changed = [f"checkpoint.{key}={getattr(cfg.checkpoint, key)}" for key in SAVE_SETTINGS
+               if getattr(cfg.checkpoint, key) != getattr(default, key)]
+    if changed:
+        raise ConfigError(f"{', '.join(changed)} shape{'s' if len(changed) == 1 else ''} checkpoints, and "
+                          "checkpoint.enabled=false saves none; drop it, or enable checkpoints")
+    if cfg.trainer.max_restarts > 0:
+        raise ConfigError(f"trainer.max_restarts={cfg.trainer.max_restarts} restarts from the newest "
+                          "checkpoint, and checkpoint.enabled=false saves none (each restart would train "
+                          "from step 0 again); enable checkpoints, or set trainer.max_restarts=0")
 
 
 def anchor_paths(cfg: Config) -> None:
@@ -399,6 +426,8 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume} is not read with "
                           "checkpoint.enabled=false (the run would start afresh); enable checkpoints, or "
                           "start from its weights alone with model.init_from")
+    if not cfg.checkpoint.enabled:
+        check_nothing_expects_checkpoints(cfg)
     checkpoints = Path(cfg.run.dir).expanduser() / "checkpoints"
     if cfg.checkpoint.enabled and checkpoints.exists() and not checkpoints.is_dir():
         raise ConfigError(f"{checkpoints} is a file, where run.dir's checkpoints go; move it away or "
