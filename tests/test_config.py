@@ -95,6 +95,8 @@ def test_required_knobs_exist():
         ("strategy.wrap_policy=[]", "strategy.wrap_policy=[] names no module class"),
         # found by review: Hydra's ValueError traceback
         ("model=null", "model=null: a run needs a model preset; available in model/: "),
+        # '' was the working directory: its tokenizer.json looked for, all of it read as data
+        ("model.tokenizer=", "model.tokenizer is empty; name a tokenizer.json or its directory"),
     ],
 )
 def test_bad_config_is_named(override, expected):
@@ -290,6 +292,12 @@ def test_a_weights_average_needs_checkpoints_and_whole_weights():
         load_config(["trainer.ema_decay=0.99", "finetune=lora"])
     with pytest.raises(ConfigError, match="trainer.ema_decay=0 keeps none; set trainer.ema_decay"):
         load_config(["trainer.ema_warmup=true"])
+
+
+def test_an_empty_data_path_is_refused():
+    """Found by review: '' was the working directory, all of it read as training data."""
+    with pytest.raises(ConfigError, match=re.escape("data.paths=[''] holds an empty path")):
+        load_config(["data=files", "data.paths=['']"])
 
 
 def test_save_settings_and_restarts_without_checkpoints_are_refused():

@@ -399,6 +399,9 @@ def check_config(cfg: Config) -> None:
                           "data.paths")
     if cfg.data.source in ("files", "prepared"):
         for entry in cfg.data.paths:
+            if not str(entry).strip():  # '' is the working directory to pathlib: all of it was read
+                raise ConfigError(f"data.paths={list(cfg.data.paths)} holds an empty path; name files or "
+                                  "directories")
             if not any(ch in entry for ch in "*?[") and not Path(entry).expanduser().exists():
                 raise ConfigError(f"data path {entry!r} does not exist; fix data.paths")
     weights = cfg.data.weights
@@ -418,10 +421,12 @@ def check_config(cfg: Config) -> None:
     check_weight_average(cfg)
     check_monitor(cfg)
     for key, value in (("run.dir", cfg.run.dir), ("checkpoint.resume", cfg.checkpoint.resume),
-                       ("data.cache_dir", cfg.data.cache_dir)):
+                       ("data.cache_dir", cfg.data.cache_dir), ("model.tokenizer", cfg.model.tokenizer)):
         if not str(value).strip():  # '' is the working directory to pathlib, or '.' as a checkpoint
-            raise ConfigError(f"{key} is empty; name a directory"
-                              + (" (or auto, or none)" if key == "checkpoint.resume" else ""))
+            raise ConfigError(f"{key} is empty; " + {
+                "checkpoint.resume": "name a directory (or auto, or none)",
+                "model.tokenizer": "name a tokenizer.json or its directory (or auto, or bytes)"}.get(
+                    key, "name a directory"))
     if not cfg.checkpoint.enabled and cfg.checkpoint.resume not in ("auto", "none"):
         raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume} is not read with "
                           "checkpoint.enabled=false (the run would start afresh); enable checkpoints, or "
