@@ -93,6 +93,10 @@ NO_TRAINING = [
     (["generate", "missing", "--prompt", "hi"], 2, "shardtrain: error: 'missing' does not exist"),
     (["generate", "missing", "--prompt", "hi", "--top-p", "0"], 2, "--top-p"),
     (["eval", "missing"], 2, "shardtrain: error: 'missing' does not exist"),
+    # found by review: named as the config key, after the checkpoint had loaded
+    (["eval", "missing", "--strategy", "ful_shard"], 2, "--strategy 'ful_shard' is not a sharding strategy"),
+    (["generate", "missing", "--prompt", "hi", "--strategy", "zero3"], 2,
+     "--strategy 'zero3' is not a sharding strategy"),
     (["eval", ".", "--file", "missing.txt"], 2, "shardtrain: error: --file 'missing.txt' does not exist"),
     (["consolidate", "missing", "out.safetensors"], 2,
      "shardtrain: error: checkpoint 'missing' does not exist"),

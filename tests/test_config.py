@@ -95,6 +95,7 @@ def test_required_knobs_exist():
         ("strategy.wrap_policy=[]", "strategy.wrap_policy=[] names no module class"),
         # found by review: Hydra's ValueError traceback
         ("model=null", "model=null: a run needs a model preset; available in model/: "),
+        ("+experiment=quick", "+experiment=quick: experiment is a preset group every config has"),
         # '' was the working directory: its tokenizer.json looked for, all of it read as data
         ("model.tokenizer=", "model.tokenizer is empty; name a tokenizer.json or its directory"),
     ],

@@ -196,9 +196,11 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
+    from shardtrain.config.strategy import normalize_strategy_name
     from shardtrain.generation.ranges import GENERATE_RANGES, check_ranges
 
     check_ranges(args, GENERATE_RANGES)  # argument errors surface here, before any process starts
+    normalize_strategy_name(args.strategy, given_as="--strategy ")
     prompts = read_prompts(args)
     check_exists(args.checkpoint)
     status = on_devices(args.devices, argv)
@@ -303,9 +305,11 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
+    from shardtrain.config.strategy import normalize_strategy_name
     from shardtrain.generation.ranges import EVAL_RANGES, check_ranges
 
     check_ranges(args, EVAL_RANGES)  # argument errors surface here, before any process starts
+    normalize_strategy_name(args.strategy, given_as="--strategy ")
     check_exists(args.checkpoint)
     if args.file and not any(ch in args.file for ch in "*?["):  # a glob pattern is matched later
         check_exists(args.file, "--file")

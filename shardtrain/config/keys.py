@@ -106,6 +106,9 @@ def check_override(override: str) -> None:
     key = override.split("=", 1)[0].lstrip("+~")
     value = override.split("=", 1)[1]
     if key in GROUPS:
+        if override.startswith("+"):  # Hydra's answer named its defaults-list syntax, twice
+            raise ConfigError(f"{override}: {key} is a preset group every config has (its defaults "
+                              f"list names it), so there is nothing to add; write {override.lstrip('+')}")
         options = group_options(key)
         if value == "null" and key != "experiment":
             raise ConfigError(f"{key}=null: a run needs a {key} preset; available in {key}/: "

@@ -38,11 +38,13 @@ PRECISION_PRESETS: dict[str, tuple[str, str, str]] = {
 AC_MODES = ("none", "selective", "every_k", "all")
 
 
-def normalize_strategy_name(name: str) -> str:
+def normalize_strategy_name(name: str, given_as: str = "strategy.sharding_strategy=") -> str:
+    """``name`` in the canonical spelling; ``given_as`` names where it came from in the error (a
+    config key, or ``--strategy `` of generate and eval)."""
     key = str(name).strip().upper().replace("-", "_")
     if key not in STRATEGIES:
         raise ConfigError(
-            f"strategy.sharding_strategy={name!r} is not a sharding strategy"
+            f"{given_as}{name!r} is not a sharding strategy"
             f"{closest(key, STRATEGIES)}; choose one of {', '.join(STRATEGIES)}"
         )
     return key
