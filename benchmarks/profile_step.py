@@ -47,7 +47,7 @@ def profiled(fn) -> dict:
 def main(overrides: list[str]) -> None:
     cfg = load_config(["trainer.max_steps=10000", "trainer.eval_every=0", "trainer.log_every=1000000",
                        "trainer.sample_tokens=0", "trainer.progress_bar=false", "run.trackers=[]",
-                       "checkpoint.interval=0", f"run.dir={shared_run_dir()}", *overrides])
+                       "checkpoint.enabled=false", f"run.dir={shared_run_dir()}", *overrides])
     trainer = Trainer.create(cfg)
     trainer.preemption = PreemptionFlag(cfg.checkpoint.preemption_signals)
     reference = handwritten(cfg, trainer)

@@ -92,7 +92,7 @@ def shared_run_dir(name: str = "run") -> str:
 def benchmark_config(overrides: list[str]):
     return load_config(["trainer.max_steps=10000", "trainer.eval_every=0", "trainer.log_every=1000000",
                         "trainer.sample_tokens=0", "trainer.progress_bar=false", "run.trackers=[]",
-                        "checkpoint.interval=0", f"run.dir={shared_run_dir()}", *overrides])
+                        "checkpoint.enabled=false", f"run.dir={shared_run_dir()}", *overrides])
 
 
 def alternating_medians(trainer: Trainer, reference_step, rounds: int = 6, steps_per_round: int = 5,

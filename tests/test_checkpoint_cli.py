@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import time
 
 import pytest
@@ -63,6 +64,33 @@ def test_a_save_whose_files_vanish_under_it_is_not_committed(tmp_path):
     assert proc.returncode == 2, out[-3000:]
     assert "save of step 2: rank 0's rng-rank0.pt is gone from" in out and "Traceback" not in out
     assert not (run_dir / "checkpoints" / "step-2").exists()
+
+
+def test_a_second_training_in_a_run_directory_is_refused_while_the_first_runs(tmp_path):
+    """Found by review: two trainings in one run.dir deleted each other's saves in progress and
+    pruned each other's checkpoints. The second is refused in one line naming the first; a dry run
+    beside it is not, and changes nothing; once the first is gone (killed: no release ran), the
+    next start goes on."""
+    args = ["train", *QUICK, "trainer.max_steps=3", f"run.dir={tmp_path}"]
+    first = launch(args, env={"SHARDTRAIN_FAULT": "step:0:1:sleep=60"})
+    try:
+        lock = tmp_path / ".shardtrain-run.lock"
+        deadline = time.monotonic() + 120
+        while not (lock.is_file() and lock.read_text()):  # written once held, at start-up
+            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+            time.sleep(0.05)
+        second = run_cli(*args)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert (f"another training holds {tmp_path} (process {first.pid} on "
+                in error_line(second)), second.stderr[-3000:]
+        dry = run_cli(*args, "diagnostics.dry_run=true")
+        assert dry.returncode == 0 and "dry run complete" in dry.stderr, dry.stderr[-3000:]
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    again = run_cli(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert read_metrics(tmp_path)[-1]["step"] == 3
 
 
 def test_sigterm_saves_exits_cleanly_and_resumes_exactly(tmp_path):

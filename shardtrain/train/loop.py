@@ -28,6 +28,7 @@ from shardtrain.checkpoint.best import BestEvaluations
 from shardtrain.checkpoint.checkpointer import Checkpointer, random_streams_kept, seed_random_streams
 from shardtrain.checkpoint.peft_adapter import load_peft_adapter, resolve_adapter_settings
 from shardtrain.checkpoint.preemption import PreemptionFlag, handled_by_the_agent
+from shardtrain.checkpoint.run_lock import RunLock, take_run_lock
 from shardtrain.checkpoint.state import (
     ADAPTER_SCALE_KEYS,
     MODEL_FUNCTION_KEYS,
@@ -234,6 +235,8 @@ class Trainer:
         # trainer.micro_batch_size=auto: what the planner chose, and its figures (Trainer.create).
         self.batch_choice: BatchChoice | None = None
         self.preemption: PreemptionFlag | None = None
+        # Rank 0's hold on run.dir for this training (checkpoint/run_lock.py), let go when it ends.
+        self.run_lock: RunLock | None = None
         # What the diagnostics count with the optimizer state, as the planner does.
         self.average_tensors = () if self.average is None else tuple(self.average.averages)
         self.phases = PhaseMemory(built.model, built.optimizer, env.device, self.average_tensors)
@@ -270,8 +273,11 @@ class Trainer:
         env = init_distributed(cfg.dist.backend, max(cfg.dist.timeout_s, cfg.dist.startup_timeout_s),
                                cpu_offload=cfg.strategy.cpu_offload)
         check_world(cfg, env.world_size, env.local_world_size)
+        run_lock = None
         if cfg.checkpoint.enabled:  # saves and the resume choice need one run.dir; logs do not
             check_shared_run_dir(Path(cfg.run.dir), env)
+            if not cfg.diagnostics.dry_run:  # a dry run changes no file of the run: it may run beside
+                run_lock = run_agreed(lambda: take_run_lock(Path(cfg.run.dir)) if env.is_main else None)
         set_cpu_threads(env, cfg.trainer.threads_per_process)
         set_fp32_matmul(env.device, cfg.strategy.tf32)
         if cfg.trainer.deterministic:
@@ -299,6 +305,7 @@ class Trainer:
             built = build(cfg, env, task, optimizer_factory)
         check_sample_fits(cfg.trainer, task, built.model)
         trainer = cls(cfg, env, built, task, train, val, requested_hash)
+        trainer.run_lock = run_lock
         for note in adapter_notes:
             trainer.info(note)
         trainer.batch_choice = batch_choice
@@ -613,7 +620,13 @@ class Trainer:
             raise
         finally:
             self.writer.close(outcome, self.step)
+            self.release_run_dir()
         return self.result
+
+    def release_run_dir(self) -> None:
+        if self.run_lock is not None:
+            self.run_lock.release()
+            self.run_lock = None
 
     def nothing_left(self) -> str | None:
         """Why this start has no step, evaluation or dry run to do (the same command run again after
@@ -639,6 +652,7 @@ class Trainer:
             self.train_data.close()
         finally:
             self.writer.close()
+            self.release_run_dir()
             if self.preemption is not None:
                 self.preemption.restore()
                 self.preemption = None
