@@ -352,6 +352,9 @@ def test_a_global_batch_the_micro_batches_do_not_divide_fails_before_launch():
     with pytest.raises(ConfigError, match="trainer.grad_accum_steps=3 contradicts"):
         load_config(["trainer.global_batch_size=8", "trainer.micro_batch_size=4",
                      "trainer.grad_accum_steps=3"])
+    # the same with micro_batch_size=auto (found by review: both workers started, then failed)
+    with pytest.raises(ConfigError, match="global_batch_size=3 does not divide over 2 data-parallel ranks"):
+        load_config(["trainer.devices=2", "trainer.global_batch_size=3", "trainer.micro_batch_size=auto"])
 
 
 def test_a_sample_longer_than_the_model_fails_before_training(tmp_path):

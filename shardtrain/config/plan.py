@@ -249,17 +249,28 @@ def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> 
     return global_batch // per_micro_step
 
 
+def check_auto_global_batch(global_batch: int, data_parallel: int) -> None:
+    """``micro_batch_size=auto`` splits ``global_batch`` evenly over the data-parallel ranks."""
+    if global_batch <= 0 or global_batch % data_parallel:
+        raise ConfigError(f"trainer.micro_batch_size=auto: trainer.global_batch_size={global_batch} "
+                          f"does not divide over {data_parallel} data-parallel ranks; choose a positive "
+                          f"multiple of {data_parallel}")
+
+
 def with_global_batch(cfg: Config, world_size: int) -> Config:
     """``cfg`` with the accumulation steps its ``trainer.global_batch_size`` gives at ``world_size``
     (as ``train.batch_size.resolve_batch`` sets them at start-up; a ``ConfigError`` where the
     global batch does not divide, or where ``trainer.grad_accum_steps`` says otherwise), unchanged
     without a global batch size."""
     t = cfg.trainer
-    if not t.global_batch_size or not isinstance(t.micro_batch_size, int):
+    if not t.global_batch_size:
         return cfg
     tp = cfg.strategy.tensor_parallel
     check_tensor_parallel_divides(tp, world_size)  # else a division by no data-parallel rank below
     data_parallel = world_size // tp
+    if t.micro_batch_size == "auto":  # chosen at start-up; the split over the ranks is known now
+        check_auto_global_batch(t.global_batch_size, data_parallel)
+        return cfg
     steps = accumulation_steps(t.global_batch_size, t.micro_batch_size, data_parallel)
     if t.grad_accum_steps not in (1, steps):
         raise ConfigError(f"trainer.grad_accum_steps={t.grad_accum_steps} contradicts trainer."

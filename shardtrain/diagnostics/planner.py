@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from shardtrain.accelerator import device_type
 from shardtrain.config.plan import (
     ShardingPlan,
+    check_auto_global_batch,
     resolve_plan,
     resolve_precision,
     with_global_batch,
@@ -578,10 +579,7 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
                           "micro_batch_size=auto, which chooses the accumulation steps from "
                           "trainer.global_batch_size; leave grad_accum_steps at 1")
     data_parallel = world_size // cfg.strategy.tensor_parallel
-    if t.global_batch_size <= 0 or t.global_batch_size % data_parallel:
-        raise ConfigError(f"trainer.micro_batch_size=auto: trainer.global_batch_size={t.global_batch_size} "
-                          f"does not divide over {data_parallel} data-parallel ranks; choose a positive "
-                          f"multiple of {data_parallel}")
+    check_auto_global_batch(t.global_batch_size, data_parallel)
     per_rank = t.global_batch_size // data_parallel
     usable = int(limit * (1 - t.memory_margin))
     budget = usable - held
