@@ -344,7 +344,7 @@ def test_a_dead_worker_is_one_line_not_a_hang(tmp_path):
 @pytest.mark.parametrize("case", ["empty", "empty_text", "unreadable", "corrupt_deflate", "malformed",
                                   "missing_field", "not_text", "sharegpt_roles", "parquet_column",
                                   "missing_input", "dataset_dict", "not_prepared", "out_is_a_file",
-                                  "compressed_text", "not_utf8"])
+                                  "compressed_text", "not_utf8", "binary", "utf16"])
 def test_bad_data_is_one_clear_line(case, tmp_path):
     target = tmp_path / "data.jsonl"
     args = [str(target)]
@@ -398,6 +398,14 @@ def test_bad_data_is_one_clear_line(case, tmp_path):
     elif case == "not_utf8":  # found by review: named a position in the decoder's chunk, no line
         target.write_bytes(b'{"text": "fine"}\n' * 3 + b'{"text": "caf\xe9"}\n')
         message = f"{target}:4: not UTF-8 (byte 0xe9 at byte 14 of the line)"
+    elif case == "binary":  # found by review: a checkpoint's shards in a directory scored as text
+        target = tmp_path / "__0_0.distcp"
+        target.write_bytes(b"PK\x03\x04" + bytes(100))
+        args, message = [str(target)], f"{target}: not text (a NUL byte at byte 5; a binary file: leave"
+    elif case == "utf16":
+        target = tmp_path / "notes.txt"
+        target.write_bytes("notes".encode("utf-16"))
+        args, message = [str(target)], "not text (a NUL byte at byte 4; UTF-16 text: re-encode it as UTF-8)"
     elif case == "out_is_a_file":
         target.write_text('{"text": "fine"}\n')
         (tmp_path / "out").write_text("mine")

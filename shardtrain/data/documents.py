@@ -425,11 +425,21 @@ def arrow_tables(directory: Path) -> Iterator[pa.Table]:
             raise DataError(f"{file}: not a readable Arrow file ({exc})") from exc
 
 
+# A NUL byte among a text file's first bytes: a binary file (a checkpoint's shards in a directory
+# given as text were scored as text), or UTF-16.
+BINARY_SNIFF_BYTES = 8192
+
+
 def read_text(source: Source) -> Iterator[tuple[str, bytes]]:
     try:
         data = source.path.read_bytes()
     except OSError as exc:
         raise DataError(f"{source.path}: cannot be read ({exc.strerror or exc})") from exc
+    if (nul := data.find(b"\x00", 0, BINARY_SNIFF_BYTES)) >= 0:  # git's test for a binary file
+        utf16 = data.startswith((b"\xff\xfe", b"\xfe\xff"))
+        raise DataError(f"{source.path}: not text (a NUL byte at byte {nul + 1}"
+                        + ("; UTF-16 text: re-encode it as UTF-8" if utf16 else
+                           "; a binary file: leave it out with data.file_glob, or eval's --glob") + ")")
     yield source.name, data  # as stored: the byte tokenizer reads raw bytes, others decode UTF-8
 
 
