@@ -26,15 +26,14 @@ def checkpointing_modes(strategy: str) -> tuple[str, ...]:
 
 
 def simulate_against_planner(model: str, world: int, strategy: str, extra: str = "") -> list[dict]:
-    """``strategy`` with every checkpointing mode, one model at one world size; ``extra`` (one more
-    setting) named in each case."""
+    """``strategy`` with every checkpointing mode, one model at one world size; ``extra`` (more
+    settings, space-separated) named in each case."""
     results = []
     meta = None
     for ac in checkpointing_modes(strategy):
         # The simulator gathers the embedding table (fake tensors hold no token ids to route):
         # the planner is asked about the same run.
-        cfg = scale_config(model, strategy, ac, "strategy.embedding_lookup=gather",
-                           *([extra] if extra else []))
+        cfg = scale_config(model, strategy, ac, "strategy.embedding_lookup=gather", *extra.split())
         if meta is None:
             with torch.device("meta"):
                 meta = build_model(cfg.model)

@@ -71,7 +71,7 @@ def test_required_knobs_exist():
         ("trainer.seq_len=4096", "exceeds model.max_seq_len"),
         ("trainer.micro_batch_size=0", "trainer.micro_batch_size=0 must be at least 1"),
         ("trainer.devices=two", "trainer.devices='two' must be 'auto' or a positive int"),
-        ("strategy.reshard_after_forward=3", "must be a divisor of the shard group size 1"),
+        ("strategy.reshard_after_forward=3", "the shard group has 1 rank, so no smaller group exists"),
         ("strategy.reshard_after_forward=-1", "must be null, true, false or a positive int"),
         ("trainer.max_steps", "is not a key=value override"),
         ("model.vocab_size=100", "too small for byte-level data"),

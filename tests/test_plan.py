@@ -37,6 +37,15 @@ def test_overrides_and_precision():
     plan = resolve_plan(StrategyConfig(reshard_after_forward=False), 4, 4)
     assert plan.reshard_after_forward is False
     assert resolve_plan(StrategyConfig(reshard_after_forward=2), 4, 4).reshard_after_forward == 2
+    # Found by review: accepted, then FSDP2's NotImplementedError at the first forward (DTensor
+    # parameters cannot reshard to a smaller group); a group of 1 or 2 has no divisor to name.
+    with pytest.raises(ConfigError, match="reshard_after_forward=2 with strategy.tensor_parallel=2: FSDP2 "
+                                          "cannot reshard tensor-parallel"):
+        resolve_plan(StrategyConfig(reshard_after_forward=2, tensor_parallel=2), 8, 8)
+    whole_group = resolve_plan(StrategyConfig(reshard_after_forward=4, tensor_parallel=2), 8, 8)
+    assert whole_group.reshard_after_forward is True  # the whole shard group: plain true
+    with pytest.raises(ConfigError, match="the shard group has 2 ranks, so no smaller group exists"):
+        resolve_plan(StrategyConfig(reshard_after_forward=2), 2, 2)
     mixed = resolve_plan(StrategyConfig(mixed_precision="bf16-mixed"), 2, 2)
     assert (mixed.storage_dtype, mixed.param_dtype, mixed.reduce_dtype) == (
         torch.float32, torch.bfloat16, torch.float32)

@@ -35,12 +35,14 @@ from shardtrain.train.simulate import OTHER_BLOCKS, fake_world, simulate
 # 128k vocabulary), every strategy at one node and at eight; full sharding at 512 and 1,024 ranks
 # (hybrid shards within a node's 8 ranks there as at 64, and SHARD_GRAD_OP differs from full
 # sharding only in the units it keeps gathered, which 8 and 64 ranks check). At one point each, full
-# sharding with the plain loss and with tied embeddings (one unit holds the embeddings and the head:
-# its gradient is reduced at the end of backward).
+# sharding with the plain loss, with tied embeddings (one unit holds the embeddings and the head:
+# its gradient is reduced at the end of backward), and resharding to groups of 2 after forward (each
+# unit keeps half its parameters until its backward: counted as true, the peak was 26% low).
 GRID = [("llama3_8b", 8, STRATEGIES, ""), ("llama3_8b", 64, STRATEGIES, ""),
         ("llama3_70b", 512, ("full_shard",), ""), ("llama3_405b", 1024, ("full_shard",), ""),
         ("llama3_8b", 8, ("full_shard",), "trainer.loss_chunk_tokens=0"),
-        ("llama3_8b", 8, ("full_shard",), "model.tie_embeddings=true")]
+        ("llama3_8b", 8, ("full_shard",), "model.tie_embeddings=true"),
+        ("llama3_8b", 8, ("full_shard",), "trainer.devices=8 strategy.reshard_after_forward=2")]
 # One task a strategy: the two workers share the grid evenly.
 GRID_TASKS = [(model, world, strategy, extra) for model, world, strategies, extra in GRID
               for strategy in strategies]
@@ -95,6 +97,8 @@ def test_simulated_numbers_follow_the_strategies(grid_results):
     wider = by_case["llama3_8b x 64 full_shard AC=none"]
     checkpointed = by_case["llama3_8b x 8 full_shard AC=all"]
     selective = by_case["llama3_8b x 8 full_shard AC=selective"]
+    regrouped = by_case["llama3_8b x 8 full_shard AC=none trainer.devices=8 strategy.reshard_after_forward=2"]
+    assert regrouped[:3] == full[:3] and regrouped[4] > full[4]  # half of each unit kept until backward
     assert zero2[:3] == full[:3] and zero2[4] > full[4]  # same shards, units stay gathered
     assert 7.5 < full[0] / wider[0] < 8.5  # 8x the ranks, 1/8 of the shard
     assert checkpointed[3] < full[3] / 3  # activation checkpointing keeps block inputs only

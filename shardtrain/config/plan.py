@@ -161,11 +161,22 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int,
     elif isinstance(raf, bool):
         reshard_after_forward = raf
     else:
+        if shard_group <= 2:  # no divisor between 1 and the group: the error named an impossible fix
+            raise ConfigError(
+                f"strategy.reshard_after_forward={raf}: the shard group has {shard_group} rank"
+                f"{'s' if shard_group > 1 else ''}, so no smaller group exists to reshard to; use true or "
+                "false (or leave it unset)")
         if raf == 1 or shard_group % raf:
             raise ConfigError(
                 f"strategy.reshard_after_forward={raf} must be a divisor of the shard group size "
                 f"{shard_group} other than 1 (or true/false)"
             )
+        if tp > 1 and raf != shard_group:
+            # FSDP2 refuses it at the first forward (NotImplementedError: resharding to a smaller
+            # mesh is not supported for DTensor parameters), after a launch and a build.
+            raise ConfigError(
+                f"strategy.reshard_after_forward={raf} with strategy.tensor_parallel={tp}: FSDP2 cannot "
+                "reshard tensor-parallel (DTensor) parameters to a smaller group; use true or false")
         reshard_after_forward = True if raf == shard_group else raf
 
     preset = resolve_precision(cfg.mixed_precision, accelerated)
