@@ -73,3 +73,17 @@ def test_planner_holds_no_table_for_an_exchanged_embedding():
     at_one = estimate(cfg, model, "SHARD_GRAD_OP", 1, 1).gathered
     cfg.strategy.embedding_lookup = "gather"
     assert estimate(cfg, model, "SHARD_GRAD_OP", 1, 1).gathered == at_one
+
+
+def test_an_embedding_whose_options_need_the_whole_table_is_gathered():
+    """Found by review: max_norm (rows renormalised in place) and scale_grad_by_freq (counts over
+    the whole batch) were dropped without a word by the row exchange; such a table is gathered."""
+    from torch import nn
+
+    from shardtrain.distributed.embedding_exchange import exchangeable
+
+    model = nn.Sequential(nn.Embedding(16, 8))
+    assert exchangeable(model, [model[0]])
+    for options in ({"max_norm": 0.5}, {"scale_grad_by_freq": True}, {"sparse": True}):
+        model = nn.Sequential(nn.Embedding(16, 8, **options))
+        assert not exchangeable(model, [model[0]]), options

@@ -38,8 +38,12 @@ from shardtrain.config.plan import ShardingPlan
 
 def plain_embedding(module: nn.Module) -> bool:
     """An ``nn.Embedding`` whose forward is the lookup itself (a subclass that scales or normalises
-    its weight may need it in backward)."""
-    return isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
+    its weight may need it in backward), without the options the lookup alone does not apply:
+    ``max_norm`` renormalises the table's rows in place, ``scale_grad_by_freq`` scales by counts
+    over the whole batch, ``sparse`` makes a sparse gradient (exchanged, the first two were dropped
+    without a word)."""
+    return (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
+            and module.max_norm is None and not module.scale_grad_by_freq and not module.sparse)
 
 
 def exchanges_rows(plan: ShardingPlan) -> bool:
