@@ -226,6 +226,9 @@ def test_devices_relaunches_under_torchrun(tmp_path, single_process_losses):
         (["checkpoint.resume=AUTO"], "checkpoint.resume='AUTO' does not exist; the choice is spelt in lower "
                                      "case: checkpoint.resume=auto"),
         (["model.init_from=nowhere"], "shardtrain: error: model.init_from='nowhere' does not exist"),
+        # a bare class name is looked up before launch (found by review: after it, by every worker)
+        (["strategy.wrap_policy=[TransformerBlok]", "trainer.devices=2"],
+         "shardtrain: error: strategy.wrap_policy: Llama has no module of class 'TransformerBlok'"),
     ],
 )
 def test_bad_input_exits_nonzero_with_message(args, message, tmp_path):

@@ -473,7 +473,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           "strategy, with and without checkpointing)")
     memory = parse_size(args.device_memory, "--device-memory") if args.device_memory is not None else None
     cfg = compose_checked(args.overrides)
-    from shardtrain.cli.preflight import check_model_splits
+    from shardtrain.cli.preflight import check_model_splits, check_wrap_policy
     from shardtrain.config.classpath import import_object
     from shardtrain.config.loader import check_runtime, planned_by_formulas
     from shardtrain.config.plan import launch_shape
@@ -501,7 +501,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     local = args.processes_per_node or per_node
     language_model = planned_by_formulas(import_object(cfg.task.path, "task"))
     if language_model:  # the formulas would give figures for a split that cannot exist
-        check_model_splits(cfg, task_from_config(cfg))
+        task = task_from_config(cfg)
+        check_model_splits(cfg, task)
+        check_wrap_policy(cfg, task)
     if not args.simulate and not language_model:
         raise ConfigError(f"shardtrain plan's formulas know decoder language models only; for "
                           f"task={cfg.task.path} use shardtrain plan --simulate (it runs the task's "

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
+
 from shardtrain.checkpoint import layout
 from shardtrain.checkpoint.peft_adapter import resolve_adapter_settings
 from shardtrain.checkpoint.safetensors_files import file_metadata, weight_files
@@ -16,10 +18,12 @@ from shardtrain.cli.paths import check_writable
 from shardtrain.config.schema import Config
 from shardtrain.data.prepared import open_prepared
 from shardtrain.data.tokenizer import tokenizer_for
+from shardtrain.distributed.preconditions import resolve_wrap_classes
 from shardtrain.errors import CheckpointError, ConfigError
 from shardtrain.models.hf_directory import is_model_directory
 from shardtrain.models.llama import llama_dims
 from shardtrain.models.llama_tp import check_sequence_split, check_tensor_parallel_dims
+from shardtrain.models.registry import build_model
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.task import task_from_config
 from shardtrain.train.trackers import (
@@ -136,6 +140,17 @@ def check_model_splits(cfg: Config, task: LanguageModelTask) -> None:
         check_hf_tensor_parallel(cfg.model, cfg.strategy.tensor_parallel, cfg.strategy.sequence_parallel)
 
 
+def check_wrap_policy(cfg: Config, task: LanguageModelTask) -> None:
+    """A bare class name in strategy.wrap_policy names one of the model's own modules (a dotted path
+    is imported by check_runtime): looked up in the model built on the meta device, before launch (a
+    typo was found by every worker after the launch)."""
+    if all(entry == "auto" or "." in entry for entry in cfg.strategy.wrap_policy):
+        return
+    with torch.device("meta"):
+        model = task.model_factory() if task.model_factory is not None else build_model(cfg.model)
+    resolve_wrap_classes(model, cfg.strategy.wrap_policy)
+
+
 def check_training(cfg: Config) -> None:
     check_run_dir(Path(cfg.run.dir))
     check_trackers(cfg)
@@ -155,6 +170,7 @@ def check_training(cfg: Config) -> None:
                           f"prompt in model.max_seq_len={cfg.model.max_seq_len} positions; lower "
                           "trainer.sample_tokens (0: no sample)")
     check_model_splits(cfg, task)
+    check_wrap_policy(cfg, task)
     if cfg.model.weights_source() == cfg.model.path and cfg.model.path:
         weight_files(Path(cfg.model.path).expanduser())  # a Hugging Face model's own weights
     tokenizer = tokenizer_for(cfg.model)  # a missing or unreadable tokenizer fails here, before any worker
