@@ -693,3 +693,23 @@ def test_a_flipped_bit_in_metadata_is_damage_not_lack_of_memory(tmp_path):
     metadata.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="far more memory than its size accounts for: damaged"):
         layout.read_dcp_metadata(tmp_path)
+
+
+def test_the_run_lock_is_shared_within_a_process_and_refused_to_another(tmp_path):
+    """A process's own trainers of one run.dir share its hold (tests/init_workers.py resumes a
+    trainer's save with a second one); another process is refused while any hold is left."""
+    import subprocess
+    import sys
+
+    from shardtrain.checkpoint.run_lock import HELD, take_run_lock
+
+    other = [sys.executable, "-c", "import sys; from pathlib import Path; "
+             "from shardtrain.checkpoint.run_lock import take_run_lock; take_run_lock(Path(sys.argv[1]))",
+             str(tmp_path)]
+    first, second = take_run_lock(tmp_path), take_run_lock(tmp_path)
+    second.release()
+    refused = subprocess.run(other, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "another training holds" in refused.stderr, refused.stderr
+    first.release()
+    assert not HELD
+    assert subprocess.run(other, capture_output=True, timeout=60).returncode == 0

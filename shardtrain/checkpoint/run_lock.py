@@ -7,7 +7,8 @@ newest checkpoint may hold either run's weights. Rank 0 of a training holds an e
 on ``run.dir/.shardtrain-run.lock`` from start-up to its end; a second start finds it held and stops
 with one line naming the holder. The kernel drops the lock when the process ends however it ends
 (killed, out of memory, a torchrun restart), so a stale lock is never left behind. A dry run takes
-none: it changes no file of the run.
+none: it changes no file of the run. Trainers of one process share the process's hold (a library
+user builds a second trainer to resume the first one's save).
 """
 
 from __future__ import annotations
@@ -28,22 +29,38 @@ log = logging.getLogger(__name__)
 LOCK_FILE = ".shardtrain-run.lock"
 
 
-class RunLock:
-    """The held lock; ``release`` (or the process's end) lets the next training start."""
+# The locks this process holds, by lock file, with how many trainers hold each: a process's own
+# trainers of one run.dir (a library user building a second to resume the first's save) share it, as
+# flock would refuse this process a second hold of its own lock.
+HELD: dict[Path, tuple[IO[str], int]] = {}
 
-    def __init__(self, handle: IO[str] | None) -> None:
-        self.handle = handle
+
+class RunLock:
+    """A hold on the lock; ``release`` (or the process's end) lets the next training start once this
+    process's last hold is released."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
 
     def release(self) -> None:
-        if self.handle is not None:
-            self.handle.close()  # closing the file drops the flock
-            self.handle = None
+        if self.path is None:
+            return
+        handle, holds = HELD.pop(self.path)
+        if holds > 1:
+            HELD[self.path] = (handle, holds - 1)
+        else:
+            handle.close()  # closing the file drops the flock
+        self.path = None
 
 
 def take_run_lock(run_dir: Path) -> RunLock:
     """The run directory's lock, or a CheckpointError naming the training that holds it. A filesystem
     without ``flock`` is a warning: the run goes on unguarded."""
-    path = run_dir / LOCK_FILE
+    path = (run_dir / LOCK_FILE).absolute()
+    if path in HELD:
+        handle, holds = HELD[path]
+        HELD[path] = (handle, holds + 1)
+        return RunLock(path)
     run_dir.mkdir(parents=True, exist_ok=True)
     # Opened for appending: a second start must read the holder's line before deciding, not empty it.
     handle = open(path, "a+")
@@ -65,7 +82,8 @@ def take_run_lock(run_dir: Path) -> RunLock:
     handle.truncate()
     handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}) + "\n")
     handle.flush()
-    return RunLock(handle)
+    HELD[path] = (handle, 1)
+    return RunLock(path)
 
 
 def describe_holder(text: str) -> str:
