@@ -261,6 +261,22 @@ def test_lora_targets_refuse_embeddings_and_head():
         adapter_targets(model, ["out_proj"])
 
 
+@pytest.mark.parametrize("family", ["gpt_neox", "llama"])
+def test_adapters_go_into_every_family(family, tmp_path):
+    """Found by review: PEFT reads the transformers model's weight-conversion mapping of the module
+    it is given, and the wrapper has none: GPT-NeoX (and Jamba, the MoE families) raised
+    AttributeError. The adapters' names are the wrapper's all the same."""
+    from shardtrain.models.lora import adapter_modules, add_adapters
+    from shardtrain.models.registry import build_model
+
+    cfg = compose_config(["model=hf", f"model.path={make_model_dir(tmp_path / family, family)}",
+                          "finetune=lora"])
+    model = add_adapters(build_model(cfg.model), cfg.finetune)
+    layers = "hf.gpt_neox.layers.0." if family == "gpt_neox" else "hf.model.layers.0."
+    assert adapter_modules(model)[0].startswith(layers)
+    assert all(p.requires_grad == (".lora_" in name) for name, p in model.named_parameters())
+
+
 def test_lora_flops_count_the_frozen_base_without_weight_gradients():
     """Found by review: MFU under LoRA counted 6 FLOPs a base parameter, where the frozen base computes
     no weight gradients (4 a parameter), so the logged MFU was ~1.5x what the step computed."""

@@ -173,6 +173,9 @@ def build_transformers_model(config: PretrainedConfig) -> nn.Module:
 
 
 class HFCausalLM(nn.Module):
+    # LoRA's adapters go into the transformers model itself (models/lora.py: add_adapters).
+    adapter_root = "hf"
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg

@@ -139,7 +139,13 @@ def add_adapters(model: nn.Module, cfg: FinetuneConfig) -> nn.Module:
     if cfg.method not in ("lora", "qlora"):
         raise ConfigError(f"finetune.method={cfg.method!r} adds no adapters")
     modules = adapter_targets(model, cfg.targets)
-    peft_package().inject_adapter_in_model(lora_config(cfg, modules), model, adapter_name=ADAPTER_NAME)
+    # Into the module PEFT knows (a transformers model inside a wrapper): PEFT reads the transformers
+    # model's weight-conversion mapping of the model it is given, which asks it for attributes a
+    # wrapper lacks (GPT-NeoX, Jamba, the MoE families raised AttributeError: base_model_prefix).
+    root = getattr(model, "adapter_root", "")
+    host = model.get_submodule(root)
+    relative = [name.removeprefix(f"{root}.") for name in modules] if root else modules
+    peft_package().inject_adapter_in_model(lora_config(cfg, relative), host, adapter_name=ADAPTER_NAME)
     for name, param in model.named_parameters():
         adapter = is_adapter(name)
         param.requires_grad_(adapter)
