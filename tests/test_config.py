@@ -310,6 +310,10 @@ def test_save_settings_and_restarts_without_checkpoints_are_refused():
     with pytest.raises(ConfigError, match=r"^trainer.max_restarts=1 restarts from the newest checkpoint"):
         load_config(["checkpoint.enabled=false", "trainer.max_restarts=1"])
     assert not load_config(["checkpoint.enabled=false"]).checkpoint.enabled
+    # found by the LoRA review: PEFT's unmerged names, which nothing reads; QLoRA's first save failed
+    with pytest.raises(ConfigError, match="checkpoint.save_full=true writes a whole model's weights, and "
+                                          "finetune=lora trains adapters"):
+        load_config(["checkpoint.save_full=true", "finetune=lora"])
 
 
 def test_the_best_checkpoints_and_early_stopping_judge_a_validation_value():

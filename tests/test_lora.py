@@ -74,7 +74,7 @@ from shardtrain.distributed.qlora import (
 )
 from shardtrain.distributed.sharded_model import build_sharded_model, with_adapters
 from shardtrain.errors import CheckpointError, ConfigError
-from shardtrain.export.merge import merge_in_place, merged_weights, verify_merged_export
+from shardtrain.export.merge import export_merged, merge_in_place, merged_weights, verify_merged_export
 from shardtrain.export.peft import (
     LoraCheckpoint,
     checkpoint_model,
@@ -357,6 +357,17 @@ def test_export_peft_round_trip_and_corruption(lora_runs, tmp_path):
     save_file(tensors, str(written[1]))
     with pytest.raises(CheckpointError, match="export check failed"):
         verify_peft_export(checkpoint, tmp_path / "adapter")
+    # A base whose files changed since training (found by review: the adapters were merged into, or
+    # shipped for, the other model, and the check passed, reading that same base): refused, as
+    # eval and generate refuse it. The checkpoint's record of its base stands in for the change.
+    moved = tmp_path / "step-5"
+    shutil.copytree(checkpoint, moved)
+    state = json.loads((moved / "trainer_state.json").read_text())
+    state["base_weights"]["fingerprint"] = "0" * 64
+    (moved / "trainer_state.json").write_text(json.dumps(state))
+    for export in (export_peft, export_merged):
+        with pytest.raises(CheckpointError, match="was trained on base .*: export it with the base it was"):
+            export(moved, tmp_path / export.__name__)
 
 
 def test_export_peft_of_a_qlora_checkpoint(lora_runs, tmp_path):

@@ -595,15 +595,18 @@ def same_base(saved: dict[str, Any], current: dict[str, Any]) -> bool:
     return False
 
 
-def check_same_base(path: Path, saved: dict[str, Any] | None, current: dict[str, Any]) -> None:
-    """A LoRA checkpoint resumes only onto the base its adapters were trained on."""
+def check_same_base(path: Path, saved: dict[str, Any] | None, current: dict[str, Any],
+                    use: str = "resume it on") -> None:
+    """A LoRA checkpoint resumes (is read, exported: ``use``) only onto the base its adapters were
+    trained on."""
     if saved is None:
         raise CheckpointError(f"checkpoint {str(path)!r} holds no adapters (it is not a finetune=lora "
                               "checkpoint); resume it with finetune.method=none")
     if not same_base(saved, current):
         raise CheckpointError(f"checkpoint {str(path)!r} was trained on base {saved['source']} "
                               f"({saved.get('fingerprint', saved.get('seed'))}), not on this run's "
-                              f"{current['source']}: resume it on the base it was trained on")
+                              f"{current['source']}: {use} the base it was trained on (its files as "
+                              "they were when it trained)")
     trained, now = saved.get("quantization", "none"), current.get("quantization", "none")
     if trained != now:  # QLoRA adapters learnt the quantised base's errors: not the same base
         raise CheckpointError(f"checkpoint {str(path)!r} was trained on the base quantised as {trained}, "

@@ -419,6 +419,13 @@ def check_config(cfg: Config) -> None:
     check_trackers(cfg.run.trackers)
     check_profiling(cfg)
     check_weight_average(cfg)
+    if cfg.checkpoint.save_full and cfg.finetune.method != "none":
+        # It wrote PEFT's unmerged names (base_layer, lora_A), which nothing reads as a model, and
+        # under QLoRA failed the first save on the NF4 tensors.
+        raise ConfigError(f"checkpoint.save_full=true writes a whole model's weights, and finetune="
+                          f"{cfg.finetune.method} trains adapters on a frozen base; drop it, and write the "
+                          "merged model with shardtrain export-hf CKPT OUT --merge (or the adapters with "
+                          "shardtrain export-peft)")
     check_monitor(cfg)
     for key, value in (("run.dir", cfg.run.dir), ("checkpoint.resume", cfg.checkpoint.resume),
                        ("data.cache_dir", cfg.data.cache_dir), ("model.tokenizer", cfg.model.tokenizer)):

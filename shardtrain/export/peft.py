@@ -27,7 +27,7 @@ from shardtrain.checkpoint import integrity, layout
 from shardtrain.checkpoint.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 from shardtrain.checkpoint.safetensors_files import check_new_directory, save_safetensors
 from shardtrain.checkpoint.state import TrainState
-from shardtrain.checkpoint.weights import load_model_weights, source_files
+from shardtrain.checkpoint.weights import base_identity, check_same_base, load_model_weights, source_files
 from shardtrain.config.plan import DTYPES
 from shardtrain.config.schema import FinetuneConfig, ModelConfig
 from shardtrain.distributed.qlora import round_base_to_nf4
@@ -70,13 +70,18 @@ class LoraCheckpoint:
                                   "with finetune=lora); export-hf without --merge exports whole models")
         if source := state.model_config().weights_source():
             source_files(source)  # a base moved since training: said before anything is written
+        # A base changed since training (its files replaced) merged or shipped the adapters onto
+        # another model, and the self-check, reading that same base, passed.
+        seed = int(state.config["trainer"]["seed"])
+        trained_on = base_identity(state.model_config(), seed, state.finetune_config())
+        check_same_base(path, state.base_weights, trained_on, use="export it with")
         plan = plan_shards(path, None, None, "model")
         if verify_checksums:
             integrity.verify_files(path, names=plan.files)  # every byte read, as consolidate verifies
         entries = [entry for shard in plan.shards for entry in shard if is_adapter(entry[1])]
         tensors = load_tensors(path, entries, plan.metadata)
-        return cls(path, state.model_config(), state.finetune_config(),
-                   int(state.config["trainer"]["seed"]), {name: tensors[key] for key, name, _ in entries})
+        return cls(path, state.model_config(), state.finetune_config(), seed,
+                   {name: tensors[key] for key, name, _ in entries})
 
 
 def peft_key(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> tuple[str, torch.Tensor]:

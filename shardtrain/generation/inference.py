@@ -77,7 +77,8 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
         cfg.model = state.model_config()
         cfg.finetune = state.finetune_config()
         cfg.trainer = dataclasses.replace(cfg.trainer, seed=int(state.config["trainer"]["seed"]))
-        check_same_base(path, state.base_weights, base_identity(cfg.model, cfg.trainer.seed, cfg.finetune))
+        check_same_base(path, state.base_weights, base_identity(cfg.model, cfg.trainer.seed, cfg.finetune),
+                        use="load it with")
     elif hf_directory:  # its config.json says the model; its tokenizer is beside it
         cfg.model = ModelConfig(name="hf", path=str(path))
     else:
