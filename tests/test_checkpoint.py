@@ -32,7 +32,7 @@ from shardtrain.checkpoint.checkpointer import random_streams_kept, seed_random_
 from shardtrain.checkpoint.inspect import inspect_path
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.cli.preflight import check_resume
-from shardtrain.config.schema import Config
+from shardtrain.config.schema import Config, ModelConfig
 from shardtrain.distributed.agreement import raise_first_error
 from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import consolidate
@@ -595,6 +595,14 @@ def test_dcp_base_fingerprint_reads_its_metadata_only(tmp_path):
     weights.check_same_base(ckpt, recorded_before, current)
     with pytest.raises(CheckpointError, match="trained on base"):
         weights.check_same_base(ckpt, recorded_before, identity(other))
+    # A random base is its seed and the built-in model's init_std (found by review: a resume with
+    # another init_std trained on another base, silently); one saved without init_std is taken.
+    random_base = weights.base_identity(ModelConfig(), 7)
+    assert random_base == {"source": "random", "seed": 7, "init_std": 0.02}
+    with pytest.raises(CheckpointError, match=r"trained on base random \(seed 7, model.init_std 0.02\), not "
+                                              r"on this run's random \(seed 7, model.init_std 0.5\)"):
+        weights.check_same_base(ckpt, random_base, weights.base_identity(ModelConfig(init_std=0.5), 7))
+    weights.check_same_base(ckpt, {"source": "random", "seed": 7}, random_base)
 
 
 def test_dcp_read_failure_is_one_line_naming_the_cause(tmp_path):

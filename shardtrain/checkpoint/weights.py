@@ -575,7 +575,10 @@ def base_identity(model_cfg: ModelConfig, seed: int,
     quantized = {"quantization": NF4_DESCRIPTION} if qlora else {}
     source = model_cfg.weights_source()
     if source is None:
-        return {"source": "random", "seed": seed, **quantized}
+        # The built-in model's draw depends on model.init_std too: a resume with another one trained
+        # the adapters on another base without a word.
+        drawn = {"init_std": model_cfg.init_std} if model_cfg.name == "llama" else {}
+        return {"source": "random", "seed": seed, **drawn, **quantized}
     resolved = str(Path(source.removeprefix(HF_PREFIX)).expanduser().resolve())
     if is_dcp_source(source):
         return {"source": resolved, "fingerprint": dcp_fingerprint(source),
@@ -585,6 +588,8 @@ def base_identity(model_cfg: ModelConfig, seed: int,
 
 def same_base(saved: dict[str, Any], current: dict[str, Any]) -> bool:
     """Whether two identities (``base_identity``) name the same base weights."""
+    if "init_std" in saved and saved["init_std"] != current.get("init_std"):  # saved without: not known
+        return False
     if saved.get("fingerprint", saved.get("seed")) == current.get("fingerprint", current.get("seed")):
         return True
     # A checkpoint saved before DCP bases were fingerprinted by their metadata holds the old kind:
@@ -595,6 +600,13 @@ def same_base(saved: dict[str, Any], current: dict[str, Any]) -> bool:
     return False
 
 
+def describe_base(identity: dict[str, Any]) -> str:
+    if identity["source"] != "random":
+        return f"{identity['source']} ({identity.get('fingerprint')})"
+    std = f", model.init_std {identity['init_std']}" if "init_std" in identity else ""
+    return f"random (seed {identity.get('seed')}{std})"
+
+
 def check_same_base(path: Path, saved: dict[str, Any] | None, current: dict[str, Any],
                     use: str = "resume it on") -> None:
     """A LoRA checkpoint resumes (is read, exported: ``use``) only onto the base its adapters were
@@ -603,10 +615,9 @@ def check_same_base(path: Path, saved: dict[str, Any] | None, current: dict[str,
         raise CheckpointError(f"checkpoint {str(path)!r} holds no adapters (it is not a finetune=lora "
                               "checkpoint); resume it with finetune.method=none")
     if not same_base(saved, current):
-        raise CheckpointError(f"checkpoint {str(path)!r} was trained on base {saved['source']} "
-                              f"({saved.get('fingerprint', saved.get('seed'))}), not on this run's "
-                              f"{current['source']}: {use} the base it was trained on (its files as "
-                              "they were when it trained)")
+        raise CheckpointError(f"checkpoint {str(path)!r} was trained on base {describe_base(saved)}, not "
+                              f"on this run's {describe_base(current)}: {use} the base it was trained on "
+                              "(its files as they were when it trained, or its seed and model.init_std)")
     trained, now = saved.get("quantization", "none"), current.get("quantization", "none")
     if trained != now:  # QLoRA adapters learnt the quantised base's errors: not the same base
         raise CheckpointError(f"checkpoint {str(path)!r} was trained on the base quantised as {trained}, "
