@@ -206,6 +206,15 @@ def test_lora_checkpoint_holds_adapters_and_resumes_exactly(lora_runs):
     model_keys = [k for k in keys if k.startswith("model.")]
     optim_keys = [k for k in keys if k.startswith("optim.state.")]
     assert model_keys and all(is_adapter(k) for k in model_keys), model_keys[:3]
+    # A task's LoRA checkpoint: consolidate and the exports named each other (found by review)
+    from shardtrain.export.consolidate import checked_plan
+
+    [vit_step] = sorted((out / "vit" / "checkpoints").glob("step-*"))[-1:]
+    for reads in (lambda: checked_plan(vit_step, None, None, "model", verify=False),
+                  lambda: model_config_of(vit_step),  # generate, eval, export-hf
+                  lambda: export_peft(vit_step, out / "vit-peft")):  # and export-hf --merge
+        with pytest.raises(CheckpointError, match="of task=.*: no command exports a task's adapters yet"):
+            reads()
     tied = FileSystemReader(str(out / "qwen2" / "checkpoints" / "step-5")).read_metadata().state_dict_metadata
     assert all(is_adapter(k) for k in tied if k.startswith("model.")), "a tied head saved with the adapters"
     assert {k.rpartition(".")[0].removeprefix("optim.state.") for k in optim_keys} \

@@ -38,7 +38,7 @@ from shardtrain.checkpoint.safetensors_files import (
     weight_files,
 )
 from shardtrain.checkpoint.state import STATE_FILE, TrainState, rebuild_config
-from shardtrain.config.schema import DataConfig, FinetuneConfig, ModelConfig
+from shardtrain.config.schema import LANGUAGE_MODEL_TASK, DataConfig, FinetuneConfig, ModelConfig
 from shardtrain.distributed.agreement import agree
 from shardtrain.distributed.qlora import NF4_DESCRIPTION
 from shardtrain.distributed.sharded_model import first_row, local_box, shard_like
@@ -124,7 +124,14 @@ def data_config_of(path: Path) -> DataConfig | None:
 
 
 def refuse_adapters_only(path: Path, state: TrainState) -> None:
-    """A LoRA checkpoint holds adapters, not a model: what reads whole weights refuses it."""
+    """A LoRA checkpoint holds adapters, not a model: what reads whole weights refuses it, naming
+    the export that serves it (none yet for a task's: its message must not name the exports, which
+    name this refusal back)."""
+    if state.base_weights is not None and state.task_path != LANGUAGE_MODEL_TASK:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds LoRA adapters only, of task="
+                              f"{state.task_path}: no command exports a task's adapters yet (export-peft "
+                              "and export-hf --merge serve the language-model task); resume it with the "
+                              "task, or train with finetune=none for weights consolidate writes")
     if state.base_weights is not None:
         raise CheckpointError(f"checkpoint {str(path)!r} holds LoRA adapters only (finetune=lora), not a "
                               f"whole model: `shardtrain export-hf {path} OUT --merge` writes the merged "

@@ -37,6 +37,7 @@ from shardtrain.checkpoint.safetensors_files import (
     write_streamed,
 )
 from shardtrain.checkpoint.state import TrainState
+from shardtrain.checkpoint.weights import refuse_adapters_only
 from shardtrain.config.plan import DTYPES
 from shardtrain.config.sizes import parse_size
 from shardtrain.errors import CheckpointError
@@ -186,11 +187,9 @@ def checked_plan(path: Path, max_shard_size: str | None, dtype: str | None, key:
     """The output shards of checkpoint ``path`` and the dtype they are cast to, after every check
     that comes before a tensor is read: the kind of checkpoint, the options, its structure, then
     the checksums of the files it reads."""
-    if layout.detect_format(path) == "shardtrain" and TrainState.read(path).base_weights is not None:
+    if layout.detect_format(path) == "shardtrain":
         # Its model entries are the adapters alone: a "model" file of them would load as nothing.
-        raise CheckpointError(f"checkpoint {str(path)!r} holds LoRA adapters only: `shardtrain export-peft "
-                              f"{path} OUT` writes them (PEFT's format), `shardtrain export-hf {path} OUT "
-                              "--merge` the merged model")
+        refuse_adapters_only(path, TrainState.read(path))
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} must be one of {', '.join(DTYPES)}")
     cast = DTYPES.get(dtype) if dtype else None

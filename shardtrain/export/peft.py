@@ -27,9 +27,15 @@ from shardtrain.checkpoint import integrity, layout
 from shardtrain.checkpoint.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 from shardtrain.checkpoint.safetensors_files import check_new_directory, save_safetensors
 from shardtrain.checkpoint.state import TrainState
-from shardtrain.checkpoint.weights import base_identity, check_same_base, load_model_weights, source_files
+from shardtrain.checkpoint.weights import (
+    base_identity,
+    check_same_base,
+    load_model_weights,
+    refuse_adapters_only,
+    source_files,
+)
 from shardtrain.config.plan import DTYPES
-from shardtrain.config.schema import FinetuneConfig, ModelConfig
+from shardtrain.config.schema import LANGUAGE_MODEL_TASK, FinetuneConfig, ModelConfig
 from shardtrain.distributed.qlora import round_base_to_nf4
 from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.errors import CheckpointError
@@ -68,6 +74,8 @@ class LoraCheckpoint:
         if state.base_weights is None:
             raise CheckpointError(f"checkpoint {str(path)!r} holds no LoRA adapters (it was not trained "
                                   "with finetune=lora); export-hf without --merge exports whole models")
+        if state.task_path != LANGUAGE_MODEL_TASK:
+            refuse_adapters_only(path, state)  # a task's: no export (model_config named consolidate)
         if source := state.model_config().weights_source():
             source_files(source)  # a base moved since training: said before anything is written
         # A base changed since training (its files replaced) merged or shipped the adapters onto
