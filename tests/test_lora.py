@@ -410,9 +410,13 @@ def test_finetune_config_and_qlora_refusals(model_dirs):
         check_quantizable(model, 1)
     assert "\n" not in str(caught.value) and "finetune.method=lora" in str(caught.value)
     assert "fewer ranks" not in str(caught.value)
-    with pytest.raises(ConfigError, match=r"1.weight \(36 x 128\) does not split into 2 row shards "
-                                          r"of whole NF4 blocks.*fewer ranks per shard group"):
+    # not whole blocks at any split: no advice of fewer ranks at 2 either (found by review)
+    with pytest.raises(ConfigError, match=whole_blocks):
         check_quantizable(model, 2)
+    one_block = with_adapters(lambda: nn.Sequential(nn.Linear(256, 64)), cfg, torch.device("cpu"))()
+    with pytest.raises(ConfigError, match=r"0.base_layer.weight \(64 x 256\) does not split into 2 row "
+                                          r"shards of whole NF4 blocks.*fewer ranks per shard group"):
+        check_quantizable(one_block, 2)
     kept = to_nf4_before_sharding(model[:1], shards=1)  # built whole: quantised at once, kept from FSDP
     base = model[0].base_layer
     assert kept == {base.weight}

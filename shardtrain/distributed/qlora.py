@@ -80,7 +80,7 @@ def check_quantizable(model: nn.Module, shards: int) -> None:
     for name, module in quantized_linears(model):
         rows, cols = module.weight.shape
         if rows % shards or (rows * cols) % (NF4_GRAIN * shards):
-            if shards == 1:  # nothing to split: its size is not a whole number of blocks
+            if (rows * cols) % NF4_GRAIN:  # not whole blocks at any split: fewer ranks cannot help
                 raise ConfigError(
                     f"finetune.method=qlora: {name}.weight ({rows} x {cols}) does not hold whole NF4 "
                     f"blocks ({NF4_BLOCK} x {NF4_SCALER_BLOCK} = {NF4_GRAIN:,} elements each: its size "
