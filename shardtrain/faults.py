@@ -3,7 +3,9 @@
 ``SHARDTRAIN_FAULT=<point>:<rank>:<steps>:<action>[:<attempt>]`` (several: comma-separated, the
 first that matches acts) where steps is ``N`` or ``A-B``,
 action is ``kill`` (SIGKILL itself), ``raise`` (RuntimeError), ``sleep=S`` (stall S seconds),
-``signal=NAME`` (send itself that signal, e.g. a preemption's SIGTERM) or ``nan`` (poison the loss;
+``signal=NAME`` (send itself that signal, e.g. a preemption's SIGTERM), ``interrupt`` (raise
+KeyboardInterrupt, as Ctrl-C does: a SIGINT is ignored by a process a background shell started) or
+``nan`` (poison the loss;
 point ``loss`` only), and attempt (optional) limits the fault to that
 torchrun restart attempt (``TORCHELASTIC_RESTART_COUNT``), so a restarted run can get past it.
 Points: ``save`` (inside a checkpoint save, after this rank wrote part of it), ``commit`` (in an
@@ -53,6 +55,8 @@ def inject(point: str, rank: int, step: int) -> None:
     if action.startswith("sleep="):
         time.sleep(float(action.split("=", 1)[1]))
         return
+    if action == "interrupt":  # Ctrl-C as Python delivers it; a SIGINT a background shell ignores is lost
+        raise KeyboardInterrupt
     raise RuntimeError(f"injected fault: rank {rank} failed at {point} of step {step} ({ENV})")
 
 

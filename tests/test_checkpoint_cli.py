@@ -723,7 +723,7 @@ def test_the_best_checkpoints_are_kept_beside_the_newest_across_a_resume(tmp_pat
     # Ctrl-C the same way (found by review: it left only .step-1.tmp, where a blocking save kept step-1)
     stopped = run_cli("train", *QUICK, "checkpoint.interval=1", "checkpoint.async=true",
                       "trainer.max_steps=3", f"run.dir={tmp_path / 'stopped'}",
-                      env={"SHARDTRAIN_FAULT": "commit:0:1:sleep=3,step:0:2:signal=SIGINT"})
+                      env={"SHARDTRAIN_FAULT": "commit:0:1:sleep=3,step:0:2:interrupt"})
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     assert "training stopped with the async save of step 1 in flight: letting it commit" in stopped.stderr
     assert sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir()) == ["step-1"]

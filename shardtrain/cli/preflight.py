@@ -77,7 +77,7 @@ def check_resume(cfg: Config) -> None:
         path = Path(choice).expanduser()
         if not path.exists():
             spelled = choice.lower() in ("auto", "none")  # AUTO, None: the words, not a path
-            raise ConfigError(f"checkpoint.resume={choice!r} does not exist" + (
+            raise CheckpointError(f"checkpoint.resume={choice!r} does not exist" + (
                 f"; the choice is spelt in lower case: checkpoint.resume={choice.lower()}" if spelled else
                 "; name a checkpoint directory (step-N), a run directory, auto or none"))
         layout.verify(path)
@@ -112,7 +112,7 @@ def check_init_from(source: str | None, model_name: str) -> None:
                                   f"({str(exc).splitlines()[0]})") from exc
         return
     if not path.exists():
-        raise ConfigError(f"model.init_from={source!r} does not exist")
+        raise CheckpointError(f"model.init_from={source!r} does not exist")
     layout.verify(path, need_state=False)
 
 
