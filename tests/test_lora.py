@@ -270,16 +270,22 @@ def test_lora_targets_refuse_embeddings_and_head():
         adapter_targets(model, ["out_proj"])
 
 
-@pytest.mark.parametrize("family", ["gpt_neox", "llama"])
+@pytest.mark.parametrize("family", ["gpt_neox", "llama", "qwen3_next"])
 def test_adapters_go_into_every_family(family, tmp_path):
     """Found by review: PEFT reads the transformers model's weight-conversion mapping of the module
-    it is given, and the wrapper has none: GPT-NeoX (and Jamba, the MoE families) raised
-    AttributeError. The adapters' names are the wrapper's all the same."""
+    it is given, and the wrapper has none: GPT-NeoX raised AttributeError. The adapters' names are
+    the wrapper's all the same. A family whose conversion rewrites LoRA's targets (the MoE ones:
+    the routed experts' fused weights in place of the chosen layers) is refused in one line."""
     from shardtrain.models.lora import adapter_modules, add_adapters
     from shardtrain.models.registry import build_model
 
     cfg = compose_config(["model=hf", f"model.path={make_model_dir(tmp_path / family, family)}",
                           "finetune=lora"])
+    if family == "qwen3_next":
+        with pytest.raises(ConfigError, match="PEFT put the adapters elsewhere than the layers "
+                                              "finetune.targets chose in Qwen3NextForCausalLM"):
+            add_adapters(build_model(cfg.model), cfg.finetune)
+        return
     model = add_adapters(build_model(cfg.model), cfg.finetune)
     layers = "hf.gpt_neox.layers.0." if family == "gpt_neox" else "hf.model.layers.0."
     assert adapter_modules(model)[0].startswith(layers)

@@ -146,6 +146,16 @@ def add_adapters(model: nn.Module, cfg: FinetuneConfig) -> nn.Module:
     host = model.get_submodule(root)
     relative = [name.removeprefix(f"{root}.") for name in modules] if root else modules
     peft_package().inject_adapter_in_model(lora_config(cfg, relative), host, adapter_name=ADAPTER_NAME)
+    # PEFT rewrites the targets of a transformers model whose family transformers v5 converts (the
+    # mixture-of-experts families: the routed experts' fused weights in place of the layers chosen),
+    # and the weights' names with them: refused, where loading the base failed on missing keys.
+    if (placed := adapter_modules(model)) != sorted(modules):
+        missed = sorted(set(modules) - set(placed))
+        raise ConfigError(f"finetune.method={cfg.method}: PEFT put the adapters elsewhere than the layers "
+                          f"finetune.targets chose in {type(host).__name__} ({len(missed)} chosen not "
+                          f"adapted, e.g. {(missed or placed)[0]}): transformers' weight conversion for this "
+                          "family rewrites LoRA's targets; LoRA is not supported for it here, train it "
+                          "with finetune=none")
     for name, param in model.named_parameters():
         adapter = is_adapter(name)
         param.requires_grad_(adapter)
