@@ -41,6 +41,11 @@ class CheckpointFromNewerVersion(CheckpointUnverifiable):
     later moved aside) by ``checkpoint.resume=auto`` for it."""
 
 
+class RunDirectoryBusy(CheckpointError):
+    """Another training holds the run directory (``checkpoint/run_lock.py``): no failure of the run
+    that holds it, so none is recorded in its ``failures/``."""
+
+
 class GenerationError(ShardtrainError):
     """A generation request the model cannot serve (e.g. longer than its context)."""
 

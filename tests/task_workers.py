@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
+from shardtrain.checkpoint import run_lock
 from shardtrain.config.schema import Config
 from shardtrain.errors import ConfigError, DataError
 
@@ -106,10 +107,11 @@ def run_task_cases(cases: dict[str, dict], out: str) -> None:
         refusal = str(exc)
     # One rank's data too small for a step: every rank stops with its error (none waits).
     try:
-        Trainer.create(task_config(world, f"{out}/too_few"), task=make_task("too_few"))
+        Trainer.create(task_config(world, f"{out}/too_few", checkpoint_every=N), task=make_task("too_few"))
         too_few = "not refused"
     except DataError as exc:
         too_few = f"{exc} (failed_rank {getattr(exc, 'failed_rank', None)})"
+    held_after_refusal = len(run_lock.HELD)  # the failed start let go of its run directory
     # A task whose bind() skips super().bind(): its seed is still the run's.
     cfg = task_config(world, f"{out}/own_bind")
     cfg.trainer = dataclasses.replace(cfg.trainer, seed=17)
@@ -117,6 +119,7 @@ def run_task_cases(cases: dict[str, dict], out: str) -> None:
     if int(os.environ["RANK"]) == 0:
         Path(out, "refused.txt").write_text(refusal)
         Path(out, "too_few.txt").write_text(too_few)
+        Path(out, "held_after_refusal.txt").write_text(str(held_after_refusal))
         Path(out, "own_bind.txt").write_text(f"{own_bind.bound} {own_bind.seed} {own_bind.datasets_made}")
 
 

@@ -714,7 +714,8 @@ def test_the_run_lock_is_shared_within_a_process_and_refused_to_another(tmp_path
     other = [sys.executable, "-c", "import sys; from pathlib import Path; "
              "from shardtrain.checkpoint.run_lock import take_run_lock; take_run_lock(Path(sys.argv[1]))",
              str(tmp_path)]
-    first, second = take_run_lock(tmp_path), take_run_lock(tmp_path)
+    (tmp_path.parent / f"{tmp_path.name}-alias").symlink_to(tmp_path)  # one directory, two names
+    first, second = take_run_lock(tmp_path), take_run_lock(tmp_path.parent / f"{tmp_path.name}-alias")
     second.release()
     refused = subprocess.run(other, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and "another training holds" in refused.stderr, refused.stderr

@@ -304,8 +304,8 @@ def test_an_empty_data_path_is_refused():
 def test_save_settings_and_restarts_without_checkpoints_are_refused():
     """Found by review: checkpoint.enabled=false with save_full=true wrote no weights, and with
     trainer.max_restarts=1 a restart trained the same steps again, both without a word."""
-    with pytest.raises(ConfigError, match=r"^checkpoint.async_save=True, checkpoint.save_full=True shape "
-                                          "checkpoints, and checkpoint.enabled=false saves none"):
+    with pytest.raises(ConfigError, match=r"^checkpoint.async=true, checkpoint.save_full=true shape "
+                                          "checkpoints, and checkpoint.enabled=false saves none; drop them"):
         load_config(["checkpoint.enabled=false", "checkpoint.save_full=true", "checkpoint.async=true"])
     with pytest.raises(ConfigError, match=r"^trainer.max_restarts=1 restarts from the newest checkpoint"):
         load_config(["checkpoint.enabled=false", "trainer.max_restarts=1"])

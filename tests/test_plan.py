@@ -45,7 +45,8 @@ def test_overrides_and_precision():
     whole_group = resolve_plan(StrategyConfig(reshard_after_forward=4, tensor_parallel=2), 8, 8)
     assert whole_group.reshard_after_forward is True  # the whole shard group: plain true
     with pytest.raises(ConfigError, match="the shard group has 2 ranks, so no smaller group exists"):
-        resolve_plan(StrategyConfig(reshard_after_forward=2), 2, 2)
+        resolve_plan(StrategyConfig(reshard_after_forward=3), 2, 2)
+    assert resolve_plan(StrategyConfig(reshard_after_forward=2), 2, 2).reshard_after_forward is True  # k == S
     mixed = resolve_plan(StrategyConfig(mixed_precision="bf16-mixed"), 2, 2)
     assert (mixed.storage_dtype, mixed.param_dtype, mixed.reduce_dtype) == (
         torch.float32, torch.bfloat16, torch.float32)

@@ -177,6 +177,9 @@ def test_one_ranks_data_too_small_for_a_step_stops_every_rank(two_ranks):
         "the training data has 4 samples, fewer than one global batch of 8 (trainer.micro_batch_size=2 "
         "x trainer.grad_accum_steps=2 x 2 data-parallel ranks); use more data, a smaller batch "
         "(failed_rank 1)")
+    # Its run directory was let go of (found by review: held until the process ended, refusing the
+    # next start in a notebook)
+    assert (two_ranks / "held_after_refusal.txt").read_text() == "0"
 
 
 def test_a_module_with_nothing_to_do_on_one_rank_runs_on_an_empty_input(two_ranks, references):

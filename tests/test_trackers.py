@@ -312,7 +312,8 @@ def test_a_plain_path_as_the_mlflow_tracking_uri_is_its_file_store(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_DISABLE_TELEMETRY", raising=False)  # undone after: set by the tracker
     for given, store in ((str(tmp_path / "shared"), tmp_path / "shared"),
-                         ("./relative", tmp_path / "relative"), ("bare", tmp_path / "bare")):
+                         ("./relative", tmp_path / "relative"), ("bare", tmp_path / "bare"),
+                         (str(tmp_path / "exp:v2"), tmp_path / "exp:v2")):
         cfg = load_config([f"run.dir={tmp_path / 'run'}", "run.trackers=[mlflow]",
                            f"run.mlflow.tracking_uri={given}"])
         assert mlflow_tracking_uri(cfg.run) == store.as_uri()

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from shardtrain.errors import CheckpointError
+from shardtrain.errors import RunDirectoryBusy
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class RunLock:
 def take_run_lock(run_dir: Path) -> RunLock:
     """The run directory's lock, or a CheckpointError naming the training that holds it. A filesystem
     without ``flock`` is a warning: the run goes on unguarded."""
-    path = (run_dir / LOCK_FILE).absolute()
+    path = (run_dir / LOCK_FILE).resolve()  # one key for the directory however it is reached
     if path in HELD:
         handle, holds = HELD[path]
         HELD[path] = (handle, holds + 1)
@@ -70,7 +70,7 @@ def take_run_lock(run_dir: Path) -> RunLock:
         handle.seek(0)
         holder = describe_holder(handle.read())
         handle.close()
-        raise CheckpointError(f"another training holds {run_dir} ({holder}; {path}): two trainings in one "
+        raise RunDirectoryBusy(f"another training holds {run_dir} ({holder}; {path}): two trainings in one "
                               "run.dir delete and prune each other's checkpoints; wait for it to end, stop "
                               "it, or choose another run.dir") from None
     except OSError as exc:

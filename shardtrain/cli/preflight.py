@@ -11,6 +11,7 @@ import torch
 
 from shardtrain.checkpoint import layout
 from shardtrain.checkpoint.peft_adapter import resolve_adapter_settings
+from shardtrain.checkpoint.run_lock import take_run_lock
 from shardtrain.checkpoint.safetensors_files import file_metadata, weight_files
 from shardtrain.checkpoint.state import STATE_FILE
 from shardtrain.checkpoint.weights import HF_PREFIX, read_hf_config
@@ -151,8 +152,16 @@ def check_wrap_policy(cfg: Config, task: LanguageModelTask) -> None:
     resolve_wrap_classes(model, cfg.strategy.wrap_policy)
 
 
+def check_run_dir_free(cfg: Config) -> None:
+    """No other training holds run.dir: said by the launching process, before any worker starts
+    (each worker would refuse alone, and torchrun's report hide the reason)."""
+    if cfg.checkpoint.enabled and not cfg.diagnostics.dry_run:
+        take_run_lock(Path(cfg.run.dir)).release()
+
+
 def check_training(cfg: Config) -> None:
     check_run_dir(Path(cfg.run.dir))
+    check_run_dir_free(cfg)
     check_trackers(cfg)
     check_resume(cfg)
     check_init_from(cfg.model.init_from, cfg.model.name)

@@ -167,11 +167,14 @@ def check_nothing_expects_checkpoints(cfg: Config) -> None:
     """With checkpoints off: no save setting changed from its default, and no restart, which goes on
     from the newest checkpoint (without one it trained the same steps again)."""
     default = CheckpointConfig()
-    changed = [f"checkpoint.{key}={getattr(cfg.checkpoint, key)}" for key in SAVE_SETTINGS
-               if getattr(cfg.checkpoint, key) != getattr(default, key)]
+    spelled = {"async_save": "async"}  # as the user writes it (checkpoint.async, keys.ALIASES)
+    changed = [f"checkpoint.{spelled.get(key, key)}={str(getattr(cfg.checkpoint, key)).lower()}"
+               for key in SAVE_SETTINGS if getattr(cfg.checkpoint, key) != getattr(default, key)]
     if changed:
-        raise ConfigError(f"{', '.join(changed)} shape{'s' if len(changed) == 1 else ''} checkpoints, and "
-                          "checkpoint.enabled=false saves none; drop it, or enable checkpoints")
+        one = len(changed) == 1
+        raise ConfigError(f"{', '.join(changed)} shape{'s' if one else ''} checkpoints, and "
+                          f"checkpoint.enabled=false saves none; drop {'it' if one else 'them'}, or "
+                          "enable checkpoints")
     if cfg.trainer.max_restarts > 0:
         raise ConfigError(f"trainer.max_restarts={cfg.trainer.max_restarts} restarts from the newest "
                           "checkpoint, and checkpoint.enabled=false saves none (each restart would train "

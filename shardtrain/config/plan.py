@@ -161,7 +161,9 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int,
     elif isinstance(raf, bool):
         reshard_after_forward = raf
     else:
-        if shard_group <= 2:  # no divisor between 1 and the group: the error named an impossible fix
+        # No divisor between 1 and a group of 1-2 ranks (k equal to the group is true): the error
+        # named an impossible fix.
+        if shard_group <= 2 and raf != shard_group:
             raise ConfigError(
                 f"strategy.reshard_after_forward={raf}: the shard group has {shard_group} rank"
                 f"{'s' if shard_group > 1 else ''}, so no smaller group exists to reshard to; use true or "

@@ -10,7 +10,7 @@ import time
 import traceback
 from pathlib import Path
 
-from shardtrain.errors import ShardtrainError
+from shardtrain.errors import RunDirectoryBusy, ShardtrainError
 
 FAILURE_DIR = "failures"
 
@@ -41,8 +41,11 @@ def write_whole(path: Path, text: str) -> None:
 
 
 def is_failure(exc: BaseException) -> bool:
-    """Not an interrupt (Ctrl-C reaches every worker: no rank's failure) nor a clean exit."""
-    return not (isinstance(exc, KeyboardInterrupt) or isinstance(exc, SystemExit) and exc.code in (0, None))
+    """Not an interrupt (Ctrl-C reaches every worker: no rank's failure), a clean exit, nor a start
+    refused because another training holds the run directory (its record would land among that
+    training's own, and ``report`` named it that run's failure)."""
+    return not (isinstance(exc, (KeyboardInterrupt, RunDirectoryBusy))
+                or isinstance(exc, SystemExit) and exc.code in (0, None))
 
 
 def exit_status_of(exc: BaseException) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -278,6 +279,21 @@ class Trainer:
             check_shared_run_dir(Path(cfg.run.dir), env)
             if not cfg.diagnostics.dry_run:  # a dry run changes no file of the run: it may run beside
                 run_lock = run_agreed(lambda: take_run_lock(Path(cfg.run.dir)) if env.is_main else None)
+        try:
+            trainer = cls.assemble(cfg, env, task, optimizer_factory)
+        except BaseException:
+            if run_lock is not None:  # a start that failed holds nothing (a library process goes on)
+                run_lock.release()
+            raise
+        trainer.run_lock = run_lock
+        if run_lock is not None:  # let go with the trainer too, if it is dropped without fit()
+            weakref.finalize(trainer, run_lock.release)
+        return trainer
+
+    @classmethod
+    def assemble(cls, cfg: Config, env: DistEnv, task: Task | None,
+                 optimizer_factory: OptimizerFactory | None) -> Trainer:
+        """``create``'s trainer, once the process group and the run directory are settled."""
         set_cpu_threads(env, cfg.trainer.threads_per_process)
         set_fp32_matmul(env.device, cfg.strategy.tf32)
         if cfg.trainer.deterministic:
@@ -305,7 +321,6 @@ class Trainer:
             built = build(cfg, env, task, optimizer_factory)
         check_sample_fits(cfg.trainer, task, built.model)
         trainer = cls(cfg, env, built, task, train, val, requested_hash)
-        trainer.run_lock = run_lock
         for note in adapter_notes:
             trainer.info(note)
         trainer.batch_choice = batch_choice

@@ -152,7 +152,9 @@ def mlflow_tracking_uri(run: RunConfig) -> str:
     """run.mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else (and always with run.offline) the
     file store run.dir/mlruns."""
     uri = None if run.offline else (run.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
-    if uri and ":" not in uri and uri not in MLFLOW_SCHEME_ONLY_URIS:  # mlruns, ./mlruns, /shared/mlruns
+    # A path: mlruns, ./mlruns, ~/mlruns, /shared/exp:v2/mlruns (a ':' in a directory's name).
+    if uri and "://" not in uri and (uri.startswith(("/", ".", "~"))
+                                    or ":" not in uri and uri not in MLFLOW_SCHEME_ONLY_URIS):
         # A plain path is a file store to MLflow too; as a file: URI it gets the file store's opt-in
         # below (given as a path, MLflow 3 refused it as a store in maintenance mode).
         return Path(uri).expanduser().resolve().as_uri()
