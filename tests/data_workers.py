@@ -99,7 +99,7 @@ def check_one_rank_walks(inputs: str, out: str) -> None:
                          ("per node", [f"cache-node{r * 2 // world}" for r in range(world)]),
                          ("per rank", [f"cache-rank{r}" for r in range(world)])):
         walks["reads"] = 0
-        cfg = DataConfig(source="files", paths=[inputs], file_glob="*.npy", val_percent=0.0,
+        cfg = DataConfig(source="files", paths=[inputs], file_glob="*.txt", val_percent=0.0,
                          cache_dir=str(Path(out) / caches[rank]))
         tokens = np.asarray(load_corpus(cfg, need=("train",)).train)
         seen: list = [None] * world
@@ -124,8 +124,8 @@ def check_one_rank_walks(inputs: str, out: str) -> None:
 def consume(dataset: str, run_dir: str, max_steps: int, accum: int, out: str) -> None:
     """Train (resuming from ``run_dir`` if it has a checkpoint) to ``max_steps`` and record, per
     step, the sample ids this rank's micro-batches hold and the rows they return. At 4 processes,
-    first check that one rank prepares a cached corpus for all (``check_one_rank_walks``, on the
-    dataset's own shard files)."""
+    first check that one rank prepares a cached corpus for all (``check_one_rank_walks``, on text
+    files of its own)."""
     from shardtrain.train.loop import Trainer
 
     world = int(os.environ["WORLD_SIZE"])
@@ -141,9 +141,14 @@ def consume(dataset: str, run_dir: str, max_steps: int, accum: int, out: str) ->
     cfg.diagnostics = dataclasses.replace(cfg.diagnostics, enabled=False)
     trainer = Trainer.create(cfg)
     if world == 4:
-        # Its train split's shard files as inputs (the dataset itself is refused as an input to
-        # prepare: it is token ids already).
-        check_one_rank_walks(str(Path(dataset) / "train"), out)
+        # Text files of their own (the dataset's shards, binary, are refused as text inputs).
+        texts = Path(out) / "walk-inputs"
+        if int(os.environ["RANK"]) == 0:
+            texts.mkdir(exist_ok=True)
+            for i in range(6):
+                (texts / f"{i}.txt").write_text(f"document {i}: some words to tokenize\n" * 40)
+        dist.barrier()
+        check_one_rank_walks(str(texts), out)
     data, seen = trainer.train_data, []
     take = data.next_step
 

@@ -130,7 +130,7 @@ def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, adapter_dir: 
     results["builtin"] = train_case(builtin, small_corpus())
     results["qwen2"] = train_case(lora_case_config(tied_dir, world_size, str(Path(out_dir, "qwen2")),
                                                    checkpoint=True), hf_corpus(tied_dir))
-    vit = task_config(world_size, str(Path(out_dir, "vit")))
+    vit = task_config(world_size, str(Path(out_dir, "vit")), checkpoint_every=N)  # a task's LoRA checkpoint
     vit.finetune = dataclasses.replace(LORA, targets=list(VIT_TARGETS))
     results["vit"] = train_case(vit, task=make_task("vit"))
     for case, base_dtype in (("bf16_mixed", "fp32"), ("bf16_base", "bf16")):  # finetune.base_dtype
