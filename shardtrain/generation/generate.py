@@ -29,6 +29,7 @@ from shardtrain.data.tokenizer import Tokenizer
 from shardtrain.distributed.parallelize import reshard_all
 from shardtrain.distributed.qlora import full_value
 from shardtrain.errors import GenerationError
+from shardtrain.tasks.language_model import embedding_rows
 
 GENERATION_MODES = ("auto", "gathered", "sharded")
 # The gathered copy must leave this share of the free memory for the KV cache, activations and
@@ -182,12 +183,6 @@ def check_prompt(model: nn.Module, prompt: list[int], max_new_tokens: int) -> in
         raise GenerationError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) "
                               f"exceeds the model's {max_len} positions; ask for fewer new tokens")
     return positions
-
-
-def embedding_rows(model: nn.Module) -> int | None:
-    """The token ids the model's input embedding holds, where the model names its embedding."""
-    embedding = model.input_embedding() if hasattr(model, "input_embedding") else None
-    return getattr(embedding, "num_embeddings", None)
 
 
 @torch.no_grad()
