@@ -47,17 +47,10 @@ def cmd_train(overrides: list[str]) -> int:
     check_runtime(cfg)  # every other config error surfaces here, before any process starts
     if cfg.strategy.float8:
         import shardtrain.distributed.float8  # noqa: F401 - registers the conversion (loads torchao)
-    preemption = None
     if under_torchrun():
-        # The built-in launcher's agent ignores the preemption signals, and an ignored signal is
-        # inherited. With checkpoints, the trainer's handler goes in now, not when training starts:
-        # start-up takes minutes at scale, and a preemption then is acted on after the first step
-        # (a save, then a clean stop). Without, the default, so that the signal stops the worker.
-        if cfg.checkpoint.enabled:
-            from shardtrain.checkpoint.preemption import PreemptionFlag
-
-            preemption = PreemptionFlag(cfg.checkpoint.preemption_signals)
-        else:
+        if not cfg.checkpoint.enabled:
+            # The built-in launcher's agent ignores the preemption signals, and an ignored signal is
+            # inherited: without checkpoints, the default, so that the signal stops the worker.
             for name in cfg.checkpoint.preemption_signals:
                 signal.signal(getattr(signal, name), signal.SIG_DFL)
     else:
@@ -67,7 +60,11 @@ def cmd_train(overrides: list[str]) -> int:
     status = relaunch_if_needed(cfg, ["train", *overrides], log_file)
     if status is not None:
         return launch_outcome(status, Path(cfg.run.dir), started, log_file)
-    if preemption is None and cfg.checkpoint.enabled:  # one process, training here: as under torchrun
+    preemption = None
+    if cfg.checkpoint.enabled:
+        # The process that trains (a torchrun worker, or this one alone): the trainer's handler goes
+        # in now, not when training starts: start-up takes minutes at scale, and a preemption then
+        # is acted on after the first step (a save, then a clean stop).
         from shardtrain.checkpoint.preemption import PreemptionFlag
 
         preemption = PreemptionFlag(cfg.checkpoint.preemption_signals)
