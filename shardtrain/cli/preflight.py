@@ -24,9 +24,8 @@ from shardtrain.errors import CheckpointError, ConfigError
 from shardtrain.models.hf_directory import is_model_directory
 from shardtrain.models.llama import llama_dims
 from shardtrain.models.llama_tp import check_sequence_split, check_tensor_parallel_dims
-from shardtrain.models.registry import build_model
 from shardtrain.tasks.language_model import LanguageModelTask
-from shardtrain.tasks.task import task_from_config
+from shardtrain.tasks.task import run_wrap_policy, task_from_config
 from shardtrain.train.trackers import (
     check_reachable,
     missing_package_error,
@@ -142,14 +141,15 @@ def check_model_splits(cfg: Config, task: LanguageModelTask) -> None:
 
 
 def check_wrap_policy(cfg: Config, task: LanguageModelTask) -> None:
-    """A bare class name in strategy.wrap_policy names one of the model's own modules (a dotted path
+    """A bare class name in the run's wrap policy names one of the model's own modules (a dotted path
     is imported by check_runtime): looked up in the model built on the meta device, before launch (a
     typo was found by every worker after the launch)."""
-    if all(entry == "auto" or "." in entry for entry in cfg.strategy.wrap_policy):
+    policy = run_wrap_policy(task, cfg)
+    if all(isinstance(entry, type) or entry == "auto" or "." in entry for entry in policy):
         return
     with torch.device("meta"):
-        model = task.model_factory() if task.model_factory is not None else build_model(cfg.model)
-    resolve_wrap_classes(model, cfg.strategy.wrap_policy)
+        model = task.new_model(cfg.model)
+    resolve_wrap_classes(model, policy)
 
 
 def check_run_dir_free(cfg: Config) -> None:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardtrain.config.schema import ModelConfig
 from shardtrain.data.batches import IGNORE_INDEX, Batch, InterleavedWindows, MixtureWindows, TokenWindows
 from shardtrain.data.corpus import Corpus, load_corpus
 from shardtrain.data.tokenizer import Tokenizer, tokenizer_for, tokenizer_source
@@ -102,8 +103,13 @@ class LanguageModelTask(Task):
             self.corpus = load_corpus(self.cfg.data, self.tokenizer)
         return self.corpus
 
+    def new_model(self, model_cfg: ModelConfig) -> nn.Module:
+        """The module to train as it is made (the factory's, else ``model.*``'s), before
+        ``build_model``'s checks against the tokenizer and the data."""
+        return self.model_factory() if self.model_factory is not None else build_model(model_cfg)
+
     def build_model(self) -> nn.Module:
-        model = self.model_factory() if self.model_factory is not None else build_model(self.cfg.model)
+        model = self.new_model(self.cfg.model)
         rows = embedding_rows(model)
         if rows is not None and self.tokenizer is not None and self.tokenizer.vocab_size > rows:
             # An id past the rows is an IndexError deep in the first step on a CPU, a device-side

@@ -223,6 +223,12 @@ def wrap_policy_of(task: Task) -> list[type | str] | None:
     return policy
 
 
+def run_wrap_policy(task: Task, cfg: Config) -> list[type | str]:
+    """The policy a run shards by: the task's own (``wrap_policy_of``), else strategy.wrap_policy."""
+    policy = wrap_policy_of(task)
+    return policy if policy is not None else list(cfg.strategy.wrap_policy)
+
+
 def check_task(task: Any) -> Task:
     """``task`` is a Task whose required methods are defined; a ConfigError naming what is missing."""
     if isinstance(task, type) and issubclass(task, Task):

@@ -60,7 +60,7 @@ from shardtrain.distributed.sharded_model import with_adapters
 from shardtrain.errors import ConfigError
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.samples import tensors_of
-from shardtrain.tasks.task import Task, task_from_config, wrap_policy_of
+from shardtrain.tasks.task import Task, run_wrap_policy, task_from_config
 from shardtrain.train.ema import WeightAverage
 from shardtrain.train.grad import clip_grads_, clip_scale, global_grad_norm
 from shardtrain.train.optim import build_optimizer
@@ -274,8 +274,7 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int, task: T
         # meta tensors do in C++ and fake tensors in Python (minutes at 1,024 ranks).
         with torch.device("meta"):
             model = with_adapters(task.build_model, cfg, torch.device("meta"))()  # finetune=lora
-        policy = wrap_policy_of(task)
-        policy = policy if policy is not None else list(cfg.strategy.wrap_policy)
+        policy = run_wrap_policy(task, cfg)
         blocks = block_names(model, resolve_wrap_classes(model, policy))
         parallelize(model, mesh, plan, policy)
         register_forward_methods(model, task.forward_methods)
