@@ -123,15 +123,20 @@ def data_config_of(path: Path) -> DataConfig | None:
     return TrainState.read(path).data_config()
 
 
-def refuse_adapters_only(path: Path, state: TrainState) -> None:
-    """A LoRA checkpoint holds adapters, not a model: what reads whole weights refuses it, naming
-    the export that serves it (none yet for a task's: its message must not name the exports, which
-    name this refusal back)."""
+def refuse_task_adapters(path: Path, state: TrainState) -> None:
+    """A LoRA checkpoint of a task other than the language model: no command exports its adapters
+    (consolidate and the exports named each other)."""
     if state.base_weights is not None and state.task_path != LANGUAGE_MODEL_TASK:
         raise CheckpointError(f"checkpoint {str(path)!r} holds LoRA adapters only, of task="
                               f"{state.task_path}: no command exports a task's adapters yet (export-peft "
                               "and export-hf --merge serve the language-model task); resume it with the "
                               "task, or train with finetune=none for weights consolidate writes")
+
+
+def refuse_adapters_only(path: Path, state: TrainState) -> None:
+    """A LoRA checkpoint holds adapters, not a model: what reads whole weights refuses it, naming
+    the export that serves it (``refuse_task_adapters``: none yet for a task's)."""
+    refuse_task_adapters(path, state)
     if state.base_weights is not None:
         raise CheckpointError(f"checkpoint {str(path)!r} holds LoRA adapters only (finetune=lora), not a "
                               f"whole model: `shardtrain export-hf {path} OUT --merge` writes the merged "

@@ -29,7 +29,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from shardtrain.config.keys import PRESETS_DIR, check_overrides, schema_keys
+from shardtrain.config.keys import ALIASES, PRESETS_DIR, check_overrides, schema_keys
 from shardtrain.config.schema import (
     TRACKERS,
     CheckpointConfig,
@@ -167,8 +167,9 @@ def check_nothing_expects_checkpoints(cfg: Config) -> None:
     """With checkpoints off: no save setting changed from its default, and no restart, which goes on
     from the newest checkpoint (without one it trained the same steps again)."""
     default = CheckpointConfig()
-    spelled = {"async_save": "async"}  # as the user writes it (checkpoint.async, keys.ALIASES)
-    changed = [f"checkpoint.{spelled.get(key, key)}={str(getattr(cfg.checkpoint, key)).lower()}"
+    written = {field: alias for alias, field in ALIASES.items()}  # as the user writes it: checkpoint.async
+    changed = [f"{written.get(f'checkpoint.{key}', f'checkpoint.{key}')}="
+               f"{str(getattr(cfg.checkpoint, key)).lower()}"
                for key in SAVE_SETTINGS if getattr(cfg.checkpoint, key) != getattr(default, key)]
     if changed:
         one = len(changed) == 1

@@ -31,11 +31,11 @@ from shardtrain.checkpoint.weights import (
     base_identity,
     check_same_base,
     load_model_weights,
-    refuse_adapters_only,
+    refuse_task_adapters,
     source_files,
 )
 from shardtrain.config.plan import DTYPES
-from shardtrain.config.schema import LANGUAGE_MODEL_TASK, FinetuneConfig, ModelConfig
+from shardtrain.config.schema import FinetuneConfig, ModelConfig
 from shardtrain.distributed.qlora import round_base_to_nf4
 from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.errors import CheckpointError
@@ -74,8 +74,7 @@ class LoraCheckpoint:
         if state.base_weights is None:
             raise CheckpointError(f"checkpoint {str(path)!r} holds no LoRA adapters (it was not trained "
                                   "with finetune=lora); export-hf without --merge exports whole models")
-        if state.task_path != LANGUAGE_MODEL_TASK:
-            refuse_adapters_only(path, state)  # a task's: no export (model_config named consolidate)
+        refuse_task_adapters(path, state)  # before model_config, which names consolidate for a task's
         if source := state.model_config().weights_source():
             source_files(source)  # a base moved since training: said before anything is written
         # A base changed since training (its files replaced) merged or shipped the adapters onto
