@@ -693,8 +693,11 @@ class Checkpointer:
     def mark_evaluated(self, path: Path) -> None:
         """Rank 0: the resumed checkpoint ``path`` records that the evaluation its preemption skipped
         has run, and the ranking after it: a preemption at the last step left it due, so each re-run
-        of the finished command evaluated, sampled and logged that step again. A failure is a
-        warning: the next re-run evaluates once more, nothing worse."""
+        of the finished command evaluated, sampled and logged that step again. Only this run's own
+        checkpoints: another run's is left as that run saved it. A failure is a warning: the next
+        re-run evaluates once more, nothing worse."""
+        if path.parent.resolve() != self.root.resolve():
+            return
         try:
             saved = TrainState.read(path)
             best = None if self.best is None else self.best.state()

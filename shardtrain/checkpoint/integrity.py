@@ -62,8 +62,9 @@ def files_of_rank(directory: Path, rank: int) -> list[str]:
     """The files ``rank`` wrote at a save, found by name rather than by listing the directory (which
     holds two files a rank: every rank listing it is world x 2 x world entries read at scale): its
     RNG file and DCP's shards ``__<rank>_0.distcp``, ``__<rank>_1.distcp``, ... (numbered from 0 by
-    FileSystemWriter). A file not found this way is hashed by rank 0 when it writes the manifest."""
-    names = [rng_file(rank)] if (directory / rng_file(rank)).is_file() else []
+    FileSystemWriter). A file not found this way is hashed by rank 0 when it writes the manifest.
+    The RNG file is every save's: the commit refuses a save that lost it before asking for these."""
+    names = [rng_file(rank)]
     index = 0
     while (directory / f"__{rank}_{index}.distcp").is_file():
         names.append(f"__{rank}_{index}.distcp")

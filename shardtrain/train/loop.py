@@ -960,11 +960,8 @@ class Trainer:
             self.best_save_due = False  # saved: the checkpoint just resumed
             if self.env.is_main and self.checkpointer is not None and self.best.ranking:
                 self.checkpointer.point_best_at(self.best.ranking[0][0], f"step {self.step} was evaluated")
-        # This run's own checkpoint records it; another run's is left as that run saved it.
-        resumed = Path(self.result.resumed_from or "")
-        if (self.env.is_main and self.checkpointer is not None
-                and resumed.parent.resolve() == self.checkpointer.root.resolve()):
-            self.checkpointer.mark_evaluated(resumed)
+        if self.env.is_main and self.checkpointer is not None and self.result.resumed_from:
+            self.checkpointer.mark_evaluated(Path(self.result.resumed_from))
 
     def log_record(self, record: dict) -> None:
         """This step's train record, to the metrics log and the console."""
