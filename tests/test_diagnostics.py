@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import pickle
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -253,6 +255,58 @@ def test_a_save_longer_than_the_step_bound_completes(tmp_path):
     assert stuck.returncode == 124, stuck.stderr[-3000:]
     assert "resume from a checkpoint has run" in stuck.stderr and (
         "over the 3s limit (checkpoint.save_timeout_s)" in stuck.stderr), stuck.stderr[-3000:]
+
+
+def test_stall_reports_are_per_phase_and_off_the_polling_thread(tmp_path, monkeypatch):
+    """Found by review: a slow stall dump ran on the polling thread (the hang check waited on it) and
+    set its flag only when done, on whatever phase was current by then: the next phase's stall got
+    no dump; an evaluation's and a training step's at one step shared a file name."""
+    written: list[str] = []
+
+    def slow_dump(path: Path, text: str) -> None:
+        time.sleep(0.6)
+        written.append(path.name)
+
+    monkeypatch.setattr("shardtrain.diagnostics.watchdog.dump_stacks", slow_dump)
+    dog = Watchdog(tmp_path, 0, timeout_s=100, startup_timeout_s=100, stall_factor=1, stall_min_s=0.1,
+                   poll_s=0.02)
+    dog.done(0.01)
+    dog.beat("evaluation", 3)
+    dog.start()
+    time.sleep(0.3)  # stalled; its dump is under way
+    dog.beat("training step", 4, under_way=True)
+    time.sleep(0.3)  # stalled too, while the evaluation's dump is still being written
+    deadline = time.monotonic() + 5
+    while len(written) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dog.stop()
+    assert sorted(written) == ["rank-0-step-3-evaluation.txt", "rank-0-step-4.txt"]
+
+
+HANG_WITH_STDERR_FULL = """
+import logging, sys, time
+from pathlib import Path
+from shardtrain.diagnostics.watchdog import Watchdog
+logging.basicConfig(stream=sys.stderr)
+Watchdog(Path(sys.argv[1]), 0, timeout_s=0.5, startup_timeout_s=0.5, stall_factor=100, stall_min_s=100,
+         poll_s=0.05).start()
+sys.stderr.write("x" * (1 << 20))  # nobody reads the pipe: this thread, and every later write, block
+sys.stderr.flush()
+time.sleep(600)
+"""
+
+
+def test_a_hang_stops_when_stderr_is_blocked(tmp_path):
+    """Found by review: the hang's last message was written to stderr unbounded; with stderr stalled
+    (a full pipe, a log file on the stalled filesystem) the watchdog never reached its exit."""
+    proc = subprocess.Popen([sys.executable, "-c", HANG_WITH_STDERR_FULL, str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert proc.wait(timeout=60) == 124
+    finally:
+        proc.kill()
+        proc.stderr.close()
+    assert (tmp_path / "hangs" / "rank-0.txt").is_file()
 
 
 def test_flight_recorder_dump_without_a_process_group(tmp_path):

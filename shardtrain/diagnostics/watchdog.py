@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import statistics
 import sys
 import threading
@@ -54,6 +55,7 @@ def dump_stacks(path: Path, text: str) -> None:
 
 # How long the watchdog waits for each piece of evidence it writes into run.dir before it stops.
 EVIDENCE_WAIT_S = 30.0
+MESSAGE_WAIT_S = 5.0  # ... and for its last message to reach stderr
 
 
 def bounded(work: Callable[[], None], name: str, wait_s: float | None = None) -> bool:
@@ -218,6 +220,9 @@ class Watchdog:
                 elapsed = time.monotonic() - self.started
                 phase, step, dumped, steps_done = self.phase, self.step, self.stall_dumped, self.steps_done
                 stall, timeout, key = self.limits()
+                median = statistics.median(self.recent) if self.recent else 0.0
+                if elapsed > stall and not dumped:
+                    self.stall_dumped = True  # this phase's, decided under the lock a beat takes
             where = f"{phase} of step {step}" if step else phase
             # A main thread that stopped the watch meanwhile has left the phase (finished it, or a
             # peer's exit failed its collective and it is unwinding): not a hang of this rank.
@@ -225,16 +230,25 @@ class Watchdog:
                 self.stop_hung(steps_done, f"rank {self.rank}: {where} has run {elapsed:.0f}s, over the "
                                      f"{timeout:g}s limit ({key}); {main_thread_location()}; stopping")
             if elapsed > stall and not dumped:
-                path = self.run_dir / "stalls" / f"rank-{self.rank}-step-{step}.txt"
-                median = statistics.median(self.recent) if self.recent else 0.0
+                # Written and said by a thread of its own: a stalled filesystem or stderr (where the
+                # warning goes) must not hold up the hang check above.
                 header = (f"rank {self.rank}: {where} has run {elapsed:.1f}s; recent steps took "
                           f"{median:.2f}s (median)")
-                written = bounded(functools.partial(dump_stacks, path, stacks_text(header)), "stall-dump")
-                log.warning("rank %d: %s is slow (%.1fs, recent median %.2fs); %s", self.rank, where,
-                            elapsed, median, f"Python stacks in {path}" if written else
-                            f"its Python stacks could not be written to {path} in {EVIDENCE_WAIT_S:g}s")
-                with self._lock:
-                    self.stall_dumped = True
+                threading.Thread(target=self.report_stall, name="shardtrain-stall-report", daemon=True,
+                                 args=(self.stall_file(phase, step), stacks_text(header), where, elapsed,
+                                       median)).start()
+
+    def stall_file(self, phase: str, step: int) -> Path:
+        """Where a stall of ``phase`` at ``step`` is written: a training step's by its step alone, any
+        other phase's (an evaluation, a save at the same step) under its own name beside it."""
+        slug = "" if phase == "training step" else "-" + "-".join(re.findall(r"[a-z0-9]+", phase.lower()))
+        return self.run_dir / "stalls" / f"rank-{self.rank}-step-{step}{slug}.txt"
+
+    def report_stall(self, path: Path, text: str, where: str, elapsed: float, median: float) -> None:
+        written = bounded(functools.partial(dump_stacks, path, text), "stall-dump")
+        log.warning("rank %d: %s is slow (%.1fs, recent median %.2fs); %s", self.rank, where, elapsed,
+                    median, f"Python stacks in {path}" if written else
+                    f"its Python stacks could not be written to {path} in {EVIDENCE_WAIT_S:g}s")
 
     def stop_hung(self, step: int, message: str) -> None:
         """Leave the evidence (stacks, flight recorder, failure record), each written within
@@ -248,8 +262,13 @@ class Watchdog:
         bounded(lambda: record_failure(self.run_dir, self.rank, step, "Timeout", f"{message}; {evidence}",
                                       exit_status=HANG_EXIT_STATUS),
                 "failure-record")
-        log.error("%s; %s", message, evidence)
-        logging.shutdown()
+        # Said within a bound as well: a stalled stderr (a pipe nobody drains, a log file on the
+        # stalled filesystem) would block the message, and with it the exit, forever.
+        def say() -> None:
+            log.error("%s; %s", message, evidence)
+            logging.shutdown()
+
+        bounded(say, "hang-message", MESSAGE_WAIT_S)
         os._exit(HANG_EXIT_STATUS)
 
     def dump_flight_recorder(self) -> str:
