@@ -11,7 +11,7 @@ import pytest
 import torch
 from cli_utils import clean_env, read_metrics, run_cli
 
-from shardtrain.config.schema import Config
+from shardtrain.config.schema import CheckpointConfig, Config
 from shardtrain.distributed.env import check_not_one_of_many, init_distributed
 from shardtrain.errors import ConfigError
 from shardtrain.logs import TaggedFormatter, not_for_users
@@ -203,13 +203,17 @@ def single_process_losses(tmp_path_factory):
 def test_devices_relaunches_under_torchrun(tmp_path, single_process_losses):
     run_dir = tmp_path / "two"
     proc = run_cli("train", *QUICK, "trainer.devices=2", "trainer.grad_accum_steps=2",
-                   "strategy=shard_grad_op", "trainer.deterministic=true", f"run.dir={run_dir}")
+                   "strategy=shard_grad_op", "trainer.deterministic=true", "trainer.memory_limit_gib=8",
+                   f"run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world size 2" in proc.stderr and "SHARD_GRAD_OP" in proc.stderr
     assert "deterministic kernels" in proc.stderr  # torch's own switch, read back: it is on
     # found by review: a warmup longer than the run kept the rate below trainer.lr without a word
     assert ("trainer.warmup_steps=12 > trainer.max_steps=6: the learning rate rises for the whole run and "
             "peaks at 0.0015, 50% of trainer.lr=0.003") in proc.stderr
+    # found by review: a limit a fixed micro-batch never reads was taken without a word
+    assert ("trainer.memory_limit_gib=8 is the budget trainer.micro_batch_size=auto and `shardtrain plan` "
+            "plan against; this run's micro-batch is fixed at 2") in proc.stderr
     for a, b in zip(quick_losses(run_dir), single_process_losses, strict=True):
         assert abs(a - b) / b < 1e-5
 
@@ -246,7 +250,11 @@ def test_copies_started_without_torchrun_are_refused(tmp_path, monkeypatch):
              "8 copies started by srun, not by torchrun, and each would train alone as a world of one"),
             ({"SLURM_STEP_NUM_TASKS": "2"}, 2, "each would start a torchrun world of its own"),
             ({"WORLD_SIZE": "4", "RANK": "1"}, 1,
-             "4 copies started by a launcher that set WORLD_SIZE but not LOCAL_RANK")):
+             "4 copies started by a launcher that set WORLD_SIZE but not LOCAL_RANK"),
+            # found by review: a Kubeflow PyTorchJob's pod (WORLD_SIZE and RANK) with trainer.devices=2
+            # trained a world of its own, every pod into the same run.dir
+            ({"WORLD_SIZE": "2", "RANK": "1"}, 2,
+             "2 copies started by a launcher that set WORLD_SIZE but not LOCAL_RANK")):
         proc = run_cli("train", "trainer.max_steps=1", f"trainer.devices={devices}", f"run.dir={tmp_path}",
                        env=env, timeout=120)
         assert proc.returncode == 2 and said in proc.stderr, proc.stderr[-2000:]
@@ -264,6 +272,38 @@ def test_copies_started_without_torchrun_are_refused(tmp_path, monkeypatch):
     monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
     monkeypatch.setenv("WORLD_SIZE", "8")
     check_not_one_of_many(starts_torchrun=True)
+
+
+def test_hand_started_and_restarting_worlds_are_checked(tmp_path, monkeypatch):
+    """Found by review of the launch paths: each of these ended in a traceback, a refusal that
+    blamed the config, or a run that trained from step 0 again after every restart."""
+    by_hand = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+    for env, args, said in (
+            # The error's own advice (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*) on two nodes: every
+            # process was counted on one node and the shape refused
+            ({**by_hand, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"},
+             ["trainer.num_nodes=2", "trainer.devices=1"],
+             "give every process LOCAL_WORLD_SIZE (the number of processes on its node)"),
+            # No rendezvous named: torch's ValueError as a traceback
+            (by_hand, ["trainer.devices=auto"],
+             "rank 0 cannot join the process group at (MASTER_ADDR unset):(MASTER_PORT unset)"),
+            # torchrun --max-restarts without checkpoints (train.sbatch passes 3): restarts from step 0
+            ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+              "TORCHELASTIC_RUN_ID": "t", "TORCHELASTIC_MAX_RESTARTS": "3"},
+             ["checkpoint.enabled=false"],
+             "torchrun --max-restarts=3 restarts from the newest checkpoint, and checkpoint.enabled=false "
+             "saves none")):
+        proc = run_cli("train", "experiment=quick", "trainer.max_steps=1", *args, f"run.dir={tmp_path}",
+                       env=env, timeout=120)
+        assert proc.returncode == 2 and said in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+    # The library's entry checks restarts alike, before any process group
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                        ("TORCHELASTIC_RUN_ID", "t"), ("TORCHELASTIC_MAX_RESTARTS", "1")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match="torchrun --max-restarts=1 restarts from the newest checkpoint"):
+        Trainer.create(Config(checkpoint=CheckpointConfig(enabled=False)))
+    assert not torch.distributed.is_initialized()
 
 
 def test_a_filesystem_failure_or_a_damaged_file_is_one_line(tmp_path):

@@ -47,9 +47,16 @@ from typing import IO
 
 from shardtrain.config.plan import check_world, launch_shape
 from shardtrain.config.schema import Config
-from shardtrain.distributed.env import check_not_one_of_many, under_torchrun
+from shardtrain.distributed.env import (
+    check_manual_launch_shape,
+    check_not_one_of_many,
+    check_restarts_resume,
+    under_torchrun,
+)
 from shardtrain.errors import ConfigError
 from shardtrain.logs import LOG_PREFIX
+
+log = logging.getLogger("shardtrain")
 
 AGENT_SIGNALS = ("SIGINT", "SIGHUP", "SIGQUIT")
 # How a command's last line to stderr begins (cli/main.py), a worker's too.
@@ -427,8 +434,14 @@ def launch_log_path(run_dir: Path, started: float) -> Path:
 def relaunch_if_needed(cfg: Config, command: list[str], log_file: Path) -> int | None:
     """Exit status of a torchrun run started here, or None when this process should train."""
     if under_torchrun():
+        check_manual_launch_shape(cfg.trainer.num_nodes)
+        check_restarts_resume(cfg.checkpoint.enabled)
         world = int(os.environ["WORLD_SIZE"])
         check_world(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+        if cfg.trainer.max_restarts and os.environ.get("RANK") == "0" and "TORCHELASTIC_RUN_ID" in os.environ:
+            log.warning(f"trainer.max_restarts={cfg.trainer.max_restarts} is the built-in launcher's "
+                        f"(trainer.devices=N); under torchrun its own --max-restarts ({restarts}) decides")
         return None
     per_node, _ = launch_shape(cfg)
     check_not_one_of_many(starts_torchrun=per_node > 1)

@@ -300,7 +300,11 @@ def launch_shape(cfg: Config) -> tuple[int, int]:
     """
     per_node = devices_count(cfg.trainer.devices)
     if per_node is None:
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or max(1, accelerator_count())
+        # Processes started by hand (RANK, LOCAL_RANK, WORLD_SIZE) are one node's unless
+        # LOCAL_WORLD_SIZE says otherwise, as the started world is counted (cli/launch.py).
+        started = os.environ.get("LOCAL_WORLD_SIZE") or (
+            os.environ.get("WORLD_SIZE") if "LOCAL_RANK" in os.environ else None)
+        per_node = int(started or 0) or max(1, accelerator_count())
     return per_node, per_node * cfg.trainer.num_nodes
 
 

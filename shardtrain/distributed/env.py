@@ -115,7 +115,10 @@ def check_not_one_of_many(starts_torchrun: bool = False) -> None:
     found = [(name, launcher, int(os.environ[name])) for name, launcher in COPIES_STARTED_BY
              if os.environ.get(name, "").isdigit() and int(os.environ[name]) > 1]
     world = os.environ.get("WORLD_SIZE", "")
-    if not starts_torchrun and world.isdigit() and int(world) > 1:
+    # A WORLD_SIZE alone, left in the environment, is torchrun's to replace for the workers the
+    # built-in launcher starts; with a RANK beside it a launcher made this process one of several
+    # (a Kubeflow PyTorchJob's pods set both, and each pod trained a world of its own).
+    if world.isdigit() and int(world) > 1 and (not starts_torchrun or "RANK" in os.environ):
         missing = " and ".join(name for name in ("RANK", "LOCAL_RANK") if name not in os.environ)
         found.append(("WORLD_SIZE", f"a launcher that set WORLD_SIZE but not {missing}", int(world)))
     if not found:
@@ -127,8 +130,29 @@ def check_not_one_of_many(starts_torchrun: bool = False) -> None:
         f"{name}={copies}: this process is one of {copies} copies started by {launcher}, not by torchrun, "
         f"and each would {alone}, all into the same run.dir; start one torchrun agent per node (srun "
         "--ntasks-per-node=1 torchrun --nproc-per-node N -m shardtrain train ...: "
-        "examples/slurm/train.sbatch), or give every process RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR "
-        "and MASTER_PORT")
+        "examples/slurm/train.sbatch), or give every process RANK, LOCAL_RANK, WORLD_SIZE, "
+        "LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
+
+
+def check_restarts_resume(checkpoints: bool) -> None:
+    """Under torchrun with ``--max-restarts``, a run without checkpoints would train from step 0
+    again after each failure, reporting success at the end (train.sbatch restarts three times)."""
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if under_torchrun() and restarts.isdigit() and int(restarts) > 0 and not checkpoints:
+        raise ConfigError(f"torchrun --max-restarts={restarts} restarts from the newest checkpoint, and "
+                          "checkpoint.enabled=false saves none (each restart would train from step 0 "
+                          "again); enable checkpoints, or start torchrun with --max-restarts=0")
+
+
+def check_manual_launch_shape(nodes: int) -> None:
+    """Processes given RANK, LOCAL_RANK and WORLD_SIZE by hand (not by torchrun) on several nodes
+    without LOCAL_WORLD_SIZE: how many run on a node is then unknown (it was taken as all of them,
+    and every such multi-node start refused as a shape mismatch)."""
+    if (nodes > 1 and under_torchrun() and "TORCHELASTIC_RUN_ID" not in os.environ
+            and "LOCAL_WORLD_SIZE" not in os.environ):
+        raise ConfigError(f"trainer.num_nodes={nodes} with processes started without torchrun: give "
+                          "every process LOCAL_WORLD_SIZE (the number of processes on its node) beside "
+                          "RANK, LOCAL_RANK and WORLD_SIZE, or start them with torchrun")
 
 
 def init_distributed(backend: str = "auto", timeout_s: int = 300, cpu_offload: bool = False) -> DistEnv:
@@ -144,7 +168,7 @@ def init_distributed(backend: str = "auto", timeout_s: int = 300, cpu_offload: b
     if not dist.is_initialized():
         with gloo_connects_lazily(gloo_beside_accelerator(backend)):
             if under_torchrun():
-                dist.init_process_group(backend=backend, timeout=timeout, **restart_safe_store(timeout))
+                join_process_group(backend, timeout)
             else:
                 dist.init_process_group(
                     backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
@@ -165,6 +189,19 @@ def init_distributed(backend: str = "auto", timeout_s: int = 300, cpu_offload: b
     )
     check_distinct_devices(env)
     return env
+
+
+def join_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """The default process group from torchrun's (or a hand-set) environment; a rendezvous that
+    cannot be reached, or an environment that names none, is one line naming the address."""
+    where = ":".join(os.environ.get(name, f"({name} unset)") for name in ("MASTER_ADDR", "MASTER_PORT"))
+    try:
+        dist.init_process_group(backend=backend, timeout=timeout, **restart_safe_store(timeout))
+    except (ValueError, KeyError, dist.DistError) as exc:
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"rank {os.environ.get('RANK', '?')} cannot join the process group at {where} "
+                          f"({why}); check that MASTER_ADDR and MASTER_PORT name rank 0's host and a free "
+                          "port every node can reach, and that rank 0 is running") from exc
 
 
 def check_distinct_devices(env: DistEnv) -> None:

@@ -61,7 +61,9 @@ from shardtrain.distributed.agreement import run_agreed
 from shardtrain.distributed.env import (
     DistEnv,
     apply_debug_switches,
+    check_manual_launch_shape,
     check_not_one_of_many,
+    check_restarts_resume,
     check_shared_run_dir,
     init_distributed,
     set_cpu_threads,
@@ -268,6 +270,8 @@ class Trainer:
         # A shallow copy suffices: start-up replaces the config's sections, never edits one in place.
         cfg = replace(cfg)
         check_not_one_of_many()  # the library's entry to training, as the command's
+        check_manual_launch_shape(cfg.trainer.num_nodes)
+        check_restarts_resume(cfg.checkpoint.enabled)
         apply_debug_switches(cfg.dist, Path(cfg.run.dir))
         # The process group's own timeout is the start-up bound; the per-step bound after the first
         # step is enforced by the watchdog (see diagnostics/watchdog.py).
@@ -575,6 +579,11 @@ class Trainer:
             log.warning(f"schedule: trainer.warmup_steps={t.warmup_steps} > trainer.max_steps={t.max_steps}: "
                         f"the learning rate rises for the whole run and peaks at {t.lr * reached:.3g}, "
                         f"{reached:.0%} of trainer.lr={t.lr:g}; lower trainer.warmup_steps")
+        if env.is_main and t.memory_limit_gib and self.batch_choice is None:
+            # Not a cap: torch is never told of it, and a fixed micro-batch is not planned against it.
+            log.warning(f"memory: trainer.memory_limit_gib={t.memory_limit_gib:g} is the budget "
+                        "trainer.micro_batch_size=auto and `shardtrain plan` plan against; this run's "
+                        f"micro-batch is fixed at {t.micro_batch_size}, and nothing holds its memory to it")
         if env.is_main:
             for caution in precision_cautions(b.model, b.plan, self.layout.dp_world_size):
                 log.warning(f"precision: {caution}")
