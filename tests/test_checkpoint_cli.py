@@ -334,9 +334,22 @@ def test_a_run_directory_given_for_a_checkpoint_names_its_newest(good_checkpoint
                 f"is {good_checkpoint}"), (command, proc.stderr)
 
 
-def test_resume_none_refuses_to_overwrite_checkpoints(good_checkpoint):
+def test_resume_none_refuses_to_overwrite_checkpoints(good_checkpoint, tmp_path):
     proc = run_cli("train", *QUICK, "checkpoint.resume=none", f"run.dir={good_checkpoint.parent.parent}")
     assert proc.returncode == 2 and "would overwrite them" in proc.stderr
+    # ... but a Slurm requeue of the same command goes on from its own (found by review: a job
+    # started with resume=none, preempted and requeued, ended with that refusal)
+    same = [*QUICK, "checkpoint.resume=none", "trainer.max_steps=4", f"run.dir={tmp_path / 'requeued'}"]
+    proc = run_cli("train", *same, env={"SHARDTRAIN_FAULT": "step:0:1:signal=SIGTERM"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "preemption (SIGTERM): saving at step 2" in proc.stderr
+    proc = run_cli("train", *same, env={"SLURM_RESTART_COUNT": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "were saved by an earlier attempt or job of it: going on from the newest" in proc.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "requeued")] == [1, 2, 3, 4]
+    # Another config in the same run.dir is not this job: refused as before
+    proc = run_cli("train", *same, "trainer.lr=0.01", env={"SLURM_RESTART_COUNT": "1"})
+    assert proc.returncode == 2 and "would overwrite them" in proc.stderr, proc.stderr[-3000:]
 
 
 # ---- damage inside files: checksums (issue 12) ---------------------------------------------------

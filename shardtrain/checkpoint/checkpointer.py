@@ -416,9 +416,14 @@ class Checkpointer:
         (whose later steps are refused: going on from them would undo that refusal). The attempts
         share their ``checkpoint.resume``, recorded in each checkpoint's config; every rank reads
         the same files. ``resume=none`` started only where there were no checkpoints: a restart
-        goes on from its own, a new job refuses them (``refuse_fresh_start``)."""
+        goes on from its own, and so does a requeued Slurm job (``SLURM_RESTART_COUNT``) whose
+        checkpoints were all saved under its config; a new job refuses them (``refuse_fresh_start``)."""
         if choice == "none":
-            return restarted and bool(layout.candidates(self.root).complete)
+            if restarted:
+                return bool(layout.candidates(self.root).complete)
+            # A requeued job's checkpoints are this run's when each was saved under the same config.
+            return layout.slurm_requeued() and layout.saved_by_same_resume(
+                self.root, choice, {self.requested_hash, config_hash(self.cfg)})
         # The same config too: the same resume with another learning rate is a new run, not a requeue.
         # Checkpoints saved before 2026-11-30 hold the hash of the config as resolved (a requeue at
         # the same world size still matches it).

@@ -337,6 +337,13 @@ def saved_by_same_resume(root: Path, choice: str, config_hashes: Collection[str]
     return first is not None and all(same_run(path) for step, path in saved if step > first)
 
 
+def slurm_requeued() -> bool:
+    """Whether this job is a requeued Slurm job (after a preemption, or ``scontrol requeue``): the
+    same command started again, which goes on from its own checkpoints."""
+    count = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return count.isdigit() and int(count) > 0
+
+
 def refuse_newer_checkpoints(root: Path, resumed: Path) -> None:
     """``checkpoint.resume=PATH`` must not go on in a ``root`` that already holds later steps: its
     saves would count them for ``keep_last`` and stop at the first step that exists, and a later

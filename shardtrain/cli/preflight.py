@@ -66,7 +66,10 @@ def check_resume(cfg: Config) -> None:
     if not cfg.checkpoint.enabled or choice == "auto":
         return
     if choice == "none":
-        layout.refuse_fresh_start(Path(cfg.run.dir) / "checkpoints")
+        root = Path(cfg.run.dir) / "checkpoints"
+        if layout.slurm_requeued() and layout.saved_by_same_resume(root, choice):
+            return  # a requeued job going on from its own: the ranks decide, comparing the config
+        layout.refuse_fresh_start(root)
     else:
         root = Path(cfg.run.dir) / "checkpoints"
         if layout.saved_by_same_resume(root, choice):
