@@ -248,12 +248,15 @@ import sys
 for i in range(4000):
     sys.stderr.write(f"[shardtrain] line {i}\\n" if i % 1000 == 0 else "x" * 50 + "\\n")
 """
-# An agent that handles SIGHUP and SIGQUIT, as torchrun's does (--signals-to-handle), exiting
-# 100 + the signal; argv[1]: a file it writes its pid to once it handles them.
+# An agent that handles SIGHUP, SIGQUIT and SIGTERM, as torchrun's does (--signals-to-handle),
+# exiting 100 + the signal; argv[1]: a file it writes its pid to once it handles them.
 HANDLING_AGENT = """
 import os, signal, sys, time
-for sig in (signal.SIGHUP, signal.SIGQUIT):
-    signal.signal(sig, lambda signum, frame: sys.exit(100 + signum))
+def stop(signum, frame):
+    open(sys.argv[1] + ".got", "w").write(str(signum))
+    sys.exit(100 + signum)
+for sig in (signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM):
+    signal.signal(sig, stop)
 open(sys.argv[1], "w").write(str(os.getpid()))
 time.sleep(120)  # a guard: the test signals it long before
 """
@@ -365,10 +368,13 @@ def catches(pid: int, sig: signal.Signals) -> bool:
     return False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT], ids=lambda sig: sig.name)
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2], ids=lambda sig: sig.name)
 def test_signals_the_agent_handles_are_forwarded_to_it(tmp_path, sig):
     """A hang-up or quit stops the agent (which stops its workers) instead of killing the launcher
-    and leaving the agent, in a session of its own, and its workers running."""
+    and leaving the agent, in a session of its own, and its workers running; so does any other
+    signal that ends a process (found by review: SIGUSR2, SIGXCPU... killed the launcher alone), as
+    SIGTERM to the agent. The launch's status says which signal stopped it, as a shell's would
+    (found by review: torchrun's 1, "exited without an error record")."""
     ready = tmp_path / "agent.pid"
     launcher = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, HANDLING_AGENT, str(tmp_path / "launch.log"), str(ready)],
@@ -386,7 +392,9 @@ def test_signals_the_agent_handles_are_forwarded_to_it(tmp_path, sig):
         # Not communicate() first: an orphaned agent holds the launcher's stdout open.
         assert launcher.wait(timeout=60) == 0, f"the launcher died of {sig.name}, its agent left running"
         out, err = launcher.communicate(timeout=60)
-        assert out == f"agent exited {100 + sig}\n", err[-3000:]
+        assert out == f"agent exited {128 + sig}\n", err[-3000:]
+        asked = signal.SIGTERM if sig == signal.SIGUSR2 else sig
+        assert (tmp_path / "agent.pid.got").read_text() == str(int(asked))  # what the agent got
     finally:
         if launcher.poll() is None:
             launcher.kill()

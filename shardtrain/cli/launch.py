@@ -59,6 +59,12 @@ from shardtrain.logs import LOG_PREFIX
 log = logging.getLogger("shardtrain")
 
 AGENT_SIGNALS = ("SIGINT", "SIGHUP", "SIGQUIT")
+# Other signals that end a process by default (a batch system's warning signal, CPU-time and
+# file-size limits): left at their default they killed this process alone, and the agent (in a
+# session of its own) and the workers trained on, orphaned. The agent is asked to stop instead.
+STOPPING_SIGNALS = tuple(getattr(signal, name) for name in (
+    "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGXCPU", "SIGXFSZ", "SIGPWR")
+    if hasattr(signal, name))
 # How a command's last line to stderr begins (cli/main.py), a worker's too.
 COMMAND_END = "shardtrain: "
 ERROR_START = f"{COMMAND_END}error: "
@@ -303,6 +309,7 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
         delivered: set[tuple[int, int]] = set()
         # Set once the agent is reaped: its process id may be another process's from then on.
         orphaned: list[int] = []
+        stopped_by: list[int] = []  # the signals, not preemption ones, that stopped the run
 
         def deliver() -> None:
             # Only to the workers, the agent's children (the agent ignores these signals); not
@@ -323,13 +330,15 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
             elif signum in signals:
                 pending.add(signum)
                 deliver()
-            else:  # the signals the agent handles (it stops its workers)
+            else:  # the agent stops its workers: at the signals it handles, and at SIGTERM for others
+                stopped_by.append(signum)
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(agent, signum)
+                    os.kill(agent, signal.SIGTERM if signum in STOPPING_SIGNALS else signum)
 
         # Every signal the agent handles, too: left at its default, SIGHUP or SIGQUIT would kill this
         # process and leave the agent (in a session of its own) and the workers running.
-        for sig in {*signals, *(getattr(signal, name) for name in ("SIGTERM", *AGENT_SIGNALS))}:
+        agents = (getattr(signal, name) for name in ("SIGTERM", *AGENT_SIGNALS))
+        for sig in {*signals, *agents, *STOPPING_SIGNALS}:
             # Put back once the agent is gone: a late signal must not reach a reused process id.
             stack.callback(signal.signal, sig, signal.signal(sig, forward))
         status = wait_delivering(agent, pending, deliver)
@@ -339,7 +348,13 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
                 stop_orphaned_workers(stderr.fileno(), reader, orphans_stop_signal(-status, signals))
             reader.join()
     # An agent killed by a signal: the shell's 128 + its number (sys.exit(-2) would exit 254).
-    return 128 - status if status < 0 else status
+    status = 128 - status if status < 0 else status
+    if stopped_by and 0 < status <= 128:
+        # Stopped at a signal this process got (not a preemption's, which saves and ends with 0):
+        # the status says which, as a shell's does for a process that signal killed; torchrun's 1
+        # said nothing.
+        status = 128 + stopped_by[0]
+    return status
 
 
 def wait_delivering(pid: int, pending: set[int], deliver: Callable[[], None]) -> int:
