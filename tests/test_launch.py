@@ -144,6 +144,17 @@ def test_a_rank_torchrun_killed_after_the_first_failure_is_not_blamed(tmp_path):
     assert killed_first(log) == (1, "SIGKILL")
 
 
+def test_the_failure_named_is_the_last_attempts(tmp_path, monkeypatch, capsys):
+    """Found by review: with trainer.max_restarts, a record of attempt 0 (recovered from by the
+    restart) outlived it where its rank wrote none in the last attempt, and the launcher named it."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    record_failure(tmp_path, 0, 50, "RuntimeError", "attempt 0's", exit_status=1)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    record_failure(tmp_path, 1, 60, "ValueError", "attempt 1's", exit_status=2)
+    status = launch_outcome(1, tmp_path, 0.0, tmp_path / "launch.log")
+    assert status == 2 and "failed first, after step 60: ValueError: attempt 1's" in capsys.readouterr().err
+
+
 def test_a_workers_error_line_names_its_rank_only_in_a_world_of_several(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")

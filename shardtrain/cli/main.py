@@ -95,7 +95,7 @@ def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -
 
     if status == 0:
         return 0
-    failure = first_failure(run_dir, started)
+    failure = first_failure(run_dir, started, last_attempt=True)
     killed = killed_first(log_file)
     if failure is None and not killed and (first_worker_line(log_file) or "").startswith(INTERRUPTED):
         print(f"{INTERRUPTED}{RESUMES}", file=sys.stderr)

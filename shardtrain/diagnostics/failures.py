@@ -27,6 +27,7 @@ def record_failure(run_dir: Path, rank: int, step: int, kind: str, message: str,
             "rank": rank, "host": socket.gethostname(), "step": step, "type": kind,
             "message": message, "time": time.time(), "traceback": traceback_text,
             "exit_status": exit_status, "fallout": fallout,
+            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
         }, indent=2))
     except OSError:
         pass  # reporting must never mask the original failure
@@ -66,9 +67,12 @@ def record_exception(run_dir: Path, rank: int, step: int, exc: BaseException) ->
                    fallout=getattr(exc, "failed_rank", rank) != rank)
 
 
-def first_failure(run_dir: Path, since: float) -> dict | None:
+def first_failure(run_dir: Path, since: float, last_attempt: bool = False) -> dict | None:
     """The earliest failure recorded after ``since`` that is not another rank's failure raised
-    here (the root cause; later ones are fallout)."""
+    here (the root cause; later ones are fallout). ``last_attempt``: of the last of torchrun's
+    restarts that left a record only (one node's agent counts them all: the built-in launcher's),
+    where an earlier attempt's, which a restart recovered from, would be named (a rank that
+    records nothing in the last attempt, SIGKILLed as it waited on a failed peer, left it there)."""
     records = []
     for path in (Path(run_dir) / FAILURE_DIR).glob("rank-*.json"):
         try:
@@ -77,6 +81,9 @@ def first_failure(run_dir: Path, since: float) -> dict | None:
             continue
         if record.get("time", 0) >= since:
             records.append(record)
+    if last_attempt and records:
+        last = max(record.get("attempt", 0) for record in records)
+        records = [record for record in records if record.get("attempt", 0) == last]
     return min(records, key=lambda r: (r.get("fallout", False), r["time"])) if records else None
 
 
