@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import socket
 import subprocess
@@ -20,8 +21,10 @@ from equivalence import case_config
 from torch import nn
 
 from shardtrain.config.plan import DTYPES, PRECISION_PRESETS
+from shardtrain.config.schema import DistConfig
 from shardtrain.diagnostics.planner import sharded_state_bytes
 from shardtrain.diagnostics.watchdog import Watchdog, bounded, dump_flight_recorder
+from shardtrain.distributed.env import apply_debug_switches
 from shardtrain.models.llama import Llama
 
 QUICK = ["experiment=quick", "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample_tokens=0",
@@ -307,6 +310,25 @@ def test_a_hang_stops_when_stderr_is_blocked(tmp_path):
         proc.kill()
         proc.stderr.close()
     assert (tmp_path / "hangs" / "rank-0.txt").is_file()
+
+
+def test_flight_recorder_switches_follow_each_run(tmp_path, monkeypatch):
+    """Found by review: a second run in one process dumped into the first run's directory, and a
+    run without the recorder kept recording; a user's own values stay."""
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                 "TORCH_FR_DUMP_TEMP_FILE", "TORCH_DISTRIBUTED_DEBUG"):  # put back as they were
+        monkeypatch.delenv(name, raising=False)
+    apply_debug_switches(DistConfig(flight_recorder=True), tmp_path / "a")
+    apply_debug_switches(DistConfig(flight_recorder=True), tmp_path / "b")
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "b" / "flight_recorder" / "rank_")
+    apply_debug_switches(DistConfig(flight_recorder=False), tmp_path / "c")
+    assert "TORCH_FR_BUFFER_SIZE" not in os.environ and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "/mine/rank_")
+    apply_debug_switches(DistConfig(flight_recorder=True), tmp_path / "d")
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == "/mine/rank_"
+    assert os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
+    apply_debug_switches(DistConfig(flight_recorder=False), tmp_path / "e")
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == "/mine/rank_"
 
 
 def test_flight_recorder_dump_without_a_process_group(tmp_path):

@@ -242,18 +242,37 @@ def restart_safe_store(timeout: datetime.timedelta) -> dict:
             "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
+# The flight recorder's variables as this process set them: a later run in the same process (the
+# library's) sets or clears them for its own settings and run.dir (they stayed the first run's: its
+# dumps went into the first run's directory, and a run without the recorder kept recording), while
+# values the user set are left as they are.
+_SWITCHED: dict[str, str] = {}
+
+
+def switch_variable(name: str, value: str | None) -> None:
+    """Set (or with None, remove) ``name`` unless the user set it."""
+    if name in os.environ and _SWITCHED.get(name) != os.environ[name]:
+        return  # the user's own
+    if value is None:
+        os.environ.pop(name, None)
+        _SWITCHED.pop(name, None)
+    else:
+        os.environ[name] = _SWITCHED[name] = value
+
+
 def apply_debug_switches(dist_cfg: DistConfig, run_dir: Path) -> None:
     """Pass ``dist.debug`` and ``dist.flight_recorder`` to torch (before the process group exists)."""
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = str(dist_cfg.debug).upper()
-    if dist_cfg.flight_recorder:
-        # The collective flight recorder keeps the last collectives; the watchdog dumps it when it
-        # stops a hung run. TORCH_FR_BUFFER_SIZE is the backend-neutral switch (gloo in 2.13),
-        # the NCCL names are what NCCL's own dump-on-timeout reads.
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
-        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    on = dist_cfg.flight_recorder
+    if on:
         (run_dir / "flight_recorder").mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(run_dir / "flight_recorder" / "rank_"))
+    # The collective flight recorder keeps the last collectives; the watchdog dumps it when it stops
+    # a hung run. TORCH_FR_BUFFER_SIZE is the backend-neutral switch (gloo in 2.13), the NCCL names
+    # are what NCCL's own dump-on-timeout reads.
+    for name, value in (("TORCH_FR_BUFFER_SIZE", "2000"), ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
+                        ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+                        ("TORCH_FR_DUMP_TEMP_FILE", str(run_dir / "flight_recorder" / "rank_"))):
+        switch_variable(name, value if on else None)
 
 
 def set_cpu_threads(env: DistEnv, threads: int) -> int:
