@@ -225,7 +225,7 @@ cfg = compose_config(json.loads(sys.argv[1]))
 errors = []
 for bad in json.loads(sys.argv[2]):
     try:
-        compose_config([bad])
+        compose_config(bad.split(" & "))  # overrides given together
     except ConfigError as exc:
         errors.append(str(exc))
 heavy = [m for m in ("torch", "transformers", "safetensors") if m in sys.modules]
@@ -252,6 +252,10 @@ BAD = {
     "strategy.compile=2": "strategy.compile='2' is not a boolean: write strategy.compile=true or",
     "diagnostics.memory_snapshot=true": "records over the profiled steps; set diagnostics.profile_at=STEP",
     "diagnostics.profile_at=9999": "diagnostics.profile_at=9999 is after trainer.max_steps=300: nothing",
+    # found by review: accepted and ignored
+    "diagnostics.profile_steps=5": "diagnostics.profile_steps=5 counts the steps traced from "
+                                   "diagnostics.profile_at, which is 0 (never)",
+    "diagnostics.enabled=false & diagnostics.steps=10": "diagnostics.enabled=false measures none",
 
     "finetune.rank=8": "finetune.rank=8 shapes LoRA adapters, and this run trains every parameter",
     # hydra's grammar: its own message offered --multirun (found by review)

@@ -34,6 +34,7 @@ from shardtrain.config.schema import (
     TRACKERS,
     CheckpointConfig,
     Config,
+    DiagnosticsConfig,
     FinetuneConfig,
     ModelConfig,
     TrainerConfig,
@@ -380,6 +381,14 @@ def check_monitor(cfg: Config) -> None:
 def check_profiling(cfg: Config) -> None:
     """A profiling window that can happen; the memory snapshot only with one."""
     d, max_steps = cfg.diagnostics, cfg.trainer.max_steps
+    default = DiagnosticsConfig()
+    if d.profile_steps != default.profile_steps and not d.profile_at:
+        raise ConfigError(f"diagnostics.profile_steps={d.profile_steps} counts the steps traced from "
+                          "diagnostics.profile_at, which is 0 (never); set diagnostics.profile_at=STEP too, "
+                          "or drop profile_steps")
+    if not d.enabled and d.steps != default.steps:
+        raise ConfigError(f"diagnostics.steps={d.steps} measures the first steps' memory, and "
+                          "diagnostics.enabled=false measures none; drop one of them")
     if d.memory_snapshot and not d.profile_at:
         raise ConfigError("diagnostics.memory_snapshot=true records over the profiled steps; set "
                           "diagnostics.profile_at=STEP too")
