@@ -14,6 +14,7 @@ task of its own: see docs/tasks.md and examples/tasks/.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -81,7 +82,8 @@ def main(overrides: list[str]) -> None:
         result = shardtrain.run_training(cfg, task=LanguageModelTask(model=TinyGPT, wrap_policy=[Block]))
     finally:
         destroy_distributed()
-    print(f"first loss {result.losses[0]:.3f}, last loss {result.losses[-1]:.3f}")
+    if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every process has the result
+        print(f"first loss {result.losses[0]:.3f}, last loss {result.losses[-1]:.3f}")
 
 
 if __name__ == "__main__":

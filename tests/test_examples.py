@@ -10,7 +10,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 def test_finetune_hf_example(tmp_path):
-    """Make a Hugging Face model directory, prepare data, train at 2 processes, generate, export
+    """Make a Hugging Face model directory, write text files, train at 2 processes, generate, export
     (with its self-check) and load the export with transformers."""
     done = subprocess.run([sys.executable, str(EXAMPLES / "finetune_hf" / "run.py"),
                            "--workdir", str(tmp_path / "work"), "--steps", "8"],

@@ -251,6 +251,21 @@ def test_out_of_range_flag_is_one_line_before_any_process(command, ranges, actio
     assert err == f"shardtrain: error: {flag} {shown} must be {ranges[flag]}\n"
 
 
+def test_a_file_on_several_devices_is_refused_before_any_process(tmp_path, monkeypatch, capsys):
+    """Found by review: N workers started (generate.sbatch: 8) to refuse a consolidated file."""
+    def launched(*args, **kwargs):
+        raise AssertionError("a process was launched before the file was refused")
+
+    monkeypatch.setattr(shardtrain.cli.launch, "run_under_torchrun", launched)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    for command in (["generate", str(weights), "--prompt", "def "], ["eval", str(weights)]):
+        assert main([*command, "--devices", "2"]) == 2
+        assert capsys.readouterr().err == (
+            "shardtrain: error: a consolidated safetensors file is loaded by one process; use the sharded "
+            "checkpoint directory with --devices N, or --devices 1\n")
+
+
 def test_range_message_names_flag_and_range(capsys):
     assert main(["generate", "ckpt", "--prompt", "x", "--top-p", "1.5"]) == 2
     assert capsys.readouterr().err == "shardtrain: error: --top-p 1.5 must be in (0, 1]\n"

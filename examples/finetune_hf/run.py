@@ -1,8 +1,9 @@
-"""Bring your own Hugging Face model, end to end: make a model directory, prepare data, train it
-sharded at 2 processes, generate from the checkpoint, export it back and load the export with
-transformers. With --lora: train LoRA adapters on the frozen model (finetune=lora), export them
-as a PEFT adapter directory and load it with peft onto the model, and export the merged model
-(export-hf --merge) and generate from it with transformers.
+"""Bring your own Hugging Face model, end to end: make a model directory, write text files
+(data=files prepares them into the data cache), train it sharded at 2 processes, generate from
+the checkpoint, export it back and load the export with transformers. With --lora: train LoRA
+adapters on the frozen model (finetune=lora), export them as a PEFT adapter directory and load it
+with peft onto the model, and export the merged model (export-hf --merge) and generate from it
+with transformers.
 
     python examples/finetune_hf/run.py [--workdir DIR] [--steps N] [--lora]
 

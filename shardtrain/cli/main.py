@@ -204,6 +204,9 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     normalize_strategy_name(args.strategy, given_as="--strategy ")
     prompts = read_prompts(args)
     check_exists(args.checkpoint)
+    from shardtrain.generation.inference import check_processes_for
+
+    check_processes_for(Path(args.checkpoint), args.devices)  # before N processes start for nothing
     status = on_devices(args.devices, argv)
     if status is not None:
         return status
@@ -314,6 +317,9 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     check_exists(args.checkpoint)
     if args.file and not any(ch in args.file for ch in "*?["):  # a glob pattern is matched later
         check_exists(args.file, "--file")
+    from shardtrain.generation.inference import check_processes_for
+
+    check_processes_for(Path(args.checkpoint), args.devices)  # before N processes start for nothing
     status = on_devices(args.devices, argv)
     if status is not None:
         return status

@@ -54,6 +54,14 @@ class Loaded:
     state: TrainState | None = None  # a checkpoint directory's
 
 
+def check_processes_for(path: Path, processes: int) -> None:
+    """A consolidated file is read whole by one process: refused for several (by the CLI before
+    any of them starts)."""
+    if Path(path).expanduser().is_file() and processes > 1:
+        raise CheckpointError("a consolidated safetensors file is loaded by one process; use the "
+                              "sharded checkpoint directory with --devices N, or --devices 1")
+
+
 def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
                        dtype: str = "auto", verify_checksums: bool = True, average: bool = False) -> Loaded:
     """``checkpoint``: a shardtrain checkpoint directory, a consolidated ``.safetensors`` file, or a
@@ -93,9 +101,7 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
     env = init_distributed(cfg.dist.backend, cfg.dist.startup_timeout_s)
     set_cpu_threads(env, 0)
     set_fp32_matmul(env.device, tf32=dtype != "fp32")  # --dtype fp32 asks for full fp32
-    if path.is_file() and env.world_size > 1:
-        raise CheckpointError("a consolidated safetensors file is loaded by one process; use the "
-                              "sharded checkpoint directory with --devices N")
+    check_processes_for(path, env.world_size)
     plan = resolve_plan(cfg.strategy, env.world_size, env.local_world_size)
     stored_base = DTYPES[cfg.finetune.base_dtype] if lora else torch.float32
     if stored_base != torch.float32 and plan.param_dtype == torch.float32:
