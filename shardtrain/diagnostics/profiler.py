@@ -52,9 +52,13 @@ class StepProfiler:
         if self.rank == 0:
             log.info(f"profiler: tracing steps {self.first}-{self.last}")
 
+    def writes_after(self, step: int) -> bool:
+        """Whether ``after_step(step)`` (or ``close``, at the end of training) writes the trace."""
+        return self.profiler is not None and step >= self.last
+
     def after_step(self, step: int) -> None:
         """After step ``step`` and what was due at it."""
-        if self.profiler is not None and step >= self.last:
+        if self.writes_after(step):
             self.finish(step)
 
     def close(self, step: int) -> None:

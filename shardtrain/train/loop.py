@@ -702,6 +702,8 @@ class Trainer:
                 self.evaluate_skipped()
             while self.step < self.cfg.trainer.max_steps and not self.stop_early and self.iteration():
                 pass
+            if self.profiler.writes_after(self.cfg.trainer.max_steps):  # the window, cut short
+                self.watchdog.beat("writing the profiler trace", self.step)
             self.profiler.close(self.step)  # before the final save and sample
             if self.checkpointer is not None:
                 if not self.result.preempted and self.last_saved_step != self.step:
@@ -778,8 +780,15 @@ class Trainer:
         stats = self.train_on_next_batch()
         self.account(stats)
         self.after_step(stats)
-        self.profiler.after_step(self.step)
+        self.write_trace_if_due(self.step)
         return stats
+
+    def write_trace_if_due(self, step: int) -> None:
+        """The profiler's trace, once its window is over, under a watchdog phase of its own: a
+        large model's trace is hundreds of MB, on every rank, and was timed as the step's."""
+        if self.profiler.writes_after(step):
+            self.watchdog.beat("writing the profiler trace", self.step)
+        self.profiler.after_step(step)
 
     def train_on_next_batch(self) -> StepStats:
         diag, b = self.cfg.diagnostics, self.built
