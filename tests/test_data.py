@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import zlib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,6 +37,14 @@ def test_stdlib_corpus_is_split_by_file_deterministically():
     assert str(stdlib_root()) in a.root and "site-packages" not in a.describe()
     split = [is_validation(f"x/{i}.py", 5.0) for i in range(4000)]
     assert 0.03 < sum(split) / len(split) < 0.07
+
+
+def test_the_validation_split_takes_exactly_its_share_of_buckets():
+    """Found by review: 0.07 * 100 is 7.000000000000001 in floats, which let an eighth of the 10,000
+    buckets in (0.07% held out 0.08%)."""
+    key = next(f"k{i}" for i in range(100_000) if zlib.crc32(f"k{i}".encode()) % 10_000 == 7)
+    assert not is_validation(key, 0.07) and is_validation(key, 0.08)
+    assert is_validation(key, 100.0) and not is_validation(key, 0.0)
 
 
 def test_an_interrupted_cache_entry_is_prepared_again(tmp_path, caplog):

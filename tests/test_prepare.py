@@ -4,6 +4,7 @@ do on unchanged inputs, and one clear line for each kind of bad data."""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import logging
 import os
@@ -31,7 +32,15 @@ from tqdm import tqdm
 from shardtrain.config.schema import DataConfig
 from shardtrain.data.corpus import fingerprint_at, load_corpus, prepared_path
 from shardtrain.data.documents import Source, is_prepared_dataset, list_files, resolve_sources
-from shardtrain.data.prepare import PrepareOptions, Reading, batches, locked, prepare, tokenizer_entry
+from shardtrain.data.prepare import (
+    PrepareOptions,
+    Reading,
+    batches,
+    locked,
+    prepare,
+    recorded_sources,
+    tokenizer_entry,
+)
 from shardtrain.data.prepared import open_prepared
 from shardtrain.data.tokenizer import (
     SPLIT_PROBES,
@@ -187,13 +196,15 @@ def test_a_changed_input_is_prepared_again(tmp_path):
     inside = tmp_path / "in" / "prepared"
     assert not prepare(options, inside, progress=False).up_to_date
     again = prepare(options, inside, progress=False)
-    assert again.up_to_date and [s["name"] for s in again.manifest["sources"]] == ["a.txt", "b.txt"]
+    assert again.up_to_date and [s["name"] for s in recorded_sources(inside, again.manifest)] == [
+        "a.txt", "b.txt"]
     # ... also where a pattern covers it (found by review: the output's shards and manifest were
     # read back, each preparation grew by the previous one's), and a prepared dataset it goes into.
     pattern = PrepareOptions(inputs=[str(tmp_path / "in" / "**" / "*")], file_glob="*")
     assert not prepare(pattern, tmp_path / "in" / "globbed", progress=False).up_to_date
     again = prepare(pattern, tmp_path / "in" / "globbed", progress=False)
-    assert again.up_to_date and [s["name"] for s in again.manifest["sources"]] == ["a.txt", "b.txt"]
+    assert again.up_to_date and [s["name"] for s in recorded_sources(tmp_path / "in" / "globbed",
+                                                                     again.manifest)] == ["a.txt", "b.txt"]
     shutil.rmtree(tmp_path / "in" / "globbed")
     # What is excluded counts below the pattern's base only (a cache directory above the inputs),
     # and a state.json without Arrow files beside it is no dataset (found by review of the above:
@@ -208,14 +219,14 @@ def test_a_changed_input_is_prepared_again(tmp_path):
                      cache_dir=str(tmp_path / "in" / "cache"))
     cached = prepared_path(cfg, ByteTokenizer())
     manifest = json.loads((cached / "manifest.json").read_text())
-    assert [s["name"] for s in manifest["sources"]] == ["a.txt", "b.txt"]
+    assert [s["name"] for s in recorded_sources(cached, manifest)] == ["a.txt", "b.txt"]
     assert prepared_path(cfg, ByteTokenizer()) == cached
     assert not list((tmp_path / "in" / "cache").glob("*.lock"))  # its lock is named as prepare's
     globbed = DataConfig(source="files", paths=[str(tmp_path / "in" / "**" / "*")], file_glob="*",
                          cache_dir=str(tmp_path / "in" / "cache"))
     in_cache = prepared_path(globbed, ByteTokenizer())
-    assert [s["name"] for s in json.loads((in_cache / "manifest.json").read_text())["sources"]] == [
-        "a.txt", "b.txt"]
+    in_cache_manifest = json.loads((in_cache / "manifest.json").read_text())
+    assert [s["name"] for s in recorded_sources(in_cache, in_cache_manifest)] == ["a.txt", "b.txt"]
     assert prepared_path(globbed, ByteTokenizer()) == in_cache
     # A cache entry with a shard missing is no rank's to read: prepared again on the next use
     (cached / "train" / "tokens-00000.npy").unlink()
@@ -227,9 +238,191 @@ def test_a_changed_input_is_prepared_again(tmp_path):
     shutil.rmtree(tmp_path / "in" / "cache")
     prepare(options, tmp_path / "in" / "old", progress=False)
     other = prepare(options, tmp_path / "elsewhere", progress=False)
-    assert [s["name"] for s in other.manifest["sources"]] == ["a.txt", "b.txt"]
+    assert [s["name"] for s in recorded_sources(tmp_path / "elsewhere", other.manifest)] == ["a.txt", "b.txt"]
     with pytest.raises(DataError, match="already a prepared dataset.*data.source=prepared"):
         prepare(PrepareOptions(inputs=[str(tmp_path / "in" / "old")]), tmp_path / "twice", progress=False)
+
+
+def test_a_damaged_shard_is_prepared_again_and_the_output_is_flushed(tmp_path, caplog, monkeypatch):
+    """Found by review: a shard cut short (a full disk, a copy that stopped) kept its name, so
+    `prepare` said "up to date" while training said "prepare the dataset again", and the data cache
+    reused the broken entry for good. Each file's size is recorded and checked; every file and
+    directory is flushed to the disk before the dataset is renamed into place, and the rename after."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("one two three " * 50)
+    options = PrepareOptions(inputs=[str(tmp_path / "in")], val_percent=0.0)
+    out = tmp_path / "out"
+    synced: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")),
+                                                 real_fsync(fd))[1])
+    made = prepare(options, out, progress=False)
+    staging = tmp_path / ".out.preparing"
+    assert sorted(synced) == sorted(map(str, [staging / "train" / "tokens-00000.npy",
+                                              staging / "train" / "docs-00000.npy", staging / "sources.json",
+                                              staging / "manifest.json",
+                                              staging / "train", staging, tmp_path]))
+    shard = made.manifest["splits"]["train"]["shards"][0]
+    whole = (out / "train" / "tokens-00000.npy").stat().st_size
+    starts = (out / "train" / "docs-00000.npy").stat().st_size
+    assert shard["bytes"] == {"tokens_file": whole, "docs_file": starts}
+    os.truncate(out / "train" / "tokens-00000.npy", 100)
+    with caplog.at_level(logging.WARNING, logger="shardtrain"):
+        assert not prepare(options, out, progress=False).up_to_date
+    assert (f"{out} is prepared but damaged (train/tokens-00000.npy: 100 of {whole} bytes); preparing it "
+            "again") in caplog.text
+    assert (out / "train" / "tokens-00000.npy").stat().st_size == whole
+    assert open_prepared(out).train[0:3].tolist() == list(b"one")
+    # A manifest written before sizes were recorded is checked by name, as then
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["splits"]["train"]["shards"][0]["bytes"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    os.truncate(out / "train" / "tokens-00000.npy", 100)
+    assert prepare(options, out, progress=False).up_to_date
+    # The data cache: a rank's damaged copy is not the dataset, and the next use prepares it again
+    cfg = DataConfig(source="files", paths=[str(tmp_path / "in")], file_glob="*",
+                     cache_dir=str(tmp_path / "cache"), val_percent=0.0)
+    cached = prepared_path(cfg, ByteTokenizer())
+    fingerprint = fingerprint_at(cached)
+    os.truncate(cached / "train" / "docs-00000.npy", 10)
+    assert fingerprint is not None and fingerprint_at(cached) is None
+    assert prepared_path(cfg, ByteTokenizer()) == cached and fingerprint_at(cached) == fingerprint
+
+
+def test_source_entries_are_beside_the_manifest(tmp_path):
+    """Found by review: the manifest held one entry per input file, and every rank parsed it at
+    start-up (106 MB for a million files). They are in sources.json; the manifest holds their
+    count, and a manifest holding them inline (older) is read, and is up to date, as before."""
+    (tmp_path / "in").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "in" / name).write_text(f"{name} " * 50)
+    options = PrepareOptions(inputs=[str(tmp_path / "in")], val_percent=0.0)
+    out = tmp_path / "out"
+    made = prepare(options, out, progress=False).manifest
+    size = (out / "sources.json").stat().st_size
+    assert made["sources"] == {"file": "sources.json", "count": 2, "bytes": size}
+    entries = recorded_sources(out, made)
+    assert [e["name"] for e in entries] == ["a.txt", "b.txt"]
+    assert set(entries[0]) == {"name", "bytes", "mtime_ns"}
+    # Lost or cut short: prepared again, as a shard is
+    (out / "sources.json").write_text("[]")
+    assert not prepare(options, out, progress=False).up_to_date and recorded_sources(out, made) == entries
+    # An older manifest, its entries inline: read, up to date, trained on
+    inline = {**made, "sources": entries}
+    (out / "manifest.json").write_text(json.dumps(inline))
+    (out / "sources.json").unlink()
+    assert recorded_sources(out, inline) == entries and prepare(options, out, progress=False).up_to_date
+    assert open_prepared(out).train.documents == 2
+    with pytest.raises(DataError, match=r"sources.json cannot be read .*; prepare it again"):
+        recorded_sources(out, made)
+
+
+def test_an_output_is_any_path_to_a_directory_to_create(tmp_path, monkeypatch):
+    """Found by review: `--out .` (and `..`, `a/..`) raised a traceback (no name to put the staging
+    directory beside); `--out /` can be no output, and says so in one line."""
+    (tmp_path / "a.txt").write_text("one two three " * 50)
+    options = PrepareOptions(inputs=[str(tmp_path / "a.txt")], val_percent=0.0)
+    (tmp_path / "here" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "here" / "sub")
+    assert not prepare(options, ".", progress=False).up_to_date
+    assert (tmp_path / "here" / "sub" / "manifest.json").is_file()
+    monkeypatch.chdir(tmp_path / "here" / "sub")  # the directory was replaced: the new one
+    assert prepare(options, "../sub", progress=False).up_to_date
+    monkeypatch.chdir(tmp_path)
+    assert prepare(options, "here/sub/x/..", progress=False).up_to_date
+    with pytest.raises(DataError, match=r"^the output / has no name .*; choose a directory to create$"):
+        prepare(options, "/", progress=False)
+
+
+def test_the_same_inputs_however_written_are_up_to_date(tmp_path, monkeypatch):
+    """Found by review: inputs and the tokenizer were fingerprinted as typed, so `t/in.jsonl` then
+    `./t/in.jsonl` (or `--tokenizer DIR/` then `DIR/tokenizer.json`) tokenized everything again. The
+    options recorded stay as typed; a dataset fingerprinted before (recipe 1) is prepared again."""
+    from shardtrain.data.prepare import FORMAT, VERSION, output_options
+
+    raw = tokenizers.Tokenizer(tokenizers.models.WordLevel({"alpha": 0, "beta": 1, "[UNK]": 2},
+                                                           unk_token="[UNK]"))
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    save_tokenizer(raw, tmp_path / "tok")
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "in.jsonl").write_text('{"text": "alpha beta"}\n{"text": "beta"}\n')
+    monkeypatch.chdir(tmp_path)
+    first = prepare(PrepareOptions(inputs=["t/in.jsonl"], tokenizer="tok"), "out", progress=False)
+    assert not first.up_to_date and first.manifest["options"]["inputs"] == ["t/in.jsonl"]
+    for inputs, tokenizer in ((["./t/in.jsonl"], "tok/"),
+                              ([str(tmp_path / "t" / "in.jsonl")], "tok/tokenizer.json"),
+                              (["t/../t/in.jsonl"], str(tmp_path / "tok"))):
+        again = prepare(PrepareOptions(inputs=inputs, tokenizer=tokenizer), "out", progress=False)
+        assert again.up_to_date, (inputs, tokenizer)
+    assert again.manifest["options"]["inputs"] == ["t/in.jsonl"]  # as typed
+    # The fingerprint as it was before recipe 2 (the split's rounding) is prepared again once
+    options = PrepareOptions(inputs=["t/in.jsonl"], tokenizer="tok")
+    old = {"format": FORMAT, "version": VERSION, "options": output_options(options),
+           "tokenizer": first.manifest["tokenizer"],
+           "sources": recorded_sources(tmp_path / "out", first.manifest)}
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    manifest["fingerprint"] = hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
+    assert not prepare(options, "out", progress=False).up_to_date
+    assert prepare(options, "out", progress=False).up_to_date
+
+
+def test_json_files_of_records_are_json_lines(tmp_path, caplog):
+    """Found by review: a .json file of JSON Lines (Hugging Face datasets' train.json) was one text
+    document, JSON syntax included, and a .json.gz was refused with "decompress it", which led to
+    the same. Records by their first line; other .json files stay text (package.json)."""
+    records = '{"text": "alpha"}\n\n{"text": "beta"}\n'
+    (tmp_path / "train.json").write_text("\n" + records)
+    (tmp_path / "UPPER.JSON").write_text(records)
+    (tmp_path / "train.json.gz").write_bytes(gzip.compress(records.encode()))
+    (tmp_path / "chat.json").write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n")
+    (tmp_path / "package.json").write_text('{\n  "name": "x",\n  "text": "y"\n}\n')
+    (tmp_path / "one.json").write_text('{"name": "x", "version": "1.0"}\n')
+    (tmp_path / "list.json").write_text('["a", "b"]\n')
+    (tmp_path / "other.json").write_text('{"content": "alpha"}\n{"content": "beta"}\n')
+    kinds = {p.name: Source(p, p.name).kind for p in sorted(tmp_path.iterdir())}
+    assert kinds == {"UPPER.JSON": "jsonl", "chat.json": "jsonl", "list.json": "text", "one.json": "text",
+                     "other.json": "jsonl", "package.json": "text", "train.json": "jsonl",
+                     "train.json.gz": "jsonl"}
+    # The text field named decides too, and what is read shows in the fingerprint (not as text)
+    assert Source(tmp_path / "one.json", "one.json", text_field="name").kind == "jsonl"
+    assert Source(tmp_path / "train.json", "train.json").fingerprint()["read_as"] == "jsonl"
+    made = prepare(PrepareOptions(inputs=[str(tmp_path / "train.json.gz")], val_percent=0.0), tmp_path / "gz",
+                   progress=False)
+    assert made.manifest["splits"]["train"]["documents"] == 2
+    assert bytes(read_split(tmp_path / "gz", "train")[0].tolist()) == b"alphabeta"
+    # Records without the text field are named by the record reader, as a .jsonl file's are
+    with pytest.raises(DataError, match=r"other.json:1: no 'text' field \(fields: content\)"):
+        prepare(PrepareOptions(inputs=[str(tmp_path / "other.json")]), tmp_path / "o", progress=False)
+    (tmp_path / "notes.json.gz").write_bytes(gzip.compress(b'{\n  "a": 1\n}\n'))
+    with pytest.raises(DataError, match=r"notes.json.gz: compressed, and not JSON Lines records .* reads a "
+                                        r"\.json\.gz as JSON Lines only: name the text field"):
+        resolve_sources([str(tmp_path / "notes.json.gz")], "*")
+
+
+def test_hidden_files_of_a_directory_input_are_skipped(tmp_path, caplog):
+    """Found by review: a Hugging Face download directory gave its .gitattributes and
+    .cache/huggingface/download/*.lock and *.metadata files as text documents. Hidden files and
+    directories below the input are skipped unless the pattern asks for them; text files beside
+    records (a README.md) are named in a warning."""
+    root = tmp_path / ".hub" / "dataset"  # an input under a hidden directory is read all the same
+    for name in ("data/train.jsonl", "README.md", ".gitattributes", ".cache/huggingface/download/data/x.lock",
+                 ".cache/huggingface/download/data/train.jsonl.metadata", "data/.keep.txt"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text('{"text": "alpha"}\n' if name.endswith(".jsonl") else name)
+    with caplog.at_level(logging.WARNING, logger="shardtrain"):
+        assert [s.name for s in resolve_sources([str(root)], "*")] == ["README.md", "data/train.jsonl"]
+    said = [r.getMessage() for r in caplog.records if "holds records" in r.getMessage()]
+    assert len(said) == 1 and "each read as one document: README.md; leave them out with --glob" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shardtrain"):
+        assert [s.name for s in resolve_sources([str(root)], "*.jsonl")] == ["data/train.jsonl"]
+    assert "holds records" not in caplog.text
+    # A pattern that names hidden files or directories takes them
+    assert [p.relative_to(root).as_posix() for p in list_files(root, ".*")] == [
+        ".gitattributes", "data/.keep.txt"]
+    assert [p.relative_to(root).as_posix() for p in list_files(root, ".cache/**/*.lock")] == [
+        ".cache/huggingface/download/data/x.lock"]
 
 
 def test_preparations_of_one_output_run_one_after_the_other(tmp_path, caplog):
@@ -303,8 +496,10 @@ def test_inputs_in_every_layout_are_read_as_documented(tmp_path):
         (tree / name).write_text(name)
     for pattern in ("*", "*.txt", "**/*.txt", "sub/*.txt", "**/sub/**/*.txt", "s*/*/*.txt"):
         found = [p.relative_to(tree) for p in list_files(tree, pattern)]
-        assert found == sorted(p.relative_to(tree) for p in tree.rglob(pattern) if p.is_file()), pattern
-    assert prepared(tree, glob="**/*.txt") == ".hidden.txtsub/deep/low.txtsub/mid.txttop.txtx/sub/y/z.txt"
+        # as rglob, but for hidden files (see test_hidden_files_of_a_directory_input_are_skipped)
+        assert found == sorted(p.relative_to(tree) for p in tree.rglob(pattern)
+                               if p.is_file() and not p.name.startswith(".")), pattern
+    assert prepared(tree, glob="**/*.txt") == "sub/deep/low.txtsub/mid.txttop.txtx/sub/y/z.txt"
 
     datasets.Dataset.from_dict({"text": ["row0", "row1"]}).save_to_disk(str(tree / "x" / "saved"))
     assert prepared(tree, glob="*").endswith("top.mdtop.txtrow0row1x/sub/y/z.txt")
@@ -467,14 +662,34 @@ def test_a_tokenizer_naming_no_end_of_text_is_said(tmp_path, caplog):
     assert read_split(tmp_path / "out", "train")[0].tolist() == [0, 1, 3, 0, 1, 3]
 
 
-def test_parquet_is_read_a_column_at_a_time(tmp_path):
+def test_parquet_is_read_a_column_at_a_time(tmp_path, monkeypatch):
     """Found by review: every column was read and decoded (an image column beside the text)."""
     from shardtrain.data.documents import parquet_tables
 
+    monkeypatch.setattr("shardtrain.data.documents.TABLE_ROWS", 2)
     rows = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"body": ["a", "b", "c"], "image": [b"\x00" * 1000] * 3}), rows, row_group_size=2)
-    assert [t.column_names for t in parquet_tables(rows, "body")] == [["body"]] * 2
-    assert [t.column_names for t in parquet_tables(rows, "text")] == [["body", "image"]] * 2  # for the error
+    assert [t.schema.names for t in parquet_tables(rows, "body")] == [["body"]] * 2
+    assert [t.schema.names for t in parquet_tables(rows, "text")] == [["body", "image"]] * 2  # for the error
+
+
+def test_parquet_and_arrow_rows_are_read_a_batch_at_a_time(tmp_path, monkeypatch):
+    """Found by review: a whole row group's (or Arrow file's) column became Python bytes at once (a
+    125 MB file with one row group took 1 GB). Rows come TABLE_ROWS at a time, keys numbered through
+    the file as before (they decide the split)."""
+    from shardtrain.data.documents import arrow_tables, documents, parquet_tables
+
+    monkeypatch.setattr("shardtrain.data.documents.TABLE_ROWS", 2)
+    texts = [f"row {i}" for i in range(7)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "rows.parquet", row_group_size=5)
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+    assert [b.num_rows for b in parquet_tables(tmp_path / "rows.parquet", "text")] == [2, 2, 2, 1]
+    assert max(b.num_rows for b in arrow_tables(tmp_path / "saved")) == 2
+    for source in (Source(tmp_path / "rows.parquet", "rows.parquet"), Source(tmp_path / "saved", "saved")):
+        assert list(documents(source, "text")) == [(f"{source.name}:{i}", t.encode())
+                                                   for i, t in enumerate(texts)]
+    with pytest.raises(DataError, match=r"no column 'body' \(columns: text\)"):
+        list(documents(Source(tmp_path / "saved", "saved"), "body"))
 
 
 def test_a_null_text_is_an_empty_document_in_every_format(tmp_path):

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from shardtrain.checkpoint.peft_adapter import ADAPTER_CONFIG
 from shardtrain.checkpoint.safetensors_files import INDEX_FILE, SINGLE_FILE
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
+from shardtrain.durable import fsync_path as fsync_path  # re-exported: the checkpointer syncs through it
 from shardtrain.errors import CheckpointError
 from shardtrain.models.hf_directory import is_model_directory
 
@@ -299,15 +300,6 @@ def candidates(root: Path) -> Found:
                 skipped.append((entry, f"incomplete: it has no {STATE_FILE}"))
     complete.sort()
     return Found(complete, skipped)
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file's data, or a directory's entries, to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def newer_checkpoints(root: Path, step: int) -> list[Path]:

@@ -32,9 +32,9 @@ from shardtrain.data.batches import InterleavedWindows, MixtureWindows, TokenWin
 from shardtrain.data.documents import PREPARE_LOCK_SUFFIX
 from shardtrain.data.prepare import (
     PrepareOptions,
+    damaged_files,
     is_validation,
     locked,
-    missing_files,
     output_options,
     prepare,
     read_manifest,
@@ -159,9 +159,10 @@ def prepare_locked(options: PrepareOptions, out: Path, lock_required: bool = Tru
 
 def fingerprint_at(out: Path) -> str | None:
     """The fingerprint of the whole dataset at ``out``; None where there is none, or a shard is
-    missing (a rank whose copy lacks one prepares its node's copy again, as rank 0 does its own)."""
+    missing or of another size than recorded (a rank whose copy has one prepares its node's copy
+    again, as rank 0 does its own)."""
     manifest = read_manifest(out)
-    return None if manifest is None or missing_files(out, manifest) else manifest.get("fingerprint")
+    return None if manifest is None or damaged_files(out, manifest) else manifest.get("fingerprint")
 
 
 def prepare_once(options: PrepareOptions, out: Path) -> None:

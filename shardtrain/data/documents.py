@@ -1,9 +1,14 @@
 """The documents of raw inputs, in one deterministic order: what ``shardtrain prepare`` tokenizes.
 
-An input is a file, a directory (its files matching a glob, recursively, sorted by relative path) or a
-glob pattern. By suffix a file is: JSON Lines (``.jsonl``, ``.ndjson``, either gzipped; one document
-per line, its text in a chosen field), Parquet (``.parquet``; one document per row of a chosen
-column), or text (the whole file is one document; a compressed or archived one is refused). A
+An input is a file, a directory (its files matching a glob, recursively, sorted by relative path;
+hidden files and directories below it skipped unless the glob names them) or a glob pattern. By
+suffix a file is: JSON Lines (``.jsonl``, ``.ndjson``, either gzipped; one document per line, its
+text in a chosen field), Parquet (``.parquet``; one document per row of a chosen column), or text
+(the whole file is one document; a compressed or archived one is refused). A ``.json`` or
+``.json.gz`` file is JSON Lines when its first non-blank line is a JSON object that holds the text
+field or fine-tuning keys, or is followed by another non-blank line (no whole JSON document is; its
+records then name a missing field as a ``.jsonl`` file's do); any other ``.json`` is text (a
+package.json), and any other ``.json.gz`` is refused. A
 directory written by ``datasets``' ``save_to_disk`` (it holds ``state.json``), given or found
 inside a given directory, is read as its Arrow files, one document per row; the ``datasets`` library
 is not needed for that. A ``DatasetDict``'s directory (it holds ``dataset_dict.json`` and one such
@@ -27,6 +32,7 @@ import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from functools import cached_property
 from pathlib import Path, PurePosixPath
 
 import pyarrow as pa
@@ -40,6 +46,14 @@ EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 # was made inside an input directory and later removed.
 PREPARE_LOCK_SUFFIX = ".shardtrain-lock"
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")  # matched ignoring case
+# Records or not by what their first lines hold (``json_records``): many Hugging Face datasets ship
+# JSON Lines as train.json, and code corpora hold package.json-like files, which are text.
+JSON_SUFFIXES = (".json", ".json.gz")  # matched ignoring case
+# What a directory input yields that is read as records, beside which a text file is worth a word.
+RECORD_KINDS = ("jsonl", "parquet", "arrow")
+# Rows of a Parquet or Arrow file turned into Python bytes at a time: a whole row group's (or
+# Arrow file's) column at once held a file written as one row group whole, several times over.
+TABLE_ROWS = 1024
 # The suffixes (case as written) that made a file records before the ones above did.
 FIRST_SUFFIXES = {"jsonl": (".jsonl", ".jsonl.gz"), "parquet": (".parquet",)}
 # Compressed or archived files other than JSON lines: read as text they were tokenized as their
@@ -64,8 +78,9 @@ class Source:
 
     path: Path
     name: str  # relative to the input it came from, '/'-separated
+    text_field: str = "text"  # the records' text field: what makes a .json file's lines records
 
-    @property
+    @cached_property  # a .json file's is sniffed from its first lines, once
     def kind(self) -> str:
         if self.path.is_dir():
             return "arrow"
@@ -74,6 +89,8 @@ class Source:
             return "jsonl"
         if name.endswith(".parquet"):
             return "parquet"
+        if name.endswith(JSON_SUFFIXES) and json_records(self.path, self.text_field):
+            return "jsonl"
         return "text"
 
     def fingerprint(self) -> dict:
@@ -88,6 +105,33 @@ class Source:
         if kind not in ("arrow", "text") and not self.path.name.endswith(FIRST_SUFFIXES[kind]):
             entry["read_as"] = kind
         return entry
+
+
+def json_records(path: Path, field: str) -> bool:
+    """Whether a ``.json`` (or ``.json.gz``) file is JSON Lines: its first non-blank line is a JSON
+    object, and either holds ``field`` or fine-tuning keys (``prompt`` and ``completion``, or
+    ``messages``), or is followed by another non-blank line (a whole JSON document cannot be: the
+    records then name their missing field with the record reader's own error). A single line of a
+    JSON object with none of those keys, or anything else, is text (a minified package.json). A file
+    that cannot be read is not records here: the text reader, or the refusal of compressed text,
+    names it."""
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rb") as lines:
+            first = next((line for line in lines if line.strip()), None)
+            if first is None:
+                return False
+            try:
+                record = json.loads(first)
+            except ValueError:  # UnicodeDecodeError included
+                return False
+            if not isinstance(record, dict):
+                return False
+            if field in record or "messages" in record or ("prompt" in record and "completion" in record):
+                return True
+            return any(line.strip() for line in lines)
+    except (OSError, EOFError, zlib.error):
+        return False
 
 
 def matches(relative: str, pattern: str) -> bool:
@@ -140,10 +184,18 @@ def list_files(root: Path, pattern: str, exclude: Iterable[Path] = ()) -> list[P
     site-packages, several times its size. A ``save_to_disk`` directory found on the way (its
     state.json beside Arrow files) is listed itself when its path matches, never its files; a
     prepared dataset found on the way (an earlier ``prepare --out`` inside the input) is pruned: its
-    shards are token ids, and read as text they were tokenized into the next preparation."""
+    shards are token ids, and read as text they were tokenized into the next preparation.
+
+    Hidden directories and files (a name starting with '.') below ``root`` are skipped: a Hugging
+    Face download directory holds ``.gitattributes`` and ``.cache/huggingface/download/*.lock``,
+    which were documents. A pattern whose last part starts with '.' takes the hidden files it
+    matches, and one with a directory part starting with '.' goes into hidden directories."""
     real_root = root.resolve()
     inside = [e for e in (e.resolve() for e in exclude) if e != real_root and e.is_relative_to(real_root)]
     skipped = {e.relative_to(real_root).as_posix() for e in inside}
+    pattern_parts = PurePosixPath(pattern).parts
+    hidden_files = bool(pattern_parts) and pattern_parts[-1].startswith(".")
+    hidden_dirs = any(part.startswith(".") for part in pattern_parts[:-1])
     files = []
     for directory, subdirs, names in os.walk(root):
         here = Path(directory).relative_to(root)
@@ -159,8 +211,11 @@ def list_files(root: Path, pattern: str, exclude: Iterable[Path] = ()) -> list[P
             subdirs.clear()
             continue
         subdirs[:] = [d for d in subdirs
-                      if d not in EXCLUDED_DIRS and (here / d).as_posix() not in skipped]
+                      if d not in EXCLUDED_DIRS and (here / d).as_posix() not in skipped
+                      and (hidden_dirs or not d.startswith("."))]
         for name in names:
+            if name.startswith(".") and not hidden_files:
+                continue
             path = Path(directory, name)
             relative = (here / name).as_posix()
             if (relative not in skipped and not name.endswith(PREPARE_LOCK_SUFFIX)
@@ -195,10 +250,12 @@ def is_saved_dataset(directory: Path) -> bool:
     return (directory / DATASETS_STATE).is_file() and next(directory.glob("*.arrow"), None) is not None
 
 
-def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] = ()) -> list[Source]:
+def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] = (),
+                    text_field: str = "text") -> list[Source]:
     """Every input as sources, in order: inputs as given, each directory's files sorted. An input
     that exists is a path, even when its name holds glob characters. ``exclude`` (what ``prepare``
-    writes: its output, its staging directory) is never read from a directory or a pattern."""
+    writes: its output, its staging directory) is never read from a directory or a pattern.
+    ``text_field``: the records' text field, by which a ``.json`` file is told to be records."""
     exclude = list(exclude)  # read once per input
     excluded = {e.resolve() for e in exclude}
     sources: list[Source] = []
@@ -224,7 +281,7 @@ def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] =
                              if p.is_file() and not skipped_by_pattern(p, base, inside, datasets))
             if not matched:
                 raise DataError(f"input {entry!r} matches no file")
-            sources += [Source(p, p.relative_to(base).as_posix()) for p in matched]
+            sources += [Source(p, p.relative_to(base).as_posix(), text_field) for p in matched]
         elif not path.exists():
             raise DataError(f"input {entry!r} does not exist; fix the path")
         elif path.is_dir() and (path / DATASET_DICT).is_file():
@@ -233,26 +290,49 @@ def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] =
             raise DataError(f"input {entry!r} is already a prepared dataset (token ids, not text); "
                             "train on it with data.source=prepared data.paths=[...]")
         elif path.is_dir() and (path / DATASETS_STATE).is_file():
-            sources.append(Source(path, path.name))
+            sources.append(Source(path, path.name, text_field))
         elif path.is_dir():
             files = list_files(path, file_glob, exclude)
             if not files:
                 raise DataError(f"input directory {entry!r} has no files matching {file_glob!r}")
-            sources += [Source(p, p.relative_to(path).as_posix()) for p in files]
+            found = [Source(p, p.relative_to(path).as_posix(), text_field) for p in files]
+            warn_text_beside_records(entry, found)
+            sources += found
         else:
-            sources.append(Source(path, path.name))
+            sources.append(Source(path, path.name, text_field))
     for source in sources:
         check_not_packed(source)
     return sources
 
 
+def warn_text_beside_records(entry: str, sources: list[Source]) -> None:
+    """A directory of records that also holds text files (a dataset's README.md): each of those is a
+    document too, which is seldom meant; said, naming some."""
+    if not any(source.kind in RECORD_KINDS for source in sources):
+        return
+    texts = [source.name for source in sources if source.kind == "text"]
+    if texts:
+        more = f" and {len(texts) - 3} more" if len(texts) > 3 else ""
+        log.warning(f"data: input directory {entry} holds records (JSON Lines, Parquet or Arrow) and text "
+                    f"files, each read as one document: {', '.join(texts[:3])}{more}; leave them out with "
+                    "--glob / data.file_glob (such as '*.jsonl') unless they are training text")
+
+
 def check_not_packed(source: Source) -> None:
     """A compressed or archived file that is not JSON lines is refused: read as text, its
     compressed bytes were the training data."""
-    if source.kind == "text" and source.path.name.lower().endswith(PACKED_SUFFIXES):
-        raise DataError(f"{source.path}: a compressed or archived file, which shardtrain does not read as "
-                        "text (it reads .jsonl/.jsonl.gz, .parquet and uncompressed text); decompress it, "
-                        "or leave it out of the inputs (--glob, data.file_glob)")
+    if source.kind != "text" or not source.path.name.lower().endswith(PACKED_SUFFIXES):
+        return
+    if source.path.name.lower().endswith(".json.gz"):  # "decompress it" made it a text document
+        raise DataError(f"{source.path}: compressed, and not JSON Lines records (its first line is no JSON "
+                        f"object with a {source.text_field!r} field, 'prompt' and 'completion', or "
+                        "'messages', and no record follows it); shardtrain reads a .json.gz as JSON Lines "
+                        "only: name the text field with --text-field (data.text_field), or leave the file "
+                        "out of the inputs (--glob, data.file_glob)")
+    raise DataError(f"{source.path}: a compressed or archived file, which shardtrain does not read as "
+                    "text (it reads .jsonl/.jsonl.gz, JSON Lines as .json/.json.gz, .parquet and "
+                    "uncompressed text); decompress it, or leave it out of the inputs (--glob, "
+                    "data.file_glob)")
 
 
 def arrow_files(directory: Path) -> list[Path]:
@@ -341,9 +421,9 @@ def document_of(record: object, field: str, where: str) -> Document:
     return utf8(text_of(record, field, where))
 
 
-def column_texts(table: pa.Table, field: str, where: str) -> list[bytes]:
-    if field not in table.column_names:
-        raise DataError(f"{where}: no column {field!r} (columns: {', '.join(table.column_names)}); "
+def column_texts(table: pa.Table | pa.RecordBatch, field: str, where: str) -> list[bytes]:
+    if field not in table.schema.names:
+        raise DataError(f"{where}: no column {field!r} (columns: {', '.join(table.schema.names)}); "
                         "set data.text_field (or --text-field) to the column holding the text")
     column = table.column(field)
     if not is_text_type(column.type):
@@ -395,7 +475,10 @@ def read_jsonl(source: Source, field: str) -> Iterator[tuple[str, Document]]:
         raise DataError(f"{source.path}: cannot be read ({exc})") from exc
 
 
-def read_table_rows(source: Source, tables: Iterator[pa.Table], field: str) -> Iterator[tuple[str, bytes]]:
+def read_table_rows(source: Source, tables: Iterator[pa.RecordBatch],
+                    field: str) -> Iterator[tuple[str, bytes]]:
+    """Each row's text, keyed by its row number in the whole file (or directory), however the rows
+    come in batches: keys decide the split, and stay what they were when whole row groups were read."""
     row = 0
     for table in tables:
         for text in column_texts(table, field, str(source.path)):
@@ -403,24 +486,27 @@ def read_table_rows(source: Source, tables: Iterator[pa.Table], field: str) -> I
             row += 1
 
 
-def parquet_tables(path: Path, field: str) -> Iterator[pa.Table]:
-    """The row groups of a Parquet file, of column ``field`` alone where it has one (an image or
-    audio column beside the text was read and decoded for nothing); all of them where it does not,
-    for the error that names them."""
+def parquet_tables(path: Path, field: str) -> Iterator[pa.RecordBatch]:
+    """The rows of a Parquet file, ``TABLE_ROWS`` at a time, of column ``field`` alone where it has
+    one (an image or audio column beside the text was read and decoded for nothing); all of them
+    where it does not, for the error that names them."""
     try:
         reader = pq.ParquetFile(path)
         columns = [field] if field in reader.schema_arrow.names else None
-        for group in range(reader.num_row_groups):
-            yield reader.read_row_group(group, columns=columns)
+        yield from reader.iter_batches(batch_size=TABLE_ROWS, columns=columns)
     except (OSError, pa.ArrowException) as exc:
         raise DataError(f"{path}: not a readable Parquet file ({exc})") from exc
 
 
-def arrow_tables(directory: Path) -> Iterator[pa.Table]:
+def arrow_tables(directory: Path) -> Iterator[pa.RecordBatch]:
+    """The rows of a ``save_to_disk`` directory's Arrow files, ``TABLE_ROWS`` at a time (slices of
+    the memory-mapped record batches: nothing is copied until a slice's texts are)."""
     for file in arrow_files(directory):
         try:
             with pa.memory_map(str(file)) as stream:
-                yield pa.ipc.open_stream(stream).read_all()
+                for batch in pa.ipc.open_stream(stream):
+                    for start in range(0, batch.num_rows, TABLE_ROWS):
+                        yield batch.slice(start, TABLE_ROWS)
         except (OSError, pa.ArrowException) as exc:
             raise DataError(f"{file}: not a readable Arrow file ({exc})") from exc
 

@@ -3,6 +3,8 @@
 Layout of a prepared dataset directory::
 
     manifest.json                 what it holds and what it was made from (below)
+    sources.json                  every source's name, size and modification time (the manifest
+                                  holds their count; older manifests hold the entries themselves)
     train/tokens-00000.npy ...    token ids, uint16 when the vocabulary fits, else uint32
     train/docs-00000.npy ...      int64 start offset of each document within its shard
     train/mask-00000.npy ...      uint8, 1 where a token is a training target (only in shards holding
@@ -12,16 +14,19 @@ Layout of a prepared dataset directory::
 Every document is tokenized, followed by the tokenizer's end-of-text token (the byte tokenizer has
 none: documents are back to back), and appended to its split's current shard; a shard holds whole
 documents and up to ``shard_tokens`` tokens (one longer document gets a shard of its own). The
-manifest records the tokenizer (identity, vocabulary size, end-of-text id), the counts, every
-source's size and modification time, the options and the split; its ``fingerprint`` hashes all of
-them but the number of workers, and ``prepare`` with an unchanged fingerprint does nothing.
+manifest records the tokenizer (identity, vocabulary size, end-of-text id), the counts, each shard
+file's size, the options and the split, and sources.json every source's size and modification time;
+its ``fingerprint`` hashes the sources, the tokenizer's identity (not its path) and the options but
+the number of workers (inputs as absolute paths), and ``prepare`` with an unchanged fingerprint and
+every file there at its recorded size does nothing.
 
 Workers tokenize batches of documents in separate processes while the main process reads the inputs
 and writes the shards in input order, so the output is byte for byte the same for any number of
 workers; a worker that dies (killed for memory) stops the run with one line. The directory is
-written beside the target and renamed into place when complete: an interrupted run never leaves a
-half-prepared dataset under the name, and a failed one leaves nothing. The output directory (and
-what is written beside it) is never read as an input, even inside an input directory.
+written beside the target, flushed to the disk (files, then directories) and renamed into place when
+complete: an interrupted run (or a crash of the machine) never leaves a half-prepared dataset under
+the name, and a failed one leaves nothing. The output directory (and what is written beside it) is
+never read as an input, even inside an input directory.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from shardtrain.data.documents import (
     resolve_sources,
 )
 from shardtrain.data.tokenizer import TOKENIZER_CONFIG_FILE, Tokenizer, load_tokenizer, token_dtype
+from shardtrain.durable import fsync_path, write_durably
 from shardtrain.errors import DataError
 
 log = logging.getLogger("shardtrain")
@@ -64,6 +70,9 @@ log = logging.getLogger("shardtrain")
 FORMAT = PREPARED_FORMAT
 VERSION = 1
 MANIFEST = PREPARED_MANIFEST
+# Every source's entry, beside the manifest: inline, a million input files made a 106 MB manifest
+# that every rank parsed at start-up. The manifest holds their count.
+SOURCES_FILE = "sources.json"
 SPLITS = ("train", "val")
 SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 per shard file
 BATCH_DOCUMENTS = 256  # documents per task sent to a worker, at most
@@ -93,7 +102,8 @@ class PrepareResult:
 
 
 def is_validation(key: str, val_percent: float) -> bool:
-    return zlib.crc32(key.encode()) % 10_000 < val_percent * 100
+    # Rounded: in floats 0.07 * 100 is 7.000000000000001, which let an eighth bucket in.
+    return zlib.crc32(key.encode()) % 10_000 < round(val_percent * 100, 6)
 
 
 def output_options(options: PrepareOptions) -> dict:
@@ -123,8 +133,18 @@ def no_end_of_text(tokenizer: Tokenizer) -> str | None:
 
 
 def fingerprint(options: PrepareOptions, source_entries: list[dict], tokenizer: Tokenizer) -> str:
-    described = {"format": FORMAT, "version": VERSION, "options": output_options(options),
-                 "tokenizer": tokenizer_entry(tokenizer), "sources": source_entries}
+    """What the output is made from. Inputs count as absolute paths (``t/in.jsonl``,
+    ``./t/in.jsonl`` and ``$PWD/t/in.jsonl`` are one input; a pattern stays a pattern), and the
+    tokenizer by ``tokenizer_entry`` alone: its path as typed (``DIR`` or ``DIR/tokenizer.json``)
+    prepared everything again."""
+    described_options = output_options(options)
+    described_options["inputs"] = [os.path.abspath(Path(entry).expanduser()) for entry in options.inputs]
+    del described_options["tokenizer"]
+    described = {"format": FORMAT, "version": VERSION, "options": described_options,
+                 "tokenizer": tokenizer_entry(tokenizer), "sources": source_entries,
+                 # 2: the validation split rounds val_percent * 100 (0.07 held out 0.08%), and inputs
+                 # are normalised as above. Every dataset of recipe 1 is prepared again once.
+                 "recipe": 2}
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
 
@@ -141,6 +161,16 @@ def tokenizer_entry(tokenizer: Tokenizer) -> dict:
         # fingerprint of its own prepares them again (every other tokenizer's stays as it was).
         entry["truncation_off"] = True
     return entry
+
+
+def save_durably(path: Path, array: np.ndarray) -> int:
+    """``array`` saved as ``path`` (.npy) and flushed to the disk; its size in bytes. Without the
+    flush, a crash after the rename into place could leave the manifest naming empty files."""
+    with open(path, "wb") as file:
+        np.save(file, array)
+        file.flush()
+        os.fsync(file.fileno())
+        return file.tell()
 
 
 class ShardWriter:
@@ -173,17 +203,21 @@ class ShardWriter:
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         tokens_file, docs_file = (PREPARED_SHARD.format(kind=kind, index=index)
                                   for kind in ("tokens", "docs"))
-        np.save(self.directory / tokens_file, np.concatenate(self.parts).astype(self.dtype, copy=False))
-        np.save(self.directory / docs_file, starts)
         split = self.directory.name
+        sizes = {"tokens_file": save_durably(self.directory / tokens_file,
+                                             np.concatenate(self.parts).astype(self.dtype, copy=False)),
+                 "docs_file": save_durably(self.directory / docs_file, starts)}
         shard = {"tokens_file": f"{split}/{tokens_file}", "docs_file": f"{split}/{docs_file}",
                  "tokens": int(lengths.sum()), "documents": len(lengths)}
         if any(mask is not None for mask in self.masks):
             mask_file = PREPARED_SHARD.format(kind="mask", index=index)
-            np.save(self.directory / mask_file, np.concatenate([
+            sizes["mask_file"] = save_durably(self.directory / mask_file, np.concatenate([
                 mask if mask is not None else np.ones(len(ids), dtype=np.uint8)
                 for ids, mask in zip(self.parts, self.masks)]))
             shard["mask_file"] = f"{split}/{mask_file}"
+        # What the up-to-date check compares each file with: a file cut short (a full disk, a copy
+        # that stopped) keeps its name, and only its size tells it from a whole one.
+        shard["bytes"] = sizes
         self.shards.append(shard)
         self.documents += len(lengths)
         self.tokens += int(lengths.sum())
@@ -334,18 +368,64 @@ def absent(names: Iterable[str], listing: Callable[[str], set[str]]) -> list[str
     return gone
 
 
-def missing_files(directory: Path, manifest: dict) -> list[str]:
-    """The shard files ``manifest`` names that ``directory`` lacks."""
-    def listing(parent: str) -> set[str]:
-        try:
-            return set(os.listdir(directory / parent))
-        except OSError:
-            return set()
+SHARD_FILES = ("tokens_file", "docs_file", "mask_file")
 
-    names = [name for split in SPLITS
-             for shard in manifest.get("splits", {}).get(split, {}).get("shards", [])
-             for key in ("tokens_file", "docs_file", "mask_file") if (name := shard.get(key))]
-    return absent(names, listing)
+
+def damaged_files(directory: Path, manifest: dict) -> list[str]:
+    """What is wrong with the files ``manifest`` names (shards, and the sources file), in order:
+    each one ``directory`` lacks ("NAME missing") or whose size is not the one recorded ("NAME: 1000
+    of 2048 bytes"). A manifest without sizes (written before they were recorded) is checked by
+    name alone. One listing of each directory, and one stat of each file whose size is recorded."""
+    expected: list[tuple[str, int | None]] = []  # name, recorded size
+    for split in SPLITS:
+        for shard in manifest.get("splits", {}).get(split, {}).get("shards", []):
+            sizes = shard.get("bytes") or {}
+            expected += [(shard[key], sizes.get(key)) for key in SHARD_FILES if shard.get(key)]
+    if isinstance(recorded := manifest.get("sources"), dict) and isinstance(recorded.get("file"), str):
+        expected.append((recorded["file"], recorded.get("bytes")))
+    listed: dict[str, dict[str, os.DirEntry]] = {}
+    damaged = []
+    for name, recorded_size in expected:
+        parent, _, base = name.rpartition("/")
+        if parent not in listed:
+            try:
+                with os.scandir(directory / parent) as found:
+                    listed[parent] = {entry.name: entry for entry in found}
+            except OSError:
+                listed[parent] = {}
+        entry = listed[parent].get(base)
+        try:
+            present = entry is not None and entry.is_file()
+            size = entry.stat().st_size if present and recorded_size is not None else None
+        except OSError:  # gone since the listing
+            present = False
+        if not present:
+            damaged.append(f"{name} missing")
+        elif size != recorded_size:
+            damaged.append(f"{name}: {size} of {recorded_size} bytes")
+    return damaged
+
+
+def recorded_sources(directory: Path, manifest: dict) -> list[dict]:
+    """The source entries of the dataset at ``directory``: from its sources file, or inline in a
+    manifest written before they had a file of their own."""
+    recorded = manifest.get("sources")
+    if isinstance(recorded, list):
+        return recorded
+    if not (isinstance(recorded, dict) and isinstance(recorded.get("file"), str)):
+        raise DataError(f"{directory / MANIFEST} names no sources: the prepared dataset is damaged; "
+                        "prepare it again")
+    path = directory / recorded["file"]
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or type(exc).__name__
+        raise DataError(f"{path} cannot be read ({why}): the prepared dataset is damaged; prepare it "
+                        "again") from exc
+    if not isinstance(entries, list):
+        raise DataError(f"{path} holds a {type(entries).__name__}, not a list of sources: the prepared "
+                        "dataset is damaged; prepare it again")
+    return entries
 
 
 def read_manifest(directory: Path) -> dict | None:
@@ -367,7 +447,11 @@ def prepare(options: PrepareOptions, out: str | Path, progress: bool = True,
     started on every node of a job) run one after the other, the later ones finding it up to date;
     they shared one staging directory, and each deleted the other's shards. False: the caller holds
     a lock of its own (the data cache's)."""
-    out = Path(out).expanduser()
+    # Absolute, so that ".", ".." and "a/.." have a name to put the staging directory beside.
+    out = Path(os.path.abspath(Path(out).expanduser()))
+    if not out.name:
+        raise DataError(f"the output {out} has no name (a dataset is written beside its directory and "
+                        "renamed into place); choose a directory to create")
     if out.is_symlink():  # the dataset goes where the link points, and the link stays (renamed aside,
         out = out.resolve()  # the link was replaced by a directory and its removal failed)
     if out.exists() and not out.is_dir():
@@ -413,18 +497,18 @@ def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool, exclude
     tokenizer = load_tokenizer(options.tokenizer)
     staging = out.with_name(f".{out.name}.preparing")
     aside = out.with_name(f".{out.name}.replaced")
-    sources = resolve_sources(options.inputs, options.file_glob, [out, staging, aside, *exclude])
+    sources = resolve_sources(options.inputs, options.file_glob, [out, staging, aside, *exclude],
+                              options.text_field)
     source_entries = [s.fingerprint() for s in sources]  # every input file's size and mtime, once
     digest = fingerprint(options, source_entries, tokenizer)
     existing = read_manifest(out)
     if existing is not None and existing.get("fingerprint") == digest:
-        if not (gone := missing_files(out, existing)):
+        if not (damaged := damaged_files(out, existing)):
             return PrepareResult(existing, up_to_date=True)
         if check_only:
             return None
         # Ours, and named "prepare it again" by the reader that found it so: done here.
-        log.warning(f"data: {out} is prepared but incomplete ({', '.join(gone[:3])} missing); preparing "
-                    "it again")
+        log.warning(f"data: {out} is prepared but damaged ({', '.join(damaged[:3])}); preparing it again")
     if out.exists() and existing is None and any(out.iterdir()):
         raise DataError(f"{out} exists and is not a prepared dataset; choose another output directory")
     if check_only:
@@ -447,6 +531,12 @@ def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool, exclude
         raise
     # An old dataset a crash left aside (between the two renames below) goes too.
     shutil.rmtree(aside, ignore_errors=True)
+    # The new directory's entries reach the disk before its name does: a crash after the rename
+    # must not leave a dataset whose files were never listed.
+    for split in SPLITS:
+        if (staging / split).is_dir():
+            fsync_path(staging / split)
+    fsync_path(staging)
     if out.exists():
         # Renamed aside before it is deleted: a crash part-way through deleting the old dataset
         # must not leave a directory at ``out`` that holds half of it.
@@ -455,6 +545,7 @@ def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool, exclude
         shutil.rmtree(aside)
     else:
         staging.rename(out)
+    fsync_path(out.parent)  # the rename itself
     return PrepareResult(manifest, up_to_date=False, seconds=time.perf_counter() - started)
 
 
@@ -482,11 +573,15 @@ def write_staging(options: PrepareOptions, sources: list[Source], source_entries
     if not reading.bytes:
         raise DataError(f"{inputs}: no text (the input is empty: {reading.documents} empty document(s))")
     entries = {split: writer.entry() for split, writer in writers.items()}
+    # Before the manifest, which names it: a manifest is there only when all it names is.
+    sources_bytes = write_durably(staging / SOURCES_FILE,
+                                  (json.dumps(source_entries, indent=0) + "\n").encode())
     manifest = {
         "format": FORMAT, "version": VERSION, "fingerprint": digest,
         "tokenizer": tokenizer_entry(tokenizer), "dtype": np.dtype(dtype).name,
         "options": output_options(options),
-        "sources": source_entries, "splits": entries,
+        "sources": {"file": SOURCES_FILE, "count": len(source_entries), "bytes": sources_bytes},
+        "splits": entries,
     }
-    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    write_durably(staging / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
     return manifest

@@ -21,7 +21,7 @@ from pathlib import Path
 
 LAYERS: list[tuple[str, list[str]]] = [
     ("base", ["shardtrain.version", "shardtrain.errors", "shardtrain.logs", "shardtrain.faults",
-              "shardtrain.accelerator"]),
+              "shardtrain.accelerator", "shardtrain.durable"]),
     ("config", ["shardtrain.config"]),
     ("models", ["shardtrain.models"]),
     ("data", ["shardtrain.data"]),
