@@ -22,6 +22,7 @@ from torch import nn
 
 from shardtrain.config.plan import DTYPES, PRECISION_PRESETS
 from shardtrain.config.schema import DistConfig
+from shardtrain.diagnostics.memory import PhaseMemory
 from shardtrain.diagnostics.planner import sharded_state_bytes
 from shardtrain.diagnostics.watchdog import Watchdog, bounded, dump_flight_recorder
 from shardtrain.distributed.env import apply_debug_switches
@@ -310,6 +311,22 @@ def test_a_hang_stops_when_stderr_is_blocked(tmp_path):
         proc.kill()
         proc.stderr.close()
     assert (tmp_path / "hangs" / "rank-0.txt").is_file()
+
+
+def test_a_phases_peak_is_the_largest_of_its_micro_batches(monkeypatch):
+    """Found by review: forward was marked in the last micro-batch only, after one peak reset a step,
+    so its accelerator peak took in every earlier micro-batch's backward; each micro-batch's forward
+    and backward are marked now, and a phase keeps the largest (the allocator's peaks stand in)."""
+    peaks = iter([300, 700, 200, 500, 900])  # forward, backward, forward, backward, optimizer
+    monkeypatch.setattr("shardtrain.diagnostics.memory.phase_peak_bytes", lambda device: next(peaks) * 2**20)
+    monkeypatch.setattr("shardtrain.diagnostics.memory.reset_phase_peak", lambda device: None)
+    model = nn.Linear(4, 4)
+    memory = PhaseMemory(model, torch.optim.AdamW(model.parameters()), torch.device("cpu"))
+    memory.start()
+    for phase in ("forward", "backward", "forward", "backward", "optimizer"):
+        memory.mark(phase)
+    assert {phase: entry["peak_allocated_mib"] for phase, entry in memory.record.items()} == {
+        "forward": 300, "backward": 700, "optimizer": 900}
 
 
 def test_flight_recorder_switches_follow_each_run(tmp_path, monkeypatch):

@@ -53,7 +53,10 @@ class PhaseMemory:
     """Peak memory per phase of a step: forward, backward, optimizer step, end of step.
 
     On an accelerator: the allocator's peak within each phase. On CPU: the exact bytes of the
-    sharded states and the process's resident memory at the end of each phase.
+    sharded states and the process's resident memory at the end of each phase. Forward and backward
+    are marked once per micro-batch: a phase's peak and resident memory are the largest of its
+    marks (with the peak reset once a step, the forward's took in every earlier micro-batch's
+    backward), its state bytes the last.
     """
 
     PHASES = ("forward", "backward", "optimizer", "end")
@@ -83,6 +86,9 @@ class PhaseMemory:
         s = state_bytes(self.model, self.optimizer, self.averages)
         entry.update(params_mib=s.params / 2**20, grads_mib=s.grads / 2**20,
                      optimizer_mib=s.optimizer / 2**20)
+        for key in ("rss_mib", "peak_allocated_mib"):
+            if key in entry and key in self.record.get(phase, {}):
+                entry[key] = max(entry[key], self.record[phase][key])
         self.record[phase] = entry
 
 

@@ -368,7 +368,6 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     returned_count = torch.zeros((), dtype=torch.float64, device=device)
     metrics = MetricSums(device, metric_kinds)
-    last = len(micro_batches) - 1
     rank = dist.get_rank()
     if phases is not None:
         phases.start()
@@ -379,14 +378,14 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
             loss = out.loss / divisor if divisor is not None else out.loss
             if index == 0:
                 loss = faults.poison_loss(rank, step, loss)
-            if phases is not None and index == last:
+            if phases is not None:  # each micro-batch's: the phase's peak is the largest of them
                 phases.mark("forward")
             loss.backward()
+        if phases is not None:
+            phases.mark("backward")
         loss_sum += loss.detach()
         returned_count += as_scalar(out.count, device)
         metrics.add(out.metrics)
-    if phases is not None:
-        phases.mark("backward")
     if metric_kinds is None:
         check_same_on_every_rank("the task's metrics (name, has its own count)", metrics.kinds)
         check_metric_names(task, metrics.kinds or (), reserved_names)
