@@ -56,6 +56,10 @@ def dump_stacks(path: Path, text: str) -> None:
 # How long the watchdog waits for each piece of evidence it writes into run.dir before it stops.
 EVIDENCE_WAIT_S = 30.0
 MESSAGE_WAIT_S = 5.0  # ... and for its last message to reach stderr
+# The longest a stop takes once its bound has passed: stacks, flight recorder, failure record, message.
+# The process group's own timeout is this much longer than the watchdog's bounds, so that the
+# watchdog's stop, with its evidence and status 124, comes first.
+STOP_WAIT_S = 3 * EVIDENCE_WAIT_S + MESSAGE_WAIT_S
 
 
 def bounded(work: Callable[[], None], name: str, wait_s: float | None = None) -> bool:

@@ -56,7 +56,7 @@ from shardtrain.diagnostics.report import (
     rank_lines,
     settings_lines,
 )
-from shardtrain.diagnostics.watchdog import Watchdog
+from shardtrain.diagnostics.watchdog import STOP_WAIT_S, Watchdog
 from shardtrain.distributed.agreement import run_agreed
 from shardtrain.distributed.env import (
     DistEnv,
@@ -273,9 +273,12 @@ class Trainer:
         check_manual_launch_shape(cfg.trainer.num_nodes)
         check_restarts_resume(cfg.checkpoint.enabled)
         apply_debug_switches(cfg.dist, Path(cfg.run.dir))
-        # The process group's own timeout is the start-up bound; the per-step bound after the first
-        # step is enforced by the watchdog (see diagnostics/watchdog.py).
-        env = init_distributed(cfg.dist.backend, max(cfg.dist.timeout_s, cfg.dist.startup_timeout_s),
+        # The process group's own timeout is the longer bound plus the longest the watchdog's stop
+        # takes (from the diagnostics review: equal to it, a slow evidence write let the backend's
+        # timeout overtake the watchdog's stop, its record and status 124). The per-step bound after
+        # the first step is enforced by the watchdog (see diagnostics/watchdog.py).
+        env = init_distributed(cfg.dist.backend,
+                               max(cfg.dist.timeout_s, cfg.dist.startup_timeout_s) + STOP_WAIT_S,
                                cpu_offload=cfg.strategy.cpu_offload)
         check_world(cfg, env.world_size, env.local_world_size)
         run_lock = None
