@@ -344,6 +344,12 @@ def test_the_best_checkpoints_and_early_stopping_judge_a_validation_value():
     assert cfg.trainer.early_stop_patience == 2
 
 
+def test_a_dry_run_measures_its_step_with_diagnostics_off():
+    # the refusal of diagnostics.steps with diagnostics.enabled=false leaves a dry run (found by review)
+    cfg = load_config(["diagnostics.enabled=false", "diagnostics.dry_run=true", "diagnostics.steps=0"])
+    assert cfg.diagnostics.steps == 0
+
+
 def test_a_memory_snapshot_needs_cuda():
     """The CUDA caching allocator's history: refused in one line on a machine without CUDA."""
     with pytest.raises(ConfigError, match="device is cpu; set diagnostics.memory_snapshot=false"):

@@ -59,6 +59,7 @@ def test_lost_rank_restarts_and_ends_bit_for_bit(tmp_path, uninterrupted):
                    env=KILL_RANK_1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "step-3" in proc.stderr  # the newest complete one
+    assert "under torchrun its own --max-restarts" not in proc.stderr  # it is the launcher's, in use
     assert_bitwise_equal(final_weights(run_dir, tmp_path / "w.safetensors"), uninterrupted[1])
 
 
@@ -86,6 +87,16 @@ def test_plain_torchrun_with_restarts_and_a_shared_store(tmp_path, uninterrupted
     assert_bitwise_equal(final_weights(run_dir, tmp_path / "w.safetensors"), uninterrupted[1])
     # torchrun's default --signals-to-handle holds SIGTERM, a preemption signal: said once an attempt
     assert "torchrun's agent handles SIGTERM itself (its --signals-to-handle)" in proc.stderr
+    # trainer.max_restarts under plain torchrun does nothing, and is said to (found by review)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--max-restarts=1",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=said",
+         "-m", "shardtrain", "train", *QUICK, f"run.dir={tmp_path / 'said'}", "trainer.devices=auto",
+         "trainer.max_steps=1", "trainer.max_restarts=3"],
+        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("trainer.max_restarts=3 is the built-in launcher's (trainer.devices=N); under torchrun its own "
+            "--max-restarts (1) decides") in proc.stderr
 
 
 def test_worker_failure_is_one_line_naming_the_rank(tmp_path):
@@ -259,15 +270,17 @@ import sys
 for i in range(4000):
     sys.stderr.write(f"[shardtrain] line {i}\\n" if i % 1000 == 0 else "x" * 50 + "\\n")
 """
-# An agent that handles SIGHUP, SIGQUIT and SIGTERM, as torchrun's does (--signals-to-handle),
-# exiting 100 + the signal; argv[1]: a file it writes its pid to once it handles them.
+# An agent that handles SIGHUP, SIGQUIT and SIGTERM but those it was started ignoring (the preemption
+# signals: torchrun's --signals-to-handle leaves them out), exiting 100 + the signal; argv[1]: a file
+# it writes its pid to once it handles them, and the signal it got to argv[1].got.
 HANDLING_AGENT = """
 import os, signal, sys, time
 def stop(signum, frame):
     open(sys.argv[1] + ".got", "w").write(str(signum))
     sys.exit(100 + signum)
 for sig in (signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM):
-    signal.signal(sig, stop)
+    if signal.getsignal(sig) is not signal.SIG_IGN:
+        signal.signal(sig, stop)
 open(sys.argv[1], "w").write(str(os.getpid()))
 time.sleep(120)  # a guard: the test signals it long before
 """
@@ -404,7 +417,9 @@ def test_signals_the_agent_handles_are_forwarded_to_it(tmp_path, sig):
         assert launcher.wait(timeout=60) == 0, f"the launcher died of {sig.name}, its agent left running"
         out, err = launcher.communicate(timeout=60)
         assert out == f"agent exited {128 + sig}\n", err[-3000:]
-        asked = signal.SIGTERM if sig == signal.SIGUSR2 else sig
+        # SIGTERM is a preemption signal here (LAUNCHER), which the agent ignores: a stop is SIGHUP
+        # (found by the diff review: SIGTERM to the agent was ignored, and training went on)
+        asked = signal.SIGHUP if sig == signal.SIGUSR2 else sig
         assert (tmp_path / "agent.pid.got").read_text() == str(int(asked))  # what the agent got
     finally:
         if launcher.poll() is None:

@@ -57,11 +57,15 @@ from shardtrain.errors import ConfigError
 from shardtrain.logs import LOG_PREFIX
 
 log = logging.getLogger("shardtrain")
+# Set for the workers of the built-in launcher (trainer.devices=N), whose trainer.max_restarts is the
+# agent's --max-restarts.
+BUILT_IN_LAUNCH = "SHARDTRAIN_BUILT_IN_LAUNCH"
 
 AGENT_SIGNALS = ("SIGINT", "SIGHUP", "SIGQUIT")
 # Other signals that end a process by default (a batch system's warning signal, CPU-time and
 # file-size limits): left at their default they killed this process alone, and the agent (in a
-# session of its own) and the workers trained on, orphaned. The agent is asked to stop instead.
+# session of its own) and the workers trained on, orphaned. The agent is asked to stop instead, by a
+# signal it handles: SIGTERM, or SIGHUP where SIGTERM is a preemption signal (the agent ignores it).
 STOPPING_SIGNALS = tuple(getattr(signal, name) for name in (
     "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGXCPU", "SIGXFSZ", "SIGPWR")
     if hasattr(signal, name))
@@ -86,11 +90,12 @@ def torchrun_args(nproc: int, command: list[str], preemption_signals: Sequence[s
 
 def agent_env(max_restarts: int) -> dict[str, str]:
     """What the agent's environment adds to this process's."""
+    env = {BUILT_IN_LAUNCH: "1"}
     if max_restarts:
         # The agent's shared store survives restarts and hands a restarted attempt the dead
         # attempt's keys (pytorch/pytorch#135712); without sharing, each attempt has its own store.
-        return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    return {}
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
 
 
 def fork_agent(module: str, args: list[str], env: dict[str, str], ignored: Sequence[int],
@@ -310,6 +315,7 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
         # Set once the agent is reaped: its process id may be another process's from then on.
         orphaned: list[int] = []
         stopped_by: list[int] = []  # the signals, not preemption ones, that stopped the run
+        agent_stop = signal.SIGHUP if signal.SIGTERM in signals else signal.SIGTERM
 
         def deliver() -> None:
             # Only to the workers, the agent's children (the agent ignores these signals); not
@@ -330,10 +336,10 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
             elif signum in signals:
                 pending.add(signum)
                 deliver()
-            else:  # the agent stops its workers: at the signals it handles, and at SIGTERM for others
+            else:  # the agent stops its workers: at the signals it handles, and at agent_stop for others
                 stopped_by.append(signum)
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(agent, signal.SIGTERM if signum in STOPPING_SIGNALS else signum)
+                    os.kill(agent, agent_stop if signum in STOPPING_SIGNALS else signum)
 
         # Every signal the agent handles, too: left at its default, SIGHUP or SIGQUIT would kill this
         # process and leave the agent (in a session of its own) and the workers running.
@@ -454,7 +460,9 @@ def relaunch_if_needed(cfg: Config, command: list[str], log_file: Path) -> int |
         world = int(os.environ["WORLD_SIZE"])
         check_world(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
-        if cfg.trainer.max_restarts and os.environ.get("RANK") == "0" and "TORCHELASTIC_RUN_ID" in os.environ:
+        by_hand = os.environ.get(BUILT_IN_LAUNCH) != "1"  # the built-in launcher's workers: it is in use
+        if cfg.trainer.max_restarts and by_hand and os.environ.get("RANK") == "0" and (
+                "TORCHELASTIC_RUN_ID" in os.environ):
             log.warning(f"trainer.max_restarts={cfg.trainer.max_restarts} is the built-in launcher's "
                         f"(trainer.devices=N); under torchrun its own --max-restarts ({restarts}) decides")
         return None

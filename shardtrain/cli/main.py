@@ -109,9 +109,9 @@ def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -
         status = failure.get("exit_status", status)
     elif status > 128:  # run_under_torchrun: a signal stopped the launch, or killed the agent
         name = signal.Signals(status - 128).name
-        how = " (from outside, or by the out-of-memory killer)" if name == "SIGKILL" else ""
-        reason = (f"stopped by {name}{how} (sent to the launcher or torchrun's agent); its workers were "
-                  "stopped")
+        reason = (f"torchrun's agent was killed by {name} (from outside, or by the out-of-memory killer); "
+                  "its workers were stopped" if name == "SIGKILL" else
+                  f"stopped by {name} (sent to the launcher or torchrun's agent); its workers were stopped")
     else:
         reason = f"the training processes exited with status {status} without an error record"
     print(f"shardtrain: error: {reason}; full log: {log_file}", file=sys.stderr)
@@ -139,8 +139,11 @@ def on_devices(devices: int, argv: list[str]) -> int | None:
         # to a log; the console gets their log lines, then one line, as `train` gives.
         # Under Slurm beside the job's submission, not in a /tmp that many sites give each job and
         # delete at its end (the "full log:" path of a failure would name nothing).
-        handle, name = tempfile.mkstemp(prefix=f"shardtrain-{argv[0]}-", suffix=".log",
-                                        dir=os.environ.get("SLURM_SUBMIT_DIR"))
+        try:
+            handle, name = tempfile.mkstemp(prefix=f"shardtrain-{argv[0]}-", suffix=".log",
+                                            dir=os.environ.get("SLURM_SUBMIT_DIR"))
+        except OSError:  # a submission directory this node cannot write (Slurm then runs in /tmp)
+            handle, name = tempfile.mkstemp(prefix=f"shardtrain-{argv[0]}-", suffix=".log")
         os.close(handle)
         log_file = Path(name)
         status = run_under_torchrun(devices, argv, (), log_file=log_file)

@@ -386,7 +386,7 @@ def check_profiling(cfg: Config) -> None:
         raise ConfigError(f"diagnostics.profile_steps={d.profile_steps} counts the steps traced from "
                           "diagnostics.profile_at, which is 0 (never); set diagnostics.profile_at=STEP too, "
                           "or drop profile_steps")
-    if not d.enabled and d.steps != default.steps:
+    if not d.enabled and not d.dry_run and d.steps != default.steps:  # a dry run measures its step
         raise ConfigError(f"diagnostics.steps={d.steps} measures the first steps' memory, and "
                           "diagnostics.enabled=false measures none; drop one of them")
     if d.memory_snapshot and not d.profile_at:
