@@ -165,6 +165,7 @@ def nan_step_is_skipped(out: str) -> None:
         expected = {name: 0.75 * expected[name] + 0.25 * weights[name] for name in expected}
     # found by review: writing the trace (hundreds of MB at scale) was timed as the step's
     assert trainer.watchdog.phase == "writing the profiler trace", trainer.watchdog.phase
+    assert trainer.watchdog.limits()[1:] == (cfg.checkpoint.save_timeout_s, "checkpoint.save_timeout_s")
     average = {name: full_value(value).float() for name, value in trainer.average.average.items()}
     assert all(torch.allclose(average[name], expected[name], rtol=1e-6, atol=1e-7) for name in expected)
     # Evaluation runs the model on the average swapped in, then the weights are back bit for bit.

@@ -331,7 +331,7 @@ def test_a_phases_peak_is_the_largest_of_its_micro_batches(monkeypatch):
 
 def test_flight_recorder_switches_follow_each_run(tmp_path, monkeypatch):
     """Found by review: a second run in one process dumped into the first run's directory, and a
-    run without the recorder kept recording; a user's own values stay."""
+    run without the recorder kept its variables; a user's own values stay."""
     for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
                  "TORCH_FR_DUMP_TEMP_FILE", "TORCH_DISTRIBUTED_DEBUG"):  # put back as they were
         monkeypatch.delenv(name, raising=False)

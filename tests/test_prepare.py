@@ -370,7 +370,9 @@ def test_the_same_inputs_however_written_are_up_to_date(tmp_path, monkeypatch):
 def test_json_files_of_records_are_json_lines(tmp_path, caplog):
     """Found by review: a .json file of JSON Lines (Hugging Face datasets' train.json) was one text
     document, JSON syntax included, and a .json.gz was refused with "decompress it", which led to
-    the same. Records by their first line; other .json files stay text (package.json)."""
+    the same. Records by their first line; other .json files stay text (package.json), and so do
+    JSON Lines of other fields, said (the diff review: a code corpus's NDJSON fixtures of events
+    stopped its preparation as records without a text field)."""
     records = '{"text": "alpha"}\n\n{"text": "beta"}\n'
     (tmp_path / "train.json").write_text("\n" + records)
     (tmp_path / "UPPER.JSON").write_text(records)
@@ -382,7 +384,7 @@ def test_json_files_of_records_are_json_lines(tmp_path, caplog):
     (tmp_path / "other.json").write_text('{"content": "alpha"}\n{"content": "beta"}\n')
     kinds = {p.name: Source(p, p.name).kind for p in sorted(tmp_path.iterdir())}
     assert kinds == {"UPPER.JSON": "jsonl", "chat.json": "jsonl", "list.json": "text", "one.json": "text",
-                     "other.json": "jsonl", "package.json": "text", "train.json": "jsonl",
+                     "other.json": "text", "package.json": "text", "train.json": "jsonl",
                      "train.json.gz": "jsonl"}
     # The text field named decides too, and what is read shows in the fingerprint (not as text)
     assert Source(tmp_path / "one.json", "one.json", text_field="name").kind == "jsonl"
@@ -391,9 +393,13 @@ def test_json_files_of_records_are_json_lines(tmp_path, caplog):
                    progress=False)
     assert made.manifest["splits"]["train"]["documents"] == 2
     assert bytes(read_split(tmp_path / "gz", "train")[0].tolist()) == b"alphabeta"
-    # Records without the text field are named by the record reader, as a .jsonl file's are
-    with pytest.raises(DataError, match=r"other.json:1: no 'text' field \(fields: content\)"):
-        prepare(PrepareOptions(inputs=[str(tmp_path / "other.json")]), tmp_path / "o", progress=False)
+    # JSON Lines of another field: text, said once for all such files; with that field named, records
+    (tmp_path / "events.json").write_text('{"id": 1}\n{"id": 2}\n')
+    with caplog.at_level(logging.WARNING, logger="shardtrain"):
+        resolve_sources([str(tmp_path / "other.json"), str(tmp_path / "events.json")], "*")
+    assert ("data: other.json, events.json: JSON Lines whose first record has no 'text' field, each read as "
+            "one text document; to read them as records name their text field") in caplog.text
+    assert Source(tmp_path / "other.json", "other.json", text_field="content").kind == "jsonl"
     (tmp_path / "notes.json.gz").write_bytes(gzip.compress(b'{\n  "a": 1\n}\n'))
     with pytest.raises(DataError, match=r"notes.json.gz: compressed, and not JSON Lines records .* reads a "
                                         r"\.json\.gz as JSON Lines only: name the text field"):

@@ -6,9 +6,8 @@ suffix a file is: JSON Lines (``.jsonl``, ``.ndjson``, either gzipped; one docum
 text in a chosen field), Parquet (``.parquet``; one document per row of a chosen column), or text
 (the whole file is one document; a compressed or archived one is refused). A ``.json`` or
 ``.json.gz`` file is JSON Lines when its first non-blank line is a JSON object that holds the text
-field or fine-tuning keys, or is followed by another non-blank line (no whole JSON document is; its
-records then name a missing field as a ``.jsonl`` file's do); any other ``.json`` is text (a
-package.json), and any other ``.json.gz`` is refused. A
+field or fine-tuning keys; any other ``.json`` is text (a package.json; one that looks like JSON
+Lines of other fields is said, once for all such files), and any other ``.json.gz`` is refused. A
 directory written by ``datasets``' ``save_to_disk`` (it holds ``state.json``), given or found
 inside a given directory, is read as its Arrow files, one document per row; the ``datasets`` library
 is not needed for that. A ``DatasetDict``'s directory (it holds ``dataset_dict.json`` and one such
@@ -46,7 +45,7 @@ EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 # was made inside an input directory and later removed.
 PREPARE_LOCK_SUFFIX = ".shardtrain-lock"
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")  # matched ignoring case
-# Records or not by what their first lines hold (``json_records``): many Hugging Face datasets ship
+# Records or not by what their first line holds (``json_shape``): many Hugging Face datasets ship
 # JSON Lines as train.json, and code corpora hold package.json-like files, which are text.
 JSON_SUFFIXES = (".json", ".json.gz")  # matched ignoring case
 # What a directory input yields that is read as records, beside which a text file is worth a word.
@@ -89,7 +88,7 @@ class Source:
             return "jsonl"
         if name.endswith(".parquet"):
             return "parquet"
-        if name.endswith(JSON_SUFFIXES) and json_records(self.path, self.text_field):
+        if name.endswith(JSON_SUFFIXES) and json_shape(self.path, self.text_field) == "records":
             return "jsonl"
         return "text"
 
@@ -107,31 +106,38 @@ class Source:
         return entry
 
 
-def json_records(path: Path, field: str) -> bool:
-    """Whether a ``.json`` (or ``.json.gz``) file is JSON Lines: its first non-blank line is a JSON
-    object, and either holds ``field`` or fine-tuning keys (``prompt`` and ``completion``, or
-    ``messages``), or is followed by another non-blank line (a whole JSON document cannot be: the
-    records then name their missing field with the record reader's own error). A single line of a
-    JSON object with none of those keys, or anything else, is text (a minified package.json). A file
-    that cannot be read is not records here: the text reader, or the refusal of compressed text,
-    names it."""
+# How much of a .json file is read to tell records from text: a first record longer than this (one
+# document of 16 MiB) is taken for text, and a minified JSON document is never parsed whole.
+JSON_SNIFF_BYTES = 16 << 20
+
+
+def json_shape(path: Path, field: str) -> str:
+    """What a ``.json`` (or ``.json.gz``) file's first non-blank line says it is: "records" (a JSON
+    object holding ``field``, or fine-tuning keys: ``prompt`` and ``completion``, or ``messages``),
+    "other records" (a JSON object without them, with another non-blank line after it: JSON Lines
+    of other fields, read as text and said), or "text" (anything else: a package.json, a minified
+    document, a file that cannot be read, which the text reader or the refusal of compressed text
+    then names). At most ``JSON_SNIFF_BYTES`` of a line are read."""
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rb") as lines:
-            first = next((line for line in lines if line.strip()), None)
-            if first is None:
-                return False
+            first = lines.readline(JSON_SNIFF_BYTES)
+            while first and not first.strip():
+                first = lines.readline(JSON_SNIFF_BYTES)
             try:
                 record = json.loads(first)
-            except ValueError:  # UnicodeDecodeError included
-                return False
+            except ValueError:  # UnicodeDecodeError included; an empty file; a line cut at the bound
+                return "text"
             if not isinstance(record, dict):
-                return False
+                return "text"
             if field in record or "messages" in record or ("prompt" in record and "completion" in record):
-                return True
-            return any(line.strip() for line in lines)
+                return "records"
+            more = lines.readline(JSON_SNIFF_BYTES)
+            while more and not more.strip():
+                more = lines.readline(JSON_SNIFF_BYTES)
+            return "other records" if more else "text"
     except (OSError, EOFError, zlib.error):
-        return False
+        return "text"
 
 
 def matches(relative: str, pattern: str) -> bool:
@@ -302,7 +308,22 @@ def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] =
             sources.append(Source(path, path.name, text_field))
     for source in sources:
         check_not_packed(source)
+    warn_json_lines_read_as_text(sources)
     return sources
+
+
+def warn_json_lines_read_as_text(sources: list[Source]) -> None:
+    """``.json`` files that look like JSON Lines but whose first record has no text field: each is
+    read as one text document (a code corpus's fixtures, or records of another field); said once
+    for all of them, naming some."""
+    found = [source for source in sources if source.kind == "text"
+             and source.path.name.lower().endswith(".json")
+             and json_shape(source.path, source.text_field) == "other records"]
+    if found:
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        log.warning(f"data: {', '.join(s.name for s in found[:3])}{more}: JSON Lines whose first record has "
+                    f"no {found[0].text_field!r} field, each read as one text document; to read them as "
+                    "records name their text field (--text-field, data.text_field)")
 
 
 def warn_text_beside_records(entry: str, sources: list[Source]) -> None:
@@ -326,9 +347,9 @@ def check_not_packed(source: Source) -> None:
     if source.path.name.lower().endswith(".json.gz"):  # "decompress it" made it a text document
         raise DataError(f"{source.path}: compressed, and not JSON Lines records (its first line is no JSON "
                         f"object with a {source.text_field!r} field, 'prompt' and 'completion', or "
-                        "'messages', and no record follows it); shardtrain reads a .json.gz as JSON Lines "
-                        "only: name the text field with --text-field (data.text_field), or leave the file "
-                        "out of the inputs (--glob, data.file_glob)")
+                        "'messages'); shardtrain reads a .json.gz as JSON Lines only: name the text field "
+                        "with --text-field (data.text_field), or leave the file out of the inputs (--glob, "
+                        "data.file_glob)")
     raise DataError(f"{source.path}: a compressed or archived file, which shardtrain does not read as "
                     "text (it reads .jsonl/.jsonl.gz, JSON Lines as .json/.json.gz, .parquet and "
                     "uncompressed text); decompress it, or leave it out of the inputs (--glob, "

@@ -545,7 +545,11 @@ def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool, exclude
         shutil.rmtree(aside)
     else:
         staging.rename(out)
-    fsync_path(out.parent)  # the rename itself
+    try:
+        fsync_path(out.parent)  # the rename itself
+    except OSError as exc:  # the dataset is whole and in place: only its durability is in doubt
+        log.warning(f"data: {out} is prepared, but {out.parent} could not be flushed to the disk "
+                    f"({exc.strerror or exc}); a crash of the machine now may lose the rename")
     return PrepareResult(manifest, up_to_date=False, seconds=time.perf_counter() - started)
 
 

@@ -243,9 +243,10 @@ def restart_safe_store(timeout: datetime.timedelta) -> dict:
 
 
 # The flight recorder's variables as this process set them: a later run in the same process (the
-# library's) sets or clears them for its own settings and run.dir (they stayed the first run's: its
-# dumps went into the first run's directory, and a run without the recorder kept recording), while
-# values the user set are left as they are.
+# library's) sets or clears them for its own settings and run.dir (they stayed the first run's, and
+# its dumps went into the first run's directory), while values the user set are left as they are.
+# The recorder's size is read once a process (torch 2.13's CPU recorder, gloo's, records by default,
+# TORCH_FR_BUFFER_SIZE unset): what follows each run is where its dump goes.
 _SWITCHED: dict[str, str] = {}
 
 

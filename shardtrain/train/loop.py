@@ -706,7 +706,7 @@ class Trainer:
             while self.step < self.cfg.trainer.max_steps and not self.stop_early and self.iteration():
                 pass
             if self.profiler.writes_after(self.cfg.trainer.max_steps):  # the window, cut short
-                self.watchdog.beat("writing the profiler trace", self.step)
+                self.beat_trace()
             self.profiler.close(self.step)  # before the final save and sample
             if self.checkpointer is not None:
                 if not self.result.preempted and self.last_saved_step != self.step:
@@ -790,8 +790,14 @@ class Trainer:
         """The profiler's trace, once its window is over, under a watchdog phase of its own: a
         large model's trace is hundreds of MB, on every rank, and was timed as the step's."""
         if self.profiler.writes_after(step):
-            self.watchdog.beat("writing the profiler trace", self.step)
+            self.beat_trace()
         self.profiler.after_step(step)
+
+    def beat_trace(self) -> None:
+        # A write of large files on every rank, as a save is, and bounded as one (not by the step's
+        # median and dist.timeout_s).
+        self.watchdog.beat("writing the profiler trace", self.step, self.cfg.checkpoint.save_timeout_s,
+                           "checkpoint.save_timeout_s")
 
     def train_on_next_batch(self) -> StepStats:
         diag, b = self.cfg.diagnostics, self.built
