@@ -165,7 +165,7 @@ def test_models_that_carry_state_along_the_sequence_are_refused():
         check_document_mask_support(Recurrent())
     refused = {name: sequence_state_reason(getattr(transformers, name)()) for name in (
         "JambaConfig", "Qwen3NextConfig", "RecurrentGemmaConfig", "MambaConfig", "Lfm2Config",
-        "OPTConfig", "BioGptConfig", "GptOssConfig")}
+        "OPTConfig", "BioGptConfig", "GptOssConfig", "BloomConfig", "MptConfig", "XGLMConfig")}
     assert all(refused.values()), refused
     # OPT, BioGPT and GPT-OSS mask causally over the whole window, positions or not (found by
     # reviews: GPT-OSS's logits 0.27 off)

@@ -203,6 +203,30 @@ def test_missing_files_are_named(tmp_path):
         tokenizer_for(ModelConfig(name="hf", path=str(directory)))
 
 
+def test_configs_that_would_not_train_as_causal_lms_are_refused(tmp_path):
+    """Found by review of the models: a BERT-like encoder (is_decoder false) was built as a causal LM
+    by transformers, with one logged warning, and saw the tokens it predicted; a MoE config asking for
+    its router's load-balancing loss trained without it; Bloom's forward takes no position_ids, so a
+    document mask let its attention cross documents (0.38 in the second document's logits)."""
+    tiny = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    for name, config, said in (
+            ("bert", transformers.BertConfig(**tiny, intermediate_size=37),
+             r"is a bert encoder \(is_decoder: false in config.json\).* set \"is_decoder\": true"),
+            ("mixtral", transformers.MixtralConfig(**tiny, intermediate_size=37, num_local_experts=2,
+                                                   output_router_logits=True),
+             r"sets output_router_logits: true \(router load-balancing loss, coefficient 0.001\)")):
+        config.save_pretrained(tmp_path / name)
+        with pytest.raises(ModelError, match=said):
+            HFCausalLM(ModelConfig(name="hf", path=str(tmp_path / name)))
+    decoder = transformers.BertConfig(**tiny, intermediate_size=37, is_decoder=True)
+    decoder.save_pretrained(tmp_path / "decoder")
+    assert HFCausalLM(ModelConfig(name="hf", path=str(tmp_path / "decoder"))).document_mask_refusal() is None
+    bloom = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)
+    bloom.save_pretrained(tmp_path / "bloom")
+    assert "forward takes no position_ids" in HFCausalLM(
+        ModelConfig(name="hf", path=str(tmp_path / "bloom"))).document_mask_refusal()
+
+
 def test_tied_model_consolidates_initialises_and_generates(two_rank_runs, model_dirs, tmp_path):
     """Qwen2's tied embedding: consolidate, start a run from the file, generate from it."""
     from cli_utils import run_cli
