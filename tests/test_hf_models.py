@@ -203,6 +203,24 @@ def test_missing_files_are_named(tmp_path):
         tokenizer_for(ModelConfig(name="hf", path=str(directory)))
 
 
+def test_tensors_the_family_skips_when_loading_are_skipped(tmp_path):
+    """Found by review of the models: an old GPT-NeoX export's attention bias and mask buffers and
+    RoPE table (Pythia's files) were refused as unexpected keys, where from_pretrained loads it."""
+    directory = make_model_dir(tmp_path / "neox", "gpt_neox")
+    weights = directory / "model.safetensors"
+    tensors = load_file(str(weights))
+    stale = {"gpt_neox.layers.0.attention.bias": torch.ones(1, 1, 4, 4, dtype=torch.bool),
+             "gpt_neox.layers.0.attention.masked_bias": torch.tensor(-1e9),
+             "gpt_neox.layers.0.attention.rotary_emb.inv_freq": torch.ones(3)}
+    save_file({**tensors, **stale}, str(weights), metadata={"format": "pt"})
+    cfg = ModelConfig(name="hf", path=str(directory))
+    load_model_weights(HFCausalLM(cfg), str(directory), cfg)
+    save_file({**tensors, "gpt_neox.layers.0.attention.extra": torch.ones(2)}, str(weights),
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"unexpected keys \['hf.gpt_neox.layers.0.attention.extra'\]"):
+        load_model_weights(HFCausalLM(cfg), str(directory), cfg)
+
+
 def test_configs_that_would_not_train_as_causal_lms_are_refused(tmp_path):
     """Found by review of the models: a BERT-like encoder (is_decoder false) was built as a causal LM
     by transformers, with one logged warning, and saw the tokens it predicted; a MoE config asking for

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable, Collection
 from contextlib import ExitStack
 from pathlib import Path
@@ -392,7 +393,8 @@ def load_files_into(model: nn.Module, files: list[Path], what: str,
     A parameter registered under several names (tied input and output embeddings) may be stored
     under any of them or all: a consolidated checkpoint keeps every name its state dict had, a
     Hugging Face directory only the first. Stored non-persistent buffers (RoPE tables in old
-    exports) are skipped: the model recomputes them.
+    exports) are skipped: the model recomputes them; so are tensors the family's own loading skips
+    (``ignored_on_load``).
     """
     aliases: dict[int, list[str]] = {}
     targets: dict[int, torch.Tensor] = {}
@@ -414,7 +416,9 @@ def load_files_into(model: nn.Module, files: list[Path], what: str,
         known = {name for names in aliases.values() for name in names}
         missing = sorted(names[0] for names in aliases.values()
                          if not (stored.keys() | experts.keys()) & set(names))
-        unexpected = sorted(name for name in (stored.keys() | experts.keys()) - known if name not in buffers)
+        skipped = ignored_on_load(model)
+        unexpected = sorted(name for name in (stored.keys() | experts.keys()) - known if name not in buffers
+                            and not (name in stored and any(p.search(stored[name][1]) for p in skipped)))
         if missing or unexpected:
             raise CheckpointError(f"{what}: missing keys {missing[:6]}, unexpected keys {unexpected[:6]}")
         if absent := sorted(name for name in required_buffers if base_name(name) not in stored):
@@ -437,6 +441,20 @@ def load_files_into(model: nn.Module, files: list[Path], what: str,
         for name in buffers.keys() & stored.keys() & persistent:
             handle, key = stored[name]
             copy_into(buffers[name], handle.get_tensor(key), f"{what}: {key}")
+
+
+# RoPE tables of exports made while they were persistent buffers, which no family keeps now.
+STALE_ROPE_TABLES = re.compile(r"rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
+
+
+def ignored_on_load(model: nn.Module) -> list[re.Pattern]:
+    """Stored names the model's family skips as transformers loads it (its
+    ``_keys_to_ignore_on_load_unexpected``: old exports' attention bias and mask buffers, GPT-NeoX's
+    and GPT-J's), and stale RoPE tables: an old Pythia's files were refused as unexpected keys where
+    ``from_pretrained`` loads them."""
+    patterns = {pattern for module in model.modules()
+                for pattern in getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ()}
+    return [STALE_ROPE_TABLES, *(re.compile(pattern) for pattern in sorted(patterns))]
 
 
 def load_safetensors_into(model: nn.Module, path: Path) -> None:
