@@ -221,6 +221,28 @@ def test_tensors_the_family_skips_when_loading_are_skipped(tmp_path):
         load_model_weights(HFCausalLM(cfg), str(directory), cfg)
 
 
+def test_a_long_context_phi3_regenerates_its_cache_where_transformers_does(tmp_path):
+    """Found by review of the models: past original_max_position_embeddings Phi-3's long-context RoPE
+    takes its long factors for every position, and transformers' generation runs the sequence again
+    there; with the cached keys kept, generation went another way (logits 0.36 off). Each step's
+    logits with the cache equal a full forward's."""
+    config = transformers.Phi3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=16,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+                         "long_factor": [2.0] * 4, "original_max_position_embeddings": 16})
+    config.save_pretrained(tmp_path / "phi3")
+    model = HFCausalLM(ModelConfig(name="hf", path=str(tmp_path / "phi3"))).eval()
+    assert model.regenerate_at == 16
+    tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = model.new_cache()
+        cached = [model(tokens[:, :10], cache)[:, -1]]
+        cached += [model(tokens[:, i:i + 1], cache)[:, -1] for i in range(10, 23)]
+        full = [model(tokens[:, :i + 1])[:, -1] for i in range(9, 23)]
+    assert max(float((a - b).abs().max()) for a, b in zip(cached, full, strict=True)) < 1e-5
+
+
 def test_configs_that_would_not_train_as_causal_lms_are_refused(tmp_path):
     """Found by review of the models: a BERT-like encoder (is_decoder false) was built as a causal LM
     by transformers, with one logged warning, and saw the tokens it predicted; a MoE config asking for

@@ -160,8 +160,27 @@ class HFCache:
     state, not keys and values)."""
 
     def __init__(self, config: PretrainedConfig) -> None:
+        self.config = config
         self.past = DynamicCache(config=config)
         self.pos = 0
+        # The tokens cached so far, for a family whose cache goes stale at a position
+        # (``regenerates_past_at``): the whole sequence is run again there.
+        self.tokens: list[torch.Tensor] = []
+
+
+def regenerates_past_at(hf: nn.Module) -> int | None:
+    """The position past which transformers' generation of this family drops its cache and runs
+    the whole sequence again, None for other families: Phi-3's and PhiMoE's long-context RoPE
+    switches every position to its long factors once the sequence outgrows
+    ``original_max_position_embeddings``, and keys cached under the short ones are stale (generation
+    with the cache went another way than without it, and than transformers'). Read from the
+    family's own ``prepare_inputs_for_generation``, where transformers does it."""
+    limit = getattr(hf.config, "original_max_position_embeddings", None)
+    try:
+        source = inspect.getsource(type(hf).prepare_inputs_for_generation)
+    except (OSError, TypeError):
+        return None
+    return limit if limit and "original_max_position_embeddings" in source else None
 
 
 def attention_implementation(config: PretrainedConfig) -> str:
@@ -220,6 +239,7 @@ class HFCausalLM(nn.Module):
         # 5.40); the name this version's forward takes.
         accepted = inspect.signature(self.hf.forward).parameters
         self.cache_keyword = "cache" if "cache" in accepted else "past_key_values"
+        self.regenerate_at = regenerates_past_at(self.hf)
         # Stored names differ from module names for some families (GPT-NeoX's files say embed_out,
         # the module lm_head): transformers' own renaming rules, applied as from_pretrained does.
         transforms = get_model_conversion_mapping(self.hf)
@@ -243,8 +263,15 @@ class HFCausalLM(nn.Module):
             return self.hf(input_ids=tokens, position_ids=positions, use_cache=False).logits
         if positions is not None:
             raise ModelError("positions= is for training on packed documents, not with a KV cache")
-        logits = self.hf(input_ids=tokens, use_cache=True, **{self.cache_keyword: cache.past}).logits
-        cache.pos += tokens.shape[1]
+        new = tokens.shape[1]
+        if self.regenerate_at is not None and 0 < cache.pos <= self.regenerate_at < cache.pos + new:
+            cache.past = DynamicCache(config=cache.config)
+            tokens = torch.cat([*cache.tokens, tokens], dim=1)
+        out = self.hf(input_ids=tokens, use_cache=True, **{self.cache_keyword: cache.past})
+        logits = out.logits[:, -new:]
+        if self.regenerate_at is not None:
+            cache.tokens.append(tokens[:, -new:])
+        cache.pos += new
         return logits
 
     def output_head(self) -> nn.Linear | None:
