@@ -722,3 +722,18 @@ def test_the_run_lock_is_shared_within_a_process_and_refused_to_another(tmp_path
     first.release()
     assert not HELD
     assert subprocess.run(other, capture_output=True, timeout=60).returncode == 0
+
+
+def test_a_full_disk_beneath_torchs_writer_error_is_named():
+    """Found by review: DCP's writer reports a full disk as torch's "[enforce fail at
+    inline_container.cc] unexpected pos", the ENOSPC only in its context, and the message gave the
+    generic advice; the OSError beneath is named, with its fix."""
+    import errno
+
+    from shardtrain.checkpoint.dcp_errors import save_failed
+
+    torch_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    torch_error.__context__ = OSError(errno.ENOSPC, "No space left on device")  # as raised inside its handler
+    message = save_failed(2, "/r/.step-2.tmp", torch_error, "step-1")
+    assert message == ("saving step 2 to /r/.step-2.tmp failed: [Errno 28] No space left on device; "
+                       "free space on run.dir's filesystem (or raise its quota) (step-1 is intact)")

@@ -334,6 +334,17 @@ def test_a_run_directory_given_for_a_checkpoint_names_its_newest(good_checkpoint
                 f"is {good_checkpoint}"), (command, proc.stderr)
 
 
+def test_an_unfinished_save_is_not_exported(good_checkpoint, tmp_path):
+    """Found by review: a save killed before its commit (a .step-N.tmp holding its files) was
+    consolidated as if whole, with a word on checksums only."""
+    unfinished = tmp_path / ".step-9.tmp"
+    shutil.copytree(good_checkpoint, unfinished)
+    (unfinished / "trainer_state.json").unlink()
+    proc = run_cli("consolidate", str(unfinished), str(tmp_path / "out.safetensors"))
+    assert proc.returncode == 2 and ("is a save that did not finish (its commit, the rename to step-9, never "
+                                     "happened); export a complete checkpoint") in proc.stderr, proc.stderr
+
+
 def test_resume_none_refuses_to_overwrite_checkpoints(good_checkpoint, tmp_path):
     proc = run_cli("train", *QUICK, "checkpoint.resume=none", f"run.dir={good_checkpoint.parent.parent}")
     assert proc.returncode == 2 and "would overwrite them" in proc.stderr

@@ -259,6 +259,16 @@ def test_a_save_longer_than_the_step_bound_completes(tmp_path):
     assert stuck.returncode == 124, stuck.stderr[-3000:]
     assert "resume from a checkpoint has run" in stuck.stderr and (
         "over the 3s limit (checkpoint.save_timeout_s)" in stuck.stderr), stuck.stderr[-3000:]
+    # A rank stuck in a save is stopped by a watchdog, with status 124 (found by review: the checkpoint
+    # group's timeout was the save's bound too, and rank 0's gloo timeout won the race, blaming the
+    # filesystem). Either rank's watchdog may fire first: the waiting one says it waits.
+    stuck = run_cli("train", *QUICK, "trainer.devices=2", "checkpoint.enabled=true", "checkpoint.interval=2",
+                    "trainer.max_steps=3", "dist.timeout_s=2", "checkpoint.save_timeout_s=6",
+                    f"run.dir={tmp_path / 'stuck-save'}", env={"SHARDTRAIN_FAULT": "save:1:2:sleep=120"},
+                    timeout=100)
+    assert stuck.returncode == 124, stuck.stderr[-3000:]
+    assert "over the 6s limit (checkpoint.save_timeout_s)" in stuck.stderr and (
+        "Timed out waiting" not in stuck.stderr), stuck.stderr[-3000:]
 
 
 def test_stall_reports_are_per_phase_and_off_the_polling_thread(tmp_path, monkeypatch):

@@ -229,7 +229,8 @@ def test_a_long_context_phi3_regenerates_its_cache_where_transformers_does(tmp_p
     config = transformers.Phi3Config(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=16,
-        pad_token_id=None, bos_token_id=None, eos_token_id=None, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
                          "long_factor": [2.0] * 4, "original_max_position_embeddings": 16})
     config.save_pretrained(tmp_path / "phi3")
     model = HFCausalLM(ModelConfig(name="hf", path=str(tmp_path / "phi3"))).eval()

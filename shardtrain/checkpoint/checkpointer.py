@@ -264,7 +264,8 @@ class Checkpointer:
     def __init__(self, cfg: Config, plan: ShardingPlan, model: nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                  rank: int, world_size: int, requested_hash: str,
-                 average: dict[str, torch.Tensor] | None = None, best: BestEvaluations | None = None) -> None:
+                 average: dict[str, torch.Tensor] | None = None, best: BestEvaluations | None = None,
+                 stop_margin_s: float = 0.0) -> None:
         self.cfg = cfg
         # run_identity_hash of the config before start-up resolved it (TrainState.config_hash): what
         # tells a requeue of this run, at any world size, from another run.
@@ -285,10 +286,13 @@ class Checkpointer:
         self.damaged: set[Path] = set()
         # Checkpoint collectives get their own gloo group: an async save's thread can then never
         # interleave with a training collective on the default group (a known deadlock).
-        # Its timeout is the save's bound, not the step's: a large save may take longer than a step.
+        # Its timeout is the save's bound, not the step's: a large save may take longer than a step;
+        # plus ``stop_margin_s``, the longest the watchdog's stop takes, so that a rank stuck in a
+        # save is stopped by its watchdog (status 124, its stacks) before a peer's gloo timeout names
+        # the peer and the filesystem (found by review: equal bounds, and the peer won the race).
         # Its pairs of ranks connect on first use: not a second full mesh of sockets.
         self.group = lazily_connected_gloo_group(datetime.timedelta(
-            seconds=max(cfg.dist.timeout_s, cfg.checkpoint.save_timeout_s)))
+            seconds=max(cfg.dist.timeout_s, cfg.checkpoint.save_timeout_s) + stop_margin_s))
         # Finishing an async save (waiting for its files, hashing this rank's, then on rank 0 writing
         # the manifest and trainer state, renaming and pruning) runs here, off the training thread.
         self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtrain-ckpt")
@@ -404,7 +408,9 @@ class Checkpointer:
         if choice == "none":
             layout.refuse_fresh_start(self.root)
         if choice != "auto":
-            return choice, []
+            # Resolved once, here, for every rank: a link another run moves (its checkpoints/best),
+            # read through by each rank at its own time, could give ranks different steps.
+            return ("none" if choice == "none" else str(Path(choice).expanduser().resolve())), []
         found = layout.candidates(self.root)
         for path, why in found.skipped:
             self.info(f"resume: skipping {path}: {why}")

@@ -76,8 +76,22 @@ def save_failed(step: int, tmp, exc: BaseException, intact: str | None, rank: in
     """The message of a save of ``step`` into ``tmp`` that failed with ``exc`` (DCP's, or this
     ``rank``'s own); ``intact`` names the newest complete checkpoint, which the save did not touch."""
     where, cause = failed_where(exc, rank)
+    cause = underlying_os_error(cause)
     kept = f"{intact} is intact" if intact else "no earlier checkpoint of this run exists"
     return f"saving step {step} to {tmp} failed{where}: {describe(cause)}; {save_fix(cause)} ({kept})"
+
+
+def underlying_os_error(exc: BaseException) -> BaseException:
+    """The OSError a failed write raised beneath ``exc``, if any, else ``exc``: DCP's writer reports a
+    full disk as torch's "[enforce fail at inline_container.cc] unexpected pos" with the ENOSPC only
+    in its context (found by review: a full disk got the generic advice). A write's failure only: a
+    read's context may hold an expected, handled OSError."""
+    found, seen = exc, 0
+    while found is not None and seen < 8:  # bounded: never loops on a cycle
+        if isinstance(found, OSError) and found.errno is not None:
+            return found
+        found, seen = found.__cause__ or found.__context__, seen + 1
+    return exc
 
 
 def load_failed(path, exc: BaseException, fix: str, rank: int | None = None) -> str:

@@ -182,11 +182,24 @@ def streamed_tensors(path: Path, entries: list, metadata: Metadata,
         del loaded
 
 
+def resolved(checkpoint: str | Path) -> Path:
+    """The checkpoint itself, not a link to it: a training moves its checkpoints/best while an export
+    reads through it a group of tensors at a time, and the export mixed two steps without a word
+    (found by review). A prune during the read then fails loudly: the files are gone."""
+    return Path(checkpoint).expanduser().resolve()
+
+
 def checked_plan(path: Path, max_shard_size: str | None, dtype: str | None, key: str | None,
                  verify: bool) -> tuple[Plan, torch.dtype | None]:
     """The output shards of checkpoint ``path`` and the dtype they are cast to, after every check
     that comes before a tensor is read: the kind of checkpoint, the options, its structure, then
     the checksums of the files it reads."""
+    if layout.ABANDONED_DIR.match(path.name) and path.is_dir():
+        # Its commit (the rename to step-N) never happened: it may lack files, or hold a save a rank
+        # could not read back (found by review: exported as if whole, with a word on checksums).
+        raise CheckpointError(f"{str(path)!r} is a save that did not finish (its commit, the rename to "
+                              f"{path.name.removeprefix('.').split('.')[0]}, never happened); export a "
+                              "complete checkpoint")
     if layout.detect_format(path) == "shardtrain":
         # Its model entries are the adapters alone: a "model" file of them would load as nothing.
         refuse_adapters_only(path, TrainState.read(path))
@@ -206,7 +219,7 @@ def shard_readers(checkpoint: str | Path, max_shard_size: str | None = None, dty
     """The shards ``consolidate`` would write, each a function that reads its tensors (output names,
     cast) into memory when called: export-hf converts them as they come, with no consolidated copy
     on disk (it staged one, the model's size in free disk on top of the export)."""
-    path = Path(checkpoint)
+    path = resolved(checkpoint)
     plan, cast = checked_plan(path, max_shard_size, dtype, key, verify)
     return [partial(shard_tensors, path, entries, plan.metadata, cast) for entries in plan.shards]
 
@@ -219,7 +232,7 @@ def shard_tensors(path: Path, entries: list, metadata: Metadata,
 def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | None = None,
                 dtype: str | None = None, key: str | None = None, verify: bool = True) -> list[Path]:
     """Write model-only safetensors; returns the files written."""
-    path, out = Path(checkpoint), Path(out)
+    path, out = resolved(checkpoint), Path(out)
     check_new_output(out)  # before reading anything: files of an earlier export must not mix in
     plan, cast = checked_plan(path, max_shard_size, dtype, key, verify)
     single = out.suffix == ".safetensors"

@@ -69,9 +69,10 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
     ``dtype``: the compute dtype, fp32 | bf16 | auto (bf16 on accelerators with bf16 units).
     ``verify_checksums``: a checkpoint directory's recorded checksums are checked before reading.
     ``average``: the checkpoint's weight average (trainer.ema_decay) instead of its weights."""
-    path = Path(checkpoint)
+    # The checkpoint itself, not a link a training may move (its checkpoints/best) while it is read.
+    path = Path(checkpoint).expanduser().resolve()
     if not path.exists():
-        raise CheckpointError(f"{str(path)!r} does not exist")
+        raise CheckpointError(f"{str(checkpoint)!r} does not exist")
     state = TrainState.read(path) if (path / STATE_FILE).is_file() else None
     lora = state is not None and state.base_weights is not None
     if lora and average:  # trainer.ema_decay is refused with adapters: no run saved both

@@ -226,7 +226,8 @@ class Trainer:
         self.checkpointer = (
             Checkpointer(cfg, built.plan, built.model, built.optimizer, built.scheduler, env.rank,
                          env.world_size, requested_hash,
-                         average=None if self.average is None else self.average.average, best=self.best)
+                         average=None if self.average is None else self.average.average, best=self.best,
+                         stop_margin_s=STOP_WAIT_S)
             if cfg.checkpoint.enabled else None
         )
         self.last_saved_step: int | None = None
