@@ -64,7 +64,10 @@ def slurm_run(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     slurm = FakeSlurm(root)
-    env = clean_env(GPUS_PER_NODE="2", PYTHON=sys.executable, RDZV_PORT=str(free_port()), **KILL_RANK_1)
+    # RDZV_HOST given: each node's agent is told its address towards it (found by review: torch gave the
+    # training processes the first node's FQDN, the name RDZV_HOST is set to avoid)
+    env = clean_env(GPUS_PER_NODE="2", PYTHON=sys.executable, RDZV_HOST="127.0.0.1",
+                    RDZV_PORT=str(free_port()), **KILL_RANK_1)
     run_dir = slurm.submit_dir / "runs" / "shardtrain-4242"  # the script's default run.dir: the job's own
     first = slurm.submit(SCRIPTS / "train.sbatch", *TRAIN, env=env)
     try:
@@ -92,6 +95,7 @@ def test_restart_preemption_requeue_and_exact_resume(slurm_run):
     # 2 nodes x 2 processes met at the rendezvous; torchrun restarted the workers of both nodes
     # after rank 1 died, and they resumed from the newest checkpoint
     assert first_log.count("world size 4 (gloo") == 2
+    assert first_log.count("torchrun --local-addr=127.0.0.1 (its address towards 127.0.0.1)") == 2
     assert "HYBRID_SHARD: mesh [dp_replicate=2 x dp_shard=2]" in first_log  # shards within a node
     assert "resumed from runs/shardtrain-4242/checkpoints/step-2:" in first_log
     assert r["sent"].name == "SIGUSR1"  # the script's --signal=B:USR1@...
