@@ -544,11 +544,14 @@ def test_abandoned_saves_and_deletions_are_removed(tmp_path):
         (tmp_path / directory / "__0_0.distcp").write_bytes(b"shard")
     (tmp_path / ".step-8.tmp").write_text("a file, not a save")
     (tmp_path / ".step-7.tmp").symlink_to(outside, target_is_directory=True)
+    # a rewrite of step-6's trainer_state.json a crash cut short (found by review: never removed)
+    (tmp_path / ".step-6.trainer_state.json.part").write_text("{")
 
     assert layout.prune(tmp_path, 6, 1, set()) == [tmp_path / "step-4"]
     # .step-9.tmp: complete but never renamed, and resumed from by hand
     assert layout.remove_abandoned(tmp_path, keep=tmp_path / ".step-9.tmp") == [
-        tmp_path / ".step-2.deleting", tmp_path / ".step-37.tmp"]
+        tmp_path / ".step-2.deleting", tmp_path / ".step-37.tmp",
+        tmp_path / ".step-6.trainer_state.json.part"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         ".step-3.tmp.bak", ".step-5.damaged-1700000000", ".step-7.tmp", ".step-8.tmp", ".step-9.tmp",
         ".step-x.tmp", "step-6"]

@@ -49,6 +49,9 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^\.step-(\d+)\.tmp$")
 # What a crashed save or a crashed deletion leaves: never loadable, and never written by anything else.
 ABANDONED_DIR = re.compile(r"^\.step-\d+\.(?:tmp|deleting)$")
+# A trainer_state.json rewritten into a committed checkpoint (TrainState.replace_in) is written
+# beside the checkpoint first; one a crash left there is never read.
+ABANDONED_STATE = re.compile(r"^\.step-\d+\.trainer_state\.json\.part$")
 
 
 # A run.dir's checkpoints live here (checkpoint/checkpointer.py).
@@ -370,6 +373,7 @@ def prune(root: Path, committed: int, keep_last: int, exclude: set[Path],
             # (ENOTEMPTY) after the new checkpoint committed.
             shutil.rmtree(deleting)
         path.rename(deleting)
+        fsync_path(root)  # the rename reaches the disk before any of the deletion does
         shutil.rmtree(deleting)
     return doomed
 
@@ -406,7 +410,8 @@ def point_best(root: Path, step: int | None) -> None:
 
 def remove_abandoned(root: Path, keep: Path | None = None) -> list[Path]:
     """Delete the ``.step-N.tmp`` (a save that never finished) and ``.step-N.deleting`` (a deletion
-    that never finished) directories in ``root``, but never ``keep`` (a checkpoint resumed from by
+    that never finished) directories in ``root``, and the ``.step-N.trainer_state.json.part`` files
+    of a rewrite of a checkpoint's state that never finished, but never ``keep`` (a checkpoint resumed from by
     hand); returns the deleted ones. No resume loads them, and a save removes only the ``.tmp`` of
     its own step: one left at a step never saved again (a preemption's) kept its full size forever.
     Only real directories named so by shardtrain, only in ``root``: nothing else is touched."""
@@ -418,6 +423,9 @@ def remove_abandoned(root: Path, keep: Path | None = None) -> list[Path]:
         if (ABANDONED_DIR.match(entry.name) and entry.is_dir() and not entry.is_symlink()
                 and entry.resolve() != kept):
             shutil.rmtree(entry)
+            removed.append(entry)
+        elif ABANDONED_STATE.match(entry.name) and entry.is_file() and not entry.is_symlink():
+            entry.unlink()
             removed.append(entry)
     return removed
 
