@@ -240,6 +240,7 @@ class HFCausalLM(nn.Module):
         accepted = inspect.signature(self.hf.forward).parameters
         self.cache_keyword = "cache" if "cache" in accepted else "past_key_values"
         self.regenerate_at = regenerates_past_at(self.hf)
+        self._head_shares_unit: bool | None = None
         # Stored names differ from module names for some families (GPT-NeoX's files say embed_out,
         # the module lm_head): transformers' own renaming rules, applied as from_pretrained does.
         transforms = get_model_conversion_mapping(self.hf)
@@ -276,8 +277,15 @@ class HFCausalLM(nn.Module):
 
     def output_head(self) -> nn.Linear | None:
         """The linear map from ``hidden_only`` states to logits; None when the model does more to its
-        logits than apply it (a loss must then take the logits from ``forward``)."""
-        return None if self.head_transform else self.hf.get_output_embeddings()
+        logits than apply it, or when nothing that runs without it shares its FSDP unit (it would
+        never be gathered): a loss must then take the logits from ``forward``."""
+        head = self.hf.get_output_embeddings()
+        if self.head_transform:
+            return None
+        if self._head_shares_unit is None:  # found once: the groups walk every module
+            self._head_shares_unit = any(len(group) > 1 for group in self.extra_shard_groups()
+                                         if any(module is head for module in group))
+        return head if self._head_shares_unit else None
 
     def input_embedding(self) -> nn.Module:
         """The token embedding: its rows are the ids the model can read."""
@@ -346,10 +354,20 @@ class HFCausalLM(nn.Module):
         loose = [m for m in self.hf.modules() if id(m) not in in_blocks and m is not head
                  and any(True for _ in m.parameters(recurse=False))]
         inputs = [m for m in loose if isinstance(m, nn.Embedding)]
-        rest = [m for m in loose if not isinstance(m, nn.Embedding)]
+        rest = [m for m in loose if not isinstance(m, nn.Embedding)] or self.final_norm()
         if self.tied:
             return [inputs + rest + [head]]
         return [inputs, rest + [head]]
+
+    def final_norm(self) -> list[nn.Module]:
+        """The base model's final norm, parameters or not: in the head's unit it gathers the head for
+        a loss that applies the head itself to ``hidden_only`` states (OLMo's norm has no parameters,
+        the head was alone in its unit, never gathered, and the chunked loss failed)."""
+        for name in ("norm", "final_layernorm", "ln_f", "final_layer_norm", "norm_f"):
+            module = getattr(self.hf.base_model, name, None)
+            if isinstance(module, nn.Module) and not isinstance(module, self.block_classes):
+                return [module]
+        return []
 
     def family_initialisation(self) -> FamilyInitialisation:
         """How the family initialises each parameter, found on first use: only runs that draw weights

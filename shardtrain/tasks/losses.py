@@ -141,8 +141,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("chunked_cross_entropy's gradients were scaled in place by the first "
                                "backward; backward through it twice (retain_graph) is not supported")
         ctx.backward_done = True
-        # In place: a scaled copy of the weight's gradient would be one more weight-sized buffer.
-        grads = [None if g is None else g.mul_(grad_output.to(g.dtype)) for g in ctx.saved_tensors]
+        # In place: a scaled copy of the weight's gradient would be one more weight-sized buffer. By the
+        # fp32 scale itself (the multiply runs in fp32 and rounds once, as the plain loss's does):
+        # rounded to bf16 first, 1/N biased every gradient of the step by up to 0.2% (found by review).
+        grads = [None if g is None else g.mul_(grad_output) for g in ctx.saved_tensors]
         return *grads, None, None, None
 
 
