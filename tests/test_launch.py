@@ -270,17 +270,21 @@ import sys
 for i in range(4000):
     sys.stderr.write(f"[shardtrain] line {i}\\n" if i % 1000 == 0 else "x" * 50 + "\\n")
 """
-# An agent that handles SIGHUP, SIGQUIT and SIGTERM but those it was started ignoring (the preemption
-# signals: torchrun's --signals-to-handle leaves them out), exiting 100 + the signal; argv[1]: a file
-# it writes its pid to once it handles them, and the signal it got to argv[1].got.
+# An agent that handles SIGHUP and SIGQUIT, as torchrun's does (--signals-to-handle), whatever it
+# inherited (nohup and a background shell ignore them), and SIGTERM unless the launcher started it
+# ignoring SIGTERM (a preemption signal, which torchrun's --signals-to-handle then leaves out),
+# exiting 100 + the signal; argv[1]: a file it writes its pid to once it handles them, and the
+# signal it got to argv[1].got.
 HANDLING_AGENT = """
 import os, signal, sys, time
 def stop(signum, frame):
     open(sys.argv[1] + ".got", "w").write(str(signum))
     sys.exit(100 + signum)
-for sig in (signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM):
-    if signal.getsignal(sig) is not signal.SIG_IGN:
-        signal.signal(sig, stop)
+handled = [signal.SIGHUP, signal.SIGQUIT]
+if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+    handled.append(signal.SIGTERM)
+for sig in handled:
+    signal.signal(sig, stop)
 open(sys.argv[1], "w").write(str(os.getpid()))
 time.sleep(120)  # a guard: the test signals it long before
 """
