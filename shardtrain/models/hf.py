@@ -70,7 +70,8 @@ ATTENTION_ONLY_KINDS = {"attention", "full_attention", "sliding_attention", "chu
 # Encoder families transformers also builds as causal LMs, decoders only with is_decoder: true.
 BIDIRECTIONAL_MODEL_TYPES = {"bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "electra", "bert-generation",
                              "roberta-prelayernorm", "camembert", "data2vec-text", "ernie", "xmod",
-                             "megatron-bert", "rembert", "roc_bert", "big_bird", "qdqbert", "nezha"}
+                             "roformer", "megatron-bert", "rembert", "roc_bert", "big_bird", "qdqbert",
+                             "nezha"}
 # Model types whose layers carry such state and whose configs name no layer kinds.
 SEQUENCE_STATE_MODEL_TYPES = {"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "lfm2", "lfm2_moe"}
 # Families whose modeling code builds its causal mask without the restarting position_ids, so
@@ -197,21 +198,23 @@ def build_transformers_model(config: PretrainedConfig) -> nn.Module:
                                             dtype=torch.float32)
 
 
-def refuse_unlike_causal_lm(config: PretrainedConfig, path: str) -> None:
-    """Configs transformers builds a causal LM from that would not train as one here: an encoder
-    (BERT, RoBERTa, Electra: ``is_decoder`` false) attends both ways, so each next token was
-    predicted seeing it (transformers only logs a warning); a MoE config asking for its router's
-    load-balancing loss (``output_router_logits``) would train without it, the loss being
-    cross-entropy on the logits alone."""
+def unlike_causal_lm(config: PretrainedConfig, path: str) -> str | None:
+    """Why a config transformers builds a causal LM from would not train as one here, None if it
+    would: an encoder (BERT, RoBERTa, Electra: ``is_decoder`` false) attends both ways, so each next
+    token was predicted seeing it (transformers only logs a warning); a MoE config asking for its
+    router's load-balancing loss (``output_router_logits``) would train without it, the loss being
+    cross-entropy on the logits alone. Training's refusal: generation and the exports read such a
+    model as it is."""
     if getattr(config, "is_decoder", None) is False and config.model_type in BIDIRECTIONAL_MODEL_TYPES:
-        raise ModelError(f"model.path={path!r} is a {config.model_type} encoder (is_decoder: false in "
-                         f"{CONFIG_FILE}): its attention sees later tokens, so it cannot learn the next "
-                         f"one; set \"is_decoder\": true in {CONFIG_FILE} to train it as a causal LM")
+        return (f"model.path={path!r} is a {config.model_type} encoder (is_decoder: false in "
+                f"{CONFIG_FILE}): its attention sees later tokens, so it cannot learn the next one; set "
+                f"\"is_decoder\": true in {CONFIG_FILE} to train it as a causal LM")
     if getattr(config, "output_router_logits", False):
         coefficient = getattr(config, "router_aux_loss_coef", None)
-        raise ModelError(f"model.path={path!r}: {CONFIG_FILE} sets output_router_logits: true (router "
-                         f"load-balancing loss, coefficient {coefficient}), which shardtrain does not add "
-                         "to the loss; set it to false to train on the cross-entropy alone")
+        return (f"model.path={path!r}: {CONFIG_FILE} sets output_router_logits: true (router "
+                f"load-balancing loss, coefficient {coefficient}), which shardtrain does not add to the "
+                "loss; set it to false to train on the cross-entropy alone")
+    return None
 
 
 class HFCausalLM(nn.Module):
@@ -227,7 +230,6 @@ class HFCausalLM(nn.Module):
         except ValueError as exc:
             raise ModelError(f"model.path={cfg.path!r}: transformers cannot build a causal LM from its "
                              f"config ({str(exc).splitlines()[0]})") from exc
-        refuse_unlike_causal_lm(self.config, cfg.path)
         self.max_seq_len = max_positions(self.config)
         self.dims = Dims.of_hf(self.config, self.hf.config._attn_implementation == "eager")
         names = set(getattr(self.hf, "_no_split_modules", None) or ())
@@ -303,11 +305,17 @@ class HFCausalLM(nn.Module):
         prefix = module_name(self, self.hf)
         return {f"{prefix}.{name}" if name else prefix: style for name, style in styles.items()}
 
+    def training_refusal(self) -> str | None:
+        """Why this model cannot be trained as a causal LM (``unlike_causal_lm``), None if it can."""
+        return unlike_causal_lm(self.config, self.cfg.path)
+
     def document_mask_refusal(self) -> str | None:
+        if reason := sequence_state_reason(self.config):  # the more telling reason first (Mamba's)
+            return reason
         if "position_ids" not in inspect.signature(type(self.hf.base_model).forward).parameters:
             return (f"a {self.config.model_type} model's forward takes no position_ids, so it never sees "
                     "where the packed documents start")
-        return sequence_state_reason(self.config)
+        return None
 
     def new_cache(self, max_len: int | None = None) -> HFCache:
         return HFCache(self.config)

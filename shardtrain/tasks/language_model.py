@@ -23,7 +23,7 @@ from shardtrain.config.schema import ModelConfig
 from shardtrain.data.batches import IGNORE_INDEX, Batch, InterleavedWindows, MixtureWindows, TokenWindows
 from shardtrain.data.corpus import Corpus, load_corpus
 from shardtrain.data.tokenizer import Tokenizer, tokenizer_for, tokenizer_source
-from shardtrain.errors import DataError
+from shardtrain.errors import DataError, ModelError
 from shardtrain.models.lora import adapter_flops_per_token
 from shardtrain.models.masking import check_document_mask_support
 from shardtrain.models.registry import build_model
@@ -118,6 +118,9 @@ class LanguageModelTask(Task):
                             f"{self.tokenizer.vocab_size - 1} but the model's input embedding has {rows} "
                             "rows; use the model's own tokenizer (model.tokenizer=auto), or resize the "
                             "model's embeddings to the tokenizer first")
+        refusal = getattr(model, "training_refusal", None)  # a Hugging Face config unfit for it
+        if refusal is not None and (reason := refusal()):
+            raise ModelError(reason)
         if self.cfg.data.document_mask:
             check_document_mask_support(model)
         full = flops_per_token(model, self.cfg.trainer.seq_len)

@@ -141,11 +141,25 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("chunked_cross_entropy's gradients were scaled in place by the first "
                                "backward; backward through it twice (retain_graph) is not supported")
         ctx.backward_done = True
-        # In place: a scaled copy of the weight's gradient would be one more weight-sized buffer. By the
-        # fp32 scale itself (the multiply runs in fp32 and rounds once, as the plain loss's does):
-        # rounded to bf16 first, 1/N biased every gradient of the step by up to 0.2% (found by review).
-        grads = [None if g is None else g.mul_(grad_output) for g in ctx.saved_tensors]
+        grads = [None if g is None else scale_in_place(g, grad_output) for g in ctx.saved_tensors]
         return *grads, None, None, None
+
+
+# Elements of a low-precision gradient scaled in fp32 at a time (a 64 MiB buffer).
+SCALE_CHUNK = 1 << 24
+
+
+def scale_in_place(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``grad`` times the fp32 ``scale``, in place, multiplied in fp32 and rounded once, as the plain
+    loss's gradient is (found by review: 1/N rounded to bf16 first biased every gradient of a bf16
+    step by up to 0.2%). A CUDA kernel casts a 0-dim operand to the other's dtype, so a low-precision
+    gradient is taken to fp32 a chunk at a time: a whole fp32 copy would be one more weight-sized
+    buffer, and ``scale.item()`` a host sync in every backward."""
+    if grad.dtype == scale.dtype or not grad.is_contiguous():
+        return grad.mul_(scale) if grad.dtype == scale.dtype else grad.copy_(grad.float() * scale)
+    for part in grad.view(-1).split(SCALE_CHUNK):
+        part.copy_(part.float().mul_(scale))
+    return grad
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
