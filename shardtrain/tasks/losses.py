@@ -152,7 +152,8 @@ SCALE_CHUNK = 1 << 24
 def scale_in_place(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``grad`` times the fp32 ``scale``, in place, multiplied in fp32 and rounded once, as the plain
     loss's gradient is (found by review: 1/N rounded to bf16 first biased every gradient of a bf16
-    step by up to 0.2%). A CUDA kernel casts a 0-dim operand to the other's dtype, so a low-precision
+    step by up to 0.2%). A CUDA kernel casts a 0-dim operand to the other's dtype (as read; not run on
+    a GPU), so a low-precision
     gradient is taken to fp32 a chunk at a time: a whole fp32 copy would be one more weight-sized
     buffer, and ``scale.item()`` a host sync in every backward."""
     if grad.dtype == scale.dtype or not grad.is_contiguous():
