@@ -17,6 +17,7 @@ from shardtrain.train.optim import (
     lr_factor,
     no_decay_names,
     optimizer_kind,
+    schedule_cautions,
 )
 
 
@@ -58,6 +59,24 @@ def test_no_weight_decay_on_norms_and_biases_of_any_shape():
     assert {"norm.weight", "norm.bias", "group.weight", "attention.bias_k", "attention.bias_v",
             "attention.in_proj_bias"} <= skip
     assert "attention.in_proj_weight" not in skip and "pos.table" not in skip  # a learnt table is decayed
+
+
+def test_a_schedule_that_does_not_do_what_its_settings_say_is_said():
+    """A warmup longer than the run (from the config review) and a decay of one step, which lowers no
+    step's rate: step N trains at the value for N - 1 (from the training-step review)."""
+    assert schedule_cautions(TrainerConfig(warmup_steps=12, max_steps=6, lr=3e-3)) == [
+        "trainer.warmup_steps=12 > trainer.max_steps=6: the learning rate rises for the whole run and peaks "
+        "at 0.0015, 50% of trainer.lr=0.003; lower trainer.warmup_steps"]
+    short = TrainerConfig(warmup_steps=0, max_steps=100, decay_fraction=0.01, min_lr_ratio=0.1)
+    assert schedule_cautions(short) == [
+        "trainer.decay_fraction=0.01 of the 100 steps after warmup is a decay of at most one step, "
+        "which lowers no step's rate (step N trains at the schedule's value for N - 1); raise "
+        "trainer.decay_fraction"]
+    assert lr_factor(99, 0, 100, 0.1, "linear", 0.01) == 1.0  # the last step's, undecayed
+    for fine in (TrainerConfig(warmup_steps=0, max_steps=100, decay_fraction=0.02),
+                 TrainerConfig(warmup_steps=0, max_steps=100, decay_fraction=0.01, min_lr_ratio=1.0),
+                 TrainerConfig()):
+        assert schedule_cautions(fine) == [], fine
 
 
 def test_warmup_then_cosine_to_min_ratio():

@@ -88,7 +88,7 @@ from shardtrain.train.console import Console
 from shardtrain.train.ema import WeightAverage
 from shardtrain.train.flops import counted_flops_per_sample
 from shardtrain.train.metrics import DRY_RUN_FILE, METRICS_FILE, MetricsWriter, Throughput
-from shardtrain.train.optim import SCHEDULE_SHAPE, follow_schedule, optimizer_kind
+from shardtrain.train.optim import SCHEDULE_SHAPE, follow_schedule, optimizer_kind, schedule_cautions
 from shardtrain.train.step import StepStats, evaluate, failing_part, ratio, train_step
 
 log = logging.getLogger("shardtrain")
@@ -577,12 +577,8 @@ class Trainer:
                   f"{optimizer_kind(b.optimizer)}")
         if self.cfg.finetune.method != "none":
             self.info(adapter_summary(b.model, self.cfg.finetune))
-        if env.is_main and t.warmup_steps > t.max_steps:
-            # The default 30-step warmup with a short run: the rate never reaches trainer.lr.
-            reached = t.max_steps / t.warmup_steps
-            log.warning(f"schedule: trainer.warmup_steps={t.warmup_steps} > trainer.max_steps={t.max_steps}: "
-                        f"the learning rate rises for the whole run and peaks at {t.lr * reached:.3g}, "
-                        f"{reached:.0%} of trainer.lr={t.lr:g}; lower trainer.warmup_steps")
+        for caution in schedule_cautions(t) if env.is_main else ():
+            log.warning(f"schedule: {caution}")
         if env.is_main and t.memory_limit_gib and self.batch_choice is None:
             # Not a cap: torch is never told of it, and a fixed micro-batch is not planned against it.
             log.warning(f"memory: trainer.memory_limit_gib={t.memory_limit_gib:g} is the budget "

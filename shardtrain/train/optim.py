@@ -103,6 +103,26 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float,
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def schedule_cautions(cfg: TrainerConfig) -> list[str]:
+    """What a run's schedule does that its settings do not say: a warmup longer than the run (the
+    default 30 steps kept a 3-step run at 13% of trainer.lr), and a decay too short to lower any
+    step's rate (step N trains at the schedule's value for N - 1, so a one-step decay ends after the
+    run: ``decay_fraction=0.01`` of 100 steps)."""
+    cautions = []
+    if cfg.warmup_steps > cfg.max_steps:
+        reached = cfg.max_steps / cfg.warmup_steps
+        cautions.append(f"trainer.warmup_steps={cfg.warmup_steps} > trainer.max_steps={cfg.max_steps}: the "
+                        f"learning rate rises for the whole run and peaks at {cfg.lr * reached:.3g}, "
+                        f"{reached:.0%} of trainer.lr={cfg.lr:g}; lower trainer.warmup_steps")
+    span = cfg.max_steps - cfg.warmup_steps
+    one_step = round(span * cfg.decay_fraction) <= 1
+    if 0 < span and cfg.decay_fraction < 1.0 and cfg.min_lr_ratio < 1.0 and one_step:
+        cautions.append(f"trainer.decay_fraction={cfg.decay_fraction:g} of the {span} steps after warmup "
+                        "is a decay of at most one step, which lowers no step's rate (step N trains at "
+                        "the schedule's value for N - 1); raise trainer.decay_fraction")
+    return cautions
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer,
                     cfg: TrainerConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
