@@ -60,6 +60,7 @@ from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
 from shardtrain.distributed.agreement import agree, from_rank, gather_verdicts, raise_first_error, run_agreed
 from shardtrain.distributed.env import lazily_connected_gloo_group
+from shardtrain.durable import written_durably
 from shardtrain.errors import CheckpointError, CheckpointFromNewerVersion, CheckpointUnverifiable, first_line
 from shardtrain.models.lora import is_adapter
 
@@ -119,10 +120,8 @@ def rng_state() -> dict[str, Any]:
 
 def write_rng_state(file: Path) -> None:
     """This process's RNG states into ``file``, fsynced as DCP's own files are before the commit."""
-    with open(file, "wb") as f:
+    with written_durably(file) as f:
         torch.save(rng_state(), f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

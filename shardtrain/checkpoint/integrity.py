@@ -25,11 +25,11 @@ import hashlib
 import heapq
 import json
 import logging
-import os
 from pathlib import Path
 
 from shardtrain.checkpoint.layout import rng_file
 from shardtrain.checkpoint.state import STATE_FILE
+from shardtrain.durable import written_durably
 from shardtrain.errors import CheckpointError
 
 log = logging.getLogger("shardtrain")
@@ -83,11 +83,9 @@ def write_manifest(directory: Path, entries: dict[str, dict]) -> None:
     entry covers (none when every rank did its part) are hashed here."""
     missing = [name for name in covered_files(directory) if name not in entries]
     files = {**entries, **hash_entries(directory, missing)}
-    with open(directory / MANIFEST_FILE, "w") as f:
+    with written_durably(directory / MANIFEST_FILE, "w") as f:
         json.dump({"algorithm": ALGORITHM, "files": files}, f, indent=1, sort_keys=True)
         f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def verification_share(files: dict[str, dict], rank: int, world_size: int) -> list[str]:

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from shardtrain.config.plan import ShardingPlan, describe_mesh
 from shardtrain.config.schema import LANGUAGE_MODEL_TASK, Config, DataConfig, FinetuneConfig, ModelConfig
+from shardtrain.durable import written_durably
 from shardtrain.errors import CheckpointError, CheckpointFromNewerVersion
 from shardtrain.version import __version__
 
@@ -189,11 +190,9 @@ class TrainState:
         self.write_file(directory / STATE_FILE)
 
     def write_file(self, path: Path) -> None:
-        with open(path, "w") as f:
+        with written_durably(path, "w") as f:
             json.dump(dataclasses.asdict(self), f, indent=2, sort_keys=True)
             f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
 
     def replace_in(self, directory: Path) -> None:
         """Into a committed checkpoint, whole or not at all: written beside the directory (no file

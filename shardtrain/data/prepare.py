@@ -62,7 +62,7 @@ from shardtrain.data.documents import (
     resolve_sources,
 )
 from shardtrain.data.tokenizer import TOKENIZER_CONFIG_FILE, Tokenizer, load_tokenizer, token_dtype
-from shardtrain.durable import fsync_path, write_durably
+from shardtrain.durable import fsync_path, write_durably, written_durably
 from shardtrain.errors import DataError
 
 log = logging.getLogger("shardtrain")
@@ -166,11 +166,10 @@ def tokenizer_entry(tokenizer: Tokenizer) -> dict:
 def save_durably(path: Path, array: np.ndarray) -> int:
     """``array`` saved as ``path`` (.npy) and flushed to the disk; its size in bytes. Without the
     flush, a crash after the rename into place could leave the manifest naming empty files."""
-    with open(path, "wb") as file:
+    with written_durably(path) as file:
         np.save(file, array)
-        file.flush()
-        os.fsync(file.fileno())
-        return file.tell()
+        size = file.tell()
+    return size
 
 
 class ShardWriter:
