@@ -50,7 +50,6 @@ from shardtrain.config.schema import Config
 from shardtrain.distributed.env import (
     check_manual_launch_shape,
     check_not_one_of_many,
-    check_restarts_resume,
     under_torchrun,
 )
 from shardtrain.errors import ConfigError
@@ -455,8 +454,7 @@ def launch_log_path(run_dir: Path, started: float) -> Path:
 def relaunch_if_needed(cfg: Config, command: list[str], log_file: Path) -> int | None:
     """Exit status of a torchrun run started here, or None when this process should train."""
     if under_torchrun():
-        check_manual_launch_shape(cfg.trainer.num_nodes)
-        check_restarts_resume(cfg.checkpoint.enabled)
+        check_manual_launch_shape(cfg.trainer.num_nodes)  # before check_world, whose message misleads
         world = int(os.environ["WORLD_SIZE"])
         check_world(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")

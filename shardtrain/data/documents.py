@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from functools import cached_property
 from pathlib import Path, PurePosixPath
+from typing import IO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -79,7 +80,14 @@ class Source:
     name: str  # relative to the input it came from, '/'-separated
     text_field: str = "text"  # the records' text field: what makes a .json file's lines records
 
-    @cached_property  # a .json file's is sniffed from its first lines, once
+    @cached_property  # sniffed from the first lines, once: kind and the warning both ask
+    def json_shape(self) -> str | None:
+        """A ``.json`` (or ``.json.gz``) file's ``json_shape``; None for any other file."""
+        if self.path.is_dir() or not self.path.name.lower().endswith(JSON_SUFFIXES):
+            return None
+        return json_shape(self.path, self.text_field)
+
+    @cached_property
     def kind(self) -> str:
         if self.path.is_dir():
             return "arrow"
@@ -88,7 +96,7 @@ class Source:
             return "jsonl"
         if name.endswith(".parquet"):
             return "parquet"
-        if name.endswith(JSON_SUFFIXES) and json_shape(self.path, self.text_field) == "records":
+        if self.json_shape == "records":
             return "jsonl"
         return "text"
 
@@ -121,23 +129,25 @@ def json_shape(path: Path, field: str) -> str:
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rb") as lines:
-            first = lines.readline(JSON_SNIFF_BYTES)
-            while first and not first.strip():
-                first = lines.readline(JSON_SNIFF_BYTES)
             try:
-                record = json.loads(first)
+                record = json.loads(next_nonblank_line(lines))
             except ValueError:  # UnicodeDecodeError included; an empty file; a line cut at the bound
                 return "text"
             if not isinstance(record, dict):
                 return "text"
-            if field in record or "messages" in record or ("prompt" in record and "completion" in record):
+            if field in record or has_fine_tuning_keys(record):
                 return "records"
-            more = lines.readline(JSON_SNIFF_BYTES)
-            while more and not more.strip():
-                more = lines.readline(JSON_SNIFF_BYTES)
-            return "other records" if more else "text"
+            return "other records" if next_nonblank_line(lines) else "text"
     except (OSError, EOFError, zlib.error):
         return "text"
+
+
+def next_nonblank_line(lines: IO[bytes]) -> bytes:
+    """The next line of ``lines`` that is not blank, read up to ``JSON_SNIFF_BYTES``; b"" at the end."""
+    line = lines.readline(JSON_SNIFF_BYTES)
+    while line and not line.strip():
+        line = lines.readline(JSON_SNIFF_BYTES)
+    return line
 
 
 def matches(relative: str, pattern: str) -> bool:
@@ -316,9 +326,7 @@ def warn_json_lines_read_as_text(sources: list[Source]) -> None:
     """``.json`` files that look like JSON Lines but whose first record has no text field: each is
     read as one text document (a code corpus's fixtures, or records of another field); said once
     for all of them, naming some."""
-    found = [source for source in sources if source.kind == "text"
-             and source.path.name.lower().endswith(".json")
-             and json_shape(source.path, source.text_field) == "other records"]
+    found = [source for source in sources if source.json_shape == "other records"]  # .json.gz: refused
     if found:
         more = f" and {len(found) - 3} more" if len(found) > 3 else ""
         log.warning(f"data: {', '.join(s.name for s in found[:3])}{more}: JSON Lines whose first record has "
@@ -428,16 +436,19 @@ def fine_tuning_record(record: dict, where: str) -> dict:
 Document = bytes | dict  # plain text (UTF-8), or a fine-tuning record (prompt/completion, messages)
 
 
+def has_fine_tuning_keys(record: dict) -> bool:
+    """A chat (``messages``) or a prompt/completion pair: a fine-tuning record's keys."""
+    return "messages" in record or ("prompt" in record and "completion" in record)
+
+
 def is_text_and_fine_tuning(record: object, field: str) -> bool:
-    return isinstance(record, dict) and field in record and (
-        "messages" in record or ("prompt" in record and "completion" in record))
+    return isinstance(record, dict) and field in record and has_fine_tuning_keys(record)
 
 
 def document_of(record: object, field: str, where: str) -> Document:
     """A JSON record: its text field, else a fine-tuning record (``messages``, or ``prompt`` and
     ``completion``)."""
-    if isinstance(record, dict) and field not in record and (
-            "messages" in record or ("prompt" in record and "completion" in record)):
+    if isinstance(record, dict) and field not in record and has_fine_tuning_keys(record):
         return fine_tuning_record(record, where)
     return utf8(text_of(record, field, where))
 
