@@ -429,6 +429,14 @@ def test_hidden_files_of_a_directory_input_are_skipped(tmp_path, caplog):
         ".gitattributes", "data/.keep.txt"]
     assert [p.relative_to(root).as_posix() for p in list_files(root, ".cache/**/*.lock")] == [
         ".cache/huggingface/download/data/x.lock"]
+    # A glob pattern as the input skips them too (pathlib's ** went into .cache, its * took .keep.txt)
+    assert [s.name for s in resolve_sources([f"{root}/**/*"], "*")] == ["README.md", "data/train.jsonl"]
+    assert [s.name for s in resolve_sources([f"{root}/data/.*"], "*")] == [".keep.txt"]
+    assert [s.name for s in resolve_sources([f"{root}/.cache/**/*.lock"], "*")] == [
+        "huggingface/download/data/x.lock"]
+    with pytest.raises(DataError, match=r"matches no file but hidden ones \(.*\.keep\.txt\), which are "
+                                        "skipped unless the pattern's part starts with '.'"):
+        resolve_sources([f"{root}/*/*.txt"], "*")
 
 
 def test_preparations_of_one_output_run_one_after_the_other(tmp_path, caplog):

@@ -1,8 +1,9 @@
 """The documents of raw inputs, in one deterministic order: what ``shardtrain prepare`` tokenizes.
 
 An input is a file, a directory (its files matching a glob, recursively, sorted by relative path;
-hidden files and directories below it skipped unless the glob names them) or a glob pattern. By
-suffix a file is: JSON Lines (``.jsonl``, ``.ndjson``, either gzipped; one document per line, its
+hidden files and directories below it skipped unless the glob names them) or a glob pattern (hidden
+names skipped the same way). By suffix a file is: JSON Lines (``.jsonl``, ``.ndjson``, either
+gzipped; one document per line, its
 text in a chosen field), Parquet (``.parquet``; one document per row of a chosen column), or text
 (the whole file is one document; a compressed or archived one is refused). A ``.json`` or
 ``.json.gz`` file is JSON Lines when its first non-blank line is a JSON object that holds the text
@@ -32,7 +33,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from functools import cached_property
-from pathlib import Path, PurePosixPath
+from pathlib import Path, PurePath, PurePosixPath
 from typing import IO
 
 import pyarrow as pa
@@ -209,9 +210,7 @@ def list_files(root: Path, pattern: str, exclude: Iterable[Path] = ()) -> list[P
     real_root = root.resolve()
     inside = [e for e in (e.resolve() for e in exclude) if e != real_root and e.is_relative_to(real_root)]
     skipped = {e.relative_to(real_root).as_posix() for e in inside}
-    pattern_parts = PurePosixPath(pattern).parts
-    hidden_files = bool(pattern_parts) and pattern_parts[-1].startswith(".")
-    hidden_dirs = any(part.startswith(".") for part in pattern_parts[:-1])
+    hidden_dirs, hidden_files = hidden_wanted(pattern)
     files = []
     for directory, subdirs, names in os.walk(root):
         here = Path(directory).relative_to(root)
@@ -238,6 +237,22 @@ def list_files(root: Path, pattern: str, exclude: Iterable[Path] = ()) -> list[P
                     and matches(relative, pattern) and path.is_file()):
                 files.append(path)
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def hidden_wanted(pattern: str) -> tuple[bool, bool]:
+    """Whether a pattern asks for hidden directories (a directory part starting with '.') and for
+    hidden files (its last part starting with '.'); hidden names are skipped otherwise."""
+    parts = PurePosixPath(pattern).parts
+    return any(part.startswith(".") for part in parts[:-1]), bool(parts) and parts[-1].startswith(".")
+
+
+def hidden_unasked(relative: PurePath, pattern: str) -> bool:
+    """Whether ``relative`` (a match of ``pattern``, relative to where the pattern starts) is or is
+    inside a hidden name the pattern does not ask for, as ``list_files`` skips them. pathlib's
+    ``*`` and ``**`` match hidden names (a shell's do not): ``data/**/*.txt`` read ``.git``."""
+    hidden_dirs, hidden_files = hidden_wanted(pattern)
+    return ((not hidden_files and relative.name.startswith("."))
+            or (not hidden_dirs and any(part.startswith(".") for part in relative.parts[:-1])))
 
 
 def skipped_by_pattern(path: Path, base: Path, excluded: list[Path], datasets: dict[Path, bool]) -> bool:
@@ -287,16 +302,21 @@ def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] =
                     break
                 fixed.append(part)
             base = Path(*fixed) if fixed else Path(".")
-            found = base.glob(str(path.relative_to(base)) if fixed else str(path))
+            pattern = str(path.relative_to(base)) if fixed else str(path)
+            found = base.glob(pattern)
             real_base = base.resolve()
             # As list_files: what is excluded counts below the pattern's base only (a data.cache_dir
             # holding the inputs' directory excludes itself, not them).
             inside = [e for e in excluded if e != real_base and e.is_relative_to(real_base)]
             datasets: dict[Path, bool] = {}
-            matched = sorted(p for p in found
-                             if p.is_file() and not skipped_by_pattern(p, base, inside, datasets))
+            files = [p for p in found if p.is_file()]
+            hidden = [p for p in files if hidden_unasked(p.relative_to(base), pattern)]
+            matched = sorted(p for p in files
+                             if p not in hidden and not skipped_by_pattern(p, base, inside, datasets))
             if not matched:
-                raise DataError(f"input {entry!r} matches no file")
+                raise DataError(f"input {entry!r} matches no file" + (
+                    f" but hidden ones ({hidden[0]}), which are skipped unless the pattern's part "
+                    "starts with '.'" if hidden else ""))
             sources += [Source(p, p.relative_to(base).as_posix(), text_field) for p in matched]
         elif not path.exists():
             raise DataError(f"input {entry!r} does not exist; fix the path")
