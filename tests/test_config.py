@@ -106,6 +106,21 @@ def test_bad_config_is_named(override, expected):
     assert expected in str(info.value)
 
 
+def test_checkpointing_every_k_without_every_k_is_refused():
+    """Accepted with activation_checkpointing=none, k changed nothing; with an auto micro-batch, which
+    may choose every_k from none or selective, it is k."""
+    with pytest.raises(ConfigError, match=r"^strategy.activation_checkpointing_every=4 is k for activation_"
+                                          r"checkpointing=every_k, and activation_checkpointing=all"):
+        load_config(["strategy.activation_checkpointing=all", "strategy.activation_checkpointing_every=4"])
+    with pytest.raises(ConfigError, match="activation_checkpointing=none checkpoints no block"):
+        load_config(["strategy.activation_checkpointing_every=4"])
+    every_4 = load_config(["strategy.activation_checkpointing=every_k",
+                           "strategy.activation_checkpointing_every=4"])
+    assert every_4.strategy.activation_checkpointing_every == 4
+    assert load_config(["strategy.activation_checkpointing_every=3", "trainer.micro_batch_size=auto",
+                        "trainer.global_batch_size=8"])
+
+
 def test_hybrid_group_must_divide_world():
     with pytest.raises(ConfigError, match="shard_group_size=3 must divide the world size 4"):
         load_config(["trainer.devices=4", "strategy=hybrid_shard", "strategy.shard_group_size=3"])

@@ -37,6 +37,7 @@ from shardtrain.config.schema import (
     DiagnosticsConfig,
     FinetuneConfig,
     ModelConfig,
+    StrategyConfig,
     TrainerConfig,
 )
 from shardtrain.config.strategy import check_strategy_names, devices_count
@@ -181,6 +182,22 @@ def check_nothing_expects_checkpoints(cfg: Config) -> None:
         raise ConfigError(f"trainer.max_restarts={cfg.trainer.max_restarts} restarts from the newest "
                           "checkpoint, and checkpoint.enabled=false saves none (each restart would train "
                           "from step 0 again); enable checkpoints, or set trainer.max_restarts=0")
+
+
+def check_checkpointing_every(cfg: Config) -> None:
+    """``strategy.activation_checkpointing_every`` changed where no every_k is ever used: neither
+    the mode given nor one ``trainer.micro_batch_size=auto`` may choose (it tries the modes from the
+    one given towards ``all``). Accepted, it changed nothing."""
+    strategy = cfg.strategy
+    mode = strategy.activation_checkpointing.lower()
+    may_choose_every_k = cfg.trainer.micro_batch_size == "auto" and mode in ("none", "selective")
+    every = strategy.activation_checkpointing_every
+    if every == StrategyConfig().activation_checkpointing_every or mode == "every_k" or may_choose_every_k:
+        return
+    raise ConfigError(f"strategy.activation_checkpointing_every={every} is k for activation_checkpointing="
+                      f"every_k, and activation_checkpointing={strategy.activation_checkpointing} "
+                      "checkpoints no block every k; add strategy.activation_checkpointing=every_k, or "
+                      "drop it")
 
 
 def anchor_paths(cfg: Config) -> None:
@@ -465,3 +482,4 @@ def check_config(cfg: Config) -> None:
                 f"checkpoint.preemption_signals: {name} cannot be caught; use SIGTERM or SIGUSR1"
             )
     check_strategy_names(cfg.strategy)
+    check_checkpointing_every(cfg)
