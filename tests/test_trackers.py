@@ -23,6 +23,7 @@ from cli_utils import run_cli
 
 from shardtrain.config.loader import load_config
 from shardtrain.errors import ConfigError, TrackerError
+from shardtrain.train.metrics import MetricsWriter
 from shardtrain.train.trackers import (
     FIXES,
     GuardedTracker,
@@ -252,6 +253,33 @@ def test_a_hanging_or_raising_tracker_never_holds_training(caplog):
     assert warnings[2].startswith("tracker raising failed at step 1 (OSError: No space left on device); "
                                   "it is dropped")
     assert raising.calls == 1  # dropped: never called again, not even to close
+
+
+class Recording:
+    name, run_id = "recording", None
+
+    def __init__(self) -> None:
+        self.outcome: str | None = None
+
+    def log(self, record) -> None:
+        pass
+
+    def close(self, outcome: str) -> None:
+        self.outcome = outcome
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_full_disk_under_metrics_jsonl_still_closes_the_trackers():
+    """Found by review: the line a full disk refused stayed buffered, closing the file raised it
+    again, and the trackers were never closed (MLflow's run left RUNNING), the error masking the
+    run's own."""
+    writer = MetricsWriter(Path("/dev"), True, "full")
+    recording = Recording()
+    writer.trackers, writer.tracker_timeout_s = [GuardedTracker(recording)], 5.0
+    with pytest.raises(OSError, match="No space left on device"):
+        writer.write(1, "train", {"loss": 1.0})
+    writer.close("failed", 1)
+    assert recording.outcome == "failed" and writer.trackers == []
 
 
 def test_mlflow_maps_metric_names_it_refuses_instead_of_dropping_the_run(tmp_path, caplog):

@@ -643,8 +643,10 @@ class Trainer:
                 record_exception(Path(self.cfg.run.dir), self.env.rank, self.step, exc)
             raise
         finally:
-            self.writer.close(outcome, self.step)
-            self.release_run_dir()
+            try:
+                self.writer.close(outcome, self.step)
+            finally:
+                self.release_run_dir()
         return self.result
 
     def release_run_dir(self) -> None:

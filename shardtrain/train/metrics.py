@@ -106,11 +106,14 @@ class MetricsWriter:
     def close(self, outcome: str = "finished", step: int | None = None) -> None:
         """``outcome``: finished, failed, preempted or interrupted (recorded by W&B and MLflow, and
         at ``step`` as an ``end`` record in metrics.jsonl, which the report reads)."""
-        if self._file is not None:
-            if step is not None:
-                with contextlib.suppress(OSError):  # a full disk must not mask how the run ended
-                    self.write(step, "end", {"outcome": outcome})
-            self._file.close()
-            self._file = None
+        # A full disk must not mask how the run ended, nor leave the trackers' runs open: the line
+        # it refused stays buffered, and closing the file tries it again.
+        if self._file is not None and step is not None:
+            with contextlib.suppress(OSError):
+                self.write(step, "end", {"outcome": outcome})
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):
+                file.close()
         close_trackers(self.trackers, outcome, self.tracker_timeout_s)
         self.trackers = []
