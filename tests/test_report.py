@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -391,10 +392,24 @@ def test_hand_edited_records_and_odd_run_names_make_a_report(tmp_path):
     records += [{"step": s, "kind": "train", "loss": 1.0 / s, "tokens_seen": 64 * s, "tokens_per_s": 10.0}
                 for s in range(1, 121)]
     records += [{"step": s, "kind": "skip"} for s in range(5, 105)]
+    # a key no task's count_unit makes (a markup <th> heading), and an evaluation between logging
+    # steps: a train record of val_* fields only (its tokens-seen cell was blank)
+    records += [{"step": 121, "kind": "train", "loss": 0.1, "tokens_seen": 64 * 121, "<b>x</b>_per_s": 1.0},
+                {"step": 122, "kind": "train", "val_loss": 0.5}]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     report = write_report([run_dir], tmp_path / "report.html")
     page = (tmp_path / "report.html").read_text()
     assert "<img src=x" not in page and "<td>2</td>" in page
+    assert "<b>x</b>" not in page and "<th>tokens seen</th>" in page
+    assert f"<td class=num>{64 * 121}</td>" in page
+    # The data block holds no markup character: '<!--<script>' in a run's name swallowed the
+    # closing </script>, and a browser's JSON.parse of the block failed.
+    odd = tmp_path / "<!--<script>"
+    shutil.copytree(run_dir, odd)
+    write_report([odd], tmp_path / "odd.html")
+    page = (tmp_path / "odd.html").read_text()
+    block = re.search(f'<script type="application/json" id="{DATA_ID}">(.*?)</script>', page, re.S).group(1)
+    assert "<" not in block and json.loads(block)["runs"][0]["name"] == "<!--<script>"
     labels = [t.get_text() for t in report.figures["loss_steps"].legends[0].get_texts()]
     skipped = [label for label in labels if "skipped" in label]
     assert skipped == [r"cost\$^\$x: 100 steps skipped (non-finite)"], labels

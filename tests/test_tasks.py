@@ -762,6 +762,12 @@ def test_a_task_object_is_checked_for_what_the_library_path_needs():
     Task.__init__(done)
     assert check_task(done) is done
 
+    class Spaced(SmallestTask):  # names metrics (<unit>_per_s) in every record and the report's HTML
+        count_unit = "audio frames"
+
+    with pytest.raises(ConfigError, match=r"Spaced: count_unit='audio frames' names metrics"):
+        check_task(Spaced())
+
 
 def test_a_misspelt_hook_is_said(caplog):
     """A hook the framework never calls because of its name (init_parameters, draws) is said."""

@@ -95,6 +95,8 @@ def _runs_table(runs: list[Run], colours: dict[str, str], unit: str) -> str:
     rows = []
     for run in runs:
         train = run.of("train")
+        # an evaluation between logging steps writes a record of val_* fields only
+        counted = [r for r in train if seen_count(r, run_unit(run)) is not None]
         losses = run.values("train", "loss")[1]
         vals = [v for v in run.values("train", "val_loss")[1] if v is not None]
         averaged = [v for v in run.values("train", "ema_val_loss")[1] if v is not None]
@@ -108,14 +110,14 @@ def _runs_table(runs: list[Run], colours: dict[str, str], unit: str) -> str:
             f"<tr><td><span class=swatch style='background:{colours[run.name]}'></span>"
             f"{html.escape(run.name)}</td><td><code>{html.escape(str(run.path))}</code>{skipped}</td>"
             f"<td class=num>{train[-1]['step']}</td>"
-            f"<td class=num>{seen_cell(train[-1], unit, run_unit(run))}</td>"
+            f"<td class=num>{seen_cell(counted[-1] if counted else {}, unit, run_unit(run))}</td>"
             f"<td class=num>{_number(losses[-1] if losses else None)}</td>"
             f"<td class=num>{best_val}</td>"
             f"<td class=num>{len(run.starts)}</td><td class=num>{resumes}</td><td class=num>{restarts}</td>"
             f"<td>{html.escape(', '.join(map(str, worlds)))}</td><td class=num>{len(run.of('skip'))}</td>"
             f"<td>{html.escape(ending(run))}</td></tr>")
     return ("<table><tr><th>run</th><th>directory</th><th>last step</th>"
-            f"<th>{unit} seen</th>"
+            f"<th>{html.escape(unit)} seen</th>"
             "<th>last loss</th><th>best val_loss</th><th>attempts</th><th>resumes</th>"
             "<th>torchrun restarts</th><th>world size</th><th>skipped steps</th><th>ended</th></tr>"
             + "".join(rows) + "</table>")
@@ -148,7 +150,10 @@ def _differences_table(runs: list[Run], differences: dict[str, list[Any]]) -> st
 def page_html(runs: list[Run], panels: list[Panel], pngs: dict[str, bytes],
               differences: dict[str, list[Any]]) -> str:
     colours = run_colours([run.name for run in runs])
-    data = json.dumps(report_data(runs, panels, differences), allow_nan=False).replace("</", "<\\/")
+    # Inside <script> a '<!--' or '</script' in a run's name or config ends or swallows the block:
+    # the markup characters are JSON escapes there, equal once parsed.
+    data = json.dumps(report_data(runs, panels, differences), allow_nan=False)
+    data = data.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
     contents = " · ".join(f"<a href='#{panel.id}'>{html.escape(panel.title)}</a>" for panel in panels)
     # The figure carries its title (the PNGs stand alone); the section is its anchor.
     sections = "".join(

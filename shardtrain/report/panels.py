@@ -6,6 +6,7 @@ what a reader sees and what a program reads back are one thing.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -84,9 +85,13 @@ class Panel:
         return asdict(self)
 
 
+RATE = re.compile(r"[a-z][a-z0-9_]*_per_s")
+
+
 def rate_key(runs: list[Run]) -> str:
     """The throughput field: tokens_per_s, another task unit's ``<unit>_per_s``, else samples_per_s."""
-    keys = {k for run in runs for r in run.of("train") for k in r if k.endswith("_per_s")}
+    # A task's count_unit is a lowercase name (tasks.task.check_task); others are no rate of ours.
+    keys = {k for run in runs for r in run.of("train") for k in r if RATE.fullmatch(k)}
     if "tokens_per_s" in keys:
         return "tokens_per_s"
     others = sorted(keys - {SAMPLES_RATE})

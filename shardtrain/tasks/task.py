@@ -17,6 +17,7 @@ import difflib
 import functools
 import inspect
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -253,6 +254,11 @@ def check_task(task: Any) -> Task:
     if missing:
         raise ConfigError(f"task {cls.__module__}.{cls.__qualname__} lacks {', '.join(missing)}(); "
                           "see docs/tasks.md for the contract")
+    unit = task.count_unit
+    if not (isinstance(unit, str) and re.fullmatch(r"[a-z][a-z0-9_]*", unit)):
+        # It names metrics (<unit>_per_s, <unit>_seen) in metrics.jsonl, the trackers and the report.
+        raise ConfigError(f"task {cls.__qualname__}: count_unit={unit!r} names metrics (<unit>_per_s); use "
+                          "lowercase letters, digits and underscores, such as 'tokens' or 'frames'")
     return task
 
 
