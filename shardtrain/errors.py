@@ -76,7 +76,7 @@ def json_object(path: Path, error_type: type[ShardtrainError], fix: str) -> dict
     """The JSON object a file holds; where it holds something else (not JSON, a list, a number) one
     ``error_type`` line naming the file and ``fix``. An OSError is the filesystem's: raised as it is."""
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(path.read_bytes())
     except ValueError as exc:  # UnicodeDecodeError too
         raise error_type(f"{path} is not valid JSON ({first_line(exc)}); {fix}") from exc
     if not isinstance(value, dict):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -404,12 +405,12 @@ def test_hand_edited_records_and_odd_run_names_make_a_report(tmp_path):
     assert f"<td class=num>{64 * 121}</td>" in page
     # The data block holds no markup character: '<!--<script>' in a run's name swallowed the
     # closing </script>, and a browser's JSON.parse of the block failed.
-    odd = tmp_path / "<!--<script>"
+    odd = tmp_path / os.fsdecode(b"<!--<script>\xff")  # and a name that is no UTF-8 (it stopped the page)
     shutil.copytree(run_dir, odd)
     write_report([odd], tmp_path / "odd.html")
     page = (tmp_path / "odd.html").read_text()
     block = re.search(f'<script type="application/json" id="{DATA_ID}">(.*?)</script>', page, re.S).group(1)
-    assert "<" not in block and json.loads(block)["runs"][0]["name"] == "<!--<script>"
+    assert "<" not in block and json.loads(block)["runs"][0]["name"] == "<!--<script>\ufffd"
     labels = [t.get_text() for t in report.figures["loss_steps"].legends[0].get_texts()]
     skipped = [label for label in labels if "skipped" in label]
     assert skipped == [r"cost\$^\$x: 100 steps skipped (non-finite)"], labels

@@ -59,7 +59,7 @@ def inspect_safetensors(path: Path, report: Report) -> None:
         report.format = "safetensors shards (index)"
         try:
             files = indexed_files(path)
-            weight_map = json.loads(path.read_text())["weight_map"]  # read and checked just now
+            weight_map = json.loads(path.read_bytes())["weight_map"]  # read and checked just now
         except CheckpointError as exc:  # damaged (exit 1), not absent (exit 2)
             report.problems.append(str(exc))
             report.complete = False

@@ -108,7 +108,7 @@ def read_manifest(path: Path) -> dict[str, dict] | None:
     file = path / MANIFEST_FILE
     if not file.is_file():
         try:
-            recorded = json.loads((path / STATE_FILE).read_text()).get("checksums") is True
+            recorded = json.loads((path / STATE_FILE).read_bytes()).get("checksums") is True
         except (OSError, ValueError, AttributeError):  # none, or damaged: its own reader says so
             recorded = False
         if recorded:
@@ -119,7 +119,7 @@ def read_manifest(path: Path) -> dict[str, dict] | None:
                 "it, reads it unverified)")
         return None
     try:
-        raw = json.loads(file.read_text())  # an OSError is the filesystem's, not damage: raised
+        raw = json.loads(file.read_bytes())  # an OSError is the filesystem's, not damage: raised
         files = raw["files"]
         if raw["algorithm"] != ALGORITHM or not all(
             isinstance(e[ALGORITHM], str) and isinstance(e["bytes"], int) for e in files.values()

@@ -170,7 +170,7 @@ def write_index(directory: Path, weight_map: dict[str, str], total_bytes: int) -
 def indexed_files(index: Path) -> list[Path]:
     """The shard files an index names (each once, sorted)."""
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = json.loads(index.read_bytes())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
     if not (isinstance(weight_map, dict) and all(isinstance(name, str) for name in weight_map.values())):

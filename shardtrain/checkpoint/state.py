@@ -211,7 +211,7 @@ class TrainState:
                 "checkpoint (model.init_from accepts plain DCP directories)"
             )
         try:
-            raw = json.loads(file.read_text())  # an OSError is the filesystem's, not damage: raised
+            raw = json.loads(file.read_bytes())  # an OSError is the filesystem's, not damage: raised
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(
                 f"checkpoint {str(directory)!r}: {STATE_FILE} is unreadable ({exc}); the file is damaged, "

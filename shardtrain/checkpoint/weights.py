@@ -475,7 +475,7 @@ def read_hf_config(directory: Path) -> dict:
     if not config_file.is_file():
         raise CheckpointError(f"{directory} has no {HF_CONFIG_FILE}: not a Hugging Face model directory")
     try:
-        config = json.loads(config_file.read_text())
+        config = json.loads(config_file.read_bytes())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise CheckpointError(f"{config_file} is not readable JSON ({exc}); write it again with "
                               "save_pretrained") from exc

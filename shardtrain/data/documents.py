@@ -172,7 +172,7 @@ def is_prepared_dataset(directory: Path) -> bool:
     as bytes without a word."""
     manifest_file = directory / PREPARED_MANIFEST
     try:
-        manifest = json.loads(manifest_file.read_text())
+        manifest = json.loads(manifest_file.read_bytes())
     except (FileNotFoundError, NotADirectoryError):
         return False
     except (OSError, ValueError) as exc:
@@ -187,7 +187,7 @@ def is_prepared_dataset(directory: Path) -> bool:
 def dataset_dict_error(directory: Path) -> DataError:
     """A DatasetDict's directory: one split must be chosen (mixing train and test is never meant)."""
     try:
-        splits = [str(s) for s in json.loads((directory / DATASET_DICT).read_text())["splits"]]
+        splits = [str(s) for s in json.loads((directory / DATASET_DICT).read_bytes())["splits"]]
     except (OSError, ValueError, KeyError, TypeError):
         splits = sorted(p.name for p in directory.iterdir() if (p / DATASETS_STATE).is_file())
     return DataError(f"{directory} is a datasets DatasetDict (splits: {', '.join(splits) or 'none'}); "
@@ -387,7 +387,7 @@ def check_not_packed(source: Source) -> None:
 def arrow_files(directory: Path) -> list[Path]:
     """The Arrow files of a ``save_to_disk`` directory, in the order its state.json lists them."""
     try:
-        state = json.loads((directory / DATASETS_STATE).read_text())
+        state = json.loads((directory / DATASETS_STATE).read_bytes())
         return [directory / entry["filename"] for entry in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DataError(f"{directory}: not a readable datasets directory ({exc}); write it with "

@@ -416,7 +416,7 @@ def recorded_sources(directory: Path, manifest: dict) -> list[dict]:
                         "prepare it again")
     path = directory / recorded["file"]
     try:
-        entries = json.loads(path.read_text())
+        entries = json.loads(path.read_bytes())
     except (OSError, ValueError) as exc:
         why = getattr(exc, "strerror", None) or type(exc).__name__
         raise DataError(f"{path} cannot be read ({why}): the prepared dataset is damaged; prepare it "
@@ -429,7 +429,7 @@ def recorded_sources(directory: Path, manifest: dict) -> list[dict]:
 
 def read_manifest(directory: Path) -> dict | None:
     try:
-        manifest = json.loads((directory / MANIFEST).read_text())
+        manifest = json.loads((directory / MANIFEST).read_bytes())
     except (OSError, ValueError):
         return None
     return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None

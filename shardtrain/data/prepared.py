@@ -261,7 +261,7 @@ def open_prepared(path: str | Path, tokenizer: Tokenizer | None = None, warn: bo
     nothing, the training will)."""
     path = Path(path).expanduser()
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = json.loads((path / MANIFEST).read_bytes())
     except (OSError, ValueError) as exc:
         raise DataError(f"{path} is not a prepared dataset (no readable {MANIFEST}); make one with "
                         "shardtrain prepare INPUTS --out DIR") from exc

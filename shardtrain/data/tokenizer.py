@@ -109,7 +109,7 @@ def generation_stops(directory: Path, vocab_size: int) -> frozenset[int]:
     tokenizer's end of text (Gemma's ``<end_of_turn>``, Llama 3's ``<|eot_id|>``)."""
     file = directory / GENERATION_CONFIG_FILE
     try:
-        config = json.loads(file.read_text())
+        config = json.loads(file.read_bytes())
     except FileNotFoundError:
         return frozenset()
     except (OSError, ValueError) as exc:  # ignored, generation would run past the model's end of turn
@@ -311,7 +311,7 @@ class HFTokenizer:
         self.vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         config_file = file.parent / TOKENIZER_CONFIG_FILE
         try:
-            config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+            config = json.loads(config_file.read_bytes()) if config_file.is_file() else {}
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise DataError(f"{config_file} is not readable JSON ({exc}); repair it, or remove it to use "
                             "the tokenizer without its settings") from exc
@@ -329,7 +329,7 @@ class HFTokenizer:
         vocabulary = self._tokenizer.get_vocab(with_added_tokens=True) if self.eos_id is None else {}
         self.unnamed_end_tokens = [token for token in COMMON_END_TOKENS if token in vocabulary]
         template = file.parent / "chat_template.jinja"
-        self.chat_template = (template.read_text() if template.is_file()
+        self.chat_template = (template.read_text(encoding="utf-8") if template.is_file()
                               else config.get("chat_template"))
         if isinstance(self.chat_template, list):  # named templates: the default one
             named = {t.get("name"): t.get("template") for t in self.chat_template}

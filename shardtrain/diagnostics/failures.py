@@ -37,7 +37,7 @@ def write_whole(path: Path, text: str) -> None:
     """``text`` into ``path`` whole or not at all: a process stopped mid-write (the launcher stops the
     other workers once one exits) leaves no empty or half evidence file behind."""
     part = path.with_name(f".{path.name}.part")
-    part.write_text(text)
+    part.write_text(text, encoding="utf-8")
     os.replace(part, path)
 
 
@@ -76,7 +76,7 @@ def first_failure(run_dir: Path, since: float, last_attempt: bool = False) -> di
     records = []
     for path in (Path(run_dir) / FAILURE_DIR).glob("rank-*.json"):
         try:
-            record = json.loads(path.read_text())
+            record = json.loads(path.read_bytes())
         except (OSError, ValueError):
             continue
         if record.get("time", 0) >= since:

@@ -62,7 +62,7 @@ def write_hf_model_files(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> lis
     """The run's tokenizer (the model directory's, or the one ``model.tokenizer`` put in its place),
     then the model directory's config.json (with the written dtype), last."""
     source = model_directory(cfg)
-    config = json.loads((source / CONFIG_FILE).read_text())
+    config = json.loads((source / CONFIG_FILE).read_bytes())
     config["torch_dtype"] = config["dtype"] = dtype_name(dtype)
     if cfg.tokenizer == "auto":
         files = copy_files(tokenizer_files_in(source), out)

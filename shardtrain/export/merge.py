@@ -87,7 +87,7 @@ def verify_merged_export(checkpoint: str | Path, out_dir: str | Path, tolerance:
     out_dir = Path(out_dir)
     model = checkpoint_model(LoraCheckpoint.read(checkpoint, verify_checksums), nf4_base=True)
     tokens = check_tokens(model)
-    written = getattr(torch, json.loads((out_dir / CONFIG_FILE).read_text())["torch_dtype"])
+    written = getattr(torch, json.loads((out_dir / CONFIG_FILE).read_bytes())["torch_dtype"])
     if written != torch.float32:  # the reference the files can hold: merged, rounded as written
         merge_in_place(model)
         for param in model.parameters():

@@ -47,7 +47,7 @@ def verify_export(checkpoint: str | Path, out_dir: str | Path,
     ``key``: the checkpoint's entry that was exported (``ema``: the weights' average)."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     cfg = model_config_of(checkpoint)
-    written = json.loads((out_dir / CONFIG_FILE).read_text())["torch_dtype"]
+    written = json.loads((out_dir / CONFIG_FILE).read_bytes())["torch_dtype"]
     dtype = getattr(torch, written)
     with parameters_on_meta():
         ours = build_model(cfg)

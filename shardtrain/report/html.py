@@ -213,7 +213,8 @@ def write_report(run_dirs: list[str | Path], out: str | Path, png_dir: str | Pat
         # Written beside, then renamed: a write that fails half way leaves the earlier page whole.
         partial = out.with_name(f".{out.name}.partial")
         try:
-            partial.write_text(page_html(runs, panels, pngs, config_differences(runs)))
+            partial.write_text(page_html(runs, panels, pngs, config_differences(runs)), encoding="utf-8",
+                               errors="replace")
             os.replace(partial, out)
         finally:
             partial.unlink(missing_ok=True)

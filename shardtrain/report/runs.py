@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,10 +226,11 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
 
 def run_names(paths: list[Path]) -> list[str]:
     """Short names that tell the runs apart: the directory names, with as many parent directories
-    as it takes when two share a name."""
+    as it takes when two share a name. Bytes a file name holds that are no UTF-8 are shown as
+    U+FFFD (matplotlib cannot draw the surrogates Python reads them as)."""
     parts = [p.resolve().parts for p in paths]
     for depth in range(1, max((len(p) for p in parts), default=1) + 1):
-        names = [Path(*p[-depth:]).as_posix() for p in parts]
+        names = [os.fsencode(Path(*p[-depth:]).as_posix()).decode("utf-8", "replace") for p in parts]
         if len(set(names)) == len(names):
             return names
     raise ReportError("the same run directory is given twice; give each run once")  # load_runs checks

@@ -135,7 +135,7 @@ def _analyse(package_dir: Path, package: str = "shardtrain") -> tuple[int, int, 
             violations.append(f"{rel}:1: module {module} is in no layer; "
                               f"add it to LAYERS in {package}/tools/layers.py")
         try:
-            tree = ast.parse(path.read_text(), str(path))
+            tree = ast.parse(path.read_bytes(), str(path))
         except SyntaxError as e:
             violations.append(f"{rel}:{e.lineno}: cannot parse: {e.msg}")
             continue

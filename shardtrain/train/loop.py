@@ -550,7 +550,7 @@ class Trainer:
             return
         run_dir = Path(self.cfg.run.dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+        (run_dir / "config.yaml").write_text(to_yaml(self.cfg), encoding="utf-8")
 
     def write_start_record(self) -> None:
         """Where this attempt starts: ``shardtrain report`` marks resumes and restarts with it, and

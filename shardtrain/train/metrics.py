@@ -84,7 +84,7 @@ class MetricsWriter:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(run_dir / name, "a", buffering=1)
+        self._file = open(run_dir / name, "a", buffering=1, encoding="utf-8")
 
     def start_trackers(self, cfg: Config, resuming: bool) -> None:
         """The trackers, started (a ``TrackerError`` if one cannot start); ``resuming`` continues

@@ -448,7 +448,7 @@ def read_run_ids(run_dir: Path) -> dict[str, str]:
     read by hand) with a warning: the trackers then start new runs, which a silent {} hid."""
     file = run_dir / STATE_FILE
     try:
-        ids = json.loads(file.read_text())
+        ids = json.loads(file.read_bytes())
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
