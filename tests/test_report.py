@@ -320,8 +320,8 @@ def test_a_task_runs_loss_is_plotted_against_its_own_count(tmp_path):
 def test_runs_counting_other_units_are_named_not_plotted_at_zero(tmp_path):
     """A language model's run beside a ViT's: the loss-against-count panel is in tokens, the ViT's
     run is left off it with a note (it was plotted at x = 0), and the table gives each run's own count."""
-    for name, fields in (("lm", {"tokens_per_s": 100.0, "samples_per_s": 1.0}),
-                         ("vit", {"samples_per_s": 4.0})):
+    for name, fields in (("lm", {"tokens_per_s": 100.0, "samples_per_s": 1.0, "mfu": 0.4}),
+                         ("vit", {"samples_per_s": 4.0, "model_tflops": 1.0})):
         run_dir = tmp_path / name
         run_dir.mkdir()
         unit = "tokens" if name == "lm" else "samples"
@@ -334,6 +334,11 @@ def test_runs_counting_other_units_are_named_not_plotted_at_zero(tmp_path):
     assert list(line.get_xdata()) == [10, 20]
     page = (tmp_path / "report.html").read_text()
     assert "Not on this panel, counting another unit: vit (samples)." in page
+    # and off the throughput and MFU panels, said there too (found by review: left off silently)
+    assert [p.note for p in report.panels if p.id == "throughput"] == [
+        "Not on this panel, counting another unit: vit (samples)."]
+    assert [p.note for p in report.panels if p.id == "mfu"] == [
+        "Not on this panel, MFU unknown (no peak FLOP/s for its device, or no FLOPs counted): vit."]
     assert "<td class=num>20</td>" in page and "<td class=num>20 samples</td>" in page
 
 

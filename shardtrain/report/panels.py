@@ -157,16 +157,26 @@ def series_panel(runs: list[Run], panel_id: str, title: str, ylabel: str, key: s
     return panel
 
 
+def counting_elsewhere(runs: list[Run], unit: str) -> str:
+    """The note of a panel whose axis counts ``unit``: the runs counting another (a ViT's samples
+    beside a language model's tokens), which have no place on it."""
+    elsewhere = [f"{run.name} ({run_unit(run)})" for run in runs if run_unit(run) != unit]
+    return f"Not on this panel, counting another unit: {', '.join(elsewhere)}." if elsewhere else ""
+
+
+def throughput_panel(runs: list[Run], rate: str) -> Panel:
+    unit = unit_of(rate)
+    panel = series_panel(runs, "throughput", f"Throughput ({unit}/s, all ranks)", f"{unit}/s", rate)
+    panel.note = counting_elsewhere(runs, unit)
+    return panel
+
+
 def loss_panels(runs: list[Run], unit: str) -> list[Panel]:
     """The loss against steps and against the task's count seen (tokens for a language model)."""
     per = "target token" if unit == "tokens" else unit.removesuffix("s")
     by_step = Panel("loss_steps", "Loss against steps", "step", f"loss (per {per})")
     by_tokens = Panel("loss_tokens", f"Loss against {unit} seen", f"{unit} seen", f"loss (per {per})")
-    # A run counting another unit (a ViT's samples beside a language model's tokens) has no place on
-    # this panel's axis.
-    elsewhere = [f"{run.name} ({run_unit(run)})" for run in runs if run_unit(run) != unit]
-    if elsewhere:
-        by_tokens.note = f"Not on this panel, counting another unit: {', '.join(elsewhere)}."
+    by_tokens.note = counting_elsewhere(runs, unit)
     for run in runs:
         counted_here = run_unit(run) == unit
         count_at = steps_to_count(run, unit)
@@ -185,8 +195,13 @@ def loss_panels(runs: list[Run], unit: str) -> list[Panel]:
 
 def mfu_panel(runs: list[Run]) -> Panel:
     """MFU in percent; where no run knows its device's peak, the model's TFLOP/s instead."""
-    if any(v is not None for run in runs for v in run.values("train", "mfu")[1]):
-        return series_panel(runs, "mfu", "Model FLOP/s utilisation", "MFU (%)", "mfu", scale=100)
+    known = [run for run in runs if any(v is not None for v in run.values("train", "mfu")[1])]
+    if known:
+        panel = series_panel(runs, "mfu", "Model FLOP/s utilisation", "MFU (%)", "mfu", scale=100)
+        if unknown := [run.name for run in runs if run not in known]:
+            panel.note = (f"Not on this panel, MFU unknown (no peak FLOP/s for its device, or no FLOPs "
+                          f"counted): {', '.join(unknown)}.")
+        return panel
     panel = series_panel(runs, "mfu", "Model TFLOP/s (MFU unknown: no peak for this device)",
                          "model TFLOP/s (all ranks)", "model_tflops")
     panel.note = ("MFU needs the device's peak FLOP/s, unknown on a CPU or an unlisted accelerator "
@@ -272,11 +287,13 @@ def build_panels(runs: list[Run]) -> list[Panel]:
     unit = unit_of(rate)
     panels = [
         *loss_panels(runs, unit),
-        series_panel(runs, "throughput", f"Throughput ({unit}/s, all ranks)", f"{unit}/s", rate),
+        throughput_panel(runs, rate),
         mfu_panel(runs),
         memory_phase_panel(runs),
         series_panel(runs, "peak_memory", "Peak memory since start (rank 0)", "MiB", "peak_memory_mib"),
-        series_panel(runs, "data_wait", "Data wait (share of wall time)", "% of wall time", "data_wait_pct"),
+        # rank 0's own loader: a stall on another rank shows as a slower step, not here
+        series_panel(runs, "data_wait", "Data wait (share of wall time, rank 0)", "% of wall time",
+                     "data_wait_pct"),
         grad_norm_panel(runs),
         series_panel(runs, "lr", "Learning rate", "learning rate", "lr"),
         checkpoint_panel(runs),
