@@ -394,7 +394,11 @@ def test_hand_edited_records_and_odd_run_names_make_a_report(tmp_path):
     run_dir.mkdir()
     records = [{"step": 0, "kind": "start", "world_size": "<img src=x onerror=alert(1)>",
                 "restart_count": "two", "resumed_from": 5},
-               {"step": 0, "kind": "start", "world_size": 2, "restart_count": 0}]
+               {"step": 0, "kind": "start", "world_size": 2, "restart_count": 0, "time": "noon"},
+               {"step": 1, "kind": ["train"]},  # no kind of ours: an unreadable line
+               {"step": 1, "kind": "memory", "forward.params_mib": "12", "forward.rss_mib": 30.0}]
+    (run_dir / "failures").mkdir()
+    (run_dir / "failures" / "rank-0.json").write_text('{"time": "late", "rank": 0}')
     records += [{"step": s, "kind": "train", "loss": 1.0 / s, "tokens_seen": 64 * s, "tokens_per_s": 10.0}
                 for s in range(1, 121)]
     records += [{"step": s, "kind": "skip"} for s in range(5, 105)]

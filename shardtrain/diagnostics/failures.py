@@ -79,7 +79,10 @@ def first_failure(run_dir: Path, since: float, last_attempt: bool = False) -> di
             record = json.loads(path.read_bytes())
         except (OSError, ValueError):
             continue
-        if record.get("time", 0) >= since:
+        if not (isinstance(record, dict) and isinstance(record.get("time"), (int, float))
+                and all(key in record for key in ("rank", "host", "step", "type"))):
+            continue  # not a record of ours (hand-edited, or another tool's file)
+        if record["time"] >= since:
             records.append(record)
     if last_attempt and records:
         last = max(record.get("attempt", 0) for record in records)

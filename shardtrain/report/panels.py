@@ -227,8 +227,8 @@ def memory_phase_panel(runs: list[Run]) -> Panel:
         rest_parts.add(rest)
         parts: dict[str, list[float]] = {part: [] for part in (*STATE_PARTS, rest)}
         for phase in PHASES:
-            state = [float(record.get(f"{phase}.{part}_mib") or 0.0) for part in STATE_PARTS]
-            total = float(record.get(f"{phase}.{total_key}") or 0.0)
+            state = [finite_or_none(record.get(f"{phase}.{part}_mib")) or 0.0 for part in STATE_PARTS]
+            total = finite_or_none(record.get(f"{phase}.{total_key}")) or 0.0
             for part, value in zip(STATE_PARTS, state):
                 parts[part].append(value)
             parts[rest].append(max(total - sum(state), 0.0))

@@ -126,7 +126,8 @@ def _record(line: str) -> dict | None:
             record = json.loads(line[start:])
         except ValueError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and "kind" in record:
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and isinstance(
+                record.get("kind"), str):
             return record
     return None
 
@@ -150,8 +151,8 @@ def timeline(records: list[dict]) -> tuple[dict[str, list[dict]], list[Start]]:
                     del kept[later]
             restarts = count_or_none(record.get("restart_count")) or 0
             resumed = record.get("resumed_from") if isinstance(record.get("resumed_from"), str) else None
-            starts.append(Start(step, resumed, restarts,
-                                count_or_none(record.get("world_size")), record.get("time")))
+            starts.append(Start(step, resumed, restarts, count_or_none(record.get("world_size")),
+                                finite_or_none(record.get("time"))))
         elif kind == "end" and starts:
             starts[-1].outcome, starts[-1].ended_at = str(record.get("outcome")), step
         elif kind in by_kind:
