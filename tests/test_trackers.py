@@ -179,6 +179,25 @@ def test_tensorboard_holds_every_record(tracked):
     assert samples == [r["text"] for r in records if r["kind"] == "sample"]
 
 
+def test_tensorboard_drops_what_an_abandoned_attempt_logged_after_the_resume_step(tmp_path):
+    """Found by review: a run resumed from step 3 after an attempt that logged to step 6 showed
+    both attempts' values at steps 4-6 in TensorBoard (the report keeps the run that went on)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from shardtrain.train.trackers import TensorBoardTracker
+
+    run = load_config([f"run.dir={tmp_path}"]).run
+    for start_step, steps, loss in ((0, range(1, 7), 1.0), (3, range(4, 6), 2.0)):
+        tracker = TensorBoardTracker(run, {}, None, start_step)
+        for step in steps:
+            tracker.log(tracker_record(step, "train", 0.0, {"loss": loss}))
+        tracker.close("finished")
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0)]
+
+
 def test_an_unreachable_tracker_stops_the_run_at_start_up_with_one_line(tmp_path):
     run_dir = tmp_path / "run"
     args = ["experiment=quick", "run.trackers=[tensorboard,mlflow]", "run.mlflow.tracking_uri=http://127.0.0.1:1",

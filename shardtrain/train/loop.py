@@ -542,7 +542,8 @@ class Trainer:
         self.write_run_files()
         if not self.cfg.diagnostics.dry_run:  # a dry run leaves no run in W&B or MLflow
             # A resumed training continues its tracker runs (their ids are kept in run.dir).
-            self.writer.start_trackers(self.cfg, resuming=self.result.resumed_from is not None)
+            self.writer.start_trackers(self.cfg, resuming=self.result.resumed_from is not None,
+                                       start_step=self.step)
         self.write_start_record()  # the trackers get it too
 
     def write_run_files(self) -> None:

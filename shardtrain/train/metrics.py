@@ -86,11 +86,11 @@ class MetricsWriter:
         run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(run_dir / name, "a", buffering=1, encoding="utf-8")
 
-    def start_trackers(self, cfg: Config, resuming: bool) -> None:
+    def start_trackers(self, cfg: Config, resuming: bool, start_step: int = 0) -> None:
         """The trackers, started (a ``TrackerError`` if one cannot start); ``resuming`` continues
-        their runs."""
+        their runs from ``start_step``."""
         if self.enabled:
-            self.trackers = start_trackers(cfg, resuming)
+            self.trackers = start_trackers(cfg, resuming, start_step)
             self.tracker_timeout_s = cfg.run.tracker_timeout_s
 
     def write(self, step: int, kind: str, values: dict[str, Any]) -> None:

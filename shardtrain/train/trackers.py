@@ -204,9 +204,12 @@ class TensorBoardTracker:
     name = "tensorboard"
     run_id = None
 
-    def __init__(self, run: RunConfig, params: dict[str, Any], resume_id: str | None = None) -> None:
-        # A resumed run appends to the same event directory: TensorBoard joins the files.
-        self.writer = SummaryWriter(str(Path(run.dir) / "tensorboard"))
+    def __init__(self, run: RunConfig, params: dict[str, Any], resume_id: str | None = None,
+                 start_step: int = 0) -> None:
+        # A resumed run appends to the same event directory: TensorBoard joins the files, and drops
+        # what earlier files logged from purge_step on (an attempt abandoned after the checkpoint
+        # this run resumed from; a run started over from step 0), as the report does.
+        self.writer = SummaryWriter(str(Path(run.dir) / "tensorboard"), purge_step=start_step + 1)
         # Indented four spaces: TensorBoard's text tab renders markdown, and this keeps it verbatim.
         self.writer.add_text("config", "\n".join(f"    {key}: {value}" for key, value in params.items()))
 
@@ -227,7 +230,10 @@ class WandbTracker:
 
     name = "wandb"
 
-    def __init__(self, run: RunConfig, params: dict[str, Any], resume_id: str | None) -> None:
+    def __init__(self, run: RunConfig, params: dict[str, Any], resume_id: str | None,
+                 start_step: int = 0) -> None:
+        # start_step: a run's history keeps each attempt's values of a step (W&B's step metric,
+        # MLflow's metric history); only TensorBoard purges.
         wandb = load_optional(self.name, "wandb")
         # Console capture off: the launcher owns the workers' output (console and log file).
         settings = wandb.Settings(console="off", init_timeout=run.tracker_timeout_s,
@@ -263,7 +269,10 @@ class MlflowTracker:
     name = "mlflow"
     STATUS = {"finished": "FINISHED", "failed": "FAILED", "preempted": "KILLED", "interrupted": "KILLED"}
 
-    def __init__(self, run: RunConfig, params: dict[str, Any], resume_id: str | None) -> None:
+    def __init__(self, run: RunConfig, params: dict[str, Any], resume_id: str | None,
+                 start_step: int = 0) -> None:
+        # start_step: a run's history keeps each attempt's values of a step (W&B's step metric,
+        # MLflow's metric history); only TensorBoard purges.
         uri = mlflow_tracking_uri(run)
         check_reachable(uri, run.tracker_timeout_s)
         if uri.startswith("file:"):
@@ -468,10 +477,11 @@ def read_run_ids(run_dir: Path) -> dict[str, str]:
     return {}
 
 
-def start_trackers(cfg: Config, resuming: bool) -> list[GuardedTracker]:
+def start_trackers(cfg: Config, resuming: bool, start_step: int = 0) -> list[GuardedTracker]:
     """Every tracker of ``run.trackers``, started (rank 0 only). ``resuming``: the trainer resumed
-    from a checkpoint, so the tracker runs stored in run.dir continue. A tracker that cannot start
-    is a ``TrackerError`` (the ones already started are closed first)."""
+    from a checkpoint, so the tracker runs stored in run.dir continue; ``start_step``: the step
+    training goes on from. A tracker that cannot start is a ``TrackerError`` (the ones already
+    started are closed first)."""
     run = cfg.run
     run_dir = Path(run.dir)
     stored = read_run_ids(run_dir) if resuming else {}
@@ -481,27 +491,29 @@ def start_trackers(cfg: Config, resuming: bool) -> list[GuardedTracker]:
         for name in run.trackers:
             if name in PACKAGES and importlib.util.find_spec(PACKAGES[name]) is None:
                 raise missing_package_error(name, PACKAGES[name])
-            started.append(start_within(name, run, params, stored.get(name)))
+            started.append(start_within(name, run, params, stored.get(name), start_step))
+        # A tracker left out of this resume keeps its run for a later one: ids are merged, not replaced.
+        ids = {**stored, **{t.name: t.run_id for t in started if t.run_id is not None}}
+        if ids:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / STATE_FILE).write_text(json.dumps(ids, indent=1) + "\n")
     except BaseException:
-        # Closed off the training thread too: a server that hangs must not hold the failure's line.
+        # Closed off the training thread too: a server that hangs must not hold the failure's line;
+        # nor a full disk under trackers.json leave the runs open (MLflow's RUNNING for ever).
         close_trackers([GuardedTracker(tracker) for tracker in started], "failed", run.tracker_timeout_s)
         raise
-    # A tracker left out of this resume keeps its run for a later one: ids are merged, not replaced.
-    ids = {**stored, **{tracker.name: tracker.run_id for tracker in started if tracker.run_id is not None}}
-    if ids:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / STATE_FILE).write_text(json.dumps(ids, indent=1) + "\n")
     return [GuardedTracker(tracker) for tracker in started]
 
 
-def start_within(name: str, run: RunConfig, params: dict[str, Any], resume_id: str | None) -> Tracker:
+def start_within(name: str, run: RunConfig, params: dict[str, Any], resume_id: str | None,
+                 start_step: int = 0) -> Tracker:
     """Tracker ``name``, started on a thread of its own within ``run.tracker_timeout_s``: a client's
     own retries (MLflow's: minutes against a server answering 503) cannot hold the run's start."""
     outcome: dict[str, Any] = {}
 
     def start() -> None:
         try:
-            outcome["tracker"] = FACTORIES[name](run, params, resume_id)
+            outcome["tracker"] = FACTORIES[name](run, params, resume_id, start_step)
         except BaseException as exc:  # handed to the caller's thread
             outcome["error"] = exc
 
