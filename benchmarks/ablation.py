@@ -204,22 +204,25 @@ def run_lightning(model: str) -> dict:
             return torch.optim.AdamW(self.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
 
     class Timer(L.Callback):
+        """Whole iterations, from one batch's start to the next's: the batch's fetch and collation
+        included, as the other programs' iterations include theirs (one more batch ends the last)."""
+
         def on_train_batch_start(self, trainer, *args) -> None:
+            now = time.perf_counter()
             if trainer.global_step == WARMUP:
                 clock.start_peak()
-            self.start = time.perf_counter()
+            elif trainer.global_step > WARMUP:
+                clock.seconds.append(now - self.start)
+            self.start = now
 
-        def on_train_batch_end(self, trainer, *args) -> None:
-            if trainer.global_step > WARMUP:
-                clock.seconds.append(time.perf_counter() - self.start)
-
-    trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=WARMUP + STEPS,
-                        precision="bf16-mixed" if PRECISION == "bf16-mixed" else "32-true",
+    # "32-true" at every PRECISION: shard() gives FSDP2 the mixed-precision policy, as the other
+    # programs' models have it; Lightning's bf16-mixed would add autocast on top.
+    trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=WARMUP + STEPS + 1, precision="32-true",
                         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
                         gradient_clip_val=1.0, callbacks=[Timer()], enable_checkpointing=False,
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=os.environ.get("BENCH_DIR", "."))
-    data = Windows(load_corpus(DataConfig()).train, (WARMUP + STEPS) * global_batch, seq_len=seq_len)
+    data = Windows(load_corpus(DataConfig()).train, (WARMUP + STEPS + 1) * global_batch, seq_len=seq_len)
     trainer.fit(LitLlama(), torch.utils.data.DataLoader(data, batch_size=global_batch // world))
     return clock.result()
 

@@ -132,7 +132,10 @@ ABLATION_PROGRAMS = [
     ("shardtrain, embedding table gathered (rows not exchanged)", "shardtrain",
      {m: ["strategy.embedding_lookup=gather"] for m in ("default", "vocab")}),
 ]
-ABLATION_WARMUP, ABLATION_STEPS = 1, 3  # iterations per program: not timed, then timed
+# Iterations per program: not timed, then timed. The warm-up covers shardtrain's diagnostics steps
+# (diagnostics.steps=3 measure each phase's memory; runs to 2026-11-27 warmed up 1 and timed two
+# of them, against shardtrain).
+ABLATION_WARMUP, ABLATION_STEPS = 3, 3
 # The paired program (shardtrain's defaults and the hand-written loop alternating in one program):
 # rounds, and timed iterations of each per round.
 PAIRED_ROUNDS, PAIRED_STEPS = 4, 2
