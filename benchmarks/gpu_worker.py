@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from step_time import tutorial_step
+from torch.autograd import DeviceType
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -126,11 +127,7 @@ def time_rounds(fns: dict, rounds: int, steps: int) -> dict[str, list[float]]:
 
 
 def profiled(fn, steps: int, device: torch.device) -> dict:
-    """``steps`` calls of ``fn`` under the profiler: wall, device-busy and host milliseconds per step,
-    and each operator's self milliseconds per step on the device and on the host, with its calls.
-
-    Device time is the kernels' own, attributed to the operator that launched them (a compiled
-    block's Triton kernels to its graph), so the operators' device times add up to the busy time."""
+    """``steps`` calls of ``fn`` under the profiler: wall ms per step and ``profile_rows``."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     synchronize()
     with profile(activities=activities) as prof:
@@ -139,17 +136,31 @@ def profiled(fn, steps: int, device: torch.device) -> dict:
             fn()
         synchronize()
         wall = time.perf_counter() - start
+    return {"steps": steps, "wall_ms": wall * 1e3 / steps, **profile_rows(prof.key_averages(), steps)}
+
+
+def profile_rows(events, steps: int) -> dict:
+    """The profiler's averaged events as per-step numbers: the device's busy ms (its kernels, as
+    torch's own table totals them: not the user annotations' spans, FSDP::pre_forward and the
+    optimizer's step, which the profiler also lists as device rows), and each host operator's self
+    ms on the device (the kernels it launched; a compiled block's Triton kernels its graph's) and on
+    the host, with its calls. Kernels are counted once, under their operators: listed as rows of
+    their own too, they were counted two or three times over (busy ms above the wall's)."""
     ops: dict[str, list[float]] = {}
-    for e in prof.key_averages():
+    busy_ms = 0.0
+    for e in events:
+        if e.device_type != DeviceType.CPU:
+            if not e.is_user_annotation:
+                busy_ms += e.self_device_time_total / 1e3 / steps
+            continue
         # A compiled graph's name carries its hash, another in each loop: one row for all of them.
         key = re.sub(r"CompiledFxGraph \w+", "CompiledFxGraph", e.key)
         row = ops.setdefault(key, [0.0, 0.0, 0.0])
         for index, value in enumerate((e.self_device_time_total, e.self_cpu_time_total)):
             row[index] += value / 1e3 / steps
         row[2] += e.count / steps
-    return {"steps": steps, "wall_ms": wall * 1e3 / steps,
-            "device_busy_ms": sum(device for device, _, _ in ops.values()),
-            "events_per_step": sum(calls for _, _, calls in ops.values()), "ops": ops}
+    return {"device_busy_ms": busy_ms, "events_per_step": sum(calls for _, _, calls in ops.values()),
+            "ops": ops}
 
 
 def speed(args: argparse.Namespace) -> dict:

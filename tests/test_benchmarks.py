@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from cli_utils import clean_env
 
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
@@ -45,3 +46,34 @@ def test_gpu_worker_speed_mode_runs_both_loops_on_cpu(tmp_path):
     lines = run.gpu_profile_lines([result], top=3)
     assert any("largest differences in self host ms" in line for line in lines)
     assert sum(line.startswith("| `") for line in lines) == 3
+
+
+def test_the_gpu_profile_counts_each_kernel_once(monkeypatch):
+    """Found by review: the device's busy time summed every averaged row, so a kernel counted under
+    the operator that launched it and again as its own row, and the user annotations' spans
+    (FSDP::pre_forward, the optimizer's step) as device rows: the H200 profile's busy time came to
+    three times the profiler's own total."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("benchmarks_gpu_worker", BENCHMARKS / "gpu_worker.py")
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+
+    def event(key, device_us, cpu_us, device_type=DeviceType.CPU, annotation=False):
+        return SimpleNamespace(key=key, self_device_time_total=device_us, self_cpu_time_total=cpu_us,
+                               count=2, device_type=device_type, is_user_annotation=annotation)
+
+    rows = worker.profile_rows([
+        event("aten::_fused_adamw_", 26_946, 300),
+        event("multi_tensor_apply_kernel", 26_946, 0, DeviceType.CUDA),
+        event("FSDP::pre_forward (layers.0)", 0, 120, annotation=True),
+        event("FSDP::pre_forward (layers.0)", 700_000, 0, DeviceType.CUDA, annotation=True),
+        event("CompiledFxGraph fabc123", 10_000, 50),
+        event("triton_poi_fused_0", 10_000, 0, DeviceType.CUDA),
+    ], steps=2)
+    assert rows["device_busy_ms"] == pytest.approx((26_946 + 10_000) / 1e3 / 2)
+    assert set(rows["ops"]) == {"aten::_fused_adamw_", "FSDP::pre_forward (layers.0)", "CompiledFxGraph"}
+    assert rows["ops"]["aten::_fused_adamw_"] == pytest.approx([13.473, 0.15, 1.0])
