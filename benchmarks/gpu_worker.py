@@ -68,6 +68,10 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def allocated_mib(device: torch.device) -> float:
+    return torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+
+
 def max_allocated_mib(device: torch.device) -> float:
     """The allocator's peak since ``reset_peak`` (0 on CPU, where there is none: smoke runs only)."""
     return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
@@ -234,18 +238,23 @@ def float8_against_bf16(args: argparse.Namespace) -> dict:
     device = trainers["bf16"].env.device
     seconds: dict[str, list[float]] = {name: [] for name in trainers}
     peaks: dict[str, float] = {}
+    # Both trainers are resident: a step's own memory is its peak above what was allocated before
+    # its chunk (the allocator's peak alone held the other run's weights and optimizer state).
+    step_peaks: dict[str, float] = {}
     done = 0
     while done < args.train_steps:
         chunk = min(args.steps, args.train_steps - done)
         for name, trainer in trainers.items():
-            reset_peak(device)
             synchronize()
+            resident = allocated_mib(device)
+            reset_peak(device)
             start = time.perf_counter()
             for _ in range(chunk):
                 trainer.iteration()
             synchronize()
             if done >= args.warmup:  # compilation and the diagnostics' first steps are not timed
                 seconds[name].append((time.perf_counter() - start) / chunk)
+                step_peaks[name] = max(step_peaks.get(name, 0.0), max_allocated_mib(device) - resident)
             peaks[name] = max(peaks.get(name, 0.0), max_allocated_mib(device))
         done += chunk
     first = trainers["bf16"]
@@ -255,7 +264,7 @@ def float8_against_bf16(args: argparse.Namespace) -> dict:
     return {"device": device_name(device), "torch": torch.__version__, "model": args.model,
             "tokens_per_step": tokens, "steps": args.train_steps, "ac": args.ac,
             "float8_linears": len(trainers["float8"].built.report.float8_linears),
-            "tokens_per_s": rates, "peak_mib": peaks,
+            "tokens_per_s": rates, "peak_mib": peaks, "step_peak_mib": step_peaks,
             "mfu_bf16_peak": {name: rate * first.task.flops_per_token / peak_flops
                               for name, rate in rates.items()} if peak_flops else None,
             "losses": {name: trainer.result.losses for name, trainer in trainers.items()}}

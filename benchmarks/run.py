@@ -697,20 +697,38 @@ def gpu_profile_lines(runs: list[dict], top: int = 8) -> list[str]:
     return lines
 
 
-def gpu_results(variants: list[str], with_checks: bool) -> dict:
+def gpu_results(variants: list[str], with_checks: bool, command: str, json_out: Path | None) -> dict:
     """Run benchmarks/gpu_worker.py under torchrun (NCCL, world size 1): one process per
-    (compile, AC) variant, then the functional checks."""
-    results: dict = {"runs": []}
+    (compile, AC) variant, then the functional checks. ``json_out`` is rewritten after each: a
+    session's call that runs out of time brings back what it measured."""
+    results: dict = {"date": datetime.date.today().isoformat(), "command": command, "runs": []}
+
+    def done(part: dict) -> None:
+        print(json.dumps(part), flush=True)
+        if json_out is not None:
+            json_out.write_text(json.dumps(results, indent=1))
+
     for name in variants:
         compiled, ac = GPU_VARIANT_NAMES[name]
         args = ["speed", "--profile-steps", str(GPU_PROFILE_STEPS)] + (["--compile"] if compiled else []) \
             + (["--ac"] if ac else [])
         results["runs"].append(run_torchrun(1, "gpu_worker.py", args))
-        print(json.dumps(results["runs"][-1]), flush=True)
+        done(results["runs"][-1])
     if with_checks:
         results["checks"] = run_torchrun(1, "gpu_worker.py", ["checks"])
-        print(json.dumps(results["checks"]), flush=True)
+        done(results["checks"])
     return results
+
+
+def measured_on(result: dict, path: Path | None = None) -> str:
+    """The date a GPU result was measured: its own ``date`` (results from 2026-11-30 on), else the
+    date in its file's name (gpu-h200-2026-11-27.json); never today's, which --from-json runs on."""
+    if "date" in result:
+        return result["date"]
+    found = re.search(r"\d{4}-\d{2}-\d{2}", path.name) if path is not None else None
+    if found is None:
+        raise SystemExit(f"{path}: the result has no date, nor its file name; add \"date\": \"YYYY-MM-DD\"")
+    return found.group()
 
 
 FLOAT8_BEGIN, FLOAT8_END = "<!-- float8:begin -->", "<!-- float8:end -->"
@@ -741,22 +759,28 @@ projections; the peak is the allocator's over steady-state steps.
 def float8_section(command: str, result: dict) -> str:
     """docs/benchmarks.md's float8 section from benchmarks/gpu_worker.py float8's result."""
     rates, losses = result["tokens_per_s"], result["losses"]
+    # Both trainers are resident in the worker's one process: a step's peak above what was allocated
+    # before it is its own. Results before 2026-11-30 kept the allocator's peak, the other run's
+    # weights and optimizer state included.
+    peaks, peak_heading = ((result["step_peak_mib"], "step's peak above the resident state, MiB")
+                           if "step_peak_mib" in result else
+                           (result["peak_mib"], "peak allocated MiB (both runs' state resident)"))
     steps = len(losses["bf16"])
     tail = max(steps // 10, 1)
     mean = {name: statistics.fmean(values[-tail:]) for name, values in losses.items()}
     lines = [FLOAT8_BEGIN, "## Float8 against bf16 (GPU)", "",
-             f"`{command}` on {result['device']}, {datetime.date.today()}, torch {result['torch']}: "
+             f"`{command}` on {result['device']}, {result['date']}, torch {result['torch']}: "
              f"model={result['model']}, {result['tokens_per_step']:,} tokens a step, both runs compiled "
              f"(`strategy.compile=true`), bf16-mixed, activation checkpointing "
              f"{'all' if result['ac'] else 'none'}, the same initial weights and batches, {steps} steps "
              f"each, alternating in chunks; float8 converted {result['float8_linears']} linear layers.", "",
-             "| run | tokens/s | vs bf16 | MFU (of the bf16 peak) | peak allocated MiB | "
+             f"| run | tokens/s | vs bf16 | MFU (of the bf16 peak) | {peak_heading} | "
              f"mean loss, last {tail} steps |", "| --- | --- | --- | --- | --- | --- |"]
     for name in ("bf16", "float8"):
         mfu = result["mfu_bf16_peak"][name] if result["mfu_bf16_peak"] else None
         lines.append(f"| {name} | {rates[name]:,.0f} | {rates[name] / rates['bf16']:.2f} | "
                      + (f"{mfu:.1%}" if mfu is not None else "n/a")
-                     + f" | {result['peak_mib'][name]:,.0f} | {mean[name]:.4f} |")
+                     + f" | {peaks[name]:,.0f} | {mean[name]:.4f} |")
     marks = sorted({0, *range(steps // 6, steps, max(steps // 6, 1)), steps - 1})
     lines += ["", "Loss curves (step: bf16 / float8):", "",
               "| " + " | ".join(f"step {m + 1}" for m in marks) + " |", "|" + " --- |" * len(marks),
@@ -817,7 +841,7 @@ def gpu_section(command: str, results: dict) -> str:
 ## GPU: a 1.1B Llama on one GPU, shardtrain vs a hand-written FSDP2 loop
 
 - Command: `{command}`
-- Date: {datetime.date.today().isoformat()}; device: {first['device']}, torch {first['torch']}, NCCL,
+- Date: {results['date']}; device: {first['device']}, torch {first['torch']}, NCCL,
   world size 1 (torchrun); MFU against {first['peak_flops'] / 1e12:,.0f} TFLOP/s dense bf16
 - Model: `model=llama_1b` ({first['params'] / 1e9:.2f}B parameters: dim 2,048, 22 layers, 32 heads,
   4 KV heads, FFN 5,632, vocab 32,000), sequence 2,048, micro-batch 4 ({first['tokens_per_step']:,}
@@ -1610,15 +1634,16 @@ def main() -> None:
     if args.only == "float8":
         if args.from_json:
             result = json.loads(args.from_json[0].read_text())
-            train_steps = len(result["losses"]["bf16"])
+            result["date"] = measured_on(result, args.from_json[0])
         else:
             if not torch.cuda.is_available():
                 raise SystemExit("--only float8 needs a GPU of compute capability 8.9+ (H100, L4, ...)")
-            train_steps = args.train_steps
-            result = run_torchrun(1, "gpu_worker.py", ["float8", "--train-steps", str(train_steps),
+            result = run_torchrun(1, "gpu_worker.py", ["float8", "--train-steps", str(args.train_steps),
                                                        "--steps", "10"])
+            result["date"] = datetime.date.today().isoformat()
             if args.json_out is not None:
                 args.json_out.write_text(json.dumps(result, indent=1))
+        train_steps = len(result["losses"]["bf16"])
         write_section(FLOAT8_BEGIN, FLOAT8_END, float8_section(
             f"python benchmarks/run.py --only float8 --train-steps {train_steps}", result))
     if args.only == "qlora":
@@ -1645,15 +1670,21 @@ def main() -> None:
             results = {"runs": []}
             for path in args.from_json:
                 part = json.loads(path.read_text())
+                if part["runs"]:  # the measurements' date and command, not the checks' file's
+                    results["date"] = measured_on(part, path)
+                    results["command"] = part.get("command", "python benchmarks/run.py --only gpu")
                 results["runs"] += part["runs"]
                 if part.get("checks") is not None:  # gpu_session.sh writes them to a file of their own
                     results["checks"] = part["checks"]
         else:
-            results = gpu_results(args.gpu_variants, with_checks=not args.no_checks)
-            if args.json_out is not None:
-                args.json_out.write_text(json.dumps(results, indent=1))
-        if len(results["runs"]) == len(GPU_VARIANT_NAMES):
-            write_section(GPU_BEGIN, GPU_END, gpu_section("python benchmarks/run.py --only gpu", results))
+            command = " ".join(["python benchmarks/run.py --only gpu", "--gpu-variants", *args.gpu_variants]
+                               + (["--no-checks"] if args.no_checks else []))
+            results = gpu_results(args.gpu_variants, not args.no_checks, command, args.json_out)
+        variants = [tuple(run["variant"].values()) for run in results["runs"]]
+        if not variants or len(set(variants)) != len(variants):
+            raise SystemExit(f"--only gpu: {len(variants)} variant runs, {len(set(variants))} distinct: "
+                             "give each (compile, AC) variant's result once; docs/benchmarks.md unchanged")
+        write_section(GPU_BEGIN, GPU_END, gpu_section(results["command"], results))
     print(f"wrote {DOC}")
 
 
