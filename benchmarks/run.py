@@ -864,8 +864,7 @@ def gpu_section(command: str, results: dict) -> str:
 
 | compile | AC | shardtrain tokens/s | hand-written tokens/s | shardtrain MFU | hand-written MFU | shardtrain ms/step | hand-written ms/step | ratio (time) | peak GiB: measured / logged | predicted GiB: simulated / planner |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
-{chr(10).join(rows)}
-{chr(10).join(gpu_profile_lines(runs))}
+{chr(10).join(rows + gpu_profile_lines(runs))}
 
 {functional}
 {GPU_END}"""
