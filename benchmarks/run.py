@@ -369,6 +369,9 @@ def render_generation(r: dict, command: str) -> str:
 
 
 def write_section(begin: str, end: str, section: str, doc: Path = DOC) -> None:
+    if not (section.startswith(begin) and section.rstrip().endswith(end)):
+        # without its markers the next run could not find it, and added a second copy
+        raise ValueError(f"the section written between {begin} and {end} must start and end with them")
     text = doc.read_text() if doc.exists() else INTRO
     if begin in text:
         text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: section, text, flags=re.S)
@@ -742,7 +745,8 @@ def qlora_section(command: str, results: list[dict]) -> str:
         f"| `finetune={r['variant']}` | {r['base_linear_mib']:,.0f} MiB | {r['params_mib']:,.0f} MiB | "
         f"{r['grads_mib'] + r['optimizer_mib']:,.0f} MiB | {r['peak_mib']:,.0f} MiB | {r['tokens_per_s']:,.0f} | "
         f"{r['losses'][-1]:.3f} |" for r in results)
-    return f"""## QLoRA against LoRA (GPU)
+    return f"""{QLORA_BEGIN}
+## QLoRA against LoRA (GPU)
 
 `{first['model']}` on one {first['device']} (torch {first['torch']}), bf16-mixed (fp32 storage),
 {first['micro_batch']} x {first['seq_len']} tokens per step, rank 16 on the attention and MLP
@@ -753,7 +757,7 @@ projections; the peak is the allocator's over steady-state steps.
 {rows}
 
 `{command}`
-"""
+{QLORA_END}"""
 
 
 def float8_section(command: str, result: dict) -> str:
@@ -1568,6 +1572,10 @@ def main() -> None:
     parser.add_argument("--from-json", type=Path, nargs="+", default=None,
                         help="--only gpu, float8: render the section from saved results (a machine without a GPU)")
     args = parser.parse_args()
+    if args.only not in ("gpu", "float8", "qlora"):
+        # The CPU sections compare shardtrain with programs that run on the CPU only (the hand-written
+        # loop's and Lightning's meshes): on a GPU machine shardtrain would take the GPU.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if args.only in (None, "training"):
         results = []
         for n in args.processes:

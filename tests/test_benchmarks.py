@@ -77,3 +77,21 @@ def test_the_gpu_profile_counts_each_kernel_once(monkeypatch):
     assert rows["device_busy_ms"] == pytest.approx((26_946 + 10_000) / 1e3 / 2)
     assert set(rows["ops"]) == {"aten::_fused_adamw_", "FSDP::pre_forward (layers.0)", "CompiledFxGraph"}
     assert rows["ops"]["aten::_fused_adamw_"] == pytest.approx([13.473, 0.15, 1.0])
+
+
+def test_a_section_written_twice_is_one_section(tmp_path):
+    """Found by review: the QLoRA section came without its markers, so a second run added a second
+    copy; a section without them is now refused before the page is touched."""
+    spec = importlib.util.spec_from_file_location("benchmarks_run", BENCHMARKS / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    result = {"model": "llama_1b", "device": "NVIDIA H200", "torch": "2.11.0", "micro_batch": 4, "seq_len": 2048,
+              "base_linear_mib": 1.0, "params_mib": 2.0, "grads_mib": 3.0, "optimizer_mib": 4.0,
+              "peak_mib": 5.0, "tokens_per_s": 6.0, "losses": [7.0]}
+    doc = tmp_path / "benchmarks.md"
+    for _ in range(2):
+        run.write_section(run.QLORA_BEGIN, run.QLORA_END,
+                          run.qlora_section("python benchmarks/run.py --only qlora", [result]), doc)
+    assert doc.read_text().count("## QLoRA against LoRA (GPU)") == 1
+    with pytest.raises(ValueError, match="must start and end with them"):
+        run.write_section(run.QLORA_BEGIN, run.QLORA_END, "## QLoRA", doc)
