@@ -85,9 +85,9 @@ def test_a_section_written_twice_is_one_section(tmp_path):
     spec = importlib.util.spec_from_file_location("benchmarks_run", BENCHMARKS / "run.py")
     run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run)
-    result = {"model": "llama_1b", "device": "NVIDIA H200", "torch": "2.11.0", "micro_batch": 4,
-              "seq_len": 2048,
-              "base_linear_mib": 1.0, "params_mib": 2.0, "grads_mib": 3.0, "optimizer_mib": 4.0,
+    result = {"variant": "qlora", "model": "llama_1b", "device": "NVIDIA H200", "torch": "2.11.0",
+              "micro_batch": 4, "seq_len": 2048, "base_linear_mib": 1.0, "params_mib": 2.0, "grads_mib": 3.0,
+              "optimizer_mib": 4.0,
               "peak_mib": 5.0, "tokens_per_s": 6.0, "losses": [7.0]}
     doc = tmp_path / "benchmarks.md"
     for _ in range(2):
