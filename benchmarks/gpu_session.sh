@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_session.sh eager    # the 1.1B table's eager variants (plain, AC), profiled (~4 min)
 #   bash benchmarks/gpu_session.sh compiled # its compiled variants (compile, compile+AC), profiled (~5 min)
 #   bash benchmarks/gpu_session.sh checks   # offload, async resume, generation under FULL_SHARD, profiling
-# `.whl` (list it in .git/info/exclude) holds the wheels the device image lacks, for its Python 3.12,
+# `.whl` (ignored by .gitignore: name it in the device call's carry) holds the wheels the device image lacks, for its Python 3.12,
 # made here once:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       --platform manylinux_2_28_x86_64 -d .whl hydra-core==1.3.8 omegaconf==2.3.1 peft==0.21.2 torchao==0.18.0
