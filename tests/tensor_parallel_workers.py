@@ -12,9 +12,11 @@ from checkpoint_workers import interrupted, new_trainer
 from equivalence import GLOBAL_BATCH, STEPS, case_config, run_cases
 from hf_workers import hf_case_config, hf_corpus
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtrain.checkpoint.safetensors_files import open_safetensors, weight_files
 from shardtrain.checkpoint.weights import base_parameters, own_rows, row_sharded
+from shardtrain.distributed.parallelize import block_selective_contexts, enable_activation_checkpointing
 from shardtrain.errors import ConfigError
 from shardtrain.generation.generate import gathered_copy, generate
 from shardtrain.generation.inference import load_for_inference
@@ -151,6 +153,7 @@ def equivalence_and_resume(out: str, cases: dict[str, dict], hf_dirs: dict[str, 
         assert "a batch's sequence length=7 must be a multiple of strategy.tensor_parallel=2" in str(error)
     else:
         raise AssertionError("an uneven sequence split was not refused")
+    check_selective_keeps_reduce_scatters(second)
     interrupted(first, SPLITS[1] - SPLITS[0])  # the FSDP-only checkpoint at the TP one's step
     third = new_trainer(layout_config(f"{out}/back", resume=f"{out}/tp/checkpoints/step-{SPLITS[1]}"))
     assert third.step == SPLITS[1], third.step
@@ -164,6 +167,38 @@ def equivalence_and_resume(out: str, cases: dict[str, dict], hf_dirs: dict[str, 
                     "ids": [ids.tolist() for run, n in runs for ids in run.consumed_ids[:n]]},
                    Path(out, "across_layouts.pt"))
     assert len(result.losses) == STEPS - SPLITS[1]
+
+
+class TensorParallelReduceScatters(TorchDispatchMode):
+    """Counts the functional reduce-scatters tensor parallelism runs (FSDP's are c10d's own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops._c10d_functional.reduce_scatter_tensor.default
+        return func(*args, **(kwargs or {}))
+
+
+def check_selective_keeps_reduce_scatters(trainer: Trainer) -> None:
+    """Selective checkpointing on a sequence-parallel model reruns none of tensor parallelism's
+    reduce-scatters in backward (found by review: it reran each block's row-wise ones, as full
+    checkpointing does, on backward's critical path). Turns checkpointing on in ``trainer``'s
+    blocks: its training is over."""
+    tokens = torch.arange(16, device=trainer.env.device).reshape(2, 8)
+
+    def in_backward() -> int:
+        loss = trainer.model(tokens).full_tensor().float().square().mean()
+        with TensorParallelReduceScatters() as counted:
+            loss.backward()
+        trainer.model.zero_grad(set_to_none=True)
+        return counted.count
+
+    plain = in_backward()
+    for block in trainer.model.layers:
+        enable_activation_checkpointing(block, block_selective_contexts(block, float8=False))
+    assert in_backward() == plain > 0, plain
 
 
 def generated(checkpoint: str, prompt: list[int], **sampling) -> list[int]:

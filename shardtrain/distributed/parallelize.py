@@ -108,6 +108,10 @@ SELECTIVE_MATMULS = frozenset({
     # matmul reaches the policy as aten.mm on torchao's tensor, counted above)
     torch.ops.aten._scaled_mm.default,
 })
+# Tensor parallelism's reduce-scatters (sequence parallel: the row-wise projections' outputs), kept as
+# torchtitan keeps them: recomputed, each reran a collective on backward's critical path, as full
+# checkpointing does (counted in a backward at tensor_parallel=2: 10 reduce-scatters for none's 7).
+SELECTIVE_COLLECTIVES = frozenset({torch.ops._c10d_functional.reduce_scatter_tensor.default})
 # transformers' eager attention: the scores (q @ k^T) and their product with the values, batched;
 # told from other batched matmuls (rotary tables, experts) by their square T x T operand.
 EAGER_ATTENTION_MATMULS = frozenset({torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default})
@@ -197,7 +201,7 @@ def selective_contexts(keeps_matmul: Callable[[int], bool],
     ambiguous = {False: 0, True: 0}  # eager attention's matmuls both square: scores, output, ...
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ARG001
-        if op in SELECTIVE_ATTENTION:
+        if op in SELECTIVE_ATTENTION or op in SELECTIVE_COLLECTIVES:
             return CheckpointPolicy.MUST_SAVE
         if eager_attention and (part := attention_matmul(op, args)) is not None:
             if part == "either":
