@@ -40,7 +40,7 @@ from tensor_parallel_workers import (
     one_process_leg,
 )
 
-from shardtrain.cli.preflight import check_training
+from shardtrain.cli.preflight import check_model_splits, check_training
 from shardtrain.config.loader import load_config
 from shardtrain.config.plan import check_tensor_parallel_support, resolve_plan
 from shardtrain.config.schema import Config, StrategyConfig, TaskConfig
@@ -52,8 +52,9 @@ from shardtrain.errors import ConfigError
 from shardtrain.export.consolidate import consolidate
 from shardtrain.export.hf import export_hf
 from shardtrain.export.verify import verify_export
-from shardtrain.models.llama import llama_dims
+from shardtrain.models.llama import Llama, llama_dims
 from shardtrain.models.llama_tp import check_tensor_parallel_dims
+from shardtrain.tasks.language_model import LanguageModelTask
 
 TOL = 1e-5
 # bf16-mixed (relative, as test_equivalence.py's bf16 limits; weights per tensor). Losses and grad
@@ -292,6 +293,13 @@ def test_a_task_with_its_own_plan_is_not_held_to_the_models(hf_layouts, hf_dirs,
     with pytest.raises(ConfigError, match="a Hugging Face gpt2 model declares no tensor-parallel plan"):
         check_training(load_config(overrides))
     check_training(load_config([*overrides, "task=tensor_parallel_workers:FeedForwardOnlyPlan"]))
+    # A model of the task's own is not judged by model.*'s sizes, which it never reads (found by
+    # review: refused, naming model.n_kv_heads=2, a model that splits at 4)
+    cfg = load_config(["trainer.devices=4", "strategy.tensor_parallel=4", f"run.dir={tmp_path}/own"])
+    own = dataclasses.replace(cfg.model, n_heads=8, n_kv_heads=4)
+    with pytest.raises(ConfigError, match=r"model.n_kv_heads=2"):
+        check_model_splits(cfg, LanguageModelTask())
+    check_model_splits(cfg, LanguageModelTask(model=lambda: Llama(own)))
 
 
 @pytest.fixture(scope="module")

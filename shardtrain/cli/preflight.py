@@ -131,8 +131,10 @@ def check_trackers(cfg: Config) -> None:
 def check_model_splits(cfg: Config, task: LanguageModelTask) -> None:
     """The model's sizes split evenly at ``strategy.tensor_parallel`` (train before launch, and plan's
     formulas, which would otherwise give figures for a layout that cannot exist)."""
-    if task.tensor_parallel_hook() is not None:
-        return  # the task's own tensor-parallel plan: the model's is not used
+    if task.tensor_parallel_hook() is not None or task.model_factory is not None:
+        # The task's own tensor-parallel plan (the model's is not used), or a model of its own, whose
+        # sizes model.* do not give: its build checks the model it has (parallelize_llama, hf_tp).
+        return
     if cfg.model.name == "llama":
         check_tensor_parallel_dims(llama_dims(cfg.model), cfg.strategy.tensor_parallel)
         if cfg.strategy.sequence_parallel:
