@@ -268,6 +268,13 @@ def test_mesh_gains_an_innermost_tp_dimension(strategy, world, local, extra, mes
      "a Hugging Face gpt2 model declares no tensor-parallel plan (base_model_tp_plan"),
     (["trainer.devices=2", "strategy.tensor_parallel=2", "model.name=hf", "model.path={llama_97}"],
      "must divide the feed-forward width (intermediate_size=97 in"),
+    # no degree but 1 divides 301: padding the embeddings is the fix (found by review: "choose a
+    # tensor_parallel that divides it", which none but 1 does)
+    (["trainer.devices=2", "strategy.tensor_parallel=2", "model.name=hf", "model.path={llama_vocab_301}"],
+     "must divide the vocabulary (vocab_size=301 in"),
+    (["trainer.devices=2", "strategy.tensor_parallel=2", "model.name=hf", "model.path={llama_vocab_301}"],
+     "this model splits evenly at strategy.tensor_parallel=1; or pad the embeddings to a multiple of 2 "
+     "(model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=2), then save_pretrained)"),
     (["trainer.devices=2", "strategy.tensor_parallel=2", "model.name=hf", "model.path={gpt_neox}"],
      "a gpt_neox block has input_layernorm, post_attention_layernorm, post_attention_dropout, "
      "post_mlp_dropout, attention, mlp; set strategy.sequence_parallel=false"),
@@ -310,6 +317,7 @@ def hf_layouts(tmp_path_factory) -> dict[str, str]:
                  intermediate_size=98)
     configs = {"gpt2": transformers.GPT2Config(vocab_size=300, n_embd=36, n_layer=2, n_head=6),
                "llama_97": family_config("llama"),
+               "llama_vocab_301": family_config("llama", vocab_size=301, intermediate_size=98),
                "gpt_neox": transformers.GPTNeoXConfig(**sizes, tie_word_embeddings=False),
                "qwen3": transformers.Qwen3Config(**sizes, num_key_value_heads=2, tie_word_embeddings=False)}
     for name, config in configs.items():

@@ -44,3 +44,9 @@ class Dims:
     def attention_width(self) -> int:
         """The query projection's output width (and the attention output's, wo's input)."""
         return self.n_heads * self.head_dim
+
+
+def even_tensor_parallel_degrees(sizes: list[int], tp: int) -> list[int]:
+    """The tensor-parallel degrees up to ``8 * tp`` that split every one of ``sizes`` evenly (1 at
+    least): what a refusal of ``tp`` offers instead, a model's sizes being given."""
+    return [d for d in range(1, tp * 8 + 1) if all(size % d == 0 for size in sizes)]

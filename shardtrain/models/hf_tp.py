@@ -59,7 +59,7 @@ from torch.distributed.tensor.parallel import (
 from transformers import PretrainedConfig
 
 from shardtrain.errors import ConfigError
-from shardtrain.models.dims import Dims
+from shardtrain.models.dims import Dims, even_tensor_parallel_degrees
 from shardtrain.models.hf_directory import CONFIG_FILE
 
 # transformers' style names (transformers.distributed.tensor_parallel) with a translation here.
@@ -103,8 +103,14 @@ def check_split_sizes(config: PretrainedConfig, tp: int) -> None:
              ("vocab_size", dims.vocab_size, "the vocabulary"))
     for key, size, what in sizes:
         if size % tp:
+            degrees = ", ".join(map(str, even_tensor_parallel_degrees([s for _, s, _ in sizes], tp)))
+            # GPT-2's 50,257 or a 32,001-token vocabulary divides by no degree: padding is the fix.
+            fix = (f"; or pad the embeddings to a multiple of {tp} (model.resize_token_embeddings("
+                   f"len(tokenizer), pad_to_multiple_of={tp}), then save_pretrained)"
+                   if key == "vocab_size" else "")
             raise ConfigError(f"strategy.tensor_parallel={tp} must divide {what} ({key}={size} in "
-                              f"{config_file(config)}); choose a tensor_parallel that divides it")
+                              f"{config_file(config)}); this model splits evenly at "
+                              f"strategy.tensor_parallel={degrees}{fix}")
 
 
 def check_declared_plan(model: nn.Module, blocks: tuple[type, ...], tp: int,

@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shardtrain.errors import ConfigError
-from shardtrain.models.dims import Dims
+from shardtrain.models.dims import Dims, even_tensor_parallel_degrees
 
 
 def check_tensor_parallel_dims(dims: Dims, tp: int) -> None:
@@ -48,7 +48,7 @@ def check_tensor_parallel_dims(dims: Dims, tp: int) -> None:
     for key, size, what in sizes:
         if size % tp:
             # A preset model's sizes are given: the degrees it takes come first.
-            degrees = [d for d in range(1, tp * 8 + 1) if all(s % d == 0 for _, s, _ in sizes)]
+            degrees = even_tensor_parallel_degrees([s for _, s, _ in sizes], tp)
             fix = f"pad model.vocab_size to a multiple of {tp}" if key == "model.vocab_size" else \
                 f"set {key} to a multiple of {tp}"
             evenly = ", ".join(map(str, degrees))
