@@ -305,3 +305,13 @@ def test_the_start_up_report_names_the_loss_and_why():
         with torch.device("meta"):
             task.build_model()
         assert task.loss_kind == expected, overrides
+
+    class OwnPlan(LanguageModelTask):  # may leave the head whole: the report does not say sharded
+        def parallelize_tensors(self, model, tp_mesh, sequence_parallel: bool) -> None:
+            pass
+
+    task = OwnPlan()
+    task.bind(load_config(["model=llama_tiny", *cases[-1][0]]))
+    with torch.device("meta"):
+        task.build_model()
+    assert task.loss_kind.startswith("plain, on the logits the task's tensor-parallel plan gives")

@@ -145,6 +145,10 @@ class LanguageModelTask(Task):
         if self.cfg is None:
             return 0, "plain, from the model's logits"
         # Under tensor parallelism the logits stay vocabulary-sharded (loss_parallel): never chunked.
+        # A task's own plan may leave the head whole, which is not known before it is applied.
+        if self.cfg.strategy.tensor_parallel > 1 and self.tensor_parallel_hook() is not None:
+            return 0, ("plain, on the logits the task's tensor-parallel plan gives (vocabulary-sharded "
+                       "if it splits the head)")
         if self.cfg.strategy.tensor_parallel > 1:
             return 0, "on the vocabulary-sharded logits (tensor parallel)"
         head = output_head(model)
