@@ -153,6 +153,15 @@ def equivalence_and_resume(out: str, cases: dict[str, dict], hf_dirs: dict[str, 
         assert "a batch's sequence length=7 must be a multiple of strategy.tensor_parallel=2" in str(error)
     else:
         raise AssertionError("an uneven sequence split was not refused")
+    # An id past the vocabulary-split table: every rank's "other" row, a zero vector, without the
+    # check (found by review; a whole table fails, as the embedding exchange does)
+    outside = torch.full((1, 8), 256, dtype=torch.long, device=second.env.device)
+    try:
+        second.model(outside)
+    except RuntimeError as error:
+        assert "a token id is outside the embedding's 256 rows" in str(error), error
+    else:
+        raise AssertionError("a token id outside the vocabulary was looked up")
     check_selective_keeps_reduce_scatters(second)
     interrupted(first, SPLITS[1] - SPLITS[0])  # the FSDP-only checkpoint at the TP one's step
     third = new_trainer(layout_config(f"{out}/back", resume=f"{out}/tp/checkpoints/step-{SPLITS[1]}"))

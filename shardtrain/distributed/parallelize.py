@@ -22,7 +22,7 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardtrain.accelerator import check_float8, pin_offloaded_memory
@@ -455,14 +455,29 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     model's declared plan)."""
     if tensor_plan is not None:
         tensor_plan(model, tp_mesh, sequence_parallel)
-        return
-    plan = getattr(model, "parallelize_tensors", None)
-    if plan is None:
-        raise ConfigError(f"{type(model).__name__} has no tensor-parallel plan (a "
-                          "parallelize_tensors(tp_mesh, sequence_parallel) method, or the task's "
-                          "parallelize_tensors(model, tp_mesh, sequence_parallel)); set "
-                          "strategy.tensor_parallel=1")
-    plan(tp_mesh, sequence_parallel)
+    else:
+        plan = getattr(model, "parallelize_tensors", None)
+        if plan is None:
+            raise ConfigError(f"{type(model).__name__} has no tensor-parallel plan (a "
+                              "parallelize_tensors(tp_mesh, sequence_parallel) method, or the task's "
+                              "parallelize_tensors(model, tp_mesh, sequence_parallel)); set "
+                              "strategy.tensor_parallel=1")
+        plan(tp_mesh, sequence_parallel)
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) and isinstance(module.weight, DTensor) and any(
+                placement == Shard(0) for placement in module.weight.placements):
+            module.register_forward_pre_hook(check_token_ids, prepend=True)
+
+
+def check_token_ids(module: nn.Embedding, args: tuple) -> None:
+    """A vocabulary-split embedding looks an id outside its rows up as every rank's "other" row, a
+    zero vector, where a whole table fails: checked without a host read (an accelerator's assertion
+    is asynchronous), before the style's own hook makes the ids a DTensor."""
+    ids = args[0]
+    if isinstance(ids, torch.Tensor) and not isinstance(ids, DTensor) and ids.numel():
+        torch._assert_async(((ids >= 0) & (ids < module.num_embeddings)).all(),
+                            f"a token id is outside the embedding's {module.num_embeddings} rows: the "
+                            "tokenizer and the model's vocabulary size disagree")
 
 
 def output_own_storage(module: nn.Module, args: Any, output: Any) -> Any:
