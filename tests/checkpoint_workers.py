@@ -204,6 +204,7 @@ def as_saved_before_checksums(checkpoint: Path) -> None:
     (checkpoint / "checksums.json").unlink()
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     state.pop("checksums", None)
+    state.pop("sha256", None)  # no digest either before 2026-11-30
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
 
 
@@ -283,14 +284,14 @@ def unreadable_resumes(out: str, world: int) -> None:
     assert f"step-{2 * N}' could not be checked on rank 1 (OSError: [Errno 5]" in message, message
     assert "no sign of damage" in message and "skipping" not in message, message
     # ... and reading its checksums.json (found by review: still called damage)
-    read_text = pathlib.Path.read_text
+    read_bytes = pathlib.Path.read_bytes
 
     def manifest_failing_on_rank1(self, *args, **kwargs):
         if self.name == integrity.MANIFEST_FILE and torch.distributed.get_rank() == 1:
             raise OSError(errno.ESTALE, "Stale file handle", str(self))
-        return read_text(self, *args, **kwargs)
+        return read_bytes(self, *args, **kwargs)
 
-    message = unverifiable_resume(ckpt_config(f"{out}/eio_run", world), pathlib.Path, "read_text",
+    message = unverifiable_resume(ckpt_config(f"{out}/eio_run", world), pathlib.Path, "read_bytes",
                                   manifest_failing_on_rank1,
                                   "a checkpoint whose checksums one rank could not read")
     assert "could not be checked on rank 1 (OSError: [Errno 116] Stale file handle" in message, message

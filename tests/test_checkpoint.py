@@ -357,6 +357,17 @@ def test_trainer_state_fields_are_type_checked(tmp_path):
     TrainState(**fields).write(tmp_path)
     assert TrainState.read(tmp_path) == TrainState(**fields)
     raw = json.loads((tmp_path / STATE_FILE).read_text())
+    # A value changed since the save that still has its type (a flipped digit of the step) is told
+    # by the file's own sha256 (checksums.json, written before it, cannot cover it); without that
+    # line, as an edit made on purpose, it reads
+    (tmp_path / STATE_FILE).write_text(json.dumps({**raw, "step": 7}))
+    with pytest.raises(CheckpointError, match=r"trainer_state.json changed since its save \(the sha256 of "
+                                              r"its fields differs from its 'sha256'\): damaged, or edited "
+                                              r"by hand; .* delete its 'sha256' line"):
+        TrainState.read(tmp_path)
+    del raw["sha256"]
+    (tmp_path / STATE_FILE).write_text(json.dumps({**raw, "step": 7}))
+    assert TrainState.read(tmp_path).step == 7
     for name, value, expected in (("step", "6", "int"), ("step", True, "int"),
                                   ("scheduler", None, "dict"), ("mesh_shape", [1, "2"], "list[int]"),
                                   ("base_weights", [1], "dict[str, Any] | None")):

@@ -162,5 +162,7 @@ def test_a_checkpoint_of_a_newer_format_is_not_damage(tmp_path):
                config=OmegaConf.to_container(OmegaConf.structured(Config())), config_hash="abc",
                versions={"shardtrain": "9.0"}, saved_at="now").write(tmp_path)
     raw = json.loads((tmp_path / STATE_FILE).read_text())
-    (tmp_path / STATE_FILE).write_text(json.dumps({**raw, "added_later": {"any": 1}}))
+    from shardtrain.checkpoint.state import state_digest
+    later = {**raw, "added_later": {"any": 1}}
+    (tmp_path / STATE_FILE).write_text(json.dumps({**later, "sha256": state_digest(later)}))
     assert TrainState.read(tmp_path).step == 2

@@ -162,6 +162,7 @@ def test_export_round_trip(two_rank_runs, model_dirs, family, tmp_path):
         moved = tmp_path / "moved"
         shutil.copytree(checkpoint, moved)
         state = json.loads((moved / "trainer_state.json").read_text())
+        state.pop("sha256")  # edited on purpose
         state["config"]["model"]["path"] = str(tmp_path / "gone")
         (moved / "trainer_state.json").write_text(json.dumps(state))
         with pytest.raises(ModelError, match="has no config.json.*moved since a run trained on it"):

@@ -378,6 +378,7 @@ def test_export_peft_round_trip_and_corruption(lora_runs, tmp_path):
     moved = tmp_path / "step-5"
     shutil.copytree(checkpoint, moved)
     state = json.loads((moved / "trainer_state.json").read_text())
+    del state["sha256"]  # edited on purpose
     state["base_weights"]["fingerprint"] = "0" * 64
     (moved / "trainer_state.json").write_text(json.dumps(state))
     for export in (export_peft, export_merged):
@@ -697,6 +698,7 @@ def test_a_moved_base_is_named_before_an_export_writes(lora_runs, tmp_path, caps
     moved = tmp_path / "moved"
     shutil.copytree(out / "full_shard" / "checkpoints" / "step-5", moved)
     state = json.loads((moved / "trainer_state.json").read_text())
+    del state["sha256"]  # edited on purpose
     gone = str(tmp_path / "was-here")
     state["config"]["model"]["path"] = gone
     (moved / "trainer_state.json").write_text(json.dumps(state))

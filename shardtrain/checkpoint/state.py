@@ -3,12 +3,16 @@
 Written once per checkpoint (by the checkpointer, on rank 0, just before the directory gets its
 final name) and read through ``TrainState.read`` by everything else: resume, ``inspect``,
 ``consolidate``, generation and evaluation. A file that is missing, unreadable, of another format or
-missing fields is a ``CheckpointError`` that names the file and the field.
+missing fields is a ``CheckpointError`` that names the file and the field. The file carries the
+sha256 of its own fields (``sha256``; checksums.json, written before it, cannot cover it): a value
+changed since the save (a flipped digit of the step reads as a valid number) is refused, and a
+hand edit made on purpose deletes that line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import platform
@@ -29,6 +33,15 @@ from shardtrain.errors import CheckpointError, CheckpointFromNewerVersion
 from shardtrain.version import __version__
 
 T = TypeVar("T")
+
+# The field holding the sha256 of the file's other fields (not a TrainState field: its digest).
+DIGEST_FIELD = "sha256"
+
+
+def state_digest(raw: dict[str, Any]) -> str:
+    """The sha256 of a trainer state's fields but its digest, as canonical JSON (sorted keys)."""
+    body = {key: value for key, value in raw.items() if key != DIGEST_FIELD}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 STATE_FILE = "trainer_state.json"
 FORMAT_FAMILY = "shardtrain-checkpoint-v"
@@ -190,8 +203,9 @@ class TrainState:
         self.write_file(directory / STATE_FILE)
 
     def write_file(self, path: Path) -> None:
+        fields = json.loads(json.dumps(dataclasses.asdict(self)))  # as read back: int keys as strings
         with written_durably(path, "w") as f:
-            json.dump(dataclasses.asdict(self), f, indent=2, sort_keys=True)
+            json.dump({**fields, DIGEST_FIELD: state_digest(fields)}, f, indent=2, sort_keys=True)
             f.write("\n")
 
     def replace_in(self, directory: Path) -> None:
@@ -256,6 +270,13 @@ class TrainState:
             raise CheckpointError(f"checkpoint {str(directory)!r}: {STATE_FILE} field 'mesh_shape' is "
                                   f"{raw['mesh_shape']}; the file is damaged, use another checkpoint")
         check_saved_config(directory, raw["config"])
+        # Last: a damaged field whose value has the wrong type or range is named above. Files saved
+        # before 2026-11-30 have no digest.
+        if DIGEST_FIELD in raw and raw[DIGEST_FIELD] != state_digest(raw):
+            raise CheckpointError(f"checkpoint {str(directory)!r}: {STATE_FILE} changed since its save "
+                                  f"(the sha256 of its fields differs from its {DIGEST_FIELD!r}): damaged, "
+                                  "or edited by hand; use another checkpoint, or for an edit made on "
+                                  f"purpose delete its {DIGEST_FIELD!r} line")
         return cls(**{k: v for k, v in raw.items() if k in names})
 
     def rebuilt(self, section: str, schema: type[T]) -> T:
