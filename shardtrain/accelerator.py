@@ -9,6 +9,7 @@ in this project's CI (its machines have none); the CPU path is the tested one.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import resource
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.errors import ConfigError
+
+log = logging.getLogger("shardtrain")
 
 # Dense bf16 peak TFLOP/s per device (vendor data sheets, as collected by torchtitan). Anything not
 # listed reports MFU as unknown rather than guessing (torchtitan once reported 7x MFU by guessing).
@@ -250,12 +253,20 @@ def pin_offloaded_memory(device_type_name: str) -> bool:
 
 
 def device_memory_bytes(device: torch.device, local_processes: int) -> int | None:
-    """What one process may use of its device's memory: an accelerator's total memory, or on a
-    CPU this process's share of the host's available memory (``MemAvailable`` over the processes on
-    the machine); None where unknown."""
+    """What one process may use of its device's memory: on an accelerator what is free to it
+    (``free_memory_bytes``) and what its tensors hold, within the total (another process on the
+    device, or the leftovers of one that crashed, hold the rest: planned against the total, an auto
+    micro-batch ran out of memory there); on a CPU this process's share of the host's available
+    memory (``MemAvailable`` over the processes on the machine); None where unknown."""
     module = torch.get_device_module(device.type) if device.type != "cpu" else None
     if module is not None and hasattr(module, "mem_get_info"):
-        return int(module.mem_get_info(device)[1])
+        total = int(module.mem_get_info(device)[1])
+        usable = min(total, (free_memory_bytes(device) or 0) + (allocated_bytes(device) or 0))
+        if usable < 0.9 * total:
+            log.warning(f"{device}: {(total - usable) / 2**30:.1f} GiB of its {total / 2**30:.1f} GiB are "
+                        "held outside this process's tensors (another process, or its own CUDA context "
+                        "and libraries): planned against the rest")
+        return usable
     available = free_memory_bytes(device)
     return available // max(local_processes, 1) if available is not None else None
 

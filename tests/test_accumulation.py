@@ -54,7 +54,9 @@ def test_planner_counts_unsharded_accumulated_gradients():
     cfg.strategy.grad_accumulation = "unsharded"
     unsharded = estimate(cfg, model, "FULL_SHARD", 8, 8)
     assert unsharded.accumulation == total * 4 and sharded.accumulation == 0  # fp32, every parameter
-    assert unsharded.peak - sharded.peak == total * 4
+    # Through the last micro-batch's backward the full gradients are held, not yet the sharded ones
+    # (counted as both at once, the peak was 20% high against plan --simulate)
+    assert unsharded.peak - sharded.peak == total * 4 - sharded.grads
     assert (unsharded.params, unsharded.grads, unsharded.optimizer) == (
         sharded.params, sharded.grads, sharded.optimizer)
 

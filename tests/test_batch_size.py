@@ -22,7 +22,7 @@ from shardtrain.config.loader import load_config
 from shardtrain.config.plan import accumulation_steps
 from shardtrain.config.strategy import AC_MODES
 from shardtrain.diagnostics import kept
-from shardtrain.diagnostics.planner import NothingFits, choose_batch, estimate
+from shardtrain.diagnostics.planner import NothingFits, auto_batch_table, choose_batch, estimate
 from shardtrain.distributed.env import DistEnv
 from shardtrain.errors import ConfigError
 from shardtrain.models.registry import build_model
@@ -172,6 +172,9 @@ def test_global_batch_must_divide_over_ranks_and_micro_batches():
         resolve_batch(replace(auto, trainer=replace(auto.trainer, global_batch_size=0)), env)
     with pytest.raises(ConfigError, match="grad_accum_steps=3 contradicts trainer.micro_batch_size=auto"):
         resolve_batch(replace(auto, trainer=replace(auto.trainer, grad_accum_steps=3)), env)
+    # plan says so once, not on every row with exit status 0 (found by review)
+    with pytest.raises(ConfigError, match="grad_accum_steps=3 contradicts trainer.micro_batch_size=auto"):
+        auto_batch_table(replace(auto, trainer=replace(auto.trainer, grad_accum_steps=3)), [8], 80 * GIB, 8)
 
 
 def test_the_planner_takes_accumulation_from_the_global_batch(llama_8b):

@@ -428,8 +428,11 @@ def simulation_rows(cfg: Config, world_sizes: list[int], strategies: list[str],
     if cfg.strategy.tensor_parallel > 1 and not hasattr(model, "tensor_parallel_plan"):
         # The planner splits parameters by the model's own plan; without one it has no figures.
         return [(sim, None) for sim in sims]
+    # The planner asked about the run simulated: one that gathers the embedding table (above).
+    gathering = [replace(case, strategy=replace(case.strategy, embedding_lookup="gather"))
+                 for case, _ in cases]
     return [(sim, estimate(case, model, case.strategy.sharding_strategy, world, local_world_size))
-            for sim, (case, world) in zip(sims, cases)]
+            for sim, case, (_, world) in zip(sims, gathering, cases)]
 
 
 def planned(plan: Estimate | None, what: str) -> str:
