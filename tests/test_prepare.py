@@ -36,6 +36,7 @@ from shardtrain.data.prepare import (
     PrepareOptions,
     Reading,
     batches,
+    encode_chat,
     locked,
     prepare,
     recorded_sources,
@@ -867,6 +868,24 @@ def test_chat_records_train_on_the_assistant_turns_only(tmp_path):
                                         r"supported"):
         prepare(PrepareOptions(inputs=[str(tmp_path / "mixed.jsonl")], tokenizer=str(model), val_percent=0.0),
                 tmp_path / "refused", progress=False)
+    # Prompt/completion records render no template: read with any (found by review: refused,
+    # advising to prepare them as prompt/completion records, which they were)
+    pairs = [{"prompt": f"What is {i} + {i}? ", "completion": f"{2 * i}."} for i in range(20)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    prepared = prepare(PrepareOptions(inputs=[str(tmp_path / "pairs.jsonl")], tokenizer=str(model),
+                                      val_percent=0.0), tmp_path / "pairs", progress=False)
+    assert prepared.manifest["conversations"] == 0
+    assert open_prepared(tmp_path / "pairs", other).manifest is not None
+    assert result.manifest["conversations"] == 20
+    # A template that ends a conversation with the end-of-text token itself (Llama 2's "</s>"):
+    # not doubled by the separator (found by review)
+    config["chat_template"] = ("{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}"
+                               "{{ eos_token }}{% else %}[{{ m.content }}]{% endif %}{% endfor %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    ending = HFTokenizer(model)
+    ids, mask = encode_chat(ending, chats[0]["messages"])
+    assert ids[-1] == ending.eos_id and ids[-2] != ending.eos_id and ids.count(ending.eos_id) == 2
+    assert len(mask) == len(ids) and mask[-1] == 1  # the turn's end-of-text is the answer's: a target
 
 
 def test_resume_at_other_world_sizes_consumes_exactly_the_uninterrupted_samples(tmp_path):
@@ -1136,3 +1155,29 @@ def test_token_ids_past_the_model_are_refused_at_the_build(tmp_path):
     with pytest.raises(DataError, match=r"^the tokenizer \(bytes\) has ids up to 255 but the model's input "
                                         r"embedding has 200 rows; use the model's own tokenizer"):
         task.build_model()
+
+
+def test_a_prompt_and_its_completion_are_tokenized_as_one_text(tmp_path):
+    """Found by review: tokenized apart, a SentencePiece-style tokenizer (Llama 2's and Mistral's
+    prepend "▁" to every text) put one before each completion: the model learnt a space the prompts
+    at inference do not have. Together, the record's tokens are the text's own."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    from shardtrain.data.prepare import encode_pair
+
+    spm = Tokenizer(models.BPE(unk_token="<unk>"))
+    spm.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    words = ["four", "five", "six", "seven", "Answer", "Question"]
+    spm.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")  # SentencePiece's merges:
+    spm.train_from_iterator([f"Question: {a}? Answer: {b}" for a in words for b in words],
+                            trainers.BpeTrainer(vocab_size=45, special_tokens=["<unk>", "<s>", "</s>"]))
+    spm.pre_tokenizer = None  # within words (Llama 2's tokenizer.json has no pre-tokenizer)
+    directory = tmp_path / "spm"
+    directory.mkdir()
+    spm.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    tokenizer = HFTokenizer(directory)
+    ids, mask = encode_pair(tokenizer, {"prompt": "Question: six? Answer:", "completion": " four"})
+    assert ids == tokenizer.encode("Question: six? Answer: four") + [tokenizer.eos_id]
+    targets = [token for token, target in zip(ids, mask) if target]
+    assert [spm.id_to_token(token) for token in targets] == ["▁fou", "r", "</s>"]  # not "▁", "▁fou"

@@ -143,8 +143,9 @@ def fingerprint(options: PrepareOptions, source_entries: list[dict], tokenizer: 
     described = {"format": FORMAT, "version": VERSION, "options": described_options,
                  "tokenizer": tokenizer_entry(tokenizer), "sources": source_entries,
                  # 2: the validation split rounds val_percent * 100 (0.07 held out 0.08%), and inputs
-                 # are normalised as above. Every dataset of recipe 1 is prepared again once.
-                 "recipe": 2}
+                 # are normalised as above. 3: a prompt and its completion are tokenized together
+                 # (encode_pair). Every dataset of an earlier recipe is prepared again once.
+                 "recipe": 3}
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
 
@@ -242,9 +243,18 @@ Encoded = tuple[list[str], list[tuple[np.ndarray, np.ndarray | None]]]  # ids, t
 
 
 def encode_pair(tokenizer: Tokenizer, record: dict) -> tuple[list[int], list[int]]:
-    """Prompt then completion; only the completion (and the end of text after it) are targets."""
+    """Prompt then completion; only the completion (and the end of text after it) are targets.
+
+    Tokenized together, as the model reads them at inference, the completion's tokens being what
+    follows the prompt's own: tokenized apart, a SentencePiece tokenizer that prepends "▁" to every
+    text put one before each completion (" four" after "Answer:" became "▁▁four"), which the model
+    then learnt to emit. Where the prompt's last tokens merge with the completion's first (a prompt
+    ending in a space before a word), the two are tokenized apart, so that no target starts inside
+    the prompt."""
     prompt = tokenizer.encode(record["prompt"])
-    completion = tokenizer.encode(record["completion"], special_tokens=False)
+    whole = tokenizer.encode(record["prompt"] + record["completion"])
+    completion = (whole[len(prompt):] if whole[:len(prompt)] == prompt
+                  else tokenizer.encode(record["completion"], special_tokens=False))
     tail = end_of_text(tokenizer)
     return prompt + completion + tail, [0] * len(prompt) + [1] * (len(completion) + len(tail))
 
@@ -266,8 +276,10 @@ def encode_chat(tokenizer: Tokenizer, messages: list[dict]) -> tuple[list[int], 
             raise DataError(f"the chat template of {tokenizer.name} does not tokenize a conversation's "
                             "prefix as the start of the whole; its assistant turns cannot be located")
         mask[len(before):len(through)] = [1] * (len(through) - len(before))
-    tail = end_of_text(tokenizer)
-    return ids + tail, mask + [0] * len(tail)  # the template ends turns; the separator is no target
+    # The template ends turns; the separator is no target. A template that ends the conversation
+    # with the end-of-text token itself (Llama 2's, Mistral's: "</s>") had it doubled.
+    tail = end_of_text(tokenizer) if not ids or ids[-1] != tokenizer.eos_id else []
+    return ids + tail, mask + [0] * len(tail)
 
 
 def encode(tokenizer: Tokenizer, batch: Batch) -> Encoded:
@@ -323,6 +335,7 @@ class Reading:
 
     documents: int = 0
     bytes: int = 0
+    conversations: int = 0  # fine-tuning records of messages, rendered with the chat template
 
 
 def batches(sources: list[Source], options: PrepareOptions, bar: tqdm, reading: Reading) -> Iterator[Batch]:
@@ -338,6 +351,7 @@ def batches(sources: list[Source], options: PrepareOptions, bar: tqdm, reading: 
             keys.append(key)
             size = len(text) if isinstance(text, bytes) else len(json.dumps(text))
             reading.documents += 1
+            reading.conversations += isinstance(text, dict) and "messages" in text
             reading.bytes += size
             batch_bytes += size
             bar.update(1)
@@ -585,6 +599,9 @@ def write_staging(options: PrepareOptions, sources: list[Source], source_entries
         "options": output_options(options),
         "sources": {"file": SOURCES_FILE, "count": len(source_entries), "bytes": sources_bytes},
         "splits": entries,
+        # Whether the tokens depend on the chat template (a reader checks its model's only then:
+        # prompt/completion records render none)
+        "conversations": reading.conversations,
     }
     write_durably(staging / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
     return manifest

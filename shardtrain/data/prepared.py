@@ -296,9 +296,12 @@ def open_prepared(path: str | Path, tokenizer: Tokenizer | None = None, warn: bo
                             "prepare it again")
     directory = DatasetDirectory(path)
     shards = [shard for split in SPLITS for shard in manifest["splits"][split]["shards"]]
-    if tokenizer is not None and any("mask_file" in shard for shard in shards):
+    # Datasets prepared before 2026-11-30 do not count their conversations: any fine-tuning records.
+    rendered = manifest.get("conversations", any("mask_file" in shard for shard in shards))
+    if tokenizer is not None and rendered:
         # Conversations were rendered with the chat template (and trained on its assistant turns):
         # a model whose tokenizer renders them otherwise would learn a format it is not prompted in.
+        # Prompt/completion records render none, whatever either tokenizer's template.
         recorded = manifest["tokenizer"].get("chat_template", "unrecorded")
         now = tokenizer_entry(tokenizer)["chat_template"]
         if recorded not in (None, "unrecorded") and now is None:
