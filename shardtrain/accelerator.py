@@ -121,6 +121,13 @@ def use_deterministic_kernels() -> None:
     its workspace setting when it creates a handle, at the first matmul: set before the model is
     built, it applies (a value the user exported is kept)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # Inductor benchmarks kernel configurations on the device (Triton reductions, padded matmuls)
+    # unless told not to: compiled runs could differ from run to run. Its config reads this when
+    # first imported, by the first compile; one imported already is told directly.
+    os.environ.setdefault("TORCHINDUCTOR_DETERMINISTIC", "1")
+    inductor = sys.modules.get("torch._inductor.config")
+    if inductor is not None and hasattr(inductor, "deterministic"):
+        inductor.deterministic = True
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
