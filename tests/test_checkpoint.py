@@ -502,6 +502,16 @@ def test_the_best_evaluations():
     assert on_64.ranking == [] and on_64.best is None
     again = BestEvaluations(TrainerConfig(), keep=2, evaluated=128)
     assert again.restore(on_128.state(), {4}) is None and again.ranking == [(4, 1.0)]
+    # ... nor over as many windows of another length (found by review: a resume at another
+    # trainer.seq_len ranked 8-token windows' losses against 64-token ones')
+    windows = {"seq_len": 64, "document_mask": False, "windows": 1066}
+    long = BestEvaluations(TrainerConfig(), keep=2, evaluated=8, validation=windows)
+    long.judge(4, 1.0)
+    short = BestEvaluations(TrainerConfig(), keep=2, evaluated=8, validation={**windows, "seq_len": 8})
+    assert "other validation windows (seq_len 64 -> 8)" in short.restore(long.state(), {4})
+    assert short.ranking == [] and short.best is None
+    same = BestEvaluations(TrainerConfig(), keep=2, evaluated=8, validation=dict(windows))
+    assert same.restore(long.state(), {4}) is None and same.ranking == [(4, 1.0)]
 
 
 def test_a_directory_of_consolidated_weights_is_named_for_what_it_is(tmp_path):

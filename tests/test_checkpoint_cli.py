@@ -650,12 +650,12 @@ def test_the_weights_average_resumes_at_another_world_size_and_consolidates(tmp_
     assert proc.returncode == 0 and proc.stdout.startswith("def "), proc.stderr[-3000:]
     # The last step evaluated the weights and their average (swapped in); `eval --ema` reads the
     # average from the checkpoint directory itself: each the loss the run logged, on the same
-    # windows (QUICK: 16 of 64 tokens, 2 a batch).
+    # windows, which eval takes from the run by default (QUICK: 16 of 64 tokens; found by review:
+    # 256 of 128 were scored unless given)
     logged = read_metrics(whole)[-1]
     assert logged["step"] == 6 and logged["ema_val_loss"] != logged["val_loss"], logged
     for flags, field in (([], "val_loss"), (["--ema"], "ema_val_loss")):
-        proc = run_cli("eval", str(whole / "checkpoints" / "step-6"), "--samples", "16", "--seq-len", "64",
-                       "--batch-size", "2", *flags)
+        proc = run_cli("eval", str(whole / "checkpoints" / "step-6"), "--batch-size", "2", *flags)
         assert proc.returncode == 0, proc.stderr[-3000:]
         loss = float(proc.stdout.split("loss ")[1].split()[0])
         assert abs(loss - logged[field]) <= 6e-5, (field, loss, logged[field])  # printed to 4 places
@@ -718,6 +718,9 @@ def test_the_best_checkpoints_are_kept_beside_the_newest_across_a_resume(tmp_pat
         assert {int(p.name[5:]) for p in saved.glob("step-*")} == {2, 4, steps}, proc.stderr[-3000:]
         assert (saved / "best").resolve() == saved / "step-2"  # the link every command takes as a path
         state = json.loads((saved / f"step-{steps}" / "trainer_state.json").read_text())
+        validation = state["best"].pop("validation")  # what makes the windows the same (the resume below)
+        assert (validation["seq_len"], validation["document_mask"]) == (64, False)
+        assert validation["windows"] > 16
         assert state["best"] == {"monitor": "val_loss", "mode": "max",
                                  "ranking": [list(entry) for entry in logged[:2]],
                                  "best": list(logged[0]), "stale": len(logged) - 1, "stopped_at": None,

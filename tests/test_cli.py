@@ -335,3 +335,15 @@ def test_a_filesystem_failure_or_a_damaged_file_is_one_line(tmp_path):
     proc = run_cli("consolidate", str(tmp_path / "run"), str(existing))
     assert proc.stderr.strip() == (f"shardtrain: error: consolidate output '{existing}' already exists; "
                                    "delete it or choose another name"), proc.stderr
+
+
+def test_a_compile_failure_is_one_line_with_the_way_out(tmp_path):
+    """Found by review: torch.compile's failure (here: no C++ compiler) was inductor's traceback of
+    some 130 lines on every rank, exit 1, strategy.compile=false never named."""
+    proc = run_cli("train", "experiment=quick", "trainer.max_steps=2", "strategy.compile=true",
+                   "trainer.sample_tokens=0", "trainer.eval_every=0", "checkpoint.enabled=false",
+                   f"run.dir={tmp_path / 'run'}", env={"CXX": str(tmp_path / "no-such-g++")}, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("shardtrain: error: strategy.compile=true: torch.compile failed ("), last
+    assert last.endswith("set strategy.compile=false to train without it"), last

@@ -21,10 +21,14 @@ class BestEvaluations:
     """The ``keep`` best (step, value) pairs of ``monitor`` so far, best first; the best value
     yet, and how many evaluations since it have not improved on it by more than ``min_delta``."""
 
-    def __init__(self, trainer: TrainerConfig, keep: int, evaluated: int | None = None) -> None:
+    def __init__(self, trainer: TrainerConfig, keep: int, evaluated: int | None = None,
+                 validation: dict[str, Any] | None = None) -> None:
         self.keep = keep
-        # The validation samples each evaluation reads: values over another set do not compare.
+        # The validation samples each evaluation reads, and what else makes them the same windows
+        # (``validation``: their length, document masking, the held-out windows there are): values
+        # over another set do not compare.
         self.evaluated = evaluated
+        self.validation = validation
         self.monitor = trainer.monitor
         self.mode = trainer.monitor_mode
         self.min_delta = trainer.early_stop_min_delta
@@ -66,7 +70,7 @@ class BestEvaluations:
         """What a checkpoint's trainer state records of it."""
         return {"monitor": self.monitor, "mode": self.mode, "ranking": [[s, v] for s, v in self.ranking],
                 "best": None if self.best is None else list(self.best), "stale": self.stale,
-                "stopped_at": self.stopped_at, "evaluated": self.evaluated}
+                "stopped_at": self.stopped_at, "evaluated": self.evaluated, "validation": self.validation}
 
     def restore(self, saved: dict[str, Any] | None, held: set[int] | None) -> str | None:
         """The record of a resumed checkpoint's trainer state; a line to say when it cannot be taken
@@ -88,6 +92,13 @@ class BestEvaluations:
                     f"this run evaluates {self.evaluated} (trainer.eval_samples or the validation data "
                     "changed): judged afresh from here on, and the checkpoints the old ranking kept are "
                     "pruned as keep_last says")
+        before = saved.get("validation")
+        if None not in (before, self.validation) and before != self.validation:
+            changed = ", ".join(f"{key} {before.get(key)} -> {value}"
+                                for key, value in self.validation.items() if before.get(key) != value)
+            return (f"the resumed checkpoint judged evaluations of other validation windows ({changed}): "
+                    "judged afresh from here on, and the checkpoints the old ranking kept are pruned as "
+                    "keep_last says")
         best = saved.get("best") or (saved["ranking"][0] if saved.get("ranking") else None)
         if best is not None:
             self.best = (int(best[0]), float(best[1]))

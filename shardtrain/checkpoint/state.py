@@ -325,7 +325,8 @@ def well_formed_best(best: dict[str, Any]) -> bool:
             and isinstance(ranking, list) and all(pair(entry) for entry in ranking)
             and (best.get("best") is None or pair(best["best"]))
             and has_type(best.get("stale", 0), int) and best.get("stale", 0) >= 0
-            and has_type(best.get("stopped_at"), int | None) and has_type(best.get("evaluated"), int | None))
+            and has_type(best.get("stopped_at"), int | None) and has_type(best.get("evaluated"), int | None)
+            and has_type(best.get("validation"), dict[str, Any] | None))
 
 
 def has_type(value: Any, hint: Any) -> bool:

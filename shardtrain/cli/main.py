@@ -342,6 +342,14 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype,
                                     verify_checksums=not args.skip_checksums, average=args.ema)
+        # Where the run's own evaluations are repeated (its held-out split), as they scored it: the
+        # fixed 256 x 128 defaults scored other windows than the val_loss it logged.
+        # A checkpoint directory records its run's settings (a consolidated file its data alone).
+        run = loaded.state.config.get("trainer", {}) if loaded.state is not None and not args.file else {}
+        if args.seq_len is None:
+            args.seq_len = int(run.get("seq_len", EVAL_SEQ_LEN))
+        if args.samples is None:
+            args.samples = int(run.get("eval_samples", EVAL_SAMPLES))
         positions = getattr(loaded.model, "max_seq_len", None)
         if positions is not None and args.seq_len > positions:
             raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
@@ -382,6 +390,10 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
                                loaded.env.world_size, loaded.env.rank)
         task = LanguageModelTask()
         loss, _, scored = evaluate(loaded.model, task, batches, loaded.env.device)
+        if scored == 0:  # a loss of nan, exit 0 before
+            windows_scored = min(args.samples, windows.num_samples)
+            raise ConfigError(f"{source}: the {windows_scored} windows scored hold no targets (fine-tuning "
+                              "records whose prompts fill the windows); raise --seq-len or --samples")
         # Fine-tuning records score their answers only: the loss is per target, not per token read.
         masked = windows.targets_masked
         if loaded.env.is_main:
@@ -622,6 +634,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+# `eval`'s windows where no run's evaluation is repeated (--file, a Hugging Face directory).
+EVAL_SAMPLES, EVAL_SEQ_LEN = 256, 128
 SKIP_CHECKSUMS_HELP = ("do not check a checkpoint directory's recorded checksums before reading it "
                        "(they hash its model and optimizer shards, which DCP writes in one file a rank)")
 EMA_HELP = ("the checkpoint's weight average (a run with trainer.ema_decay) instead of its weights; "
@@ -712,8 +726,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "dataset's validation split (default: the held-out split of the checkpoint's "
                     "training data)")
     ev.add_argument("--glob", default="*", help="files to take from a --file directory")
-    ev.add_argument("--samples", type=int, default=256, help="windows to evaluate")
-    ev.add_argument("--seq-len", type=int, default=128, help="tokens per window")
+    ev.add_argument("--samples", type=int, default=None,
+                    help="windows to evaluate (default: on the run's held-out split its "
+                    f"trainer.eval_samples, so that the loss is the val_loss it logged; else {EVAL_SAMPLES})")
+    ev.add_argument("--seq-len", type=int, default=None,
+                    help=f"tokens per window (default: the run's trainer.seq_len; else {EVAL_SEQ_LEN})")
     ev.add_argument("--batch-size", type=int, default=8, help="windows per forward on each process")
     ev.add_argument("--devices", type=int, default=1, help="processes (sharded checkpoints)")
     ev.add_argument("--strategy", default="FULL_SHARD", help="how the checkpoint is sharded on load")

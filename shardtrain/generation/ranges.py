@@ -52,6 +52,6 @@ def check_ranges(args: argparse.Namespace, ranges: dict[str, Range]) -> None:
     """Raise ConfigError for the first flag in ``args`` outside its range."""
     for flag, allowed in ranges.items():
         value = getattr(args, flag.removeprefix("--").replace("-", "_"))
-        if value not in allowed:
+        if value is not None and value not in allowed:  # None: not given, taken from the checkpoint
             shown = f"{value:g}" if isinstance(value, float) else str(value)
             raise ConfigError(f"{flag} {shown} must be {allowed}")

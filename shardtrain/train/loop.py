@@ -89,7 +89,7 @@ from shardtrain.train.ema import WeightAverage
 from shardtrain.train.flops import counted_flops_per_sample
 from shardtrain.train.metrics import DRY_RUN_FILE, METRICS_FILE, MetricsWriter, Throughput
 from shardtrain.train.optim import SCHEDULE_SHAPE, follow_schedule, optimizer_kind, schedule_cautions
-from shardtrain.train.step import StepStats, evaluate, failing_part, ratio, train_step
+from shardtrain.train.step import StepStats, compile_failure, evaluate, failing_part, ratio, train_step
 
 log = logging.getLogger("shardtrain")
 
@@ -219,7 +219,9 @@ class Trainer:
         # trainer.monitor judged at each evaluation: one that ranks among checkpoint.keep_best's saves
         # its step, and trainer.early_stop_patience evaluations without improving stop the run.
         keep = cfg.checkpoint.keep_best if cfg.checkpoint.enabled else 0
-        self.best = (BestEvaluations(t, keep, min(t.eval_samples, self.val_available))
+        validation = {"seq_len": t.seq_len, "document_mask": cfg.data.document_mask,
+                      "windows": self.val_available}
+        self.best = (BestEvaluations(t, keep, min(t.eval_samples, self.val_available), validation)
                      if keep or t.early_stop_patience else None)
         self.best_save_due = False
         self.stop_early = False  # trainer.early_stop_patience ran out (now, or before the resume)
@@ -806,9 +808,11 @@ class Trainer:
         steps_run = len(self.result.losses)
         phases = self.phases if (diag.enabled or diag.dry_run) and steps_run < diag.steps else None
         compiled = self.cfg.strategy.compile
-        # A dry run's one step must exercise compilation, so with compile it goes without the probe.
+        # A dry run's one step must exercise compilation, so with compile it goes without the probe;
+        # so does a resumed run's first step, which the uninterrupted run took compiled (eager and
+        # compiled kernels differ in the last bits: the resume was no longer bitwise identical).
         probe = (DtypeProbe(b.model) if phases is not None and steps_run == 0
-                 and not (diag.dry_run and compiled) else None)
+                 and not (compiled and (diag.dry_run or self.step > 0)) else None)
         # The dtype probe's hooks must not be traced into compiled blocks: a hook's side effect inside
         # an activation-checkpointed block makes dynamo give up on that block for the rest of the run
         # (measured: compile + AC ran at eager speed), and even without AC they cost a recompile.
@@ -855,9 +859,24 @@ class Trainer:
         """An accelerator's out-of-memory error says which of the planner's estimates was wrong (a
         CPU has no such error: the operating system kills the process)."""
         try:
-            yield
+            with self.compile_failures_explained():
+                yield
         except torch.OutOfMemoryError as exc:
             raise TrainingError(self.out_of_memory_message(failing_part(exc))) from exc
+
+    @contextmanager
+    def compile_failures_explained(self) -> Iterator[None]:
+        """A failure of torch.compile (a missing C++ compiler or Triton, an operation it cannot
+        trace) in a step or an evaluation: one line naming the way out, not inductor's traceback of a
+        hundred lines on every rank."""
+        try:
+            yield
+        except Exception as exc:
+            if not (self.cfg.strategy.compile and compile_failure(exc)):
+                raise
+            first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+            raise TrainingError(f"strategy.compile=true: torch.compile failed ({type(exc).__name__}: "
+                                f"{first[:300]}); set strategy.compile=false to train without it") from exc
 
     def out_of_memory_message(self, part: str) -> str:
         """``part``: where in the step it failed (``failing_part``)."""
@@ -936,11 +955,21 @@ class Trainer:
         limit = self.cfg.trainer.max_skipped_steps
         self.result.skipped_steps += 1
         self.consecutive_skips += 1
-        self.info(f"step {self.step}: non-finite loss or grad norm "
-                  f"(loss={stats.loss}, grad_norm={stats.grad_norm}); update skipped")
-        self.writer.write(self.step, "skip", {"loss": stats.loss, "grad_norm": stats.grad_norm})
+        empty = stats.count == 0
+        if empty:
+            self.info(f"step {self.step}: no {self.task.count_unit} to learn from on any rank (fine-tuning "
+                      "windows of prompts alone?); update skipped")
+        else:
+            self.info(f"step {self.step}: non-finite loss or grad norm "
+                      f"(loss={stats.loss}, grad_norm={stats.grad_norm}); update skipped")
+        self.writer.write(self.step, "skip", {"loss": stats.loss, "grad_norm": stats.grad_norm,
+                                              "reason": "no targets" if empty else "non-finite"})
         if self.consecutive_skips > limit:
             raise TrainingError(
+                f"{self.consecutive_skips} consecutive steps had no {self.task.count_unit} to learn from "
+                f"(limit trainer.max_skipped_steps={limit}): the data's targets are masked throughout, "
+                "as fine-tuning records longer than trainer.seq_len leave them; raise trainer.seq_len or "
+                "check the data" if empty else
                 f"{self.consecutive_skips} consecutive steps had a non-finite loss or gradient norm "
                 f"(limit trainer.max_skipped_steps={limit}); lower trainer.lr, keep "
                 "trainer.grad_clip_norm on, or check the data"
@@ -1025,16 +1054,20 @@ class Trainer:
         step = self.step
         self.watchdog.beat("evaluation", step)
         self.agree_running_statistics()  # every rank evaluates the same model
-        val, val_metrics, _ = evaluate(self.model, self.task, self.val_batches, self.env.device,
-                                       self.built.mesh)
+        # Each batch's forward is bounded (dist.timeout_s), not the whole pass: a large eval_samples
+        # took longer than one step's bound and a healthy evaluation was stopped as a hang.
+        with self.compile_failures_explained():
+            val, val_metrics, _ = evaluate(self.model, self.task, self.val_batches, self.env.device,
+                                           self.built.mesh, lambda: self.watchdog.beat("evaluation", step))
         self.result.val_losses.append((step, val))
         self.result.val_metrics.append((step, dict(val_metrics)))
         record = {"val_loss": val, **{f"val_{name}": value for name, value in val_metrics.items()}}
         if self.average is not None:
             self.watchdog.beat("evaluation of the weights' average", step)  # a bound of its own
-            with self.average.swapped_in():
-                val, val_metrics, _ = evaluate(self.model, self.task, self.val_batches, self.env.device,
-                                               self.built.mesh)
+            with self.average.swapped_in(), self.compile_failures_explained():
+                val, val_metrics, _ = evaluate(
+                    self.model, self.task, self.val_batches, self.env.device, self.built.mesh,
+                    lambda: self.watchdog.beat("evaluation of the weights' average", step))
             self.result.average_val_losses.append((step, val))
             record["ema_val_loss"] = val
             record.update({f"ema_val_{name}": value for name, value in val_metrics.items()})

@@ -332,6 +332,13 @@ def failing_part(exc: BaseException) -> str:
     return "forward"
 
 
+def compile_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch.compile's own failure (dynamo's or inductor's, all of them
+    ``TorchDynamoException``s), told by its class name: importing dynamo here would cost every
+    command its import time."""
+    return any(cls.__name__ == "TorchDynamoException" for cls in type(exc).__mro__)
+
+
 def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, micro_batches: list[Any],
                mesh: DeviceMesh, grad_clip_norm: float, device: torch.device,
@@ -413,9 +420,11 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
     norm_value, scale_value, count, loss_value, stops, saving, returned, flops_value, *metric_values = values
     metrics.raise_if_changed(metric_values)
     if count == 0:
-        raise TrainingError("a training step had a count of 0 on every rank (no target tokens, no "
-                            "valid positions): nothing to learn from; check the data")
-    if divisor is None:
+        # Nothing to learn from on any rank (a global batch of prompts alone: records longer than
+        # the windows). Skipped as a non-finite step is, its data consumed: it raised, and a resume
+        # replayed the same batch, so the run could never finish. The loop says why.
+        loss_value = float("nan")
+    elif divisor is None:
         loss_value /= count
     # Within float32's rounding: a fractional count (a weighted sum) summed on the device and on
     # the CPU in another order differs by some 1e-7 (a mismatch of the contract is far larger).
@@ -450,10 +459,12 @@ class Evaluation(NamedTuple):
 
 @torch.no_grad()
 def evaluate(model: nn.Module, task: Task, batches: Sequence[tuple[Any, float]],
-             device: torch.device, mesh: DeviceMesh | None = None) -> Evaluation:
+             device: torch.device, mesh: DeviceMesh | None = None,
+             progress: Callable[[], None] | None = None) -> Evaluation:
     """The loss over the validation set, normalised by its global count, and the task's metrics.
     A batch of weight 0 (padding) runs its forward and counts nothing. ``mesh``: the model's
-    (needed with tensor parallelism)."""
+    (needed with tensor parallelism). ``progress``: called before each batch (the watchdog's beat:
+    each forward is bounded, not the whole pass)."""
     was_training = model.training
     model.eval()
     loss = torch.zeros((), dtype=torch.float64, device=device)
@@ -462,6 +473,8 @@ def evaluate(model: nn.Module, task: Task, batches: Sequence[tuple[Any, float]],
     copies = tensor_parallel_degree(mesh)
     try:
         for batch, weight in batches:
+            if progress is not None:
+                progress()
             with loss_context(copies):
                 out = run_loss(task, model, to_device(batch, device))
             loss += out.loss.double() * weight
