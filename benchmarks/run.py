@@ -638,6 +638,8 @@ def scaling_sections(command: str) -> tuple[str, str]:
   shard over the node's 8 and replicate across nodes), AdamW; fits = the simulated peak is at most
   80 GB (74.5 GiB) per device. `FULL_SHARD x TP 8`: tensor parallelism over each node's 8 ranks
   with sequence parallelism and the loss on the vocabulary-split logits, FSDP over the nodes.
+  In brackets the planner's figures for the run simulated, which gathers the embedding table (fake
+  tensors hold no token ids to exchange rows by).
 
 {(chr(10) * 2).join(tables)}
 {SCALING_END}"""
