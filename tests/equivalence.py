@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from shardtrain.config.schema import Config, DataConfig
-from shardtrain.data.batches import GlobalOrder, TokenWindows
-from shardtrain.data.corpus import Corpus, load_corpus
+from shardtrain.data.batches import GlobalOrder
+from shardtrain.data.corpus import Corpus, load_corpus, windows_of
 from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.models.llama import Llama
 from shardtrain.tasks.language_model import LanguageModelTask
@@ -51,6 +51,9 @@ def case_config(world_size: int, run_dir: str, strategy: str = "FULL_SHARD",
         eval_every=0, eval_samples=8, sample_tokens=0, progress_bar=False, log_every=100,
     )
     cfg.run = dataclasses.replace(cfg.run, dir=run_dir, trackers=[])
+    # The token stream cut every seq_len tokens, whatever the data (fine-tuning records would get
+    # windows of whole records: tests/test_finetune.py's are longer than its 32-token windows)
+    cfg.data = dataclasses.replace(cfg.data, packing="stream")
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, enabled=False)
     return cfg
 
@@ -101,7 +104,8 @@ def hand_written_loop(model, cfg: Config, tokens, logits_of) -> tuple[list[float
     windows, in the global order; ``logits_of(x)`` runs the model. Returns losses and grad norms."""
     optimizer = build_optimizer(model, cfg.trainer)
     scheduler = build_scheduler(optimizer, cfg.trainer)
-    windows = TokenWindows(tokens, cfg.trainer.seq_len)
+    # data.packing's windows, as the trainer makes them (whole records for fine-tuning data)
+    windows = windows_of(tokens, cfg.trainer.seq_len, "data", False, cfg.data.packing)
     order = GlobalOrder(windows.num_samples, cfg.trainer.seed)
     losses, norms = [], []
     for step in range(STEPS):

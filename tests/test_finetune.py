@@ -119,7 +119,9 @@ def test_eval_of_fine_tuning_data_says_what_it_scores(dataset, tmp_path):
     """Found by a new-user trial: `eval` on fine-tuning records reported tokens read and a loss 'per
     token', while the loss scores the answers' tokens only: it now counts those and names the unit."""
     run_dir = tmp_path / "run"
+    # the stream cut anywhere: these records are longer than the 32-byte windows scored below
     trained = run_cli("train", "experiment=quick", "data.source=prepared", f"data.paths=[{dataset}]",
+                      "data.packing=stream",
                       "trainer.max_steps=2", "checkpoint.interval=2", "trainer.eval_every=0",
                       "trainer.sample_tokens=0", "run.trackers=[]", f"run.dir={run_dir}")
     assert trained.returncode == 0, trained.stderr[-2000:]
@@ -139,3 +141,37 @@ def test_eval_of_fine_tuning_data_says_what_it_scores(dataset, tmp_path):
     named_read, named_scored = named.stdout.splitlines()
     assert named_read == f"eval on validation split of {dataset}: {read.partition(': ')[2]}", named_read
     assert named_scored == scored
+
+
+def test_fine_tuning_windows_hold_whole_records(dataset, caplog):
+    """Found by review: the stream cut every seq_len tokens, and a window starting inside a record
+    trained its answer without its prompt. data.packing=auto gives fine-tuning data windows of
+    whole records: each starts at a record, holds the records that fit, the rest padding; a record
+    longer than a window is cut to one of its own, and said at start-up."""
+    from shardtrain.data.batches import RecordWindows, pack_records
+    from shardtrain.data.corpus import windows_of
+
+    tokens = open_prepared(dataset).train
+    starts = set(tokens.document_starts(0, len(tokens)).tolist())
+    with caplog.at_level("WARNING", logger="shardtrain"):
+        windows = windows_of(tokens, 128, "training data", False, "auto")
+    assert isinstance(windows, RecordWindows) and windows.num_samples < windows.records
+    lengths = windows.stops - windows.starts
+    assert set(windows.starts.tolist()) <= starts and (lengths <= 129).all()
+    assert windows.truncated > 0 and f"{windows.truncated} of the {windows.records} records" in caplog.text
+    batch = windows.batch(np.arange(windows.num_samples))
+    for row, (start, stop) in enumerate(zip(windows.starts, windows.stops)):
+        filled = int(stop - start) - 1
+        assert (batch.inputs[row, :filled].numpy() == np.asarray(tokens[int(start):int(stop) - 1])).all()
+        assert (batch.targets[row, filled:] == IGNORE_INDEX).all()  # padding: no target
+        # the first record's prompt is in the window: its first target comes after a prompt token
+        assert batch.targets[row, 0] == IGNORE_INDEX
+    # the targets are the windows' records' own completion tokens, each once (the first token of a
+    # window, a record's first, is never one)
+    marked = sum(int(tokens.targets(slice(int(a) + 1, int(b))).sum())
+                 for a, b in zip(windows.starts, windows.stops))
+    assert int((batch.targets != IGNORE_INDEX).sum()) == marked > 0
+    # the greedy packing itself: records of 3, 4, 10 and 2 tokens in windows of 8
+    assert [a.tolist() for a in pack_records(np.array([0, 3, 7, 17]), 19, 8)[:2]] == [[0, 7, 17], [7, 15, 19]]
+    assert pack_records(np.array([0, 3, 7, 17]), 19, 8)[2] == 1
+    assert not isinstance(windows_of(tokens, 64, "training data", False, "stream"), RecordWindows)

@@ -51,7 +51,7 @@ FORMAT = f"{FORMAT_FAMILY}1"
 # The settings that decide which sample sits at each position of the global order
 # (data/batches.py): resumed with another value, the saved position points into another order.
 DATA_ORDER_KEYS = ("trainer.seq_len", "trainer.seed", "data.source", "data.paths", "data.weights",
-                   "model.tokenizer")
+                   "model.tokenizer", "data.packing")
 # Another task's data is its own: what it is comes from the task and its options.
 TASK_DATA_KEYS = ("trainer.seed", "task.path", "task.options")
 # ... and those that decide what is prepared from data.source=stdlib or files (a prepared dataset
@@ -152,7 +152,10 @@ class TrainState:
         return self.rebuilt("model", ModelConfig)
 
     def data_config(self) -> DataConfig:
-        return self.rebuilt("data", DataConfig)
+        data = self.rebuilt("data", DataConfig)
+        if "packing" not in self.config.get("data", {}):  # saved before data.packing: the stream's
+            data = dataclasses.replace(data, packing="stream")
+        return data
 
     def finetune_config(self) -> FinetuneConfig:
         return self.rebuilt("finetune", FinetuneConfig)

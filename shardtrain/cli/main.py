@@ -358,9 +358,10 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
         # Scored as the run's evaluations scored: a model trained on documents each attending
         # within itself is scored so (the loss of packed windows differs otherwise).
         mask = loaded.cfg.data.document_mask
+        packing = loaded.cfg.data.packing  # windows of whole records for fine-tuning data, as training's
         if args.file and is_prepared_dataset(Path(args.file)):  # its validation split, as training reads it
             corpus = load_corpus(DataConfig(source="prepared", paths=[args.file]), tokenizer, need=("val",))
-            windows = corpus.val_windows(args.seq_len, mask, what="evaluation data")
+            windows = corpus.val_windows(args.seq_len, mask, what="evaluation data", packing=packing)
             source = f"validation split of {args.file}"
         elif args.file:
             data = load_corpus(DataConfig(source="files", paths=[args.file], val_percent=0.0,
@@ -379,7 +380,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
                                   "name the text to score with --file")
             corpus = load_corpus(loaded.cfg.data, tokenizer)
             # a mixture's held-out windows interleaved, as training's evaluations read them
-            windows = corpus.val_windows(args.seq_len, mask, what="evaluation data")
+            windows = corpus.val_windows(args.seq_len, mask, what="evaluation data", packing=packing)
             source = f"held-out split of {corpus.root}"
             if loaded.env.is_main and (changed := data_changed_since(loaded.state, corpus)):
                 log.warning(changed)

@@ -122,7 +122,8 @@ def check_built_in_task_settings(cfg: Config, task: object | None = None) -> Non
                           "--simulate measures its memory)")
     # What the language-model task alone reads (its text samples, its windows' document positions).
     text_only = {"trainer.sample_every": cfg.trainer.sample_every,
-                 "data.document_mask": cfg.data.document_mask}
+                 "data.document_mask": cfg.data.document_mask,
+                 "data.packing": cfg.data.packing if cfg.data.packing != "auto" else None}
     for key, value in text_only.items():
         if value and built_in_ancestor(task_cls) is None:
             shown = str(value).lower() if isinstance(value, bool) else value

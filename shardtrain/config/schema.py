@@ -159,6 +159,11 @@ class DataConfig:
     # positions at each (the losses are those of the documents run alone); false lets tokens attend
     # across document boundaries, as most pretraining does.
     document_mask: bool = False
+    # How documents become windows: stream (the token stream cut every trainer.seq_len tokens, a
+    # document running on into the next window) | records (windows of whole documents, padded:
+    # a fine-tuning record never loses its prompt to the window before) | auto (records for data
+    # with fine-tuning records, whose prompts are no targets; stream otherwise).
+    packing: str = knob("auto", one_of=("auto", "stream", "records"))
 
 
 @dataclass

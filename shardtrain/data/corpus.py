@@ -28,7 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from shardtrain.config.schema import DataConfig
-from shardtrain.data.batches import InterleavedWindows, MixtureWindows, TokenWindows
+from shardtrain.data.batches import InterleavedWindows, MixtureWindows, RecordWindows, TokenWindows
 from shardtrain.data.documents import PREPARE_LOCK_SUFFIX
 from shardtrain.data.prepare import (
     PrepareOptions,
@@ -64,23 +64,24 @@ class Corpus:
     weights: list[float] = field(default_factory=list)
     val_parts: list[TokenStream] = field(default_factory=list)
 
-    def train_windows(self, seq_len: int, document_mask: bool = False) -> TokenWindows | MixtureWindows:
+    def train_windows(self, seq_len: int, document_mask: bool = False,
+                      packing: str = "auto") -> TokenWindows | MixtureWindows:
         if not self.train_parts:
-            return TokenWindows(self.train, seq_len, "training data", document_mask)
-        parts = [TokenWindows(part, seq_len, f"training data of mixture part {index}", document_mask)
+            return windows_of(self.train, seq_len, "training data", document_mask, packing)
+        parts = [windows_of(part, seq_len, f"training data of mixture part {index}", document_mask, packing)
                  for index, part in enumerate(self.train_parts)]
         return MixtureWindows(parts, self.weights or [part.num_samples for part in parts])
 
-    def val_windows(self, seq_len: int, document_mask: bool = False,
-                    what: str = "validation data") -> TokenWindows | InterleavedWindows:
+    def val_windows(self, seq_len: int, document_mask: bool = False, what: str = "validation data",
+                    packing: str = "auto") -> TokenWindows | InterleavedWindows:
         """The validation windows; a mixture's interleaved, so that the first of them (those an
         evaluation of ``trainer.eval_samples`` reads) sample every dataset whose validation split
         holds a window."""
         parts = [(index, part) for index, part in enumerate(self.val_parts) if len(part) > seq_len]
         if len(parts) < 2:
-            return TokenWindows(self.val, seq_len, what, document_mask)
-        return InterleavedWindows([TokenWindows(part, seq_len, f"{what} of mixture part {index}",
-                                                document_mask) for index, part in parts])
+            return windows_of(self.val, seq_len, what, document_mask, packing)
+        return InterleavedWindows([windows_of(part, seq_len, f"{what} of mixture part {index}",
+                                              document_mask, packing) for index, part in parts])
 
     def describe(self) -> str:
         return (
@@ -88,6 +89,22 @@ class Corpus:
             f"{self.val_files} validation documents ({self.val.size / 1e6:.1f}M tokens); "
             f"tokenizer {self.tokenizer}; prepared at {self.path}"
         )
+
+
+def windows_of(tokens: TokenStream, seq_len: int, name: str, document_mask: bool,
+               packing: str) -> TokenWindows:
+    """``data.packing``'s windows of ``tokens``: whole records for data with fine-tuning records
+    (auto) or when asked, the stream cut every ``seq_len`` tokens otherwise."""
+    records = packing == "records" or (packing == "auto" and getattr(tokens, "has_masks", False))
+    if not records:
+        return TokenWindows(tokens, seq_len, name, document_mask)
+    windows = RecordWindows(tokens, seq_len, name, document_mask)
+    if windows.truncated:
+        log.warning(f"data: {windows.truncated} of the {windows.records} records of the {name} are longer "
+                    f"than trainer.seq_len+1={seq_len + 1} tokens: each is cut to one window, the rest of "
+                    "it (a long prompt's answer) not read; raise trainer.seq_len, or set "
+                    "data.packing=stream (windows cut anywhere, a record running on into the next)")
+    return windows
 
 
 def stdlib_root() -> Path:

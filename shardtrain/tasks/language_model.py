@@ -165,10 +165,12 @@ class LanguageModelTask(Task):
         return self.blocks
 
     def train_samples(self) -> TokenWindows | MixtureWindows:
-        return self.load_corpus().train_windows(self.cfg.trainer.seq_len, self.cfg.data.document_mask)
+        return self.load_corpus().train_windows(self.cfg.trainer.seq_len, self.cfg.data.document_mask,
+                                                self.cfg.data.packing)
 
     def val_samples(self) -> TokenWindows | InterleavedWindows:
-        return self.load_corpus().val_windows(self.cfg.trainer.seq_len, self.cfg.data.document_mask)
+        return self.load_corpus().val_windows(self.cfg.trainer.seq_len, self.cfg.data.document_mask,
+                                              packing=self.cfg.data.packing)
 
     def example_batch(self, micro_batch_size: int) -> Batch:
         """Token ids of zeros (what the memory of a step depends on is their shape), with the
