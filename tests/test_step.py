@@ -329,3 +329,27 @@ def test_the_weights_average_warms_up_its_decay():
     plain.update(1)
     assert torch.allclose(ramped.averages[0], torch.full((2, 2), 0.1 * 1.0 + 0.9 * 3.0))
     assert torch.allclose(plain.averages[0], torch.full((2, 2), 0.9 * 1.0 + 0.1 * 3.0))
+
+
+def test_graph_breaks_are_named_in_one_line():
+    """Found by review: a graph break in a compiled block (which runs a checkpointed block eagerly
+    for the rest of the run) was never said; after the first compiled step it is, once."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from shardtrain.train.step import graph_breaks_note
+
+    counters["graph_break"].clear()
+    assert graph_breaks_note() is None
+
+    def noisy(x):
+        y = x * 2
+        print(end="")  # dynamo cannot trace it: the graph breaks here
+        return y + 1
+
+    torch._dynamo.reset()
+    torch.compile(noisy, backend="eager")(torch.ones(2))
+    note = graph_breaks_note()
+    assert note.startswith("strategy.compile=true: 1 graph break(s) in the compiled blocks (1 x Failed to "
+                           "trace builtin operator): those parts run eagerly"), note
+    counters["graph_break"].clear()

@@ -89,7 +89,15 @@ from shardtrain.train.ema import WeightAverage
 from shardtrain.train.flops import counted_flops_per_sample
 from shardtrain.train.metrics import DRY_RUN_FILE, METRICS_FILE, MetricsWriter, Throughput
 from shardtrain.train.optim import SCHEDULE_SHAPE, follow_schedule, optimizer_kind, schedule_cautions
-from shardtrain.train.step import StepStats, compile_failure, evaluate, failing_part, ratio, train_step
+from shardtrain.train.step import (
+    StepStats,
+    compile_failure,
+    evaluate,
+    failing_part,
+    graph_breaks_note,
+    ratio,
+    train_step,
+)
 
 log = logging.getLogger("shardtrain")
 
@@ -214,6 +222,8 @@ class Trainer:
         # The task's metrics as the first step returned them: every later step must return the same.
         self.metric_kinds: tuple[tuple[str, bool], ...] | None = None
         self.consecutive_skips = 0
+        # strategy.compile: the graph breaks are said once, after the first compiled step
+        self.graph_breaks_said = not cfg.strategy.compile
         # trainer.ema_decay: set from the weights once they are drawn or read (restore).
         self.average = WeightAverage(built.model, t.ema_decay, t.ema_warmup) if t.ema_decay else None
         # trainer.monitor judged at each evaluation: one that ranks among checkpoint.keep_best's saves
@@ -843,6 +853,10 @@ class Trainer:
             self.flops_unknown = None
         if self.average is not None and not stats.skipped:
             self.average.update(self.step + 1)
+        if not (self.graph_breaks_said or eager_first):
+            self.graph_breaks_said = True
+            if self.env.is_main and (note := graph_breaks_note()):
+                log.warning(note)
         seconds = time.perf_counter() - start
         if not eager_first:
             # An eager first step is not counted: the compiling step after it keeps the start-up

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import traceback
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -337,6 +338,23 @@ def compile_failure(exc: BaseException) -> bool:
     ``TorchDynamoException``s), told by its class name: importing dynamo here would cost every
     command its import time."""
     return any(cls.__name__ == "TorchDynamoException" for cls in type(exc).__mro__)
+
+
+def graph_breaks_note() -> str | None:
+    """torch.compile's graph breaks so far, as one line naming the commonest reasons (their first
+    lines); None where there were none, or nothing was compiled. A break in a checkpointed block makes
+    dynamo run that block eagerly for the rest of the run: compile=true trained at eager speed
+    without a word. Read from dynamo's counters where compiling imported them (importing dynamo
+    here would cost every command its import time)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    breaks = getattr(utils, "counters", {}).get("graph_break") if utils is not None else None
+    if not breaks:
+        return None
+    reasons = sorted(breaks.items(), key=lambda item: -item[1])
+    named = "; ".join(f"{count} x {reason.strip().splitlines()[0][:160]}" for reason, count in reasons[:3])
+    return (f"strategy.compile=true: {sum(breaks.values())} graph break(s) in the compiled blocks ({named}"
+            f"{'; ...' if len(reasons) > 3 else ''}): those parts run eagerly, a checkpointed block "
+            "all of it; TORCH_LOGS=graph_breaks names where")
 
 
 def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
