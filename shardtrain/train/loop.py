@@ -1066,22 +1066,31 @@ class Trainer:
         """The validation loss and the task's metrics (``val_*``), and with a weight average the
         same of the average (``ema_val_*``), as the metrics record's entries."""
         step = self.step
-        self.watchdog.beat("evaluation", step)
-        self.agree_running_statistics()  # every rank evaluates the same model
         # Each batch's forward is bounded (dist.timeout_s), not the whole pass: a large eval_samples
-        # took longer than one step's bound and a healthy evaluation was stopped as a hang.
+        # took longer than one step's bound and a healthy evaluation was stopped as a hang. Under
+        # compile the first evaluation compiles its no-grad graphs: the start-up bound, as the first
+        # compiled step has, not a step's (nor a stall at ten times a step's median).
+        compiling = self.cfg.strategy.compile and not self.result.val_losses
+        bound = ((self.cfg.dist.startup_timeout_s, "dist.startup_timeout_s (the first compiled evaluation)")
+                 if compiling else (None, "the phase's own limit"))
+
+        def beat(phase: str = "evaluation") -> None:
+            self.watchdog.beat(phase, step, *bound)
+
+        beat()
+        self.agree_running_statistics()  # every rank evaluates the same model
         with self.compile_failures_explained():
             val, val_metrics, _ = evaluate(self.model, self.task, self.val_batches, self.env.device,
-                                           self.built.mesh, lambda: self.watchdog.beat("evaluation", step))
+                                           self.built.mesh, beat)
         self.result.val_losses.append((step, val))
         self.result.val_metrics.append((step, dict(val_metrics)))
         record = {"val_loss": val, **{f"val_{name}": value for name, value in val_metrics.items()}}
         if self.average is not None:
-            self.watchdog.beat("evaluation of the weights' average", step)  # a bound of its own
+            beat("evaluation of the weights' average")  # a bound of its own
             with self.average.swapped_in(), self.compile_failures_explained():
                 val, val_metrics, _ = evaluate(
                     self.model, self.task, self.val_batches, self.env.device, self.built.mesh,
-                    lambda: self.watchdog.beat("evaluation of the weights' average", step))
+                    lambda: beat("evaluation of the weights' average"))
             self.result.average_val_losses.append((step, val))
             record["ema_val_loss"] = val
             record.update({f"ema_val_{name}": value for name, value in val_metrics.items()})
