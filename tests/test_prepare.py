@@ -1181,3 +1181,23 @@ def test_a_prompt_and_its_completion_are_tokenized_as_one_text(tmp_path):
     assert ids == tokenizer.encode("Question: six? Answer: four") + [tokenizer.eos_id]
     targets = [token for token, target in zip(ids, mask) if target]
     assert [spm.id_to_token(token) for token in targets] == ["▁fou", "r", "</s>"]  # not "▁", "▁fou"
+
+
+def test_parquet_fine_tuning_records_are_read(tmp_path):
+    """Found by review: a Parquet file of prompt/completion or messages columns (most Hub
+    fine-tuning sets) was refused for lacking a text column, the error advising a --text-field that
+    then failed on the list column; its rows are now fine-tuning records, as JSON Lines' are."""
+    pairs = pa.table({"prompt": [f"What is {i} + {i}? " for i in range(12)],
+                      "completion": [f"{2 * i}." for i in range(12)], "source": ["x"] * 12})
+    pq.write_table(pairs, tmp_path / "pairs.parquet")
+    result = prepare(PrepareOptions(inputs=[str(tmp_path / "pairs.parquet")], val_percent=0.0),
+                     tmp_path / "out", progress=False)
+    assert "mask_file" in result.manifest["splits"]["train"]["shards"][0]
+    assert result.manifest["conversations"] == 0 and result.manifest["splits"]["train"]["documents"] == 12
+    model = make_model_dir(tmp_path / "model", "llama")
+    chats = pa.table({"messages": [[{"role": "user", "content": f"{i} + {i}?"},
+                                    {"role": "assistant", "content": f"{2 * i}."}] for i in range(12)]})
+    pq.write_table(chats, tmp_path / "chats.parquet")
+    chat = prepare(PrepareOptions(inputs=[str(tmp_path / "chats.parquet")], tokenizer=str(model),
+                                  val_percent=0.0), tmp_path / "chat_out", progress=False)
+    assert chat.manifest["conversations"] == 12

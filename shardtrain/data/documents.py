@@ -476,7 +476,8 @@ def document_of(record: object, field: str, where: str) -> Document:
 def column_texts(table: pa.Table | pa.RecordBatch, field: str, where: str) -> list[bytes]:
     if field not in table.schema.names:
         raise DataError(f"{where}: no column {field!r} (columns: {', '.join(table.schema.names)}); "
-                        "set data.text_field (or --text-field) to the column holding the text")
+                        "set data.text_field (or --text-field) to the column holding the text (fine-tuning "
+                        "records: a messages column, or prompt and completion)")
     column = table.column(field)
     if not is_text_type(column.type):
         raise DataError(f"{where}: column {field!r} is {column.type}, not text")
@@ -528,23 +529,39 @@ def read_jsonl(source: Source, field: str) -> Iterator[tuple[str, Document]]:
 
 
 def read_table_rows(source: Source, tables: Iterator[pa.RecordBatch],
-                    field: str) -> Iterator[tuple[str, bytes]]:
+                    field: str) -> Iterator[tuple[str, Document]]:
     """Each row's text, keyed by its row number in the whole file (or directory), however the rows
-    come in batches: keys decide the split, and stay what they were when whole row groups were read."""
+    come in batches: keys decide the split, and stay what they were when whole row groups were read.
+    A table without the text column but with fine-tuning columns (``messages``, or ``prompt`` and
+    ``completion``: most Hub fine-tuning sets are Parquet) gives fine-tuning records, as JSON Lines do."""
     row = 0
     for table in tables:
+        names = set(table.schema.names)
+        if field not in names and has_fine_tuning_keys(names):
+            columns = fine_tuning_columns(names)
+            for record in table.select(columns).to_pylist():
+                yield f"{source.name}:{row}", document_of(record, field, f"{source.path}: row {row}")
+                row += 1
+            continue
         for text in column_texts(table, field, str(source.path)):
             yield f"{source.name}:{row}", text
             row += 1
 
 
+def fine_tuning_columns(names: set[str]) -> list[str]:
+    """The columns a fine-tuning record is read from: ``messages``, else ``prompt`` and ``completion``."""
+    return ["messages"] if "messages" in names else ["prompt", "completion"]
+
+
 def parquet_tables(path: Path, field: str) -> Iterator[pa.RecordBatch]:
     """The rows of a Parquet file, ``TABLE_ROWS`` at a time, of column ``field`` alone where it has
-    one (an image or audio column beside the text was read and decoded for nothing); all of them
-    where it does not, for the error that names them."""
+    one (an image or audio column beside the text was read and decoded for nothing), else of its
+    fine-tuning columns; all of them where it has neither, for the error that names them."""
     try:
         reader = pq.ParquetFile(path)
-        columns = [field] if field in reader.schema_arrow.names else None
+        names = set(reader.schema_arrow.names)
+        columns = ([field] if field in names else
+                   fine_tuning_columns(names) if has_fine_tuning_keys(names) else None)
         yield from reader.iter_batches(batch_size=TABLE_ROWS, columns=columns)
     except (OSError, pa.ArrowException) as exc:
         raise DataError(f"{path}: not a readable Parquet file ({exc})") from exc
