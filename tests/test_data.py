@@ -199,6 +199,17 @@ def test_a_resume_names_the_settings_that_change_the_data_order(tmp_path):
     other = load_config(["trainer.seq_len=256", "data.max_bytes=1000"])
     assert state.data_order_changes(other, 500) == ["trainer.seq_len 128 -> 256", "data.max_bytes 0 -> 1000",
                                                     "training samples 1000 -> 500 (from the settings above)"]
+    # data.packing as it resolved: auto is records for fine-tuning data, no change; a checkpoint
+    # from before the key cut every dataset as a stream (found by the diff review: raw values
+    # compared, auto -> records was a change, and an old run's stream -> records none)
+    assert state.data_order_changes(same_order, 1000, "records") == []  # saved auto
+    state.config["data"]["packing"] = "stream"
+    assert state.data_order_changes(same_order, 1000, "stream") == []
+    del state.config["data"]["packing"]
+    assert state.data_order_changes(same_order, 1400, "records") == [
+        "data.packing stream -> records (windows of whole records now; runs saved before data.packing "
+        "cut a stream: set data.packing=stream to go on as it trained)",
+        "training samples 1000 -> 1400 (from the settings above)"]
     state.train_samples = None  # a checkpoint from before the count was kept
     assert state.data_order_changes(same_order, 1200) == []
     assert state.data_order_changes(other) == ["trainer.seq_len 128 -> 256", "data.max_bytes 0 -> 1000"]

@@ -337,7 +337,7 @@ def test_graph_breaks_are_named_in_one_line():
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from shardtrain.train.step import graph_breaks_note
+    from shardtrain.train.step import graph_break_counts, graph_breaks_note
 
     counters["graph_break"].clear()
     assert graph_breaks_note() is None
@@ -352,4 +352,17 @@ def test_graph_breaks_are_named_in_one_line():
     note = graph_breaks_note()
     assert note.startswith("strategy.compile=true: 1 graph break(s) in the compiled blocks (1 x Failed to "
                            "trace builtin operator): those parts run eagerly"), note
+    # counted since a run's start: an earlier compile's in the process are not its (diff review)
+    assert graph_breaks_note(graph_break_counts()) is None
     counters["graph_break"].clear()
+
+
+def test_a_models_own_error_met_while_compiling_is_no_compile_failure():
+    """Found by the diff review: a wrong shape traced with fake tensors (dynamo's TorchRuntimeError)
+    was reported as torch.compile's failure, advising strategy.compile=false for a bug that fails
+    eagerly too."""
+    from shardtrain.train.step import compile_failure
+
+    with pytest.raises(RuntimeError) as info:
+        torch.compile(torch.nn.Linear(4, 4), backend="eager")(torch.randn(2, 5))
+    assert type(info.value).__name__ == "TorchRuntimeError" and not compile_failure(info.value)

@@ -51,7 +51,7 @@ FORMAT = f"{FORMAT_FAMILY}1"
 # The settings that decide which sample sits at each position of the global order
 # (data/batches.py): resumed with another value, the saved position points into another order.
 DATA_ORDER_KEYS = ("trainer.seq_len", "trainer.seed", "data.source", "data.paths", "data.weights",
-                   "model.tokenizer", "data.packing")
+                   "model.tokenizer")
 # Another task's data is its own: what it is comes from the task and its options.
 TASK_DATA_KEYS = ("trainer.seed", "task.path", "task.options")
 # ... and those that decide what is prepared from data.source=stdlib or files (a prepared dataset
@@ -179,14 +179,26 @@ class TrainState:
                 changes.append(f"{key} {old!r} -> {new!r}")
         return changes
 
-    def data_order_changes(self, cfg: Config, train_samples: int | None = None) -> list[str]:
+    def data_order_changes(self, cfg: Config, train_samples: int | None = None,
+                           packing: str | None = None) -> list[str]:
         """``DATA_ORDER_KEYS`` whose value in ``cfg`` differs from the saved run's, as "key old -> new",
-        and the training data's sample count (``train_samples``, now) where it differs from the saved."""
+        the windows' packing (``packing``: data.packing as it resolved now) where the saved run's
+        resolved otherwise, and the training data's sample count (``train_samples``, now) where it
+        differs from the saved."""
         if cfg.task.path != LANGUAGE_MODEL_TASK:
             keys = TASK_DATA_KEYS  # a task's data is its own: its options may change it
         else:
             keys = DATA_ORDER_KEYS + (PREPARING_KEYS if cfg.data.source != "prepared" else ())
         changes = self.setting_changes(cfg, keys)
+        # Compared as resolved (auto -> records is no change for fine-tuning data); a run saved before
+        # data.packing existed cut every dataset as a stream.
+        saved = self.config.get("data", {}).get("packing", "stream")
+        if packing is not None and saved != "auto" and saved != packing:
+            older = "" if "packing" in self.config.get("data", {}) else (
+                "; runs saved before data.packing cut a stream: set data.packing=stream to go on as it "
+                "trained")
+            changes.append(f"data.packing {saved} -> {packing} (windows of "
+                           f"{'whole records' if packing == 'records' else 'the token stream'} now{older})")
         if None not in (self.train_samples, train_samples) and self.train_samples != train_samples:
             # A changed setting (the windows' length, the data's paths) explains the count; else the
             # files themselves changed under the same settings.

@@ -8,6 +8,7 @@ directory (``load_hf_model_into``). Each rank keeps only its own slice of every 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -119,8 +120,12 @@ def data_config_of(path: Path) -> DataConfig | None:
     where it was not saved (a file consolidated by an older shardtrain)."""
     if path.is_file():
         raw = file_metadata(path).get(DATA_CONFIG_KEY) if path.suffix == ".safetensors" else None
-        return None if raw is None else rebuild_config(DataConfig, json.loads(raw), "data",
-                                                       f"the shardtrain that wrote {path}")
+        if raw is None:
+            return None
+        saved = json.loads(raw)
+        data = rebuild_config(DataConfig, saved, "data", f"the shardtrain that wrote {path}")
+        # written from a run saved before data.packing: it cut every dataset as a stream
+        return data if "packing" in saved else dataclasses.replace(data, packing="stream")
     return TrainState.read(path).data_config()
 
 

@@ -398,7 +398,8 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
         # Fine-tuning records score their answers only: the loss is per target, not per token read.
         masked = windows.targets_masked
         if loaded.env.is_main:
-            n = min(args.samples, windows.num_samples) * args.seq_len
+            n = (windows.inputs_in(args.samples) if hasattr(windows, "inputs_in")
+                 else min(args.samples, windows.num_samples) * args.seq_len)  # a mixture's: whole windows
             unit = "byte" if reads_bytes(tokenizer) else "token"
             targets = (f", {scored:.0f} of them targets (the fine-tuning records' answers, which the loss "
                        "scores)" if masked else "")
@@ -728,10 +729,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "training data)")
     ev.add_argument("--glob", default="*", help="files to take from a --file directory")
     ev.add_argument("--samples", type=int, default=None,
-                    help="windows to evaluate (default: on the run's held-out split its "
-                    f"trainer.eval_samples, so that the loss is the val_loss it logged; else {EVAL_SAMPLES})")
+                    help="windows to evaluate (default: a checkpoint directory's trainer.eval_samples, so "
+                    f"that the loss on its held-out split is the val_loss it logged; else {EVAL_SAMPLES})")
     ev.add_argument("--seq-len", type=int, default=None,
-                    help=f"tokens per window (default: the run's trainer.seq_len; else {EVAL_SEQ_LEN})")
+                    help=f"tokens per window (default: a checkpoint directory's trainer.seq_len; else "
+                    f"{EVAL_SEQ_LEN})")
     ev.add_argument("--batch-size", type=int, default=8, help="windows per forward on each process")
     ev.add_argument("--devices", type=int, default=1, help="processes (sharded checkpoints)")
     ev.add_argument("--strategy", default="FULL_SHARD", help="how the checkpoint is sharded on load")

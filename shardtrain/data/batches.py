@@ -100,6 +100,10 @@ class TokenWindows:
         """The tokens of window ``i``: at most ``seq_len + 1``."""
         return slice(i * self.seq_len, i * self.seq_len + self.seq_len + 1)
 
+    def inputs_in(self, count: int) -> int:
+        """The input tokens of the first ``count`` windows (a record window's padding is none)."""
+        return sum(self.span(i).stop - self.span(i).start - 1 for i in range(min(count, self.num_samples)))
+
     def batch(self, ids: np.ndarray, keys: np.ndarray | None = None) -> Batch:
         """Inputs and targets for sample ``ids``; an id of -1 is padding (targets ignored), and so
         is a token the data marks as no target (a fine-tuning prompt: ``TokenStream.targets``) and
@@ -142,9 +146,11 @@ class RecordWindows(TokenWindows):
                             "tokens; use a prepared dataset (shardtrain prepare, data.source=prepared), or "
                             "data.packing=stream")
         starts = tokens.document_starts(0, len(tokens)).astype(np.int64)
+        if len(tokens) < 2:  # one window of whole records needs a target, not seq_len + 1 tokens
+            raise DataError(f"{name} has {len(tokens)} tokens: no record to train or evaluate on")
         self.starts, self.stops, self.truncated = pack_records(starts, len(tokens), seq_len + 1)
         self.records = len(starts)
-        super().__init__(tokens, seq_len, name, document_mask)
+        self.tokens, self.seq_len, self.document_mask = tokens, seq_len, document_mask
         self.num_samples = len(self.starts)
 
     @property
@@ -153,6 +159,13 @@ class RecordWindows(TokenWindows):
 
     def span(self, i: int) -> slice:
         return slice(int(self.starts[i]), int(self.stops[i]))
+
+
+def packing_of(windows: Any) -> str:
+    """How ``windows`` were cut (data.packing resolved): "records" where any of its datasets' are
+    whole records, else "stream"."""
+    parts = getattr(windows, "parts", [windows])
+    return "records" if any(isinstance(part, RecordWindows) for part in parts) else "stream"
 
 
 def pack_records(starts: np.ndarray, total: int, window: int) -> tuple[np.ndarray, np.ndarray, int]:

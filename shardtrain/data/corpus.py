@@ -77,11 +77,25 @@ class Corpus:
         """The validation windows; a mixture's interleaved, so that the first of them (those an
         evaluation of ``trainer.eval_samples`` reads) sample every dataset whose validation split
         holds a window."""
-        parts = [(index, part) for index, part in enumerate(self.val_parts) if len(part) > seq_len]
-        if len(parts) < 2:
+        if not self.val_parts:
             return windows_of(self.val, seq_len, what, document_mask, packing)
-        return InterleavedWindows([windows_of(part, seq_len, f"{what} of mixture part {index}",
-                                              document_mask, packing) for index, part in parts])
+        # Each dataset's packing decided on its own data (a text dataset's stream beside a
+        # fine-tuning one's records); a part too small for one window left out.
+        parts = []
+        for index, part in enumerate(self.val_parts):
+            try:
+                parts.append(windows_of(part, seq_len, f"{what} of mixture part {index}", document_mask,
+                                        packing))
+            except DataError:
+                continue
+        if len(parts) >= 2:
+            return InterleavedWindows(parts)
+        # Fewer than two hold a window: all of them joined, as one dataset's; but a text dataset
+        # joined to a fine-tuning one would be cut into records (auto), each document to one window
+        uniform = len({bool(getattr(part, "has_masks", False)) for part in self.val_parts}) == 1
+        if parts and not uniform:
+            return parts[0]
+        return windows_of(self.val, seq_len, what, document_mask, packing)
 
     def describe(self) -> str:
         return (
@@ -99,7 +113,8 @@ def windows_of(tokens: TokenStream, seq_len: int, name: str, document_mask: bool
     if not records:
         return TokenWindows(tokens, seq_len, name, document_mask)
     windows = RecordWindows(tokens, seq_len, name, document_mask)
-    if windows.truncated:
+    # once, by rank 0 (every rank packs the same windows), or by a process outside a group (eval)
+    if windows.truncated and (not dist.is_initialized() or dist.get_rank() == 0):
         log.warning(f"data: {windows.truncated} of the {windows.records} records of the {name} are longer "
                     f"than trainer.seq_len+1={seq_len + 1} tokens: each is cut to one window, the rest of "
                     "it (a long prompt's answer) not read; raise trainer.seq_len, or set "

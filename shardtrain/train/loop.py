@@ -43,7 +43,7 @@ from shardtrain.config.plan import ShardingPlan, check_world
 from shardtrain.config.schema import Config, TrainerConfig
 from shardtrain.config.sizes import counted
 from shardtrain.config.strategy import PRECISION_PRESETS
-from shardtrain.data.batches import BatchLayout, SampleSource, TrainBatches, eval_batches
+from shardtrain.data.batches import BatchLayout, SampleSource, TrainBatches, eval_batches, packing_of
 from shardtrain.diagnostics.failures import is_failure, record_exception
 from shardtrain.diagnostics.memory import PhaseMemory, adapter_summary, state_bytes
 from shardtrain.diagnostics.planner import BatchChoice
@@ -94,6 +94,7 @@ from shardtrain.train.step import (
     compile_failure,
     evaluate,
     failing_part,
+    graph_break_counts,
     graph_breaks_note,
     ratio,
     train_step,
@@ -224,13 +225,14 @@ class Trainer:
         self.consecutive_skips = 0
         # strategy.compile: the graph breaks are said once, after the first compiled step
         self.graph_breaks_said = not cfg.strategy.compile
+        self.graph_breaks_before = graph_break_counts()  # an earlier compile's in this process
         # trainer.ema_decay: set from the weights once they are drawn or read (restore).
         self.average = WeightAverage(built.model, t.ema_decay, t.ema_warmup) if t.ema_decay else None
         # trainer.monitor judged at each evaluation: one that ranks among checkpoint.keep_best's saves
         # its step, and trainer.early_stop_patience evaluations without improving stop the run.
         keep = cfg.checkpoint.keep_best if cfg.checkpoint.enabled else 0
         validation = {"seq_len": t.seq_len, "document_mask": cfg.data.document_mask,
-                      "windows": self.val_available}
+                      "windows": self.val_available, "packing": packing_of(val) if val is not None else None}
         self.best = (BestEvaluations(t, keep, min(t.eval_samples, self.val_available), validation)
                      if keep or t.early_stop_patience else None)
         self.best_save_due = False
@@ -405,7 +407,8 @@ class Trainer:
         """What a resume does with settings changed since the checkpoint was saved, one warning each
         (the weight average's are weight_average_changes', which needs the load's outcome)."""
         warnings = []
-        if order := state.data_order_changes(self.cfg, self.train_data.windows.num_samples):
+        if order := state.data_order_changes(self.cfg, self.train_data.windows.num_samples,
+                                             packing_of(self.train_data.windows)):
             warnings.append(f"the data order differs from the checkpoint's ({'; '.join(order)}): the saved "
                             "position is read in the new order, so samples may repeat or be skipped")
         if schedule := self.schedule_changes(state.config.get("trainer", {}), asked_lrs):
@@ -855,7 +858,7 @@ class Trainer:
             self.average.update(self.step + 1)
         if not (self.graph_breaks_said or eager_first):
             self.graph_breaks_said = True
-            if self.env.is_main and (note := graph_breaks_note()):
+            if self.env.is_main and (note := graph_breaks_note(self.graph_breaks_before)):
                 log.warning(note)
         seconds = time.perf_counter() - start
         if not eager_first:
@@ -864,7 +867,7 @@ class Trainer:
             self.watchdog.done(seconds)
         self.step += 1
         if phases is not None:
-            self.report_phases(phases, probe)
+            self.report_phases(phases, probe, first=steps_run == 0)
         faults.inject("step", self.env.rank, self.step)
         return stats
 
@@ -888,8 +891,12 @@ class Trainer:
         except Exception as exc:
             if not (self.cfg.strategy.compile and compile_failure(exc)):
                 raise
-            first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-            raise TrainingError(f"strategy.compile=true: torch.compile failed ({type(exc).__name__}: "
+            inner = getattr(exc, "inner_exception", None)  # what the backend raised
+            if isinstance(inner, torch.OutOfMemoryError):  # autotuning ran out: the memory message
+                raise inner from exc
+            cause = inner if inner is not None else exc
+            first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
+            raise TrainingError(f"strategy.compile=true: torch.compile failed ({type(cause).__name__}: "
                                 f"{first[:300]}); set strategy.compile=false to train without it") from exc
 
     def out_of_memory_message(self, part: str) -> str:
@@ -976,8 +983,10 @@ class Trainer:
         else:
             self.info(f"step {self.step}: non-finite loss or grad norm "
                       f"(loss={stats.loss}, grad_norm={stats.grad_norm}); update skipped")
+        # the count tells an empty step (0) from a non-finite one; a text field would be a file per
+        # step in MLflow
         self.writer.write(self.step, "skip", {"loss": stats.loss, "grad_norm": stats.grad_norm,
-                                              "reason": "no targets" if empty else "non-finite"})
+                                              "count": stats.count})
         if self.consecutive_skips > limit:
             raise TrainingError(
                 f"{self.consecutive_skips} consecutive steps had no {self.task.count_unit} to learn from "
@@ -1176,12 +1185,13 @@ class Trainer:
         self.info(f"sample at step {self.step}:\n{text}")
         return text
 
-    def report_phases(self, phases: PhaseMemory, probe: DtypeProbe | None) -> None:
-        """Per-phase memory to the metrics log; after step 1, the dtype and per-rank tables."""
+    def report_phases(self, phases: PhaseMemory, probe: DtypeProbe | None, first: bool) -> None:
+        """Per-phase memory to the metrics log; after this process's first step, the per-rank table
+        and, where its dtypes were probed (not a compiled run's resumed first step), the dtype table."""
         record = {f"{phase}.{key}": value for phase, entry in phases.record.items()
                   for key, value in entry.items()}
         self.writer.write(self.step, "memory", record)
-        if probe is None:
+        if not first:
             return
         after = phases.record
         entry = {"rank": self.env.rank, "params_mib": after["backward"]["params_mib"],
@@ -1191,8 +1201,8 @@ class Trainer:
         if ranks is None:  # rank 0 writes and reports every rank's
             return
         self.writer.write(self.step, "memory_ranks", {"ranks": ranks})
-        self.info("\n".join(dtype_lines(probe, phases.grad_dtypes, self.built.plan)
-                             + rank_lines(ranks, list(PhaseMemory.PHASES), self.step)))
+        dtypes = dtype_lines(probe, phases.grad_dtypes, self.built.plan) if probe is not None else []
+        self.info("\n".join(dtypes + rank_lines(ranks, list(PhaseMemory.PHASES), self.step)))
 
 
 def check_something_to_judge(cfg: Config, val: SampleSource | None) -> None:

@@ -336,18 +336,30 @@ def failing_part(exc: BaseException) -> str:
 def compile_failure(exc: BaseException) -> bool:
     """Whether ``exc`` is torch.compile's own failure (dynamo's or inductor's, all of them
     ``TorchDynamoException``s), told by its class name: importing dynamo here would cost every
-    command its import time."""
-    return any(cls.__name__ == "TorchDynamoException" for cls in type(exc).__mro__)
+    command its import time. Not ``TorchRuntimeError``: the model's own error met while tracing
+    (a wrong shape), which it raises eagerly too."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return "TorchDynamoException" in names and "TorchRuntimeError" not in names
 
 
-def graph_breaks_note() -> str | None:
-    """torch.compile's graph breaks so far, as one line naming the commonest reasons (their first
+def graph_break_counts() -> dict[str, int]:
+    """dynamo's graph breaks in this process so far, by reason (process-wide and cumulative: an
+    earlier compile's, a library user's earlier Trainer's, count too); empty where nothing compiled."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return dict(getattr(utils, "counters", {}).get("graph_break", {})) if utils is not None else {}
+
+
+def graph_breaks_note(before: dict[str, int] | None = None) -> str | None:
+    """torch.compile's graph breaks since ``before`` (``graph_break_counts`` when the run started),
+    as one line naming the commonest reasons (their first
     lines); None where there were none, or nothing was compiled. A break in a checkpointed block makes
     dynamo run that block eagerly for the rest of the run: compile=true trained at eager speed
     without a word. Read from dynamo's counters where compiling imported them (importing dynamo
     here would cost every command its import time)."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    breaks = getattr(utils, "counters", {}).get("graph_break") if utils is not None else None
+    now = graph_break_counts()
+    before = before or {}
+    breaks = {reason: count - before.get(reason, 0) for reason, count in now.items()
+              if count > before.get(reason, 0)}
     if not breaks:
         return None
     reasons = sorted(breaks.items(), key=lambda item: -item[1])
