@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -32,6 +33,7 @@ from shardtrain.checkpoint.checkpointer import random_streams_kept, seed_random_
 from shardtrain.checkpoint.inspect import inspect_path
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.cli.preflight import check_resume
+from shardtrain.config.compose import config_hash, config_hash_within
 from shardtrain.config.schema import Config, ModelConfig
 from shardtrain.distributed.agreement import raise_first_error
 from shardtrain.errors import CheckpointError
@@ -321,16 +323,16 @@ def test_later_checkpoints_are_this_runs_only_with_the_same_resume_and_config(tm
     saved(chosen, 2, "auto")
     saved(root / "step-4", 4, str(chosen))
     saved(root / "step-6", 6, str(chosen))
-    assert layout.saved_by_same_resume(root, str(chosen), {"abc"})
-    assert not layout.saved_by_same_resume(root, str(chosen), {"another config"})
+    assert layout.saved_by_same_resume(root, str(chosen), hashed("abc"))
+    assert not layout.saved_by_same_resume(root, str(chosen), hashed("another config"))
     # a checkpoint from before 2026-11-30 holds the resolved config's hash, which is also compared
-    assert layout.saved_by_same_resume(root, str(chosen), {"another config", "abc"})
+    assert layout.saved_by_same_resume(root, str(chosen), hashed("another config", "abc"))
     assert not layout.saved_by_same_resume(root, str(tmp_path / "elsewhere" / "step-2"))
     cfg = Config()
     cfg.run.dir, cfg.checkpoint.resume = str(tmp_path / "run"), str(chosen)
     check_resume(cfg)  # the ranks compare the configs
     shutil.rmtree(chosen)  # pruned by the first job's keep_last: the requeue still goes on
-    assert layout.saved_by_same_resume(root, str(chosen), {"abc"})
+    assert layout.saved_by_same_resume(root, str(chosen), hashed("abc"))
     check_resume(cfg)
     saved(root / "step-8", 8, "auto")  # another start's later step: not this run's
     with pytest.raises(CheckpointError, match="does not exist"):
@@ -345,7 +347,21 @@ def test_later_checkpoints_are_this_runs_only_with_the_same_resume_and_config(tm
     saved(tmp_path / "other" / "step-10", 10, "auto")
     link.unlink()
     link.symlink_to("step-10")
-    assert layout.saved_by_same_resume(mine, str(link), {"abc"})
+    assert layout.saved_by_same_resume(mine, str(link), hashed("abc"))
+    # A config saved before a key joined the schema was hashed without it: compared over the keys it
+    # has (found by a review: every added key changed every run's hash, and a job requeued across
+    # an upgrade was refused its own checkpoints)
+    now = Config()
+    before = OmegaConf.to_container(OmegaConf.structured(now))
+    del before["data"]["packing"]
+    old_hash = hashlib.sha256(OmegaConf.to_yaml(OmegaConf.create(before)).encode()).hexdigest()[:16]
+    assert config_hash(now) != old_hash and config_hash_within(now, before) == old_hash
+    assert config_hash_within(now, OmegaConf.to_container(OmegaConf.structured(now))) == config_hash(now)
+
+
+def hashed(*digests: str):
+    """``saved_by_same_resume``'s judge of a checkpoint's config: its hash one of ``digests``."""
+    return lambda state: state.config_hash in digests
 
 
 def test_trainer_state_fields_are_type_checked(tmp_path):

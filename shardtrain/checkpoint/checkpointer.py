@@ -55,7 +55,7 @@ from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed, save_fai
 from shardtrain.checkpoint.safetensors_files import save_safetensors, shardtrain_metadata, unshared
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.checkpoint.weights import base_identity, check_model_compatible, check_same_base
-from shardtrain.config.compose import config_hash
+from shardtrain.config.compose import config_hash, config_hash_within, run_identity
 from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
 from shardtrain.distributed.agreement import agree, from_rank, gather_verdicts, raise_first_error, run_agreed
@@ -427,12 +427,22 @@ class Checkpointer:
             if restarted:
                 return bool(layout.candidates(self.root).complete)
             # A requeued job's checkpoints are this run's when each was saved under the same config.
-            return layout.slurm_requeued() and layout.saved_by_same_resume(
-                self.root, choice, {self.requested_hash, config_hash(self.cfg)})
+            return layout.slurm_requeued() and layout.saved_by_same_resume(self.root, choice,
+                                                                           self.same_config)
         # The same config too: the same resume with another learning rate is a new run, not a requeue.
         # Checkpoints saved before 2026-11-30 hold the hash of the config as resolved (a requeue at
         # the same world size still matches it).
-        return layout.saved_by_same_resume(self.root, choice, {self.requested_hash, config_hash(self.cfg)})
+        return layout.saved_by_same_resume(self.root, choice, self.same_config)
+
+    def same_config(self, state: TrainState) -> bool:
+        """Whether a checkpoint was saved under this run's config, wherever it ran (the hash of the
+        config without its devices and nodes), or as resolved (checkpoints saved before 2026-11-30);
+        a checkpoint saved before a key joined the schema is compared over the keys it has."""
+        hashes = {self.requested_hash, config_hash(self.cfg)}
+        if state.config_hash in hashes:
+            return True
+        return state.config_hash in {config_hash_within(run_identity(self.cfg), state.config),
+                                     config_hash_within(self.cfg, state.config)}
 
     def verify_agreed(self, path: Path, refuse_newer: bool = False) -> Any:
         """DCP's metadata of the checkpoint at ``path``, checked by every rank and agreed on.

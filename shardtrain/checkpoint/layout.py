@@ -26,7 +26,7 @@ import pathlib
 import pickle
 import re
 import shutil
-from collections.abc import Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -310,9 +310,11 @@ def newer_checkpoints(root: Path, step: int) -> list[Path]:
     return [path for saved, path in candidates(root).complete if saved > step]
 
 
-def saved_by_same_resume(root: Path, choice: str, config_hashes: Collection[str] | None = None) -> bool:
+def saved_by_same_resume(root: Path, choice: str,
+                         same_config: Callable[[TrainState], bool] | None = None) -> bool:
     """Whether ``root`` holds checkpoints saved by runs started with ``checkpoint.resume=choice``
-    (and, given ``config_hashes``, the same config: its hash one of them), and none saved by another
+    (and, given ``same_config``, under the same config: it says so of a checkpoint's trainer state),
+    and none saved by another
     run after the first of them: a restarted attempt or a requeued job of this run, which goes on
     from them, not from ``choice`` again (it would repeat the steps and collide with its own saves).
     Later checkpoints of any other run, or of the same resume with other settings, are refused
@@ -325,7 +327,7 @@ def saved_by_same_resume(root: Path, choice: str, config_hashes: Collection[str]
         except CheckpointError:
             return False
         return (state.config.get("checkpoint", {}).get("resume") == choice
-                and (config_hashes is None or state.config_hash in config_hashes))
+                and (same_config is None or same_config(state)))
 
     saved = candidates(root).complete
     first = next((step for step, path in saved if same_run(path)), None)

@@ -221,13 +221,30 @@ def config_hash(cfg: Config) -> str:
     return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()[:16]
 
 
+def config_hash_within(cfg: Config, saved: dict[str, Any]) -> str:
+    """``config_hash`` of ``cfg`` with only the keys a saved config holds: a config saved before a
+    key joined the schema was hashed without it (every added key changed every run's hash, and a
+    job requeued across an upgrade no longer knew its own checkpoints)."""
+    def kept(now: Any, then: Any) -> Any:
+        if isinstance(now, dict) and isinstance(then, dict):
+            return {key: kept(value, then[key]) for key, value in now.items() if key in then}
+        return now
+
+    body = kept(OmegaConf.to_container(OmegaConf.structured(cfg)), saved)
+    return hashlib.sha256(OmegaConf.to_yaml(OmegaConf.create(body)).encode()).hexdigest()[:16]
+
+
+def run_identity(cfg: Config) -> Config:
+    """``cfg`` without where it runs (``run_identity_hash``)."""
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, devices="auto", num_nodes=1))
+
+
 def run_identity_hash(cfg: Config) -> str:
     """``config_hash`` of ``cfg`` without where it runs (``trainer.devices``, ``trainer.num_nodes``):
     a requeued job of the same run may be given another number of nodes (the Slurm script passes
     ``trainer.num_nodes=$SLURM_NNODES``). Taken before start-up derives the accumulation steps or an
     auto micro-batch from the world it finds."""
-    return config_hash(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, devices="auto",
-                                                                            num_nodes=1)))
+    return config_hash(run_identity(cfg))
 
 
 def check_ranges(cfg: Any, cls: type = Config, prefix: str = "") -> None:
