@@ -883,7 +883,8 @@ def test_chat_records_train_on_the_assistant_turns_only(tmp_path):
                                "{{ eos_token }}{% else %}[{{ m.content }}]{% endif %}{% endfor %}")
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     ending = HFTokenizer(model)
-    ids, mask = encode_chat(ending, chats[0]["messages"])
+    ids, mask, last_only = encode_chat(ending, chats[0]["messages"])
+    assert not last_only
     assert ids[-1] == ending.eos_id and ids[-2] != ending.eos_id and ids.count(ending.eos_id) == 2
     assert len(mask) == len(ids) and mask[-1] == 1  # the turn's end-of-text is the answer's: a target
 
@@ -1201,3 +1202,30 @@ def test_parquet_fine_tuning_records_are_read(tmp_path):
     chat = prepare(PrepareOptions(inputs=[str(tmp_path / "chats.parquet")], tokenizer=str(model),
                                   val_percent=0.0), tmp_path / "chat_out", progress=False)
     assert chat.manifest["conversations"] == 12
+
+
+def test_a_template_that_renders_earlier_turns_otherwise_trains_the_last_turn(tmp_path, caplog):
+    """Found by review: Qwen3's template drops the reasoning of earlier assistant turns from the
+    whole, so no earlier turn is a prefix of it, and every multi-turn record was refused. Such a
+    conversation now trains its last assistant turn, which renders the same in both, and the
+    preparation says how many."""
+    model = make_model_dir(tmp_path / "model", "llama")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    # an earlier assistant turn is marked [old] in the whole, not in a prefix that ends with it
+    config["chat_template"] = ("{% for m in messages %}{% if m.role == 'assistant' and not loop.last %}[old] "
+                               "{% endif %}{{ m.content }}\n{% endfor %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    chats = [{"messages": [{"role": "user", "content": f"{i} + {i}?"},
+                           {"role": "assistant", "content": "Sure."},
+                           {"role": "user", "content": "So?"},
+                           {"role": "assistant", "content": f"{2 * i}."}]} for i in range(6)]
+    tokenizer = HFTokenizer(model)
+    ids, mask, last_only = encode_chat(tokenizer, chats[0]["messages"])
+    targets = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert last_only and targets.strip() == "0."
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    with caplog.at_level(logging.WARNING, logger="shardtrain"):
+        prepare(PrepareOptions(inputs=[str(tmp_path / "chats.jsonl")], tokenizer=str(model), val_percent=0.0),
+                tmp_path / "out", progress=False)
+    assert "6 of 6 conversations are trained on their last assistant turn alone" in caplog.text

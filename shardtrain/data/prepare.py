@@ -239,7 +239,8 @@ def _start_worker(source: str) -> None:
 
 # The split of each document, the document, and its key (file and line: what an error names).
 Batch = tuple[list[str], list[Document], list[str]]
-Encoded = tuple[list[str], list[tuple[np.ndarray, np.ndarray | None]]]  # ids, target mask (or None)
+# ids and target mask (or None) of each document, and the conversations scored on their last turn
+Encoded = tuple[list[str], list[tuple[np.ndarray, np.ndarray | None]], int]
 
 
 def encode_pair(tokenizer: Tokenizer, record: dict) -> tuple[list[int], list[int]]:
@@ -259,50 +260,67 @@ def encode_pair(tokenizer: Tokenizer, record: dict) -> tuple[list[int], list[int
     return prompt + completion + tail, [0] * len(prompt) + [1] * (len(completion) + len(tail))
 
 
-def encode_chat(tokenizer: Tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+def encode_chat(tokenizer: Tokenizer, messages: list[dict]) -> tuple[list[int], list[int], bool]:
     """The conversation in the model's chat template; the assistant's turns are the targets, found
-    by rendering the conversation up to each turn (with and without it) and tokenizing both."""
+    by rendering the conversation up to each turn (with and without it) and tokenizing both.
+
+    A template may render an earlier turn otherwise in a prefix than in the whole (Qwen3's drops the
+    reasoning of assistant turns before the last user message): such a conversation is scored on
+    its last assistant turn alone, which every template renders the same in both (the third value
+    says so; ``encode`` counts them); where even that one cannot be located, it is an error."""
     ids = tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=False),
                            special_tokens=False)
     mask = [0] * len(ids)
-    for turn, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
+    turns = [turn for turn, message in enumerate(messages) if message["role"] == "assistant"]
+    spans = []
+    for turn in turns:
         before = tokenizer.encode(tokenizer.render_chat(messages[:turn], add_generation_prompt=True),
                                   special_tokens=False)
         through = tokenizer.encode(
             tokenizer.render_chat(messages[:turn + 1], add_generation_prompt=False), special_tokens=False)
-        if ids[:len(through)] != through or through[:len(before)] != before:
-            raise DataError(f"the chat template of {tokenizer.name} does not tokenize a conversation's "
-                            "prefix as the start of the whole; its assistant turns cannot be located")
-        mask[len(before):len(through)] = [1] * (len(through) - len(before))
+        spans.append((len(before), len(through))
+                     if ids[:len(through)] == through and through[:len(before)] == before else None)
+    if turns and spans[-1] is None:
+        named = getattr(tokenizer, "source", tokenizer.name)
+        raise DataError(f"the chat template of {named} does not tokenize the conversation up to "
+                        f"its last assistant turn (message {turns[-1] + 1}) as the start of the whole; its "
+                        "assistant turns cannot be located: give each turn to be trained as a record of its "
+                        "own ending with it, or use a template that renders it so")
+    last_only = None in spans
+    for start, stop in spans[-1:] if last_only else spans:
+        mask[start:stop] = [1] * (stop - start)
     # The template ends turns; the separator is no target. A template that ends the conversation
     # with the end-of-text token itself (Llama 2's, Mistral's: "</s>") had it doubled.
     tail = end_of_text(tokenizer) if not ids or ids[-1] != tokenizer.eos_id else []
-    return ids + tail, mask + [0] * len(tail)
+    return ids + tail, mask + [0] * len(tail), last_only
 
 
 def encode(tokenizer: Tokenizer, batch: Batch) -> Encoded:
     """Token ids of each document, with the end-of-text token after it, and for fine-tuning
-    documents which tokens are targets."""
+    documents which tokens are targets; and how many conversations were scored on their last
+    assistant turn alone (``encode_chat``)."""
     splits, docs, keys = batch
     dtype = token_dtype(tokenizer.vocab_size)
     tail = end_of_text(tokenizer)
     texts = [doc for doc in docs if isinstance(doc, bytes)]
     plain = iter(tokenizer.encode_documents(texts)) if texts else iter(())
     out: list[tuple[np.ndarray, np.ndarray | None]] = []
+    last_turn_only = 0
     for doc, key in zip(docs, keys):
         if isinstance(doc, bytes):
             out.append((np.concatenate([np.asarray(next(plain), dtype=dtype), np.asarray(tail, dtype=dtype)]),
                         None))
             continue
         try:
-            ids, mask = (encode_chat(tokenizer, doc["messages"]) if "messages" in doc
-                         else encode_pair(tokenizer, doc))
+            if "messages" in doc:
+                ids, mask, last_only = encode_chat(tokenizer, doc["messages"])
+                last_turn_only += last_only
+            else:
+                ids, mask = encode_pair(tokenizer, doc)
         except DataError as exc:  # the template's own error (a role it refuses): which record
             raise DataError(f"{key}: {exc}") from exc
         out.append((np.asarray(ids, dtype=dtype), np.asarray(mask, dtype=np.uint8)))
-    return splits, out
+    return splits, out, last_turn_only
 
 
 def _encode_in_worker(batch: Batch) -> Encoded:
@@ -581,9 +599,18 @@ def write_staging(options: PrepareOptions, sources: list[Source], source_entries
             results = encoded_in_workers(pool, work, ahead=BATCHES_AHEAD * options.workers)
         else:
             results = (encode(tokenizer, batch) for batch in work)
-        for splits, encoded in results:
+        last_turn_only = 0
+        for splits, encoded, last_only in results:
+            last_turn_only += last_only
             for split, (ids, mask) in zip(splits, encoded):
                 writers[split].add(ids, mask)
+    if last_turn_only:
+        named = getattr(tokenizer, "source", tokenizer.name)
+        log.warning(f"data: {last_turn_only} of {reading.conversations} conversations are trained on their "
+                    f"last assistant turn alone: the chat template of {named} renders their earlier "
+                    "turns otherwise in a prefix than in the whole (Qwen3's drops earlier turns' "
+                    "reasoning), so those cannot be located; give each turn to be trained as a record "
+                    "of its own ending with it")
     inputs = ", ".join(options.inputs)
     if not reading.documents:
         raise DataError(f"{inputs}: no documents (the input is empty)")
