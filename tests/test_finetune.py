@@ -148,7 +148,7 @@ def test_fine_tuning_windows_hold_whole_records(dataset, caplog):
     trained its answer without its prompt. data.packing=auto gives fine-tuning data windows of
     whole records: each starts at a record, holds the records that fit, the rest padding; a record
     longer than a window is cut to one of its own, and said at start-up."""
-    from shardtrain.data.batches import RecordWindows, pack_records
+    from shardtrain.data.batches import InterleavedWindows, RecordWindows, pack_records, packing_of
     from shardtrain.data.corpus import windows_of
 
     tokens = open_prepared(dataset).train
@@ -175,3 +175,6 @@ def test_fine_tuning_windows_hold_whole_records(dataset, caplog):
     assert [a.tolist() for a in pack_records(np.array([0, 3, 7, 17]), 19, 8)[:2]] == [[0, 7, 17], [7, 15, 19]]
     assert pack_records(np.array([0, 3, 7, 17]), 19, 8)[2] == 1
     assert not isinstance(windows_of(tokens, 64, "training data", False, "stream"), RecordWindows)
+    # as resolved, for a resume's comparison and best.validation: a mixture's validation parts too
+    assert packing_of(windows) == packing_of(InterleavedWindows([windows, windows])) == "records"
+    assert packing_of(TokenWindows(tokens, 64)) == "stream"

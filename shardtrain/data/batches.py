@@ -164,7 +164,8 @@ class RecordWindows(TokenWindows):
 def packing_of(windows: Any) -> str:
     """How ``windows`` were cut (data.packing resolved): "records" where any of its datasets' are
     whole records, else "stream"."""
-    parts = getattr(windows, "parts", [windows])
+    source = getattr(windows, "windows", windows)  # an InterleavedWindows holds a MixtureWindows
+    parts = getattr(source, "parts", [source])
     return "records" if any(isinstance(part, RecordWindows) for part in parts) else "stream"
 
 
