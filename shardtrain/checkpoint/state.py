@@ -152,10 +152,7 @@ class TrainState:
         return self.rebuilt("model", ModelConfig)
 
     def data_config(self) -> DataConfig:
-        data = self.rebuilt("data", DataConfig)
-        if "packing" not in self.config.get("data", {}):  # saved before data.packing: the stream's
-            data = dataclasses.replace(data, packing="stream")
-        return data
+        return as_packed_then(self.rebuilt("data", DataConfig), self.config.get("data", {}))
 
     def finetune_config(self) -> FinetuneConfig:
         return self.rebuilt("finetune", FinetuneConfig)
@@ -326,6 +323,12 @@ def check_saved_config(directory: Path, config: dict[str, Any]) -> None:
     if not isinstance(config.get("task", {}).get("path", LANGUAGE_MODEL_TASK), str):
         raise CheckpointError(f"{where}: its config's task.path is not a string; the file is damaged, "
                               "use another checkpoint")
+
+
+def as_packed_then(data: DataConfig, saved: dict[str, Any]) -> DataConfig:
+    """A saved data config (``saved``, rebuilt as ``data``) with the packing its run used: one saved
+    before data.packing existed cut every dataset as a stream (the key's default, auto, would not)."""
+    return data if "packing" in saved else dataclasses.replace(data, packing="stream")
 
 
 def well_formed_best(best: dict[str, Any]) -> bool:

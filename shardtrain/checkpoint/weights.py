@@ -8,7 +8,6 @@ directory (``load_hf_model_into``). Each rank keeps only its own slice of every 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import re
@@ -39,7 +38,7 @@ from shardtrain.checkpoint.safetensors_files import (
     open_safetensors,
     weight_files,
 )
-from shardtrain.checkpoint.state import STATE_FILE, TrainState, rebuild_config
+from shardtrain.checkpoint.state import STATE_FILE, TrainState, as_packed_then, rebuild_config
 from shardtrain.config.schema import LANGUAGE_MODEL_TASK, DataConfig, FinetuneConfig, ModelConfig
 from shardtrain.distributed.agreement import agree
 from shardtrain.distributed.qlora import NF4_DESCRIPTION
@@ -123,9 +122,8 @@ def data_config_of(path: Path) -> DataConfig | None:
         if raw is None:
             return None
         saved = json.loads(raw)
-        data = rebuild_config(DataConfig, saved, "data", f"the shardtrain that wrote {path}")
-        # written from a run saved before data.packing: it cut every dataset as a stream
-        return data if "packing" in saved else dataclasses.replace(data, packing="stream")
+        return as_packed_then(rebuild_config(DataConfig, saved, "data", f"the shardtrain that wrote {path}"),
+                              saved)
     return TrainState.read(path).data_config()
 
 
