@@ -64,11 +64,14 @@ class Corpus:
     weights: list[float] = field(default_factory=list)
     val_parts: list[TokenStream] = field(default_factory=list)
 
-    def train_windows(self, seq_len: int, document_mask: bool = False,
-                      packing: str = "auto") -> TokenWindows | MixtureWindows:
+    def train_windows(self, seq_len: int, document_mask: bool = False, packing: str = "auto",
+                      warn: bool = True) -> TokenWindows | MixtureWindows:
+        """The training windows; ``warn`` False for a count alone (``eval``'s check of the data), where
+        the truncation warning is training's to give, not a second one beside the validation split's."""
         if not self.train_parts:
-            return windows_of(self.train, seq_len, "training data", document_mask, packing)
-        parts = [windows_of(part, seq_len, f"training data of mixture part {index}", document_mask, packing)
+            return windows_of(self.train, seq_len, "training data", document_mask, packing, warn)
+        parts = [windows_of(part, seq_len, f"training data of mixture part {index}", document_mask, packing,
+                            warn)
                  for index, part in enumerate(self.train_parts)]
         return MixtureWindows(parts, self.weights or [part.num_samples for part in parts])
 
@@ -106,7 +109,7 @@ class Corpus:
 
 
 def windows_of(tokens: TokenStream, seq_len: int, name: str, document_mask: bool,
-               packing: str) -> TokenWindows:
+               packing: str, warn: bool = True) -> TokenWindows:
     """``data.packing``'s windows of ``tokens``: whole records for data with fine-tuning records
     (auto) or when asked, the stream cut every ``seq_len`` tokens otherwise."""
     records = packing == "records" or (packing == "auto" and getattr(tokens, "has_masks", False))
@@ -114,7 +117,7 @@ def windows_of(tokens: TokenStream, seq_len: int, name: str, document_mask: bool
         return TokenWindows(tokens, seq_len, name, document_mask)
     windows = RecordWindows(tokens, seq_len, name, document_mask)
     # once, by rank 0 (every rank packs the same windows), or by a process outside a group (eval)
-    if windows.truncated and (not dist.is_initialized() or dist.get_rank() == 0):
+    if warn and windows.truncated and (not dist.is_initialized() or dist.get_rank() == 0):
         log.warning(f"data: {windows.truncated} of the {windows.records} records of the {name} are longer "
                     f"than trainer.seq_len+1={seq_len + 1} tokens: each is cut to one window, the rest of "
                     "it (a long prompt's answer) not read; raise trainer.seq_len, or set "

@@ -138,7 +138,7 @@ def data_changed_since(state: TrainState | None, corpus: Corpus) -> str | None:
     trainer, data = state.config.get("trainer", {}), state.config.get("data", {})
     try:
         found = corpus.train_windows(trainer["seq_len"], data.get("document_mask", False),
-                                     data.get("packing", "stream")).num_samples
+                                     data.get("packing", "stream"), warn=False).num_samples
     except DataError:  # too little left for one training window: changed, and said so, not raised
         found = 0
     if found == state.train_samples:
