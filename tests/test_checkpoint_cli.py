@@ -230,6 +230,12 @@ def test_save_full_matches_consolidation_and_inspect_describes_it(good_checkpoin
         assert written.stat().st_mode & 0o777 == 0o666 & ~umask, (written, oct(written.stat().st_mode))
     assert full.keys() == consolidated.keys()
     assert all(__import__("torch").equal(full[k], consolidated[k]) for k in full)
+    # both record the windows the run's evaluations scored, which `eval` of the file defaults to
+    from shardtrain.checkpoint.weights import eval_settings_of
+
+    run = json.loads((good_checkpoint / "trainer_state.json").read_text())["config"]["trainer"]
+    for written in (good_checkpoint, good_checkpoint / "model.safetensors", consolidated_file):
+        assert eval_settings_of(written) == {"seq_len": run["seq_len"], "eval_samples": run["eval_samples"]}
     # Found by review: with tied embeddings every save failed (the two names share memory, which
     # safetensors refuses), and the file lacked the model's config that generate and eval read.
     tied = run_cli("train", *QUICK, "trainer.max_steps=1", "checkpoint.save_full=true",
@@ -660,10 +666,11 @@ def test_the_weights_average_resumes_at_another_world_size_and_consolidates(tmp_
         loss = float(proc.stdout.split("loss ")[1].split()[0])
         assert abs(loss - logged[field]) <= 6e-5, (field, loss, logged[field])  # printed to 4 places
     # The consolidated average scores the same: the file records the run's data as well as its model
-    # (found by review: a file was scored on the default data, whatever the run trained on).
-    proc = run_cli("eval", str(tmp_path / "whole-ema.safetensors"), "--samples", "16", "--seq-len", "64",
-                   "--batch-size", "2")
+    # (found by review: a file was scored on the default data, whatever the run trained on), and the
+    # windows its evaluations scored (found by review: 256 of 128 unless given)
+    proc = run_cli("eval", str(tmp_path / "whole-ema.safetensors"), "--batch-size", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "in windows of 64" in proc.stdout, proc.stdout
     assert abs(float(proc.stdout.split("loss ")[1].split()[0]) - logged["ema_val_loss"]) <= 6e-5
     proc = run_cli("generate", str(whole / "checkpoints" / "step-6"), "--ema", "--prompt", "def ",
                    "--max-new-tokens", "4")

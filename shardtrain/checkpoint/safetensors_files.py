@@ -28,6 +28,9 @@ INDEX_FILE = "model.safetensors.index.json"
 MODEL_CONFIG_KEY = "shardtrain_model_config"
 # ... and the training data's config: `eval` scores the held-out split of it.
 DATA_CONFIG_KEY = "shardtrain_data_config"
+# ... and the windows the run's evaluations scored (trainer.seq_len, trainer.eval_samples): `eval` of
+# the file repeats the val_loss the run logged, as of the checkpoint directory.
+EVAL_SETTINGS_KEY = "shardtrain_eval_settings"
 # What readers of a model directory take from it (weights, indexes, configs, tokenizers): left by an
 # earlier export beside a new one, they would be loaded instead of it (transformers prefers
 # model.safetensors to an index) or mixed with it.
@@ -49,10 +52,19 @@ def shard_name(index: int, count: int) -> str:
 
 
 def shardtrain_metadata(config: dict[str, Any]) -> dict[str, str]:
-    """A consolidated file's metadata: the model's and the data's config (from a checkpoint's
-    ``trainer_state.json``), so that ``generate`` and ``eval`` rebuild the model from the file alone."""
+    """A consolidated file's metadata: the model's and the data's config and the run's evaluation
+    windows (from a checkpoint's ``trainer_state.json``), so that ``generate`` and ``eval`` rebuild the
+    model, and score what the run scored, from the file alone."""
     return {"format": "pt", MODEL_CONFIG_KEY: json.dumps(config["model"], sort_keys=True),
-            DATA_CONFIG_KEY: json.dumps(config["data"], sort_keys=True)}
+            DATA_CONFIG_KEY: json.dumps(config["data"], sort_keys=True),
+            EVAL_SETTINGS_KEY: json.dumps(eval_settings(config), sort_keys=True)}
+
+
+def eval_settings(config: dict[str, Any]) -> dict[str, int]:
+    """The windows a run's evaluations scored, from its saved config: ``seq_len`` and
+    ``eval_samples`` where it has them."""
+    trainer = config.get("trainer", {})
+    return {key: int(trainer[key]) for key in ("seq_len", "eval_samples") if key in trainer}
 
 
 def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

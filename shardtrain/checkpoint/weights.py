@@ -33,7 +33,9 @@ from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed
 from shardtrain.checkpoint.integrity import MANIFEST_FILE, file_sha256
 from shardtrain.checkpoint.safetensors_files import (
     DATA_CONFIG_KEY,
+    EVAL_SETTINGS_KEY,
     MODEL_CONFIG_KEY,
+    eval_settings,
     file_metadata,
     open_safetensors,
     weight_files,
@@ -125,6 +127,16 @@ def data_config_of(path: Path) -> DataConfig | None:
         return as_packed_then(rebuild_config(DataConfig, saved, "data", f"the shardtrain that wrote {path}"),
                               saved)
     return TrainState.read(path).data_config()
+
+
+def eval_settings_of(path: Path) -> dict[str, int]:
+    """The windows the run's evaluations scored (``seq_len``, ``eval_samples``), saved with a
+    shardtrain checkpoint or consolidated file; empty where they were not saved (a file consolidated
+    by an older shardtrain, or not by shardtrain)."""
+    if path.is_file():
+        raw = file_metadata(path).get(EVAL_SETTINGS_KEY) if path.suffix == ".safetensors" else None
+        return eval_settings({"trainer": json.loads(raw)}) if raw is not None else {}
+    return eval_settings(TrainState.read(path).config)
 
 
 def refuse_task_adapters(path: Path, state: TrainState) -> None:

@@ -344,8 +344,8 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
                                     verify_checksums=not args.skip_checksums, average=args.ema)
         # Where the run's own evaluations are repeated (its held-out split), as they scored it: the
         # fixed 256 x 128 defaults scored other windows than the val_loss it logged.
-        # A checkpoint directory records its run's settings (a consolidated file its data alone).
-        run = loaded.state.config.get("trainer", {}) if loaded.state is not None and not args.file else {}
+        # A checkpoint directory and a consolidated file record them (not a Hugging Face directory).
+        run = loaded.eval_settings if not args.file else {}
         if args.seq_len is None:
             args.seq_len = int(run.get("seq_len", EVAL_SEQ_LEN))
         if args.samples is None:
@@ -729,10 +729,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "training data)")
     ev.add_argument("--glob", default="*", help="files to take from a --file directory")
     ev.add_argument("--samples", type=int, default=None,
-                    help="windows to evaluate (default: a checkpoint directory's trainer.eval_samples, so "
+                    help="windows to evaluate (default: the checkpoint's trainer.eval_samples, so "
                     f"that the loss on its held-out split is the val_loss it logged; else {EVAL_SAMPLES})")
     ev.add_argument("--seq-len", type=int, default=None,
-                    help=f"tokens per window (default: a checkpoint directory's trainer.seq_len; else "
+                    help=f"tokens per window (default: the checkpoint's trainer.seq_len; else "
                     f"{EVAL_SEQ_LEN})")
     ev.add_argument("--batch-size", type=int, default=8, help="windows per forward on each process")
     ev.add_argument("--devices", type=int, default=1, help="processes (sharded checkpoints)")

@@ -16,11 +16,13 @@ from torch import nn
 
 from shardtrain.accelerator import set_fp32_matmul
 from shardtrain.checkpoint import layout
+from shardtrain.checkpoint.safetensors_files import eval_settings
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.checkpoint.weights import (
     base_identity,
     check_same_base,
     data_config_of,
+    eval_settings_of,
     load_adapters,
     load_model_weights,
     model_config_of,
@@ -52,6 +54,8 @@ class Loaded:
     compute_dtype: torch.dtype
     data_known: bool = True  # cfg.data is the run's data (not for a file consolidated before it was kept)
     state: TrainState | None = None  # a checkpoint directory's
+    # the windows the run's evaluations scored (seq_len, eval_samples), where the checkpoint says
+    eval_settings: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def check_processes_for(path: Path, processes: int) -> None:
@@ -127,7 +131,9 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
         run_agreed(lambda: load_model_weights(model, str(path), cfg.model, verify_checksums=verify_checksums,
                                               average=average))
     return Loaded(cfg, env, model, with_adapters(factory, cfg, env.device), plan.param_dtype,
-                  data_known=data is not None, state=state)
+                  data_known=data is not None, state=state,
+                  eval_settings=eval_settings(state.config) if state is not None else
+                  {} if hf_directory else eval_settings_of(path))
 
 
 def data_changed_since(state: TrainState | None, corpus: Corpus) -> str | None:
