@@ -182,6 +182,8 @@ def compiled_resume(out: str, world: int) -> None:
     resumed = compiled(f"{out}/compiled_resumed", resume=f"{out}/compiled/checkpoints/step-{N}")
     resumed.fit()
     assert resumed.result.losses == full.result.losses[N:], (resumed.result.losses, full.result.losses)
+    # each start says what its first compiled step cost (the resumed one compiles again)
+    assert full.result.first_compiled_step_s > 0 and resumed.result.first_compiled_step_s > 0
     assert resumed.result.grad_norms == full.result.grad_norms[N:]
 
 

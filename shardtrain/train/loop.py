@@ -124,6 +124,8 @@ class TrainResult:
     resumed_from: str | None = None
     preempted: bool = False
     checkpoint_blocked_s: list[float] = field(default_factory=list)
+    # strategy.compile: the wall time of this start's first compiled step, compilation included
+    first_compiled_step_s: float | None = None
 
     @property
     def tokens_seen(self) -> int:
@@ -856,11 +858,15 @@ class Trainer:
             self.flops_unknown = None
         if self.average is not None and not stats.skipped:
             self.average.update(self.step + 1)
+        seconds = time.perf_counter() - start
         if not (self.graph_breaks_said or eager_first):
             self.graph_breaks_said = True
-            if self.env.is_main and (note := graph_breaks_note(self.graph_breaks_before)):
-                log.warning(note)
-        seconds = time.perf_counter() - start
+            self.result.first_compiled_step_s = seconds
+            if self.env.is_main:  # what compilation cost, beside the step times that follow
+                log.info(f"strategy.compile: the first compiled step took {seconds:.1f} s, compilation "
+                         "included")
+                if note := graph_breaks_note(self.graph_breaks_before):
+                    log.warning(note)
         if not eager_first:
             # An eager first step is not counted: the compiling step after it keeps the start-up
             # bound (dist.startup_timeout_s) and is not judged against an eager step's time.
