@@ -99,9 +99,11 @@ def reference_run(tied: bool = False, train_tokens=None, model: dict | None = No
     return {"losses": losses, "grad_norms": norms, "weights": weights}
 
 
-def hand_written_loop(model, cfg: Config, tokens, logits_of) -> tuple[list[float], list[float]]:
+def hand_written_loop(model, cfg: Config, tokens, logits_of,
+                      extra_loss_of=None) -> tuple[list[float], list[float]]:
     """STEPS steps of AdamW with global-norm clipping on the whole global batch of ``tokens``'
-    windows, in the global order; ``logits_of(x)`` runs the model. Returns losses and grad norms."""
+    windows, in the global order; ``logits_of(x)`` runs the model; ``extra_loss_of(x)``, where given,
+    is added to the mean cross-entropy. Returns losses and grad norms."""
     optimizer = build_optimizer(model, cfg.trainer)
     scheduler = build_scheduler(optimizer, cfg.trainer)
     # data.packing's windows, as the trainer makes them (whole records for fine-tuning data)
@@ -111,6 +113,8 @@ def hand_written_loop(model, cfg: Config, tokens, logits_of) -> tuple[list[float
     for step in range(STEPS):
         x, y, _ = windows.batch(order.take(step * GLOBAL_BATCH, GLOBAL_BATCH))
         loss = F.cross_entropy(logits_of(x).flatten(0, 1), y.flatten())
+        if extra_loss_of is not None:
+            loss = loss + extra_loss_of(x)
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm).item())
         optimizer.step()

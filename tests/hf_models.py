@@ -43,6 +43,11 @@ def family_config(family: str, vocab_size: int = VOCAB, **sizes) -> transformers
         return transformers.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common)
     if family == "mistral":
         return transformers.MistralConfig(**{"num_key_value_heads": 3, "sliding_window": None, **common})
+    if family == "mixtral":  # 4 experts, 2 a token, with the router's load-balancing loss asked for
+        # sizes in multiples of 16 bytes: transformers' experts run torch's grouped_mm, which needs them
+        return transformers.MixtralConfig(**{**common, "hidden_size": 48, "intermediate_size": 64},
+                                          num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                          output_router_logits=True, router_aux_loss_coef=0.05)
     if family == "gpt_neox":  # 3 heads of 12: RoPE on the first 6 dimensions of each
         return transformers.GPTNeoXConfig(**{**common, "num_attention_heads": 3}, rotary_pct=0.5,
                                           use_parallel_residual=True, tie_word_embeddings=False)

@@ -45,7 +45,8 @@ def hf_case_config(model_dir: str, world_size: int, run_dir: str, strategy: str 
     return cfg
 
 
-def run_hf_cases(model_dirs: dict[str, str], cases: dict[str, dict], out_dir: str) -> None:
+def run_hf_cases(model_dirs: dict[str, str], cases: dict[str, dict], out_dir: str,
+                 router_dir: str | None = None) -> None:
     from shardtrain.tasks.language_model import LanguageModelTask
     from shardtrain.train.loop import Trainer
 
@@ -66,9 +67,32 @@ def run_hf_cases(model_dirs: dict[str, str], cases: dict[str, dict], out_dir: st
                 torch.save({"losses": result.losses, "grad_norms": result.grad_norms,
                             "weights": weights, "logits": logits, "units": trainer.built.report.units},
                            Path(out_dir, f"{family}-{name}.pt"))
+    if router_dir is not None:  # in the same spawned group
+        run_router_loss_cases(router_dir, out_dir)
 
 
-def hf_reference(model_dir: str) -> dict:
+def run_router_loss_cases(model_dir: str, out_dir: str) -> None:
+    """A MoE model asking for its router's load-balancing loss, trained with the plain loss and
+    the chunked one (its hidden states and head): rank 0 saves what ``run_hf_cases`` saves and the
+    logged router_loss of each step."""
+    from shardtrain.tasks.language_model import LanguageModelTask
+    from shardtrain.train.loop import Trainer
+
+    world_size = int(os.environ["WORLD_SIZE"])
+    corpus = hf_corpus(model_dir)
+    for chunk in (0, 8):
+        cfg = hf_case_config(model_dir, world_size, str(Path(out_dir, f"router-{chunk}")))
+        cfg.trainer = dataclasses.replace(cfg.trainer, loss_chunk_tokens=chunk)
+        trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=corpus))
+        result = trainer.fit()
+        weights = trainer.full_weights()
+        if trainer.env.is_main:
+            torch.save({"losses": result.losses, "grad_norms": result.grad_norms, "weights": weights,
+                        "router_losses": [m["router_loss"] for m in result.metrics]},
+                       Path(out_dir, f"router-{chunk}.pt"))
+
+
+def hf_reference(model_dir: str, micro_batches: int = 1) -> dict:
     """The plain transformers model, one process, a hand-written loop."""
     cfg = hf_case_config(model_dir, 1, "unused")
     config = transformers.AutoConfig.from_pretrained(model_dir)
@@ -77,8 +101,15 @@ def hf_reference(model_dir: str) -> dict:
     with torch.no_grad():
         logits = model.eval()(PROBE).logits
     model.train()
+    extra = None
+    if getattr(config, "output_router_logits", False):
+        # transformers' load-balancing loss of each micro-batch (a rank's, as the framework computes
+        # it), their mean weighed as the framework weighs them: by target tokens, here all equal
+        def extra(x: torch.Tensor) -> torch.Tensor:
+            parts = [model(input_ids=part).aux_loss for part in x.chunk(micro_batches)]
+            return config.router_aux_loss_coef * torch.stack(parts).mean()
     losses, norms = hand_written_loop(model, cfg, hf_corpus(model_dir).train,
-                                      lambda x: model(input_ids=x).logits)
+                                      lambda x: model(input_ids=x).logits, extra)
     weights = {f"hf.{n}": p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "grad_norms": norms, "weights": weights, "logits": logits}
 

@@ -125,14 +125,54 @@ def check_runs(world_size: int, out_dir, references) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(model_dirs, tmp_path_factory):
+def moe_dir(tmp_path_factory):
+    """A Mixtral whose config asks for its router's load-balancing loss (coefficient 0.05)."""
+    return str(make_model_dir(tmp_path_factory.mktemp("moe") / "mixtral", "mixtral"))
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(model_dirs, moe_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_2p")
-    run_on_ranks(run_hf_cases, 2, model_dirs, CASES[2], str(out), tmp_path=out)
+    run_on_ranks(run_hf_cases, 2, model_dirs, CASES[2], str(out), moe_dir, tmp_path=out)
     return out
 
 
 def test_two_ranks_match_plain_transformers(two_rank_runs, references):
     check_runs(2, two_rank_runs, references)
+
+
+def test_a_moe_router_loss_trains_as_transformers_computes_it(two_rank_runs, moe_dir, monkeypatch):
+    """A MoE config with output_router_logits was refused (the loss would have been cross-entropy
+    alone). It trains with coefficient x the router load-balancing loss its own forward computes,
+    each rank's micro-batch its own (as transformers computes it over a batch): 2 ranks of 4 windows,
+    plain and chunked loss, against the plain transformers model in a hand-written loop whose loss is
+    the mean cross-entropy + 0.05 x the mean of the two halves' aux_loss. Evaluation leaves it out."""
+    reference = hf_reference(moe_dir, micro_batches=2)
+    failures = []
+    for chunk in (0, 8):
+        result = torch.load(two_rank_runs / f"router-{chunk}.pt")
+        errors = max_errors(result, reference)
+        print(f"router loss, chunk {chunk}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+        failures += [f"chunk {chunk}: {k} error {v:.2e} > {TOL:.0e}" for k, v in errors.items()
+                     if not v <= TOL]
+        # logged each step: the mean of the ranks' router losses (Mixtral's form is num_experts_per_tok,
+        # 2, for evenly loaded experts, and more the less even they are)
+        assert len(result["router_losses"]) == len(result["losses"])
+        assert all(1.9 < value < 4 for value in result["router_losses"]), result["router_losses"]
+    assert not failures, "\n".join(failures)
+    model = HFCausalLM(ModelConfig(name="hf", path=moe_dir))
+    assert model.router_loss_coef == 0.05 and model.training_refusal() is None
+    from shardtrain.data.batches import Batch
+    from shardtrain.tasks.language_model import LanguageModelTask
+
+    batch = Batch(PROBE[:, :-1], PROBE[:, 1:], None)
+    assert set(LanguageModelTask().loss(model.train(), batch).metrics) == {"router_loss"}
+    assert LanguageModelTask().loss(model.eval(), batch).metrics == {}  # val_loss: cross-entropy alone
+    # A family whose forward adds the loss otherwise is refused, as every such config was before
+    monkeypatch.setattr("shardtrain.models.hf.ROUTER_LOSS_CALL", re.compile("never"))
+    refusal = HFCausalLM(ModelConfig(name="hf", path=moe_dir)).training_refusal()
+    assert "computes that loss otherwise than Mixtral's" in refusal, refusal
+    assert "set output_router_logits to false" in refusal, refusal
 
 
 def test_four_ranks_match_plain_transformers(model_dirs, references, tmp_path):
@@ -250,22 +290,17 @@ def test_a_long_context_phi3_regenerates_its_cache_where_transformers_does(tmp_p
 
 def test_configs_that_would_not_train_as_causal_lms_are_refused(tmp_path, monkeypatch):
     """Found by review of the models: a BERT-like encoder (is_decoder false) was built as a causal LM
-    by transformers, with one logged warning, and saw the tokens it predicted; a MoE config asking for
-    its router's load-balancing loss trained without it; Bloom's forward takes no position_ids, so a
-    document mask let its attention cross documents (0.38 in the second document's logits). Training
-    refuses them; generation and the exports read such a model as it is (the diff review: an older
-    run's checkpoint could no longer be exported)."""
+    by transformers, with one logged warning, and saw the tokens it predicted; Bloom's forward takes no
+    position_ids, so a document mask let its attention cross documents (0.38 in the second document's
+    logits). Training refuses them; generation and the exports read such a model as it is (the diff
+    review: an older run's checkpoint could no longer be exported). A MoE config asking for its
+    router's load-balancing loss now trains with it (test_a_moe_router_loss_trains_as_...)."""
     tiny = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
-    tokenizer = train_tokenizer(sample_texts())
-    for name, config, said in (
-            ("bert", transformers.BertConfig(**tiny, intermediate_size=37),
-             r"is a bert encoder \(is_decoder: false in config.json\).* set \"is_decoder\": true"),
-            ("mixtral", transformers.MixtralConfig(**tiny, intermediate_size=37, num_local_experts=2,
-                                                   output_router_logits=True),
-             r"sets output_router_logits: true \(router load-balancing loss, coefficient 0.001\)")):
-        make_model.save_model_dir(tmp_path / name, config, tokenizer, seed=0)
-        refusal = HFCausalLM(ModelConfig(name="hf", path=str(tmp_path / name))).training_refusal()
-        assert re.search(said, refusal), refusal
+    make_model.save_model_dir(tmp_path / "bert", transformers.BertConfig(**tiny, intermediate_size=37),
+                              train_tokenizer(sample_texts()), seed=0)
+    refusal = HFCausalLM(ModelConfig(name="hf", path=str(tmp_path / "bert"))).training_refusal()
+    assert re.search(r"is a bert encoder \(is_decoder: false in config.json\).* set \"is_decoder\": true",
+                     refusal), refusal
     proc = run_cli("train", "model=hf", f"model.path={tmp_path / 'bert'}", "trainer.max_steps=1",
                    "trainer.seq_len=16", "trainer.micro_batch_size=2", "trainer.sample_tokens=0",
                    "trainer.eval_every=0", f"run.dir={tmp_path / 'run'}", "run.trackers=[]")

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -201,20 +203,33 @@ def build_transformers_model(config: PretrainedConfig) -> nn.Module:
 def unlike_causal_lm(config: PretrainedConfig, path: str) -> str | None:
     """Why a config transformers builds a causal LM from would not train as one here, None if it
     would: an encoder (BERT, RoBERTa, Electra: ``is_decoder`` false) attends both ways, so each next
-    token was predicted seeing it (transformers only logs a warning); a MoE config asking for its
-    router's load-balancing loss (``output_router_logits``) would train without it, the loss being
-    cross-entropy on the logits alone. Training's refusal: generation and the exports read such a
-    model as it is."""
+    token was predicted seeing it (transformers only logs a warning). Training's refusal: generation
+    and the exports read such a model as it is."""
     if getattr(config, "is_decoder", None) is False and config.model_type in BIDIRECTIONAL_MODEL_TYPES:
         return (f"model.path={path!r} is a {config.model_type} encoder (is_decoder: false in "
                 f"{CONFIG_FILE}): its attention sees later tokens, so it cannot learn the next one; set "
                 f"\"is_decoder\": true in {CONFIG_FILE} to train it as a causal LM")
-    if getattr(config, "output_router_logits", False):
-        coefficient = getattr(config, "router_aux_loss_coef", None)
-        return (f"model.path={path!r}: {CONFIG_FILE} sets output_router_logits: true (router "
-                f"load-balancing loss, coefficient {coefficient}), which shardtrain does not add to the "
-                "loss; set it to false to train on the cross-entropy alone")
     return None
+
+
+# How a MoE causal LM's forward adds its router's load-balancing loss (Mixtral's, and Qwen2/3-MoE's,
+# OLMoE's, Jamba's, PhiMoE's, GraniteMoE's, GPT-OSS's... alike): its module's function of the
+# routers' logits, the experts and the experts each token goes to.
+ROUTER_LOSS_CALL = re.compile(r"\baux_loss\s*=\s*load_balancing_loss_func\(\s*outputs\.router_logits,\s*"
+                              r"self\.num_experts,\s*self\.num_experts_per_tok,\s*attention_mask\b")
+
+
+def router_loss_function(model: nn.Module) -> Callable[..., torch.Tensor] | None:
+    """The load-balancing loss function of ``model``'s family, where its forward computes the loss
+    as Mixtral's does (``ROUTER_LOSS_CALL``), from attributes it has; None otherwise."""
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return None
+    function = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    has_counts = all(isinstance(getattr(model, name, None), int)
+                     for name in ("num_experts", "num_experts_per_tok"))
+    return function if ROUTER_LOSS_CALL.search(source) and callable(function) and has_counts else None
 
 
 class HFCausalLM(nn.Module):
@@ -242,6 +257,14 @@ class HFCausalLM(nn.Module):
         accepted = inspect.signature(self.hf.forward).parameters
         self.cache_keyword = "cache" if "cache" in accepted else "past_key_values"
         self.regenerate_at = regenerates_past_at(self.hf)
+        # A MoE config asking for its router's load-balancing loss (output_router_logits, with a
+        # coefficient): the task adds coefficient x that loss to training's cross-entropy.
+        moe = hasattr(self.config, "output_router_logits")
+        self.router_loss_coef = (float(getattr(self.config, "router_aux_loss_coef", 0.0) or 0.0)
+                                 if moe and self.config.output_router_logits else 0.0)
+        self._router_loss = router_loss_function(self.hf) if self.router_loss_coef else None
+        # Only asked for where it is added (generation and evaluation: not computed)
+        self._router_logits = {"output_router_logits": False} if moe else {}
         self._head_shares_unit: bool | None = None
         # Stored names differ from module names for some families (GPT-NeoX's files say embed_out,
         # the module lm_head): transformers' own renaming rules, applied as from_pretrained does.
@@ -250,27 +273,39 @@ class HFCausalLM(nn.Module):
         self._converters = [t for t in transforms if isinstance(t, WeightConverter)]
 
     def forward(self, tokens: torch.Tensor, cache: HFCache | None = None,
-                positions: torch.Tensor | None = None, hidden_only: bool = False) -> torch.Tensor:
+                positions: torch.Tensor | None = None, hidden_only: bool = False,
+                router_loss: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits for ``tokens`` (B, T); ``hidden_only``: the base model's last hidden states instead,
         (B, T, dim), for a loss that applies ``output_head()`` itself chunk by chunk (only where
-        ``head_transform_reason`` finds nothing else done to the logits)."""
+        ``head_transform_reason`` finds nothing else done to the logits). ``router_loss`` (a MoE
+        model with ``router_loss_coef``): the output and the routers' load-balancing loss, as the
+        model's own forward computes it (unscaled; over every token of the batch, padding included)."""
+        if (hidden_only or router_loss) and cache is not None:
+            raise ModelError("hidden_only= and router_loss= are for training, not with a KV cache")
+        if router_loss and self._router_loss is None:
+            raise ModelError(self.training_refusal() or "this model has no router load-balancing loss "
+                             "(output_router_logits false, or router_aux_loss_coef 0)")
+        routers = {"output_router_logits": True} if router_loss else self._router_logits
         if hidden_only:
-            if cache is not None:
-                raise ModelError("hidden_only= is for training, not with a KV cache")
-            return self.hf.base_model(input_ids=tokens, position_ids=positions,
-                                      use_cache=False).last_hidden_state
+            out = self.hf.base_model(input_ids=tokens, position_ids=positions, use_cache=False, **routers)
+            if not router_loss:
+                return out.last_hidden_state
+            return out.last_hidden_state, self._router_loss(out.router_logits, self.hf.num_experts,
+                                                            self.hf.num_experts_per_tok, None)
         if cache is None:
             # With positions (document masking), transformers reads packed sequences from
             # position_ids that restart (given no attention mask and no cache) and builds the
             # model's own mask from them, sliding windows included.
-            return self.hf(input_ids=tokens, position_ids=positions, use_cache=False).logits
+            out = self.hf(input_ids=tokens, position_ids=positions, use_cache=False, **routers)
+            return (out.logits, out.aux_loss) if router_loss else out.logits
         if positions is not None:
             raise ModelError("positions= is for training on packed documents, not with a KV cache")
         new = tokens.shape[1]
         if self.regenerate_at is not None and 0 < cache.pos <= self.regenerate_at < cache.pos + new:
             cache.past = DynamicCache(config=cache.config)
             tokens = torch.cat([*cache.tokens, tokens], dim=1)
-        out = self.hf(input_ids=tokens, use_cache=True, **{self.cache_keyword: cache.past})
+        out = self.hf(input_ids=tokens, use_cache=True, **{self.cache_keyword: cache.past},
+                      **self._router_logits)
         logits = out.logits[:, -new:]
         if self.regenerate_at is not None:
             cache.tokens.append(tokens[:, -new:])
@@ -306,8 +341,17 @@ class HFCausalLM(nn.Module):
         return {f"{prefix}.{name}" if name else prefix: style for name, style in styles.items()}
 
     def training_refusal(self) -> str | None:
-        """Why this model cannot be trained as a causal LM (``unlike_causal_lm``), None if it can."""
-        return unlike_causal_lm(self.config, self.cfg.path)
+        """Why this model cannot be trained as a causal LM (``unlike_causal_lm``; a router
+        load-balancing loss its family computes otherwise than ``ROUTER_LOSS_CALL``), None if it can."""
+        if reason := unlike_causal_lm(self.config, self.cfg.path):
+            return reason
+        if self.router_loss_coef and self._router_loss is None:
+            return (f"model.path={self.cfg.path!r}: {CONFIG_FILE} sets output_router_logits: true (router "
+                    f"load-balancing loss, coefficient {self.router_loss_coef}), but "
+                    f"{type(self.hf).__name__}.forward computes that loss otherwise than Mixtral's, which "
+                    "shardtrain follows; set output_router_logits to false to train on the cross-entropy "
+                    "alone")
+        return None
 
     def document_mask_refusal(self) -> str | None:
         if reason := sequence_state_reason(self.config):  # the more telling reason first (Mamba's)

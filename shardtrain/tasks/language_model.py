@@ -47,23 +47,40 @@ def embedding_rows(model: nn.Module) -> int | None:
     return None if weight is None else int(weight.shape[0])
 
 
+def router_loss_coefficient(model: nn.Module) -> float:
+    """The weight of a MoE model's router load-balancing loss in its training loss (its config's
+    ``router_aux_loss_coef`` where ``output_router_logits`` asks for it); 0 for other models."""
+    return float(getattr(model, "router_loss_coef", 0.0))
+
+
 def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int = 0) -> torch.Tensor:
     """Summed cross-entropy over the target tokens; ``positions`` (document masking) go to the model.
 
     ``chunk_tokens`` > 0, for a model with an ``output_head``: the head and the loss chunk by chunk
     (``chunked_cross_entropy``), never the full fp32 logits; otherwise from the model's logits."""
+    return token_loss_terms(model, batch, chunk_tokens)[0]
+
+
+def token_loss_terms(model: nn.Module, batch: Batch, chunk_tokens: int = 0,
+                     router_loss: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``token_loss_sum``, and with ``router_loss`` the same forward's router load-balancing loss
+    (a MoE model's, ``router_loss_coefficient``; unscaled), else None."""
     kwargs = {} if batch.positions is None else {"positions": batch.positions}
+    if router_loss:
+        kwargs["router_loss"] = True
     head = output_head(model) if chunk_tokens > 0 else None
     if head is not None:
-        hidden = model(batch.inputs, hidden_only=True, **kwargs)
-        return chunked_cross_entropy(hidden, head.weight, batch.targets, bias=head.bias,
-                                     chunk_tokens=chunk_tokens, ignore_index=IGNORE_INDEX)
-    logits = model(batch.inputs, **kwargs)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(),
+        kwargs["hidden_only"] = True
+    out = model(batch.inputs, **kwargs)
+    out, routers = out if router_loss else (out, None)
+    if head is not None:
+        return chunked_cross_entropy(out, head.weight, batch.targets, bias=head.bias,
+                                     chunk_tokens=chunk_tokens, ignore_index=IGNORE_INDEX), routers
+    loss = F.cross_entropy(out.float().flatten(0, 1), batch.targets.flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
     # Tensor-parallel logits are a DTensor split along the vocabulary; under the step's
     # ``loss_parallel`` the summed loss is replicated over the group: every rank's local value is it.
-    return loss.to_local() if isinstance(loss, DTensor) else loss
+    return (loss.to_local() if isinstance(loss, DTensor) else loss), routers
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -180,7 +197,18 @@ class LanguageModelTask(Task):
 
     def loss(self, model: nn.Module, batch: Batch) -> LossOutput:
         chunk_tokens, _ = self.loss_choice(model)
-        return LossOutput(token_loss_sum(model, batch, chunk_tokens), (batch.targets != IGNORE_INDEX).sum())
+        count = (batch.targets != IGNORE_INDEX).sum()
+        # A MoE model's router load-balancing loss trains with it, not in evaluation (val_loss and
+        # eval stay the cross-entropy, in nats a token)
+        coefficient = router_loss_coefficient(model) if model.training else 0.0
+        loss, routers = token_loss_terms(model, batch, chunk_tokens, router_loss=coefficient > 0)
+        if routers is None:
+            return LossOutput(loss, count)
+        # transformers' training loss over one batch is mean cross-entropy + coefficient x router loss;
+        # here each micro-batch's router loss is weighed by its targets, so that over one micro-batch
+        # the two are equal, and the router loss is logged as its mean over micro-batches
+        return LossOutput(loss + coefficient * routers.float() * count, count,
+                          metrics={"router_loss": (routers.detach().float(), 1)})
 
     def count(self, batch: Batch) -> float:
         return int((batch.targets != IGNORE_INDEX).sum())
