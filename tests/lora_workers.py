@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 import transformers
 from checkpoint_workers import warnings_logged
 from equivalence import case_config, hand_written_loop, small_corpus
@@ -114,7 +117,7 @@ def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, adapter_dir: 
     precomputed scales (torchao's other feature, whose import this group already pays)."""
     world_size = int(os.environ["WORLD_SIZE"])
     results = run_qlora_cases(nf4_dir, world_size, out_dir)
-    results["float8_scales"] = float8_scale_case()
+    results["float8_scales"] = float8_scale_case(out_dir)
     corpus = hf_corpus(model_dir)
     first = str(Path(out_dir, "full_shard"))
     cfg = lora_case_config(model_dir, world_size, first, checkpoint=True)
@@ -263,7 +266,7 @@ def run_qlora_cases(nf4_dir: str, world_size: int, out_dir: str) -> dict:
     return results
 
 
-def float8_scale_case(steps: int = 3) -> dict:
+def float8_scale_case(out_dir: str, steps: int = 3) -> dict:
     """strategy.float8's scale precomputation on FULL_SHARD shards: the same tiny Llama, its linears
     converted and sharded as parallelize does (a CPU refuses strategy.float8 itself, so the pieces
     are called directly; torch's CPU float8 matmul is emulated), trained with and without
@@ -272,7 +275,9 @@ def float8_scale_case(steps: int = 3) -> dict:
     then the same scales on another model after DCP's optimizer-state initialisation and a read of
     the trained weights, before and after ``refresh_float8_scales`` (what a resume does); and the
     same training under HYBRID_SHARD with one rank a shard group, whose plan gathers the weights in
-    their own dtype (each linear casts its own to float8) and precomputes nothing."""
+    their own dtype (each linear casts its own to float8) and precomputes nothing. The trained
+    weights saved by DCP as checkpoints save them (``plain_float8_weights``): plain tensors, which a
+    process without torchao imported reads, and which a load fills the converted weights from."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_state_dict,
@@ -283,7 +288,11 @@ def float8_scale_case(steps: int = 3) -> dict:
 
     from shardtrain.distributed.env import build_mesh
     from shardtrain.distributed.float8 import convert_linears
-    from shardtrain.distributed.parallelize import precompute_float8_scales_after_steps, refresh_float8_scales
+    from shardtrain.distributed.parallelize import (
+        plain_float8_weights,
+        precompute_float8_scales_after_steps,
+        refresh_float8_scales,
+    )
 
     cfg = case_config(int(os.environ["WORLD_SIZE"]), "unused", model=dict(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=128, vocab_size=256))
@@ -366,6 +375,25 @@ def float8_scale_case(steps: int = 3) -> dict:
     result["resume_scale_errors"] = {"before_refresh": scale_errors()}
     refresh_float8_scales(resumed)
     result["resume_scale_errors"]["after_refresh"] = scale_errors()
+
+    # Found by review: checkpoints pickled torchao's weight subclass, so consolidate, eval, generate
+    # and a resume without float8 could not read a float8 run's checkpoint (torch.load weights_only).
+    saved = plain_float8_weights(get_model_state_dict(model))
+    result["saved_local_types"] = sorted({type(v.to_local()).__name__ for v in saved.values()})
+    directory = Path(out_dir, "float8_dcp")
+    dcp.save(saved, checkpoint_id=str(directory))
+    reread, _ = sharded_float8_llama(2)
+    dcp.load(plain_float8_weights(get_model_state_dict(reread)), checkpoint_id=str(directory))
+    result["reread_equal"] = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in
+                                 zip(model.parameters(), reread.parameters(), strict=True))
+    result["reread_types"] = sorted({type(p.to_local()).__name__ for p in reread.parameters()})
+    if int(os.environ["RANK"]) == 0:
+        reader = ("import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+                  "dcp_to_torch_save(sys.argv[1], sys.argv[2]); "
+                  "print('torchao imported' if 'torchao' in sys.modules else 'read without torchao')")
+        proc = subprocess.run([sys.executable, "-c", reader, str(directory), str(directory) + ".pt"],
+                              capture_output=True, text=True, timeout=300)
+        result["read_elsewhere"] = proc.stdout.strip() or proc.stderr[-500:]
 
     one_rank_groups = dataclasses.replace(plan_strategy, sharding_strategy="HYBRID_SHARD", shard_group_size=1)
     hybrid = resolve_plan(one_rank_groups, int(os.environ["WORLD_SIZE"]), 1)

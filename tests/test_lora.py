@@ -542,6 +542,11 @@ def test_float8_scales_are_precomputed_after_each_step(lora_runs):
     # One rank a shard group (2 replicas x 1): nothing to halve, the weights gathered in their own dtype
     # (plain local tensors) and cast by each linear in its forward, with the same amax and so the same
     # float8 values in fp32: FULL_SHARD's losses (replicas all-reduce where FULL_SHARD reduce-scatters).
+    # Checkpoints hold plain tensors (torchao's subclass was pickled into them), which a process
+    # without torchao reads and a load puts back into the converted weights
+    assert result["saved_local_types"] == ["Tensor"], result["saved_local_types"]
+    assert result["reread_types"] == ["Tensor", "WeightWithDynamicFloat8CastTensor"], result["reread_types"]
+    assert result["reread_equal"] and result["read_elsewhere"] == "read without torchao", result
     one_rank = result["one_rank_shards"]
     assert (one_rank["mesh"], one_rank["gathers_float8"], one_rank["gathers_float8_full_shard"]) == (
         "dp_replicate=2 x dp_shard=1", False, True)

@@ -60,6 +60,7 @@ from shardtrain.config.plan import ShardingPlan
 from shardtrain.config.schema import Config
 from shardtrain.distributed.agreement import agree, from_rank, gather_verdicts, raise_first_error, run_agreed
 from shardtrain.distributed.env import lazily_connected_gloo_group
+from shardtrain.distributed.parallelize import plain_float8_weights
 from shardtrain.durable import written_durably
 from shardtrain.errors import CheckpointError, CheckpointFromNewerVersion, CheckpointUnverifiable, first_line
 from shardtrain.models.lora import is_adapter
@@ -501,7 +502,8 @@ class Checkpointer:
             self.model, self.optimizer, options=StateDictOptions(ignore_frozen_params=self.adapters_only))
         if self.adapters_only:  # DCP keeps a frozen tied head (Qwen2's lm_head): a whole embedding
             model_state = {name: value for name, value in model_state.items() if is_adapter(name)}
-        state = {"model": model_state, "optim": optim_state}
+        # torchao's float8 weights as plain tensors: readable without torchao imported
+        state = {"model": plain_float8_weights(model_state), "optim": plain_float8_weights(optim_state)}
         if self.average is not None:
             state[layout.AVERAGE_KEY] = self.average
         return state

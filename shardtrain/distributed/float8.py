@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 from torchao.float8 import (
     Float8LinearConfig,
     convert_to_float8_training,
     precompute_float8_dynamic_scale_for_fsdp,
 )
+from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 from shardtrain.distributed import parallelize
 from shardtrain.distributed.parallelize import Float8Training, float8_eligible
@@ -43,5 +45,12 @@ def convert_linears(model: nn.Module, blocks: Sequence[str], gather_in_float8: b
     return converted
 
 
+def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A weight gathered in float8 (torchao's ``WeightWithDynamicFloat8CastTensor``) as the plain
+    tensor it wraps; any other tensor as it is."""
+    return tensor._tensor if isinstance(tensor, WeightWithDynamicFloat8CastTensor) else tensor
+
+
 parallelize.float8_training.append(Float8Training(
-    convert=convert_linears, precompute_scales=precompute_float8_dynamic_scale_for_fsdp))
+    convert=convert_linears, precompute_scales=precompute_float8_dynamic_scale_for_fsdp,
+    plain_tensor=plain_tensor))

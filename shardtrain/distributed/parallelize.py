@@ -58,6 +58,11 @@ class Float8Training:
     # without it each gather reduces an amax per weight (on an H200 the 1.1B Llama's float8 step was
     # bound by the host issuing those, docs/benchmarks.md).
     precompute_scales: Callable[[nn.Module], None]
+    # A converted weight's local tensor as a plain tensor (the same storage), any other tensor as
+    # it is: weights gathered in float8 are torchao's tensor subclass, which checkpoints must not
+    # pickle (reading one back would need torchao imported: consolidate, eval, a resume without
+    # float8 all failed to unpickle it).
+    plain_tensor: Callable[[torch.Tensor], torch.Tensor]
 
 
 float8_training: list[Float8Training] = []
@@ -74,6 +79,30 @@ def precompute_float8_scales_after_steps(optimizer: torch.optim.Optimizer, model
     the next step's gathers (as torchtitan does). Until the first step each gather computes its
     weight's scale itself; weights changed other than by a step need ``refresh_float8_scales``."""
     optimizer.register_step_post_hook(lambda *_: refresh_float8_scales(model))
+
+
+def plain_float8_weights(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (a model's or optimizer's state dict, nested) with every float8-converted weight as
+    a plain DTensor over the same storage, so that a checkpoint holds plain tensors whatever reads it
+    (a load into the plain view fills the converted weight). ``state`` itself where no run in this
+    process converted any."""
+    if not float8_training:
+        return state
+    plain = float8_training[-1].plain_tensor
+
+    def unwrapped(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: unwrapped(item) for key, item in value.items()}
+        if not isinstance(value, DTensor):
+            return value
+        local = value.to_local()
+        inner = plain(local)
+        if inner is local:
+            return value
+        return DTensor.from_local(inner, value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+
+    return unwrapped(state)
 
 
 def float8_eligible(model: nn.Module, name: str, module: nn.Module) -> bool:
