@@ -106,6 +106,34 @@ def test_bad_config_is_named(override, expected):
     assert expected in str(info.value)
 
 
+def test_float8_tokens_in_multiples_of_16_and_finite_mixture_weights(tmp_path):
+    """Found by review: strategy.float8 accepted micro-batches whose tokens CUDA's float8 matmul
+    cannot contract over in the weight gradient (a failure in the first backward on the GPU; a CPU
+    refuses float8 itself, so the check is called here directly); data.weights=[inf, 1] was accepted
+    and drew the datasets 1:1."""
+    from shardtrain.config.compose import check_float8_tokens
+
+    for overrides, refused in ((["trainer.seq_len=50", "trainer.micro_batch_size=1"], True),
+                               (["trainer.seq_len=64", "trainer.micro_batch_size=1"], False),
+                               (["trainer.seq_len=50", "trainer.micro_batch_size=8"], False),
+                               (["trainer.seq_len=50", "trainer.micro_batch_size=auto",
+                                 "trainer.global_batch_size=8"], True)):
+        cfg = load_config(overrides)
+        cfg.strategy = dataclasses.replace(cfg.strategy, float8=True)
+        if refused:
+            with pytest.raises(ConfigError, match=r"^strategy.float8=true needs a micro-batch's tokens in "
+                                                  r"multiples of 16 .* trainer.seq_len=50 x "):
+                check_float8_tokens(cfg)
+        else:
+            check_float8_tokens(cfg)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for weights in ("[inf,1]", "[1e308,nan]"):
+        with pytest.raises(ConfigError, match=r"one positive, finite weight per prepared dataset"):
+            load_config(["data.source=prepared", f"data.paths=[{tmp_path / 'a'},{tmp_path / 'b'}]",
+                         f"data.weights={weights}"])
+
+
 def test_checkpointing_every_k_without_every_k_is_refused():
     """Accepted with activation_checkpointing=none, k changed nothing; with an auto micro-batch, which
     may choose every_k from none or selective, it is k."""
@@ -189,7 +217,7 @@ CHECKED_BY_CODE = {
     "model.path": ("model.path={tmp}", "has no config.json"),
     "model.tokenizer": ("model.tokenizer={tmp}/nowhere.json", "does not exist"),
     "data.cache_dir": ("data.cache_dir={tmp}/a_file", "is a file"),
-    "data.weights": ("data.weights=[1.0]", "one positive weight per prepared dataset"),
+    "data.weights": ("data.weights=[1.0]", "one positive, finite weight per prepared dataset"),
     "task.path": ("task=nope_module:Task", "does not import"),
     "task.options": ("task.size=3", "takes no options"),  # the language-model task has none
     "run.trackers": ("run.trackers=[tensorbord]", "is not a tracker"),

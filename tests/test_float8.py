@@ -125,3 +125,34 @@ def test_float8_weights_are_gathered_in_float8_only_where_sharded(strategy, worl
     plan = resolve_plan(dataclasses.replace(strategy_cfg, float8=True), world_size, local)  # a CPU refuses it
     assert plan.gathers_float8 is gathers
     assert plan.describe().endswith(f"float8 linears gathered in {'float8' if gathers else 'bfloat16'}")
+
+
+def test_multihead_attention_out_proj_is_not_converted_and_a_model_with_nothing_to_convert_is_refused(
+        monkeypatch):
+    """Found by review: nn.MultiheadAttention reads its out_proj's weight without calling the layer,
+    so a float8 out_proj (the DiT example's) failed in torchao's addmm at two ranks and ran in fp32,
+    counted as float8, at one; and a model with no linear of float8 sizes trained on without float8,
+    its start-up line saying float8."""
+    import types
+
+    import shardtrain.distributed.float8  # noqa: F401  registers the conversion (imports torchao)
+    from shardtrain.distributed import parallelize as parallelize_module
+    from shardtrain.distributed.float8 import convert_linears
+
+    class Block(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(width, 4, batch_first=True)
+            self.mlp = nn.Linear(width, width)
+
+    class Model(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(width)])
+
+    assert convert_linears(Model(64), ["blocks.0"], gather_in_float8=True) == ["blocks.0.mlp"]
+    monkeypatch.setattr(parallelize_module, "check_float8", lambda device: None)  # a CPU refuses float8
+    plan = resolve_plan(dataclasses.replace(load_config([]).strategy, float8=True), 1, 1)
+    with pytest.raises(ConfigError, match=r"^strategy.float8=true found no linear layer to convert in the "
+                                          r"model's 1 blocks: .* multiples of 16"):
+        parallelize_module.parallelize(Model(72), types.SimpleNamespace(device_type="cpu"), plan, [Block])

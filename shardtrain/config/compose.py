@@ -31,6 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from shardtrain.config.keys import ALIASES, PRESETS_DIR, check_overrides, schema_keys
 from shardtrain.config.schema import (
+    LANGUAGE_MODEL_TASK,
     TRACKERS,
     CheckpointConfig,
     Config,
@@ -386,6 +387,23 @@ def check_weight_average(cfg: Config) -> None:
                           "strategy.float8=false or trainer.ema_decay=0")
 
 
+def check_float8_tokens(cfg: Config) -> None:
+    """strategy.float8's weight gradients contract over a micro-batch's tokens, which CUDA's float8
+    matmul (torch._scaled_mm) needs in multiples of 16 (torchao pads only the forward's inner size
+    when asked, at a copy a matmul): the language model's micro-batch of trainer.seq_len tokens is
+    checked here, before any process starts, rather than failing in the first backward on the GPU.
+    A task's own batches are its to shape (docs/configuration.md)."""
+    t = cfg.trainer
+    if not cfg.strategy.float8 or cfg.task.path != LANGUAGE_MODEL_TASK or t.seq_len % 16 == 0:
+        return
+    if t.micro_batch_size == "auto" or (t.micro_batch_size * t.seq_len) % 16:
+        tokens = "the micro-batch size chosen" if t.micro_batch_size == "auto" else \
+            f"trainer.micro_batch_size={t.micro_batch_size}"
+        raise ConfigError(f"strategy.float8=true needs a micro-batch's tokens in multiples of 16 (its "
+                          f"float8 weight gradients contract over them), and trainer.seq_len={t.seq_len} x "
+                          f"{tokens} may not be; use a trainer.seq_len that is a multiple of 16")
+
+
 def check_monitor(cfg: Config) -> None:
     """trainer.monitor, judged by checkpoint.keep_best and trainer.early_stop_patience: a validation
     value that the run logs."""
@@ -452,10 +470,11 @@ def check_config(cfg: Config) -> None:
             if not any(ch in entry for ch in "*?[") and not Path(entry).expanduser().exists():
                 raise ConfigError(f"data path {entry!r} does not exist; fix data.paths")
     weights = cfg.data.weights
+    # finite too: an infinite weight (the sum inf) made every dataset's share nan, drawn 1:1
     if weights and (cfg.data.source != "prepared" or len(weights) != len(cfg.data.paths)
-                    or not all(isinstance(w, (int, float)) and w > 0 for w in weights)):
-        raise ConfigError(f"data.weights={list(weights)}: one positive weight per prepared dataset in "
-                          f"data.paths ({len(cfg.data.paths)} given), with data.source=prepared")
+                    or not all(isinstance(w, (int, float)) and math.isfinite(w) and w > 0 for w in weights)):
+        raise ConfigError(f"data.weights={list(weights)}: one positive, finite weight per prepared dataset "
+                          f"in data.paths ({len(cfg.data.paths)} given), with data.source=prepared")
     if cfg.data.cache_dir != "auto" and Path(cfg.data.cache_dir).expanduser().is_file():
         raise ConfigError(f"data.cache_dir={cfg.data.cache_dir!r} is a file; name a directory (or auto)")
     if not cfg.strategy.wrap_policy:  # said before torch is imported, as the training's build says it
@@ -466,6 +485,7 @@ def check_config(cfg: Config) -> None:
     check_trackers(cfg.run.trackers)
     check_profiling(cfg)
     check_weight_average(cfg)
+    check_float8_tokens(cfg)
     if cfg.checkpoint.save_full and cfg.finetune.method != "none":
         # It wrote PEFT's unmerged names (base_layer, lora_A), which nothing reads as a model, and
         # under QLoRA failed the first save on the NF4 tensors.

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 from torch.distributed.tensor import DTensor, Shard
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardtrain.accelerator import check_float8, pin_offloaded_memory
@@ -110,9 +111,12 @@ def float8_eligible(model: nn.Module, name: str, module: nn.Module) -> bool:
     of float8-able sizes, neither a LoRA adapter's (they train in fp32, and whether they divided by
     16 would depend on the rank) nor the output head, whose logits' precision matters most. Only the
     blocks' linears are asked: a head outside them is never converted, even where ``output_head``
-    does not name it (a Hugging Face model that scales its logits) or its weight is the embedding's."""
+    does not name it (a Hugging Face model that scales its logits) or its weight is the embedding's.
+    Nor ``nn.MultiheadAttention``'s ``out_proj``, whose weight it reads without calling the layer (a
+    float8 weight there failed in torchao's addmm at two ranks, and ran in fp32 uncounted at one)."""
     head_of = getattr(model, "output_head", None)
-    return (isinstance(module, nn.Linear) and module.in_features % FLOAT8_MULTIPLE == 0
+    return (isinstance(module, nn.Linear) and not isinstance(module, NonDynamicallyQuantizableLinear)
+            and module.in_features % FLOAT8_MULTIPLE == 0
             and module.out_features % FLOAT8_MULTIPLE == 0 and not is_adapter(name + ".")
             and not (callable(head_of) and module is head_of()))
 
@@ -405,6 +409,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
         # Before fully_shard, which then gathers the converted weights in float8 where they are sharded.
         report.float8_linears = float8_training[-1].convert(model, [name for name, _ in blocks],
                                                             plan.gathers_float8)
+        if not report.float8_linears:  # it trained on in the compute dtype, the start-up line saying float8
+            raise ConfigError(f"strategy.float8=true found no linear layer to convert in the model's "
+                              f"{len(blocks)} blocks: float8 takes nn.Linear layers whose sizes are "
+                              f"multiples of {FLOAT8_MULTIPLE}, not the output head or LoRA's adapters; "
+                              "drop strategy.float8")
         report.float8_scales_precomputed = (bool(report.float8_linears) and plan.gathers_float8
                                             and not plan.cpu_offload)
     if before_sharding is not None and (ignored := before_sharding(model)):
