@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -100,6 +101,23 @@ def test_a_damaged_peft_adapter_is_one_line(tmp_path):
         read_adapter_config(adapter)
     (adapter / ADAPTER_CONFIG).write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
     assert read_adapter_config(adapter)["r"] == 4
+    # Found by review: variants on the same lora_A/lora_B weights that compute otherwise (aLoRA's
+    # invocation tokens: logits 0.3-0.5 off plain LoRA's) were read as plain LoRA; a field this PEFT
+    # does not know is refused unless empty. PEFT's own full config of plain LoRA is read.
+    from peft import LoraConfig
+
+    plain = json.loads(json.dumps(LoraConfig(r=4, lora_alpha=8).to_dict(), default=str))
+    for key, value, said in (("alora_invocation_tokens", [7, 8],
+                              "only plain LoRA (alora_invocation_tokens=None)"),
+                             ("use_dora", True, "only plain LoRA (use_dora=False)"),
+                             ("lora_bias", True, "only plain LoRA (lora_bias=False)"),
+                             ("a_future_variant", {"x": 1}, "only plain LoRA (no a_future_variant)")):
+        (adapter / ADAPTER_CONFIG).write_text(json.dumps({**plain, "peft_type": "LORA", key: value}))
+        with pytest.raises(ConfigError, match=f"sets {key}=.*: {re.escape(said)} is supported"):
+            read_adapter_config(adapter)
+    unknown_but_empty = {**plain, "peft_type": "LORA", "a_future_variant": None}
+    (adapter / ADAPTER_CONFIG).write_text(json.dumps(unknown_but_empty))
+    assert read_adapter_config(adapter)["lora_alpha"] == 8
     assert list(adapter_weights(adapter)) == ["base_model.model.layers.0.q_proj.lora_A.weight"]
     weights = adapter / ADAPTER_WEIGHTS
     weights.write_bytes(weights.read_bytes()[:-8])  # truncated

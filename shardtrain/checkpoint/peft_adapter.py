@@ -26,16 +26,23 @@ from shardtrain.distributed.sharded_model import shard_like
 from shardtrain.errors import CheckpointError, ConfigError, json_object
 from shardtrain.models.hf_directory import PREFIX as HF_PARAMETER_PREFIX
 from shardtrain.models.llama_hf_adapter import from_hf_name, halves_to_interleaved, rotary_heads
-from shardtrain.models.lora import ADAPTER_NAME, is_adapter
+from shardtrain.models.lora import ADAPTER_NAME, is_adapter, peft_package
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # PeftModelForCausalLM -> LoraModel -> the transformers model
 # <module>.lora_A.weight (save_pretrained drops the adapter's name) or <module>.lora_A.<name>.weight
 PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.(lora_[AB])(?:\.[^.]+)?\.weight$")
-# LoraConfig fields that change what the adapters compute: a value other than this is refused.
-PLAIN_LORA = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "bias": "none",
-              "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
+# LoraConfig fields that leave the adapters computing plain LoRA's B @ A x alpha/r: the shape,
+# provenance, initialisation (the weights are read), and which modules hold them (read from the
+# weights). Every other field must keep the installed PEFT's default (DoRA, rsLoRA, aLoRA's invocation
+# tokens, a LoRA bias, per-module ranks, QA-LoRA, ...), or be absent or empty where this PEFT does not
+# know it: such an adapter computes something else on the same weights (aLoRA's logits 0.3-0.5 off).
+LAYOUT_AND_PROVENANCE = {
+    "r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "layers_to_transform",
+    "layers_pattern", "task_type", "base_model_name_or_path", "revision", "peft_type", "peft_version",
+    "inference_mode", "auto_mapping", "init_lora_weights", "loftq_config", "eva_config", "corda_config",
+    "lora_ga_config", "megatron_config", "megatron_core", "runtime_config", "qalora_group_size"}
 
 
 def read_adapter_config(directory: Path) -> dict:
@@ -48,10 +55,15 @@ def read_adapter_config(directory: Path) -> dict:
     if config.get("peft_type") != "LORA":
         raise ConfigError(f"model.adapter={str(directory)!r} is a {config.get('peft_type')} adapter; "
                           "finetune=lora starts from LoRA adapters only")
-    for key, plain in PLAIN_LORA.items():
-        if config.get(key, plain) not in (plain, None, [], {}):
-            raise ConfigError(f"model.adapter={str(directory)!r} sets {key}={config[key]!r}: only plain "
-                              f"LoRA ({key}={plain!r}) is supported")
+    plain = peft_package().LoraConfig().to_dict()
+    for key, value in config.items():
+        if key in LAYOUT_AND_PROVENANCE or value in (None, False, [], {}):
+            continue
+        if key in plain and value == plain[key]:
+            continue
+        default = f"{key}={plain[key]!r}" if key in plain else f"no {key}"
+        raise ConfigError(f"model.adapter={str(directory)!r} sets {key}={value!r}: only plain LoRA "
+                          f"({default}) is supported")
     for key in ("r", "lora_alpha"):
         if not isinstance(config.get(key), (int, float)) or isinstance(config.get(key), bool):
             raise ConfigError(f"{file} has no number {key} (it has {config.get(key)!r}); save the adapter "
