@@ -19,6 +19,11 @@ class DataError(ShardtrainError):
     """The training data is missing, empty or too small for the requested batch."""
 
 
+class TooFewTokens(DataError):
+    """A split holds too few tokens for one window (a mixture's validation leaves such a dataset out;
+    any other error of its data is raised)."""
+
+
 class TrainingError(ShardtrainError):
     """Training cannot go on (e.g. too many non-finite steps in a row)."""
 

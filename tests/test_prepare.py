@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -1012,6 +1013,16 @@ def test_a_mixture_draws_each_dataset_by_its_weight(tmp_path):
     windows.weights = [0.9995, 0.0005]
     assert ("big 1023 (99.95%), small 1 (0.05%); small drawn 2x as often as its weight says"
             in windows.describe(["big", "small"]))
+    # Found by review: a dataset too small for a window was named "mixture part 1", and a damaged
+    # validation split was left out of the interleaved validation as if too small, without a word
+    with pytest.raises(DataError, match=f"^training data of {re.escape(paths[0])} has "):
+        corpus.train_windows(corpus.train_parts[0].size)
+    damaged = shutil.copytree(tmp_path / "pb", tmp_path / "pb-damaged")
+    starts = damaged / "val" / "docs-00000.npy"
+    starts.write_bytes(b"\0" * starts.stat().st_size)
+    mixture = load_corpus(DataConfig(source="prepared", paths=[paths[0], str(damaged)]))
+    with pytest.raises(DataError, match=f"{re.escape(str(damaged))}: val/docs-00000.npy is not a readable"):
+        mixture.val_windows(16, packing="records")  # whole records: the starts read at once
 
 
 def save_tokenizer(tokenizer: tokenizers.Tokenizer, directory) -> HFTokenizer:

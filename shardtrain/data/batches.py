@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from shardtrain.errors import DataError
+from shardtrain.errors import DataError, TooFewTokens
 
 IGNORE_INDEX = -100
 
@@ -75,7 +75,7 @@ class TokenWindows:
         self.seq_len = seq_len
         self.num_samples = (len(tokens) - 1) // seq_len
         if self.num_samples < 1:
-            raise DataError(
+            raise TooFewTokens(
                 f"{name} has {len(tokens)} tokens, fewer than one window of trainer.seq_len+1="
                 f"{seq_len + 1}; use more data or a shorter trainer.seq_len (eval: --seq-len)"
             )
@@ -147,7 +147,7 @@ class RecordWindows(TokenWindows):
                             "data.packing=stream")
         starts = tokens.document_starts(0, len(tokens)).astype(np.int64)
         if len(tokens) < 2:  # one window of whole records needs a target, not seq_len + 1 tokens
-            raise DataError(f"{name} has {len(tokens)} tokens: no record to train or evaluate on")
+            raise TooFewTokens(f"{name} has {len(tokens)} tokens: no record to train or evaluate on")
         self.starts, self.stops, self.truncated = pack_records(starts, len(tokens), seq_len + 1)
         self.records = len(starts)
         self.tokens, self.seq_len, self.document_mask = tokens, seq_len, document_mask

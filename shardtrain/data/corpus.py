@@ -42,7 +42,7 @@ from shardtrain.data.prepare import (
 )
 from shardtrain.data.prepared import TokenStream, open_prepared
 from shardtrain.data.tokenizer import ByteTokenizer, Tokenizer
-from shardtrain.errors import DataError
+from shardtrain.errors import DataError, TooFewTokens
 
 log = logging.getLogger("shardtrain")
 
@@ -63,6 +63,7 @@ class Corpus:
     train_parts: list[TokenStream] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
     val_parts: list[TokenStream] = field(default_factory=list)
+    part_names: list[str] = field(default_factory=list)  # a mixture's datasets, as data.paths names them
 
     def train_windows(self, seq_len: int, document_mask: bool = False, packing: str = "auto",
                       warn: bool = True) -> TokenWindows | MixtureWindows:
@@ -70,8 +71,8 @@ class Corpus:
         the truncation warning is training's to give, not a second one beside the validation split's."""
         if not self.train_parts:
             return windows_of(self.train, seq_len, "training data", document_mask, packing, warn)
-        parts = [windows_of(part, seq_len, f"training data of mixture part {index}", document_mask, packing,
-                            warn)
+        parts = [windows_of(part, seq_len, f"training data of {self.part_name(index)}", document_mask,
+                            packing, warn)
                  for index, part in enumerate(self.train_parts)]
         return MixtureWindows(parts, self.weights or [part.num_samples for part in parts])
 
@@ -87,9 +88,9 @@ class Corpus:
         parts = []
         for index, part in enumerate(self.val_parts):
             try:
-                parts.append(windows_of(part, seq_len, f"{what} of mixture part {index}", document_mask,
+                parts.append(windows_of(part, seq_len, f"{what} of {self.part_name(index)}", document_mask,
                                         packing))
-            except DataError:
+            except TooFewTokens:  # only that: a damaged split is an error (it left validation unsaid)
                 continue
         if len(parts) >= 2:
             return InterleavedWindows(parts)
@@ -99,6 +100,10 @@ class Corpus:
         if parts and not uniform:
             return parts[0]
         return windows_of(self.val, seq_len, what, document_mask, packing)
+
+    def part_name(self, index: int) -> str:
+        """The mixture's ``index``-th dataset, by its path where known."""
+        return self.part_names[index] if index < len(self.part_names) else f"mixture part {index}"
 
     def describe(self) -> str:
         return (
@@ -322,4 +327,4 @@ def load_mixture(cfg: DataConfig, tokenizer: Tokenizer) -> Corpus:
                   root="mixture of " + ", ".join(cfg.paths), tokenizer=tokenizer.name,
                   path=", ".join(str(d.path) for d in datasets),
                   train_parts=[d.train for d in datasets], weights=list(cfg.weights),
-                  val_parts=[d.val for d in datasets])
+                  val_parts=[d.val for d in datasets], part_names=[str(d.path) for d in datasets])

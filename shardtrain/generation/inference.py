@@ -39,7 +39,7 @@ from shardtrain.distributed.sharded_model import (
     deferred_initialization,
     with_adapters,
 )
-from shardtrain.errors import CheckpointError, DataError
+from shardtrain.errors import CheckpointError, TooFewTokens
 from shardtrain.models.hf_directory import is_model_directory
 from shardtrain.models.lora import round_base_to
 from shardtrain.models.registry import model_factory
@@ -145,7 +145,7 @@ def data_changed_since(state: TrainState | None, corpus: Corpus) -> str | None:
     try:
         found = corpus.train_windows(trainer["seq_len"], data.get("document_mask", False),
                                      data.get("packing", "stream"), warn=False).num_samples
-    except DataError:  # too little left for one training window: changed, and said so, not raised
+    except TooFewTokens:  # too little left for one training window: changed, and said so, not raised
         found = 0
     if found == state.train_samples:
         return None
