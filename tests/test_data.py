@@ -210,6 +210,14 @@ def test_a_resume_names_the_settings_that_change_the_data_order(tmp_path):
         "data.packing stream -> records (windows of whole records now; runs saved before data.packing "
         "cut a stream: set data.packing=stream to go on as it trained)",
         "training samples 1000 -> 1400 (from the settings above)"]
+    # A mixture's datasets each: two may change with their sum the same (found by review: no word)
+    state.train_part_samples = [600, 400]
+    assert state.data_order_changes(same_order, 1000, None, [600, 400]) == []
+    assert state.data_order_changes(same_order, 1000, None, [700, 300]) == [
+        "training samples of each dataset [600, 400] -> [700, 300] (the data changed since the save)"]
+    assert state.data_order_changes(same_order, 1000, None, None) == []  # no longer a mixture: its keys say
+    state.train_part_samples = None  # one dataset, or a checkpoint from before the counts were kept
+    assert state.data_order_changes(same_order, 1000, None, [700, 300]) == []
     state.train_samples = None  # a checkpoint from before the count was kept
     assert state.data_order_changes(same_order, 1200) == []
     assert state.data_order_changes(other) == ["trainer.seq_len 128 -> 256", "data.max_bytes 0 -> 1000"]

@@ -293,13 +293,14 @@ def test_eval_says_when_the_runs_data_now_gives_other_samples(tmp_path):
                       cache_dir=str(tmp_path / "cache"))
     corpus = load_corpus(data)
     samples = corpus.train_windows(64).num_samples
-    state = argparse.Namespace(train_samples=samples, config={"trainer": {"seq_len": 64},
-                                                              "data": {"document_mask": False}})
+    state = argparse.Namespace(train_samples=samples, train_part_samples=None,
+                               config={"trainer": {"seq_len": 64}, "data": {"document_mask": False}})
     assert data_changed_since(state, corpus) is None
     assert data_changed_since(argparse.Namespace(train_samples=None), corpus) is None  # older checkpoints
     (tmp_path / "data" / "new.txt").write_text("another document " * 400)
     changed = data_changed_since(state, load_corpus(data))
-    short = argparse.Namespace(train_samples=samples, config={"trainer": {"seq_len": 10**7}, "data": {}})
+    short = argparse.Namespace(train_samples=samples, train_part_samples=None,
+                               config={"trainer": {"seq_len": 10**7}, "data": {}})
     assert "now gives 0 training samples" in data_changed_since(short, corpus)  # not one window: said
     assert changed.startswith(f"the run's data ({tmp_path / 'data'}) now gives ") and changed.endswith(
         f"training samples, where the run trained on {samples}: its files changed since, or data.paths or "

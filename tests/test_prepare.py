@@ -997,6 +997,9 @@ def test_a_mixture_draws_each_dataset_by_its_weight(tmp_path):
                    f"run.dir={tmp_path / 'run'}")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "mixture of" in done.stderr and read_metrics(tmp_path / "run")[-1]["step"] == 2
+    # the checkpoint keeps each dataset's sample count, which a resume and eval compare
+    saved = json.loads((tmp_path / "run" / "checkpoints" / "step-2" / "trainer_state.json").read_text())
+    assert saved["train_part_samples"] == [part.num_samples for part in windows.parts], saved
     # eval scores the run's held-out windows as its evaluation did, documents masked (found by
     # review: eval packed them unmasked, 4.0374 where a run of short documents logged 4.0391; these
     # documents of one letter each score alike either way, so the line says which was done)

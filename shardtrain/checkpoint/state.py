@@ -106,6 +106,9 @@ class TrainState:
     # The training data's sample count, on which the global order depends: data changed since (files
     # edited or added under the same settings) is said at the resume.
     train_samples: int | None = None
+    # A mixture's sample count of each dataset (its order depends on each: two datasets may change
+    # with their sum unchanged); None for one dataset, or a checkpoint saved before 2026-11-30.
+    train_part_samples: list[int] | None = None
     # The save wrote checksums.json (every save since 2026-11-29 records so): a copy without it is
     # incomplete, not an older checkpoint that never had one.
     checksums: bool = False
@@ -115,7 +118,8 @@ class TrainState:
                 consumed_samples: int, global_batch: int, scheduler: dict[str, Any],
                 world_size: int, base_weights: dict[str, Any] | None = None,
                 best: dict[str, Any] | None = None, evaluation_due: bool = False,
-                train_samples: int | None = None) -> TrainState:
+                train_samples: int | None = None, train_part_samples: list[int] | None = None
+                ) -> TrainState:
         return cls(
             step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
             global_batch=global_batch, scheduler=scheduler, world_size=world_size,
@@ -125,7 +129,8 @@ class TrainState:
             versions={"shardtrain": __version__, "torch": torch.__version__,
                       "python": platform.python_version()},
             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), base_weights=base_weights, best=best,
-            evaluation_due=evaluation_due, train_samples=train_samples, checksums=True,
+            evaluation_due=evaluation_due, train_samples=train_samples,
+            train_part_samples=train_part_samples, checksums=True,
         )
 
     def best_steps(self) -> set[int]:
@@ -177,11 +182,11 @@ class TrainState:
         return changes
 
     def data_order_changes(self, cfg: Config, train_samples: int | None = None,
-                           packing: str | None = None) -> list[str]:
+                           packing: str | None = None, part_samples: list[int] | None = None) -> list[str]:
         """``DATA_ORDER_KEYS`` whose value in ``cfg`` differs from the saved run's, as "key old -> new",
         the windows' packing (``packing``: data.packing as it resolved now) where the saved run's
-        resolved otherwise, and the training data's sample count (``train_samples``, now) where it
-        differs from the saved."""
+        resolved otherwise, and the training data's sample count (``train_samples``, now; a mixture's
+        of each dataset, ``part_samples``) where it differs from the saved."""
         if cfg.task.path != LANGUAGE_MODEL_TASK:
             keys = TASK_DATA_KEYS  # a task's data is its own: its options may change it
         else:
@@ -196,12 +201,16 @@ class TrainState:
                 "trained")
             changes.append(f"data.packing {saved} -> {packing} (windows of "
                            f"{'whole records' if packing == 'records' else 'the token stream'} now{older})")
+        # A changed setting (the windows' length, the data's paths) explains a count; else the files
+        # themselves changed under the same settings.
+        counting = [change for change in changes if not change.startswith("trainer.seed ")]
+        why = "from the settings above" if counting else "the data changed since the save"
         if None not in (self.train_samples, train_samples) and self.train_samples != train_samples:
-            # A changed setting (the windows' length, the data's paths) explains the count; else the
-            # files themselves changed under the same settings.
-            counting = [change for change in changes if not change.startswith("trainer.seed ")]
-            why = "from the settings above" if counting else "the data changed since the save"
             changes.append(f"training samples {self.train_samples} -> {train_samples} ({why})")
+        elif (None not in (self.train_part_samples, part_samples)
+              and self.train_part_samples != part_samples):
+            changes.append(f"training samples of each dataset {self.train_part_samples} -> {part_samples} "
+                           f"({why})")
         return changes
 
     def model_changes(self, cfg: Config) -> str:

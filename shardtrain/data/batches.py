@@ -313,6 +313,11 @@ class MixtureOrder:
         return out
 
 
+def part_sample_counts(windows: Any) -> list[int] | None:
+    """A mixture's sample count of each dataset (its order depends on each); None for one dataset."""
+    return [part.num_samples for part in windows.parts] if isinstance(windows, MixtureWindows) else None
+
+
 class MixtureWindows:
     """Training windows of several datasets, drawn in proportion to ``weights`` (``MixtureOrder``)."""
 

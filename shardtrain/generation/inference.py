@@ -29,6 +29,7 @@ from shardtrain.checkpoint.weights import (
 )
 from shardtrain.config.plan import DTYPES, resolve_plan
 from shardtrain.config.schema import Config, ModelConfig
+from shardtrain.data.batches import part_sample_counts
 from shardtrain.data.corpus import Corpus
 from shardtrain.distributed.agreement import run_agreed
 from shardtrain.distributed.env import DistEnv, build_mesh, init_distributed, set_cpu_threads
@@ -143,13 +144,18 @@ def data_changed_since(state: TrainState | None, corpus: Corpus) -> str | None:
         return None
     trainer, data = state.config.get("trainer", {}), state.config.get("data", {})
     try:
-        found = corpus.train_windows(trainer["seq_len"], data.get("document_mask", False),
-                                     data.get("packing", "stream"), warn=False).num_samples
+        windows = corpus.train_windows(trainer["seq_len"], data.get("document_mask", False),
+                                       data.get("packing", "stream"), warn=False)
+        found, parts = windows.num_samples, part_sample_counts(windows)
     except TooFewTokens:  # too little left for one training window: changed, and said so, not raised
-        found = 0
-    if found == state.train_samples:
+        found, parts = 0, None
+    if found != state.train_samples:
+        counts = f"{found} training samples, where the run trained on {state.train_samples}"
+    elif None not in (parts, state.train_part_samples) and parts != state.train_part_samples:
+        counts = (f"{parts} training samples of its datasets, where the run trained on "
+                  f"{state.train_part_samples}")
+    else:
         return None
-    return (f"the run's data ({corpus.root}) now gives {found} training samples, where the run trained on "
-            f"{state.train_samples}: its files changed since, or data.paths or the standard library "
-            "resolve to others here, so the held-out split scored is not the run's; name the text "
-            "to score with --file")
+    return (f"the run's data ({corpus.root}) now gives {counts}: its files changed since, or data.paths or "
+            "the standard library resolve to others here, so the held-out split scored is not the run's; "
+            "name the text to score with --file")

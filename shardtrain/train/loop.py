@@ -43,7 +43,14 @@ from shardtrain.config.plan import ShardingPlan, check_world
 from shardtrain.config.schema import Config, TrainerConfig
 from shardtrain.config.sizes import counted
 from shardtrain.config.strategy import PRECISION_PRESETS
-from shardtrain.data.batches import BatchLayout, SampleSource, TrainBatches, eval_batches, packing_of
+from shardtrain.data.batches import (
+    BatchLayout,
+    SampleSource,
+    TrainBatches,
+    eval_batches,
+    packing_of,
+    part_sample_counts,
+)
 from shardtrain.diagnostics.failures import is_failure, record_exception
 from shardtrain.diagnostics.memory import PhaseMemory, adapter_summary, state_bytes
 from shardtrain.diagnostics.planner import BatchChoice
@@ -269,11 +276,14 @@ class Trainer:
         # ranks different global orders, repeating some samples and skipping others, silently.
         different = ("the ranks read different data (data.paths, data.cache_dir or the Python install "
                      "differs between nodes); give every node the same files")
+        # A mixture's datasets each (their sum may agree where two differ)
+        parts = {f"training samples of mixture dataset {index}": (count, different)
+                 for index, count in enumerate(part_sample_counts(train) or [])}
         check_same_counts({
             "micro-batches per step": (len(self.layout.rank_slices(
                 np.zeros(self.layout.global_batch, dtype=np.int64), dp_rank)), waiting),
             "validation batches": (len(self.val_batches), waiting),
-            "training samples": (train.num_samples, different),
+            "training samples": (train.num_samples, different), **parts,
             "validation samples": (self.val_available, different)}, env.device)
 
     @classmethod
@@ -410,7 +420,8 @@ class Trainer:
         (the weight average's are weight_average_changes', which needs the load's outcome)."""
         warnings = []
         if order := state.data_order_changes(self.cfg, self.train_data.windows.num_samples,
-                                             packing_of(self.train_data.windows)):
+                                             packing_of(self.train_data.windows),
+                                             part_sample_counts(self.train_data.windows)):
             warnings.append(f"the data order differs from the checkpoint's ({'; '.join(order)}): the saved "
                             "position is read in the new order, so samples may repeat or be skipped")
         if schedule := self.schedule_changes(state.config.get("trainer", {}), asked_lrs):
@@ -541,6 +552,7 @@ class Trainer:
             consumed_samples=self.train_data.consumed_samples, global_batch=self.layout.global_batch,
             blocking=blocking, evaluation_due=self.evaluation_due,
             train_samples=self.train_data.windows.num_samples,
+            train_part_samples=part_sample_counts(self.train_data.windows),
         )
         self.best_save_due = False  # a save at this step keeps what the evaluation ranked
         self.result.checkpoint_blocked_s.append(blocked)
