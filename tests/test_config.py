@@ -128,10 +128,17 @@ def test_float8_tokens_in_multiples_of_16_and_finite_mixture_weights(tmp_path):
             check_float8_tokens(cfg)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    for weights in ("[inf,1]", "[1e308,nan]"):
+    for weights in ("[inf,1]", "[1e308,nan]", "[1e308,1e308]"):
         with pytest.raises(ConfigError, match=r"one positive, finite weight per prepared dataset"):
             load_config(["data.source=prepared", f"data.paths=[{tmp_path / 'a'},{tmp_path / 'b'}]",
                          f"data.weights={weights}"])
+    # ... and a mixture built in code (found by review: [1, 0] drew the zero-weight dataset anyway)
+    from shardtrain.data.batches import MixtureWindows
+    from shardtrain.errors import DataError
+
+    for weights in ([1.0, 0.0], [1.0, -0.5], [float("inf"), 1.0], [1.0]):
+        with pytest.raises(DataError, match=r"one positive, finite weight per dataset \(2\)"):
+            MixtureWindows([object(), object()], weights)
 
 
 def test_checkpointing_every_k_without_every_k_is_refused():

@@ -472,7 +472,8 @@ def check_config(cfg: Config) -> None:
     weights = cfg.data.weights
     # finite too: an infinite weight (the sum inf) made every dataset's share nan, drawn 1:1
     if weights and (cfg.data.source != "prepared" or len(weights) != len(cfg.data.paths)
-                    or not all(isinstance(w, (int, float)) and math.isfinite(w) and w > 0 for w in weights)):
+                    or not all(isinstance(w, (int, float)) and math.isfinite(w) and w > 0 for w in weights)
+                    or not math.isfinite(sum(weights))):
         raise ConfigError(f"data.weights={list(weights)}: one positive, finite weight per prepared dataset "
                           f"in data.paths ({len(cfg.data.paths)} given), with data.source=prepared")
     if cfg.data.cache_dir != "auto" and Path(cfg.data.cache_dir).expanduser().is_file():

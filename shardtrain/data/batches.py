@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import time
 from collections import UserDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -322,6 +323,11 @@ class MixtureWindows:
     """Training windows of several datasets, drawn in proportion to ``weights`` (``MixtureOrder``)."""
 
     def __init__(self, parts: list[TokenWindows], weights: list[float]) -> None:
+        # as data.weights is checked, for mixtures built in code (block_counts divides by the sum)
+        if len(weights) != len(parts) or not all(math.isfinite(w) and w > 0 for w in weights) \
+                or not math.isfinite(sum(weights)):
+            raise DataError(f"mixture weights {list(weights)}: one positive, finite weight per dataset "
+                            f"({len(parts)}), their sum finite")
         self.parts = parts
         self.weights = weights
         self.seq_len = parts[0].seq_len
