@@ -221,37 +221,33 @@ class GlobalOrder:
         self.half = np.uint64((bits + 1) // 2)
         self.low_mask = np.uint64((1 << int(self.half)) - 1)
 
-    def _keys(self, epoch: int) -> np.ndarray:
-        """One 64-bit key per round, from the seed and the epoch."""
-        seed, epoch_ = (np.array([v], dtype=np.uint64) for v in (self.seed, epoch))
-        base = mix64(seed) ^ mix64(epoch_ + np.uint64(0x9E3779B97F4A7C15))
-        return mix64(base + np.arange(1, self.ROUNDS + 1, dtype=np.uint64))
+    def _keys(self, epochs: np.ndarray) -> np.ndarray:
+        """One 64-bit key per round for each of ``epochs``, from the seed and the epoch: [epochs, rounds]."""
+        seed = np.array([self.seed], dtype=np.uint64)
+        base = mix64(seed) ^ mix64(epochs.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15))
+        return mix64(base[:, None] + np.arange(1, self.ROUNDS + 1, dtype=np.uint64)[None, :])
 
     def _feistel(self, x: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """``x`` through the rounds, each element with its own row of ``keys``."""
         left, right = x >> self.half, x & self.low_mask
-        for key in keys:
-            left, right = right, left ^ (mix64(right ^ key) & self.low_mask)
+        for round_ in range(self.ROUNDS):
+            left, right = right, left ^ (mix64(right ^ keys[:, round_]) & self.low_mask)
         return (left << self.half) | right
 
-    def permute(self, offsets: np.ndarray, epoch: int) -> np.ndarray:
-        """Epoch ``epoch``'s ids at ``offsets`` (each in ``[0, num_samples)``)."""
-        keys = self._keys(epoch)
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        """The ids at ``positions`` (any non-negative positions) of the endless order. Every epoch's
+        in one pass: a step of a large batch over a tiny mixture dataset spans thousands of its
+        epochs (found by review: one pass an epoch, 1.2 s a step at a global batch of 32,768)."""
+        epochs, offsets = np.divmod(positions.astype(np.int64), self.num_samples)
+        unique, which = np.unique(epochs, return_inverse=True)
+        keys = self._keys(unique)[which.reshape(-1)]
         x = offsets.astype(np.uint64)
         outside = np.ones(len(x), dtype=bool)
         limit = np.uint64(self.num_samples)
-        while outside.any():
-            x[outside] = self._feistel(x[outside], keys)
+        while outside.any():  # cycle-walking: until each value falls inside the range
+            x[outside] = self._feistel(x[outside], keys[outside])
             outside = x >= limit
         return x.astype(np.int64)
-
-    def at(self, positions: np.ndarray) -> np.ndarray:
-        """The ids at ``positions`` (any non-negative positions) of the endless order."""
-        epochs, offsets = np.divmod(positions.astype(np.int64), self.num_samples)
-        out = np.empty(len(positions), dtype=np.int64)
-        for epoch in np.unique(epochs):
-            here = epochs == epoch
-            out[here] = self.permute(offsets[here], int(epoch))
-        return out
 
     def take(self, start: int, count: int) -> np.ndarray:
         """The ids at positions ``start .. start + count - 1`` of the endless order."""
