@@ -100,6 +100,12 @@ def test_conversion_swaps_block_linears_but_not_the_head(tmp_path):
     adapted = add_adapters(build_model(lora.model), lora.finetune)
     converted = convert_linears(adapted, ["layers.0"], gather_in_float8=True)
     assert len(converted) == 7 and not any("lora_" in name for name in converted), converted
+    # A frozen base's scales are computed once after the weights are read, not after every step
+    # (found by review: a pass and an all-reduce a step over weights that never change)
+    from shardtrain.distributed.parallelize import trains_any
+
+    assert not trains_any(adapted, converted)  # add_adapters froze the base
+    assert trains_any(model, [name for name in linears if name.startswith("layers.")])
 
     # Cohere scales its logits (so output_head() is None) and ties its head to the embedding.
     transformers.CohereConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,

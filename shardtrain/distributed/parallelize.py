@@ -106,6 +106,11 @@ def plain_float8_weights(state: dict[str, Any]) -> dict[str, Any]:
     return unwrapped(state)
 
 
+def trains_any(model: nn.Module, modules: Sequence[str]) -> bool:
+    """Whether any of ``model``'s ``modules`` (names) has a weight the optimizer updates."""
+    return any(model.get_submodule(name).weight.requires_grad for name in modules)
+
+
 def float8_eligible(model: nn.Module, name: str, module: nn.Module) -> bool:
     """Whether strategy.float8 converts ``module`` (``name`` in a block of ``model``): a linear layer
     of float8-able sizes, neither a LoRA adapter's (they train in fp32, and whether they divided by

@@ -18,6 +18,7 @@ from shardtrain.distributed.parallelize import (
     ShardingReport,
     precompute_float8_scales_after_steps,
     register_forward_methods,
+    trains_any,
 )
 from shardtrain.distributed.sharded_model import build_sharded_model
 from shardtrain.tasks.task import Task, model_factory, wrap_policy_of
@@ -48,7 +49,9 @@ def build(cfg: Config, env: DistEnv, task: Task,
     # since a factory may close over an optimizer or parameters made before sharding.
     optimizer = optimizer_factory(model) if optimizer_factory else build_optimizer(model, cfg.trainer)
     check_optimizer(optimizer, model)
-    if report.float8_scales_precomputed:
+    if report.float8_scales_precomputed and trains_any(model, report.float8_linears):
+        # Frozen converted weights (a LoRA base) never change: their scales, computed once after the
+        # weights are read (Trainer.load), need no pass and all-reduce after every step.
         precompute_float8_scales_after_steps(optimizer, model)
     scheduler = build_scheduler(optimizer, cfg.trainer)
     return Built(plan, mesh, model, report, optimizer, scheduler)
