@@ -141,7 +141,7 @@ def test_two_ranks_match_plain_transformers(two_rank_runs, references):
     check_runs(2, two_rank_runs, references)
 
 
-def test_a_moe_router_loss_trains_as_transformers_computes_it(two_rank_runs, moe_dir, monkeypatch):
+def test_a_moe_router_loss_trains_as_transformers_computes_it(two_rank_runs, moe_dir, monkeypatch, tmp_path):
     """A MoE config with output_router_logits was refused (the loss would have been cross-entropy
     alone). It trains with coefficient x the router load-balancing loss its own forward computes,
     each rank's micro-batch its own (as transformers computes it over a batch): 2 ranks of 4 windows,
@@ -168,10 +168,33 @@ def test_a_moe_router_loss_trains_as_transformers_computes_it(two_rank_runs, moe
     batch = Batch(PROBE[:, :-1], PROBE[:, 1:], None)
     assert set(LanguageModelTask().loss(model.train(), batch).metrics) == {"router_loss"}
     assert LanguageModelTask().loss(model.eval(), batch).metrics == {}  # val_loss: cross-entropy alone
+    # The coefficient is the one the family's forward weighs the loss by (found by the diff review:
+    # JetMoe's aux_loss_coef and Dbrx's ffn_config.moe_loss_weight read as 0, the loss left out without
+    # a word): one batch's loss is transformers' own loss on it
+    tokenizer = train_tokenizer(sample_texts())
+    for name, config, coefficient in (
+            ("jetmoe", transformers.JetMoeConfig(
+                vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_key_value_heads=2, kv_channels=8,
+                intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                aux_loss_coef=0.01), 0.01),
+            ("dbrx", transformers.DbrxConfig(
+                vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=1, output_router_logits=True,
+                attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2,
+                            "moe_loss_weight": 0.05}), 0.05)):
+        make_model.save_model_dir(tmp_path / name, config, tokenizer, seed=0)
+        family = HFCausalLM(ModelConfig(name="hf", path=str(tmp_path / name))).train()
+        assert family.router_loss_coef == coefficient and family.training_refusal() is None, name
+        tokens = PROBE % VOCAB
+        out = LanguageModelTask().loss(family, Batch(tokens[:, :-1], tokens[:, 1:], None))
+        # transformers' mean cross-entropy + coefficient x its aux_loss over the same inputs
+        theirs = family.hf(input_ids=tokens[:, :-1])
+        ce = torch.nn.functional.cross_entropy(theirs.logits.flatten(0, 1), tokens[:, 1:].flatten())
+        assert abs(float(out.loss / out.count) - float(ce + coefficient * theirs.aux_loss)) < 1e-5, name
     # A family whose forward adds the loss otherwise is refused, as every such config was before
     monkeypatch.setattr("shardtrain.models.hf.ROUTER_LOSS_CALL", re.compile("never"))
     refusal = HFCausalLM(ModelConfig(name="hf", path=moe_dir)).training_refusal()
-    assert "computes that loss otherwise than Mixtral's" in refusal, refusal
+    assert "computes or weighs that loss otherwise than Mixtral's" in refusal, refusal
     assert "set output_router_logits to false" in refusal, refusal
 
 

@@ -217,11 +217,15 @@ def unlike_causal_lm(config: PretrainedConfig, path: str) -> str | None:
 # routers' logits, the experts and the experts each token goes to.
 ROUTER_LOSS_CALL = re.compile(r"\baux_loss\s*=\s*load_balancing_loss_func\(\s*outputs\.router_logits,\s*"
                               r"self\.num_experts,\s*self\.num_experts_per_tok,\s*attention_mask\b")
+# ... and how it weighs it: the attribute holding the coefficient (router_aux_loss_coef mostly, from
+# the config's key of that name; JetMoe's aux_loss_coef, Dbrx's from ffn_config.moe_loss_weight).
+ROUTER_LOSS_WEIGHT = re.compile(r"\bloss\s*\+=\s*self\.(\w+)\s*\*\s*aux_loss\b")
 
 
-def router_loss_function(model: nn.Module) -> Callable[..., torch.Tensor] | None:
-    """The load-balancing loss function of ``model``'s family, where its forward computes the loss
-    as Mixtral's does (``ROUTER_LOSS_CALL``), from attributes it has; None otherwise."""
+def router_loss_of(model: nn.Module) -> tuple[Callable[..., torch.Tensor], float] | None:
+    """The load-balancing loss function of ``model``'s family and the coefficient its forward weighs
+    it by, where that forward computes and adds the loss as Mixtral's does (``ROUTER_LOSS_CALL``,
+    ``ROUTER_LOSS_WEIGHT``) from attributes it has; None otherwise."""
     try:
         source = inspect.getsource(type(model).forward)
     except (OSError, TypeError):
@@ -229,7 +233,12 @@ def router_loss_function(model: nn.Module) -> Callable[..., torch.Tensor] | None
     function = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
     has_counts = all(isinstance(getattr(model, name, None), int)
                      for name in ("num_experts", "num_experts_per_tok"))
-    return function if ROUTER_LOSS_CALL.search(source) and callable(function) and has_counts else None
+    weight = ROUTER_LOSS_WEIGHT.search(source)
+    coefficient = getattr(model, weight.group(1), None) if weight else None
+    if not (ROUTER_LOSS_CALL.search(source) and callable(function) and has_counts
+            and isinstance(coefficient, (int, float)) and not isinstance(coefficient, bool)):
+        return None
+    return function, float(coefficient)
 
 
 class HFCausalLM(nn.Module):
@@ -260,9 +269,10 @@ class HFCausalLM(nn.Module):
         # A MoE config asking for its router's load-balancing loss (output_router_logits, with a
         # coefficient): the task adds coefficient x that loss to training's cross-entropy.
         moe = hasattr(self.config, "output_router_logits")
-        self.router_loss_coef = (float(getattr(self.config, "router_aux_loss_coef", 0.0) or 0.0)
-                                 if moe and self.config.output_router_logits else 0.0)
-        self._router_loss = router_loss_function(self.hf) if self.router_loss_coef else None
+        self.router_loss_asked = moe and bool(self.config.output_router_logits)
+        found = router_loss_of(self.hf) if self.router_loss_asked else None
+        self._router_loss = found[0] if found else None
+        self.router_loss_coef = found[1] if found else 0.0
         # Only asked for where it is added (generation and evaluation: not computed)
         self._router_logits = {"output_router_logits": False} if moe else {}
         self._head_shares_unit: bool | None = None
@@ -345,12 +355,11 @@ class HFCausalLM(nn.Module):
         load-balancing loss its family computes otherwise than ``ROUTER_LOSS_CALL``), None if it can."""
         if reason := unlike_causal_lm(self.config, self.cfg.path):
             return reason
-        if self.router_loss_coef and self._router_loss is None:
-            return (f"model.path={self.cfg.path!r}: {CONFIG_FILE} sets output_router_logits: true (router "
-                    f"load-balancing loss, coefficient {self.router_loss_coef}), but "
-                    f"{type(self.hf).__name__}.forward computes that loss otherwise than Mixtral's, which "
-                    "shardtrain follows; set output_router_logits to false to train on the cross-entropy "
-                    "alone")
+        if self.router_loss_asked and self._router_loss is None:
+            return (f"model.path={self.cfg.path!r}: {CONFIG_FILE} sets output_router_logits: true (a router "
+                    f"load-balancing loss), but {type(self.hf).__name__}.forward computes or weighs that "
+                    "loss otherwise than Mixtral's, which shardtrain follows; set output_router_logits to "
+                    "false to train on the cross-entropy alone")
         return None
 
     def document_mask_refusal(self) -> str | None:
