@@ -115,6 +115,18 @@ def test_a_damaged_peft_adapter_is_one_line(tmp_path):
         (adapter / ADAPTER_CONFIG).write_text(json.dumps({**plain, "peft_type": "LORA", key: value}))
         with pytest.raises(ConfigError, match=f"sets {key}=.*: {re.escape(said)} is supported"):
             read_adapter_config(adapter)
+    # ... and an initialisation that changed the base too (found by the diff review: PiSSA's trained
+    # A and B read onto the original base, 6% off), named with the conversion that makes it plain
+    for init in ("pissa", "pissa_niter_4", "olora", "loftq", "corda"):
+        (adapter / ADAPTER_CONFIG).write_text(json.dumps({**plain, "peft_type": "LORA",
+                                                          "init_lora_weights": init}))
+        with pytest.raises(ConfigError, match=f"init_lora_weights='{init}', which changes the base weights "
+                                              r"as well: .*path_initial_model_for_weight_conversion"):
+            read_adapter_config(adapter)
+    for init in (True, False, "gaussian", "eva", "orthogonal"):
+        (adapter / ADAPTER_CONFIG).write_text(json.dumps({**plain, "peft_type": "LORA",
+                                                          "init_lora_weights": init}))
+        assert read_adapter_config(adapter)["init_lora_weights"] == init
     unknown_but_empty = {**plain, "peft_type": "LORA", "a_future_variant": None}
     (adapter / ADAPTER_CONFIG).write_text(json.dumps(unknown_but_empty))
     assert read_adapter_config(adapter)["lora_alpha"] == 8

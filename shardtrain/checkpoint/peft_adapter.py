@@ -41,8 +41,12 @@ PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.(lora_[AB])(?:\.[^.]+)?\.
 LAYOUT_AND_PROVENANCE = {
     "r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "layers_to_transform",
     "layers_pattern", "task_type", "base_model_name_or_path", "revision", "peft_type", "peft_version",
-    "inference_mode", "auto_mapping", "init_lora_weights", "loftq_config", "eva_config", "corda_config",
-    "lora_ga_config", "megatron_config", "megatron_core", "runtime_config", "qalora_group_size"}
+    "inference_mode", "auto_mapping", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
+    "megatron_config", "megatron_core", "runtime_config", "qalora_group_size"}
+# Initialisations that draw the adapters alone. PiSSA, OLoRA, CorDA, LoRA-GA and LoftQ change the base
+# weights too: an adapter saved without converting it is read by PEFT onto that changed base (found by
+# review: read as plain LoRA onto the original base, a layer's output 6% off).
+ADAPTERS_ONLY_INIT = ("gaussian", "eva", "orthogonal")  # and true / false (PEFT's default draw, zeros)
 
 
 def read_adapter_config(directory: Path) -> dict:
@@ -55,8 +59,15 @@ def read_adapter_config(directory: Path) -> dict:
     if config.get("peft_type") != "LORA":
         raise ConfigError(f"model.adapter={str(directory)!r} is a {config.get('peft_type')} adapter; "
                           "finetune=lora starts from LoRA adapters only")
+    init = config.get("init_lora_weights", True)
+    if not (isinstance(init, bool) or init in ADAPTERS_ONLY_INIT):
+        raise ConfigError(f"model.adapter={str(directory)!r} was initialised with init_lora_weights="
+                          f"{init!r}, which changes the base weights as well: convert it to a plain "
+                          "LoRA adapter (save_pretrained with path_initial_model_for_weight_conversion)")
     plain = peft_package().LoraConfig().to_dict()
     for key, value in config.items():
+        if key == "init_lora_weights":
+            continue
         if key in LAYOUT_AND_PROVENANCE or value in (None, False, [], {}):
             continue
         if key in plain and value == plain[key]:
