@@ -236,6 +236,26 @@ def test_save_full_matches_consolidation_and_inspect_describes_it(good_checkpoin
     run = json.loads((good_checkpoint / "trainer_state.json").read_text())["config"]["trainer"]
     for written in (good_checkpoint, good_checkpoint / "model.safetensors", consolidated_file):
         assert eval_settings_of(written) == {"seq_len": run["seq_len"], "eval_samples": run["eval_samples"]}
+    # damaged (found by the diff review: a traceback, in generate too, and a seq_len of 0 divided by
+    # zero): one line naming the key and what to do; generate does not read it
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from shardtrain.errors import CheckpointError
+
+    with safe_open(str(consolidated_file), "pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    damaged = tmp_path / "damaged.safetensors"
+    for value in ('{"seq_len": 6', "5", '{"seq_len": "abc", "eval_samples": 2}',
+                  '{"seq_len": 0, "eval_samples": 2}'):
+        save_file(tensors, str(damaged), {**metadata, "shardtrain_eval_settings": value})
+        with pytest.raises(CheckpointError, match="metadata shardtrain_eval_settings is damaged"):
+            eval_settings_of(damaged)
+    proc = run_cli("eval", str(damaged))
+    assert proc.returncode != 0 and "shardtrain_eval_settings is damaged" in error_line(proc), proc.stderr
+    assert run_cli("eval", str(damaged), "--seq-len", "16", "--samples", "4").returncode == 0
+    generated = run_cli("generate", str(damaged), "--prompt", "x", "--max-new-tokens", "2")
+    assert generated.returncode == 0, generated.stderr[-2000:]
     # Found by review: with tied embeddings every save failed (the two names share memory, which
     # safetensors refuses), and the file lacked the model's config that generate and eval read.
     tied = run_cli("train", *QUICK, "trainer.max_steps=1", "checkpoint.save_full=true",

@@ -135,7 +135,18 @@ def eval_settings_of(path: Path) -> dict[str, int]:
     by an older shardtrain, or not by shardtrain)."""
     if path.is_file():
         raw = file_metadata(path).get(EVAL_SETTINGS_KEY) if path.suffix == ".safetensors" else None
-        return eval_settings({"trainer": json.loads(raw)}) if raw is not None else {}
+        if raw is None:
+            return {}
+        try:
+            saved = json.loads(raw)
+        except json.JSONDecodeError:
+            saved = None
+        keys = ("seq_len", "eval_samples")
+        settings = {key: saved.get(key) for key in keys} if isinstance(saved, dict) else {}
+        if not settings or not all(type(value) is int and value >= 1 for value in settings.values()):
+            raise CheckpointError(f"{path}: its metadata {EVAL_SETTINGS_KEY} is damaged ({raw[:80]!r}); give "
+                                  "eval --seq-len and --samples, or consolidate the checkpoint again")
+        return settings
     return eval_settings(TrainState.read(path).config)
 
 

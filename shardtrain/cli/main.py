@@ -345,7 +345,8 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
         # Where the run's own evaluations are repeated (its held-out split), as they scored it: the
         # fixed 256 x 128 defaults scored other windows than the val_loss it logged.
         # A checkpoint directory and a consolidated file record them (not a Hugging Face directory).
-        run = loaded.eval_settings if not args.file else {}
+        run = {} if args.file or (args.seq_len is not None and args.samples is not None) else \
+            loaded.eval_settings()
         if args.seq_len is None:
             args.seq_len = int(run.get("seq_len", EVAL_SEQ_LEN))
         if args.samples is None:

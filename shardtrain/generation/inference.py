@@ -40,7 +40,7 @@ from shardtrain.distributed.sharded_model import (
     deferred_initialization,
     with_adapters,
 )
-from shardtrain.errors import CheckpointError, TooFewTokens
+from shardtrain.errors import CheckpointError, DataError, TooFewTokens
 from shardtrain.models.hf_directory import is_model_directory
 from shardtrain.models.lora import round_base_to
 from shardtrain.models.registry import model_factory
@@ -55,8 +55,15 @@ class Loaded:
     compute_dtype: torch.dtype
     data_known: bool = True  # cfg.data is the run's data (not for a file consolidated before it was kept)
     state: TrainState | None = None  # a checkpoint directory's
-    # the windows the run's evaluations scored (seq_len, eval_samples), where the checkpoint says
-    eval_settings: dict[str, int] = dataclasses.field(default_factory=dict)
+    path: Path | None = None  # what was loaded (a link resolved)
+
+    def eval_settings(self) -> dict[str, int]:
+        """The windows the run's evaluations scored (``seq_len``, ``eval_samples``) where the
+        checkpoint records them (a Hugging Face directory does not): read for ``eval`` alone, so that
+        damaged metadata does not stop ``generate``."""
+        if self.state is not None:
+            return eval_settings(self.state.config)
+        return eval_settings_of(self.path) if self.path is not None and self.path.is_file() else {}
 
 
 def check_processes_for(path: Path, processes: int) -> None:
@@ -132,9 +139,7 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
         run_agreed(lambda: load_model_weights(model, str(path), cfg.model, verify_checksums=verify_checksums,
                                               average=average))
     return Loaded(cfg, env, model, with_adapters(factory, cfg, env.device), plan.param_dtype,
-                  data_known=data is not None, state=state,
-                  eval_settings=eval_settings(state.config) if state is not None else
-                  {} if hf_directory else eval_settings_of(path))
+                  data_known=data is not None, state=state, path=path)
 
 
 def data_changed_since(state: TrainState | None, corpus: Corpus) -> str | None:
@@ -149,6 +154,9 @@ def data_changed_since(state: TrainState | None, corpus: Corpus) -> str | None:
         found, parts = windows.num_samples, part_sample_counts(windows)
     except TooFewTokens:  # too little left for one training window: changed, and said so, not raised
         found, parts = 0, None
+    except DataError as exc:  # a damaged training split: eval scores the held-out one, and says so
+        return (f"the run's training data ({corpus.root}) cannot be read to check it is the run's "
+                f"({str(exc).splitlines()[0]}); the held-out split is scored as it is")
     if found != state.train_samples:
         counts = f"{found} training samples, where the run trained on {state.train_samples}"
     elif None not in (parts, state.train_part_samples) and parts != state.train_part_samples:
