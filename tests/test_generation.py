@@ -303,12 +303,13 @@ def test_eval_says_when_the_runs_data_now_gives_other_samples(tmp_path):
                                config={"trainer": {"seq_len": 10**7}, "data": {}})
     assert "now gives 0 training samples" in data_changed_since(short, corpus)  # not one window: said
     # training data that cannot be read is said, not raised: eval scores the held-out split (found by
-    # the diff review: a damaged training split stopped eval; here records asked of plain text)
+    # the diff review: a damaged training split stopped eval; here the first corpus's cache, prepared
+    # again since under it, read for record windows)
     unreadable = argparse.Namespace(train_samples=samples, train_part_samples=None,
                                     config={"trainer": {"seq_len": 64}, "data": {"packing": "records"}})
-    assert data_changed_since(unreadable, corpus).startswith(
-        f"the run's training data ({tmp_path / 'data'}) cannot be read to check it is the run's "
-        "(data.packing=")
+    said = data_changed_since(unreadable, corpus)
+    assert said.startswith(f"the run's training data ({tmp_path / 'data'}) cannot be read to check it is "
+                           "the run's (") and said.endswith("; the held-out split is scored as it is"), said
     assert changed.startswith(f"the run's data ({tmp_path / 'data'}) now gives ") and changed.endswith(
         f"training samples, where the run trained on {samples}: its files changed since, or data.paths or "
         "the standard library resolve to others here, so the held-out split scored is not the run's; name "
