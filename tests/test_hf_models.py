@@ -729,3 +729,33 @@ def test_a_part_written_between_whole_writes_is_computed_not_dropped():
     family.fill("mixed.weight", weight, torch.Generator().manual_seed(0))
     assert weight[:, 0].ge(200).all() and weight[:, 0].le(202).all() and weight[:, 1:].abs().lt(20).all()
     assert family.elementwise("padded.weight") and family.constants("padded.weight") == ((6, 9, 7.0),)
+
+
+def test_a_moe_models_flops_count_the_experts_a_token_runs():
+    """Found by review of the MoE path: 6 per parameter counted every routed expert, so MFU was
+    Mixtral-8x7B's 3.45x and Qwen3-30B-A3B's 6.8x what a step computes. A token runs
+    num_experts_per_tok of them: the rest are left out (shared experts and routers stay)."""
+    from shardtrain.models.hf import HFCausalLM
+
+    for name, config, experts_of_layer in (
+            ("mixtral", transformers.MixtralConfig(
+                vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2),
+             8 * 3 * 64 * 64),
+            ("qwen2_moe", transformers.Qwen2MoeConfig(
+                vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32,
+                shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, num_experts=8, num_experts_per_tok=2), 8 * 3 * 64 * 32)):
+        with torch.device("meta"):
+            model = HFCausalLM.__new__(HFCausalLM)
+            nn.Module.__init__(model)
+            model.hf = transformers.AutoModelForCausalLM.from_config(config)
+            model.config = config
+        inactive = model.inactive_expert_params()
+        assert inactive == 2 * experts_of_layer * 6 // 8, (name, inactive)  # 6 of 8 experts, 2 layers
+    with torch.device("meta"):
+        dense = HFCausalLM.__new__(HFCausalLM)
+        nn.Module.__init__(dense)
+        dense.hf = transformers.AutoModelForCausalLM.from_config(family_config("llama"))
+        dense.config = dense.hf.config
+    assert dense.inactive_expert_params() == 0

@@ -112,7 +112,9 @@ def adapter_flops_per_token(model: nn.Module, full_flops: float, cfg: FinetuneCo
     if cfg.method == "none":
         return full_flops
     if hasattr(model, "flops_per_token") and hasattr(model, "num_params"):
-        base = model.num_params(exclude_embeddings=True)
+        # the parameters a token runs (a MoE model's routed experts at their share)
+        inactive = getattr(model, "inactive_expert_params", None)
+        base = model.num_params(exclude_embeddings=True) - (inactive() if callable(inactive) else 0)
     else:  # counted as 6 per parameter
         base = sum(p.numel() for p in model.parameters())
     linears = [model.get_submodule(name) for name in adapter_targets(model, cfg.targets)]
