@@ -222,6 +222,15 @@ ROUTER_LOSS_CALL = re.compile(r"\baux_loss\s*=\s*load_balancing_loss_func\(\s*ou
 ROUTER_LOSS_WEIGHT = re.compile(r"\bloss\s*\+=\s*self\.(\w+)\s*\*\s*aux_loss\b")
 
 
+def adds_router_loss(model: nn.Module) -> bool:
+    """Whether ``model``'s forward adds an auxiliary router loss of any form (its source names one);
+    True where the source cannot be read."""
+    try:
+        return "aux_loss" in inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return True
+
+
 def router_loss_of(model: nn.Module) -> tuple[Callable[..., torch.Tensor], float] | None:
     """The load-balancing loss function of ``model``'s family and the coefficient its forward weighs
     it by, where that forward computes and adds the loss as Mixtral's does (``ROUTER_LOSS_CALL``,
@@ -269,7 +278,9 @@ class HFCausalLM(nn.Module):
         # A MoE config asking for its router's load-balancing loss (output_router_logits, with a
         # coefficient): the task adds coefficient x that loss to training's cross-entropy.
         moe = hasattr(self.config, "output_router_logits")
-        self.router_loss_asked = moe and bool(self.config.output_router_logits)
+        # (a family whose forward adds no such loss, Llama 4's, trains on the cross-entropy in
+        # transformers too: nothing asked)
+        self.router_loss_asked = moe and bool(self.config.output_router_logits) and adds_router_loss(self.hf)
         found = router_loss_of(self.hf) if self.router_loss_asked else None
         self._router_loss = found[0] if found else None
         self.router_loss_coef = found[1] if found else 0.0
