@@ -737,11 +737,23 @@ def test_a_part_written_between_whole_writes_is_computed_not_dropped():
     assert family.elementwise("padded.weight") and family.constants("padded.weight") == ((6, 9, 7.0),)
 
 
-def test_a_moe_models_flops_count_the_experts_a_token_runs():
+def test_a_moe_models_flops_count_the_experts_a_token_runs(moe_dir):
     """Found by review of the MoE path: 6 per parameter counted every routed expert, so MFU was
     Mixtral-8x7B's 3.45x and Qwen3-30B-A3B's 6.8x what a step computes. A token runs
-    num_experts_per_tok of them: the rest are left out (shared experts and routers stay)."""
+    num_experts_per_tok of them: the rest are left out (shared experts and routers stay). LoRA's
+    start-up line says the routed experts are not adapted (the default MLP targets matched nothing
+    there, without a word)."""
+    from shardtrain.config.schema import FinetuneConfig
+    from shardtrain.diagnostics.memory import adapter_summary
     from shardtrain.models.hf import HFCausalLM
+    from shardtrain.models.lora import add_adapters, routed_expert_params
+
+    lora = FinetuneConfig(method="lora")
+    adapted = add_adapters(HFCausalLM(ModelConfig(name="hf", path=moe_dir)), lora)
+    experts = routed_expert_params(adapted)
+    assert experts == 3 * 4 * 3 * 48 * 64  # 3 layers of 4 experts: gate, up (64 x 48) and down
+    assert adapter_summary(adapted, lora).endswith(
+        f"; the routed experts' {experts:,} parameters (stacked weights, no linear layers) are not adapted")
 
     for name, config, experts_of_layer in (
             ("mixtral", transformers.MixtralConfig(

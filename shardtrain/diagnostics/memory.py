@@ -13,7 +13,7 @@ from torch import nn
 from shardtrain.accelerator import phase_peak_bytes, reset_phase_peak
 from shardtrain.config.plan import dtype_name
 from shardtrain.config.schema import FinetuneConfig
-from shardtrain.models.lora import adapter_modules, local_bytes
+from shardtrain.models.lora import adapter_modules, local_bytes, routed_expert_params
 
 
 @dataclass
@@ -99,8 +99,14 @@ def adapter_summary(model: nn.Module, cfg: FinetuneConfig) -> str:
     count = sum(p.numel() for p in trainable)
     total = count + sum(p.numel() for p in frozen)
     mib = 2.0 ** 20
+    # A MoE model's routed experts are stacked 3-D weights, no linear layer: said, not left to be
+    # found (the default targets' MLP projections matched nothing there, without a word)
+    experts = routed_expert_params(model)
+    unadapted = (f"; the routed experts' {experts:,} parameters (stacked weights, no linear layers) are "
+                 "not adapted" + (" nor quantised" if cfg.method == "qlora" else "") if experts else "")
     return (f"finetune={cfg.method}: rank {cfg.rank}, alpha {cfg.alpha:g} on {len(adapter_modules(model))} "
             f"modules; {count:,} trainable parameters ({100 * count / max(total, 1):.2f}%), "
             f"{total - count:,} frozen; this rank holds {sum(map(local_bytes, trainable)) / mib:.2f} MiB "
             f"trainable (+ their gradients and 2 Adam moments) and "
-            f"{sum(map(local_bytes, frozen)) / mib:.2f} MiB frozen (no gradients, no optimizer state)")
+            f"{sum(map(local_bytes, frozen)) / mib:.2f} MiB frozen (no gradients, no optimizer state)"
+            f"{unadapted}")
