@@ -81,7 +81,8 @@ def run_router_loss_cases(model_dir: str, out_dir: str) -> None:
     world_size = int(os.environ["WORLD_SIZE"])
     corpus = hf_corpus(model_dir)
     for chunk in (0, 8):
-        cfg = hf_case_config(model_dir, world_size, str(Path(out_dir, f"router-{chunk}")))
+        cfg = hf_case_config(model_dir, world_size, str(Path(out_dir, f"router-{chunk}")),
+                             checkpoint=chunk == 0)  # a MoE checkpoint for the export test
         cfg.trainer = dataclasses.replace(cfg.trainer, loss_chunk_tokens=chunk)
         trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=corpus))
         result = trainer.fit()

@@ -34,13 +34,14 @@ import re
 import shutil
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 from cli_utils import run_cli
 from distributed import run_on_ranks
-from equivalence import max_errors
+from equivalence import STEPS, max_errors
 from hf_models import (
     FAMILIES,
     INITIALISATION_FAMILIES,
@@ -202,6 +203,31 @@ def test_a_moe_router_loss_trains_as_transformers_computes_it(two_rank_runs, moe
     refusal = HFCausalLM(ModelConfig(name="hf", path=moe_dir)).training_refusal()
     assert "computes or weighs that loss otherwise than Mixtral's" in refusal, refusal
     assert "set output_router_logits to false" in refusal, refusal
+
+
+def test_a_moe_export_is_written_in_the_layout_it_was_read_from(two_rank_runs, moe_dir, tmp_path):
+    """Found by review of the MoE path: export-hf wrote transformers v5's in-memory layout (each
+    layer's experts stacked in experts.gate_up_proj), which other readers of model directories do
+    not know; it writes the stored one, each expert's w1/w2/w3, as the model directory it was read
+    from holds them (and save_pretrained writes), and the check reads them back stacked."""
+    from safetensors import safe_open
+
+    checkpoint = two_rank_runs / "router-0" / "checkpoints" / f"step-{STEPS}"
+    out = tmp_path / "export"
+    export_hf(checkpoint, out, max_shard_size="200KB")
+    assert verify_export(checkpoint, out) < 1e-5
+
+    def keys(directory) -> set[str]:
+        found = set()
+        for file in directory.glob("*.safetensors"):
+            with safe_open(str(file), "pt") as f:
+                found |= set(f.keys())
+        return found
+
+    written = keys(out)
+    assert written == keys(Path(moe_dir)) and "model.layers.0.block_sparse_moe.experts.3.w1.weight" in written
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert theirs.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4  # stacked again in memory
 
 
 def test_four_ranks_match_plain_transformers(model_dirs, references, tmp_path):

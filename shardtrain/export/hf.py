@@ -19,6 +19,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from transformers.core_model_loading import revert_weight_conversion
 
 from shardtrain.checkpoint.safetensors_files import DTYPES as SAFETENSORS_DTYPES
 from shardtrain.checkpoint.safetensors_files import (
@@ -26,6 +27,7 @@ from shardtrain.checkpoint.safetensors_files import (
     open_safetensors,
     save_shard,
     shard_name,
+    unshared,
     write_index,
 )
 from shardtrain.checkpoint.weights import model_config_of
@@ -50,12 +52,23 @@ from shardtrain.models.llama_hf_adapter import hf_config, to_hf
 Converter = Callable[[str, torch.Tensor], "tuple[str, torch.Tensor] | None"]
 
 
-def hf_model_converter(cfg: ModelConfig) -> Converter:
-    """transformers' names; a tied weight once, under its first name (from_pretrained ties it)."""
+Layout = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def hf_model_converter(cfg: ModelConfig) -> tuple[Converter, Layout]:
+    """transformers' names, a tied weight once, under its first name (from_pretrained ties it); and
+    the stored layout of a shard's tensors under those names: the weight conversions transformers
+    applies when loading, reverted, as its save_pretrained writes (a MoE's stacked experts one by one
+    under the checkpoint's names: the stacked layout was transformers v5's in-memory one, which other
+    readers of model directories do not know)."""
     with torch.device("meta"):
         model = HFCausalLM(cfg)
     dropped = {name for names in shared_parameter_names(model) for name in names[1:]}
-    return lambda name, tensor: None if name in dropped else (hf_name(name), tensor)
+
+    def convert(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        return None if name in dropped else (hf_name(name), tensor)
+
+    return convert, lambda tensors: dict(revert_weight_conversion(model.hf, tensors))
 
 
 def write_hf_model_files(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> list[Path]:
@@ -167,8 +180,8 @@ def write_hf_directory(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[],
 def write_hf_files(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[], dict[str, torch.Tensor]]],
                    dtype: str | None) -> list[Path]:
     """``write_hf_directory``'s files: the shards, the index, the tokenizer, config.json."""
-    convert: Converter = hf_model_converter(cfg) if cfg.name == "hf" else (
-        lambda name, tensor: to_hf(name, tensor, cfg))
+    convert, layout = hf_model_converter(cfg) if cfg.name == "hf" else (
+        lambda name, tensor: to_hf(name, tensor, cfg), dict)
     cast = DTYPES[dtype] if dtype else None
     written: list[tuple[Path, list[str]]] = []  # each shard under a staging name, its tensors' names
     total = 0
@@ -185,6 +198,7 @@ def write_hf_files(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[], dic
             if t.is_floating_point():  # the config's dtype is the weights', not an integer buffer's
                 out_dtype = t.dtype
             tensors[hf_name] = t
+        tensors = unshared(layout(tensors))  # experts split from one stacked tensor share its storage
         if tensors:  # a part of dropped names only (a tied head's second name) makes no shard
             staged = out / f".shard-{len(written) + 1}.staging"
             save_shard(tensors, staged, {"format": "pt"})

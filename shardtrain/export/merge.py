@@ -95,7 +95,7 @@ def verify_merged_export(checkpoint: str | Path, out_dir: str | Path, tolerance:
     want = model(tokens)
     with parameters_on_meta():
         theirs = HFCausalLM(ModelConfig(name="hf", path=str(out_dir)))  # from_pretrained's model
-    read = export_reader(out_dir, theirs.parameter_name)
+    read = export_reader(out_dir, theirs)
     got = streamed_forward(theirs, tokens, lambda names: read(names).float())
     return compare_logits(want, got, f"{out_dir} (merged) loaded by transformers", tolerance)
 

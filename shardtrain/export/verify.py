@@ -26,7 +26,7 @@ from shardtrain.config.schema import ModelConfig
 from shardtrain.distributed.sharded_model import parameters_on_meta
 from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import load_tensors, plan_shards
-from shardtrain.models.hf import HFCausalLM
+from shardtrain.models.hf import ExpertPart, HFCausalLM
 from shardtrain.models.hf_directory import CONFIG_FILE
 from shardtrain.models.registry import build_model
 
@@ -55,7 +55,7 @@ def verify_export(checkpoint: str | Path, out_dir: str | Path,
     tokens = check_tokens(ours)
     with checkpoint_reader(checkpoint, key) as read:
         want = streamed_forward(ours, tokens, lambda names: read(names).to(dtype).float())
-    read = export_reader(out_dir, theirs.parameter_name)
+    read = export_reader(out_dir, theirs)
     got = streamed_forward(theirs, tokens, lambda names: read(names).float())
     return compare_logits(want, got, f"{out_dir} loaded by transformers", tolerance)
 
@@ -134,20 +134,39 @@ def checkpoint_reader(checkpoint: Path, key: str | None = None) -> Iterator[Read
     yield read
 
 
-def export_reader(out_dir: Path, parameter_name: Callable[[str], str]) -> Reader:
+def export_reader(out_dir: Path, model: HFCausalLM) -> Reader:
     """transformers' parameters one at a time from the written files, found under the names
-    ``parameter_name`` gives the stored ones."""
+    ``model.parameter_name`` gives the stored ones; a MoE's stacked experts put together from each
+    expert's stored tensors (``model.expert_part``), as from_pretrained does."""
     try:  # the files read here must be the ones transformers loads
         check_one_layout(out_dir)
     except CheckpointError as exc:
         raise CheckpointError(f"export check failed: {exc}") from exc
     stored: dict[str, tuple[Path, str]] = {}
+    experts: dict[str, list[tuple[ExpertPart, Path, str]]] = {}
     for file in weight_files(out_dir):
         with safe_open(str(file), framework="pt") as f:
-            stored.update((parameter_name(key), (file, key)) for key in f.keys())
+            for key in f.keys():
+                if (part := model.expert_part(key)) is not None:
+                    experts.setdefault(part.name, []).append((part, file, key))
+                else:
+                    stored[model.parameter_name(key)] = (file, key)
     missing = (f"export check failed: {out_dir} holds no weight for {{}} (transformers would draw it "
                "at random); export again")
-    return lambda names: read_one(*stored[first_stored(names, stored, missing)])
+
+    def read(names: list[str]) -> torch.Tensor:
+        name = first_stored(names, stored.keys() | experts.keys(), missing)
+        return stacked(experts[name]) if name in experts else read_one(*stored[name])
+
+    return read
+
+
+def stacked(parts: list[tuple[ExpertPart, Path, str]]) -> torch.Tensor:
+    """A parameter stacking its experts (``[experts, rows, ...]``), from each expert's stored
+    tensors: expert e's part p fills rows ``p * rows .. (p + 1) * rows`` of ``[e]``."""
+    pieces = {(part.expert, part.part): read_one(file, key) for part, file, key in parts}
+    count, per_expert = 1 + max(e for e, _ in pieces), parts[0][0].parts
+    return torch.stack([torch.cat([pieces[e, p] for p in range(per_expert)]) for e in range(count)])
 
 
 def read_one(file: Path, key: str) -> torch.Tensor:
