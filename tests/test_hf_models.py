@@ -68,7 +68,7 @@ from shardtrain.distributed.parallelize import (
     enable_activation_checkpointing,
 )
 from shardtrain.distributed.sharded_model import fill_elements, init_full_parameter
-from shardtrain.errors import CheckpointError, ModelError
+from shardtrain.errors import CheckpointError, ConfigError, ModelError
 from shardtrain.export.hf import export_hf
 from shardtrain.export.verify import verify_export
 from shardtrain.models.dims import Dims
@@ -803,3 +803,22 @@ def test_a_moe_models_flops_count_the_experts_a_token_runs(moe_dir):
         dense.hf = transformers.AutoModelForCausalLM.from_config(family_config("llama"))
         dense.config = dense.hf.config
     assert dense.inactive_expert_params() == 0
+
+
+def test_a_moe_model_in_fp32_is_planned_and_its_simulation_refused_in_one_line(moe_dir):
+    """Found by review of the MoE path: torch's fake grouped_mm (transformers' experts) takes bf16
+    only, so the planner counted an fp32 MoE model's blocks as Llama blocks (the experts' activations
+    missed) and plan --simulate printed a traceback. The planner measures in bf16 and scales to
+    fp32's element size; the simulator says it in one line, with what to run instead."""
+    from shardtrain.config.loader import load_config
+    from shardtrain.train.simulate import simulate
+
+    model = ModelConfig(name="hf", path=moe_dir)
+    fp32, bf16 = (kept_by_block(model, 64, dtype) for dtype in (torch.float32, torch.bfloat16))
+    assert fp32 is not None and fp32 == [2 * kept for kept in bf16], (fp32, bf16)
+    cfg = load_config(["model=hf", f"model.path={moe_dir}", "model.pretrained=false", "trainer.seq_len=64",
+                       "trainer.micro_batch_size=1", "strategy.mixed_precision=fp32"])
+    with pytest.raises(ConfigError, match=r"^the simulator could not run a step of LanguageModelTask on fake "
+                                          r"tensors \(Expected inputs of BF16 type.*simulate with "
+                                          r"strategy.mixed_precision=bf16-mixed"):
+        simulate(cfg, 2, 1, probe=False)

@@ -129,7 +129,7 @@ def kept_by_block(model_cfg: ModelConfig, seq_len: int, dtype: torch.dtype,
     key = (model_cfg.name, model_cfg.path, seq_len, dtype, document_mask)
     if key not in _measured:
         try:
-            _measured[key] = measure(model_cfg, seq_len, dtype, document_mask)
+            _measured[key] = measure_or_scale(model_cfg, seq_len, dtype, document_mask)
         except Exception as exc:  # the family's own code, on fake tensors: any error type
             _unmeasured[(model_cfg.name, model_cfg.path)] = (
                 f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
@@ -139,6 +139,21 @@ def kept_by_block(model_cfg: ModelConfig, seq_len: int, dtype: torch.dtype,
                         (str(exc).splitlines() or [""])[0])
             _measured[key] = None
     return _measured[key]
+
+
+def measure_or_scale(model_cfg: ModelConfig, seq_len: int, dtype: torch.dtype,
+                     document_mask: bool) -> list[int]:
+    """``measure``; where a kernel's fake version takes bf16 only (transformers' grouped_mm experts
+    of a MoE model), measured in bf16 and scaled to ``dtype``'s element size (the few tensors a model
+    computes in fp32 whatever its dtype, such as router probabilities, are then over-counted: an
+    upper bound, where the fallback to Llama blocks missed the experts' activations)."""
+    try:
+        return measure(model_cfg, seq_len, dtype, document_mask)
+    except RuntimeError as exc:
+        if "BF16" not in str(exc) or dtype == torch.bfloat16:
+            raise
+    scale = torch.empty((), dtype=dtype).element_size() / 2
+    return [round(kept * scale) for kept in measure(model_cfg, seq_len, torch.bfloat16, document_mask)]
 
 
 def measure(model_cfg: ModelConfig, seq_len: int, dtype: torch.dtype, document_mask: bool) -> list[int]:

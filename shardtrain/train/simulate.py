@@ -46,6 +46,7 @@ from shardtrain.checkpoint import layout
 from shardtrain.config.loader import formulas_know
 from shardtrain.config.plan import resolve_plan, with_global_batch
 from shardtrain.config.schema import Config
+from shardtrain.diagnostics.kept import fake_tensor_errors_unlogged
 from shardtrain.diagnostics.memory import state_bytes
 from shardtrain.diagnostics.planner import Estimate, estimate, planned_model
 from shardtrain.distributed.env import destroy_distributed
@@ -403,11 +404,28 @@ def simulate(cfg: Config, world_size: int, local_world_size: int, *, probe: bool
     task = bound_task(cfg, task)
     builtin = formulas_know(task)
     depths = probe_depths(cfg) if probe and builtin else None
-    if depths is None:
-        return _simulate_depth(cfg, world_size, local_world_size, task)
-    probes = [_simulate_depth(c, world_size, local_world_size, bound_task(c, LanguageModelTask()))
-              for c in (replace(cfg, model=replace(cfg.model, n_layers=d)) for d in depths)]
+    with fake_step_failures_explained(task):
+        if depths is None:
+            return _simulate_depth(cfg, world_size, local_world_size, task)
+        probes = [_simulate_depth(c, world_size, local_world_size, bound_task(c, LanguageModelTask()))
+                  for c in (replace(cfg, model=replace(cfg.model, n_layers=d)) for d in depths)]
     return _extrapolate(probes, cfg.model.n_layers)
+
+
+@contextmanager
+def fake_step_failures_explained(task: Task) -> Iterator[None]:
+    """A model's own code that cannot run on fake tensors (a kernel whose fake version refuses what
+    the real one takes: transformers' grouped_mm experts, bf16 only) is one line, not a traceback."""
+    try:
+        with fake_tensor_errors_unlogged():  # torch logs the error with its traceback, then raises it
+            yield
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        hint = ("; a mixture-of-experts model's grouped_mm experts run on fake tensors in bf16 only: "
+                "simulate with strategy.mixed_precision=bf16-mixed" if "BF16" in first else "")
+        raise ConfigError(f"the simulator could not run a step of {type(task).__name__} on fake tensors "
+                          f"({first[:200]}){hint}; `shardtrain plan` without --simulate estimates "
+                          "it") from exc
 
 
 def simulation_rows(cfg: Config, world_sizes: list[int], strategies: list[str],
