@@ -771,8 +771,9 @@ def test_a_moe_models_flops_count_the_experts_a_token_runs(moe_dir):
     there, without a word)."""
     from shardtrain.config.schema import FinetuneConfig
     from shardtrain.diagnostics.memory import adapter_summary
+    from shardtrain.models.experts import routed_expert_params
     from shardtrain.models.hf import HFCausalLM
-    from shardtrain.models.lora import add_adapters, routed_expert_params
+    from shardtrain.models.lora import add_adapters
 
     lora = FinetuneConfig(method="lora")
     adapted = add_adapters(HFCausalLM(ModelConfig(name="hf", path=moe_dir)), lora)
@@ -797,6 +798,24 @@ def test_a_moe_models_flops_count_the_experts_a_token_runs(moe_dir):
             model.config = config
         inactive = model.inactive_expert_params()
         assert inactive == 2 * experts_of_layer * 6 // 8, (name, inactive)  # 6 of 8 experts, 2 layers
+    # Experts found by their stacked shape, not a module's name (found by the diff review: JetMoe's
+    # MLP experts, input_linear/output_linear, counted whole), Dbrx's [experts x rows, columns] too;
+    # 2 of 4 experts a token
+    from shardtrain.models.experts import inactive_expert_params
+
+    for config, stacked in (
+            (transformers.JetMoeConfig(hidden_size=32, num_hidden_layers=1, num_key_value_heads=2,
+                                       kv_channels=8, intermediate_size=32, num_local_experts=4,
+                                       num_experts_per_tok=2),
+             4 * (64 * 32 + 32 * 32 + 16 * 32 + 32 * 16)),  # the MLP's experts, then the attention's
+            (transformers.DbrxConfig(d_model=32, n_heads=4, n_layers=1,
+                                     attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                                     ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4,
+                                                 "moe_top_k": 2}),
+             3 * 4 * 32 * 32)):  # w1, v1, w2
+        with torch.device("meta"):
+            family = transformers.AutoModelForCausalLM.from_config(config)
+        assert inactive_expert_params(family, 2) == stacked // 2, type(family).__name__
     with torch.device("meta"):
         dense = HFCausalLM.__new__(HFCausalLM)
         nn.Module.__init__(dense)
@@ -819,6 +838,32 @@ def test_a_moe_model_in_fp32_is_planned_and_its_simulation_refused_in_one_line(m
     cfg = load_config(["model=hf", f"model.path={moe_dir}", "model.pretrained=false", "trainer.seq_len=64",
                        "trainer.micro_batch_size=1", "strategy.mixed_precision=fp32"])
     with pytest.raises(ConfigError, match=r"^the simulator could not run a step of LanguageModelTask on fake "
-                                          r"tensors \(Expected inputs of BF16 type.*simulate with "
-                                          r"strategy.mixed_precision=bf16-mixed"):
+                                          r"tensors \(Expected inputs of BF16 type.*\): .*; simulate with "
+                                          r"strategy.mixed_precision=bf16-mixed$"):
         simulate(cfg, 2, 1, probe=False)
+
+
+def test_export_reverts_only_the_conversions_shardtrain_reads_back(moe_dir, tmp_path):
+    """Found by the diff review: reverting every conversion transformers knows wrote OlmoHybrid's
+    split convolutions (and HRM's fused projections: a reverted merge needs tensors of two shards)
+    in a layout the export check and model.path then refused. Only renamings and the experts'
+    stacking are reverted; the rest is written as held in memory, which both load. A missing expert
+    is the export check's one line (a KeyError)."""
+    from shardtrain.export.hf import hf_model_converter
+    from shardtrain.export.verify import stacked
+    from shardtrain.models.hf import ExpertPart
+
+    hybrid = transformers.OlmoHybridConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=12,
+        linear_value_head_dim=24, layer_types=["linear_attention", "full_attention"], pad_token_id=1)
+    hybrid.save_pretrained(tmp_path)
+    _, layout = hf_model_converter(ModelConfig(name="hf", path=str(tmp_path)))
+    held = {f"model.layers.0.linear_attn.{name}_conv1d.weight": torch.zeros(3) for name in "qkv"}
+    assert set(layout(dict(held))) == set(held)
+    _, layout = hf_model_converter(ModelConfig(name="hf", path=moe_dir))
+    experts = layout({"model.layers.0.mlp.experts.down_proj": torch.zeros(4, 48, 64)})
+    assert sorted(experts) == [f"model.layers.0.block_sparse_moe.experts.{e}.w2.weight" for e in range(4)]
+    parts = [(ExpertPart("hf.w", e, 0, 1), tmp_path, f"w{e}") for e in (0, 2, 3)]
+    with pytest.raises(CheckpointError, match="^lacks expert 1$"):
+        stacked(parts, 4, "lacks expert {}")

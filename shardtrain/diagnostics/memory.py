@@ -13,7 +13,8 @@ from torch import nn
 from shardtrain.accelerator import phase_peak_bytes, reset_phase_peak
 from shardtrain.config.plan import dtype_name
 from shardtrain.config.schema import FinetuneConfig
-from shardtrain.models.lora import adapter_modules, local_bytes, routed_expert_params
+from shardtrain.models.experts import routed_expert_params
+from shardtrain.models.lora import adapter_modules, local_bytes
 
 
 @dataclass

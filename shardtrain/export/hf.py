@@ -19,7 +19,13 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from transformers.core_model_loading import revert_weight_conversion
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    PrefixChange,
+    WeightConverter,
+    WeightRenaming,
+    revert_weight_conversion,
+)
 
 from shardtrain.checkpoint.safetensors_files import DTYPES as SAFETENSORS_DTYPES
 from shardtrain.checkpoint.safetensors_files import (
@@ -45,7 +51,7 @@ from shardtrain.data.tokenizer import (
 from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import shard_readers, written_dtype
 from shardtrain.generation.generate import shared_parameter_names
-from shardtrain.models.hf import HFCausalLM
+from shardtrain.models.hf import HFCausalLM, stacks_experts
 from shardtrain.models.hf_directory import CONFIG_FILE, hf_name, model_directory
 from shardtrain.models.llama_hf_adapter import hf_config, to_hf
 
@@ -57,13 +63,20 @@ Layout = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 def hf_model_converter(cfg: ModelConfig) -> tuple[Converter, Layout]:
     """transformers' names, a tied weight once, under its first name (from_pretrained ties it); and
-    the stored layout of a shard's tensors under those names: the weight conversions transformers
-    applies when loading, reverted, as its save_pretrained writes (a MoE's stacked experts one by one
-    under the checkpoint's names: the stacked layout was transformers v5's in-memory one, which other
-    readers of model directories do not know)."""
+    the stored layout of a shard's tensors under those names: transformers' renamings and its
+    stacking of experts reverted, as its save_pretrained writes (a MoE's experts one by one under the
+    checkpoint's names: the stacked layout was transformers v5's in-memory one, which other readers
+    of model directories do not know). Only what shardtrain reads back (``stacks_experts``): another
+    conversion (a family's split convolutions, fused projections) is written as held in memory,
+    which transformers and shardtrain load, and a reverted merge could need tensors of two shards."""
     with torch.device("meta"):
         model = HFCausalLM(cfg)
     dropped = {name for names in shared_parameter_names(model) for name in names[1:]}
+    model.hf._weight_conversions = [
+        conversion for conversion in get_model_conversion_mapping(model.hf, add_legacy=False)
+        if not isinstance(conversion, PrefixChange) and (
+            isinstance(conversion, WeightRenaming) or isinstance(conversion, WeightConverter)
+            and stacks_experts(conversion))]
 
     def convert(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         return None if name in dropped else (hf_name(name), tensor)
@@ -123,7 +136,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
         parts = [partial(read_part, src, names) for names in file_parts(src, max_shard_size, dtype)]
     else:
         parts = shard_readers(src, max_shard_size, dtype, key, verify_checksums)
-    return write_hf_directory(cfg, out, parts, dtype)
+    return write_hf_directory(cfg, out, parts, dtype, max_shard_size)
 
 
 def shard_parts(sizes: dict[str, int], max_shard_size: str | None) -> list[list[str]]:
@@ -160,7 +173,7 @@ def read_part(path: Path, names: list[str] | None = None) -> dict[str, torch.Ten
 
 
 def write_hf_directory(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[], dict[str, torch.Tensor]]],
-                       dtype: str | None = None) -> list[Path]:
+                       dtype: str | None = None, max_shard_size: str | None = None) -> list[Path]:
     """The Hugging Face directory of a model whose weights, under our names, each of ``parts`` reads:
     one output shard per part, read only when written (one in memory), converted (renamed, permuted,
     cast) tensor by tensor. config.json comes last, so that a directory without it is unfinished to
@@ -169,7 +182,7 @@ def write_hf_directory(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[],
     out.mkdir(parents=True, exist_ok=True)  # new or without model files: its callers checked first
     before = set(out.iterdir())
     try:
-        return write_hf_files(cfg, out, parts, dtype)
+        return write_hf_files(cfg, out, parts, dtype, max_shard_size)
     except BaseException:
         for path in set(out.iterdir()) - before:
             if not path.is_dir():
@@ -178,7 +191,7 @@ def write_hf_directory(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[],
 
 
 def write_hf_files(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[], dict[str, torch.Tensor]]],
-                   dtype: str | None) -> list[Path]:
+                   dtype: str | None, max_shard_size: str | None = None) -> list[Path]:
     """``write_hf_directory``'s files: the shards, the index, the tokenizer, config.json."""
     convert, layout = hf_model_converter(cfg) if cfg.name == "hf" else (
         lambda name, tensor: to_hf(name, tensor, cfg), dict)
@@ -198,13 +211,20 @@ def write_hf_files(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[], dic
             if t.is_floating_point():  # the config's dtype is the weights', not an integer buffer's
                 out_dtype = t.dtype
             tensors[hf_name] = t
-        tensors = unshared(layout(tensors))  # experts split from one stacked tensor share its storage
-        if tensors:  # a part of dropped names only (a tied head's second name) makes no shard
+        stored = layout(tensors)
+        # A stacked tensor written one expert a tensor: its pieces split into shards of the limit
+        # again, each copied out of the storage they share (safetensors refuses shared storage in
+        # one file) only as its shard is written.
+        sizes = {name: t.numel() * t.element_size() for name, t in stored.items()}
+        for names in shard_parts(sizes, max_shard_size) if stored else []:
+            # a part of dropped names only (a tied head's second name) makes no shard
+            shard = unshared({name: stored.pop(name) for name in names})
             staged = out / f".shard-{len(written) + 1}.staging"
-            save_shard(tensors, staged, {"format": "pt"})
-            written.append((staged, list(tensors)))
-            total += sum(t.numel() * t.element_size() for t in tensors.values())
-        del tensors, part
+            save_shard(shard, staged, {"format": "pt"})
+            written.append((staged, list(shard)))
+            total += sum(t.numel() * t.element_size() for t in shard.values())
+            del shard
+        del tensors, stored, part
     # Named once their number is known: "-of-N" counts the shards written.
     files: list[Path] = []
     weight_map: dict[str, str] = {}

@@ -75,7 +75,7 @@ def export_merged(checkpoint: str | Path, out_dir: str | Path, max_shard_size: s
     tensors = merged_weights(model)
     sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in tensors.items()}
     parts = [partial(select, tensors, names) for names in shard_parts(sizes, max_shard_size)]
-    return write_hf_directory(ckpt.model, Path(out_dir), parts, dtype)
+    return write_hf_directory(ckpt.model, Path(out_dir), parts, dtype, max_shard_size)
 
 
 @torch.no_grad()

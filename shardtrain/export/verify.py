@@ -27,7 +27,7 @@ from shardtrain.distributed.sharded_model import parameters_on_meta
 from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import load_tensors, plan_shards
 from shardtrain.models.hf import ExpertPart, HFCausalLM
-from shardtrain.models.hf_directory import CONFIG_FILE
+from shardtrain.models.hf_directory import CONFIG_FILE, PREFIX
 from shardtrain.models.registry import build_model
 
 # Largest |logit difference| relative to the largest |logit|: fp32 implementations of the same
@@ -154,19 +154,29 @@ def export_reader(out_dir: Path, model: HFCausalLM) -> Reader:
     missing = (f"export check failed: {out_dir} holds no weight for {{}} (transformers would draw it "
                "at random); export again")
 
+    shapes = {name: param.shape for name, param in model.named_parameters()}
+
     def read(names: list[str]) -> torch.Tensor:
         name = first_stored(names, stored.keys() | experts.keys(), missing)
-        return stacked(experts[name]) if name in experts else read_one(*stored[name])
+        if name not in experts:
+            return read_one(*stored[name])
+        return stacked(experts[name], shapes[name][0], f"export check failed: {out_dir} lacks expert {{}} of "
+                       f"{name.removeprefix(PREFIX)} (transformers would draw it at random); export again")
 
     return read
 
 
-def stacked(parts: list[tuple[ExpertPart, Path, str]]) -> torch.Tensor:
-    """A parameter stacking its experts (``[experts, rows, ...]``), from each expert's stored
-    tensors: expert e's part p fills rows ``p * rows .. (p + 1) * rows`` of ``[e]``."""
-    pieces = {(part.expert, part.part): read_one(file, key) for part, file, key in parts}
-    count, per_expert = 1 + max(e for e, _ in pieces), parts[0][0].parts
-    return torch.stack([torch.cat([pieces[e, p] for p in range(per_expert)]) for e in range(count)])
+def stacked(parts: list[tuple[ExpertPart, Path, str]], count: int, missing: str) -> torch.Tensor:
+    """A parameter stacking ``count`` experts (``[experts, rows, ...]``), from each expert's stored
+    tensors: expert e's part p fills rows ``p * rows .. (p + 1) * rows`` of ``[e]``; an expert or
+    part not stored is ``missing`` (formatted with the expert's number)."""
+    pieces = {(part.expert, part.part): (file, key) for part, file, key in parts}
+    per_expert = parts[0][0].parts
+    absent = [e for e in range(count) for p in range(per_expert) if (e, p) not in pieces]
+    if absent:
+        raise CheckpointError(missing.format(absent[0]))
+    return torch.stack([torch.cat([read_one(*pieces[e, p]) for p in range(per_expert)])
+                        for e in range(count)])
 
 
 def read_one(file: Path, key: str) -> torch.Tensor:

@@ -41,6 +41,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from shardtrain.config.schema import ModelConfig
 from shardtrain.errors import ModelError, json_object
 from shardtrain.models.dims import Dims
+from shardtrain.models.experts import inactive_expert_params
 from shardtrain.models.hf_directory import CONFIG_FILE, PREFIX, hf_name, model_directory
 from shardtrain.models.hf_init import FamilyInitialisation
 from shardtrain.models.hf_tp import (
@@ -157,6 +158,14 @@ class ExpertPart:
     parts: int
 
 
+def stacks_experts(converter: WeightConverter) -> bool:
+    """Whether a conversion transformers applies while loading is the one shardtrain follows (reads,
+    and writes back in export-hf): each expert's stored tensors stacked into one parameter, a gate
+    and an up projection concatenated first."""
+    steps = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    return steps in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
+
+
 class HFCache:
     """transformers' cache behind the interface ``generation.generate`` uses (``pos``); built from
     the model's config, which gives each layer its kind of cache (a hybrid's Mamba layers keep a
@@ -223,12 +232,14 @@ ROUTER_LOSS_WEIGHT = re.compile(r"\bloss\s*\+=\s*self\.(\w+)\s*\*\s*aux_loss\b")
 
 
 def adds_router_loss(model: nn.Module) -> bool:
-    """Whether ``model``'s forward adds an auxiliary router loss of any form (its source names one);
-    True where the source cannot be read."""
+    """Whether ``model``'s forward adds an auxiliary router loss of any form (it calls its family's
+    ``load_balancing_loss_func`` or adds an ``aux_loss`` to the loss; HY-V3's ``aux_loss=None`` is
+    none); True where the source cannot be read."""
     try:
-        return "aux_loss" in inspect.getsource(type(model).forward)
+        source = inspect.getsource(type(model).forward)
     except (OSError, TypeError):
         return True
+    return "load_balancing_loss_func(" in source or ROUTER_LOSS_WEIGHT.search(source) is not None
 
 
 def router_loss_of(model: nn.Module) -> tuple[Callable[..., torch.Tensor], float] | None:
@@ -404,8 +415,7 @@ class HFCausalLM(nn.Module):
         if converted is None:
             return None
         converter = next(c for c in self._converters if converted in c.source_patterns)
-        steps = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
-        if steps not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
+        if not stacks_experts(converter):
             return None  # parameter_name refuses it
         pattern = re.escape(converted).replace(r"\*", r"(\d+)")
         expert = re.search(pattern, stored)
@@ -541,20 +551,12 @@ class HFCausalLM(nn.Module):
         return n
 
     def inactive_expert_params(self) -> int:
-        """Parameters of a MoE model's routed experts that a token does not run: each MoE layer's
-        experts (the module named ``experts``, with ``num_experts`` of them, or a list of them) less
-        the ``num_experts_per_tok`` share a token is routed to. 0 for a dense model."""
+        """Parameters of a MoE model's routed experts that a token does not run (``models/experts``):
+        all but the ``num_experts_per_tok`` a token is routed to. 0 for a dense model."""
         k = getattr(self.hf, "num_experts_per_tok", None) or getattr(self.config, "num_experts_per_tok", None)
         if not isinstance(k, int) or isinstance(k, bool):
             return 0
-        inactive = 0
-        for name, module in self.hf.named_modules():
-            if name.rsplit(".", 1)[-1] != "experts":
-                continue
-            count = len(module) if isinstance(module, nn.ModuleList) else getattr(module, "num_experts", None)
-            if isinstance(count, int) and count > k:
-                inactive += sum(p.numel() for p in module.parameters()) * (count - k) // count
-        return inactive
+        return inactive_expert_params(self.hf, k)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward): 6 per non-embedding parameter a token runs

@@ -166,13 +166,6 @@ def add_adapters(model: nn.Module, cfg: FinetuneConfig) -> nn.Module:
     return model
 
 
-def routed_expert_params(model: nn.Module) -> int:
-    """Parameters of a MoE model's routed experts held as stacked 3-D weights (transformers v5's
-    ``experts`` modules): no linear layer, so LoRA does not adapt them nor QLoRA quantise them."""
-    return sum(param.numel() for name, module in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"
-               for param in module.parameters() if param.dim() >= 3)
-
-
 def adapter_modules(model: nn.Module) -> list[str]:
     """Names of the modules that carry adapters (PEFT's LoRA layers)."""
     return sorted({name.split(".lora_A.")[0] for name, _ in model.named_parameters()

@@ -414,18 +414,19 @@ def simulate(cfg: Config, world_size: int, local_world_size: int, *, probe: bool
 
 @contextmanager
 def fake_step_failures_explained(task: Task) -> Iterator[None]:
-    """A model's own code that cannot run on fake tensors (a kernel whose fake version refuses what
-    the real one takes: transformers' grouped_mm experts, bf16 only) is one line, not a traceback."""
+    """A kernel whose fake version refuses what the real one takes (torch's grouped_mm, transformers'
+    MoE experts: bf16 only) is one line naming what to simulate instead; any other error is the
+    task's or the model's own, raised as it is (its traceback says where)."""
     try:
         with fake_tensor_errors_unlogged():  # torch logs the error with its traceback, then raises it
             yield
     except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        hint = ("; a mixture-of-experts model's grouped_mm experts run on fake tensors in bf16 only: "
-                "simulate with strategy.mixed_precision=bf16-mixed" if "BF16" in first else "")
+        first = (str(exc).strip().splitlines() or [""])[0]
+        if not first.startswith("Expected inputs of BF16 type"):
+            raise
         raise ConfigError(f"the simulator could not run a step of {type(task).__name__} on fake tensors "
-                          f"({first[:200]}){hint}; `shardtrain plan` without --simulate estimates "
-                          "it") from exc
+                          f"({first[:200]}): a mixture-of-experts model's grouped_mm experts run on fake "
+                          "tensors in bf16 only; simulate with strategy.mixed_precision=bf16-mixed") from exc
 
 
 def simulation_rows(cfg: Config, world_sizes: list[int], strategies: list[str],
