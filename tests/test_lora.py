@@ -620,6 +620,15 @@ def test_model_adapter_conflicts_are_one_line(peft_adapter, model_dirs, tmp_path
                                              "finetune.alpha=8 (from model.adapter)",
                                              "finetune.targets: the 9 modules model.adapter's weights are on"]
     assert resolve_adapter_settings(cfg) == []  # settled: the same again (every rank resolves it)
+    # the adapter's lora_dropout, as PEFT's trainable model applies it (found by the docs review: the
+    # run's 0.0 trained without it)
+    dropped = shutil.copytree(peft_adapter, tmp_path / "dropout")
+    adapter_config = json.loads((dropped / "adapter_config.json").read_text())
+    (dropped / "adapter_config.json").write_text(json.dumps({**adapter_config, "lora_dropout": 0.05}))
+    cfg = compose_config(["model=hf", f"model.path={model_dirs[0]}", "finetune=lora",
+                          f"model.adapter={dropped}"])
+    assert "finetune.dropout=0.05 (from model.adapter)" in resolve_adapter_settings(cfg)
+    assert cfg.finetune.dropout == 0.05
     cases = ((["finetune.rank=8"], "has r=4 but finetune.rank=8: drop finetune.rank"),
              (["finetune=none"], "it needs finetune=lora"),
              ([f"model.adapter={tmp_path}"], "is not a PEFT adapter directory"))

@@ -75,7 +75,9 @@ def read_adapter_config(directory: Path) -> dict:
         default = f"{key}={plain[key]!r}" if key in plain else f"no {key}"
         raise ConfigError(f"model.adapter={str(directory)!r} sets {key}={value!r}: only plain LoRA "
                           f"({default}) is supported")
-    for key in ("r", "lora_alpha"):
+    for key in ("r", "lora_alpha", "lora_dropout"):
+        if key == "lora_dropout" and key not in config:  # older PEFTs' files: the run's finetune.dropout
+            continue
         if not isinstance(config.get(key), (int, float)) or isinstance(config.get(key), bool):
             raise ConfigError(f"{file} has no number {key} (it has {config.get(key)!r}); save the adapter "
                               "again with save_pretrained")
@@ -119,7 +121,11 @@ def resolve_adapter_settings(cfg: Config) -> list[str]:
     config = read_adapter_config(directory)
     defaults, notes = FinetuneConfig(), []
     changes = {}
-    for field, key in (("rank", "r"), ("alpha", "lora_alpha")):
+    # lora_dropout too: PEFT's trainable model applies the adapter's (found by the docs review: the
+    # run's 0.0 trained without it)
+    for field, key in (("rank", "r"), ("alpha", "lora_alpha"), ("dropout", "lora_dropout")):
+        if key not in config:  # an adapter_config.json of an older PEFT may lack lora_dropout
+            continue
         theirs, ours = config[key], getattr(cfg.finetune, field)
         if ours == theirs:
             continue
