@@ -55,6 +55,17 @@ def count_all_gathers(out: str) -> None:
     torch.distributed.all_gather_object(every, (sampled, alone))
     assert all(pair[0] == every[0][0] for pair in every), every
     assert every[0][1] != every[1][1], every  # without it, the seeds do give other tokens
+    # A checkpoint link is resolved once, by rank 0, for every rank (found by review: each rank
+    # resolved it, and a link a training moved in between gave the ranks two checkpoints): here each
+    # rank names its own, and both take rank 0's
+    from shardtrain.generation.inference import resolved_once
+
+    link = Path(out, f"link-{rank}")
+    link.unlink(missing_ok=True)
+    link.symlink_to(Path(out, f"step-{rank}"))
+    agreed: list = [None] * world
+    torch.distributed.all_gather_object(agreed, str(resolved_once(link)))
+    assert agreed == [str(Path(out, "step-0").resolve())] * world, agreed
     # The sharded model is left as training needs it: sharded, in training mode.
     assert trainer.model.training and all(isinstance(p, DTensor) for p in trainer.model.parameters())
     trainer.run_step()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardtrain.accelerator import set_fp32_matmul
@@ -74,6 +75,16 @@ def check_processes_for(path: Path, processes: int) -> None:
                               "sharded checkpoint directory with --devices N, or --devices 1")
 
 
+def resolved_once(checkpoint: str | Path) -> Path:
+    """The checkpoint itself, not a link a training may move (its checkpoints/best) while it is
+    read: resolved by rank 0 for every rank of ``--devices N`` (each resolving it could have read two
+    checkpoints, the link moved between them)."""
+    resolved = [str(Path(checkpoint).expanduser().resolve())]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(resolved, src=0)
+    return Path(resolved[0])
+
+
 def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
                        dtype: str = "auto", verify_checksums: bool = True, average: bool = False) -> Loaded:
     """``checkpoint``: a shardtrain checkpoint directory, a consolidated ``.safetensors`` file, or a
@@ -81,8 +92,9 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
     ``dtype``: the compute dtype, fp32 | bf16 | auto (bf16 on accelerators with bf16 units).
     ``verify_checksums``: a checkpoint directory's recorded checksums are checked before reading.
     ``average``: the checkpoint's weight average (trainer.ema_decay) instead of its weights."""
-    # The checkpoint itself, not a link a training may move (its checkpoints/best) while it is read.
-    path = Path(checkpoint).expanduser().resolve()
+    defaults = Config().dist
+    env = init_distributed(defaults.backend, defaults.startup_timeout_s)
+    path = resolved_once(checkpoint)
     if not path.exists():
         raise CheckpointError(f"{str(checkpoint)!r} does not exist")
     state = TrainState.read(path) if (path / STATE_FILE).is_file() else None
@@ -111,7 +123,6 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
         cfg.data = data
     precision = {"fp32": "fp32", "bf16": "bf16-mixed"}.get(dtype, dtype)
     cfg.strategy = dataclasses.replace(cfg.strategy, sharding_strategy=strategy, mixed_precision=precision)
-    env = init_distributed(cfg.dist.backend, cfg.dist.startup_timeout_s)
     set_cpu_threads(env, 0)
     set_fp32_matmul(env.device, tf32=dtype != "fp32")  # --dtype fp32 asks for full fp32
     check_processes_for(path, env.world_size)
