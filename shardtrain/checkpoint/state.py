@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from omegaconf import OmegaConf
 
@@ -127,7 +128,7 @@ class TrainState:
             mesh_dim_names=list(plan.mesh_dim_names), mixed_precision=plan.precision,
             config=OmegaConf.to_container(OmegaConf.structured(cfg)), config_hash=requested_hash,
             versions={"shardtrain": __version__, "torch": torch.__version__,
-                      "python": platform.python_version()},
+                      "python": platform.python_version(), "numpy": np.__version__},
             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), base_weights=base_weights, best=best,
             evaluation_due=evaluation_due, train_samples=train_samples,
             train_part_samples=train_part_samples, checksums=True,

@@ -45,6 +45,7 @@ from shardtrain.config.sizes import counted
 from shardtrain.config.strategy import PRECISION_PRESETS
 from shardtrain.data.batches import (
     BatchLayout,
+    MixtureWindows,
     SampleSource,
     TrainBatches,
     eval_batches,
@@ -454,6 +455,13 @@ class Trainer:
             warnings.append(f"the adapters' settings differ from the checkpoint's ({', '.join(adapters)}): "
                             "the adapters trained so far are scaled and dropped out by the new values from "
                             f"step {self.step + 1} on, and the checkpoints record them")
+        saved_numpy = state.versions.get("numpy", "")
+        if (isinstance(self.train_data.windows, MixtureWindows) and saved_numpy
+                and release(saved_numpy) != release(np.__version__)):
+            warnings.append(f"the checkpoint was saved under NumPy {saved_numpy}, this run has "
+                            f"{np.__version__}: a mixture's order within each block is drawn by NumPy's "
+                            "Generator.permutation, which NumPy does not promise the same across releases; "
+                            "if it changed, the saved position points into another order")
         saved_torch = state.versions.get("torch", "")
         if saved_torch and release(saved_torch) != release(torch.__version__):
             warnings.append(f"the checkpoint was saved under torch {saved_torch}, this run has "
