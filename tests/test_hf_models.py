@@ -194,10 +194,10 @@ def test_a_moe_router_loss_trains_as_transformers_computes_it(two_rank_runs, moe
         assert abs(float(out.loss / out.count) - float(ce + coefficient * theirs.aux_loss)) < 1e-5, name
     # A family whose forward adds no router loss (Llama 4's) trains on the cross-entropy, as in
     # transformers, whatever output_router_logits says (found by the MoE review: refused)
-    from shardtrain.models.hf import adds_router_loss
+    from shardtrain.models.hf import adds_router_loss, forward_source
 
-    assert not adds_router_loss(object.__new__(transformers.Llama4ForCausalLM))
-    assert adds_router_loss(object.__new__(transformers.MixtralForCausalLM))
+    assert not adds_router_loss(forward_source(object.__new__(transformers.Llama4ForCausalLM)))
+    assert adds_router_loss(forward_source(object.__new__(transformers.MixtralForCausalLM)))
     # A family whose forward adds the loss otherwise is refused, as every such config was before
     monkeypatch.setattr("shardtrain.models.hf.ROUTER_LOSS_CALL", re.compile("never"))
     refusal = HFCausalLM(ModelConfig(name="hf", path=moe_dir)).training_refusal()

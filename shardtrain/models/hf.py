@@ -132,9 +132,7 @@ def head_transform_reason(model: nn.Module) -> str | None:
     """Why the logits of this transformers causal LM are not just its output head applied to its base
     model's last hidden state (``transforms_head_output``), read from its ``forward``'s source; None
     when they are, so a loss may apply the head itself chunk by chunk."""
-    try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
+    if (source := forward_source(model)) is None:
         return f"the source of {type(model).__name__}.forward is not readable"
     head = model.get_output_embeddings()
     head_name = next((name for name, module in model.named_children() if module is head), None)
@@ -231,24 +229,27 @@ ROUTER_LOSS_CALL = re.compile(r"\baux_loss\s*=\s*load_balancing_loss_func\(\s*ou
 ROUTER_LOSS_WEIGHT = re.compile(r"\bloss\s*\+=\s*self\.(\w+)\s*\*\s*aux_loss\b")
 
 
-def adds_router_loss(model: nn.Module) -> bool:
-    """Whether ``model``'s forward adds an auxiliary router loss of any form (it calls its family's
-    ``load_balancing_loss_func`` or adds an ``aux_loss`` to the loss; HY-V3's ``aux_loss=None`` is
-    none); True where the source cannot be read."""
+def forward_source(model: nn.Module) -> str | None:
+    """The source of ``model``'s ``forward``; None where it cannot be read."""
     try:
-        source = inspect.getsource(type(model).forward)
+        return inspect.getsource(type(model).forward)
     except (OSError, TypeError):
-        return True
-    return "load_balancing_loss_func(" in source or ROUTER_LOSS_WEIGHT.search(source) is not None
+        return None
 
 
-def router_loss_of(model: nn.Module) -> tuple[Callable[..., torch.Tensor], float] | None:
-    """The load-balancing loss function of ``model``'s family and the coefficient its forward weighs
-    it by, where that forward computes and adds the loss as Mixtral's does (``ROUTER_LOSS_CALL``,
-    ``ROUTER_LOSS_WEIGHT``) from attributes it has; None otherwise."""
-    try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
+def adds_router_loss(source: str | None) -> bool:
+    """Whether a forward (its ``source``) adds an auxiliary router loss of any form (it calls its
+    family's ``load_balancing_loss_func`` or adds an ``aux_loss`` to the loss; HY-V3's
+    ``aux_loss=None`` is none); True where the source could not be read."""
+    return (source is None or "load_balancing_loss_func(" in source
+            or ROUTER_LOSS_WEIGHT.search(source) is not None)
+
+
+def router_loss_of(model: nn.Module, source: str | None) -> tuple[Callable[..., torch.Tensor], float] | None:
+    """The load-balancing loss function of ``model``'s family and the coefficient its forward (its
+    ``source``) weighs it by, where that forward computes and adds the loss as Mixtral's does
+    (``ROUTER_LOSS_CALL``, ``ROUTER_LOSS_WEIGHT``) from attributes it has; None otherwise."""
+    if source is None:
         return None
     function = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
     has_counts = all(isinstance(getattr(model, name, None), int)
@@ -291,8 +292,9 @@ class HFCausalLM(nn.Module):
         moe = hasattr(self.config, "output_router_logits")
         # (a family whose forward adds no such loss, Llama 4's, trains on the cross-entropy in
         # transformers too: nothing asked)
-        self.router_loss_asked = moe and bool(self.config.output_router_logits) and adds_router_loss(self.hf)
-        found = router_loss_of(self.hf) if self.router_loss_asked else None
+        source = forward_source(self.hf) if moe and self.config.output_router_logits else None
+        self.router_loss_asked = moe and bool(self.config.output_router_logits) and adds_router_loss(source)
+        found = router_loss_of(self.hf, source) if self.router_loss_asked else None
         self._router_loss = found[0] if found else None
         self.router_loss_coef = found[1] if found else 0.0
         # Only asked for where it is added (generation and evaluation: not computed)
