@@ -141,6 +141,12 @@ def kept_by_block(model_cfg: ModelConfig, seq_len: int, dtype: torch.dtype,
     return _measured[key]
 
 
+def fake_kernel_wants_bf16(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's fake grouped_mm (transformers' MoE experts) refusing a dtype other
+    than bf16, which its real kernel takes."""
+    return isinstance(exc, RuntimeError) and str(exc).strip().startswith("Expected inputs of BF16 type")
+
+
 def measure_or_scale(model_cfg: ModelConfig, seq_len: int, dtype: torch.dtype,
                      document_mask: bool) -> list[int]:
     """``measure``; where a kernel's fake version takes bf16 only (transformers' grouped_mm experts
@@ -150,7 +156,7 @@ def measure_or_scale(model_cfg: ModelConfig, seq_len: int, dtype: torch.dtype,
     try:
         return measure(model_cfg, seq_len, dtype, document_mask)
     except RuntimeError as exc:
-        if "BF16" not in str(exc) or dtype == torch.bfloat16:
+        if not fake_kernel_wants_bf16(exc) or dtype == torch.bfloat16:
             raise
     scale = torch.empty((), dtype=dtype).element_size() / 2
     return [round(kept * scale) for kept in measure(model_cfg, seq_len, torch.bfloat16, document_mask)]

@@ -46,7 +46,7 @@ from shardtrain.checkpoint import layout
 from shardtrain.config.loader import formulas_know
 from shardtrain.config.plan import resolve_plan, with_global_batch
 from shardtrain.config.schema import Config
-from shardtrain.diagnostics.kept import fake_tensor_errors_unlogged
+from shardtrain.diagnostics.kept import fake_kernel_wants_bf16, fake_tensor_errors_unlogged
 from shardtrain.diagnostics.memory import state_bytes
 from shardtrain.diagnostics.planner import Estimate, estimate, planned_model
 from shardtrain.distributed.env import destroy_distributed
@@ -421,9 +421,9 @@ def fake_step_failures_explained(task: Task) -> Iterator[None]:
         with fake_tensor_errors_unlogged():  # torch logs the error with its traceback, then raises it
             yield
     except RuntimeError as exc:
-        first = (str(exc).strip().splitlines() or [""])[0]
-        if not first.startswith("Expected inputs of BF16 type"):
+        if not fake_kernel_wants_bf16(exc):
             raise
+        first = str(exc).strip().splitlines()[0]
         raise ConfigError(f"the simulator could not run a step of {type(task).__name__} on fake tensors "
                           f"({first[:200]}): a mixture-of-experts model's grouped_mm experts run on fake "
                           "tensors in bf16 only; simulate with strategy.mixed_precision=bf16-mixed") from exc
