@@ -419,8 +419,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
                               f"{len(blocks)} blocks: float8 takes nn.Linear layers whose sizes are "
                               f"multiples of {FLOAT8_MULTIPLE}, not the output head or LoRA's adapters; "
                               "drop strategy.float8")
-        report.float8_scales_precomputed = (bool(report.float8_linears) and plan.gathers_float8
-                                            and not plan.cpu_offload)
+        report.float8_scales_precomputed = plan.gathers_float8 and not plan.cpu_offload
     if before_sharding is not None and (ignored := before_sharding(model)):
         common["ignored_params"] = ignored
     for index, (name, block) in enumerate(blocks):
