@@ -111,7 +111,7 @@ def hand_written_loop(model, cfg: Config, tokens, logits_of,
     order = GlobalOrder(windows.num_samples, cfg.trainer.seed)
     losses, norms = [], []
     for step in range(STEPS):
-        x, y, _ = windows.batch(order.take(step * GLOBAL_BATCH, GLOBAL_BATCH))
+        x, y = windows.batch(order.take(step * GLOBAL_BATCH, GLOBAL_BATCH))[:2]
         loss = F.cross_entropy(logits_of(x).flatten(0, 1), y.flatten())
         if extra_loss_of is not None:
             loss = loss + extra_loss_of(x)

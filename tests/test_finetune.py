@@ -70,7 +70,7 @@ def micro_batch_mean_differs(tokens) -> float:
         for name, p in model.named_parameters():
             init_full_parameter(model, name, p, cfg.trainer.seed)
     windows = TokenWindows(tokens, cfg.trainer.seq_len)
-    x, y, _ = windows.batch(GlobalOrder(windows.num_samples, cfg.trainer.seed).take(0, GLOBAL_BATCH))
+    x, y = windows.batch(GlobalOrder(windows.num_samples, cfg.trainer.seed).take(0, GLOBAL_BATCH))[:2]
 
     def gradient(loss):
         model.zero_grad()

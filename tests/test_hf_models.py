@@ -163,12 +163,35 @@ def test_a_moe_router_loss_trains_as_transformers_computes_it(two_rank_runs, moe
     assert not failures, "\n".join(failures)
     model = HFCausalLM(ModelConfig(name="hf", path=moe_dir))
     assert model.router_loss_coef == 0.05 and model.training_refusal() is None
-    from shardtrain.data.batches import Batch
-    from shardtrain.tasks.language_model import LanguageModelTask
+    from shardtrain.data.batches import IGNORE_INDEX, Batch
+    from shardtrain.tasks.language_model import LanguageModelTask, token_loss_terms
 
     batch = Batch(PROBE[:, :-1], PROBE[:, 1:], None)
     assert set(LanguageModelTask().loss(model.train(), batch).metrics) == {"router_loss"}
     assert LanguageModelTask().loss(model.eval(), batch).metrics == {}  # val_loss: cross-entropy alone
+    # Padding (a record window's tail, a padding row) is routed but not counted, as transformers
+    # leaves out what an attention mask marks (the MoE review: counted); chunked as plain
+    model.train()
+    filled = torch.tensor([PROBE.shape[1] - 1, 3])
+    targets = PROBE[:, 1:].clone()
+    targets[1, 3:] = IGNORE_INDEX
+    padded = Batch(PROBE[:, :-1], targets, None, filled)
+    mask = padded.token_mask()
+    with torch.no_grad():
+        theirs = model.hf(input_ids=PROBE[:, :-1], attention_mask=mask.long())
+        unmasked = float(model.hf(input_ids=PROBE[:, :-1]).aux_loss)
+        ce = torch.nn.functional.cross_entropy(theirs.logits.flatten(0, 1), targets.flatten(),
+                                               reduction="sum")
+        assert abs(float(theirs.aux_loss) - unmasked) > 1e-4
+        for chunk in (0, 8):
+            loss, routers = token_loss_terms(model, padded, chunk, router_loss=True)
+            assert abs(float(routers) - float(theirs.aux_loss)) < 1e-6, (chunk, routers, theirs.aux_loss)
+            assert abs(float(loss) - float(ce)) < 1e-4 * float(ce), (chunk, float(loss), float(ce))
+    # ... and a micro-batch of padding alone weighs 0, not NaN
+    empty = Batch(PROBE[:, :-1], torch.full_like(targets, IGNORE_INDEX), None,
+                  torch.zeros(2, dtype=torch.long))
+    out = LanguageModelTask().loss(model, empty)
+    assert float(out.loss) == 0 and float(out.metrics["router_loss"][1]) == 0  # nor in the logged mean
     # The coefficient is the one the family's forward weighs the loss by (found by the diff review:
     # JetMoe's aux_loss_coef and Dbrx's ffn_config.moe_loss_weight read as 0, the loss left out without
     # a word): one batch's loss is transformers' own loss on it

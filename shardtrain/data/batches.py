@@ -30,11 +30,19 @@ IGNORE_INDEX = -100
 class Batch(NamedTuple):
     """One micro-batch: ``inputs`` and ``targets`` (B, T), and with document masking each token's
     position within its document (B, T), which the model turns into restarted positions and
-    attention that stays inside each document; None without."""
+    attention that stays inside each document; None without. ``lengths`` (B,): how many of each
+    row's first inputs are tokens, the rest padding (a padding row's 0; None: every input is)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
     positions: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+
+    def token_mask(self) -> torch.Tensor | None:
+        """(B, T) true at the inputs that are tokens, not padding; None where every input is."""
+        if self.lengths is None:
+            return None
+        return torch.arange(self.inputs.shape[1], device=self.inputs.device) < self.lengths[:, None]
 
 
 def positions_in_window(starts: np.ndarray, length: int) -> np.ndarray:
@@ -112,13 +120,14 @@ class TokenWindows:
         x = np.zeros((len(ids), self.seq_len), dtype=np.int64)
         y = np.full((len(ids), self.seq_len), IGNORE_INDEX, dtype=np.int64)
         positions = np.zeros((len(ids), self.seq_len), dtype=np.int64) if self.document_mask else None
+        lengths = np.zeros(len(ids), dtype=np.int64)
         masked = self.targets_masked
         for row, i in enumerate(ids):
             if i < 0:
                 continue
             span = self.span(int(i))
             window = self.tokens[span]
-            filled = len(window) - 1
+            filled = lengths[row] = len(window) - 1
             x[row, :filled] = window[:-1]
             y[row, :filled] = window[1:]
             if masked:
@@ -129,7 +138,7 @@ class TokenWindows:
                 y[row][starts - 1] = IGNORE_INDEX
                 positions[row] = positions_in_window(starts[starts < self.seq_len], self.seq_len)
         return Batch(torch.from_numpy(x), torch.from_numpy(y),
-                     None if positions is None else torch.from_numpy(positions))
+                     None if positions is None else torch.from_numpy(positions), torch.from_numpy(lengths))
 
 
 class RecordWindows(TokenWindows):
@@ -357,15 +366,16 @@ class MixtureWindows:
         x = torch.zeros((len(ids), self.seq_len), dtype=torch.int64)
         y = torch.full((len(ids), self.seq_len), IGNORE_INDEX, dtype=torch.int64)
         positions = torch.zeros_like(x) if self.parts[0].document_mask else None
+        lengths = torch.zeros(len(ids), dtype=torch.int64)
         datasets = np.where(ids < 0, -1, ids >> DATASET_SHIFT)
         for d, part in enumerate(self.parts):
             rows = np.flatnonzero(datasets == d)
             if len(rows):
                 got = part.batch(ids[rows] & ((1 << DATASET_SHIFT) - 1))
-                x[rows], y[rows] = got.inputs, got.targets
+                x[rows], y[rows], lengths[rows] = got.inputs, got.targets, got.lengths
                 if positions is not None:
                     positions[rows] = got.positions
-        return Batch(x, y, positions)
+        return Batch(x, y, positions, lengths)
 
 
 class InterleavedWindows:

@@ -308,30 +308,31 @@ class HFCausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache: HFCache | None = None,
                 positions: torch.Tensor | None = None, hidden_only: bool = False,
-                router_loss: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                router_loss: bool = False, token_mask: torch.Tensor | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits for ``tokens`` (B, T); ``hidden_only``: the base model's last hidden states instead,
         (B, T, dim), for a loss that applies ``output_head()`` itself chunk by chunk (only where
         ``head_transform_reason`` finds nothing else done to the logits). ``router_loss`` (a MoE
         model with ``router_loss_coef``): the output and the routers' load-balancing loss, as the
-        model's own forward computes it (unscaled; over every token of the batch, padding included)."""
+        model's own forward computes it given an attention mask (unscaled), over the tokens
+        ``token_mask`` (B, T) marks, padding left out as transformers leaves it out (None: all)."""
         if (hidden_only or router_loss) and cache is not None:
             raise ModelError("hidden_only= and router_loss= are for training, not with a KV cache")
         if router_loss and self._router_loss is None:
             raise ModelError(self.training_refusal() or "this model has no router load-balancing loss "
                              "(output_router_logits false, or router_aux_loss_coef 0)")
         routers = {"output_router_logits": True} if router_loss else self._router_logits
-        if hidden_only:
-            out = self.hf.base_model(input_ids=tokens, position_ids=positions, use_cache=False, **routers)
-            if not router_loss:
-                return out.last_hidden_state
-            return out.last_hidden_state, self._router_loss(out.router_logits, self.hf.num_experts,
-                                                            self.hf.num_experts_per_tok, None)
         if cache is None:
             # With positions (document masking), transformers reads packed sequences from
             # position_ids that restart (given no attention mask and no cache) and builds the
-            # model's own mask from them, sliding windows included.
-            out = self.hf(input_ids=tokens, position_ids=positions, use_cache=False, **routers)
-            return (out.logits, out.aux_loss) if router_loss else out.logits
+            # model's own mask from them, sliding windows included. The padding a mask would mark
+            # comes after every token in its row, which causal attention never reads.
+            model = self.hf.base_model if hidden_only else self.hf
+            out = model(input_ids=tokens, position_ids=positions, use_cache=False, **routers)
+            output = out.last_hidden_state if hidden_only else out.logits
+            if not router_loss:
+                return output
+            return output, self.masked_router_loss(out.router_logits, token_mask)
         if positions is not None:
             raise ModelError("positions= is for training on packed documents, not with a KV cache")
         new = tokens.shape[1]
@@ -345,6 +346,15 @@ class HFCausalLM(nn.Module):
             cache.tokens.append(tokens[:, -new:])
         cache.pos += new
         return logits
+
+    def masked_router_loss(self, router_logits: tuple[torch.Tensor, ...],
+                           token_mask: torch.Tensor | None) -> torch.Tensor:
+        """The family's load-balancing loss over the tokens ``token_mask`` marks. A micro-batch of
+        padding alone (its loss weighed by its 0 targets) counts every row instead of none, which
+        would divide by 0: NaN, which a weight of 0 does not cancel."""
+        if token_mask is not None:
+            token_mask = token_mask | ~token_mask.any()
+        return self._router_loss(router_logits, self.hf.num_experts, self.hf.num_experts_per_tok, token_mask)
 
     def output_head(self) -> nn.Linear | None:
         """The linear map from ``hidden_only`` states to logits; None when the model does more to its

@@ -64,10 +64,11 @@ def token_loss_sum(model: nn.Module, batch: Batch, chunk_tokens: int = 0) -> tor
 def token_loss_terms(model: nn.Module, batch: Batch, chunk_tokens: int = 0,
                      router_loss: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``token_loss_sum``, and with ``router_loss`` the same forward's router load-balancing loss
-    (a MoE model's, ``router_loss_coefficient``; unscaled), else None."""
+    (a MoE model's, ``router_loss_coefficient``; unscaled, over the batch's tokens, not its
+    padding), else None."""
     kwargs = {} if batch.positions is None else {"positions": batch.positions}
     if router_loss:
-        kwargs["router_loss"] = True
+        kwargs.update(router_loss=True, token_mask=batch.token_mask())
     head = output_head(model) if chunk_tokens > 0 else None
     if head is not None:
         kwargs["hidden_only"] = True
@@ -206,9 +207,11 @@ class LanguageModelTask(Task):
             return LossOutput(loss, count)
         # transformers' training loss over one batch is mean cross-entropy + coefficient x router loss;
         # here each micro-batch's router loss is weighed by its targets, so that over one micro-batch
-        # the two are equal, and the router loss is logged as its mean over micro-batches
+        # the two are equal, and the router loss is logged as its mean over the micro-batches that
+        # have targets (one of padding alone weighs nothing in either)
+        trained = (count > 0).float()
         return LossOutput(loss + coefficient * routers.float() * count, count,
-                          metrics={"router_loss": (routers.detach().float(), 1)})
+                          metrics={"router_loss": (routers.detach().float() * trained, trained)})
 
     def count(self, batch: Batch) -> float:
         return int((batch.targets != IGNORE_INDEX).sum())
