@@ -94,6 +94,16 @@ def test_conversion_swaps_block_linears_but_not_the_head(tmp_path):
     unsharded = build_model(cfg.model)
     assert convert_linears(unsharded, blocks, gather_in_float8=False) == converted
     assert not any(unsharded.get_submodule(n).config.enable_fsdp_float8_all_gather for n in converted)
+    # A task's micro-batch of tokens not a multiple of 16, which CUDA's float8 weight gradients need,
+    # is refused in its first forward (torch's CPU float8 matmul takes it: a GPU's backward failed);
+    # without gradients (evaluation, generation) it runs
+    from shardtrain.errors import TrainingError
+
+    with pytest.raises(TrainingError, match=r"layers\.0\.\w+\.\w+ got 8 tokens .* multiple of 16"):
+        model(torch.zeros(1, 8, dtype=torch.long))
+    with torch.no_grad():
+        assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, cfg.model.vocab_size)
+    model(torch.zeros(2, 8, dtype=torch.long)).float().sum().backward()
 
     lora = load_config(["model.dim=64", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2",
                         "model.ffn_hidden_dim=96", "finetune=lora"])

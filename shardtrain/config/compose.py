@@ -392,7 +392,7 @@ def check_float8_tokens(cfg: Config) -> None:
     matmul (torch._scaled_mm) needs in multiples of 16 (torchao pads only the forward's inner size
     when asked, at a copy a matmul): the language model's micro-batch of trainer.seq_len tokens is
     checked here, before any process starts, rather than failing in the first backward on the GPU.
-    A task's own batches are its to shape (docs/configuration.md)."""
+    A task's own batches are checked in the first forward given them (``distributed/float8.py``)."""
     t = cfg.trainer
     if not cfg.strategy.float8 or cfg.task.path != LANGUAGE_MODEL_TASK or t.seq_len % 16 == 0:
         return

@@ -12,7 +12,7 @@ LoRA adapters and any linear layer whose sizes are not multiples of 16, which fl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -24,7 +24,8 @@ from torchao.float8 import (
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 from shardtrain.distributed import parallelize
-from shardtrain.distributed.parallelize import Float8Training, float8_eligible
+from shardtrain.distributed.parallelize import FLOAT8_MULTIPLE, Float8Training, float8_eligible
+from shardtrain.errors import TrainingError
 
 
 def convert_linears(model: nn.Module, blocks: Sequence[str], gather_in_float8: bool) -> list[str]:
@@ -42,7 +43,26 @@ def convert_linears(model: nn.Module, blocks: Sequence[str], gather_in_float8: b
 
     convert_to_float8_training(model, module_filter_fn=chosen,
                                config=Float8LinearConfig(enable_fsdp_float8_all_gather=gather_in_float8))
+    for name in converted:
+        model.get_submodule(name).register_forward_pre_hook(refuse_uneven_tokens(name))
     return converted
+
+
+def refuse_uneven_tokens(name: str) -> Callable[[nn.Module, tuple], None]:
+    """A forward pre-hook for the float8 linear ``name``: each weight gradient contracts over the
+    rows of its input (a micro-batch's tokens), and CUDA's float8 matmul needs them in multiples of
+    16. The language model's are checked with the config; a task's batches are checked here, in
+    the forward of the first micro-batch that has such a count, not in a GPU kernel's error in its
+    backward."""
+    def check(module: nn.Module, args: tuple) -> None:
+        rows = args[0].numel() // max(args[0].shape[-1], 1)
+        if torch.is_grad_enabled() and rows % FLOAT8_MULTIPLE:
+            raise TrainingError(
+                f"strategy.float8=true: {name} got {rows} tokens (rows of its input), and its float8 "
+                f"weight gradient, which contracts over them, needs a multiple of {FLOAT8_MULTIPLE} (CUDA's "
+                "float8 matmul); give the task's micro-batches a multiple of 16 tokens (pad them, or "
+                "change trainer.micro_batch_size), or drop strategy.float8")
+    return check
 
 
 def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
