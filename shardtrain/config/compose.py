@@ -40,6 +40,7 @@ from shardtrain.config.schema import (
     ModelConfig,
     StrategyConfig,
     TrainerConfig,
+    mixture_weights_valid,
 )
 from shardtrain.config.strategy import check_strategy_names, devices_count
 from shardtrain.config.suggest import closest
@@ -470,10 +471,7 @@ def check_config(cfg: Config) -> None:
             if not any(ch in entry for ch in "*?[") and not Path(entry).expanduser().exists():
                 raise ConfigError(f"data path {entry!r} does not exist; fix data.paths")
     weights = cfg.data.weights
-    # finite too: an infinite weight (the sum inf) made every dataset's share nan, drawn 1:1
-    if weights and (cfg.data.source != "prepared" or len(weights) != len(cfg.data.paths)
-                    or not all(isinstance(w, (int, float)) and math.isfinite(w) and w > 0 for w in weights)
-                    or not math.isfinite(sum(weights))):
+    if weights and (cfg.data.source != "prepared" or not mixture_weights_valid(weights, len(cfg.data.paths))):
         raise ConfigError(f"data.weights={list(weights)}: one positive, finite weight per prepared dataset "
                           f"in data.paths ({len(cfg.data.paths)} given), with data.source=prepared")
     if cfg.data.cache_dir != "auto" and Path(cfg.data.cache_dir).expanduser().is_file():

@@ -6,6 +6,7 @@ else is rejected before a process group exists (see ``shardtrain.config.compose`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,6 +134,15 @@ class StrategyConfig:
     # gets a zero gradient, which AdamW steps (momentum, weight decay) where plain PyTorch skips it.
     # Without it such a step fails (gloo: "Received data size doesn't match"; NCCL may hang).
     reduce_unused_params: bool = False
+
+
+def mixture_weights_valid(weights: Any, datasets: int) -> bool:
+    """Whether ``weights`` give each of ``datasets`` datasets one positive, finite weight, their sum
+    finite too (an infinite weight made every dataset's share NaN, drawn 1:1)."""
+    return (len(weights) == datasets
+            and all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w > 0
+                    for w in weights)
+            and math.isfinite(sum(weights)))
 
 
 @dataclass

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import time
 from collections import UserDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -22,6 +21,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
+from shardtrain.config.schema import mixture_weights_valid
 from shardtrain.errors import DataError, TooFewTokens
 
 IGNORE_INDEX = -100
@@ -329,8 +329,7 @@ class MixtureWindows:
 
     def __init__(self, parts: list[TokenWindows], weights: list[float]) -> None:
         # as data.weights is checked, for mixtures built in code (block_counts divides by the sum)
-        if len(weights) != len(parts) or not all(math.isfinite(w) and w > 0 for w in weights) \
-                or not math.isfinite(sum(weights)):
+        if not mixture_weights_valid(weights, len(parts)):
             raise DataError(f"mixture weights {list(weights)}: one positive, finite weight per dataset "
                             f"({len(parts)}), their sum finite")
         self.parts = parts
