@@ -22,7 +22,7 @@ from shardtrain.config.schema import ModelConfig
 from shardtrain.data.batches import IGNORE_INDEX, Batch
 from shardtrain.diagnostics.planner import estimate
 from shardtrain.distributed.parallelize import largest_first
-from shardtrain.models.hf import HFCausalLM, head_transform_reason, transforms_head_output
+from shardtrain.models.hf import HFCausalLM, forward_source, head_transform_reason, transforms_head_output
 from shardtrain.models.llama import Llama
 from shardtrain.models.registry import build_model
 from shardtrain.tasks.language_model import LanguageModelTask, output_head, token_loss_sum
@@ -246,7 +246,7 @@ def test_hf_logit_transforms_keep_the_plain_loss():
                  num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     for plain in (transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)),
                   transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes))):
-        assert head_transform_reason(plain) is None
+        assert head_transform_reason(plain, forward_source(plain)) is None
     minicpm3 = dict(sizes, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
                     v_head_dim=4)
     for family in (transformers.CohereForCausalLM(transformers.CohereConfig(**sizes)),
@@ -254,7 +254,8 @@ def test_hf_logit_transforms_keep_the_plain_loss():
                    transformers.HyperCLOVAXForCausalLM(transformers.HyperCLOVAXConfig(**sizes)),
                    transformers.MiniCPM3ForCausalLM(transformers.MiniCPM3Config(**minicpm3)),
                    transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**sizes))):
-        assert "does more to its logits" in head_transform_reason(family), type(family).__name__
+        reason = head_transform_reason(family, forward_source(family))
+        assert "does more to its logits" in reason, type(family).__name__
     # The shapes the source check reads, one change at a time from the plain one.
     plain = ("outputs = self.model(input_ids)\nhidden_states = outputs.last_hidden_state\n"
              "hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)\n"

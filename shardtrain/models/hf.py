@@ -128,11 +128,11 @@ def transforms_head_output(source: str, head_name: str, base_model_prefix: str) 
             or f"self.{base_model_prefix}(" not in source)
 
 
-def head_transform_reason(model: nn.Module) -> str | None:
+def head_transform_reason(model: nn.Module, source: str | None) -> str | None:
     """Why the logits of this transformers causal LM are not just its output head applied to its base
-    model's last hidden state (``transforms_head_output``), read from its ``forward``'s source; None
-    when they are, so a loss may apply the head itself chunk by chunk."""
-    if (source := forward_source(model)) is None:
+    model's last hidden state (``transforms_head_output``), read from its ``forward``'s ``source``
+    (``forward_source``); None when they are, so a loss may apply the head itself chunk by chunk."""
+    if source is None:
         return f"the source of {type(model).__name__}.forward is not readable"
     head = model.get_output_embeddings()
     head_name = next((name for name, module in model.named_children() if module is head), None)
@@ -280,7 +280,8 @@ class HFCausalLM(nn.Module):
         names = set(getattr(self.hf, "_no_split_modules", None) or ())
         self.block_classes = tuple({type(m) for m in self.modules() if type(m).__name__ in names})
         self.tied = self.hf.get_input_embeddings().weight is self.hf.get_output_embeddings().weight
-        self.head_transform = head_transform_reason(self.hf)
+        source = forward_source(self.hf)
+        self.head_transform = head_transform_reason(self.hf, source)
         self._family_init: FamilyInitialisation | None = None
         # transformers renamed forward's past_key_values to cache (the old name warns, and goes in
         # 5.40); the name this version's forward takes.
@@ -292,7 +293,6 @@ class HFCausalLM(nn.Module):
         moe = hasattr(self.config, "output_router_logits")
         # (a family whose forward adds no such loss, Llama 4's, trains on the cross-entropy in
         # transformers too: nothing asked)
-        source = forward_source(self.hf) if moe and self.config.output_router_logits else None
         self.router_loss_asked = moe and bool(self.config.output_router_logits) and adds_router_loss(source)
         found = router_loss_of(self.hf, source) if self.router_loss_asked else None
         self._router_loss = found[0] if found else None
