@@ -172,3 +172,32 @@ def test_multihead_attention_out_proj_is_not_converted_and_a_model_with_nothing_
     with pytest.raises(ConfigError, match=r"^strategy.float8=true found no linear layer to convert in the "
                                           r"model's 1 blocks: .* multiples of 16"):
         parallelize_module.parallelize(Model(72), types.SimpleNamespace(device_type="cpu"), plan, [Block])
+
+
+def test_compiled_frozen_float8_linear_leaves_its_weight_gradient_out():
+    """torchao's float8 backward computes a weight gradient whether the weight trains or not (a LoRA
+    base's is then dropped); compiled, as float8 is meant to run, AOTAutograd leaves that matmul
+    out of the backward graph: one float8 matmul in a frozen linear's backward, two in a trained
+    one's (what docs/configuration.md says of strategy.float8 with finetune=lora)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from shardtrain.distributed.float8 import convert_linears
+
+    def backward_matmuls(trained: bool) -> int:
+        graphs = []
+
+        def keep(graph, _inputs):
+            graphs.append(graph)
+            return make_boxed_func(graph.forward)
+
+        model = nn.Sequential(nn.Sequential(nn.Linear(64, 64, bias=False)))
+        convert_linears(model, ["0"], gather_in_float8=False)
+        model[0][0].weight.requires_grad_(trained)
+        compiled = torch.compile(model, backend=aot_autograd(
+            fw_compiler=lambda graph, _inputs: make_boxed_func(graph.forward), bw_compiler=keep))
+        compiled(torch.randn(32, 64, requires_grad=True)).sum().backward()
+        (backward,) = graphs
+        return sum(node.target is torch.ops.aten._scaled_mm.default for node in backward.graph.nodes)
+
+    assert (backward_matmuls(trained=True), backward_matmuls(trained=False)) == (2, 1)
