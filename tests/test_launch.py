@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from shardtrain.cli.launch import failed_rank_line, killed_first, relaunch_if_needed, root_cause
 from shardtrain.cli.main import error_line, launch_outcome, main
 from shardtrain.config.compose import compose_config
+from shardtrain.data.prepare import PrepareOptions, prepare
 from shardtrain.diagnostics.failures import record_failure
 from shardtrain.errors import ConfigError
 
@@ -192,6 +193,10 @@ def test_a_workers_error_line_names_its_rank_only_in_a_world_of_several(monkeypa
         ("checkpoints", "run.dir={tmp}/r/checkpoints",
          "run.dir='{tmp}/r/checkpoints' is a run's checkpoints directory; name the run's directory, "
          "'{tmp}/r', to go on"),
+        # Found by the walkthrough: a run's files went among a dataset's (whose next preparation
+        # deleted them) or a model's
+        ("dataset", "run.dir={tmp}/ds", "run.dir='{tmp}/ds' is a prepared dataset (shardtrain prepare's"),
+        ("model", "run.dir={tmp}/m", "run.dir='{tmp}/m' is a model directory (its config.json); a run"),
     ],
 )
 def test_broken_paths_fail_before_any_worker_starts(tmp_path, capsys, make, override, message):
@@ -203,6 +208,13 @@ def test_broken_paths_fail_before_any_worker_starts(tmp_path, capsys, make, over
         (tmp_path / "truncated" / ".metadata").write_bytes(b"\x80\x04trunc")
     elif make == "file":
         (tmp_path / "a_file").write_text("not a directory")
+    elif make == "dataset":
+        (tmp_path / "text.txt").write_text("one two three\n" * 40)
+        prepare(PrepareOptions(inputs=[str(tmp_path / "text.txt")], val_percent=0.0), tmp_path / "ds",
+                progress=False)
+    elif make == "model":
+        (tmp_path / "m").mkdir()
+        (tmp_path / "m" / "config.json").write_text("{}")
     elif make == "checkpoints":
         (tmp_path / "r" / "checkpoints" / "step-4").mkdir(parents=True)
         (tmp_path / "r" / "checkpoints" / "step-4" / "trainer_state.json").write_text("{}")

@@ -173,6 +173,18 @@ def test_a_changed_input_is_prepared_again(tmp_path):
     (tmp_path / "in" / ".old.shardtrain-lock").touch()
     assert [s.name for s in resolve_sources([str(tmp_path / "in" / "*")], "*", [])] == ["a.txt", "b.txt"]
     assert [s.name for s in resolve_sources([str(tmp_path / "in")], "*", [])] == ["a.txt", "b.txt"]
+    # A dataset holding what prepare did not write (a run's checkpoints, run.dir having named it) is
+    # not replaced: found by the walkthrough, the checkpoints were deleted with the old dataset
+    (tmp_path / "out" / "checkpoints" / "step-2").mkdir(parents=True)
+    (tmp_path / "out" / "config.yaml").write_text("mine")
+    doc.write_text("one two three " * 70)
+    with pytest.raises(DataError, match=r"out is a prepared dataset that also holds what prepare did not "
+                                         r"write \(checkpoints, config.yaml\), which preparing it again"):
+        prepare(options, tmp_path / "out", progress=False)
+    assert (tmp_path / "out" / "checkpoints" / "step-2").is_dir()
+    assert (tmp_path / "out" / "config.yaml").read_text() == "mine"
+    shutil.rmtree(tmp_path / "out" / "checkpoints")
+    (tmp_path / "out" / "config.yaml").unlink()
     # A pattern in a directory part, and ** (found by review: "matches no file"; data.paths has no
     # shell to expand it), named from the last directory before the pattern
     (tmp_path / "tree" / "sub").mkdir(parents=True)

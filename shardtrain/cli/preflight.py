@@ -17,6 +17,7 @@ from shardtrain.checkpoint.state import STATE_FILE
 from shardtrain.checkpoint.weights import HF_PREFIX, read_hf_config
 from shardtrain.cli.paths import check_writable
 from shardtrain.config.schema import Config
+from shardtrain.data.documents import is_prepared_dataset
 from shardtrain.data.prepared import open_prepared
 from shardtrain.data.tokenizer import tokenizer_for
 from shardtrain.distributed.preconditions import resolve_wrap_classes
@@ -39,6 +40,7 @@ def check_run_dir(run_dir: Path) -> None:
         raise ConfigError(f"run.dir={str(run_dir)!r} is a file; run.dir must be a directory")
     if run_dir.is_dir():
         check_not_checkpoints(run_dir)
+        check_not_inputs(run_dir)
     check_writable(run_dir, "run.dir")
     try:  # made now, as training would: a path the permissions allow may still refuse (/proc, a quota)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -59,6 +61,19 @@ def check_not_checkpoints(run_dir: Path) -> None:
         run = repr(str(run_dir.parent)) if run_dir.name == layout.CHECKPOINTS_DIR else "the one above"
         raise ConfigError(f"run.dir={str(run_dir)!r} is a run's checkpoints directory; name the run's "
                           f"directory, {run}, to go on from its newest checkpoint")
+
+
+def check_not_inputs(run_dir: Path) -> None:
+    """A prepared dataset or a model directory named as run.dir: the run's checkpoints, config and
+    logs would go among its files (and preparing the dataset again replaces its directory)."""
+    if is_prepared_dataset(run_dir):
+        what = "a prepared dataset (shardtrain prepare's manifest.json and token shards)"
+    elif is_model_directory(run_dir):
+        what = "a model directory (its config.json)"
+    else:
+        return
+    raise ConfigError(f"run.dir={str(run_dir)!r} is {what}; a run writes its checkpoints, config and logs "
+                      "into run.dir: choose a directory of its own")
 
 
 def check_resume(cfg: Config) -> None:

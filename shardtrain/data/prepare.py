@@ -542,6 +542,12 @@ def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool, exclude
         log.warning(f"data: {out} is prepared but damaged ({', '.join(damaged[:3])}); preparing it again")
     if out.exists() and existing is None and any(out.iterdir()):
         raise DataError(f"{out} exists and is not a prepared dataset; choose another output directory")
+    if existing is not None and (foreign := not_prepared_here(out)):
+        # Replacing the dataset deletes the directory: a run's checkpoints kept in it (run.dir named
+        # the dataset) went with it without a word.
+        raise DataError(f"{out} is a prepared dataset that also holds what prepare did not write "
+                        f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}), which preparing "
+                        "it again would delete; move those out, or choose another output directory")
     if check_only:
         return None
 
@@ -582,6 +588,12 @@ def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool, exclude
         log.warning(f"data: {out} is prepared, but {out.parent} could not be flushed to the disk "
                     f"({exc.strerror or exc}); a crash of the machine now may lose the rename")
     return PrepareResult(manifest, up_to_date=False, seconds=time.perf_counter() - started)
+
+
+def not_prepared_here(directory: Path) -> list[str]:
+    """The entries of a prepared dataset's ``directory`` that ``prepare`` does not write, sorted."""
+    return sorted(entry.name for entry in directory.iterdir()
+                  if entry.name not in (MANIFEST, SOURCES_FILE, *SPLITS))
 
 
 def write_staging(options: PrepareOptions, sources: list[Source], source_entries: list[dict], digest: str,
