@@ -360,15 +360,27 @@ def test_a_run_directory_given_for_a_checkpoint_names_its_newest(good_checkpoint
                 f"is {good_checkpoint}"), (command, proc.stderr)
 
 
-def test_an_unfinished_save_is_not_exported(good_checkpoint, tmp_path):
+def test_an_unfinished_save_is_not_read(good_checkpoint, tmp_path):
     """Found by review: a save killed before its commit (a .step-N.tmp holding its files) was
-    consolidated as if whole, with a word on checksums only."""
+    consolidated as if whole, with a word on checksums only; found by the walkthrough: resume,
+    generate, eval and model.init_from read one (and a .step-N.deleting), which the docs say is
+    never loaded. Every reader refuses it; inspect still looks inside."""
     unfinished = tmp_path / ".step-9.tmp"
     shutil.copytree(good_checkpoint, unfinished)
-    (unfinished / "trainer_state.json").unlink()
-    proc = run_cli("consolidate", str(unfinished), str(tmp_path / "out.safetensors"))
-    assert proc.returncode == 2 and ("is a save that did not finish (its commit, the rename to step-9, never "
-                                     "happened); export a complete checkpoint") in proc.stderr, proc.stderr
+    message = ("is a save that did not finish (its commit, the rename to step-9, never happened); use a "
+               "complete")
+    for command in (["consolidate", str(unfinished), str(tmp_path / "out.safetensors")],
+                    ["generate", str(unfinished), "--prompt", "a", "--max-new-tokens", "2"],
+                    ["eval", str(unfinished)],
+                    ["train", *QUICK, f"checkpoint.resume={unfinished}", f"run.dir={tmp_path / 'r1'}"],
+                    ["train", *QUICK, f"model.init_from={unfinished}", f"run.dir={tmp_path / 'r2'}"]):
+        proc = run_cli(*command)
+        assert proc.returncode == 2 and message in proc.stderr, (command, proc.stderr[-2000:])
+    inspected = run_cli("inspect", str(unfinished))
+    assert inspected.returncode == 1 and message in inspected.stdout, inspected.stdout
+    deleting = unfinished.rename(tmp_path / ".step-9.deleting")
+    proc = run_cli("generate", str(deleting), "--prompt", "a")
+    assert proc.returncode == 2 and "is a checkpoint whose deletion did not finish (step-9)" in proc.stderr
 
 
 def test_resume_none_refuses_to_overwrite_checkpoints(good_checkpoint, tmp_path):

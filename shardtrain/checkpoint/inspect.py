@@ -146,8 +146,8 @@ def inspect_path(target: str | Path) -> Report:
     if fmt == "dcp" and (any(path.glob("rng-rank*.pt")) or (path / integrity.MANIFEST_FILE).is_file()):
         fmt = "shardtrain"  # shardtrain's own files, without the one its commit writes last
     report.format = FORMAT_NAMES[fmt]
-    if layout.TMP_DIR.match(path.name):
-        report.problems.append("this is a temporary directory of a save that did not finish")
+    if reason := layout.unfinished_save(path):  # still looked inside: what it holds is the question
+        report.problems.append(reason)
     if not check_checksums(path, report):
         return report
     try:

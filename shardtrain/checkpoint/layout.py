@@ -262,9 +262,24 @@ def check_shard_files(path: Path, metadata, share: tuple[int, int] | None = None
             )
 
 
+def unfinished_save(path: Path) -> str | None:
+    """Why ``path`` is no checkpoint to read, where it is what a save or a deletion that did not
+    finish leaves (``.step-N.tmp``, ``.step-N.deleting``); None otherwise."""
+    if not (ABANDONED_DIR.match(path.name) and path.is_dir()):
+        return None
+    step = path.name.removeprefix(".").split(".")[0]
+    if path.name.endswith(".tmp"):
+        # It may lack files, or hold a save a rank could not read back: its files look whole.
+        return (f"{str(path)!r} is a save that did not finish (its commit, the rename to {step}, never "
+                "happened); use a complete checkpoint")
+    return f"{str(path)!r} is a checkpoint whose deletion did not finish ({step}); use a complete checkpoint"
+
+
 def verify(path: Path, need_state: bool = True, share: tuple[int, int] | None = None):
     """Metadata of a complete checkpoint at ``path``; raises CheckpointError naming the problem.
     ``share``: of the shard files, only this rank's part (``check_shard_files``)."""
+    if reason := unfinished_save(path):
+        raise CheckpointError(reason)
     metadata = read_dcp_metadata(path)
     check_shard_files(path, metadata, share)
     if need_state:

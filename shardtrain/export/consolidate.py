@@ -194,12 +194,8 @@ def checked_plan(path: Path, max_shard_size: str | None, dtype: str | None, key:
     """The output shards of checkpoint ``path`` and the dtype they are cast to, after every check
     that comes before a tensor is read: the kind of checkpoint, the options, its structure, then
     the checksums of the files it reads."""
-    if layout.ABANDONED_DIR.match(path.name) and path.is_dir():
-        # Its commit (the rename to step-N) never happened: it may lack files, or hold a save a rank
-        # could not read back (found by review: exported as if whole, with a word on checksums).
-        raise CheckpointError(f"{str(path)!r} is a save that did not finish (its commit, the rename to "
-                              f"{path.name.removeprefix('.').split('.')[0]}, never happened); export a "
-                              "complete checkpoint")
+    if reason := layout.unfinished_save(path):  # found by review: exported as if whole
+        raise CheckpointError(reason)
     if layout.detect_format(path) == "shardtrain":
         # Its model entries are the adapters alone: a "model" file of them would load as nothing.
         refuse_adapters_only(path, TrainState.read(path))
