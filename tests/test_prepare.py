@@ -567,7 +567,7 @@ def test_a_dead_worker_is_one_line_not_a_hang(tmp_path):
 @pytest.mark.parametrize("case", ["empty", "empty_text", "unreadable", "corrupt_deflate", "malformed",
                                   "missing_field", "not_text", "sharegpt_roles", "parquet_column",
                                   "missing_input", "dataset_dict", "not_prepared", "out_is_a_file",
-                                  "compressed_text", "not_utf8", "binary", "utf16"])
+                                  "compressed_text", "not_utf8", "binary", "utf16", "no_targets"])
 def test_bad_data_is_one_clear_line(case, tmp_path):
     target = tmp_path / "data.jsonl"
     args = [str(target)]
@@ -629,6 +629,9 @@ def test_bad_data_is_one_clear_line(case, tmp_path):
         target = tmp_path / "notes.txt"
         target.write_bytes("notes".encode("utf-16"))
         args, message = [str(target)], "not text (a NUL byte at byte 4; UTF-16 text: re-encode it as UTF-8)"
+    elif case == "no_targets":  # found by the walkthrough: trained to NaN, every step skipped, exit 0
+        target.write_text('{"prompt": "p", "completion": ""}\n' * 5)
+        message = "no token to train on: the records' completions (or assistant turns) are all empty"
     elif case == "out_is_a_file":
         target.write_text('{"text": "fine"}\n')
         (tmp_path / "out").write_text("mine")

@@ -186,6 +186,8 @@ class ShardWriter:
         self.shards: list[dict] = []
         self.documents = 0
         self.tokens = 0
+        self.masked = False  # whether any document marks which of its tokens are targets
+        self.targets = 0  # tokens a document marks as targets (all of one that marks none)
 
     def add(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
         if self.buffered and self.buffered + len(ids) > self.limit:
@@ -193,6 +195,8 @@ class ShardWriter:
         self.parts.append(ids)
         self.masks.append(mask)
         self.buffered += len(ids)
+        self.masked |= mask is not None
+        self.targets += len(ids) if mask is None else int(np.count_nonzero(mask))
 
     def flush(self) -> None:
         if not self.parts:
@@ -629,6 +633,11 @@ def write_staging(options: PrepareOptions, sources: list[Source], source_entries
     if not reading.bytes:
         raise DataError(f"{inputs}: no text (the input is empty: {reading.documents} empty document(s))")
     entries = {split: writer.entry() for split, writer in writers.items()}
+    train = writers["train"]
+    if train.masked and train.documents and not train.targets:
+        # Every step would find nothing to learn from (val_loss NaN too), skipped until the run stops.
+        raise DataError(f"{inputs}: no token to train on: the records' completions (or assistant turns) "
+                        "are all empty, and their prompts are not targets; give the records answers")
     # Before the manifest, which names it: a manifest is there only when all it names is.
     sources_bytes = write_durably(staging / SOURCES_FILE,
                                   (json.dumps(source_entries, indent=0) + "\n").encode())
