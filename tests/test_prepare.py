@@ -407,6 +407,14 @@ def test_json_files_of_records_are_json_lines(tmp_path, caplog):
                    progress=False)
     assert made.manifest["splits"]["train"]["documents"] == 2
     assert bytes(read_split(tmp_path / "gz", "train")[0].tolist()) == b"alphabeta"
+    # A byte-order mark before the first record (Windows tools write one) is no JSON error (found
+    # by the walkthrough: "not valid JSON (Unexpected UTF-8 BOM)"), in .jsonl and .json alike
+    (tmp_path / "bom").mkdir()
+    (tmp_path / "bom" / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + records.encode())
+    (tmp_path / "bom" / "b.json").write_bytes(b"\xef\xbb\xbf" + records.encode())
+    prepare(PrepareOptions(inputs=[str(tmp_path / "bom")], val_percent=0.0), tmp_path / "bom_out",
+            progress=False)
+    assert bytes(read_split(tmp_path / "bom_out", "train")[0].tolist()) == b"alphabetaalphabeta"
     # JSON Lines of another field: text, said once for all such files; with that field named, records
     (tmp_path / "events.json").write_text('{"id": 1}\n{"id": 2}\n')
     with caplog.at_level(logging.WARNING, logger="shardtrain"):

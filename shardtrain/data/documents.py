@@ -502,8 +502,9 @@ def read_jsonl(source: Source, field: str) -> Iterator[tuple[str, Document]]:
     opener = gzip.open if source.path.name.lower().endswith(".gz") else open
     try:
         # A byte that is not UTF-8 kept as a stand-in (surrogateescape) and named by its line: a
-        # strict read named a position within its decoder's chunk, not the file's.
-        with opener(source.path, "rt", encoding="utf-8", errors="surrogateescape") as lines:
+        # strict read named a position within its decoder's chunk, not the file's. A byte-order mark
+        # at the start (what Windows tools write) is no JSON: dropped, as Python's utf-8-sig does.
+        with opener(source.path, "rt", encoding="utf-8-sig", errors="surrogateescape") as lines:
             mixed_said = False
             for number, line in enumerate(lines, start=1):
                 where = f"{source.path}:{number}"
