@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import json
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -745,9 +746,15 @@ def test_a_damaged_adapter_checkpoint_is_named_by_every_reader(lora_runs, tmp_pa
     # --skip-checksums, where consolidate, generate and eval had one)
     for command in (["export-peft"], ["export-hf", "--merge"]):
         anyway = tmp_path / f"anyway-{command[0]}"
-        assert main([command[0], str(damaged), str(anyway), *command[1:], "--skip-checksums"]) == 0, (
-            capsys.readouterr().err)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert main([command[0], str(damaged), str(anyway), *command[1:], "--skip-checksums"]) == 0, (
+                capsys.readouterr().err)
         assert "verified:" in capsys.readouterr().out
+        # ... and say nothing else (found by the walkthrough: PEFT's transformers deprecation warning
+        # and DCP's "load in a single process" reached the console)
+        assert not [str(w.message) for w in caught if "deprecated" in str(w.message)
+                    or "single process" in str(w.message)], [str(w.message) for w in caught]
 
 
 @pytest.mark.parametrize("case", ["full_shard", "qlora"])

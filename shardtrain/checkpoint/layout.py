@@ -18,6 +18,7 @@ checks below also verify it, so that a damaged or hand-copied directory gets a p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import io
@@ -26,7 +27,8 @@ import pathlib
 import pickle
 import re
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +105,15 @@ class KnownMetadataReader(FileSystemReader):
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         return self.known_metadata
+
+
+@contextlib.contextmanager
+def reading_alone() -> Iterator[None]:
+    """Around a ``dcp.load`` that may run without a process group (consolidate, the exports): DCP
+    then warns, at every load, that it reads in one process, which is what was meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def free_memory() -> int:

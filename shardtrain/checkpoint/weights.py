@@ -290,8 +290,9 @@ def read_dcp(state: dict[str, Any], path: Path, metadata: Metadata) -> None:
     already read and checked, its failure as one CheckpointError: DCP's own ``CheckpointException``
     derives from BaseException and its text names only the failed ranks, not why."""
     try:
-        dcp.load(state, storage_reader=layout.KnownMetadataReader(path, metadata),
-                 planner=layout.WeightsOnlyLoadPlanner())
+        with layout.reading_alone():  # export-peft's and export-hf --merge's base, one process
+            dcp.load(state, storage_reader=layout.KnownMetadataReader(path, metadata),
+                     planner=layout.WeightsOnlyLoadPlanner())
     except DCP_FAILURES as exc:
         rank = dist.get_rank() if dist.is_initialized() else None
         raise CheckpointError(load_failed(path, exc, "use another checkpoint, or check the filesystem "

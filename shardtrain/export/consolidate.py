@@ -14,7 +14,6 @@ left beside the new ones would be read instead of them.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -136,9 +135,7 @@ def load_tensors(path: Path, entries, metadata: Metadata) -> dict[str, torch.Ten
     """``entries``' tensors from ``path``, with its ``metadata`` as ``layout.read_dcp_metadata`` read it
     (DCP's own reader unpickles ``.metadata`` with no restriction)."""
     state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, _, m in entries}
-    with warnings.catch_warnings():
-        # DCP warns that it runs without a process group: that is the point here.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with layout.reading_alone():
         try:
             dcp.load(state, storage_reader=layout.KnownMetadataReader(path, metadata),
                      planner=layout.WeightsOnlyLoadPlanner(), no_dist=True)
