@@ -866,6 +866,10 @@ def test_chat_records_train_on_the_assistant_turns_only(tmp_path):
                                                                                False), False))].tolist()) \
         == tokenizer.render_chat(chats[0]["messages"], add_generation_prompt=False)
     assert open_prepared(tmp_path / "out", tokenizer).manifest is not None
+    # Another vocabulary is named by where each tokenizer was read, not by its digest (found by the
+    # walkthrough: "tokenizers:3308d1e6c1057652")
+    with pytest.raises(DataError, match=f"prepared with the tokenizer {model} .* but the model's is bytes "):
+        open_prepared(tmp_path / "out", ByteTokenizer())
     # The model's tokenizer with another template (its vocabulary the same): these renderings are
     # not its format (found by review: accepted, and a changed template's preparation was reused)
     config = json.loads((model / "tokenizer_config.json").read_text())

@@ -271,10 +271,12 @@ def open_prepared(path: str | Path, tokenizer: Tokenizer | None = None, warn: bo
     if tokenizer is not None:
         made_with = manifest["tokenizer"]
         if made_with["name"] != tokenizer.name:
+            # Named by where they were read (the names are digests of the vocabularies)
+            given = manifest.get("options", {}).get("tokenizer", made_with["name"])
             raise DataError(
-                f"{path} was prepared with tokenizer {made_with['name']} ({made_with['vocab_size']} tokens) "
-                f"but the model's is {tokenizer.name} ({tokenizer.vocab_size} tokens); prepare it again "
-                "with the model's tokenizer (shardtrain prepare ... --tokenizer MODEL_DIR)")
+                f"{path} was prepared with the tokenizer {given} ({made_with['vocab_size']} tokens), but the "
+                f"model's is {tokenizer.source} ({tokenizer.vocab_size} tokens), another vocabulary; prepare "
+                "it again with the model's tokenizer (shardtrain prepare ... --tokenizer MODEL_DIR)")
         rank_zero = int(os.environ.get("RANK", "0")) == 0
         if warn and rank_zero and made_with.get("eos_id", tokenizer.eos_id) != tokenizer.eos_id:
             # One tokenizer.json, two end-of-text tokens (a base model's and its instruct model's):
@@ -306,13 +308,13 @@ def open_prepared(path: str | Path, tokenizer: Tokenizer | None = None, warn: bo
         now = tokenizer_entry(tokenizer)["chat_template"]
         if recorded not in (None, "unrecorded") and now is None:
             raise DataError(f"{path} holds conversations rendered with a chat template, and the model's "
-                            f"tokenizer ({tokenizer.name}) has none: it would be prompted in no format "
+                            f"tokenizer ({tokenizer.source}) has none: it would be prompted in no format "
                             "at all; train a model whose tokenizer has that template (a chat model's "
                             "tokenizer_config.json or chat_template.jinja), or prepare the data as "
                             "prompt/completion records")
         if recorded not in ("unrecorded", now):
             raise DataError(f"{path} holds conversations rendered with another chat template than the "
-                            f"model's tokenizer's ({tokenizer.name}); prepare it again with the model's "
+                            f"model's tokenizer's ({tokenizer.source}); prepare it again with the model's "
                             "tokenizer (shardtrain prepare ... --tokenizer MODEL_DIR)")
     # Masks are checked after the other files so that the message names the same files as ever
     # when tokens or document starts are missing.

@@ -346,13 +346,13 @@ class HFTokenizer:
         rendered as transformers renders it (a sandboxed Jinja environment), with the prompt of the
         assistant's turn at the end when ``add_generation_prompt``."""
         if not self.chat_template:
-            raise DataError(f"the tokenizer {self.name} has no chat template (none in "
+            raise DataError(f"the tokenizer {self.source} has no chat template (none in "
                             f"{TOKENIZER_CONFIG_FILE} or chat_template.jinja)")
         try:
             return self._chat.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except TemplateError as exc:
-            raise DataError(f"the chat template of {self.name} failed: {exc}") from exc
+            raise DataError(f"the chat template of {self.source} failed: {exc}") from exc
 
     @cached_property
     def turn_end_ids(self) -> frozenset[int]:
