@@ -280,6 +280,10 @@ def test_cpu_ranks_of_a_machine_share_its_memory_for_the_gathered_copy():
     crowded = generation_mode(model, torch.float32, torch.device("cpu"), local_processes=10**9)
     assert alone.mode == "gathered" and crowded.mode == "sharded"
     assert crowded.free_bytes < 2**20  # the host's available memory over a billion processes
+    # A mode asked for says so (found by the walkthrough: --mode sharded read as forced by memory)
+    asked = generation_mode(model, torch.float32, torch.device("cpu"), "sharded")
+    assert asked.mode == "sharded" and asked.reason().startswith("as asked; the gathered model needs ")
+    assert alone.reason().startswith("the gathered model needs ")
 
 
 def test_eval_says_when_the_runs_data_now_gives_other_samples(tmp_path):

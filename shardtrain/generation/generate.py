@@ -42,10 +42,12 @@ class ModeChoice:
     mode: str  # "gathered" or "sharded"
     gathered_bytes: int  # the plain copy's parameters in the generation dtype
     free_bytes: int | None  # the least free memory of any rank (None: unknown)
+    asked: bool = False  # the mode was asked for, not chosen by the memory
 
     def reason(self) -> str:
         free = "unknown" if self.free_bytes is None else human_bytes(self.free_bytes)
-        return f"the gathered model needs {human_bytes(self.gathered_bytes)}, {free} is free"
+        memory = f"the gathered model needs {human_bytes(self.gathered_bytes)}, {free} is free"
+        return f"as asked; {memory}" if self.asked else memory
 
 
 def generation_mode(model: nn.Module, dtype: torch.dtype, device: torch.device,
@@ -65,7 +67,7 @@ def generation_mode(model: nn.Module, dtype: torch.dtype, device: torch.device,
         dist.all_reduce(least, op=dist.ReduceOp.MIN)
         free = int(least.item()) if int(least.item()) >= 0 else None
     if requested != "auto":
-        return ModeChoice(requested, need, free)
+        return ModeChoice(requested, need, free, asked=True)
     fits = free is None or need <= GATHER_HEADROOM * free
     return ModeChoice("gathered" if fits else "sharded", need, free)
 
