@@ -460,6 +460,10 @@ def test_checkpoint_without_manifest_only_warns(good_checkpoint, tmp_path, caplo
     with pytest.raises(CheckpointError, match=r"checksums.json is missing, though its save wrote one: the "
                                               r"checkpoint is incomplete \(copied without it\?\)"):
         verify_files(old)  # found by review: read as an older checkpoint, verified by nothing
+    (old / "checksums.json").write_text("{}")  # the walkthrough: "is unreadable ('files')"
+    with pytest.raises(CheckpointError, match=r"checksums.json is unreadable \(no 'files' entry\); the"):
+        verify_files(old)
+    (old / "checksums.json").unlink()
     assert inspect_path(old).details["checksums"] == "missing (its save wrote them)"
     state = json.loads((old / "trainer_state.json").read_text())
     assert state.pop("checksums") is True

@@ -126,8 +126,10 @@ def read_manifest(path: Path) -> dict[str, dict] | None:
         ):
             raise ValueError(f"not a {ALGORITHM} manifest")
     except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        # A KeyError's text is the bare key: named as the entry the file lacks
+        why = f"no {exc.args[0]!r} entry" if isinstance(exc, KeyError) and exc.args else str(exc)
         raise CheckpointError(
-            f"checkpoint {str(path)!r}: {MANIFEST_FILE} is unreadable ({exc}); the checkpoint is "
+            f"checkpoint {str(path)!r}: {MANIFEST_FILE} is unreadable ({why}); the checkpoint is "
             "damaged, use another one (or skip verification: checkpoint.verify_checksums=false, "
             "--skip-checksums of the commands that read it)"
         ) from exc
