@@ -160,7 +160,9 @@ def test_consolidation_is_bitwise_and_init_from_loads_it(four_rank_checkpoint, t
                          (tmp_path / "one", "already holds model files (model.safetensors)"),
                          (single[0], "already exists; choose a new file name"),
                          (tmp_path / "sharded" / "model.safetensors",
-                          "already holds model.safetensors.index.json")):
+                          "already holds model.safetensors.index.json"),
+                         # found by the walkthrough: a checkpoint's rng-rank0.pt named "model files"
+                         (ckpt, f"output directory {ckpt} is a checkpoint, whose files the export's")):
         with pytest.raises(CheckpointError, match=re.escape(message)):
             consolidate(ckpt, out, max_shard_size="20KB" if out.suffix != ".safetensors" else None)
     assert (tmp_path / "sharded" / "model.safetensors.index.json").read_text() == index

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from shardtrain.checkpoint.state import STATE_FILE
 from shardtrain.errors import CheckpointError, first_line
 
 SINGLE_FILE = "model.safetensors"
@@ -34,6 +35,7 @@ EVAL_SETTINGS_KEY = "shardtrain_eval_settings"
 # What readers of a model directory take from it (weights, indexes, configs, tokenizers): left by an
 # earlier export beside a new one, they would be loaded instead of it (transformers prefers
 # model.safetensors to an index) or mixed with it.
+DCP_METADATA_FILE = ".metadata"  # (layout.METADATA_FILE: layout reads this module's names)
 MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt",
                "*.pth", "*.gguf", "config.json", "generation_config.json", "adapter_config.json",
                "tokenizer*", "special_tokens_map.json", "chat_template.jinja")
@@ -224,7 +226,11 @@ def check_new_output(out: Path) -> None:
 
 
 def check_new_directory(out: Path) -> None:
-    """An export's output directory: refused if it holds model files (``MODEL_FILES``) already."""
+    """An export's output directory: refused if it holds model files (``MODEL_FILES``) already, or
+    is a checkpoint (its rng-rank*.pt are no model files)."""
+    if (out / DCP_METADATA_FILE).is_file() or (out / STATE_FILE).is_file():
+        raise CheckpointError(f"output directory {out} is a checkpoint, whose files the export's would be "
+                              "mixed with; choose a new directory")
     if found := model_files(out):
         listed = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise CheckpointError(f"output directory {out} already holds model files ({listed}) that would "
