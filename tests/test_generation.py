@@ -216,7 +216,7 @@ def outside(allowed: Range, kind: type) -> list[float]:
     values = [allowed.low if allowed.low_open else allowed.low - step]
     if allowed.high != math.inf:
         values.append(allowed.high + step)
-    return values + ([math.nan] if kind is float else [])
+    return values + ([math.nan, math.inf] if kind is float else [])  # inf: found by the walkthrough
 
 
 CASES = [(command, ranges, action, value)
@@ -249,7 +249,8 @@ def test_out_of_range_flag_is_one_line_before_any_process(command, ranges, actio
     assert main([command, "missing-ckpt", *prompt, "--devices", "2", flag, text]) == 2
     err = capsys.readouterr().err
     shown = f"{action.type(value):g}" if action.type is float else text
-    assert err == f"shardtrain: error: {flag} {shown} must be {ranges[flag]}\n"
+    expected = "finite" if math.isinf(value) else ranges[flag]
+    assert err == f"shardtrain: error: {flag} {shown} must be {expected}\n"
 
 
 def test_a_file_on_several_devices_is_refused_before_any_process(tmp_path, monkeypatch, capsys):

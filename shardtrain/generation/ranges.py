@@ -22,8 +22,10 @@ class Range:
     low_open: bool = False  # (low, high] rather than [low, high]
 
     def __contains__(self, value: float) -> bool:
-        # Written so that NaN is outside every range.
-        return (self.low < value if self.low_open else self.low <= value) and value <= self.high
+        # Written so that NaN is outside every range, and so is infinity (--temperature inf sampled
+        # uniform noise)
+        return ((self.low < value if self.low_open else self.low <= value) and value <= self.high
+                and math.isfinite(value))
 
     def __str__(self) -> str:
         if self.high == math.inf:
@@ -54,4 +56,4 @@ def check_ranges(args: argparse.Namespace, ranges: dict[str, Range]) -> None:
         value = getattr(args, flag.removeprefix("--").replace("-", "_"))
         if value is not None and value not in allowed:  # None: not given, taken from the checkpoint
             shown = f"{value:g}" if isinstance(value, float) else str(value)
-            raise ConfigError(f"{flag} {shown} must be {allowed}")
+            raise ConfigError(f"{flag} {shown} must be {'finite' if math.isinf(value) else allowed}")
