@@ -46,6 +46,16 @@ class BuildReturnsNone(ImageClassification):
         super().build_model()
 
 
+class BuildsOnce(ImageClassification):
+    """Returns one model built earlier from every build_model call (found by a trial: the FLOP
+    counter's call turned the sharded model's parameters into fake tensors)."""
+
+    def build_model(self):
+        if not hasattr(self, "built"):
+            self.built = super().build_model()
+        return self.built
+
+
 class MovesModel(ImageClassification):
     """Moves its model to a device in build_model, as a hand-written loop does (found by review:
     torch's "Cannot copy out of meta tensor ... use to_empty()", advice that is not the fix)."""

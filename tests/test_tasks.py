@@ -401,6 +401,8 @@ def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
                                   "micro-batch's training FLOPs, a number"),
     ("broken_tasks:BuildReturnsNone", 1, "BuildReturnsNone.build_model returned NoneType; return the model, "
                                          "an nn.Module"),
+    ("broken_tasks:BuildsOnce", 1, "BuildsOnce.build_model returned a model it had returned before; "
+                                   "construct a new one in each call"),
     ("broken_tasks:MovesModel", 1, "the model was moved (.to(device), .cuda(), .cpu()) while it was being "
                                    "built: build_model runs with parameters on the meta device"),
     ("broken_tasks:VectorLoss", 1, "returned a loss of shape [2]; it must be a scalar tensor"),

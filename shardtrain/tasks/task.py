@@ -18,6 +18,7 @@ import functools
 import inspect
 import logging
 import re
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -188,14 +189,26 @@ class Task:
         return type(self).__name__
 
 
+# Every model a task's build_model has returned in this process (weakly: a model dropped leaves).
+BUILT_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
 def model_factory(task: Task) -> Callable[[], nn.Module]:
     """``task.build_model``, whose result is checked to be a module (a ``return`` forgotten gave
-    the framework's own AttributeError, deep in sharding)."""
+    the framework's own AttributeError, deep in sharding) and a new one: a model built once and
+    returned again (held by the task, cached) was sharded in place, then turned into fake tensors
+    by the FLOP counter's call (found by a trial: an error from inside the step at 2 ranks, every
+    update skipped at one)."""
     def build() -> nn.Module:
         model = task.build_model()
         if not isinstance(model, nn.Module):
             raise ModelError(f"{type(task).__name__}.build_model returned {type(model).__name__}; return "
                              "the model, an nn.Module")
+        if model in BUILT_MODELS:
+            raise ModelError(f"{type(task).__name__}.build_model returned a model it had returned before; "
+                             "construct a new one in each call (the framework calls it more than once: "
+                             "to shard it, and to count its FLOPs on a fake copy)")
+        BUILT_MODELS.add(model)
         return model
     return build
 

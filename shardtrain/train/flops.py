@@ -11,8 +11,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from shardtrain.data.batches import SampleSource
 from shardtrain.diagnostics.kept import fake_tensor_errors_unlogged
+from shardtrain.errors import ModelError
 from shardtrain.tasks.samples import batch_size
-from shardtrain.tasks.task import Task, leading_batch
+from shardtrain.tasks.task import Task, leading_batch, model_factory
 
 
 def counted_flops_per_sample(task: Task, micro_batch_size: int, train: SampleSource | None = None
@@ -28,11 +29,13 @@ def counted_flops_per_sample(task: Task, micro_batch_size: int, train: SampleSou
         batch = task.example_batch(micro_batch_size)
     try:
         with torch.device("meta"):
-            model = task.build_model()
+            model = model_factory(task)()
         with FakeTensorMode(allow_non_fake_inputs=True), fake_tensor_errors_unlogged():
             model.to_empty(device="cpu")
             with FlopCounterMode(display=False) as counter:
                 task.loss(model, batch)
+    except ModelError:  # the factory's refusal (a model built before): the error to see
+        raise
     except Exception as exc:  # the task's own code, on fake tensors: any error type
         return None, (f"FLOPs unknown (MFU not reported): the FLOP counter could not run "
                       f"{type(task).__name__}.loss on a fake model ({type(exc).__name__}: "
