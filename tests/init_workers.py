@@ -21,6 +21,7 @@ from shardtrain.diagnostics.memory import rss_bytes
 from shardtrain.distributed import sharded_model
 from shardtrain.distributed.embedding_exchange import exchange_embedding_rows
 from shardtrain.distributed.env import build_mesh, init_distributed
+from shardtrain.distributed.parallelize import parallelize
 from shardtrain.distributed.running_stats import average_running_statistics
 from shardtrain.generation.generate import gathered_copy, generate
 from shardtrain.models import llama
@@ -399,8 +400,49 @@ def running_statistics_agree(out: str) -> None:
     Path(out, f"running_stats{rank}.ok").write_text("ok")
 
 
+class NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.norm(self.linear(x)))
+
+
+def batch_norm_trains_in_bf16_and_checkpointed(out: str) -> None:
+    """Found by a trial: a BatchNorm under bf16-mixed or bf16-pure failed in its forward (bf16
+    weights beside fp32 running statistics), and a checkpointed block's recomputation moved the
+    statistics a second time. Each norm keeps fp32 weights in a unit of its own; with every block
+    recomputed, the statistics, the outputs and the gradients are the ones without."""
+    rank = dist.get_rank()
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank))
+    for precision in ("bf16-mixed", "bf16-pure"):
+        results = []
+        for checkpointing in ("none", "all"):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 8), NormBlock(), NormBlock())
+            strategy = dataclasses.replace(Config().strategy, mixed_precision=precision,
+                                           activation_checkpointing=checkpointing)
+            plan = resolve_plan(strategy, dist.get_world_size(), dist.get_world_size())
+            report = parallelize(model, build_mesh(plan, "cpu"), plan, [NormBlock])
+            assert report.fp32_norms == ["1.norm", "2.norm"], report.fp32_norms
+            assert model[1].norm.weight.dtype == torch.float32
+            for _ in range(2):
+                out_ = model(x)
+                out_.float().square().sum().backward()
+            grads = [p.grad.full_tensor() for p in model.parameters()]
+            stats = [b.clone() for name, b in model.named_buffers() if "running" in name or "tracked" in name]
+            results.append((out_.detach(), grads, stats, int(model[1].norm.num_batches_tracked)))
+        (plain, plain_grads, plain_stats, plain_count), (out_, grads, stats, count) = results
+        assert (plain_count, count) == (2, 2), (precision, plain_count, count)
+        assert all(torch.equal(a, b) for a, b in zip(stats, plain_stats, strict=True)), precision
+        assert torch.equal(out_, plain) and all(map(torch.equal, grads, plain_grads)), precision
+    Path(out, f"norms{rank}.ok").write_text("ok")
+
+
 def few_rows_and_row_exchange(out: str) -> None:
     """The 4-rank checks (in the group of ``initial_weights`` at 4 ranks)."""
     empty_shard(out)
     row_exchange(out)
     running_statistics_agree(out)
+    batch_norm_trains_in_bf16_and_checkpointed(out)

@@ -135,6 +135,9 @@ def test_a_rank_with_an_empty_shard_and_embeddings_that_exchange_rows(initial_ru
     # ... and BatchNorm's running statistics agree (distributed/running_stats.py)
     marks = sorted(p.name for p in Path(initial_runs).glob("running_stats*.ok"))
     assert marks == [f"running_stats{r}.ok" for r in range(4)]
+    # ... and a BatchNorm trains under bf16 precisions and checkpointed blocks (init_workers.py)
+    marks = sorted(p.name for p in Path(initial_runs).glob("norms*.ok"))
+    assert marks == [f"norms{r}.ok" for r in range(4)]
     got = torch.load(Path(initial_runs, "few_rows.pt"))
     plain = FewRows()
     for name, param in plain.named_parameters():

@@ -182,3 +182,31 @@ def test_a_hugging_face_block_keeps_about_what_the_planner_counts(head_dim: int,
     plan = resolve_plan(cfg.strategy, 1, 1)
     planned = activation_model(cfg, Dims.of_hf(config, attention == "eager"), 2, torch.float32, plan).block
     assert 1.0 <= planned / (kept[1] - kept[0]) <= 1.1, (planned, kept[1] - kept[0])
+
+
+@pytest.mark.parametrize("checkpointing", ["all", "selective"])
+def test_a_recomputation_leaves_running_statistics_alone(checkpointing: str) -> None:
+    """Found by a trial: a recomputed forward in training mode moved BatchNorm's running statistics
+    a second time (num_batches_tracked 8 after 4 steps, evaluation changed with the setting). They
+    move once, as without checkpointing, and outputs and gradients are unchanged."""
+    def block() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                   torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8, momentum=None))
+
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    results = []
+    for checkpointed in (False, True):
+        model = block()
+        if checkpointed:
+            enable_activation_checkpointing(model, block_selective_contexts(model, float8=False)
+                                            if checkpointing == "selective" else None)
+        for _ in range(2):
+            out = model(x)
+            grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
+        results.append((out, grads, {name: b.clone() for name, b in model.named_buffers()}))
+    (plain_out, plain_grads, plain_stats), (out, grads, stats) = results
+    assert int(stats["1.num_batches_tracked"]) == 2 and stats.keys() == plain_stats.keys()
+    assert all(torch.equal(stats[name], plain_stats[name]) for name in stats), stats
+    assert torch.equal(out, plain_out) and all(map(torch.equal, grads, plain_grads))
+    assert model[1].track_running_stats and model[4].track_running_stats  # restored

@@ -37,8 +37,11 @@ def settings_lines(cfg: Config, plan: ShardingPlan, report: ShardingReport, env:
         f"  gradient accumulation {plan.grad_accumulation} "
         f"({counted(cfg.trainer.grad_accum_steps, 'micro-batch')} per step)",
         f"  activation checkpointing {plan.activation_checkpointing}; wrap policy "
-        f"{list(cfg.strategy.wrap_policy)} -> {', '.join(report.wrap_classes) or 'none'}; "
-        f"seed {cfg.trainer.seed}",
+        + ("" if report.wrap_source == "strategy.wrap_policy" else f"({report.wrap_source}) ")
+        + f"{report.wrap_policy} -> {', '.join(report.wrap_classes) or 'none'}; seed {cfg.trainer.seed}",
+        *([f"  {counted(len(report.fp32_norms), 'norm layer')} with running statistics kept in fp32, each "
+           f"a unit of its own ({', '.join(report.fp32_norms[:3])}{', ...' * (len(report.fp32_norms) > 3)})"]
+          if report.fp32_norms else []),
         f"  timeouts: {cfg.dist.startup_timeout_s}s for start-up and the first step, then "
         f"{cfg.dist.timeout_s}s; TORCH_DISTRIBUTED_DEBUG={cfg.dist.debug}",
         f"diagnostics: {len(report.units) - 1} FSDP units + root, "

@@ -6,9 +6,10 @@ decides the units and applies FSDP2 to them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,20 +269,48 @@ def enable_activation_checkpointing(module: nn.Module, contexts: Callable[[], tu
     """
     inner = module.forward
     options = {"context_fn": contexts} if contexts is not None else {}
-
-    def run(*args, **kwargs):
-        # In the forward and in the recomputation alike: the lean layers leave what is saved to
-        # the checkpoint (models/lean_ops.py). Compiled, the compiler decides that.
-        if torch.compiler.is_compiling():
-            return inner(*args, **kwargs)
-        with checkpointed():
-            return inner(*args, **kwargs)
+    norms = [m for m in module.modules() if getattr(m, "track_running_stats", False)]
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
+        calls = 0
+
+        def run(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            # In the forward and in the recomputation alike: the lean layers leave what is saved
+            # to the checkpoint (models/lean_ops.py). Compiled, the compiler decides that (and
+            # recomputes no buffer's update).
+            if torch.compiler.is_compiling():
+                return inner(*args, **kwargs)
+            with checkpointed(), running_stats_kept(norms, recompute=calls > 1):
+                return inner(*args, **kwargs)
+
         return checkpoint(run, *args, use_reentrant=False, **options, **kwargs)
 
     module.forward = forward
+
+
+@contextlib.contextmanager
+def running_stats_kept(norms: Sequence[nn.Module], recompute: bool) -> Iterator[None]:
+    """BatchNorm-style ``norms`` (``track_running_stats``) in training mode leave their running
+    statistics as a ``recompute`` found them: a recomputation's forward must not move them a second
+    time (found by a trial: num_batches_tracked 8 after 4 checkpointed steps, and evaluation changed
+    with activation_checkpointing). Put back afterwards rather than left out of the call: without
+    them it saves other tensors than the forward did, which the checkpoint refuses. The forward
+    makes the same copies (and copies each statistic onto itself): selective checkpointing replays
+    a recomputation's operators against the forward's, one for one."""
+    stats = [buffer for norm in norms if norm.training
+             for buffer in (norm.running_mean, norm.running_var, norm.num_batches_tracked)
+             if buffer is not None]
+    with torch.no_grad():
+        kept = [buffer.clone() for buffer in stats]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(stats, kept, strict=True):
+                buffer.copy_(value if recompute else buffer)
 
 
 def largest_first(modules: Sequence[nn.Module]) -> list[nn.Module]:
@@ -299,6 +328,9 @@ class ShardingReport:
     units: list[str] = field(default_factory=list)
     # The classes the wrap policy resolved to (``auto``: the model's block_classes; a task's own).
     wrap_classes: list[str] = field(default_factory=list)
+    wrap_policy: list[str] = field(default_factory=list)  # the policy's entries, as given
+    wrap_source: str = "strategy.wrap_policy"  # what gave it (a task's wrap_policy())
+    fp32_norms: list[str] = field(default_factory=list)  # norm layers in fp32 units of their own
     checkpointed: list[str] = field(default_factory=list)
     # Parameters (global element count) per unit, the root's own last.
     unit_params: dict[str, int] = field(default_factory=dict)
@@ -369,7 +401,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
                False if index == len(groups) - 1 else plan.reshard_after_forward)
               for index, group in enumerate(groups)]
 
-    report = ShardingReport(wrap_classes=[cls.__qualname__ for cls in wrap])
+    given = [entry if isinstance(entry, str) else f"{entry.__module__}.{entry.__qualname__}"
+             for entry in wrap_policy]
+    report = ShardingReport(wrap_classes=[cls.__qualname__ for cls in wrap], wrap_policy=given,
+                            wrap_source=getattr(wrap_policy, "source", "strategy.wrap_policy"))
     seen: set[int] = set()
     for name, modules, _ in units:
         params = {id(p): p for m in modules for p in m.parameters() if id(p) not in seen}
@@ -384,12 +419,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
         report.tensor_parallel = tensor_parallel_layout(model)
         mesh = mesh[plan.data_parallel_dims]
 
+    norms = fp32_norms(model, plan, [module for _, modules, _ in units for module in modules])
     if plan.storage_dtype != torch.float32:
         # Parameters only: buffers such as RoPE tables keep their own (fp32) precision. LoRA
         # adapters stay fp32 (their updates are small against their values; FSDP2 gathers a unit
-        # of mixed dtypes in param_dtype) and so does their Adam state.
+        # of mixed dtypes in param_dtype) and so does their Adam state; so do the norms above.
+        in_norms = {id(param) for norm in norms for param in norm.parameters()}
         for name, param in model.named_parameters():
-            if not is_adapter(name):
+            if not is_adapter(name) and id(param) not in in_norms:
                 param.data = param.data.to(plan.storage_dtype)
     else:
         # A model built in bf16 (from_pretrained(torch_dtype=...), .half()) would train with bf16
@@ -441,6 +478,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
             common["ignored_params"] = common.get("ignored_params", set()) | {weight}
             report.exchanged_embeddings.append(name)
         units = kept
+    for norm in norms:  # before the units that hold them: FSDP2 shards children first
+        fully_shard(norm, **{**common, "mp_policy": MixedPrecisionPolicy(
+            param_dtype=torch.float32, reduce_dtype=plan.reduce_dtype, cast_forward_inputs=False)})
+        report.fp32_norms.append(names[norm])
     for name, modules, reshard in units:
         if plan.tensor_parallel > 1:
             for module in modules:  # before fully_shard's own hook, after the tensor-parallel style's
@@ -458,6 +499,21 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
     # group holds the embeddings, gathered before any block and kept, so it needs no prefetch.
     prefetch_in_forward([block for _, block in blocks] + ([groups[-1][0]] if len(groups) > 1 else []))
     return report
+
+
+def fp32_norms(model: nn.Module, plan: ShardingPlan, units: Sequence[nn.Module]) -> list[nn.Module]:
+    """The BatchNorm-style layers (``track_running_stats``, with a weight or bias) of ``model`` that
+    keep fp32 parameters in a unit of their own where the plan computes or stores in another dtype,
+    as FSDP1's mixed precision kept ``_BatchNorm`` layers: their running statistics are fp32
+    buffers, beside which bf16 weights failed in the forward ("expected scalar type BFloat16 but
+    found Float", bf16-mixed and bf16-pure alike; found by a trial). Their input and output stay in
+    the compute dtype. None that is a unit (or the model) itself."""
+    if plan.param_dtype == torch.float32 and plan.storage_dtype == torch.float32:
+        return []
+    skip = {id(model), *map(id, units)}
+    return [module for module in model.modules()
+            if getattr(module, "track_running_stats", False) and id(module) not in skip
+            and any(True for _ in module.parameters(recurse=False))]
 
 
 def register_forward_methods(model: nn.Module, names: Sequence[str]) -> None:

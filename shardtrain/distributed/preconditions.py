@@ -69,7 +69,9 @@ def module_class_names(model: nn.Module) -> list[str]:
 
 def resolve_wrap_classes(model: nn.Module, policy: Sequence[str | type]) -> tuple[type, ...]:
     """Turn the configured wrap policy (``auto``: the model's ``block_classes``; a dotted class path;
-    or a bare class name of one of the model's modules) into classes, and insist that it matches."""
+    or a bare class name of one of the model's modules) into classes, and insist that it matches.
+    A policy's ``source`` (``tasks.task.WrapPolicy``) is what its messages name."""
+    source = getattr(policy, "source", "strategy.wrap_policy")
     classes: list[type] = []
     for entry in policy:
         if isinstance(entry, type):
@@ -87,7 +89,7 @@ def resolve_wrap_classes(model: nn.Module, policy: Sequence[str | type]) -> tupl
             # A bare class name (e.g. "LlamaDecoderLayer"): the model's own class of that name.
             found = {type(m) for m in model.modules() if type(m).__name__ == entry}
             if not found:
-                raise ModelError(f"strategy.wrap_policy: {type(model).__name__} has no module of class "
+                raise ModelError(f"{source}: {type(model).__name__} has no module of class "
                                  f"{entry!r}; its classes: " + ", ".join(module_class_names(model)))
             classes.extend(found)
         else:
@@ -101,7 +103,7 @@ def resolve_wrap_classes(model: nn.Module, policy: Sequence[str | type]) -> tupl
     if not any(isinstance(m, wrap) for m in model.modules()):
         names = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in wrap)
         raise ModelError(
-            f"wrap policy [{names}] matched no module of {type(model).__name__}, so nothing would be "
+            f"{source} [{names}] matched no module of {type(model).__name__}, so nothing would be "
             "sharded per block; use one of the model's classes: " + ", ".join(module_class_paths(model))
         )
     return wrap

@@ -328,7 +328,8 @@ def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: Dev
     """``initializer``: an object with ``init_parameter`` (a task's) used instead of the model's;
     ``tensor_plan``: a task's tensor-parallel plan, used instead of the model's.
     With ``finetune.method=lora`` the factory's model gets adapters before it is sharded."""
-    policy = list(wrap_policy) if wrap_policy is not None else list(cfg.strategy.wrap_policy)
+    # (a task's WrapPolicy kept as it is: it names its source)
+    policy = wrap_policy if wrap_policy is not None else list(cfg.strategy.wrap_policy)
     bf16_base = cfg.finetune.method != "none" and cfg.finetune.base_dtype == "bf16"
     if bf16_base and plan.param_dtype != torch.bfloat16:
         raise ConfigError(f"finetune.base_dtype=bf16 needs a bf16 compute dtype (this run computes in "

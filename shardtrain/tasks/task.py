@@ -237,10 +237,30 @@ def wrap_policy_of(task: Task) -> list[type | str] | None:
     return policy
 
 
-def run_wrap_policy(task: Task, cfg: Config) -> list[type | str]:
-    """The policy a run shards by: the task's own (``wrap_policy_of``), else strategy.wrap_policy."""
+class WrapPolicy(list):
+    """A run's wrap policy (module classes or names) and ``source``, what set it (for messages)."""
+
+    def __init__(self, entries: Sequence[type | str], source: str) -> None:
+        super().__init__(entries)
+        self.source = source
+
+
+DEFAULT_WRAP_POLICY = ["auto"]  # strategy.wrap_policy's default (and every strategy preset's)
+
+
+def run_wrap_policy(task: Task, cfg: Config) -> WrapPolicy:
+    """The policy a run shards by: the task's own (``wrap_policy_of``), else strategy.wrap_policy.
+    Both given is one line: the task's decided, and the command line's was shown as the policy
+    (found by a trial)."""
     policy = wrap_policy_of(task)
-    return policy if policy is not None else list(cfg.strategy.wrap_policy)
+    if policy is None:
+        return WrapPolicy(cfg.strategy.wrap_policy, "strategy.wrap_policy")
+    if list(cfg.strategy.wrap_policy) != DEFAULT_WRAP_POLICY:
+        raise ConfigError(f"strategy.wrap_policy={list(cfg.strategy.wrap_policy)} and "
+                          f"{type(task).__name__}.wrap_policy() both name the FSDP units; drop "
+                          "strategy.wrap_policy to shard by the task's, or have wrap_policy() return None "
+                          "to shard by the configuration's")
+    return WrapPolicy(policy, f"{type(task).__name__}.wrap_policy()")
 
 
 def check_task(task: Any) -> Task:

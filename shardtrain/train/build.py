@@ -21,7 +21,7 @@ from shardtrain.distributed.parallelize import (
     trains_any,
 )
 from shardtrain.distributed.sharded_model import build_sharded_model
-from shardtrain.tasks.task import Task, model_factory, wrap_policy_of
+from shardtrain.tasks.task import Task, model_factory, run_wrap_policy
 from shardtrain.train.optim import build_optimizer, build_scheduler
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
@@ -42,7 +42,7 @@ def build(cfg: Config, env: DistEnv, task: Task,
     check_tensor_parallel_support(cfg)
     plan = resolve_plan(cfg.strategy, env.world_size, env.local_world_size)
     mesh = build_mesh(plan, env.device.type)
-    model, report = build_sharded_model(cfg, env, plan, mesh, model_factory(task), wrap_policy_of(task),
+    model, report = build_sharded_model(cfg, env, plan, mesh, model_factory(task), run_wrap_policy(task, cfg),
                                         initializer=task, tensor_plan=task.tensor_parallel_hook())
     register_forward_methods(model, task.forward_methods)
     # Called with the sharded model, so it can only see the DTensor parameters; checked anyway,
