@@ -56,6 +56,14 @@ class BuildsOnce(ImageClassification):
         return self.built
 
 
+class MisspeltWrap(ImageClassification):
+    """Its own wrap policy names a class its model lacks (found by a trial: blamed on
+    strategy.wrap_policy, which the run did not set)."""
+
+    def wrap_policy(self):
+        return ["Blok"]
+
+
 class MovesModel(ImageClassification):
     """Moves its model to a device in build_model, as a hand-written loop does (found by review:
     torch's "Cannot copy out of meta tensor ... use to_empty()", advice that is not the fix)."""

@@ -403,6 +403,8 @@ def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
                                          "an nn.Module"),
     ("broken_tasks:BuildsOnce", 1, "BuildsOnce.build_model returned a model it had returned before; "
                                    "construct a new one in each call"),
+    ("broken_tasks:MisspeltWrap", 1, "MisspeltWrap.wrap_policy(): VisionTransformer has no module of class "
+                                     "'Blok'"),
     ("broken_tasks:MovesModel", 1, "the model was moved (.to(device), .cuda(), .cpu()) while it was being "
                                    "built: build_model runs with parameters on the meta device"),
     ("broken_tasks:VectorLoss", 1, "returned a loss of shape [2]; it must be a scalar tensor"),
@@ -731,6 +733,16 @@ def test_a_wrap_policy_of_one_class_or_name_is_a_list_of_one():
     for bad in (3, [3], ["Block", None]):
         with pytest.raises(ConfigError, match=r"Returning.wrap_policy\(\) must return module classes"):
             wrap_policy_of(Returning(bad))
+    # The run's policy names its source; strategy.wrap_policy set beside a task's own is one line
+    # (found by a trial: the task's decided, and the report showed the command line's)
+    from shardtrain.tasks.task import run_wrap_policy
+
+    cfg = load_config([])
+    assert run_wrap_policy(Returning(None), cfg).source == "strategy.wrap_policy"
+    assert run_wrap_policy(Returning("Block"), cfg).source == "Returning.wrap_policy()"
+    with pytest.raises(ConfigError, match=r"strategy.wrap_policy=\['torch.nn.Linear'\] and Returning."
+                                          r"wrap_policy\(\) both name the FSDP units; drop strategy"):
+        run_wrap_policy(Returning("Block"), load_config(["strategy.wrap_policy=[torch.nn.Linear]"]))
 
 
 class SmallestTask(Task):
