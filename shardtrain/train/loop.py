@@ -1003,9 +1003,12 @@ class Trainer:
         self.result.skipped_steps += 1
         self.consecutive_skips += 1
         empty = stats.count == 0
+        language_model = isinstance(self.task, LanguageModelTask)
         if empty:
-            self.info(f"step {self.step}: no {self.task.count_unit} to learn from on any rank (fine-tuning "
-                      "windows of prompts alone?); update skipped")
+            why = ("fine-tuning windows of prompts alone?" if language_model else
+                   f"{type(self.task).__name__}.loss counted 0")
+            self.info(f"step {self.step}: no {self.task.count_unit} to learn from on any rank ({why}); "
+                      "update skipped")
         else:
             self.info(f"step {self.step}: non-finite loss or grad norm "
                       f"(loss={stats.loss}, grad_norm={stats.grad_norm}); update skipped")
@@ -1014,11 +1017,14 @@ class Trainer:
         self.writer.write(self.step, "skip", {"loss": stats.loss, "grad_norm": stats.grad_norm,
                                               "count": stats.count})
         if self.consecutive_skips > limit:
+            fix = (f"{type(self.task).__name__}.loss returned a count of 0 for every micro-batch; check "
+                   "what it counts, and its data")
+            if language_model:
+                fix = ("the data's targets are masked throughout, as fine-tuning records longer than "
+                       "trainer.seq_len leave them; raise trainer.seq_len or check the data")
             raise TrainingError(
                 f"{self.consecutive_skips} consecutive steps had no {self.task.count_unit} to learn from "
-                f"(limit trainer.max_skipped_steps={limit}): the data's targets are masked throughout, "
-                "as fine-tuning records longer than trainer.seq_len leave them; raise trainer.seq_len or "
-                "check the data" if empty else
+                f"(limit trainer.max_skipped_steps={limit}): {fix}" if empty else
                 f"{self.consecutive_skips} consecutive steps had a non-finite loss or gradient norm "
                 f"(limit trainer.max_skipped_steps={limit}); lower trainer.lr, keep "
                 "trainer.grad_clip_norm on, or check the data"
