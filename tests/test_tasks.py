@@ -745,6 +745,23 @@ def test_a_wrap_policy_of_one_class_or_name_is_a_list_of_one():
         run_wrap_policy(Returning("Block"), load_config(["strategy.wrap_policy=[torch.nn.Linear]"]))
 
 
+def test_trainable_parameters_the_task_holds_outside_the_model_are_found():
+    """Found by a trial: a temperature kept on the task got its gradient, was never updated and was
+    never saved, without a word; start-up now warns of each such attribute."""
+    from shardtrain.tasks.task import parameters_outside
+
+    class Holding(Task):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Linear(2, 2)
+            self.temperature = torch.nn.Parameter(torch.ones(1))
+            self.teacher = torch.nn.Linear(3, 3).requires_grad_(False)  # frozen: meant not to train
+            self.projection = torch.nn.Linear(2, 4)
+
+    task = Holding()
+    assert parameters_outside(task, task.model) == {"temperature": 1, "projection": 12}
+
+
 class SmallestTask(Task):
     """What a task must define, and no more."""
 

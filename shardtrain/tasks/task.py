@@ -213,6 +213,21 @@ def model_factory(task: Task) -> Callable[[], nn.Module]:
     return build
 
 
+def parameters_outside(task: Task, model: nn.Module) -> dict[str, int]:
+    """Trainable parameters ``task`` holds in its own attributes (a parameter, or a module's) that
+    are not ``model``'s, by attribute: elements. The optimizer and the checkpoints know the model's
+    alone: a temperature kept on the task got its gradient and never moved (found by a trial)."""
+    owned = {id(param) for param in model.parameters()}
+    found: dict[str, int] = {}
+    for name, value in vars(task).items():
+        params = ([value] if isinstance(value, nn.Parameter)
+                  else list(value.parameters()) if isinstance(value, nn.Module) else [])
+        outside = sum(p.numel() for p in params if p.requires_grad and id(p) not in owned)
+        if outside:
+            found[name] = outside
+    return found
+
+
 def leading_batch(samples: SampleSource, micro_batch_size: int) -> Any:
     """A micro-batch of the first samples (wrapping round a source smaller than it): the default
     example batch."""

@@ -89,7 +89,7 @@ from shardtrain.generation.generate import (
     prompt_ids,
 )
 from shardtrain.tasks.language_model import LanguageModelTask
-from shardtrain.tasks.task import Task, check_task, task_config_of, task_from_config
+from shardtrain.tasks.task import Task, check_task, parameters_outside, task_config_of, task_from_config
 from shardtrain.train.batch_size import resolve_batch
 from shardtrain.train.build import Built, OptimizerFactory, build
 from shardtrain.train.console import Console
@@ -627,6 +627,11 @@ class Trainer:
                 log.warning(f"precision: {caution}")
             if root := root_unit_caution(b.report, b.plan):
                 log.warning(f"sharding: {root}")
+            for name, count in parameters_outside(self.task, b.model).items():
+                log.warning(f"{type(self.task).__name__}.{name} holds trainable parameters ({count:,} "
+                            "elements) outside the model: the optimizer never updates them and "
+                            "checkpoints leave them out; build them into the model (build_model), or "
+                            "freeze them (requires_grad_(False)) if they are not to train")
             agent = handled_by_the_agent(list(self.cfg.checkpoint.preemption_signals))
             if self.checkpointer is not None and agent:
                 log.warning(f"torchrun's agent handles {', '.join(agent)} itself (its --signals-to-handle): "
