@@ -271,22 +271,30 @@ def enable_activation_checkpointing(module: nn.Module, contexts: Callable[[], tu
     options = {"context_fn": contexts} if contexts is not None else {}
     norms = [m for m in module.modules() if getattr(m, "track_running_stats", False)]
 
+    def run(*args, **kwargs):
+        # In the forward and in the recomputation alike: the lean layers leave what is saved to
+        # the checkpoint (models/lean_ops.py). Compiled, the compiler decides that (and recomputes
+        # no buffer's update).
+        if torch.compiler.is_compiling():
+            return inner(*args, **kwargs)
+        with checkpointed():
+            return inner(*args, **kwargs)
+
+    def counted(*args, **kwargs):
+        """``run`` for a block with running statistics, called once a forward and once a
+        recomputation, which it tells apart by a count kept outside it."""
+        calls[-1] += 1
+        with checkpointed(), running_stats_kept(norms, recompute=calls[-1] > 1):
+            return inner(*args, **kwargs)
+
+    calls = [0]
+
     @functools.wraps(inner)
     def forward(*args, **kwargs):
-        calls = 0
-
-        def run(*args, **kwargs):
-            nonlocal calls
-            calls += 1
-            # In the forward and in the recomputation alike: the lean layers leave what is saved
-            # to the checkpoint (models/lean_ops.py). Compiled, the compiler decides that (and
-            # recomputes no buffer's update).
-            if torch.compiler.is_compiling():
-                return inner(*args, **kwargs)
-            with checkpointed(), running_stats_kept(norms, recompute=calls > 1):
-                return inner(*args, **kwargs)
-
-        return checkpoint(run, *args, use_reentrant=False, **options, **kwargs)
+        if not norms:
+            return checkpoint(run, *args, use_reentrant=False, **options, **kwargs)
+        calls[-1] = 0  # this forward's count (its recomputation comes in the backward, after it)
+        return checkpoint(counted, *args, use_reentrant=False, **options, **kwargs)
 
     module.forward = forward
 
