@@ -56,6 +56,18 @@ class BuildsOnce(ImageClassification):
         return self.built
 
 
+class ReusesPatchEmbed(ImageClassification):
+    """A new model each call, with one patch embedding kept and put into every one (found by
+    review: as shared as a whole model returned twice)."""
+
+    def build_model(self):
+        model = super().build_model()
+        if not hasattr(self, "kept"):
+            self.kept = model.patch_embed
+        model.patch_embed = self.kept
+        return model
+
+
 class MisspeltWrap(ImageClassification):
     """Its own wrap policy names a class its model lacks (found by a trial: blamed on
     strategy.wrap_policy, which the run did not set)."""

@@ -437,6 +437,11 @@ def batch_norm_trains_in_bf16_and_checkpointed(out: str) -> None:
         assert (plain_count, count) == (2, 2), (precision, plain_count, count)
         assert all(torch.equal(a, b) for a, b in zip(stats, plain_stats, strict=True)), precision
         assert torch.equal(out_, plain) and all(map(torch.equal, grads, plain_grads)), precision
+        # A norm the wrap policy makes a unit of its own is one in fp32 (found by review: left bf16)
+        model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8))
+        report = parallelize(model, build_mesh(plan, "cpu"), plan, [nn.BatchNorm1d])
+        assert report.fp32_norms == ["1"] and model[1].weight.dtype == torch.float32, report.fp32_norms
+        model(x).float().sum().backward()
     Path(out, f"norms{rank}.ok").write_text("ok")
 
 

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -136,9 +137,14 @@ def test_float8_tokens_in_multiples_of_16_and_finite_mixture_weights(tmp_path):
     from shardtrain.data.batches import MixtureWindows
     from shardtrain.errors import DataError
 
-    for weights in ([1.0, 0.0], [1.0, -0.5], [float("inf"), 1.0], [1.0]):
+    for weights in ([1.0, 0.0], [1.0, -0.5], [float("inf"), 1.0], [1.0], [True, 1.0]):
         with pytest.raises(DataError, match=r"one positive, finite weight per dataset \(2\)"):
             MixtureWindows([object(), object()], weights)
+    # NumPy's numbers weigh as Python's do (found by review: refused once the check was shared)
+    from shardtrain.config.schema import mixture_weights_valid
+
+    assert mixture_weights_valid(list(np.array([3, 1])), 2)
+    assert mixture_weights_valid(list(np.array([0.7, 0.3], dtype=np.float32)), 2)
 
 
 def test_checkpointing_every_k_without_every_k_is_refused():

@@ -271,6 +271,9 @@ def test_a_file_on_several_devices_is_refused_before_any_process(tmp_path, monke
 def test_range_message_names_flag_and_range(capsys):
     assert main(["generate", "ckpt", "--prompt", "x", "--top-p", "1.5"]) == 2
     assert capsys.readouterr().err == "shardtrain: error: --top-p 1.5 must be in (0, 1]\n"
+    # an int too large for a float is one line too (found by review: OverflowError's traceback)
+    assert main(["generate", "ckpt", "--prompt", "x", "--seed", "1" + "0" * 400]) == 2
+    assert capsys.readouterr().err.endswith(" must be in [0, 9223372036854775807]\n")
 
 
 def test_cpu_ranks_of_a_machine_share_its_memory_for_the_gathered_copy():

@@ -209,4 +209,37 @@ def test_a_recomputation_leaves_running_statistics_alone(checkpointing: str) -> 
     assert int(stats["1.num_batches_tracked"]) == 2 and stats.keys() == plain_stats.keys()
     assert all(torch.equal(stats[name], plain_stats[name]) for name in stats), stats
     assert torch.equal(out, plain_out) and all(map(torch.equal, grads, plain_grads))
-    assert model[1].track_running_stats and model[4].track_running_stats  # restored
+    # A module of one's own that says track_running_stats without BatchNorm's buffers (by review)
+    class OwnNorm(torch.nn.LayerNorm):
+        track_running_stats = True
+
+    own = torch.nn.Sequential(torch.nn.Linear(6, 8), OwnNorm(8))
+    enable_activation_checkpointing(own, block_selective_contexts(own, float8=False)
+                                    if checkpointing == "selective" else None)
+    own(x).sum().backward()
+
+
+@pytest.mark.parametrize("checkpointing", ["all", "selective"])
+def test_a_checkpointed_block_compiles_whole(checkpointing: str) -> None:
+    """Found by review: the recomputation counter the running statistics need was written inside
+    every checkpointed body, which dynamo refuses: no checkpointed block compiled. A block without
+    running statistics compiles into one graph; one with them runs eager, its statistics moved once."""
+    graphs = []
+
+    def backend(graph, _inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    for with_norm in (False, True):
+        graphs.clear()
+        torch.manual_seed(0)
+        norm = [torch.nn.BatchNorm1d(8)] if with_norm else []
+        block = torch.nn.Sequential(torch.nn.Linear(6, 8), *norm, torch.nn.Linear(8, 8))
+        enable_activation_checkpointing(block, block_selective_contexts(block, float8=False)
+                                        if checkpointing == "selective" else None)
+        block.compile(backend=backend)
+        for _ in range(2):
+            block(torch.randn(5, 6)).square().sum().backward()
+        assert len(graphs) == (0 if with_norm else 1), (with_norm, len(graphs))
+        if with_norm:
+            assert int(block[1].num_batches_tracked) == 2

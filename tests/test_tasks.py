@@ -402,7 +402,9 @@ def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
     ("broken_tasks:BuildReturnsNone", 1, "BuildReturnsNone.build_model returned NoneType; return the model, "
                                          "an nn.Module"),
     ("broken_tasks:BuildsOnce", 1, "BuildsOnce.build_model returned a model it had returned before; "
-                                   "construct a new one in each call"),
+                                   "construct every module anew in each call"),
+    ("broken_tasks:ReusesPatchEmbed", 1, "ReusesPatchEmbed.build_model returned a model holding parameters "
+                                         "of one it returned before (a module kept and reused)"),
     ("broken_tasks:MisspeltWrap", 1, "MisspeltWrap.wrap_policy(): VisionTransformer has no module of class "
                                      "'Blok'"),
     ("broken_tasks:MovesModel", 1, "the model was moved (.to(device), .cuda(), .cpu()) while it was being "
@@ -760,6 +762,11 @@ def test_trainable_parameters_the_task_holds_outside_the_model_are_found():
 
     task = Holding()
     assert parameters_outside(task, task.model) == {"temperature": 1, "projection": 12}
+    # ... but not a handle on a model build_model returned (the FLOP counter's copy, by review)
+    from shardtrain.tasks.task import BUILT_MODELS
+
+    BUILT_MODELS.add(task.projection)
+    assert parameters_outside(task, task.model) == {"temperature": 1}
 
 
 class SmallestTask(Task):

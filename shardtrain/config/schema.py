@@ -7,6 +7,7 @@ else is rejected before a process group exists (see ``shardtrain.config.compose`
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,9 +140,10 @@ class StrategyConfig:
 def mixture_weights_valid(weights: Any, datasets: int) -> bool:
     """Whether ``weights`` give each of ``datasets`` datasets one positive, finite weight, their sum
     finite too (an infinite weight made every dataset's share NaN, drawn 1:1)."""
+    # numbers.Real: a mixture built in code may weigh by NumPy's numbers (found by review)
     return (len(weights) == datasets
-            and all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w > 0
-                    for w in weights)
+            and all(isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w)
+                    and w > 0 for w in weights)
             and math.isfinite(sum(weights)))
 
 

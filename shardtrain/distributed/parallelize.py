@@ -308,9 +308,12 @@ def running_stats_kept(norms: Sequence[nn.Module], recompute: bool) -> Iterator[
     them it saves other tensors than the forward did, which the checkpoint refuses. The forward
     makes the same copies (and copies each statistic onto itself): selective checkpointing replays
     a recomputation's operators against the forward's, one for one."""
+    # (read as they may be there: a module of one's own that says track_running_stats need not
+    # hold BatchNorm's three; found by review)
     stats = [buffer for norm in norms if norm.training
-             for buffer in (norm.running_mean, norm.running_var, norm.num_batches_tracked)
-             if buffer is not None]
+             for buffer in (getattr(norm, name, None) for name in ("running_mean", "running_var",
+                                                                   "num_batches_tracked"))
+             if isinstance(buffer, torch.Tensor)]
     with torch.no_grad():
         kept = [buffer.clone() for buffer in stats]
     try:
@@ -427,7 +430,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
         report.tensor_parallel = tensor_parallel_layout(model)
         mesh = mesh[plan.data_parallel_dims]
 
-    norms = fp32_norms(model, plan, [module for _, modules, _ in units for module in modules])
+    norms = fp32_norms(model, plan, [modules for _, modules, _ in units])
     if plan.storage_dtype != torch.float32:
         # Parameters only: buffers such as RoPE tables keep their own (fp32) precision. LoRA
         # adapters stay fp32 (their updates are small against their values; FSDP2 gathers a unit
@@ -486,16 +489,22 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
             common["ignored_params"] = common.get("ignored_params", set()) | {weight}
             report.exchanged_embeddings.append(name)
         units = kept
+    in_fp32 = {**common, "mp_policy": MixedPrecisionPolicy(
+        param_dtype=torch.float32, reduce_dtype=plan.reduce_dtype, cast_forward_inputs=False)}
+    norm_ids, members = {id(norm) for norm in norms}, {id(m) for _, modules, _ in units for m in modules}
     for norm in norms:  # before the units that hold them: FSDP2 shards children first
-        fully_shard(norm, **{**common, "mp_policy": MixedPrecisionPolicy(
-            param_dtype=torch.float32, reduce_dtype=plan.reduce_dtype, cast_forward_inputs=False)})
-        report.fp32_norms.append(names[norm])
+        if id(norm) not in members:  # (a unit of norms alone is sharded so below)
+            fully_shard(norm, reshard_after_forward=plan.reshard_after_forward, **in_fp32)
+            report.fp32_norms.append(names[norm])
     for name, modules, reshard in units:
         if plan.tensor_parallel > 1:
             for module in modules:  # before fully_shard's own hook, after the tensor-parallel style's
                 module.register_forward_hook(output_own_storage)
+        norms_alone = all(id(m) in norm_ids for m in modules)
         fully_shard(largest_first(modules) if len(modules) > 1 else modules[0], reshard_after_forward=reshard,
-                    **common)
+                    **(in_fp32 if norms_alone else common))
+        if norms_alone:
+            report.fp32_norms.append(name)
         if reshard and all(plain_embedding(m) for m in modules):
             # An embedding's backward reads the token ids, never its weight: gathering the table
             # again for backward would cost an all-gather of it, and its memory, every step.
@@ -509,19 +518,24 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
     return report
 
 
-def fp32_norms(model: nn.Module, plan: ShardingPlan, units: Sequence[nn.Module]) -> list[nn.Module]:
+def fp32_norms(model: nn.Module, plan: ShardingPlan, units: Sequence[Sequence[nn.Module]]) -> list[nn.Module]:
     """The BatchNorm-style layers (``track_running_stats``, with a weight or bias) of ``model`` that
     keep fp32 parameters in a unit of their own where the plan computes or stores in another dtype,
     as FSDP1's mixed precision kept ``_BatchNorm`` layers: their running statistics are fp32
     buffers, beside which bf16 weights failed in the forward ("expected scalar type BFloat16 but
     found Float", bf16-mixed and bf16-pure alike; found by a trial). Their input and output stay in
-    the compute dtype. None that is a unit (or the model) itself."""
+    the compute dtype. A norm the wrap policy makes a unit is one (found by review: left in bf16);
+    not one grouped in a unit with other modules, nor the model itself."""
     if plan.param_dtype == torch.float32 and plan.storage_dtype == torch.float32:
         return []
-    skip = {id(model), *map(id, units)}
+
+    def is_norm(module: nn.Module) -> bool:
+        return (bool(getattr(module, "track_running_stats", False))
+                and any(True for _ in module.parameters(recurse=False)))
+
+    grouped = {id(m) for modules in units if not all(map(is_norm, modules)) for m in modules}
     return [module for module in model.modules()
-            if getattr(module, "track_running_stats", False) and id(module) not in skip
-            and any(True for _ in module.parameters(recurse=False))]
+            if module is not model and is_norm(module) and id(module) not in grouped]
 
 
 def register_forward_methods(model: nn.Module, names: Sequence[str]) -> None:

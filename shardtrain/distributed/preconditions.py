@@ -79,11 +79,12 @@ def resolve_wrap_classes(model: nn.Module, policy: Sequence[str | type]) -> tupl
         elif entry == "auto":
             declared = getattr(model, "block_classes", None)
             if not declared:
+                where = ("set strategy.wrap_policy to" if source == "strategy.wrap_policy" else
+                         f"return from {source}")
                 raise ModelError(
                     f"{type(model).__name__} declares no block_classes, so wrap_policy='auto' has "
-                    "nothing to wrap; set strategy.wrap_policy to its block class, one of: "
-                    + ", ".join(module_class_paths(model))
-                )
+                    f"nothing to wrap; {where} its block class, one of: "
+                    + ", ".join(module_class_paths(model)))
             classes.extend(declared)
         elif "." not in entry:
             # A bare class name (e.g. "LlamaDecoderLayer"): the model's own class of that name.

@@ -24,8 +24,9 @@ class Range:
     def __contains__(self, value: float) -> bool:
         # Written so that NaN is outside every range, and so is infinity (--temperature inf sampled
         # uniform noise)
+        # (an int is finite, and may be too large for a float to hold: found by review)
         return ((self.low < value if self.low_open else self.low <= value) and value <= self.high
-                and math.isfinite(value))
+                and (isinstance(value, int) or math.isfinite(value)))
 
     def __str__(self) -> str:
         if self.high == math.inf:
@@ -56,4 +57,5 @@ def check_ranges(args: argparse.Namespace, ranges: dict[str, Range]) -> None:
         value = getattr(args, flag.removeprefix("--").replace("-", "_"))
         if value is not None and value not in allowed:  # None: not given, taken from the checkpoint
             shown = f"{value:g}" if isinstance(value, float) else str(value)
-            raise ConfigError(f"{flag} {shown} must be {'finite' if math.isinf(value) else allowed}")
+            infinite = isinstance(value, float) and math.isinf(value)
+            raise ConfigError(f"{flag} {shown} must be {'finite' if infinite else allowed}")

@@ -199,25 +199,35 @@ def model_factory(task: Task) -> Callable[[], nn.Module]:
     returned again (held by the task, cached) was sharded in place, then turned into fake tensors
     by the FLOP counter's call (found by a trial: an error from inside the step at 2 ranks, every
     update skipped at one)."""
-    def build() -> nn.Module:
-        model = task.build_model()
-        if not isinstance(model, nn.Module):
-            raise ModelError(f"{type(task).__name__}.build_model returned {type(model).__name__}; return "
-                             "the model, an nn.Module")
-        if model in BUILT_MODELS:
-            raise ModelError(f"{type(task).__name__}.build_model returned a model it had returned before; "
-                             "construct a new one in each call (the framework calls it more than once: "
-                             "to shard it, and to count its FLOPs on a fake copy)")
+    return lambda: checked_model(task, task.build_model())
+
+
+def checked_model(task: Task, model: Any) -> nn.Module:
+    """``model``, what ``task.build_model`` returned, if it is a module it never returned before
+    (see ``model_factory``); a ModelError otherwise."""
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"{type(task).__name__}.build_model returned {type(model).__name__}; return "
+                         "the model, an nn.Module")
+    earlier = {id(param) for built in BUILT_MODELS for param in built.parameters()}
+    if model in BUILT_MODELS:
+        what = "a model it had returned before"
+    elif any(id(param) in earlier for param in model.parameters()):  # a teacher kept and reused: by review
+        what = "a model holding parameters of one it returned before (a module kept and reused)"
+    else:
         BUILT_MODELS.add(model)
         return model
-    return build
+    raise ModelError(f"{type(task).__name__}.build_model returned {what}; construct every module anew in "
+                     "each call (the framework calls it more than once: to shard it, and to count its "
+                     "FLOPs on a fake copy)")
 
 
 def parameters_outside(task: Task, model: nn.Module) -> dict[str, int]:
     """Trainable parameters ``task`` holds in its own attributes (a parameter, or a module's) that
     are not ``model``'s, by attribute: elements. The optimizer and the checkpoints know the model's
     alone: a temperature kept on the task got its gradient and never moved (found by a trial)."""
-    owned = {id(param) for param in model.parameters()}
+    # Any model build_model returned is the framework's (the FLOP counter's fake copy among them,
+    # which a task keeping a handle on what it builds holds: found by review, warned of)
+    owned = {id(param) for built in [model, *BUILT_MODELS] for param in built.parameters()}
     found: dict[str, int] = {}
     for name, value in vars(task).items():
         params = ([value] if isinstance(value, nn.Parameter)

@@ -11,9 +11,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from shardtrain.data.batches import SampleSource
 from shardtrain.diagnostics.kept import fake_tensor_errors_unlogged
-from shardtrain.errors import ModelError
+from shardtrain.errors import first_line
 from shardtrain.tasks.samples import batch_size
-from shardtrain.tasks.task import Task, leading_batch, model_factory
+from shardtrain.tasks.task import Task, checked_model, leading_batch
 
 
 def counted_flops_per_sample(task: Task, micro_batch_size: int, train: SampleSource | None = None
@@ -27,17 +27,19 @@ def counted_flops_per_sample(task: Task, micro_batch_size: int, train: SampleSou
         batch = leading_batch(train, micro_batch_size)
     else:
         batch = task.example_batch(micro_batch_size)
+    why = (f"FLOPs unknown (MFU not reported): the FLOP counter could not run "
+           f"{type(task).__name__}.loss on a fake model")
     try:
         with torch.device("meta"):
-            model = model_factory(task)()
+            built = task.build_model()
+    except Exception as exc:  # the task's own code: any error type
+        return None, f"{why} ({type(exc).__name__}: {first_line(exc)}); give the task flops(batch)"
+    model = checked_model(task, built)  # its refusal (a model built before) is the error to see
+    try:
         with FakeTensorMode(allow_non_fake_inputs=True), fake_tensor_errors_unlogged():
             model.to_empty(device="cpu")
             with FlopCounterMode(display=False) as counter:
                 task.loss(model, batch)
-    except ModelError:  # the factory's refusal (a model built before): the error to see
-        raise
     except Exception as exc:  # the task's own code, on fake tensors: any error type
-        return None, (f"FLOPs unknown (MFU not reported): the FLOP counter could not run "
-                      f"{type(task).__name__}.loss on a fake model ({type(exc).__name__}: "
-                      f"{str(exc).splitlines()[0] if str(exc) else ''}); give the task flops(batch)")
+        return None, f"{why} ({type(exc).__name__}: {first_line(exc)}); give the task flops(batch)"
     return 3 * counter.get_total_flops() / max(batch_size(batch), 1), None

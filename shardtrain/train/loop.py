@@ -172,7 +172,7 @@ def root_unit_caution(report: ShardingReport, plan: ShardingPlan) -> str | None:
     return (f"the root unit holds {root / total:.0%} of the parameters ({root:,}): outside every unit of "
             f"the wrap policy ({', '.join(report.wrap_classes) or 'none'}), they are gathered whole on every "
             "rank for all of forward and backward, so memory for them does not fall with the ranks; put "
-            "their modules in units (strategy.wrap_policy naming the model's block class, or the "
+            f"their modules in units ({report.wrap_source} naming the model's block class, or the "
             "model's extra_shard_groups())")
 
 
