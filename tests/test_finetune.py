@@ -168,6 +168,7 @@ def test_fine_tuning_windows_hold_whole_records(dataset, caplog):
     batch = windows.batch(np.arange(windows.num_samples))
     for row, (start, stop) in enumerate(zip(windows.starts, windows.stops)):
         filled = int(stop - start) - 1
+        assert int(batch.lengths[row]) == filled  # what a MoE router loss leaves out after it
         assert (batch.inputs[row, :filled].numpy() == np.asarray(tokens[int(start):int(stop) - 1])).all()
         assert (batch.targets[row, filled:] == IGNORE_INDEX).all()  # padding: no target
         # the first record's prompt is in the window: its first target comes after a prompt token
@@ -184,3 +185,7 @@ def test_fine_tuning_windows_hold_whole_records(dataset, caplog):
     # as resolved, for a resume's comparison and best.validation: a mixture's validation parts too
     assert packing_of(windows) == packing_of(InterleavedWindows([windows, windows])) == "records"
     assert packing_of(TokenWindows(tokens, 64)) == "stream"
+    # stream windows are full: no lengths (nothing to mask); a padding row has 0 of them
+    stream = TokenWindows(tokens, 64)
+    assert stream.batch(np.arange(4)).lengths is None
+    assert stream.batch(np.array([0, -1])).lengths.tolist() == [64, 0]

@@ -45,6 +45,12 @@ class Batch(NamedTuple):
         return torch.arange(self.inputs.shape[1], device=self.inputs.device) < self.lengths[:, None]
 
 
+def padded_lengths(lengths: np.ndarray, seq_len: int) -> torch.Tensor | None:
+    """``Batch.lengths`` of rows of ``lengths`` tokens out of ``seq_len``: None where every row is
+    full (packed windows), so that nothing downstream masks what needs no mask."""
+    return None if (lengths == seq_len).all() else torch.from_numpy(np.asarray(lengths, dtype=np.int64))
+
+
 def positions_in_window(starts: np.ndarray, length: int) -> np.ndarray:
     """Each token's position within its document, for a window whose documents begin at offsets
     ``starts`` (0 < start < length). The window's first token counts as a start: a document cut by
@@ -138,7 +144,8 @@ class TokenWindows:
                 y[row][starts - 1] = IGNORE_INDEX
                 positions[row] = positions_in_window(starts[starts < self.seq_len], self.seq_len)
         return Batch(torch.from_numpy(x), torch.from_numpy(y),
-                     None if positions is None else torch.from_numpy(positions), torch.from_numpy(lengths))
+                     None if positions is None else torch.from_numpy(positions),
+                     padded_lengths(lengths, self.seq_len))
 
 
 class RecordWindows(TokenWindows):
@@ -365,16 +372,18 @@ class MixtureWindows:
         x = torch.zeros((len(ids), self.seq_len), dtype=torch.int64)
         y = torch.full((len(ids), self.seq_len), IGNORE_INDEX, dtype=torch.int64)
         positions = torch.zeros_like(x) if self.parts[0].document_mask else None
-        lengths = torch.zeros(len(ids), dtype=torch.int64)
         datasets = np.where(ids < 0, -1, ids >> DATASET_SHIFT)
+        lengths = np.where(datasets < 0, 0, self.seq_len)
         for d, part in enumerate(self.parts):
             rows = np.flatnonzero(datasets == d)
             if len(rows):
                 got = part.batch(ids[rows] & ((1 << DATASET_SHIFT) - 1))
-                x[rows], y[rows], lengths[rows] = got.inputs, got.targets, got.lengths
+                x[rows], y[rows] = got.inputs, got.targets
+                if got.lengths is not None:
+                    lengths[rows] = got.lengths.numpy()
                 if positions is not None:
                     positions[rows] = got.positions
-        return Batch(x, y, positions, lengths)
+        return Batch(x, y, positions, padded_lengths(lengths, self.seq_len))
 
 
 class InterleavedWindows:
