@@ -386,6 +386,20 @@ def test_configs_that_would_not_train_as_causal_lms_are_refused(tmp_path, monkey
     decoder = transformers.BertConfig(**tiny, intermediate_size=37, is_decoder=True)
     decoder.save_pretrained(tmp_path / "decoder")
     assert HFCausalLM(ModelConfig(name="hf", path=str(tmp_path / "decoder"))).document_mask_refusal() is None
+    # ... and trains, as the refusal says (found by a trial: BERT's embeddings, a class in its
+    # _no_split_modules, were a unit apart from the head they are tied to; Electra, which declares
+    # no layer class, failed with its layers named by strategy.wrap_policy: "overlapping meshes")
+    assert [c.__name__ for c in HFCausalLM(ModelConfig(name="hf", path=str(tmp_path / "decoder"))
+                                           ).block_classes] == ["BertLayer"]
+    electra = transformers.ElectraConfig(**tiny, embedding_size=32, intermediate_size=37, is_decoder=True)
+    for name, config, policy in (("bert_decoder", decoder, []),
+                                 ("electra_decoder", electra, ["strategy.wrap_policy=[ElectraLayer]"])):
+        make_model.save_model_dir(tmp_path / name, config, train_tokenizer(sample_texts()), seed=0)
+        proc = run_cli("train", "model=hf", f"model.path={tmp_path / name}", *policy, "trainer.devices=2",
+                       "trainer.max_steps=1", "trainer.seq_len=16", "trainer.micro_batch_size=2",
+                       "trainer.sample_tokens=0", "trainer.eval_every=0", "checkpoint.enabled=false",
+                       f"run.dir={tmp_path / f'run_{name}'}", "run.trackers=[]")
+        assert proc.returncode == 0, (name, proc.stderr[-2000:])
     bloom = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)
     bloom.save_pretrained(tmp_path / "bloom")
     bloom_model = HFCausalLM(ModelConfig(name="hf", path=str(tmp_path / "bloom")))

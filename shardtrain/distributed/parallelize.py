@@ -402,6 +402,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
     names = {m: n for n, m in model.named_modules()}
     groups = extra_groups(model)
     blocks = outermost_blocks(model, wrap)
+    # A group's members inside a block are the block's: a model's groups follow its own block
+    # classes, and a wrap policy naming others (Electra's layers, which it does not declare) left the
+    # layers' linears in the head's group too, sharded twice ("Cannot concatenate overlapping
+    # meshes": found by a trial)
+    inside = {id(m) for _, block in blocks for m in block.modules()}
+    groups = [kept for group in groups if (kept := [m for m in group if id(m) not in inside])]
     # Units as (name, modules, reshard_after_forward). By convention the last extra group holds the
     # output head: its weights are needed again at once in backward, and so are the last block's,
     # so (like torchtitan) neither is resharded after forward, which would only gather them again.

@@ -278,7 +278,14 @@ class HFCausalLM(nn.Module):
         self.max_seq_len = max_positions(self.config)
         self.dims = Dims.of_hf(self.config, self.hf.config._attn_implementation == "eager")
         names = set(getattr(self.hf, "_no_split_modules", None) or ())
-        self.block_classes = tuple({type(m) for m in self.modules() if type(m).__name__ in names})
+        # Not a class holding the input embedding (BERT's, RoBERTa's, Electra's embeddings module
+        # is in their _no_split_modules): the embedding goes to a group of its own, with the head
+        # where they share the weight (a unit of it spanned two units, and a decoder BERT did not
+        # shard at all: found by a trial)
+        holds_embedding = {type(m) for m in self.modules()
+                           if any(e is self.hf.get_input_embeddings() for e in m.modules())}
+        self.block_classes = tuple({type(m) for m in self.modules()
+                                    if type(m).__name__ in names and type(m) not in holds_embedding})
         self.tied = self.hf.get_input_embeddings().weight is self.hf.get_output_embeddings().weight
         source = forward_source(self.hf)
         self.head_transform = head_transform_reason(self.hf, source)
