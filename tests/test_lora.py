@@ -269,6 +269,36 @@ def test_lora_targets_refuse_embeddings_and_head():
     model.mha = nn.MultiheadAttention(4, 2)
     with pytest.raises(ConfigError, match="reads its weight without calling it"):
         adapter_targets(model, ["out_proj"])
+    assert adapter_targets(model, []) == ["wq", "wk"]  # the defaults name out_proj too: not that one
+
+
+def test_default_targets_adapt_the_projections_of_more_families():
+    """Found by a trial: Phi-3's fused qkv_proj and gate_up_proj, OPT's out_proj, fc1 and fc2 (and
+    GPT-J's fc_in, fc_out) had no adapters under the default targets, without a word. They are
+    default targets now; a linear the defaults leave without one is named at start-up."""
+    from shardtrain.diagnostics.memory import adapter_summary
+    from shardtrain.models.lora import unadapted_linears
+
+    cfg = compose_config(["finetune=lora"])
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    for config, adapted in (
+            (transformers.Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2, **ids),
+             ["o_proj", "qkv_proj", "gate_up_proj", "down_proj"]),
+            (transformers.OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
+                                    num_attention_heads=2, word_embed_proj_dim=32, **ids),
+             ["k_proj", "v_proj", "q_proj", "out_proj", "fc1", "fc2"])):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        names = adapter_targets(model, [])
+        assert [name.rsplit(".", 1)[-1] for name in names] == adapted, names
+        add_adapters(model, cfg.finetune)
+        assert unadapted_linears(model) == {}
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model.wq = nn.Linear(4, 4)
+    add_adapters(model, cfg.finetune)
+    assert unadapted_linears(model) == {"0": 1, "1": 1}
+    assert "linear layers the default targets leave without adapters: 0 x1, 1 x1" in adapter_summary(
+        model, cfg.finetune)
 
 
 @pytest.mark.parametrize("family", ["gpt_neox", "llama", "qwen3_next"])

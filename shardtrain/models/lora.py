@@ -31,10 +31,13 @@ from shardtrain.models.initializer import draws_elementwise, elementwise_constan
 ADAPTER_NAME = "default"  # PEFT's name for a model's only adapter
 BASE_LAYER = ".base_layer."
 # finetune.targets=[]: the attention and MLP projections of the built-in Llama (wq..w3), of
-# Llama/Mistral/Qwen2-style Hugging Face models, and of GPT-NeoX (fused QKV, dense, the MLP pair).
+# Llama/Mistral/Qwen2-style Hugging Face models, of GPT-NeoX (fused QKV, dense, the MLP pair), of
+# Phi-3 (fused qkv_proj and gate_up_proj), of OPT and Phi (out_proj, fc1, fc2) and of GPT-J (fc_in,
+# fc_out): the last three families' were left without adapters, without a word (found by a trial).
 DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3",
                    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                   "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+                   "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",
+                   "qkv_proj", "gate_up_proj", "out_proj", "fc1", "fc2", "fc_in", "fc_out")
 
 
 def base_name(name: str) -> str:
@@ -74,6 +77,11 @@ def adapter_targets(model: nn.Module, targets: Iterable[str]) -> list[str]:
     for name, module in model.named_modules():
         if not name or not any(matches(name, pattern) for pattern in patterns):
             continue
+        if not targets and (not isinstance(module, nn.Linear)
+                            or isinstance(module, NonDynamicallyQuantizableLinear)):
+            # The defaults name many families' projections: a module of another kind by one of
+            # those names (nn.MultiheadAttention's out_proj, a container) is not a projection here.
+            continue
         if isinstance(module, nn.Embedding):
             raise ConfigError(f"finetune.targets selects the embedding {name!r}: LoRA on embeddings is "
                               "not supported yet; target the attention and MLP projections")
@@ -101,6 +109,22 @@ def adapter_targets(model: nn.Module, targets: Iterable[str]) -> list[str]:
                           f"{type(model).__name__} (the others do); fix or drop "
                           f"{'it' if len(idle) == 1 else 'them'}")
     return chosen
+
+
+def unadapted_linears(model: nn.Module) -> dict[str, int]:
+    """The linear layers of a model with adapters that carry none (not the output head), counted
+    by their last name: what the default targets left out of a family they do not know."""
+    heads = head_modules(model)
+    adapted = set(adapter_modules(model))
+    counts: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if (not isinstance(module, nn.Linear) or isinstance(module, NonDynamicallyQuantizableLinear)
+                or id(module) in heads or name in adapted or name.endswith(BASE_LAYER.rstrip("."))
+                or is_adapter(name + ".")):
+            continue
+        last = name.rsplit(".", 1)[-1]
+        counts[last] = counts.get(last, 0) + 1
+    return counts
 
 
 def adapter_flops_per_token(model: nn.Module, full_flops: float, cfg: FinetuneConfig) -> float:
