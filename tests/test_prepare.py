@@ -885,6 +885,14 @@ def test_chat_records_train_on_the_assistant_turns_only(tmp_path):
                                                              if k != "chat_template"}))
     with pytest.raises(DataError, match="a chat template, and the model's tokenizer .* has none"):
         open_prepared(tmp_path / "out", HFTokenizer(model))
+    # A template that does not compile refuses only what renders it, naming the tokenizer (found by
+    # a trial: every run of the tokenizer, plain text too, was refused, naming nothing)
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    broken = HFTokenizer(model)
+    assert broken.encode("plain text")
+    with pytest.raises(DataError, match=f"the chat template of {model} does not compile .*; repair it"):
+        broken.render_chat(chats[0]["messages"])
     # A template that refuses a role (Gemma's and Mistral's raise on "system"): the record is named
     # (found by a new-user trial: only the template's words, for a system message on line 51)
     config["chat_template"] = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception("

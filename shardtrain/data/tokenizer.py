@@ -178,16 +178,18 @@ def raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def compile_chat_template(template: str):
+def compile_chat_template(template: str, source: str):
     """The environment transformers renders chat templates in: sandboxed, blocks trimmed, with the
-    ``raise_exception`` templates call to refuse a conversation."""
+    ``raise_exception`` templates call to refuse a conversation (``source``: the tokenizer's path,
+    for the message)."""
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=["jinja2.ext.loopcontrols"])
     environment.globals["raise_exception"] = raise_exception
     try:
         return environment.from_string(template)
     except TemplateError as exc:
-        raise DataError(f"the tokenizer's chat template does not compile: {exc}") from exc
+        raise DataError(f"the chat template of {source} does not compile ({exc}); repair it (its "
+                        f"tokenizer_config.json's chat_template, or chat_template.jinja)") from exc
 
 
 def special_token(config: dict, key: str) -> str | None:
@@ -334,7 +336,6 @@ class HFTokenizer:
         if isinstance(self.chat_template, list):  # named templates: the default one
             named = {t.get("name"): t.get("template") for t in self.chat_template}
             self.chat_template = named.get("default")
-        self._chat = compile_chat_template(self.chat_template) if self.chat_template else None
 
     def encode(self, text: str, special_tokens: bool = True) -> list[int]:
         """With the tokenizer's own special tokens (e.g. a leading BOS), as transformers encodes;
@@ -349,10 +350,16 @@ class HFTokenizer:
             raise DataError(f"the tokenizer {self.source} has no chat template (none in "
                             f"{TOKENIZER_CONFIG_FILE} or chat_template.jinja)")
         try:
-            return self._chat.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            return self.compiled_chat.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except TemplateError as exc:
             raise DataError(f"the chat template of {self.source} failed: {exc}") from exc
+
+    @cached_property
+    def compiled_chat(self):
+        """The chat template, compiled when first rendered: text data renders none, and a template
+        that does not compile refused every run of its tokenizer (found by a trial)."""
+        return compile_chat_template(self.chat_template, self.source)
 
     @cached_property
     def turn_end_ids(self) -> frozenset[int]:
