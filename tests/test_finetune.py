@@ -141,6 +141,17 @@ def test_eval_of_fine_tuning_data_says_what_it_scores(dataset, tmp_path):
     named_read, named_scored = named.stdout.splitlines()
     assert named_read == f"eval on validation split of {dataset}: {read.partition(': ')[2]}", named_read
     assert named_scored == scored
+    # A raw file is packed as the run's data were: whole records (the default) pad their windows
+    # (found by a trial: cut anywhere, an answer scored without its prompt)
+    records_run = tmp_path / "records"
+    trained = run_cli("train", "experiment=quick", "data.source=prepared", f"data.paths=[{dataset}]",
+                      "trainer.max_steps=1", "checkpoint.interval=1", "trainer.eval_every=0",
+                      "trainer.sample_tokens=0", "run.trackers=[]", f"run.dir={records_run}")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    raw = run_cli("eval", str(records_run / "checkpoints" / "step-1"), "--file",
+                  str(dataset.parent / "pairs.jsonl"), "--samples", "8", "--seq-len", "32")
+    assert raw.returncode == 0, raw.stderr[-2000:]
+    assert "records of the evaluation data are longer than" in raw.stderr, raw.stderr  # records' windows
 
 
 def test_fine_tuning_windows_hold_whole_records(dataset, caplog):

@@ -329,8 +329,8 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     import math
 
     from shardtrain.config.schema import DataConfig
-    from shardtrain.data.batches import TokenWindows, eval_batches
-    from shardtrain.data.corpus import load_corpus
+    from shardtrain.data.batches import eval_batches
+    from shardtrain.data.corpus import load_corpus, windows_of
     from shardtrain.data.documents import is_prepared_dataset
     from shardtrain.data.tokenizer import reads_bytes, tokenizer_for
     from shardtrain.distributed.env import destroy_distributed
@@ -370,7 +370,9 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
                 if Path(args.file).is_file() else \
                 load_corpus(DataConfig(source="files", paths=[args.file], val_percent=100.0,
                                        file_glob=args.glob), tokenizer, need=("val",)).val
-            windows = TokenWindows(data, args.seq_len, "evaluation data", mask)
+            # packed as the run's data were (found by a trial: a raw file of fine-tuning records was
+            # cut anywhere, an answer scored without its prompt)
+            windows = windows_of(data, args.seq_len, "evaluation data", mask, packing)
             source = args.file
         else:
             if not loaded.data_known:
