@@ -405,6 +405,8 @@ def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
                                    "construct every module anew in each call"),
     ("broken_tasks:ReusesPatchEmbed", 1, "ReusesPatchEmbed.build_model returned a model holding parameters "
                                          "of one it returned before (a module kept and reused)"),
+    ("broken_tasks:CountsNothing", 1, "all 2 of this run's steps had no samples to learn from (no update at "
+                                      "all): CountsNothing.loss returned a count of 0 for every micro-batch"),
     ("broken_tasks:MisspeltWrap", 1, "MisspeltWrap.wrap_policy(): VisionTransformer has no module of class "
                                      "'Blok'"),
     ("broken_tasks:MovesModel", 1, "the model was moved (.to(device), .cuda(), .cpu()) while it was being "

@@ -233,6 +233,7 @@ class Trainer:
         # The task's metrics as the first step returned them: every later step must return the same.
         self.metric_kinds: tuple[tuple[str, bool], ...] | None = None
         self.consecutive_skips = 0
+        self.last_skip_empty = False  # the last skipped step's count was 0 (not a non-finite loss)
         # strategy.compile: the graph breaks are said once, after the first compiled step
         self.graph_breaks_said = not cfg.strategy.compile
         self.graph_breaks_before = graph_break_counts()  # an earlier compile's in this process
@@ -745,8 +746,14 @@ class Trainer:
                 return
             if self.evaluation_due:
                 self.evaluate_skipped()
+            first = self.step
             while self.step < self.cfg.trainer.max_steps and not self.stop_early and self.iteration():
                 pass
+            if self.step > first and self.consecutive_skips >= self.step - first and self.last_skip_empty:
+                # Fewer than max_skipped_steps in all, every one with nothing to learn from: nothing
+                # trained, which the run ended as if finished, its checkpoint saved (found by a trial)
+                raise TrainingError(self.skipped_throughout(
+                    f"all {self.step - first} of this run's steps", "no update at all"))
             if self.profiler.writes_after(self.cfg.trainer.max_steps):  # the window, cut short
                 self.beat_trace()
             self.profiler.close(self.step)  # before the final save and sample
@@ -1021,19 +1028,22 @@ class Trainer:
         # step in MLflow
         self.writer.write(self.step, "skip", {"loss": stats.loss, "grad_norm": stats.grad_norm,
                                               "count": stats.count})
+        self.last_skip_empty = empty
         if self.consecutive_skips > limit:
-            fix = (f"{type(self.task).__name__}.loss returned a count of 0 for every micro-batch; check "
-                   "what it counts, and its data")
-            if language_model:
-                fix = ("the data's targets are masked throughout, as fine-tuning records longer than "
-                       "trainer.seq_len leave them; raise trainer.seq_len or check the data")
-            raise TrainingError(
-                f"{self.consecutive_skips} consecutive steps had no {self.task.count_unit} to learn from "
-                f"(limit trainer.max_skipped_steps={limit}): {fix}" if empty else
-                f"{self.consecutive_skips} consecutive steps had a non-finite loss or gradient norm "
-                f"(limit trainer.max_skipped_steps={limit}); lower trainer.lr, keep "
-                "trainer.grad_clip_norm on, or check the data"
-            )
+            raise TrainingError(self.skipped_throughout(f"{self.consecutive_skips} consecutive steps",
+                                                        f"limit trainer.max_skipped_steps={limit}"))
+
+    def skipped_throughout(self, steps: str, limit: str) -> str:
+        """Why ``steps`` in a row were all skipped as the last one was (``limit``: what stopped it)."""
+        if not self.last_skip_empty:
+            return (f"{steps} had a non-finite loss or gradient norm ({limit}); lower trainer.lr, keep "
+                    "trainer.grad_clip_norm on, or check the data")
+        fix = (f"{type(self.task).__name__}.loss returned a count of 0 for every micro-batch; check "
+               "what it counts, and its data")
+        if isinstance(self.task, LanguageModelTask):
+            fix = ("the data's targets are masked throughout, as fine-tuning records longer than "
+                   "trainer.seq_len leave them; raise trainer.seq_len or check the data")
+        return f"{steps} had no {self.task.count_unit} to learn from ({limit}): {fix}"
 
     def after_step(self, stats: StepStats) -> None:
         """Progress, the metrics record, evaluation and sampling, each when it is due."""
