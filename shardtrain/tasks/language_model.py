@@ -108,6 +108,7 @@ class LanguageModelTask(Task):
         self.tokenizer: Tokenizer | None = None
         self.flops_per_token = 0.0
         self.loss_kind = ""  # which loss ``loss`` takes, known once the model is built
+        self.train_windows: TokenWindows | MixtureWindows | None = None  # this binding's
 
     def bind(self, cfg) -> None:
         super().bind(cfg)
@@ -115,6 +116,7 @@ class LanguageModelTask(Task):
         # The corpus of this run's data.* (the object passed to another run, a sweep, read that
         # run's corpus, tokenized with its tokenizer); one given to the constructor stays.
         self.corpus = self.given_corpus
+        self.train_windows = None
 
     def load_corpus(self) -> Corpus:
         if self.corpus is None:
@@ -183,8 +185,12 @@ class LanguageModelTask(Task):
         return self.blocks
 
     def train_samples(self) -> TokenWindows | MixtureWindows:
-        return self.load_corpus().train_windows(self.cfg.trainer.seq_len, self.cfg.data.document_mask,
-                                                self.cfg.data.packing)
+        # Made once a binding: describe() reads them too, and making them again said a too-long
+        # record's warning twice (found by a trial)
+        if self.train_windows is None:
+            self.train_windows = self.load_corpus().train_windows(
+                self.cfg.trainer.seq_len, self.cfg.data.document_mask, self.cfg.data.packing)
+        return self.train_windows
 
     def val_samples(self) -> TokenWindows | InterleavedWindows:
         return self.load_corpus().val_windows(self.cfg.trainer.seq_len, self.cfg.data.document_mask,
