@@ -35,7 +35,7 @@ EVAL_SETTINGS_KEY = "shardtrain_eval_settings"
 # What readers of a model directory take from it (weights, indexes, configs, tokenizers): left by an
 # earlier export beside a new one, they would be loaded instead of it (transformers prefers
 # model.safetensors to an index) or mixed with it.
-DCP_METADATA_FILE = ".metadata"  # (layout.METADATA_FILE: layout reads this module's names)
+DCP_METADATA_FILE = ".metadata"  # layout.METADATA_FILE (layout imports this module, not the reverse)
 MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt",
                "*.pth", "*.gguf", "config.json", "generation_config.json", "adapter_config.json",
                "tokenizer*", "special_tokens_map.json", "chat_template.jinja")

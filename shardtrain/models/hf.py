@@ -282,8 +282,11 @@ class HFCausalLM(nn.Module):
         # is in their _no_split_modules): the embedding goes to a group of its own, with the head
         # where they share the weight (a unit of it spanned two units, and a decoder BERT did not
         # shard at all: found by a trial)
-        holds_embedding = {type(m) for m in self.modules()
-                           if any(e is self.hf.get_input_embeddings() for e in m.modules())}
+        # (the embedding's ancestors by name: one walk, where asking each module for its
+        # descendants walked the model once a module)
+        embedding = module_name(self, self.hf.get_input_embeddings())
+        holds_embedding = {type(m) for name, m in self.named_modules()
+                           if embedding == name or embedding.startswith(f"{name}.") or not name}
         self.block_classes = tuple({type(m) for m in self.modules()
                                     if type(m).__name__ in names and type(m) not in holds_embedding})
         self.tied = self.hf.get_input_embeddings().weight is self.hf.get_output_embeddings().weight

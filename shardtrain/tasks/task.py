@@ -208,10 +208,10 @@ def checked_model(task: Task, model: Any) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ModelError(f"{type(task).__name__}.build_model returned {type(model).__name__}; return "
                          "the model, an nn.Module")
-    earlier = {id(param) for built in BUILT_MODELS for param in built.parameters()}
     if model in BUILT_MODELS:
         what = "a model it had returned before"
-    elif any(id(param) in earlier for param in model.parameters()):  # a teacher kept and reused: by review
+    elif not {id(p) for built in BUILT_MODELS for p in built.parameters()}.isdisjoint(
+            map(id, model.parameters())):  # a teacher kept and reused (found by review)
         what = "a model holding parameters of one it returned before (a module kept and reused)"
     else:
         BUILT_MODELS.add(model)
