@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from vit import ImageClassification, SyntheticImages
 
+from shardtrain.config.schema import ModelConfig
+from shardtrain.data.tokenizer import ByteTokenizer
+from shardtrain.models.registry import build_model
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.task import LossOutput, Task
 
@@ -413,3 +416,25 @@ class SwitchedImages(ImageClassification):
     @dataclasses.dataclass
     class Options(ImageClassification.Options):
         augment: bool = False
+
+
+class NextByteText(Task):
+    """A task of its own (not the language model's) whose model maps byte ids to next-byte logits,
+    and which says so with text_tokenizer(): training samples text from it."""
+
+    count_unit = "tokens"
+
+    def build_model(self):
+        return build_model(ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=64))
+
+    def train_dataset(self):
+        text = b"def sample(): return 'text'\n" * 8
+        return [torch.tensor(list(text[i:i + 17])) for i in range(0, 64, 4)]
+
+    def loss(self, model, batch):
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum")
+        return LossOutput(loss, batch[:, 1:].numel())
+
+    def text_tokenizer(self):
+        return ByteTokenizer()

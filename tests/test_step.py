@@ -24,7 +24,7 @@ from shardtrain.config.plan import resolve_plan
 from shardtrain.config.schema import Config, StrategyConfig
 from shardtrain.distributed.parallelize import ShardingReport
 from shardtrain.errors import TrainingError
-from shardtrain.tasks.task import LossOutput
+from shardtrain.tasks.task import LossOutput, Task
 from shardtrain.train.loop import Trainer, TrainResult, precision_cautions, root_unit_caution
 from shardtrain.train.metrics import MetricsWriter, Throughput
 from shardtrain.train.optim import SCHEDULE_SHAPE, build_scheduler, follow_schedule, lr_factor
@@ -46,13 +46,17 @@ def test_one_ranks_stop_request_reaches_all_and_empty_steps_are_skipped_everywhe
         assert result["host_resident_reads"] > 0  # the filter above saw what it filters
 
 
+class TokenCounting(Task):
+    count_unit = "tokens"
+
+
 def bare_trainer(cfg: Config | None = None) -> Trainer:
     """A Trainer holding only what the logging and resume bookkeeping read (no model, no ranks)."""
     trainer = Trainer.__new__(Trainer)
     trainer.cfg = cfg or Config()
     trainer.env = SimpleNamespace(is_main=False, device=torch.device("cpu"))
     trainer.throughput = Throughput("tokens", 1, None)
-    trainer.task = SimpleNamespace(count_unit="tokens")
+    trainer.task = TokenCounting()
     trainer.layout = SimpleNamespace(global_batch=2)
     trainer.train_data = SimpleNamespace(wait_s=0.0)
     trainer.result = TrainResult()
@@ -96,7 +100,7 @@ def test_the_logged_loss_and_metrics_are_means_over_the_intervals_counts():
         trainer.account(empty)
     # (a task's own is told of its count, not of fine-tuning windows: found by a trial)
     with pytest.raises(TrainingError, match=r"consecutive steps had no tokens to learn from \(limit "
-                                            r"trainer.max_skipped_steps=5\): SimpleNamespace.loss returned a "
+                                            r"trainer.max_skipped_steps=5\): TokenCounting.loss returned a "
                                             r"count of 0 for every micro-batch"):
         trainer.account(empty)
     # every field a record has of its own is one a metric may not take

@@ -322,8 +322,8 @@ def test_a_task_from_the_command_line_with_its_options_preempted_and_resumed(tmp
      "OwnLossLanguageTask computes its own"),
     # Found by review: accepted and ignored for another task
     (["task=vit:ImageClassification", "trainer.sample_every=5"],
-     "trainer.sample_every=5 acts on the built-in language-model task's text only; ImageClassification "
-     "has data and a model of its own: drop the setting"),
+     "trainer.sample_every=5 samples text, and ImageClassification has no text_tokenizer() to decode it "
+     "with: drop the setting"),
     (["task=vit:ImageClassification", "data.document_mask=true"], "data.document_mask=true acts on"),
     (["task=vit:ImageClassification", "trainer.loss_chunk_tokens=16"],
      "trainer.loss_chunk_tokens=16 sets the built-in language-model task's loss; ImageClassification "
@@ -454,6 +454,20 @@ def test_a_model_built_in_bf16_trains_fp32_master_weights(tmp_path):
                      r"bfloat16\) are stored in float32", proc.stderr), proc.stderr[-3000:]
     records = read_metrics(tmp_path)
     assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
+
+
+def test_a_task_of_its_own_with_a_text_tokenizer_samples_text(tmp_path):
+    """Text samples are for any task whose text_tokenizer() returns one, not the language model's
+    alone: sample_every is accepted, and the samples decode the prompt and what the model adds."""
+    proc = run_cli("train", "task=broken_tasks:NextByteText", "trainer.max_steps=2",
+                   "trainer.micro_batch_size=2", "trainer.sample_every=1", "trainer.sample_tokens=6",
+                   "trainer.sample_prompt=def", "run.trackers=[]", f"run.dir={tmp_path}",
+                   env=TASK_PATH, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for step in (1, 2):
+        assert re.search(rf"sample at step {step}:\n\[shardtrain\] def", proc.stderr), proc.stderr[-3000:]
+    samples = read_metrics(tmp_path, kind="sample")
+    assert len(samples) == 2 and all(s["text"].startswith("def") for s in samples), samples
 
 
 def test_a_count_that_is_not_samples_under_count_unit_samples_is_said(tmp_path):

@@ -81,10 +81,21 @@ def check_task_section(cfg: Config) -> None:
     cfg.task.options = OmegaConf.to_container(merged)
 
 
+# The class every task derives from (tasks/task.py; named, not imported: the config layer is below it).
+TASK_BASE = "shardtrain.tasks.task:Task"
+
+
 def built_in_ancestor(task_cls: type) -> type | None:
     """The built-in language-model task's class if ``task_cls`` is it or derives from it."""
     return next((c for c in task_cls.__mro__ if f"{c.__module__}:{c.__qualname__}" == LANGUAGE_MODEL_TASK),
                 None)
+
+
+def makes_text(task_cls: type) -> bool:
+    """A task with a ``text_tokenizer`` of its own (the built-in language model's, or one a task
+    defines): what training's text samples decode with."""
+    base = next((c for c in task_cls.__mro__ if f"{c.__module__}:{c.__qualname__}" == TASK_BASE), None)
+    return base is not None and getattr(task_cls, "text_tokenizer", None) is not base.text_tokenizer
 
 
 def language_model_task(task_cls: type) -> bool:
@@ -120,9 +131,11 @@ def check_built_in_task_settings(cfg: Config, task: object | None = None) -> Non
                           f"the built-in language-model task's models only; set trainer.micro_batch_size=N "
                           f"for {name}{' with a model of its own' if own_model else ''} (shardtrain plan "
                           "--simulate measures its memory)")
-    # What the language-model task alone reads (its text samples, its windows' document positions).
-    text_only = {"trainer.sample_every": cfg.trainer.sample_every,
-                 "data.document_mask": cfg.data.document_mask,
+    if cfg.trainer.sample_every and not makes_text(task_cls):
+        raise ConfigError(f"trainer.sample_every={cfg.trainer.sample_every} samples text, and {name} has "
+                          "no text_tokenizer() to decode it with: drop the setting")
+    # What the language-model task alone reads (its windows' document positions).
+    text_only = {"data.document_mask": cfg.data.document_mask,
                  "data.packing": cfg.data.packing if cfg.data.packing != "auto" else None}
     for key, value in text_only.items():
         if value and built_in_ancestor(task_cls) is None:

@@ -225,6 +225,15 @@ class LanguageModelTask(Task):
     def flops(self, batch: Batch) -> float:
         return self.flops_per_token * batch.inputs.numel()
 
+    def text_tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
+
+    def empty_count_hint(self, throughout: bool) -> str:
+        if throughout:
+            return ("the data's targets are masked throughout, as fine-tuning records longer than "
+                    "trainer.seq_len leave them; raise trainer.seq_len or check the data")
+        return "fine-tuning windows of prompts alone?"
+
     def describe(self) -> str:
         t = self.cfg.trainer
         loss = f"; loss {self.loss_kind}" if self.loss_kind else ""

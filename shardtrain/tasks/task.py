@@ -31,6 +31,7 @@ from torch import nn
 from shardtrain.config.classpath import import_object
 from shardtrain.config.schema import Config, TaskConfig
 from shardtrain.data.batches import SampleSource
+from shardtrain.data.tokenizer import Tokenizer
 from shardtrain.errors import ConfigError, ModelError
 from shardtrain.tasks.samples import MapSamples
 
@@ -187,6 +188,21 @@ class Task:
     def describe(self) -> str:
         """One line on the data, for the start-up report."""
         return type(self).__name__
+
+    def text_tokenizer(self) -> Tokenizer | None:
+        """The tokenizer of a task whose model maps token ids to next-token logits
+        (``model(ids)``): training's text samples (``trainer.sample_tokens``, ``sample_every``)
+        decode with it. None (this default): the task's model makes no text, and nothing is sampled."""
+        return None
+
+    def empty_count_hint(self, throughout: bool) -> str:
+        """Why ``loss`` counted 0 on every rank: a short guess for one skipped step, or, with
+        ``throughout`` (every step in a row skipped for it, and the run stopped), what to fix."""
+        name = type(self).__name__
+        if throughout:
+            return (f"{name}.loss returned a count of 0 for every micro-batch; check what it counts, "
+                    "and its data")
+        return f"{name}.loss counted 0"
 
 
 # Every model a task's build_model has returned in this process (weakly: a model dropped leaves).

@@ -88,7 +88,6 @@ from shardtrain.generation.generate import (
     positions_needed,
     prompt_ids,
 )
-from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.task import Task, check_task, parameters_outside, task_config_of, task_from_config
 from shardtrain.train.batch_size import resolve_batch
 from shardtrain.train.build import Built, OptimizerFactory, build
@@ -1015,12 +1014,9 @@ class Trainer:
         self.result.skipped_steps += 1
         self.consecutive_skips += 1
         empty = stats.count == 0
-        language_model = isinstance(self.task, LanguageModelTask)
         if empty:
-            why = ("fine-tuning windows of prompts alone?" if language_model else
-                   f"{type(self.task).__name__}.loss counted 0")
-            self.info(f"step {self.step}: no {self.task.count_unit} to learn from on any rank ({why}); "
-                      "update skipped")
+            self.info(f"step {self.step}: no {self.task.count_unit} to learn from on any rank "
+                      f"({self.task.empty_count_hint(throughout=False)}); update skipped")
         else:
             self.info(f"step {self.step}: non-finite loss or grad norm "
                       f"(loss={stats.loss}, grad_norm={stats.grad_norm}); update skipped")
@@ -1038,12 +1034,8 @@ class Trainer:
         if not self.last_skip_empty:
             return (f"{steps} had a non-finite loss or gradient norm ({limit}); lower trainer.lr, keep "
                     "trainer.grad_clip_norm on, or check the data")
-        fix = (f"{type(self.task).__name__}.loss returned a count of 0 for every micro-batch; check "
-               "what it counts, and its data")
-        if isinstance(self.task, LanguageModelTask):
-            fix = ("the data's targets are masked throughout, as fine-tuning records longer than "
-                   "trainer.seq_len leave them; raise trainer.seq_len or check the data")
-        return f"{steps} had no {self.task.count_unit} to learn from ({limit}): {fix}"
+        return (f"{steps} had no {self.task.count_unit} to learn from ({limit}): "
+                f"{self.task.empty_count_hint(throughout=True)}")
 
     def after_step(self, stats: StepStats) -> None:
         """Progress, the metrics record, evaluation and sampling, each when it is due."""
@@ -1200,8 +1192,8 @@ class Trainer:
         return record
 
     def samples_text(self) -> bool:
-        """Sampling text during training is the language-model task's (it has a tokenizer)."""
-        return isinstance(self.task, LanguageModelTask)
+        """Text is sampled during training for a task that has a tokenizer to decode it with."""
+        return self.task.text_tokenizer() is not None
 
     def sample(self) -> str:
         """A sample from the current weights (all ranks take part; gathered once, see generation).
@@ -1218,7 +1210,7 @@ class Trainer:
             self.info(f"sample at step {self.step} skipped: {choice.reason()} (`shardtrain generate` "
                       "runs a checkpoint unit by unit)")
             return ""
-        tokenizer = self.task.tokenizer
+        tokenizer = self.task.text_tokenizer()
         # The copy is built as the trained model was: with finetune=lora/qlora, adapters on the base.
         plain = gathered_copy(self.model, with_adapters(self.task.build_model, self.cfg, self.env.device),
                               self.env.device, self.built.plan.param_dtype)
@@ -1270,9 +1262,10 @@ def check_sample_fits(trainer: TrainerConfig, task: Task, model: torch.nn.Module
     refused at start-up, not after the run has trained. The prompt's length is known only once the
     task has its tokenizer, and a Hugging Face model's positions only from its config."""
     max_len = getattr(model, "max_seq_len", None)
-    if trainer.sample_tokens == 0 or max_len is None or not isinstance(task, LanguageModelTask):
+    tokenizer = task.text_tokenizer()
+    if trainer.sample_tokens == 0 or max_len is None or tokenizer is None:
         return
-    prompt = prompt_ids(task.tokenizer, trainer.sample_prompt)
+    prompt = prompt_ids(tokenizer, trainer.sample_prompt)
     if (needed := positions_needed(len(prompt), trainer.sample_tokens)) > max_len:
         fix = (f"set trainer.sample_tokens to at most {max_len - len(prompt) + 1}" if len(prompt) <= max_len
                else "shorten trainer.sample_prompt")
