@@ -185,6 +185,11 @@ def test_a_changed_input_is_prepared_again(tmp_path):
     assert (tmp_path / "out" / "config.yaml").read_text() == "mine"
     shutil.rmtree(tmp_path / "out" / "checkpoints")
     (tmp_path / "out" / "config.yaml").unlink()
+    # what a file browser leaves is nobody's data: the dataset is prepared again over it
+    (tmp_path / "out" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (tmp_path / "out" / "._manifest.json").write_bytes(b"\0\5\26\7")
+    assert not prepare(options, tmp_path / "out", progress=False).up_to_date
+    assert not (tmp_path / "out" / ".DS_Store").exists()
     # A pattern in a directory part, and ** (found by review: "matches no file"; data.paths has no
     # shell to expand it), named from the last directory before the pattern
     (tmp_path / "tree" / "sub").mkdir(parents=True)

@@ -594,10 +594,16 @@ def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool, exclude
     return PrepareResult(manifest, up_to_date=False, seconds=time.perf_counter() - started)
 
 
+# What file browsers leave in a directory they showed: nobody's data, deleted with the dataset.
+BROWSER_LITTER = (".DS_Store", "Thumbs.db", "desktop.ini")
+
+
 def not_prepared_here(directory: Path) -> list[str]:
-    """The entries of a prepared dataset's ``directory`` that ``prepare`` does not write, sorted."""
+    """The entries of a prepared dataset's ``directory`` that ``prepare`` does not write (nor a
+    file browser: a Finder's ``.DS_Store`` and its ``._`` AppleDouble files), sorted."""
     return sorted(entry.name for entry in directory.iterdir()
-                  if entry.name not in (MANIFEST, SOURCES_FILE, *SPLITS))
+                  if entry.name not in (MANIFEST, SOURCES_FILE, *SPLITS, *BROWSER_LITTER)
+                  and not (entry.name.startswith("._") and entry.is_file()))
 
 
 def write_staging(options: PrepareOptions, sources: list[Source], source_entries: list[dict], digest: str,
