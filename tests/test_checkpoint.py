@@ -451,7 +451,13 @@ def test_prune_keeps_the_checkpoint_just_saved(tmp_path):
         (tmp_path / f"step-{step}").mkdir()
         (tmp_path / f"step-{step}" / STATE_FILE).write_text("{}")
     damaged = {tmp_path / "step-2"}
-    assert layout.prune(tmp_path, 5, 1, damaged) == [tmp_path / "step-4"]
+    # renamed first, then handed to the deleter (the checkpointer's thread: found by a scale review,
+    # rank 0 deleted while every other rank waited)
+    handed: list[Path] = []
+    assert layout.prune(tmp_path, 5, 1, damaged, delete=handed.append) == [tmp_path / "step-4"]
+    assert handed == [tmp_path / ".step-4.deleting"] and (handed[0] / STATE_FILE).is_file()
+    assert [step for step, _ in layout.candidates(tmp_path).complete] == [2, 5, 8, 10]
+    shutil.rmtree(handed[0])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-2", "step-5", "step-8"]
     # checkpoint.keep_best's steps are kept beside the newest keep_last, the best one linked
     assert layout.prune(tmp_path, 10, 1, set(), best={5, 7}) == [tmp_path / "step-2", tmp_path / "step-8"]

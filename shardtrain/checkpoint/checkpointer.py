@@ -296,6 +296,11 @@ class Checkpointer:
         # Finishing an async save (waiting for its files, hashing this rank's, then on rank 0 writing
         # the manifest and trainer state, renaming and pruning) runs here, off the training thread.
         self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtrain-ckpt")
+        # Rank 0 deletes what keep_last prunes here, after renaming it: every other rank waits in the
+        # commit's broadcast for rank 0, and deleting a large model's checkpoint (terabytes, thousands
+        # of files on a shared filesystem) took minutes of every GPU's time at each save.
+        self.deleter: ThreadPoolExecutor | None = None
+        self.deletions: list[Future] = []
         # Made at the first async save (a run that never saves asynchronously holds no buffers).
         self.stager: DefaultStager | None = None
         self.stager_checked = False
@@ -614,8 +619,9 @@ class Checkpointer:
 
     def close(self) -> None:
         """Release the staging buffers once no save is in flight (the finisher thread ends with the
-        process). A later async save stages into a fresh copy."""
+        process), and let the deletions finish. A later async save stages into a fresh copy."""
         self.wait()
+        self.wait_deletions()
         if self.stager is not None:
             self.stager.close()
             self.stager = None
@@ -699,12 +705,33 @@ class Checkpointer:
         kept = f"checkpoint.keep_last={self.ckpt.keep_last}"
         if self.ckpt.keep_best:
             kept += f", not among the {self.ckpt.keep_best} best by {self.cfg.trainer.monitor}"
+        # One deletion at a time: a step-N saved again and pruned renames onto the .step-N.deleting
+        # an earlier deletion may still be removing.
+        self.wait_deletions()
         try:
-            for path in layout.prune(self.root, committed, self.ckpt.keep_last, self.damaged, best):
+            for path in layout.prune(self.root, committed, self.ckpt.keep_last, self.damaged, best,
+                                     delete=self.delete_later):
                 self.info(f"checkpoint: deleted {path.name} ({kept})")
         except OSError as exc:
             log.warning(f"checkpoint: step {committed} is saved, but deleting an older checkpoint "
                         f"failed ({exc}); delete it by hand to free its space")
+
+    def delete_later(self, directory: Path) -> None:
+        """Rank 0: remove ``directory`` (a checkpoint renamed ``.step-N.deleting``) in the deleter's
+        thread; one left by a crash is removed at the next start."""
+        if self.deleter is None:
+            self.deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtrain-delete")
+        self.deletions.append(self.deleter.submit(shutil.rmtree, directory))
+
+    def wait_deletions(self) -> None:
+        """Until the deletions begun are done; one that failed is a warning, as a failed rename is."""
+        deletions, self.deletions = self.deletions, []
+        for deletion in deletions:
+            try:
+                deletion.result()
+            except OSError as exc:
+                log.warning(f"checkpoint: deleting an older checkpoint failed ({exc}); delete it by hand "
+                            "to free its space")
 
     def point_best(self, trainer_state: TrainState) -> None:
         """Rank 0: ``checkpoints/best`` to the best checkpoint the committed one's ranking names. A

@@ -383,11 +383,12 @@ def refuse_newer_checkpoints(root: Path, resumed: Path) -> None:
 
 
 def prune(root: Path, committed: int, keep_last: int, exclude: set[Path],
-          best: set[int] = frozenset()) -> list[Path]:
+          best: set[int] = frozenset(), delete: Callable[[Path], None] = shutil.rmtree) -> list[Path]:
     """Delete complete checkpoints beyond the newest ``keep_last`` up to step ``committed`` (the one
     just saved), but those of the steps in ``best`` (checkpoint.keep_best's); returns the deleted
     ones. Later steps and ``exclude`` are neither counted nor deleted: the checkpoint just committed
-    is always kept."""
+    is always kept. Each is renamed ``.step-N.deleting`` here, then ``delete``d (the checkpointer
+    deletes in a thread of its own: removing terabytes from a shared filesystem takes minutes)."""
     # Names only: a step-N directory is complete by construction (renamed after its last file),
     # and reading every kept checkpoint's metadata after each save would cost a storm of reads.
     kept = [(step, path) for step, path in candidates(root).complete
@@ -402,7 +403,7 @@ def prune(root: Path, committed: int, keep_last: int, exclude: set[Path],
             shutil.rmtree(deleting)
         path.rename(deleting)
         fsync_path(root)  # the rename reaches the disk before any of the deletion does
-        shutil.rmtree(deleting)
+        delete(deleting)
     return doomed
 
 
