@@ -10,6 +10,7 @@ import contextlib
 import datetime
 import logging
 import os
+import resource
 import secrets
 import socket
 from collections.abc import Iterator
@@ -155,12 +156,36 @@ def check_manual_launch_shape(nodes: int) -> None:
                           "RANK, LOCAL_RANK and WORLD_SIZE, or start them with torchrun")
 
 
+# Linux's default ceiling on a process's open files (fs.nr_open), where the hard limit is unlimited.
+NR_OPEN_DEFAULT = 1 << 20
+
+
+def raise_open_file_limit() -> int:
+    """The soft limit on open files raised to the hard one, as far as the system lets it; returns
+    the soft limit in effect. Rank 0 holds a socket to every other rank for the rendezvous store and
+    for each gloo group's gathers: 1,024 ranks need over 2,000, past the soft limit of 1,024 many
+    systems still set, which failed rank 0 alone (EMFILE) at its first save."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = NR_OPEN_DEFAULT if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):  # a ceiling below the hard limit: keep the soft one
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def files_needed(world_size: int) -> int:
+    """About the open files rank 0 needs: a socket to every rank for the store, the default group
+    and the checkpoint group, plus the run's own files."""
+    return 3 * world_size + 256
+
+
 def init_distributed(backend: str = "auto", timeout_s: int = 300, cpu_offload: bool = False) -> DistEnv:
     """Join (or create, for a lone process) the default process group.
 
     Under torchrun the rendezvous comes from the environment. A lone process gets a world of one on
     an in-memory store, so single-process runs take exactly the same FSDP2 code path.
     """
+    open_files = raise_open_file_limit()  # before the store's connections arrive
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = claim_device(local_rank)
     backend = process_group_backend(device, backend, cpu_offload)
@@ -188,6 +213,11 @@ def init_distributed(backend: str = "auto", timeout_s: int = 300, cpu_offload: b
         placements=tuple(placements),
     )
     check_distinct_devices(env)
+    if env.rank == 0 and open_files != resource.RLIM_INFINITY and open_files < files_needed(env.world_size):
+        log.warning(f"open files: rank 0 may open {open_files} (its hard limit) and needs about "
+                    f"{files_needed(env.world_size)} at world size {env.world_size} (a socket to every rank "
+                    "for each process group); raise the hard limit (`ulimit -Hn`, limits.conf, or Slurm's "
+                    "PropagateResourceLimits) before launching")
     return env
 
 
