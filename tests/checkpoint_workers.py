@@ -20,11 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from equivalence import case_config, small_corpus
 from safetensors.torch import save_file
 
-from shardtrain.checkpoint import integrity
-from shardtrain.checkpoint.checkpointer import agreed_base_identity
+from shardtrain.checkpoint import integrity, weights
+from shardtrain.checkpoint.checkpointer import agreed_base_identity, node_file_fingerprints
 from shardtrain.checkpoint.weights import agreed_source_kind
 from shardtrain.distributed.env import lazily_connected_gloo_group
 from shardtrain.errors import CheckpointError, CheckpointUnverifiable, TrackerError
@@ -216,6 +217,24 @@ def base_copies_differ(out: str, world: int) -> None:
         assert getattr(exc, "failed_rank", 1) == 1, exc
     else:
         raise AssertionError("a base missing on rank 1 went on")
+    # One copy for every rank of a node: each reads a share of its files (found by a scale review:
+    # every rank read 3 MiB of every file), and the fingerprint is the one a lone reader takes.
+    shared = Path(out, "base-shared")
+    if rank == 0 and not shared.exists():
+        shared.mkdir()
+        (shared / "config.json").write_text("{}")
+        names = [f"model-{i}-of-3.safetensors" for i in range(3)]
+        for index, name in enumerate(names):
+            save_file({f"w{index}": torch.full((4,), float(index))}, str(shared / name))
+        (shared / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {f"w{index}": name for index, name in enumerate(names)}}))
+    dist.barrier()
+    cfg.model = dataclasses.replace(cfg.model, init_from=str(shared))
+    mine = weights.file_fingerprints_share(str(shared), rank, world)
+    assert sorted(mine) == [index for index in range(3) if index % world == rank]
+    assert node_file_fingerprints(cfg) == {index: weights.file_fingerprint(file) for index, file in
+                                           enumerate(weights.source_files(str(shared)))}
+    assert agreed_base_identity(cfg)["fingerprint"] == weights.files_fingerprint(str(shared))
 
 
 def as_saved_before_checksums(checkpoint: Path) -> None:

@@ -24,7 +24,7 @@ from shardtrain.config.plan import DTYPES, PRECISION_PRESETS
 from shardtrain.config.schema import DistConfig
 from shardtrain.diagnostics.memory import PhaseMemory
 from shardtrain.diagnostics.planner import sharded_state_bytes
-from shardtrain.diagnostics.watchdog import Watchdog, bounded, dump_flight_recorder
+from shardtrain.diagnostics.watchdog import MAX_STALL_DUMPS, Watchdog, bounded, dump_flight_recorder
 from shardtrain.distributed.env import apply_debug_switches
 from shardtrain.models.llama import Llama
 
@@ -299,6 +299,31 @@ def test_stall_reports_are_per_phase_and_off_the_polling_thread(tmp_path, monkey
         time.sleep(0.05)
     dog.stop()
     assert sorted(written) == ["rank-0-step-3-evaluation.txt", "rank-0-step-4.txt"]
+
+
+def test_a_rank_dumps_at_most_a_bounded_number_of_stalls(tmp_path, monkeypatch, caplog):
+    """Found by a scale review: every rank dumps at every slow phase, so a flaky node slowing step
+    after step wrote a thousand files a step at 1,024 ranks, without end. The first MAX_STALL_DUMPS
+    are written, the last of them says so, and later ones are neither written nor said."""
+    written: list[str] = []
+    monkeypatch.setattr("shardtrain.diagnostics.watchdog.dump_stacks",
+                        lambda path, text: written.append(path.name))
+    dog = Watchdog(tmp_path, 0, timeout_s=100, startup_timeout_s=100, stall_factor=1, stall_min_s=0.02,
+                   poll_s=0.01)
+    dog.done(0.01)
+    dog.start()
+    for step in range(1, MAX_STALL_DUMPS + 4):
+        dog.beat("training step", step, under_way=True)
+        deadline = time.monotonic() + 5
+        while dog.stall_dumps < step and time.monotonic() < deadline:
+            time.sleep(0.01)
+    time.sleep(0.2)  # the reporting threads finish
+    dog.stop()
+    assert dog.stall_dumps == MAX_STALL_DUMPS + 3
+    assert sorted(written) == sorted(f"rank-0-step-{step}.txt" for step in range(1, MAX_STALL_DUMPS + 1))
+    slow = [r.getMessage() for r in caplog.records if "is slow" in r.getMessage()]
+    assert len(slow) == MAX_STALL_DUMPS and "later ones are neither dumped nor said" in slow[-1]
+    assert not any("later ones" in message for message in slow[:-1])
 
 
 HANG_WITH_STDERR_FULL = """

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -595,12 +595,21 @@ def is_dcp_source(source: str) -> bool:
     return path.is_dir() and not is_model_directory(path)
 
 
-def files_fingerprint(source: str) -> str:
-    """``file_fingerprint`` of every file of the source, combined: about 3 MiB read per file."""
+def files_fingerprint(source: str, known: Mapping[int, str] | None = None) -> str:
+    """``file_fingerprint`` of every file of the source, combined: about 3 MiB read per file.
+    ``known``: digests of some of them (by position in ``source_files``), read by another process."""
     digest = hashlib.sha256()
-    for file in source_files(source):
-        digest.update(file.name.encode() + file_fingerprint(file).encode())
+    for index, file in enumerate(source_files(source)):
+        each = known[index] if known is not None and index in known else file_fingerprint(file)
+        digest.update(file.name.encode() + each.encode())
     return digest.hexdigest()
+
+
+def file_fingerprints_share(source: str, share: int, shares: int) -> dict[int, str]:
+    """``file_fingerprint`` of every ``shares``-th file of the source from the ``share``-th on, by
+    position in ``source_files``: one process's part of ``files_fingerprint`` split between several."""
+    return {index: file_fingerprint(file) for index, file in enumerate(source_files(source))
+            if index % shares == share}
 
 
 def dcp_fingerprint(source: str) -> str:
@@ -624,10 +633,11 @@ def dcp_fingerprint(source: str) -> str:
     return digest.hexdigest()
 
 
-def base_identity(model_cfg: ModelConfig, seed: int,
-                  finetune: FinetuneConfig | None = None) -> dict[str, Any]:
+def base_identity(model_cfg: ModelConfig, seed: int, finetune: FinetuneConfig | None = None,
+                  known: Mapping[int, str] | None = None) -> dict[str, Any]:
     """What a LoRA checkpoint's adapters were trained on: the base weights' source with a fingerprint
-    of its files, or the seed of a random base; under QLoRA also how the base was quantised."""
+    of its files (``known``: as ``files_fingerprint`` takes them), or the seed of a random base;
+    under QLoRA also how the base was quantised."""
     qlora = finetune is not None and finetune.method == "qlora"
     quantized = {"quantization": NF4_DESCRIPTION} if qlora else {}
     source = model_cfg.weights_source()
@@ -640,7 +650,7 @@ def base_identity(model_cfg: ModelConfig, seed: int,
     if is_dcp_source(source):
         return {"source": resolved, "fingerprint": dcp_fingerprint(source),
                 "fingerprint_kind": DCP_FINGERPRINT, **quantized}
-    return {"source": resolved, "fingerprint": files_fingerprint(source), **quantized}
+    return {"source": resolved, "fingerprint": files_fingerprint(source, known), **quantized}
 
 
 def same_base(saved: dict[str, Any], current: dict[str, Any]) -> bool:

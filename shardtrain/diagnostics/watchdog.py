@@ -133,6 +133,12 @@ def main_thread_location() -> str:
     return where
 
 
+# Stall dumps one rank writes in a run: every rank dumps at each slow phase (the slow one shows
+# where it is, the others the collective they wait in), and a flaky node slowing step after step
+# made a thousand files a step at 1,024 ranks, without end. The first ones hold the evidence.
+MAX_STALL_DUMPS = 10
+
+
 class Watchdog:
     def __init__(self, run_dir: Path, rank: int, timeout_s: float, startup_timeout_s: float,
                  stall_factor: float, stall_min_s: float, poll_s: float = 0.25,
@@ -152,6 +158,7 @@ class Watchdog:
         self.phase_limit: tuple[float, str] | None = None  # (seconds, config key) from beat
         self.started = time.monotonic()
         self.stall_dumped = False
+        self.stall_dumps = 0  # dumped in this run, up to MAX_STALL_DUMPS
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -227,20 +234,22 @@ class Watchdog:
                 median = statistics.median(self.recent) if self.recent else 0.0
                 if elapsed > stall and not dumped:
                     self.stall_dumped = True  # this phase's, decided under the lock a beat takes
+                    self.stall_dumps += 1
+                dumps = self.stall_dumps
             where = f"{phase} of step {step}" if step else phase
             # A main thread that stopped the watch meanwhile has left the phase (finished it, or a
             # peer's exit failed its collective and it is unwinding): not a hang of this rank.
             if elapsed > timeout and not self._stop.is_set():
                 self.stop_hung(steps_done, f"rank {self.rank}: {where} has run {elapsed:.0f}s, over the "
                                      f"{timeout:g}s limit ({key}); {main_thread_location()}; stopping")
-            if elapsed > stall and not dumped:
+            if elapsed > stall and not dumped and dumps <= MAX_STALL_DUMPS:
                 # Written and said by a thread of its own: a stalled filesystem or stderr (where the
                 # warning goes) must not hold up the hang check above.
                 header = (f"rank {self.rank}: {where} has run {elapsed:.1f}s; recent steps took "
                           f"{median:.2f}s (median)")
                 threading.Thread(target=self.report_stall, name="shardtrain-stall-report", daemon=True,
                                  args=(self.stall_file(phase, step), stacks_text(header), where, elapsed,
-                                       median)).start()
+                                       median, dumps == MAX_STALL_DUMPS)).start()
 
     def stall_file(self, phase: str, step: int) -> Path:
         """Where a stall of ``phase`` at ``step`` is written: a training step's by its step alone, any
@@ -248,11 +257,16 @@ class Watchdog:
         slug = "" if phase == "training step" else "-" + "-".join(re.findall(r"[a-z0-9]+", phase.lower()))
         return self.run_dir / "stalls" / f"rank-{self.rank}-step-{step}{slug}.txt"
 
-    def report_stall(self, path: Path, text: str, where: str, elapsed: float, median: float) -> None:
+    def report_stall(self, path: Path, text: str, where: str, elapsed: float, median: float,
+                     last: bool = False) -> None:
+        """``last``: the run's last dump (``MAX_STALL_DUMPS``), which says that later slow phases
+        go unreported."""
         written = bounded(functools.partial(dump_stacks, path, text), "stall-dump")
-        log.warning("rank %d: %s is slow (%.1fs, recent median %.2fs); %s", self.rank, where, elapsed,
+        log.warning("rank %d: %s is slow (%.1fs, recent median %.2fs); %s%s", self.rank, where, elapsed,
                     median, f"Python stacks in {path}" if written else
-                    f"its Python stacks could not be written to {path} in {EVIDENCE_WAIT_S:g}s")
+                    f"its Python stacks could not be written to {path} in {EVIDENCE_WAIT_S:g}s",
+                    f"; the {MAX_STALL_DUMPS}th stall of this rank: later ones are neither dumped nor "
+                    "said (the hang bound still stops a stuck phase)" if last else "")
 
     def stop_hung(self, step: int, message: str) -> None:
         """Leave the evidence (stacks, flight recorder, failure record), each written within
