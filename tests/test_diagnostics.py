@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import socket
@@ -21,11 +22,13 @@ from equivalence import case_config
 from torch import nn
 
 from shardtrain.config.plan import DTYPES, PRECISION_PRESETS
-from shardtrain.config.schema import DistConfig
+from shardtrain.config.schema import DiagnosticsConfig, DistConfig
 from shardtrain.diagnostics.memory import PhaseMemory
 from shardtrain.diagnostics.planner import sharded_state_bytes
+from shardtrain.diagnostics.profiler import MANY_TRACES, StepProfiler
 from shardtrain.diagnostics.watchdog import MAX_STALL_DUMPS, Watchdog, bounded, dump_flight_recorder
 from shardtrain.distributed.env import apply_debug_switches
+from shardtrain.errors import ConfigError
 from shardtrain.models.llama import Llama
 
 QUICK = ["experiment=quick", "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample_tokens=0",
@@ -324,6 +327,29 @@ def test_a_rank_dumps_at_most_a_bounded_number_of_stalls(tmp_path, monkeypatch, 
     slow = [r.getMessage() for r in caplog.records if "is slow" in r.getMessage()]
     assert len(slow) == MAX_STALL_DUMPS and "later ones are neither dumped nor said" in slow[-1]
     assert not any("later ones" in message for message in slow[:-1])
+
+
+def test_profile_ranks_choose_the_ranks_that_trace(tmp_path, caplog):
+    """Found by a scale review: every rank traced, a trace of up to hundreds of MB each written to the
+    shared run.dir at once (1,024 of them). diagnostics.profile_ranks names the ranks that trace;
+    rank 0 says which, and warns of every rank tracing past MANY_TRACES ranks."""
+    caplog.set_level(logging.INFO, logger="shardtrain")
+    cfg = DiagnosticsConfig(profile_at=1, profile_steps=1, profile_ranks=[1])
+    rank0 = StepProfiler(cfg, tmp_path, 0, torch.device("cpu"), max_steps=5, world_size=2)
+    rank0.before_step(1)
+    assert rank0.profiler is None and not rank0.writes_after(1)
+    assert "profiler: tracing steps 1-1 on rank 1" in caplog.text
+    rank1 = StepProfiler(cfg, tmp_path, 1, torch.device("cpu"), max_steps=5, world_size=2)
+    rank1.before_step(1)
+    torch.ones(4).sum()
+    rank1.after_step(1)
+    assert [p.name for p in (tmp_path / "profiles" / "steps-1-1").iterdir()] == ["rank1.json"]
+    with pytest.raises(ConfigError, match=r"holds rank 2, and the world size is 2 \(ranks 0-1\)"):
+        StepProfiler(DiagnosticsConfig(profile_at=1, profile_ranks=[0, 2]), tmp_path, 0, torch.device("cpu"),
+                     max_steps=5, world_size=2)
+    assert "every one of the" not in caplog.text
+    StepProfiler(DiagnosticsConfig(profile_at=1), tmp_path, 0, torch.device("cpu"), 5, MANY_TRACES + 1)
+    assert f"every one of the {MANY_TRACES + 1} ranks will write a trace" in caplog.text
 
 
 HANG_WITH_STDERR_FULL = """

@@ -442,6 +442,12 @@ def check_profiling(cfg: Config) -> None:
     if not d.enabled and not d.dry_run and d.steps != default.steps:  # a dry run measures its step
         raise ConfigError(f"diagnostics.steps={d.steps} measures the first steps' memory, and "
                           "diagnostics.enabled=false measures none; drop one of them")
+    if negative := [rank for rank in d.profile_ranks if rank < 0]:
+        raise ConfigError(f"diagnostics.profile_ranks holds {negative[0]}: ranks count from 0")
+    if d.profile_ranks and not d.profile_at:
+        raise ConfigError(f"diagnostics.profile_ranks={list(d.profile_ranks)} names the ranks that trace "
+                          "from diagnostics.profile_at, which is 0 (never); set diagnostics.profile_at=STEP "
+                          "too, or drop profile_ranks")
     if d.memory_snapshot and not d.profile_at:
         raise ConfigError("diagnostics.memory_snapshot=true records over the profiled steps; set "
                           "diagnostics.profile_at=STEP too")

@@ -297,6 +297,9 @@ class DiagnosticsConfig:
     # Chrome trace in run.dir/profiles/, the costliest operators in rank 0's log.
     profile_at: int = knob(0, at_least=0)
     profile_steps: int = knob(2, at_least=1)
+    # With profile_at: the ranks that trace (empty: every rank). Each writes a trace of its own, up
+    # to hundreds of MB for a large model: at hundreds of ranks, name a few.
+    profile_ranks: list[int] = field(default_factory=list)
     # With profile_at, on CUDA: the caching allocator's history over those steps, a snapshot per
     # rank beside the traces (https://pytorch.org/memory_viz). Refused on other devices.
     memory_snapshot: bool = False

@@ -1,8 +1,9 @@
 """A window of training steps traced by torch's profiler (``diagnostics.profile_at``,
-``diagnostics.profile_steps``): every rank writes its Chrome trace (https://ui.perfetto.dev or
-chrome://tracing) to ``run.dir/profiles/steps-A-B/``, and rank 0 logs the operators that took the
-most time. On CUDA, ``diagnostics.memory_snapshot`` also records the caching allocator's history
-over the window (https://pytorch.org/memory_viz).
+``diagnostics.profile_steps``): every rank (or those ``diagnostics.profile_ranks`` names) writes its
+Chrome trace (https://ui.perfetto.dev or chrome://tracing) to ``run.dir/profiles/steps-A-B/``, and
+rank 0, where it traces, logs the operators that took the most time. On CUDA,
+``diagnostics.memory_snapshot`` also records the caching allocator's history over the window
+(https://pytorch.org/memory_viz).
 
 The data, the step and the evaluation and sampling due at it are traced (a periodic checkpoint save
 too, except at the window's last step); the window closes before the final save and sample. Nothing
@@ -19,11 +20,15 @@ import torch
 
 from shardtrain.accelerator import dump_memory_snapshot, profiler_activities, record_memory_history
 from shardtrain.config.schema import DiagnosticsConfig
+from shardtrain.errors import ConfigError
 
 log = logging.getLogger("shardtrain")
 
 # Rows of the operator table rank 0 logs.
 TOP_OPERATORS = 15
+# Past this world size, tracing every rank is warned of: a trace a rank (hundreds of MB each for a
+# large model) written at once to the shared run.dir.
+MANY_TRACES = 64
 
 
 class StepProfiler:
@@ -31,7 +36,7 @@ class StepProfiler:
     ``profile_at + profile_steps - 1`` (or when training ends inside the window)."""
 
     def __init__(self, cfg: DiagnosticsConfig, run_dir: Path, rank: int, device: torch.device,
-                 max_steps: int) -> None:
+                 max_steps: int, world_size: int = 1) -> None:
         self.first = cfg.profile_at
         self.last = min(cfg.profile_at + cfg.profile_steps - 1, max_steps)
         self.snapshot = cfg.memory_snapshot
@@ -39,18 +44,30 @@ class StepProfiler:
         self.rank = rank
         self.device = device
         self.profiler: torch.profiler.profile | None = None
+        if outside := [r for r in cfg.profile_ranks if r >= world_size]:
+            raise ConfigError(f"diagnostics.profile_ranks holds rank {outside[0]}, and the world size is "
+                              f"{world_size} (ranks 0-{world_size - 1})")
+        self.ranks = sorted(set(cfg.profile_ranks)) or None  # None: every rank
+        self.traces = self.ranks is None or rank in self.ranks
+        if rank == 0 and self.first and self.ranks is None and world_size > MANY_TRACES:
+            log.warning(f"profiler: every one of the {world_size} ranks will write a trace to "
+                        f"{run_dir / 'profiles'} at once; diagnostics.profile_ranks=[0,...] names a few")
 
     def before_step(self, step: int) -> None:
         """Before step ``step`` (1-based) runs."""
         if step != self.first or self.profiler is not None:  # profile_at=0: no step is 0
+            return
+        if self.rank == 0:
+            which = "" if self.ranks is None else f" on rank{'s' if len(self.ranks) > 1 else ''} " + \
+                ", ".join(map(str, self.ranks))
+            log.info(f"profiler: tracing steps {self.first}-{self.last}{which}")
+        if not self.traces:
             return
         if self.snapshot:
             record_memory_history(self.device, True)
         self.profiler = torch.profiler.profile(activities=profiler_activities(self.device),
                                                record_shapes=True, profile_memory=True)
         self.profiler.start()
-        if self.rank == 0:
-            log.info(f"profiler: tracing steps {self.first}-{self.last}")
 
     def writes_after(self, step: int) -> bool:
         """Whether ``after_step(step)`` (or ``close``, at the end of training) writes the trace."""
@@ -88,7 +105,7 @@ class StepProfiler:
                 table = profiler.key_averages().table(
                     sort_by="self_device_time_total" if device_time else "self_cpu_time_total",
                     row_limit=TOP_OPERATORS)
-                log.info(f"profiler: steps {self.first}-{step} traced, each rank's trace in "
+                log.info(f"profiler: steps {self.first}-{step} traced, each traced rank's trace in "
                          f"{folder}; rank 0's costliest operators:\n{table}")
         except (OSError, RuntimeError, ValueError, KeyError) as exc:
             log.warning(f"profiler: rank {self.rank} could not write its trace to {folder} ({exc}); "

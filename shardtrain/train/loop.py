@@ -216,7 +216,8 @@ class Trainer:
         self.writer = run_agreed(lambda: MetricsWriter(
             Path(cfg.run.dir), env.is_main, DRY_RUN_FILE if cfg.diagnostics.dry_run else METRICS_FILE))
         self.console = Console(env.is_main, t.progress_bar, t.max_steps)
-        self.profiler = StepProfiler(cfg.diagnostics, Path(cfg.run.dir), env.rank, env.device, t.max_steps)
+        self.profiler = StepProfiler(cfg.diagnostics, Path(cfg.run.dir), env.rank, env.device, t.max_steps,
+                                     env.world_size)
         self.throughput = Throughput(task.count_unit, env.world_size, device_peak_flops(env.device))
         # FLOPs per sample counted once when the task cannot say (Task.flops); why not, if they
         # cannot be, said after the first step.
