@@ -192,6 +192,22 @@ def test_fine_tuning_windows_hold_whole_records(dataset, caplog):
     # the greedy packing itself: records of 3, 4, 10 and 2 tokens in windows of 8
     assert [a.tolist() for a in pack_records(np.array([0, 3, 7, 17]), 19, 8)[:2]] == [[0, 7, 17], [7, 15, 19]]
     assert pack_records(np.array([0, 3, 7, 17]), 19, 8)[2] == 1
+    # ... equal to a record-by-record walk on random records, empty and overlong ones among them (the
+    # packing finds each window's end for all records at once: the walk held two Python ints a record)
+    rng = np.random.default_rng(0)
+    for count, window in ((1, 4), (50, 8), (3000, 64)):
+        lengths = rng.integers(0, 3 * window, count)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        begins, stops, truncated = pack_records(starts, int(lengths.sum()), window)
+        walked, begin = [], None
+        for start, length in zip(starts.tolist(), lengths.tolist()):
+            if begin is not None and start + length - begin <= window:
+                walked[-1][1] = start + length
+            else:
+                begin = start
+                walked.append([start, min(start + length, start + window)])
+        assert [[a, b] for a, b in zip(begins.tolist(), stops.tolist())] == walked
+        assert truncated == int((lengths > window).sum())
     assert not isinstance(windows_of(tokens, 64, "training data", False, "stream"), RecordWindows)
     # as resolved, for a resume's comparison and best.validation: a mixture's validation parts too
     assert packing_of(windows) == packing_of(InterleavedWindows([windows, windows])) == "records"
