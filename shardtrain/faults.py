@@ -12,8 +12,8 @@ Points: ``save`` (inside a checkpoint save, after this rank wrote part of it), `
 async save's background thread, after DCP wrote it, before the commit), ``resume`` (as a checkpoint
 of the given step is loaded, after its checks), ``step`` (after a
 training step), ``sample`` (before a text sample is generated), ``loss`` (the first micro-batch's
-loss). Unset, this costs one dictionary lookup.
-Never set it in production.
+loss), ``init_from`` (step 0: before this rank reads the initial weights). Unset, this costs one
+dictionary lookup. Never set it in production.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -149,6 +150,7 @@ def test_stall_dumps_every_ranks_stacks_and_hang_stops(tmp_path):
     run_dir = tmp_path / "stall"
     proc = run_cli("train", *QUICK, "trainer.devices=2", "trainer.max_steps=8",
                    "diagnostics.stall_min_s=1", "diagnostics.stall_factor=3", f"run.dir={run_dir}",
+                   "checkpoint.enabled=true", "checkpoint.interval=0",  # step-8: the initial weights below
                    env={"SHARDTRAIN_FAULT": "step:1:5:sleep=4"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     dumps = {p.name: p.read_text() for p in (run_dir / "stalls").iterdir()}
@@ -157,6 +159,15 @@ def test_stall_dumps_every_ranks_stacks_and_hang_stops(tmp_path):
     assert "in inject" in dumps["rank-1-step-5.txt"]  # the sleeping rank, caught in the act
     assert "in train_step" in dumps["rank-0-step-6.txt"]  # the waiting rank, inside a collective
     assert "is slow" in proc.stderr
+
+    # A read of the initial weights stuck on one rank: stopped by the start-up bound, named, where
+    # the others waited in the agreement's gather for the group's timeout (found by a scale review)
+    stuck = run_cli("train", *QUICK, "trainer.devices=2", "dist.startup_timeout_s=3",
+                    f"model.init_from={run_dir / 'checkpoints' / 'step-8'}", f"run.dir={tmp_path / 'stuck'}",
+                    env={"SHARDTRAIN_FAULT": "init_from:1:0:sleep=120"}, timeout=120)
+    assert stuck.returncode != 0, stuck.stderr[-3000:]
+    assert re.search(r"rank 1: reading the initial weights has run \d+s, over the 3s limit "
+                     r"\(dist.startup_timeout_s\)", stuck.stderr), stuck.stderr[-3000:]
 
     hang_dir = tmp_path / "hang"
     hung = run_cli("train", *QUICK, "trainer.devices=2", "trainer.max_steps=8", "dist.timeout_s=3",

@@ -537,8 +537,17 @@ class Trainer:
         """The weights a fresh run starts from (with LoRA: the frozen base, and the adapters' draw)."""
         if source := self.cfg.model.weights_source():
             # Each rank reads its own rows: a file missing or damaged on one node stops every rank.
-            run_agreed(lambda: load_model_weights(self.model, source, self.cfg.model,
-                                                  self.cfg.checkpoint.verify_checksums))
+            # Watched with the start-up bound, shorter than the default group's timeout: a read stuck
+            # on one node's filesystem stopped the others in the agreement's gather with a bare
+            # collective timeout, and the stuck rank never (found by a scale review).
+            with self.watchdog.watching("reading the initial weights", self.cfg.dist.startup_timeout_s,
+                                        "dist.startup_timeout_s"):
+                def load() -> None:
+                    faults.inject("init_from", self.env.rank, 0)
+                    load_model_weights(self.model, source, self.cfg.model,
+                                       self.cfg.checkpoint.verify_checksums)
+
+                run_agreed(load)
             self.info(f"initialised weights from {source}")
         if source is None or self.cfg.finetune.method != "none":
             draw()  # with a base read from files, only the adapters are still to be drawn
