@@ -772,6 +772,26 @@ def test_the_run_lock_is_shared_within_a_process_and_refused_to_another(tmp_path
     assert subprocess.run(other, capture_output=True, timeout=60).returncode == 0
 
 
+def test_a_lustre_mount_with_node_local_flock_is_found():
+    """Found by a scale review: on Lustre mounted with localflock the run lock holds on one node only,
+    so a second training whose rank 0 is on another node was not refused: said at start-up. The
+    innermost mount holding the path decides; escaped mount points are read."""
+    from shardtrain.checkpoint.run_lock import node_local_flock
+
+    mountinfo = "\n".join([
+        "22 1 0:21 / / rw,relatime - ext4 /dev/sda1 rw",
+        "40 22 0:50 / /lustre rw,relatime - lustre 10.0.0.1@o2ib:/fs rw,localflock,lazystatfs",
+        "41 40 0:51 / /lustre/proj rw,relatime - lustre 10.0.0.1@o2ib:/proj rw,flock",
+        "42 22 0:52 / /scratch\\040space rw,relatime - lustre 10.0.0.1@o2ib:/s rw,localflock",
+        "43 22 0:53 / /nfs rw,relatime - nfs4 server:/x rw,vers=4.2"])
+    for path, expected in (("/lustre/runs/a/.shardtrain-run.lock", "/lustre"),
+                           ("/lustre/proj/runs/.shardtrain-run.lock", None),  # cluster-wide flock
+                           ("/lustreX/runs/.lock", None), ("/scratch space/r/.lock", "/scratch space"),
+                           ("/nfs/r/.lock", None), ("/home/r/.lock", None)):
+        assert node_local_flock(Path(path), mountinfo) == expected, path
+    assert node_local_flock(Path("/tmp/x"), "garbage\n") is None
+
+
 def test_a_full_disk_beneath_torchs_writer_error_is_named():
     """Found by review: DCP's writer reports a full disk as torch's "[enforce fail at
     inline_container.cc] unexpected pos", the ENOSPC only in its context, and the message gave the

@@ -17,6 +17,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -78,6 +79,10 @@ def take_run_lock(run_dir: Path) -> RunLock:
                     "this run.dir would not be refused")
         handle.close()
         return RunLock(None)
+    if (mount := node_local_flock(path)) is not None:
+        log.warning(f"checkpoint: {path} is on Lustre mounted with localflock at {mount}: its lock holds on "
+                    "this node only, so a second training started in this run.dir from another node would "
+                    "not be refused (mount with -o flock for a cluster-wide lock)")
     handle.seek(0)
     handle.truncate()
     handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}) + "\n")
@@ -94,3 +99,31 @@ def describe_holder(text: str) -> str:
         return f"process {int(holder['pid'])} on {holder['host']}, since {since}"
     except (ValueError, KeyError, TypeError):
         return "a process that has not written its name yet"
+
+
+MOUNTINFO = Path("/proc/self/mountinfo")
+
+
+def node_local_flock(path: Path, mountinfo: str | None = None) -> str | None:
+    """The mount point of ``path`` where it is Lustre mounted with ``localflock`` (``flock`` then
+    succeeds on each node alone: found by a scale review), else None. ``mountinfo``: the text of
+    /proc/self/mountinfo (read where not given; no such file: None)."""
+    if mountinfo is None:
+        try:
+            mountinfo = MOUNTINFO.read_text()
+        except OSError:
+            return None
+    best: tuple[str, str, set[str]] | None = None
+    for line in mountinfo.splitlines():
+        fields, _, tail = line.partition(" - ")
+        parts, rest = fields.split(), tail.split()
+        if len(parts) < 6 or len(rest) < 3:
+            continue
+        # Octal escapes (a space is \040) in the mount point
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), parts[4])
+        inside = str(path) == point or str(path).startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) > len(best[0])):
+            best = (point, rest[0], set(parts[5].split(",")) | set(rest[2].split(",")))
+    if best is not None and best[1] == "lustre" and "localflock" in best[2]:
+        return best[0]
+    return None
