@@ -115,6 +115,16 @@ def test_conversion_swaps_block_linears_but_not_the_head(tmp_path):
     from shardtrain.distributed.parallelize import trains_any
 
     assert not trains_any(adapted, converted)  # add_adapters froze the base
+    # A frozen base's float8 weight gradient is computed eager (so the token count is refused), and
+    # dropped compiled (so it is not: found by review, refused for nothing)
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(TrainingError, match=r"got 8 tokens"):
+        adapted(tokens)
+    try:
+        torch.compile(adapted)(tokens).float().sum().backward()
+    finally:
+        torch.compiler.reset()
+    assert all(p.grad is not None for n, p in adapted.named_parameters() if "lora_" in n)
     assert trains_any(model, [name for name in linears if name.startswith("layers.")])
 
     # Cohere scales its logits (so output_head() is None) and ties its head to the embedding.
