@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from checkpoint_workers import (
     N,
     exact_resume,
@@ -667,6 +668,36 @@ def test_dcp_read_failure_is_one_line_naming_the_cause(tmp_path):
     message = str(caught.value)
     assert message.startswith(f"reading checkpoint {base} failed on rank 0: UnpicklingError: "), message
     assert "\n" not in message and "CheckpointException" not in message, message
+
+
+def test_ctrl_c_inside_dcp_is_an_interruption_not_a_failed_save(tmp_path):
+    """Found by a trial: Ctrl-C during a save's dcp.save was gathered by DCP into a
+    CheckpointException and reported as a failed save ("check run.dir's filesystem", exit 2, a
+    failure record); raised as the KeyboardInterrupt it is (exit 130), other failures left alone."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, raise_if_interrupted
+
+    def gathered(failure: BaseException) -> BaseException:
+        class Failing(FileSystemWriter):
+            def write_data(self, plan, planner):
+                raise failure
+
+        try:
+            with layout.reading_alone():
+                dcp.save({"w": torch.ones(2)}, storage_writer=Failing(str(tmp_path / "s")), no_dist=True)
+        except DCP_FAILURES as exc:
+            return exc
+        raise AssertionError("the save did not fail")
+
+    interrupted = gathered(KeyboardInterrupt())
+    assert isinstance(interrupted, CheckpointException)
+    with pytest.raises(KeyboardInterrupt):
+        raise_if_interrupted(interrupted)
+    with pytest.raises(KeyboardInterrupt):  # nested, as a gathered failure of a gathered one
+        raise_if_interrupted(CheckpointException("outer", {1: (interrupted, [])}))
+    raise_if_interrupted(gathered(OSError(28, "No space left on device")))  # a failure stays one
 
 
 def test_async_staging_reuses_its_buffers_and_copies_new_values():

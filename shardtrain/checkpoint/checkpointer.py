@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 from shardtrain import accelerator, faults
 from shardtrain.checkpoint import integrity, layout, staging
 from shardtrain.checkpoint.best import BestEvaluations
-from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed, save_failed
+from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed, raise_if_interrupted, save_failed
 from shardtrain.checkpoint.safetensors_files import save_safetensors, shardtrain_metadata, unshared
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.checkpoint.weights import (
@@ -633,6 +633,7 @@ class Checkpointer:
         except CheckpointError:
             raise
         except DCP_FAILURES as exc:
+            raise_if_interrupted(exc)
             raise CheckpointError(save_failed(step, tmp, exc, self.newest_intact(step), self.rank)) from exc
 
     def newest_intact(self, step: int) -> str | None:
@@ -868,6 +869,7 @@ class Checkpointer:
             dcp.load(state, storage_reader=layout.KnownMetadataReader(path, metadata),
                      planner=layout.WeightsOnlyLoadPlanner(), process_group=self.group)
         except DCP_FAILURES as exc:  # DCP's CheckpointException is a BaseException: named here
+            raise_if_interrupted(exc)
             raise CheckpointError(load_failed(path, exc, LOAD_FIX, self.rank)) from exc
         # Loading an optimizer's state replaces its groups' settings with the saved ones: the kernel
         # flags too (a checkpoint saved with foreach AdamW made the fused one built now take the

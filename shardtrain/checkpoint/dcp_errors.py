@@ -21,20 +21,39 @@ from shardtrain.errors import os_error_code
 DCP_FAILURES = (CheckpointException, Exception)
 
 
+def failure_causes(exc: CheckpointException) -> dict[int, BaseException]:
+    """Each failed rank's own exception in DCP's gathered one (its ``failures`` values are
+    (exception, stack summary) pairs)."""
+    causes = {rank: f[0] if isinstance(f, tuple) and f else f for rank, f in (exc.failures or {}).items()}
+    return {rank: cause for rank, cause in sorted(causes.items()) if isinstance(cause, BaseException)}
+
+
+def raise_if_interrupted(exc: BaseException) -> None:
+    """Ctrl-C inside ``dcp.save``/``dcp.load``: DCP gathers the KeyboardInterrupt into its
+    ``CheckpointException`` like any failure, and the save was reported failed, "check run.dir's
+    filesystem", exit 2 (found by a trial); raised as the interruption it is (exit 130)."""
+    pending: list[BaseException] = [exc]
+    for _ in range(64):  # bounded: nested failures are few, and a cycle must not loop
+        if not pending:
+            return
+        current = pending.pop()
+        if isinstance(current, KeyboardInterrupt):
+            raise KeyboardInterrupt from exc
+        if isinstance(current, CheckpointException):
+            pending += failure_causes(current).values()
+
+
 def first_failure(exc: BaseException) -> tuple[int | None, BaseException]:
     """(rank, exception) of the lowest rank DCP reports failed, or (None, ``exc``) for an exception
-    that is not DCP's gathered kind. Each value of ``failures`` is an (exception, stack summary) pair;
-    nested ``CheckpointException``s are unwrapped too."""
+    that is not DCP's gathered kind; nested ``CheckpointException``s are unwrapped too."""
     rank: int | None = None
     seen = 0
     while isinstance(exc, CheckpointException) and seen < 8:  # bounded: never loops on a cycle
         seen += 1
-        failures = exc.failures or {}
-        causes = {r: f[0] if isinstance(f, tuple) and f else f for r, f in failures.items()}
-        found = [r for r in sorted(causes) if isinstance(causes[r], BaseException)]
-        if not found:
+        causes = failure_causes(exc)
+        if not causes:
             break
-        rank, exc = found[0], causes[found[0]]
+        rank, exc = next(iter(causes.items()))
     return rank, exc
 
 

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardtrain.checkpoint import integrity, layout
-from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed
+from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed, raise_if_interrupted
 from shardtrain.checkpoint.integrity import MANIFEST_FILE, file_sha256
 from shardtrain.checkpoint.safetensors_files import (
     DATA_CONFIG_KEY,
@@ -294,6 +294,7 @@ def read_dcp(state: dict[str, Any], path: Path, metadata: Metadata) -> None:
             dcp.load(state, storage_reader=layout.KnownMetadataReader(path, metadata),
                      planner=layout.WeightsOnlyLoadPlanner())
     except DCP_FAILURES as exc:
+        raise_if_interrupted(exc)
         rank = dist.get_rank() if dist.is_initialized() else None
         raise CheckpointError(load_failed(path, exc, "use another checkpoint, or check the filesystem "
                                                      "it is on", rank)) from exc

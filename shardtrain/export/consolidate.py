@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from shardtrain.checkpoint import integrity, layout
-from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed
+from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed, raise_if_interrupted
 from shardtrain.checkpoint.safetensors_files import (
     INDEX_FILE,
     check_new_output,
@@ -140,6 +140,7 @@ def load_tensors(path: Path, entries, metadata: Metadata) -> dict[str, torch.Ten
             dcp.load(state, storage_reader=layout.KnownMetadataReader(path, metadata),
                      planner=layout.WeightsOnlyLoadPlanner(), no_dist=True)
         except DCP_FAILURES as exc:  # DCP's CheckpointException is a BaseException: one line here
+            raise_if_interrupted(exc)
             raise CheckpointError(load_failed(path, exc, "check the checkpoint's files (shardtrain inspect "
                                               "names a damaged one when it has checksums)")) from exc
     return state
