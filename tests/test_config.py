@@ -60,6 +60,11 @@ def test_required_knobs_exist():
         # other frameworks' names, and the section's own keys first (a new-user trial was offered
         # 'checkpoint' for checkpoint.every and trainer.min_lr_ratio for trainer.learning_rate)
         ("checkpoint.every=5", "did you mean 'checkpoint.interval'?"),
+        # the very name in another section, not the section's closest spelling (found by a trial:
+        # 'trainer.seed', 'trainer.warmup_steps')
+        ("trainer.keep_last=3", "did you mean 'checkpoint.keep_last'?"),
+        ("trainer.preemption_signals=[SIGUSR2]", "did you mean 'checkpoint.preemption_signals'?"),
+        ("trainer.mixed_precision=fp32", "did you mean 'strategy.mixed_precision'?"),
         ("trainer.learning_rate=1e-3", "did you mean 'trainer.lr'?"),
         ("trainer.warmup=5", "did you mean 'trainer.warmup_steps'?"),
         ("finetune.r=8", "did you mean 'finetune.rank'?"),

@@ -41,16 +41,18 @@ OTHER_NAMES = {
 
 def key_hint(key: str, keys: list[str]) -> str:
     """``"; did you mean 'x'?"`` for an unknown ``key``: a key of the same last part (or another
-    framework's name for it) in the same section, or the only one anywhere (lora.rank); else the
-    closest spelling among the section's keys, then among all."""
-    section, _, name = key.rpartition(".")
-    name = OTHER_NAMES.get(name, name)
+    framework's name for it) in the same section, or the only one anywhere (lora.rank,
+    trainer.keep_last); else the closest spelling among the section's keys, then among all."""
+    section, _, typed = key.rpartition(".")
+    name = OTHER_NAMES.get(typed, typed)
     same_name = [k for k in keys if k.rpartition(".")[2] == name]
     in_section = [k for k in same_name if k.rpartition(".")[0] == section]
-    # Another section's key only for a section that does not exist (trainer.every is not
-    # checkpoint.interval: eval_every and log_every are nearer in meaning).
+    # Another section's key for a section that does not exist, or for the very name typed
+    # (trainer.keep_last is checkpoint.keep_last, which the section's closest spelling, trainer.seed,
+    # is not: found by a trial); not for another framework's name in a known section (trainer.every
+    # is not checkpoint.interval: eval_every and log_every are nearer in meaning).
     known_section = any(k.startswith(f"{section}.") for k in keys)
-    if in_section or (len(same_name) == 1 and not known_section):
+    if in_section or (len(same_name) == 1 and (not known_section or name == typed)):
         return f"; did you mean {(in_section or same_name)[0]!r}?"
     return closest(key, [k for k in keys if k.rpartition(".")[0] == section and section]) or closest(
         key, keys)
