@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -150,6 +151,29 @@ def preempt_at_start(args, env=None) -> tuple[int, str]:
             time.sleep(0.05)
 
     return terminate_when(args, workers_exist, env, timeout=300)
+
+
+def preempt_before_torch(args, env=None) -> tuple[int, str]:
+    """Start ``shardtrain args`` and SIGTERM it in its first moments: once it catches the signal,
+    before it has loaded torch (the config not composed yet); status and output."""
+    def catching_early(proc: subprocess.Popen) -> None:
+        deadline = time.monotonic() + 60
+        while not catches(proc.pid, signal.SIGTERM):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.002)
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        assert "libtorch" not in maps, "SIGTERM was first caught once torch was loaded"
+
+    return terminate_when(args, catching_early, env, timeout=300)
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its SigCgt mask)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return bool(int(re.search(r"SigCgt:\s*([0-9a-f]+)", status)[1], 16) >> (sig - 1) & 1)
 
 
 def terminate_when(args, ready, env=None, timeout: float = 120) -> tuple[int, str]:

@@ -10,7 +10,7 @@ import signal
 import time
 
 import pytest
-from cli_utils import launch, preempt, preempt_at_start, read_metrics, run_cli
+from cli_utils import launch, preempt, preempt_at_start, preempt_before_torch, read_metrics, run_cli
 
 QUICK = ["experiment=quick", "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample_tokens=0",
          "trainer.micro_batch_size=2", "run.trackers=[]"]
@@ -123,6 +123,16 @@ def test_sigterm_saves_exits_cleanly_and_resumes_exactly(tmp_path):
     resumed = run_cli("train", *common, f"run.dir={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["loss"] for r in read_metrics(run_dir)] == expected
+
+    # Earlier still, before the config is composed and torch loaded, to the process that trains
+    # alone and to the launcher: caught, and acted on at the first step (found by a trial: the
+    # signal killed the process without a word, and a Slurm job was not requeued)
+    for devices in (1, 2):
+        run_dir = tmp_path / f"first_moments_{devices}"
+        status, out = preempt_before_torch(["train", *common, f"trainer.devices={devices}",
+                                            f"run.dir={run_dir}"])
+        assert status == 0 and "preemption (SIGTERM): saving at step 1 and stopping" in out, out[-3000:]
+        assert (run_dir / "checkpoints" / "step-1").is_dir()
 
 
 def test_a_signal_during_a_single_process_start_up_saves_after_the_first_step(tmp_path):

@@ -32,9 +32,19 @@ class PreemptionFlag:
             sig = getattr(signal, name)
             self._previous[sig] = signal.signal(sig, self._handle)
 
+    @property
+    def signals(self) -> list[int]:
+        return list(self._previous)
+
     def _handle(self, signum, frame) -> None:
         self.requested = True
         self.signal_name = signal.Signals(signum).name
+
+    def take(self, caught: list[int]) -> None:
+        """Signals of this flag's caught before it was set up (the command's first moments)."""
+        for signum in caught:
+            if signum in self._previous:
+                self._handle(signum, None)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

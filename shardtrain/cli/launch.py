@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
+from shardtrain.cli.early_signals import EarlySignals
 from shardtrain.config.plan import check_world, launch_shape
 from shardtrain.config.schema import Config
 from shardtrain.distributed.env import (
@@ -283,8 +284,10 @@ def stop_orphaned_workers(read_fd: int, reader: threading.Thread, sig: int) -> N
 
 
 def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Sequence[str],
-                       max_restarts: int = 0, log_file: Path | None = None) -> int:
-    """torchrun's exit status. With ``log_file``, only log lines reach the console (see above)."""
+                       max_restarts: int = 0, log_file: Path | None = None,
+                       early: EarlySignals | None = None) -> int:
+    """torchrun's exit status. With ``log_file``, only log lines reach the console (see above).
+    ``early``: the signals caught before this process's handlers are in, acted on as they are."""
     signals = [getattr(signal, name) for name in preemption_signals]
     sys.stdout.flush()
     sys.stderr.flush()
@@ -343,9 +346,15 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
         # Every signal the agent handles, too: left at its default, SIGHUP or SIGQUIT would kill this
         # process and leave the agent (in a session of its own) and the workers running.
         agents = (getattr(signal, name) for name in ("SIGTERM", *AGENT_SIGNALS))
-        for sig in {*signals, *agents, *STOPPING_SIGNALS}:
+        handled = {*signals, *agents, *STOPPING_SIGNALS}
+        for sig in handled:
             # Put back once the agent is gone: a late signal must not reach a reused process id.
             stack.callback(signal.signal, sig, signal.signal(sig, forward))
+        if early is not None:
+            for sig in dict.fromkeys(early.caught):
+                if sig in handled:
+                    forward(sig, None)
+            early.hand_over(handled)
         status = wait_delivering(agent, pending, deliver)
         if reader is not None:
             if status < 0:
@@ -451,8 +460,10 @@ def launch_log_path(run_dir: Path, started: float) -> Path:
     return run_dir / "logs" / f"launch-{time.strftime('%Y%m%d-%H%M%S', time.localtime(started))}.log"
 
 
-def relaunch_if_needed(cfg: Config, command: list[str], log_file: Path) -> int | None:
-    """Exit status of a torchrun run started here, or None when this process should train."""
+def relaunch_if_needed(cfg: Config, command: list[str], log_file: Path,
+                       early: EarlySignals | None = None) -> int | None:
+    """Exit status of a torchrun run started here, or None when this process should train (with
+    ``early``'s signals still to act on)."""
     if under_torchrun():
         check_manual_launch_shape(cfg.trainer.num_nodes)  # before check_world, whose message misleads
         world = int(os.environ["WORLD_SIZE"])
@@ -480,7 +491,7 @@ def relaunch_if_needed(cfg: Config, command: list[str], log_file: Path) -> int |
             raise ConfigError(f"cannot write the launch log {log_file} ({exc.strerror or exc}); free space "
                               "in run.dir or choose another run.dir") from exc
         return run_under_torchrun(per_node, command, list(cfg.checkpoint.preemption_signals),
-                                  cfg.trainer.max_restarts, log_file)
+                                  cfg.trainer.max_restarts, log_file, early)
     if cfg.trainer.max_restarts:
         raise ConfigError(f"trainer.max_restarts={cfg.trainer.max_restarts} needs the built-in launcher "
                           "(trainer.devices=N with N > 1) or torchrun --max-restarts")

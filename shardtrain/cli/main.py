@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+from shardtrain.cli.early_signals import EarlySignals
 from shardtrain.cli.paths import check_exists, check_output, os_failure
-from shardtrain.config.schema import Config
+from shardtrain.config.schema import DEFAULT_PREEMPTION_SIGNALS, Config
 from shardtrain.errors import ShardtrainError
 from shardtrain.logs import setup_logging
 
@@ -36,6 +37,7 @@ def compose_checked(overrides: list[str]) -> Config:
 
 
 def cmd_train(overrides: list[str]) -> int:
+    early = EarlySignals(DEFAULT_PREEMPTION_SIGNALS)
     cfg = compose_checked(overrides)
     from shardtrain.cli.launch import launch_log_path, relaunch_if_needed
     from shardtrain.cli.preflight import check_training
@@ -57,7 +59,7 @@ def cmd_train(overrides: list[str]) -> int:
         check_training(cfg)  # paths: run.dir, an explicit resume, model.init_from
     started = time.time()
     log_file = launch_log_path(Path(cfg.run.dir), started)
-    status = relaunch_if_needed(cfg, ["train", *overrides], log_file)
+    status = relaunch_if_needed(cfg, ["train", *overrides], log_file, early)
     if status is not None:
         return launch_outcome(status, Path(cfg.run.dir), started, log_file)
     preemption = None
@@ -68,6 +70,10 @@ def cmd_train(overrides: list[str]) -> int:
         from shardtrain.checkpoint.preemption import PreemptionFlag
 
         preemption = PreemptionFlag(cfg.checkpoint.preemption_signals)
+        preemption.take(early.caught)
+        early.hand_over(set(preemption.signals))
+    else:
+        early.hand_over()
     rank = int(os.environ.get("RANK", 0))
     trainer = None
     try:
