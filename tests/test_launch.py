@@ -60,6 +60,9 @@ def test_lost_rank_restarts_and_ends_bit_for_bit(tmp_path, uninterrupted):
                    env=KILL_RANK_1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "step-3" in proc.stderr  # the newest complete one
+    # the restart is said on the console (found by a trial: from a step to a resume without a word)
+    assert ("[shardtrain launcher] local rank 1 was killed by SIGKILL; restarting the workers from the "
+            "newest checkpoint (restart 1 of 2, trainer.max_restarts)") in proc.stderr, proc.stderr[-3000:]
     assert "under torchrun its own --max-restarts" not in proc.stderr  # it is the launcher's, in use
     assert_bitwise_equal(final_weights(run_dir, tmp_path / "w.safetensors"), uninterrupted[1])
 

@@ -166,15 +166,39 @@ def write_line(sink: IO[str], line: str) -> str | None:
     return None
 
 
-def split_stderr(stream: IO[str], log: IO[str], console: IO[str] | None = None) -> None:
-    """Workers' log lines to the console (default ``sys.stderr``), every line to the log file.
+# torchrun's agent's line for a worker that failed: "failed (exitcode: -9) local_rank: 1 (pid: 7)"
+WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+
+
+def restart_line(line: str, restarts_left: int, restarts: int) -> str | None:
+    """The console's line for a worker failure the agent restarts from (``line`` its log line),
+    else None: the restart was said in the log alone, the console going from a step to a resume
+    without a word (found by a trial). The last failure is the launch's own error line."""
+    failed = WORKER_FAILED.search(line)
+    if failed is None or restarts_left <= 0:
+        return None
+    code, rank = int(failed[1]), failed[2]
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    attempt = restarts - restarts_left + 1
+    return (f"{LAUNCHER_TAG} local rank {rank} {how}; restarting the workers from the newest "
+            f"checkpoint (restart {attempt} of {restarts}, trainer.max_restarts)\n")
+
+
+def split_stderr(stream: IO[str], log: IO[str], console: IO[str] | None = None, restarts: int = 0) -> None:
+    """Workers' log lines to the console (default ``sys.stderr``), every line to the log file, and
+    a line for each of the ``restarts`` torchrun's agent may make.
 
     The pipe is read to its end whatever happens to the sinks: once nobody reads it, every worker
     blocks at its next stderr write and the job hangs. A sink that fails (run.dir's disk full, the
     console's pipe closed) is dropped, and the other one told once.
     """
     sinks: dict[str, IO[str] | None] = {"log": log, "console": sys.stderr if console is None else console}
+    restarts_left = restarts
     for line in stream:
+        if (said := restart_line(line, restarts_left, restarts)) is not None:
+            restarts_left -= 1
+            if sinks["console"] is not None and write_line(sinks["console"], said):
+                sinks["console"] = None  # the log still gets the agent's own line, below
         for name, other in (("log", "console"), ("console", "log")):
             sink = sinks[name]
             if sink is None or (name == "console" and not line.startswith(LOG_PREFIX)):
@@ -305,7 +329,8 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
         if pipe is not None:
             os.close(pipe[1])  # the pipe ends when the agent and the workers have closed it
             stderr = stack.enter_context(open(pipe[0], errors="replace"))
-            reader = threading.Thread(target=split_stderr, args=(stderr, log), daemon=True)
+            reader = threading.Thread(target=split_stderr, args=(stderr, log, None, max_restarts),
+                                      daemon=True)
             reader.start()
 
         # Preemption signals received, and the workers each has reached. A worker inherits the
