@@ -358,7 +358,7 @@ def test_the_weights_averages_validation_loss_is_drawn_beside_the_weights(tmp_pa
         assert line.get_marker() == "D" and same(
             [y for y in line.get_ydata() if not math.isnan(y)], [1.125, 0.5625])
     page = (tmp_path / "report.html").read_text()
-    assert "<td class=num>0.625 (average 0.5625)</td>" in page
+    assert "<td class=num>0.6250 (average 0.5625)</td>" in page
 
 
 def test_a_point_between_skipped_steps_is_drawn():
