@@ -166,6 +166,12 @@ def test_probes_equal_the_full_depth(simulations, case):
 def test_hybrid_with_sharded_accumulation_is_refused_with_the_way_out():
     with pytest.raises(ConfigError, match="grad_accum_steps=1"):
         simulate(small_config(12, "hybrid_shard", "none", 2), 16, 4)
+    # FULL_SHARD x TP has no replicas: its mesh's first dimension is the shard one (found by a
+    # trial: refused as if it were HSDP)
+    cfg = small_config(2, "full_shard", "none", 2, seq_len=1024)
+    cfg.strategy.tensor_parallel = 2
+    result = simulate(cfg, 8, 8)
+    assert "backward start (last micro-batch)" in result.phases
 
 
 def test_phase_tracker_keeps_the_stock_trackers_peak():

@@ -392,8 +392,10 @@ def simulate(cfg: Config, world_size: int, local_world_size: int, *, probe: bool
         raise ConfigError("the simulator cannot run finetune=qlora (it would simulate the base in fp32, "
                           "not NF4); `shardtrain plan` without --simulate counts the 4-bit base")
     plan = resolve_plan(cfg.strategy, world_size, min(local_world_size, world_size), accelerated=True)
-    if (len(plan.mesh_shape) > 1 and plan.mesh_shape[0] > 1 and cfg.trainer.grad_accum_steps > 1
-            and plan.grad_accumulation == "sharded"):
+    # Replicas, not the mesh's first dimension: FULL_SHARD x tp's is its shard dimension (found by
+    # a trial: refused for nothing)
+    accumulates = cfg.trainer.grad_accum_steps > 1 and plan.grad_accumulation == "sharded"
+    if plan.size("dp_replicate") > 1 and accumulates:
         # FSDP2's accumulation of partial reductions across replicas fails on the fake process
         # group (the reduce-scatter output is not shaped like the shard there).
         raise ConfigError(
