@@ -576,6 +576,30 @@ def test_inspect_refuses_a_directory_that_is_no_checkpoint(tmp_path):
     assert "did not finish" in inspect_path(abandoned).render()
 
 
+def test_the_background_deleter_removes_in_order_and_is_waited_for(tmp_path, caplog):
+    """keep_last's deletions run in a daemon thread of rank 0's own (the others waited in the commit
+    while rank 0 deleted; found by a scale review); ``busy`` names what is still to go, ``wait``
+    waits for all of it, and a deletion that fails is a warning."""
+    from shardtrain.checkpoint.checkpointer import BackgroundDeleter
+
+    deleter = BackgroundDeleter()
+    doomed = []
+    for step in (2, 4):
+        (tmp_path / f".step-{step}.deleting" / "sub").mkdir(parents=True)
+        (tmp_path / f".step-{step}.deleting" / "sub" / "__0_0.distcp").write_bytes(b"x" * 1000)
+        doomed.append(tmp_path / f".step-{step}.deleting")
+    for directory in doomed:
+        deleter.submit(directory)
+    assert set(deleter.busy()) <= set(doomed)
+    assert [layout.deleted_name(path) for path in doomed] == ["step-2", "step-4"]
+    deleter.wait()
+    assert deleter.busy() == [] and not any(path.exists() for path in doomed)
+    assert deleter.thread.daemon  # a failing process does not wait for it, unwatched, at its exit
+    deleter.submit(tmp_path / ".step-9.deleting")  # gone already: said, not raised
+    deleter.wait()
+    assert "deleting " in caplog.text and ".step-9.deleting failed" in caplog.text
+
+
 def test_abandoned_saves_and_deletions_are_removed(tmp_path):
     """A deletion that crashed left .step-4.deleting: pruning a step-4 saved again renamed onto it
     and failed (ENOTEMPTY) after the new checkpoint had committed. remove_abandoned deletes what

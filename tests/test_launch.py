@@ -467,3 +467,49 @@ def test_more_threads_than_cores_is_said(caplog):
         torch.set_num_threads(before)
     said = f"trainer.threads_per_process={cores + 1} x 1 process(es) on this node's {cores} core(s)"
     assert said in caplog.text
+
+
+def test_restart_lines_name_the_failure_and_never_stop_the_reader():
+    """A worker killed by a realtime signal (no name in signal.Signals) is said by its number: the
+    ValueError killed the pipe's reader, and the workers then blocked on a full pipe (found by
+    review). Only the failures the agent restarts from are said; the last is the launch's own line."""
+    import io
+
+    from shardtrain.cli.launch import split_stderr
+
+    agent = "E1201 api.py:1002] failed (exitcode: {code}) local_rank: 1 (pid: 7) of binary: python\n"
+    stream = io.StringIO(agent.format(code=-35) + "[shardtrain] resumed\n" + agent.format(code=-9)
+                         + agent.format(code=3) + "[shardtrain] after\n")
+    log, console = io.StringIO(), io.StringIO()
+    split_stderr(stream, log, console, restarts=2)
+    assert console.getvalue().splitlines() == [
+        "[shardtrain launcher] local rank 1 was killed by signal 35; restarting the workers from the newest "
+        "checkpoint (restart 1 of 2, trainer.max_restarts)", "[shardtrain] resumed",
+        "[shardtrain launcher] local rank 1 was killed by SIGKILL; restarting the workers from the newest "
+        "checkpoint (restart 2 of 2, trainer.max_restarts)", "[shardtrain] after"]
+    assert log.getvalue() == stream.getvalue()
+
+
+def test_signals_caught_early_are_handed_over_and_their_defaults_come_back():
+    """The train command catches the default preemption signals from its first moment; the trainer's
+    flag takes what was caught, and puts back the handlers from before the catcher when it is done
+    (found by review: the catcher itself came back, swallowing a SIGTERM after training)."""
+    from shardtrain.checkpoint.preemption import PreemptionFlag
+    from shardtrain.cli.early_signals import EarlySignals
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        for sig in saved:
+            signal.signal(sig, signal.SIG_DFL)
+        early = EarlySignals(("SIGTERM", "SIGUSR1"))
+        assert signal.getsignal(signal.SIGTERM) == early.catch
+        early.catch(signal.SIGUSR1, None)  # as the signal would, before the config is read
+        flag = PreemptionFlag(["SIGUSR1", "SIGTERM"])
+        flag.take(early.caught, early.hand_over(set(flag.signals)))
+        assert flag.requested and flag.signal_name == "SIGUSR1"
+        flag.restore()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

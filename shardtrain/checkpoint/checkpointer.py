@@ -23,10 +23,12 @@ import json
 import logging
 import math
 import os
+import queue
 import random
 import re
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -267,6 +269,50 @@ def agreed_base_identity(cfg: Config) -> dict[str, Any]:
     return identity
 
 
+class BackgroundDeleter:
+    """Rank 0 deletes what keep_last prunes in a thread of its own, one directory after another,
+    after ``layout.prune`` renamed it: every other rank waited in the commit's broadcast while rank 0
+    deleted (minutes for a large model's checkpoint on a shared filesystem; found by a scale review).
+    A daemon thread: a process that fails does not wait, unwatched, for a deletion at its exit (its
+    ``.step-N.deleting`` is removed at the next start)."""
+
+    def __init__(self) -> None:
+        self.queue: queue.Queue[Path] = queue.Queue()
+        self.pending: set[Path] = set()
+        self.done = threading.Condition()
+        self.thread: threading.Thread | None = None
+
+    def submit(self, directory: Path) -> None:
+        with self.done:
+            self.pending.add(directory)
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.run, name="shardtrain-delete", daemon=True)
+            self.thread.start()
+        self.queue.put(directory)
+
+    def busy(self) -> list[Path]:
+        """The directories queued or being deleted."""
+        with self.done:
+            return list(self.pending)
+
+    def wait(self) -> None:
+        with self.done:
+            self.done.wait_for(lambda: not self.pending)
+
+    def run(self) -> None:
+        while True:
+            directory = self.queue.get()
+            try:
+                shutil.rmtree(directory)
+            except OSError as exc:  # as a failed rename is: the new checkpoint is committed
+                log.warning(f"checkpoint: deleting {directory} failed ({exc}); delete it by hand to free "
+                            "its space")
+            finally:
+                with self.done:
+                    self.pending.discard(directory)
+                    self.done.notify_all()
+
+
 def node_file_fingerprints(cfg: Config) -> dict[int, str] | None:
     """The base's file fingerprints (``files_fingerprint``'s, 3 MiB read a file) read once a node,
     each of its ranks reading a share, then all-gathered: read by every rank, a 405B base's 191 files
@@ -334,8 +380,7 @@ class Checkpointer:
         # Rank 0 deletes what keep_last prunes here, after renaming it: every other rank waits in the
         # commit's broadcast for rank 0, and deleting a large model's checkpoint (terabytes, thousands
         # of files on a shared filesystem) took minutes of every GPU's time at each save.
-        self.deleter: ThreadPoolExecutor | None = None
-        self.deletions: list[Future] = []
+        self.deleter = BackgroundDeleter()
         # Made at the first async save (a run that never saves asynchronously holds no buffers).
         self.stager: DefaultStager | None = None
         self.stager_checked = False
@@ -657,7 +702,7 @@ class Checkpointer:
         """Release the staging buffers once no save is in flight (the finisher thread ends with the
         process), and let the deletions finish. A later async save stages into a fresh copy."""
         self.wait()
-        self.wait_deletions()
+        self.deleter.wait()
         if self.stager is not None:
             self.stager.close()
             self.stager = None
@@ -741,33 +786,18 @@ class Checkpointer:
         kept = f"checkpoint.keep_last={self.ckpt.keep_last}"
         if self.ckpt.keep_best:
             kept += f", not among the {self.ckpt.keep_best} best by {self.cfg.trainer.monitor}"
-        # One deletion at a time: a step-N saved again and pruned renames onto the .step-N.deleting
-        # an earlier deletion may still be removing.
-        self.wait_deletions()
+        # A step-N saved again (after a resume from an earlier step) and pruned would be renamed onto
+        # the .step-N.deleting still being removed: then, and only then, the deletions are waited for
+        # (every other rank waits in the commit meanwhile).
+        if any((self.root / layout.deleted_name(path)).is_dir() for path in self.deleter.busy()):
+            self.deleter.wait()
         try:
             for path in layout.prune(self.root, committed, self.ckpt.keep_last, self.damaged, best,
-                                     delete=self.delete_later):
+                                     delete=self.deleter.submit):
                 self.info(f"checkpoint: deleted {path.name} ({kept})")
         except OSError as exc:
             log.warning(f"checkpoint: step {committed} is saved, but deleting an older checkpoint "
                         f"failed ({exc}); delete it by hand to free its space")
-
-    def delete_later(self, directory: Path) -> None:
-        """Rank 0: remove ``directory`` (a checkpoint renamed ``.step-N.deleting``) in the deleter's
-        thread; one left by a crash is removed at the next start."""
-        if self.deleter is None:
-            self.deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtrain-delete")
-        self.deletions.append(self.deleter.submit(shutil.rmtree, directory))
-
-    def wait_deletions(self) -> None:
-        """Until the deletions begun are done; one that failed is a warning, as a failed rename is."""
-        deletions, self.deletions = self.deletions, []
-        for deletion in deletions:
-            try:
-                deletion.result()
-            except OSError as exc:
-                log.warning(f"checkpoint: deleting an older checkpoint failed ({exc}); delete it by hand "
-                            "to free its space")
 
     def point_best(self, trainer_state: TrainState) -> None:
         """Rank 0: ``checkpoints/best`` to the best checkpoint the committed one's ranking names. A

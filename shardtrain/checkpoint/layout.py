@@ -382,6 +382,11 @@ def refuse_newer_checkpoints(root: Path, resumed: Path) -> None:
         )
 
 
+def deleted_name(deleting: Path) -> str:
+    """``step-N`` for ``.step-N.deleting`` (what ``prune`` renames a checkpoint to)."""
+    return deleting.name.removeprefix(".").removesuffix(".deleting")
+
+
 def prune(root: Path, committed: int, keep_last: int, exclude: set[Path],
           best: set[int] = frozenset(), delete: Callable[[Path], None] = shutil.rmtree) -> list[Path]:
     """Delete complete checkpoints beyond the newest ``keep_last`` up to step ``committed`` (the one

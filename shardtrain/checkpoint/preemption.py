@@ -40,11 +40,13 @@ class PreemptionFlag:
         self.requested = True
         self.signal_name = signal.Signals(signum).name
 
-    def take(self, caught: list[int]) -> None:
-        """Signals of this flag's caught before it was set up (the command's first moments)."""
+    def take(self, caught: list[int], originals: dict[int, object]) -> None:
+        """Signals of this flag's caught before it was set up (the command's first moments), and the
+        handlers its signals had before that catcher, which ``restore`` puts back."""
         for signum in caught:
             if signum in self._previous:
                 self._handle(signum, None)
+        self._previous.update({sig: handler for sig, handler in originals.items() if sig in self._previous})
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

@@ -24,10 +24,13 @@ class EarlySignals:
     def catch(self, signum: int, frame: object) -> None:
         self.caught.append(signum)
 
-    def hand_over(self, handled: set[int] = frozenset()) -> None:
+    def hand_over(self, handled: set[int] = frozenset()) -> dict[int, object]:
         """Once whoever acts on the ``handled`` signals has its handlers in (and has read
         ``caught``): the others get their handlers back, and a caught one among them is raised again
-        (it would have stopped the process)."""
+        (it would have stopped the process). Returns the handlers the ``handled`` ones had before
+        this, for the taker to put back when it is done (not ``catch``: a signal after training
+        would be swallowed)."""
+        originals = {sig: previous for sig, previous in self.previous.items() if sig in handled}
         for sig, previous in self.previous.items():
             if sig not in handled:
                 signal.signal(sig, previous)
@@ -35,3 +38,4 @@ class EarlySignals:
         for sig in dict.fromkeys(self.caught):
             if sig not in handled:
                 os.kill(os.getpid(), sig)
+        return originals

@@ -99,16 +99,19 @@ def agent_env(max_restarts: int) -> dict[str, str]:
 
 
 def fork_agent(module: str, args: list[str], env: dict[str, str], ignored: Sequence[int],
-               stderr_pipe: tuple[int, int] | None) -> int:
+               stderr_pipe: tuple[int, int] | None, defaults: Sequence[int] = ()) -> int:
     """The process id of a fork of this process running ``python -m module args`` in a session of
-    its own, with ``ignored`` signals ignored, no stdin (no worker may wait at a prompt: W&B's
-    login) and, with ``stderr_pipe`` (read end, write end), its stderr into that pipe."""
+    its own, with ``ignored`` signals ignored and ``defaults`` at their default (the launcher's own
+    catchers are no agent's), no stdin (no worker may wait at a prompt: W&B's login) and, with
+    ``stderr_pipe`` (read end, write end), its stderr into that pipe."""
     pid = os.fork()
     if pid:
         return pid
     status, interrupted = 1, False
     try:
         os.setsid()
+        for sig in defaults:
+            signal.signal(sig, signal.SIG_DFL)
         for sig in ignored:
             signal.signal(sig, signal.SIG_IGN)
         devnull = os.open(os.devnull, os.O_RDONLY)
@@ -166,6 +169,7 @@ def write_line(sink: IO[str], line: str) -> str | None:
     return None
 
 
+SIGNAL_NUMBERS = {int(sig) for sig in signal.Signals}
 # torchrun's agent's line for a worker that failed: "failed (exitcode: -9) local_rank: 1 (pid: 7)"
 WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 
@@ -178,7 +182,10 @@ def restart_line(line: str, restarts_left: int, restarts: int) -> str | None:
     if failed is None or restarts_left <= 0:
         return None
     code, rank = int(failed[1]), failed[2]
-    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    if code < 0:  # a realtime signal has no name: a ValueError here would stop the pipe's reader
+        how = f"was killed by {signal.Signals(-code).name if -code in SIGNAL_NUMBERS else f'signal {-code}'}"
+    else:
+        how = f"exited with status {code}"
     attempt = restarts - restarts_left + 1
     return (f"{LAUNCHER_TAG} local rank {rank} {how}; restarting the workers from the newest "
             f"checkpoint (restart {attempt} of {restarts}, trainer.max_restarts)\n")
@@ -324,7 +331,8 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
         # have the system reap it unasked.
         stack.callback(signal.signal, signal.SIGCHLD, signal.signal(signal.SIGCHLD, signal.SIG_DFL))
         agent = fork_agent(AGENT_MODULE, torchrun_args(nproc, command, preemption_signals, max_restarts),
-                           agent_env(max_restarts), signals, pipe)
+                           agent_env(max_restarts), signals, pipe,
+                           defaults=list(early.previous) if early is not None else ())
         reader = None
         if pipe is not None:
             os.close(pipe[1])  # the pipe ends when the agent and the workers have closed it
@@ -372,14 +380,15 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
         # process and leave the agent (in a session of its own) and the workers running.
         agents = (getattr(signal, name) for name in ("SIGTERM", *AGENT_SIGNALS))
         handled = {*signals, *agents, *STOPPING_SIGNALS}
-        for sig in handled:
-            # Put back once the agent is gone: a late signal must not reach a reused process id.
-            stack.callback(signal.signal, sig, signal.signal(sig, forward))
+        previous = {sig: signal.signal(sig, forward) for sig in handled}
         if early is not None:
             for sig in dict.fromkeys(early.caught):
                 if sig in handled:
                     forward(sig, None)
-            early.hand_over(handled)
+            previous.update(early.hand_over(handled))  # not its catcher: what was there before it
+        for sig, handler in previous.items():
+            # Put back once the agent is gone: a late signal must not reach a reused process id.
+            stack.callback(signal.signal, sig, handler)
         status = wait_delivering(agent, pending, deliver)
         if reader is not None:
             if status < 0:

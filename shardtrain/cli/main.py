@@ -70,8 +70,7 @@ def cmd_train(overrides: list[str]) -> int:
         from shardtrain.checkpoint.preemption import PreemptionFlag
 
         preemption = PreemptionFlag(cfg.checkpoint.preemption_signals)
-        preemption.take(early.caught)
-        early.hand_over(set(preemption.signals))
+        preemption.take(early.caught, early.hand_over(set(preemption.signals)))
     else:
         early.hand_over()
     rank = int(os.environ.get("RANK", 0))

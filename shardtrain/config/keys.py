@@ -52,8 +52,12 @@ def key_hint(key: str, keys: list[str]) -> str:
     # is not: found by a trial); not for another framework's name in a known section (trainer.every
     # is not checkpoint.interval: eval_every and log_every are nearer in meaning).
     known_section = any(k.startswith(f"{section}.") for k in keys)
-    if in_section or (len(same_name) == 1 and (not known_section or name == typed)):
-        return f"; did you mean {(in_section or same_name)[0]!r}?"
+    # ... unless the section has a key the typed name is a part of (trainer.steps is
+    # trainer.max_steps, not diagnostics.steps; data.dir is data.cache_dir, not run.dir: review)
+    holding = [k for k in keys if k.rpartition(".")[0] == section
+               and f"_{typed}_" in f"_{k.rpartition('.')[2]}_"]
+    if in_section or holding or (len(same_name) == 1 and (not known_section or name == typed)):
+        return f"; did you mean {(in_section or holding or same_name)[0]!r}?"
     return closest(key, [k for k in keys if k.rpartition(".")[0] == section and section]) or closest(
         key, keys)
 

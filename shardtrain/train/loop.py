@@ -471,11 +471,10 @@ class Trainer:
                             "saved run's")
         return warnings
 
-    def resume_watched(self) -> AbstractContextManager[None]:
+    def resume_watched(self, phase: str = "resume from a checkpoint") -> AbstractContextManager[None]:
         """A resume's checks, reads and checkpoint-group collectives, bounded as a save is: the
         group's own timeout is as long, and gloo's first connection to a peer waits five times it."""
-        return self.watchdog.watching("resume from a checkpoint", self.cfg.checkpoint.save_timeout_s,
-                                      "checkpoint.save_timeout_s")
+        return self.watchdog.watching(phase, self.cfg.checkpoint.save_timeout_s, "checkpoint.save_timeout_s")
 
     def restore_evaluations(self, path: Path, state: TrainState) -> None:
         """The resumed checkpoint's best evaluations (trainer.monitor), and whether the run had
@@ -537,17 +536,17 @@ class Trainer:
         """The weights a fresh run starts from (with LoRA: the frozen base, and the adapters' draw)."""
         if source := self.cfg.model.weights_source():
             # Each rank reads its own rows: a file missing or damaged on one node stops every rank.
-            # Watched with the start-up bound, shorter than the default group's timeout: a read stuck
-            # on one node's filesystem stopped the others in the agreement's gather with a bare
-            # collective timeout, and the stuck rank never (found by a scale review).
-            with self.watchdog.watching("reading the initial weights", self.cfg.dist.startup_timeout_s,
-                                        "dist.startup_timeout_s"):
-                def load() -> None:
-                    faults.inject("init_from", self.env.rank, 0)
-                    load_model_weights(self.model, source, self.cfg.model,
-                                       self.cfg.checkpoint.verify_checksums)
+            # Watched as a resume's reads are (it ran unwatched: a read stuck on one node's
+            # filesystem left the others a bare collective timeout, and the stuck rank never
+            # stopped; found by a scale review), and agreed on the checkpoint's group, whose timeout
+            # is as long: a large base read slowly on every rank is no hang.
+            def load() -> None:
+                faults.inject("init_from", self.env.rank, 0)
+                load_model_weights(self.model, source, self.cfg.model, self.cfg.checkpoint.verify_checksums)
 
-                run_agreed(load)
+            group = self.checkpointer.group if self.checkpointer is not None else None
+            with self.resume_watched("reading the initial weights"):
+                run_agreed(load, group)
             self.info(f"initialised weights from {source}")
         if source is None or self.cfg.finetune.method != "none":
             draw()  # with a base read from files, only the adapters are still to be drawn
@@ -1273,6 +1272,10 @@ def check_sample_fits(trainer: TrainerConfig, task: Task, model: torch.nn.Module
     task has its tokenizer, and a Hugging Face model's positions only from its config."""
     max_len = getattr(model, "max_seq_len", None)
     tokenizer = task.text_tokenizer()
+    if tokenizer is None and trainer.sample_every:  # a class defining it, returning None (review)
+        raise ConfigError(f"trainer.sample_every={trainer.sample_every} samples text, and "
+                          f"{type(task).__name__}.text_tokenizer() returned None: no tokenizer to decode it "
+                          "with; return one, or drop the setting")
     if trainer.sample_tokens == 0 or max_len is None or tokenizer is None:
         return
     prompt = prompt_ids(tokenizer, trainer.sample_prompt)
