@@ -424,9 +424,31 @@ def test_json_files_of_records_are_json_lines(tmp_path, caplog):
     (tmp_path / "events.json").write_text('{"id": 1}\n{"id": 2}\n')
     with caplog.at_level(logging.WARNING, logger="shardtrain"):
         resolve_sources([str(tmp_path / "other.json"), str(tmp_path / "events.json")], "*")
-    assert ("data: other.json, events.json: JSON Lines whose first record has no 'text' field, each read as "
-            "one text document; to read them as records name their text field") in caplog.text
+    assert ("data: other.json, events.json: JSON records (lines, or an array) whose first record has no "
+            "'text' field, each file read as one text document; to read them as records name their text "
+            "field") in caplog.text
     assert Source(tmp_path / "other.json", "other.json", text_field="content").kind == "jsonl"
+    # A JSON array of records (Alpaca's alpaca_data.json, to_json(lines=False)): its records, not its
+    # JSON text with brackets and quotes (found by a trial), gzipped too; one of other fields is text, said
+    (tmp_path / "array").mkdir()
+    alpaca = [{"text": "gamma", "instruction": "q"}, {"text": "delta", "instruction": "q"}]
+    (tmp_path / "array" / "a.json").write_text(json.dumps(alpaca, indent=2))
+    (tmp_path / "array" / "b.json.gz").write_bytes(gzip.compress(json.dumps(
+        [{"prompt": "p", "completion": "c"}]).encode()))
+    assert {p.name: Source(p, p.name).kind for p in (tmp_path / "array").iterdir()} == {
+        "a.json": "json array", "b.json.gz": "json array"}
+    assert Source(tmp_path / "array" / "a.json", "a.json").fingerprint()["read_as"] == "json array"
+    made = prepare(PrepareOptions(inputs=[str(tmp_path / "array")], val_percent=0.0), tmp_path / "array_out",
+                   progress=False)
+    assert made.manifest["splits"]["train"]["documents"] == 3
+    assert bytes(read_split(tmp_path / "array_out", "train")[0].tolist()).startswith(b"gammadelta")
+    (tmp_path / "array" / "c.json").write_text(json.dumps([{"instruction": "q", "output": "a"}]))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shardtrain"):
+        assert Source(tmp_path / "array" / "c.json", "c.json").kind == "text"
+        resolve_sources([str(tmp_path / "array" / "c.json")], "*")
+    assert "c.json: JSON records (lines, or an array) whose first record has no 'text' field" in caplog.text
+    assert Source(tmp_path / "array" / "c.json", "c.json", text_field="output").kind == "json array"
     (tmp_path / "notes.json.gz").write_bytes(gzip.compress(b'{\n  "a": 1\n}\n'))
     with pytest.raises(DataError, match=r"notes.json.gz: compressed, and not JSON Lines records .* reads a "
                                         r"\.json\.gz as JSON Lines only: name the text field"):

@@ -51,7 +51,7 @@ JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")  # matched ign
 # JSON Lines as train.json, and code corpora hold package.json-like files, which are text.
 JSON_SUFFIXES = (".json", ".json.gz")  # matched ignoring case
 # What a directory input yields that is read as records, beside which a text file is worth a word.
-RECORD_KINDS = ("jsonl", "parquet", "arrow")
+RECORD_KINDS = ("jsonl", "json array", "parquet", "arrow")
 # Rows of a Parquet or Arrow file turned into Python bytes at a time: a whole row group's (or
 # Arrow file's) column at once held a file written as one row group whole, several times over.
 TABLE_ROWS = 1024
@@ -99,6 +99,8 @@ class Source:
             return "parquet"
         if self.json_shape == "records":
             return "jsonl"
+        if self.json_shape == "array":
+            return "json array"
         return "text"
 
     def fingerprint(self) -> dict:
@@ -110,7 +112,9 @@ class Source:
         stats = [f.stat() for f in files]
         entry = {"name": self.name, "bytes": sum(s.st_size for s in stats),
                  "mtime_ns": max(s.st_mtime_ns for s in stats)}
-        if kind not in ("arrow", "text") and not self.path.name.endswith(FIRST_SUFFIXES[kind]):
+        # A JSON array was text before it was records: its read_as makes those prepared again.
+        if kind == "json array" or (kind not in ("arrow", "text")
+                                    and not self.path.name.endswith(FIRST_SUFFIXES[kind])):
             entry["read_as"] = kind
         return entry
 
@@ -123,15 +127,20 @@ JSON_SNIFF_BYTES = 16 << 20
 def json_shape(path: Path, field: str) -> str:
     """What a ``.json`` (or ``.json.gz``) file's first non-blank line says it is: "records" (a JSON
     object holding ``field``, or fine-tuning keys: ``prompt`` and ``completion``, or ``messages``),
-    "other records" (a JSON object without them, with another non-blank line after it: JSON Lines
-    of other fields, read as text and said), or "text" (anything else: a package.json, a minified
-    document, a file that cannot be read, which the text reader or the refusal of compressed text
-    then names). At most ``JSON_SNIFF_BYTES`` of a line are read."""
+    "array" (a JSON array whose first element is such a record: Alpaca's alpaca_data.json,
+    ``to_json(lines=False)``; found by a trial, tokenized as its JSON text with its brackets),
+    "other records" (a JSON object, or an array of them, without those keys, with more after it:
+    records of other fields, read as text and said), or "text" (anything else: a package.json, a
+    minified document, a file that cannot be read, which the text reader or the refusal of
+    compressed text then names). At most ``JSON_SNIFF_BYTES`` of a line are read."""
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rb") as lines:
+            first = next_nonblank_line(lines)
+            if first.lstrip().startswith(b"["):
+                return array_shape(first + lines.read(JSON_SNIFF_BYTES), field)
             try:
-                record = json.loads(next_nonblank_line(lines))
+                record = json.loads(first)
             except ValueError:  # UnicodeDecodeError included; an empty file; a line cut at the bound
                 return "text"
             if not isinstance(record, dict):
@@ -141,6 +150,19 @@ def json_shape(path: Path, field: str) -> str:
             return "other records" if next_nonblank_line(lines) else "text"
     except (OSError, EOFError, zlib.error):
         return "text"
+
+
+def array_shape(head: bytes, field: str) -> str:
+    """``json_shape`` of a file that begins with ``[``, from its first ``JSON_SNIFF_BYTES``: the
+    first element is decoded alone (the whole array is read only to prepare it)."""
+    try:
+        text = head.decode("utf-8-sig").lstrip()[1:].lstrip()
+        first, _ = json.JSONDecoder().raw_decode(text)
+    except ValueError:  # UnicodeDecodeError included; an empty array; a first element past the bound
+        return "text"
+    if not isinstance(first, dict):
+        return "text"
+    return "array" if field in first or has_fine_tuning_keys(first) else "other records"
 
 
 def next_nonblank_line(lines: IO[bytes]) -> bytes:
@@ -349,9 +371,10 @@ def warn_json_lines_read_as_text(sources: list[Source]) -> None:
     found = [source for source in sources if source.json_shape == "other records"]  # .json.gz: refused
     if found:
         more = f" and {len(found) - 3} more" if len(found) > 3 else ""
-        log.warning(f"data: {', '.join(s.name for s in found[:3])}{more}: JSON Lines whose first record has "
-                    f"no {found[0].text_field!r} field, each read as one text document; to read them as "
-                    "records name their text field (--text-field, data.text_field)")
+        log.warning(f"data: {', '.join(s.name for s in found[:3])}{more}: JSON records (lines, or an array) "
+                    f"whose first record has no {found[0].text_field!r} field, each file read as one text "
+                    "document; to read them as records name their text field (--text-field, "
+                    "data.text_field)")
 
 
 def warn_text_beside_records(entry: str, sources: list[Source]) -> None:
@@ -529,6 +552,24 @@ def read_jsonl(source: Source, field: str) -> Iterator[tuple[str, Document]]:
         raise DataError(f"{source.path}: cannot be read ({exc})") from exc
 
 
+def read_json_array(source: Source, field: str) -> Iterator[tuple[str, Document]]:
+    """The records of a ``.json`` file holding one JSON array of them, read whole (JSON Lines are
+    read a line at a time: convert a file of gigabytes), keyed by their position from 1."""
+    opener = gzip.open if source.path.name.lower().endswith(".gz") else open
+    try:
+        with opener(source.path, "rt", encoding="utf-8-sig") as text:
+            records = json.load(text)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DataError(f"{source.path}: cannot be read ({exc})") from exc
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise DataError(f"{source.path}: not a valid JSON array of records ({exc})") from exc
+    if not isinstance(records, list):
+        raise DataError(f"{source.path}: not a JSON array of records")
+    for number, record in enumerate(records, start=1):
+        where = f"{source.path}: record {number}"
+        yield f"{source.name}:{number}", document_of(record, field, where)
+
+
 def read_table_rows(source: Source, tables: Iterator[pa.RecordBatch],
                     field: str) -> Iterator[tuple[str, Document]]:
     """Each row's text, keyed by its row number in the whole file (or directory), however the rows
@@ -603,6 +644,8 @@ def documents(source: Source, field: str) -> Iterator[tuple[str, Document]]:
     """(key, document) of every document of ``source``, in order."""
     if source.kind == "jsonl":
         return read_jsonl(source, field)
+    if source.kind == "json array":
+        return read_json_array(source, field)
     if source.kind == "parquet":
         return read_table_rows(source, parquet_tables(source.path, field), field)
     if source.kind == "arrow":
