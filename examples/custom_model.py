@@ -82,7 +82,8 @@ def main(overrides: list[str]) -> None:
         result = shardtrain.run_training(cfg, task=LanguageModelTask(model=TinyGPT, wrap_policy=[Block]))
     finally:
         destroy_distributed()
-    if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every process has the result
+    # Under torchrun every process has the result; a finished run resumed has no step left to train
+    if int(os.environ.get("RANK", 0)) == 0 and result.losses:
         print(f"first loss {result.losses[0]:.3f}, last loss {result.losses[-1]:.3f}")
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
-from cli_utils import read_metrics
+from cli_utils import read_metrics, run_cli
 from distributed import run_on_ranks
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "custom_model.py"
@@ -26,6 +26,23 @@ def test_example_trains_on_two_processes(tmp_path):
     losses = [r["loss"] for r in read_metrics(run_dir)]
     assert losses[-1] < losses[0] - 0.3
     assert "world size 2" in proc.stderr and "2 FSDP units + root" in proc.stderr  # 2 blocks + root
+    # Its checkpoints record the model factory: the commands that build models from model.* say so
+    # in one line, and a command-line resume without it is refused (found by a trial: the defaults
+    # recorded, keys no setting could fit); run again, the finished run has nothing to do, said
+    checkpoint = run_dir / "checkpoints" / "step-12"
+    generate = run_cli("generate", str(checkpoint), "--prompt", "def ")
+    assert generate.returncode == 2, generate.stderr[-2000:]
+    assert ("model was built by __main__:TinyGPT (LanguageModelTask(model=...) in code), not from "
+            "model.*") in generate.stderr, generate.stderr[-2000:]
+    resumed = run_cli("train", "experiment=quick", "trainer.max_steps=14", f"run.dir={run_dir}",
+                      "run.trackers=[]")
+    assert resumed.returncode == 2, resumed.stderr[-2000:]
+    assert ("holds a model built by __main__:TinyGPT (LanguageModelTask(model=...)), this run's is built "
+            "from model.*; resume it with the same model") in resumed.stderr, resumed.stderr[-2000:]
+    again = subprocess.run([sys.executable, str(EXAMPLE), "trainer.max_steps=12", f"run.dir={run_dir}",
+                            "run.trackers=[]"], capture_output=True, text=True, timeout=300, env=env,
+                           stdin=subprocess.DEVNULL)
+    assert again.returncode == 0 and "nothing to do" in again.stderr, again.stderr[-2000:]
 
 
 class PlainBlock(torch.nn.Module):

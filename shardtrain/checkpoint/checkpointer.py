@@ -875,6 +875,13 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {str(path)!r} was trained with "
                                   f"task={trainer_state.task_path}, this run is task={self.cfg.task.path}; "
                                   "resume it with the same task=")
+        saved_factory, factory = trainer_state.model_factory, self.cfg.task.model_factory
+        if (saved_factory or "").rpartition(":")[2] != (factory or "").rpartition(":")[2]:
+            def built(name: str | None) -> str:
+                return f"by {name} (LanguageModelTask(model=...))" if name else "from model.*"
+
+            raise CheckpointError(f"checkpoint {str(path)!r} holds a model built {built(saved_factory)}, "
+                                  f"this run's is built {built(factory)}; resume it with the same model")
         # Each rank's streams are its data-parallel index's (tensor-parallel peers share one): restored
         # where the world and the tensor-parallel degree are the saved ones, so that rank r is the
         # same data-parallel rank; else seeded afresh (checkpointer.seed_random_streams).

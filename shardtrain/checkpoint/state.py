@@ -147,14 +147,26 @@ class TrainState:
         """The ``task=`` the checkpoint was trained with (older checkpoints: the language model)."""
         return self.config.get("task", {}).get("path", LANGUAGE_MODEL_TASK)
 
+    @property
+    def model_factory(self) -> str | None:
+        """The model factory a LanguageModelTask was given in code, if it was (``TaskConfig``)."""
+        return self.config.get("task", {}).get("model_factory")
+
     def model_config(self) -> ModelConfig:
-        """The language model's config; a CheckpointError for another task's checkpoint, whose
-        model only its task can build."""
+        """The language model's config; a CheckpointError for another task's checkpoint, or one
+        whose model a factory given in code built, which only that code can build."""
         task = self.task_path
         if task != LANGUAGE_MODEL_TASK:
             raise CheckpointError(f"this checkpoint was trained with task={task}; generate, eval and "
                                   "export-hf serve the language-model task only (shardtrain consolidate "
                                   "writes any task's weights to safetensors)")
+        if self.model_factory is not None:
+            # Its model.* are the defaults the run never used: the commands failed on keys that no
+            # setting could make fit (found by a trial)
+            raise CheckpointError(f"this checkpoint's model was built by {self.model_factory} "
+                                  "(LanguageModelTask(model=...) in code), not from model.*; generate, eval "
+                                  "and export-hf build models from model.* only: use the library with that "
+                                  "model (shardtrain consolidate writes its weights to safetensors)")
         return self.rebuilt("model", ModelConfig)
 
     def data_config(self) -> DataConfig:

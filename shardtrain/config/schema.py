@@ -403,6 +403,10 @@ class TaskConfig:
 
     path: str = LANGUAGE_MODEL_TASK
     options: dict[str, Any] = field(default_factory=dict)
+    # Recorded, not set: the model factory a LanguageModelTask was given in code
+    # (``LanguageModelTask(model=...)``, as module:qualname), whose checkpoints model.* cannot
+    # describe; None: the model is built from model.*.
+    model_factory: str | None = None
 
 
 @dataclass

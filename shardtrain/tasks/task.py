@@ -341,7 +341,18 @@ def task_config_of(task: Task) -> TaskConfig:
     checkpoint, also for a task handed to ``run_training`` as an object)."""
     cls = type(task)
     options = dataclasses.asdict(task.options) if dataclasses.is_dataclass(task.options) else {}
-    return TaskConfig(path=f"{cls.__module__}:{cls.__qualname__}", options=options)
+    factory = getattr(task, "model_factory", None)
+    return TaskConfig(path=f"{cls.__module__}:{cls.__qualname__}", options=options,
+                      model_factory=None if factory is None else qualified_name(factory))
+
+
+def qualified_name(obj: Any) -> str:
+    """``module:qualname`` of a class or function (of a partial, its function's; of another
+    callable, its class's)."""
+    target = getattr(obj, "func", obj)
+    if not hasattr(target, "__qualname__"):
+        target = type(target)
+    return f"{getattr(target, '__module__', '?')}:{target.__qualname__}"
 
 
 def task_from_config(cfg: Config) -> Task:
