@@ -209,6 +209,14 @@ def test_a_resume_names_the_settings_that_change_the_data_order(tmp_path):
     # from before the key cut every dataset as a stream (found by the diff review: raw values
     # compared, auto -> records was a change, and an old run's stream -> records none)
     assert state.data_order_changes(same_order, 1000, "records") == []  # saved auto
+    # ... auto as it resolved then, where the checkpoint records it (found by a trial: auto ->
+    # records on plain text was "the data changed since the save")
+    state.train_packing = "stream"
+    assert state.data_order_changes(same_order, 1300, "records") == [
+        "data.packing stream -> records (windows of whole records now)",
+        "training samples 1000 -> 1300 (from the settings above)"]
+    assert state.data_order_changes(same_order, 1000, "stream") == []
+    state.train_packing = None
     state.config["data"]["packing"] = "stream"
     assert state.data_order_changes(same_order, 1000, "stream") == []
     del state.config["data"]["packing"]

@@ -110,6 +110,9 @@ class TrainState:
     # A mixture's sample count of each dataset (its order depends on each: two datasets may change
     # with their sum unchanged); None for one dataset, or a checkpoint saved before 2026-11-30.
     train_part_samples: list[int] | None = None
+    # data.packing as it resolved (data.packing=auto: records or stream by the data), for a resume
+    # to name a change of it; None for a checkpoint saved before 2026-12-01.
+    train_packing: str | None = None
     # The save wrote checksums.json (every save since 2026-11-29 records so): a copy without it is
     # incomplete, not an older checkpoint that never had one.
     checksums: bool = False
@@ -119,8 +122,8 @@ class TrainState:
                 consumed_samples: int, global_batch: int, scheduler: dict[str, Any],
                 world_size: int, base_weights: dict[str, Any] | None = None,
                 best: dict[str, Any] | None = None, evaluation_due: bool = False,
-                train_samples: int | None = None, train_part_samples: list[int] | None = None
-                ) -> TrainState:
+                train_samples: int | None = None, train_part_samples: list[int] | None = None,
+                train_packing: str | None = None) -> TrainState:
         return cls(
             step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
             global_batch=global_batch, scheduler=scheduler, world_size=world_size,
@@ -131,7 +134,7 @@ class TrainState:
                       "python": platform.python_version(), "numpy": np.__version__},
             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), base_weights=base_weights, best=best,
             evaluation_due=evaluation_due, train_samples=train_samples,
-            train_part_samples=train_part_samples, checksums=True,
+            train_part_samples=train_part_samples, train_packing=train_packing, checksums=True,
         )
 
     def best_steps(self) -> set[int]:
@@ -206,8 +209,11 @@ class TrainState:
             keys = DATA_ORDER_KEYS + (PREPARING_KEYS if cfg.data.source != "prepared" else ())
         changes = self.setting_changes(cfg, keys)
         # Compared as resolved (auto -> records is no change for fine-tuning data); a run saved before
-        # data.packing existed cut every dataset as a stream.
+        # data.packing existed cut every dataset as a stream; auto as it resolved then, where recorded
+        # (found by a trial: auto -> records on plain text was "the data changed since the save").
         saved = self.config.get("data", {}).get("packing", "stream")
+        if saved == "auto":
+            saved = self.train_packing or "auto"
         if packing is not None and saved != "auto" and saved != packing:
             older = "" if "packing" in self.config.get("data", {}) else (
                 "; runs saved before data.packing cut a stream: set data.packing=stream to go on as it "

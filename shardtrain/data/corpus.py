@@ -123,10 +123,13 @@ def windows_of(tokens: TokenStream, seq_len: int, name: str, document_mask: bool
     windows = RecordWindows(tokens, seq_len, name, document_mask)
     # once, by rank 0 (every rank packs the same windows), or by a process outside a group (eval)
     if warn and windows.truncated and (not dist.is_initialized() or dist.get_rank() == 0):
-        log.warning(f"data: {windows.truncated} of the {windows.records} records of the {name} are longer "
+        # Plain documents have no answer to lose: said as what they are (found by a trial)
+        fine_tuning = getattr(tokens, "has_masks", False)
+        kind, lost = ("records", " (a long prompt's answer)") if fine_tuning else ("documents", "")
+        log.warning(f"data: {windows.truncated} of the {windows.records} {kind} of the {name} are longer "
                     f"than trainer.seq_len+1={seq_len + 1} tokens: each is cut to one window, the rest of "
-                    "it (a long prompt's answer) not read; raise trainer.seq_len, or set "
-                    "data.packing=stream (windows cut anywhere, a record running on into the next)")
+                    f"it{lost} not read; raise trainer.seq_len, or set data.packing=stream (windows cut "
+                    "anywhere, one running on into the next)")
     return windows
 
 

@@ -570,6 +570,7 @@ class Trainer:
             blocking=blocking, evaluation_due=self.evaluation_due,
             train_samples=self.train_data.windows.num_samples,
             train_part_samples=part_sample_counts(self.train_data.windows),
+            train_packing=packing_of(self.train_data.windows),
         )
         self.best_save_due = False  # a save at this step keeps what the evaluation ranked
         self.result.checkpoint_blocked_s.append(blocked)
