@@ -792,8 +792,15 @@ def test_prepare_options_reject_bad_values(tmp_path):
     (tmp_path / "one.txt").write_text("a single document")
     done = run_cli("prepare", str(tmp_path / "one.txt"), "--out", str(tmp_path / "single"))
     assert done.returncode == 0 and done.stderr.startswith(f"warning: {tmp_path / 'single'} has no "
-                                                           "validation documents (--val-percent 5 of 1 "
+                                                           "validation tokens (--val-percent 5 of 1 "
                                                            "documents)"), done.stderr
+    # All held out: no training tokens, said as well (found by a trial: a dataset training refuses,
+    # written without a word); an evaluation set, which it may be meant as
+    done = run_cli("prepare", str(tmp_path / "one.txt"), "--out", str(tmp_path / "all_val"),
+                   "--val-percent", "100")
+    assert done.returncode == 0 and done.stderr.startswith(
+        f"warning: {tmp_path / 'all_val'} has no training tokens (--val-percent 100 held out all 1 "
+        "documents): training on it refuses to run; it serves as an evaluation set"), done.stderr
     with pytest.raises(DataError, match=r"0 validation documents; both need at least one \(prepare it again"):
         load_corpus(DataConfig(source="prepared", paths=[str(tmp_path / "single")]))
     # The same file as data.source=files: one document whatever data.val_percent says (found by

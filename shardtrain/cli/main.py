@@ -594,10 +594,16 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         print(f"{args.out}: up to date (prepared from the same inputs and tokenizer); nothing to do")
         return 0
     tokens = sum(s["tokens"] for s in splits.values())
-    if not splits["val"]["documents"]:
-        print(f"warning: {args.out} has no validation documents (--val-percent {args.val_percent:g} of "
+    # By tokens: a split of empty documents is refused by training as one of none is
+    if not splits["val"]["tokens"]:
+        print(f"warning: {args.out} has no validation tokens (--val-percent {args.val_percent:g} of "
               f"{splits['train']['documents']} documents): training on it refuses to run without; "
               "prepare again with a larger --val-percent, or more inputs", file=sys.stderr)
+    if not splits["train"]["tokens"]:  # said as the empty validation split is (found by a trial)
+        print(f"warning: {args.out} has no training tokens (--val-percent {args.val_percent:g} held out "
+              f"all {splits['val']['documents']} documents): training on it refuses to run; it serves as an "
+              "evaluation set (shardtrain eval CKPT --file DIR), or prepare again with a smaller "
+              "--val-percent", file=sys.stderr)
     print(f"{args.out}: {splits['train']['documents']:,} train + {splits['val']['documents']:,} validation "
           f"documents, {splits['train']['tokens']:,} + {splits['val']['tokens']:,} tokens "
           f"({result.manifest['dtype']}, tokenizer {result.manifest['tokenizer']['name']}) in "
