@@ -1312,3 +1312,26 @@ def test_a_template_that_renders_earlier_turns_otherwise_trains_the_last_turn(tm
         prepare(PrepareOptions(inputs=[str(tmp_path / "chats.jsonl")], tokenizer=str(model), val_percent=0.0),
                 tmp_path / "out", progress=False)
     assert "6 of 6 conversations are trained on their last assistant turn alone" in caplog.text
+
+
+def test_a_token_id_past_the_vocabulary_is_named_not_an_index_error(tmp_path):
+    """A damaged shard whose ids pass the tokenizer's vocabulary went to the embedding: an
+    IndexError from inside torch (a device-side assertion on a GPU; found by a trial). The batch
+    that reads one names the dataset, the window and the fix."""
+    from shardtrain.data.batches import TokenWindows
+    from shardtrain.data.prepared import open_prepared
+
+    (tmp_path / "a.txt").write_text("plain text " * 200)
+    prepare(PrepareOptions(inputs=[str(tmp_path / "a.txt")], val_percent=0.0), tmp_path / "out",
+            progress=False)
+    shard = next((tmp_path / "out" / "train").glob("tokens-*.npy"))
+    windows = TokenWindows(open_prepared(tmp_path / "out").train, 32, "the training data")
+    assert windows.batch(np.array([0, 1])).inputs.max() < 256
+    tokens = np.load(shard, mmap_mode="r+")
+    tokens[40] = 300  # window 1's
+    tokens.flush()
+    windows = TokenWindows(open_prepared(tmp_path / "out").train, 32, "the training data")
+    windows.batch(np.array([0, -1]))  # window 0 and padding: no such id
+    with pytest.raises(DataError, match=r"the training data: token id 300 in window 1, and the tokenizer "
+                                        r"it was prepared with has 256 ids: its files are damaged"):
+        windows.batch(np.array([0, 1]))

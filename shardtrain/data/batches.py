@@ -88,6 +88,7 @@ class TokenWindows:
                  document_mask: bool = False) -> None:
         self.tokens = tokens
         self.seq_len = seq_len
+        self.name = name
         self.num_samples = (len(tokens) - 1) // seq_len
         if self.num_samples < 1:
             raise TooFewTokens(
@@ -143,9 +144,23 @@ class TokenWindows:
                 starts = self.tokens.document_starts(span.start + 1, span.stop) - span.start
                 y[row][starts - 1] = IGNORE_INDEX
                 positions[row] = positions_in_window(starts[starts < self.seq_len], self.seq_len)
+        self.check_ids(x, y, ids)
         return Batch(torch.from_numpy(x), torch.from_numpy(y),
                      None if positions is None else torch.from_numpy(positions),
                      padded_lengths(lengths, self.seq_len))
+
+
+    def check_ids(self, inputs: np.ndarray, targets: np.ndarray, ids: np.ndarray) -> None:
+        """No id at or past the tokenizer's vocabulary: a damaged shard's went to the embedding,
+        an IndexError from inside torch (on a GPU, a device-side assertion; found by a trial)."""
+        limit = getattr(self.tokens, "vocab_size", None)
+        if limit is None or not len(ids):
+            return
+        top = max(int(inputs.max()), int(targets.max()))
+        if top >= limit:
+            row = int(np.flatnonzero((inputs >= limit).any(1) | (targets >= limit).any(1))[0])
+            raise DataError(f"{self.name}: token id {top} in window {int(ids[row])}, and the tokenizer it "
+                            f"was prepared with has {limit} ids: its files are damaged; prepare it again")
 
 
 class RecordWindows(TokenWindows):
@@ -167,7 +182,7 @@ class RecordWindows(TokenWindows):
             raise TooFewTokens(f"{name} has {len(tokens)} tokens: no record to train or evaluate on")
         self.starts, self.stops, self.truncated = pack_records(starts, len(tokens), seq_len + 1)
         self.records = len(starts)
-        self.tokens, self.seq_len, self.document_mask = tokens, seq_len, document_mask
+        self.tokens, self.seq_len, self.document_mask, self.name = tokens, seq_len, document_mask, name
         self.num_samples = len(self.starts)
 
     @property

@@ -153,10 +153,12 @@ class TokenStream:
     """A split's tokens, shard after shard, read through memory maps. Supports ``len`` and slicing
     with a step of 1 (a slice across a shard boundary is joined into one array)."""
 
-    def __init__(self, directory: DatasetDirectory, entry: dict, dtype: np.dtype) -> None:
+    def __init__(self, directory: DatasetDirectory, entry: dict, dtype: np.dtype,
+                 vocab_size: int | None = None) -> None:
         self.shards = [Shard(directory, shard["tokens_file"], shard["docs_file"], shard.get("mask_file"),
                              int(shard["tokens"]), int(shard["documents"])) for shard in entry["shards"]]
         self.documents = int(entry["documents"])
+        self.vocab_size = vocab_size  # the tokenizer's: no id read may reach it (a damaged shard)
         self._index(dtype)
 
     def _index(self, dtype: np.dtype) -> None:
@@ -171,6 +173,8 @@ class TokenStream:
         joined = cls.__new__(cls)
         joined.shards = [shard for s in streams for shard in s.shards]
         joined.documents = sum(s.documents for s in streams)
+        sizes = [s.vocab_size for s in streams if s.vocab_size is not None]
+        joined.vocab_size = max(sizes) if sizes else None
         joined._index(next((s.dtype for s in streams if s.shards), np.dtype(np.uint16)))
         return joined
 
@@ -323,5 +327,9 @@ def open_prepared(path: str | Path, tokenizer: Tokenizer | None = None, warn: bo
     if missing:
         raise DataError(f"{path} is incomplete: {', '.join(missing[:3])} missing; prepare it again")
     dtype = np.dtype(manifest["dtype"])
-    return PreparedDataset(path, manifest, TokenStream(directory, manifest["splits"]["train"], dtype),
-                           TokenStream(directory, manifest["splits"]["val"], dtype))
+    # The larger of the recorded and the tokenizer's own count (an older shardtrain recorded some
+    # tokenizers' token count, below their largest id, above)
+    vocab = max(manifest["tokenizer"].get("vocab_size") or 0,
+                tokenizer.vocab_size if tokenizer is not None else 0) or None
+    return PreparedDataset(path, manifest, TokenStream(directory, manifest["splits"]["train"], dtype, vocab),
+                           TokenStream(directory, manifest["splits"]["val"], dtype, vocab))
