@@ -283,7 +283,7 @@ def test_a_task_from_the_command_line_with_its_options_preempted_and_resumed(tmp
     state = json.loads((run_dir / "checkpoints" / f"step-{stopped_at}" / "trainer_state.json").read_text())
     assert state["config"]["task"] == {"path": "vit:ImageClassification", "options": {
         "image_size": 16, "patch": 4, "classes": 10, "dim": 16, "depth": 1, "heads": 4,
-        "train_samples": 512, "val_samples": 64}}
+        "train_samples": 512, "val_samples": 64}, "model_factory": None}
     resumed = run_cli(*common, f"run.dir={run_dir}", env=TASK_PATH)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     logged = read_metrics(run_dir)
