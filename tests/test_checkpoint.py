@@ -598,6 +598,39 @@ def test_the_background_deleter_removes_in_order_and_is_waited_for(tmp_path, cap
     deleter.submit(tmp_path / ".step-9.deleting")  # gone already: said, not raised
     deleter.wait()
     assert "deleting " in caplog.text and ".step-9.deleting failed" in caplog.text
+    # any other failure too, and the thread goes on with the next (ended, it left them waited for
+    # without end)
+    deleter.submit(None)  # a TypeError in rmtree
+    (tmp_path / ".step-11.deleting").mkdir()
+    deleter.submit(tmp_path / ".step-11.deleting")
+    deleter.wait()
+    assert not (tmp_path / ".step-11.deleting").exists() and deleter.thread.is_alive()
+
+
+def test_a_later_start_waits_for_this_process_s_deletions_in_its_directory(tmp_path, monkeypatch):
+    """A second Trainer in one process (a library user's, after a first one failed) removed what
+    interrupted deletions left while the first's deleter was still removing it (review): it waits
+    for this process's deleters in its directory first, and for none elsewhere."""
+    import time
+
+    from shardtrain.checkpoint import checkpointer
+
+    removed, rmtree = [], shutil.rmtree
+
+    def slow_rmtree(path):
+        time.sleep(0.3)
+        rmtree(path)
+        removed.append(path.name)
+
+    monkeypatch.setattr(checkpointer.shutil, "rmtree", slow_rmtree)
+    deleter = checkpointer.BackgroundDeleter()
+    (tmp_path / "run" / ".step-4.deleting").mkdir(parents=True)
+    (tmp_path / "other").mkdir()
+    deleter.submit(tmp_path / "run" / ".step-4.deleting")
+    checkpointer.wait_deletions_in(tmp_path / "other")  # not its directory: no wait
+    assert removed == []
+    checkpointer.wait_deletions_in(tmp_path / "run")
+    assert removed == [".step-4.deleting"] and deleter.busy() == []
 
 
 def test_abandoned_saves_and_deletions_are_removed(tmp_path):

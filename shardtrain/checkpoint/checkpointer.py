@@ -30,6 +30,7 @@ import shutil
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -281,6 +282,7 @@ class BackgroundDeleter:
         self.pending: set[Path] = set()
         self.done = threading.Condition()
         self.thread: threading.Thread | None = None
+        DELETERS.add(self)
 
     def submit(self, directory: Path) -> None:
         with self.done:
@@ -304,13 +306,27 @@ class BackgroundDeleter:
             directory = self.queue.get()
             try:
                 shutil.rmtree(directory)
-            except OSError as exc:  # as a failed rename is: the new checkpoint is committed
+            except Exception as exc:  # as a failed rename is (the new checkpoint is committed); and
+                # the thread goes on: ended, it left every later deletion waited for without end
                 log.warning(f"checkpoint: deleting {directory} failed ({exc}); delete it by hand to free "
                             "its space")
             finally:
                 with self.done:
                     self.pending.discard(directory)
                     self.done.notify_all()
+
+
+# This process's deleters (weakly): a later Trainer's start in the same run.dir (a library user's,
+# after a first one failed) waits for them before removing what interrupted deletions left, which
+# it would otherwise delete beside them (review).
+DELETERS: weakref.WeakSet[BackgroundDeleter] = weakref.WeakSet()
+
+
+def wait_deletions_in(root: Path) -> None:
+    """Until no deleter of this process is removing a directory in ``root``."""
+    for deleter in list(DELETERS):
+        if any(path.parent.resolve() == root.resolve() for path in deleter.busy()):
+            deleter.wait()
 
 
 def node_file_fingerprints(cfg: Config) -> dict[int, str] | None:
@@ -423,6 +439,7 @@ class Checkpointer:
     def remove_abandoned(self, resumed: Path | None) -> None:
         """Rank 0 only, once the ranks agreed on what to resume (the others read nothing of these
         directories after that). A failure is a warning: the run can go on without the space."""
+        wait_deletions_in(self.root)
         try:
             removed = layout.remove_abandoned(self.root, keep=resumed)
         except OSError as exc:
