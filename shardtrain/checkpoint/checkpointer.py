@@ -59,12 +59,12 @@ from shardtrain.checkpoint.dcp_errors import DCP_FAILURES, load_failed, raise_if
 from shardtrain.checkpoint.safetensors_files import save_safetensors, shardtrain_metadata, unshared
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.checkpoint.weights import (
-    HF_PREFIX,
     base_identity,
     check_model_compatible,
     check_same_base,
     file_fingerprints_share,
     is_dcp_source,
+    source_path,
 )
 from shardtrain.config.compose import config_hash, config_hash_within, run_identity
 from shardtrain.config.plan import ShardingPlan
@@ -346,7 +346,7 @@ def node_file_fingerprints(cfg: Config) -> dict[int, str] | None:
     # The same files: a path on the same host (ranks given copies of their own read them alone).
     # Gathered on every rank, also where this one has nothing to share: a path that is a DCP
     # checkpoint on some nodes only must not split the ranks between collectives.
-    here = (socket.gethostname(), str(Path(source.removeprefix(HF_PREFIX)).expanduser().resolve()))
+    here = (socket.gethostname(), str(source_path(source).resolve()))
     everyone = agree(None, (here, mine), error_type=CheckpointError)
     if mine is None:
         return None

@@ -574,9 +574,15 @@ def file_fingerprint(path: Path) -> str:
 DCP_FINGERPRINT = "dcp-metadata"
 
 
+def source_path(source: str) -> Path:
+    """The path a weights source (``ModelConfig.weights_source``) names: ``hf:`` (a Llama imported
+    into the built-in model) stripped, ``~`` expanded."""
+    return Path(source.removeprefix(HF_PREFIX)).expanduser()
+
+
 def source_files(source: str) -> list[Path]:
     """The files holding the weights of a weights source (``ModelConfig.weights_source``)."""
-    path = Path(source.removeprefix(HF_PREFIX)).expanduser()
+    path = source_path(source)
     if path.is_file():
         return [path]
     if is_model_directory(path):
@@ -592,7 +598,7 @@ def source_files(source: str) -> list[Path]:
 
 def is_dcp_source(source: str) -> bool:
     """Whether a weights source is a DCP checkpoint directory (one shard file per saving rank)."""
-    path = Path(source.removeprefix(HF_PREFIX)).expanduser()
+    path = source_path(source)
     return path.is_dir() and not is_model_directory(path)
 
 
@@ -622,7 +628,7 @@ def dcp_fingerprint(source: str) -> str:
     ``files_fingerprint`` read 3 MiB of every shard file on every rank, 3 GiB per rank for a base
     saved at 1,024 ranks.
     """
-    path = Path(source.removeprefix(HF_PREFIX)).expanduser()
+    path = source_path(source)
     digest = hashlib.sha256(DCP_FINGERPRINT.encode())
     for name in (layout.METADATA_FILE, MANIFEST_FILE):
         file = path / name
@@ -647,7 +653,7 @@ def base_identity(model_cfg: ModelConfig, seed: int, finetune: FinetuneConfig | 
         # the adapters on another base without a word.
         drawn = {"init_std": model_cfg.init_std} if model_cfg.name == "llama" else {}
         return {"source": "random", "seed": seed, **drawn, **quantized}
-    resolved = str(Path(source.removeprefix(HF_PREFIX)).expanduser().resolve())
+    resolved = str(source_path(source).resolve())
     if is_dcp_source(source):
         return {"source": resolved, "fingerprint": dcp_fingerprint(source),
                 "fingerprint_kind": DCP_FINGERPRINT, **quantized}

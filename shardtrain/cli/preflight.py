@@ -14,7 +14,7 @@ from shardtrain.checkpoint.peft_adapter import resolve_adapter_settings
 from shardtrain.checkpoint.run_lock import take_run_lock
 from shardtrain.checkpoint.safetensors_files import file_metadata, weight_files
 from shardtrain.checkpoint.state import STATE_FILE
-from shardtrain.checkpoint.weights import HF_PREFIX, read_hf_config
+from shardtrain.checkpoint.weights import HF_PREFIX, read_hf_config, source_path
 from shardtrain.cli.paths import check_writable
 from shardtrain.config.schema import Config
 from shardtrain.data.documents import is_prepared_dataset
@@ -114,7 +114,7 @@ def check_init_from(source: str | None, model_name: str) -> None:
         weight_files(path)
         return
     if source.startswith(HF_PREFIX):  # a Llama imported into the built-in model
-        directory = Path(source.removeprefix(HF_PREFIX)).expanduser()
+        directory = source_path(source)
         if not directory.is_dir():
             raise CheckpointError(f"model.init_from={source!r}: {str(directory)!r} is not a directory")
         read_hf_config(directory)
