@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from torch import nn
@@ -22,6 +23,15 @@ def import_module_class(path: str) -> type[nn.Module]:
     if not isinstance(obj, type) or not issubclass(obj, nn.Module):
         raise ModelError(f"wrap policy entry {path!r} is not an nn.Module class")
     return obj
+
+
+def qualified_name(obj: object) -> str:
+    """``module:qualname`` of a class or function, the form ``import_object`` reads (of a partial,
+    its function's; of another callable, its class's)."""
+    target = obj.func if isinstance(obj, functools.partial) else obj
+    if not hasattr(target, "__qualname__"):
+        target = type(target)
+    return f"{getattr(target, '__module__', '?')}:{target.__qualname__}"
 
 
 def import_object(path: str, what: str) -> object:

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from shardtrain.accelerator import accelerator_count, check_float8, device_type
-from shardtrain.config.classpath import import_module_class, import_object
+from shardtrain.config.classpath import import_module_class, import_object, qualified_name
 from shardtrain.config.compose import check_ranges, compose_config
 from shardtrain.config.keys import boolean_spelling
 from shardtrain.config.plan import (
@@ -45,7 +45,7 @@ def check_task_section(cfg: Config) -> None:
     cls = import_object(cfg.task.path, "task")
     if not isinstance(cls, type):
         raise ConfigError(f"task={cfg.task.path!r} is not a class")
-    cfg.task.path = f"{cls.__module__}:{cls.__qualname__}"  # one spelling, whichever was given
+    cfg.task.path = qualified_name(cls)  # one spelling, whichever was given
     options_cls = getattr(cls, "Options", None)
     if options_cls is None:
         if cfg.task.options:
@@ -85,16 +85,20 @@ def check_task_section(cfg: Config) -> None:
 TASK_BASE = "shardtrain.tasks.task:Task"
 
 
+def ancestor(task_cls: type, path: str) -> type | None:
+    """The class ``path`` (``module:qualname``) names if ``task_cls`` is it or derives from it."""
+    return next((c for c in task_cls.__mro__ if qualified_name(c) == path), None)
+
+
 def built_in_ancestor(task_cls: type) -> type | None:
     """The built-in language-model task's class if ``task_cls`` is it or derives from it."""
-    return next((c for c in task_cls.__mro__ if f"{c.__module__}:{c.__qualname__}" == LANGUAGE_MODEL_TASK),
-                None)
+    return ancestor(task_cls, LANGUAGE_MODEL_TASK)
 
 
 def makes_text(task_cls: type) -> bool:
     """A task with a ``text_tokenizer`` of its own (the built-in language model's, or one a task
     defines): what training's text samples decode with."""
-    base = next((c for c in task_cls.__mro__ if f"{c.__module__}:{c.__qualname__}" == TASK_BASE), None)
+    base = ancestor(task_cls, TASK_BASE)
     return base is not None and getattr(task_cls, "text_tokenizer", None) is not base.text_tokenizer
 
 

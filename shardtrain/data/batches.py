@@ -149,7 +149,6 @@ class TokenWindows:
                      None if positions is None else torch.from_numpy(positions),
                      padded_lengths(lengths, self.seq_len))
 
-
     def check_ids(self, inputs: np.ndarray, targets: np.ndarray, ids: np.ndarray) -> None:
         """No id at or past the tokenizer's vocabulary: a damaged shard's went to the embedding,
         an IndexError from inside torch (on a GPU, a device-side assertion; found by a trial)."""

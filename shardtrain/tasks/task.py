@@ -28,7 +28,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from shardtrain.config.classpath import import_object
+from shardtrain.config.classpath import import_object, qualified_name
 from shardtrain.config.schema import Config, TaskConfig
 from shardtrain.data.batches import SampleSource
 from shardtrain.data.tokenizer import Tokenizer
@@ -339,20 +339,10 @@ def check_task(task: Any) -> Task:
 def task_config_of(task: Task) -> TaskConfig:
     """The config section that names ``task`` and its options (recorded in config.yaml and every
     checkpoint, also for a task handed to ``run_training`` as an object)."""
-    cls = type(task)
     options = dataclasses.asdict(task.options) if dataclasses.is_dataclass(task.options) else {}
     factory = getattr(task, "model_factory", None)
-    return TaskConfig(path=f"{cls.__module__}:{cls.__qualname__}", options=options,
+    return TaskConfig(path=qualified_name(type(task)), options=options,
                       model_factory=None if factory is None else qualified_name(factory))
-
-
-def qualified_name(obj: Any) -> str:
-    """``module:qualname`` of a class or function (of a partial, its function's; of another
-    callable, its class's)."""
-    target = getattr(obj, "func", obj)
-    if not hasattr(target, "__qualname__"):
-        target = type(target)
-    return f"{getattr(target, '__module__', '?')}:{target.__qualname__}"
 
 
 def task_from_config(cfg: Config) -> Task:
