@@ -812,7 +812,7 @@ class Checkpointer:
         try:
             for path in layout.prune(self.root, committed, self.ckpt.keep_last, self.damaged, best,
                                      delete=self.deleter.submit):
-                self.info(f"checkpoint: deleted {path.name} ({kept})")
+                self.info(f"checkpoint: deleting {path.name} in the background ({kept})")
         except OSError as exc:
             log.warning(f"checkpoint: step {committed} is saved, but deleting an older checkpoint "
                         f"failed ({exc}); delete it by hand to free its space")
