@@ -208,6 +208,14 @@ def test_fine_tuning_windows_hold_whole_records(dataset, caplog):
                 walked.append([start, min(start + length, start + window)])
         assert [[a, b] for a, b in zip(begins.tolist(), stops.tolist())] == walked
         assert truncated == int((lengths > window).sum())
+    # an empty record (the byte tokenizer's empty document) that begins a window before a record too
+    # long to join it is a window of no tokens: a row of padding, counted as no input (it raised)
+    empty = RecordWindows(ListedRecords(np.arange(40) % 200, np.array([0, 0, 20, 20])), 8)
+    spans = [(int(a), int(b)) for a, b in zip(empty.starts, empty.stops)]
+    assert spans == [(0, 0), (0, 9), (20, 20), (20, 29)]
+    padded = empty.batch(np.arange(empty.num_samples))
+    assert padded.lengths[[0, 2]].tolist() == [0, 0] and (padded.targets[[0, 2]] == IGNORE_INDEX).all()
+    assert padded.lengths[[1, 3]].tolist() == [8, 8] and empty.inputs_in(4) == 16
     assert not isinstance(windows_of(tokens, 64, "training data", False, "stream"), RecordWindows)
     # as resolved, for a resume's comparison and best.validation: a mixture's validation parts too
     assert packing_of(windows) == packing_of(InterleavedWindows([windows, windows])) == "records"
@@ -216,3 +224,19 @@ def test_fine_tuning_windows_hold_whole_records(dataset, caplog):
     stream = TokenWindows(tokens, 64)
     assert stream.batch(np.arange(4)).lengths is None
     assert stream.batch(np.array([0, -1])).lengths.tolist() == [64, 0]
+
+
+class ListedRecords:
+    """Tokens in memory with records beginning at ``starts``: what a prepared split gives windows."""
+
+    def __init__(self, tokens: np.ndarray, starts: np.ndarray) -> None:
+        self.tokens, self.starts = tokens, starts
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        return self.tokens[span]
+
+    def document_starts(self, start: int, stop: int) -> np.ndarray:
+        return self.starts[(self.starts >= start) & (self.starts < stop)]

@@ -118,7 +118,8 @@ class TokenWindows:
 
     def inputs_in(self, count: int) -> int:
         """The input tokens of the first ``count`` windows (a record window's padding is none)."""
-        return sum(self.span(i).stop - self.span(i).start - 1 for i in range(min(count, self.num_samples)))
+        spans = (self.span(i) for i in range(min(count, self.num_samples)))
+        return sum(max(span.stop - span.start - 1, 0) for span in spans)
 
     def batch(self, ids: np.ndarray, keys: np.ndarray | None = None) -> Batch:
         """Inputs and targets for sample ``ids``; an id of -1 is padding (targets ignored), and so
@@ -133,6 +134,8 @@ class TokenWindows:
             if i < 0:
                 continue
             span = self.span(int(i))
+            if span.stop - span.start < 2:  # an empty record alone in a window: no input, no target
+                continue  # (the byte tokenizer's empty document; it raised mid-run; found by a review)
             window = self.tokens[span]
             filled = lengths[row] = len(window) - 1
             x[row, :filled] = window[:-1]
