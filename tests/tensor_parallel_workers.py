@@ -14,6 +14,7 @@ from hf_workers import hf_case_config, hf_corpus
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardtrain.checkpoint.checkpointer import random_streams_kept, seed_random_streams
 from shardtrain.checkpoint.safetensors_files import open_safetensors, weight_files
 from shardtrain.checkpoint.weights import base_parameters, own_rows, row_sharded
 from shardtrain.distributed.parallelize import block_selective_contexts, enable_activation_checkpointing
@@ -142,6 +143,13 @@ def equivalence_and_resume(out: str, cases: dict[str, dict], hf_dirs: dict[str, 
     torch.distributed.all_gather_object(streams, torch.get_rng_state())
     assert torch.equal(streams[0], streams[1]) and torch.equal(streams[2], streams[3])
     assert not torch.equal(streams[0], streams[2])
+    # ... and from the step: seeded as a fresh run's, each resume at another size drew step 1's
+    # dropout masks again (found by a review)
+    with random_streams_kept():
+        seed_random_streams(tp_cfg.trainer.seed, second.dp_rank)
+        assert not torch.equal(torch.get_rng_state(), streams[second.env.rank])
+        seed_random_streams(tp_cfg.trainer.seed, second.dp_rank, SPLITS[0])
+        assert torch.equal(torch.get_rng_state(), streams[second.env.rank])
     interrupted(second, SPLITS[1] - SPLITS[0])
     tp_weights = second.full_weights()
     # A task's batch of a length sequence parallelism cannot split evenly: one line on every rank

@@ -821,6 +821,12 @@ def test_random_streams_kept_leaves_every_stream_a_checkpoint_restores_as_it_was
         draws.setdefault((seed, rank), []).append(seeded_draws())
     assert draws[1, 0][0] == draws[1, 0][1]
     assert len({str(d[0]) for d in draws.values()}) == 3  # each (seed, rank) its own
+    # a resume that cannot restore them seeds them from its step too (seeded as at step 0, each
+    # resume at another world size drew step 1's dropout masks again; found by a review)
+    seed_random_streams(1, 0, 5)
+    resumed = seeded_draws()
+    seed_random_streams(1, 0, 5)
+    assert seeded_draws() == resumed != draws[1, 0][0]
 
 
 def test_a_flipped_bit_in_metadata_is_damage_not_lack_of_memory(tmp_path):

@@ -145,12 +145,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
     accelerator.set_rng_state(state.get("accelerator"))
 
 
-def seed_random_streams(seed: int, stream: int) -> None:
+def seed_random_streams(seed: int, stream: int, step: int = 0) -> None:
     """Every random stream a checkpoint restores (Python's, NumPy's, torch's on the CPU and on the
     accelerators), seeded from ``seed`` and ``stream`` (a data-parallel rank): a fresh run is
     reproduced by its seed, and its ranks draw different dropout masks. Unseeded, torch's CPU stream
-    differed between two runs of one seed, and every CUDA rank started at the same default."""
-    mixed = int(np.random.SeedSequence([seed, stream]).generate_state(1, dtype=np.uint64)[0])
+    differed between two runs of one seed, and every CUDA rank started at the same default. A resume
+    that cannot restore them seeds them from its ``step`` too: seeded as at step 0, each such resume
+    drew step 1's dropout masks again (found by a review)."""
+    entropy = [seed, stream] if step == 0 else [seed, stream, step]
+    mixed = int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0])
     random.seed(mixed)
     np.random.seed(mixed % 2**32)
     torch.manual_seed(mixed)  # the CPU's and every accelerator's
@@ -408,6 +411,7 @@ class Checkpointer:
         # the last load found one (a checkpoint saved without it leaves it to the caller).
         self.average = average
         self.average_restored = False
+        self.rng_restored = False  # this rank's random streams, by the last load
         # trainer.monitor's judge (checkpoint.keep_best, trainer.early_stop_patience): its record goes
         # into every save's trainer state, and the prune after the commit keeps the steps it ranks.
         self.best = best
@@ -952,9 +956,11 @@ class Checkpointer:
         self.scheduler.load_state_dict(trainer_state.scheduler)
         if rng is not None:
             set_rng_state(rng)
+        self.rng_restored = rng is not None
         if not same_world:
-            self.info("resume: world size or tensor parallelism changed; RNG states are seeded afresh, "
-                      "not restored (the data order is global and does not depend on them)")
+            self.info("resume: world size or tensor parallelism changed; RNG states are seeded afresh from "
+                      "the seed, the data-parallel rank and the step, not restored (the data order is "
+                      "global and does not depend on them)")
         elif without_rng and self.rank == 0:
             shown = ", ".join(map(str, without_rng[:8])) + (
                 f" (+{len(without_rng) - 8} more)" if len(without_rng) > 8 else "")
