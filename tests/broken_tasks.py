@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
+from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -438,3 +441,21 @@ class NextByteText(Task):
 
     def text_tokenizer(self):
         return ByteTokenizer()
+
+
+class Activation(enum.Enum):
+    relu = "relu"
+    gelu = "gelu"
+
+
+class TypedOptions(ImageClassification):
+    """Options typed as an Enum, a path and a Literal (found by a user trial: the Enum and the path
+    trained, then every save failed to record them; the Literal made the task unusable from the
+    command line)."""
+
+    @dataclasses.dataclass
+    class Options(ImageClassification.Options):
+        activation: Activation = Activation.relu
+        notes: Path = Path("notes")
+        pooling: Literal["mean", "first"] = "mean"
+        width: int | None = None

@@ -43,7 +43,7 @@ from shardtrain.errors import ConfigError, DataError
 from shardtrain.export.consolidate import consolidate
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.samples import MapSamples, batch_size, to_device
-from shardtrain.tasks.task import LossOutput, Task, task_from_config
+from shardtrain.tasks.task import LossOutput, Task, task_config_of, task_from_config
 from shardtrain.train.simulate import simulate
 
 # The example tasks and the broken ones (tests/broken_tasks.py), importable by every worker.
@@ -454,6 +454,38 @@ def test_a_model_built_in_bf16_trains_fp32_master_weights(tmp_path):
                      r"bfloat16\) are stored in float32", proc.stderr), proc.stderr[-3000:]
     records = read_metrics(tmp_path)
     assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
+
+
+def test_options_typed_enum_path_and_literal_are_set_recorded_and_resumed(monkeypatch, tmp_path):
+    """Found by a user trial: an Enum or a path option trained, then every save failed ("Object of
+    type Activation is not JSON serializable", said as a filesystem failure); a Literal one made the
+    task unusable from the command line, even unset. They are recorded as plain values (the Enum by
+    name) and read back as their types at a resume; a Literal is checked against its choices."""
+    common = ["train", "task=broken_tasks:TypedOptions", "task.depth=1", "task.dim=16",
+              "task.activation=gelu", f"task.notes={tmp_path / 'notes'}", "task.pooling=first",
+              "trainer.micro_batch_size=2",
+              "checkpoint.interval=2", "run.trackers=[]", f"run.dir={tmp_path}"]
+    first = run_cli(*common, "trainer.max_steps=2", env=TASK_PATH, timeout=180)
+    assert first.returncode == 0, first.stderr[-3000:]
+    state = json.loads((tmp_path / "checkpoints" / "step-2" / "trainer_state.json").read_text())
+    options = state["config"]["task"]["options"]
+    assert (options["activation"], options["notes"], options["pooling"], options["width"]) == (
+        "gelu", str(tmp_path / "notes"), "first", None)
+    assert "activation: gelu" in (tmp_path / "config.yaml").read_text()
+    resumed = run_cli(*common, "trainer.max_steps=3", env=TASK_PATH, timeout=180)
+    assert resumed.returncode == 0 and "resume: newest complete checkpoint is" in resumed.stderr, \
+        resumed.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path)][-1] == 3
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    with pytest.raises(ConfigError, match=r"^task.pooling='last' is unknown; choose one of mean, first$"):
+        load_config(["task=broken_tasks:TypedOptions", "task.pooling=last"])
+    typed = task_from_config(load_config(["task=broken_tasks:TypedOptions", "task.activation=gelu",
+                                          "task.notes=/data/notes"])).options
+    assert (typed.activation.name, typed.notes, typed.pooling) == ("gelu", Path("/data/notes"), "mean")
+    # through the library: the object's options are recorded the same way
+    task = importlib.import_module("broken_tasks").TypedOptions(notes=Path("/n"), pooling="first")
+    assert {k: task_config_of(task).options[k] for k in ("activation", "notes", "pooling")} == {
+        "activation": "relu", "notes": "/n", "pooling": "first"}
 
 
 def test_a_task_of_its_own_with_a_text_tokenizer_samples_text(tmp_path):

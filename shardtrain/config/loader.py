@@ -12,13 +12,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 from shardtrain.accelerator import accelerator_count, check_float8, device_type
 from shardtrain.config.classpath import import_module_class, import_object, qualified_name
 from shardtrain.config.compose import check_ranges, compose_config
 from shardtrain.config.keys import boolean_spelling
+from shardtrain.config.options import read_options
 from shardtrain.config.plan import (
     check_tensor_parallel_in_nodes,
     check_tensor_parallel_support,
@@ -71,14 +69,8 @@ def check_task_section(cfg: Config) -> None:
             # OmegaConf reads any integer as true, as for the schema's own booleans (config/keys.py).
             raise ConfigError(f"task.{f.name}={raw!r} is not a boolean: write task.{f.name}=true or "
                               f"task.{f.name}=false")
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(options_cls), cfg.task.options)
-        options = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or "?"
-        raise ConfigError(f"invalid value for task.{key}: {str(exc).splitlines()[0]}") from exc
+    options, cfg.task.options = read_options(options_cls, cfg.task.options)
     check_ranges(options, options_cls, "task.")
-    cfg.task.options = OmegaConf.to_container(merged)
 
 
 # The class every task derives from (tasks/task.py; named, not imported: the config layer is below it).

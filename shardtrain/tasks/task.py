@@ -25,10 +25,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
 from shardtrain.config.classpath import import_object, qualified_name
+from shardtrain.config.options import plain_options, read_options
 from shardtrain.config.schema import Config, TaskConfig
 from shardtrain.data.batches import SampleSource
 from shardtrain.data.tokenizer import Tokenizer
@@ -339,7 +339,7 @@ def check_task(task: Any) -> Task:
 def task_config_of(task: Task) -> TaskConfig:
     """The config section that names ``task`` and its options (recorded in config.yaml and every
     checkpoint, also for a task handed to ``run_training`` as an object)."""
-    options = dataclasses.asdict(task.options) if dataclasses.is_dataclass(task.options) else {}
+    options = plain_options(task.options) if dataclasses.is_dataclass(task.options) else {}
     factory = getattr(task, "model_factory", None)
     return TaskConfig(path=qualified_name(type(task)), options=options,
                       model_factory=None if factory is None else qualified_name(factory))
@@ -360,7 +360,7 @@ def task_from_config(cfg: Config) -> Task:
                               "plan, every worker): declare them as fields of an Options dataclass on the "
                               "class (docs/tasks.md), set with task.NAME=VALUE")
         return check_task(cls())
-    options = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls.Options), cfg.task.options))
+    options, _ = read_options(cls.Options, cfg.task.options)
     return check_task(construct(cls, options))
 
 
