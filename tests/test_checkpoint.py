@@ -899,3 +899,10 @@ def test_a_full_disk_beneath_torchs_writer_error_is_named():
     message = save_failed(2, "/r/.step-2.tmp", torch_error, "step-1")
     assert message == ("saving step 2 to /r/.step-2.tmp failed: [Errno 28] No space left on device; "
                        "free space on run.dir's filesystem (or raise its quota) (step-1 is intact)")
+    # A value the checkpoint cannot hold is not the filesystem's fault (found by a trial: a task's
+    # Enum option was "check run.dir's filesystem").
+    unrecordable = TypeError("Object of type Act is not JSON serializable")
+    message = save_failed(2, "/r/.step-2.tmp", unrecordable, "step-1")
+    assert message == ("saving step 2 to /r/.step-2.tmp failed: TypeError: Object of type Act is not JSON "
+                       "serializable; this is no filesystem failure but a value the checkpoint cannot hold, "
+                       "or a defect (in the task's code or shardtrain's): report it (step-1 is intact)")

@@ -80,6 +80,10 @@ def save_fix(exc: BaseException) -> str:
         return "make run.dir's checkpoints directory writable"
     if code == errno.EFBIG:
         return "raise the file size limit (ulimit -f) above a checkpoint file's size"
+    if code is None and not isinstance(exc, OSError):
+        # A TypeError recording a task's option was told to check the filesystem (found by a trial).
+        return ("this is no filesystem failure but a value the checkpoint cannot hold, or a defect (in "
+                "the task's code or shardtrain's): report it")
     return "check run.dir's filesystem (free space, permissions, what is in its checkpoints directory)"
 
 
