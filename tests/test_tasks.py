@@ -411,6 +411,9 @@ def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
                                      "'Blok'"),
     ("broken_tasks:MovesModel", 1, "the model was moved (.to(device), .cuda(), .cpu()) while it was being "
                                    "built: build_model runs with parameters on the meta device"),
+    ("broken_tasks:LateParameter", 1, "parameters late_head.weight, late_head.bias were added to the model "
+                                      "after it was sharded (made inside loss, or a lazy module such as "
+                                      "nn.LazyLinear): the optimizer and the checkpoints do not hold them"),
     ("broken_tasks:VectorLoss", 1, "returned a loss of shape [2]; it must be a scalar tensor"),
     ("broken_tasks:ItemLoss", 1, "returned a loss of type float (a tensor's .item() leaves nothing to "
                                  "backward); it must be a scalar tensor"),

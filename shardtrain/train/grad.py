@@ -20,15 +20,24 @@ from torch.distributed.tensor import DTensor
 from shardtrain.errors import ModelError
 
 
+def check_gradients_sharded(model: nn.Module) -> None:
+    """Every gradient is a DTensor: sharding put every parameter the model had into some FSDP unit
+    (the root covers the rest), so a plain one belongs to a parameter added after it, whose norm
+    would be counted once per rank and which no optimizer holds."""
+    late = [name for name, param in model.named_parameters()
+            if param.grad is not None and not isinstance(param.grad, DTensor)]
+    if late:
+        shown = ", ".join(late[:4]) + (f" and {len(late) - 4} more" if len(late) > 4 else "")
+        raise ModelError(f"parameters {shown} were added to the model after it was sharded (made inside "
+                         "loss, or a lazy module such as nn.LazyLinear): the optimizer and the checkpoints "
+                         "do not hold them and their gradients are not sharded; create every parameter in "
+                         "build_model")
+
+
 def global_grad_norm(params: Iterable[nn.Parameter], mesh: DeviceMesh) -> torch.Tensor:
-    """Global L2 norm of all gradients, identical on every rank (fp32 scalar)."""
-    # Every parameter is inside some FSDP unit (the root covers the rest), so every gradient is a
-    # DTensor; a plain tensor here would be counted once per rank without anyone noticing.
+    """Global L2 norm of all gradients, identical on every rank (fp32 scalar); ``params``' gradients
+    are DTensors (``check_gradients_sharded``)."""
     grads = [p.grad for p in params if p.grad is not None]
-    if any(not isinstance(g, DTensor) for g in grads):
-        raise ModelError("some gradients are plain tensors, not DTensors: a parameter sits outside every "
-                         "fully_shard unit, so its norm would be counted once per rank; shard the whole "
-                         "model (fully_shard on the root) before training")
     # Summed on the mesh's device: with CPU offload the gradients live on the CPU while the
     # collective runs on the accelerator. One norm kernel per device and dtype, not three small
     # kernels per gradient (thousands of launches at 405B, just before the step's host read);

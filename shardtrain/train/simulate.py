@@ -63,7 +63,7 @@ from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.samples import tensors_of
 from shardtrain.tasks.task import Task, run_wrap_policy, task_from_config
 from shardtrain.train.ema import WeightAverage
-from shardtrain.train.grad import clip_grads_, clip_scale, global_grad_norm
+from shardtrain.train.grad import check_gradients_sharded, clip_grads_, clip_scale, global_grad_norm
 from shardtrain.train.optim import build_optimizer
 from shardtrain.train.step import loss_context, prepare_micro_batch
 
@@ -316,6 +316,7 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int, task: T
                 tracker.stage = "gradient norm"
                 grads = state_bytes(model, None).grads
                 params = [p for p in model.parameters() if p.grad is not None]
+                check_gradients_sharded(model)
                 norm = global_grad_norm(params, mesh)
                 if trainer.grad_clip_norm > 0:
                     clip_grads_(params, clip_scale(trainer.grad_clip_norm, norm))

@@ -40,7 +40,7 @@ from shardtrain.distributed.parallelize import reshard_all
 from shardtrain.errors import TrainingError
 from shardtrain.tasks.samples import batch_size, to_device
 from shardtrain.tasks.task import LossOutput, Task
-from shardtrain.train.grad import clip_grads_, clip_scale, global_grad_norm
+from shardtrain.train.grad import check_gradients_sharded, clip_grads_, clip_scale, global_grad_norm
 from shardtrain.train.optim import skips_on_device, step_unless
 
 
@@ -428,6 +428,7 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
         check_metric_names(task, metrics.kinds or (), reserved_names)
 
     params = [p for p in model.parameters() if p.grad is not None]
+    check_gradients_sharded(model)
     if divisor is None:
         global_count = global_sum_tensor(returned_count.clone(), copies)
         clip_grads_(params, (1.0 / global_count).float())
