@@ -631,6 +631,30 @@ def test_resume_falls_back_past_every_damaged_checkpoint(two_rank_run, tmp_path)
         assert inspect_path(ckpts / f"step-{step}").complete  # the new step-N is whole
 
 
+def test_a_checkpoint_renamed_by_hand_is_named_skipped_and_moved_aside(two_rank_run, tmp_path):
+    """Found by a trial: step-10 replaced by a copy of step-8 was trusted by its name: inspect found
+    no problem, resume=auto resumed "step-10" at step 8 and then refused at every restart to save
+    step 10 over it (a crash loop). It is named, skipped, and moved aside when step 10 is saved."""
+    import shutil
+
+    source, losses = two_rank_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(source, run_dir)
+    ckpts = run_dir / "checkpoints"
+    shutil.rmtree(ckpts / "step-10")
+    shutil.copytree(ckpts / "step-8", ckpts / "step-10")
+    message = (f"checkpoint {str(ckpts / 'step-10')!r} holds step 8 (its trainer_state.json), not step 10 "
+               "as its name says: copied or renamed by hand; name it step-8, or use another checkpoint")
+    inspect = run_cli("inspect", str(ckpts / "step-10"))
+    assert inspect.returncode != 0 and f"problem:    {message}" in inspect.stdout, inspect.stdout[-2000:]
+    resumed = run_cli("train", *QUICK, *TEN_STEPS, f"run.dir={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resume: skipping {ckpts / 'step-10'}: {message}" in resumed.stderr, resumed.stderr[-3000:]
+    assert f"newest complete checkpoint is {ckpts / 'step-8'} (step 8)" in resumed.stderr
+    assert [r["loss"] for r in read_metrics(run_dir)][-2:] == losses[8:10]
+    assert [p.name.split(".")[0] for p in ckpts.iterdir() if ".damaged-" in p.name] == ["step-10"]
+
+
 def test_resume_auto_refuses_when_every_checkpoint_is_damaged(two_rank_run, tmp_path):
     import shutil
 

@@ -40,14 +40,13 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from shardtrain.checkpoint.peft_adapter import ADAPTER_CONFIG
 from shardtrain.checkpoint.safetensors_files import DCP_METADATA_FILE, INDEX_FILE, SINGLE_FILE
-from shardtrain.checkpoint.state import STATE_FILE, TrainState
+from shardtrain.checkpoint.state import STATE_FILE, STEP_DIR, TrainState
 from shardtrain.durable import fsync_path as fsync_path  # re-exported: the checkpointer syncs through it
 from shardtrain.errors import CheckpointError
 from shardtrain.models.hf_directory import is_model_directory
 
 METADATA_FILE = DCP_METADATA_FILE  # DCP's, named where the export check needs it too
 LIGHTNING_META_FILE = "meta.pt"
-STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^\.step-(\d+)\.tmp$")
 # What a crashed save or a crashed deletion leaves: never loadable, and never written by anything else.
 ABANDONED_DIR = re.compile(r"^\.step-\d+\.(?:tmp|deleting)$")

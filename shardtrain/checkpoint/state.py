@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import time
 import types
 import typing
@@ -45,6 +46,8 @@ def state_digest(raw: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 STATE_FILE = "trainer_state.json"
+# A committed checkpoint's directory, named by the step it holds.
+STEP_DIR = re.compile(r"^step-(\d+)$")
 FORMAT_FAMILY = "shardtrain-checkpoint-v"
 # Fields added within a format are those an older reader may drop (TrainState.read does); a field
 # that must not be ignored comes with a new format, which an older reader refuses.
@@ -309,6 +312,14 @@ class TrainState:
         if "mesh_shape" in raw and any(size < 1 for size in raw["mesh_shape"]):
             raise CheckpointError(f"checkpoint {str(directory)!r}: {STATE_FILE} field 'mesh_shape' is "
                                   f"{raw['mesh_shape']}; the file is damaged, use another checkpoint")
+        named = STEP_DIR.match(directory.name)
+        if named and int(named.group(1)) != raw["step"]:
+            # Trusted by its name, it was resumed at the wrong step, then collided with the save of
+            # the step it is named after at every restart (found by a trial).
+            raise CheckpointError(f"checkpoint {str(directory)!r} holds step {raw['step']} (its "
+                                  f"{STATE_FILE}), not step {named.group(1)} as its name says: copied or "
+                                  "renamed by hand; "
+                                  f"name it step-{raw['step']}, or use another checkpoint")
         check_saved_config(directory, raw["config"])
         # Last: a damaged field whose value has the wrong type or range is named above. Files saved
         # before 2026-11-30 have no digest.
