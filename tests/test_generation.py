@@ -205,6 +205,24 @@ def test_text_stream_prints_whole_characters():
     assert "".join(pieces) == "a\ufffd\ufffdA" and bad.flush() == "\ufffd"
 
 
+def test_a_metaspace_stream_keeps_the_space_after_the_prompt(tmp_path):
+    """Found by review: the stream started at the first generated token, and a Metaspace decoder
+    (Llama 2, Mistral v0.3) drops the space of a sequence's first word: "Hello" + "world again"
+    printed "Helloworld again" where the decode is "Hello world again"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "\u2581Hello": 1, "\u2581world": 2, "\u2581again": 3},
+                                       unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    words.decoder = decoders.Metaspace(prepend_scheme="first")
+    words.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer(tmp_path / "tokenizer.json")
+    prompt = tokenizer.encode("Hello", special_tokens=False)
+    assert prompt == [1] and tokenizer.decode([1, 2, 3]) == "Hello world again"
+    stream = tokenizer.stream(prompt)
+    assert "Hello" + "".join(stream.push(i) for i in (2, 3)) + stream.flush() == "Hello world again"
+
+
 def numeric_flags(command: str) -> list[argparse.Action]:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return [a for a in sub.choices[command]._actions if a.type in (int, float)]

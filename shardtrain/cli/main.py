@@ -264,7 +264,7 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         stops = tokenizer.stop_ids | (tokenizer.turn_end_ids if args.chat else frozenset())
 
         def run(model, index: int, ids: list[int], on_text) -> None:
-            stream = tokenizer.stream()  # tokens -> whole characters, as they become final
+            stream = tokenizer.stream(ids)  # tokens -> whole characters, continuing the prompt's
             generate(model, ids, args.max_new_tokens,
                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                      seed=args.seed + index, use_cache=not args.no_cache,

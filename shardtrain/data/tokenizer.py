@@ -11,7 +11,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cached_property, partial
 from pathlib import Path
 from typing import Protocol
@@ -58,7 +58,7 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
-    def stream(self) -> TextStream: ...
+    def stream(self, prompt_ids: Sequence[int] = ()) -> TextStream: ...
 
 
 class ByteStream:
@@ -147,17 +147,25 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
-    def stream(self) -> ByteStream:
+    def stream(self, prompt_ids: Sequence[int] = ()) -> ByteStream:
+        """The prompt is whole characters (it was text): nothing of it is pending."""
         return ByteStream()
 
 
 class HFStream:
     """Token ids -> text as it becomes final (``tokenizers``' DecodeStream: byte-level BPE tokens that
-    end inside a character print nothing until the character is whole)."""
+    end inside a character print nothing until the character is whole), continuing ``prompt_ids``:
+    Metaspace decoders (Llama 2, Mistral) drop the space of a sequence's first word, so a stream
+    started at the first generated token printed "Helloworld" for "Hello" + " world" (found by
+    review). The prompt is stepped through and its text discarded (DecodeStream's own prefill
+    argument is newer than the tokenizers we accept)."""
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer) -> None:
+    def __init__(self, tokenizer: tokenizers.Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=False)
+        for token in prompt_ids:
+            self._stream.step(tokenizer, token)
+        self._prompt = list(prompt_ids)
         self._ids: list[int] = []
         self._printed: list[str] = []
 
@@ -170,8 +178,11 @@ class HFStream:
     def flush(self) -> str:
         """What the ids decode to beyond what was printed: a character the last tokens left
         unfinished, as U+FFFD (as the byte tokenizer's stream ends one)."""
-        whole, printed = self._tokenizer.decode(self._ids, skip_special_tokens=False), "".join(self._printed)
-        return whole[len(printed):] if whole.startswith(printed) else ""
+        decode = partial(self._tokenizer.decode, skip_special_tokens=False)
+        whole, prompt = decode(self._prompt + self._ids), decode(self._prompt)
+        printed = "".join(self._printed)
+        added = whole[len(prompt):] if whole.startswith(prompt) else decode(self._ids)
+        return added[len(printed):] if added.startswith(printed) else ""
 
 
 def raise_exception(message: str) -> None:
@@ -415,8 +426,8 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=False)
 
-    def stream(self) -> HFStream:
-        return HFStream(self._tokenizer)
+    def stream(self, prompt_ids: Sequence[int] = ()) -> HFStream:
+        return HFStream(self._tokenizer, prompt_ids)
 
 
 def token_dtype(vocab_size: int) -> type:
