@@ -146,9 +146,9 @@ def equivalence_and_resume(out: str, cases: dict[str, dict], hf_dirs: dict[str, 
     # ... and from the step: seeded as a fresh run's, each resume at another size drew step 1's
     # dropout masks again (found by a review)
     with random_streams_kept():
-        seed_random_streams(tp_cfg.trainer.seed, second.dp_rank)
+        seed_random_streams(tp_cfg.trainer.seed, second.env.rank // 2)
         assert not torch.equal(torch.get_rng_state(), streams[second.env.rank])
-        seed_random_streams(tp_cfg.trainer.seed, second.dp_rank, SPLITS[0])
+        seed_random_streams(tp_cfg.trainer.seed, second.env.rank // 2, SPLITS[0])
         assert torch.equal(torch.get_rng_state(), streams[second.env.rank])
     interrupted(second, SPLITS[1] - SPLITS[0])
     tp_weights = second.full_weights()

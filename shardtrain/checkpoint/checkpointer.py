@@ -411,7 +411,6 @@ class Checkpointer:
         # the last load found one (a checkpoint saved without it leaves it to the caller).
         self.average = average
         self.average_restored = False
-        self.rng_restored = False  # this rank's random streams, by the last load
         # trainer.monitor's judge (checkpoint.keep_best, trainer.early_stop_patience): its record goes
         # into every save's trainer state, and the prune after the commit keeps the steps it ranks.
         self.best = best
@@ -956,7 +955,9 @@ class Checkpointer:
         self.scheduler.load_state_dict(trainer_state.scheduler)
         if rng is not None:
             set_rng_state(rng)
-        self.rng_restored = rng is not None
+        else:  # from the step too: seeded as at step 0, each such resume drew step 1's draws again
+            data_parallel_rank = self.rank // self.plan.tensor_parallel  # tensor-parallel peers share one
+            seed_random_streams(self.cfg.trainer.seed, data_parallel_rank, trainer_state.step)
         if not same_world:
             self.info("resume: world size or tensor parallelism changed; RNG states are seeded afresh from "
                       "the seed, the data-parallel rank and the step, not restored (the data order is "

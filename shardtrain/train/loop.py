@@ -209,7 +209,6 @@ class Trainer:
         # A fresh run's streams (a resume at the same layout restores each rank's from its checkpoint).
         # Tensor-parallel peers share one: they compute on the same micro-batches.
         seed_random_streams(t.seed, dp_rank)
-        self.dp_rank = dp_rank
         self.step = 0
         self.result = TrainResult()
         # A dry run checks a configuration: it leaves the run's records (metrics.jsonl, config.yaml)
@@ -385,8 +384,6 @@ class Trainer:
             asked_lrs = list(self.built.scheduler.base_lrs)  # the load replaces them with the saved
             with self.resume_watched():
                 state = self.checkpointer.load(path)
-            if not self.checkpointer.rng_restored:  # another world size, or its rng file missing
-                seed_random_streams(self.cfg.trainer.seed, self.dp_rank, state.step)
             self.step = self.last_saved_step = state.step
             self.evaluation_due = state.evaluation_due
             self.result.count_seen = state.tokens_seen
