@@ -375,6 +375,40 @@ def test_a_launch_log_that_cannot_be_written_does_not_hang_the_workers(tmp_path)
     assert "Traceback" not in proc.stderr
 
 
+def test_a_failure_the_full_launch_log_lost_is_still_named_with_its_status(tmp_path, capsys):
+    """Found by a trial: run.dir's disk full under the launcher, the console said "the training
+    processes exited with status 1 without an error record" (the records and the log could not be
+    written) and the workers' "free space on run.dir's filesystem" line was lost. The pipe's reader
+    keeps what the log could not take of the workers' last lines and torchrun's report."""
+    import errno
+    import io
+
+    from shardtrain.cli.launch import UNWRITTEN, split_stderr
+
+    class FullDisk(io.StringIO):
+        name = str(tmp_path / "launch.log")
+
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    (tmp_path / "launch.log").write_text("")  # created before the disk filled
+    worker = ("shardtrain: error: [rank 0] saving step 6 to /run/checkpoints/.step-6.tmp failed: [Errno 28] "
+              "No space left on device; free space on run.dir's filesystem (or raise its quota) (step-4 is "
+              "intact)\n")
+    stream = io.StringIO("[shardtrain] step 5/12\nTraceback (most recent call last):\n" + worker
+                         + worker.replace("[rank 0]", "[rank 1]") + torchrun_report((0, 2), (1, 2)))
+    console = io.StringIO()
+    try:
+        split_stderr(stream, FullDisk(), console)
+        assert "cannot write the launch log" in console.getvalue()
+        assert launch_outcome(1, tmp_path, 0.0, tmp_path / "launch.log") == 2
+    finally:
+        UNWRITTEN.pop(str(tmp_path / "launch.log"), None)
+    line = capsys.readouterr().err
+    assert line.startswith("shardtrain: error: saving step 6 to /run/checkpoints/.step-6.tmp failed: "
+                           "[Errno 28] No space left on device; free space on run.dir's filesystem"), line
+
+
 def test_a_launch_log_that_cannot_be_created_is_one_line(tmp_path):
     """The log's directory cannot be made (here a file is in the way; a full disk or a quota alike):
     one line before torchrun starts, not a traceback."""

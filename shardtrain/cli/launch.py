@@ -191,6 +191,22 @@ def restart_line(line: str, restarts_left: int, restarts: int) -> str | None:
             f"checkpoint (restart {attempt} of {restarts}, trainer.max_restarts)\n")
 
 
+# What a launch log could not take (run.dir's disk full) of what its readers below look for: the
+# workers' last lines and torchrun's final report, kept by the pipe's reader, by the log's path. The
+# console's one line then still names the failure and its exit status (found by a trial: "exited
+# with status 1 without an error record", the workers' "free space" line lost with the log).
+UNWRITTEN: dict[str, list[str]] = {}
+UNWRITTEN_MOST = 2000
+
+
+def keep_unwritten(log: IO[str], line: str, reporting: bool) -> None:
+    """Keep ``line`` for the log's readers if it is one they look for (``reporting``: inside
+    torchrun's final report)."""
+    kept = UNWRITTEN.setdefault(str(getattr(log, "name", "")), [])
+    if (reporting or line.startswith(COMMAND_END)) and len(kept) < UNWRITTEN_MOST:
+        kept.append(line)
+
+
 def split_stderr(stream: IO[str], log: IO[str], console: IO[str] | None = None, restarts: int = 0) -> None:
     """Workers' log lines to the console (default ``sys.stderr``), every line to the log file, and
     a line for each of the ``restarts`` torchrun's agent may make.
@@ -201,19 +217,25 @@ def split_stderr(stream: IO[str], log: IO[str], console: IO[str] | None = None, 
     """
     sinks: dict[str, IO[str] | None] = {"log": log, "console": sys.stderr if console is None else console}
     restarts_left = restarts
+    reporting = False
     for line in stream:
+        reporting = reporting or "ChildFailedError" in line
         if (said := restart_line(line, restarts_left, restarts)) is not None:
             restarts_left -= 1
             if sinks["console"] is not None and write_line(sinks["console"], said):
                 sinks["console"] = None  # the log still gets the agent's own line, below
         for name, other in (("log", "console"), ("console", "log")):
             sink = sinks[name]
+            if name == "log" and sink is None:
+                keep_unwritten(log, line, reporting)
             if sink is None or (name == "console" and not line.startswith(LOG_PREFIX)):
                 continue
             why = write_line(sink, line)
             if why is None:
                 continue
             sinks[name] = None
+            if name == "log":
+                keep_unwritten(log, line, reporting)
             if name == "log":
                 note = (f"cannot write the launch log {getattr(log, 'name', '')} ({why}); the workers' "
                         "stderr other than their log lines is lost from here on")
@@ -431,12 +453,18 @@ ROOT_CAUSE = "Root Cause (first observed failure)"  # the report lists the other
 EXTERNAL_SIGNALS = {signal.SIGKILL}
 
 
-def final_report(log_file: Path) -> str:
-    """torchrun's final ChildFailedError report in ``log_file`` ("" without one)."""
+def log_text(log_file: Path) -> str:
+    """The launch log, and what of it could not be written (``UNWRITTEN``)."""
     try:
         text = log_file.read_text(errors="replace")
     except OSError:
-        return ""
+        text = ""
+    return text + "".join(UNWRITTEN.get(str(log_file), ()))
+
+
+def final_report(log_file: Path) -> str:
+    """torchrun's final ChildFailedError report in ``log_file`` ("" without one)."""
+    text = log_text(log_file)
     return text[text.rfind("ChildFailedError"):] if "ChildFailedError" in text else ""
 
 
@@ -469,11 +497,7 @@ def root_cause(log_file: Path) -> tuple[int, int] | None:
 def worker_lines(log_file: Path) -> list[str]:
     """The lines the workers' commands ended with (``shardtrain: error: [rank N] ...``,
     ``shardtrain: interrupted``), in the log's order; none if none did (a crash)."""
-    try:
-        with open(log_file, errors="replace") as log:
-            return [line.strip() for line in log if line.startswith(COMMAND_END)]
-    except OSError:
-        return []
+    return [line.strip() for line in log_text(log_file).splitlines() if line.startswith(COMMAND_END)]
 
 
 def first_worker_line(log_file: Path) -> str | None:

@@ -95,7 +95,14 @@ def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -
     its one line when it did not succeed: the rank that failed first (from the failure records
     since ``started``), a rank killed from outside, or an interrupt (Ctrl-C reaches every worker,
     and none recorded a failure)."""
-    from shardtrain.cli.launch import first_worker_line, killed_first, killed_reason
+    from shardtrain.cli.launch import (
+        ERROR_START,
+        failed_rank_line,
+        first_worker_line,
+        killed_first,
+        killed_reason,
+        root_cause,
+    )
     from shardtrain.diagnostics.failures import describe, first_failure
 
     if status == 0:
@@ -117,6 +124,11 @@ def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -
         reason = (f"torchrun's agent was killed by {name} (from outside, or by the out-of-memory killer); "
                   "its workers were stopped" if name == "SIGKILL" else
                   f"stopped by {name} (sent to the launcher or torchrun's agent); its workers were stopped")
+    elif line := failed_rank_line(log_file, cause[0] if (cause := root_cause(log_file)) else None):
+        # No record (run.dir's disk full, or a worker that died writing it): its error line, which
+        # the launcher keeps when the log cannot take it, and the status torchrun reports it gave.
+        reason = line.removeprefix(ERROR_START)
+        status = cause[1] if cause is not None and cause[1] > 0 else status
     else:
         reason = f"the training processes exited with status {status} without an error record"
     print(f"shardtrain: error: {reason}; full log: {log_file}", file=sys.stderr)
