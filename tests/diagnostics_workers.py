@@ -106,6 +106,9 @@ def rails(out: str) -> None:
         torch.optim.AdamW(sharded_model.parameters(), lr=1e-3)
 
     expect_error(out, "no_return", BypassModel, optimizer_factory=no_return)
+    # an optimizer where its factory belongs (found by a user trial: "'AdamW' object is not callable")
+    expect_error(out, "instance", BypassModel,
+                 optimizer_factory=torch.optim.AdamW(BypassModel().parameters(), lr=1e-3))
     # each rank its own run.dir, as node-local disks give it: stopped before any model exists
     expect_error(out, "unshared", BypassModel, run_dir=f"{out}/unshared-rank{os.environ['RANK']}",
                  checkpoints=True)

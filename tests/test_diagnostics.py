@@ -46,6 +46,8 @@ def test_rails_in_library_use(tmp_path):
                 "belong to one unit only",
         "optimizer": "it was built before sharding",
         "no_return": "the optimizer factory returned NoneType, not a torch.optim.Optimizer",
+        "instance": "optimizer_factory is an optimizer, built before the model was sharded: pass a "
+                    "function that builds the optimizer from the sharded model",
         "unshared": f"run.dir is not shared: rank 1 (host {socket.gethostname()}) does not see the files "
                     f"rank 0 writes in {tmp_path / 'unshared-rank0'}",
     }

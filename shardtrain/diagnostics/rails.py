@@ -18,8 +18,21 @@ from shardtrain.errors import DataError, ModelError
 log = logging.getLogger("shardtrain")
 
 
+def check_optimizer_factory(factory: object) -> None:
+    """``optimizer_factory`` is a function of the sharded model, not an optimizer (found by a user
+    trial: an AdamW passed in its place was a bare "'AdamW' object is not callable" traceback)."""
+    if factory is None or callable(factory):
+        return
+    what = ("an optimizer, built before the model was sharded" if isinstance(factory, torch.optim.Optimizer)
+            else f"a {type(factory).__name__}, not a function")
+    raise ModelError(f"optimizer_factory is {what}: pass a function that builds the optimizer from "
+                     "the sharded model, optimizer_factory=lambda model: "
+                     "torch.optim.AdamW(model.parameters(), ...)")
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    """The optimizer must hold exactly the model's trainable sharded DTensor parameters."""
+    """The optimizer must hold only the model's trainable sharded DTensor parameters (a trainable one
+    it leaves out is said: it does not train)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ModelError(f"the optimizer factory returned {type(optimizer).__name__}, not a torch.optim."
                          "Optimizer: it must return the optimizer it builds on the sharded model (a "

@@ -56,7 +56,7 @@ from shardtrain.diagnostics.failures import is_failure, record_exception
 from shardtrain.diagnostics.memory import PhaseMemory, adapter_summary, state_bytes
 from shardtrain.diagnostics.planner import BatchChoice
 from shardtrain.diagnostics.profiler import StepProfiler
-from shardtrain.diagnostics.rails import check_same_counts
+from shardtrain.diagnostics.rails import check_optimizer_factory, check_same_counts
 from shardtrain.diagnostics.report import (
     DtypeProbe,
     dtype_lines,
@@ -298,6 +298,7 @@ class Trainer:
         so one config can start several runs (at other world sizes, ``auto`` chooses afresh)."""
         # A shallow copy suffices: start-up replaces the config's sections, never edits one in place.
         cfg = replace(cfg)
+        check_optimizer_factory(optimizer_factory)  # before any process group
         check_not_one_of_many()  # the library's entry to training, as the command's
         check_manual_launch_shape(cfg.trainer.num_nodes)
         check_restarts_resume(cfg.checkpoint.enabled)
