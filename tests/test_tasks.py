@@ -479,6 +479,14 @@ def test_options_typed_enum_path_and_literal_are_set_recorded_and_resumed(monkey
     assert resumed.returncode == 0 and "resume: newest complete checkpoint is" in resumed.stderr, \
         resumed.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path)][-1] == 3
+    # An option changed at a resume is said as changed, not as a changed data order, which a task's
+    # option (here one its model alone reads) need not make (found by a user trial).
+    changed = run_cli(*[a for a in common if a != "task.pooling=first"], "task.pooling=mean",
+                      "trainer.max_steps=4", env=TASK_PATH, timeout=180)
+    assert changed.returncode == 0, changed.stderr[-3000:]
+    assert "the task's options differ from the checkpoint's (task.pooling 'first' -> 'mean'): where they " \
+           "change its data" in changed.stderr and "data order differs" not in changed.stderr, \
+        changed.stderr[-3000:]
     monkeypatch.syspath_prepend(str(EXAMPLES))
     with pytest.raises(ConfigError, match=r"^task.pooling='last' is unknown; choose one of mean, first$"):
         load_config(["task=broken_tasks:TypedOptions", "task.pooling=last"])

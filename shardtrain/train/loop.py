@@ -425,8 +425,16 @@ class Trainer:
         if order := state.data_order_changes(self.cfg, self.train_data.windows.num_samples,
                                              packing_of(self.train_data.windows),
                                              part_sample_counts(self.train_data.windows)):
-            warnings.append(f"the data order differs from the checkpoint's ({'; '.join(order)}): the saved "
-                            "position is read in the new order, so samples may repeat or be skipped")
+            if all(change.startswith("task.") for change in order):
+                # A task's options may shape its model alone: the order is not known to have changed
+                # (found by a trial: "the data order differs" for a model-only option).
+                warnings.append(f"the task's options differ from the checkpoint's ({'; '.join(order)}): "
+                                "where they change its data, the saved position is read in the new order, "
+                                "so samples may repeat or be skipped")
+            else:
+                warnings.append(f"the data order differs from the checkpoint's ({'; '.join(order)}): the "
+                                "saved position is read in the new order, so samples may repeat or be "
+                                "skipped")
         if schedule := self.schedule_changes(state.config.get("trainer", {}), asked_lrs):
             warnings.append("the learning-rate schedule differs from the checkpoint's "
                             f"({'; '.join(schedule)})")
