@@ -229,6 +229,10 @@ def test_devices_relaunches_under_torchrun(tmp_path, single_process_losses):
         # found by review: neither named its key, and AUTO not its spelling
         (["checkpoint.resume=AUTO"], "checkpoint.resume='AUTO' does not exist; the choice is spelt in lower "
                                      "case: checkpoint.resume=auto"),
+        # found by a trial: it suggested a run directory, which resume=PATH then refuses
+        (["checkpoint.resume=/no/such/step-4"],
+         "checkpoint.resume='/no/such/step-4' does not exist; name a checkpoint directory (a run's "
+         "checkpoints/step-N), auto or none"),
         (["model.init_from=nowhere"], "shardtrain: error: model.init_from='nowhere' does not exist"),
         # a bare class name is looked up before launch (found by review: after it, by every worker)
         (["strategy.wrap_policy=[TransformerBlok]", "trainer.devices=2"],

@@ -97,7 +97,7 @@ def check_resume(cfg: Config) -> None:
             spelled = choice.lower() in ("auto", "none")  # AUTO, None: the words, not a path
             raise CheckpointError(f"checkpoint.resume={choice!r} does not exist" + (
                 f"; the choice is spelt in lower case: checkpoint.resume={choice.lower()}" if spelled else
-                "; name a checkpoint directory (step-N), a run directory, auto or none"))
+                "; name a checkpoint directory (a run's checkpoints/step-N), auto or none"))
         layout.verify(path)
         layout.refuse_newer_checkpoints(root, path)
 
