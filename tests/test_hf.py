@@ -35,6 +35,22 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+def test_the_built_in_models_export_names_its_tokenizers_end_of_text(tmp_path):
+    """Found by review: config.json's eos_token_id was null even for a run with a Hugging Face
+    tokenizer that has one, and transformers' generate then never stopped at the end of text."""
+    from hf_models import make_model_dir
+
+    from shardtrain.data.tokenizer import HFTokenizer
+    from shardtrain.export.hf import special_token_ids
+
+    directory = make_model_dir(tmp_path / "model", "llama")
+    tokenizer = HFTokenizer(directory)
+    assert tokenizer.eos_id is not None
+    ids = special_token_ids(ModelConfig(tokenizer=str(directory)))
+    assert ids["eos_token_id"] == tokenizer.eos_id and ids.get("bos_token_id") == tokenizer.bos_id
+    assert special_token_ids(ModelConfig(tokenizer="bytes")) == {}  # the byte tokenizer has neither
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_export_loads_in_transformers_with_matching_logits(tmp_path, tied):
     run_dir = tmp_path / "run"

@@ -334,6 +334,7 @@ class HFTokenizer:
         self.eos_token = special_token(config, "eos_token")
         self.bos_token = special_token(config, "bos_token")
         self.eos_id = self._tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        self.bos_id = self._tokenizer.token_to_id(self.bos_token) if self.bos_token else None
         if self.eos_token and self.eos_id is None:
             raise DataError(f"{config_file}: eos_token {self.eos_token!r} is not in {file}'s vocabulary")
         self.stop_ids = frozenset({self.eos_id} - {None}) | generation_stops(file.parent, self.vocab_size)

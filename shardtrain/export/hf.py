@@ -46,6 +46,7 @@ from shardtrain.data.tokenizer import (
     TOKENIZER_FILE,
     TOKENIZER_FILES,
     byte_level_tokenizer,
+    load_tokenizer,
     tokenizer_source,
 )
 from shardtrain.errors import CheckpointError
@@ -237,9 +238,19 @@ def write_hf_files(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[], dic
     if cfg.name == "hf":
         return files + write_hf_model_files(cfg, out, out_dtype or torch.float32)
     files += write_tokenizer_files(cfg, out, cfg.max_seq_len)
+    config = hf_config(cfg, out_dtype or torch.float32) | special_token_ids(cfg)
     config_file = out / CONFIG_FILE
-    config_file.write_text(json.dumps(hf_config(cfg, out_dtype or torch.float32), indent=2) + "\n")
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
     return files + [config_file]
+
+
+def special_token_ids(cfg: ModelConfig) -> dict[str, int]:
+    """The run's tokenizer's beginning- and end-of-text ids, for config.json (none for the byte
+    tokenizer, which has neither): left null, transformers' generate never stopped at the end of
+    text (found by review)."""
+    tokenizer = load_tokenizer(tokenizer_source(cfg))
+    ids = {"bos_token_id": getattr(tokenizer, "bos_id", None), "eos_token_id": tokenizer.eos_id}
+    return {key: value for key, value in ids.items() if value is not None}
 
 
 def tokenizer_copies(cfg: ModelConfig) -> dict[str, Path] | None:
