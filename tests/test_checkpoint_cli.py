@@ -91,6 +91,10 @@ def test_a_second_training_in_a_run_directory_is_refused_while_the_first_runs(tm
     again = run_cli(*args)
     assert again.returncode == 0, again.stderr[-3000:]
     assert read_metrics(tmp_path)[-1]["step"] == 3
+    # a dry run of the finished run says that its step runs past the end (it read "step 4/3" alone)
+    past = run_cli(*args, "diagnostics.dry_run=true")
+    assert past.returncode == 0, past.stderr[-3000:]
+    assert "dry run of a finished run (step 3 >= trainer.max_steps=3)" in past.stderr, past.stderr[-3000:]
 
 
 def test_sigterm_saves_exits_cleanly_and_resumes_exactly(tmp_path):

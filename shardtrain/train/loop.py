@@ -759,6 +759,9 @@ class Trainer:
         try:
             self.check_monitor_logged()
             if self.cfg.diagnostics.dry_run:
+                if self.step >= self.cfg.trainer.max_steps:  # its console line reads "step 13/12"
+                    self.info(f"dry run of a finished run (step {self.step} >= trainer.max_steps="
+                              f"{self.cfg.trainer.max_steps}): its one step runs past the end, as a check")
                 self.run_step()
                 self.info("dry run complete: the configuration builds, shards and trains one step")
                 return
