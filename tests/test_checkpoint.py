@@ -204,6 +204,24 @@ def test_a_streamed_file_holds_every_dtype_aligned(tmp_path):
     for name, entry in header.items():
         if name != "__metadata__":
             assert entry["data_offsets"][0] % DTYPES[entry["dtype"]].itemsize == 0, (name, entry)
+    # A write the filesystem refuses names the file (found by a trial: consolidate out of space said
+    # "[Errno 28] No space left on device" and no path; here the file size limit, as real a refusal).
+    import errno
+    import resource
+    import signal
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of killing us
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
+        with pytest.raises(OSError) as refused:
+            write_streamed(tmp_path / "big.safetensors", [("w", torch.float32, (4096,))], {"format": "pt"},
+                           iter([("w", torch.zeros(4096))]))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert refused.value.errno == errno.EFBIG and refused.value.filename == str(tmp_path / "big.safetensors")
+    assert not (tmp_path / "big.safetensors").exists() and not (tmp_path / "big.safetensors.tmp").exists()
     with pytest.raises(CheckpointError, match="which safetensors files cannot hold"):
         write_streamed(tmp_path / "c.safetensors", [("z", torch.complex128, (1,))], {}, iter([]))
     assert not list(tmp_path.glob("c.safetensors*"))

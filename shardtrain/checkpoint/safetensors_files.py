@@ -11,7 +11,7 @@ import errno
 import fnmatch
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -156,9 +156,18 @@ def write_streamed(target: Path, layout: list[TensorLayout], metadata: dict[str,
     in memory, not the file's (the library writes from a dict of every tensor). Atomic, as
     ``save_shard``; the library reads the result (tested)."""
     tmp = target.with_name(target.name + ".tmp")
+
+    def written(call: Callable[..., Any], *args: Any) -> None:
+        try:
+            call(*args)
+        except OSError as exc:  # a file object's write names no file: a full disk said without a path
+            if exc.filename is None and exc.errno is not None:
+                raise OSError(exc.errno, exc.strerror, str(target)) from exc
+            raise
+
     try:
         with open(tmp, "wb") as out:
-            out.write(streamed_header(layout, metadata))
+            written(out.write, streamed_header(layout, metadata))
             expected = iter(layout)
             for name, tensor in tensors:
                 want = next(expected)
@@ -166,9 +175,10 @@ def write_streamed(target: Path, layout: list[TensorLayout], metadata: dict[str,
                     raise RuntimeError(f"streamed tensor {name} {tensor.dtype} {tuple(tensor.shape)} is not "
                                        f"the next of the header, {want}")
                 # Little-endian bytes (the format's, and every platform torch trains on)
-                out.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
+                written(out.write, memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
             if next(expected, None) is not None:
                 raise RuntimeError(f"{target}: fewer tensors streamed than its header holds")
+            written(out.flush)  # what the buffer holds, before close would write it unnamed
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
