@@ -459,6 +459,7 @@ class TypedOptions(ImageClassification):
         notes: Path = Path("notes")
         pooling: Literal["mean", "first"] = "mean"
         width: int | None = None
+        sizes: tuple[int, ...] = (1, 2)
 
 
 class LateParameter(ImageClassification):

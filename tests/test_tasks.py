@@ -491,8 +491,9 @@ def test_options_typed_enum_path_and_literal_are_set_recorded_and_resumed(monkey
     with pytest.raises(ConfigError, match=r"^task.pooling='last' is unknown; choose one of mean, first$"):
         load_config(["task=broken_tasks:TypedOptions", "task.pooling=last"])
     typed = task_from_config(load_config(["task=broken_tasks:TypedOptions", "task.activation=gelu",
-                                          "task.notes=/data/notes"])).options
+                                          "task.notes=/data/notes", "task.sizes=[3,4]"])).options
     assert (typed.activation.name, typed.notes, typed.pooling) == ("gelu", Path("/data/notes"), "mean")
+    assert typed.sizes == (3, 4)  # a tuple, as declared (OmegaConf reads it as a list)
     # through the library: the object's options are recorded the same way
     task = importlib.import_module("broken_tasks").TypedOptions(notes=Path("/n"), pooling="first")
     assert {k: task_config_of(task).options[k] for k in ("activation", "notes", "pooling")} == {

@@ -100,8 +100,12 @@ def read_options(options_cls: type, given: Mapping[str, Any]) -> tuple[Any, dict
             shown = [str(c) for c in choices]
             raise ConfigError(f"task.{name}={value!r} is unknown{closest(str(value), shown)}; choose one of "
                               f"{', '.join(shown)}")
-    if literals:
-        filled = options_cls(**{f.name: getattr(filled, f.name) for f in dataclasses.fields(schema)})
+    values = {f.name: getattr(filled, f.name) for f in dataclasses.fields(schema) if f.init}
+    # OmegaConf reads a tuple as a list: the task gets the type it declared (found by a user trial).
+    tuples = {name: tuple(value) for name, value in values.items()
+              if isinstance(value, list) and tuple in (hints.get(name), typing.get_origin(hints.get(name)))}
+    if literals or tuples:
+        filled = options_cls(**(values | tuples))
     return filled, plain_options(filled)
 
 
