@@ -222,6 +222,14 @@ def test_a_streamed_file_holds_every_dtype_aligned(tmp_path):
         signal.signal(signal.SIGXFSZ, previous)
     assert refused.value.errno == errno.EFBIG and refused.value.filename == str(tmp_path / "big.safetensors")
     assert not (tmp_path / "big.safetensors").exists() and not (tmp_path / "big.safetensors.tmp").exists()
+    # A disk already full: the bytes stay in the buffer, and close's retry of them must not replace
+    # the named error with an unnamed one (found by review); /dev/full refuses every write.
+    if Path("/dev/full").exists():
+        (tmp_path / "full.safetensors.tmp").symlink_to("/dev/full")
+        with pytest.raises(OSError) as full:
+            write_streamed(tmp_path / "full.safetensors", [("w", torch.float32, (4,))], {"format": "pt"},
+                           iter([("w", torch.zeros(4))]))
+        assert full.value.errno == errno.ENOSPC and full.value.filename == str(tmp_path / "full.safetensors")
     with pytest.raises(CheckpointError, match="which safetensors files cannot hold"):
         write_streamed(tmp_path / "c.safetensors", [("z", torch.complex128, (1,))], {}, iter([]))
     assert not list(tmp_path.glob("c.safetensors*"))

@@ -391,7 +391,9 @@ def test_a_failure_the_full_launch_log_lost_is_still_named_with_its_status(tmp_p
         def write(self, text: str) -> int:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    (tmp_path / "launch.log").write_text("")  # created before the disk filled
+    # what the log took before the disk filled: half a line (found by review: the kept lines were
+    # joined onto it, "shardtrain: error: [rashardtrain: error: ...")
+    (tmp_path / "launch.log").write_text("[shardtrain] step 4/12\nshardtrain: error: [ra")
     worker = ("shardtrain: error: [rank 0] saving step 6 to /run/checkpoints/.step-6.tmp failed: [Errno 28] "
               "No space left on device; free space on run.dir's filesystem (or raise its quota) (step-4 is "
               "intact)\n")

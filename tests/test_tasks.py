@@ -26,6 +26,7 @@ from collections import OrderedDict, UserDict, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -498,6 +499,41 @@ def test_options_typed_enum_path_and_literal_are_set_recorded_and_resumed(monkey
     task = importlib.import_module("broken_tasks").TypedOptions(notes=Path("/n"), pooling="first")
     assert {k: task_config_of(task).options[k] for k in ("activation", "notes", "pooling")} == {
         "activation": "relu", "notes": "/n", "pooling": "first"}
+
+
+def test_options_are_recorded_as_given_and_built_once():
+    """Found by review of the reading of Literal options: the record held the values after
+    __post_init__ (a checkpoint of the version before compared unequal: another run's), a rebuild
+    ran __post_init__ again on them (2.0 * 0.5 * 0.5), a field set in __post_init__ beside a Literal
+    made the record unreadable, and a kw_only Options a TypeError."""
+    from shardtrain.config.options import read_options
+
+    @dataclass
+    class Options:
+        dim: int = 8
+        hidden: int = 0  # 0: 4 * dim
+        scale: float = 2.0
+        mode: Literal["mean", "sum"] = "mean"
+        sizes: tuple[int, ...] = (1,)
+        derived: int = field(init=False, default=0)
+
+        def __post_init__(self):
+            self.hidden = self.hidden or 4 * self.dim
+            self.scale *= 0.5
+            self.derived = self.dim + 1
+
+    built, recorded = read_options(Options, {"dim": 16, "sizes": [2, 3]})
+    assert (built.hidden, built.scale, built.sizes, built.derived) == (64, 1.0, (2, 3), 17)
+    assert recorded == {"dim": 16, "hidden": 0, "scale": 2.0, "mode": "mean", "sizes": [2, 3], "derived": 0}
+    rebuilt, again = read_options(Options, recorded)  # a resume, plan, every worker
+    assert rebuilt == built and again == recorded
+
+    @dataclass(kw_only=True)
+    class KeywordOptions:
+        depth: int = 2
+        mode: Literal["a", "b"]
+
+    assert read_options(KeywordOptions, {"mode": "b"})[0] == KeywordOptions(depth=2, mode="b")
 
 
 def test_a_task_of_its_own_with_a_text_tokenizer_samples_text(tmp_path):

@@ -7,6 +7,7 @@ this layout; ``inspect``, ``model.init_from`` and generation read it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fnmatch
 import json
@@ -166,7 +167,8 @@ def write_streamed(target: Path, layout: list[TensorLayout], metadata: dict[str,
             raise
 
     try:
-        with open(tmp, "wb") as out:
+        out = open(tmp, "wb")
+        try:
             written(out.write, streamed_header(layout, metadata))
             expected = iter(layout)
             for name, tensor in tensors:
@@ -179,6 +181,11 @@ def write_streamed(target: Path, layout: list[TensorLayout], metadata: dict[str,
             if next(expected, None) is not None:
                 raise RuntimeError(f"{target}: fewer tensors streamed than its header holds")
             written(out.flush)  # what the buffer holds, before close would write it unnamed
+            written(out.close)  # a network filesystem reports a failed write at close
+        finally:
+            if not out.closed:  # after a failure: its error is said, not close's retry of the write
+                with contextlib.suppress(OSError):
+                    out.close()
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)

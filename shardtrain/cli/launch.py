@@ -459,7 +459,9 @@ def log_text(log_file: Path) -> str:
         text = log_file.read_text(errors="replace")
     except OSError:
         text = ""
-    return text + "".join(UNWRITTEN.get(str(log_file), ()))
+    kept = "".join(UNWRITTEN.get(str(log_file), ()))
+    # A write cut short by the full disk left half a line: the kept lines start on their own.
+    return text + ("\n" if kept and text and not text.endswith("\n") else "") + kept
 
 
 def final_report(log_file: Path) -> str:
@@ -510,7 +512,8 @@ def failed_rank_line(log_file: Path, rank: int | None) -> str | None:
     and in the log a peer's fallout can come before the first failure's own line."""
     lines = worker_lines(log_file)
     tagged = f"{ERROR_START}[rank {rank}] "
-    line = next((line for line in lines if line.startswith(tagged)), lines[0] if lines else None)
+    # Its last: with restarts, an earlier attempt's line may name a failure a restart went past.
+    line = next((line for line in reversed(lines) if line.startswith(tagged)), lines[0] if lines else None)
     return RANK_TAG.sub(ERROR_START, line, count=1) if line else None
 
 

@@ -59,11 +59,11 @@ def literal_fields(hints: Mapping[str, Any]) -> dict[str, tuple[tuple[Any, ...],
 
 def readable_schema(options_cls: type, hints: Mapping[str, Any],
                     literals: Mapping[str, tuple[tuple[Any, ...], bool]]) -> type:
-    """``options_cls`` as OmegaConf can read it: each Literal field typed as its values' type."""
+    """``options_cls``'s fields as OmegaConf reads them (each Literal typed as its values' type),
+    without its methods: filled, it runs no ``__post_init__``, so the values are recorded as given
+    (as before Literals were read) and the task's own class is built from them once."""
     fields = []
     for f in dataclasses.fields(options_cls):
-        if not f.init:
-            continue
         kind: Any = hints.get(f.name, f.type)
         if f.name in literals:
             choices, optional = literals[f.name]
@@ -73,40 +73,44 @@ def readable_schema(options_cls: type, hints: Mapping[str, Any],
                                   "other than strings or numbers; use one type, or an Enum")
             kind = kinds.pop()
             kind = kind | None if optional else kind
-        spec = dataclasses.field(default=f.default, default_factory=f.default_factory, metadata=f.metadata)
-        fields.append((f.name, kind, spec))
+        missing = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        default = None if missing and not f.init else f.default  # set by __post_init__, recorded as null
+        # Keyword-only, all of them: a kw_only Options may put a field without a default after one with.
+        spec = dataclasses.field(default=default, default_factory=f.default_factory, metadata=f.metadata,
+                                 kw_only=True)
+        fields.append((f.name, kind if f.init or not missing else Any, spec))
     return dataclasses.make_dataclass(options_cls.__name__, fields)
 
 
 def read_options(options_cls: type, given: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """``options_cls`` filled from ``given`` (every other field its default), and its plain values.
-    A value of the wrong type, or outside a Literal's choices, is a ConfigError naming ``task.NAME``."""
+    """``options_cls`` filled from ``given`` (every other field its default), and the values as given,
+    plain, for the records. A value of the wrong type, or outside a Literal's choices, is a
+    ConfigError naming ``task.NAME``."""
     hints = resolved_hints(options_cls)
     literals = literal_fields(hints)
-    schema = readable_schema(options_cls, hints, literals) if literals else options_cls
+    schema = readable_schema(options_cls, hints, literals)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), dict(given))
-        filled = OmegaConf.to_object(merged)
+        read = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
         first = str(exc).splitlines()[0]
-        if "Literal" in first:  # a Literal inside a nested dataclass: OmegaConf's own words otherwise
+        if first.startswith("Unexpected type annotation: Literal"):  # one inside a nested dataclass
             raise ConfigError(f"task.{key}: Literal options are read at the top level of a task's Options "
                               "only; annotate it str (or an Enum) instead") from exc
         raise ConfigError(f"invalid value for task.{key}: {first}") from exc
     for name, (choices, optional) in literals.items():
-        value = getattr(filled, name)
+        value = getattr(read, name)
         if value not in choices and not (optional and value is None):
             shown = [str(c) for c in choices]
             raise ConfigError(f"task.{name}={value!r} is unknown{closest(str(value), shown)}; choose one of "
                               f"{', '.join(shown)}")
-    values = {f.name: getattr(filled, f.name) for f in dataclasses.fields(schema) if f.init}
+    init = {f.name for f in dataclasses.fields(options_cls) if f.init}
+    values = {name: getattr(read, name) for name in init}
     # OmegaConf reads a tuple as a list: the task gets the type it declared (found by a user trial).
-    tuples = {name: tuple(value) for name, value in values.items()
-              if isinstance(value, list) and tuple in (hints.get(name), typing.get_origin(hints.get(name)))}
-    if literals or tuples:
-        filled = options_cls(**(values | tuples))
-    return filled, plain_options(filled)
+    values |= {name: tuple(value) for name, value in values.items()
+               if isinstance(value, list) and tuple in (hints.get(name), typing.get_origin(hints.get(name)))}
+    return options_cls(**values), plain_options(OmegaConf.to_container(merged))
 
 
 def plain(value: Any) -> Any:
