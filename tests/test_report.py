@@ -23,7 +23,7 @@ from shardtrain.diagnostics.failures import record_failure
 from shardtrain.errors import ReportError
 from shardtrain.report.figures import _draw_line, isolated_points
 from shardtrain.report.html import DATA_ID, ending, torchrun_restarts, write_report
-from shardtrain.report.panels import PHASES, Line, start_markers
+from shardtrain.report.panels import PHASES, Line, rate_key, start_markers
 from shardtrain.report.runs import load_run, load_runs, read_config, run_names, timeline
 
 STEPS = 8
@@ -298,14 +298,48 @@ def test_torchrun_restarts_add_up_over_requeued_jobs(tmp_path):
     assert "torchrun restart 2 (1 in this job), resumed at step 6" in labels[2], labels
 
 
+def test_an_attempt_is_ended_and_named_by_its_own_records(tmp_path, monkeypatch):
+    """Found by review: an attempt whose trackers failed to start wrote an end record and no start,
+    and the report read its "failed" as the previous attempt's (preempted) ending; the report's
+    "ended" column named an earlier attempt's failure where the launcher names the last one's; a
+    failure record without its message stopped the report with a KeyError."""
+    from shardtrain.diagnostics.failures import first_failure
+    from shardtrain.train.metrics import MetricsWriter
+
+    unstarted = MetricsWriter(tmp_path / "unstarted", True)
+    unstarted.close("failed", 3)
+    assert (tmp_path / "unstarted" / "metrics.jsonl").read_text() == ""
+    started = MetricsWriter(tmp_path / "started", True)
+    started.write(3, "start", {"resumed": True})
+    started.close("failed", 3)
+    assert [json.loads(line)["kind"] for line in (tmp_path / "started" / "metrics.jsonl").open()] == [
+        "start", "end"]
+
+    run_dir = tmp_path / "restarted"
+    run_dir.mkdir()
+    records = [{"step": 0, "kind": "start", "time": 1.0, "resumed": False, "restart_count": 0},
+               {"step": 1, "kind": "train", "loss": 1.0, "tokens_seen": 64, "tokens_per_s": 10.0}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    record_failure(run_dir, 3, 1, "RuntimeError", "attempt 0's")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # failed before its start record
+    record_failure(run_dir, 0, 1, "CheckpointError", "attempt 1's", exit_status=2)
+    assert load_run(run_dir).failure["message"] == "attempt 1's"
+    (run_dir / "failures" / "rank-0.json").write_text(json.dumps({
+        "rank": 0, "host": "h", "step": 1, "type": "X", "time": 2e9}))  # hand-edited: no message
+    assert first_failure(run_dir, 0.0)["message"] == "attempt 0's"
+
+
 def test_a_task_runs_loss_is_plotted_against_its_own_count(tmp_path):
     """A task counting other units (a DiT's elements) logs ``<unit>_seen``; runs logged before the
     rename kept every task's count as ``tokens_seen``, read the same way."""
     for name, seen in (("new", "elements_seen"), ("old", "tokens_seen")):
         run_dir = tmp_path / name
         run_dir.mkdir()
+        # bits_per_s: a task's metric named like a rate, not the throughput (found by review: it took
+        # the throughput panel and plotted the loss against a count of 0)
+        metric = {"bits_per_s": 7.0} if name == "new" else {}
         records = [{"step": s, "kind": "train", "loss": 1.0 / s, seen: 96 * s,
-                    "elements_per_s": 50.0, "samples_per_s": 2.0} for s in (1, 2, 3)]
+                    "elements_per_s": 50.0, "samples_per_s": 2.0, **metric} for s in (1, 2, 3)]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     report = write_report([tmp_path / "new", tmp_path / "old"], tmp_path / "report.html")
     for run in ("new", "old"):
@@ -313,6 +347,8 @@ def test_a_task_runs_loss_is_plotted_against_its_own_count(tmp_path):
         assert list(line.get_xdata()) == [96, 192, 288], run
     axes = report.figures["loss_tokens"].axes[0]
     assert (axes.get_xlabel(), axes.get_ylabel()) == ("elements seen", "loss (per element)")
+    for run in ("new", "old"):
+        assert rate_key([load_run(tmp_path / run)]) == "elements_per_s", run
     page = (tmp_path / "report.html").read_text()
     assert "<th>elements seen</th>" in page and page.count("<td class=num>288</td>") == 2
 

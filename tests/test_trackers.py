@@ -175,8 +175,12 @@ def test_tensorboard_holds_every_record(tracked):
         got = [(e.step, e.value) for e in events.Scalars(key)]
         assert [s for s, _ in got] == [s for s, _ in points], key
         assert all(v == pytest.approx(w, rel=1e-6, abs=1e-30) for (_, v), (_, w) in zip(got, points)), key
+    from shardtrain.train.trackers import verbatim
+
     samples = [e.tensor_proto.string_val[0].decode() for e in events.Tensors("sample/text/text_summary")]
-    assert samples == [r["text"] for r in records if r["kind"] == "sample"]
+    # as a markdown code block: TensorBoard rendered a sample's "# comment" as a heading (found by review)
+    assert samples == [verbatim(r["text"]) for r in records if r["kind"] == "sample"]
+    assert all(line.startswith("    ") for text in samples for line in text.split("\n"))
 
 
 def test_tensorboard_drops_what_an_abandoned_attempt_logged_after_the_resume_step(tmp_path):

@@ -80,7 +80,7 @@ def first_failure(run_dir: Path, since: float, last_attempt: bool = False) -> di
         except (OSError, ValueError):
             continue
         if not (isinstance(record, dict) and isinstance(record.get("time"), (int, float))
-                and all(key in record for key in ("rank", "host", "step", "type"))):
+                and all(key in record for key in ("rank", "host", "step", "type", "message"))):
             continue  # not a record of ours (hand-edited, or another tool's file)
         if record["time"] >= since:
             records.append(record)

@@ -143,7 +143,7 @@ def _differences_table(runs: list[Run], differences: dict[str, list[Any]]) -> st
     head = "".join(f"<th>{html.escape(run.name)}</th>" for run in runs)
     rows = "".join(
         f"<tr><td><code>{html.escape(key)}</code></td>"
-        + "".join(f"<td>{html.escape(json.dumps(v))}</td>" for v in values) + "</tr>"
+        + "".join(f"<td>{html.escape(json.dumps(v, ensure_ascii=False))}</td>" for v in values) + "</tr>"
         for key, values in differences.items())
     return f"<table><tr><th>config key</th>{head}</tr>{rows}</table>"
 

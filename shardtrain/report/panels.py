@@ -91,7 +91,14 @@ RATE = re.compile(r"[a-z][a-z0-9_]*_per_s")
 def rate_key(runs: list[Run]) -> str:
     """The throughput field: tokens_per_s, another task unit's ``<unit>_per_s``, else samples_per_s."""
     # A task's count_unit is a lowercase name (tasks.task.check_task); others are no rate of ours.
-    keys = {k for run in runs for r in run.of("train") for k in r if RATE.fullmatch(k)}
+    # A unit's rate comes with its count (<unit>_seen): a task's metric named bits_per_s is no rate
+    # (found by review: it took the throughput panel, and the loss-against-count one plotted 0s).
+    # Runs logged before the count took the unit's name counted every unit as tokens_seen.
+    def counted(record: dict, key: str) -> bool:
+        seen = {k for k in record if k.endswith("_seen")}
+        return f"{unit_of(key)}_seen" in seen or seen == {"tokens_seen"}
+
+    keys = {k for run in runs for r in run.of("train") for k in r if RATE.fullmatch(k) and counted(r, k)}
     if "tokens_per_s" in keys:
         return "tokens_per_s"
     others = sorted(keys - {SAMPLES_RATE})

@@ -213,14 +213,16 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     kinds, starts = timeline(records)
     if not kinds["train"]:
         # An attempt's failure, not an earlier one's that a running attempt has not logged past yet
-        failed = first_failure(run_dir, (starts[-1].time if starts else None) or 0.0)
+        failed = first_failure(run_dir, (starts[-1].time if starts else None) or 0.0, last_attempt=True)
         if failed is not None:  # it never will log one
             raise ReportError(f"{metrics} has no training records: the run failed before its first "
                               f"logged step ({describe(failed)}; {run_dir / 'failures'})")
         raise ReportError(f"{metrics} has no training records yet (a run writes one every "
                           "trainer.log_every steps); run the report again once it has logged a step")
     last_start = starts[-1].time if starts and starts[-1].time is not None else None
-    failure = first_failure(run_dir, last_start) if last_start is not None else None
+    # The launcher's choice: the last attempt's first failure (found by review: an earlier attempt's,
+    # where a restart failed before its start record)
+    failure = first_failure(run_dir, last_start, last_attempt=True) if last_start is not None else None
     return Run(run_dir, name or run_dir.name, read_config(run_dir / CONFIG_FILE), kinds, starts,
                unreadable, failure)
 

@@ -79,6 +79,7 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, enabled: bool, name: str = METRICS_FILE) -> None:
         self.enabled = enabled
         self._file = None
+        self.started = False  # this attempt's start record written: its end record belongs to it
         self.trackers: list[GuardedTracker] = []
         self.tracker_timeout_s = 0.0
         if not enabled:
@@ -98,6 +99,7 @@ class MetricsWriter:
             return
         record = {"step": step, "kind": kind, "time": time.time(), **values}
         self._file.write(json.dumps(record) + "\n")
+        self.started = self.started or kind == "start"
         if self.trackers:
             entry = tracker_record(step, kind, record["time"], values)
             for tracker in self.trackers:
@@ -108,7 +110,9 @@ class MetricsWriter:
         at ``step`` as an ``end`` record in metrics.jsonl, which the report reads)."""
         # A full disk must not mask how the run ended, nor leave the trackers' runs open: the line
         # it refused stays buffered, and closing the file tries it again.
-        if self._file is not None and step is not None:
+        # Without this attempt's start record (its trackers failed to start), an end record would be
+        # read as the previous attempt's (found by review: a preempted attempt shown as failed).
+        if self._file is not None and step is not None and self.started:
             with contextlib.suppress(OSError):
                 self.write(step, "end", {"outcome": outcome})
         file, self._file = self._file, None

@@ -200,6 +200,12 @@ def key_digest(key: str, salt: int = 0) -> str:
     return hashlib.sha1(f"{key}#{salt}".encode()).hexdigest()[:8]
 
 
+def verbatim(text: str) -> str:
+    """``text`` as TensorBoard's text tab shows it as written: indented four spaces, a markdown code
+    block (it renders markdown: a sample's ``# comment`` became a heading, ``__init__`` bold)."""
+    return "\n".join(f"    {line}" for line in text.split("\n"))
+
+
 class TensorBoardTracker:
     name = "tensorboard"
     run_id = None
@@ -210,14 +216,14 @@ class TensorBoardTracker:
         # what earlier files logged from purge_step on (an attempt abandoned after the checkpoint
         # this run resumed from; a run started over from step 0), as the report does.
         self.writer = SummaryWriter(str(Path(run.dir) / "tensorboard"), purge_step=start_step + 1)
-        # Indented four spaces: TensorBoard's text tab renders markdown, and this keeps it verbatim.
-        self.writer.add_text("config", "\n".join(f"    {key}: {value}" for key, value in params.items()))
+        config = "\n".join(f"{key}: {value}" for key, value in params.items())
+        self.writer.add_text("config", verbatim(config))
 
     def log(self, record: TrackerRecord) -> None:
         for key, value in record.scalars.items():
             self.writer.add_scalar(f"{record.kind}/{key}", value, record.step)
-        for key, text in record.texts.items():
-            self.writer.add_text(f"{record.kind}/{key}", text, record.step)
+        for key, text in record.texts.items():  # a sample of code: verbatim, not markdown (found by review)
+            self.writer.add_text(f"{record.kind}/{key}", verbatim(text), record.step)
 
     def close(self, outcome: str) -> None:
         self.writer.close()
