@@ -63,6 +63,11 @@ def test_console_line_leaves_out_what_is_unknown():
                                        "ema_val_acc": 0.75}, ("acc",))
     assert averaged.endswith("| data wait 1.0% | val_loss 1.5000 | val_acc 0.5 | ema_val_loss 1.2500 | "
                              "ema_val_acc 0.75")
+    # a task's own unit, as its records count it (found by review: samples/s for a DiT's elements)
+    task = {key: value for key, value in record.items() if key != "tokens_per_s"}
+    assert "| 5120 elements/s |" in format_record(10, 100, {**task, "elements_per_s": 5120.0,
+                                                            "elements_seen": 10240, "samples_seen": 80})
+    assert "| 8.0 samples/s |" in format_record(10, 100, {**task, "samples_seen": 80})
 
 
 # What `shardtrain` answers without training: (arguments, exit status, the line it ends with). The

@@ -13,9 +13,14 @@ log = logging.getLogger("shardtrain")
 
 
 def rate(record: dict) -> str:
-    """The task's own unit per second ("1234 tok/s"), else samples per second."""
+    """The task's own unit per second ("1234 tok/s", "5120 elements/s": its ``count_unit``, whose
+    rate comes with its count), else samples per second."""
     if "tokens_per_s" in record:
         return f"{record['tokens_per_s']:.0f} tok/s"
+    units = [key.removesuffix("_seen") for key in record if key.endswith("_seen") and key != "samples_seen"]
+    unit = next((unit for unit in units if f"{unit}_per_s" in record), None)
+    if unit is not None:
+        return f"{record[f'{unit}_per_s']:.0f} {unit}/s"
     return f"{record['samples_per_s']:.1f} samples/s"
 
 
