@@ -57,7 +57,7 @@ from shardtrain.cli.main import main
 from shardtrain.cli.preflight import check_init_from
 from shardtrain.config.compose import compose_config
 from shardtrain.config.plan import resolve_plan
-from shardtrain.config.schema import Config, FinetuneConfig
+from shardtrain.config.schema import Config, FinetuneConfig, ModelConfig
 from shardtrain.diagnostics.planner import estimate, nf4_bytes, planned_model
 from shardtrain.distributed.env import DistEnv
 from shardtrain.distributed.parallelize import (
@@ -669,6 +669,38 @@ def test_model_adapter_conflicts_are_one_line(peft_adapter, model_dirs, tmp_path
         with pytest.raises(ConfigError, match=message) as caught:
             resolve_adapter_settings(cfg)
         assert "\n" not in str(caught.value)
+
+
+
+def test_export_peft_names_a_base_read_from_another_model_directory(model_dirs):
+    """Found by a review: model=hf with model.init_from=<another Hugging Face directory> exported
+    base_model_name_or_path null, and AutoPeftModelForCausalLM had no base to load."""
+    from shardtrain.export.peft import base_directory
+
+    cfg = ModelConfig(name="hf", path=str(model_dirs[0]), init_from=str(model_dirs[1]))
+    assert base_directory(cfg) == str(Path(model_dirs[1]).resolve())
+    own = ModelConfig(name="hf", path=str(model_dirs[0]))
+    assert base_directory(own) == str(Path(model_dirs[0]).resolve())
+
+
+def test_a_resume_needs_no_adapter_directory(lora_runs, model_dirs, tmp_path):
+    """Found by a review: a run started from model.adapter=DIR read DIR again at every start, so a
+    requeued job whose DIR was cleaned up could not resume, though its adapters are the checkpoint's.
+    The shape is the checkpoint's; a fresh start still needs DIR."""
+    from shardtrain.checkpoint.state import TrainState
+
+    run_dir = lora_runs[0] / "full_shard"
+    saved = TrainState.read(run_dir / "checkpoints" / "step-5").finetune_config()
+    args = ["model=hf", f"model.path={model_dirs[0]}", "finetune=lora", f"model.adapter={tmp_path / 'gone'}"]
+    cfg = compose_config([*args, f"run.dir={run_dir}"])
+    gone = str(tmp_path / "gone")
+    assert resolve_adapter_settings(cfg) == [
+        f"model.adapter={gone!r} no longer exists: the adapters' shape is the checkpoint's this run resumes"]
+    assert (cfg.finetune.rank, cfg.finetune.alpha, cfg.finetune.targets) == (saved.rank, saved.alpha,
+                                                                             saved.targets)
+    for fresh in ([f"run.dir={tmp_path / 'fresh'}"], [f"run.dir={run_dir}", "checkpoint.resume=none"]):
+        with pytest.raises(ConfigError, match="is not a PEFT adapter directory"):
+            resolve_adapter_settings(compose_config([*args, *fresh]))
 
 
 @pytest.mark.parametrize("case", ["full_shard", "builtin", "qwen2", "qlora"])

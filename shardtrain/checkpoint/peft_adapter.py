@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from shardtrain.checkpoint.safetensors_files import open_safetensors
+from shardtrain.checkpoint.state import STATE_FILE, STEP_DIR, TrainState
 from shardtrain.config.schema import Config, FinetuneConfig
 from shardtrain.distributed.sharded_model import shard_like
 from shardtrain.errors import CheckpointError, ConfigError, json_object
@@ -118,6 +119,13 @@ def resolve_adapter_settings(cfg: Config) -> list[str]:
     directory = Path(cfg.model.adapter).expanduser()
     if cfg.finetune.method != "lora":
         raise ConfigError(f"model.adapter={str(directory)!r} starts LoRA adapters: it needs finetune=lora")
+    if not directory.exists() and (saved := resumed_finetune(cfg)) is not None:
+        # A resume reads its adapters from the checkpoint: a requeued job whose adapter directory
+        # was cleaned up since its start could not resume (found by a review).
+        cfg.finetune = dataclasses.replace(cfg.finetune, rank=saved.rank, alpha=saved.alpha,
+                                           dropout=saved.dropout, targets=list(saved.targets))
+        return [f"model.adapter={str(directory)!r} no longer exists: the adapters' shape is the checkpoint's "
+                "this run resumes"]
     config = read_adapter_config(directory)
     defaults, notes = FinetuneConfig(), []
     changes = {}
@@ -141,6 +149,27 @@ def resolve_adapter_settings(cfg: Config) -> list[str]:
                      "are on")
     cfg.finetune = dataclasses.replace(cfg.finetune, **changes)
     return notes
+
+
+def resumed_finetune(cfg: Config) -> FinetuneConfig | None:
+    """The LoRA settings of the checkpoint this start resumes (``checkpoint.resume``: auto's newest
+    readable one in run.dir, or the one named), None for a fresh start."""
+    resume = cfg.checkpoint.resume
+    if not cfg.checkpoint.enabled or resume == "none":
+        return None
+    if resume != "auto":
+        found = [Path(resume).expanduser()]
+    else:
+        root = Path(cfg.run.dir) / "checkpoints"
+        named = [(int(m.group(1)), entry) for entry in (root.iterdir() if root.is_dir() else ())
+                 if (m := STEP_DIR.match(entry.name)) and (entry / STATE_FILE).is_file()]
+        found = [entry for _, entry in sorted(named, reverse=True)]
+    for path in found:
+        try:
+            return TrainState.read(path).finetune_config()
+        except CheckpointError:  # damaged: resume=auto passes over it too
+            continue
+    return None
 
 
 @torch.no_grad()

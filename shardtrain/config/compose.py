@@ -203,7 +203,8 @@ def check_checkpointing_every(cfg: Config) -> None:
 
 
 def anchor_paths(cfg: Config) -> None:
-    """``model.path`` and a tokenizer file given relative to the working directory, made absolute:
+    """``model.path``, a tokenizer file, ``model.init_from`` and ``model.adapter`` given relative to
+    the working directory, made absolute:
     checkpoints record them, and generate, eval and export-hf read them from wherever those run (a
     relative path named another directory there, or none); ``run.dir``'s ``~`` expanded."""
     model = cfg.model
@@ -213,6 +214,13 @@ def anchor_paths(cfg: Config) -> None:
         cfg.run.dir = str(Path(cfg.run.dir).expanduser())
     if model.tokenizer not in ("auto", "bytes"):
         model.tokenizer = str(Path(model.tokenizer).expanduser().absolute())
+    # The base a LoRA checkpoint's exports, generate and eval read again (found by a review: relative,
+    # they were "gone" from any other directory); hf: keeps its prefix (checkpoint.weights.HF_PREFIX).
+    if model.init_from:
+        prefix = "hf:" if model.init_from.startswith("hf:") else ""
+        model.init_from = prefix + str(Path(model.init_from.removeprefix(prefix)).expanduser().absolute())
+    if model.adapter:
+        model.adapter = str(Path(model.adapter).expanduser().absolute())
 
 
 def to_yaml(cfg: Config) -> str:

@@ -43,7 +43,7 @@ from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import load_tensors, plan_shards
 from shardtrain.export.verify import EXPORT_TOLERANCE, check_tokens, compare_logits
 from shardtrain.models.hf import attention_implementation
-from shardtrain.models.hf_directory import hf_name
+from shardtrain.models.hf_directory import hf_name, is_model_directory
 from shardtrain.models.llama_hf_adapter import hf_config, to_hf, to_hf_name
 from shardtrain.models.lora import (
     ADAPTER_NAME,
@@ -113,6 +113,9 @@ def base_directory(cfg: ModelConfig) -> str | None:
         return str(Path(source).expanduser().resolve())
     if source is not None and source.startswith("hf:"):
         return str(Path(source.removeprefix("hf:")).expanduser().resolve())
+    if cfg.name == "hf" and source is not None and is_model_directory(Path(source).expanduser()):
+        # model.init_from naming another Hugging Face directory of the model (found by a review: null)
+        return str(Path(source).expanduser().resolve())
     return None
 
 
