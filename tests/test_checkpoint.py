@@ -892,6 +892,50 @@ def test_the_run_lock_is_shared_within_a_process_and_refused_to_another(tmp_path
     assert subprocess.run(other, capture_output=True, timeout=60).returncode == 0
 
 
+def test_a_requeued_job_waits_for_its_own_earlier_runs_lock(tmp_path, monkeypatch):
+    """Found by a Slurm review: on a network filesystem the lock of a run whose node failed outlives
+    it (an NFSv4 lease, a Lustre eviction), and the job Slurm requeued after that failure was refused
+    its own run.dir. The same job's later incarnation waits for the lock; another training, or a
+    second step of the same job, is refused at once."""
+    import subprocess
+    import sys
+    import time
+
+    from shardtrain.checkpoint import run_lock
+    from shardtrain.errors import RunDirectoryBusy
+
+    def hold(seconds: float, restart: int) -> subprocess.Popen:
+        code = ("import sys, time; from pathlib import Path; "
+                "from shardtrain.checkpoint.run_lock import take_run_lock; take_run_lock(Path(sys.argv[1])); "
+                "print('held', flush=True); time.sleep(float(sys.argv[2]))")
+        env = {**os.environ, "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": str(restart)}
+        holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(seconds)], env=env,
+                                  stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "held"
+        return holder
+
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    holder = hold(2.0, restart=0)  # released 2 s in, as the failed node's lease ends
+    try:
+        start = time.monotonic()
+        lock = run_lock.take_run_lock(tmp_path)
+        assert time.monotonic() - start >= 1.0  # it waited for it
+        lock.release()
+    finally:
+        holder.wait(timeout=60)
+    monkeypatch.setattr(run_lock, "REQUEUE_WAIT_S", 0.5)
+    for restart, said in ((0, "it is this Slurm job's run before its requeue"), (1, None)):
+        holder = hold(30.0, restart=restart)
+        try:
+            with pytest.raises(RunDirectoryBusy, match="another training holds") as refused:
+                run_lock.take_run_lock(tmp_path)
+            assert (said in str(refused.value)) if said else "before its requeue" not in str(refused.value)
+        finally:
+            holder.kill()
+            holder.wait(timeout=60)
+
+
 def test_a_lustre_mount_with_node_local_flock_is_found():
     """Found by a scale review: on Lustre mounted with localflock the run lock holds on one node only,
     so a second training whose rank 0 is on another node was not refused: said at start-up. The

@@ -6,8 +6,11 @@ in-progress saves as abandoned at its start, prunes the other's checkpoints as i
 newest checkpoint may hold either run's weights. Rank 0 of a training holds an exclusive ``flock``
 on ``run.dir/.shardtrain-run.lock`` from start-up to its end; a second start finds it held and stops
 with one line naming the holder. The kernel drops the lock when the process ends however it ends
-(killed, out of memory, a torchrun restart), so a stale lock is never left behind. A dry run takes
-none: it changes no file of the run. Trainers of one process share the process's hold (a library
+(killed, out of memory, a torchrun restart). On a network filesystem a lock held from a node that
+failed outlives it (NFSv4 until its lease expires, 90 s by default; NFSv3 until the node comes back;
+Lustre until the client is evicted): a Slurm job requeued after that failure finds its own previous
+run's lock, and waits up to ``REQUEUE_WAIT_S`` for it to go rather than refuse its own run. A dry run
+takes none: it changes no file of the run. Trainers of one process share the process's hold (a library
 user builds a second trainer to resume the first one's save).
 """
 
@@ -28,6 +31,8 @@ from shardtrain.errors import RunDirectoryBusy
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".shardtrain-run.lock"
+# How long a requeued Slurm job waits for the lock its own earlier run held from a failed node.
+REQUEUE_WAIT_S = 240.0
 
 
 # The locks this process holds, by lock file, with how many trainers hold each: a process's own
@@ -69,11 +74,15 @@ def take_run_lock(run_dir: Path) -> RunLock:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.seek(0)
-        holder = describe_holder(handle.read())
-        handle.close()
-        raise RunDirectoryBusy(f"another training holds {run_dir} ({holder}; {path}): two trainings in one "
-                              "run.dir delete and prune each other's checkpoints; wait for it to end, stop "
-                              "it, or choose another run.dir") from None
+        text = handle.read()
+        if not (earlier_run_of_this_job(text) and wait_for_lock(handle, path)):
+            handle.close()
+            since = (f"; it is this Slurm job's run before its requeue, whose lock the filesystem has kept "
+                     f"{REQUEUE_WAIT_S:.0f} s after its node failed: remove {path} once that node is down"
+                     if earlier_run_of_this_job(text) else "")
+            raise RunDirectoryBusy(f"another training holds {run_dir} ({describe_holder(text)}; {path}): two "
+                                   "trainings in one run.dir delete and prune each other's checkpoints; wait "
+                                   f"for it to end, stop it, or choose another run.dir{since}") from None
     except OSError as exc:
         log.warning(f"checkpoint: cannot lock {path} ({exc.strerror or exc}): a second training started in "
                     "this run.dir would not be refused")
@@ -85,10 +94,48 @@ def take_run_lock(run_dir: Path) -> RunLock:
                     "not be refused (mount with -o flock for a cluster-wide lock)")
     handle.seek(0)
     handle.truncate()
-    handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}) + "\n")
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), **slurm_incarnation()}
+    handle.write(json.dumps(holder) + "\n")
     handle.flush()
     HELD[path] = (handle, 1)
     return RunLock(path)
+
+
+def slurm_incarnation() -> dict[str, int]:
+    """This process's Slurm job and how many times it was requeued (none outside Slurm)."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    if not job.isdigit():
+        return {}
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return {"slurm_job": int(job), "slurm_restart": int(restarts) if restarts.isdigit() else 0}
+
+
+def earlier_run_of_this_job(text: str) -> bool:
+    """Whether the lock's holder is this Slurm job before a requeue (Slurm runs one job id at a time:
+    the holder is gone, its node failed). Two steps of one job start alike: refused as ever."""
+    mine = slurm_incarnation()
+    try:
+        holder = json.loads(text)
+        return bool(mine) and holder.get("slurm_job") == mine["slurm_job"] and (
+            int(holder.get("slurm_restart", 0)) < mine["slurm_restart"])
+    except (ValueError, TypeError, AttributeError):
+        return False
+
+
+def wait_for_lock(handle: IO[str], path: Path) -> bool:
+    """Whether the lock came free within ``REQUEUE_WAIT_S``."""
+    log.warning(f"checkpoint: {path} is held by this job's run before its requeue (its node failed, and "
+                f"the filesystem keeps its lock until that node's lease ends): waiting up to "
+                f"{REQUEUE_WAIT_S:.0f} s for it")
+    deadline = time.monotonic() + REQUEUE_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            continue
+    return False
 
 
 def describe_holder(text: str) -> str:
