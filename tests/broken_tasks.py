@@ -460,6 +460,7 @@ class TypedOptions(ImageClassification):
         pooling: Literal["mean", "first"] = "mean"
         width: int | None = None
         sizes: tuple[int, ...] = (1, 2)
+        strict: Literal[True, False] = False
 
 
 class LateParameter(ImageClassification):

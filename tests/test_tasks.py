@@ -313,6 +313,8 @@ def test_a_task_from_the_command_line_with_its_options_preempted_and_resumed(tmp
     (["task=vit:ImageClassification", "task.depth=deep"], "invalid value for task.depth"),
     (["task=broken_tasks:SwitchedImages", "task.augment=2"],
      "task.augment=2 is not a boolean: write task.augment=true or task.augment=false"),
+    (["task=broken_tasks:TypedOptions", "task.strict=5"],  # a Literal of booleans (found by a review)
+     "task.strict=5 is not a boolean: write task.strict=true or task.strict=false"),
     (["task.depth=3"], "takes no options"),
     (["task=vit:ImageClassification", "trainer.micro_batch_size=auto", "trainer.global_batch_size=16"],
      "trainer.micro_batch_size=auto needs the memory planner, whose formulas know the built-in "
