@@ -143,7 +143,10 @@ def run_lora_cases(model_dir: str, other_base: str, tied_dir: str, adapter_dir: 
         results[case] = train_case(cfg, corpus)
     results["bf16_pure"] = bf16_pure_dtypes(lora_case_config(
         model_dir, world_size, str(Path(out_dir, "bf16_pure")), mixed_precision="bf16-pure"), corpus)
-    from_adapter = lora_case_config(model_dir, world_size, str(Path(out_dir, "from_adapter")))
+    # saved: its adapters are on 9 of the 14 projections the default targets select (tests/test_lora.py
+    # reads it as a checkpoint of the narrower defaults before 2026-12-01)
+    from_adapter = lora_case_config(model_dir, world_size, str(Path(out_dir, "from_adapter")),
+                                    checkpoint=True)
     from_adapter.model = dataclasses.replace(from_adapter.model, adapter=adapter_dir)
     from_adapter.finetune = FinetuneConfig(method="lora")  # rank, alpha, targets: the adapter's
     results["from_adapter"] = train_case(from_adapter, corpus)  # its "finetune": as the adapter set it

@@ -672,6 +672,29 @@ def test_model_adapter_conflicts_are_one_line(peft_adapter, model_dirs, tmp_path
 
 
 
+def test_a_checkpoint_of_narrower_default_targets_exports_and_generates(lora_runs, tmp_path, capsys):
+    """Found by a review: the default targets widened on 2026-12-01 (OPT, Phi, Phi-3, GPT-J), and a
+    checkpoint trained with the narrower defaults (it records finetune.targets=[]) was rebuilt by
+    export-hf --merge, export-peft, generate and eval with adapters it does not hold ("lacks adapters
+    for ..."). Read here: a checkpoint whose adapters are on 9 of the 14 projections the defaults
+    select, its recorded targets emptied (the state's digest line dropped, as for an edit on purpose)."""
+    import shutil
+
+    out, _ = lora_runs
+    checkpoint = tmp_path / "step-5"
+    shutil.copytree(out / "from_adapter" / "checkpoints" / "step-5", checkpoint)
+    state_file = checkpoint / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert len(state["config"]["finetune"]["targets"]) == 9
+    state["config"]["finetune"]["targets"] = []
+    del state["sha256"]
+    state_file.write_text(json.dumps(state))
+    assert main(["export-hf", str(checkpoint), str(tmp_path / "merged"), "--merge"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("verified: transformers' logits match")
+    assert main(["export-peft", str(checkpoint), str(tmp_path / "adapter")]) == 0
+    assert main(["generate", str(checkpoint), "--prompt", "def", "--max-new-tokens", "2"]) == 0
+
+
 def test_export_peft_names_a_base_read_from_another_model_directory(model_dirs):
     """Found by a review: model=hf with model.init_from=<another Hugging Face directory> exported
     base_model_name_or_path null, and AutoPeftModelForCausalLM had no base to load."""

@@ -50,6 +50,7 @@ from shardtrain.models.lora import (
     DEFAULT_TARGETS,
     add_adapters,
     base_name,
+    held_targets,
     is_adapter,
     lora_config,
     round_base_to,
@@ -159,7 +160,7 @@ def checkpoint_model(ckpt: LoraCheckpoint, nf4_base: bool = False) -> nn.Module:
     """The checkpoint's model in fp32 on the CPU: its base as training read or drew it, and its
     adapters. ``nf4_base``: a QLoRA checkpoint's base quantised to NF4 and back, as training used it
     (export-peft's check leaves it plain: it checks the mapping onto PEFT's model of the plain base)."""
-    model = add_adapters(build_model(ckpt.model), ckpt.finetune)
+    model = add_adapters(build_model(ckpt.model), held_targets(ckpt.finetune, ckpt.adapters))
     if source := ckpt.model.weights_source():
         load_model_weights(model, source, ckpt.model)
     else:

@@ -43,7 +43,7 @@ from shardtrain.distributed.sharded_model import (
 )
 from shardtrain.errors import CheckpointError, DataError, TooFewTokens
 from shardtrain.models.hf_directory import is_model_directory
-from shardtrain.models.lora import round_base_to
+from shardtrain.models.lora import held_targets, round_base_to
 from shardtrain.models.registry import model_factory
 
 
@@ -108,7 +108,9 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
                               "weights: the weights' average (--ema) is read from a checkpoint directory")
     if lora:  # adapters only: the base is read (or drawn) as training did, the adapters on it
         cfg.model = state.model_config()
-        cfg.finetune = state.finetune_config()
+        held = [key.removeprefix("model.") for key in layout.read_dcp_metadata(path).state_dict_metadata
+                if key.startswith("model.")]  # not the optimizer's state of them
+        cfg.finetune = held_targets(state.finetune_config(), held)
         cfg.trainer = dataclasses.replace(cfg.trainer, seed=int(state.config["trainer"]["seed"]))
         check_same_base(path, state.base_weights, base_identity(cfg.model, cfg.trainer.seed, cfg.finetune),
                         use="load it with")

@@ -15,6 +15,7 @@ framework's seeded, world-size-invariant initialisation instead of the global RN
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 from collections.abc import Iterable, Sequence
@@ -66,6 +67,17 @@ def head_modules(model: nn.Module) -> dict[int, str]:
             if isinstance(found, nn.Module):
                 heads[id(found)] = getter
     return heads
+
+
+def held_targets(finetune: FinetuneConfig, adapter_names: Iterable[str]) -> FinetuneConfig:
+    """A checkpoint's LoRA settings with the modules its adapters are on (``adapter_names``, its
+    adapter parameters) as the targets, where it records the default ones: the defaults widened on
+    2026-12-01 (OPT, Phi, Phi-3, GPT-J), and exports, generate and eval rebuilt such a checkpoint with
+    adapters it does not hold (found by a review). The same modules for a newer checkpoint."""
+    if finetune.targets:
+        return finetune
+    modules = sorted({name.split(".lora_A.")[0] for name in adapter_names if ".lora_A." in name})
+    return dataclasses.replace(finetune, targets=modules) if modules else finetune
 
 
 def adapter_targets(model: nn.Module, targets: Iterable[str]) -> list[str]:
