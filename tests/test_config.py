@@ -116,6 +116,23 @@ def test_bad_config_is_named(override, expected):
     assert expected in str(info.value)
 
 
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["finetune=qlora", "strategy.compile=true"], "qlora does not combine with strategy.compile=true"),
+    (["finetune=qlora", "strategy.cpu_offload=true"], "does not combine with strategy.cpu_offload=true"),
+    (["finetune=lora", "finetune.base_dtype=bf16", "strategy.mixed_precision=fp32"],
+     "finetune.base_dtype=bf16 needs a bf16 compute dtype"),
+    (["finetune=lora", "finetune.base_dtype=bf16"], "finetune.base_dtype=bf16 needs a bf16 compute dtype"),
+    (["data=files"], "data.source=files needs data.paths=[FILE_OR_DIR, ...]"),
+    (["data.source=prepared"], "data.source=prepared needs data.paths=[DIR, ...]"),
+])
+def test_impossible_combinations_are_refused_before_any_process_starts(overrides, expected):
+    """Found by a review: refused inside the trainer, after torchrun had started its workers (and
+    planned by `shardtrain plan` without a word); the CPU's auto precision is fp32."""
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides)
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
 def test_float8_tokens_in_multiples_of_16_and_finite_mixture_weights(tmp_path):
     """Found by review: strategy.float8 accepted micro-batches whose tokens CUDA's float8 matmul
     cannot contract over in the weight gradient (a failure in the first backward on the GPU; a CPU

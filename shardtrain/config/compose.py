@@ -467,10 +467,27 @@ def check_profiling(cfg: Config) -> None:
                           "nothing would be traced; choose a step up to max_steps")
 
 
+def check_qlora_combinations(cfg: Config) -> None:
+    """What ``finetune.method=qlora``'s NF4 base does not combine with, in one line."""
+    if cfg.finetune.method != "qlora":
+        return
+    not_with = {"strategy.float8=true (it converts the same linear layers)": cfg.strategy.float8,
+                "strategy.compile=true (not tested with the NF4 base yet)": cfg.strategy.compile,
+                "strategy.cpu_offload=true (not tested with the NF4 base yet)": cfg.strategy.cpu_offload,
+                "finetune.base_dtype=bf16 (not tested with the NF4 base yet)":
+                    cfg.finetune.base_dtype != "fp32"}
+    for setting, asked in not_with.items():
+        if asked:
+            raise ConfigError(f"finetune.method=qlora does not combine with {setting}; use one or the other")
+
+
 def check_config(cfg: Config) -> None:
     """Everything the config and the files it names can tell."""
     cfg.dist.debug = str(cfg.dist.debug).upper()
     check_ranges(cfg)
+    # Before any process starts, and in `plan` (found by a review: refused inside the trainer, after
+    # torchrun had started its workers, and planned without a word).
+    check_qlora_combinations(cfg)
     devices_count(cfg.trainer.devices)
     check_batch_size(cfg)
     if cfg.data.source == "stdlib" and cfg.data.paths:

@@ -18,6 +18,7 @@ from shardtrain.config.compose import check_ranges, compose_config
 from shardtrain.config.keys import boolean_spelling
 from shardtrain.config.options import literal_choices, read_options, resolved_hints
 from shardtrain.config.plan import (
+    check_base_dtype,
     check_tensor_parallel_in_nodes,
     check_tensor_parallel_support,
     launch_shape,
@@ -134,6 +135,11 @@ def check_built_in_task_settings(cfg: Config, task: object | None = None) -> Non
     if cfg.trainer.sample_every and not makes_text(task_cls):
         raise ConfigError(f"trainer.sample_every={cfg.trainer.sample_every} samples text, and {name} has "
                           "no text_tokenizer() to decode it with: drop the setting")
+    reads_data = built_in_ancestor(task_cls) is not None and getattr(task, "given_corpus", None) is None
+    if reads_data and cfg.data.source in ("files", "prepared") and not cfg.data.paths:
+        # Found by a review: said by the data's loader, after the workers had started.
+        example = "DIR, ..." if cfg.data.source == "prepared" else "FILE_OR_DIR, ..."
+        raise ConfigError(f"data.source={cfg.data.source} needs data.paths=[{example}]")
     # What the language-model task alone reads (its windows' document positions).
     text_only = {"data.document_mask": cfg.data.document_mask,
                  "data.packing": cfg.data.packing if cfg.data.packing != "auto" else None}
@@ -170,7 +176,9 @@ def check_runtime(cfg: Config, runs_here: bool = True, rows_judge_layouts: bool 
     if rows_judge_layouts:
         check_tensor_parallel_in_nodes(cfg.strategy, per_node)  # the nodes' size is the same in each row
     else:
-        resolve_plan(cfg.strategy, world, per_node)
+        plan = resolve_plan(cfg.strategy, world, per_node)
+        if runs_here or cfg.strategy.mixed_precision != "auto":  # auto: the planned machines' choice
+            check_base_dtype(cfg, plan.param_dtype)
         with_global_batch(cfg, world)  # a global batch the micro-batches do not divide, before any launch
     check_tensor_parallel_support(cfg)
 

@@ -126,6 +126,14 @@ def resolve_precision(name: str, accelerated: bool | None = None) -> str:
     return preset
 
 
+def check_base_dtype(cfg: Config, param_dtype: torch.dtype) -> None:
+    """A LoRA base stored in bf16 is read by a bf16 computation only."""
+    if cfg.finetune.method != "none" and cfg.finetune.base_dtype == "bf16" and param_dtype != torch.bfloat16:
+        raise ConfigError(f"finetune.base_dtype=bf16 needs a bf16 compute dtype (this run computes in "
+                          f"{dtype_name(param_dtype)}, which cannot read a bf16 weight); set "
+                          "strategy.mixed_precision=bf16-mixed or finetune.base_dtype=fp32")
+
+
 def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int,
                  accelerated: bool | None = None) -> ShardingPlan:
     """``accelerated``: what ``mixed_precision=auto`` plans for (None: this machine's devices).

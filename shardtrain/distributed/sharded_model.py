@@ -45,7 +45,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.nn.parameter import UninitializedParameter
 
-from shardtrain.config.plan import DTYPES, ShardingPlan, dtype_name
+from shardtrain.config.compose import check_qlora_combinations
+from shardtrain.config.plan import DTYPES, ShardingPlan, check_base_dtype
 from shardtrain.config.schema import Config
 from shardtrain.distributed.env import DistEnv
 from shardtrain.distributed.parallelize import ShardingReport, TensorPlan, parallelize, sum_gradients
@@ -289,15 +290,9 @@ def with_adapters(factory: ModelFactory, cfg: Config, device: torch.device) -> M
 
 
 def refuse_with_qlora(cfg: Config) -> None:
-    """What ``finetune.method=qlora``'s NF4 base does not combine with, in one line."""
-    not_with = {"strategy.float8=true (it converts the same linear layers)": cfg.strategy.float8,
-                "strategy.compile=true (not tested with the NF4 base yet)": cfg.strategy.compile,
-                "strategy.cpu_offload=true (not tested with the NF4 base yet)": cfg.strategy.cpu_offload,
-                "finetune.base_dtype=bf16 (not tested with the NF4 base yet)":
-                    cfg.finetune.base_dtype != "fp32"}
-    for setting, asked in not_with.items():
-        if asked:
-            raise ConfigError(f"finetune.method=qlora does not combine with {setting}; use one or the other")
+    """What ``finetune.method=qlora``'s NF4 base does not combine with, in one line (also for a
+    config built in code, which ``compose_config`` did not check)."""
+    check_qlora_combinations(cfg)
     source = cfg.model.weights_source()
     # What else model.init_from may name: hf:DIR, a .safetensors file, or a Hugging Face directory
     # (its config file; read as model.name=hf reads model.path).
@@ -330,11 +325,7 @@ def build_sharded_model(cfg: Config, env: DistEnv, plan: ShardingPlan, mesh: Dev
     With ``finetune.method=lora`` the factory's model gets adapters before it is sharded."""
     # (a task's WrapPolicy kept as it is: it names its source)
     policy = wrap_policy if wrap_policy is not None else list(cfg.strategy.wrap_policy)
-    bf16_base = cfg.finetune.method != "none" and cfg.finetune.base_dtype == "bf16"
-    if bf16_base and plan.param_dtype != torch.bfloat16:
-        raise ConfigError(f"finetune.base_dtype=bf16 needs a bf16 compute dtype (this run computes in "
-                          f"{dtype_name(plan.param_dtype)}, which cannot read a bf16 weight); set "
-                          "strategy.mixed_precision=bf16-mixed or finetune.base_dtype=fp32")
+    check_base_dtype(cfg, plan.param_dtype)
     factory = with_adapters(factory, cfg, env.device)
     with parameters_on_meta():
         try:
