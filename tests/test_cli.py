@@ -217,8 +217,8 @@ def test_devices_relaunches_under_torchrun(tmp_path, single_process_losses):
     assert ("trainer.warmup_steps=12 > trainer.max_steps=6: the learning rate rises for the whole run and "
             "peaks at 0.0015, 50% of trainer.lr=0.003") in proc.stderr
     # found by review: a limit a fixed micro-batch never reads was taken without a word
-    assert ("trainer.memory_limit_gib=8 is the budget trainer.micro_batch_size=auto and `shardtrain plan` "
-            "plan against; this run's micro-batch is fixed at 2") in proc.stderr
+    assert ("trainer.memory_limit_gib=8 is the budget trainer.micro_batch_size=auto plans against (in "
+            "training and in `shardtrain plan`); this run's micro-batch is fixed at 2") in proc.stderr
     for a, b in zip(quick_losses(run_dir), single_process_losses, strict=True):
         assert abs(a - b) / b < 1e-5
 

@@ -108,12 +108,23 @@ def test_required_knobs_exist():
         ("+experiment=quick", "+experiment=quick: experiment is a preset group every config has"),
         # '' was the working directory: its tokenizer.json looked for, all of it read as data
         ("model.tokenizer=", "model.tokenizer is empty; name a tokenizer.json or its directory"),
+        # found by a review: Hydra's and OmegaConf's words, several lines, no fix, or a wrong hint
+        ("+trainer.max_steps=5", "+trainer.max_steps=5: trainer.max_steps is a key every config has, so "
+                                 "there is nothing to add; write trainer.max_steps=5"),
+        ("~trainer.max_steps", "the config's keys cannot be removed; set one instead (trainer.max_steps="),
+        ("trainer.max_steps=2.5", "trainer.max_steps=2.5 must be a whole number"),
+        ("trainer.lr=fast", "trainer.lr=fast must be a number"),
+        ("strategy.sharding_strategy=[FULL_SHARD]", "is a list; strategy.sharding_strategy takes one value"),
+        ("model.hidden_size=512", "unknown config key 'model.hidden_size'; did you mean 'model.dim'?"),
+        ("strategy.ac=all", "unknown config key 'strategy.ac'"),
     ],
 )
 def test_bad_config_is_named(override, expected):
     with pytest.raises(ConfigError) as info:
         load_config([override])
-    assert expected in str(info.value)
+    assert expected in str(info.value) and "\n" not in str(info.value)
+    if override == "strategy.ac=all":
+        assert str(info.value).endswith("'strategy.ac'")  # no hint below the cutoff (was strategy.float8)
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [

@@ -71,6 +71,14 @@ def plain_override_error(message: str, detail: str) -> str | None:
     key, value = found.groups()
     if "is not a ListConfig" in detail:
         return f"{key}={value} is not a list: write {key}=[{value}] (a list is in brackets: key=[a,b])"
+    # OmegaConf's words for a value of another type (found by a review: "Value '2.5' of type 'float'
+    # could not be converted to Integer", no fix named)
+    if "could not be converted to Integer" in detail:
+        return f"{key}={value} must be a whole number"
+    if "could not be converted to Float" in detail:
+        return f"{key}={value} must be a number"
+    if re.search(r"Cannot convert '(list|dict)' to string", detail):
+        return f"{key}={value} is a list; {key} takes one value: write {key}=VALUE"
     if "is not a subclass of" in detail:
         section = section_fields(key)
         example = f" ({', '.join(f'{key}.{name}' for name in section[:4])}, ...)" if section else ""

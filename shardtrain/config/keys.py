@@ -8,6 +8,7 @@ the schema is imported (hydra, then torch).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,12 @@ OTHER_NAMES = {
     "target_modules": "targets", "batch_size": "micro_batch_size",
     "per_device_train_batch_size": "micro_batch_size", "gradient_accumulation_steps": "grad_accum_steps",
     "max_grad_norm": "grad_clip_norm", "gradient_clip_val": "grad_clip_norm", "output_dir": "dir",
+    # transformers' config.json names of the built-in model's shape (found by a review: hidden_size
+    # was "did you mean model.ffn_hidden_dim")
+    "hidden_size": "dim", "intermediate_size": "ffn_hidden_dim", "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
+    "max_position_embeddings": "max_seq_len", "rms_norm_eps": "norm_eps",
+    "tie_word_embeddings": "tie_embeddings",
 }
 
 
@@ -58,8 +65,14 @@ def key_hint(key: str, keys: list[str]) -> str:
                and f"_{typed}_" in f"_{k.rpartition('.')[2]}_"]
     if in_section or holding or (len(same_name) == 1 and (not known_section or name == typed)):
         return f"; did you mean {(in_section or holding or same_name)[0]!r}?"
-    return closest(key, [k for k in keys if k.rpartition(".")[0] == section and section]) or closest(
-        key, keys)
+    # The last parts compared, not the whole keys, whose shared section made any two alike
+    # (strategy.ac was "strategy.float8", trainer.epochs "trainer.devices": found by a review);
+    # nothing below the cutoff.
+    by_name = {k.rpartition(".")[2]: k for k in keys if section and k.rpartition(".")[0] == section}
+    if by_name:
+        match = difflib.get_close_matches(name, by_name, n=1, cutoff=0.6)
+        return f"; did you mean {by_name[match[0]]!r}?" if match else ""
+    return closest(key, keys)
 
 
 def apply_aliases(override: str) -> str:
@@ -105,6 +118,9 @@ def schema_keys(cls: type = Config, prefix: str = "") -> dict[str, Any]:
 
 
 def check_override(override: str) -> None:
+    if override.startswith("~"):  # Hydra's deletion: its answer was two lines, or a false one
+        key = override.lstrip("~").split("=", 1)[0]
+        raise ConfigError(f"{override}: the config's keys cannot be removed; set one instead ({key}=VALUE)")
     if "=" not in override:
         raise ConfigError(
             f"argument {override!r} is not a key=value override (example: trainer.max_steps=100)"
@@ -130,6 +146,10 @@ def check_override(override: str) -> None:
     keys = schema_keys()
     if key not in keys and not key.startswith("task.options."):
         raise ConfigError(f"unknown config key {key!r}{key_hint(key, list(keys) + list(GROUPS))}")
+    if override.startswith("+") and not override.startswith("++") and key in keys:
+        # Hydra's answer to adding a key the config has: six lines, twice
+        raise ConfigError(f"{override}: {key} is a key every config has, so there is nothing to add; write "
+                          f"{override.lstrip('+')}")
     if key in keys and keys[key].type in ("bool", bool) and not boolean_spelling(value):
         raise ConfigError(f"{key}={value!r} is not a boolean: write {key}=true or {key}=false")
 

@@ -639,8 +639,9 @@ class Trainer:
         if env.is_main and t.memory_limit_gib and self.batch_choice is None:
             # Not a cap: torch is never told of it, and a fixed micro-batch is not planned against it.
             log.warning(f"memory: trainer.memory_limit_gib={t.memory_limit_gib:g} is the budget "
-                        "trainer.micro_batch_size=auto and `shardtrain plan` plan against; this run's "
-                        f"micro-batch is fixed at {t.micro_batch_size}, and nothing holds its memory to it")
+                        "trainer.micro_batch_size=auto plans against (in training and in `shardtrain plan`); "
+                        f"this run's micro-batch is fixed at {t.micro_batch_size}, and nothing holds its "
+                        "memory to it")
         if env.is_main:
             for caution in precision_cautions(b.model, b.plan, self.layout.dp_world_size):
                 log.warning(f"precision: {caution}")
