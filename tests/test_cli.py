@@ -85,6 +85,10 @@ NO_TRAINING = [
     (["train", "data.paths=[corpus]"], 2, "is read with data.source=files or prepared; add data=files"),
     (["train", "trainer.lr=nan"], 2, "trainer.lr=nan must be a finite number"),
     (["train", "--devices", "2"], 2, "unrecognized arguments: --devices"),
+    # argparse's own errors in one line, naming the command's help (found by a review: 4 to 8 lines)
+    (["trian"], 2, "did you mean 'train'?; see shardtrain --help"),
+    (["plan", "--world-sizes", "two"], 2,
+     "shardtrain: error: argument --world-sizes: invalid int value: 'two'; see shardtrain plan --help"),
     (["plan", "trainer.max_stepz=5"], 2, "did you mean 'trainer.max_steps'?"),
     (["plan", "--device-memory", "80XB"], 2, "--device-memory '80XB' is not a size"),
     # 0 and below: planned as if not given, or rows of "division by zero" and exit 0

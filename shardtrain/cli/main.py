@@ -670,8 +670,25 @@ EMA_HELP = ("the checkpoint's weight average (a run with trainer.ema_decay) inst
             "a checkpoint directory only")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's errors as the framework's: one line and exit status 2, naming the command's help
+    (its usage block ran to four to eight lines, the top level's for a subcommand's flag: found by a
+    review). Subcommands' parsers are of this class too (argparse makes them of their parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        import re
+
+        from shardtrain.config.suggest import closest
+
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:  # a misspelt subcommand: its closest name
+            options = re.findall(r"'([^']*)'", choice.group(2))
+            message = f"{message}{closest(choice.group(1), options)}"
+        self.exit(2, f"shardtrain: error: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="shardtrain",
         description="Train models with FSDP2. Every setting is a key=value override "
         "(see docs/configuration.md).",
