@@ -245,6 +245,21 @@ def test_watchdog_save_phases_have_their_own_bound(tmp_path):
     assert "over the 0.3s limit (dist.timeout_s)" in stopped[0]
 
 
+def test_the_watchdogs_bounds_leave_room_for_stall_evidence_and_the_first_step(tmp_path):
+    """Found by a review: with steps of 30 s or more (defaults) the stall bound, 10 x the median,
+    reached the hang's and no stall evidence was ever written; a startup bound below the step bound
+    (dist.timeout_s raised for 15-minute steps) cut the first step, compilation included, short."""
+    dog = Watchdog(tmp_path, 0, timeout_s=300, startup_timeout_s=600, stall_factor=10, stall_min_s=60)
+    assert dog.limits() == (600, 600, "dist.startup_timeout_s")
+    dog.done(45.0)
+    assert dog.limits() == (150.0, 300, "dist.timeout_s")  # half the timeout, not 450
+    dog.done(2.0)
+    dog.done(2.0)
+    assert dog.limits() == (60, 300, "dist.timeout_s")  # the median's 20 s, raised to stall_min_s
+    slow = Watchdog(tmp_path, 0, timeout_s=1800, startup_timeout_s=600, stall_factor=10, stall_min_s=60)
+    assert slow.limits()[1:] == (1800, "dist.timeout_s")
+
+
 def test_evidence_is_written_within_a_bound_or_given_up():
     """Found by review: on a stalled filesystem (run.dir's, often the hang's own cause) the stack
     dump blocked the watchdog, which then never stopped the process. Each piece of evidence is

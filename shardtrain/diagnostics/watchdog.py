@@ -219,9 +219,13 @@ class Watchdog:
             return timeout / 2, timeout, key
         if self.recent:
             timeout, key = self.timeout_s, "dist.timeout_s"
-        else:
+        elif self.startup_timeout_s >= self.timeout_s:
             timeout, key = self.startup_timeout_s, "dist.startup_timeout_s"
-        stall = max(self.stall_min_s, self.stall_factor * statistics.median(self.recent)) \
+        else:  # the first step never has less than the others (found by a review: 600 s of 1800)
+            timeout, key = self.timeout_s, "dist.timeout_s"
+        # At most half the timeout: steps of 30 s made the stall bound (10 x median) the timeout
+        # itself, and the hang stopped the process before any stall evidence (found by a review).
+        stall = min(max(self.stall_min_s, self.stall_factor * statistics.median(self.recent)), timeout / 2) \
             if self.recent else timeout
         return stall, timeout, key
 

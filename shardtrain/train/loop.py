@@ -303,13 +303,15 @@ class Trainer:
         check_manual_launch_shape(cfg.trainer.num_nodes)
         check_restarts_resume(cfg.checkpoint.enabled)
         apply_debug_switches(cfg.dist, Path(cfg.run.dir))
-        # The process group's own timeout is the longer bound plus the longest the watchdog's stop
-        # takes (from the diagnostics review: equal to it, a slow evidence write let the backend's
-        # timeout overtake the watchdog's stop, its record and status 124). The per-step bound after
-        # the first step is enforced by the watchdog (see diagnostics/watchdog.py).
-        env = init_distributed(cfg.dist.backend,
-                               max(cfg.dist.timeout_s, cfg.dist.startup_timeout_s) + STOP_WAIT_S,
-                               cpu_offload=cfg.strategy.cpu_offload)
+        # The process group's own timeout is the longest bound of a phase with collectives on it plus
+        # the longest the watchdog's stop takes (from the diagnostics review: equal to it, a slow
+        # evidence write let the backend's timeout overtake the watchdog's stop, its record and status
+        # 124). The save's bound too: reading the initial weights and the end's wait for rank 0's
+        # deletions run default-group collectives under it (a later review: a node reading a base 12
+        # minutes slower than its peers ended in the backend's timeout, not the watchdog's 124). The
+        # per-step bound is enforced by the watchdog (see diagnostics/watchdog.py).
+        longest = max(cfg.dist.timeout_s, cfg.dist.startup_timeout_s, cfg.checkpoint.save_timeout_s)
+        env = init_distributed(cfg.dist.backend, longest + STOP_WAIT_S, cpu_offload=cfg.strategy.cpu_offload)
         check_world(cfg, env.world_size, env.local_world_size)
         run_lock = None
         if cfg.checkpoint.enabled:  # saves and the resume choice need one run.dir; logs do not
