@@ -544,3 +544,30 @@ def test_the_per_rank_table_of_many_ranks_shows_the_notable_ones():
     # a resumed run's first measured step is its own number (a trial read "after step 1" at step 11)
     assert rank_lines(entries[:2], phases, step=11)[0].startswith("diagnostics: per-rank local state after "
                                                                   "step 11 (MiB)")
+
+
+def test_failure_records_written_at_once_stay_whole(tmp_path):
+    """Found by a review: the watchdog's stop and the main thread's own failure could record at once
+    through one staging file: one's replace failed, or the record was the other's half."""
+    import threading
+
+    from shardtrain.diagnostics.failures import write_whole
+
+    texts = ["a" * 1_000_000, "b" * 1_000_000]
+    errors: list[BaseException] = []
+
+    def write(text: str) -> None:
+        try:
+            write_whole(tmp_path / "rank-0.json", text)
+        except BaseException as exc:  # noqa: BLE001 - what a writer raised is the finding
+            errors.append(exc)
+
+    for _ in range(30):
+        writers = [threading.Thread(target=write, args=(text,)) for text in texts]
+        for writer in writers:
+            writer.start()
+        for writer in writers:
+            writer.join()
+        assert (tmp_path / "rank-0.json").read_text() in texts
+    assert errors == []
+    assert [p.name for p in tmp_path.iterdir()] == ["rank-0.json"]  # no staging file left

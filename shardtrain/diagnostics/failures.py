@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -36,9 +37,14 @@ def record_failure(run_dir: Path, rank: int, step: int, kind: str, message: str,
 def write_whole(path: Path, text: str) -> None:
     """``text`` into ``path`` whole or not at all: a process stopped mid-write (the launcher stops the
     other workers once one exits) leaves no empty or half evidence file behind."""
-    part = path.with_name(f".{path.name}.part")
-    part.write_text(text, encoding="utf-8")
-    os.replace(part, path)
+    # One staging file per writer: the watchdog's stop and the main thread's own failure can record
+    # at once, and sharing one, one's replace failed or wrote the other's half (found by a review).
+    part = path.with_name(f".{path.name}.{threading.get_ident()}.part")
+    try:
+        part.write_text(text, encoding="utf-8")
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def is_failure(exc: BaseException) -> bool:
