@@ -213,6 +213,10 @@ def test_the_end_of_training_sample_is_watched_like_the_steps(tmp_path):
         first = waiting.read_text().splitlines()[0]
         assert "rank 0: sampling of step 2" in first, first
         assert "waiting in the collective" in first or "in inject" not in first, waiting.read_text()[:500]
+        # and recorded as the stuck rank's fallout, which the launcher never names first (a review)
+        record = run_dir / "failures" / "rank-0.json"
+        if "waiting in the collective" in first and record.exists():
+            assert json.loads(record.read_text())["fallout"] is True
 
 
 def test_watchdog_save_phases_have_their_own_bound(tmp_path):
@@ -571,3 +575,29 @@ def test_failure_records_written_at_once_stay_whole(tmp_path):
         assert (tmp_path / "rank-0.json").read_text() in texts
     assert errors == []
     assert [p.name for p in tmp_path.iterdir()] == ["rank-0.json"]  # no staging file left
+
+
+def test_a_rank_stopped_while_waiting_for_a_peer_is_recorded_as_its_fallout(tmp_path, monkeypatch):
+    """Found by a review: a rank waiting in a collective for a stuck peer recorded itself as a
+    failure, timed after up to a minute of evidence writes, and the launcher could name it "failed
+    first". Its record is fallout, timed when the hang was found."""
+    import time
+
+    import shardtrain.diagnostics.watchdog as watchdog_module
+    from shardtrain.diagnostics.failures import first_failure
+
+    def exit_instead(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(watchdog_module.os, "_exit", exit_instead)
+    monkeypatch.setattr(watchdog_module.logging, "shutdown", lambda: None)  # pytest's handlers stay open
+    dog = Watchdog(tmp_path, 0, timeout_s=1, startup_timeout_s=1, stall_factor=10, stall_min_s=1)
+    before = time.time()
+    with pytest.raises(SystemExit) as stopped:
+        dog.stop_hung(3, "rank 0: training step of step 4 has run 2s, over the 1s limit (dist.timeout_s); "
+                         "its main thread is in run_step (loop.py), waiting in the collective all_reduce: "
+                         "another rank may be the one stuck; stopping")
+    assert stopped.value.code == 124
+    record = json.loads((tmp_path / "failures" / "rank-0.json").read_text())
+    assert record["fallout"] is True and before <= record["time"] <= time.time()
+    assert first_failure(tmp_path, 0.0)["rank"] == 0  # alone, still named (no other record)

@@ -17,16 +17,18 @@ FAILURE_DIR = "failures"
 
 
 def record_failure(run_dir: Path, rank: int, step: int, kind: str, message: str,
-                   traceback_text: str = "", exit_status: int = 1, fallout: bool = False) -> None:
+                   traceback_text: str = "", exit_status: int = 1, fallout: bool = False,
+                   when: float | None = None) -> None:
     """``exit_status``: what a single process exits with for this failure (2 for the framework's
     own errors), which the launcher gives too: torchrun's own is 1 for any failure. ``fallout``:
-    this rank raised another rank's failure (an agreed check), never the root cause."""
+    this rank raised another rank's failure (an agreed check, or it waited in a collective for a
+    stuck one), never the root cause. ``when``: the failure's time, where it was found earlier."""
     try:
         directory = Path(run_dir) / FAILURE_DIR
         directory.mkdir(parents=True, exist_ok=True)
         write_whole(directory / f"rank-{rank}.json", json.dumps({
             "rank": rank, "host": socket.gethostname(), "step": step, "type": kind,
-            "message": message, "time": time.time(), "traceback": traceback_text,
+            "message": message, "time": time.time() if when is None else when, "traceback": traceback_text,
             "exit_status": exit_status, "fallout": fallout,
             "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
         }, indent=2))

@@ -112,6 +112,10 @@ def dump_flight_recorder(prefix: str, rank: int, wait_s: float | None = None) ->
     return path if bounded(write, "flight-recorder", wait_s) else None
 
 
+# How a hang's message says that its rank waits for another (``stop_hung`` records it as fallout).
+WAITING_IN_COLLECTIVE = "waiting in the collective"
+
+
 def main_thread_location() -> str:
     """Where the main thread is, for a hang's message: the innermost call of shardtrain's (or the
     user's) code, and whether it is waiting inside a torch.distributed collective. A rank waiting
@@ -129,7 +133,7 @@ def main_thread_location() -> str:
     collective = next((name for file, name in calls if Path(file).name == "distributed_c10d.py"), None)
     where = f"its main thread is in {own[1]} ({own[0]})"
     if collective is not None:
-        return f"{where}, waiting in the collective {collective}: another rank may be the one stuck"
+        return f"{where}, {WAITING_IN_COLLECTIVE} {collective}: another rank may be the one stuck"
     return where
 
 
@@ -275,14 +279,18 @@ class Watchdog:
     def stop_hung(self, step: int, message: str) -> None:
         """Leave the evidence (stacks, flight recorder, failure record), each written within
         ``EVIDENCE_WAIT_S`` or given up, and exit with status 124. ``step``: the steps done."""
+        detected = time.time()  # the record's time: not after up to a minute of evidence writes
         path = self.run_dir / "hangs" / f"rank-{self.rank}.txt"
         text = stacks_text(message)
         stacks = (f"stacks in {path}" if bounded(lambda: dump_stacks(path, text), "hang-dump")
                   else f"stacks could not be written to {path} in {EVIDENCE_WAIT_S:g}s")
         # We stop before the process group's own (longer) timeout, and so before NCCL's own dump.
         evidence = f"{stacks}{self.dump_flight_recorder()}"
+        # A rank waiting in a collective for a stuck peer is that peer's fallout, not the root cause
+        # the launcher names (found by a review: the waiting ranks, quick to record, were named first).
+        waiting = WAITING_IN_COLLECTIVE in message
         bounded(lambda: record_failure(self.run_dir, self.rank, step, "Timeout", f"{message}; {evidence}",
-                                      exit_status=HANG_EXIT_STATUS),
+                                      exit_status=HANG_EXIT_STATUS, fallout=waiting, when=detected),
                 "failure-record")
         # Said within a bound as well: a stalled stderr (a pipe nobody drains, a log file on the
         # stalled filesystem) would block the message, and with it the exit, forever.
