@@ -31,7 +31,7 @@ def _match(point: str, rank: int, step: int) -> str | None:
     spec = os.environ.get(ENV)
     if not spec:
         return None
-    for fault in spec.split(","):
+    for fault in filter(None, (entry.strip() for entry in spec.split(","))):  # "a," has an empty one
         want_point, want_rank, steps, action, *attempt = fault.split(":")
         first, _, last = steps.partition("-")
         if want_point != point or int(want_rank) != rank:
