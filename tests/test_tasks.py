@@ -305,6 +305,9 @@ def test_a_task_from_the_command_line_with_its_options_preempted_and_resumed(tmp
 @pytest.mark.parametrize(("args", "message"), [
     (["task=no_such_module:Task"], "task='no_such_module:Task': module 'no_such_module' does not import"),
     (["task=vit:Nothing"], "module 'vit' has no 'Nothing'"),
+    # what the module defines, not the base class it imports (found by a review: "did you mean 'Task'?")
+    (["task=vit:VitTask"], "module 'vit' has no 'VitTask' (it defines Attention, Mlp, Block, PatchEmbed, "
+                           "VisionTransformer, SyntheticImages, ImageClassification)"),
     (["task=vit:ImageClasification"], "module 'vit' has no 'ImageClasification'; did you mean "
                                       "'ImageClassification'?"),
     (["task=no_such_package.tasks:Task"], "module 'no_such_package.tasks' does not import"),
