@@ -117,6 +117,8 @@ def test_required_knobs_exist():
         ("strategy.sharding_strategy=[FULL_SHARD]", "is a list; strategy.sharding_strategy takes one value"),
         ("model.hidden_size=512", "unknown config key 'model.hidden_size'; did you mean 'model.dim'?"),
         ("strategy.ac=all", "unknown config key 'strategy.ac'"),
+        ("data.paths=[a,b", "cannot read 'data.paths=[a,b': the [ is not closed; write data.paths=[a,b]"),
+        ("run.dir=a(b", "quote a value holding"),
     ],
 )
 def test_bad_config_is_named(override, expected):

@@ -162,6 +162,10 @@ def unreadable_override(overrides: list[str]) -> str | None:
         try:
             sweep = parser.parse_override(override).is_sweep_override()
         except HydraException as exc:
+            opened = {"[": "]", "{": "}"}.get(value[:1])
+            if opened and value.count(value[0]) > value.count(opened):
+                # A list left open: quoting it made it a string (found by a review)
+                return f"cannot read {override!r}: the {value[0]} is not closed; write {key}={value}{opened}"
             return (f"cannot read {override!r} ({str(exc).splitlines()[0]}): quote a value holding "
                     f"( ) [ ] {{ }} , = ' or spaces, e.g. {key}='{value}' (in a shell: \"{key}='{value}'\")")
         if sweep:
