@@ -15,6 +15,11 @@ class ConfigError(ShardtrainError):
     """An invalid configuration, detected before any process group starts."""
 
 
+class LayoutError(ConfigError):
+    """A layout setting that does not fit the world size or a node's processes: the same config may
+    fit the machines ``shardtrain plan`` plans for (``--processes-per-node``)."""
+
+
 class DataError(ShardtrainError):
     """The training data is missing, empty or too small for the requested batch."""
 

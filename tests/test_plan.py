@@ -152,6 +152,9 @@ def test_a_layout_judged_for_this_machine_names_processes_per_node(capsys):
     assert main(["plan", "model=llama3_8b", "strategy.tensor_parallel=8", "--world-sizes", "16",
                  "--processes-per-node", "8"]) == 0
     capsys.readouterr()
+    # every layout refusal, a reshard group's too (found by a review: told by the message's words)
+    assert main(["plan", "strategy.reshard_after_forward=4"]) == 2
+    assert capsys.readouterr().err.strip().endswith("plan for other nodes with --processes-per-node N)")
 
 
 def test_plan_rows_judge_each_world_size_and_the_formulas_refuse_uneven_splits(capsys):

@@ -498,7 +498,7 @@ MOST_RANKS = 1 << 20  # plan's world sizes: beyond any machine, within a process
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from shardtrain.config.sizes import parse_size
-    from shardtrain.errors import ConfigError
+    from shardtrain.errors import ConfigError, LayoutError
 
     # Checked, not dropped: 0 read as "not given" planned the machine's own layout instead.
     for flag, values in (("--world-sizes", args.world_sizes or []),
@@ -533,10 +533,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         # whether its layout is possible there (a shard group or tensor-parallel degree that does
         # not fit the config's own world was refused for every row).
         check_runtime(cfg, runs_here=False, rows_judge_layouts=bool(args.world_sizes))
-    except ConfigError as exc:
-        # the layout against the world and node sizes (other refusals name the keys too)
-        layout_error = "must divide" in str(exc) or "processes of a node" in str(exc)
-        if args.processes_per_node or cfg.trainer.devices != "auto" or not layout_error:
+    except LayoutError as exc:
+        # the layout against the world and node sizes (found by a review: told by its words, a
+        # reshard group's refusal went without the hint)
+        if args.processes_per_node or cfg.trainer.devices != "auto":
             raise
         # The layout checks judged this machine's processes (found by review: from a login node)
         raise ConfigError(f"{exc} (judged for this machine's {launch_shape(cfg)[0]} process(es) per "

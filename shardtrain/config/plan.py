@@ -27,7 +27,7 @@ from shardtrain.config.strategy import (
     precision_preset,
     reshard_setting,
 )
-from shardtrain.errors import ConfigError
+from shardtrain.errors import ConfigError, LayoutError
 
 DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
@@ -151,7 +151,7 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int,
         shard = cfg.shard_group_size or dp_per_node
         if shard <= 0 or dp_world % shard:
             what = "the world size" if tp == 1 else "the data-parallel ranks (world / tensor_parallel)"
-            raise ConfigError(
+            raise LayoutError(
                 f"strategy.shard_group_size={shard} must divide {what} {dp_world} "
                 f"for {strategy}; set strategy.shard_group_size to a divisor of {dp_world}"
             )
@@ -172,12 +172,12 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int,
         # No divisor between 1 and a group of 1-2 ranks (k equal to the group is true): the error
         # named an impossible fix.
         if shard_group <= 2 and raf != shard_group:
-            raise ConfigError(
+            raise LayoutError(
                 f"strategy.reshard_after_forward={raf}: the shard group has {shard_group} rank"
                 f"{'s' if shard_group > 1 else ''}, so no smaller group exists to reshard to; use true or "
                 "false (or leave it unset)")
         if raf == 1 or shard_group % raf:
-            raise ConfigError(
+            raise LayoutError(
                 f"strategy.reshard_after_forward={raf} must be a divisor of the shard group size "
                 f"{shard_group} other than 1 (or true/false)"
             )
@@ -228,7 +228,7 @@ def check_tensor_parallel_layout(cfg: StrategyConfig, world_size: int, local_wor
 def check_tensor_parallel_divides(tp: int, world_size: int) -> None:
     """The world is data-parallel ranks x ``tp`` (one line otherwise)."""
     if world_size % tp:
-        raise ConfigError(f"strategy.tensor_parallel={tp} must divide the world size {world_size} "
+        raise LayoutError(f"strategy.tensor_parallel={tp} must divide the world size {world_size} "
                           "(world = data-parallel ranks x tensor_parallel); choose a divisor of "
                           f"{world_size}")
 
@@ -238,12 +238,12 @@ def check_tensor_parallel_in_nodes(cfg: StrategyConfig, local_world_size: int) -
     world size: ``plan --world-sizes`` checks this once)."""
     tp = cfg.tensor_parallel
     if tp > local_world_size and not cfg.tensor_parallel_across_nodes:
-        raise ConfigError(f"strategy.tensor_parallel={tp} is larger than the {local_world_size} "
+        raise LayoutError(f"strategy.tensor_parallel={tp} is larger than the {local_world_size} "
                           "processes of a node: its collectives (several per layer) would cross nodes; "
                           "use at most the GPUs of a node, or set "
                           "strategy.tensor_parallel_across_nodes=true to force it")
     if local_world_size % tp and tp < local_world_size:
-        raise ConfigError(f"strategy.tensor_parallel={tp} must divide the {local_world_size} processes "
+        raise LayoutError(f"strategy.tensor_parallel={tp} must divide the {local_world_size} processes "
                           "of a node, so that no tensor-parallel group straddles two nodes; choose a "
                           f"divisor of {local_world_size}")
 
