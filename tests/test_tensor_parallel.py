@@ -280,6 +280,12 @@ def test_mesh_gains_an_innermost_tp_dimension(strategy, world, local, extra, mes
      "post_mlp_dropout, attention, mlp; set strategy.sequence_parallel=false"),
     (["trainer.devices=2", "strategy.tensor_parallel=2", "model.name=hf", "model.path={qwen3}"],
      "self_attn.q_norm: 'replicated_with_grad_allreduce' (transformers' style) has no translation"),
+    # a weight the plan leaves whole beside the heads it splits (found by a review: Phi's q/k layer
+    # norms trained on each rank's heads alone, without a word; Cohere's failed in the first forward)
+    (["trainer.devices=2", "strategy.tensor_parallel=2", "strategy.sequence_parallel=false", "model.name=hf",
+      "model.path={phi_qk}"],
+     "the phi plan splits model.layers.0.self_attn's heads over tensor_parallel but leaves "
+     "model.layers.0.self_attn.q_layernorm.weight whole"),
 ])
 def test_bad_layouts_fail_before_launch_with_one_line(overrides, message, hf_layouts, tmp_path):
     overrides = [item.format(**hf_layouts) for item in overrides] + [f"run.dir={tmp_path}/run"]
@@ -319,7 +325,8 @@ def hf_layouts(tmp_path_factory) -> dict[str, str]:
                "llama_97": family_config("llama"),
                "llama_vocab_301": family_config("llama", vocab_size=301, intermediate_size=98),
                "gpt_neox": transformers.GPTNeoXConfig(**sizes, tie_word_embeddings=False),
-               "qwen3": transformers.Qwen3Config(**sizes, num_key_value_heads=2, tie_word_embeddings=False)}
+               "qwen3": transformers.Qwen3Config(**sizes, num_key_value_heads=2, tie_word_embeddings=False),
+               "phi_qk": transformers.PhiConfig(**sizes, qk_layernorm=True, tie_word_embeddings=False)}
     for name, config in configs.items():
         config.save_pretrained(root / name)
     return {name: str(root / name) for name in configs}

@@ -140,6 +140,7 @@ def check_declared_plan(model: nn.Module, blocks: tuple[type, ...], tp: int,
                           f"vocabulary as the head is, the {family} plan says {embeddings}: {style!r}; "
                           "untie them (tie_word_embeddings=false) or set strategy.tensor_parallel=1")
     check_split_sizes(config, tp)
+    check_whole_parameters_beside_split_ones(model, plan, family, fix)
     if sequence_parallel:
         found = [m for m in model.modules() if isinstance(m, blocks)]
         layout = [name for name, child in found[0].named_children()] if found else []
@@ -152,6 +153,26 @@ def check_declared_plan(model: nn.Module, blocks: tuple[type, ...], tp: int,
                               f"{', '.join(SEQUENCE_PARALLEL_BLOCK)}; a final {FINAL_NORM}), a {family} "
                               f"block has {', '.join(layout) or 'none'}; "
                               "set strategy.sequence_parallel=false")
+
+
+def check_whole_parameters_beside_split_ones(model: nn.Module, plan: dict[str, str], family: str,
+                                             fix: str) -> None:
+    """No parameter the plan leaves whole inside a module whose projections it splits column-wise
+    (an attention's heads): such a weight (Phi's q/k layer norms, Cohere's per-head q/k norms) works
+    on its rank's heads alone, so its gradient would be theirs alone, never summed over the
+    tensor-parallel group, and its copies would drift apart (found by a review: Phi with
+    qk_layernorm trained that way without a word; Cohere's failed in the first forward)."""
+    patterns = [(pattern(key), style) for key, style in plan.items()]
+    styled = {name: style for name, _ in model.named_modules()
+              for key, style in patterns if key.fullmatch(name)}
+    parents = {name.rpartition(".")[0] for name, style in styled.items() if style == "colwise"}
+    for parent in sorted(parents):
+        for name, _ in model.get_submodule(parent).named_parameters():
+            owner = f"{parent}.{name.rpartition('.')[0]}".rstrip(".")
+            if owner not in styled:
+                raise ConfigError(f"the {family} plan splits {parent}'s heads over tensor_parallel but "
+                                  f"leaves {parent}.{name} whole: it would see its rank's heads alone and "
+                                  f"its gradient would never be summed over the group; {fix}")
 
 
 def translate(style: str, stream: Replicate | Shard, local: bool) -> ParallelStyle:
