@@ -286,6 +286,8 @@ def test_mesh_gains_an_innermost_tp_dimension(strategy, world, local, extra, mes
       "model.path={phi_qk}"],
      "the phi plan splits model.layers.0.self_attn's heads over tensor_parallel but leaves "
      "model.layers.0.self_attn.q_layernorm.weight whole"),
+    (["trainer.devices=2", "strategy.tensor_parallel=2", "model.name=hf", "model.path={llama_dropout}"],
+     "llama_dropout/config.json) under strategy.tensor_parallel=2 would draw the same mask for the heads"),
 ])
 def test_bad_layouts_fail_before_launch_with_one_line(overrides, message, hf_layouts, tmp_path):
     overrides = [item.format(**hf_layouts) for item in overrides] + [f"run.dir={tmp_path}/run"]
@@ -326,7 +328,8 @@ def hf_layouts(tmp_path_factory) -> dict[str, str]:
                "llama_vocab_301": family_config("llama", vocab_size=301, intermediate_size=98),
                "gpt_neox": transformers.GPTNeoXConfig(**sizes, tie_word_embeddings=False),
                "qwen3": transformers.Qwen3Config(**sizes, num_key_value_heads=2, tie_word_embeddings=False),
-               "phi_qk": transformers.PhiConfig(**sizes, qk_layernorm=True, tie_word_embeddings=False)}
+               "phi_qk": transformers.PhiConfig(**sizes, qk_layernorm=True, tie_word_embeddings=False),
+               "llama_dropout": family_config("llama", intermediate_size=98, attention_dropout=0.1)}
     for name, config in configs.items():
         config.save_pretrained(root / name)
     return {name: str(root / name) for name in configs}

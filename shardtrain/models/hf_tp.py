@@ -141,6 +141,13 @@ def check_declared_plan(model: nn.Module, blocks: tuple[type, ...], tp: int,
                           "untie them (tie_word_embeddings=false) or set strategy.tensor_parallel=1")
     check_split_sizes(config, tp)
     check_whole_parameters_beside_split_ones(model, plan, family, fix)
+    if (getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+        # The ranks of a group share one random stream (their replicated regions must draw alike):
+        # head h and head h + heads/tp would get one mask, where one process draws two (a review).
+        raise ConfigError(f"attention_dropout={config.attention_dropout:g} ({config_file(config)}) under "
+                          f"strategy.tensor_parallel={tp} would draw the same mask for the heads of every "
+                          "rank of a group; set attention_dropout to 0 in config.json, or "
+                          "strategy.tensor_parallel=1")
     if sequence_parallel:
         found = [m for m in model.modules() if isinstance(m, blocks)]
         layout = [name for name, child in found[0].named_children()] if found else []
