@@ -20,10 +20,13 @@ from torch.distributed.tensor import DTensor
 from shardtrain.errors import ModelError
 
 
-def check_gradients_sharded(model: nn.Module) -> None:
-    """Every gradient is a DTensor: sharding put every parameter the model had into some FSDP unit
-    (the root covers the rest), so a plain one belongs to a parameter added after it, whose norm
-    would be counted once per rank and which no optimizer holds."""
+def check_gradients_sharded(model: nn.Module, params: Iterable[nn.Parameter]) -> None:
+    """Every gradient of ``params`` (the model's with one) is a DTensor: sharding put every parameter
+    the model had into some FSDP unit (the root covers the rest), so a plain one belongs to a
+    parameter added after it, whose norm would be counted once per rank and which no optimizer
+    holds. Named only then: a step's check walks the list it already has, not the module tree."""
+    if all(isinstance(param.grad, DTensor) for param in params if param.grad is not None):
+        return
     late = [name for name, param in model.named_parameters()
             if param.grad is not None and not isinstance(param.grad, DTensor)]
     if late:

@@ -316,7 +316,7 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int, task: T
                 tracker.stage = "gradient norm"
                 grads = state_bytes(model, None).grads
                 params = [p for p in model.parameters() if p.grad is not None]
-                check_gradients_sharded(model)
+                check_gradients_sharded(model, params)
                 norm = global_grad_norm(params, mesh)
                 if trainer.grad_clip_norm > 0:
                     clip_grads_(params, clip_scale(trainer.grad_clip_norm, norm))

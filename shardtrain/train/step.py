@@ -428,7 +428,7 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
         check_metric_names(task, metrics.kinds or (), reserved_names)
 
     params = [p for p in model.parameters() if p.grad is not None]
-    check_gradients_sharded(model)
+    check_gradients_sharded(model, params)
     if divisor is None:
         global_count = global_sum_tensor(returned_count.clone(), copies)
         clip_grads_(params, (1.0 / global_count).float())
