@@ -226,8 +226,6 @@ def split_stderr(stream: IO[str], log: IO[str], console: IO[str] | None = None, 
                 sinks["console"] = None  # the log still gets the agent's own line, below
         for name, other in (("log", "console"), ("console", "log")):
             sink = sinks[name]
-            if name == "log" and sink is None:
-                keep_unwritten(log, line, reporting)
             if sink is None or (name == "console" and not line.startswith(LOG_PREFIX)):
                 continue
             why = write_line(sink, line)
@@ -235,14 +233,14 @@ def split_stderr(stream: IO[str], log: IO[str], console: IO[str] | None = None, 
                 continue
             sinks[name] = None
             if name == "log":
-                keep_unwritten(log, line, reporting)
-            if name == "log":
                 note = (f"cannot write the launch log {getattr(log, 'name', '')} ({why}); the workers' "
                         "stderr other than their log lines is lost from here on")
             else:
                 note = f"cannot write the console ({why}); the workers' log lines go to this file only"
             if sinks[other] is not None and write_line(sinks[other], f"{LAUNCHER_TAG} {note}\n"):
                 sinks[other] = None
+        if sinks["log"] is None:  # refused now or before: kept for the log's readers
+            keep_unwritten(log, line, reporting)
 
 
 def close_quietly(log: IO[str]) -> None:
@@ -515,6 +513,14 @@ def failed_rank_line(log_file: Path, rank: int | None) -> str | None:
     # Its last: with restarts, an earlier attempt's line may name a failure a restart went past.
     line = next((line for line in reversed(lines) if line.startswith(tagged)), lines[0] if lines else None)
     return RANK_TAG.sub(ERROR_START, line, count=1) if line else None
+
+
+def failed_worker(log_file: Path) -> tuple[str | None, int | None]:
+    """The error line of the worker torchrun's report names as the root cause (``failed_rank_line``)
+    and the status it exited with (None where the report gives none, or a signal's)."""
+    cause = root_cause(log_file)
+    line = failed_rank_line(log_file, cause[0] if cause else None)
+    return line, (cause[1] if cause is not None and cause[1] > 0 else None)
 
 
 def launch_log_path(run_dir: Path, started: float) -> Path:

@@ -97,11 +97,10 @@ def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -
     and none recorded a failure)."""
     from shardtrain.cli.launch import (
         ERROR_START,
-        failed_rank_line,
+        failed_worker,
         first_worker_line,
         killed_first,
         killed_reason,
-        root_cause,
     )
     from shardtrain.diagnostics.failures import describe, first_failure
 
@@ -124,11 +123,12 @@ def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -
         reason = (f"torchrun's agent was killed by {name} (from outside, or by the out-of-memory killer); "
                   "its workers were stopped" if name == "SIGKILL" else
                   f"stopped by {name} (sent to the launcher or torchrun's agent); its workers were stopped")
-    elif line := failed_rank_line(log_file, cause[0] if (cause := root_cause(log_file)) else None):
+    elif (worker := failed_worker(log_file))[0]:
         # No record (run.dir's disk full, or a worker that died writing it): its error line, which
         # the launcher keeps when the log cannot take it, and the status torchrun reports it gave.
+        line, code = worker
         reason = line.removeprefix(ERROR_START)
-        status = cause[1] if cause is not None and cause[1] > 0 else status
+        status = code if code is not None else status
     else:
         reason = f"the training processes exited with status {status} without an error record"
     print(f"shardtrain: error: {reason}; full log: {log_file}", file=sys.stderr)
@@ -137,13 +137,7 @@ def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -
 
 def on_devices(devices: int, argv: list[str]) -> int | None:
     """Run ``shardtrain argv`` on ``devices`` processes under torchrun, or None to run here."""
-    from shardtrain.cli.launch import (
-        failed_rank_line,
-        killed_first,
-        killed_reason,
-        root_cause,
-        run_under_torchrun,
-    )
+    from shardtrain.cli.launch import failed_worker, killed_first, killed_reason, run_under_torchrun
     from shardtrain.distributed.env import under_torchrun
     from shardtrain.errors import ConfigError
 
@@ -167,11 +161,10 @@ def on_devices(devices: int, argv: list[str]) -> int | None:
         if status == 0:
             log_file.unlink(missing_ok=True)
             return 0
-        cause = root_cause(log_file)  # the first failing worker's rank and exit status
         if killed := killed_first(log_file):  # it left no line: any line in the log is a peer's fallout
             print(f"shardtrain: error: {killed_reason(*killed)}; full log: {log_file}", file=sys.stderr)
             return 128 + signal.Signals[killed[1]].value
-        line = failed_rank_line(log_file, cause[0] if cause else None)
+        line, code = failed_worker(log_file)  # the first failing worker's line and exit status
         if line == INTERRUPTED:
             log_file.unlink(missing_ok=True)
             print(INTERRUPTED, file=sys.stderr)
@@ -181,7 +174,7 @@ def on_devices(devices: int, argv: list[str]) -> int | None:
         print(f"shardtrain: error: {reason}; full log: {log_file}", file=sys.stderr)
         # The status the first failing worker gave (2 for a framework error, 1 for an OS one), which
         # torchrun's own 1 hides.
-        return cause[1] if cause is not None and cause[1] > 0 else (2 if line else status)
+        return code if code is not None else (2 if line else status)
     return None
 
 
