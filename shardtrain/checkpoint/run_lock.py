@@ -75,11 +75,12 @@ def take_run_lock(run_dir: Path) -> RunLock:
     except BlockingIOError:
         handle.seek(0)
         text = handle.read()
-        if not (earlier_run_of_this_job(text) and wait_for_lock(handle, path)):
+        requeued = earlier_run_of_this_job(text)
+        if not (requeued and wait_for_lock(handle, path)):
             handle.close()
             since = (f"; it is this Slurm job's run before its requeue, whose lock the filesystem has kept "
                      f"{REQUEUE_WAIT_S:.0f} s after its node failed: remove {path} once that node is down"
-                     if earlier_run_of_this_job(text) else "")
+                     if requeued else "")
             raise RunDirectoryBusy(f"another training holds {run_dir} ({describe_holder(text)}; {path}): two "
                                    "trainings in one run.dir delete and prune each other's checkpoints; wait "
                                    f"for it to end, stop it, or choose another run.dir{since}") from None

@@ -6,6 +6,7 @@ import argparse
 import gc
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -669,8 +670,6 @@ class OneLineParser(argparse.ArgumentParser):
     review). Subcommands' parsers are of this class too (argparse makes them of their parent's)."""
 
     def error(self, message: str) -> NoReturn:
-        import re
-
         from shardtrain.config.suggest import closest
 
         choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
