@@ -38,8 +38,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from shardtrain.checkpoint.peft_adapter import ADAPTER_CONFIG
-from shardtrain.checkpoint.safetensors_files import DCP_METADATA_FILE, INDEX_FILE, SINGLE_FILE
+from shardtrain.checkpoint.safetensors_files import ADAPTER_CONFIG, DCP_METADATA_FILE, INDEX_FILE, SINGLE_FILE
 from shardtrain.checkpoint.state import STATE_FILE, STEP_DIR, TrainState
 from shardtrain.durable import fsync_path as fsync_path  # re-exported: the checkpointer syncs through it
 from shardtrain.errors import CheckpointError

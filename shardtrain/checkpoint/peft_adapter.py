@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardtrain.checkpoint.safetensors_files import open_safetensors
-from shardtrain.checkpoint.state import STATE_FILE, STEP_DIR, TrainState
+from shardtrain.checkpoint import layout
+from shardtrain.checkpoint.safetensors_files import ADAPTER_CONFIG, open_safetensors
+from shardtrain.checkpoint.state import TrainState
 from shardtrain.config.schema import Config, FinetuneConfig
 from shardtrain.distributed.sharded_model import shard_like
 from shardtrain.errors import CheckpointError, ConfigError, json_object
@@ -29,7 +30,6 @@ from shardtrain.models.hf_directory import PREFIX as HF_PARAMETER_PREFIX
 from shardtrain.models.llama_hf_adapter import from_hf_name, halves_to_interleaved, rotary_heads
 from shardtrain.models.lora import ADAPTER_NAME, is_adapter, peft_package
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # PeftModelForCausalLM -> LoraModel -> the transformers model
 # <module>.lora_A.weight (save_pretrained drops the adapter's name) or <module>.lora_A.<name>.weight
@@ -159,11 +159,9 @@ def resumed_finetune(cfg: Config) -> FinetuneConfig | None:
         return None
     if resume != "auto":
         found = [Path(resume).expanduser()]
-    else:
-        root = Path(cfg.run.dir) / "checkpoints"
-        named = [(int(m.group(1)), entry) for entry in (root.iterdir() if root.is_dir() else ())
-                 if (m := STEP_DIR.match(entry.name)) and (entry / STATE_FILE).is_file()]
-        found = [entry for _, entry in sorted(named, reverse=True)]
+    else:  # newest first, as resume=auto tries them
+        complete = layout.candidates(Path(cfg.run.dir) / layout.CHECKPOINTS_DIR).complete
+        found = [path for _, path in reversed(complete)]
     for path in found:
         try:
             return TrainState.read(path).finetune_config()

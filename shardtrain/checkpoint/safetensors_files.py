@@ -37,6 +37,8 @@ EVAL_SETTINGS_KEY = "shardtrain_eval_settings"
 # earlier export beside a new one, they would be loaded instead of it (transformers prefers
 # model.safetensors to an index) or mixed with it.
 DCP_METADATA_FILE = ".metadata"  # layout.METADATA_FILE (layout imports this module, not the reverse)
+# A PEFT adapter directory's settings (peft_adapter.py reads them; layout knows the directory by them).
+ADAPTER_CONFIG = "adapter_config.json"
 MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt",
                "*.pth", "*.gguf", "config.json", "generation_config.json", "adapter_config.json",
                "tokenizer*", "special_tokens_map.json", "chat_template.jinja")
