@@ -15,8 +15,7 @@ import importlib.util
 from shardtrain.accelerator import accelerator_count, check_float8, device_type
 from shardtrain.config.classpath import import_module_class, import_object, qualified_name
 from shardtrain.config.compose import check_ranges, compose_config
-from shardtrain.config.keys import boolean_spelling
-from shardtrain.config.options import literal_choices, read_options, resolved_hints
+from shardtrain.config.options import read_options
 from shardtrain.config.plan import (
     check_base_dtype,
     check_tensor_parallel_in_nodes,
@@ -63,17 +62,6 @@ def check_task_section(cfg: Config) -> None:
             raise ConfigError(f"unknown task option 'task.{name}'"
                               f"{closest(f'task.{name}', [f'task.{n}' for n in names])}; "
                               f"{cls.__name__} takes: {', '.join(names) or 'none'}")
-    hints = resolved_hints(options_cls)
-    for f in dataclasses.fields(options_cls):
-        raw = cfg.task.options.get(f.name)
-        literal = literal_choices(hints.get(f.name))
-        boolean = f.type in ("bool", bool) or hints.get(f.name) is bool or (
-            literal is not None and all(isinstance(choice, bool) for choice in literal[0]))
-        if boolean and raw is not None and not (
-                isinstance(raw, bool) or raw in (0, 1) or (isinstance(raw, str) and boolean_spelling(raw))):
-            # OmegaConf reads any integer as true, as for the schema's own booleans (config/keys.py).
-            raise ConfigError(f"task.{f.name}={raw!r} is not a boolean: write task.{f.name}=true or "
-                              f"task.{f.name}=false")
     options, cfg.task.options = read_options(options_cls, cfg.task.options)
     check_ranges(options, options_cls, "task.")
 

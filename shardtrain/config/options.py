@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from shardtrain.config.keys import boolean_spelling
 from shardtrain.config.suggest import closest
 from shardtrain.errors import ConfigError
 
@@ -82,12 +83,27 @@ def readable_schema(options_cls: type, hints: Mapping[str, Any],
     return dataclasses.make_dataclass(options_cls.__name__, fields)
 
 
+def check_booleans(options_cls: type, hints: Mapping[str, Any],
+                   literals: Mapping[str, tuple[tuple[Any, ...], bool]], given: Mapping[str, Any]) -> None:
+    """A boolean option (or a Literal of booleans) given anything but a boolean's spelling: OmegaConf
+    reads any integer as true, as for the schema's own booleans (config/keys.py)."""
+    for f in dataclasses.fields(options_cls):
+        raw = given.get(f.name)
+        boolean = f.type in ("bool", bool) or hints.get(f.name) is bool or (
+            f.name in literals and all(isinstance(choice, bool) for choice in literals[f.name][0]))
+        if boolean and raw is not None and not (
+                isinstance(raw, bool) or raw in (0, 1) or (isinstance(raw, str) and boolean_spelling(raw))):
+            raise ConfigError(f"task.{f.name}={raw!r} is not a boolean: write task.{f.name}=true or "
+                              f"task.{f.name}=false")
+
+
 def read_options(options_cls: type, given: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
     """``options_cls`` filled from ``given`` (every other field its default), and the values as given,
     plain, for the records. A value of the wrong type, or outside a Literal's choices, is a
     ConfigError naming ``task.NAME``."""
     hints = resolved_hints(options_cls)
     literals = literal_fields(hints)
+    check_booleans(options_cls, hints, literals, given)
     schema = readable_schema(options_cls, hints, literals)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), dict(given))
