@@ -32,7 +32,7 @@ import math
 import os
 import re
 import shutil
-from dataclasses import replace
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 
@@ -57,6 +57,7 @@ from safetensors.torch import load_file, save_file
 from storages import kept_bytes
 from torch import nn
 
+from shardtrain.checkpoint.safetensors_files import shardtrain_metadata
 from shardtrain.checkpoint.weights import load_model_weights, model_config_of
 from shardtrain.config.loader import load_config
 from shardtrain.config.schema import ModelConfig
@@ -643,16 +644,21 @@ def test_a_family_without_sdpa_runs_eager_attention_and_selective_checkpointing_
         Dims.of_hf(mamba)
 
 
+def deepseek_v3_config() -> transformers.DeepseekV3Config:
+    """A tiny DeepSeek-V3: a persistent router buffer, and router weights kept in fp32."""
+    return transformers.DeepseekV3Config(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1)
+
+
 def test_every_buffer_is_set_after_materialisation(tmp_path):
     """DeepSeek-V3's router holds a persistent buffer (``e_score_correction_bias``: read with the
     weights, zeros from the family's ``_init_weights``): from scratch it kept whatever memory the
     device gave (NaN stands for that here). Every buffer now equals ``from_config``'s; a buffer the
     family does not set is refused from scratch, named, and must be in the weights read."""
-    config = transformers.DeepseekV3Config(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, n_routed_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1)
+    config = deepseek_v3_config()
     config.save_pretrained(tmp_path)
     with torch.device("meta"):
         ours = HFCausalLM(ModelConfig(name="hf", path=str(tmp_path), pretrained=False))
@@ -687,6 +693,41 @@ def test_every_buffer_is_set_after_materialisation(tmp_path):
     with pytest.raises(CheckpointError, match=r"lacks hf.model.layers.1.mlp.gate.e_score_correction_bias: "
                                               r"buffers the model's family does not initialise"):
         load_model_weights(ours, str(tmp_path), ours.cfg)
+
+
+def test_a_bf16_export_keeps_what_the_family_keeps_in_fp32(tmp_path):
+    """Found by review: ``export-hf --dtype bf16`` rounded DeepSeek-V3's router (its gate and
+    correction bias, ``_keep_in_fp32_modules_strict``) to bf16, and transformers read them back
+    upcast with their precision gone; the export check rounded its reference alike and passed. They
+    are written as stored now, the rest in bf16, and the check's reference keeps them too."""
+    model_dir = tmp_path / "deepseek"
+    deepseek_v3_config().save_pretrained(model_dir)
+    cfg = ModelConfig(name="hf", path=str(model_dir), pretrained=False, tokenizer="bytes")
+    model = HFCausalLM(cfg)
+    sharded_model.materialize(model, torch.device("cpu"), seed=0)
+    model.init_buffers()
+    with torch.no_grad():
+        for buffer in model.buffers():
+            buffer.uniform_()
+    weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    source = tmp_path / "model.safetensors"
+    save_file(weights, source, metadata=shardtrain_metadata({"model": asdict(cfg), "data": {}}))
+    out = tmp_path / "export"
+    export_hf(source, out, dtype="bf16")
+    written = {}
+    for file in out.glob("*.safetensors"):
+        written |= load_file(file)
+    kept = {name for name in written if "mlp.gate." in name}
+    assert kept == {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"}
+    for name, tensor in written.items():
+        assert tensor.dtype == (torch.float32 if name in kept else torch.bfloat16), name
+        if name in kept:
+            assert tensor.equal(weights[f"hf.{name}"]), name
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert verify_export(source, out) < 1e-4
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    gate = theirs.model.layers[1].mlp.gate
+    assert gate.weight.dtype == torch.float32 and gate.weight.equal(weights["hf.model.layers.1.mlp.gate.weight"])
 
 
 def test_an_embeddings_padding_row_starts_at_zero_in_any_shard(tmp_path, monkeypatch):

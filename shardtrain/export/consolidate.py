@@ -14,6 +14,7 @@ left beside the new ones would be read instead of them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -38,8 +39,10 @@ from shardtrain.checkpoint.safetensors_files import (
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.checkpoint.weights import refuse_adapters_only
 from shardtrain.config.plan import DTYPES
+from shardtrain.config.schema import ModelConfig
 from shardtrain.config.sizes import parse_size
 from shardtrain.errors import CheckpointError
+from shardtrain.models.hf import HFCausalLM
 
 # The bytes of checkpoint tensors read from DCP at once while a file is written: fewer reads of larger
 # groups cost little, and the peak memory is about this (or the largest tensor).
@@ -69,10 +72,33 @@ def model_prefix(keys: list[str], fmt: str, key: str | None) -> str:
     return prefix
 
 
-def written_dtype(stored: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
-    """The dtype a tensor is written in: ``--dtype`` casts floating-point tensors only (an integer
-    buffer such as a step count or token ids would lose its values)."""
-    return cast if cast is not None and stored.is_floating_point else stored
+@dataclass(frozen=True)
+class Cast:
+    """``--dtype``: floating-point tensors written in ``dtype`` (None: as stored; an integer buffer
+    such as a step count or token ids would lose its values), except those whose name a pattern of
+    ``kept`` is found in: what the model's family keeps in fp32 (``HFCausalLM.kept_in_fp32``), written
+    as stored (a MoE router's gate rounded to bf16 was read back upcast, its precision gone)."""
+
+    dtype: torch.dtype | None = None
+    kept: tuple[str, ...] = ()
+
+    def of(self, name: str, stored: torch.dtype) -> torch.dtype:
+        """The dtype the tensor ``name``, stored in ``stored``, is written in."""
+        if self.dtype is None or not stored.is_floating_point or self.keeps(name):
+            return stored
+        return self.dtype
+
+    def keeps(self, name: str) -> bool:
+        return any(re.search(pattern.replace("*", ".*"), name) for pattern in self.kept)
+
+
+def model_cast(cfg: ModelConfig | None, dtype: torch.dtype | None) -> Cast:
+    """The cast to ``dtype`` of the weights of the model ``cfg`` describes (None: a checkpoint that
+    does not say, written by another framework: every floating-point tensor is cast)."""
+    if cfg is None or cfg.name != "hf" or dtype in (None, torch.float32):
+        return Cast(dtype)
+    with torch.device("meta"):
+        return Cast(dtype, HFCausalLM(cfg).kept_in_fp32(dtype))
 
 
 def clean_name(name: str, prefix: str) -> str:
@@ -90,8 +116,7 @@ class Plan:
     files: list[str]  # the files the model's tensors are read from, and .metadata
 
 
-def plan_shards(path: Path, max_shard_bytes: int | None, dtype: torch.dtype | None,
-                key: str | None) -> Plan:
+def plan_shards(path: Path, max_shard_bytes: int | None, cast: Cast, key: str | None) -> Plan:
     metadata = layout.read_dcp_metadata(path)
     layout.check_shard_files(path, metadata)
     tensors = {k: v for k, v in metadata.state_dict_metadata.items()
@@ -118,7 +143,7 @@ def plan_shards(path: Path, max_shard_bytes: int | None, dtype: torch.dtype | No
     current = total = 0
     for entry in selected:
         meta = entry[2]
-        size = meta.size.numel() * written_dtype(meta.properties.dtype, dtype).itemsize
+        size = meta.size.numel() * cast.of(entry[1], meta.properties.dtype).itemsize
         if max_shard_bytes and shards[-1] and current + size > max_shard_bytes:
             shards.append([])
             current = 0
@@ -146,9 +171,9 @@ def load_tensors(path: Path, entries, metadata: Metadata) -> dict[str, torch.Ten
     return state
 
 
-def written_layout(entries: list, cast: torch.dtype | None) -> list:
+def written_layout(entries: list, cast: Cast) -> list:
     """(output name, written dtype, shape) of each entry: a file's header, before its bytes."""
-    return [(out_name, written_dtype(meta.properties.dtype, cast), tuple(meta.size))
+    return [(out_name, cast.of(out_name, meta.properties.dtype), tuple(meta.size))
             for _, out_name, meta in entries]
 
 
@@ -170,13 +195,13 @@ def read_groups(entries: list) -> Iterator[list]:
 
 
 def streamed_tensors(path: Path, entries: list, metadata: Metadata,
-                     cast: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+                     cast: Cast) -> Iterator[tuple[str, torch.Tensor]]:
     """(output name, tensor in its written dtype) of ``entries`` in order, read a group at a time."""
     for group in read_groups(entries):
         loaded = load_tensors(path, group, metadata)
         for ckpt_key, out_name, _ in group:
             tensor = loaded.pop(ckpt_key)
-            yield out_name, tensor.to(written_dtype(tensor.dtype, cast))
+            yield out_name, tensor.to(cast.of(out_name, tensor.dtype))
         del loaded
 
 
@@ -188,18 +213,19 @@ def resolved(checkpoint: str | Path) -> Path:
 
 
 def checked_plan(path: Path, max_shard_size: str | None, dtype: str | None, key: str | None,
-                 verify: bool) -> tuple[Plan, torch.dtype | None]:
+                 verify: bool) -> tuple[Plan, Cast]:
     """The output shards of checkpoint ``path`` and the dtype they are cast to, after every check
     that comes before a tensor is read: the kind of checkpoint, the options, its structure, then
     the checksums of the files it reads."""
     if reason := layout.unfinished_save(path):  # found by review: exported as if whole
         raise CheckpointError(reason)
-    if layout.detect_format(path) == "shardtrain":
+    state = TrainState.read(path) if layout.detect_format(path) == "shardtrain" else None
+    if state is not None:
         # Its model entries are the adapters alone: a "model" file of them would load as nothing.
-        refuse_adapters_only(path, TrainState.read(path))
+        refuse_adapters_only(path, state)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} must be one of {', '.join(DTYPES)}")
-    cast = DTYPES.get(dtype) if dtype else None
+    cast = model_cast(state.model_config() if state else None, DTYPES.get(dtype) if dtype else None)
     limit = parse_size(max_shard_size, "--max-shard-size") if max_shard_size else None
     plan = plan_shards(path, limit, cast, key)  # the structure first: cheap, and the precise message
     if verify:
@@ -219,7 +245,7 @@ def shard_readers(checkpoint: str | Path, max_shard_size: str | None = None, dty
 
 
 def shard_tensors(path: Path, entries: list, metadata: Metadata,
-                  cast: torch.dtype | None) -> dict[str, torch.Tensor]:
+                  cast: Cast) -> dict[str, torch.Tensor]:
     return dict(streamed_tensors(path, entries, metadata, cast))
 
 
@@ -256,7 +282,7 @@ def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | N
 
 
 def write_shards(path: Path, plan: Plan, directory: Path, single_name: str | None, metadata: dict[str, str],
-                 cast: torch.dtype | None, files: list[Path]) -> list[Path]:
+                 cast: Cast, files: list[Path]) -> list[Path]:
     """``plan``'s shards into ``directory`` (one file named ``single_name``, or numbered shards and
     their index), each appended to ``files`` once written."""
     n = len(plan.shards)
@@ -265,7 +291,7 @@ def write_shards(path: Path, plan: Plan, directory: Path, single_name: str | Non
         name = single_name or shard_name(index, n)
         # In the order the file holds them: each offset a multiple of its item size
         entries = sorted(entries, key=lambda entry: file_order_key(
-            entry[1], written_dtype(entry[2].properties.dtype, cast)))
+            entry[1], cast.of(entry[1], entry[2].properties.dtype)))
         write_streamed(directory / name, written_layout(entries, cast), metadata,
                        streamed_tensors(path, entries, plan.metadata, cast))
         weight_map.update((out_name, name) for _, out_name, _ in entries)

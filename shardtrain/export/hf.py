@@ -50,7 +50,7 @@ from shardtrain.data.tokenizer import (
     tokenizer_source,
 )
 from shardtrain.errors import CheckpointError
-from shardtrain.export.consolidate import shard_readers, written_dtype
+from shardtrain.export.consolidate import Cast, model_cast, shard_readers
 from shardtrain.generation.generate import shared_parameter_names
 from shardtrain.models.hf import HFCausalLM, stacks_experts
 from shardtrain.models.hf_directory import CONFIG_FILE, hf_name, model_directory
@@ -134,7 +134,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
     # Streamed: each output shard's tensors read (from the checkpoint, or the file) when it is
     # written, renamed, permuted and cast tensor by tensor; one shard in memory, no staged copy.
     if src.is_file():
-        parts = [partial(read_part, src, names) for names in file_parts(src, max_shard_size, dtype)]
+        cast = model_cast(cfg, DTYPES[dtype] if dtype else None)
+        parts = [partial(read_part, src, names) for names in file_parts(src, max_shard_size, cast)]
     else:
         parts = shard_readers(src, max_shard_size, dtype, key, verify_checksums)
     return write_hf_directory(cfg, out, parts, dtype, max_shard_size)
@@ -155,15 +156,14 @@ def shard_parts(sizes: dict[str, int], max_shard_size: str | None) -> list[list[
     return parts
 
 
-def file_parts(path: Path, max_shard_size: str | None, dtype: str | None) -> list[list[str]]:
+def file_parts(path: Path, max_shard_size: str | None, cast: Cast) -> list[list[str]]:
     """``shard_parts`` of a safetensors file's tensors, sized from its header (nothing loaded)."""
-    cast = DTYPES[dtype] if dtype else None
     sizes = {}
     with open_safetensors(path) as f:
         for name in f.keys():
             piece = f.get_slice(name)
             stored = SAFETENSORS_DTYPES[piece.get_dtype()]
-            sizes[name] = math.prod(piece.get_shape()) * written_dtype(stored, cast).itemsize
+            sizes[name] = math.prod(piece.get_shape()) * cast.of(name, stored).itemsize
     return shard_parts(sizes, max_shard_size)
 
 
@@ -196,7 +196,7 @@ def write_hf_files(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[], dic
     """``write_hf_directory``'s files: the shards, the index, the tokenizer, config.json."""
     convert, layout = hf_model_converter(cfg) if cfg.name == "hf" else (
         lambda name, tensor: to_hf(name, tensor, cfg), dict)
-    cast = DTYPES[dtype] if dtype else None
+    cast = model_cast(cfg, DTYPES[dtype] if dtype else None)
     written: list[tuple[Path, list[str]]] = []  # each shard under a staging name, its tensors' names
     total = 0
     out_dtype = None
@@ -208,8 +208,9 @@ def write_hf_files(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[], dic
             if converted is None:
                 continue
             hf_name, t = converted
-            t = t.to(written_dtype(t.dtype, cast)).contiguous()
-            if t.is_floating_point():  # the config's dtype is the weights', not an integer buffer's
+            t = t.to(cast.of(hf_name, t.dtype)).contiguous()
+            # the config's dtype is the weights', not an integer buffer's nor one kept in fp32
+            if t.is_floating_point() and not cast.keeps(hf_name):
                 out_dtype = t.dtype
             tensors[hf_name] = t
         stored = layout(tensors)

@@ -14,7 +14,6 @@ weights rounded to that dtype (what the files can hold; the merge itself was che
 
 from __future__ import annotations
 
-import json
 from functools import partial
 from pathlib import Path
 
@@ -33,9 +32,9 @@ from shardtrain.export.verify import (
     compare_logits,
     export_reader,
     streamed_forward,
+    written_cast,
 )
 from shardtrain.models.hf import HFCausalLM
-from shardtrain.models.hf_directory import CONFIG_FILE
 from shardtrain.models.lora import ADAPTER_NAME, base_name, is_adapter
 
 
@@ -85,13 +84,14 @@ def verify_merged_export(checkpoint: str | Path, out_dir: str | Path, tolerance:
     transformers reads it, and the checkpoint's model with its adapters; a CheckpointError past
     ``tolerance``."""
     out_dir = Path(out_dir)
-    model = checkpoint_model(LoraCheckpoint.read(checkpoint, verify_checksums), nf4_base=True)
+    ckpt = LoraCheckpoint.read(checkpoint, verify_checksums)
+    model = checkpoint_model(ckpt, nf4_base=True)
     tokens = check_tokens(model)
-    written = getattr(torch, json.loads((out_dir / CONFIG_FILE).read_bytes())["torch_dtype"])
-    if written != torch.float32:  # the reference the files can hold: merged, rounded as written
+    cast = written_cast(ckpt.model, out_dir)
+    if cast.dtype != torch.float32:  # the reference the files can hold: merged, rounded as written
         merge_in_place(model)
-        for param in model.parameters():
-            param.copy_(param.to(written).float())
+        for name, param in merged_weights(model).items():
+            param.copy_(param.to(cast.of(name, param.dtype)).float())
     want = model(tokens)
     with parameters_on_meta():
         theirs = HFCausalLM(ModelConfig(name="hf", path=str(out_dir)))  # from_pretrained's model

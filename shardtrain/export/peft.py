@@ -40,7 +40,7 @@ from shardtrain.config.schema import FinetuneConfig, ModelConfig
 from shardtrain.distributed.qlora import round_base_to_nf4
 from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.errors import CheckpointError
-from shardtrain.export.consolidate import load_tensors, plan_shards
+from shardtrain.export.consolidate import Cast, load_tensors, plan_shards
 from shardtrain.export.verify import EXPORT_TOLERANCE, check_tokens, compare_logits
 from shardtrain.models.hf import attention_implementation
 from shardtrain.models.hf_directory import hf_name, is_model_directory
@@ -84,7 +84,7 @@ class LoraCheckpoint:
         seed = int(state.config["trainer"]["seed"])
         trained_on = base_identity(state.model_config(), seed, state.finetune_config())
         check_same_base(path, state.base_weights, trained_on, use="export it with")
-        plan = plan_shards(path, None, None, "model")
+        plan = plan_shards(path, None, Cast(), "model")
         if verify_checksums:
             integrity.verify_files(path, names=plan.files)  # every byte read, as consolidate verifies
         entries = [entry for shard in plan.shards for entry in shard if is_adapter(entry[1])]

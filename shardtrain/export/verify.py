@@ -25,7 +25,7 @@ from shardtrain.checkpoint.weights import model_config_of
 from shardtrain.config.schema import ModelConfig
 from shardtrain.distributed.sharded_model import parameters_on_meta
 from shardtrain.errors import CheckpointError
-from shardtrain.export.consolidate import load_tensors, plan_shards
+from shardtrain.export.consolidate import Cast, load_tensors, model_cast, plan_shards
 from shardtrain.models.hf import ExpertPart, HFCausalLM
 from shardtrain.models.hf_directory import CONFIG_FILE, PREFIX
 from shardtrain.models.registry import build_model
@@ -47,17 +47,28 @@ def verify_export(checkpoint: str | Path, out_dir: str | Path,
     ``key``: the checkpoint's entry that was exported (``ema``: the weights' average)."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     cfg = model_config_of(checkpoint)
-    written = json.loads((out_dir / CONFIG_FILE).read_bytes())["torch_dtype"]
-    dtype = getattr(torch, written)
+    cast = written_cast(cfg, out_dir)
     with parameters_on_meta():
         ours = build_model(cfg)
         theirs = HFCausalLM(ModelConfig(name="hf", path=str(out_dir)))  # from_pretrained's model
     tokens = check_tokens(ours)
+
+    def rounded(names: list[str]) -> torch.Tensor:
+        weight = read(names)
+        return weight.to(cast.of(names[0], weight.dtype)).float()
+
     with checkpoint_reader(checkpoint, key) as read:
-        want = streamed_forward(ours, tokens, lambda names: read(names).to(dtype).float())
+        want = streamed_forward(ours, tokens, rounded)
     read = export_reader(out_dir, theirs)
     got = streamed_forward(theirs, tokens, lambda names: read(names).float())
     return compare_logits(want, got, f"{out_dir} loaded by transformers", tolerance)
+
+
+def written_cast(cfg: ModelConfig, out_dir: Path) -> Cast:
+    """The cast the export of a model ``cfg`` describes into ``out_dir`` made: to the dtype its
+    config.json names, but for what the family keeps in fp32."""
+    written = getattr(torch, json.loads((out_dir / CONFIG_FILE).read_bytes())["torch_dtype"])
+    return model_cast(cfg, written)
 
 
 def check_tokens(model: nn.Module) -> torch.Tensor:
@@ -124,7 +135,7 @@ def checkpoint_reader(checkpoint: Path, key: str | None = None) -> Iterator[Read
             stored = set(f.keys())
         yield lambda names: read_one(checkpoint, first_stored(names, stored, missing))
         return
-    plan = plan_shards(checkpoint, None, None, key)
+    plan = plan_shards(checkpoint, None, Cast(), key)
     entries = {entry[1]: entry for shard in plan.shards for entry in shard}
 
     def read(names: list[str]) -> torch.Tensor:

@@ -394,6 +394,18 @@ class HFCausalLM(nn.Module):
         prefix = module_name(self, self.hf)
         return {f"{prefix}.{name}" if name else prefix: style for name, style in styles.items()}
 
+    def kept_in_fp32(self, dtype: torch.dtype) -> tuple[str, ...]:
+        """The patterns of the weights this family keeps in fp32 when loaded in ``dtype``
+        (``_keep_in_fp32_modules_strict`` in bf16 and fp16, ``_keep_in_fp32_modules`` in fp16 only:
+        transformers 5's rule; each pattern is searched in a weight's name, ``*`` any run of
+        characters). A MoE router's gate or correction bias written in bf16 was read back upcast,
+        its fp32 precision gone (found by review of export-hf --dtype)."""
+        kept = set(getattr(self.hf, "_keep_in_fp32_modules_strict", None) or ()) if dtype in (
+            torch.bfloat16, torch.float16) else set()
+        if dtype == torch.float16:
+            kept |= set(getattr(self.hf, "_keep_in_fp32_modules", None) or ())
+        return tuple(sorted(kept))
+
     def training_refusal(self) -> str | None:
         """Why this model cannot be trained as a causal LM (``unlike_causal_lm``; a router
         load-balancing loss its family computes otherwise than ``ROUTER_LOSS_CALL``), None if it can."""
