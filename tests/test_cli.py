@@ -84,7 +84,10 @@ NO_TRAINING = [
     # (it passed every bound)
     (["train", "data.paths=[corpus]"], 2, "is read with data.source=files or prepared; add data=files"),
     (["train", "trainer.lr=nan"], 2, "trainer.lr=nan must be a finite number"),
-    (["train", "--devices", "2"], 2, "unrecognized arguments: --devices"),
+    (["train", "--devices", "2"], 2, "unrecognized arguments: --devices; see shardtrain train --help"),
+    # left over after a subcommand: its help, not the top level's (found by a review)
+    (["export-hf", "a", "b", "--bogus"], 2,
+     "unrecognized arguments: --bogus; see shardtrain export-hf --help"),
     # argparse's own errors in one line, naming the command's help (found by a review: 4 to 8 lines)
     (["trian"], 2, "did you mean 'train'?; see shardtrain --help"),
     (["plan", "--world-sizes", "two"], 2,

@@ -727,7 +727,8 @@ def test_a_bf16_export_keeps_what_the_family_keeps_in_fp32(tmp_path):
     assert verify_export(source, out) < 1e-4
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out))
     gate = theirs.model.layers[1].mlp.gate
-    assert gate.weight.dtype == torch.float32 and gate.weight.equal(weights["hf.model.layers.1.mlp.gate.weight"])
+    assert gate.weight.dtype == torch.float32
+    assert gate.weight.equal(weights["hf.model.layers.1.mlp.gate.weight"])
 
 
 def test_an_embeddings_padding_row_starts_at_zero_in_any_shard(tmp_path, monkeypatch):

@@ -678,6 +678,20 @@ class OneLineParser(argparse.ArgumentParser):
             message = f"{message}{closest(choice.group(1), options)}"
         self.exit(2, f"shardtrain: error: {message}; see {self.prog} --help\n")
 
+    def parse_args(self, args=None, namespace=None) -> argparse.Namespace:  # noqa: ANN001 (argparse's)
+        """argparse's, but arguments left over after a subcommand are that subcommand's error, naming
+        its help (the top level raised it, naming ``shardtrain --help``: found by a review)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(parsed, "command", None)
+            parser = self.subcommands().get(command, self)
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def subcommands(self) -> dict[str, argparse.ArgumentParser]:
+        return {name: parser for action in self._actions if isinstance(action, argparse._SubParsersAction)
+                for name, parser in action.choices.items()}
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
