@@ -25,12 +25,14 @@ from shardtrain.config.loader import load_config
 from shardtrain.errors import ConfigError, TrackerError
 from shardtrain.train.metrics import MetricsWriter
 from shardtrain.train.trackers import (
+    FACTORIES,
     FIXES,
     GuardedTracker,
     close_trackers,
     fix_for,
     mlflow_tracking_uri,
     start_trackers,
+    start_within,
     tracker_record,
 )
 
@@ -303,6 +305,29 @@ def test_a_full_disk_under_metrics_jsonl_still_closes_the_trackers():
         writer.write(1, "train", {"loss": 1.0})
     writer.close("failed", 1)
     assert recording.outcome == "failed" and writer.trackers == []
+
+
+def test_a_tracker_that_starts_after_the_run_gave_up_on_it_is_closed(monkeypatch):
+    """Found by review: a start abandoned at run.tracker_timeout_s went on on its thread, and the run
+    it then created stayed open (MLflow's RUNNING for ever). It is closed as failed where it ends."""
+    release, started = threading.Event(), Recording()
+
+    def slow_start(*args) -> Recording:
+        release.wait()  # a server that answers only after the run has given up
+        return started
+
+    monkeypatch.setitem(FACTORIES, "mlflow", slow_start)
+    run = load_config(["run.tracker_timeout_s=0.1"]).run
+    with pytest.raises(TrackerError, match=r"^run.trackers: mlflow did not start within run.tracker_"):
+        start_within("mlflow", run, {}, None)
+    [thread] = [t for t in threading.enumerate() if t.name == "shardtrain-tracker-mlflow-start"]
+    release.set()
+    thread.join(5)
+    assert started.outcome == "failed"
+    # one that starts in time is the run's, left open for its records
+    on_time = Recording()
+    monkeypatch.setitem(FACTORIES, "mlflow", lambda *args: on_time)
+    assert start_within("mlflow", run, {}, None) is on_time and on_time.outcome is None
 
 
 def test_mlflow_maps_metric_names_it_refuses_instead_of_dropping_the_run(tmp_path, caplog):

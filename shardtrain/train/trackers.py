@@ -514,19 +514,36 @@ def start_trackers(cfg: Config, resuming: bool, start_step: int = 0) -> list[Gua
 def start_within(name: str, run: RunConfig, params: dict[str, Any], resume_id: str | None,
                  start_step: int = 0) -> Tracker:
     """Tracker ``name``, started on a thread of its own within ``run.tracker_timeout_s``: a client's
-    own retries (MLflow's: minutes against a server answering 503) cannot hold the run's start."""
+    own retries (MLflow's: minutes against a server answering 503) cannot hold the run's start. One
+    that starts after the run gave up on it is closed as failed on that thread (it created a W&B or
+    MLflow run that stayed open, MLflow's RUNNING for ever: found by review)."""
     outcome: dict[str, Any] = {}
+    settled = threading.Lock()  # the start's end and the wait's giving up: one before the other
 
     def start() -> None:
         try:
-            outcome["tracker"] = FACTORIES[name](run, params, resume_id, start_step)
+            tracker = FACTORIES[name](run, params, resume_id, start_step)
         except BaseException as exc:  # handed to the caller's thread
-            outcome["error"] = exc
+            with settled:
+                outcome["error"] = exc
+            return
+        with settled:
+            if "abandoned" not in outcome:
+                outcome["tracker"] = tracker
+                return
+        try:
+            tracker.close("failed")
+        except Exception as exc:  # noqa: BLE001 (the run has already failed, and said why)
+            log.warning(f"tracker {name}, started after run.tracker_timeout_s, did not close: "
+                        f"{first_line(exc)}")
 
     thread = threading.Thread(target=start, name=f"shardtrain-tracker-{name}-start", daemon=True)
     thread.start()
     thread.join(run.tracker_timeout_s)
-    if thread.is_alive():
+    with settled:
+        if not outcome:
+            outcome["abandoned"] = True
+    if outcome.get("abandoned"):
         raise TrackerError(f"run.trackers: {name} did not start within run.tracker_timeout_s="
                            f"{run.tracker_timeout_s:g} s; {FIXES[name]}")
     error = outcome.get("error")
