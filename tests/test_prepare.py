@@ -486,6 +486,29 @@ def test_hidden_files_of_a_directory_input_are_skipped(tmp_path, caplog):
     with pytest.raises(DataError, match=r"matches no file but hidden ones \(.*\.keep\.txt\), which are "
                                         "skipped unless the pattern's part starts with '.'"):
         resolve_sources([f"{root}/*/*.txt"], "*")
+    # A directory input that gives nothing says what it holds instead, and the fix (found by
+    # review: "no files matching '*'" beside a hidden file that matched it)
+    (tmp_path / "quiet").mkdir()
+    (tmp_path / "quiet" / ".keep.txt").write_text("notes")
+    with pytest.raises(DataError, match=r"has no files matching '\*\.py'; it holds README.md and 1 more: "
+                                        r"name the files to read with --glob \(data.file_glob"):
+        resolve_sources([str(root)], "*.py")
+    with pytest.raises(DataError, match=r"matching '\*\.txt' but hidden ones \(\.keep\.txt\), which "
+                                        r"are skipped unless the pattern \(--glob, data.file_glob\) starts"):
+        resolve_sources([str(tmp_path / "quiet")], "*.txt")
+
+
+def test_a_file_name_that_is_not_utf8_is_read(tmp_path):
+    """Linux names are bytes: Python keeps a non-UTF-8 one as lone surrogates, and the split's hash of
+    the document's key refused them with a traceback (found by review). Its bytes are hashed now."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("alpha")
+    (tmp_path / "in" / os.fsdecode(b"b\xff.txt")).write_text("beta")
+    result = prepare(PrepareOptions(inputs=[str(tmp_path / "in")], val_percent=0), tmp_path / "out",
+                     progress=False)
+    assert result.manifest["splits"]["train"]["documents"] == 2
+    names = [entry["name"] for entry in json.loads((tmp_path / "out" / "sources.json").read_text())]
+    assert names == ["a.txt", os.fsdecode(b"b\xff.txt")]
 
 
 def test_preparations_of_one_output_run_one_after_the_other(tmp_path, caplog):

@@ -352,7 +352,7 @@ def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] =
         elif path.is_dir():
             files = list_files(path, file_glob, exclude)
             if not files:
-                raise DataError(f"input directory {entry!r} has no files matching {file_glob!r}")
+                raise DataError(no_matching_files(entry, path, file_glob, exclude))
             found = [Source(p, p.relative_to(path).as_posix(), text_field) for p in files]
             warn_text_beside_records(entry, found)
             sources += found
@@ -362,6 +362,23 @@ def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] =
         check_not_packed(source)
     warn_json_lines_read_as_text(sources)
     return sources
+
+
+def no_matching_files(entry: str, path: Path, file_glob: str, exclude: list[Path]) -> str:
+    """Why directory input ``entry`` gave no file, and the fix: files the pattern leaves out (a
+    directory of .jsonl under the default ``*.py``), or hidden files only (found by review: "no files
+    matching '*'" beside a file that matched it)."""
+    said = f"input directory {entry!r} has no files matching {file_glob!r}"
+    others = list_files(path, "*", exclude)
+    if others:
+        more = f" and {len(others) - 1} more" if len(others) > 1 else ""
+        return (f"{said}; it holds {others[0].relative_to(path).as_posix()}{more}: name the files to read "
+                "with --glob (data.file_glob for training)")
+    hidden = list_files(path, ".*", exclude)
+    if hidden:
+        return (f"{said} but hidden ones ({hidden[0].relative_to(path).as_posix()}), which are skipped "
+                "unless the pattern (--glob, data.file_glob) starts with '.'")
+    return f"{said}; it holds no files"
 
 
 def warn_json_lines_read_as_text(sources: list[Source]) -> None:

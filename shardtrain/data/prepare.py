@@ -102,8 +102,11 @@ class PrepareResult:
 
 
 def is_validation(key: str, val_percent: float) -> bool:
-    # Rounded: in floats 0.07 * 100 is 7.000000000000001, which let an eighth bucket in.
-    return zlib.crc32(key.encode()) % 10_000 < round(val_percent * 100, 6)
+    # Rounded: in floats 0.07 * 100 is 7.000000000000001, which let an eighth bucket in. A key holds
+    # a file's name, whose bytes need not be UTF-8 on Linux (Python keeps them as lone surrogates,
+    # which a plain encode refused with a traceback: found by review); a UTF-8 name's bytes, and so
+    # its split, are as before.
+    return zlib.crc32(key.encode("utf-8", "surrogateescape")) % 10_000 < round(val_percent * 100, 6)
 
 
 def output_options(options: PrepareOptions) -> dict:
