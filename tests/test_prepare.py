@@ -37,6 +37,7 @@ from shardtrain.data.prepare import (
     PrepareOptions,
     Reading,
     batches,
+    encode,
     encode_chat,
     locked,
     prepare,
@@ -537,7 +538,7 @@ def test_the_tokenizer_entry_covers_what_renders_conversations():
     """A changed chat template (or BOS token) renders fine-tuning conversations to other tokens: the
     preparation's fingerprint covers it (found by review: a stale cache was used)."""
     tokenizer = SimpleNamespace(name="tokenizers:abc", vocab_size=100, eos_id=2, chat_template="{{ a }}",
-                                bos_token="<s>")
+                                bos_token="<s>", encode=lambda text, special_tokens=True: [5])
     entries = [tokenizer_entry(tokenizer)]
     for change in ({"chat_template": "{{ b }}"}, {"bos_token": "<bos>"}, {"eos_id": 3}):
         entries.append(tokenizer_entry(SimpleNamespace(**{**vars(tokenizer), **change})))
@@ -1288,6 +1289,22 @@ def test_a_prompt_and_its_completion_are_tokenized_as_one_text(tmp_path):
     assert ids == tokenizer.encode("Question: six? Answer: four") + [tokenizer.eos_id]
     targets = [token for token, target in zip(ids, mask) if target]
     assert [spm.id_to_token(token) for token in targets] == ["▁fou", "r", "</s>"]  # not "▁", "▁fou"
+    # A tokenizer that appends the end of text itself (T5's post-processor, a Llama tokenizer saved
+    # with add_eos_token) has it once after a document and after a completion, not twice, nor
+    # between the prompt and its completion (found by review); its fingerprint is its own.
+    before = tokenizer_entry(tokenizer)
+    spm.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[
+        ("<s>", spm.token_to_id("<s>")), ("</s>", spm.token_to_id("</s>"))])
+    spm.save(str(directory / "tokenizer.json"))
+    tokenizer = HFTokenizer(directory)
+    bos, eos = tokenizer.encode("")
+    _, [(document, _), (pair, mask)], _ = encode(tokenizer, (["train"] * 2, [b"Question: six?", {
+        "prompt": "Question: six? Answer:", "completion": " four"}], ["a", "b"]))
+    assert document.tolist() == tokenizer.encode("Question: six?") and document[-2] != eos
+    assert pair.tolist() == tokenizer.encode("Question: six? Answer: four") and list(pair).count(eos) == 1
+    assert [spm.id_to_token(token) for token, target in zip(pair, mask) if target] == ["▁fou", "r", "</s>"]
+    assert pair[0] == bos and tokenizer_entry(tokenizer)["appended"] == [eos]
+    assert "appended" not in before
 
 
 def test_parquet_fine_tuning_records_are_read(tmp_path):

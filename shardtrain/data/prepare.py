@@ -74,6 +74,7 @@ MANIFEST = PREPARED_MANIFEST
 # that every rank parsed at start-up. The manifest holds their count.
 SOURCES_FILE = "sources.json"
 SPLITS = ("train", "val")
+SUFFIX_PROBE = "a"  # a text whose encoding shows what a tokenizer appends to every text
 SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 per shard file
 BATCH_DOCUMENTS = 256  # documents per task sent to a worker, at most
 # ... and at most about this much text: what is in flight (workers x BATCHES_AHEAD batches, and
@@ -115,9 +116,24 @@ def output_options(options: PrepareOptions) -> dict:
             if PrepareOptions.__dataclass_fields__[k].metadata.get("output", True)}
 
 
-def end_of_text(tokenizer: Tokenizer) -> list[int]:
-    """What follows every document: the tokenizer's end-of-text token, if it has one."""
-    return [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+def end_of_text(tokenizer: Tokenizer, suffix: list[int]) -> list[int]:
+    """What follows every document after the tokenizer's own ``suffix`` (``appended_tokens``): its
+    end-of-text token, if it has one and the suffix does not end with it already (a T5 tokenizer's
+    post-processor, or a Llama tokenizer saved with ``add_eos_token``, appends it to every text: it
+    was doubled, found by review)."""
+    if tokenizer.eos_id is None or suffix[-1:] == [tokenizer.eos_id]:
+        return []
+    return [tokenizer.eos_id]
+
+
+def appended_tokens(tokenizer: Tokenizer) -> list[int]:
+    """The special tokens the tokenizer puts after every text's own (most put none)."""
+    plain = tokenizer.encode(SUFFIX_PROBE, special_tokens=False)
+    marked = tokenizer.encode(SUFFIX_PROBE)
+    for start in range(len(marked) - len(plain) + 1):
+        if marked[start:start + len(plain)] == plain:
+            return list(marked[start + len(plain):])
+    return []
 
 
 def no_end_of_text(tokenizer: Tokenizer) -> str | None:
@@ -160,6 +176,10 @@ def tokenizer_entry(tokenizer: Tokenizer) -> dict:
     digest = None if template is None else hashlib.sha256(template.encode()).hexdigest()[:16]
     entry = {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
              "chat_template": digest, "bos_token": getattr(tokenizer, "bos_token", None)}
+    if suffix := appended_tokens(tokenizer):
+        # Prepared before the end of text was appended once, its documents held two (and a prompt
+        # its end before the completion): a fingerprint of its own prepares them again.
+        entry["appended"] = suffix
     if getattr(tokenizer, "file_truncates", False):
         # Prepared before its truncation and padding were turned off, its documents were cut: a
         # fingerprint of its own prepares them again (every other tokenizer's stays as it was).
@@ -250,7 +270,8 @@ Batch = tuple[list[str], list[Document], list[str]]
 Encoded = tuple[list[str], list[tuple[np.ndarray, np.ndarray | None]], int]
 
 
-def encode_pair(tokenizer: Tokenizer, record: dict) -> tuple[list[int], list[int]]:
+def encode_pair(tokenizer: Tokenizer, record: dict,
+                suffix: list[int] | None = None) -> tuple[list[int], list[int]]:
     """Prompt then completion; only the completion (and the end of text after it) are targets.
 
     Tokenized together, as the model reads them at inference, the completion's tokens being what
@@ -259,11 +280,14 @@ def encode_pair(tokenizer: Tokenizer, record: dict) -> tuple[list[int], list[int
     then learnt to emit. Where the prompt's last tokens merge with the completion's first (a prompt
     ending in a space before a word), the two are tokenized apart, so that no target starts inside
     the prompt."""
+    suffix = appended_tokens(tokenizer) if suffix is None else suffix
     prompt = tokenizer.encode(record["prompt"])
+    if suffix and prompt[-len(suffix):] == suffix:  # what the tokenizer appends ends the whole only
+        prompt = prompt[:-len(suffix)]
     whole = tokenizer.encode(record["prompt"] + record["completion"])
     completion = (whole[len(prompt):] if whole[:len(prompt)] == prompt
-                  else tokenizer.encode(record["completion"], special_tokens=False))
-    tail = end_of_text(tokenizer)
+                  else tokenizer.encode(record["completion"], special_tokens=False) + suffix)
+    tail = end_of_text(tokenizer, suffix)
     return prompt + completion + tail, [0] * len(prompt) + [1] * (len(completion) + len(tail))
 
 
@@ -298,7 +322,8 @@ def encode_chat(tokenizer: Tokenizer, messages: list[dict]) -> tuple[list[int], 
         mask[start:stop] = [1] * (stop - start)
     # The template ends turns; the separator is no target. A template that ends the conversation
     # with the end-of-text token itself (Llama 2's, Mistral's: "</s>") had it doubled.
-    tail = end_of_text(tokenizer) if not ids or ids[-1] != tokenizer.eos_id else []
+    # (Rendered text is encoded without the tokenizer's appended tokens: none to count.)
+    tail = end_of_text(tokenizer, []) if not ids or ids[-1] != tokenizer.eos_id else []
     return ids + tail, mask + [0] * len(tail), last_only
 
 
@@ -308,7 +333,8 @@ def encode(tokenizer: Tokenizer, batch: Batch) -> Encoded:
     assistant turn alone (``encode_chat``)."""
     splits, docs, keys = batch
     dtype = token_dtype(tokenizer.vocab_size)
-    tail = end_of_text(tokenizer)
+    suffix = appended_tokens(tokenizer)
+    tail = end_of_text(tokenizer, suffix)
     texts = [doc for doc in docs if isinstance(doc, bytes)]
     plain = iter(tokenizer.encode_documents(texts)) if texts else iter(())
     out: list[tuple[np.ndarray, np.ndarray | None]] = []
@@ -323,7 +349,7 @@ def encode(tokenizer: Tokenizer, batch: Batch) -> Encoded:
                 ids, mask, last_only = encode_chat(tokenizer, doc["messages"])
                 last_turn_only += last_only
             else:
-                ids, mask = encode_pair(tokenizer, doc)
+                ids, mask = encode_pair(tokenizer, doc, suffix)
         except DataError as exc:  # the template's own error (a role it refuses): which record
             raise DataError(f"{key}: {exc}") from exc
         out.append((np.asarray(ids, dtype=dtype), np.asarray(mask, dtype=np.uint8)))
