@@ -299,6 +299,22 @@ def test_a_damaged_shard_is_prepared_again_and_the_output_is_flushed(tmp_path, c
     (out / "manifest.json").write_text(json.dumps(manifest))
     os.truncate(out / "train" / "tokens-00000.npy", 100)
     assert prepare(options, out, progress=False).up_to_date
+    # A manifest cut short is prepared again too, as the reader's "run shardtrain prepare again" says
+    # (found by review: refused as not a prepared dataset); beside files of another's, it is refused
+    # naming the manifest
+    (out / "manifest.json").write_bytes((out / "manifest.json").read_bytes()[:100])
+    with pytest.raises(DataError, match="manifest.json cannot be read.*run shardtrain prepare again"):
+        is_prepared_dataset(out)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shardtrain"):
+        assert not prepare(options, out, progress=False).up_to_date
+    assert f"{out} holds a prepared dataset's shards but no readable manifest.json" in caplog.text
+    assert open_prepared(out).train[0:3].tolist() == list(b"one")
+    (out / "manifest.json").write_text("{")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match=r"is not a prepared dataset \(its manifest.json cannot be read\); "):
+        prepare(options, out, progress=False)
+    assert (out / "notes.txt").read_text() == "mine"
     # The data cache: a rank's damaged copy is not the dataset, and the next use prepares it again
     cfg = DataConfig(source="files", paths=[str(tmp_path / "in")], file_glob="*",
                      cache_dir=str(tmp_path / "cache"), val_percent=0.0)

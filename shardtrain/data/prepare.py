@@ -56,6 +56,7 @@ from shardtrain.data.documents import (
     PREPARED_FORMAT,
     PREPARED_MANIFEST,
     PREPARED_SHARD,
+    PREPARED_TOKEN_SHARDS,
     Document,
     Source,
     documents,
@@ -573,8 +574,11 @@ def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool, exclude
             return None
         # Ours, and named "prepare it again" by the reader that found it so: done here.
         log.warning(f"data: {out} is prepared but damaged ({', '.join(damaged[:3])}); preparing it again")
-    if out.exists() and existing is None and any(out.iterdir()):
-        raise DataError(f"{out} exists and is not a prepared dataset; choose another output directory")
+    manifest_lost = out.exists() and existing is None and any(out.iterdir())
+    if manifest_lost and (not_prepared_here(out) or not holds_token_shards(out)):
+        unreadable = f" (its {MANIFEST} cannot be read)" if (out / MANIFEST).exists() else ""
+        raise DataError(f"{out} exists and is not a prepared dataset{unreadable}; choose another output "
+                        "directory")
     if existing is not None and (foreign := not_prepared_here(out)):
         # Replacing the dataset deletes the directory: a run's checkpoints kept in it (run.dir named
         # the dataset) went with it without a word.
@@ -583,6 +587,11 @@ def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool, exclude
                         "it again would delete; move those out, or choose another output directory")
     if check_only:
         return None
+    if manifest_lost:
+        # What the reader that found it says ("prepare it again") is done here: it was refused as
+        # not a prepared dataset (found by review).
+        log.warning(f"data: {out} holds a prepared dataset's shards but no readable {MANIFEST} (a copy "
+                    "or a preparation cut short); preparing it again")
 
     if (unseparated := no_end_of_text(tokenizer)) is not None:
         log.warning(unseparated)
@@ -621,6 +630,10 @@ def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool, exclude
         log.warning(f"data: {out} is prepared, but {out.parent} could not be flushed to the disk "
                     f"({exc.strerror or exc}); a crash of the machine now may lose the rename")
     return PrepareResult(manifest, up_to_date=False, seconds=time.perf_counter() - started)
+
+
+def holds_token_shards(directory: Path) -> bool:
+    return any(next((directory / split).glob(PREPARED_TOKEN_SHARDS), None) for split in SPLITS)
 
 
 # What file browsers leave in a directory they showed: nobody's data, deleted with the dataset.
