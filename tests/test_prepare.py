@@ -455,6 +455,8 @@ def test_json_files_of_records_are_json_lines(tmp_path, caplog):
     assert {p.name: Source(p, p.name).kind for p in (tmp_path / "array").iterdir()} == {
         "a.json": "json array", "b.json.gz": "json array"}
     assert Source(tmp_path / "array" / "a.json", "a.json").fingerprint()["read_as"] == "json array"
+    (tmp_path / "bom" / "array.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(alpaca).encode())
+    assert Source(tmp_path / "bom" / "array.json", "array.json").kind == "json array"  # found by review
     made = prepare(PrepareOptions(inputs=[str(tmp_path / "array")], val_percent=0.0), tmp_path / "array_out",
                    progress=False)
     assert made.manifest["splits"]["train"]["documents"] == 3

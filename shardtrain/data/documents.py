@@ -23,6 +23,7 @@ Bad input is one ``DataError`` naming the file (and line) and the fix.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import logging
@@ -136,7 +137,8 @@ def json_shape(path: Path, field: str) -> str:
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rb") as lines:
-            first = next_nonblank_line(lines)
+            # (after a UTF-8 byte order mark, which Windows tools write: its array was one text)
+            first = next_nonblank_line(lines).removeprefix(codecs.BOM_UTF8)
             if first.lstrip().startswith(b"["):
                 return array_shape(first + lines.read(JSON_SNIFF_BYTES), field)
             try:
