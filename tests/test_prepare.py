@@ -1336,6 +1336,12 @@ def test_parquet_fine_tuning_records_are_read(tmp_path):
                      tmp_path / "out", progress=False)
     assert "mask_file" in result.manifest["splits"]["train"]["shards"][0]
     assert result.manifest["conversations"] == 0 and result.manifest["splits"]["train"]["documents"] == 12
+    # bytes another tool wrote as a string that are not UTF-8: the row, in one line (found by review)
+    prompts = pa.array([b"fine", b"caf\xe9"], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"prompt": prompts, "completion": ["a", "b"]}), tmp_path / "latin1.parquet")
+    with pytest.raises(DataError, match=r"latin1.parquet: row 1: not UTF-8 text \(.*\); re-encode its text"):
+        prepare(PrepareOptions(inputs=[str(tmp_path / "latin1.parquet")], val_percent=0.0),
+                tmp_path / "never", progress=False)
     model = make_model_dir(tmp_path / "model", "llama")
     chats = pa.table({"messages": [[{"role": "user", "content": f"{i} + {i}?"},
                                     {"role": "assistant", "content": f"{2 * i}."}] for i in range(12)]})

@@ -600,13 +600,28 @@ def read_table_rows(source: Source, tables: Iterator[pa.RecordBatch],
         names = set(table.schema.names)
         if field not in names and has_fine_tuning_keys(names):
             columns = fine_tuning_columns(names)
-            for record in table.select(columns).to_pylist():
+            for record in table_records(table.select(columns), source.path, row):
                 yield f"{source.name}:{row}", document_of(record, field, f"{source.path}: row {row}")
                 row += 1
             continue
         for text in column_texts(table, field, str(source.path)):
             yield f"{source.name}:{row}", text
             row += 1
+
+
+def table_records(table: pa.Table | pa.RecordBatch, path: Path, first_row: int) -> list[dict]:
+    """``table``'s rows as records; a string that is not UTF-8 (Arrow does not check what other tools
+    wrote) named by its row in one line, where ``to_pylist`` raised a traceback (found by review)."""
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError as exc:
+        for offset in range(table.num_rows):  # the first row that fails, for the message
+            try:
+                table.slice(offset, 1).to_pylist()
+            except UnicodeDecodeError:
+                break
+        raise DataError(f"{path}: row {first_row + offset}: not UTF-8 text ({exc.reason}); re-encode its "
+                        "text as UTF-8") from exc
 
 
 def fine_tuning_columns(names: set[str]) -> list[str]:
