@@ -152,6 +152,16 @@ def test_eval_of_fine_tuning_data_says_what_it_scores(dataset, tmp_path):
                   str(dataset.parent / "pairs.jsonl"), "--samples", "8", "--seq-len", "32")
     assert raw.returncode == 0, raw.stderr[-2000:]
     assert "records of the evaluation data are longer than" in raw.stderr, raw.stderr  # records' windows
+    # Records of another text field: read with --text-field (found by review: the error's fix,
+    # "--text-field", was no option of eval)
+    lines = [json.dumps({"body": f"def f{i}(): return {i}\n" * 4}) + "\n" for i in range(40)]
+    (tmp_path / "bodies.jsonl").write_text("".join(lines))
+    bodies = [str(records_run / "checkpoints" / "step-1"), "--file", str(tmp_path / "bodies.jsonl"),
+              "--samples", "4", "--seq-len", "32"]
+    refused = run_cli("eval", *bodies)
+    assert refused.returncode == 2 and "no 'text' field (fields: body)" in refused.stderr, refused.stderr
+    named_field = run_cli("eval", *bodies, "--text-field", "body")
+    assert named_field.returncode == 0, named_field.stderr[-2000:]
 
 
 def test_fine_tuning_windows_hold_whole_records(dataset, caplog):
