@@ -36,6 +36,9 @@ def count_all_gathers(out: str) -> None:
                     with sharded_inference(trainer.model) as model:
                         tokens[mode, new_tokens] = generate(model, list(b"def "), new_tokens,
                                                             vocab_limit=256)
+                        # none left gathered between tokens (the head and last block were:
+                        # every unit under SHARD_GRAD_OP, about the whole model; found by review)
+                        assert all(isinstance(p, DTensor) for p in model.parameters())
             assert len(tokens[mode, new_tokens]) == new_tokens
             events = prof.key_averages()
             counts[mode, new_tokens] = sum(e.count for e in events if "all_gather" in e.key)

@@ -926,22 +926,30 @@ def run_command(args: argparse.Namespace, argv: list[str] | None) -> int:
         if args.command == "eval":
             return cmd_eval(args, list(argv if argv is not None else sys.argv[1:]))
     except ShardtrainError as exc:
-        print(error_line(str(exc)), file=sys.stderr)
+        say(error_line(str(exc)))
         return 2
     except BrokenPipeError:  # `shardtrain inspect X | head`: the reader has gone, and so do we
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
         return 141
     except KeyboardInterrupt:
-        print(INTERRUPTED + (RESUMES if args.command == "train" else ""), file=sys.stderr)
+        say(INTERRUPTED + (RESUMES if args.command == "train" else ""))
         return 130
     except Exception as exc:
         # A full disk or a read-only path is one line, as the framework's own errors are; anything
         # else is a bug, and its traceback is what finds it.
         if (line := os_failure(exc)) is None:
             raise
-        print(error_line(line), file=sys.stderr)
+        say(error_line(line))
         return 1
     return 1
+
+
+def say(line: str) -> None:
+    """``line`` on stderr in one write: print's two (the text, then the newline) interleaved with
+    the peers' when every rank of ``--devices N`` failed at once, and the launcher's one error line
+    was two ranks' run together (found by review)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def error_line(message: str) -> str:

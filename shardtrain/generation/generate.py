@@ -9,7 +9,8 @@ produces the same tokens.
 
 When the gathered copy would not fit the device (``generation_mode``), ``generate`` runs the sharded
 model itself unit by unit (``sharded_inference``): each unit is all-gathered for its forward and
-freed after it, with the next block prefetched, so a rank holds about two units at a time; the cost
+freed after it (the head and the last block too, which training keeps), with the next block
+prefetched, so a rank holds about two units at a time; the cost
 is one all-gather per unit per new token (docs/generation.md measures it).
 """
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from shardtrain.accelerator import free_memory_bytes
 from shardtrain.config.sizes import human_bytes
@@ -75,8 +77,18 @@ def generation_mode(model: nn.Module, dtype: torch.dtype, device: torch.device,
 @contextmanager
 def sharded_inference(model: nn.Module) -> Iterator[nn.Module]:
     """The sharded model itself, ready for generation: in eval mode (each block prefetches the next
-    one's all-gather during its own forward, as ``parallelize`` set it up for training); resharded
-    and restored afterwards."""
+    one's all-gather during its own forward, as ``parallelize`` set it up for training), every unit
+    resharded after its forward; resharded and its mode restored afterwards.
+
+    Units training keeps gathered after forward for the backward that follows (every unit under
+    SHARD_GRAD_OP, the head and last block under FULL_SHARD) stayed gathered from the first token
+    on: a rank held about the whole model, more than the gathered copy this mode is chosen to avoid
+    (found by review). No backward follows here, so each is freed after its forward; their setting
+    is not restored (FSDP takes a bool, training's may be a group size): the model is generation's
+    from now on."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_reshard_after_forward(True, recurse=False)
     was_training = model.training
     model.eval()
     try:
