@@ -117,6 +117,18 @@ def test_generation_stops_where_the_models_generation_config_says(tmp_path):
     assert HFTokenizer(directory).turn_end_ids == frozenset()
 
 
+def test_eval_of_a_hugging_face_directory_without_a_file_says_it_is_one(tmp_path, monkeypatch, capsys):
+    """Found by review: named by a relative path, it was said to be a file consolidated by an older
+    shardtrain (the config's resolved path was compared with the path as typed)."""
+    make_model_dir(tmp_path / "model", "llama")
+    monkeypatch.chdir(tmp_path)
+    for named in ("model", "./model", str(tmp_path / "model")):
+        assert main(["eval", named]) == 2
+        assert capsys.readouterr().err.endswith(
+            f"{named} does not record the data its run trained on (a Hugging Face model directory); name "
+            "the text to score with --file\n")
+
+
 def test_gathered_and_unit_by_unit_generation(tmp_path):
     run_on_ranks(count_all_gathers, 2, str(tmp_path), tmp_path=tmp_path)
     r = torch.load(tmp_path / "counts.pt")

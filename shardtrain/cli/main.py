@@ -347,6 +347,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     from shardtrain.distributed.env import destroy_distributed
     from shardtrain.errors import ConfigError
     from shardtrain.generation.inference import data_changed_since, load_for_inference
+    from shardtrain.models.hf_directory import is_model_directory
     from shardtrain.tasks.language_model import LanguageModelTask
     from shardtrain.train.step import evaluate
 
@@ -393,8 +394,10 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
             source = args.file
         else:
             if not loaded.data_known:
-                why = ("a Hugging Face model directory" if loaded.cfg.model.name == "hf"
-                       and Path(loaded.cfg.model.path) == Path(args.checkpoint) else
+                # (asked of the path, not compared with the config's resolved one: a relative path
+                # was said to be an old shardtrain's file, found by review)
+                hf_directory = is_model_directory(Path(args.checkpoint).expanduser())
+                why = ("a Hugging Face model directory" if hf_directory else
                        "consolidated by an older shardtrain")
                 raise ConfigError(f"{args.checkpoint} does not record the data its run trained on ({why}); "
                                   "name the text to score with --file")
