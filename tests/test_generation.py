@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from cli_utils import run_cli
+from cli_utils import SHARDTRAIN, clean_env, run_cli
 from distributed import run_on_ranks
 from generation_workers import count_all_gathers
 from hf_models import make_model_dir
@@ -74,6 +75,15 @@ def test_sharded_generation_equals_consolidated(tmp_path):
     assert status == 2 and first in (0, 1)
     assert shardtrain.cli.launch.failed_rank_line(log, first) == line.partition("; full log: ")[0]
     log.unlink()
+    # A reader that goes (`| head`) ends it quietly with a shell's status and no log left, as at one
+    # process (found by review: "exited with status 1 without an error line", a log kept each time)
+    piped = subprocess.Popen([*SHARDTRAIN, "generate", str(ckpt), "--prompt", "a" * 20, "--max-new-tokens",
+                              "200", "--devices", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=clean_env(), stdin=subprocess.DEVNULL)
+    assert piped.stdout.read(5) == b"aaaaa"
+    piped.stdout.close()
+    _, said = piped.communicate(timeout=120)
+    assert piped.returncode == 141 and b"error" not in said, said[-2000:]
     evaluated = run_cli("eval", str(ckpt), "--samples", "16", "--devices", "2")
     assert evaluated.returncode == 0 and "perplexity" in evaluated.stdout, evaluated.stderr[-2000:]
     # A micro-batch far past the samples: the same score (found by review: its padding was allocated,

@@ -22,6 +22,8 @@ from shardtrain.logs import setup_logging
 
 INTERRUPTED = "shardtrain: interrupted"
 RESUMES = " (a training run with checkpoints resumes from its newest one when the same command runs again)"
+# A closed pipe's status, as a shell gives it (128 + SIGPIPE): `shardtrain inspect X | head`.
+BROKEN_PIPE_STATUS = 141
 # A worker's lines to the console: under the built-in launcher only log lines reach it.
 log = logging.getLogger("shardtrain")
 
@@ -166,6 +168,11 @@ def on_devices(devices: int, argv: list[str]) -> int | None:
             print(f"shardtrain: error: {killed_reason(*killed)}; full log: {log_file}", file=sys.stderr)
             return 128 + signal.Signals[killed[1]].value
         line, code = failed_worker(log_file)  # the first failing worker's line and exit status
+        if line is None and code == BROKEN_PIPE_STATUS:
+            # `generate --devices N | head`: rank 0's reader went, as a closed pipe ends one process
+            # quietly (found by review: "exited with status 1 without an error line", and a log kept)
+            log_file.unlink(missing_ok=True)
+            return BROKEN_PIPE_STATUS
         if line == INTERRUPTED:
             log_file.unlink(missing_ok=True)
             print(INTERRUPTED, file=sys.stderr)
@@ -933,7 +940,7 @@ def run_command(args: argparse.Namespace, argv: list[str] | None) -> int:
         return 2
     except BrokenPipeError:  # `shardtrain inspect X | head`: the reader has gone, and so do we
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
-        return 141
+        return BROKEN_PIPE_STATUS
     except KeyboardInterrupt:
         say(INTERRUPTED + (RESUMES if args.command == "train" else ""))
         return 130
