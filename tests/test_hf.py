@@ -132,7 +132,7 @@ def test_export_loads_in_transformers_with_matching_logits(tmp_path, tied):
         load_safetensors_into(Llama(model_config_of(consolidated)), broken)
 
 
-def test_export_check_fails_on_corrupted_weights(tmp_path, monkeypatch):
+def test_export_check_fails_on_corrupted_weights(tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
     proc = run_cli("train", "experiment=quick", "trainer.max_steps=2", "trainer.sample_tokens=0",
                    f"run.dir={run_dir}")
@@ -211,6 +211,24 @@ def test_export_check_fails_on_corrupted_weights(tmp_path, monkeypatch):
         verify_export(ckpt, out)
     skipped = run_cli("export-hf", str(ckpt), str(tmp_path / "unchecked"), "--no-verify")
     assert skipped.returncode == 0 and "verified" not in skipped.stdout
+    # A family without a position limit (Bloom's ALiBi: max_seq_len None) is checked on 32 tokens
+    # (found by review: a TypeError after the files were written)
+    from types import SimpleNamespace
+
+    from shardtrain.export.verify import check_tokens
+
+    unbounded = SimpleNamespace(dims=SimpleNamespace(vocab_size=10), max_seq_len=None)
+    assert check_tokens(unbounded).shape == (2, 32)
+    # A failed check removes what it failed, and the directory the export made: left whole with its
+    # config.json it passed for a finished export and blocked the export again (found by review)
+    from shardtrain.cli.main import main
+
+    with monkeypatch.context() as patched:
+        patched.setattr("shardtrain.models.llama_hf_adapter.interleaved_to_halves", lambda w, heads: w)
+        assert main(["export-hf", str(ckpt), str(tmp_path / "wrong")]) == 2
+    assert "the export's files are removed (--no-verify writes them unchecked)" in capsys.readouterr().err
+    assert not (tmp_path / "wrong").exists()
+    assert main(["export-hf", str(ckpt), str(tmp_path / "wrong")]) == 0
 
 
 def test_export_dtype_casts_floating_point_tensors_only(tmp_path):
@@ -225,9 +243,16 @@ def test_export_dtype_casts_floating_point_tensors_only(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == 32 * 16 * 2 + 16 * 8
+    # A value past fp16's range is refused naming it, not written as inf (found by review: exit 0,
+    # or the export check blaming the conversion)
+    part["tok_embeddings.weight"][3, 5] = 1e5
+    with pytest.raises(CheckpointError, match=r"tensor 'model.embed_tokens.weight' holds 1e\+05, past "
+                                              r"float16's largest value \(65504\).*use --dtype bf16"):
+        write_hf_directory(cfg, tmp_path / "fp16", [lambda: dict(part)], "fp16")
+    assert not (tmp_path / "fp16").exists()  # made by the export, and removed with its files
 
 
-def test_a_failed_export_leaves_none_of_its_files(tmp_path):
+def test_a_failed_export_leaves_none_of_its_files(tmp_path, monkeypatch):
     """Found by review: a failure after the shards (a full disk, the tokenizer gone) left weights, an
     index and config.json, a model to transformers without its tokenizer, and a rerun was refused.
     What the directory held before stays."""
@@ -245,6 +270,17 @@ def test_a_failed_export_leaves_none_of_its_files(tmp_path):
     with pytest.raises(OSError, match="No space left"):
         write_hf_directory(cfg, out, [lambda: dict(part), full_disk])
     assert sorted(p.name for p in out.iterdir()) == ["README.md"]
+    # safetensors' own error of a full disk (its words, as its Rust side raises them) names the file
+    # (found by review: neither file nor filesystem)
+    from shardtrain.checkpoint import safetensors_files
+
+    def library_full_disk(*args, **kwargs):
+        raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with monkeypatch.context() as patched, pytest.raises(
+            OSError, match=r"^\[Errno 28\] No space left on device: '.*/w.safetensors'$"):
+        patched.setattr(safetensors_files, "save_file", library_full_disk)
+        safetensors_files.save_safetensors({"w": torch.ones(4)}, tmp_path / "w.safetensors", {})
     gone = dataclasses.replace(cfg, tokenizer=str(tmp_path / "gone" / "tokenizer.json"))
     with pytest.raises(CheckpointError, match="does not exist"):
         write_hf_directory(gone, out, [lambda: dict(part)])

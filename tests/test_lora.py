@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import functools
 import json
 import shutil
@@ -366,7 +367,7 @@ def test_export_peft_of_the_builtin_llama(lora_runs, tmp_path):
     assert difference < TOL
 
 
-def test_export_peft_round_trip_and_corruption(lora_runs, tmp_path):
+def test_export_peft_round_trip_and_corruption(lora_runs, tmp_path, monkeypatch):
     out, _ = lora_runs
     checkpoint = out / "full_shard" / "checkpoints" / "step-5"
     written = export_peft(checkpoint, tmp_path / "adapter")
@@ -415,6 +416,17 @@ def test_export_peft_round_trip_and_corruption(lora_runs, tmp_path):
     for export in (export_peft, export_merged):
         with pytest.raises(CheckpointError, match="was trained on base .*: export it with the base it was"):
             export(moved, tmp_path / export.__name__)
+    # A full disk at the config, after the weights: nothing left, so the rerun is not refused (found
+    # by review: a cut adapter file, and "already holds model files")
+    import peft
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(peft.LoraConfig, "save_pretrained", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        export_peft(checkpoint, tmp_path / "full")
+    assert not (tmp_path / "full").exists()
 
 
 def test_export_peft_of_a_qlora_checkpoint(lora_runs, tmp_path):

@@ -12,7 +12,7 @@ import errno
 import fnmatch
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shardtrain.checkpoint.state import STATE_FILE
-from shardtrain.errors import CheckpointError, first_line
+from shardtrain.errors import CheckpointError, first_line, os_error_code
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -96,11 +96,27 @@ def read_umask() -> int:
 NEW_FILE_MODE = 0o666 & ~read_umask()
 
 
+def remove_written(out: Path, written: Iterable[Path], made: bool) -> None:
+    """The files an export wrote into ``out``, removed (what a failure left would block the next
+    attempt, "already holds model files", and keep the space), and ``out`` itself where the export
+    made it and nothing else is in it (as consolidate's)."""
+    for path in written:
+        if not path.is_dir():
+            path.unlink(missing_ok=True)
+    if made and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     """safetensors' ``save_file`` with the permissions any other file written here gets: the library
     creates its files 0600 whatever the umask, so on a shared cluster an export was unreadable to
-    the serving job or a colleague."""
-    save_file(tensors, str(path), metadata=metadata)
+    the serving job or a colleague. A failure of the filesystem is an OSError naming the file (the
+    library's own error named neither file nor filesystem: found by review)."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as exc:
+        if (code := os_error_code(exc)) is None or isinstance(exc, OSError):
+            raise
+        raise OSError(code, os.strerror(code), str(path)) from exc
     try:
         os.chmod(path, NEW_FILE_MODE)
     except OSError as exc:  # a filesystem without modes (some network mounts) keeps its own

@@ -451,16 +451,28 @@ def check_export_paths(args: argparse.Namespace, command: str) -> None:
     check_exists(args.checkpoint, "checkpoint")
 
 
-def finish_export(args: argparse.Namespace, files: list[Path], verify, loaded_by: str) -> int:
+def finish_export(args: argparse.Namespace, files: list[Path], verify, loaded_by: str, made: bool) -> int:
     """What every export does after writing: list the files, then run its self-check ``verify``
-    (unless --no-verify) and say what it measured."""
+    (unless --no-verify) and say what it measured. Files the check fails (or that it cannot check)
+    are removed, with ``args.out`` where the export ``made`` it: left whole, with config.json, they
+    passed for a finished export, and blocked the export again that the message advised (found by
+    review)."""
+    from shardtrain.checkpoint.safetensors_files import remove_written
+    from shardtrain.errors import CheckpointError
     from shardtrain.export.verify import EXPORT_TOLERANCE
 
     for file in files:
         print(file)
     if args.no_verify:
         return 0
-    difference = verify(args.checkpoint, args.out)
+    try:
+        difference = verify(args.checkpoint, args.out)
+    except Exception as exc:
+        remove_written(Path(args.out), files, made)
+        if isinstance(exc, CheckpointError):
+            raise CheckpointError(f"{exc}; the export's files are removed (--no-verify writes them "
+                                  "unchecked)") from exc
+        raise
     print(f"verified: {loaded_by} logits match the checkpoint's, largest relative difference "
           f"{difference:.1e} (limit {EXPORT_TOLERANCE:.0e})")
     return 0
@@ -479,17 +491,19 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
                               "(trainer.ema_decay is refused with adapters); drop --ema")
 
         verified = not args.skip_checksums
+        made = not Path(args.out).exists()
         files = export_merged(args.checkpoint, args.out, args.max_shard_size, args.dtype, verified)
         return finish_export(args, files, partial(verify_merged_export, verify_checksums=verified),
-                             "transformers'")
+                             "transformers'", made)
     from shardtrain.checkpoint import layout
     from shardtrain.export.hf import export_hf
     from shardtrain.export.verify import verify_export
 
     key = layout.AVERAGE_KEY if args.ema else None
+    made = not Path(args.out).exists()
     files = export_hf(args.checkpoint, args.out, args.max_shard_size, args.dtype, key=key,
                       verify_checksums=not args.skip_checksums)
-    return finish_export(args, files, partial(verify_export, key=key), "transformers'")
+    return finish_export(args, files, partial(verify_export, key=key), "transformers'", made)
 
 
 def cmd_export_peft(args: argparse.Namespace) -> int:
@@ -499,8 +513,9 @@ def cmd_export_peft(args: argparse.Namespace) -> int:
     from shardtrain.export.peft import export_peft, verify_peft_export
 
     verified = not args.skip_checksums
+    made = not Path(args.out).exists()
     return finish_export(args, export_peft(args.checkpoint, args.out, verified),
-                         partial(verify_peft_export, verify_checksums=verified), "peft.PeftModel's")
+                         partial(verify_peft_export, verify_checksums=verified), "peft.PeftModel's", made)
 
 
 MOST_RANKS = 1 << 20  # plan's world sizes: beyond any machine, within a process group's counts

@@ -38,7 +38,7 @@ from shardtrain.checkpoint.safetensors_files import (
 )
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.checkpoint.weights import refuse_adapters_only
-from shardtrain.config.plan import DTYPES
+from shardtrain.config.plan import DTYPES, dtype_name
 from shardtrain.config.schema import ModelConfig
 from shardtrain.config.sizes import parse_size
 from shardtrain.errors import CheckpointError
@@ -87,6 +87,20 @@ class Cast:
         if self.dtype is None or not stored.is_floating_point or self.keeps(name):
             return stored
         return self.dtype
+
+    def apply(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` in the dtype it is written in; a value past that dtype's range (fp16's 65504)
+        refused, naming the tensor: written as inf, consolidate exited 0 and export-hf's check
+        blamed the conversion (found by review)."""
+        dtype = self.of(name, tensor.dtype)
+        written = tensor.to(dtype)
+        if (dtype != tensor.dtype and torch.finfo(dtype).max < torch.finfo(tensor.dtype).max
+                and not torch.isfinite(written).all() and torch.isfinite(tensor).all()):
+            raise CheckpointError(
+                f"tensor {name!r} holds {tensor.abs().max().item():.4g}, past {dtype_name(dtype)}'s largest "
+                f"value ({torch.finfo(dtype).max:.6g}): --dtype would write it as inf; use --dtype bf16 "
+                "(fp32's range) or leave the weights as stored")
+        return written
 
     def keeps(self, name: str) -> bool:
         return any(re.search(pattern.replace("*", ".*"), name) for pattern in self.kept)
@@ -201,7 +215,7 @@ def streamed_tensors(path: Path, entries: list, metadata: Metadata,
         loaded = load_tensors(path, group, metadata)
         for ckpt_key, out_name, _ in group:
             tensor = loaded.pop(ckpt_key)
-            yield out_name, tensor.to(cast.of(out_name, tensor.dtype))
+            yield out_name, cast.apply(out_name, tensor)
         del loaded
 
 

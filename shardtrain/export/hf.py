@@ -31,6 +31,7 @@ from shardtrain.checkpoint.safetensors_files import DTYPES as SAFETENSORS_DTYPES
 from shardtrain.checkpoint.safetensors_files import (
     check_new_directory,
     open_safetensors,
+    remove_written,
     save_shard,
     shard_name,
     unshared,
@@ -180,15 +181,15 @@ def write_hf_directory(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[],
     cast) tensor by tensor. config.json comes last, so that a directory without it is unfinished to
     every reader; a failure removes every file this call wrote (a full disk left the weights, the
     index and config.json: a model to transformers, without its tokenizer)."""
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)  # new or without model files: its callers checked first
     before = set(out.iterdir())
     try:
         return write_hf_files(cfg, out, parts, dtype, max_shard_size)
     except BaseException:
-        for path in set(out.iterdir()) - before:
-            if not path.is_dir():
-                path.unlink(missing_ok=True)
+        remove_written(out, set(out.iterdir()) - before, made)
         raise
+
 
 
 def write_hf_files(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[], dict[str, torch.Tensor]]],
@@ -208,7 +209,7 @@ def write_hf_files(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[], dic
             if converted is None:
                 continue
             hf_name, t = converted
-            t = t.to(cast.of(hf_name, t.dtype)).contiguous()
+            t = cast.apply(hf_name, t).contiguous()
             # the config's dtype is the weights', not an integer buffer's nor one kept in fp32
             if t.is_floating_point() and not cast.keeps(hf_name):
                 out_dtype = t.dtype

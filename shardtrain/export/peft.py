@@ -26,7 +26,7 @@ from torch import nn
 
 from shardtrain.checkpoint import integrity, layout
 from shardtrain.checkpoint.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
-from shardtrain.checkpoint.safetensors_files import check_new_directory, save_safetensors
+from shardtrain.checkpoint.safetensors_files import check_new_directory, remove_written, save_shard
 from shardtrain.checkpoint.state import TrainState
 from shardtrain.checkpoint.weights import (
     base_identity,
@@ -148,11 +148,18 @@ def export_peft(checkpoint: str | Path, out_dir: str | Path, verify_checksums: b
     config.target_modules = sorted(config.target_modules)
     config.task_type = "CAUSAL_LM"
     config.base_model_name_or_path = base_directory(ckpt.model)
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    save_safetensors({k: v.contiguous() for k, v in tensors.items()}, out / ADAPTER_WEIGHTS,
-                     {"format": "pt"})
-    config.save_pretrained(str(out))
-    return [out / ADAPTER_CONFIG, out / ADAPTER_WEIGHTS]
+    written = [out / ADAPTER_WEIGHTS, out / ADAPTER_CONFIG]
+    try:
+        # The weights under their name only when whole, the config last: a full disk left a cut
+        # adapter file that PEFT would try, and blocked the rerun (found by review).
+        save_shard({k: v.contiguous() for k, v in tensors.items()}, out / ADAPTER_WEIGHTS, {"format": "pt"})
+        config.save_pretrained(str(out))
+    except BaseException:
+        remove_written(out, [*written, out / f"{ADAPTER_WEIGHTS}.tmp"], made)
+        raise
+    return sorted(written)
 
 
 @torch.no_grad()
