@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from cli_utils import clean_env, read_metrics, run_cli
+from cli_utils import SHARDTRAIN, clean_env, read_metrics, run_cli
 
 from shardtrain.config.schema import CheckpointConfig, Config
 from shardtrain.distributed.env import check_not_one_of_many, init_distributed
@@ -357,9 +357,15 @@ def test_a_filesystem_failure_or_a_damaged_file_is_one_line(tmp_path):
 def test_a_compile_failure_is_one_line_with_the_way_out(tmp_path):
     """Found by review: torch.compile's failure (here: no C++ compiler) was inductor's traceback of
     some 130 lines on every rank, exit 1, strategy.compile=false never named."""
-    proc = run_cli("train", "experiment=quick", "trainer.max_steps=2", "strategy.compile=true",
-                   "trainer.sample_tokens=0", "trainer.eval_every=0", "checkpoint.enabled=false",
-                   f"run.dir={tmp_path / 'run'}", env={"CXX": str(tmp_path / "no-such-g++")}, timeout=300)
+    # A new interpreter, not run_cli's fork: inductor reads CXX when it is imported, which the
+    # preloaded interpreter has done with the tests' environment; an empty inductor cache, where a
+    # kernel an earlier compile left needs no compiler.
+    env = clean_env(CXX=str(tmp_path / "no-such-g++"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    args = ["train", "experiment=quick", "trainer.max_steps=2", "strategy.compile=true",
+            "trainer.sample_tokens=0", "trainer.eval_every=0", "checkpoint.enabled=false",
+            f"run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run([*SHARDTRAIN, *args], capture_output=True, text=True, timeout=300, env=env,
+                          stdin=subprocess.DEVNULL)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("shardtrain: error: strategy.compile=true: torch.compile failed ("), last

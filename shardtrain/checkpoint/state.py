@@ -158,6 +158,12 @@ class TrainState:
         """The model factory a LanguageModelTask was given in code, if it was (``TaskConfig``)."""
         return self.config.get("task", {}).get("model_factory")
 
+    @property
+    def built_from_model_config(self) -> bool:
+        """Whether its model is the language model that ``model.*`` builds (not another task's, nor
+        one a factory given in code built)."""
+        return self.task_path == LANGUAGE_MODEL_TASK and self.model_factory is None
+
     def model_config(self) -> ModelConfig:
         """The language model's config; a CheckpointError for another task's checkpoint, or one
         whose model a factory given in code built, which only that code can build."""

@@ -239,7 +239,10 @@ def checked_plan(path: Path, max_shard_size: str | None, dtype: str | None, key:
         refuse_adapters_only(path, state)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} must be one of {', '.join(DTYPES)}")
-    cast = model_cast(state.model_config() if state else None, DTYPES.get(dtype) if dtype else None)
+    # Another task's model, or one a factory in code built, has no model.* to read: cast whole
+    # (asked of it, consolidate refused every such checkpoint, its only export: found by review)
+    cfg = state.model_config() if state is not None and state.built_from_model_config else None
+    cast = model_cast(cfg, DTYPES.get(dtype) if dtype else None)
     limit = parse_size(max_shard_size, "--max-shard-size") if max_shard_size else None
     plan = plan_shards(path, limit, cast, key)  # the structure first: cheap, and the precise message
     if verify:
