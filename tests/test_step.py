@@ -28,7 +28,7 @@ from shardtrain.tasks.task import LossOutput, Task
 from shardtrain.train.loop import Trainer, TrainResult, precision_cautions, root_unit_caution
 from shardtrain.train.metrics import MetricsWriter, Throughput
 from shardtrain.train.optim import SCHEDULE_SHAPE, build_scheduler, follow_schedule, lr_factor
-from shardtrain.train.step import StepStats, check_metric_names, count_ahead, run_loss
+from shardtrain.train.step import StepStats, check_metric_names, count_ahead, local_flops, run_loss
 
 
 def test_one_ranks_stop_request_reaches_all_and_empty_steps_are_skipped_everywhere(tmp_path):
@@ -137,6 +137,8 @@ WEIGHT = torch.ones(3, requires_grad=True)
     (LossOutput(WEIGHT.sum(), 3, {"acc": (torch.ones(2), 3)}), "metric 'acc' with a sum as a tensor of "
                                                                 "shape [2]"),
     (LossOutput(WEIGHT.sum().detach(), 3), "Returns.loss returned a loss that does not require grad"),
+    # found by review: an AttributeError of NoneType
+    (LossOutput(WEIGHT.sum(), 3, None), "Returns.loss returned metrics as NoneType; return a dict"),
 ])
 def test_bad_loss_output_values_are_one_line_naming_the_task(out, message):
     with pytest.raises(TrainingError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -170,6 +172,15 @@ def test_a_count_ahead_is_one_number_or_one_line_naming_the_task():
                          ("7", "str; return")):
         with pytest.raises(TrainingError, match="^" + re.escape(f"Counts.count(batch) returned {found}")):
             count_ahead(Counts(value), None)
+    # below 0 it would divide the gradients into an ascent of the loss (found by review)
+    with pytest.raises(TrainingError, match=r"^Counts.count\(batch\) returned -2; a count is what the loss "):
+        count_ahead(Counts(-2), None)
+    # a task's own flops(batch): a number of at least 0 (text was a TypeError from the sum)
+    flops = Task.__new__(type("CountsFlops", (Task,), {"flops": lambda self, batch: batch}))
+    assert local_flops(flops, [2.0, 3], None) == 5.0
+    for wrong in (None, "1e9", -1.0, True):
+        with pytest.raises(TrainingError, match=rf"^CountsFlops.flops returned {re.escape(repr(wrong))}: "):
+            local_flops(flops, [wrong], None)
 
 
 def test_a_resume_names_the_schedule_settings_it_does_not_follow():

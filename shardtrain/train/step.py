@@ -17,7 +17,7 @@ import math
 import numbers
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +91,9 @@ def run_loss(task: Task, model: nn.Module, batch: Any, training: bool = False) -
                             "torch.no_grad()) so that backward reaches the weights")
     check_scalar(task, "a count", out.count, "the micro-batch's total count (a number or a one-element "
                  "tensor), not one per sample")
+    if not isinstance(out.metrics, Mapping):  # (None: an AttributeError from here, found by review)
+        raise TrainingError(f"{type(task).__name__}.loss returned metrics as {type(out.metrics).__name__}; "
+                            "return a dict of name -> value, or leave metrics out")
     for name, value in out.metrics.items():
         if isinstance(value, tuple) and len(value) == 2:
             for part, what in zip(value, ("sum", "count")):
@@ -127,7 +130,16 @@ def count_ahead(task: Task, batch: Any) -> float:
                  else type(count).__name__)
         raise TrainingError(f"{type(task).__name__}.count(batch) returned {found}; return the "
                             "micro-batch's total count, a number or a one-element tensor")
+    if float(count) < 0:
+        raise TrainingError(negative_count(task, "count(batch) returned", float(count)))
     return float(count)
+
+
+def negative_count(task: Task, what: str, count: float) -> str:
+    """A count below 0 divides the gradients by it: the step ascends the loss, and the run trained
+    on without a word (found by review)."""
+    return (f"{type(task).__name__}.{what} {count:g}; a count is what the loss is normalised by "
+            "(tokens, samples), at least 0")
 
 
 def check_scalar(task: Task, what: str, value: Any, expected: str) -> None:
@@ -308,10 +320,12 @@ def local_flops(task: Task, micro_batches: list[Any], counted_per_sample: float 
     total = 0.0
     for batch in micro_batches:
         flops = task.flops(batch)
-        if flops is None:  # this rank's step counted as none: an MFU understated without a word
-            raise TrainingError(f"{type(task).__name__}.flops returned None: a task's flops(batch) returns "
-                                "the micro-batch's training FLOPs, a number; leave flops undefined to "
-                                "have torch's FLOP counter count them")
+        if flops is None or isinstance(flops, bool) or not isinstance(flops, numbers.Real) or flops < 0:
+            # None: this rank's step counted as none, an MFU understated without a word; text: a
+            # TypeError from the sum (found by review)
+            raise TrainingError(f"{type(task).__name__}.flops returned {flops!r}: a task's flops(batch) "
+                                "returns the micro-batch's training FLOPs, a number of at least 0; leave "
+                                "flops undefined to have torch's FLOP counter count them")
         total += flops
     return total
 
@@ -450,6 +464,8 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
     values = torch.cat([torch.stack([grad_norm.double(), scale.double(), global_count]), summed]).tolist()
     norm_value, scale_value, count, loss_value, stops, saving, returned, flops_value, *metric_values = values
     metrics.raise_if_changed(metric_values)
+    if count < 0:
+        raise TrainingError(negative_count(task, "loss returned counts summing over the step to", count))
     if count == 0:
         # Nothing to learn from on any rank (a global batch of prompts alone: records longer than
         # the windows). Skipped as a non-finite step is, its data consumed: it raised, and a resume
