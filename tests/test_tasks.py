@@ -44,7 +44,7 @@ from shardtrain.errors import ConfigError, DataError
 from shardtrain.export.consolidate import consolidate
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.tasks.samples import MapSamples, batch_size, to_device
-from shardtrain.tasks.task import LossOutput, Task, task_config_of, task_from_config
+from shardtrain.tasks.task import LossOutput, Task, check_task, task_config_of, task_from_config
 from shardtrain.train.simulate import simulate
 
 # The example tasks and the broken ones (tests/broken_tasks.py), importable by every worker.
@@ -381,6 +381,32 @@ def test_a_task_with_an_init_of_its_own_is_built_from_the_config_or_refused(monk
                                           r"accept .*; built from the config, the task holds depth=2 "
                                           r"where the config says depth=3$"):
         task_from_config(load_config(["task=broken_tasks:DroppedOptions", "task.depth=3"]))
+
+
+def test_what_a_task_object_holds_is_what_its_config_records(monkeypatch):
+    """Found by review: a setting its ``__init__`` took outside the Options was kept by the object
+    and recorded nowhere (a resume trained another task without a word); an option of another type
+    (depth="2") failed deep in the model; a built model handed to LanguageModelTask(model=...) ran its
+    forward() with no input. Each is one line before the run."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    classification = importlib.import_module("vit").ImageClassification
+
+    class Scaled(classification):
+        def __init__(self, scale: float = 1.0, **overrides) -> None:
+            super().__init__(**overrides)
+            self.scale = scale
+
+    with pytest.raises(ConfigError, match=r"^Scaled.__init__ takes scale, which the run does not record "
+                                          r".*declare them as fields of the task's Options dataclass"):
+        check_task(Scaled(scale=100.0))
+    assert check_task(classification(depth=3)) is not None
+    with pytest.raises(ConfigError, match=r"^ImageClassification's options are not of their declared types: "
+                                          r"depth='2' \(read as its type: depth=2\)"):
+        task_config_of(classification(depth="2"))
+    assert task_config_of(classification(depth=2)).options["depth"] == 2
+    with pytest.raises(ConfigError, match=r"takes a factory that builds the module, not a built Linear: "
+                                          r"pass model=Linear or model=lambda: Linear\(...\)"):
+        LanguageModelTask(model=torch.nn.Linear(2, 2))
 
 
 def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):

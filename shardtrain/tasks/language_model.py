@@ -23,7 +23,7 @@ from shardtrain.config.schema import ModelConfig
 from shardtrain.data.batches import IGNORE_INDEX, Batch, InterleavedWindows, MixtureWindows, TokenWindows
 from shardtrain.data.corpus import Corpus, load_corpus
 from shardtrain.data.tokenizer import Tokenizer, tokenizer_for, tokenizer_source
-from shardtrain.errors import DataError, ModelError
+from shardtrain.errors import ConfigError, DataError, ModelError
 from shardtrain.models.lora import adapter_flops_per_token
 from shardtrain.models.masking import check_document_mask_support
 from shardtrain.models.registry import build_model
@@ -101,6 +101,11 @@ class LanguageModelTask(Task):
     def __init__(self, *, model: Callable[[], nn.Module] | None = None,
                  wrap_policy: Sequence[type | str] | None = None, corpus: Corpus | None = None) -> None:
         super().__init__()
+        if isinstance(model, nn.Module):  # callable, so it ran forward() with no input (found by review)
+            name = type(model).__name__
+            raise ConfigError(f"LanguageModelTask(model=...) takes a factory that builds the module, not a "
+                              f"built {name}: pass model={name} or model=lambda: {name}(...) (the framework "
+                              "builds it on the meta device, then shards it)")
         self.model_factory = model
         self.blocks = wrap_policy
         self.given_corpus = corpus

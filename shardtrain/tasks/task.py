@@ -318,6 +318,13 @@ def check_task(task: Any) -> Task:
             # A misspelt hook is never called: said, not silently ignored.
             log.warning(f"task {cls.__name__} defines {name!r}, which the framework does not call; did you "
                         f"mean {near[0]!r}?")
+    if unrecorded := unrecorded_parameters(cls):
+        # Kept by the object, recorded nowhere: a resume, plan and every worker built the task
+        # without them, and trained another one without a word (found by review).
+        raise ConfigError(f"{cls.__name__}.__init__ takes {', '.join(unrecorded)}, which the run does not "
+                          "record (a run's task is rebuilt from task.path and task.options alone: resume, "
+                          "plan, every worker); declare them as fields of the task's Options dataclass "
+                          "(docs/tasks.md), set with task.NAME=VALUE")
     if not hasattr(task, "options"):  # what Task.__init__ sets
         raise ConfigError(f"{cls.__name__}.__init__ does not call super().__init__(); call it (with the "
                           "task's options, if any) before setting attributes of its own")
@@ -336,10 +343,33 @@ def check_task(task: Any) -> Task:
     return task
 
 
+def unrecorded_parameters(cls: type[Task]) -> list[str]:
+    """The named parameters of ``cls.__init__`` that are neither its options (``options``) nor fields
+    of its Options. The framework's own tasks are left alone: the language model's ``model=`` and
+    ``corpus=`` are objects given in code, which it records as such."""
+    if cls.__init__ is Task.__init__ or cls.__init__.__module__.startswith("shardtrain."):
+        return []
+    declared = set()
+    if dataclasses.is_dataclass(cls.Options):
+        declared = {f.name for f in dataclasses.fields(cls.Options)}
+    return [p.name for p in inspect.signature(cls).parameters.values()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in {"options", *declared}]
+
+
 def task_config_of(task: Task) -> TaskConfig:
     """The config section that names ``task`` and its options (recorded in config.yaml and every
     checkpoint, also for a task handed to ``run_training`` as an object)."""
     options = plain_options(task.options) if dataclasses.is_dataclass(task.options) else {}
+    if options and dataclasses.is_dataclass(type(task).Options):
+        # As the command line's: a value of another type (depth="2") failed deep in the model, or
+        # trained and was recorded as what a resume then refused (found by review)
+        read, _ = read_options(type(task).Options, options)
+        held, typed = dataclasses.asdict(task.options), dataclasses.asdict(read)
+        if wrong := [name for name, value in typed.items() if held.get(name) != value]:
+            raise ConfigError(f"{type(task).__name__}'s options are not of their declared types: "
+                              f"{', '.join(f'{name}={held[name]!r}' for name in wrong)} (read as its type: "
+                              f"{', '.join(f'{name}={typed[name]!r}' for name in wrong)}); give each option "
+                              "the type its Options field declares")
     factory = getattr(task, "model_factory", None)
     return TaskConfig(path=qualified_name(type(task)), options=options,
                       model_factory=None if factory is None else qualified_name(factory))
