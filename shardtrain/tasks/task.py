@@ -90,7 +90,9 @@ class Task:
     # ---- set by the framework ---------------------------------------------------------------
 
     def bind(self, cfg: Config) -> None:
-        """Called once, before anything is built, with the run's resolved configuration."""
+        """Called once, before anything is built, with the run's configuration (the same object:
+        the accumulation steps and an auto micro-batch, derived after the data is read, are in
+        ``self.cfg`` from the model's build on, not yet here)."""
         self.cfg = cfg
 
     @property
