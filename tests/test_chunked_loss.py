@@ -32,6 +32,8 @@ from shardtrain.tasks.losses import (
     chunk_tokens_for,
     chunked_cross_entropy,
 )
+from shardtrain.tasks.task import LossOutput, Task
+from shardtrain.train.flops import counted_flops_per_sample
 
 # fp32: the chunked path sums the loss and the head's gradient chunk by chunk, in another order than
 # one matmul over all tokens; measured differences are ~1e-7 relative.
@@ -316,3 +318,37 @@ def test_the_start_up_report_names_the_loss_and_why():
     with torch.device("meta"):
         task.build_model()
     assert task.loss_kind.startswith("plain, on the logits the task's tensor-parallel plan gives")
+
+
+class HeadLossTask(Task):
+    """A task of its own on a tiny Llama, its loss the plain cross-entropy of the logits."""
+
+    def build_model(self) -> torch.nn.Module:
+        return Llama(ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=300, max_seq_len=16))
+
+    def train_dataset(self):
+        tokens = torch.randint(0, 300, (8, 9), generator=torch.Generator().manual_seed(0))
+        return [{"tokens": row[:-1], "targets": row[1:]} for row in tokens]
+
+    def loss(self, model, batch):
+        logits = model(batch["tokens"]).float()
+        return LossOutput(F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), reduction="sum"),
+                          batch["targets"].numel())
+
+
+class ChunkedHeadLossTask(HeadLossTask):
+    """The same loss by the chunked helper, which computes the head's gradients in its forward."""
+
+    def loss(self, model, batch):
+        hidden = model(batch["tokens"], hidden_only=True)
+        total = chunked_cross_entropy(hidden, model.output.weight, batch["targets"], chunk_tokens=8)
+        return LossOutput(total, batch["targets"].numel())
+
+
+def test_the_flop_counter_counts_a_chunked_loss_as_the_plain_one():
+    """Found by review: counted as 3x its forward, a loss computing its gradients in its forward was
+    counted twice over (and the helper's addmm_, which the counter skips, lost a third of the
+    head's); forward and backward are counted now, the same for both."""
+    plain, chunked = (counted_flops_per_sample(cls(), 4) for cls in (HeadLossTask, ChunkedHeadLossTask))
+    assert plain[1] is None and chunked[1] is None
+    assert plain[0] == chunked[0] > 0

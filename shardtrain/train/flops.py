@@ -18,9 +18,11 @@ from shardtrain.tasks.task import Task, checked_model, leading_batch
 
 def counted_flops_per_sample(task: Task, micro_batch_size: int, train: SampleSource | None = None
                              ) -> tuple[float | None, str | None]:
-    """3x the forward FLOPs per sample of ``task.loss`` on its example batch (backward costs about
-    twice the forward), or None and why, where the task's code cannot run on fake tensors (the
-    caller says so once a step has run: a loss the step refuses is the error to see first).
+    """The training FLOPs per sample of ``task.loss`` on its example batch, its forward and its
+    backward counted (3x the forward, the usual estimate, counted twice what a loss computing its
+    gradients in its forward did: the chunked cross-entropy, found by review), or None and why,
+    where the task's code cannot run on fake tensors (the caller says so once a step has run: a
+    loss the step refuses is the error to see first).
     ``train``: the training samples already made, whose first items are the default example batch
     (made again, a large in-memory dataset was loaded twice at start-up)."""
     if train is not None and type(task).example_batch is Task.example_batch:
@@ -39,7 +41,8 @@ def counted_flops_per_sample(task: Task, micro_batch_size: int, train: SampleSou
         with FakeTensorMode(allow_non_fake_inputs=True), fake_tensor_errors_unlogged():
             model.to_empty(device="cpu")
             with FlopCounterMode(display=False) as counter:
-                task.loss(model, batch)
+                loss = task.loss(model, batch).loss
+                loss.backward()
     except Exception as exc:  # the task's own code, on fake tensors: any error type
         return None, f"{why} ({type(exc).__name__}: {first_line(exc)}); give the task flops(batch)"
-    return 3 * counter.get_total_flops() / max(batch_size(batch), 1), None
+    return counter.get_total_flops() / max(batch_size(batch), 1), None
