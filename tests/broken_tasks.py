@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -472,3 +473,19 @@ class LateParameter(ImageClassification):
             model.late_head = torch.nn.Linear(self.options.classes, self.options.classes)
         logits = model.late_head(model(batch["image"]).float())
         return LossOutput(F.cross_entropy(logits, batch["label"], reduction="sum"), len(batch["label"]))
+
+
+@dataclasses.dataclass
+class Betas:
+    betas: tuple[float, float] = (0.9, 0.95)
+
+
+class NestedOptions(ImageClassification):
+    """Options whose values read back otherwise than held (a tuple as a list in a nested dataclass or
+    an Optional, a NaN): the same values as recorded."""
+
+    @dataclasses.dataclass
+    class Options(ImageClassification.Options):
+        inner: Betas = dataclasses.field(default_factory=Betas)
+        crop: tuple[int, int] | None = (8, 8)
+        floor: float = math.nan

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 
@@ -352,6 +353,21 @@ def test_a_filesystem_failure_or_a_damaged_file_is_one_line(tmp_path):
     proc = run_cli("consolidate", str(tmp_path / "run"), str(existing))
     assert proc.stderr.strip() == (f"shardtrain: error: consolidate output '{existing}' already exists; "
                                    "delete it or choose another name"), proc.stderr
+
+
+def test_only_a_closed_stdout_ends_a_command_quietly(monkeypatch):
+    """A broken pipe ends a command with 141 and no word when its stdout's reader went (`| head`);
+    one of another pipe is a failure to say (found by review: every broken pipe was quiet, and under
+    --devices its log was removed)."""
+    from shardtrain.cli.main import stdout_reader_gone
+
+    read, write = os.pipe()
+    with os.fdopen(write, "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert not stdout_reader_gone()
+        os.close(read)
+        assert stdout_reader_gone()
+        monkeypatch.undo()
 
 
 def test_a_compile_failure_is_one_line_with_the_way_out(tmp_path):

@@ -6,6 +6,7 @@ import ctypes
 import dataclasses
 import errno
 import json
+import math
 import re
 import shutil
 
@@ -250,6 +251,16 @@ def test_export_dtype_casts_floating_point_tensors_only(tmp_path):
                                               r"float16's largest value \(65504\).*use --dtype bf16"):
         write_hf_directory(cfg, tmp_path / "fp16", [lambda: dict(part)], "fp16")
     assert not (tmp_path / "fp16").exists()  # made by the export, and removed with its files
+    from shardtrain.export.consolidate import Cast, model_cast
+
+    with pytest.raises(CheckpointError, match=r"holds 1e\+05, past float16's .*use --dtype bf16"):
+        Cast(torch.float16).apply("w", torch.tensor([math.inf, 1e5]))  # an inf already there too
+    with pytest.raises(CheckpointError, match=r"past bfloat16's largest value .* inf; leave the weights as "
+                                              r"stored$"):  # not "use --dtype bf16", given already
+        Cast(torch.bfloat16).apply("w", torch.tensor([3.4e38]))
+    with pytest.raises(CheckpointError, match=r"^--dtype bfloat16 reads the Hugging Face model's config.json "
+                                              r"to keep in fp32 .*; or write the weights as stored"):
+        model_cast(ModelConfig(name="hf", path=str(tmp_path / "gone")), torch.bfloat16)
 
 
 def test_a_failed_export_leaves_none_of_its_files(tmp_path, monkeypatch):

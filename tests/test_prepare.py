@@ -36,6 +36,7 @@ from shardtrain.data.documents import Source, is_prepared_dataset, list_files, r
 from shardtrain.data.prepare import (
     PrepareOptions,
     Reading,
+    appended_tokens,
     batches,
     encode,
     encode_chat,
@@ -457,6 +458,8 @@ def test_json_files_of_records_are_json_lines(tmp_path, caplog):
     assert Source(tmp_path / "array" / "a.json", "a.json").fingerprint()["read_as"] == "json array"
     (tmp_path / "bom" / "array.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(alpaca).encode())
     assert Source(tmp_path / "bom" / "array.json", "array.json").kind == "json array"  # found by review
+    (tmp_path / "bom" / "array.json").write_bytes(b"\xef\xbb\xbf\n" + json.dumps(alpaca).encode())
+    assert Source(tmp_path / "bom" / "array.json", "array.json").kind == "json array"  # a blank line first
     made = prepare(PrepareOptions(inputs=[str(tmp_path / "array")], val_percent=0.0), tmp_path / "array_out",
                    progress=False)
     assert made.manifest["splits"]["train"]["documents"] == 3
@@ -1323,6 +1326,9 @@ def test_a_prompt_and_its_completion_are_tokenized_as_one_text(tmp_path):
     assert [spm.id_to_token(token) for token, target in zip(pair, mask) if target] == ["▁fou", "r", "</s>"]
     assert pair[0] == bos and tokenizer_entry(tokenizer)["appended"] == [eos]
     assert "appended" not in before
+    # a vocabulary that cannot encode the probe tells nothing appended (its BOS was taken for one)
+    probe_less = SimpleNamespace(encode=lambda text, special_tokens=True: [bos, eos][:2 * special_tokens])
+    assert appended_tokens(probe_less) == []
 
 
 def test_parquet_fine_tuning_records_are_read(tmp_path):

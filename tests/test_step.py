@@ -177,7 +177,7 @@ def test_a_count_ahead_is_one_number_or_one_line_naming_the_task():
         count_ahead(Counts(-2), None)
     # a task's own flops(batch): a number of at least 0 (text was a TypeError from the sum)
     flops = Task.__new__(type("CountsFlops", (Task,), {"flops": lambda self, batch: batch}))
-    assert local_flops(flops, [2.0, 3], None) == 5.0
+    assert local_flops(flops, [2.0, 3, torch.tensor(4.0)], None) == 9.0  # a one-element tensor too
     for wrong in (None, "1e9", -1.0, True):
         with pytest.raises(TrainingError, match=rf"^CountsFlops.flops returned {re.escape(repr(wrong))}: "):
             local_flops(flops, [wrong], None)

@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import re
+import select
 import signal
 import sys
 import tempfile
@@ -953,7 +954,11 @@ def run_command(args: argparse.Namespace, argv: list[str] | None) -> int:
     except ShardtrainError as exc:
         say(error_line(str(exc)))
         return 2
-    except BrokenPipeError:  # `shardtrain inspect X | head`: the reader has gone, and so do we
+    except BrokenPipeError as exc:
+        if not stdout_reader_gone():  # another pipe's (a worker's, a socket's): a failure to say
+            say(error_line(os_failure(exc) or str(exc)))
+            return 1
+        # `shardtrain inspect X | head`: the reader has gone, and so do we, quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit's flush
         return BROKEN_PIPE_STATUS
     except KeyboardInterrupt:
@@ -967,6 +972,17 @@ def run_command(args: argparse.Namespace, argv: list[str] | None) -> int:
         say(error_line(line))
         return 1
     return 1
+
+
+def stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (a broken pipe that ends a command
+    quietly, as ``| head`` expects); a broken pipe elsewhere is a failure (found by review)."""
+    poller = select.poll()
+    try:
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+    except (OSError, ValueError, AttributeError):  # no descriptor (a capture): not a closed pipe
+        return False
+    return any(events & select.POLLERR for _, events in poller.poll(0))
 
 
 def say(line: str) -> None:

@@ -138,7 +138,7 @@ def json_shape(path: Path, field: str) -> str:
     try:
         with opener(path, "rb") as lines:
             # (after a UTF-8 byte order mark, which Windows tools write: its array was one text)
-            first = next_nonblank_line(lines).removeprefix(codecs.BOM_UTF8)
+            first = next_nonblank_line(lines, skip=codecs.BOM_UTF8)
             if first.lstrip().startswith(b"["):
                 return array_shape(first + lines.read(JSON_SNIFF_BYTES), field)
             try:
@@ -167,9 +167,10 @@ def array_shape(head: bytes, field: str) -> str:
     return "array" if field in first or has_fine_tuning_keys(first) else "other records"
 
 
-def next_nonblank_line(lines: IO[bytes]) -> bytes:
-    """The next line of ``lines`` that is not blank, read up to ``JSON_SNIFF_BYTES``; b"" at the end."""
-    line = lines.readline(JSON_SNIFF_BYTES)
+def next_nonblank_line(lines: IO[bytes], skip: bytes = b"") -> bytes:
+    """The next line of ``lines`` that is not blank, read up to ``JSON_SNIFF_BYTES``, ``skip`` taken
+    off the first line read (a byte order mark, before blank lines too); b"" at the end."""
+    line = lines.readline(JSON_SNIFF_BYTES).removeprefix(skip)
     while line and not line.strip():
         line = lines.readline(JSON_SNIFF_BYTES)
     return line

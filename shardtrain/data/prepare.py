@@ -131,6 +131,8 @@ def appended_tokens(tokenizer: Tokenizer) -> list[int]:
     """The special tokens the tokenizer puts after every text's own (most put none)."""
     plain = tokenizer.encode(SUFFIX_PROBE, special_tokens=False)
     marked = tokenizer.encode(SUFFIX_PROBE)
+    if not plain:  # a vocabulary without the probe (and no unknown token): nothing to tell by
+        return []
     for start in range(len(marked) - len(plain) + 1):
         if marked[start:start + len(plain)] == plain:
             return list(marked[start + len(plain):])

@@ -41,7 +41,7 @@ from shardtrain.checkpoint.weights import refuse_adapters_only
 from shardtrain.config.plan import DTYPES, dtype_name
 from shardtrain.config.schema import ModelConfig
 from shardtrain.config.sizes import parse_size
-from shardtrain.errors import CheckpointError
+from shardtrain.errors import CheckpointError, ModelError
 from shardtrain.models.hf import HFCausalLM
 
 # The bytes of checkpoint tensors read from DCP at once while a file is written: fewer reads of larger
@@ -95,11 +95,13 @@ class Cast:
         dtype = self.of(name, tensor.dtype)
         written = tensor.to(dtype)
         if (dtype != tensor.dtype and torch.finfo(dtype).max < torch.finfo(tensor.dtype).max
-                and not torch.isfinite(written).all() and torch.isfinite(tensor).all()):
-            raise CheckpointError(
-                f"tensor {name!r} holds {tensor.abs().max().item():.4g}, past {dtype_name(dtype)}'s largest "
-                f"value ({torch.finfo(dtype).max:.6g}): --dtype would write it as inf; use --dtype bf16 "
-                "(fp32's range) or leave the weights as stored")
+                and (torch.isfinite(tensor) & ~torch.isfinite(written)).any()):
+            largest = tensor[torch.isfinite(tensor)].abs().max().item()
+            fix = ("use --dtype bf16 (fp32's range) or leave the weights as stored" if dtype != torch.bfloat16
+                   else "leave the weights as stored")
+            raise CheckpointError(f"tensor {name!r} holds {largest:.4g}, past {dtype_name(dtype)}'s "
+                                  f"largest value ({torch.finfo(dtype).max:.6g}): --dtype would write it as "
+                                  f"inf; {fix}")
         return written
 
     def keeps(self, name: str) -> bool:
@@ -111,8 +113,13 @@ def model_cast(cfg: ModelConfig | None, dtype: torch.dtype | None) -> Cast:
     does not say, written by another framework: every floating-point tensor is cast)."""
     if cfg is None or cfg.name != "hf" or dtype in (None, torch.float32):
         return Cast(dtype)
-    with torch.device("meta"):
-        return Cast(dtype, HFCausalLM(cfg).kept_in_fp32(dtype))
+    try:
+        with torch.device("meta"):
+            return Cast(dtype, HFCausalLM(cfg).kept_in_fp32(dtype))
+    except ModelError as exc:  # its config.json gone: the weights it keeps in fp32 cannot be told
+        raise CheckpointError(f"--dtype {dtype_name(dtype)} reads the Hugging Face model's config.json "
+                              f"to keep in fp32 what its family keeps so ({exc}); or write the weights as "
+                              "stored (no --dtype)") from exc
 
 
 def clean_name(name: str, prefix: str) -> str:

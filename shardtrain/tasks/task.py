@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import json
 import logging
 import re
 import weakref
@@ -345,15 +346,24 @@ def check_task(task: Any) -> Task:
     return task
 
 
+def same_value(a: Any, b: Any) -> bool:
+    """Equal as recorded values, NaN equal to itself (a NaN default is no wrong type)."""
+    return a == b or json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
 def unrecorded_parameters(cls: type[Task]) -> list[str]:
     """The named parameters of ``cls.__init__`` that are neither its options (``options``) nor fields
     of its Options. The framework's own tasks are left alone: the language model's ``model=`` and
     ``corpus=`` are objects given in code, which it records as such."""
     if cls.__init__ is Task.__init__ or cls.__init__.__module__.startswith("shardtrain."):
         return []
-    declared = set()
+    # what the framework's own __init__ below it takes (a LanguageModelTask subclass's model=, which
+    # the run records as its model factory) passes too
+    framework = next(base.__init__ for base in cls.__mro__
+                     if base.__init__.__module__.startswith("shardtrain."))
+    declared = {p.name for p in inspect.signature(framework).parameters.values()}
     if dataclasses.is_dataclass(cls.Options):
-        declared = {f.name for f in dataclasses.fields(cls.Options)}
+        declared |= {f.name for f in dataclasses.fields(cls.Options)}
     return [p.name for p in inspect.signature(cls).parameters.values()
             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in {"options", *declared}]
 
@@ -366,8 +376,9 @@ def task_config_of(task: Task) -> TaskConfig:
         # As the command line's: a value of another type (depth="2") failed deep in the model, or
         # trained and was recorded as what a resume then refused (found by review)
         read, _ = read_options(type(task).Options, options)
-        held, typed = dataclasses.asdict(task.options), dataclasses.asdict(read)
-        if wrong := [name for name, value in typed.items() if held.get(name) != value]:
+        # Compared as recorded (a tuple read back as a list, in a nested dataclass, is the same value)
+        held, typed = plain_options(task.options), plain_options(read)
+        if wrong := [name for name, value in typed.items() if not same_value(held.get(name), value)]:
             raise ConfigError(f"{type(task).__name__}'s options are not of their declared types: "
                               f"{', '.join(f'{name}={held[name]!r}' for name in wrong)} (read as its type: "
                               f"{', '.join(f'{name}={typed[name]!r}' for name in wrong)}); give each option "

@@ -42,7 +42,8 @@ def counted_flops_per_sample(task: Task, micro_batch_size: int, train: SampleSou
             model.to_empty(device="cpu")
             with FlopCounterMode(display=False) as counter:
                 loss = task.loss(model, batch).loss
-                loss.backward()
+                if loss.requires_grad:  # (a model frozen whole trains nothing: its forward alone)
+                    loss.backward()
     except Exception as exc:  # the task's own code, on fake tensors: any error type
         return None, f"{why} ({type(exc).__name__}: {first_line(exc)}); give the task flops(batch)"
     return counter.get_total_flops() / max(batch_size(batch), 1), None

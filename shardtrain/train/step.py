@@ -320,6 +320,8 @@ def local_flops(task: Task, micro_batches: list[Any], counted_per_sample: float 
     total = 0.0
     for batch in micro_batches:
         flops = task.flops(batch)
+        if isinstance(flops, torch.Tensor) and flops.numel() == 1:  # a count's forms are taken here too
+            flops = float(flops)
         if flops is None or isinstance(flops, bool) or not isinstance(flops, numbers.Real) or flops < 0:
             # None: this rank's step counted as none, an MFU understated without a word; text: a
             # TypeError from the sum (found by review)
@@ -458,7 +460,8 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
         # update is queued before the host waits for anything.
         if grad_clip_norm > 0:
             clip_grads_(params, scale)  # a factor of exactly 1 changes nothing
-        step_unless(optimizer, ~(torch.isfinite(grad_norm) & torch.isfinite(summed[0])))
+        # (a negative count too, which would step up the loss: refused below, after no update)
+        step_unless(optimizer, ~(torch.isfinite(grad_norm) & torch.isfinite(summed[0]) & (global_count >= 0)))
     # The step's one host synchronisation: what the skip decision and the log need, in one transfer
     # (after the update where the optimizer skips on the device, else before it).
     values = torch.cat([torch.stack([grad_norm.double(), scale.double(), global_count]), summed]).tolist()
