@@ -928,8 +928,8 @@ def test_a_task_object_is_checked_for_what_the_library_path_needs():
     from shardtrain.tasks.task import check_task
 
     class Forgets(SmallestTask):
-        def __init__(self, depth: int = 2):
-            self.depth = depth
+        def __init__(self):
+            self.depth = 2
 
     with pytest.raises(ConfigError, match=r"the task is the class Forgets; pass an instance, Forgets\(\)"):
         check_task(Forgets)

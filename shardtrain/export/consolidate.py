@@ -42,7 +42,7 @@ from shardtrain.config.plan import DTYPES, dtype_name
 from shardtrain.config.schema import ModelConfig
 from shardtrain.config.sizes import parse_size
 from shardtrain.errors import CheckpointError, ModelError
-from shardtrain.models.hf import HFCausalLM
+from shardtrain.models.registry import build_model
 
 # The bytes of checkpoint tensors read from DCP at once while a file is written: fewer reads of larger
 # groups cost little, and the peak memory is about this (or the largest tensor).
@@ -114,8 +114,8 @@ def model_cast(cfg: ModelConfig | None, dtype: torch.dtype | None) -> Cast:
     if cfg is None or cfg.name != "hf" or dtype in (None, torch.float32):
         return Cast(dtype)
     try:
-        with torch.device("meta"):
-            return Cast(dtype, HFCausalLM(cfg).kept_in_fp32(dtype))
+        with torch.device("meta"):  # through the registry: transformers only where a run asks for it
+            return Cast(dtype, build_model(cfg).kept_in_fp32(dtype))
     except ModelError as exc:  # its config.json gone: the weights it keeps in fp32 cannot be told
         raise CheckpointError(f"--dtype {dtype_name(dtype)} reads the Hugging Face model's config.json "
                               f"to keep in fp32 what its family keeps so ({exc}); or write the weights as "

@@ -321,6 +321,9 @@ def check_task(task: Any) -> Task:
             # A misspelt hook is never called: said, not silently ignored.
             log.warning(f"task {cls.__name__} defines {name!r}, which the framework does not call; did you "
                         f"mean {near[0]!r}?")
+    if not hasattr(task, "options"):  # what Task.__init__ sets
+        raise ConfigError(f"{cls.__name__}.__init__ does not call super().__init__(); call it (with the "
+                          "task's options, if any) before setting attributes of its own")
     if unrecorded := unrecorded_parameters(cls):
         # Kept by the object, recorded nowhere: a resume, plan and every worker built the task
         # without them, and trained another one without a word (found by review).
@@ -328,9 +331,6 @@ def check_task(task: Any) -> Task:
                           "record (a run's task is rebuilt from task.path and task.options alone: resume, "
                           "plan, every worker); declare them as fields of the task's Options dataclass "
                           "(docs/tasks.md), set with task.NAME=VALUE")
-    if not hasattr(task, "options"):  # what Task.__init__ sets
-        raise ConfigError(f"{cls.__name__}.__init__ does not call super().__init__(); call it (with the "
-                          "task's options, if any) before setting attributes of its own")
     missing = [name for name in ("build_model", "loss")
                if getattr(cls, name) is getattr(Task, name)]
     if cls.train_samples is Task.train_samples and cls.train_dataset is Task.train_dataset:
