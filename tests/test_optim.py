@@ -162,3 +162,27 @@ def test_a_loaded_state_keeps_the_kernels_and_settings_built_now():
     assert (group["lr"], group["d"]) == (0.5, 7.0)
     model(torch.randn(3, 2)).sum().backward()
     built.step()  # the fused kernel runs: the state's step count where it wants it
+
+
+def test_a_save_before_the_first_update_leaves_the_optimizer_as_fresh():
+    """Found by review: torch's get_state_dict creates an empty optimizer's state with a step at lr 0,
+    which left AdamW's step count at 1 (in the live optimizer and the checkpoint): after skipped first
+    steps and a save, the first real update took step 2's bias correction, 0.735 of itself. The
+    saver puts the counts back to 0, and the first update is a fresh optimizer's."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from shardtrain.checkpoint.checkpointer import undo_creation_step
+
+    torch.manual_seed(0)
+    saved, fresh = nn.Linear(4, 3), nn.Linear(4, 3)
+    fresh.load_state_dict(saved.state_dict())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, betas=(0.9, 0.95), foreach=True)
+                  for m in (saved, fresh)]
+    _, state = get_state_dict(saved, optimizers[0])
+    undo_creation_step(optimizers[0], state)
+    assert [float(entry["step"]) for entry in state["state"].values()] == [0.0, 0.0]
+    batch = torch.randn(2, 4)
+    for model, optimizer in zip((saved, fresh), optimizers, strict=True):
+        model(batch).square().sum().backward()
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(saved.parameters(), fresh.parameters(), strict=True))

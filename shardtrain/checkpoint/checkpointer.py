@@ -357,6 +357,21 @@ def node_file_fingerprints(cfg: Config) -> dict[int, str] | None:
             for index, digest in share.items()}
 
 
+def undo_creation_step(optimizer: torch.optim.Optimizer, optim_state: dict[str, Any]) -> None:
+    """torch's ``get_state_dict`` creates an empty optimizer's state by a step with zero gradients at
+    learning rate 0: AdamW's moments stay zero, but its step count becomes 1, in the live optimizer
+    and the checkpoint, and the first real update then took step 2's bias correction (0.735 of
+    the update with betas 0.9, 0.95: a save after skipped first steps, found by review). The counts
+    go back to 0: zero moments at step 0 are a fresh state."""
+    for states in (optimizer.state.values(), optim_state.get("state", {}).values()):
+        for state in states:
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                step.zero_()
+            elif step is not None:
+                state["step"] = 0
+
+
 class Checkpointer:
     """Saves and restores model, optimizer, scheduler and RNG; the run's counters travel in
     ``TrainState``."""
@@ -603,8 +618,11 @@ class Checkpointer:
     # ---- saving --------------------------------------------------------------------------
 
     def training_state(self) -> dict[str, Any]:
+        created = not self.optimizer.state  # no update yet (every step so far skipped)
         model_state, optim_state = get_state_dict(
             self.model, self.optimizer, options=StateDictOptions(ignore_frozen_params=self.adapters_only))
+        if created:
+            undo_creation_step(self.optimizer, optim_state)
         if self.adapters_only:  # DCP keeps a frozen tied head (Qwen2's lm_head): a whole embedding
             model_state = {name: value for name, value in model_state.items() if is_adapter(name)}
         # torchao's float8 weights as plain tensors: readable without torchao imported
