@@ -33,6 +33,18 @@ def test_no_weight_decay_on_norms_biases_embeddings():
     tied = Llama(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, tie_embeddings=True))
     assert "tok_embeddings.weight" in no_decay_names(tied)  # the shared head weight is an embedding
 
+    class HeadFirst(nn.Module):  # the head registered before the table it is tied to (found by review)
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(8, 16, bias=False)
+            self.embed = nn.Embedding(16, 8)
+            self.head.weight = self.embed.weight
+
+    head_first = HeadFirst()
+    assert no_decay_names(head_first) == {"head.weight", "embed.weight"}
+    (group,) = build_optimizer(head_first, TrainerConfig(weight_decay=0.1)).param_groups
+    assert group["weight_decay"] == 0.0
+
 
 @pytest.mark.parametrize("kernel", ["foreach", "auto"])
 def test_the_optimizer_takes_every_setting(kernel):

@@ -13,10 +13,12 @@ NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, _NormBase)
 def no_decay_names(model: nn.Module) -> set[str]:
     """Norm weights, biases and embedding tables: anything 1-D, a parameter named ``bias*`` (the
     attention's ``bias_k`` is 3-D), or owned by a normalisation layer or an ``nn.Embedding``. A
-    learnt position embedding held as a plain parameter of 2 or more dimensions is not one of them."""
-    names = set()
-    for module_name, module in model.named_modules():
+    learnt position embedding held as a plain parameter of 2 or more dimensions is not one of them.
+    Every name of such a parameter: a table tied to a head registered before it is named by the
+    head's first (``named_parameters``' one name), and was decayed (found by review)."""
+    kept = set()
+    for module in model.modules():
         for param_name, param in module.named_parameters(recurse=False):
             if param.ndim < 2 or param_name.startswith("bias") or isinstance(module, (nn.Embedding, *NORMS)):
-                names.add(f"{module_name}.{param_name}" if module_name else param_name)
-    return names
+                kept.add(id(param))
+    return {name for name, param in model.named_parameters(remove_duplicate=False) if id(param) in kept}
