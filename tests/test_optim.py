@@ -198,3 +198,14 @@ def test_a_save_before_the_first_update_leaves_the_optimizer_as_fresh():
         model(batch).square().sum().backward()
         optimizer.step()
     assert all(torch.equal(a, b) for a, b in zip(saved.parameters(), fresh.parameters(), strict=True))
+
+
+def test_settings_an_optimizer_factory_does_not_use_are_named():
+    """Found by review: with optimizer_factory, trainer.lr, the AdamW settings and the kernel were
+    accepted and unused without a word; those given away from their defaults are named at start-up."""
+    from shardtrain.diagnostics.rails import settings_a_factory_ignores
+
+    assert settings_a_factory_ignores(TrainerConfig()) is None
+    said = settings_a_factory_ignores(TrainerConfig(lr=1e-4, optimizer_kernel="fused"))
+    assert said.startswith("trainer.lr=0.0001, trainer.optimizer_kernel=fused: the optimizer_factory's "
+                           "optimizer is used, with its own settings"), said

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardtrain.config.schema import TrainerConfig
 from shardtrain.errors import DataError, ModelError
 
 log = logging.getLogger("shardtrain")
@@ -28,6 +29,24 @@ def check_optimizer_factory(factory: object) -> None:
     raise ModelError(f"optimizer_factory is {what}: pass a function that builds the optimizer from "
                      "the sharded model, optimizer_factory=lambda model: "
                      "torch.optim.AdamW(model.parameters(), ...)")
+
+
+# What the built-in AdamW takes from trainer.*, and an optimizer_factory's optimizer does not.
+BUILT_IN_OPTIMIZER_KEYS = ("lr", "weight_decay", "beta1", "beta2", "adam_eps", "optimizer_kernel")
+
+
+def settings_a_factory_ignores(trainer: TrainerConfig) -> str | None:
+    """One line naming the ``trainer.*`` settings given away from their defaults that a run with an
+    ``optimizer_factory`` does not use (its optimizer's own are used; the schedule multiplies its
+    groups' rates), or None (found by review: accepted without a word)."""
+    defaults = TrainerConfig()
+    given = [f"trainer.{key}={getattr(trainer, key)}" for key in BUILT_IN_OPTIMIZER_KEYS
+             if getattr(trainer, key) != getattr(defaults, key)]
+    if not given:
+        return None
+    return (f"{', '.join(given)}: the optimizer_factory's optimizer is used, with its own settings (the "
+            "learning-rate schedule multiplies its groups' rates; clipping and skipped steps apply), not "
+            "these")
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

@@ -56,7 +56,11 @@ from shardtrain.diagnostics.failures import is_failure, record_exception
 from shardtrain.diagnostics.memory import PhaseMemory, adapter_summary, state_bytes
 from shardtrain.diagnostics.planner import BatchChoice
 from shardtrain.diagnostics.profiler import StepProfiler
-from shardtrain.diagnostics.rails import check_optimizer_factory, check_same_counts
+from shardtrain.diagnostics.rails import (
+    check_optimizer_factory,
+    check_same_counts,
+    settings_a_factory_ignores,
+)
 from shardtrain.diagnostics.report import (
     DtypeProbe,
     dtype_lines,
@@ -363,6 +367,9 @@ class Trainer:
         for note in adapter_notes:
             trainer.info(note)
         trainer.batch_choice = batch_choice
+        if optimizer_factory is not None and (ignored := settings_a_factory_ignores(cfg.trainer)):
+            if env.is_main:
+                log.warning(ignored)
         trainer.restore(draws.draw)
         return trainer
 
