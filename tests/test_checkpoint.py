@@ -377,6 +377,19 @@ def test_later_checkpoints_are_this_runs_only_with_the_same_resume_and_config(tm
     link.unlink()
     link.symlink_to("step-10")
     assert layout.saved_by_same_resume(mine, str(link), hashed("abc"))
+    # resume=none restarted (torchrun's --max-restarts): its own checkpoints go on, another run's do
+    # not (found by review: any checkpoint counted, and an attempt that had refused another run's
+    # took them over at its restart)
+    from types import SimpleNamespace
+
+    from shardtrain.checkpoint.checkpointer import Checkpointer
+
+    fresh = tmp_path / "fresh" / "checkpoints"
+    saved(fresh / "step-2", 2, "none")
+    for root_dir, own in ((fresh, True), (mine, False)):
+        attempt = SimpleNamespace(root=root_dir, same_config=hashed("abc"))
+        assert Checkpointer.saved_by_earlier_attempt(attempt, "none", restarted=True) is own
+        assert Checkpointer.saved_by_earlier_attempt(attempt, "none", restarted=False) is False
     # A config saved before a key joined the schema was hashed without it: compared over the keys it
     # has (found by a review: every added key changed every run's hash, and a job requeued across
     # an upgrade was refused its own checkpoints)

@@ -541,15 +541,17 @@ class Checkpointer:
         attempt (a torchrun restart) or job (a Slurm requeue) of this run, not left by another run
         (whose later steps are refused: going on from them would undo that refusal). The attempts
         share their ``checkpoint.resume``, recorded in each checkpoint's config; every rank reads
-        the same files. ``resume=none`` started only where there were no checkpoints: a restart
-        goes on from its own, and so does a requeued Slurm job (``SLURM_RESTART_COUNT``) whose
-        checkpoints were all saved under its config; a new job refuses them (``refuse_fresh_start``)."""
+        the same files. ``resume=none`` started only where there were no checkpoints: a restart, or
+        a requeued Slurm job (``SLURM_RESTART_COUNT``), goes on from its own checkpoints, all saved
+        under its config; a new job, or a restart of one that refused another run's, refuses them
+        (``refuse_fresh_start``)."""
         if choice == "none":
-            if restarted:
-                return bool(layout.candidates(self.root).complete)
-            # A requeued job's checkpoints are this run's when each was saved under the same config.
-            return layout.slurm_requeued() and layout.saved_by_same_resume(self.root, choice,
-                                                                           self.same_config)
+            # A restarted attempt's or requeued job's checkpoints are this run's when each was saved
+            # with resume=none under the same config: any checkpoint counted for a restart, and an
+            # attempt that had refused another run's checkpoints took them over at its restart
+            # (found by review).
+            return (restarted or layout.slurm_requeued()) and layout.saved_by_same_resume(
+                self.root, choice, self.same_config)
         # The same config too: the same resume with another learning rate is a new run, not a requeue.
         # Checkpoints saved before 2026-11-30 hold the hash of the config as resolved (a requeue at
         # the same world size still matches it).
