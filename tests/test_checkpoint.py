@@ -989,3 +989,26 @@ def test_a_full_disk_beneath_torchs_writer_error_is_named():
     assert message == ("saving step 2 to /r/.step-2.tmp failed: TypeError: Object of type Act is not JSON "
                        "serializable; this is no filesystem failure but a value the checkpoint cannot hold, "
                        "or a defect (in the task's code or shardtrain's): report it (step-1 is intact)")
+
+
+def test_a_preempted_runs_close_does_not_wait_for_deletions(monkeypatch, tmp_path):
+    """Found by review: a preempted run's exit waited for keep_last's deletion of a pruned checkpoint
+    (minutes on a shared filesystem), past the grace its scheduler gives; it says what it leaves to
+    the next start instead, and a finished run's close still waits."""
+    import threading
+    from types import SimpleNamespace
+
+    from shardtrain.checkpoint import checkpointer
+
+    release = threading.Event()
+    monkeypatch.setattr(checkpointer.shutil, "rmtree", lambda directory: release.wait(30))
+    deleter = checkpointer.BackgroundDeleter()
+    deleter.submit(tmp_path / ".step-2.deleting")
+    said: list[str] = []
+    closing = SimpleNamespace(wait=lambda: None, deleter=deleter, stager=None, info=said.append)
+    checkpointer.Checkpointer.close(closing, wait_deletions=False)  # returns with the deletion going on
+    assert said == [f"checkpoint: the preempted run leaves {tmp_path / '.step-2.deleting'} to the next "
+                    "start to delete"]
+    release.set()
+    checkpointer.Checkpointer.close(closing)
+    assert deleter.busy() == []

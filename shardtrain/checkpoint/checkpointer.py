@@ -739,11 +739,18 @@ class Checkpointer:
         self.stager_checked = True
         return self.stager
 
-    def close(self) -> None:
+    def close(self, wait_deletions: bool = True) -> None:
         """Release the staging buffers once no save is in flight (the finisher thread ends with the
-        process), and let the deletions finish. A later async save stages into a fresh copy."""
+        process), and let the deletions finish, unless not ``wait_deletions``: a preempted run's exit
+        does not wait minutes for a pruned checkpoint's deletion on a shared filesystem, past the
+        grace its scheduler gives (found by review); its ``.step-N.deleting`` goes at the next start.
+        A later async save stages into a fresh copy."""
         self.wait()
-        self.deleter.wait()
+        if wait_deletions:
+            self.deleter.wait()
+        elif left := self.deleter.busy():
+            self.info(f"checkpoint: the preempted run leaves {', '.join(map(str, left))} to the next start "
+                      "to delete")
         if self.stager is not None:
             self.stager.close()
             self.stager = None

@@ -792,7 +792,8 @@ class Trainer:
                 if not self.result.preempted and self.last_saved_step != self.step:
                     self.save_checkpoint(blocking=True, phase="final checkpoint")
                 self.beat_save("waiting for the last async save")
-                self.checkpointer.close()  # waits for it, then frees the staging buffers
+                # waits for it, then frees the staging buffers (a preempted run not for deletions)
+                self.checkpointer.close(wait_deletions=not self.result.preempted)
             # Inside the watchdog's watch: gathering the copy is a collective like any other.
             if not self.result.preempted and self.cfg.trainer.sample_tokens > 0 and self.samples_text():
                 if self.preempted_anywhere():  # signalled during the last step's save: stop now
