@@ -493,9 +493,10 @@ class Checkpointer:
             return path
         if complete:  # starting fresh would bury the run's progress under new checkpoints
             raise CheckpointError(
-                f"every checkpoint in {self.root} fails its checks (see the lines above); resume one "
-                "explicitly with checkpoint.verify_checksums=false if you accept the damage, or start "
-                "fresh in a new run.dir"
+                f"every checkpoint in {self.root} fails its checks (see the lines above); where they "
+                "failed their checksums and you accept the damage, resume the newest with "
+                "checkpoint.verify_checksums=false (an older one: move the later ones out of the "
+                "directory first), or start fresh in a new run.dir"
             )
         return None
 
