@@ -318,7 +318,7 @@ def test_metadata_that_would_run_code_is_refused_unrun(tmp_path):
     assert not marker.exists()
 
 
-def test_metadata_written_by_python_3_13_reads():
+def test_metadata_written_by_python_3_13_reads(tmp_path):
     """Python 3.13 pickles paths (DCP's checkpoint id) from pathlib._local (found by review: every
     checkpoint a 3.13 interpreter saved was refused)."""
     metadata = Metadata(state_dict_metadata={}, storage_meta=StorageMeta(checkpoint_id=Path("/runs/step-2")))
@@ -327,6 +327,18 @@ def test_metadata_written_by_python_3_13_reads():
     as_313 = written.replace(b"cpathlib\nPosixPath\n", b"cpathlib._local\nPosixPath\n")
     read = layout.MetadataUnpickler(io.BytesIO(as_313)).load()
     assert read.storage_meta.checkpoint_id == Path("/runs/step-2")
+    # A class of DCP's metadata module this torch lacks (a newer torch's) is no damage, which
+    # resume=auto would skip and then move aside (found by review)
+    from shardtrain.errors import CheckpointUnverifiable
+
+    newer = written.replace(b"\nStorageMeta\n", b"\nStorageMetaV9\n")
+    assert newer != written
+    checkpoint = tmp_path / "newer"
+    checkpoint.mkdir()
+    (checkpoint / ".metadata").write_bytes(newer)
+    with pytest.raises(CheckpointUnverifiable, match=r"StorageMetaV9, which this torch .* does not have: it "
+                                                     r"was saved by a newer torch \(not recorded\)"):
+        layout.read_dcp_metadata(checkpoint)
 
 
 def config_resumed_from(resume: str) -> dict:

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from shardtrain.checkpoint.safetensors_files import ADAPTER_CONFIG, DCP_METADATA_FILE, INDEX_FILE, SINGLE_FILE
 from shardtrain.checkpoint.state import STATE_FILE, STEP_DIR, TrainState
 from shardtrain.durable import fsync_path as fsync_path  # re-exported: the checkpointer syncs through it
-from shardtrain.errors import CheckpointError
+from shardtrain.errors import CheckpointError, CheckpointFromNewerVersion
 from shardtrain.models.hf_directory import is_model_directory
 
 METADATA_FILE = DCP_METADATA_FILE  # DCP's, named where the export check needs it too
@@ -139,6 +139,10 @@ class RefusedGlobal(pickle.UnpicklingError):
     """A name in ``.metadata`` that DCP's metadata does not hold."""
 
 
+class UnknownMetadataClass(RefusedGlobal):
+    """A name in DCP's metadata module that this torch lacks: a newer torch's, not damage."""
+
+
 class MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's ``.metadata`` without running code from the file: a pickle may call any
     importable function, so only the names DCP's metadata is made of are found: the dataclasses and
@@ -151,6 +155,8 @@ class MetadataUnpickler(pickle.Unpickler):
             found = getattr(dcp_metadata, name, None)
             if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
                 return found
+            if found is None:
+                raise UnknownMetadataClass(f"{module}.{name}")
         elif module == "torch" and isinstance(getattr(torch, name, None),
                                               torch.dtype | torch.layout | torch.memory_format):
             return getattr(torch, name)
@@ -160,6 +166,14 @@ class MetadataUnpickler(pickle.Unpickler):
         elif (module, name) in METADATA_GLOBALS:
             return super().find_class(module, name)
         raise RefusedGlobal(f"{module}.{name}")
+
+
+def saved_torch_version(path: Path) -> str:
+    """The torch a shardtrain checkpoint was saved with, as its trainer state records it."""
+    try:
+        return TrainState.read(path).versions.get("torch", "not recorded")
+    except CheckpointError:
+        return "not recorded"
 
 
 def read_dcp_metadata(path: Path) -> Metadata:
@@ -208,6 +222,12 @@ def read_dcp_metadata(path: Path) -> Metadata:
             metadata = MetadataUnpickler(f).load()
     except OSError:
         raise  # the filesystem failed, not the file: no sign of damage
+    except UnknownMetadataClass as exc:
+        # Not the checkpoint's damage: resume=auto neither skips it nor moves it aside (found by review)
+        raise CheckpointFromNewerVersion(
+            f"checkpoint {str(path)!r}: .metadata names {exc}, which this torch ({torch.__version__}) "
+            f"does not have: it was saved by a newer torch ({saved_torch_version(path)}); read it with "
+            "that torch or a later one") from exc
     except RefusedGlobal as exc:
         raise CheckpointError(f"checkpoint {str(path)!r}: .metadata names {exc}, which DCP's metadata does "
                               "not hold; it is not loaded, since unpickling it could run code from the "
