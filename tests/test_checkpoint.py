@@ -711,6 +711,16 @@ def test_abandoned_saves_and_deletions_are_removed(tmp_path):
         ".step-x.tmp", "step-6"]
     assert (outside / "__0_0.distcp").is_file()
     assert layout.remove_abandoned(tmp_path / "none") == []
+    # A pruned checkpoint's .deleting (a preempted run's exit leaves it) goes to the background
+    # deleter, while training goes on: every rank waited for its deletion at start-up (found by
+    # review); a .tmp goes at once (a save of its step writes there)
+    for name in (".step-10.deleting", ".step-12.tmp"):
+        (tmp_path / name).mkdir()
+    handed: list[Path] = []
+    assert layout.remove_abandoned(tmp_path, delete_later=handed.append) == [
+        tmp_path / ".step-10.deleting", tmp_path / ".step-12.tmp", tmp_path / ".step-9.tmp"]
+    assert handed == [tmp_path / ".step-10.deleting"] and (tmp_path / ".step-10.deleting").is_dir()
+    assert not (tmp_path / ".step-12.tmp").exists()
 
 
 def linear_base(directory, layer=None):

@@ -38,7 +38,7 @@ def test_kill_during_save_resume_picks_previous_complete(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"skipping {ckpts / '.step-6.tmp'}: incomplete: the save did not finish" in resumed.stderr
     assert f"newest complete checkpoint is {ckpts / 'step-3'} (step 3)" in resumed.stderr
-    assert f"deleted .step-1.deleting, .step-6.tmp, .step-7.tmp in {ckpts} (left by" in resumed.stderr
+    assert f"deleting .step-1.deleting, .step-6.tmp, .step-7.tmp in {ckpts} (left by" in resumed.stderr
     # keep_last=2, no tmp
     assert sorted(p.name for p in ckpts.iterdir()) == [".step-7.tmp-notes", "step-6", "step-8"]
     assert read_metrics(run_dir)[-1]["step"] == 8

@@ -459,13 +459,13 @@ class Checkpointer:
         directories after that). A failure is a warning: the run can go on without the space."""
         wait_deletions_in(self.root)
         try:
-            removed = layout.remove_abandoned(self.root, keep=resumed)
+            removed = layout.remove_abandoned(self.root, keep=resumed, delete_later=self.deleter.submit)
         except OSError as exc:
             log.warning(f"checkpoint: deleting what an interrupted save or deletion left in {self.root} "
                         f"failed ({exc}); delete its .step-*.tmp and .step-*.deleting directories by hand")
             return
         if removed:
-            log.info(f"checkpoint: deleted {', '.join(p.name for p in removed)} in {self.root} (left by "
+            log.info(f"checkpoint: deleting {', '.join(p.name for p in removed)} in {self.root} (left by "
                      "an interrupted save or deletion; never loadable)")
 
     def choose_resume(self) -> Path | None:

@@ -460,13 +460,17 @@ def point_best(root: Path, step: int | None) -> None:
         raise
 
 
-def remove_abandoned(root: Path, keep: Path | None = None) -> list[Path]:
+def remove_abandoned(root: Path, keep: Path | None = None,
+                     delete_later: Callable[[Path], None] | None = None) -> list[Path]:
     """Delete the ``.step-N.tmp`` (a save that never finished) and ``.step-N.deleting`` (a deletion
     that never finished) directories in ``root``, and the ``.step-N.trainer_state.json.part`` files
     of a rewrite of a checkpoint's state that never finished, but never ``keep`` (a checkpoint resumed from by
     hand); returns the deleted ones. No resume loads them, and a save removes only the ``.tmp`` of
     its own step: one left at a step never saved again (a preemption's) kept its full size forever.
-    Only real directories named so by shardtrain, only in ``root``: nothing else is touched."""
+    Only real directories named so by shardtrain, only in ``root``: nothing else is touched.
+    ``delete_later``: takes the ``.deleting`` ones (a pruned checkpoint a preempted run left: minutes
+    to delete on a shared filesystem, which every rank waited for at start-up) to delete while
+    training goes on; a ``.tmp`` goes at once (a save of its step would write there)."""
     if not root.is_dir():
         return []
     kept = keep.resolve() if keep is not None else None
@@ -474,7 +478,10 @@ def remove_abandoned(root: Path, keep: Path | None = None) -> list[Path]:
     for entry in sorted(root.iterdir()):
         if (ABANDONED_DIR.match(entry.name) and entry.is_dir() and not entry.is_symlink()
                 and entry.resolve() != kept):
-            shutil.rmtree(entry)
+            if delete_later is not None and entry.name.endswith(".deleting"):
+                delete_later(entry)
+            else:
+                shutil.rmtree(entry)
             removed.append(entry)
         elif ABANDONED_STATE.match(entry.name) and entry.is_file() and not entry.is_symlink():
             entry.unlink()
