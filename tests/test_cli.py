@@ -370,6 +370,22 @@ def test_only_a_closed_stdout_ends_a_command_quietly(monkeypatch):
         monkeypatch.undo()
 
 
+def test_an_export_reads_a_linked_checkpoint_where_the_link_pointed_once(tmp_path):
+    """Found by review: export-hf resolved checkpoints/best once for its write, and its self-check
+    read through the link again: a training that moved it on between them failed a good export."""
+    import argparse
+
+    from shardtrain.cli.main import check_export_paths
+
+    (tmp_path / "step-4").mkdir()
+    (tmp_path / "best").symlink_to("step-4")
+    args = argparse.Namespace(checkpoint=str(tmp_path / "best"), out=str(tmp_path / "out"))
+    check_export_paths(args, "export-hf")
+    (tmp_path / "best").unlink()
+    (tmp_path / "best").symlink_to("step-6")  # moved on by the training
+    assert args.checkpoint == str((tmp_path / "step-4").resolve())
+
+
 def test_a_compile_failure_is_one_line_with_the_way_out(tmp_path):
     """Found by review: torch.compile's failure (here: no C++ compiler) was inductor's traceback of
     some 130 lines on every rank, exit 1, strategy.compile=false never named."""

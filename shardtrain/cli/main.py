@@ -446,10 +446,13 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
 
 def check_export_paths(args: argparse.Namespace, command: str) -> None:
     """export-hf's and export-peft's paths, checked before torch is imported (a quoted ``~`` is
-    expanded once, so that the path checked is the path written)."""
+    expanded once, so that the path checked is the path written), the checkpoint's resolved."""
     args.out, args.checkpoint = os.path.expanduser(args.out), os.path.expanduser(args.checkpoint)
     check_output(Path(args.out), Path(args.checkpoint), f"{command} output", file_allowed=False)
     check_exists(args.checkpoint, "checkpoint")
+    # Resolved once: the export and its self-check read the same checkpoint, where a link a training
+    # moves on between them (its checkpoints/best) failed the check of a good export (found by review)
+    args.checkpoint = os.path.realpath(args.checkpoint)
 
 
 def finish_export(args: argparse.Namespace, files: list[Path], verify, loaded_by: str, made: bool) -> int:
