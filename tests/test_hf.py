@@ -107,11 +107,11 @@ def test_export_loads_in_transformers_with_matching_logits(tmp_path, tied):
         return
     # A part holding only the tied head's second name makes no shard (found by review: an empty
     # shard, counted in the others' "-of-N" names).
-    from shardtrain.export.hf import write_hf_directory
+    from shardtrain.export.hf import hf_conversion, write_hf_directory
 
     weights = load_file(consolidated)
     head = {"output.weight": weights.pop("output.weight")}
-    files = write_hf_directory(model_config_of(consolidated), tmp_path / "two-parts",
+    files = write_hf_directory(hf_conversion(model_config_of(consolidated)), tmp_path / "two-parts",
                                [lambda: dict(weights), lambda: dict(head)])
     assert [p.name for p in files if p.suffix == ".safetensors"] == ["model.safetensors"]
     from_export = run_cli("generate", str(out), "--prompt", "def ", "--max-new-tokens", "8")
@@ -233,11 +233,11 @@ def test_export_check_fails_on_corrupted_weights(tmp_path, monkeypatch, capsys):
 
 
 def test_export_dtype_casts_floating_point_tensors_only(tmp_path):
-    from shardtrain.export.hf import write_hf_directory
+    from shardtrain.export.hf import hf_conversion, write_hf_directory
 
     cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=32, max_seq_len=16)
     part = {"tok_embeddings.weight": torch.randn(32, 16), "norm.weight": torch.arange(16) * 1000003}
-    write_hf_directory(cfg, tmp_path, [lambda: dict(part)], "bf16")
+    write_hf_directory(hf_conversion(cfg, "bf16"), tmp_path, [lambda: dict(part)])
     written = load_file(tmp_path / "model.safetensors")
     assert written["model.embed_tokens.weight"].dtype == torch.bfloat16
     assert torch.equal(written["model.norm.weight"], part["norm.weight"])  # not rounded to bf16
@@ -249,7 +249,7 @@ def test_export_dtype_casts_floating_point_tensors_only(tmp_path):
     part["tok_embeddings.weight"][3, 5] = 1e5
     with pytest.raises(CheckpointError, match=r"tensor 'model.embed_tokens.weight' holds 1e\+05, past "
                                               r"float16's largest value \(65504\).*use --dtype bf16"):
-        write_hf_directory(cfg, tmp_path / "fp16", [lambda: dict(part)], "fp16")
+        write_hf_directory(hf_conversion(cfg, "fp16"), tmp_path / "fp16", [lambda: dict(part)])
     assert not (tmp_path / "fp16").exists()  # made by the export, and removed with its files
     from shardtrain.export.consolidate import Cast, model_cast
 
@@ -267,7 +267,7 @@ def test_a_failed_export_leaves_none_of_its_files(tmp_path, monkeypatch):
     """Found by review: a failure after the shards (a full disk, the tokenizer gone) left weights, an
     index and config.json, a model to transformers without its tokenizer, and a rerun was refused.
     What the directory held before stays."""
-    from shardtrain.export.hf import write_hf_directory
+    from shardtrain.export.hf import hf_conversion, write_hf_directory
 
     cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=32, max_seq_len=16)
     part = {"tok_embeddings.weight": torch.randn(32, 16), "norm.weight": torch.ones(16)}
@@ -279,7 +279,7 @@ def test_a_failed_export_leaves_none_of_its_files(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with pytest.raises(OSError, match="No space left"):
-        write_hf_directory(cfg, out, [lambda: dict(part), full_disk])
+        write_hf_directory(hf_conversion(cfg), out, [lambda: dict(part), full_disk])
     assert sorted(p.name for p in out.iterdir()) == ["README.md"]
     # safetensors' own error of a full disk (its words, as its Rust side raises them) names the file
     # (found by review: neither file nor filesystem)
@@ -294,9 +294,9 @@ def test_a_failed_export_leaves_none_of_its_files(tmp_path, monkeypatch):
         safetensors_files.save_safetensors({"w": torch.ones(4)}, tmp_path / "w.safetensors", {})
     gone = dataclasses.replace(cfg, tokenizer=str(tmp_path / "gone" / "tokenizer.json"))
     with pytest.raises(CheckpointError, match="does not exist"):
-        write_hf_directory(gone, out, [lambda: dict(part)])
+        write_hf_directory(hf_conversion(gone), out, [lambda: dict(part)])
     assert sorted(p.name for p in out.iterdir()) == ["README.md"]
-    names = {p.name for p in write_hf_directory(cfg, out, [lambda: dict(part)])}
+    names = {p.name for p in write_hf_directory(hf_conversion(cfg), out, [lambda: dict(part)])}
     assert names == {"model.safetensors", "model.safetensors.index.json", "tokenizer.json",
                      "tokenizer_config.json", "config.json"}
 

@@ -695,7 +695,7 @@ def test_every_buffer_is_set_after_materialisation(tmp_path):
         load_model_weights(ours, str(tmp_path), ours.cfg)
 
 
-def test_a_bf16_export_keeps_what_the_family_keeps_in_fp32(tmp_path):
+def test_a_bf16_export_keeps_what_the_family_keeps_in_fp32(tmp_path, monkeypatch):
     """Found by review: ``export-hf --dtype bf16`` rounded DeepSeek-V3's router (its gate and
     correction bias, ``_keep_in_fp32_modules_strict``) to bf16, and transformers read them back
     upcast with their precision gone; the export check rounded its reference alike and passed. They
@@ -713,7 +713,16 @@ def test_a_bf16_export_keeps_what_the_family_keeps_in_fp32(tmp_path):
     source = tmp_path / "model.safetensors"
     save_file(weights, source, metadata=shardtrain_metadata({"model": asdict(cfg), "data": {}}))
     out = tmp_path / "export"
+    built = []  # the models built on the meta device (found by review: four an export, three a check)
+    construct = HFCausalLM.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(1)
+        construct(self, *args, **kwargs)
+
+    monkeypatch.setattr(HFCausalLM, "__init__", counted)
     export_hf(source, out, dtype="bf16")
+    assert len(built) == 1
     written = {}
     for file in out.glob("*.safetensors"):
         written |= load_file(file)
@@ -725,6 +734,7 @@ def test_a_bf16_export_keeps_what_the_family_keeps_in_fp32(tmp_path):
             assert tensor.equal(weights[f"hf.{name}"]), name
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert verify_export(source, out) < 1e-4
+    assert len(built) == 3  # the check's two models: ours and transformers'
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out))
     gate = theirs.model.layers[1].mlp.gate
     assert gate.weight.dtype == torch.float32
@@ -928,7 +938,7 @@ def test_export_reverts_only_the_conversions_shardtrain_reads_back(moe_dir, tmp_
     in a layout the export check and model.path then refused. Only renamings and the experts'
     stacking are reverted; the rest is written as held in memory, which both load. A missing expert
     is the export check's one line (a KeyError)."""
-    from shardtrain.export.hf import hf_model_converter
+    from shardtrain.export.hf import hf_conversion
     from shardtrain.export.verify import stacked
     from shardtrain.models.hf import ExpertPart
 
@@ -937,10 +947,10 @@ def test_export_reverts_only_the_conversions_shardtrain_reads_back(moe_dir, tmp_
         num_key_value_heads=2, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=12,
         linear_value_head_dim=24, layer_types=["linear_attention", "full_attention"], pad_token_id=1)
     hybrid.save_pretrained(tmp_path)
-    _, layout = hf_model_converter(ModelConfig(name="hf", path=str(tmp_path)))
+    layout = hf_conversion(ModelConfig(name="hf", path=str(tmp_path))).layout
     held = {f"model.layers.0.linear_attn.{name}_conv1d.weight": torch.zeros(3) for name in "qkv"}
     assert set(layout(dict(held))) == set(held)
-    _, layout = hf_model_converter(ModelConfig(name="hf", path=moe_dir))
+    layout = hf_conversion(ModelConfig(name="hf", path=moe_dir)).layout
     experts = layout({"model.layers.0.mlp.experts.down_proj": torch.zeros(4, 48, 64)})
     assert sorted(experts) == [f"model.layers.0.block_sparse_moe.experts.{e}.w2.weight" for e in range(4)]
     parts = [(ExpertPart("hf.w", e, 0, 1), tmp_path, f"w{e}") for e in (0, 2, 3)]

@@ -444,15 +444,18 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def check_export_paths(args: argparse.Namespace, command: str) -> None:
+def check_export_paths(args: argparse.Namespace, command: str) -> bool:
     """export-hf's and export-peft's paths, checked before torch is imported (a quoted ``~`` is
-    expanded once, so that the path checked is the path written), the checkpoint's resolved."""
+    expanded once, so that the path checked is the path written), the checkpoint's resolved; True
+    where the export will make its output directory (``finish_export`` then removes it with its
+    files)."""
     args.out, args.checkpoint = os.path.expanduser(args.out), os.path.expanduser(args.checkpoint)
     check_output(Path(args.out), Path(args.checkpoint), f"{command} output", file_allowed=False)
     check_exists(args.checkpoint, "checkpoint")
     # Resolved once: the export and its self-check read the same checkpoint, where a link a training
     # moves on between them (its checkpoints/best) failed the check of a good export (found by review)
     args.checkpoint = os.path.realpath(args.checkpoint)
+    return not Path(args.out).exists()
 
 
 def finish_export(args: argparse.Namespace, files: list[Path], verify, loaded_by: str, made: bool) -> int:
@@ -483,7 +486,7 @@ def finish_export(args: argparse.Namespace, files: list[Path], verify, loaded_by
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    check_export_paths(args, "export-hf")
+    made = check_export_paths(args, "export-hf")
     from functools import partial
 
     if args.merge:  # a LoRA checkpoint: each target's weight plus alpha/r * B @ A
@@ -495,7 +498,6 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
                               "(trainer.ema_decay is refused with adapters); drop --ema")
 
         verified = not args.skip_checksums
-        made = not Path(args.out).exists()
         files = export_merged(args.checkpoint, args.out, args.max_shard_size, args.dtype, verified)
         return finish_export(args, files, partial(verify_merged_export, verify_checksums=verified),
                              "transformers'", made)
@@ -504,20 +506,18 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     from shardtrain.export.verify import verify_export
 
     key = layout.AVERAGE_KEY if args.ema else None
-    made = not Path(args.out).exists()
     files = export_hf(args.checkpoint, args.out, args.max_shard_size, args.dtype, key=key,
                       verify_checksums=not args.skip_checksums)
     return finish_export(args, files, partial(verify_export, key=key), "transformers'", made)
 
 
 def cmd_export_peft(args: argparse.Namespace) -> int:
-    check_export_paths(args, "export-peft")
+    made = check_export_paths(args, "export-peft")
     from functools import partial
 
     from shardtrain.export.peft import export_peft, verify_peft_export
 
     verified = not args.skip_checksums
-    made = not Path(args.out).exists()
     return finish_export(args, export_peft(args.checkpoint, args.out, verified),
                          partial(verify_peft_export, verify_checksums=verified), "peft.PeftModel's", made)
 

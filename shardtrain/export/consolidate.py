@@ -108,6 +108,13 @@ class Cast:
         return any(re.search(pattern.replace("*", ".*"), name) for pattern in self.kept)
 
 
+def written_dtype(dtype: str | None) -> torch.dtype | None:
+    """``--dtype``'s torch dtype (None: as stored), an unknown name refused."""
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r} must be one of {', '.join(DTYPES)}")
+    return DTYPES[dtype] if dtype else None
+
+
 def model_cast(cfg: ModelConfig | None, dtype: torch.dtype | None) -> Cast:
     """The cast to ``dtype`` of the weights of the model ``cfg`` describes (None: a checkpoint that
     does not say, written by another framework: every floating-point tensor is cast)."""
@@ -234,22 +241,23 @@ def resolved(checkpoint: str | Path) -> Path:
 
 
 def checked_plan(path: Path, max_shard_size: str | None, dtype: str | None, key: str | None,
-                 verify: bool) -> tuple[Plan, Cast]:
-    """The output shards of checkpoint ``path`` and the dtype they are cast to, after every check
-    that comes before a tensor is read: the kind of checkpoint, the options, its structure, then
-    the checksums of the files it reads."""
+                 verify: bool, cast: Cast | None = None) -> tuple[Plan, Cast]:
+    """The output shards of checkpoint ``path`` and the dtype they are cast to (``cast``: the
+    caller's, export-hf's from the model it converts with; None: made from the checkpoint's model),
+    after every check that comes before a tensor is read: the kind of checkpoint, the options, its
+    structure, then the checksums of the files it reads."""
     if reason := layout.unfinished_save(path):  # found by review: exported as if whole
         raise CheckpointError(reason)
     state = TrainState.read(path) if layout.detect_format(path) == "shardtrain" else None
     if state is not None:
         # Its model entries are the adapters alone: a "model" file of them would load as nothing.
         refuse_adapters_only(path, state)
-    if dtype is not None and dtype not in DTYPES:
-        raise CheckpointError(f"--dtype {dtype!r} must be one of {', '.join(DTYPES)}")
+    written = written_dtype(dtype)
     # Another task's model, or one a factory in code built, has no model.* to read: cast whole
     # (asked of it, consolidate refused every such checkpoint, its only export: found by review)
-    cfg = state.model_config() if state is not None and state.built_from_model_config else None
-    cast = model_cast(cfg, DTYPES.get(dtype) if dtype else None)
+    if cast is None:
+        cfg = state.model_config() if state is not None and state.built_from_model_config else None
+        cast = model_cast(cfg, written)
     limit = parse_size(max_shard_size, "--max-shard-size") if max_shard_size else None
     plan = plan_shards(path, limit, cast, key)  # the structure first: cheap, and the precise message
     if verify:
@@ -259,12 +267,13 @@ def checked_plan(path: Path, max_shard_size: str | None, dtype: str | None, key:
 
 
 def shard_readers(checkpoint: str | Path, max_shard_size: str | None = None, dtype: str | None = None,
-                  key: str | None = None, verify: bool = True) -> list[Callable[[], dict[str, torch.Tensor]]]:
+                  key: str | None = None, verify: bool = True,
+                  cast: Cast | None = None) -> list[Callable[[], dict[str, torch.Tensor]]]:
     """The shards ``consolidate`` would write, each a function that reads its tensors (output names,
     cast) into memory when called: export-hf converts them as they come, with no consolidated copy
     on disk (it staged one, the model's size in free disk on top of the export)."""
     path = resolved(checkpoint)
-    plan, cast = checked_plan(path, max_shard_size, dtype, key, verify)
+    plan, cast = checked_plan(path, max_shard_size, dtype, key, verify, cast)
     return [partial(shard_tensors, path, entries, plan.metadata, cast) for entries in plan.shards]
 
 

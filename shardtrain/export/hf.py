@@ -15,6 +15,7 @@ import json
 import math
 import shutil
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from shardtrain.checkpoint.safetensors_files import (
     write_index,
 )
 from shardtrain.checkpoint.weights import model_config_of
-from shardtrain.config.plan import DTYPES, dtype_name
+from shardtrain.config.plan import dtype_name
 from shardtrain.config.schema import ModelConfig
 from shardtrain.config.sizes import parse_size
 from shardtrain.data.tokenizer import (
@@ -51,7 +52,7 @@ from shardtrain.data.tokenizer import (
     tokenizer_source,
 )
 from shardtrain.errors import CheckpointError
-from shardtrain.export.consolidate import Cast, model_cast, shard_readers
+from shardtrain.export.consolidate import Cast, shard_readers, written_dtype
 from shardtrain.generation.generate import shared_parameter_names
 from shardtrain.models.hf import HFCausalLM, stacks_experts
 from shardtrain.models.hf_directory import CONFIG_FILE, hf_name, model_directory
@@ -63,27 +64,46 @@ Converter = Callable[[str, torch.Tensor], "tuple[str, torch.Tensor] | None"]
 Layout = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
-def hf_model_converter(cfg: ModelConfig) -> tuple[Converter, Layout]:
-    """transformers' names, a tied weight once, under its first name (from_pretrained ties it); and
-    the stored layout of a shard's tensors under those names: transformers' renamings and its
-    stacking of experts reverted, as its save_pretrained writes (a MoE's experts one by one under the
+@dataclass(frozen=True)
+class Conversion:
+    """How a model's weights, under our names, become a Hugging Face directory's: ``convert`` renames
+    each (None: a tied weight's second name, dropped), ``cast`` gives its written dtype, ``layout``
+    gives a shard's tensors the stored layout. Made once an export: a ``model.name=hf`` model's is
+    read from the model built on the meta device (built four times an export before)."""
+
+    cfg: ModelConfig
+    cast: Cast
+    convert: Converter
+    layout: Layout
+
+
+def hf_conversion(cfg: ModelConfig, dtype: str | None = None) -> Conversion:
+    """The conversion of the model ``cfg`` describes, its floating-point weights written in ``dtype``
+    (``--dtype``; None: as stored). The built-in Llama goes through its state-dict adapter. A
+    Hugging Face model keeps transformers' names, a tied weight once, under its first name
+    (from_pretrained ties it), in the stored layout: transformers' renamings and its stacking of
+    experts reverted, as its save_pretrained writes (a MoE's experts one by one under the
     checkpoint's names: the stacked layout was transformers v5's in-memory one, which other readers
     of model directories do not know). Only what shardtrain reads back (``stacks_experts``): another
     conversion (a family's split convolutions, fused projections) is written as held in memory,
-    which transformers and shardtrain load, and a reverted merge could need tensors of two shards."""
+    which transformers and shardtrain load, and a reverted merge could need tensors of two shards.
+    What the family keeps in fp32 is written as stored (``HFCausalLM.kept_in_fp32``)."""
+    written = written_dtype(dtype)
+    if cfg.name != "hf":
+        return Conversion(cfg, Cast(written), lambda name, tensor: to_hf(name, tensor, cfg), dict)
     with torch.device("meta"):
         model = HFCausalLM(cfg)
     dropped = {name for names in shared_parameter_names(model) for name in names[1:]}
     model.hf._weight_conversions = [
-        conversion for conversion in get_model_conversion_mapping(model.hf, add_legacy=False)
-        if not isinstance(conversion, PrefixChange) and (
-            isinstance(conversion, WeightRenaming) or isinstance(conversion, WeightConverter)
-            and stacks_experts(conversion))]
+        rule for rule in get_model_conversion_mapping(model.hf, add_legacy=False)
+        if not isinstance(rule, PrefixChange) and (
+            isinstance(rule, WeightRenaming) or isinstance(rule, WeightConverter) and stacks_experts(rule))]
 
     def convert(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         return None if name in dropped else (hf_name(name), tensor)
 
-    return convert, lambda tensors: dict(revert_weight_conversion(model.hf, tensors))
+    return Conversion(cfg, Cast(written, model.kept_in_fp32(written)), convert,
+                      lambda tensors: dict(revert_weight_conversion(model.hf, tensors)))
 
 
 def write_hf_model_files(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> list[Path]:
@@ -132,14 +152,14 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
         model_directory(cfg)
     if cfg.name != "hf" or cfg.tokenizer != "auto":
         tokenizer_copies(cfg)
+    conversion = hf_conversion(cfg, dtype)
     # Streamed: each output shard's tensors read (from the checkpoint, or the file) when it is
     # written, renamed, permuted and cast tensor by tensor; one shard in memory, no staged copy.
     if src.is_file():
-        cast = model_cast(cfg, DTYPES[dtype] if dtype else None)
-        parts = [partial(read_part, src, names) for names in file_parts(src, max_shard_size, cast)]
+        parts = [partial(read_part, src, names) for names in file_parts(src, max_shard_size, conversion.cast)]
     else:
-        parts = shard_readers(src, max_shard_size, dtype, key, verify_checksums)
-    return write_hf_directory(cfg, out, parts, dtype, max_shard_size)
+        parts = shard_readers(src, max_shard_size, dtype, key, verify_checksums, conversion.cast)
+    return write_hf_directory(conversion, out, parts, max_shard_size)
 
 
 def shard_parts(sizes: dict[str, int], max_shard_size: str | None) -> list[list[str]]:
@@ -174,8 +194,9 @@ def read_part(path: Path, names: list[str] | None = None) -> dict[str, torch.Ten
         return {name: f.get_tensor(name) for name in (f.keys() if names is None else names)}
 
 
-def write_hf_directory(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[], dict[str, torch.Tensor]]],
-                       dtype: str | None = None, max_shard_size: str | None = None) -> list[Path]:
+def write_hf_directory(conversion: Conversion, out: Path,
+                       parts: Sequence[Callable[[], dict[str, torch.Tensor]]],
+                       max_shard_size: str | None = None) -> list[Path]:
     """The Hugging Face directory of a model whose weights, under our names, each of ``parts`` reads:
     one output shard per part, read only when written (one in memory), converted (renamed, permuted,
     cast) tensor by tensor. config.json comes last, so that a directory without it is unfinished to
@@ -185,19 +206,17 @@ def write_hf_directory(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[],
     out.mkdir(parents=True, exist_ok=True)  # new or without model files: its callers checked first
     before = set(out.iterdir())
     try:
-        return write_hf_files(cfg, out, parts, dtype, max_shard_size)
+        return write_hf_files(conversion, out, parts, max_shard_size)
     except BaseException:
         remove_written(out, set(out.iterdir()) - before, made)
         raise
 
 
 
-def write_hf_files(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[], dict[str, torch.Tensor]]],
-                   dtype: str | None, max_shard_size: str | None = None) -> list[Path]:
+def write_hf_files(conversion: Conversion, out: Path, parts: Sequence[Callable[[], dict[str, torch.Tensor]]],
+                   max_shard_size: str | None = None) -> list[Path]:
     """``write_hf_directory``'s files: the shards, the index, the tokenizer, config.json."""
-    convert, layout = hf_model_converter(cfg) if cfg.name == "hf" else (
-        lambda name, tensor: to_hf(name, tensor, cfg), dict)
-    cast = model_cast(cfg, DTYPES[dtype] if dtype else None)
+    cfg, cast = conversion.cfg, conversion.cast
     written: list[tuple[Path, list[str]]] = []  # each shard under a staging name, its tensors' names
     total = 0
     out_dtype = None
@@ -205,7 +224,7 @@ def write_hf_files(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[], dic
         part = read()
         tensors = {}
         for name in list(part):
-            converted = convert(name, part.pop(name))
+            converted = conversion.convert(name, part.pop(name))
             if converted is None:
                 continue
             hf_name, t = converted
@@ -214,7 +233,7 @@ def write_hf_files(cfg: ModelConfig, out: Path, parts: Sequence[Callable[[], dic
             if t.is_floating_point() and not cast.keeps(hf_name):
                 out_dtype = t.dtype
             tensors[hf_name] = t
-        stored = layout(tensors)
+        stored = conversion.layout(tensors)
         # A stacked tensor written one expert a tensor: its pieces split into shards of the limit
         # again, each copied out of the storage they share (safetensors refuses shared storage in
         # one file) only as its shard is written.

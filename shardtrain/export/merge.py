@@ -24,7 +24,7 @@ from torch import nn
 from shardtrain.checkpoint.safetensors_files import check_new_directory
 from shardtrain.config.schema import ModelConfig
 from shardtrain.distributed.sharded_model import parameters_on_meta
-from shardtrain.export.hf import shard_parts, write_hf_directory
+from shardtrain.export.hf import hf_conversion, shard_parts, write_hf_directory
 from shardtrain.export.peft import LoraCheckpoint, checkpoint_model
 from shardtrain.export.verify import (
     EXPORT_TOLERANCE,
@@ -74,7 +74,7 @@ def export_merged(checkpoint: str | Path, out_dir: str | Path, max_shard_size: s
     tensors = merged_weights(model)
     sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in tensors.items()}
     parts = [partial(select, tensors, names) for names in shard_parts(sizes, max_shard_size)]
-    return write_hf_directory(ckpt.model, Path(out_dir), parts, dtype, max_shard_size)
+    return write_hf_directory(hf_conversion(ckpt.model, dtype), Path(out_dir), parts, max_shard_size)
 
 
 @torch.no_grad()
@@ -87,14 +87,14 @@ def verify_merged_export(checkpoint: str | Path, out_dir: str | Path, tolerance:
     ckpt = LoraCheckpoint.read(checkpoint, verify_checksums)
     model = checkpoint_model(ckpt, nf4_base=True)
     tokens = check_tokens(model)
-    cast = written_cast(ckpt.model, out_dir)
+    with parameters_on_meta():
+        theirs = HFCausalLM(ModelConfig(name="hf", path=str(out_dir)))  # from_pretrained's model
+    cast = written_cast(theirs, out_dir)
     if cast.dtype != torch.float32:  # the reference the files can hold: merged, rounded as written
         merge_in_place(model)
         for name, param in merged_weights(model).items():
             param.copy_(param.to(cast.of(name, param.dtype)).float())
     want = model(tokens)
-    with parameters_on_meta():
-        theirs = HFCausalLM(ModelConfig(name="hf", path=str(out_dir)))  # from_pretrained's model
     read = export_reader(out_dir, theirs)
     got = streamed_forward(theirs, tokens, lambda names: read(names).float())
     return compare_logits(want, got, f"{out_dir} (merged) loaded by transformers", tolerance)

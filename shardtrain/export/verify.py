@@ -25,7 +25,7 @@ from shardtrain.checkpoint.weights import model_config_of
 from shardtrain.config.schema import ModelConfig
 from shardtrain.distributed.sharded_model import parameters_on_meta
 from shardtrain.errors import CheckpointError
-from shardtrain.export.consolidate import Cast, load_tensors, model_cast, plan_shards
+from shardtrain.export.consolidate import Cast, load_tensors, plan_shards
 from shardtrain.models.hf import ExpertPart, HFCausalLM
 from shardtrain.models.hf_directory import CONFIG_FILE, PREFIX
 from shardtrain.models.registry import build_model
@@ -47,10 +47,10 @@ def verify_export(checkpoint: str | Path, out_dir: str | Path,
     ``key``: the checkpoint's entry that was exported (``ema``: the weights' average)."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     cfg = model_config_of(checkpoint)
-    cast = written_cast(cfg, out_dir)
     with parameters_on_meta():
         ours = build_model(cfg)
         theirs = HFCausalLM(ModelConfig(name="hf", path=str(out_dir)))  # from_pretrained's model
+    cast = written_cast(theirs, out_dir)
     tokens = check_tokens(ours)
 
     def rounded(names: list[str]) -> torch.Tensor:
@@ -64,11 +64,11 @@ def verify_export(checkpoint: str | Path, out_dir: str | Path,
     return compare_logits(want, got, f"{out_dir} loaded by transformers", tolerance)
 
 
-def written_cast(cfg: ModelConfig, out_dir: Path) -> Cast:
-    """The cast the export of a model ``cfg`` describes into ``out_dir`` made: to the dtype its
-    config.json names, but for what the family keeps in fp32."""
+def written_cast(theirs: HFCausalLM, out_dir: Path) -> Cast:
+    """The cast the export into ``out_dir`` made: to the dtype its config.json names, but for what
+    the family of ``theirs`` (the model transformers builds from it) keeps in fp32."""
     written = getattr(torch, json.loads((out_dir / CONFIG_FILE).read_bytes())["torch_dtype"])
-    return model_cast(cfg, written)
+    return Cast(written, theirs.kept_in_fp32(written))
 
 
 def check_tokens(model: nn.Module) -> torch.Tensor:
