@@ -294,9 +294,30 @@ def test_export_round_trip(two_rank_runs, model_dirs, family, tmp_path):
         export_hf(moved, tmp_path / "bytes", max_shard_size="20KB")
         byte_level = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "bytes"))
         assert byte_level("def é").input_ids == list("def é".encode())
-        generation = os.path.join(model_dirs[family], "generation_config.json")  # the model's, kept
-        with open(generation, "rb") as model_file:
-            assert (tmp_path / "bytes" / "generation_config.json").read_bytes() == model_file.read()
+        # The model's sampling settings, with the run's tokenizer's special ids in place of the
+        # base's, which are another vocabulary's (found by review: generate stopped at whatever
+        # the base's end-of-text id is among bytes). The byte tokenizer has none.
+        with open(os.path.join(model_dirs[family], "generation_config.json"), "rb") as model_file:
+            base = json.loads(model_file.read())
+        written = json.loads((tmp_path / "bytes" / "generation_config.json").read_text())
+        ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+        assert base["eos_token_id"] is not None and written == base | ids
+        config = json.loads((tmp_path / "bytes" / "config.json").read_text())
+        assert {key: config[key] for key in ids} == ids
+        # A tokenizer of its own directory: its end of text, and the end of turn its directory's
+        # generation_config.json adds, are the stop ids the run generated with
+        own = tmp_path / "own-tokenizer"
+        own.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(os.path.join(model_dirs[family], name), own / name)
+        (own / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+        state["config"]["model"]["tokenizer"] = str(own)
+        (moved / "trainer_state.json").write_text(json.dumps(state))
+        export_hf(moved, tmp_path / "own", max_shard_size="20KB")
+        eos = transformers.AutoTokenizer.from_pretrained(str(own)).eos_token_id
+        written = json.loads((tmp_path / "own" / "generation_config.json").read_text())
+        assert written["eos_token_id"] == sorted({eos, 7})
+        assert json.loads((tmp_path / "own" / "config.json").read_text())["eos_token_id"] == eos
     if family != "gpt_neox":
         return
     # The self-check fails loudly when the written weights do not reproduce the model.

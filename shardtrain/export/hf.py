@@ -108,7 +108,10 @@ def hf_conversion(cfg: ModelConfig, dtype: str | None = None) -> Conversion:
 
 def write_hf_model_files(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> list[Path]:
     """The run's tokenizer (the model directory's, or the one ``model.tokenizer`` put in its place),
-    then the model directory's config.json (with the written dtype), last."""
+    then the model directory's config.json (with the written dtype), last. A replaced tokenizer's
+    special ids go into config.json and generation_config.json in the base's place: the base's are
+    ids of another vocabulary, another token in this one (found by review: transformers' generate
+    stopped at whatever the base's end-of-text id now encodes, or ran past the run's)."""
     source = model_directory(cfg)
     config = json.loads((source / CONFIG_FILE).read_bytes())
     config["torch_dtype"] = config["dtype"] = dtype_name(dtype)
@@ -116,12 +119,31 @@ def write_hf_model_files(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> lis
         files = copy_files(tokenizer_files_in(source), out)
     else:  # the base model's would encode text into other ids than the run trained on
         files = write_tokenizer_files(cfg, out, config.get("max_position_embeddings", cfg.max_seq_len))
-        # The sampling defaults and stop ids are the model's, not those beside the tokenizer.
+        tokenizer = load_tokenizer(tokenizer_source(cfg))
+        ids = {"bos_token_id": getattr(tokenizer, "bos_id", None), "pad_token_id": None}
+        config |= ids | {"eos_token_id": tokenizer.eos_id}
+        # The sampling defaults are the model's; the stop ids the run's (its end of text, and the
+        # end of turn a generation_config.json beside its tokenizer names).
         if (generation := source / GENERATION_CONFIG_FILE).is_file():
-            shutil.copyfile(generation, out / GENERATION_CONFIG_FILE)
+            stops = sorted(tokenizer.stop_ids)
+            settings = model_settings(generation) | ids | {
+                "eos_token_id": stops[0] if len(stops) == 1 else stops or None}
+            (out / GENERATION_CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
             files = sorted({*files, out / GENERATION_CONFIG_FILE})
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return files + [out / CONFIG_FILE]
+
+
+def model_settings(file: Path) -> dict:
+    """The settings a JSON file of the model's directory holds, one line where it does not parse."""
+    try:
+        settings = json.loads(file.read_bytes())
+    except ValueError as exc:
+        raise CheckpointError(f"{file} is not readable JSON ({exc}); mend it, or remove it") from exc
+    if not isinstance(settings, dict):
+        raise CheckpointError(f"{file} holds a {type(settings).__name__}, not settings; mend it, or "
+                              "remove it")
+    return settings
 
 
 def tokenizer_files_in(directory: Path) -> dict[str, Path]:
