@@ -191,7 +191,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     from shardtrain.errors import ConfigError
 
     if args.prompts_file:
-        path = Path(args.prompts_file)
+        path = Path(args.prompts_file).expanduser()
         if path.is_dir():
             raise ConfigError(f"--prompts-file {str(path)!r} is a directory; name a text file, one prompt "
                               "a line")
@@ -225,7 +225,7 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     check_ranges(args, GENERATE_RANGES)  # argument errors surface here, before any process starts
     normalize_strategy_name(args.strategy, given_as="--strategy ")
     prompts = read_prompts(args)
-    check_exists(args.checkpoint)
+    args.checkpoint = check_exists(args.checkpoint)
     from shardtrain.generation.inference import check_processes_for
 
     check_processes_for(Path(args.checkpoint), args.devices)  # before N processes start for nothing
@@ -336,9 +336,9 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
 
     check_ranges(args, EVAL_RANGES)  # argument errors surface here, before any process starts
     normalize_strategy_name(args.strategy, given_as="--strategy ")
-    check_exists(args.checkpoint)
+    args.checkpoint = check_exists(args.checkpoint)
     if args.file and not any(ch in args.file for ch in "*?["):  # a glob pattern is matched later
-        check_exists(args.file, "--file")
+        args.file = check_exists(args.file, "--file")
     from shardtrain.generation.inference import check_processes_for
 
     check_processes_for(Path(args.checkpoint), args.devices)  # before N processes start for nothing
@@ -667,7 +667,7 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    check_exists(args.path)
+    args.path = check_exists(args.path)
     from shardtrain.checkpoint.inspect import inspect_path
 
     report = inspect_path(args.path)

@@ -12,10 +12,13 @@ from pathlib import Path
 from shardtrain.errors import ConfigError, first_line, os_error_code
 
 
-def check_exists(path: str, what: str = "") -> None:
-    """A path a command reads; ``what`` names it in the message ("checkpoint", "--file")."""
-    if not Path(path).exists():
+def check_exists(path: str, what: str = "") -> str:
+    """A path a command reads, with a quoted ``~`` expanded (the path then read; found by review: it
+    was refused as missing); ``what`` names it in the message ("checkpoint", "--file")."""
+    expanded = os.path.expanduser(path)
+    if not Path(expanded).exists():
         raise ConfigError(f"{what + ' ' if what else ''}{path!r} does not exist")
+    return expanded
 
 
 def check_writable(path: Path, what: str) -> None:
