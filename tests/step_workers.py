@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import traceback
@@ -13,7 +14,9 @@ from equivalence import case_config, small_corpus
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtrain.data.batches import IGNORE_INDEX
+from shardtrain.errors import TrainingError
 from shardtrain.tasks.language_model import LanguageModelTask
+from shardtrain.tasks.task import LossOutput, Task
 from shardtrain.train.loop import Trainer
 from shardtrain.train.step import train_step
 
@@ -58,6 +61,21 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class NegativeOnFirstRank(Task):
+    """The language model's loss, its first micro-batch's count below 0 on rank 0 only (no count()
+    ahead: the counts the loss returns are the step's divisor)."""
+
+    def __init__(self, task: Task) -> None:
+        super().__init__()
+        self.task = task
+
+    def loss(self, model, batch) -> LossOutput:
+        out = self.task.loss(model, batch)
+        first = self.__dict__.setdefault("calls", 0) == 0
+        self.calls += 1
+        return dataclasses.replace(out, count=-1) if first and dist.get_rank() == 0 else out
+
+
 def agreement_and_empty_steps(out: str) -> None:
     """One rank asks to stop: every rank's step says so. A step without targets is skipped on all."""
     world = int(os.environ["WORLD_SIZE"])
@@ -90,7 +108,17 @@ def agreement_and_empty_steps(out: str) -> None:
     before = [p.detach().to_local().clone() for p in b.model.parameters()]
     skipped = step(empty)
     unchanged = all(torch.equal(p.detach().to_local(), was) for p, was in zip(b.model.parameters(), before))
+    # one micro-batch's count below 0, hidden in a positive total: refused on every rank, no update
+    try:
+        train_step(b.model, NegativeOnFirstRank(trainer.task), b.optimizer, b.scheduler,
+                   trainer.train_data.next_step(), b.mesh, 1.0, device, metric_kinds=signalled.metric_kinds)
+        negative = "trained"
+    except TrainingError as exc:
+        negative = str(exc)
+    negative_unchanged = all(torch.equal(p.detach().to_local(), was)
+                             for p, was in zip(b.model.parameters(), before))
     Path(out, f"rank{rank}.json").write_text(json.dumps(
         {"signalled": signalled.stop_agreed, "quiet": quiet.stop_agreed,
          "empty": {"skipped": skipped.skipped, "count": skipped.count, "unchanged": unchanged},
-         "host_reads": counter.reads, "host_resident_reads": counter.host_resident}))
+         "host_reads": counter.reads, "host_resident_reads": counter.host_resident,
+         "negative": negative, "negative_unchanged": negative_unchanged}))

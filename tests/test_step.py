@@ -44,6 +44,10 @@ def test_one_ranks_stop_request_reaches_all_and_empty_steps_are_skipped_everywhe
         # one in each micro-batch's forward where the embedding exchanges rows: its split sizes
         assert result["host_reads"] == ["tolist", "optimizer.step", "tolist"], (rank, result["host_reads"])
         assert result["host_resident_reads"] > 0  # the filter above saw what it filters
+        # a micro-batch's count below 0 in a positive total divided the step by a wrong count (review)
+        assert result["negative"].startswith("NegativeOnFirstRank.loss returned a count below 0 in 1 "
+                                             "micro-batch(es) of the step, their total "), result["negative"]
+        assert result["negative_unchanged"] is True
 
 
 class TokenCounting(Task):

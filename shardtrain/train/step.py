@@ -420,6 +420,9 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
 
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     returned_count = torch.zeros((), dtype=torch.float64, device=device)
+    # micro-batches whose own count is below 0: hidden in a positive total, they divided the step
+    # by a wrong count without a word (found by review); summed with the rest, no read of its own
+    negative_counts = torch.zeros((), dtype=torch.float64, device=device)
     metrics = MetricSums(device, metric_kinds)
     rank = dist.get_rank()
     if phases is not None:
@@ -437,7 +440,9 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
         if phases is not None:
             phases.mark("backward")
         loss_sum += loss.detach()
-        returned_count += as_scalar(out.count, device)
+        batch_count = as_scalar(out.count, device)
+        returned_count += batch_count
+        negative_counts += batch_count < 0
         metrics.add(out.metrics)
     if metric_kinds is None:
         check_same_on_every_rank("the task's metrics (name, has its own count)", metrics.kinds)
@@ -453,7 +458,8 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
     flags = [float(asked()) if asked is not None else 0.0 for asked in (stop_requested, save_in_flight)]
     host_values = [torch.full((), value, dtype=torch.float64, device=device) for value in (*flags, flops)]
     summed = global_sum_tensor(torch.stack(
-        [loss_sum.double(), *host_values[:2], returned_count, host_values[2], *metrics.vector()]), copies)
+        [loss_sum.double(), *host_values[:2], returned_count, host_values[2], negative_counts,
+         *metrics.vector()]), copies)
     on_device = skips_on_device(optimizer)
     if on_device:
         # The skip decision stays on the device (the same on every rank: both are global), so the
@@ -461,14 +467,19 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
         if grad_clip_norm > 0:
             clip_grads_(params, scale)  # a factor of exactly 1 changes nothing
         # (a negative count too, which would step up the loss: refused below, after no update)
-        step_unless(optimizer, ~(torch.isfinite(grad_norm) & torch.isfinite(summed[0]) & (global_count >= 0)))
+        step_unless(optimizer, ~(torch.isfinite(grad_norm) & torch.isfinite(summed[0]) & (global_count >= 0)
+                                 & (summed[5] == 0)))
     # The step's one host synchronisation: what the skip decision and the log need, in one transfer
     # (after the update where the optimizer skips on the device, else before it).
     values = torch.cat([torch.stack([grad_norm.double(), scale.double(), global_count]), summed]).tolist()
-    norm_value, scale_value, count, loss_value, stops, saving, returned, flops_value, *metric_values = values
+    (norm_value, scale_value, count, loss_value, stops, saving, returned, flops_value, negatives,
+     *metric_values) = values
     metrics.raise_if_changed(metric_values)
     if count < 0:
         raise TrainingError(negative_count(task, "loss returned counts summing over the step to", count))
+    if negatives:
+        what = f"loss returned a count below 0 in {negatives:g} micro-batch(es) of the step, their total"
+        raise TrainingError(negative_count(task, what, count))
     if count == 0:
         # Nothing to learn from on any rank (a global batch of prompts alone: records longer than
         # the windows). Skipped as a non-finite step is, its data consumed: it raised, and a resume
