@@ -15,6 +15,7 @@ import numpy as np
 import torch.distributed as dist
 
 from shardtrain.config.schema import Config, DataConfig
+from shardtrain.data import corpus
 from shardtrain.data.corpus import load_corpus
 from shardtrain.data.prepare import FORMAT, MANIFEST, VERSION
 from shardtrain.errors import DataError
@@ -94,6 +95,9 @@ def check_one_rank_walks(inputs: str, out: str) -> None:
     same tokens, and an input error found by the preparing rank is every rank's error."""
     world, rank = dist.get_world_size(), dist.get_rank()
     sys.addaudithook(count_walks)
+    checked = []  # the shard files' check of a cached copy: the first rank of a host's (review)
+    check_files = corpus.damaged_files
+    corpus.damaged_files = lambda *args: checked.append(1) or check_files(*args)
     walks["root"] = str(Path(inputs).resolve())
     for case, caches in (("shared", ["cache-shared"] * world),
                          ("per node", [f"cache-node{r * 2 // world}" for r in range(world)]),
@@ -108,6 +112,9 @@ def check_one_rank_walks(inputs: str, out: str) -> None:
         first_of_cache = [caches.index(cache) == r for r, cache in enumerate(caches)]
         assert [count > 0 for count in reads] == first_of_cache, (case, reads)
         assert len({digest for _, digest in seen}) == 1, case
+        if case == "shared":  # one host's ranks (LOCAL_RANK their rank): rank 0 prepared, none checks
+            assert not checked, (rank, checked)
+    corpus.damaged_files = check_files
     walks["root"] = ""
     # Bad inputs found by the preparing rank stop every rank with its line (none waits forever).
     message = "no error"
