@@ -35,6 +35,7 @@ from shardtrain.models.dims import Dims
 from shardtrain.models.lora import add_adapters
 from shardtrain.models.param_groups import no_decay_names
 from shardtrain.models.registry import build_model
+from shardtrain.tasks.language_model import output_head
 from shardtrain.tasks.losses import chunk_tokens_for
 
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, in the parameters' storage dtype
@@ -194,12 +195,16 @@ def rms_norm_saved(dim: int, compute: int, lean: bool) -> int:
 
 
 def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torch.dtype,
-                     plan: ShardingPlan, last_adapted: bool | None = None) -> ActivationModel:
+                     plan: ShardingPlan, last_adapted: bool | None = None,
+                     head: str = "linear") -> ActivationModel:
     """What autograd keeps for the built-in Llama (counted tensor by tensor in
     docs/memory-planner.md; SDPA keeps q, k, v, its output and a log-sum-exp, no score matrix).
     Hugging Face models of the same layout (Llama, Qwen2, Mistral) keep what autograd's plain
     norms, SwiGLU and attention keep (the built-in Llama's lean layers keep less); other layouts
-    (GPT-NeoX's LayerNorm and GELU MLP) are estimated as if they had Llama's."""
+    (GPT-NeoX's LayerNorm and GELU MLP) are estimated as if they had Llama's. ``head``: how the loss
+    gets the logits (``logits_path``): "linear" (a head it may apply chunk by chunk), "whole" (the
+    model's logits, all at once) or "transformed" (those, after one more element-wise map: Gemma 2's
+    soft-cap keeps its tanh's output)."""
     tokens = micro_batch * cfg.trainer.seq_len
     b = compute_dtype.itemsize
     builtin = cfg.model.name == "llama"
@@ -257,7 +262,9 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     if m.eager_attention:  # the softmax's fp32 gradient, as large as its scores (plan --simulate)
         block_backward += tokens * 4 * m.n_heads * cfg.trainer.seq_len // tp
     # Under tp the loss is never chunked: it runs on the vocabulary-split logits (loss_parallel).
-    chunk = min(chunk_tokens_for(cfg.trainer.loss_chunk_tokens, m.vocab_size), tokens) if tp == 1 else 0
+    # Nor where the model gives its logits only whole (tasks/language_model.py's loss_choice).
+    chunked = tp == 1 and head == "linear"
+    chunk = min(chunk_tokens_for(cfg.trainer.loss_chunk_tokens, m.vocab_size), tokens) if chunked else 0
     if chunk > 0:  # tasks/losses.py: one chunk's fp32 logits (and their compute-dtype copy) at a time
         head_weight_grad = b * m.vocab_size * m.dim
         head_saved = tokens * (rms_norm_saved(m.dim, b, lean) + b * m.dim) + head_weight_grad
@@ -267,6 +274,8 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
         # more fp32 tensor of their size than the fused kernel does.
         head_weight_grad = 0  # computed in backward, reduced with the head unit
         head_saved = tokens * (norm + 4 * m.vocab_size // tp)
+        if head == "transformed":
+            head_saved += tokens * b * m.vocab_size // tp
         head_backward = tokens * (8 if tp == 1 else 12) * m.vocab_size // tp
     selective_mode = plan.activation_checkpointing == "selective"
     # the kept outputs autograd does not save itself: wo's or w2's, and k or q before RoPE
@@ -286,6 +295,16 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
         chunked_loss=chunk > 0,
         head_weight_grad=head_weight_grad,
     )
+
+
+def logits_path(model: nn.Module) -> str:
+    """How the language-model loss gets ``model``'s logits, for ``activation_model``'s ``head``:
+    without an output head it may apply (``output_head``), from the model's whole logits, which
+    the planner counted as one chunk's (found by review: Gemma 2 at a 32k vocabulary planned 0.5
+    GiB where the step held 2.1, and an auto micro-batch did not fit)."""
+    if output_head(model) is not None:
+        return "linear"
+    return "transformed" if getattr(model, "head_transform", None) else "whole"
 
 
 def plan_splits_blocks(model: nn.Module, styles: dict[str, ParallelStyle]) -> bool:
@@ -436,7 +455,7 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     checkpoint_all = plan.activation_checkpointing != "none"
     blocks = model_blocks(model)
     act = activation_model(cfg, model.dims, cfg.trainer.micro_batch_size, plan.param_dtype, plan,
-                           last_projection_adapted(blocks[0]) if blocks else None)
+                           last_projection_adapted(blocks[0]) if blocks else None, logits_path(model))
     if cfg.model.name == "hf" and blocks:
         # A Hugging Face family's blocks keep what its code keeps: measured, not the Llama formula.
         kept = kept_by_block(cfg.model, cfg.trainer.seq_len, plan.param_dtype, cfg.data.document_mask)
