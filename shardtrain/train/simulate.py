@@ -73,6 +73,9 @@ OTHER_BLOCKS = "other blocks"  # never above the end blocks: affine in the block
 # Categories of FSDPMemTracker's snapshots, grouped the way the planner reports them.
 ACTIVATION_KINDS = ("Activation", "Temp")
 GATHERED_KINDS = ("Unsharded Param", "All Gather", "Reduce Scatter", "Unsharded Grad")
+# What strategy.cpu_offload keeps in host memory on an accelerator (FSDP2's CPUOffloadPolicy).
+OFFLOADED_KINDS = tuple(kind.value for kind in (_FSDPRefType.SHARDED_PARAM, _FSDPRefType.SHARDED_GRAD,
+                                                _FSDPRefType.OPT))
 
 
 class PhasePeakTracker(FSDPMemTracker):
@@ -324,13 +327,26 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int, task: T
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             held = state_bytes(model, optimizer)
+    # The fake step runs on "cpu", where CPUOffloadPolicy moves nothing: on the accelerator it plans
+    # for, the sharded states are host memory (found by review: the peak counted them, and said
+    # "no" where the planner, which moves them, said it fits). Each phase's peak less them, at the
+    # moment of the phase's peak with them (through a phase they change only by the gradients made).
+    phases = {name: on_device(kinds) for name, kinds in tracker.peaks.items()} if plan.cpu_offload \
+        else tracker.peaks
     return Simulation(
         strategy=plan.strategy, world_size=world_size, mesh=plan.mesh_shape,
         activation_checkpointing=cfg.strategy.activation_checkpointing, layers=len(blocks),
-        params=held.params, grads=grads, optimizer=held.optimizer, phases=tracker.peaks,
+        params=held.params, grads=grads, optimizer=held.optimizer, phases=phases,
         activation_peaks=tracker.activation_peaks,
         seconds=time.perf_counter() - started, tensor_parallel=plan.tensor_parallel,
     )
+
+
+def on_device(kinds: dict[str, int]) -> dict[str, int]:
+    """A phase's bytes by category without those ``strategy.cpu_offload`` holds in host memory."""
+    host = sum(kinds.get(kind, 0) for kind in OFFLOADED_KINDS)
+    return {kind: 0 if kind in OFFLOADED_KINDS else value for kind, value in kinds.items()} | {
+        "Total": kinds["Total"] - host}
 
 
 def _extrapolate(probes: list[Simulation], layers: int) -> Simulation:
