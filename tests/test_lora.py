@@ -637,6 +637,12 @@ def test_planner_counts_a_qlora_base_in_nf4():
     assert lora.params - qlora.params == quantized * 4 - nf4_bytes(quantized)
     assert nf4_bytes(quantized) == quantized // 2 + quantized // 64 + 4 * (quantized // 16384)
     assert (lora.grads, lora.optimizer) == (qlora.grads, qlora.optimizer)
+    # FSDP2 gathers them as NF4 too (torchao's fsdp_pre_all_gather): SHARD_GRAD_OP, which keeps every
+    # unit gathered, holds them in NF4, not bf16 (found by review: counted in bf16, 2x high)
+    whole = [m.weight.numel() for _, m in quantized_linears(planned_model(qlora_cfg))]
+    lora, qlora = (estimate(cfg, planned_model(cfg), "SHARD_GRAD_OP", 8, 8) for cfg in (lora_cfg, qlora_cfg))
+    in_bf16, in_nf4 = sum(whole) * 2, sum(map(nf4_bytes, whole))
+    assert lora.gathered - qlora.gathered == pytest.approx(in_bf16 - in_nf4, rel=1e-4)
     # The simulator would run the base in fp32 (NF4 needs real weights): refused, not misreported.
     with pytest.raises(ConfigError, match="the simulator cannot run finetune=qlora"):
         simulate(qlora_cfg, 8, 8)

@@ -8,6 +8,7 @@ buffers are estimates. Formulas and sources: docs/memory-planner.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from fnmatch import fnmatch
 
@@ -367,20 +368,25 @@ def float8_block_params(model: nn.Module) -> int:
 
 
 def unit_param_counts(model: nn.Module, shapes: dict[int, tuple[int, ...]] | None = None,
-                      trainable: bool = False, shard_group: int = 1) -> tuple[list[int], list[int]]:
+                      trainable: bool = False, shard_group: int = 1,
+                      gathered: Callable[[nn.Parameter, int], int] | None = None,
+                      ) -> tuple[list[int], list[int]]:
     """Elements of each FSDP unit's all-gather (and reduce-scatter) buffer: (every block, the
     model's extra groups (embeddings, head)); either may be empty. ``shapes``: as
     ``adamw_foreach_temporary``'s (a unit's tp shard). ``trainable``: only those with gradients
     (FSDP2 reduce-scatters those). FSDP2 pads each parameter's dim 0 to a multiple of the
     ``shard_group``: a LoRA A of rank 16 at 1,024 ranks takes 64 times its size there (counted
-    unpadded, the planner's peak was 17% low for Llama 3.2 1B with LoRA at 1,024 ranks)."""
+    unpadded, the planner's peak was 17% low for Llama 3.2 1B with LoRA at 1,024 ranks).
+    ``gathered(param, elements)``: what a parameter of that many (padded) elements counts as
+    (``gathered_elements``)."""
     def padded(shape: tuple[int, ...]) -> int:
         rows = -(-shape[0] // shard_group) * shard_group if shape else 1
         return rows * math.prod(shape[1:])
 
     def count(params) -> int:
         unique = {id(p): p for p in params}  # a tied weight is one parameter, gathered once
-        return sum(padded(tuple(shapes[id(p)]) if shapes else tuple(p.shape))
+        counted = gathered or (lambda param, elements: elements)
+        return sum(counted(p, padded(tuple(shapes[id(p)]) if shapes else tuple(p.shape)))
                    for p in unique.values() if p.requires_grad or not trainable)
 
     blocks = [count(blk.parameters()) for blk in model_blocks(model)]
@@ -420,7 +426,6 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     # Under tensor parallelism FSDP shards each tp shard (2-D/3-D DTensors): rank 0's of both.
     styles = tensor_parallel_styles(model, plan)
     local_shapes = tensor_parallel_shapes(model, plan.tensor_parallel, styles)
-    shapes = list(local_shapes.values())
     # Gradients and optimizer state: the trainable parameters' only (finetune=lora: the adapters).
     trainable = [local_shapes[id(p)] for p in model.parameters() if p.requires_grad]
     # finetune=qlora: the frozen linears but the head hold NF4 (distributed/qlora.py).
@@ -444,7 +449,17 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         # device holds the gathered units, the collective buffers and the step's tensors only. On a
         # CPU the device is the host: they stay in its peak.
         host, params, grads, optim = params + grads + optim, 0, 0, 0
-    total_params = sum(math.prod(s) for s in shapes)
+    compute, reduce = plan.param_dtype.itemsize, plan.reduce_dtype.itemsize
+
+    def gathered_elements(param: nn.Parameter, elements: int) -> int:
+        """A parameter's elements in its unit's all-gather, in compute-dtype elements: QLoRA's NF4
+        weights are gathered as NF4 (torchao's fsdp_pre_all_gather hands FSDP2 the 4-bit values
+        and their scales), counted in the compute dtype the planner was 2x high under SHARD_GRAD_OP
+        and NO_SHARD (found by review)."""
+        return -(-nf4_bytes(elements) // compute) if id(param) in nf4 else elements
+
+    total_params = sum(gathered_elements(p, math.prod(local_shapes[id(p)]))
+                       for p in {id(p): p for p in model.parameters()}.values())
     accumulation = 0
     accumulating = cfg.trainer.grad_accum_steps > 1
     if plan.grad_accumulation == "unsharded" and accumulating and plan.shard_group > 1:
@@ -466,7 +481,8 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
                     for bytes_kept in kept]
         if kept is not None:
             act = with_blocks_measured(act, kept, cfg.trainer.micro_batch_size, plan)
-    blocks, groups = unit_param_counts(model, local_shapes, shard_group=plan.shard_group)
+    blocks, groups = unit_param_counts(model, local_shapes, shard_group=plan.shard_group,
+                                       gathered=gathered_elements)
     layers = len(blocks)
     saved = act.saved_blocks if layers else []
     # Without blocks or groups the root is the one unit.
@@ -478,7 +494,6 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     total_trainable = sum(math.prod(s) for s in trainable)
     block_reduced = max(trainable_blocks, default=total_trainable)
     head_reduced = trainable_groups[-1] if trainable_groups else total_trainable
-    compute, reduce = plan.param_dtype.itemsize, plan.reduce_dtype.itemsize
     # strategy.float8: a block's converted linears are gathered in float8, one byte a parameter,
     # where they are sharded (a linear's cast of its weight is freed when its matmul has run).
     float8_saved = float8_block_params(model) * (compute - 1) if plan.gathers_float8 else 0
