@@ -1140,6 +1140,19 @@ def test_a_mixture_draws_each_dataset_by_its_weight(tmp_path):
     mixture = load_corpus(DataConfig(source="prepared", paths=[paths[0], str(damaged)]))
     with pytest.raises(DataError, match=f"{re.escape(str(damaged))}: val/docs-00000.npy is not a readable"):
         mixture.val_windows(16, packing="records")  # whole records: the starts read at once
+    # Datasets of two token dtypes (an older uint32 one beside a uint16 one): their joined validation
+    # stream reads each shard in its own (found by review: read as the first's, its manifest blamed)
+    wide = shutil.copytree(tmp_path / "pb", tmp_path / "pb-uint32")
+    for shard in wide.glob("*/tokens-*.npy"):
+        np.save(shard, np.load(shard).astype(np.uint32))
+    manifest = json.loads((wide / "manifest.json").read_text())
+    (wide / "manifest.json").write_text(json.dumps(manifest | {"dtype": "uint32"}))
+    from shardtrain.data.prepared import TokenStream
+
+    narrow, wide = open_prepared(tmp_path / "pa").val, open_prepared(wide).val
+    joined = TokenStream.concat([narrow, wide])
+    assert joined.dtype == np.uint32
+    assert np.array_equal(np.asarray(joined), np.concatenate([np.asarray(narrow), np.asarray(wide)]))
 
 
 def save_tokenizer(tokenizer: tokenizers.Tokenizer, directory) -> HFTokenizer:

@@ -147,6 +147,7 @@ class Shard:
     mask_file: str | None  # fine-tuning shards only; None: every token is a target
     tokens: int
     documents: int
+    dtype: np.dtype  # its dataset's token dtype: a mixture's datasets may hold others
 
 
 class TokenStream:
@@ -156,16 +157,20 @@ class TokenStream:
     def __init__(self, directory: DatasetDirectory, entry: dict, dtype: np.dtype,
                  vocab_size: int | None = None) -> None:
         self.shards = [Shard(directory, shard["tokens_file"], shard["docs_file"], shard.get("mask_file"),
-                             int(shard["tokens"]), int(shard["documents"])) for shard in entry["shards"]]
+                             int(shard["tokens"]), int(shard["documents"]), np.dtype(dtype))
+                       for shard in entry["shards"]]
         self.documents = int(entry["documents"])
         self.vocab_size = vocab_size  # the tokenizer's: no id read may reach it (a damaged shard)
-        self._index(dtype)
+        self._index()
 
-    def _index(self, dtype: np.dtype) -> None:
+    def _index(self) -> None:
         sizes = [shard.tokens for shard in self.shards]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.has_masks = any(shard.mask_file is not None for shard in self.shards)
-        self.dtype = dtype if self.shards else np.dtype(np.uint16)
+        # The widest of its shards' (a mixture of uint16 and uint32 datasets read the uint32 one's
+        # files as uint16, and blamed its manifest: found by review).
+        dtypes = [shard.dtype for shard in self.shards]
+        self.dtype = np.result_type(*dtypes) if dtypes else np.dtype(np.uint16)
 
     @classmethod
     def concat(cls, streams: list[TokenStream]) -> TokenStream:
@@ -175,7 +180,7 @@ class TokenStream:
         joined.documents = sum(s.documents for s in streams)
         sizes = [s.vocab_size for s in streams if s.vocab_size is not None]
         joined.vocab_size = max(sizes) if sizes else None
-        joined._index(next((s.dtype for s in streams if s.shards), np.dtype(np.uint16)))
+        joined._index()
         return joined
 
     def __len__(self) -> int:
@@ -204,7 +209,7 @@ class TokenStream:
 
     def _tokens(self, number: int) -> np.ndarray:
         shard = self.shards[number]
-        return SHARD_MAPS.get(shard.directory, shard.tokens_file, self.dtype, shard.tokens)
+        return SHARD_MAPS.get(shard.directory, shard.tokens_file, shard.dtype, shard.tokens)
 
     def _mask(self, number: int) -> np.ndarray | None:
         shard = self.shards[number]
