@@ -1258,6 +1258,12 @@ def test_a_record_with_text_and_fine_tuning_fields_is_said_once(tmp_path):
     assert len(said) == 1, done.stderr
     assert f"{source}:1: a record with both 'text' and fine-tuning fields is read as its 'text', every " \
         "token a target" in said[0], done.stderr
+    # A null text is a missing one: the record is its chat (found by review: an empty document)
+    from shardtrain.data.documents import document_of, is_text_and_fine_tuning
+
+    assert document_of({**chat, "text": None}, "text", "x") == chat
+    assert not is_text_and_fine_tuning({**chat, "text": None}, "text")
+    assert document_of({"text": None}, "text", "x") == b""
 
 
 def test_token_ids_past_the_model_are_refused_at_the_build(tmp_path):

@@ -505,13 +505,15 @@ def has_fine_tuning_keys(record: dict) -> bool:
 
 
 def is_text_and_fine_tuning(record: object, field: str) -> bool:
-    return isinstance(record, dict) and field in record and has_fine_tuning_keys(record)
+    return isinstance(record, dict) and record.get(field) is not None and has_fine_tuning_keys(record)
 
 
 def document_of(record: object, field: str, where: str) -> Document:
     """A JSON record: its text field, else a fine-tuning record (``messages``, or ``prompt`` and
-    ``completion``)."""
-    if isinstance(record, dict) and field not in record and has_fine_tuning_keys(record):
+    ``completion``). A null text is a missing one (a table's rows of either kind written as JSON
+    Lines give each the other's fields as nulls: its fine-tuning record was an empty document,
+    found by review)."""
+    if isinstance(record, dict) and record.get(field) is None and has_fine_tuning_keys(record):
         return fine_tuning_record(record, where)
     return utf8(text_of(record, field, where))
 
