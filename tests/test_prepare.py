@@ -801,6 +801,11 @@ def test_parquet_and_arrow_rows_are_read_a_batch_at_a_time(tmp_path, monkeypatch
                                                    for i, t in enumerate(texts)]
     with pytest.raises(DataError, match=r"no column 'body' \(columns: text\)"):
         list(documents(Source(tmp_path / "saved", "saved"), "body"))
+    # a Parquet file of no rows names its columns too (found by review: "no documents")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    with pytest.raises(DataError, match=r"no column 'body' \(columns: text\)"):
+        list(documents(Source(tmp_path / "empty.parquet", "empty.parquet"), "body"))
+    assert list(documents(Source(tmp_path / "empty.parquet", "empty.parquet"), "text")) == []
 
 
 def test_a_null_text_is_an_empty_document_in_every_format(tmp_path):

@@ -641,6 +641,8 @@ def parquet_tables(path: Path, field: str) -> Iterator[pa.RecordBatch]:
         names = set(reader.schema_arrow.names)
         columns = ([field] if field in names else
                    fine_tuning_columns(names) if has_fine_tuning_keys(names) else None)
+        if columns is None:  # its columns named before any row is read, also where it has none
+            yield reader.schema_arrow.empty_table()  # (zero rows said "no documents": found by review)
         yield from reader.iter_batches(batch_size=TABLE_ROWS, columns=columns)
     except (OSError, pa.ArrowException) as exc:
         raise DataError(f"{path}: not a readable Parquet file ({exc})") from exc
