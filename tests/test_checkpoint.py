@@ -714,14 +714,19 @@ def test_abandoned_saves_and_deletions_are_removed(tmp_path):
     assert layout.remove_abandoned(tmp_path / "none") == []
     # A pruned checkpoint's .deleting (a preempted run's exit leaves it) goes to the background
     # deleter, while training goes on: every rank waited for its deletion at start-up (found by
-    # review); a .tmp goes at once (a save of its step writes there)
-    for name in (".step-10.deleting", ".step-12.tmp"):
+    # review), and so does a .tmp, renamed first (a save of its step writes there; its deletion was
+    # every rank's wait too); beside a .tmp.deleting of its own (a crash between), deleted at once
+    for name in (".step-10.deleting", ".step-12.tmp", ".step-14.tmp", ".step-14.tmp.deleting"):
         (tmp_path / name).mkdir()
     handed: list[Path] = []
     assert layout.remove_abandoned(tmp_path, delete_later=handed.append) == [
-        tmp_path / ".step-10.deleting", tmp_path / ".step-12.tmp", tmp_path / ".step-9.tmp"]
-    assert handed == [tmp_path / ".step-10.deleting"] and (tmp_path / ".step-10.deleting").is_dir()
-    assert not (tmp_path / ".step-12.tmp").exists()
+        tmp_path / ".step-10.deleting", tmp_path / ".step-12.tmp", tmp_path / ".step-14.tmp",
+        tmp_path / ".step-14.tmp.deleting", tmp_path / ".step-9.tmp"]
+    assert handed == [tmp_path / ".step-10.deleting", tmp_path / ".step-12.tmp.deleting",
+                      tmp_path / ".step-14.tmp.deleting", tmp_path / ".step-9.tmp.deleting"]
+    assert all(path.is_dir() for path in handed)
+    assert not any((tmp_path / name).exists() for name in (".step-12.tmp", ".step-14.tmp", ".step-9.tmp"))
+    assert "did not finish" in layout.unfinished_save(tmp_path / ".step-12.tmp.deleting")
 
 
 def linear_base(directory, layer=None):

@@ -9,6 +9,7 @@
             model.safetensors      only with checkpoint.save_full=true
         .step-<N>.tmp/             a save in progress, or one that crashed: never loaded
         .step-<N>.deleting/        a checkpoint keep_last is deleting (renamed first): never loaded
+        .step-<N>.tmp.deleting/    a crashed save's .tmp, being deleted at the next start
         best -> step-<N>           checkpoint.keep_best's link to the best (made as .best.link)
 
 A save writes into ``.step-<N>.tmp`` and is renamed to ``step-<N>`` only once the DCP metadata and
@@ -48,7 +49,7 @@ METADATA_FILE = DCP_METADATA_FILE  # DCP's, named where the export check needs i
 LIGHTNING_META_FILE = "meta.pt"
 TMP_DIR = re.compile(r"^\.step-(\d+)\.tmp$")
 # What a crashed save or a crashed deletion leaves: never loadable, and never written by anything else.
-ABANDONED_DIR = re.compile(r"^\.step-\d+\.(?:tmp|deleting)$")
+ABANDONED_DIR = re.compile(r"^\.step-\d+\.(?:tmp|deleting|tmp\.deleting)$")
 # A trainer_state.json rewritten into a committed checkpoint (TrainState.replace_in) is written
 # beside the checkpoint first; one a crash left there is never read.
 ABANDONED_STATE = re.compile(r"^\.step-\d+\.trainer_state\.json\.part$")
@@ -470,7 +471,9 @@ def remove_abandoned(root: Path, keep: Path | None = None,
     Only real directories named so by shardtrain, only in ``root``: nothing else is touched.
     ``delete_later``: takes the ``.deleting`` ones (a pruned checkpoint a preempted run left: minutes
     to delete on a shared filesystem, which every rank waited for at start-up) to delete while
-    training goes on; a ``.tmp`` goes at once (a save of its step would write there)."""
+    training goes on, and each ``.tmp`` renamed ``.step-N.tmp.deleting`` first (a save of its step
+    writes to ``.step-N.tmp``; the rename is one metadata operation where the deletion of a large
+    model's half-written save was minutes every rank waited for: found by review)."""
     if not root.is_dir():
         return []
     kept = keep.resolve() if keep is not None else None
@@ -478,10 +481,15 @@ def remove_abandoned(root: Path, keep: Path | None = None,
     for entry in sorted(root.iterdir()):
         if (ABANDONED_DIR.match(entry.name) and entry.is_dir() and not entry.is_symlink()
                 and entry.resolve() != kept):
-            if delete_later is not None and entry.name.endswith(".deleting"):
-                delete_later(entry)
+            aside = entry.with_name(f"{entry.name}.deleting")
+            if delete_later is None or entry.name.endswith(".tmp") and aside.exists():
+                shutil.rmtree(entry)  # (a .tmp beside its own .tmp.deleting: rare, a crash between)
+            elif entry.name.endswith(".tmp"):
+                entry.rename(aside)
+                fsync_path(root)  # renamed on disk before any of the deletion: never a half .tmp
+                delete_later(aside)
             else:
-                shutil.rmtree(entry)
+                delete_later(entry)
             removed.append(entry)
         elif ABANDONED_STATE.match(entry.name) and entry.is_file() and not entry.is_symlink():
             entry.unlink()
