@@ -1252,6 +1252,19 @@ def test_a_tokenizer_files_truncation_and_padding_are_not_applied(tmp_path):
         save_tokenizer(train_tokenizer(sample_texts_for_tokenizer()), tmp_path / "plain"))
 
 
+def test_a_validation_share_of_other_than_whole_hundredths_is_refused(tmp_path):
+    """The split hashes a key into 10,000 buckets: --val-percent 0.001 held out 0.01% (ten times the
+    share asked) without a word (found by review). Refused before anything is read."""
+    (tmp_path / "a.txt").write_text("text")
+    for share, held in ((0.001, "0.01%"), (0.125, "0.13%")):
+        with pytest.raises(DataError, match=rf"^the validation share {share}% is not a whole number of "
+                                            rf"hundredths .* would hold out {held}; give a multiple of 0.01"):
+            prepare(PrepareOptions(inputs=[str(tmp_path)], val_percent=share), tmp_path / "out",
+                    progress=False)
+    assert not (tmp_path / "out").exists()
+    prepare(PrepareOptions(inputs=[str(tmp_path)], val_percent=0.07), tmp_path / "out", progress=False)
+
+
 def test_a_record_with_text_and_fine_tuning_fields_is_said_once(tmp_path):
     """Read as its text, as documented, but no longer silently (a new-user trial): once a file."""
     chat = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
