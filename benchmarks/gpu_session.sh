@@ -14,7 +14,8 @@
 # The raw results come back in $OUT; render them here with
 #   python benchmarks/run.py --only float8 --from-json <files>/float8.json
 #   python benchmarks/run.py --only gpu --from-json <files>/eager.json <files>/compiled.json <files>/checks.json
-# (each JSON is rewritten after every variant: a call that runs out of time brings back what it measured)
+# (each JSON is rewritten after every variant, float8's every 10 steps of each run and the checks' after
+# each check: a call that runs out of time brings back what it measured, dated)
 set -euo pipefail
 : "${OUT:?OUT: the folder whose files come back (the device tool sets it)}"
 part="${1:-}"
@@ -31,11 +32,7 @@ case "$part" in
     compiled)
         python3 benchmarks/run.py --only gpu --gpu-variants compile compile+ac --no-checks \
             --json-out "$OUT/compiled.json" ;;
-    checks)
+    checks)  # the worker writes {"runs": [], "checks": {...}} (run.py --from-json's) after each check
         python3 -m torch.distributed.run --standalone --nproc-per-node=1 benchmarks/gpu_worker.py checks \
-            | tee "$OUT/checks.out"
-        # run.py --from-json reads {"runs": [...], "checks": {...}}; the worker's result is its last JSON line
-        grep '^{' "$OUT/checks.out" | tail -1 \
-            | python3 -c 'import json, sys; print(json.dumps({"runs": [], "checks": json.load(sys.stdin)}))' \
-                >"$OUT/checks.json" ;;
+            --partial "$OUT/checks.json" | tee "$OUT/checks.out" ;;
 esac 2>&1 | tee "$OUT/log.txt"

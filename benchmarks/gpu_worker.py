@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
 import re
@@ -242,6 +243,20 @@ def float8_against_bf16(args: argparse.Namespace) -> dict:
     # its chunk (the allocator's peak alone held the other run's weights and optimizer state).
     step_peaks: dict[str, float] = {}
     done = 0
+
+    def measured() -> dict:
+        first = trainers["bf16"]
+        tokens = first.layout.global_batch * first.cfg.trainer.seq_len
+        peak_flops = device_peak_flops(device)
+        rates = {name: tokens / statistics.median(values) for name, values in seconds.items()}
+        return {"device": device_name(device), "torch": torch.__version__, "model": args.model,
+                "tokens_per_step": tokens, "steps": done, "ac": args.ac,
+                "float8_linears": len(trainers["float8"].built.report.float8_linears),
+                "tokens_per_s": rates, "peak_mib": peaks, "step_peak_mib": step_peaks,
+                "mfu_bf16_peak": {name: rate * first.task.flops_per_token / peak_flops
+                                  for name, rate in rates.items()} if peak_flops else None,
+                "losses": {name: list(trainer.result.losses) for name, trainer in trainers.items()}}
+
     while done < args.train_steps:
         chunk = min(args.steps, args.train_steps - done)
         for name, trainer in trainers.items():
@@ -257,17 +272,9 @@ def float8_against_bf16(args: argparse.Namespace) -> dict:
                 step_peaks[name] = max(step_peaks.get(name, 0.0), max_allocated_mib(device) - resident)
             peaks[name] = max(peaks.get(name, 0.0), max_allocated_mib(device))
         done += chunk
-    first = trainers["bf16"]
-    tokens = first.layout.global_batch * first.cfg.trainer.seq_len
-    peak_flops = device_peak_flops(device)
-    rates = {name: tokens / statistics.median(values) for name, values in seconds.items()}
-    return {"device": device_name(device), "torch": torch.__version__, "model": args.model,
-            "tokens_per_step": tokens, "steps": args.train_steps, "ac": args.ac,
-            "float8_linears": len(trainers["float8"].built.report.float8_linears),
-            "tokens_per_s": rates, "peak_mib": peaks, "step_peak_mib": step_peaks,
-            "mfu_bf16_peak": {name: rate * first.task.flops_per_token / peak_flops
-                              for name, rate in rates.items()} if peak_flops else None,
-            "losses": {name: trainer.result.losses for name, trainer in trainers.items()}}
+        if all(seconds.values()):  # what a call cut off by its time limit brings back
+            keep_partial(args, measured())
+    return measured()
 
 
 def metrics(run_dir: Path, kind: str = "train") -> list[dict]:
@@ -364,13 +371,25 @@ def checks(args: argparse.Namespace) -> dict:
             result[name] = fn()
         except Exception as exc:  # report every check, even after one fails
             result[name] = {"ok": False, "error": repr(exc)[-3000:]}
+        keep_partial(args, {"runs": [], "checks": result})  # run.py --only gpu --from-json reads this
     checkpoint = result["resume"].get("checkpoint")
     try:
         result["generation"] = generation_check(checkpoint) if checkpoint else {"ok": False,
                                                                                  "error": "no checkpoint"}
     except Exception as exc:
         result["generation"] = {"ok": False, "error": repr(exc)[-3000:]}
+    keep_partial(args, {"runs": [], "checks": result})
     return result
+
+
+def keep_partial(args: argparse.Namespace, result: dict) -> None:
+    """``result`` (dated) in ``--partial``'s file, replaced whole: a call the device's time limit cuts
+    off brings back what it measured (the worker's one JSON line came at its very end)."""
+    if args.partial is None:
+        return
+    staged = args.partial.with_name(f".{args.partial.name}.part")
+    staged.write_text(json.dumps({**result, "date": datetime.date.today().isoformat()}, indent=1))
+    staged.replace(args.partial)
 
 
 def main() -> None:
@@ -387,6 +406,8 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="speed: then this many steps of each loop under torch.profiler")
     parser.add_argument("--train-steps", type=int, default=300, help="float8: steps of each run")
+    parser.add_argument("--partial", type=Path, default=None,
+                        help="float8, checks: the result so far written here after each chunk or check")
     args = parser.parse_args()
     result = {"speed": speed, "checks": checks, "float8": float8_against_bf16}[args.mode](args)
     if dist.is_initialized():

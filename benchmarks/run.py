@@ -796,7 +796,12 @@ def float8_section(command: str, result: dict) -> str:
     return "\n".join(lines + [FLOAT8_END])
 
 
-def gpu_section(command: str, results: dict) -> str:
+def percent(share: float | None) -> str:
+    """An MFU as a percentage; n/a on a device without a known peak (``device_peak_flops``)."""
+    return "n/a" if share is None else f"{100 * share:.1f}%"
+
+
+def gpu_section(results: dict) -> str:
     """The GPU benchmark's section: a ~1.1B Llama at sequence 2,048, bf16-mixed, one GPU,
     shardtrain against the hand-written FSDP2 loop per (compile, AC) variant; shardtrain's peak
     memory against the simulator's and the planner's; the functional checks."""
@@ -813,26 +818,42 @@ def gpu_section(command: str, results: dict) -> str:
         sim, plan = predicted[r["variant"]["ac"]]
         rows.append(
             f"| {'yes' if r['variant']['compile'] else 'no'} | {'yes' if r['variant']['ac'] else 'no'} "
-            f"| {tps['shardtrain']:,.0f} | {tps['handwritten']:,.0f} | {100 * mfu['shardtrain']:.1f}% "
-            f"| {100 * mfu['handwritten']:.1f}% | {ms['shardtrain']:.1f} ({spread['shardtrain']}) "
+            f"| {tps['shardtrain']:,.0f} | {tps['handwritten']:,.0f} | {percent(mfu['shardtrain'])} "
+            f"| {percent(mfu['handwritten'])} | {ms['shardtrain']:.1f} ({spread['shardtrain']}) "
             f"| {ms['handwritten']:.1f} ({spread['handwritten']}) | **{r['ratio']:.3f}** "
             f"| {r['peak_mib']['measured_steady_state'] / 1024:.1f} / {r['peak_mib']['logged'] / 1024:.1f} "
             f"| {sim / gib:.1f} / {plan / gib:.1f} |")
     first = runs[0]
-    # Results before 2026-11-28 do not say: their hand-written loop had shardtrain's lean layers.
+    dates = sorted(set(results["dates"]))
+    # Results before 2026-11-28 do not say: their hand-written loop had shardtrain's lean layers,
+    # which arrived on 2026-11-25 with fused AdamW the default; before, neither loop had them.
+    before_lean = dates[0] < "2026-11-25"
     layers = {"plain autograd": "with plain autograd's norms and SwiGLU, as the CPU ablation's",
               "lean": "the lean layers included"}[first.get("handwritten_layers", "lean")]
+    defaults = ("its defaults of that date: the full-logits\n  loss, foreach AdamW, plain layers" if before_lean
+                else "its defaults: the chunked loss\n  (vocabulary 32,000), fused AdamW, the lean layers")
+    if before_lean:
+        layers = "the same plain layers"
+    commands = "; ".join(f"`{command}`" for command in results["commands"])
+    peak = f"{first['peak_flops'] / 1e12:,.0f} TFLOP/s dense bf16" if first.get("peak_flops") else (
+        "no known peak (MFU n/a)")
     if checks is None:
         functional = ("Functional checks (`benchmarks/gpu_worker.py checks`): not run with these numbers "
                       "(the run had no time left for them); see the earlier runs below.")
     else:
-        off, res, gen = checks["offload"], checks["resume"], checks["generation"]
-        prof = checks.get("profile", {"error": "not run (results before 2026-11-28)"})
+        off, res, gen, prof = (checks.get(name, {"not run": True})
+                               for name in ("offload", "resume", "generation", "profile"))
 
         def verdict(check: dict) -> str:
+            if check.get("not run"):  # a call cut off before it, or a result from before it existed
+                return "not run"
             return "passed" if check.get("ok") else f"FAILED ({check.get('error', 'see the JSON')})"
 
-        functional = f"""Functional checks on the same GPU (`benchmarks/gpu_worker.py checks`, default model):
+        where = ("on the same GPU" if checks.get("device", first["device"]) == first["device"]
+                 else f"on {checks['device']}")
+        when = results.get("checks_date")
+        where += f", {when}" if when and [when] != dates else ""
+        functional = f"""Functional checks {where} (`benchmarks/gpu_worker.py checks`, default model):
 - CPU offload (`strategy.cpu_offload=true`): shards on the host {off.get('shards_on_host')}, pinned
   {off.get('shards_pinned')}; 6 steps' losses against the on-device run, largest relative difference
   {off.get('max_rel_loss_diff', float('nan')):.1e}: {verdict(off)}.
@@ -848,9 +869,9 @@ def gpu_section(command: str, results: dict) -> str:
     return f"""{GPU_BEGIN}
 ## GPU: a 1.1B Llama on one GPU, shardtrain vs a hand-written FSDP2 loop
 
-- Command: `{command}`
-- Date: {results['date']}; device: {first['device']}, torch {first['torch']}, NCCL,
-  world size 1 (torchrun); MFU against {first['peak_flops'] / 1e12:,.0f} TFLOP/s dense bf16
+- Command: {commands}
+- Date: {", ".join(dates)}; device: {first['device']}, torch {first['torch']}, NCCL,
+  world size 1 (torchrun); MFU against {peak}
 - Model: `model=llama_1b` ({first['params'] / 1e9:.2f}B parameters: dim 2,048, 22 layers, 32 heads,
   4 KV heads, FFN 5,632, vocab 32,000), sequence 2,048, micro-batch 4 ({first['tokens_per_step']:,}
   tokens a step), `bf16-mixed`, AdamW, clipping at 1.0; FLOPs per token
@@ -862,8 +883,7 @@ def gpu_section(command: str, results: dict) -> str:
   full-logits loss, `clip_grad_norm_`, `torch.optim.AdamW` with the same hyperparameters and its own
   kernel choice, `loss.item()`), with torch's `checkpoint_wrapper` for AC and `block.compile()` for
   compile, on shardtrain's Llama class and config ({layers}), started from
-  shardtrain's weights on shardtrain's batches. shardtrain runs its defaults: the chunked loss
-  (vocabulary 32,000), fused AdamW, the lean layers. Both
+  shardtrain's weights on shardtrain's batches. shardtrain runs {defaults}. Both
   live in one process and alternate: 5 rounds of 5 steps after 5 warm-up steps each; a step's time is
   wall clock over a round with the device synchronised at its ends; medians, (min-max) over rounds.
 - Peak memory (shardtrain alone, before the hand-written model exists): torch.cuda.max_memory_allocated
@@ -1649,8 +1669,9 @@ def main() -> None:
         else:
             if not torch.cuda.is_available():
                 raise SystemExit("--only float8 needs a GPU of compute capability 8.9+ (H100, L4, ...)")
+            partial = ["--partial", str(args.json_out)] if args.json_out is not None else []
             result = run_torchrun(1, "gpu_worker.py", ["float8", "--train-steps", str(args.train_steps),
-                                                       "--steps", "10"])
+                                                       "--steps", "10", *partial])
             result["date"] = datetime.date.today().isoformat()
             if args.json_out is not None:
                 args.json_out.write_text(json.dumps(result, indent=1))
@@ -1678,24 +1699,31 @@ def main() -> None:
                                                      f"python benchmarks/run.py --only e2e --rounds {args.rounds}"))
     if args.only == "gpu":
         if args.from_json:
-            results = {"runs": []}
+            results = {"runs": [], "commands": [], "dates": []}
             for path in args.from_json:
                 part = json.loads(path.read_text())
-                if part["runs"]:  # the measurements' date and command, not the checks' file's
-                    results["date"] = measured_on(part, path)
-                    results["command"] = part.get("command", "python benchmarks/run.py --only gpu")
+                if part["runs"]:  # each file's measurements' date and command (gpu_session.sh's calls)
+                    results["dates"].append(measured_on(part, path))
+                    results["commands"].append(part.get("command", "python benchmarks/run.py --only gpu"))
                 results["runs"] += part["runs"]
                 if part.get("checks") is not None:  # gpu_session.sh writes them to a file of their own
                     results["checks"] = part["checks"]
+                    results["checks_date"] = measured_on(part, path)
+            machines = {(run["device"], run["torch"]) for run in results["runs"]}
+            if len(machines) > 1:
+                raise SystemExit(f"--only gpu: runs of {len(machines)} devices or torch versions "
+                                 f"({sorted(machines)}): one table compares runs on one; docs/benchmarks.md "
+                                 "unchanged")
         else:
             command = " ".join(["python benchmarks/run.py --only gpu", "--gpu-variants", *args.gpu_variants]
                                + (["--no-checks"] if args.no_checks else []))
             results = gpu_results(args.gpu_variants, not args.no_checks, command, args.json_out)
+            results["commands"], results["dates"] = [command], [results["date"]]
         variants = [tuple(run["variant"].values()) for run in results["runs"]]
         if not variants or len(set(variants)) != len(variants):
             raise SystemExit(f"--only gpu: {len(variants)} variant runs, {len(set(variants))} distinct: "
                              "give each (compile, AC) variant's result once; docs/benchmarks.md unchanged")
-        write_section(GPU_BEGIN, GPU_END, gpu_section(results["command"], results))
+        write_section(GPU_BEGIN, GPU_END, gpu_section(results))
     print(f"wrote {DOC}")
 
 

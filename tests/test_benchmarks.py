@@ -96,3 +96,43 @@ def test_a_section_written_twice_is_one_section(tmp_path):
     assert doc.read_text().count("## QLoRA against LoRA (GPU)") == 1
     with pytest.raises(ValueError, match="must start and end with them"):
         run.write_section(run.QLORA_BEGIN, run.QLORA_END, "## QLoRA", doc)
+
+
+def test_gpu_results_rendered_together_keep_each_files_command_date_and_device(monkeypatch, tmp_path):
+    """Found by review: gpu_session.sh's eager, compiled and checks calls (perhaps days or GPUs apart)
+    rendered together took one file's command and date for all and called the checks "on the same
+    GPU"; a GPU without a known peak crashed the render; a call cut off by its time limit kept no
+    float8 or checks result (the worker's one JSON line came at its end)."""
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("benchmarks_run", BENCHMARKS / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    predicted = SimpleNamespace(peak=2**30)  # the simulator's 1.1B step is not this test's subject
+    monkeypatch.setattr(run, "simulation_rows", lambda *args: [(predicted, predicted)] * 2)
+    archived = json.loads((BENCHMARKS / "results" / "gpu-h200-2026-11-27.json").read_text())
+    runs = [dict(r, mfu={"shardtrain": None, "handwritten": None}, peak_flops=None)  # an unlisted GPU
+            for r in archived["runs"]]
+    command = "python benchmarks/run.py --only gpu --gpu-variants {} --no-checks"
+    checks = json.loads((BENCHMARKS / "results" / "gpu-h100-2026-11-22.json").read_text())["checks"]
+    results = {"runs": runs, "dates": ["2026-12-01", "2026-12-03"],
+               "commands": [command.format("plain ac"), command.format("compile compile+ac")],
+               "checks": {**checks, "device": "NVIDIA A100"}, "checks_date": "2026-12-04"}
+    del results["checks"]["generation"]  # its call cut off before the last check
+    section = run.gpu_section(results)
+    assert ("Command: `python benchmarks/run.py --only gpu --gpu-variants plain ac --no-checks`; "
+            "`python benchmarks/run.py --only gpu --gpu-variants compile compile+ac --no-checks`") in section
+    assert "Date: 2026-12-01, 2026-12-03; device: NVIDIA H200" in section
+    assert "MFU against no known peak (MFU n/a)" in section and "| n/a | n/a |" in section
+    assert "Functional checks on NVIDIA A100, 2026-12-04 (" in section
+    assert "same\n  text: not run." in section and "table logged None: not run." in section
+    # the worker's partial result: written whole after each chunk or check, dated
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("benchmarks_gpu_worker", BENCHMARKS / "gpu_worker.py")
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    partial = tmp_path / "checks.json"
+    worker.keep_partial(SimpleNamespace(partial=partial), {"runs": [], "checks": {"offload": {"ok": True}}})
+    kept = json.loads(partial.read_text())
+    assert kept["checks"] == {"offload": {"ok": True}} and run.measured_on(kept) == kept["date"]
+    assert [p.name for p in tmp_path.iterdir()] == ["checks.json"]
