@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from equivalence import case_config, small_corpus
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
-from shardtrain.checkpoint import integrity, weights
+from shardtrain.checkpoint import integrity, layout, weights
 from shardtrain.checkpoint.checkpointer import agreed_base_identity, node_file_fingerprints
 from shardtrain.checkpoint.weights import agreed_source_kind
 from shardtrain.distributed.env import lazily_connected_gloo_group
@@ -603,12 +604,31 @@ def resume_elsewhere(out: str, strategy: str, accum: int) -> None:
     DTensor layout, so the same checkpoint)."""
     world = int(os.environ["WORLD_SIZE"])
     source = f"{out}/first4/checkpoints/step-{N}"
-    cfg = ckpt_config(f"{out}/resumed{world}", world, strategy=strategy, accum=accum, resume=source)
+    cfg = ckpt_config(f"{out}/resumed{world}-{strategy}", world, strategy=strategy, accum=accum,
+                      resume=source)
     if world == 2:
         cfg.strategy = dataclasses.replace(cfg.strategy, embedding_lookup="gather")
-    trainer = new_trainer(cfg)
+    # What each rank reads: under NO_SHARD every rank is a replica, and the second takes the
+    # model's and optimizer's tensors from the first (ReplicaLoadPlanner) instead of the files.
+    planned, plan_reads = [], layout.ReplicaLoadPlanner.create_local_plan
+
+    def recorded(planner):
+        plan = plan_reads(planner)
+        targets = [planner.state_dict[item.dest_index.fqn] for item in plan.items]
+        planned.append(sum(isinstance(target, DTensor) for target in targets))
+        return plan
+
+    layout.ReplicaLoadPlanner.create_local_plan = recorded
+    try:
+        trainer = new_trainer(cfg)
+    finally:
+        layout.ReplicaLoadPlanner.create_local_plan = plan_reads
     assert trainer.step == N
-    dump(trainer, trainer.fit().losses, Path(out, f"resumed{world}.pt"))
+    reads = [None] * world
+    torch.distributed.all_gather_object(reads, planned)
+    if trainer.env.is_main:
+        Path(out, f"resumed{world}-{strategy}-reads.json").write_text(json.dumps(reads))
+    dump(trainer, trainer.fit().losses, Path(out, f"resumed{world}-{strategy}.pt"))
 
 
 def init_from(out: str, source: str) -> None:

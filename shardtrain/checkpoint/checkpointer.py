@@ -951,12 +951,14 @@ class Checkpointer:
         if layout.AVERAGE_KEY in state and not self.average_restored:
             # saved without trainer.ema_decay: the caller starts it from the weights
             del state[layout.AVERAGE_KEY]
+        planner = layout.ReplicaLoadPlanner()  # the first data-parallel replica reads for them all
         try:
             dcp.load(state, storage_reader=layout.KnownMetadataReader(path, metadata),
-                     planner=layout.WeightsOnlyLoadPlanner(), process_group=self.group)
+                     planner=planner, process_group=self.group)
         except DCP_FAILURES as exc:  # DCP's CheckpointException is a BaseException: named here
             raise_if_interrupted(exc)
             raise CheckpointError(load_failed(path, exc, LOAD_FIX, self.rank)) from exc
+        layout.broadcast_replicated(planner.replicated)
         # Loading an optimizer's state replaces its groups' settings with the saved ones: the kernel
         # flags too (a checkpoint saved with foreach AdamW made the fused one built now take the
         # foreach path, which failed at the next step) and the decay, betas and eps the config now
