@@ -288,6 +288,12 @@ def test_mesh_gains_an_innermost_tp_dimension(strategy, world, local, extra, mes
      "model.layers.0.self_attn.q_layernorm.weight whole"),
     (["trainer.devices=2", "strategy.tensor_parallel=2", "model.name=hf", "model.path={llama_dropout}"],
      "llama_dropout/config.json) under strategy.tensor_parallel=2 would draw the same mask for the heads"),
+    # found by review: GPT-J's attention dropout is attn_pdrop; a plan splitting the embedding alone
+    # passed for sequence parallelism and failed in the first forward
+    (["trainer.devices=2", "strategy.tensor_parallel=2", "strategy.sequence_parallel=false", "model.name=hf",
+      "model.path={gptj_dropout}"], "attn_pdrop=0.1 ("),
+    (["trainer.devices=2", "strategy.tensor_parallel=2", "model.name=hf", "model.path={diffllama}"],
+     "needs the diffllama plan to split the output projection of each block's self_attn and mlp row-wise"),
 ])
 def test_bad_layouts_fail_before_launch_with_one_line(overrides, message, hf_layouts, tmp_path):
     overrides = [item.format(**hf_layouts) for item in overrides] + [f"run.dir={tmp_path}/run"]
@@ -329,7 +335,12 @@ def hf_layouts(tmp_path_factory) -> dict[str, str]:
                "gpt_neox": transformers.GPTNeoXConfig(**sizes, tie_word_embeddings=False),
                "qwen3": transformers.Qwen3Config(**sizes, num_key_value_heads=2, tie_word_embeddings=False),
                "phi_qk": transformers.PhiConfig(**sizes, qk_layernorm=True, tie_word_embeddings=False),
-               "llama_dropout": family_config("llama", intermediate_size=98, attention_dropout=0.1)}
+               "llama_dropout": family_config("llama", intermediate_size=98, attention_dropout=0.1),
+               "gptj_dropout": transformers.GPTJConfig(vocab_size=300, n_embd=36, n_layer=2, n_head=6,
+                                                       rotary_dim=4, attn_pdrop=0.1,
+                                                       tie_word_embeddings=False),
+               "diffllama": transformers.DiffLlamaConfig(**sizes, num_key_value_heads=2,
+                                                         tie_word_embeddings=False)}
     for name, config in configs.items():
         config.save_pretrained(root / name)
     return {name: str(root / name) for name in configs}

@@ -141,13 +141,15 @@ def check_declared_plan(model: nn.Module, blocks: tuple[type, ...], tp: int,
                           "untie them (tie_word_embeddings=false) or set strategy.tensor_parallel=1")
     check_split_sizes(config, tp)
     check_whole_parameters_beside_split_ones(model, plan, family, fix)
-    if (getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
-        # The ranks of a group share one random stream (their replicated regions must draw alike):
-        # head h and head h + heads/tp would get one mask, where one process draws two (a review).
-        raise ConfigError(f"attention_dropout={config.attention_dropout:g} ({config_file(config)}) under "
-                          f"strategy.tensor_parallel={tp} would draw the same mask for the heads of every "
-                          "rank of a group; set attention_dropout to 0 in config.json, or "
-                          "strategy.tensor_parallel=1")
+    # GPT-J and CodeGen name theirs attn_pdrop (found by review: let through)
+    for key in ("attention_dropout", "attn_pdrop"):
+        if (getattr(config, key, 0.0) or 0.0) > 0:
+            # The ranks of a group share one random stream (their replicated regions must draw alike):
+            # head h and head h + heads/tp would get one mask, where one process draws two (a review).
+            raise ConfigError(f"{key}={getattr(config, key):g} ({config_file(config)}) under "
+                              f"strategy.tensor_parallel={tp} would draw the same mask for the heads of "
+                              f"every rank of a group; set {key} to 0 in config.json, or "
+                              "strategy.tensor_parallel=1")
     if sequence_parallel:
         found = [m for m in model.modules() if isinstance(m, blocks)]
         layout = [name for name, child in found[0].named_children()] if found else []
@@ -160,6 +162,19 @@ def check_declared_plan(model: nn.Module, blocks: tuple[type, ...], tp: int,
                               f"{', '.join(SEQUENCE_PARALLEL_BLOCK)}; a final {FINAL_NORM}), a {family} "
                               f"block has {', '.join(layout) or 'none'}; "
                               "set strategy.sequence_parallel=false")
+        # Only a row-wise split turns the attention's and the MLP's outputs back into the
+        # sequence-split stream: a plan that splits the embedding alone (gpt_oss, diffllama) failed
+        # in the first forward, adding a plain tensor to a DTensor (found by review)
+        block = module_name(model, found[0])
+        rowwise = [name for name, _ in model.named_modules() for key, style in plan.items()
+                   if style.startswith("rowwise") and pattern(key).fullmatch(name)]
+        whole = [part for part in ("self_attn", "mlp") if not any(
+            name.startswith(f"{block}.{part}.") for name in rowwise)]
+        if whole:
+            raise ConfigError(f"strategy.sequence_parallel=true needs the {family} plan to split the output "
+                              f"projection of each block's {' and '.join(whole)} row-wise; it does not "
+                              f"({config_file(config)}'s base_model_tp_plan); set "
+                              "strategy.sequence_parallel=false")
 
 
 def check_whole_parameters_beside_split_ones(model: nn.Module, plan: dict[str, str], family: str,
