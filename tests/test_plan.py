@@ -230,3 +230,21 @@ def test_tensor_parallel_units_hand_fsdp_no_view(capsys):
     views = [str(w.message) for w in caught if "returned a view tensor" in str(w.message)]
     assert not views, views
     assert "FULL_SHARD x TP 2" in capsys.readouterr().out
+
+
+def test_the_loss_s_logits_are_planned_as_the_loss_takes_them():
+    """A head the loss may apply chunk by chunk; else the model's whole logits, with one more copy
+    where a soft-cap's tanh keeps its output, and none where the model only scales them (found by
+    review: every model whose forward changes its logits was counted a tanh, Cohere's scale and Gemma
+    3's absent soft-cap too)."""
+    from types import SimpleNamespace
+
+    from shardtrain.diagnostics.planner import logits_path
+
+    def model(head, softcap):
+        config = SimpleNamespace(final_logit_softcapping=softcap)
+        return SimpleNamespace(output_head=lambda: head, config=config)
+
+    assert logits_path(model(object(), None)) == "linear"
+    assert logits_path(model(None, 30.0)) == "transformed"
+    assert logits_path(model(None, None)) == "whole"

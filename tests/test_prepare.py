@@ -1282,6 +1282,11 @@ def test_a_record_with_text_and_fine_tuning_fields_is_said_once(tmp_path):
     assert document_of({**chat, "text": None}, "text", "x") == chat
     assert not is_text_and_fine_tuning({**chat, "text": None}, "text")
     assert document_of({"text": None}, "text", "x") == b""
+    # nulls of both kinds are an empty document, and a text row of such a table no mixed record
+    assert document_of({"text": None, "messages": None}, "text", "x") == b""
+    assert document_of({"text": None, "prompt": None, "completion": None}, "text", "x") == b""
+    assert not is_text_and_fine_tuning({"text": "hi", "messages": None}, "text")
+    assert document_of({"text": "hi", "prompt": None, "completion": None}, "text", "x") == b"hi"
 
 
 def test_token_ids_past_the_model_are_refused_at_the_build(tmp_path):

@@ -227,8 +227,9 @@ def prepare_once(options: PrepareOptions, out: Path) -> None:
     # The shard files stat'ed by one rank a host (its ranks see the same files), the manifest read
     # by all: every rank stat'ing every shard was millions of metadata calls in one burst on a shared
     # filesystem at 1,024 ranks (found by review). A host's damaged copy is its first rank's to see.
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    seen = made if rank == 0 else fingerprint_at(out, check_files=local_rank == 0)
+    # (processes started without LOCAL_RANK, a library user's own process group, each check)
+    first_of_host = os.environ.get("LOCAL_RANK", "0") == "0"
+    seen = made if rank == 0 else fingerprint_at(out, check_files=first_of_host)
     views: list = [None] * dist.get_world_size()
     dist.all_gather_object(views, (socket.gethostname(), seen == made))
     leaders: dict[str, int] = {}

@@ -504,16 +504,26 @@ def has_fine_tuning_keys(record: dict) -> bool:
     return "messages" in record or ("prompt" in record and "completion" in record)
 
 
+def has_fine_tuning_values(record: dict) -> bool:
+    """A chat or a prompt/completion pair that is there: not nulls (a table's rows of either kind,
+    written as JSON Lines, give each the other kind's fields as nulls)."""
+    return record.get("messages") is not None or (
+        record.get("prompt") is not None and record.get("completion") is not None)
+
+
 def is_text_and_fine_tuning(record: object, field: str) -> bool:
-    return isinstance(record, dict) and record.get(field) is not None and has_fine_tuning_keys(record)
+    return isinstance(record, dict) and record.get(field) is not None and has_fine_tuning_values(record)
 
 
 def document_of(record: object, field: str, where: str) -> Document:
     """A JSON record: its text field, else a fine-tuning record (``messages``, or ``prompt`` and
-    ``completion``). A null text is a missing one (a table's rows of either kind written as JSON
-    Lines give each the other's fields as nulls: its fine-tuning record was an empty document,
-    found by review)."""
-    if isinstance(record, dict) and record.get(field) is None and has_fine_tuning_keys(record):
+    ``completion``). A null text beside a fine-tuning record's values is a missing one (a table's
+    rows of either kind as JSON Lines: the fine-tuning rows were empty documents, found by review);
+    a row of nulls alone is an empty document."""
+    if not isinstance(record, dict):
+        return utf8(text_of(record, field, where))
+    if (has_fine_tuning_keys(record) if field not in record
+            else record[field] is None and has_fine_tuning_values(record)):
         return fine_tuning_record(record, where)
     return utf8(text_of(record, field, where))
 

@@ -305,7 +305,9 @@ def logits_path(model: nn.Module) -> str:
     GiB where the step held 2.1, and an auto micro-batch did not fit)."""
     if output_head(model) is not None:
         return "linear"
-    return "transformed" if getattr(model, "head_transform", None) else "whole"
+    # A soft-cap keeps its tanh's output; a scale (Cohere's, Granite's) keeps nothing (found by review)
+    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    return "transformed" if softcap else "whole"
 
 
 def plan_splits_blocks(model: nn.Module, styles: dict[str, ParallelStyle]) -> bool:
