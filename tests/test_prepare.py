@@ -781,7 +781,9 @@ def test_parquet_is_read_a_column_at_a_time(tmp_path, monkeypatch):
     rows = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"body": ["a", "b", "c"], "image": [b"\x00" * 1000] * 3}), rows, row_group_size=2)
     assert [t.schema.names for t in parquet_tables(rows, "body")] == [["body"]] * 2
-    assert [t.schema.names for t in parquet_tables(rows, "text")] == [["body", "image"]] * 2  # for the error
+    # for the error: the columns alone first (no row read), then the rows
+    assert [(t.schema.names, t.num_rows) for t in parquet_tables(rows, "text")] == [
+        (["body", "image"], 0), (["body", "image"], 2), (["body", "image"], 1)]
 
 
 def test_parquet_and_arrow_rows_are_read_a_batch_at_a_time(tmp_path, monkeypatch):
@@ -818,6 +820,13 @@ def test_a_null_text_is_an_empty_document_in_every_format(tmp_path):
     read = {kind: [text for _, text in documents(Source(tmp_path / f"a.{kind}", f"a.{kind}"), "text")]
             for kind in ("jsonl", "parquet")}
     assert read == {"jsonl": [b"ab", b""], "parquet": [b"ab", b""]}
+    # A table of both kinds (text rows, fine-tuning rows, a row of neither): each row as it holds
+    # (found by review: a Parquet file's fine-tuning rows were empty documents)
+    chat = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
+    pq.write_table(pa.table({"text": ["ab", None, None], "messages": [None, chat, None]}),
+                   tmp_path / "both.parquet")
+    read = [doc for _, doc in documents(Source(tmp_path / "both.parquet", "both.parquet"), "text")]
+    assert read == [b"ab", {"messages": chat}, b""]
 
 
 def test_a_file_is_read_by_its_suffix_whatever_its_case(tmp_path):

@@ -606,13 +606,15 @@ def read_table_rows(source: Source, tables: Iterator[pa.RecordBatch],
                     field: str) -> Iterator[tuple[str, Document]]:
     """Each row's text, keyed by its row number in the whole file (or directory), however the rows
     come in batches: keys decide the split, and stay what they were when whole row groups were read.
-    A table without the text column but with fine-tuning columns (``messages``, or ``prompt`` and
-    ``completion``: most Hub fine-tuning sets are Parquet) gives fine-tuning records, as JSON Lines do."""
+    A table with fine-tuning columns (``messages``, or ``prompt`` and ``completion``: most Hub
+    fine-tuning sets are Parquet) gives fine-tuning records, as JSON Lines do: each row's, where the
+    text column is absent or null in it (a table of both kinds: its fine-tuning rows were empty
+    documents, found by review)."""
     row = 0
     for table in tables:
         names = set(table.schema.names)
-        if field not in names and has_fine_tuning_keys(names):
-            columns = fine_tuning_columns(names)
+        if has_fine_tuning_keys(names):
+            columns = [field] * (field in names) + fine_tuning_columns(names)
             for record in table_records(table.select(columns), source.path, row):
                 yield f"{source.name}:{row}", document_of(record, field, f"{source.path}: row {row}")
                 row += 1
@@ -643,14 +645,14 @@ def fine_tuning_columns(names: set[str]) -> list[str]:
 
 
 def parquet_tables(path: Path, field: str) -> Iterator[pa.RecordBatch]:
-    """The rows of a Parquet file, ``TABLE_ROWS`` at a time, of column ``field`` alone where it has
-    one (an image or audio column beside the text was read and decoded for nothing), else of its
-    fine-tuning columns; all of them where it has neither, for the error that names them."""
+    """The rows of a Parquet file, ``TABLE_ROWS`` at a time, of column ``field`` and its fine-tuning
+    columns, those it has (an image or audio column beside the text was read and decoded for
+    nothing); all of them where it has neither, for the error that names them."""
     try:
         reader = pq.ParquetFile(path)
         names = set(reader.schema_arrow.names)
-        columns = ([field] if field in names else
-                   fine_tuning_columns(names) if has_fine_tuning_keys(names) else None)
+        columns = ([field] * (field in names) + fine_tuning_columns(names) if has_fine_tuning_keys(names)
+                   else [field] if field in names else None)
         if columns is None:  # its columns named before any row is read, also where it has none
             yield reader.schema_arrow.empty_table()  # (zero rows said "no documents": found by review)
         yield from reader.iter_batches(batch_size=TABLE_ROWS, columns=columns)
