@@ -61,6 +61,8 @@ def test_sharded_generation_equals_consolidated(tmp_path):
     too_long = run_cli("generate", str(ckpt), "--prompts-file", str(prompts), "--max-new-tokens", "8",
                        "--devices", "2", "--mode", "gathered", timeout=120)
     assert too_long.returncode == 2, too_long.stderr[-2000:]
+    # the prompts before it are printed first, as a single process prints them (found by review)
+    assert too_long.stdout.startswith("def ") and multi.stdout.startswith(too_long.stdout)
     # one line on the console, as `train` gives (found by review: every rank's copy, then torchrun's
     # traceback); both ranks' copies and torchrun's report in the log it names
     (line,) = [line for line in too_long.stderr.splitlines() if line.startswith("shardtrain: ")]

@@ -309,10 +309,13 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
                     mine[index] = "".join(parts)
                 every: list = [None] * world
                 all_gather_object(every, (mine, failed))
-                if errors := sorted(error for _, error in every if error is not None):
-                    raise GenerationError(f"prompt {errors[0][0] + 1}: {errors[0][1]}")
-                for index in range(len(prompts)):
+                errors = sorted(error for _, error in every if error is not None)
+                # The prompts before the first that failed, each generated before its rank's first
+                # failure, are shown first (found by review: a CUDA OOM on one prompt printed none)
+                for index in range(errors[0][0] if errors else len(prompts)):
                     show(next(part[index] for part, _ in every if index in part))
+                if errors:
+                    raise GenerationError(f"prompt {errors[0][0] + 1}: {errors[0][1]}")
             else:  # one prompt, or unit by unit (every rank takes part in every forward)
                 for index, prompt in enumerate(prompts):
                     text, ids = render(prompt)
