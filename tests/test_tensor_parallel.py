@@ -294,6 +294,11 @@ def test_mesh_gains_an_innermost_tp_dimension(strategy, world, local, extra, mes
       "model.path={gptj_dropout}"], "attn_pdrop=0.1 ("),
     (["trainer.devices=2", "strategy.tensor_parallel=2", "model.name=hf", "model.path={diffllama}"],
      "needs the diffllama plan to split the output projection of each block's self_attn and mlp row-wise"),
+    # found by review: CodeGen's fused qkv_proj at tp=8 failed reshaping in the first forward
+    (["trainer.devices=8", "strategy.tensor_parallel=8", "strategy.sequence_parallel=false", "model.name=hf",
+      "model.path={codegen}"], "the codegen attention's fused query/key/value projection is laid out in 4 "
+                               "groups (mp_num), which strategy.tensor_parallel=8 would split inside; use "
+                               "strategy.tensor_parallel=2, 4 (or 1)"),
 ])
 def test_bad_layouts_fail_before_launch_with_one_line(overrides, message, hf_layouts, tmp_path):
     overrides = [item.format(**hf_layouts) for item in overrides] + [f"run.dir={tmp_path}/run"]
@@ -340,7 +345,9 @@ def hf_layouts(tmp_path_factory) -> dict[str, str]:
                                                        rotary_dim=4, attn_pdrop=0.1,
                                                        tie_word_embeddings=False),
                "diffllama": transformers.DiffLlamaConfig(**sizes, num_key_value_heads=2,
-                                                         tie_word_embeddings=False)}
+                                                         tie_word_embeddings=False),
+               "codegen": transformers.CodeGenConfig(vocab_size=304, n_embd=64, n_layer=2, n_head=8,
+                                                     rotary_dim=4, tie_word_embeddings=False)}
     for name, config in configs.items():
         config.save_pretrained(root / name)
     return {name: str(root / name) for name in configs}

@@ -140,6 +140,7 @@ def check_declared_plan(model: nn.Module, blocks: tuple[type, ...], tp: int,
                           f"vocabulary as the head is, the {family} plan says {embeddings}: {style!r}; "
                           "untie them (tie_word_embeddings=false) or set strategy.tensor_parallel=1")
     check_split_sizes(config, tp)
+    check_fused_groups(model, family, tp)
     check_whole_parameters_beside_split_ones(model, plan, family, fix)
     # GPT-J and CodeGen name theirs attn_pdrop (found by review: let through)
     for key in ("attention_dropout", "attn_pdrop"):
@@ -175,6 +176,20 @@ def check_declared_plan(model: nn.Module, blocks: tuple[type, ...], tp: int,
                               f"projection of each block's {' and '.join(whole)} row-wise; it does not "
                               f"({config_file(config)}'s base_model_tp_plan); set "
                               "strategy.sequence_parallel=false")
+
+
+def check_fused_groups(model: nn.Module, family: str, tp: int) -> None:
+    """A fused query/key/value projection laid out in ``mp_num`` groups (CodeGen's: query, value and
+    key of a quarter of the heads each, from the 4-way model parallelism it was trained with) splits
+    column-wise into whole groups only where ``tp`` divides their number; otherwise the first forward
+    failed reshaping a rank's part of a group (found by review)."""
+    groups = {m.mp_num for m in model.modules() if isinstance(getattr(m, "mp_num", None), int)}
+    for count in sorted(groups):
+        if count % tp:
+            fits = ", ".join(str(d) for d in range(2, count + 1) if count % d == 0)
+            raise ConfigError(f"the {family} attention's fused query/key/value projection is laid out in "
+                              f"{count} groups (mp_num), which strategy.tensor_parallel={tp} would split "
+                              f"inside; use strategy.tensor_parallel={fits} (or 1)")
 
 
 def check_whole_parameters_beside_split_ones(model: nn.Module, plan: dict[str, str], family: str,
