@@ -71,7 +71,7 @@ def simulate_tensor_parallel(model: str, world: int, tp: int, strategy: str, ac:
     sim = simulate(cfg, world, PROCESSES_PER_NODE)
     plan = estimate(cfg, meta, cfg.strategy.sharding_strategy, world, PROCESSES_PER_NODE)
     return dict(case=f"{model} x {world} {strategy} TP {tp} AC={ac} {' '.join(extra)}".rstrip(),
-                seconds=sim.seconds, mesh=sim.mesh,
+                probed=sim.probed_layers, mesh=sim.mesh,
                 simulated=(sim.params, sim.grads, sim.optimizer, sim.activations, sim.peak),
                 planned=(plan.params, plan.grads, plan.optimizer, plan.activations, plan.peak))
 

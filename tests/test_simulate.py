@@ -118,7 +118,7 @@ def test_simulated_numbers_follow_the_strategies(grid_results):
 def test_planner_matches_the_simulation_with_tensor_parallelism(simulations):
     """Per-rank states exact (each TP shard sharded again by FSDP over the data-parallel ranks),
     activations and peak within 10%, at FSDP 32 x TP 8 (70B, 256 ranks) and FSDP 128 x TP 8 (405B,
-    1,024 ranks), in seconds."""
+    1,024 ranks), each from a probe pair of shallow depths."""
     results = simulations["tp_grid"]
     assert len(results) == len(TP_GRID)
     for r in results:
@@ -127,7 +127,7 @@ def test_planner_matches_the_simulation_with_tensor_parallelism(simulations):
         assert (params, grads, optim) == (sim_params, sim_grads, sim_optim), r["case"]
         assert abs(act / sim_act - 1) < TOLERANCE, (r["case"], act, sim_act)
         assert abs(peak / sim_peak - 1) < TOLERANCE, (r["case"], peak, sim_peak)
-        assert r["seconds"] < 30, r
+        assert len(r["probed"]) == 2, r  # a probe pair, never a full 80- or 126-layer step
     by_case = {r["case"]: r for r in results}
     fsdp = {r["case"]: r["simulated"] for r in simulations["grid"]}["llama3_70b x 512 full_shard AC=none"]
     tp8 = by_case["llama3_70b x 256 full_shard TP 8 AC=none"]
