@@ -29,6 +29,7 @@ from shardtrain.checkpoint import integrity, layout, weights
 from shardtrain.checkpoint.checkpointer import agreed_base_identity, node_file_fingerprints
 from shardtrain.checkpoint.weights import agreed_source_kind
 from shardtrain.distributed.env import lazily_connected_gloo_group
+from shardtrain.distributed.qlora import local_tensor
 from shardtrain.errors import CheckpointError, CheckpointUnverifiable, TrackerError
 from shardtrain.tasks.language_model import LanguageModelTask
 from shardtrain.train.loop import Trainer
@@ -608,8 +609,28 @@ def resume_elsewhere(out: str, strategy: str, accum: int) -> None:
                       resume=source)
     if world == 2:
         cfg.strategy = dataclasses.replace(cfg.strategy, embedding_lookup="gather")
+    if strategy == "NO_SHARD":  # its final checkpoint holds a weight average for the read below
+        cfg.trainer = dataclasses.replace(cfg.trainer, ema_decay=0.9)
     # What each rank reads: under NO_SHARD every rank is a replica, and the second takes the
     # model's and optimizer's tensors from the first (ReplicaLoadPlanner) instead of the files.
+    with replica_reads() as planned:
+        trainer = new_trainer(cfg)
+    assert trainer.step == N
+    dump(trainer, trainer.fit().losses, Path(out, f"resumed{world}-{strategy}.pt"))
+    if strategy == "NO_SHARD":
+        with replica_reads() as planned_average:
+            averaged = average_read_into_the_weights(trainer)
+        planned.extend(planned_average)
+        assert averaged, f"rank {trainer.env.rank}: the weights read are not the average saved"
+    reads = [None] * world
+    torch.distributed.all_gather_object(reads, planned)
+    if trainer.env.is_main:
+        Path(out, f"resumed{world}-{strategy}-reads.json").write_text(json.dumps(reads))
+
+
+@contextmanager
+def replica_reads() -> Iterator[list[int]]:
+    """The DTensors each ``ReplicaLoadPlanner`` of this rank planned to read inside the block."""
     planned, plan_reads = [], layout.ReplicaLoadPlanner.create_local_plan
 
     def recorded(planner):
@@ -620,15 +641,24 @@ def resume_elsewhere(out: str, strategy: str, accum: int) -> None:
 
     layout.ReplicaLoadPlanner.create_local_plan = recorded
     try:
-        trainer = new_trainer(cfg)
+        yield planned
     finally:
         layout.ReplicaLoadPlanner.create_local_plan = plan_reads
-    assert trainer.step == N
-    reads = [None] * world
-    torch.distributed.all_gather_object(reads, planned)
-    if trainer.env.is_main:
-        Path(out, f"resumed{world}-{strategy}-reads.json").write_text(json.dumps(reads))
-    dump(trainer, trainer.fit().losses, Path(out, f"resumed{world}-{strategy}.pt"))
+
+
+def average_read_into_the_weights(trainer: Trainer) -> bool:
+    """The final checkpoint's weight average read into the weights (as ``eval --ema`` and
+    ``model.init_from`` read): whether every weight of this rank is then the average it saved. The
+    weights are NaN before, so a replica that neither read nor received one fails."""
+    saved = Path(trainer.cfg.run.dir) / "checkpoints" / f"step-{2 * N}"
+    averages = [local_tensor(average).clone() for average in trainer.average.averages]
+    held = [local_tensor(param) for param in trainer.average.parameters]
+    with torch.no_grad():
+        for weight in held:
+            weight.fill_(float("nan"))
+    weights.load_model_weights(trainer.model, str(saved), average=True)
+    return all(torch.equal(weight, average.to(weight.dtype)) for weight, average in zip(held, averages,
+                                                                                       strict=True))
 
 
 def init_from(out: str, source: str) -> None:

@@ -98,13 +98,14 @@ REPLICATE_DIM = "dp_replicate"  # the mesh dimension of HSDP's replica groups (N
 
 
 class ReplicaLoadPlanner(WeightsOnlyLoadPlanner):
-    """``WeightsOnlyLoadPlanner`` that reads each of the model's and optimizer's DTensors replicated
-    along the mesh's data-parallel replica dimension (HSDP's replica groups, NO_SHARD's ranks) on
-    the first replica only: the others take it from there (``broadcast_replicated``; ``replicated``
-    holds each such tensor's local part, its replica group and the mesh's device type, in
-    state-dict order, the same on every rank). Every replica read its shard's bytes: 128 times the
-    checkpoint from the filesystem at 1,024 ranks in groups of 8 (found by review). The weights'
-    average and the small entries (step counts, settings) are read by every rank, as before."""
+    """``WeightsOnlyLoadPlanner`` that reads each of the model's, optimizer's and weight average's
+    DTensors replicated along the mesh's data-parallel replica dimension (HSDP's replica groups,
+    NO_SHARD's ranks) on the first replica only: the others take it from there
+    (``broadcast_replicated``; ``replicated`` holds each such tensor's local part, its replica group
+    and the mesh's device type, in state-dict order, the same on every rank). Every replica read its
+    shard's bytes: 128 times the checkpoint from the filesystem at 1,024 ranks in groups of 8 (found
+    by review), at a resume, at ``model.init_from`` and at inference. The small entries (step
+    counts, settings) are read by every rank."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -115,7 +116,7 @@ class ReplicaLoadPlanner(WeightsOnlyLoadPlanner):
         skipped = set()
         for key, value in self.state_dict.items():
             names = value.device_mesh.mesh_dim_names or () if isinstance(value, DTensor) else ()
-            if not key.startswith(("model.", "optim.")) or REPLICATE_DIM not in names:
+            if not key.startswith(("model.", "optim.", f"{AVERAGE_KEY}.")) or REPLICATE_DIM not in names:
                 continue
             dim = names.index(REPLICATE_DIM)
             if value.device_mesh.size(dim) == 1 or not value.placements[dim].is_replicate():

@@ -288,16 +288,18 @@ def model_files_damaged(path: Path, metadata, rank: int, world: int) -> dict[str
 def read_dcp(state: dict[str, Any], path: Path, metadata: Metadata) -> None:
     """``dcp.load`` of ``state`` from ``path`` (on the default group, if any) with the ``metadata``
     already read and checked, its failure as one CheckpointError: DCP's own ``CheckpointException``
-    derives from BaseException and its text names only the failed ranks, not why."""
+    derives from BaseException and its text names only the failed ranks, not why. Data-parallel
+    replicas (HSDP, NO_SHARD) take what the first one read (``ReplicaLoadPlanner``)."""
+    planner = layout.ReplicaLoadPlanner()
     try:
         with layout.reading_alone():  # export-peft's and export-hf --merge's base, one process
-            dcp.load(state, storage_reader=layout.KnownMetadataReader(path, metadata),
-                     planner=layout.WeightsOnlyLoadPlanner())
+            dcp.load(state, storage_reader=layout.KnownMetadataReader(path, metadata), planner=planner)
     except DCP_FAILURES as exc:
         raise_if_interrupted(exc)
         rank = dist.get_rank() if dist.is_initialized() else None
         raise CheckpointError(load_failed(path, exc, "use another checkpoint, or check the filesystem "
                                                      "it is on", rank)) from exc
+    layout.broadcast_replicated(planner.replicated)
 
 
 def load_adapters(model: nn.Module, path: Path, verify_checksums: bool = True) -> None:
