@@ -88,6 +88,10 @@ def initialisation_family_config(family: str, common: dict) -> transformers.Pret
         return transformers.NemotronHConfig(**gqa, mamba_num_heads=6, mamba_head_dim=12, ssm_state_size=4,
                                             n_groups=1, n_routed_experts=4, moe_intermediate_size=16,
                                             moe_shared_expert_intermediate_size=16)
+    if family == "llama4_text":  # its base model is `model`, its base_model_prefix "language_model"
+        return transformers.Llama4TextConfig(
+            **{**gqa, "hidden_size": 48, "intermediate_size": 64}, head_dim=8, intermediate_size_mlp=64,
+            num_local_experts=2, interleave_moe_layer_step=2, attention_chunk_size=128)
     if family == "modernbert_decoder":
         return transformers.ModernBertDecoderConfig(**{**common, "pad_token_id": 1, "bos_token_id": 2})
     raise ValueError(family)

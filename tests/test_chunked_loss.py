@@ -88,7 +88,7 @@ def test_builtin_llama_matches_plain_loss(tied):
     check_model(Llama(cfg), cfg.vocab_size)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "llama4_text"])
 def test_hf_family_matches_plain_loss(family, tmp_path):
     model = HFCausalLM(ModelConfig(name="hf", path=str(make_model_dir(tmp_path, family))))
     check_model(model, model.dims.vocab_size)

@@ -299,6 +299,9 @@ def test_mesh_gains_an_innermost_tp_dimension(strategy, world, local, extra, mes
       "model.path={codegen}"], "the codegen attention's fused query/key/value projection is laid out in 4 "
                                "groups (mp_num), which strategy.tensor_parallel=8 would split inside; use "
                                "strategy.tensor_parallel=2, 4 (or 1)"),
+    # found by review: Llama 4's plan was named under its base_model_prefix, language_model.*
+    (["trainer.devices=2", "strategy.tensor_parallel=2", "model.name=hf", "model.path={llama4_text}"],
+     "the llama4_text plan's model.layers.*.feed_forward.experts.gate_up_proj: 'packed_rowwise'"),
 ])
 def test_bad_layouts_fail_before_launch_with_one_line(overrides, message, hf_layouts, tmp_path):
     overrides = [item.format(**hf_layouts) for item in overrides] + [f"run.dir={tmp_path}/run"]
@@ -346,6 +349,7 @@ def hf_layouts(tmp_path_factory) -> dict[str, str]:
                                                        tie_word_embeddings=False),
                "diffllama": transformers.DiffLlamaConfig(**sizes, num_key_value_heads=2,
                                                          tie_word_embeddings=False),
+               "llama4_text": family_config("llama4_text", vocab_size=300, tie_word_embeddings=False),
                "codegen": transformers.CodeGenConfig(vocab_size=304, n_embd=64, n_layer=2, n_head=8,
                                                      rotary_dim=4, tie_word_embeddings=False)}
     for name, config in configs.items():

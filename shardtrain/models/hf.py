@@ -45,6 +45,8 @@ from shardtrain.models.experts import inactive_expert_params
 from shardtrain.models.hf_directory import CONFIG_FILE, PREFIX, hf_name, model_directory
 from shardtrain.models.hf_init import FamilyInitialisation
 from shardtrain.models.hf_tp import (
+    base_model_name,
+    base_model_of,
     check_declared_plan,
     hf_tensor_parallel_styles,
     module_name,
@@ -106,7 +108,7 @@ def sequence_state_reason(config: PretrainedConfig) -> str | None:
     return None
 
 
-def transforms_head_output(source: str, head_name: str, base_model_prefix: str) -> bool:
+def transforms_head_output(source: str, head_name: str, base_name: str) -> bool:
     """Whether a causal LM's ``forward`` (its source) does anything to the logits but apply the head
     named ``head_name`` to its base model's last hidden state, sliced at most: a scaling of the hidden
     states (MiniCPM3 divides them) or of the logits, on the head's line (HyperCLOVAX) or after it
@@ -121,11 +123,11 @@ def transforms_head_output(source: str, head_name: str, base_model_prefix: str) 
     # ``.float()`` after the head is what the plain loss does anyway (Blt writes it).
     plain_head = rf"self\.{re.escape(head_name)}\(hidden_states(\[[^\]]*\])?\)(\.float\(\))?\s*(#.*)?"
     return (len(logits) != 1 or re.fullmatch(plain_head, logits[0].strip()) is None
-            or hidden[:1] != ["outputs.last_hidden_state"]
+            or hidden[:1] not in (["outputs.last_hidden_state"], ["outputs[0]"])  # (Llama 4's: the same)
             or any(re.fullmatch(slicing, value) is None for value in hidden[1:])
             or re.search(r"\b(logits|hidden_states)\s*([-+*/]|//|\*\*)=|\b(logits|hidden_states)\.\w+_\(",
                          source) is not None
-            or f"self.{base_model_prefix}(" not in source)
+            or f"self.{base_name}(" not in source)
 
 
 def head_transform_reason(model: nn.Module, source: str | None) -> str | None:
@@ -136,7 +138,7 @@ def head_transform_reason(model: nn.Module, source: str | None) -> str | None:
         return f"the source of {type(model).__name__}.forward is not readable"
     head = model.get_output_embeddings()
     head_name = next((name for name, module in model.named_children() if module is head), None)
-    if head_name is None or transforms_head_output(source, head_name, model.base_model_prefix):
+    if head_name is None or transforms_head_output(source, head_name, base_model_name(model)):
         return f"{type(model).__name__}.forward does more to its logits than apply its output head"
     return None
 
@@ -337,7 +339,7 @@ class HFCausalLM(nn.Module):
             # position_ids that restart (given no attention mask and no cache) and builds the
             # model's own mask from them, sliding windows included. The padding a mask would mark
             # comes after every token in its row, which causal attention never reads.
-            model = self.hf.base_model if hidden_only else self.hf
+            model = base_model_of(self.hf) if hidden_only else self.hf
             out = model(input_ids=tokens, position_ids=positions, use_cache=False, **routers)
             output = out.last_hidden_state if hidden_only else out.logits
             if not router_loss:
@@ -421,7 +423,7 @@ class HFCausalLM(nn.Module):
     def document_mask_refusal(self) -> str | None:
         if reason := sequence_state_reason(self.config):  # the more telling reason first (Mamba's)
             return reason
-        if "position_ids" not in inspect.signature(type(self.hf.base_model).forward).parameters:
+        if "position_ids" not in inspect.signature(type(base_model_of(self.hf)).forward).parameters:
             return (f"a {self.config.model_type} model's forward takes no position_ids, so it never sees "
                     "where the packed documents start")
         return None
@@ -480,7 +482,7 @@ class HFCausalLM(nn.Module):
         a loss that applies the head itself to ``hidden_only`` states (OLMo's norm has no parameters,
         the head was alone in its unit, never gathered, and the chunked loss failed)."""
         for name in ("norm", "final_layernorm", "ln_f", "final_layer_norm", "norm_f"):
-            module = getattr(self.hf.base_model, name, None)
+            module = getattr(base_model_of(self.hf), name, None)
             if isinstance(module, nn.Module) and not isinstance(module, self.block_classes):
                 return [module]
         return []

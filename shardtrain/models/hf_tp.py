@@ -56,7 +56,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from shardtrain.errors import ConfigError
 from shardtrain.models.dims import Dims, even_tensor_parallel_degrees
@@ -70,13 +70,31 @@ SEQUENCE_PARALLEL_BLOCK = ("input_layernorm", "self_attn", "post_attention_layer
 FINAL_NORM = "norm"
 
 
+def base_model_name(model: nn.Module) -> str:
+    """The name of the base model inside a transformers causal LM ("": ``model`` has none): the
+    child that holds it, as transformers composes the plans. Not ``base_model_prefix`` alone, which
+    Llama 4's causal LM gives as "language_model" while its base model is ``model``, so that
+    ``base_model`` is the causal LM itself (found by review: its plan was named under a module that
+    does not exist, and its logits were taken for transformed)."""
+    base = getattr(model, "base_model", model)
+    if base is not model:
+        return module_name(model, base)
+    return next((name for name, child in model.named_children() if isinstance(child, PreTrainedModel)), "")
+
+
+def base_model_of(model: nn.Module) -> nn.Module:
+    """The base model inside a transformers causal LM (``base_model_name``)."""
+    name = base_model_name(model)
+    return model.get_submodule(name) if name else model
+
+
 def declared_plan(model: nn.Module) -> dict[str, str]:
     """The tensor-parallel plan a transformers causal LM declares, as module-name patterns (``*``:
     a layer number) relative to ``model``: its class's ``_tp_plan`` and its config's
-    ``base_model_tp_plan`` under the base model's prefix."""
+    ``base_model_tp_plan`` under the base model's name."""
     plan = dict(getattr(type(model), "_tp_plan", None) or {})
     base = getattr(model.config, "base_model_tp_plan", None) or {}
-    prefix = getattr(model, "base_model_prefix", "")
+    prefix = base_model_name(model)
     plan.update({f"{prefix}.{key}" if prefix else key: style for key, style in base.items()})
     return plan
 
@@ -154,7 +172,7 @@ def check_declared_plan(model: nn.Module, blocks: tuple[type, ...], tp: int,
     if sequence_parallel:
         found = [m for m in model.modules() if isinstance(m, blocks)]
         layout = [name for name, child in found[0].named_children()] if found else []
-        norm = getattr(model.base_model, FINAL_NORM, None)
+        norm = getattr(base_model_of(model), FINAL_NORM, None)
         if not found or not set(SEQUENCE_PARALLEL_BLOCK) <= set(layout) or norm is None or any(
                 any(True for _ in child.parameters())
                 for block in found for name, child in block.named_children()
@@ -256,7 +274,7 @@ def hf_tensor_parallel_styles(model: nn.Module, blocks: tuple[type, ...], tp: in
         elif style is not None and (style != "sequence_parallel" or sequence_parallel):
             styles[name] = translate(style, stream, local)
     if sequence_parallel:
-        styles[module_name(model, getattr(model.base_model, FINAL_NORM))] = SequenceParallel()
+        styles[module_name(model, getattr(base_model_of(model), FINAL_NORM))] = SequenceParallel()
         for name, module in model.named_modules():
             if isinstance(module, blocks):
                 styles |= {
