@@ -282,9 +282,19 @@ def metrics(run_dir: Path, kind: str = "train") -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
+# What torchrun tells its workers. A command this worker starts is a run of its own; with them it
+# ran as a worker of this job, on its store and restart count (it worked at one process: checked on
+# CPU, 2026-12-02), which is not what the checks measure (found by review).
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT")
+
+
 def cli(*args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    own = {key: value for key, value in os.environ.items()
+           if key not in TORCHRUN_VARIABLES and not key.startswith("TORCHELASTIC_")}
     proc = subprocess.run([sys.executable, "-m", "shardtrain", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=600)
+                          env={**own, **(env or {})}, timeout=600)
     if check and proc.returncode != 0:
         raise RuntimeError(f"shardtrain {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     return proc
