@@ -323,9 +323,10 @@ def offload_check(workdir: Path) -> dict:
 def resume_check(workdir: Path) -> dict:
     """Async checkpoints every 4 steps; a run killed after step 10 resumes from step 8 and must
     repeat the uninterrupted run's losses for steps 9-12."""
-    base = ["model=llama_default", "trainer.max_steps=12", "trainer.log_every=1", "trainer.eval_every=0",
-            "trainer.sample_tokens=0", "trainer.progress_bar=false", "checkpoint.interval=4",
-            "checkpoint.async_save=true", "run.trackers=[]"]
+    # One process, as this worker is (trainer.devices=auto takes every GPU of the host).
+    base = ["model=llama_default", "trainer.devices=1", "trainer.max_steps=12", "trainer.log_every=1",
+            "trainer.eval_every=0", "trainer.sample_tokens=0", "trainer.progress_bar=false",
+            "checkpoint.interval=4", "checkpoint.async_save=true", "run.trackers=[]"]
     straight, broken = workdir / "straight", workdir / "broken"
     cli("train", *base, f"run.dir={straight}")
     killed = cli("train", *base, f"run.dir={broken}", env={"SHARDTRAIN_FAULT": "step:0:10:kill"},
@@ -357,10 +358,10 @@ def profile_check(workdir: Path) -> dict:
     """diagnostics.profile_at with the memory snapshot on the GPU: the trace holds the device's
     kernels, the snapshot is written, and rank 0 logs the operator table (CUDA-only code paths)."""
     run_dir = workdir / "profile"
-    proc = cli("train", "model=llama_default", "trainer.max_steps=5", "trainer.eval_every=0",
-               "trainer.sample_tokens=0", "trainer.progress_bar=false", "checkpoint.enabled=false",
-               "run.trackers=[]", "diagnostics.profile_at=3", "diagnostics.profile_steps=2",
-               "diagnostics.memory_snapshot=true", f"run.dir={run_dir}")
+    proc = cli("train", "model=llama_default", "trainer.devices=1", "trainer.max_steps=5",
+               "trainer.eval_every=0", "trainer.sample_tokens=0", "trainer.progress_bar=false",
+               "checkpoint.enabled=false", "run.trackers=[]", "diagnostics.profile_at=3",
+               "diagnostics.profile_steps=2", "diagnostics.memory_snapshot=true", f"run.dir={run_dir}")
     folder = run_dir / "profiles" / "steps-3-4"
     trace = json.loads((folder / "rank0.json").read_text())
     kernels = sum(1 for event in trace["traceEvents"] if event.get("cat") == "kernel")
