@@ -618,9 +618,19 @@ def resume_elsewhere(out: str, strategy: str, accum: int) -> None:
     assert trainer.step == N
     dump(trainer, trainer.fit().losses, Path(out, f"resumed{world}-{strategy}.pt"))
     if strategy == "NO_SHARD":
+        # A resume of the final checkpoint, which holds the average: its tensors too from the first
+        final = Path(cfg.run.dir, "checkpoints", f"step-{2 * N}")
+        elsewhere = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=f"{cfg.run.dir}-again"),
+                                        checkpoint=dataclasses.replace(cfg.checkpoint, resume=str(final)))
+        with replica_reads() as planned_again:
+            again = new_trainer(elsewhere)
+        pairs = zip(again.average.averages, trainer.average.averages, strict=True)
+        assert again.checkpointer.average_restored and all(
+            torch.equal(local_tensor(mine), local_tensor(saved)) for mine, saved in pairs), again.env.rank
+        del again
         with replica_reads() as planned_average:
             averaged = average_read_into_the_weights(trainer)
-        planned.extend(planned_average)
+        planned.extend(planned_again + planned_average)
         assert averaged, f"rank {trainer.env.rank}: the weights read are not the average saved"
     reads = [None] * world
     torch.distributed.all_gather_object(reads, planned)
