@@ -68,16 +68,16 @@ def loss_and_grads(model: torch.nn.Module, batch: Batch, chunk_tokens: int) -> t
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def check_model(model: torch.nn.Module, vocab: int) -> None:
+def check_model(model: torch.nn.Module, vocab: int, tolerance: float = TOLERANCE) -> None:
     assert output_head(model) is not None
     for document_mask in (False, True):
         batch = masked_batch(vocab, document_mask)
         plain_loss, plain_grads = loss_and_grads(model, batch, 0)
         loss, grads = loss_and_grads(model, batch, CHUNK)
-        assert rel_error(loss, plain_loss) < TOLERANCE
+        assert rel_error(loss, plain_loss) < tolerance
         assert grads.keys() == plain_grads.keys()
         for name, grad in grads.items():
-            assert rel_error(grad, plain_grads[name]) < TOLERANCE, name
+            assert rel_error(grad, plain_grads[name]) < tolerance, name
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -88,10 +88,14 @@ def test_builtin_llama_matches_plain_loss(tied):
     check_model(Llama(cfg), cfg.vocab_size)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_neox", "llama4_text"])
-def test_hf_family_matches_plain_loss(family, tmp_path):
+# Llama 4 (its base model under another name than base_model_prefix says) and Nemotron-H (which
+# takes `outputs[0]` for the last hidden state) chunk since 2026-12-02. Nemotron-H's Mamba `dt_bias`
+# gradients are ~1e-9: their fp32 rounding is 1e-6 of them.
+@pytest.mark.parametrize(("family", "tolerance"), [("llama", TOLERANCE), ("gpt_neox", TOLERANCE),
+                                                   ("llama4_text", TOLERANCE), ("nemotron_h", 1e-5)])
+def test_hf_family_matches_plain_loss(family, tolerance, tmp_path):
     model = HFCausalLM(ModelConfig(name="hf", path=str(make_model_dir(tmp_path, family))))
-    check_model(model, model.dims.vocab_size)
+    check_model(model, model.dims.vocab_size, tolerance)
 
 
 def test_helper_matches_cross_entropy_with_bias_and_bf16():
