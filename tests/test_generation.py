@@ -23,7 +23,7 @@ from shardtrain.config.schema import DataConfig, ModelConfig
 from shardtrain.data.corpus import load_corpus
 from shardtrain.data.tokenizer import ByteStream, ByteTokenizer, HFTokenizer
 from shardtrain.errors import DataError, GenerationError
-from shardtrain.generation.generate import generate, generation_mode, prompt_ids
+from shardtrain.generation.generate import generate, generation_mode, kv_cache_bytes, prompt_ids
 from shardtrain.generation.inference import data_changed_since
 from shardtrain.generation.ranges import EVAL_RANGES, GENERATE_RANGES, Range
 from shardtrain.models.llama import Llama
@@ -330,6 +330,11 @@ def test_cpu_ranks_of_a_machine_share_its_memory_for_the_gathered_copy():
     asked = generation_mode(model, torch.float32, torch.device("cpu"), "sharded")
     assert asked.mode == "sharded" and asked.reason().startswith("as asked; the gathered model needs ")
     assert alone.reason().startswith("the gathered model needs ")
+    # The KV cache of the generation counts beside the copy (found by review: left to the headroom):
+    # keys and values, 2 layers x 2 key/value heads x 8 dimensions x 4 bytes a position
+    assert kv_cache_bytes(model, 10, torch.float32) == 2 * 2 * 2 * 8 * 4 * 10
+    long = generation_mode(model, torch.float32, torch.device("cpu"), positions=10**9)
+    assert long.mode == "sharded" and "and its KV cache 238.4 GiB, " in long.reason(), long.reason()
 
 
 def test_eval_says_when_the_runs_data_now_gives_other_samples(tmp_path):

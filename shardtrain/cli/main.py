@@ -244,6 +244,7 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         gathered_copy,
         generate,
         generation_mode,
+        positions_needed,
         prompt_ids,
         sharded_inference,
     )
@@ -253,8 +254,11 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype,
                                     verify_checksums=not args.skip_checksums, average=args.ema)
         tokenizer = tokenizer_for(loaded.cfg.model)
+        # The KV cache of the longest generation (a chat template's few tokens around it aside)
+        longest = 0 if args.no_cache else positions_needed(
+            max(len(prompt_ids(tokenizer, prompt)) for prompt in prompts), args.max_new_tokens)
         choice = generation_mode(loaded.model, loaded.compute_dtype, loaded.env.device, args.mode,
-                                 loaded.env.local_world_size)
+                                 loaded.env.local_world_size, positions=longest)
         main_rank = loaded.env.is_main
         if main_rank:
             log.info(f"generation: {choice.mode} ({choice.reason()})")

@@ -45,21 +45,36 @@ class ModeChoice:
     gathered_bytes: int  # the plain copy's parameters in the generation dtype
     free_bytes: int | None  # the least free memory of any rank (None: unknown)
     asked: bool = False  # the mode was asked for, not chosen by the memory
+    cache_bytes: int = 0  # the KV cache of the longest generation, beside the copy
 
     def reason(self) -> str:
         free = "unknown" if self.free_bytes is None else human_bytes(self.free_bytes)
-        memory = f"the gathered model needs {human_bytes(self.gathered_bytes)}, {free} is free"
+        cache = f" and its KV cache {human_bytes(self.cache_bytes)}" if self.cache_bytes else ""
+        memory = f"the gathered model needs {human_bytes(self.gathered_bytes)}{cache}, {free} is free"
         return f"as asked; {memory}" if self.asked else memory
 
 
+def kv_cache_bytes(model: nn.Module, positions: int, dtype: torch.dtype) -> int:
+    """The keys and values one sequence of ``positions`` tokens keeps at every layer (a hybrid's
+    layers without attention counted as attention's: an upper bound); 0 for a model whose sizes
+    are not known (a task's own module without ``dims``)."""
+    dims = getattr(model, "dims", None)
+    if dims is None or positions <= 0:
+        return 0
+    return 2 * dims.n_layers * dims.n_kv_heads * dims.head_dim * positions * dtype.itemsize
+
+
 def generation_mode(model: nn.Module, dtype: torch.dtype, device: torch.device,
-                    requested: str = "auto", local_processes: int = 1) -> ModeChoice:
-    """``gathered`` when the plain copy fits the free memory of every rank with room to spare,
-    else ``sharded``; every rank gets the same answer (the least free memory of any rank). On a CPU
-    the ``local_processes`` of a machine each build their copy in its one memory: a share each."""
+                    requested: str = "auto", local_processes: int = 1, positions: int = 0) -> ModeChoice:
+    """``gathered`` when the plain copy and the KV cache of a generation of ``positions`` tokens
+    fit the free memory of every rank with room to spare, else ``sharded``; every rank gets the same
+    answer (the least free memory of any rank). On a CPU the ``local_processes`` of a machine each
+    build their copy in its one memory: a share each. The cache counts (found by review: a long
+    generation's, gigabytes at 100k positions, was left to the 20% headroom)."""
     if requested not in GENERATION_MODES:
         raise GenerationError(f"generation mode {requested!r} is not one of {', '.join(GENERATION_MODES)}")
     need = sum(p.numel() for p in model.parameters()) * dtype.itemsize  # tied weights once
+    cache = kv_cache_bytes(model, positions, dtype)
     free = free_memory_bytes(device)
     if free is not None and device.type == "cpu":
         free //= max(local_processes, 1)
@@ -69,9 +84,9 @@ def generation_mode(model: nn.Module, dtype: torch.dtype, device: torch.device,
         dist.all_reduce(least, op=dist.ReduceOp.MIN)
         free = int(least.item()) if int(least.item()) >= 0 else None
     if requested != "auto":
-        return ModeChoice(requested, need, free, asked=True)
-    fits = free is None or need <= GATHER_HEADROOM * free
-    return ModeChoice("gathered" if fits else "sharded", need, free)
+        return ModeChoice(requested, need, free, asked=True, cache_bytes=cache)
+    fits = free is None or need + cache <= GATHER_HEADROOM * free
+    return ModeChoice("gathered" if fits else "sharded", need, free, cache_bytes=cache)
 
 
 @contextmanager

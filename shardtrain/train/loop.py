@@ -1237,17 +1237,18 @@ class Trainer:
         t = self.cfg.trainer
         self.watchdog.beat("sampling", self.step)
         faults.inject("sample", self.env.rank, self.step)
+        tokenizer = self.task.text_tokenizer()
+        prompt = prompt_ids(tokenizer, t.sample_prompt)
         choice = generation_mode(self.model, self.built.plan.param_dtype, self.env.device,
-                                 local_processes=self.env.local_world_size)
+                                 local_processes=self.env.local_world_size,
+                                 positions=positions_needed(len(prompt), t.sample_tokens))
         if choice.mode != "gathered":
             self.info(f"sample at step {self.step} skipped: {choice.reason()} (`shardtrain generate` "
                       "runs a checkpoint unit by unit)")
             return ""
-        tokenizer = self.task.text_tokenizer()
         # The copy is built as the trained model was: with finetune=lora/qlora, adapters on the base.
         plain = gathered_copy(self.model, with_adapters(self.task.build_model, self.cfg, self.env.device),
                               self.env.device, self.built.plan.param_dtype)
-        prompt = prompt_ids(tokenizer, t.sample_prompt)
         ids = generate(plain, prompt, t.sample_tokens, temperature=0.8, top_k=40, seed=t.seed,
                        vocab_limit=tokenizer.vocab_size, device=self.env.device,
                        stop_tokens=tokenizer.stop_ids)
