@@ -369,3 +369,22 @@ def test_eval_says_when_the_runs_data_now_gives_other_samples(tmp_path):
         f"training samples, where the run trained on {samples}: its files changed since, or data.paths or "
         "the standard library resolve to others here, so the held-out split scored is not the run's; name "
         "the text to score with --file"), changed
+
+
+def test_running_out_of_memory_is_one_line_naming_what_to_change(tmp_path, monkeypatch, capsys):
+    """Found by review: an accelerator's out-of-memory error was a traceback, or exit 2 naming
+    nothing to change on the split path of --devices N (which now says this same line)."""
+    import shardtrain.generation.generate as generation
+
+    directory = make_model_dir(tmp_path / "model", "llama")
+
+    def exhausted(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore lines")
+
+    monkeypatch.setattr(generation, "generate", exhausted)
+    for mode, fix in (("gathered", "use --mode sharded (a rank then holds about two units of the model), "),
+                      ("sharded", "use fewer --max-new-tokens")):
+        command = ["generate", str(directory), "--prompt", "x", "--max-new-tokens", "4", "--mode", mode]
+        assert main(command) == 2
+        assert ("shardtrain: error: out of memory generating (CUDA out of memory. Tried to allocate "
+                f"2.00 GiB) in mode {mode}; {fix}") in capsys.readouterr().err

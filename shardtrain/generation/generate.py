@@ -30,7 +30,7 @@ from shardtrain.config.sizes import human_bytes
 from shardtrain.data.tokenizer import Tokenizer
 from shardtrain.distributed.parallelize import reshard_all
 from shardtrain.distributed.qlora import full_value
-from shardtrain.errors import GenerationError
+from shardtrain.errors import GenerationError, first_line
 from shardtrain.tasks.language_model import embedding_rows
 
 GENERATION_MODES = ("auto", "gathered", "sharded")
@@ -87,6 +87,15 @@ def generation_mode(model: nn.Module, dtype: torch.dtype, device: torch.device,
         return ModeChoice(requested, need, free, asked=True, cache_bytes=cache)
     fits = free is None or need + cache <= GATHER_HEADROOM * free
     return ModeChoice("gathered" if fits else "sharded", need, free, cache_bytes=cache)
+
+
+def out_of_memory(exc: torch.OutOfMemoryError, mode: str) -> GenerationError:
+    """What a generation that ran out of accelerator memory says: what to change, as one line (the
+    split path of ``generate --devices N`` said it as exit 2, the others as a traceback)."""
+    smaller = "fewer --max-new-tokens or a shorter prompt (the KV cache), or more devices (--devices N)"
+    fix = (f"--mode sharded (a rank then holds about two units of the model), {smaller}" if mode == "gathered"
+           else smaller)
+    return GenerationError(f"out of memory generating ({first_line(exc)}) in mode {mode}; use {fix}")
 
 
 @contextmanager
