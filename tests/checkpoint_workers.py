@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from equivalence import case_config, small_corpus
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 from shardtrain.checkpoint import integrity, layout, weights
@@ -671,16 +671,28 @@ def average_read_into_the_weights(trainer: Trainer) -> bool:
                                                                                        strict=True))
 
 
-def init_from(out: str, source: str) -> None:
-    """model.init_from: weights only, from a checkpoint directory or a safetensors file."""
+def init_from(out: str, source: str, strategy: str = "FULL_SHARD") -> None:
+    """model.init_from: weights only, from a checkpoint directory or a safetensors file. Under
+    NO_SHARD the second replica reads none of the file's tensors, and holds every one all the same
+    (each rank's own copy compared with the file: the gathered weights are the first's)."""
     world = int(os.environ["WORLD_SIZE"])
-    cfg = ckpt_config(f"{out}/init{world}", world)
+    cfg = ckpt_config(f"{out}/init{world}", world, strategy=strategy)
     cfg.model = dataclasses.replace(cfg.model, init_from=source)
-    trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=small_corpus()))
+    reads, read = [], weights.read_own_rows
+    weights.read_own_rows = lambda param, part: (reads.append(param), read(param, part))[1]
+    try:
+        trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=small_corpus()))
+    finally:
+        weights.read_own_rows = read
     assert trainer.step == 0  # a new run: no optimizer state, no step
-    weights = trainer.full_weights()
+    if strategy == "NO_SHARD":
+        rank, stored = trainer.env.rank, load_file(source)
+        assert (len(reads) > 0) == (rank == 0), (rank, len(reads))
+        for name, param in trainer.model.named_parameters():
+            assert torch.equal(param.to_local(), stored[name]), (rank, name)
+    gathered = trainer.full_weights()
     if trainer.env.is_main:
-        torch.save(weights, Path(out, f"init{world}.pt"))
+        torch.save(gathered, Path(out, f"init{world}.pt"))
 
 
 def sample_ids_match(parts: list[list[list[int]]], reference: list[list[int]]) -> None:

@@ -179,8 +179,9 @@ def test_consolidation_is_bitwise_and_init_from_loads_it(four_rank_checkpoint, t
     assert (tmp_path / "sharded" / "model.safetensors.index.json").read_text() == index
     assert not (tmp_path / "sharded" / "model.safetensors").exists()
 
-    # model.init_from: from the safetensors file at 2 ranks, from the DCP directory at 1 rank
-    run_on_ranks(init_from, 2, str(tmp_path), str(single[0]), tmp_path=tmp_path)
+    # model.init_from: from the safetensors file at 2 NO_SHARD ranks (the second reads none of it,
+    # found by review: every replica read the whole file), from the DCP directory at 1 rank
+    run_on_ranks(init_from, 2, str(tmp_path), str(single[0]), "NO_SHARD", tmp_path=tmp_path)
     run_on_ranks(init_from, 1, str(tmp_path), str(ckpt), tmp_path=tmp_path)
     for world in (2, 1):
         loaded = torch.load(tmp_path / f"init{world}.pt")

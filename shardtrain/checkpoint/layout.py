@@ -114,20 +114,30 @@ class ReplicaLoadPlanner(WeightsOnlyLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()
         skipped = set()
+        read_once = ("model.", "optim.", f"{AVERAGE_KEY}.")
         for key, value in self.state_dict.items():
-            names = value.device_mesh.mesh_dim_names or () if isinstance(value, DTensor) else ()
-            if not key.startswith(("model.", "optim.", f"{AVERAGE_KEY}.")) or REPLICATE_DIM not in names:
+            if not key.startswith(read_once) or (found := replica_of(value)) is None:
                 continue
-            dim = names.index(REPLICATE_DIM)
-            if value.device_mesh.size(dim) == 1 or not value.placements[dim].is_replicate():
-                continue
-            with torch.no_grad():
-                self.replicated.append((value.to_local(), value.device_mesh.get_group(dim),
-                                        value.device_mesh.device_type))
-            if value.device_mesh.get_local_rank(dim) != 0:
+            local, group, device_type, first = found
+            self.replicated.append((local, group, device_type))
+            if not first:
                 skipped.add(key)
         return dataclasses.replace(plan, items=[item for item in plan.items
                                                 if item.dest_index.fqn not in skipped])
+
+
+def replica_of(value: object) -> tuple[torch.Tensor, object, str, bool] | None:
+    """Where ``value`` is a DTensor replicated along its mesh's data-parallel replica dimension over
+    more than one replica: its local part, that replica group, the mesh's device type, and whether
+    this rank is the group's first (which reads for the others); else None."""
+    names = value.device_mesh.mesh_dim_names or () if isinstance(value, DTensor) else ()
+    if REPLICATE_DIM not in names:
+        return None
+    mesh, dim = value.device_mesh, names.index(REPLICATE_DIM)
+    if mesh.size(dim) == 1 or not value.placements[dim].is_replicate():
+        return None
+    with torch.no_grad():
+        return value.to_local(), mesh.get_group(dim), mesh.device_type, mesh.get_local_rank(dim) == 0
 
 
 def broadcast_replicated(replicated: list[tuple[torch.Tensor, object, str]]) -> None:

@@ -42,7 +42,7 @@ from shardtrain.checkpoint.safetensors_files import (
 )
 from shardtrain.checkpoint.state import STATE_FILE, TrainState, as_packed_then, rebuild_config
 from shardtrain.config.schema import LANGUAGE_MODEL_TASK, DataConfig, FinetuneConfig, ModelConfig
-from shardtrain.distributed.agreement import agree
+from shardtrain.distributed.agreement import agree, run_agreed
 from shardtrain.distributed.qlora import NF4_DESCRIPTION
 from shardtrain.distributed.sharded_model import first_row, local_box, shard_like
 from shardtrain.errors import CheckpointError
@@ -184,18 +184,19 @@ def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | N
     if kind == HF_IMPORT:
         if model_cfg is None:
             raise CheckpointError(f"{source}: importing a Hugging Face directory needs the model config")
-        load_hf_into(model, model_cfg, source[len(HF_PREFIX):])
+        directory = source[len(HF_PREFIX):]
+        read_on_first_replica(model, lambda taken: load_hf_into(model, model_cfg, directory, taken))
         return
     path = Path(source).expanduser()
     if kind == SAFETENSORS_FILE:
-        load_safetensors_into(model, path)
+        read_on_first_replica(model, lambda taken: load_safetensors_into(model, path, taken))
         return
     if kind == HF_DIRECTORY:
         if model_cfg is None or model_cfg.name != "hf":
             raise CheckpointError(f"{path} is a Hugging Face model directory: train it with "
                                   f"model.name=hf model.path={path} (a Llama also imports into the "
                                   f"built-in model with model.init_from=hf:{path})")
-        load_hf_model_into(model, path)
+        read_on_first_replica(model, lambda taken: load_hf_model_into(model, path, taken))
         return
     metadata = verify_shared(path, verify_checksums)
     if (path / STATE_FILE).is_file():
@@ -209,6 +210,22 @@ def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | N
         read_dcp({"model": state}, path, metadata)
     set_model_state_dict(model, {name: state[base_name(name)] for name in adapted if not is_adapter(name)},
                          options=StateDictOptions(strict=len(state) == len(adapted)))
+
+
+def read_on_first_replica(model: nn.Module, read: Callable[[frozenset[int]], None]) -> None:
+    """``read(from_replica)`` on every rank, ``from_replica`` the ids of the weights this rank takes from its
+    first data-parallel replica (HSDP, NO_SHARD: ``layout.replica_of``) instead of the files, then
+    one broadcast a weight over each replica group. Every replica read its rows of every file: R
+    replicas, R times the model from the shared filesystem (found by review). What any rank raised is
+    raised on all before the broadcasts, which a rank would otherwise wait in alone."""
+    replicated, from_replica = [], set()
+    for _, param in base_parameters(model):  # the adapters are drawn afterwards, not read
+        if (found := layout.replica_of(param)) is not None:
+            replicated.append(found[:3])
+            if not found[3]:
+                from_replica.add(id(param))
+    run_agreed(lambda: read(frozenset(from_replica)))
+    layout.broadcast_replicated(replicated)
 
 
 def averaged_state(path: Path, metadata, state: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -413,12 +430,15 @@ def read_expert_parts(param: torch.Tensor, parts: list[tuple[Any, Any, str]], wh
 def load_files_into(model: nn.Module, files: list[Path], what: str,
                     rename: Callable[[str], str] = lambda key: key,
                     expert_part: Callable[[str], Any] = lambda key: None,
-                    required_buffers: Collection[str] = frozenset()) -> None:
+                    required_buffers: Collection[str] = frozenset(),
+                    from_replica: Collection[int] = frozenset()) -> None:
     """Every parameter of ``model`` (and each buffer the files hold) from safetensors ``files``, tensor
     by tensor, each rank reading only its own rows (``own_rows``). ``rename`` maps a stored name to
     the model's; ``expert_part`` says where one expert's stored tensor goes in a parameter that
     stacks the experts (``read_expert_parts``), None for the others. ``required_buffers``: buffers
     nothing but the files sets (a family's ``_init_weights`` leaves them), refused when absent.
+    ``from_replica``: the ids of parameters not to read (another replica reads them for this rank:
+    ``read_on_first_replica``).
 
     A parameter registered under several names (tied input and output embeddings) may be stored
     under any of them or all: a consolidated checkpoint keeps every name its state dict had, a
@@ -456,6 +476,8 @@ def load_files_into(model: nn.Module, files: list[Path], what: str,
                                   "not initialise, so only the weight files can set them; use a "
                                   "directory saved with them (save_pretrained keeps persistent buffers)")
         for key, names in aliases.items():
+            if key in from_replica:
+                continue
             if stacked := next((name for name in names if name in experts), None):
                 read_expert_parts(targets[key], experts[stacked], what)
                 continue
@@ -487,17 +509,19 @@ def ignored_on_load(model: nn.Module) -> list[re.Pattern]:
     return [STALE_ROPE_TABLES, *(re.compile(pattern) for pattern in sorted(patterns))]
 
 
-def load_safetensors_into(model: nn.Module, path: Path) -> None:
+def load_safetensors_into(model: nn.Module, path: Path, from_replica: Collection[int] = frozenset()) -> None:
     """A consolidated shardtrain file (the model's own parameter names)."""
-    load_files_into(model, [path], str(path))
+    load_files_into(model, [path], str(path), from_replica=from_replica)
 
 
-def load_hf_model_into(model: nn.Module, directory: str | Path) -> None:
+def load_hf_model_into(model: nn.Module, directory: str | Path,
+                       from_replica: Collection[int] = frozenset()) -> None:
     """A Hugging Face model directory into ``model.name=hf``'s model (transformers' names)."""
     directory = Path(directory).expanduser()
     load_files_into(model, weight_files(directory), str(directory), rename=model.parameter_name,
                     expert_part=model.expert_part,
-                    required_buffers=getattr(model, "buffers_only_in_weights", frozenset()))
+                    required_buffers=getattr(model, "buffers_only_in_weights", frozenset()),
+                    from_replica=from_replica)
 
 
 def read_hf_config(directory: Path) -> dict:
@@ -520,8 +544,10 @@ def read_hf_config(directory: Path) -> dict:
 
 
 @torch.no_grad()
-def load_hf_into(model: nn.Module, cfg: ModelConfig, directory: str | Path) -> None:
-    """``model.init_from=hf:<dir>``: fill the sharded model tensor by tensor, shard by shard."""
+def load_hf_into(model: nn.Module, cfg: ModelConfig, directory: str | Path,
+                 from_replica: Collection[int] = frozenset()) -> None:
+    """``model.init_from=hf:<dir>``: fill the sharded model tensor by tensor, shard by shard (not the
+    parameters whose ids are in ``from_replica``: another replica reads them for this rank)."""
     directory = Path(directory).expanduser()
     mismatched = config_mismatches(cfg, model_config_from_hf(read_hf_config(directory)))
     if mismatched:
@@ -537,11 +563,13 @@ def load_hf_into(model: nn.Module, cfg: ModelConfig, directory: str | Path) -> N
                                           f"train it as it is with model.name=hf model.path={directory}")
                 if name is None or name not in params:
                     continue  # read only the tensors the model keeps
+                loaded.add(name)
+                if id(params[name]) in from_replica:
+                    continue
                 heads = rotary_heads(name, cfg)
                 part = (own_permuted_rows(params[name], f, hf_name, heads) if heads else
                         own_rows(params[name], f, hf_name, hf_name))
                 read_own_rows(params[name], part)
-                loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"{directory} lacks weights for {missing[:6]}")
