@@ -333,8 +333,14 @@ def test_cpu_ranks_of_a_machine_share_its_memory_for_the_gathered_copy():
     # The KV cache of the generation counts beside the copy (found by review: left to the headroom):
     # keys and values, 2 layers x 2 key/value heads x 8 dimensions x 4 bytes a position
     assert kv_cache_bytes(model, 10, torch.float32) == 2 * 2 * 2 * 8 * 4 * 10
-    long = generation_mode(model, torch.float32, torch.device("cpu"), positions=10**9)
-    assert long.mode == "sharded" and "and its KV cache 238.4 GiB, " in long.reason(), long.reason()
+    long = generation_mode(model, torch.float32, torch.device("cpu"), positions=100)
+    assert long.cache_bytes == kv_cache_bytes(model, 100, torch.float32) and not long.cache_fits_nowhere()
+    assert "and its KV cache 25.0 KiB, " in long.reason(), long.reason()
+    # past the model's 128 positions nothing is generated (check_prompt refuses it): not counted
+    assert generation_mode(model, torch.float32, torch.device("cpu"), positions=10**9).cache_bytes == \
+        kv_cache_bytes(model, 128, torch.float32)
+    crowded = generation_mode(model, torch.float32, torch.device("cpu"), local_processes=10**9, positions=128)
+    assert crowded.mode == "sharded" and crowded.cache_fits_nowhere()  # the cache is whole in either mode
 
 
 def test_eval_says_when_the_runs_data_now_gives_other_samples(tmp_path):
@@ -381,6 +387,12 @@ def test_running_out_of_memory_is_one_line_naming_what_to_change(tmp_path, monke
     def exhausted(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore lines")
 
+    # A KV cache that fits no rank's memory in either mode is refused before any generation
+    monkeypatch.setattr(generation, "free_memory_bytes", lambda device: 1000)
+    assert main(["generate", str(directory), "--prompt", "x", "--max-new-tokens", "4"]) == 2
+    assert "does not fit a rank's free memory (1000 B) in either mode (each rank holds all of it); ask for " \
+        "fewer --max-new-tokens" in capsys.readouterr().err
+    monkeypatch.undo()
     monkeypatch.setattr(generation, "generate", exhausted)
     for mode, fix in (("gathered", "use --mode sharded (a rank then holds about two units of the model), "),
                       ("sharded", "use fewer --max-new-tokens")):

@@ -237,6 +237,7 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
     from torch.distributed import all_gather_object
 
+    from shardtrain.config.sizes import human_bytes
     from shardtrain.data.tokenizer import tokenizer_for
     from shardtrain.distributed.env import destroy_distributed
     from shardtrain.errors import GenerationError
@@ -261,6 +262,11 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
             max(len(prompt_ids(tokenizer, prompt)) for prompt in prompts), args.max_new_tokens)
         choice = generation_mode(loaded.model, loaded.compute_dtype, loaded.env.device, args.mode,
                                  loaded.env.local_world_size, positions=longest)
+        if choice.cache_fits_nowhere():
+            cache, free = human_bytes(choice.cache_bytes), human_bytes(choice.free_bytes)
+            raise GenerationError(f"the KV cache of the longest generation ({cache}) does not fit a rank's "
+                                  f"free memory ({free}) in either mode (each rank holds all of it); ask for "
+                                  "fewer --max-new-tokens, shorten the longest prompt, or use --no-cache")
         main_rank = loaded.env.is_main
         if main_rank:
             log.info(f"generation: {choice.mode} ({choice.reason()})")

@@ -34,7 +34,7 @@ from shardtrain.errors import GenerationError, first_line
 from shardtrain.tasks.language_model import embedding_rows
 
 GENERATION_MODES = ("auto", "gathered", "sharded")
-# The gathered copy must leave this share of the free memory for the KV cache, activations and
+# The gathered copy and the KV cache must leave this share of the free memory for activations and
 # whatever else the process allocates meanwhile.
 GATHER_HEADROOM = 0.8
 
@@ -46,6 +46,11 @@ class ModeChoice:
     free_bytes: int | None  # the least free memory of any rank (None: unknown)
     asked: bool = False  # the mode was asked for, not chosen by the memory
     cache_bytes: int = 0  # the KV cache of the longest generation, beside the copy
+
+    def cache_fits_nowhere(self) -> bool:
+        """Whether the KV cache alone passes the headroom: every rank holds the whole cache in
+        either mode (sharding splits the weights, not the cache)."""
+        return self.free_bytes is not None and self.cache_bytes > GATHER_HEADROOM * self.free_bytes
 
     def reason(self) -> str:
         free = "unknown" if self.free_bytes is None else human_bytes(self.free_bytes)
@@ -74,7 +79,8 @@ def generation_mode(model: nn.Module, dtype: torch.dtype, device: torch.device,
     if requested not in GENERATION_MODES:
         raise GenerationError(f"generation mode {requested!r} is not one of {', '.join(GENERATION_MODES)}")
     need = sum(p.numel() for p in model.parameters()) * dtype.itemsize  # tied weights once
-    cache = kv_cache_bytes(model, positions, dtype)
+    # (a prompt past the model's positions is refused before its generation, not counted)
+    cache = kv_cache_bytes(model, min(positions, getattr(model, "max_seq_len", None) or positions), dtype)
     free = free_memory_bytes(device)
     if free is not None and device.type == "cpu":
         free //= max(local_processes, 1)

@@ -92,8 +92,12 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
     ``dtype``: the compute dtype, fp32 | bf16 | auto (bf16 on accelerators with bf16 units).
     ``verify_checksums``: a checkpoint directory's recorded checksums are checked before reading.
     ``average``: the checkpoint's weight average (trainer.ema_decay) instead of its weights."""
-    defaults = Config().dist
-    env = init_distributed(defaults.backend, defaults.startup_timeout_s)
+    defaults = Config()
+    # The weights' read is bounded as training's is, by a save's bound: the first data-parallel
+    # replica reads while the others wait in a collective (found by review: a model read for longer
+    # than start-up's 600 s on slow storage ended there in the backend's timeout).
+    env = init_distributed(defaults.dist.backend,
+                           max(defaults.dist.startup_timeout_s, defaults.checkpoint.save_timeout_s))
     path = resolved_once(checkpoint)
     if not path.exists():
         raise CheckpointError(f"{str(checkpoint)!r} does not exist")
