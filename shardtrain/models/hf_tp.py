@@ -70,22 +70,23 @@ SEQUENCE_PARALLEL_BLOCK = ("input_layernorm", "self_attn", "post_attention_layer
 FINAL_NORM = "norm"
 
 
-def base_model_name(model: nn.Module) -> str:
-    """The name of the base model inside a transformers causal LM ("": ``model`` has none): the
-    child that holds it, as transformers composes the plans. Not ``base_model_prefix`` alone, which
-    Llama 4's causal LM gives as "language_model" while its base model is ``model``, so that
-    ``base_model`` is the causal LM itself (found by review: its plan was named under a module that
-    does not exist, and its logits were taken for transformed)."""
+def base_model_of(model: nn.Module) -> nn.Module:
+    """The base model inside a transformers causal LM (``model`` itself where it has none): the
+    child that holds it, as transformers composes the plans. Not ``base_model`` alone, which follows
+    ``base_model_prefix``: Llama 4's causal LM gives it as "language_model" while its base model is
+    ``model``, so that ``base_model`` is the causal LM itself (found by review: its plan was named
+    under a module that does not exist, and its logits were taken for transformed). Cheap: the
+    chunked loss asks at every forward."""
     base = getattr(model, "base_model", model)
     if base is not model:
-        return module_name(model, base)
-    return next((name for name, child in model.named_children() if isinstance(child, PreTrainedModel)), "")
+        return base
+    return next((child for child in model.children() if isinstance(child, PreTrainedModel)), model)
 
 
-def base_model_of(model: nn.Module) -> nn.Module:
-    """The base model inside a transformers causal LM (``base_model_name``)."""
-    name = base_model_name(model)
-    return model.get_submodule(name) if name else model
+def base_model_name(model: nn.Module) -> str:
+    """The name of ``base_model_of`` inside ``model`` ("": ``model`` itself)."""
+    base = base_model_of(model)
+    return "" if base is model else module_name(model, base)
 
 
 def declared_plan(model: nn.Module) -> dict[str, str]:
