@@ -38,6 +38,19 @@ PEAK_BF16_TFLOPS = {
 }
 
 
+# What torch's CPU allocator raises where the operating system refuses an allocation (one larger than
+# memory and swap allow): a RuntimeError, not torch.OutOfMemoryError (torch 2.13's alloc_cpu.cpp).
+CPU_ALLOCATION_REFUSED = "DefaultCPUAllocator: can't allocate memory"
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says a device ran out of memory: an accelerator's OutOfMemoryError, or the CPU
+    allocator's refusal (which would otherwise read as any other RuntimeError: a checkpoint that "does
+    not fit this model", a traceback)."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and CPU_ALLOCATION_REFUSED in str(exc))
+
+
 def device_type() -> str:
     """'cuda' (or another accelerator's type) when one is present, else 'cpu'."""
     acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None

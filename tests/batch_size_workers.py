@@ -73,6 +73,11 @@ def auto_batch_run(out: str) -> None:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     except TrainingError as exc:
         out_of_memory = str(exc)
+    try:  # the CPU allocator's refusal of one allocation, for real: a RuntimeError of its own
+        with trainer.out_of_memory_explained():
+            torch.empty(2**48, dtype=torch.uint8)
+    except TrainingError as exc:
+        cpu_refusal = str(exc)
     if trainer.env.is_main:
         Path(out, "auto.json").write_text(json.dumps({
             "micro": choice.micro_batch_size, "accum": choice.grad_accum_steps,
@@ -82,5 +87,5 @@ def auto_batch_run(out: str) -> None:
             "caller_micro": cfg.trainer.micro_batch_size, "caller_ac": cfg.strategy.activation_checkpointing,
             "global_batch": trainer.layout.global_batch, "losses": result.losses,
             "peak_bytes": peak_memory_mib(trainer.env.device) * 2**20, "world": world,
-            "log": lines, "out_of_memory": out_of_memory,
+            "log": lines, "out_of_memory": out_of_memory, "cpu_refusal": cpu_refusal,
         }))

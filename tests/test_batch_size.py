@@ -9,6 +9,7 @@ chooses what the planner says and stays below that limit.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -222,6 +223,13 @@ def test_auto_run_chooses_the_planners_size_and_fits(tmp_path):
                           "chose 4 ")
     assert f"planned peak of {r['planned'] / GIB:.2f} GiB" in oom and "parameters and optimizer state" in oom
     assert "the activation and communication-buffer estimate" in oom and "was wrong" in oom
+    # The CPU allocator's refusal (a RuntimeError, not torch's OutOfMemoryError) says the same, with
+    # the process's peak resident memory where a CPU has no allocator peak
+    refusal = r["cpu_refusal"]
+    assert refusal.startswith("step 3 ran out of cpu memory in forward (rank 0): "
+                              "trainer.micro_batch_size=auto ")
+    resident = re.search(r"the peak resident memory before the failure (\d+\.\d\d) GiB", refusal)
+    assert resident and float(resident[1]) > 0, refusal
     assert "activation_checkpointing=none" in report and "8 with none" in report.split("over it:")[1]
 
 

@@ -400,3 +400,10 @@ def test_running_out_of_memory_is_one_line_naming_what_to_change(tmp_path, monke
         assert main(command) == 2
         assert ("shardtrain: error: out of memory generating (CUDA out of memory. Tried to allocate "
                 f"2.00 GiB) in mode {mode}; {fix}") in capsys.readouterr().err
+    # The CPU allocator's refusal of one allocation is a RuntimeError of its own: the same line
+    monkeypatch.setattr(generation, "generate", lambda *args, **kwargs: torch.empty(2**48, dtype=torch.uint8))
+    command = ["generate", str(directory), "--prompt", "x", "--max-new-tokens", "4", "--mode", "sharded"]
+    assert main(command) == 2
+    err = capsys.readouterr().err
+    assert "can't allocate memory: you tried to allocate 281474976710656 bytes" in err
+    assert "in mode sharded; use fewer --max-new-tokens" in err and "Traceback" not in err

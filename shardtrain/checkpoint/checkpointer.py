@@ -972,7 +972,7 @@ class Checkpointer:
                            options=StateDictOptions(strict=not (unsaved or self.adapters_only),
                                                     ignore_frozen_params=self.adapters_only))
         except (RuntimeError, KeyError) as exc:  # the same tensors, grouped otherwise (tied weights)
-            if isinstance(exc, (torch.OutOfMemoryError, dist.DistError)):
+            if accelerator.is_out_of_memory(exc) or isinstance(exc, dist.DistError):
                 raise  # not a mismatch: memory, or a peer (their own errors say so)
             raise CheckpointError(
                 f"checkpoint {str(path)!r} does not fit this model's parameters "

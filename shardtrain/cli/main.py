@@ -234,7 +234,6 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         return status
     from contextlib import nullcontext
 
-    import torch
     from torch.distributed import all_gather_object
 
     from shardtrain.config.sizes import human_bytes
@@ -246,7 +245,7 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         gathered_copy,
         generate,
         generation_mode,
-        out_of_memory,
+        out_of_memory_explained,
         positions_needed,
         prompt_ids,
         sharded_inference,
@@ -270,12 +269,10 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
         main_rank = loaded.env.is_main
         if main_rank:
             log.info(f"generation: {choice.mode} ({choice.reason()})")
-        try:
+        with out_of_memory_explained(choice.mode):
             runner = (nullcontext(gathered_copy(loaded.model, loaded.factory, loaded.env.device,
                                                 loaded.compute_dtype))
                       if choice.mode == "gathered" else sharded_inference(loaded.model))
-        except torch.OutOfMemoryError as exc:
-            raise out_of_memory(exc, choice.mode) from exc
 
         def show(text: str) -> None:
             if main_rank and text:
@@ -294,15 +291,13 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
 
         def run(model, index: int, ids: list[int], on_text) -> None:
             stream = tokenizer.stream(ids)  # tokens -> whole characters, continuing the prompt's
-            try:
+            with out_of_memory_explained(choice.mode):
                 generate(model, ids, args.max_new_tokens,
                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                          seed=args.seed + index, use_cache=not args.no_cache,
                          vocab_limit=tokenizer.vocab_size, stop_tokens=stops,
                          on_token=lambda token: on_text(stream.push(token)), device=loaded.env.device,
                          rank0_tokens=choice.mode != "gathered")
-            except torch.OutOfMemoryError as exc:
-                raise out_of_memory(exc, choice.mode) from exc
             on_text(stream.flush() + "\n")
 
         world = loaded.env.world_size

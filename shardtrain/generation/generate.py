@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from shardtrain.accelerator import free_memory_bytes
+from shardtrain.accelerator import free_memory_bytes, is_out_of_memory
 from shardtrain.config.sizes import human_bytes
 from shardtrain.data.tokenizer import Tokenizer
 from shardtrain.distributed.parallelize import reshard_all
@@ -95,13 +95,21 @@ def generation_mode(model: nn.Module, dtype: torch.dtype, device: torch.device,
     return ModeChoice("gathered" if fits else "sharded", need, free, cache_bytes=cache)
 
 
-def out_of_memory(exc: torch.OutOfMemoryError, mode: str) -> GenerationError:
-    """What a generation that ran out of accelerator memory says: what to change, as one line (the
-    split path of ``generate --devices N`` said it as exit 2, the others as a traceback)."""
-    smaller = "fewer --max-new-tokens or a shorter prompt (the KV cache), or more devices (--devices N)"
-    fix = (f"--mode sharded (a rank then holds about two units of the model), {smaller}" if mode == "gathered"
-           else smaller)
-    return GenerationError(f"out of memory generating ({first_line(exc)}) in mode {mode}; use {fix}")
+@contextmanager
+def out_of_memory_explained(mode: str) -> Iterator[None]:
+    """A generation that runs out of memory (an accelerator's, or the CPU allocator's refusal) says
+    what to change, as one line (the split path of ``generate --devices N`` said it as exit 2, the
+    others as a traceback)."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        smaller = "fewer --max-new-tokens or a shorter prompt (the KV cache), or more devices (--devices N)"
+        fix = (f"--mode sharded (a rank then holds about two units of the model), {smaller}"
+               if mode == "gathered" else smaller)
+        raise GenerationError(
+            f"out of memory generating ({first_line(exc)}) in mode {mode}; use {fix}") from exc
 
 
 @contextmanager

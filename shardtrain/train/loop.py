@@ -19,6 +19,7 @@ from torch import nn
 from shardtrain import faults
 from shardtrain.accelerator import (
     device_peak_flops,
+    is_out_of_memory,
     peak_memory_mib,
     phase_peak_bytes,
     pin_offloaded_memory,
@@ -943,12 +944,15 @@ class Trainer:
 
     @contextmanager
     def out_of_memory_explained(self) -> Iterator[None]:
-        """An accelerator's out-of-memory error says which of the planner's estimates was wrong (a
-        CPU has no such error: the operating system kills the process)."""
+        """An out-of-memory error says which of the planner's estimates was wrong: an accelerator's,
+        or the CPU allocator's refusal of one allocation (a CPU that runs out otherwise has the
+        operating system kill the process)."""
         try:
             with self.compile_failures_explained():
                 yield
-        except torch.OutOfMemoryError as exc:
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
             raise TrainingError(self.out_of_memory_message(failing_part(exc))) from exc
 
     @contextmanager
@@ -962,7 +966,7 @@ class Trainer:
             if not (self.cfg.strategy.compile and compile_failure(exc)):
                 raise
             inner = getattr(exc, "inner_exception", None)  # what the backend raised
-            if isinstance(inner, torch.OutOfMemoryError):  # autotuning ran out: the memory message
+            if inner is not None and is_out_of_memory(inner):  # autotuning ran out: the memory message
                 raise inner from exc
             cause = inner if inner is not None else exc
             first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
@@ -973,12 +977,15 @@ class Trainer:
         """``part``: where in the step it failed (``failing_part``)."""
         gib = 2**30
         device = self.env.device
-        peak = (phase_peak_bytes(device) or 0) / gib
+        allocator_peak = phase_peak_bytes(device)
+        # A CPU has no allocator statistics: its process's peak resident memory stands in for them
+        peak = (allocator_peak if allocator_peak is not None else peak_memory_mib(device) * 2**20) / gib
+        peak_name = "the allocator's peak" if allocator_peak is not None else "the peak resident memory"
         held = state_bytes(self.model, self.built.optimizer, self.average_tensors)
         states = (held.params + held.optimizer) / gib
         where = f"step {self.step + 1} ran out of {device} memory in {part} (rank {self.env.rank})"
         if self.batch_choice is None:
-            return (f"{where} at an allocator peak of {peak:.2f} GiB; `shardtrain plan` "
+            return (f"{where} at {peak_name} of {peak:.2f} GiB; `shardtrain plan` "
                     "estimates the step's memory, trainer.micro_batch_size=auto (with "
                     "trainer.global_batch_size) chooses a batch that fits")
         planned = self.batch_choice.estimate
@@ -997,7 +1004,7 @@ class Trainer:
                 f"with activation_checkpointing={self.batch_choice.activation_checkpointing} for a "
                 f"planned peak of {planned.peak / gib:.2f} GiB ({planned.peak_phase}); measured: "
                 f"{measured_states}, "
-                f"the allocator's peak before the failure {peak:.2f} GiB (planned activations "
+                f"{peak_name} before the failure {peak:.2f} GiB (planned activations "
                 f"{planned.activations / gib:.2f} GiB, gathered {planned.gathered / gib:.2f} GiB): "
                 f"{wrong} was wrong; lower trainer.memory_limit_gib or raise trainer.memory_margin")
 
