@@ -52,6 +52,31 @@ def test_the_built_in_models_export_names_its_tokenizers_end_of_text(tmp_path):
     assert special_token_ids(ModelConfig(tokenizer="bytes")) == {}  # the byte tokenizer has neither
 
 
+def test_a_replaced_tokenizers_ids_reach_a_multimodal_configs_language_model(tmp_path):
+    """Found by review: a run whose model.tokenizer replaced the base's wrote that tokenizer's
+    special ids into config.json's top level only; a multimodal model's language model (Llama 4's,
+    Mllama's) reads its text_config's, which kept the base vocabulary's ids."""
+    from hf_models import make_model_dir
+
+    from shardtrain.data.tokenizer import HFTokenizer
+    from shardtrain.export.hf import write_hf_model_files
+
+    directory = make_model_dir(tmp_path / "model", "llama")
+    config = json.loads((directory / "config.json").read_text())
+    config["text_config"] = {"bos_token_id": 7, "eos_token_id": 8, "pad_token_id": 9, "vocab_size": 300}
+    (directory / "config.json").write_text(json.dumps(config))
+    own = tmp_path / "tokenizer"
+    shutil.copytree(directory, own)
+    tokenizer = HFTokenizer(own)
+    out = tmp_path / "out"
+    out.mkdir()
+    write_hf_model_files(ModelConfig(name="hf", path=str(directory), tokenizer=str(own)), out, torch.float32)
+    written = json.loads((out / "config.json").read_text())
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": None}
+    assert {key: written["text_config"][key] for key in ids} == ids == {key: written[key] for key in ids}
+    assert written["text_config"]["vocab_size"] == 300 and tokenizer.eos_id != 8
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_export_loads_in_transformers_with_matching_logits(tmp_path, tied):
     run_dir = tmp_path / "run"

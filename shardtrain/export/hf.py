@@ -122,6 +122,9 @@ def write_hf_model_files(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> lis
         tokenizer = load_tokenizer(tokenizer_source(cfg))
         ids = {"bos_token_id": getattr(tokenizer, "bos_id", None), "pad_token_id": None}
         config |= ids | {"eos_token_id": tokenizer.eos_id}
+        # A multimodal model's language model reads its own (Llama 4's, Mllama's text_config)
+        if isinstance(config.get("text_config"), dict):
+            config["text_config"] |= ids | {"eos_token_id": tokenizer.eos_id}
         # The sampling defaults are the model's; the stop ids the run's (its end of text, and the
         # end of turn a generation_config.json beside its tokenizer names).
         if (generation := source / GENERATION_CONFIG_FILE).is_file():
