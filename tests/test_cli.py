@@ -12,12 +12,14 @@ import pytest
 import torch
 from cli_utils import SHARDTRAIN, clean_env, read_metrics, run_cli
 
+from shardtrain.config.loader import load_config
 from shardtrain.config.schema import CheckpointConfig, Config
 from shardtrain.distributed.env import check_not_one_of_many, init_distributed
 from shardtrain.errors import ConfigError
 from shardtrain.logs import TaggedFormatter, not_for_users
 from shardtrain.train.console import format_record
 from shardtrain.train.loop import Trainer
+from shardtrain.train.optim import lr_factor
 
 
 def test_default_train_runs_and_loss_falls(tmp_path):
@@ -36,6 +38,12 @@ def test_default_train_runs_and_loss_falls(tmp_path):
     assert vals[-1] < 3.0
     assert all(r["tokens_per_s"] > 0 and r["peak_memory_mib"] > 0 for r in records)
     assert all(r["mfu"] is None for r in records)  # CPU peak unknown: never a made-up MFU
+    # The rate logged at step N is the one step N trained at (found by review: the schedule's next,
+    # one step ahead of the loss it is plotted beside; the last step logged a rate no step used)
+    t = load_config(["trainer.max_steps=40"]).trainer
+    assert [r["lr"] for r in records] == pytest.approx(
+        [t.lr * lr_factor(r["step"] - 1, t.warmup_steps, t.max_steps, t.min_lr_ratio, t.lr_decay,
+                          t.decay_fraction) for r in records], rel=1e-12)
     assert (run_dir / "config.yaml").is_file() and any((run_dir / "tensorboard").iterdir())
     assert read_metrics(run_dir, "sample")[0]["text"].startswith("def ")
     assert "profiler: tracing steps 39-40" in proc.stderr and "rank 0's costliest operators:" in proc.stderr

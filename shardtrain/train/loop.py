@@ -1221,7 +1221,7 @@ class Trainer:
             "loss": ratio(self.interval_loss_sum, self.interval_count),
             **{name: ratio(total, divisor) for name, (total, divisor) in metric_sums.items()},
             "grad_norm": stats.grad_norm,
-            "lr": self.built.scheduler.get_last_lr()[0],
+            "lr": stats.lr,
             "peak_memory_mib": peak_memory_mib(self.env.device),
             self.throughput.seen_field(): self.result.count_seen,
             **self.throughput.report(),

@@ -62,6 +62,9 @@ class StepStats:
     metric_sums: dict[str, tuple[float, float]] = field(default_factory=dict)
     flops: float = 0.0  # the step's training FLOPs over all ranks (0: unknown)
     metric_kinds: tuple[tuple[str, bool], ...] = ()
+    # The learning rate this step trained at (the first parameter group's): the schedule has moved on
+    # to the next step's when the step returns.
+    lr: float = float("nan")
 
 
 def run_loss(task: Task, model: nn.Module, batch: Any, training: bool = False) -> LossOutput:
@@ -500,6 +503,7 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
     if phases is not None:
         phases.mark("optimizer")
     optimizer.zero_grad(set_to_none=True)
+    lr = optimizer.param_groups[0]["lr"]
     if not skipped:  # a skipped step leaves the schedule where it was, as it leaves the optimizer
         scheduler.step()
     if phases is not None:
@@ -508,7 +512,7 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
                      stop_agreed=stops > 0, save_in_flight_anywhere=saving > 0,
                      metrics=metrics.values(metric_values, count),
                      metric_sums=metrics.pairs(metric_values, count),
-                     flops=flops_value, metric_kinds=metrics.kinds or ())
+                     flops=flops_value, metric_kinds=metrics.kinds or (), lr=float(lr))
 
 
 class Evaluation(NamedTuple):
