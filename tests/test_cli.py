@@ -17,8 +17,9 @@ from shardtrain.config.schema import CheckpointConfig, Config
 from shardtrain.distributed.env import check_not_one_of_many, init_distributed
 from shardtrain.errors import ConfigError
 from shardtrain.logs import TaggedFormatter, not_for_users
-from shardtrain.train.console import format_record
+from shardtrain.train.console import format_record, rate
 from shardtrain.train.loop import Trainer
+from shardtrain.train.metrics import Throughput
 from shardtrain.train.optim import lr_factor
 
 
@@ -77,6 +78,12 @@ def test_console_line_leaves_out_what_is_unknown():
     assert "| 5120 elements/s |" in format_record(10, 100, {**task, "elements_per_s": 5120.0,
                                                             "elements_seen": 10240, "samples_seen": 80})
     assert "| 8.0 samples/s |" in format_record(10, 100, {**task, "samples_seen": 80})
+    # ... and on the progress bar, whose throughput report has no count so far (found by review:
+    # the bar showed samples/s for a task counting elements)
+    throughput = Throughput("elements", 1, None)
+    throughput.add(samples=2, count=4096, flops=0.0)
+    assert rate(throughput.report(), throughput.unit).endswith(" elements/s")
+    assert rate({"tokens_per_s": 10.0, "samples_per_s": 1.0}, "tokens") == "10 tok/s"
 
 
 # What `shardtrain` answers without training: (arguments, exit status, the line it ends with). The

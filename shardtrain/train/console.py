@@ -12,15 +12,18 @@ from shardtrain.train.metrics import Throughput
 log = logging.getLogger("shardtrain")
 
 
-def rate(record: dict) -> str:
+def rate(record: dict, unit: str | None = None) -> str:
     """The task's own unit per second ("1234 tok/s", "5120 elements/s": its ``count_unit``, whose
-    rate comes with its count), else samples per second."""
-    if "tokens_per_s" in record:
-        return f"{record['tokens_per_s']:.0f} tok/s"
-    units = [key.removesuffix("_seen") for key in record if key.endswith("_seen") and key != "samples_seen"]
-    unit = next((unit for unit in units if f"{unit}_per_s" in record), None)
-    if unit is not None:
-        return f"{record[f'{unit}_per_s']:.0f} {unit}/s"
+    rate comes with its count, or ``unit`` where the record has no count: the bar's), else samples per
+    second."""
+    if unit is None and "tokens_per_s" in record:
+        unit = "tokens"
+    if unit is None:
+        units = [key.removesuffix("_seen") for key in record
+                 if key.endswith("_seen") and key != "samples_seen"]
+        unit = next((unit for unit in units if f"{unit}_per_s" in record), None)
+    if unit is not None and f"{unit}_per_s" in record:
+        return f"{record[f'{unit}_per_s']:.0f} {'tok' if unit == 'tokens' else unit}/s"
     return f"{record['samples_per_s']:.1f} samples/s"
 
 
@@ -67,7 +70,7 @@ class Console:
         """One step on the bar (nothing is computed without one: most steps are not logged)."""
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.3f}", rate=rate(throughput.report()))
+            self.bar.set_postfix(loss=f"{loss:.3f}", rate=rate(throughput.report(), throughput.unit))
 
     def show(self, step: int, record: dict, metrics: tuple[str, ...] = ()) -> None:
         if not self.enabled:
