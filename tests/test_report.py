@@ -351,6 +351,10 @@ def test_a_task_runs_loss_is_plotted_against_its_own_count(tmp_path):
         assert rate_key([load_run(tmp_path / run)]) == "elements_per_s", run
     page = (tmp_path / "report.html").read_text()
     assert "<th>elements seen</th>" in page and page.count("<td class=num>288</td>") == 2
+    # Neither run counted FLOPs: the MFU panel says so, not that the device's peak is unknown (found
+    # by review: the reason given was the CPU's, whatever the device)
+    (mfu,) = [panel for panel in report.panels if panel.id == "mfu"]
+    assert "no FLOPs counted" in mfu.title and "counted no FLOPs" in mfu.note and "peak" not in mfu.note
 
 
 def test_runs_counting_other_units_are_named_not_plotted_at_zero(tmp_path):
@@ -438,6 +442,8 @@ def test_hand_edited_records_and_odd_run_names_make_a_report(tmp_path):
     records += [{"step": s, "kind": "train", "loss": 1.0 / s, "tokens_seen": 64 * s, "tokens_per_s": 10.0}
                 for s in range(1, 121)]
     records += [{"step": s, "kind": "skip"} for s in range(5, 105)]
+    # steps with nothing to learn from (count 0: prompts alone) are not called non-finite (found by review)
+    records += [{"step": s, "kind": "skip", "loss": float("nan"), "count": 0} for s in (110, 111)]
     # a key no task's count_unit makes (a markup <th> heading), and an evaluation between logging
     # steps: a train record of val_* fields only (its tokens-seen cell was blank)
     records += [{"step": 121, "kind": "train", "loss": 0.1, "tokens_seen": 64 * 121, "<b>x</b>_per_s": 1.0},
@@ -458,7 +464,8 @@ def test_hand_edited_records_and_odd_run_names_make_a_report(tmp_path):
     assert "<" not in block and json.loads(block)["runs"][0]["name"] == "<!--<script>\ufffd"
     labels = [t.get_text() for t in report.figures["loss_steps"].legends[0].get_texts()]
     skipped = [label for label in labels if "skipped" in label]
-    assert skipped == [r"cost\$^\$x: 100 steps skipped (non-finite)"], labels
+    assert skipped == [r"cost\$^\$x: 100 steps skipped (non-finite)",
+                       r"cost\$^\$x: 2 steps skipped (nothing to learn from)"], labels
 
 
 def test_a_run_named_with_an_underscore_keeps_its_legend_entry_and_nan_losses_draw_none(tmp_path):

@@ -113,16 +113,17 @@ def draw_panel(panel: Panel, colours: dict[str, str]) -> Figure:
     for level in panel.levels:
         ax.axhline(level.y, color=colours[level.run], linestyle=":", linewidth=1.2,
                    label=literal(level.label), gid=gid(level.run, "clip"))
-    # One legend entry for a run's skipped steps, however many (100 entries hid the plot).
-    skips = Counter(marker.run for marker in panel.markers if marker.kind == "skip")
-    named: set[str] = set()
+    # One legend entry for a run's skipped steps of one reason, however many (100 entries hid the plot).
+    skips = Counter((marker.run, marker.reason) for marker in panel.markers if marker.kind == "skip")
+    named: set[tuple[str, str]] = set()
     for marker in panel.markers:
         colour = "#d62728" if marker.kind == "skip" else colours[marker.run]
         label = literal(marker.label)
-        if marker.kind == "skip" and skips[marker.run] > 1:
-            label = "_nolegend_" if marker.run in named else literal(
-                f"{marker.run}: {skips[marker.run]} steps skipped (non-finite)")
-            named.add(marker.run)
+        group = (marker.run, marker.reason)
+        if marker.kind == "skip" and skips[group] > 1:
+            label = "_nolegend_" if group in named else literal(
+                f"{marker.run}: {skips[group]} steps skipped ({marker.reason})")
+            named.add(group)
         ax.axvline(marker.x, color=colour, linestyle=MARKER_STYLES[marker.kind], linewidth=1.1,
                    alpha=0.8, label=label, gid=gid(marker.run, marker.kind))
     if panel.log_y:

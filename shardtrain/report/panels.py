@@ -42,6 +42,7 @@ class Marker:
     x: float
     kind: str
     label: str
+    reason: str = ""  # a skipped step's: "non-finite", or "nothing to learn from" (a count of 0)
 
 
 @dataclass
@@ -126,9 +127,15 @@ def start_markers(run: Run, to_x=lambda step: step) -> list[Marker]:
     return markers
 
 
+def skip_reason(record: dict) -> str:
+    """Why a ``skip`` record's step was skipped: its count tells a step with nothing to learn from
+    (0: prompts alone) from a non-finite loss or gradient norm."""
+    return "nothing to learn from" if record.get("count") == 0 else "non-finite"
+
+
 def skip_markers(run: Run) -> list[Marker]:
-    return [Marker(run.name, r["step"], "skip", f"{run.name}: step {r['step']} skipped (non-finite)")
-            for r in run.of("skip")]
+    return [Marker(run.name, r["step"], "skip", f"{run.name}: step {r['step']} skipped ({skip_reason(r)})",
+                   skip_reason(r)) for r in run.of("skip")]
 
 
 def run_unit(run: Run) -> str:
@@ -208,6 +215,14 @@ def mfu_panel(runs: list[Run]) -> Panel:
         if unknown := [run.name for run in runs if run not in known]:
             panel.note = (f"Not on this panel, MFU unknown (no peak FLOP/s for its device, or no FLOPs "
                           f"counted): {', '.join(unknown)}.")
+        return panel
+    if not any(v is not None for run in runs for v in run.values("train", "model_tflops")[1]):
+        # Nothing to draw instead: no FLOPs counted, whatever the device (found by review: an H100
+        # run was said to lack its peak)
+        panel = series_panel(runs, "mfu", "Model FLOP/s utilisation (unknown: no FLOPs counted)", "MFU (%)",
+                             "mfu", scale=100)
+        panel.note = ("These runs counted no FLOPs (a task whose forward could not be counted; "
+                      "docs/tasks.md), so neither MFU nor the model's TFLOP/s is known.")
         return panel
     panel = series_panel(runs, "mfu", "Model TFLOP/s (MFU unknown: no peak for this device)",
                          "model TFLOP/s (all ranks)", "model_tflops")

@@ -184,7 +184,8 @@ class Task:
 
     def flops(self, batch: Any) -> float | None:
         """Training FLOPs (forward and backward) of a micro-batch, for MFU. Not overridden (this
-        default's None): counted with torch's FLOP counter at start-up (3x the forward); an override
+        default's None): counted with torch's FLOP counter at start-up (the forward and the
+        backward, each counted); an override
         returns a number for every micro-batch."""
         return None
 

@@ -19,9 +19,9 @@ from shardtrain.tasks.task import Task, checked_model, leading_batch
 def counted_flops_per_sample(task: Task, micro_batch_size: int, train: SampleSource | None = None
                              ) -> tuple[float | None, str | None]:
     """The training FLOPs per sample of ``task.loss`` on its example batch, its forward and its
-    backward counted (3x the forward, the usual estimate, counted twice what a loss computing its
-    gradients in its forward did: the chunked cross-entropy, found by review), or None and why,
-    where the task's code cannot run on fake tensors (the caller says so once a step has run: a
+    backward counted, not estimated as 3x the forward (the estimate counted twice what a loss
+    computing its gradients in its forward did: the chunked cross-entropy, found by review), or
+    None and why, where the task's code cannot run on fake tensors (the caller says so once a step has run: a
     loss the step refuses is the error to see first).
     ``train``: the training samples already made, whose first items are the default example batch
     (made again, a large in-memory dataset was loaded twice at start-up)."""

@@ -212,9 +212,10 @@ class TensorBoardTracker:
 
     def __init__(self, run: RunConfig, params: dict[str, Any], resume_id: str | None = None,
                  start_step: int = 0) -> None:
-        # A resumed run appends to the same event directory: TensorBoard joins the files, and drops
-        # what earlier files logged from purge_step on (an attempt abandoned after the checkpoint
-        # this run resumed from; a run started over from step 0), as the report does.
+        # A resumed run appends to the same event directory: TensorBoard joins the files, and its
+        # Python reader drops what earlier files logged from purge_step on (an attempt abandoned
+        # after the checkpoint this run resumed from; a run started over from step 0), as the report
+        # does. Its default fast reader ignores the purge (found by review): docs/metrics.md says so.
         self.writer = SummaryWriter(str(Path(run.dir) / "tensorboard"), purge_step=start_step + 1)
         config = "\n".join(f"{key}: {value}" for key, value in params.items())
         self.writer.add_text("config", verbatim(config))
