@@ -254,6 +254,28 @@ def test_a_moe_export_is_written_in_the_layout_it_was_read_from(two_rank_runs, m
     assert theirs.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4  # stacked again in memory
 
 
+@pytest.mark.parametrize("family", ["jamba", "bamba"])
+def test_the_export_check_reads_a_mamba_block_whole(tmp_path, family):
+    """Found by review: the export check read each module's weights just before its own forward, and
+    a Mamba mixer reads its dt_proj and conv1d weights without calling them: Jamba's check failed on
+    meta tensors, Bamba's differed by 1.35, and each good export was deleted. It streams block by
+    block: from the model directory's files, transformers' own logits."""
+    from shardtrain.distributed.sharded_model import parameters_on_meta
+    from shardtrain.export.verify import check_tokens, compare_logits, export_reader, streamed_forward
+
+    directory = make_model_dir(tmp_path / family, family)
+    with parameters_on_meta():
+        theirs = HFCausalLM(ModelConfig(name="hf", path=str(directory)))
+    tokens = check_tokens(theirs)
+    read = export_reader(directory, theirs)
+    with torch.no_grad():
+        got = streamed_forward(theirs, tokens, lambda names: read(names).float())
+        reference = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+        want = reference.eval()(tokens).logits
+    assert compare_logits(want, got, family) < 1e-5
+    assert all(param.is_meta for param in theirs.parameters())  # each block given back after its forward
+
+
 def test_four_ranks_match_plain_transformers(model_dirs, references, tmp_path):
     run_on_ranks(run_hf_cases, 4, model_dirs, CASES[4], str(tmp_path), tmp_path=tmp_path)
     check_runs(4, tmp_path, references)

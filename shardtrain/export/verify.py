@@ -3,10 +3,11 @@ logits. Peers' users report exports that load and then compute something else (a
 dropped tie, a wrong norm epsilon); ``export-hf`` runs this after writing unless ``--no-verify``.
 
 Neither model is ever whole in memory. Both are built with their parameters on the meta device and
-run on the same batch module by module: each module's own weights are read just before its forward
-(transformers' model from the written files, through transformers' renaming rules as
-``from_pretrained`` applies them; ours from the checkpoint) and dropped right after it. Host memory is
-about the largest module's weights, not the model twice in fp32 (560 GB for a 70B model).
+run on the same batch block by block: each block's weights (or a module's outside the blocks) are
+read just before its forward (transformers' model from the written files, through transformers'
+renaming rules as ``from_pretrained`` applies them; ours from the checkpoint) and dropped right after
+it. Host memory is about the largest block's weights, not the model twice in fp32 (560 GB for a 70B
+model).
 """
 
 from __future__ import annotations
@@ -92,23 +93,34 @@ def compare_logits(want: torch.Tensor, got: torch.Tensor, loaded: str,
 
 
 def streamed_forward(model: nn.Module, tokens: torch.Tensor, read: Reader) -> torch.Tensor:
-    """``model(tokens)`` in eval mode, with each module's own parameters read just before its
-    forward and given back to the meta device right after it."""
+    """``model(tokens)`` in eval mode, its weights read unit by unit just before the unit's forward
+    and given back to the meta device right after it. A unit is a block (``model.block_classes``)
+    with everything inside it, or any other module with parameters of its own: a block's modules
+    may read a child's weight without calling the child (Jamba's Mamba mixer reads its ``dt_proj``
+    and ``conv1d`` weights; found by review: they were still on meta, and the export was deleted)."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
+    blocks = tuple(getattr(model, "block_classes", ()))
+    inside_blocks: set[int] = set()
     handles = []
-    for module in model.modules():
-        own = {attr: param for attr, param in module._parameters.items() if param is not None}
-        if not own:
+    for module in model.modules():  # a block comes before the modules inside it
+        if id(module) in inside_blocks:
+            continue
+        members = list(module.modules()) if blocks and isinstance(module, blocks) else [module]
+        inside_blocks.update(id(member) for member in members[1:])
+        held = [(member, attr, param) for member in members
+                for attr, param in member._parameters.items() if param is not None]
+        if not held:
             continue
 
-        def load(module: nn.Module, args, own=own) -> None:
-            for attr, param in own.items():
-                module._parameters[attr] = nn.Parameter(read(names[id(param)]), requires_grad=False)
+        def load(module: nn.Module, args, held=held) -> None:
+            for member, attr, param in held:
+                member._parameters[attr] = nn.Parameter(read(names[id(param)]), requires_grad=False)
 
-        def drop(module: nn.Module, args, output, own=own) -> None:
-            module._parameters.update(own)
+        def drop(module: nn.Module, args, output, held=held) -> None:
+            for member, attr, param in held:
+                member._parameters[attr] = param
 
         handles += [module.register_forward_pre_hook(load), module.register_forward_hook(drop)]
     try:
