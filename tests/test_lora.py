@@ -273,6 +273,49 @@ def test_lora_targets_refuse_embeddings_and_head():
     assert adapter_targets(model, []) == ["wq", "wk"]  # the defaults name out_proj too: not that one
 
 
+def test_layers_whose_weight_their_parent_reads_take_no_adapter_and_stay_out_of_nf4(monkeypatch):
+    """Found by review: Jamba's Mamba mixer reads dt_proj's weight without calling the layer (an
+    adapter there never runs; in NF4 its first forward failed with NF4Tensor's dispatch error), and
+    PEFT refuses Nemotron-H's out_proj, which the default targets chose (a 46-line traceback). A
+    linear subclass with a forward of its own (Falcon's FalconLinear) stayed out of NF4 without a
+    word; the start-up line names what stays in its dtype."""
+    from shardtrain.distributed.qlora import nf4_summary, unquantized_linears
+
+    jamba = transformers.AutoModelForCausalLM.from_config(family_config("jamba"))
+    defaults = adapter_targets(jamba, [])
+    assert defaults and not any(name.endswith("dt_proj") for name in defaults)
+    with pytest.raises(ConfigError, match=r"selects 'model.layers.0.mamba.dt_proj', whose weight "
+                                          r"JambaMambaMixer reads without calling the layer") as caught:
+        adapter_targets(jamba, ["q_proj", "dt_proj"])
+    assert "\n" not in str(caught.value)
+    nemotron = transformers.AutoModelForCausalLM.from_config(family_config("nemotron_h"))
+    assert not any(name.endswith("mixer.out_proj") for name in adapter_targets(nemotron, []))
+    qlora = compose_config(["finetune=qlora", "finetune.targets=[q_proj]"])
+    jamba = with_adapters(lambda: transformers.AutoModelForCausalLM.from_config(
+        family_config("jamba")), qlora, torch.device("cpu"))()
+    left = dict(unquantized_linears(jamba))
+    assert sorted(left) == ["model.layers.0.mamba.dt_proj", "model.layers.2.mamba.dt_proj"], left
+    assert not set(left) & {name for name, _ in quantized_linears(jamba)}
+    summary = nf4_summary(jamba, torch.device("cpu"))
+    assert ("2 frozen linear weight(s) kept in their dtype, NF4 cannot compute them (model.layers.0.mamba."
+            "dt_proj: JambaMambaMixer reads its weight without calling it;") in summary
+    own_forward = type("FalconLinear", (nn.Linear,), {"forward": lambda self, x: x @ self.weight.T})
+    model = nn.Sequential(nn.Linear(4, 4), own_forward(4, 4)).requires_grad_(False)
+    assert unquantized_linears(model) == [("1", "a FalconLinear, whose forward is its own")]
+    assert [name for name, _ in quantized_linears(model)] == ["0"]
+    # PEFT's own refusal of a layer is one line naming the setting
+    import peft
+
+    def refuses(*args, **kwargs):
+        raise ValueError("Module 'out_proj' is incompatible with Mamba-based models\nmore")
+
+    monkeypatch.setattr(peft, "inject_adapter_in_model", refuses)
+    with pytest.raises(ConfigError, match=r"^finetune.method=lora: PEFT refused the adapters on Sequential "
+                                          r"\(Module 'out_proj' is incompatible with Mamba-based models\); "
+                                          r"name other layers in finetune.targets$"):
+        add_adapters(nn.Sequential(nn.Linear(4, 4)), FinetuneConfig(method="lora", targets=["0"]))
+
+
 def test_default_targets_adapt_the_projections_of_more_families():
     """Found by a trial: Phi-3's fused qkv_proj and gate_up_proj, OPT's out_proj, fc1 and fc2 (and
     GPT-J's fc_in, fc_out) had no adapters under the default targets, without a word. They are

@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from shardtrain.errors import ConfigError
-from shardtrain.models.lora import head_modules, local_bytes
+from shardtrain.models.lora import BASE_LAYER, head_modules, local_bytes, read_without_calling
 
 # torchao's to_nf4 defaults (torchtune's and the QLoRA paper's): elements per absmax block, and
 # absmaxes per block of their own int8 quantisation.
@@ -59,10 +59,30 @@ def nf4_package() -> Any:
 
 
 def quantized_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """The ``nn.Linear`` layers whose weights QLoRA keeps in NF4: every frozen one but the head."""
-    heads = head_modules(model)
+    """The ``nn.Linear`` layers whose weights QLoRA keeps in NF4: every frozen one but the head and
+    those ``unquantized_linears`` names."""
+    heads, left = head_modules(model), {name for name, _ in unquantized_linears(model)}
     return [(name, module) for name, module in model.named_modules()
-            if type(module) is nn.Linear and id(module) not in heads and not module.weight.requires_grad]
+            if type(module) is nn.Linear and id(module) not in heads and not module.weight.requires_grad
+            and name not in left]
+
+
+def unquantized_linears(model: nn.Module) -> list[tuple[str, str]]:
+    """The frozen linear layers (but the head) QLoRA leaves in their dtype, and why: NF4's tensor
+    computes only the matmul of ``nn.Linear``'s own forward, so a subclass's forward of its own
+    (Falcon's ``FalconLinear``: ``input @ weight.T``) and a weight its parent module reads without
+    calling the layer (Jamba's Mamba mixer: ``self.dt_proj.weight @ ...``) would fail in the first
+    forward (found by review: a traceback at Jamba's mixer; Falcon's were left out without a word)."""
+    heads, read_by_parent, left = head_modules(model), read_without_calling(model), []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or id(module) in heads or module.weight.requires_grad:
+            continue
+        reader = read_by_parent.get(name.removesuffix(BASE_LAYER.rstrip(".")))  # a LoRA layer's base
+        if type(module) is not nn.Linear:
+            left.append((name, f"a {type(module).__name__}, whose forward is its own"))
+        elif reader is not None:
+            left.append((name, f"{reader} reads its weight without calling it"))
+    return left
 
 
 def shard_layout(param: torch.Tensor) -> tuple[int, int]:
@@ -203,6 +223,11 @@ def nf4_summary(model: nn.Module, device: torch.device) -> str:
     mib = 2.0 ** 20
     slow = ("; on a CPU each matmul dequantises its weight first: slow, for small models and tests"
             if device.type == "cpu" else "")
+    left = unquantized_linears(model)
+    kept = (f"; {len(left)} frozen linear weight(s) kept in their dtype, NF4 cannot compute them "
+            f"({'; '.join(f'{name}: {why}' for name, why in left[:3])}{', ...' if len(left) > 3 else ''})"
+            if left else "")
     return (f"finetune=qlora: {len(weights)} linear weights ({sum(w.numel() for w in weights):,} "
             f"parameters) in NF4 (blocks of {NF4_BLOCK}, scales double-quantised per {NF4_SCALER_BLOCK}); "
-            f"this rank holds {held / mib:.2f} MiB of them ({full_precision / mib:.2f} MiB in fp32){slow}")
+            f"this rank holds {held / mib:.2f} MiB of them ({full_precision / mib:.2f} MiB in fp32)"
+            f"{kept}{slow}")

@@ -16,8 +16,11 @@ framework's seeded, world-size-invariant initialisation instead of the global RN
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import inspect
 import math
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -39,6 +42,35 @@ DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3",
                    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                    "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",
                    "qkv_proj", "gate_up_proj", "out_proj", "fc1", "fc2", "fc_in", "fc_out")
+
+
+# A child's weight read by its parent's code other than for its dtype, device or shape
+# (``self.dt_proj.weight @ x``): the child's own forward never runs for it.
+DIRECT_WEIGHT_READ = re.compile(r"\bself\.(\w+)\.weight\b(?!\s*\.\s*(?:dtype|device|shape|ndim|size|dim)\b)")
+
+
+@functools.cache
+def weights_read_directly(module_class: type) -> frozenset[str]:
+    """The names of the children whose weight ``module_class``'s code (every method of it) reads
+    itself; none where its source cannot be read."""
+    try:
+        source = inspect.getsource(module_class)
+    except (OSError, TypeError):
+        return frozenset()
+    return frozenset(DIRECT_WEIGHT_READ.findall(source))
+
+
+def read_without_calling(model: nn.Module) -> dict[str, str]:
+    """The modules of ``model`` whose weight their parent reads without calling them (Jamba's Mamba
+    mixer: ``self.dt_proj.weight @ ...``; Bamba's and Nemotron-H's ``out_proj`` in their fused CUDA
+    kernel's path; nn.MultiheadAttention's ``out_proj``), each with its parent's class name: an
+    adapter there would never run, an NF4 weight there fails its first forward (found by review)."""
+    found = {}
+    for parent_name, parent in model.named_modules():
+        for child_name in weights_read_directly(type(parent)):
+            if isinstance(parent._modules.get(child_name), nn.Module):
+                found[f"{parent_name}.{child_name}" if parent_name else child_name] = type(parent).__name__
+    return found
 
 
 def base_name(name: str) -> str:
@@ -85,14 +117,16 @@ def adapter_targets(model: nn.Module, targets: Iterable[str]) -> list[str]:
     a ConfigError naming an embedding, the output head or a layer LoRA does not take."""
     patterns = list(targets) or list(DEFAULT_TARGETS)
     heads = head_modules(model)
+    read_by_parent = read_without_calling(model)
     chosen = []
     for name, module in model.named_modules():
         if not name or not any(matches(name, pattern) for pattern in patterns):
             continue
-        if not targets and (not isinstance(module, nn.Linear)
+        if not targets and (not isinstance(module, nn.Linear) or name in read_by_parent
                             or isinstance(module, NonDynamicallyQuantizableLinear)):
             # The defaults name many families' projections: a module of another kind by one of
-            # those names (nn.MultiheadAttention's out_proj, a container) is not a projection here.
+            # those names (nn.MultiheadAttention's out_proj, a container) is not a projection here,
+            # nor one whose weight its parent reads itself (a Mamba mixer's out_proj: PEFT refuses it).
             continue
         if isinstance(module, nn.Embedding):
             raise ConfigError(f"finetune.targets selects the embedding {name!r}: LoRA on embeddings is "
@@ -104,6 +138,10 @@ def adapter_targets(model: nn.Module, targets: Iterable[str]) -> list[str]:
             raise ConfigError(f"finetune.targets selects {name!r}, the output projection of an "
                               "nn.MultiheadAttention, which reads its weight without calling it: an "
                               "adapter there would never run; name other projections")
+        if name in read_by_parent:
+            raise ConfigError(f"finetune.targets selects {name!r}, whose weight {read_by_parent[name]} reads "
+                              "without calling the layer: an adapter there would never run; name other "
+                              "projections")
         if not isinstance(module, nn.Linear):  # subclasses are layers PEFT wraps like nn.Linear
             if any(isinstance(child, nn.Linear) for child in module.modules()):
                 continue  # a container whose name matches (GPT-NeoX's "attention.dense" is the layer)
@@ -183,7 +221,12 @@ def add_adapters(model: nn.Module, cfg: FinetuneConfig) -> nn.Module:
     root = getattr(model, "adapter_root", "")
     host = model.get_submodule(root)
     relative = [name.removeprefix(f"{root}.") for name in modules] if root else modules
-    peft_package().inject_adapter_in_model(lora_config(cfg, relative), host, adapter_name=ADAPTER_NAME)
+    try:
+        peft_package().inject_adapter_in_model(lora_config(cfg, relative), host, adapter_name=ADAPTER_NAME)
+    except ValueError as exc:  # PEFT's refusal of a layer (a Mamba mixer's out_proj), a traceback before
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise ConfigError(f"finetune.method={cfg.method}: PEFT refused the adapters on {type(host).__name__} "
+                          f"({first[:300]}); name other layers in finetune.targets") from exc
     # PEFT rewrites the targets of a transformers model whose family transformers v5 converts (the
     # mixture-of-experts families: the routed experts' fused weights in place of the layers chosen),
     # and the weights' names with them: refused, where loading the base failed on missing keys.
