@@ -52,6 +52,28 @@ def test_the_built_in_models_export_names_its_tokenizers_end_of_text(tmp_path):
     assert special_token_ids(ModelConfig(tokenizer="bytes")) == {}  # the byte tokenizer has neither
 
 
+def test_an_export_interrupted_in_its_check_leaves_no_files(tmp_path):
+    """Found by review: a Ctrl-C during the self-check left the export's files whole and unchecked
+    (they passed for an export, and the rerun was refused: "already holds model files")."""
+    import argparse
+
+    from shardtrain.cli.main import finish_export
+
+    out = tmp_path / "export"
+    out.mkdir()
+    files = [out / "config.json", out / "model.safetensors"]
+    for file in files:
+        file.write_text("{}")
+
+    def interrupted(checkpoint, directory):
+        raise KeyboardInterrupt
+
+    args = argparse.Namespace(checkpoint=str(tmp_path / "ckpt"), out=str(out), no_verify=False)
+    with pytest.raises(KeyboardInterrupt):
+        finish_export(args, files, interrupted, "transformers'", made=True)
+    assert not out.exists()
+
+
 def test_a_replaced_tokenizers_ids_reach_a_multimodal_configs_language_model(tmp_path):
     """Found by review: a run whose model.tokenizer replaced the base's wrote that tokenizer's
     special ids into config.json's top level only; a multimodal model's language model (Llama 4's,

@@ -828,6 +828,14 @@ def test_export_hf_merge_round_trip(lora_runs, tmp_path, capsys, case):
         export_peft(checkpoint, tmp_path / "adapter")
         assert main(["generate", str(tmp_path / "adapter"), "--prompt", "x"]) == 2
         assert "is a PEFT adapter directory (export-peft writes these)" in capsys.readouterr().err
+        # Adapters that merge into a non-finite weight: one line naming the layer (PEFT's safe merge
+        # raised its ValueError as a traceback; found by review)
+        damaged = checkpoint_model(ckpt, nf4_base=False)
+        with torch.no_grad():
+            damaged.get_parameter(f"{module}.lora_B.default.weight")[0, 0] = float("nan")
+        with pytest.raises(CheckpointError, match=rf"^the adapters of {module} give a non-finite merged "
+                                                  r"weight \(.*\): the checkpoint's adapters are damaged"):
+            merge_in_place(damaged)
     assert main(["export-hf", str(checkpoint), str(tmp_path / "bf16"), "--merge", "--dtype", "bf16"]) == 0
     capsys.readouterr()
     assert main(["export-hf", str(checkpoint), str(tmp_path / "bf16"), "--merge"]) == 2  # over an export

@@ -490,7 +490,7 @@ def finish_export(args: argparse.Namespace, files: list[Path], verify, loaded_by
         return 0
     try:
         difference = verify(args.checkpoint, args.out)
-    except Exception as exc:
+    except BaseException as exc:  # Ctrl-C too: unchecked files would pass for an export, and block the next
         remove_written(Path(args.out), files, made)
         if isinstance(exc, CheckpointError):
             raise CheckpointError(f"{exc}; the export's files are removed (--no-verify writes them "

@@ -24,6 +24,7 @@ from torch import nn
 from shardtrain.checkpoint.safetensors_files import check_new_directory
 from shardtrain.config.schema import ModelConfig
 from shardtrain.distributed.sharded_model import parameters_on_meta
+from shardtrain.errors import CheckpointError
 from shardtrain.export.hf import hf_conversion, shard_parts, write_hf_directory
 from shardtrain.export.peft import LoraCheckpoint, checkpoint_model
 from shardtrain.export.verify import (
@@ -45,9 +46,14 @@ def merge_in_place(model: nn.Module) -> float:
     export tolerance)."""
     tokens = check_tokens(model)
     want = model(tokens)
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
-            module.merge(safe_merge=True, adapter_names=[ADAPTER_NAME])
+            try:
+                module.merge(safe_merge=True, adapter_names=[ADAPTER_NAME])
+            except ValueError as exc:  # PEFT's safe merge refuses a non-finite merged weight
+                raise CheckpointError(f"the adapters of {name} give a non-finite merged weight ({exc}): the "
+                                      "checkpoint's adapters are damaged or diverged; merge an earlier "
+                                      "checkpoint") from exc
     return compare_logits(want, model(tokens), "the merged model (in memory, before writing)")
 
 
