@@ -508,8 +508,16 @@ def test_finetune_config_and_qlora_refusals(model_dirs):
         check_quantizable(model, 2)
     one_block = with_adapters(lambda: nn.Sequential(nn.Linear(256, 64)), cfg, torch.device("cpu"))()
     with pytest.raises(ConfigError, match=r"0.base_layer.weight \(64 x 256\) does not split into 2 row "
-                                          r"shards of whole NF4 blocks.*fewer ranks per shard group"):
+                                          r"shards of whole NF4 blocks.*every weight splits into 1: "
+                                          r"shard over 1 rank\(s\) \(training: .*shard_group_size=1.*"
+                                          r"generate and eval: --devices 1, or --strategy NO_SHARD\)"):
         check_quantizable(one_block, 2)
+    # the largest shard group every weight splits over is named (found by review: the advice was
+    # training's alone, which generate and eval do not take)
+    two_blocks = with_adapters(lambda: nn.Sequential(nn.Linear(256, 128)), cfg, torch.device("cpu"))()
+    with pytest.raises(ConfigError, match=r"does not split into 3 row shards.*every weight splits into 2: "):
+        check_quantizable(two_blocks, 3)
+    check_quantizable(two_blocks, 2)
     kept = to_nf4_before_sharding(model[:1], shards=1)  # built whole: quantised at once, kept from FSDP
     base = model[0].base_layer
     assert kept == {base.weight}

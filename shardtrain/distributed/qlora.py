@@ -97,19 +97,28 @@ def shard_layout(param: torch.Tensor) -> tuple[int, int]:
 def check_quantizable(model: nn.Module, shards: int) -> None:
     """Refuse, in one line and before any weight is read, a weight NF4 cannot shard: FSDP's ``shards``
     row shards of it must be equal and hold whole double-quantisation blocks (64 x 256 elements)."""
-    for name, module in quantized_linears(model):
-        rows, cols = module.weight.shape
-        if rows % shards or (rows * cols) % (NF4_GRAIN * shards):
-            if (rows * cols) % NF4_GRAIN:  # not whole blocks at any split: fewer ranks cannot help
-                raise ConfigError(
-                    f"finetune.method=qlora: {name}.weight ({rows} x {cols}) does not hold whole NF4 "
-                    f"blocks ({NF4_BLOCK} x {NF4_SCALER_BLOCK} = {NF4_GRAIN:,} elements each: its size "
-                    f"must be a multiple of {NF4_GRAIN:,}); use finetune.method=lora for this model")
+    shapes = [(name, *module.weight.shape) for name, module in quantized_linears(model)]
+
+    def splits(rows: int, cols: int, count: int) -> bool:
+        return rows % count == 0 and (rows * cols) % (NF4_GRAIN * count) == 0
+
+    for name, rows, cols in shapes:
+        if splits(rows, cols, shards):
+            continue
+        if (rows * cols) % NF4_GRAIN:  # not whole blocks at any split: fewer ranks cannot help
             raise ConfigError(
-                f"finetune.method=qlora: {name}.weight ({rows} x {cols}) does not split into {shards} "
-                f"row shards of whole NF4 blocks ({NF4_BLOCK} x {NF4_SCALER_BLOCK} elements each); "
-                f"use finetune.method=lora, or fewer ranks per shard group (strategy.sharding_strategy="
-                f"HYBRID_SHARD with a smaller strategy.shard_group_size)")
+                f"finetune.method=qlora: {name}.weight ({rows} x {cols}) does not hold whole NF4 "
+                f"blocks ({NF4_BLOCK} x {NF4_SCALER_BLOCK} = {NF4_GRAIN:,} elements each: its size "
+                f"must be a multiple of {NF4_GRAIN:,}); use finetune.method=lora for this model")
+        # The largest shard group every weight splits over (1 always does: whole blocks)
+        fits = next(count for count in range(shards - 1, 0, -1)
+                    if all(splits(r, c, count) for _, r, c in shapes))
+        raise ConfigError(
+            f"finetune.method=qlora: {name}.weight ({rows} x {cols}) does not split into {shards} "
+            f"row shards of whole NF4 blocks ({NF4_BLOCK} x {NF4_SCALER_BLOCK} elements each); every "
+            f"weight splits into {fits}: shard over {fits} rank(s) (training: strategy.sharding_strategy="
+            f"HYBRID_SHARD with strategy.shard_group_size={fits}, or that many ranks; generate and eval: "
+            f"--devices {fits}, or --strategy NO_SHARD), or train with finetune.method=lora")
 
 
 def to_nf4_before_sharding(model: nn.Module, shards: int) -> set[nn.Parameter]:
