@@ -422,6 +422,18 @@ class SwitchedImages(ImageClassification):
         augment: bool = False
 
 
+class NaNOption(ImageClassification):
+    """An option whose default is NaN, and a helper of its own named ``model_factory`` (not a model
+    given in code, as LanguageModelTask(model=...) records under that name)."""
+
+    @dataclasses.dataclass
+    class Options(ImageClassification.Options):
+        clip: float = math.nan
+
+    def model_factory(self):
+        return self.build_model
+
+
 class NextByteText(Task):
     """A task of its own (not the language model's) whose model maps byte ids to next-byte logits,
     and which says so with text_tokenizer(): training samples text from it."""

@@ -34,10 +34,12 @@ import torch
 from cli_utils import preempt, read_metrics, run_cli
 from distributed import run_on_ranks
 from equivalence import max_errors
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from task_workers import EXAMPLES, TASKS, N, reference, run_task_cases
 from torch.utils.data import default_collate
 
+from shardtrain.checkpoint.state import TrainState
 from shardtrain.config.loader import check_built_in_task_settings, load_config
 from shardtrain.data.batches import BatchLayout, eval_batches, map_tensors, pinned_object
 from shardtrain.errors import ConfigError, DataError
@@ -381,6 +383,20 @@ def test_a_task_with_an_init_of_its_own_is_built_from_the_config_or_refused(monk
                                           r"accept .*; built from the config, the task holds depth=2 "
                                           r"where the config says depth=3$"):
         task_from_config(load_config(["task=broken_tasks:DroppedOptions", "task.depth=3"]))
+    # An option defaulting to NaN is built and recorded as any other, and a task's own model_factory
+    # is not taken for a model given in code (found by review: the first was refused, "holds clip=nan
+    # where the config says clip=nan"; the second recorded as LanguageModelTask's, which a resume from
+    # the command line refused); a resume names no change of a NaN option (read back from
+    # trainer_state.json, another NaN object)
+    nan_cfg = load_config(["task=broken_tasks:NaNOption", "task.depth=3"])
+    recorded = task_config_of(task_from_config(nan_cfg))
+    assert recorded.model_factory is None and math.isnan(recorded.options["clip"])
+    saved = TrainState(step=1, tokens_seen=0, consumed_samples=1, global_batch=1, scheduler={},
+                       world_size=1, strategy="FULL_SHARD", mesh_shape=[1], mesh_dim_names=["shard"],
+                       mixed_precision="fp32", config_hash="", versions={}, saved_at="",
+                       config=json.loads(json.dumps(OmegaConf.to_container(OmegaConf.structured(nan_cfg)))))
+    assert saved.setting_changes(load_config(["task=broken_tasks:NaNOption", "task.depth=3"]),
+                                 ("task.options", "task.path")) == []
 
 
 def test_what_a_task_object_holds_is_what_its_config_records(monkeypatch):

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from shardtrain.config.options import same_value
 from shardtrain.config.plan import ShardingPlan, describe_mesh
 from shardtrain.config.schema import LANGUAGE_MODEL_TASK, Config, DataConfig, FinetuneConfig, ModelConfig
 from shardtrain.durable import written_durably
@@ -196,12 +197,13 @@ class TrainState:
         for key in keys:
             section, name = key.split(".")
             saved = self.config.get(section, {})
-            if name not in saved or saved[name] == now[section][name]:
+            if name not in saved or same_value(saved[name], now[section][name]):
                 continue
             old, new = saved[name], now[section][name]
             if key == "task.options" and isinstance(old, dict) and isinstance(new, dict):
                 changes += [f"task.{option} {old.get(option)!r} -> {new.get(option)!r}"
-                            for option in sorted({*old, *new}) if old.get(option) != new.get(option)]
+                            for option in sorted({*old, *new})
+                            if not same_value(old.get(option), new.get(option))]
             else:
                 changes.append(f"{key} {old!r} -> {new!r}")
         return changes

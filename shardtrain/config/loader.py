@@ -80,6 +80,14 @@ def built_in_ancestor(task_cls: type) -> type | None:
     return ancestor(task_cls, LANGUAGE_MODEL_TASK)
 
 
+def given_model_factory(task: object) -> object | None:
+    """The model factory a built-in language-model task was given in code
+    (``LanguageModelTask(model=...)``), recorded as ``task.model_factory``; None for any other task,
+    whose attribute of that name is its own (found by review: a task's own ``model_factory`` method
+    was recorded as one, and a resume from the command line was refused)."""
+    return getattr(task, "model_factory", None) if built_in_ancestor(type(task)) is not None else None
+
+
 def makes_text(task_cls: type) -> bool:
     """A task with a ``text_tokenizer`` of its own (the built-in language model's, or one a task
     defines): what training's text samples decode with."""
@@ -104,7 +112,7 @@ def planned_by_formulas(task_cls: type) -> bool:
 def formulas_know(task: object) -> bool:
     """A task object whose model the planner's formulas know: ``planned_by_formulas`` and no model
     of its own (``LanguageModelTask(model=...)``)."""
-    return planned_by_formulas(type(task)) and getattr(task, "model_factory", None) is None
+    return planned_by_formulas(type(task)) and given_model_factory(task) is None
 
 
 def check_built_in_task_settings(cfg: Config, task: object | None = None) -> None:
@@ -113,7 +121,7 @@ def check_built_in_task_settings(cfg: Config, task: object | None = None) -> Non
     rather than ignored."""
     task_cls = type(task) if task is not None else import_object(cfg.task.path, "task")
     name = task_cls.__name__
-    own_model = getattr(task, "model_factory", None) is not None
+    own_model = given_model_factory(task) is not None
     known = formulas_know(task) if task is not None else planned_by_formulas(task_cls)
     if cfg.trainer.micro_batch_size == "auto" and not known:
         raise ConfigError(f"trainer.micro_batch_size=auto needs the memory planner, whose formulas know "

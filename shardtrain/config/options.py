@@ -28,6 +28,11 @@ WHAT_OPTIONS_HOLD = ("numbers, strings, booleans, Enums, paths, Literals of stri
                      "and lists, dicts or dataclasses of them")
 
 
+def same_value(a: Any, b: Any) -> bool:
+    """Equal as recorded values, NaN equal to itself (a NaN default is no wrong type)."""
+    return a == b or json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
 def literal_choices(hint: Any) -> tuple[tuple[Any, ...], bool] | None:
     """The values a ``Literal[...]`` (or ``Literal[...] | None``) allows, and whether None is one."""
     if typing.get_origin(hint) is typing.Literal:

@@ -16,7 +16,6 @@ import dataclasses
 import difflib
 import functools
 import inspect
-import json
 import logging
 import re
 import weakref
@@ -29,7 +28,8 @@ import torch
 from torch import nn
 
 from shardtrain.config.classpath import import_object, qualified_name
-from shardtrain.config.options import plain_options, read_options
+from shardtrain.config.loader import given_model_factory
+from shardtrain.config.options import plain_options, read_options, same_value
 from shardtrain.config.schema import Config, TaskConfig
 from shardtrain.data.batches import SampleSource
 from shardtrain.data.tokenizer import Tokenizer
@@ -347,11 +347,6 @@ def check_task(task: Any) -> Task:
     return task
 
 
-def same_value(a: Any, b: Any) -> bool:
-    """Equal as recorded values, NaN equal to itself (a NaN default is no wrong type)."""
-    return a == b or json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
-
-
 def unrecorded_parameters(cls: type[Task]) -> list[str]:
     """The named parameters of ``cls.__init__`` that are neither its options (``options``) nor fields
     of its Options. The framework's own tasks are left alone: the language model's ``model=`` and
@@ -384,7 +379,7 @@ def task_config_of(task: Task) -> TaskConfig:
                               f"{', '.join(f'{name}={held[name]!r}' for name in wrong)} (read as its type: "
                               f"{', '.join(f'{name}={typed[name]!r}' for name in wrong)}); give each option "
                               "the type its Options field declares")
-    factory = getattr(task, "model_factory", None)
+    factory = given_model_factory(task)
     return TaskConfig(path=qualified_name(type(task)), options=options,
                       model_factory=None if factory is None else qualified_name(factory))
 
@@ -443,5 +438,7 @@ def options_differ(held: Any, given: Any) -> str:
     if not dataclasses.is_dataclass(held):
         return f"options {held!r}, not {type(given).__qualname__}"
     have, want = dataclasses.asdict(held), dataclasses.asdict(given)
+    # NaN as itself (found by review: an option defaulting to NaN always differed, and the task could
+    # not be built from the config)
     return ", ".join(f"{name}={have.get(name)!r} where the config says {name}={value!r}"
-                     for name, value in want.items() if have.get(name) != value)
+                     for name, value in want.items() if not same_value(have.get(name), value))
