@@ -64,7 +64,7 @@ def bare_trainer(cfg: Config | None = None) -> Trainer:
     trainer.layout = SimpleNamespace(global_batch=2)
     trainer.train_data = SimpleNamespace(wait_s=0.0)
     trainer.result = TrainResult()
-    trainer.interval_loss_sum = trainer.interval_count = 0.0
+    trainer.interval_loss_sum = trainer.interval_count = trainer.count_total = 0.0
     trainer.interval_metrics = {}
     trainer.consecutive_skips = 0
     trainer.step = 0
@@ -109,6 +109,12 @@ def test_the_logged_loss_and_metrics_are_means_over_the_intervals_counts():
         trainer.account(empty)
     # every field a record has of its own is one a metric may not take
     own = set(record) - {"accuracy", "errors"}
+    # the count so far sums the steps' counts unrounded (found by review: a weighted count of 0.3 a
+    # step, each rounded, added nothing)
+    weighted = bare_trainer()
+    for _ in range(10):
+        weighted.account(StepStats(1.0, 1.0, 0.3, False))
+    assert weighted.result.count_seen == 3
     assert own | {"step", "kind", "time", "val_loss", "ema_val_loss"} <= trainer.record_fields()
 
 

@@ -234,6 +234,9 @@ class Trainer:
         # steps' means (docs/metrics.md).
         self.interval_loss_sum = 0.0
         self.interval_count = 0.0
+        # The counts summed unrounded (a weighted count below 0.5 a step added nothing when each
+        # step's was rounded: found by review); ``result.count_seen`` is it rounded
+        self.count_total = 0.0
         self.interval_metrics: dict[str, list[float]] = {}  # name: [sum, divisor]
         # The task's metrics as the first step returned them: every later step must return the same.
         self.metric_kinds: tuple[tuple[str, bool], ...] | None = None
@@ -398,6 +401,7 @@ class Trainer:
             self.step = self.last_saved_step = state.step
             self.evaluation_due = state.evaluation_due
             self.result.count_seen = state.tokens_seen
+            self.count_total = float(state.tokens_seen)
             self.train_data.consumed_samples = state.consumed_samples
             self.result.resumed_from = str(path)
             self.info(f"resumed from {path}: step {self.step}, {state.consumed_samples} samples "
@@ -1040,7 +1044,8 @@ class Trainer:
         self.result.losses.append(stats.loss)
         self.result.metrics.append(dict(stats.metrics))
         self.result.grad_norms.append(stats.grad_norm)
-        self.result.count_seen += round(stats.count)
+        self.count_total += stats.count
+        self.result.count_seen = round(self.count_total)
         if not stats.skipped:  # a skipped step's loss is non-finite: it has its own `skip` record
             self.consecutive_skips = 0
             self.interval_loss_sum += stats.loss * stats.count
