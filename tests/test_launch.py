@@ -421,6 +421,35 @@ def test_a_launch_log_that_cannot_be_created_is_one_line(tmp_path):
     assert "\n" not in str(caught.value)
 
 
+def test_signals_that_are_no_preemption_stop_the_run(tmp_path, monkeypatch):
+    """Found by review: without checkpoints the built-in launcher still took SIGTERM for a preemption,
+    so a SIGTERM to it ended with status 1, "without an error record", not 143; and a worker whose
+    agent ignored SIGTERM (train.sbatch's) kept ignoring it where only SIGUSR1 preempts: torchrun's
+    stop at a restart and scancel's waited for the SIGKILL."""
+    import shardtrain.cli.launch as launch
+    from shardtrain.cli.main import restore_stopping_signals
+
+    asked = []
+    monkeypatch.setattr(launch, "run_under_torchrun", lambda per_node, command, signals, *rest: asked.append(
+        signals) or 0)
+    for enabled in ("false", "true"):
+        cfg = compose_config(["trainer.devices=2", f"checkpoint.enabled={enabled}", f"run.dir={tmp_path}"])
+        assert relaunch_if_needed(cfg, ["train"], tmp_path / "logs" / "x.log") == 0
+    assert asked == [[], ["SIGTERM", "SIGUSR1"]]
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)
+        restore_stopping_signals(compose_config(["checkpoint.preemption_signals=[SIGUSR1]"]))
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # stops the worker again
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN  # the trainer's handler comes next
+        restore_stopping_signals(compose_config(["checkpoint.enabled=false"]))
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def test_a_closed_console_does_not_hang_the_workers(tmp_path):
     """The console's pipe closed: the log keeps every line and says once that the console is gone."""
     read, write = os.pipe()

@@ -71,9 +71,11 @@ def slurm_run(tmp_path_factory):
     run_dir = slurm.submit_dir / "runs" / "shardtrain-4242"  # the script's default run.dir: the job's own
     first = slurm.submit(SCRIPTS / "train.sbatch", *TRAIN, env=env)
     try:
-        # A step logged after the resume is the restarted attempt training, its signal handlers in
-        # place (a signal during the restart would be lost: docs/slurm.md).
-        wait_until(first, lambda log: "] step " in log.partition("resumed from")[2])
+        # The signal while torchrun restarts the workers: the new ones ignore it until their handlers
+        # are in (inherited from the agent), and each node's shell delivers it once they do (found
+        # by a review: it was sent once, to the workers then alive, and lost; the job ran on to its
+        # time limit and was not requeued)
+        wait_until(first, lambda log: "closing signal" in log)
         sent = first.send_signal()
     finally:
         first_status = finish(first)

@@ -557,8 +557,10 @@ def relaunch_if_needed(cfg: Config, command: list[str], log_file: Path,
         except OSError as exc:  # run.dir was checked writable: a full disk, a quota, a read-only remount
             raise ConfigError(f"cannot write the launch log {log_file} ({exc.strerror or exc}); free space "
                               "in run.dir or choose another run.dir") from exc
-        return run_under_torchrun(per_node, command, list(cfg.checkpoint.preemption_signals),
-                                  cfg.trainer.max_restarts, log_file, early)
+        # Without checkpoints no signal is a preemption: each stops the run, and the launcher exits
+        # with 128 + its number (it exited 1, "without an error record", at a SIGTERM: found by review)
+        preemption = list(cfg.checkpoint.preemption_signals) if cfg.checkpoint.enabled else []
+        return run_under_torchrun(per_node, command, preemption, cfg.trainer.max_restarts, log_file, early)
     if cfg.trainer.max_restarts:
         raise ConfigError(f"trainer.max_restarts={cfg.trainer.max_restarts} needs the built-in launcher "
                           "(trainer.devices=N with N > 1) or torchrun --max-restarts")

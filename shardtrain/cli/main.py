@@ -40,6 +40,18 @@ def compose_checked(overrides: list[str]) -> Config:
     return compose_config(overrides)
 
 
+def restore_stopping_signals(cfg: Config) -> None:
+    """A torchrun worker's default action back for each preemption-like signal it inherited ignored
+    and does not take as a preemption. The agent ignores the preemption signals (the built-in
+    launcher's, train.sbatch's), and an ignored signal is inherited: without checkpoints any of them,
+    with them SIGTERM where only SIGUSR1 preempts, must stop the worker (torchrun's stop at a restart
+    and scancel's were ignored until the SIGKILL: found by review)."""
+    taken = set(cfg.checkpoint.preemption_signals) if cfg.checkpoint.enabled else set()
+    for name in sorted({*DEFAULT_PREEMPTION_SIGNALS, *cfg.checkpoint.preemption_signals} - taken):
+        if signal.getsignal(getattr(signal, name)) == signal.SIG_IGN:
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+
+
 def cmd_train(overrides: list[str]) -> int:
     early = EarlySignals(DEFAULT_PREEMPTION_SIGNALS)
     cfg = compose_checked(overrides)
@@ -54,11 +66,7 @@ def cmd_train(overrides: list[str]) -> int:
     if cfg.strategy.float8:
         import shardtrain.distributed.float8  # noqa: F401 - registers the conversion (loads torchao)
     if under_torchrun():
-        if not cfg.checkpoint.enabled:
-            # The built-in launcher's agent ignores the preemption signals, and an ignored signal is
-            # inherited: without checkpoints, the default, so that the signal stops the worker.
-            for name in cfg.checkpoint.preemption_signals:
-                signal.signal(getattr(signal, name), signal.SIG_DFL)
+        restore_stopping_signals(cfg)
     else:
         check_training(cfg)  # paths: run.dir, an explicit resume, model.init_from
     started = time.time()
