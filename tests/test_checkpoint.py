@@ -999,12 +999,20 @@ def test_a_lustre_mount_with_node_local_flock_is_found():
         "40 22 0:50 / /lustre rw,relatime - lustre 10.0.0.1@o2ib:/fs rw,localflock,lazystatfs",
         "41 40 0:51 / /lustre/proj rw,relatime - lustre 10.0.0.1@o2ib:/proj rw,flock",
         "42 22 0:52 / /scratch\\040space rw,relatime - lustre 10.0.0.1@o2ib:/s rw,localflock",
-        "43 22 0:53 / /nfs rw,relatime - nfs4 server:/x rw,vers=4.2"])
+        "43 22 0:53 / /nfs rw,relatime - nfs4 server:/x rw,vers=4.2",
+        # NFS whose locks are the client's alone (found by review)
+        "44 22 0:54 / /nfs3 rw,relatime - nfs server:/y rw,vers=3,nolock,local_lock=all",
+        "45 22 0:55 / /nfsflock rw,relatime - nfs server:/z rw,vers=3,local_lock=flock",
+        "46 22 0:56 / /nfsnone rw,relatime - nfs server:/w rw,vers=3,local_lock=none"])
     for path, expected in (("/lustre/runs/a/.shardtrain-run.lock", "/lustre"),
                            ("/lustre/proj/runs/.shardtrain-run.lock", None),  # cluster-wide flock
                            ("/lustreX/runs/.lock", None), ("/scratch space/r/.lock", "/scratch space"),
-                           ("/nfs/r/.lock", None), ("/home/r/.lock", None)):
-        assert node_local_flock(Path(path), mountinfo) == expected, path
+                           ("/nfs/r/.lock", None), ("/home/r/.lock", None), ("/nfs3/r/.lock", "/nfs3"),
+                           ("/nfsflock/r/.lock", "/nfsflock"), ("/nfsnone/r/.lock", None)):
+        found = node_local_flock(Path(path), mountinfo)
+        assert (found and found[0]) == expected, path
+    assert node_local_flock(Path("/nfs3/r"), mountinfo)[1:] == (
+        "NFS mounted with local_lock=all", "mount it with local_lock=none and locks")
     assert node_local_flock(Path("/tmp/x"), "garbage\n") is None
 
 

@@ -89,10 +89,11 @@ def take_run_lock(run_dir: Path) -> RunLock:
                     "this run.dir would not be refused")
         handle.close()
         return RunLock(None)
-    if (mount := node_local_flock(path)) is not None:
-        log.warning(f"checkpoint: {path} is on Lustre mounted with localflock at {mount}: its lock holds on "
-                    "this node only, so a second training started in this run.dir from another node would "
-                    "not be refused (mount with -o flock for a cluster-wide lock)")
+    if (local := node_local_flock(path)) is not None:
+        mount, how, fix = local
+        log.warning(f"checkpoint: {path} is on {how} at {mount}: its lock holds on this node only, so a "
+                    "second training started in this run.dir from another node would not be refused "
+                    f"({fix} for a cluster-wide lock)")
     handle.seek(0)
     handle.truncate()
     holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), **slurm_incarnation()}
@@ -152,9 +153,10 @@ def describe_holder(text: str) -> str:
 MOUNTINFO = Path("/proc/self/mountinfo")
 
 
-def node_local_flock(path: Path, mountinfo: str | None = None) -> str | None:
-    """The mount point of ``path`` where it is Lustre mounted with ``localflock`` (``flock`` then
-    succeeds on each node alone: found by a scale review), else None. ``mountinfo``: the text of
+def node_local_flock(path: Path, mountinfo: str | None = None) -> tuple[str, str, str] | None:
+    """(the mount point, how it is mounted, the fix) where ``path``'s filesystem keeps ``flock`` on each
+    node alone: Lustre mounted with ``localflock`` (found by a scale review), NFS mounted with
+    ``nolock`` or ``local_lock=flock|all`` (found by review); else None. ``mountinfo``: the text of
     /proc/self/mountinfo (read where not given; no such file: None)."""
     if mountinfo is None:
         try:
@@ -172,6 +174,12 @@ def node_local_flock(path: Path, mountinfo: str | None = None) -> str | None:
         inside = str(path) == point or str(path).startswith(point.rstrip("/") + "/")
         if inside and (best is None or len(point) > len(best[0])):
             best = (point, rest[0], set(parts[5].split(",")) | set(rest[2].split(",")))
-    if best is not None and best[1] == "lustre" and "localflock" in best[2]:
-        return best[0]
+    if best is None:
+        return None
+    point, kind, options = best
+    if kind == "lustre" and "localflock" in options:
+        return point, "Lustre mounted with localflock", "mount it with -o flock"
+    local = sorted(options & {"nolock", "local_lock=flock", "local_lock=all"})
+    if kind in ("nfs", "nfs4") and local:
+        return point, f"NFS mounted with {local[0]}", "mount it with local_lock=none and locks"
     return None
