@@ -7,6 +7,7 @@ injected from outside (SIGKILL of a worker, an exception in a worker). The launc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -513,6 +514,32 @@ def test_signals_the_agent_handles_are_forwarded_to_it(tmp_path, sig):
                 os.kill(int(ready.read_text()), signal.SIGKILL)  # an orphaned agent
             except ProcessLookupError:
                 pass
+
+
+def test_an_agent_whose_launcher_was_killed_stops(tmp_path):
+    """Found by review: the launcher killed by SIGKILL (by hand, a CI cancel) left its agent, in a
+    session of its own, and the workers training with no parent. The agent now gets the signal it
+    stops its workers on: SIGHUP here, where SIGTERM is a preemption signal it ignores."""
+    ready = tmp_path / "agent.pid"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, HANDLING_AGENT, str(tmp_path / "launch.log"), str(ready)],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env(),
+        stdin=subprocess.DEVNULL)
+    try:
+        guard = time.monotonic() + 60
+        while time.monotonic() < guard and not (ready.exists() and ready.read_text()):
+            time.sleep(0.05)
+        launcher.kill()
+        launcher.wait(timeout=60)
+        got = tmp_path / "agent.pid.got"
+        guard = time.monotonic() + 60
+        while time.monotonic() < guard and not (got.exists() and got.read_text()):
+            time.sleep(0.05)
+        assert got.exists() and got.read_text() == str(int(signal.SIGHUP)), "the agent was left running"
+    finally:
+        if ready.exists() and ready.read_text():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(ready.read_text()), signal.SIGKILL)
 
 
 def test_more_threads_than_cores_is_said(caplog):

@@ -31,6 +31,7 @@ the console can no longer be written.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import logging
 import os
@@ -98,18 +99,37 @@ def agent_env(max_restarts: int) -> dict[str, str]:
     return env
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def stop_when_parent_dies(sig: int, parent: int) -> None:
+    """This process gets ``sig`` when its parent, ``parent``, dies (Linux's PR_SET_PDEATHSIG;
+    elsewhere nothing), at once if it is gone already: a launcher killed by SIGKILL (by hand, a CI
+    cancel, a process-group kill that missed the agent's session) left the agent and its workers
+    training with no parent (found by review)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0 and os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+
+
 def fork_agent(module: str, args: list[str], env: dict[str, str], ignored: Sequence[int],
-               stderr_pipe: tuple[int, int] | None, defaults: Sequence[int] = ()) -> int:
+               stderr_pipe: tuple[int, int] | None, defaults: Sequence[int] = (),
+               stop_signal: int = signal.SIGTERM) -> int:
     """The process id of a fork of this process running ``python -m module args`` in a session of
     its own, with ``ignored`` signals ignored and ``defaults`` at their default (the launcher's own
     catchers are no agent's), no stdin (no worker may wait at a prompt: W&B's login) and, with
-    ``stderr_pipe`` (read end, write end), its stderr into that pipe."""
+    ``stderr_pipe`` (read end, write end), its stderr into that pipe; ``stop_signal`` (one the agent
+    stops its workers on) reaches it when this process dies."""
+    launcher = os.getpid()
     pid = os.fork()
     if pid:
         return pid
     status, interrupted = 1, False
     try:
         os.setsid()
+        stop_when_parent_dies(stop_signal, launcher)
         for sig in defaults:
             signal.signal(sig, signal.SIG_DFL)
         for sig in ignored:
@@ -350,9 +370,10 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
         # The agent's status is waited for: a SIGCHLD ignored by whoever started this process would
         # have the system reap it unasked.
         stack.callback(signal.signal, signal.SIGCHLD, signal.signal(signal.SIGCHLD, signal.SIG_DFL))
+        agent_stop = signal.SIGHUP if signal.SIGTERM in signals else signal.SIGTERM
         agent = fork_agent(AGENT_MODULE, torchrun_args(nproc, command, preemption_signals, max_restarts),
                            agent_env(max_restarts), signals, pipe,
-                           defaults=list(early.previous) if early is not None else ())
+                           defaults=list(early.previous) if early is not None else (), stop_signal=agent_stop)
         reader = None
         if pipe is not None:
             os.close(pipe[1])  # the pipe ends when the agent and the workers have closed it
@@ -370,7 +391,6 @@ def run_under_torchrun(nproc: int, command: list[str], preemption_signals: Seque
         # Set once the agent is reaped: its process id may be another process's from then on.
         orphaned: list[int] = []
         stopped_by: list[int] = []  # the signals, not preemption ones, that stopped the run
-        agent_stop = signal.SIGHUP if signal.SIGTERM in signals else signal.SIGTERM
 
         def deliver() -> None:
             # Only to the workers, the agent's children (the agent ignores these signals); not
