@@ -481,6 +481,9 @@ def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
                                         "the metrics record"),
     ("broken_tasks:ValidationMetricNamedLoss", 1, "ValidationMetricNamedLoss.loss returned metrics ['loss'] "
                                                   "named like fields of the metrics record"),
+    ("broken_tasks:TrainingMetricNamedLikeValidation", 1, "TrainingMetricNamedLikeValidation: training "
+                                                          "metrics ['val_acc'] are named like its validation "
+                                                          "metrics' record fields"),
     ("broken_tasks:RankMetrics", 2, "ranks disagree on the task's metrics (name, has its own count): "
                                     "rank 0 has (('rank0', False),), rank 1 has (('rank1', False),)"),
     ("broken_tasks:RankData", 2, "ranks disagree on training samples (511 vs 512): the ranks read different "

@@ -1178,6 +1178,15 @@ class Trainer:
         self.result.val_losses.append((step, val))
         self.result.val_metrics.append((step, dict(val_metrics)))
         record = {"val_loss": val, **{f"val_{name}": value for name, value in val_metrics.items()}}
+        # A training metric named like a validation one's form (its val_acc beside an evaluation's
+        # acc) would be overwritten in the record without a word (found by review); every rank has
+        # the same names
+        trained = {name for name, _ in self.metric_kinds or ()}
+        if clashes := sorted(key for name in val_metrics for key in (f"val_{name}", f"ema_val_{name}")
+                             if key in trained):
+            raise TrainingError(f"{type(self.task).__name__}: training metrics {clashes} are named like "
+                                "its validation metrics' record fields (val_<metric>, ema_val_<metric>), "
+                                "which would overwrite them; rename them")
         if self.average is not None:
             beat("evaluation of the weights' average")  # a bound of its own
             with self.average.swapped_in(), self.compile_failures_explained():
