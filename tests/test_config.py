@@ -550,3 +550,11 @@ def test_qlora_under_bf16_pure_is_refused():
         load_config(["finetune.method=qlora", "strategy.mixed_precision=bf16-pure"])
     mixed = load_config(["finetune.method=qlora", "strategy.mixed_precision=bf16-mixed"])
     assert mixed.finetune.method == "qlora"
+    # Names taken in any case are kept in their canonical spelling, which what follows compares
+    # (found by review: BF16-PURE passed this refusal, EVERY_K was simulated as uniform blocks)
+    with pytest.raises(ConfigError, match="would quantise the base from bf16-rounded weights"):
+        load_config(["finetune.method=qlora", "strategy.mixed_precision=BF16-Pure"])
+    upper = load_config(["strategy.mixed_precision=BF16-MIXED", "strategy.activation_checkpointing=EVERY_K",
+                         "strategy.sharding_strategy=shard-grad-op"]).strategy
+    assert (upper.mixed_precision, upper.activation_checkpointing, upper.sharding_strategy) == (
+        "bf16-mixed", "every_k", "SHARD_GRAD_OP")

@@ -496,6 +496,7 @@ def check_qlora_combinations(cfg: Config) -> None:
 def check_config(cfg: Config) -> None:
     """Everything the config and the files it names can tell."""
     cfg.dist.debug = str(cfg.dist.debug).upper()
+    check_strategy_names(cfg.strategy)  # first: what follows compares the canonical spellings
     check_ranges(cfg)
     # Before any process starts, and in `plan` (found by a review: refused inside the trainer, after
     # torchrun had started its workers, and planned without a word).
@@ -560,5 +561,4 @@ def check_config(cfg: Config) -> None:
             raise ConfigError(
                 f"checkpoint.preemption_signals: {name} cannot be caught; use SIGTERM or SIGUSR1"
             )
-    check_strategy_names(cfg.strategy)
     check_checkpointing_every(cfg)

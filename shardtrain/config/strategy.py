@@ -99,20 +99,22 @@ def reshard_setting(value: object) -> bool | int | None:
 
 
 def check_strategy_names(cfg: StrategyConfig) -> None:
-    """Every name in the strategy section; what depends on the world size or the devices (group
+    """Every name in the strategy section, put in its canonical spelling (each is taken in any case,
+    and compared as written after: found by review, BF16-PURE passed QLoRA's refusal of bf16-pure,
+    EVERY_K was simulated as uniform blocks); what depends on the world size or the devices (group
     sizes, ``auto`` precision) is checked when the plan is resolved."""
-    strategy = normalize_strategy_name(cfg.sharding_strategy)
+    strategy = cfg.sharding_strategy = normalize_strategy_name(cfg.sharding_strategy)
     if cfg.shard_group_size and not strategy.startswith("HYBRID_SHARD"):
         # FSDP1's users set a group size expecting hybrid sharding, and got full sharding silently.
         raise ConfigError(f"strategy.shard_group_size={cfg.shard_group_size} applies to the hybrid "
                           f"strategies only; {strategy} shards over every data-parallel rank: use "
                           "strategy=hybrid_shard (or hybrid_shard_zero2) with it, or drop it")
     reshard_setting(cfg.reshard_after_forward)
-    precision_preset(cfg.mixed_precision)
+    cfg.mixed_precision = precision_preset(cfg.mixed_precision)
     for key in ("param_dtype", "reduce_dtype"):
         if getattr(cfg, key) is not None:
             check_compute_dtype(key, getattr(cfg, key))
-    checkpointing_mode(cfg)
+    cfg.activation_checkpointing = checkpointing_mode(cfg)
 
 
 def devices_count(devices: Any) -> int | None:
