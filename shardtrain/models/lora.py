@@ -19,8 +19,11 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import io
+import logging
 import math
 import re
+import tokenize
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -31,6 +34,8 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from shardtrain.config.schema import FinetuneConfig
 from shardtrain.errors import ConfigError, ModelError
 from shardtrain.models.initializer import draws_elementwise, elementwise_constants
+
+log = logging.getLogger("shardtrain")
 
 ADAPTER_NAME = "default"  # PEFT's name for a model's only adapter
 BASE_LAYER = ".base_layer."
@@ -45,19 +50,35 @@ DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3",
 
 
 # A child's weight read by its parent's code other than for its dtype, device or shape
-# (``self.dt_proj.weight @ x``): the child's own forward never runs for it.
-DIRECT_WEIGHT_READ = re.compile(r"\bself\.(\w+)\.weight\b(?!\s*\.\s*(?:dtype|device|shape|ndim|size|dim)\b)")
+# (``self.dt_proj.weight @ x``): the child's own forward does not run for it. Matched in the code
+# without its comments and strings, its tokens joined by spaces.
+DIRECT_WEIGHT_READ = re.compile(
+    r"\bself\s*\.\s*(\w+)\s*\.\s*weight\b(?!\s*\.\s*(?:dtype|device|shape|ndim|size|dim|data_ptr)\b)")
+# ... nor where it is only looked at or initialised (T5's isinstance(self.wo.weight, ...), init.*)
+LOOKED_AT = re.compile(r"(?:\bisinstance|\bgetattr|\bhasattr|\binit\s*\.\s*\w+)\s*\(\s*$")
+
+
+def code_tokens(source: str) -> str:
+    """``source`` without its comments and strings (docstrings), its tokens joined by spaces."""
+    try:
+        tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+        return " ".join(token.string for token in tokens
+                        if token.type not in (tokenize.COMMENT, tokenize.STRING))
+    except (tokenize.TokenError, SyntaxError, IndentationError):
+        return source
 
 
 @functools.cache
 def weights_read_directly(module_class: type) -> frozenset[str]:
-    """The names of the children whose weight ``module_class``'s code (every method of it) reads
-    itself; none where its source cannot be read."""
+    """The names of the children whose weight ``module_class``'s code (every method of it, on any
+    path: a read behind a setting, Bloom's slow tensor-parallel path, counts) reads itself; none where
+    its source cannot be read."""
     try:
-        source = inspect.getsource(module_class)
+        code = code_tokens(inspect.getsource(module_class))
     except (OSError, TypeError):
         return frozenset()
-    return frozenset(DIRECT_WEIGHT_READ.findall(source))
+    return frozenset(match[1] for match in DIRECT_WEIGHT_READ.finditer(code)
+                     if not LOOKED_AT.search(code, max(0, match.start() - 60), match.start()))
 
 
 def read_without_calling(model: nn.Module) -> dict[str, str]:
@@ -126,7 +147,8 @@ def adapter_targets(model: nn.Module, targets: Iterable[str]) -> list[str]:
                             or isinstance(module, NonDynamicallyQuantizableLinear)):
             # The defaults name many families' projections: a module of another kind by one of
             # those names (nn.MultiheadAttention's out_proj, a container) is not a projection here,
-            # nor one whose weight its parent reads itself (a Mamba mixer's out_proj: PEFT refuses it).
+            # nor one whose weight its parent reads itself on some path (a Mamba mixer's out_proj,
+            # which PEFT refuses; Bloom's dense under its slow tensor-parallel setting).
             continue
         if isinstance(module, nn.Embedding):
             raise ConfigError(f"finetune.targets selects the embedding {name!r}: LoRA on embeddings is "
@@ -138,10 +160,6 @@ def adapter_targets(model: nn.Module, targets: Iterable[str]) -> list[str]:
             raise ConfigError(f"finetune.targets selects {name!r}, the output projection of an "
                               "nn.MultiheadAttention, which reads its weight without calling it: an "
                               "adapter there would never run; name other projections")
-        if name in read_by_parent:
-            raise ConfigError(f"finetune.targets selects {name!r}, whose weight {read_by_parent[name]} reads "
-                              "without calling the layer: an adapter there would never run; name other "
-                              "projections")
         if not isinstance(module, nn.Linear):  # subclasses are layers PEFT wraps like nn.Linear
             if any(isinstance(child, nn.Linear) for child in module.modules()):
                 continue  # a container whose name matches (GPT-NeoX's "attention.dense" is the layer)
@@ -215,6 +233,14 @@ def add_adapters(model: nn.Module, cfg: FinetuneConfig) -> nn.Module:
     if cfg.method not in ("lora", "qlora"):
         raise ConfigError(f"finetune.method={cfg.method!r} adds no adapters")
     modules = adapter_targets(model, cfg.targets)
+    read_by_parent = read_without_calling(model)
+    if bypassed := [name for name in modules if name in read_by_parent]:
+        # Named (a checkpoint's adapters are too): its code may read the weight on a path the run does
+        # not take (Bloom's), so said, not refused
+        log.warning(f"finetune.targets: {read_by_parent[bypassed[0]]}'s code reads the weight of "
+                    f"{bypassed[0]}{f' (and {len(bypassed) - 1} more)' if len(bypassed) > 1 else ''} without "
+                    "calling the layer on some path (Jamba's Mamba dt_proj always, a fused CUDA kernel's "
+                    "out_proj): an adapter there does not run on that path; name other layers if it is yours")
     # Into the module PEFT knows (a transformers model inside a wrapper): PEFT reads the transformers
     # model's weight-conversion mapping of the model it is given, which asks it for attributes a
     # wrapper lacks (GPT-NeoX, Jamba, the MoE families raised AttributeError: base_model_prefix).
