@@ -84,6 +84,7 @@ def test_console_line_leaves_out_what_is_unknown():
     throughput.add(samples=2, count=4096, flops=0.0)
     assert rate(throughput.report(), throughput.unit).endswith(" elements/s")
     assert rate({"tokens_per_s": 10.0, "samples_per_s": 1.0}, "tokens") == "10 tok/s"
+    assert rate({"samples_per_s": 0.25}, "samples") == "0.2 samples/s"  # not "0 samples/s"
 
 
 # What `shardtrain` answers without training: (arguments, exit status, the line it ends with). The

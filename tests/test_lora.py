@@ -523,9 +523,16 @@ def test_finetune_config_and_qlora_refusals(model_dirs):
     # the largest shard group every weight splits over is named (found by review: the advice was
     # training's alone, which generate and eval do not take)
     two_blocks = with_adapters(lambda: nn.Sequential(nn.Linear(256, 128)), cfg, torch.device("cpu"))()
-    with pytest.raises(ConfigError, match=r"does not split into 3 row shards.*every weight splits into 2: "):
-        check_quantizable(two_blocks, 3)
+    with pytest.raises(ConfigError, match=r"does not split into 4 row shards.*every weight splits into 2: "):
+        check_quantizable(two_blocks, 4)
+    with pytest.raises(ConfigError, match=r"does not split into 3 row shards.*every weight splits into 1: "):
+        check_quantizable(two_blocks, 3)  # a group size that divides 3
     check_quantizable(two_blocks, 2)
+    # a later weight without whole blocks is named first (found by review: a StopIteration traceback)
+    mixed = with_adapters(lambda: nn.Sequential(nn.Linear(128, 384), nn.Linear(128, 10)), cfg,
+                          torch.device("cpu"))()
+    with pytest.raises(ConfigError, match=r"1.weight \(10 x 128\) does not hold whole NF4 blocks"):
+        check_quantizable(mixed, 4)
     kept = to_nf4_before_sharding(model[:1], shards=1)  # built whole: quantised at once, kept from FSDP
     base = model[0].base_layer
     assert kept == {base.weight}

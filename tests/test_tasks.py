@@ -397,6 +397,10 @@ def test_a_task_with_an_init_of_its_own_is_built_from_the_config_or_refused(monk
                        config=json.loads(json.dumps(OmegaConf.to_container(OmegaConf.structured(nan_cfg)))))
     assert saved.setting_changes(load_config(["task=broken_tasks:NaNOption", "task.depth=3"]),
                                  ("task.options", "task.path")) == []
+    # values JSON cannot encode compare too (found by review: a TypeError where they differed)
+    from shardtrain.config.options import same_value
+
+    assert not same_value(Path("/a"), Path("/b")) and same_value(Path("/a"), Path("/a"))
 
 
 def test_what_a_task_object_holds_is_what_its_config_records(monkeypatch):

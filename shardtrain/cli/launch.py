@@ -102,15 +102,19 @@ def agent_env(max_restarts: int) -> dict[str, str]:
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def stop_when_parent_dies(sig: int, parent: int) -> None:
+def parent_death_call() -> Callable[..., int] | None:
+    """libc's ``prctl`` on Linux (looked up before a fork: a dynamic-loader lookup in the child of a
+    threaded process may deadlock), else None."""
+    return ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def stop_when_parent_dies(prctl: Callable[..., int] | None, sig: int, parent: int) -> None:
     """This process gets ``sig`` when its parent, ``parent``, dies (Linux's PR_SET_PDEATHSIG;
-    elsewhere nothing), at once if it is gone already: a launcher killed by SIGKILL (by hand, a CI
-    cancel, a process-group kill that missed the agent's session) left the agent and its workers
-    training with no parent (found by review)."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0 and os.getppid() != parent:
+    without ``prctl`` nothing), at once if it is gone already: a launcher killed by SIGKILL (by hand,
+    a CI cancel, a process-group kill that missed the agent's session) left the agent and its
+    workers training with no parent (found by review). Called once ``sig`` has its default or the
+    agent's handler: the launcher's early catcher, inherited, would swallow it."""
+    if prctl is not None and prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0 and os.getppid() != parent:
         os.kill(os.getpid(), sig)
 
 
@@ -122,18 +126,18 @@ def fork_agent(module: str, args: list[str], env: dict[str, str], ignored: Seque
     catchers are no agent's), no stdin (no worker may wait at a prompt: W&B's login) and, with
     ``stderr_pipe`` (read end, write end), its stderr into that pipe; ``stop_signal`` (one the agent
     stops its workers on) reaches it when this process dies."""
-    launcher = os.getpid()
+    launcher, prctl = os.getpid(), parent_death_call()
     pid = os.fork()
     if pid:
         return pid
     status, interrupted = 1, False
     try:
         os.setsid()
-        stop_when_parent_dies(stop_signal, launcher)
         for sig in defaults:
             signal.signal(sig, signal.SIG_DFL)
         for sig in ignored:
             signal.signal(sig, signal.SIG_IGN)
+        stop_when_parent_dies(prctl, stop_signal, launcher)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)

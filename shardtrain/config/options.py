@@ -30,7 +30,12 @@ WHAT_OPTIONS_HOLD = ("numbers, strings, booleans, Enums, paths, Literals of stri
 
 def same_value(a: Any, b: Any) -> bool:
     """Equal as recorded values, NaN equal to itself (a NaN default is no wrong type)."""
-    return a == b or json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    # (repr for what JSON cannot encode: a Path, an Enum member, compared unequal rather than a
+    # TypeError: found by review)
+    def recorded(value: Any) -> str:
+        return json.dumps(value, sort_keys=True, default=repr)
+
+    return a == b or recorded(a) == recorded(b)
 
 
 def literal_choices(hint: Any) -> tuple[tuple[Any, ...], bool] | None:

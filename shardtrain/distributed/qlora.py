@@ -102,17 +102,19 @@ def check_quantizable(model: nn.Module, shards: int) -> None:
     def splits(rows: int, cols: int, count: int) -> bool:
         return rows % count == 0 and (rows * cols) % (NF4_GRAIN * count) == 0
 
-    for name, rows, cols in shapes:
-        if splits(rows, cols, shards):
-            continue
-        if (rows * cols) % NF4_GRAIN:  # not whole blocks at any split: fewer ranks cannot help
+    for name, rows, cols in shapes:  # a weight without whole blocks first: no split helps it
+        if (rows * cols) % NF4_GRAIN:
             raise ConfigError(
                 f"finetune.method=qlora: {name}.weight ({rows} x {cols}) does not hold whole NF4 "
                 f"blocks ({NF4_BLOCK} x {NF4_SCALER_BLOCK} = {NF4_GRAIN:,} elements each: its size "
                 f"must be a multiple of {NF4_GRAIN:,}); use finetune.method=lora for this model")
-        # The largest shard group every weight splits over (1 always does: whole blocks)
+    for name, rows, cols in shapes:
+        if splits(rows, cols, shards):
+            continue
+        # The largest shard group, a divisor of this one (a group size must divide the ranks), every
+        # weight splits over (1 always does: whole blocks)
         fits = next(count for count in range(shards - 1, 0, -1)
-                    if all(splits(r, c, count) for _, r, c in shapes))
+                    if shards % count == 0 and all(splits(r, c, count) for _, r, c in shapes))
         raise ConfigError(
             f"finetune.method=qlora: {name}.weight ({rows} x {cols}) does not split into {shards} "
             f"row shards of whole NF4 blocks ({NF4_BLOCK} x {NF4_SCALER_BLOCK} elements each); every "

@@ -22,7 +22,7 @@ def rate(record: dict, unit: str | None = None) -> str:
         units = [key.removesuffix("_seen") for key in record
                  if key.endswith("_seen") and key != "samples_seen"]
         unit = next((unit for unit in units if f"{unit}_per_s" in record), None)
-    if unit is not None and f"{unit}_per_s" in record:
+    if unit not in (None, "samples") and f"{unit}_per_s" in record:
         return f"{record[f'{unit}_per_s']:.0f} {'tok' if unit == 'tokens' else unit}/s"
     return f"{record['samples_per_s']:.1f} samples/s"
 

@@ -957,7 +957,9 @@ class Trainer:
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
-            raise TrainingError(self.out_of_memory_message(failing_part(exc))) from exc
+            # The CPU allocator's refusal is the host's memory, on an accelerated run too
+            host = not isinstance(exc, torch.OutOfMemoryError)
+            raise TrainingError(self.out_of_memory_message(failing_part(exc), host)) from exc
 
     @contextmanager
     def compile_failures_explained(self) -> Iterator[None]:
@@ -977,10 +979,11 @@ class Trainer:
             raise TrainingError(f"strategy.compile=true: torch.compile failed ({type(cause).__name__}: "
                                 f"{first[:300]}); set strategy.compile=false to train without it") from exc
 
-    def out_of_memory_message(self, part: str) -> str:
-        """``part``: where in the step it failed (``failing_part``)."""
+    def out_of_memory_message(self, part: str, host: bool = False) -> str:
+        """``part``: where in the step it failed (``failing_part``); ``host``: the host's memory ran
+        out (the CPU allocator refused an allocation), whatever the run's device."""
         gib = 2**30
-        device = self.env.device
+        device = torch.device("cpu") if host else self.env.device
         allocator_peak = phase_peak_bytes(device)
         # A CPU has no allocator statistics: its process's peak resident memory stands in for them
         peak = (allocator_peak if allocator_peak is not None else peak_memory_mib(device) * 2**20) / gib
