@@ -554,6 +554,10 @@ def test_qlora_under_bf16_pure_is_refused():
     # (found by review: BF16-PURE passed this refusal, EVERY_K was simulated as uniform blocks)
     with pytest.raises(ConfigError, match="would quantise the base from bf16-rounded weights"):
         load_config(["finetune.method=qlora", "strategy.mixed_precision=BF16-Pure"])
+    # NF4 weights reshard to their whole group only (found by review: an AssertionError in the first
+    # forward)
+    with pytest.raises(ConfigError, match="qlora does not combine with an integer strategy.reshard_after"):
+        load_config(["finetune.method=qlora", "strategy.reshard_after_forward=2"])
     upper = load_config(["strategy.mixed_precision=BF16-MIXED", "strategy.activation_checkpointing=EVERY_K",
                          "strategy.sharding_strategy=shard-grad-op"]).strategy
     assert (upper.mixed_precision, upper.activation_checkpointing, upper.sharding_strategy) == (

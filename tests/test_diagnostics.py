@@ -87,6 +87,44 @@ def test_a_wrap_policy_matching_only_the_model_itself_is_refused():
         resolve_wrap_classes(model, ["Llama"])
 
 
+def test_unit_layouts_that_would_fail_or_gather_everything_are_refused():
+    """Found by review: a wrap policy matching only the extra groups' members (the embedding) made no
+    block a unit: the whole stack sat in the root unit, gathered whole, nothing checkpointed; a
+    BatchNorm listed beside other modules in one group was gathered in bf16 beside its fp32
+    statistics and its first forward failed. Each is one line before any sharding."""
+    from shardtrain.config.plan import resolve_plan
+    from shardtrain.config.schema import ModelConfig, StrategyConfig
+    from shardtrain.distributed.env import build_mesh
+    from shardtrain.distributed.parallelize import parallelize
+    from shardtrain.errors import ConfigError, ModelError
+    from shardtrain.models.llama import Llama
+    from shardtrain.train.simulate import fake_world
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+            self.final_bn = nn.BatchNorm1d(4)
+            self.fc = nn.Linear(4, 2)
+
+        def extra_shard_groups(self):
+            return [[self.final_bn, self.fc]]
+
+    with fake_world(2):
+        plan = resolve_plan(StrategyConfig(mixed_precision="bf16-mixed"), 2, 2)
+        mesh = build_mesh(plan, "cpu")
+        with torch.device("meta"):
+            llama = Llama(ModelConfig(vocab_size=16, dim=8, n_layers=2, n_heads=2, n_kv_heads=1,
+                                      max_seq_len=8))
+        with pytest.raises(ModelError, match=r"wrap policy \[Embedding\] matches only modules of the model's "
+                                             r"extra shard groups"):
+            parallelize(llama, mesh, plan, ["torch.nn.Embedding"])
+        with pytest.raises(ConfigError, match=r"^final_bn \(BatchNorm1d\) keeps fp32 running statistics "
+                                              r"and shares an FSDP unit with fc, whose weights are gathered "
+                                              r"in bfloat16: its forward would fail"):
+            parallelize(Classifier(), mesh, plan, ["torch.nn.Linear"])
+
+
 def test_units_are_the_outermost_blocks_outside_the_extra_groups():
     """Matches inside another match are sharded with it; a match that is a group's member is the
     group's; blocks inside a group's module stay units of their own (sharded before it)."""

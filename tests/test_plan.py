@@ -47,6 +47,17 @@ def test_overrides_and_precision():
     with pytest.raises(ConfigError, match="the shard group has 2 ranks, so no smaller group exists"):
         resolve_plan(StrategyConfig(reshard_after_forward=3), 2, 2)
     assert resolve_plan(StrategyConfig(reshard_after_forward=2), 2, 2).reshard_after_forward is True  # k == S
+    # k == S for a group of 1 too; float8's weights, which bring their own all-gather, cannot reshard
+    # to a smaller group (found by review: a bare NotImplementedError in the first backward)
+    assert resolve_plan(StrategyConfig(sharding_strategy="NO_SHARD", reshard_after_forward=1), 2, 2
+                        ).reshard_after_forward is True
+    with pytest.raises(ConfigError, match="reshard_after_forward=2 with strategy.float8=true: FSDP2 cannot"):
+        resolve_plan(StrategyConfig(reshard_after_forward=2, float8=True), 4, 4)
+    # FSDP1's own spellings (found by review: _HYBRID_SHARD_ZERO2 was refused)
+    assert resolve_plan(StrategyConfig(sharding_strategy="_HYBRID_SHARD_ZERO2"), 2, 2).strategy == (
+        "HYBRID_SHARD_ZERO2")
+    assert resolve_plan(StrategyConfig(sharding_strategy="ShardingStrategy.FULL_SHARD"), 2, 2).strategy == (
+        "FULL_SHARD")
     mixed = resolve_plan(StrategyConfig(mixed_precision="bf16-mixed"), 2, 2)
     assert (mixed.storage_dtype, mixed.param_dtype, mixed.reduce_dtype) == (
         torch.float32, torch.bfloat16, torch.float32)

@@ -42,7 +42,7 @@ from shardtrain.config.schema import (
     TrainerConfig,
     mixture_weights_valid,
 )
-from shardtrain.config.strategy import check_strategy_names, devices_count
+from shardtrain.config.strategy import check_strategy_names, devices_count, reshard_setting
 from shardtrain.config.suggest import closest
 from shardtrain.errors import ConfigError, json_object
 
@@ -487,7 +487,11 @@ def check_qlora_combinations(cfg: Config) -> None:
                 "strategy.compile=true (not tested with the NF4 base yet)": cfg.strategy.compile,
                 "strategy.cpu_offload=true (not tested with the NF4 base yet)": cfg.strategy.cpu_offload,
                 "finetune.base_dtype=bf16 (not tested with the NF4 base yet)":
-                    cfg.finetune.base_dtype != "fp32"}
+                    cfg.finetune.base_dtype != "fp32",
+                # FSDP2 cannot reshard a parameter that brings its own all-gather (NF4's) to a smaller
+                # group: an AssertionError at the end of the first forward (found by review)
+                "an integer strategy.reshard_after_forward (NF4 weights reshard to their whole group)":
+                    type(reshard_setting(cfg.strategy.reshard_after_forward)) is int}
     for setting, asked in not_with.items():
         if asked:
             raise ConfigError(f"finetune.method=qlora does not combine with {setting}; use one or the other")

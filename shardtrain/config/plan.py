@@ -168,10 +168,11 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int,
         reshard_after_forward: bool | int = reshard
     elif isinstance(raf, bool):
         reshard_after_forward = raf
+    elif raf == shard_group:  # k equal to the group is true (a group of 1 too: found by review)
+        reshard_after_forward = True
     else:
-        # No divisor between 1 and a group of 1-2 ranks (k equal to the group is true): the error
-        # named an impossible fix.
-        if shard_group <= 2 and raf != shard_group:
+        # No divisor between 1 and a group of 1-2 ranks: the error named an impossible fix.
+        if shard_group <= 2:
             raise LayoutError(
                 f"strategy.reshard_after_forward={raf}: the shard group has {shard_group} rank"
                 f"{'s' if shard_group > 1 else ''}, so no smaller group exists to reshard to; use true or "
@@ -181,13 +182,19 @@ def resolve_plan(cfg: StrategyConfig, world_size: int, local_world_size: int,
                 f"strategy.reshard_after_forward={raf} must be a divisor of the shard group size "
                 f"{shard_group} other than 1 (or true/false)"
             )
-        if tp > 1 and raf != shard_group:
+        if tp > 1:
             # FSDP2 refuses it at the first forward (NotImplementedError: resharding to a smaller
             # mesh is not supported for DTensor parameters), after a launch and a build.
             raise ConfigError(
                 f"strategy.reshard_after_forward={raf} with strategy.tensor_parallel={tp}: FSDP2 cannot "
                 "reshard tensor-parallel (DTensor) parameters to a smaller group; use true or false")
-        reshard_after_forward = True if raf == shard_group else raf
+        if cfg.float8:
+            # Nor a parameter that brings its own all-gather (float8's): a bare NotImplementedError in
+            # the first backward (torch 2.13; found by review)
+            raise ConfigError(
+                f"strategy.reshard_after_forward={raf} with strategy.float8=true: FSDP2 cannot reshard "
+                "float8-gathered weights to a smaller group; use true or false")
+        reshard_after_forward = raf
 
     preset = resolve_precision(cfg.mixed_precision, accelerated)
     storage, param, reduce = PRECISION_PRESETS[preset]

@@ -41,7 +41,9 @@ AC_MODES = ("none", "selective", "every_k", "all")
 def normalize_strategy_name(name: str, given_as: str = "strategy.sharding_strategy=") -> str:
     """``name`` in the canonical spelling; ``given_as`` names where it came from in the error (a
     config key, or ``--strategy `` of generate and eval)."""
-    key = str(name).strip().upper().replace("-", "_")
+    # FSDP1 spells one name with a leading underscore (_HYBRID_SHARD_ZERO2), and its enum's members
+    # print as ShardingStrategy.FULL_SHARD: both taken (found by review)
+    key = str(name).strip().upper().replace("-", "_").removeprefix("SHARDINGSTRATEGY.").lstrip("_")
     if key not in STRATEGIES:
         raise ConfigError(
             f"{given_as}{name!r} is not a sharding strategy"

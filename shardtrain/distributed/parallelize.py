@@ -38,9 +38,10 @@ from shardtrain.distributed.embedding_exchange import (
 from shardtrain.distributed.preconditions import (
     check_single_registration,
     check_tied_within_units,
+    module_class_paths,
     resolve_wrap_classes,
 )
-from shardtrain.errors import ConfigError
+from shardtrain.errors import ConfigError, ModelError
 from shardtrain.models.lean_ops import checkpointed
 from shardtrain.models.lora import is_adapter
 
@@ -402,6 +403,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
     names = {m: n for n, m in model.named_modules()}
     groups = extra_groups(model)
     blocks = outermost_blocks(model, wrap)
+    if wrap and not blocks:
+        # What it matched are the extra groups' members (the embedding, the head): the blocks would
+        # be in the root unit, gathered whole, with nothing checkpointed or compiled (found by review)
+        raise ModelError(
+            f"wrap policy [{', '.join(c.__qualname__ for c in wrap)}] matches only modules of the model's "
+            f"extra shard groups (the embedding, the head), which are units of their own, so no block of "
+            f"{type(model).__name__} would be one; name its block class, one of: "
+            + ", ".join(module_class_paths(model)))
     # A group's members inside a block are the block's: a model's groups follow its own block
     # classes, and a wrap policy naming others (Electra's layers, which it does not declare) left the
     # layers' linears in the head's group too, sharded twice ("Cannot concatenate overlapping
@@ -539,6 +548,18 @@ def fp32_norms(model: nn.Module, plan: ShardingPlan, units: Sequence[Sequence[nn
         return (bool(getattr(module, "track_running_stats", False))
                 and any(True for _ in module.parameters(recurse=False)))
 
+    # A norm listed beside other modules in one group would be gathered in their dtype: its forward
+    # failed as above (found by review); refused, naming the fix
+    names = {id(module): name for name, module in model.named_modules()}
+    for modules in units:
+        norm = next(filter(is_norm, modules), None)
+        if norm is not None and len(modules) > 1 and not all(map(is_norm, modules)):
+            name = names.get(id(norm), type(norm).__name__)
+            others = ", ".join(names.get(id(m), type(m).__name__) for m in modules if m is not norm)
+            raise ConfigError(f"{name} ({type(norm).__name__}) keeps fp32 running statistics and shares "
+                              f"an FSDP unit with {others}, whose weights are gathered in "
+                              f"{dtype_name(plan.param_dtype)}: its forward would fail; give it an extra "
+                              "shard group of its own (extra_shard_groups)")
     grouped = {id(m) for modules in units if not all(map(is_norm, modules)) for m in modules}
     return [module for module in model.modules()
             if module is not model and is_norm(module) and id(module) not in grouped]
