@@ -137,6 +137,7 @@ def test_bad_config_is_named(override, expected):
     (["finetune=lora", "finetune.base_dtype=bf16"], "finetune.base_dtype=bf16 needs a bf16 compute dtype"),
     (["data=files"], "data.source=files needs data.paths=[FILE_OR_DIR, ...]"),
     (["data.source=prepared"], "data.source=prepared needs data.paths=[DIR, ...]"),
+    (["trainer.sample_every=5", "trainer.sample_tokens=0"], "trainer.sample_tokens=0 generates none"),
 ])
 def test_impossible_combinations_are_refused_before_any_process_starts(overrides, expected):
     """Found by a review: refused inside the trainer, after torchrun had started its workers (and
@@ -144,6 +145,16 @@ def test_impossible_combinations_are_refused_before_any_process_starts(overrides
     with pytest.raises(ConfigError) as info:
         load_config(overrides)
     assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_plan_rows_refuse_what_train_refuses(capsys):
+    """Found by review: with --world-sizes the rows planned a LoRA base in bf16 under an fp32
+    computation, which train refuses."""
+    from shardtrain.cli.main import main
+
+    assert main(["plan", "finetune=lora", "finetune.base_dtype=bf16", "strategy.mixed_precision=fp32",
+                 "--world-sizes", "8"]) == 2
+    assert "finetune.base_dtype=bf16 needs a bf16 compute dtype" in capsys.readouterr().err
 
 
 def test_float8_tokens_in_multiples_of_16_and_finite_mixture_weights(tmp_path):

@@ -566,3 +566,8 @@ def check_config(cfg: Config) -> None:
                 f"checkpoint.preemption_signals: {name} cannot be caught; use SIGTERM or SIGUSR1"
             )
     check_checkpointing_every(cfg)
+    if cfg.trainer.sample_every and cfg.trainer.sample_tokens == 0:
+        # (found by review: every N steps a gathered copy was made for a sample of the prompt alone)
+        raise ConfigError(f"trainer.sample_every={cfg.trainer.sample_every} samples trainer.sample_tokens "
+                          "tokens, and trainer.sample_tokens=0 generates none; set trainer.sample_tokens "
+                          "above 0, or drop trainer.sample_every")

@@ -21,6 +21,7 @@ from shardtrain.config.plan import (
     check_tensor_parallel_in_nodes,
     check_tensor_parallel_support,
     launch_shape,
+    planned_param_dtype,
     resolve_plan,
     with_global_batch,
 )
@@ -169,12 +170,13 @@ def check_runtime(cfg: Config, runs_here: bool = True, rows_judge_layouts: bool 
     check_built_in_task_settings(cfg)
     # The strategy against the world size the launch will have.
     per_node, world = launch_shape(cfg)
+    if runs_here or cfg.strategy.mixed_precision != "auto":  # auto: the planned machines' choice
+        # whatever the layout: plan's rows too (found by review: they planned a run train refuses)
+        check_base_dtype(cfg, planned_param_dtype(cfg.strategy))
     if rows_judge_layouts:
         check_tensor_parallel_in_nodes(cfg.strategy, per_node)  # the nodes' size is the same in each row
     else:
-        plan = resolve_plan(cfg.strategy, world, per_node)
-        if runs_here or cfg.strategy.mixed_precision != "auto":  # auto: the planned machines' choice
-            check_base_dtype(cfg, plan.param_dtype)
+        resolve_plan(cfg.strategy, world, per_node)
         with_global_batch(cfg, world)  # a global batch the micro-batches do not divide, before any launch
     check_tensor_parallel_support(cfg)
 

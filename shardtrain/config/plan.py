@@ -126,6 +126,12 @@ def resolve_precision(name: str, accelerated: bool | None = None) -> str:
     return preset
 
 
+def planned_param_dtype(cfg: StrategyConfig, accelerated: bool | None = None) -> torch.dtype:
+    """The compute dtype the strategy section gives, whatever the world size."""
+    _, param, _ = PRECISION_PRESETS[resolve_precision(cfg.mixed_precision, accelerated)]
+    return DTYPES[check_compute_dtype("param_dtype", cfg.param_dtype or param)]
+
+
 def check_base_dtype(cfg: Config, param_dtype: torch.dtype) -> None:
     """A LoRA base stored in bf16 is read by a bf16 computation only."""
     if cfg.finetune.method != "none" and cfg.finetune.base_dtype == "bf16" and param_dtype != torch.bfloat16:
