@@ -116,6 +116,9 @@ NO_TRAINING = [
     (["plan", "--processes-per-node", "0"], 2, "--processes-per-node 0: each must be at least 1"),
     (["plan", "--world-sizes", "99999999999"], 2, "--world-sizes 99999999999: each must be at most 1,048"),
     (["plan", "--device-memory", "0"], 2, "--device-memory '0' must be more than 0"),
+    # a number alone is bytes: 80 planned for 80 bytes, every row "no" (found by review)
+    (["plan", "--device-memory", "80"], 2, "--device-memory '80' has no unit, and read as bytes it is under "
+                                          "1 MiB; write it with one, like 80GB"),
     (["generate", ".", "--prompts-file", "latin1.txt"], 2, "is not UTF-8 text"),
     # argv bytes that are not UTF-8 (Latin-1 é), as Python keeps them: a traceback at tokenization
     (["generate", "missing", "--prompt", "caf\udce9"], 2, "--prompt is not UTF-8 text"),

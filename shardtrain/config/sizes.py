@@ -9,7 +9,8 @@ from shardtrain.errors import ConfigError
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.I)
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9}
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9,
+         "T": 10**12}
 
 
 def parse_size(text: str, option: str = "size") -> int:
@@ -21,6 +22,10 @@ def parse_size(text: str, option: str = "size") -> int:
     size = int(float(match.group(1)) * UNITS[match.group(2).upper()])
     if size < 1:
         raise ConfigError(f"{option} {text!r} must be more than 0")
+    if not match.group(2) and size < 2**20:
+        # A number alone is bytes: --device-memory 80 planned for 80 bytes (found by review)
+        raise ConfigError(f"{option} {text!r} has no unit, and read as bytes it is under 1 MiB; write it "
+                          f"with one, like {text}GB, {text}GiB or {text}B")
     return size
 
 
