@@ -316,6 +316,11 @@ def test_range_message_names_flag_and_range(capsys):
     # an int too large for a float is one line too (found by review: OverflowError's traceback)
     assert main(["generate", "ckpt", "--prompt", "x", "--seed", "1" + "0" * 400]) == 2
     assert capsys.readouterr().err.endswith(" must be in [0, 9223372036854775807]\n")
+    # sampling flags at the greedy default would change nothing (found by review)
+    assert main(["generate", "ckpt", "--prompt", "x", "--top-p", "0.9", "--seed", "3"]) == 2
+    assert capsys.readouterr().err == (
+        "shardtrain: error: --top-p, --seed shape sampling, and --temperature 0 (the default) picks the most "
+        "likely token: they would change nothing; give --temperature above 0 to sample, or drop them\n")
 
 
 def test_cpu_ranks_of_a_machine_share_its_memory_for_the_gathered_copy():

@@ -228,9 +228,10 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     from shardtrain.config.strategy import normalize_strategy_name
-    from shardtrain.generation.ranges import GENERATE_RANGES, check_ranges
+    from shardtrain.generation.ranges import GENERATE_RANGES, check_ranges, check_sampling
 
     check_ranges(args, GENERATE_RANGES)  # argument errors surface here, before any process starts
+    check_sampling(args)
     normalize_strategy_name(args.strategy, given_as="--strategy ")
     prompts = read_prompts(args)
     args.checkpoint = check_exists(args.checkpoint)

@@ -59,3 +59,15 @@ def check_ranges(args: argparse.Namespace, ranges: dict[str, Range]) -> None:
             shown = f"{value:g}" if isinstance(value, float) else str(value)
             infinite = isinstance(value, float) and math.isinf(value)
             raise ConfigError(f"{flag} {shown} must be {'finite' if infinite else allowed}")
+
+
+def check_sampling(args: argparse.Namespace) -> None:
+    """``--top-k``, ``--top-p`` and ``--seed`` shape sampling, which ``--temperature 0`` (greedy, the
+    default) does not do: given with it they would change nothing (found by review)."""
+    given = [flag for flag, unset in (("--top-k", args.top_k == 0), ("--top-p", args.top_p == 1.0),
+                                      ("--seed", args.seed == 0)) if not unset]
+    if args.temperature == 0 and given:
+        one = len(given) == 1
+        raise ConfigError(f"{', '.join(given)} shape{'s' if one else ''} sampling, and --temperature 0 (the "
+                          f"default) picks the most likely token: {'it' if one else 'they'} would change "
+                          f"nothing; give --temperature above 0 to sample, or drop {'it' if one else 'them'}")
