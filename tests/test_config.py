@@ -138,6 +138,10 @@ def test_bad_config_is_named(override, expected):
     (["data=files"], "data.source=files needs data.paths=[FILE_OR_DIR, ...]"),
     (["data.source=prepared"], "data.source=prepared needs data.paths=[DIR, ...]"),
     (["trainer.sample_every=5", "trainer.sample_tokens=0"], "trainer.sample_tokens=0 generates none"),
+    # (found by review: said inside the trainer or the data preparation, after torchrun had started)
+    (["trainer.micro_batch_size=auto", "trainer.global_batch_size=8", "trainer.grad_accum_steps=4"],
+     "trainer.grad_accum_steps=4 contradicts trainer.micro_batch_size=auto"),
+    (["data.val_percent=0.001"], "data.val_percent=0.001: the validation share 0.001% is not a whole number"),
 ])
 def test_impossible_combinations_are_refused_before_any_process_starts(overrides, expected):
     """Found by a review: refused inside the trainer, after torchrun had started its workers (and

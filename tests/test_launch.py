@@ -201,6 +201,9 @@ def test_a_workers_error_line_names_its_rank_only_in_a_world_of_several(monkeypa
         # deleted them) or a model's
         ("dataset", "run.dir={tmp}/ds", "run.dir='{tmp}/ds' is a prepared dataset (shardtrain prepare's"),
         ("model", "run.dir={tmp}/m", "run.dir='{tmp}/m' is a model directory (its config.json); a run"),
+        # Found by review: every worker failed preparing the data, exit 1, naming no setting
+        ("file", "data.cache_dir={tmp}/a_file/cache",
+         "data.cache_dir '{tmp}/a_file/cache' cannot be written"),
     ],
 )
 def test_broken_paths_fail_before_any_worker_starts(tmp_path, capsys, make, override, message):

@@ -17,6 +17,7 @@ from shardtrain.checkpoint.state import STATE_FILE
 from shardtrain.checkpoint.weights import HF_PREFIX, read_hf_config, source_path
 from shardtrain.cli.paths import check_writable
 from shardtrain.config.schema import Config
+from shardtrain.data.corpus import cache_root
 from shardtrain.data.documents import is_prepared_dataset
 from shardtrain.data.prepared import open_prepared
 from shardtrain.data.tokenizer import tokenizer_for
@@ -206,3 +207,16 @@ def check_training(cfg: Config) -> None:
     if cfg.data.source == "prepared":
         for path in cfg.data.paths:
             open_prepared(path, tokenizer, warn=False)  # made with the model's tokenizer, and whole
+    else:  # prepared into the cache at start-up: a cache that cannot be made is named now
+        check_data_cache(cache_root(cfg.data))
+
+
+def check_data_cache(root: Path) -> None:
+    """The data cache ``root`` can be made and written (found by review: a cache under /proc failed
+    in every worker with "[Errno 2] No such file or directory", exit 1, naming no setting)."""
+    check_writable(root, "data.cache_dir")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"data.cache_dir: {str(root)!r} cannot be created ({exc.strerror or exc}); set "
+                          "data.cache_dir to a writable directory") from exc

@@ -355,12 +355,36 @@ def check_llama_shape(m: ModelConfig) -> None:
                           "for RoPE")
 
 
+def val_percent_problem(val_percent: float) -> str | None:
+    """Why ``val_percent`` is not a share ``is_validation`` holds out as asked (it holds out whole
+    hundredths of a percent: 0.001 held out ten times that, without a word; found by review)."""
+    hundredths = round(val_percent * 100, 6)
+    if 0 <= hundredths <= 10_000 and hundredths == int(hundredths):
+        return None
+    if not 0 <= val_percent <= 100:
+        return f"the validation share {val_percent:g}% must be between 0 and 100"
+    return (f"the validation share {val_percent:g}% is not a whole number of hundredths of a percent (a "
+            f"document's key is hashed into one of 10,000 buckets): it would hold out "
+            f"{math.ceil(hundredths) / 100:g}%; give a multiple of 0.01, or 0")
+
+
 def check_batch_size(cfg: Config) -> None:
     """``trainer.micro_batch_size=auto`` keeps a global batch fixed: one must be named."""
     t = cfg.trainer
     if t.micro_batch_size == "auto" and not t.global_batch_size:
         raise ConfigError("trainer.micro_batch_size=auto needs trainer.global_batch_size=N (the "
                           "sequences per step it keeps fixed while it chooses the micro-batch)")
+    check_auto_accumulation(t)
+
+
+def check_auto_accumulation(trainer: TrainerConfig) -> None:
+    """An auto micro-batch chooses the accumulation steps: one given is a contradiction at every
+    world size (``plan`` said so on each row and exited 0; train said so inside the trainer, after
+    torchrun had started: found by review)."""
+    if trainer.micro_batch_size == "auto" and trainer.grad_accum_steps != 1:
+        raise ConfigError(f"trainer.grad_accum_steps={trainer.grad_accum_steps} contradicts trainer."
+                          "micro_batch_size=auto, which chooses the accumulation steps from "
+                          "trainer.global_batch_size; leave grad_accum_steps at 1")
 
 
 def check_trackers(trackers: list[str]) -> None:
@@ -507,6 +531,9 @@ def check_config(cfg: Config) -> None:
     check_qlora_combinations(cfg)
     devices_count(cfg.trainer.devices)
     check_batch_size(cfg)
+    if cfg.data.source != "prepared" and (problem := val_percent_problem(cfg.data.val_percent)):
+        # before any process starts (found by review: said by the data preparation, after a launch)
+        raise ConfigError(f"data.val_percent={cfg.data.val_percent:g}: {problem}")
     if cfg.data.source == "stdlib" and cfg.data.paths:
         raise ConfigError(f"data.paths={list(cfg.data.paths)} is read with data.source=files or prepared; "
                           "add data=files (text, JSON Lines, Parquet) or data.source=prepared, or drop "

@@ -35,7 +35,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import math
 import multiprocessing
 import os
 import shutil
@@ -52,6 +51,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from shardtrain.config.compose import val_percent_problem
 from shardtrain.data.documents import (
     PREPARE_LOCK_SUFFIX,
     PREPARED_FORMAT,
@@ -102,19 +102,6 @@ class PrepareResult:
     manifest: dict
     up_to_date: bool  # nothing was done: the dataset was already prepared from these inputs
     seconds: float = 0.0
-
-
-def val_percent_problem(val_percent: float) -> str | None:
-    """Why ``val_percent`` is not a share ``is_validation`` holds out as asked (it holds out whole
-    hundredths of a percent: 0.001 held out ten times that, without a word; found by review)."""
-    hundredths = round(val_percent * 100, 6)
-    if 0 <= hundredths <= 10_000 and hundredths == int(hundredths):
-        return None
-    if not 0 <= val_percent <= 100:
-        return f"the validation share {val_percent:g}% must be between 0 and 100"
-    return (f"the validation share {val_percent:g}% is not a whole number of hundredths of a percent (a "
-            f"document's key is hashed into one of 10,000 buckets): it would hold out "
-            f"{math.ceil(hundredths) / 100:g}%; give a multiple of 0.01, or 0")
 
 
 def is_validation(key: str, val_percent: float) -> bool:

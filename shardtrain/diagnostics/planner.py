@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from shardtrain.accelerator import device_type
+from shardtrain.config.compose import check_auto_accumulation
 from shardtrain.config.plan import (
     ShardingPlan,
     check_auto_global_batch,
@@ -24,7 +25,7 @@ from shardtrain.config.plan import (
     resolve_precision,
     with_global_batch,
 )
-from shardtrain.config.schema import Config, TrainerConfig
+from shardtrain.config.schema import Config
 from shardtrain.config.sizes import counted, human_bytes
 from shardtrain.config.strategy import AC_MODES, STRATEGIES, checkpointing_mode
 from shardtrain.diagnostics.kept import kept_by_block
@@ -684,15 +685,6 @@ def run_shape(cfg: Config, local: int) -> str:
             + (f"; tensor parallel {cfg.strategy.tensor_parallel} (sequence parallel "
                f"{'on' if cfg.strategy.sequence_parallel else 'off'}), FSDP over the other ranks"
                if cfg.strategy.tensor_parallel > 1 else ""))
-
-
-def check_auto_accumulation(trainer: TrainerConfig) -> None:
-    """An auto micro-batch chooses the accumulation steps: one given is a contradiction at every
-    world size (``plan`` said so on each row and exited 0)."""
-    if trainer.grad_accum_steps != 1:
-        raise ConfigError(f"trainer.grad_accum_steps={trainer.grad_accum_steps} contradicts trainer."
-                          "micro_batch_size=auto, which chooses the accumulation steps from "
-                          "trainer.global_batch_size; leave grad_accum_steps at 1")
 
 
 def auto_batch_table(cfg: Config, world_sizes: list[int], device_memory: int | None, local: int) -> str:
