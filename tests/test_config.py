@@ -153,12 +153,20 @@ def test_impossible_combinations_are_refused_before_any_process_starts(overrides
 
 def test_plan_rows_refuse_what_train_refuses(capsys):
     """Found by review: with --world-sizes the rows planned a LoRA base in bf16 under an fp32
-    computation, which train refuses."""
+    computation, which train refuses; plan did not read model.adapter."""
     from shardtrain.cli.main import main
 
     assert main(["plan", "finetune=lora", "finetune.base_dtype=bf16", "strategy.mixed_precision=fp32",
                  "--world-sizes", "8"]) == 2
     assert "finetune.base_dtype=bf16 needs a bf16 compute dtype" in capsys.readouterr().err
+    # model.adapter as train takes it (planned without a word, at the default rank)
+    assert main(["plan", "model.adapter=/nonexistent/adapter", "--world-sizes", "1"]) == 2
+    assert "model.adapter='/nonexistent/adapter' starts LoRA adapters: it needs finetune=lora" in (
+        capsys.readouterr().err)
+    # the rows are none and all: a mode between them is said to be left out
+    assert main(["plan", "strategy.activation_checkpointing=selective", "--world-sizes", "2"]) == 0
+    assert capsys.readouterr().out.startswith("note: the table's activation checkpointing is none and all; "
+                                              "strategy.activation_checkpointing=selective lies between them")
 
 
 def test_float8_tokens_in_multiples_of_16_and_finite_mixture_weights(tmp_path):

@@ -571,6 +571,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           "strategy, with and without checkpointing)")
     memory = parse_size(args.device_memory, "--device-memory") if args.device_memory is not None else None
     cfg = compose_checked(args.overrides)
+    from shardtrain.checkpoint.peft_adapter import resolve_adapter_settings
     from shardtrain.cli.preflight import check_model_splits, check_wrap_policy
     from shardtrain.config.classpath import import_object
     from shardtrain.config.loader import check_runtime, planned_by_formulas
@@ -595,6 +596,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         # The layout checks judged this machine's processes (found by review: from a login node)
         raise ConfigError(f"{exc} (judged for this machine's {launch_shape(cfg)[0]} process(es) per "
                           "node; plan for other nodes with --processes-per-node N)") from exc
+    # model.adapter's settings (its rank, its targets) as train takes them, and its refusals (found by
+    # review: plan planned an adapter train refused, at the default rank)
+    resolve_adapter_settings(cfg)
     per_node, world = launch_shape(cfg)
     local = args.processes_per_node or per_node
     language_model = planned_by_formulas(import_object(cfg.task.path, "task"))
@@ -613,6 +617,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"note: the formulas take the model's blocks as FSDP units, not strategy.wrap_policy="
                   f"[{','.join(map(str, cfg.strategy.wrap_policy))}]; shardtrain plan --simulate shards "
                   "the model as that policy does")
+        if cfg.strategy.activation_checkpointing in ("selective", "every_k"):
+            # (found by review: the rows were those of none and all, the run's own mode unsaid)
+            print(f"note: the table's activation checkpointing is none and all; strategy.activation_"
+                  f"checkpointing={cfg.strategy.activation_checkpointing} lies between them: shardtrain plan "
+                  "--simulate counts it")
         print(plan_table(cfg, sizes, memory, local))
         return 0
 
