@@ -84,6 +84,7 @@ def test_required_knobs_exist():
         ("strategy.reshard_after_forward=3", "the shard group has 1 rank, so no smaller group exists"),
         ("strategy.reshard_after_forward=-1", "must be null, true, false or a positive int"),
         ("trainer.max_steps", "is not a key=value override"),
+        ("task.options={x:1}", "task.options={x:1}: a task's options are set one at a time, as task.NAME"),
         ("model.vocab_size=100", "too small for byte-level data"),
         ("model.name=gpt", "model.name='gpt' is unknown"),
         ("trainer.eval_samples=0", "trainer.eval_samples=0 must be at least 1"),

@@ -898,9 +898,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("overrides", nargs="*", help="key=value config overrides")
     plan.add_argument("--device-memory", default=None, help="memory per device, e.g. 80GB")
     plan.add_argument("--world-sizes", type=int, nargs="+", default=None,
-                      help="world sizes to show (default 1 2 4 8 and the config's)")
+                      help="world sizes to show (default 1 2 4 8 and the config's; with --simulate, "
+                      "the config's)")
     plan.add_argument("--processes-per-node", type=int, default=None,
-                      help="for hybrid strategies (default: trainer.devices)")
+                      help="processes per node planned for: the hybrid strategies' shard group, the "
+                      "tensor-parallel node checks, and the config's world size (default: trainer.devices)")
     plan.add_argument("--simulate", action="store_true",
                       help="run one training step per case at the real world size in this process "
                       "(fake process group, fake tensors, FSDP2's memory tracker; docs/scaling.md)")

@@ -88,6 +88,10 @@ def task_override(override: str) -> str:
     bare = key.lstrip("+~")
     if bare == "task" and sep:
         return f"task.path={value}"
+    if bare == "task.options" and sep:
+        # Hydra's own refusal was two lines, advising a +task.options the overrides refuse (review)
+        raise ConfigError(f"{override}: a task's options are set one at a time, as task.NAME=VALUE "
+                          "(task.depth=4)")
     if bare.startswith("task.") and bare not in ("task.path", "task.options") and sep:
         return f"++task.options.{bare.removeprefix('task.').removeprefix('options.')}={value}"
     return override
