@@ -349,10 +349,10 @@ def test_a_filesystem_failure_or_a_damaged_file_is_one_line(tmp_path):
     (tmp_path / "a_file").write_text("x")
     proc = run_cli("train", "experiment=quick", f"data.cache_dir={tmp_path / 'a_file' / 'cache'}",
                    f"run.dir={tmp_path / 'run'}", timeout=180)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"shardtrain: error: [Errno 20] Not a directory: '{tmp_path / 'a_file' / 'cache'}'; check the path "
-        "and its filesystem")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (  # named before launch since 2026-12-03
+        f"shardtrain: error: data.cache_dir '{tmp_path / 'a_file' / 'cache'}' cannot be written "
+        f"('{tmp_path / 'a_file'}' is not a writable directory); choose another path")
     # A run.dir the permissions allow but the filesystem refuses (found by a new-user trial: exit 1
     # with the OS's words, not naming run.dir)
     proc = run_cli("train", "experiment=quick", "run.dir=/proc/shardtrain-run", timeout=60)

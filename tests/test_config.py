@@ -119,7 +119,7 @@ def test_required_knobs_exist():
         ("model.hidden_size=512", "unknown config key 'model.hidden_size'; did you mean 'model.dim'?"),
         ("strategy.ac=all", "unknown config key 'strategy.ac'"),
         ("data.paths=[a,b", "cannot read 'data.paths=[a,b': the [ is not closed; write data.paths=[a,b]"),
-        ("run.dir=a(b", "quote a value holding"),
+        ("trainer.devices=a(b", "quote a value holding"),
     ],
 )
 def test_bad_config_is_named(override, expected):
@@ -382,9 +382,18 @@ BAD = {
     "finetune.rank=8": "finetune.rank=8 shapes LoRA adapters, and this run trains every parameter",
     # hydra's grammar: its own message offered --multirun (found by review)
     "data.paths=a,b": "'data.paths=a,b': a comma separates list items; write a list as data.paths=[a,b]",
-    "trainer.sample_prompt=def f(x):": "quote a value holding ( ) [ ] { } , = ' or spaces, e.g. "
-                                       "trainer.sample_prompt='def f(x):'",
+    "strategy.wrap_policy=a(b": "quote a value holding ( ) [ ] { } , = ' or spaces, e.g. "
+                                "strategy.wrap_policy='a(b'",
 }
+
+
+def test_a_text_keys_value_is_taken_as_written():
+    """Found by review: Hydra read run.name=1e-3 as a number (its text 0.001), run.dir=1e3 made a
+    directory 1000.0, true became True and 1_000 1000; a prompt with parentheses needed quotes."""
+    cfg = compose_config(["run.name=1e-3", "run.dir=/tmp/1e3", "trainer.sample_prompt=def f(x):",
+                          "data.text_field=1_000", "run.wandb.project=true", "model.path=null"])
+    assert (cfg.run.name, cfg.run.dir, cfg.trainer.sample_prompt, cfg.data.text_field,
+            cfg.run.wandb.project, cfg.model.path) == ("1e-3", "/tmp/1e3", "def f(x):", "1_000", "true", None)
 
 
 def test_composing_and_checking_a_config_imports_no_torch(tmp_path):

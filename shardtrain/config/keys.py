@@ -174,4 +174,21 @@ def check_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
         check_override(override)
     # experiment=null is the default (no experiment preset): said again, nothing to override (Hydra
     # refused a null group override with a traceback).
-    return [o for o in spelled if o.lstrip("+") != "experiment=null"]
+    return [as_text(o) for o in spelled if o.lstrip("+") != "experiment=null"]
+
+
+TEXT_TYPES = ("str", "str | None")
+
+
+def as_text(override: str) -> str:
+    """A text key's value kept as written: Hydra reads ``run.name=1e-3`` as a number, whose text is
+    then ``0.001`` (``run.dir=1e3`` made a directory ``1000.0``; ``true``, ``1_000`` alike: found by
+    review), so a plain value of a text key is quoted; null, a quoted value, a list or a dictionary
+    (refused as such), one with an interpolation, a quote or a backslash are left to Hydra."""
+    key, sep, value = override.partition("=")
+    field = schema_keys().get(key.lstrip("+"))
+    if (not sep or field is None or field.type not in TEXT_TYPES or value in ("", "null")
+            or "${" in value or "'" in value or "\\" in value or value[0] in "[{"
+            or (len(value) >= 2 and value[0] == value[-1] == '"')):
+        return override
+    return f"{key}='{value}'"
