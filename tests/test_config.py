@@ -160,6 +160,10 @@ def test_plan_rows_refuse_what_train_refuses(capsys):
     assert main(["plan", "finetune=lora", "finetune.base_dtype=bf16", "strategy.mixed_precision=fp32",
                  "--world-sizes", "8"]) == 2
     assert "finetune.base_dtype=bf16 needs a bf16 compute dtype" in capsys.readouterr().err
+    # with precision auto, an explicit compute dtype decides on any machine
+    assert main(["plan", "finetune=lora", "finetune.base_dtype=bf16", "strategy.param_dtype=fp32",
+                 "--world-sizes", "8"]) == 2
+    assert "finetune.base_dtype=bf16 needs a bf16 compute dtype" in capsys.readouterr().err
     # model.adapter as train takes it (planned without a word, at the default rank)
     assert main(["plan", "model.adapter=/nonexistent/adapter", "--world-sizes", "1"]) == 2
     assert "model.adapter='/nonexistent/adapter' starts LoRA adapters: it needs finetune=lora" in (
@@ -394,6 +398,10 @@ def test_a_text_keys_value_is_taken_as_written():
                           "data.text_field=1_000", "run.wandb.project=true", "model.path=null"])
     assert (cfg.run.name, cfg.run.dir, cfg.trainer.sample_prompt, cfg.data.text_field,
             cfg.run.wandb.project, cfg.model.path) == ("1e-3", "/tmp/1e3", "def f(x):", "1_000", "true", None)
+    # null in any case is null, and the spaces around a value go as Hydra's reading dropped them, but
+    # for a prompt's (found by the diff's review)
+    spaced = compose_config(["model.init_from=NULL", "run.dir=/tmp/x ", "trainer.sample_prompt=def "])
+    assert (spaced.model.init_from, spaced.run.dir, spaced.trainer.sample_prompt) == (None, "/tmp/x", "def ")
 
 
 def test_composing_and_checking_a_config_imports_no_torch(tmp_path):

@@ -123,6 +123,9 @@ def test_unit_layouts_that_would_fail_or_gather_everything_are_refused():
                                               r"and shares an FSDP unit with fc, whose weights are gathered "
                                               r"in bfloat16: its forward would fail"):
             parallelize(Classifier(), mesh, plan, ["torch.nn.Linear"])
+        # gathered in fp32 (stored in bf16, computed in fp32), the group is fine
+        fp32_compute = resolve_plan(StrategyConfig(mixed_precision="bf16-pure", param_dtype="fp32"), 2, 2)
+        parallelize(Classifier(), build_mesh(fp32_compute, "cpu"), fp32_compute, ["torch.nn.Linear"])
 
 
 def test_units_are_the_outermost_blocks_outside_the_extra_groups():

@@ -178,6 +178,7 @@ def check_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
 
 
 TEXT_TYPES = ("str", "str | None")
+KEPT_AS_TYPED = ("trainer.sample_prompt",)  # its spaces are the prompt's
 
 
 def as_text(override: str) -> str:
@@ -187,7 +188,10 @@ def as_text(override: str) -> str:
     (refused as such), one with an interpolation, a quote or a backslash are left to Hydra."""
     key, sep, value = override.partition("=")
     field = schema_keys().get(key.lstrip("+"))
-    if (not sep or field is None or field.type not in TEXT_TYPES or value in ("", "null")
+    # Hydra strips the spaces around a plain value (a run.dir ending in one made such a directory);
+    # a prompt keeps them as written
+    value = value if key.lstrip("+") in KEPT_AS_TYPED else value.strip()
+    if (not sep or field is None or field.type not in TEXT_TYPES or value.lower() in ("", "null")
             or "${" in value or "'" in value or "\\" in value or value[0] in "[{"
             or (len(value) >= 2 and value[0] == value[-1] == '"')):
         return override

@@ -170,7 +170,8 @@ def check_runtime(cfg: Config, runs_here: bool = True, rows_judge_layouts: bool 
     check_built_in_task_settings(cfg)
     # The strategy against the world size the launch will have.
     per_node, world = launch_shape(cfg)
-    if runs_here or cfg.strategy.mixed_precision != "auto":  # auto: the planned machines' choice
+    # auto: the planned machines' choice, unless strategy.param_dtype decides it on any machine
+    if runs_here or cfg.strategy.mixed_precision != "auto" or cfg.strategy.param_dtype is not None:
         # whatever the layout: plan's rows too (found by review: they planned a run train refuses)
         check_base_dtype(cfg, planned_param_dtype(cfg.strategy))
     if rows_judge_layouts:

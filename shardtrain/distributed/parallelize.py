@@ -553,7 +553,9 @@ def fp32_norms(model: nn.Module, plan: ShardingPlan, units: Sequence[Sequence[nn
     names = {id(module): name for name, module in model.named_modules()}
     for modules in units:
         norm = next(filter(is_norm, modules), None)
-        if norm is not None and len(modules) > 1 and not all(map(is_norm, modules)):
+        # (gathered in fp32, under bf16-pure with param_dtype=fp32, it is fine)
+        if (norm is not None and len(modules) > 1 and not all(map(is_norm, modules))
+                and plan.param_dtype != torch.float32):
             name = names.get(id(norm), type(norm).__name__)
             others = ", ".join(names.get(id(m), type(m).__name__) for m in modules if m is not norm)
             raise ConfigError(f"{name} ({type(norm).__name__}) keeps fp32 running statistics and shares "

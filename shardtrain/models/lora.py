@@ -58,12 +58,15 @@ DIRECT_WEIGHT_READ = re.compile(
 LOOKED_AT = re.compile(r"(?:\bisinstance|\bgetattr|\bhasattr|\binit\s*\.\s*\w+)\s*\(\s*$")
 
 
+# Comments and strings; from Python 3.12 an f-string's text is a token of its own
+TEXT_TOKENS = {tokenize.COMMENT, tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
+
+
 def code_tokens(source: str) -> str:
     """``source`` without its comments and strings (docstrings), its tokens joined by spaces."""
     try:
         tokens = tokenize.generate_tokens(io.StringIO(source).readline)
-        return " ".join(token.string for token in tokens
-                        if token.type not in (tokenize.COMMENT, tokenize.STRING))
+        return " ".join(token.string for token in tokens if token.type not in TEXT_TOKENS)
     except (tokenize.TokenError, SyntaxError, IndentationError):
         return source
 
