@@ -514,7 +514,8 @@ def check_qlora_combinations(cfg: Config) -> None:
                     cfg.finetune.base_dtype != "fp32",
                 # FSDP2 cannot reshard a parameter that brings its own all-gather (NF4's) to a smaller
                 # group: an AssertionError at the end of the first forward (found by review)
-                "an integer strategy.reshard_after_forward (NF4 weights reshard to their whole group)":
+                "an integer strategy.reshard_after_forward (NF4 weights reshard to their whole group: "
+                "true)":
                     type(reshard_setting(cfg.strategy.reshard_after_forward)) is int}
     for setting, asked in not_with.items():
         if asked:
