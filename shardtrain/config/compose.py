@@ -41,6 +41,7 @@ from shardtrain.config.schema import (
     StrategyConfig,
     TrainerConfig,
     mixture_weights_valid,
+    val_percent_problem,
 )
 from shardtrain.config.strategy import check_strategy_names, devices_count, reshard_setting
 from shardtrain.config.suggest import closest
@@ -353,19 +354,6 @@ def check_llama_shape(m: ModelConfig) -> None:
     if (m.dim // m.n_heads) % 2:
         raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads} (the head size) must be even "
                           "for RoPE")
-
-
-def val_percent_problem(val_percent: float) -> str | None:
-    """Why ``val_percent`` is not a share ``is_validation`` holds out as asked (it holds out whole
-    hundredths of a percent: 0.001 held out ten times that, without a word; found by review)."""
-    hundredths = round(val_percent * 100, 6)
-    if 0 <= hundredths <= 10_000 and hundredths == int(hundredths):
-        return None
-    if not 0 <= val_percent <= 100:
-        return f"the validation share {val_percent:g}% must be between 0 and 100"
-    return (f"the validation share {val_percent:g}% is not a whole number of hundredths of a percent (a "
-            f"document's key is hashed into one of 10,000 buckets): it would hold out "
-            f"{math.ceil(hundredths) / 100:g}%; give a multiple of 0.01, or 0")
 
 
 def check_batch_size(cfg: Config) -> None:

@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from shardtrain.config.compose import val_percent_problem
+from shardtrain.config.schema import val_percent_problem
 from shardtrain.data.documents import (
     PREPARE_LOCK_SUFFIX,
     PREPARED_FORMAT,

@@ -58,31 +58,33 @@ def nf4_package() -> Any:
                           "pip install 'shardtrain[qlora]'") from None
 
 
-def quantized_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """The ``nn.Linear`` layers whose weights QLoRA keeps in NF4: every frozen one but the head and
-    those ``unquantized_linears`` names."""
-    heads, left = head_modules(model), {name for name, _ in unquantized_linears(model)}
-    return [(name, module) for name, module in model.named_modules()
-            if type(module) is nn.Linear and id(module) not in heads and not module.weight.requires_grad
-            and name not in left]
-
-
-def unquantized_linears(model: nn.Module) -> list[tuple[str, str]]:
-    """The frozen linear layers (but the head) QLoRA leaves in their dtype, and why: NF4's tensor
-    computes only the matmul of ``nn.Linear``'s own forward, so a subclass's forward of its own
-    (Falcon's ``FalconLinear``: ``input @ weight.T``) and a weight its parent module reads without
-    calling the layer (Jamba's Mamba mixer: ``self.dt_proj.weight @ ...``) would fail in the first
-    forward (found by review: a traceback at Jamba's mixer; Falcon's were left out without a word)."""
-    heads, read_by_parent, left = head_modules(model), read_without_calling(model), []
+def frozen_linears(model: nn.Module) -> list[tuple[str, nn.Linear, str | None]]:
+    """Every frozen linear layer of ``model`` but the head, with why QLoRA leaves it in its dtype
+    (None: its weight goes to NF4). NF4's tensor computes only the matmul of ``nn.Linear``'s own
+    forward, so a subclass's forward of its own (Falcon's ``FalconLinear``: ``input @ weight.T``) and
+    a weight its parent module reads without calling the layer (Jamba's Mamba mixer:
+    ``self.dt_proj.weight @ ...``) would fail in the first forward (found by review: a traceback at
+    Jamba's mixer; Falcon's were left out without a word)."""
+    heads, read_by_parent, found = head_modules(model), read_without_calling(model), []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or id(module) in heads or module.weight.requires_grad:
             continue
         reader = read_by_parent.get(name.removesuffix(BASE_LAYER.rstrip(".")))  # a LoRA layer's base
-        if type(module) is not nn.Linear:
-            left.append((name, f"a {type(module).__name__}, whose forward is its own"))
-        elif reader is not None:
-            left.append((name, f"{reader} reads its weight without calling it"))
-    return left
+        why = (f"a {type(module).__name__}, whose forward is its own" if type(module) is not nn.Linear
+               else f"{reader} reads its weight without calling it" if reader is not None else None)
+        found.append((name, module, why))
+    return found
+
+
+def quantized_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The ``nn.Linear`` layers whose weights QLoRA keeps in NF4: every frozen one but the head and
+    those ``frozen_linears`` gives a reason to leave in their dtype."""
+    return [(name, module) for name, module, why in frozen_linears(model) if why is None]
+
+
+def unquantized_linears(model: nn.Module) -> list[tuple[str, str]]:
+    """The frozen linear layers (but the head) QLoRA leaves in their dtype, and why."""
+    return [(name, why) for name, _, why in frozen_linears(model) if why is not None]
 
 
 def shard_layout(param: torch.Tensor) -> tuple[int, int]:
@@ -228,13 +230,14 @@ def is_nf4(param: torch.Tensor) -> bool:
 
 def nf4_summary(model: nn.Module, device: torch.device) -> str:
     """One start-up line: what is in NF4 and what this rank holds of it."""
-    weights = [module.weight for _, module in quantized_linears(model)]
+    linears = frozen_linears(model)
+    weights = [module.weight for _, module, why in linears if why is None]
     held = sum(local_bytes(w) for w in weights)
     full_precision = sum(local_tensor(w).numel() * 4 for w in weights)
     mib = 2.0 ** 20
     slow = ("; on a CPU each matmul dequantises its weight first: slow, for small models and tests"
             if device.type == "cpu" else "")
-    left = unquantized_linears(model)
+    left = [(name, why) for name, _, why in linears if why is not None]
     kept = (f"; {len(left)} frozen linear weight(s) kept in their dtype, NF4 cannot compute them "
             f"({'; '.join(f'{name}: {why}' for name, why in left[:3])}{', ...' if len(left) > 3 else ''})"
             if left else "")
