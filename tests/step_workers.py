@@ -76,6 +76,29 @@ class NegativeOnFirstRank(Task):
         return dataclasses.replace(out, count=-1) if first and dist.get_rank() == 0 else out
 
 
+class Delegating(Task):
+    """The language model's task, one of its methods failing on one rank only (below)."""
+
+    def __init__(self, task: Task) -> None:
+        super().__init__()
+        self.task = task
+
+    def loss(self, model, batch) -> LossOutput:
+        return self.task.loss(model, batch)
+
+
+class CountNoneOnLastRank(Delegating):
+    def count(self, batch):
+        return None if dist.get_rank() == dist.get_world_size() - 1 else self.task.count(batch)
+
+
+class FlopsFailOnFirstRank(Delegating):
+    def flops(self, batch):
+        if dist.get_rank() == 0:
+            raise KeyError("tokens")
+        return 1.0
+
+
 def agreement_and_empty_steps(out: str) -> None:
     """One rank asks to stop: every rank's step says so. A step without targets is skipped on all."""
     world = int(os.environ["WORLD_SIZE"])
@@ -117,8 +140,22 @@ def agreement_and_empty_steps(out: str) -> None:
         negative = str(exc)
     negative_unchanged = all(torch.equal(p.detach().to_local(), was)
                              for p, was in zip(b.model.parameters(), before))
+    # count() or flops() failing on one rank, before the step's first collective: raised on every
+    # rank after the step's all-reduce (raised at once, the other rank waited in it until the
+    # timeout), the failing rank its own exception, the step not applied
+    one_rank = {}
+    for wrapper in (CountNoneOnLastRank, FlopsFailOnFirstRank):
+        try:
+            train_step(b.model, wrapper(trainer.task), b.optimizer, b.scheduler,
+                       trainer.train_data.next_step(), b.mesh, 1.0, device,
+                       metric_kinds=signalled.metric_kinds)
+            one_rank[wrapper.__name__] = "trained"
+        except Exception as exc:
+            one_rank[wrapper.__name__] = f"{type(exc).__name__}: {exc}"
+    one_rank["unchanged"] = all(torch.equal(p.detach().to_local(), was)
+                                for p, was in zip(b.model.parameters(), before))
     Path(out, f"rank{rank}.json").write_text(json.dumps(
         {"signalled": signalled.stop_agreed, "quiet": quiet.stop_agreed,
          "empty": {"skipped": skipped.skipped, "count": skipped.count, "unchanged": unchanged},
          "host_reads": counter.reads, "host_resident_reads": counter.host_resident,
-         "negative": negative, "negative_unchanged": negative_unchanged}))
+         "negative": negative, "negative_unchanged": negative_unchanged, "one_rank": one_rank}))

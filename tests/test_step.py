@@ -48,6 +48,14 @@ def test_one_ranks_stop_request_reaches_all_and_empty_steps_are_skipped_everywhe
         assert result["negative"].startswith("NegativeOnFirstRank.loss returned a count below 0 in 1 "
                                              "micro-batch(es) of the step, their total "), result["negative"]
         assert result["negative_unchanged"] is True
+        one_rank = result["one_rank"]
+        assert one_rank["CountNoneOnLastRank"] == (
+            "TrainingError: CountNoneOnLastRank.count(batch) returned None; a task that defines count() must "
+            "give every batch's count (or not define it)"), (rank, one_rank)
+        assert one_rank["FlopsFailOnFirstRank"] == (
+            "KeyError: 'tokens'" if rank == 0 else "ShardtrainError: KeyError on rank 0: 'tokens'"), \
+            (rank, one_rank)
+        assert one_rank["unchanged"] is True
 
 
 class TokenCounting(Task):

@@ -58,14 +58,27 @@ def agree(error: str | None, detail: Any = None, group: dist.ProcessGroup | None
 def run_agreed(action: Callable[[], T], group: dist.ProcessGroup | None = None) -> T:
     """``action()`` on every rank (rank 0's file writes, its trackers' start, a task's own data
     code), then one all-gather of how it went: where it raised on some rank, every rank raises the
-    lowest such rank's, of its class and with its arguments where it is a ``ShardtrainError`` or an
-    ``OSError`` (an OSError's errno; any other as a ``ShardtrainError`` with its message), that rank
-    its own exception; so the others do not go on into a collective it never joins. Returns this
-    rank's result."""
+    lowest such rank's (``raise_agreed``), so the others do not go on into a collective it never
+    joins. Returns this rank's result."""
+    result, failure = attempt(action)
+    raise_agreed(failure, group)
+    return result
+
+
+def attempt(action: Callable[[], T]) -> tuple[T | None, Exception | None]:
+    """``action()``'s result, or the exception it raised (held, for ``raise_agreed`` once every rank
+    can learn of it)."""
     try:
-        result, failure = action(), None
+        return action(), None
     except Exception as exc:  # a task's ValueError on one node too: not the others' wait until the timeout
-        result, failure = None, exc
+        return None, exc
+
+
+def raise_agreed(failure: Exception | None, group: dist.ProcessGroup | None = None) -> None:
+    """One all-gather of each rank's ``failure`` (None: this rank's part went well); where some
+    rank's is not None, every rank raises the lowest such rank's, of its class and with its
+    arguments where it is a ``ShardtrainError`` or an ``OSError`` (an OSError's errno; any other as
+    a ``ShardtrainError`` with its message), that rank its own exception."""
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     error = None if failure is None else str(failure) or type(failure).__name__
     if failure is not None and not isinstance(failure, (ShardtrainError, OSError)):
@@ -81,7 +94,7 @@ def run_agreed(action: Callable[[], T], group: dist.ProcessGroup | None = None) 
     verdicts = gather_verdicts(error, detail, group)
     failed = next((rank for rank, (error, _) in enumerate(verdicts) if error is not None), None)
     if failed is None:
-        return result
+        return
     if failure is not None and failed == rank:
         raise failure
     error, detail = verdicts[failed]

@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from shardtrain import faults
 from shardtrain.diagnostics.memory import PhaseMemory
 from shardtrain.diagnostics.rails import explain_bypassed_forward
-from shardtrain.distributed.agreement import agree
+from shardtrain.distributed.agreement import agree, attempt, raise_agreed
 from shardtrain.distributed.embedding_exchange import ExchangedEmbedding
 from shardtrain.distributed.parallelize import reshard_all
 from shardtrain.errors import TrainingError
@@ -412,14 +412,20 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
     """
     copies = tensor_parallel_degree(mesh)
     divisor = None
+    # The task's count() and flops() run on this rank's batches alone: one that raises on one rank
+    # (None from count(), a KeyError) is held, carried as a flag on the step's all-reduce and raised
+    # on every rank after it; raised here, it left the other ranks in the next collective until the
+    # launcher's or the process group's timeout. The step is skipped, so its held values do no harm.
+    held = None
     if counts_ahead(task):
-        ahead = sum(count_ahead(task, batch) for batch in micro_batches)
+        ahead, held = attempt(lambda: sum(count_ahead(task, batch) for batch in micro_batches))
         # The global count stays on the device (an asynchronous all-reduce): reading it back here
         # would stall the host until the previous step's optimizer kernels finished.
-        global_count = global_sum_tensor(torch.full((), ahead, dtype=torch.float64, device=device),
+        global_count = global_sum_tensor(torch.full((), ahead or 0.0, dtype=torch.float64, device=device),
                                          copies)
         divisor = global_count.float()
-    flops = local_flops(task, micro_batches, flops_per_sample)
+    flops, flops_failure = attempt(lambda: local_flops(task, micro_batches, flops_per_sample))
+    held = held or flops_failure
 
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     returned_count = torch.zeros((), dtype=torch.float64, device=device)
@@ -459,10 +465,11 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
     grad_norm = global_grad_norm(params, mesh)
     scale = clip_scale(grad_clip_norm, grad_norm) if grad_clip_norm > 0 else torch.ones((), device=device)
     flags = [float(asked()) if asked is not None else 0.0 for asked in (stop_requested, save_in_flight)]
-    host_values = [torch.full((), value, dtype=torch.float64, device=device) for value in (*flags, flops)]
+    host_values = [torch.full((), value, dtype=torch.float64, device=device)
+                   for value in (*flags, flops or 0.0, float(held is not None))]
     summed = global_sum_tensor(torch.stack(
         [loss_sum.double(), *host_values[:2], returned_count, host_values[2], negative_counts,
-         *metrics.vector()]), copies)
+         host_values[3], *metrics.vector()]), copies)
     on_device = skips_on_device(optimizer)
     if on_device:
         # The skip decision stays on the device (the same on every rank: both are global), so the
@@ -471,12 +478,14 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
             clip_grads_(params, scale)  # a factor of exactly 1 changes nothing
         # (a negative count too, which would step up the loss: refused below, after no update)
         step_unless(optimizer, ~(torch.isfinite(grad_norm) & torch.isfinite(summed[0]) & (global_count >= 0)
-                                 & (summed[5] == 0)))
+                                 & (summed[5] == 0) & (summed[6] == 0)))
     # The step's one host synchronisation: what the skip decision and the log need, in one transfer
     # (after the update where the optimizer skips on the device, else before it).
     values = torch.cat([torch.stack([grad_norm.double(), scale.double(), global_count]), summed]).tolist()
     (norm_value, scale_value, count, loss_value, stops, saving, returned, flops_value, negatives,
-     *metric_values) = values
+     held_anywhere, *metric_values) = values
+    if held_anywhere:
+        raise_agreed(held)
     metrics.raise_if_changed(metric_values)
     if count < 0:
         raise TrainingError(negative_count(task, "loss returned counts summing over the step to", count))
