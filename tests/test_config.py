@@ -395,7 +395,8 @@ def test_a_text_keys_value_is_taken_as_written():
     """Found by review: Hydra read run.name=1e-3 as a number (its text 0.001), run.dir=1e3 made a
     directory 1000.0, true became True and 1_000 1000; a prompt with parentheses needed quotes."""
     cfg = compose_config(["run.name=1e-3", "run.dir=/tmp/1e3", "trainer.sample_prompt=def f(x):",
-                          "data.text_field=1_000", "run.wandb.project=true", "model.path=null"])
+                          "data.text_field=1_000", "run.trackers=[wandb]", "run.wandb.project=true",
+                          "model.path=null"])
     assert (cfg.run.name, cfg.run.dir, cfg.trainer.sample_prompt, cfg.data.text_field,
             cfg.run.wandb.project, cfg.model.path) == ("1e-3", "/tmp/1e3", "def f(x):", "1_000", "true", None)
     # null in any case is null, and the spaces around a value go as Hydra's reading dropped them, but
@@ -579,6 +580,21 @@ def test_preparation_settings_beside_a_prepared_dataset_are_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"^data.val_percent, data.file_glob shape how shardtrain prepares "
                                           r"text .* drop them, or prepare again"):
         compose_config([*prepared, "data.val_percent=50", "data.file_glob=*.txt"])
+    # the text cache, and a tracker's keys without the tracker, were accepted and ignored too (review)
+    with pytest.raises(ConfigError, match=r"^data.cache_dir is where text sources .* are prepared, and "
+                                          r"data.source=prepared reads data.paths as they are; drop it"):
+        compose_config([*prepared, f"data.cache_dir={tmp_path / 'cache'}"])
+    with pytest.raises(ConfigError, match=re.escape(
+            "run.wandb.project, run.wandb.entity set up the wandb tracker, and run.trackers=['tensorboard'] "
+            "does not start it; add it (run.trackers=[tensorboard,wandb]), or drop them")):
+        compose_config(["run.wandb.project=p", "run.wandb.entity=e"])
+    with pytest.raises(ConfigError, match=r"^run.mlflow.experiment sets up the mlflow tracker, and "
+                                          r"run.trackers=\[\] does not start it"):
+        compose_config(["run.trackers=[]", "run.mlflow.experiment=e"])
+    with pytest.raises(ConfigError, match=r"^run.mlflow.tracking_uri=file:///m names where MLflow logs, and "
+                                          r"run.offline=true logs it to the file store run.dir/mlruns"):
+        compose_config(["run.trackers=[mlflow]", "run.offline=true", "run.mlflow.tracking_uri=file:///m"])
+    assert compose_config(["run.trackers=[mlflow]", "run.mlflow.experiment=e"]).run.mlflow.experiment == "e"
     assert compose_config(["experiment=quick", *prepared]).data.max_bytes == 2_000_000
     assert compose_config(["data.val_percent=50"]).data.val_percent == 50  # text sources take it
 

@@ -400,7 +400,7 @@ def test_a_plain_path_as_the_mlflow_tracking_uri_is_its_file_store(tmp_path, mon
         assert MlflowClient(store.as_uri()).get_run(tracker.tracker.run_id).info.status == "KILLED"
     assert os.environ["MLFLOW_DISABLE_TELEMETRY"] == "true"  # a local store sends nothing away
     for kept in ("databricks", "databricks-uc", "http://127.0.0.1:5000", "sqlite:///mlflow.db", "file:///x"):
-        cfg = load_config([f"run.mlflow.tracking_uri={kept}"])
+        cfg = load_config(["run.trackers=[mlflow]", f"run.mlflow.tracking_uri={kept}"])
         assert mlflow_tracking_uri(cfg.run) == kept
 
 

@@ -130,6 +130,7 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
         raise ConfigError(f"invalid value for {key}: {message}") from exc
     check_config(cfg)
     check_preparation_overrides(cfg, overrides)
+    check_unread_overrides(cfg, overrides)
     anchor_paths(cfg)
     return cfg
 
@@ -144,14 +145,41 @@ def check_preparation_overrides(cfg: Config, overrides: list[str]) -> None:
     experiment's data.max_bytes slices text sources, and a prepared dataset is whole."""
     if cfg.data.source != "prepared":
         return
-    given = [key for key in PREPARATION_KEYS
-             if any(override.lstrip("+~").partition("=")[0] == key for override in overrides)]
+    given = [key for key in PREPARATION_KEYS if overridden(overrides, key)]
     if given:
         raise ConfigError(f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} how shardtrain prepares "
                           "text (data.source=files or stdlib); data.source=prepared reads a dataset with the "
                           "settings it was prepared with (its manifest.json): drop "
                           f"{'it' if len(given) == 1 else 'them'}, or prepare again (shardtrain prepare "
                           "--val-percent, --max-bytes, --text-field, --glob)")
+
+
+def overridden(overrides: list[str], prefix: str) -> list[str]:
+    """The keys of ``overrides`` equal to ``prefix`` or under it (``run.wandb``: its keys)."""
+    keys = (override.lstrip("+~").partition("=")[0] for override in overrides)
+    return [key for key in keys if key == prefix or key.startswith(prefix + ".")]
+
+
+def check_unread_overrides(cfg: Config, overrides: list[str]) -> None:
+    """A setting given on the command line that nothing of this run reads: a tracker's keys without
+    the tracker in run.trackers, the text cache beside a prepared dataset (each was accepted and
+    ignored, found by review). Presets' values are left alone, as ``check_preparation_overrides``
+    leaves them."""
+    for tracker in ("wandb", "mlflow"):
+        keys = overridden(overrides, f"run.{tracker}")
+        if keys and tracker not in cfg.run.trackers:
+            raise ConfigError(f"{', '.join(keys)} set{'s' if len(keys) == 1 else ''} up the {tracker} "
+                              f"tracker, and run.trackers={list(cfg.run.trackers)} does not start it; add it "
+                              f"(run.trackers=[{','.join([*cfg.run.trackers, tracker])}]), or drop "
+                              f"{'it' if len(keys) == 1 else 'them'}")
+    if cfg.run.offline and cfg.run.mlflow.tracking_uri and overridden(overrides, "run.mlflow.tracking_uri"):
+        raise ConfigError(f"run.mlflow.tracking_uri={cfg.run.mlflow.tracking_uri} names where MLflow logs, "
+                          "and run.offline=true logs it to the file store run.dir/mlruns instead; drop one "
+                          "of them")
+    if cfg.data.source == "prepared" and overridden(overrides, "data.cache_dir"):
+        raise ConfigError("data.cache_dir is where text sources (data.source=files or stdlib) are prepared, "
+                          "and data.source=prepared reads data.paths as they are; drop it (shardtrain "
+                          "prepare writes where it is told)")
 
 
 def unreadable_override(overrides: list[str]) -> str | None:
