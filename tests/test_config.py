@@ -280,8 +280,11 @@ def test_every_numeric_key_declares_its_range_and_is_checked():
 # Keys without declared bounds: each with a bad value and the message it gets, from the config
 # loader or (for paths, checked by the launching process before any worker starts) the preflight.
 CHECKED_BY_CODE = {
-    # recorded from a LanguageModelTask(model=...) given in code; task.NAME=V sets a task's options
-    "task.model_factory": ("task.model_factory=pkg:Model", "takes no options"),
+    # recorded from a LanguageModelTask(model=...) given in code (it was refused as an option the
+    # task does not take: found by review)
+    "task.model_factory": ("task.model_factory=pkg:Model", "task.model_factory is recorded, not set: it "
+                                                           "names the model factory a "
+                                                           "LanguageModelTask(model=...) was given in code"),
     "diagnostics.profile_ranks": ("diagnostics.profile_ranks=[-1]", "holds -1: ranks count from 0"),
     "trainer.monitor": ("trainer.monitor=loss", "is no validation value"),
     "model.init_from": ("model.init_from={tmp}/missing.safetensors", "does not exist"),

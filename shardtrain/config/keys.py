@@ -92,6 +92,12 @@ def task_override(override: str) -> str:
         # Hydra's own refusal was two lines, advising a +task.options the overrides refuse (review)
         raise ConfigError(f"{override}: a task's options are set one at a time, as task.NAME=VALUE "
                           "(task.depth=4)")
+    if bare == "task.model_factory" and sep:
+        # Rewritten as an option, it was refused as one the task does not take (found by review)
+        raise ConfigError(f"{override}: task.model_factory is recorded, not set: it names the model factory "
+                          "a LanguageModelTask(model=...) was given in code; pass model=... to "
+                          "LanguageModelTask in your script (examples/custom_model.py), or set model.* "
+                          "for the built-in model")
     if bare.startswith("task.") and bare not in ("task.path", "task.options") and sep:
         return f"++task.options.{bare.removeprefix('task.').removeprefix('options.')}={value}"
     return override
