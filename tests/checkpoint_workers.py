@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from equivalence import case_config, small_corpus
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
 from shardtrain.checkpoint import integrity, layout, weights
@@ -416,6 +417,30 @@ def failed_saves(out: str, full: Trainer, split: Trainer) -> None:
             assert len(set(counts)) == 1 and counts[0] > 1, counts  # more than one: it waited
         assert not (root / f"step-{step}").exists()
         assert {p.name: p.read_bytes() for p in last.iterdir()} == before
+    # Rank 1 cannot stage an async save (its host out of memory for the copy, before any of DCP's
+    # collectives): every rank raises its one line at the save (found by review: rank 1 alone did,
+    # rank 0 trained on into the next step's collectives), and nothing is left in flight.
+    class HostFull(DefaultStager):
+        def stage(self, state_dict, **kwargs):
+            raise MemoryError("cannot allocate host memory")
+
+    root, step = Path(full.cfg.run.dir, "checkpoints"), 2 * N + 1
+    reused = full.checkpointer.async_stager
+    if rank == 1:
+        full.checkpointer.async_stager = lambda: HostFull(StagingOptions(False, False, False, False))
+    try:
+        full.checkpointer.save(step, tokens_seen=0, consumed_samples=0,
+                               global_batch=full.layout.global_batch, blocking=False)
+    except CheckpointError as exc:
+        assert str(exc) == (f"saving step {step} to {root / f'.step-{step}.tmp'} failed on rank 1: "
+                            "MemoryError: cannot allocate host memory; free memory for a copy of this "
+                            "rank's model and optimizer state (an async save's), or save synchronously "
+                            f"(checkpoint.async=false) (step-{2 * N} is intact)"), str(exc)
+    else:
+        raise AssertionError("an async save that one rank could not stage went on")
+    finally:
+        full.checkpointer.async_stager = reused
+    assert full.checkpointer.pending is None and not (root / f"step-{step}").exists()
     # Rank 0 cannot make the directory to save into (a file holds its name): every rank raises its
     # error, rather than rank 1 waiting for it until the checkpoint group's timeout.
     root, step = Path(split.cfg.run.dir, "checkpoints"), 2 * N + 2
@@ -678,12 +703,23 @@ def init_from(out: str, source: str, strategy: str = "FULL_SHARD") -> None:
     world = int(os.environ["WORLD_SIZE"])
     cfg = ckpt_config(f"{out}/init{world}", world, strategy=strategy)
     cfg.model = dataclasses.replace(cfg.model, init_from=source)
-    reads, read = [], weights.read_own_rows
+    reads, read, verify = [], weights.read_own_rows, weights.verify_shared
     weights.read_own_rows = lambda param, part: (reads.append(param), read(param, part))[1]
+
+    def verified_then_moved(path, *args):
+        # A link such as another run's checkpoints/best, moved by that run once this one has checked
+        # it: the weights are read from the checkpoint checked (found by review: from the link anew)
+        metadata = verify(path, *args)
+        if Path(source).is_symlink():
+            Path(source).unlink()
+            Path(source).symlink_to(Path(out, "elsewhere"))
+        return metadata
+
+    weights.verify_shared = verified_then_moved
     try:
         trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=small_corpus()))
     finally:
-        weights.read_own_rows = read
+        weights.read_own_rows, weights.verify_shared = read, verify
     assert trainer.step == 0  # a new run: no optimizer state, no step
     if strategy == "NO_SHARD":
         rank, stored = trainer.env.rank, load_file(source)

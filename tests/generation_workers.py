@@ -61,7 +61,7 @@ def count_all_gathers(out: str) -> None:
     # A checkpoint link is resolved once, by rank 0, for every rank (found by review: each rank
     # resolved it, and a link a training moved in between gave the ranks two checkpoints): here each
     # rank names its own, and both take rank 0's
-    from shardtrain.generation.inference import resolved_once
+    from shardtrain.checkpoint.weights import resolved_once
 
     link = Path(out, f"link-{rank}")
     link.unlink(missing_ok=True)

@@ -180,9 +180,13 @@ def test_consolidation_is_bitwise_and_init_from_loads_it(four_rank_checkpoint, t
     assert not (tmp_path / "sharded" / "model.safetensors").exists()
 
     # model.init_from: from the safetensors file at 2 NO_SHARD ranks (the second reads none of it,
-    # found by review: every replica read the whole file), from the DCP directory at 1 rank
+    # found by review: every replica read the whole file), from the DCP directory at 1 rank, through
+    # a link moved to an empty directory once the checkpoint was checked
     run_on_ranks(init_from, 2, str(tmp_path), str(single[0]), "NO_SHARD", tmp_path=tmp_path)
-    run_on_ranks(init_from, 1, str(tmp_path), str(ckpt), tmp_path=tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "best").symlink_to(ckpt)
+    run_on_ranks(init_from, 1, str(tmp_path), str(tmp_path / "best"), tmp_path=tmp_path)
+    assert (tmp_path / "best").resolve() == tmp_path / "elsewhere"  # it was moved
     for world in (2, 1):
         loaded = torch.load(tmp_path / f"init{world}.pt")
         assert all(torch.equal(loaded[k], gathered[k]) for k in gathered)

@@ -322,13 +322,18 @@ def test_a_save_longer_than_the_step_bound_completes(tmp_path):
     # bound by checkpoint.save_timeout_s (watchdog and checkpoint group alike), not dist.timeout_s.
     # So is an evaluation longer than the step bound: each of its forwards is bounded, not the pass
     # (found by review: a healthy evaluation of many windows was stopped as a hang, status 124).
+    # The final save waits for the async save of step 2, slow to commit, under a bound of its own,
+    # then saves under another: each within checkpoint.save_timeout_s, together past it (found by
+    # review: one bound for both stopped the healthy run, status 124).
     run_dir = tmp_path / "save"
     proc = run_cli("train", *QUICK, "trainer.devices=2", "checkpoint.enabled=true", "checkpoint.interval=2",
+                   "checkpoint.async=true", "checkpoint.save_timeout_s=6",
                    "trainer.max_steps=3", "dist.timeout_s=2", "trainer.eval_every=3",
                    "trainer.eval_samples=1066", f"run.dir={run_dir}",
-                   env={"SHARDTRAIN_FAULT": "save:0:2:sleep=4"})
+                   env={"SHARDTRAIN_FAULT": "save:0:2-3:sleep=4,commit:0:2:sleep=4"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (run_dir / "checkpoints" / "step-2").is_dir() and not (run_dir / "hangs").exists()
+    assert all((run_dir / "checkpoints" / f"step-{step}").is_dir() for step in (2, 3))
+    assert not (run_dir / "hangs").exists()
     assert "val_loss" in proc.stderr
     # Found by a scale review: a resume ran before the watchdog started, bound only by the checkpoint
     # group's timeout (gloo's first connection to a peer waits five times it). A rank stuck in it now

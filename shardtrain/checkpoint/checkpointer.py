@@ -680,10 +680,17 @@ class Checkpointer:
             write = partial(write_full_weights, full, trainer_state.config)
             run_agreed(lambda: self.write_file(step, tmp, write, "model.safetensors"), self.group)
         if self.ckpt.async_save and not blocking:
-            # Staging copies the state before this returns; the write and the commit run behind.
-            with self.save_errors(step, tmp):
-                written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
-                                         async_stager=self.async_stager())
+            # Staging copies the state before this returns (agreed by every rank); the write and the
+            # commit run behind.
+            stager = staging.AgreedStager(self.async_stager(), self.group,
+                                          partial(self.save_errors, step, tmp))
+            written = None
+            try:
+                with self.save_errors(step, tmp):
+                    written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+                                             async_stager=stager)
+            finally:
+                stager.release_after(written)
             finished = self.finisher.submit(self.finish_async, written, step, tmp, trainer_state)
             self.pending = PendingSave(step, tmp, finished, time.perf_counter(), trainer_state)
             blocked = time.perf_counter() - start
@@ -983,11 +990,18 @@ class Checkpointer:
         # After the optimizer's state: a run with other parameter groups is named there, not here.
         check_scheduler_state(path, trainer_state, len(self.optimizer.param_groups))
         self.scheduler.load_state_dict(trainer_state.scheduler)
-        if rng is not None:
-            set_rng_state(rng)
-        else:  # from the step too: seeded as at step 0, each such resume drew step 1's draws again
+        if rng is None or "accelerator" not in rng:
+            # From the step too: seeded as at step 0, each such resume drew step 1's draws again. A
+            # checkpoint saved on a host without an accelerator restores the others below and leaves
+            # the accelerator's stream so seeded (found by review: at its step-0 seed).
             data_parallel_rank = self.rank // self.plan.tensor_parallel  # tensor-parallel peers share one
             seed_random_streams(self.cfg.trainer.seed, data_parallel_rank, trainer_state.step)
+            if rng is not None and accelerator.rng_state() is not None and self.rank == 0:
+                log.warning(f"resume: {path} holds no accelerator RNG state (saved on a host without "
+                            "one): that stream is seeded from the seed, the data-parallel rank and the "
+                            "step, the others restored")
+        if rng is not None:
+            set_rng_state(rng)
         if not same_world:
             self.info("resume: world size or tensor parallelism changed; RNG states are seeded afresh from "
                       "the seed, the data-parallel rank and the step, not restored (the data order is "

@@ -14,6 +14,7 @@ import re
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from shardtrain.accelerator import is_out_of_memory
 from shardtrain.errors import os_error_code
 
 # What the callers catch around DCP: its own gathered failures, and anything raised before (or
@@ -80,6 +81,10 @@ def save_fix(exc: BaseException) -> str:
         return "make run.dir's checkpoints directory writable"
     if code == errno.EFBIG:
         return "raise the file size limit (ulimit -f) above a checkpoint file's size"
+    if isinstance(exc, MemoryError) or is_out_of_memory(exc):
+        # An async save's copy of the state on the host (found by review: told to report a defect)
+        return ("free memory for a copy of this rank's model and optimizer state (an async save's), or "
+                "save synchronously (checkpoint.async=false)")
     if code is None and not isinstance(exc, OSError):
         # A TypeError recording a task's option was told to check the filesystem (found by a trial).
         return ("this is no filesystem failure but a value the checkpoint cannot hold, or a defect (in "

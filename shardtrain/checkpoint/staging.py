@@ -10,11 +10,17 @@ of holding one host copy of this rank's state between saves (``checkpoint.reuse_
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+import torch.distributed as dist
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
 from shardtrain import accelerator
+from shardtrain.distributed.agreement import run_agreed
 
 log = logging.getLogger("shardtrain")
 
@@ -52,3 +58,44 @@ def reused_stager(device: torch.device) -> DefaultStager | None:
                 "(pytorch/pytorch#183413); async saves copy the state into fresh host memory each time",
                 torch.__version__)
     return None
+
+
+class AgreedStager(AsyncStager):
+    """Stages through ``reused`` (or, where None, a fresh copy as DCP's default makes one), then
+    every rank learns in one all-gather on ``group`` how its staging went, before DCP starts the
+    write: staging is each rank's own copy, with no collective, and a rank whose copy failed (its
+    host out of memory) raised alone while the others went on, their writes waiting in DCP's
+    collectives and their training in the next step's until a timeout (found by review). Every rank
+    raises the failed rank's one line, made by ``errors()`` around its staging."""
+
+    def __init__(self, reused: DefaultStager | None, group: dist.ProcessGroup,
+                 errors: Callable[[], AbstractContextManager]) -> None:
+        self.owned = reused is None
+        self.inner = reused if reused is not None else DefaultStager(StagingOptions(
+            use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+            use_non_blocking_copy=False))
+        self.group = group
+        self.errors = errors
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return self.inner.should_synchronize_after_execute
+
+    def stage(self, state_dict: dict[str, Any]) -> Any:
+        def staged() -> Any:
+            with self.errors():
+                return self.inner.stage(state_dict)
+        return run_agreed(staged, self.group)
+
+    def synchronize_staging(self) -> None:
+        self.inner.synchronize_staging()
+
+    def release_after(self, written: Future | None) -> None:
+        """Close a fresh copy's stager once ``written`` (the write) is done, or now (None: the save
+        failed); the run's reused one stays."""
+        if not self.owned:
+            return
+        if written is None:
+            self.inner.close()
+        else:
+            written.add_done_callback(lambda _: self.inner.close())

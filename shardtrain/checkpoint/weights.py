@@ -170,6 +170,17 @@ def refuse_adapters_only(path: Path, state: TrainState) -> None:
                               f"model, `shardtrain export-peft {path} OUT` the adapters for PEFT")
 
 
+def resolved_once(checkpoint: str | Path) -> Path:
+    """The checkpoint itself, not a link a training may move (its checkpoints/best) while it is
+    read: resolved by rank 0 for every rank (each resolving it could have read two checkpoints, the
+    link moved between them; ``generate --devices N``, and ``model.init_from`` from another run's
+    ``best``, whose checks and reads each opened the link anew: found by review)."""
+    resolved = [str(Path(checkpoint).expanduser().resolve())]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(resolved, src=0)
+    return Path(resolved[0])
+
+
 def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | None = None,
                        verify_checksums: bool = True, average: bool = False) -> None:
     """Fill ``model`` (sharded or not) with the weights at ``source``; optimizer state is not read.

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardtrain.accelerator import set_fp32_matmul
@@ -27,6 +26,7 @@ from shardtrain.checkpoint.weights import (
     load_adapters,
     load_model_weights,
     model_config_of,
+    resolved_once,
 )
 from shardtrain.config.plan import DTYPES, resolve_plan
 from shardtrain.config.schema import Config, ModelConfig
@@ -73,16 +73,6 @@ def check_processes_for(path: Path, processes: int) -> None:
     if Path(path).expanduser().is_file() and processes > 1:
         raise CheckpointError("a consolidated safetensors file is loaded by one process; use the "
                               "sharded checkpoint directory with --devices N, or --devices 1")
-
-
-def resolved_once(checkpoint: str | Path) -> Path:
-    """The checkpoint itself, not a link a training may move (its checkpoints/best) while it is
-    read: resolved by rank 0 for every rank of ``--devices N`` (each resolving it could have read two
-    checkpoints, the link moved between them)."""
-    resolved = [str(Path(checkpoint).expanduser().resolve())]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(resolved, src=0)
-    return Path(resolved[0])
 
 
 def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",

@@ -37,7 +37,7 @@ from shardtrain.checkpoint.state import (
     OPTIMIZER_SETTING_KEYS,
     TrainState,
 )
-from shardtrain.checkpoint.weights import load_model_weights
+from shardtrain.checkpoint.weights import HF_PREFIX, load_model_weights, resolved_once
 from shardtrain.config.compose import run_identity_hash, to_yaml
 from shardtrain.config.loader import check_built_in_task_settings
 from shardtrain.config.plan import ShardingPlan, check_world
@@ -558,6 +558,12 @@ class Trainer:
     def load_base_weights(self, draw: Callable[[], None]) -> None:
         """The weights a fresh run starts from (with LoRA: the frozen base, and the adapters' draw)."""
         if source := self.cfg.model.weights_source():
+            if not source.startswith(HF_PREFIX):
+                # Another run's checkpoints/best, which that run may move while this one reads it:
+                # its checks and each rank's reads opened the link anew (found by review)
+                given, source = source, str(resolved_once(source))
+                if source != given:
+                    self.info(f"model.init_from: {given} is {source}")
             # Each rank reads its own rows: a file missing or damaged on one node stops every rank.
             # Watched as a resume's reads are (it ran unwatched: a read stuck on one node's
             # filesystem left the others a bare collective timeout, and the stuck rank never
@@ -584,7 +590,14 @@ class Trainer:
                            "checkpoint.save_timeout_s")
 
     def save_checkpoint(self, blocking: bool = False, phase: str = "checkpoint save") -> None:
-        """Every save goes through here (periodic, final, preemption), under ``beat_save``."""
+        """Every save goes through here (periodic, final, preemption), under ``beat_save``: the wait
+        for an async save still in flight under a bound of its own, then this save under another
+        (sharing one, a final save after a slow async one was stopped with each within the bound:
+        found by review)."""
+        pending = self.checkpointer.pending
+        if pending is not None and not pending.future.done():
+            self.beat_save(f"waiting for the async save of step {pending.step}")
+            self.checkpointer.wait()
         self.beat_save(phase)
         self.agree_running_statistics()  # the checkpoint keeps the ranks' mean, not one rank's
         blocked = self.checkpointer.save(
