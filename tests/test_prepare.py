@@ -32,7 +32,15 @@ from tqdm import tqdm
 
 from shardtrain.config.schema import DataConfig
 from shardtrain.data.corpus import fingerprint_at, load_corpus, prepared_path
-from shardtrain.data.documents import Source, is_prepared_dataset, list_files, resolve_sources
+from shardtrain.data.documents import (
+    Source,
+    document_of,
+    documents,
+    is_prepared_dataset,
+    is_text_and_fine_tuning,
+    list_files,
+    resolve_sources,
+)
 from shardtrain.data.prepare import (
     PrepareOptions,
     Reading,
@@ -429,6 +437,15 @@ def test_json_files_of_records_are_json_lines(tmp_path, caplog):
     made = prepare(PrepareOptions(inputs=[str(tmp_path / "train.json.gz")], val_percent=0.0), tmp_path / "gz",
                    progress=False)
     assert made.manifest["splits"]["train"]["documents"] == 2
+    # A link named .jsonl to a file named by its hash (a Hugging Face snapshot's): records, by the
+    # link's name, for training's data.paths as for prepare (found by review: resolved first, one
+    # text document of JSON)
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "blobs" / "9f2c41").write_text(records)
+    (tmp_path / "snapshot.jsonl").symlink_to(tmp_path / "blobs" / "9f2c41")
+    corpus = load_corpus(DataConfig(source="files", paths=[str(tmp_path / "snapshot.jsonl")], val_percent=0.0,
+                                    cache_dir=str(tmp_path / "cache")), need=("train",))
+    assert corpus.train_files == 2, corpus
     assert bytes(read_split(tmp_path / "gz", "train")[0].tolist()) == b"alphabeta"
     # A byte-order mark before the first record (Windows tools write one) is no JSON error (found
     # by the walkthrough: "not valid JSON (Unexpected UTF-8 BOM)"), in .jsonl and .json alike
@@ -808,6 +825,13 @@ def test_parquet_and_arrow_rows_are_read_a_batch_at_a_time(tmp_path, monkeypatch
     with pytest.raises(DataError, match=r"no column 'body' \(columns: text\)"):
         list(documents(Source(tmp_path / "empty.parquet", "empty.parquet"), "body"))
     assert list(documents(Source(tmp_path / "empty.parquet", "empty.parquet"), "text")) == []
+    # a partial copy of a save_to_disk directory: one line naming the file (found by review: a bare
+    # FileNotFoundError from the fingerprint)
+    [arrow] = (tmp_path / "saved").glob("*.arrow")
+    arrow.unlink()
+    with pytest.raises(DataError, match=rf"saved: state.json lists {arrow.name}, which the directory lacks; "
+                                        "copy the whole directory again"):
+        Source(tmp_path / "saved", "saved").fingerprint()
 
 
 def test_a_null_text_is_an_empty_document_in_every_format(tmp_path):
@@ -1274,7 +1298,7 @@ def test_a_validation_share_of_other_than_whole_hundredths_is_refused(tmp_path):
     prepare(PrepareOptions(inputs=[str(tmp_path)], val_percent=0.07), tmp_path / "out", progress=False)
 
 
-def test_a_record_with_text_and_fine_tuning_fields_is_said_once(tmp_path):
+def test_a_record_with_text_and_fine_tuning_fields_is_said_once(tmp_path, caplog):
     """Read as its text, as documented, but no longer silently (a new-user trial): once a file."""
     chat = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
     source = tmp_path / "both.jsonl"
@@ -1285,8 +1309,20 @@ def test_a_record_with_text_and_fine_tuning_fields_is_said_once(tmp_path):
     assert len(said) == 1, done.stderr
     assert f"{source}:1: a record with both 'text' and fine-tuning fields is read as its 'text', every " \
         "token a target" in said[0], done.stderr
+    # A JSON array's records and a Parquet table's rows too (found by review: JSON Lines' only)
+    (tmp_path / "mixed").mkdir()
+    array, table = tmp_path / "mixed" / "both.json", tmp_path / "mixed" / "both.parquet"
+    array.write_text(json.dumps([{"text": "t", "prompt": "p", "completion": "c"}] * 2))
+    pq.write_table(pa.table({"text": ["t", "u"], "prompt": ["p", "q"], "completion": ["c", "d"]}), table)
+    for path, where in ((array, "record 1"), (table, "row 0")):
+        with caplog.at_level(logging.WARNING, logger="shardtrain"):
+            caplog.clear()
+            assert len(list(documents(Source(path, path.name), "text"))) == 2
+        said = [r.message for r in caplog.records if "fine-tuning fields" in r.message]
+        assert said == [f"{path}: {where}: a record with both 'text' and fine-tuning fields is read as its "
+                        "'text', every token a target (said once a file); drop 'text' to train on the "
+                        "conversation's or completion's tokens only"], caplog.text
     # A null text is a missing one: the record is its chat (found by review: an empty document)
-    from shardtrain.data.documents import document_of, is_text_and_fine_tuning
 
     assert document_of({**chat, "text": None}, "text", "x") == chat
     assert not is_text_and_fine_tuning({**chat, "text": None}, "text")

@@ -149,7 +149,9 @@ def raw_inputs(cfg: DataConfig) -> list[Path]:
         return [stdlib_root()]
     if not cfg.paths:
         raise DataError(f"data.source={cfg.source} needs data.paths=[...]")
-    return [Path(p).expanduser().resolve() for p in cfg.paths]
+    # Not resolved: a link's own name says what it holds (a Hugging Face snapshot's train.jsonl links
+    # to a blob named by its hash, read as one text document: found by review)
+    return [Path(p).expanduser().absolute() for p in cfg.paths]
 
 
 def prepared_path(cfg: DataConfig, tokenizer: Tokenizer) -> Path:

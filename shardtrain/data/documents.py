@@ -431,10 +431,16 @@ def arrow_files(directory: Path) -> list[Path]:
     """The Arrow files of a ``save_to_disk`` directory, in the order its state.json lists them."""
     try:
         state = json.loads((directory / DATASETS_STATE).read_bytes())
-        return [directory / entry["filename"] for entry in state["_data_files"]]
+        files = [directory / entry["filename"] for entry in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DataError(f"{directory}: not a readable datasets directory ({exc}); write it with "
                         "Dataset.save_to_disk (a DatasetDict: give one split's directory)") from exc
+    # A partial copy: its state.json lists a file it lacks (found by review: a bare FileNotFoundError)
+    if missing := [path.name for path in files if not path.is_file()]:
+        raise DataError(f"{directory}: {DATASETS_STATE} lists {', '.join(missing[:3])}"
+                        f"{f' (+{len(missing) - 3} more)' if len(missing) > 3 else ''}, which the directory "
+                        "lacks; copy the whole directory again (or save it again with Dataset.save_to_disk)")
+    return files
 
 
 def utf8(text: str) -> bytes:
@@ -515,6 +521,23 @@ def is_text_and_fine_tuning(record: object, field: str) -> bool:
     return isinstance(record, dict) and record.get(field) is not None and has_fine_tuning_values(record)
 
 
+class TextBesideFineTuning:
+    """Says, once a file, that a record with both a text and fine-tuning fields is read as its text
+    (the rule is the file's, not the record's): JSON Lines, a JSON array and a table's rows alike
+    (found by review: said for JSON Lines only)."""
+
+    def __init__(self, field: str) -> None:
+        self.field = field
+        self.said = False
+
+    def check(self, record: object, where: str) -> None:
+        if not self.said and is_text_and_fine_tuning(record, self.field):
+            self.said = True
+            log.warning(f"{where}: a record with both {self.field!r} and fine-tuning fields is read as its "
+                        f"{self.field!r}, every token a target (said once a file); drop {self.field!r} to "
+                        "train on the conversation's or completion's tokens only")
+
+
 def document_of(record: object, field: str, where: str) -> Document:
     """A JSON record: its text field, else a fine-tuning record (``messages``, or ``prompt`` and
     ``completion``). A null text beside a fine-tuning record's values is a missing one (a table's
@@ -560,7 +583,7 @@ def read_jsonl(source: Source, field: str) -> Iterator[tuple[str, Document]]:
         # strict read named a position within its decoder's chunk, not the file's. A byte-order mark
         # at the start (what Windows tools write) is no JSON: dropped, as Python's utf-8-sig does.
         with opener(source.path, "rt", encoding="utf-8-sig", errors="surrogateescape") as lines:
-            mixed_said = False
+            mixed = TextBesideFineTuning(field)
             for number, line in enumerate(lines, start=1):
                 where = f"{source.path}:{number}"
                 if bad := NOT_UTF8.search(line):
@@ -574,11 +597,7 @@ def read_jsonl(source: Source, field: str) -> Iterator[tuple[str, Document]]:
                     record = json.loads(line)
                 except ValueError as exc:
                     raise DataError(f"{where}: not valid JSON ({exc})") from exc
-                if not mixed_said and is_text_and_fine_tuning(record, field):
-                    mixed_said = True  # once a file: the rule is the file's, not the record's
-                    log.warning(f"{where}: a record with both {field!r} and fine-tuning fields is read as "
-                                f"its {field!r}, every token a target (said once a file); drop {field!r} to "
-                                "train on the conversation's or completion's tokens only")
+                mixed.check(record, where)
                 yield f"{source.name}:{number}", document_of(record, field, where)
     except (OSError, EOFError, zlib.error) as exc:  # a corrupt deflate stream: no OSError
         raise DataError(f"{source.path}: cannot be read ({exc})") from exc
@@ -597,8 +616,10 @@ def read_json_array(source: Source, field: str) -> Iterator[tuple[str, Document]
         raise DataError(f"{source.path}: not a valid JSON array of records ({exc})") from exc
     if not isinstance(records, list):
         raise DataError(f"{source.path}: not a JSON array of records")
+    mixed = TextBesideFineTuning(field)
     for number, record in enumerate(records, start=1):
         where = f"{source.path}: record {number}"
+        mixed.check(record, where)
         yield f"{source.name}:{number}", document_of(record, field, where)
 
 
@@ -611,12 +632,15 @@ def read_table_rows(source: Source, tables: Iterator[pa.RecordBatch],
     text column is absent or null in it (a table of both kinds: its fine-tuning rows were empty
     documents, found by review)."""
     row = 0
+    mixed = TextBesideFineTuning(field)
     for table in tables:
         names = set(table.schema.names)
         if has_fine_tuning_keys(names):
             columns = [field] * (field in names) + fine_tuning_columns(names)
             for record in table_records(table.select(columns), source.path, row):
-                yield f"{source.name}:{row}", document_of(record, field, f"{source.path}: row {row}")
+                where = f"{source.path}: row {row}"
+                mixed.check(record, where)
+                yield f"{source.name}:{row}", document_of(record, field, where)
                 row += 1
             continue
         for text in column_texts(table, field, str(source.path)):
