@@ -23,7 +23,13 @@ from shardtrain.config.loader import load_config
 from shardtrain.config.plan import accumulation_steps
 from shardtrain.config.strategy import AC_MODES
 from shardtrain.diagnostics import kept
-from shardtrain.diagnostics.planner import NothingFits, auto_batch_table, choose_batch, estimate
+from shardtrain.diagnostics.planner import (
+    NothingFits,
+    auto_batch_table,
+    choose_batch,
+    estimate,
+    planned_model,
+)
 from shardtrain.distributed.env import DistEnv
 from shardtrain.errors import ConfigError
 from shardtrain.models.registry import build_model
@@ -124,6 +130,26 @@ def test_auto_checkpoints_only_when_no_batch_fits_without(llama_8b, llama_8b_pla
                      r"of the limit 2\.0 GiB less 10% margin \(1\.8 GiB\)")
     with pytest.raises(ConfigError, match=held_too_much):
         choose_batch(cfg, model, WORLD, 8, 2 * GIB, held=3 * GIB, accelerated=True)
+
+
+def test_auto_passes_over_selective_checkpointing_the_build_refuses():
+    """A LoRA rank equal to a projection's width (the kv projections' 32 here) cannot run under
+    selective checkpointing: found by review, auto chose it, and the build refused it after launch."""
+    cfg = load_config(["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+                       "model.ffn_hidden_dim=128", "model.vocab_size=256", "trainer.seq_len=1024",
+                       "finetune=lora", "finetune.rank=32", "trainer.micro_batch_size=auto",
+                       "trainer.global_batch_size=4"])
+    model = planned_model(cfg)
+    one = replace(cfg, trainer=replace(cfg.trainer, micro_batch_size=1, grad_accum_steps=4))
+    peaks = {ac: estimate(replace(one, strategy=replace(one.strategy, activation_checkpointing=ac)),
+                          model, "FULL_SHARD", 1, 1).peak for ac in AC_MODES}
+    assert peaks["selective"] < peaks["none"]  # where it fits and none does not, it would be chosen
+    budget = int((peaks["none"] - 1) / 0.9)
+    assert choose_batch(cfg, model, 1, 1, budget, held=0, accelerated=True).activation_checkpointing in (
+        "every_k", "all")
+    asked = replace(cfg, strategy=replace(cfg.strategy, activation_checkpointing="selective"))
+    with pytest.raises(ConfigError, match="finetune.rank=32 is also a width of this block's projections"):
+        choose_batch(asked, model, 1, 1, budget, held=0, accelerated=True)
 
 
 def test_auto_under_tensor_parallelism_divides_the_batch_over_data_parallel_ranks(llama_8b):

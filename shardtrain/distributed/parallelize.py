@@ -175,6 +175,28 @@ def last_projection_adapted(block: nn.Module) -> bool:
     return any(is_adapter(name + ".") and name.startswith(owner + ".") for name in names)
 
 
+def adapter_ranks(block: nn.Module) -> frozenset[int]:
+    """The ranks of ``block``'s LoRA adapters (their A matrices' output widths)."""
+    return frozenset(module.out_features for name, module in block.named_modules()
+                     if isinstance(module, nn.Linear) and ".lora_A." in name + ".")
+
+
+def lora_rank_clash(block: nn.Module) -> int | None:
+    """The LoRA rank of ``block``'s adapters where it is also the width of one of its projections,
+    else None: selective checkpointing tells an adapter's matmuls apart by that size."""
+    widths = {size for name, module in block.named_modules()
+              if isinstance(module, nn.Linear) and not is_adapter(name + ".")
+              for size in (module.in_features, module.out_features)}
+    clashes = adapter_ranks(block) & widths
+    return min(clashes) if clashes else None
+
+
+def selective_clash_message(rank: int) -> str:
+    return (f"strategy.activation_checkpointing=selective tells LoRA's matmuls apart by the rank, and "
+            f"finetune.rank={rank} is also a width of this block's projections; choose another "
+            "finetune.rank, or activation_checkpointing=all")
+
+
 def block_selective_contexts(block: nn.Module, float8: bool,
                              eager_attention: bool = False) -> Callable[[], tuple]:
     """``selective_contexts`` for ``block`` (``float8``: some of its linears are float8): every second
@@ -186,19 +208,13 @@ def block_selective_contexts(block: nn.Module, float8: bool,
     is what the compiler's graph still shows, so compiled and eager blocks keep the same outputs.
     ``eager_attention``: the block's attention is transformers' eager one, two batched matmuls a
     layer (``EAGER_ATTENTION_MATMULS``), told apart by their T x T operand (``attention_matmul``)."""
-    linears = {name: module for name, module in block.named_modules() if isinstance(module, nn.Linear)}
-    adapters = {name: module for name, module in linears.items() if is_adapter(name + ".")}
-    ranks = frozenset(module.out_features for name, module in adapters.items() if ".lora_A." in name + ".")
-    widths = {size for name, module in linears.items() if name not in adapters
-              for size in (module.in_features, module.out_features)}
-    if ranks & widths:
-        raise ConfigError(f"strategy.activation_checkpointing=selective tells LoRA's matmuls apart by the "
-                          f"rank, and finetune.rank={min(ranks & widths)} is also a width of this block's "
-                          "projections; choose another finetune.rank, or activation_checkpointing=all")
-    projections = len(linears) - len(adapters)
+    if (rank := lora_rank_clash(block)) is not None:
+        raise ConfigError(selective_clash_message(rank))
+    linears = [name for name, module in block.named_modules() if isinstance(module, nn.Linear)]
+    projections = sum(not is_adapter(name + ".") for name in linears)
     last_kept = 0 if last_projection_adapted(block) or float8 else 1  # (projections - matmul) % 2
     return functools.partial(selective_contexts, lambda matmul: (projections - matmul) % 2 == last_kept,
-                             adapter_ranks=ranks, eager_attention=eager_attention)
+                             adapter_ranks=adapter_ranks(block), eager_attention=eager_attention)
 
 
 def eager_attention(model: nn.Module) -> bool:
