@@ -168,6 +168,21 @@ def test_a_layout_judged_for_this_machine_names_processes_per_node(capsys):
     assert capsys.readouterr().err.strip().endswith("plan for other nodes with --processes-per-node N)")
 
 
+def test_plan_refuses_what_the_build_refuses(capsys):
+    """Found by review: QLoRA over 24 shards (a weight without whole NF4 blocks in each) and float8
+    on a model with no linear it converts were planned as any other layout, then refused by the
+    build. Each row says so, and the float8 refusal is the plan's."""
+    assert main(["plan", "model=llama3_8b", "finetune=qlora", "--world-sizes", "16", "24"]) == 0
+    rows = {" ".join(line.split()[:3]): line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert "not possible" not in rows["16 x FULL_SHARD"]
+    assert "24 x FULL_SHARD          not possible: finetune.method=qlora: layers.0.attention.wq.base_layer." \
+           "weight (4096 x 4096) does not split into 24 row shards of whole NF4 blocks" \
+           in rows["24 x FULL_SHARD"]
+    assert main(["plan", "model=llama_tiny", "strategy.float8=true", "--world-sizes", "2"]) == 2
+    assert capsys.readouterr().err.startswith("shardtrain: error: strategy.float8=true found no linear layer "
+                                              "to convert in the model's 3 blocks")
+
+
 def test_plan_rows_judge_each_world_size_and_the_formulas_refuse_uneven_splits(capsys):
     """Found by a new-user trial: a shard group size the world does not divide was planned with a
     node's group instead, the layout was judged at the config's own world size rather than the

@@ -34,10 +34,11 @@ from shardtrain.distributed.parallelize import (
     float8_eligible,
     last_projection_adapted,
     lora_rank_clash,
+    nothing_in_float8,
     outermost_blocks,
     selective_clash_message,
 )
-from shardtrain.distributed.qlora import NF4_BLOCK, NF4_GRAIN, quantized_linears
+from shardtrain.distributed.qlora import NF4_BLOCK, NF4_GRAIN, check_quantizable, quantized_linears
 from shardtrain.errors import ConfigError
 from shardtrain.models.dims import Dims
 from shardtrain.models.lora import add_adapters
@@ -404,6 +405,12 @@ def unit_param_counts(model: nn.Module, shapes: dict[int, tuple[int, ...]] | Non
     return blocks, groups
 
 
+def check_float8_converts(cfg: Config, model: nn.Module) -> None:
+    """strategy.float8 on a model with no linear layer it converts: refused, as the build refuses it."""
+    if cfg.strategy.float8 and not float8_block_params(model):
+        raise ConfigError(nothing_in_float8(len(model_blocks(model))))
+
+
 def planned_model(cfg: Config) -> nn.Module:
     """The model the planner counts, on the meta device: with ``finetune=lora`` its adapters on a
     frozen base (the adapters have gradients and Adam state, the base neither)."""
@@ -432,6 +439,10 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         strategy_cfg = replace(strategy_cfg, activation_checkpointing="all" if checkpointed else "none")
     # It plans for accelerators, wherever it runs: mixed_precision=auto means bf16-mixed there.
     plan = resolve_plan(strategy_cfg, world_size, min(local, world_size), accelerated=accelerated)
+    # Layouts the build refuses are refused here too (found by review: planned as any other row)
+    if cfg.finetune.method == "qlora":
+        check_quantizable(model, plan.shard_group)
+    check_float8_converts(cfg, model)
     # Under tensor parallelism FSDP shards each tp shard (2-D/3-D DTensors): rank 0's of both.
     styles = tensor_parallel_styles(model, plan)
     local_shapes = tensor_parallel_shapes(model, plan.tensor_parallel, styles)
@@ -723,6 +734,7 @@ def auto_batch_table(cfg: Config, world_sizes: list[int], device_memory: int | N
                           "to plan in; give the device's memory, e.g. --device-memory 80GB")
     check_auto_accumulation(t)
     model = planned_model(cfg)
+    check_float8_converts(cfg, model)
     tp = cfg.strategy.tensor_parallel
     lines = [f"trainer.micro_batch_size=auto: global batch {t.global_batch_size} sequences of {t.seq_len} "
              f"tokens, against {human_bytes(limit)} a process"
@@ -763,6 +775,7 @@ def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, l
         return auto_batch_table(cfg, world_sizes, device_memory, local)
     check_planned_batch(cfg)
     model = planned_model(cfg)
+    check_float8_converts(cfg, model)  # once for the table, not in every row
     n = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     adapters = (f" ({trained / 1e6:.2f}M trainable: finetune={cfg.finetune.method} adapters, the base "

@@ -181,6 +181,13 @@ def adapter_ranks(block: nn.Module) -> frozenset[int]:
                      if isinstance(module, nn.Linear) and ".lora_A." in name + ".")
 
 
+def nothing_in_float8(blocks: int) -> str:
+    """strategy.float8's refusal of a model with no linear layer it converts in its ``blocks``."""
+    return (f"strategy.float8=true found no linear layer to convert in the model's {blocks} blocks: float8 "
+            f"takes nn.Linear layers whose sizes are multiples of {FLOAT8_MULTIPLE}, not the output head or "
+            "LoRA's adapters; drop strategy.float8")
+
+
 def lora_rank_clash(block: nn.Module) -> int | None:
     """The LoRA rank of ``block``'s adapters where it is also the width of one of its projections,
     else None: selective checkpointing tells an adapter's matmuls apart by that size."""
@@ -494,10 +501,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan,
         report.float8_linears = float8_training[-1].convert(model, [name for name, _ in blocks],
                                                             plan.gathers_float8)
         if not report.float8_linears:  # it trained on in the compute dtype, the start-up line saying float8
-            raise ConfigError(f"strategy.float8=true found no linear layer to convert in the model's "
-                              f"{len(blocks)} blocks: float8 takes nn.Linear layers whose sizes are "
-                              f"multiples of {FLOAT8_MULTIPLE}, not the output head or LoRA's adapters; "
-                              "drop strategy.float8")
+            raise ConfigError(nothing_in_float8(len(blocks)))
         report.float8_scales_precomputed = plan.gathers_float8 and not plan.cpu_offload
     if before_sharding is not None and (ignored := before_sharding(model)):
         common["ignored_params"] = ignored
