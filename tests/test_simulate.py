@@ -15,6 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 from simulate_workers import (
     STRATEGIES,
     checkpointing_modes,
@@ -27,9 +28,10 @@ from simulate_workers import (
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
 from shardtrain.cli.main import main
+from shardtrain.config.loader import load_config
 from shardtrain.errors import ConfigError
 from shardtrain.train import simulate as sim_module
-from shardtrain.train.simulate import OTHER_BLOCKS, fake_world, simulate
+from shardtrain.train.simulate import OTHER_BLOCKS, fake_world, simulate, simulation_rows
 
 # (model, world size, strategies, one more setting). With the default loss (chunked at Llama-3's
 # 128k vocabulary), every strategy at one node and at eight; full sharding at 512 and 1,024 ranks
@@ -288,3 +290,18 @@ def test_cpu_offload_keeps_the_sharded_states_off_the_simulated_device():
         meta = build_model(whole.model)
     simulated, planned = simulate(whole, 4, 4, probe=False).peak, estimate(whole, meta, "NO_SHARD", 4, 4).peak
     assert abs(planned / simulated - 1) < TOLERANCE, (planned, simulated)
+
+
+def test_a_mixture_of_experts_block_holds_its_experts_gradients_in_its_backward(tmp_path):
+    """Found by review: a block's stacked expert weights get their whole gradient at once, in the
+    compute dtype, which the planner counted as two dense feed-forward weights' (a Qwen3-MoE
+    30B-A3B's shape at 64 ranks: the peak 0.88x the simulated one; measured 1.04 since)."""
+    transformers.Qwen3MoeConfig(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, vocab_size=151936, max_position_embeddings=4096).save_pretrained(tmp_path)
+    cfg = load_config(["model.name=hf", f"model.path={tmp_path}", "model.tokenizer=bytes",
+                       "trainer.seq_len=4096", "trainer.micro_batch_size=1",
+                       "strategy.mixed_precision=bf16-mixed"])
+    [(simulated, planned)] = simulation_rows(cfg, [64], ["FULL_SHARD"], ["all"], 8)
+    assert abs(planned.peak / simulated.peak - 1) < TOLERANCE, (planned.peak, simulated.peak)
