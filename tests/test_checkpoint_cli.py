@@ -7,10 +7,20 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
-from cli_utils import launch, preempt, preempt_at_start, preempt_before_torch, read_metrics, run_cli
+from cli_utils import (
+    clean_env,
+    launch,
+    preempt,
+    preempt_at_start,
+    preempt_before_torch,
+    read_metrics,
+    run_cli,
+)
 
 QUICK = ["experiment=quick", "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample_tokens=0",
          "trainer.micro_batch_size=2", "run.trackers=[]"]
@@ -708,7 +718,9 @@ def test_the_weights_average_resumes_at_another_world_size_and_consolidates(tmp_
     checkpoint.resume=PATH and requeued at another world size with the same command: the requeue goes
     on from the split run's own step 4 (it was refused: the accumulation steps the global batch gives
     at each world size entered the config's identity)."""
-    from safetensors.torch import load_file
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
 
     # a global batch and a learning rate that stay the same whatever max_steps and the processes
     ema = [*QUICK, "trainer.ema_decay=0.9", "checkpoint.interval=2", "trainer.global_batch_size=4",
@@ -768,6 +780,33 @@ def test_the_weights_average_resumes_at_another_world_size_and_consolidates(tmp_
     assert proc.returncode == 0 and "verified: transformers' logits match" in proc.stdout, proc.stderr[-3000:]
     exported = load_file(str(tmp_path / "hf-ema" / "model.safetensors"))
     assert exported["model.norm.weight"].equal(read["whole", "ema"]["norm.weight"])
+    # Weights holding NaN: eval and generate say so in one line (found by review: eval printed "loss
+    # nan" and exited 0, greedy generation printed token 0 at every step, sampling a traceback)
+    with safe_open(str(tmp_path / "whole-ema.safetensors"), "pt") as opened:
+        metadata = opened.metadata()
+    broken = load_file(str(tmp_path / "whole-ema.safetensors"))
+    broken["norm.weight"] = torch.full_like(broken["norm.weight"], float("nan"))
+    save_file(broken, str(tmp_path / "nan.safetensors"), metadata=metadata)
+    proc = run_cli("eval", str(tmp_path / "nan.safetensors"), "--batch-size", "2")
+    assert proc.returncode == 2 and "the loss is nan (its weights hold NaN or inf" in error_line(proc), \
+        proc.stderr[-3000:]
+    for flags in ([], ["--temperature", "1"]):
+        proc = run_cli("generate", str(tmp_path / "nan.safetensors"), "--prompt", "def ", *flags)
+        assert proc.returncode == 2 and "the model's logits are not finite after 0 new token(s)" in \
+            error_line(proc), proc.stderr[-3000:]
+    # a standard output that is not UTF-8 takes "?" for what it cannot hold (found by review: a
+    # UnicodeEncodeError traceback)
+    (tmp_path / "données.txt").write_text("def données():\n    return 1\n" * 20)
+    proc = subprocess.run([sys.executable, "-m", "shardtrain", "eval",
+                           str(tmp_path / "whole-ema.safetensors"), "--file", str(tmp_path / "données.txt"),
+                           "--seq-len", "16", "--samples", "4"],
+                          capture_output=True, env=clean_env(PYTHONIOENCODING="ascii"), timeout=300)
+    assert proc.returncode == 0 and b"donn?es.txt" in proc.stdout, proc.stderr[-3000:]
+    # a loss past exp's range is an infinite perplexity (found by review: an OverflowError traceback)
+    broken["norm.weight"] = load_file(str(tmp_path / "whole-ema.safetensors"))["norm.weight"] * 1e4
+    save_file(broken, str(tmp_path / "scaled.safetensors"), metadata=metadata)
+    proc = run_cli("eval", str(tmp_path / "scaled.safetensors"), "--batch-size", "2")
+    assert proc.returncode == 0 and "| perplexity inf per byte" in proc.stdout, proc.stderr[-3000:]
     # a file holds one set of weights; a run without an average has none to read
     proc = run_cli("eval", str(tmp_path / "split-ema.safetensors"), "--ema")
     assert "the weights' average (--ema) is read from a checkpoint directory" in error_line(proc)

@@ -109,6 +109,16 @@ def test_generation_stops_where_the_models_generation_config_says(tmp_path):
     (directory / "generation_config.json").write_text('{"eos_token_id": [2, 7')
     with pytest.raises(DataError, match=r"generation_config.json cannot be read \(JSONDecodeError\)"):
         HFTokenizer(directory)
+    # Without generation_config.json, config.json's (or its text part's), as transformers takes them
+    # (found by review: generation ran past a Llama 3 config's end of turn)
+    (directory / "generation_config.json").unlink()
+    model_config = json.loads((directory / "config.json").read_text())
+    for written in ({**model_config, "eos_token_id": [plain.eos_id, 9]},
+                    {key: value for key, value in model_config.items() if key != "eos_token_id"}
+                    | {"text_config": {"eos_token_id": 9}}):
+        (directory / "config.json").write_text(json.dumps(written))
+        assert HFTokenizer(directory).stop_ids == {plain.eos_id, 9}
+    (directory / "config.json").write_text(json.dumps(model_config))
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [plain.eos_id, 7, 10**9]}))
     model = Llama(ModelConfig(vocab_size=tokenizer.vocab_size, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
                               max_seq_len=64))

@@ -495,6 +495,17 @@ def test_tokenizer_matches_transformers(model_dirs):
     ids = theirs.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     assert ours.encode(rendered, special_tokens=False) == list(ids)
+    # A template that writes tools where it is given some (Mistral's), and JSON of text with <, > and
+    # &: rendered as transformers renders it (found by review: an empty tool list in every prompt, and
+    # Jinja's HTML-escaping tojson)
+    template = ("{% if tools is not none %}[TOOLS]{{ tools | tojson }}[/TOOLS]{% endif %}"
+                "{% for m in messages %}{{ m['content'] | tojson }}{% endfor %}")
+    messages = [{"role": "user", "content": "is <a> & 'b' > c?"}]
+    ours.chat_template = template
+    vars(ours).pop("compiled_chat", None)
+    assert ours.render_chat(messages) == theirs.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True) == \
+        '"is <a> & \'b\' > c?"'
     stream, ids = ours.stream(), ours.encode(text)
     assert "".join(stream.push(i) for i in ids) + stream.flush() == ours.decode(ids)
     # Cut inside a character (generation stopped there): U+FFFD at the end, not nothing (found by

@@ -378,7 +378,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     from shardtrain.data.documents import is_prepared_dataset
     from shardtrain.data.tokenizer import reads_bytes, tokenizer_for
     from shardtrain.distributed.env import destroy_distributed
-    from shardtrain.errors import ConfigError
+    from shardtrain.errors import ConfigError, GenerationError
     from shardtrain.generation.inference import data_changed_since, load_for_inference
     from shardtrain.models.hf_directory import is_model_directory
     from shardtrain.tasks.language_model import LanguageModelTask
@@ -447,6 +447,11 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
                                loaded.env.world_size, loaded.env.rank)
         task = LanguageModelTask()
         loss, _, scored = evaluate(loaded.model, task, batches, loaded.env.device)
+        if not math.isfinite(loss) and scored:
+            # It printed "loss nan" and exited 0 (found by review)
+            raise GenerationError(f"{source}: the loss is {loss} (its weights hold NaN or inf, or its "
+                                  "activations overflowed the compute dtype); check the checkpoint "
+                                  "(shardtrain inspect), or evaluate in fp32 (--dtype fp32)")
         if scored == 0:  # a loss of nan, exit 0 before
             windows_scored = min(args.samples, windows.num_samples)
             raise ConfigError(f"{source}: the {windows_scored} windows scored hold no targets (fine-tuning "
@@ -463,7 +468,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
             print(f"eval on {source}: {n} {unit}s in windows of {args.seq_len}{masked_documents}{targets}")
             unit = f"target {unit}" if masked else unit
             print(f"loss {loss:.4f} nats/{unit} | {loss / math.log(2):.4f} bits/{unit} | "
-                  f"perplexity {math.exp(loss):.3f} per {unit}")
+                  f"perplexity {math.exp(loss) if loss < 709.0 else math.inf:.3f} per {unit}")
     finally:
         destroy_distributed()
     return 0
@@ -960,6 +965,11 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> NoReturn:
     """The ``shardtrain`` command's process (``python -m shardtrain``, every worker torchrun starts):
     ``main``, then an exit that skips finalisation's collections."""
+    # A standard output that is not UTF-8 (PYTHONIOENCODING=ascii, a Latin-1 locale) gets "?" for a
+    # character it cannot hold: generated text or a path ended the command in a UnicodeEncodeError
+    # traceback (found by review)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")
     status = main()
     # main has collected the command's garbage. What is still alive (torch's and the model's
     # objects) dies with the process; left tracked, finalisation walks it in several full

@@ -184,6 +184,10 @@ def tokenizer_entry(tokenizer: Tokenizer) -> dict:
         # Prepared before the end of text was appended once, its documents held two (and a prompt
         # its end before the completion): a fingerprint of its own prepares them again.
         entry["appended"] = suffix
+    if template is not None:
+        # Rendered before tools=None and transformers' tojson were passed, a template that tests
+        # `tools is not none` wrote an empty tool list into every record: prepared again once.
+        entry["template_context"] = 2
     if getattr(tokenizer, "file_truncates", False):
         # Prepared before its truncation and padding were turned off, its documents were cut: a
         # fingerprint of its own prepares them again (every other tokenizer's stays as it was).

@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable, Sequence
 from functools import cached_property, partial
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import tokenizers
@@ -106,12 +106,14 @@ def byte_level_tokenizer() -> tokenizers.Tokenizer:
 def generation_stops(directory: Path, vocab_size: int) -> frozenset[int]:
     """The ids a model's ``generation_config.json`` ends generation at (``eos_token_id``, one or a
     list), as transformers' ``generate`` does: a chat model's end of turn is often not the
-    tokenizer's end of text (Gemma's ``<end_of_turn>``, Llama 3's ``<|eot_id|>``)."""
+    tokenizer's end of text (Gemma's ``<end_of_turn>``, Llama 3's ``<|eot_id|>``). Without that file,
+    the model's ``config.json``'s (its text part's, for a multimodal one), as transformers derives
+    its generation settings from it (found by review: generation ran past the end of turn)."""
     file = directory / GENERATION_CONFIG_FILE
     try:
         config = json.loads(file.read_bytes())
     except FileNotFoundError:
-        return frozenset()
+        config = model_config_stops(directory)
     except (OSError, ValueError) as exc:  # ignored, generation would run past the model's end of turn
         why = getattr(exc, "strerror", None) or type(exc).__name__
         raise DataError(f"{file} cannot be read ({why}); mend it, or remove it to stop at the "
@@ -119,6 +121,21 @@ def generation_stops(directory: Path, vocab_size: int) -> frozenset[int]:
     ids = config.get("eos_token_id") if isinstance(config, dict) else None
     ids = ids if isinstance(ids, list) else [ids]
     return frozenset(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size)
+
+
+def model_config_stops(directory: Path) -> dict:
+    """``{"eos_token_id": ...}`` of the model's ``config.json`` in ``directory`` (or of its
+    ``text_config``), or {} where it has none (or the file is not there or not read: the model's
+    own loading names it)."""
+    try:
+        config = json.loads((directory / "config.json").read_bytes())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    text = config.get("text_config")
+    ids = config.get("eos_token_id", text.get("eos_token_id") if isinstance(text, dict) else None)
+    return {"eos_token_id": ids}
 
 
 class ByteTokenizer:
@@ -189,13 +206,24 @@ def raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+def template_json(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+                  separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """transformers' ``tojson`` filter: JSON as written, not Jinja's, which escapes ``<`` ``>`` ``&``
+    and ``'`` for HTML (a tool's schema in a prompt read ``\u003c``; found by review)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
 def compile_chat_template(template: str, source: str):
     """The environment transformers renders chat templates in: sandboxed, blocks trimmed, with the
-    ``raise_exception`` templates call to refuse a conversation (``source``: the tokenizer's path,
-    for the message)."""
+    ``raise_exception`` templates call to refuse a conversation and its ``tojson`` (``source``: the
+    tokenizer's path, for the message). Not its ``strftime_now``: a template that finds it writes
+    today's date, and a dataset prepared on two days (two nodes' caches) would differ; without it,
+    Llama 3's templates write the date they default to."""
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=["jinja2.ext.loopcontrols"])
     environment.globals["raise_exception"] = raise_exception
+    environment.filters["tojson"] = template_json
     try:
         return environment.from_string(template)
     except TemplateError as exc:
@@ -362,8 +390,11 @@ class HFTokenizer:
             raise DataError(f"the tokenizer {self.source} has no chat template (none in "
                             f"{TOKENIZER_CONFIG_FILE} or chat_template.jinja)")
         try:
+            # tools and documents as transformers passes them without any: a template that tests
+            # `tools is not none` wrote an empty tool list into every prompt (found by review)
             return self.compiled_chat.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                             bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                             tools=None, documents=None)
         except TemplateError as exc:
             raise DataError(f"the chat template of {self.source} failed: {exc}") from exc
 

@@ -85,10 +85,13 @@ def generation_mode(model: nn.Module, dtype: torch.dtype, device: torch.device,
     if free is not None and device.type == "cpu":
         free //= max(local_processes, 1)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        least = torch.tensor([free if free is not None else -1], dtype=torch.int64,
+        # The least known: a rank that cannot tell (its -1) decided for all where it was the minimum
+        # (found by review), so an unknown is the largest value instead, and all unknown is None
+        unknown = torch.iinfo(torch.int64).max
+        least = torch.tensor([free if free is not None else unknown], dtype=torch.int64,
                              device=device if dist.get_backend() != "gloo" else "cpu")
         dist.all_reduce(least, op=dist.ReduceOp.MIN)
-        free = int(least.item()) if int(least.item()) >= 0 else None
+        free = int(least.item()) if int(least.item()) != unknown else None
     if requested != "auto":
         return ModeChoice(requested, need, free, asked=True, cache_bytes=cache)
     fits = free is None or need + cache <= GATHER_HEADROOM * free
@@ -268,6 +271,13 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temper
             logits = model(tokens)[:, -1, :]
         if vocab_limit is not None:
             logits = logits[:, :vocab_limit]
+        if not torch.isfinite(logits).all():
+            # Greedy picked token 0 at every step, sampling raised torch's "probability tensor
+            # contains either inf, nan" (found by review); every rank of a sharded model sees them
+            raise GenerationError(f"the model's logits are not finite after {len(out)} new token(s) (NaN or "
+                                  "inf: weights holding them, or activations that overflowed the compute "
+                                  "dtype); check the checkpoint (shardtrain inspect), or generate in fp32 "
+                                  "(--dtype fp32)")
         nxt = pick_next(logits, temperature, top_k, top_p, generator)
         if rank0_tokens and dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(nxt, src=0)
