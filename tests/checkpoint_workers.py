@@ -433,9 +433,9 @@ def failed_saves(out: str, full: Trainer, split: Trainer) -> None:
                                global_batch=full.layout.global_batch, blocking=False)
     except CheckpointError as exc:
         assert str(exc) == (f"saving step {step} to {root / f'.step-{step}.tmp'} failed on rank 1: "
-                            "MemoryError: cannot allocate host memory; free memory for a copy of this "
-                            "rank's model and optimizer state (an async save's), or save synchronously "
-                            f"(checkpoint.async=false) (step-{2 * N} is intact)"), str(exc)
+                            "MemoryError: cannot allocate host memory; free host memory (an async save "
+                            "copies this rank's model and optimizer state into it; checkpoint.async=false "
+                            f"saves without that copy) (step-{2 * N} is intact)"), str(exc)
     else:
         raise AssertionError("an async save that one rank could not stage went on")
     finally:

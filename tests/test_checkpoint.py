@@ -33,6 +33,7 @@ from shardtrain.checkpoint import layout, staging
 from shardtrain.checkpoint.checkpointer import random_streams_kept, seed_random_streams
 from shardtrain.checkpoint.inspect import inspect_path
 from shardtrain.checkpoint.state import STATE_FILE, TrainState
+from shardtrain.checkpoint.weights import resolved_once
 from shardtrain.cli.preflight import check_resume
 from shardtrain.config.compose import config_hash, config_hash_within
 from shardtrain.config.schema import Config, ModelConfig
@@ -187,6 +188,12 @@ def test_consolidation_is_bitwise_and_init_from_loads_it(four_rank_checkpoint, t
     (tmp_path / "best").symlink_to(ckpt)
     run_on_ranks(init_from, 1, str(tmp_path), str(tmp_path / "best"), tmp_path=tmp_path)
     assert (tmp_path / "best").resolve() == tmp_path / "elsewhere"  # it was moved
+    # a file's link (a Hugging Face snapshot's model.safetensors, a link to a hash-named blob) keeps
+    # its name, which says what it is (found by review: resolved to the blob, it was "nothing")
+    (tmp_path / "blob").symlink_to(single[0])
+    (tmp_path / "linked.safetensors").symlink_to(tmp_path / "blob")
+    assert resolved_once(tmp_path / "linked.safetensors") == tmp_path.resolve() / "linked.safetensors"
+    assert resolved_once(tmp_path / "best") == (tmp_path / "elsewhere").resolve()
     for world in (2, 1):
         loaded = torch.load(tmp_path / f"init{world}.pt")
         assert all(torch.equal(loaded[k], gathered[k]) for k in gathered)

@@ -31,7 +31,7 @@ from tokenizers import processors
 from tqdm import tqdm
 
 from shardtrain.config.schema import DataConfig
-from shardtrain.data.corpus import fingerprint_at, load_corpus, prepared_path
+from shardtrain.data.corpus import fingerprint_at, load_corpus, prepared_path, raw_inputs
 from shardtrain.data.documents import (
     Source,
     document_of,
@@ -446,6 +446,10 @@ def test_json_files_of_records_are_json_lines(tmp_path, caplog):
     corpus = load_corpus(DataConfig(source="files", paths=[str(tmp_path / "snapshot.jsonl")], val_percent=0.0,
                                     cache_dir=str(tmp_path / "cache")), need=("train",))
     assert corpus.train_files == 2, corpus
+    # the directories above it are resolved as before (a cache key's spelling kept), its name not
+    (tmp_path / "linked_dir").symlink_to(tmp_path)
+    assert raw_inputs(DataConfig(source="files", paths=[str(tmp_path / "linked_dir" / "snapshot.jsonl")])) \
+        == [tmp_path.resolve() / "snapshot.jsonl"]
     assert bytes(read_split(tmp_path / "gz", "train")[0].tolist()) == b"alphabeta"
     # A byte-order mark before the first record (Windows tools write one) is no JSON error (found
     # by the walkthrough: "not valid JSON (Unexpected UTF-8 BOM)"), in .jsonl and .json alike

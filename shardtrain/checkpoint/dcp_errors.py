@@ -12,6 +12,7 @@ import errno
 import os
 import re
 
+import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardtrain.accelerator import is_out_of_memory
@@ -81,10 +82,11 @@ def save_fix(exc: BaseException) -> str:
         return "make run.dir's checkpoints directory writable"
     if code == errno.EFBIG:
         return "raise the file size limit (ulimit -f) above a checkpoint file's size"
-    if isinstance(exc, MemoryError) or is_out_of_memory(exc):
-        # An async save's copy of the state on the host (found by review: told to report a defect)
-        return ("free memory for a copy of this rank's model and optimizer state (an async save's), or "
-                "save synchronously (checkpoint.async=false)")
+    if isinstance(exc, MemoryError) or is_out_of_memory(exc) and not isinstance(exc, torch.OutOfMemoryError):
+        # The host's memory (found by review: told to report a defect); an async save copies the
+        # state there, a synchronous one does not
+        return ("free host memory (an async save copies this rank's model and optimizer state into it; "
+                "checkpoint.async=false saves without that copy)")
     if code is None and not isinstance(exc, OSError):
         # A TypeError recording a task's option was told to check the filesystem (found by a trial).
         return ("this is no filesystem failure but a value the checkpoint cannot hold, or a defect (in "

@@ -149,9 +149,17 @@ def raw_inputs(cfg: DataConfig) -> list[Path]:
         return [stdlib_root()]
     if not cfg.paths:
         raise DataError(f"data.source={cfg.source} needs data.paths=[...]")
-    # Not resolved: a link's own name says what it holds (a Hugging Face snapshot's train.jsonl links
-    # to a blob named by its hash, read as one text document: found by review)
-    return [Path(p).expanduser().absolute() for p in cfg.paths]
+    # The directories resolved, as before (the cache key keeps its spelling), but not the last name:
+    # a link's own name says what it holds (a Hugging Face snapshot's train.jsonl links to a blob
+    # named by its hash, read as one text document: found by review)
+    return [kept_name_resolved(Path(p).expanduser()) for p in cfg.paths]
+
+
+def kept_name_resolved(path: Path) -> Path:
+    """``path`` with its directories resolved and its own name kept."""
+    if path.name in ("", ".", ".."):
+        return path.resolve()
+    return path.absolute().parent.resolve() / path.name
 
 
 def prepared_path(cfg: DataConfig, tokenizer: Tokenizer) -> Path:

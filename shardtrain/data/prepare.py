@@ -184,9 +184,10 @@ def tokenizer_entry(tokenizer: Tokenizer) -> dict:
         # Prepared before the end of text was appended once, its documents held two (and a prompt
         # its end before the completion): a fingerprint of its own prepares them again.
         entry["appended"] = suffix
-    if template is not None:
+    if template is not None and any(word in template for word in ("tools", "documents", "tojson")):
         # Rendered before tools=None and transformers' tojson were passed, a template that tests
-        # `tools is not none` wrote an empty tool list into every record: prepared again once.
+        # `tools is not none` wrote an empty tool list into every record: prepared again once (only
+        # where the template reads them: the others render as before)
         entry["template_context"] = 2
     if getattr(tokenizer, "file_truncates", False):
         # Prepared before its truncation and padding were turned off, its documents were cut: a

@@ -684,8 +684,9 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
     rejected: list[tuple[int, str, int]] = []
     cheapest = AC_MODES.index(checkpointing_mode(cfg.strategy))
     modes = list(AC_MODES[cheapest:])
-    blocks = model_blocks(model)
-    if "selective" in modes and blocks and (rank := lora_rank_clash(blocks[0])) is not None:
+    clashes = [rank for block in model_blocks(model) if (rank := lora_rank_clash(block)) is not None]
+    if "selective" in modes and clashes:
+        rank = clashes[0]
         # The build refuses it (found by review: chosen here, then refused after launch): passed
         # over from none, refused where the config asks for it
         if modes[0] == "selective":
