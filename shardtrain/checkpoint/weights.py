@@ -174,7 +174,7 @@ def link_target_kept_name(path: Path) -> Path:
     """``path`` resolved, but a file keeps its own name: a directory link (checkpoints/best) is
     followed, while a Hugging Face snapshot's model.safetensors, a link to a blob named by its hash,
     keeps the name that says what it is (found by review: resolved, it was "nothing")."""
-    if path.is_dir() or path.name in ("", ".", ".."):
+    if not path.is_file() or path.name in ("", ".", ".."):
         return path.resolve()
     return path.absolute().parent.resolve() / path.name
 
