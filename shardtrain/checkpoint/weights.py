@@ -42,6 +42,7 @@ from shardtrain.checkpoint.safetensors_files import (
 )
 from shardtrain.checkpoint.state import STATE_FILE, TrainState, as_packed_then, rebuild_config
 from shardtrain.config.schema import LANGUAGE_MODEL_TASK, DataConfig, FinetuneConfig, ModelConfig
+from shardtrain.data.documents import resolved_keeping_file_name
 from shardtrain.distributed.agreement import agree, run_agreed
 from shardtrain.distributed.qlora import NF4_DESCRIPTION
 from shardtrain.distributed.sharded_model import first_row, local_box, shard_like
@@ -170,21 +171,12 @@ def refuse_adapters_only(path: Path, state: TrainState) -> None:
                               f"model, `shardtrain export-peft {path} OUT` the adapters for PEFT")
 
 
-def link_target_kept_name(path: Path) -> Path:
-    """``path`` resolved, but a file keeps its own name: a directory link (checkpoints/best) is
-    followed, while a Hugging Face snapshot's model.safetensors, a link to a blob named by its hash,
-    keeps the name that says what it is (found by review: resolved, it was "nothing")."""
-    if not path.is_file() or path.name in ("", ".", ".."):
-        return path.resolve()
-    return path.absolute().parent.resolve() / path.name
-
-
 def resolved_once(checkpoint: str | Path) -> Path:
     """The checkpoint itself, not a link a training may move (its checkpoints/best) while it is
     read: resolved by rank 0 for every rank (each resolving it could have read two checkpoints, the
     link moved between them; ``generate --devices N``, and ``model.init_from`` from another run's
     ``best``, whose checks and reads each opened the link anew: found by review)."""
-    resolved = [str(link_target_kept_name(Path(checkpoint).expanduser()))]
+    resolved = [str(resolved_keeping_file_name(Path(checkpoint).expanduser()))]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(resolved, src=0)
     return Path(resolved[0])

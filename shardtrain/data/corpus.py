@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from shardtrain.config.schema import DataConfig
 from shardtrain.data.batches import InterleavedWindows, MixtureWindows, RecordWindows, TokenWindows
-from shardtrain.data.documents import PREPARE_LOCK_SUFFIX
+from shardtrain.data.documents import PREPARE_LOCK_SUFFIX, resolved_keeping_file_name
 from shardtrain.data.prepare import (
     PrepareOptions,
     damaged_files,
@@ -149,17 +149,8 @@ def raw_inputs(cfg: DataConfig) -> list[Path]:
         return [stdlib_root()]
     if not cfg.paths:
         raise DataError(f"data.source={cfg.source} needs data.paths=[...]")
-    # The directories resolved, as before (the cache key keeps its spelling), but not the last name:
-    # a link's own name says what it holds (a Hugging Face snapshot's train.jsonl links to a blob
-    # named by its hash, read as one text document: found by review)
-    return [kept_name_resolved(Path(p).expanduser()) for p in cfg.paths]
-
-
-def kept_name_resolved(path: Path) -> Path:
-    """``path`` with its directories resolved and its own name kept."""
-    if path.name in ("", ".", ".."):
-        return path.resolve()
-    return path.absolute().parent.resolve() / path.name
+    # Resolved as before (the cache key keeps its spelling), but a file's link keeps its own name
+    return [resolved_keeping_file_name(Path(p).expanduser()) for p in cfg.paths]
 
 
 def prepared_path(cfg: DataConfig, tokenizer: Tokenizer) -> Path:

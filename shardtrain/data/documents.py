@@ -219,6 +219,17 @@ def dataset_dict_error(directory: Path) -> DataError:
                      f"give one split's directory, {directory}/<split>")
 
 
+def resolved_keeping_file_name(path: Path) -> Path:
+    """``path`` resolved, but an existing file keeps its own name (its directories resolved): what a
+    file holds is read from its name, and a Hugging Face snapshot's ``train.jsonl`` or
+    ``model.safetensors`` links to a blob named by its hash (found by review: resolved, a .jsonl was
+    one text document and a .safetensors "nothing"). A directory link (``checkpoints/best``) is
+    followed, as is anything that is no file (yet)."""
+    if not path.is_file() or path.name in ("", ".", ".."):
+        return path.resolve()
+    return path.absolute().parent.resolve() / path.name
+
+
 def list_files(root: Path, pattern: str, exclude: Iterable[Path] = ()) -> list[Path]:
     """The files under ``root`` whose path ends in ``pattern`` (as ``root.rglob(pattern)`` finds
     them), sorted, skipping ``EXCLUDED_DIRS`` and the ``exclude`` paths inside ``root``. Those are

@@ -441,9 +441,8 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
     # It plans for accelerators, wherever it runs: mixed_precision=auto means bf16-mixed there.
     plan = resolve_plan(strategy_cfg, world_size, min(local, world_size), accelerated=accelerated)
     # Layouts the build refuses are refused here too (found by review: planned as any other row)
-    if cfg.finetune.method == "qlora":
+    if cfg.finetune.method == "qlora":  # (float8's refusal is the whole model's: choose_batch and the tables)
         check_quantizable(model, plan.shard_group)
-    check_float8_converts(cfg, model)
     # Under tensor parallelism FSDP shards each tp shard (2-D/3-D DTensors): rank 0's of both.
     styles = tensor_parallel_styles(model, plan)
     local_shapes = tensor_parallel_shapes(model, plan.tensor_parallel, styles)
@@ -670,6 +669,7 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
     ``world_size / tensor_parallel``."""
     t = cfg.trainer
     check_auto_accumulation(t)
+    check_float8_converts(cfg, model)
     data_parallel = world_size // cfg.strategy.tensor_parallel
     check_auto_global_batch(t.global_batch_size, data_parallel)
     per_rank = t.global_batch_size // data_parallel
@@ -684,13 +684,13 @@ def choose_batch(cfg: Config, model: nn.Module, world_size: int, local: int, lim
     rejected: list[tuple[int, str, int]] = []
     cheapest = AC_MODES.index(checkpointing_mode(cfg.strategy))
     modes = list(AC_MODES[cheapest:])
-    clashes = [rank for block in model_blocks(model) if (rank := lora_rank_clash(block)) is not None]
-    if "selective" in modes and clashes:
-        rank = clashes[0]
+    clash = next((rank for block in model_blocks(model) if (rank := lora_rank_clash(block)) is not None),
+                 None) if "selective" in modes else None
+    if clash is not None:
         # The build refuses it (found by review: chosen here, then refused after launch): passed
         # over from none, refused where the config asks for it
         if modes[0] == "selective":
-            raise ConfigError(selective_clash_message(rank))
+            raise ConfigError(selective_clash_message(clash))
         modes.remove("selective")
     for ac in modes:
         for micro in sizes:
@@ -785,7 +785,7 @@ def plan_table(cfg: Config, world_sizes: list[int], device_memory: int | None, l
         return auto_batch_table(cfg, world_sizes, device_memory, local)
     check_planned_batch(cfg)
     model = planned_model(cfg)
-    check_float8_converts(cfg, model)  # once for the table, not in every row
+    check_float8_converts(cfg, model)  # once for the table, not as every row's refusal
     n = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     adapters = (f" ({trained / 1e6:.2f}M trainable: finetune={cfg.finetune.method} adapters, the base "
