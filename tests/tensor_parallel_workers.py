@@ -11,13 +11,19 @@ import torch.nn.functional as F
 from checkpoint_workers import interrupted, new_trainer
 from equivalence import GLOBAL_BATCH, STEPS, case_config, run_cases
 from hf_workers import hf_case_config, hf_corpus
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtrain.checkpoint.checkpointer import random_streams_kept, seed_random_streams
 from shardtrain.checkpoint.safetensors_files import open_safetensors, weight_files
 from shardtrain.checkpoint.weights import base_parameters, own_rows, row_sharded
-from shardtrain.distributed.parallelize import block_selective_contexts, enable_activation_checkpointing
+from shardtrain.distributed.parallelize import (
+    apply_tensor_parallel,
+    block_selective_contexts,
+    enable_activation_checkpointing,
+)
 from shardtrain.errors import ConfigError
 from shardtrain.generation.generate import gathered_copy, generate
 from shardtrain.generation.inference import load_for_inference
@@ -48,6 +54,44 @@ class FeedForwardOnlyPlan(LanguageModelTask):
                                                     "down_proj": RowwiseParallel()})
 
 
+class VocabularySplitTiedPlan(FeedForwardOnlyPlan):
+    """The feed-forward plan, and a tied embedding and head split along the vocabulary by the
+    task's own styles (each style makes its module's weight a parameter of its own)."""
+
+    def parallelize_tensors(self, model, tp_mesh, sequence_parallel: bool) -> None:
+        super().parallelize_tensors(model, tp_mesh, sequence_parallel)
+        parallelize_module(model.hf, tp_mesh,
+                           {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                            "lm_head": ColwiseParallel(output_layouts=Replicate())})
+
+
+class TiedPair(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 4)
+        self.head = torch.nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def check_tied_weights_split_apart_are_refused() -> None:
+    """A plan that splits a tied weight's modules differently (or one of them only) cannot keep
+    them one tensor: one line naming each place and how it lies."""
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    for styles, message in (({"embed": ColwiseParallel(), "head": ColwiseParallel()},
+                             "embed.weight (Shard(dim=1)), head.weight (Shard(dim=0))"),
+                            ({"head": ColwiseParallel()},
+                             "embed.weight (whole), head.weight (Shard(dim=0))")):
+        def plan(model, tp_mesh, sequence_parallel, styles=styles):
+            parallelize_module(model, tp_mesh, styles)
+        try:
+            apply_tensor_parallel(TiedPair(), mesh, False, plan)
+        except ConfigError as error:
+            want = f"the tensor-parallel plan splits one tied weight differently: {message}; "
+            assert want in str(error), error
+        else:
+            raise AssertionError(f"a tied weight split apart by {styles} was not refused")
+
+
 class LossOnSplitLogits(LanguageModelTask):
     """The language model's loss as a task of one's own writes it: cross-entropy on the model's
     logits, under TP a DTensor split along the vocabulary, handed to the framework as it comes (no
@@ -71,8 +115,9 @@ def hf_tensor_parallel_cases(model_dirs: dict[str, str], cases: dict[str, dict],
         family = case.pop("family")
         if family != corpus_family:
             corpus, corpus_family = hf_corpus(model_dirs[family]), family
-        own_plan, own_loss = case.pop("own_plan", False), case.pop("own_loss", False)
-        task = (FeedForwardOnlyPlan if own_plan else LossOnSplitLogits if own_loss
+        own_plan, own_loss = case.pop("own_plan", None), case.pop("own_loss", False)
+        plans = {"feed_forward": FeedForwardOnlyPlan, "vocabulary": VocabularySplitTiedPlan}
+        task = (plans[own_plan] if own_plan else LossOnSplitLogits if own_loss
                 else LanguageModelTask)(corpus=corpus)
         model_dir = model_dirs[family]
         cfg = hf_case_config(model_dir, world, f"{out}/{name}", **case)
@@ -129,6 +174,7 @@ def equivalence_and_resume(out: str, cases: dict[str, dict], hf_dirs: dict[str, 
     ``one_process_leg`` resumes the TP checkpoint in one process afterwards."""
     run_cases(cases, out)
     hf_tensor_parallel_cases(hf_dirs, hf_cases, out)
+    check_tied_weights_split_apart_are_refused()
     first = new_trainer(layout_config(f"{out}/fsdp4"))
     interrupted(first, SPLITS[0])
     tp_cfg = layout_config(f"{out}/tp", resume=f"{out}/fsdp4/checkpoints/step-{SPLITS[0]}", tensor_parallel=2)

@@ -621,7 +621,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
                           tensor_plan: TensorPlan | None = None) -> None:
     """The task's tensor-parallel plan (``tensor_plan``) when it has one, else the model's own
     (``parallelize_tensors(tp_mesh, sequence_parallel)``: the built-in Llama's, a Hugging Face
-    model's declared plan)."""
+    model's declared plan). Weights tied before it stay tied (``keep_ties``)."""
+    ties = tied_places(model)
     if tensor_plan is not None:
         tensor_plan(model, tp_mesh, sequence_parallel)
     else:
@@ -632,10 +633,45 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
                               "parallelize_tensors(model, tp_mesh, sequence_parallel)); set "
                               "strategy.tensor_parallel=1")
         plan(tp_mesh, sequence_parallel)
+    keep_ties(model, ties)
     for module in model.modules():
         if isinstance(module, nn.Embedding) and isinstance(module.weight, DTensor) and any(
                 placement == Shard(0) for placement in module.weight.placements):
             module.register_forward_pre_hook(check_token_ids, prepend=True)
+
+
+def tied_places(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Where each parameter registered in more than one place sits: (module path, attribute)."""
+    places: dict[int, list[tuple[str, str]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module.named_parameters(recurse=False):
+            places.setdefault(id(param), []).append((module_name, attr))
+    return [where for where in places.values() if len(where) > 1]
+
+
+def keep_ties(model: nn.Module, ties: list[list[tuple[str, str]]]) -> None:
+    """Tie again what a tensor-parallel plan untied: each style distributes its module's weight into
+    a parameter of its own, so a tied embedding and head come out as two equal parameters that then
+    train apart (the model's own plans tie them again; a task's plan did not, found by review, and
+    its checkpoint no longer resumed without tensor parallelism). Two that lie alike share the first
+    again; lying differently over tp they cannot be one tensor, which is refused."""
+    for where in ties:
+        params = [getattr(model.get_submodule(module_name), attr) for module_name, attr in where]
+        if all(param is params[0] for param in params):
+            continue
+        layouts = [(param.device_mesh, tuple(param.placements)) if isinstance(param, DTensor) else None
+                   for param in params]
+        if all(layout == layouts[0] and param.shape == params[0].shape
+               for layout, param in zip(layouts, params)):
+            for module_name, attr in where[1:]:
+                setattr(model.get_submodule(module_name), attr, params[0])
+            continue
+        names = ", ".join(f"{'.'.join(filter(None, place))} "
+                          f"({'whole' if layout is None else ', '.join(map(repr, layout[1]))})"
+                          for place, layout in zip(where, layouts))
+        raise ConfigError(f"the tensor-parallel plan splits one tied weight differently: {names}; split "
+                          "its modules alike (an nn.Embedding with RowwiseParallel and a head with "
+                          "ColwiseParallel both split the vocabulary), leave them all whole, or untie them")
 
 
 def check_token_ids(module: nn.Embedding, args: tuple) -> None:
