@@ -37,6 +37,7 @@ from equivalence import max_errors
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from task_workers import EXAMPLES, TASKS, N, reference, run_task_cases
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import default_collate
 
 from shardtrain.checkpoint.state import TrainState
@@ -323,7 +324,12 @@ def test_a_task_from_the_command_line_with_its_options_preempted_and_resumed(tmp
     (["task.depth=3"], "takes no options"),
     (["task=vit:ImageClassification", "trainer.micro_batch_size=auto", "trainer.global_batch_size=16"],
      "trainer.micro_batch_size=auto needs the memory planner, whose formulas know the built-in "
-     "language-model task's models only; set trainer.micro_batch_size=N for ImageClassification"),
+     "language-model task's models, split by their own plans, only; set trainer.micro_batch_size=N for "
+     "ImageClassification"),
+    # The formulas split by the model's plan (found by review: 1.8x low for this task's)
+    (["task=tensor_parallel_workers:FeedForwardOnlyPlan", "trainer.devices=2", "strategy.tensor_parallel=2",
+      "trainer.micro_batch_size=auto", "trainer.global_batch_size=16"],
+     "set trainer.micro_batch_size=N for FeedForwardOnlyPlan with a tensor-parallel plan of its own"),
     (["task=broken_tasks:OwnModelLanguageTask", "trainer.micro_batch_size=auto",
       "trainer.global_batch_size=16"], "set trainer.micro_batch_size=N for OwnModelLanguageTask"),
     (["task=broken_tasks:OwnLossLanguageTask", "trainer.loss_chunk_tokens=16"],
@@ -657,6 +663,33 @@ def test_plan_simulate_runs_a_task_on_its_example_batch(monkeypatch):
         sim = simulate(cfg, world, world)
         assert sim.layers == 6 and {"forward blocks[0]", "backward blocks[-1]"} <= sim.phases.keys()
         assert abs(sim.params / (weights / world) - 1) < 0.05, (world, sim.params)
+
+
+class LlamaFeedForwardOnly(LanguageModelTask):
+    """Tensor parallelism over the built-in Llama's feed-forward only: attention stays whole."""
+
+    def parallelize_tensors(self, model, tp_mesh, sequence_parallel: bool) -> None:
+        for layer in model.layers:
+            parallelize_module(layer.feed_forward, tp_mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
+                                                             "w2": RowwiseParallel()})
+
+
+def test_plan_simulate_splits_by_a_tasks_own_tensor_parallel_plan():
+    """The simulator applies the task's plan, not the model's (found by review: the model's, which
+    splits attention too, 1.8x low for a task splitting the feed-forward only)."""
+    cfg = load_config(["trainer.devices=4", "strategy.tensor_parallel=2", "trainer.micro_batch_size=2",
+                       "model.dim=256", "model.n_layers=2", "model.vocab_size=512"])
+    task = LanguageModelTask()
+    task.bind(cfg)
+    with torch.device("meta"):
+        model = task.build_model()
+    split = {name for name, _ in model.named_parameters() if ".feed_forward." in name}
+    # Each rank: the feed-forward's halves over tp, everything else whole, all of it over 2 FSDP ranks.
+    elements = sum(p.numel() / (2 if name in split else 1) for name, p in model.named_parameters()) / 2
+    own = simulate(cfg, 4, 4, probe=False, task=LlamaFeedForwardOnly())
+    models = simulate(cfg, 4, 4, probe=False)
+    assert abs(own.params / (4 * elements) - 1) < 0.02, (own.params, 4 * elements)
+    assert own.params > 1.3 * models.params, (own.params, models.params)
 
 
 def test_map_samples_pad_validation_draw_by_position_and_name_ragged_items():

@@ -606,15 +606,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     resolve_adapter_settings(cfg)
     per_node, world = launch_shape(cfg)
     local = args.processes_per_node or per_node
-    language_model = planned_by_formulas(import_object(cfg.task.path, "task"))
+    language_model = planned_by_formulas(import_object(cfg.task.path, "task"), cfg.strategy.tensor_parallel)
     if language_model:  # the formulas would give figures for a split that cannot exist
         task = task_from_config(cfg)
         check_model_splits(cfg, task)
         check_wrap_policy(cfg, task)
     if not args.simulate and not language_model:
-        raise ConfigError(f"shardtrain plan's formulas know decoder language models only; for "
+        split = (" split by the model's own tensor-parallel plan" if cfg.strategy.tensor_parallel > 1 else "")
+        raise ConfigError(f"shardtrain plan's formulas know decoder language models{split} only; for "
                           f"task={cfg.task.path} use shardtrain plan --simulate (it runs the task's "
-                          "model on its example batch)")
+                          "model on its example batch, split as the run splits it)")
     if not args.simulate:
         sizes = args.world_sizes or sorted({1, 2, 4, 8, world})
         if list(cfg.strategy.wrap_policy) != ["auto"]:

@@ -103,17 +103,26 @@ def language_model_task(task_cls: type) -> bool:
     return built_in is not None and getattr(task_cls, "loss", None) is built_in.loss
 
 
-def planned_by_formulas(task_cls: type) -> bool:
-    """A language-model task that builds the built-in models from ``model.*``: what the memory
-    planner's formulas (``shardtrain plan``, ``micro_batch_size=auto``) know."""
+def planned_by_formulas(task_cls: type, tensor_parallel: int = 1) -> bool:
+    """A language-model task that builds the built-in models from ``model.*`` and, under
+    ``tensor_parallel`` > 1, splits them by the model's own plan: what the memory planner's formulas
+    (``shardtrain plan``, ``micro_batch_size=auto``) know. A task's own ``parallelize_tensors`` is
+    not: the formulas split by the model's plan (found by review: 1.8x low for a task splitting only
+    the feed-forward)."""
     built_in = built_in_ancestor(task_cls)
-    return built_in is not None and getattr(task_cls, "build_model", None) is built_in.build_model
+    return built_in is not None and getattr(task_cls, "build_model", None) is built_in.build_model and not (
+        tensor_parallel > 1 and own_tensor_plan(task_cls))
 
 
-def formulas_know(task: object) -> bool:
+def own_tensor_plan(task_cls: type) -> bool:
+    """A task class with a tensor-parallel plan of its own (``Task.tensor_parallel_hook``)."""
+    return getattr(task_cls, "parallelize_tensors", None) is not None
+
+
+def formulas_know(task: object, tensor_parallel: int = 1) -> bool:
     """A task object whose model the planner's formulas know: ``planned_by_formulas`` and no model
     of its own (``LanguageModelTask(model=...)``)."""
-    return planned_by_formulas(type(task)) and given_model_factory(task) is None
+    return planned_by_formulas(type(task), tensor_parallel) and given_model_factory(task) is None
 
 
 def check_built_in_task_settings(cfg: Config, task: object | None = None) -> None:
@@ -123,12 +132,15 @@ def check_built_in_task_settings(cfg: Config, task: object | None = None) -> Non
     task_cls = type(task) if task is not None else import_object(cfg.task.path, "task")
     name = task_cls.__name__
     own_model = given_model_factory(task) is not None
-    known = formulas_know(task) if task is not None else planned_by_formulas(task_cls)
+    tp = cfg.strategy.tensor_parallel
+    known = formulas_know(task, tp) if task is not None else planned_by_formulas(task_cls, tp)
     if cfg.trainer.micro_batch_size == "auto" and not known:
+        own = (" with a model of its own" if own_model else
+               " with a tensor-parallel plan of its own" if tp > 1 and own_tensor_plan(task_cls) else "")
         raise ConfigError(f"trainer.micro_batch_size=auto needs the memory planner, whose formulas know "
-                          f"the built-in language-model task's models only; set trainer.micro_batch_size=N "
-                          f"for {name}{' with a model of its own' if own_model else ''} (shardtrain plan "
-                          "--simulate measures its memory)")
+                          f"the built-in language-model task's models, split by their own plans, only; set "
+                          f"trainer.micro_batch_size=N for {name}{own} (shardtrain plan --simulate "
+                          "measures its memory)")
     if cfg.trainer.sample_every and not makes_text(task_cls):
         raise ConfigError(f"trainer.sample_every={cfg.trainer.sample_every} samples text, and {name} has "
                           "no text_tokenizer() to decode it with: drop the setting")

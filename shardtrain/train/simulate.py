@@ -280,7 +280,7 @@ def _simulate_depth(cfg: Config, world_size: int, local_world_size: int, task: T
             model = with_adapters(task.build_model, cfg, torch.device("meta"))()  # finetune=lora
         policy = run_wrap_policy(task, cfg)
         blocks = block_names(model, resolve_wrap_classes(model, policy))
-        parallelize(model, mesh, plan, policy)
+        parallelize(model, mesh, plan, policy, task.tensor_parallel_hook())
         register_forward_methods(model, task.forward_methods)
         sum_gradients(model)
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -421,7 +421,7 @@ def simulate(cfg: Config, world_size: int, local_world_size: int, *, probe: bool
             "trainer.grad_accum_steps=1 and without trainer.global_batch_size (micro-batches after the "
             "first add only the sharded gradients, which the planner counts)")
     task = bound_task(cfg, task)
-    builtin = formulas_know(task)
+    builtin = formulas_know(task, cfg.strategy.tensor_parallel)
     depths = probe_depths(cfg) if probe and builtin else None
     with fake_step_failures_explained(task):
         if depths is None:
@@ -460,7 +460,7 @@ def simulation_rows(cfg: Config, world_sizes: list[int], strategies: list[str],
              for world in world_sizes for strategy in strategies for ac in checkpointing]
     task = task_from_config(cfg)
     sims = [simulate(case, world, local_world_size, probe=probe, task=task) for case, world in cases]
-    if not formulas_know(task):
+    if not formulas_know(task, cfg.strategy.tensor_parallel):
         return [(sim, None) for sim in sims]
     model = planned_model(cfg)
     if cfg.strategy.tensor_parallel > 1 and not hasattr(model, "tensor_parallel_plan"):
