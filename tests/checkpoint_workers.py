@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
+from shardtrain.checkpoint import checkpointer as checkpointer_module
 from shardtrain.checkpoint import integrity, layout, weights
 from shardtrain.checkpoint.checkpointer import agreed_base_identity, node_file_fingerprints
 from shardtrain.checkpoint.weights import agreed_source_kind
@@ -703,6 +704,7 @@ def init_from(out: str, source: str, strategy: str = "FULL_SHARD") -> None:
     world = int(os.environ["WORLD_SIZE"])
     cfg = ckpt_config(f"{out}/init{world}", world, strategy=strategy)
     cfg.model = dataclasses.replace(cfg.model, init_from=source)
+    linked = Path(source).resolve() if Path(source).is_symlink() else None
     reads, read, verify = [], weights.read_own_rows, weights.verify_shared
     weights.read_own_rows = lambda param, part: (reads.append(param), read(param, part))[1]
 
@@ -729,6 +731,33 @@ def init_from(out: str, source: str, strategy: str = "FULL_SHARD") -> None:
     gathered = trainer.full_weights()
     if trainer.env.is_main:
         torch.save(gathered, Path(out, f"init{world}.pt"))
+    if linked is not None:
+        lora_base_through_moving_link(out, cfg, source, linked)
+
+
+def lora_base_through_moving_link(out: str, cfg, link: str, base: Path) -> None:
+    """A LoRA run's base through a link moved after the base's identity was taken, before the base
+    was read: the identity recorded is the base read (found by review: the two resolved the link
+    apart, and the read found the moved link's empty directory)."""
+    Path(link).unlink()
+    Path(link).symlink_to(base)
+    identify = checkpointer_module.base_identity
+
+    def identified_then_moved(*args, **kwargs):
+        identity = identify(*args, **kwargs)
+        Path(link).unlink()
+        Path(link).symlink_to(Path(out, "elsewhere"))
+        return identity
+
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=f"{out}/lora_init"),
+                              finetune=dataclasses.replace(cfg.finetune, method="lora"))
+    checkpointer_module.base_identity = identified_then_moved
+    try:
+        trainer = Trainer.create(cfg, task=LanguageModelTask(corpus=small_corpus()))
+    finally:
+        checkpointer_module.base_identity = identify
+    assert trainer.checkpointer.base["source"] == str(base), trainer.checkpointer.base
+    assert trainer.weights_source == str(base)
 
 
 def sample_ids_match(parts: list[list[list[int]]], reference: list[list[int]]) -> None:

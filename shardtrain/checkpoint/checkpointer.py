@@ -257,11 +257,14 @@ class PendingSave:
     trainer_state: TrainState
 
 
-def agreed_base_identity(cfg: Config) -> dict[str, Any]:
+def agreed_base_identity(cfg: Config, source: str | None = None) -> dict[str, Any]:
     """The LoRA base's identity (``base_identity``), taken on every node, since each rank reads its
     own rows of the base: a rank that cannot read its copy, or a node whose copy differs, stops every
     rank together (alone, it left its peers waiting in the next collective, or trained on another
-    base)."""
+    base). ``source``: the base's path as the run reads it (``resolved_weights_source``), in place of
+    the config's."""
+    if source is not None:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=source))
     known = node_file_fingerprints(cfg)
     identity = run_agreed(lambda: base_identity(cfg.model, cfg.trainer.seed, cfg.finetune, known))
     fingerprints = agree(None, identity.get("fingerprint"), error_type=CheckpointError)
@@ -380,7 +383,7 @@ class Checkpointer:
                  optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                  rank: int, world_size: int, requested_hash: str,
                  average: dict[str, torch.Tensor] | None = None, best: BestEvaluations | None = None,
-                 stop_margin_s: float = 0.0) -> None:
+                 stop_margin_s: float = 0.0, base_source: str | None = None) -> None:
         self.cfg = cfg
         # run_identity_hash of the config before start-up resolved it (TrainState.config_hash): what
         # tells a requeue of this run, at any world size, from another run.
@@ -421,7 +424,7 @@ class Checkpointer:
         # finetune=lora: only the adapters (the trainable parameters) and their optimizer state are
         # saved; the frozen base is read again from where it came from, which this identifies.
         self.adapters_only = cfg.finetune.method != "none"
-        self.base = agreed_base_identity(cfg) if self.adapters_only else None
+        self.base = agreed_base_identity(cfg, base_source) if self.adapters_only else None
         # trainer.ema_decay: the weights' average, saved as ``ema.<name>`` and loaded in place; whether
         # the last load found one (a checkpoint saved without it leaves it to the caller).
         self.average = average

@@ -182,6 +182,16 @@ def resolved_once(checkpoint: str | Path) -> Path:
     return Path(resolved[0])
 
 
+def resolved_weights_source(model_cfg: ModelConfig) -> str | None:
+    """``model_cfg.weights_source()`` with a link resolved once (``resolved_once``; a collective):
+    one path for everything that identifies or reads a run's initial weights (a LoRA base's
+    identity and the read resolved another run's moving ``best`` apart: found by review)."""
+    source = model_cfg.weights_source()
+    if source is None or source.startswith(HF_PREFIX):
+        return source
+    return str(resolved_once(source))
+
+
 def load_model_weights(model: nn.Module, source: str, model_cfg: ModelConfig | None = None,
                        verify_checksums: bool = True, average: bool = False) -> None:
     """Fill ``model`` (sharded or not) with the weights at ``source``; optimizer state is not read.

@@ -37,7 +37,7 @@ from shardtrain.checkpoint.state import (
     OPTIMIZER_SETTING_KEYS,
     TrainState,
 )
-from shardtrain.checkpoint.weights import HF_PREFIX, load_model_weights, resolved_once
+from shardtrain.checkpoint.weights import load_model_weights, resolved_weights_source
 from shardtrain.config.compose import run_identity_hash, to_yaml
 from shardtrain.config.loader import check_built_in_task_settings
 from shardtrain.config.plan import ShardingPlan, check_world
@@ -256,11 +256,14 @@ class Trainer:
                      if keep or t.early_stop_patience else None)
         self.best_save_due = False
         self.stop_early = False  # trainer.early_stop_patience ran out (now, or before the resume)
+        # The initial weights' path, a link (another run's checkpoints/best, which that run may move)
+        # resolved once for the LoRA base's identity, its checks and each rank's read.
+        self.weights_source = resolved_weights_source(cfg.model)
         self.checkpointer = (
             Checkpointer(cfg, built.plan, built.model, built.optimizer, built.scheduler, env.rank,
                          env.world_size, requested_hash,
                          average=None if self.average is None else self.average.average, best=self.best,
-                         stop_margin_s=STOP_WAIT_S)
+                         stop_margin_s=STOP_WAIT_S, base_source=self.weights_source)
             if cfg.checkpoint.enabled else None
         )
         self.last_saved_step: int | None = None
@@ -557,13 +560,9 @@ class Trainer:
 
     def load_base_weights(self, draw: Callable[[], None]) -> None:
         """The weights a fresh run starts from (with LoRA: the frozen base, and the adapters' draw)."""
-        if source := self.cfg.model.weights_source():
-            if not source.startswith(HF_PREFIX):
-                # Another run's checkpoints/best, which that run may move while this one reads it:
-                # its checks and each rank's reads opened the link anew (found by review)
-                given, source = source, str(resolved_once(source))
-                if source != given:
-                    self.info(f"model.init_from: {given} is {source}")
+        if source := self.weights_source:
+            if source != (given := self.cfg.model.weights_source()):
+                self.info(f"model.init_from: {given} is {source}")
             # Each rank reads its own rows: a file missing or damaged on one node stops every rank.
             # Watched as a resume's reads are (it ran unwatched: a read stuck on one node's
             # filesystem left the others a bare collective timeout, and the stuck rank never
