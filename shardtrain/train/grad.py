@@ -93,8 +93,10 @@ def clip_scale(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_grads_(params: Iterable[nn.Parameter], scale: torch.Tensor) -> None:
-    """Multiply every gradient (its local shard) by ``scale`` (from ``clip_scale``)."""
+    """Multiply every gradient (its local shard) by ``scale`` (from ``clip_scale``), an fp32 factor
+    rounded once, with each product: cast to bf16 gradients' dtype first, the factor itself was off
+    by up to 0.39% (1/255), every gradient of a step scaled alike (found by review)."""
     grads = [p.grad for p in params if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    for (device, dtype), group in group_by_device_and_dtype(local).items():
-        torch._foreach_mul_(group, scale.to(device, dtype))
+    for (device, _), group in group_by_device_and_dtype(local).items():
+        torch._foreach_mul_(group, scale.to(device))

@@ -325,12 +325,13 @@ def local_flops(task: Task, micro_batches: list[Any], counted_per_sample: float 
         flops = task.flops(batch)
         if isinstance(flops, torch.Tensor) and flops.numel() == 1:  # a count's forms are taken here too
             flops = float(flops)
-        if flops is None or isinstance(flops, bool) or not isinstance(flops, numbers.Real) or flops < 0:
+        if flops is None or isinstance(flops, bool) or not isinstance(flops, numbers.Real) or not (
+                0 <= flops < math.inf):
             # None: this rank's step counted as none, an MFU understated without a word; text: a
-            # TypeError from the sum (found by review)
+            # TypeError from the sum; NaN: "nan GFLOP/s" logged (found by reviews)
             raise TrainingError(f"{type(task).__name__}.flops returned {flops!r}: a task's flops(batch) "
-                                "returns the micro-batch's training FLOPs, a number of at least 0; leave "
-                                "flops undefined to have torch's FLOP counter count them")
+                                "returns the micro-batch's training FLOPs, a finite number of at least "
+                                "0; leave flops undefined to have torch's FLOP counter count them")
         total += flops
     return total
 
