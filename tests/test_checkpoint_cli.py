@@ -904,8 +904,9 @@ def test_early_stopping_ends_the_run_and_a_resume_knows_it(tmp_path):
     so none after step 2's improves). Patience running out at max_steps is a finished run, which a
     larger max_steps goes on from; before it, the run stops after that evaluation, saved; the same
     command again has nothing to do, and a larger patience goes on to its next stop."""
-    every_2 = [arg for arg in QUICK if not arg.startswith("trainer.eval_every")] + [
-        "trainer.eval_every=2", "checkpoint.interval=0", "trainer.monitor_mode=max", f"run.dir={tmp_path}"]
+    every_2 = [arg for arg in QUICK if not arg.startswith(("trainer.eval_every", "trainer.log_every"))] + [
+        "trainer.eval_every=2", "trainer.log_every=5", "checkpoint.interval=0", "trainer.monitor_mode=max",
+        f"run.dir={tmp_path}"]
     finished = run_cli("train", *every_2, "trainer.max_steps=6", "trainer.early_stop_patience=2")
     assert finished.returncode == 0 and "early stop" not in finished.stderr, finished.stderr[-3000:]
     inspect = run_cli("inspect", str(tmp_path / "checkpoints" / "step-6"))
@@ -914,7 +915,9 @@ def test_early_stopping_ends_the_run_and_a_resume_knows_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "early stop at step 8: val_loss has not improved on " in proc.stderr
     assert "(step 2) by more than 0 in 3 evaluations (trainer.early_stop_patience=2)" in proc.stderr
-    assert read_metrics(tmp_path)[-1]["step"] == 8
+    # The stop's step is logged with the training since step 5's record (found by review: in none)
+    last = read_metrics(tmp_path)[-1]
+    assert last["step"] == 8 and "loss" in last and "val_loss" in last, last
     inspect = run_cli("inspect", str(tmp_path / "checkpoints" / "step-8"))
     assert "3 evaluation(s) since; stopped early at step 8\n" in inspect.stdout, inspect.stdout
     records, config = (tmp_path / "metrics.jsonl").read_bytes(), (tmp_path / "config.yaml").read_bytes()

@@ -1117,10 +1117,15 @@ class Trainer:
                 record.update(self.validate())
         if due(step, t.sample_every) and step < t.max_steps and self.samples_text() and not preempting:
             self.sample()
-        if record:
-            self.log_record(record)
-        if "val_loss" in record and self.best is not None:  # after the record: a wrong monitor stops here
-            self.judge_evaluation(record)
+        try:
+            if "val_loss" in record and self.best is not None:
+                self.judge_evaluation(record)
+        finally:  # logged all the same when trainer.monitor names no logged value (it stops here)
+            if self.stop_early and "loss" not in record:
+                # The run ends at this step: its steps since the last record in none (found by review)
+                record.update(self.train_record(stats))
+            if record:
+                self.log_record(record)
 
     def evaluate_skipped(self) -> None:
         """The evaluation a preemption's save skipped at the resumed step, before any further step:
