@@ -73,6 +73,9 @@ def test_console_line_leaves_out_what_is_unknown():
                                        "ema_val_acc": 0.75}, ("acc",))
     assert averaged.endswith("| data wait 1.0% | val_loss 1.5000 | val_acc 0.5 | ema_val_loss 1.2500 | "
                              "ema_val_acc 0.75")
+    # a value validation alone returns (found by review: logged, not shown)
+    assert format_record(10, 100, {"val_loss": 1.5, "val_top1": 0.25}, ("acc",)).endswith(
+        "| val_loss 1.5000 | val_top1 0.25")
     # a task's own unit, as its records count it (found by review: samples/s for a DiT's elements)
     task = {key: value for key, value in record.items() if key != "tokens_per_s"}
     assert "| 5120 elements/s |" in format_record(10, 100, {**task, "elements_per_s": 5120.0,

@@ -29,7 +29,7 @@ def rate(record: dict, unit: str | None = None) -> str:
 
 def format_record(step: int, max_steps: int, record: dict, metrics: tuple[str, ...] = ()) -> str:
     """``step 10/300 | loss 2.1 | ... | val_loss 2.0`` from a metrics record; ``metrics``: the
-    names of the task's own values, shown after the loss (and the validation loss)."""
+    names of the task's own training values, shown after the loss."""
     parts = [f"step {step}/{max_steps}"]
     if "loss" in record:
         mfu, tflops = record.get("mfu"), record.get("model_tflops")
@@ -44,13 +44,13 @@ def format_record(step: int, max_steps: int, record: dict, metrics: tuple[str, .
             parts.append(f"MFU {100 * mfu:.1f}%")
         parts += [f"peak mem {record['peak_memory_mib']:.0f} MiB",
                   f"data wait {record['data_wait_pct']:.1f}%"]
-    if "val_loss" in record:
-        parts.append(f"val_loss {record['val_loss']:.4f}")
-        parts += [f"val_{name} {record[f'val_{name}']:.4g}" for name in metrics if f"val_{name}" in record]
-    if "ema_val_loss" in record:  # the weights' average (trainer.ema_decay)
-        parts.append(f"ema_val_loss {record['ema_val_loss']:.4f}")
-        parts += [f"ema_val_{name} {record[f'ema_val_{name}']:.4g}" for name in metrics
-                  if f"ema_val_{name}" in record]
+    # Every validation value, in the evaluation's order: those of names training does not return too
+    # (found by review: logged, and not shown)
+    for prefix in ("val_", "ema_val_"):  # ema_: the weights' average (trainer.ema_decay)
+        if f"{prefix}loss" in record:
+            parts.append(f"{prefix}loss {record[f'{prefix}loss']:.4f}")
+            parts += [f"{key} {record[key]:.4g}" for key in record
+                      if key.startswith(prefix) and key != f"{prefix}loss"]
     return " | ".join(parts)
 
 
