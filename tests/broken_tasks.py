@@ -511,3 +511,11 @@ class NestedOptions(ImageClassification):
         inner: Betas = dataclasses.field(default_factory=Betas)
         crop: tuple[int, int] | None = (8, 8)
         floor: float = math.nan
+
+
+class ReservedOptionName(ImageClassification):
+    """An option named like the task section's recorded key."""
+
+    @dataclasses.dataclass
+    class Options(ImageClassification.Options):
+        model_factory: str = "mine"

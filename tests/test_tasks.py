@@ -322,6 +322,8 @@ def test_a_task_from_the_command_line_with_its_options_preempted_and_resumed(tmp
     (["task=broken_tasks:TypedOptions", "task.strict=5"],  # a Literal of booleans (found by a review)
      "task.strict=5 is not a boolean: write task.strict=true or task.strict=false"),
     (["task.depth=3"], "takes no options"),
+    (["task=broken_tasks:ReservedOptionName"], "an option may not be named model_factory (task.path, "
+     "task.options and task.model_factory are the task section's own keys); rename it"),
     (["task=vit:ImageClassification", "trainer.micro_batch_size=auto", "trainer.global_batch_size=16"],
      "trainer.micro_batch_size=auto needs the memory planner, whose formulas know the built-in "
      "language-model task's models, split by their own plans, only; set trainer.micro_batch_size=N for "

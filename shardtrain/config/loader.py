@@ -54,10 +54,13 @@ def check_task_section(cfg: Config) -> None:
     if not dataclasses.is_dataclass(options_cls):
         raise ConfigError(f"task {cfg.task.path}: its Options must be a dataclass")
     names = [f.name for f in dataclasses.fields(options_cls)]
-    reserved = sorted({"path", "options"} & set(names))
+    # model_factory: recorded for LanguageModelTask(model=...), so task.model_factory=X is refused
+    # before the task is known (found by review: an option so named could not be set)
+    reserved = sorted({"path", "options", "model_factory"} & set(names))
     if reserved:
         raise ConfigError(f"task {cfg.task.path}: an option may not be named {' or '.join(reserved)} "
-                          "(task.path and task.options are the task section's own keys); rename it")
+                          "(task.path, task.options and task.model_factory are the task section's own "
+                          "keys); rename it")
     for name in cfg.task.options:
         if name not in names:
             raise ConfigError(f"unknown task option 'task.{name}'"
