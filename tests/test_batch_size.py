@@ -377,3 +377,6 @@ def test_auto_refuses_to_plan_from_blocks_it_could_not_measure(tmp_path, monkeyp
                                           r"measure the blocks of .*model \(NotImplementedError: aten::foo "
                                           r"has no fake implementation\), .*set trainer.micro_batch_size=N"):
         resolve_batch(cfg, env)
+    # ... and plan's table of what auto would choose says so, not the choices (found by review)
+    with pytest.raises(ConfigError, match=r"^trainer.micro_batch_size=auto: the memory planner could not "):
+        auto_batch_table(cfg, [1, 8], None, 1)

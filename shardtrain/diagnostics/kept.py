@@ -111,6 +111,18 @@ def unmeasured(model_cfg: ModelConfig) -> str | None:
     return _unmeasured.get((model_cfg.name, model_cfg.path))
 
 
+def unmeasured_refusal(model_cfg: ModelConfig) -> str | None:
+    """Why ``trainer.micro_batch_size=auto`` is refused for this model, where its blocks could not be
+    measured (``unmeasured``): planned from the Llama formula, which may be under what the family
+    keeps, a choice could run out of memory mid-run. Said by train and plan alike."""
+    why = unmeasured(model_cfg)
+    if why is None:
+        return None
+    return (f"trainer.micro_batch_size=auto: the memory planner could not measure the blocks of "
+            f"{model_cfg.path} ({why}), and its Llama estimate may be under what they keep; set "
+            "trainer.micro_batch_size=N (shardtrain plan --simulate measures a real step)")
+
+
 def kept_by_block(model_cfg: ModelConfig, seq_len: int, dtype: torch.dtype,
                   document_mask: bool = False) -> list[int] | None:
     """Bytes each block of ``model_cfg``'s model keeps from its forward to its backward for one

@@ -28,7 +28,7 @@ from shardtrain.config.plan import (
 from shardtrain.config.schema import Config
 from shardtrain.config.sizes import counted, human_bytes
 from shardtrain.config.strategy import AC_MODES, STRATEGIES, checkpointing_mode
-from shardtrain.diagnostics.kept import kept_by_block
+from shardtrain.diagnostics.kept import kept_by_block, unmeasured_refusal
 from shardtrain.distributed.embedding_exchange import exchangeable, exchanges_rows
 from shardtrain.distributed.parallelize import (
     float8_eligible,
@@ -777,6 +777,9 @@ def auto_batch_table(cfg: Config, world_sizes: list[int], device_memory: int | N
             lines.append(f"  {world:>4} x {strategy:<19} {choice.micro_batch_size:>3} x "
                          f"{choice.grad_accum_steps:<4} {choice.activation_checkpointing:<10} "
                          f"{choice.estimate.peak / 2**30:8.2f}")
+    if (refusal := unmeasured_refusal(cfg.model)) is not None:
+        # train refuses it: a table of choices no run makes (found by review)
+        raise ConfigError(refusal)
     return "\n".join(lines)
 
 

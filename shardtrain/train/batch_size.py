@@ -12,7 +12,7 @@ from shardtrain.accelerator import allocated_bytes, device_memory_bytes
 from shardtrain.config.compose import check_batch_size
 from shardtrain.config.plan import with_global_batch
 from shardtrain.config.schema import Config
-from shardtrain.diagnostics.kept import unmeasured
+from shardtrain.diagnostics.kept import unmeasured_refusal
 from shardtrain.diagnostics.memory import rss_bytes
 from shardtrain.diagnostics.planner import BatchChoice, choose_batch, planned_model
 from shardtrain.distributed.agreement import agree
@@ -66,12 +66,8 @@ def resolve_batch(cfg: Config, env: DistEnv) -> BatchChoice | None:
                               accelerated=None)
     except ConfigError as exc:
         error = str(exc)
-    if error is None and (why := unmeasured(cfg.model)) is not None:
-        # Planned from the Llama formula, which may be under what the family keeps: a choice that
-        # would then run out of memory mid-run.
-        error = (f"trainer.micro_batch_size=auto: the memory planner could not measure the blocks of "
-                 f"{cfg.model.path} ({why}), and its Llama estimate may be under what they keep; set "
-                 "trainer.micro_batch_size=N (shardtrain plan --simulate measures a real step)")
+    if error is None:
+        error = unmeasured_refusal(cfg.model)
     picked = None if choice is None else (
         choice.micro_batch_size, choice.grad_accum_steps, choice.activation_checkpointing)
     picks = agree(error, picked, error_type=ConfigError)
