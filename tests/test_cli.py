@@ -88,6 +88,12 @@ def test_console_line_leaves_out_what_is_unknown():
     assert rate(throughput.report(), throughput.unit).endswith(" elements/s")
     assert rate({"tokens_per_s": 10.0, "samples_per_s": 1.0}, "tokens") == "10 tok/s"
     assert rate({"samples_per_s": 0.25}, "samples") == "0.2 samples/s"  # not "0 samples/s"
+    # A task counting samples: samples/s is its count's rate, as samples_seen is its count (found by
+    # review: the samples consumed, where the loss counted 9 of 16)
+    counted = Throughput("samples", 1, None)
+    counted.add(samples=16, count=9, flops=0.0)
+    counted.since -= 100.0  # 100 s ago: the rate is 9 / 100 s, within the test's own time
+    assert counted.report()["samples_per_s"] == pytest.approx(0.09, rel=1e-2)
 
 
 # What `shardtrain` answers without training: (arguments, exit status, the line it ends with). The

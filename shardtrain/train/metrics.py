@@ -59,8 +59,10 @@ class Throughput:
         # The share of the wall time spent waiting for data: what prefetching did not hide.
         wait_pct = 100 * self.data_wait_s * per_s
         # The count's own rate beside samples/s (tokens/s for a language model); a task whose count
-        # is its samples has samples/s alone.
-        rates = {f"{self.unit}_per_s": self.count * per_s, "samples_per_s": self.samples * per_s}
+        # is its samples has samples/s alone, the count's, as <unit>_seen counts them (found by
+        # review: the samples consumed, beside a samples_seen of the count, which a loss counting
+        # some of its samples keeps lower).
+        rates = {"samples_per_s": self.samples * per_s, f"{self.unit}_per_s": self.count * per_s}
         wait_ms = 1000 * self.data_wait_s / max(self.steps, 1)
         values = (flops / 1e12 if flops else None, mfu, wait_ms, wait_pct)
         return {**rates, **dict(zip(self.RATE_FIELDS, values, strict=True))}
