@@ -92,6 +92,17 @@ class CountNoneOnLastRank(Delegating):
         return None if dist.get_rank() == dist.get_world_size() - 1 else self.task.count(batch)
 
 
+class CountAndLossFail(Delegating):
+    """count() and the loss both fail on every rank's batches (the loss before the model's forward):
+    the count's failure, first, is raised, naming the loss's."""
+
+    def count(self, batch):
+        return None
+
+    def loss(self, model, batch) -> LossOutput:
+        raise KeyError("labels")
+
+
 class FlopsFailOnFirstRank(Delegating):
     def flops(self, batch):
         if dist.get_rank() == 0:
@@ -144,7 +155,7 @@ def agreement_and_empty_steps(out: str) -> None:
     # rank after the step's all-reduce (raised at once, the other rank waited in it until the
     # timeout), the failing rank its own exception, the step not applied
     one_rank = {}
-    for wrapper in (CountNoneOnLastRank, FlopsFailOnFirstRank):
+    for wrapper in (CountNoneOnLastRank, FlopsFailOnFirstRank, CountAndLossFail):
         try:
             train_step(b.model, wrapper(trainer.task), b.optimizer, b.scheduler,
                        trainer.train_data.next_step(), b.mesh, 1.0, device,
@@ -152,6 +163,7 @@ def agreement_and_empty_steps(out: str) -> None:
             one_rank[wrapper.__name__] = "trained"
         except Exception as exc:
             one_rank[wrapper.__name__] = f"{type(exc).__name__}: {exc}"
+            one_rank[f"{wrapper.__name__} notes"] = getattr(exc, "__notes__", [])
     one_rank["unchanged"] = all(torch.equal(p.detach().to_local(), was)
                                 for p, was in zip(b.model.parameters(), before))
     Path(out, f"rank{rank}.json").write_text(json.dumps(

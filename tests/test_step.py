@@ -56,6 +56,11 @@ def test_one_ranks_stop_request_reaches_all_and_empty_steps_are_skipped_everywhe
         assert one_rank["FlopsFailOnFirstRank"] == (
             "KeyError: 'tokens'" if rank == 0 else "ShardtrainError: KeyError on rank 0: 'tokens'"), \
             (rank, one_rank)
+        assert one_rank["CountAndLossFail"] == (
+            "TrainingError: CountAndLossFail.count(batch) returned None; a task that defines count() must "
+            "give every batch's count (or not define it)"), (rank, one_rank)
+        assert one_rank["CountAndLossFail notes"] == [
+            "the loss on the same batches then failed too: KeyError: 'labels'"], (rank, one_rank)
         assert one_rank["unchanged"] is True
 
 

@@ -17,8 +17,8 @@ import math
 import numbers
 import sys
 import traceback
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -313,6 +313,20 @@ def check_same_on_every_rank(what: str, value: Any) -> None:
                             f"{values[differing]}; return the same from every rank")
 
 
+@contextmanager
+def held_failure_first(held: Exception | None) -> Iterator[None]:
+    """The task's count() or flops() failure this rank holds (``attempt``), raised in place of an
+    error the loss then meets on the same batches, which it names: the first failure is the cause
+    (found by review: the loss's own error came first, the held one lost)."""
+    try:
+        yield
+    except Exception as exc:
+        if held is None:
+            raise
+        held.add_note(f"the loss on the same batches then failed too: {type(exc).__name__}: {exc}")
+        raise held from None
+
+
 def local_flops(task: Task, micro_batches: list[Any], counted_per_sample: float | None) -> float:
     """This rank's training FLOPs of the step: the task's own count, or the measured FLOPs per
     sample (``count_flops``) times the samples."""
@@ -439,7 +453,7 @@ def train_step(model: nn.Module, task: Task, optimizer: torch.optim.Optimizer,
         phases.start()
     for index, batch in enumerate(micro_batches):
         prepare_micro_batch(model, index, len(micro_batches), sharded_accumulation)
-        with loss_context(copies):
+        with loss_context(copies), held_failure_first(held):
             out = run_loss(task, model, to_device(batch, device, non_blocking=True), training=True)
             loss = out.loss / divisor if divisor is not None else out.loss
             if index == 0:
