@@ -93,6 +93,10 @@ def test_required_knobs_exist():
         ("dist.backend=nccl", "dist.backend=nccl needs GPUs"),
         ("checkpoint.preemption_signals=[SIGKILL]", "SIGKILL cannot be caught"),
         ("checkpoint.preemption_signals=[SIGTEM]", "'SIGTEM' is not a signal name"),
+        # ignored by the launcher's agent, SIGCHLD reaped its failed workers as exit 0 (found by review)
+        ("checkpoint.preemption_signals=[SIGCHLD]", "SIGCHLD is not a notice a scheduler gives; choose among "
+         "SIGTERM, SIGUSR1"),
+        ("checkpoint.preemption_signals=[SIGTERM,SIGTERM]", "SIGTERM is listed twice; name it once"),
         ("strategy.wrap_policy=[nope.Block]", "wrap policy class 'nope.Block' does not import"),
         ("strategy.wrap_policy=[torch.nn.Linear2]", "does not import"),
         ("checkpoint.interval=-1", "checkpoint.interval=-1 must not be negative"),

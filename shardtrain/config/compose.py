@@ -135,6 +135,12 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
     return cfg
 
 
+# The notices schedulers send before stopping a job (Slurm's --signal, Kubernetes' and torchrun's
+# SIGTERM, LSF's SIGUSR2 or SIGXCPU), which the launcher's agent can ignore: not SIGINT (Ctrl-C, an
+# interrupt) nor SIGHUP (how the launcher stops its agent when SIGTERM preempts).
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGXCPU", "SIGALRM")
+
+
 # The data settings that shape a preparation of text (data.source=files or stdlib).
 PREPARATION_KEYS = ("data.val_percent", "data.max_bytes", "data.text_field", "data.file_glob")
 
@@ -602,13 +608,20 @@ def check_config(cfg: Config) -> None:
     if cfg.checkpoint.enabled and checkpoints.exists() and not checkpoints.is_dir():
         raise ConfigError(f"{checkpoints} is a file, where run.dir's checkpoints go; move it away or "
                           "choose another run.dir")
-    for name in cfg.checkpoint.preemption_signals:
+    for index, name in enumerate(cfg.checkpoint.preemption_signals):
         if not isinstance(getattr(signal, str(name), None), signal.Signals):
             raise ConfigError(f"checkpoint.preemption_signals: {name!r} is not a signal name like 'SIGTERM'")
         if name in ("SIGKILL", "SIGSTOP"):
             raise ConfigError(
                 f"checkpoint.preemption_signals: {name} cannot be caught; use SIGTERM or SIGUSR1"
             )
+        if name not in PREEMPTION_SIGNALS:
+            # The launcher's agent ignores these signals: an ignored SIGCHLD reaps the workers unread, a
+            # failed run exiting 0 (found by review); a fault's (SIGSEGV) or a pipe's are no notice
+            raise ConfigError(f"checkpoint.preemption_signals: {name} is not a notice a scheduler gives; "
+                              f"choose among {', '.join(PREEMPTION_SIGNALS)}")
+        if name in cfg.checkpoint.preemption_signals[:index]:
+            raise ConfigError(f"checkpoint.preemption_signals: {name} is listed twice; name it once")
     check_checkpointing_every(cfg)
     if cfg.trainer.sample_every and cfg.trainer.sample_tokens == 0:
         # (found by review: every N steps a gathered copy was made for a sample of the prompt alone)
