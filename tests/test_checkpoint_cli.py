@@ -95,12 +95,23 @@ def test_a_second_training_in_a_run_directory_is_refused_while_the_first_runs(tm
                 in error_line(second)), second.stderr[-3000:]
         dry = run_cli(*args, "diagnostics.dry_run=true")
         assert dry.returncode == 0 and "dry run complete" in dry.stderr, dry.stderr[-3000:]
+        # without checkpoints too (found by review: it rewrote the live run's config.yaml and joined
+        # its metrics.jsonl)
+        checkpointless = run_cli(*args, "checkpoint.enabled=false")
+        assert checkpointless.returncode == 2, checkpointless.stderr[-3000:]
+        assert f"another training holds {tmp_path} (process {first.pid} on " in error_line(checkpointless)
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
     again = run_cli(*args)
     assert again.returncode == 0, again.stderr[-3000:]
     assert read_metrics(tmp_path)[-1]["step"] == 3
+    # ... nor another run without checkpoints beside this run's, as resume=none is refused
+    config = (tmp_path / "config.yaml").read_bytes()
+    beside = run_cli(*args, "checkpoint.enabled=false")
+    assert beside.returncode == 2 and "checkpoint.enabled=false would start another run in its directory" in \
+        error_line(beside), beside.stderr[-3000:]
+    assert (tmp_path / "config.yaml").read_bytes() == config
     # a dry run of the finished run says that its step runs past the end (it read "step 4/3" alone)
     past = run_cli(*args, "diagnostics.dry_run=true")
     assert past.returncode == 0, past.stderr[-3000:]

@@ -565,6 +565,20 @@ def detect_format(path: Path) -> str:
     return "dcp"
 
 
+def refuse_checkpointless_start(root: Path) -> None:
+    """``checkpoint.enabled=false`` must not start another run in a run.dir whose run saved
+    checkpoints: its config.yaml would be the new run's, its metrics.jsonl both runs' (found by
+    review: accepted, where resume=none is refused)."""
+    found = candidates(root)
+    if found.complete:
+        raise CheckpointError(
+            f"{root} holds a run's checkpoints ({found.complete[-1][1].name} is the newest), and "
+            "checkpoint.enabled=false would start another run in its directory, over its config.yaml "
+            "and into its metrics.jsonl; resume it (without checkpoint.enabled=false) or choose a new "
+            "run.dir"
+        )
+
+
 def refuse_fresh_start(root: Path) -> None:
     """``checkpoint.resume=none`` must not write new checkpoints over a run's existing ones."""
     found = candidates(root)

@@ -79,7 +79,11 @@ def check_not_inputs(run_dir: Path) -> None:
 
 def check_resume(cfg: Config) -> None:
     choice = cfg.checkpoint.resume
-    if not cfg.checkpoint.enabled or choice == "auto":
+    if not cfg.checkpoint.enabled:
+        if not cfg.diagnostics.dry_run:  # a dry run changes no file of the run
+            layout.refuse_checkpointless_start(Path(cfg.run.dir) / "checkpoints")
+        return
+    if choice == "auto":
         return
     if choice == "none":
         root = Path(cfg.run.dir) / "checkpoints"
@@ -176,7 +180,7 @@ def check_wrap_policy(cfg: Config, task: LanguageModelTask) -> None:
 def check_run_dir_free(cfg: Config) -> None:
     """No other training holds run.dir: said by the launching process, before any worker starts
     (each worker would refuse alone, and torchrun's report hide the reason)."""
-    if cfg.checkpoint.enabled and not cfg.diagnostics.dry_run:
+    if not cfg.diagnostics.dry_run:
         take_run_lock(Path(cfg.run.dir)).release()
 
 

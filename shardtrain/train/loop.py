@@ -28,6 +28,7 @@ from shardtrain.accelerator import (
 )
 from shardtrain.checkpoint.best import BestEvaluations
 from shardtrain.checkpoint.checkpointer import Checkpointer, random_streams_kept, seed_random_streams
+from shardtrain.checkpoint.layout import refuse_checkpointless_start
 from shardtrain.checkpoint.peft_adapter import load_peft_adapter, resolve_adapter_settings
 from shardtrain.checkpoint.preemption import PreemptionFlag, handled_by_the_agent
 from shardtrain.checkpoint.run_lock import RunLock, take_run_lock
@@ -327,8 +328,17 @@ class Trainer:
         run_lock = None
         if cfg.checkpoint.enabled:  # saves and the resume choice need one run.dir; logs do not
             check_shared_run_dir(Path(cfg.run.dir), env)
-            if not cfg.diagnostics.dry_run:  # a dry run changes no file of the run: it may run beside
-                run_lock = run_agreed(lambda: take_run_lock(Path(cfg.run.dir)) if env.is_main else None)
+        if not cfg.diagnostics.dry_run:  # a dry run changes no file of the run: it may run beside
+            # Without checkpoints too: rank 0 writes the run's config.yaml and metrics.jsonl (found by
+            # review: a second training rewrote a live run's config and joined its metrics)
+            def take() -> RunLock | None:
+                if not env.is_main:
+                    return None
+                if not cfg.checkpoint.enabled:
+                    refuse_checkpointless_start(Path(cfg.run.dir) / "checkpoints")
+                return take_run_lock(Path(cfg.run.dir))
+
+            run_lock = run_agreed(take)
         try:
             trainer = cls.assemble(cfg, env, task, optimizer_factory)
         except BaseException:
