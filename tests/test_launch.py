@@ -608,3 +608,31 @@ def test_signals_caught_early_are_handed_over_and_their_defaults_come_back():
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+# The launcher's fork of its agent, a signal sent at once (as the launcher forwards one caught early),
+# the child's start widened by half a second before its dispositions are in.
+FORK_THEN_SIGNAL = """
+import os, signal, sys, time
+from pathlib import Path
+import shardtrain.cli.launch as launch
+Path("sleeper.py").write_text("import time; time.sleep(2)")
+sys.path.insert(0, os.getcwd())
+signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the early catcher, swallowing
+setsid = os.setsid
+os.setsid = lambda: (time.sleep(0.5), setsid())[1]
+pid = launch.fork_agent("sleeper", [], {}, [], None, defaults=[signal.SIGTERM])
+os.kill(pid, signal.SIGTERM)
+_, status = os.waitpid(pid, 0)
+print("killed by", signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status)
+      else f"exit {os.waitstatus_to_exitcode(status)}")
+"""
+
+
+def test_a_signal_sent_to_the_agent_as_it_starts_reaches_its_own_disposition(tmp_path):
+    """Found by review: the launcher forwarded an early-caught SIGTERM to its agent at once, and the
+    agent's inherited copy of the early catcher swallowed it until its own dispositions were in: the
+    run trained to its end and exited 0."""
+    proc = subprocess.run([sys.executable, "-c", FORK_THEN_SIGNAL], cwd=tmp_path, capture_output=True,
+                          text=True, env=clean_env(), timeout=60)
+    assert proc.stdout.strip() == "killed by SIGTERM", (proc.stdout, proc.stderr[-2000:])

@@ -127,8 +127,14 @@ def fork_agent(module: str, args: list[str], env: dict[str, str], ignored: Seque
     ``stderr_pipe`` (read end, write end), its stderr into that pipe; ``stop_signal`` (one the agent
     stops its workers on) reaches it when this process dies."""
     launcher, prctl = os.getpid(), parent_death_call()
+    # Signals wait, blocked, across the fork until the child's own dispositions are in: the
+    # launcher forwards an early-caught SIGTERM at once, which the child's inherited copy of the
+    # early catcher swallowed (found by review: the run trained to its end, exit 0). A pending
+    # signal is not inherited: the parent's own are delivered to it when it unblocks them.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     pid = os.fork()
     if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return pid
     status, interrupted = 1, False
     try:
@@ -137,6 +143,7 @@ def fork_agent(module: str, args: list[str], env: dict[str, str], ignored: Seque
             signal.signal(sig, signal.SIG_DFL)
         for sig in ignored:
             signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         stop_when_parent_dies(prctl, stop_signal, launcher)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
