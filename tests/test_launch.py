@@ -197,6 +197,9 @@ def test_a_workers_error_line_names_its_rank_only_in_a_world_of_several(monkeypa
         ("checkpoints", "run.dir={tmp}/r/checkpoints",
          "run.dir='{tmp}/r/checkpoints' is a run's checkpoints directory; name the run's directory, "
          "'{tmp}/r', to go on"),
+        # Found by review: a run inside another's checkpoint went with it at that run's next prune
+        ("checkpoints", "run.dir={tmp}/r/checkpoints/step-4/inner",
+         "run.dir '{tmp}/r/checkpoints/step-4/inner' is inside the checkpoint '{tmp}/r/checkpoints/step-4'"),
         # Found by the walkthrough: a run's files went among a dataset's (whose next preparation
         # deleted them) or a model's
         ("dataset", "run.dir={tmp}/ds", "run.dir='{tmp}/ds' is a prepared dataset (shardtrain prepare's"),
@@ -225,6 +228,7 @@ def test_broken_paths_fail_before_any_worker_starts(tmp_path, capsys, make, over
     elif make == "checkpoints":
         (tmp_path / "r" / "checkpoints" / "step-4").mkdir(parents=True)
         (tmp_path / "r" / "checkpoints" / "step-4" / "trainer_state.json").write_text("{}")
+        (tmp_path / "r" / "checkpoints" / "step-4" / ".metadata").write_bytes(b"")
     args = ["train", *QUICK, "trainer.devices=2", override.format(tmp=tmp_path)]
     if not override.startswith("run.dir"):
         args.append(f"run.dir={tmp_path / 'run'}")
@@ -258,6 +262,13 @@ def test_outputs_are_checked_before_reading(tmp_path, uninterrupted):
     ckpt = uninterrupted[0] / "checkpoints" / "step-10"
     inside = run_cli("consolidate", str(ckpt), str(ckpt / "out.safetensors"))
     assert inside.returncode == 2 and "inside the checkpoint it reads" in inside.stderr
+    # ... nor inside another checkpoint (found by review: written into step-3)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / ".metadata").write_bytes(b"")
+    into_other = run_cli("consolidate", str(ckpt), str(other / "x.safetensors"))
+    assert into_other.returncode == 2 and f"is inside the checkpoint {str(other.resolve())!r}" in \
+        into_other.stderr, into_other.stderr[-2000:]
     (tmp_path / "file").write_text("x")
     into_file = run_cli("export-hf", str(ckpt), str(tmp_path / "file"))
     assert into_file.returncode == 2 and "is a file; pass a directory" in into_file.stderr

@@ -21,6 +21,24 @@ def check_exists(path: str, what: str = "") -> str:
     return expanded
 
 
+# What makes a directory a checkpoint: DCP's metadata file (checkpoint/layout.py's METADATA_FILE),
+# named here without importing torch.
+CHECKPOINT_METADATA = ".metadata"
+
+
+def checkpoint_around(path: Path) -> Path | None:
+    """The checkpoint ``path`` would lie inside (a directory above it holding DCP's metadata), or
+    None: keep_last deletes a checkpoint whole, and a checkpoint is never written to."""
+    return next((above for above in path.expanduser().resolve().parents
+                 if (above / CHECKPOINT_METADATA).is_file()), None)
+
+
+def check_not_in_checkpoint(path: Path, what: str) -> None:
+    if (checkpoint := checkpoint_around(path)) is not None:
+        raise ConfigError(f"{what} {str(path)!r} is inside the checkpoint {str(checkpoint)!r}, which is "
+                          "never written to (and keep_last deletes it whole); choose a path outside it")
+
+
 def check_writable(path: Path, what: str) -> None:
     """``path`` can be created or written: its nearest existing ancestor is a writable directory."""
     existing = path
@@ -40,6 +58,7 @@ def check_output(out: Path, source: Path, what: str, file_allowed: bool = True) 
     if out == source or inside or beside:
         raise ConfigError(f"{what} {str(out)!r} is inside the checkpoint it reads; write elsewhere "
                           "(a checkpoint is never modified)")
+    check_not_in_checkpoint(out, what)  # another one's (found by review: written into step-3)
     single_file = file_allowed and out.suffix == ".safetensors"
     if single_file and out.is_dir():
         raise ConfigError(f"{what} {str(out)!r} is a directory; name a .safetensors file or drop the suffix")

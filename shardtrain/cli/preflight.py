@@ -15,7 +15,7 @@ from shardtrain.checkpoint.run_lock import take_run_lock
 from shardtrain.checkpoint.safetensors_files import file_metadata, weight_files
 from shardtrain.checkpoint.state import STATE_FILE
 from shardtrain.checkpoint.weights import HF_PREFIX, read_hf_config, source_path
-from shardtrain.cli.paths import check_writable
+from shardtrain.cli.paths import check_not_in_checkpoint, check_writable
 from shardtrain.config.schema import Config
 from shardtrain.data.corpus import cache_root
 from shardtrain.data.documents import is_prepared_dataset
@@ -42,6 +42,8 @@ def check_run_dir(run_dir: Path) -> None:
     if run_dir.is_dir():
         check_not_checkpoints(run_dir)
         check_not_inputs(run_dir)
+    # (found by review: a run inside another's step-2 was deleted with it by that run's keep_last)
+    check_not_in_checkpoint(run_dir, "run.dir")
     check_writable(run_dir, "run.dir")
     try:  # made now, as training would: a path the permissions allow may still refuse (/proc, a quota)
         run_dir.mkdir(parents=True, exist_ok=True)
