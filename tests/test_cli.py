@@ -208,6 +208,14 @@ def test_a_prompts_file_is_cut_at_line_ends_alone(tmp_path):
     path.write_bytes("\ufeffdef a\r\n\nclass B\fC\n   \nx = 1\u2028y\n".encode())
     prompts = read_prompts(Namespace(prompts_file=str(path), prompt=None))
     assert prompts == ["def a", "class B\fC", "x = 1\u2028y"]
+    # a pipe, as a shell's <(...) gives one (found by review: "does not exist")
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"def \nclass \n")
+    os.close(write_end)
+    try:
+        assert read_prompts(Namespace(prompts_file=f"/dev/fd/{read_end}", prompt=None)) == ["def ", "class "]
+    finally:
+        os.close(read_end)
 
 
 def test_answers_without_training_import_no_torch(tmp_path):

@@ -564,6 +564,8 @@ def test_model_paths_are_anchored_to_the_working_directory(tmp_path, monkeypatch
     # review); experiment=null, the default said again, is no override (it was a traceback)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert compose_config(["run.dir='~/runs/a'", "experiment=null"]).run.dir == str(tmp_path / "home/runs/a")
+    # ... and after an experiment, takes it back as any later override wins (found by review: it stayed)
+    assert compose_config(["experiment=quick", "experiment=null"]).model == compose_config([]).model
 
 
 def test_llama_fields_with_a_hugging_face_model_are_refused(tmp_path):

@@ -203,7 +203,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         if path.is_dir():
             raise ConfigError(f"--prompts-file {str(path)!r} is a directory; name a text file, one prompt "
                               "a line")
-        if not path.is_file():
+        if not path.exists():  # a pipe (<(...), /dev/stdin) is read as a file is (found by review)
             raise ConfigError(f"--prompts-file {str(path)!r} does not exist")
         try:
             # A prompt a line, lines ending in \n or \r\n alone: splitlines() also cut a prompt at a

@@ -179,8 +179,15 @@ def check_overrides(overrides: list[str] | tuple[str, ...]) -> list[str]:
     for override in spelled:
         check_override(override)
     # experiment=null is the default (no experiment preset): said again, nothing to override (Hydra
-    # refused a null group override with a traceback).
-    return [as_text(o) for o in spelled if o.lstrip("+") != "experiment=null"]
+    # refused a null group override with a traceback); after an experiment=X it takes that one back,
+    # as any later override wins (found by review: X stayed).
+    kept = []
+    for override in spelled:
+        if override.lstrip("+") == "experiment=null":
+            kept = [o for o in kept if not o.lstrip("+").startswith("experiment=")]
+        else:
+            kept.append(as_text(override))
+    return kept
 
 
 TEXT_TYPES = ("str", "str | None")
