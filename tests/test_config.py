@@ -458,6 +458,9 @@ def test_save_settings_and_restarts_without_checkpoints_are_refused():
     with pytest.raises(ConfigError, match=r"^checkpoint.async=true, checkpoint.save_full=true shape "
                                           "checkpoints, and checkpoint.enabled=false saves none; drop them"):
         load_config(["checkpoint.enabled=false", "checkpoint.save_full=true", "checkpoint.async=true"])
+    # a preemption saves (found by review: accepted without checkpoints, which it never saved)
+    with pytest.raises(ConfigError, match=r"^checkpoint.preemption_signals=\[SIGUSR1\] shapes checkpoints"):
+        load_config(["checkpoint.enabled=false", "checkpoint.preemption_signals=[SIGUSR1]"])
     with pytest.raises(ConfigError, match=r"^trainer.max_restarts=1 restarts from the newest checkpoint"):
         load_config(["checkpoint.enabled=false", "trainer.max_restarts=1"])
     assert not load_config(["checkpoint.enabled=false"]).checkpoint.enabled

@@ -211,7 +211,7 @@ def unreadable_override(overrides: list[str]) -> str | None:
 
 # Settings of the saves themselves: with checkpoint.enabled=false none is saved, and each was ignored
 # without a word (save_full=true wrote no model.safetensors).
-SAVE_SETTINGS = ("interval", "keep_last", "async_save", "reuse_staging", "save_full")
+SAVE_SETTINGS = ("interval", "keep_last", "async_save", "reuse_staging", "save_full", "preemption_signals")
 
 
 def check_nothing_expects_checkpoints(cfg: Config) -> None:
@@ -219,9 +219,12 @@ def check_nothing_expects_checkpoints(cfg: Config) -> None:
     from the newest checkpoint (without one it trained the same steps again)."""
     default = CheckpointConfig()
     written = {field: alias for alias, field in ALIASES.items()}  # as the user writes it: checkpoint.async
-    changed = [f"{written.get(f'checkpoint.{key}', f'checkpoint.{key}')}="
-               f"{str(getattr(cfg.checkpoint, key)).lower()}"
-               for key in SAVE_SETTINGS if getattr(cfg.checkpoint, key) != getattr(default, key)]
+    def shown(value: object) -> str:
+        return f"[{','.join(value)}]" if isinstance(value, list) else str(value).lower()
+
+    changed = [f"{written.get(name, name)}={shown(getattr(cfg.checkpoint, key))}"
+               for key in SAVE_SETTINGS if getattr(cfg.checkpoint, key) != getattr(default, key)
+               for name in [f"checkpoint.{key}"]]
     if changed:
         one = len(changed) == 1
         raise ConfigError(f"{', '.join(changed)} shape{'s' if one else ''} checkpoints, and "
