@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from cli_utils import run_cli
 from distributed import run_on_ranks
 from equivalence import max_errors
 from hf_models import family_config, make_model_dir, sample_texts, train_tokenizer
@@ -1072,3 +1073,29 @@ def test_selective_checkpointing_counts_the_base_projections_only():
     assert len(graphs) >= 2, graphs
     # The compiler applies the policy to its graph: the same seven projections a block, not 21 matmuls.
     assert counted_compiled[:7] == [*range(1, 8)] and max(counted_compiled) == 7, counted_compiled
+
+
+def test_merge_and_peft_exports_keep_the_buffers_saved_beside_the_weights(tmp_path):
+    """Found by review: export-hf --merge wrote the parameters alone, and transformers filled
+    Nemotron-H's router score-correction bias (a persistent buffer) with zeros, routing otherwise:
+    its check failed (it passed with --no-verify, a wrong model); export-peft's check built its
+    transformers base from a DCP base's parameters alone and failed a right adapter. The checks read
+    the buffers too (both sides had the constructed zeros: a merge that dropped one passed)."""
+    base = make_model_dir(tmp_path / "nemotron_h", "nemotron_h")
+    bias = {name: tensor for name, tensor in load_file(str(base / "model.safetensors")).items()
+            if name.endswith("e_score_correction_bias")}
+    assert bias and all(tensor.abs().sum() > 0 for tensor in bias.values())  # make_model_dir's noise
+    common = ["model=hf", f"model.path={base}", "trainer.max_steps=1", "trainer.micro_batch_size=2",
+              "trainer.seq_len=32", "run.trackers=[]", "trainer.eval_every=0", "trainer.sample_tokens=0"]
+    full = run_cli("train", *common, f"run.dir={tmp_path / 'full'}")
+    assert full.returncode == 0, full.stderr[-3000:]
+    # its adapters on a base read from a DCP checkpoint (the full run's, buffers and all)
+    full_step = tmp_path / "full" / "checkpoints" / "step-1"
+    lora = run_cli("train", *common, "finetune=lora", f"model.init_from={full_step}",
+                   f"run.dir={tmp_path / 'lora'}")
+    assert lora.returncode == 0, lora.stderr[-3000:]
+    checkpoint = tmp_path / "lora" / "checkpoints" / "step-1"
+    assert main(["export-hf", str(checkpoint), str(tmp_path / "merged"), "--merge"]) == 0
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert all(torch.equal(merged[name], tensor) for name, tensor in bias.items())  # a buffer: not trained
+    assert main(["export-peft", str(checkpoint), str(tmp_path / "adapter")]) == 0

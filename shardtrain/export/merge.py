@@ -58,8 +58,11 @@ def merge_in_place(model: nn.Module) -> float:
 
 
 def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A merged model's weights under the names the model has without adapters."""
-    return {base_name(name): param.detach() for name, param in model.named_parameters()
+    """A merged model's weights under the names the model has without adapters: its state, the
+    buffers saved beside the parameters too (found by review: a router's score-correction bias left
+    out, transformers filled it with zeros and routed otherwise; a tied weight's second name is the
+    conversion's to drop)."""
+    return {base_name(name): tensor.detach() for name, tensor in model.state_dict(keep_vars=True).items()
             if not is_adapter(name)}
 
 

@@ -42,6 +42,7 @@ from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import Cast, load_tensors, plan_shards
 from shardtrain.export.verify import EXPORT_TOLERANCE, check_tokens, compare_logits
+from shardtrain.generation.generate import shared_parameter_names
 from shardtrain.models.hf import attention_implementation
 from shardtrain.models.hf_directory import hf_name, is_model_directory
 from shardtrain.models.llama_hf_adapter import hf_config, to_hf, to_hf_name
@@ -207,14 +208,21 @@ def transformers_base(ckpt: LoraCheckpoint, ours: nn.Module) -> nn.Module:
     theirs = transformers.AutoModelForCausalLM.from_config(
         config, dtype=torch.float32, attn_implementation=attention_implementation(config))
     state = {}
-    for name, param in ours.named_parameters():
+    # The buffers saved beside the parameters too (found by review: a DCP base's router bias left at
+    # its initial value, and a right adapter failed the check)
+    for name, tensor in ours.state_dict(keep_vars=True).items():
         if is_adapter(name):
             continue
         name = base_name(name)
-        converted = (hf_name(name), param) if ckpt.model.name == "hf" else to_hf(name, param, ckpt.model)
+        converted = (hf_name(name), tensor) if ckpt.model.name == "hf" else to_hf(name, tensor, ckpt.model)
         if converted is not None:
-            state[converted[0]] = converted[1]
-    theirs.load_state_dict(state, strict=False)  # a tied head is the embedding: not stored twice
+            state[converted[0]] = converted[1].detach()
+    missing, unexpected = theirs.load_state_dict(state, strict=False)
+    tied = {name for names in shared_parameter_names(theirs) for name in names[1:]}  # the embedding's
+    if unexpected or (missing := [name for name in missing if name not in tied]):
+        raise CheckpointError(f"the transformers base built to check the export does not take the "
+                              f"checkpoint's base (missing {missing[:4]}, unexpected {unexpected[:4]}): "
+                              "report a defect; export-peft --no-verify writes the adapters unchecked")
     return theirs
 
 

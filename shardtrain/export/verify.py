@@ -12,6 +12,7 @@ model).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -97,10 +98,15 @@ def streamed_forward(model: nn.Module, tokens: torch.Tensor, read: Reader) -> to
     and given back to the meta device right after it. A unit is a block (``model.block_classes``)
     with everything inside it, or any other module with parameters of its own: a block's modules
     may read a child's weight without calling the child (Jamba's Mamba mixer reads its ``dt_proj``
-    and ``conv1d`` weights; found by review: they were still on meta, and the export was deleted)."""
+    and ``conv1d`` weights; found by review: they were still on meta, and the export was deleted).
+    A unit's persistent buffers are read too where the files hold them, else keep what the model's
+    construction made, as from_pretrained leaves them (found by review: a router's score-correction
+    bias, never read, was the constructed zeros on both sides, and a merge that dropped it passed)."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(buffer), []).append(name)
     blocks = tuple(getattr(model, "block_classes", ()))
     inside_blocks: set[int] = set()
     handles = []
@@ -111,16 +117,23 @@ def streamed_forward(model: nn.Module, tokens: torch.Tensor, read: Reader) -> to
         inside_blocks.update(id(member) for member in members[1:])
         held = [(member, attr, param) for member in members
                 for attr, param in member._parameters.items() if param is not None]
-        if not held:
+        buffers = [(member, attr, buffer) for member in members for attr, buffer in member._buffers.items()
+                   if buffer is not None and attr not in member._non_persistent_buffers_set]
+        if not held and not buffers:
             continue
 
-        def load(module: nn.Module, args, held=held) -> None:
+        def load(module: nn.Module, args, held=held, buffers=buffers) -> None:
             for member, attr, param in held:
                 member._parameters[attr] = nn.Parameter(read(names[id(param)]), requires_grad=False)
+            for member, attr, buffer in buffers:
+                with contextlib.suppress(CheckpointError):  # not stored: as constructed
+                    member._buffers[attr] = read(names[id(buffer)]).to(buffer.dtype)
 
-        def drop(module: nn.Module, args, output, held=held) -> None:
+        def drop(module: nn.Module, args, output, held=held, buffers=buffers) -> None:
             for member, attr, param in held:
                 member._parameters[attr] = param
+            for member, attr, buffer in buffers:
+                member._buffers[attr] = buffer
 
         handles += [module.register_forward_pre_hook(load), module.register_forward_hook(drop)]
     try:
