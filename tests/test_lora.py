@@ -1075,7 +1075,7 @@ def test_selective_checkpointing_counts_the_base_projections_only():
     assert counted_compiled[:7] == [*range(1, 8)] and max(counted_compiled) == 7, counted_compiled
 
 
-def test_merge_and_peft_exports_keep_the_buffers_saved_beside_the_weights(tmp_path):
+def test_merge_and_peft_exports_keep_the_buffers_saved_beside_the_weights(tmp_path, capsys):
     """Found by review: export-hf --merge wrote the parameters alone, and transformers filled
     Nemotron-H's router score-correction bias (a persistent buffer) with zeros, routing otherwise:
     its check failed (it passed with --no-verify, a wrong model); export-peft's check built its
@@ -1099,3 +1099,12 @@ def test_merge_and_peft_exports_keep_the_buffers_saved_beside_the_weights(tmp_pa
     merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
     assert all(torch.equal(merged[name], tensor) for name, tensor in bias.items())  # a buffer: not trained
     assert main(["export-peft", str(checkpoint), str(tmp_path / "adapter")]) == 0
+    # The base's tokenizer gone since training: refused before the work (found by review: exported
+    # without one, exit 0, and generate and eval of the export refused it), merged or not
+    (base / "tokenizer.json").rename(tmp_path / "tokenizer.json")
+    for args in ([str(checkpoint), str(tmp_path / "merged_again"), "--merge"],
+                 [str(full_step), str(tmp_path / "full_export")]):
+        capsys.readouterr()
+        assert main(["export-hf", *args]) == 2
+        assert "tokenizer.json' does not exist (removed since training?)" in capsys.readouterr().err
+        assert not Path(args[1]).exists()

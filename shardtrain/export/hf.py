@@ -116,7 +116,7 @@ def write_hf_model_files(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> lis
     config = json.loads((source / CONFIG_FILE).read_bytes())
     config["torch_dtype"] = config["dtype"] = dtype_name(dtype)
     if cfg.tokenizer == "auto":
-        files = copy_files(tokenizer_files_in(source), out)
+        files = copy_files(tokenizer_copies(cfg) or {}, out)
     else:  # the base model's would encode text into other ids than the run trained on
         files = write_tokenizer_files(cfg, out, config.get("max_position_embeddings", cfg.max_seq_len))
         tokenizer = load_tokenizer(tokenizer_source(cfg))
@@ -175,8 +175,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
     # consolidation's work, not after it.
     if cfg.name == "hf":
         model_directory(cfg)
-    if cfg.name != "hf" or cfg.tokenizer != "auto":
-        tokenizer_copies(cfg)
+    tokenizer_copies(cfg)
     conversion = hf_conversion(cfg, dtype)
     # Streamed: each output shard's tensors read (from the checkpoint, or the file) when it is
     # written, renamed, permuted and cast tensor by tensor; one shard in memory, no staged copy.
@@ -312,6 +311,10 @@ def tokenizer_copies(cfg: ModelConfig) -> dict[str, Path] | None:
     copies = tokenizer_files_in(path if path.is_dir() else path.parent)
     if path.is_file():  # a tokenizer file named otherwise
         copies[TOKENIZER_FILE] = path
+    if TOKENIZER_FILE not in copies:
+        # (found by review: exported without one, exit 0; generate and eval of the export then refused)
+        raise CheckpointError(f"the run's tokenizer {str(path / TOKENIZER_FILE)!r} does not exist (removed "
+                              "since training?); put it back: the export writes it beside the weights")
     return copies
 
 

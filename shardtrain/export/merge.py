@@ -25,7 +25,7 @@ from shardtrain.checkpoint.safetensors_files import check_new_directory
 from shardtrain.config.schema import ModelConfig
 from shardtrain.distributed.sharded_model import parameters_on_meta
 from shardtrain.errors import CheckpointError
-from shardtrain.export.hf import hf_conversion, shard_parts, write_hf_directory
+from shardtrain.export.hf import hf_conversion, shard_parts, tokenizer_copies, write_hf_directory
 from shardtrain.export.peft import LoraCheckpoint, checkpoint_model
 from shardtrain.export.verify import (
     EXPORT_TOLERANCE,
@@ -75,6 +75,7 @@ def export_merged(checkpoint: str | Path, out_dir: str | Path, max_shard_size: s
     """The merged full model of a ``finetune=lora`` checkpoint as a Hugging Face directory."""
     check_new_directory(Path(out_dir))  # before the model is built and merged, not after
     ckpt = LoraCheckpoint.read(checkpoint, verify_checksums)
+    tokenizer_copies(ckpt.model)  # a tokenizer gone since training: before the merge's work
     # QLoRA: merged into the NF4 base's values, which training, generate and eval ran the adapters
     # on (PEFT's merge of a 4-bit model dequantises the same way, then quantises the merged weight
     # again; written here in full precision); the plain base's differ by NF4's rounding (measured:
