@@ -414,6 +414,12 @@ def test_export_peft_of_the_builtin_llama(lora_runs, tmp_path):
     checkpoint = out / "builtin" / "checkpoints" / "step-5"
     keys = load_file(str(export_peft(checkpoint, tmp_path / "adapter")[1])).keys()
     assert "base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight" in keys
+    # with the run's tokenizer, whose ids the adapters were trained on (found by review: none written,
+    # a replaced tokenizer's adapter shipped for the base's)
+    from shardtrain.data.tokenizer import load_tokenizer
+
+    written = load_tokenizer(str(tmp_path / "adapter"))
+    assert written.encode("def f(x):") == load_tokenizer("bytes").encode("def f(x):")
     difference = verify_peft_export(checkpoint, tmp_path / "adapter")
     print("export-peft logits, built-in Llama", difference)
     assert difference < TOL

@@ -318,6 +318,14 @@ def tokenizer_copies(cfg: ModelConfig) -> dict[str, Path] | None:
     return copies
 
 
+def tokenizer_max_length(cfg: ModelConfig) -> int:
+    """The positions the model of ``cfg`` takes, as a written byte tokenizer's config names them."""
+    if cfg.name != "hf":
+        return cfg.max_seq_len
+    config = json.loads((model_directory(cfg) / CONFIG_FILE).read_bytes())
+    return config.get("max_position_embeddings", cfg.max_seq_len)
+
+
 def write_tokenizer_files(cfg: ModelConfig, out: Path, max_length: int) -> list[Path]:
     """The run's tokenizer beside its weights, so that the directory is a whole model to
     transformers and to ``generate`` and ``eval`` (which read it as model=hf): the byte tokenizer as

@@ -41,6 +41,7 @@ from shardtrain.distributed.qlora import round_base_to_nf4
 from shardtrain.distributed.sharded_model import init_full_parameter
 from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import Cast, load_tensors, plan_shards
+from shardtrain.export.hf import tokenizer_max_length, write_tokenizer_files
 from shardtrain.export.verify import EXPORT_TOLERANCE, check_tokens, compare_logits
 from shardtrain.generation.generate import shared_parameter_names
 from shardtrain.models.hf import attention_implementation
@@ -156,11 +157,20 @@ def export_peft(checkpoint: str | Path, out_dir: str | Path, verify_checksums: b
         # The weights under their name only when whole, the config last: a full disk left a cut
         # adapter file that PEFT would try, and blocked the rerun (found by review).
         save_shard({k: v.contiguous() for k, v in tensors.items()}, out / ADAPTER_WEIGHTS, {"format": "pt"})
+        if not base_tokenizer(ckpt.model):
+            # The ids the adapters were trained on are the run's tokenizer's, which the base's would
+            # not give (found by review: a byte-level run's adapter shipped for the base's tokenizer)
+            written += write_tokenizer_files(ckpt.model, out, tokenizer_max_length(ckpt.model))
         config.save_pretrained(str(out))
     except BaseException:
         remove_written(out, [*written, out / f"{ADAPTER_WEIGHTS}.tmp"], made)
         raise
     return sorted(written)
+
+
+def base_tokenizer(cfg: ModelConfig) -> bool:
+    """The run's tokenizer is its Hugging Face base directory's own (``model.tokenizer=auto``)."""
+    return cfg.name == "hf" and cfg.tokenizer == "auto"
 
 
 @torch.no_grad()
