@@ -40,6 +40,7 @@ from shardtrain.config.schema import Config, ModelConfig
 from shardtrain.distributed.agreement import raise_first_error
 from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import consolidate
+from shardtrain.export.hf import export_hf
 
 
 def test_exact_resume_is_bitwise_identical(tmp_path):
@@ -162,6 +163,11 @@ def test_consolidation_is_bitwise_and_init_from_loads_it(four_rank_checkpoint, t
     assert merged.keys() == gathered.keys()
     assert all(torch.equal(merged[k], gathered[k]) for k in gathered)
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in merged.values())
+    # One of those files is no whole model, though it names one (found by review: exported as one)
+    with pytest.raises(CheckpointError, match=r"lacks \d+ of the model's tensors .*: one file of a sharded "
+                                              r"consolidation\?"):
+        export_hf(tmp_path / "sharded" / shards[0], tmp_path / "one_shard")
+    assert not (tmp_path / "one_shard").exists()
 
     bf16 = load_file(consolidate(ckpt, tmp_path / "bf16.safetensors", dtype="bf16")[0])
     assert all(t.dtype == torch.bfloat16 for t in bf16.values())

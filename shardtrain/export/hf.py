@@ -54,9 +54,10 @@ from shardtrain.data.tokenizer import (
 from shardtrain.errors import CheckpointError
 from shardtrain.export.consolidate import Cast, shard_readers, written_dtype
 from shardtrain.generation.generate import shared_parameter_names
-from shardtrain.models.hf import HFCausalLM, stacks_experts
+from shardtrain.models.hf import stacks_experts
 from shardtrain.models.hf_directory import CONFIG_FILE, hf_name, model_directory
 from shardtrain.models.llama_hf_adapter import hf_config, to_hf
+from shardtrain.models.registry import build_model
 
 Converter = Callable[[str, torch.Tensor], "tuple[str, torch.Tensor] | None"]
 
@@ -75,6 +76,8 @@ class Conversion:
     cast: Cast
     convert: Converter
     layout: Layout
+    # The model's state, by our names, a tied weight's first name only: what a whole model's file holds.
+    names: frozenset[str]
 
 
 def hf_conversion(cfg: ModelConfig, dtype: str | None = None) -> Conversion:
@@ -89,11 +92,12 @@ def hf_conversion(cfg: ModelConfig, dtype: str | None = None) -> Conversion:
     which transformers and shardtrain load, and a reverted merge could need tensors of two shards.
     What the family keeps in fp32 is written as stored (``HFCausalLM.kept_in_fp32``)."""
     written = written_dtype(dtype)
-    if cfg.name != "hf":
-        return Conversion(cfg, Cast(written), lambda name, tensor: to_hf(name, tensor, cfg), dict)
     with torch.device("meta"):
-        model = HFCausalLM(cfg)
+        model = build_model(cfg)
     dropped = {name for names in shared_parameter_names(model) for name in names[1:]}
+    names = frozenset(name for name in model.state_dict() if name not in dropped)
+    if cfg.name != "hf":
+        return Conversion(cfg, Cast(written), lambda name, tensor: to_hf(name, tensor, cfg), dict, names)
     model.hf._weight_conversions = [
         rule for rule in get_model_conversion_mapping(model.hf, add_legacy=False)
         if not isinstance(rule, PrefixChange) and (
@@ -103,7 +107,7 @@ def hf_conversion(cfg: ModelConfig, dtype: str | None = None) -> Conversion:
         return None if name in dropped else (hf_name(name), tensor)
 
     return Conversion(cfg, Cast(written, model.kept_in_fp32(written)), convert,
-                      lambda tensors: dict(revert_weight_conversion(model.hf, tensors)))
+                      lambda tensors: dict(revert_weight_conversion(model.hf, tensors)), names)
 
 
 def write_hf_model_files(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> list[Path]:
@@ -180,6 +184,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
     # Streamed: each output shard's tensors read (from the checkpoint, or the file) when it is
     # written, renamed, permuted and cast tensor by tensor; one shard in memory, no staged copy.
     if src.is_file():
+        check_whole_model_file(src, conversion.names)
         parts = [partial(read_part, src, names) for names in file_parts(src, max_shard_size, conversion.cast)]
     else:
         parts = shard_readers(src, max_shard_size, dtype, key, verify_checksums, conversion.cast)
@@ -199,6 +204,19 @@ def shard_parts(sizes: dict[str, int], max_shard_size: str | None) -> list[list[
         parts[-1].append(name)
         size += nbytes
     return parts
+
+
+def check_whole_model_file(path: Path, names: frozenset[str]) -> None:
+    """A consolidated file holds every tensor ``names`` (``Conversion.names``) of the model it
+    describes: each shard of a sharded consolidation names the model too, and one was exported as
+    the whole model (found by review: with --no-verify transformers drew the rest at random)."""
+    with open_safetensors(path) as f:
+        stored = set(f.keys())
+    missing = sorted(names - stored)
+    if missing:
+        raise CheckpointError(f"{path} lacks {len(missing)} of the model's tensors ({missing[0]}, ...): one "
+                              "file of a sharded consolidation? export the checkpoint directory, or "
+                              "consolidate it into one .safetensors file")
 
 
 def file_parts(path: Path, max_shard_size: str | None, cast: Cast) -> list[list[str]]:
