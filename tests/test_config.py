@@ -97,6 +97,15 @@ def test_required_knobs_exist():
         ("checkpoint.preemption_signals=[SIGCHLD]", "SIGCHLD is not a notice a scheduler gives; choose among "
          "SIGTERM, SIGUSR1"),
         ("checkpoint.preemption_signals=[SIGTERM,SIGTERM]", "SIGTERM is listed twice; name it once"),
+        # read only beside another setting, given without it (found by a review of the command line)
+        ("strategy.sequence_parallel=false", "strategy.sequence_parallel splits sequences over "
+         "tensor-parallel groups, and strategy.tensor_parallel=1 has none: drop it"),
+        ("model.pretrained=false", "model.pretrained reads a Hugging Face model's weights, and "
+         "model.name=llama is drawn"),
+        ("data.text_field=body", "data.text_field names the text of JSON records, and data.source=stdlib"),
+        ("trainer.sample_tokens=0 trainer.sample_prompt=abc",
+         "trainer.sample_prompt starts the text samples"),
+        ("run.trackers=[] run.tracker_timeout_s=5", "run.tracker_timeout_s bounds the trackers' calls"),
         ("strategy.wrap_policy=[nope.Block]", "wrap policy class 'nope.Block' does not import"),
         ("strategy.wrap_policy=[torch.nn.Linear2]", "does not import"),
         ("checkpoint.interval=-1", "checkpoint.interval=-1 must not be negative"),
@@ -128,7 +137,7 @@ def test_required_knobs_exist():
 )
 def test_bad_config_is_named(override, expected):
     with pytest.raises(ConfigError) as info:
-        load_config([override])
+        load_config(override.split(" "))  # one override, or a few written as one
     assert expected in str(info.value) and "\n" not in str(info.value)
     if override == "strategy.ac=all":
         assert str(info.value).endswith("'strategy.ac'")  # no hint below the cutoff (was strategy.float8)
@@ -401,8 +410,9 @@ BAD = {
 def test_a_text_keys_value_is_taken_as_written():
     """Found by review: Hydra read run.name=1e-3 as a number (its text 0.001), run.dir=1e3 made a
     directory 1000.0, true became True and 1_000 1000; a prompt with parentheses needed quotes."""
-    cfg = compose_config(["run.name=1e-3", "run.dir=/tmp/1e3", "trainer.sample_prompt=def f(x):",
-                          "data.text_field=1_000", "run.trackers=[wandb]", "run.wandb.project=true",
+    cfg = compose_config(["data=files", "run.name=1e-3", "run.dir=/tmp/1e3",
+                          "trainer.sample_prompt=def f(x):", "data.text_field=1_000", "run.trackers=[wandb]",
+                          "run.wandb.project=true",
                           "model.path=null"])
     assert (cfg.run.name, cfg.run.dir, cfg.trainer.sample_prompt, cfg.data.text_field,
             cfg.run.wandb.project, cfg.model.path) == ("1e-3", "/tmp/1e3", "def f(x):", "1_000", "true", None)

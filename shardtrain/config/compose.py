@@ -182,6 +182,28 @@ def check_unread_overrides(cfg: Config, overrides: list[str]) -> None:
         raise ConfigError(f"run.mlflow.tracking_uri={cfg.run.mlflow.tracking_uri} names where MLflow logs, "
                           "and run.offline=true logs it to the file store run.dir/mlruns instead; drop one "
                           "of them")
+    # Each read only beside another setting (found by a review of the command line: accepted, and
+    # nothing said that it did nothing)
+    unread = {
+        "strategy.sequence_parallel": (cfg.strategy.tensor_parallel == 1,
+                                       "splits sequences over tensor-parallel groups, and strategy."
+                                       "tensor_parallel=1 has none"),
+        "strategy.tensor_parallel_across_nodes": (cfg.strategy.tensor_parallel == 1,
+                                                  "places tensor-parallel groups, and strategy."
+                                                  "tensor_parallel=1 has none"),
+        "model.pretrained": (cfg.model.name != "hf",
+                             f"reads a Hugging Face model's weights, and model.name={cfg.model.name} is "
+                             "drawn (model.init_from reads weights for it)"),
+        "data.text_field": (cfg.data.source == "stdlib",
+                            "names the text of JSON records, and data.source=stdlib reads Python sources"),
+        "trainer.sample_prompt": (cfg.trainer.sample_tokens == 0,
+                                  "starts the text samples, and trainer.sample_tokens=0 draws none"),
+        "run.tracker_timeout_s": (not cfg.run.trackers, "bounds the trackers' calls, and run.trackers=[] "
+                                  "starts none"),
+    }
+    for key, (ignored, why) in unread.items():
+        if ignored and overridden(overrides, key):
+            raise ConfigError(f"{key} {why}: drop it")
     if cfg.data.source == "prepared" and overridden(overrides, "data.cache_dir"):
         raise ConfigError("data.cache_dir is where text sources (data.source=files or stdlib) are prepared, "
                           "and data.source=prepared reads data.paths as they are; drop it (shardtrain "
