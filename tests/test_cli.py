@@ -139,6 +139,9 @@ NO_TRAINING = [
     (["generate", "missing", "--prompt", "hi", "--strategy", "zero3"], 2,
      "--strategy 'zero3' is not a sharding strategy"),
     (["eval", ".", "--file", "missing.txt"], 2, "shardtrain: error: --file 'missing.txt' does not exist"),
+    # they shape --file's reading (found by review: accepted and ignored without one)
+    (["eval", ".", "--glob", "*.txt", "--text-field", "body"], 2,
+     "--glob and --text-field shape how --file is read, and no --file is given"),
     (["consolidate", "missing", "out.safetensors"], 2,
      "shardtrain: error: checkpoint 'missing' does not exist"),
     (["export-hf", "missing", "out"], 2, "shardtrain: error: checkpoint 'missing' does not exist"),

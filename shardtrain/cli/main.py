@@ -361,6 +361,15 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
 
     check_ranges(args, EVAL_RANGES)  # argument errors surface here, before any process starts
     normalize_strategy_name(args.strategy, given_as="--strategy ")
+    if not args.file and (given := [flag for flag, value in (("--glob", args.glob != "*"),
+                                                              ("--text-field", args.text_field)) if value]):
+        # They shape --file's reading: without it, the run's own held-out data (found by review)
+        from shardtrain.errors import ConfigError
+
+        one = len(given) == 1
+        raise ConfigError(f"{' and '.join(given)} shape{'s' if one else ''} how --file is read, and no "
+                          "--file is given (the run's held-out data is read as it trained); add --file, or "
+                          f"drop {'it' if one else 'them'}")
     args.checkpoint = check_exists(args.checkpoint)
     if args.file and not any(ch in args.file for ch in "*?["):  # a glob pattern is matched later
         args.file = check_exists(args.file, "--file")
