@@ -709,31 +709,12 @@ def base_identity(model_cfg: ModelConfig, seed: int, finetune: FinetuneConfig | 
     if is_dcp_source(source):
         return {"source": resolved, "fingerprint": dcp_fingerprint(source),
                 "fingerprint_kind": DCP_FINGERPRINT, **quantized}
-    described = ({"config": model_config_digest(source_path(source))}
-                 if is_model_directory(source_path(source)) else {})
-    return {"source": resolved, "fingerprint": files_fingerprint(source, known), **described, **quantized}
-
-
-# What a re-save of an unchanged model rewrites in its config.json: not the model.
-VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "torch_dtype", "dtype")
-
-
-def model_config_digest(directory: Path) -> str:
-    """sha256 of a model directory's config.json as its values read (a norm's epsilon, RoPE's
-    settings: the same weights under another config are another model; found by review: an edited
-    rms_norm_eps changed eval's loss of a LoRA checkpoint without a word), less what a re-save
-    rewrites (``VOLATILE_CONFIG_KEYS``)."""
-    config = json.loads((directory / HF_CONFIG_FILE).read_bytes())
-    kept = {key: value for key, value in config.items() if key not in VOLATILE_CONFIG_KEYS}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+    return {"source": resolved, "fingerprint": files_fingerprint(source, known), **quantized}
 
 
 def same_base(saved: dict[str, Any], current: dict[str, Any]) -> bool:
-    """Whether two identities (``base_identity``) name the same base weights (and, where both record
-    it, the same config.json)."""
+    """Whether two identities (``base_identity``) name the same base weights."""
     if "init_std" in saved and saved["init_std"] != current.get("init_std"):  # saved without: not known
-        return False
-    if "config" in saved and "config" in current and saved["config"] != current["config"]:
         return False
     if saved.get("fingerprint", saved.get("seed")) == current.get("fingerprint", current.get("seed")):
         return True
@@ -747,8 +728,7 @@ def same_base(saved: dict[str, Any], current: dict[str, Any]) -> bool:
 
 def describe_base(identity: dict[str, Any]) -> str:
     if identity["source"] != "random":
-        config = f", config.json {identity['config'][:12]}" if "config" in identity else ""
-        return f"{identity['source']} ({identity.get('fingerprint')}{config})"
+        return f"{identity['source']} ({identity.get('fingerprint')})"
     std = f", model.init_std {identity['init_std']}" if "init_std" in identity else ""
     return f"random (seed {identity.get('seed')}{std})"
 
@@ -763,8 +743,7 @@ def check_same_base(path: Path, saved: dict[str, Any] | None, current: dict[str,
     if not same_base(saved, current):
         raise CheckpointError(f"checkpoint {str(path)!r} was trained on base {describe_base(saved)}, not "
                               f"on this run's {describe_base(current)}: {use} the base it was trained on "
-                              "(its files and config.json as they were when it trained, or its seed and "
-                              "model.init_std)")
+                              "(its files as they were when it trained, or its seed and model.init_std)")
     trained, now = saved.get("quantization", "none"), current.get("quantization", "none")
     if trained != now:  # QLoRA adapters learnt the quantised base's errors: not the same base
         raise CheckpointError(f"checkpoint {str(path)!r} was trained on the base quantised as {trained}, "
