@@ -470,7 +470,7 @@ def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
     ("broken_tasks:NeedsArgument", 2, "NeedsArgument.__init__ needs data_dir, and a run's task is built from "
                                       "task.path and task.options alone"),
     ("broken_tasks:FlopsNone", 1, "FlopsNone.flops returned None: a task's flops(batch) returns the "
-                                  "micro-batch's training FLOPs, a number"),
+                                  "micro-batch's training FLOPs, a finite number"),
     ("broken_tasks:BuildReturnsNone", 1, "BuildReturnsNone.build_model returned NoneType; return the model, "
                                          "an nn.Module"),
     ("broken_tasks:BuildsOnce", 1, "BuildsOnce.build_model returned a model it had returned before; "
