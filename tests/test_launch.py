@@ -200,6 +200,8 @@ def test_a_workers_error_line_names_its_rank_only_in_a_world_of_several(monkeypa
         # Found by review: a run inside another's checkpoint went with it at that run's next prune
         ("checkpoints", "run.dir={tmp}/r/checkpoints/step-4/inner",
          "run.dir '{tmp}/r/checkpoints/step-4/inner' is inside the checkpoint '{tmp}/r/checkpoints/step-4'"),
+        ("checkpoints", "data.cache_dir={tmp}/r/checkpoints/step-4/cache",
+         "data.cache_dir '{tmp}/r/checkpoints/step-4/cache' is inside the checkpoint"),
         # Found by the walkthrough: a run's files went among a dataset's (whose next preparation
         # deleted them) or a model's
         ("dataset", "run.dir={tmp}/ds", "run.dir='{tmp}/ds' is a prepared dataset (shardtrain prepare's"),
@@ -647,3 +649,21 @@ def test_a_signal_sent_to_the_agent_as_it_starts_reaches_its_own_disposition(tmp
     proc = subprocess.run([sys.executable, "-c", FORK_THEN_SIGNAL], cwd=tmp_path, capture_output=True,
                           text=True, env=clean_env(), timeout=60)
     assert proc.stdout.strip() == "killed by SIGTERM", (proc.stdout, proc.stderr[-2000:])
+
+
+def test_a_failed_fork_of_the_agent_leaves_no_signal_blocked():
+    """Found by the diff's review: the signals blocked across the fork stayed blocked when the fork
+    failed (Ctrl-C and SIGTERM then did nothing while the launcher reported)."""
+    import shardtrain.cli.launch as launch
+
+    def no_fork():
+        raise OSError(11, "Resource temporarily unavailable")
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    fork, os.fork = os.fork, no_fork
+    try:
+        with pytest.raises(OSError, match="Resource temporarily unavailable"):
+            launch.fork_agent("sleeper", [], {}, [], None)
+    finally:
+        os.fork = fork
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before

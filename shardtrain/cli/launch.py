@@ -132,9 +132,12 @@ def fork_agent(module: str, args: list[str], env: dict[str, str], ignored: Seque
     # early catcher swallowed (found by review: the run trained to its end, exit 0). A pending
     # signal is not inherited: the parent's own are delivered to it when it unblocks them.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    finally:  # in the parent (a failed fork too: left blocked, Ctrl-C did nothing; the diff review)
+        if os.getpid() == launcher:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     if pid:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return pid
     status, interrupted = 1, False
     try:

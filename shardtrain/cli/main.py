@@ -675,6 +675,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                                       (args.max_bytes < 0, "--max-bytes", args.max_bytes, "not negative")):
         if wrong:
             raise ConfigError(f"{flag} {value} must be {bound}")
+    from shardtrain.cli.paths import check_not_in_checkpoint
+
+    check_not_in_checkpoint(Path(args.out), "prepare's output")  # keep_last would delete it with that
     options = PrepareOptions(inputs=args.inputs, tokenizer=args.tokenizer, text_field=args.text_field,
                              file_glob=args.glob, val_percent=args.val_percent,
                              max_bytes=args.max_bytes, workers=args.workers)

@@ -220,6 +220,7 @@ def check_training(cfg: Config) -> None:
 def check_data_cache(root: Path) -> None:
     """The data cache ``root`` can be made and written (found by review: a cache under /proc failed
     in every worker with "[Errno 2] No such file or directory", exit 1, naming no setting)."""
+    check_not_in_checkpoint(root, "data.cache_dir")
     check_writable(root, "data.cache_dir")
     try:
         root.mkdir(parents=True, exist_ok=True)

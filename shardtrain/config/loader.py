@@ -117,15 +117,17 @@ def planned_by_formulas(task_cls: type, tensor_parallel: int = 1) -> bool:
         tensor_parallel > 1 and own_tensor_plan(task_cls))
 
 
-def own_tensor_plan(task_cls: type) -> bool:
-    """A task class with a tensor-parallel plan of its own (``Task.tensor_parallel_hook``)."""
-    return getattr(task_cls, "parallelize_tensors", None) is not None
+def own_tensor_plan(task: object) -> bool:
+    """A task (class or object: one set on the object counts too) with a tensor-parallel plan of its
+    own (``Task.tensor_parallel_hook``)."""
+    return getattr(task, "parallelize_tensors", None) is not None
 
 
 def formulas_know(task: object, tensor_parallel: int = 1) -> bool:
     """A task object whose model the planner's formulas know: ``planned_by_formulas`` and no model
     of its own (``LanguageModelTask(model=...)``)."""
-    return planned_by_formulas(type(task), tensor_parallel) and given_model_factory(task) is None
+    return (planned_by_formulas(type(task), tensor_parallel) and given_model_factory(task) is None
+            and not (tensor_parallel > 1 and own_tensor_plan(task)))
 
 
 def check_built_in_task_settings(cfg: Config, task: object | None = None) -> None:
@@ -138,8 +140,9 @@ def check_built_in_task_settings(cfg: Config, task: object | None = None) -> Non
     tp = cfg.strategy.tensor_parallel
     known = formulas_know(task, tp) if task is not None else planned_by_formulas(task_cls, tp)
     if cfg.trainer.micro_batch_size == "auto" and not known:
+        planned = task if task is not None else task_cls
         own = (" with a model of its own" if own_model else
-               " with a tensor-parallel plan of its own" if tp > 1 and own_tensor_plan(task_cls) else "")
+               " with a tensor-parallel plan of its own" if tp > 1 and own_tensor_plan(planned) else "")
         raise ConfigError(f"trainer.micro_batch_size=auto needs the memory planner, whose formulas know "
                           f"the built-in language-model task's models, split by their own plans, only; set "
                           f"trainer.micro_batch_size=N for {name}{own} (shardtrain plan --simulate "
