@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import transformers
 from checkpoint_workers import (
     N,
     exact_resume,
@@ -26,7 +27,7 @@ from checkpoint_workers import (
 )
 from distributed import run_on_ranks
 from omegaconf import OmegaConf
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from shardtrain.checkpoint import layout, staging
@@ -804,6 +805,35 @@ def test_dcp_base_fingerprint_reads_its_metadata_only(tmp_path):
                                               r"on this run's random \(seed 7, model.init_std 0.5\)"):
         weights.check_same_base(ckpt, random_base, weights.base_identity(ModelConfig(init_std=0.5), 7))
     weights.check_same_base(ckpt, {"source": "random", "seed": 7}, random_base)
+
+
+def test_a_hugging_face_base_is_its_weights_and_its_config(tmp_path):
+    """Found by review: a LoRA checkpoint's base was its weight files alone, and an edited config.json
+    (rms_norm_eps) gave eval, merges and resumes another model without a word. A re-save of the same
+    config by transformers (its defaults added, rope_scaling renamed) is no change (found by the
+    diff's review of a digest of every key); an identity recorded before configs were is taken."""
+    from shardtrain.checkpoint import weights
+
+    base = tmp_path / "base"
+    base.mkdir()
+    save_file({"w": torch.ones(4)}, str(base / "model.safetensors"))
+    written = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+               "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
+               "num_key_value_heads": 4, "rms_norm_eps": 1e-05, "rope_scaling": None, "vocab_size": 256,
+               "torch_dtype": "float16", "transformers_version": "4.31.0"}
+    (base / "config.json").write_text(json.dumps(written))
+    cfg = ModelConfig(name="hf", path=str(base))
+    saved = weights.base_identity(cfg, 0)
+    transformers.AutoConfig.from_pretrained(base).save_pretrained(base)
+    assert json.loads((base / "config.json").read_text()) != written  # rewritten
+    ckpt = tmp_path / "adapters"
+    weights.check_same_base(ckpt, saved, weights.base_identity(cfg, 0))
+    (base / "config.json").write_text(json.dumps({**written, "rms_norm_eps": 0.5}))
+    with pytest.raises(CheckpointError, match=r"was trained on base .* with another config.json "
+                                              r"\(rms_norm_eps 1e-05 -> 0.5\): resume it on the base as it"):
+        weights.check_same_base(ckpt, saved, weights.base_identity(cfg, 0))
+    weights.check_same_base(ckpt, {key: value for key, value in saved.items() if key != "config"},
+                            weights.base_identity(cfg, 0))
 
 
 def test_dcp_read_failure_is_one_line_naming_the_cause(tmp_path):

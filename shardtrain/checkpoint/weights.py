@@ -709,12 +709,43 @@ def base_identity(model_cfg: ModelConfig, seed: int, finetune: FinetuneConfig | 
     if is_dcp_source(source):
         return {"source": resolved, "fingerprint": dcp_fingerprint(source),
                 "fingerprint_kind": DCP_FINGERPRINT, **quantized}
-    return {"source": resolved, "fingerprint": files_fingerprint(source, known), **quantized}
+    described = ({"config": config_values(source_path(source))}
+                 if is_model_directory(source_path(source)) else {})
+    return {"source": resolved, "fingerprint": files_fingerprint(source, known), **described, **quantized}
+
+
+# What a model directory's config.json holds that does not change the model's computation, or that a
+# re-save rewrites (transformers' version, the dtype's spelling).
+UNCOMPUTED_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "torch_dtype", "dtype",
+                                    "use_cache", "architectures", "bos_token_id", "eos_token_id",
+                                    "pad_token_id"})
+
+
+def config_values(directory: Path) -> dict[str, Any]:
+    """A model directory's config.json values, less ``UNCOMPUTED_CONFIG_KEYS``: the same weights under
+    another config are another model (found by review: an edited rms_norm_eps changed eval's loss of
+    a LoRA checkpoint without a word)."""
+    config = json.loads((directory / HF_CONFIG_FILE).read_bytes())
+    return {key: value for key, value in config.items() if key not in UNCOMPUTED_CONFIG_KEYS}
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The config keys both identities record with other values. Keys only one records are not
+    compared: a re-save by another transformers adds its defaults and renames some (rope_scaling to
+    rope_parameters), the model unchanged (found by the diff's review: a digest of every key refused
+    the same base after a re-save)."""
+    before, now = saved.get("config"), current.get("config")
+    if not isinstance(before, dict) or not isinstance(now, dict):  # recorded before configs were
+        return []
+    return sorted(key for key in before.keys() & now.keys() if before[key] != now[key])
 
 
 def same_base(saved: dict[str, Any], current: dict[str, Any]) -> bool:
-    """Whether two identities (``base_identity``) name the same base weights."""
+    """Whether two identities (``base_identity``) name the same base weights (and, where both record
+    its config, one that computes alike)."""
     if "init_std" in saved and saved["init_std"] != current.get("init_std"):  # saved without: not known
+        return False
+    if config_changes(saved, current):
         return False
     if saved.get("fingerprint", saved.get("seed")) == current.get("fingerprint", current.get("seed")):
         return True
@@ -740,6 +771,12 @@ def check_same_base(path: Path, saved: dict[str, Any] | None, current: dict[str,
     if saved is None:
         raise CheckpointError(f"checkpoint {str(path)!r} holds no adapters (it is not a finetune=lora "
                               "checkpoint); resume it with finetune.method=none")
+    if changed := config_changes(saved, current):
+        shown = ", ".join(f"{key} {saved['config'][key]!r} -> {current['config'][key]!r}"
+                          for key in changed[:3])
+        raise CheckpointError(f"checkpoint {str(path)!r} was trained on base {saved['source']} with another "
+                              f"config.json ({shown}): {use} the base as it was when it trained (put its "
+                              "config.json back)")
     if not same_base(saved, current):
         raise CheckpointError(f"checkpoint {str(path)!r} was trained on base {describe_base(saved)}, not "
                               f"on this run's {describe_base(current)}: {use} the base it was trained on "
