@@ -733,6 +733,16 @@ def init_from(out: str, source: str, strategy: str = "FULL_SHARD") -> None:
         torch.save(gathered, Path(out, f"init{world}.pt"))
     if linked is not None:
         lora_base_through_moving_link(out, cfg, source, linked)
+        # A library caller's run.dir inside a checkpoint (the command line refuses it before launch):
+        # keep_last would delete it with that checkpoint
+        inside = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=f"{linked}/inner"))
+        try:
+            Trainer.create(inside, task=LanguageModelTask(corpus=small_corpus()))
+        except CheckpointError as exc:
+            assert f"is inside the checkpoint {str(linked)!r}" in str(exc), exc
+            assert not Path(inside.run.dir).exists()  # nothing written into the checkpoint
+        else:
+            raise AssertionError("a run.dir inside a checkpoint was taken")
 
 
 def lora_base_through_moving_link(out: str, cfg, link: str, base: Path) -> None:

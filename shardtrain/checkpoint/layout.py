@@ -565,6 +565,16 @@ def detect_format(path: Path) -> str:
     return "dcp"
 
 
+def refuse_run_inside_checkpoint(run_dir: Path) -> None:
+    """A run.dir inside a checkpoint, which keep_last deletes whole, the run with it (the command line
+    refuses it before launch, in cli/paths.py; this is a library caller's ``Trainer.create``)."""
+    for above in run_dir.expanduser().resolve().parents:
+        if (above / METADATA_FILE).is_file():
+            raise CheckpointError(f"run.dir {str(run_dir)!r} is inside the checkpoint {str(above)!r}, which "
+                                  "is never written to (and keep_last deletes it whole); choose a path "
+                                  "outside it")
+
+
 def refuse_checkpointless_start(root: Path) -> None:
     """``checkpoint.enabled=false`` must not start another run in a run.dir whose run saved
     checkpoints: its config.yaml would be the new run's, its metrics.jsonl both runs' (found by

@@ -28,7 +28,7 @@ from shardtrain.accelerator import (
 )
 from shardtrain.checkpoint.best import BestEvaluations
 from shardtrain.checkpoint.checkpointer import Checkpointer, random_streams_kept, seed_random_streams
-from shardtrain.checkpoint.layout import refuse_checkpointless_start
+from shardtrain.checkpoint.layout import refuse_checkpointless_start, refuse_run_inside_checkpoint
 from shardtrain.checkpoint.peft_adapter import load_peft_adapter, resolve_adapter_settings
 from shardtrain.checkpoint.preemption import PreemptionFlag, handled_by_the_agent
 from shardtrain.checkpoint.run_lock import RunLock, take_run_lock
@@ -334,6 +334,7 @@ class Trainer:
             def take() -> RunLock | None:
                 if not env.is_main:
                     return None
+                refuse_run_inside_checkpoint(Path(cfg.run.dir))
                 if not cfg.checkpoint.enabled:
                     refuse_checkpointless_start(Path(cfg.run.dir) / "checkpoints")
                 return take_run_lock(Path(cfg.run.dir))
