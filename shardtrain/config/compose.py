@@ -244,9 +244,11 @@ def check_nothing_expects_checkpoints(cfg: Config) -> None:
     def shown(value: object) -> str:
         return f"[{','.join(value)}]" if isinstance(value, list) else str(value).lower()
 
-    changed = [f"{written.get(name, name)}={shown(getattr(cfg.checkpoint, key))}"
-               for key in SAVE_SETTINGS if getattr(cfg.checkpoint, key) != getattr(default, key)
-               for name in [f"checkpoint.{key}"]]
+    changed = []
+    for key in SAVE_SETTINGS:
+        if (value := getattr(cfg.checkpoint, key)) != getattr(default, key):
+            name = f"checkpoint.{key}"
+            changed.append(f"{written.get(name, name)}={shown(value)}")
     if changed:
         one = len(changed) == 1
         raise ConfigError(f"{', '.join(changed)} shape{'s' if one else ''} checkpoints, and "

@@ -126,7 +126,7 @@ def own_tensor_plan(task: object) -> bool:
 def formulas_know(task: object, tensor_parallel: int = 1) -> bool:
     """A task object whose model the planner's formulas know: ``planned_by_formulas`` and no model
     of its own (``LanguageModelTask(model=...)``)."""
-    return (planned_by_formulas(type(task), tensor_parallel) and given_model_factory(task) is None
+    return (planned_by_formulas(type(task)) and given_model_factory(task) is None
             and not (tensor_parallel > 1 and own_tensor_plan(task)))
 
 

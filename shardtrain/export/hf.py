@@ -119,10 +119,8 @@ def write_hf_model_files(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> lis
     source = model_directory(cfg)
     config = json.loads((source / CONFIG_FILE).read_bytes())
     config["torch_dtype"] = config["dtype"] = dtype_name(dtype)
-    if cfg.tokenizer == "auto":
-        files = copy_files(tokenizer_copies(cfg) or {}, out)
-    else:  # the base model's would encode text into other ids than the run trained on
-        files = write_tokenizer_files(cfg, out, config.get("max_position_embeddings", cfg.max_seq_len))
+    files = write_tokenizer_files(cfg, out, config.get("max_position_embeddings", cfg.max_seq_len))
+    if cfg.tokenizer != "auto":  # the base model's would encode text into other ids than the run trained on
         tokenizer = load_tokenizer(tokenizer_source(cfg))
         ids = {"bos_token_id": getattr(tokenizer, "bos_id", None), "pad_token_id": None}
         config |= ids | {"eos_token_id": tokenizer.eos_id}

@@ -26,7 +26,7 @@ from shardtrain.config.schema import ModelConfig
 from shardtrain.distributed.sharded_model import parameters_on_meta
 from shardtrain.errors import CheckpointError
 from shardtrain.export.hf import hf_conversion, shard_parts, tokenizer_copies, write_hf_directory
-from shardtrain.export.peft import LoraCheckpoint, checkpoint_model
+from shardtrain.export.peft import LoraCheckpoint, base_state, checkpoint_model
 from shardtrain.export.verify import (
     EXPORT_TOLERANCE,
     check_tokens,
@@ -36,7 +36,7 @@ from shardtrain.export.verify import (
     written_cast,
 )
 from shardtrain.models.hf import HFCausalLM
-from shardtrain.models.lora import ADAPTER_NAME, base_name, is_adapter
+from shardtrain.models.lora import ADAPTER_NAME
 
 
 @torch.no_grad()
@@ -62,8 +62,7 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     buffers saved beside the parameters too (found by review: a router's score-correction bias left
     out, transformers filled it with zeros and routed otherwise; a tied weight's second name is the
     conversion's to drop)."""
-    return {base_name(name): tensor.detach() for name, tensor in model.state_dict(keep_vars=True).items()
-            if not is_adapter(name)}
+    return base_state(model)
 
 
 def select(tensors: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:

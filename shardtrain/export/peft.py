@@ -168,6 +168,14 @@ def export_peft(checkpoint: str | Path, out_dir: str | Path, verify_checksums: b
     return sorted(written)
 
 
+def base_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A model's state without its adapters, under the names it has without them: the parameters and
+    the buffers saved beside them (a tied weight under each of its names: a conversion drops the
+    second)."""
+    return {base_name(name): tensor.detach() for name, tensor in model.state_dict(keep_vars=True).items()
+            if not is_adapter(name)}
+
+
 def base_tokenizer(cfg: ModelConfig) -> bool:
     """The run's tokenizer is its Hugging Face base directory's own (``model.tokenizer=auto``)."""
     return cfg.name == "hf" and cfg.tokenizer == "auto"
@@ -220,13 +228,10 @@ def transformers_base(ckpt: LoraCheckpoint, ours: nn.Module) -> nn.Module:
     state = {}
     # The buffers saved beside the parameters too (found by review: a DCP base's router bias left at
     # its initial value, and a right adapter failed the check)
-    for name, tensor in ours.state_dict(keep_vars=True).items():
-        if is_adapter(name):
-            continue
-        name = base_name(name)
+    for name, tensor in base_state(ours).items():
         converted = (hf_name(name), tensor) if ckpt.model.name == "hf" else to_hf(name, tensor, ckpt.model)
         if converted is not None:
-            state[converted[0]] = converted[1].detach()
+            state[converted[0]] = converted[1]
     missing, unexpected = theirs.load_state_dict(state, strict=False)
     tied = {name for names in shared_parameter_names(theirs) for name in names[1:]}  # the embedding's
     if unexpected or (missing := [name for name in missing if name not in tied]):

@@ -12,10 +12,9 @@ model).
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -126,7 +125,7 @@ def streamed_forward(model: nn.Module, tokens: torch.Tensor, read: Reader) -> to
             for member, attr, param in held:
                 member._parameters[attr] = nn.Parameter(read(names[id(param)]), requires_grad=False)
             for member, attr, buffer in buffers:
-                with contextlib.suppress(CheckpointError):  # not stored: as constructed
+                with suppress(CheckpointError):  # not stored: as constructed
                     member._buffers[attr] = read(names[id(buffer)]).to(buffer.dtype)
 
         def drop(module: nn.Module, args, output, held=held, buffers=buffers) -> None:
