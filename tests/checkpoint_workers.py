@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import yaml
 from equivalence import case_config, small_corpus
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -122,12 +123,12 @@ def refused_then_restarted(out: str, world: int) -> None:
     for restart_count in ("1", "0"):
         os.environ["TORCHELASTIC_RESTART_COUNT"] = restart_count
         try:
-            restarted = new_trainer(ckpt_config(f"{out}/from_async", world, resume=source))
+            restarted = new_trainer(from_async_config(out, world))
         finally:
             del os.environ["TORCHELASTIC_RESTART_COUNT"]
         assert restarted.result.resumed_from == f"{out}/from_async/checkpoints/step-{2 * N}", restart_count
     # The same resume with another learning rate is a new run over from_async's later step: refused
-    changed = ckpt_config(f"{out}/from_async", world, resume=source)
+    changed = from_async_config(out, world)
     changed.trainer = dataclasses.replace(changed.trainer, lr=changed.trainer.lr * 2)
     try:
         new_trainer(changed)
@@ -135,6 +136,14 @@ def refused_then_restarted(out: str, world: int) -> None:
         assert f"already holds later checkpoints (step-{2 * N})" in str(exc), exc
     else:
         raise AssertionError("the same resume with another config went on from another run's checkpoint")
+
+
+def from_async_config(out: str, world: int):
+    """A resume from the uninterrupted run's step N asking for another learning rate, which it does
+    not follow (it keeps the checkpoint's)."""
+    cfg = ckpt_config(f"{out}/from_async", world, resume=f"{out}/full/checkpoints/step-{N}")
+    cfg.trainer = dataclasses.replace(cfg.trainer, lr=cfg.trainer.lr / 3)
+    return cfg
 
 
 def exact_resume(out: str) -> None:
@@ -147,9 +156,12 @@ def exact_resume(out: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     full = new_trainer(ckpt_config(f"{out}/full", world, interval=N // 2, async_save=True))
     dump(full, full.fit().losses, Path(out, "full.pt"))
-    from_async = new_trainer(ckpt_config(f"{out}/from_async", world,
-                                         resume=f"{out}/full/checkpoints/step-{N}"))
+    # Asked for another learning rate, the resume keeps the checkpoint's (its steps equal the
+    # uninterrupted run's), and config.yaml records the rate it runs at.
+    from_async = new_trainer(from_async_config(out, world))
     dump(from_async, from_async.fit().losses, Path(out, "from_async.pt"))
+    recorded = yaml.safe_load(Path(out, "from_async", "config.yaml").read_text())["trainer"]["lr"]
+    assert recorded == full.cfg.trainer.lr, (recorded, full.cfg.trainer.lr)
 
     cfg = ckpt_config(f"{out}/split", world)
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, save_full=True)

@@ -424,6 +424,11 @@ class Trainer:
             if self.env.is_main:
                 for change in self.resume_changes(state, asked_lrs):
                     log.warning(change)
+            saved_lr = state.config.get("trainer", {}).get("lr")
+            if saved_lr is not None and asked_lrs != list(self.built.scheduler.base_lrs):
+                # The checkpoint's rate runs on: config.yaml, the trackers and later checkpoints record
+                # it, not the one asked for (found by review: config.yaml named a rate never used).
+                self.cfg.trainer.lr = saved_lr
             follow_schedule(self.built.scheduler)  # after the warnings, which name the saved rate
             if self.cfg.model.init_from and self.cfg.finetune.method == "none":
                 self.info("model.init_from is ignored: resuming from a checkpoint")
