@@ -41,7 +41,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.data import default_collate
 
 from shardtrain.checkpoint.state import TrainState
-from shardtrain.config.loader import check_built_in_task_settings, load_config
+from shardtrain.config.compose import compose_config
+from shardtrain.config.loader import check_built_in_task_settings, load_config, settings_left_to_the_task
 from shardtrain.data.batches import BatchLayout, eval_batches, map_tensors, pinned_object
 from shardtrain.errors import ConfigError, DataError
 from shardtrain.export.consolidate import consolidate
@@ -266,8 +267,11 @@ def test_a_task_from_the_command_line_with_its_options_preempted_and_resumed(tmp
               "trainer.eval_every=6", "trainer.eval_samples=10", "checkpoint.interval=0",
               "trainer.monitor=val_accuracy", "trainer.monitor_mode=max", "trainer.early_stop_patience=10",
               "run.trackers=[]"]
-    whole = run_cli(*common, f"run.dir={tmp_path / 'whole'}", env=TASK_PATH)
+    # model.* is the built-in task's: said once, by the launcher (the task reads none of it here)
+    whole = run_cli(*common, "model.dim=512", f"run.dir={tmp_path / 'whole'}", env=TASK_PATH)
     assert whole.returncode == 0, whole.stderr[-3000:]
+    said = "model.dim sets what the built-in language-model task builds"
+    assert whole.stderr.count(said) == 1, whole.stderr[-3000:]
     records = read_metrics(tmp_path / "whole")
     assert [r["step"] for r in records] == list(range(1, 13))
     assert all(0 <= r["accuracy"] <= 1 for r in records)
@@ -451,9 +455,22 @@ def test_what_a_task_object_holds_is_what_its_config_records(monkeypatch):
 
 def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
-    cfg = load_config(["task=broken_tasks:DerivedLanguageTask", "trainer.micro_batch_size=auto",
-                       "trainer.global_batch_size=16", "trainer.loss_chunk_tokens=16"])
+    given = ["task=broken_tasks:DerivedLanguageTask", "trainer.micro_batch_size=auto",
+             "trainer.global_batch_size=16", "trainer.loss_chunk_tokens=16", "model.dim=64",
+             "trainer.seq_len=64", "trainer.sample_tokens=8"]
+    cfg = load_config(given)
     assert cfg.task.path == "broken_tasks:DerivedLanguageTask"
+    assert settings_left_to_the_task(cfg, given) is None  # it builds from them
+    # A task of its own: the built-in task's settings given on the command line are named, once
+    # each, in the schema's spelling; the weights and adapters it starts from are read for any task
+    own = ["task=vit:ImageClassification", "model.dim=64", "model.dim=32", "model.init_from=/w",
+           "data.source=files", "trainer.seq_len=64", "trainer.sample_prompt=x", "trainer.max_steps=3"]
+    assert settings_left_to_the_task(compose_config(own), own) == (
+        "model.dim, data.source, trainer.seq_len, trainer.sample_prompt set what the built-in language-model "
+        "task builds (its model, data, windows and text samples); ImageClassification has its own, so "
+        "shardtrain reads none of them: they reach the task only as self.cfg (drop them unless the task "
+        "reads them there)")
+    assert settings_left_to_the_task(compose_config(own), own[:1] + own[3:4]) is None
     # A task object built with a model of its own (the library's LanguageModelTask(model=...)):
     # the planner's formulas do not know it, refused before its data or model are built.
     with pytest.raises(ConfigError, match="set trainer.micro_batch_size=N for LanguageModelTask with a "

@@ -55,14 +55,18 @@ def restore_stopping_signals(cfg: Config) -> None:
 def cmd_train(overrides: list[str]) -> int:
     early = EarlySignals(DEFAULT_PREEMPTION_SIGNALS)
     cfg = compose_checked(overrides)
-    from shardtrain.cli.launch import launch_log_path, relaunch_if_needed
+    from shardtrain.cli.launch import BUILT_IN_LAUNCH, launch_log_path, relaunch_if_needed
     from shardtrain.cli.preflight import check_training
-    from shardtrain.config.loader import check_runtime
+    from shardtrain.config.loader import check_runtime, settings_left_to_the_task
     from shardtrain.diagnostics.failures import is_failure, record_exception
     from shardtrain.distributed.env import destroy_distributed, under_torchrun
     from shardtrain.train.loop import Trainer
 
     check_runtime(cfg)  # every other config error surfaces here, before any process starts
+    # Once: by the process the user started (the built-in launcher's workers say nothing of it)
+    by_hand = os.environ.get(BUILT_IN_LAUNCH) != "1" and int(os.environ.get("RANK", 0)) == 0
+    if by_hand and (unread := settings_left_to_the_task(cfg, overrides)):
+        log.warning(unread)
     if cfg.strategy.float8:
         import shardtrain.distributed.float8  # noqa: F401 - registers the conversion (loads torchao)
     if under_torchrun():

@@ -14,7 +14,8 @@ import importlib.util
 
 from shardtrain.accelerator import accelerator_count, check_float8, device_type
 from shardtrain.config.classpath import import_module_class, import_object, qualified_name
-from shardtrain.config.compose import check_ranges, compose_config
+from shardtrain.config.compose import check_ranges, compose_config, overridden
+from shardtrain.config.keys import check_overrides
 from shardtrain.config.options import read_options
 from shardtrain.config.plan import (
     check_base_dtype,
@@ -167,6 +168,41 @@ def check_built_in_task_settings(cfg: Config, task: object | None = None) -> Non
         raise ConfigError(f"trainer.loss_chunk_tokens={cfg.trainer.loss_chunk_tokens} sets the built-in "
                           f"language-model task's loss; {name} computes its own (a task can call "
                           "shardtrain.tasks.losses.chunked_cross_entropy in its loss); drop the setting")
+
+
+# What the built-in language-model task builds its model and data from: shardtrain reads these for no
+# other task (model.init_from and model.adapter are read for every task: the weights and adapters
+# a run starts from).
+BUILT_IN_TASK_KEYS = ("model", "data", "trainer.seq_len")
+EVERY_TASK_KEYS = ("model.init_from", "model.adapter")
+# Training's text samples, for a task with a text_tokenizer() (makes_text).
+SAMPLE_KEYS = ("trainer.sample_tokens", "trainer.sample_prompt")
+
+
+def settings_left_to_the_task(cfg: Config, overrides: list[str] | tuple[str, ...]) -> str | None:
+    """A warning naming the keys given in ``overrides`` that shardtrain reads for the built-in
+    language-model task only, when ``cfg.task`` is another task: they reach that task as
+    ``self.cfg`` and nothing else reads them (found by review: ``model.dim=512`` beside a task with
+    a model of its own trained the task's model as it was, without a word). None when there are
+    none. Not refused: a task may read them there."""
+    task_cls = import_object(cfg.task.path, "task")
+    spelled = check_overrides(overrides)
+    keys = []
+    if built_in_ancestor(task_cls) is None:
+        keys += [key for prefix in BUILT_IN_TASK_KEYS for key in overridden(spelled, prefix)
+                 if not any(key == k or key.startswith(k + ".") for k in EVERY_TASK_KEYS)]
+    if not makes_text(task_cls):
+        keys += [key for prefix in SAMPLE_KEYS for key in overridden(spelled, prefix)]
+    keys = list(dict.fromkeys(keys))
+    if not keys:
+        return None
+    one = len(keys) == 1
+    them = "it" if one else "them"
+    return (f"{', '.join(keys)} set{'s' if one else ''} what the built-in language-model task builds (its "
+            f"model, data, windows and text samples); {task_cls.__name__} has its own, so shardtrain "
+            f"{'does not read it' if one else 'reads none of them'}: "
+            f"{'it reaches' if one else 'they reach'} the task only as self.cfg (drop {them} unless the "
+            f"task reads {them} there)")
 
 
 def check_runtime(cfg: Config, runs_here: bool = True, rows_judge_layouts: bool = False) -> None:
