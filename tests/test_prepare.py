@@ -1289,6 +1289,32 @@ def test_a_tokenizer_files_truncation_and_padding_are_not_applied(tmp_path):
         save_tokenizer(train_tokenizer(sample_texts_for_tokenizer()), tmp_path / "plain"))
 
 
+def test_a_documents_text_spelling_a_special_token_is_read_as_text(tmp_path, monkeypatch):
+    """Found by review: a document quoting ``<|endoftext|>`` (web text, model outputs) was encoded
+    with that token mid-document, a boundary document masking and the model took for real. Read as
+    text now (tokenizers' encode_special_tokens), short and long documents alike; the tokenizer's
+    own affixes (a BOS) are still tokens, and a conversation's template markers still are too. A
+    cache prepared before is not found up to date (a tokenizer without special tokens reads the
+    same ids either way)."""
+    raw = train_tokenizer(sample_texts_for_tokenizer())
+    raw.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", raw.token_to_id("<|im_start|>"))])
+    tokenizer = save_tokenizer(raw, tmp_path / "tok")
+    specials = {raw.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
+    text = "def f(x):\n    return '<|endoftext|>' + x  # <|im_end|>\n" * 40
+    short = tokenizer.encode_documents([text[:60].encode()])[0]
+    assert short[0] == raw.token_to_id("<|im_start|>") and not specials & set(short[1:]), short
+    assert raw.decode(short[1:]) == text[:60]
+    whole = list(tokenizer.encode_documents([text.encode()])[0])
+    monkeypatch.setattr("shardtrain.data.tokenizer.PIECE_CHARS", 100)  # in pieces: the same ids
+    assert list(HFTokenizer(tmp_path / "tok").encode_documents([text.encode()])[0]) == whole
+    assert whole[0] == raw.token_to_id("<|im_start|>") and not specials & set(whole[1:])
+    # a rendered template's markers, and a prompt typed with one, are the tokens they spell
+    assert raw.token_to_id("<|im_end|>") in tokenizer.encode("Hi<|im_end|>", special_tokens=False)
+    assert tokenizer_entry(tokenizer)["specials_as_text"]
+    assert "specials_as_text" not in tokenizer_entry(ByteTokenizer())
+
+
 def test_a_validation_share_of_other_than_whole_hundredths_is_refused(tmp_path):
     """The split hashes a key into 10,000 buckets: --val-percent 0.001 held out 0.01% (ten times the
     share asked) without a word (found by review). Refused before anything is read."""

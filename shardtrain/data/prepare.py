@@ -189,6 +189,11 @@ def tokenizer_entry(tokenizer: Tokenizer) -> dict:
         # `tools is not none` wrote an empty tool list into every record: prepared again once (only
         # where the template reads them: the others render as before)
         entry["template_context"] = 2
+    if getattr(tokenizer, "reads_specials_as_text", False):
+        # Prepared before a document's text spelling a special token was read as text, such text
+        # was that token: a fingerprint of its own prepares them again (a tokenizer without special
+        # tokens, the byte-level one among them, reads the same ids either way)
+        entry["specials_as_text"] = True
     if getattr(tokenizer, "file_truncates", False):
         # Prepared before its truncation and padding were turned off, its documents were cut: a
         # fingerprint of its own prepares them again (every other tokenizer's stays as it was).

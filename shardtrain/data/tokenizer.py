@@ -423,11 +423,29 @@ class HFTokenizer:
                    if token.special}
         return frozenset(i for content, i in special.items() if after.startswith(content))
 
+    @cached_property
+    def reads_specials_as_text(self) -> bool:
+        """Whether a document's text can spell one of the tokenizer's special tokens, which
+        ``encode_documents`` reads as ordinary text."""
+        return any(token.special for token in self._tokenizer.get_added_tokens_decoder().values())
+
+    @cached_property
+    def _ordinary(self) -> tokenizers.Tokenizer:
+        """The tokenizer reading a special token's text as ordinary text (its BOS, EOS and other
+        affixes still added as tokens): a corpus quoting ``<|endoftext|>`` (web text, model outputs,
+        this tokenizer's own docs) put an end of text mid-document, where document masking and the
+        model learnt a boundary that is not there (found by review). What nanoGPT's
+        ``encode_ordinary`` and torchtitan's tiktoken encode do for pretraining text."""
+        ordinary = tokenizers.Tokenizer.from_str(self._tokenizer.to_str())
+        ordinary.encode_special_tokens = True
+        return ordinary
+
     def encode_documents(self, documents: list[bytes]) -> list[list[int] | np.ndarray]:
+        """Each document's ids, special tokens' text read as text (``_ordinary``)."""
         texts = [doc.decode("utf-8", errors="replace") for doc in documents]
         short = [i for i, text in enumerate(texts) if len(text) <= PIECE_CHARS]
         ids: list = [None] * len(texts)
-        for i, encoding in zip(short, self._tokenizer.encode_batch([texts[i] for i in short])):
+        for i, encoding in zip(short, self._ordinary.encode_batch([texts[i] for i in short])):
             ids[i] = encoding.ids
         for i, text in enumerate(texts):
             if ids[i] is None:
@@ -440,13 +458,13 @@ class HFTokenizer:
         a token, and `shardtrain prepare` of 20 MB of source peaked at 3.07 GiB whole, 0.51 GiB in
         pieces, docs/data.md); else in one piece."""
         if self.piecewise is None:
-            return self._tokenizer.encode(text).ids
+            return self._ordinary.encode(text).ids
         prefix, suffix = self.piecewise
         pieces = line_pieces(text, PIECE_CHARS, partial(pre_token_starts_at, self._tokenizer))
         parts = [np.asarray(prefix, dtype=np.int64)]
         for first in range(0, len(pieces), PIECES_AT_ONCE):
-            encodings = self._tokenizer.encode_batch(pieces[first:first + PIECES_AT_ONCE],
-                                                     add_special_tokens=False)
+            encodings = self._ordinary.encode_batch(pieces[first:first + PIECES_AT_ONCE],
+                                                    add_special_tokens=False)
             parts.extend(np.asarray(encoding.ids, dtype=np.int64) for encoding in encodings)
         parts.append(np.asarray(suffix, dtype=np.int64))
         return np.concatenate(parts)
