@@ -752,6 +752,51 @@ def test_bad_data_is_one_clear_line(case, tmp_path):
     assert case in ("not_prepared", "out_is_a_file") or not (tmp_path / "out").exists()
 
 
+def test_a_datasets_split_files_and_a_file_named_twice_are_refused(tmp_path):
+    """Found by review: a directory in the Hub's layout (train, test and validation files side by
+    side) was one corpus, its test and validation rows trained on; a file named by two inputs was
+    read twice, under two keys (a document held out in one copy was trained on in the other)."""
+    hub = tmp_path / "hub"
+    (hub / "data").mkdir(parents=True)
+    for split in ("train", "test", "validation"):
+        pq.write_table(pa.table({"text": [f"{split} {i}" for i in range(3)]}),
+                       hub / "data" / f"{split}-00000-of-00001.parquet")
+    (hub / "README.md").write_text("a dataset card")
+    held = ("holds a dataset's splits as files (test: data/test-00000-of-00001.parquet; train: "
+            "data/train-00000-of-00001.parquet; validation: data/validation-00000-of-00001.parquet): read "
+            "together, the held-out splits are trained on; give the training split alone (--glob / "
+            "data.file_glob 'train*', or its files)")
+    with pytest.raises(DataError, match=f"^input '{re.escape(str(hub))}' {re.escape(held)}"):
+        resolve_sources([str(hub)], "*.parquet")
+    with pytest.raises(DataError, match="holds a dataset's splits as files"):
+        resolve_sources([f"{hub}/**/*.parquet"], "*")
+    assert [s.name for s in resolve_sources([str(hub)], "train*")] == ["data/train-00000-of-00001.parquet"]
+    # named one by one, they are read as asked; directories of a split's name count too, and
+    # text files (a code corpus's train.py beside test_train.py) never do
+    assert len(resolve_sources(sorted(map(str, (hub / "data").iterdir())), "*")) == 3
+    (tmp_path / "dirs" / "train").mkdir(parents=True)
+    (tmp_path / "dirs" / "dev").mkdir()
+    for split in ("train", "dev"):
+        (tmp_path / "dirs" / split / "part-0.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(DataError, match=r"\(train: train/part-0.jsonl; validation: dev/part-0.jsonl\): .*"
+                                        r"data.file_glob 'train/\*'"):
+        resolve_sources([str(tmp_path / "dirs")], "*.jsonl")
+    assert [s.name for s in resolve_sources([str(tmp_path / "dirs")], "train/*")] == ["train/part-0.jsonl"]
+    (tmp_path / "code").mkdir()
+    for name in ("train.py", "test_train.py"):
+        (tmp_path / "code" / name).write_text("pass\n")
+    assert len(resolve_sources([str(tmp_path / "code")], "*.py")) == 2
+    # one file through two inputs: refused, naming both keys
+    (tmp_path / "c" / "sub").mkdir(parents=True)
+    (tmp_path / "c" / "sub" / "x.jsonl").write_text('{"text": "x"}\n')
+    twice = tmp_path / "c" / "sub" / "x.jsonl"
+    with pytest.raises(DataError, match=f"^{re.escape(str(twice))} is read twice \\(as 'sub/x.jsonl' and "
+                                        "'x.jsonl', inputs: "):
+        resolve_sources([str(tmp_path / "c"), str(twice)], "*.jsonl")
+    with pytest.raises(DataError, match=r"is read twice \(inputs: "):
+        resolve_sources([str(twice), str(twice.parent / ".." / "sub" / "x.jsonl")], "*")
+
+
 def test_data_smaller_than_one_global_batch_fails_before_training(tmp_path):
     """A global batch must hold distinct windows: fewer windows than one global batch is one line
     naming both counts and the batch's factors."""

@@ -353,7 +353,9 @@ def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] =
                 raise DataError(f"input {entry!r} matches no file" + (
                     f" but hidden ones ({hidden[0]}), which are skipped unless the pattern's part "
                     "starts with '.'" if hidden else ""))
-            sources += [Source(p, p.relative_to(base).as_posix(), text_field) for p in matched]
+            found = [Source(p, p.relative_to(base).as_posix(), text_field) for p in matched]
+            check_not_split_files(entry, found)
+            sources += found
         elif not path.exists():
             raise DataError(f"input {entry!r} does not exist; fix the path")
         elif path.is_dir() and (path / DATASET_DICT).is_file():
@@ -368,10 +370,12 @@ def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] =
             if not files:
                 raise DataError(no_matching_files(entry, path, file_glob, exclude))
             found = [Source(p, p.relative_to(path).as_posix(), text_field) for p in files]
+            check_not_split_files(entry, found)
             warn_text_beside_records(entry, found)
             sources += found
         else:
             sources.append(Source(path, path.name, text_field))
+    check_each_file_once(inputs, sources)
     for source in sources:
         check_not_packed(source)
     warn_json_lines_read_as_text(sources)
@@ -406,6 +410,58 @@ def warn_json_lines_read_as_text(sources: list[Source]) -> None:
                     f"whose first record has no {found[0].text_field!r} field, each file read as one text "
                     "document; to read them as records name their text field (--text-field, "
                     "data.text_field)")
+
+
+# A dataset's split, as the Hugging Face Hub's layouts name its files and directories
+# (data/train-00000-of-00001.parquet, test.jsonl, validation/part-0.parquet).
+SPLIT_NAMES = {"train": "train", "training": "train", "test": "test", "testing": "test",
+               "validation": "validation", "valid": "validation", "val": "validation", "dev": "validation",
+               "eval": "validation"}
+
+
+def split_of(name: str) -> str | None:
+    """The split a record file's path (relative to its input) names: a directory of a split's name,
+    or a file name starting with one (``train-00000-of-00001.parquet``, ``test.jsonl``)."""
+    *directories, file = PurePosixPath(name).parts
+    named = [SPLIT_NAMES.get(d.lower()) for d in directories]
+    named.append(SPLIT_NAMES.get(re.split(r"[-_.]", file, maxsplit=1)[0].lower()))
+    return next((split for split in reversed(named) if split), None)
+
+
+def check_not_split_files(entry: str, sources: list[Source]) -> None:
+    """A directory or pattern whose record files are a dataset's splits (the Hub's layout: train,
+    test and validation files side by side) is refused, as a DatasetDict's directory is: read
+    together, the test and validation rows were trained on (found by review)."""
+    splits: dict[str, list[str]] = {}
+    for source in sources:
+        if source.kind in RECORD_KINDS and (split := split_of(source.name)) is not None:
+            splits.setdefault(split, []).append(source.name)
+    if len(splits) < 2 or "train" not in splits:
+        return
+    named = "; ".join(f"{split}: {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+                      for split, names in sorted(splits.items()))
+    *directories, file = PurePosixPath(splits["train"][0]).parts
+    word = re.split(r"[-_.]", file, maxsplit=1)[0]
+    glob = f"{word}*" if SPLIT_NAMES.get(word.lower()) == "train" else f"{directories[-1]}/*"
+    raise DataError(f"input {entry!r} holds a dataset's splits as files ({named}): read together, the "
+                    f"held-out splits are trained on; give the training split alone (--glob / "
+                    f"data.file_glob '{glob}', or its files), and prepare's --val-percent holds out "
+                    "validation from it")
+
+
+def check_each_file_once(inputs: list[str], sources: list[Source]) -> None:
+    """A file that two inputs name (``x.jsonl ./x.jsonl``, a directory and a file inside it) is
+    refused: it was read twice, and as each names it differently (its key), a document of one copy
+    could be in the validation split and the same document of the other trained on (found by
+    review)."""
+    seen: dict[Path, Source] = {}
+    for source in sources:
+        real = source.path.resolve()
+        if (first := seen.setdefault(real, source)) is not source:
+            as_named = f"as {first.name!r} and {source.name!r}, " if first.name != source.name else ""
+            raise DataError(f"{real} is read twice ({as_named}inputs: {', '.join(inputs)}): name each file "
+                            "once (its documents were read twice, and a document named two ways could be "
+                            "held out for validation in one copy and trained on in the other)")
 
 
 def warn_text_beside_records(entry: str, sources: list[Source]) -> None:
