@@ -428,8 +428,9 @@ def test_json_files_of_records_are_json_lines(tmp_path, caplog):
     (tmp_path / "list.json").write_text('["a", "b"]\n')
     (tmp_path / "other.json").write_text('{"content": "alpha"}\n{"content": "beta"}\n')
     kinds = {p.name: Source(p, p.name).kind for p in sorted(tmp_path.iterdir())}
+    # package.json holds the text field: a record, written with an indent or on one line alike
     assert kinds == {"UPPER.JSON": "jsonl", "chat.json": "jsonl", "list.json": "text", "one.json": "text",
-                     "other.json": "text", "package.json": "text", "train.json": "jsonl",
+                     "other.json": "text", "package.json": "json objects", "train.json": "jsonl",
                      "train.json.gz": "jsonl"}
     # The text field named decides too, and what is read shows in the fingerprint (not as text)
     assert Source(tmp_path / "one.json", "one.json", text_field="name").kind == "jsonl"
@@ -492,6 +493,26 @@ def test_json_files_of_records_are_json_lines(tmp_path, caplog):
         resolve_sources([str(tmp_path / "array" / "c.json")], "*")
     assert "c.json: JSON records (lines, or an array) whose first record has no 'text' field" in caplog.text
     assert Source(tmp_path / "array" / "c.json", "c.json", text_field="output").kind == "json array"
+    # A record written with an indent (json.dump(record, f, indent=2), jq .), one or more to a file:
+    # its records (found by review: trained on as JSON text, braces and keys included, without a
+    # word); such a file of other fields (a package.json) is text, as before
+    (tmp_path / "indented").mkdir()
+    (tmp_path / "indented" / "one.json").write_text(json.dumps({"id": 1, "text": "epsilon"}, indent=2))
+    (tmp_path / "indented" / "two.json").write_text(
+        "\n".join(json.dumps({"text": t, "n": [1, 2]}, indent=1) for t in ("zeta", "eta")) + "\n")
+    (tmp_path / "indented" / "chat.json").write_text(json.dumps(
+        {"prompt": "p", "completion": "c"}, indent="\t"))
+    (tmp_path / "indented" / "package.json").write_text(json.dumps({"name": "x"}, indent=2))
+    assert {p.name: Source(p, p.name).kind for p in (tmp_path / "indented").iterdir()} == {
+        "one.json": "json objects", "two.json": "json objects", "chat.json": "json objects",
+        "package.json": "text"}
+    read = [list(documents(Source(tmp_path / "indented" / name, name), "text")) for name in ("one.json",
+                                                                                            "two.json")]
+    assert read == [[("one.json:1", b"epsilon")], [("two.json:1", b"zeta"), ("two.json:2", b"eta")]]
+    assert Source(tmp_path / "indented" / "one.json", "one.json").fingerprint()["read_as"] == "json objects"
+    (tmp_path / "indented" / "two.json").write_text(json.dumps({"text": "zeta"}, indent=1) + "\n{ oops\n")
+    with pytest.raises(DataError, match=r"two.json: not a valid JSON object of records, or objects \("):
+        list(documents(Source(tmp_path / "indented" / "two.json", "two.json"), "text"))
     (tmp_path / "notes.json.gz").write_bytes(gzip.compress(b'{\n  "a": 1\n}\n'))
     with pytest.raises(DataError, match=r"notes.json.gz: compressed, and not JSON Lines records .* reads a "
                                         r"\.json\.gz as JSON Lines only: name the text field"):

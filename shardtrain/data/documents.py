@@ -52,7 +52,7 @@ JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")  # matched ign
 # JSON Lines as train.json, and code corpora hold package.json-like files, which are text.
 JSON_SUFFIXES = (".json", ".json.gz")  # matched ignoring case
 # What a directory input yields that is read as records, beside which a text file is worth a word.
-RECORD_KINDS = ("jsonl", "json array", "parquet", "arrow")
+RECORD_KINDS = ("jsonl", "json array", "json objects", "parquet", "arrow")
 # Rows of a Parquet or Arrow file turned into Python bytes at a time: a whole row group's (or
 # Arrow file's) column at once held a file written as one row group whole, several times over.
 TABLE_ROWS = 1024
@@ -70,6 +70,7 @@ PREPARED_SHARD = "{kind}-{index:05d}.npy"  # kind: tokens, docs, mask
 PREPARED_TOKEN_SHARDS = "tokens-*.npy"  # the token shards among them
 # JSON can escape half of a UTF-16 pair alone ("\ud800"); no UTF-8 text holds one.
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+JSON_SPACE = re.compile(r"[ \t\n\r]*")  # what JSON allows between values
 # What a read with errors="surrogateescape" puts in place of each byte that is not UTF-8.
 NOT_UTF8 = re.compile("[\udc80-\udcff]")
 
@@ -102,6 +103,8 @@ class Source:
             return "jsonl"
         if self.json_shape == "array":
             return "json array"
+        if self.json_shape == "objects":
+            return "json objects"
         return "text"
 
     def fingerprint(self) -> dict:
@@ -114,7 +117,7 @@ class Source:
         entry = {"name": self.name, "bytes": sum(s.st_size for s in stats),
                  "mtime_ns": max(s.st_mtime_ns for s in stats)}
         # A JSON array was text before it was records: its read_as makes those prepared again.
-        if kind == "json array" or (kind not in ("arrow", "text")
+        if kind in ("json array", "json objects") or (kind not in ("arrow", "text")
                                     and not self.path.name.endswith(FIRST_SUFFIXES[kind])):
             entry["read_as"] = kind
         return entry
@@ -144,6 +147,8 @@ def json_shape(path: Path, field: str) -> str:
             try:
                 record = json.loads(first)
             except ValueError:  # UnicodeDecodeError included; an empty file; a line cut at the bound
+                if first.lstrip().startswith(b"{"):  # an indented object's first line: "{"
+                    return object_shape(first + lines.read(JSON_SNIFF_BYTES), field)
                 return "text"
             if not isinstance(record, dict):
                 return "text"
@@ -165,6 +170,19 @@ def array_shape(head: bytes, field: str) -> str:
     if not isinstance(first, dict):
         return "text"
     return "array" if field in first or has_fine_tuning_keys(first) else "other records"
+
+
+def object_shape(head: bytes, field: str) -> str:
+    """``json_shape`` of a file whose first line starts an object it does not hold whole (written
+    with an indent, as ``json.dump(record, f, indent=2)`` and ``jq .`` write it), from its first
+    ``JSON_SNIFF_BYTES``: "objects" where that object is a record (found by review: such files were
+    trained on as their JSON text, braces and keys included, without a word), else "text"."""
+    try:
+        first, _ = json.JSONDecoder().raw_decode(head.decode("utf-8-sig").lstrip())
+    except ValueError:  # UnicodeDecodeError included; an object past the bound
+        return "text"
+    record = isinstance(first, dict) and (field in first or has_fine_tuning_keys(first))
+    return "objects" if record else "text"
 
 
 def next_nonblank_line(lines: IO[bytes], skip: bytes = b"") -> bytes:
@@ -674,20 +692,31 @@ def read_json_array(source: Source, field: str) -> Iterator[tuple[str, Document]
     """The records of a ``.json`` file holding one JSON array of them, read whole (JSON Lines are
     read a line at a time: convert a file of gigabytes), keyed by their position from 1."""
     opener = gzip.open if source.path.name.lower().endswith(".gz") else open
+    shape = "JSON array of records" if source.kind == "json array" else "JSON object of records, or objects"
     try:
         with opener(source.path, "rt", encoding="utf-8-sig") as text:
-            records = json.load(text)
+            records = json.load(text) if source.kind == "json array" else json_objects(text.read())
     except (OSError, EOFError, zlib.error) as exc:
         raise DataError(f"{source.path}: cannot be read ({exc})") from exc
     except ValueError as exc:  # UnicodeDecodeError included
-        raise DataError(f"{source.path}: not a valid JSON array of records ({exc})") from exc
+        raise DataError(f"{source.path}: not a valid {shape} ({exc})") from exc
     if not isinstance(records, list):
-        raise DataError(f"{source.path}: not a JSON array of records")
+        raise DataError(f"{source.path}: not a {shape}")
     mixed = TextBesideFineTuning(field)
     for number, record in enumerate(records, start=1):
         where = f"{source.path}: record {number}"
         mixed.check(record, where)
         yield f"{source.name}:{number}", document_of(record, field, where)
+
+
+def json_objects(text: str) -> list:
+    """The JSON values of ``text`` one after another (objects written with an indent, one or more:
+    ``jq .``'s output of a stream), each parsed whole."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while (at := JSON_SPACE.match(text, at).end()) < len(text):
+        value, at = decoder.raw_decode(text, at)
+        values.append(value)
+    return values
 
 
 def read_table_rows(source: Source, tables: Iterator[pa.RecordBatch],
@@ -786,7 +815,7 @@ def documents(source: Source, field: str) -> Iterator[tuple[str, Document]]:
     """(key, document) of every document of ``source``, in order."""
     if source.kind == "jsonl":
         return read_jsonl(source, field)
-    if source.kind == "json array":
+    if source.kind in ("json array", "json objects"):
         return read_json_array(source, field)
     if source.kind == "parquet":
         return read_table_rows(source, parquet_tables(source.path, field), field)
