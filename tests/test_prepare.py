@@ -510,6 +510,12 @@ def test_json_files_of_records_are_json_lines(tmp_path, caplog):
                                                                                             "two.json")]
     assert read == [[("one.json:1", b"epsilon")], [("two.json:1", b"zeta"), ("two.json:2", b"eta")]]
     assert Source(tmp_path / "indented" / "one.json", "one.json").fingerprint()["read_as"] == "json objects"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shardtrain"):  # the text beside them: said once
+        prepare(PrepareOptions(inputs=[str(tmp_path / "indented")], val_percent=0.0),
+                tmp_path / "indented_out", progress=False)
+    assert caplog.text.count("holds records (JSON Lines, Parquet or Arrow) and text files") == 1, caplog.text
+    assert bytes(read_split(tmp_path / "indented_out", "train")[0].tolist()).startswith(b"pc")  # chat.json
     (tmp_path / "indented" / "two.json").write_text(json.dumps({"text": "zeta"}, indent=1) + "\n{ oops\n")
     with pytest.raises(DataError, match=r"two.json: not a valid JSON object of records, or objects \("):
         list(documents(Source(tmp_path / "indented" / "two.json", "two.json"), "text"))

@@ -542,10 +542,20 @@ def prepare(options: PrepareOptions, out: str | Path, progress: bool = True,
         return prepare_unlocked(options, out, progress, exclude)
     # Up to date: nothing is written, not even the lock (a dataset on a read-only share, another
     # user's); else under the lock, where a preparation that finished meanwhile is found up to date.
-    if (current := prepare_unlocked(options, out, progress, exclude, check_only=True)) is not None:
+    # The inputs are listed once for both (their warnings were said twice: found by review).
+    sources = input_sources(options, out, exclude)
+    if (current := prepare_unlocked(options, out, progress, exclude, check_only=True,
+                                    sources=sources)) is not None:
         return current
     with locked(lock_path):
-        return prepare_unlocked(options, out, progress, exclude)
+        return prepare_unlocked(options, out, progress, exclude, sources=sources)
+
+
+def input_sources(options: PrepareOptions, out: Path, exclude: list[Path]) -> list[Source]:
+    """The inputs' files, never ``out``, its staging and replaced siblings, or ``exclude``."""
+    staging, aside = out.with_name(f".{out.name}.preparing"), out.with_name(f".{out.name}.replaced")
+    return resolve_sources(options.inputs, options.file_glob, [out, staging, aside, *exclude],
+                           options.text_field)
 
 
 @contextmanager
@@ -572,13 +582,13 @@ def locked(path: Path, required: str | None = None) -> Iterator[None]:
 
 
 def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool, exclude: list[Path],
-                     check_only: bool = False) -> PrepareResult | None:
-    """``prepare``'s work; ``check_only``: the result if ``out`` is up to date, else None."""
+                     check_only: bool = False, sources: list[Source] | None = None) -> PrepareResult | None:
+    """``prepare``'s work; ``check_only``: the result if ``out`` is up to date, else None.
+    ``sources``: the inputs' files (``input_sources``), when listed already."""
     tokenizer = load_tokenizer(options.tokenizer)
     staging = out.with_name(f".{out.name}.preparing")
     aside = out.with_name(f".{out.name}.replaced")
-    sources = resolve_sources(options.inputs, options.file_glob, [out, staging, aside, *exclude],
-                              options.text_field)
+    sources = input_sources(options, out, exclude) if sources is None else sources
     source_entries = [s.fingerprint() for s in sources]  # every input file's size and mtime, once
     digest = fingerprint(options, source_entries, tokenizer)
     existing = read_manifest(out)
