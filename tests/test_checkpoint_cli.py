@@ -176,10 +176,12 @@ def test_a_preemption_save_does_not_wait_for_evaluation(tmp_path):
     """Rank 0 is signalled after step 3; step 4 agrees to stop, and its save comes before the
     evaluation due at step 4 would (it ate the scheduler's grace period before the SIGKILL). The
     checkpoint records the evaluation as due, and the resume runs it first, judging it for
-    keep_best, also when step 4 is the last (it was lost for good: found by review)."""
+    keep_best, also when step 4 is the last (it was lost for good: found by review), and prunes the
+    step it puts out of the ranking (step 2, best before: it stayed beyond keep_last and keep_best
+    for good, as no save followed; found by review)."""
     run_dir = tmp_path / "run"
-    args = [*QUICK, "trainer.devices=2", "trainer.eval_every=4", "checkpoint.interval=0",
-            "checkpoint.keep_best=1", f"run.dir={run_dir}"]
+    args = [*QUICK, "trainer.devices=2", "trainer.eval_every=2", "checkpoint.interval=0",
+            "checkpoint.keep_best=1", "checkpoint.keep_last=1", f"run.dir={run_dir}"]
     proc = run_cli("train", *args, "trainer.max_steps=8", env={"SHARDTRAIN_FAULT": "step:0:3:signal=SIGTERM"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "preemption (SIGTERM): saving at step 4" in proc.stderr, proc.stderr[-3000:]
@@ -204,6 +206,8 @@ def test_a_preemption_save_does_not_wait_for_evaluation(tmp_path):
     records = read_metrics(run_dir)
     assert records[-1]["step"] == 4 and records[-1]["val_loss"] > 0, records[-1]
     assert os.readlink(run_dir / "checkpoints" / "best") == "step-4"  # it ranked: the link moved
+    assert "at step 4 ranks among the 1 best; its checkpoint, just resumed, is kept" in resumed.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["best", "step-4"]
     # The checkpoint records the evaluation as run: the same command again has nothing to do (found by
     # review: each re-run evaluated, sampled and logged step 4 again).
     logged = (run_dir / "metrics.jsonl").read_text()

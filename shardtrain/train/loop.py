@@ -1155,12 +1155,17 @@ class Trainer:
         if self.best is not None:
             # Another run's checkpoint (resumed from its directory) is not this run's to rank or
             # link: counted for early stopping only, as its own run counted it.
-            self.judge_evaluation(record, rank=self.resumed_here)
+            self.judge_evaluation(record, rank=self.resumed_here, saved=True)
             self.best_save_due = False  # saved: the checkpoint just resumed
             if self.env.is_main and self.checkpointer is not None and self.best.ranking:
                 self.checkpointer.point_best_at(self.best.ranking[0][0], f"step {self.step} was evaluated")
         if self.env.is_main and self.checkpointer is not None and self.result.resumed_from:
             self.checkpointer.mark_evaluated(Path(self.result.resumed_from))
+            if self.best is not None and self.resumed_here:
+                # A step this evaluation put out of the ranking goes, as a save's commit prunes: at
+                # trainer.max_steps no save follows, and it stayed beyond keep_last and keep_best for
+                # good (found by review)
+                self.checkpointer.prune(self.step, {step for step, _ in self.best.ranking})
 
     def log_record(self, record: dict) -> None:
         """This step's train record, to the metrics log and the console."""
@@ -1234,10 +1239,10 @@ class Trainer:
             record.update({f"ema_val_{name}": value for name, value in val_metrics.items()})
         return record
 
-    def judge_evaluation(self, record: dict[str, float], rank: bool = True) -> None:
+    def judge_evaluation(self, record: dict[str, float], rank: bool = True, saved: bool = False) -> None:
         """trainer.monitor's value of this evaluation: saved at its step when it ranks among
-        checkpoint.keep_best's, and counted towards trainer.early_stop_patience when it does not
-        improve on the best."""
+        checkpoint.keep_best's (``saved``: its checkpoint is the one just resumed), and counted
+        towards trainer.early_stop_patience when it does not improve on the best."""
         t, step = self.cfg.trainer, self.step
         if t.monitor not in record:
             logged = ", ".join(sorted(name for name in record if name.startswith(("val_", "ema_val_"))))
@@ -1246,8 +1251,9 @@ class Trainer:
         value = record[t.monitor]
         if self.best.judge(step, value, rank):
             self.best_save_due = True
+            kept = "its checkpoint, just resumed, is kept" if saved else "saving it"
             self.info(f"checkpoint.keep_best: {t.monitor} {value:.6g} at step {step} ranks among the "
-                      f"{self.best.keep} best; saving it ({self.best.describe()})")
+                      f"{self.best.keep} best; {kept} ({self.best.describe()})")
         patience = t.early_stop_patience
         if patience and self.best.stale >= patience and step < t.max_steps:  # at max_steps: finished
             best_step, best_value = self.best.best or (0, float("nan"))
