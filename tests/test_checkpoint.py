@@ -655,6 +655,20 @@ def test_inspect_refuses_a_directory_that_is_no_checkpoint(tmp_path):
     abandoned = tmp_path / ".step-4.tmp"  # an interrupted save: reported, not refused
     abandoned.mkdir()
     assert "did not finish" in inspect_path(abandoned).render()
+    # A best link whose target is gone (a copy of the newest step alone): the link and its target
+    # named, with the newest complete checkpoint (found by review: "does not exist" of the link)
+    root = tmp_path / "copied" / "checkpoints"
+    (root / "step-4").mkdir(parents=True)
+    (root / "step-4" / STATE_FILE).write_text("{}")
+    (root / "best").symlink_to("step-2")
+    said = f"'{root / 'best'}' is a link to step-2, which does not exist; the newest complete checkpoint " \
+           f"there is {root / 'step-4'}"
+    with pytest.raises(CheckpointError, match="^" + re.escape(said) + "$"):
+        inspect_path(root / "best")
+    with pytest.raises(CheckpointError, match="^checkpoint " + re.escape(said) + "$"):
+        layout.read_dcp_metadata(root / "best")
+    with pytest.raises(CheckpointError, match=f"^'{re.escape(str(root / 'step-2'))}' does not exist$"):
+        inspect_path(root / "step-2")
 
 
 def test_the_background_deleter_removes_in_order_and_is_waited_for(tmp_path, caplog):

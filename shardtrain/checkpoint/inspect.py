@@ -118,7 +118,7 @@ def inspect_path(target: str | Path) -> Report:
     path = Path(target)
     report = Report(str(path))
     if not path.exists():
-        raise CheckpointError(f"{str(path)!r} does not exist")
+        raise layout.missing(path, what="")
     if path.is_file():
         if path.suffix == ".safetensors" or path.name.endswith(".index.json"):
             inspect_safetensors(path, report)

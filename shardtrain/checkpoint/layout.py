@@ -236,10 +236,22 @@ def saved_torch_version(path: Path) -> str:
         return "not recorded"
 
 
+def missing(path: Path, what: str = "checkpoint") -> CheckpointError:
+    """The error for a ``path`` that does not exist; a link (``checkpoints/best``) whose target is
+    gone names the target, and the newest complete checkpoint beside it (found by review: "does not
+    exist" of a link that was there)."""
+    if not path.is_symlink():
+        return CheckpointError(f"{what} {str(path)!r} does not exist".lstrip())
+    found = candidates(path.parent)
+    newest = f"; the newest complete checkpoint there is {found.complete[-1][1]}" if found.complete else ""
+    return CheckpointError(f"{what} {str(path)!r} is a link to {os.readlink(path)}, which does not exist"
+                           .lstrip() + newest)
+
+
 def read_dcp_metadata(path: Path) -> Metadata:
     """DCP's metadata, or a CheckpointError that says what is wrong with ``path``."""
     if not path.exists():
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+        raise missing(path)
     if not path.is_dir():
         weights_only = path.suffix == ".safetensors"
         raise CheckpointError(
