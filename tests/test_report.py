@@ -475,7 +475,15 @@ def test_a_run_named_with_an_underscore_keeps_its_legend_entry_and_nan_losses_dr
         (tmp_path / name).mkdir()
         records = [{"step": 0, "kind": "start", "world_size": 1, "restart_count": 0}]
         records += [{"step": s, "kind": "train", "loss": loss, "tokens_seen": 64 * s} for s in range(1, 4)]
+        # an infinite val_loss after a finite one (a bf16 overflow)
+        records += [{"step": 1, "kind": "train", "val_loss": 3.0},
+                    {"step": 3, "kind": "train", "val_loss": math.inf}]
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     report = write_report([tmp_path / "_base", tmp_path / "diverged"], tmp_path / "report.html")
     labels = [t.get_text() for t in report.figures["loss_steps"].legends[0].get_texts()]
-    assert [label for label in labels if "loss" in label] == ["\u200b_base: train loss"], labels
+    assert [label for label in labels if "train loss" in label] == ["\u200b_base: train loss"], labels
+    # The summary shows them as logged (found by review: a blank last loss, and the earlier finite
+    # val_loss as the best without a word of the infinite one)
+    page = (tmp_path / "report.html").read_text()
+    assert "<td class=num>nan</td><td class=num>3.000 (1 not finite)</td>" in page
+    assert "<td class=num>1.000</td><td class=num>3.000 (1 not finite)</td>" in page

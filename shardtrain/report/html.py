@@ -75,8 +75,16 @@ def report_data(runs: list[Run], panels: list[Panel], differences: dict[str, lis
 
 
 def _number(value: float | None, digits: int = 4) -> str:
-    """``digits`` significant digits, trailing zeros kept: a loss of 4.0000 read "4" beside 3.987."""
-    return "" if value is None else f"{value:#.{digits}g}"
+    """``digits`` significant digits, trailing zeros kept: a loss of 4.0000 read "4" beside 3.987;
+    NaN and infinities as ``nan``, ``inf``."""
+    if value is None:
+        return ""
+    return f"{value:#.{digits}g}" if math.isfinite(value) else f"{value}"
+
+
+def number_or_none(value: Any) -> float | None:
+    """A logged number as a float, NaN and infinities included; None for null or anything else."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def torchrun_restarts(counts: list[int]) -> int:
@@ -98,11 +106,16 @@ def _runs_table(runs: list[Run], colours: dict[str, str], unit: str) -> str:
         train = run.of("train")
         # an evaluation between logging steps writes a record of val_* fields only
         counted = [r for r in train if seen_count(r, run_unit(run)) is not None]
-        losses = run.values("train", "loss")[1]
-        vals = [v for v in run.values("train", "val_loss")[1] if v is not None]
+        # As logged: a NaN or infinite value shows as such (left blank, a diverged last loss read as
+        # none logged, and an infinite val_loss was passed over for an earlier one; found by review)
+        losses = [number_or_none(r["loss"]) for r in train if "loss" in r]
+        logged_vals = [number_or_none(r["val_loss"]) for r in train if "val_loss" in r]
+        vals = [v for v in logged_vals if v is not None and math.isfinite(v)]
         averaged = [v for v in run.values("train", "ema_val_loss")[1] if v is not None]
+        unfinished = sum(1 for v in logged_vals if v is not None and not math.isfinite(v))
         best_val = _number(min(vals) if vals else None) + (
-            f" (average {_number(min(averaged))})" if averaged else "")
+            f" (average {_number(min(averaged))})" if averaged else "") + (
+            f" ({unfinished} not finite)" if unfinished else "")
         resumes = sum(1 for s in run.starts if s.resumed_from)
         restarts = torchrun_restarts([s.restart_count for s in run.starts])
         worlds = sorted({s.world_size for s in run.starts if s.world_size})
