@@ -1237,6 +1237,15 @@ def test_a_mixture_draws_each_dataset_by_its_weight(tmp_path):
     loss, logged = float(scored.stdout.split("loss ")[1].split()[0]), read_metrics(tmp_path / "run")[-1]
     assert abs(loss - logged["val_loss"]) <= 6e-5, (loss, logged["val_loss"])  # printed to 4 places
     assert "each document attending within itself" in scored.stdout
+    # and, where windows cross a document's end, how many targets the loss is per (found by review:
+    # every input token was named)
+    across = run_cli("eval", str(tmp_path / "run" / "checkpoints" / "step-2"), "--seq-len", "16",
+                     "--samples", "1000")
+    assert across.returncode == 0, across.stderr[-2000:]
+    said = re.search(r": (\d+) bytes in windows of 16, each document attending within itself "
+                     r"\(data.document_mask\), (\d+) of them scored \(no target across a document's end\)",
+                     across.stdout)
+    assert said and 0 < int(said[1]) - int(said[2]) < int(said[1]) // 100, across.stdout
     assert "windows a block of 1,024 (weight's share): pa 768 (75.00%), pb 256 (25.00%)" in done.stderr
     assert "as often as its weight says" not in done.stderr
     # A weight under one window in a block is raised to one: said (found by review: it was silent,

@@ -476,7 +476,10 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
                  else min(args.samples, windows.num_samples) * args.seq_len)  # a mixture's: whole windows
             unit = "byte" if reads_bytes(tokenizer) else "token"
             targets = (f", {scored:.0f} of them targets (the fine-tuning records' answers, which the loss "
-                       "scores)" if masked else "")
+                       "scores)" if masked else
+                       # (found by review: the count read as the loss's, which is per target)
+                       f", {scored:.0f} of them scored (no target across a document's end)"
+                       if mask and scored != n else "")
             masked_documents = ", each document attending within itself (data.document_mask)" if mask else ""
             print(f"eval on {source}: {n} {unit}s in windows of {args.seq_len}{masked_documents}{targets}")
             unit = f"target {unit}" if masked else unit
