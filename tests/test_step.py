@@ -350,6 +350,16 @@ def test_bf16_reductions_and_weights_are_said_at_start_up():
     assert precision_cautions(nn.Linear(4, 4), mixed, 8) == []
     reduced = resolve_plan(StrategyConfig(mixed_precision="bf16-mixed", reduce_dtype="bf16"), 2, 2)
     assert [c[:32] for c in precision_cautions(nn.Linear(4, 4), reduced, 8)] == [reduce[:32]]
+    # Accumulated whole between micro-batches, the sum is bf16 at one rank too (found by review);
+    # sharded accumulation adds each micro-batch's reduced shard to the fp32 gradient
+    alone = resolve_plan(StrategyConfig(mixed_precision="bf16-mixed", reduce_dtype="bf16"), 1, 1)
+    assert alone.grad_accumulation == "unsharded" and precision_cautions(nn.Linear(4, 4), alone, 1, 1) == []
+    assert precision_cautions(nn.Linear(4, 4), alone, 1, 4) == [
+        "gradients are accumulated in bf16 over 4 micro-batches (strategy.grad_accumulation=unsharded "
+        "holds each whole gradient in the reduce dtype between them); strategy.reduce_dtype=fp32 "
+        "accumulates in fp32"]
+    assert reduced.grad_accumulation == "sharded"
+    assert len(precision_cautions(nn.Linear(4, 4), reduced, 2, 4)) == 1
 
 
 def test_a_root_unit_holding_most_parameters_is_said():
