@@ -52,6 +52,36 @@ def test_the_built_in_models_export_names_its_tokenizers_end_of_text(tmp_path):
     assert special_token_ids(ModelConfig(tokenizer="bytes")) == {}  # the byte tokenizer has neither
 
 
+def test_a_tokenizer_edited_since_training_is_refused_where_a_checkpoint_is_read(tmp_path):
+    """Found by review: generate, eval and export-hf read the tokenizer from where the run named it,
+    and one edited or replaced there since training gave other ids (a loss of other text, an export
+    with another tokenizer) without a word. Checkpoints record its digest; a resume says the change."""
+    from hf_models import make_model_dir, sample_texts, train_tokenizer
+
+    from shardtrain.data.tokenizer import HFTokenizer
+
+    directory = make_model_dir(tmp_path / "model", "llama")
+    run_dir = tmp_path / "run"
+    common = ["experiment=quick", "data.max_bytes=60000", "data.val_percent=50",
+              f"model.tokenizer={directory}", "model.vocab_size=320", "trainer.eval_every=0",
+              "trainer.sample_tokens=0", "run.trackers=[]", f"run.dir={run_dir}"]
+    trained = run_cli("train", *common, "trainer.max_steps=1")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    ckpt = run_dir / "checkpoints" / "step-1"
+    recorded = json.loads((ckpt / "trainer_state.json").read_text())["tokenizer"]
+    assert recorded == HFTokenizer(directory).name
+    train_tokenizer(sample_texts()[::-1], vocab_size=290).save(str(directory / "tokenizer.json"))
+    edited = HFTokenizer(directory).name
+    for command in (["eval", str(ckpt), "--samples", "2"], ["export-hf", str(ckpt), str(tmp_path / "hf")]):
+        refused = run_cli(*command)
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert refused.stderr.strip().endswith(
+            f"{ckpt} was trained with the tokenizer {recorded}, and {directory} is now {edited} (edited or "
+            "replaced since?): the model would read its ids as other text; put back the tokenizer the run "
+            "was trained with"), refused.stderr[-3000:]
+    assert not (tmp_path / "hf").exists()
+
+
 def test_an_export_interrupted_in_its_check_leaves_no_files(tmp_path):
     """Found by review: a Ctrl-C during the self-check left the export's files whole and unchecked
     (they passed for an export, and the rerun was refused: "already holds model files")."""

@@ -640,7 +640,7 @@ class Checkpointer:
     def save(self, step: int, *, tokens_seen: int, consumed_samples: int, global_batch: int,
              blocking: bool = False, evaluation_due: bool = False,
              train_samples: int | None = None, train_part_samples: list[int] | None = None,
-             train_packing: str | None = None) -> float:
+             train_packing: str | None = None, tokenizer: str | None = None) -> float:
         """Start (async) or do (sync) a save; returns the seconds training was blocked.
         ``evaluation_due``: the evaluation due at this step has not run (a preemption's save)."""
         start = time.perf_counter()
@@ -673,7 +673,7 @@ class Checkpointer:
             global_batch=global_batch, scheduler=self.scheduler.state_dict(), world_size=self.world_size,
             base_weights=self.base, best=None if self.best is None else self.best.state(),
             evaluation_due=evaluation_due, train_samples=train_samples,
-            train_part_samples=train_part_samples, train_packing=train_packing,
+            train_part_samples=train_part_samples, train_packing=train_packing, tokenizer=tokenizer,
         )
         if self.ckpt.save_full:
             full = get_model_state_dict(  # a collective; rank 0 holds the whole model

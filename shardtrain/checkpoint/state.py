@@ -120,6 +120,11 @@ class TrainState:
     # The save wrote checksums.json (every save since 2026-11-29 records so): a copy without it is
     # incomplete, not an older checkpoint that never had one.
     checksums: bool = False
+    # The name (a digest of its tokenizer.json, or "bytes") of the tokenizer the model's text was
+    # read with (a task's text_tokenizer()): generate, eval and export-hf read the tokenizer from
+    # where the run named it, and one edited or replaced since is refused there; None for a task
+    # without one, or a checkpoint saved before 2026-12-03.
+    tokenizer: str | None = None
 
     @classmethod
     def capture(cls, cfg: Config, plan: ShardingPlan, *, requested_hash: str, step: int, tokens_seen: int,
@@ -127,7 +132,7 @@ class TrainState:
                 world_size: int, base_weights: dict[str, Any] | None = None,
                 best: dict[str, Any] | None = None, evaluation_due: bool = False,
                 train_samples: int | None = None, train_part_samples: list[int] | None = None,
-                train_packing: str | None = None) -> TrainState:
+                train_packing: str | None = None, tokenizer: str | None = None) -> TrainState:
         return cls(
             step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
             global_batch=global_batch, scheduler=scheduler, world_size=world_size,
@@ -139,6 +144,7 @@ class TrainState:
             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), base_weights=base_weights, best=best,
             evaluation_due=evaluation_due, train_samples=train_samples,
             train_part_samples=train_part_samples, train_packing=train_packing, checksums=True,
+            tokenizer=tokenizer,
         )
 
     def best_steps(self) -> set[int]:

@@ -250,7 +250,6 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     from torch.distributed import all_gather_object
 
     from shardtrain.config.sizes import human_bytes
-    from shardtrain.data.tokenizer import tokenizer_for
     from shardtrain.distributed.env import destroy_distributed
     from shardtrain.errors import GenerationError
     from shardtrain.generation.generate import (
@@ -268,7 +267,7 @@ def cmd_generate(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         loaded = load_for_inference(args.checkpoint, args.strategy, args.dtype,
                                     verify_checksums=not args.skip_checksums, average=args.ema)
-        tokenizer = tokenizer_for(loaded.cfg.model)
+        tokenizer = loaded.tokenizer()
         # The KV cache of the longest generation (a chat template's few tokens around it aside)
         longest = 0 if args.no_cache else positions_needed(
             max(len(prompt_ids(tokenizer, prompt)) for prompt in prompts), args.max_new_tokens)
@@ -389,7 +388,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
     from shardtrain.data.batches import eval_batches
     from shardtrain.data.corpus import load_corpus, windows_of
     from shardtrain.data.documents import is_prepared_dataset
-    from shardtrain.data.tokenizer import reads_bytes, tokenizer_for
+    from shardtrain.data.tokenizer import reads_bytes
     from shardtrain.distributed.env import destroy_distributed
     from shardtrain.errors import ConfigError, GenerationError
     from shardtrain.generation.inference import data_changed_since, load_for_inference
@@ -413,7 +412,7 @@ def cmd_eval(args: argparse.Namespace, argv: list[str]) -> int:
         if positions is not None and args.seq_len > positions:
             raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
                               f"use --seq-len {positions} or less")
-        tokenizer = tokenizer_for(loaded.cfg.model)
+        tokenizer = loaded.tokenizer()
         # Scored as the run's evaluations scored: a model trained on documents each attending
         # within itself is scored so (the loss of packed windows differs otherwise).
         mask = loaded.cfg.data.document_mask

@@ -499,6 +499,16 @@ def tokenizer_source(cfg: ModelConfig) -> str:
     return "bytes"
 
 
+def check_recorded_tokenizer(recorded: str | None, tokenizer: Tokenizer, trained: str) -> None:
+    """``tokenizer`` is the one ``trained`` (a checkpoint) records its model's text was read with,
+    where it records one (found by review: a tokenizer.json edited or replaced since training gave
+    generate and eval other ids without a word)."""
+    if recorded is not None and recorded != tokenizer.name:
+        raise DataError(f"{trained} was trained with the tokenizer {recorded}, and {tokenizer.source} is now "
+                        f"{tokenizer.name} (edited or replaced since?): the model would read its ids as "
+                        "other text; put back the tokenizer the run was trained with")
+
+
 def tokenizer_for(cfg: ModelConfig) -> Tokenizer:
     """The tokenizer of a model config, checked against the model's vocabulary where it is known."""
     source = tokenizer_source(cfg)

@@ -38,6 +38,7 @@ from shardtrain.checkpoint.safetensors_files import (
     unshared,
     write_index,
 )
+from shardtrain.checkpoint.state import STATE_FILE, TrainState
 from shardtrain.checkpoint.weights import model_config_of
 from shardtrain.config.plan import dtype_name
 from shardtrain.config.schema import ModelConfig
@@ -48,6 +49,7 @@ from shardtrain.data.tokenizer import (
     TOKENIZER_FILE,
     TOKENIZER_FILES,
     byte_level_tokenizer,
+    check_recorded_tokenizer,
     load_tokenizer,
     tokenizer_source,
 )
@@ -178,6 +180,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
     if cfg.name == "hf":
         model_directory(cfg)
     tokenizer_copies(cfg)
+    if (src / STATE_FILE).is_file():  # the tokenizer written beside the weights is the run's
+        tokenizer = load_tokenizer(tokenizer_source(cfg))
+        check_recorded_tokenizer(TrainState.read(src).tokenizer, tokenizer, str(src))
     conversion = hf_conversion(cfg, dtype)
     # Streamed: each output shard's tensors read (from the checkpoint, or the file) when it is
     # written, renamed, permuted and cast tensor by tensor; one shard in memory, no staged copy.

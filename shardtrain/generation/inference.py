@@ -32,6 +32,7 @@ from shardtrain.config.plan import DTYPES, resolve_plan
 from shardtrain.config.schema import Config, ModelConfig
 from shardtrain.data.batches import part_sample_counts
 from shardtrain.data.corpus import Corpus
+from shardtrain.data.tokenizer import Tokenizer, check_recorded_tokenizer, tokenizer_for
 from shardtrain.distributed.agreement import run_agreed
 from shardtrain.distributed.env import DistEnv, build_mesh, init_distributed, set_cpu_threads
 from shardtrain.distributed.qlora import quantize_base
@@ -57,6 +58,14 @@ class Loaded:
     data_known: bool = True  # cfg.data is the run's data (not for a file consolidated before it was kept)
     state: TrainState | None = None  # a checkpoint directory's
     path: Path | None = None  # what was loaded (a link resolved)
+
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer, from where the run named it, and the one a checkpoint directory
+        records its text was read with."""
+        tokenizer = tokenizer_for(self.cfg.model)
+        if self.state is not None:
+            check_recorded_tokenizer(self.state.tokenizer, tokenizer, str(self.path))
+        return tokenizer
 
     def eval_settings(self) -> dict[str, int]:
         """The windows the run's evaluations scored (``seq_len``, ``eval_samples``) where the
@@ -90,7 +99,7 @@ def load_for_inference(checkpoint: str | Path, strategy: str = "FULL_SHARD",
                            max(defaults.dist.startup_timeout_s, defaults.checkpoint.save_timeout_s))
     path = resolved_once(checkpoint)
     if not path.exists():
-        raise CheckpointError(f"{str(checkpoint)!r} does not exist")
+        raise layout.missing(Path(checkpoint), what="")
     state = TrainState.read(path) if (path / STATE_FILE).is_file() else None
     lora = state is not None and state.base_weights is not None
     if lora and average:  # trainer.ema_decay is refused with adapters: no run saved both

@@ -9,6 +9,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -476,6 +477,11 @@ class Trainer:
                 warnings.append(f"the data order differs from the checkpoint's ({'; '.join(order)}): the "
                                 "saved position is read in the new order, so samples may repeat or be "
                                 "skipped")
+        if state.tokenizer is not None and self.tokenizer_name is not None and (
+                state.tokenizer != self.tokenizer_name):
+            warnings.append(f"the tokenizer differs from the checkpoint's ({state.tokenizer} -> "
+                            f"{self.tokenizer_name}): the model's token ids stand for other text from here "
+                            "on (edited or replaced since the checkpoint was saved?)")
         if schedule := self.schedule_changes(state.config.get("trainer", {}), asked_lrs):
             warnings.append("the learning-rate schedule differs from the checkpoint's "
                             f"({'; '.join(schedule)})")
@@ -629,7 +635,7 @@ class Trainer:
             blocking=blocking, evaluation_due=self.evaluation_due,
             train_samples=self.train_data.windows.num_samples,
             train_part_samples=part_sample_counts(self.train_data.windows),
-            train_packing=packing_of(self.train_data.windows),
+            train_packing=packing_of(self.train_data.windows), tokenizer=self.tokenizer_name,
         )
         self.best_save_due = False  # a save at this step keeps what the evaluation ranked
         self.result.checkpoint_blocked_s.append(blocked)
@@ -1295,6 +1301,13 @@ class Trainer:
         self.interval_metrics.clear()
         self.throughput.reset()
         return record
+
+    @cached_property
+    def tokenizer_name(self) -> str | None:
+        """The name of the tokenizer the model's text is read with (the task's text_tokenizer()),
+        which checkpoints record."""
+        tokenizer = self.task.text_tokenizer()
+        return getattr(tokenizer, "name", None) if tokenizer is not None else None
 
     def samples_text(self) -> bool:
         """Text is sampled during training for a task that has a tokenizer to decode it with."""
