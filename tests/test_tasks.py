@@ -318,6 +318,13 @@ def test_a_task_from_the_command_line_with_its_options_preempted_and_resumed(tmp
     (["task=vit:ImageClasification"], "module 'vit' has no 'ImageClasification'; did you mean "
                                       "'ImageClassification'?"),
     (["task=no_such_package.tasks:Task"], "module 'no_such_package.tasks' does not import"),
+    # a file's path or a relative import: a TypeError traceback from importlib (a new-user trial)
+    (["task=./tasks/regression.py:Regression"], "task=./tasks/regression.py:Regression is a file's path or a "
+     "relative import, and task= takes an import path: put tasks on PYTHONPATH and name the module, "
+     "task=regression:Regression"),
+    (["task=.regression:Regression"], "put its package's directory on PYTHONPATH and name the module, "
+                                      "task=regression:Regression"),
+    (["strategy.wrap_policy=[.blocks.Block]"], "wrap policy entry '.blocks.Block' is a relative import path"),
     (["task=vit:ImageClassification", "task.depht=3"],
      "unknown task option 'task.depht'; did you mean 'task.depth'?"),
     (["task=vit:ImageClassification", "task.depth=deep"], "invalid value for task.depth"),

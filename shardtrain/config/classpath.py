@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+from pathlib import PurePath
 
 from torch import nn
 
@@ -12,11 +13,31 @@ from shardtrain.config.suggest import closest
 from shardtrain.errors import ConfigError, ModelError
 
 
+def not_a_module_name(module_name: str, attr: str, setting: str) -> str | None:
+    """Why ``module_name`` is no module to import, with the fix, where it is written as a file path
+    (``./tasks.py``, ``dir/tasks``) or a relative one (``.tasks``); else None. importlib raised a
+    TypeError for them, which reached the user as a traceback (found by a new-user trial)."""
+    if not (module_name.startswith(".") or "/" in module_name or "\\" in module_name
+            or module_name.endswith(".py")):
+        return None
+    file = PurePath(module_name.replace("\\", "/"))
+    if module_name.startswith(".") and file.name == module_name:  # .tasks, ..pkg.tasks
+        stem, directory = module_name.lstrip(".") or "MODULE", "its package's directory"
+    else:
+        stem, directory = file.stem or "MODULE", str(file.parent)
+    return (f"{setting}={module_name}:{attr} is a file's path or a relative import, and {setting}= takes an "
+            f"import path: put {directory} on PYTHONPATH and name the module, {setting}={stem}:{attr}")
+
+
 def import_module_class(path: str) -> type[nn.Module]:
     """The ``nn.Module`` subclass named by ``pkg.mod.Class``; a ModelError naming the problem."""
     module_name, _, attr = path.rpartition(".")
     if not module_name:
         raise ModelError(f"wrap policy entry {path!r} is not a dotted class path like 'pkg.mod.Block'")
+    if module_name.startswith("."):
+        raise ModelError(f"wrap policy entry {path!r} is a relative import path; name the class from a "
+                         "module on PYTHONPATH, like 'pkg.mod.Block' (or the bare class name, which is "
+                         "looked up in the model)")
     try:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
@@ -43,6 +64,8 @@ def import_object(path: str, what: str) -> object:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise ConfigError(f"{what}={path!r} is not an import path like 'my_pkg.tasks:MyTask'")
+    if (as_file := not_a_module_name(module_name, attr, what)) is not None:
+        raise ConfigError(as_file)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
