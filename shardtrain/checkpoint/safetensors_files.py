@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shardtrain.checkpoint.state import STATE_FILE
+from shardtrain.checkpoint.state import STATE_FILE, language_model_refusal
 from shardtrain.errors import CheckpointError, first_line, os_error_code
 
 SINGLE_FILE = "model.safetensors"
@@ -33,6 +33,9 @@ DATA_CONFIG_KEY = "shardtrain_data_config"
 # ... and the windows the run's evaluations scored (trainer.seq_len, trainer.eval_samples): `eval` of
 # the file repeats the val_loss the run logged, as of the checkpoint directory.
 EVAL_SETTINGS_KEY = "shardtrain_eval_settings"
+# ... and the task the weights were trained with (task.path, task.model_factory): another task's
+# model is not the one model.* builds, which the keys above describe.
+TASK_CONFIG_KEY = "shardtrain_task_config"
 # What readers of a model directory take from it (weights, indexes, configs, tokenizers): left by an
 # earlier export beside a new one, they would be loaded instead of it (transformers prefers
 # model.safetensors to an index) or mixed with it.
@@ -57,12 +60,18 @@ def shard_name(index: int, count: int) -> str:
 
 
 def shardtrain_metadata(config: dict[str, Any]) -> dict[str, str]:
-    """A consolidated file's metadata: the model's and the data's config and the run's evaluation
-    windows (from a checkpoint's ``trainer_state.json``), so that ``generate`` and ``eval`` rebuild the
-    model, and score what the run scored, from the file alone."""
-    return {"format": "pt", MODEL_CONFIG_KEY: json.dumps(config["model"], sort_keys=True),
-            DATA_CONFIG_KEY: json.dumps(config["data"], sort_keys=True),
-            EVAL_SETTINGS_KEY: json.dumps(eval_settings(config), sort_keys=True)}
+    """A consolidated file's metadata: the task, and for the language model built from ``model.*``
+    the model's and the data's config and the run's evaluation windows (from a checkpoint's
+    ``trainer_state.json``), so that ``generate`` and ``eval`` rebuild the model, and score what the
+    run scored, from the file alone. Another task's file records its task alone (found by a new-user
+    trial: it recorded the unused default model.*, and generate failed on its keys)."""
+    task = {key: config.get("task", {}).get(key) for key in ("path", "model_factory")}
+    metadata = {"format": "pt", TASK_CONFIG_KEY: json.dumps(task, sort_keys=True)}
+    if language_model_refusal(task["path"], task["model_factory"]) is None:
+        metadata.update({MODEL_CONFIG_KEY: json.dumps(config["model"], sort_keys=True),
+                         DATA_CONFIG_KEY: json.dumps(config["data"], sort_keys=True),
+                         EVAL_SETTINGS_KEY: json.dumps(eval_settings(config), sort_keys=True)})
+    return metadata
 
 
 def eval_settings(config: dict[str, Any]) -> dict[str, int]:

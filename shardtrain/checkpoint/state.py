@@ -78,6 +78,22 @@ ADAPTER_SCALE_KEYS = ("finetune.alpha", "finetune.dropout")
 OPTIMIZER_SETTING_KEYS = ("trainer.weight_decay", "trainer.beta1", "trainer.beta2", "trainer.adam_eps")
 
 
+def language_model_refusal(task_path: str | None, model_factory: str | None) -> str | None:
+    """Why weights trained with this task (its path; None: recorded before tasks, the language
+    model) and model factory are not the language model ``model.*`` builds, which generate, eval and
+    export-hf serve: the rest of a sentence whose subject is the weights; None where they are."""
+    if task_path not in (None, LANGUAGE_MODEL_TASK):
+        return (f"was trained with task={task_path}; generate, eval and export-hf serve the language-model "
+                "task only (shardtrain consolidate writes any task's weights to safetensors)")
+    if model_factory is not None:
+        # Its model.* are the defaults the run never used: the commands failed on keys that no
+        # setting could make fit (found by a trial)
+        return (f"holds a model built by {model_factory} (LanguageModelTask(model=...) in code), not "
+                "from model.*; generate, eval and export-hf build models from model.* only: use the library "
+                "with that model (shardtrain consolidate writes its weights to safetensors)")
+    return None
+
+
 @dataclass
 class TrainState:
     step: int
@@ -174,18 +190,8 @@ class TrainState:
     def model_config(self) -> ModelConfig:
         """The language model's config; a CheckpointError for another task's checkpoint, or one
         whose model a factory given in code built, which only that code can build."""
-        task = self.task_path
-        if task != LANGUAGE_MODEL_TASK:
-            raise CheckpointError(f"this checkpoint was trained with task={task}; generate, eval and "
-                                  "export-hf serve the language-model task only (shardtrain consolidate "
-                                  "writes any task's weights to safetensors)")
-        if self.model_factory is not None:
-            # Its model.* are the defaults the run never used: the commands failed on keys that no
-            # setting could make fit (found by a trial)
-            raise CheckpointError(f"this checkpoint's model was built by {self.model_factory} "
-                                  "(LanguageModelTask(model=...) in code), not from model.*; generate, eval "
-                                  "and export-hf build models from model.* only: use the library with that "
-                                  "model (shardtrain consolidate writes its weights to safetensors)")
+        if (refusal := language_model_refusal(self.task_path, self.model_factory)) is not None:
+            raise CheckpointError(f"this checkpoint {refusal}")
         return self.rebuilt("model", ModelConfig)
 
     def data_config(self) -> DataConfig:

@@ -35,12 +35,19 @@ from shardtrain.checkpoint.safetensors_files import (
     DATA_CONFIG_KEY,
     EVAL_SETTINGS_KEY,
     MODEL_CONFIG_KEY,
+    TASK_CONFIG_KEY,
     eval_settings,
     file_metadata,
     open_safetensors,
     weight_files,
 )
-from shardtrain.checkpoint.state import STATE_FILE, TrainState, as_packed_then, rebuild_config
+from shardtrain.checkpoint.state import (
+    STATE_FILE,
+    TrainState,
+    as_packed_then,
+    language_model_refusal,
+    rebuild_config,
+)
 from shardtrain.config.schema import LANGUAGE_MODEL_TASK, DataConfig, FinetuneConfig, ModelConfig
 from shardtrain.data.documents import resolved_keeping_file_name
 from shardtrain.distributed.agreement import agree, run_agreed
@@ -106,7 +113,11 @@ def check_model_compatible(path: Path, metadata, model_state: dict[str, Any],
 def model_config_of(path: Path) -> ModelConfig:
     """The model config saved with a shardtrain checkpoint or consolidated safetensors file."""
     if path.is_file() and path.suffix == ".safetensors":
-        raw = file_metadata(path).get(MODEL_CONFIG_KEY)
+        metadata = file_metadata(path)
+        task = json.loads(metadata.get(TASK_CONFIG_KEY, "{}"))
+        if (refusal := language_model_refusal(task.get("path"), task.get("model_factory"))) is not None:
+            raise CheckpointError(f"{path} {refusal}")
+        raw = metadata.get(MODEL_CONFIG_KEY)
         if raw is None:
             raise CheckpointError(f"{path} carries no shardtrain model config (it was not written by "
                                   "shardtrain consolidate from a shardtrain checkpoint)")
