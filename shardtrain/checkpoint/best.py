@@ -92,10 +92,12 @@ class BestEvaluations:
                     f"this run evaluates {self.evaluated} (trainer.eval_samples or the validation data "
                     "changed): judged afresh from here on, and the checkpoints the old ranking kept are "
                     "pruned as keep_last says")
-        before = saved.get("validation")
-        if None not in (before, self.validation) and before != self.validation:
-            changed = ", ".join(f"{key} {before.get(key)} -> {value}"
-                                for key, value in self.validation.items() if before.get(key) != value)
+        # The keys both record: a checkpoint saved before a key joined judged the same windows (its
+        # ranking went on across an upgrade)
+        before, now = saved.get("validation") or {}, self.validation or {}
+        changed = ", ".join(f"{key} {before[key]} -> {value}" for key, value in now.items()
+                            if key in before and before[key] != value)
+        if changed:
             return (f"the resumed checkpoint judged evaluations of other validation windows ({changed}): "
                     "judged afresh from here on, and the checkpoints the old ranking kept are pruned as "
                     "keep_last says")

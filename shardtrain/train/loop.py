@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -261,7 +262,10 @@ class Trainer:
         # its step, and trainer.early_stop_patience evaluations without improving stop the run.
         keep = cfg.checkpoint.keep_best if cfg.checkpoint.enabled else 0
         validation = {"seq_len": t.seq_len, "document_mask": cfg.data.document_mask,
-                      "windows": self.val_available, "packing": packing_of(val) if val is not None else None}
+                      "windows": self.val_available, "packing": packing_of(val) if val is not None else None,
+                      # a task's options may shape its validation data (found by a new-user trial: a
+                      # ranking of other data's values went on)
+                      "task": f"{cfg.task.path} {json.dumps(cfg.task.options, sort_keys=True, default=str)}"}
         self.best = (BestEvaluations(t, keep, min(t.eval_samples, self.val_available), validation)
                      if keep or t.early_stop_patience else None)
         self.best_save_due = False
