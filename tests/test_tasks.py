@@ -791,6 +791,25 @@ def test_map_samples_pad_validation_draw_by_position_and_name_ragged_items():
         floats.batch(np.array([0, 2]))
 
 
+def test_an_empty_dataset_is_one_line_naming_the_fix():
+    """Found by a new-user trial: an empty validation set was refused without naming the way to
+    train without one (val_dataset() returning None)."""
+
+    class Empty(Task):
+        def train_dataset(self):
+            return []
+
+        def val_dataset(self):
+            return []
+
+    with pytest.raises(DataError, match=r"^the validation dataset is empty; Empty.val_dataset\(\) returns "
+                                        r"None to train without validation$"):
+        Empty().val_samples()
+    with pytest.raises(DataError, match=r"^the training dataset is empty \(Empty.train_dataset\(\) returned "
+                                        r"no items\)$"):
+        Empty().train_samples()
+
+
 def test_a_draw_returning_none_or_another_type_is_one_line():
     """A draw that forgot its ``return`` is refused when the samples are made (item 0 is drawn
     then), naming the task; one returning another type for some items too, instead of

@@ -131,7 +131,7 @@ class MapSamples:
     sample_kind = "samples"
 
     def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any], name: str,
-                 draw: Draw | None = None, seed: int = 0, salt: int = 0) -> None:
+                 draw: Draw | None = None, seed: int = 0, salt: int = 0, if_empty: str = "") -> None:
         try:
             self.num_samples = len(dataset)
         except TypeError as exc:
@@ -142,7 +142,7 @@ class MapSamples:
                             "itself (__len__ and __getitem__); the framework batches it "
                             "(trainer.micro_batch_size) and collates it (Task.collate)")
         if self.num_samples < 1:
-            raise DataError(f"{name} is empty")
+            raise DataError(f"{name} is empty{if_empty}")
         self.dataset = dataset
         self.collate = collate
         self.name = name

@@ -142,14 +142,18 @@ class Task:
         """The training data as the framework reads it; a task with its own batching (the language
         model's token windows) overrides this instead of ``train_dataset``."""
         return MapSamples(self.train_dataset(), self.collate, "the training dataset",
-                          draw=self.draw_hook("train"), seed=self.seed)
+                          draw=self.draw_hook("train"), seed=self.seed,
+                          if_empty=f" ({type(self).__name__}.train_dataset() returned no items)")
 
     def val_samples(self) -> SampleSource | None:
         dataset = self.val_dataset()
         if dataset is None:
             return None
+        # (found by a new-user trial: the fix, a None, was not named)
         return MapSamples(dataset, self.collate, "the validation dataset", draw=self.draw_hook("val"),
-                          seed=self.seed, salt=1)
+                          seed=self.seed, salt=1,
+                          if_empty=f"; {type(self).__name__}.val_dataset() returns None to train without "
+                                   "validation")
 
     def example_batch(self, micro_batch_size: int) -> Any:
         """A micro-batch as training makes them, for ``shardtrain plan --simulate``: by default the
