@@ -879,11 +879,16 @@ def test_the_best_checkpoints_are_kept_beside_the_newest_across_a_resume(tmp_pat
     assert (f"best:       by val_loss (max); kept step-2 {logged[0][1]:.6g}, step-4 {logged[1][1]:.6g}; "
             f"best step 2 ({logged[0][1]:.6g}), 5 evaluation(s) since\n") in inspect.stdout
     # By the least val_loss, one kept, saved asynchronously: each evaluation ranks, saves, and the
-    # best before it drops out of the ranking and is pruned when the new one commits.
+    # best before it drops out of the ranking and is pruned when the new one commits. Step 4's commit
+    # is held back 6 s: step 6's save waits for it, and its blocked_s counts the wait (found by
+    # review: it was left out, near zero where async saves overlap)
     falling = tmp_path / "falling"
     proc = run_cli("train", *every_2[:-2], "checkpoint.keep_best=1", "checkpoint.async=true",
-                   "trainer.max_steps=6", f"run.dir={falling}")
+                   "trainer.max_steps=6", f"run.dir={falling}",
+                   env={"SHARDTRAIN_FAULT": "commit:0:4:sleep=6"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    blocked = {r["step"]: r["blocked_s"] for r in read_metrics(falling, "checkpoint")}
+    assert blocked[6] > 2.0 > blocked[2], blocked
     for step in (2, 4):
         assert (f"deleting step-{step} in the background (checkpoint.keep_last=1, not among the 1 best "
                 "by val_loss)") in proc.stderr

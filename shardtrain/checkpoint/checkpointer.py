@@ -640,10 +640,13 @@ class Checkpointer:
     def save(self, step: int, *, tokens_seen: int, consumed_samples: int, global_batch: int,
              blocking: bool = False, evaluation_due: bool = False,
              train_samples: int | None = None, train_part_samples: list[int] | None = None,
-             train_packing: str | None = None, tokenizer: str | None = None) -> float:
-        """Start (async) or do (sync) a save; returns the seconds training was blocked.
-        ``evaluation_due``: the evaluation due at this step has not run (a preemption's save)."""
-        start = time.perf_counter()
+             train_packing: str | None = None, tokenizer: str | None = None,
+             started: float | None = None) -> float:
+        """Start (async) or do (sync) a save; returns the seconds training was blocked since
+        ``started`` (a ``time.perf_counter()``; default now), the wait for a save still in flight
+        included. ``evaluation_due``: the evaluation due at this step has not run (a preemption's
+        save)."""
+        start = time.perf_counter() if started is None else started
         self.wait()  # one save in flight at a time
         final, tmp = layout.step_dir(self.root, step), layout.tmp_dir(self.root, step)
         prepared: list[str | None] = [None]

@@ -627,6 +627,9 @@ class Trainer:
         for an async save still in flight under a bound of its own, then this save under another
         (sharing one, a final save after a slow async one was stopped with each within the bound:
         found by review)."""
+        # Training is blocked from here: the wait for the save before counts (found by review:
+        # blocked_s left it out, near zero where async saves overlapped, the case it is there to show)
+        started = time.perf_counter()
         pending = self.checkpointer.pending
         if pending is not None and not pending.future.done():
             self.beat_save(f"waiting for the async save of step {pending.step}")
@@ -634,7 +637,7 @@ class Trainer:
         self.beat_save(phase)
         self.agree_running_statistics()  # the checkpoint keeps the ranks' mean, not one rank's
         blocked = self.checkpointer.save(
-            self.step, tokens_seen=self.result.count_seen,
+            self.step, started=started, tokens_seen=self.result.count_seen,
             consumed_samples=self.train_data.consumed_samples, global_batch=self.layout.global_batch,
             blocking=blocking, evaluation_due=self.evaluation_due,
             train_samples=self.train_data.windows.num_samples,
