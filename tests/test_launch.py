@@ -171,6 +171,28 @@ def test_the_failure_named_is_the_last_attempts(tmp_path, monkeypatch, capsys):
     assert status == 2 and "failed first, after step 60: ValueError: attempt 1's" in capsys.readouterr().err
 
 
+def test_a_worker_crashed_by_a_signal_is_named_over_its_peers_fallout(tmp_path, monkeypatch, capsys):
+    """Found by review: a rank that segfaulted (a crash in native code) left no record, and the
+    launcher named its peer, whose record said "Connection reset by peer". A crash's signal names its
+    rank unless that rank's own record says what came before (an abort after an error); the
+    signals torchrun stops workers with, or the launcher forwards, name none."""
+    log = tmp_path / "launch.log"
+    log.write_text(torchrun_report((1, -11), (0, 1)))
+    assert killed_first(log) == (1, "SIGSEGV")
+    for code in (-15, -10, -2):  # SIGTERM, SIGUSR1, SIGINT
+        log.write_text(torchrun_report((1, code), (0, 1)))
+        assert killed_first(log) is None, code
+    log.write_text(torchrun_report((1, -11), (0, 1)))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    record_failure(tmp_path, 0, 3, "RuntimeError", "Connection reset by peer", exit_status=1)
+    assert launch_outcome(1, tmp_path, 0.0, log) == 139
+    assert ("rank 1 died of SIGSEGV without a Python error (a crash in native code: a C extension, the "
+            "accelerator's runtime or driver); its peers' errors are fallout") in capsys.readouterr().err
+    record_failure(tmp_path, 1, 3, "RuntimeError", "CUDA error: an illegal memory access", exit_status=1)
+    assert launch_outcome(1, tmp_path, 0.0, log) == 1
+    assert "rank 1 (host" in capsys.readouterr().err  # its own record, not the signal
+
+
 def test_a_workers_error_line_names_its_rank_only_in_a_world_of_several(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")

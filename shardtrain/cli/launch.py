@@ -479,10 +479,12 @@ REPORTED_WORKER = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:[^)]*\)\s*\n\s*ex
 ROOT_CAUSE = "Root Cause (first observed failure)"  # the report lists the other failures before it
 
 
-# A worker SIGKILLed (from outside, or by the out-of-memory killer) cannot leave a record. SIGTERM
-# is what torchrun itself sends to stop the remaining workers, and SIGABRT or SIGSEGV come from inside
-# the process after an error its record names: neither identifies the root cause.
-EXTERNAL_SIGNALS = {signal.SIGKILL}
+# A worker these signals killed left no Python error: SIGKILL from outside (by hand, the
+# out-of-memory killer), the others from a crash in native code, unless its own record or line says
+# what came before (an abort after an error). SIGTERM is what torchrun itself sends to stop the
+# remaining workers, and the notices and interrupts the launcher forwards are the workers' to act on:
+# none of those names a root cause.
+CRASH_SIGNALS = {signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE}
 
 
 def log_text(log_file: Path) -> str:
@@ -504,20 +506,30 @@ def final_report(log_file: Path) -> str:
 
 def killed_first(log_file: Path) -> tuple[int, str] | None:
     """(rank, signal name) of the worker torchrun's report names as the root cause (the first
-    observed failure) where a signal from outside killed it (SIGKILL: by hand, or the out-of-memory
-    killer): it left no Python error, and the errors its peers recorded ("connection reset") are
-    fallout. None otherwise: a worker torchrun itself killed after another's failure (its SIGTERM
-    only asks a worker to stop at a step's end; one waiting in a collective on the dead peer is
-    SIGKILLed 30 s later) is fallout too, and the first failure's own record says why."""
+    observed failure) where a signal killed it: SIGKILL from outside (by hand, or the out-of-memory
+    killer), or a crash in native code (SIGSEGV, SIGBUS, SIGABRT); the errors its peers recorded
+    ("connection reset") are fallout (found by review: a segfaulting rank's peer was named, with
+    its "Connection reset by peer"). None otherwise: a worker torchrun itself stopped after another's
+    failure (its SIGTERM only asks a worker to stop at a step's end; one waiting in a collective on
+    the dead peer is SIGKILLed 30 s later, not the root cause) is fallout too. The caller prefers the
+    rank's own record or line, where it left one, to a crash's signal (an abort after an error)."""
     cause = root_cause(log_file)
-    if cause is None or cause[1] >= 0 or -cause[1] not in EXTERNAL_SIGNALS:
+    if cause is None or cause[1] >= 0 or -cause[1] not in CRASH_SIGNALS:
         return None
     return cause[0], signal.Signals(-cause[1]).name
 
 
 def killed_reason(rank: int, name: str) -> str:
-    return (f"rank {rank} was killed by {name} without a Python error (killed from outside, or by the "
-            "out-of-memory killer); its peers' errors are fallout")
+    if name == "SIGKILL":
+        return (f"rank {rank} was killed by {name} without a Python error (killed from outside, or by the "
+                "out-of-memory killer); its peers' errors are fallout")
+    return (f"rank {rank} died of {name} without a Python error (a crash in native code: a C extension, "
+            "the accelerator's runtime or driver); its peers' errors are fallout")
+
+
+def own_line(log_file: Path, rank: int) -> bool:
+    """Whether worker ``rank`` ended with an error line of its own."""
+    return any(line.startswith(f"{ERROR_START}[rank {rank}] ") for line in worker_lines(log_file))
 
 
 def root_cause(log_file: Path) -> tuple[int, int] | None:

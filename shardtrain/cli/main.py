@@ -118,12 +118,15 @@ def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -
         killed_first,
         killed_reason,
     )
-    from shardtrain.diagnostics.failures import describe, first_failure
+    from shardtrain.diagnostics.failures import describe, failure_records, first_failure
 
     if status == 0:
         return 0
     failure = first_failure(run_dir, started, last_attempt=True)
     killed = killed_first(log_file)
+    if killed and killed[1] != "SIGKILL" and (own := failure_records(run_dir, started, rank=killed[0])):
+        # an abort after an error its record names: that record, whatever its peers recorded first
+        killed, failure = None, min(own, key=lambda record: record["time"])
     if failure is None and not killed and (first_worker_line(log_file) or "").startswith(INTERRUPTED):
         print(f"{INTERRUPTED}{RESUMES}", file=sys.stderr)
         return 130
@@ -153,7 +156,7 @@ def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -
 
 def on_devices(devices: int, argv: list[str]) -> int | None:
     """Run ``shardtrain argv`` on ``devices`` processes under torchrun, or None to run here."""
-    from shardtrain.cli.launch import failed_worker, killed_first, killed_reason, run_under_torchrun
+    from shardtrain.cli.launch import failed_worker, killed_first, killed_reason, own_line, run_under_torchrun
     from shardtrain.distributed.env import under_torchrun
     from shardtrain.errors import ConfigError
 
@@ -177,7 +180,9 @@ def on_devices(devices: int, argv: list[str]) -> int | None:
         if status == 0:
             log_file.unlink(missing_ok=True)
             return 0
-        if killed := killed_first(log_file):  # it left no line: any line in the log is a peer's fallout
+        killed = killed_first(log_file)
+        if killed and (killed[1] == "SIGKILL" or not own_line(log_file, killed[0])):
+            # it left no line: any line in the log is a peer's fallout
             print(f"shardtrain: error: {killed_reason(*killed)}; full log: {log_file}", file=sys.stderr)
             return 128 + signal.Signals[killed[1]].value
         line, code = failed_worker(log_file)  # the first failing worker's line and exit status

@@ -81,6 +81,14 @@ def first_failure(run_dir: Path, since: float, last_attempt: bool = False) -> di
     restarts that left a record only (one node's agent counts them all: the built-in launcher's),
     where an earlier attempt's, which a restart recovered from, would be named (a rank that
     records nothing in the last attempt, SIGKILLed as it waited on a failed peer, left it there)."""
+    records = failure_records(run_dir, since, last_attempt)
+    return min(records, key=lambda r: (r.get("fallout", False), r["time"])) if records else None
+
+
+def failure_records(run_dir: Path, since: float, last_attempt: bool = True,
+                    rank: int | None = None) -> list[dict]:
+    """The failures recorded after ``since`` (of the last attempt that left one; of ``rank`` alone,
+    where given), as ``first_failure`` reads them."""
     records = []
     for path in (Path(run_dir) / FAILURE_DIR).glob("rank-*.json"):
         try:
@@ -95,7 +103,7 @@ def first_failure(run_dir: Path, since: float, last_attempt: bool = False) -> di
     if last_attempt and records:
         last = max(record.get("attempt", 0) for record in records)
         records = [record for record in records if record.get("attempt", 0) == last]
-    return min(records, key=lambda r: (r.get("fallout", False), r["time"])) if records else None
+    return [record for record in records if rank is None or record["rank"] == rank]
 
 
 def describe(record: dict) -> str:
