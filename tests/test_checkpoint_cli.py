@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -135,6 +136,19 @@ def test_sigterm_saves_exits_cleanly_and_resumes_exactly(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     losses = [r["loss"] for r in read_metrics(run_dir)]
     assert losses == expected  # bit for bit across the preemption
+
+    # A failure after a save between two records (a record every 4 steps, a save at step 6, rank 0
+    # failing in step 7): the resumed run's record at step 8 covers steps 5 to 8, as the
+    # uninterrupted run's does (found by review: steps 5 and 6 were in no record)
+    crashed = tmp_path / "crashed"
+    args = [*common, "trainer.log_every=4", "checkpoint.interval=6", f"run.dir={crashed}"]
+    failed = run_cli("train", *args, env={"SHARDTRAIN_FAULT": "step:0:7:raise"})
+    assert failed.returncode == 1 and (crashed / "checkpoints" / "step-6").is_dir(), failed.stderr[-3000:]
+    resumed = run_cli("train", *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    logged = {r["step"]: r["loss"] for r in read_metrics(crashed)}
+    assert sorted(logged) == list(range(4, 31, 4)) + [30], sorted(logged)
+    assert math.isclose(logged[8], sum(expected[4:8]) / 4, rel_tol=1e-9), (logged[8], expected[4:8])
 
     # A signal during start-up, while the workers still ignore it as their agent does (imports) or
     # build the model: the launcher delivers it once they catch it, and the first step stops (it

@@ -641,7 +641,7 @@ class Checkpointer:
              blocking: bool = False, evaluation_due: bool = False,
              train_samples: int | None = None, train_part_samples: list[int] | None = None,
              train_packing: str | None = None, tokenizer: str | None = None,
-             started: float | None = None) -> float:
+             logged_since: dict[str, Any] | None = None, started: float | None = None) -> float:
         """Start (async) or do (sync) a save; returns the seconds training was blocked since
         ``started`` (a ``time.perf_counter()``; default now), the wait for a save still in flight
         included. ``evaluation_due``: the evaluation due at this step has not run (a preemption's
@@ -677,6 +677,7 @@ class Checkpointer:
             base_weights=self.base, best=None if self.best is None else self.best.state(),
             evaluation_due=evaluation_due, train_samples=train_samples,
             train_part_samples=train_part_samples, train_packing=train_packing, tokenizer=tokenizer,
+            logged_since=logged_since,
         )
         if self.ckpt.save_full:
             full = get_model_state_dict(  # a collective; rank 0 holds the whole model

@@ -141,6 +141,10 @@ class TrainState:
     # where the run named it, and one edited or replaced since is refused there; None for a task
     # without one, or a checkpoint saved before 2026-12-03.
     tokenizer: str | None = None
+    # The sums of the steps since the last train record ({"loss_sum", "count", "metrics": {name:
+    # [sum, divisor]}}), which a resume's first record goes on from: the steps between a record and a
+    # save were in no record after a crash's resume; None in a checkpoint saved before 2026-12-03.
+    logged_since: dict[str, Any] | None = None
 
     @classmethod
     def capture(cls, cfg: Config, plan: ShardingPlan, *, requested_hash: str, step: int, tokens_seen: int,
@@ -148,7 +152,8 @@ class TrainState:
                 world_size: int, base_weights: dict[str, Any] | None = None,
                 best: dict[str, Any] | None = None, evaluation_due: bool = False,
                 train_samples: int | None = None, train_part_samples: list[int] | None = None,
-                train_packing: str | None = None, tokenizer: str | None = None) -> TrainState:
+                train_packing: str | None = None, tokenizer: str | None = None,
+                logged_since: dict[str, Any] | None = None) -> TrainState:
         return cls(
             step=step, tokens_seen=tokens_seen, consumed_samples=consumed_samples,
             global_batch=global_batch, scheduler=scheduler, world_size=world_size,
@@ -160,7 +165,7 @@ class TrainState:
             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"), base_weights=base_weights, best=best,
             evaluation_due=evaluation_due, train_samples=train_samples,
             train_part_samples=train_part_samples, train_packing=train_packing, checksums=True,
-            tokenizer=tokenizer,
+            tokenizer=tokenizer, logged_since=logged_since,
         )
 
     def best_steps(self) -> set[int]:

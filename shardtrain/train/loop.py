@@ -430,6 +430,10 @@ class Trainer:
             self.result.count_seen = state.tokens_seen
             self.count_total = float(state.tokens_seen)
             self.train_data.consumed_samples = state.consumed_samples
+            if since := state.logged_since:  # the next record covers the steps before the save too
+                self.interval_loss_sum, self.interval_count = float(since["loss_sum"]), float(since["count"])
+                self.interval_metrics = {name: [float(total), float(divisor)]
+                                         for name, (total, divisor) in since["metrics"].items()}
             self.result.resumed_from = str(path)
             self.info(f"resumed from {path}: step {self.step}, {state.consumed_samples} samples "
                       f"consumed (saved at world size {state.world_size}, {state.strategy}, "
@@ -643,6 +647,8 @@ class Trainer:
             train_samples=self.train_data.windows.num_samples,
             train_part_samples=part_sample_counts(self.train_data.windows),
             train_packing=packing_of(self.train_data.windows), tokenizer=self.tokenizer_name,
+            logged_since={"loss_sum": self.interval_loss_sum, "count": self.interval_count,
+                          "metrics": {name: list(sums) for name, sums in self.interval_metrics.items()}},
         )
         self.best_save_due = False  # a save at this step keeps what the evaluation ranked
         self.result.checkpoint_blocked_s.append(blocked)
