@@ -812,6 +812,11 @@ def test_a_resume_needs_no_adapter_directory(lora_runs, model_dirs, tmp_path):
         f"model.adapter={gone!r} no longer exists: the adapters' shape is the checkpoint's this run resumes"]
     assert (cfg.finetune.rank, cfg.finetune.alpha, cfg.finetune.targets) == (saved.rank, saved.alpha,
                                                                              saved.targets)
+    # An alpha given on the command line stays, as on a resume without model.adapter, whose warning
+    # then names the change (found by review: the checkpoint's replaced it without a word)
+    asked = compose_config([*args, f"run.dir={run_dir}", f"finetune.alpha={saved.alpha * 2:g}"])
+    resolve_adapter_settings(asked)
+    assert (asked.finetune.alpha, asked.finetune.rank) == (saved.alpha * 2, saved.rank)
     for fresh in ([f"run.dir={tmp_path / 'fresh'}"], [f"run.dir={run_dir}", "checkpoint.resume=none"]):
         with pytest.raises(ConfigError, match="is not a PEFT adapter directory"):
             resolve_adapter_settings(compose_config([*args, *fresh]))

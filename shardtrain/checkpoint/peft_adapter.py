@@ -121,9 +121,14 @@ def resolve_adapter_settings(cfg: Config) -> list[str]:
         raise ConfigError(f"model.adapter={str(directory)!r} starts LoRA adapters: it needs finetune=lora")
     if not directory.exists() and (saved := resumed_finetune(cfg)) is not None:
         # A resume reads its adapters from the checkpoint: a requeued job whose adapter directory
-        # was cleaned up since its start could not resume (found by a review).
-        cfg.finetune = dataclasses.replace(cfg.finetune, rank=saved.rank, alpha=saved.alpha,
-                                           dropout=saved.dropout, targets=list(saved.targets))
+        # was cleaned up since its start could not resume (found by a review). What the command line
+        # sets stays, as on a resume without model.adapter (its changes said or refused there); the
+        # rest is the checkpoint's (found by review: an explicit finetune.alpha was dropped unsaid)
+        defaults = FinetuneConfig()
+        cfg.finetune = dataclasses.replace(cfg.finetune, **{
+            field: list(getattr(saved, field)) if field == "targets" else getattr(saved, field)
+            for field in ("rank", "alpha", "dropout", "targets")
+            if getattr(cfg.finetune, field) == getattr(defaults, field)})
         return [f"model.adapter={str(directory)!r} no longer exists: the adapters' shape is the checkpoint's "
                 "this run resumes"]
     config = read_adapter_config(directory)
