@@ -312,6 +312,14 @@ def test_layers_whose_weight_their_parent_reads_take_no_adapter_and_stay_out_of_
     model = nn.Sequential(nn.Linear(4, 4), own_forward(4, 4)).requires_grad_(False)
     assert unquantized_linears(model) == [("1", "a FalconLinear, whose forward is its own")]
     assert [name for name, _ in quantized_linears(model)] == ["0"]
+    # A task's head tied to its embedding, which neither head hook names: kept in its dtype, tied
+    # (found by review: counted as NF4, its tie broken for the quantisation)
+    tied = nn.ModuleDict({"embed": nn.Embedding(1024, 64), "body": nn.Linear(64, 64),
+                          "head": nn.Linear(64, 1024)})
+    tied.head.weight = tied.embed.weight
+    tied.requires_grad_(False)
+    assert unquantized_linears(tied) == [("head", "its weight is tied to another module's")]
+    assert [name for name, _ in quantized_linears(tied)] == ["body"]
     # PEFT's own refusal of a layer is one line naming the setting
     import peft
 

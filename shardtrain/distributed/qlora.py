@@ -29,6 +29,7 @@ model built whole on the CPU (no ``init_parameter``) has its weights quantised a
 from __future__ import annotations
 
 import importlib
+from collections import Counter
 from typing import Any
 
 import torch
@@ -66,12 +67,17 @@ def frozen_linears(model: nn.Module) -> list[tuple[str, nn.Linear, str | None]]:
     ``self.dt_proj.weight @ ...``) would fail in the first forward (found by review: a traceback at
     Jamba's mixer; Falcon's were left out without a word)."""
     heads, read_by_parent, found = head_modules(model), read_without_calling(model), []
+    # A weight two modules hold (a task's head tied to its embedding, named by neither head hook):
+    # quantised, the tie broke, and the report counted an NF4 weight the run never held (found by
+    # review)
+    owners = Counter(id(param) for module in model.modules() for param in module.parameters(recurse=False))
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or id(module) in heads or module.weight.requires_grad:
             continue
         reader = read_by_parent.get(name.removesuffix(BASE_LAYER.rstrip(".")))  # a LoRA layer's base
         why = (f"a {type(module).__name__}, whose forward is its own" if type(module) is not nn.Linear
-               else f"{reader} reads its weight without calling it" if reader is not None else None)
+               else f"{reader} reads its weight without calling it" if reader is not None
+               else "its weight is tied to another module's" if owners[id(module.weight)] > 1 else None)
         found.append((name, module, why))
     return found
 
