@@ -915,6 +915,18 @@ def test_a_part_written_between_whole_writes_is_computed_not_dropped():
     assert family.elementwise("padded.weight") and family.constants("padded.weight") == ((6, 9, 7.0),)
 
 
+def test_attention_flops_count_the_keys_each_layer_attends_to():
+    """Found by review: every layer of a Hugging Face model counted full attention, a hybrid's Mamba
+    and linear-attention layers and a sliding window's shorter span too."""
+    from shardtrain.models.hf import attention_spans
+
+    spans = {family: attention_spans(family_config(family), 64)
+             for family in ("llama", "jamba", "nemotron_h", "qwen3_next", "gemma2")}
+    assert spans == {"llama": [64, 64, 64], "jamba": [0, 64, 0], "nemotron_h": [0, 0, 64, 0],
+                     "qwen3_next": [0, 0, 0, 64], "gemma2": [16, 64, 16]}
+    assert attention_spans(family_config("gemma2"), 8) == [8, 8, 8]  # a window past the sequence
+
+
 def test_a_moe_models_flops_count_the_experts_a_token_runs(moe_dir):
     """Found by review of the MoE path: 6 per parameter counted every routed expert, so MFU was
     Mixtral-8x7B's 3.45x and Qwen3-30B-A3B's 6.8x what a step computes. A token runs

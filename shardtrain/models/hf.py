@@ -88,6 +88,23 @@ MASK_WITHOUT_POSITIONS_MODEL_TYPES = {"opt", "biogpt", "gpt_oss", "afmoe", "gran
                                       "xglm"}
 
 
+def attention_spans(config: PretrainedConfig, seq_len: int) -> list[int]:
+    """Per decoder layer, the keys a query attends to, for the attention's FLOPs: ``seq_len`` for
+    full attention, a sliding window or chunk shorter than that, 0 for a layer without softmax
+    attention (a hybrid's Mamba, linear-attention or MLP-only layers). Found by review: every layer
+    was counted at full attention, a Jamba's MFU some 8% high (4 of 32 layers attend) and a sliding
+    window's ignored."""
+    layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    kinds = next((found for name in ("layer_types", "layers_block_type", "block_types")
+                  if isinstance(found := getattr(config, name, None), list) and len(found) == layers), None)
+    if kinds is None:
+        kinds = ["sliding_attention" if window else "full_attention"] * layers
+    limits = {"sliding_attention": window, "chunked_attention": getattr(config, "attention_chunk_size", None)}
+    return [seq_len if kind in ("attention", "full_attention")
+            else min(limits[kind] or seq_len, seq_len) if kind in limits else 0 for kind in kinds]
+
+
 def sequence_state_reason(config: PretrainedConfig) -> str | None:
     """Why some layer of the model carries state along the sequence (so that an attention mask does
     not separate packed documents), read from its config; None when none is known to."""
@@ -598,10 +615,11 @@ class HFCausalLM(nn.Module):
         """Training FLOPs per token (forward + backward): 6 per non-embedding parameter a token runs
         (a MoE layer's routed experts counted at the share it is routed to: counting them all made the
         MFU of Mixtral-8x7B 3.45x, of Qwen3-30B-A3B 6.8x, what the step computes) plus attention's
-        scores and weighted sum, as for the built-in model."""
+        scores and weighted sum, as for the built-in model, over the keys each layer attends to
+        (``attention_spans``)."""
         d = self.dims
         active = self.num_params(exclude_embeddings=True) - self.inactive_expert_params()
-        return 6 * active + 12 * d.n_layers * d.attention_width * seq_len
+        return 6 * active + 12 * d.attention_width * sum(attention_spans(self.config, seq_len))
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp: int, sequence_parallel: bool) -> None:
