@@ -23,6 +23,7 @@ import dataclasses
 import errno
 import functools
 import json
+import re
 import shutil
 import warnings
 from collections.abc import Callable
@@ -759,6 +760,15 @@ def test_model_adapter_conflicts_are_one_line(peft_adapter, model_dirs, tmp_path
                           f"model.adapter={dropped}"])
     assert "finetune.dropout=0.05 (from model.adapter)" in resolve_adapter_settings(cfg)
     assert cfg.finetune.dropout == 0.05
+    # values past the settings' bounds are one line naming the adapter (they were taken as given)
+    for key, value, said in (("lora_alpha", 0, "finetune.alpha=0.0 must be greater than 0"),
+                             ("lora_dropout", 0.95, "finetune.dropout=0.95 must be between 0.0 and 0.9")):
+        (dropped / "adapter_config.json").write_text(json.dumps({**adapter_config, key: value}))
+        cfg = compose_config(["model=hf", f"model.path={model_dirs[0]}", "finetune=lora",
+                              f"model.adapter={dropped}"])
+        with pytest.raises(ConfigError, match=re.escape(f"model.adapter={str(dropped)!r}: {said} (as its "
+                                                        "adapter_config.json sets it)")):
+            resolve_adapter_settings(cfg)
     cases = ((["finetune.rank=8"], "has r=4 but finetune.rank=8: drop finetune.rank"),
              (["finetune=none"], "it needs finetune=lora"),
              ([f"model.adapter={tmp_path}"], "is not a PEFT adapter directory"))

@@ -23,6 +23,7 @@ from torch import nn
 from shardtrain.checkpoint import layout
 from shardtrain.checkpoint.safetensors_files import ADAPTER_CONFIG, open_safetensors
 from shardtrain.checkpoint.state import TrainState
+from shardtrain.config.compose import check_ranges
 from shardtrain.config.schema import Config, FinetuneConfig
 from shardtrain.distributed.sharded_model import shard_like
 from shardtrain.errors import CheckpointError, ConfigError, json_object
@@ -152,7 +153,13 @@ def resolve_adapter_settings(cfg: Config) -> list[str]:
         changes["targets"] = adapter_modules_of(directory, cfg)
         notes.append(f"finetune.targets: the {len(changes['targets'])} modules model.adapter's weights "
                      "are on")
-    cfg.finetune = dataclasses.replace(cfg.finetune, **changes)
+    adapted = dataclasses.replace(cfg.finetune, **changes)
+    try:  # an adapter_config.json's values against the settings' bounds (lora_alpha 0, a dropout of 1)
+        check_ranges(adapted, FinetuneConfig, "finetune.")
+    except ConfigError as exc:
+        raise ConfigError(f"model.adapter={str(directory)!r}: {exc} (as its {ADAPTER_CONFIG} sets it); use "
+                          "an adapter within the settings' bounds") from exc
+    cfg.finetune = adapted
     return notes
 
 
