@@ -312,6 +312,7 @@ def test_export_round_trip(two_rank_runs, model_dirs, family, tmp_path):
         # A run that put another tokenizer in the model's place (model.tokenizer) exports that one
         # (found by review: the model directory's was copied, encoding text into other ids).
         state["config"]["model"].update(path=str(model_dirs[family]), tokenizer="bytes")
+        state["tokenizer"] = "bytes"  # as such a run records it
         (moved / "trainer_state.json").write_text(json.dumps(state))
         export_hf(moved, tmp_path / "bytes", max_shard_size="20KB")
         byte_level = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "bytes"))

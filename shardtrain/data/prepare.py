@@ -543,12 +543,13 @@ def prepare(options: PrepareOptions, out: str | Path, progress: bool = True,
     # Up to date: nothing is written, not even the lock (a dataset on a read-only share, another
     # user's); else under the lock, where a preparation that finished meanwhile is found up to date.
     # The inputs are listed once for both (their warnings were said twice: found by review).
+    tokenizer = load_tokenizer(options.tokenizer)  # its errors before the inputs'
     sources = input_sources(options, out, exclude)
     if (current := prepare_unlocked(options, out, progress, exclude, check_only=True,
-                                    sources=sources)) is not None:
+                                    sources=sources, tokenizer=tokenizer)) is not None:
         return current
     with locked(lock_path):
-        return prepare_unlocked(options, out, progress, exclude, sources=sources)
+        return prepare_unlocked(options, out, progress, exclude, sources=sources, tokenizer=tokenizer)
 
 
 def input_sources(options: PrepareOptions, out: Path, exclude: list[Path]) -> list[Source]:
@@ -582,10 +583,11 @@ def locked(path: Path, required: str | None = None) -> Iterator[None]:
 
 
 def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool, exclude: list[Path],
-                     check_only: bool = False, sources: list[Source] | None = None) -> PrepareResult | None:
+                     check_only: bool = False, sources: list[Source] | None = None,
+                     tokenizer: Tokenizer | None = None) -> PrepareResult | None:
     """``prepare``'s work; ``check_only``: the result if ``out`` is up to date, else None.
-    ``sources``: the inputs' files (``input_sources``), when listed already."""
-    tokenizer = load_tokenizer(options.tokenizer)
+    ``sources``: the inputs' files (``input_sources``), and ``tokenizer``, when read already."""
+    tokenizer = load_tokenizer(options.tokenizer) if tokenizer is None else tokenizer
     staging = out.with_name(f".{out.name}.preparing")
     aside = out.with_name(f".{out.name}.replaced")
     sources = input_sources(options, out, exclude) if sources is None else sources
