@@ -806,9 +806,18 @@ def test_a_datasets_split_files_and_a_file_named_twice_are_refused(tmp_path):
     for split in ("train", "dev"):
         (tmp_path / "dirs" / split / "part-0.jsonl").write_text('{"text": "x"}\n')
     with pytest.raises(DataError, match=r"\(train: train/part-0.jsonl; validation: dev/part-0.jsonl\): .*"
-                                        r"data.file_glob 'train/\*'"):
+                                        r"data.file_glob 'train/\*\*/\*'"):
         resolve_sources([str(tmp_path / "dirs")], "*.jsonl")
-    assert [s.name for s in resolve_sources([str(tmp_path / "dirs")], "train/*")] == ["train/part-0.jsonl"]
+    assert [s.name for s in resolve_sources([str(tmp_path / "dirs")], "train/**/*")] == ["train/part-0.jsonl"]
+    # a pattern is told to match the training files alone (--glob does not apply to it); a split's
+    # word deeper than a dataset's layout names splits is another file's name (found by the diff
+    # review: a corpus of repositories holding tests/fixtures/train.jsonl and test.jsonl)
+    with pytest.raises(DataError, match=r"give the training split alone \(a pattern that matches its files "):
+        resolve_sources([f"{tmp_path / 'dirs'}/*/*.jsonl"], "*")
+    for name in ("train.jsonl", "test.jsonl"):
+        (tmp_path / "repos" / "tool" / "tests" / "fixtures").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "repos" / "tool" / "tests" / "fixtures" / name).write_text('{"text": "x"}\n')
+    assert len(resolve_sources([str(tmp_path / "repos")], "*")) == 2
     (tmp_path / "code").mkdir()
     for name in ("train.py", "test_train.py"):
         (tmp_path / "code" / name).write_text("pass\n")
@@ -822,6 +831,15 @@ def test_a_datasets_split_files_and_a_file_named_twice_are_refused(tmp_path):
         resolve_sources([str(tmp_path / "c"), str(twice)], "*.jsonl")
     with pytest.raises(DataError, match=r"is read twice \(inputs: "):
         resolve_sources([str(twice), str(twice.parent / ".." / "sub" / "x.jsonl")], "*")
+    # a Hugging Face snapshot's files alike are links to one blob: each file is its own (found by
+    # the diff review: two empty __init__.py files were "read twice")
+    snapshot = tmp_path / "snapshot"
+    (snapshot / "blobs").mkdir(parents=True)
+    (snapshot / "blobs" / "e69de29").write_text("")
+    for package in ("a", "b"):
+        (snapshot / "pkg" / package).mkdir(parents=True)
+        (snapshot / "pkg" / package / "__init__.py").symlink_to(snapshot / "blobs" / "e69de29")
+    assert len(resolve_sources([str(snapshot / "pkg")], "*.py")) == 2
 
 
 def test_data_smaller_than_one_global_batch_fails_before_training(tmp_path):

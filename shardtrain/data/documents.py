@@ -372,7 +372,7 @@ def resolve_sources(inputs: list[str], file_glob: str, exclude: Iterable[Path] =
                     f" but hidden ones ({hidden[0]}), which are skipped unless the pattern's part "
                     "starts with '.'" if hidden else ""))
             found = [Source(p, p.relative_to(base).as_posix(), text_field) for p in matched]
-            check_not_split_files(entry, found)
+            check_not_split_files(entry, found, pattern=True)
             sources += found
         elif not path.exists():
             raise DataError(f"input {entry!r} does not exist; fix the path")
@@ -437,34 +437,43 @@ SPLIT_NAMES = {"train": "train", "training": "train", "test": "test", "testing":
                "eval": "validation"}
 
 
-def split_of(name: str) -> str | None:
-    """The split a record file's path (relative to its input) names: a directory of a split's name,
-    or a file name starting with one (``train-00000-of-00001.parquet``, ``test.jsonl``)."""
-    *directories, file = PurePosixPath(name).parts
-    named = [SPLIT_NAMES.get(d.lower()) for d in directories]
-    named.append(SPLIT_NAMES.get(re.split(r"[-_.]", file, maxsplit=1)[0].lower()))
-    return next((split for split in reversed(named) if split), None)
+# How deep below its input a dataset's layout names its splits (data/train-00000-of-00001.parquet,
+# plain_text/train/..., train.jsonl): a split word deeper down is some other file's name (a repository
+# corpus's tests/fixtures/train.jsonl; found by the diff review).
+SPLIT_DEPTH = 2
 
 
-def check_not_split_files(entry: str, sources: list[Source]) -> None:
-    """A directory or pattern whose record files are a dataset's splits (the Hub's layout: train,
-    test and validation files side by side) is refused, as a DatasetDict's directory is: read
-    together, the test and validation rows were trained on (found by review)."""
-    splits: dict[str, list[str]] = {}
+def split_of(name: str) -> tuple[str, str] | None:
+    """The split a record file's path (relative to its input) names, within its first
+    ``SPLIT_DEPTH`` parts: a directory of a split's name, or a file name starting with one
+    (``train-00000-of-00001.parquet``, ``test.jsonl``); with the ``--glob`` that reads that split
+    alone (``train*``, ``train/**``). None where it names none."""
+    parts = PurePosixPath(name).parts
+    for depth, part in enumerate(parts[:SPLIT_DEPTH]):
+        last = depth == len(parts) - 1
+        word = re.split(r"[-_.]", part, maxsplit=1)[0] if last else part
+        if (split := SPLIT_NAMES.get(word.lower())) is not None:
+            return split, f"{word}*" if last else f"{part}/**/*"
+    return None
+
+
+def check_not_split_files(entry: str, sources: list[Source], pattern: bool = False) -> None:
+    """A directory or pattern (``pattern``) whose record files are a dataset's splits (the Hub's
+    layout: train, test and validation files side by side) is refused, as a DatasetDict's directory
+    is: read together, the test and validation rows were trained on (found by review)."""
+    splits: dict[str, list[tuple[str, str]]] = {}
     for source in sources:
-        if source.kind in RECORD_KINDS and (split := split_of(source.name)) is not None:
-            splits.setdefault(split, []).append(source.name)
+        if source.kind in RECORD_KINDS and (found := split_of(source.name)) is not None:
+            splits.setdefault(found[0], []).append((source.name, found[1]))
     if len(splits) < 2 or "train" not in splits:
         return
-    named = "; ".join(f"{split}: {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+    named = "; ".join(f"{split}: {names[0][0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
                       for split, names in sorted(splits.items()))
-    *directories, file = PurePosixPath(splits["train"][0]).parts
-    word = re.split(r"[-_.]", file, maxsplit=1)[0]
-    glob = f"{word}*" if SPLIT_NAMES.get(word.lower()) == "train" else f"{directories[-1]}/*"
+    alone = ("a pattern that matches its files alone" if pattern else
+             f"--glob / data.file_glob '{splits['train'][0][1]}', or its files")
     raise DataError(f"input {entry!r} holds a dataset's splits as files ({named}): read together, the "
-                    f"held-out splits are trained on; give the training split alone (--glob / "
-                    f"data.file_glob '{glob}', or its files), and prepare's --val-percent holds out "
-                    "validation from it")
+                    f"held-out splits are trained on; give the training split alone ({alone}), and "
+                    "prepare's --val-percent holds out validation from it")
 
 
 def check_each_file_once(inputs: list[str], sources: list[Source]) -> None:
@@ -474,7 +483,9 @@ def check_each_file_once(inputs: list[str], sources: list[Source]) -> None:
     review)."""
     seen: dict[Path, Source] = {}
     for source in sources:
-        real = source.path.resolve()
+        # The file's own name kept: a Hugging Face snapshot's files are links to blobs named by
+        # content, and two files alike (empty __init__.py files) share one (found by the diff review)
+        real = resolved_keeping_file_name(source.path)
         if (first := seen.setdefault(real, source)) is not source:
             as_named = f"as {first.name!r} and {source.name!r}, " if first.name != source.name else ""
             raise DataError(f"{real} is read twice ({as_named}inputs: {', '.join(inputs)}): name each file "
