@@ -474,7 +474,7 @@ def test_what_a_task_object_holds_is_what_its_config_records(monkeypatch):
         LanguageModelTask(model=torch.nn.Linear(2, 2))
 
 
-def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
+def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(EXAMPLES))
     given = ["task=broken_tasks:DerivedLanguageTask", "trainer.micro_batch_size=auto",
              "trainer.global_batch_size=16", "trainer.loss_chunk_tokens=16", "model.dim=64",
@@ -492,6 +492,10 @@ def test_a_task_derived_from_the_language_model_keeps_its_settings(monkeypatch):
         "shardtrain reads none of them: they reach the task only as self.cfg (drop them unless the task "
         "reads them there)")
     assert settings_left_to_the_task(compose_config(own), own[:1] + own[3:4]) is None
+    # a Hugging Face directory's weights are read into any task's model (found by the diff review)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    hf = ["task=vit:ImageClassification", "model.name=hf", f"model.path={tmp_path}", "model.dim=8"]
+    assert settings_left_to_the_task(compose_config(hf[:3]), hf).startswith("model.dim sets what")
     # A task object built with a model of its own (the library's LanguageModelTask(model=...)):
     # the planner's formulas do not know it, refused before its data or model are built.
     with pytest.raises(ConfigError, match="set trainer.micro_batch_size=N for LanguageModelTask with a "

@@ -187,10 +187,15 @@ def settings_left_to_the_task(cfg: Config, overrides: list[str] | tuple[str, ...
     none. Not refused: a task may read them there."""
     task_cls = import_object(cfg.task.path, "task")
     spelled = check_overrides(overrides)
+    read = list(EVERY_TASK_KEYS)
+    if cfg.model.path and cfg.model.weights_source() == cfg.model.path:
+        # a Hugging Face directory's weights, read into any task's model as model.init_from's are
+        # (found by the diff review: named as unread)
+        read += ["model.name", "model.path", "model.pretrained"]
     keys = []
     if built_in_ancestor(task_cls) is None:
         keys += [key for prefix in BUILT_IN_TASK_KEYS for key in overridden(spelled, prefix)
-                 if not any(key == k or key.startswith(k + ".") for k in EVERY_TASK_KEYS)]
+                 if not any(key == k or key.startswith(k + ".") for k in read)]
     if not makes_text(task_cls):
         keys += [key for prefix in SAMPLE_KEYS for key in overridden(spelled, prefix)]
     keys = list(dict.fromkeys(keys))
