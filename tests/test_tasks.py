@@ -604,6 +604,9 @@ def test_options_typed_enum_path_and_literal_are_set_recorded_and_resumed(monkey
     assert "the task's options differ from the checkpoint's (task.pooling 'first' -> 'mean'): where they " \
            "change its data" in changed.stderr and "data order differs" not in changed.stderr, \
         changed.stderr[-3000:]
+    # ... and what a ranking of the best compares then (found by a new-user trial: unsaid)
+    assert "where they change its validation data, checkpoint.keep_best and trainer.early_stop_patience " \
+           "compare its values with the saved best's" in changed.stderr
     monkeypatch.syspath_prepend(str(EXAMPLES))
     with pytest.raises(ConfigError, match=r"^task.pooling='last' is unknown; choose one of mean, first$"):
         load_config(["task=broken_tasks:TypedOptions", "task.pooling=last"])

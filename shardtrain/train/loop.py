@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -262,10 +261,7 @@ class Trainer:
         # its step, and trainer.early_stop_patience evaluations without improving stop the run.
         keep = cfg.checkpoint.keep_best if cfg.checkpoint.enabled else 0
         validation = {"seq_len": t.seq_len, "document_mask": cfg.data.document_mask,
-                      "windows": self.val_available, "packing": packing_of(val) if val is not None else None,
-                      # a task's options may shape its validation data (found by a new-user trial: a
-                      # ranking of other data's values went on)
-                      "task": f"{cfg.task.path} {json.dumps(cfg.task.options, sort_keys=True, default=str)}"}
+                      "windows": self.val_available, "packing": packing_of(val) if val is not None else None}
         self.best = (BestEvaluations(t, keep, min(t.eval_samples, self.val_available), validation)
                      if keep or t.early_stop_patience else None)
         self.best_save_due = False
@@ -478,9 +474,13 @@ class Trainer:
             if all(change.startswith("task.") for change in order):
                 # A task's options may shape its model alone: the order is not known to have changed
                 # (found by a trial: "the data order differs" for a model-only option).
+                # (not a new ranking: an option may change nothing the evaluation reads, and a new
+                # ranking would prune the best checkpoints; found by a new-user trial, the warning)
                 warnings.append(f"the task's options differ from the checkpoint's ({'; '.join(order)}): "
                                 "where they change its data, the saved position is read in the new order, "
-                                "so samples may repeat or be skipped")
+                                "so samples may repeat or be skipped, and where they change its validation "
+                                "data, checkpoint.keep_best and trainer.early_stop_patience compare its "
+                                "values with the saved best's")
             else:
                 warnings.append(f"the data order differs from the checkpoint's ({'; '.join(order)}): the "
                                 "saved position is read in the new order, so samples may repeat or be "
