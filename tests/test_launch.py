@@ -179,7 +179,7 @@ def test_a_worker_crashed_by_a_signal_is_named_over_its_peers_fallout(tmp_path, 
     log = tmp_path / "launch.log"
     log.write_text(torchrun_report((1, -11), (0, 1)))
     assert killed_first(log) == (1, "SIGSEGV")
-    for code in (-15, -10, -2):  # SIGTERM, SIGUSR1, SIGINT
+    for code in (-15, -10, -2, -6):  # SIGTERM, SIGUSR1, SIGINT, SIGABRT (NCCL's watchdog's too)
         log.write_text(torchrun_report((1, code), (0, 1)))
         assert killed_first(log) is None, code
     log.write_text(torchrun_report((1, -11), (0, 1)))

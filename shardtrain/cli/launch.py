@@ -481,10 +481,11 @@ ROOT_CAUSE = "Root Cause (first observed failure)"  # the report lists the other
 
 # A worker these signals killed left no Python error: SIGKILL from outside (by hand, the
 # out-of-memory killer), the others from a crash in native code, unless its own record or line says
-# what came before (an abort after an error). SIGTERM is what torchrun itself sends to stop the
-# remaining workers, and the notices and interrupts the launcher forwards are the workers' to act on:
+# what came before. SIGTERM is what torchrun itself sends to stop the remaining workers, the notices
+# and interrupts the launcher forwards are the workers' to act on, and SIGABRT is also how NCCL's
+# watchdog stops a rank whose peer failed (found by the diff review: that victim could be named):
 # none of those names a root cause.
-CRASH_SIGNALS = {signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE}
+CRASH_SIGNALS = {signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE}
 
 
 def log_text(log_file: Path) -> str:
@@ -507,7 +508,7 @@ def final_report(log_file: Path) -> str:
 def killed_first(log_file: Path) -> tuple[int, str] | None:
     """(rank, signal name) of the worker torchrun's report names as the root cause (the first
     observed failure) where a signal killed it: SIGKILL from outside (by hand, or the out-of-memory
-    killer), or a crash in native code (SIGSEGV, SIGBUS, SIGABRT); the errors its peers recorded
+    killer), or a crash in native code (SIGSEGV, SIGBUS, SIGILL, SIGFPE); the errors its peers recorded
     ("connection reset") are fallout (found by review: a segfaulting rank's peer was named, with
     its "Connection reset by peer"). None otherwise: a worker torchrun itself stopped after another's
     failure (its SIGTERM only asks a worker to stop at a step's end; one waiting in a collective on
