@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from shardtrain.checkpoint.weights import load_hf_into, load_safetensors_into, model_config_of
 from shardtrain.config.schema import ModelConfig
-from shardtrain.errors import CheckpointError, ConfigError
+from shardtrain.errors import CheckpointError, ConfigError, DataError
 from shardtrain.export.consolidate import consolidate
 from shardtrain.export.hf import export_hf
 from shardtrain.export.verify import verify_export
@@ -70,15 +70,22 @@ def test_a_tokenizer_edited_since_training_is_refused_where_a_checkpoint_is_read
     ckpt = run_dir / "checkpoints" / "step-1"
     recorded = json.loads((ckpt / "trainer_state.json").read_text())["tokenizer"]
     assert recorded == HFTokenizer(directory).name
+    consolidated = consolidate(ckpt, tmp_path / "m.safetensors")[0]  # which records it too
     train_tokenizer(sample_texts()[::-1], vocab_size=290).save(str(directory / "tokenizer.json"))
     edited = HFTokenizer(directory).name
-    for command in (["eval", str(ckpt), "--samples", "2"], ["export-hf", str(ckpt), str(tmp_path / "hf")]):
+
+    def said(source) -> str:
+        return (f"{source} was trained with the tokenizer {recorded}, and {directory} is now {edited} "
+                "(edited or replaced since?): the model would read its ids as other text; put back the "
+                "tokenizer the run was trained with")
+
+    for command, source in ((["eval", str(consolidated), "--samples", "2"], consolidated),
+                            (["export-hf", str(ckpt), str(tmp_path / "hf")], ckpt)):
         refused = run_cli(*command)
         assert refused.returncode == 2, refused.stderr[-3000:]
-        assert refused.stderr.strip().endswith(
-            f"{ckpt} was trained with the tokenizer {recorded}, and {directory} is now {edited} (edited or "
-            "replaced since?): the model would read its ids as other text; put back the tokenizer the run "
-            "was trained with"), refused.stderr[-3000:]
+        assert refused.stderr.strip().endswith(said(source)), refused.stderr[-3000:]
+    with pytest.raises(DataError, match=re.escape(said(consolidated))):
+        export_hf(consolidated, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
 

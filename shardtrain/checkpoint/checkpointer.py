@@ -175,11 +175,12 @@ def first_sentence(exc: BaseException) -> str:
     return first_line(exc).split(". ")[0].rstrip(".")
 
 
-def write_full_weights(full: dict[str, torch.Tensor], config: dict[str, Any], file: Path) -> None:
+def write_full_weights(full: dict[str, torch.Tensor], config: dict[str, Any], tokenizer: str | None,
+                       file: Path) -> None:
     """``checkpoint.save_full``'s consolidated safetensors file (rank 0, which holds ``full``), as
-    ``consolidate`` writes it: the run's model and data config in its metadata."""
+    ``consolidate`` writes it: the run's model and data config, and its tokenizer, in its metadata."""
     if full:
-        save_safetensors(unshared(full), file, shardtrain_metadata(config))
+        save_safetensors(unshared(full), file, shardtrain_metadata(config, tokenizer))
         layout.fsync_path(file)  # durable before the commit, as DCP's files are
 
 
@@ -684,7 +685,7 @@ class Checkpointer:
                 self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if self.rank != 0:
                 full = {}
-            write = partial(write_full_weights, full, trainer_state.config)
+            write = partial(write_full_weights, full, trainer_state.config, trainer_state.tokenizer)
             run_agreed(lambda: self.write_file(step, tmp, write, "model.safetensors"), self.group)
         if self.ckpt.async_save and not blocking:
             # Staging copies the state before this returns (agreed by every rank); the write and the

@@ -36,6 +36,9 @@ EVAL_SETTINGS_KEY = "shardtrain_eval_settings"
 # ... and the task the weights were trained with (task.path, task.model_factory): another task's
 # model is not the one model.* builds, which the keys above describe.
 TASK_CONFIG_KEY = "shardtrain_task_config"
+# ... and the tokenizer the model's text was read with (TrainState.tokenizer), which generate, eval
+# and export-hf compare with the one they read.
+TOKENIZER_KEY = "shardtrain_tokenizer"
 # What readers of a model directory take from it (weights, indexes, configs, tokenizers): left by an
 # earlier export beside a new one, they would be loaded instead of it (transformers prefers
 # model.safetensors to an index) or mixed with it.
@@ -59,7 +62,7 @@ def shard_name(index: int, count: int) -> str:
     return SINGLE_FILE if count == 1 else f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
-def shardtrain_metadata(config: dict[str, Any]) -> dict[str, str]:
+def shardtrain_metadata(config: dict[str, Any], tokenizer: str | None = None) -> dict[str, str]:
     """A consolidated file's metadata: the task, and for the language model built from ``model.*``
     the model's and the data's config and the run's evaluation windows (from a checkpoint's
     ``trainer_state.json``), so that ``generate`` and ``eval`` rebuild the model, and score what the
@@ -67,6 +70,8 @@ def shardtrain_metadata(config: dict[str, Any]) -> dict[str, str]:
     trial: it recorded the unused default model.*, and generate failed on its keys)."""
     task = {key: config.get("task", {}).get(key) for key in ("path", "model_factory")}
     metadata = {"format": "pt", TASK_CONFIG_KEY: json.dumps(task, sort_keys=True)}
+    if tokenizer is not None:
+        metadata[TOKENIZER_KEY] = tokenizer
     if language_model_refusal(task["path"], task["model_factory"]) is None:
         metadata.update({MODEL_CONFIG_KEY: json.dumps(config["model"], sort_keys=True),
                          DATA_CONFIG_KEY: json.dumps(config["data"], sort_keys=True),

@@ -36,6 +36,7 @@ from shardtrain.checkpoint.safetensors_files import (
     EVAL_SETTINGS_KEY,
     MODEL_CONFIG_KEY,
     TASK_CONFIG_KEY,
+    TOKENIZER_KEY,
     eval_settings,
     file_metadata,
     open_safetensors,
@@ -126,6 +127,14 @@ def model_config_of(path: Path) -> ModelConfig:
     state = TrainState.read(path)
     refuse_adapters_only(path, state)
     return state.model_config()
+
+
+def tokenizer_of(path: Path) -> str | None:
+    """The tokenizer a shardtrain checkpoint or consolidated file records its model's text was read
+    with (``TrainState.tokenizer``); None where it records none (an older one, another task's)."""
+    if path.is_file():
+        return file_metadata(path).get(TOKENIZER_KEY) if path.suffix == ".safetensors" else None
+    return TrainState.read(path).tokenizer if (path / STATE_FILE).is_file() else None
 
 
 def data_config_of(path: Path) -> DataConfig | None:

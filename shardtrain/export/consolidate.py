@@ -296,7 +296,8 @@ def consolidate(checkpoint: str | Path, out: str | Path, max_shard_size: str | N
     model_entries = key is None or key.rstrip(".") in ("model", layout.AVERAGE_KEY)
     if layout.detect_format(path) == "shardtrain" and model_entries:
         # the weights' average (trainer.ema_decay's) is the same model's
-        metadata = shardtrain_metadata(TrainState.read(path).config)
+        state = TrainState.read(path)
+        metadata = shardtrain_metadata(state.config, state.tokenizer)
     check_writable([entry for entries in plan.shards for entry in written_layout(entries, cast)])
     directory = out.parent if single else out
     made = not directory.exists()

@@ -38,8 +38,7 @@ from shardtrain.checkpoint.safetensors_files import (
     unshared,
     write_index,
 )
-from shardtrain.checkpoint.state import STATE_FILE, TrainState
-from shardtrain.checkpoint.weights import model_config_of
+from shardtrain.checkpoint.weights import model_config_of, tokenizer_of
 from shardtrain.config.plan import dtype_name
 from shardtrain.config.schema import ModelConfig
 from shardtrain.config.sizes import parse_size
@@ -180,9 +179,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: str =
     if cfg.name == "hf":
         model_directory(cfg)
     tokenizer_copies(cfg)
-    if (src / STATE_FILE).is_file():  # the tokenizer written beside the weights is the run's
-        tokenizer = load_tokenizer(tokenizer_source(cfg))
-        check_recorded_tokenizer(TrainState.read(src).tokenizer, tokenizer, str(src))
+    # the tokenizer written beside the weights is the run's
+    check_recorded_tokenizer(tokenizer_of(src), load_tokenizer(tokenizer_source(cfg)), str(src))
     conversion = hf_conversion(cfg, dtype)
     # Streamed: each output shard's tensors read (from the checkpoint, or the file) when it is
     # written, renamed, permuted and cast tensor by tensor; one shard in memory, no staged copy.

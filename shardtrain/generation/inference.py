@@ -27,6 +27,7 @@ from shardtrain.checkpoint.weights import (
     load_model_weights,
     model_config_of,
     resolved_once,
+    tokenizer_of,
 )
 from shardtrain.config.plan import DTYPES, resolve_plan
 from shardtrain.config.schema import Config, ModelConfig
@@ -63,8 +64,8 @@ class Loaded:
         """The model's tokenizer, from where the run named it, and the one a checkpoint directory
         records its text was read with."""
         tokenizer = tokenizer_for(self.cfg.model)
-        if self.state is not None:
-            check_recorded_tokenizer(self.state.tokenizer, tokenizer, str(self.path))
+        if self.path is not None:  # a checkpoint directory, or a consolidated file
+            check_recorded_tokenizer(tokenizer_of(self.path), tokenizer, str(self.path))
         return tokenizer
 
     def eval_settings(self) -> dict[str, int]:
