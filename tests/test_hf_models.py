@@ -926,6 +926,9 @@ def test_attention_flops_count_the_keys_each_layer_attends_to():
     assert spans == {"llama": [64, 64, 64], "jamba": [0, 64, 0], "nemotron_h": [0, 0, 64, 0],
                      "qwen3_next": [0, 0, 0, 64], "gemma2": [16, 64, 16]}
     assert attention_spans(family_config("gemma2"), 8) == [8, 8, 8]  # a window past the sequence
+    # Zamba's "hybrid" layers run a shared attention block (found by the diff review: counted as none)
+    zamba = attention_spans(transformers.Zamba2Config(vocab_size=100), 64)
+    assert len(zamba) == 54 and zamba.count(64) == 9 and set(zamba) == {0, 64}
 
 
 def test_a_moe_models_flops_count_the_experts_a_token_runs(moe_dir):

@@ -90,8 +90,9 @@ MASK_WITHOUT_POSITIONS_MODEL_TYPES = {"opt", "biogpt", "gpt_oss", "afmoe", "gran
 
 def attention_spans(config: PretrainedConfig, seq_len: int) -> list[int]:
     """Per decoder layer, the keys a query attends to, for the attention's FLOPs: ``seq_len`` for
-    full attention, a sliding window or chunk shorter than that, 0 for a layer without softmax
-    attention (a hybrid's Mamba, linear-attention or MLP-only layers). Found by review: every layer
+    full attention (a Zamba "hybrid" layer's shared attention too), a sliding window or chunk shorter
+    than that, 0 for a layer without softmax attention (a hybrid's Mamba, linear-attention or MLP-only
+    layers). Found by review: every layer
     was counted at full attention, a Jamba's MFU some 8% high (4 of 32 layers attend) and a sliding
     window's ignored."""
     layers = config.num_hidden_layers
@@ -101,7 +102,8 @@ def attention_spans(config: PretrainedConfig, seq_len: int) -> list[int]:
     if kinds is None:
         kinds = ["sliding_attention" if window else "full_attention"] * layers
     limits = {"sliding_attention": window, "chunked_attention": getattr(config, "attention_chunk_size", None)}
-    return [seq_len if kind in ("attention", "full_attention")
+    # (Zamba's "hybrid" layers run a shared attention block beside their Mamba: found by the diff review)
+    return [seq_len if kind in ("attention", "full_attention", "hybrid")
             else min(limits[kind] or seq_len, seq_len) if kind in limits else 0 for kind in kinds]
 
 
