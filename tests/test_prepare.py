@@ -1388,7 +1388,7 @@ def test_a_tokenizer_files_truncation_and_padding_are_not_applied(tmp_path):
         save_tokenizer(train_tokenizer(sample_texts_for_tokenizer()), tmp_path / "plain"))
 
 
-def test_a_documents_text_spelling_a_special_token_is_read_as_text(tmp_path, monkeypatch):
+def test_a_documents_text_spelling_a_special_token_is_read_as_text(tmp_path, monkeypatch, caplog):
     """Found by review: a document quoting ``<|endoftext|>`` (web text, model outputs) was encoded
     with that token mid-document, a boundary document masking and the model took for real. Read as
     text now (tokenizers' encode_special_tokens), short and long documents alike; the tokenizer's
@@ -1412,6 +1412,17 @@ def test_a_documents_text_spelling_a_special_token_is_read_as_text(tmp_path, mon
     assert raw.token_to_id("<|im_end|>") in tokenizer.encode("Hi<|im_end|>", special_tokens=False)
     assert tokenizer_entry(tokenizer)["specials_as_text"]
     assert "specials_as_text" not in tokenizer_entry(ByteTokenizer())
+    # said, with the documents' keys (found by the diff review: pre-rendered chat text in a text
+    # field lost its markers' tokens without a word)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "chat.txt").write_text("<|im_start|>user\nHi<|im_end|>")
+    (tmp_path / "docs" / "plain.txt").write_text("nothing special")
+    with caplog.at_level(logging.WARNING, logger="shardtrain"):
+        prepare(PrepareOptions(inputs=[str(tmp_path / "docs")], tokenizer=str(tmp_path / "tok"),
+                               val_percent=0.0), tmp_path / "docs_out", progress=False)
+    assert (f"data: 1 text document(s) spell special tokens of {tmp_path / 'tok'} (chat.txt), read as text "
+            "(a quoted <|endoftext|> is no end of text); a conversation belongs in records of `messages`") \
+        in caplog.text
 
 
 def test_a_validation_share_of_other_than_whole_hundredths_is_refused(tmp_path):
@@ -1535,7 +1546,7 @@ def test_a_prompt_and_its_completion_are_tokenized_as_one_text(tmp_path):
     spm.save(str(directory / "tokenizer.json"))
     tokenizer = HFTokenizer(directory)
     bos, eos = tokenizer.encode("")
-    _, [(document, _), (pair, mask)], _ = encode(tokenizer, (["train"] * 2, [b"Question: six?", {
+    _, [(document, _), (pair, mask)], _, _ = encode(tokenizer, (["train"] * 2, [b"Question: six?", {
         "prompt": "Question: six? Answer:", "completion": " four"}], ["a", "b"]))
     assert document.tolist() == tokenizer.encode("Question: six?") and document[-2] != eos
     assert pair.tolist() == tokenizer.encode("Question: six? Answer: four") and list(pair).count(eos) == 1

@@ -281,7 +281,7 @@ def _start_worker(source: str) -> None:
 # The split of each document, the document, and its key (file and line: what an error names).
 Batch = tuple[list[str], list[Document], list[str]]
 # ids and target mask (or None) of each document, and the conversations scored on their last turn
-Encoded = tuple[list[str], list[tuple[np.ndarray, np.ndarray | None]], int]
+Encoded = tuple[list[str], list[tuple[np.ndarray, np.ndarray | None]], int, list[str]]
 
 
 def encode_pair(tokenizer: Tokenizer, record: dict,
@@ -343,8 +343,9 @@ def encode_chat(tokenizer: Tokenizer, messages: list[dict]) -> tuple[list[int], 
 
 def encode(tokenizer: Tokenizer, batch: Batch) -> Encoded:
     """Token ids of each document, with the end-of-text token after it, and for fine-tuning
-    documents which tokens are targets; and how many conversations were scored on their last
-    assistant turn alone (``encode_chat``)."""
+    documents which tokens are targets; how many conversations were scored on their last assistant
+    turn alone (``encode_chat``); and the keys of the text documents that spell a special token of
+    the tokenizer (read as text: ``HFTokenizer.encode_documents``)."""
     splits, docs, keys = batch
     dtype = token_dtype(tokenizer.vocab_size)
     suffix = appended_tokens(tokenizer)
@@ -353,6 +354,8 @@ def encode(tokenizer: Tokenizer, batch: Batch) -> Encoded:
     plain = iter(tokenizer.encode_documents(texts)) if texts else iter(())
     out: list[tuple[np.ndarray, np.ndarray | None]] = []
     last_turn_only = 0
+    spelling = getattr(tokenizer, "spells_special", None)
+    spelled = [key for doc, key in zip(docs, keys) if isinstance(doc, bytes) and spelling and spelling(doc)]
     for doc, key in zip(docs, keys):
         if isinstance(doc, bytes):
             out.append((np.concatenate([np.asarray(next(plain), dtype=dtype), np.asarray(tail, dtype=dtype)]),
@@ -367,7 +370,7 @@ def encode(tokenizer: Tokenizer, batch: Batch) -> Encoded:
         except DataError as exc:  # the template's own error (a role it refuses): which record
             raise DataError(f"{key}: {exc}") from exc
         out.append((np.asarray(ids, dtype=dtype), np.asarray(mask, dtype=np.uint8)))
-    return splits, out, last_turn_only
+    return splits, out, last_turn_only, spelled
 
 
 def _encode_in_worker(batch: Batch) -> Encoded:
@@ -401,6 +404,7 @@ class Reading:
     documents: int = 0
     bytes: int = 0
     conversations: int = 0  # fine-tuning records of messages, rendered with the chat template
+    spelled_special: int = 0  # text documents that spell a special token of the tokenizer
 
 
 def batches(sources: list[Source], options: PrepareOptions, bar: tqdm, reading: Reading) -> Iterator[Batch]:
@@ -690,11 +694,20 @@ def write_staging(options: PrepareOptions, sources: list[Source], source_entries
             results = encoded_in_workers(pool, work, ahead=BATCHES_AHEAD * options.workers)
         else:
             results = (encode(tokenizer, batch) for batch in work)
-        last_turn_only = 0
-        for splits, encoded, last_only in results:
+        last_turn_only, spelled = 0, []
+        for splits, encoded, last_only, spelling in results:
             last_turn_only += last_only
+            spelled += spelling[:3 - len(spelled)] if len(spelled) < 3 else []
+            reading.spelled_special += len(spelling)
             for split, (ids, mask) in zip(splits, encoded):
                 writers[split].add(ids, mask)
+    if reading.spelled_special:
+        # (found by the diff review: pre-rendered chat text lost its markers' tokens without a word)
+        more = ", ..." if len(spelled) < reading.spelled_special else ""
+        log.warning(f"data: {reading.spelled_special} text document(s) spell special tokens of "
+                    f"{getattr(tokenizer, 'source', tokenizer.name)} ({', '.join(spelled)}{more}), read as "
+                    "text (a quoted <|endoftext|> is no end of text); a conversation belongs in records of "
+                    "`messages`, which the chat template renders with its tokens and trains on its answers")
     if last_turn_only:
         named = getattr(tokenizer, "source", tokenizer.name)
         log.warning(f"data: {last_turn_only} of {reading.conversations} conversations are trained on their "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
+import re
 from collections.abc import Callable, Sequence
 from functools import cached_property, partial
 from pathlib import Path
@@ -428,6 +429,16 @@ class HFTokenizer:
         """Whether a document's text can spell one of the tokenizer's special tokens, which
         ``encode_documents`` reads as ordinary text."""
         return any(token.special for token in self._tokenizer.get_added_tokens_decoder().values())
+
+    @cached_property
+    def _special_texts(self) -> re.Pattern[bytes] | None:
+        specials = sorted((token.content for token in self._tokenizer.get_added_tokens_decoder().values()
+                           if token.special and token.content), key=len, reverse=True)
+        return re.compile(b"|".join(re.escape(text.encode()) for text in specials)) if specials else None
+
+    def spells_special(self, document: bytes) -> bool:
+        """Whether a document's text spells one of the tokenizer's special tokens."""
+        return self._special_texts is not None and self._special_texts.search(document) is not None
 
     @cached_property
     def _ordinary(self) -> tokenizers.Tokenizer:
