@@ -61,6 +61,7 @@ from shardtrain.checkpoint.safetensors_files import shardtrain_metadata
 from shardtrain.checkpoint.weights import load_model_weights, model_config_of
 from shardtrain.config.loader import load_config
 from shardtrain.config.schema import ModelConfig
+from shardtrain.data.tokenizer import HFTokenizer
 from shardtrain.diagnostics.kept import kept_by_block
 from shardtrain.distributed import sharded_model
 from shardtrain.distributed.parallelize import (
@@ -335,6 +336,7 @@ def test_export_round_trip(two_rank_runs, model_dirs, family, tmp_path):
             shutil.copyfile(os.path.join(model_dirs[family], name), own / name)
         (own / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
         state["config"]["model"]["tokenizer"] = str(own)
+        state["tokenizer"] = HFTokenizer(own).name  # as such a run records it
         (moved / "trainer_state.json").write_text(json.dumps(state))
         export_hf(moved, tmp_path / "own", max_shard_size="20KB")
         eos = transformers.AutoTokenizer.from_pretrained(str(own)).eos_token_id

@@ -32,8 +32,8 @@ def test_example_trains_on_two_processes(tmp_path):
     checkpoint = run_dir / "checkpoints" / "step-12"
     generate = run_cli("generate", str(checkpoint), "--prompt", "def ")
     assert generate.returncode == 2, generate.stderr[-2000:]
-    assert ("model was built by __main__:TinyGPT (LanguageModelTask(model=...) in code), not from "
-            "model.*") in generate.stderr, generate.stderr[-2000:]
+    assert ("this checkpoint holds a model built by __main__:TinyGPT (LanguageModelTask(model=...) in "
+            "code), not from model.*") in generate.stderr, generate.stderr[-2000:]
     resumed = run_cli("train", "experiment=quick", "trainer.max_steps=14", f"run.dir={run_dir}",
                       "run.trackers=[]")
     assert resumed.returncode == 2, resumed.stderr[-2000:]
