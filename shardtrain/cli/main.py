@@ -118,13 +118,14 @@ def launch_outcome(status: int, run_dir: Path, started: float, log_file: Path) -
         killed_first,
         killed_reason,
     )
-    from shardtrain.diagnostics.failures import describe, failure_records, first_failure
+    from shardtrain.diagnostics.failures import describe, failure_records, root_failure
 
     if status == 0:
         return 0
-    failure = first_failure(run_dir, started, last_attempt=True)
+    records = failure_records(run_dir, started, last_attempt=True)
+    failure = root_failure(records)
     killed = killed_first(log_file)
-    if killed and killed[1] != "SIGKILL" and (own := failure_records(run_dir, started, rank=killed[0])):
+    if killed and killed[1] != "SIGKILL" and (own := [r for r in records if r["rank"] == killed[0]]):
         # an abort after an error its record names: that record, whatever its peers recorded first
         killed, failure = None, min(own, key=lambda record: record["time"])
     if failure is None and not killed and (first_worker_line(log_file) or "").startswith(INTERRUPTED):

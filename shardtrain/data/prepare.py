@@ -558,9 +558,13 @@ def prepare(options: PrepareOptions, out: str | Path, progress: bool = True,
 
 def input_sources(options: PrepareOptions, out: Path, exclude: list[Path]) -> list[Source]:
     """The inputs' files, never ``out``, its staging and replaced siblings, or ``exclude``."""
-    staging, aside = out.with_name(f".{out.name}.preparing"), out.with_name(f".{out.name}.replaced")
-    return resolve_sources(options.inputs, options.file_glob, [out, staging, aside, *exclude],
+    return resolve_sources(options.inputs, options.file_glob, [out, *output_siblings(out), *exclude],
                            options.text_field)
+
+
+def output_siblings(out: Path) -> tuple[Path, Path]:
+    """Where a preparation of ``out`` is staged, and where the dataset it replaces is put aside."""
+    return out.with_name(f".{out.name}.preparing"), out.with_name(f".{out.name}.replaced")
 
 
 @contextmanager
@@ -592,8 +596,7 @@ def prepare_unlocked(options: PrepareOptions, out: Path, progress: bool, exclude
     """``prepare``'s work; ``check_only``: the result if ``out`` is up to date, else None.
     ``sources``: the inputs' files (``input_sources``), and ``tokenizer``, when read already."""
     tokenizer = load_tokenizer(options.tokenizer) if tokenizer is None else tokenizer
-    staging = out.with_name(f".{out.name}.preparing")
-    aside = out.with_name(f".{out.name}.replaced")
+    staging, aside = output_siblings(out)
     sources = input_sources(options, out, exclude) if sources is None else sources
     source_entries = [s.fingerprint() for s in sources]  # every input file's size and mtime, once
     digest = fingerprint(options, source_entries, tokenizer)
@@ -697,7 +700,7 @@ def write_staging(options: PrepareOptions, sources: list[Source], source_entries
         last_turn_only, spelled = 0, []
         for splits, encoded, last_only, spelling in results:
             last_turn_only += last_only
-            spelled += spelling[:3 - len(spelled)] if len(spelled) < 3 else []
+            spelled += spelling[:3 - len(spelled)]  # the first three named
             reading.spelled_special += len(spelling)
             for split, (ids, mask) in zip(splits, encoded):
                 writers[split].add(ids, mask)

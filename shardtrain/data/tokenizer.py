@@ -424,14 +424,15 @@ class HFTokenizer:
                    if token.special}
         return frozenset(i for content, i in special.items() if after.startswith(content))
 
-    @cached_property
+    @property
     def reads_specials_as_text(self) -> bool:
         """Whether a document's text can spell one of the tokenizer's special tokens, which
         ``encode_documents`` reads as ordinary text."""
-        return any(token.special for token in self._tokenizer.get_added_tokens_decoder().values())
+        return self._special_texts is not None
 
     @cached_property
     def _special_texts(self) -> re.Pattern[bytes] | None:
+        """What a document spells of the tokenizer's special tokens (longest first); None without any."""
         specials = sorted((token.content for token in self._tokenizer.get_added_tokens_decoder().values()
                            if token.special and token.content), key=len, reverse=True)
         return re.compile(b"|".join(re.escape(text.encode()) for text in specials)) if specials else None

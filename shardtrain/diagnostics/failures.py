@@ -81,14 +81,17 @@ def first_failure(run_dir: Path, since: float, last_attempt: bool = False) -> di
     restarts that left a record only (one node's agent counts them all: the built-in launcher's),
     where an earlier attempt's, which a restart recovered from, would be named (a rank that
     records nothing in the last attempt, SIGKILLed as it waited on a failed peer, left it there)."""
-    records = failure_records(run_dir, since, last_attempt)
+    return root_failure(failure_records(run_dir, since, last_attempt))
+
+
+def root_failure(records: list[dict]) -> dict | None:
+    """The earliest of ``records`` that is not another rank's failure raised here (``first_failure``)."""
     return min(records, key=lambda r: (r.get("fallout", False), r["time"])) if records else None
 
 
-def failure_records(run_dir: Path, since: float, last_attempt: bool = True,
-                    rank: int | None = None) -> list[dict]:
-    """The failures recorded after ``since`` (of the last attempt that left one; of ``rank`` alone,
-    where given), as ``first_failure`` reads them."""
+def failure_records(run_dir: Path, since: float, last_attempt: bool = True) -> list[dict]:
+    """The failures recorded after ``since`` (of the last attempt that left one), as
+    ``first_failure`` reads them."""
     records = []
     for path in (Path(run_dir) / FAILURE_DIR).glob("rank-*.json"):
         try:
@@ -103,7 +106,7 @@ def failure_records(run_dir: Path, since: float, last_attempt: bool = True,
     if last_attempt and records:
         last = max(record.get("attempt", 0) for record in records)
         records = [record for record in records if record.get("attempt", 0) == last]
-    return [record for record in records if rank is None or record["rank"] == rank]
+    return records
 
 
 def describe(record: dict) -> str:

@@ -31,6 +31,7 @@ from shardtrain.config.strategy import AC_MODES, STRATEGIES, checkpointing_mode
 from shardtrain.diagnostics.kept import kept_by_block, unmeasured_refusal
 from shardtrain.distributed.embedding_exchange import exchangeable, exchanges_rows
 from shardtrain.distributed.parallelize import (
+    adapter_a_matrices,
     float8_eligible,
     last_projection_adapted,
     lora_rank_clash,
@@ -307,12 +308,6 @@ def activation_model(cfg: Config, m: Dims, micro_batch: int, compute_dtype: torc
     )
 
 
-def adapter_input_width(block: nn.Module) -> int:
-    """The summed input widths of ``block``'s LoRA adapters (their A matrices' inputs)."""
-    return sum(module.in_features for name, module in block.named_modules()
-               if isinstance(module, nn.Linear) and ".lora_A." in name + ".")
-
-
 def logits_path(model: nn.Module) -> str:
     """How the language-model loss gets ``model``'s logits, for ``activation_model``'s ``head``:
     without an output head it may apply (``output_head``), from the model's whole logits, which
@@ -521,7 +516,7 @@ def estimate(cfg: Config, model: nn.Module, strategy: str, world_size: int, loca
         # would not fit). The mask in the compute dtype, as torch's dropout keeps it outside CUDA's
         # fused kernel and plan --simulate measures it (CUDA's is one byte: the safe side).
         dropped = (cfg.trainer.micro_batch_size * cfg.trainer.seq_len * 2 * plan.param_dtype.itemsize
-                   * max(adapter_input_width(block) for block in blocks))
+                   * max(sum(a.in_features for a in adapter_a_matrices(block)) for block in blocks))
         # A checkpointed block's backward recomputes them: about half are held at its peak, as the
         # adapted linears' backward frees them in turn (plan --simulate: 0.54 of them for Llama 1B)
         act = replace(act, block=act.block + dropped // 2,

@@ -175,10 +175,15 @@ def last_projection_adapted(block: nn.Module) -> bool:
     return any(is_adapter(name + ".") and name.startswith(owner + ".") for name in names)
 
 
+def adapter_a_matrices(block: nn.Module) -> list[nn.Linear]:
+    """The A matrices of ``block``'s LoRA adapters (``<module>.lora_A.<adapter>``)."""
+    return [module for name, module in block.named_modules()
+            if isinstance(module, nn.Linear) and ".lora_A." in name + "."]
+
+
 def adapter_ranks(block: nn.Module) -> frozenset[int]:
     """The ranks of ``block``'s LoRA adapters (their A matrices' output widths)."""
-    return frozenset(module.out_features for name, module in block.named_modules()
-                     if isinstance(module, nn.Linear) and ".lora_A." in name + ".")
+    return frozenset(module.out_features for module in adapter_a_matrices(block))
 
 
 def nothing_in_float8(blocks: int) -> str:

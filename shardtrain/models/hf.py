@@ -92,9 +92,8 @@ def attention_spans(config: PretrainedConfig, seq_len: int) -> list[int]:
     """Per decoder layer, the keys a query attends to, for the attention's FLOPs: ``seq_len`` for
     full attention (a Zamba "hybrid" layer's shared attention too), a sliding window or chunk shorter
     than that, 0 for a layer without softmax attention (a hybrid's Mamba, linear-attention or MLP-only
-    layers). Found by review: every layer
-    was counted at full attention, a Jamba's MFU some 8% high (4 of 32 layers attend) and a sliding
-    window's ignored."""
+    layers). Found by review: every layer was counted at full attention, a Jamba's MFU some 8% high
+    (4 of 32 layers attend) and a sliding window's ignored."""
     layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     kinds = next((found for name in ("layer_types", "layers_block_type", "block_types")

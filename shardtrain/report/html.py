@@ -23,7 +23,7 @@ from shardtrain.diagnostics.failures import describe
 from shardtrain.errors import ReportError
 from shardtrain.report.figures import draw_panels, png_bytes, run_colours
 from shardtrain.report.panels import Panel, build_panels, rate_key, run_unit, seen_count, unit_of
-from shardtrain.report.runs import Run, config_differences, load_runs, restarts_so_far
+from shardtrain.report.runs import Run, config_differences, load_runs, number_or_none, restarts_so_far
 from shardtrain.version import __version__
 
 DATA_ID = "shardtrain-report-data"
@@ -80,11 +80,6 @@ def _number(value: float | None, digits: int = 4) -> str:
     if value is None:
         return ""
     return f"{value:#.{digits}g}" if math.isfinite(value) else f"{value}"
-
-
-def number_or_none(value: Any) -> float | None:
-    """A logged number as a float, NaN and infinities included; None for null or anything else."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def torchrun_restarts(counts: list[int]) -> int:

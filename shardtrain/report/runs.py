@@ -82,11 +82,15 @@ class Run:
         return [s for s, _ in pairs], [v for _, v in pairs]
 
 
+def number_or_none(value: Any) -> float | None:
+    """A logged number as a float, NaN and infinities included; None for null or anything else."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def finite_or_none(value: Any) -> float | None:
     """A number as a float, with null, NaN and infinities as None (JSON has no NaN)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
+    number = number_or_none(value)
+    return number if number is not None and math.isfinite(number) else None
 
 
 def count_or_none(value: Any) -> int | None:

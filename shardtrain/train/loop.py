@@ -1319,8 +1319,7 @@ class Trainer:
     def tokenizer_name(self) -> str | None:
         """The name of the tokenizer the model's text is read with (the task's text_tokenizer()),
         which checkpoints record."""
-        tokenizer = self.task.text_tokenizer()
-        return getattr(tokenizer, "name", None) if tokenizer is not None else None
+        return getattr(self.task.text_tokenizer(), "name", None)  # None without one
 
     def samples_text(self) -> bool:
         """Text is sampled during training for a task that has a tokenizer to decode it with."""
